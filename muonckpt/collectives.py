@@ -1,0 +1,142 @@
+"""Every call muonckpt makes into torch.distributed, in one place.
+
+Ranks are global ranks unless a name says otherwise. Small metadata travels as UTF-8 JSON in
+uint8 tensors (no pickle, unlike torch's ``*_object`` collectives).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .errors import CollectiveError
+
+Group = dist.ProcessGroup | None
+
+
+def is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def global_rank() -> int:
+    return dist.get_rank() if is_distributed() else 0
+
+
+def group_size(group: Group) -> int:
+    return dist.get_world_size(group) if is_distributed() else 1
+
+
+def group_rank(group: Group) -> int:
+    return dist.get_rank(group) if is_distributed() else 0
+
+
+def group_ranks(group: Group) -> list[int]:
+    """Global ranks of a group, in group-rank order."""
+    if not is_distributed():
+        return [0]
+    return dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+
+
+def all_gather_flat(local: torch.Tensor, group: Group) -> torch.Tensor:
+    """Concatenation of every group rank's equal-sized 1-D ``local``, in group-rank order."""
+    out = torch.empty(local.numel() * group_size(group), dtype=local.dtype, device=local.device)
+    gather_single = getattr(dist, "all_gather_single", None)
+    if gather_single is not None:
+        gather_single(out, local, group=group)
+    else:
+        dist.all_gather_into_tensor(out, local, group=group)
+    return out
+
+
+def all_gather_list(local: torch.Tensor, group: Group) -> list[torch.Tensor]:
+    """Every group rank's ``local`` (all the same shape), in group-rank order."""
+    parts = [torch.empty_like(local) for _ in range(group_size(group))]
+    dist.all_gather(parts, local.contiguous(), group=group)
+    return parts
+
+
+def all_gather_ints(values: Sequence[int], group: Group) -> list[list[int]]:
+    """Each group rank's list of ints (all lists the same length), in group-rank order."""
+    local = torch.tensor(list(values), dtype=torch.int64)
+    return [t.tolist() for t in all_gather_list(local, group)]
+
+
+def grid_ranks(dp_group: Group, tp_group: Group) -> list[int]:
+    """Global ranks of the dp x tp grid, indexed ``dp_rank * tp + tp_rank``.
+
+    A collective over both groups; raises :class:`CollectiveError` when the groups do not form
+    a grid (a TP group whose size differs between DP ranks, say).
+    """
+    if not is_distributed():
+        return [0]
+    tp_members = group_ranks(tp_group)
+    rows = all_gather_ints([len(tp_members), *tp_members], dp_group)
+    if any(row[0] != len(tp_members) or len(row) != len(rows[0]) for row in rows):
+        raise CollectiveError("the TP groups of different DP ranks differ in size")
+    grid = [rank for row in rows for rank in row[1:]]
+    if len(set(grid)) != len(grid):
+        raise CollectiveError(f"the DP and TP groups do not form a grid: ranks {grid}")
+    return grid
+
+
+def agree(fingerprint: int, group: Group, what: str) -> None:
+    """Raise :class:`CollectiveError` on every rank unless all group ranks pass the same value."""
+    values = [row[0] for row in all_gather_ints([fingerprint], group)]
+    if len(set(values)) != 1:
+        raise CollectiveError(f"ranks of {group_ranks(group)} disagree about {what}")
+
+
+def send(tensor: torch.Tensor, dst: int) -> None:
+    dist.send(tensor.contiguous(), dst=dst)
+
+
+def recv(tensor: torch.Tensor, src: int) -> None:
+    dist.recv(tensor, src=src)
+
+
+def send_json(obj: Any, dst: int) -> None:
+    payload = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)
+    send(torch.tensor([payload.numel()], dtype=torch.int64), dst)
+    if payload.numel():
+        send(payload, dst)
+
+
+def recv_json(src: int) -> Any:
+    length = torch.empty(1, dtype=torch.int64)
+    recv(length, src)
+    payload = torch.empty(int(length.item()), dtype=torch.uint8)
+    if payload.numel():
+        recv(payload, src)
+    return json.loads(payload.numpy().tobytes().decode())
+
+
+def gather_json(obj: Any, ranks: Sequence[int], dst: int) -> list[Any] | None:
+    """On ``dst``: every rank's ``obj``, in the order of ``ranks``; elsewhere None.
+
+    Point-to-point, so ``ranks`` need not form a process group.
+    """
+    me = global_rank()
+    if me != dst:
+        send_json(obj, dst)
+        return None
+    return [obj if rank == me else recv_json(rank) for rank in ranks]
+
+
+def broadcast_json(obj: Any, ranks: Sequence[int], src: int) -> Any:
+    """``src``'s ``obj`` on every rank of ``ranks`` (point-to-point)."""
+    me = global_rank()
+    if me == src:
+        for rank in ranks:
+            if rank != src:
+                send_json(obj, rank)
+        return obj
+    return recv_json(src)
+
+
+def barrier(group: Group = None) -> None:
+    if is_distributed():
+        dist.barrier(group=group)

@@ -1,0 +1,33 @@
+"""The library's own error types: every failure a user can cause is one of these."""
+
+from __future__ import annotations
+
+
+class MuonCkptError(Exception):
+    """Base class of every error muonckpt raises on bad input or a damaged checkpoint."""
+
+
+class LayoutError(MuonCkptError, ValueError):
+    """A parameter, topology or buffer arrangement that cannot be laid out."""
+
+
+class StateDictError(MuonCkptError, ValueError):
+    """A state dict that does not fit the optimizer it is loaded into."""
+
+
+class CheckpointError(MuonCkptError):
+    """A checkpoint on disk that is missing, incomplete, corrupt or from an unknown format."""
+
+    def __init__(self, message: str, *, path: object = None, param: str | None = None) -> None:
+        where = []
+        if path is not None:
+            where.append(f"file {path}")
+        if param is not None:
+            where.append(f"param {param!r}")
+        super().__init__(f"{message} ({', '.join(where)})" if where else message)
+        self.path = path
+        self.param = param
+
+
+class CollectiveError(MuonCkptError, RuntimeError):
+    """Ranks disagree about what they are about to exchange (detected before any data moves)."""

@@ -1,0 +1,354 @@
+"""Pure layout math: which rank owns which elements of which parameter's state.
+
+Ints and shapes only: no torch.distributed, no tensors, no I/O.
+
+Every parameter has a full (logical) shape. Tensor parallelism (TP) splits it evenly along
+``tp_split_dim``; ZeRO-1 data parallelism (DP) then packs the TP-local shards of all parameters
+into flat buffers, cuts each buffer into buckets and gives every DP rank one contiguous slice of
+every bucket. A rank's share of a parameter is therefore "TP block ``tp_rank``, flat elements
+``[start, stop)`` of that block", which :class:`Region` expresses in full-tensor coordinates.
+
+To make every split dimension look alike, a full tensor of shape ``S`` split along ``d`` is
+viewed as a matrix of ``prod(S[:d])`` rows and ``prod(S[d:])`` columns (row-major, no copy):
+TP block ``t`` is then the column range ``[t*C/T, (t+1)*C/T)``. An unsplit tensor is one row.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+from .errors import LayoutError
+
+Range = tuple[int, int]
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """One parameter as the layout sees it."""
+
+    name: str
+    """Fully qualified parameter name; checkpoints are keyed by it."""
+    shape: tuple[int, ...]
+    """Full, unsharded shape."""
+    tp_split_dim: int = -1
+    """Dimension split across TP ranks, or -1 when every TP rank holds the whole tensor."""
+    group: int = 0
+    """Index of the optimizer param group the parameter belongs to."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
+        if any(s < 0 for s in self.shape):
+            raise LayoutError(f"param {self.name!r}: negative size in shape {self.shape}")
+        if not -1 <= self.tp_split_dim < max(len(self.shape), 1) or (
+            self.tp_split_dim >= 0 and not self.shape
+        ):
+            raise LayoutError(
+                f"param {self.name!r}: tp_split_dim {self.tp_split_dim} is not -1 or a dimension "
+                f"of shape {self.shape}"
+            )
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class Topology:
+    """A dp x tp grid of ranks, Megatron order: the TP rank varies fastest."""
+
+    dp: int
+    tp: int
+
+    def __post_init__(self) -> None:
+        if self.dp < 1 or self.tp < 1:
+            raise LayoutError(f"topology needs dp >= 1 and tp >= 1, got dp={self.dp} tp={self.tp}")
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp
+
+    def coords(self, rank: int) -> tuple[int, int]:
+        """(dp_rank, tp_rank) of a rank."""
+        if not 0 <= rank < self.world_size:
+            raise LayoutError(f"rank {rank} outside a {self.dp} x {self.tp} topology")
+        return divmod(rank, self.tp)
+
+    def rank(self, dp_rank: int, tp_rank: int) -> int:
+        return dp_rank * self.tp + tp_rank
+
+    def __str__(self) -> str:
+        return f"dp={self.dp} x tp={self.tp}"
+
+
+def matrix_view(shape: Sequence[int], tp_split_dim: int) -> tuple[int, int]:
+    """(rows, cols) of the row-major matrix view in which TP blocks are column ranges."""
+    if tp_split_dim < 0:
+        return 1, math.prod(shape)
+    return math.prod(shape[:tp_split_dim]), math.prod(shape[tp_split_dim:])
+
+
+def tp_local_shape(name: str, shape: Sequence[int], tp_split_dim: int, tp: int) -> tuple[int, ...]:
+    """Shape of one TP shard; raises :class:`LayoutError` when ``tp`` does not divide the dim."""
+    shape = tuple(shape)
+    if tp_split_dim < 0 or tp == 1:
+        return shape
+    if shape[tp_split_dim] % tp:
+        raise LayoutError(
+            f"param {name!r}: dimension {tp_split_dim} of shape {shape} (size "
+            f"{shape[tp_split_dim]}) is not divisible by tp={tp}"
+        )
+    return shape[:tp_split_dim] + (shape[tp_split_dim] // tp,) + shape[tp_split_dim + 1 :]
+
+
+def tp_full_shape(local_shape: Sequence[int], tp_split_dim: int, tp: int) -> tuple[int, ...]:
+    """Inverse of :func:`tp_local_shape`."""
+    shape = tuple(local_shape)
+    if tp_split_dim < 0:
+        return shape
+    return shape[:tp_split_dim] + (shape[tp_split_dim] * tp,) + shape[tp_split_dim + 1 :]
+
+
+@dataclass(frozen=True)
+class Region:
+    """Flat elements ``[start, stop)`` of one column block of a full tensor's matrix view.
+
+    The elements of a region, in the order a rank stores them, are the block's elements in
+    row-major order; this is also increasing full-tensor flat order, so a region is an ordered
+    union of full-tensor flat intervals (:meth:`intervals`).
+    """
+
+    cols: int
+    """Columns of the full tensor's matrix view."""
+    block_start: int
+    """First column of the block."""
+    block_width: int
+    """Columns in the block."""
+    start: int
+    """First element, counted row-major inside the block."""
+    stop: int
+    """One past the last element, counted row-major inside the block."""
+
+    @property
+    def numel(self) -> int:
+        return self.stop - self.start
+
+    def intervals(self) -> Iterator[Range]:
+        """Full-tensor flat ``[start, stop)`` intervals of this region, increasing, merged."""
+        if self.numel <= 0:
+            return
+        if self.block_width == self.cols:
+            yield self.start, self.stop
+            return
+        width = self.block_width
+        first_row, last_row = self.start // width, (self.stop - 1) // width
+        for row in range(first_row, last_row + 1):
+            lo = max(self.start - row * width, 0)
+            hi = min(self.stop - row * width, width)
+            base = row * self.cols + self.block_start
+            yield base + lo, base + hi
+
+
+def whole_region(numel: int) -> Region:
+    """The region of an entire tensor."""
+    return Region(cols=numel, block_start=0, block_width=numel, start=0, stop=numel)
+
+
+def tp_region(
+    shape: Sequence[int], tp_split_dim: int, tp: int, tp_rank: int, flat: Range
+) -> Region:
+    """Region of flat range ``flat`` of TP block ``tp_rank``, in full-tensor coordinates."""
+    rows, cols = matrix_view(shape, tp_split_dim)
+    if tp_split_dim < 0 or tp == 1:
+        return Region(cols=rows * cols, block_start=0, block_width=rows * cols, start=flat[0],
+                      stop=flat[1])
+    width = cols // tp
+    return Region(cols=cols, block_start=tp_rank * width, block_width=width, start=flat[0],
+                  stop=flat[1])
+
+
+@dataclass(frozen=True)
+class Run:
+    """``length`` elements copied from flat offset ``src`` of one holder to ``dst`` of another."""
+
+    src: int
+    dst: int
+    length: int
+
+
+def copy_runs(source: Region, target: Region) -> list[Run]:
+    """Runs that copy every element shared by two regions of one tensor.
+
+    Offsets are positions inside each holder's own storage order (see :class:`Region`).
+    Adjacent runs are merged, so regions of the same block give at most one run.
+    """
+    runs: list[Run] = []
+    src_iter, dst_iter = _offset_intervals(source), _offset_intervals(target)
+    src, dst = next(src_iter, None), next(dst_iter, None)
+    while src is not None and dst is not None:
+        (s_lo, s_hi, s_off), (d_lo, d_hi, d_off) = src, dst
+        lo, hi = max(s_lo, d_lo), min(s_hi, d_hi)
+        if lo < hi:
+            run = Run(src=s_off + lo - s_lo, dst=d_off + lo - d_lo, length=hi - lo)
+            last = runs[-1] if runs else None
+            if last and last.src + last.length == run.src and last.dst + last.length == run.dst:
+                runs[-1] = Run(last.src, last.dst, last.length + run.length)
+            else:
+                runs.append(run)
+        if s_hi <= d_hi:
+            src = next(src_iter, None)
+        if d_hi <= s_hi:
+            dst = next(dst_iter, None)
+    return runs
+
+
+def _offset_intervals(region: Region) -> Iterator[tuple[int, int, int]]:
+    offset = 0
+    for lo, hi in region.intervals():
+        yield lo, hi, offset
+        offset += hi - lo
+
+
+def dp_slice(global_range: Range, bucket_offset: int, bucket_size: int, dp: int, dp_rank: int
+             ) -> Range:
+    """Flat range, relative to the parameter, that DP rank ``dp_rank`` owns of a bucketed param.
+
+    ``global_range`` is the param's place in its buffer, ``bucket_offset`` and ``bucket_size``
+    its bucket's; each DP rank owns one contiguous ``bucket_size / dp`` slice of the bucket.
+    An empty result is ``(0, 0)``.
+    """
+    if bucket_size % dp:
+        raise LayoutError(f"bucket size {bucket_size} is not divisible by dp={dp}")
+    share = bucket_size // dp
+    lo = max(global_range[0], bucket_offset + share * dp_rank)
+    hi = min(global_range[1], bucket_offset + share * (dp_rank + 1))
+    if lo >= hi:
+        return 0, 0
+    return lo - global_range[0], hi - global_range[0]
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """A bucket of a ZeRO-1 flat buffer: ``size`` elements starting at ``offset``."""
+
+    offset: int
+    size: int
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where one parameter's TP shard sits inside the ZeRO-1 buffers."""
+
+    buffer: int
+    bucket: int
+    global_range: Range
+    """Flat ``[start, stop)`` inside the buffer."""
+
+
+@dataclass(frozen=True)
+class BufferLayout:
+    """A Megatron-style arrangement of params into ZeRO-1 buffers and buckets, for one topology."""
+
+    specs: tuple[ParamSpec, ...]
+    topology: Topology
+    buckets: tuple[tuple[Bucket, ...], ...]
+    """Per buffer, its buckets in order."""
+    placements: tuple[Placement, ...]
+    """Per spec, where its TP shard sits."""
+
+    def global_buffer_sizes(self) -> list[list[tuple[int, int]]]:
+        """``[[(bucket_size, bucket_offset), ...], ...]`` per buffer: what the optimizer takes."""
+        return [[(b.size, b.offset) for b in buffer] for buffer in self.buckets]
+
+    def local_shape(self, index: int) -> tuple[int, ...]:
+        spec = self.specs[index]
+        return tp_local_shape(spec.name, spec.shape, spec.tp_split_dim, self.topology.tp)
+
+    def dp_range(self, index: int, dp_rank: int) -> Range:
+        """Flat range of the param's TP shard owned by ``dp_rank`` (relative to the shard)."""
+        place = self.placements[index]
+        bucket = self.buckets[place.buffer][place.bucket]
+        return dp_slice(place.global_range, bucket.offset, bucket.size, self.topology.dp, dp_rank)
+
+    def region(self, index: int, dp_rank: int, tp_rank: int) -> Region:
+        """What (dp_rank, tp_rank) holds of param ``index``, in full-tensor coordinates."""
+        spec = self.specs[index]
+        return tp_region(spec.shape, spec.tp_split_dim, self.topology.tp, tp_rank,
+                         self.dp_range(index, dp_rank))
+
+    def owner_region(self, index: int, dp_rank: int, tp_rank: int) -> Region:
+        """Like :meth:`region`, but TP-replicated params count only on TP rank 0.
+
+        Every element of every param has exactly one owner in this sense.
+        """
+        spec = self.specs[index]
+        if (spec.tp_split_dim < 0 or self.topology.tp == 1) and tp_rank != 0:
+            return tp_region(spec.shape, -1, 1, 0, (0, 0))
+        return self.region(index, dp_rank, tp_rank)
+
+
+def arrange(
+    specs: Sequence[ParamSpec],
+    topology: Topology,
+    *,
+    bucket_numel: int | None = None,
+    param_alignment: int = 1,
+    bucket_alignment: int = 1,
+    buffer_of: Callable[[ParamSpec], int] | None = None,
+) -> BufferLayout:
+    """Pack params into ZeRO-1 buffers and buckets, Megatron style.
+
+    Args:
+        specs: params in packing order.
+        topology: the dp x tp grid; TP shapes use ``topology.tp``.
+        bucket_numel: close a bucket once it holds at least this many elements
+            (None: one bucket per buffer). A param never straddles two buckets.
+        param_alignment: each param starts at a multiple of this many elements.
+        bucket_alignment: each bucket is padded to a multiple of lcm(dp, bucket_alignment).
+        buffer_of: buffer index of a param (default: all params in buffer 0).
+    """
+    if bucket_numel is not None and bucket_numel < 1:
+        raise LayoutError(f"bucket_numel must be positive, got {bucket_numel}")
+    if param_alignment < 1 or bucket_alignment < 1:
+        raise LayoutError("param_alignment and bucket_alignment must be positive")
+    names = [s.name for s in specs]
+    if len(set(names)) != len(names):
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        raise LayoutError(f"duplicate param names: {dupes}")
+    pad_to = math.lcm(topology.dp, bucket_alignment)
+    buffer_ids = [buffer_of(s) if buffer_of else 0 for s in specs]
+    n_buffers = max(buffer_ids, default=-1) + 1
+    buckets: list[list[Bucket]] = [[] for _ in range(n_buffers)]
+    placements: list[Placement | None] = [None] * len(specs)
+    for buffer in range(n_buffers):
+        cursor = bucket_start = 0
+
+        def close_bucket(buffer: int = buffer) -> int:
+            size = _round_up(cursor - bucket_start, pad_to)
+            buckets[buffer].append(Bucket(offset=bucket_start, size=size))
+            return bucket_start + size
+
+        members = [i for i, b in enumerate(buffer_ids) if b == buffer]
+        for position, index in enumerate(members):
+            spec = specs[index]
+            numel = math.prod(tp_local_shape(spec.name, spec.shape, spec.tp_split_dim,
+                                             topology.tp))
+            cursor = bucket_start + _round_up(cursor - bucket_start, param_alignment)
+            placements[index] = Placement(buffer, len(buckets[buffer]), (cursor, cursor + numel))
+            cursor += numel
+            is_last = position == len(members) - 1
+            if not is_last and bucket_numel is not None and cursor - bucket_start >= bucket_numel:
+                cursor = bucket_start = close_bucket()
+        if members:
+            close_bucket()
+    return BufferLayout(
+        specs=tuple(specs),
+        topology=topology,
+        buckets=tuple(tuple(b) for b in buckets),
+        placements=tuple(p for p in placements if p is not None),
+    )
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple

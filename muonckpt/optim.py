@@ -1,0 +1,352 @@
+"""The packaged Muon optimizer: Megatron-style ZeRO-1 + TP, bitwise identical to the seed design.
+
+The math lives in small pure functions (:func:`newton_schulz`, :func:`adjusted_lr`); the class
+adds the param-group bookkeeping and, in distributed mode, the two all-gathers the seed needs:
+the DP all-gather of each bucket's Newton-Schulz inputs and the TP all-gather of each split param.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from . import collectives
+from .errors import LayoutError
+from .layout import Range, dp_slice
+
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+MUON_STATE_KEYS = ("momentum_buffer",)
+ADAMW_STATE_KEYS = ("exp_avg", "exp_avg_sq")
+
+
+def newton_schulz(grad: torch.Tensor, steps: int) -> torch.Tensor:
+    """Quintic Newton-Schulz orthogonalization of a 2-D tensor (KellerJordan's iteration).
+
+    Runs in the dtype it is given (the optimizer passes bf16); the operation order is the
+    seed's, which is what makes results bitwise reproducible against it.
+    """
+    if grad.dim() != 2:
+        raise LayoutError(f"newton_schulz needs a 2-D tensor, got shape {tuple(grad.shape)}")
+    a, b, c = NS_COEFFICIENTS
+    tall = grad.size(0) > grad.size(1)
+    x = grad.T if tall else grad
+    x = x / (x.norm() + 1e-7)
+    for _ in range(steps):
+        gram = x @ x.T
+        poly = b * gram + c * gram @ gram
+        x = a * x + poly @ x
+    return x.T if tall else x
+
+
+def adjusted_lr(lr: float, matched_adamw_rms: float, full_shape: Sequence[int]) -> float:
+    """Moonlight's scaling: ``lr * sqrt(max(A, B)) * matched_adamw_rms`` for an A x B matrix."""
+    rows, cols = full_shape[:2]
+    return lr * (math.sqrt(max(rows, cols)) * matched_adamw_rms)
+
+
+def normalize_range(span: Range, start: int) -> Range:
+    """``span`` shifted so that ``start`` becomes 0."""
+    return span[0] - start, span[1] - start
+
+
+class MuonDistMeta:
+    """Where one param's TP shard sits in the ZeRO-1 buffers (the seed's constructor).
+
+    Args:
+        buffer_idx: index of the flat buffer holding the param.
+        bucket_idx: index of the bucket inside that buffer.
+        shape: shape of the TP shard (the full shape with ``tp_split_dim`` divided by tp).
+        global_range: flat ``[start, stop)`` of the shard inside the buffer.
+        tp_split_dim: dimension split across TP ranks, or -1 for a TP-replicated param.
+    """
+
+    def __init__(
+        self,
+        buffer_idx: int,
+        bucket_idx: int,
+        shape: Sequence[int],
+        global_range: Range,
+        tp_split_dim: int,
+    ) -> None:
+        self.buffer_idx = buffer_idx
+        self.bucket_idx = bucket_idx
+        self.shape = torch.Size(shape)
+        self.global_range = (int(global_range[0]), int(global_range[1]))
+        self.tp_split_dim = tp_split_dim
+        self.local_range: Range | None = None
+
+    def set_local_buffer_range(self, local_buffer_range: Range) -> None:
+        """Record the part of ``global_range`` inside this rank's slice of the bucket."""
+        start = max(self.global_range[0], local_buffer_range[0])
+        end = min(self.global_range[1], local_buffer_range[1])
+        self.local_range = (start, end) if start < end else (local_buffer_range[0],) * 2
+
+    def __repr__(self) -> str:
+        return (
+            f"MuonDistMeta(buffer_idx={self.buffer_idx}, bucket_idx={self.bucket_idx}, "
+            f"shape={tuple(self.shape)}, global_range={self.global_range}, "
+            f"tp_split_dim={self.tp_split_dim})"
+        )
+
+
+class Muon(torch.optim.Optimizer):
+    """Muon with an AdamW branch, single-process or ZeRO-1 + TP distributed.
+
+    Groups with ``use_muon=True`` hold 2-D matrices updated by sum-form Nesterov momentum
+    (``buf = momentum * buf + g``) orthogonalized by :func:`newton_schulz` in bf16 and scaled by
+    :func:`adjusted_lr`; every other group uses AdamW with the seed's bias correction. Weight decay
+    is decoupled. Params may be given as ``(name, tensor)`` pairs; checkpoints are keyed by name.
+
+    In distributed mode (:meth:`enable_distributed_mode`) every param is this rank's flat ZeRO-1
+    slice of its TP shard, possibly empty; every rank must hold every param, in the same order.
+    ``state_dict()`` is then a collective returning the complete, topology-independent state on
+    rank 0 (see :mod:`muonckpt.hooks`), and ``load_state_dict()`` keeps this rank's share of it.
+    """
+
+    def __init__(
+        self,
+        param_groups: Iterable[Any],
+        lr: float = 2e-2,
+        weight_decay: float = 0.1,
+        matched_adamw_rms: float = 0.2,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_steps: int = 5,
+        adamw_betas: tuple[float, float] = (0.95, 0.95),
+        adamw_eps: float = 1e-8,
+    ) -> None:
+        defaults = dict(
+            lr=lr,
+            weight_decay=weight_decay,
+            matched_adamw_rms=matched_adamw_rms,
+            momentum=momentum,
+            nesterov=nesterov,
+            ns_steps=ns_steps,
+            adamw_betas=adamw_betas,
+            adamw_eps=adamw_eps,
+        )
+        super().__init__(param_groups, defaults)
+        self.distributed_mode = False
+        self.dist_group: dist.ProcessGroup | None = None
+        self.tp_group: dist.ProcessGroup | None = None
+        self.dist_metas: dict[torch.Tensor, MuonDistMeta] = {}
+        self.global_buffer_sizes: list[list[tuple[int, int]]] = []
+        self.local_buffer_ranges: list[list[Range]] = []
+        from .hooks import attach_muon_hooks
+
+        attach_muon_hooks(self)
+
+    def enable_distributed_mode(
+        self,
+        global_buffer_sizes: Sequence[Sequence[tuple[int, int]]],
+        dist_group: dist.ProcessGroup | None,
+        tp_group: dist.ProcessGroup | None,
+        dist_metas: dict[torch.Tensor, MuonDistMeta],
+    ) -> None:
+        """Switch to ZeRO-1 + TP mode.
+
+        Args:
+            global_buffer_sizes: per buffer, ``[(bucket_size, bucket_offset), ...]``; each bucket
+                size must be divisible by the DP world size.
+            dist_group: the data-parallel group (ranks sharing a TP rank).
+            tp_group: the tensor-parallel group (ranks sharing a DP rank).
+            dist_metas: a :class:`MuonDistMeta` for every param of every group.
+        """
+        dp_size, dp_rank = dist.get_world_size(dist_group), dist.get_rank(dist_group)
+        names = self._param_names()
+        sizes = [[(int(s), int(o)) for s, o in buffer] for buffer in global_buffer_sizes]
+        for b, buffer in enumerate(sizes):
+            for k, (size, _) in enumerate(buffer):
+                if size % dp_size:
+                    raise LayoutError(
+                        f"buffer {b} bucket {k}: size {size} is not divisible by dp={dp_size}"
+                    )
+        ranges = [
+            [(o + s // dp_size * dp_rank, o + s // dp_size * (dp_rank + 1)) for s, o in buffer]
+            for buffer in sizes
+        ]
+        for group in self.param_groups:
+            for p in group["params"]:
+                meta = dist_metas.get(p)
+                name = names[p]
+                if meta is None:
+                    raise LayoutError(f"param {name!r} has no MuonDistMeta in dist_metas")
+                _check_meta(name, p, meta, sizes, group.get("use_muon", False))
+                meta.set_local_buffer_range(ranges[meta.buffer_idx][meta.bucket_idx])
+                size, offset = sizes[meta.buffer_idx][meta.bucket_idx]
+                owned = dp_slice(meta.global_range, offset, size, dp_size, dp_rank)
+                if p.numel() != owned[1] - owned[0]:
+                    raise LayoutError(
+                        f"param {name!r}: local tensor has {p.numel()} elements but this rank "
+                        f"owns {owned[1] - owned[0]} of it in the buffer layout"
+                    )
+        self.global_buffer_sizes = sizes
+        self.local_buffer_ranges = ranges
+        self.dist_group, self.tp_group, self.dist_metas = dist_group, tp_group, dist_metas
+        self.distributed_mode = True
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """One optimizer step. In distributed mode every rank of the dp x tp grid must call it."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            group["step"] = group.get("step", 0) + 1
+        muon_groups = [g for g in self.param_groups if g.get("use_muon", False)]
+        ns_inputs = self._momentum_step(muon_groups)
+        if self.distributed_mode:
+            ns_inputs = self._gather_dp(ns_inputs)
+        for group in muon_groups:
+            self._muon_update(group, ns_inputs)
+        for group in self.param_groups:
+            if not group.get("use_muon", False):
+                _adamw_update(group, self.state)
+        return loss
+
+    def _momentum_step(self, muon_groups: list[dict[str, Any]]) -> dict[torch.Tensor, torch.Tensor]:
+        """Update momentum in place; return each param's bf16 Newton-Schulz input."""
+        names = self._param_names()
+        ns_inputs = {}
+        for group in muon_groups:
+            momentum = group["momentum"]
+            for p in group["params"]:
+                if not self.distributed_mode and p.dim() != 2:
+                    raise LayoutError(
+                        f"param {names[p]!r} in a Muon group must be 2-D, got shape "
+                        f"{tuple(p.shape)}; put it in a group without use_muon"
+                    )
+                grad = _grad_or_zeros(p)
+                state = self.state[p]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+                buf = state["momentum_buffer"]
+                buf.mul_(momentum).add_(grad)
+                ns_input = grad.add(buf, alpha=momentum) if group["nesterov"] else buf
+                ns_inputs[p] = ns_input.bfloat16().contiguous()
+        return ns_inputs
+
+    def _gather_dp(self, ns_inputs: dict[torch.Tensor, torch.Tensor]
+                   ) -> dict[torch.Tensor, torch.Tensor]:
+        """All-gather every bucket over DP; return each param's whole TP-shard input."""
+        device = self._device()
+        local = [
+            [torch.zeros(hi - lo, device=device, dtype=torch.bfloat16) for lo, hi in ranges]
+            for ranges in self.local_buffer_ranges
+        ]
+        for p, ns_input in ns_inputs.items():
+            meta = self.dist_metas[p]
+            start = self.local_buffer_ranges[meta.buffer_idx][meta.bucket_idx][0]
+            lo, hi = normalize_range(meta.local_range, start)
+            local[meta.buffer_idx][meta.bucket_idx][lo:hi].copy_(ns_input.view(-1))
+        gathered = [
+            [collectives.all_gather_flat(bucket, self.dist_group) for bucket in buffer]
+            for buffer in local
+        ]
+        full = {}
+        for p in ns_inputs:
+            meta = self.dist_metas[p]
+            offset = self.global_buffer_sizes[meta.buffer_idx][meta.bucket_idx][1]
+            lo, hi = normalize_range(meta.global_range, offset)
+            full[p] = gathered[meta.buffer_idx][meta.bucket_idx][lo:hi].view(meta.shape)
+        return full
+
+    def _muon_update(self, group: dict[str, Any], ns_inputs: dict[torch.Tensor, torch.Tensor]
+                     ) -> None:
+        lr, weight_decay = group["lr"], group["weight_decay"]
+        tp_size = dist.get_world_size(self.tp_group) if self.distributed_mode else 1
+        tp_rank = dist.get_rank(self.tp_group) if self.distributed_mode else 0
+        for p in group["params"]:
+            ns_input = ns_inputs[p]
+            meta = self.dist_metas.get(p) if self.distributed_mode else None
+            split_dim = meta.tp_split_dim if meta is not None and tp_size > 1 else -1
+            if split_dim != -1:
+                # Every TP rank joins, including one that owns no element of p.
+                ns_input = torch.cat(collectives.all_gather_list(ns_input, self.tp_group),
+                                     dim=split_dim)
+            if p.numel() == 0:
+                continue
+            update = newton_schulz(ns_input, steps=group["ns_steps"])
+            if split_dim != -1:
+                update = update.chunk(tp_size, dim=split_dim)[tp_rank]
+            if meta is not None:
+                lo, hi = normalize_range(meta.local_range, meta.global_range[0])
+                update = update.reshape(-1)[lo:hi]
+            p.mul_(1 - lr * weight_decay)
+            p.add_(update.reshape(p.shape),
+                   alpha=-adjusted_lr(lr, group["matched_adamw_rms"], ns_input.shape))
+
+    def _device(self) -> torch.device:
+        for group in self.param_groups:
+            for p in group["params"]:
+                return p.device
+        return torch.device("cpu")
+
+    def _param_names(self) -> dict[torch.Tensor, str]:
+        """Every param's name: its ``param_names`` entry, else its flat index as a string."""
+        names: dict[torch.Tensor, str] = {}
+        for group in self.param_groups:
+            group_names = group.get("param_names")
+            for i, p in enumerate(group["params"]):
+                names[p] = group_names[i] if group_names else str(len(names))
+        return names
+
+
+def _adamw_update(group: dict[str, Any], state: dict[torch.Tensor, dict[str, Any]]) -> None:
+    """The seed's AdamW branch: lerp-form moments, bias correction folded into the step size."""
+    step = group["step"]
+    lr, weight_decay = group["lr"], group["weight_decay"]
+    beta1, beta2 = group["adamw_betas"]
+    eps = group["adamw_eps"]
+    bias_correction1 = 1 - beta1**step
+    bias_correction2 = 1 - beta2**step
+    scale = bias_correction1 / bias_correction2**0.5
+    for p in group["params"]:
+        grad = _grad_or_zeros(p)
+        param_state = state[p]
+        if "exp_avg" not in param_state:
+            param_state["exp_avg"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+            param_state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+        exp_avg, exp_avg_sq = param_state["exp_avg"], param_state["exp_avg_sq"]
+        exp_avg.lerp_(grad, 1 - beta1)
+        exp_avg_sq.lerp_(grad.square(), 1 - beta2)
+        direction = exp_avg / (eps + exp_avg_sq.sqrt())
+        p.mul_(1 - lr * weight_decay)
+        p.add_(direction, alpha=-lr / scale)
+
+
+def _grad_or_zeros(p: torch.Tensor) -> torch.Tensor:
+    """The param's grad, or zeros when it has none, so every rank still joins every collective."""
+    return p.grad if p.grad is not None else torch.zeros_like(p)
+
+
+def _check_meta(
+    name: str,
+    p: torch.Tensor,
+    meta: MuonDistMeta,
+    sizes: list[list[tuple[int, int]]],
+    use_muon: bool,
+) -> None:
+    if not (0 <= meta.buffer_idx < len(sizes) and 0 <= meta.bucket_idx < len(sizes[meta.buffer_idx])):
+        raise LayoutError(
+            f"param {name!r}: buffer {meta.buffer_idx} bucket {meta.bucket_idx} does not exist"
+        )
+    if use_muon and len(meta.shape) != 2:
+        raise LayoutError(
+            f"param {name!r} in a Muon group must be 2-D, got TP shard shape {tuple(meta.shape)}"
+        )
+    if not -1 <= meta.tp_split_dim < max(len(meta.shape), 1):
+        raise LayoutError(f"param {name!r}: tp_split_dim {meta.tp_split_dim} is not a dimension "
+                          f"of {tuple(meta.shape)}")
+    lo, hi = meta.global_range
+    size, offset = sizes[meta.buffer_idx][meta.bucket_idx]
+    if hi - lo != math.prod(meta.shape) or lo < offset or hi > offset + size:
+        raise LayoutError(
+            f"param {name!r}: global_range {meta.global_range} does not hold shape "
+            f"{tuple(meta.shape)} inside bucket [{offset}, {offset + size})"
+        )
