@@ -8,6 +8,7 @@ outlives the timeout ends the whole run, and its traceback becomes the parent's 
 
 from __future__ import annotations
 
+import io
 import multiprocessing as mp
 import os
 import queue
@@ -38,7 +39,9 @@ def run_distributed(
     """Call ``fn(*args)`` in ``world_size`` processes joined in one default process group.
 
     Args:
-        fn: an importable (module-level) function; its return value must be picklable.
+        fn: an importable (module-level) function. Its return value travels through
+            ``torch.save`` and comes back through ``torch.load(weights_only=True)``, so it may
+            hold tensors, numbers, strings and containers of them.
         world_size: number of processes.
         timeout: seconds for the whole run; past it every child is killed.
         backend: torch.distributed backend.
@@ -94,7 +97,7 @@ def _collect(procs: list[Any], results: mp.Queue, world_size: int, deadline: flo
             continue
         if not ok:
             raise DistributedRunError(f"rank {rank} of {world_size} failed:\n{payload}")
-        values[rank] = payload
+        values[rank] = torch.load(io.BytesIO(payload), weights_only=True)
     return [values[r] for r in range(world_size)]
 
 
@@ -124,4 +127,6 @@ def _child(fn: Callable[..., Any], args: tuple[Any, ...], rank: int, world_size:
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
         return
-    results.put((rank, True, value))
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    results.put((rank, True, buffer.getvalue()))
