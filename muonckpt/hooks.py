@@ -1,4 +1,4 @@
-"""State-dict hooks that make a sharded optimizer's ``state_dict()`` complete and resumable anywhere.
+"""Hooks that make a sharded optimizer's ``state_dict()`` complete and resumable anywhere.
 
 A sharded optimizer keeps each param's state on the ranks that own it: pieces of a flat ZeRO-1
 buffer in the packaged :class:`~muonckpt.Muon`, whole tensors on one owner rank in
@@ -77,8 +77,13 @@ class Sharding:
 class StateDictHooks:
     """The four hooks on one optimizer. ``all_ranks=True`` delivers the full state everywhere."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer,
-                 describe: Callable[[bool], Sharding], *, all_ranks: bool = False) -> None:
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        describe: Callable[[bool], Sharding],
+        *,
+        all_ranks: bool = False,
+    ) -> None:
         self.describe = describe
         self.all_ranks = all_ranks
         self._handles = [
@@ -94,22 +99,12 @@ class StateDictHooks:
             handle.remove()
 
     def _check_agreement(self, optimizer: torch.optim.Optimizer) -> None:
-        sharding = self.describe(True)
-        fingerprint = [[p.name, list(p.full_shape) if p.full_shape else None]
-                       for p in sharding.params]
-        digest = zlib.crc32(repr(fingerprint).encode())
-        views = collectives.gather_json(digest, sharding.participants, sharding.destination)
-        agreed = views is None or len(set(views)) == 1
-        verdict = collectives.broadcast_json(agreed, sharding.participants, sharding.destination)
-        if not verdict:
-            raise StateDictError(
-                "ranks disagree about the optimizer's params (names, order or full shapes): "
-                "every rank must hold every param, in the same order"
-            )
-        self._sharding = sharding
+        self._sharding = self.describe(True)
+        check_agreement(self._sharding)
 
-    def _gather(self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]
-                ) -> dict[str, Any]:
+    def _gather(
+        self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]
+    ) -> dict[str, Any]:
         sharding = self._sharding or self.describe(True)
         self._sharding = None
         me = collectives.global_rank()
@@ -123,28 +118,57 @@ class StateDictHooks:
                 continue
             full_state[index] = {}
             for key, info in spec.items():
-                value = _gather_value(param, index, key, info, local_state, sharding,
-                                      self.all_ranks)
+                value = _gather_value(
+                    param, index, key, info, local_state, sharding, self.all_ranks
+                )
                 if receives:
                     full_state[index][key] = value
-        marker = {"complete": receives, "format_version": FORMAT_VERSION,
-                  "source_topology": dict(sharding.topology), "source_rank": me}
-        return {"state": full_state if receives else {},
-                "param_groups": state_dict["param_groups"], MARKER: marker}
+        marker = {
+            "complete": receives,
+            "format_version": FORMAT_VERSION,
+            "source_topology": dict(sharding.topology),
+            "source_rank": me,
+        }
+        return {
+            "state": full_state if receives else {},
+            "param_groups": state_dict["param_groups"],
+            MARKER: marker,
+        }
 
-    def _trim(self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]
-              ) -> dict[str, Any]:
+    def _trim(self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
         return trim_state_dict(optimizer, state_dict, self.describe(False))
 
     def _check_loaded(self, optimizer: torch.optim.Optimizer) -> None:
         for group in optimizer.param_groups:
             for p in group["params"]:
                 for key, value in optimizer.state.get(p, {}).items():
-                    if isinstance(value, torch.Tensor) and value.dim() and (
-                        value.numel() != p.numel() and value.numel() != 0
-                    ) and _is_param_shaped(optimizer, key):
-                        raise StateDictError(f"loaded state {key!r} has {value.numel()} "
-                                             f"elements for a local param of {p.numel()}")
+                    if (
+                        isinstance(value, torch.Tensor)
+                        and value.dim()
+                        and (value.numel() != p.numel() and value.numel() != 0)
+                        and _is_param_shaped(optimizer, key)
+                    ):
+                        raise StateDictError(
+                            f"loaded state {key!r} has {value.numel()} "
+                            f"elements for a local param of {p.numel()}"
+                        )
+
+
+def check_agreement(sharding: Sharding) -> None:
+    """Raise :class:`StateDictError` on every rank unless all agree on names and full shapes.
+
+    A collective over ``sharding.participants``, run before any state moves, so a mismatch is
+    an error instead of a hang or a scrambled gather.
+    """
+    fingerprint = [[p.name, list(p.full_shape) if p.full_shape else None] for p in sharding.params]
+    digest = zlib.crc32(repr(fingerprint).encode())
+    views = collectives.gather_json(digest, sharding.participants, sharding.destination)
+    agreed = views is None or len(set(views)) == 1
+    if not collectives.broadcast_json(agreed, sharding.participants, sharding.destination):
+        raise StateDictError(
+            "ranks disagree about the optimizer's params (names, order or full shapes): "
+            "every rank must hold every param, in the same order"
+        )
 
 
 def _is_param_shaped(optimizer: torch.optim.Optimizer, key: str) -> bool:
@@ -153,15 +177,17 @@ def _is_param_shaped(optimizer: torch.optim.Optimizer, key: str) -> bool:
     return isinstance(optimizer, Muon) and key in MUON_STATE_KEYS + ADAMW_STATE_KEYS
 
 
-def _gather_entry_metadata(sharding: Sharding, local_state: Mapping[int, Mapping[str, Any]]
-                           ) -> list[dict[str, Any] | None]:
+def _gather_entry_metadata(
+    sharding: Sharding, local_state: Mapping[int, Mapping[str, Any]]
+) -> list[dict[str, Any] | None]:
     """Every rank learns, per param, the state keys with their dtype and shape (or value)."""
     mine: dict[str, dict[str, Any]] = {}
     me = collectives.global_rank()
     for index, param in enumerate(sharding.params):
         if any(h.rank == me for h in param.sources) and index in local_state:
-            mine[str(index)] = {key: _describe_value(value)
-                                for key, value in local_state[index].items()}
+            mine[str(index)] = {
+                key: _describe_value(value) for key, value in local_state[index].items()
+            }
     reports = collectives.gather_json(mine, sharding.participants, sharding.destination)
     merged: list[dict[str, Any] | None] = [None] * len(sharding.params)
     if reports is not None:
@@ -170,22 +196,33 @@ def _gather_entry_metadata(sharding: Sharding, local_state: Mapping[int, Mapping
                 slot = merged[int(index)] = merged[int(index)] or {}
                 for key, info in keys.items():
                     if key in slot and slot[key]["kind"] != info["kind"]:
-                        raise StateDictError(f"param {sharding.params[int(index)].name!r}: "
-                                             f"ranks disagree about state {key!r}")
+                        raise StateDictError(
+                            f"param {sharding.params[int(index)].name!r}: "
+                            f"ranks disagree about state {key!r}"
+                        )
                     slot.setdefault(key, info)
     return collectives.broadcast_json(merged, sharding.participants, sharding.destination)
 
 
 def _describe_value(value: Any) -> dict[str, Any]:
     if isinstance(value, torch.Tensor):
-        return {"kind": "tensor", "dtype": str(value.dtype).removeprefix("torch."),
-                "shape": list(value.shape)}
+        return {
+            "kind": "tensor",
+            "dtype": str(value.dtype).removeprefix("torch."),
+            "shape": list(value.shape),
+        }
     return {"kind": "value", "value": value}
 
 
-def _gather_value(param: ParamSharding, index: int, key: str, info: Mapping[str, Any],
-                  local_state: Mapping[int, Mapping[str, Any]], sharding: Sharding,
-                  all_ranks: bool) -> Any:
+def _gather_value(
+    param: ParamSharding,
+    index: int,
+    key: str,
+    info: Mapping[str, Any],
+    local_state: Mapping[int, Mapping[str, Any]],
+    sharding: Sharding,
+    all_ranks: bool,
+) -> Any:
     """Assemble one full state value on the destination (and, if asked, on every rank)."""
     if info["kind"] == "value":
         return info["value"]
@@ -223,14 +260,18 @@ def _place(full: torch.Tensor, region: Region | None, piece: torch.Tensor) -> No
         insert_(full, region, piece)
 
 
-def trim_state_dict(optimizer: torch.optim.Optimizer, state_dict: Mapping[str, Any],
-                    sharding: Sharding) -> dict[str, Any]:
+def trim_state_dict(
+    optimizer: torch.optim.Optimizer, state_dict: Mapping[str, Any], sharding: Sharding
+) -> dict[str, Any]:
     """A complete state dict, re-keyed to ``optimizer``'s params and cut to this rank's share.
 
     Params are matched by name, so the source may order its groups' params differently.
-    Raises :class:`StateDictError` naming the param on any mismatch.
+    Raises :class:`StateDictError` naming the param on any mismatch. A dict that
+    :func:`muonckpt.load` already cut to this rank's share passes through unchanged.
     """
     marker = state_dict.get(MARKER)
+    if isinstance(marker, Mapping) and marker.get("local_share"):
+        return dict(state_dict)
     if isinstance(marker, Mapping) and not marker.get("complete", False):
         raise StateDictError(
             f"this state dict came from rank {marker.get('source_rank')}, which does not hold the "
@@ -241,47 +282,66 @@ def trim_state_dict(optimizer: torch.optim.Optimizer, state_dict: Mapping[str, A
     saved_state = state_dict.get("state")
     if not isinstance(saved_groups, list) or not isinstance(saved_state, Mapping):
         raise StateDictError("not an optimizer state dict: needs 'state' and 'param_groups'")
-    saved_names = _saved_names(saved_groups)
-    current_names = [p.name for p in sharding.params]
-    _check_names(saved_names, current_names)
-    saved_index = {name: (g, i) for g, group in enumerate(saved_groups)
-                   for i, name in enumerate(_group_names(group, saved_groups))}
-    by_name = {name: saved_state.get(index) for name, index in _name_to_saved_index(saved_groups)}
+    new_groups = remap_groups(optimizer, saved_groups, sharding)
+    by_name = {
+        name: saved_state.get(index)
+        for group in saved_groups
+        for name, index in zip(_group_names(group), group["params"], strict=True)
+    }
     any_state = any(v for v in by_name.values())
+    flat = [p for g in optimizer.param_groups for p in g["params"]]
     new_state: dict[int, dict[str, Any]] = {}
-    new_groups = []
-    index = 0
-    for group_index, group in enumerate(optimizer.param_groups):
-        names = current_names[index : index + len(group["params"])]
-        saved_group_ids = {saved_index[n][0] for n in names}
-        if len(saved_group_ids) > 1 or (names and saved_group_ids != {group_index}):
-            raise StateDictError(
-                f"param group {group_index} holds {names}, which the state dict puts in "
-                f"group(s) {sorted(saved_group_ids)}"
-            )
-        saved = {k: v for k, v in saved_groups[group_index].items()
-                 if k not in ("params", "param_names")}
-        saved["params"] = list(range(index, index + len(names)))
-        if "param_names" in group:
-            saved["param_names"] = list(names)
-        new_groups.append(saved)
-        for p, name in zip(group["params"], names, strict=True):
-            entry = by_name[name]
-            if not entry:
-                if any_state:
-                    raise StateDictError(f"state dict has no state for param {name!r}")
-                index += 1
-                continue
-            param = sharding.params[index]
-            kept = _cut_entry(param, entry, p)
-            if kept is not None:
-                new_state[index] = kept
-            index += 1
+    for index, (p, param) in enumerate(zip(flat, sharding.params, strict=True)):
+        entry = by_name[param.name]
+        if not entry:
+            if any_state:
+                raise StateDictError(f"state dict has no state for param {param.name!r}")
+            continue
+        kept = _cut_entry(param, entry, p)
+        if kept is not None:
+            new_state[index] = kept
     return {"state": new_state, "param_groups": new_groups}
 
 
-def _cut_entry(param: ParamSharding, entry: Mapping[str, Any], p: torch.Tensor
-               ) -> dict[str, Any] | None:
+def remap_groups(
+    optimizer: torch.optim.Optimizer, saved_groups: Sequence[Mapping[str, Any]], sharding: Sharding
+) -> list[dict[str, Any]]:
+    """Saved groups' settings (step included) laid over ``optimizer``'s groups, matched by name.
+
+    Each current group must hold exactly the params of the saved group at the same position.
+    """
+    current_names = [p.name for p in sharding.params]
+    _check_names([n for g in saved_groups for n in _group_names(g)], current_names)
+    if len(saved_groups) != len(optimizer.param_groups):
+        raise StateDictError(
+            f"state dict has {len(saved_groups)} param groups, the optimizer "
+            f"{len(optimizer.param_groups)}"
+        )
+    new_groups, index = [], 0
+    for group_index, (group, saved) in enumerate(
+        zip(optimizer.param_groups, saved_groups, strict=True)
+    ):
+        names = current_names[index : index + len(group["params"])]
+        if sorted(names) != sorted(_group_names(saved)):
+            raise StateDictError(
+                f"param group {group_index} holds {names}, the state dict's group "
+                f"{group_index} holds {_group_names(saved)}"
+            )
+        settings = {k: v for k, v in saved.items() if k not in ("params", "param_names")}
+        for key, value in settings.items():
+            if isinstance(group.get(key), tuple) and isinstance(value, list):
+                settings[key] = tuple(value)
+        settings["params"] = list(range(index, index + len(names)))
+        if "param_names" in group:
+            settings["param_names"] = list(names)
+        new_groups.append(settings)
+        index += len(names)
+    return new_groups
+
+
+def _cut_entry(
+    param: ParamSharding, entry: Mapping[str, Any], p: torch.Tensor
+) -> dict[str, Any] | None:
     missing = [k for k in param.expected_keys if k not in entry]
     if missing:
         raise StateDictError(f"param {param.name!r}: state dict lacks state key(s) {missing}")
@@ -302,20 +362,11 @@ def _cut_entry(param: ParamSharding, entry: Mapping[str, Any], p: torch.Tensor
     return kept
 
 
-def _group_names(group: Mapping[str, Any], groups: Sequence[Mapping[str, Any]]) -> list[str]:
+def _group_names(group: Mapping[str, Any]) -> list[str]:
     names = group.get("param_names")
     if names is not None:
         return list(names)
     return [str(i) for i in group["params"]]
-
-
-def _saved_names(groups: Sequence[Mapping[str, Any]]) -> list[str]:
-    return [name for group in groups for name in _group_names(group, groups)]
-
-
-def _name_to_saved_index(groups: Sequence[Mapping[str, Any]]) -> list[tuple[str, Any]]:
-    return [(name, index) for group in groups
-            for name, index in zip(_group_names(group, groups), group["params"], strict=True)]
 
 
 def _check_names(saved: Sequence[str], current: Sequence[str]) -> None:
@@ -334,8 +385,11 @@ def param_names(optimizer: torch.optim.Optimizer) -> list[str]:
     names: list[str] = []
     for group in optimizer.param_groups:
         group_names = group.get("param_names")
-        names.extend(group_names if group_names else
-                     [str(len(names) + i) for i in range(len(group["params"]))])
+        names.extend(
+            group_names
+            if group_names
+            else [str(len(names) + i) for i in range(len(group["params"]))]
+        )
     return names
 
 
@@ -358,8 +412,9 @@ def describe_muon(optimizer: Any, collective: bool) -> Sharding:
         for (p, group), name in zip(flat, names, strict=True):
             whole = whole_region(p.numel())
             keys = MUON_STATE_KEYS if group.get("use_muon", False) else ADAMW_STATE_KEYS
-            params.append(ParamSharding(name, tuple(p.shape), (Holding(me, whole),), whole,
-                                        True, keys))
+            params.append(
+                ParamSharding(name, tuple(p.shape), (Holding(me, whole),), whole, True, keys)
+            )
         return Sharding(params, [me], me, {"dp": 1, "tp": 1})
     dp_group, tp_group = optimizer.dist_group, optimizer.tp_group
     topo = Topology(collectives.group_size(dp_group), collectives.group_size(tp_group))
@@ -371,14 +426,23 @@ def describe_muon(optimizer: Any, collective: bool) -> Sharding:
         split = meta.tp_split_dim if topo.tp > 1 else -1
         full = tp_full_shape(meta.shape, split, topo.tp)
 
-        def region(d: int, t: int, meta: Any = meta, full: tuple = full, split: int = split,
-                   size: int = size, offset: int = offset) -> Region:
-            return tp_region(full, split, topo.tp, t,
-                             dp_slice(meta.global_range, offset, size, topo.dp, d))
+        def region(
+            d: int,
+            t: int,
+            meta: Any = meta,
+            full: tuple = full,
+            split: int = split,
+            size: int = size,
+            offset: int = offset,
+        ) -> Region:
+            return tp_region(
+                full, split, topo.tp, t, dp_slice(meta.global_range, offset, size, topo.dp, d)
+            )
 
         sources = tuple(
             Holding(grid[topo.rank(d, t)], region(d, t))
-            for d in range(topo.dp) for t in range(topo.tp if split >= 0 else 1)
+            for d in range(topo.dp)
+            for t in range(topo.tp if split >= 0 else 1)
             if grid and region(d, t).numel
         )
         keys = MUON_STATE_KEYS if group.get("use_muon", False) else ADAMW_STATE_KEYS
@@ -437,8 +501,9 @@ def install_hooks(
     return hooks
 
 
-def gather_state_dict(optimizer: torch.optim.Optimizer, *, all_ranks: bool = False
-                      ) -> dict[str, Any]:
+def gather_state_dict(
+    optimizer: torch.optim.Optimizer, *, all_ranks: bool = False
+) -> dict[str, Any]:
     """``optimizer.state_dict()``, delivered to every rank when ``all_ranks`` (a collective)."""
     hooks = _hooks_of(optimizer)
     previous, hooks.all_ranks = hooks.all_ranks, all_ranks

@@ -55,8 +55,14 @@ def run_distributed(
     """
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "muonckpt"])
-    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=timeout))
+    store = dist.TCPStore(
+        "127.0.0.1",
+        0,
+        world_size,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=timedelta(seconds=timeout),
+    )
     results: mp.Queue = ctx.Queue()
     procs = [
         ctx.Process(
@@ -79,14 +85,17 @@ def run_distributed(
         del store
 
 
-def _collect(procs: list[Any], results: mp.Queue, world_size: int, deadline: float,
-             timeout: float) -> list[Any]:
+def _collect(
+    procs: list[Any], results: mp.Queue, world_size: int, deadline: float, timeout: float
+) -> list[Any]:
     values: dict[int, Any] = {}
     while len(values) < world_size:
         try:
             rank, ok, payload = results.get(timeout=0.2)
         except queue.Empty:
-            dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in values]
+            dead = [
+                r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in values
+            ]
             if dead:
                 _drain_then_raise(results, dead[0], f"exited with code {procs[dead[0]].exitcode}")
             if time.monotonic() > deadline:
@@ -112,16 +121,36 @@ def _drain_then_raise(results: mp.Queue, rank: int, why: str) -> None:
         raise DistributedRunError(f"rank {rank} {why} without a traceback") from None
 
 
-def _child(fn: Callable[..., Any], args: tuple[Any, ...], rank: int, world_size: int, port: int,
-           backend: str, threads: int, timeout: float, results: mp.Queue) -> None:
+def _child(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    rank: int,
+    world_size: int,
+    port: int,
+    backend: str,
+    threads: int,
+    timeout: float,
+    results: mp.Queue,
+) -> None:
     torch.set_num_threads(threads)
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     try:
-        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False,
-                              timeout=timedelta(seconds=timeout))
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=timeout))
+        store = dist.TCPStore(
+            "127.0.0.1", port, world_size, is_master=False, timeout=timedelta(seconds=timeout)
+        )
+        dist.init_process_group(
+            backend,
+            store=store,
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=timeout),
+        )
         value = fn(*args)
         dist.destroy_process_group()
     except BaseException:

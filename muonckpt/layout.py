@@ -99,7 +99,7 @@ def tp_local_shape(name: str, shape: Sequence[int], tp_split_dim: int, tp: int) 
             f"param {name!r}: dimension {tp_split_dim} of shape {shape} (size "
             f"{shape[tp_split_dim]}) is not divisible by tp={tp}"
         )
-    return shape[:tp_split_dim] + (shape[tp_split_dim] // tp,) + shape[tp_split_dim + 1 :]
+    return (*shape[:tp_split_dim], shape[tp_split_dim] // tp, *shape[tp_split_dim + 1 :])
 
 
 def tp_full_shape(local_shape: Sequence[int], tp_split_dim: int, tp: int) -> tuple[int, ...]:
@@ -107,7 +107,7 @@ def tp_full_shape(local_shape: Sequence[int], tp_split_dim: int, tp: int) -> tup
     shape = tuple(local_shape)
     if tp_split_dim < 0:
         return shape
-    return shape[:tp_split_dim] + (shape[tp_split_dim] * tp,) + shape[tp_split_dim + 1 :]
+    return (*shape[:tp_split_dim], shape[tp_split_dim] * tp, *shape[tp_split_dim + 1 :])
 
 
 @dataclass(frozen=True)
@@ -161,11 +161,13 @@ def tp_region(
     """Region of flat range ``flat`` of TP block ``tp_rank``, in full-tensor coordinates."""
     rows, cols = matrix_view(shape, tp_split_dim)
     if tp_split_dim < 0 or tp == 1:
-        return Region(cols=rows * cols, block_start=0, block_width=rows * cols, start=flat[0],
-                      stop=flat[1])
+        return Region(
+            cols=rows * cols, block_start=0, block_width=rows * cols, start=flat[0], stop=flat[1]
+        )
     width = cols // tp
-    return Region(cols=cols, block_start=tp_rank * width, block_width=width, start=flat[0],
-                  stop=flat[1])
+    return Region(
+        cols=cols, block_start=tp_rank * width, block_width=width, start=flat[0], stop=flat[1]
+    )
 
 
 @dataclass(frozen=True)
@@ -210,8 +212,9 @@ def _offset_intervals(region: Region) -> Iterator[tuple[int, int, int]]:
         offset += hi - lo
 
 
-def dp_slice(global_range: Range, bucket_offset: int, bucket_size: int, dp: int, dp_rank: int
-             ) -> Range:
+def dp_slice(
+    global_range: Range, bucket_offset: int, bucket_size: int, dp: int, dp_rank: int
+) -> Range:
     """Flat range, relative to the parameter, that DP rank ``dp_rank`` owns of a bucketed param.
 
     ``global_range`` is the param's place in its buffer, ``bucket_offset`` and ``bucket_size``
@@ -274,8 +277,9 @@ class BufferLayout:
     def region(self, index: int, dp_rank: int, tp_rank: int) -> Region:
         """What (dp_rank, tp_rank) holds of param ``index``, in full-tensor coordinates."""
         spec = self.specs[index]
-        return tp_region(spec.shape, spec.tp_split_dim, self.topology.tp, tp_rank,
-                         self.dp_range(index, dp_rank))
+        return tp_region(
+            spec.shape, spec.tp_split_dim, self.topology.tp, tp_rank, self.dp_range(index, dp_rank)
+        )
 
     def owner_region(self, index: int, dp_rank: int, tp_rank: int) -> Region:
         """Like :meth:`region`, but TP-replicated params count only on TP rank 0.
@@ -322,26 +326,19 @@ def arrange(
     buckets: list[list[Bucket]] = [[] for _ in range(n_buffers)]
     placements: list[Placement | None] = [None] * len(specs)
     for buffer in range(n_buffers):
-        cursor = bucket_start = 0
-
-        def close_bucket(buffer: int = buffer) -> int:
-            size = _round_up(cursor - bucket_start, pad_to)
-            buckets[buffer].append(Bucket(offset=bucket_start, size=size))
-            return bucket_start + size
-
         members = [i for i, b in enumerate(buffer_ids) if b == buffer]
+        cursor = bucket_start = 0
         for position, index in enumerate(members):
             spec = specs[index]
-            numel = math.prod(tp_local_shape(spec.name, spec.shape, spec.tp_split_dim,
-                                             topology.tp))
+            numel = math.prod(tp_local_shape(spec.name, spec.shape, spec.tp_split_dim, topology.tp))
             cursor = bucket_start + _round_up(cursor - bucket_start, param_alignment)
             placements[index] = Placement(buffer, len(buckets[buffer]), (cursor, cursor + numel))
             cursor += numel
-            is_last = position == len(members) - 1
-            if not is_last and bucket_numel is not None and cursor - bucket_start >= bucket_numel:
-                cursor = bucket_start = close_bucket()
-        if members:
-            close_bucket()
+            full = bucket_numel is not None and cursor - bucket_start >= bucket_numel
+            if full or position == len(members) - 1:
+                size = _round_up(cursor - bucket_start, pad_to)
+                buckets[buffer].append(Bucket(offset=bucket_start, size=size))
+                cursor = bucket_start = bucket_start + size
     return BufferLayout(
         specs=tuple(specs),
         topology=topology,

@@ -224,15 +224,18 @@ class Muon(torch.optim.Optimizer):
                 grad = _grad_or_zeros(p)
                 state = self.state[p]
                 if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+                    state["momentum_buffer"] = torch.zeros_like(
+                        p, memory_format=torch.contiguous_format
+                    )
                 buf = state["momentum_buffer"]
                 buf.mul_(momentum).add_(grad)
                 ns_input = grad.add(buf, alpha=momentum) if group["nesterov"] else buf
                 ns_inputs[p] = ns_input.bfloat16().contiguous()
         return ns_inputs
 
-    def _gather_dp(self, ns_inputs: dict[torch.Tensor, torch.Tensor]
-                   ) -> dict[torch.Tensor, torch.Tensor]:
+    def _gather_dp(
+        self, ns_inputs: dict[torch.Tensor, torch.Tensor]
+    ) -> dict[torch.Tensor, torch.Tensor]:
         """All-gather every bucket over DP; return each param's whole TP-shard input."""
         device = self._device()
         local = [
@@ -256,8 +259,9 @@ class Muon(torch.optim.Optimizer):
             full[p] = gathered[meta.buffer_idx][meta.bucket_idx][lo:hi].view(meta.shape)
         return full
 
-    def _muon_update(self, group: dict[str, Any], ns_inputs: dict[torch.Tensor, torch.Tensor]
-                     ) -> None:
+    def _muon_update(
+        self, group: dict[str, Any], ns_inputs: dict[torch.Tensor, torch.Tensor]
+    ) -> None:
         lr, weight_decay = group["lr"], group["weight_decay"]
         tp_size = dist.get_world_size(self.tp_group) if self.distributed_mode else 1
         tp_rank = dist.get_rank(self.tp_group) if self.distributed_mode else 0
@@ -267,8 +271,9 @@ class Muon(torch.optim.Optimizer):
             split_dim = meta.tp_split_dim if meta is not None and tp_size > 1 else -1
             if split_dim != -1:
                 # Every TP rank joins, including one that owns no element of p.
-                ns_input = torch.cat(collectives.all_gather_list(ns_input, self.tp_group),
-                                     dim=split_dim)
+                ns_input = torch.cat(
+                    collectives.all_gather_list(ns_input, self.tp_group), dim=split_dim
+                )
             if p.numel() == 0:
                 continue
             update = newton_schulz(ns_input, steps=group["ns_steps"])
@@ -278,8 +283,10 @@ class Muon(torch.optim.Optimizer):
                 lo, hi = normalize_range(meta.local_range, meta.global_range[0])
                 update = update.reshape(-1)[lo:hi]
             p.mul_(1 - lr * weight_decay)
-            p.add_(update.reshape(p.shape),
-                   alpha=-adjusted_lr(lr, group["matched_adamw_rms"], ns_input.shape))
+            p.add_(
+                update.reshape(p.shape),
+                alpha=-adjusted_lr(lr, group["matched_adamw_rms"], ns_input.shape),
+            )
 
     def _device(self) -> torch.device:
         for group in self.param_groups:
@@ -332,7 +339,9 @@ def _check_meta(
     sizes: list[list[tuple[int, int]]],
     use_muon: bool,
 ) -> None:
-    if not (0 <= meta.buffer_idx < len(sizes) and 0 <= meta.bucket_idx < len(sizes[meta.buffer_idx])):
+    if not (
+        0 <= meta.buffer_idx < len(sizes) and 0 <= meta.bucket_idx < len(sizes[meta.buffer_idx])
+    ):
         raise LayoutError(
             f"param {name!r}: buffer {meta.buffer_idx} bucket {meta.bucket_idx} does not exist"
         )
@@ -341,8 +350,10 @@ def _check_meta(
             f"param {name!r} in a Muon group must be 2-D, got TP shard shape {tuple(meta.shape)}"
         )
     if not -1 <= meta.tp_split_dim < max(len(meta.shape), 1):
-        raise LayoutError(f"param {name!r}: tp_split_dim {meta.tp_split_dim} is not a dimension "
-                          f"of {tuple(meta.shape)}")
+        raise LayoutError(
+            f"param {name!r}: tp_split_dim {meta.tp_split_dim} is not a dimension "
+            f"of {tuple(meta.shape)}"
+        )
     lo, hi = meta.global_range
     size, offset = sizes[meta.buffer_idx][meta.bucket_idx]
     if hi - lo != math.prod(meta.shape) or lo < offset or hi > offset + size:

@@ -1,0 +1,296 @@
+"""The checkpoint manifest: versioned dataclasses to and from JSON, with schema checks.
+
+Pure: no tensors, no collectives, no file I/O. ``manifest.json`` is written last by a save and
+is its commit marker; docs/format.md specifies every field.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from .errors import CheckpointError
+from .layout import Region
+
+FORMAT_NAME = "muonckpt"
+FORMAT_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+PER_RANK = "per-rank"
+CONSOLIDATED = "consolidated"
+KINDS = (PER_RANK, CONSOLIDATED)
+
+
+@dataclass(frozen=True)
+class ParamEntry:
+    """One param of the optimizer that was saved."""
+
+    name: str
+    shape: tuple[int, ...]
+    """Full (logical) shape of the param and of each of its state tensors."""
+    dtype: str
+    """safetensors dtype string of its state tensors."""
+    tp_split_dim: int
+    """Dimension split across TP ranks in the source run (-1: replicated)."""
+    group: int
+    """Index of its param group."""
+    state_keys: tuple[str, ...]
+    """Its state tensors' keys (empty: no state yet)."""
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class GroupEntry:
+    """One param group: its hyperparameters (step counter included) and its params' names."""
+
+    hyperparams: dict[str, Any]
+    params: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One stored tensor: a region of one param's state tensor, in one file."""
+
+    param: str
+    key: str
+    file: str
+    tensor: str
+    """Key of the tensor inside the safetensors file."""
+    region: Region
+    """Which elements of the full tensor it holds, in its own (flat) order."""
+    checksums: tuple[str, ...]
+    """One checksum per ``chunk_bytes`` of the tensor's data."""
+    chunk_bytes: int
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    name: str
+    bytes: int
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """Everything needed to read, verify and reshard a checkpoint without the optimizer."""
+
+    kind: str
+    topology: dict[str, int]
+    """Source topology: ``{"dp": .., "tp": ..}``."""
+    checksum_algorithm: str
+    groups: tuple[GroupEntry, ...]
+    params: tuple[ParamEntry, ...]
+    files: tuple[FileEntry, ...]
+    pieces: tuple[Piece, ...]
+    format_version: int = FORMAT_VERSION
+
+    def param(self, name: str) -> ParamEntry:
+        for entry in self.params:
+            if entry.name == name:
+                return entry
+        raise CheckpointError("no such param in the checkpoint", param=name)
+
+    def pieces_of(self) -> dict[tuple[str, str], list[Piece]]:
+        """Pieces grouped by (param, state key)."""
+        grouped: dict[tuple[str, str], list[Piece]] = defaultdict(list)
+        for piece in self.pieces:
+            grouped[piece.param, piece.key].append(piece)
+        return grouped
+
+    @property
+    def step(self) -> int | None:
+        steps = [g.hyperparams.get("step") for g in self.groups if "step" in g.hyperparams]
+        return max(steps) if steps else None
+
+    def to_json(self) -> str:
+        body = {"format": FORMAT_NAME, **asdict(self)}
+        return json.dumps(body, indent=1, sort_keys=False) + "\n"
+
+    def coverage_problems(self) -> list[str]:
+        """Gaps, overlaps and stray pieces: every state tensor must be covered exactly once."""
+        problems = []
+        grouped = self.pieces_of()
+        for entry in self.params:
+            for key in entry.state_keys:
+                problems += _coverage(entry, key, grouped.pop((entry.name, key), []))
+        for param, key in grouped:
+            problems.append(
+                f"piece of param {param!r} state {key!r} that the manifest's params do not list"
+            )
+        return problems
+
+
+def _coverage(entry: ParamEntry, key: str, pieces: Sequence[Piece]) -> list[str]:
+    intervals = sorted(iv for piece in pieces for iv in piece.region.intervals())
+    where = f"param {entry.name!r} state {key!r}"
+    cursor = 0
+    for lo, hi in intervals:
+        if lo < cursor:
+            return [f"{where}: elements [{lo}, {min(hi, cursor)}) stored twice (overlap)"]
+        if lo > cursor:
+            return [f"{where}: elements [{cursor}, {lo}) stored nowhere (gap)"]
+        cursor = hi
+    if cursor != entry.numel:
+        return [f"{where}: elements [{cursor}, {entry.numel}) stored nowhere (gap)"]
+    return []
+
+
+def parse_manifest(text: str | bytes, source: object) -> Manifest:
+    """Parse and schema-check a manifest; every problem is a :class:`CheckpointError`."""
+    try:
+        body = json.loads(text)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"manifest is not valid JSON: {exc}", path=source) from None
+    try:
+        return _manifest_from(body)
+    except CheckpointError as exc:
+        raise CheckpointError(str(exc), path=source) from None
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise CheckpointError(
+            f"manifest does not follow the format: {exc!r}", path=source
+        ) from None
+
+
+def _manifest_from(body: Any) -> Manifest:
+    _expect(isinstance(body, dict), "manifest is not a JSON object")
+    _expect(body.get("format") == FORMAT_NAME, "not a muonckpt manifest (format field)")
+    version = body.get("format_version")
+    _expect(isinstance(version, int), "format_version missing")
+    if version > FORMAT_VERSION:
+        raise CheckpointError(
+            f"format version {version} is newer than this muonckpt reads ({FORMAT_VERSION}); "
+            "upgrade muonckpt"
+        )
+    _expect(body["kind"] in KINDS, f"unknown kind {body['kind']!r}")
+    topology = body["topology"]
+    _expect(
+        isinstance(topology, dict) and all(_pos_int(v) for v in topology.values()),
+        "topology must map names to positive ints",
+    )
+    params = tuple(
+        ParamEntry(
+            name=_str(p["name"]),
+            shape=tuple(_nonneg_int(s) for s in p["shape"]),
+            dtype=_str(p["dtype"]),
+            tp_split_dim=_int(p["tp_split_dim"]),
+            group=_nonneg_int(p["group"]),
+            state_keys=tuple(_str(k) for k in p["state_keys"]),
+        )
+        for p in body["params"]
+    )
+    names = [p.name for p in params]
+    _expect(len(set(names)) == len(names), "duplicate param names")
+    groups = tuple(
+        GroupEntry(hyperparams=dict(g["hyperparams"]), params=tuple(_str(n) for n in g["params"]))
+        for g in body["groups"]
+    )
+    _expect(
+        sorted(n for g in groups for n in g.params) == sorted(names),
+        "groups and params list different names",
+    )
+    files = tuple(FileEntry(_safe_name(f["name"]), _nonneg_int(f["bytes"])) for f in body["files"])
+    file_names = {f.name for f in files}
+    by_name = {p.name: p for p in params}
+    pieces = []
+    for raw in body["pieces"]:
+        region = Region(
+            **{
+                k: _nonneg_int(raw["region"][k])
+                for k in ("cols", "block_start", "block_width", "start", "stop")
+            }
+        )
+        piece = Piece(
+            param=_str(raw["param"]),
+            key=_str(raw["key"]),
+            file=_safe_name(raw["file"]),
+            tensor=_str(raw["tensor"]),
+            region=region,
+            checksums=tuple(_str(c) for c in raw["checksums"]),
+            chunk_bytes=_pos_int_value(raw["chunk_bytes"]),
+        )
+        _expect(
+            piece.file in file_names, f"piece {piece.tensor!r} names unlisted file {piece.file!r}"
+        )
+        entry = by_name.get(piece.param)
+        _expect(entry is not None, f"piece {piece.tensor!r} of unknown param {piece.param!r}")
+        _check_region(entry, region, piece.tensor)
+        pieces.append(piece)
+    return Manifest(
+        kind=body["kind"],
+        topology=dict(topology),
+        checksum_algorithm=_str(body["checksum_algorithm"]),
+        groups=groups,
+        params=params,
+        files=files,
+        pieces=tuple(pieces),
+        format_version=version,
+    )
+
+
+def _check_region(entry: ParamEntry, region: Region, tensor: str) -> None:
+    numel = entry.numel
+    ok = (
+        (region.block_width > 0 or region.start == region.stop)
+        and region.block_start + region.block_width <= region.cols
+        and region.start <= region.stop
+    )
+    if ok and region.cols and region.numel:
+        rows = numel // region.cols if numel % region.cols == 0 else -1
+        ok = rows >= 0 and region.stop <= rows * region.block_width
+    _expect(ok, f"piece {tensor!r}: region {asdict(region)} lies outside param shape {entry.shape}")
+
+
+def _expect(condition: bool, message: str) -> None:
+    if not condition:
+        raise CheckpointError(message)
+
+
+def _str(value: Any) -> str:
+    _expect(isinstance(value, str), f"expected a string, got {value!r}")
+    return value
+
+
+def _int(value: Any) -> int:
+    _expect(
+        isinstance(value, int) and not isinstance(value, bool), f"expected an int, got {value!r}"
+    )
+    return value
+
+
+def _nonneg_int(value: Any) -> int:
+    _expect(_int(value) >= 0, f"expected a non-negative int, got {value!r}")
+    return value
+
+
+def _pos_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _pos_int_value(value: Any) -> int:
+    _expect(_pos_int(value), f"expected a positive int, got {value!r}")
+    return value
+
+
+def _safe_name(value: Any) -> str:
+    name = _str(value)
+    _expect(
+        name not in ("", ".", "..") and "/" not in name and "\\" not in name,
+        f"file name {name!r} is not a plain file name",
+    )
+    return name
+
+
+def json_safe(value: Any) -> Any:
+    """Hyperparameter values as JSON: tuples become lists; anything else JSON can't hold fails."""
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    if isinstance(value, Mapping):
+        return {str(k): json_safe(v) for k, v in value.items()}
+    raise CheckpointError(f"hyperparameter value {value!r} cannot be stored in the manifest")

@@ -1,0 +1,596 @@
+"""The only module of muonckpt that touches files: safetensors read/write, atomic text writes.
+
+The safetensors format (https://github.com/huggingface/safetensors) is implemented here
+directly rather than through ``safetensors.torch``, so that
+
+* writing makes no extra copy of contiguous tensors, fsyncs, renames atomically into place and
+  checksums every ``chunk_bytes`` of each tensor's data from the very bytes it writes, and
+* reading fetches any flat element range of a tensor by reading exactly those bytes
+  (``os.preadv`` into a fresh ``torch.uint8`` buffer), optionally verifying the checksum chunks
+  that cover the range.
+
+A file is an 8-byte little-endian header length ``N``, ``N`` bytes of UTF-8 JSON (padded with
+spaces to a multiple of 8) mapping each key to ``{"dtype", "shape", "data_offsets"}`` plus an
+optional ``"__metadata__"`` str->str map, then the tensor data, offsets relative to the first
+byte after the header. Checksums are not stored in the file; callers keep them (the manifest).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import itertools
+import json
+import math
+import os
+import shutil
+import struct
+import zlib
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+
+import torch
+
+from .errors import CheckpointError
+
+__all__ = [
+    "CHECKSUM_ALGORITHM",
+    "CHUNK_BYTES",
+    "MAX_HEADER_BYTES",
+    "SafetensorsReader",
+    "TensorRecord",
+    "checksum_chunks",
+    "dtype_name",
+    "fsync_dir",
+    "torch_dtype",
+    "write_safetensors",
+    "write_text_atomic",
+]
+
+CHECKSUM_ALGORITHM: str = "crc32"
+"""zlib CRC-32 of each chunk, as 8 lowercase hex digits."""
+CHUNK_BYTES: int = 4 << 20
+"""Default checksum chunk: 4 MiB of a tensor's data."""
+MAX_HEADER_BYTES: int = 100_000_000
+"""Largest safetensors JSON header accepted (the format's own limit)."""
+
+_METADATA_KEY = "__metadata__"
+_OFFLOAD_BYTES = 1 << 20
+"""Tensors at least this large are checksummed on a worker thread while they are written."""
+
+_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+for _name, _attr in (
+    ("U64", "uint64"),
+    ("U32", "uint32"),
+    ("U16", "uint16"),
+    ("F8_E4M3", "float8_e4m3fn"),
+    ("F8_E5M2", "float8_e5m2"),
+):
+    if hasattr(torch, _attr):
+        _DTYPES[_name] = getattr(torch, _attr)
+_NAMES: dict[torch.dtype, str] = {dt: name for name, dt in _DTYPES.items()}
+_ITEMSIZE: dict[str, int] = {name: dt.itemsize for name, dt in _DTYPES.items()}
+
+
+@dataclass(frozen=True)
+class TensorRecord:
+    """Where one tensor lies in a safetensors file, and the checksums of its data."""
+
+    key: str
+    dtype: str
+    """safetensors dtype string, e.g. ``"BF16"``."""
+    shape: tuple[int, ...]
+    offset: int
+    """Absolute byte offset of the tensor's data in the file."""
+    nbytes: int
+    checksums: tuple[str, ...]
+    """One digest per ``chunk_bytes`` chunk of the data (last may be short); empty for 0 bytes."""
+    chunk_bytes: int
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a safetensors dtype string."""
+    try:
+        return _DTYPES[name]
+    except (KeyError, TypeError):
+        raise CheckpointError(f"unknown safetensors dtype {name!r}") from None
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The safetensors dtype string of a torch dtype."""
+    try:
+        return _NAMES[dtype]
+    except (KeyError, TypeError):
+        raise CheckpointError(f"dtype {dtype} cannot be stored in a safetensors file") from None
+
+
+def checksum_chunks(data: torch.Tensor, chunk_bytes: int = CHUNK_BYTES) -> tuple[str, ...]:
+    """Checksums of consecutive ``chunk_bytes`` chunks of a 1-D uint8 CPU tensor."""
+    if data.dtype != torch.uint8 or data.dim() != 1:
+        raise ValueError(
+            f"checksum_chunks needs a 1-D uint8 tensor, got {data.dtype} {data.dim()}-D"
+        )
+    if chunk_bytes <= 0:
+        raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
+    view = memoryview(data.contiguous().numpy())
+    return tuple(
+        f"{zlib.crc32(view[i : i + chunk_bytes]):08x}" for i in range(0, len(view), chunk_bytes)
+    )
+
+
+def fsync_dir(path: str | os.PathLike[str]) -> None:
+    """fsync a directory, so that a rename inside it survives a crash (no-op where unsupported)."""
+    flags = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError as e:
+        if os.name == "nt":  # directories cannot be opened, nor need fsync, on Windows
+            return
+        raise CheckpointError(f"cannot open directory for fsync: {e}", path=path) from e
+    try:
+        os.fsync(fd)
+    except OSError as e:
+        raise CheckpointError(f"cannot fsync directory: {e}", path=path) from e
+    finally:
+        os.close(fd)
+
+
+def _tmp_path(path: Path) -> Path:
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
+
+
+def _remove_quietly(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        path.unlink()
+
+
+def _commit(tmp: Path, path: Path) -> None:
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def write_text_atomic(path: str | os.PathLike[str], text: str) -> None:
+    """Write ``text`` (UTF-8) to ``path`` atomically: temp file, fsync, rename, fsync the dir."""
+    path = Path(path)
+    tmp = _tmp_path(path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(text.encode("utf-8"))
+            f.flush()
+            os.fsync(f.fileno())
+        _commit(tmp, path)
+    except BaseException as e:
+        _remove_quietly(tmp)
+        if isinstance(e, OSError):
+            raise CheckpointError(f"cannot write: {e}", path=path) from e
+        raise
+
+
+def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A 1-D uint8 CPU view of a tensor's row-major data (one copy only if not contiguous)."""
+    flat = tensor.detach().cpu().contiguous().view(-1)
+    return flat.view(torch.uint8)
+
+
+def write_safetensors(
+    path: str | os.PathLike[str],
+    tensors: Mapping[str, torch.Tensor],
+    metadata: Mapping[str, str] | None = None,
+    *,
+    chunk_bytes: int = CHUNK_BYTES,
+) -> dict[str, TensorRecord]:
+    """Write ``tensors`` to a safetensors file at ``path`` atomically and durably.
+
+    The data goes to a temporary name in the same directory, is fsynced, renamed over ``path``
+    and the directory fsynced. Tensors of any supported dtype, layout and size (0 elements too)
+    are accepted; data is packed in key order. Returns each key's :class:`TensorRecord`, with
+    checksums computed from the bytes written. Raises :class:`CheckpointError` on bad input or
+    an OSError.
+    """
+    path = Path(path)
+    if chunk_bytes <= 0:
+        raise CheckpointError(f"chunk_bytes must be positive, got {chunk_bytes}", path=path)
+    meta = dict(metadata or {})
+    for k, v in meta.items():
+        if not isinstance(k, str) or not isinstance(v, str):
+            raise CheckpointError(f"metadata must map str to str, got {k!r}: {v!r}", path=path)
+
+    header: dict[str, object] = {_METADATA_KEY: meta} if meta else {}
+    entries: list[tuple[str, torch.Tensor, str, tuple[int, ...], int, int]] = []
+    position = 0
+    for key in sorted(tensors):
+        if not isinstance(key, str) or key == _METADATA_KEY:
+            raise CheckpointError(f"invalid tensor key {key!r}", path=path)
+        tensor = tensors[key]
+        if not isinstance(tensor, torch.Tensor):
+            raise CheckpointError(f"not a tensor: {type(tensor).__name__}", path=path, param=key)
+        if tensor.dtype not in _NAMES:
+            raise CheckpointError(
+                f"dtype {tensor.dtype} cannot be stored in a safetensors file", path=path, param=key
+            )
+        name = _NAMES[tensor.dtype]
+        shape = tuple(tensor.shape)
+        nbytes = tensor.numel() * _ITEMSIZE[name]
+        header[key] = {
+            "dtype": name,
+            "shape": list(shape),
+            "data_offsets": [position, position + nbytes],
+        }
+        entries.append((key, tensor, name, shape, position, nbytes))
+        position += nbytes
+
+    encoded = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    encoded += b" " * (-len(encoded) % 8)
+    data_start = 8 + len(encoded)
+
+    records: dict[str, TensorRecord] = {}
+    tmp = _tmp_path(path)
+    try:
+        with open(tmp, "wb") as f, ThreadPoolExecutor(max_workers=1) as pool:
+            f.write(struct.pack("<Q", len(encoded)))
+            f.write(encoded)
+            for key, tensor, name, shape, begin, nbytes in entries:
+                sums: tuple[str, ...] = ()
+                if nbytes:
+                    data = _as_bytes(tensor)
+                    # zlib.crc32 and file writes both release the GIL: overlap them.
+                    pending: Future[tuple[str, ...]] | None = None
+                    if nbytes >= _OFFLOAD_BYTES:
+                        pending = pool.submit(checksum_chunks, data, chunk_bytes)
+                    f.write(data.numpy())
+                    sums = pending.result() if pending else checksum_chunks(data, chunk_bytes)
+                    del data
+                records[key] = TensorRecord(
+                    key=key,
+                    dtype=name,
+                    shape=shape,
+                    offset=data_start + begin,
+                    nbytes=nbytes,
+                    checksums=sums,
+                    chunk_bytes=chunk_bytes,
+                )
+            f.flush()
+            os.fsync(f.fileno())
+        _commit(tmp, path)
+    except BaseException as e:
+        _remove_quietly(tmp)
+        if isinstance(e, OSError):
+            raise CheckpointError(f"cannot write: {e}", path=path) from e
+        raise
+    return records
+
+
+def _no_duplicates(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    out: dict[str, object] = {}
+    for k, v in pairs:
+        if k in out:
+            raise ValueError(f"duplicate key {k!r}")
+        out[k] = v
+    return out
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+class SafetensorsReader:
+    """Reads tensors, or flat element ranges of them, from one safetensors file.
+
+    The header is fully validated on open; any damage raises :class:`CheckpointError` naming
+    the file. Reads are positional, so one reader may serve several threads. Use it as a
+    context manager, or call :meth:`close`.
+    """
+
+    path: Path
+    metadata: dict[str, str]
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        self.metadata = {}
+        self._records: dict[str, TensorRecord] = {}
+        self._fd: int | None = None
+        try:
+            self._fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
+        except OSError as e:
+            raise CheckpointError(f"cannot open: {e}", path=self.path) from e
+        try:
+            self._parse_header()
+        except BaseException:
+            self.close()
+            raise
+
+    def _fail(self, message: str, param: str | None = None) -> CheckpointError:
+        return CheckpointError(message, path=self.path, param=param)
+
+    def _parse_header(self) -> None:
+        try:
+            size = os.fstat(self._fd).st_size  # type: ignore[arg-type]
+        except OSError as e:
+            raise self._fail(f"cannot stat: {e}") from e
+        if size < 8:
+            raise self._fail(
+                f"not a safetensors file: {size} bytes, shorter than the 8-byte prefix"
+            )
+        (length,) = struct.unpack("<Q", self._pread(0, 8, what="header length"))
+        if length > MAX_HEADER_BYTES:
+            raise self._fail(f"header length {length} exceeds the {MAX_HEADER_BYTES}-byte limit")
+        if 8 + length > size:
+            raise self._fail(f"header length {length} runs past the end of the {size}-byte file")
+        raw = self._pread(8, length, what="header")
+        try:
+            header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
+        except (UnicodeDecodeError, ValueError, RecursionError) as e:
+            raise self._fail(f"header is not valid UTF-8 JSON: {e}") from e
+        if not isinstance(header, dict):
+            raise self._fail(f"header is a JSON {type(header).__name__}, not an object")
+
+        meta = header.pop(_METADATA_KEY, None)
+        if meta is not None:
+            if not isinstance(meta, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in meta.items()
+            ):
+                raise self._fail("__metadata__ is not a map of strings to strings")
+            self.metadata = dict(meta)
+
+        data_start = 8 + length
+        data_size = size - data_start
+        spans: list[tuple[int, int, str]] = []
+        for key, info in header.items():
+            if not isinstance(info, dict):
+                raise self._fail("tensor entry is not an object", key)
+            dtype = info.get("dtype")
+            if not isinstance(dtype, str) or dtype not in _DTYPES:
+                raise self._fail(f"unknown dtype {dtype!r}", key)
+            shape = info.get("shape")
+            if not isinstance(shape, list) or not all(_is_int(s) and s >= 0 for s in shape):
+                raise self._fail(f"shape {shape!r} is not a list of non-negative ints", key)
+            offsets = info.get("data_offsets")
+            if (
+                not isinstance(offsets, list)
+                or len(offsets) != 2
+                or not all(_is_int(o) for o in offsets)
+                or not 0 <= offsets[0] <= offsets[1]
+            ):
+                raise self._fail(
+                    f"data_offsets {offsets!r} is not [begin, end] with 0 <= begin <= end", key
+                )
+            begin, end = offsets
+            nbytes = math.prod(shape) * _ITEMSIZE[dtype]
+            if end - begin != nbytes:
+                raise self._fail(
+                    f"data_offsets {offsets} span {end - begin} bytes, but {dtype} {shape} "
+                    f"needs {nbytes}",
+                    key,
+                )
+            if end > data_size:
+                raise self._fail(
+                    f"data_offsets {offsets} run past the end of the data ({data_size} bytes)", key
+                )
+            if nbytes:
+                spans.append((begin, end, key))
+            self._records[key] = TensorRecord(
+                key=key,
+                dtype=dtype,
+                shape=tuple(shape),
+                offset=data_start + begin,
+                nbytes=nbytes,
+                checksums=(),
+                chunk_bytes=CHUNK_BYTES,
+            )
+        spans.sort()
+        for (_, prev_end, prev_key), (begin, _, key) in itertools.pairwise(spans):
+            if begin < prev_end:
+                raise self._fail(f"tensors {prev_key!r} and {key!r} overlap")
+
+    def _pread_into(
+        self, buf: torch.Tensor, offset: int, what: str, key: str | None = None
+    ) -> None:
+        view = memoryview(buf.numpy())
+        done, total = 0, len(view)
+        fd = self._check_open()
+        while done < total:
+            try:
+                if hasattr(os, "preadv"):
+                    got = os.preadv(fd, [view[done:]], offset + done)
+                else:  # pragma: no cover - platforms without preadv
+                    got = len(data := os.pread(fd, total - done, offset + done))
+                    view[done : done + got] = data
+            except OSError as e:
+                raise self._fail(f"cannot read {what}: {e}", key) from e
+            if got == 0:
+                raise self._fail(
+                    f"file truncated: {what} needs bytes [{offset}, {offset + total}), read "
+                    f"stopped at {offset + done}",
+                    key,
+                )
+            done += got
+
+    def _pread(self, offset: int, n: int, what: str) -> bytes:
+        buf = torch.empty(n, dtype=torch.uint8)
+        self._pread_into(buf, offset, what)
+        return buf.numpy().tobytes()
+
+    def _check_open(self) -> int:
+        if self._fd is None:
+            raise self._fail("reader is closed")
+        return self._fd
+
+    def keys(self) -> list[str]:
+        """Tensor keys, sorted."""
+        return sorted(self._records)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._records
+
+    def record(self, key: str) -> TensorRecord:
+        """Dtype, shape, absolute offset and size of ``key`` (``checksums`` is empty)."""
+        try:
+            return self._records[key]
+        except KeyError:
+            raise self._fail("no such tensor in file", key) from None
+
+    def read(
+        self,
+        key: str,
+        start: int = 0,
+        stop: int | None = None,
+        *,
+        checksums: Sequence[str] | None = None,
+        chunk_bytes: int = CHUNK_BYTES,
+    ) -> torch.Tensor:
+        """Flat elements ``[start, stop)`` of tensor ``key``, as a new 1-D tensor of its dtype.
+
+        Reads exactly those bytes. With ``checksums`` (the writer's, per ``chunk_bytes`` chunk
+        of the tensor's data) it reads the whole chunks covering the range instead and raises
+        :class:`CheckpointError` if any of them differs.
+        """
+        rec = self.record(key)
+        dtype = _DTYPES[rec.dtype]
+        itemsize = _ITEMSIZE[rec.dtype]
+        numel = rec.numel
+        stop = numel if stop is None else stop
+        if not (_is_int(start) and _is_int(stop) and 0 <= start <= stop <= numel):
+            raise self._fail(f"element range [{start}, {stop}) outside [0, {numel})", key)
+        lo, hi = start * itemsize, stop * itemsize
+
+        if checksums is None:
+            buf = torch.empty(hi - lo, dtype=torch.uint8)
+            if hi > lo:
+                self._pread_into(buf, rec.offset + lo, f"elements [{start}, {stop})", key)
+            return buf.view(dtype)
+
+        if chunk_bytes <= 0:
+            raise self._fail(f"chunk_bytes must be positive, got {chunk_bytes}", key)
+        expected = -(-rec.nbytes // chunk_bytes)
+        if len(checksums) != expected:
+            raise self._fail(
+                f"{len(checksums)} checksums given, but {rec.nbytes} bytes in {chunk_bytes}-byte "
+                f"chunks need {expected}",
+                key,
+            )
+        if hi == lo:
+            return torch.empty(0, dtype=dtype)
+        first, last = lo // chunk_bytes, -(-hi // chunk_bytes)
+        c_lo, c_hi = first * chunk_bytes, min(last * chunk_bytes, rec.nbytes)
+        buf = torch.empty(c_hi - c_lo, dtype=torch.uint8)
+        self._pread_into(buf, rec.offset + c_lo, f"checksum chunks [{first}, {last})", key)
+        actual = checksum_chunks(buf, chunk_bytes)
+        for i, (got, want) in enumerate(
+            zip(actual, checksums[first:last], strict=True), start=first
+        ):
+            if got != str(want).lower():
+                raise self._fail(
+                    f"checksum mismatch in chunk {i} (bytes [{i * chunk_bytes}, "
+                    f"{min((i + 1) * chunk_bytes, rec.nbytes)}) of the tensor): "
+                    f"{CHECKSUM_ALGORITHM} {got}, expected {want}",
+                    key,
+                )
+        if (lo, hi) != (c_lo, c_hi):
+            buf = buf[lo - c_lo : hi - c_lo].clone()
+        return buf.view(dtype)
+
+    def read_tensor(
+        self, key: str, *, checksums: Sequence[str] | None = None, chunk_bytes: int = CHUNK_BYTES
+    ) -> torch.Tensor:
+        """The whole tensor ``key``, in its shape (checksum arguments as in :meth:`read`)."""
+        rec = self.record(key)
+        return self.read(key, checksums=checksums, chunk_bytes=chunk_bytes).view(rec.shape)
+
+    def close(self) -> None:
+        """Close the file; further reads raise :class:`CheckpointError`. Idempotent."""
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
+
+    def __enter__(self) -> SafetensorsReader:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"SafetensorsReader({str(self.path)!r}, {len(self._records)} tensors)"
+
+
+def read_text(path: str | os.PathLike[str], *, limit: int = MAX_HEADER_BYTES) -> str:
+    """A small UTF-8 text file (a manifest); :class:`CheckpointError` if unreadable or huge."""
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            data = f.read(limit + 1)
+    except OSError as exc:
+        raise CheckpointError(f"cannot read: {exc.strerror}", path=path) from None
+    if len(data) > limit:
+        raise CheckpointError(f"larger than {limit} bytes", path=path)
+    try:
+        return data.decode()
+    except UnicodeDecodeError:
+        raise CheckpointError("not UTF-8 text", path=path) from None
+
+
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two paths with renameat2(RENAME_EXCHANGE); False where unsupported."""
+    renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if renameat2 is None:
+        return False
+    done = renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)
+    if done == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(a))
+
+
+def swap_in(staging: str | os.PathLike[str], final: str | os.PathLike[str]) -> None:
+    """Make directory ``staging`` appear at ``final`` atomically, then drop what was there.
+
+    With an existing ``final`` the two are exchanged in one step where the kernel allows it, so
+    a crash at any moment leaves either the old or the new checkpoint at ``final``.
+    """
+    staging, final = Path(staging), Path(final)
+    try:
+        if not final.exists():
+            os.rename(staging, final)
+        elif _exchange(staging, final):
+            shutil.rmtree(staging)
+        else:
+            old = final.with_name(f".{final.name}.old-{os.getpid()}")
+            os.rename(final, old)
+            try:
+                os.rename(staging, final)
+            except OSError:
+                os.rename(old, final)
+                raise
+            shutil.rmtree(old)
+        fsync_dir(final.parent)
+    except OSError as exc:
+        raise CheckpointError(f"cannot commit the checkpoint: {exc}", path=final) from None

@@ -1,0 +1,453 @@
+"""muonckpt.storage: safetensors writing/reading, partial reads, checksums, damage detection."""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from muonckpt.errors import CheckpointError
+from muonckpt.storage import (
+    CHECKSUM_ALGORITHM,
+    CHUNK_BYTES,
+    SafetensorsReader,
+    TensorRecord,
+    checksum_chunks,
+    dtype_name,
+    read_text,
+    swap_in,
+    torch_dtype,
+    write_safetensors,
+    write_text_atomic,
+)
+
+DTYPES = [
+    torch.float32,
+    torch.bfloat16,
+    torch.float16,
+    torch.float64,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+]
+
+
+def make(dtype: torch.dtype, shape: tuple[int, ...], seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=g).bool()
+    if dtype.is_floating_point:
+        return torch.randn(shape, generator=g, dtype=torch.float64).to(dtype)
+    info = torch.iinfo(dtype)
+    return torch.randint(max(info.min, -1000), min(info.max, 1000), shape, generator=g).to(dtype)
+
+
+def sample() -> dict[str, torch.Tensor]:
+    base = torch.randn(6, 10)
+    return {
+        "w.f32": torch.randn(3, 5),
+        "w.bf16": torch.randn(4, 7).bfloat16(),
+        "w.f16": torch.randn(9).half(),
+        "w.f64": torch.randn(2, 2, 2, dtype=torch.float64),
+        "i64": torch.arange(-5, 12),
+        "i32": torch.arange(7, dtype=torch.int32),
+        "i8": torch.tensor([-128, 0, 127], dtype=torch.int8),
+        "u8": torch.arange(200, 256, dtype=torch.uint8),
+        "mask": torch.tensor([True, False, True]),
+        "scalar": torch.tensor(3.5),
+        "empty": torch.empty(0, 4),
+        "empty.bf16": torch.empty(3, 0, dtype=torch.bfloat16),
+        "noncontig.t": base.t(),
+        "noncontig.slice": base[:, ::3],
+    }
+
+
+def assert_same(a: torch.Tensor, b: torch.Tensor) -> None:
+    assert a.dtype == b.dtype and a.shape == b.shape
+    assert torch.equal(a, b)
+
+
+def test_dtype_names() -> None:
+    for dt in DTYPES:
+        assert torch_dtype(dtype_name(dt)) == dt
+    assert torch_dtype("BF16") == torch.bfloat16
+    with pytest.raises(CheckpointError):
+        torch_dtype("F4")
+    with pytest.raises(CheckpointError):
+        dtype_name(torch.complex64)
+
+
+def test_round_trip(tmp_path: Path) -> None:
+    tensors = sample()
+    path = tmp_path / "a.safetensors"
+    records = write_safetensors(path, tensors, {"step": "7", "note": "ünïcode"}, chunk_bytes=16)
+    assert set(records) == set(tensors)
+    with SafetensorsReader(path) as r:
+        assert r.keys() == sorted(tensors)
+        assert r.metadata == {"step": "7", "note": "ünïcode"}
+        for key, t in tensors.items():
+            rec = records[key]
+            assert isinstance(rec, TensorRecord)
+            assert rec.dtype == dtype_name(t.dtype) and rec.shape == tuple(t.shape)
+            assert rec.nbytes == t.numel() * t.element_size()
+            assert len(rec.checksums) == math.ceil(rec.nbytes / 16)
+            info = r.record(key)
+            assert (info.offset, info.nbytes, info.shape) == (rec.offset, rec.nbytes, rec.shape)
+            assert_same(r.read_tensor(key), t)
+            assert_same(r.read_tensor(key, checksums=rec.checksums, chunk_bytes=16), t)
+    assert records["empty"].checksums == ()
+
+
+def test_records_point_at_the_bytes(tmp_path: Path) -> None:
+    path = tmp_path / "a.safetensors"
+    t = torch.arange(1000, dtype=torch.int32)
+    rec = write_safetensors(path, {"x": t, "a": torch.ones(3)}, chunk_bytes=1024)["x"]
+    raw = path.read_bytes()
+    data = raw[rec.offset : rec.offset + rec.nbytes]
+    assert data == t.numpy().tobytes()
+    assert rec.checksums == checksum_chunks(
+        torch.frombuffer(bytearray(data), dtype=torch.uint8), 1024
+    )
+    assert len(rec.checksums) == 4 and rec.chunk_bytes == 1024
+    assert CHECKSUM_ALGORITHM == "crc32" and CHUNK_BYTES > 0
+    (header_len,) = struct.unpack("<Q", raw[:8])
+    assert header_len % 8 == 0
+
+
+def test_large_tensor_checksummed_on_worker(tmp_path: Path) -> None:
+    t = torch.randn(1 << 19)  # 2 MiB: checksummed on the worker thread while written
+    path = tmp_path / "big.safetensors"
+    rec = write_safetensors(path, {"t": t}, chunk_bytes=1 << 16)["t"]
+    assert rec.checksums == checksum_chunks(t.view(torch.uint8), 1 << 16)
+    with SafetensorsReader(path) as r:
+        assert_same(r.read_tensor("t", checksums=rec.checksums, chunk_bytes=1 << 16), t)
+
+
+def test_safetensors_loads_ours(tmp_path: Path) -> None:
+    tensors = sample()
+    path = tmp_path / "ours.safetensors"
+    write_safetensors(path, tensors, {"format": "pt", "k": "v"})
+    loaded = load_file(path)
+    assert set(loaded) == set(tensors)
+    for key, t in tensors.items():
+        assert_same(loaded[key], t)
+    with safe_open(path, framework="pt") as f:
+        assert f.metadata() == {"format": "pt", "k": "v"}
+
+
+def test_we_load_safetensors(tmp_path: Path) -> None:
+    tensors = {k: v.contiguous() for k, v in sample().items()}
+    path = tmp_path / "theirs.safetensors"
+    save_file(tensors, path, metadata={"format": "pt", "x": "1"})
+    with SafetensorsReader(path) as r:
+        assert r.metadata == {"format": "pt", "x": "1"}
+        assert r.keys() == sorted(tensors)
+        for key, t in tensors.items():
+            assert_same(r.read_tensor(key), t)
+            n = t.numel()
+            assert_same(r.read(key, n // 3, n - n // 4), t.reshape(-1)[n // 3 : n - n // 4])
+
+
+def test_no_metadata(tmp_path: Path) -> None:
+    path = tmp_path / "a.safetensors"
+    write_safetensors(path, {"x": torch.ones(2)})
+    with SafetensorsReader(path) as r:
+        assert r.metadata == {}
+    assert_same(load_file(path)["x"], torch.ones(2))
+
+
+def test_partial_reads(tmp_path: Path) -> None:
+    t = torch.randn(7, 13).bfloat16()
+    path = tmp_path / "a.safetensors"
+    rec = write_safetensors(path, {"t": t, "u": torch.arange(5)}, chunk_bytes=10)["t"]
+    flat = t.reshape(-1)
+    with SafetensorsReader(path) as r:
+        for a, b in [(0, 0), (0, 1), (5, 5), (3, 40), (1, 91), (90, 91), (0, 91)]:
+            assert_same(r.read("t", a, b), flat[a:b])
+            assert_same(r.read("t", a, b, checksums=rec.checksums, chunk_bytes=10), flat[a:b])
+        assert_same(r.read("t", 50), flat[50:])
+        for a, b in [(-1, 3), (5, 4), (0, 92)]:
+            with pytest.raises(CheckpointError, match="range"):
+                r.read("t", a, b)
+        with pytest.raises(CheckpointError, match="'nope'"):
+            r.read("nope")
+        with pytest.raises(CheckpointError, match=r"a\.safetensors"):
+            r.record("nope")
+        with pytest.raises(CheckpointError, match="checksums given"):
+            r.read("t", 0, 3, checksums=rec.checksums[:-1], chunk_bytes=10)
+
+
+def test_flipped_data_byte(tmp_path: Path) -> None:
+    t = torch.arange(64, dtype=torch.float32)  # 256 bytes: 8 chunks of 32
+    path = tmp_path / "a.safetensors"
+    rec = write_safetensors(path, {"t": t}, chunk_bytes=32)["t"]
+    raw = bytearray(path.read_bytes())
+    raw[rec.offset + 100] ^= 0x01  # chunk 3 = elements 24..31
+    path.write_bytes(bytes(raw))
+    with SafetensorsReader(path) as r:
+        # Untouched chunks still read, with or without checksums.
+        assert_same(r.read("t", 0, 24, checksums=rec.checksums, chunk_bytes=32), t[:24])
+        assert_same(r.read("t", 32, 64, checksums=rec.checksums, chunk_bytes=32), t[32:])
+        # Any range touching chunk 3 fails.
+        for a, b in [(24, 25), (20, 40), (31, 32), (0, 64)]:
+            with pytest.raises(CheckpointError, match="checksum mismatch") as info:
+                r.read("t", a, b, checksums=rec.checksums, chunk_bytes=32)
+            assert info.value.param == "t" and "a.safetensors" in str(info.value)
+        with pytest.raises(CheckpointError, match="chunk 3"):
+            r.read_tensor("t", checksums=rec.checksums, chunk_bytes=32)
+        # Without checksums the corruption goes unnoticed.
+        assert not torch.equal(r.read("t"), t)
+
+
+def write_raw(path: Path, header: object, data: bytes = b"", *, raw_header: bytes | None = None):
+    body = raw_header if raw_header is not None else json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(body)) + body + data)
+    return path
+
+
+def bad_files(tmp: Path) -> dict[str, Path]:
+    good = tmp / "good.safetensors"
+    write_safetensors(good, {"a": torch.arange(4, dtype=torch.int32), "b": torch.ones(2)})
+    raw = good.read_bytes()
+    ok = {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}
+    files = {}
+
+    def add(name: str, header: object = None, data: bytes = b"\0" * 8, **kw) -> None:
+        files[name] = write_raw(tmp / f"{name}.safetensors", header, data, **kw)
+
+    (tmp / "short.safetensors").write_bytes(b"\x05\0\0")
+    files["short"] = tmp / "short.safetensors"
+    (tmp / "truncated.safetensors").write_bytes(raw[:-3])
+    files["truncated"] = tmp / "truncated.safetensors"
+    (tmp / "huge_len.safetensors").write_bytes(struct.pack("<Q", 1 << 62) + raw[8:])
+    files["huge_len"] = tmp / "huge_len.safetensors"
+    (tmp / "len_past_end.safetensors").write_bytes(struct.pack("<Q", len(raw)) + raw[8:])
+    files["len_past_end"] = tmp / "len_past_end.safetensors"
+    flipped = bytearray(raw)
+    flipped[8] ^= 0x20  # '{' -> '['
+    (tmp / "flipped_header.safetensors").write_bytes(bytes(flipped))
+    files["flipped_header"] = tmp / "flipped_header.safetensors"
+    add("bad_json", raw_header=b'{"a": {"dtype": "F32",')
+    add("bad_utf8", raw_header=b'{"\xff\xfe": 1}  ')
+    add("not_object", [1, 2, 3])
+    add("entry_not_object", {"a": 5})
+    add("unknown_dtype", {"a": {**ok, "dtype": "Q7"}})
+    add("negative_shape", {"a": {**ok, "shape": [-2]}})
+    add("float_shape", {"a": {**ok, "shape": [2.0]}})
+    add("bool_shape", {"a": {**ok, "shape": [True, 2]}})
+    add("offsets_not_pair", {"a": {**ok, "data_offsets": [0]}})
+    add("offsets_not_int", {"a": {**ok, "data_offsets": [0, "8"]}})
+    add("offsets_reversed", {"a": {**ok, "data_offsets": [8, 0]}})
+    add("size_mismatch", {"a": {**ok, "shape": [3]}})
+    add("past_end", {"a": {**ok, "data_offsets": [4, 12]}})
+    add("huge_shape", {"a": {**ok, "shape": [1 << 40, 1 << 40], "data_offsets": [0, 8]}})
+    add("overlap", {"a": ok, "b": {**ok, "data_offsets": [4, 12]}}, b"\0" * 12)
+    add("bad_metadata", {"__metadata__": {"k": 1}, "a": ok})
+    add("metadata_not_dict", {"__metadata__": ["k"], "a": ok})
+    entry = json.dumps(ok).encode()
+    add("duplicate_key", raw_header=b'{"a": ' + entry + b', "a": ' + entry + b"}")
+    add("deep_json", raw_header=b"[" * 100_000 + b"]" * 100_000)
+    return files
+
+
+REASONS = {
+    "short": "shorter than",
+    "truncated": "past the end",
+    "huge_len": "limit",
+    "len_past_end": "past the end",
+    "flipped_header": "JSON",
+    "bad_json": "JSON",
+    "bad_utf8": "UTF-8",
+    "not_object": "not an object",
+    "entry_not_object": "not an object",
+    "unknown_dtype": "unknown dtype",
+    "negative_shape": "shape",
+    "float_shape": "shape",
+    "bool_shape": "shape",
+    "offsets_not_pair": "data_offsets",
+    "offsets_not_int": "data_offsets",
+    "offsets_reversed": "data_offsets",
+    "size_mismatch": "needs 12",
+    "past_end": "past the end",
+    "huge_shape": "needs",
+    "overlap": "overlap",
+    "bad_metadata": "__metadata__",
+    "metadata_not_dict": "__metadata__",
+    "duplicate_key": "duplicate key",
+    "deep_json": "JSON",
+}
+
+
+def test_damaged_files_raise(tmp_path: Path) -> None:
+    files = bad_files(tmp_path)
+    assert set(files) == set(REASONS)
+    for name, path in files.items():
+        with pytest.raises(CheckpointError) as info:
+            SafetensorsReader(path)
+        message = str(info.value)
+        assert path.name in message and REASONS[name] in message, (name, message)
+        assert info.value.path == path, name
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match=r"missing\.safetensors"):
+        SafetensorsReader(tmp_path / "missing.safetensors")
+
+
+def test_truncated_after_open(tmp_path: Path) -> None:
+    path = tmp_path / "a.safetensors"
+    rec = write_safetensors(path, {"t": torch.arange(100, dtype=torch.int64)})["t"]
+    with SafetensorsReader(path) as r:
+        with open(path, "r+b") as f:
+            f.truncate(rec.offset + 80)
+        assert_same(r.read("t", 0, 10), torch.arange(10))
+        with pytest.raises(CheckpointError, match="truncated") as info:
+            r.read("t", 5, 20)
+        assert "a.safetensors" in str(info.value)
+
+
+def test_closed_reader(tmp_path: Path) -> None:
+    path = tmp_path / "a.safetensors"
+    write_safetensors(path, {"t": torch.ones(3)})
+    r = SafetensorsReader(path)
+    r.close()
+    r.close()
+    with pytest.raises(CheckpointError, match="closed"):
+        r.read("t")
+
+
+def test_write_rejects_bad_input(tmp_path: Path) -> None:
+    path = tmp_path / "a.safetensors"
+    with pytest.raises(CheckpointError, match=r"a\.safetensors"):
+        write_safetensors(path, {"c": torch.ones(2, dtype=torch.complex64)})
+    with pytest.raises(CheckpointError):
+        write_safetensors(path, {"x": torch.ones(2)}, {"k": 1})  # type: ignore[dict-item]
+    with pytest.raises(CheckpointError):
+        write_safetensors(path, {"__metadata__": torch.ones(2)})
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_write_leaves_no_temp_files_and_replaces(tmp_path: Path) -> None:
+    path = tmp_path / "a.safetensors"
+    write_safetensors(path, {"x": torch.ones(2)})
+    write_safetensors(path, {"y": torch.zeros(3)})
+    assert [p.name for p in tmp_path.iterdir()] == ["a.safetensors"]
+    with SafetensorsReader(path) as r:
+        assert r.keys() == ["y"]
+
+
+def test_write_error_is_checkpoint_error(tmp_path: Path) -> None:
+    path = tmp_path / "no_such_dir" / "a.safetensors"
+    with pytest.raises(CheckpointError, match=r"a\.safetensors"):
+        write_safetensors(path, {"x": torch.ones(2)})
+    with pytest.raises(CheckpointError, match=r"m\.json"):
+        write_text_atomic(path.with_name("m.json"), "{}")
+
+
+def test_write_cleans_up_on_failure(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import muonckpt.storage as storage
+
+    def boom(*args: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(storage.os, "fsync", boom)
+    path = tmp_path / "a.safetensors"
+    with pytest.raises(CheckpointError, match="No space left"):
+        write_safetensors(path, {"x": torch.ones(2)})
+    with pytest.raises(CheckpointError, match="No space left"):
+        write_text_atomic(tmp_path / "m.json", "{}")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_write_text_atomic(tmp_path: Path) -> None:
+    path = tmp_path / "manifest.json"
+    write_text_atomic(path, '{"a": "ü"}')
+    assert path.read_text(encoding="utf-8") == '{"a": "ü"}'
+    write_text_atomic(path, "second")
+    assert path.read_text(encoding="utf-8") == "second"
+    assert [p.name for p in tmp_path.iterdir()] == ["manifest.json"]
+
+
+def test_checksum_chunks() -> None:
+    data = torch.arange(10, dtype=torch.uint8)
+    assert len(checksum_chunks(data, 3)) == 4
+    assert checksum_chunks(data[:0], 3) == ()
+    assert checksum_chunks(data, 100) == checksum_chunks(data.clone(), 100)
+    assert checksum_chunks(data, 3)[:3] != checksum_chunks(data + 1, 3)[:3]
+    with pytest.raises(ValueError):
+        checksum_chunks(data.float(), 3)
+
+
+@st.composite
+def tensor_and_range(draw: st.DrawFn) -> tuple[torch.Tensor, int, int, int]:
+    dtype = draw(st.sampled_from(DTYPES))
+    shape = tuple(draw(st.lists(st.integers(0, 6), min_size=0, max_size=3)))
+    t = make(dtype, shape, seed=draw(st.integers(0, 1000)))
+    if draw(st.booleans()) and t.dim() >= 2:
+        t = t.transpose(0, 1)
+    n = t.numel()
+    a = draw(st.integers(0, n))
+    b = draw(st.integers(a, n))
+    chunk = draw(st.integers(1, 40))
+    return t, a, b, chunk
+
+
+@settings(max_examples=60, deadline=None)
+@given(tensor_and_range())
+def test_partial_read_property(case: tuple[torch.Tensor, int, int, int]) -> None:
+    t, a, b, chunk = case
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "p.safetensors"
+        rec = write_safetensors(
+            path, {"pad": torch.ones(3, dtype=torch.int8), "t": t}, chunk_bytes=chunk
+        )
+        expected = t.reshape(-1)[a:b]
+        with SafetensorsReader(path) as r:
+            assert_same(r.read("t", a, b), expected)
+            assert_same(
+                r.read("t", a, b, checksums=rec["t"].checksums, chunk_bytes=chunk), expected
+            )
+            assert_same(r.read_tensor("t"), t)
+
+
+def test_read_text(tmp_path: Path) -> None:
+    path = tmp_path / "m.json"
+    write_text_atomic(path, "ünï")
+    assert read_text(path) == "ünï"
+    path.write_bytes(b"\xff")
+    with pytest.raises(CheckpointError, match=r"m\.json"):
+        read_text(path)
+    with pytest.raises(CheckpointError, match="nope"):
+        read_text(tmp_path / "nope")
+
+
+def test_swap_in(tmp_path: Path) -> None:
+    final = tmp_path / "ckpt"
+    for text in ["first", "second"]:
+        staging = tmp_path / f".ckpt.staging-{text}"
+        staging.mkdir()
+        write_text_atomic(staging / "manifest.json", text)
+        swap_in(staging, final)
+        assert read_text(final / "manifest.json") == text
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def test_swap_in_failure_keeps_old(tmp_path: Path) -> None:
+    final = tmp_path / "ckpt"
+    final.mkdir()
+    write_text_atomic(final / "manifest.json", "old")
+    with pytest.raises(CheckpointError, match="ckpt"):
+        swap_in(tmp_path / "missing", final)
+    assert read_text(final / "manifest.json") == "old"
