@@ -129,7 +129,7 @@ class Muon(torch.optim.Optimizer):
             adamw_betas=adamw_betas,
             adamw_eps=adamw_eps,
         )
-        super().__init__(param_groups, defaults)
+        super().__init__(_name_empty_groups(param_groups), defaults)
         self.distributed_mode = False
         self.dist_group: dist.ProcessGroup | None = None
         self.tp_group: dist.ProcessGroup | None = None
@@ -302,6 +302,26 @@ class Muon(torch.optim.Optimizer):
             for i, p in enumerate(group["params"]):
                 names[p] = group_names[i] if group_names else str(len(names))
         return names
+
+
+def _name_empty_groups(param_groups: Iterable[Any]) -> list[Any]:
+    """Give empty groups ``param_names=[]`` when others are named: torch counts them unnamed."""
+    groups = list(param_groups)
+    if not groups or not all(isinstance(g, dict) for g in groups):
+        return groups
+    groups = [
+        g if isinstance(g["params"], torch.Tensor) else {**g, "params": list(g["params"])}
+        for g in groups
+    ]
+    named = any(
+        isinstance(p, tuple) for g in groups if isinstance(g["params"], list) for p in g["params"]
+    )
+    return [
+        {**g, "param_names": []}
+        if named and isinstance(g["params"], list) and not g["params"]
+        else g
+        for g in groups
+    ]
 
 
 def _adamw_update(group: dict[str, Any], state: dict[torch.Tensor, dict[str, Any]]) -> None:

@@ -43,16 +43,22 @@ def groups_of(params: dict[str, torch.Tensor]) -> list[dict]:
 def build(dp: int, tp: int, params: dict[str, torch.Tensor], bucket_numel: int | None = 150):
     """(optimizer, sharded params, dp_rank, tp_rank) on this rank of a dp x tp grid."""
     if dp * tp == 1:  # the plain single-process optimizer, not a 1 x 1 grid
-        opt = Muon([{**g, "params": [(n, t.clone()) for n, t in g["params"]]}
-                    for g in groups_of(params)])
+        opt = Muon(
+            [{**g, "params": [(n, t.clone()) for n, t in g["params"]]} for g in groups_of(params)]
+        )
         return opt, None, 0, 0
     dp_group, tp_group = make_groups(dp, tp)
     dp_rank, tp_rank = dist.get_rank(dp_group), dist.get_rank(tp_group)
-    sharded = shard_param_groups(groups_of(params), Topology(dp, tp), dp_rank, tp_rank,
-                                 tp_split_dims=TP_SPLIT_DIMS, bucket_numel=bucket_numel)
+    sharded = shard_param_groups(
+        groups_of(params),
+        Topology(dp, tp),
+        dp_rank,
+        tp_rank,
+        tp_split_dims=TP_SPLIT_DIMS,
+        bucket_numel=bucket_numel,
+    )
     opt = Muon(sharded.param_groups)
-    opt.enable_distributed_mode(sharded.global_buffer_sizes, dp_group, tp_group,
-                                sharded.dist_metas)
+    opt.enable_distributed_mode(sharded.global_buffer_sizes, dp_group, tp_group, sharded.dist_metas)
     return opt, sharded, dp_rank, tp_rank
 
 
@@ -73,8 +79,11 @@ def _full_shape(name: str) -> tuple[int, ...]:
 
 
 def local_params(opt: Muon) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for g in opt.param_groups
-            for n, p in zip(g["param_names"], g["params"], strict=True)}
+    return {
+        n: p.detach().clone()
+        for g in opt.param_groups
+        for n, p in zip(g["param_names"], g["params"], strict=True)
+    }
 
 
 def assemble(dp: int, tp: int, shards: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -82,8 +91,9 @@ def assemble(dp: int, tp: int, shards: list[dict[str, torch.Tensor]]) -> dict[st
     if dp * tp == 1:
         return shards[0]
     params = initial_params()
-    sharded = shard_param_groups(groups_of(params), Topology(dp, tp), 0, 0,
-                                 tp_split_dims=TP_SPLIT_DIMS, bucket_numel=150)
+    sharded = shard_param_groups(
+        groups_of(params), Topology(dp, tp), 0, 0, tp_split_dims=TP_SPLIT_DIMS, bucket_numel=150
+    )
     full = {name: torch.empty_like(t) for name, t in params.items()}
     for rank, shard in enumerate(shards):
         d, t = Topology(dp, tp).coords(rank)
@@ -92,8 +102,15 @@ def assemble(dp: int, tp: int, shards: list[dict[str, torch.Tensor]]) -> dict[st
     return full
 
 
-def phase(dp: int, tp: int, params_path: str | None, state_path: str | None, first_step: int,
-          steps: int, save_to: str | None) -> dict[str, torch.Tensor]:
+def phase(
+    dp: int,
+    tp: int,
+    params_path: str | None,
+    state_path: str | None,
+    first_step: int,
+    steps: int,
+    save_to: str | None,
+) -> dict[str, torch.Tensor]:
     """Build at dp x tp, optionally resume from files, train, optionally save the state dict."""
     params = initial_params()
     if params_path is not None:

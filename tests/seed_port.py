@@ -102,8 +102,14 @@ def test_muon_dist(dp_size, tp_size, shapes=SEED_SHAPES, tp_dims=SEED_TP_DIMS, s
     params_test, grads_test, global_buffer_size, dist_metas = distribute_params(
         params_test, grads_test, tp_dims, dist_group, tp_group
     )
-    muon_args = {"use_muon": True, "lr": 0.1, "momentum": 0.9, "nesterov": True, "ns_steps": 5,
-                 "weight_decay": 0.1}
+    muon_args = {
+        "use_muon": True,
+        "lr": 0.1,
+        "momentum": 0.9,
+        "nesterov": True,
+        "ns_steps": 5,
+        "weight_decay": 0.1,
+    }
     ref_muon = Muon([{"params": params_ref, **muon_args}])
     test_muon = Muon([{"params": params_test, **muon_args}])
     test_muon.enable_distributed_mode([[(global_buffer_size, 0)]], dist_group, tp_group, dist_metas)

@@ -1,0 +1,325 @@
+"""Property tests of the pure layout math (muonckpt.layout) and its tensor side (regions).
+
+No processes: every (dp, tp) position is evaluated in this one process. The reference for
+"what TP block t is" is torch.chunk on an index tensor, independent of layout's matrix view.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+
+from muonckpt import LayoutError, ParamSpec, Topology, arrange
+from muonckpt.layout import copy_runs, dp_slice, tp_local_shape, whole_region
+from muonckpt.regions import copy_runs_, extract, insert_
+
+SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@st.composite
+def specs_for(draw, tps: tuple[int, ...]):
+    """1..6 params of 1-, 2- or 3-D shapes (size-1 and size-0 dims included), mixed groups.
+
+    A split dim is only chosen among dims whose size every tp in ``tps`` divides.
+    """
+    unit = math.lcm(*tps)
+    specs = []
+    for i in range(draw(st.integers(1, 6))):
+        ndim = draw(st.integers(1, 3))
+        shape = [draw(st.sampled_from([0, 1, 1, 2, 3, 4, 5, 7])) for _ in range(ndim)]
+        if draw(st.booleans()):  # make one dim splittable
+            d = draw(st.integers(0, ndim - 1))
+            shape[d] = unit * draw(st.integers(1, 2))
+        valid = [d for d in range(ndim) if shape[d] % unit == 0]
+        split = draw(st.sampled_from([-1, *valid]))
+        specs.append(
+            ParamSpec(f"p{i}", tuple(shape), tp_split_dim=split, group=draw(st.integers(0, 2)))
+        )
+    return specs
+
+
+@st.composite
+def layout_cases(draw):
+    dp, tp = draw(st.integers(1, 9)), draw(st.integers(1, 4))
+    specs = draw(specs_for((tp,)))
+    kwargs = draw(arrange_kwargs(specs))
+    return specs, Topology(dp, tp), kwargs
+
+
+@st.composite
+def arrange_kwargs(draw, specs):
+    buffers = {s.name: draw(st.integers(0, 2)) for s in specs}
+    return dict(
+        bucket_numel=draw(st.one_of(st.none(), st.integers(1, 40))),
+        param_alignment=draw(st.sampled_from([1, 2, 3, 4, 8])),
+        bucket_alignment=draw(st.sampled_from([1, 2, 4, 6, 16])),
+        buffer_of=(lambda spec: buffers[spec.name]) if draw(st.booleans()) else None,
+    )
+
+
+def tp_block_indices(spec: ParamSpec, tp: int, tp_rank: int) -> torch.Tensor:
+    """Full-flat indices of TP block ``tp_rank``, in the block's row-major order."""
+    index = torch.arange(spec.numel, dtype=torch.int64).reshape(spec.shape)
+    if spec.tp_split_dim < 0 or tp == 1:
+        return index.reshape(-1)
+    return index.chunk(tp, dim=spec.tp_split_dim)[tp_rank].reshape(-1)
+
+
+def a_param_some_dp_rank_lacks(layout) -> bool:
+    dp = layout.topology.dp
+    return any(
+        layout.dp_range(i, r) == (0, 0) and math.prod(layout.local_shape(i)) > 0
+        for i in range(len(layout.specs))
+        for r in range(dp)
+    )
+
+
+@SETTINGS
+@given(layout_cases())
+@example(
+    (
+        [ParamSpec("tiny", (2,)), ParamSpec("w", (4, 3), tp_split_dim=0)],
+        Topology(9, 2),
+        dict(bucket_numel=None, param_alignment=1, bucket_alignment=1, buffer_of=None),
+    )
+)
+def test_every_element_has_exactly_one_owner(case):
+    specs, topo, kwargs = case
+    layout = arrange(specs, topo, **kwargs)
+    for i, spec in enumerate(specs):
+        counts = torch.zeros(spec.numel, dtype=torch.int64)
+        for dp_rank in range(topo.dp):
+            for tp_rank in range(topo.tp):
+                region = layout.owner_region(i, dp_rank, tp_rank)
+                for lo, hi in region.intervals():
+                    assert 0 <= lo < hi <= spec.numel
+                    counts[lo:hi] += 1
+        assert bool((counts == 1).all()), (spec, counts.tolist())
+
+
+@SETTINGS
+@given(layout_cases())
+@example(
+    (
+        [ParamSpec("tiny", (2,)), ParamSpec("w", (4, 3), tp_split_dim=0)],
+        Topology(9, 2),
+        dict(bucket_numel=None, param_alignment=1, bucket_alignment=1, buffer_of=None),
+    )
+)
+def test_dp_regions_partition_each_tp_block_in_order(case):
+    specs, topo, kwargs = case
+    layout = arrange(specs, topo, **kwargs)
+    for i, spec in enumerate(specs):
+        full_index = torch.arange(spec.numel, dtype=torch.int64).reshape(spec.shape)
+        local_numel = math.prod(layout.local_shape(i))
+        for tp_rank in range(topo.tp):
+            block = tp_block_indices(spec, topo.tp, tp_rank)
+            assert block.numel() == local_numel
+            pieces, covered = [], 0
+            for dp_rank in range(topo.dp):
+                lo, hi = layout.dp_range(i, dp_rank)
+                region = layout.region(i, dp_rank, tp_rank)
+                assert region.numel == hi - lo
+                if hi > lo:  # ranges are consecutive in dp order
+                    assert lo == covered
+                    covered = hi
+                pieces.append(extract(full_index, region))
+            assert covered == local_numel
+            assert torch.equal(torch.cat(pieces), block)
+
+
+@SETTINGS
+@given(layout_cases())
+def test_buckets_and_placements(case):
+    specs, topo, kwargs = case
+    layout = arrange(specs, topo, **kwargs)
+    pad = math.lcm(topo.dp, kwargs["bucket_alignment"])
+    assert layout.global_buffer_sizes() == [
+        [(b.size, b.offset) for b in buffer] for buffer in layout.buckets
+    ]
+    for buffer in layout.buckets:
+        offset = 0
+        for bucket in buffer:
+            assert bucket.offset == offset
+            assert bucket.size % topo.dp == 0 and bucket.size % pad == 0
+            offset += bucket.size
+    buffer_of = kwargs["buffer_of"] or (lambda spec: 0)
+    members: dict[tuple[int, int], list[int]] = {}
+    for i, (spec, place) in enumerate(zip(specs, layout.placements)):
+        assert place.buffer == buffer_of(spec)
+        bucket = layout.buckets[place.buffer][place.bucket]
+        lo, hi = place.global_range
+        assert (
+            hi - lo
+            == math.prod(layout.local_shape(i))
+            == spec.numel // (topo.tp if spec.tp_split_dim >= 0 else 1)
+        )
+        # never straddles a bucket; aligned relative to the bucket start
+        assert bucket.offset <= lo <= hi <= bucket.offset + bucket.size
+        assert (lo - bucket.offset) % kwargs["param_alignment"] == 0
+        # dp_range is exactly the param's intersection with each rank's share of the bucket
+        share = bucket.size // topo.dp
+        for dp_rank in range(topo.dp):
+            s_lo = bucket.offset + share * dp_rank
+            a, b = max(lo, s_lo), min(hi, s_lo + share)
+            expected = (a - lo, b - lo) if a < b else (0, 0)
+            assert layout.dp_range(i, dp_rank) == expected
+        members.setdefault((place.buffer, place.bucket), []).append(i)
+    for (buffer, k), idx in members.items():
+        # packing order is input order, no overlaps
+        ranges = [layout.placements[i].global_range for i in idx]
+        assert idx == sorted(idx)
+        assert all(r1[1] <= r2[0] for r1, r2 in itertools.pairwise(ranges))
+        bucket = layout.buckets[buffer][k]
+        content = ranges[-1][1] - bucket.offset
+        assert bucket.size == -(-content // pad) * pad
+        if kwargs["bucket_numel"] is not None and k < len(layout.buckets[buffer]) - 1:
+            # a bucket closes as soon as it holds bucket_numel elements, not before
+            assert content >= kwargs["bucket_numel"]
+            assert ranges[-2][1] - bucket.offset < kwargs["bucket_numel"] if len(idx) > 1 else True
+    for buffer, bucket_list in enumerate(layout.buckets):
+        assert {k for (b, k) in members if b == buffer} == set(range(len(bucket_list)))
+
+
+def test_some_dp_ranks_own_nothing_of_a_param():
+    specs = [ParamSpec("tiny", (2,)), ParamSpec("w", (4, 3), tp_split_dim=0), ParamSpec("v", (5,))]
+    layout = arrange(specs, Topology(9, 2), bucket_numel=2)
+    assert a_param_some_dp_rank_lacks(layout)
+    # tiny is alone in a bucket of 18: ranks 0 and 1 hold one element each, the rest nothing
+    assert [layout.dp_range(0, r) for r in range(9)] == [(0, 1), (1, 2)] + [(0, 0)] * 7
+    assert layout.region(0, 5, 0).numel == 0
+    assert list(layout.region(0, 5, 0).intervals()) == []
+
+
+@st.composite
+def reshard_cases(draw):
+    topo_a = Topology(draw(st.integers(1, 6)), draw(st.integers(1, 4)))
+    topo_b = Topology(draw(st.integers(1, 6)), draw(st.integers(1, 4)))
+    specs = draw(specs_for((topo_a.tp, topo_b.tp)))
+    return specs, topo_a, draw(arrange_kwargs(specs)), topo_b, draw(arrange_kwargs(specs))
+
+
+@SETTINGS
+@given(reshard_cases())
+def test_copy_runs_reshard_reproduces_target_pieces(case):
+    specs, topo_a, kw_a, topo_b, kw_b = case
+    src_layout, dst_layout = arrange(specs, topo_a, **kw_a), arrange(specs, topo_b, **kw_b)
+    for i, spec in enumerate(specs):
+        full = torch.randn(spec.shape, dtype=torch.float64)
+        sources = [
+            (src_layout.owner_region(i, d, t), extract(full, src_layout.region(i, d, t)))
+            for d in range(topo_a.dp)
+            for t in range(topo_a.tp)
+        ]
+        for d in range(topo_b.dp):
+            for t in range(topo_b.tp):
+                target_region = dst_layout.region(i, d, t)
+                target = torch.full((target_region.numel,), float("nan"), dtype=torch.float64)
+                written = torch.zeros(target_region.numel, dtype=torch.int64)
+                for src_region, piece in sources:
+                    # owner_region is region or empty; its runs index the full source piece
+                    runs = copy_runs(src_region, target_region)
+                    copy_runs_(target, piece, runs)
+                    for run in runs:
+                        assert run.length > 0
+                        written[run.dst : run.dst + run.length] += 1
+                assert bool((written == 1).all())
+                assert torch.equal(target, extract(full, target_region))
+
+
+@SETTINGS
+@given(reshard_cases())
+def test_copy_runs_same_block_is_one_run(case):
+    specs, topo, kw_a, _, kw_b = case
+    a, b = arrange(specs, topo, **kw_a), arrange(specs, topo, **kw_b)
+    for i in range(len(specs)):
+        for t in range(topo.tp):
+            for d1 in range(topo.dp):
+                for d2 in range(topo.dp):
+                    r1, r2 = a.region(i, d1, t), b.region(i, d2, t)
+                    runs = copy_runs(r1, r2)
+                    assert len(runs) <= 1
+                    overlap = max(0, min(r1.stop, r2.stop) - max(r1.start, r2.start))
+                    assert sum(r.length for r in runs) == overlap
+
+
+@SETTINGS
+@given(layout_cases())
+def test_extract_insert_round_trip(case):
+    specs, topo, kwargs = case
+    layout = arrange(specs, topo, **kwargs)
+    for i, spec in enumerate(specs):
+        full = torch.randn(spec.shape)
+        rebuilt = torch.full(spec.shape, float("nan"))
+        for d in range(topo.dp):
+            for t in range(topo.tp):
+                region = layout.owner_region(i, d, t)
+                insert_(rebuilt, region, extract(full, region))
+        assert torch.equal(rebuilt, full)
+
+
+def test_whole_region_and_matrix_view_examples():
+    assert list(whole_region(6).intervals()) == [(0, 6)]
+    # (4, 6) split on dim 1 over tp=2: block 1 is columns 3..5 of each row
+    layout = arrange([ParamSpec("w", (4, 6), tp_split_dim=1)], Topology(1, 2))
+    assert list(layout.region(0, 0, 1).intervals()) == [(3, 6), (9, 12), (15, 18), (21, 24)]
+    assert layout.local_shape(0) == (4, 3)
+
+
+# --- bad input ---------------------------------------------------------------------------------
+
+
+def test_tp_not_dividing_names_the_param():
+    with pytest.raises(LayoutError, match=r"'layer\.w'.*not divisible by tp=2"):
+        arrange([ParamSpec("layer.w", (5, 4), tp_split_dim=0)], Topology(1, 2))
+    with pytest.raises(LayoutError, match="'b'"):
+        tp_local_shape("b", (4, 3), 1, 2)
+
+
+def test_duplicate_names():
+    with pytest.raises(LayoutError, match=r"duplicate param names: \['a'\]"):
+        arrange([ParamSpec("a", (2,)), ParamSpec("b", (2,)), ParamSpec("a", (3,))], Topology(1, 1))
+
+
+@pytest.mark.parametrize("shape,dim", [((3, 4), 2), ((3, 4), -2), ((), 0), ((5,), 1)])
+def test_bad_tp_split_dim(shape, dim):
+    with pytest.raises(LayoutError, match=r"'w'.*tp_split_dim"):
+        ParamSpec("w", shape, tp_split_dim=dim)
+
+
+def test_negative_size():
+    with pytest.raises(LayoutError, match="'w'"):
+        ParamSpec("w", (3, -1))
+
+
+def test_bucket_size_not_divisible_by_dp():
+    with pytest.raises(LayoutError, match="bucket size 10 is not divisible by dp=4"):
+        dp_slice((0, 3), 0, 10, 4, 1)
+    assert dp_slice((0, 3), 0, 12, 4, 0) == (0, 3)
+    assert dp_slice((0, 3), 0, 12, 4, 1) == (0, 0)
+    assert dp_slice((4, 7), 0, 12, 4, 1) == (0, 2)
+    assert dp_slice((4, 7), 0, 12, 4, 2) == (2, 3)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [dict(bucket_numel=0), dict(param_alignment=0), dict(bucket_alignment=-1)],
+)
+def test_bad_arrange_options(kwargs):
+    with pytest.raises(LayoutError):
+        arrange([ParamSpec("a", (2,))], Topology(1, 1), **kwargs)
+
+
+@pytest.mark.parametrize("dp,tp", [(0, 1), (1, 0)])
+def test_bad_topology(dp, tp):
+    with pytest.raises(LayoutError):
+        Topology(dp, tp)
+
+
+def test_layout_error_is_value_error():
+    assert issubclass(LayoutError, ValueError)
