@@ -294,7 +294,7 @@ def trim_state_dict(
     for index, (p, param) in enumerate(zip(flat, sharding.params, strict=True)):
         entry = by_name[param.name]
         if not entry:
-            if any_state:
+            if any_state and param.expected_keys:
                 raise StateDictError(f"state dict has no state for param {param.name!r}")
             continue
         kept = _cut_entry(param, entry, p)
