@@ -139,19 +139,18 @@ class StateDictHooks:
         return trim_state_dict(optimizer, state_dict, self.describe(False))
 
     def _check_loaded(self, optimizer: torch.optim.Optimizer) -> None:
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                for key, value in optimizer.state.get(p, {}).items():
-                    if (
-                        isinstance(value, torch.Tensor)
-                        and value.dim()
-                        and (value.numel() != p.numel() and value.numel() != 0)
-                        and _is_param_shaped(optimizer, key)
-                    ):
-                        raise StateDictError(
-                            f"loaded state {key!r} has {value.numel()} "
-                            f"elements for a local param of {p.numel()}"
-                        )
+        """After loading, every region-sharded state tensor must be exactly this rank's share."""
+        sharding = self.describe(False)
+        flat = [p for g in optimizer.param_groups for p in g["params"]]
+        for p, param in zip(flat, sharding.params, strict=True):
+            if param.local is None:
+                continue
+            for key, value in optimizer.state.get(p, {}).items():
+                if isinstance(value, torch.Tensor) and value.numel() != param.local.numel:
+                    raise StateDictError(
+                        f"param {param.name!r}: loaded state {key!r} has {value.numel()} "
+                        f"elements, this rank's share is {param.local.numel}"
+                    )
 
 
 def check_agreement(sharding: Sharding) -> None:
@@ -169,12 +168,6 @@ def check_agreement(sharding: Sharding) -> None:
             "ranks disagree about the optimizer's params (names, order or full shapes): "
             "every rank must hold every param, in the same order"
         )
-
-
-def _is_param_shaped(optimizer: torch.optim.Optimizer, key: str) -> bool:
-    from .optim import ADAMW_STATE_KEYS, MUON_STATE_KEYS, Muon
-
-    return isinstance(optimizer, Muon) and key in MUON_STATE_KEYS + ADAMW_STATE_KEYS
 
 
 def _gather_entry_metadata(
