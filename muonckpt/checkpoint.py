@@ -10,6 +10,7 @@ reads just those from whichever pieces hold them. Collectives come from
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import uuid
 from collections.abc import Iterator
@@ -47,6 +48,7 @@ from .optim import Muon
 from .regions import copy_runs_
 
 CONSOLIDATED_FILE = "optimizer.safetensors"
+_STAGING_NAME = re.compile(r"^\..+\.(staging-[0-9a-f]{8}|old-\d+)$")
 INDEX_FILE = "optimizer.safetensors.index.json"
 
 
@@ -286,6 +288,11 @@ def read_manifest(path: str | os.PathLike[str]) -> Manifest:
     manifest_path = directory / MANIFEST_NAME
     if not directory.is_dir():
         raise CheckpointError("no checkpoint directory", path=directory)
+    if _STAGING_NAME.match(directory.name):
+        raise CheckpointError(
+            "incomplete: a staging directory left by an interrupted save, not a checkpoint",
+            path=directory,
+        )
     if not manifest_path.is_file():
         raise CheckpointError(
             "incomplete checkpoint: no manifest.json (the save was interrupted or is not done)",

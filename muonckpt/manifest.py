@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from .errors import CheckpointError
-from .layout import Region
+from .layout import Region, matrix_view
 
 FORMAT_NAME = "muonckpt"
 FORMAT_VERSION = 1
@@ -160,7 +160,7 @@ def _manifest_from(body: Any) -> Manifest:
     _expect(isinstance(body, dict), "manifest is not a JSON object")
     _expect(body.get("format") == FORMAT_NAME, "not a muonckpt manifest (format field)")
     version = body.get("format_version")
-    _expect(isinstance(version, int), "format_version missing")
+    _expect(_pos_int(version), "format_version missing or not a positive int")
     if version > FORMAT_VERSION:
         raise CheckpointError(
             f"format version {version} is newer than this muonckpt reads ({FORMAT_VERSION}); "
@@ -242,6 +242,8 @@ def _check_region(entry: ParamEntry, region: Region, tensor: str) -> None:
     if ok and region.cols and region.numel:
         rows = numel // region.cols if numel % region.cols == 0 else -1
         ok = rows >= 0 and region.stop <= rows * region.block_width
+    if ok and region.numel and region.block_width != region.cols:
+        ok = region.cols == matrix_view(entry.shape, entry.tp_split_dim)[1]
     _expect(ok, f"piece {tensor!r}: region {asdict(region)} lies outside param shape {entry.shape}")
 
 

@@ -570,6 +570,12 @@ def _exchange(a: Path, b: Path) -> bool:
     raise OSError(err, os.strerror(err), str(a))
 
 
+def _retire(directory: Path) -> None:
+    """Delete a replaced checkpoint, manifest first, so a crash midway leaves it incomplete."""
+    (directory / "manifest.json").unlink(missing_ok=True)
+    shutil.rmtree(directory)
+
+
 def swap_in(staging: str | os.PathLike[str], final: str | os.PathLike[str]) -> None:
     """Make directory ``staging`` appear at ``final`` atomically, then drop what was there.
 
@@ -581,7 +587,7 @@ def swap_in(staging: str | os.PathLike[str], final: str | os.PathLike[str]) -> N
         if not final.exists():
             os.rename(staging, final)
         elif _exchange(staging, final):
-            shutil.rmtree(staging)
+            _retire(staging)
         else:
             old = final.with_name(f".{final.name}.old-{os.getpid()}")
             os.rename(final, old)
@@ -590,7 +596,169 @@ def swap_in(staging: str | os.PathLike[str], final: str | os.PathLike[str]) -> N
             except OSError:
                 os.rename(old, final)
                 raise
-            shutil.rmtree(old)
+            _retire(old)
         fsync_dir(final.parent)
     except OSError as exc:
         raise CheckpointError(f"cannot commit the checkpoint: {exc}", path=final) from None
+
+
+def _plan_header(
+    path: Path,
+    specs: Mapping[str, tuple[str, Sequence[int]]],
+    metadata: Mapping[str, str] | None,
+) -> tuple[bytes, dict[str, tuple[str, tuple[int, ...], int, int]]]:
+    """The padded header bytes, and each key's (dtype, shape, begin, nbytes), in key order."""
+    meta = dict(metadata or {})
+    for k, v in meta.items():
+        if not isinstance(k, str) or not isinstance(v, str):
+            raise CheckpointError(f"metadata must map str to str, got {k!r}: {v!r}", path=path)
+    header: dict[str, object] = {_METADATA_KEY: meta} if meta else {}
+    plan: dict[str, tuple[str, tuple[int, ...], int, int]] = {}
+    position = 0
+    for key in sorted(specs):
+        if not isinstance(key, str) or key == _METADATA_KEY:
+            raise CheckpointError(f"invalid tensor key {key!r}", path=path)
+        name, shape = specs[key]
+        if name not in _ITEMSIZE:
+            raise CheckpointError(f"unknown safetensors dtype {name!r}", path=path, param=key)
+        shape = tuple(int(s) for s in shape)
+        if any(s < 0 for s in shape):
+            raise CheckpointError(f"negative size in shape {shape}", path=path, param=key)
+        nbytes = math.prod(shape) * _ITEMSIZE[name]
+        header[key] = {
+            "dtype": name,
+            "shape": list(shape),
+            "data_offsets": [position, position + nbytes],
+        }
+        plan[key] = (name, shape, position, nbytes)
+        position += nbytes
+    encoded = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    encoded += b" " * (-len(encoded) % 8)
+    return encoded, plan
+
+
+class SafetensorsWriter:
+    """Streams tensors into a safetensors file one at a time, in bounded memory.
+
+    The header is written up front from the declared ``specs`` (key -> (dtype string, shape));
+    :meth:`write` then takes each tensor in sorted key order and checksums the bytes it writes
+    (every ``chunk_bytes``, as :func:`write_safetensors` does). :meth:`commit` fsyncs and
+    renames the temporary file into place and returns the records. Leaving the ``with`` block
+    without a commit (or on an exception) removes the temporary file. Any OSError surfaces as
+    :class:`CheckpointError` naming the file.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        specs: Mapping[str, tuple[str, Sequence[int]]],
+        metadata: Mapping[str, str] | None = None,
+        *,
+        chunk_bytes: int = CHUNK_BYTES,
+    ) -> None:
+        self.path = Path(path)
+        if chunk_bytes <= 0:
+            raise CheckpointError(f"chunk_bytes must be positive, got {chunk_bytes}", path=path)
+        self.chunk_bytes = chunk_bytes
+        header, self._plan = _plan_header(self.path, specs, metadata)
+        self._data_start = 8 + len(header)
+        self._order = list(self._plan)
+        self._next = 0
+        self._records: dict[str, TensorRecord] = {}
+        self._tmp = _tmp_path(self.path)
+        self._file = None
+        try:
+            self._file = open(self._tmp, "wb")  # noqa: SIM115 - closed by commit/abort
+            self._file.write(struct.pack("<Q", len(header)))
+            self._file.write(header)
+        except OSError as e:
+            self.abort()
+            raise CheckpointError(f"cannot write: {e}", path=self.path) from e
+
+    @property
+    def pending(self) -> list[str]:
+        """Keys still to write, in the order :meth:`write` expects them."""
+        return self._order[self._next :]
+
+    def write(self, key: str, tensor: torch.Tensor) -> TensorRecord:
+        """Write the next tensor (``key`` must be the next in sorted order; any shape of its
+        declared element count and its declared dtype)."""
+        if self._file is None:
+            raise CheckpointError("writer is closed", path=self.path, param=key)
+        if self._next >= len(self._order) or self._order[self._next] != key:
+            want = self._order[self._next] if self._next < len(self._order) else None
+            raise CheckpointError(
+                f"tensors must be written in sorted key order: got {key!r}, expected {want!r}",
+                path=self.path,
+            )
+        name, shape, begin, nbytes = self._plan[key]
+        if _NAMES.get(tensor.dtype) != name or tensor.numel() != math.prod(shape):
+            raise CheckpointError(
+                f"tensor is {tensor.dtype} x {tensor.numel()} elements, declared {name} {shape}",
+                path=self.path,
+                param=key,
+            )
+        sums: tuple[str, ...] = ()
+        try:
+            if nbytes:
+                data = _as_bytes(tensor)
+                self._file.write(data.numpy())
+                sums = checksum_chunks(data, self.chunk_bytes)
+                del data
+        except OSError as e:
+            self.abort()
+            raise CheckpointError(f"cannot write: {e}", path=self.path) from e
+        record = TensorRecord(
+            key=key,
+            dtype=name,
+            shape=shape,
+            offset=self._data_start + begin,
+            nbytes=nbytes,
+            checksums=sums,
+            chunk_bytes=self.chunk_bytes,
+        )
+        self._records[key] = record
+        self._next += 1
+        return record
+
+    def commit(self) -> dict[str, TensorRecord]:
+        """fsync, rename into place, fsync the directory; every declared tensor must be written."""
+        if self._file is None:
+            raise CheckpointError("writer is closed", path=self.path)
+        if self.pending:
+            missing = self.pending
+            self.abort()
+            raise CheckpointError(
+                f"{len(missing)} declared tensor(s) never written, first {missing[0]!r}",
+                path=self.path,
+            )
+        try:
+            self._file.flush()
+            os.fsync(self._file.fileno())
+            self._file.close()
+            self._file = None
+            _commit(self._tmp, self.path)
+        except OSError as e:
+            self.abort()
+            raise CheckpointError(f"cannot write: {e}", path=self.path) from e
+        return dict(self._records)
+
+    def abort(self) -> None:
+        """Close and remove the temporary file (idempotent)."""
+        file, self._file = self._file, None
+        if file is not None:
+            with contextlib.suppress(OSError):
+                file.close()
+        _remove_quietly(self._tmp)
+
+    def __enter__(self) -> SafetensorsWriter:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self._file is not None:
+            self.abort()

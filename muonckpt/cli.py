@@ -1,0 +1,396 @@
+"""The ``muonckpt`` command line: a thin typer layer over :mod:`muonckpt.offline`.
+
+Exit codes: 0 ok; 1 a problem was found (``verify``, ``diff``, ``demo``); 2 bad usage or an
+unreadable input. Every :class:`~muonckpt.errors.MuonCkptError` becomes one ``error: ...`` line
+on stderr (a traceback only with ``--debug``), in :class:`_Group.invoke` alone.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Annotated, Any
+
+import click
+import typer
+from rich.console import Console
+from rich.table import Table
+from typer.core import TyperGroup
+
+from . import offline
+from .checkpoint import verify as verify_checkpoint
+from .errors import CheckpointError, MuonCkptError
+
+OK, PROBLEM, USAGE = 0, 1, 2
+
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
+
+
+def parse_size(text: str) -> int:
+    """``"5GB"`` -> 5_000_000_000, ``"500MiB"`` -> 524_288_000, ``"1024"`` -> 1024."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]I?B|B)?\s*", str(text), re.IGNORECASE)
+    if not match or (match.group(2) or "").upper() not in _UNITS:
+        raise typer.BadParameter(f"{text!r} is not a size like 5GB, 500MB, 64MiB or 1048576")
+    size = int(float(match.group(1)) * _UNITS[(match.group(2) or "").upper()])
+    if size <= 0:
+        raise typer.BadParameter(f"{text!r} is not a positive size")
+    return size
+
+
+class _Group(TyperGroup):
+    """The one place where library errors become ``error: ...`` and exit code 2."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except (MuonCkptError, OSError) as exc:
+            if (ctx.obj or {}).get("debug"):
+                raise
+            message = " ".join(str(exc).split()) or type(exc).__name__
+            Console(stderr=True, highlight=False, soft_wrap=True).print(
+                f"error: {message}", markup=False
+            )
+            ctx.exit(USAGE)
+
+
+app = typer.Typer(
+    cls=_Group,
+    help="Checkpoint, inspect and reshard the sharded optimizer state of Muon.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+@app.callback()
+def _global(
+    ctx: typer.Context,
+    quiet: Annotated[
+        bool, typer.Option("--quiet", "-q", help="No progress bar and no summary lines.")
+    ] = False,
+    debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks of errors.")] = False,
+) -> None:
+    """Checkpoint, inspect and reshard the sharded optimizer state of Muon."""
+    ctx.obj = {"quiet": quiet, "debug": debug}
+
+
+def _quiet(ctx: typer.Context) -> bool:
+    return bool((ctx.obj or {}).get("quiet"))
+
+
+def _out() -> Console:
+    return Console(highlight=False, soft_wrap=False)
+
+
+def _say(ctx: typer.Context, message: str) -> None:
+    if not _quiet(ctx):
+        Console(stderr=True, highlight=False).print(message, markup=False)
+
+
+@contextmanager
+def _progress(ctx: typer.Context, what: str) -> Iterator[offline.Progress | None]:
+    """A rich bytes/rate/ETA bar on stderr when it is a terminal and not --quiet."""
+    if _quiet(ctx) or not sys.stderr.isatty():
+        yield None
+        return
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
+
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+        console=Console(stderr=True),
+        transient=True,
+    ) as bar:
+        task = bar.add_task(what, total=None)
+
+        def update(done: int, total: int) -> None:
+            bar.update(task, completed=done, total=total)
+
+        yield update
+
+
+def _human(n: int) -> str:
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{n} B"  # pragma: no cover
+
+
+Src = Annotated[
+    Path, typer.Argument(metavar="SRC", help="Checkpoint directory to read.", show_default=False)
+]
+Dst = Annotated[
+    Path, typer.Option("--output", "-o", help="Checkpoint directory to write.", show_default=False)
+]
+Force = Annotated[bool, typer.Option("--force", "-f", help="Replace an existing output.")]
+
+
+@app.command()
+def consolidate(
+    ctx: typer.Context,
+    src: Src,
+    dst: Dst,
+    max_shard_size: Annotated[
+        int | None,
+        typer.Option(
+            "--max-shard-size",
+            parser=parse_size,
+            metavar="SIZE",
+            help="Split into HF-style optimizer-0000i-of-0000N files past this size (5GB, 500MB).",
+        ),
+    ] = None,
+    force: Force = False,
+) -> None:
+    """Rewrite any checkpoint as full-shape tensors (state.<param>.<key>) in safetensors files.
+
+    Example: muonckpt consolidate ckpt/step-1000 -o ckpt/full --max-shard-size 5GB
+    """
+    with _progress(ctx, "consolidate") as progress:
+        out = offline.consolidate(
+            src, dst, max_shard_size=max_shard_size, overwrite=force, progress=progress
+        )
+    _say(ctx, _written(out))
+
+
+@app.command()
+def reshard(
+    ctx: typer.Context,
+    src: Src,
+    dp: Annotated[int, typer.Option("--dp", min=1, help="Data-parallel size of the new job.")],
+    tp: Annotated[int, typer.Option("--tp", min=1, help="Tensor-parallel size of the new job.")],
+    dst: Dst,
+    bucket_numel: Annotated[
+        int | None,
+        typer.Option(
+            "--bucket-numel", min=1, help="ZeRO-1 bucket size in elements (default: one)."
+        ),
+    ] = None,
+    tp_split: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--tp-split",
+            metavar="NAME=DIM",
+            help="Split dimension of a param, overriding the manifest (repeatable; a "
+            "single-process checkpoint records every param as unsplit).",
+        ),
+    ] = None,
+    force: Force = False,
+) -> None:
+    """Rewrite any checkpoint as one file per rank of a dp x tp job.
+
+    Example: muonckpt reshard ckpt/step-1000 --dp 4 --tp 2 -o ckpt/step-1000-dp4-tp2
+    """
+    splits = {}
+    for item in tp_split or []:
+        name, sep, dim = item.rpartition("=")
+        if not sep or not name or not dim.lstrip("-").isdigit():
+            raise typer.BadParameter(f"{item!r} is not NAME=DIM", param_hint="--tp-split")
+        splits[name] = int(dim)
+    with _progress(ctx, "reshard") as progress:
+        out = offline.reshard(
+            src,
+            dst,
+            dp=dp,
+            tp=tp,
+            bucket_numel=bucket_numel,
+            tp_split_dims=splits,
+            overwrite=force,
+            progress=progress,
+        )
+    _say(ctx, _written(out))
+
+
+def _written(path: Path) -> str:
+    info = offline.summarize(path)
+    totals, topo = info["totals"], info["topology"]
+    return (
+        f"wrote {path}: {info['kind']}, dp={topo.get('dp')} x tp={topo.get('tp')}, "
+        f"{totals['files']} file(s), {_human(totals['file_bytes'])}"
+    )
+
+
+@app.command()
+def inspect(
+    src: Src,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")] = False,
+) -> None:
+    """Show a checkpoint's topology, step, params, shapes, dtypes, state keys and sizes.
+
+    Example: muonckpt inspect ckpt/step-1000 --json
+    """
+    info = offline.summarize(src)
+    if as_json:
+        typer.echo(json.dumps(info, indent=2))
+        return
+    console = _out()
+    topo = info["topology"]
+    console.print(
+        f"{info['path']}: {info['kind']} checkpoint (format {info['format_version']}), "
+        f"topology dp={topo.get('dp')} x tp={topo.get('tp')}, step {info['step']}",
+        markup=False,
+    )
+    for g, group in enumerate(info["groups"]):
+        hyper = ", ".join(f"{k}={v}" for k, v in group["hyperparams"].items())
+        console.print(f"group {g}: {hyper}", markup=False)
+    table = Table(show_edge=False)
+    for column in ("param", "shape", "dtype", "tp split", "group", "state keys"):
+        table.add_column(column)
+    table.add_column("bytes", justify="right")
+    for p in info["params"]:
+        table.add_row(
+            p["name"],
+            "x".join(map(str, p["shape"])) or "scalar",
+            p["dtype"],
+            str(p["tp_split_dim"]) if p["tp_split_dim"] >= 0 else "-",
+            str(p["group"]),
+            ", ".join(p["state_keys"]) or "(none)",
+            _human(p["bytes"]),
+        )
+    console.print(table)
+    t = info["totals"]
+    console.print(
+        f"total: {t['params']} params, {t['tensors']} state tensors, {_human(t['bytes'])} of "
+        f"state in {t['files']} file(s) ({_human(t['file_bytes'])}, {t['pieces']} pieces)",
+        markup=False,
+    )
+
+
+@app.command()
+def verify(src: Src) -> None:
+    """Check a checkpoint: manifest, coverage, file sizes, headers and every checksum.
+
+    Exit 0 when sound, 1 listing each problem. Example: muonckpt verify ckpt/step-1000
+    """
+    if not src.is_dir():
+        raise CheckpointError("no checkpoint directory", path=src)
+    problems = verify_checkpoint(src)
+    console = _out()
+    if not problems:
+        console.print(f"ok: {src} is sound", markup=False)
+        return
+    for problem in problems:
+        console.print(f"problem: {problem}", markup=False)
+    console.print(f"{len(problems)} problem(s) in {src}", markup=False)
+    raise typer.Exit(PROBLEM)
+
+
+@app.command()
+def diff(
+    a: Annotated[Path, typer.Argument(metavar="A", help="First checkpoint.", show_default=False)],
+    b: Annotated[Path, typer.Argument(metavar="B", help="Second checkpoint.", show_default=False)],
+    atol: Annotated[float, typer.Option(min=0.0, help="Absolute tolerance.")] = 0.0,
+    rtol: Annotated[float, typer.Option(min=0.0, help="Relative tolerance (of B).")] = 0.0,
+) -> None:
+    """Compare two checkpoints of any kinds and topologies tensor by tensor.
+
+    Exit 1 when any tensor differs beyond the tolerances. Example: muonckpt diff ckpt/a ckpt/b
+    """
+    rows = offline.diff(a, b, atol=atol, rtol=rtol)
+    table = Table(show_edge=False)
+    for column in ("param", "state key"):
+        table.add_column(column)
+    for column in ("max abs", "max rel"):
+        table.add_column(column, justify="right")
+    table.add_column("equal")
+    for r in rows:
+        table.add_row(
+            r["param"],
+            r["key"] or "-",
+            "-" if r["max_abs"] is None else f"{r['max_abs']:.3g}",
+            "-" if r["max_rel"] is None else f"{r['max_rel']:.3g}",
+            r["note"] or ("bitwise" if r.get("bitwise") else "yes" if r["equal"] else "NO"),
+        )
+    console = _out()
+    console.print(table)
+    bad = [r for r in rows if not r["equal"]]
+    if bad:
+        console.print(f"{len(bad)} of {len(rows)} tensor(s) differ", markup=False)
+        raise typer.Exit(PROBLEM)
+    console.print(f"all {len(rows)} tensor(s) equal", markup=False)
+
+
+@app.command()
+def demo(
+    ctx: typer.Context,
+    dp: Annotated[int, typer.Option(min=1, help="DP size of the training run.")] = 2,
+    tp: Annotated[int, typer.Option(min=1, help="TP size of the training run.")] = 2,
+    to_dp: Annotated[int, typer.Option(min=1, help="DP size to reshard to and resume at.")] = 4,
+    to_tp: Annotated[int, typer.Option(min=1, help="TP size to reshard to and resume at.")] = 2,
+    steps: Annotated[int, typer.Option(min=1, help="Steps before and after the reshard.")] = 4,
+    workdir: Annotated[
+        Path | None, typer.Option(help="Where checkpoints go (default: a new temp dir).")
+    ] = None,
+) -> None:
+    """Train a tiny model at dp x tp, save, reshard offline, resume elsewhere, compare bitwise.
+
+    Exit 0 only when every param matches an uninterrupted single-process run bit for bit.
+    Example: muonckpt demo --dp 2 --tp 2 --to-dp 4 --to-tp 2 --steps 4
+    """
+    from .demo import run_demo
+
+    result = run_demo(
+        dp=dp,
+        tp=tp,
+        to_dp=to_dp,
+        to_tp=to_tp,
+        steps=steps,
+        workdir=workdir,
+        log=lambda msg: _say(ctx, msg),
+    )
+    table = Table(
+        title=f"dp={dp} x tp={tp} -> dp={to_dp} x tp={to_tp}, {steps}+{steps} steps "
+        f"vs. {2 * steps} uninterrupted",
+        show_edge=False,
+    )
+    table.add_column("param")
+    table.add_column("shape")
+    table.add_column("max abs diff", justify="right")
+    table.add_column("bitwise equal")
+    for row in result.rows:
+        table.add_row(
+            row.name,
+            "x".join(map(str, row.shape)),
+            f"{row.max_abs_diff:.3g}",
+            "yes" if row.bitwise_equal else "NO",
+        )
+    console = _out()
+    console.print(table)
+    console.print(f"checkpoints in {result.checkpoint.parent}", markup=False)
+    if not result.ok:
+        raise typer.Exit(PROBLEM)
+
+
+def main() -> None:
+    """Console-script entry point."""
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,246 @@
+"""``muonckpt demo``: train at one topology, reshard offline, resume at another, bit for bit.
+
+A tiny two-group model (Muon matrices plus AdamW vectors and an embedding, some of them TP
+split) is trained with the packaged :class:`~muonckpt.Muon` in gloo processes at dp x tp, saved
+per rank with :func:`muonckpt.save`, resharded with :func:`muonckpt.offline.reshard` (the
+code path of ``muonckpt reshard``) to another dp x tp, loaded there with :func:`muonckpt.load`
+and trained on. The final params are compared with an uninterrupted single-process run.
+
+Full params and gradients are generated identically on every rank from fixed seeds, so runs
+at any topology are comparable element for element.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from . import offline
+from .checkpoint import load, save
+from .launch import run_distributed
+from .layout import Topology
+from .optim import Muon
+from .regions import extract, insert_
+from .sharding import ShardedParams, shard_param_groups
+
+MUON_PARAMS = {"w_in": (12, 20), "w_out": (16, 12), "w_mid": (10, 14)}
+ADAMW_PARAMS = {"bias": (7,), "norm": (16,), "embed": (8, 12)}
+TP_SPLIT_DIMS = {"w_in": 0, "w_out": 1, "norm": 0, "embed": 1}
+MUON_HPARAMS = {"use_muon": True, "lr": 0.05, "momentum": 0.9, "weight_decay": 0.1}
+ADAMW_HPARAMS = {"lr": 0.01, "weight_decay": 0.01}
+BUCKET_NUMEL = 150
+SHAPES = {**MUON_PARAMS, **ADAMW_PARAMS}
+
+
+@dataclass
+class DemoRow:
+    name: str
+    shape: tuple[int, ...]
+    max_abs_diff: float
+    bitwise_equal: bool
+
+
+@dataclass
+class DemoResult:
+    rows: list[DemoRow]
+    checkpoint: Path
+    resharded: Path
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return all(r.bitwise_equal for r in self.rows)
+
+
+def initial_params() -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1234)
+    return {name: torch.randn(shape, generator=gen) for name, shape in SHAPES.items()}
+
+
+def full_grad(name: str, step: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(step * 1000 + sum(map(ord, name)))
+    return torch.randn(SHAPES[name], generator=gen)
+
+
+def _groups(params: dict[str, torch.Tensor]) -> list[dict]:
+    return [
+        {"params": [(n, params[n]) for n in MUON_PARAMS], **MUON_HPARAMS},
+        {"params": [(n, params[n]) for n in ADAMW_PARAMS], **ADAMW_HPARAMS},
+    ]
+
+
+def _shard(params: dict[str, torch.Tensor], dp: int, tp: int, d: int, t: int) -> ShardedParams:
+    return shard_param_groups(
+        _groups(params),
+        Topology(dp, tp),
+        d,
+        t,
+        tp_split_dims=TP_SPLIT_DIMS,
+        bucket_numel=BUCKET_NUMEL,
+    )
+
+
+def _process_groups(dp: int, tp: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """Megatron groups: DP groups stride ``tp``, TP groups are consecutive ranks."""
+    rank, dp_group, tp_group = dist.get_rank(), None, None
+    for i in range(tp):
+        ranks = list(range(i, dp * tp, tp))
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            dp_group = group
+    for i in range(dp):
+        ranks = list(range(i * tp, (i + 1) * tp))
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            tp_group = group
+    return dp_group, tp_group
+
+
+def _build(dp: int, tp: int, params: dict[str, torch.Tensor]):
+    if dp * tp == 1:
+        groups = [
+            {**g, "params": [(n, p.clone()) for n, p in g["params"]]} for g in _groups(params)
+        ]
+        return Muon(groups), None, 0, 0
+    dp_group, tp_group = _process_groups(dp, tp)
+    d, t = dist.get_rank(dp_group), dist.get_rank(tp_group)
+    sharded = _shard(params, dp, tp, d, t)
+    opt = Muon(sharded.param_groups)
+    opt.enable_distributed_mode(sharded.global_buffer_sizes, dp_group, tp_group, sharded.dist_metas)
+    return opt, sharded, d, t
+
+
+def _train(opt: Muon, sharded, d: int, t: int, first: int, steps: int) -> None:
+    for step in range(first, first + steps):
+        for group in opt.param_groups:
+            for name, p in zip(group["param_names"], group["params"], strict=True):
+                grad = full_grad(name, step)
+                if sharded is not None:
+                    grad = extract(grad, sharded.layout.region(sharded.index(name), d, t))
+                p.grad = grad.reshape(p.shape)
+        opt.step()
+
+
+def _local(opt: Muon) -> dict[str, torch.Tensor]:
+    return {
+        n: p.detach().clone()
+        for g in opt.param_groups
+        for n, p in zip(g["param_names"], g["params"], strict=True)
+    }
+
+
+def assemble(dp: int, tp: int, shards: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Full params from every rank's local shards (rank order)."""
+    if dp * tp == 1:
+        return shards[0]
+    sharded = _shard(initial_params(), dp, tp, 0, 0)
+    full = {name: torch.empty(shape) for name, shape in SHAPES.items()}
+    for rank, shard in enumerate(shards):
+        d, t = Topology(dp, tp).coords(rank)
+        for name, piece in shard.items():
+            insert_(full[name], sharded.layout.region(sharded.index(name), d, t), piece)
+    return full
+
+
+def train_and_save(dp: int, tp: int, steps: int, ckpt: str) -> dict[str, torch.Tensor]:
+    """(In a gloo child.) Train ``steps`` from the initial params, save per rank."""
+    opt, sharded, d, t = _build(dp, tp, initial_params())
+    _train(opt, sharded, d, t, 0, steps)
+    save(opt, ckpt)
+    return _local(opt)
+
+
+def load_and_train(
+    dp: int, tp: int, params_path: str, ckpt: str, first: int, steps: int
+) -> dict[str, torch.Tensor]:
+    """(In a gloo child.) Build from saved full params, load the checkpoint, train on."""
+    opt, sharded, d, t = _build(dp, tp, torch.load(params_path, weights_only=True))
+    load(opt, ckpt)
+    _train(opt, sharded, d, t, first, steps)
+    return _local(opt)
+
+
+def reference(steps: int) -> dict[str, torch.Tensor]:
+    """(In a gloo child.) An uninterrupted single-process run."""
+    opt, sharded, d, t = _build(1, 1, initial_params())
+    _train(opt, sharded, d, t, 0, steps)
+    return _local(opt)
+
+
+def run_demo(
+    *,
+    dp: int = 2,
+    tp: int = 2,
+    to_dp: int = 4,
+    to_tp: int = 2,
+    steps: int = 4,
+    workdir: str | Path | None = None,
+    timeout: float = 300.0,
+    log: Callable[[str], None] | None = None,
+) -> DemoResult:
+    """Train at dp x tp, save, reshard offline to to_dp x to_tp, resume, compare (see module)."""
+    if steps < 1:
+        raise ValueError(f"steps must be at least 1, got {steps}")
+    Topology(dp, tp), Topology(to_dp, to_tp)  # validate before launching anything
+    say = log or (lambda _msg: None)
+    work = Path(workdir) if workdir is not None else Path(tempfile.mkdtemp(prefix="muonckpt-demo-"))
+    work.mkdir(parents=True, exist_ok=True)
+    ckpt, resharded, params_path = work / "ckpt", work / "resharded", work / "params.pt"
+    seconds: dict[str, float] = {}
+
+    clock = time.perf_counter()
+    say(f"training {steps} steps at dp={dp} x tp={tp} and saving to {ckpt}")
+    shards = run_distributed(train_and_save, dp * tp, dp, tp, steps, str(ckpt), timeout=timeout)
+    torch.save(assemble(dp, tp, shards), params_path)
+    seconds["train+save"] = time.perf_counter() - clock
+
+    clock = time.perf_counter()
+    say(f"resharding to dp={to_dp} x tp={to_tp} at {resharded}")
+    offline.reshard(
+        ckpt,
+        resharded,
+        dp=to_dp,
+        tp=to_tp,
+        bucket_numel=BUCKET_NUMEL,
+        tp_split_dims=TP_SPLIT_DIMS,
+        overwrite=True,
+    )
+    seconds["reshard"] = time.perf_counter() - clock
+
+    clock = time.perf_counter()
+    say(f"resuming at dp={to_dp} x tp={to_tp} for {steps} more steps")
+    shards = run_distributed(
+        load_and_train,
+        to_dp * to_tp,
+        to_dp,
+        to_tp,
+        str(params_path),
+        str(resharded),
+        steps,
+        steps,
+        timeout=timeout,
+    )
+    resumed = assemble(to_dp, to_tp, shards)
+    seconds["load+train"] = time.perf_counter() - clock
+
+    clock = time.perf_counter()
+    say(f"uninterrupted single-process reference for {2 * steps} steps")
+    (expected,) = run_distributed(reference, 1, 2 * steps, timeout=timeout)
+    seconds["reference"] = time.perf_counter() - clock
+
+    rows = [
+        DemoRow(
+            name=name,
+            shape=tuple(shape),
+            max_abs_diff=float((resumed[name] - expected[name]).abs().max()),
+            bitwise_equal=torch.equal(resumed[name], expected[name]),
+        )
+        for name, shape in SHAPES.items()
+    ]
+    return DemoResult(rows=rows, checkpoint=ckpt, resharded=resharded, seconds=seconds)

@@ -1,0 +1,344 @@
+"""A corruption matrix on real checkpoints: verify reports every damage, load never misbehaves.
+
+Two checkpoints are saved once per module at dp=2 x tp=2 (one per-rank, one consolidated); each
+test damages its own copy. For every damage ``muonckpt.verify`` must return CheckpointErrors
+naming the damaged file (and param where there is one), and ``muonckpt.load`` into a plain
+single-process optimizer must raise a MuonCkptError, never another exception and never succeed
+silently. Damage that load legitimately never reads (an extra file, a lying topology field) is
+caught by verify only; there load must still succeed and restore exactly the clean state.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from ckpt_cases import save_phase
+from resume_cases import build, initial_params, train
+from safetensors import safe_open
+
+import muonckpt
+from muonckpt import CheckpointError, MuonCkptError
+from muonckpt.launch import run_distributed
+
+STEPS = 2
+KINDS = ("per-rank", "consolidated")
+MANIFEST = "manifest.json"
+
+
+def save_both(steps: int, root: str) -> None:
+    """Both kinds from one launch (half the process start-up of two launches)."""
+    for kind in KINDS:
+        save_phase(2, 2, steps, f"{root}/{kind}", kind == "consolidated", None)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("saved")
+    run_distributed(save_both, 4, STEPS, str(root), timeout=120)
+    for kind in KINDS:
+        assert muonckpt.verify(root / kind) == [], kind
+    return {kind: root / kind for kind in KINDS}
+
+
+@pytest.fixture(scope="module")
+def clean_states(saved) -> dict[str, dict]:
+    return {kind: _load(path) for kind, path in saved.items()}
+
+
+@pytest.fixture(params=KINDS)
+def ckpt(request, saved, tmp_path) -> Path:
+    copy = tmp_path / "ckpt"
+    shutil.copytree(saved[request.param], copy)
+    return copy
+
+
+def _load(path: Path) -> dict:
+    opt, *_ = build(1, 1, initial_params())
+    muonckpt.load(opt, path)
+    return opt.state_dict()
+
+
+def _assert_same_state(got: dict, want: dict) -> None:
+    assert got["param_groups"] == want["param_groups"]
+    assert got["state"].keys() == want["state"].keys()
+    for index, entries in want["state"].items():
+        assert got["state"][index].keys() == entries.keys()
+        for key, value in entries.items():
+            assert torch.equal(got["state"][index][key], value), (index, key)
+
+
+def _manifest(ckpt: Path) -> dict:
+    return json.loads((ckpt / MANIFEST).read_text())
+
+
+def _write_manifest(ckpt: Path, body: dict) -> None:
+    (ckpt / MANIFEST).write_text(json.dumps(body, indent=1))
+
+
+def _kind(ckpt: Path) -> str:
+    return _manifest(ckpt)["kind"]
+
+
+def _piece(ckpt: Path, param: str = "w_in") -> dict:
+    return next(p for p in _manifest(ckpt)["pieces"] if p["param"] == param)
+
+
+def _header(path: Path) -> tuple[int, bytes]:
+    raw = path.read_bytes()
+    (length,) = struct.unpack("<Q", raw[:8])
+    return length, raw[8 : 8 + length]
+
+
+def _flip(path: Path, position: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[position] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+# Each damage edits a checkpoint copy in place and returns (file the errors must name, param
+# they must name or None).
+Damage = Callable[[Path], tuple[str, str | None]]
+
+
+def flip_tensor_data(ckpt: Path) -> tuple[str, str | None]:
+    piece = _piece(ckpt)
+    path = ckpt / piece["file"]
+    length, header = _header(path)
+    begin, end = json.loads(header)[piece["tensor"]]["data_offsets"]
+    _flip(path, 8 + length + (begin + end) // 2)
+    return piece["file"], "w_in"
+
+
+def _header_flip(anchor: Callable[[bytes, str], int], param: str | None) -> Damage:
+    def damage(ckpt: Path) -> tuple[str, str | None]:
+        piece = _piece(ckpt)
+        path = ckpt / piece["file"]
+        _, header = _header(path)
+        _flip(path, anchor(header, piece["tensor"]))
+        return piece["file"], param
+
+    damage.__name__ = f"flip_header_{anchor.__name__}"
+    return damage
+
+
+def length_prefix(header: bytes, tensor: str) -> int:
+    return 0
+
+
+def tensor_key(header: bytes, tensor: str) -> int:
+    return 8 + header.index(f'"{tensor}"'.encode()) + len('"state.')
+
+
+def dtype_string(header: bytes, tensor: str) -> int:
+    return 8 + header.index(b'"dtype":"', header.index(tensor.encode())) + len('"dtype":"')
+
+
+def data_offsets(header: bytes, tensor: str) -> int:
+    at = header.index(b'"data_offsets":[', header.index(tensor.encode()))
+    return 8 + header.index(b"]", at) - 1  # last digit of the end offset
+
+
+def closing_brace(header: bytes, tensor: str) -> int:
+    return 8 + header.rstrip(b" ").rindex(b"}")
+
+
+def truncate_file(ckpt: Path) -> tuple[str, str | None]:
+    piece = _piece(ckpt)
+    path = ckpt / piece["file"]
+    path.write_bytes(path.read_bytes()[: path.stat().st_size - 5])
+    return piece["file"], None
+
+
+def remove_data_file(ckpt: Path) -> tuple[str, str | None]:
+    per_rank = _kind(ckpt) == "per-rank"
+    name = "rank-00001-of-00004.safetensors" if per_rank else "optimizer.safetensors"
+    (ckpt / name).unlink()
+    return name, None
+
+
+def grow_shape(ckpt: Path) -> tuple[str, str | None]:
+    body = _manifest(ckpt)
+    next(p for p in body["params"] if p["name"] == "w_in")["shape"] = [24, 20]
+    _write_manifest(ckpt, body)
+    return MANIFEST, "w_in"
+
+
+def remove_piece(ckpt: Path) -> tuple[str, str | None]:
+    body = _manifest(ckpt)
+    body["pieces"].remove(next(p for p in body["pieces"] if p["param"] == "w_out"))
+    _write_manifest(ckpt, body)
+    return MANIFEST, "w_out"
+
+
+def duplicate_piece(ckpt: Path) -> tuple[str, str | None]:
+    body = _manifest(ckpt)
+    body["pieces"].append(next(p for p in body["pieces"] if p["param"] == "embed"))
+    _write_manifest(ckpt, body)
+    return MANIFEST, "embed"
+
+
+def change_dtype(ckpt: Path) -> tuple[str, str | None]:
+    body = _manifest(ckpt)
+    next(p for p in body["params"] if p["name"] == "norm")["dtype"] = "F16"
+    _write_manifest(ckpt, body)
+    return _piece(ckpt, "norm")["file"], "norm"
+
+
+def newer_format_version(ckpt: Path) -> tuple[str, str | None]:
+    body = _manifest(ckpt)
+    body["format_version"] = 99
+    _write_manifest(ckpt, body)
+    return MANIFEST, None
+
+
+def invalid_json(ckpt: Path) -> tuple[str, str | None]:
+    text = (ckpt / MANIFEST).read_text()
+    (ckpt / MANIFEST).write_text(text[: len(text) // 2])
+    return MANIFEST, None
+
+
+def missing_manifest(ckpt: Path) -> tuple[str, str | None]:
+    (ckpt / MANIFEST).unlink()  # what an interrupted save looks like: data files, no marker
+    return MANIFEST, None
+
+
+DAMAGES: list[Damage] = [
+    flip_tensor_data,
+    _header_flip(length_prefix, None),
+    _header_flip(tensor_key, "w_in"),
+    _header_flip(dtype_string, "w_in"),
+    _header_flip(data_offsets, "w_in"),
+    _header_flip(closing_brace, None),
+    truncate_file,
+    remove_data_file,
+    grow_shape,
+    remove_piece,
+    duplicate_piece,
+    change_dtype,
+    newer_format_version,
+    invalid_json,
+    missing_manifest,
+]
+
+
+@pytest.mark.parametrize("damage", DAMAGES, ids=lambda d: d.__name__)
+def test_damage_is_reported_by_verify_and_refused_by_load(ckpt, damage):
+    file, param = damage(ckpt)
+    problems = muonckpt.verify(ckpt)
+    assert problems, "verify found nothing"
+    assert all(isinstance(p, CheckpointError) for p in problems)
+    text = "\n".join(map(str, problems))
+    assert file in text
+    if param is not None:
+        assert param in text
+    opt, *_ = build(1, 1, initial_params())
+    with pytest.raises(MuonCkptError) as caught:
+        muonckpt.load(opt, ckpt)
+    assert file in str(caught.value)
+
+
+def test_newer_format_version_is_named_in_the_error(ckpt):
+    newer_format_version(ckpt)
+    (problem,) = muonckpt.verify(ckpt)
+    assert "format version 99" in str(problem)
+    with pytest.raises(CheckpointError, match="upgrade muonckpt"):
+        muonckpt.load(build(1, 1, initial_params())[0], ckpt)
+
+
+def test_missing_manifest_reads_as_incomplete(ckpt):
+    missing_manifest(ckpt)
+    (problem,) = muonckpt.verify(ckpt)
+    assert "incomplete" in str(problem)
+
+
+def test_extra_file_is_reported_by_verify_and_ignored_by_load(ckpt, clean_states):
+    (ckpt / "notes.txt").write_text("not part of the checkpoint")
+    problems = muonckpt.verify(ckpt)
+    assert len(problems) == 1 and "notes.txt" in str(problems[0])
+    assert "unknown file" in str(problems[0])
+    # load reads only the files the manifest lists: the stray file cannot change its result
+    _assert_same_state(_load(ckpt), clean_states[_kind(ckpt)])
+
+
+@pytest.mark.parametrize("kind", ["per-rank"])
+def test_lying_topology_is_reported_by_verify_and_ignored_by_load(
+    saved, clean_states, tmp_path, kind
+):
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(saved[kind], ckpt)
+    body = _manifest(ckpt)
+    body["topology"]["dp"] = 3
+    _write_manifest(ckpt, body)
+    problems = muonckpt.verify(ckpt)
+    assert problems and all(isinstance(p, CheckpointError) for p in problems)
+    assert MANIFEST in str(problems[0]) and "topology" in str(problems[0])
+    # topology is descriptive only: load places data by each piece's region, so it is exact
+    _assert_same_state(_load(ckpt), clean_states[kind])
+
+
+def test_same_numel_shape_edit_is_refused_by_load(ckpt):
+    body = _manifest(ckpt)
+    next(p for p in body["params"] if p["name"] == "w_out")["shape"] = [12, 16]
+    _write_manifest(ckpt, body)
+    with pytest.raises(CheckpointError, match="w_out"):
+        muonckpt.load(build(1, 1, initial_params())[0], ckpt)
+
+
+def test_same_numel_shape_edit_is_reported_by_verify(saved, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(saved["per-rank"], ckpt)
+    body = _manifest(ckpt)
+    next(p for p in body["params"] if p["name"] == "w_out")["shape"] = [12, 16]
+    _write_manifest(ckpt, body)
+    assert muonckpt.verify(ckpt)
+
+
+def _single_process_opt(steps: int):
+    opt, sharded, dp_rank, tp_rank = build(1, 1, initial_params())
+    train(opt, sharded, dp_rank, tp_rank, 0, steps)
+    return opt
+
+
+def _snapshot(directory: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(directory.iterdir())}
+
+
+def test_save_over_existing_needs_overwrite(tmp_path):
+    target = tmp_path / "ckpt"
+    muonckpt.save(_single_process_opt(1), target)
+    before = _snapshot(target)
+    newer = _single_process_opt(2)
+    with pytest.raises(CheckpointError, match="already exists"):
+        muonckpt.save(newer, target)
+    assert _snapshot(target) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+    muonckpt.save(newer, target, overwrite=True)
+    assert _snapshot(target) != before
+    assert muonckpt.verify(target) == []
+    assert muonckpt.read_manifest(target).step == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no staging / old dirs left
+    _assert_same_state(_load(target), newer.state_dict())
+
+
+def test_format_doc_reader_reassembles_every_tensor(saved):
+    """The plain-Python reader in docs/format.md §9 matches the consolidated file exactly."""
+    doc = (Path(__file__).parents[1] / "docs" / "format.md").read_text()
+    code = doc.split("## 9.")[1].split("```python\n")[1].split("```")[0]
+    reader: dict = {"__name__": "format_doc_reader"}
+    exec(compile(code, "docs/format.md", "exec"), reader)
+    with safe_open(saved["consolidated"] / "optimizer.safetensors", "pt") as f:
+        want = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    for kind in KINDS:
+        for entry in muonckpt.read_manifest(saved[kind]).params:
+            for key in entry.state_keys:
+                shape, values = reader["reassemble"](str(saved[kind]), entry.name, key)
+                expected = want[f"state.{entry.name}.{key}"]
+                assert tuple(shape) == tuple(expected.shape)
+                assert torch.equal(torch.tensor(values, dtype=expected.dtype), expected.flatten())

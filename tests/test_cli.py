@@ -1,0 +1,203 @@
+"""The muonckpt CLI: exit codes, output, error lines, --force, and the demo."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+
+import pytest
+from resume_cases import build, initial_params, train
+from typer.testing import CliRunner
+
+import muonckpt
+from muonckpt.checkpoint import rank_file
+from muonckpt.cli import app, parse_size
+
+runner = CliRunner()
+
+
+def cli(*args: str):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def _save(path, steps):
+    """A single-process checkpoint of the tiny model after ``steps`` steps (no processes)."""
+    opt, sharded, dp_rank, tp_rank = build(1, 1, initial_params())
+    train(opt, sharded, dp_rank, tp_rank, 0, steps)
+    muonckpt.save(opt, path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("cli")
+    return {"a": _save(tmp / "a", 2), "b": _save(tmp / "b", 3), "tmp": tmp}
+
+
+def _one_error_line(result):
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert "Traceback" not in result.output
+    return lines[0]
+
+
+def test_installed_script_help():
+    done = subprocess.run(["muonckpt", "--help"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    for command in ("consolidate", "reshard", "inspect", "verify", "diff", "demo"):
+        assert command in done.stdout
+
+
+def test_inspect_table_and_json(ckpts):
+    result = cli("inspect", ckpts["a"])
+    assert result.exit_code == 0, result.output
+    for text in ("per-rank", "step 2", "w_in", "12x20", "momentum_buffer", "exp_avg_sq", "F32"):
+        assert text in result.stdout
+    result = cli("inspect", ckpts["a"], "--json")
+    assert result.exit_code == 0, result.output
+    info = json.loads(result.stdout)
+    assert info["step"] == 2 and info["topology"] == {"dp": 1, "tp": 1}
+    assert info["totals"]["params"] == 6 and info["totals"]["tensors"] == 9
+
+
+def test_reshard_consolidate_and_force(ckpts, tmp_path):
+    out = tmp_path / "r"
+    result = cli("reshard", ckpts["a"], "--dp", "2", "--tp", "2", "-o", out)
+    assert result.exit_code == 0, result.output
+    assert "wrote" in result.stderr
+    assert sorted(p.name for p in out.glob("rank-*")) == [rank_file(r, 4) for r in range(4)]
+    line = _one_error_line(cli("reshard", ckpts["a"], "--dp", "2", "--tp", "2", "-o", out))
+    assert "already exists" in line and "--force" in line
+    result = cli("--quiet", "reshard", ckpts["a"], "--dp", "1", "--tp", "2", "-o", out, "--force")
+    assert result.exit_code == 0, result.output
+    assert result.stderr == ""
+    assert muonckpt.read_manifest(out).topology == {"dp": 1, "tp": 2}
+    result = cli(
+        "-q",
+        "reshard",
+        ckpts["a"],
+        "--dp",
+        "1",
+        "--tp",
+        "2",
+        "--tp-split",
+        "w_in=0",
+        "-o",
+        out,
+        "-f",
+    )
+    assert result.exit_code == 0, result.output
+    assert muonckpt.read_manifest(out).param("w_in").tp_split_dim == 0
+    assert any(
+        p.param == "w_in" and p.file == rank_file(1, 2) for p in muonckpt.read_manifest(out).pieces
+    )
+
+    full = tmp_path / "c"
+    result = cli("consolidate", out, "-o", full, "--max-shard-size", "1KB")
+    assert result.exit_code == 0, result.output
+    assert (full / "optimizer.safetensors.index.json").is_file()
+    assert cli("verify", full).exit_code == 0
+    assert cli("diff", ckpts["a"], full).exit_code == 0
+
+
+def test_bad_usage_exits_2(ckpts, tmp_path):
+    result = cli("consolidate", ckpts["a"], "-o", tmp_path / "c", "--max-shard-size", "5XB")
+    assert result.exit_code == 2
+    assert "5XB" in result.output
+    assert cli("reshard", ckpts["a"], "--dp", "0", "--tp", "1", "-o", tmp_path / "x").exit_code == 2
+    line = _one_error_line(
+        cli(
+            "reshard",
+            ckpts["a"],
+            "--dp",
+            "1",
+            "--tp",
+            "3",
+            "--tp-split",
+            "norm=0",
+            "-o",
+            tmp_path / "y",
+        )
+    )
+    assert "param 'norm'" in line and "tp=3" in line
+    assert not (tmp_path / "y").exists()
+    assert (
+        cli(
+            "reshard",
+            ckpts["a"],
+            "--dp",
+            "1",
+            "--tp",
+            "1",
+            "--tp-split",
+            "norm",
+            "-o",
+            tmp_path / "z",
+        ).exit_code
+        == 2
+    )
+    assert parse_size("5GB") == 5 * 10**9
+    assert parse_size("500MiB") == 500 * 2**20
+    assert parse_size("1024") == 1024
+
+
+def test_unreadable_input_exits_2_with_one_line(ckpts, tmp_path):
+    line = _one_error_line(cli("inspect", tmp_path / "missing"))
+    assert "missing" in line
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "manifest.json").write_text("{not json")
+    assert "not valid JSON" in _one_error_line(cli("diff", ckpts["a"], broken))
+    assert "missing" in _one_error_line(cli("verify", tmp_path / "missing"))
+    result = runner.invoke(app, ["--debug", "inspect", str(tmp_path / "missing")])
+    assert isinstance(result.exception, muonckpt.CheckpointError)
+
+
+def test_verify_sound_and_damaged(ckpts, tmp_path):
+    result = cli("verify", ckpts["a"])
+    assert result.exit_code == 0 and "ok" in result.stdout
+    damaged = shutil.copytree(ckpts["a"], tmp_path / "d")
+    data = damaged / rank_file(0, 1)
+    raw = bytearray(data.read_bytes())
+    raw[-5] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    (damaged / "stray.bin").write_bytes(b"x")
+    result = cli("verify", damaged)
+    assert result.exit_code == 1, result.output
+    assert "checksum mismatch" in result.stdout
+    assert "unknown file" in result.stdout and "stray.bin" in result.stdout
+    assert "2 problem(s)" in result.stdout
+
+
+def test_diff_exit_codes(ckpts):
+    result = cli("diff", ckpts["a"], ckpts["b"])
+    assert result.exit_code == 1, result.output
+    assert "NO" in result.stdout and "differ" in result.stdout
+    assert cli("diff", ckpts["a"], ckpts["b"], "--atol", "1e6").exit_code == 0
+    result = cli("diff", ckpts["a"], ckpts["a"])
+    assert result.exit_code == 0 and "bitwise" in result.stdout
+
+
+def test_demo_small(tmp_path):
+    result = cli(
+        "demo",
+        "--dp",
+        "1",
+        "--tp",
+        "2",
+        "--to-dp",
+        "2",
+        "--to-tp",
+        "1",
+        "--steps",
+        "2",
+        "--workdir",
+        tmp_path,
+    )
+    assert result.exit_code == 0, result.output
+    for text in ("bitwise equal", "w_in", "12x20", "embed"):
+        assert text in result.stdout
+    assert "NO" not in result.stdout
+    assert muonckpt.read_manifest(tmp_path / "resharded").topology == {"dp": 2, "tp": 1}

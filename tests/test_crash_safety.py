@@ -1,0 +1,133 @@
+"""SIGKILL a process that is saving, at seeded random moments: the checkpoint always survives.
+
+A helper process started with ``python -c`` imports torch once (seconds on a busy machine) and
+then, per trial, forks a child that saves the same small single-process state over one path in
+a loop (``overwrite=True``), every state tensor filled with the save's number, and SIGKILLs it
+after the trial's delay. Afterwards the path must hold one complete checkpoint, old or new, that
+verifies clean and loads with every tensor from the same save; a staging directory left beside
+it must be recognisably unfinished (no manifest) or be a whole checkpoint in itself.
+"""
+
+from __future__ import annotations
+
+import random
+import select
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from resume_cases import build, initial_params
+
+import muonckpt
+from muonckpt import CheckpointError
+
+TRIALS = 24
+SEED = 20240611
+MAX_DELAY_S = 0.6
+
+HELPER = r"""
+import os, signal, sys, time
+import torch
+torch.set_num_threads(1)  # no OpenMP pool to inherit across fork
+import muonckpt
+from resume_cases import build, initial_params, train
+
+opt, sharded, dp_rank, tp_rank = build(1, 1, initial_params())
+train(opt, sharded, dp_rank, tp_rank, 0, 1)
+tensors = [v for state in opt.state.values() for v in state.values()]
+
+def fill(value):
+    for t in tensors:
+        t.fill_(value)
+
+fill(0)
+muonckpt.save(opt, sys.argv[1])
+print("ready", flush=True)
+for line in sys.stdin:
+    path, delay = line.split()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            i = 0
+            while True:
+                i += 1
+                fill(i)
+                muonckpt.save(opt, path, overwrite=True)
+        finally:
+            os._exit(1)
+    time.sleep(float(delay))
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    print("killed", flush=True)
+"""
+
+
+def _readline(proc: subprocess.Popen, timeout: float = 60.0) -> str:
+    ready, _, _ = select.select([proc.stdout], [], [], timeout)
+    if not ready:
+        raise AssertionError(f"helper process silent for {timeout}s")
+    line = proc.stdout.readline()
+    if not line:
+        raise AssertionError(f"helper process died: {proc.stderr.read()}")
+    return line.strip()
+
+
+def _loaded_value(path: Path) -> int:
+    """Load ``path`` into a fresh optimizer; the one value all its state tensors hold."""
+    opt, *_ = build(1, 1, initial_params())
+    muonckpt.load(opt, path)
+    values = {x for s in opt.state.values() for v in s.values() for x in v.unique().tolist()}
+    assert len(values) == 1, f"state mixes saves: {sorted(values)}"
+    (value,) = values
+    assert value == int(value) and value >= 0
+    return int(value)
+
+
+def _check_leftover(staging: Path) -> str:
+    """A leftover staging directory must be reported incomplete and refused by load."""
+    problems = muonckpt.verify(staging)
+    assert len(problems) == 1 and "incomplete" in str(problems[0]), problems
+    with pytest.raises(CheckpointError, match="incomplete"):
+        muonckpt.load(build(1, 1, initial_params())[0], staging)
+    return "manifest" if (staging / "manifest.json").exists() else "no manifest"
+
+
+def test_sigkill_during_save_never_breaks_the_checkpoint(tmp_path):
+    template = tmp_path / "template"
+    helper = subprocess.Popen(
+        [sys.executable, "-c", HELPER, str(template)],
+        cwd=Path(__file__).parent,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert _readline(helper) == "ready"
+        rng = random.Random(SEED)
+        values, leftovers = [], []
+        for trial in range(TRIALS):
+            root = tmp_path / f"trial{trial:02d}"
+            root.mkdir()
+            ckpt = root / "ckpt"
+            shutil.copytree(template, ckpt)
+            helper.stdin.write(f"{ckpt} {rng.uniform(0, MAX_DELAY_S):.4f}\n")
+            helper.stdin.flush()
+            assert _readline(helper) == "killed"
+
+            assert muonckpt.verify(ckpt) == []
+            values.append(_loaded_value(ckpt))
+            for entry in root.iterdir():
+                if entry.name == "ckpt":
+                    continue
+                assert entry.name.startswith(".ckpt.staging-"), entry.name
+                leftovers.append(_check_leftover(entry))
+    finally:
+        helper.kill()
+        helper.wait()
+    # kills must land both after some commits and inside a save, else the test proves little
+    assert max(values) > 0, values
+    assert leftovers, "no kill landed inside a save"
+    print(f"loaded save numbers {values}; leftovers {leftovers}")

@@ -1,0 +1,144 @@
+"""Offline consolidate / reshard / diff against real checkpoints of the tiny two-group model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import safetensors.torch
+import torch
+from ckpt_cases import load_phase
+from resume_cases import assemble, build, initial_params, local_params, train
+
+import muonckpt
+from muonckpt import offline
+from muonckpt.launch import run_distributed
+
+K, M = 2, 2
+SRC, DST = (2, 2), (4, 2)
+
+
+def save_both_and_continue(dp: int, tp: int, per_rank: str, consolidated: str) -> dict:
+    """(gloo child) Train K steps, save per rank and consolidated, then train M more."""
+    opt, sharded, dp_rank, tp_rank = build(dp, tp, initial_params())
+    train(opt, sharded, dp_rank, tp_rank, 0, K)
+    muonckpt.save(opt, per_rank)
+    muonckpt.save(opt, consolidated, consolidated=True)
+    after_k = local_params(opt)
+    train(opt, sharded, dp_rank, tp_rank, K, M)
+    return {"after_k": after_k, "final": local_params(opt)}
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("offline")
+    per_rank, consolidated = tmp / "per-rank", tmp / "consolidated"
+    out = run_distributed(
+        save_both_and_continue, SRC[0] * SRC[1], *SRC, str(per_rank), str(consolidated), timeout=180
+    )
+    params = tmp / "params.pt"
+    torch.save(assemble(*SRC, [o["after_k"] for o in out]), params)
+    final = assemble(*SRC, [o["final"] for o in out])
+    return {"per_rank": per_rank, "consolidated": consolidated, "params": params, "final": final}
+
+
+def test_consolidate_matches_consolidated_save(saved, tmp_path):
+    calls = []
+    out = offline.consolidate(
+        saved["per_rank"], tmp_path / "c", progress=lambda done, total: calls.append((done, total))
+    )
+    assert muonckpt.verify(out) == []
+    mine = safetensors.torch.load_file(out / "optimizer.safetensors")
+    theirs = safetensors.torch.load_file(saved["consolidated"] / "optimizer.safetensors")
+    assert mine.keys() == theirs.keys()
+    for key, value in theirs.items():
+        assert torch.equal(mine[key], value), key
+    assert calls[-1][0] == calls[-1][1] == sum(v.numel() * v.element_size() for v in mine.values())
+    manifest = muonckpt.read_manifest(out)
+    assert manifest.kind == "consolidated"
+    assert manifest.step == K
+    with pytest.raises(muonckpt.CheckpointError, match="already exists"):
+        offline.consolidate(saved["per_rank"], out)
+
+
+def test_sharded_consolidate_writes_an_index(saved, tmp_path):
+    out = offline.consolidate(saved["consolidated"], tmp_path / "c", max_shard_size=800)
+    index = json.loads((out / "optimizer.safetensors.index.json").read_text())
+    files = sorted({f for f in index["weight_map"].values()})
+    assert len(files) > 1
+    assert files[0] == f"optimizer-00001-of-{len(files):05d}.safetensors"
+    tensors = {}
+    for name in files:
+        tensors.update(safetensors.torch.load_file(out / name))
+    assert sorted(tensors) == sorted(index["weight_map"])
+    assert index["metadata"]["total_size"] == sum(
+        v.numel() * v.element_size() for v in tensors.values()
+    )
+    assert muonckpt.verify(out) == []
+    assert all(r["equal"] for r in offline.diff(out, saved["per_rank"]))
+
+
+def test_reshard_then_load_is_bitwise(saved, tmp_path):
+    out = offline.reshard(saved["per_rank"], tmp_path / "r", dp=DST[0], tp=DST[1], bucket_numel=150)
+    assert muonckpt.verify(out) == []
+    manifest = muonckpt.read_manifest(out)
+    assert manifest.kind == "per-rank"
+    assert manifest.topology == {"dp": DST[0], "tp": DST[1]}
+    assert len(manifest.files) == DST[0] * DST[1]
+    rows = offline.diff(saved["per_rank"], out)
+    assert rows and all(r["equal"] and r["bitwise"] for r in rows)
+    shards = run_distributed(
+        load_phase, DST[0] * DST[1], *DST, str(saved["params"]), str(out), K, M, timeout=180
+    )
+    full = assemble(*DST, shards)
+    for name, value in saved["final"].items():
+        assert torch.equal(full[name], value), name
+
+
+def test_reshard_refuses_an_indivisible_split(saved, tmp_path):
+    with pytest.raises(muonckpt.LayoutError, match="param 'norm'"):
+        offline.reshard(saved["per_rank"], tmp_path / "r", dp=1, tp=3)
+    assert not (tmp_path / "r").exists()
+
+
+def test_summarize_and_diff_notes(saved, tmp_path):
+    info = offline.summarize(saved["per_rank"])
+    assert info["kind"] == "per-rank" and info["topology"] == {"dp": 2, "tp": 2}
+    assert info["step"] == K
+    w_in = next(p for p in info["params"] if p["name"] == "w_in")
+    assert w_in == {
+        "name": "w_in",
+        "shape": [12, 20],
+        "dtype": "F32",
+        "tp_split_dim": 0,
+        "group": 0,
+        "state_keys": ["momentum_buffer"],
+        "bytes": 12 * 20 * 4,
+    }
+    assert info["totals"]["files"] == 4 and info["totals"]["tensors"] == 9
+    rows = offline.diff(saved["per_rank"], saved["consolidated"], atol=0.0)
+    assert all(r["equal"] for r in rows)
+
+
+def test_streaming_writer_order_and_abort(tmp_path):
+    from muonckpt.storage import SafetensorsReader, SafetensorsWriter
+
+    specs = {"b": ("F32", (2, 3)), "a": ("I64", (4,))}
+    with SafetensorsWriter(tmp_path / "x.safetensors", specs, {"k": "v"}) as out:
+        assert out.pending == ["a", "b"]
+        with pytest.raises(muonckpt.CheckpointError, match="sorted key order"):
+            out.write("b", torch.zeros(2, 3))
+    assert list(tmp_path.iterdir()) == []
+    with SafetensorsWriter(tmp_path / "x.safetensors", specs, {"k": "v"}) as out:
+        out.write("a", torch.arange(4))
+        out.write("b", torch.ones(6))
+        records = out.commit()
+    assert records["a"].checksums and records["b"].shape == (2, 3)
+    with SafetensorsReader(tmp_path / "x.safetensors") as reader:
+        assert reader.metadata == {"k": "v"}
+        assert torch.equal(
+            reader.read_tensor("b", checksums=records["b"].checksums), torch.ones(2, 3)
+        )
+    loaded = safetensors.torch.load_file(tmp_path / "x.safetensors")
+    assert torch.equal(loaded["a"], torch.arange(4))
+    assert [p.name for p in tmp_path.iterdir()] == ["x.safetensors"]
