@@ -9,12 +9,13 @@ reads just those from whichever pieces hold them. Collectives come from
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import re
-import shutil
-import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import ExitStack
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +32,7 @@ from .hooks import (
     gather_state_dict,
     remap_groups,
 )
-from .layout import Run, copy_runs, whole_region
+from .layout import Region, Run, copy_runs, whole_region
 from .manifest import (
     CONSOLIDATED,
     MANIFEST_NAME,
@@ -43,13 +44,14 @@ from .manifest import (
     Piece,
     json_safe,
     parse_manifest,
+    piece_from_json,
 )
 from .optim import Muon
 from .regions import copy_runs_
 
 CONSOLIDATED_FILE = "optimizer.safetensors"
-_STAGING_NAME = re.compile(r"^\..+\.(staging-[0-9a-f]{8}|old-\d+)$")
 INDEX_FILE = "optimizer.safetensors.index.json"
+_STAGING_NAME = re.compile(rf"^\..+\.({storage.STAGING_TAG}-[0-9a-f]{{8}}|old-\d+)$")
 
 
 def tensor_key(param: str, key: str) -> str:
@@ -66,6 +68,7 @@ def save(
     path: str | os.PathLike[str],
     *,
     consolidated: bool = False,
+    max_shard_size: int | None = None,
     overwrite: bool = False,
 ) -> Path:
     """Save ``optimizer``'s state to directory ``path``; a collective over its dp x tp grid.
@@ -73,8 +76,10 @@ def save(
     Args:
         optimizer: a packaged :class:`~muonckpt.Muon`, single-process or distributed.
         path: target directory. The save is staged beside it and swapped in atomically.
-        consolidated: write full-shape tensors into one ``optimizer.safetensors`` (gathered on
-            rank 0) instead of one file per rank (no gathering; only metadata crosses ranks).
+        consolidated: gather full-shape tensors on rank 0 and write them as
+            ``state.<param>.<key>`` (see :func:`write_full_tensors`) instead of one file per
+            rank (no gathering; only metadata crosses ranks).
+        max_shard_size: with ``consolidated``, split files past this many bytes, HF style.
         overwrite: replace an existing checkpoint at ``path`` (otherwise an error).
 
     Returns:
@@ -84,47 +89,40 @@ def save(
     check_agreement(sharding)
     final = Path(path)
     me, dst = collectives.global_rank(), sharding.destination
-    staging = None
+    staging: Any = None
     if me == dst:
-        staging = _prepare_staging(final, overwrite)
-    staging = Path(_agree_or_raise(sharding, str(staging) if staging else None))
+        staging = _as_outcome(lambda: str(storage.make_staging(final, overwrite)))
+    staging = Path(_agree_or_raise(sharding, staging))
     try:
         if consolidated:
-            report = _write_consolidated(optimizer, sharding, staging)
+            report = _write_consolidated(optimizer, sharding, staging, max_shard_size)
         else:
-            report = _write_rank_file(optimizer, sharding, staging)
+            report = _as_outcome(lambda: _write_rank_file(optimizer, sharding, staging))
         reports = collectives.gather_json(report, sharding.participants, dst)
-        outcome: Any = None
+        outcome = None
         if me == dst:
-            outcome = _commit(optimizer, sharding, staging, final, reports, consolidated)
+            outcome = _as_outcome(
+                lambda: _commit(optimizer, sharding, staging, final, reports, consolidated)
+            )
         _agree_or_raise(sharding, outcome)
     except BaseException:
         if me == dst:
-            shutil.rmtree(staging, ignore_errors=True)
+            storage.discard(staging)
         raise
     return final
 
 
-def _prepare_staging(final: Path, overwrite: bool) -> Path | dict[str, str]:
-    if final.exists() and not overwrite:
-        return {"error": f"{final} already exists; pass overwrite=True to replace it"}
-    if final.exists() and not final.is_dir():
-        return {"error": f"{final} exists and is not a checkpoint directory"}
-    staging = final.parent / f".{final.name}.staging-{uuid.uuid4().hex[:8]}"
+def _as_outcome(work: Callable[[], Any]) -> Any:
+    """``work()``, or ``{"error": message}`` when it raises a library error (for broadcast)."""
     try:
-        staging.mkdir(parents=True)
-    except OSError as exc:
-        return {"error": f"cannot create {staging}: {exc}"}
-    return staging
+        return work()
+    except MuonCkptError as exc:
+        return {"error": str(exc)}
 
 
 def _agree_or_raise(sharding: Sharding, value: Any) -> Any:
     """Broadcast the destination's value; an ``{"error": ...}`` value raises on every rank."""
-    value = collectives.broadcast_json(
-        value if not isinstance(value, Path) else str(value),
-        sharding.participants,
-        sharding.destination,
-    )
+    value = collectives.broadcast_json(value, sharding.participants, sharding.destination)
     if isinstance(value, dict) and "error" in value:
         raise CheckpointError(value["error"])
     return value
@@ -140,62 +138,134 @@ def _owned(optimizer: Muon, sharding: Sharding) -> Iterator[tuple[ParamSharding,
 
 
 def _write_rank_file(optimizer: Muon, sharding: Sharding, staging: Path) -> dict[str, Any]:
+    """Write this rank's own pieces; return the report (files, pieces) for the manifest."""
     me = collectives.global_rank()
     rank = sharding.participants.index(me)
     name = rank_file(rank, len(sharding.participants))
-    tensors, pieces = {}, []
+    tensors, regions = {}, {}
     for param, state in _owned(optimizer, sharding):
         holding = next(h for h in param.sources if h.rank == me)
         for key, value in sorted(state.items()):
             tkey = tensor_key(param.name, key)
             tensors[tkey] = value.reshape(-1)
-            pieces.append(
-                {"param": param.name, "key": key, "tensor": tkey, "region": holding.region.__dict__}
-            )
-    try:
-        records = storage.write_safetensors(
-            staging / name, tensors, {"format": "muonckpt", "rank": str(rank)}
-        )
-    except MuonCkptError as exc:
-        return {"error": f"rank {rank}: {exc}"}
-    return _file_report(name, staging, pieces, records)
+            regions[tkey] = (param.name, key, holding.region)
+    records = storage.write_safetensors(
+        staging / name, tensors, {"format": "muonckpt", "rank": str(rank)}
+    )
+    pieces = [
+        piece_for(name, records[tkey], param, key, region)
+        for tkey, (param, key, region) in regions.items()
+    ]
+    return _report([FileEntry(name, storage.file_size(staging / name))], pieces, records)
 
 
-def _file_report(
-    name: str, staging: Path, pieces: list[dict[str, Any]], records: dict[str, storage.TensorRecord]
+def piece_for(
+    file: str, record: storage.TensorRecord, param: str, key: str, region: Region
+) -> Piece:
+    return Piece(
+        param=param,
+        key=key,
+        file=file,
+        tensor=record.key,
+        region=region,
+        checksums=record.checksums,
+        chunk_bytes=record.chunk_bytes,
+    )
+
+
+def _report(
+    files: list[FileEntry], pieces: list[Piece], records: Mapping[str, storage.TensorRecord]
 ) -> dict[str, Any]:
-    for piece in pieces:
-        record = records[piece["tensor"]]
-        piece.update(
-            file=name,
-            checksums=list(record.checksums),
-            chunk_bytes=record.chunk_bytes,
-            dtype=record.dtype,
-        )
-    return {"files": [{"name": name, "bytes": (staging / name).stat().st_size}], "pieces": pieces}
+    """JSON form of what a rank wrote; dtypes ride along for the manifest's param entries."""
+    return {
+        "files": [asdict(f) for f in files],
+        "pieces": [{**asdict(p), "dtype": records[p.tensor].dtype} for p in pieces],
+    }
 
 
-def _write_consolidated(optimizer: Muon, sharding: Sharding, staging: Path) -> dict[str, Any]:
+def _write_consolidated(
+    optimizer: Muon, sharding: Sharding, staging: Path, max_shard_size: int | None
+) -> dict[str, Any]:
     full = gather_state_dict(optimizer)
     if collectives.global_rank() != sharding.destination:
         return {"files": [], "pieces": []}
-    tensors, pieces = {}, []
-    for index, param in enumerate(sharding.params):
-        for key, value in sorted(full["state"].get(index, {}).items()):
-            tkey = tensor_key(param.name, key)
-            tensors[tkey] = value
-            pieces.append(
-                {
-                    "param": param.name,
-                    "key": key,
-                    "tensor": tkey,
-                    "region": whole_region(value.numel()).__dict__,
-                }
+    by_name = {
+        param.name: full["state"].get(index, {}) for index, param in enumerate(sharding.params)
+    }
+    items = [
+        (name, key, storage.dtype_name(value.dtype), tuple(value.shape))
+        for name, state in by_name.items()
+        for key, value in sorted(state.items())
+    ]
+    return _as_outcome(
+        lambda: _report(
+            *write_full_tensors(
+                staging, items, lambda name, key: by_name[name][key], max_shard_size=max_shard_size
             )
-    records = storage.write_safetensors(
-        staging / CONSOLIDATED_FILE, tensors, {"format": "muonckpt"}
+        )
     )
-    return _file_report(CONSOLIDATED_FILE, staging, pieces, records)
+
+
+def write_full_tensors(
+    staging: Path,
+    items: Sequence[tuple[str, str, str, tuple[int, ...]]],
+    fetch: Callable[[str, str], torch.Tensor],
+    *,
+    max_shard_size: int | None = None,
+    on_bytes: Callable[[int], None] | None = None,
+) -> tuple[list[FileEntry], list[Piece], dict[str, storage.TensorRecord]]:
+    """Write full-shape tensors ``state.<param>.<key>``, streaming one at a time.
+
+    ``items`` are (param, state key, safetensors dtype, full shape); ``fetch(param, key)``
+    produces each tensor when its turn comes. Up to ``max_shard_size`` bytes of tensor data
+    go into ``optimizer.safetensors``; past it into ``optimizer-0000i-of-0000N.safetensors``
+    plus a Hugging Face style ``optimizer.safetensors.index.json`` (a tensor larger than the
+    limit gets a file of its own).
+    """
+    if max_shard_size is not None and max_shard_size <= 0:
+        raise CheckpointError(f"max_shard_size must be positive, got {max_shard_size}")
+    by_key = {tensor_key(name, key): (name, key, dtype, shape) for name, key, dtype, shape in items}
+    sizes = {
+        tkey: math.prod(shape) * storage.torch_dtype(dtype).itemsize
+        for tkey, (_, _, dtype, shape) in by_key.items()
+    }
+    shards: list[list[str]] = [[]]
+    used = 0
+    for tkey in sorted(by_key):
+        if max_shard_size is not None and shards[-1] and used + sizes[tkey] > max_shard_size:
+            shards.append([])
+            used = 0
+        shards[-1].append(tkey)
+        used += sizes[tkey]
+    names = (
+        [CONSOLIDATED_FILE]
+        if len(shards) == 1
+        else [f"optimizer-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    )
+    files, pieces, all_records = [], [], {}
+    for file, keys in zip(names, shards, strict=True):
+        specs = {tkey: (by_key[tkey][2], by_key[tkey][3]) for tkey in keys}
+        with storage.SafetensorsWriter(staging / file, specs, {"format": "muonckpt"}) as out:
+            for tkey in keys:
+                name, key, _, shape = by_key[tkey]
+                out.write(tkey, fetch(name, key).reshape(shape))
+                if on_bytes is not None:
+                    on_bytes(sizes[tkey])
+            records = out.commit()
+        all_records.update(records)
+        for tkey in keys:
+            name, key, _, shape = by_key[tkey]
+            pieces.append(piece_for(file, records[tkey], name, key, whole_region(math.prod(shape))))
+        files.append(FileEntry(file, storage.file_size(staging / file)))
+    if len(shards) > 1:
+        index = {
+            "metadata": {"total_size": sum(sizes.values())},
+            "weight_map": {
+                tkey: file for file, keys in zip(names, shards, strict=True) for tkey in keys
+            },
+        }
+        storage.write_text_atomic(staging / INDEX_FILE, json.dumps(index, indent=2) + "\n")
+    return files, pieces, all_records
 
 
 def _commit(
@@ -205,16 +275,17 @@ def _commit(
     final: Path,
     reports: list[dict[str, Any]],
     consolidated: bool,
-) -> Any:
+) -> str | dict[str, str]:
     errors = [r["error"] for r in reports if "error" in r]
     if errors:
         return {"error": "; ".join(errors)}
-    pieces = [p for r in reports for p in r["pieces"]]
+    raw = [p for r in reports for p in r["pieces"]]
     manifest = build_manifest(
         optimizer,
         sharding,
-        pieces,
-        [f for r in reports for f in r["files"]],
+        [piece_from_json(p) for p in raw],
+        {p["param"]: p["dtype"] for p in raw},
+        [FileEntry(f["name"], f["bytes"]) for r in reports for f in r["files"]],
         CONSOLIDATED if consolidated else PER_RANK,
     )
     storage.write_text_atomic(staging / MANIFEST_NAME, manifest.to_json())
@@ -226,14 +297,15 @@ def _commit(
 def build_manifest(
     optimizer: Muon,
     sharding: Sharding,
-    pieces: list[dict[str, Any]],
-    files: list[dict[str, Any]],
+    pieces: list[Piece],
+    dtypes: Mapping[str, str],
+    files: list[FileEntry],
     kind: str,
 ) -> Manifest:
-    dtypes = {p["param"]: p["dtype"] for p in pieces}
+    """The manifest of a save: params and groups from the optimizer, pieces from the ranks."""
     keys: dict[str, set[str]] = {}
-    for p in pieces:
-        keys.setdefault(p["param"], set()).add(p["key"])
+    for piece in pieces:
+        keys.setdefault(piece.param, set()).add(piece.key)
     params, groups, index = [], [], 0
     for g, group in enumerate(optimizer.param_groups):
         names = []
@@ -260,26 +332,9 @@ def build_manifest(
         checksum_algorithm=storage.CHECKSUM_ALGORITHM,
         groups=tuple(groups),
         params=tuple(params),
-        files=tuple(FileEntry(f["name"], f["bytes"]) for f in files),
-        pieces=tuple(
-            Piece(
-                param=p["param"],
-                key=p["key"],
-                file=p["file"],
-                tensor=p["tensor"],
-                region=_region(p["region"]),
-                checksums=tuple(p["checksums"]),
-                chunk_bytes=p["chunk_bytes"],
-            )
-            for p in pieces
-        ),
+        files=tuple(files),
+        pieces=tuple(pieces),
     )
-
-
-def _region(raw: dict[str, int]) -> Any:
-    from .layout import Region
-
-    return Region(**raw)
 
 
 def read_manifest(path: str | os.PathLike[str]) -> Manifest:
@@ -299,6 +354,16 @@ def read_manifest(path: str | os.PathLike[str]) -> Manifest:
             path=manifest_path,
         )
     return parse_manifest(storage.read_text(manifest_path), manifest_path)
+
+
+def open_checkpoint(path: str | os.PathLike[str]) -> tuple[Path, Manifest]:
+    """The directory and manifest of a checkpoint whose pieces cover every state tensor once."""
+    directory = Path(path)
+    manifest = read_manifest(directory)
+    problems = manifest.coverage_problems()
+    if problems:
+        raise CheckpointError(problems[0], path=directory / MANIFEST_NAME)
+    return directory, manifest
 
 
 class PieceReader:
@@ -361,6 +426,23 @@ class PieceReader:
         )
         copy_runs_(local, data, [Run(r.src - lo, r.dst, r.length) for r in runs])
 
+    def gather(self, pieces: Sequence[Piece], entry: ParamEntry, target: Region) -> torch.Tensor:
+        """The elements of ``target`` (in its own order), read from the pieces overlapping it."""
+        out = torch.empty(target.numel, dtype=storage.torch_dtype(entry.dtype))
+        filled = 0
+        for piece in pieces:
+            runs = copy_runs(piece.region, target)
+            if runs:
+                self.read_into(out, piece, runs, entry)
+                filled += sum(r.length for r in runs)
+        if filled != target.numel:
+            raise CheckpointError(
+                f"pieces cover {filled} of the {target.numel} elements needed",
+                path=self.directory / MANIFEST_NAME,
+                param=entry.name,
+            )
+        return out
+
 
 def load(optimizer: Muon, path: str | os.PathLike[str]) -> None:
     """Load a checkpoint of any kind and source topology into ``optimizer`` at its topology.
@@ -369,11 +451,7 @@ def load(optimizer: Muon, path: str | os.PathLike[str]) -> None:
     share, verifying their checksums; memory is its share plus one piece span in flight.
     Raises :class:`CheckpointError` naming the file and param on any damage or mismatch.
     """
-    directory = Path(path)
-    manifest = read_manifest(directory)
-    problems = manifest.coverage_problems()
-    if problems:
-        raise CheckpointError(problems[0], path=directory / MANIFEST_NAME)
+    directory, manifest = open_checkpoint(path)
     sharding = describe_muon(optimizer, collective=False)
     groups = remap_groups(optimizer, _torch_groups(manifest), sharding)
     flat = [p for g in optimizer.param_groups for p in g["params"]]
@@ -386,7 +464,7 @@ def load(optimizer: Muon, path: str | os.PathLike[str]) -> None:
             if not entry.state_keys or param.local is None:
                 continue
             state[index] = {
-                key: _read_share(reader, grouped[entry.name, key], entry, param).reshape(p.shape)
+                key: reader.gather(grouped[entry.name, key], entry, param.local).reshape(p.shape)
                 for key in entry.state_keys
             }
     optimizer.load_state_dict(
@@ -416,25 +494,6 @@ def _check_param(entry: ParamEntry, param: ParamSharding, directory: Path) -> No
             path=directory / MANIFEST_NAME,
             param=param.name,
         )
-
-
-def _read_share(
-    reader: PieceReader, pieces: list[Piece], entry: ParamEntry, param: ParamSharding
-) -> torch.Tensor:
-    local = torch.empty(param.local.numel, dtype=storage.torch_dtype(entry.dtype))
-    filled = 0
-    for piece in pieces:
-        runs = copy_runs(piece.region, param.local)
-        if runs:
-            reader.read_into(local, piece, runs, entry)
-            filled += sum(r.length for r in runs)
-    if filled != local.numel():
-        raise CheckpointError(
-            f"pieces cover {filled} of the {local.numel()} elements this rank needs",
-            path=reader.directory / MANIFEST_NAME,
-            param=entry.name,
-        )
-    return local
 
 
 def verify(path: str | os.PathLike[str]) -> list[CheckpointError]:

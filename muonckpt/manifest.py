@@ -198,27 +198,13 @@ def _manifest_from(body: Any) -> Manifest:
     by_name = {p.name: p for p in params}
     pieces = []
     for raw in body["pieces"]:
-        region = Region(
-            **{
-                k: _nonneg_int(raw["region"][k])
-                for k in ("cols", "block_start", "block_width", "start", "stop")
-            }
-        )
-        piece = Piece(
-            param=_str(raw["param"]),
-            key=_str(raw["key"]),
-            file=_safe_name(raw["file"]),
-            tensor=_str(raw["tensor"]),
-            region=region,
-            checksums=tuple(_str(c) for c in raw["checksums"]),
-            chunk_bytes=_pos_int_value(raw["chunk_bytes"]),
-        )
+        piece = piece_from_json(raw)
         _expect(
             piece.file in file_names, f"piece {piece.tensor!r} names unlisted file {piece.file!r}"
         )
         entry = by_name.get(piece.param)
         _expect(entry is not None, f"piece {piece.tensor!r} of unknown param {piece.param!r}")
-        _check_region(entry, region, piece.tensor)
+        _check_region(entry, piece.region, piece.tensor)
         pieces.append(piece)
     return Manifest(
         kind=body["kind"],
@@ -229,6 +215,25 @@ def _manifest_from(body: Any) -> Manifest:
         files=files,
         pieces=tuple(pieces),
         format_version=version,
+    )
+
+
+def piece_from_json(raw: Mapping[str, Any]) -> Piece:
+    """A schema-checked :class:`Piece` from its JSON form (as in ``manifest.json``)."""
+    region = Region(
+        **{
+            k: _nonneg_int(raw["region"][k])
+            for k in ("cols", "block_start", "block_width", "start", "stop")
+        }
+    )
+    return Piece(
+        param=_str(raw["param"]),
+        key=_str(raw["key"]),
+        file=_safe_name(raw["file"]),
+        tensor=_str(raw["tensor"]),
+        region=region,
+        checksums=tuple(_str(c) for c in raw["checksums"]),
+        chunk_bytes=_pos_int_value(raw["chunk_bytes"]),
     )
 
 

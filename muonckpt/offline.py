@@ -13,13 +13,9 @@ atomically (:func:`muonckpt.storage.swap_in`).
 
 from __future__ import annotations
 
-import json
 import math
 import os
-import shutil
-import uuid
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -28,21 +24,20 @@ import torch
 
 from . import storage
 from .checkpoint import (
-    CONSOLIDATED_FILE,
-    INDEX_FILE,
     PieceReader,
+    open_checkpoint,
+    piece_for,
     rank_file,
-    read_manifest,
     tensor_key,
+    write_full_tensors,
 )
 from .errors import CheckpointError, LayoutError
-from .layout import ParamSpec, Region, Topology, arrange, copy_runs, whole_region
+from .layout import ParamSpec, Region, Topology, arrange, whole_region
 from .manifest import (
     CONSOLIDATED,
     MANIFEST_NAME,
     PER_RANK,
     FileEntry,
-    Manifest,
     ParamEntry,
     Piece,
 )
@@ -53,62 +48,8 @@ Progress = Callable[[int, int], None]
 __all__ = ["consolidate", "diff", "open_checkpoint", "reshard", "summarize"]
 
 
-def open_checkpoint(src: str | os.PathLike[str]) -> tuple[Path, Manifest]:
-    """The directory and manifest of a checkpoint whose pieces cover every state tensor once."""
-    directory = Path(src)
-    manifest = read_manifest(directory)
-    problems = manifest.coverage_problems()
-    if problems:
-        raise CheckpointError(problems[0], path=directory / MANIFEST_NAME)
-    return directory, manifest
-
-
 def _itemsize(dtype: str) -> int:
     return storage.torch_dtype(dtype).itemsize
-
-
-def _gather(
-    reader: PieceReader, pieces: list[Piece], entry: ParamEntry, target: Region
-) -> torch.Tensor:
-    """The elements of ``target`` (in its own order) read from the pieces that overlap it."""
-    out = torch.empty(target.numel, dtype=storage.torch_dtype(entry.dtype))
-    filled = 0
-    for piece in pieces:
-        runs = copy_runs(piece.region, target)
-        if runs:
-            reader.read_into(out, piece, runs, entry)
-            filled += sum(r.length for r in runs)
-    if filled != target.numel:
-        raise CheckpointError(
-            f"pieces cover {filled} of the {target.numel} elements needed",
-            path=reader.directory / MANIFEST_NAME,
-            param=entry.name,
-        )
-    return out
-
-
-@contextmanager
-def _staging(dst: str | os.PathLike[str], overwrite: bool) -> Iterator[Path]:
-    """A fresh staging directory beside ``dst``, swapped in on success, removed on failure."""
-    final = Path(dst)
-    if final.exists() and not overwrite:
-        raise CheckpointError(
-            "already exists; pass overwrite=True (--force) to replace it", path=final
-        )
-    if final.exists() and not final.is_dir():
-        raise CheckpointError("exists and is not a checkpoint directory", path=final)
-    staging = final.parent / f".{final.name}.staging-{uuid.uuid4().hex[:8]}"
-    try:
-        staging.mkdir(parents=True)
-    except OSError as exc:
-        raise CheckpointError(f"cannot create the staging directory: {exc}", path=staging) from None
-    try:
-        yield staging
-        storage.fsync_dir(staging)
-        storage.swap_in(staging, final)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
 
 
 class _Meter:
@@ -120,25 +61,6 @@ class _Meter:
         self.done += nbytes
         if self.progress is not None:
             self.progress(self.done, self.total)
-
-
-def _pieces_of(
-    name: str, key: str, file: str, records: Mapping[str, storage.TensorRecord], region: Region
-) -> Piece:
-    record = records[tensor_key(name, key)]
-    return Piece(
-        param=name,
-        key=key,
-        file=file,
-        tensor=record.key,
-        region=region,
-        checksums=record.checksums,
-        chunk_bytes=record.chunk_bytes,
-    )
-
-
-def _finish(staging: Path, manifest: Manifest) -> None:
-    storage.write_text_atomic(staging / MANIFEST_NAME, manifest.to_json())
 
 
 def consolidate(
@@ -163,69 +85,28 @@ def consolidate(
 
     Memory: one full tensor plus the span of one source piece.
     """
-    if max_shard_size is not None and max_shard_size <= 0:
-        raise CheckpointError(f"max_shard_size must be positive, got {max_shard_size}")
     directory, manifest = open_checkpoint(src)
-    tensors: dict[str, tuple[ParamEntry, str, int]] = {}
-    for entry in manifest.params:
-        for key in entry.state_keys:
-            tensors[tensor_key(entry.name, key)] = (
-                entry,
-                key,
-                entry.numel * _itemsize(entry.dtype),
-            )
-    total = sum(size for _, _, size in tensors.values())
-    shards: list[list[str]] = [[]]
-    used = 0
-    for tkey in sorted(tensors):
-        size = tensors[tkey][2]
-        if max_shard_size is not None and shards[-1] and used + size > max_shard_size:
-            shards.append([])
-            used = 0
-        shards[-1].append(tkey)
-        used += size
-    if len(shards) == 1:
-        names = [CONSOLIDATED_FILE]
-    else:
-        names = [
-            f"optimizer-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))
-        ]
+    items = [(e.name, key, e.dtype, e.shape) for e in manifest.params for key in e.state_keys]
+    total = sum(math.prod(shape) * _itemsize(dtype) for _, _, dtype, shape in items)
     grouped = manifest.pieces_of()
     meter = _Meter(total, progress)
-    pieces: list[Piece] = []
-    files: list[FileEntry] = []
-    with _staging(dst, overwrite) as staging, PieceReader(directory, manifest) as reader:
-        for name, keys in zip(names, shards, strict=True):
-            specs = {k: (tensors[k][0].dtype, tensors[k][0].shape) for k in keys}
-            with storage.SafetensorsWriter(staging / name, specs, {"format": "muonckpt"}) as out:
-                for tkey in keys:
-                    entry, key, size = tensors[tkey]
-                    whole = whole_region(entry.numel)
-                    full = _gather(reader, grouped[entry.name, key], entry, whole)
-                    out.write(tkey, full.view(entry.shape))
-                    del full
-                    meter.tick(size)
-                records = out.commit()
-            for tkey in keys:
-                entry, key, _ = tensors[tkey]
-                pieces.append(_pieces_of(entry.name, key, name, records, whole_region(entry.numel)))
-            files.append(FileEntry(name, (staging / name).stat().st_size))
-        if len(shards) > 1:
-            index = {
-                "metadata": {"total_size": total},
-                "weight_map": {k: n for n, keys in zip(names, shards, strict=True) for k in keys},
-            }
-            storage.write_text_atomic(staging / INDEX_FILE, json.dumps(index, indent=2) + "\n")
-        _finish(
-            staging,
-            replace(
-                manifest,
-                kind=CONSOLIDATED,
-                checksum_algorithm=storage.CHECKSUM_ALGORITHM,
-                files=tuple(files),
-                pieces=tuple(pieces),
-            ),
+
+    def fetch(name: str, key: str) -> torch.Tensor:
+        entry = manifest.param(name)
+        return reader.gather(grouped[name, key], entry, whole_region(entry.numel))
+
+    with storage.staged(dst, overwrite) as staging, PieceReader(directory, manifest) as reader:
+        files, pieces, _ = write_full_tensors(
+            staging, items, fetch, max_shard_size=max_shard_size, on_bytes=meter.tick
         )
+        manifest = replace(
+            manifest,
+            kind=CONSOLIDATED,
+            checksum_algorithm=storage.CHECKSUM_ALGORITHM,
+            files=tuple(files),
+            pieces=tuple(pieces),
+        )
+        storage.write_text_atomic(staging / MANIFEST_NAME, manifest.to_json())
     return Path(dst)
 
 
@@ -292,7 +173,7 @@ def reshard(
     meter = _Meter(total, progress)
     pieces: list[Piece] = []
     files: list[FileEntry] = []
-    with _staging(dst, overwrite) as staging, PieceReader(directory, manifest) as reader:
+    with storage.staged(dst, overwrite) as staging, PieceReader(directory, manifest) as reader:
         for rank, plan in enumerate(plans):
             name = rank_file(rank, world)
             specs_out = {k: (e.dtype, (r.numel,)) for k, (e, _, r) in plan.items()}
@@ -300,25 +181,23 @@ def reshard(
             with storage.SafetensorsWriter(staging / name, specs_out, meta) as out:
                 for tkey in out.pending:
                     entry, key, region = plan[tkey]
-                    out.write(tkey, _gather(reader, grouped[entry.name, key], entry, region))
+                    out.write(tkey, reader.gather(grouped[entry.name, key], entry, region))
                     meter.tick(region.numel * _itemsize(entry.dtype))
                 records = out.commit()
             for tkey in sorted(plan):
                 entry, key, region = plan[tkey]
-                pieces.append(_pieces_of(entry.name, key, name, records, region))
-            files.append(FileEntry(name, (staging / name).stat().st_size))
-        _finish(
-            staging,
-            replace(
-                manifest,
-                kind=PER_RANK,
-                topology={"dp": dp, "tp": tp},
-                checksum_algorithm=storage.CHECKSUM_ALGORITHM,
-                params=params,
-                files=tuple(files),
-                pieces=tuple(pieces),
-            ),
+                pieces.append(piece_for(name, records[tkey], entry.name, key, region))
+            files.append(FileEntry(name, storage.file_size(staging / name)))
+        resharded = replace(
+            manifest,
+            kind=PER_RANK,
+            topology={"dp": dp, "tp": tp},
+            checksum_algorithm=storage.CHECKSUM_ALGORITHM,
+            params=params,
+            files=tuple(files),
+            pieces=tuple(pieces),
         )
+        storage.write_text_atomic(staging / MANIFEST_NAME, resharded.to_json())
     return Path(dst)
 
 
@@ -416,8 +295,8 @@ def diff(
                     row(name, key, f"state key only in {'A' if key in ea.state_keys else 'B'}")
                     continue
                 whole = whole_region(ea.numel)
-                x = _gather(read_a, pieces_a[name, key], ea, whole)
-                y = _gather(read_b, pieces_b[name, key], eb, whole)
+                x = read_a.gather(pieces_a[name, key], ea, whole)
+                y = read_b.gather(pieces_b[name, key], eb, whole)
                 row(name, key, **_compare(x, y, atol, rtol))
                 del x, y
     return rows

@@ -26,8 +26,9 @@ import math
 import os
 import shutil
 import struct
+import uuid
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -568,6 +569,51 @@ def _exchange(a: Path, b: Path) -> bool:
     if err in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
         return False
     raise OSError(err, os.strerror(err), str(a))
+
+
+STAGING_TAG = "staging"
+
+
+def file_size(path: str | os.PathLike[str]) -> int:
+    try:
+        return os.stat(path).st_size
+    except OSError as exc:
+        raise CheckpointError(f"cannot stat: {exc.strerror}", path=path) from None
+
+
+def make_staging(final: str | os.PathLike[str], overwrite: bool) -> Path:
+    """A fresh, empty ``.NAME.staging-XXXXXXXX`` directory beside ``final``."""
+    final = Path(final)
+    if final.exists() and not overwrite:
+        raise CheckpointError(
+            "already exists; pass overwrite=True (--force) to replace it", path=final
+        )
+    if final.exists() and not final.is_dir():
+        raise CheckpointError("exists and is not a checkpoint directory", path=final)
+    staging = final.parent / f".{final.name}.{STAGING_TAG}-{uuid.uuid4().hex[:8]}"
+    try:
+        staging.mkdir(parents=True)
+    except OSError as exc:
+        raise CheckpointError(f"cannot create the staging directory: {exc}", path=staging) from None
+    return staging
+
+
+def discard(staging: str | os.PathLike[str]) -> None:
+    """Remove a staging directory that will never be committed."""
+    shutil.rmtree(staging, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def staged(final: str | os.PathLike[str], overwrite: bool) -> Iterator[Path]:
+    """A staging directory for ``final``: swapped in when the block succeeds, else removed."""
+    staging = make_staging(final, overwrite)
+    try:
+        yield staging
+        fsync_dir(staging)
+        swap_in(staging, final)
+    except BaseException:
+        discard(staging)
+        raise
 
 
 def _retire(directory: Path) -> None:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import safetensors.torch
 import torch
 from ckpt_cases import load_phase, save_phase
-from resume_cases import assemble, phase
+from resume_cases import assemble, build, initial_params, phase, train
 
 import muonckpt
 from muonckpt.launch import run_distributed
@@ -51,3 +53,26 @@ def test_consolidated_file_opens_with_safetensors(tmp_path):
     manifest = muonckpt.read_manifest(ckpt)
     assert manifest.topology == {"dp": 2, "tp": 2}
     assert manifest.step == K
+
+
+def test_consolidated_save_shards_past_max_shard_size(tmp_path):
+    opt, _, _, _ = build(1, 1, initial_params())
+    train(opt, None, 0, 0, 0, 2)
+    ckpt = muonckpt.save(opt, tmp_path / "ckpt", consolidated=True, max_shard_size=1024)
+    index = json.loads((ckpt / "optimizer.safetensors.index.json").read_text())
+    files = sorted({f for f in index["weight_map"].values()})
+    assert len(files) > 1 and files[0] == f"optimizer-00001-of-{len(files):05d}.safetensors"
+    tensors = {}
+    for file in files:
+        tensors.update(safetensors.torch.load_file(ckpt / file))
+    assert set(tensors) == set(index["weight_map"])
+    names = [n for g in opt.param_groups for n in g["param_names"]]
+    flat = [p for g in opt.param_groups for p in g["params"]]
+    for name, p in zip(names, flat):
+        for key, value in opt.state[p].items():
+            assert torch.equal(tensors[f"state.{name}.{key}"], value)
+    assert muonckpt.verify(ckpt) == []
+    fresh, _, _, _ = build(1, 1, initial_params())
+    muonckpt.load(fresh, ckpt)
+    for p, q in zip(flat, [p for g in fresh.param_groups for p in g["params"]]):
+        assert all(torch.equal(opt.state[p][k], fresh.state[q][k]) for k in opt.state[p])
