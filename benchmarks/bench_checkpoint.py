@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 import muonckpt
+from muonckpt.collectives import grid_groups
 from muonckpt.launch import run_distributed
 from muonckpt.layout import Topology
 
@@ -72,18 +73,7 @@ def _groups(shapes):
 
 
 def _build(shapes, dp: int, tp: int):
-    rank, world = dist.get_rank(), dist.get_world_size()
-    dp_group = tp_group = None
-    for t in range(tp):
-        ranks = list(range(t, world, tp))
-        group = dist.new_group(ranks)
-        if rank in ranks:
-            dp_group = group
-    for d in range(dp):
-        ranks = list(range(d * tp, (d + 1) * tp))
-        group = dist.new_group(ranks)
-        if rank in ranks:
-            tp_group = group
+    dp_group, tp_group = grid_groups(dp, tp)
     split = {n: d for n, (_, d) in shapes.items() if d >= 0}
     sharded = muonckpt.shard_param_groups(
         _groups(shapes),

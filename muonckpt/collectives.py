@@ -83,11 +83,24 @@ def grid_ranks(dp_group: Group, tp_group: Group) -> list[int]:
     return grid
 
 
-def agree(fingerprint: int, group: Group, what: str) -> None:
-    """Raise :class:`CollectiveError` on every rank unless all group ranks pass the same value."""
-    values = [row[0] for row in all_gather_ints([fingerprint], group)]
-    if len(set(values)) != 1:
-        raise CollectiveError(f"ranks of {group_ranks(group)} disagree about {what}")
+def grid_groups(dp: int, tp: int) -> tuple[Group, Group]:
+    """Megatron-style (dp_group, tp_group) of this rank over the default group of dp * tp ranks.
+
+    DP groups stride ``tp``; TP groups are consecutive ranks. A collective: every rank creates
+    every group, as ``new_group`` requires.
+    """
+    rank, dp_group, tp_group = dist.get_rank(), None, None
+    for i in range(tp):
+        ranks = list(range(i, dp * tp, tp))
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            dp_group = group
+    for i in range(dp):
+        ranks = list(range(i * tp, (i + 1) * tp))
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            tp_group = group
+    return dp_group, tp_group
 
 
 def send(tensor: torch.Tensor, dst: int) -> None:
@@ -135,8 +148,3 @@ def broadcast_json(obj: Any, ranks: Sequence[int], src: int) -> Any:
                 send_json(obj, rank)
         return obj
     return recv_json(src)
-
-
-def barrier(group: Group = None) -> None:
-    if is_distributed():
-        dist.barrier(group=group)

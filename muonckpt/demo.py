@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from . import offline
 from .checkpoint import load, save
+from .collectives import grid_groups
 from .launch import run_distributed
 from .layout import Topology
 from .optim import Muon
@@ -86,29 +87,14 @@ def _shard(params: dict[str, torch.Tensor], dp: int, tp: int, d: int, t: int) ->
     )
 
 
-def _process_groups(dp: int, tp: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
-    """Megatron groups: DP groups stride ``tp``, TP groups are consecutive ranks."""
-    rank, dp_group, tp_group = dist.get_rank(), None, None
-    for i in range(tp):
-        ranks = list(range(i, dp * tp, tp))
-        group = dist.new_group(ranks)
-        if rank in ranks:
-            dp_group = group
-    for i in range(dp):
-        ranks = list(range(i * tp, (i + 1) * tp))
-        group = dist.new_group(ranks)
-        if rank in ranks:
-            tp_group = group
-    return dp_group, tp_group
-
-
-def _build(dp: int, tp: int, params: dict[str, torch.Tensor]):
+def build(dp: int, tp: int, params: dict[str, torch.Tensor]):
+    """(optimizer, sharded params or None, dp_rank, tp_rank); 1 x 1 is the plain optimizer."""
     if dp * tp == 1:
         groups = [
             {**g, "params": [(n, p.clone()) for n, p in g["params"]]} for g in _groups(params)
         ]
         return Muon(groups), None, 0, 0
-    dp_group, tp_group = _process_groups(dp, tp)
+    dp_group, tp_group = grid_groups(dp, tp)
     d, t = dist.get_rank(dp_group), dist.get_rank(tp_group)
     sharded = _shard(params, dp, tp, d, t)
     opt = Muon(sharded.param_groups)
@@ -116,7 +102,8 @@ def _build(dp: int, tp: int, params: dict[str, torch.Tensor]):
     return opt, sharded, d, t
 
 
-def _train(opt: Muon, sharded, d: int, t: int, first: int, steps: int) -> None:
+def train(opt: Muon, sharded, d: int, t: int, first: int, steps: int) -> None:
+    """Steps ``first .. first+steps-1`` with each rank's cut of the same full gradients."""
     for step in range(first, first + steps):
         for group in opt.param_groups:
             for name, p in zip(group["param_names"], group["params"], strict=True):
@@ -127,7 +114,8 @@ def _train(opt: Muon, sharded, d: int, t: int, first: int, steps: int) -> None:
         opt.step()
 
 
-def _local(opt: Muon) -> dict[str, torch.Tensor]:
+def local_params(opt: Muon) -> dict[str, torch.Tensor]:
+    """This rank's params by name (copies)."""
     return {
         n: p.detach().clone()
         for g in opt.param_groups
@@ -150,27 +138,27 @@ def assemble(dp: int, tp: int, shards: list[dict[str, torch.Tensor]]) -> dict[st
 
 def train_and_save(dp: int, tp: int, steps: int, ckpt: str) -> dict[str, torch.Tensor]:
     """(In a gloo child.) Train ``steps`` from the initial params, save per rank."""
-    opt, sharded, d, t = _build(dp, tp, initial_params())
-    _train(opt, sharded, d, t, 0, steps)
+    opt, sharded, d, t = build(dp, tp, initial_params())
+    train(opt, sharded, d, t, 0, steps)
     save(opt, ckpt)
-    return _local(opt)
+    return local_params(opt)
 
 
 def load_and_train(
     dp: int, tp: int, params_path: str, ckpt: str, first: int, steps: int
 ) -> dict[str, torch.Tensor]:
     """(In a gloo child.) Build from saved full params, load the checkpoint, train on."""
-    opt, sharded, d, t = _build(dp, tp, torch.load(params_path, weights_only=True))
+    opt, sharded, d, t = build(dp, tp, torch.load(params_path, weights_only=True))
     load(opt, ckpt)
-    _train(opt, sharded, d, t, first, steps)
-    return _local(opt)
+    train(opt, sharded, d, t, first, steps)
+    return local_params(opt)
 
 
 def reference(steps: int) -> dict[str, torch.Tensor]:
     """(In a gloo child.) An uninterrupted single-process run."""
-    opt, sharded, d, t = _build(1, 1, initial_params())
-    _train(opt, sharded, d, t, 0, steps)
-    return _local(opt)
+    opt, sharded, d, t = build(1, 1, initial_params())
+    train(opt, sharded, d, t, 0, steps)
+    return local_params(opt)
 
 
 def run_demo(

@@ -1,0 +1,528 @@
+"""Benchmark the offline tools (consolidate, reshard) against cp -r, PyTorch DCP and a naive script.
+
+For each ``--size`` a synthetic transformer-shaped fp32 Muon state of that total size is built
+at dp x tp (default 2 x 2) in gloo processes (``model_shapes``/``_build``/``_fill_state`` from
+``bench_checkpoint.py``) and written three ways: a per-rank muonckpt checkpoint
+(``muonckpt.save``), per-rank ``torch.save`` files of the same local tensors (the naive way), and
+a PyTorch DCP checkpoint in Hugging Face safetensors format. Then every row below runs in a fresh
+subprocess, so its peak RSS is its own (``os.wait4`` rusage of that child: the whole process,
+interpreter and imports included). "op" wall time is measured inside the child around the
+operation alone (interpreter start and imports excluded); "whole" is the parent's wall time of
+the whole command. Rows:
+
+``cp -r + fsync``
+    ``cp -r`` of the muonckpt checkpoint directory, then ``fsync`` of every copied file and the
+    directory (muonckpt fsyncs what it writes, so this is the disk's own limit, same durability).
+``muonckpt.offline.consolidate`` / ``muonckpt consolidate (CLI)``
+    library call (op time) and ``muonckpt --quiet consolidate SRC -o DST`` (whole-command time:
+    interpreter, imports and all). ``--quiet`` is a global option, so it goes before the command.
+``muonckpt.offline.reshard`` / ``muonckpt reshard (CLI)``
+    the same for ``reshard(src, dst, dp=--to-dp, tp=--to-tp)`` (default 4 x 2).
+``DCP consolidate_safetensors_files``
+    ``torch.distributed.checkpoint._consolidate_hf_safetensors.consolidate_safetensors_files``
+    (torch 2.13: ``(input_dir, output_dir, fqn_to_index_mapping, num_threads=1)``, all tensors
+    mapped to output file 1, i.e. one ``model-00001-of-00001.safetensors``) followed by an
+    ``fsync`` of its outputs, which DCP does not do itself (the JSON also has the time without
+    it). Its input is written by ``dcp.save(state_dict, storage_writer=
+    HuggingFaceStorageWriter(path, save_distributed=True))`` from the same dp x tp gloo ranks,
+    each holding DTensors on a (dp, tp) CPU device mesh, placements ``[Shard(0), Shard(split)]``
+    (``Replicate()`` on tp for unsplit params): one ``shard-0000r-...safetensors`` per rank with
+    DCP's saved-offsets metadata. Caveats: DCP cannot express ZeRO-1's flat bucket slices, so
+    the DCP layout is the nearest it can: 2-D FSDP-style row/column blocks of the same tensors
+    (same keys, shapes, dtype and total bytes; values are random, not the muonckpt state's).
+    ``_consolidate_hf_safetensors`` is a private module: its API may change between versions.
+``naive torch.load + insert_ + save_file``
+    one process ``torch.load(weights_only=True)``s every rank's ``torch.save`` file (the rank's
+    local flat tensors plus their ``muonckpt.layout.Region``s), reassembles full tensors with
+    ``muonckpt.regions.insert_``, ``safetensors.torch.save_file``s them and fsyncs the file.
+    As muonckpt does, TP-replicated params (the norms) are saved by TP rank 0 only.
+
+Caveats: by default every input was just written, so reads are served from the page cache for
+every row alike; ``--drop-caches`` (root only) drops it before each row. ``--verify`` checks the
+outputs (muonckpt's and the naive consolidation bitwise equal, the reshard equal to its source,
+DCP's keys and shapes) outside the timings.
+
+Bounds printed per size, PASS/FAIL from the measurements: consolidate and reshard op time
+<= 1.5x cp -r op time; whole command <= 2x cp -r's (the target is stated at 4 GB: at small sizes
+interpreter start and ``import torch`` dominate); muonckpt consolidate >= 2x faster than DCP
+consolidation; peak RSS < 2x the largest state tensor + 200 MiB, both as growth during the
+operation and as the whole process (which includes ~220 MiB for ``import torch``).
+
+    python benchmarks/bench_offline.py --size 1GB --size 4GB --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+# Heavy imports (torch, muonckpt, bench_checkpoint) are made inside functions: the measured
+# children import only what their operation needs, e.g. nothing of torch for cp -r.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+MiB = 2**20
+ROWS = (
+    ("cp", "cp -r + fsync"),
+    ("consolidate", "muonckpt.offline.consolidate"),
+    ("cli-consolidate", "muonckpt consolidate (CLI)"),
+    ("reshard", "muonckpt.offline.reshard"),
+    ("cli-reshard", "muonckpt reshard (CLI)"),
+    ("dcp", "DCP consolidate_safetensors_files"),
+    ("naive", "naive torch.load + insert_ + save_file"),
+)
+
+
+# ---------------------------------------------------------------- building the inputs (gloo)
+
+
+def build_worker(shapes, dp: int, tp: int, root: str) -> dict[str, float]:
+    """One rank: a muonckpt per-rank checkpoint and a naive torch.save file of the same state."""
+    import torch
+    import torch.distributed as dist
+    from bench_checkpoint import _build, _fill_state
+
+    import muonckpt
+    from muonckpt.hooks import describe_muon
+
+    opt = _build(shapes, dp, tp)
+    local = _fill_state(opt)
+    rank = dist.get_rank()
+    start = time.perf_counter()
+    muonckpt.save(opt, Path(root) / "muonckpt")
+    save_s = time.perf_counter() - start
+    regions = {p.name: p.local for p in describe_muon(opt, collective=False).params}
+    naive = {"state": dict(local), "regions": {}, "shapes": {}}
+    for tkey in list(local):
+        name = tkey[len("state.") : tkey.rindex(".")]
+        if shapes[name][1] < 0 and rank % tp:  # TP-replicated: TP rank 0 saves it, as muonckpt
+            del naive["state"][tkey]
+            continue
+        r = regions[name]
+        naive["regions"][tkey] = [r.cols, r.block_start, r.block_width, r.start, r.stop]
+        naive["shapes"][tkey] = list(shapes[name][0])
+    path = Path(root) / "naive" / f"rank-{rank:05d}.pt"
+    path.parent.mkdir(exist_ok=True)
+    start = time.perf_counter()
+    torch.save(naive, path)
+    _fsync(path)
+    return {
+        "bytes": sum(t.numel() * t.element_size() for t in local.values()),
+        "muonckpt_save_s": save_s,
+        "torch_save_s": time.perf_counter() - start,
+    }
+
+
+def dcp_worker(shapes, dp: int, tp: int, root: str) -> dict[str, float]:
+    """One rank: its DTensor blocks of every state tensor, saved by DCP as HF safetensors."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+    gen = torch.Generator().manual_seed(dist.get_rank())
+    state = {}
+    for name, (shape, split) in shapes.items():
+        muon = len(shape) == 2 and not name.startswith("embed")
+        keys = ("momentum_buffer",) if muon else ("exp_avg", "exp_avg_sq")
+        placements = [Shard(0), Shard(split) if split >= 0 else Replicate()]
+        local_shape = list(shape)
+        local_shape[0] //= dp
+        if split >= 0:
+            local_shape[split] //= tp
+        full = torch.Size(shape)
+        stride = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
+        for key in keys:
+            local = torch.empty(local_shape).uniform_(-1, 1, generator=gen)
+            state[f"state.{name}.{key}"] = DTensor.from_local(
+                local, mesh, placements, run_check=False, shape=full, stride=stride
+            )
+    start = time.perf_counter()
+    dcp.save(
+        state,
+        storage_writer=HuggingFaceStorageWriter(str(Path(root) / "dcp"), save_distributed=True),
+    )
+    return {"dcp_save_s": time.perf_counter() - start}
+
+
+# ---------------------------------------------------------------- the measured children
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(root: Path) -> None:
+    for dirpath, _, filenames in os.walk(root):
+        for name in filenames:
+            _fsync(Path(dirpath) / name)
+        _fsync(Path(dirpath))
+
+
+def _status_bytes(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def _reset_peak_rss() -> int:
+    """Reset this process's VmHWM (Linux clear_refs) and return the current RSS."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return _status_bytes("VmRSS")
+
+
+def child(op: str, src: str, dst: str, extra: list[str]) -> None:
+    """Run one operation in this (fresh) process; print its timings as one JSON line."""
+    src_p, dst_p = Path(src), Path(dst)
+    result: dict[str, float] = {}
+    if op == "cp":
+        before = _reset_peak_rss()
+        start = time.perf_counter()
+        subprocess.run(["cp", "-r", src, dst], check=True)
+        _fsync_tree(dst_p)
+    elif op == "consolidate":
+        from muonckpt import offline
+
+        before = _reset_peak_rss()
+        start = time.perf_counter()
+        offline.consolidate(src_p, dst_p)
+    elif op == "reshard":
+        from muonckpt import offline
+
+        before = _reset_peak_rss()
+        start = time.perf_counter()
+        offline.reshard(src_p, dst_p, dp=int(extra[0]), tp=int(extra[1]))
+    elif op == "dcp":
+        from safetensors import safe_open
+        from torch.distributed.checkpoint._consolidate_hf_safetensors import (
+            consolidate_safetensors_files,
+        )
+
+        keys: set[str] = set()
+        for file in src_p.glob("*.safetensors"):
+            with safe_open(str(file), "pt") as f:
+                keys.update(f.keys())
+        dst_p.mkdir(parents=True)
+        before = _reset_peak_rss()
+        start = time.perf_counter()
+        consolidate_safetensors_files(
+            input_dir=str(src_p),
+            output_dir=str(dst_p),
+            fqn_to_index_mapping=dict.fromkeys(sorted(keys), 1),
+        )
+        result["op_s_without_fsync"] = time.perf_counter() - start
+        _fsync_tree(dst_p)
+    elif op == "naive":
+        import safetensors.torch
+        import torch
+
+        from muonckpt.layout import Region
+        from muonckpt.regions import insert_
+
+        before = _reset_peak_rss()
+        start = time.perf_counter()
+        parts = [torch.load(f, weights_only=True) for f in sorted(src_p.glob("rank-*.pt"))]
+        full: dict[str, torch.Tensor] = {}
+        for part in parts:
+            for tkey, piece in part["state"].items():
+                if tkey not in full:
+                    full[tkey] = torch.empty(part["shapes"][tkey], dtype=piece.dtype)
+                insert_(full[tkey], Region(*part["regions"][tkey]), piece)
+        del parts
+        dst_p.mkdir(parents=True)
+        safetensors.torch.save_file(full, str(dst_p / "optimizer.safetensors"))
+        _fsync_tree(dst_p)
+    else:
+        raise SystemExit(f"unknown child op {op!r}")
+    result["op_s"] = time.perf_counter() - start
+    peak = _status_bytes("VmHWM")
+    result.update(rss_before=before, op_peak_rss=peak, op_rss_growth=peak - before)
+    print(json.dumps(result))
+
+
+# ---------------------------------------------------------------- the parent
+
+
+def _spawn(cmd: list[str]) -> dict:
+    """Run ``cmd``; its wall time, its own peak RSS (wait4 rusage) and its stdout's last JSON."""
+    with tempfile.TemporaryFile("w+") as err:
+        start = time.perf_counter()
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True)
+        out = proc.stdout.read()
+        proc.stdout.close()
+        _, status, usage = os.wait4(proc.pid, 0)
+        wall = time.perf_counter() - start
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        if proc.returncode:
+            err.seek(0)
+            raise RuntimeError(f"{cmd} failed ({proc.returncode}):\n{err.read()[-4000:]}")
+    lines = [line for line in out.splitlines() if line.startswith("{")]
+    result = json.loads(lines[-1]) if lines else {}
+    result.update(whole_s=wall, peak_rss=usage.ru_maxrss * 1024)  # Linux: KiB
+    return result
+
+
+def _cli() -> list[str]:
+    exe = shutil.which("muonckpt")
+    return [exe] if exe else [sys.executable, "-m", "muonckpt.cli"]
+
+
+def _drop_caches() -> None:
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3")
+    except OSError as exc:
+        raise SystemExit(f"--drop-caches needs root: {exc}") from exc
+
+
+def _verify(op: str, src: Path, dst: Path, size_dir: Path, shapes) -> None:
+    """Correctness of an output, outside every timing; raises on a mismatch."""
+    import torch
+    from safetensors import safe_open
+
+    from muonckpt import offline
+
+    if op in ("consolidate", "cli-consolidate"):
+        naive = size_dir / "naive-reference"
+        if not naive.exists():
+            _spawn(
+                [sys.executable, __file__, "_child", "naive", str(size_dir / "naive"), str(naive)]
+            )
+        with (
+            safe_open(str(dst / "optimizer.safetensors"), "pt") as a,
+            safe_open(str(naive / "optimizer.safetensors"), "pt") as b,
+        ):
+            assert set(a.keys()) == set(b.keys()), "consolidate and naive keys differ"
+            for key in a.keys():  # noqa: SIM118 (safe_open is no mapping)
+                assert torch.equal(a.get_tensor(key), b.get_tensor(key)), key
+    elif op in ("reshard", "cli-reshard"):
+        bad = [r for r in offline.diff(src, dst) if not r["bitwise"]]
+        assert not bad, f"reshard differs from its source: {bad[:3]}"
+    elif op == "dcp":
+        want = {}
+        for name, (shape, _) in shapes.items():
+            muon = len(shape) == 2 and not name.startswith("embed")
+            for key in ("momentum_buffer",) if muon else ("exp_avg", "exp_avg_sq"):
+                want[f"state.{name}.{key}"] = list(shape)
+        got = {}
+        for file in dst.glob("*.safetensors"):
+            with safe_open(str(file), "pt") as f:
+                got.update({k: list(f.get_slice(k).get_shape()) for k in f.keys()})  # noqa: SIM118
+        assert got == want, "DCP consolidated keys or shapes differ"
+
+
+def bench_size(size_arg: str, args, root: Path) -> dict:
+    from bench_checkpoint import _numel, model_shapes, parse_size
+
+    from muonckpt.launch import run_distributed
+
+    shapes = model_shapes(parse_size(size_arg))
+    state_bytes = sum(
+        _numel(s) * 4 * (1 if len(s) == 2 and not n.startswith("embed") else 2)
+        for n, (s, _) in shapes.items()
+    )
+    largest = max(_numel(s) * 4 for s, _ in shapes.values())
+    size_dir = root / size_arg
+    shutil.rmtree(size_dir, ignore_errors=True)
+    size_dir.mkdir(parents=True)
+    world = args.dp * args.tp
+    print(f"[{size_arg}] building {state_bytes / MiB:.0f} MiB at {args.dp}x{args.tp} ...")
+    builds = run_distributed(
+        build_worker, world, shapes, args.dp, args.tp, str(size_dir), timeout=7200
+    )
+    dcp_saves = run_distributed(
+        dcp_worker, world, shapes, args.dp, args.tp, str(size_dir), timeout=7200
+    )
+    ckpt = str(size_dir / "muonckpt")
+    to = [str(args.to_dp), str(args.to_tp)]
+    me = [sys.executable, str(Path(__file__).resolve()), "_child"]
+    commands = {
+        "cp": lambda d: [*me, "cp", ckpt, d],
+        "consolidate": lambda d: [*me, "consolidate", ckpt, d],
+        "cli-consolidate": lambda d: [*_cli(), "--quiet", "consolidate", ckpt, "-o", d],
+        "reshard": lambda d: [*me, "reshard", ckpt, d, *to],
+        "cli-reshard": lambda d: [
+            *_cli(),
+            "--quiet",
+            "reshard",
+            ckpt,
+            "--dp",
+            to[0],
+            "--tp",
+            to[1],
+            "-o",
+            d,
+        ],
+        "dcp": lambda d: [*me, "dcp", str(size_dir / "dcp"), d],
+        "naive": lambda d: [*me, "naive", str(size_dir / "naive"), d],
+    }
+    rows = {}
+    for op, label in ROWS:
+        runs = []
+        for _ in range(args.repeats):
+            dst = size_dir / f"out-{op}"
+            shutil.rmtree(dst, ignore_errors=True)
+            if args.drop_caches:
+                _drop_caches()
+            run = _spawn(commands[op](str(dst)))
+            if args.verify:
+                _verify(op, Path(ckpt), dst, size_dir, shapes)
+            shutil.rmtree(dst, ignore_errors=True)
+            runs.append(run)
+        best = min(runs, key=lambda r: r.get("op_s", r["whole_s"]))
+        best = {
+            **best,
+            "peak_rss": max(r["peak_rss"] for r in runs),
+            "runs": runs,
+            "label": label,
+        }
+        rows[op] = best
+        shown = f"op {best['op_s']:.2f} s, " if "op_s" in best else ""
+        print(f"[{size_arg}] {label}: {shown}whole {best['whole_s']:.2f} s")
+    shutil.rmtree(size_dir, ignore_errors=True)
+    return {
+        "size": size_arg,
+        "state_bytes": state_bytes,
+        "largest_tensor_bytes": largest,
+        "from": f"{args.dp}x{args.tp}",
+        "reshard_to": f"{args.to_dp}x{args.to_tp}",
+        "builds": builds,
+        "dcp_saves": dcp_saves,
+        "rows": rows,
+        "bounds": _bounds(rows, state_bytes, largest),
+    }
+
+
+def _bounds(rows: dict, state_bytes: int, largest: int) -> list[dict]:
+    cp_op, cp_whole = rows["cp"]["op_s"], rows["cp"]["whole_s"]
+    rss_limit = 2 * largest + 200 * MiB
+    at_4gb = "" if state_bytes >= 4 * 10**9 * 0.99 else " (target stated at 4 GB)"
+    out = []
+
+    def bound(text: str, value: float, limit: float, unit: str, ok: bool) -> None:
+        out.append({"bound": text, "value": value, "limit": limit, "unit": unit, "pass": ok})
+
+    for op in ("consolidate", "reshard"):
+        op_s = rows[op]["op_s"]
+        bound(f"{op} op time <= 1.5x cp -r op time", op_s, 1.5 * cp_op, "s", op_s <= 1.5 * cp_op)
+    for op in ("cli-consolidate", "cli-reshard"):
+        whole = rows[op]["whole_s"]
+        ok = whole <= 2 * cp_whole
+        bound(f"{op} whole command <= 2x cp -r whole{at_4gb}", whole, 2 * cp_whole, "s", ok)
+    dcp, ours = rows["dcp"]["op_s"], rows["consolidate"]["op_s"]
+    bound(
+        "consolidate >= 2x faster than DCP consolidation (+fsync)",
+        dcp / ours,
+        2.0,
+        "x",
+        dcp >= 2 * ours,
+    )
+    dcp_raw = rows["dcp"]["op_s_without_fsync"]
+    bound(
+        "consolidate >= 2x faster than DCP consolidation (DCP without fsync)",
+        dcp_raw / ours,
+        2.0,
+        "x",
+        dcp_raw >= 2 * ours,
+    )
+    for op in ("consolidate", "reshard"):
+        growth = rows[op]["op_rss_growth"]
+        ok = growth < rss_limit
+        bound(f"{op} RSS growth during op < 2x largest + 200 MiB", growth, rss_limit, "B", ok)
+    for op in ("consolidate", "cli-consolidate", "reshard", "cli-reshard"):
+        peak = rows[op]["peak_rss"]
+        ok = peak < rss_limit
+        bound(f"{op} whole-process peak RSS < 2x largest + 200 MiB", peak, rss_limit, "B", ok)
+    return out
+
+
+def _print_size(res: dict) -> None:
+    rows = res["rows"]
+    cp_op, cp_whole = rows["cp"]["op_s"], rows["cp"]["whole_s"]
+    print(
+        f"\n### {res['size']}: {res['state_bytes'] / MiB:.0f} MiB fp32 state, per-rank at "
+        f"{res['from']}, reshard to {res['reshard_to']}; largest tensor "
+        f"{res['largest_tensor_bytes'] / MiB:.1f} MiB\n"
+    )
+    print(
+        "| operation | wall s (op) | wall s (whole command) | GB/s | peak RSS MiB "
+        "| RSS growth in op MiB | ratio to cp -r (op / whole) |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for op, label in ROWS:
+        r = rows[op]
+        op_s = r.get("op_s")
+        rate = res["state_bytes"] / 1e9 / (op_s or r["whole_s"])
+        growth = f"{r['op_rss_growth'] / MiB:.0f}" if "op_rss_growth" in r else "-"
+        ratio_op = f"{op_s / cp_op:.2f}" if op_s is not None else "-"
+        print(
+            f"| {label} | {f'{op_s:.2f}' if op_s is not None else '-'} | {r['whole_s']:.2f} "
+            f"| {rate:.2f} | {r['peak_rss'] / MiB:.0f} | {growth} "
+            f"| {ratio_op} / {r['whole_s'] / cp_whole:.2f} |"
+        )
+    if "op_s_without_fsync" in rows["dcp"]:
+        print(f"\nDCP consolidation without its fsync: {rows['dcp']['op_s_without_fsync']:.2f} s")
+    print()
+    for b in res["bounds"]:
+        if b["unit"] == "B":
+            value, limit = f"{b['value'] / MiB:.0f} MiB", f"{b['limit'] / MiB:.0f} MiB"
+        elif b["unit"] == "x":
+            value, limit = f"{b['value']:.2f}x", f"{b['limit']:.2f}x"
+        else:
+            value, limit = f"{b['value']:.2f} s", f"{b['limit']:.2f} s"
+        print(f"- {b['bound']}: {value} vs {limit} -> {'PASS' if b['pass'] else 'FAIL'}")
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "_child":
+        child(sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5:])
+        return
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--size", action="append", help="total optimizer state (repeatable), e.g. 1GB, 64MB"
+    )
+    parser.add_argument("--dp", type=int, default=2)
+    parser.add_argument("--tp", type=int, default=2)
+    parser.add_argument("--to-dp", type=int, default=4, help="reshard target dp")
+    parser.add_argument("--to-tp", type=int, default=2, help="reshard target tp")
+    parser.add_argument("--repeats", type=int, default=1, help="runs per row; fastest is kept")
+    parser.add_argument("--workdir", default=None, help="default: a temp dir, removed at the end")
+    parser.add_argument("--drop-caches", action="store_true", help="drop page cache per row")
+    parser.add_argument("--verify", action="store_true", help="check outputs (not timed)")
+    parser.add_argument("--json", default=None, help="write all numbers here")
+    args = parser.parse_args()
+    sizes = args.size or ["1GB"]
+    root = Path(args.workdir or tempfile.mkdtemp(prefix="muonckpt-bench-offline-"))
+    root.mkdir(parents=True, exist_ok=True)
+    results = []
+    try:
+        for size in sizes:
+            results.append(bench_size(size, args, root))
+            _print_size(results[-1])
+            if args.json:  # after every size, so a long run keeps what it has measured
+                Path(args.json).write_text(json.dumps({"sizes": results}, indent=1))
+    finally:
+        if args.workdir is None:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
