@@ -6,9 +6,11 @@ at dp x tp (default 2 x 2) in gloo processes (``model_shapes``/``_build``/``_fil
 (``muonckpt.save``), per-rank ``torch.save`` files of the same local tensors (the naive way), and
 a PyTorch DCP checkpoint in Hugging Face safetensors format. Then every row below runs in a fresh
 subprocess, so its peak RSS is its own (``os.wait4`` rusage of that child: the whole process,
-interpreter and imports included). "op" wall time is measured inside the child around the
-operation alone (interpreter start and imports excluded); "whole" is the parent's wall time of
-the whole command. Rows:
+interpreter and imports included; spawned from a small launcher process, since Linux carries
+the spawning process's peak RSS into a child's). "RSS growth" is the child's VmHWM after the
+operation minus its RSS just before it (``clear_refs`` resets VmHWM there). "op" wall time is
+measured inside the child around the operation alone (interpreter start and imports excluded);
+"whole" is the wall time of the whole command, measured by the launcher. Rows:
 
 ``cp -r + fsync``
     ``cp -r`` of the muonckpt checkpoint directory, then ``fsync`` of every copied file and the
@@ -260,23 +262,54 @@ def child(op: str, src: str, dst: str, extra: list[str]) -> None:
 # ---------------------------------------------------------------- the parent
 
 
-def _spawn(cmd: list[str]) -> dict:
-    """Run ``cmd``; its wall time, its own peak RSS (wait4 rusage) and its stdout's last JSON."""
-    with tempfile.TemporaryFile("w+") as err:
+# Linux carries a process's peak RSS across fork and exec into its child's rusage, so a command
+# spawned by this (torch-importing) parent would report at least the parent's RSS. Commands are
+# therefore spawned by a small launcher started before anything heavy is imported.
+_LAUNCHER = """
+import json, os, subprocess, sys, tempfile, time
+for line in sys.stdin:
+    cmd = json.loads(line)
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         start = time.perf_counter()
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True)
-        out = proc.stdout.read()
-        proc.stdout.close()
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True)
         _, status, usage = os.wait4(proc.pid, 0)
         wall = time.perf_counter() - start
         proc.returncode = os.waitstatus_to_exitcode(status)
-        if proc.returncode:
-            err.seek(0)
-            raise RuntimeError(f"{cmd} failed ({proc.returncode}):\n{err.read()[-4000:]}")
-    lines = [line for line in out.splitlines() if line.startswith("{")]
-    result = json.loads(lines[-1]) if lines else {}
-    result.update(whole_s=wall, peak_rss=usage.ru_maxrss * 1024)  # Linux: KiB
-    return result
+        out.seek(0)
+        err.seek(0)
+        reply = dict(wall=wall, maxrss_kib=usage.ru_maxrss, rc=proc.returncode,
+                     stdout=out.read(), stderr=err.read()[-4000:])
+    sys.stdout.write(json.dumps(reply) + "\\n")
+    sys.stdout.flush()
+"""
+
+
+class _Launcher:
+    """Runs commands from a ~15 MiB process: their wall time and their own peak RSS (wait4)."""
+
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", _LAUNCHER],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+
+    def run(self, cmd: list[str]) -> dict:
+        """Run ``cmd``; whole-command wall time, peak RSS and its stdout's last JSON line."""
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        reply = json.loads(self.proc.stdout.readline())
+        if reply["rc"]:
+            raise RuntimeError(f"{cmd} failed ({reply['rc']}):\n{reply['stderr']}")
+        lines = [line for line in reply["stdout"].splitlines() if line.startswith("{")]
+        result = json.loads(lines[-1]) if lines else {}
+        result.update(whole_s=reply["wall"], peak_rss=reply["maxrss_kib"] * 1024)  # Linux: KiB
+        return result
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait()
 
 
 def _cli() -> list[str]:
@@ -293,7 +326,7 @@ def _drop_caches() -> None:
         raise SystemExit(f"--drop-caches needs root: {exc}") from exc
 
 
-def _verify(op: str, src: Path, dst: Path, size_dir: Path, shapes) -> None:
+def _verify(op: str, src: Path, dst: Path, size_dir: Path, shapes, launcher) -> None:
     """Correctness of an output, outside every timing; raises on a mismatch."""
     import torch
     from safetensors import safe_open
@@ -303,7 +336,7 @@ def _verify(op: str, src: Path, dst: Path, size_dir: Path, shapes) -> None:
     if op in ("consolidate", "cli-consolidate"):
         naive = size_dir / "naive-reference"
         if not naive.exists():
-            _spawn(
+            launcher.run(
                 [sys.executable, __file__, "_child", "naive", str(size_dir / "naive"), str(naive)]
             )
         with (
@@ -329,7 +362,7 @@ def _verify(op: str, src: Path, dst: Path, size_dir: Path, shapes) -> None:
         assert got == want, "DCP consolidated keys or shapes differ"
 
 
-def bench_size(size_arg: str, args, root: Path) -> dict:
+def bench_size(size_arg: str, args, root: Path, launcher: _Launcher) -> dict:
     from bench_checkpoint import _numel, model_shapes, parse_size
 
     from muonckpt.launch import run_distributed
@@ -382,9 +415,9 @@ def bench_size(size_arg: str, args, root: Path) -> dict:
             shutil.rmtree(dst, ignore_errors=True)
             if args.drop_caches:
                 _drop_caches()
-            run = _spawn(commands[op](str(dst)))
+            run = launcher.run(commands[op](str(dst)))
             if args.verify:
-                _verify(op, Path(ckpt), dst, size_dir, shapes)
+                _verify(op, Path(ckpt), dst, size_dir, shapes, launcher)
             shutil.rmtree(dst, ignore_errors=True)
             runs.append(run)
         best = min(runs, key=lambda r: r.get("op_s", r["whole_s"]))
@@ -513,13 +546,15 @@ def main() -> None:
     root = Path(args.workdir or tempfile.mkdtemp(prefix="muonckpt-bench-offline-"))
     root.mkdir(parents=True, exist_ok=True)
     results = []
+    launcher = _Launcher()
     try:
         for size in sizes:
-            results.append(bench_size(size, args, root))
+            results.append(bench_size(size, args, root, launcher))
             _print_size(results[-1])
             if args.json:  # after every size, so a long run keeps what it has measured
                 Path(args.json).write_text(json.dumps({"sizes": results}, indent=1))
     finally:
+        launcher.close()
         if args.workdir is None:
             shutil.rmtree(root, ignore_errors=True)
 

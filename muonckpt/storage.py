@@ -29,10 +29,11 @@ import struct
 import uuid
 import zlib
 from collections.abc import Iterator, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
+from typing import BinaryIO
 
 import torch
 
@@ -207,77 +208,31 @@ def write_safetensors(
     checksums computed from the bytes written. Raises :class:`CheckpointError` on bad input or
     an OSError.
     """
-    path = Path(path)
-    if chunk_bytes <= 0:
-        raise CheckpointError(f"chunk_bytes must be positive, got {chunk_bytes}", path=path)
-    meta = dict(metadata or {})
-    for k, v in meta.items():
-        if not isinstance(k, str) or not isinstance(v, str):
-            raise CheckpointError(f"metadata must map str to str, got {k!r}: {v!r}", path=path)
-
-    header: dict[str, object] = {_METADATA_KEY: meta} if meta else {}
-    entries: list[tuple[str, torch.Tensor, str, tuple[int, ...], int, int]] = []
-    position = 0
-    for key in sorted(tensors):
-        if not isinstance(key, str) or key == _METADATA_KEY:
-            raise CheckpointError(f"invalid tensor key {key!r}", path=path)
-        tensor = tensors[key]
+    specs = {}
+    for key, tensor in tensors.items():
         if not isinstance(tensor, torch.Tensor):
             raise CheckpointError(f"not a tensor: {type(tensor).__name__}", path=path, param=key)
         if tensor.dtype not in _NAMES:
             raise CheckpointError(
                 f"dtype {tensor.dtype} cannot be stored in a safetensors file", path=path, param=key
             )
-        name = _NAMES[tensor.dtype]
-        shape = tuple(tensor.shape)
-        nbytes = tensor.numel() * _ITEMSIZE[name]
-        header[key] = {
-            "dtype": name,
-            "shape": list(shape),
-            "data_offsets": [position, position + nbytes],
-        }
-        entries.append((key, tensor, name, shape, position, nbytes))
-        position += nbytes
+        specs[key] = (_NAMES[tensor.dtype], tuple(tensor.shape))
+    with SafetensorsWriter(path, specs, metadata, chunk_bytes=chunk_bytes) as writer:
+        for key in writer.pending:
+            writer.write(key, tensors[key])
+        return writer.commit()
 
-    encoded = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
-    encoded += b" " * (-len(encoded) % 8)
-    data_start = 8 + len(encoded)
 
-    records: dict[str, TensorRecord] = {}
-    tmp = _tmp_path(path)
-    try:
-        with open(tmp, "wb") as f, ThreadPoolExecutor(max_workers=1) as pool:
-            f.write(struct.pack("<Q", len(encoded)))
-            f.write(encoded)
-            for key, tensor, name, shape, begin, nbytes in entries:
-                sums: tuple[str, ...] = ()
-                if nbytes:
-                    data = _as_bytes(tensor)
-                    # zlib.crc32 and file writes both release the GIL: overlap them.
-                    pending: Future[tuple[str, ...]] | None = None
-                    if nbytes >= _OFFLOAD_BYTES:
-                        pending = pool.submit(checksum_chunks, data, chunk_bytes)
-                    f.write(data.numpy())
-                    sums = pending.result() if pending else checksum_chunks(data, chunk_bytes)
-                    del data
-                records[key] = TensorRecord(
-                    key=key,
-                    dtype=name,
-                    shape=shape,
-                    offset=data_start + begin,
-                    nbytes=nbytes,
-                    checksums=sums,
-                    chunk_bytes=chunk_bytes,
-                )
-            f.flush()
-            os.fsync(f.fileno())
-        _commit(tmp, path)
-    except BaseException as e:
-        _remove_quietly(tmp)
-        if isinstance(e, OSError):
-            raise CheckpointError(f"cannot write: {e}", path=path) from e
-        raise
-    return records
+def _write_and_checksum(file: BinaryIO, data: torch.Tensor, chunk_bytes: int) -> tuple[str, ...]:
+    """Write uint8 ``data`` and return its chunk checksums, overlapping the two when large."""
+    if data.numel() < _OFFLOAD_BYTES:
+        file.write(data.numpy())
+        return checksum_chunks(data, chunk_bytes)
+    # zlib.crc32 and file writes both release the GIL: overlap them.
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        pending = pool.submit(checksum_chunks, data, chunk_bytes)
+        file.write(data.numpy())
+        return pending.result()
 
 
 def _no_duplicates(pairs: list[tuple[str, object]]) -> dict[str, object]:
@@ -661,9 +616,10 @@ def _plan_header(
     header: dict[str, object] = {_METADATA_KEY: meta} if meta else {}
     plan: dict[str, tuple[str, tuple[int, ...], int, int]] = {}
     position = 0
-    for key in sorted(specs):
+    for key in specs:
         if not isinstance(key, str) or key == _METADATA_KEY:
             raise CheckpointError(f"invalid tensor key {key!r}", path=path)
+    for key in sorted(specs):
         name, shape = specs[key]
         if name not in _ITEMSIZE:
             raise CheckpointError(f"unknown safetensors dtype {name!r}", path=path, param=key)
@@ -747,10 +703,7 @@ class SafetensorsWriter:
         sums: tuple[str, ...] = ()
         try:
             if nbytes:
-                data = _as_bytes(tensor)
-                self._file.write(data.numpy())
-                sums = checksum_chunks(data, self.chunk_bytes)
-                del data
+                sums = _write_and_checksum(self._file, _as_bytes(tensor), self.chunk_bytes)
         except OSError as e:
             self.abort()
             raise CheckpointError(f"cannot write: {e}", path=self.path) from e

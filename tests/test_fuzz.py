@@ -37,8 +37,10 @@ from unittest import mock
 
 import pytest
 import torch
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import HealthCheck, given, settings
+from hypothesis import event as _event
 from hypothesis import strategies as st
+from hypothesis.control import currently_in_test_context
 from resume_cases import build, initial_params, train
 
 import muonckpt
@@ -56,6 +58,12 @@ FUZZ = settings(
 CASE_LIMIT_S = 1.0
 HANG_LIMIT_S = 5
 MEMORY_LIMIT = 50 << 20
+
+
+def event(name: str) -> None:
+    """Count an outcome (``--hypothesis-show-statistics``); a no-op outside a fuzz example."""
+    if currently_in_test_context():
+        _event(name)
 
 
 @contextlib.contextmanager
