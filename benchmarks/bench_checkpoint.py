@@ -28,6 +28,7 @@ import muonckpt
 from muonckpt.collectives import grid_groups
 from muonckpt.launch import run_distributed
 from muonckpt.layout import Topology
+from muonckpt.storage import checksum_chunks
 
 
 def parse_size(text: str) -> int:
@@ -123,7 +124,16 @@ def save_worker(shapes, dp: int, tp: int, workdir: str, repeats: int) -> dict[st
         start = time.perf_counter()
         muonckpt.save(opt, Path(workdir) / "ckpt", overwrite=i > 0)
         ours.append(time.perf_counter() - start)
-    return {"bytes": nbytes, "safetensors_s": min(baseline), "muonckpt_s": min(ours)}
+    start = time.perf_counter()
+    for tensor in local.values():
+        checksum_chunks(tensor.reshape(-1).view(torch.uint8))
+    crc = time.perf_counter() - start
+    return {
+        "bytes": nbytes,
+        "safetensors_s": min(baseline),
+        "muonckpt_s": min(ours),
+        "checksum_s": crc,
+    }
 
 
 def load_worker(shapes, dp: int, tp: int, workdir: str) -> dict[str, float]:
@@ -204,11 +214,14 @@ def main() -> None:
             shutil.rmtree(workdir, ignore_errors=True)
     total = sum(s["bytes"] for s in saves)
     ratio = max(s["muonckpt_s"] / s["safetensors_s"] for s in saves)
+    slowest = max(s["safetensors_s"] for s in saves)
+    job = max(s["muonckpt_s"] for s in saves)
     result = {
         "state_bytes": total,
         "from": f"{args.dp}x{args.tp}",
         "to": f"{args.to_dp}x{args.to_tp}",
         "save_ratio_worst_rank": ratio,
+        "save_ratio_job": job / slowest,
         "saves": saves,
         "loads": loads,
         "load_bound_ok": all(
@@ -219,13 +232,18 @@ def main() -> None:
         f"state {total / 2**30:.2f} GiB, save {args.dp}x{args.tp}, load into "
         f"{args.to_dp}x{args.to_tp}"
     )
-    print("| rank | bytes | safetensors save_file s | muonckpt.save s | ratio |")
-    print("|---|---|---|---|---|")
+    print("| rank | bytes | save_file s | muonckpt.save s | ratio | crc32 alone s |")
+    print("|---|---|---|---|---|---|")
     for rank, s in enumerate(saves):
         print(
             f"| {rank} | {s['bytes'] / 2**20:.0f} MiB | {s['safetensors_s']:.2f} | "
-            f"{s['muonckpt_s']:.2f} | {s['muonckpt_s'] / s['safetensors_s']:.2f} |"
+            f"{s['muonckpt_s']:.2f} | {s['muonckpt_s'] / s['safetensors_s']:.2f} | "
+            f"{s['checksum_s']:.2f} |"
         )
+    print(
+        f"job: slowest save_file {slowest:.2f} s, muonckpt.save {job:.2f} s, "
+        f"ratio {job / slowest:.2f}; worst single-rank ratio {ratio:.2f}"
+    )
     print("\n| rank | load s | share MiB | largest MiB | RSS growth MiB | bound MiB |")
     print("|---|---|---|---|---|---|")
     for rank, r in enumerate(loads):
