@@ -185,6 +185,20 @@ def copy_runs(source: Region, target: Region) -> list[Run]:
     Offsets are positions inside each holder's own storage order (see :class:`Region`).
     Adjacent runs are merged, so regions of the same block give at most one run.
     """
+    if source.numel <= 0 or target.numel <= 0 or not _spans_overlap(source, target):
+        return []
+    if (source.cols, source.block_start, source.block_width) == (
+        target.cols,
+        target.block_start,
+        target.block_width,
+    ):
+        lo, hi = max(source.start, target.start), min(source.stop, target.stop)
+        return [Run(lo - source.start, lo - target.start, hi - lo)] if lo < hi else []
+    if source.cols == target.cols and (
+        source.block_start + source.block_width <= target.block_start
+        or target.block_start + target.block_width <= source.block_start
+    ):
+        return []
     runs: list[Run] = []
     src_iter, dst_iter = _offset_intervals(source), _offset_intervals(target)
     src, dst = next(src_iter, None), next(dst_iter, None)
@@ -203,6 +217,21 @@ def copy_runs(source: Region, target: Region) -> list[Run]:
         if d_hi <= s_hi:
             dst = next(dst_iter, None)
     return runs
+
+
+def _span(region: Region) -> Range:
+    """Smallest full-flat ``[first, last + 1)`` containing a non-empty region."""
+    width = region.block_width
+
+    def flat(index: int) -> int:
+        return (index // width) * region.cols + region.block_start + index % width
+
+    return flat(region.start), flat(region.stop - 1) + 1
+
+
+def _spans_overlap(a: Region, b: Region) -> bool:
+    (a_lo, a_hi), (b_lo, b_hi) = _span(a), _span(b)
+    return a_lo < b_hi and b_lo < a_hi
 
 
 def _offset_intervals(region: Region) -> Iterator[tuple[int, int, int]]:
