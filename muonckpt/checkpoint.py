@@ -360,10 +360,48 @@ def open_checkpoint(path: str | os.PathLike[str]) -> tuple[Path, Manifest]:
     """The directory and manifest of a checkpoint whose pieces cover every state tensor once."""
     directory = Path(path)
     manifest = read_manifest(directory)
-    problems = manifest.coverage_problems()
+    problems = _size_problems(manifest, directory) or [
+        CheckpointError(p, path=directory / MANIFEST_NAME) for p in manifest.coverage_problems()
+    ]
     if problems:
-        raise CheckpointError(problems[0], path=directory / MANIFEST_NAME)
+        raise problems[0]
     return directory, manifest
+
+
+def _size_problems(manifest: Manifest, directory: Path) -> list[CheckpointError]:
+    """Files whose size differs from the manifest, or smaller than the pieces it puts in them.
+
+    Checked before coverage, so a manifest cannot make the coverage check walk regions larger
+    than the data actually on disk.
+    """
+    problems = []
+    claimed: dict[str, int] = {}
+    for piece in manifest.pieces:
+        itemsize = storage.torch_dtype(manifest.param(piece.param).dtype).itemsize
+        claimed[piece.file] = claimed.get(piece.file, 0) + piece.region.numel * itemsize
+    for entry in manifest.files:
+        path = directory / entry.name
+        if not path.is_file():
+            problems.append(CheckpointError("missing data file", path=path))
+            continue
+        size = storage.file_size(path)
+        if size != entry.bytes:
+            problems.append(
+                CheckpointError(
+                    f"file is {size} bytes, the manifest says {entry.bytes} "
+                    "(truncated or replaced)",
+                    path=path,
+                )
+            )
+        elif claimed.get(entry.name, 0) > size:
+            problems.append(
+                CheckpointError(
+                    f"the manifest puts {claimed[entry.name]} bytes of tensors in a "
+                    f"{size}-byte file",
+                    path=path,
+                )
+            )
+    return problems
 
 
 class PieceReader:
@@ -503,7 +541,11 @@ def verify(path: str | os.PathLike[str]) -> list[CheckpointError]:
         manifest = read_manifest(directory)
     except CheckpointError as exc:
         return [exc]
-    problems: list[CheckpointError] = [
+    try:
+        problems = _size_problems(manifest, directory)
+    except CheckpointError as exc:
+        return [exc]
+    problems = problems or [
         CheckpointError(p, path=directory / MANIFEST_NAME) for p in manifest.coverage_problems()
     ]
     problems += _topology_problems(manifest, directory)
@@ -529,9 +571,8 @@ def _topology_problems(manifest: Manifest, directory: Path) -> list[CheckpointEr
     if manifest.kind != PER_RANK:
         return []
     world = manifest.topology.get("dp", 0) * manifest.topology.get("tp", 0)
-    expected = {rank_file(r, world) for r in range(world)}
     listed = {f.name for f in manifest.files}
-    if listed != expected:
+    if len(listed) != world or listed != {rank_file(r, world) for r in range(world)}:
         return [
             CheckpointError(
                 f"the manifest's topology {manifest.topology} implies {world} rank files, "

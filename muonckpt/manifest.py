@@ -144,8 +144,8 @@ def parse_manifest(text: str | bytes, source: object) -> Manifest:
     """Parse and schema-check a manifest; every problem is a :class:`CheckpointError`."""
     try:
         body = json.loads(text)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"manifest is not valid JSON: {exc}", path=source) from None
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        raise CheckpointError(f"manifest is not valid JSON: {exc!r:.200}", path=source) from None
     try:
         return _manifest_from(body)
     except CheckpointError as exc:
@@ -186,7 +186,9 @@ def _manifest_from(body: Any) -> Manifest:
     names = [p.name for p in params]
     _expect(len(set(names)) == len(names), "duplicate param names")
     groups = tuple(
-        GroupEntry(hyperparams=dict(g["hyperparams"]), params=tuple(_str(n) for n in g["params"]))
+        GroupEntry(
+            hyperparams=_hyperparams(g["hyperparams"]), params=tuple(_str(n) for n in g["params"])
+        )
         for g in body["groups"]
     )
     _expect(
@@ -250,6 +252,13 @@ def _check_region(entry: ParamEntry, region: Region, tensor: str) -> None:
     if ok and region.numel and region.block_width != region.cols:
         ok = region.cols == matrix_view(entry.shape, entry.tp_split_dim)[1]
     _expect(ok, f"piece {tensor!r}: region {asdict(region)} lies outside param shape {entry.shape}")
+
+
+def _hyperparams(raw: Any) -> dict[str, Any]:
+    _expect(isinstance(raw, dict), "group hyperparams must be an object")
+    if "step" in raw:
+        _nonneg_int(raw["step"])
+    return dict(raw)
 
 
 def _expect(condition: bool, message: str) -> None:
