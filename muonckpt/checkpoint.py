@@ -14,10 +14,11 @@ import math
 import os
 import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -206,6 +207,26 @@ def _write_consolidated(
     )
 
 
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+def prefetched(items: Sequence[T], produce: Callable[[T], R]) -> Iterator[tuple[T, R]]:
+    """``(item, produce(item))`` in order, producing the next item on a thread meanwhile.
+
+    Reading (pread, crc32) and writing (write, crc32) both release the GIL, so a reader one
+    tensor ahead of the writer keeps two cores busy; at most two produced values are alive.
+    """
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        pending = pool.submit(produce, items[0]) if items else None
+        for index, item in enumerate(items):
+            value = pending.result()
+            if index + 1 < len(items):
+                pending = pool.submit(produce, items[index + 1])
+            yield item, value
+            del value
+
+
 def write_full_tensors(
     staging: Path,
     items: Sequence[tuple[str, str, str, tuple[int, ...]]],
@@ -246,9 +267,9 @@ def write_full_tensors(
     for file, keys in zip(names, shards, strict=True):
         specs = {tkey: (by_key[tkey][2], by_key[tkey][3]) for tkey in keys}
         with storage.SafetensorsWriter(staging / file, specs, {"format": "muonckpt"}) as out:
-            for tkey in keys:
-                name, key, _, shape = by_key[tkey]
-                out.write(tkey, fetch(name, key).reshape(shape))
+            for tkey, tensor in prefetched(keys, lambda k: fetch(*by_key[k][:2])):
+                out.write(tkey, tensor.reshape(by_key[tkey][3]))
+                del tensor
                 if on_bytes is not None:
                     on_bytes(sizes[tkey])
             records = out.commit()

@@ -27,6 +27,7 @@ from .checkpoint import (
     PieceReader,
     open_checkpoint,
     piece_for,
+    prefetched,
     rank_file,
     tensor_key,
     write_full_tensors,
@@ -179,9 +180,14 @@ def reshard(
             specs_out = {k: (e.dtype, (r.numel,)) for k, (e, _, r) in plan.items()}
             meta = {"format": "muonckpt", "rank": str(rank)}
             with storage.SafetensorsWriter(staging / name, specs_out, meta) as out:
-                for tkey in out.pending:
+
+                def produce(tkey: str, plan: dict = plan) -> torch.Tensor:
                     entry, key, region = plan[tkey]
-                    out.write(tkey, reader.gather(grouped[entry.name, key], entry, region))
+                    return reader.gather(grouped[entry.name, key], entry, region)
+
+                for tkey, piece in prefetched(out.pending, produce):
+                    out.write(tkey, piece)
+                    entry, _, region = plan[tkey]
                     meter.tick(region.numel * _itemsize(entry.dtype))
                 records = out.commit()
             for tkey in sorted(plan):
