@@ -434,6 +434,7 @@ class PieceReader:
         self._stack = ExitStack()
         self._readers: dict[str, storage.SafetensorsReader] = {}
         self._sizes = {f.name: f.bytes for f in manifest.files}
+        self._scratch = torch.empty(0, dtype=torch.uint8)
 
     def __enter__(self) -> PieceReader:
         return self
@@ -477,11 +478,19 @@ class PieceReader:
         self, local: torch.Tensor, piece: Piece, runs: list[Run], entry: ParamEntry
     ) -> None:
         """Copy ``runs`` of ``piece`` into flat ``local``, reading only the span they touch."""
-        self.check_header(piece, entry)
+        record = self.check_header(piece, entry)
         lo = min(r.src for r in runs)
         hi = max(r.src + r.length for r in runs)
+        # Reads reuse one scratch buffer (at most a piece): no allocator churn per piece.
+        if self._scratch.numel() < record.nbytes:
+            self._scratch = torch.empty(record.nbytes, dtype=torch.uint8)
         data = self.reader(piece.file).read(
-            piece.tensor, lo, hi, checksums=piece.checksums, chunk_bytes=piece.chunk_bytes
+            piece.tensor,
+            lo,
+            hi,
+            checksums=piece.checksums,
+            chunk_bytes=piece.chunk_bytes,
+            scratch=self._scratch,
         )
         copy_runs_(local, data, [Run(r.src - lo, r.dst, r.length) for r in runs])
 

@@ -182,19 +182,33 @@ def _gather_entry_metadata(
                 key: _describe_value(value) for key, value in local_state[index].items()
             }
     reports = collectives.gather_json(mine, sharding.participants, sharding.destination)
-    merged: list[dict[str, Any] | None] = [None] * len(sharding.params)
+    merged: Any = None
     if reports is not None:
-        for report in reports:
-            for index, keys in report.items():
-                slot = merged[int(index)] = merged[int(index)] or {}
-                for key, info in keys.items():
-                    if key in slot and slot[key]["kind"] != info["kind"]:
-                        raise StateDictError(
-                            f"param {sharding.params[int(index)].name!r}: "
-                            f"ranks disagree about state {key!r}"
-                        )
-                    slot.setdefault(key, info)
-    return collectives.broadcast_json(merged, sharding.participants, sharding.destination)
+        try:
+            merged = _merge_entry_reports(sharding, reports)
+        except StateDictError as exc:
+            merged = {"error": str(exc)}
+    merged = collectives.broadcast_json(merged, sharding.participants, sharding.destination)
+    if isinstance(merged, dict):
+        raise StateDictError(merged["error"])
+    return merged
+
+
+def _merge_entry_reports(
+    sharding: Sharding, reports: list[dict[str, dict[str, Any]]]
+) -> list[dict[str, Any] | None]:
+    merged: list[dict[str, Any] | None] = [None] * len(sharding.params)
+    for report in reports:
+        for index, keys in report.items():
+            slot = merged[int(index)] = merged[int(index)] or {}
+            for key, info in keys.items():
+                if key in slot and slot[key]["kind"] != info["kind"]:
+                    raise StateDictError(
+                        f"param {sharding.params[int(index)].name!r}: "
+                        f"ranks disagree about state {key!r}"
+                    )
+                slot.setdefault(key, info)
+    return merged
 
 
 def _describe_value(value: Any) -> dict[str, Any]:

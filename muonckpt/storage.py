@@ -412,12 +412,15 @@ class SafetensorsReader:
         *,
         checksums: Sequence[str] | None = None,
         chunk_bytes: int = CHUNK_BYTES,
+        scratch: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Flat elements ``[start, stop)`` of tensor ``key``, as a new 1-D tensor of its dtype.
+        """Flat elements ``[start, stop)`` of tensor ``key``, as a 1-D tensor of its dtype.
 
         Reads exactly those bytes. With ``checksums`` (the writer's, per ``chunk_bytes`` chunk
         of the tensor's data) it reads the whole chunks covering the range instead and raises
-        :class:`CheckpointError` if any of them differs.
+        :class:`CheckpointError` if any of them differs. With ``scratch`` (a 1-D uint8 tensor
+        large enough) the bytes land there and the result is a view of it, valid until the
+        next read into the same scratch: repeated reads then allocate nothing.
         """
         rec = self.record(key)
         dtype = _DTYPES[rec.dtype]
@@ -429,7 +432,7 @@ class SafetensorsReader:
         lo, hi = start * itemsize, stop * itemsize
 
         if checksums is None:
-            buf = torch.empty(hi - lo, dtype=torch.uint8)
+            buf = _buffer(hi - lo, scratch)
             if hi > lo:
                 self._pread_into(buf, rec.offset + lo, f"elements [{start}, {stop})", key)
             return buf.view(dtype)
@@ -447,7 +450,7 @@ class SafetensorsReader:
             return torch.empty(0, dtype=dtype)
         first, last = lo // chunk_bytes, -(-hi // chunk_bytes)
         c_lo, c_hi = first * chunk_bytes, min(last * chunk_bytes, rec.nbytes)
-        buf = torch.empty(c_hi - c_lo, dtype=torch.uint8)
+        buf = _buffer(c_hi - c_lo, scratch)
         self._pread_into(buf, rec.offset + c_lo, f"checksum chunks [{first}, {last})", key)
         actual = checksum_chunks(buf, chunk_bytes)
         for i, (got, want) in enumerate(
@@ -461,7 +464,9 @@ class SafetensorsReader:
                     key,
                 )
         if (lo, hi) != (c_lo, c_hi):
-            buf = buf[lo - c_lo : hi - c_lo].clone()
+            buf = buf[lo - c_lo : hi - c_lo]
+            if scratch is None:
+                buf = buf.clone()
         return buf.view(dtype)
 
     def read_tensor(
@@ -490,6 +495,14 @@ class SafetensorsReader:
 
     def __repr__(self) -> str:
         return f"SafetensorsReader({str(self.path)!r}, {len(self._records)} tensors)"
+
+
+def _buffer(nbytes: int, scratch: torch.Tensor | None) -> torch.Tensor:
+    if scratch is None:
+        return torch.empty(nbytes, dtype=torch.uint8)
+    if scratch.dtype != torch.uint8 or scratch.dim() != 1 or scratch.numel() < nbytes:
+        raise ValueError(f"scratch must be a 1-D uint8 tensor of at least {nbytes} bytes")
+    return scratch[:nbytes]
 
 
 def read_text(path: str | os.PathLike[str], *, limit: int = MAX_HEADER_BYTES) -> str:
