@@ -15,7 +15,6 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Any
 
-import click
 import typer
 from rich.console import Console
 from rich.table import Table
@@ -55,7 +54,7 @@ def parse_size(text: str) -> int:
 class _Group(TyperGroup):
     """The one place where library errors become ``error: ...`` and exit code 2."""
 
-    def invoke(self, ctx: click.Context) -> Any:
+    def invoke(self, ctx: typer.Context) -> Any:
         try:
             return super().invoke(ctx)
         except (MuonCkptError, OSError) as exc:
