@@ -23,6 +23,7 @@ from pathlib import Path
 import safetensors.torch
 import torch
 import torch.distributed as dist
+from procstat import reset_peak_rss, status_bytes
 
 import muonckpt
 from muonckpt.collectives import grid_groups
@@ -144,12 +145,12 @@ def load_worker(shapes, dp: int, tp: int, workdir: str) -> dict[str, float]:
         for p in g["params"]
     )
     largest = max(_numel(s) * 4 for s, _ in shapes.values())
-    before = _reset_peak_rss()
+    before = reset_peak_rss()
     dist.barrier()
     start = time.perf_counter()
     muonckpt.load(opt, Path(workdir) / "ckpt")
     elapsed = time.perf_counter() - start
-    peak = _status_bytes("VmHWM")
+    peak = status_bytes("VmHWM")
     return {
         "load_s": elapsed,
         "share_bytes": share,
@@ -158,21 +159,6 @@ def load_worker(shapes, dp: int, tp: int, workdir: str) -> dict[str, float]:
         "peak_rss": peak,
         "peak_growth": peak - before,
     }
-
-
-def _reset_peak_rss() -> int:
-    """Reset this process's peak RSS (Linux clear_refs) and return the current RSS."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    return _status_bytes("VmRSS")
-
-
-def _status_bytes(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{field} not in /proc/self/status")
 
 
 def main() -> None:

@@ -66,6 +66,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from procstat import reset_peak_rss, status_bytes
+
 # Heavy imports (torch, muonckpt, bench_checkpoint) are made inside functions: the measured
 # children import only what their operation needs, e.g. nothing of torch for cp -r.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -175,40 +177,25 @@ def _fsync_tree(root: Path) -> None:
         _fsync(Path(dirpath))
 
 
-def _status_bytes(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
-def _reset_peak_rss() -> int:
-    """Reset this process's VmHWM (Linux clear_refs) and return the current RSS."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    return _status_bytes("VmRSS")
-
-
 def child(op: str, src: str, dst: str, extra: list[str]) -> None:
     """Run one operation in this (fresh) process; print its timings as one JSON line."""
     src_p, dst_p = Path(src), Path(dst)
     result: dict[str, float] = {}
     if op == "cp":
-        before = _reset_peak_rss()
+        before = reset_peak_rss()
         start = time.perf_counter()
         subprocess.run(["cp", "-r", src, dst], check=True)
         _fsync_tree(dst_p)
     elif op == "consolidate":
         from muonckpt import offline
 
-        before = _reset_peak_rss()
+        before = reset_peak_rss()
         start = time.perf_counter()
         offline.consolidate(src_p, dst_p)
     elif op == "reshard":
         from muonckpt import offline
 
-        before = _reset_peak_rss()
+        before = reset_peak_rss()
         start = time.perf_counter()
         offline.reshard(src_p, dst_p, dp=int(extra[0]), tp=int(extra[1]))
     elif op == "dcp":
@@ -222,7 +209,7 @@ def child(op: str, src: str, dst: str, extra: list[str]) -> None:
             with safe_open(str(file), "pt") as f:
                 keys.update(f.keys())
         dst_p.mkdir(parents=True)
-        before = _reset_peak_rss()
+        before = reset_peak_rss()
         start = time.perf_counter()
         consolidate_safetensors_files(
             input_dir=str(src_p),
@@ -238,7 +225,7 @@ def child(op: str, src: str, dst: str, extra: list[str]) -> None:
         from muonckpt.layout import Region
         from muonckpt.regions import insert_
 
-        before = _reset_peak_rss()
+        before = reset_peak_rss()
         start = time.perf_counter()
         parts = [torch.load(f, weights_only=True) for f in sorted(src_p.glob("rank-*.pt"))]
         full: dict[str, torch.Tensor] = {}
@@ -254,7 +241,7 @@ def child(op: str, src: str, dst: str, extra: list[str]) -> None:
     else:
         raise SystemExit(f"unknown child op {op!r}")
     result["op_s"] = time.perf_counter() - start
-    peak = _status_bytes("VmHWM")
+    peak = status_bytes("VmHWM")
     result.update(rss_before=before, op_peak_rss=peak, op_rss_growth=peak - before)
     print(json.dumps(result))
 
