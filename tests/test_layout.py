@@ -79,15 +79,17 @@ def a_param_some_dp_rank_lacks(layout) -> bool:
     )
 
 
+# dp=9 over 14 elements: several DP ranks own no element of some param.
+RANKS_WITHOUT_ELEMENTS = (
+    [ParamSpec("tiny", (2,)), ParamSpec("w", (4, 3), tp_split_dim=0)],
+    Topology(9, 2),
+    dict(bucket_numel=None, param_alignment=1, bucket_alignment=1, buffer_of=None),
+)
+
+
 @SETTINGS
 @given(layout_cases())
-@example(
-    (
-        [ParamSpec("tiny", (2,)), ParamSpec("w", (4, 3), tp_split_dim=0)],
-        Topology(9, 2),
-        dict(bucket_numel=None, param_alignment=1, bucket_alignment=1, buffer_of=None),
-    )
-)
+@example(RANKS_WITHOUT_ELEMENTS)
 def test_every_element_has_exactly_one_owner(case):
     specs, topo, kwargs = case
     layout = arrange(specs, topo, **kwargs)
@@ -104,13 +106,7 @@ def test_every_element_has_exactly_one_owner(case):
 
 @SETTINGS
 @given(layout_cases())
-@example(
-    (
-        [ParamSpec("tiny", (2,)), ParamSpec("w", (4, 3), tp_split_dim=0)],
-        Topology(9, 2),
-        dict(bucket_numel=None, param_alignment=1, bucket_alignment=1, buffer_of=None),
-    )
-)
+@example(RANKS_WITHOUT_ELEMENTS)
 def test_dp_regions_partition_each_tp_block_in_order(case):
     specs, topo, kwargs = case
     layout = arrange(specs, topo, **kwargs)
