@@ -350,7 +350,6 @@ def build_manifest(
     return Manifest(
         kind=kind,
         topology=dict(sharding.topology),
-        checksum_algorithm=storage.CHECKSUM_ALGORITHM,
         groups=tuple(groups),
         params=tuple(params),
         files=tuple(files),

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
@@ -18,10 +19,13 @@ from .layout import Region, matrix_view
 
 FORMAT_NAME = "muonckpt"
 FORMAT_VERSION = 1
+CHECKSUM_ALGORITHM = "xxh3-64"
+"""XXH3 64-bit (seed 0) of each chunk of a tensor's data, as 16 lowercase hex digits."""
 MANIFEST_NAME = "manifest.json"
 PER_RANK = "per-rank"
 CONSOLIDATED = "consolidated"
 KINDS = (PER_RANK, CONSOLIDATED)
+_DIGEST = re.compile("[0-9a-f]{16}")
 
 
 @dataclass(frozen=True)
@@ -82,12 +86,12 @@ class Manifest:
     kind: str
     topology: dict[str, int]
     """Source topology: ``{"dp": .., "tp": ..}``."""
-    checksum_algorithm: str
     groups: tuple[GroupEntry, ...]
     params: tuple[ParamEntry, ...]
     files: tuple[FileEntry, ...]
     pieces: tuple[Piece, ...]
     format_version: int = FORMAT_VERSION
+    checksum_algorithm: str = CHECKSUM_ALGORITHM
 
     def param(self, name: str) -> ParamEntry:
         for entry in self.params:
@@ -167,6 +171,10 @@ def _manifest_from(body: Any) -> Manifest:
             "upgrade muonckpt"
         )
     _expect(body["kind"] in KINDS, f"unknown kind {body['kind']!r}")
+    _expect(
+        body["checksum_algorithm"] == CHECKSUM_ALGORITHM,
+        f"checksum_algorithm {body['checksum_algorithm']!r} is not {CHECKSUM_ALGORITHM!r}",
+    )
     topology = body["topology"]
     _expect(
         isinstance(topology, dict) and all(_pos_int(v) for v in topology.values()),
@@ -211,7 +219,6 @@ def _manifest_from(body: Any) -> Manifest:
     return Manifest(
         kind=body["kind"],
         topology=dict(topology),
-        checksum_algorithm=_str(body["checksum_algorithm"]),
         groups=groups,
         params=params,
         files=files,
@@ -234,7 +241,7 @@ def piece_from_json(raw: Mapping[str, Any]) -> Piece:
         file=_safe_name(raw["file"]),
         tensor=_str(raw["tensor"]),
         region=region,
-        checksums=tuple(_str(c) for c in raw["checksums"]),
+        checksums=tuple(_digest(c) for c in raw["checksums"]),
         chunk_bytes=_pos_int_value(raw["chunk_bytes"]),
     )
 
@@ -289,6 +296,14 @@ def _pos_int(value: Any) -> bool:
 
 def _pos_int_value(value: Any) -> int:
     _expect(_pos_int(value), f"expected a positive int, got {value!r}")
+    return value
+
+
+def _digest(value: Any) -> str:
+    _expect(
+        isinstance(value, str) and _DIGEST.fullmatch(value) is not None,
+        f"expected a checksum of 16 lowercase hex digits, got {value!r}",
+    )
     return value
 
 

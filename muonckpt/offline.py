@@ -103,7 +103,6 @@ def consolidate(
         manifest = replace(
             manifest,
             kind=CONSOLIDATED,
-            checksum_algorithm=storage.CHECKSUM_ALGORITHM,
             files=tuple(files),
             pieces=tuple(pieces),
         )
@@ -198,7 +197,6 @@ def reshard(
             manifest,
             kind=PER_RANK,
             topology={"dp": dp, "tp": tp},
-            checksum_algorithm=storage.CHECKSUM_ALGORITHM,
             params=params,
             files=tuple(files),
             pieces=tuple(pieces),

@@ -27,7 +27,6 @@ import os
 import shutil
 import struct
 import uuid
-import zlib
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -36,8 +35,10 @@ from types import TracebackType
 from typing import BinaryIO
 
 import torch
+import xxhash
 
 from .errors import CheckpointError
+from .manifest import CHECKSUM_ALGORITHM
 
 __all__ = [
     "CHECKSUM_ALGORITHM",
@@ -53,8 +54,6 @@ __all__ = [
     "write_text_atomic",
 ]
 
-CHECKSUM_ALGORITHM: str = "crc32"
-"""zlib CRC-32 of each chunk, as 8 lowercase hex digits."""
 CHUNK_BYTES: int = 4 << 20
 """Default checksum chunk: 4 MiB of a tensor's data."""
 MAX_HEADER_BYTES: int = 100_000_000
@@ -134,9 +133,8 @@ def checksum_chunks(data: torch.Tensor, chunk_bytes: int = CHUNK_BYTES) -> tuple
     if chunk_bytes <= 0:
         raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
     view = memoryview(data.contiguous().numpy())
-    return tuple(
-        f"{zlib.crc32(view[i : i + chunk_bytes]):08x}" for i in range(0, len(view), chunk_bytes)
-    )
+    digest = xxhash.xxh3_64_hexdigest
+    return tuple(digest(view[i : i + chunk_bytes]) for i in range(0, len(view), chunk_bytes))
 
 
 def fsync_dir(path: str | os.PathLike[str]) -> None:
@@ -228,7 +226,7 @@ def _write_and_checksum(file: BinaryIO, data: torch.Tensor, chunk_bytes: int) ->
     if data.numel() < _OFFLOAD_BYTES:
         file.write(data.numpy())
         return checksum_chunks(data, chunk_bytes)
-    # zlib.crc32 and file writes both release the GIL: overlap them.
+    # xxhash and file writes both release the GIL: overlap them.
     with ThreadPoolExecutor(max_workers=1) as pool:
         pending = pool.submit(checksum_chunks, data, chunk_bytes)
         file.write(data.numpy())
@@ -456,7 +454,7 @@ class SafetensorsReader:
         for i, (got, want) in enumerate(
             zip(actual, checksums[first:last], strict=True), start=first
         ):
-            if got != str(want).lower():
+            if got != want:
                 raise self._fail(
                     f"checksum mismatch in chunk {i} (bytes [{i * chunk_bytes}, "
                     f"{min((i + 1) * chunk_bytes, rec.nbytes)}) of the tensor): "

@@ -197,6 +197,21 @@ def newer_format_version(ckpt: Path) -> tuple[str, str | None]:
     return MANIFEST, None
 
 
+def other_checksum_algorithm(ckpt: Path) -> tuple[str, str | None]:
+    body = _manifest(ckpt)
+    body["checksum_algorithm"] = "crc32"
+    _write_manifest(ckpt, body)
+    return MANIFEST, None
+
+
+def malformed_checksum(ckpt: Path) -> tuple[str, str | None]:
+    body = _manifest(ckpt)
+    piece = next(p for p in body["pieces"] if p["checksums"])
+    piece["checksums"][0] = "G" + piece["checksums"][0][1:]  # not a hex digit
+    _write_manifest(ckpt, body)
+    return MANIFEST, None
+
+
 def invalid_json(ckpt: Path) -> tuple[str, str | None]:
     text = (ckpt / MANIFEST).read_text()
     (ckpt / MANIFEST).write_text(text[: len(text) // 2])
@@ -222,6 +237,8 @@ DAMAGES: list[Damage] = [
     duplicate_piece,
     change_dtype,
     newer_format_version,
+    other_checksum_algorithm,
+    malformed_checksum,
     invalid_json,
     missing_manifest,
 ]

@@ -121,7 +121,7 @@ def test_records_point_at_the_bytes(tmp_path: Path) -> None:
         torch.frombuffer(bytearray(data), dtype=torch.uint8), 1024
     )
     assert len(rec.checksums) == 4 and rec.chunk_bytes == 1024
-    assert CHECKSUM_ALGORITHM == "crc32" and CHUNK_BYTES > 0
+    assert CHECKSUM_ALGORITHM == "xxh3-64" and CHUNK_BYTES > 0
     (header_len,) = struct.unpack("<Q", raw[:8])
     assert header_len % 8 == 0
 
