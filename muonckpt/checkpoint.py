@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 import torch
 
 from . import collectives, storage
-from .errors import CheckpointError, MuonCkptError
+from .errors import CheckpointError
 from .hooks import (
     MARKER,
     ParamSharding,
@@ -105,28 +105,22 @@ def save(
             outcome = _as_outcome(
                 lambda: _commit(optimizer, sharding, staging, final, reports, consolidated)
             )
-        _agree_or_raise(sharding, outcome)
+        replaced = _agree_or_raise(sharding, outcome)
     except BaseException:
         if me == dst:
             storage.discard(staging)
         raise
+    if replaced is not None:
+        _retire_together(sharding, replaced)
     return final
 
 
-def _as_outcome(work: Callable[[], Any]) -> Any:
-    """``work()``, or ``{"error": message}`` when it raises a library error (for broadcast)."""
-    try:
-        return work()
-    except MuonCkptError as exc:
-        return {"error": str(exc)}
+_as_outcome = collectives.as_outcome
 
 
 def _agree_or_raise(sharding: Sharding, value: Any) -> Any:
     """Broadcast the destination's value; an ``{"error": ...}`` value raises on every rank."""
-    value = collectives.broadcast_json(value, sharding.participants, sharding.destination)
-    if isinstance(value, dict) and "error" in value:
-        raise CheckpointError(value["error"])
-    return value
+    return collectives.agree_or_raise(value, sharding.participants, sharding.destination)
 
 
 def _owned(optimizer: Muon, sharding: Sharding) -> Iterator[tuple[ParamSharding, dict[str, Any]]]:
@@ -243,28 +237,14 @@ def write_full_tensors(
     plus a Hugging Face style ``optimizer.safetensors.index.json`` (a tensor larger than the
     limit gets a file of its own).
     """
-    if max_shard_size is not None and max_shard_size <= 0:
-        raise CheckpointError(f"max_shard_size must be positive, got {max_shard_size}")
     by_key = {tensor_key(name, key): (name, key, dtype, shape) for name, key, dtype, shape in items}
     sizes = {
         tkey: math.prod(shape) * storage.torch_dtype(dtype).itemsize
         for tkey, (_, _, dtype, shape) in by_key.items()
     }
-    shards: list[list[str]] = [[]]
-    used = 0
-    for tkey in sorted(by_key):
-        if max_shard_size is not None and shards[-1] and used + sizes[tkey] > max_shard_size:
-            shards.append([])
-            used = 0
-        shards[-1].append(tkey)
-        used += sizes[tkey]
-    names = (
-        [CONSOLIDATED_FILE]
-        if len(shards) == 1
-        else [f"optimizer-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    )
+    shards = shard_files(sizes, max_shard_size)
     files, pieces, all_records = [], [], {}
-    for file, keys in zip(names, shards, strict=True):
+    for file, keys in shards:
         specs = {tkey: (by_key[tkey][2], by_key[tkey][3]) for tkey in keys}
         with storage.SafetensorsWriter(staging / file, specs, {"format": "muonckpt"}) as out:
             for tkey, tensor in prefetched(keys, lambda k: fetch(*by_key[k][:2])):
@@ -279,14 +259,43 @@ def write_full_tensors(
             pieces.append(piece_for(file, records[tkey], name, key, whole_region(math.prod(shape))))
         files.append(FileEntry(file, storage.file_size(staging / file)))
     if len(shards) > 1:
-        index = {
-            "metadata": {"total_size": sum(sizes.values())},
-            "weight_map": {
-                tkey: file for file, keys in zip(names, shards, strict=True) for tkey in keys
-            },
-        }
-        storage.write_text_atomic(staging / INDEX_FILE, json.dumps(index, indent=2) + "\n")
+        storage.write_text_atomic(staging / INDEX_FILE, shard_index(shards, sizes))
     return files, pieces, all_records
+
+
+def shard_files(
+    sizes: Mapping[str, int], max_shard_size: int | None
+) -> list[tuple[str, list[str]]]:
+    """(file name, sorted tensor keys) of each consolidated file, given each key's bytes.
+
+    Keys in sorted order fill a file up to ``max_shard_size`` bytes (a larger tensor gets a
+    file of its own); one file, ``optimizer.safetensors``, without a limit or below it.
+    """
+    if max_shard_size is not None and max_shard_size <= 0:
+        raise CheckpointError(f"max_shard_size must be positive, got {max_shard_size}")
+    shards: list[list[str]] = [[]]
+    used = 0
+    for tkey in sorted(sizes):
+        if max_shard_size is not None and shards[-1] and used + sizes[tkey] > max_shard_size:
+            shards.append([])
+            used = 0
+        shards[-1].append(tkey)
+        used += sizes[tkey]
+    if len(shards) == 1:
+        return [(CONSOLIDATED_FILE, shards[0])]
+    return [
+        (f"optimizer-{i + 1:05d}-of-{len(shards):05d}.safetensors", keys)
+        for i, keys in enumerate(shards)
+    ]
+
+
+def shard_index(shards: Sequence[tuple[str, Sequence[str]]], sizes: Mapping[str, int]) -> str:
+    """The Hugging Face style ``optimizer.safetensors.index.json`` of sharded files."""
+    index = {
+        "metadata": {"total_size": sum(sizes.values())},
+        "weight_map": {tkey: file for file, keys in shards for tkey in keys},
+    }
+    return json.dumps(index, indent=2) + "\n"
 
 
 def _commit(
@@ -296,7 +305,7 @@ def _commit(
     final: Path,
     reports: list[dict[str, Any]],
     consolidated: bool,
-) -> str | dict[str, str]:
+) -> dict[str, Any] | None:
     errors = [r["error"] for r in reports if "error" in r]
     if errors:
         return {"error": "; ".join(errors)}
@@ -311,8 +320,24 @@ def _commit(
     )
     storage.write_text_atomic(staging / MANIFEST_NAME, manifest.to_json())
     storage.fsync_dir(staging)
-    storage.swap_in(staging, final)
-    return "committed"
+    replaced = storage.swap_in(staging, final)
+    if replaced is None:
+        return None
+    return {"directory": str(replaced), "files": storage.entries(replaced)}
+
+
+def _retire_together(sharding: Sharding, replaced: dict[str, Any]) -> None:
+    """Delete the checkpoint a save replaced, each rank a share of its files.
+
+    Freeing a large file's blocks takes time, so the ranks delete in parallel (as each rank's
+    ``save_file`` over an old file would truncate its own); the destination removes what is
+    left once every rank is done.
+    """
+    me, ranks = collectives.global_rank(), sharding.participants
+    storage.retire(replaced["directory"], replaced["files"][ranks.index(me) :: len(ranks)])
+    collectives.gather_json(None, ranks, sharding.destination)
+    if me == sharding.destination:
+        storage.retire(replaced["directory"])
 
 
 def build_manifest(

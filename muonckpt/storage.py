@@ -32,7 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 import torch
 import xxhash
@@ -222,7 +222,11 @@ def write_safetensors(
 
 
 def _write_and_checksum(file: BinaryIO, data: torch.Tensor, chunk_bytes: int) -> tuple[str, ...]:
-    """Write uint8 ``data`` and return its chunk checksums, overlapping the two when large."""
+    """Write uint8 ``data`` and return its chunk checksums, overlapping the two when large.
+
+    A large tensor also starts the kernel's writeback of the file so far, so the disk works
+    while the next tensor is copied and the final fsync has little left to do.
+    """
     if data.numel() < _OFFLOAD_BYTES:
         file.write(data.numpy())
         return checksum_chunks(data, chunk_bytes)
@@ -230,7 +234,19 @@ def _write_and_checksum(file: BinaryIO, data: torch.Tensor, chunk_bytes: int) ->
     with ThreadPoolExecutor(max_workers=1) as pool:
         pending = pool.submit(checksum_chunks, data, chunk_bytes)
         file.write(data.numpy())
+        file.flush()
+        _start_writeback(file.fileno())
         return pending.result()
+
+
+def _start_writeback(fd: int) -> None:
+    """Ask the kernel to start writing ``fd``'s dirty pages now, without waiting (Linux only).
+
+    ``sync_file_range(SYNC_FILE_RANGE_WRITE)`` over the whole file; a no-op where the call does
+    not exist. Durability still comes from the fsync at commit.
+    """
+    if _SYNC_FILE_RANGE is not None:
+        _SYNC_FILE_RANGE(fd, 0, 0, _SYNC_FILE_RANGE_WRITE)
 
 
 def _no_duplicates(pairs: list[tuple[str, object]]) -> dict[str, object]:
@@ -523,9 +539,27 @@ _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
 
 
+def _libc_function(name: str, argtypes: list[type]) -> Any:
+    """``name`` from the C library with ``argtypes``, or None where it does not exist."""
+    try:
+        function = getattr(ctypes.CDLL(None, use_errno=True), name)
+    except (AttributeError, OSError, TypeError):
+        return None
+    function.argtypes = argtypes
+    return function
+
+
+_SYNC_FILE_RANGE = _libc_function(
+    "sync_file_range", [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+)
+_SYNC_FILE_RANGE_WRITE = 2
+
+
 def _exchange(a: Path, b: Path) -> bool:
     """Atomically swap two paths with renameat2(RENAME_EXCHANGE); False where unsupported."""
-    renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    renameat2 = _libc_function(
+        "renameat2", [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    )
     if renameat2 is None:
         return False
     done = renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)
@@ -576,42 +610,65 @@ def staged(final: str | os.PathLike[str], overwrite: bool) -> Iterator[Path]:
     try:
         yield staging
         fsync_dir(staging)
-        swap_in(staging, final)
+        replaced = swap_in(staging, final)
     except BaseException:
         discard(staging)
         raise
+    if replaced is not None:
+        retire(replaced)
 
 
-def _retire(directory: Path) -> None:
-    """Delete a replaced checkpoint, manifest first, so a crash midway leaves it incomplete."""
-    (directory / "manifest.json").unlink(missing_ok=True)
-    shutil.rmtree(directory)
+def retire(directory: str | os.PathLike[str], files: Sequence[str] | None = None) -> None:
+    """Delete a checkpoint that :func:`swap_in` replaced; best effort, errors are ignored.
+
+    With ``files``, only those entries (so several ranks can share the work); without, the
+    whole directory. What is left is recognisably incomplete: swap_in removed its manifest.
+    """
+    directory = Path(directory)
+    if files is None:
+        shutil.rmtree(directory, ignore_errors=True)
+        return
+    for name in files:
+        _remove_quietly(directory / name)
 
 
-def swap_in(staging: str | os.PathLike[str], final: str | os.PathLike[str]) -> None:
-    """Make directory ``staging`` appear at ``final`` atomically, then drop what was there.
+def entries(directory: str | os.PathLike[str]) -> list[str]:
+    """Sorted names in ``directory``; empty when it cannot be listed."""
+    try:
+        return sorted(os.listdir(directory))
+    except OSError:
+        return []
+
+
+def swap_in(staging: str | os.PathLike[str], final: str | os.PathLike[str]) -> Path | None:
+    """Make directory ``staging`` appear at ``final`` atomically.
 
     With an existing ``final`` the two are exchanged in one step where the kernel allows it, so
-    a crash at any moment leaves either the old or the new checkpoint at ``final``.
+    a crash at any moment leaves either the old or the new checkpoint at ``final``. Returns the
+    directory now holding the replaced checkpoint, its manifest already deleted so that it
+    reads as incomplete, for the caller to :func:`retire`; None when nothing was replaced.
     """
     staging, final = Path(staging), Path(final)
+    replaced: Path | None = None
     try:
         if not final.exists():
             os.rename(staging, final)
         elif _exchange(staging, final):
-            _retire(staging)
+            replaced = staging
         else:
-            old = final.with_name(f".{final.name}.old-{os.getpid()}")
-            os.rename(final, old)
+            replaced = final.with_name(f".{final.name}.old-{os.getpid()}")
+            os.rename(final, replaced)
             try:
                 os.rename(staging, final)
             except OSError:
-                os.rename(old, final)
+                os.rename(replaced, final)
                 raise
-            _retire(old)
+        if replaced is not None:
+            (replaced / "manifest.json").unlink(missing_ok=True)
         fsync_dir(final.parent)
     except OSError as exc:
         raise CheckpointError(f"cannot commit the checkpoint: {exc}", path=final) from None
+    return replaced
 
 
 def _plan_header(
@@ -772,3 +829,99 @@ class SafetensorsWriter:
     ) -> None:
         if self._file is not None:
             self.abort()
+
+
+class SharedSafetensorsFile:
+    """A safetensors file that several processes write at once, each tensor at its offset.
+
+    Every process builds the same instance from the same ``specs`` and ``metadata`` (the header,
+    and so every tensor's offset, is planned up front as :class:`SafetensorsWriter` plans it,
+    giving byte-identical files). One process calls :meth:`create` before any write; then any
+    process may :meth:`write` any tensors (each exactly once, in any order, with ``os.pwrite``
+    into the shared temporary file ``.NAME.part``) and :meth:`close` when done; after all of
+    them, one process calls :meth:`commit`. OSErrors surface as :class:`CheckpointError`.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        specs: Mapping[str, tuple[str, Sequence[int]]],
+        metadata: Mapping[str, str] | None = None,
+        *,
+        chunk_bytes: int = CHUNK_BYTES,
+    ) -> None:
+        self.path = Path(path)
+        self.chunk_bytes = chunk_bytes
+        self._header, self._plan = _plan_header(self.path, specs, metadata)
+        self._data_start = 8 + len(self._header)
+        self.size = self._data_start + sum(nbytes for *_, nbytes in self._plan.values())
+        """Length of the finished file."""
+        self._part = self.path.with_name(f".{self.path.name}.part")
+        self._fd: int | None = None
+
+    def record(self, key: str, checksums: Sequence[str] = ()) -> TensorRecord:
+        """Where ``key`` lies in the file, with the given checksums of its data."""
+        try:
+            name, shape, begin, nbytes = self._plan[key]
+        except KeyError:
+            raise CheckpointError("no such tensor planned", path=self.path, param=key) from None
+        return TensorRecord(
+            key, name, shape, self._data_start + begin, nbytes, tuple(checksums), self.chunk_bytes
+        )
+
+    def create(self) -> None:
+        """Write the header and give the temporary file its full length (the data still holes)."""
+        try:
+            with open(self._part, "xb") as file:
+                file.write(struct.pack("<Q", len(self._header)))
+                file.write(self._header)
+                file.truncate(self.size)
+        except OSError as e:
+            raise CheckpointError(f"cannot create: {e}", path=self.path) from e
+
+    def write(self, key: str, tensor: torch.Tensor) -> TensorRecord:
+        """Write ``key``'s data (its declared dtype and element count, any shape) at its offset,
+        checksumming the bytes written on a thread meanwhile."""
+        record = self.record(key)
+        if _NAMES.get(tensor.dtype) != record.dtype or tensor.numel() != record.numel:
+            raise CheckpointError(
+                f"tensor is {tensor.dtype} x {tensor.numel()} elements, "
+                f"declared {record.dtype} {record.shape}",
+                path=self.path,
+                param=key,
+            )
+        if not record.nbytes:
+            return record
+        data = _as_bytes(tensor)
+        try:
+            if self._fd is None:
+                self._fd = os.open(self._part, os.O_WRONLY | getattr(os, "O_BINARY", 0))
+            with ThreadPoolExecutor(max_workers=1) as pool:
+                pending = pool.submit(checksum_chunks, data, self.chunk_bytes)
+                view, offset = memoryview(data.numpy()), record.offset
+                while view:
+                    done = os.pwrite(self._fd, view, offset)
+                    view, offset = view[done:], offset + done
+                return self.record(key, pending.result())
+        except OSError as e:
+            raise CheckpointError(f"cannot write: {e}", path=self.path, param=key) from e
+
+    def close(self) -> None:
+        """Close this process's handle of the temporary file (idempotent)."""
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    def commit(self) -> None:
+        """fsync the temporary file, rename it into place and fsync the directory; to be called
+        once, after every process has written its tensors and closed."""
+        try:
+            fd = os.open(self._part, os.O_RDONLY | getattr(os, "O_BINARY", 0))
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            _commit(self._part, self.path)
+        except OSError as e:
+            raise CheckpointError(f"cannot write: {e}", path=self.path) from e

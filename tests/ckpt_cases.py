@@ -24,3 +24,13 @@ def load_phase(
     muonckpt.load(opt, ckpt)
     train(opt, sharded, dp_rank, tp_rank, first_step, steps)
     return local_params(opt)
+
+
+def overwrite_phase(dp: int, tp: int, ckpt: str) -> int:
+    """Save after 1 step, then save over it after 2 steps: per-rank, then consolidated."""
+    opt, sharded, dp_rank, tp_rank = build(dp, tp, initial_params())
+    train(opt, sharded, dp_rank, tp_rank, 0, 1)
+    muonckpt.save(opt, ckpt)
+    train(opt, sharded, dp_rank, tp_rank, 1, 1)
+    muonckpt.save(opt, ckpt, consolidated=True, overwrite=True)
+    return opt.param_groups[0]["step"]

@@ -7,7 +7,7 @@ import json
 import pytest
 import safetensors.torch
 import torch
-from ckpt_cases import load_phase, save_phase
+from ckpt_cases import load_phase, overwrite_phase, save_phase
 from resume_cases import assemble, build, initial_params, phase, train
 
 import muonckpt
@@ -43,6 +43,16 @@ def test_resume_from_checkpoint_is_bitwise(tmp_path, reference, src, dst, consol
     full = assemble(*dst, shards)
     for name, value in reference.items():
         assert torch.equal(full[name], value), name
+
+
+def test_distributed_save_over_a_checkpoint_replaces_it_whole(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    steps = run_distributed(overwrite_phase, 4, 2, 2, str(ckpt), timeout=120)
+    assert steps == [2] * 4
+    # The four ranks deleted the replaced per-rank files between them: nothing is left over.
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+    assert sorted(p.name for p in ckpt.iterdir()) == ["manifest.json", "optimizer.safetensors"]
+    assert muonckpt.read_manifest(ckpt).step == 2 and muonckpt.verify(ckpt) == []
 
 
 def test_consolidated_file_opens_with_safetensors(tmp_path):

@@ -23,7 +23,9 @@ from muonckpt.storage import (
     TensorRecord,
     checksum_chunks,
     dtype_name,
+    entries,
     read_text,
+    retire,
     swap_in,
     torch_dtype,
     write_safetensors,
@@ -439,8 +441,17 @@ def test_swap_in(tmp_path: Path) -> None:
         staging = tmp_path / f".ckpt.staging-{text}"
         staging.mkdir()
         write_text_atomic(staging / "manifest.json", text)
-        swap_in(staging, final)
+        (staging / "data").write_text(text)
+        replaced = swap_in(staging, final)
         assert read_text(final / "manifest.json") == text
+        if text == "first":
+            assert replaced is None
+        else:  # the old checkpoint, its manifest already gone, waits to be retired
+            assert replaced is not None and entries(replaced) == ["data"]
+            assert (replaced / "data").read_text() == "first"
+            retire(replaced, ["data"])
+            assert entries(replaced) == []
+            retire(replaced)
         assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
 
 
