@@ -7,13 +7,16 @@ uint8 tensors (no pickle, unlike torch's ``*_object`` collectives).
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+import os
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from .errors import CollectiveError
+from .errors import CheckpointError, CollectiveError, MuonCkptError
 
 Group = dist.ProcessGroup | None
 
@@ -148,3 +151,43 @@ def broadcast_json(obj: Any, ranks: Sequence[int], src: int) -> Any:
                 send_json(obj, rank)
         return obj
     return recv_json(src)
+
+
+def as_outcome(work: Callable[[], Any]) -> Any:
+    """``work()``, or ``{"error": message}`` when it raises a library error (for broadcast)."""
+    try:
+        return work()
+    except MuonCkptError as exc:
+        return {"error": str(exc)}
+
+
+def agree_or_raise(value: Any, ranks: Sequence[int], src: int) -> Any:
+    """Broadcast ``src``'s value; an ``{"error": ...}`` value raises on every rank."""
+    value = broadcast_json(value, ranks, src)
+    if isinstance(value, dict) and "error" in value:
+        raise CheckpointError(value["error"])
+    return value
+
+
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+"""What torchrun (and any env:// launcher) sets for each process."""
+
+
+def launched_by_torchrun() -> bool:
+    return all(name in os.environ for name in TORCHRUN_ENV)
+
+
+@contextmanager
+def default_group_from_env(timeout: timedelta) -> Iterator[None]:
+    """The default process group torchrun describes in the environment, over gloo.
+
+    Joined here (and left on exit) unless one is already initialized.
+    """
+    if is_distributed():
+        yield
+        return
+    dist.init_process_group("gloo", init_method="env://", timeout=timeout)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
