@@ -12,6 +12,7 @@ import re
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from datetime import timedelta
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -20,7 +21,7 @@ from rich.console import Console
 from rich.table import Table
 from typer.core import TyperGroup
 
-from . import offline
+from . import collectives, offline
 from .checkpoint import verify as verify_checkpoint
 from .errors import CheckpointError, MuonCkptError
 
@@ -149,6 +150,35 @@ Dst = Annotated[
     Path, typer.Option("--output", "-o", help="Checkpoint directory to write.", show_default=False)
 ]
 Force = Annotated[bool, typer.Option("--force", "-f", help="Replace an existing output.")]
+Workers = Annotated[
+    int,
+    typer.Option(
+        "--workers",
+        "-w",
+        min=1,
+        help="Processes on this machine that share the writing (a local gloo group); the output "
+        "is the same for any number. Under torchrun leave it out: the ranks share the work.",
+    ),
+]
+
+
+@contextmanager
+def _ranks(ctx: typer.Context, workers: int) -> Iterator[bool]:
+    """Under torchrun: join its gloo group (unless joined), quiet every rank but 0, yield True.
+
+    Otherwise yield False. ``--workers`` with torchrun is a usage error.
+    """
+    if not collectives.launched_by_torchrun():
+        yield False
+        return
+    if workers != 1:
+        raise typer.BadParameter(
+            "not with torchrun, whose ranks already share the work", param_hint="--workers"
+        )
+    with collectives.default_group_from_env(timedelta(seconds=offline.WORKER_TIMEOUT)):
+        if collectives.global_rank() != 0:
+            ctx.obj = {**(ctx.obj or {}), "quiet": True}
+        yield True
 
 
 @app.command()
@@ -166,14 +196,26 @@ def consolidate(
         ),
     ] = None,
     force: Force = False,
+    workers: Workers = 1,
 ) -> None:
     """Rewrite any checkpoint as full-shape tensors (state.<param>.<key>) in safetensors files.
 
     Example: muonckpt consolidate ckpt/step-1000 -o ckpt/full --max-shard-size 5GB
+
+    Four processes: muonckpt consolidate ckpt/step-1000 -o ckpt/full --workers 4
+
+    Under torchrun: torchrun --nproc-per-node 4 -m muonckpt.cli consolidate ckpt/step-1000
+    -o ckpt/full
     """
-    with _progress(ctx, "consolidate") as progress:
+    with _ranks(ctx, workers) as collective, _progress(ctx, "consolidate") as progress:
         out = offline.consolidate(
-            src, dst, max_shard_size=max_shard_size, overwrite=force, progress=progress
+            src,
+            dst,
+            max_shard_size=max_shard_size,
+            overwrite=force,
+            progress=progress,
+            workers=workers,
+            collective=collective,
         )
     _say(ctx, _written(out))
 
@@ -201,10 +243,16 @@ def reshard(
         ),
     ] = None,
     force: Force = False,
+    workers: Workers = 1,
 ) -> None:
     """Rewrite any checkpoint as one file per rank of a dp x tp job.
 
     Example: muonckpt reshard ckpt/step-1000 --dp 4 --tp 2 -o ckpt/step-1000-dp4-tp2
+
+    Four processes: muonckpt reshard ckpt/step-1000 --dp 4 --tp 2 -o ckpt/4x2 --workers 4
+
+    Under torchrun: torchrun --nproc-per-node 4 -m muonckpt.cli reshard ckpt/step-1000
+    --dp 4 --tp 2 -o ckpt/4x2
     """
     splits = {}
     for item in tp_split or []:
@@ -212,7 +260,7 @@ def reshard(
         if not sep or not name or not dim.lstrip("-").isdigit():
             raise typer.BadParameter(f"{item!r} is not NAME=DIM", param_hint="--tp-split")
         splits[name] = int(dim)
-    with _progress(ctx, "reshard") as progress:
+    with _ranks(ctx, workers) as collective, _progress(ctx, "reshard") as progress:
         out = offline.reshard(
             src,
             dst,
@@ -222,6 +270,8 @@ def reshard(
             tp_split_dims=splits,
             overwrite=force,
             progress=progress,
+            workers=workers,
+            collective=collective,
         )
     _say(ctx, _written(out))
 

@@ -1,52 +1,71 @@
 """Offline checkpoint tools: consolidate, reshard, summarize and diff, without an optimizer.
 
-Library functions behind the ``muonckpt`` CLI. No collectives: everything is driven by a
-checkpoint's manifest and the pure layout math of :mod:`muonckpt.layout`. All file I/O goes
-through :mod:`muonckpt.storage` and :class:`muonckpt.checkpoint.PieceReader` (which verifies
-checksums on every read).
+Library functions behind the ``muonckpt`` CLI, driven by a checkpoint's manifest and the pure
+layout math of :mod:`muonckpt.layout`. All file I/O goes through :mod:`muonckpt.storage` and
+:class:`muonckpt.checkpoint.PieceReader` (which verifies checksums on every read).
 
-Memory is bounded by what one output tensor needs: consolidation holds one full tensor plus the
-span of one source piece; resharding one rank's piece of one tensor plus one source span.
-Outputs are written into a staging directory beside the target, manifest last, and swapped in
-atomically (:func:`muonckpt.storage.swap_in`).
+``consolidate`` and ``reshard`` first plan the whole output (a :class:`_Job`: files, and which
+elements of which param state each output tensor holds), then write it
+
+* in this process, one file after another, streaming tensor by tensor; or
+* with ``workers=N``, in N local processes (gloo), or with ``collective=True``, in every rank
+  of an initialized default process group (torchrun): the output tensors are split among the
+  ranks by bytes (:func:`muonckpt.workplan.split_work`), each rank writes its share at the
+  planned offsets of the shared files, and rank 0 writes the manifest last and commits.
+
+Memory per process is what one output tensor needs, twice (the next one is read on a thread
+while the current one is written): one full tensor for consolidate, one rank's piece of one
+tensor for reshard, plus one source span. Outputs are written into a staging directory beside
+the target, manifest last, and swapped in atomically (:func:`muonckpt.storage.swap_in`).
 """
 
 from __future__ import annotations
 
 import math
+import multiprocessing as mp
 import os
+import threading
 from collections.abc import Callable, Mapping
-from dataclasses import replace
+from contextlib import ExitStack
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from . import storage
+from . import collectives, storage
 from .checkpoint import (
+    INDEX_FILE,
     PieceReader,
     open_checkpoint,
     piece_for,
     prefetched,
     rank_file,
+    shard_files,
+    shard_index,
     tensor_key,
-    write_full_tensors,
 )
-from .errors import CheckpointError, LayoutError
+from .errors import CheckpointError, LayoutError, MuonCkptError
+from .launch import run_distributed
 from .layout import ParamSpec, Region, Topology, arrange, whole_region
 from .manifest import (
     CONSOLIDATED,
     MANIFEST_NAME,
     PER_RANK,
     FileEntry,
+    Manifest,
     ParamEntry,
     Piece,
 )
+from .workplan import WorkUnit, split_work
 
 Progress = Callable[[int, int], None]
 """``progress(done_bytes, total_bytes)``, called after each tensor is written."""
 
-__all__ = ["consolidate", "diff", "open_checkpoint", "reshard", "summarize"]
+WORKER_TIMEOUT: float = 7 * 24 * 3600.0
+"""Seconds a ``workers > 1`` run may take before its processes are killed."""
+
+__all__ = ["WORKER_TIMEOUT", "consolidate", "diff", "open_checkpoint", "reshard", "summarize"]
 
 
 def _itemsize(dtype: str) -> int:
@@ -64,6 +83,46 @@ class _Meter:
             self.progress(self.done, self.total)
 
 
+@dataclass(frozen=True)
+class _Put:
+    """One output tensor: its file, and which elements of which param state it holds."""
+
+    file: str
+    entry: ParamEntry
+    key: str
+    region: Region
+    shape: tuple[int, ...]
+
+    @property
+    def tkey(self) -> str:
+        return tensor_key(self.entry.name, self.key)
+
+    @property
+    def nbytes(self) -> int:
+        return self.region.numel * _itemsize(self.entry.dtype)
+
+
+@dataclass(frozen=True)
+class _Job:
+    """Everything a consolidate or reshard writes, decided from the source manifest alone."""
+
+    manifest: Manifest
+    """The output's manifest, files and pieces still empty."""
+    files: dict[str, dict[str, str]]
+    """Output file -> its safetensors metadata, in manifest order."""
+    puts: list[_Put]
+    """Every output tensor, in manifest order (files in order, keys sorted within a file)."""
+    texts: dict[str, str]
+    """Small extra files (the index of a sharded consolidate)."""
+
+    def specs(self, file: str) -> dict[str, tuple[str, tuple[int, ...]]]:
+        return {p.tkey: (p.entry.dtype, p.shape) for p in self.puts if p.file == file}
+
+    @property
+    def total(self) -> int:
+        return sum(p.nbytes for p in self.puts)
+
+
 def consolidate(
     src: str | os.PathLike[str],
     dst: str | os.PathLike[str],
@@ -71,6 +130,8 @@ def consolidate(
     max_shard_size: int | None = None,
     overwrite: bool = False,
     progress: Progress | None = None,
+    workers: int = 1,
+    collective: bool = False,
 ) -> Path:
     """Rewrite any checkpoint as a consolidated one: full-shape tensors ``state.<param>.<key>``.
 
@@ -82,32 +143,34 @@ def consolidate(
             ``optimizer.safetensors.index.json``; otherwise one ``optimizer.safetensors``.
             A tensor larger than the limit gets a file of its own.
         overwrite: replace an existing ``dst``.
-        progress: called with (bytes written, total bytes) after each tensor.
+        progress: called with (bytes written, total bytes) after each tensor. With several
+            processes it follows rank 0's share, scaled to the total.
+        workers: processes on this machine that share the writing (a local gloo group);
+            the output is the same, byte for byte, for any number.
+        collective: every rank of the initialized default process group (torchrun) calls
+            this with the same arguments, and the ranks share the writing.
 
-    Memory: one full tensor plus the span of one source piece.
+    Memory: per process, one full tensor plus the span of one source piece (two in flight).
     """
+    _check_workers(workers, collective)
     directory, manifest = open_checkpoint(src)
-    items = [(e.name, key, e.dtype, e.shape) for e in manifest.params for key in e.state_keys]
-    total = sum(math.prod(shape) * _itemsize(dtype) for _, _, dtype, shape in items)
-    grouped = manifest.pieces_of()
-    meter = _Meter(total, progress)
-
-    def fetch(name: str, key: str) -> torch.Tensor:
-        entry = manifest.param(name)
-        return reader.gather(grouped[name, key], entry, whole_region(entry.numel))
-
-    with storage.staged(dst, overwrite) as staging, PieceReader(directory, manifest) as reader:
-        files, pieces, _ = write_full_tensors(
-            staging, items, fetch, max_shard_size=max_shard_size, on_bytes=meter.tick
-        )
-        manifest = replace(
-            manifest,
-            kind=CONSOLIDATED,
-            files=tuple(files),
-            pieces=tuple(pieces),
-        )
-        storage.write_text_atomic(staging / MANIFEST_NAME, manifest.to_json())
-    return Path(dst)
+    entries = {tensor_key(e.name, k): (e, k) for e in manifest.params for k in e.state_keys}
+    sizes = {tkey: e.numel * _itemsize(e.dtype) for tkey, (e, _) in entries.items()}
+    shards = shard_files(sizes, max_shard_size)
+    job = _Job(
+        manifest=replace(manifest, kind=CONSOLIDATED, files=(), pieces=()),
+        files={file: {"format": "muonckpt"} for file, _ in shards},
+        puts=[
+            _Put(file, entry, key, whole_region(entry.numel), entry.shape)
+            for file, keys in shards
+            for entry, key in (entries[tkey] for tkey in keys)
+        ],
+        texts={INDEX_FILE: shard_index(shards, sizes)} if len(shards) > 1 else {},
+    )
+    if workers > 1:
+        options = {"max_shard_size": max_shard_size, "overwrite": overwrite}
+        return _spawn(consolidate, workers, src, dst, options, progress)
+    return _write(job, directory, manifest, dst, overwrite, progress, collective)
 
 
 def reshard(
@@ -122,6 +185,8 @@ def reshard(
     tp_split_dims: Mapping[str, int] | None = None,
     overwrite: bool = False,
     progress: Progress | None = None,
+    workers: int = 1,
+    collective: bool = False,
 ) -> Path:
     """Rewrite any checkpoint as per-rank files for a ``dp`` x ``tp`` job.
 
@@ -135,10 +200,12 @@ def reshard(
             saved by a single process records every param as unsplit, -1).
         bucket_numel, param_alignment, bucket_alignment: as in :func:`muonckpt.layout.arrange`;
             they decide which rank holds what, but any choice loads correctly.
+        overwrite, progress, workers, collective: as in :func:`consolidate`.
 
     Raises:
         LayoutError: naming the param, when ``tp`` does not divide a split dimension.
     """
+    _check_workers(workers, collective)
     topology = Topology(dp, tp)
     directory, manifest = open_checkpoint(src)
     overrides = dict(tp_split_dims or {})
@@ -157,52 +224,264 @@ def reshard(
         bucket_alignment=bucket_alignment,
     )
     world = topology.world_size
-    plans: list[dict[str, tuple[ParamEntry, str, Region]]] = []
+    files: dict[str, dict[str, str]] = {}
+    puts: list[_Put] = []
     for rank in range(world):
         d, t = topology.coords(rank)
-        plan = {}
-        for index, entry in enumerate(params):
-            region = layout.owner_region(index, d, t)
-            if region.numel == 0:
-                continue
-            for key in entry.state_keys:
-                plan[tensor_key(entry.name, key)] = (entry, key, region)
-        plans.append(plan)
-    total = sum(r.numel * _itemsize(e.dtype) for plan in plans for e, _, r in plan.values())
-    grouped = manifest.pieces_of()
-    meter = _Meter(total, progress)
-    pieces: list[Piece] = []
-    files: list[FileEntry] = []
-    with storage.staged(dst, overwrite) as staging, PieceReader(directory, manifest) as reader:
-        for rank, plan in enumerate(plans):
-            name = rank_file(rank, world)
-            specs_out = {k: (e.dtype, (r.numel,)) for k, (e, _, r) in plan.items()}
-            meta = {"format": "muonckpt", "rank": str(rank)}
-            with storage.SafetensorsWriter(staging / name, specs_out, meta) as out:
-
-                def produce(tkey: str, plan: dict = plan) -> torch.Tensor:
-                    entry, key, region = plan[tkey]
-                    return reader.gather(grouped[entry.name, key], entry, region)
-
-                for tkey, piece in prefetched(out.pending, produce):
-                    out.write(tkey, piece)
-                    entry, _, region = plan[tkey]
-                    meter.tick(region.numel * _itemsize(entry.dtype))
-                records = out.commit()
-            for tkey in sorted(plan):
-                entry, key, region = plan[tkey]
-                pieces.append(piece_for(name, records[tkey], entry.name, key, region))
-            files.append(FileEntry(name, storage.file_size(staging / name)))
-        resharded = replace(
+        name = rank_file(rank, world)
+        files[name] = {"format": "muonckpt", "rank": str(rank)}
+        owned = [
+            _Put(name, entry, key, region, (region.numel,))
+            for index, entry in enumerate(params)
+            if (region := layout.owner_region(index, d, t)).numel
+            for key in entry.state_keys
+        ]
+        puts += sorted(owned, key=lambda p: p.tkey)
+    job = _Job(
+        manifest=replace(
             manifest,
             kind=PER_RANK,
             topology={"dp": dp, "tp": tp},
             params=params,
-            files=tuple(files),
-            pieces=tuple(pieces),
-        )
-        storage.write_text_atomic(staging / MANIFEST_NAME, resharded.to_json())
+            files=(),
+            pieces=(),
+        ),
+        files=files,
+        puts=puts,
+        texts={},
+    )
+    if workers > 1:
+        options = {
+            "dp": dp,
+            "tp": tp,
+            "bucket_numel": bucket_numel,
+            "param_alignment": param_alignment,
+            "bucket_alignment": bucket_alignment,
+            "tp_split_dims": overrides,
+            "overwrite": overwrite,
+        }
+        return _spawn(reshard, workers, src, dst, options, progress)
+    return _write(job, directory, manifest, dst, overwrite, progress, collective)
+
+
+def _check_workers(workers: int, collective: bool) -> None:
+    if workers < 1:
+        raise CheckpointError(f"workers must be positive, got {workers}")
+    if workers > 1 and collective:
+        raise CheckpointError("workers > 1 and collective=True exclude each other")
+    if collective and not collectives.is_distributed():
+        raise CheckpointError("collective=True needs an initialized default process group")
+
+
+def _fetch(reader: PieceReader, grouped: Mapping[tuple[str, str], list[Piece]], put: _Put):
+    return reader.gather(grouped[put.entry.name, put.key], put.entry, put.region)
+
+
+def _write(
+    job: _Job,
+    directory: Path,
+    manifest: Manifest,
+    dst: str | os.PathLike[str],
+    overwrite: bool,
+    progress: Progress | None,
+    collective: bool,
+) -> Path:
+    if collective:
+        _write_collectively(job, directory, manifest, Path(dst), overwrite, progress)
+        return Path(dst)
+    meter = _Meter(job.total, progress)
+    grouped = manifest.pieces_of()
+    by_file: dict[str, dict[str, _Put]] = {file: {} for file in job.files}
+    for put in job.puts:
+        by_file[put.file][put.tkey] = put
+    records: dict[tuple[str, str], storage.TensorRecord] = {}
+    with storage.staged(dst, overwrite) as staging, PieceReader(directory, manifest) as reader:
+        for file, puts in by_file.items():
+            specs = {tkey: (p.entry.dtype, p.shape) for tkey, p in puts.items()}
+            with storage.SafetensorsWriter(staging / file, specs, job.files[file]) as out:
+                for tkey, value in prefetched(
+                    out.pending, lambda k, puts=puts: _fetch(reader, grouped, puts[k])
+                ):
+                    out.write(tkey, value)
+                    del value
+                    meter.tick(puts[tkey].nbytes)
+                records.update(((file, tkey), r) for tkey, r in out.commit().items())
+        _finish(job, staging, records)
     return Path(dst)
+
+
+def _finish(
+    job: _Job, staging: Path, records: Mapping[tuple[str, str], storage.TensorRecord]
+) -> None:
+    """The extra text files and the manifest, written last."""
+    pieces = [
+        piece_for(p.file, records[p.file, p.tkey], p.entry.name, p.key, p.region) for p in job.puts
+    ]
+    files = [FileEntry(file, storage.file_size(staging / file)) for file in job.files]
+    for name, text in job.texts.items():
+        storage.write_text_atomic(staging / name, text)
+    manifest = replace(job.manifest, files=tuple(files), pieces=tuple(pieces))
+    storage.write_text_atomic(staging / MANIFEST_NAME, manifest.to_json())
+
+
+def _shared_files(job: _Job, staging: Path) -> dict[str, storage.SharedSafetensorsFile]:
+    return {
+        file: storage.SharedSafetensorsFile(staging / file, job.specs(file), metadata)
+        for file, metadata in job.files.items()
+    }
+
+
+def _write_collectively(
+    job: _Job,
+    directory: Path,
+    manifest: Manifest,
+    dst: Path,
+    overwrite: bool,
+    progress: Progress | None,
+) -> None:
+    """Each rank writes its share of the planned tensors; rank 0 commits (a collective)."""
+    ranks = collectives.group_ranks(None)
+    me, root = collectives.global_rank(), ranks[0]
+    staging: Any = None
+    if me == root:
+        staging = collectives.as_outcome(lambda: str(_create(job, dst, overwrite)))
+    staging = Path(collectives.agree_or_raise(staging, ranks, root))
+    try:
+        outputs = _shared_files(job, staging)
+        units = [
+            WorkUnit(p.file, p.tkey, outputs[p.file].record(p.tkey).offset, p.nbytes)
+            for p in job.puts
+        ]
+        share = split_work(units, len(ranks))[ranks.index(me)]
+        shown = None
+        if me == root and progress is not None:
+            shown = _scaled(progress, job.total)
+        report = collectives.as_outcome(
+            lambda: _write_share(job, share, outputs, directory, manifest, shown)
+        )
+        reports = collectives.gather_json(report, ranks, root)
+        outcome = None
+        if me == root:
+            outcome = collectives.as_outcome(lambda: _commit(job, outputs, staging, dst, reports))
+        collectives.agree_or_raise(outcome, ranks, root)
+    except BaseException:
+        if me == root:
+            storage.discard(staging)
+        raise
+
+
+def _create(job: _Job, dst: Path, overwrite: bool) -> Path:
+    """(rank 0) The staging directory, with every output file's header and full length."""
+    staging = storage.make_staging(dst, overwrite)
+    try:
+        for output in _shared_files(job, staging).values():
+            output.create()
+    except BaseException:
+        storage.discard(staging)
+        raise
+    return staging
+
+
+def _scaled(progress: Progress, total: int) -> Progress:
+    """Rank 0's progress through its own share, shown as a fraction of the whole job."""
+    return lambda done, share: progress(done * total // share if share else total, total)
+
+
+def _write_share(
+    job: _Job,
+    share: list[WorkUnit],
+    outputs: Mapping[str, storage.SharedSafetensorsFile],
+    directory: Path,
+    manifest: Manifest,
+    progress: Progress | None,
+) -> dict[str, Any]:
+    """Write this rank's units; return each one's (file, key, checksums) for the manifest."""
+    puts = {(p.file, p.tkey): p for p in job.puts}
+    grouped = manifest.pieces_of()
+    meter = _Meter(sum(u.nbytes for u in share), progress)
+    written = []
+    with ExitStack() as stack, PieceReader(directory, manifest) as reader:
+        for output in outputs.values():
+            stack.callback(output.close)
+        for unit, value in prefetched(
+            share, lambda u: _fetch(reader, grouped, puts[u.file, u.key])
+        ):
+            record = outputs[unit.file].write(unit.key, value)
+            del value
+            written.append([unit.file, unit.key, list(record.checksums)])
+            meter.tick(unit.nbytes)
+    return {"written": written}
+
+
+def _commit(
+    job: _Job,
+    outputs: Mapping[str, storage.SharedSafetensorsFile],
+    staging: Path,
+    dst: Path,
+    reports: list[dict[str, Any]],
+) -> str | dict[str, str]:
+    """(rank 0) fsync and name the files, write the manifest, swap the directory in."""
+    errors = [r["error"] for r in reports if "error" in r]
+    if errors:
+        return {"error": "; ".join(errors)}
+    checksums = {(file, key): sums for r in reports for file, key, sums in r["written"]}
+    for output in outputs.values():
+        output.commit()
+    records = {
+        (p.file, p.tkey): outputs[p.file].record(p.tkey, checksums[p.file, p.tkey])
+        for p in job.puts
+    }
+    _finish(job, staging, records)
+    storage.fsync_dir(staging)
+    replaced = storage.swap_in(staging, dst)
+    if replaced is not None:
+        storage.retire(replaced)
+    return "committed"
+
+
+def _spawn(
+    operation: Callable[..., Path],
+    workers: int,
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    options: dict[str, Any],
+    progress: Progress | None,
+) -> Path:
+    """Run ``operation(src, dst, **options, collective=True)`` in ``workers`` gloo processes;
+    rank 0's progress comes back through a queue."""
+    queue = mp.get_context("forkserver").Queue() if progress is not None else None
+    relay = threading.Thread(target=_relay, args=(queue, progress), daemon=True)
+    if queue is not None:
+        relay.start()
+    try:
+        results = run_distributed(
+            _worker, workers, operation, str(src), str(dst), options, queue, timeout=WORKER_TIMEOUT
+        )
+    finally:
+        if queue is not None:
+            queue.put(None)
+            relay.join()
+    errors = [r["error"] for r in results if "error" in r]
+    if errors:
+        raise CheckpointError(errors[0])
+    return Path(dst)
+
+
+def _relay(queue: Any, progress: Progress) -> None:
+    while (update := queue.get()) is not None:
+        progress(*update)
+
+
+def _worker(
+    operation: Callable[..., Path], src: str, dst: str, options: dict[str, Any], queue: Any
+) -> dict[str, str]:
+    """(one of the ``workers`` processes) Its part of the collective operation."""
+    progress = None if queue is None else lambda done, total: queue.put((done, total))
+    try:
+        operation(src, dst, **options, progress=progress, collective=True)
+    except MuonCkptError as exc:
+        return {"error": str(exc)}
+    return {}
 
 
 def summarize(src: str | os.PathLike[str]) -> dict[str, Any]:
