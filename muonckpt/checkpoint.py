@@ -48,7 +48,6 @@ from .manifest import (
     piece_from_json,
 )
 from .optim import Muon
-from .regions import copy_runs_
 
 CONSOLIDATED_FILE = "optimizer.safetensors"
 INDEX_FILE = "optimizer.safetensors.index.json"
@@ -501,22 +500,28 @@ class PieceReader:
     def read_into(
         self, local: torch.Tensor, piece: Piece, runs: list[Run], entry: ParamEntry
     ) -> None:
-        """Copy ``runs`` of ``piece`` into flat ``local``, reading only the span they touch."""
+        """Read ``runs`` of ``piece`` straight into flat ``local``: one verified scatter read.
+
+        The kernel copies file bytes to their final places (rows of a TP block included); only
+        the bytes that checksum verification needs but ``local`` does not land in one scratch
+        buffer, reused across pieces.
+        """
         record = self.check_header(piece, entry)
-        lo = min(r.src for r in runs)
-        hi = max(r.src + r.length for r in runs)
-        # Reads reuse one scratch buffer (at most a piece): no allocator churn per piece.
         if self._scratch.numel() < record.nbytes:
             self._scratch = torch.empty(record.nbytes, dtype=torch.uint8)
-        data = self.reader(piece.file).read(
+        size = local.element_size()
+        out = storage.byte_view(local)
+        placements = [
+            (r.src * size, out[r.dst * size : (r.dst + r.length) * size])
+            for r in sorted(runs, key=lambda r: r.src)
+        ]
+        self.reader(piece.file).read_into(
             piece.tensor,
-            lo,
-            hi,
+            placements,
             checksums=piece.checksums,
             chunk_bytes=piece.chunk_bytes,
             scratch=self._scratch,
         )
-        copy_runs_(local, data, [Run(r.src - lo, r.dst, r.length) for r in runs])
 
     def gather(self, pieces: Sequence[Piece], entry: ParamEntry, target: Region) -> torch.Tensor:
         """The elements of ``target`` (in its own order), read from the pieces overlapping it."""

@@ -371,32 +371,9 @@ class SafetensorsReader:
             if begin < prev_end:
                 raise self._fail(f"tensors {prev_key!r} and {key!r} overlap")
 
-    def _pread_into(
-        self, buf: torch.Tensor, offset: int, what: str, key: str | None = None
-    ) -> None:
-        view = memoryview(buf.numpy())
-        done, total = 0, len(view)
-        fd = self._check_open()
-        while done < total:
-            try:
-                if hasattr(os, "preadv"):
-                    got = os.preadv(fd, [view[done:]], offset + done)
-                else:  # pragma: no cover - platforms without preadv
-                    got = len(data := os.pread(fd, total - done, offset + done))
-                    view[done : done + got] = data
-            except OSError as e:
-                raise self._fail(f"cannot read {what}: {e}", key) from e
-            if got == 0:
-                raise self._fail(
-                    f"file truncated: {what} needs bytes [{offset}, {offset + total}), read "
-                    f"stopped at {offset + done}",
-                    key,
-                )
-            done += got
-
     def _pread(self, offset: int, n: int, what: str) -> bytes:
         buf = torch.empty(n, dtype=torch.uint8)
-        self._pread_into(buf, offset, what)
+        self._preadv_all([byte_view(buf)], offset, what, None)
         return buf.numpy().tobytes()
 
     def _check_open(self) -> int:
@@ -430,27 +407,63 @@ class SafetensorsReader:
     ) -> torch.Tensor:
         """Flat elements ``[start, stop)`` of tensor ``key``, as a 1-D tensor of its dtype.
 
-        Reads exactly those bytes. With ``checksums`` (the writer's, per ``chunk_bytes`` chunk
-        of the tensor's data) it reads the whole chunks covering the range instead and raises
-        :class:`CheckpointError` if any of them differs. With ``scratch`` (a 1-D uint8 tensor
-        large enough) the bytes land there and the result is a view of it, valid until the
-        next read into the same scratch: repeated reads then allocate nothing.
+        Checksum arguments as in :meth:`read_into`. With ``scratch`` (a 1-D uint8 tensor large
+        enough) the bytes land there and the result is a view of it, valid until the next read
+        into the same scratch: repeated reads then allocate nothing.
         """
         rec = self.record(key)
-        dtype = _DTYPES[rec.dtype]
+        stop = rec.numel if stop is None else stop
+        if not (_is_int(start) and _is_int(stop) and 0 <= start <= stop <= rec.numel):
+            raise self._fail(f"element range [{start}, {stop}) outside [0, {rec.numel})", key)
         itemsize = _ITEMSIZE[rec.dtype]
-        numel = rec.numel
-        stop = numel if stop is None else stop
-        if not (_is_int(start) and _is_int(stop) and 0 <= start <= stop <= numel):
-            raise self._fail(f"element range [{start}, {stop}) outside [0, {numel})", key)
-        lo, hi = start * itemsize, stop * itemsize
+        nbytes = (stop - start) * itemsize
+        buf = _buffer(nbytes, scratch)
+        spare = None
+        if scratch is not None and checksums is not None:
+            spare = scratch[nbytes:]  # room for the rest of the checksum chunks
+        self.read_into(
+            key,
+            [(start * itemsize, byte_view(buf))],
+            checksums=checksums,
+            chunk_bytes=chunk_bytes,
+            scratch=spare,
+        )
+        return buf.view(_DTYPES[rec.dtype])
 
+    def read_into(
+        self,
+        key: str,
+        placements: Sequence[tuple[int, memoryview]],
+        *,
+        checksums: Sequence[str] | None = None,
+        chunk_bytes: int = CHUNK_BYTES,
+        scratch: torch.Tensor | None = None,
+    ) -> None:
+        """Read bytes of tensor ``key`` straight into caller buffers, in one scatter read.
+
+        Each ``(offset, view)`` receives bytes ``[offset, offset + len(view))`` of the tensor's
+        data; placements must be sorted by offset and must not overlap. With ``checksums``
+        (the writer's, per ``chunk_bytes`` chunk of the tensor's data) the whole chunks
+        covering the placements are read, the bytes between and around them into ``scratch``
+        (or a fresh buffer), and every chunk is verified: a mismatch raises
+        :class:`CheckpointError` (the views then hold unverified bytes and must be dropped).
+        """
+        rec = self.record(key)
+        cursor = 0
+        for offset, view in placements:
+            if not (_is_int(offset) and cursor <= offset and offset + len(view) <= rec.nbytes):
+                raise self._fail(
+                    f"byte placements must be sorted, disjoint and within [0, {rec.nbytes})", key
+                )
+            cursor = offset + len(view)
+        wanted = [(offset, view) for offset, view in placements if len(view)]
+        if not wanted:
+            return
+        lo, hi = wanted[0][0], wanted[-1][0] + len(wanted[-1][1])
         if checksums is None:
-            buf = _buffer(hi - lo, scratch)
-            if hi > lo:
-                self._pread_into(buf, rec.offset + lo, f"elements [{start}, {stop})", key)
-            return buf.view(dtype)
-
+            segments = _fill_gaps(wanted, lo, hi, scratch)
+            self._preadv_all(segments, rec.offset + lo, f"bytes [{lo}, {hi})", key)
+            return
         if chunk_bytes <= 0:
             raise self._fail(f"chunk_bytes must be positive, got {chunk_bytes}", key)
         expected = -(-rec.nbytes // chunk_bytes)
@@ -460,13 +473,11 @@ class SafetensorsReader:
                 f"chunks need {expected}",
                 key,
             )
-        if hi == lo:
-            return torch.empty(0, dtype=dtype)
         first, last = lo // chunk_bytes, -(-hi // chunk_bytes)
         c_lo, c_hi = first * chunk_bytes, min(last * chunk_bytes, rec.nbytes)
-        buf = _buffer(c_hi - c_lo, scratch)
-        self._pread_into(buf, rec.offset + c_lo, f"checksum chunks [{first}, {last})", key)
-        actual = checksum_chunks(buf, chunk_bytes)
+        segments = _fill_gaps(wanted, c_lo, c_hi, scratch)
+        self._preadv_all(segments, rec.offset + c_lo, f"checksum chunks [{first}, {last})", key)
+        actual = _segment_digests(segments, chunk_bytes)
         for i, (got, want) in enumerate(
             zip(actual, checksums[first:last], strict=True), start=first
         ):
@@ -477,11 +488,33 @@ class SafetensorsReader:
                     f"{CHECKSUM_ALGORITHM} {got}, expected {want}",
                     key,
                 )
-        if (lo, hi) != (c_lo, c_hi):
-            buf = buf[lo - c_lo : hi - c_lo]
-            if scratch is None:
-                buf = buf.clone()
-        return buf.view(dtype)
+
+    def _preadv_all(
+        self, segments: list[memoryview], offset: int, what: str, key: str | None
+    ) -> None:
+        """Fill ``segments`` in order from consecutive bytes at ``offset`` (short reads retried)."""
+        fd = self._check_open()
+        pending = list(segments)
+        position = offset
+        while pending:
+            batch = pending[:_IOV_MAX]
+            try:
+                got = _preadv(fd, batch, position)
+            except OSError as e:
+                raise self._fail(f"cannot read {what}: {e}", key) from e
+            if got == 0:
+                raise self._fail(
+                    f"file truncated: {what} needs bytes up to {offset + _total(segments)}, "
+                    f"read stopped at {position}",
+                    key,
+                )
+            position += got
+            while got and pending:
+                if got >= len(pending[0]):
+                    got -= len(pending.pop(0))
+                else:
+                    pending[0] = pending[0][got:]
+                    got = 0
 
     def read_tensor(
         self, key: str, *, checksums: Sequence[str] | None = None, chunk_bytes: int = CHUNK_BYTES
@@ -509,6 +542,79 @@ class SafetensorsReader:
 
     def __repr__(self) -> str:
         return f"SafetensorsReader({str(self.path)!r}, {len(self._records)} tensors)"
+
+
+_IOV_MAX = 1024
+"""Buffers per preadv call (Linux's IOV_MAX)."""
+
+
+def byte_view(tensor: torch.Tensor) -> memoryview:
+    """A writable byte view of a contiguous CPU tensor's data."""
+    return memoryview(tensor.view(torch.uint8).numpy()).cast("B")
+
+
+def _preadv(fd: int, views: list[memoryview], position: int) -> int:
+    """``os.preadv``, or a plain pread into the first view where the platform lacks it."""
+    if hasattr(os, "preadv"):
+        return os.preadv(fd, views, position)
+    data = os.pread(fd, len(views[0]), position)  # pragma: no cover - e.g. Windows
+    views[0][: len(data)] = data
+    return len(data)
+
+
+def _total(segments: Sequence[memoryview]) -> int:
+    return sum(len(v) for v in segments)
+
+
+def _fill_gaps(
+    placements: Sequence[tuple[int, memoryview]], lo: int, hi: int, scratch: torch.Tensor | None
+) -> list[memoryview]:
+    """The views covering bytes ``[lo, hi)`` in order: placements, and scratch for the gaps."""
+    gaps, cursor = [], lo
+    for offset, view in placements:
+        if offset > cursor:
+            gaps.append((cursor, offset))
+        cursor = offset + len(view)
+    if hi > cursor:
+        gaps.append((cursor, hi))
+    spare = byte_view(_buffer(sum(b - a for a, b in gaps), scratch))
+    filler = {}
+    used = 0
+    for a, b in gaps:
+        filler[a] = spare[used : used + b - a]
+        used += b - a
+    segments, cursor = [], lo
+    for offset, view in placements:
+        if offset > cursor:
+            segments.append(filler[cursor])
+        segments.append(view)
+        cursor = offset + len(view)
+    if hi > cursor:
+        segments.append(filler[cursor])
+    return segments
+
+
+def _segment_digests(segments: Sequence[memoryview], chunk_bytes: int) -> list[str]:
+    """Checksums of consecutive ``chunk_bytes`` chunks of the segments' concatenation."""
+    digests, hasher, filled = [], xxhash.xxh3_64(), 0
+    for segment in segments:
+        position = 0
+        while position < len(segment):
+            take = min(chunk_bytes - filled, len(segment) - position)
+            part = segment[position : position + take]
+            if filled == 0 and take == chunk_bytes:
+                digests.append(xxhash.xxh3_64_hexdigest(part))
+            else:
+                hasher.update(part)
+                filled += take
+                if filled == chunk_bytes:
+                    digests.append(hasher.hexdigest())
+                    hasher.reset()
+                    filled = 0
+            position += take
+    if filled:
+        digests.append(hasher.hexdigest())
+    return digests
 
 
 def _buffer(nbytes: int, scratch: torch.Tensor | None) -> torch.Tensor:

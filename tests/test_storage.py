@@ -462,3 +462,57 @@ def test_swap_in_failure_keeps_old(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="ckpt"):
         swap_in(tmp_path / "missing", final)
     assert read_text(final / "manifest.json") == "old"
+
+
+@st.composite
+def _placements(draw: st.DrawFn) -> tuple[int, int, list[tuple[int, int]]]:
+    nbytes = draw(st.integers(1, 400))
+    chunk = draw(st.integers(1, 64))
+    cuts = sorted(draw(st.lists(st.integers(0, nbytes), min_size=2, max_size=12)))
+    spans = [(a, b) for a, b in zip(cuts[::2], cuts[1::2]) if draw(st.booleans()) or a == b]
+    return nbytes, chunk, spans
+
+
+@settings(max_examples=150, deadline=None)
+@given(_placements(), st.booleans())
+def test_read_into_scatters_and_verifies(case, corrupt) -> None:
+    nbytes, chunk, spans = case
+    data = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "t.safetensors"
+        rec = write_safetensors(path, {"t": data}, chunk_bytes=chunk)["t"]
+        wanted = [(a, b) for a, b in spans if b > a]
+        if corrupt and wanted:
+            # Flip a byte inside the chunks the read covers: the read must refuse it.
+            lo, hi = wanted[0][0], wanted[-1][1]
+            victim = (lo // chunk * chunk + min(hi, nbytes - 1)) // 2
+            raw = bytearray(path.read_bytes())
+            raw[rec.offset + victim] ^= 0xFF
+            path.write_bytes(bytes(raw))
+        outs = [torch.zeros(b - a, dtype=torch.uint8) for a, b in spans]
+        placements = [(a, memoryview(o.numpy())) for (a, _), o in zip(spans, outs)]
+        with SafetensorsReader(path) as r:
+            if corrupt and wanted:
+                with pytest.raises(CheckpointError, match="checksum mismatch"):
+                    r.read_into("t", placements, checksums=rec.checksums, chunk_bytes=chunk)
+                return
+            r.read_into("t", placements, checksums=rec.checksums, chunk_bytes=chunk)
+            for (a, b), out in zip(spans, outs):
+                assert torch.equal(out, data[a:b])
+            r.read_into("t", placements)  # unverified: the same bytes
+            for (a, b), out in zip(spans, outs):
+                assert torch.equal(out, data[a:b])
+
+
+def test_read_into_more_placements_than_one_preadv_takes(tmp_path: Path) -> None:
+    data = torch.arange(5000, dtype=torch.int16)  # 10000 bytes
+    rec = write_safetensors(tmp_path / "t.safetensors", {"t": data}, chunk_bytes=512)["t"]
+    out = torch.zeros(2500, dtype=torch.int16)
+    view = memoryview(out.numpy()).cast("B")
+    # Every other element, 2500 placements: more than one preadv call's 1024 buffers.
+    placements = [(4 * i, view[2 * i : 2 * i + 2]) for i in range(2500)]
+    with SafetensorsReader(tmp_path / "t.safetensors") as r:
+        r.read_into("t", placements, checksums=rec.checksums, chunk_bytes=512)
+        with pytest.raises(CheckpointError, match="sorted, disjoint"):
+            r.read_into("t", placements[::-1])
+    assert torch.equal(out, data[::2])
