@@ -1,0 +1,163 @@
+"""consolidate / reshard shared by several processes: --workers N (local gloo) and torchrun.
+
+Real multi-process runs against the single-process output of the same command: every file,
+the manifest included, must be byte for byte the same.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from resume_cases import build, initial_params, train
+from typer.testing import CliRunner
+
+import muonckpt
+from muonckpt import offline
+from muonckpt.checkpoint import CONSOLIDATED_FILE, rank_file
+from muonckpt.cli import app
+from muonckpt.storage import SafetensorsReader
+
+RESHARD = {"dp": 2, "tp": 2, "tp_split_dims": {"w_in": 0}, "bucket_numel": 150}
+RESHARD_ARGS = ["--dp", "2", "--tp", "2", "--tp-split", "w_in=0", "--bucket-numel", "150"]
+
+
+@pytest.fixture(autouse=True)
+def _bounded(monkeypatch):
+    monkeypatch.setattr(offline, "WORKER_TIMEOUT", 60.0)
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    """A single-process checkpoint of the tiny model, and the serial outputs to compare with."""
+    tmp = tmp_path_factory.mktemp("workers")
+    opt, sharded, dp_rank, tp_rank = build(1, 1, initial_params())
+    train(opt, sharded, dp_rank, tp_rank, 0, 2)
+    muonckpt.save(opt, tmp / "src")
+    return {
+        "src": tmp / "src",
+        "consolidated": offline.consolidate(tmp / "src", tmp / "c"),
+        "sharded": offline.consolidate(tmp / "src", tmp / "s", max_shard_size=800),
+        "resharded": offline.reshard(tmp / "src", tmp / "r", **RESHARD),
+    }
+
+
+def assert_same_files(expected, actual):
+    names = sorted(p.name for p in expected.iterdir())
+    assert sorted(p.name for p in actual.iterdir()) == names
+    for name in names:
+        assert (actual / name).read_bytes() == (expected / name).read_bytes(), name
+
+
+def assert_nothing_left(parent, name):
+    assert not (parent / name).exists()
+    assert [p.name for p in parent.iterdir() if p.name.startswith(f".{name}.")] == []
+
+
+@pytest.mark.parametrize("workers", [2, 3])
+def test_consolidate_with_workers_is_byte_identical(single, tmp_path, workers):
+    calls = []
+    out = offline.consolidate(
+        single["src"],
+        tmp_path / "c",
+        workers=workers,
+        progress=lambda done, total: calls.append((done, total)),
+    )
+    assert_same_files(single["consolidated"], out)
+    assert muonckpt.verify(out) == []
+    with SafetensorsReader(out / CONSOLIDATED_FILE) as reader:
+        total = sum(reader.record(k).nbytes for k in reader.keys())  # noqa: SIM118 - keys() is a method
+    assert calls[0] == (0, total) and calls[-1] == (total, total)
+    sharded = offline.consolidate(
+        single["src"], tmp_path / "s", max_shard_size=800, workers=workers
+    )
+    assert len(muonckpt.read_manifest(sharded).files) > 1
+    assert_same_files(single["sharded"], sharded)
+
+
+@pytest.mark.parametrize("workers", [2, 3])
+def test_reshard_with_workers_is_byte_identical_and_loads(single, tmp_path, workers):
+    out = offline.reshard(single["src"], tmp_path / "r", workers=workers, **RESHARD)
+    assert_same_files(single["resharded"], out)
+    assert muonckpt.verify(out) == []
+    assert muonckpt.read_manifest(out).topology == {"dp": 2, "tp": 2}
+    opt, *_ = build(1, 1, initial_params())
+    muonckpt.load(opt, out)
+    reference, *_ = build(1, 1, initial_params())
+    muonckpt.load(reference, single["src"])
+    for p, q in zip(opt.param_groups[0]["params"], reference.param_groups[0]["params"]):
+        for key, value in reference.state[q].items():
+            assert torch.equal(opt.state[p][key], value), key
+
+
+def test_an_error_on_one_worker_fails_the_whole_run(single, tmp_path):
+    damaged = shutil.copytree(single["src"], tmp_path / "damaged")
+    data = damaged / rank_file(0, 1)
+    raw = bytearray(data.read_bytes())
+    raw[-5] ^= 0xFF  # in one tensor's data, which only one of the workers reads
+    data.write_bytes(bytes(raw))
+    with pytest.raises(muonckpt.CheckpointError, match="checksum mismatch") as caught:
+        offline.consolidate(damaged, tmp_path / "c", workers=2)
+    assert rank_file(0, 1) in str(caught.value)
+    assert_nothing_left(tmp_path, "c")
+    with pytest.raises(muonckpt.CheckpointError, match="checksum mismatch"):
+        offline.reshard(damaged, tmp_path / "r", workers=3, **RESHARD)
+    assert_nothing_left(tmp_path, "r")
+
+    with pytest.raises(muonckpt.CheckpointError, match="already exists"):
+        offline.consolidate(single["src"], single["consolidated"], workers=2)
+    with pytest.raises(muonckpt.CheckpointError, match="exclude each other"):
+        offline.consolidate(single["src"], tmp_path / "x", workers=2, collective=True)
+    with pytest.raises(muonckpt.CheckpointError, match="process group"):
+        offline.reshard(single["src"], tmp_path / "x", collective=True, **RESHARD)
+    assert_nothing_left(tmp_path, "x")
+
+
+def test_cli_workers_and_its_clash_with_torchrun(single, tmp_path, monkeypatch):
+    runner = CliRunner()
+    out = tmp_path / "r"
+    args = ["reshard", str(single["src"]), *RESHARD_ARGS, "-o", str(out), "--workers", "2"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert "wrote" in result.stderr
+    assert_same_files(single["resharded"], out)
+    torchrun = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "x", "MASTER_PORT": "1"}
+    for name, value in torchrun.items():
+        monkeypatch.setenv(name, value)
+    result = runner.invoke(app, [*args[:-3], str(tmp_path / "t"), "--workers", "2"])
+    assert result.exit_code == 2, result.output
+    assert "torchrun" in result.output
+    assert_nothing_left(tmp_path, "t")
+
+
+def test_torchrun_ranks_share_the_work(single, tmp_path):
+    out = tmp_path / "r"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "muonckpt.cli",
+            "reshard",
+            str(single["src"]),
+            *RESHARD_ARGS,
+            "-o",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**env, "OMP_NUM_THREADS": "1"},
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.count("wrote ") == 1, done.stderr
+    assert_same_files(single["resharded"], out)
