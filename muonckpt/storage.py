@@ -942,10 +942,11 @@ class SharedSafetensorsFile:
 
     Every process builds the same instance from the same ``specs`` and ``metadata`` (the header,
     and so every tensor's offset, is planned up front as :class:`SafetensorsWriter` plans it,
-    giving byte-identical files). One process calls :meth:`create` before any write; then any
-    process may :meth:`write` any tensors (each exactly once, in any order, with ``os.pwrite``
-    into the shared temporary file ``.NAME.part``) and :meth:`close` when done; after all of
-    them, one process calls :meth:`commit`. OSErrors surface as :class:`CheckpointError`.
+    giving byte-identical files; checksums per :data:`CHUNK_BYTES`). One process calls
+    :meth:`create` before any write; then any process may :meth:`write` any tensors (each
+    exactly once, in any order, with ``os.pwrite`` into the shared temporary file
+    ``.NAME.part``) and :meth:`close` when done; after all of them, one process calls
+    :meth:`commit`. OSErrors surface as :class:`CheckpointError`.
     """
 
     def __init__(
@@ -953,11 +954,9 @@ class SharedSafetensorsFile:
         path: str | os.PathLike[str],
         specs: Mapping[str, tuple[str, Sequence[int]]],
         metadata: Mapping[str, str] | None = None,
-        *,
-        chunk_bytes: int = CHUNK_BYTES,
     ) -> None:
         self.path = Path(path)
-        self.chunk_bytes = chunk_bytes
+        self.chunk_bytes = CHUNK_BYTES
         self._header, self._plan = _plan_header(self.path, specs, metadata)
         self._data_start = 8 + len(self._header)
         self.size = self._data_start + sum(nbytes for *_, nbytes in self._plan.values())

@@ -20,7 +20,7 @@ import muonckpt
 from muonckpt import offline
 from muonckpt.checkpoint import CONSOLIDATED_FILE, rank_file
 from muonckpt.cli import app
-from muonckpt.storage import SafetensorsReader
+from muonckpt.storage import SafetensorsReader, SafetensorsWriter, SharedSafetensorsFile
 
 RESHARD = {"dp": 2, "tp": 2, "tp_split_dims": {"w_in": 0}, "bucket_numel": 150}
 RESHARD_ARGS = ["--dp", "2", "--tp", "2", "--tp-split", "w_in=0", "--bucket-numel", "150"]
@@ -56,6 +56,31 @@ def assert_same_files(expected, actual):
 def assert_nothing_left(parent, name):
     assert not (parent / name).exists()
     assert [p.name for p in parent.iterdir() if p.name.startswith(f".{name}.")] == []
+
+
+def test_shared_file_written_out_of_order_equals_the_streamed_one(tmp_path):
+    tensors = {"b": torch.arange(6.0).view(2, 3), "a": torch.arange(4), "z": torch.empty(0)}
+    specs = {
+        k: (("F32", "I64", "F32")[i], tuple(v.shape)) for i, (k, v) in enumerate(tensors.items())
+    }
+    with SafetensorsWriter(tmp_path / "s.safetensors", specs, {"k": "v"}) as out:
+        for key in out.pending:
+            out.write(key, tensors[key])
+        streamed = out.commit()
+    first = SharedSafetensorsFile(tmp_path / "p.safetensors", specs, {"k": "v"})
+    second = SharedSafetensorsFile(tmp_path / "p.safetensors", specs, {"k": "v"})
+    first.create()
+    records = {"b": first.write("b", tensors["b"]), "z": first.write("z", tensors["z"])}
+    records["a"] = second.write("a", tensors["a"].view(2, 2))
+    with pytest.raises(muonckpt.CheckpointError, match="declared I64"):
+        second.write("a", torch.zeros(4))
+    first.close()
+    second.close()
+    assert not (tmp_path / "p.safetensors").exists()
+    first.commit()
+    assert records == streamed
+    assert (tmp_path / "p.safetensors").read_bytes() == (tmp_path / "s.safetensors").read_bytes()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["p.safetensors", "s.safetensors"]
 
 
 @pytest.mark.parametrize("workers", [2, 3])
