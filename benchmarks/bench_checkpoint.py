@@ -1,10 +1,39 @@
-"""Benchmark muonckpt.save / muonckpt.load against safetensors on a synthetic Muon state.
+"""Benchmark per-rank save and load with reshard: muonckpt against the alternatives.
 
-Per-rank save at dp x tp versus ``safetensors.torch.save_file`` of the same local tensors on
-the same rank, and load with reshard into another dp x tp with each rank's peak RSS. The state
-is transformer-shaped fp32 (qkv/proj/up/down matrices in Muon groups, norms and embeddings in
-AdamW groups) and filled with random values instead of training (bf16 Newton-Schulz is slow on
-CPUs), which changes nothing for I/O.
+The synthetic state (``synthetic.py``) is sharded at dp x tp (default 2 x 2) in gloo
+processes. Every rank saves its share with each tool below, each into a fresh directory per
+round (the previous round's output is deleted outside the timing), after one warm-up round
+and interleaved round by round, because on a VM the first writes into fresh page cache run
+several times slower than later ones and runs vary:
+
+``safetensors save_file + fsync`` (the baseline)
+    ``safetensors.torch.save_file`` of the rank's local state tensors, then fsync.
+``torch.save + fsync (naive)``
+    ``torch.save`` of the same tensors plus their regions and full shapes, then fsync.
+``DCP dcp.save (HF safetensors, fsyncs)``
+    ``torch.distributed.checkpoint.save`` with ``HuggingFaceStorageWriter(save_distributed=
+    True)``; it fsyncs every file itself. Its input is DTensor blocks of the same tensors
+    (``synthetic.dtensor_state``: DCP cannot express ZeRO-1's flat slices).
+``muonckpt.save, new directory`` / ``..., no checksums``
+    ``muonckpt.save(opt, new_dir)``; the second with checksumming stubbed out, which shows
+    what checksums cost.
+``muonckpt.save, overwrite``
+    ``muonckpt.save(opt, same_dir, overwrite=True)`` over the previous checkpoint, which it
+    deletes after the atomic swap.
+
+A save's job time is its slowest rank's time. Then the checkpoint is loaded into another
+topology (default 4 x 1), again warm-up plus interleaved rounds, each by a fresh share:
+
+``muonckpt.load``
+    each rank reads only the pieces overlapping its share, verifying checksums.
+``naive torch.load + slice``
+    each rank ``torch.load``s every old rank's ``torch.save`` file, one at a time, and copies
+    what overlaps its share (checked equal to ``muonckpt.load``'s result).
+
+Rows show median and min job seconds over ``--repeats`` rounds, GB/s of the median (whole
+state / job time), the max over ranks and rounds (warm-up included) of a rank's peak RSS during
+the operation (VmHWM, reset just before; the rank also holds the state, and for saves a DTensor
+copy of it for DCP) and of its growth over its RSS before, and the ratio to save_file.
 
     python benchmarks/bench_checkpoint.py --size 1GB --dp 2 --tp 2 --to-dp 4 --to-tp 1
 """
@@ -13,173 +42,248 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
-import sys
+import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import safetensors.torch
 import torch
 import torch.distributed as dist
-from procstat import reset_peak_rss, status_bytes
+import torch.distributed.checkpoint as dcp
+from common import (
+    MiB,
+    fsync_path,
+    parse_size,
+    print_table,
+    reset_peak_rss,
+    status_bytes,
+    summary_row,
+)
+from synthetic import (
+    build_optimizer,
+    dtensor_state,
+    fill_state,
+    largest_tensor_bytes,
+    local_regions,
+    model_shapes,
+    naive_payload,
+    naive_share,
+    param_of,
+    state_bytes,
+)
+from torch.distributed.checkpoint import HuggingFaceStorageWriter
 
 import muonckpt
 from muonckpt import storage
-from muonckpt.collectives import grid_groups
 from muonckpt.launch import run_distributed
-from muonckpt.layout import Topology
-from muonckpt.storage import checksum_chunks
+
+SAVES = {
+    "save_file": "safetensors save_file + fsync",
+    "torch_save": "torch.save + fsync (naive)",
+    "dcp": "DCP dcp.save (HF safetensors, fsyncs)",
+    "muonckpt": "muonckpt.save, new directory",
+    "muonckpt_overwrite": "muonckpt.save, overwrite",
+    "muonckpt_no_checksums": "muonckpt.save, new directory, no checksums",
+}
+LOADS = {"muonckpt": "muonckpt.load", "naive": "naive torch.load + slice"}
 
 
-def parse_size(text: str) -> int:
-    units = {"KB": 1 << 10, "MB": 1 << 20, "GB": 1 << 30}
-    for suffix, scale in units.items():
-        if text.upper().endswith(suffix):
-            return int(float(text[: -len(suffix)]) * scale)
-    return int(text)
+def _rounds(variants: dict[str, Callable[[int], object]], repeats: int, reset=None) -> dict:
+    """Warm-up plus ``repeats`` interleaved rounds of every variant on every rank.
 
-
-def model_shapes(state_bytes: int, hidden: int = 1024) -> dict[str, tuple[tuple[int, ...], int]]:
-    """name -> (shape, tp_split_dim) for enough layers to make ``state_bytes`` of fp32 state."""
-    layer = {
-        "attn.qkv.weight": ((3 * hidden, hidden), 0),
-        "attn.proj.weight": ((hidden, hidden), 1),
-        "mlp.up.weight": ((4 * hidden, hidden), 0),
-        "mlp.down.weight": ((hidden, 4 * hidden), 1),
-        "norm1.weight": ((hidden,), -1),
-        "norm2.weight": ((hidden,), -1),
-    }
-    per_layer = sum(_numel(s) * (1 if s.__len__() == 2 else 2) for s, _ in layer.values()) * 4
-    layers = max(1, state_bytes // per_layer)
-    shapes = {"embed.weight": ((8 * hidden, hidden), 0)}
-    for i in range(layers):
-        shapes.update({f"layers.{i}.{k}": v for k, v in layer.items()})
-    return shapes
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    out = 1
-    for s in shape:
-        out *= s
+    ``variants[key](round)`` runs one operation; ``reset(key, round)`` runs before it, outside
+    the timing. Returns this rank's seconds per measured round and its RSS peaks and growths.
+    """
+    out: dict = {"seconds": {}, "peak_rss": {}, "rss_growth": {}}
+    for round_ in range(repeats + 1):
+        for key, run in variants.items():
+            if reset:
+                reset(key, round_)
+            dist.barrier()
+            before = reset_peak_rss()
+            start = time.perf_counter()
+            run(round_)
+            elapsed = time.perf_counter() - start
+            peak = status_bytes("VmHWM")
+            if round_:
+                out["seconds"].setdefault(key, []).append(elapsed)
+            out["peak_rss"][key] = max(out["peak_rss"].get(key, 0), peak)
+            out["rss_growth"][key] = max(out["rss_growth"].get(key, 0), peak - before)
     return out
 
 
-def _groups(shapes):
-    """Param values do not matter for I/O: untouched ``empty`` pages cost no memory."""
-    muon, adamw = [], []
-    for name, (shape, _) in shapes.items():
-        target = muon if len(shape) == 2 and not name.startswith("embed") else adamw
-        target.append((name, torch.empty(shape)))
-    return [{"params": muon, "use_muon": True}, {"params": adamw}]
-
-
-def _build(shapes, dp: int, tp: int):
-    dp_group, tp_group = grid_groups(dp, tp)
-    split = {n: d for n, (_, d) in shapes.items() if d >= 0}
-    sharded = muonckpt.shard_param_groups(
-        _groups(shapes),
-        Topology(dp, tp),
-        dist.get_rank(dp_group),
-        dist.get_rank(tp_group),
-        tp_split_dims=split,
-        bucket_numel=40_000_000,
-    )
-    opt = muonckpt.Muon(sharded.param_groups)
-    opt.enable_distributed_mode(sharded.global_buffer_sizes, dp_group, tp_group, sharded.dist_metas)
-    return opt
-
-
-def _fill_state(opt) -> dict[str, torch.Tensor]:
-    """Random state, as after some steps; returns the tensors a rank writes, by file key."""
-    gen = torch.Generator().manual_seed(dist.get_rank())
-    local = {}
-    for group in opt.param_groups:
-        group["step"] = 10
-        keys = ("momentum_buffer",) if group.get("use_muon") else ("exp_avg", "exp_avg_sq")
-        for name, p in zip(group["param_names"], group["params"], strict=True):
-            for key in keys:
-                value = torch.empty_like(p).uniform_(-1, 1, generator=gen)
-                opt.state[p][key] = value
-                local[f"state.{name}.{key}"] = value
-    return local
-
-
-def save_worker(shapes, dp: int, tp: int, workdir: str, repeats: int) -> dict[str, float]:
-    """Fastest of ``repeats`` rounds, after one warm-up round, of three saves each.
-
-    On the VM these numbers come from, the first writes into fresh page cache run several times
-    slower than later ones, so every variant is warmed up and measured in turn: a plain
-    ``save_file`` + fsync, ``muonckpt.save`` with checksums stubbed out, and ``muonckpt.save``.
-    The real ``muonckpt.save`` runs last, so the load benchmark reads a real checkpoint.
-    """
-    opt = _build(shapes, dp, tp)
-    local = _fill_state(opt)
+def save_worker(shapes, dp: int, tp: int, workdir: str, repeats: int) -> dict:
+    """One rank of the save benchmark; leaves the last round's muonckpt and torch.save output."""
+    opt = build_optimizer(shapes, dp, tp)
+    local = fill_state(opt)
+    naive = naive_payload(opt, local, shapes, tp)
+    dtensors = dtensor_state(shapes, dp, tp)
     rank = dist.get_rank()
-    nbytes = sum(t.numel() * t.element_size() for t in local.values())
-    plain = Path(workdir) / f"plain-{rank}.safetensors"
+    root = Path(workdir)
 
-    def save_file() -> None:
-        safetensors.torch.save_file(local, str(plain))
-        fd = os.open(plain, os.O_RDONLY)
-        os.fsync(fd)
-        os.close(fd)
+    def out(key: str, round_: int) -> Path:
+        return root / key / f"round-{round_}"
 
-    def save_bare() -> None:
+    def save_file(round_: int) -> None:
+        path = out("save_file", round_) / f"rank-{rank:05d}.safetensors"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        safetensors.torch.save_file(local, str(path))
+        fsync_path(path)
+
+    def torch_save(round_: int) -> None:
+        path = out("torch_save", round_) / f"rank-{rank:05d}.pt"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(naive, path)
+        fsync_path(path)
+
+    def dcp_save(round_: int) -> None:
+        writer = HuggingFaceStorageWriter(str(out("dcp", round_)), save_distributed=True)
+        dcp.save(dtensors, storage_writer=writer)
+
+    def no_checksums(round_: int) -> None:
         real = storage.checksum_chunks
         storage.checksum_chunks = lambda data, chunk_bytes=storage.CHUNK_BYTES: ()
         try:
-            muonckpt.save(opt, Path(workdir) / "ckpt", overwrite=True)
+            muonckpt.save(opt, out("muonckpt_no_checksums", round_))
         finally:
             storage.checksum_chunks = real
 
-    def save_ours() -> None:
-        muonckpt.save(opt, Path(workdir) / "ckpt", overwrite=True)
+    def drop_previous(key: str, round_: int) -> None:
+        if rank == 0 and round_:
+            shutil.rmtree(out(key, round_ - 1), ignore_errors=True)
 
     variants = {
-        "safetensors_s": save_file,
-        "muonckpt_no_checksum_s": save_bare,
-        "muonckpt_s": save_ours,
+        "save_file": save_file,
+        "torch_save": torch_save,
+        "dcp": dcp_save,
+        "muonckpt": lambda r: muonckpt.save(opt, out("muonckpt", r)),
+        "muonckpt_overwrite": lambda r: muonckpt.save(opt, root / "overwrite", overwrite=True),
+        "muonckpt_no_checksums": no_checksums,
     }
-    times: dict[str, list[float]] = {name: [] for name in variants}
-    for round_ in range(repeats + 1):
-        for name, save in variants.items():
-            dist.barrier()
-            start = time.perf_counter()
-            save()
-            if round_:
-                times[name].append(time.perf_counter() - start)
-    plain.unlink()
+    assert list(variants) == list(SAVES)
+    result = _rounds(variants, repeats, reset=drop_previous)
     start = time.perf_counter()
     for tensor in local.values():
-        checksum_chunks(tensor.reshape(-1).view(torch.uint8))
-    crc = time.perf_counter() - start
-    return {"bytes": nbytes, "checksum_s": crc, **{k: min(v) for k, v in times.items()}}
-
-
-def load_worker(shapes, dp: int, tp: int, workdir: str) -> dict[str, float]:
-    opt = _build(shapes, dp, tp)
-    share = sum(
-        p.numel() * p.element_size() * (1 if g.get("use_muon") else 2)
-        for g in opt.param_groups
-        for p in g["params"]
-    )
-    largest = max(_numel(s) * 4 for s, _ in shapes.values())
-    before = reset_peak_rss()
+        storage.checksum_chunks(tensor.reshape(-1).view(torch.uint8))
+    result["checksum_alone_s"] = time.perf_counter() - start
+    result["bytes"] = sum(t.numel() * t.element_size() for t in local.values())
     dist.barrier()
-    start = time.perf_counter()
-    muonckpt.load(opt, Path(workdir) / "ckpt")
-    elapsed = time.perf_counter() - start
-    peak = status_bytes("VmHWM")
-    return {
-        "load_s": elapsed,
-        "share_bytes": share,
-        "largest_bytes": largest,
-        "rss_before": before,
-        "peak_rss": peak,
-        "peak_growth": peak - before,
+    if rank == 0:  # keep only what the load benchmark reads
+        for path in root.iterdir():
+            if path.name not in ("muonckpt", "torch_save"):
+                shutil.rmtree(path, ignore_errors=True)
+    return result
+
+
+def load_worker(shapes, dp: int, tp: int, ckpt: str, naive_dir: str, repeats: int) -> dict:
+    """One rank of the load benchmark (into dp x tp); the naive result is checked at the end."""
+    opt = build_optimizer(shapes, dp, tp)
+    regions = local_regions(opt)
+    files = sorted(Path(naive_dir).glob("rank-*.pt"))
+    held: dict = {}
+
+    def drop(key: str, round_: int) -> None:
+        opt.state.clear()
+        held.clear()
+
+    variants = {
+        "muonckpt": lambda r: muonckpt.load(opt, ckpt),
+        "naive": lambda r: held.update(naive_share(files, regions)),
     }
+    assert list(variants) == list(LOADS)
+    result = _rounds(variants, repeats, reset=drop)
+    result["share_bytes"] = sum(t.numel() * t.element_size() for t in held.values())
+    muonckpt.load(opt, ckpt)
+    named = [zip(g["param_names"], g["params"], strict=True) for g in opt.param_groups]
+    params = {n: p for pairs in named for n, p in pairs}
+    for tkey, naive in held.items():
+        value = opt.state[params[param_of(tkey)]][tkey.rsplit(".", 1)[1]]
+        assert torch.equal(naive, value.reshape(-1)), f"naive load differs at {tkey}"
+    tensors = [t for state in opt.state.values() for t in state.values() if torch.is_tensor(t)]
+    ours = sum(t.numel() * t.element_size() for t in tensors)
+    assert ours == result["share_bytes"], "naive load missed part of the share"
+    return result
+
+
+def _rows(operation: str, labels: dict, ranks: list[dict], total: int, baseline: str | None):
+    """Summary rows: job time per round is the slowest rank's; RSS is the worst rank's."""
+    jobs = {
+        k: [max(t) for t in zip(*(r["seconds"][k] for r in ranks), strict=True)] for k in labels
+    }
+    base = statistics.median(jobs[baseline]) if baseline else None
+    return [
+        summary_row(
+            operation,
+            label,
+            jobs[key],
+            total,
+            baseline_s=base,
+            peak_rss=max(r["peak_rss"][key] for r in ranks),
+            rss_growth=max(r["rss_growth"][key] for r in ranks),
+        )
+        for key, label in labels.items()
+    ]
+
+
+def run(size: str, dp: int, tp: int, to_dp: int, to_tp: int, repeats: int, where: Path) -> dict:
+    """Both benchmarks at one size, in a temp dir under ``where``; the JSON-ready result."""
+    shapes = model_shapes(parse_size(size))
+    total = state_bytes(shapes)
+    workdir = Path(tempfile.mkdtemp(prefix=f"muonckpt-bench-{size}-", dir=where))
+    try:
+        saves = run_distributed(
+            save_worker, dp * tp, shapes, dp, tp, str(workdir), repeats, timeout=7200
+        )
+        ckpt = workdir / "muonckpt" / f"round-{repeats}"
+        naive = workdir / "torch_save" / f"round-{repeats}"
+        loads = run_distributed(
+            load_worker,
+            to_dp * to_tp,
+            shapes,
+            to_dp,
+            to_tp,
+            str(ckpt),
+            str(naive),
+            repeats,
+            timeout=7200,
+        )
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    move = f"load with reshard {dp}x{tp} -> {to_dp}x{to_tp}"
+    rows = _rows("save", SAVES, saves, total, "save_file") + _rows(move, LOADS, loads, total, None)
+    by_tool = {r["tool"]: r["median_s"] for r in rows}
+    bound = largest_tensor_bytes(shapes) + 200 * MiB
+    return {
+        "size": size,
+        "state_bytes": total,
+        "from": f"{dp}x{tp}",
+        "to": f"{to_dp}x{to_tp}",
+        "rows": rows,
+        "checksums_add": by_tool[SAVES["muonckpt"]] / by_tool[SAVES["muonckpt_no_checksums"]] - 1,
+        "load_bound_ok": all(
+            r["rss_growth"]["muonckpt"] <= r["share_bytes"] + bound for r in loads
+        ),
+        "saves": saves,
+        "loads": loads,
+    }
+
+
+def print_result(res: dict) -> None:
+    print(
+        f"\n### {res['size']}: {res['state_bytes'] / MiB:.0f} MiB fp32 state, saved at "
+        f"{res['from']}, loaded into {res['to']}\n"
+    )
+    print_table(res["rows"])
+    alone = max(s["checksum_alone_s"] for s in res["saves"])
+    print(
+        f"\nChecksums add {res['checksums_add']:.0%} to muonckpt.save (new directory); "
+        f"checksumming a rank's state alone takes up to {alone:.2f} s. muonckpt.load RSS growth "
+        f"within share + largest tensor + 200 MiB on every rank: "
+        f"{'yes' if res['load_bound_ok'] else 'NO'}."
+    )
 
 
 def main() -> None:
@@ -187,83 +291,17 @@ def main() -> None:
     parser.add_argument("--size", default="1GB", help="total optimizer state, e.g. 256MB, 1GB")
     parser.add_argument("--dp", type=int, default=2)
     parser.add_argument("--tp", type=int, default=2)
-    parser.add_argument("--to-dp", type=int, default=4)
-    parser.add_argument("--to-tp", type=int, default=1)
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--workdir", default=None)
+    parser.add_argument("--to-dp", type=int, default=4, help="load target dp")
+    parser.add_argument("--to-tp", type=int, default=1, help="load target tp")
+    parser.add_argument("--repeats", type=int, default=3, help="measured rounds after warm-up")
+    parser.add_argument("--workdir", default=None, help="where to write (default: system temp)")
     parser.add_argument("--json", default=None, help="write results here")
     args = parser.parse_args()
-    shapes = model_shapes(parse_size(args.size))
-    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="muonckpt-bench-"))
-    workdir.mkdir(parents=True, exist_ok=True)
-    try:
-        saves = run_distributed(
-            save_worker,
-            args.dp * args.tp,
-            shapes,
-            args.dp,
-            args.tp,
-            str(workdir),
-            args.repeats,
-            timeout=1800,
-        )
-        loads = run_distributed(
-            load_worker,
-            args.to_dp * args.to_tp,
-            shapes,
-            args.to_dp,
-            args.to_tp,
-            str(workdir),
-            timeout=1800,
-        )
-    finally:
-        if args.workdir is None:
-            shutil.rmtree(workdir, ignore_errors=True)
-    total = sum(s["bytes"] for s in saves)
-    ratio = max(s["muonckpt_s"] / s["safetensors_s"] for s in saves)
-    slowest = max(s["safetensors_s"] for s in saves)
-    job = max(s["muonckpt_s"] for s in saves)
-    result = {
-        "state_bytes": total,
-        "from": f"{args.dp}x{args.tp}",
-        "to": f"{args.to_dp}x{args.to_tp}",
-        "save_ratio_worst_rank": ratio,
-        "save_ratio_job": job / slowest,
-        "saves": saves,
-        "loads": loads,
-        "load_bound_ok": all(
-            r["peak_growth"] <= r["share_bytes"] + r["largest_bytes"] + 200 * 2**20 for r in loads
-        ),
-    }
-    print(
-        f"state {total / 2**30:.2f} GiB, save {args.dp}x{args.tp}, load into "
-        f"{args.to_dp}x{args.to_tp}"
-    )
-    print("| rank | bytes | save_file s | muonckpt.save s | ratio | crc32 alone s |")
-    print("|---|---|---|---|---|---|")
-    for rank, s in enumerate(saves):
-        print(
-            f"| {rank} | {s['bytes'] / 2**20:.0f} MiB | {s['safetensors_s']:.2f} | "
-            f"{s['muonckpt_s']:.2f} | {s['muonckpt_s'] / s['safetensors_s']:.2f} | "
-            f"{s['checksum_s']:.2f} |"
-        )
-    print(
-        f"job: slowest save_file {slowest:.2f} s, muonckpt.save {job:.2f} s, "
-        f"ratio {job / slowest:.2f}; worst single-rank ratio {ratio:.2f}"
-    )
-    bare = max(s["muonckpt_no_checksum_s"] for s in saves)
-    print(f"muonckpt.save without checksums {bare:.2f} s: checksums add {job / bare - 1:.0%}")
-    print("\n| rank | load s | share MiB | largest MiB | RSS growth MiB | bound MiB |")
-    print("|---|---|---|---|---|---|")
-    for rank, r in enumerate(loads):
-        bound = (r["share_bytes"] + r["largest_bytes"]) / 2**20 + 200
-        print(
-            f"| {rank} | {r['load_s']:.2f} | {r['share_bytes'] / 2**20:.0f} | "
-            f"{r['largest_bytes'] / 2**20:.0f} | {r['peak_growth'] / 2**20:.0f} | {bound:.0f} |"
-        )
+    workdir = Path(args.workdir or tempfile.gettempdir())
+    res = run(args.size, args.dp, args.tp, args.to_dp, args.to_tp, args.repeats, workdir)
+    print_result(res)
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1))
-    sys.exit(0)
+        Path(args.json).write_text(json.dumps(res, indent=1))
 
 
 if __name__ == "__main__":

@@ -1,13 +1,13 @@
 """Benchmark the offline tools (consolidate, reshard) against cp -r, PyTorch DCP and a naive script.
 
-For each ``--size`` a synthetic transformer-shaped fp32 Muon state of that total size is built
-at dp x tp (default 2 x 2) in gloo processes (``model_shapes``/``_build``/``_fill_state`` from
-``bench_checkpoint.py``) and written three ways: a per-rank muonckpt checkpoint
-(``muonckpt.save``), per-rank ``torch.save`` files of the same local tensors (the naive way), and
-a PyTorch DCP checkpoint in Hugging Face safetensors format. Then every row below runs in a fresh
-subprocess, so its peak RSS is its own (``os.wait4`` rusage of that child: the whole process,
-interpreter and imports included; spawned from a small launcher process, since Linux carries
-the spawning process's peak RSS into a child's). "RSS growth" is the child's VmHWM after the
+For each ``--size`` the synthetic Muon state of ``synthetic.py`` is built at dp x tp (default
+2 x 2) in gloo processes and written, untimed (``bench_checkpoint.py`` times saving), three
+ways: a per-rank muonckpt checkpoint (``muonckpt.save``), per-rank ``torch.save`` files of the
+same local tensors (the naive way), and a PyTorch DCP checkpoint in Hugging Face safetensors
+format. Then every row below runs in a fresh subprocess, so its peak RSS is its own
+(``os.wait4`` rusage of that child: the whole process, interpreter and imports included;
+spawned from a small launcher process, since Linux carries the spawning process's peak RSS
+into a child's). "RSS growth" is the child's VmHWM after the
 operation minus its RSS just before it (``clear_refs`` resets VmHWM there). "op" wall time is
 measured inside the child around the operation alone (interpreter start and imports excluded);
 "whole" is the wall time of the whole command, measured by the launcher. Rows:
@@ -27,11 +27,10 @@ measured inside the child around the operation alone (interpreter start and impo
     ``fsync`` of its outputs, which DCP does not do itself (the JSON also has the time without
     it). Its input is written by ``dcp.save(state_dict, storage_writer=
     HuggingFaceStorageWriter(path, save_distributed=True))`` from the same dp x tp gloo ranks,
-    each holding DTensors on a (dp, tp) CPU device mesh, placements ``[Shard(0), Shard(split)]``
-    (``Replicate()`` on tp for unsplit params): one ``shard-0000r-...safetensors`` per rank with
-    DCP's saved-offsets metadata. Caveats: DCP cannot express ZeRO-1's flat bucket slices, so
-    the DCP layout is the nearest it can: 2-D FSDP-style row/column blocks of the same tensors
-    (same keys, shapes, dtype and total bytes; values are random, not the muonckpt state's).
+    each holding ``synthetic.dtensor_state``'s DTensors: one ``shard-0000r-...safetensors`` per
+    rank with DCP's saved-offsets metadata. Caveat: DCP cannot express ZeRO-1's flat bucket
+    slices, so its input is FSDP-style row/column blocks of the same tensors (same keys,
+    shapes, dtype and total bytes; random values, not the muonckpt state's).
     ``_consolidate_hf_safetensors`` is a private module: its API may change between versions.
 ``naive torch.load + insert_ + save_file``
     one process ``torch.load(weights_only=True)``s every rank's ``torch.save`` file (the rank's
@@ -57,22 +56,29 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from procstat import reset_peak_rss, status_bytes
+from common import (
+    MiB,
+    fsync_path,
+    fsync_tree,
+    parse_size,
+    reset_peak_rss,
+    status_bytes,
+    summary_row,
+)
 
-# Heavy imports (torch, muonckpt, bench_checkpoint) are made inside functions: the measured
+# Heavy imports (torch, muonckpt, synthetic) are made inside functions: the measured
 # children import only what their operation needs, e.g. nothing of torch for cp -r.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-MiB = 2**20
 ROWS = (
     ("cp", "cp -r + fsync"),
     ("consolidate", "muonckpt.offline.consolidate"),
@@ -87,94 +93,36 @@ ROWS = (
 # ---------------------------------------------------------------- building the inputs (gloo)
 
 
-def build_worker(shapes, dp: int, tp: int, root: str) -> dict[str, float]:
+def build_worker(shapes, dp: int, tp: int, root: str) -> None:
     """One rank: a muonckpt per-rank checkpoint and a naive torch.save file of the same state."""
     import torch
     import torch.distributed as dist
-    from bench_checkpoint import _build, _fill_state
+    from synthetic import build_optimizer, fill_state, naive_payload
 
     import muonckpt
-    from muonckpt.hooks import describe_muon
 
-    opt = _build(shapes, dp, tp)
-    local = _fill_state(opt)
-    rank = dist.get_rank()
-    start = time.perf_counter()
+    opt = build_optimizer(shapes, dp, tp)
+    local = fill_state(opt)
     muonckpt.save(opt, Path(root) / "muonckpt")
-    save_s = time.perf_counter() - start
-    regions = {p.name: p.local for p in describe_muon(opt, collective=False).params}
-    naive = {"state": dict(local), "regions": {}, "shapes": {}}
-    for tkey in list(local):
-        name = tkey[len("state.") : tkey.rindex(".")]
-        if shapes[name][1] < 0 and rank % tp:  # TP-replicated: TP rank 0 saves it, as muonckpt
-            del naive["state"][tkey]
-            continue
-        r = regions[name]
-        naive["regions"][tkey] = [r.cols, r.block_start, r.block_width, r.start, r.stop]
-        naive["shapes"][tkey] = list(shapes[name][0])
-    path = Path(root) / "naive" / f"rank-{rank:05d}.pt"
+    path = Path(root) / "naive" / f"rank-{dist.get_rank():05d}.pt"
     path.parent.mkdir(exist_ok=True)
-    start = time.perf_counter()
-    torch.save(naive, path)
-    _fsync(path)
-    return {
-        "bytes": sum(t.numel() * t.element_size() for t in local.values()),
-        "muonckpt_save_s": save_s,
-        "torch_save_s": time.perf_counter() - start,
-    }
+    torch.save(naive_payload(opt, local, shapes, tp), path)
+    fsync_path(path)
 
 
-def dcp_worker(shapes, dp: int, tp: int, root: str) -> dict[str, float]:
+def dcp_worker(shapes, dp: int, tp: int, root: str) -> None:
     """One rank: its DTensor blocks of every state tensor, saved by DCP as HF safetensors."""
-    import torch
-    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
+    from synthetic import dtensor_state
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Replicate, Shard
 
-    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
-    gen = torch.Generator().manual_seed(dist.get_rank())
-    state = {}
-    for name, (shape, split) in shapes.items():
-        muon = len(shape) == 2 and not name.startswith("embed")
-        keys = ("momentum_buffer",) if muon else ("exp_avg", "exp_avg_sq")
-        placements = [Shard(0), Shard(split) if split >= 0 else Replicate()]
-        local_shape = list(shape)
-        local_shape[0] //= dp
-        if split >= 0:
-            local_shape[split] //= tp
-        full = torch.Size(shape)
-        stride = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
-        for key in keys:
-            local = torch.empty(local_shape).uniform_(-1, 1, generator=gen)
-            state[f"state.{name}.{key}"] = DTensor.from_local(
-                local, mesh, placements, run_check=False, shape=full, stride=stride
-            )
-    start = time.perf_counter()
     dcp.save(
-        state,
+        dtensor_state(shapes, dp, tp),
         storage_writer=HuggingFaceStorageWriter(str(Path(root) / "dcp"), save_distributed=True),
     )
-    return {"dcp_save_s": time.perf_counter() - start}
 
 
 # ---------------------------------------------------------------- the measured children
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_tree(root: Path) -> None:
-    for dirpath, _, filenames in os.walk(root):
-        for name in filenames:
-            _fsync(Path(dirpath) / name)
-        _fsync(Path(dirpath))
 
 
 def child(op: str, src: str, dst: str, extra: list[str]) -> None:
@@ -185,7 +133,7 @@ def child(op: str, src: str, dst: str, extra: list[str]) -> None:
         before = reset_peak_rss()
         start = time.perf_counter()
         subprocess.run(["cp", "-r", src, dst], check=True)
-        _fsync_tree(dst_p)
+        fsync_tree(dst_p)
     elif op == "consolidate":
         from muonckpt import offline
 
@@ -217,7 +165,7 @@ def child(op: str, src: str, dst: str, extra: list[str]) -> None:
             fqn_to_index_mapping=dict.fromkeys(sorted(keys), 1),
         )
         result["op_s_without_fsync"] = time.perf_counter() - start
-        _fsync_tree(dst_p)
+        fsync_tree(dst_p)
     elif op == "naive":
         import safetensors.torch
         import torch
@@ -237,7 +185,7 @@ def child(op: str, src: str, dst: str, extra: list[str]) -> None:
         del parts
         dst_p.mkdir(parents=True)
         safetensors.torch.save_file(full, str(dst_p / "optimizer.safetensors"))
-        _fsync_tree(dst_p)
+        fsync_tree(dst_p)
     else:
         raise SystemExit(f"unknown child op {op!r}")
     result["op_s"] = time.perf_counter() - start
@@ -337,11 +285,13 @@ def _verify(op: str, src: Path, dst: Path, size_dir: Path, shapes, launcher) -> 
         bad = [r for r in offline.diff(src, dst) if not r["bitwise"]]
         assert not bad, f"reshard differs from its source: {bad[:3]}"
     elif op == "dcp":
-        want = {}
-        for name, (shape, _) in shapes.items():
-            muon = len(shape) == 2 and not name.startswith("embed")
-            for key in ("momentum_buffer",) if muon else ("exp_avg", "exp_avg_sq"):
-                want[f"state.{name}.{key}"] = list(shape)
+        from synthetic import state_keys
+
+        want = {
+            f"state.{name}.{key}": list(shape)
+            for name, (shape, _) in shapes.items()
+            for key in state_keys(name, shape)
+        }
         got = {}
         for file in dst.glob("*.safetensors"):
             with safe_open(str(file), "pt") as f:
@@ -350,27 +300,19 @@ def _verify(op: str, src: Path, dst: Path, size_dir: Path, shapes, launcher) -> 
 
 
 def bench_size(size_arg: str, args, root: Path, launcher: _Launcher) -> dict:
-    from bench_checkpoint import _numel, model_shapes, parse_size
+    from synthetic import largest_tensor_bytes, model_shapes, state_bytes
 
     from muonckpt.launch import run_distributed
 
     shapes = model_shapes(parse_size(size_arg))
-    state_bytes = sum(
-        _numel(s) * 4 * (1 if len(s) == 2 and not n.startswith("embed") else 2)
-        for n, (s, _) in shapes.items()
-    )
-    largest = max(_numel(s) * 4 for s, _ in shapes.values())
+    total, largest = state_bytes(shapes), largest_tensor_bytes(shapes)
     size_dir = root / size_arg
     shutil.rmtree(size_dir, ignore_errors=True)
     size_dir.mkdir(parents=True)
     world = args.dp * args.tp
-    print(f"[{size_arg}] building {state_bytes / MiB:.0f} MiB at {args.dp}x{args.tp} ...")
-    builds = run_distributed(
-        build_worker, world, shapes, args.dp, args.tp, str(size_dir), timeout=7200
-    )
-    dcp_saves = run_distributed(
-        dcp_worker, world, shapes, args.dp, args.tp, str(size_dir), timeout=7200
-    )
+    print(f"[{size_arg}] building {total / MiB:.0f} MiB at {args.dp}x{args.tp} ...")
+    run_distributed(build_worker, world, shapes, args.dp, args.tp, str(size_dir), timeout=7200)
+    run_distributed(dcp_worker, world, shapes, args.dp, args.tp, str(size_dir), timeout=7200)
     ckpt = str(size_dir / "muonckpt")
     to = [str(args.to_dp), str(args.to_tp)]
     me = [sys.executable, str(Path(__file__).resolve()), "_child"]
@@ -418,17 +360,41 @@ def bench_size(size_arg: str, args, root: Path, launcher: _Launcher) -> dict:
         shown = f"op {best['op_s']:.2f} s, " if "op_s" in best else ""
         print(f"[{size_arg}] {label}: {shown}whole {best['whole_s']:.2f} s")
     shutil.rmtree(size_dir, ignore_errors=True)
+    reshard = f"reshard {args.dp}x{args.tp} -> {args.to_dp}x{args.to_tp}"
     return {
         "size": size_arg,
-        "state_bytes": state_bytes,
+        "state_bytes": total,
         "largest_tensor_bytes": largest,
         "from": f"{args.dp}x{args.tp}",
         "reshard_to": f"{args.to_dp}x{args.to_tp}",
-        "builds": builds,
-        "dcp_saves": dcp_saves,
         "rows": rows,
-        "bounds": _bounds(rows, state_bytes, largest),
+        "summary": summary_rows(rows, total, reshard),
+        "bounds": _bounds(rows, total, largest),
     }
+
+
+def summary_rows(rows: dict, total: int, reshard: str) -> list[dict]:
+    """The rows for ``run.py``'s table: op time (CLI: whole command), ratio to cp -r's."""
+    groups = {"cp": "copy", "cli-consolidate": "consolidate", "dcp": "consolidate"}
+    groups.update({"naive": "consolidate", "consolidate": "consolidate"})
+    groups.update({"reshard": reshard, "cli-reshard": reshard})
+    out = []
+    for op, label in ROWS:
+        r = rows[op]
+        basis = "op_s" if "op_s" in r else "whole_s"
+        cp = statistics.median(run[basis] for run in rows["cp"]["runs"])
+        out.append(
+            summary_row(
+                groups[op],
+                label if basis == "op_s" else f"{label}, whole command",
+                [run[basis] for run in r["runs"]],
+                total,
+                baseline_s=cp,
+                peak_rss=r["peak_rss"],
+                rss_growth=r.get("op_rss_growth"),
+            )
+        )
+    return out
 
 
 def _bounds(rows: dict, state_bytes: int, largest: int) -> list[dict]:
@@ -523,7 +489,9 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--to-dp", type=int, default=4, help="reshard target dp")
     parser.add_argument("--to-tp", type=int, default=2, help="reshard target tp")
-    parser.add_argument("--repeats", type=int, default=1, help="runs per row; fastest is kept")
+    parser.add_argument(
+        "--repeats", type=int, default=1, help="runs per row (table: fastest; summary: median)"
+    )
     parser.add_argument("--workdir", default=None, help="default: a temp dir, removed at the end")
     parser.add_argument("--drop-caches", action="store_true", help="drop page cache per row")
     parser.add_argument("--verify", action="store_true", help="check outputs (not timed)")

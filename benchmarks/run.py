@@ -1,11 +1,14 @@
-"""Run every muonckpt benchmark at the given sizes and print one summary.
+"""Run every muonckpt benchmark at the given sizes and print one table per size.
 
     python benchmarks/run.py --size 256MB --size 1GB --size 4GB --json results.json
 
-Runs ``bench_checkpoint.py`` (per-rank save vs ``safetensors.torch.save_file``; load with
-reshard and its peak RSS) and ``bench_offline.py`` (consolidate, reshard, PyTorch DCP's
-``consolidate_safetensors_files``, the naive torch.save/torch.load way, and ``cp -r``) as
-separate processes, so each keeps its own memory figures, then merges their JSON.
+Per size, ``bench_checkpoint.py`` (per-rank save by muonckpt, safetensors, torch.save and
+DCP; load with reshard by muonckpt and the naive way) and then ``bench_offline.py``
+(consolidate and reshard by muonckpt, DCP's consolidation, the naive script, ``cp -r``) run as
+separate processes, so each keeps its own memory figures. Their rows are printed as one
+table, grouped by operation, with each row's ratio to its baseline (save: ``save_file``;
+consolidate, reshard: ``cp -r``); with several sizes, a table of seconds per size follows. The
+scripts' docstrings say what each row measures. Default sizes: 256MB and 1GB.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from common import MiB, print_growth, print_table
+
 HERE = Path(__file__).resolve().parent
 
 
@@ -27,35 +32,37 @@ def _run(script: str, args: list[str], out: Path) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--size", action="append", help="state size, repeatable (default 1GB)")
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--json", default=None, help="write the merged results here")
+    parser.add_argument("--size", action="append", help="state size, repeatable")
+    parser.add_argument("--dp", type=int, default=2)
+    parser.add_argument("--tp", type=int, default=2)
+    parser.add_argument("--to-dp", type=int, default=4, help="reshard / load target dp")
+    parser.add_argument("--to-tp", type=int, default=1, help="reshard / load target tp")
+    parser.add_argument("--repeats", type=int, default=3, help="measured runs per row")
+    parser.add_argument("--workdir", default=None, help="where to write (default: system temp)")
+    parser.add_argument("--json", default=None, help="write every number here")
     args = parser.parse_args()
-    sizes = args.size or ["1GB"]
-    results: dict = {"checkpoint": {}, "offline": None}
-    with tempfile.TemporaryDirectory(prefix="muonckpt-bench-") as tmp:
-        for size in sizes:
-            results["checkpoint"][size] = _run(
-                "bench_checkpoint.py",
-                ["--size", size, "--repeats", str(args.repeats)],
-                Path(tmp) / f"checkpoint-{size}.json",
+    shared = ["--dp", str(args.dp), "--tp", str(args.tp), "--repeats", str(args.repeats)]
+    shared += ["--to-dp", str(args.to_dp), "--to-tp", str(args.to_tp)]
+    if args.workdir:
+        shared += ["--workdir", args.workdir]
+    results: dict = {}
+    with tempfile.TemporaryDirectory(prefix="muonckpt-bench-json-") as tmp:
+        for size in args.size or ["256MB", "1GB"]:
+            ckpt = _run("bench_checkpoint.py", ["--size", size, *shared], Path(tmp) / "c.json")
+            offline = _run("bench_offline.py", ["--size", size, *shared], Path(tmp) / "o.json")
+            offline = offline["sizes"][0]
+            rows = ckpt["rows"] + offline["summary"]
+            results[size] = {"rows": rows, "checkpoint": ckpt, "offline": offline}
+            print(
+                f"\n## {size}: {ckpt['state_bytes'] / MiB:.0f} MiB fp32 state at "
+                f"{ckpt['from']}, resharded and loaded into {ckpt['to']}\n"
             )
-        offline_args = [a for size in sizes for a in ("--size", size)]
-        results["offline"] = _run(
-            "bench_offline.py",
-            [*offline_args, "--repeats", str(args.repeats)],
-            Path(tmp) / "offline.json",
-        )
-    print("\n## Per-rank save and load with reshard")
-    print("| size | save ratio (job) | worst rank ratio | load RSS growth within bound |")
-    print("|---|---|---|---|")
-    for size, r in results["checkpoint"].items():
-        print(
-            f"| {size} | {r['save_ratio_job']:.2f} | {r['save_ratio_worst_rank']:.2f} | "
-            f"{'yes' if r['load_bound_ok'] else 'NO'} |"
-        )
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1))
+            print_table(rows)
+            if args.json:  # after every size, so a long run keeps what it has measured
+                Path(args.json).write_text(json.dumps(results, indent=1))
+    if len(results) > 1:
+        print("\n## Median seconds by size\n")
+        print_growth({size: r["rows"] for size, r in results.items()})
 
 
 if __name__ == "__main__":
