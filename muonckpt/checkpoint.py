@@ -207,8 +207,10 @@ R = TypeVar("R")
 def prefetched(items: Sequence[T], produce: Callable[[T], R]) -> Iterator[tuple[T, R]]:
     """``(item, produce(item))`` in order, producing the next item on a thread meanwhile.
 
-    Reading (pread, crc32) and writing (write, crc32) both release the GIL, so a reader one
-    tensor ahead of the writer keeps two cores busy; at most two produced values are alive.
+    Reading (preadv, xxhash) and writing (write, xxhash) both release the GIL, so a reader one
+    tensor ahead of the writer keeps two cores busy. At most two produced values are alive, and
+    ``produce`` for item ``i + 2`` starts only once the consumer is done with item ``i``: a
+    :class:`PieceReader` with ``reuse_outputs=2`` can produce them.
     """
     with ThreadPoolExecutor(max_workers=1) as pool:
         pending = pool.submit(produce, items[0]) if items else None
@@ -449,15 +451,23 @@ def _size_problems(manifest: Manifest, directory: Path) -> list[CheckpointError]
 
 
 class PieceReader:
-    """Reads pieces of a checkpoint with checksums, keeping each needed file open once."""
+    """Reads pieces of a checkpoint with checksums, keeping each needed file open once.
 
-    def __init__(self, directory: Path, manifest: Manifest) -> None:
+    With ``reuse_outputs=n``, :meth:`gather` returns views into a ring of ``n`` buffers that
+    are reused, each result valid until ``n`` more gathers: streaming tools (which hold at most
+    ``n`` results) then skip the page faults of fresh allocations, which on some machines cost
+    several times the read itself.
+    """
+
+    def __init__(self, directory: Path, manifest: Manifest, *, reuse_outputs: int = 0) -> None:
         self.directory = directory
         self.manifest = manifest
         self._stack = ExitStack()
         self._readers: dict[str, storage.SafetensorsReader] = {}
         self._sizes = {f.name: f.bytes for f in manifest.files}
         self._scratch = torch.empty(0, dtype=torch.uint8)
+        self._ring = [torch.empty(0, dtype=torch.uint8) for _ in range(reuse_outputs)]
+        self._turn = 0
 
     def __enter__(self) -> PieceReader:
         return self
@@ -523,9 +533,18 @@ class PieceReader:
             scratch=self._scratch,
         )
 
+    def _output(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        if not self._ring:
+            return torch.empty(numel, dtype=dtype)
+        slot, nbytes = self._turn % len(self._ring), numel * dtype.itemsize
+        self._turn += 1
+        if self._ring[slot].numel() < nbytes:
+            self._ring[slot] = torch.empty(nbytes, dtype=torch.uint8)
+        return self._ring[slot][:nbytes].view(dtype)
+
     def gather(self, pieces: Sequence[Piece], entry: ParamEntry, target: Region) -> torch.Tensor:
         """The elements of ``target`` (in its own order), read from the pieces overlapping it."""
-        out = torch.empty(target.numel, dtype=storage.torch_dtype(entry.dtype))
+        out = self._output(target.numel, storage.torch_dtype(entry.dtype))
         filled = 0
         for piece in pieces:
             runs = copy_runs(piece.region, target)

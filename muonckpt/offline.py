@@ -295,7 +295,10 @@ def _write(
     for put in job.puts:
         by_file[put.file][put.tkey] = put
     records: dict[tuple[str, str], storage.TensorRecord] = {}
-    with storage.staged(dst, overwrite) as staging, PieceReader(directory, manifest) as reader:
+    with (
+        storage.staged(dst, overwrite) as staging,
+        PieceReader(directory, manifest, reuse_outputs=2) as reader,
+    ):
         for file, puts in by_file.items():
             specs = {tkey: (p.entry.dtype, p.shape) for tkey, p in puts.items()}
             with storage.SafetensorsWriter(staging / file, specs, job.files[file]) as out:
@@ -400,7 +403,7 @@ def _write_share(
     grouped = manifest.pieces_of()
     meter = _Meter(sum(u.nbytes for u in share), progress)
     written = []
-    with ExitStack() as stack, PieceReader(directory, manifest) as reader:
+    with ExitStack() as stack, PieceReader(directory, manifest, reuse_outputs=2) as reader:
         for output in outputs.values():
             stack.callback(output.close)
         for unit, value in prefetched(
