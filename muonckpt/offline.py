@@ -115,8 +115,12 @@ class _Job:
     texts: dict[str, str]
     """Small extra files (the index of a sharded consolidate)."""
 
-    def specs(self, file: str) -> dict[str, tuple[str, tuple[int, ...]]]:
-        return {p.tkey: (p.entry.dtype, p.shape) for p in self.puts if p.file == file}
+    def by_file(self) -> dict[str, dict[str, tuple[str, tuple[int, ...]]]]:
+        """Each file's safetensors specs: tensor key -> (dtype, shape), files in order."""
+        specs: dict[str, dict[str, tuple[str, tuple[int, ...]]]] = {f: {} for f in self.files}
+        for put in self.puts:
+            specs[put.file][put.tkey] = (put.entry.dtype, put.shape)
+        return specs
 
     @property
     def total(self) -> int:
@@ -146,7 +150,8 @@ def consolidate(
         progress: called with (bytes written, total bytes) after each tensor. With several
             processes it follows rank 0's share, scaled to the total.
         workers: processes on this machine that share the writing (a local gloo group);
-            the output is the same, byte for byte, for any number.
+            the output is the same, byte for byte, for any number. They start from a
+            forkserver, so a calling script needs the ``if __name__ == "__main__":`` guard.
         collective: every rank of the initialized default process group (torchrun) calls
             this with the same arguments, and the ranks share the writing.
 
@@ -291,23 +296,20 @@ def _write(
         return Path(dst)
     meter = _Meter(job.total, progress)
     grouped = manifest.pieces_of()
-    by_file: dict[str, dict[str, _Put]] = {file: {} for file in job.files}
-    for put in job.puts:
-        by_file[put.file][put.tkey] = put
+    puts = {(p.file, p.tkey): p for p in job.puts}
     records: dict[tuple[str, str], storage.TensorRecord] = {}
     with (
         storage.staged(dst, overwrite) as staging,
         PieceReader(directory, manifest, reuse_outputs=2) as reader,
     ):
-        for file, puts in by_file.items():
-            specs = {tkey: (p.entry.dtype, p.shape) for tkey, p in puts.items()}
+        for file, specs in job.by_file().items():
             with storage.SafetensorsWriter(staging / file, specs, job.files[file]) as out:
                 for tkey, value in prefetched(
-                    out.pending, lambda k, puts=puts: _fetch(reader, grouped, puts[k])
+                    out.pending, lambda k, f=file: _fetch(reader, grouped, puts[f, k])
                 ):
                     out.write(tkey, value)
                     del value
-                    meter.tick(puts[tkey].nbytes)
+                    meter.tick(puts[file, tkey].nbytes)
                 records.update(((file, tkey), r) for tkey, r in out.commit().items())
         _finish(job, staging, records)
     return Path(dst)
@@ -329,8 +331,8 @@ def _finish(
 
 def _shared_files(job: _Job, staging: Path) -> dict[str, storage.SharedSafetensorsFile]:
     return {
-        file: storage.SharedSafetensorsFile(staging / file, job.specs(file), metadata)
-        for file, metadata in job.files.items()
+        file: storage.SharedSafetensorsFile(staging / file, specs, job.files[file])
+        for file, specs in job.by_file().items()
     }
 
 
@@ -409,6 +411,8 @@ def _write_share(
         for unit, value in prefetched(
             share, lambda u: _fetch(reader, grouped, puts[u.file, u.key])
         ):
+            if written and written[-1][0] != unit.file:
+                outputs[written[-1][0]].close()  # units come file by file: one open at a time
             record = outputs[unit.file].write(unit.key, value)
             del value
             written.append([unit.file, unit.key, list(record.checksums)])
