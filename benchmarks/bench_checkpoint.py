@@ -55,6 +55,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from common import (
     MiB,
+    checkpoint_notes,
     fsync_path,
     parse_size,
     print_table,
@@ -277,13 +278,7 @@ def print_result(res: dict) -> None:
         f"{res['from']}, loaded into {res['to']}\n"
     )
     print_table(res["rows"])
-    alone = max(s["checksum_alone_s"] for s in res["saves"])
-    print(
-        f"\nChecksums add {res['checksums_add']:.0%} to muonckpt.save (new directory); "
-        f"checksumming a rank's state alone takes up to {alone:.2f} s. muonckpt.load RSS growth "
-        f"within share + largest tensor + 200 MiB on every rank: "
-        f"{'yes' if res['load_bound_ok'] else 'NO'}."
-    )
+    print("\n" + checkpoint_notes(res))
 
 
 def main() -> None:

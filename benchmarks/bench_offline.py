@@ -18,8 +18,6 @@ measured inside the child around the operation alone (interpreter start and impo
 ``muonckpt.offline.consolidate`` / ``muonckpt consolidate (CLI)``
     library call (op time) and ``muonckpt --quiet consolidate SRC -o DST`` (whole-command time:
     interpreter, imports and all). ``--quiet`` is a global option, so it goes before the command.
-``muonckpt.offline.reshard`` / ``muonckpt reshard (CLI)``
-    the same for ``reshard(src, dst, dp=--to-dp, tp=--to-tp)`` (default 4 x 2).
 ``DCP consolidate_safetensors_files``
     ``torch.distributed.checkpoint._consolidate_hf_safetensors.consolidate_safetensors_files``
     (torch 2.13: ``(input_dir, output_dir, fqn_to_index_mapping, num_threads=1)``, all tensors
@@ -37,6 +35,8 @@ measured inside the child around the operation alone (interpreter start and impo
     local flat tensors plus their ``muonckpt.layout.Region``s), reassembles full tensors with
     ``muonckpt.regions.insert_``, ``safetensors.torch.save_file``s them and fsyncs the file.
     As muonckpt does, TP-replicated params (the norms) are saved by TP rank 0 only.
+``muonckpt.offline.reshard`` / ``muonckpt reshard (CLI)``
+    as for consolidate, with ``reshard(src, dst, dp=--to-dp, tp=--to-tp)`` (default 4 x 2).
 
 Caveats: by default every input was just written, so reads are served from the page cache for
 every row alike; ``--drop-caches`` (root only) drops it before each row. ``--verify`` checks the
@@ -83,10 +83,10 @@ ROWS = (
     ("cp", "cp -r + fsync"),
     ("consolidate", "muonckpt.offline.consolidate"),
     ("cli-consolidate", "muonckpt consolidate (CLI)"),
-    ("reshard", "muonckpt.offline.reshard"),
-    ("cli-reshard", "muonckpt reshard (CLI)"),
     ("dcp", "DCP consolidate_safetensors_files"),
     ("naive", "naive torch.load + insert_ + save_file"),
+    ("reshard", "muonckpt.offline.reshard"),
+    ("cli-reshard", "muonckpt reshard (CLI)"),
 )
 
 
@@ -375,9 +375,11 @@ def bench_size(size_arg: str, args, root: Path, launcher: _Launcher) -> dict:
 
 def summary_rows(rows: dict, total: int, reshard: str) -> list[dict]:
     """The rows for ``run.py``'s table: op time (CLI: whole command), ratio to cp -r's."""
-    groups = {"cp": "copy", "cli-consolidate": "consolidate", "dcp": "consolidate"}
-    groups.update({"naive": "consolidate", "consolidate": "consolidate"})
-    groups.update({"reshard": reshard, "cli-reshard": reshard})
+    groups = {
+        "cp": "copy",
+        **dict.fromkeys(("consolidate", "cli-consolidate", "dcp", "naive"), "consolidate"),
+        **dict.fromkeys(("reshard", "cli-reshard"), reshard),
+    }
     out = []
     for op, label in ROWS:
         r = rows[op]

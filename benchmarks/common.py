@@ -113,3 +113,14 @@ def print_growth(rows_by_size: dict[str, list[dict]]) -> None:
     for (operation, tool), by_size in tools.items():
         cells = " | ".join(f"{by_size[s]:.2f}" if s in by_size else "-" for s in sizes)
         print(f"| {operation} | {tool} | {cells} |")
+
+
+def checkpoint_notes(res: dict) -> str:
+    """What ``bench_checkpoint.py``'s table leaves implicit: checksum cost, load memory bound."""
+    alone = max(s["checksum_alone_s"] for s in res["saves"])
+    return (
+        f"Checksums add {res['checksums_add']:.0%} to muonckpt.save (new directory); "
+        f"checksumming a rank's state alone takes up to {alone:.2f} s. muonckpt.load RSS growth "
+        f"within share + largest tensor + 200 MiB on every rank: "
+        f"{'yes' if res['load_bound_ok'] else 'NO'}."
+    )

@@ -5,10 +5,11 @@
 Per size, ``bench_checkpoint.py`` (per-rank save by muonckpt, safetensors, torch.save and
 DCP; load with reshard by muonckpt and the naive way) and then ``bench_offline.py``
 (consolidate and reshard by muonckpt, DCP's consolidation, the naive script, ``cp -r``) run as
-separate processes, so each keeps its own memory figures. Their rows are printed as one
-table, grouped by operation, with each row's ratio to its baseline (save: ``save_file``;
-consolidate, reshard: ``cp -r``); with several sizes, a table of seconds per size follows. The
-scripts' docstrings say what each row measures. Default sizes: 256MB and 1GB.
+separate processes, so each keeps its own memory figures; their own tables and progress go to
+stderr. Their rows go to stdout as one table, grouped by operation, with each row's ratio to
+its baseline (save: ``save_file``; consolidate, reshard: ``cp -r``); with several sizes, a
+table of median seconds per size follows. The scripts' docstrings say what each row measures.
+Default sizes: 256MB and 1GB.
 """
 
 from __future__ import annotations
@@ -20,13 +21,15 @@ import sys
 import tempfile
 from pathlib import Path
 
-from common import MiB, print_growth, print_table
+from common import MiB, checkpoint_notes, print_growth, print_table
 
 HERE = Path(__file__).resolve().parent
 
 
 def _run(script: str, args: list[str], out: Path) -> dict:
-    subprocess.run([sys.executable, str(HERE / script), *args, "--json", str(out)], check=True)
+    """Run a benchmark script, its own output going to stderr; return its JSON."""
+    cmd = [sys.executable, str(HERE / script), *args, "--json", str(out)]
+    subprocess.run(cmd, check=True, stdout=sys.stderr)
     return json.loads(out.read_text())
 
 
@@ -58,6 +61,7 @@ def main() -> None:
                 f"{ckpt['from']}, resharded and loaded into {ckpt['to']}\n"
             )
             print_table(rows)
+            print("\n" + checkpoint_notes(ckpt), flush=True)
             if args.json:  # after every size, so a long run keeps what it has measured
                 Path(args.json).write_text(json.dumps(results, indent=1))
     if len(results) > 1:
