@@ -1007,6 +1007,7 @@ class SharedSafetensorsFile:
                 while view:
                     done = os.pwrite(self._fd, view, offset)
                     view, offset = view[done:], offset + done
+                _start_writeback(self._fd)
                 return self.record(key, pending.result())
         except OSError as e:
             raise CheckpointError(f"cannot write: {e}", path=self.path, param=key) from e
