@@ -1,10 +1,10 @@
 """Benchmark per-rank save and load with reshard: muonckpt against the alternatives.
 
 The synthetic state (``synthetic.py``) is sharded at dp x tp (default 2 x 2) in gloo
-processes. Every rank saves its share with each tool below, each into a fresh directory per
-round (the previous round's output is deleted outside the timing), after one warm-up round
-and interleaved round by round, because on a VM the first writes into fresh page cache run
-several times slower than later ones and runs vary:
+processes. Every rank saves its share with each tool below, all but the overwrite into a fresh
+directory per round (the previous round's output is deleted outside the timing), after one
+warm-up round and interleaved round by round, because on a VM the first writes into fresh
+page cache run several times slower than later ones and runs vary:
 
 ``safetensors save_file + fsync`` (the baseline)
     ``safetensors.torch.save_file`` of the rank's local state tensors, then fsync.
@@ -22,7 +22,8 @@ several times slower than later ones and runs vary:
     deletes after the atomic swap.
 
 A save's job time is its slowest rank's time. Then the checkpoint is loaded into another
-topology (default 4 x 1), again warm-up plus interleaved rounds, each by a fresh share:
+topology (default 4 x 1), again warm-up plus interleaved rounds, each into an empty share
+(the previous round's result is dropped outside the timing):
 
 ``muonckpt.load``
     each rank reads only the pieces overlapping its share, verifying checksums.
