@@ -104,7 +104,7 @@ def _say(ctx: typer.Context, message: str) -> None:
 
 @contextmanager
 def _progress(ctx: typer.Context, what: str) -> Iterator[offline.Progress | None]:
-    """A rich bytes/rate/ETA bar on stderr when it is a terminal and not --quiet."""
+    """A rich bar (bytes, tensors, rate, ETA) on stderr when it is a terminal and not --quiet."""
     if _quiet(ctx) or not sys.stderr.isatty():
         yield None
         return
@@ -121,15 +121,16 @@ def _progress(ctx: typer.Context, what: str) -> Iterator[offline.Progress | None
         TextColumn("{task.description}"),
         BarColumn(),
         DownloadColumn(),
+        TextColumn("{task.fields[tensors]}"),
         TransferSpeedColumn(),
         TimeRemainingColumn(),
         console=Console(stderr=True),
         transient=True,
     ) as bar:
-        task = bar.add_task(what, total=None)
+        task = bar.add_task(what, total=None, tensors="")
 
-        def update(done: int, total: int) -> None:
-            bar.update(task, completed=done, total=total)
+        def update(done: int, total: int, written: int, tensors: int) -> None:
+            bar.update(task, completed=done, total=total, tensors=f"{written}/{tensors} tensors")
 
         yield update
 

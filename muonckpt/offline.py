@@ -25,7 +25,7 @@ import math
 import multiprocessing as mp
 import os
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -59,8 +59,9 @@ from .manifest import (
 )
 from .workplan import WorkUnit, split_work
 
-Progress = Callable[[int, int], None]
-"""``progress(done_bytes, total_bytes)``, called after each tensor is written."""
+Progress = Callable[[int, int, int, int], None]
+"""``progress(done_bytes, total_bytes, done_tensors, total_tensors)``, called once at the start
+and after each tensor is written."""
 
 WORKER_TIMEOUT: float = 7 * 24 * 3600.0
 """Seconds a ``workers > 1`` run may take before its processes are killed."""
@@ -73,14 +74,17 @@ def _itemsize(dtype: str) -> int:
 
 
 class _Meter:
-    def __init__(self, total: int, progress: Progress | None) -> None:
-        self.total, self.done, self.progress = total, 0, progress
-        self.tick(0)
+    def __init__(self, sizes: Sequence[int], progress: Progress | None) -> None:
+        self.total, self.tensors, self.progress = sum(sizes), len(sizes), progress
+        self.done = self.written = 0
+        if progress is not None:
+            progress(0, self.total, 0, self.tensors)
 
     def tick(self, nbytes: int) -> None:
         self.done += nbytes
+        self.written += 1
         if self.progress is not None:
-            self.progress(self.done, self.total)
+            self.progress(self.done, self.total, self.written, self.tensors)
 
 
 @dataclass(frozen=True)
@@ -294,7 +298,7 @@ def _write(
     if collective:
         _write_collectively(job, directory, manifest, Path(dst), overwrite, progress)
         return Path(dst)
-    meter = _Meter(job.total, progress)
+    meter = _Meter([p.nbytes for p in job.puts], progress)
     grouped = manifest.pieces_of()
     puts = {(p.file, p.tkey): p for p in job.puts}
     records: dict[tuple[str, str], storage.TensorRecord] = {}
@@ -360,7 +364,7 @@ def _write_collectively(
         share = split_work(units, len(ranks))[ranks.index(me)]
         shown = None
         if me == root and progress is not None:
-            shown = _scaled(progress, job.total)
+            shown = _scaled(progress, job.total, len(job.puts))
         report = collectives.as_outcome(
             lambda: _write_share(job, share, outputs, directory, manifest, shown)
         )
@@ -387,9 +391,14 @@ def _create(job: _Job, dst: Path, overwrite: bool) -> Path:
     return staging
 
 
-def _scaled(progress: Progress, total: int) -> Progress:
+def _scaled(progress: Progress, total: int, tensors: int) -> Progress:
     """Rank 0's progress through its own share, shown as a fraction of the whole job."""
-    return lambda done, share: progress(done * total // share if share else total, total)
+
+    def scaled(done: int, share: int, written: int, share_tensors: int) -> None:
+        fraction = done / share if share else written / share_tensors if share_tensors else 1.0
+        progress(round(fraction * total), total, round(fraction * tensors), tensors)
+
+    return scaled
 
 
 def _write_share(
@@ -403,7 +412,7 @@ def _write_share(
     """Write this rank's units; return each one's (file, key, checksums) for the manifest."""
     puts = {(p.file, p.tkey): p for p in job.puts}
     grouped = manifest.pieces_of()
-    meter = _Meter(sum(u.nbytes for u in share), progress)
+    meter = _Meter([u.nbytes for u in share], progress)
     written = []
     with ExitStack() as stack, PieceReader(directory, manifest, reuse_outputs=2) as reader:
         for output in outputs.values():
@@ -483,7 +492,7 @@ def _worker(
     operation: Callable[..., Path], src: str, dst: str, options: dict[str, Any], queue: Any
 ) -> dict[str, str]:
     """(one of the ``workers`` processes) Its part of the collective operation."""
-    progress = None if queue is None else lambda done, total: queue.put((done, total))
+    progress = None if queue is None else lambda *update: queue.put(update)
     try:
         operation(src, dst, **options, progress=progress, collective=True)
     except MuonCkptError as exc:

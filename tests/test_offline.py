@@ -45,7 +45,7 @@ def saved(tmp_path_factory):
 def test_consolidate_matches_consolidated_save(saved, tmp_path):
     calls = []
     out = offline.consolidate(
-        saved["per_rank"], tmp_path / "c", progress=lambda done, total: calls.append((done, total))
+        saved["per_rank"], tmp_path / "c", progress=lambda *update: calls.append(update)
     )
     assert muonckpt.verify(out) == []
     mine = safetensors.torch.load_file(out / "optimizer.safetensors")
@@ -53,7 +53,10 @@ def test_consolidate_matches_consolidated_save(saved, tmp_path):
     assert mine.keys() == theirs.keys()
     for key, value in theirs.items():
         assert torch.equal(mine[key], value), key
-    assert calls[-1][0] == calls[-1][1] == sum(v.numel() * v.element_size() for v in mine.values())
+    total = sum(v.numel() * v.element_size() for v in mine.values())
+    count = len(mine)
+    assert calls[0] == (0, total, 0, count) and calls[-1] == (total, total, count, count)
+    assert len(calls) == len(mine) + 1
     manifest = muonckpt.read_manifest(out)
     assert manifest.kind == "consolidated"
     assert manifest.step == K

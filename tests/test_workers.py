@@ -90,13 +90,15 @@ def test_consolidate_with_workers_is_byte_identical(single, tmp_path, workers):
         single["src"],
         tmp_path / "c",
         workers=workers,
-        progress=lambda done, total: calls.append((done, total)),
+        progress=lambda *update: calls.append(update),
     )
     assert_same_files(single["consolidated"], out)
     assert muonckpt.verify(out) == []
     with SafetensorsReader(out / CONSOLIDATED_FILE) as reader:
-        total = sum(reader.record(k).nbytes for k in reader.keys())  # noqa: SIM118 - keys() is a method
-    assert calls[0] == (0, total) and calls[-1] == (total, total)
+        keys = reader.keys()
+        total = sum(reader.record(k).nbytes for k in keys)
+    count = len(keys)
+    assert calls[0] == (0, total, 0, count) and calls[-1] == (total, total, count, count)
     sharded = offline.consolidate(
         single["src"], tmp_path / "s", max_shard_size=800, workers=workers
     )
