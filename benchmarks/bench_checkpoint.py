@@ -17,6 +17,9 @@ page cache run several times slower than later ones and runs vary:
 ``muonckpt.save, new directory`` / ``..., no checksums``
     ``muonckpt.save(opt, new_dir)``; the second with checksumming stubbed out, which shows
     what checksums cost.
+``safetensors save_file + fsync, over its previous file``
+    the baseline for the overwrite case: the same file name every round, so opening it
+    truncates (frees) the previous round's data, as replacing a checkpoint must.
 ``muonckpt.save, overwrite``
     ``muonckpt.save(opt, same_dir, overwrite=True)`` over the previous checkpoint, which it
     deletes after the atomic swap.
@@ -43,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import tempfile
@@ -87,6 +91,7 @@ SAVES = {
     "torch_save": "torch.save + fsync (naive)",
     "dcp": "DCP dcp.save (HF safetensors, fsyncs)",
     "muonckpt": "muonckpt.save, new directory",
+    "save_file_overwrite": "safetensors save_file + fsync, over its previous file",
     "muonckpt_overwrite": "muonckpt.save, overwrite",
     "muonckpt_no_checksums": "muonckpt.save, new directory, no checksums",
 }
@@ -104,6 +109,11 @@ def _rounds(variants: dict[str, Callable[[int], object]], repeats: int, reset=No
         for key, run in variants.items():
             if reset:
                 reset(key, round_)
+            # Deletions (of outputs, or of the checkpoint an overwrite replaced) on a filesystem
+            # mounted with `discard` queue work that the next fsync waits for: settle it here,
+            # untimed, so no variant pays for another's.
+            dist.barrier()
+            os.sync()
             dist.barrier()
             before = reset_peak_rss()
             start = time.perf_counter()
@@ -129,11 +139,13 @@ def save_worker(shapes, dp: int, tp: int, workdir: str, repeats: int) -> dict:
     def out(key: str, round_: int) -> Path:
         return root / key / f"round-{round_}"
 
-    def save_file(round_: int) -> None:
-        path = out("save_file", round_) / f"rank-{rank:05d}.safetensors"
+    def save_file_at(path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         safetensors.torch.save_file(local, str(path))
         fsync_path(path)
+
+    def save_file(round_: int) -> None:
+        save_file_at(out("save_file", round_) / f"rank-{rank:05d}.safetensors")
 
     def torch_save(round_: int) -> None:
         path = out("torch_save", round_) / f"rank-{rank:05d}.pt"
@@ -162,6 +174,7 @@ def save_worker(shapes, dp: int, tp: int, workdir: str, repeats: int) -> dict:
         "torch_save": torch_save,
         "dcp": dcp_save,
         "muonckpt": lambda r: muonckpt.save(opt, out("muonckpt", r)),
+        "save_file_overwrite": lambda r: save_file_at(root / "overwrite-file" / f"{rank}.st"),
         "muonckpt_overwrite": lambda r: muonckpt.save(opt, root / "overwrite", overwrite=True),
         "muonckpt_no_checksums": no_checksums,
     }
@@ -265,6 +278,8 @@ def run(size: str, dp: int, tp: int, to_dp: int, to_tp: int, repeats: int, where
         "to": f"{to_dp}x{to_tp}",
         "rows": rows,
         "checksums_add": by_tool[SAVES["muonckpt"]] / by_tool[SAVES["muonckpt_no_checksums"]] - 1,
+        "overwrite_ratio": by_tool[SAVES["muonckpt_overwrite"]]
+        / by_tool[SAVES["save_file_overwrite"]],
         "load_bound_ok": all(
             r["rss_growth"]["muonckpt"] <= r["share_bytes"] + bound for r in loads
         ),

@@ -342,6 +342,9 @@ def bench_size(size_arg: str, args, root: Path, launcher: _Launcher) -> dict:
         for _ in range(args.repeats):
             dst = size_dir / f"out-{op}"
             shutil.rmtree(dst, ignore_errors=True)
+            # Deleting GBs on a filesystem mounted with `discard` queues work that the next
+            # fsync waits for: settle it here, untimed, so no row pays for another's output.
+            os.sync()
             if args.drop_caches:
                 _drop_caches()
             run = launcher.run(commands[op](str(dst)))

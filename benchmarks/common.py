@@ -120,7 +120,8 @@ def checkpoint_notes(res: dict) -> str:
     alone = max(s["checksum_alone_s"] for s in res["saves"])
     return (
         f"Checksums add {res['checksums_add']:.0%} to muonckpt.save (new directory); "
-        f"checksumming a rank's state alone takes up to {alone:.2f} s. muonckpt.load RSS growth "
-        f"within share + largest tensor + 200 MiB on every rank: "
+        f"checksumming a rank's state alone takes up to {alone:.2f} s. Overwriting, muonckpt.save "
+        f"takes {res['overwrite_ratio']:.2f}x save_file over its previous file. muonckpt.load "
+        f"RSS growth within share + largest tensor + 200 MiB on every rank: "
         f"{'yes' if res['load_bound_ok'] else 'NO'}."
     )
