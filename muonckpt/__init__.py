@@ -1,13 +1,41 @@
-"""muonckpt: checkpoint, inspect and reshard the sharded optimizer state of Muon."""
+"""muonckpt: checkpoint, inspect and reshard the sharded optimizer state of Muon.
 
-from .checkpoint import load, read_manifest, save, verify
+The public names below load their modules (and torch) on first use, so that the command line's
+``--help`` and the torch-free modules (``errors``, ``layout``, ``manifest``) import quickly.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from .errors import CheckpointError, CollectiveError, LayoutError, MuonCkptError, StateDictError
-from .hooks import gather_state_dict, install_hooks
 from .layout import ParamSpec, Topology, arrange
-from .optim import Muon, MuonDistMeta, adjusted_lr, newton_schulz, normalize_range
-from .sharding import ShardedParams, shard_for_groups, shard_param_groups
+
+if TYPE_CHECKING:
+    from .checkpoint import load, read_manifest, save, verify
+    from .hooks import gather_state_dict, install_hooks
+    from .optim import Muon, MuonDistMeta, adjusted_lr, newton_schulz, normalize_range
+    from .sharding import ShardedParams, shard_for_groups, shard_param_groups
 
 __version__ = "0.1.0"
+
+_LAZY = {
+    "load": "checkpoint",
+    "read_manifest": "checkpoint",
+    "save": "checkpoint",
+    "verify": "checkpoint",
+    "gather_state_dict": "hooks",
+    "install_hooks": "hooks",
+    "Muon": "optim",
+    "MuonDistMeta": "optim",
+    "adjusted_lr": "optim",
+    "newton_schulz": "optim",
+    "normalize_range": "optim",
+    "ShardedParams": "sharding",
+    "shard_for_groups": "sharding",
+    "shard_param_groups": "sharding",
+}
 
 __all__ = [
     "CheckpointError",
@@ -33,3 +61,15 @@ __all__ = [
     "shard_param_groups",
     "verify",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

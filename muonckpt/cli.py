@@ -14,16 +14,20 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
 from rich.table import Table
 from typer.core import TyperGroup
 
-from . import collectives, offline
-from .checkpoint import verify as verify_checkpoint
 from .errors import CheckpointError, MuonCkptError
+
+if TYPE_CHECKING:
+    from .offline import Progress
+
+# The library (and torch, ~2.7 s to import on the benchmark machine) is imported by the
+# commands that use it, so that --help and usage errors answer at once.
 
 OK, PROBLEM, USAGE = 0, 1, 2
 
@@ -103,7 +107,7 @@ def _say(ctx: typer.Context, message: str) -> None:
 
 
 @contextmanager
-def _progress(ctx: typer.Context, what: str) -> Iterator[offline.Progress | None]:
+def _progress(ctx: typer.Context, what: str) -> Iterator[Progress | None]:
     """A rich bar (bytes, tensors, rate, ETA) on stderr when it is a terminal and not --quiet."""
     if _quiet(ctx) or not sys.stderr.isatty():
         yield None
@@ -169,6 +173,8 @@ def _ranks(ctx: typer.Context, workers: int) -> Iterator[bool]:
 
     Otherwise yield False. ``--workers`` with torchrun is a usage error.
     """
+    from . import collectives, offline
+
     if not collectives.launched_by_torchrun():
         yield False
         return
@@ -208,6 +214,8 @@ def consolidate(
     Under torchrun: torchrun --nproc-per-node 4 -m muonckpt.cli consolidate ckpt/step-1000
     -o ckpt/full
     """
+    from . import offline
+
     with _ranks(ctx, workers) as collective, _progress(ctx, "consolidate") as progress:
         out = offline.consolidate(
             src,
@@ -261,6 +269,8 @@ def reshard(
         if not sep or not name or not dim.lstrip("-").isdigit():
             raise typer.BadParameter(f"{item!r} is not NAME=DIM", param_hint="--tp-split")
         splits[name] = int(dim)
+    from . import offline
+
     with _ranks(ctx, workers) as collective, _progress(ctx, "reshard") as progress:
         out = offline.reshard(
             src,
@@ -278,6 +288,8 @@ def reshard(
 
 
 def _written(path: Path) -> str:
+    from . import offline
+
     info = offline.summarize(path)
     totals, topo = info["totals"], info["topology"]
     return (
@@ -295,6 +307,8 @@ def inspect(
 
     Example: muonckpt inspect ckpt/step-1000 --json
     """
+    from . import offline
+
     info = offline.summarize(src)
     if as_json:
         typer.echo(json.dumps(info, indent=2))
@@ -340,6 +354,8 @@ def verify(src: Src) -> None:
     """
     if not src.is_dir():
         raise CheckpointError("no checkpoint directory", path=src)
+    from .checkpoint import verify as verify_checkpoint
+
     problems = verify_checkpoint(src)
     console = _out()
     if not problems:
@@ -362,6 +378,8 @@ def diff(
 
     Exit 1 when any tensor differs beyond the tolerances. Example: muonckpt diff ckpt/a ckpt/b
     """
+    from . import offline
+
     rows = offline.diff(a, b, atol=atol, rtol=rtol)
     table = Table(show_edge=False)
     for column in ("param", "state key"):

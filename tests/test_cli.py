@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import sys
 
 import pytest
 from resume_cases import build, initial_params, train
@@ -201,3 +202,25 @@ def test_demo_small(tmp_path):
         assert text in result.stdout
     assert "NO" not in result.stdout
     assert muonckpt.read_manifest(tmp_path / "resharded").topology == {"dp": 2, "tp": 1}
+
+
+def test_help_and_usage_errors_do_not_import_torch():
+    probe = (
+        "import sys\n"
+        "from typer.testing import CliRunner\n"
+        "from muonckpt.cli import app\n"
+        "assert CliRunner().invoke(app, ['--help']).exit_code == 0\n"
+        "assert CliRunner().invoke(app, ['reshard']).exit_code == 2\n"
+        "print('torch' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "False"
+
+
+def test_lazy_public_names_all_resolve():
+    assert set(muonckpt.__all__) <= set(dir(muonckpt))
+    for name in muonckpt.__all__:
+        assert getattr(muonckpt, name) is not None
+    with pytest.raises(AttributeError):
+        muonckpt.not_a_name  # noqa: B018
