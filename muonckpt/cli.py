@@ -97,6 +97,12 @@ def _quiet(ctx: typer.Context) -> bool:
     return bool((ctx.obj or {}).get("quiet"))
 
 
+def _also_quiet(ctx: typer.Context, quiet: bool) -> None:
+    """A command's own --quiet, the same as the global one."""
+    if quiet:
+        ctx.obj = {**(ctx.obj or {}), "quiet": True}
+
+
 def _out() -> Console:
     return Console(highlight=False, soft_wrap=False)
 
@@ -155,6 +161,10 @@ Dst = Annotated[
     Path, typer.Option("--output", "-o", help="Checkpoint directory to write.", show_default=False)
 ]
 Force = Annotated[bool, typer.Option("--force", "-f", help="Replace an existing output.")]
+Quiet = Annotated[
+    bool,
+    typer.Option("--quiet", "-q", help="No progress bar and no summary line (as muonckpt -q)."),
+]
 Workers = Annotated[
     int,
     typer.Option(
@@ -204,6 +214,7 @@ def consolidate(
     ] = None,
     force: Force = False,
     workers: Workers = 1,
+    quiet: Quiet = False,
 ) -> None:
     """Rewrite any checkpoint as full-shape tensors (state.<param>.<key>) in safetensors files.
 
@@ -216,6 +227,7 @@ def consolidate(
     """
     from . import offline
 
+    _also_quiet(ctx, quiet)
     with _ranks(ctx, workers) as collective, _progress(ctx, "consolidate") as progress:
         out = offline.consolidate(
             src,
@@ -253,6 +265,7 @@ def reshard(
     ] = None,
     force: Force = False,
     workers: Workers = 1,
+    quiet: Quiet = False,
 ) -> None:
     """Rewrite any checkpoint as one file per rank of a dp x tp job.
 
@@ -271,6 +284,7 @@ def reshard(
         splits[name] = int(dim)
     from . import offline
 
+    _also_quiet(ctx, quiet)
     with _ranks(ctx, workers) as collective, _progress(ctx, "reshard") as progress:
         out = offline.reshard(
             src,

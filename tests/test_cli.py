@@ -76,7 +76,6 @@ def test_reshard_consolidate_and_force(ckpts, tmp_path):
     assert result.stderr == ""
     assert muonckpt.read_manifest(out).topology == {"dp": 1, "tp": 2}
     result = cli(
-        "-q",
         "reshard",
         ckpts["a"],
         "--dp",
@@ -88,8 +87,10 @@ def test_reshard_consolidate_and_force(ckpts, tmp_path):
         "-o",
         out,
         "-f",
+        "-q",  # the command's own --quiet, after it
     )
     assert result.exit_code == 0, result.output
+    assert result.stderr == ""
     assert muonckpt.read_manifest(out).param("w_in").tp_split_dim == 0
     assert any(
         p.param == "w_in" and p.file == rank_file(1, 2) for p in muonckpt.read_manifest(out).pieces
