@@ -91,17 +91,17 @@ def save(
     me, dst = collectives.global_rank(), sharding.destination
     staging: Any = None
     if me == dst:
-        staging = _as_outcome(lambda: str(storage.make_staging(final, overwrite)))
+        staging = collectives.as_outcome(lambda: str(storage.make_staging(final, overwrite)))
     staging = Path(_agree_or_raise(sharding, staging))
     try:
         if consolidated:
             report = _write_consolidated(optimizer, sharding, staging, max_shard_size)
         else:
-            report = _as_outcome(lambda: _write_rank_file(optimizer, sharding, staging))
+            report = collectives.as_outcome(lambda: _write_rank_file(optimizer, sharding, staging))
         reports = collectives.gather_json(report, sharding.participants, dst)
         outcome = None
         if me == dst:
-            outcome = _as_outcome(
+            outcome = collectives.as_outcome(
                 lambda: _commit(optimizer, sharding, staging, final, reports, consolidated)
             )
         replaced = _agree_or_raise(sharding, outcome)
@@ -112,9 +112,6 @@ def save(
     if replaced is not None:
         _retire_together(sharding, replaced)
     return final
-
-
-_as_outcome = collectives.as_outcome
 
 
 def _agree_or_raise(sharding: Sharding, value: Any) -> Any:
@@ -191,7 +188,7 @@ def _write_consolidated(
         for name, state in by_name.items()
         for key, value in sorted(state.items())
     ]
-    return _as_outcome(
+    return collectives.as_outcome(
         lambda: _report(
             *write_full_tensors(
                 staging, items, lambda name, key: by_name[name][key], max_shard_size=max_shard_size
