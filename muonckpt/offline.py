@@ -151,8 +151,9 @@ def consolidate(
             ``optimizer.safetensors.index.json``; otherwise one ``optimizer.safetensors``.
             A tensor larger than the limit gets a file of its own.
         overwrite: replace an existing ``dst``.
-        progress: called with (bytes written, total bytes) after each tensor. With several
-            processes it follows rank 0's share, scaled to the total.
+        progress: a :data:`Progress`, called with the bytes and tensors written and their
+            totals, at the start and after each tensor. With several processes it follows
+            rank 0's share, scaled to the total.
         workers: processes on this machine that share the writing (a local gloo group);
             the output is the same, byte for byte, for any number. They start from a
             forkserver, so a calling script needs the ``if __name__ == "__main__":`` guard.
