@@ -33,7 +33,7 @@ from .hooks import (
     gather_state_dict,
     remap_groups,
 )
-from .layout import Region, Run, copy_runs, whole_region
+from .layout import Region, Strided, strided_runs, whole_region
 from .manifest import (
     CONSOLIDATED,
     MANIFEST_NAME,
@@ -505,30 +505,37 @@ class PieceReader:
         return record
 
     def read_into(
-        self, local: torch.Tensor, piece: Piece, runs: list[Run], entry: ParamEntry
+        self, local: torch.Tensor, piece: Piece, groups: list[Strided], entry: ParamEntry
     ) -> None:
-        """Read ``runs`` of ``piece`` straight into flat ``local``: one verified scatter read.
+        """Copy ``groups`` of ``piece`` into flat ``local``, verifying what is read.
 
-        The kernel copies file bytes to their final places (rows of a TP block included); only
-        the bytes that checksum verification needs but ``local`` does not land in one scratch
-        buffer, reused across pieces.
+        Single runs (a ZeRO slice of a row-split or unsplit tensor) are read straight into
+        place, one scatter read. Strided rows (a TP column block) are read as one contiguous
+        span into a reused scratch buffer, then placed by one 2-D copy per group: the per-row
+        work stays in C whatever the number of rows.
         """
         record = self.check_header(piece, entry)
         if self._scratch.numel() < record.nbytes:
             self._scratch = torch.empty(record.nbytes, dtype=torch.uint8)
-        size = local.element_size()
-        out = storage.byte_view(local)
-        placements = [
-            (r.src * size, out[r.dst * size : (r.dst + r.length) * size])
-            for r in sorted(runs, key=lambda r: r.src)
-        ]
-        self.reader(piece.file).read_into(
-            piece.tensor,
-            placements,
-            checksums=piece.checksums,
-            chunk_bytes=piece.chunk_bytes,
-            scratch=self._scratch,
-        )
+        reader = self.reader(piece.file)
+        options = {"checksums": piece.checksums, "chunk_bytes": piece.chunk_bytes}
+        if all(g.count == 1 for g in groups):
+            size = local.element_size()
+            out = storage.byte_view(local)
+            placements = [
+                (g.src * size, out[g.dst * size : (g.dst + g.length) * size])
+                for g in sorted(groups, key=lambda g: g.src)
+            ]
+            reader.read_into(piece.tensor, placements, scratch=self._scratch, **options)
+            return
+        lo = min(g.src for g in groups)
+        hi = max(g.src + (g.count - 1) * g.src_step + g.length for g in groups)
+        data = reader.read(piece.tensor, lo, hi, scratch=self._scratch, **options)
+        for g in groups:
+            shape = (g.count, g.length)
+            local.as_strided(shape, (g.dst_step, 1), local.storage_offset() + g.dst).copy_(
+                data.as_strided(shape, (g.src_step, 1), data.storage_offset() + g.src - lo)
+            )
 
     def _output(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         if not self._ring:
@@ -544,10 +551,10 @@ class PieceReader:
         out = self._output(target.numel, storage.torch_dtype(entry.dtype))
         filled = 0
         for piece in pieces:
-            runs = copy_runs(piece.region, target)
-            if runs:
-                self.read_into(out, piece, runs, entry)
-                filled += sum(r.length for r in runs)
+            groups = strided_runs(piece.region, target)
+            if groups:
+                self.read_into(out, piece, groups, entry)
+                filled += sum(g.length * g.count for g in groups)
         if filled != target.numel:
             raise CheckpointError(
                 f"pieces cover {filled} of the {target.numel} elements needed",

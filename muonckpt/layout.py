@@ -219,6 +219,96 @@ def copy_runs(source: Region, target: Region) -> list[Run]:
     return runs
 
 
+@dataclass(frozen=True)
+class Strided:
+    """``count`` runs of ``length`` elements, run ``i`` from ``src + i * src_step`` to
+    ``dst + i * dst_step``: the rows of a column block, copied as one 2-D strided copy."""
+
+    src: int
+    dst: int
+    length: int
+    count: int
+    src_step: int
+    dst_step: int
+
+    def runs(self) -> list[Run]:
+        return [
+            Run(self.src + i * self.src_step, self.dst + i * self.dst_step, self.length)
+            for i in range(self.count)
+        ]
+
+
+def strided_runs(source: Region, target: Region) -> list[Strided]:
+    """What :func:`copy_runs` copies, in O(1) groups instead of one run per matrix row.
+
+    Both regions must describe blocks of the same matrix view (equal ``cols``), or one of them
+    must span whole rows (as :func:`whole_region` does), which fits any view whose ``cols``
+    divides its range. Otherwise (a TP split dimension changed) this falls back to one
+    group per run of :func:`copy_runs`.
+    """
+    if source.numel <= 0 or target.numel <= 0:
+        return []
+    target = _common_view(target, like=source)
+    source = _common_view(source, like=target)
+    if source.cols != target.cols:
+        return [Strided(r.src, r.dst, r.length, 1, 0, 0) for r in copy_runs(source, target)]
+    lo = max(source.block_start, target.block_start)
+    hi = min(source.block_start + source.block_width, target.block_start + target.block_width)
+    if lo >= hi:
+        return []
+    first = max(source.start // source.block_width, target.start // target.block_width)
+    last = min((source.stop - 1) // source.block_width, (target.stop - 1) // target.block_width)
+    if first > last:
+        return []
+    # Rows strictly between the first and the last shared row are whole in both regions: one
+    # strided group. The first and last may be partial: each is copied on its own.
+    groups = _partial_row(source, target, first, lo, hi)
+    if last > first + 1:
+        groups.append(_row_group(source, target, first + 1, last - first - 1, lo, hi))
+    if last > first:
+        groups += _partial_row(source, target, last, lo, hi)
+    return groups
+
+
+def _common_view(region: Region, like: Region) -> Region:
+    """``region`` in the matrix view of ``like`` when ``region`` spans whole rows of its own."""
+    if region.block_width != region.cols or like.cols == region.cols:
+        return region
+    if region.cols % like.cols:
+        return region
+    return Region(like.cols, 0, like.cols, region.start, region.stop)
+
+
+def _row_group(source: Region, target: Region, row: int, count: int, lo: int, hi: int) -> Strided:
+    """Rows ``row .. row + count - 1``, whole in both regions, columns ``[lo, hi)``."""
+    return Strided(
+        src=row * source.block_width + lo - source.block_start - source.start,
+        dst=row * target.block_width + lo - target.block_start - target.start,
+        length=hi - lo,
+        count=count,
+        src_step=source.block_width,
+        dst_step=target.block_width,
+    )
+
+
+def _partial_row(source: Region, target: Region, row: int, lo: int, hi: int) -> list[Strided]:
+    """Row ``row`` (full-matrix columns ``[lo, hi)`` at most), as far as both regions hold it."""
+
+    def columns(region: Region) -> Range:
+        base = row * region.block_width
+        a = max(region.start - base, 0) + region.block_start
+        b = min(region.stop - base, region.block_width) + region.block_start
+        return a, b
+
+    (s_lo, s_hi), (t_lo, t_hi) = columns(source), columns(target)
+    a, b = max(lo, s_lo, t_lo), min(hi, s_hi, t_hi)
+    if a >= b:
+        return []
+    src = row * source.block_width + a - source.block_start - source.start
+    dst = row * target.block_width + a - target.block_start - target.start
+    return [Strided(src, dst, b - a, 1, 0, 0)]
+
+
 def _span(region: Region) -> Range:
     """Smallest full-flat ``[first, last + 1)`` containing a non-empty region."""
     width = region.block_width

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from muonckpt import LayoutError, ParamSpec, Topology, arrange
-from muonckpt.layout import copy_runs, dp_slice, tp_local_shape, whole_region
+from muonckpt.layout import Region, copy_runs, dp_slice, strided_runs, tp_local_shape, whole_region
 from muonckpt.regions import copy_runs_, extract, insert_
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -319,3 +319,38 @@ def test_bad_topology(dp, tp):
 
 def test_layout_error_is_value_error():
     assert issubclass(LayoutError, ValueError)
+
+
+@st.composite
+def region_pairs(draw):
+    """Two regions of one tensor: column blocks of one or two matrix views, or whole rows."""
+    numel = draw(st.sampled_from([12, 24, 36]))
+
+    def region() -> Region:
+        cols = draw(st.sampled_from([c for c in (1, 2, 3, 4, 6, 12, numel) if numel % c == 0]))
+        width = draw(st.integers(1, cols))
+        block_start = draw(st.integers(0, cols - width))
+        size = numel // cols * width
+        start = draw(st.integers(0, size))
+        return Region(cols, block_start, width, start, draw(st.integers(start, size)))
+
+    return region(), region()
+
+
+def _element_map(runs) -> tuple[dict[int, int], int]:
+    mapping, total = {}, 0
+    for run in runs:
+        total += run.length
+        mapping.update({run.dst + k: run.src + k for k in range(run.length)})
+    return mapping, total
+
+
+@settings(max_examples=400, deadline=None)
+@given(region_pairs())
+def test_strided_runs_copy_what_copy_runs_copies(pair):
+    source, target = pair
+    groups = strided_runs(source, target)
+    expanded = [run for group in groups for run in group.runs()]
+    assert _element_map(expanded) == _element_map(copy_runs(source, target))
+    if source.cols == target.cols:
+        assert len(groups) <= 3  # the first and last shared rows, and one group between
