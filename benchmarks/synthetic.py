@@ -20,9 +20,9 @@ import torch.distributed as dist
 import muonckpt
 from muonckpt.collectives import grid_groups
 from muonckpt.hooks import describe_muon
-from muonckpt.layout import Region, Topology, copy_runs
+from muonckpt.layout import Region, Topology, strided_runs
 from muonckpt.optim import ADAMW_STATE_KEYS, MUON_STATE_KEYS
-from muonckpt.regions import copy_runs_
+from muonckpt.regions import copy_groups_
 
 Shapes = dict[str, tuple[tuple[int, ...], int]]
 
@@ -133,11 +133,11 @@ def naive_share(files: Iterable[Path], regions: dict[str, Region]) -> dict[str, 
         part = torch.load(file, weights_only=True)
         for tkey, piece in part["state"].items():
             target = regions[param_of(tkey)]
-            runs = copy_runs(Region(*part["regions"][tkey]), target)
-            if runs:
+            groups = strided_runs(Region(*part["regions"][tkey]), target)
+            if groups:
                 if tkey not in own:
                     own[tkey] = torch.empty(target.numel, dtype=piece.dtype)
-                copy_runs_(own[tkey], piece.reshape(-1), runs)
+                copy_groups_(own[tkey], piece.reshape(-1), groups)
         del part
     return own
 

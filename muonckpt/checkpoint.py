@@ -48,6 +48,7 @@ from .manifest import (
     piece_from_json,
 )
 from .optim import Muon
+from .regions import copy_groups_
 
 CONSOLIDATED_FILE = "optimizer.safetensors"
 INDEX_FILE = "optimizer.safetensors.index.json"
@@ -531,11 +532,7 @@ class PieceReader:
         lo = min(g.src for g in groups)
         hi = max(g.src + (g.count - 1) * g.src_step + g.length for g in groups)
         data = reader.read(piece.tensor, lo, hi, scratch=self._scratch, **options)
-        for g in groups:
-            shape = (g.count, g.length)
-            local.as_strided(shape, (g.dst_step, 1), local.storage_offset() + g.dst).copy_(
-                data.as_strided(shape, (g.src_step, 1), data.storage_offset() + g.src - lo)
-            )
+        copy_groups_(local, data, groups, src_offset=lo)
 
     def _output(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         if not self._ring:

@@ -5,65 +5,39 @@ Plain tensor indexing driven by :mod:`muonckpt.layout`; no collectives and no I/
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 
 import torch
 
-from .layout import Region, Run
+from .layout import Region, Strided, strided_runs, whole_region
 
 
-def copy_runs_(dst: torch.Tensor, src: torch.Tensor, runs: Iterable[Run]) -> None:
-    """``dst[run.dst : run.dst+len] = src[run.src : run.src+len]`` for flat 1-D tensors.
+def copy_groups_(
+    dst: torch.Tensor, src: torch.Tensor, groups: Iterable[Strided], src_offset: int = 0
+) -> None:
+    """Copy each group's runs from flat ``src`` (shifted by ``src_offset``) into flat ``dst``.
 
-    Runs of one length at constant source and destination strides (the rows of a TP column
-    block) are copied as one strided 2-D copy instead of one copy per row.
+    One 2-D strided copy per group (the rows of a TP column block), so the per-row work stays
+    in C whatever the number of rows.
     """
     if dst.dim() != 1 or src.dim() != 1 or dst.stride(0) != 1 or src.stride(0) != 1:
-        raise ValueError("copy_runs_ needs contiguous 1-D tensors")
-    for first, count, src_step, dst_step in _strided_groups(list(runs)):
-        shape = (count, first.length)
-        dst.as_strided(shape, (dst_step, 1), dst.storage_offset() + first.dst).copy_(
-            src.as_strided(shape, (src_step, 1), src.storage_offset() + first.src)
+        raise ValueError("copy_groups_ needs contiguous 1-D tensors")
+    for g in groups:
+        shape = (g.count, g.length)
+        dst.as_strided(shape, (g.dst_step, 1), dst.storage_offset() + g.dst).copy_(
+            src.as_strided(shape, (g.src_step, 1), src.storage_offset() + g.src - src_offset)
         )
-
-
-def _strided_groups(runs: list[Run]) -> Iterator[tuple[Run, int, int, int]]:
-    """Maximal stretches of runs with equal length and constant src/dst steps."""
-    start = 0
-    while start < len(runs):
-        first, end = runs[start], start + 1
-        src_step = dst_step = 0
-        if end < len(runs) and runs[end].length == first.length:
-            src_step, dst_step = runs[end].src - first.src, runs[end].dst - first.dst
-            while (
-                end < len(runs)
-                and runs[end].length == first.length
-                and runs[end].src - runs[end - 1].src == src_step
-                and runs[end].dst - runs[end - 1].dst == dst_step
-            ):
-                end += 1
-        yield first, end - start, src_step, dst_step
-        start = end
 
 
 def extract(full: torch.Tensor, region: Region) -> torch.Tensor:
     """A new contiguous 1-D tensor holding ``region`` of ``full``, in the holder's order."""
     flat = full.reshape(-1)
     piece = torch.empty(region.numel, dtype=full.dtype, device=full.device)
-    copy_runs_(piece, flat, _identity_runs(region, piece=True))
+    copy_groups_(piece, flat, strided_runs(whole_region(flat.numel()), region))
     return piece
 
 
 def insert_(full: torch.Tensor, region: Region, piece: torch.Tensor) -> None:
     """Write a holder's 1-D ``piece`` of ``region`` into contiguous ``full`` in place."""
-    copy_runs_(full.view(-1), piece.reshape(-1), _identity_runs(region, piece=False))
-
-
-def _identity_runs(region: Region, *, piece: bool) -> list[Run]:
-    """Runs between full-flat coordinates and the holder's order (``piece``: full -> holder)."""
-    runs, offset = [], 0
-    for lo, hi in region.intervals():
-        src, dst = (lo, offset) if piece else (offset, lo)
-        runs.append(Run(src=src, dst=dst, length=hi - lo))
-        offset += hi - lo
-    return runs
+    flat = full.view(-1)
+    copy_groups_(flat, piece.reshape(-1), strided_runs(region, whole_region(flat.numel())))

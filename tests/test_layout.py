@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from muonckpt import LayoutError, ParamSpec, Topology, arrange
 from muonckpt.layout import Region, copy_runs, dp_slice, strided_runs, tp_local_shape, whole_region
-from muonckpt.regions import copy_runs_, extract, insert_
+from muonckpt.regions import copy_groups_, extract, insert_
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -202,7 +202,7 @@ def reshard_cases(draw):
 
 @SETTINGS
 @given(reshard_cases())
-def test_copy_runs_reshard_reproduces_target_pieces(case):
+def test_strided_runs_reshard_reproduces_target_pieces(case):
     specs, topo_a, kw_a, topo_b, kw_b = case
     src_layout, dst_layout = arrange(specs, topo_a, **kw_a), arrange(specs, topo_b, **kw_b)
     for i, spec in enumerate(specs):
@@ -218,10 +218,10 @@ def test_copy_runs_reshard_reproduces_target_pieces(case):
                 target = torch.full((target_region.numel,), float("nan"), dtype=torch.float64)
                 written = torch.zeros(target_region.numel, dtype=torch.int64)
                 for src_region, piece in sources:
-                    # owner_region is region or empty; its runs index the full source piece
-                    runs = copy_runs(src_region, target_region)
-                    copy_runs_(target, piece, runs)
-                    for run in runs:
+                    # owner_region is region or empty; its groups index the full source piece
+                    groups = strided_runs(src_region, target_region)
+                    copy_groups_(target, piece, groups)
+                    for run in (run for group in groups for run in group.runs()):
                         assert run.length > 0
                         written[run.dst : run.dst + run.length] += 1
                 assert bool((written == 1).all())
