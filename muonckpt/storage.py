@@ -495,11 +495,10 @@ class SafetensorsReader:
         """Fill ``segments`` in order from consecutive bytes at ``offset`` (short reads retried)."""
         fd = self._check_open()
         pending = list(segments)
-        position = offset
-        while pending:
-            batch = pending[:_IOV_MAX]
+        first, position = 0, offset
+        while first < len(pending):
             try:
-                got = _preadv(fd, batch, position)
+                got = _preadv(fd, pending[first : first + _IOV_MAX], position)
             except OSError as e:
                 raise self._fail(f"cannot read {what}: {e}", key) from e
             if got == 0:
@@ -509,11 +508,12 @@ class SafetensorsReader:
                     key,
                 )
             position += got
-            while got and pending:
-                if got >= len(pending[0]):
-                    got -= len(pending.pop(0))
+            while got and first < len(pending):
+                if got >= len(pending[first]):
+                    got -= len(pending[first])
+                    first += 1
                 else:
-                    pending[0] = pending[0][got:]
+                    pending[first] = pending[first][got:]
                     got = 0
 
     def read_tensor(
