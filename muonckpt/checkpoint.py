@@ -48,7 +48,6 @@ from .manifest import (
     piece_from_json,
 )
 from .optim import Muon
-from .regions import copy_groups_
 
 CONSOLIDATED_FILE = "optimizer.safetensors"
 INDEX_FILE = "optimizer.safetensors.index.json"
@@ -463,7 +462,6 @@ class PieceReader:
         self._stack = ExitStack()
         self._readers: dict[str, storage.SafetensorsReader] = {}
         self._sizes = {f.name: f.bytes for f in manifest.files}
-        self._scratch = torch.empty(0, dtype=torch.uint8)
         self._ring = [torch.empty(0, dtype=torch.uint8) for _ in range(reuse_outputs)]
         self._turn = 0
 
@@ -508,31 +506,15 @@ class PieceReader:
     def read_into(
         self, local: torch.Tensor, piece: Piece, groups: list[Strided], entry: ParamEntry
     ) -> None:
-        """Copy ``groups`` of ``piece`` into flat ``local``, verifying what is read.
-
-        Single runs (a ZeRO slice of a row-split or unsplit tensor) are read straight into
-        place, one scatter read. Strided rows (a TP column block) are read as one contiguous
-        span into a reused scratch buffer, then placed by one 2-D copy per group: the per-row
-        work stays in C whatever the number of rows.
-        """
-        record = self.check_header(piece, entry)
-        if self._scratch.numel() < record.nbytes:
-            self._scratch = torch.empty(record.nbytes, dtype=torch.uint8)
-        reader = self.reader(piece.file)
-        options = {"checksums": piece.checksums, "chunk_bytes": piece.chunk_bytes}
-        if all(g.count == 1 for g in groups):
-            size = local.element_size()
-            out = storage.byte_view(local)
-            placements = [
-                (g.src * size, out[g.dst * size : (g.dst + g.length) * size])
-                for g in sorted(groups, key=lambda g: g.src)
-            ]
-            reader.read_into(piece.tensor, placements, scratch=self._scratch, **options)
-            return
-        lo = min(g.src for g in groups)
-        hi = max(g.src + (g.count - 1) * g.src_step + g.length for g in groups)
-        data = reader.read(piece.tensor, lo, hi, scratch=self._scratch, **options)
-        copy_groups_(local, data, groups, src_offset=lo)
+        """Copy ``groups`` of ``piece`` into flat ``local``, verifying what is read."""
+        self.check_header(piece, entry)
+        self.reader(piece.file).read_groups(
+            piece.tensor,
+            storage.byte_view(local),
+            groups,
+            checksums=piece.checksums,
+            chunk_bytes=piece.chunk_bytes,
+        )
 
     def _output(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         if not self._ring:

@@ -411,7 +411,8 @@ def _read_everything(reader: storage.SafetensorsReader, clean: dict, data) -> No
 
 
 class _RecordingTorch:
-    """Stands in for ``torch`` inside muonckpt.storage: records every torch.empty size."""
+    """Stands in for ``torch`` inside muonckpt.storage: records every torch.empty size, and
+    (as :meth:`recording`) every header read's size too."""
 
     def __init__(self) -> None:
         self.sizes: list[int] = []
@@ -424,6 +425,20 @@ class _RecordingTorch:
     def __getattr__(self, name: str) -> Any:
         return getattr(torch, name)
 
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[None]:
+        pread = storage.SafetensorsReader._pread
+
+        def recorded(reader: storage.SafetensorsReader, offset: int, n: int, what: str) -> bytes:
+            self.sizes.append(n)
+            return pread(reader, offset, n, what)
+
+        with (
+            mock.patch.object(storage, "torch", self),
+            mock.patch.object(storage.SafetensorsReader, "_pread", recorded),
+        ):
+            yield
+
 
 @FUZZ
 @given(data=st.data())
@@ -435,7 +450,7 @@ def test_lying_safetensors_headers_fail_fast_with_checkpoint_error(st_file, data
     tracemalloc.start()
     began = time.perf_counter()
     try:
-        with watchdog(), mock.patch.object(storage, "torch", recording):
+        with watchdog(), recording.recording():
             try:
                 with storage.SafetensorsReader(path) as reader:
                     _read_everything(reader, st_file, data)
@@ -458,7 +473,7 @@ def test_huge_shape_header_is_refused_without_allocating(tmp_path):
     header = {"x": {"dtype": "F32", "shape": [2**40, 2**40], "data_offsets": [0, 2**82]}}
     path.write_bytes(_encode(header, b"\0" * 64))
     recording = _RecordingTorch()
-    with mock.patch.object(storage, "torch", recording), pytest.raises(CheckpointError):
+    with recording.recording(), pytest.raises(CheckpointError):
         storage.SafetensorsReader(path)
     assert max(recording.sizes) <= path.stat().st_size
 
@@ -468,7 +483,7 @@ def test_length_prefix_lie_is_refused_before_reading(tmp_path, lie):
     path = tmp_path / "lie.safetensors"
     path.write_bytes(struct.pack("<Q", lie) + b"{}      ")
     recording = _RecordingTorch()
-    with mock.patch.object(storage, "torch", recording), pytest.raises(CheckpointError):
+    with recording.recording(), pytest.raises(CheckpointError):
         storage.SafetensorsReader(path)
     assert recording.sizes == [8]  # the prefix itself, nothing the prefix asked for
 

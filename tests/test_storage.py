@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import struct
 import tempfile
 from pathlib import Path
@@ -16,11 +17,13 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from muonckpt.errors import CheckpointError
+from muonckpt.layout import Strided
 from muonckpt.storage import (
     CHECKSUM_ALGORITHM,
     CHUNK_BYTES,
     SafetensorsReader,
     TensorRecord,
+    byte_view,
     checksum_chunks,
     dtype_name,
     entries,
@@ -465,54 +468,76 @@ def test_swap_in_failure_keeps_old(tmp_path: Path) -> None:
 
 
 @st.composite
-def _placements(draw: st.DrawFn) -> tuple[int, int, list[tuple[int, int]]]:
-    nbytes = draw(st.integers(1, 400))
+def _strided_reads(draw: st.DrawFn) -> tuple[int, int, list[Strided]]:
+    """A tensor of ``numel`` int16 elements, a checksum chunk size, and strided copy groups
+    (each one's rows inside the tensor) placed one after another in the output."""
+    numel = draw(st.integers(1, 300))
     chunk = draw(st.integers(1, 64))
-    cuts = sorted(draw(st.lists(st.integers(0, nbytes), min_size=2, max_size=12)))
-    spans = [(a, b) for a, b in zip(cuts[::2], cuts[1::2]) if draw(st.booleans()) or a == b]
-    return nbytes, chunk, spans
+    groups, dst = [], 0
+    for _ in range(draw(st.integers(1, 4))):
+        length = draw(st.integers(1, numel))
+        count = draw(st.integers(1, 4))
+        step = draw(st.integers(length, numel)) if count > 1 else 0
+        last_src = numel - length - (count - 1) * step
+        if last_src < 0:
+            count, step, last_src = 1, 0, numel - length
+        src = draw(st.integers(0, last_src))
+        groups.append(Strided(src, dst, length, count, step, length))
+        dst += length * count
+    return numel, chunk, groups
 
 
 @settings(max_examples=150, deadline=None)
-@given(_placements(), st.booleans())
-def test_read_into_scatters_and_verifies(case, corrupt) -> None:
-    nbytes, chunk, spans = case
-    data = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
+@given(_strided_reads(), st.booleans())
+def test_read_groups_places_rows_and_verifies(case, corrupt) -> None:
+    numel, chunk, groups = case
+    data = torch.randint(-(2**15), 2**15, (numel,), dtype=torch.int16)
+    expected = torch.cat([data[r.src : r.src + r.length] for g in groups for r in g.runs()])
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "t.safetensors"
         rec = write_safetensors(path, {"t": data}, chunk_bytes=chunk)["t"]
-        wanted = [(a, b) for a, b in spans if b > a]
-        if corrupt and wanted:
-            # Flip a byte inside the chunks the read covers: the read must refuse it.
-            lo, hi = wanted[0][0], wanted[-1][1]
-            victim = (lo // chunk * chunk + min(hi, nbytes - 1)) // 2
+        if corrupt:
+            # Flip a byte the first group reads: the verified read must refuse it.
             raw = bytearray(path.read_bytes())
-            raw[rec.offset + victim] ^= 0xFF
+            raw[rec.offset + groups[0].src * 2] ^= 0xFF
             path.write_bytes(bytes(raw))
-        outs = [torch.zeros(b - a, dtype=torch.uint8) for a, b in spans]
-        placements = [(a, memoryview(o.numpy())) for (a, _), o in zip(spans, outs)]
+        out = torch.zeros(len(expected), dtype=torch.int16)
         with SafetensorsReader(path) as r:
-            if corrupt and wanted:
-                with pytest.raises(CheckpointError, match="checksum mismatch"):
-                    r.read_into("t", placements, checksums=rec.checksums, chunk_bytes=chunk)
+            if corrupt:
+                with pytest.raises(CheckpointError, match="checksum mismatch in chunk"):
+                    r.read_groups(
+                        "t", byte_view(out), groups, checksums=rec.checksums, chunk_bytes=chunk
+                    )
+                assert not out.any()  # nothing copied before the check
                 return
-            r.read_into("t", placements, checksums=rec.checksums, chunk_bytes=chunk)
-            for (a, b), out in zip(spans, outs):
-                assert torch.equal(out, data[a:b])
-            r.read_into("t", placements)  # unverified: the same bytes
-            for (a, b), out in zip(spans, outs):
-                assert torch.equal(out, data[a:b])
+            r.read_groups("t", byte_view(out), groups, checksums=rec.checksums, chunk_bytes=chunk)
+            assert torch.equal(out, expected)
+            out.zero_()
+            r.read_groups("t", byte_view(out), groups)  # unverified: the same bytes
+            assert torch.equal(out, expected)
 
 
-def test_read_into_more_placements_than_one_preadv_takes(tmp_path: Path) -> None:
-    data = torch.arange(5000, dtype=torch.int16)  # 10000 bytes
-    rec = write_safetensors(tmp_path / "t.safetensors", {"t": data}, chunk_bytes=512)["t"]
-    out = torch.zeros(2500, dtype=torch.int16)
-    view = memoryview(out.numpy()).cast("B")
-    # Every other element, 2500 placements: more than one preadv call's 1024 buffers.
-    placements = [(4 * i, view[2 * i : 2 * i + 2]) for i in range(2500)]
+def test_read_groups_refuses_groups_outside_tensor_or_output(tmp_path: Path) -> None:
+    data = torch.arange(100, dtype=torch.int16)
+    write_safetensors(tmp_path / "t.safetensors", {"t": data})
+    out = torch.zeros(10, dtype=torch.int16)
     with SafetensorsReader(tmp_path / "t.safetensors") as r:
-        r.read_into("t", placements, checksums=rec.checksums, chunk_bytes=512)
-        with pytest.raises(CheckpointError, match="sorted, disjoint"):
-            r.read_into("t", placements[::-1])
-    assert torch.equal(out, data[::2])
+        for bad in (
+            Strided(95, 0, 10, 1, 0, 0),  # past the tensor
+            Strided(0, 5, 10, 1, 0, 0),  # past the output
+            Strided(0, 0, 2, 3, 50, 2),  # third row past the tensor
+            Strided(-1, 0, 2, 1, 0, 0),
+        ):
+            with pytest.raises(CheckpointError, match="outside the tensor"):
+                r.read_groups("t", byte_view(out), [bad])
+        r.read_groups("t", byte_view(out), [Strided(1, 0, 2, 5, 20, 2)])
+    assert torch.equal(out, torch.tensor([1, 2, 21, 22, 41, 42, 61, 62, 81, 82], dtype=torch.int16))
+
+
+def test_read_of_a_file_truncated_after_open_raises(tmp_path: Path) -> None:
+    path = tmp_path / "t.safetensors"
+    write_safetensors(path, {"t": torch.arange(1000, dtype=torch.int32)})
+    with SafetensorsReader(path) as r:
+        os.truncate(path, path.stat().st_size - 100)
+        with pytest.raises(CheckpointError, match="file truncated"):
+            r.read("t")
