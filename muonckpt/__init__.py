@@ -13,16 +13,17 @@ from .errors import CheckpointError, CollectiveError, LayoutError, MuonCkptError
 from .layout import ParamSpec, Topology, arrange
 
 if TYPE_CHECKING:
-    from .checkpoint import load, read_manifest, save, verify
+    from .checkpoint import load, save, verify
     from .hooks import gather_state_dict, install_hooks
     from .optim import Muon, MuonDistMeta, adjusted_lr, newton_schulz, normalize_range
+    from .pieces import read_manifest
     from .sharding import ShardedParams, shard_for_groups, shard_param_groups
 
 __version__ = "0.1.0"
 
 _LAZY = {
     "load": "checkpoint",
-    "read_manifest": "checkpoint",
+    "read_manifest": "pieces",
     "save": "checkpoint",
     "verify": "checkpoint",
     "gather_state_dict": "hooks",

@@ -9,16 +9,12 @@ reads just those from whichever pieces hold them. Collectives come from
 
 from __future__ import annotations
 
-import json
 import math
 import os
-import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import ExitStack
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 
@@ -33,7 +29,7 @@ from .hooks import (
     gather_state_dict,
     remap_groups,
 )
-from .layout import Region, Strided, strided_runs, whole_region
+from .layout import whole_region
 from .manifest import (
     CONSOLIDATED,
     MANIFEST_NAME,
@@ -44,23 +40,22 @@ from .manifest import (
     ParamEntry,
     Piece,
     json_safe,
-    parse_manifest,
     piece_from_json,
 )
 from .optim import Muon
-
-CONSOLIDATED_FILE = "optimizer.safetensors"
-INDEX_FILE = "optimizer.safetensors.index.json"
-_STAGING_NAME = re.compile(rf"^\..+\.({storage.STAGING_TAG}-[0-9a-f]{{8}}|old-\d+)$")
-
-
-def tensor_key(param: str, key: str) -> str:
-    """torch's flattened optimizer-state key: ``state.<param name>.<state key>``."""
-    return f"state.{param}.{key}"
-
-
-def rank_file(rank: int, world_size: int) -> str:
-    return f"rank-{rank:05d}-of-{world_size:05d}.safetensors"
+from .pieces import (
+    INDEX_FILE,
+    PieceReader,
+    open_checkpoint,
+    piece_for,
+    prefetched,
+    rank_file,
+    read_manifest,
+    shard_files,
+    shard_index,
+    size_problems,
+    tensor_key,
+)
 
 
 def save(
@@ -150,20 +145,6 @@ def _write_rank_file(optimizer: Muon, sharding: Sharding, staging: Path) -> dict
     return _report([FileEntry(name, storage.file_size(staging / name))], pieces, records)
 
 
-def piece_for(
-    file: str, record: storage.TensorRecord, param: str, key: str, region: Region
-) -> Piece:
-    return Piece(
-        param=param,
-        key=key,
-        file=file,
-        tensor=record.key,
-        region=region,
-        checksums=record.checksums,
-        chunk_bytes=record.chunk_bytes,
-    )
-
-
 def _report(
     files: list[FileEntry], pieces: list[Piece], records: Mapping[str, storage.TensorRecord]
 ) -> dict[str, Any]:
@@ -197,28 +178,6 @@ def _write_consolidated(
     )
 
 
-T = TypeVar("T")
-R = TypeVar("R")
-
-
-def prefetched(items: Sequence[T], produce: Callable[[T], R]) -> Iterator[tuple[T, R]]:
-    """``(item, produce(item))`` in order, producing the next item on a thread meanwhile.
-
-    Reading (preadv, xxhash) and writing (write, xxhash) both release the GIL, so a reader one
-    tensor ahead of the writer keeps two cores busy. At most two produced values are alive, and
-    ``produce`` for item ``i + 2`` starts only once the consumer is done with item ``i``: a
-    :class:`PieceReader` with ``reuse_outputs=2`` can produce them.
-    """
-    with ThreadPoolExecutor(max_workers=1) as pool:
-        pending = pool.submit(produce, items[0]) if items else None
-        for index, item in enumerate(items):
-            value = pending.result()
-            if index + 1 < len(items):
-                pending = pool.submit(produce, items[index + 1])
-            yield item, value
-            del value
-
-
 def write_full_tensors(
     staging: Path,
     items: Sequence[tuple[str, str, str, tuple[int, ...]]],
@@ -237,7 +196,7 @@ def write_full_tensors(
     """
     by_key = {tensor_key(name, key): (name, key, dtype, shape) for name, key, dtype, shape in items}
     sizes = {
-        tkey: math.prod(shape) * storage.torch_dtype(dtype).itemsize
+        tkey: math.prod(shape) * storage.itemsize(dtype)
         for tkey, (_, _, dtype, shape) in by_key.items()
     }
     shards = shard_files(sizes, max_shard_size)
@@ -259,41 +218,6 @@ def write_full_tensors(
     if len(shards) > 1:
         storage.write_text_atomic(staging / INDEX_FILE, shard_index(shards, sizes))
     return files, pieces, all_records
-
-
-def shard_files(
-    sizes: Mapping[str, int], max_shard_size: int | None
-) -> list[tuple[str, list[str]]]:
-    """(file name, sorted tensor keys) of each consolidated file, given each key's bytes.
-
-    Keys in sorted order fill a file up to ``max_shard_size`` bytes (a larger tensor gets a
-    file of its own); one file, ``optimizer.safetensors``, without a limit or below it.
-    """
-    if max_shard_size is not None and max_shard_size <= 0:
-        raise CheckpointError(f"max_shard_size must be positive, got {max_shard_size}")
-    shards: list[list[str]] = [[]]
-    used = 0
-    for tkey in sorted(sizes):
-        if max_shard_size is not None and shards[-1] and used + sizes[tkey] > max_shard_size:
-            shards.append([])
-            used = 0
-        shards[-1].append(tkey)
-        used += sizes[tkey]
-    if len(shards) == 1:
-        return [(CONSOLIDATED_FILE, shards[0])]
-    return [
-        (f"optimizer-{i + 1:05d}-of-{len(shards):05d}.safetensors", keys)
-        for i, keys in enumerate(shards)
-    ]
-
-
-def shard_index(shards: Sequence[tuple[str, Sequence[str]]], sizes: Mapping[str, int]) -> str:
-    """The Hugging Face style ``optimizer.safetensors.index.json`` of sharded files."""
-    index = {
-        "metadata": {"total_size": sum(sizes.values())},
-        "weight_map": {tkey: file for file, keys in shards for tkey in keys},
-    }
-    return json.dumps(index, indent=2) + "\n"
 
 
 def _commit(
@@ -380,169 +304,6 @@ def build_manifest(
     )
 
 
-def read_manifest(path: str | os.PathLike[str]) -> Manifest:
-    """The parsed, schema-checked manifest of the checkpoint at ``path``."""
-    directory = Path(path)
-    manifest_path = directory / MANIFEST_NAME
-    if not directory.is_dir():
-        raise CheckpointError("no checkpoint directory", path=directory)
-    if _STAGING_NAME.match(directory.name):
-        raise CheckpointError(
-            "incomplete: a staging directory left by an interrupted save, not a checkpoint",
-            path=directory,
-        )
-    if not manifest_path.is_file():
-        raise CheckpointError(
-            "incomplete checkpoint: no manifest.json (the save was interrupted or is not done)",
-            path=manifest_path,
-        )
-    return parse_manifest(storage.read_text(manifest_path), manifest_path)
-
-
-def open_checkpoint(path: str | os.PathLike[str]) -> tuple[Path, Manifest]:
-    """The directory and manifest of a checkpoint whose pieces cover every state tensor once."""
-    directory = Path(path)
-    manifest = read_manifest(directory)
-    problems = _size_problems(manifest, directory) or [
-        CheckpointError(p, path=directory / MANIFEST_NAME) for p in manifest.coverage_problems()
-    ]
-    if problems:
-        raise problems[0]
-    return directory, manifest
-
-
-def _size_problems(manifest: Manifest, directory: Path) -> list[CheckpointError]:
-    """Files whose size differs from the manifest, or smaller than the pieces it puts in them.
-
-    Checked before coverage, so a manifest cannot make the coverage check walk regions larger
-    than the data actually on disk.
-    """
-    problems = []
-    claimed: dict[str, int] = {}
-    for piece in manifest.pieces:
-        itemsize = storage.torch_dtype(manifest.param(piece.param).dtype).itemsize
-        claimed[piece.file] = claimed.get(piece.file, 0) + piece.region.numel * itemsize
-    for entry in manifest.files:
-        path = directory / entry.name
-        if not path.is_file():
-            problems.append(CheckpointError("missing data file", path=path))
-            continue
-        size = storage.file_size(path)
-        if size != entry.bytes:
-            problems.append(
-                CheckpointError(
-                    f"file is {size} bytes, the manifest says {entry.bytes} "
-                    "(truncated or replaced)",
-                    path=path,
-                )
-            )
-        elif claimed.get(entry.name, 0) > size:
-            problems.append(
-                CheckpointError(
-                    f"the manifest puts {claimed[entry.name]} bytes of tensors in a "
-                    f"{size}-byte file",
-                    path=path,
-                )
-            )
-    return problems
-
-
-class PieceReader:
-    """Reads pieces of a checkpoint with checksums, keeping each needed file open once.
-
-    With ``reuse_outputs=n``, :meth:`gather` returns views into a ring of ``n`` buffers that
-    are reused, each result valid until ``n`` more gathers: streaming tools (which hold at most
-    ``n`` results) then skip the page faults of fresh allocations, which on some machines cost
-    several times the read itself.
-    """
-
-    def __init__(self, directory: Path, manifest: Manifest, *, reuse_outputs: int = 0) -> None:
-        self.directory = directory
-        self.manifest = manifest
-        self._stack = ExitStack()
-        self._readers: dict[str, storage.SafetensorsReader] = {}
-        self._sizes = {f.name: f.bytes for f in manifest.files}
-        self._ring = [torch.empty(0, dtype=torch.uint8) for _ in range(reuse_outputs)]
-        self._turn = 0
-
-    def __enter__(self) -> PieceReader:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stack.close()
-
-    def reader(self, file: str) -> storage.SafetensorsReader:
-        if file not in self._readers:
-            path = self.directory / file
-            if not path.is_file():
-                raise CheckpointError("missing data file", path=path)
-            if path.stat().st_size != self._sizes[file]:
-                raise CheckpointError(
-                    f"file is {path.stat().st_size} bytes, the manifest says {self._sizes[file]}"
-                    " (truncated or replaced)",
-                    path=path,
-                )
-            self._readers[file] = self._stack.enter_context(storage.SafetensorsReader(path))
-        return self._readers[file]
-
-    def check_header(self, piece: Piece, entry: ParamEntry) -> storage.TensorRecord:
-        reader = self.reader(piece.file)
-        if piece.tensor not in reader:
-            raise CheckpointError(
-                f"tensor {piece.tensor!r} missing from the file",
-                path=reader.path,
-                param=piece.param,
-            )
-        record = reader.record(piece.tensor)
-        if record.dtype != entry.dtype or record.numel != piece.region.numel:
-            raise CheckpointError(
-                f"header says {record.dtype} x {record.numel} elements, the manifest "
-                f"{entry.dtype} x {piece.region.numel}",
-                path=reader.path,
-                param=piece.param,
-            )
-        return record
-
-    def read_into(
-        self, local: torch.Tensor, piece: Piece, groups: list[Strided], entry: ParamEntry
-    ) -> None:
-        """Copy ``groups`` of ``piece`` into flat ``local``, verifying what is read."""
-        self.check_header(piece, entry)
-        self.reader(piece.file).read_groups(
-            piece.tensor,
-            storage.byte_view(local),
-            groups,
-            checksums=piece.checksums,
-            chunk_bytes=piece.chunk_bytes,
-        )
-
-    def _output(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        if not self._ring:
-            return torch.empty(numel, dtype=dtype)
-        slot, nbytes = self._turn % len(self._ring), numel * dtype.itemsize
-        self._turn += 1
-        if self._ring[slot].numel() < nbytes:
-            self._ring[slot] = torch.empty(nbytes, dtype=torch.uint8)
-        return self._ring[slot][:nbytes].view(dtype)
-
-    def gather(self, pieces: Sequence[Piece], entry: ParamEntry, target: Region) -> torch.Tensor:
-        """The elements of ``target`` (in its own order), read from the pieces overlapping it."""
-        out = self._output(target.numel, storage.torch_dtype(entry.dtype))
-        filled = 0
-        for piece in pieces:
-            groups = strided_runs(piece.region, target)
-            if groups:
-                self.read_into(out, piece, groups, entry)
-                filled += sum(g.length * g.count for g in groups)
-        if filled != target.numel:
-            raise CheckpointError(
-                f"pieces cover {filled} of the {target.numel} elements needed",
-                path=self.directory / MANIFEST_NAME,
-                param=entry.name,
-            )
-        return out
-
-
 def load(optimizer: Muon, path: str | os.PathLike[str]) -> None:
     """Load a checkpoint of any kind and source topology into ``optimizer`` at its topology.
 
@@ -563,7 +324,9 @@ def load(optimizer: Muon, path: str | os.PathLike[str]) -> None:
             if not entry.state_keys or param.local is None:
                 continue
             state[index] = {
-                key: reader.gather(grouped[entry.name, key], entry, param.local).reshape(p.shape)
+                key: storage.tensor_of_bytes(
+                    reader.gather(grouped[entry.name, key], entry, param.local), entry.dtype
+                ).reshape(p.shape)
                 for key in entry.state_keys
             }
     optimizer.load_state_dict(
@@ -603,7 +366,7 @@ def verify(path: str | os.PathLike[str]) -> list[CheckpointError]:
     except CheckpointError as exc:
         return [exc]
     try:
-        problems = _size_problems(manifest, directory)
+        problems = size_problems(manifest, directory)
     except CheckpointError as exc:
         return [exc]
     problems = problems or [

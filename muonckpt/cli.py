@@ -8,6 +8,7 @@ on stderr (a traceback only with ``--debug``), in :class:`_Group.invoke` alone.
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 from collections.abc import Iterator
@@ -26,8 +27,9 @@ from .errors import CheckpointError, MuonCkptError
 if TYPE_CHECKING:
     from .offline import Progress
 
-# The library (and torch, ~2.7 s to import on the benchmark machine) is imported by the
-# commands that use it, so that --help and usage errors answer at once.
+# The library is imported by the commands that use it, so that --help and usage errors answer
+# at once; torch (~2.7 s to import on the benchmark machine) only by those that need it:
+# consolidate and reshard in one process, inspect and verify-less paths run without it.
 
 OK, PROBLEM, USAGE = 0, 1, 2
 
@@ -177,17 +179,21 @@ Workers = Annotated[
 ]
 
 
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+"""What torchrun (and any env:// launcher) sets for each process."""
+
+
 @contextmanager
 def _ranks(ctx: typer.Context, workers: int) -> Iterator[bool]:
     """Under torchrun: join its gloo group (unless joined), quiet every rank but 0, yield True.
 
     Otherwise yield False. ``--workers`` with torchrun is a usage error.
     """
-    from . import collectives, offline
-
-    if not collectives.launched_by_torchrun():
+    if not all(name in os.environ for name in TORCHRUN_ENV):
         yield False
         return
+    from . import collectives, offline
+
     if workers != 1:
         raise typer.BadParameter(
             "not with torchrun, whose ranks already share the work", param_hint="--workers"

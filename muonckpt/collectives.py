@@ -7,7 +7,6 @@ uint8 tensors (no pickle, unlike torch's ``*_object`` collectives).
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
@@ -167,14 +166,6 @@ def agree_or_raise(value: Any, ranks: Sequence[int], src: int) -> Any:
     if isinstance(value, dict) and "error" in value:
         raise CheckpointError(value["error"])
     return value
-
-
-TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-"""What torchrun (and any env:// launcher) sets for each process."""
-
-
-def launched_by_torchrun() -> bool:
-    return all(name in os.environ for name in TORCHRUN_ENV)
 
 
 @contextmanager

@@ -2,7 +2,8 @@
 
 Library functions behind the ``muonckpt`` CLI, driven by a checkpoint's manifest and the pure
 layout math of :mod:`muonckpt.layout`. All file I/O goes through :mod:`muonckpt.storage` and
-:class:`muonckpt.checkpoint.PieceReader` (which verifies checksums on every read).
+:class:`muonckpt.pieces.PieceReader` (which verifies checksums on every read). A single-process
+``consolidate`` or ``reshard`` does not import torch.
 
 ``consolidate`` and ``reshard`` first plan the whole output (a :class:`_Job`: files, and which
 elements of which param state each output tensor holds), then write it
@@ -29,24 +30,10 @@ from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from . import collectives, storage
-from .checkpoint import (
-    INDEX_FILE,
-    PieceReader,
-    open_checkpoint,
-    piece_for,
-    prefetched,
-    rank_file,
-    shard_files,
-    shard_index,
-    tensor_key,
-)
+from . import storage
 from .errors import CheckpointError, LayoutError, MuonCkptError
-from .launch import run_distributed
 from .layout import ParamSpec, Region, Topology, arrange, whole_region
 from .manifest import (
     CONSOLIDATED,
@@ -57,7 +44,24 @@ from .manifest import (
     ParamEntry,
     Piece,
 )
+from .pieces import (
+    INDEX_FILE,
+    PieceReader,
+    open_checkpoint,
+    piece_for,
+    prefetched,
+    rank_file,
+    shard_files,
+    shard_index,
+    tensor_key,
+)
 from .workplan import WorkUnit, split_work
+
+if TYPE_CHECKING:
+    import torch
+
+# torch (and so collectives and launch) is imported only by the paths that need it: several
+# processes, and diff.
 
 Progress = Callable[[int, int, int, int], None]
 """``progress(done_bytes, total_bytes, done_tensors, total_tensors)``, called once at the start
@@ -67,10 +71,6 @@ WORKER_TIMEOUT: float = 7 * 24 * 3600.0
 """Seconds a ``workers > 1`` run may take before its processes are killed."""
 
 __all__ = ["WORKER_TIMEOUT", "consolidate", "diff", "open_checkpoint", "reshard", "summarize"]
-
-
-def _itemsize(dtype: str) -> int:
-    return storage.torch_dtype(dtype).itemsize
 
 
 class _Meter:
@@ -103,7 +103,7 @@ class _Put:
 
     @property
     def nbytes(self) -> int:
-        return self.region.numel * _itemsize(self.entry.dtype)
+        return self.region.numel * storage.itemsize(self.entry.dtype)
 
 
 @dataclass(frozen=True)
@@ -165,7 +165,7 @@ def consolidate(
     _check_workers(workers, collective)
     directory, manifest = open_checkpoint(src)
     entries = {tensor_key(e.name, k): (e, k) for e in manifest.params for k in e.state_keys}
-    sizes = {tkey: e.numel * _itemsize(e.dtype) for tkey, (e, _) in entries.items()}
+    sizes = {tkey: e.numel * storage.itemsize(e.dtype) for tkey, (e, _) in entries.items()}
     shards = shard_files(sizes, max_shard_size)
     job = _Job(
         manifest=replace(manifest, kind=CONSOLIDATED, files=(), pieces=()),
@@ -279,8 +279,11 @@ def _check_workers(workers: int, collective: bool) -> None:
         raise CheckpointError(f"workers must be positive, got {workers}")
     if workers > 1 and collective:
         raise CheckpointError("workers > 1 and collective=True exclude each other")
-    if collective and not collectives.is_distributed():
-        raise CheckpointError("collective=True needs an initialized default process group")
+    if collective:
+        from . import collectives
+
+        if not collectives.is_distributed():
+            raise CheckpointError("collective=True needs an initialized default process group")
 
 
 def _fetch(reader: PieceReader, grouped: Mapping[tuple[str, str], list[Piece]], put: _Put):
@@ -350,6 +353,8 @@ def _write_collectively(
     progress: Progress | None,
 ) -> None:
     """Each rank writes its share of the planned tensors; rank 0 commits (a collective)."""
+    from . import collectives
+
     ranks = collectives.group_ranks(None)
     me, root = collectives.global_rank(), ranks[0]
     staging: Any = None
@@ -466,6 +471,8 @@ def _spawn(
 ) -> Path:
     """Run ``operation(src, dst, **options, collective=True)`` in ``workers`` gloo processes;
     rank 0's progress comes back through a queue."""
+    from .launch import run_distributed
+
     queue = mp.get_context("forkserver").Queue() if progress is not None else None
     relay = threading.Thread(target=_relay, args=(queue, progress), daemon=True)
     if queue is not None:
@@ -515,7 +522,7 @@ def summarize(src: str | os.PathLike[str]) -> dict[str, Any]:
             "tp_split_dim": e.tp_split_dim,
             "group": e.group,
             "state_keys": list(e.state_keys),
-            "bytes": e.numel * _itemsize(e.dtype) * len(e.state_keys),
+            "bytes": e.numel * storage.itemsize(e.dtype) * len(e.state_keys),
         }
         for e in manifest.params
     ]
@@ -595,14 +602,16 @@ def diff(
                     row(name, key, f"state key only in {'A' if key in ea.state_keys else 'B'}")
                     continue
                 whole = whole_region(ea.numel)
-                x = read_a.gather(pieces_a[name, key], ea, whole)
-                y = read_b.gather(pieces_b[name, key], eb, whole)
+                x = storage.tensor_of_bytes(read_a.gather(pieces_a[name, key], ea, whole), ea.dtype)
+                y = storage.tensor_of_bytes(read_b.gather(pieces_b[name, key], eb, whole), eb.dtype)
                 row(name, key, **_compare(x, y, atol, rtol))
                 del x, y
     return rows
 
 
 def _compare(x: torch.Tensor, y: torch.Tensor, atol: float, rtol: float) -> dict[str, Any]:
+    import torch
+
     if x.numel() == 0:
         return {"max_abs": 0.0, "max_rel": 0.0, "equal": True}
     bitwise = torch.equal(x.view(torch.uint8), y.view(torch.uint8))

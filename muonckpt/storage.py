@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import functools
 import itertools
 import json
 import math
@@ -33,16 +34,18 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import astuple, dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 import xxhash
 from numpy.lib.stride_tricks import as_strided
 
 from .errors import CheckpointError
 from .layout import Strided
 from .manifest import CHECKSUM_ALGORITHM
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "CHECKSUM_ALGORITHM",
@@ -53,6 +56,7 @@ __all__ = [
     "checksum_chunks",
     "dtype_name",
     "fsync_dir",
+    "itemsize",
     "torch_dtype",
     "write_safetensors",
     "write_text_atomic",
@@ -72,29 +76,59 @@ took 0.35-3.7 s from run to run, in 1 MiB calls a steady 0.31-0.42 s."""
 
 _MAP_FLAGS = getattr(mmap, "MAP_SHARED", 0) | getattr(mmap, "MAP_POPULATE", 0)
 
-_DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
+_ITEMSIZE: dict[str, int] = {
+    "F64": 8,
+    "F32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "I64": 8,
+    "I32": 4,
+    "I16": 2,
+    "I8": 1,
+    "U64": 8,
+    "U32": 4,
+    "U16": 2,
+    "U8": 1,
+    "BOOL": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
 }
-for _name, _attr in (
-    ("U64", "uint64"),
-    ("U32", "uint32"),
-    ("U16", "uint16"),
-    ("F8_E4M3", "float8_e4m3fn"),
-    ("F8_E5M2", "float8_e5m2"),
-):
-    if hasattr(torch, _attr):
-        _DTYPES[_name] = getattr(torch, _attr)
-_NAMES: dict[torch.dtype, str] = {dt: name for name, dt in _DTYPES.items()}
-_ITEMSIZE: dict[str, int] = {name: dt.itemsize for name, dt in _DTYPES.items()}
+"""Bytes per element of each safetensors dtype this module reads and writes. The module works
+in bytes and imports torch only where a caller hands over or asks for a tensor, so that the
+offline tools run without it."""
+
+_TORCH_NAMES = {
+    "F64": "float64",
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U64": "uint64",
+    "U32": "uint32",
+    "U16": "uint16",
+    "U8": "uint8",
+    "BOOL": "bool",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+}
+
+
+@functools.cache
+def _torch_dtypes() -> dict[str, torch.dtype]:
+    """safetensors dtype string -> torch dtype, for those this torch has."""
+    import torch
+
+    return {
+        name: getattr(torch, attr) for name, attr in _TORCH_NAMES.items() if hasattr(torch, attr)
+    }
+
+
+@functools.cache
+def _dtype_names() -> dict[torch.dtype, str]:
+    return {dt: name for name, dt in _torch_dtypes().items()}
 
 
 @dataclass(frozen=True)
@@ -120,7 +154,15 @@ class TensorRecord:
 def torch_dtype(name: str) -> torch.dtype:
     """The torch dtype of a safetensors dtype string."""
     try:
-        return _DTYPES[name]
+        return _torch_dtypes()[name]
+    except (KeyError, TypeError):
+        raise CheckpointError(f"unknown safetensors dtype {name!r}") from None
+
+
+def itemsize(name: str) -> int:
+    """Bytes per element of a safetensors dtype string."""
+    try:
+        return _ITEMSIZE[name]
     except (KeyError, TypeError):
         raise CheckpointError(f"unknown safetensors dtype {name!r}") from None
 
@@ -128,20 +170,18 @@ def torch_dtype(name: str) -> torch.dtype:
 def dtype_name(dtype: torch.dtype) -> str:
     """The safetensors dtype string of a torch dtype."""
     try:
-        return _NAMES[dtype]
+        return _dtype_names()[dtype]
     except (KeyError, TypeError):
         raise CheckpointError(f"dtype {dtype} cannot be stored in a safetensors file") from None
 
 
-def checksum_chunks(data: torch.Tensor, chunk_bytes: int = CHUNK_BYTES) -> tuple[str, ...]:
-    """Checksums of consecutive ``chunk_bytes`` chunks of a 1-D uint8 CPU tensor."""
-    if data.dtype != torch.uint8 or data.dim() != 1:
-        raise ValueError(
-            f"checksum_chunks needs a 1-D uint8 tensor, got {data.dtype} {data.dim()}-D"
-        )
+def checksum_chunks(
+    data: bytes | memoryview | np.ndarray, chunk_bytes: int = CHUNK_BYTES
+) -> tuple[str, ...]:
+    """Checksums of consecutive ``chunk_bytes`` chunks of a C-contiguous byte buffer."""
     if chunk_bytes <= 0:
         raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
-    view = memoryview(data.contiguous().numpy())
+    view = memoryview(data).cast("B")
     digest = xxhash.xxh3_64_hexdigest
     return tuple(digest(view[i : i + chunk_bytes]) for i in range(0, len(view), chunk_bytes))
 
@@ -194,10 +234,32 @@ def write_text_atomic(path: str | os.PathLike[str], text: str) -> None:
         raise
 
 
-def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    """A 1-D uint8 CPU view of a tensor's row-major data (one copy only if not contiguous)."""
-    flat = tensor.detach().cpu().contiguous().view(-1)
-    return flat.view(torch.uint8)
+def _payload(
+    data: torch.Tensor | np.ndarray, dtype: str, shape: Sequence[int], path: Path, key: str
+) -> memoryview:
+    """The bytes to write for a tensor declared ``dtype`` x ``shape``.
+
+    ``data`` is a tensor of that dtype and element count (any shape or device; copied only if
+    not a contiguous CPU tensor), or its raw bytes as a 1-D uint8 numpy array (what the
+    offline tools move, without torch).
+    """
+    nbytes = math.prod(shape) * _ITEMSIZE[dtype]
+    if isinstance(data, np.ndarray):
+        if data.dtype != np.uint8 or data.ndim != 1 or data.nbytes != nbytes:
+            raise CheckpointError(
+                f"raw data is {data.dtype} x {data.size}, declared {dtype} {tuple(shape)} "
+                f"needs {nbytes} bytes",
+                path=path,
+                param=key,
+            )
+        return memoryview(np.ascontiguousarray(data))
+    if _dtype_names().get(data.dtype) != dtype or data.numel() != math.prod(shape):
+        raise CheckpointError(
+            f"tensor is {data.dtype} x {data.numel()} elements, declared {dtype} {tuple(shape)}",
+            path=path,
+            param=key,
+        )
+    return byte_view(data.detach().cpu().contiguous().view(-1))
 
 
 def write_safetensors(
@@ -215,15 +277,17 @@ def write_safetensors(
     checksums computed from the bytes written. Raises :class:`CheckpointError` on bad input or
     an OSError.
     """
+    import torch
+
     specs = {}
     for key, tensor in tensors.items():
         if not isinstance(tensor, torch.Tensor):
             raise CheckpointError(f"not a tensor: {type(tensor).__name__}", path=path, param=key)
-        if tensor.dtype not in _NAMES:
+        if tensor.dtype not in _dtype_names():
             raise CheckpointError(
                 f"dtype {tensor.dtype} cannot be stored in a safetensors file", path=path, param=key
             )
-        specs[key] = (_NAMES[tensor.dtype], tuple(tensor.shape))
+        specs[key] = (_dtype_names()[tensor.dtype], tuple(tensor.shape))
     with SafetensorsWriter(path, specs, metadata, chunk_bytes=chunk_bytes) as writer:
         for key in writer.pending:
             writer.write(key, tensors[key])
@@ -238,21 +302,20 @@ def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
 
 
 def _write_and_checksum(
-    fd: int, data: torch.Tensor, offset: int, chunk_bytes: int
+    fd: int, view: memoryview, offset: int, chunk_bytes: int
 ) -> tuple[str, ...]:
-    """Write uint8 ``data`` at ``offset`` and return its chunk checksums, overlapping the two
+    """Write bytes ``view`` at ``offset`` and return their chunk checksums, overlapping the two
     when large.
 
     A large tensor also starts the kernel's writeback of the file so far, so the disk works
     while the next tensor is copied and the final fsync has little left to do.
     """
-    view = memoryview(data.numpy())
     if len(view) < _OFFLOAD_BYTES:
         _pwrite_all(fd, view, offset)
-        return checksum_chunks(data, chunk_bytes)
+        return checksum_chunks(view, chunk_bytes)
     # xxhash and file writes both release the GIL: overlap them.
     with ThreadPoolExecutor(max_workers=1) as pool:
-        pending = pool.submit(checksum_chunks, data, chunk_bytes)
+        pending = pool.submit(checksum_chunks, view, chunk_bytes)
         _pwrite_all(fd, view, offset)
         _start_writeback(fd)
         return pending.result()
@@ -347,7 +410,7 @@ class SafetensorsReader:
             if not isinstance(info, dict):
                 raise self._fail("tensor entry is not an object", key)
             dtype = info.get("dtype")
-            if not isinstance(dtype, str) or dtype not in _DTYPES:
+            if not isinstance(dtype, str) or dtype not in _ITEMSIZE:
                 raise self._fail(f"unknown dtype {dtype!r}", key)
             shape = info.get("shape")
             if not isinstance(shape, list) or not all(_is_int(s) and s >= 0 for s in shape):
@@ -437,7 +500,9 @@ class SafetensorsReader:
         stop = rec.numel if stop is None else stop
         if not (_is_int(start) and _is_int(stop) and 0 <= start <= stop <= rec.numel):
             raise self._fail(f"element range [{start}, {stop}) outside [0, {rec.numel})", key)
-        out = torch.empty(stop - start, dtype=_DTYPES[rec.dtype])
+        import torch
+
+        out = torch.empty(stop - start, dtype=torch_dtype(rec.dtype))
         run = Strided(src=start, dst=0, length=stop - start, count=1, src_step=0, dst_step=0)
         self.read_groups(key, byte_view(out), [run], checksums=checksums, chunk_bytes=chunk_bytes)
         return out
@@ -600,8 +665,19 @@ class SafetensorsReader:
         return f"SafetensorsReader({str(self.path)!r}, {len(self._records)} tensors)"
 
 
+def tensor_of_bytes(data: np.ndarray, dtype: str) -> torch.Tensor:
+    """A 1-D tensor of safetensors dtype ``dtype`` sharing the raw bytes ``data`` (1-D uint8)."""
+    import torch
+
+    if data.size == 0:  # numpy gives empty arrays a stride torch cannot view
+        return torch.empty(0, dtype=torch_dtype(dtype))
+    return torch.from_numpy(data).view(torch_dtype(dtype))
+
+
 def byte_view(tensor: torch.Tensor) -> memoryview:
     """A writable byte view of a contiguous CPU tensor's data."""
+    import torch
+
     return memoryview(tensor.view(torch.uint8).numpy()).cast("B")
 
 
@@ -837,9 +913,9 @@ class SafetensorsWriter:
         """Keys still to write, in the order :meth:`write` expects them."""
         return self._order[self._next :]
 
-    def write(self, key: str, tensor: torch.Tensor) -> TensorRecord:
-        """Write the next tensor (``key`` must be the next in sorted order; any shape of its
-        declared element count and its declared dtype)."""
+    def write(self, key: str, tensor: torch.Tensor | np.ndarray) -> TensorRecord:
+        """Write the next tensor (``key`` must be the next in sorted order): a tensor of its
+        declared dtype and element count, any shape, or its raw bytes (1-D uint8 numpy)."""
         if self._file is None:
             raise CheckpointError("writer is closed", path=self.path, param=key)
         if self._next >= len(self._order) or self._order[self._next] != key:
@@ -849,20 +925,12 @@ class SafetensorsWriter:
                 path=self.path,
             )
         name, shape, begin, nbytes = self._plan[key]
-        if _NAMES.get(tensor.dtype) != name or tensor.numel() != math.prod(shape):
-            raise CheckpointError(
-                f"tensor is {tensor.dtype} x {tensor.numel()} elements, declared {name} {shape}",
-                path=self.path,
-                param=key,
-            )
+        view = _payload(tensor, name, shape, self.path, key)
         sums: tuple[str, ...] = ()
         try:
             if nbytes:
                 sums = _write_and_checksum(
-                    self._file.fileno(),
-                    _as_bytes(tensor),
-                    self._data_start + begin,
-                    self.chunk_bytes,
+                    self._file.fileno(), view, self._data_start + begin, self.chunk_bytes
                 )
         except OSError as e:
             self.abort()
@@ -970,23 +1038,17 @@ class SharedSafetensorsFile:
         except OSError as e:
             raise CheckpointError(f"cannot create: {e}", path=self.path) from e
 
-    def write(self, key: str, tensor: torch.Tensor) -> TensorRecord:
-        """Write ``key``'s data (its declared dtype and element count, any shape) at its offset,
+    def write(self, key: str, tensor: torch.Tensor | np.ndarray) -> TensorRecord:
+        """Write ``key``'s data (as :meth:`SafetensorsWriter.write` takes it) at its offset,
         checksumming the bytes written on a thread meanwhile."""
         record = self.record(key)
-        if _NAMES.get(tensor.dtype) != record.dtype or tensor.numel() != record.numel:
-            raise CheckpointError(
-                f"tensor is {tensor.dtype} x {tensor.numel()} elements, "
-                f"declared {record.dtype} {record.shape}",
-                path=self.path,
-                param=key,
-            )
+        view = _payload(tensor, record.dtype, record.shape, self.path, key)
         if not record.nbytes:
             return record
         try:
             if self._fd is None:
                 self._fd = os.open(self._part, os.O_WRONLY | getattr(os, "O_BINARY", 0))
-            sums = _write_and_checksum(self._fd, _as_bytes(tensor), record.offset, self.chunk_bytes)
+            sums = _write_and_checksum(self._fd, view, record.offset, self.chunk_bytes)
         except OSError as e:
             raise CheckpointError(f"cannot write: {e}", path=self.path, param=key) from e
         return self.record(key, sums)

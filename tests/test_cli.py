@@ -12,8 +12,8 @@ from resume_cases import build, initial_params, train
 from typer.testing import CliRunner
 
 import muonckpt
-from muonckpt.checkpoint import rank_file
 from muonckpt.cli import app, parse_size
+from muonckpt.pieces import rank_file
 
 runner = CliRunner()
 

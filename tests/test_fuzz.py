@@ -411,31 +411,30 @@ def _read_everything(reader: storage.SafetensorsReader, clean: dict, data) -> No
 
 
 class _RecordingTorch:
-    """Stands in for ``torch`` inside muonckpt.storage: records every torch.empty size, and
-    (as :meth:`recording`) every header read's size too."""
+    """While :meth:`recording`, records the size of every ``torch.empty`` and of every header
+    read of muonckpt.storage."""
 
     def __init__(self) -> None:
         self.sizes: list[int] = []
 
-    def empty(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        dtype = kwargs.get("dtype", torch.float32)
-        self.sizes.append(math.prod(int(a) for a in args) * dtype.itemsize)
-        return torch.empty(*args, **kwargs)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(torch, name)
-
     @contextlib.contextmanager
     def recording(self) -> Iterator[None]:
-        pread = storage.SafetensorsReader._pread
+        empty, pread = torch.empty, storage.SafetensorsReader._pread
 
-        def recorded(reader: storage.SafetensorsReader, offset: int, n: int, what: str) -> bytes:
+        def recorded_empty(*args: Any, **kwargs: Any) -> torch.Tensor:
+            dtype = kwargs.get("dtype", torch.float32)
+            self.sizes.append(math.prod(int(a) for a in args) * dtype.itemsize)
+            return empty(*args, **kwargs)
+
+        def recorded_pread(
+            reader: storage.SafetensorsReader, offset: int, n: int, what: str
+        ) -> bytes:
             self.sizes.append(n)
             return pread(reader, offset, n, what)
 
         with (
-            mock.patch.object(storage, "torch", self),
-            mock.patch.object(storage.SafetensorsReader, "_pread", recorded),
+            mock.patch.object(torch, "empty", recorded_empty),
+            mock.patch.object(storage.SafetensorsReader, "_pread", recorded_pread),
         ):
             yield
 

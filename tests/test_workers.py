@@ -18,8 +18,8 @@ from typer.testing import CliRunner
 
 import muonckpt
 from muonckpt import offline
-from muonckpt.checkpoint import CONSOLIDATED_FILE, rank_file
 from muonckpt.cli import app
+from muonckpt.pieces import CONSOLIDATED_FILE, rank_file
 from muonckpt.storage import SafetensorsReader, SafetensorsWriter, SharedSafetensorsFile
 
 RESHARD = {"dp": 2, "tp": 2, "tp_split_dims": {"w_in": 0}, "bucket_numel": 150}

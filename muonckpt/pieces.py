@@ -1,0 +1,280 @@
+"""Checkpoint directories without torch: names, manifest, and verified reads of pieces.
+
+What the offline tools need to read any checkpoint, kept free of torch so that ``muonckpt
+consolidate`` and ``reshard`` start in a fraction of a second and stay small: the file-name
+conventions, :func:`open_checkpoint` (manifest, sizes and coverage checked), and
+:class:`PieceReader`, which gathers any region of a param's state as raw bytes from whichever
+pieces hold it, verifying checksums (file access through :mod:`muonckpt.storage`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
+from pathlib import Path
+from typing import TypeVar
+
+import numpy as np
+
+from . import storage
+from .errors import CheckpointError
+from .layout import Region, Strided, strided_runs
+from .manifest import (
+    MANIFEST_NAME,
+    Manifest,
+    ParamEntry,
+    Piece,
+    parse_manifest,
+)
+
+CONSOLIDATED_FILE = "optimizer.safetensors"
+INDEX_FILE = "optimizer.safetensors.index.json"
+_STAGING_NAME = re.compile(rf"^\..+\.({storage.STAGING_TAG}-[0-9a-f]{{8}}|old-\d+)$")
+
+
+def tensor_key(param: str, key: str) -> str:
+    """torch's flattened optimizer-state key: ``state.<param name>.<state key>``."""
+    return f"state.{param}.{key}"
+
+
+def rank_file(rank: int, world_size: int) -> str:
+    return f"rank-{rank:05d}-of-{world_size:05d}.safetensors"
+
+
+def piece_for(
+    file: str, record: storage.TensorRecord, param: str, key: str, region: Region
+) -> Piece:
+    return Piece(
+        param=param,
+        key=key,
+        file=file,
+        tensor=record.key,
+        region=region,
+        checksums=record.checksums,
+        chunk_bytes=record.chunk_bytes,
+    )
+
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+def prefetched(items: Sequence[T], produce: Callable[[T], R]) -> Iterator[tuple[T, R]]:
+    """``(item, produce(item))`` in order, producing the next item on a thread meanwhile.
+
+    Reading (page-cache copies, xxhash) and writing (write, xxhash) both release the GIL, so a
+    reader one tensor ahead of the writer keeps two cores busy. At most two produced values are
+    alive, and ``produce`` for item ``i + 2`` starts only once the consumer is done with item
+    ``i``: a :class:`PieceReader` with ``reuse_outputs=2`` can produce them.
+    """
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        pending = pool.submit(produce, items[0]) if items else None
+        for index, item in enumerate(items):
+            value = pending.result()
+            if index + 1 < len(items):
+                pending = pool.submit(produce, items[index + 1])
+            yield item, value
+            del value
+
+
+def shard_files(
+    sizes: Mapping[str, int], max_shard_size: int | None
+) -> list[tuple[str, list[str]]]:
+    """(file name, sorted tensor keys) of each consolidated file, given each key's bytes.
+
+    Keys in sorted order fill a file up to ``max_shard_size`` bytes (a larger tensor gets a
+    file of its own); one file, ``optimizer.safetensors``, without a limit or below it.
+    """
+    if max_shard_size is not None and max_shard_size <= 0:
+        raise CheckpointError(f"max_shard_size must be positive, got {max_shard_size}")
+    shards: list[list[str]] = [[]]
+    used = 0
+    for tkey in sorted(sizes):
+        if max_shard_size is not None and shards[-1] and used + sizes[tkey] > max_shard_size:
+            shards.append([])
+            used = 0
+        shards[-1].append(tkey)
+        used += sizes[tkey]
+    if len(shards) == 1:
+        return [(CONSOLIDATED_FILE, shards[0])]
+    return [
+        (f"optimizer-{i + 1:05d}-of-{len(shards):05d}.safetensors", keys)
+        for i, keys in enumerate(shards)
+    ]
+
+
+def shard_index(shards: Sequence[tuple[str, Sequence[str]]], sizes: Mapping[str, int]) -> str:
+    """The Hugging Face style ``optimizer.safetensors.index.json`` of sharded files."""
+    index = {
+        "metadata": {"total_size": sum(sizes.values())},
+        "weight_map": {tkey: file for file, keys in shards for tkey in keys},
+    }
+    return json.dumps(index, indent=2) + "\n"
+
+
+def read_manifest(path: str | os.PathLike[str]) -> Manifest:
+    """The parsed, schema-checked manifest of the checkpoint at ``path``."""
+    directory = Path(path)
+    manifest_path = directory / MANIFEST_NAME
+    if not directory.is_dir():
+        raise CheckpointError("no checkpoint directory", path=directory)
+    if _STAGING_NAME.match(directory.name):
+        raise CheckpointError(
+            "incomplete: a staging directory left by an interrupted save, not a checkpoint",
+            path=directory,
+        )
+    if not manifest_path.is_file():
+        raise CheckpointError(
+            "incomplete checkpoint: no manifest.json (the save was interrupted or is not done)",
+            path=manifest_path,
+        )
+    return parse_manifest(storage.read_text(manifest_path), manifest_path)
+
+
+def open_checkpoint(path: str | os.PathLike[str]) -> tuple[Path, Manifest]:
+    """The directory and manifest of a checkpoint whose pieces cover every state tensor once."""
+    directory = Path(path)
+    manifest = read_manifest(directory)
+    problems = size_problems(manifest, directory) or [
+        CheckpointError(p, path=directory / MANIFEST_NAME) for p in manifest.coverage_problems()
+    ]
+    if problems:
+        raise problems[0]
+    return directory, manifest
+
+
+def size_problems(manifest: Manifest, directory: Path) -> list[CheckpointError]:
+    """Files whose size differs from the manifest, or smaller than the pieces it puts in them.
+
+    Checked before coverage, so a manifest cannot make the coverage check walk regions larger
+    than the data actually on disk.
+    """
+    problems = []
+    claimed: dict[str, int] = {}
+    for piece in manifest.pieces:
+        itemsize = storage.itemsize(manifest.param(piece.param).dtype)
+        claimed[piece.file] = claimed.get(piece.file, 0) + piece.region.numel * itemsize
+    for entry in manifest.files:
+        path = directory / entry.name
+        if not path.is_file():
+            problems.append(CheckpointError("missing data file", path=path))
+            continue
+        size = storage.file_size(path)
+        if size != entry.bytes:
+            problems.append(
+                CheckpointError(
+                    f"file is {size} bytes, the manifest says {entry.bytes} "
+                    "(truncated or replaced)",
+                    path=path,
+                )
+            )
+        elif claimed.get(entry.name, 0) > size:
+            problems.append(
+                CheckpointError(
+                    f"the manifest puts {claimed[entry.name]} bytes of tensors in a "
+                    f"{size}-byte file",
+                    path=path,
+                )
+            )
+    return problems
+
+
+class PieceReader:
+    """Reads pieces of a checkpoint with checksums, keeping each needed file open once.
+
+    With ``reuse_outputs=n``, :meth:`gather` returns views into a ring of ``n`` buffers that
+    are reused, each result valid until ``n`` more gathers: streaming tools (which hold at most
+    ``n`` results) then skip the page faults of fresh allocations, which on some machines cost
+    several times the read itself.
+    """
+
+    def __init__(self, directory: Path, manifest: Manifest, *, reuse_outputs: int = 0) -> None:
+        self.directory = directory
+        self.manifest = manifest
+        self._stack = ExitStack()
+        self._readers: dict[str, storage.SafetensorsReader] = {}
+        self._sizes = {f.name: f.bytes for f in manifest.files}
+        self._ring = [np.empty(0, dtype=np.uint8) for _ in range(reuse_outputs)]
+        self._turn = 0
+
+    def __enter__(self) -> PieceReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stack.close()
+
+    def reader(self, file: str) -> storage.SafetensorsReader:
+        if file not in self._readers:
+            path = self.directory / file
+            if not path.is_file():
+                raise CheckpointError("missing data file", path=path)
+            if path.stat().st_size != self._sizes[file]:
+                raise CheckpointError(
+                    f"file is {path.stat().st_size} bytes, the manifest says {self._sizes[file]}"
+                    " (truncated or replaced)",
+                    path=path,
+                )
+            self._readers[file] = self._stack.enter_context(storage.SafetensorsReader(path))
+        return self._readers[file]
+
+    def check_header(self, piece: Piece, entry: ParamEntry) -> storage.TensorRecord:
+        reader = self.reader(piece.file)
+        if piece.tensor not in reader:
+            raise CheckpointError(
+                f"tensor {piece.tensor!r} missing from the file",
+                path=reader.path,
+                param=piece.param,
+            )
+        record = reader.record(piece.tensor)
+        if record.dtype != entry.dtype or record.numel != piece.region.numel:
+            raise CheckpointError(
+                f"header says {record.dtype} x {record.numel} elements, the manifest "
+                f"{entry.dtype} x {piece.region.numel}",
+                path=reader.path,
+                param=piece.param,
+            )
+        return record
+
+    def gather(self, pieces: Sequence[Piece], entry: ParamEntry, target: Region) -> np.ndarray:
+        """The raw bytes of ``target``'s elements (in its own order), as a 1-D uint8 array,
+        read from the pieces overlapping it and verified."""
+        size = storage.itemsize(entry.dtype)
+        out = self._output(target.numel * size)
+        filled = 0
+        for piece in pieces:
+            groups = strided_runs(piece.region, target)
+            if groups:
+                self._read_groups(out, piece, groups, entry)
+                filled += sum(g.length * g.count for g in groups)
+        if filled != target.numel:
+            raise CheckpointError(
+                f"pieces cover {filled} of the {target.numel} elements needed",
+                path=self.directory / MANIFEST_NAME,
+                param=entry.name,
+            )
+        return out
+
+    def _read_groups(
+        self, out: np.ndarray, piece: Piece, groups: list[Strided], entry: ParamEntry
+    ) -> None:
+        self.check_header(piece, entry)
+        self.reader(piece.file).read_groups(
+            piece.tensor,
+            memoryview(out),
+            groups,
+            checksums=piece.checksums,
+            chunk_bytes=piece.chunk_bytes,
+        )
+
+    def _output(self, nbytes: int) -> np.ndarray:
+        if not self._ring:
+            return np.empty(nbytes, dtype=np.uint8)
+        slot = self._turn % len(self._ring)
+        self._turn += 1
+        if self._ring[slot].nbytes < nbytes:
+            self._ring[slot] = np.empty(nbytes, dtype=np.uint8)
+        return self._ring[slot][:nbytes]
