@@ -8,7 +8,8 @@ format. Then every row below runs in a fresh subprocess, so its peak RSS is its 
 (``os.wait4`` rusage of that child: the whole process, interpreter and imports included;
 spawned from a small launcher process, since Linux carries the spawning process's peak RSS
 into a child's). "RSS growth" is the child's VmHWM after the
-operation minus its RSS just before it (``clear_refs`` resets VmHWM there). "op" wall time is
+operation minus its RSS just before it (``clear_refs`` resets VmHWM there). Rows run
+interleaved, round by round, so that the machine's drift weighs on all alike. "op" wall time is
 measured inside the child around the operation alone (interpreter start and imports excluded);
 "whole" is the wall time of the whole command, measured by the launcher. Rows:
 
@@ -336,10 +337,11 @@ def bench_size(size_arg: str, args, root: Path, launcher: _Launcher) -> dict:
         "dcp": lambda d: [*me, "dcp", str(size_dir / "dcp"), d],
         "naive": lambda d: [*me, "naive", str(size_dir / "naive"), d],
     }
-    rows = {}
-    for op, label in ROWS:
-        runs = []
-        for _ in range(args.repeats):
+    # Rounds interleave the rows (cp, consolidate, ..., then again), so that a drift of the
+    # machine's speed over minutes (large on the benchmark VM) weighs on every row alike.
+    runs: dict[str, list[dict]] = {op: [] for op, _ in ROWS}
+    for _ in range(args.repeats):
+        for op, _label in ROWS:
             dst = size_dir / f"out-{op}"
             shutil.rmtree(dst, ignore_errors=True)
             # Deleting GBs on a filesystem mounted with `discard` queues work that the next
@@ -351,12 +353,14 @@ def bench_size(size_arg: str, args, root: Path, launcher: _Launcher) -> dict:
             if args.verify:
                 _verify(op, Path(ckpt), dst, size_dir, shapes, launcher)
             shutil.rmtree(dst, ignore_errors=True)
-            runs.append(run)
-        best = min(runs, key=lambda r: r.get("op_s", r["whole_s"]))
+            runs[op].append(run)
+    rows = {}
+    for op, label in ROWS:
+        best = min(runs[op], key=lambda r: r.get("op_s", r["whole_s"]))
         best = {
             **best,
-            "peak_rss": max(r["peak_rss"] for r in runs),
-            "runs": runs,
+            "peak_rss": max(r["peak_rss"] for r in runs[op]),
+            "runs": runs[op],
             "label": label,
         }
         rows[op] = best
