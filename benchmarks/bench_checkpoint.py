@@ -190,7 +190,7 @@ def save_worker(shapes, dp: int, tp: int, workdir: str, repeats: int) -> dict:
     assert set(result["seconds"]) == set(SAVES)
     start = time.perf_counter()
     for tensor in local.values():
-        storage.checksum_chunks(tensor.reshape(-1).view(torch.uint8))
+        storage.checksum_chunks(storage.byte_view(tensor.reshape(-1)))
     result["checksum_alone_s"] = time.perf_counter() - start
     result["bytes"] = sum(t.numel() * t.element_size() for t in local.values())
     dist.barrier()

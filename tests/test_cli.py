@@ -219,6 +219,30 @@ def test_help_and_usage_errors_do_not_import_torch():
     assert done.stdout.strip() == "False"
 
 
+def test_single_process_consolidate_reshard_and_inspect_do_not_import_torch(ckpts, tmp_path):
+    src, out = ckpts["a"], tmp_path
+    probe = (
+        "import sys\n"
+        "from typer.testing import CliRunner\n"
+        "from muonckpt.cli import app\n"
+        "run = CliRunner().invoke\n"
+        f"assert run(app, ['-q', 'consolidate', {str(src)!r}, '-o', {str(out / 'c')!r}])"
+        ".exit_code == 0\n"
+        f"assert run(app, ['-q', 'reshard', {str(src)!r}, '--dp', '1', '--tp', '2', '-o', "
+        f"{str(out / 'r')!r}]).exit_code == 0\n"
+        f"assert run(app, ['inspect', {str(out / 'r')!r}, '--json']).exit_code == 0\n"
+        "print('torch' in sys.modules)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "False"
+    # What they wrote without torch compares equal, tensor by tensor, to the source.
+    assert cli("diff", src, out / "c").exit_code == 0
+    assert cli("diff", out / "r", out / "c").exit_code == 0
+
+
 def test_lazy_public_names_all_resolve():
     assert set(muonckpt.__all__) <= set(dir(muonckpt))
     for name in muonckpt.__all__:
