@@ -383,9 +383,7 @@ def verify(path: str | os.PathLike[str]) -> list[CheckpointError]:
             try:
                 entry = manifest.param(piece.param)
                 reader.check_header(piece, entry)
-                reader.reader(piece.file).read(
-                    piece.tensor, checksums=piece.checksums, chunk_bytes=piece.chunk_bytes
-                )
+                reader.reader(piece.file).verify(piece.tensor, piece.checksums, piece.chunk_bytes)
             except CheckpointError as exc:
                 problems.append(exc)
     return _unique(problems)

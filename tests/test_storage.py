@@ -8,6 +8,7 @@ import os
 import struct
 import tempfile
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -17,6 +18,7 @@ from hypothesis import strategies as st
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from muonckpt import storage
 from muonckpt.errors import CheckpointError
 from muonckpt.layout import Strided
 from muonckpt.storage import (
@@ -515,6 +517,34 @@ def test_read_groups_places_rows_and_verifies(case, corrupt) -> None:
             out.zero_()
             r.read_groups("t", byte_view(out), groups)  # unverified: the same bytes
             assert torch.equal(out, expected)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    numel=st.integers(0, 400),
+    chunk=st.integers(1, 64),
+    window=st.integers(1, 200),
+    victim=st.one_of(st.none(), st.integers(0, 10**6)),
+)
+def test_verify_checks_every_chunk_window_by_window(numel, chunk, window, victim) -> None:
+    data = torch.randint(-(2**15), 2**15, (numel,), dtype=torch.int16)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "t.safetensors"
+        rec = write_safetensors(path, {"t": data}, chunk_bytes=chunk)["t"]
+        corrupt = victim is not None and rec.nbytes > 0
+        if corrupt:
+            raw = bytearray(path.read_bytes())
+            raw[rec.offset + victim % rec.nbytes] ^= 0xFF
+            path.write_bytes(bytes(raw))
+        with SafetensorsReader(path) as r, mock.patch.object(storage, "_VERIFY_WINDOW", window):
+            if corrupt:
+                bad = victim % rec.nbytes // chunk
+                with pytest.raises(CheckpointError, match=f"checksum mismatch in chunk {bad} "):
+                    r.verify("t", rec.checksums, chunk)
+            else:
+                r.verify("t", rec.checksums, chunk)
+            with pytest.raises(CheckpointError, match="checksums given"):
+                r.verify("t", (*rec.checksums, "0" * 16), chunk)
 
 
 def test_read_groups_refuses_groups_outside_tensor_or_output(tmp_path: Path) -> None:
