@@ -13,10 +13,10 @@ from .errors import CheckpointError, CollectiveError, LayoutError, MuonCkptError
 from .layout import ParamSpec, Topology, arrange
 
 if TYPE_CHECKING:
-    from .checkpoint import load, save, verify
+    from .checkpoint import load, save
     from .hooks import gather_state_dict, install_hooks
     from .optim import Muon, MuonDistMeta, adjusted_lr, newton_schulz, normalize_range
-    from .pieces import read_manifest
+    from .pieces import read_manifest, verify
     from .sharding import ShardedParams, shard_for_groups, shard_param_groups
 
 __version__ = "0.1.0"
@@ -25,7 +25,7 @@ _LAZY = {
     "load": "checkpoint",
     "read_manifest": "pieces",
     "save": "checkpoint",
-    "verify": "checkpoint",
+    "verify": "pieces",
     "gather_state_dict": "hooks",
     "install_hooks": "hooks",
     "Muon": "optim",

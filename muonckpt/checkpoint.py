@@ -50,10 +50,8 @@ from .pieces import (
     piece_for,
     prefetched,
     rank_file,
-    read_manifest,
     shard_files,
     shard_index,
-    size_problems,
     tensor_key,
 )
 
@@ -356,59 +354,3 @@ def _check_param(entry: ParamEntry, param: ParamSharding, directory: Path) -> No
             path=directory / MANIFEST_NAME,
             param=param.name,
         )
-
-
-def verify(path: str | os.PathLike[str]) -> list[CheckpointError]:
-    """Every problem found in the checkpoint at ``path`` (empty: sound). Reads all data once."""
-    directory = Path(path)
-    try:
-        manifest = read_manifest(directory)
-    except CheckpointError as exc:
-        return [exc]
-    try:
-        problems = size_problems(manifest, directory)
-    except CheckpointError as exc:
-        return [exc]
-    problems = problems or [
-        CheckpointError(p, path=directory / MANIFEST_NAME) for p in manifest.coverage_problems()
-    ]
-    problems += _topology_problems(manifest, directory)
-    known = {f.name for f in manifest.files} | {MANIFEST_NAME, INDEX_FILE}
-    for extra in sorted(p.name for p in directory.iterdir() if p.name not in known):
-        problems.append(
-            CheckpointError("unknown file in the checkpoint directory", path=directory / extra)
-        )
-    with PieceReader(directory, manifest) as reader:
-        for piece in manifest.pieces:
-            try:
-                entry = manifest.param(piece.param)
-                reader.check_header(piece, entry)
-                reader.reader(piece.file).verify(piece.tensor, piece.checksums, piece.chunk_bytes)
-            except CheckpointError as exc:
-                problems.append(exc)
-    return _unique(problems)
-
-
-def _topology_problems(manifest: Manifest, directory: Path) -> list[CheckpointError]:
-    if manifest.kind != PER_RANK:
-        return []
-    world = manifest.topology.get("dp", 0) * manifest.topology.get("tp", 0)
-    listed = {f.name for f in manifest.files}
-    if len(listed) != world or listed != {rank_file(r, world) for r in range(world)}:
-        return [
-            CheckpointError(
-                f"the manifest's topology {manifest.topology} implies {world} rank files, "
-                f"it lists {len(listed)}: {sorted(listed)[:4]}",
-                path=directory / MANIFEST_NAME,
-            )
-        ]
-    return []
-
-
-def _unique(problems: list[CheckpointError]) -> list[CheckpointError]:
-    seen, out = set(), []
-    for problem in problems:
-        if str(problem) not in seen:
-            seen.add(str(problem))
-            out.append(problem)
-    return out

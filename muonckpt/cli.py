@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
 # The library is imported by the commands that use it, so that --help and usage errors answer
 # at once; torch (~2.7 s to import on the benchmark machine) only by those that need it:
-# consolidate and reshard in one process, inspect and verify-less paths run without it.
+# consolidate and reshard in one process, inspect and verify run without it.
 
 OK, PROBLEM, USAGE = 0, 1, 2
 
@@ -374,7 +374,7 @@ def verify(src: Src) -> None:
     """
     if not src.is_dir():
         raise CheckpointError("no checkpoint directory", path=src)
-    from .checkpoint import verify as verify_checkpoint
+    from .pieces import verify as verify_checkpoint
 
     problems = verify_checkpoint(src)
     console = _out()

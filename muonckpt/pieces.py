@@ -2,9 +2,10 @@
 
 What the offline tools need to read any checkpoint, kept free of torch so that ``muonckpt
 consolidate`` and ``reshard`` start in a fraction of a second and stay small: the file-name
-conventions, :func:`open_checkpoint` (manifest, sizes and coverage checked), and
+conventions, :func:`open_checkpoint` (manifest, sizes and coverage checked),
 :class:`PieceReader`, which gathers any region of a param's state as raw bytes from whichever
-pieces hold it, verifying checksums (file access through :mod:`muonckpt.storage`).
+pieces hold it, verifying checksums, and :func:`verify` (file access through
+:mod:`muonckpt.storage`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from .errors import CheckpointError
 from .layout import Region, Strided, strided_runs
 from .manifest import (
     MANIFEST_NAME,
+    PER_RANK,
     Manifest,
     ParamEntry,
     Piece,
@@ -278,3 +280,59 @@ class PieceReader:
         if self._ring[slot].nbytes < nbytes:
             self._ring[slot] = np.empty(nbytes, dtype=np.uint8)
         return self._ring[slot][:nbytes]
+
+
+def verify(path: str | os.PathLike[str]) -> list[CheckpointError]:
+    """Every problem found in the checkpoint at ``path`` (empty: sound). Reads all data once."""
+    directory = Path(path)
+    try:
+        manifest = read_manifest(directory)
+    except CheckpointError as exc:
+        return [exc]
+    try:
+        problems = size_problems(manifest, directory)
+    except CheckpointError as exc:
+        return [exc]
+    problems = problems or [
+        CheckpointError(p, path=directory / MANIFEST_NAME) for p in manifest.coverage_problems()
+    ]
+    problems += _topology_problems(manifest, directory)
+    known = {f.name for f in manifest.files} | {MANIFEST_NAME, INDEX_FILE}
+    for extra in sorted(p.name for p in directory.iterdir() if p.name not in known):
+        problems.append(
+            CheckpointError("unknown file in the checkpoint directory", path=directory / extra)
+        )
+    with PieceReader(directory, manifest) as reader:
+        for piece in manifest.pieces:
+            try:
+                entry = manifest.param(piece.param)
+                reader.check_header(piece, entry)
+                reader.reader(piece.file).verify(piece.tensor, piece.checksums, piece.chunk_bytes)
+            except CheckpointError as exc:
+                problems.append(exc)
+    return _unique(problems)
+
+
+def _topology_problems(manifest: Manifest, directory: Path) -> list[CheckpointError]:
+    if manifest.kind != PER_RANK:
+        return []
+    world = manifest.topology.get("dp", 0) * manifest.topology.get("tp", 0)
+    listed = {f.name for f in manifest.files}
+    if len(listed) != world or listed != {rank_file(r, world) for r in range(world)}:
+        return [
+            CheckpointError(
+                f"the manifest's topology {manifest.topology} implies {world} rank files, "
+                f"it lists {len(listed)}: {sorted(listed)[:4]}",
+                path=directory / MANIFEST_NAME,
+            )
+        ]
+    return []
+
+
+def _unique(problems: list[CheckpointError]) -> list[CheckpointError]:
+    seen, out = set(), []
+    for problem in problems:
+        if str(problem) not in seen:
+            seen.add(str(problem))
+            out.append(problem)
+    return out

@@ -219,7 +219,7 @@ def test_help_and_usage_errors_do_not_import_torch():
     assert done.stdout.strip() == "False"
 
 
-def test_single_process_consolidate_reshard_and_inspect_do_not_import_torch(ckpts, tmp_path):
+def test_single_process_consolidate_reshard_inspect_verify_do_not_import_torch(ckpts, tmp_path):
     src, out = ckpts["a"], tmp_path
     probe = (
         "import sys\n"
@@ -231,6 +231,7 @@ def test_single_process_consolidate_reshard_and_inspect_do_not_import_torch(ckpt
         f"assert run(app, ['-q', 'reshard', {str(src)!r}, '--dp', '1', '--tp', '2', '-o', "
         f"{str(out / 'r')!r}]).exit_code == 0\n"
         f"assert run(app, ['inspect', {str(out / 'r')!r}, '--json']).exit_code == 0\n"
+        f"assert run(app, ['verify', {str(out / 'c')!r}]).exit_code == 0\n"
         "print('torch' in sys.modules)\n"
     )
     done = subprocess.run(
