@@ -46,9 +46,10 @@ DCP's keys and shapes) outside the timings.
 
 Bounds printed per size, PASS/FAIL from the measurements: consolidate and reshard op time
 <= 1.5x cp -r op time; whole command <= 2x cp -r's (the target is stated at 4 GB: at small sizes
-interpreter start and ``import torch`` dominate); muonckpt consolidate >= 2x faster than DCP
+interpreter start and imports dominate); muonckpt consolidate >= 2x faster than DCP
 consolidation; peak RSS < 2x the largest state tensor + 200 MiB, both as growth during the
-operation and as the whole process (which includes ~220 MiB for ``import torch``).
+operation and as the whole process (interpreter and imports included; the muonckpt rows do not
+import torch, DCP's and the naive one do, ~220 MiB).
 
     python benchmarks/bench_offline.py --size 1GB --size 4GB --json out.json
 """

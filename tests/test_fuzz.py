@@ -410,7 +410,7 @@ def _read_everything(reader: storage.SafetensorsReader, clean: dict, data) -> No
         assert torch.equal(got.view(torch.uint8), written), key
 
 
-class _RecordingTorch:
+class _AllocationRecorder:
     """While :meth:`recording`, records the size of every ``torch.empty`` and of every header
     read of muonckpt.storage."""
 
@@ -445,7 +445,7 @@ def test_lying_safetensors_headers_fail_fast_with_checkpoint_error(st_file, data
     blob = data.draw(header_mutation(st_file))
     path: Path = st_file["target"]
     path.write_bytes(blob)
-    recording = _RecordingTorch()
+    recording = _AllocationRecorder()
     tracemalloc.start()
     began = time.perf_counter()
     try:
@@ -471,7 +471,7 @@ def test_huge_shape_header_is_refused_without_allocating(tmp_path):
     path = tmp_path / "huge.safetensors"
     header = {"x": {"dtype": "F32", "shape": [2**40, 2**40], "data_offsets": [0, 2**82]}}
     path.write_bytes(_encode(header, b"\0" * 64))
-    recording = _RecordingTorch()
+    recording = _AllocationRecorder()
     with recording.recording(), pytest.raises(CheckpointError):
         storage.SafetensorsReader(path)
     assert max(recording.sizes) <= path.stat().st_size
@@ -481,7 +481,7 @@ def test_huge_shape_header_is_refused_without_allocating(tmp_path):
 def test_length_prefix_lie_is_refused_before_reading(tmp_path, lie):
     path = tmp_path / "lie.safetensors"
     path.write_bytes(struct.pack("<Q", lie) + b"{}      ")
-    recording = _RecordingTorch()
+    recording = _AllocationRecorder()
     with recording.recording(), pytest.raises(CheckpointError):
         storage.SafetensorsReader(path)
     assert recording.sizes == [8]  # the prefix itself, nothing the prefix asked for
