@@ -102,7 +102,7 @@ def fill_state(opt: muonckpt.Muon) -> dict[str, torch.Tensor]:
 
 def local_regions(opt: muonckpt.Muon) -> dict[str, Region]:
     """param name -> the region of the full tensor this rank holds."""
-    return {p.name: p.local for p in describe_muon(opt, collective=False).params}
+    return {p.name: p.local for p in describe_muon(opt).params}
 
 
 def naive_payload(opt: muonckpt.Muon, local: dict[str, torch.Tensor], shapes: Shapes, tp: int):

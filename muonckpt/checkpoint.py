@@ -1,10 +1,13 @@
-"""Save and load a packaged Muon's state as safetensors checkpoints, resharding on load.
+"""Save and load a packaged Muon's whole training state as safetensors checkpoints.
 
-A checkpoint is a directory: safetensors data files plus ``manifest.json``, written last as the
-commit marker (docs/format.md). ``save`` writes into a staging directory beside the target and
-swaps it in atomically; ``load`` asks which elements this rank owns under its own topology and
-reads just those from whichever pieces hold them. Collectives come from
-:mod:`muonckpt.collectives`, file I/O from :mod:`muonckpt.storage`.
+A checkpoint holds every param's optimizer state and, by default, the param's own values (the
+optimizer's params: in distributed mode each rank's ZeRO-1 slice of its TP shard, Megatron's
+"main params"), so a run resumes from the checkpoint alone at any dp x tp. It is a directory:
+safetensors data files plus ``manifest.json``, written last as the commit marker
+(docs/format.md). ``save`` writes into a staging directory beside the target and swaps it in
+atomically; ``load`` asks which elements this rank owns under its own topology and reads just
+those from whichever pieces hold them. Collectives come from :mod:`muonckpt.collectives`, file
+I/O from :mod:`muonckpt.storage`.
 """
 
 from __future__ import annotations
@@ -21,18 +24,18 @@ import torch
 from . import collectives, storage
 from .errors import CheckpointError
 from .hooks import (
-    MARKER,
     ParamSharding,
     Sharding,
-    check_agreement,
     describe_muon,
-    gather_state_dict,
+    gather_full_state,
+    hooks_of,
     remap_groups,
 )
 from .layout import whole_region
 from .manifest import (
     CONSOLIDATED,
     MANIFEST_NAME,
+    PARAM_KEY,
     PER_RANK,
     FileEntry,
     GroupEntry,
@@ -44,15 +47,14 @@ from .manifest import (
 )
 from .optim import Muon
 from .pieces import (
-    INDEX_FILE,
     PieceReader,
+    consolidated_files,
     open_checkpoint,
     piece_for,
     prefetched,
     rank_file,
-    shard_files,
-    shard_index,
     tensor_key,
+    unique_tensor_keys,
 )
 
 
@@ -62,24 +64,31 @@ def save(
     *,
     consolidated: bool = False,
     max_shard_size: int | None = None,
+    params: bool = True,
     overwrite: bool = False,
 ) -> Path:
-    """Save ``optimizer``'s state to directory ``path``; a collective over its dp x tp grid.
+    """Save ``optimizer``'s state (and its params) to directory ``path``; a collective over its
+    dp x tp grid.
 
     Args:
-        optimizer: a packaged :class:`~muonckpt.Muon`, single-process or distributed.
+        optimizer: a packaged :class:`~muonckpt.Muon`, single-process or distributed (every
+            rank holding every param, or only those it owns elements of).
         path: target directory. The save is staged beside it and swapped in atomically.
-        consolidated: gather full-shape tensors on rank 0 and write them as
-            ``state.<param>.<key>`` (see :func:`write_full_tensors`) instead of one file per
+        consolidated: gather full-shape tensors on rank 0 and write the state as
+            ``state.<param>.<key>`` in ``optimizer.safetensors`` and the params by name in
+            ``model.safetensors`` (see :func:`write_full_tensors`), instead of one file per
             rank (no gathering; only metadata crosses ranks).
-        max_shard_size: with ``consolidated``, split files past this many bytes, HF style.
+        max_shard_size: with ``consolidated``, split each family of files past this many bytes,
+            HF style.
+        params: also save the optimizer's params (the default), so that :func:`load` restores
+            them; False saves the optimizer state only, for weights kept elsewhere.
         overwrite: replace an existing checkpoint at ``path`` (otherwise an error).
 
     Returns:
         The checkpoint directory.
     """
-    sharding = describe_muon(optimizer, collective=True)
-    check_agreement(sharding)
+    sharding = describe_muon(optimizer)
+    _check_storable(sharding, optimizer, params, Path(path))
     final = Path(path)
     me, dst = collectives.global_rank(), sharding.destination
     staging: Any = None
@@ -88,9 +97,11 @@ def save(
     staging = Path(_agree_or_raise(sharding, staging))
     try:
         if consolidated:
-            report = _write_consolidated(optimizer, sharding, staging, max_shard_size)
+            report = _write_consolidated(optimizer, sharding, staging, max_shard_size, params)
         else:
-            report = collectives.as_outcome(lambda: _write_rank_file(optimizer, sharding, staging))
+            report = collectives.as_outcome(
+                lambda: _write_rank_file(optimizer, sharding, staging, params)
+            )
         reports = collectives.gather_json(report, sharding.participants, dst)
         outcome = None
         if me == dst:
@@ -107,27 +118,57 @@ def save(
     return final
 
 
+def _check_storable(sharding: Sharding, optimizer: Muon, params: bool, where: Path) -> None:
+    """Refuse, before writing anything, what a checkpoint could not hold or load back."""
+    flat = [p for g in optimizer.param_groups for p in g["params"]]
+    for param in sharding.local():
+        if PARAM_KEY in optimizer.state.get(flat[param.local_index], {}):
+            raise CheckpointError(
+                f"state key {PARAM_KEY!r} is reserved for the param's values", param=param.name
+            )
+    keys = [(p.name, k) for p in sharding.params for k in (*p.expected_keys, PARAM_KEY)]
+    unique_tensor_keys(iter(keys if params else []), where)
+
+
 def _agree_or_raise(sharding: Sharding, value: Any) -> Any:
     """Broadcast the destination's value; an ``{"error": ...}`` value raises on every rank."""
     return collectives.agree_or_raise(value, sharding.participants, sharding.destination)
 
 
-def _owned(optimizer: Muon, sharding: Sharding) -> Iterator[tuple[ParamSharding, dict[str, Any]]]:
-    """(param sharding, local state) for each param whose state this rank must write."""
-    me = collectives.global_rank()
+def _local_state(optimizer: Muon, sharding: Sharding, params: bool) -> dict[int, dict[str, Any]]:
+    """This rank's state by its own flat param index, with each param's values under
+    :data:`PARAM_KEY` when ``params``."""
     flat = [p for g in optimizer.param_groups for p in g["params"]]
-    for p, param in zip(flat, sharding.params, strict=True):
+    local: dict[int, dict[str, Any]] = {}
+    for param in sharding.local():
+        p = flat[param.local_index]
+        entry = dict(optimizer.state.get(p, {}))
+        if params:
+            entry[PARAM_KEY] = p.detach()
+        local[param.local_index] = entry
+    return local
+
+
+def _owned(
+    optimizer: Muon, sharding: Sharding, params: bool
+) -> Iterator[tuple[ParamSharding, dict[str, Any]]]:
+    """(param sharding, local state and values) of each param this rank must write."""
+    me = collectives.global_rank()
+    local = _local_state(optimizer, sharding, params)
+    for param in sharding.params:
         if any(h.rank == me for h in param.sources):
-            yield param, optimizer.state.get(p, {})
+            yield param, local[param.local_index]
 
 
-def _write_rank_file(optimizer: Muon, sharding: Sharding, staging: Path) -> dict[str, Any]:
+def _write_rank_file(
+    optimizer: Muon, sharding: Sharding, staging: Path, params: bool
+) -> dict[str, Any]:
     """Write this rank's own pieces; return the report (files, pieces) for the manifest."""
     me = collectives.global_rank()
     rank = sharding.participants.index(me)
     name = rank_file(rank, len(sharding.participants))
     tensors, regions = {}, {}
-    for param, state in _owned(optimizer, sharding):
+    for param, state in _owned(optimizer, sharding, params):
         holding = next(h for h in param.sources if h.rank == me)
         for key, value in sorted(state.items()):
             tkey = tensor_key(param.name, key)
@@ -154,14 +195,16 @@ def _report(
 
 
 def _write_consolidated(
-    optimizer: Muon, sharding: Sharding, staging: Path, max_shard_size: int | None
+    optimizer: Muon,
+    sharding: Sharding,
+    staging: Path,
+    max_shard_size: int | None,
+    params: bool,
 ) -> dict[str, Any]:
-    full = gather_state_dict(optimizer)
-    if collectives.global_rank() != sharding.destination:
+    full = gather_full_state(sharding, _local_state(optimizer, sharding, params))
+    if full is None:
         return {"files": [], "pieces": []}
-    by_name = {
-        param.name: full["state"].get(index, {}) for index, param in enumerate(sharding.params)
-    }
+    by_name = {param.name: full.get(index, {}) for index, param in enumerate(sharding.params)}
     items = [
         (name, key, storage.dtype_name(value.dtype), tuple(value.shape))
         for name, state in by_name.items()
@@ -182,40 +225,37 @@ def write_full_tensors(
     fetch: Callable[[str, str], torch.Tensor],
     *,
     max_shard_size: int | None = None,
-    on_bytes: Callable[[int], None] | None = None,
 ) -> tuple[list[FileEntry], list[Piece], dict[str, storage.TensorRecord]]:
-    """Write full-shape tensors ``state.<param>.<key>``, streaming one at a time.
+    """Write full-shape tensors, streaming one at a time, as a consolidated checkpoint has them.
 
-    ``items`` are (param, state key, safetensors dtype, full shape); ``fetch(param, key)``
-    produces each tensor when its turn comes. Up to ``max_shard_size`` bytes of tensor data
-    go into ``optimizer.safetensors``; past it into ``optimizer-0000i-of-0000N.safetensors``
-    plus a Hugging Face style ``optimizer.safetensors.index.json`` (a tensor larger than the
-    limit gets a file of its own).
+    ``items`` are (param, key, safetensors dtype, full shape); ``fetch(param, key)`` produces
+    each tensor when its turn comes. State goes to ``optimizer.safetensors`` as
+    ``state.<param>.<key>``, values (key :data:`PARAM_KEY`) to ``model.safetensors`` under the
+    param's name; past ``max_shard_size`` bytes a family is split HF style
+    (:func:`muonckpt.pieces.consolidated_files`).
     """
-    by_key = {tensor_key(name, key): (name, key, dtype, shape) for name, key, dtype, shape in items}
+    specs = {(name, key): (dtype, shape) for name, key, dtype, shape in items}
     sizes = {
-        tkey: math.prod(shape) * storage.itemsize(dtype)
-        for tkey, (_, _, dtype, shape) in by_key.items()
+        item: math.prod(shape) * storage.itemsize(dtype) for item, (dtype, shape) in specs.items()
     }
-    shards = shard_files(sizes, max_shard_size)
-    files, pieces, all_records = [], [], {}
-    for file, keys in shards:
-        specs = {tkey: (by_key[tkey][2], by_key[tkey][3]) for tkey in keys}
-        with storage.SafetensorsWriter(staging / file, specs, {"format": "muonckpt"}) as out:
-            for tkey, tensor in prefetched(keys, lambda k: fetch(*by_key[k][:2])):
-                out.write(tkey, tensor.reshape(by_key[tkey][3]))
+    files, texts = consolidated_files(sizes, max_shard_size)
+    entries, pieces, all_records = [], [], {}
+    for file, members in files:
+        header = {tensor_key(*item): specs[item] for item in members}
+        with storage.SafetensorsWriter(staging / file, header, {"format": "muonckpt"}) as out:
+            for item, tensor in prefetched(members, lambda item: fetch(*item)):
+                out.write(tensor_key(*item), tensor.reshape(specs[item][1]))
                 del tensor
-                if on_bytes is not None:
-                    on_bytes(sizes[tkey])
             records = out.commit()
         all_records.update(records)
-        for tkey in keys:
-            name, key, _, shape = by_key[tkey]
-            pieces.append(piece_for(file, records[tkey], name, key, whole_region(math.prod(shape))))
-        files.append(FileEntry(file, storage.file_size(staging / file)))
-    if len(shards) > 1:
-        storage.write_text_atomic(staging / INDEX_FILE, shard_index(shards, sizes))
-    return files, pieces, all_records
+        for name, key in members:
+            numel = math.prod(specs[name, key][1])
+            record = records[tensor_key(name, key)]
+            pieces.append(piece_for(file, record, name, key, whole_region(numel)))
+        entries.append(FileEntry(file, storage.file_size(staging / file)))
+    for name, text in texts.items():
+        storage.write_text_atomic(staging / name, text)
+    return entries, pieces, all_records
 
 
 def _commit(
@@ -234,7 +274,7 @@ def _commit(
         optimizer,
         sharding,
         [piece_from_json(p) for p in raw],
-        {p["param"]: p["dtype"] for p in raw},
+        {(p["param"], p["key"]): p["dtype"] for p in raw},
         [FileEntry(f["name"], f["bytes"]) for r in reports for f in r["files"]],
         CONSOLIDATED if consolidated else PER_RANK,
     )
@@ -264,72 +304,122 @@ def build_manifest(
     optimizer: Muon,
     sharding: Sharding,
     pieces: list[Piece],
-    dtypes: Mapping[str, str],
+    dtypes: Mapping[tuple[str, str], str],
     files: list[FileEntry],
     kind: str,
 ) -> Manifest:
-    """The manifest of a save: params and groups from the optimizer, pieces from the ranks."""
+    """The manifest of a save: params and groups from the grid, pieces from the ranks.
+
+    ``dtypes`` maps (param, stored key) to the safetensors dtype written.
+    """
     keys: dict[str, set[str]] = {}
     for piece in pieces:
         keys.setdefault(piece.param, set()).add(piece.key)
-    params, groups, index = [], [], 0
-    for g, group in enumerate(optimizer.param_groups):
-        names = []
-        for p in group["params"]:
-            param = sharding.params[index]
-            meta = optimizer.dist_metas.get(p) if optimizer.distributed_mode else None
-            params.append(
-                ParamEntry(
-                    name=param.name,
-                    shape=tuple(param.full_shape),
-                    group=g,
-                    dtype=dtypes.get(param.name, storage.dtype_name(p.dtype)),
-                    tp_split_dim=meta.tp_split_dim if meta is not None else -1,
-                    state_keys=tuple(sorted(keys.get(param.name, ()))),
-                )
+    entries = []
+    for param in sharding.params:
+        stored = keys.get(param.name, set())
+        state_keys = tuple(sorted(stored - {PARAM_KEY}))
+        own = storage.dtype_name(getattr(torch, param.dtype or "float32"))
+        entries.append(
+            ParamEntry(
+                name=param.name,
+                shape=tuple(param.full_shape),
+                group=param.group,
+                dtype=dtypes[param.name, state_keys[0]] if state_keys else own,
+                tp_split_dim=param.tp_split_dim,
+                state_keys=state_keys,
+                value_dtype=dtypes.get((param.name, PARAM_KEY)),
             )
-            names.append(param.name)
-            index += 1
+        )
+    groups = []
+    for g, group in enumerate(optimizer.param_groups):
         hyper = {k: json_safe(v) for k, v in group.items() if k not in ("params", "param_names")}
-        groups.append(GroupEntry(hyperparams=hyper, params=tuple(names)))
+        names = tuple(sharding.params[i].name for i in sharding.members(g))
+        groups.append(GroupEntry(hyperparams=hyper, params=names))
     return Manifest(
         kind=kind,
         topology=dict(sharding.topology),
         groups=tuple(groups),
-        params=tuple(params),
+        params=tuple(entries),
         files=tuple(files),
         pieces=tuple(pieces),
     )
 
 
-def load(optimizer: Muon, path: str | os.PathLike[str]) -> None:
+def load(optimizer: Muon, path: str | os.PathLike[str], *, params: bool = True) -> None:
     """Load a checkpoint of any kind and source topology into ``optimizer`` at its topology.
+
+    Restores the optimizer state and, by default, the optimizer's params (each rank its own
+    share, bitwise): a resumed run needs nothing but the checkpoint. A model whose weights are
+    not the optimizer's params gets them back from those params (see
+    :meth:`muonckpt.ShardedParams.params_to_model`).
 
     Every rank reads the manifest and then only the bytes of the pieces overlapping its own
     share, verifying their checksums; memory is its share plus one piece span in flight.
-    Raises :class:`CheckpointError` naming the file and param on any damage or mismatch.
+    In distributed mode a collective over the grid the first time the optimizer is described.
+
+    Args:
+        optimizer: a packaged :class:`~muonckpt.Muon`, at any dp x tp.
+        path: a checkpoint directory.
+        params: restore the params too (the default; the checkpoint must hold them). False
+            restores the optimizer state only, for weights loaded elsewhere.
+
+    Raises:
+        CheckpointError: naming the file and param on any damage or mismatch, before anything
+            in the optimizer changes.
     """
     directory, manifest = open_checkpoint(path)
-    sharding = describe_muon(optimizer, collective=False)
+    if params and not manifest.has_values:
+        raise CheckpointError(
+            "the checkpoint holds no param values (saved with params=False, or by format "
+            f"version {manifest.format_version}); load it with params=False to restore the "
+            "optimizer state only",
+            path=directory / MANIFEST_NAME,
+        )
+    sharding = describe_muon(optimizer)
     groups = remap_groups(optimizer, _torch_groups(manifest), sharding)
     flat = [p for g in optimizer.param_groups for p in g["params"]]
     grouped = manifest.pieces_of()
     state: dict[int, dict[str, torch.Tensor]] = {}
+    values: dict[int, torch.Tensor] = {}
     with PieceReader(directory, manifest) as reader:
-        for index, (p, param) in enumerate(zip(flat, sharding.params, strict=True)):
+
+        def read(entry: ParamEntry, key: str, param: ParamSharding) -> torch.Tensor:
+            data = reader.gather(grouped[entry.name, key], entry, key, param.local)
+            return storage.tensor_of_bytes(data, entry.dtype_of(key))
+
+        for param in sharding.params:
             entry = manifest.param(param.name)
             _check_param(entry, param, directory)
-            if not entry.state_keys or param.local is None:
+            if param.local_index is None or param.local is None:
                 continue
-            state[index] = {
-                key: storage.tensor_of_bytes(
-                    reader.gather(grouped[entry.name, key], entry, param.local), entry.dtype
-                ).reshape(p.shape)
-                for key in entry.state_keys
-            }
-    optimizer.load_state_dict(
-        {"state": state, "param_groups": groups, MARKER: {"complete": True, "local_share": True}}
-    )
+            p = flat[param.local_index]
+            if entry.state_keys:
+                state[param.local_index] = {
+                    key: read(entry, key, param).reshape(p.shape) for key in entry.state_keys
+                }
+            if params:
+                values[param.local_index] = _checked_value(
+                    read(entry, PARAM_KEY, param), p, entry, directory
+                )
+    with hooks_of(optimizer).local_share_load():
+        optimizer.load_state_dict({"state": state, "param_groups": groups})
+    with torch.no_grad():
+        for index, value in values.items():
+            flat[index].copy_(value.reshape(flat[index].shape))
+
+
+def _checked_value(
+    value: torch.Tensor, p: torch.Tensor, entry: ParamEntry, directory: Path
+) -> torch.Tensor:
+    if value.dtype != p.dtype or value.numel() != p.numel():
+        raise CheckpointError(
+            f"saved values are {value.dtype} x {value.numel()} elements here, the optimizer's "
+            f"param {p.dtype} x {p.numel()}",
+            path=directory / MANIFEST_NAME,
+            param=entry.name,
+        )
+    return value
 
 
 def _torch_groups(manifest: Manifest) -> list[dict[str, Any]]:

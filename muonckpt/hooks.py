@@ -5,12 +5,15 @@ buffer in the packaged :class:`~muonckpt.Muon`, whole tensors on one owner rank 
 KellerJordan-style Muon. The hooks here, attached through torch's optimizer hook API, turn that
 into torch's ordinary state-dict format with every param's full-shape state:
 
-* ``state_dict()`` (a collective over every rank that holds state) checks that all ranks agree
-  on the params, then streams each param's pieces to the destination rank, which assembles
-  full tensors one at a time. Other ranks return a stub marked incomplete, so loading one by
-  mistake fails loudly instead of silently restarting momentum at zero.
-* ``load_state_dict(sd)`` (local, no collectives) matches params by name, validates names, keys
-  and shapes, and keeps only this rank's share under the current topology.
+* ``state_dict()`` (a collective over every rank that holds state) learns the complete list of
+  params from the whole grid (a rank may leave out a param it owns no element of), then streams
+  each param's pieces to the destination rank, which assembles full tensors one at a time.
+  Other ranks return a stub marked incomplete, so loading one by mistake fails loudly instead
+  of silently restarting momentum at zero.
+* ``load_state_dict(sd)`` matches params by name, validates names, keys and shapes, and keeps
+  only this rank's share under the current topology. For a distributed packaged Muon the first
+  call that needs the grid's param list (``state_dict``, ``load_state_dict``, ``save`` or
+  ``load``) is a collective over the grid; the list is kept for later calls.
 
 Memory: the destination holds the complete state plus one piece in flight; every other rank its
 own share plus one piece (or one full param when delivering to all ranks).
@@ -19,8 +22,10 @@ own share plus one piece (or one full param when delivering to all ranks).
 from __future__ import annotations
 
 import math
+import weakref
 import zlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,7 +33,8 @@ import torch
 
 from . import collectives
 from .errors import StateDictError
-from .layout import Region, Topology, dp_slice, tp_full_shape, tp_region, whole_region
+from .grid import GridParams, LocalParam, RankReport, merge_reports
+from .layout import Region, Topology, whole_region
 from .regions import extract, insert_
 
 MARKER = "muonckpt"
@@ -47,7 +53,7 @@ class Holding:
 
 @dataclass(frozen=True)
 class ParamSharding:
-    """How one param's state is spread over ranks."""
+    """How one param of the whole grid is spread over ranks, seen from this rank."""
 
     name: str
     full_shape: tuple[int, ...] | None
@@ -58,8 +64,16 @@ class ParamSharding:
     """This rank's share when loading: a region, the whole state (owner), or nothing."""
     keeps: bool
     """Whether this rank keeps any state of the param when loading."""
+    local_index: int | None
+    """The param's position in this rank's flat param order; None where this rank lacks it."""
+    group: int
+    """Index of its param group."""
     expected_keys: tuple[str, ...] = ()
     """State keys a complete entry must have (empty: whatever the source had)."""
+    tp_split_dim: int = -1
+    """TP split dimension in this run (recorded in checkpoints)."""
+    dtype: str | None = None
+    """torch dtype name of the param itself (``float32``), where known."""
 
 
 @dataclass
@@ -67,11 +81,26 @@ class Sharding:
     """Everything the hooks need to know about one optimizer's sharding, for one call."""
 
     params: list[ParamSharding]
+    """Every param of the grid, in canonical order (group by group)."""
     participants: list[int]
     """Global ranks taking part in the gather."""
     destination: int
     """Global rank that receives the complete state dict."""
     topology: dict[str, int] = field(default_factory=dict)
+    named: bool = True
+    """Whether the params carry names (else their names are canonical positions)."""
+
+    def local(self) -> Iterator[ParamSharding]:
+        """The params this rank's optimizer holds, in its own flat order."""
+        return iter(sorted((p for p in self.params if p.local_index is not None), key=_position))
+
+    def members(self, group: int) -> list[int]:
+        """Canonical indices of the params of one group."""
+        return [i for i, p in enumerate(self.params) if p.group == group]
+
+
+def _position(param: ParamSharding) -> int:
+    return param.local_index if param.local_index is not None else -1
 
 
 class StateDictHooks:
@@ -87,65 +116,63 @@ class StateDictHooks:
         self.describe = describe
         self.all_ranks = all_ranks
         self._handles = [
-            optimizer.register_state_dict_pre_hook(self._check_agreement),
+            optimizer.register_state_dict_pre_hook(self._describe_for_gather),
             optimizer.register_state_dict_post_hook(self._gather),
             optimizer.register_load_state_dict_pre_hook(self._trim),
             optimizer.register_load_state_dict_post_hook(self._check_loaded),
         ]
         self._sharding: Sharding | None = None
+        self._loading_local_share = False
+        _HOOKS[optimizer] = self
 
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
 
-    def _check_agreement(self, optimizer: torch.optim.Optimizer) -> None:
+    @contextmanager
+    def local_share_load(self) -> Iterator[None]:
+        """Within the block, ``load_state_dict`` takes a dict already cut to this rank's share
+        (in this rank's own param indices), as :func:`muonckpt.load` builds it."""
+        self._loading_local_share = True
+        try:
+            yield
+        finally:
+            self._loading_local_share = False
+
+    def _describe_for_gather(self, optimizer: torch.optim.Optimizer) -> None:
         self._sharding = self.describe(True)
-        check_agreement(self._sharding)
 
     def _gather(
         self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]
     ) -> dict[str, Any]:
         sharding = self._sharding or self.describe(True)
         self._sharding = None
-        me = collectives.global_rank()
-        local_state = state_dict["state"]
-        entries = _gather_entry_metadata(sharding, local_state)
-        full_state: dict[int, dict[str, Any]] = {}
-        receives = me == sharding.destination or self.all_ranks
-        for index, param in enumerate(sharding.params):
-            spec = entries[index]
-            if spec is None:
-                continue
-            full_state[index] = {}
-            for key, info in spec.items():
-                value = _gather_value(
-                    param, index, key, info, local_state, sharding, self.all_ranks
-                )
-                if receives:
-                    full_state[index][key] = value
+        full_state = gather_full_state(sharding, state_dict["state"], self.all_ranks)
+        receives = full_state is not None
         marker = {
             "complete": receives,
             "format_version": FORMAT_VERSION,
             "source_topology": dict(sharding.topology),
-            "source_rank": me,
+            "source_rank": collectives.global_rank(),
         }
         return {
             "state": full_state if receives else {},
-            "param_groups": state_dict["param_groups"],
+            "param_groups": canonical_groups(state_dict["param_groups"], sharding),
             MARKER: marker,
         }
 
     def _trim(self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
+        if self._loading_local_share:
+            return dict(state_dict)
         return trim_state_dict(optimizer, state_dict, self.describe(False))
 
     def _check_loaded(self, optimizer: torch.optim.Optimizer) -> None:
         """After loading, every region-sharded state tensor must be exactly this rank's share."""
-        sharding = self.describe(False)
-        flat = [p for g in optimizer.param_groups for p in g["params"]]
-        for p, param in zip(flat, sharding.params, strict=True):
+        flat = _flat_params(optimizer)
+        for param in self.describe(False).local():
             if param.local is None:
                 continue
-            for key, value in optimizer.state.get(p, {}).items():
+            for key, value in optimizer.state.get(flat[param.local_index], {}).items():
                 if isinstance(value, torch.Tensor) and value.numel() != param.local.numel:
                     raise StateDictError(
                         f"param {param.name!r}: loaded state {key!r} has {value.numel()} "
@@ -153,11 +180,44 @@ class StateDictHooks:
                     )
 
 
+_HOOKS: weakref.WeakKeyDictionary[torch.optim.Optimizer, StateDictHooks] = (
+    weakref.WeakKeyDictionary()
+)
+"""Each hooked optimizer's hooks, kept beside it rather than as an attribute on it."""
+
+
+def hooks_of(optimizer: torch.optim.Optimizer) -> StateDictHooks:
+    """The muonckpt hooks of ``optimizer``; :class:`StateDictError` if it has none."""
+    hooks = _HOOKS.get(optimizer)
+    if hooks is None:
+        raise StateDictError("optimizer has no muonckpt hooks: use muonckpt.Muon or install_hooks")
+    return hooks
+
+
+def _flat_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for g in optimizer.param_groups for p in g["params"]]
+
+
+def canonical_groups(
+    local_groups: Sequence[Mapping[str, Any]], sharding: Sharding
+) -> list[dict[str, Any]]:
+    """This rank's group settings, each listing every param of the grid's group by index."""
+    groups = []
+    for g, group in enumerate(local_groups):
+        members = sharding.members(g)
+        out = {**group, "params": members}
+        if sharding.named or "param_names" in group:
+            out["param_names"] = [sharding.params[i].name for i in members]
+        groups.append(out)
+    return groups
+
+
 def check_agreement(sharding: Sharding) -> None:
     """Raise :class:`StateDictError` on every rank unless all agree on names and full shapes.
 
     A collective over ``sharding.participants``, run before any state moves, so a mismatch is
-    an error instead of a hang or a scrambled gather.
+    an error instead of a hang or a scrambled gather. For owner-style sharding, where every
+    rank holds every param.
     """
     fingerprint = [[p.name, list(p.full_shape) if p.full_shape else None] for p in sharding.params]
     digest = zlib.crc32(repr(fingerprint).encode())
@@ -170,6 +230,46 @@ def check_agreement(sharding: Sharding) -> None:
         )
 
 
+def _decide(work: Callable[[], Any], ranks: Sequence[int], root: int) -> Any:
+    """``work()`` on ``root``, its value on every rank; its failure a StateDictError on all."""
+    outcome = None
+    if collectives.global_rank() == root:
+        try:
+            outcome = {"value": work()}
+        except StateDictError as exc:
+            outcome = {"error": str(exc)}
+        except Exception as exc:  # every rank must learn of it, or the others wait forever
+            outcome = {"error": f"{type(exc).__name__}: {exc}"}
+    outcome = collectives.broadcast_json(outcome, ranks, root)
+    if "error" in outcome:
+        raise StateDictError(outcome["error"])
+    return outcome["value"]
+
+
+def gather_full_state(
+    sharding: Sharding, local_state: Mapping[int, Mapping[str, Any]], all_ranks: bool = False
+) -> dict[int, dict[str, Any]] | None:
+    """Every param's full state by canonical index, on the destination (and every rank with
+    ``all_ranks``); None elsewhere. ``local_state`` is keyed by this rank's flat param index.
+
+    A collective over ``sharding.participants``.
+    """
+    me = collectives.global_rank()
+    entries = _gather_entry_metadata(sharding, local_state)
+    receives = me == sharding.destination or all_ranks
+    full_state: dict[int, dict[str, Any]] = {}
+    for index, param in enumerate(sharding.params):
+        spec = entries[index]
+        if spec is None:
+            continue
+        full_state[index] = {}
+        for key, info in spec.items():
+            value = _gather_value(param, key, info, local_state, sharding, all_ranks)
+            if receives:
+                full_state[index][key] = value
+    return full_state if receives else None
+
+
 def _gather_entry_metadata(
     sharding: Sharding, local_state: Mapping[int, Mapping[str, Any]]
 ) -> list[dict[str, Any] | None]:
@@ -177,21 +277,16 @@ def _gather_entry_metadata(
     mine: dict[str, dict[str, Any]] = {}
     me = collectives.global_rank()
     for index, param in enumerate(sharding.params):
-        if any(h.rank == me for h in param.sources) and index in local_state:
+        if any(h.rank == me for h in param.sources) and param.local_index in local_state:
             mine[str(index)] = {
-                key: _describe_value(value) for key, value in local_state[index].items()
+                key: _describe_value(value) for key, value in local_state[param.local_index].items()
             }
     reports = collectives.gather_json(mine, sharding.participants, sharding.destination)
-    merged: Any = None
-    if reports is not None:
-        try:
-            merged = _merge_entry_reports(sharding, reports)
-        except StateDictError as exc:
-            merged = {"error": str(exc)}
-    merged = collectives.broadcast_json(merged, sharding.participants, sharding.destination)
-    if isinstance(merged, dict):
-        raise StateDictError(merged["error"])
-    return merged
+    return _decide(
+        lambda: _merge_entry_reports(sharding, reports),
+        sharding.participants,
+        sharding.destination,
+    )
 
 
 def _merge_entry_reports(
@@ -223,7 +318,6 @@ def _describe_value(value: Any) -> dict[str, Any]:
 
 def _gather_value(
     param: ParamSharding,
-    index: int,
     key: str,
     info: Mapping[str, Any],
     local_state: Mapping[int, Mapping[str, Any]],
@@ -239,7 +333,7 @@ def _gather_value(
     full = torch.empty(shape, dtype=dtype) if me == dst else None
     for holding in param.sources:
         if holding.rank == me:
-            piece = local_state[index][key].reshape(-1)
+            piece = local_state[param.local_index][key].reshape(-1)
             if me == dst:
                 _place(full, holding.region, piece)
             else:
@@ -273,12 +367,9 @@ def trim_state_dict(
     """A complete state dict, re-keyed to ``optimizer``'s params and cut to this rank's share.
 
     Params are matched by name, so the source may order its groups' params differently.
-    Raises :class:`StateDictError` naming the param on any mismatch. A dict that
-    :func:`muonckpt.load` already cut to this rank's share passes through unchanged.
+    Raises :class:`StateDictError` naming the param on any mismatch.
     """
     marker = state_dict.get(MARKER)
-    if isinstance(marker, Mapping) and marker.get("local_share"):
-        return dict(state_dict)
     if isinstance(marker, Mapping) and not marker.get("complete", False):
         raise StateDictError(
             f"this state dict came from rank {marker.get('source_rank')}, which does not hold the "
@@ -296,17 +387,20 @@ def trim_state_dict(
         for name, index in zip(_group_names(group), group["params"], strict=True)
     }
     any_state = any(v for v in by_name.values())
-    flat = [p for g in optimizer.param_groups for p in g["params"]]
+    flat = _flat_params(optimizer)
     new_state: dict[int, dict[str, Any]] = {}
-    for index, (p, param) in enumerate(zip(flat, sharding.params, strict=True)):
+    for param in sharding.params:
         entry = by_name[param.name]
         if not entry:
             if any_state and param.expected_keys:
                 raise StateDictError(f"state dict has no state for param {param.name!r}")
             continue
-        kept = _cut_entry(param, entry, p)
+        if param.local_index is None:
+            _check_keys(param, entry)
+            continue
+        kept = _cut_entry(param, entry, flat[param.local_index])
         if kept is not None:
-            new_state[index] = kept
+            new_state[param.local_index] = kept
     return {"state": new_state, "param_groups": new_groups}
 
 
@@ -315,43 +409,48 @@ def remap_groups(
 ) -> list[dict[str, Any]]:
     """Saved groups' settings (step included) laid over ``optimizer``'s groups, matched by name.
 
-    Each current group must hold exactly the params of the saved group at the same position.
+    Each group of the grid must hold exactly the params of the saved group at the same
+    position; the result lists this rank's own params of each group, in its own indices.
     """
-    current_names = [p.name for p in sharding.params]
-    _check_names([n for g in saved_groups for n in _group_names(g)], current_names)
+    saved_names = [n for g in saved_groups for n in _group_names(g)]
+    _check_names(saved_names, [p.name for p in sharding.params])
     if len(saved_groups) != len(optimizer.param_groups):
         raise StateDictError(
             f"state dict has {len(saved_groups)} param groups, the optimizer "
             f"{len(optimizer.param_groups)}"
         )
-    new_groups, index = [], 0
-    for group_index, (group, saved) in enumerate(
-        zip(optimizer.param_groups, saved_groups, strict=True)
-    ):
-        names = current_names[index : index + len(group["params"])]
+    local_names = {p.local_index: p.name for p in sharding.local()}
+    new_groups, start = [], 0
+    for g, (group, saved) in enumerate(zip(optimizer.param_groups, saved_groups, strict=True)):
+        names = [sharding.params[i].name for i in sharding.members(g)]
         if sorted(names) != sorted(_group_names(saved)):
             raise StateDictError(
-                f"param group {group_index} holds {names}, the state dict's group "
-                f"{group_index} holds {_group_names(saved)}"
+                f"param group {g} holds {names}, the state dict's group {g} holds "
+                f"{_group_names(saved)}"
             )
         settings = {k: v for k, v in saved.items() if k not in ("params", "param_names")}
         for key, value in settings.items():
             if isinstance(group.get(key), tuple) and isinstance(value, list):
                 settings[key] = tuple(value)
-        settings["params"] = list(range(index, index + len(names)))
+        indices = list(range(start, start + len(group["params"])))
+        settings["params"] = indices
         if "param_names" in group:
-            settings["param_names"] = list(names)
+            settings["param_names"] = [local_names[i] for i in indices]
         new_groups.append(settings)
-        index += len(names)
+        start += len(indices)
     return new_groups
+
+
+def _check_keys(param: ParamSharding, entry: Mapping[str, Any]) -> None:
+    missing = [k for k in param.expected_keys if k not in entry]
+    if missing:
+        raise StateDictError(f"param {param.name!r}: state dict lacks state key(s) {missing}")
 
 
 def _cut_entry(
     param: ParamSharding, entry: Mapping[str, Any], p: torch.Tensor
 ) -> dict[str, Any] | None:
-    missing = [k for k in param.expected_keys if k not in entry]
-    if missing:
-        raise StateDictError(f"param {param.name!r}: state dict lacks state key(s) {missing}")
+    _check_keys(param, entry)
     if not param.keeps:
         return None
     kept: dict[str, Any] = {}
@@ -400,70 +499,134 @@ def param_names(optimizer: torch.optim.Optimizer) -> list[str]:
     return names
 
 
+def _named(optimizer: torch.optim.Optimizer) -> bool:
+    return any(group.get("param_names") for group in optimizer.param_groups)
+
+
 def attach_muon_hooks(optimizer: Any) -> StateDictHooks:
     """Attach the hooks to a packaged :class:`~muonckpt.Muon` (done by its constructor)."""
-    hooks = StateDictHooks(optimizer, lambda collective: describe_muon(optimizer, collective))
-    optimizer.state_dict_hooks = hooks
-    return hooks
+    return StateDictHooks(optimizer, lambda collective: describe_muon(optimizer))
 
 
-def describe_muon(optimizer: Any, collective: bool) -> Sharding:
-    """Sharding of a packaged Muon; ``collective`` allows learning the grid's global ranks."""
+def describe_muon(optimizer: Any) -> Sharding:
+    """Sharding of a packaged Muon over its whole grid.
+
+    In distributed mode the grid's param list is learned once by a collective over the grid
+    (:func:`muonckpt.grid.merge_reports`) and kept beside the optimizer.
+    """
     from .optim import ADAMW_STATE_KEYS, MUON_STATE_KEYS
 
-    names = param_names(optimizer)
+    def keys(group: int) -> tuple[str, ...]:
+        use_muon = optimizer.param_groups[group].get("use_muon", False)
+        return MUON_STATE_KEYS if use_muon else ADAMW_STATE_KEYS
+
     me = collectives.global_rank()
-    params: list[ParamSharding] = []
-    flat = [(p, g) for g in optimizer.param_groups for p in g["params"]]
     if not optimizer.distributed_mode:
-        for (p, group), name in zip(flat, names, strict=True):
+        params = []
+        flat = [(p, g) for g, group in enumerate(optimizer.param_groups) for p in group["params"]]
+        for index, ((p, g), name) in enumerate(zip(flat, param_names(optimizer), strict=True)):
             whole = whole_region(p.numel())
-            keys = MUON_STATE_KEYS if group.get("use_muon", False) else ADAMW_STATE_KEYS
             params.append(
-                ParamSharding(name, tuple(p.shape), (Holding(me, whole),), whole, True, keys)
+                ParamSharding(
+                    name,
+                    tuple(p.shape),
+                    (Holding(me, whole),),
+                    whole,
+                    True,
+                    index,
+                    g,
+                    keys(g),
+                    dtype=_dtype_name(p),
+                )
             )
-        return Sharding(params, [me], me, {"dp": 1, "tp": 1})
+        _check_unique([p.name for p in params])
+        return Sharding(params, [me], me, {"dp": 1, "tp": 1}, _named(optimizer))
+    ranks, grid = _grid_params(optimizer)
+    topo = grid.topology
+    coords = topo.coords(ranks.index(me))
+    params = []
+    for gp in grid.params:
+        sources = []
+        for rank in range(topo.world_size):
+            region = gp.owner_region(topo, *topo.coords(rank))
+            if region.numel:
+                sources.append(Holding(ranks[rank], region))
+        local_index = gp.local_index[ranks.index(me)]
+        params.append(
+            ParamSharding(
+                name=gp.name,
+                full_shape=gp.full_shape,
+                sources=tuple(sources),
+                local=gp.region(topo, *coords) if local_index is not None else None,
+                keeps=local_index is not None,
+                local_index=local_index,
+                group=gp.spec.group,
+                expected_keys=keys(gp.spec.group),
+                tp_split_dim=gp.spec.tp_split_dim,
+                dtype=gp.spec.dtype,
+            )
+        )
+    named = bool(grid.params) and grid.params[0].spec.name is not None
+    return Sharding(params, ranks, ranks[0], {"dp": topo.dp, "tp": topo.tp}, named)
+
+
+_GRIDS: weakref.WeakKeyDictionary[Any, tuple[tuple, list[int], GridParams]] = (
+    weakref.WeakKeyDictionary()
+)
+"""Per distributed packaged Muon: (its local structure, the grid's global ranks, its params)."""
+
+
+def _grid_params(optimizer: Any) -> tuple[list[int], GridParams]:
+    """The grid's global ranks and canonical params (a collective the first time)."""
+    flat = _flat_params(optimizer)
+    structure = (tuple(id(p) for p in flat), len(optimizer.param_groups))
+    cached = _GRIDS.get(optimizer)
+    if cached is not None and cached[0] == structure:
+        return cached[1], cached[2]
     dp_group, tp_group = optimizer.dist_group, optimizer.tp_group
     topo = Topology(collectives.group_size(dp_group), collectives.group_size(tp_group))
-    dp_rank, tp_rank = collectives.group_rank(dp_group), collectives.group_rank(tp_group)
-    grid = _grid(optimizer) if collective else []
-    for (p, group), name in zip(flat, names, strict=True):
-        meta = optimizer.dist_metas[p]
-        size, offset = optimizer.global_buffer_sizes[meta.buffer_idx][meta.bucket_idx]
-        split = meta.tp_split_dim if topo.tp > 1 else -1
-        full = tp_full_shape(meta.shape, split, topo.tp)
+    ranks = collectives.grid_ranks(dp_group, tp_group)
+    report = RankReport(len(optimizer.param_groups), tuple(_local_params(optimizer)))
+    reports = collectives.gather_json(report.to_json(), ranks, ranks[0])
 
-        def region(
-            d: int,
-            t: int,
-            meta: Any = meta,
-            full: tuple = full,
-            split: int = split,
-            size: int = size,
-            offset: int = offset,
-        ) -> Region:
-            return tp_region(
-                full, split, topo.tp, t, dp_slice(meta.global_range, offset, size, topo.dp, d)
+    def merge() -> dict:
+        return merge_reports([RankReport.from_json(r) for r in reports], topo).to_json()
+
+    grid = GridParams.from_json(_decide(merge, ranks, ranks[0]))
+    _GRIDS[optimizer] = (structure, ranks, grid)
+    return ranks, grid
+
+
+def _local_params(optimizer: Any) -> Iterator[LocalParam]:
+    named = _named(optimizer)
+    names = param_names(optimizer)
+    index = 0
+    for g, group in enumerate(optimizer.param_groups):
+        for p in group["params"]:
+            meta = optimizer.dist_metas[p]
+            yield LocalParam(
+                name=names[index] if named else None,
+                group=g,
+                local_shape=tuple(meta.shape),
+                tp_split_dim=meta.tp_split_dim,
+                buffer=meta.buffer_idx,
+                bucket=meta.bucket_idx,
+                global_range=tuple(meta.global_range),
+                bucket_span=tuple(optimizer.global_buffer_sizes[meta.buffer_idx][meta.bucket_idx]),
+                dtype=_dtype_name(p),
             )
-
-        sources = tuple(
-            Holding(grid[topo.rank(d, t)], region(d, t))
-            for d in range(topo.dp)
-            for t in range(topo.tp if split >= 0 else 1)
-            if grid and region(d, t).numel
-        )
-        keys = MUON_STATE_KEYS if group.get("use_muon", False) else ADAMW_STATE_KEYS
-        params.append(ParamSharding(name, full, sources, region(dp_rank, tp_rank), True, keys))
-    destination = grid[0] if grid else me
-    return Sharding(params, grid or [me], destination, {"dp": topo.dp, "tp": topo.tp})
+            index += 1
 
 
-def _grid(optimizer: Any) -> list[int]:
-    grid = getattr(optimizer, "_muonckpt_grid", None)
-    if grid is None:
-        grid = collectives.grid_ranks(optimizer.dist_group, optimizer.tp_group)
-        optimizer._muonckpt_grid = grid
-    return grid
+def _dtype_name(tensor: torch.Tensor) -> str:
+    return str(tensor.dtype).removeprefix("torch.")
+
+
+def _check_unique(names: Sequence[str]) -> None:
+    seen: set[str] = set()
+    dupes = sorted({n for n in names if n in seen or seen.add(n)})
+    if dupes:
+        raise StateDictError(f"duplicate param names {dupes}: names must be unique")
 
 
 def install_hooks(
@@ -496,32 +659,28 @@ def install_hooks(
         ranks = collectives.group_ranks(group)
         me = collectives.global_rank()
         names = param_names(optimizer)
-        flat = [p for g in optimizer.param_groups for p in g["params"]]
+        flat = [(p, g) for g, grp in enumerate(optimizer.param_groups) for p in grp["params"]]
         params = []
-        for index, (p, name) in enumerate(zip(flat, names, strict=True)):
+        for index, ((p, g), name) in enumerate(zip(flat, names, strict=True)):
             holder = ranks[owner(index, p)]
-            params.append(ParamSharding(name, None, (Holding(holder, None),), None, holder == me))
-        return Sharding(params, ranks, ranks[0], {"world_size": len(ranks)})
+            params.append(
+                ParamSharding(name, None, (Holding(holder, None),), None, holder == me, index, g)
+            )
+        sharding = Sharding(params, ranks, ranks[0], {"world_size": len(ranks)}, _named(optimizer))
+        if collective:
+            check_agreement(sharding)
+        return sharding
 
-    hooks = StateDictHooks(optimizer, describe, all_ranks=all_ranks)
-    optimizer.state_dict_hooks = hooks  # type: ignore[attr-defined]
-    return hooks
+    return StateDictHooks(optimizer, describe, all_ranks=all_ranks)
 
 
 def gather_state_dict(
     optimizer: torch.optim.Optimizer, *, all_ranks: bool = False
 ) -> dict[str, Any]:
     """``optimizer.state_dict()``, delivered to every rank when ``all_ranks`` (a collective)."""
-    hooks = _hooks_of(optimizer)
+    hooks = hooks_of(optimizer)
     previous, hooks.all_ranks = hooks.all_ranks, all_ranks
     try:
         return optimizer.state_dict()
     finally:
         hooks.all_ranks = previous
-
-
-def _hooks_of(optimizer: torch.optim.Optimizer) -> StateDictHooks:
-    hooks = getattr(optimizer, "state_dict_hooks", None)
-    if hooks is None:
-        raise StateDictError("optimizer has no muonckpt hooks: use muonckpt.Muon or install_hooks")
-    return hooks

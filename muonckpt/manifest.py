@@ -18,7 +18,11 @@ from .errors import CheckpointError
 from .layout import Region, matrix_view
 
 FORMAT_NAME = "muonckpt"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""Version 2 added the params' own values (``value_dtype``, pieces of key :data:`PARAM_KEY`);
+version 1 checkpoints are still read (they hold optimizer state only)."""
+PARAM_KEY = "param"
+"""The piece key of a param's own values, beside its state keys (never a state key itself)."""
 CHECKSUM_ALGORITHM = "xxh3-64"
 """XXH3 64-bit (seed 0) of each chunk of a tensor's data, as 16 lowercase hex digits."""
 MANIFEST_NAME = "manifest.json"
@@ -43,10 +47,23 @@ class ParamEntry:
     """Index of its param group."""
     state_keys: tuple[str, ...]
     """Its state tensors' keys (empty: no state yet)."""
+    value_dtype: str | None = None
+    """safetensors dtype of the param's own saved values; None when they were not saved."""
 
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+    @property
+    def tensor_keys(self) -> tuple[str, ...]:
+        """Keys of everything stored for the param: its state keys, then :data:`PARAM_KEY`."""
+        return self.state_keys + ((PARAM_KEY,) if self.value_dtype is not None else ())
+
+    def dtype_of(self, key: str) -> str:
+        """The safetensors dtype of the stored tensor ``key`` (a state key or the values)."""
+        if key == PARAM_KEY and self.value_dtype is not None:
+            return self.value_dtype
+        return self.dtype
 
 
 @dataclass(frozen=True)
@@ -93,11 +110,19 @@ class Manifest:
     format_version: int = FORMAT_VERSION
     checksum_algorithm: str = CHECKSUM_ALGORITHM
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_by_name", {entry.name: entry for entry in self.params})
+
     def param(self, name: str) -> ParamEntry:
-        for entry in self.params:
-            if entry.name == name:
-                return entry
-        raise CheckpointError("no such param in the checkpoint", param=name)
+        entry = self._by_name.get(name)  # type: ignore[attr-defined]
+        if entry is None:
+            raise CheckpointError("no such param in the checkpoint", param=name)
+        return entry
+
+    @property
+    def has_values(self) -> bool:
+        """Whether the params' own values were saved (every param's, or none)."""
+        return bool(self.params) and all(e.value_dtype is not None for e in self.params)
 
     def pieces_of(self) -> dict[tuple[str, str], list[Piece]]:
         """Pieces grouped by (param, state key)."""
@@ -113,14 +138,14 @@ class Manifest:
 
     def to_json(self) -> str:
         body = {"format": FORMAT_NAME, **asdict(self)}
-        return json.dumps(body, indent=1, sort_keys=False) + "\n"
+        return json.dumps(body, indent=1, sort_keys=False, allow_nan=False) + "\n"
 
     def coverage_problems(self) -> list[str]:
         """Gaps, overlaps and stray pieces: every state tensor must be covered exactly once."""
         problems = []
         grouped = self.pieces_of()
         for entry in self.params:
-            for key in entry.state_keys:
+            for key in entry.tensor_keys:
                 problems += _coverage(entry, key, grouped.pop((entry.name, key), []))
         for param, key in grouped:
             problems.append(
@@ -187,12 +212,15 @@ def _manifest_from(body: Any) -> Manifest:
             dtype=_str(p["dtype"]),
             tp_split_dim=_int(p["tp_split_dim"]),
             group=_nonneg_int(p["group"]),
-            state_keys=tuple(_str(k) for k in p["state_keys"]),
+            state_keys=tuple(_state_key(k) for k in p["state_keys"]),
+            value_dtype=_value_dtype(p, version),
         )
         for p in body["params"]
     )
     names = [p.name for p in params]
     _expect(len(set(names)) == len(names), "duplicate param names")
+    with_values = {p.value_dtype is not None for p in params}
+    _expect(len(with_values) <= 1, "some params have saved values and others not")
     groups = tuple(
         GroupEntry(
             hyperparams=_hyperparams(g["hyperparams"]), params=tuple(_str(n) for n in g["params"])
@@ -268,6 +296,19 @@ def _hyperparams(raw: Any) -> dict[str, Any]:
     return dict(raw)
 
 
+def _state_key(value: Any) -> str:
+    key = _str(value)
+    _expect(key != PARAM_KEY, f"state key {PARAM_KEY!r} is reserved for the param's values")
+    return key
+
+
+def _value_dtype(raw: Mapping[str, Any], version: int) -> str | None:
+    if version < 2:
+        return None
+    value = raw["value_dtype"]
+    return None if value is None else _str(value)
+
+
 def _expect(condition: bool, message: str) -> None:
     if not condition:
         raise CheckpointError(message)
@@ -318,6 +359,8 @@ def _safe_name(value: Any) -> str:
 
 def json_safe(value: Any) -> Any:
     """Hyperparameter values as JSON: tuples become lists; anything else JSON can't hold fails."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise CheckpointError(f"hyperparameter value {value!r} cannot be stored in JSON")
     if isinstance(value, (str, int, float, bool)) or value is None:
         return value
     if isinstance(value, (list, tuple)):

@@ -37,6 +37,7 @@ from .errors import CheckpointError, LayoutError, MuonCkptError
 from .layout import ParamSpec, Region, Topology, arrange, whole_region
 from .manifest import (
     CONSOLIDATED,
+    FORMAT_VERSION,
     MANIFEST_NAME,
     PER_RANK,
     FileEntry,
@@ -45,15 +46,14 @@ from .manifest import (
     Piece,
 )
 from .pieces import (
-    INDEX_FILE,
     PieceReader,
+    consolidated_files,
     open_checkpoint,
     piece_for,
     prefetched,
     rank_file,
-    shard_files,
-    shard_index,
     tensor_key,
+    unique_tensor_keys,
 )
 from .workplan import WorkUnit, split_work
 
@@ -103,7 +103,7 @@ class _Put:
 
     @property
     def nbytes(self) -> int:
-        return self.region.numel * storage.itemsize(self.entry.dtype)
+        return self.region.numel * storage.itemsize(self.entry.dtype_of(self.key))
 
 
 @dataclass(frozen=True)
@@ -123,7 +123,7 @@ class _Job:
         """Each file's safetensors specs: tensor key -> (dtype, shape), files in order."""
         specs: dict[str, dict[str, tuple[str, tuple[int, ...]]]] = {f: {} for f in self.files}
         for put in self.puts:
-            specs[put.file][put.tkey] = (put.entry.dtype, put.shape)
+            specs[put.file][put.tkey] = (put.entry.dtype_of(put.key), put.shape)
         return specs
 
     @property
@@ -141,14 +141,17 @@ def consolidate(
     workers: int = 1,
     collective: bool = False,
 ) -> Path:
-    """Rewrite any checkpoint as a consolidated one: full-shape tensors ``state.<param>.<key>``.
+    """Rewrite any checkpoint as a consolidated one: full-shape tensors ``state.<param>.<key>``
+    in ``optimizer.safetensors`` and, where the checkpoint holds them, the params by name in
+    ``model.safetensors`` (loadable with ``model.load_state_dict(load_file(...))``).
 
     Args:
         src: a checkpoint directory (any kind, any source topology).
         dst: target directory; staged beside it and swapped in atomically.
-        max_shard_size: past this many bytes of tensor data, split the tensors over
+        max_shard_size: past this many bytes of tensor data, split the state over
             ``optimizer-0000i-of-0000N.safetensors`` files plus an HF-style
-            ``optimizer.safetensors.index.json``; otherwise one ``optimizer.safetensors``.
+            ``optimizer.safetensors.index.json`` (and the params likewise over ``model-*``);
+            otherwise one ``optimizer.safetensors`` (and one ``model.safetensors``).
             A tensor larger than the limit gets a file of its own.
         overwrite: replace an existing ``dst``.
         progress: a :data:`Progress`, called with the bytes and tensors written and their
@@ -164,18 +167,21 @@ def consolidate(
     """
     _check_workers(workers, collective)
     directory, manifest = open_checkpoint(src)
-    entries = {tensor_key(e.name, k): (e, k) for e in manifest.params for k in e.state_keys}
-    sizes = {tkey: e.numel * storage.itemsize(e.dtype) for tkey, (e, _) in entries.items()}
-    shards = shard_files(sizes, max_shard_size)
+    sizes = {
+        (e.name, k): e.numel * storage.itemsize(e.dtype_of(k))
+        for e in manifest.params
+        for k in e.tensor_keys
+    }
+    files, texts = consolidated_files(sizes, max_shard_size)
     job = _Job(
-        manifest=replace(manifest, kind=CONSOLIDATED, files=(), pieces=()),
-        files={file: {"format": "muonckpt"} for file, _ in shards},
+        manifest=_output_manifest(manifest, kind=CONSOLIDATED),
+        files={file: {"format": "muonckpt"} for file, _ in files},
         puts=[
             _Put(file, entry, key, whole_region(entry.numel), entry.shape)
-            for file, keys in shards
-            for entry, key in (entries[tkey] for tkey in keys)
+            for file, members in files
+            for entry, key in ((manifest.param(name), key) for name, key in members)
         ],
-        texts={INDEX_FILE: shard_index(shards, sizes)} if len(shards) > 1 else {},
+        texts=texts,
     )
     if workers > 1:
         options = {"max_shard_size": max_shard_size, "overwrite": overwrite}
@@ -225,6 +231,7 @@ def reshard(
     params = tuple(
         replace(e, tp_split_dim=overrides.get(e.name, e.tp_split_dim)) for e in manifest.params
     )
+    unique_tensor_keys(((e.name, k) for e in params for k in e.tensor_keys), directory)
     specs = [ParamSpec(e.name, e.shape, tp_split_dim=e.tp_split_dim, group=e.group) for e in params]
     layout = arrange(
         specs,
@@ -244,17 +251,12 @@ def reshard(
             _Put(name, entry, key, region, (region.numel,))
             for index, entry in enumerate(params)
             if (region := layout.owner_region(index, d, t)).numel
-            for key in entry.state_keys
+            for key in entry.tensor_keys
         ]
         puts += sorted(owned, key=lambda p: p.tkey)
     job = _Job(
-        manifest=replace(
-            manifest,
-            kind=PER_RANK,
-            topology={"dp": dp, "tp": tp},
-            params=params,
-            files=(),
-            pieces=(),
+        manifest=_output_manifest(
+            manifest, kind=PER_RANK, topology={"dp": dp, "tp": tp}, params=params
         ),
         files=files,
         puts=puts,
@@ -274,6 +276,11 @@ def reshard(
     return _write(job, directory, manifest, dst, overwrite, progress, collective)
 
 
+def _output_manifest(manifest: Manifest, **changes: Any) -> Manifest:
+    """The manifest of a rewrite of ``manifest``: current format, files and pieces still empty."""
+    return replace(manifest, **changes, files=(), pieces=(), format_version=FORMAT_VERSION)
+
+
 def _check_workers(workers: int, collective: bool) -> None:
     if workers < 1:
         raise CheckpointError(f"workers must be positive, got {workers}")
@@ -287,7 +294,7 @@ def _check_workers(workers: int, collective: bool) -> None:
 
 
 def _fetch(reader: PieceReader, grouped: Mapping[tuple[str, str], list[Piece]], put: _Put):
-    return reader.gather(grouped[put.entry.name, put.key], put.entry, put.region)
+    return reader.gather(grouped[put.entry.name, put.key], put.entry, put.key, put.region)
 
 
 def _write(
@@ -519,10 +526,11 @@ def summarize(src: str | os.PathLike[str]) -> dict[str, Any]:
             "name": e.name,
             "shape": list(e.shape),
             "dtype": e.dtype,
+            "value_dtype": e.value_dtype,
             "tp_split_dim": e.tp_split_dim,
             "group": e.group,
             "state_keys": list(e.state_keys),
-            "bytes": e.numel * storage.itemsize(e.dtype) * len(e.state_keys),
+            "bytes": sum(e.numel * storage.itemsize(e.dtype_of(k)) for k in e.tensor_keys),
         }
         for e in manifest.params
     ]
@@ -539,6 +547,7 @@ def summarize(src: str | os.PathLike[str]) -> dict[str, Any]:
         "totals": {
             "params": len(params),
             "tensors": sum(len(e.state_keys) for e in manifest.params),
+            "values": sum(e.value_dtype is not None for e in manifest.params),
             "bytes": sum(p["bytes"] for p in params),
             "file_bytes": sum(f.bytes for f in manifest.files),
             "files": len(manifest.files),
@@ -593,17 +602,25 @@ def diff(
             if ea is None or eb is None:
                 row(name, None, f"param only in {'A' if eb is None else 'B'}")
                 continue
-            if ea.shape != eb.shape or ea.dtype != eb.dtype:
-                row(name, None, f"A is {ea.dtype} {list(ea.shape)}, B {eb.dtype} {list(eb.shape)}")
+            if ea.shape != eb.shape:
+                row(name, None, f"A has shape {list(ea.shape)}, B {list(eb.shape)}")
                 continue
-            keys = list(ea.state_keys) + [k for k in eb.state_keys if k not in ea.state_keys]
+            keys = list(ea.tensor_keys) + [k for k in eb.tensor_keys if k not in ea.tensor_keys]
             for key in keys:
-                if key not in ea.state_keys or key not in eb.state_keys:
-                    row(name, key, f"state key only in {'A' if key in ea.state_keys else 'B'}")
+                if key not in ea.tensor_keys or key not in eb.tensor_keys:
+                    row(name, key, f"stored only in {'A' if key in ea.tensor_keys else 'B'}")
+                    continue
+                dtype_a, dtype_b = ea.dtype_of(key), eb.dtype_of(key)
+                if dtype_a != dtype_b:
+                    row(name, key, f"A is {dtype_a}, B {dtype_b}")
                     continue
                 whole = whole_region(ea.numel)
-                x = storage.tensor_of_bytes(read_a.gather(pieces_a[name, key], ea, whole), ea.dtype)
-                y = storage.tensor_of_bytes(read_b.gather(pieces_b[name, key], eb, whole), eb.dtype)
+                x = storage.tensor_of_bytes(
+                    read_a.gather(pieces_a[name, key], ea, key, whole), dtype_a
+                )
+                y = storage.tensor_of_bytes(
+                    read_b.gather(pieces_b[name, key], eb, key, whole), dtype_b
+                )
                 row(name, key, **_compare(x, y, atol, rtol))
                 del x, y
     return rows

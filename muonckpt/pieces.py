@@ -26,6 +26,7 @@ from .errors import CheckpointError
 from .layout import Region, Strided, strided_runs
 from .manifest import (
     MANIFEST_NAME,
+    PARAM_KEY,
     PER_RANK,
     Manifest,
     ParamEntry,
@@ -33,14 +34,45 @@ from .manifest import (
     parse_manifest,
 )
 
-CONSOLIDATED_FILE = "optimizer.safetensors"
-INDEX_FILE = "optimizer.safetensors.index.json"
+STATE_STEM = "optimizer"
+"""Consolidated state goes to ``optimizer.safetensors`` (or ``optimizer-0000i-of-0000N``)."""
+VALUE_STEM = "model"
+"""Consolidated param values go to ``model.safetensors``, keyed by param name, as HF has it."""
+CONSOLIDATED_FILE = f"{STATE_STEM}.safetensors"
+INDEX_FILE = f"{STATE_STEM}.safetensors.index.json"
+MODEL_FILE = f"{VALUE_STEM}.safetensors"
+MODEL_INDEX_FILE = f"{VALUE_STEM}.safetensors.index.json"
 _STAGING_NAME = re.compile(rf"^\..+\.({storage.STAGING_TAG}-[0-9a-f]{{8}}|old-\d+)$")
 
 
 def tensor_key(param: str, key: str) -> str:
-    """torch's flattened optimizer-state key: ``state.<param name>.<state key>``."""
-    return f"state.{param}.{key}"
+    """The key a stored tensor has in its file: the param's name for its values, else torch's
+    flattened optimizer-state key ``state.<param name>.<state key>``."""
+    return param if key == PARAM_KEY else f"state.{param}.{key}"
+
+
+def index_file(stem: str) -> str:
+    return f"{stem}.safetensors.index.json"
+
+
+def stem_of(key: str) -> str:
+    """The consolidated file family of a stored tensor: values to ``model``, state to
+    ``optimizer``."""
+    return VALUE_STEM if key == PARAM_KEY else STATE_STEM
+
+
+def unique_tensor_keys(items: Iterator[tuple[str, str]], where: object) -> None:
+    """Refuse (param, key) pairs whose file keys collide (a param named like another's state)."""
+    seen: dict[str, tuple[str, str]] = {}
+    for param, key in items:
+        tkey = tensor_key(param, key)
+        if tkey in seen and seen[tkey] != (param, key):
+            raise CheckpointError(
+                f"param {param!r} {key!r} and param {seen[tkey][0]!r} {seen[tkey][1]!r} would "
+                f"both be stored as {tkey!r}: rename one",
+                path=where,
+            )
+        seen[tkey] = (param, key)
 
 
 def rank_file(rank: int, world_size: int) -> str:
@@ -83,13 +115,38 @@ def prefetched(items: Sequence[T], produce: Callable[[T], R]) -> Iterator[tuple[
             del value
 
 
+def consolidated_files(
+    sizes: Mapping[tuple[str, str], int], max_shard_size: int | None
+) -> tuple[list[tuple[str, list[tuple[str, str]]]], dict[str, str]]:
+    """The files of a consolidated checkpoint, given each stored (param, key)'s bytes.
+
+    Returns ``(file, its (param, key) pairs in tensor-key order)`` for every file, state files
+    first, and the Hugging Face style index texts of the families that were split
+    (see :func:`shard_files`). Values go to ``model*``, state to ``optimizer*``.
+    """
+    unique_tensor_keys(iter(sizes), None)
+    files: list[tuple[str, list[tuple[str, str]]]] = []
+    texts: dict[str, str] = {}
+    for stem in (STATE_STEM, VALUE_STEM):
+        by_tkey = {tensor_key(*item): item for item in sizes if stem_of(item[1]) == stem}
+        if not by_tkey:
+            continue
+        family = {tkey: sizes[item] for tkey, item in by_tkey.items()}
+        shards = shard_files(family, max_shard_size, stem)
+        files += [(file, [by_tkey[k] for k in keys]) for file, keys in shards]
+        if len(shards) > 1:
+            texts[index_file(stem)] = shard_index(shards, family)
+    return files, texts
+
+
 def shard_files(
-    sizes: Mapping[str, int], max_shard_size: int | None
+    sizes: Mapping[str, int], max_shard_size: int | None, stem: str = STATE_STEM
 ) -> list[tuple[str, list[str]]]:
-    """(file name, sorted tensor keys) of each consolidated file, given each key's bytes.
+    """(file name, sorted tensor keys) of each file of one family, given each key's bytes.
 
     Keys in sorted order fill a file up to ``max_shard_size`` bytes (a larger tensor gets a
-    file of its own); one file, ``optimizer.safetensors``, without a limit or below it.
+    file of its own); one file, ``<stem>.safetensors``, without a limit or below it, else
+    ``<stem>-0000i-of-0000N.safetensors``.
     """
     if max_shard_size is not None and max_shard_size <= 0:
         raise CheckpointError(f"max_shard_size must be positive, got {max_shard_size}")
@@ -102,15 +159,15 @@ def shard_files(
         shards[-1].append(tkey)
         used += sizes[tkey]
     if len(shards) == 1:
-        return [(CONSOLIDATED_FILE, shards[0])]
+        return [(f"{stem}.safetensors", shards[0])]
     return [
-        (f"optimizer-{i + 1:05d}-of-{len(shards):05d}.safetensors", keys)
+        (f"{stem}-{i + 1:05d}-of-{len(shards):05d}.safetensors", keys)
         for i, keys in enumerate(shards)
     ]
 
 
 def shard_index(shards: Sequence[tuple[str, Sequence[str]]], sizes: Mapping[str, int]) -> str:
-    """The Hugging Face style ``optimizer.safetensors.index.json`` of sharded files."""
+    """The Hugging Face style ``<stem>.safetensors.index.json`` of sharded files."""
     index = {
         "metadata": {"total_size": sum(sizes.values())},
         "weight_map": {tkey: file for file, keys in shards for tkey in keys},
@@ -130,9 +187,15 @@ def read_manifest(path: str | os.PathLike[str]) -> Manifest:
             path=directory,
         )
     if not manifest_path.is_file():
+        if any(name.endswith(".safetensors") for name in storage.entries(directory)):
+            raise CheckpointError(
+                "incomplete checkpoint: data files but no manifest.json (the save was "
+                "interrupted or is not done)",
+                path=manifest_path,
+            )
         raise CheckpointError(
-            "incomplete checkpoint: no manifest.json (the save was interrupted or is not done)",
-            path=manifest_path,
+            "not a muonckpt checkpoint: no manifest.json and no .safetensors files",
+            path=directory,
         )
     return parse_manifest(storage.read_text(manifest_path), manifest_path)
 
@@ -158,7 +221,7 @@ def size_problems(manifest: Manifest, directory: Path) -> list[CheckpointError]:
     problems = []
     claimed: dict[str, int] = {}
     for piece in manifest.pieces:
-        itemsize = storage.itemsize(manifest.param(piece.param).dtype)
+        itemsize = storage.itemsize(manifest.param(piece.param).dtype_of(piece.key))
         claimed[piece.file] = claimed.get(piece.file, 0) + piece.region.numel * itemsize
     for entry in manifest.files:
         path = directory / entry.name
@@ -232,19 +295,22 @@ class PieceReader:
                 param=piece.param,
             )
         record = reader.record(piece.tensor)
-        if record.dtype != entry.dtype or record.numel != piece.region.numel:
+        dtype = entry.dtype_of(piece.key)
+        if record.dtype != dtype or record.numel != piece.region.numel:
             raise CheckpointError(
                 f"header says {record.dtype} x {record.numel} elements, the manifest "
-                f"{entry.dtype} x {piece.region.numel}",
+                f"{dtype} x {piece.region.numel}",
                 path=reader.path,
                 param=piece.param,
             )
         return record
 
-    def gather(self, pieces: Sequence[Piece], entry: ParamEntry, target: Region) -> np.ndarray:
-        """The raw bytes of ``target``'s elements (in its own order), as a 1-D uint8 array,
-        read from the pieces overlapping it and verified."""
-        size = storage.itemsize(entry.dtype)
+    def gather(
+        self, pieces: Sequence[Piece], entry: ParamEntry, key: str, target: Region
+    ) -> np.ndarray:
+        """The raw bytes of ``target``'s elements of stored tensor ``key`` (in the region's own
+        order), as a 1-D uint8 array, read from the pieces overlapping it and verified."""
+        size = storage.itemsize(entry.dtype_of(key))
         out = self._output(target.numel * size)
         filled = 0
         for piece in pieces:
@@ -297,7 +363,7 @@ def verify(path: str | os.PathLike[str]) -> list[CheckpointError]:
         CheckpointError(p, path=directory / MANIFEST_NAME) for p in manifest.coverage_problems()
     ]
     problems += _topology_problems(manifest, directory)
-    known = {f.name for f in manifest.files} | {MANIFEST_NAME, INDEX_FILE}
+    known = {f.name for f in manifest.files} | {MANIFEST_NAME, INDEX_FILE, MODEL_INDEX_FILE}
     for extra in sorted(p.name for p in directory.iterdir() if p.name not in known):
         problems.append(
             CheckpointError("unknown file in the checkpoint directory", path=directory / extra)

@@ -51,7 +51,11 @@ def test_distributed_save_over_a_checkpoint_replaces_it_whole(tmp_path):
     assert steps == [2] * 4
     # The four ranks deleted the replaced per-rank files between them: nothing is left over.
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
-    assert sorted(p.name for p in ckpt.iterdir()) == ["manifest.json", "optimizer.safetensors"]
+    assert sorted(p.name for p in ckpt.iterdir()) == [
+        "manifest.json",
+        "model.safetensors",
+        "optimizer.safetensors",
+    ]
     assert muonckpt.read_manifest(ckpt).step == 2 and muonckpt.verify(ckpt) == []
 
 

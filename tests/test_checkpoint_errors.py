@@ -25,6 +25,7 @@ from safetensors import safe_open
 import muonckpt
 from muonckpt import CheckpointError, MuonCkptError
 from muonckpt.launch import run_distributed
+from muonckpt.pieces import tensor_key as stored_key
 
 STEPS = 2
 KINDS = ("per-rank", "consolidated")
@@ -350,12 +351,15 @@ def test_format_doc_reader_reassembles_every_tensor(saved):
     code = doc.split("## 9.")[1].split("```python\n")[1].split("```")[0]
     reader: dict = {"__name__": "format_doc_reader"}
     exec(compile(code, "docs/format.md", "exec"), reader)
-    with safe_open(saved["consolidated"] / "optimizer.safetensors", "pt") as f:
-        want = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    want = {}
+    for file in ("optimizer.safetensors", "model.safetensors"):
+        with safe_open(saved["consolidated"] / file, "pt") as f:
+            want.update({k: f.get_tensor(k) for k in f.keys()})  # noqa: SIM118
     for kind in KINDS:
         for entry in muonckpt.read_manifest(saved[kind]).params:
-            for key in entry.state_keys:
+            assert entry.value_dtype is not None
+            for key in entry.tensor_keys:
                 shape, values = reader["reassemble"](str(saved[kind]), entry.name, key)
-                expected = want[f"state.{entry.name}.{key}"]
+                expected = want[stored_key(entry.name, key)]
                 assert tuple(shape) == tuple(expected.shape)
                 assert torch.equal(torch.tensor(values, dtype=expected.dtype), expected.flatten())

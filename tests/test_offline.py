@@ -48,15 +48,18 @@ def test_consolidate_matches_consolidated_save(saved, tmp_path):
         saved["per_rank"], tmp_path / "c", progress=lambda *update: calls.append(update)
     )
     assert muonckpt.verify(out) == []
-    mine = safetensors.torch.load_file(out / "optimizer.safetensors")
-    theirs = safetensors.torch.load_file(saved["consolidated"] / "optimizer.safetensors")
-    assert mine.keys() == theirs.keys()
-    for key, value in theirs.items():
-        assert torch.equal(mine[key], value), key
-    total = sum(v.numel() * v.element_size() for v in mine.values())
-    count = len(mine)
+    total = count = 0
+    for file in ("optimizer.safetensors", "model.safetensors"):
+        mine = safetensors.torch.load_file(out / file)
+        theirs = safetensors.torch.load_file(saved["consolidated"] / file)
+        assert mine.keys() == theirs.keys()
+        for key, value in theirs.items():
+            assert torch.equal(mine[key], value), key
+        total += sum(v.numel() * v.element_size() for v in mine.values())
+        count += len(mine)
+    assert set(safetensors.torch.load_file(out / "model.safetensors")) == set(saved["final"])
     assert calls[0] == (0, total, 0, count) and calls[-1] == (total, total, count, count)
-    assert len(calls) == len(mine) + 1
+    assert len(calls) == count + 1
     manifest = muonckpt.read_manifest(out)
     assert manifest.kind == "consolidated"
     assert manifest.step == K
@@ -113,10 +116,11 @@ def test_summarize_and_diff_notes(saved, tmp_path):
         "name": "w_in",
         "shape": [12, 20],
         "dtype": "F32",
+        "value_dtype": "F32",
         "tp_split_dim": 0,
         "group": 0,
         "state_keys": ["momentum_buffer"],
-        "bytes": 12 * 20 * 4,
+        "bytes": 2 * 12 * 20 * 4,
     }
     assert info["totals"]["files"] == 4 and info["totals"]["tensors"] == 9
     rows = offline.diff(saved["per_rank"], saved["consolidated"], atol=0.0)

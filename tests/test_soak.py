@@ -24,7 +24,11 @@ def test_200_save_load_cycles_leak_nothing(tmp_path):
             fds_before = _open_fds()
     assert _open_fds() == fds_before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
-    assert sorted(p.name for p in target.iterdir()) == ["manifest.json", "optimizer.safetensors"]
+    assert sorted(p.name for p in target.iterdir()) == [
+        "manifest.json",
+        "model.safetensors",
+        "optimizer.safetensors",
+    ]
     fresh, _, _, _ = build(1, 1, initial_params())
     muonckpt.load(fresh, target)
     assert len(fresh.state) == len(opt.state) == 6

@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 import muonckpt
 from muonckpt import offline
 from muonckpt.cli import app
-from muonckpt.pieces import CONSOLIDATED_FILE, rank_file
+from muonckpt.pieces import CONSOLIDATED_FILE, MODEL_FILE, rank_file
 from muonckpt.storage import SafetensorsReader, SafetensorsWriter, SharedSafetensorsFile
 
 RESHARD = {"dp": 2, "tp": 2, "tp_split_dims": {"w_in": 0}, "bucket_numel": 150}
@@ -94,10 +94,12 @@ def test_consolidate_with_workers_is_byte_identical(single, tmp_path, workers):
     )
     assert_same_files(single["consolidated"], out)
     assert muonckpt.verify(out) == []
-    with SafetensorsReader(out / CONSOLIDATED_FILE) as reader:
-        keys = reader.keys()
-        total = sum(reader.record(k).nbytes for k in keys)
-    count = len(keys)
+    total = count = 0
+    for file in (CONSOLIDATED_FILE, MODEL_FILE):
+        with SafetensorsReader(out / file) as reader:
+            keys = reader.keys()
+            total += sum(reader.record(k).nbytes for k in keys)
+            count += len(keys)
     assert calls[0] == (0, total, 0, count) and calls[-1] == (total, total, count, count)
     sharded = offline.consolidate(
         single["src"], tmp_path / "s", max_shard_size=800, workers=workers
