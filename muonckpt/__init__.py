@@ -14,6 +14,7 @@ from .layout import ParamSpec, Topology, arrange
 
 if TYPE_CHECKING:
     from .checkpoint import load, save
+    from .collectives import grid_groups
     from .hooks import gather_state_dict, install_hooks
     from .optim import Muon, MuonDistMeta, adjusted_lr, newton_schulz, normalize_range
     from .pieces import read_manifest, verify
@@ -27,6 +28,7 @@ _LAZY = {
     "save": "checkpoint",
     "verify": "pieces",
     "gather_state_dict": "hooks",
+    "grid_groups": "collectives",
     "install_hooks": "hooks",
     "Muon": "optim",
     "MuonDistMeta": "optim",
@@ -52,6 +54,7 @@ __all__ = [
     "adjusted_lr",
     "arrange",
     "gather_state_dict",
+    "grid_groups",
     "install_hooks",
     "load",
     "newton_schulz",

@@ -453,8 +453,8 @@ def demo(
         log=lambda msg: _say(ctx, msg),
     )
     table = Table(
-        title=f"dp={dp} x tp={tp} -> dp={to_dp} x tp={to_tp}, {steps}+{steps} steps "
-        f"vs. {2 * steps} uninterrupted",
+        title=f"dp={dp} x tp={tp} -> dp={to_dp} x tp={to_tp}, {steps}+{steps} steps, resumed "
+        f"from the checkpoint alone, vs. {2 * steps} uninterrupted",
         show_edge=False,
     )
     table.add_column("param")

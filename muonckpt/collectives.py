@@ -61,6 +61,14 @@ def all_gather_list(local: torch.Tensor, group: Group) -> list[torch.Tensor]:
     return parts
 
 
+def all_reduce_mean_(tensor: torch.Tensor, group: Group) -> torch.Tensor:
+    """``tensor`` replaced in place by its mean over the group's ranks."""
+    if group_size(group) > 1:
+        dist.all_reduce(tensor, group=group)
+        tensor.div_(group_size(group))
+    return tensor
+
+
 def all_gather_ints(values: Sequence[int], group: Group) -> list[list[int]]:
     """Each group rank's list of ints (all lists the same length), in group-rank order."""
     local = torch.tensor(list(values), dtype=torch.int64)

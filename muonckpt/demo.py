@@ -2,9 +2,11 @@
 
 A tiny two-group model (Muon matrices plus AdamW vectors and an embedding, some of them TP
 split) is trained with the packaged :class:`~muonckpt.Muon` in gloo processes at dp x tp, saved
-per rank with :func:`muonckpt.save`, resharded with :func:`muonckpt.offline.reshard` (the
-code path of ``muonckpt reshard``) to another dp x tp, loaded there with :func:`muonckpt.load`
-and trained on. The final params are compared with an uninterrupted single-process run.
+per rank with :func:`muonckpt.save` (state and params), resharded with
+:func:`muonckpt.offline.reshard` (the code path of ``muonckpt reshard``) to another dp x tp,
+loaded there with :func:`muonckpt.load` into an optimizer built from zeros, so that the
+checkpoint alone restores the params, and trained on. The final params are compared with an
+uninterrupted single-process run.
 
 Full params and gradients are generated identically on every rank from fixed seeds, so runs
 at any topology are comparable element for element.
@@ -144,11 +146,10 @@ def train_and_save(dp: int, tp: int, steps: int, ckpt: str) -> dict[str, torch.T
     return local_params(opt)
 
 
-def load_and_train(
-    dp: int, tp: int, params_path: str, ckpt: str, first: int, steps: int
-) -> dict[str, torch.Tensor]:
-    """(In a gloo child.) Build from saved full params, load the checkpoint, train on."""
-    opt, sharded, d, t = build(dp, tp, torch.load(params_path, weights_only=True))
+def load_and_train(dp: int, tp: int, ckpt: str, first: int, steps: int) -> dict[str, torch.Tensor]:
+    """(In a gloo child.) Build from zeros, load state and params from the checkpoint, train."""
+    zeros = {name: torch.zeros(shape) for name, shape in SHAPES.items()}
+    opt, sharded, d, t = build(dp, tp, zeros)
     load(opt, ckpt)
     train(opt, sharded, d, t, first, steps)
     return local_params(opt)
@@ -179,13 +180,12 @@ def run_demo(
     say = log or (lambda _msg: None)
     work = Path(workdir) if workdir is not None else Path(tempfile.mkdtemp(prefix="muonckpt-demo-"))
     work.mkdir(parents=True, exist_ok=True)
-    ckpt, resharded, params_path = work / "ckpt", work / "resharded", work / "params.pt"
+    ckpt, resharded = work / "ckpt", work / "resharded"
     seconds: dict[str, float] = {}
 
     clock = time.perf_counter()
     say(f"training {steps} steps at dp={dp} x tp={tp} and saving to {ckpt}")
-    shards = run_distributed(train_and_save, dp * tp, dp, tp, steps, str(ckpt), timeout=timeout)
-    torch.save(assemble(dp, tp, shards), params_path)
+    run_distributed(train_and_save, dp * tp, dp, tp, steps, str(ckpt), timeout=timeout)
     seconds["train+save"] = time.perf_counter() - clock
 
     clock = time.perf_counter()
@@ -202,17 +202,12 @@ def run_demo(
     seconds["reshard"] = time.perf_counter() - clock
 
     clock = time.perf_counter()
-    say(f"resuming at dp={to_dp} x tp={to_tp} for {steps} more steps")
+    say(
+        f"resuming at dp={to_dp} x tp={to_tp} from the checkpoint alone (optimizer built from "
+        f"zeros) for {steps} more steps"
+    )
     shards = run_distributed(
-        load_and_train,
-        to_dp * to_tp,
-        to_dp,
-        to_tp,
-        str(params_path),
-        str(resharded),
-        steps,
-        steps,
-        timeout=timeout,
+        load_and_train, to_dp * to_tp, to_dp, to_tp, str(resharded), steps, steps, timeout=timeout
     )
     resumed = assemble(to_dp, to_tp, shards)
     seconds["load+train"] = time.perf_counter() - clock

@@ -1,10 +1,15 @@
 """Shard a model's named parameters for ZeRO-1 + TP: what :class:`~muonckpt.optim.Muon` needs.
 
-:func:`shard_param_groups` turns param groups of full tensors into param groups of this rank's
-flat ZeRO-1 shards, plus the ``global_buffer_sizes`` and ``dist_metas`` that
+:func:`shard_param_groups` turns param groups of a model's tensors (full, or this rank's TP
+shards) into param groups of this rank's flat ZeRO-1 shards, plus the ``global_buffer_sizes``
+and ``dist_metas`` that
 :meth:`Muon.enable_distributed_mode <muonckpt.optim.Muon.enable_distributed_mode>` takes. The
 layout math is :func:`muonckpt.layout.arrange`; the cut is :func:`muonckpt.regions.extract`.
-Plain tensors only: no collectives (process groups are only asked for sizes and ranks), no I/O.
+
+The shards are the optimizer's own tensors (Megatron's "main params"), not views of the model's:
+each training step moves the model's grads in (:meth:`ShardedParams.grads_to_optimizer`) and the
+updated params back out (:meth:`ShardedParams.params_to_model`), the two collectives a ZeRO-1
+optimizer needs; they live in :mod:`muonckpt.collectives`. No file I/O here.
 """
 
 from __future__ import annotations
@@ -14,10 +19,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
+from . import collectives
 from .errors import LayoutError
-from .layout import BufferLayout, ParamSpec, Topology, arrange
+from .layout import BufferLayout, ParamSpec, Topology, arrange, tp_full_shape
 from .optim import MuonDistMeta
 from .regions import extract
 
@@ -39,6 +44,14 @@ class ShardedParams:
     layout: BufferLayout
     specs: list[ParamSpec]
     """Params in packing order (group by group, in input order)."""
+    model_params: list[torch.Tensor]
+    """The tensors the groups were built from (the model's params), in :attr:`specs` order."""
+    dp_rank: int
+    tp_rank: int
+    tp_local: bool = False
+    """Whether :attr:`model_params` are this rank's TP shards rather than full tensors."""
+    dp_group: collectives.Group = None
+    tp_group: collectives.Group = None
 
     def index(self, name: str) -> int:
         """Position of param ``name`` in :attr:`specs`; :class:`LayoutError` if unknown."""
@@ -46,6 +59,88 @@ class ShardedParams:
             if spec.name == name:
                 return i
         raise LayoutError(f"unknown param {name!r}")
+
+    def shards(self) -> list[torch.Tensor]:
+        """The optimizer's tensors, in :attr:`specs` order."""
+        return [p for group in self.param_groups for _, p in group["params"]]
+
+    def cut(self, tensor: torch.Tensor, index: int) -> torch.Tensor:
+        """This rank's shard of a tensor shaped like model param ``index`` (a grad, say)."""
+        if self.tp_local:
+            lo, hi = self.layout.dp_range(index, self.dp_rank)
+            return tensor.detach().reshape(-1)[lo:hi].clone()
+        return extract(tensor.detach(), self.layout.region(index, self.dp_rank, self.tp_rank))
+
+    @torch.no_grad()
+    def grads_to_optimizer(self, *, average: bool = True) -> None:
+        """Give every optimizer shard its slice of its model param's grad, as ``.grad``.
+
+        With ``average`` (the default), each grad is first averaged over the DP group (an
+        all-reduce per param, in :attr:`specs` order on every rank): what data parallelism
+        needs unless a wrapper such as DDP already averaged it. A missing grad counts as zeros.
+        Call on every rank of the grid after ``backward()`` and before ``opt.step()``.
+        """
+        for index, (model_param, shard) in enumerate(
+            zip(self.model_params, self.shards(), strict=True)
+        ):
+            grad = model_param.grad
+            grad = torch.zeros_like(model_param) if grad is None else grad.detach().clone()
+            if average:
+                collectives.all_reduce_mean_(grad, self._group("dp"))
+            shard.grad = self.cut(grad, index).reshape(shard.shape)
+
+    @torch.no_grad()
+    def params_to_model(self) -> None:
+        """Copy the optimizer's shards back into the model's params: all-gather each bucket over
+        DP (one collective per bucket) and, for full model params split by TP, each split param
+        over TP. Call on every rank of the grid after ``opt.step()``, and after
+        :func:`muonckpt.load`, so that every rank's model holds the same, current weights.
+        """
+        shards = self.shards()
+        dp = self.layout.topology.dp
+        for b, buckets in enumerate(self.layout.buckets):
+            for k, bucket in enumerate(buckets):
+                members = [
+                    i
+                    for i, place in enumerate(self.layout.placements)
+                    if (place.buffer, place.bucket) == (b, k)
+                ]
+                if not members:
+                    continue
+                dtypes = {shards[i].dtype for i in members}
+                if len(dtypes) > 1:
+                    raise LayoutError(
+                        f"buffer {b} bucket {k} mixes dtypes {sorted(map(str, dtypes))}"
+                    )
+                share = bucket.size // dp
+                local = torch.zeros(share, dtype=dtypes.pop(), device=shards[members[0]].device)
+                start = bucket.offset + share * self.dp_rank
+                for i in members:
+                    lo, hi = self.layout.dp_range(i, self.dp_rank)
+                    at = self.layout.placements[i].global_range[0] + lo - start
+                    local[at : at + hi - lo] = shards[i].reshape(-1)
+                gathered = collectives.all_gather_flat(local, self._group("dp"))
+                for i in members:
+                    lo, hi = self.layout.placements[i].global_range
+                    shard = gathered[lo - bucket.offset : hi - bucket.offset]
+                    self._to_model(i, shard.view(self.layout.local_shape(i)))
+
+    def _to_model(self, index: int, tp_shard: torch.Tensor) -> None:
+        split, tp = self.specs[index].tp_split_dim, self.layout.topology.tp
+        if not self.tp_local and split >= 0 and tp > 1:
+            tp_shard = torch.cat(collectives.all_gather_list(tp_shard, self._group("tp")), split)
+        self.model_params[index].copy_(tp_shard)
+
+    def _group(self, which: str) -> collectives.Group:
+        topology = self.layout.topology
+        size, group = (
+            (topology.dp, self.dp_group) if which == "dp" else (topology.tp, self.tp_group)
+        )
+        if size > 1 and group is None:
+            raise LayoutError(
+                f"{which} > 1 but no {which.upper()} process group: build with shard_for_groups"
+            )
+        return group
 
 
 def shard_param_groups(
@@ -55,6 +150,7 @@ def shard_param_groups(
     tp_rank: int,
     *,
     tp_split_dims: Mapping[str, int] | None = None,
+    tp_local: bool = False,
     bucket_numel: int | None = None,
     param_alignment: int = 1,
     bucket_alignment: int = 1,
@@ -63,11 +159,14 @@ def shard_param_groups(
     """Cut (``dp_rank``, ``tp_rank``)'s ZeRO-1 + TP shard of every param of ``groups``.
 
     Args:
-        groups: ``[{"params": [(name, full_tensor), ...], "use_muon": True, ...}, ...]``.
+        groups: ``[{"params": [(name, tensor), ...], "use_muon": True, ...}, ...]``, usually
+            from ``model.named_parameters()``.
         topology: the dp x tp grid.
         dp_rank: this rank's position in the DP group.
         tp_rank: this rank's position in the TP group.
         tp_split_dims: param name -> dimension split across TP ranks (missing: -1, replicated).
+        tp_local: the tensors are this rank's TP shards (a tensor-parallel model, as in
+            Megatron) rather than full tensors (a model replicated on every rank).
         bucket_numel, param_alignment, bucket_alignment, buffer_of: see
             :func:`muonckpt.layout.arrange`.
 
@@ -104,11 +203,13 @@ def shard_param_groups(
                     f"param {what} of group {g} is not a (name, tensor) pair "
                     f"(got {type(item).__name__})"
                 )
-            name, full = item
-            specs.append(
-                ParamSpec(name, tuple(full.shape), tp_split_dim=split_dims.get(name, -1), group=g)
-            )
-            fulls.append(full)
+            name, tensor = item
+            split = split_dims.get(name, -1)
+            shape = tuple(tensor.shape)
+            if tp_local and -1 < split < tensor.dim():
+                shape = tp_full_shape(shape, split, topology.tp)
+            specs.append(ParamSpec(name, shape, tp_split_dim=split, group=g))
+            fulls.append(tensor)
     unknown = sorted(set(split_dims) - {s.name for s in specs})
     if unknown:
         raise LayoutError(f"tp_split_dims names params that are in no group: {unknown}")
@@ -127,8 +228,11 @@ def shard_param_groups(
         named = []
         for _ in group["params"]:
             spec, place = specs[index], layout.placements[index]
-            local = extract(fulls[index].detach(), layout.region(index, dp_rank, tp_rank))
-            local.requires_grad_(False)
+            if tp_local:
+                lo, hi = layout.dp_range(index, dp_rank)
+                local = fulls[index].detach().reshape(-1)[lo:hi].clone()
+            else:
+                local = extract(fulls[index].detach(), layout.region(index, dp_rank, tp_rank))
             dist_metas[local] = MuonDistMeta(
                 place.buffer,
                 place.bucket,
@@ -150,20 +254,27 @@ def shard_param_groups(
         dist_metas=dist_metas,
         layout=layout,
         specs=specs,
+        model_params=fulls,
+        dp_rank=dp_rank,
+        tp_rank=tp_rank,
+        tp_local=tp_local,
     )
 
 
 def shard_for_groups(
     groups: Sequence[Mapping[str, Any]],
-    dp_group: dist.ProcessGroup | None,
-    tp_group: dist.ProcessGroup | None,
+    dp_group: collectives.Group,
+    tp_group: collectives.Group,
     **kwargs: Any,
 ) -> ShardedParams:
-    """:func:`shard_param_groups` with topology and ranks read from the two process groups."""
-    topology = Topology(dp=dist.get_world_size(dp_group), tp=dist.get_world_size(tp_group))
-    return shard_param_groups(
-        groups, topology, dist.get_rank(dp_group), dist.get_rank(tp_group), **kwargs
-    )
+    """:func:`shard_param_groups` with topology and ranks read from the two process groups,
+    which :meth:`ShardedParams.grads_to_optimizer` and :meth:`~ShardedParams.params_to_model`
+    then use."""
+    topology = Topology(dp=collectives.group_size(dp_group), tp=collectives.group_size(tp_group))
+    dp_rank, tp_rank = collectives.group_rank(dp_group), collectives.group_rank(tp_group)
+    sharded = shard_param_groups(groups, topology, dp_rank, tp_rank, **kwargs)
+    sharded.dp_group, sharded.tp_group = dp_group, tp_group
+    return sharded
 
 
 def shard_tensor(

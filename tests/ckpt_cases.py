@@ -9,7 +9,7 @@ import muonckpt
 
 
 def save_phase(
-    dp: int, tp: int, steps: int, ckpt: str, consolidated: bool, params_path: str | None
+    dp: int, tp: int, steps: int, ckpt: str, consolidated: bool
 ) -> dict[str, torch.Tensor]:
     opt, sharded, dp_rank, tp_rank = build(dp, tp, initial_params())
     train(opt, sharded, dp_rank, tp_rank, 0, steps)
@@ -17,10 +17,10 @@ def save_phase(
     return local_params(opt)
 
 
-def load_phase(
-    dp: int, tp: int, params_path: str, ckpt: str, first_step: int, steps: int
-) -> dict[str, torch.Tensor]:
-    opt, sharded, dp_rank, tp_rank = build(dp, tp, torch.load(params_path, weights_only=True))
+def load_phase(dp: int, tp: int, ckpt: str, first_step: int, steps: int) -> dict[str, torch.Tensor]:
+    """Resume from the checkpoint alone: the optimizer is built from zeros."""
+    zeros = {name: torch.zeros_like(value) for name, value in initial_params().items()}
+    opt, sharded, dp_rank, tp_rank = build(dp, tp, zeros)
     muonckpt.load(opt, ckpt)
     train(opt, sharded, dp_rank, tp_rank, first_step, steps)
     return local_params(opt)

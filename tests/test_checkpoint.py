@@ -22,12 +22,9 @@ def reference():
 
 
 def _save(tmp, dp, tp, consolidated):
-    ckpt, params = tmp / "ckpt", tmp / "params.pt"
-    shards = run_distributed(
-        save_phase, dp * tp, dp, tp, K, str(ckpt), consolidated, None, timeout=120
-    )
-    torch.save(assemble(dp, tp, shards), params)
-    return ckpt, params
+    ckpt = tmp / "ckpt"
+    run_distributed(save_phase, dp * tp, dp, tp, K, str(ckpt), consolidated, timeout=120)
+    return ckpt
 
 
 @pytest.mark.parametrize("consolidated", [False, True])
@@ -35,11 +32,9 @@ def _save(tmp, dp, tp, consolidated):
     "src,dst", [((2, 2), (4, 2)), ((2, 2), (1, 1)), ((4, 2), (2, 4)), ((1, 1), (2, 2))]
 )
 def test_resume_from_checkpoint_is_bitwise(tmp_path, reference, src, dst, consolidated):
-    ckpt, params = _save(tmp_path, *src, consolidated)
+    ckpt = _save(tmp_path, *src, consolidated)
     assert muonckpt.verify(ckpt) == []
-    shards = run_distributed(
-        load_phase, dst[0] * dst[1], *dst, str(params), str(ckpt), K, M, timeout=120
-    )
+    shards = run_distributed(load_phase, dst[0] * dst[1], *dst, str(ckpt), K, M, timeout=120)
     full = assemble(*dst, shards)
     for name, value in reference.items():
         assert torch.equal(full[name], value), name
@@ -60,7 +55,7 @@ def test_distributed_save_over_a_checkpoint_replaces_it_whole(tmp_path):
 
 
 def test_consolidated_file_opens_with_safetensors(tmp_path):
-    ckpt, _ = _save(tmp_path, 2, 2, True)
+    ckpt = _save(tmp_path, 2, 2, True)
     tensors = safetensors.torch.load_file(ckpt / "optimizer.safetensors")
     assert tensors["state.w_in.momentum_buffer"].shape == (12, 20)
     assert tensors["state.embed.exp_avg_sq"].shape == (8, 12)

@@ -35,7 +35,7 @@ MANIFEST = "manifest.json"
 def save_both(steps: int, root: str) -> None:
     """Both kinds from one launch (half the process start-up of two launches)."""
     for kind in KINDS:
-        save_phase(2, 2, steps, f"{root}/{kind}", kind == "consolidated", None)
+        save_phase(2, 2, steps, f"{root}/{kind}", kind == "consolidated")
 
 
 @pytest.fixture(scope="module")
