@@ -323,7 +323,8 @@ def inspect(
     src: Src,
     as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")] = False,
 ) -> None:
-    """Show a checkpoint's topology, step, params, shapes, dtypes, state keys and sizes.
+    """Show a checkpoint's topology, step, params, shapes, dtypes, state keys, saved param
+    values and sizes.
 
     Example: muonckpt inspect ckpt/step-1000 --json
     """
@@ -344,7 +345,7 @@ def inspect(
         hyper = ", ".join(f"{k}={v}" for k, v in group["hyperparams"].items())
         console.print(f"group {g}: {hyper}", markup=False)
     table = Table(show_edge=False)
-    for column in ("param", "shape", "dtype", "tp split", "group", "state keys"):
+    for column in ("param", "shape", "dtype", "tp split", "group", "state keys", "values"):
         table.add_column(column)
     table.add_column("bytes", justify="right")
     for p in info["params"]:
@@ -355,13 +356,15 @@ def inspect(
             str(p["tp_split_dim"]) if p["tp_split_dim"] >= 0 else "-",
             str(p["group"]),
             ", ".join(p["state_keys"]) or "(none)",
+            p["value_dtype"] or "-",
             _human(p["bytes"]),
         )
     console.print(table)
     t = info["totals"]
     console.print(
-        f"total: {t['params']} params, {t['tensors']} state tensors, {_human(t['bytes'])} of "
-        f"state in {t['files']} file(s) ({_human(t['file_bytes'])}, {t['pieces']} pieces)",
+        f"total: {t['params']} params ({t['values']} with saved values), {t['tensors']} state "
+        f"tensors, {_human(t['bytes'])} of data in {t['files']} file(s) "
+        f"({_human(t['file_bytes'])}, {t['pieces']} pieces)",
         markup=False,
     )
 

@@ -11,6 +11,7 @@ caught by verify only; there load must still succeed and restore exactly the cle
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import struct
 from collections.abc import Callable
@@ -23,6 +24,7 @@ from resume_cases import build, initial_params, train
 from safetensors import safe_open
 
 import muonckpt
+import muonckpt.offline
 from muonckpt import CheckpointError, MuonCkptError
 from muonckpt.launch import run_distributed
 from muonckpt.pieces import tensor_key as stored_key
@@ -363,3 +365,72 @@ def test_format_doc_reader_reassembles_every_tensor(saved):
                 expected = want[stored_key(entry.name, key)]
                 assert tuple(shape) == tuple(expected.shape)
                 assert torch.equal(torch.tensor(values, dtype=expected.dtype), expected.flatten())
+
+
+def _flat_params(opt) -> list[torch.Tensor]:
+    return [p.detach().clone() for g in opt.param_groups for p in g["params"]]
+
+
+def test_params_false_saves_state_only_and_a_default_load_says_so(tmp_path):
+    trained = _single_process_opt(2)
+    target = muonckpt.save(trained, tmp_path / "ckpt", params=False)
+    manifest = muonckpt.read_manifest(target)
+    assert not manifest.has_values and all(p.value_dtype is None for p in manifest.params)
+    assert not any(piece.key == "param" for piece in manifest.pieces)
+    fresh, *_ = build(1, 1, initial_params())
+    before = _flat_params(fresh)
+    with pytest.raises(CheckpointError, match="params=False"):
+        muonckpt.load(fresh, target)
+    assert all(torch.equal(a, b) for a, b in zip(before, _flat_params(fresh)))  # untouched
+    assert not fresh.state
+    muonckpt.load(fresh, target, params=False)
+    _assert_same_state(fresh.state_dict(), trained.state_dict())
+    assert all(torch.equal(a, b) for a, b in zip(before, _flat_params(fresh)))
+
+
+def test_version_1_checkpoint_loads_state_only_or_says_why(tmp_path):
+    """A checkpoint as format version 1 wrote it: no value_dtype, no values."""
+    trained = _single_process_opt(2)
+    target = muonckpt.save(trained, tmp_path / "ckpt", params=False)
+    body = _manifest(target)
+    body["format_version"] = 1
+    for param in body["params"]:
+        del param["value_dtype"]
+    _write_manifest(target, body)
+    assert muonckpt.verify(target) == []
+    fresh, *_ = build(1, 1, initial_params())
+    with pytest.raises(CheckpointError, match=r"format version 1.*params=False"):
+        muonckpt.load(fresh, target)
+    muonckpt.load(fresh, target, params=False)
+    _assert_same_state(fresh.state_dict(), trained.state_dict())
+    out = muonckpt.offline.consolidate(target, tmp_path / "c")
+    assert muonckpt.read_manifest(out).format_version == 2 and muonckpt.verify(out) == []
+
+
+def test_load_restores_params_into_an_optimizer_built_from_zeros(tmp_path):
+    trained = _single_process_opt(2)
+    target = muonckpt.save(trained, tmp_path / "ckpt")
+    zeros = {name: torch.zeros_like(value) for name, value in initial_params().items()}
+    fresh, *_ = build(1, 1, zeros)
+    muonckpt.load(fresh, target)
+    assert all(torch.equal(a, b) for a, b in zip(_flat_params(trained), _flat_params(fresh)))
+
+
+def test_reserved_state_key_and_colliding_names_are_refused_before_writing(tmp_path):
+    opt = _single_process_opt(1)
+    p = opt.param_groups[0]["params"][0]
+    opt.state[p]["param"] = torch.zeros(1)
+    with pytest.raises(CheckpointError, match="reserved"):
+        muonckpt.save(opt, tmp_path / "a")
+    assert not (tmp_path / "a").exists()
+    clash = muonckpt.Muon(
+        [
+            {"params": [("w", torch.zeros(2, 2))], "use_muon": True},
+            {"params": [("state.w.momentum_buffer", torch.zeros(4))]},
+        ]
+    )
+    with pytest.raises(
+        CheckpointError, match=re.escape("both be stored as 'state.w.momentum_buffer'")
+    ):
+        muonckpt.save(clash, tmp_path / "b")
+    assert list(tmp_path.iterdir()) == []
