@@ -27,6 +27,10 @@ the others (with its DTensor input allocated only then):
     ``muonckpt.save(opt, same_dir, overwrite=True)`` over the previous checkpoint, which it
     deletes after the atomic swap.
 
+Every muonckpt row saves and loads the optimizer state only (``params=False``), the same
+tensors as the baselines; with the default ``params=True`` a save also writes each rank's
+param shard (one more tensor of the state's size per Muon param, two thirds of it for AdamW).
+
 A save's job time is its slowest rank's time. Then the checkpoint is loaded into another
 topology (default 4 x 1), again warm-up plus interleaved rounds, each into an empty share
 (the previous round's result is dropped outside the timing):
@@ -159,7 +163,7 @@ def save_worker(shapes, dp: int, tp: int, workdir: str, repeats: int) -> dict:
         real = storage.checksum_chunks
         storage.checksum_chunks = lambda data, chunk_bytes=storage.CHUNK_BYTES: ()
         try:
-            muonckpt.save(opt, out("muonckpt_no_checksums", round_))
+            muonckpt.save(opt, out("muonckpt_no_checksums", round_), params=False)
         finally:
             storage.checksum_chunks = real
 
@@ -170,9 +174,11 @@ def save_worker(shapes, dp: int, tp: int, workdir: str, repeats: int) -> dict:
     variants = {
         "save_file": save_file,
         "torch_save": torch_save,
-        "muonckpt": lambda r: muonckpt.save(opt, out("muonckpt", r)),
+        "muonckpt": lambda r: muonckpt.save(opt, out("muonckpt", r), params=False),
         "save_file_overwrite": lambda r: save_file_at(root / "overwrite-file" / f"{rank}.st"),
-        "muonckpt_overwrite": lambda r: muonckpt.save(opt, root / "overwrite", overwrite=True),
+        "muonckpt_overwrite": lambda r: muonckpt.save(
+            opt, root / "overwrite", overwrite=True, params=False
+        ),
         "muonckpt_no_checksums": no_checksums,
     }
     result = _rounds(variants, repeats, reset=drop_previous)
@@ -213,13 +219,13 @@ def load_worker(shapes, dp: int, tp: int, ckpt: str, naive_dir: str, repeats: in
         held.clear()
 
     variants = {
-        "muonckpt": lambda r: muonckpt.load(opt, ckpt),
+        "muonckpt": lambda r: muonckpt.load(opt, ckpt, params=False),
         "naive": lambda r: held.update(naive_share(files, regions)),
     }
     assert list(variants) == list(LOADS)
     result = _rounds(variants, repeats, reset=drop)
     result["share_bytes"] = sum(t.numel() * t.element_size() for t in held.values())
-    muonckpt.load(opt, ckpt)
+    muonckpt.load(opt, ckpt, params=False)
     named = [zip(g["param_names"], g["params"], strict=True) for g in opt.param_groups]
     params = {n: p for pairs in named for n, p in pairs}
     for tkey, naive in held.items():

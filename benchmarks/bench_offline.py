@@ -105,7 +105,7 @@ def build_worker(shapes, dp: int, tp: int, root: str) -> None:
 
     opt = build_optimizer(shapes, dp, tp)
     local = fill_state(opt)
-    muonckpt.save(opt, Path(root) / "muonckpt")
+    muonckpt.save(opt, Path(root) / "muonckpt", params=False)
     path = Path(root) / "naive" / f"rank-{dist.get_rank():05d}.pt"
     path.parent.mkdir(exist_ok=True)
     torch.save(naive_payload(opt, local, shapes, tp), path)
