@@ -1,10 +1,12 @@
-"""Save and load a packaged Muon's whole training state as safetensors checkpoints.
+"""Save and load an optimizer's whole training state as safetensors checkpoints.
 
-A checkpoint holds every param's optimizer state and, by default, the param's own values (the
-optimizer's params: in distributed mode each rank's ZeRO-1 slice of its TP shard, Megatron's
-"main params"), so a run resumes from the checkpoint alone at any dp x tp. It is a directory:
-safetensors data files plus ``manifest.json``, written last as the commit marker
-(docs/format.md). ``save`` writes into a staging directory beside the target and swaps it in
+Any optimizer muonckpt understands: the packaged Muon (single-process or ZeRO-1 + TP), one with
+:func:`muonckpt.install_hooks` (KellerJordan's Muon, layer-wise layouts), or any single-process
+torch optimizer. A checkpoint holds every param's optimizer state and, by default, the param's
+own values (the optimizer's params: in distributed mode each rank's ZeRO-1 slice of its TP
+shard, Megatron's "main params"), so a run resumes from the checkpoint alone at any dp x tp.
+It is a directory: safetensors data files plus ``manifest.json``, written last as the commit
+marker (docs/format.md). ``save`` writes into a staging directory beside the target and swaps it in
 atomically; ``load`` asks which elements this rank owns under its own topology and reads just
 those from whichever pieces hold them. Collectives come from :mod:`muonckpt.collectives`, file
 I/O from :mod:`muonckpt.storage`.
@@ -24,14 +26,16 @@ import torch
 from . import collectives, storage
 from .errors import CheckpointError
 from .hooks import (
+    _HOOKS,
     ParamSharding,
     Sharding,
-    describe_muon,
+    describe,
+    describe_value,
     gather_full_state,
-    hooks_of,
     remap_groups,
+    value_of,
 )
-from .layout import whole_region
+from .layout import Region, whole_region
 from .manifest import (
     CONSOLIDATED,
     MANIFEST_NAME,
@@ -42,10 +46,10 @@ from .manifest import (
     Manifest,
     ParamEntry,
     Piece,
+    Scalar,
     json_safe,
     piece_from_json,
 )
-from .optim import Muon
 from .pieces import (
     PieceReader,
     consolidated_files,
@@ -59,7 +63,7 @@ from .pieces import (
 
 
 def save(
-    optimizer: Muon,
+    optimizer: torch.optim.Optimizer,
     path: str | os.PathLike[str],
     *,
     consolidated: bool = False,
@@ -72,7 +76,8 @@ def save(
 
     Args:
         optimizer: a packaged :class:`~muonckpt.Muon`, single-process or distributed (every
-            rank holding every param, or only those it owns elements of).
+            rank holding every param, or only those it owns elements of); an optimizer with
+            :func:`muonckpt.install_hooks`; or any single-process torch optimizer.
         path: target directory. The save is staged beside it and swapped in atomically.
         consolidated: gather full-shape tensors on rank 0 and write the state as
             ``state.<param>.<key>`` in ``optimizer.safetensors`` and the params by name in
@@ -87,7 +92,7 @@ def save(
     Returns:
         The checkpoint directory.
     """
-    sharding = describe_muon(optimizer)
+    sharding = describe(optimizer)
     _check_storable(sharding, optimizer, params, Path(path))
     final = Path(path)
     me, dst = collectives.global_rank(), sharding.destination
@@ -118,16 +123,25 @@ def save(
     return final
 
 
-def _check_storable(sharding: Sharding, optimizer: Muon, params: bool, where: Path) -> None:
+def _check_storable(
+    sharding: Sharding, optimizer: torch.optim.Optimizer, params: bool, where: Path
+) -> None:
     """Refuse, before writing anything, what a checkpoint could not hold or load back."""
     flat = [p for g in optimizer.param_groups for p in g["params"]]
+    keys = [(p.name, k) for p in sharding.params for k in p.expected_keys]
     for param in sharding.local():
-        if PARAM_KEY in optimizer.state.get(flat[param.local_index], {}):
+        state = optimizer.state.get(flat[param.local_index], {})
+        if PARAM_KEY in state:
             raise CheckpointError(
                 f"state key {PARAM_KEY!r} is reserved for the param's values", param=param.name
             )
-    keys = [(p.name, k) for p in sharding.params for k in (*p.expected_keys, PARAM_KEY)]
-    unique_tensor_keys(iter(keys if params else []), where)
+        for key, value in state.items():
+            if not isinstance(key, str):
+                raise CheckpointError(f"state key {key!r} is not a string", param=param.name)
+            if describe_value(param, key, value)["kind"] == "tensor":
+                keys.append((param.name, key))
+    keys += [(p.name, PARAM_KEY) for p in sharding.params] if params else []
+    unique_tensor_keys(iter(keys), where)
 
 
 def _agree_or_raise(sharding: Sharding, value: Any) -> Any:
@@ -135,7 +149,9 @@ def _agree_or_raise(sharding: Sharding, value: Any) -> Any:
     return collectives.agree_or_raise(value, sharding.participants, sharding.destination)
 
 
-def _local_state(optimizer: Muon, sharding: Sharding, params: bool) -> dict[int, dict[str, Any]]:
+def _local_state(
+    optimizer: torch.optim.Optimizer, sharding: Sharding, params: bool
+) -> dict[int, dict[str, Any]]:
     """This rank's state by its own flat param index, with each param's values under
     :data:`PARAM_KEY` when ``params``."""
     flat = [p for g in optimizer.param_groups for p in g["params"]]
@@ -150,7 +166,7 @@ def _local_state(optimizer: Muon, sharding: Sharding, params: bool) -> dict[int,
 
 
 def _owned(
-    optimizer: Muon, sharding: Sharding, params: bool
+    optimizer: torch.optim.Optimizer, sharding: Sharding, params: bool
 ) -> Iterator[tuple[ParamSharding, dict[str, Any]]]:
     """(param sharding, local state and values) of each param this rank must write."""
     me = collectives.global_rank()
@@ -161,16 +177,21 @@ def _owned(
 
 
 def _write_rank_file(
-    optimizer: Muon, sharding: Sharding, staging: Path, params: bool
+    optimizer: torch.optim.Optimizer, sharding: Sharding, staging: Path, params: bool
 ) -> dict[str, Any]:
-    """Write this rank's own pieces; return the report (files, pieces) for the manifest."""
+    """Write this rank's own pieces; return the report (files, pieces, scalars) for the
+    manifest."""
     me = collectives.global_rank()
     rank = sharding.participants.index(me)
     name = rank_file(rank, len(sharding.participants))
-    tensors, regions = {}, {}
+    tensors, regions, scalars = {}, {}, {}
     for param, state in _owned(optimizer, sharding, params):
         holding = next(h for h in param.sources if h.rank == me)
         for key, value in sorted(state.items()):
+            info = describe_value(param, key, value)
+            if info["kind"] != "tensor":
+                scalars.setdefault(param.name, {})[key] = _scalar_json(info)
+                continue
             tkey = tensor_key(param.name, key)
             tensors[tkey] = value.reshape(-1)
             regions[tkey] = (param.name, key, holding.region)
@@ -181,21 +202,33 @@ def _write_rank_file(
         piece_for(name, records[tkey], param, key, region)
         for tkey, (param, key, region) in regions.items()
     ]
-    return _report([FileEntry(name, storage.file_size(staging / name))], pieces, records)
+    files = [FileEntry(name, storage.file_size(staging / name))]
+    return _report(files, pieces, records, scalars)
+
+
+def _scalar_json(info: Mapping[str, Any]) -> dict[str, Any]:
+    """A scalar's manifest form: its value, and its safetensors dtype if it is a 0-d tensor."""
+    dtype = info.get("dtype")
+    value = json_safe(info["value"])
+    return {"value": value, "dtype": storage.dtype_name(getattr(torch, dtype)) if dtype else None}
 
 
 def _report(
-    files: list[FileEntry], pieces: list[Piece], records: Mapping[str, storage.TensorRecord]
+    files: list[FileEntry],
+    pieces: list[Piece],
+    records: Mapping[str, storage.TensorRecord],
+    scalars: Mapping[str, Mapping[str, Any]],
 ) -> dict[str, Any]:
     """JSON form of what a rank wrote; dtypes ride along for the manifest's param entries."""
     return {
         "files": [asdict(f) for f in files],
         "pieces": [{**asdict(p), "dtype": records[p.tensor].dtype} for p in pieces],
+        "scalars": scalars,
     }
 
 
 def _write_consolidated(
-    optimizer: Muon,
+    optimizer: torch.optim.Optimizer,
     sharding: Sharding,
     staging: Path,
     max_shard_size: int | None,
@@ -203,18 +236,22 @@ def _write_consolidated(
 ) -> dict[str, Any]:
     full = gather_full_state(sharding, _local_state(optimizer, sharding, params))
     if full is None:
-        return {"files": [], "pieces": []}
-    by_name = {param.name: full.get(index, {}) for index, param in enumerate(sharding.params)}
-    items = [
-        (name, key, storage.dtype_name(value.dtype), tuple(value.shape))
-        for name, state in by_name.items()
-        for key, value in sorted(state.items())
-    ]
+        return {"files": [], "pieces": [], "scalars": {}}
+    by_name, items, scalars = {}, [], {}
+    for index, param in enumerate(sharding.params):
+        by_name[param.name] = state = full.get(index, {})
+        for key, value in sorted(state.items()):
+            info = describe_value(param, key, value)
+            if info["kind"] == "tensor":
+                items.append((param.name, key, storage.dtype_name(value.dtype), param.full_shape))
+            else:
+                scalars.setdefault(param.name, {})[key] = _scalar_json(info)
     return collectives.as_outcome(
         lambda: _report(
             *write_full_tensors(
                 staging, items, lambda name, key: by_name[name][key], max_shard_size=max_shard_size
-            )
+            ),
+            scalars,
         )
     )
 
@@ -259,7 +296,7 @@ def write_full_tensors(
 
 
 def _commit(
-    optimizer: Muon,
+    optimizer: torch.optim.Optimizer,
     sharding: Sharding,
     staging: Path,
     final: Path,
@@ -270,6 +307,11 @@ def _commit(
     if errors:
         return {"error": "; ".join(errors)}
     raw = [p for r in reports for p in r["pieces"]]
+    scalars: dict[str, dict[str, Scalar]] = {}
+    for report in reports:
+        for name, values in report["scalars"].items():
+            for key, item in values.items():
+                scalars.setdefault(name, {}).setdefault(key, Scalar(item["value"], item["dtype"]))
     manifest = build_manifest(
         optimizer,
         sharding,
@@ -277,6 +319,7 @@ def _commit(
         {(p["param"], p["key"]): p["dtype"] for p in raw},
         [FileEntry(f["name"], f["bytes"]) for r in reports for f in r["files"]],
         CONSOLIDATED if consolidated else PER_RANK,
+        scalars,
     )
     storage.write_text_atomic(staging / MANIFEST_NAME, manifest.to_json())
     storage.fsync_dir(staging)
@@ -301,34 +344,29 @@ def _retire_together(sharding: Sharding, replaced: dict[str, Any]) -> None:
 
 
 def build_manifest(
-    optimizer: Muon,
+    optimizer: torch.optim.Optimizer,
     sharding: Sharding,
     pieces: list[Piece],
     dtypes: Mapping[tuple[str, str], str],
     files: list[FileEntry],
     kind: str,
+    scalars: Mapping[str, Mapping[str, Scalar]],
 ) -> Manifest:
-    """The manifest of a save: params and groups from the grid, pieces from the ranks.
-
-    ``dtypes`` maps (param, stored key) to the safetensors dtype written.
-    """
+    """The manifest of a save: params and groups from the grid, pieces and scalars from the
+    ranks. ``dtypes`` maps (param, stored key) to the safetensors dtype written."""
     keys: dict[str, set[str]] = {}
     for piece in pieces:
         keys.setdefault(piece.param, set()).add(piece.key)
     entries = []
     for param in sharding.params:
-        stored = keys.get(param.name, set())
-        state_keys = tuple(sorted(stored - {PARAM_KEY}))
-        own = storage.dtype_name(getattr(torch, param.dtype or "float32"))
         entries.append(
             ParamEntry(
                 name=param.name,
                 shape=tuple(param.full_shape),
                 group=param.group,
-                dtype=dtypes[param.name, state_keys[0]] if state_keys else own,
                 tp_split_dim=param.tp_split_dim,
-                state_keys=state_keys,
-                value_dtype=dtypes.get((param.name, PARAM_KEY)),
+                dtypes={k: dtypes[param.name, k] for k in sorted(keys.get(param.name, ()))},
+                scalars=dict(scalars.get(param.name, {})),
             )
         )
     groups = []
@@ -346,7 +384,9 @@ def build_manifest(
     )
 
 
-def load(optimizer: Muon, path: str | os.PathLike[str], *, params: bool = True) -> None:
+def load(
+    optimizer: torch.optim.Optimizer, path: str | os.PathLike[str], *, params: bool = True
+) -> None:
     """Load a checkpoint of any kind and source topology into ``optimizer`` at its topology.
 
     Restores the optimizer state and, by default, the optimizer's params (each rank its own
@@ -359,7 +399,7 @@ def load(optimizer: Muon, path: str | os.PathLike[str], *, params: bool = True) 
     In distributed mode a collective over the grid the first time the optimizer is described.
 
     Args:
-        optimizer: a packaged :class:`~muonckpt.Muon`, at any dp x tp.
+        optimizer: an optimizer :func:`save` takes, of the kind that saved, at any topology.
         path: a checkpoint directory.
         params: restore the params too (the default; the checkpoint must hold them). False
             restores the optimizer state only, for weights loaded elsewhere.
@@ -376,37 +416,51 @@ def load(optimizer: Muon, path: str | os.PathLike[str], *, params: bool = True) 
             "optimizer state only",
             path=directory / MANIFEST_NAME,
         )
-    sharding = describe_muon(optimizer)
+    sharding = describe(optimizer)
     groups = remap_groups(optimizer, _torch_groups(manifest), sharding)
     flat = [p for g in optimizer.param_groups for p in g["params"]]
     grouped = manifest.pieces_of()
-    state: dict[int, dict[str, torch.Tensor]] = {}
+    state: dict[int, dict[str, Any]] = {}
     values: dict[int, torch.Tensor] = {}
     with PieceReader(directory, manifest) as reader:
 
-        def read(entry: ParamEntry, key: str, param: ParamSharding) -> torch.Tensor:
-            data = reader.gather(grouped[entry.name, key], entry, key, param.local)
+        def read(entry: ParamEntry, key: str, region: Region) -> torch.Tensor:
+            data = reader.gather(grouped[entry.name, key], entry, key, region)
             return storage.tensor_of_bytes(data, entry.dtype_of(key))
 
         for param in sharding.params:
             entry = manifest.param(param.name)
             _check_param(entry, param, directory)
-            if param.local_index is None or param.local is None:
+            if param.local_index is None:
                 continue
             p = flat[param.local_index]
-            if entry.state_keys:
-                state[param.local_index] = {
-                    key: read(entry, key, param).reshape(p.shape) for key in entry.state_keys
-                }
+            if param.local is not None and (entry.state_keys or entry.scalars):
+                kept = {k: read(entry, k, param.local).reshape(p.shape) for k in entry.state_keys}
+                kept.update({k: _scalar_value(v) for k, v in entry.scalars.items()})
+                state[param.local_index] = kept
             if params:
+                held = param.held or whole_region(entry.numel)
                 values[param.local_index] = _checked_value(
-                    read(entry, PARAM_KEY, param), p, entry, directory
+                    read(entry, PARAM_KEY, held), p, entry, directory
                 )
-    with hooks_of(optimizer).local_share_load():
-        optimizer.load_state_dict({"state": state, "param_groups": groups})
+    local_share = {"state": state, "param_groups": groups}
+    hooks = _HOOKS.get(optimizer)
+    if hooks is None:
+        optimizer.load_state_dict(local_share)
+    else:
+        with hooks.local_share_load():
+            optimizer.load_state_dict(local_share)
     with torch.no_grad():
         for index, value in values.items():
             flat[index].copy_(value.reshape(flat[index].shape))
+
+
+def _scalar_value(scalar: Scalar) -> Any:
+    """A stored scalar as the optimizer had it: a 0-d tensor of its dtype, or the number."""
+    if scalar.dtype is None:
+        return scalar.value
+    name = str(storage.torch_dtype(scalar.dtype)).removeprefix("torch.")
+    return value_of({"kind": "scalar", "value": scalar.value, "dtype": name})
 
 
 def _checked_value(

@@ -352,7 +352,7 @@ def inspect(
         table.add_row(
             p["name"],
             "x".join(map(str, p["shape"])) or "scalar",
-            p["dtype"],
+            ", ".join(sorted({d for k, d in p["dtypes"].items() if k != "param"})) or "-",
             str(p["tp_split_dim"]) if p["tp_split_dim"] >= 0 else "-",
             str(p["group"]),
             ", ".join(p["state_keys"]) or "(none)",

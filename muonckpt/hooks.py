@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 import weakref
 import zlib
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,7 +34,7 @@ import torch
 from . import collectives
 from .errors import StateDictError
 from .grid import GridParams, LocalParam, RankReport, merge_reports
-from .layout import Region, Topology, whole_region
+from .layout import Region, Topology, tp_full_shape, tp_region, whole_region
 from .regions import extract, insert_
 
 MARKER = "muonckpt"
@@ -42,13 +42,24 @@ MARKER = "muonckpt"
 FORMAT_VERSION = 1
 
 
+class _Replicated:
+    """The type of :data:`REPLICATED`."""
+
+    def __repr__(self) -> str:
+        return "muonckpt.REPLICATED"
+
+
+REPLICATED = _Replicated()
+"""What an ``owner`` rule returns for a param whose state every rank keeps identically (the
+AdamW state of KellerJordan's ``MuonWithAuxAdam``): gathered from one rank, restored on all."""
+
+
 @dataclass(frozen=True)
 class Holding:
-    """A global rank's share of a param's state: ``region`` of the full tensor, or all of it."""
+    """A global rank's share of a param's state: ``region`` of the full tensor."""
 
     rank: int
-    region: Region | None
-    """None: the whole tensor, whatever its shape (owner-style sharding)."""
+    region: Region
 
 
 @dataclass(frozen=True)
@@ -56,12 +67,12 @@ class ParamSharding:
     """How one param of the whole grid is spread over ranks, seen from this rank."""
 
     name: str
-    full_shape: tuple[int, ...] | None
-    """Shape of every full state tensor; None when whole tensors keep the owner's shapes."""
+    full_shape: tuple[int, ...]
+    """Full shape of the param and of each state tensor shaped like it."""
     sources: tuple[Holding, ...]
     """Owners that together hold every element exactly once (what the gather reads)."""
     local: Region | None
-    """This rank's share when loading: a region, the whole state (owner), or nothing."""
+    """This rank's share of the state when loading (None: it keeps no state of the param)."""
     keeps: bool
     """Whether this rank keeps any state of the param when loading."""
     local_index: int | None
@@ -74,6 +85,10 @@ class ParamSharding:
     """TP split dimension in this run (recorded in checkpoints)."""
     dtype: str | None = None
     """torch dtype name of the param itself (``float32``), where known."""
+    held: Region | None = None
+    """What this rank's param tensor holds of the full param (None: all of it)."""
+    replicated: bool = False
+    """Every rank keeps the same state of this param (:data:`REPLICATED`)."""
 
 
 @dataclass
@@ -173,7 +188,8 @@ class StateDictHooks:
             if param.local is None:
                 continue
             for key, value in optimizer.state.get(flat[param.local_index], {}).items():
-                if isinstance(value, torch.Tensor) and value.numel() != param.local.numel:
+                kind = describe_value(param, key, value)["kind"]
+                if kind == "tensor" and value.numel() != param.local.numel:
                     raise StateDictError(
                         f"param {param.name!r}: loaded state {key!r} has {value.numel()} "
                         f"elements, this rank's share is {param.local.numel}"
@@ -212,21 +228,21 @@ def canonical_groups(
     return groups
 
 
-def check_agreement(sharding: Sharding) -> None:
+def check_agreement(sharding: Sharding, owners: Sequence[str] = ()) -> None:
     """Raise :class:`StateDictError` on every rank unless all agree on names and full shapes.
 
     A collective over ``sharding.participants``, run before any state moves, so a mismatch is
     an error instead of a hang or a scrambled gather. For owner-style sharding, where every
     rank holds every param.
     """
-    fingerprint = [[p.name, list(p.full_shape) if p.full_shape else None] for p in sharding.params]
+    fingerprint = [[p.name, list(p.full_shape)] for p in sharding.params] + [list(owners)]
     digest = zlib.crc32(repr(fingerprint).encode())
     views = collectives.gather_json(digest, sharding.participants, sharding.destination)
     agreed = views is None or len(set(views)) == 1
     if not collectives.broadcast_json(agreed, sharding.participants, sharding.destination):
         raise StateDictError(
-            "ranks disagree about the optimizer's params (names, order or full shapes): "
-            "every rank must hold every param, in the same order"
+            "ranks disagree about the optimizer's params (names, order, full shapes or "
+            "owners): every rank must hold every param, in the same order"
         )
 
 
@@ -252,7 +268,8 @@ def gather_full_state(
     """Every param's full state by canonical index, on the destination (and every rank with
     ``all_ranks``); None elsewhere. ``local_state`` is keyed by this rank's flat param index.
 
-    A collective over ``sharding.participants``.
+    A collective over ``sharding.participants``. Raises :class:`StateDictError` on every rank
+    when a declared owner lacks state another rank holds, or replicated state differs.
     """
     me = collectives.global_rank()
     entries = _gather_entry_metadata(sharding, local_state)
@@ -273,47 +290,95 @@ def gather_full_state(
 def _gather_entry_metadata(
     sharding: Sharding, local_state: Mapping[int, Mapping[str, Any]]
 ) -> list[dict[str, Any] | None]:
-    """Every rank learns, per param, the state keys with their dtype and shape (or value)."""
+    """Every rank learns, per param, the state keys with their kind, dtype and shape (or value).
+
+    Every participant reports the state it holds, owner or not, so that the merge can tell a
+    wrong owner rule from a param without state.
+    """
     mine: dict[str, dict[str, Any]] = {}
-    me = collectives.global_rank()
     for index, param in enumerate(sharding.params):
-        if any(h.rank == me for h in param.sources) and param.local_index in local_state:
-            mine[str(index)] = {
-                key: _describe_value(value) for key, value in local_state[param.local_index].items()
-            }
+        entry = local_state.get(param.local_index) if param.local_index is not None else None
+        if entry:
+            mine[str(index)] = {key: describe_value(param, key, v) for key, v in entry.items()}
     reports = collectives.gather_json(mine, sharding.participants, sharding.destination)
     return _decide(
-        lambda: _merge_entry_reports(sharding, reports),
+        lambda: merge_entry_reports(sharding, reports),
         sharding.participants,
         sharding.destination,
     )
 
 
-def _merge_entry_reports(
-    sharding: Sharding, reports: list[dict[str, dict[str, Any]]]
+def merge_entry_reports(
+    sharding: Sharding, reports: Sequence[Mapping[str, Mapping[str, Any]]]
 ) -> list[dict[str, Any] | None]:
-    merged: list[dict[str, Any] | None] = [None] * len(sharding.params)
-    for report in reports:
-        for index, keys in report.items():
-            slot = merged[int(index)] = merged[int(index)] or {}
-            for key, info in keys.items():
-                if key in slot and slot[key]["kind"] != info["kind"]:
-                    raise StateDictError(
-                        f"param {sharding.params[int(index)].name!r}: "
-                        f"ranks disagree about state {key!r}"
-                    )
-                slot.setdefault(key, info)
+    """Per param, the description of each state key, taken from its sources' reports.
+
+    ``reports`` are the participants' (in order). Raises :class:`StateDictError` naming the
+    param and ranks when a source lacks state another rank holds (a wrong owner rule), when
+    replicated state differs between ranks, or when sources disagree about a key.
+    """
+    by_rank = dict(zip(sharding.participants, reports, strict=True))
+    merged: list[dict[str, Any] | None] = []
+    for index, param in enumerate(sharding.params):
+        holders = [r for r in sharding.participants if str(index) in by_rank[r]]
+        if not holders:
+            merged.append(None)
+            continue
+        owners = [h.rank for h in param.sources if h.region.numel or len(param.sources) == 1]
+        if param.replicated:
+            owners = list(sharding.participants)
+        lacking = [r for r in owners if r not in holders]
+        if lacking:
+            raise StateDictError(
+                f"param {param.name!r}: rank {holders[0]} holds state for it, but its declared "
+                f"owner rank {lacking[0]} holds none: the owner rule does not match where the "
+                "optimizer keeps its state"
+            )
+        first = by_rank[owners[0]][str(index)]
+        for rank in owners:
+            if _shape_free(by_rank[rank][str(index)], param.replicated) != _shape_free(
+                first, param.replicated
+            ):
+                raise StateDictError(
+                    f"param {param.name!r}: ranks {owners[0]} and {rank} disagree about its "
+                    f"state ({sorted(first)} vs {sorted(by_rank[rank][str(index)])})"
+                )
+        merged.append(dict(first))
     return merged
 
 
-def _describe_value(value: Any) -> dict[str, Any]:
+def _shape_free(entry: Mapping[str, Any], replicated: bool) -> Any:
+    """What ranks must agree on: keys, kinds and dtypes (and shapes and values if replicated;
+    shards of one tensor differ in shape)."""
+    return {
+        key: (info["kind"], info.get("dtype"))
+        + ((tuple(info.get("shape", ())), info.get("value")) if replicated else ())
+        for key, info in entry.items()
+    }
+
+
+def describe_value(param: ParamSharding, key: str, value: Any) -> dict[str, Any]:
+    """How a state value travels: a tensor shaped like the param (sharded with it), a
+    ``scalar`` (a 0-d tensor of a param that is not 0-d, such as torch's AdamW ``step``), or a
+    plain ``value`` (a number, None)."""
     if isinstance(value, torch.Tensor):
-        return {
-            "kind": "tensor",
-            "dtype": str(value.dtype).removeprefix("torch."),
-            "shape": list(value.shape),
-        }
-    return {"kind": "value", "value": value}
+        dtype = str(value.dtype).removeprefix("torch.")
+        if value.dim() == 0 and len(param.full_shape) != 0:
+            return {"kind": "scalar", "dtype": dtype, "value": value.item()}
+        return {"kind": "tensor", "dtype": dtype, "shape": list(value.shape)}
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return {"kind": "value", "value": value}
+    raise StateDictError(
+        f"param {param.name!r}: state {key!r} is a {type(value).__name__}, which muonckpt "
+        "cannot store (tensors, numbers, strings and None only)"
+    )
+
+
+def value_of(info: Mapping[str, Any]) -> Any:
+    """A scalar or plain value back from its description."""
+    if info["kind"] == "scalar":
+        return torch.tensor(info["value"], dtype=getattr(torch, info["dtype"]))
+    return info["value"]
 
 
 def _gather_value(
@@ -325,24 +390,28 @@ def _gather_value(
     all_ranks: bool,
 ) -> Any:
     """Assemble one full state value on the destination (and, if asked, on every rank)."""
-    if info["kind"] == "value":
-        return info["value"]
+    if info["kind"] != "tensor":
+        return value_of(info)
     me, dst = collectives.global_rank(), sharding.destination
     dtype = getattr(torch, info["dtype"])
-    shape = param.full_shape if param.full_shape is not None else tuple(info["shape"])
+    shape = param.full_shape
     full = torch.empty(shape, dtype=dtype) if me == dst else None
     for holding in param.sources:
         if holding.rank == me:
             piece = local_state[param.local_index][key].reshape(-1)
+            if piece.numel() != holding.region.numel:
+                raise StateDictError(
+                    f"param {param.name!r}: state {key!r} holds {piece.numel()} elements on "
+                    f"rank {me}, its share of the param {holding.region.numel}"
+                )
             if me == dst:
-                _place(full, holding.region, piece)
+                insert_(full, holding.region, piece)
             else:
                 collectives.send(piece, dst)
         elif me == dst:
-            numel = holding.region.numel if holding.region is not None else math.prod(shape)
-            piece = torch.empty(numel, dtype=dtype)
+            piece = torch.empty(holding.region.numel, dtype=dtype)
             collectives.recv(piece, holding.rank)
-            _place(full, holding.region, piece)
+            insert_(full, holding.region, piece)
     if all_ranks:
         if me == dst:
             for rank in sharding.participants:
@@ -352,13 +421,6 @@ def _gather_value(
             full = torch.empty(shape, dtype=dtype)
             collectives.recv(full, dst)
     return full
-
-
-def _place(full: torch.Tensor, region: Region | None, piece: torch.Tensor) -> None:
-    if region is None:
-        full.view(-1).copy_(piece)
-    else:
-        insert_(full, region, piece)
 
 
 def trim_state_dict(
@@ -455,7 +517,7 @@ def _cut_entry(
         return None
     kept: dict[str, Any] = {}
     for key, value in entry.items():
-        if not isinstance(value, torch.Tensor) or param.full_shape is None:
+        if describe_value(param, key, value)["kind"] != "tensor":
             kept[key] = value
             continue
         if tuple(value.shape) != param.full_shape:
@@ -463,7 +525,7 @@ def _cut_entry(
                 f"param {param.name!r}: state {key!r} has shape {tuple(value.shape)}, "
                 f"expected the full shape {param.full_shape}"
             )
-        piece = extract(value, param.local) if param.local is not None else value.clone()
+        piece = extract(value, param.local)
         kept[key] = piece.reshape(p.shape) if piece.numel() == p.numel() else piece
     return kept
 
@@ -520,27 +582,9 @@ def describe_muon(optimizer: Any) -> Sharding:
         use_muon = optimizer.param_groups[group].get("use_muon", False)
         return MUON_STATE_KEYS if use_muon else ADAMW_STATE_KEYS
 
-    me = collectives.global_rank()
     if not optimizer.distributed_mode:
-        params = []
-        flat = [(p, g) for g, group in enumerate(optimizer.param_groups) for p in group["params"]]
-        for index, ((p, g), name) in enumerate(zip(flat, param_names(optimizer), strict=True)):
-            whole = whole_region(p.numel())
-            params.append(
-                ParamSharding(
-                    name,
-                    tuple(p.shape),
-                    (Holding(me, whole),),
-                    whole,
-                    True,
-                    index,
-                    g,
-                    keys(g),
-                    dtype=_dtype_name(p),
-                )
-            )
-        _check_unique([p.name for p in params])
-        return Sharding(params, [me], me, {"dp": 1, "tp": 1}, _named(optimizer))
+        return describe_whole(optimizer, keys)
+    me = collectives.global_rank()
     ranks, grid = _grid_params(optimizer)
     topo = grid.topology
     coords = topo.coords(ranks.index(me))
@@ -559,6 +603,7 @@ def describe_muon(optimizer: Any) -> Sharding:
                 sources=tuple(sources),
                 local=gp.region(topo, *coords) if local_index is not None else None,
                 keeps=local_index is not None,
+                held=gp.region(topo, *coords) if local_index is not None else None,
                 local_index=local_index,
                 group=gp.spec.group,
                 expected_keys=keys(gp.spec.group),
@@ -629,49 +674,233 @@ def _check_unique(names: Sequence[str]) -> None:
         raise StateDictError(f"duplicate param names {dupes}: names must be unique")
 
 
+def describe_whole(
+    optimizer: torch.optim.Optimizer,
+    keys: Callable[[int], tuple[str, ...]] = lambda group: (),
+    names: Sequence[str] | None = None,
+) -> Sharding:
+    """Sharding of a single-process optimizer: every param whole, its state all local."""
+    me = collectives.global_rank()
+    names = list(names) if names is not None else param_names(optimizer)
+    flat = [(p, g) for g, group in enumerate(optimizer.param_groups) for p in group["params"]]
+    params = []
+    for index, ((p, g), name) in enumerate(zip(flat, names, strict=True)):
+        whole = whole_region(p.numel())
+        params.append(
+            ParamSharding(
+                name,
+                tuple(p.shape),
+                (Holding(me, whole),),
+                whole,
+                True,
+                index,
+                g,
+                keys(g),
+                dtype=_dtype_name(p),
+            )
+        )
+    _check_unique([p.name for p in params])
+    return Sharding(params, [me], me, {"dp": 1, "tp": 1}, _named(optimizer) or names is not None)
+
+
+def describe(optimizer: torch.optim.Optimizer) -> Sharding:
+    """How ``optimizer``'s state is sharded: from its muonckpt hooks (the packaged Muon, or
+    :func:`install_hooks`), else, in a single process, every param whole and local.
+
+    A collective over the optimizer's ranks where describing it needs one.
+    """
+    hooks = _HOOKS.get(optimizer)
+    if hooks is not None:
+        return hooks.describe(True)
+    if collectives.is_distributed() and collectives.group_size(None) > 1:
+        raise StateDictError(
+            f"{type(optimizer).__name__} runs in a process group of "
+            f"{collectives.group_size(None)} ranks without muonckpt hooks, so where its state "
+            "lives is unknown: call muonckpt.install_hooks(optimizer, owner=...) first"
+        )
+    return describe_whole(optimizer)
+
+
+UPSTREAM_MODULE = "muon"
+"""The module of KellerJordan's Muon (``pip install muon-optimizer``)."""
+_UPSTREAM = {"Muon", "MuonWithAuxAdam", "SingleDeviceMuon", "SingleDeviceMuonWithAuxAdam"}
+
+
+def upstream_owner(optimizer: torch.optim.Optimizer) -> Callable[[int, torch.Tensor], Any] | None:
+    """The owner rule of upstream KellerJordan Muon classes, or None for any other optimizer.
+
+    ``Muon`` and ``MuonWithAuxAdam`` give param ``k`` of each Muon group (in the group's own,
+    size-sorted order) to rank ``k % world``; every rank runs AdamW on every param of the other
+    groups (:data:`REPLICATED`). The single-device classes keep everything on their one rank.
+    """
+    kind = type(optimizer)
+    if kind.__module__ != UPSTREAM_MODULE or kind.__name__ not in _UPSTREAM:
+        return None
+    if kind.__name__.startswith("SingleDevice"):
+        return lambda index, p: 0
+    rule: dict[int, Any] = {}
+    start = 0
+    world = collectives.group_size(None)
+    for group in optimizer.param_groups:
+        muon = group.get("use_muon", kind.__name__ == "Muon")
+        for k in range(len(group["params"])):
+            rule[start + k] = k % world if muon else REPLICATED
+        start += len(group["params"])
+    return lambda index, p: rule[index]
+
+
 def install_hooks(
     optimizer: torch.optim.Optimizer,
+    owner: Callable[[int, torch.Tensor], Any] | None = None,
     *,
-    owner: Callable[[int, torch.Tensor], int],
+    names: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]] | None = None,
     group: collectives.Group = None,
+    tp_group: collectives.Group = None,
+    tp_split_dims: Mapping[str, int] | None = None,
     all_ranks: bool = False,
 ) -> StateDictHooks:
-    """Make ``state_dict()`` complete for an optimizer whose per-param state lives on one owner.
+    """Make ``state_dict()``, :func:`muonckpt.save` and :func:`muonckpt.load` complete for an
+    optimizer whose per-param state lives whole on an owner rank.
 
-    After this, ``state_dict()`` (a collective over ``group``) returns on the group's first
-    rank every param's state, and ``load_state_dict()`` of such a dict on any group size keeps
-    on each rank only the state of the params it now owns.
+    After this, ``state_dict()`` (a collective over the ranks) returns on the first rank every
+    param's state, and ``load_state_dict()`` of such a dict on any number of ranks keeps on each
+    rank only the state of the params it now owns (and all of the replicated state).
 
     Args:
-        optimizer: any torch optimizer; params are numbered in order over its groups.
-        owner: ``owner(index, param) -> group rank`` holding that param's state. For
-            KellerJordan's Muon: ``lambda i, p: i % world_size`` over its size-sorted params.
-        group: the process group sharing the work (default: the whole world).
+        optimizer: any torch optimizer; every rank holds every param (its TP shard of it with
+            ``tp_group``).
+        owner: ``owner(index, param)``: the rank of ``group`` that keeps the state of param
+            ``index`` (counted in order over all param groups), or :data:`REPLICATED` when every
+            rank keeps it identically. None: the rule of upstream KellerJordan ``muon.Muon``,
+            ``muon.MuonWithAuxAdam`` and their single-device classes (see
+            :func:`upstream_owner`); other optimizers need an explicit rule.
+        names: ``model.named_parameters()`` or a ``{name: param}`` dict, so that checkpoints are
+            keyed by name when the optimizer's groups carry no names.
+        group: the ranks sharing the work, the DP group with ``tp_group`` (default: the world).
+        tp_group: for a tensor-parallel optimizer whose params are TP shards, each owned whole
+            by one rank of ``group`` (Megatron-Core's layer-wise layout); full shapes and
+            regions follow ``tp_split_dims``.
+        tp_split_dims: param name -> dimension split across ``tp_group`` (missing: replicated).
         all_ranks: deliver the complete state dict on every rank instead of the first.
 
+    Raises:
+        StateDictError: for an optimizer without a known rule and no ``owner``, or unknown
+            names. A rule that does not match where the optimizer keeps its state raises when
+            the state is gathered, naming the param, the declared owner and the holder.
+
     Example:
-        >>> hooks = muonckpt.install_hooks(opt, owner=lambda i, p: i % dist.get_world_size())
+        >>> hooks = muonckpt.install_hooks(opt)  # upstream muon.MuonWithAuxAdam
         >>> sd = opt.state_dict()            # complete on rank 0
         >>> opt.load_state_dict(sd)          # on any world size: keeps this rank's share
     """
+    rule = owner if owner is not None else upstream_owner(optimizer)
+    if rule is None:
+        raise StateDictError(
+            f"install_hooks cannot tell where a {type(optimizer).__name__} keeps its state: "
+            "pass owner=lambda index, param: rank (or muonckpt.REPLICATED)"
+        )
+    given = _names_by_param(optimizer, names)
+    splits = dict(tp_split_dims or {})
+    local_only = owner is None and type(optimizer).__name__.startswith("SingleDevice")
 
-    def describe(collective: bool) -> Sharding:
+    def describe_owners(collective: bool) -> Sharding:
+        if local_only:
+            return describe_whole(optimizer, names=given)
+        return _describe_owned(optimizer, rule, given, group, tp_group, splits, collective)
+
+    return StateDictHooks(optimizer, describe_owners, all_ranks=all_ranks)
+
+
+def _names_by_param(
+    optimizer: torch.optim.Optimizer,
+    names: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]] | None,
+) -> list[str] | None:
+    """Each flat param's name from ``names``; None to use the optimizer's own names."""
+    if names is None:
+        return None
+    pairs = names.items() if isinstance(names, Mapping) else names
+    by_id = {id(p): n for n, p in pairs}
+    flat = _flat_params(optimizer)
+    missing = [i for i, p in enumerate(flat) if id(p) not in by_id]
+    if missing:
+        raise StateDictError(
+            f"names= has no name for the optimizer's param(s) at flat index {missing[:8]} "
+            f"(shapes {[tuple(flat[i].shape) for i in missing[:8]]})"
+        )
+    return [by_id[id(p)] for p in flat]
+
+
+def _describe_owned(
+    optimizer: torch.optim.Optimizer,
+    owner: Callable[[int, torch.Tensor], Any],
+    names: Sequence[str] | None,
+    group: collectives.Group,
+    tp_group: collectives.Group,
+    splits: Mapping[str, int],
+    collective: bool,
+) -> Sharding:
+    me = collectives.global_rank()
+    if tp_group is None:
         ranks = collectives.group_ranks(group)
-        me = collectives.global_rank()
-        names = param_names(optimizer)
-        flat = [(p, g) for g, grp in enumerate(optimizer.param_groups) for p in grp["params"]]
-        params = []
-        for index, ((p, g), name) in enumerate(zip(flat, names, strict=True)):
-            holder = ranks[owner(index, p)]
-            params.append(
-                ParamSharding(name, None, (Holding(holder, None),), None, holder == me, index, g)
-            )
-        sharding = Sharding(params, ranks, ranks[0], {"world_size": len(ranks)}, _named(optimizer))
-        if collective:
-            check_agreement(sharding)
-        return sharding
+        topo = Topology(len(ranks), 1)
+    else:
+        ranks = _grid(optimizer, group, tp_group)
+        topo = Topology(collectives.group_size(group), collectives.group_size(tp_group))
+    my_dp, my_tp = topo.coords(ranks.index(me))
+    names = list(names) if names is not None else param_names(optimizer)
+    flat = [(p, g) for g, grp in enumerate(optimizer.param_groups) for p in grp["params"]]
+    params, owners = [], []
+    for index, ((p, g), name) in enumerate(zip(flat, names, strict=True)):
+        split = splits.get(name, -1) if topo.tp > 1 else -1
+        full = tp_full_shape(p.shape, split, topo.tp)
+        block = math.prod(p.shape)
+        tps = range(topo.tp) if split >= 0 else range(1)
 
-    return StateDictHooks(optimizer, describe, all_ranks=all_ranks)
+        def region(t: int, full: tuple = full, split: int = split, block: int = block) -> Region:
+            return tp_region(full, split, topo.tp, t, (0, block))
+
+        rank = owner(index, p)
+        replicated = rank is REPLICATED
+        dp_owner = 0 if replicated else int(rank)
+        if not 0 <= dp_owner < topo.dp:
+            raise StateDictError(f"param {name!r}: owner rank {rank} is outside 0..{topo.dp - 1}")
+        owners.append(repr(rank))
+        mine = region(my_tp if split >= 0 else 0)
+        keeps = replicated or dp_owner == my_dp
+        params.append(
+            ParamSharding(
+                name=name,
+                full_shape=full,
+                sources=tuple(Holding(ranks[topo.rank(dp_owner, t)], region(t)) for t in tps),
+                local=mine if keeps else None,
+                keeps=keeps,
+                local_index=index,
+                group=g,
+                tp_split_dim=splits.get(name, -1),
+                dtype=_dtype_name(p),
+                held=mine,
+                replicated=replicated,
+            )
+        )
+    _check_unique([p.name for p in params])
+    sharding = Sharding(
+        params, ranks, ranks[0], {"dp": topo.dp, "tp": topo.tp}, _named(optimizer) or bool(names)
+    )
+    if collective:
+        check_agreement(sharding, owners)
+    return sharding
+
+
+_GRIDS_OWNED: weakref.WeakKeyDictionary[torch.optim.Optimizer, list[int]] = (
+    weakref.WeakKeyDictionary()
+)
+"""Per layer-wise optimizer, the global ranks of its dp x tp grid (learned once)."""
+
+
+def _grid(optimizer: torch.optim.Optimizer, group: collectives.Group, tp_group: Any) -> list[int]:
+    if optimizer not in _GRIDS_OWNED:
+        _GRIDS_OWNED[optimizer] = collectives.grid_ranks(group, tp_group)
+    return _GRIDS_OWNED[optimizer]
 
 
 def gather_state_dict(

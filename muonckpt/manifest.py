@@ -11,7 +11,7 @@ import math
 import re
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .errors import CheckpointError
@@ -33,26 +33,45 @@ _DIGEST = re.compile("[0-9a-f]{16}")
 
 
 @dataclass(frozen=True)
+class Scalar:
+    """A state value that is not a tensor shaped like its param: a plain number, or a 0-d tensor
+    (torch keeps AdamW's ``step`` so), stored in the manifest itself."""
+
+    value: int | float | bool | str | None
+    dtype: str | None = None
+    """safetensors dtype of a 0-d tensor; None for a plain Python number."""
+
+
+@dataclass(frozen=True)
 class ParamEntry:
     """One param of the optimizer that was saved."""
 
     name: str
     shape: tuple[int, ...]
-    """Full (logical) shape of the param and of each of its state tensors."""
-    dtype: str
-    """safetensors dtype string of its state tensors."""
+    """Full (logical) shape of the param, and of each of its stored tensors."""
     tp_split_dim: int
     """Dimension split across TP ranks in the source run (-1: replicated)."""
     group: int
     """Index of its param group."""
-    state_keys: tuple[str, ...]
-    """Its state tensors' keys (empty: no state yet)."""
-    value_dtype: str | None = None
-    """safetensors dtype of the param's own saved values; None when they were not saved."""
+    dtypes: Mapping[str, str]
+    """safetensors dtype of each stored tensor, by key: its state tensors (shaped like the
+    param) and, when saved, its own values under :data:`PARAM_KEY`."""
+    scalars: Mapping[str, Scalar] = field(default_factory=dict)
+    """Its state values that are numbers or 0-d tensors, by key."""
 
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+    @property
+    def state_keys(self) -> tuple[str, ...]:
+        """Keys of its state tensors, sorted (empty: no tensor state)."""
+        return tuple(sorted(k for k in self.dtypes if k != PARAM_KEY))
+
+    @property
+    def value_dtype(self) -> str | None:
+        """dtype of the param's own saved values; None when they were not saved."""
+        return self.dtypes.get(PARAM_KEY)
 
     @property
     def tensor_keys(self) -> tuple[str, ...]:
@@ -61,9 +80,7 @@ class ParamEntry:
 
     def dtype_of(self, key: str) -> str:
         """The safetensors dtype of the stored tensor ``key`` (a state key or the values)."""
-        if key == PARAM_KEY and self.value_dtype is not None:
-            return self.value_dtype
-        return self.dtype
+        return self.dtypes[key]
 
 
 @dataclass(frozen=True)
@@ -209,16 +226,17 @@ def _manifest_from(body: Any) -> Manifest:
         ParamEntry(
             name=_str(p["name"]),
             shape=tuple(_nonneg_int(s) for s in p["shape"]),
-            dtype=_str(p["dtype"]),
             tp_split_dim=_int(p["tp_split_dim"]),
             group=_nonneg_int(p["group"]),
-            state_keys=tuple(_state_key(k) for k in p["state_keys"]),
-            value_dtype=_value_dtype(p, version),
+            dtypes=_dtypes(p, version),
+            scalars=_scalars(p.get("scalars", {}) if version >= 2 else {}),
         )
         for p in body["params"]
     )
     names = [p.name for p in params]
     _expect(len(set(names)) == len(names), "duplicate param names")
+    for p in params:
+        _expect(not set(p.scalars) & set(p.dtypes), f"param {p.name!r}: a key is stored twice")
     with_values = {p.value_dtype is not None for p in params}
     _expect(len(with_values) <= 1, "some params have saved values and others not")
     groups = tuple(
@@ -242,6 +260,10 @@ def _manifest_from(body: Any) -> Manifest:
         )
         entry = by_name.get(piece.param)
         _expect(entry is not None, f"piece {piece.tensor!r} of unknown param {piece.param!r}")
+        _expect(
+            piece.key in entry.dtypes,
+            f"piece {piece.tensor!r}: param {piece.param!r} lists no stored key {piece.key!r}",
+        )
         _check_region(entry, piece.region, piece.tensor)
         pieces.append(piece)
     return Manifest(
@@ -296,17 +318,30 @@ def _hyperparams(raw: Any) -> dict[str, Any]:
     return dict(raw)
 
 
-def _state_key(value: Any) -> str:
-    key = _str(value)
-    _expect(key != PARAM_KEY, f"state key {PARAM_KEY!r} is reserved for the param's values")
-    return key
-
-
-def _value_dtype(raw: Mapping[str, Any], version: int) -> str | None:
+def _dtypes(raw: Mapping[str, Any], version: int) -> dict[str, str]:
+    """Each stored key's dtype: version 2 lists them, version 1 has one dtype for all state."""
     if version < 2:
-        return None
-    value = raw["value_dtype"]
-    return None if value is None else _str(value)
+        keys = [_str(k) for k in raw["state_keys"]]
+        _expect(PARAM_KEY not in keys, f"state key {PARAM_KEY!r} is reserved for the values")
+        return {k: _str(raw["dtype"]) for k in keys}
+    dtypes = raw["dtypes"]
+    _expect(isinstance(dtypes, dict), "dtypes must map stored keys to dtype strings")
+    return {_str(k): _str(v) for k, v in dtypes.items()}
+
+
+def _scalars(raw: Any) -> dict[str, Scalar]:
+    _expect(isinstance(raw, dict), "scalars must map state keys to values")
+    scalars = {}
+    for key, item in raw.items():
+        _expect(isinstance(item, dict), f"scalar {key!r} must be an object")
+        value, dtype = item.get("value"), item.get("dtype")
+        _expect(
+            value is None or isinstance(value, (int, float, bool, str)),
+            f"scalar {key!r} must hold a number, a string or null",
+        )
+        _expect(dtype is None or isinstance(dtype, str), f"scalar {key!r}: bad dtype {dtype!r}")
+        scalars[_str(key)] = Scalar(value, dtype)
+    return scalars
 
 
 def _expect(condition: bool, message: str) -> None:

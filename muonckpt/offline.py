@@ -525,8 +525,9 @@ def summarize(src: str | os.PathLike[str]) -> dict[str, Any]:
         {
             "name": e.name,
             "shape": list(e.shape),
-            "dtype": e.dtype,
+            "dtypes": dict(e.dtypes),
             "value_dtype": e.value_dtype,
+            "scalars": {k: v.value for k, v in e.scalars.items()},
             "tp_split_dim": e.tp_split_dim,
             "group": e.group,
             "state_keys": list(e.state_keys),

@@ -188,7 +188,7 @@ def duplicate_piece(ckpt: Path) -> tuple[str, str | None]:
 
 def change_dtype(ckpt: Path) -> tuple[str, str | None]:
     body = _manifest(ckpt)
-    next(p for p in body["params"] if p["name"] == "norm")["dtype"] = "F16"
+    next(p for p in body["params"] if p["name"] == "norm")["dtypes"]["exp_avg"] = "F16"
     _write_manifest(ckpt, body)
     return _piece(ckpt, "norm")["file"], "norm"
 
@@ -395,7 +395,10 @@ def test_version_1_checkpoint_loads_state_only_or_says_why(tmp_path):
     body = _manifest(target)
     body["format_version"] = 1
     for param in body["params"]:
-        del param["value_dtype"]
+        dtypes = param.pop("dtypes")
+        assert not param.pop("scalars")
+        param["state_keys"] = sorted(dtypes)
+        param["dtype"] = dtypes[param["state_keys"][0]]
     _write_manifest(target, body)
     assert muonckpt.verify(target) == []
     fresh, *_ = build(1, 1, initial_params())

@@ -87,7 +87,7 @@ def test_without_hooks_rank0_misses_other_ranks_momentum(probed):
 def test_with_hooks_rank0_holds_every_momentum(probed):
     sd = probed[0]["complete"]
     assert sd["muonckpt"]["complete"] is True
-    assert sd["muonckpt"]["source_topology"] == {"world_size": WORLD}
+    assert sd["muonckpt"]["source_topology"] == {"dp": WORLD, "tp": 1}
     assert sorted(sd["state"]) == list(range(len(SORTED_NAMES)))
     for index, name in enumerate(SORTED_NAMES):
         entry = sd["state"][index]

@@ -110,8 +110,9 @@ def test_summarize_and_diff_notes(saved, tmp_path):
     assert w_in == {
         "name": "w_in",
         "shape": [12, 20],
-        "dtype": "F32",
+        "dtypes": {"momentum_buffer": "F32", "param": "F32"},
         "value_dtype": "F32",
+        "scalars": {},
         "tp_split_dim": 0,
         "group": 0,
         "state_keys": ["momentum_buffer"],
