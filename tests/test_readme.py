@@ -51,3 +51,41 @@ def test_readme_training_loop_trains_saves_and_resumes(tmp_path):
     # The resumed model is the saved one (not its fresh initialisation): it starts where the
     # first run ended and keeps improving.
     assert resumed[0] < losses[-1] and resumed[-1] < resumed[0], (losses[-1], resumed)
+
+
+def fragments() -> list[str]:
+    """The README's other Python blocks: fragments that use ``opt`` and ``rank``."""
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
+    return [b for b in blocks if b != example("train.py")]
+
+
+def fragments_phase(workdir: str) -> bool:
+    """(gloo child, 2 x 2) Each fragment as written, on the demo model's optimizer; where a
+    fragment says "later", every rank waits for the others first."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    from muonckpt.demo import build, initial_params, train
+
+    os.chdir(workdir)
+    opt, sharded, d, t = build(2, 2, initial_params())
+    train(opt, sharded, d, t, 0, 2)
+    for block in fragments():
+        at = block.find("# ... later")
+        now, later = (block, "") if at < 0 else (block[:at], block[at:])
+        namespace = {"opt": opt, "rank": dist.get_rank(), "torch": torch, "muonckpt": muonckpt}
+        exec(compile(now, "README.md", "exec"), namespace)
+        dist.barrier()
+        exec(compile(later, "README.md", "exec"), namespace)
+        dist.barrier()
+    return namespace["problems"] == []
+
+
+def test_readme_fragments_run_as_written(tmp_path):
+    from muonckpt.launch import run_distributed
+
+    assert len(fragments()) >= 2
+    assert run_distributed(fragments_phase, 4, str(tmp_path), timeout=120) == [True] * 4
+    assert muonckpt.verify(tmp_path / "ckpt" / "step-1000-full") == []
