@@ -9,13 +9,20 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from .errors import CheckpointError, CollectiveError, LayoutError, MuonCkptError, StateDictError
+from .errors import (
+    CheckpointError,
+    CollectiveError,
+    ConversionWarning,
+    LayoutError,
+    MuonCkptError,
+    StateDictError,
+)
 from .layout import ParamSpec, Topology, arrange
 
 if TYPE_CHECKING:
-    from .checkpoint import load, save
+    from .checkpoint import LoadReport, load, save
     from .collectives import grid_groups
-    from .hooks import gather_state_dict, install_hooks
+    from .hooks import REPLICATED, gather_state_dict, install_hooks
     from .optim import Muon, MuonDistMeta, adjusted_lr, newton_schulz, normalize_range
     from .pieces import read_manifest, verify
     from .sharding import ShardedParams, shard_for_groups, shard_param_groups
@@ -23,6 +30,8 @@ if TYPE_CHECKING:
 __version__ = "0.1.0"
 
 _LAZY = {
+    "LoadReport": "checkpoint",
+    "REPLICATED": "hooks",
     "load": "checkpoint",
     "read_manifest": "pieces",
     "save": "checkpoint",
@@ -41,9 +50,12 @@ _LAZY = {
 }
 
 __all__ = [
+    "REPLICATED",
     "CheckpointError",
     "CollectiveError",
+    "ConversionWarning",
     "LayoutError",
+    "LoadReport",
     "Muon",
     "MuonCkptError",
     "MuonDistMeta",

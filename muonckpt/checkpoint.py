@@ -14,17 +14,19 @@ I/O from :mod:`muonckpt.storage`.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from . import collectives, storage
-from .errors import CheckpointError
+from . import collectives, kinds, storage
+from .errors import CheckpointError, ConversionWarning, StateDictError
 from .hooks import (
     _HOOKS,
     ParamSharding,
@@ -373,7 +375,8 @@ def build_manifest(
     for g, group in enumerate(optimizer.param_groups):
         hyper = {k: json_safe(v) for k, v in group.items() if k not in ("params", "param_names")}
         names = tuple(sharding.params[i].name for i in sharding.members(g))
-        groups.append(GroupEntry(hyperparams=hyper, params=names))
+        computes = kinds.group_kind(optimizer, group).to_json()
+        groups.append(GroupEntry(hyperparams=hyper, params=names, optimizer=computes))
     return Manifest(
         kind=kind,
         topology=dict(sharding.topology),
@@ -384,9 +387,36 @@ def build_manifest(
     )
 
 
+@dataclass
+class LoadReport:
+    """What :func:`load` did beyond copying bytes (also logged, and warned for settings)."""
+
+    converted: list[str] = field(default_factory=list)
+    """Momentum converted between forms, per group: which params, from which form, by what."""
+    warnings: list[str] = field(default_factory=list)
+    """Target settings that cannot continue the saved trajectory, and what would."""
+
+
+@dataclass
+class _Target:
+    """One optimizer to load into, and how the checkpoint's state maps onto it."""
+
+    optimizer: torch.optim.Optimizer
+    sharding: Sharding
+    groups: list[dict[str, Any]]
+    maps: dict[str, kinds.KeyMap] | None
+    """Per param name, the key map of a load across implementations; None: same optimizer."""
+    steps_in: list[str | None]
+    """Per target group, where an AdamW step count goes."""
+
+
 def load(
-    optimizer: torch.optim.Optimizer, path: str | os.PathLike[str], *, params: bool = True
-) -> None:
+    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
+    path: str | os.PathLike[str],
+    *,
+    params: bool = True,
+    momentum_form: str | None = None,
+) -> LoadReport:
     """Load a checkpoint of any kind and source topology into ``optimizer`` at its topology.
 
     Restores the optimizer state and, by default, the optimizer's params (each rank its own
@@ -394,20 +424,33 @@ def load(
     not the optimizer's params gets them back from those params (see
     :meth:`muonckpt.ShardedParams.params_to_model`).
 
+    The target may be another Muon implementation than the one that saved, or several
+    optimizers that together hold every param (``[torch.optim.Muon(...),
+    torch.optim.AdamW(...)]`` for a packaged Muon + AdamW checkpoint). Momentum is then
+    converted between sum and EMA form by ``1 - mu`` (:mod:`muonckpt.kinds`), AdamW state and
+    step counts are mapped as each optimizer keeps them, the target keeps its own settings,
+    and settings that cannot continue the saved trajectory are warned about.
+
     Every rank reads the manifest and then only the bytes of the pieces overlapping its own
     share, verifying their checksums; memory is its share plus one piece span in flight.
     In distributed mode a collective over the grid the first time the optimizer is described.
 
     Args:
-        optimizer: an optimizer :func:`save` takes, of the kind that saved, at any topology.
+        optimizer: an optimizer :func:`save` takes, at any topology, or a list of them.
         path: a checkpoint directory.
         params: restore the params too (the default; the checkpoint must hold them). False
             restores the optimizer state only, for weights loaded elsewhere.
+        momentum_form: ``"sum"`` or ``"ema"``: the momentum form of a target whose form
+            muonckpt does not know (required then), or an override for one it knows.
+
+    Returns:
+        A :class:`LoadReport` of the conversions made and the settings warned about.
 
     Raises:
         CheckpointError: naming the file and param on any damage or mismatch, before anything
-            in the optimizer changes.
+            in the optimizer changes. StateDictError: for a target that cannot take the state.
     """
+    targets = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
     directory, manifest = open_checkpoint(path)
     if params and not manifest.has_values:
         raise CheckpointError(
@@ -416,40 +459,182 @@ def load(
             "optimizer state only",
             path=directory / MANIFEST_NAME,
         )
-    sharding = describe(optimizer)
-    groups = remap_groups(optimizer, _torch_groups(manifest), sharding)
-    flat = [p for g in optimizer.param_groups for p in g["params"]]
+    report = LoadReport()
+    plans = [_plan(opt, manifest, len(targets), momentum_form, report) for opt in targets]
+    _check_covered(manifest, plans, directory)
     grouped = manifest.pieces_of()
+    with PieceReader(directory, manifest) as reader:
+        loaded = [_read(plan, manifest, reader, grouped, params, directory) for plan in plans]
+    for plan, (state, values) in zip(plans, loaded, strict=True):
+        _apply(plan, state, values)
+    for message in report.converted:
+        _LOG.info("muonckpt.load: converted %s", message)
+    for message in report.warnings:
+        warnings.warn(message, ConversionWarning, stacklevel=2)
+    return report
+
+
+_LOG = logging.getLogger("muonckpt")
+
+
+def _plan(
+    optimizer: torch.optim.Optimizer,
+    manifest: Manifest,
+    count: int,
+    momentum_form: str | None,
+    report: LoadReport,
+) -> _Target:
+    sharding = describe(optimizer)
+    source = [
+        kinds.GroupKind.from_json(g.optimizer) if g.optimizer else None for g in manifest.groups
+    ]
+    target = [kinds.group_kind(optimizer, g) for g in optimizer.param_groups]
+    steps_in = [k.step_in for k in target]
+    same = [k.optimizer for k in target] == [k.optimizer if k else None for k in source]
+    if count == 1 and momentum_form is None and (same or None in source):
+        groups = remap_groups(optimizer, _torch_groups(manifest), sharding)
+        return _Target(optimizer, sharding, groups, None, steps_in)
+    maps: dict[str, kinds.KeyMap] = {}
+    converted: dict[tuple[int, str], list[str]] = {}
+    pairs = set()
+    for param in sharding.params:
+        entry = manifest.param(param.name)
+        origin = source[entry.group]
+        if origin is None:
+            raise StateDictError(
+                f"param {param.name!r}: the checkpoint does not say which optimizer saved it "
+                "(format 1), so it loads only into the same optimizer"
+            )
+        maps[param.name] = key_map = kinds.state_mapping(
+            origin, target[param.group], param.name, momentum_form
+        )
+        if key_map.note is not None:
+            converted.setdefault((param.group, key_map.note), []).append(param.name)
+        pairs.add((entry.group, param.group))
+    name = kinds.optimizer_name(optimizer)
+    for (group, note), names in converted.items():
+        report.converted.append(f"{name} group {group}: momentum of {len(names)} params, {note}")
+    for source_group, target_group in sorted(pairs):
+        for note in kinds.trajectory_notes(source[source_group], target[target_group]):
+            report.warnings.append(f"{name} group {target_group}: {note}")
+    groups = _own_groups(optimizer, sharding, manifest)
+    return _Target(optimizer, sharding, groups, maps, steps_in)
+
+
+def _own_groups(
+    optimizer: torch.optim.Optimizer, sharding: Sharding, manifest: Manifest
+) -> list[dict[str, Any]]:
+    """The target's own group settings in local indices; a group that counts steps itself (the
+    packaged AdamW) takes the checkpoint's count."""
+    groups, start = [], 0
+    for g, group in enumerate(optimizer.param_groups):
+        settings = {k: v for k, v in group.items() if k != "params"}
+        settings["params"] = list(range(start, start + len(group["params"])))
+        start += len(group["params"])
+        if "step" in group or kinds.group_kind(optimizer, group).step_in == "group":
+            names = [p.name for p in sharding.params if p.group == g]
+            steps = [_source_step(manifest, manifest.param(n)) for n in names]
+            known = [s for s in steps if s is not None]
+            if known:
+                settings["step"] = int(max(known))
+        groups.append(settings)
+    return groups
+
+
+def _source_step(manifest: Manifest, entry: ParamEntry) -> int | float | None:
+    """The step count the checkpoint holds for a param: its scalar, else its group's."""
+    if "step" in entry.scalars:
+        return entry.scalars["step"].value
+    return manifest.groups[entry.group].hyperparams.get("step")
+
+
+def _check_covered(manifest: Manifest, plans: Sequence[_Target], directory: Path) -> None:
+    """With several targets, every checkpoint param must land in exactly one of them."""
+    if len(plans) == 1:
+        return
+    names = [p.name for plan in plans for p in plan.sharding.params]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    missing = sorted({e.name for e in manifest.params} - set(names))
+    if twice or missing:
+        raise CheckpointError(
+            f"the optimizers must together hold every param of the checkpoint once: held "
+            f"twice {twice[:8]}, held by none {missing[:8]}",
+            path=directory / MANIFEST_NAME,
+        )
+
+
+def _read(
+    plan: _Target,
+    manifest: Manifest,
+    reader: PieceReader,
+    grouped: Mapping[tuple[str, str], list[Piece]],
+    params: bool,
+    directory: Path,
+) -> tuple[dict[int, dict[str, Any]], dict[int, torch.Tensor]]:
+    """This rank's share of ``plan``'s state (in its own keys) and of its params' values."""
+
+    def read(entry: ParamEntry, key: str, region: Region) -> torch.Tensor:
+        data = reader.gather(grouped[entry.name, key], entry, key, region)
+        return storage.tensor_of_bytes(data, entry.dtype_of(key))
+
+    flat = [p for g in plan.optimizer.param_groups for p in g["params"]]
     state: dict[int, dict[str, Any]] = {}
     values: dict[int, torch.Tensor] = {}
-    with PieceReader(directory, manifest) as reader:
-
-        def read(entry: ParamEntry, key: str, region: Region) -> torch.Tensor:
-            data = reader.gather(grouped[entry.name, key], entry, key, region)
-            return storage.tensor_of_bytes(data, entry.dtype_of(key))
-
-        for param in sharding.params:
-            entry = manifest.param(param.name)
-            _check_param(entry, param, directory)
-            if param.local_index is None:
-                continue
-            p = flat[param.local_index]
-            if param.local is not None and (entry.state_keys or entry.scalars):
+    for param in plan.sharding.params:
+        entry = manifest.param(param.name)
+        _check_param(entry, param, directory)
+        if param.local_index is None:
+            continue
+        p = flat[param.local_index]
+        if param.local is not None and (entry.state_keys or entry.scalars):
+            if plan.maps is None:
                 kept = {k: read(entry, k, param.local).reshape(p.shape) for k in entry.state_keys}
                 kept.update({k: _scalar_value(v) for k, v in entry.scalars.items()})
-                state[param.local_index] = kept
-            if params:
-                held = param.held or whole_region(entry.numel)
-                values[param.local_index] = _checked_value(
-                    read(entry, PARAM_KEY, held), p, entry, directory
-                )
-    local_share = {"state": state, "param_groups": groups}
+            else:
+                kept = _mapped(plan, param, entry, manifest, read)
+                kept = {k: v.reshape(p.shape) if k != "step" else v for k, v in kept.items()}
+            state[param.local_index] = kept
+        if params:
+            held = param.held or whole_region(entry.numel)
+            values[param.local_index] = _checked_value(
+                read(entry, PARAM_KEY, held), p, entry, directory
+            )
+    return state, values
+
+
+def _mapped(
+    plan: _Target,
+    param: ParamSharding,
+    entry: ParamEntry,
+    manifest: Manifest,
+    read: Callable[[ParamEntry, str, Region], torch.Tensor],
+) -> dict[str, Any]:
+    """A param's state in the target's keys and forms."""
+    key_map = plan.maps[param.name]
+    out: dict[str, Any] = {}
+    for key, (source_key, factor) in key_map.keys.items():
+        if source_key in entry.state_keys:
+            value = read(entry, source_key, param.local)
+            out[key] = value.mul_(factor) if factor != 1.0 else value
+    step = _source_step(manifest, entry)
+    where = plan.steps_in[param.group]
+    if key_map.step and out and step is not None and where in ("tensor", "int"):
+        out["step"] = torch.tensor(float(step)) if where == "tensor" else int(step)
+    return out
+
+
+def _apply(
+    plan: _Target, state: dict[int, dict[str, Any]], values: dict[int, torch.Tensor]
+) -> None:
+    optimizer = plan.optimizer
+    local_share = {"state": state, "param_groups": plan.groups}
     hooks = _HOOKS.get(optimizer)
     if hooks is None:
         optimizer.load_state_dict(local_share)
     else:
         with hooks.local_share_load():
             optimizer.load_state_dict(local_share)
+    flat = [p for g in optimizer.param_groups for p in g["params"]]
     with torch.no_grad():
         for index, value in values.items():
             flat[index].copy_(value.reshape(flat[index].shape))

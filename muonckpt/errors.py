@@ -31,3 +31,8 @@ class CheckpointError(MuonCkptError):
 
 class CollectiveError(MuonCkptError, RuntimeError):
     """Ranks disagree about what they are about to exchange (detected before any data moves)."""
+
+
+class ConversionWarning(UserWarning):
+    """A load across Muon implementations whose target settings cannot continue the saved
+    trajectory exactly (the message says which setting would)."""

@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .errors import CheckpointError
+from .kinds import KNOWN
 from .layout import Region, matrix_view
 
 FORMAT_NAME = "muonckpt"
@@ -89,6 +90,10 @@ class GroupEntry:
 
     hyperparams: dict[str, Any]
     params: tuple[str, ...]
+    optimizer: dict[str, Any] = field(default_factory=dict)
+    """What the group computed (:class:`muonckpt.kinds.GroupKind` as JSON: optimizer class,
+    Muon or AdamW, momentum form, mu, nesterov, lr scale rule, where AdamW counts steps);
+    empty when unknown (version 1)."""
 
 
 @dataclass(frozen=True)
@@ -241,7 +246,9 @@ def _manifest_from(body: Any) -> Manifest:
     _expect(len(with_values) <= 1, "some params have saved values and others not")
     groups = tuple(
         GroupEntry(
-            hyperparams=_hyperparams(g["hyperparams"]), params=tuple(_str(n) for n in g["params"])
+            hyperparams=_hyperparams(g["hyperparams"]),
+            params=tuple(_str(n) for n in g["params"]),
+            optimizer=_group_optimizer(g.get("optimizer", {})),
         )
         for g in body["groups"]
     )
@@ -342,6 +349,37 @@ def _scalars(raw: Any) -> dict[str, Scalar]:
         _expect(dtype is None or isinstance(dtype, str), f"scalar {key!r}: bad dtype {dtype!r}")
         scalars[_str(key)] = Scalar(value, dtype)
     return scalars
+
+
+_GROUP_OPTIMIZER = {
+    "role": ("muon", "adamw", None),
+    "momentum_form": ("sum", "ema", None),
+    "step_in": ("group", "tensor", "int", None),
+    "lr_rule": ("moonlight", "aspect", None),
+}
+
+
+def _group_optimizer(value: Any) -> dict[str, Any]:
+    """A group's ``optimizer`` object: empty (unknown), or naming the optimizer with valid
+    fields, since a load across implementations acts on them."""
+    _expect(isinstance(value, dict), "group optimizer must be an object")
+    if not value:
+        return {}
+    _expect(isinstance(value.get("optimizer"), str), "group optimizer must name the optimizer")
+    _expect(
+        value["optimizer"] in KNOWN or value.get("role") is None,
+        f"group optimizer {value['optimizer']!r} is not one muonckpt knows, yet has a role",
+    )
+    for field_name, allowed in _GROUP_OPTIMIZER.items():
+        _expect(value.get(field_name) in allowed, f"group optimizer {field_name} not in {allowed}")
+    for field_name in ("momentum", "matched_adamw_rms"):
+        number = value.get(field_name)
+        _expect(
+            number is None or (isinstance(number, (int, float)) and not isinstance(number, bool)),
+            f"group optimizer {field_name} must be a number or null",
+        )
+    _expect(value.get("nesterov") in (True, False, None), "group optimizer nesterov: a bool")
+    return dict(value)
 
 
 def _expect(condition: bool, message: str) -> None:

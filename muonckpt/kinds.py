@@ -1,0 +1,221 @@
+"""What each optimizer group computes, and how state moves between Muon implementations.
+
+Pure: optimizer classes are recognised by module and name, groups read as mappings; no torch.
+
+Three Muon implementations keep their momentum under the same key, ``momentum_buffer``, in two
+forms. The packaged :class:`muonckpt.Muon` keeps sum form, ``b = mu * b + g``; torch.optim.Muon
+and KellerJordan's Muon keep EMA form, ``m = mu * m + (1 - mu) * g``. With a constant ``mu``
+and a zero start, ``m = (1 - mu) * b`` at every step, and Newton-Schulz divides by the norm
+first, so the updates agree up to rounding once the buffer is scaled by ``1 - mu``. Copying
+the raw buffer instead makes the momentum ``1 / (1 - mu)`` times too large (or small). Their
+lr scale rules and defaults differ too; :func:`trajectory_notes` says which target settings
+continue the source's trajectory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from .errors import StateDictError
+
+SUM, EMA = "sum", "ema"
+FORMS = (SUM, EMA)
+MOONLIGHT = "moonlight"
+"""``lr * matched_adamw_rms * sqrt(max(A, B))``: the packaged Muon, Moonlight, and torch's
+``adjust_lr_fn="match_rms_adamw"`` (with its fixed 0.2)."""
+ASPECT = "aspect"
+"""``lr * sqrt(max(1, A / B))``: torch's default (``adjust_lr_fn`` None or "original") and
+KellerJordan's ``max(1, A / B) ** 0.5``."""
+FAMILIES = {"packaged": "muonckpt.Muon", "torch": "torch.optim", "keller-jordan": "muon"}
+KNOWN = (
+    "muonckpt.Muon",
+    "torch.optim.Muon",
+    "torch.optim.AdamW",
+    "torch.optim.Adam",
+    "muon.Muon",
+    "muon.SingleDeviceMuon",
+    "muon.MuonWithAuxAdam",
+    "muon.SingleDeviceMuonWithAuxAdam",
+)
+"""The optimizers whose groups muonckpt knows how to convert."""
+
+
+@dataclass(frozen=True)
+class GroupKind:
+    """What one param group of one optimizer computes, as far as resuming elsewhere needs."""
+
+    optimizer: str
+    """``module.Class`` of the optimizer (``torch.optim.Muon``, ``muon.MuonWithAuxAdam``)."""
+    role: str | None
+    """``muon``, ``adamw``, or None for an optimizer muonckpt does not know."""
+    momentum_form: str | None = None
+    """Muon groups: :data:`SUM` or :data:`EMA`."""
+    momentum: float | None = None
+    nesterov: bool | None = None
+    lr_rule: str | None = None
+    """Muon groups: :data:`MOONLIGHT` or :data:`ASPECT`."""
+    matched_adamw_rms: float | None = None
+    """The factor of the :data:`MOONLIGHT` rule (0.2 in torch)."""
+    step_in: str | None = None
+    """AdamW groups: where the step count lives: ``group`` (packaged), ``tensor`` (torch: a
+    0-d float32 tensor per param) or ``int`` (KellerJordan: a plain int per param)."""
+
+    @property
+    def family(self) -> str:
+        for family, prefix in FAMILIES.items():
+            if self.optimizer == prefix or self.optimizer.startswith(prefix + "."):
+                return family
+        return "other"
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, raw: Mapping[str, Any]) -> GroupKind:
+        return cls(**{k: raw.get(k) for k in cls.__dataclass_fields__})
+
+
+def optimizer_name(optimizer: object) -> str:
+    """``module.Class`` with torch's private modules hidden (``torch.optim.AdamW``)."""
+    kind = type(optimizer)
+    module = kind.__module__
+    if module.startswith("torch.optim."):
+        module = "torch.optim"
+    if module == "muonckpt.optim":
+        module = "muonckpt"
+    return f"{module}.{kind.__name__}"
+
+
+def group_kind(optimizer: object, group: Mapping[str, Any]) -> GroupKind:
+    """What ``group`` of ``optimizer`` computes (role None for unknown optimizers)."""
+    name = optimizer_name(optimizer)
+    if name == "muonckpt.Muon":
+        if group.get("use_muon", False):
+            return GroupKind(
+                name,
+                "muon",
+                SUM,
+                group["momentum"],
+                group["nesterov"],
+                MOONLIGHT,
+                group["matched_adamw_rms"],
+            )
+        return GroupKind(name, "adamw", step_in="group")
+    if name == "torch.optim.Muon":
+        rule = MOONLIGHT if group.get("adjust_lr_fn") == "match_rms_adamw" else ASPECT
+        rms = 0.2 if rule == MOONLIGHT else None
+        return GroupKind(name, "muon", EMA, group["momentum"], group["nesterov"], rule, rms)
+    if name in ("torch.optim.AdamW", "torch.optim.Adam"):
+        return GroupKind(name, "adamw", step_in="tensor")
+    if name.startswith("muon.") and name in KNOWN:
+        if group.get("use_muon", name.endswith("Muon")):
+            return GroupKind(name, "muon", EMA, group["momentum"], True, ASPECT)
+        return GroupKind(name, "adamw", step_in="int")
+    return GroupKind(name, None)
+
+
+@dataclass(frozen=True)
+class KeyMap:
+    """How one param's saved state becomes a target group's: each target key from a source key
+    times a factor, and where the AdamW step count goes."""
+
+    keys: dict[str, tuple[str, float]]
+    step: bool
+    """Whether an AdamW step count moves (source's and target's ``step_in``)."""
+    note: str | None
+    """What was converted, for the report (None: nothing)."""
+
+
+def state_mapping(
+    source: GroupKind, target: GroupKind, param: str, momentum_form: str | None
+) -> KeyMap:
+    """The key map from ``source``'s state of ``param`` to ``target``'s.
+
+    ``momentum_form`` states the form of a target muonckpt does not know. Raises
+    :class:`StateDictError` naming the param when the roles differ or a form is unknown.
+    """
+    if momentum_form is not None and momentum_form not in FORMS:
+        raise StateDictError(f"momentum_form must be 'sum' or 'ema', got {momentum_form!r}")
+    role = target.role or source.role
+    if target.role is not None and source.role is not None and source.role != target.role:
+        raise StateDictError(
+            f"param {param!r} ran {source.role} in {source.optimizer}, the target "
+            f"{target.optimizer} runs {target.role} on it: load it into an optimizer that runs "
+            f"{source.role}"
+        )
+    if source.role is None:
+        raise StateDictError(
+            f"param {param!r}: the checkpoint's {source.optimizer} is not an optimizer muonckpt "
+            f"can convert; load it into a {source.optimizer}"
+        )
+    if role == "adamw":
+        keys = {"exp_avg": ("exp_avg", 1.0), "exp_avg_sq": ("exp_avg_sq", 1.0)}
+        return KeyMap(keys, True, None)
+    to_form = momentum_form or target.momentum_form
+    if to_form is None:
+        raise StateDictError(
+            f"param {param!r}: the checkpoint's Muon momentum is {source.momentum_form}-form "
+            f"({source.optimizer}), and muonckpt does not know the form {target.optimizer} "
+            "keeps: pass momentum_form='sum' (b = mu * b + g) or momentum_form='ema' "
+            "(m = mu * m + (1 - mu) * g)"
+        )
+    factor, note = 1.0, None
+    mu = source.momentum
+    if source.momentum_form != to_form:
+        factor = (1 - mu) if to_form == EMA else 1 / (1 - mu)
+        note = f"{source.momentum_form} -> {to_form} (x {factor:.6g}, mu={mu})"
+    return KeyMap({"momentum_buffer": ("momentum_buffer", factor)}, False, note)
+
+
+def trajectory_notes(source: GroupKind, target: GroupKind) -> list[str]:
+    """Settings of the target group that cannot continue the source's trajectory, each with
+    the setting that would (or why none does)."""
+    if source.role == target.role == "adamw":
+        return _adamw_notes(source, target)
+    if source.role != "muon" or target.role != "muon":
+        return []
+    notes = []
+    if source.momentum is not None and target.momentum != source.momentum:
+        notes.append(f"momentum is {target.momentum}, the checkpoint's {source.momentum}")
+    if source.nesterov is not None and target.nesterov != source.nesterov:
+        notes.append(f"nesterov is {target.nesterov}, the checkpoint's {source.nesterov}")
+    if (source.lr_rule, source.matched_adamw_rms) != (target.lr_rule, target.matched_adamw_rms):
+        notes.append(
+            f"the lr scale rule is {_rule(target)}, the checkpoint's {_rule(source)}; "
+            + _fix(source, target)
+        )
+    return notes
+
+
+def _adamw_notes(source: GroupKind, target: GroupKind) -> list[str]:
+    placements = {"group": "eps + sqrt(v) before bias correction", "tensor": "sqrt(v_hat) + eps"}
+    placements["int"] = placements["tensor"]
+    a, b = placements.get(source.step_in or ""), placements.get(target.step_in or "")
+    if a and b and a != b:
+        return [
+            f"AdamW adds eps as {b}, the checkpoint's optimizer as {a}: no setting matches it "
+            "exactly (the difference is of the order of eps)"
+        ]
+    return []
+
+
+def _rule(kind: GroupKind) -> str:
+    if kind.lr_rule == MOONLIGHT:
+        return f"{kind.matched_adamw_rms} * sqrt(max(A, B))"
+    return "sqrt(max(1, A / B))"
+
+
+def _fix(source: GroupKind, target: GroupKind) -> str:
+    if source.lr_rule == MOONLIGHT and target.family == "torch":
+        if source.matched_adamw_rms == 0.2:
+            return 'adjust_lr_fn="match_rms_adamw" continues it'
+        return (
+            f"torch's rule fixes the factor at 0.2, the checkpoint's is {source.matched_adamw_rms}"
+        )
+    if source.lr_rule == ASPECT and target.family == "torch":
+        return "adjust_lr_fn=None continues it"
+    if source.lr_rule == MOONLIGHT and target.family == "packaged":
+        return f"matched_adamw_rms={source.matched_adamw_rms} continues it"
+    return "no setting of this optimizer reproduces it: scale lr per param shape to match"
