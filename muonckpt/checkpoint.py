@@ -65,7 +65,7 @@ from .pieces import (
 
 
 def save(
-    optimizer: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
     path: str | os.PathLike[str],
     *,
     consolidated: bool = False,
@@ -79,7 +79,9 @@ def save(
     Args:
         optimizer: a packaged :class:`~muonckpt.Muon`, single-process or distributed (every
             rank holding every param, or only those it owns elements of); an optimizer with
-            :func:`muonckpt.install_hooks`; or any single-process torch optimizer.
+            :func:`muonckpt.install_hooks`; or any single-process torch optimizer. In a single
+            process also a list of optimizers that together train a model (torch.optim.Muon
+            for the matrices and AdamW for the rest): their groups are saved in order, as one.
         path: target directory. The save is staged beside it and swapped in atomically.
         consolidated: gather full-shape tensors on rank 0 and write the state as
             ``state.<param>.<key>`` in ``optimizer.safetensors`` and the params by name in
@@ -94,6 +96,8 @@ def save(
     Returns:
         The checkpoint directory.
     """
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        optimizer = _Joined(list(optimizer))
     sharding = describe(optimizer)
     _check_storable(sharding, optimizer, params, Path(path))
     final = Path(path)
@@ -123,6 +127,25 @@ def save(
     if replaced is not None:
         _retire_together(sharding, replaced)
     return final
+
+
+class _Joined:
+    """Several single-process optimizers seen as one by :func:`save`: their groups in order."""
+
+    def __init__(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        if collectives.is_distributed() and collectives.group_size(None) > 1:
+            raise CheckpointError("several optimizers go into one checkpoint in one process only")
+        if not optimizers:
+            raise CheckpointError("no optimizer to save")
+        self.optimizers = optimizers
+        self.param_groups = [g for o in optimizers for g in o.param_groups]
+        self.state = {p: s for o in optimizers for p, s in o.state.items()}
+
+
+def _group_kinds(optimizer: Any) -> list[kinds.GroupKind]:
+    """What each group computes, by the optimizer that owns the group."""
+    owners = optimizer.optimizers if isinstance(optimizer, _Joined) else [optimizer]
+    return [kinds.group_kind(o, g) for o in owners for g in o.param_groups]
 
 
 def _check_storable(
@@ -375,7 +398,7 @@ def build_manifest(
     for g, group in enumerate(optimizer.param_groups):
         hyper = {k: json_safe(v) for k, v in group.items() if k not in ("params", "param_names")}
         names = tuple(sharding.params[i].name for i in sharding.members(g))
-        computes = kinds.group_kind(optimizer, group).to_json()
+        computes = _group_kinds(optimizer)[g].to_json()
         groups.append(GroupEntry(hyperparams=hyper, params=names, optimizer=computes))
     return Manifest(
         kind=kind,
@@ -491,6 +514,7 @@ def _plan(
     target = [kinds.group_kind(optimizer, g) for g in optimizer.param_groups]
     steps_in = [k.step_in for k in target]
     same = [k.optimizer for k in target] == [k.optimizer if k else None for k in source]
+    same = same and not any(k and k.converted_from for k in source)
     if count == 1 and momentum_form is None and (same or None in source):
         groups = remap_groups(optimizer, _torch_groups(manifest), sharding)
         return _Target(optimizer, sharding, groups, None, steps_in)
@@ -549,9 +573,9 @@ def _source_step(manifest: Manifest, entry: ParamEntry) -> int | float | None:
 
 
 def _check_covered(manifest: Manifest, plans: Sequence[_Target], directory: Path) -> None:
-    """With several targets, every checkpoint param must land in exactly one of them."""
-    if len(plans) == 1:
-        return
+    """Loading across optimizers, every checkpoint param must land in exactly one of them."""
+    if len(plans) == 1 and plans[0].maps is None:
+        return  # the same optimizer: remap_groups has matched every name
     names = [p.name for plan in plans for p in plan.sharding.params]
     twice = sorted({n for n in names if names.count(n) > 1})
     missing = sorted({e.name for e in manifest.params} - set(names))

@@ -307,6 +307,42 @@ def reshard(
     _say(ctx, _written(out))
 
 
+@app.command()
+def convert(
+    ctx: typer.Context,
+    src: Src,
+    dst: Dst,
+    to: Annotated[
+        str,
+        typer.Option(
+            "--to",
+            metavar="IMPLEMENTATION",
+            help="packaged (muonckpt.Muon), torch (torch.optim.Muon + AdamW) or keller-jordan "
+            "(muon.MuonWithAuxAdam).",
+            show_default=False,
+        ),
+    ],
+    force: Force = False,
+    quiet: Quiet = False,
+) -> None:
+    """Rewrite a checkpoint for another Muon implementation, momentum converted.
+
+    The packaged Muon keeps sum-form momentum, torch.optim.Muon and KellerJordan's Muon EMA
+    form: the buffers are scaled by 1 - mu (or its inverse) and AdamW step counts move to where
+    the target keeps them, exactly as muonckpt.load converts in memory.
+
+    Example: muonckpt convert ckpt/step-1000 -o ckpt/step-1000-torch --to torch
+    """
+    from . import kinds, offline
+
+    if to not in kinds.FAMILIES:
+        raise typer.BadParameter(f"choose one of {', '.join(kinds.FAMILIES)}", param_hint="--to")
+    _also_quiet(ctx, quiet)
+    with _progress(ctx, "convert") as progress:
+        out = offline.convert(src, dst, to=to, overwrite=force, progress=progress)
+    _say(ctx, _written(out))
+
+
 def _written(path: Path) -> str:
     from . import offline
 

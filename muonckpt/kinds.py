@@ -61,6 +61,9 @@ class GroupKind:
     step_in: str | None = None
     """AdamW groups: where the step count lives: ``group`` (packaged), ``tensor`` (torch: a
     0-d float32 tensor per param) or ``int`` (KellerJordan: a plain int per param)."""
+    converted_from: str | None = None
+    """Set by ``muonckpt convert``: the optimizer whose state this group's was converted from
+    (its hyperparams are that optimizer's, so a load keeps the target's own settings)."""
 
     @property
     def family(self) -> str:
@@ -167,6 +170,36 @@ def state_mapping(
         factor = (1 - mu) if to_form == EMA else 1 / (1 - mu)
         note = f"{source.momentum_form} -> {to_form} (x {factor:.6g}, mu={mu})"
     return KeyMap({"momentum_buffer": ("momentum_buffer", factor)}, False, note)
+
+
+def converted(kind: GroupKind, family: str) -> GroupKind:
+    """What ``kind``'s group becomes when its state is rewritten for ``family``
+    (``packaged``, ``torch`` or ``keller-jordan``)."""
+    if kind.role is None:
+        raise StateDictError(f"{kind.optimizer} is not an optimizer muonckpt can convert")
+    if family not in FAMILIES:
+        raise StateDictError(f"cannot convert to {family!r}: choose one of {sorted(FAMILIES)}")
+    names = {
+        "packaged": ("muonckpt.Muon", "muonckpt.Muon"),
+        "torch": ("torch.optim.Muon", "torch.optim.AdamW"),
+        "keller-jordan": ("muon.MuonWithAuxAdam", "muon.MuonWithAuxAdam"),
+    }[family]
+    origin = kind.converted_from or kind.optimizer
+    if kind.role == "adamw":
+        step_in = {"packaged": "group", "torch": "tensor", "keller-jordan": "int"}[family]
+        return GroupKind(names[1], "adamw", step_in=step_in, converted_from=origin)
+    form = SUM if family == "packaged" else EMA
+    nesterov = True if family == "keller-jordan" else kind.nesterov
+    return GroupKind(
+        names[0],
+        "muon",
+        form,
+        kind.momentum,
+        nesterov,
+        kind.lr_rule,
+        kind.matched_adamw_rms,
+        converted_from=origin,
+    )
 
 
 def trajectory_notes(source: GroupKind, target: GroupKind) -> list[str]:

@@ -32,7 +32,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from . import storage
+from . import kinds, storage
 from .errors import CheckpointError, LayoutError, MuonCkptError
 from .layout import ParamSpec, Region, Topology, arrange, whole_region
 from .manifest import (
@@ -41,11 +41,15 @@ from .manifest import (
     MANIFEST_NAME,
     PER_RANK,
     FileEntry,
+    GroupEntry,
     Manifest,
     ParamEntry,
     Piece,
+    Scalar,
 )
 from .pieces import (
+    INDEX_FILE,
+    MODEL_INDEX_FILE,
     PieceReader,
     consolidated_files,
     open_checkpoint,
@@ -70,7 +74,15 @@ and after each tensor is written."""
 WORKER_TIMEOUT: float = 7 * 24 * 3600.0
 """Seconds a ``workers > 1`` run may take before its processes are killed."""
 
-__all__ = ["WORKER_TIMEOUT", "consolidate", "diff", "open_checkpoint", "reshard", "summarize"]
+__all__ = [
+    "WORKER_TIMEOUT",
+    "consolidate",
+    "convert",
+    "diff",
+    "open_checkpoint",
+    "reshard",
+    "summarize",
+]
 
 
 class _Meter:
@@ -96,6 +108,8 @@ class _Put:
     key: str
     region: Region
     shape: tuple[int, ...]
+    scale: float = 1.0
+    """Factor applied to the values on their way (``convert``: momentum between forms)."""
 
     @property
     def tkey(self) -> str:
@@ -281,6 +295,93 @@ def _output_manifest(manifest: Manifest, **changes: Any) -> Manifest:
     return replace(manifest, **changes, files=(), pieces=(), format_version=FORMAT_VERSION)
 
 
+def convert(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    *,
+    to: str,
+    overwrite: bool = False,
+    progress: Progress | None = None,
+) -> Path:
+    """Rewrite a checkpoint for another Muon implementation: ``packaged`` (muonckpt.Muon),
+    ``torch`` (torch.optim.Muon + AdamW) or ``keller-jordan`` (muon.MuonWithAuxAdam).
+
+    Momentum is converted between sum and EMA form by ``1 - mu`` exactly as :func:`muonckpt.load`
+    converts it in memory, AdamW step counts move to where the target keeps them, and each
+    group records what it now holds (:func:`muonckpt.kinds.converted`); files, pieces and
+    regions keep the source's layout. Streams one tensor at a time, atomic like every output.
+
+    Raises:
+        CheckpointError: for a checkpoint whose groups do not say which optimizer saved them.
+    """
+    directory, manifest = open_checkpoint(src)
+    groups, scales = [], []
+    for g, group in enumerate(manifest.groups):
+        if not group.optimizer:
+            raise CheckpointError(
+                f"group {g} does not say which optimizer saved it (format 1): cannot convert",
+                path=directory / MANIFEST_NAME,
+            )
+        source = kinds.GroupKind.from_json(group.optimizer)
+        target = kinds.converted(source, to)
+        factor = kinds.state_mapping(source, target, f"group {g}", None).keys
+        scales.append(factor.get("momentum_buffer", ("", 1.0))[1])
+        hyper = dict(group.hyperparams)
+        steps = [_step(manifest, manifest.param(n), g) for n in group.params]
+        known = [s for s in steps if s is not None]
+        if target.step_in == "group" and known:
+            hyper["step"] = int(max(known))
+        groups.append(replace(group, hyperparams=hyper, optimizer=target.to_json()))
+    params = tuple(_converted_steps(manifest, e, groups[e.group]) for e in manifest.params)
+    by_name = {e.name: e for e in params}
+    shaped = manifest.kind == CONSOLIDATED
+    puts = sorted(
+        (
+            _Put(
+                piece.file,
+                by_name[piece.param],
+                piece.key,
+                piece.region,
+                by_name[piece.param].shape if shaped else (piece.region.numel,),
+                scales[by_name[piece.param].group] if piece.key == "momentum_buffer" else 1.0,
+            )
+            for piece in manifest.pieces
+        ),
+        key=lambda put: (put.file, put.tkey),
+    )
+    files = {f.name: {"format": "muonckpt"} for f in manifest.files}
+    texts = {
+        name: storage.read_text(directory / name)
+        for name in (INDEX_FILE, MODEL_INDEX_FILE)
+        if (directory / name).is_file()
+    }
+    job = _Job(
+        manifest=_output_manifest(manifest, groups=tuple(groups), params=params),
+        files=files,
+        puts=puts,
+        texts=texts,
+    )
+    return _write(job, directory, manifest, dst, overwrite, progress, collective=False)
+
+
+def _step(manifest: Manifest, entry: ParamEntry, group: int) -> int | float | None:
+    if "step" in entry.scalars:
+        return entry.scalars["step"].value
+    return manifest.groups[group].hyperparams.get("step")
+
+
+def _converted_steps(manifest: Manifest, entry: ParamEntry, group: GroupEntry) -> ParamEntry:
+    """The param with its AdamW step count where the target keeps it."""
+    step_in = group.optimizer.get("step_in")
+    step = _step(manifest, entry, entry.group)
+    scalars = {k: v for k, v in entry.scalars.items() if k != "step"}
+    if step is not None and entry.state_keys and step_in == "tensor":
+        scalars["step"] = Scalar(float(step), "F32")
+    elif step is not None and entry.state_keys and step_in == "int":
+        scalars["step"] = Scalar(int(step), None)
+    return replace(entry, scalars=scalars)
+
+
 def _check_workers(workers: int, collective: bool) -> None:
     if workers < 1:
         raise CheckpointError(f"workers must be positive, got {workers}")
@@ -294,7 +395,10 @@ def _check_workers(workers: int, collective: bool) -> None:
 
 
 def _fetch(reader: PieceReader, grouped: Mapping[tuple[str, str], list[Piece]], put: _Put):
-    return reader.gather(grouped[put.entry.name, put.key], put.entry, put.key, put.region)
+    data = reader.gather(grouped[put.entry.name, put.key], put.entry, put.key, put.region)
+    if put.scale == 1.0:
+        return data
+    return storage.tensor_of_bytes(data, put.entry.dtype_of(put.key)).mul_(put.scale)
 
 
 def _write(

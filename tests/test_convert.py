@@ -1,0 +1,251 @@
+"""Checkpoints moved between Muon implementations: packaged, torch.optim.Muon + AdamW, and
+KellerJordan's MuonWithAuxAdam.
+
+The implementations keep momentum in different forms (sum, EMA) under the same key. A converted
+load must continue the saved run as closely as the two implementations agree when both start
+from scratch (within 2x of that difference over the same 8 steps), and at least 10x closer than
+a raw copy of the buffers. The grads are fixed per step, so only the optimizers differ.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import muon
+import pytest
+import torch
+
+import muonckpt
+from muonckpt import ConversionWarning, StateDictError
+from muonckpt.demo import (
+    ADAMW_HPARAMS,
+    ADAMW_PARAMS,
+    MUON_HPARAMS,
+    MUON_PARAMS,
+    full_grad,
+    initial_params,
+)
+from muonckpt.launch import run_distributed
+
+K, STEPS = 3, 8
+BETAS, EPS = (0.95, 0.95), 1e-8
+
+
+def packaged(params: dict[str, torch.nn.Parameter]) -> muonckpt.Muon:
+    return muonckpt.Muon(
+        [
+            {"params": [(n, params[n]) for n in MUON_PARAMS], **MUON_HPARAMS},
+            {"params": [(n, params[n]) for n in ADAMW_PARAMS], **ADAMW_HPARAMS},
+        ],
+        adamw_betas=BETAS,
+        adamw_eps=EPS,
+    )
+
+
+def torch_pair(params) -> list[torch.optim.Optimizer]:
+    return [
+        torch.optim.Muon(
+            [(n, params[n]) for n in MUON_PARAMS],
+            lr=MUON_HPARAMS["lr"],
+            weight_decay=MUON_HPARAMS["weight_decay"],
+            momentum=MUON_HPARAMS["momentum"],
+            nesterov=True,
+            adjust_lr_fn="match_rms_adamw",
+        ),
+        torch.optim.AdamW(
+            [(n, params[n]) for n in ADAMW_PARAMS],
+            lr=ADAMW_HPARAMS["lr"],
+            weight_decay=ADAMW_HPARAMS["weight_decay"],
+            betas=BETAS,
+            eps=EPS,
+        ),
+    ]
+
+
+def keller_jordan(params) -> torch.optim.Optimizer:
+    """SingleDeviceMuonWithAuxAdam with one Muon group per matrix, each lr set so that its
+    rule (sqrt(max(1, A/B))) gives the packaged Muon's step (0.2 * sqrt(max(A, B)))."""
+    lr = MUON_HPARAMS["lr"]
+    groups = [
+        dict(
+            params=[params[n]],
+            lr=lr * 0.2 * math.sqrt(max(shape)) / math.sqrt(max(1, shape[0] / shape[1])),
+            momentum=MUON_HPARAMS["momentum"],
+            weight_decay=MUON_HPARAMS["weight_decay"]
+            * lr
+            / (lr * 0.2 * math.sqrt(max(shape)) / math.sqrt(max(1, shape[0] / shape[1]))),
+            use_muon=True,
+        )
+        for n, shape in MUON_PARAMS.items()
+    ]
+    groups.append(
+        dict(
+            params=[params[n] for n in ADAMW_PARAMS],
+            lr=ADAMW_HPARAMS["lr"],
+            betas=BETAS,
+            eps=EPS,
+            weight_decay=ADAMW_HPARAMS["weight_decay"],
+            use_muon=False,
+        )
+    )
+    opt = muon.SingleDeviceMuonWithAuxAdam(groups)
+    muonckpt.install_hooks(opt, names=params)
+    return opt
+
+
+BUILD = {"packaged": packaged, "torch": torch_pair, "keller-jordan": keller_jordan}
+
+
+def fresh(zeros: bool = False) -> dict[str, torch.nn.Parameter]:
+    return {
+        n: torch.nn.Parameter(torch.zeros_like(t) if zeros else t.clone())
+        for n, t in initial_params().items()
+    }
+
+
+def step_all(opts, params, first, steps) -> None:
+    opts = opts if isinstance(opts, list) else [opts]
+    for step in range(first, first + steps):
+        for name, p in params.items():
+            p.grad = full_grad(name, step)
+        for opt in opts:
+            opt.step()
+
+
+def max_diff(a, b) -> float:
+    return max(float((a[n] - b[n]).abs().max()) for n in a)
+
+
+def continue_from(kind: str, ckpt, **load) -> dict[str, torch.Tensor]:
+    params = fresh(zeros=True)
+    opts = BUILD[kind](params)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConversionWarning)
+        muonckpt.load(opts, ckpt, **load)
+    step_all(opts, params, K, STEPS)
+    return {n: p.detach().clone() for n, p in params.items()}
+
+
+def from_scratch(kind: str) -> dict[str, torch.Tensor]:
+    params = fresh()
+    step_all(BUILD[kind](params), params, 0, STEPS)
+    return {n: p.detach().clone() for n, p in params.items()}
+
+
+def save_packaged_2x2(path: str) -> None:
+    """(gloo child) The demo model trained K steps at 2 x 2, saved per rank."""
+    from muonckpt.demo import build, train
+
+    opt, sharded, d, t = build(2, 2, initial_params())
+    train(opt, sharded, d, t, 0, K)
+    muonckpt.save(opt, path)
+
+
+def saved_by(kind: str, root) -> str:
+    path = root / kind
+    if kind == "packaged":
+        run_distributed(save_packaged_2x2, 4, str(path), timeout=120)
+    else:
+        params = fresh()
+        opts = BUILD[kind](params)
+        step_all(opts, params, 0, K)
+        muonckpt.save(opts, path)
+    return path
+
+
+RAW = {"packaged": "sum", "torch": "ema", "keller-jordan": "ema"}
+"""Each source's own momentum form: claiming it for the target makes a load copy the buffers
+raw, as a plain load_state_dict would."""
+
+
+@pytest.mark.parametrize(
+    "source,target",
+    [
+        ("packaged", "torch"),
+        ("torch", "packaged"),
+        ("packaged", "keller-jordan"),
+        ("keller-jordan", "packaged"),
+    ],
+)
+def test_converted_momentum_continues_the_run(tmp_path, source, target):
+    ckpt = saved_by(source, tmp_path)
+    same = continue_from(source, ckpt)
+    converted = continue_from(target, ckpt)
+    raw = continue_from(target, ckpt, momentum_form=RAW[source])
+    own = max_diff(from_scratch(source), from_scratch(target))
+    gap, raw_gap = max_diff(converted, same), max_diff(raw, same)
+    assert gap <= 2 * own, (gap, own)
+    assert raw_gap >= 10 * gap, (raw_gap, gap)
+
+
+def test_load_reports_the_conversion_and_warns_about_settings(tmp_path):
+    ckpt = saved_by("packaged", tmp_path)
+    params = fresh(zeros=True)
+    muon_t, adamw_t = torch_pair(params)
+    muon_t.param_groups[0]["adjust_lr_fn"] = None  # torch's default lr rule
+    with pytest.warns(ConversionWarning, match='adjust_lr_fn="match_rms_adamw"'):
+        report = muonckpt.load([muon_t, adamw_t], ckpt)
+    assert any("sum -> ema" in line and "3 params" in line for line in report.converted)
+    state = muon_t.state[params["w_in"]]["momentum_buffer"]
+    assert state.abs().sum() > 0
+    step = adamw_t.state[params["bias"]]["step"]
+    assert step.dtype == torch.float32 and step.dim() == 0 and float(step) == K
+
+
+def test_a_target_of_unknown_form_needs_momentum_form(tmp_path):
+    ckpt = saved_by("packaged", tmp_path)
+
+    class MyMuon(torch.optim.SGD):
+        """A Muon muonckpt has never heard of."""
+
+    params = fresh(zeros=True)
+    mine = MyMuon([(n, params[n]) for n in MUON_PARAMS], lr=0.1, momentum=0.9)
+    adamw = torch_pair(params)[1]
+    with pytest.raises(StateDictError, match=r"momentum_form='sum'.*momentum_form='ema'"):
+        muonckpt.load([mine, adamw], ckpt)
+    report = muonckpt.load([mine, adamw], ckpt, momentum_form="ema")
+    assert any("sum -> ema" in line for line in report.converted)
+
+
+def test_optimizers_that_miss_params_are_refused(tmp_path):
+    ckpt = saved_by("packaged", tmp_path)
+    params = fresh(zeros=True)
+    with pytest.raises(muonckpt.CheckpointError, match="held by none"):
+        muonckpt.load(torch_pair(params)[:1], ckpt)
+    with pytest.raises(StateDictError, match="runs adamw"):
+        muonckpt.load([torch.optim.AdamW(list(params.items()))], ckpt)  # Muon params into an AdamW
+
+
+@pytest.mark.parametrize(
+    "source,target",
+    [("packaged", "torch"), ("torch", "packaged"), ("packaged", "keller-jordan")],
+)
+def test_convert_output_continues_as_the_in_memory_conversion(tmp_path, source, target):
+    from typer.testing import CliRunner
+
+    from muonckpt.cli import app
+
+    ckpt = saved_by(source, tmp_path)
+    out = tmp_path / "converted"
+    result = CliRunner().invoke(app, ["convert", str(ckpt), "-o", str(out), "--to", target])
+    assert result.exit_code == 0, result.output
+    assert muonckpt.verify(out) == []
+    manifest = muonckpt.read_manifest(out)
+    assert all(g.optimizer["converted_from"] for g in manifest.groups)
+    in_memory, offline = continue_from(target, ckpt), continue_from(target, out)
+    for name, value in in_memory.items():
+        assert torch.equal(offline[name], value), name
+
+
+def test_convert_refuses_an_unknown_implementation(tmp_path):
+    from typer.testing import CliRunner
+
+    from muonckpt.cli import app
+
+    ckpt = saved_by("torch", tmp_path)
+    result = CliRunner().invoke(
+        app, ["convert", str(ckpt), "-o", str(tmp_path / "x"), "--to", "jax"]
+    )
+    assert result.exit_code == 2 and "choose one of" in result.output
+    assert not (tmp_path / "x").exists()
