@@ -53,10 +53,14 @@ def test_readme_training_loop_trains_saves_and_resumes(tmp_path):
     assert resumed[0] < losses[-1] and resumed[-1] < resumed[0], (losses[-1], resumed)
 
 
-def fragments() -> list[str]:
-    """The README's other Python blocks: fragments that use ``opt`` and ``rank``."""
+SINGLE = "# in one process"
+
+
+def fragments(single: bool = False) -> list[str]:
+    """The README's other Python blocks: fragments that use ``opt`` and ``rank`` in a 2 x 2
+    run, or (``single``) those marked to run in one process, which use ``model``."""
     blocks = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
-    return [b for b in blocks if b != example("train.py")]
+    return [b for b in blocks if b != example("train.py") and b.startswith(SINGLE) == single]
 
 
 def fragments_phase(workdir: str) -> bool:
@@ -83,9 +87,24 @@ def fragments_phase(workdir: str) -> bool:
     return namespace["problems"] == []
 
 
-def test_readme_fragments_run_as_written(tmp_path):
+def test_readme_fragments_run_as_written(tmp_path, monkeypatch):
+    import warnings
+
+    import torch
+
+    from muonckpt.demo import initial_params
     from muonckpt.launch import run_distributed
 
-    assert len(fragments()) >= 2
+    assert len(fragments()) >= 2 and len(fragments(single=True)) >= 1
     assert run_distributed(fragments_phase, 4, str(tmp_path), timeout=120) == [True] * 4
     assert muonckpt.verify(tmp_path / "ckpt" / "step-1000-full") == []
+    model = torch.nn.Module()
+    for name, value in initial_params().items():
+        model.register_parameter(name, torch.nn.Parameter(torch.zeros_like(value)))
+    monkeypatch.chdir(tmp_path)
+    for block in fragments(single=True):
+        namespace = {"model": model, "torch": torch, "muonckpt": muonckpt}
+        with warnings.catch_warnings(record=True):
+            exec(compile(block, "README.md", "exec"), namespace)
+        assert any("sum -> ema" in line for line in namespace["report"].converted)
+        assert all(p.abs().sum() > 0 for p in model.parameters())  # the checkpoint's params
