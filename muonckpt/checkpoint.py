@@ -99,12 +99,18 @@ def save(
     if not isinstance(optimizer, torch.optim.Optimizer):
         optimizer = _Joined(list(optimizer))
     sharding = describe(optimizer)
-    _check_storable(sharding, optimizer, params, Path(path))
     final = Path(path)
     me, dst = collectives.global_rank(), sharding.destination
+    problem = collectives.as_outcome(lambda: _check_storable(sharding, optimizer, params, final))
+    problems = collectives.gather_json(problem, sharding.participants, dst)
     staging: Any = None
     if me == dst:
-        staging = collectives.as_outcome(lambda: str(storage.make_staging(final, overwrite)))
+        errors = [p for p in problems if isinstance(p, dict)]
+        staging = (
+            errors[0]
+            if errors
+            else collectives.as_outcome(lambda: str(storage.make_staging(final, overwrite)))
+        )
     staging = Path(_agree_or_raise(sharding, staging))
     try:
         if consolidated:

@@ -437,3 +437,24 @@ def test_reserved_state_key_and_colliding_names_are_refused_before_writing(tmp_p
     ):
         muonckpt.save(clash, tmp_path / "b")
     assert list(tmp_path.iterdir()) == []
+
+
+def reserved_key_on_rank_1(path: str) -> str | None:
+    """(gloo child, 2 x 2) Only rank 1's state has the reserved key."""
+    import torch.distributed as dist
+
+    opt, sharded, dp_rank, tp_rank = build(2, 2, initial_params())
+    train(opt, sharded, dp_rank, tp_rank, 0, 1)
+    if dist.get_rank() == 1:
+        opt.state[opt.param_groups[0]["params"][0]]["param"] = torch.zeros(1)
+    try:
+        muonckpt.save(opt, path)
+    except CheckpointError as exc:
+        return str(exc)
+    return None
+
+
+def test_a_problem_on_one_rank_fails_every_rank_before_writing(tmp_path):
+    messages = run_distributed(reserved_key_on_rank_1, 4, str(tmp_path / "ckpt"), timeout=60)
+    assert all(m is not None and "reserved" in m for m in messages)
+    assert list(tmp_path.iterdir()) == []
