@@ -33,6 +33,7 @@ from .hooks import (
     Sharding,
     describe,
     describe_value,
+    flat_params,
     gather_full_state,
     remap_groups,
     value_of,
@@ -158,10 +159,11 @@ def _check_storable(
     sharding: Sharding, optimizer: torch.optim.Optimizer, params: bool, where: Path
 ) -> None:
     """Refuse, before writing anything, what a checkpoint could not hold or load back."""
-    flat = [p for g in optimizer.param_groups for p in g["params"]]
+    flat = flat_params(optimizer)
     keys = [(p.name, k) for p in sharding.params for k in p.expected_keys]
     for param in sharding.local():
-        state = optimizer.state.get(flat[param.local_index], {})
+        p = flat[param.local_index]
+        state = optimizer.state.get(p, {})
         if PARAM_KEY in state:
             raise CheckpointError(
                 f"state key {PARAM_KEY!r} is reserved for the param's values", param=param.name
@@ -169,8 +171,14 @@ def _check_storable(
         for key, value in state.items():
             if not isinstance(key, str):
                 raise CheckpointError(f"state key {key!r} is not a string", param=param.name)
-            if describe_value(param, key, value)["kind"] == "tensor":
+            info = describe_value(param, key, value, p.numel())
+            if info["kind"] == "tensor":
                 keys.append((param.name, key))
+            elif isinstance(info["value"], float) and not math.isfinite(info["value"]):
+                raise CheckpointError(
+                    f"state {key!r} is {info['value']}, which a JSON manifest cannot hold",
+                    param=param.name,
+                )
     keys += [(p.name, PARAM_KEY) for p in sharding.params] if params else []
     unique_tensor_keys(iter(keys), where)
 
@@ -185,7 +193,7 @@ def _local_state(
 ) -> dict[int, dict[str, Any]]:
     """This rank's state by its own flat param index, with each param's values under
     :data:`PARAM_KEY` when ``params``."""
-    flat = [p for g in optimizer.param_groups for p in g["params"]]
+    flat = flat_params(optimizer)
     local: dict[int, dict[str, Any]] = {}
     for param in sharding.local():
         p = flat[param.local_index]
@@ -268,23 +276,24 @@ def _write_consolidated(
     full = gather_full_state(sharding, _local_state(optimizer, sharding, params))
     if full is None:
         return {"files": [], "pieces": [], "scalars": {}}
-    by_name, items, scalars = {}, [], {}
-    for index, param in enumerate(sharding.params):
-        by_name[param.name] = state = full.get(index, {})
-        for key, value in sorted(state.items()):
-            info = describe_value(param, key, value)
-            if info["kind"] == "tensor":
-                items.append((param.name, key, storage.dtype_name(value.dtype), param.full_shape))
-            else:
-                scalars.setdefault(param.name, {})[key] = _scalar_json(info)
-    return collectives.as_outcome(
-        lambda: _report(
-            *write_full_tensors(
-                staging, items, lambda name, key: by_name[name][key], max_shard_size=max_shard_size
-            ),
-            scalars,
+
+    def write() -> dict[str, Any]:
+        by_name, items, scalars = {}, [], {}
+        for index, param in enumerate(sharding.params):
+            by_name[param.name] = state = full.get(index, {})
+            for key, value in sorted(state.items()):
+                info = describe_value(param, key, value)
+                if info["kind"] == "tensor":
+                    dtype = storage.dtype_name(value.dtype)
+                    items.append((param.name, key, dtype, param.full_shape))
+                else:
+                    scalars.setdefault(param.name, {})[key] = _scalar_json(info)
+        fetch = lambda name, key: by_name[name][key]  # noqa: E731
+        return _report(
+            *write_full_tensors(staging, items, fetch, max_shard_size=max_shard_size), scalars
         )
-    )
+
+    return collectives.as_outcome(write)
 
 
 def write_full_tensors(
@@ -428,9 +437,10 @@ class LoadReport:
 
 @dataclass
 class _Target:
-    """One optimizer to load into, and how the checkpoint's state maps onto it."""
+    """The optimizer(s) to load into, and how the checkpoint's state maps onto them."""
 
-    optimizer: torch.optim.Optimizer
+    optimizer: Any
+    """One optimizer, or a :class:`_Joined` list of them."""
     sharding: Sharding
     groups: list[dict[str, Any]]
     maps: dict[str, kinds.KeyMap] | None
@@ -488,14 +498,13 @@ def load(
             "optimizer state only",
             path=directory / MANIFEST_NAME,
         )
+    joined = targets[0] if len(targets) == 1 else _Joined(targets)
     report = LoadReport()
-    plans = [_plan(opt, manifest, len(targets), momentum_form, report) for opt in targets]
-    _check_covered(manifest, plans, directory)
-    grouped = manifest.pieces_of()
+    plan = _plan(joined, manifest, momentum_form, report)
+    _check_covered(manifest, plan, directory)
     with PieceReader(directory, manifest) as reader:
-        loaded = [_read(plan, manifest, reader, grouped, params, directory) for plan in plans]
-    for plan, (state, values) in zip(plans, loaded, strict=True):
-        _apply(plan, state, values)
+        state, values = _read(plan, manifest, reader, params, directory)
+    _apply(plan, state, values)
     for message in report.converted:
         _LOG.info("muonckpt.load: converted %s", message)
     for message in report.warnings:
@@ -507,21 +516,17 @@ _LOG = logging.getLogger("muonckpt")
 
 
 def _plan(
-    optimizer: torch.optim.Optimizer,
-    manifest: Manifest,
-    count: int,
-    momentum_form: str | None,
-    report: LoadReport,
+    optimizer: Any, manifest: Manifest, momentum_form: str | None, report: LoadReport
 ) -> _Target:
     sharding = describe(optimizer)
     source = [
         kinds.GroupKind.from_json(g.optimizer) if g.optimizer else None for g in manifest.groups
     ]
-    target = [kinds.group_kind(optimizer, g) for g in optimizer.param_groups]
+    target = _group_kinds(optimizer)
     steps_in = [k.step_in for k in target]
-    same = [k.optimizer for k in target] == [k.optimizer if k else None for k in source]
+    same = {k.optimizer for k in target} == {k.optimizer for k in source if k is not None}
     same = same and not any(k and k.converted_from for k in source)
-    if count == 1 and momentum_form is None and (same or None in source):
+    if momentum_form is None and (same or None in source):
         groups = remap_groups(optimizer, _torch_groups(manifest), sharding)
         return _Target(optimizer, sharding, groups, None, steps_in)
     maps: dict[str, kinds.KeyMap] = {}
@@ -541,73 +546,58 @@ def _plan(
         if key_map.note is not None:
             converted.setdefault((param.group, key_map.note), []).append(param.name)
         pairs.add((entry.group, param.group))
-    name = kinds.optimizer_name(optimizer)
     for (group, note), names in converted.items():
-        report.converted.append(f"{name} group {group}: momentum of {len(names)} params, {note}")
+        where = f"{target[group].optimizer} (group {group})"
+        report.converted.append(f"{where}: momentum of {len(names)} params, {note}")
     for source_group, target_group in sorted(pairs):
+        where = f"{target[target_group].optimizer} (group {target_group})"
         for note in kinds.trajectory_notes(source[source_group], target[target_group]):
-            report.warnings.append(f"{name} group {target_group}: {note}")
-    groups = _own_groups(optimizer, sharding, manifest)
-    return _Target(optimizer, sharding, groups, maps, steps_in)
+            report.warnings.append(f"{where}: {note}")
+    return _Target(optimizer, sharding, _own_groups(optimizer, sharding, manifest), maps, steps_in)
 
 
-def _own_groups(
-    optimizer: torch.optim.Optimizer, sharding: Sharding, manifest: Manifest
-) -> list[dict[str, Any]]:
+def _own_groups(optimizer: Any, sharding: Sharding, manifest: Manifest) -> list[dict[str, Any]]:
     """The target's own group settings in local indices; a group that counts steps itself (the
     packaged AdamW) takes the checkpoint's count."""
     groups, start = [], 0
-    for g, group in enumerate(optimizer.param_groups):
+    computed = _group_kinds(optimizer)
+    for g, (group, computes) in enumerate(zip(optimizer.param_groups, computed, strict=True)):
         settings = {k: v for k, v in group.items() if k != "params"}
         settings["params"] = list(range(start, start + len(group["params"])))
         start += len(group["params"])
-        if "step" in group or kinds.group_kind(optimizer, group).step_in == "group":
-            names = [p.name for p in sharding.params if p.group == g]
-            steps = [_source_step(manifest, manifest.param(n)) for n in names]
-            known = [s for s in steps if s is not None]
-            if known:
-                settings["step"] = int(max(known))
+        if "step" in group or computes.step_in == "group":
+            step = manifest.latest_step(p.name for p in sharding.params if p.group == g)
+            if step is not None:
+                settings["step"] = step
         groups.append(settings)
     return groups
 
 
-def _source_step(manifest: Manifest, entry: ParamEntry) -> int | float | None:
-    """The step count the checkpoint holds for a param: its scalar, else its group's."""
-    if "step" in entry.scalars:
-        return entry.scalars["step"].value
-    return manifest.groups[entry.group].hyperparams.get("step")
-
-
-def _check_covered(manifest: Manifest, plans: Sequence[_Target], directory: Path) -> None:
+def _check_covered(manifest: Manifest, plan: _Target, directory: Path) -> None:
     """Loading across optimizers, every checkpoint param must land in exactly one of them."""
-    if len(plans) == 1 and plans[0].maps is None:
+    if plan.maps is None:
         return  # the same optimizer: remap_groups has matched every name
-    names = [p.name for plan in plans for p in plan.sharding.params]
-    twice = sorted({n for n in names if names.count(n) > 1})
+    names = [p.name for p in plan.sharding.params]
     missing = sorted({e.name for e in manifest.params} - set(names))
-    if twice or missing:
+    if missing:
         raise CheckpointError(
-            f"the optimizers must together hold every param of the checkpoint once: held "
-            f"twice {twice[:8]}, held by none {missing[:8]}",
+            f"the optimizers must together hold every param of the checkpoint: held by none "
+            f"{missing[:8]}",
             path=directory / MANIFEST_NAME,
         )
 
 
 def _read(
-    plan: _Target,
-    manifest: Manifest,
-    reader: PieceReader,
-    grouped: Mapping[tuple[str, str], list[Piece]],
-    params: bool,
-    directory: Path,
+    plan: _Target, manifest: Manifest, reader: PieceReader, params: bool, directory: Path
 ) -> tuple[dict[int, dict[str, Any]], dict[int, torch.Tensor]]:
-    """This rank's share of ``plan``'s state (in its own keys) and of its params' values."""
+    """This rank's share of the state (in the target's keys) and of its params' values."""
+    grouped = manifest.pieces_of()
 
     def read(entry: ParamEntry, key: str, region: Region) -> torch.Tensor:
         data = reader.gather(grouped[entry.name, key], entry, key, region)
         return storage.tensor_of_bytes(data, entry.dtype_of(key))
 
-    flat = [p for g in plan.optimizer.param_groups for p in g["params"]]
+    flat = flat_params(plan.optimizer)
     state: dict[int, dict[str, Any]] = {}
     values: dict[int, torch.Tensor] = {}
     for param in plan.sharding.params:
@@ -646,7 +636,7 @@ def _mapped(
         if source_key in entry.state_keys:
             value = read(entry, source_key, param.local)
             out[key] = value.mul_(factor) if factor != 1.0 else value
-    step = _source_step(manifest, entry)
+    step = manifest.step_of(entry)
     where = plan.steps_in[param.group]
     if key_map.step and out and step is not None and where in ("tensor", "int"):
         out["step"] = torch.tensor(float(step)) if where == "tensor" else int(step)
@@ -656,18 +646,36 @@ def _mapped(
 def _apply(
     plan: _Target, state: dict[int, dict[str, Any]], values: dict[int, torch.Tensor]
 ) -> None:
-    optimizer = plan.optimizer
-    local_share = {"state": state, "param_groups": plan.groups}
-    hooks = _HOOKS.get(optimizer)
-    if hooks is None:
-        optimizer.load_state_dict(local_share)
-    else:
-        with hooks.local_share_load():
-            optimizer.load_state_dict(local_share)
-    flat = [p for g in optimizer.param_groups for p in g["params"]]
-    with torch.no_grad():
-        for index, value in values.items():
-            flat[index].copy_(value.reshape(flat[index].shape))
+    """Hand each optimizer its share (in its own indices), then copy the params' values."""
+    owners = plan.optimizer.optimizers if isinstance(plan.optimizer, _Joined) else [plan.optimizer]
+    first_group = first_param = 0
+    for optimizer in owners:
+        groups = plan.groups[first_group : first_group + len(optimizer.param_groups)]
+        count = sum(len(g["params"]) for g in optimizer.param_groups)
+        share = {
+            "state": {
+                i - first_param: v
+                for i, v in state.items()
+                if first_param <= i < first_param + count
+            },
+            "param_groups": [
+                {**g, "params": [i - first_param for i in g["params"]]} for g in groups
+            ],
+        }
+        hooks = _HOOKS.get(optimizer)
+        if hooks is None:
+            optimizer.load_state_dict(share)
+        else:
+            with hooks.local_share_load():
+                optimizer.load_state_dict(share)
+        flat = flat_params(optimizer)
+        with torch.no_grad():
+            for index, value in values.items():
+                if first_param <= index < first_param + count:
+                    p = flat[index - first_param]
+                    p.copy_(value.reshape(p.shape))
+        first_group += len(optimizer.param_groups)
+        first_param += count
 
 
 def _scalar_value(scalar: Scalar) -> Any:

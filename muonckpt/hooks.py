@@ -73,8 +73,6 @@ class ParamSharding:
     """Owners that together hold every element exactly once (what the gather reads)."""
     local: Region | None
     """This rank's share of the state when loading (None: it keeps no state of the param)."""
-    keeps: bool
-    """Whether this rank keeps any state of the param when loading."""
     local_index: int | None
     """The param's position in this rank's flat param order; None where this rank lacks it."""
     group: int
@@ -89,6 +87,11 @@ class ParamSharding:
     """What this rank's param tensor holds of the full param (None: all of it)."""
     replicated: bool = False
     """Every rank keeps the same state of this param (:data:`REPLICATED`)."""
+
+    @property
+    def held_numel(self) -> int:
+        """Elements of this rank's param tensor (and of each state tensor shaped like it)."""
+        return self.held.numel if self.held is not None else math.prod(self.full_shape)
 
 
 @dataclass
@@ -183,7 +186,7 @@ class StateDictHooks:
 
     def _check_loaded(self, optimizer: torch.optim.Optimizer) -> None:
         """After loading, every region-sharded state tensor must be exactly this rank's share."""
-        flat = _flat_params(optimizer)
+        flat = flat_params(optimizer)
         for param in self.describe(False).local():
             if param.local is None:
                 continue
@@ -210,7 +213,8 @@ def hooks_of(optimizer: torch.optim.Optimizer) -> StateDictHooks:
     return hooks
 
 
-def _flat_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+def flat_params(optimizer: Any) -> list[torch.Tensor]:
+    """The optimizer's params in order over its groups (torch's state-dict indices)."""
     return [p for g in optimizer.param_groups for p in g["params"]]
 
 
@@ -295,11 +299,16 @@ def _gather_entry_metadata(
     Every participant reports the state it holds, owner or not, so that the merge can tell a
     wrong owner rule from a param without state.
     """
-    mine: dict[str, dict[str, Any]] = {}
-    for index, param in enumerate(sharding.params):
-        entry = local_state.get(param.local_index) if param.local_index is not None else None
-        if entry:
-            mine[str(index)] = {key: describe_value(param, key, v) for key, v in entry.items()}
+    mine: dict[str, Any] = {}
+    try:
+        for index, param in enumerate(sharding.params):
+            entry = local_state.get(param.local_index) if param.local_index is not None else None
+            if entry:
+                mine[str(index)] = {
+                    key: describe_value(param, key, v, param.held_numel) for key, v in entry.items()
+                }
+    except StateDictError as exc:  # reported, so that every rank raises it, none waits
+        mine = {"error": f"rank {collectives.global_rank()}: {exc}"}
     reports = collectives.gather_json(mine, sharding.participants, sharding.destination)
     return _decide(
         lambda: merge_entry_reports(sharding, reports),
@@ -317,6 +326,9 @@ def merge_entry_reports(
     param and ranks when a source lacks state another rank holds (a wrong owner rule), when
     replicated state differs between ranks, or when sources disagree about a key.
     """
+    for report in reports:
+        if "error" in report:
+            raise StateDictError(report["error"])
     by_rank = dict(zip(sharding.participants, reports, strict=True))
     merged: list[dict[str, Any] | None] = []
     for index, param in enumerate(sharding.params):
@@ -334,6 +346,13 @@ def merge_entry_reports(
                 f"owner rank {lacking[0]} holds none: the owner rule does not match where the "
                 "optimizer keeps its state"
             )
+        for holding in param.sources:
+            for key, info in by_rank[holding.rank][str(index)].items():
+                if info["kind"] == "tensor" and info["numel"] != holding.region.numel:
+                    raise StateDictError(
+                        f"param {param.name!r}: state {key!r} holds {info['numel']} elements on "
+                        f"rank {holding.rank}, its share of the param {holding.region.numel}"
+                    )
         first = by_rank[owners[0]][str(index)]
         for rank in owners:
             if _shape_free(by_rank[rank][str(index)], param.replicated) != _shape_free(
@@ -357,15 +376,29 @@ def _shape_free(entry: Mapping[str, Any], replicated: bool) -> Any:
     }
 
 
-def describe_value(param: ParamSharding, key: str, value: Any) -> dict[str, Any]:
+def describe_value(
+    param: ParamSharding, key: str, value: Any, numel: int | None = None
+) -> dict[str, Any]:
     """How a state value travels: a tensor shaped like the param (sharded with it), a
     ``scalar`` (a 0-d tensor of a param that is not 0-d, such as torch's AdamW ``step``), or a
-    plain ``value`` (a number, None)."""
+    plain ``value`` (a number, None). ``numel``: the elements of this rank's param tensor,
+    which a state tensor must have (refused otherwise: muonckpt shards state with its param)."""
     if isinstance(value, torch.Tensor):
         dtype = str(value.dtype).removeprefix("torch.")
         if value.dim() == 0 and len(param.full_shape) != 0:
             return {"kind": "scalar", "dtype": dtype, "value": value.item()}
-        return {"kind": "tensor", "dtype": dtype, "shape": list(value.shape)}
+        if numel is not None and value.numel() != numel:
+            raise StateDictError(
+                f"param {param.name!r}: state {key!r} has shape {tuple(value.shape)}, neither "
+                "the param's shape nor a 0-d scalar: muonckpt stores only state shaped like "
+                "its param (factored state such as Adafactor's is not supported)"
+            )
+        return {
+            "kind": "tensor",
+            "dtype": dtype,
+            "shape": list(value.shape),
+            "numel": value.numel(),
+        }
     if value is None or isinstance(value, (bool, int, float, str)):
         return {"kind": "value", "value": value}
     raise StateDictError(
@@ -399,11 +432,6 @@ def _gather_value(
     for holding in param.sources:
         if holding.rank == me:
             piece = local_state[param.local_index][key].reshape(-1)
-            if piece.numel() != holding.region.numel:
-                raise StateDictError(
-                    f"param {param.name!r}: state {key!r} holds {piece.numel()} elements on "
-                    f"rank {me}, its share of the param {holding.region.numel}"
-                )
             if me == dst:
                 insert_(full, holding.region, piece)
             else:
@@ -449,7 +477,7 @@ def trim_state_dict(
         for name, index in zip(_group_names(group), group["params"], strict=True)
     }
     any_state = any(v for v in by_name.values())
-    flat = _flat_params(optimizer)
+    flat = flat_params(optimizer)
     new_state: dict[int, dict[str, Any]] = {}
     for param in sharding.params:
         entry = by_name[param.name]
@@ -513,7 +541,7 @@ def _cut_entry(
     param: ParamSharding, entry: Mapping[str, Any], p: torch.Tensor
 ) -> dict[str, Any] | None:
     _check_keys(param, entry)
-    if not param.keeps:
+    if param.local is None:
         return None
     kept: dict[str, Any] = {}
     for key, value in entry.items():
@@ -602,7 +630,6 @@ def describe_muon(optimizer: Any) -> Sharding:
                 full_shape=gp.full_shape,
                 sources=tuple(sources),
                 local=gp.region(topo, *coords) if local_index is not None else None,
-                keeps=local_index is not None,
                 held=gp.region(topo, *coords) if local_index is not None else None,
                 local_index=local_index,
                 group=gp.spec.group,
@@ -623,7 +650,7 @@ _GRIDS: weakref.WeakKeyDictionary[Any, tuple[tuple, list[int], GridParams]] = (
 
 def _grid_params(optimizer: Any) -> tuple[list[int], GridParams]:
     """The grid's global ranks and canonical params (a collective the first time)."""
-    flat = _flat_params(optimizer)
+    flat = flat_params(optimizer)
     structure = (tuple(id(p) for p in flat), len(optimizer.param_groups))
     cached = _GRIDS.get(optimizer)
     if cached is not None and cached[0] == structure:
@@ -692,7 +719,6 @@ def describe_whole(
                 tuple(p.shape),
                 (Holding(me, whole),),
                 whole,
-                True,
                 index,
                 g,
                 keys(g),
@@ -801,6 +827,9 @@ def install_hooks(
         )
     given = _names_by_param(optimizer, names)
     splits = dict(tp_split_dims or {})
+    unknown = sorted(set(splits) - set(given if given is not None else param_names(optimizer)))
+    if unknown:
+        raise StateDictError(f"tp_split_dims names params the optimizer does not hold: {unknown}")
     local_only = owner is None and type(optimizer).__name__.startswith("SingleDevice")
 
     def describe_owners(collective: bool) -> Sharding:
@@ -820,7 +849,7 @@ def _names_by_param(
         return None
     pairs = names.items() if isinstance(names, Mapping) else names
     by_id = {id(p): n for n, p in pairs}
-    flat = _flat_params(optimizer)
+    flat = flat_params(optimizer)
     missing = [i for i, p in enumerate(flat) if id(p) not in by_id]
     if missing:
         raise StateDictError(
@@ -873,7 +902,6 @@ def _describe_owned(
                 full_shape=full,
                 sources=tuple(Holding(ranks[topo.rank(dp_owner, t)], region(t)) for t in tps),
                 local=mine if keeps else None,
-                keeps=keeps,
                 local_index=index,
                 group=g,
                 tp_split_dim=splits.get(name, -1),

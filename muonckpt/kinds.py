@@ -142,6 +142,11 @@ def state_mapping(
     if momentum_form is not None and momentum_form not in FORMS:
         raise StateDictError(f"momentum_form must be 'sum' or 'ema', got {momentum_form!r}")
     role = target.role or source.role
+    if target.role is None and source.role == "adamw" and target.optimizer != source.optimizer:
+        raise StateDictError(
+            f"param {param!r}: muonckpt does not know how {target.optimizer} keeps the AdamW "
+            f"state the checkpoint's {source.optimizer} saved: load it into an AdamW"
+        )
     if target.role is not None and source.role is not None and source.role != target.role:
         raise StateDictError(
             f"param {param!r} ran {source.role} in {source.optimizer}, the target "
@@ -154,7 +159,7 @@ def state_mapping(
             f"can convert; load it into a {source.optimizer}"
         )
     if role == "adamw":
-        keys = {"exp_avg": ("exp_avg", 1.0), "exp_avg_sq": ("exp_avg_sq", 1.0)}
+        keys = {k: (k, 1.0) for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")}
         return KeyMap(keys, True, None)
     to_form = momentum_form or target.momentum_form
     if to_form is None:

@@ -10,7 +10,7 @@ import json
 import math
 import re
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -140,6 +140,18 @@ class Manifest:
         if entry is None:
             raise CheckpointError("no such param in the checkpoint", param=name)
         return entry
+
+    def step_of(self, entry: ParamEntry) -> int | float | None:
+        """The step count the checkpoint holds for a param: its own scalar (torch and
+        KellerJordan AdamW count per param), else its group's."""
+        if "step" in entry.scalars:
+            return entry.scalars["step"].value
+        return self.groups[entry.group].hyperparams.get("step")
+
+    def latest_step(self, names: Iterable[str]) -> int | None:
+        """The largest step count of the named params (None: none has one)."""
+        steps = [s for s in (self.step_of(self.param(n)) for n in names) if s is not None]
+        return int(max(steps)) if steps else None
 
     @property
     def has_values(self) -> bool:

@@ -327,10 +327,9 @@ def convert(
         factor = kinds.state_mapping(source, target, f"group {g}", None).keys
         scales.append(factor.get("momentum_buffer", ("", 1.0))[1])
         hyper = dict(group.hyperparams)
-        steps = [_step(manifest, manifest.param(n), g) for n in group.params]
-        known = [s for s in steps if s is not None]
-        if target.step_in == "group" and known:
-            hyper["step"] = int(max(known))
+        step = manifest.latest_step(group.params)
+        if target.step_in == "group" and step is not None:
+            hyper["step"] = step
         groups.append(replace(group, hyperparams=hyper, optimizer=target.to_json()))
     params = tuple(_converted_steps(manifest, e, groups[e.group]) for e in manifest.params)
     by_name = {e.name: e for e in params}
@@ -364,16 +363,10 @@ def convert(
     return _write(job, directory, manifest, dst, overwrite, progress, collective=False)
 
 
-def _step(manifest: Manifest, entry: ParamEntry, group: int) -> int | float | None:
-    if "step" in entry.scalars:
-        return entry.scalars["step"].value
-    return manifest.groups[group].hyperparams.get("step")
-
-
 def _converted_steps(manifest: Manifest, entry: ParamEntry, group: GroupEntry) -> ParamEntry:
     """The param with its AdamW step count where the target keeps it."""
     step_in = group.optimizer.get("step_in")
-    step = _step(manifest, entry, entry.group)
+    step = manifest.step_of(entry)
     scalars = {k: v for k, v in entry.scalars.items() if k != "step"}
     if step is not None and entry.state_keys and step_in == "tensor":
         scalars["step"] = Scalar(float(step), "F32")
@@ -670,9 +663,11 @@ def diff(
 ) -> list[dict[str, Any]]:
     """Compare two checkpoints (any kinds, any topologies) as logical tensors.
 
-    One row per (param, state key): ``max_abs`` and ``max_rel`` differences and ``equal``
-    (every element within ``atol + rtol * |b|``; NaNs equal NaNs). A param or key on only one
-    side, or of different shape or dtype, is a row with ``equal`` False and a ``note``.
+    One row per (param, stored key): ``max_abs`` and ``max_rel`` differences and ``equal``
+    (every element within ``atol + rtol * |b|``; NaNs equal NaNs); a row per scalar state
+    value (equal or not, exactly), and one per param group whose settings differ. A param or
+    key on only one side, or of different shape or dtype, is a row with ``equal`` False and a
+    ``note``.
     Memory: one full tensor from each side at a time.
     """
     if atol < 0 or rtol < 0:
@@ -728,6 +723,24 @@ def diff(
                 )
                 row(name, key, **_compare(x, y, atol, rtol))
                 del x, y
+            for key in sorted(set(ea.scalars) | set(eb.scalars)):
+                sa, sb = ea.scalars.get(key), eb.scalars.get(key)
+                if sa is None or sb is None:
+                    row(name, key, f"stored only in {'A' if sb is None else 'B'}")
+                elif sa == sb:
+                    row(name, key, None, equal=True, bitwise=True)
+                else:
+                    row(name, key, f"A is {sa.value!r}, B {sb.value!r}")
+    for g, (ga, gb) in enumerate(zip(man_a.groups, man_b.groups, strict=False)):
+        if ga.hyperparams != gb.hyperparams:
+            changed = sorted(
+                k
+                for k in set(ga.hyperparams) | set(gb.hyperparams)
+                if ga.hyperparams.get(k) != gb.hyperparams.get(k)
+            )
+            row(f"group {g}", "hyperparams", f"settings differ: {changed}")
+    if len(man_a.groups) != len(man_b.groups):
+        row("groups", None, f"A has {len(man_a.groups)} param groups, B {len(man_b.groups)}")
     return rows
 
 

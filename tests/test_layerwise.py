@@ -181,3 +181,12 @@ def test_offline_reshard_of_a_layerwise_checkpoint_loads(saved, tmp_path):
     for full in run_distributed(resume_phase, 4, 1, 4, str(out), timeout=120):
         for name, value in expected.items():
             assert torch.equal(full[name], value), name
+
+
+def test_a_split_dim_for_an_unknown_param_is_refused():
+    """A misspelled name would leave a split param looking TP-replicated: every TP rank would
+    then load TP rank 0's shard."""
+    shards = {n: torch.nn.Parameter(initial(n)) for n in SHAPES}
+    opt = LayerWiseMuon(shards.items())
+    with pytest.raises(muonckpt.StateDictError, match=r"\['attn\.QKV'\]"):
+        muonckpt.install_hooks(opt, owner=lambda i, p: 0, tp_split_dims={"attn.QKV": 0})

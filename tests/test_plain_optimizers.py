@@ -129,3 +129,79 @@ def test_a_directory_that_is_no_checkpoint_says_so(tmp_path):
     result = CliRunner().invoke(app, ["inspect", str(tmp_path)])
     assert result.exit_code == 2
     assert "not a muonckpt checkpoint" in result.stderr and "interrupted" not in result.stderr
+
+
+# --- what the review found (each refused or fixed, with the param named) -------------------
+
+
+def test_factored_state_is_refused_naming_param_and_key(tmp_path):
+    params = make_params()
+    opt = torch.optim.Adafactor(list(params.items()), lr=0.01)
+    train(opt, params, 0, 1)
+    with pytest.raises(muonckpt.MuonCkptError, match=r"param 'w1'.*state 'row_var'"):
+        muonckpt.save(opt, tmp_path / "ckpt")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_non_finite_state_value_is_refused_naming_param_and_key(tmp_path):
+    params = make_params()
+    opt = torch.optim.AdamW(list(params.items()), lr=0.01)
+    train(opt, params, 0, 1)
+    opt.state[params["b"]]["scale"] = float("inf")
+    for consolidated in (False, True):
+        with pytest.raises(muonckpt.CheckpointError, match=r"state 'scale' is inf.*param 'b'"):
+            muonckpt.save(opt, tmp_path / "ckpt", consolidated=consolidated)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("named", [False, True])
+def test_a_list_of_optimizers_round_trips_into_the_same_list(tmp_path, named):
+    def build(ps):
+        matrices = [ps[n] for n in ("w1", "w2")]
+        if named:
+            return [
+                torch.optim.Muon([(n, ps[n]) for n in ("w1", "w2")], lr=0.05),
+                torch.optim.AdamW([("b", ps["b"])], lr=0.01, amsgrad=True),
+            ]
+        return [torch.optim.Muon(matrices, lr=0.05), torch.optim.AdamW([ps["b"]], amsgrad=True)]
+
+    params = make_params()
+    opts = build(params)
+    for step in range(K):
+        for name, p in params.items():
+            p.grad = torch.full_like(p, 0.1 * (step + 1 + len(name)))
+        for opt in opts:
+            opt.step()
+    ckpt = muonckpt.save(opts, tmp_path / "ckpt")
+    fresh_params = make_params(zeros=True)
+    fresh = build(fresh_params)
+    report = muonckpt.load(fresh, ckpt)
+    assert report.converted == [] and report.warnings == []
+    for old, new in zip(opts, fresh):
+        _same_state(old, new)  # max_exp_avg_sq and the saved hyperparams included
+    for name in params:
+        assert torch.equal(fresh_params[name], params[name]), name
+
+
+def test_adamw_state_into_an_unknown_optimizer_is_refused(tmp_path):
+    params = make_params()
+    opt = torch.optim.Adam(list(params.items()), lr=0.01)
+    train(opt, params, 0, 1)
+    ckpt = muonckpt.save(opt, tmp_path / "ckpt")
+    sgd = torch.optim.SGD(list(make_params(zeros=True).items()), lr=0.1, momentum=0.9)
+    with pytest.raises(muonckpt.StateDictError, match=r"does not know how torch\.optim\.SGD"):
+        muonckpt.load(sgd, ckpt)
+    assert not sgd.state
+
+
+def test_a_different_group_structure_is_refused(tmp_path):
+    params = make_params()
+    opt = torch.optim.Adam(list(params.items()), lr=0.01)
+    train(opt, params, 0, 1)
+    ckpt = muonckpt.save(opt, tmp_path / "ckpt")
+    ps = make_params(zeros=True)
+    two = torch.optim.Adam(
+        [{"params": [("w1", ps["w1"])]}, {"params": [("w2", ps["w2"]), ("b", ps["b"])]}]
+    )
+    with pytest.raises(muonckpt.StateDictError, match="param groups"):
+        muonckpt.load(two, ckpt)
