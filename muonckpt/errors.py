@@ -31,3 +31,8 @@ class CheckpointError(MuonCkptError):
 
 class CollectiveError(MuonCkptError, RuntimeError):
     """Ranks disagree about what they are about to exchange (detected before any data moves)."""
+
+
+class CheckpointWarning(UserWarning):
+    """Something went wrong after a checkpoint was committed (the old one could not be deleted
+    entirely, say): the new checkpoint is in place, and the warning names what is left."""
