@@ -72,17 +72,19 @@ class _Group(TyperGroup):
     """
 
     def invoke(self, ctx: typer.Context) -> Any:
-        debug = bool((ctx.obj or {}).get("debug"))
+        def debug() -> bool:  # ctx.obj is set by the global callback, inside super().invoke
+            return bool((ctx.obj or {}).get("debug"))
+
         try:
             with _warnings_as_lines():
                 return super().invoke(ctx)
         except KeyboardInterrupt as exc:
-            if debug:
+            if debug():
                 traceback.print_exc()
             _stderr_line("error: interrupted")
             ctx.exit(128 + getattr(exc, "signum", signal.SIGINT))
         except (MuonCkptError, OSError) as exc:
-            if debug:
+            if debug():
                 raise
             # a worker's failure carries its traceback after a one-line summary
             text = getattr(exc, "summary", None) or str(exc)

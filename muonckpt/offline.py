@@ -516,9 +516,12 @@ def _spawn(
     for result in results:
         for message in result.get("warnings", []):
             warnings.warn(message, CheckpointWarning, stacklevel=3)
-    errors = [r["error"] for r in results if "error" in r]
-    if errors:
-        raise CheckpointError(errors[0])
+    failed = [r for r in results if "error" in r]
+    if failed:
+        error = CheckpointError(failed[0]["error"])
+        if hasattr(error, "add_note"):  # Python 3.11+: shown with the traceback (--debug)
+            error.add_note(f"the worker's traceback:\n{failed[0].get('traceback', '')}")
+        raise error
     return Path(dst)
 
 
@@ -541,6 +544,7 @@ def _worker(
     :mod:`muonckpt.launch`) it first makes sure it never commits, then removes that staging
     directory, then dies.
     """
+    import traceback
     import warnings
 
     from . import collectives, launch
@@ -562,6 +566,7 @@ def _worker(
             operation(src, dst, **options, progress=progress, collective=True)
         except MuonCkptError as exc:
             outcome["error"] = str(exc)
+            outcome["traceback"] = traceback.format_exc()
     shown = [str(w.message) for w in caught if issubclass(w.category, CheckpointWarning)]
     if shown:
         outcome["warnings"] = shown

@@ -435,6 +435,8 @@ opt, sharded, dp_rank, tp_rank = build(1, 1, initial_params())
 train(opt, sharded, dp_rank, tp_rank, 0, 1)
 tensors = [v for state in opt.state.values() for v in state.values()]
 save = 0
+for t in tensors:
+    t.fill_(save)  # every save's tensors all hold its number, the first's too
 muonckpt.save(opt, sys.argv[1], overwrite=True)
 print("ready", flush=True)
 while True:
@@ -472,6 +474,7 @@ def test_a_reader_racing_a_writer_gets_a_whole_checkpoint_or_changed_while_readi
                     state = [v for s in opt.state.values() for v in s.values()]
                     values = {x for v in state for x in v.unique().tolist()}
                     assert len(values) == 1, f"a mixed load: {sorted(values)}"
+                    assert int(next(iter(values))) == next(iter(values)) >= 0
                 else:
                     shutil.rmtree(tmp_path / "out", ignore_errors=True)
                     offline.consolidate(path, tmp_path / "out")
