@@ -152,13 +152,23 @@ def _collect(
 ) -> list[Any]:
     values: dict[int, Any] = {}
     failures: dict[int, tuple[str, str]] = {}
+    quiet_exit: dict[int, float] = {}  # rank -> when it was seen exited 0 with no result yet
     while len(values) < world_size:
         try:
             rank, ok, payload = results.get(timeout=0.2)
         except queue.Empty:
             if any(p.exitcode not in (None, 0) for r, p in enumerate(procs) if r not in values):
                 raise _failure(procs, results, failures, world_size) from None
-            if deadline is not None and time.monotonic() > deadline:
+            now = time.monotonic()
+            for r, p in enumerate(procs):
+                if p.exitcode == 0 and r not in values:
+                    quiet_exit.setdefault(r, now)
+            late = [r for r, since in quiet_exit.items() if r not in values and now - since > 5]
+            if late:
+                raise DistributedRunError(
+                    f"rank {late[0]} of {world_size} exited without a result"
+                ) from None
+            if deadline is not None and now > deadline:
                 pending = sorted(set(range(world_size)) - set(values))
                 raise DistributedRunError(
                     f"timed out after {timeout:.0f}s waiting for ranks {pending}"
