@@ -82,10 +82,12 @@ def _parent_pid(pid: int) -> int | None:
     return None
 
 
-def _start(setup, out: Path, tag: str, *extra: str, **env: str) -> subprocess.Popen:
+def _start(
+    setup, out: Path, tag: str, *extra: str, workers: int = 2, **env: str
+) -> subprocess.Popen:
     path = os.pathsep.join([str(setup["site"]), os.environ.get("PYTHONPATH", "")])
     command = [sys.executable, "-m", "muonckpt.cli", *extra, "reshard", str(setup["src"])]
-    command += ["--dp", "2", "--tp", "1", "-o", str(out), "--workers", "2"]
+    command += ["--dp", "2", "--tp", "1", "-o", str(out), "--workers", str(workers)]
     return subprocess.Popen(
         command,
         env={**os.environ, "MUONCKPT_TEST_TAG": tag, "PYTHONPATH": path, **env},
@@ -145,6 +147,27 @@ def test_a_signal_to_the_cli_leaves_no_process_and_no_output(setup, tmp_path, si
     assert proc.returncode == code, stderr
     if signum != signal.SIGKILL:  # after SIGKILL only the resource tracker may speak
         assert stderr == "error: interrupted\n"
+    _assert_nothing_left(tag, out)
+
+
+@pytest.mark.parametrize(
+    ("signum", "code"), [(signal.SIGTERM, 143), (signal.SIGINT, 130)], ids=["SIGTERM", "SIGINT"]
+)
+def test_a_signal_to_a_single_process_cli_removes_its_staging(setup, tmp_path, signum, code):
+    out, tag = tmp_path / "out", uuid.uuid4().hex
+    proc = _start(setup, out, tag, workers=1, MUONCKPT_TEST_PWRITE_DELAY="0.2")
+    try:
+        deadline = time.monotonic() + 30
+        while not list(tmp_path.glob(".out.staging-*/.*.tmp-*")):  # a file being written
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.02)
+        proc.send_signal(signum)
+        _, stderr = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert (proc.returncode, stderr) == (code, "error: interrupted\n")
     _assert_nothing_left(tag, out)
 
 
