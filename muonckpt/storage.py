@@ -866,6 +866,8 @@ _CHECKPOINT_FILE = re.compile(
 _TEMPORARY_FILE = re.compile(r"^\.(?P<name>.+)\.(part|tmp-\d+)$", re.DOTALL)
 """Names of muonckpt's temporary files (``.FILE.part``, ``.FILE.tmp-PID``) of such files."""
 MANIFEST_FILE = "manifest.json"
+_OUR_MANIFEST_HEAD = re.compile(rb'\s*\{\s*"format"\s*:\s*"muonckpt"\s*,')
+"""How every manifest muonckpt writes begins (``Manifest.to_json`` puts the format first)."""
 
 
 def file_size(path: str | os.PathLike[str]) -> int:
@@ -930,6 +932,13 @@ def ownership_problem(directory: str | os.PathLike[str]) -> str | None:
         if _OURS_NAME.match(directory.name) or not any(directory.iterdir()):
             return None
         return "is not a muonckpt checkpoint: it has no manifest.json"
+    try:
+        with open(manifest, "rb") as f:
+            head = f.read(256)
+    except OSError as exc:
+        return f"cannot be read: {exc.strerror}"
+    if _OUR_MANIFEST_HEAD.match(head):  # as muonckpt writes it: no need to parse megabytes
+        return None
     try:
         body = json.loads(read_text(manifest))
     except (CheckpointError, ValueError, RecursionError):
