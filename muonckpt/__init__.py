@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from .errors import (
     CheckpointError,
+    CheckpointWarning,
     CollectiveError,
     ConversionWarning,
     LayoutError,
@@ -52,6 +53,7 @@ _LAZY = {
 __all__ = [
     "REPLICATED",
     "CheckpointError",
+    "CheckpointWarning",
     "CollectiveError",
     "ConversionWarning",
     "LayoutError",

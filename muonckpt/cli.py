@@ -10,7 +10,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import sys
+import traceback
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -22,7 +25,7 @@ from rich.console import Console
 from rich.table import Table
 from typer.core import TyperGroup
 
-from .errors import CheckpointError, MuonCkptError
+from .errors import CheckpointError, CheckpointWarning, MuonCkptError
 
 if TYPE_CHECKING:
     from .offline import Progress
@@ -59,19 +62,76 @@ def parse_size(text: str) -> int:
 
 
 class _Group(TyperGroup):
-    """The one place where library errors become ``error: ...`` and exit code 2."""
+    """The one place where library errors become ``error: ...`` and exit code 2.
+
+    Also: an interruption (Ctrl-C, or SIGTERM / SIGHUP under :func:`main`) becomes ``error:
+    interrupted`` and exit code 128 + the signal's number (130, 143, 129), after the command's
+    own cleanup has run (its staging directory removed, its worker processes killed); a
+    :class:`~muonckpt.errors.CheckpointWarning` becomes one ``warning: ...`` line. ``--debug``
+    shows the tracebacks as well.
+    """
 
     def invoke(self, ctx: typer.Context) -> Any:
+        def debug() -> bool:  # ctx.obj is set by the global callback, inside super().invoke
+            return bool((ctx.obj or {}).get("debug"))
+
         try:
-            return super().invoke(ctx)
+            with _warnings_as_lines():
+                return super().invoke(ctx)
+        except KeyboardInterrupt as exc:
+            if debug():
+                traceback.print_exc()
+            _stderr_line("error: interrupted")
+            ctx.exit(128 + getattr(exc, "signum", signal.SIGINT))
         except (MuonCkptError, OSError) as exc:
-            if (ctx.obj or {}).get("debug"):
+            if debug():
                 raise
-            message = " ".join(str(exc).split()) or type(exc).__name__
-            Console(stderr=True, highlight=False, soft_wrap=True).print(
-                f"error: {message}", markup=False
-            )
+            # a worker's failure carries its traceback after a one-line summary
+            text = getattr(exc, "summary", None) or str(exc)
+            message = " ".join(text.split()) or type(exc).__name__
+            _stderr_line(f"error: {message}")
             ctx.exit(USAGE)
+
+
+def _stderr_line(text: str) -> None:
+    Console(stderr=True, highlight=False, soft_wrap=True).print(text, markup=False)
+
+
+@contextmanager
+def _warnings_as_lines() -> Iterator[None]:
+    """CheckpointWarnings as ``warning: ...`` lines on stderr while the block runs."""
+    with warnings.catch_warnings():
+        shown = warnings.showwarning
+
+        def show(message: Any, category: type[Warning], *args: Any, **kwargs: Any) -> None:
+            if issubclass(category, CheckpointWarning):
+                _stderr_line(f"warning: {' '.join(str(message).split())}")
+            else:
+                shown(message, category, *args, **kwargs)
+
+        warnings.simplefilter("always", CheckpointWarning)
+        warnings.showwarning = show
+        yield
+
+
+class _Interrupted(KeyboardInterrupt):
+    """SIGTERM or SIGHUP, raised like Ctrl-C so that every cleanup on the way out runs."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None))
+
+
+def _stop(signum: int, frame: Any) -> None:
+    """The first stop signal interrupts the command; later ones are ignored, so that they
+    cannot cut short the cleanup the first one started."""
+    for other in _STOP_SIGNALS:
+        if other is not None:
+            signal.signal(other, signal.SIG_IGN)
+    raise _Interrupted(signum)
 
 
 app = typer.Typer(
@@ -515,7 +575,11 @@ def demo(
 
 
 def main() -> None:
-    """Console-script entry point."""
+    """Console-script entry point: SIGINT, SIGTERM and SIGHUP (unless ignored, as under
+    ``nohup``) interrupt the command as Ctrl-C does; see :class:`_Group`."""
+    for signum in _STOP_SIGNALS:
+        if signum is not None and signal.getsignal(signum) is not signal.SIG_IGN:
+            signal.signal(signum, _stop)
     app()
 
 

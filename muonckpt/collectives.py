@@ -7,6 +7,8 @@ uint8 tensors (no pickle, unlike torch's ``*_object`` collectives).
 from __future__ import annotations
 
 import json
+import os
+import traceback
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
@@ -161,11 +163,30 @@ def broadcast_json(obj: Any, ranks: Sequence[int], src: int) -> Any:
 
 
 def as_outcome(work: Callable[[], Any]) -> Any:
-    """``work()``, or ``{"error": message}`` when it raises a library error (for broadcast)."""
+    """``work()``, or ``{"error": message}`` when it raises (for broadcast).
+
+    Any Exception, not only the library's own: a rank that let anything else escape would
+    leave the others blocked at the next collective. A library error's message is kept as it
+    is; any other names the rank, the exception type and where it was raised. KeyboardInterrupt
+    and other BaseExceptions still propagate.
+    """
     try:
         return work()
     except MuonCkptError as exc:
         return {"error": str(exc)}
+    except Exception as exc:
+        return {"error": describe_failure(exc)}
+
+
+def describe_failure(exc: BaseException) -> str:
+    """``rank R: Type: message (at file.py:line in function)``, on one line."""
+    where = ""
+    frames = traceback.extract_tb(exc.__traceback__)
+    if frames:
+        last = frames[-1]
+        where = f" (at {os.path.basename(last.filename)}:{last.lineno} in {last.name})"
+    text = " ".join(str(exc).split())
+    return f"rank {global_rank()}: {type(exc).__name__}{': ' + text if text else ''}{where}"
 
 
 def agree_or_raise(value: Any, ranks: Sequence[int], src: int) -> Any:

@@ -36,3 +36,8 @@ class CollectiveError(MuonCkptError, RuntimeError):
 class ConversionWarning(UserWarning):
     """A load across Muon implementations whose target settings cannot continue the saved
     trajectory exactly (the message says which setting would)."""
+
+
+class CheckpointWarning(UserWarning):
+    """Something went wrong after a checkpoint was committed (the old one could not be deleted
+    entirely, say): the new checkpoint is in place, and the warning names what is left."""

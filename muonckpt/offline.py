@@ -71,8 +71,11 @@ Progress = Callable[[int, int, int, int], None]
 """``progress(done_bytes, total_bytes, done_tensors, total_tensors)``, called once at the start
 and after each tensor is written."""
 
-WORKER_TIMEOUT: float = 7 * 24 * 3600.0
-"""Seconds a ``workers > 1`` run may take before its processes are killed."""
+WORKER_TIMEOUT: float = 1800.0
+"""Seconds one of several processes (``workers > 1``, torchrun) waits for the others at one
+step (the rendezvous, each exchange of results) before the run fails. The run as a whole has
+no limit: it ends when the work is done, a process fails, or the command is interrupted; and
+no worker outlives the command (see :mod:`muonckpt.launch`)."""
 
 __all__ = [
     "WORKER_TIMEOUT",
@@ -411,7 +414,7 @@ def _write(
     puts = {(p.file, p.tkey): p for p in job.puts}
     records: dict[tuple[str, str], storage.TensorRecord] = {}
     with (
-        storage.staged(dst, overwrite) as staging,
+        storage.staged(dst, overwrite, source=directory) as staging,
         PieceReader(directory, manifest, reuse_outputs=2) as reader,
     ):
         for file, specs in job.by_file().items():
@@ -463,7 +466,7 @@ def _write_collectively(
     me, root = collectives.global_rank(), ranks[0]
     staging: Any = None
     if me == root:
-        staging = collectives.as_outcome(lambda: str(_create(job, dst, overwrite)))
+        staging = collectives.as_outcome(lambda: str(_create(job, dst, overwrite, directory)))
     staging = Path(collectives.agree_or_raise(staging, ranks, root))
     try:
         outputs = _shared_files(job, staging)
@@ -489,9 +492,9 @@ def _write_collectively(
         raise
 
 
-def _create(job: _Job, dst: Path, overwrite: bool) -> Path:
+def _create(job: _Job, dst: Path, overwrite: bool, source: Path) -> Path:
     """(rank 0) The staging directory, with every output file's header and full length."""
-    staging = storage.make_staging(dst, overwrite)
+    staging = storage.make_staging(dst, overwrite, source=source)
     try:
         for output in _shared_files(job, staging).values():
             output.create()
@@ -574,24 +577,55 @@ def _spawn(
     progress: Progress | None,
 ) -> Path:
     """Run ``operation(src, dst, **options, collective=True)`` in ``workers`` gloo processes;
-    rank 0's progress comes back through a queue."""
+    rank 0's progress comes back through a queue.
+
+    The target is checked here first, so a refused output starts no process. Rank 0 stages
+    at a path chosen here, so that when the run fails or this process is interrupted
+    (KeyboardInterrupt, SIGTERM in the CLI) the staging directory is removed here once the
+    workers are gone, whatever state they were killed in. Warnings of the workers
+    (:class:`~muonckpt.errors.CheckpointWarning`) are issued again here.
+    """
+    import uuid
+    import warnings
+
+    from .errors import CheckpointWarning
     from .launch import run_distributed
 
+    storage.check_target(dst, options["overwrite"], source=src)
+    token = uuid.uuid4().hex[:8]
     queue = mp.get_context("forkserver").Queue() if progress is not None else None
     relay = threading.Thread(target=_relay, args=(queue, progress), daemon=True)
     if queue is not None:
         relay.start()
     try:
         results = run_distributed(
-            _worker, workers, operation, str(src), str(dst), options, queue, timeout=WORKER_TIMEOUT
+            _worker,
+            workers,
+            operation,
+            str(src),
+            str(dst),
+            options,
+            queue,
+            token,
+            timeout=None,
+            wait_timeout=WORKER_TIMEOUT,
         )
+    except BaseException:
+        storage.discard(storage.staging_path(dst, token))
+        raise
     finally:
         if queue is not None:
             queue.put(None)
-            relay.join()
-    errors = [r["error"] for r in results if "error" in r]
-    if errors:
-        raise CheckpointError(errors[0])
+            relay.join(timeout=10)
+    for result in results:
+        for message in result.get("warnings", []):
+            warnings.warn(message, CheckpointWarning, stacklevel=3)
+    failed = [r for r in results if "error" in r]
+    if failed:
+        error = CheckpointError(failed[0]["error"])
+        if hasattr(error, "add_note"):  # Python 3.11+: shown with the traceback (--debug)
+            error.add_note(f"the worker's traceback:\n{failed[0].get('traceback', '')}")
+        raise error
     return Path(dst)
 
 
@@ -601,15 +635,46 @@ def _relay(queue: Any, progress: Progress) -> None:
 
 
 def _worker(
-    operation: Callable[..., Path], src: str, dst: str, options: dict[str, Any], queue: Any
-) -> dict[str, str]:
-    """(one of the ``workers`` processes) Its part of the collective operation."""
+    operation: Callable[..., Path],
+    src: str,
+    dst: str,
+    options: dict[str, Any],
+    queue: Any,
+    token: str,
+) -> dict[str, Any]:
+    """(one of the ``workers`` processes) Its part of the collective operation.
+
+    Rank 0 stages at the path ``token`` names, and if the parent dies (the lifeline of
+    :mod:`muonckpt.launch`) it first makes sure it never commits, then removes that staging
+    directory, then dies.
+    """
+    import traceback
+    import warnings
+
+    from . import collectives, launch
+    from .errors import CheckpointWarning
+
+    if collectives.global_rank() == 0:
+        staging = storage.preset_staging(dst, token)
+
+        def abandon() -> None:
+            storage.abandon_commits()
+            storage.discard(staging)
+
+        launch.on_orphaned(abandon)
     progress = None if queue is None else lambda *update: queue.put(update)
-    try:
-        operation(src, dst, **options, progress=progress, collective=True)
-    except MuonCkptError as exc:
-        return {"error": str(exc)}
-    return {}
+    outcome: dict[str, Any] = {}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", CheckpointWarning)
+        try:
+            operation(src, dst, **options, progress=progress, collective=True)
+        except MuonCkptError as exc:
+            outcome["error"] = str(exc)
+            outcome["traceback"] = traceback.format_exc()
+    shown = [str(w.message) for w in caught if issubclass(w.category, CheckpointWarning)]
+    if shown:
+        outcome["warnings"] = shown
+    return outcome
 
 
 def summarize(src: str | os.PathLike[str]) -> dict[str, Any]:

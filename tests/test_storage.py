@@ -442,19 +442,21 @@ def test_read_text(tmp_path: Path) -> None:
 
 def test_swap_in(tmp_path: Path) -> None:
     final = tmp_path / "ckpt"
+    data = "rank-00000-of-00001.safetensors"  # retire deletes only a checkpoint's files
     for text in ["first", "second"]:
         staging = tmp_path / f".ckpt.staging-{text}"
         staging.mkdir()
-        write_text_atomic(staging / "manifest.json", text)
-        (staging / "data").write_text(text)
-        replaced = swap_in(staging, final)
-        assert read_text(final / "manifest.json") == text
+        manifest = f'{{"format": "muonckpt", "text": "{text}"}}'
+        write_text_atomic(staging / "manifest.json", manifest)
+        (staging / data).write_text(text)
+        replaced = swap_in(staging, final, overwrite=True)
+        assert read_text(final / "manifest.json") == manifest
         if text == "first":
             assert replaced is None
         else:  # the old checkpoint, its manifest already gone, waits to be retired
-            assert replaced is not None and entries(replaced) == ["data"]
-            assert (replaced / "data").read_text() == "first"
-            retire(replaced, ["data"])
+            assert replaced is not None and entries(replaced) == [data]
+            assert (replaced / data).read_text() == "first"
+            retire(replaced, [data])
             assert entries(replaced) == []
             retire(replaced)
         assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]

@@ -1,0 +1,228 @@
+"""Cost against the number of params: save, inspect, verify, load and consolidate at 1k to 100k.
+
+    python benchmarks/bench_scale.py                       # 1k and 10k params
+    python benchmarks/bench_scale.py --params 1000 --params 10000 --params 100000 --json out.json
+    python benchmarks/bench_scale.py --params 10000 --profile prof/   # cProfile of every op
+
+For each ``--params N``, one process builds the packaged :class:`muonckpt.Muon` over N tiny
+(2, 2) fp32 params in one AdamW group (two state tensors each, ``exp_avg`` and ``exp_avg_sq``),
+takes one step and saves a single-process checkpoint with :func:`muonckpt.save` (timed: the
+``save`` row). Then each operation runs in a fresh subprocess, which reports the time of the
+operation alone (interpreter start, imports and, for load, building the optimizer excluded):
+
+``inspect``      :func:`muonckpt.offline.summarize` (what ``muonckpt inspect`` shows)
+``verify``       :func:`muonckpt.verify` (every checksum)
+``load``         :func:`muonckpt.load` into a fresh optimizer over the same params
+``consolidate``  :func:`muonckpt.offline.consolidate` into a new directory
+
+and the CLI commands ``muonckpt inspect``, ``muonckpt verify`` and ``muonckpt --quiet
+consolidate`` run once more as a user runs them, timed as whole commands (``*-cli`` rows:
+interpreter, imports and the table printed to /dev/null included). The table gives seconds per
+size and, between consecutive sizes, the growth factor divided by the growth in params: 1.0 is
+linear, 10 at a 10x step is quadratic. An operation that exceeds ``--timeout`` seconds is
+recorded as such and not run at larger sizes. ``--profile DIR`` writes each operation's
+cProfile statistics to ``DIR/OP-N.pstats`` and prints its top functions by own time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+OPS = ("inspect", "verify", "load", "consolidate")
+CLI = {
+    "inspect-cli": ["inspect", "{ck}"],
+    "verify-cli": ["verify", "{ck}"],
+    "consolidate-cli": ["--quiet", "consolidate", "{ck}", "-o", "{out}"],
+}
+
+
+def _optimizer(n: int):
+    """The packaged Muon over ``n`` (2, 2) params in one AdamW group, one step taken."""
+    import torch
+
+    import muonckpt
+
+    torch.set_num_threads(1)
+    generator = torch.Generator().manual_seed(n)
+    params = [(f"layer{i:06d}.w", torch.randn(2, 2, generator=generator)) for i in range(n)]
+    opt = muonckpt.Muon([{"params": params}], lr=0.01)
+    for _, p in params:
+        p.grad = torch.randn(2, 2, generator=generator)
+    opt.step()
+    return opt
+
+
+def build(n: int, path: Path) -> dict[str, float]:
+    """(in a child) The checkpoint of ``n`` params at ``path``; the step and save times."""
+    import muonckpt
+
+    start = time.perf_counter()
+    opt = _optimizer(n)
+    built = time.perf_counter() - start
+    start = time.perf_counter()
+    muonckpt.save(opt, path)
+    return {"build_s": built, "save_s": time.perf_counter() - start}
+
+
+def run_op(op: str, ck: Path, out: Path, n: int, profile: Path | None) -> dict[str, float]:
+    """(in a child) One operation on the checkpoint, timed alone (optionally profiled)."""
+    import cProfile
+    import io
+    import pstats
+
+    import muonckpt
+    from muonckpt import offline
+
+    opt = _optimizer(n) if op == "load" else None
+    calls = {
+        "inspect": lambda: offline.summarize(ck),
+        "verify": lambda: muonckpt.verify(ck),
+        "load": lambda: muonckpt.load(opt, ck),
+        "consolidate": lambda: offline.consolidate(ck, out),
+    }
+    profiler = cProfile.Profile() if profile is not None else None
+    start = time.perf_counter()
+    if profiler is not None:
+        profiler.enable()
+    result = calls[op]()
+    if profiler is not None:
+        profiler.disable()
+    elapsed = time.perf_counter() - start
+    if op == "verify" and result:
+        raise SystemExit(f"verify found problems: {result[:3]}")
+    if profiler is not None:
+        profiler.dump_stats(profile)
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(12)
+        print(text.getvalue(), file=sys.stderr)
+    return {"op_s": elapsed}
+
+
+def _child(args: list[str], timeout: float) -> dict | None:
+    """Run this script as a child with ``args``; its JSON result, or None past ``timeout``."""
+    cmd = [sys.executable, __file__, *args]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
+    except subprocess.TimeoutExpired:
+        return None
+    sys.stderr.write(done.stderr)
+    if done.returncode != 0:
+        raise SystemExit(f"{' '.join(args)} failed:\n{done.stderr}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _cli(argv: list[str], timeout: float) -> float | None:
+    """Wall seconds of ``muonckpt ARGV`` (stdout to /dev/null), or None past ``timeout``."""
+    cmd = [sys.executable, "-m", "muonckpt.cli", *argv]
+    start = time.perf_counter()
+    try:
+        done = subprocess.run(
+            cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=timeout, check=False
+        )
+    except subprocess.TimeoutExpired:
+        return None
+    if done.returncode != 0:
+        raise SystemExit(f"muonckpt {' '.join(argv)} failed:\n{done.stderr.decode()}")
+    return time.perf_counter() - start
+
+
+def bench(sizes: list[int], root: Path, timeout: float, profile: Path | None) -> dict:
+    results: dict[str, dict[int, float | None]] = {"save": {}}
+    for op in (*OPS, *CLI):
+        results[op] = {}
+    given_up: set[str] = set()
+    for n in sizes:
+        ck, out = root / f"ck-{n}", root / f"out-{n}"
+        print(f"[{n} params] building and saving ...", file=sys.stderr, flush=True)
+        built = _child(["_build", str(n), str(ck)], timeout)
+        if built is None:
+            print(f"[{n} params] save exceeded {timeout:.0f} s: stopping", file=sys.stderr)
+            results["save"][n] = None
+            break
+        results["save"][n] = built["save_s"]
+        for op in OPS:
+            if op in given_up:
+                results[op][n] = None
+                continue
+            shutil.rmtree(out, ignore_errors=True)
+            args = ["_op", op, str(ck), str(out), str(n)]
+            if profile is not None:
+                profile.mkdir(parents=True, exist_ok=True)
+                args.append(str(profile / f"{op}-{n}.pstats"))
+            print(f"[{n} params] {op} ...", file=sys.stderr, flush=True)
+            got = _child(args, timeout)
+            results[op][n] = None if got is None else got["op_s"]
+            if got is None:
+                given_up.add(op)
+        for name, argv in CLI.items():
+            if name in given_up or name.removesuffix("-cli") in given_up:
+                results[name][n] = None
+                continue
+            shutil.rmtree(out, ignore_errors=True)
+            argv = [a.format(ck=ck, out=out) for a in argv]
+            results[name][n] = took = _cli(argv, timeout)
+            if took is None:
+                given_up.add(name)
+        shutil.rmtree(ck, ignore_errors=True)
+        shutil.rmtree(out, ignore_errors=True)
+    return results
+
+
+def _table(results: dict, sizes: list[int]) -> str:
+    head = ["operation", *(f"{n:,} params (s)" for n in sizes)]
+    head += [f"growth / params {a:,}->{b:,}" for a, b in itertools.pairwise(sizes)]
+    rows = [head, ["---"] * len(head)]
+    for op, by_size in results.items():
+        row = [op]
+        for n in sizes:
+            value = by_size.get(n)
+            row.append("-" if n not in by_size else "timeout" if value is None else f"{value:.3f}")
+        for a, b in itertools.pairwise(sizes):
+            x, y = by_size.get(a), by_size.get(b)
+            row.append(f"{(y / x) / (b / a):.2f}" if x and y else "-")
+        rows.append(row)
+    return "\n".join("| " + " | ".join(r) + " |" for r in rows)
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "_build":
+        print(json.dumps(build(int(sys.argv[2]), Path(sys.argv[3]))))
+        return
+    if len(sys.argv) > 1 and sys.argv[1] == "_op":
+        op, ck, out, n = sys.argv[2], Path(sys.argv[3]), Path(sys.argv[4]), int(sys.argv[5])
+        profile = Path(sys.argv[6]) if len(sys.argv) > 6 else None
+        print(json.dumps(run_op(op, ck, out, n, profile)))
+        return
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--params", type=int, action="append", help="params (repeatable)")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per operation")
+    parser.add_argument("--workdir", default=None, help="where to write (default: system temp)")
+    parser.add_argument("--profile", default=None, help="write cProfile stats to this directory")
+    parser.add_argument("--json", default=None, help="write every number here")
+    args = parser.parse_args()
+    sizes = sorted(args.params or [1000, 10000])
+    with tempfile.TemporaryDirectory(prefix="muonckpt-scale-", dir=args.workdir) as tmp:
+        profile = Path(args.profile).resolve() if args.profile else None
+        results = bench(sizes, Path(tmp), args.timeout, profile)
+    print(_table(results, sizes))
+    if args.json:
+        body = {
+            "sizes": sizes,
+            "seconds": {op: {str(n): v for n, v in r.items()} for op, r in results.items()},
+            "python": sys.version.split()[0],
+            "cpus": os.cpu_count(),
+        }
+        Path(args.json).write_text(json.dumps(body, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
