@@ -18,8 +18,8 @@ import logging
 import math
 import os
 import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +52,7 @@ from .manifest import (
     Scalar,
     json_safe,
     piece_from_json,
+    piece_to_json,
 )
 from .pieces import (
     PieceReader,
@@ -260,8 +261,8 @@ def _report(
 ) -> dict[str, Any]:
     """JSON form of what a rank wrote; dtypes ride along for the manifest's param entries."""
     return {
-        "files": [asdict(f) for f in files],
-        "pieces": [{**asdict(p), "dtype": records[p.tensor].dtype} for p in pieces],
+        "files": [{"name": f.name, "bytes": f.bytes} for f in files],
+        "pieces": [{**piece_to_json(p), "dtype": records[p.tensor].dtype} for p in pieces],
         "scalars": scalars,
     }
 
@@ -643,6 +644,18 @@ def _mapped(
     return out
 
 
+class _Indices(list):
+    """A group's param indices for ``load_state_dict``: torch asks ``index in group["params"]``
+    once per state value, which on a plain list makes a load quadratic in the params."""
+
+    def __init__(self, indices: Iterable[int]) -> None:
+        super().__init__(indices)
+        self._members = frozenset(self)
+
+    def __contains__(self, index: object) -> bool:
+        return index in self._members
+
+
 def _apply(
     plan: _Target, state: dict[int, dict[str, Any]], values: dict[int, torch.Tensor]
 ) -> None:
@@ -659,7 +672,7 @@ def _apply(
                 if first_param <= i < first_param + count
             },
             "param_groups": [
-                {**g, "params": [i - first_param for i in g["params"]]} for g in groups
+                {**g, "params": _Indices(i - first_param for i in g["params"])} for g in groups
             ],
         }
         hooks = _HOOKS.get(optimizer)

@@ -71,6 +71,9 @@ Progress = Callable[[int, int, int, int], None]
 """``progress(done_bytes, total_bytes, done_tensors, total_tensors)``, called once at the start
 and after each tensor is written."""
 
+MAX_RANKS = 1 << 16
+"""The most ranks ``reshard`` writes files for: planning costs ranks x params."""
+
 WORKER_TIMEOUT: float = 1800.0
 """Seconds one of several processes (``workers > 1``, torchrun) waits for the others at one
 step (the rendezvous, each exchange of results) before the run fails. The run as a whole has
@@ -78,6 +81,7 @@ no limit: it ends when the work is done, a process fails, or the command is inte
 no worker outlives the command (see :mod:`muonckpt.launch`)."""
 
 __all__ = [
+    "MAX_RANKS",
     "WORKER_TIMEOUT",
     "consolidate",
     "convert",
@@ -240,6 +244,11 @@ def reshard(
     """
     _check_workers(workers, collective)
     topology = Topology(dp, tp)
+    if topology.world_size > MAX_RANKS:
+        raise LayoutError(
+            f"reshard to {topology.world_size} ranks: muonckpt plans at most {MAX_RANKS} "
+            "(one file per rank)"
+        )
     directory, manifest = open_checkpoint(src)
     overrides = dict(tp_split_dims or {})
     unknown = sorted(set(overrides) - {e.name for e in manifest.params})

@@ -253,3 +253,23 @@ def test_lazy_public_names_all_resolve():
         assert getattr(muonckpt, name) is not None
     with pytest.raises(AttributeError):
         muonckpt.not_a_name  # noqa: B018
+
+
+def test_inspect_of_many_params_prints_plain_lines(ckpts, monkeypatch):
+    import muonckpt.cli
+
+    monkeypatch.setattr(muonckpt.cli, "TABLE_ROWS", 2)
+    result = cli("inspect", ckpts["a"])
+    assert result.exit_code == 0, result.output
+    lines = [line.split("\t") for line in result.stdout.splitlines() if "\t" in line]
+    assert lines[0][0] == "param" and len(lines) == 1 + 6
+    assert lines[1][:2] == ["w_in", "12x20"]
+
+
+def test_reshard_to_an_absurd_topology_is_refused_at_once(ckpts, tmp_path):
+    result = cli(
+        "reshard", ckpts["a"], "--dp", "1000000000", "--tp", "1000000", "-o", tmp_path / "x"
+    )
+    line = _one_error_line(result)
+    assert "at most 65536" in line
+    assert not (tmp_path / "x").exists()
