@@ -1,8 +1,9 @@
 """The ``muonckpt`` command line: a thin typer layer over :mod:`muonckpt.offline`.
 
 Exit codes: 0 ok; 1 a problem was found (``verify``, ``diff``, ``demo``); 2 bad usage or an
-unreadable input; 128 + the signal number when interrupted (130 SIGINT, 143 SIGTERM, 129 SIGHUP). Every :class:`~muonckpt.errors.MuonCkptError` becomes one ``error: ...`` line
-on stderr (a traceback only with ``--debug``), in :class:`_Group.invoke` alone.
+unreadable input; 128 + the signal number when interrupted (130 SIGINT, 143 SIGTERM, 129
+SIGHUP). Every :class:`~muonckpt.errors.MuonCkptError` becomes one ``error: ...`` line on
+stderr (a traceback only with ``--debug``), in :class:`_Group.invoke` alone.
 """
 
 from __future__ import annotations
