@@ -213,7 +213,8 @@ def open_checkpoint(path: str | os.PathLike[str]) -> tuple[Path, Manifest]:
 
 
 def size_problems(manifest: Manifest, directory: Path) -> list[CheckpointError]:
-    """Files whose size differs from the manifest, or smaller than the pieces it puts in them.
+    """Files that are symlinks, whose size differs from the manifest, or that are smaller than
+    the pieces it puts in them (a checkpoint's data files are regular files of its own).
 
     Checked before coverage, so a manifest cannot make the coverage check walk regions larger
     than the data actually on disk.
@@ -225,6 +226,11 @@ def size_problems(manifest: Manifest, directory: Path) -> list[CheckpointError]:
         claimed[piece.file] = claimed.get(piece.file, 0) + piece.region.numel * itemsize
     for entry in manifest.files:
         path = directory / entry.name
+        if path.is_symlink():
+            problems.append(
+                CheckpointError("is a symlink, not a file of this checkpoint", path=path)
+            )
+            continue
         if not path.is_file():
             problems.append(CheckpointError("missing data file", path=path))
             continue

@@ -458,3 +458,14 @@ def test_a_problem_on_one_rank_fails_every_rank_before_writing(tmp_path):
     messages = run_distributed(reserved_key_on_rank_1, 4, str(tmp_path / "ckpt"), timeout=60)
     assert all(m is not None and "reserved" in m for m in messages)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_symlinked_data_file_is_reported_and_refused(ckpt, tmp_path):
+    data = next(p for p in ckpt.iterdir() if p.suffix == ".safetensors")
+    elsewhere = tmp_path / "elsewhere.safetensors"
+    data.rename(elsewhere)
+    data.symlink_to(elsewhere)
+    problems = muonckpt.verify(ckpt)
+    assert any("is a symlink" in str(p) and data.name in str(p) for p in problems)
+    with pytest.raises(CheckpointError, match="is a symlink"):
+        _load(ckpt)
