@@ -1,0 +1,142 @@
+"""The pure cores added for the seed's sharding and for moving between implementations:
+``muonckpt.grid`` (merging each rank's report of its params) and ``muonckpt.kinds``
+(momentum forms and lr rules). No processes, no torch."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from muonckpt import StateDictError
+from muonckpt.grid import LocalParam, RankReport, merge_reports
+from muonckpt.kinds import EMA, SUM, GroupKind, state_mapping, trajectory_notes
+from muonckpt.layout import ParamSpec, Topology, arrange
+
+
+def reports(shapes, topology: Topology, named: bool, drop_empty: bool):
+    """What each rank of a seed-style layout reports: params it owns no element of are left
+    out when ``drop_empty`` (the seed), else held as empty shards."""
+    specs = [
+        ParamSpec(f"p{i}", s, tp_split_dim=0 if s[0] % topology.tp == 0 else -1)
+        for i, s in enumerate(shapes)
+    ]
+    layout = arrange(specs, topology)
+    out = []
+    for rank in range(topology.world_size):
+        d, t = topology.coords(rank)
+        params = []
+        for i, spec in enumerate(specs):
+            if drop_empty and not layout.region(i, d, t).numel:
+                continue
+            place = layout.placements[i]
+            bucket = layout.buckets[place.buffer][place.bucket]
+            params.append(
+                LocalParam(
+                    name=spec.name if named else None,
+                    group=0,
+                    local_shape=layout.local_shape(i),
+                    tp_split_dim=spec.tp_split_dim,
+                    buffer=place.buffer,
+                    bucket=place.bucket,
+                    global_range=place.global_range,
+                    bucket_span=(bucket.size, bucket.offset),
+                    dtype="float32",
+                )
+            )
+        out.append(RankReport(1, tuple(params)))
+    return specs, out
+
+
+shapes_strategy = st.lists(
+    st.tuples(st.sampled_from([2, 4, 6, 8]), st.integers(1, 5)), min_size=1, max_size=6
+)
+
+
+@given(
+    shapes=shapes_strategy,
+    dp=st.integers(1, 4),
+    tp=st.sampled_from([1, 2]),
+    named=st.booleans(),
+    drop_empty=st.booleans(),
+)
+def test_merge_recovers_every_param_whatever_the_ranks_leave_out(shapes, dp, tp, named, drop_empty):
+    topology = Topology(dp, tp)
+    specs, rank_reports = reports(shapes, topology, named, drop_empty)
+    grid = merge_reports(rank_reports, topology)
+    assert [p.full_shape for p in grid.params] == [s.shape for s in specs]
+    assert [p.name for p in grid.params] == [
+        s.name if named else str(i) for i, s in enumerate(specs)
+    ]
+    for param in grid.params:
+        covered = sum(
+            param.owner_region(topology, *topology.coords(r)).numel
+            for r in range(topology.world_size)
+        )
+        assert covered == param.spec.local_shape[0] * param.spec.local_shape[1] * (
+            tp if param.spec.tp_split_dim >= 0 else 1
+        )
+
+
+def test_a_rank_lacking_a_param_it_owns_elements_of_is_named():
+    topology = Topology(2, 1)
+    # 36 elements, 18 a rank: p1 = [12, 24) straddles both; rank 1 leaves it out.
+    _, rank_reports = reports([(4, 3)] * 3, topology, named=True, drop_empty=True)
+    held = rank_reports[1].params
+    rank_reports[1] = RankReport(1, tuple(p for p in held if p.name != "p1"))
+    with pytest.raises(StateDictError, match=r"grid rank 1 \(dp 1, tp 0\).*does not hold"):
+        merge_reports(rank_reports, topology)
+
+
+def test_ranks_that_disagree_are_named():
+    topology = Topology(2, 1)
+    _, rank_reports = reports([(4, 4), (4, 4)], topology, named=True, drop_empty=False)
+    first = rank_reports[1].params[0]
+    changed = LocalParam(**{**first.to_json(), "dtype": "bfloat16"})
+    rank_reports[1] = RankReport(1, (changed, *rank_reports[1].params[1:]))
+    with pytest.raises(StateDictError, match=r"param 'p0': grid rank 0 .* and grid rank 1 .*dtype"):
+        merge_reports(rank_reports, topology)
+
+
+def test_names_on_some_ranks_only_are_refused():
+    topology = Topology(2, 1)
+    _, named = reports([(4, 4)], topology, named=True, drop_empty=False)
+    _, unnamed = reports([(4, 4)], topology, named=False, drop_empty=False)
+    with pytest.raises(StateDictError, match="names its params"):
+        merge_reports([named[0], unnamed[1]], topology)
+
+
+PACKAGED = GroupKind("muonckpt.Muon", "muon", SUM, 0.9, True, "moonlight", 0.2)
+TORCH = GroupKind("torch.optim.Muon", "muon", EMA, 0.9, True, "aspect")
+
+
+def test_momentum_factor_between_forms():
+    assert state_mapping(PACKAGED, TORCH, "w", None).keys["momentum_buffer"][1] == pytest.approx(
+        0.1
+    )
+    assert state_mapping(TORCH, PACKAGED, "w", None).keys["momentum_buffer"][1] == pytest.approx(
+        10.0
+    )
+    assert state_mapping(PACKAGED, PACKAGED, "w", None).note is None
+
+
+def test_settings_that_cannot_continue_the_trajectory_name_the_fix():
+    (note,) = trajectory_notes(PACKAGED, TORCH)
+    assert 'adjust_lr_fn="match_rms_adamw"' in note
+    assert (
+        trajectory_notes(
+            PACKAGED,
+            GroupKind(**{**TORCH.to_json(), "lr_rule": "moonlight", "matched_adamw_rms": 0.2}),
+        )
+        == []
+    )
+
+
+def test_grid_and_kinds_do_not_import_torch():
+    probe = "import sys, muonckpt.grid, muonckpt.kinds, muonckpt.manifest\n"
+    probe += "print('torch' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert done.stdout.strip() == "False", done.stderr
