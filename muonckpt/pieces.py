@@ -25,6 +25,7 @@ from . import storage
 from .errors import CheckpointError
 from .layout import Region, Strided, strided_runs
 from .manifest import (
+    CONSOLIDATED,
     MANIFEST_NAME,
     PARAM_KEY,
     PER_RANK,
@@ -306,6 +307,13 @@ class PieceReader:
             raise CheckpointError(
                 f"header says {record.dtype} x {record.numel} elements, the manifest "
                 f"{dtype} x {piece.region.numel}",
+                path=reader.path,
+                param=piece.param,
+            )
+        full = self.manifest.kind == CONSOLIDATED  # stored at full shape, as load_file gives it
+        if full and tuple(record.shape) != tuple(entry.shape):
+            raise CheckpointError(
+                f"header says shape {tuple(record.shape)}, the manifest {tuple(entry.shape)}",
                 path=reader.path,
                 param=piece.param,
             )

@@ -469,3 +469,19 @@ def test_a_symlinked_data_file_is_reported_and_refused(ckpt, tmp_path):
     assert any("is a symlink" in str(p) and data.name in str(p) for p in problems)
     with pytest.raises(CheckpointError, match="is a symlink"):
         _load(ckpt)
+
+
+def test_same_numel_shape_edit_of_an_unsplit_param_is_caught_in_a_consolidated_checkpoint(
+    saved, tmp_path
+):
+    """Unsplit, the regions are flat ranges that fit either shape: the full-shape headers of a
+    consolidated checkpoint are what tells."""
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(saved["consolidated"], ckpt)
+    body = _manifest(ckpt)
+    next(p for p in body["params"] if p["name"] == "w_mid")["shape"] = [14, 10]
+    _write_manifest(ckpt, body)
+    assert any("header says shape (10, 14)" in str(p) for p in muonckpt.verify(ckpt))
+    with pytest.raises(CheckpointError, match="w_mid"):
+        muonckpt.offline.consolidate(ckpt, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
