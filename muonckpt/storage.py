@@ -24,7 +24,6 @@ import functools
 import itertools
 import json
 import math
-import mmap
 import os
 import re
 import struct
@@ -77,7 +76,6 @@ _WRITE_BYTES = 1 << 20
 """Bytes per write call. On the benchmark VM, 1 GB written into the page cache in 32 MiB calls
 took 0.35-3.7 s from run to run, in 1 MiB calls a steady 0.31-0.42 s."""
 
-_MAP_FLAGS = getattr(mmap, "MAP_SHARED", 0) | getattr(mmap, "MAP_POPULATE", 0)
 _VERIFY_WINDOW = 4 << 20
 """Bytes read at a time by :meth:`SafetensorsReader.verify`, with ``pread`` into one reused
 buffer. On the benchmark VM, verify of a warm 305 MB checkpoint took 0.065 s so (min of 21
@@ -574,16 +572,11 @@ class SafetensorsReader:
         """Copy strided groups of tensor ``key``'s elements into the byte buffer ``out``.
 
         Offsets, lengths and steps of ``groups`` count elements of the tensor's dtype: ``src``
-        in the tensor, ``dst`` in ``out``. The span of the file they cover is mapped read-only
-        and prefaulted (no read copy; the kernel maps the page cache), each group is placed by
-        one 2-D copy, and the mapping is dropped. With ``checksums`` (the writer's, per
-        ``chunk_bytes`` chunk of the tensor's data) the whole chunks covering the span are
-        verified first: a mismatch raises :class:`CheckpointError` and ``out`` is untouched.
-
-        The file's size is checked again after mapping and before each group's copy, so a file
-        shrunk by another process meanwhile raises instead of touching the mapping past its
-        end (SIGBUS); a shrink that lands during the copy itself still would (see
-        docs/reliability.md). :meth:`verify` reads with ``pread`` and cannot be hit so.
+        in the tensor, ``dst`` in ``out``. The span of the file they cover is read by ``pread``
+        into a reused buffer (never mapped: a file shrunk by another process meanwhile is a
+        :class:`CheckpointError`, not SIGBUS), and each group is placed by one 2-D copy. With
+        ``checksums`` (the writer's, per ``chunk_bytes`` chunk of the tensor's data) the whole
+        chunks covering the span are verified first: a mismatch raises and ``out`` is untouched.
         """
         rec = self.record(key)
         size = _ITEMSIZE[rec.dtype]
@@ -605,20 +598,18 @@ class SafetensorsReader:
             )
         if checksums is not None:
             lo, hi = self._chunk_span(key, rec, lo, hi, checksums, chunk_bytes)
-        with self._mapped(key, rec.offset + lo, hi - lo) as data:
-            if checksums is not None:
-                self._verify(key, rec, data, lo, checksums, chunk_bytes)
-            target = np.frombuffer(out, dtype=np.uint8)
-            for g in groups:
-                self._check_size(key, rec.offset + hi)
-                shape = (g.count, g.length * size)
-                dst = target[g.dst * size :]
-                src = data[g.src * size - lo :]
-                np.copyto(
-                    as_strided(dst, shape, (g.dst_step * size, 1)),
-                    as_strided(src, shape, (g.src_step * size, 1), writeable=False),
-                )
-            del target, dst, src
+        data = self._span(key, rec.offset + lo, hi - lo)
+        if checksums is not None:
+            self._verify(key, rec, data, lo, checksums, chunk_bytes)
+        target = np.frombuffer(out, dtype=np.uint8)
+        for g in groups:
+            shape = (g.count, g.length * size)
+            dst = target[g.dst * size :]
+            src = data[g.src * size - lo :]
+            np.copyto(
+                as_strided(dst, shape, (g.dst_step * size, 1)),
+                as_strided(src, shape, (g.src_step * size, 1), writeable=False),
+            )
 
     def verify(self, key: str, checksums: Sequence[str], chunk_bytes: int = CHUNK_BYTES) -> None:
         """Check every checksum chunk of tensor ``key``, reading at most :data:`_VERIFY_WINDOW`
@@ -718,38 +709,12 @@ class SafetensorsReader:
                     key,
                 )
 
-    @contextlib.contextmanager
-    def _mapped(self, key: str, offset: int, length: int) -> Iterator[np.ndarray]:
-        """File bytes ``[offset, offset + length)``, mapped read-only while the block runs.
-
-        Prefaulted where the platform can (``MAP_POPULATE``): one call maps every page instead
-        of a fault per page. The file's size is checked before and right after mapping, since
-        touching a mapping past the end of a truncated file would kill the process (SIGBUS)
-        rather than raise.
-        """
-        fd = self._check_open()
+    def _span(self, key: str, offset: int, length: int) -> np.ndarray:
+        """File bytes ``[offset, offset + length)``, read by ``pread`` into this thread's reused
+        buffer (valid until its next read). Not a mapping: touching a mapping of a file another
+        process shrinks meanwhile kills the process (SIGBUS), where a short read raises."""
         self._check_size(key, offset + length)
-        base = offset - offset % mmap.ALLOCATIONGRANULARITY
-        span = offset + length - base
-        try:
-            if hasattr(mmap, "MAP_SHARED"):
-                mapping = mmap.mmap(fd, span, _MAP_FLAGS, mmap.PROT_READ, offset=base)
-            else:  # pragma: no cover - Windows
-                mapping = mmap.mmap(fd, span, access=mmap.ACCESS_READ, offset=base)
-        except (OSError, ValueError) as e:
-            raise self._fail(f"cannot map bytes [{offset}, {offset + length}): {e}", key) from e
-        try:
-            self._check_size(key, offset + length)
-        except BaseException:
-            mapping.close()
-            raise
-        data = np.frombuffer(mapping, dtype=np.uint8, count=length, offset=offset - base)
-        try:
-            yield data
-        finally:
-            del data
-            with contextlib.suppress(BufferError):  # a view still alive: unmapped when collected
-                mapping.close()
+        return self._read_into(key, self._buffer(length), offset)
 
     def read_tensor(
         self, key: str, *, checksums: Sequence[str] | None = None, chunk_bytes: int = CHUNK_BYTES
