@@ -34,6 +34,7 @@ import torch
 from . import collectives
 from .errors import StateDictError
 from .grid import GridParams, LocalParam, RankReport, merge_reports
+from .kinds import ADAMW_STATE_KEYS, MUON_STATE_KEYS
 from .layout import Region, Topology, tp_full_shape, tp_region, whole_region
 from .regions import extract, insert_
 
@@ -604,7 +605,6 @@ def describe_muon(optimizer: Any) -> Sharding:
     In distributed mode the grid's param list is learned once by a collective over the grid
     (:func:`muonckpt.grid.merge_reports`) and kept beside the optimizer.
     """
-    from .optim import ADAMW_STATE_KEYS, MUON_STATE_KEYS
 
     def keys(group: int) -> tuple[str, ...]:
         use_muon = optimizer.param_groups[group].get("use_muon", False)

@@ -28,6 +28,10 @@ MOONLIGHT = "moonlight"
 ASPECT = "aspect"
 """``lr * sqrt(max(1, A / B))``: torch's default (``adjust_lr_fn`` None or "original") and
 KellerJordan's ``max(1, A / B) ** 0.5``."""
+MUON_STATE_KEYS = ("momentum_buffer",)
+"""The state keys of a Muon param in the packaged Muon (and torch's, and KellerJordan's)."""
+ADAMW_STATE_KEYS = ("exp_avg", "exp_avg_sq")
+"""The state keys of an AdamW param in the packaged Muon."""
 FAMILIES = {"packaged": "muonckpt.Muon", "torch": "torch.optim", "keller-jordan": "muon"}
 KNOWN = (
     "muonckpt.Muon",

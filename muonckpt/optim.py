@@ -16,11 +16,10 @@ import torch.distributed as dist
 
 from . import collectives
 from .errors import LayoutError
+from .hooks import attach_muon_hooks
 from .layout import Range, dp_slice
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
-MUON_STATE_KEYS = ("momentum_buffer",)
-ADAMW_STATE_KEYS = ("exp_avg", "exp_avg_sq")
 
 
 def newton_schulz(grad: torch.Tensor, steps: int) -> torch.Tensor:
@@ -136,8 +135,6 @@ class Muon(torch.optim.Optimizer):
         self.dist_metas: dict[torch.Tensor, MuonDistMeta] = {}
         self.global_buffer_sizes: list[list[tuple[int, int]]] = []
         self.local_buffer_ranges: list[list[Range]] = []
-        from .hooks import attach_muon_hooks
-
         attach_muon_hooks(self)
 
     def enable_distributed_mode(
