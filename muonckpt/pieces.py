@@ -205,12 +205,31 @@ def open_checkpoint(path: str | os.PathLike[str]) -> tuple[Path, Manifest]:
     """The directory and manifest of a checkpoint whose pieces cover every state tensor once."""
     directory = Path(path)
     manifest = read_manifest(directory)
-    problems = size_problems(manifest, directory) or [
+    problems = size_problems(manifest, directory)
+    if problems:
+        raise changed_while_reading(directory, manifest) or problems[0]
+    problems = [
         CheckpointError(p, path=directory / MANIFEST_NAME) for p in manifest.coverage_problems()
     ]
     if problems:
         raise problems[0]
     return directory, manifest
+
+
+def changed_while_reading(directory: Path, manifest: Manifest) -> CheckpointError | None:
+    """The error to raise when the checkpoint's manifest is no longer ``manifest`` (a writer
+    replaced the checkpoint while it was read), else None: a missing or resized data file is
+    then a race, not damage."""
+    try:
+        now = read_manifest(directory)
+    except CheckpointError:
+        now = None
+    if now is not None and (now.files, now.pieces) == (manifest.files, manifest.pieces):
+        return None
+    return CheckpointError(
+        "the checkpoint changed while reading (another writer replaced it): read it again",
+        path=directory / MANIFEST_NAME,
+    )
 
 
 def size_problems(manifest: Manifest, directory: Path) -> list[CheckpointError]:
@@ -283,9 +302,11 @@ class PieceReader:
         if file not in self._readers:
             path = self.directory / file
             if not path.is_file():
-                raise CheckpointError("missing data file", path=path)
+                changed = changed_while_reading(self.directory, self.manifest)
+                raise changed or CheckpointError("missing data file", path=path)
             if path.stat().st_size != self._sizes[file]:
-                raise CheckpointError(
+                changed = changed_while_reading(self.directory, self.manifest)
+                raise changed or CheckpointError(
                     f"file is {path.stat().st_size} bytes, the manifest says {self._sizes[file]}"
                     " (truncated or replaced)",
                     path=path,

@@ -485,3 +485,21 @@ def test_same_numel_shape_edit_of_an_unsplit_param_is_caught_in_a_consolidated_c
     with pytest.raises(CheckpointError, match="w_mid"):
         muonckpt.offline.consolidate(ckpt, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_checkpoint_replaced_while_read_says_so_not_missing_file(tmp_path):
+    """A reader that opened a per-rank checkpoint, replaced meanwhile by a consolidated one (other
+    files): the race is named, not reported as damage."""
+    from muonckpt.layout import whole_region
+    from muonckpt.pieces import PieceReader, open_checkpoint
+
+    target = muonckpt.save(_single_process_opt(1), tmp_path / "ckpt")
+    directory, manifest = open_checkpoint(target)
+    muonckpt.save(_single_process_opt(2), target, consolidated=True, overwrite=True)
+    entry = manifest.params[0]
+    pieces = [p for p in manifest.pieces if p.param == entry.name and p.key == "param"]
+    with (
+        PieceReader(directory, manifest) as reader,
+        pytest.raises(CheckpointError, match="changed while reading"),
+    ):
+        reader.gather(pieces, entry, "param", whole_region(entry.numel))
