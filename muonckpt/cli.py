@@ -287,7 +287,9 @@ def consolidate(
     workers: Workers = 1,
     quiet: Quiet = False,
 ) -> None:
-    """Rewrite any checkpoint as full-shape tensors (state.<param>.<key>) in safetensors files.
+    """Rewrite any checkpoint as full-shape tensors: optimizer.safetensors and model.safetensors.
+
+    The state as state.<param>.<key>, the params by name (where the checkpoint holds them).
 
     Example: muonckpt consolidate ckpt/step-1000 -o ckpt/full --max-shard-size 5GB
 
@@ -424,8 +426,7 @@ def inspect(
     src: Src,
     as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")] = False,
 ) -> None:
-    """Show a checkpoint's topology, step, params, shapes, dtypes, state keys, saved param
-    values and sizes.
+    """Show a checkpoint's topology, step, params, dtypes, state keys, values and sizes.
 
     Example: muonckpt inspect ckpt/step-1000 --json
     """
