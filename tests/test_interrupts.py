@@ -127,6 +127,18 @@ def _workers(tag: str) -> list[int]:
     return sorted(pid for pid in procs if _parent_pid(pid) in servers)
 
 
+def _signal(proc: subprocess.Popen, signum: int) -> str:
+    """Send ``signum`` and wait for the command to end; its stderr (killed if it hangs)."""
+    try:
+        proc.send_signal(signum)
+        _, stderr = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return stderr
+
+
 @pytest.mark.parametrize(
     ("signum", "code"),
     [(signal.SIGKILL, -signal.SIGKILL), (signal.SIGTERM, 143), (signal.SIGINT, 130)],
@@ -138,12 +150,10 @@ def test_a_signal_to_the_cli_leaves_no_process_and_no_output(setup, tmp_path, si
     try:
         _wait_until_writing(proc, out)
         assert len(_workers(tag)) == 2
-        proc.send_signal(signum)
-        _, stderr = proc.communicate(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    except BaseException:
+        _signal(proc, signal.SIGKILL)
+        raise
+    stderr = _signal(proc, signum)
     assert proc.returncode == code, stderr
     if signum != signal.SIGKILL:  # after SIGKILL only the resource tracker may speak
         assert stderr == "error: interrupted\n"
@@ -156,17 +166,11 @@ def test_a_signal_to_the_cli_leaves_no_process_and_no_output(setup, tmp_path, si
 def test_a_signal_to_a_single_process_cli_removes_its_staging(setup, tmp_path, signum, code):
     out, tag = tmp_path / "out", uuid.uuid4().hex
     proc = _start(setup, out, tag, workers=1, MUONCKPT_TEST_PWRITE_DELAY="0.2")
-    try:
-        deadline = time.monotonic() + 30
-        while not list(tmp_path.glob(".out.staging-*/.*.tmp-*")):  # a file being written
-            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-            time.sleep(0.02)
-        proc.send_signal(signum)
-        _, stderr = proc.communicate(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    deadline = time.monotonic() + 30
+    while not list(tmp_path.glob(".out.staging-*/.*.tmp-*")):  # a file being written
+        assert proc.poll() is None and time.monotonic() < deadline, _signal(proc, signal.SIGKILL)
+        time.sleep(0.02)
+    stderr = _signal(proc, signum)
     assert (proc.returncode, stderr) == (code, "error: interrupted\n")
     _assert_nothing_left(tag, out)
 
