@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from . import collectives, kinds, storage
+from . import collectives, kinds, storage, writing
 from .errors import CheckpointError, ConversionWarning, StateDictError
 from .hooks import (
     _HOOKS,
@@ -44,26 +44,14 @@ from .manifest import (
     MANIFEST_NAME,
     PARAM_KEY,
     PER_RANK,
-    FileEntry,
     GroupEntry,
     Manifest,
     ParamEntry,
-    Piece,
     Scalar,
     json_safe,
-    piece_from_json,
-    piece_to_json,
 )
-from .pieces import (
-    PieceReader,
-    consolidated_files,
-    open_checkpoint,
-    piece_for,
-    prefetched,
-    rank_file,
-    tensor_key,
-    unique_tensor_keys,
-)
+from .pieces import PieceReader, open_checkpoint
+from .writeplan import consolidated_plan, rank_plan, unique_tensor_keys
 
 
 def save(
@@ -87,8 +75,8 @@ def save(
         path: target directory. The save is staged beside it and swapped in atomically.
         consolidated: gather full-shape tensors on rank 0 and write the state as
             ``state.<param>.<key>`` in ``optimizer.safetensors`` and the params by name in
-            ``model.safetensors`` (see :func:`write_full_tensors`), instead of one file per
-            rank (no gathering; only metadata crosses ranks).
+            ``model.safetensors`` (:func:`muonckpt.writeplan.consolidated_plan`), instead of
+            one file per rank (no gathering; only metadata crosses ranks).
         max_shard_size: with ``consolidated``, split each family of files past this many bytes,
             HF style.
         params: also save the optimizer's params (the default), so that :func:`load` restores
@@ -101,40 +89,24 @@ def save(
     if not isinstance(optimizer, torch.optim.Optimizer):
         optimizer = _Joined(list(optimizer))
     sharding = describe(optimizer)
-    final = Path(path)
-    me, dst = collectives.global_rank(), sharding.destination
-    problem = collectives.as_outcome(lambda: _check_storable(sharding, optimizer, params, final))
-    problems = collectives.gather_json(problem, sharding.participants, dst)
-    staging: Any = None
-    if me == dst:
-        errors = [p for p in problems if isinstance(p, dict)]
-        staging = (
-            errors[0]
-            if errors
-            else collectives.as_outcome(lambda: str(storage.make_staging(final, overwrite)))
+    steps = collectives.CollectiveSteps(
+        "save", sharding.participants, sharding.destination, CheckpointError
+    )
+    if consolidated:
+        write = lambda staging: _write_consolidated(  # noqa: E731
+            optimizer, sharding, staging, max_shard_size, params
         )
-    staging = Path(_agree_or_raise(sharding, staging))
-    try:
-        if consolidated:
-            report = _write_consolidated(optimizer, sharding, staging, max_shard_size, params)
-        else:
-            report = collectives.as_outcome(
-                lambda: _write_rank_file(optimizer, sharding, staging, params)
-            )
-        reports = collectives.gather_json(report, sharding.participants, dst)
-        outcome = None
-        if me == dst:
-            outcome = collectives.as_outcome(
-                lambda: _commit(optimizer, sharding, staging, final, reports, consolidated)
-            )
-        replaced = _agree_or_raise(sharding, outcome)
-    except BaseException:
-        if me == dst:
-            storage.discard(staging)
-        raise
-    if replaced is not None:
-        _retire_together(sharding, replaced)
-    return final
+    else:
+        write = lambda staging: _write_rank_file(optimizer, sharding, staging, params)  # noqa: E731
+    kind = CONSOLIDATED if consolidated else PER_RANK
+    return writing.write_checkpoint(
+        steps,
+        path,
+        overwrite=overwrite,
+        check=lambda: _check_storable(sharding, optimizer, params, Path(path)),
+        write=write,
+        manifest=lambda reports: build_manifest(optimizer, sharding, reports, kind),
+    )
 
 
 class _Joined:
@@ -184,11 +156,6 @@ def _check_storable(
     unique_tensor_keys(iter(keys), where)
 
 
-def _agree_or_raise(sharding: Sharding, value: Any) -> Any:
-    """Broadcast the destination's value; an ``{"error": ...}`` value raises on every rank."""
-    return collectives.agree_or_raise(value, sharding.participants, sharding.destination)
-
-
 def _local_state(
     optimizer: torch.optim.Optimizer, sharding: Sharding, params: bool
 ) -> dict[int, dict[str, Any]]:
@@ -218,32 +185,24 @@ def _owned(
 
 def _write_rank_file(
     optimizer: torch.optim.Optimizer, sharding: Sharding, staging: Path, params: bool
-) -> dict[str, Any]:
-    """Write this rank's own pieces; return the report (files, pieces, scalars) for the
-    manifest."""
+) -> writing.Written:
+    """Write this rank's own pieces (its file of :func:`rank_plan`); scalars are reported."""
     me = collectives.global_rank()
-    rank = sharding.participants.index(me)
-    name = rank_file(rank, len(sharding.participants))
-    tensors, regions, scalars = {}, {}, {}
+    owned, tensors, scalars = [], {}, {}
     for param, state in _owned(optimizer, sharding, params):
         holding = next(h for h in param.sources if h.rank == me)
-        for key, value in sorted(state.items()):
+        for key, value in state.items():
             info = describe_value(param, key, value)
             if info["kind"] != "tensor":
                 scalars.setdefault(param.name, {})[key] = _scalar_json(info)
                 continue
-            tkey = tensor_key(param.name, key)
-            tensors[tkey] = value.reshape(-1)
-            regions[tkey] = (param.name, key, holding.region)
-    records = storage.write_safetensors(
-        staging / name, tensors, {"format": "muonckpt", "rank": str(rank)}
-    )
-    pieces = [
-        piece_for(name, records[tkey], param, key, region)
-        for tkey, (param, key, region) in regions.items()
-    ]
-    files = [FileEntry(name, storage.file_size(staging / name))]
-    return _report(files, pieces, records, scalars)
+            owned.append(((param.name, key, storage.dtype_name(value.dtype)), holding.region))
+            tensors[param.name, key] = value
+    rank = sharding.participants.index(me)
+    plan = rank_plan(rank, len(sharding.participants), owned)
+    written = writing.write_files(plan, staging, lambda w: tensors[w.param, w.key].reshape(-1))
+    written.extra = scalars
+    return written
 
 
 def _scalar_json(info: Mapping[str, Any]) -> dict[str, Any]:
@@ -253,148 +212,44 @@ def _scalar_json(info: Mapping[str, Any]) -> dict[str, Any]:
     return {"value": value, "dtype": storage.dtype_name(getattr(torch, dtype)) if dtype else None}
 
 
-def _report(
-    files: list[FileEntry],
-    pieces: list[Piece],
-    records: Mapping[str, storage.TensorRecord],
-    scalars: Mapping[str, Mapping[str, Any]],
-) -> dict[str, Any]:
-    """JSON form of what a rank wrote; dtypes ride along for the manifest's param entries."""
-    return {
-        "files": [{"name": f.name, "bytes": f.bytes} for f in files],
-        "pieces": [{**piece_to_json(p), "dtype": records[p.tensor].dtype} for p in pieces],
-        "scalars": scalars,
-    }
-
-
 def _write_consolidated(
     optimizer: torch.optim.Optimizer,
     sharding: Sharding,
     staging: Path,
     max_shard_size: int | None,
     params: bool,
-) -> dict[str, Any]:
+) -> writing.Written:
+    """Gather every param's full state on the destination, which writes the files of
+    :func:`consolidated_plan`; the other ranks write nothing."""
     full = gather_full_state(sharding, _local_state(optimizer, sharding, params))
     if full is None:
-        return {"files": [], "pieces": [], "scalars": {}}
-
-    def write() -> dict[str, Any]:
-        by_name, items, scalars = {}, [], {}
-        for index, param in enumerate(sharding.params):
-            by_name[param.name] = state = full.get(index, {})
-            for key, value in sorted(state.items()):
-                info = describe_value(param, key, value)
-                if info["kind"] == "tensor":
-                    dtype = storage.dtype_name(value.dtype)
-                    items.append((param.name, key, dtype, param.full_shape))
-                else:
-                    scalars.setdefault(param.name, {})[key] = _scalar_json(info)
-        fetch = lambda name, key: by_name[name][key]  # noqa: E731
-        return _report(
-            *write_full_tensors(staging, items, fetch, max_shard_size=max_shard_size), scalars
-        )
-
-    return collectives.as_outcome(write)
-
-
-def write_full_tensors(
-    staging: Path,
-    items: Sequence[tuple[str, str, str, tuple[int, ...]]],
-    fetch: Callable[[str, str], torch.Tensor],
-    *,
-    max_shard_size: int | None = None,
-) -> tuple[list[FileEntry], list[Piece], dict[str, storage.TensorRecord]]:
-    """Write full-shape tensors, streaming one at a time, as a consolidated checkpoint has them.
-
-    ``items`` are (param, key, safetensors dtype, full shape); ``fetch(param, key)`` produces
-    each tensor when its turn comes. State goes to ``optimizer.safetensors`` as
-    ``state.<param>.<key>``, values (key :data:`PARAM_KEY`) to ``model.safetensors`` under the
-    param's name; past ``max_shard_size`` bytes a family is split HF style
-    (:func:`muonckpt.pieces.consolidated_files`).
-    """
-    specs = {(name, key): (dtype, shape) for name, key, dtype, shape in items}
-    sizes = {
-        item: math.prod(shape) * storage.itemsize(dtype) for item, (dtype, shape) in specs.items()
-    }
-    files, texts = consolidated_files(sizes, max_shard_size)
-    entries, pieces, all_records = [], [], {}
-    for file, members in files:
-        header = {tensor_key(*item): specs[item] for item in members}
-        with storage.SafetensorsWriter(staging / file, header, {"format": "muonckpt"}) as out:
-            for item, tensor in prefetched(members, lambda item: fetch(*item)):
-                out.write(tensor_key(*item), tensor.reshape(specs[item][1]))
-                del tensor
-            records = out.commit()
-        all_records.update(records)
-        for name, key in members:
-            numel = math.prod(specs[name, key][1])
-            record = records[tensor_key(name, key)]
-            pieces.append(piece_for(file, record, name, key, whole_region(numel)))
-        entries.append(FileEntry(file, storage.file_size(staging / file)))
-    for name, text in texts.items():
-        storage.write_text_atomic(staging / name, text)
-    return entries, pieces, all_records
-
-
-def _commit(
-    optimizer: torch.optim.Optimizer,
-    sharding: Sharding,
-    staging: Path,
-    final: Path,
-    reports: list[dict[str, Any]],
-    consolidated: bool,
-) -> dict[str, Any] | None:
-    errors = [r["error"] for r in reports if "error" in r]
-    if errors:
-        return {"error": "; ".join(errors)}
-    raw = [p for r in reports for p in r["pieces"]]
-    scalars: dict[str, dict[str, Scalar]] = {}
-    for report in reports:
-        for name, values in report["scalars"].items():
-            for key, item in values.items():
-                scalars.setdefault(name, {}).setdefault(key, Scalar(item["value"], item["dtype"]))
-    manifest = build_manifest(
-        optimizer,
-        sharding,
-        [piece_from_json(p) for p in raw],
-        {(p["param"], p["key"]): p["dtype"] for p in raw},
-        [FileEntry(f["name"], f["bytes"]) for r in reports for f in r["files"]],
-        CONSOLIDATED if consolidated else PER_RANK,
-        scalars,
-    )
-    storage.write_text_atomic(staging / MANIFEST_NAME, manifest.to_json())
-    storage.fsync_dir(staging)
-    replaced = storage.swap_in(staging, final)
-    if replaced is None:
-        return None
-    return {"directory": str(replaced), "files": storage.entries(replaced)}
-
-
-def _retire_together(sharding: Sharding, replaced: dict[str, Any]) -> None:
-    """Delete the checkpoint a save replaced, each rank a share of its files.
-
-    Freeing a large file's blocks takes time, so the ranks delete in parallel (as each rank's
-    ``save_file`` over an old file would truncate its own); the destination removes what is
-    left once every rank is done.
-    """
-    me, ranks = collectives.global_rank(), sharding.participants
-    storage.retire(replaced["directory"], replaced["files"][ranks.index(me) :: len(ranks)])
-    collectives.gather_json(None, ranks, sharding.destination)
-    if me == sharding.destination:
-        storage.retire(replaced["directory"])
+        return writing.Written([], [], {})
+    by_name, items, scalars = {}, [], {}
+    for index, param in enumerate(sharding.params):
+        by_name[param.name] = state = full.get(index, {})
+        for key, value in state.items():
+            info = describe_value(param, key, value)
+            if info["kind"] == "tensor":
+                items.append(((param.name, key, storage.dtype_name(value.dtype)), param.full_shape))
+            else:
+                scalars.setdefault(param.name, {})[key] = _scalar_json(info)
+    plan = consolidated_plan(items, max_shard_size)
+    written = writing.write_files(plan, staging, lambda w: by_name[w.param][w.key])
+    written.extra = scalars
+    return written
 
 
 def build_manifest(
-    optimizer: torch.optim.Optimizer,
-    sharding: Sharding,
-    pieces: list[Piece],
-    dtypes: Mapping[tuple[str, str], str],
-    files: list[FileEntry],
-    kind: str,
-    scalars: Mapping[str, Mapping[str, Scalar]],
+    optimizer: torch.optim.Optimizer, sharding: Sharding, reports: writing.Reports, kind: str
 ) -> Manifest:
-    """The manifest of a save: params and groups from the grid, pieces and scalars from the
-    ranks. ``dtypes`` maps (param, stored key) to the safetensors dtype written."""
+    """The manifest of a save: params and groups from the grid, files, pieces, dtypes and
+    scalars from the ranks' reports."""
+    scalars: dict[str, dict[str, Scalar]] = {}
+    for extra in reports.extras:
+        for name, values in (extra or {}).items():
+            for key, item in values.items():
+                scalars.setdefault(name, {}).setdefault(key, Scalar(item["value"], item["dtype"]))
+    pieces, dtypes = reports.pieces, reports.dtypes
     keys: dict[str, set[str]] = {}
     for piece in pieces:
         keys.setdefault(piece.param, set()).add(piece.key)
@@ -421,7 +276,7 @@ def build_manifest(
         topology=dict(sharding.topology),
         groups=tuple(groups),
         params=tuple(entries),
-        files=tuple(files),
+        files=tuple(reports.files),
         pieces=tuple(pieces),
     )
 

@@ -12,12 +12,12 @@ import traceback
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
-from .errors import CheckpointError, CollectiveError, MuonCkptError
+from .errors import CollectiveError, MuonCkptError
 
 Group = dist.ProcessGroup | None
 
@@ -162,20 +162,71 @@ def broadcast_json(obj: Any, ranks: Sequence[int], src: int) -> Any:
     return recv_json(src)
 
 
-def as_outcome(work: Callable[[], Any]) -> Any:
-    """``work()``, or ``{"error": message}`` when it raises (for broadcast).
+T = TypeVar("T")
 
-    Any Exception, not only the library's own: a rank that let anything else escape would
-    leave the others blocked at the next collective. A library error's message is kept as it
-    is; any other names the rank, the exception type and where it was raised. KeyboardInterrupt
-    and other BaseExceptions still propagate.
+
+class CollectiveSteps:
+    """One collective operation run as named steps over ``ranks``, as DCP's ``_DistWrapper``.
+
+    A step ends with every rank knowing its outcome: the value, or the failure of any rank,
+    raised on every rank as the same ``error`` (a library error type the caller chooses),
+    ``"<operation> (<step>): <message>"``. Any Exception counts, not only the library's own:
+    a rank that let anything else escape would leave the others blocked at the next
+    collective. A library error's message is kept (naming the rank where every rank works);
+    any other names the rank, the exception type and where it was raised. KeyboardInterrupt
+    and other BaseExceptions propagate. Failures travel as JSON (point-to-point, so ``ranks``
+    need not form a process group).
     """
-    try:
-        return work()
-    except MuonCkptError as exc:
-        return {"error": str(exc)}
-    except Exception as exc:
-        return {"error": describe_failure(exc)}
+
+    def __init__(
+        self, operation: str, ranks: Sequence[int], root: int, error: type[MuonCkptError]
+    ) -> None:
+        self.operation, self.ranks, self.root, self.error = operation, list(ranks), root, error
+        self.rank = global_rank()
+        self.is_root = self.rank == root
+        self._failure: Exception | None = None
+        """This rank's own exception in the current step, chained to the error raised."""
+
+    def on_root(self, step: str, work: Callable[[], T]) -> T:
+        """``work()`` on the root; its value on every rank."""
+        outcome = self._run(work) if self.is_root else None
+        return self._agreed(step, broadcast_json(outcome, self.ranks, self.root))
+
+    def each_then_root(
+        self, step: str, each: Callable[[], Any], then: Callable[[list[Any]], T]
+    ) -> T:
+        """``each()`` on every rank, their values (in the order of ``ranks``) to
+        ``then(values)`` on the root, its value on every rank.
+
+        Any rank's failure in ``each`` fails the step on every rank, and ``then`` does not run.
+        """
+        outcomes = gather_json(self._run(each, name_rank=True), self.ranks, self.root)
+        outcome = None
+        if self.is_root:
+            failed = [o for o in outcomes if "error" in o]
+            outcome = (
+                failed[0] if failed else self._run(lambda: then([o["value"] for o in outcomes]))
+            )
+        return self._agreed(step, broadcast_json(outcome, self.ranks, self.root))
+
+    def _run(self, work: Callable[[], Any], name_rank: bool = False) -> dict[str, Any]:
+        """``{"value": work()}``, or ``{"error": message}`` when it raises an Exception (a
+        library error's message names this rank with ``name_rank`` among several ranks)."""
+        try:
+            return {"value": work()}
+        except MuonCkptError as exc:
+            self._failure = exc
+            named = name_rank and len(self.ranks) > 1
+            return {"error": f"rank {self.rank}: {exc}" if named else str(exc)}
+        except Exception as exc:
+            self._failure = exc
+            return {"error": describe_failure(exc)}
+
+    def _agreed(self, step: str, outcome: dict[str, Any]) -> Any:
+        failure, self._failure = self._failure, None
+        if "error" in outcome:
+            raise self.error(f"{self.operation} ({step}): {outcome['error']}") from failure
+        return outcome["value"]
 
 
 def describe_failure(exc: BaseException) -> str:
@@ -187,14 +238,6 @@ def describe_failure(exc: BaseException) -> str:
         where = f" (at {os.path.basename(last.filename)}:{last.lineno} in {last.name})"
     text = " ".join(str(exc).split())
     return f"rank {global_rank()}: {type(exc).__name__}{': ' + text if text else ''}{where}"
-
-
-def agree_or_raise(value: Any, ranks: Sequence[int], src: int) -> Any:
-    """Broadcast ``src``'s value; an ``{"error": ...}`` value raises on every rank."""
-    value = broadcast_json(value, ranks, src)
-    if isinstance(value, dict) and "error" in value:
-        raise CheckpointError(value["error"])
-    return value
 
 
 @contextmanager

@@ -242,29 +242,22 @@ def check_agreement(sharding: Sharding, owners: Sequence[str] = ()) -> None:
     """
     fingerprint = [[p.name, list(p.full_shape)] for p in sharding.params] + [list(owners)]
     digest = zlib.crc32(repr(fingerprint).encode())
-    views = collectives.gather_json(digest, sharding.participants, sharding.destination)
-    agreed = views is None or len(set(views)) == 1
-    if not collectives.broadcast_json(agreed, sharding.participants, sharding.destination):
-        raise StateDictError(
-            "ranks disagree about the optimizer's params (names, order, full shapes or "
-            "owners): every rank must hold every param, in the same order"
-        )
+
+    def agreed(views: list[int]) -> None:
+        if len(set(views)) != 1:
+            raise StateDictError(
+                "ranks disagree about the optimizer's params (names, order, full shapes or "
+                "owners): every rank must hold every param, in the same order"
+            )
+
+    _steps(sharding.participants, sharding.destination).each_then_root(
+        "agree", lambda: digest, agreed
+    )
 
 
-def _decide(work: Callable[[], Any], ranks: Sequence[int], root: int) -> Any:
-    """``work()`` on ``root``, its value on every rank; its failure a StateDictError on all."""
-    outcome = None
-    if collectives.global_rank() == root:
-        try:
-            outcome = {"value": work()}
-        except StateDictError as exc:
-            outcome = {"error": str(exc)}
-        except Exception as exc:  # every rank must learn of it, or the others wait forever
-            outcome = {"error": f"{type(exc).__name__}: {exc}"}
-    outcome = collectives.broadcast_json(outcome, ranks, root)
-    if "error" in outcome:
-        raise StateDictError(outcome["error"])
-    return outcome["value"]
+def _steps(ranks: Sequence[int], root: int) -> collectives.CollectiveSteps:
+    """The protocol of a state-dict collective: any rank's failure a StateDictError on all."""
+    return collectives.CollectiveSteps("state dict", ranks, root, StateDictError)
 
 
 def gather_full_state(
@@ -300,21 +293,19 @@ def _gather_entry_metadata(
     Every participant reports the state it holds, owner or not, so that the merge can tell a
     wrong owner rule from a param without state.
     """
-    mine: dict[str, Any] = {}
-    try:
+
+    def mine() -> dict[str, Any]:
+        described = {}
         for index, param in enumerate(sharding.params):
             entry = local_state.get(param.local_index) if param.local_index is not None else None
             if entry:
-                mine[str(index)] = {
+                described[str(index)] = {
                     key: describe_value(param, key, v, param.held_numel) for key, v in entry.items()
                 }
-    except StateDictError as exc:  # reported, so that every rank raises it, none waits
-        mine = {"error": f"rank {collectives.global_rank()}: {exc}"}
-    reports = collectives.gather_json(mine, sharding.participants, sharding.destination)
-    return _decide(
-        lambda: merge_entry_reports(sharding, reports),
-        sharding.participants,
-        sharding.destination,
+        return described
+
+    return _steps(sharding.participants, sharding.destination).each_then_root(
+        "state keys", mine, lambda reports: merge_entry_reports(sharding, reports)
     )
 
 
@@ -327,9 +318,6 @@ def merge_entry_reports(
     param and ranks when a source lacks state another rank holds (a wrong owner rule), when
     replicated state differs between ranks, or when sources disagree about a key.
     """
-    for report in reports:
-        if "error" in report:
-            raise StateDictError(report["error"])
     by_rank = dict(zip(sharding.participants, reports, strict=True))
     merged: list[dict[str, Any] | None] = []
     for index, param in enumerate(sharding.params):
@@ -658,13 +646,14 @@ def _grid_params(optimizer: Any) -> tuple[list[int], GridParams]:
     dp_group, tp_group = optimizer.dist_group, optimizer.tp_group
     topo = Topology(collectives.group_size(dp_group), collectives.group_size(tp_group))
     ranks = collectives.grid_ranks(dp_group, tp_group)
-    report = RankReport(len(optimizer.param_groups), tuple(_local_params(optimizer)))
-    reports = collectives.gather_json(report.to_json(), ranks, ranks[0])
 
-    def merge() -> dict:
+    def merge(reports: list[dict]) -> dict:
         return merge_reports([RankReport.from_json(r) for r in reports], topo).to_json()
 
-    grid = GridParams.from_json(_decide(merge, ranks, ranks[0]))
+    report = RankReport(len(optimizer.param_groups), tuple(_local_params(optimizer)))
+    grid = GridParams.from_json(
+        _steps(ranks, ranks[0]).each_then_root("params", report.to_json, merge)
+    )
     _GRIDS[optimizer] = (structure, ranks, grid)
     return ranks, grid
 

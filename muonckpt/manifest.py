@@ -32,6 +32,56 @@ CONSOLIDATED = "consolidated"
 KINDS = (PER_RANK, CONSOLIDATED)
 _DIGEST = re.compile("[0-9a-f]{16}")
 
+DTYPE_BYTES: dict[str, int] = {
+    "F64": 8,
+    "F32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "I64": 8,
+    "I32": 4,
+    "I16": 2,
+    "I8": 1,
+    "U64": 8,
+    "U32": 4,
+    "U16": 2,
+    "U8": 1,
+    "BOOL": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+}
+"""Bytes per element of each safetensors dtype a checkpoint may hold."""
+
+STATE_STEM = "optimizer"
+"""Consolidated state goes to ``optimizer.safetensors`` (or ``optimizer-0000i-of-0000N``)."""
+VALUE_STEM = "model"
+"""Consolidated param values go to ``model.safetensors``, keyed by param name, as HF has it."""
+CONSOLIDATED_FILE = f"{STATE_STEM}.safetensors"
+INDEX_FILE = f"{STATE_STEM}.safetensors.index.json"
+MODEL_FILE = f"{VALUE_STEM}.safetensors"
+MODEL_INDEX_FILE = f"{VALUE_STEM}.safetensors.index.json"
+
+
+def tensor_key(param: str, key: str) -> str:
+    """The key a stored tensor has in its file: the param's name for its values, else torch's
+    flattened optimizer-state key ``state.<param name>.<state key>``."""
+    return param if key == PARAM_KEY else f"state.{param}.{key}"
+
+
+def index_file(stem: str) -> str:
+    """The Hugging Face style index of a family of sharded files."""
+    return f"{stem}.safetensors.index.json"
+
+
+def stem_of(key: str) -> str:
+    """The consolidated file family of a stored tensor: values to ``model``, state to
+    ``optimizer``."""
+    return VALUE_STEM if key == PARAM_KEY else STATE_STEM
+
+
+def rank_file(rank: int, world_size: int) -> str:
+    """The file of rank ``rank``'s pieces in a per-rank checkpoint."""
+    return f"rank-{rank:05d}-of-{world_size:05d}.safetensors"
+
 
 @dataclass(frozen=True)
 class Scalar:

@@ -26,50 +26,42 @@ import math
 import multiprocessing as mp
 import os
 import threading
-from collections.abc import Callable, Mapping, Sequence
-from contextlib import ExitStack
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from . import kinds, storage
+from . import kinds, storage, writing
 from .errors import CheckpointError, LayoutError, MuonCkptError
-from .layout import ParamSpec, Region, Topology, arrange, whole_region
+from .layout import ParamSpec, Topology, arrange, whole_region
 from .manifest import (
     CONSOLIDATED,
+    FORMAT_NAME,
     FORMAT_VERSION,
+    INDEX_FILE,
     MANIFEST_NAME,
+    MODEL_INDEX_FILE,
     PER_RANK,
-    FileEntry,
     GroupEntry,
     Manifest,
     ParamEntry,
-    Piece,
     Scalar,
 )
-from .pieces import (
-    INDEX_FILE,
-    MODEL_INDEX_FILE,
-    PieceReader,
-    consolidated_files,
-    open_checkpoint,
-    piece_for,
-    prefetched,
-    rank_file,
-    tensor_key,
+from .pieces import PieceReader, open_checkpoint
+from .writeplan import (
+    TensorWrite,
+    WritePlan,
+    consolidated_plan,
+    per_rank_plan,
     unique_tensor_keys,
 )
-from .workplan import WorkUnit, split_work
+from .writing import Progress
 
 if TYPE_CHECKING:
     import torch
 
 # torch (and so collectives and launch) is imported only by the paths that need it: several
 # processes, and diff.
-
-Progress = Callable[[int, int, int, int], None]
-"""``progress(done_bytes, total_bytes, done_tensors, total_tensors)``, called once at the start
-and after each tensor is written."""
 
 MAX_RANKS = 1 << 16
 """The most ranks ``reshard`` writes files for: planning costs ranks x params."""
@@ -83,6 +75,7 @@ no worker outlives the command (see :mod:`muonckpt.launch`)."""
 __all__ = [
     "MAX_RANKS",
     "WORKER_TIMEOUT",
+    "Progress",
     "consolidate",
     "convert",
     "diff",
@@ -92,64 +85,14 @@ __all__ = [
 ]
 
 
-class _Meter:
-    def __init__(self, sizes: Sequence[int], progress: Progress | None) -> None:
-        self.total, self.tensors, self.progress = sum(sizes), len(sizes), progress
-        self.done = self.written = 0
-        if progress is not None:
-            progress(0, self.total, 0, self.tensors)
-
-    def tick(self, nbytes: int) -> None:
-        self.done += nbytes
-        self.written += 1
-        if self.progress is not None:
-            self.progress(self.done, self.total, self.written, self.tensors)
-
-
-@dataclass(frozen=True)
-class _Put:
-    """One output tensor: its file, and which elements of which param state it holds."""
-
-    file: str
-    entry: ParamEntry
-    key: str
-    region: Region
-    shape: tuple[int, ...]
-    scale: float = 1.0
-    """Factor applied to the values on their way (``convert``: momentum between forms)."""
-
-    @property
-    def tkey(self) -> str:
-        return tensor_key(self.entry.name, self.key)
-
-    @property
-    def nbytes(self) -> int:
-        return self.region.numel * storage.itemsize(self.entry.dtype_of(self.key))
-
-
 @dataclass(frozen=True)
 class _Job:
-    """Everything a consolidate or reshard writes, decided from the source manifest alone."""
+    """A rewrite of a checkpoint, decided from its manifest alone."""
 
     manifest: Manifest
     """The output's manifest, files and pieces still empty."""
-    files: dict[str, dict[str, str]]
-    """Output file -> its safetensors metadata, in manifest order."""
-    puts: list[_Put]
-    """Every output tensor, in manifest order (files in order, keys sorted within a file)."""
-    texts: dict[str, str]
-    """Small extra files (the index of a sharded consolidate)."""
-
-    def by_file(self) -> dict[str, dict[str, tuple[str, tuple[int, ...]]]]:
-        """Each file's safetensors specs: tensor key -> (dtype, shape), files in order."""
-        specs: dict[str, dict[str, tuple[str, tuple[int, ...]]]] = {f: {} for f in self.files}
-        for put in self.puts:
-            specs[put.file][put.tkey] = (put.entry.dtype_of(put.key), put.shape)
-        return specs
-
-    @property
-    def total(self) -> int:
-        return sum(p.nbytes for p in self.puts)
+    plan: WritePlan
+    """Every output file and tensor."""
 
 
 def consolidate(
@@ -188,26 +131,14 @@ def consolidate(
     """
     _check_workers(workers, collective)
     directory, manifest = open_checkpoint(src)
-    sizes = {
-        (e.name, k): e.numel * storage.itemsize(e.dtype_of(k))
-        for e in manifest.params
-        for k in e.tensor_keys
-    }
-    files, texts = consolidated_files(sizes, max_shard_size)
+    items = [((e.name, k, e.dtype_of(k)), e.shape) for e in manifest.params for k in e.tensor_keys]
     job = _Job(
-        manifest=_output_manifest(manifest, kind=CONSOLIDATED),
-        files={file: {"format": "muonckpt"} for file, _ in files},
-        puts=[
-            _Put(file, entry, key, whole_region(entry.numel), entry.shape)
-            for file, members in files
-            for entry, key in ((manifest.param(name), key) for name, key in members)
-        ],
-        texts=texts,
+        _output_manifest(manifest, kind=CONSOLIDATED), consolidated_plan(items, max_shard_size)
     )
     if workers > 1:
         options = {"max_shard_size": max_shard_size, "overwrite": overwrite}
         return _spawn(consolidate, workers, src, dst, options, progress)
-    return _write(job, directory, manifest, dst, overwrite, progress, collective)
+    return _write("consolidate", job, directory, manifest, dst, overwrite, progress, collective)
 
 
 def reshard(
@@ -266,27 +197,18 @@ def reshard(
         param_alignment=param_alignment,
         bucket_alignment=bucket_alignment,
     )
-    world = topology.world_size
-    files: dict[str, dict[str, str]] = {}
-    puts: list[_Put] = []
-    for rank in range(world):
-        d, t = topology.coords(rank)
-        name = rank_file(rank, world)
-        files[name] = {"format": "muonckpt", "rank": str(rank)}
-        owned = [
-            _Put(name, entry, key, region, (region.numel,))
+    owned_by_rank = [
+        [
+            ((entry.name, key, entry.dtype_of(key)), region)
             for index, entry in enumerate(params)
-            if (region := layout.owner_region(index, d, t)).numel
+            if (region := layout.owner_region(index, *topology.coords(rank))).numel
             for key in entry.tensor_keys
         ]
-        puts += sorted(owned, key=lambda p: p.tkey)
+        for rank in range(topology.world_size)
+    ]
     job = _Job(
-        manifest=_output_manifest(
-            manifest, kind=PER_RANK, topology={"dp": dp, "tp": tp}, params=params
-        ),
-        files=files,
-        puts=puts,
-        texts={},
+        _output_manifest(manifest, kind=PER_RANK, topology={"dp": dp, "tp": tp}, params=params),
+        per_rank_plan(owned_by_rank),
     )
     if workers > 1:
         options = {
@@ -299,7 +221,7 @@ def reshard(
             "overwrite": overwrite,
         }
         return _spawn(reshard, workers, src, dst, options, progress)
-    return _write(job, directory, manifest, dst, overwrite, progress, collective)
+    return _write("reshard", job, directory, manifest, dst, overwrite, progress, collective)
 
 
 def _output_manifest(manifest: Manifest, **changes: Any) -> Manifest:
@@ -346,33 +268,26 @@ def convert(
     params = tuple(_converted_steps(manifest, e, groups[e.group]) for e in manifest.params)
     by_name = {e.name: e for e in params}
     shaped = manifest.kind == CONSOLIDATED
-    puts = sorted(
-        (
-            _Put(
-                piece.file,
-                by_name[piece.param],
-                piece.key,
-                piece.region,
-                by_name[piece.param].shape if shaped else (piece.region.numel,),
-                scales[by_name[piece.param].group] if piece.key == "momentum_buffer" else 1.0,
-            )
-            for piece in manifest.pieces
-        ),
-        key=lambda put: (put.file, put.tkey),
+    writes = tuple(
+        TensorWrite(
+            piece.file,
+            piece.param,
+            piece.key,
+            by_name[piece.param].dtype_of(piece.key),
+            piece.region,
+            by_name[piece.param].shape if shaped else (piece.region.numel,),
+            scales[by_name[piece.param].group] if piece.key == "momentum_buffer" else 1.0,
+        )
+        for piece in manifest.pieces
     )
-    files = {f.name: {"format": "muonckpt"} for f in manifest.files}
     texts = {
         name: storage.read_text(directory / name)
         for name in (INDEX_FILE, MODEL_INDEX_FILE)
         if (directory / name).is_file()
     }
-    job = _Job(
-        manifest=_output_manifest(manifest, groups=tuple(groups), params=params),
-        files=files,
-        puts=puts,
-        texts=texts,
-    )
-    return _write(job, directory, manifest, dst, overwrite, progress, collective=False)
+    plan = WritePlan({f.name: {"format": FORMAT_NAME} for f in manifest.files}, writes, texts)
+    job = _Job(_output_manifest(manifest, groups=tuple(groups), params=params), plan)
+    return _write("convert", job, directory, manifest, dst, overwrite, progress, collective=False)
 
 
 def _converted_steps(manifest: Manifest, entry: ParamEntry, group: GroupEntry) -> ParamEntry:
@@ -399,14 +314,8 @@ def _check_workers(workers: int, collective: bool) -> None:
             raise CheckpointError("collective=True needs an initialized default process group")
 
 
-def _fetch(reader: PieceReader, grouped: Mapping[tuple[str, str], list[Piece]], put: _Put):
-    data = reader.gather(grouped[put.entry.name, put.key], put.entry, put.key, put.region)
-    if put.scale == 1.0:
-        return data
-    return storage.tensor_of_bytes(data, put.entry.dtype_of(put.key)).mul_(put.scale)
-
-
 def _write(
+    operation: str,
     job: _Job,
     directory: Path,
     manifest: Manifest,
@@ -415,102 +324,63 @@ def _write(
     progress: Progress | None,
     collective: bool,
 ) -> Path:
-    if collective:
-        _write_collectively(job, directory, manifest, Path(dst), overwrite, progress)
-        return Path(dst)
-    meter = _Meter([p.nbytes for p in job.puts], progress)
+    """Write ``job`` from the checkpoint in ``directory``: in this process, or (``collective``)
+    shared among the ranks of the default process group, rank 0 committing."""
     grouped = manifest.pieces_of()
-    puts = {(p.file, p.tkey): p for p in job.puts}
-    records: dict[tuple[str, str], storage.TensorRecord] = {}
-    with (
-        storage.staged(dst, overwrite, source=directory) as staging,
-        PieceReader(directory, manifest, reuse_outputs=2) as reader,
-    ):
-        for file, specs in job.by_file().items():
-            with storage.SafetensorsWriter(staging / file, specs, job.files[file]) as out:
-                for tkey, value in prefetched(
-                    out.pending, lambda k, f=file: _fetch(reader, grouped, puts[f, k])
-                ):
-                    out.write(tkey, value)
-                    del value
-                    meter.tick(puts[file, tkey].nbytes)
-                records.update(((file, tkey), r) for tkey, r in out.commit().items())
-        _finish(job, staging, records)
-    return Path(dst)
+    plan = job.plan
 
+    def fetch(reader: PieceReader, w: TensorWrite) -> Any:
+        data = reader.gather(grouped[w.param, w.key], manifest.param(w.param), w.key, w.region)
+        if w.scale == 1.0:
+            return data
+        return storage.tensor_of_bytes(data, w.dtype).mul_(w.scale)
 
-def _finish(
-    job: _Job, staging: Path, records: Mapping[tuple[str, str], storage.TensorRecord]
-) -> None:
-    """The extra text files and the manifest, written last."""
-    pieces = [
-        piece_for(p.file, records[p.file, p.tkey], p.entry.name, p.key, p.region) for p in job.puts
-    ]
-    files = [FileEntry(file, storage.file_size(staging / file)) for file in job.files]
-    for name, text in job.texts.items():
-        storage.write_text_atomic(staging / name, text)
-    manifest = replace(job.manifest, files=tuple(files), pieces=tuple(pieces))
-    storage.write_text_atomic(staging / MANIFEST_NAME, manifest.to_json())
+    def finished(reports: writing.Reports) -> Manifest:
+        return replace(job.manifest, files=tuple(reports.files), pieces=tuple(reports.pieces))
 
+    if not collective:
 
-def _shared_files(job: _Job, staging: Path) -> dict[str, storage.SharedSafetensorsFile]:
-    return {
-        file: storage.SharedSafetensorsFile(staging / file, specs, job.files[file])
-        for file, specs in job.by_file().items()
-    }
+        def write(staging: Path) -> writing.Written:
+            with PieceReader(directory, manifest, reuse_outputs=2) as reader:
+                return writing.write_files(plan, staging, lambda w: fetch(reader, w), progress)
 
-
-def _write_collectively(
-    job: _Job,
-    directory: Path,
-    manifest: Manifest,
-    dst: Path,
-    overwrite: bool,
-    progress: Progress | None,
-) -> None:
-    """Each rank writes its share of the planned tensors; rank 0 commits (a collective)."""
+        return writing.write_checkpoint(
+            writing.LocalSteps(),
+            dst,
+            overwrite=overwrite,
+            write=write,
+            manifest=finished,
+            source=directory,
+        )
     from . import collectives
 
     ranks = collectives.group_ranks(None)
-    me, root = collectives.global_rank(), ranks[0]
-    staging: Any = None
-    if me == root:
-        staging = collectives.as_outcome(lambda: str(_create(job, dst, overwrite, directory)))
-    staging = Path(collectives.agree_or_raise(staging, ranks, root))
-    try:
-        outputs = _shared_files(job, staging)
-        units = [
-            WorkUnit(p.file, p.tkey, outputs[p.file].record(p.tkey).offset, p.nbytes)
-            for p in job.puts
-        ]
-        share = split_work(units, len(ranks))[ranks.index(me)]
-        shown = None
-        if me == root and progress is not None:
-            shown = _scaled(progress, job.total, len(job.puts))
-        report = collectives.as_outcome(
-            lambda: _write_share(job, share, outputs, directory, manifest, shown)
-        )
-        reports = collectives.gather_json(report, ranks, root)
-        outcome = None
-        if me == root:
-            outcome = collectives.as_outcome(lambda: _commit(job, outputs, staging, dst, reports))
-        collectives.agree_or_raise(outcome, ranks, root)
-    except BaseException:
-        if me == root:
-            storage.discard(staging)
-        raise
+    steps = collectives.CollectiveSteps(operation, ranks, ranks[0], CheckpointError)
+    shown = None  # rank 0's progress stands for the whole job
+    if steps.is_root and progress is not None:
+        shown = _scaled(progress, plan.total_bytes, len(plan.writes))
 
+    def write_share(staging: Path) -> writing.Written:
+        with PieceReader(directory, manifest, reuse_outputs=2) as reader:
+            return writing.write_share(
+                plan,
+                ranks.index(steps.rank),
+                len(ranks),
+                staging,
+                lambda w: fetch(reader, w),
+                shown,
+            )
 
-def _create(job: _Job, dst: Path, overwrite: bool, source: Path) -> Path:
-    """(rank 0) The staging directory, with every output file's header and full length."""
-    staging = storage.make_staging(dst, overwrite, source=source)
-    try:
-        for output in _shared_files(job, staging).values():
-            output.create()
-    except BaseException:
-        storage.discard(staging)
-        raise
-    return staging
+    return writing.write_checkpoint(
+        steps,
+        dst,
+        overwrite=overwrite,
+        write=write_share,
+        manifest=finished,
+        create=lambda staging: writing.create_shared(plan, staging),
+        seal=lambda staging: writing.seal_shared(plan, staging),
+        source=directory,
+    )
 
 
 def _scaled(progress: Progress, total: int, tensors: int) -> Progress:
@@ -521,60 +391,6 @@ def _scaled(progress: Progress, total: int, tensors: int) -> Progress:
         progress(round(fraction * total), total, round(fraction * tensors), tensors)
 
     return scaled
-
-
-def _write_share(
-    job: _Job,
-    share: list[WorkUnit],
-    outputs: Mapping[str, storage.SharedSafetensorsFile],
-    directory: Path,
-    manifest: Manifest,
-    progress: Progress | None,
-) -> dict[str, Any]:
-    """Write this rank's units; return each one's (file, key, checksums) for the manifest."""
-    puts = {(p.file, p.tkey): p for p in job.puts}
-    grouped = manifest.pieces_of()
-    meter = _Meter([u.nbytes for u in share], progress)
-    written = []
-    with ExitStack() as stack, PieceReader(directory, manifest, reuse_outputs=2) as reader:
-        for output in outputs.values():
-            stack.callback(output.close)
-        for unit, value in prefetched(
-            share, lambda u: _fetch(reader, grouped, puts[u.file, u.key])
-        ):
-            if written and written[-1][0] != unit.file:
-                outputs[written[-1][0]].close()  # units come file by file: one open at a time
-            record = outputs[unit.file].write(unit.key, value)
-            del value
-            written.append([unit.file, unit.key, list(record.checksums)])
-            meter.tick(unit.nbytes)
-    return {"written": written}
-
-
-def _commit(
-    job: _Job,
-    outputs: Mapping[str, storage.SharedSafetensorsFile],
-    staging: Path,
-    dst: Path,
-    reports: list[dict[str, Any]],
-) -> str | dict[str, str]:
-    """(rank 0) fsync and name the files, write the manifest, swap the directory in."""
-    errors = [r["error"] for r in reports if "error" in r]
-    if errors:
-        return {"error": "; ".join(errors)}
-    checksums = {(file, key): sums for r in reports for file, key, sums in r["written"]}
-    for output in outputs.values():
-        output.commit()
-    records = {
-        (p.file, p.tkey): outputs[p.file].record(p.tkey, checksums[p.file, p.tkey])
-        for p in job.puts
-    }
-    _finish(job, staging, records)
-    storage.fsync_dir(staging)
-    replaced = storage.swap_in(staging, dst)
-    if replaced is not None:
-        storage.retire(replaced)
-    return "committed"
 
 
 def _spawn(

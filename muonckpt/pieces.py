@@ -1,23 +1,19 @@
-"""Checkpoint directories without torch: names, manifest, and verified reads of pieces.
+"""Reading checkpoint directories without torch: the manifest, and verified reads of pieces.
 
-What the offline tools need to read any checkpoint, kept free of torch so that ``muonckpt
-consolidate`` and ``reshard`` start in a fraction of a second and stay small: the file-name
-conventions, :func:`open_checkpoint` (manifest, sizes and coverage checked),
-:class:`PieceReader`, which gathers any region of a param's state as raw bytes from whichever
-pieces hold it, verifying checksums, and :func:`verify` (file access through
-:mod:`muonckpt.storage`).
+What every reader of a checkpoint needs, kept free of torch so that ``muonckpt consolidate``
+and ``reshard`` start in a fraction of a second and stay small: :func:`open_checkpoint`
+(manifest, sizes and coverage checked), :class:`PieceReader`, which gathers any region of a
+param's state as raw bytes from whichever pieces hold it, verifying checksums, and
+:func:`verify` (file access through :mod:`muonckpt.storage`).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import re
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Sequence
 from contextlib import ExitStack
 from pathlib import Path
-from typing import TypeVar
 
 import numpy as np
 
@@ -26,154 +22,18 @@ from .errors import CheckpointError
 from .layout import Region, Strided, strided_runs
 from .manifest import (
     CONSOLIDATED,
+    INDEX_FILE,
     MANIFEST_NAME,
-    PARAM_KEY,
+    MODEL_INDEX_FILE,
     PER_RANK,
     Manifest,
     ParamEntry,
     Piece,
     parse_manifest,
+    rank_file,
 )
 
-STATE_STEM = "optimizer"
-"""Consolidated state goes to ``optimizer.safetensors`` (or ``optimizer-0000i-of-0000N``)."""
-VALUE_STEM = "model"
-"""Consolidated param values go to ``model.safetensors``, keyed by param name, as HF has it."""
-CONSOLIDATED_FILE = f"{STATE_STEM}.safetensors"
-INDEX_FILE = f"{STATE_STEM}.safetensors.index.json"
-MODEL_FILE = f"{VALUE_STEM}.safetensors"
-MODEL_INDEX_FILE = f"{VALUE_STEM}.safetensors.index.json"
 _STAGING_NAME = re.compile(rf"^\..+\.({storage.STAGING_TAG}-[0-9a-f]{{8}}|old-\d+)$")
-
-
-def tensor_key(param: str, key: str) -> str:
-    """The key a stored tensor has in its file: the param's name for its values, else torch's
-    flattened optimizer-state key ``state.<param name>.<state key>``."""
-    return param if key == PARAM_KEY else f"state.{param}.{key}"
-
-
-def index_file(stem: str) -> str:
-    return f"{stem}.safetensors.index.json"
-
-
-def stem_of(key: str) -> str:
-    """The consolidated file family of a stored tensor: values to ``model``, state to
-    ``optimizer``."""
-    return VALUE_STEM if key == PARAM_KEY else STATE_STEM
-
-
-def unique_tensor_keys(items: Iterator[tuple[str, str]], where: object) -> None:
-    """Refuse (param, key) pairs whose file keys collide (a param named like another's state)."""
-    seen: dict[str, tuple[str, str]] = {}
-    for param, key in items:
-        tkey = tensor_key(param, key)
-        if tkey in seen and seen[tkey] != (param, key):
-            raise CheckpointError(
-                f"param {param!r} {key!r} and param {seen[tkey][0]!r} {seen[tkey][1]!r} would "
-                f"both be stored as {tkey!r}: rename one",
-                path=where,
-            )
-        seen[tkey] = (param, key)
-
-
-def rank_file(rank: int, world_size: int) -> str:
-    return f"rank-{rank:05d}-of-{world_size:05d}.safetensors"
-
-
-def piece_for(
-    file: str, record: storage.TensorRecord, param: str, key: str, region: Region
-) -> Piece:
-    return Piece(
-        param=param,
-        key=key,
-        file=file,
-        tensor=record.key,
-        region=region,
-        checksums=record.checksums,
-        chunk_bytes=record.chunk_bytes,
-    )
-
-
-T = TypeVar("T")
-R = TypeVar("R")
-
-
-def prefetched(items: Sequence[T], produce: Callable[[T], R]) -> Iterator[tuple[T, R]]:
-    """``(item, produce(item))`` in order, producing the next item on a thread meanwhile.
-
-    Reading (page-cache copies, xxhash) and writing (write, xxhash) both release the GIL, so a
-    reader one tensor ahead of the writer keeps two cores busy. At most two produced values are
-    alive, and ``produce`` for item ``i + 2`` starts only once the consumer is done with item
-    ``i``: a :class:`PieceReader` with ``reuse_outputs=2`` can produce them.
-    """
-    with ThreadPoolExecutor(max_workers=1) as pool:
-        pending = pool.submit(produce, items[0]) if items else None
-        for index, item in enumerate(items):
-            value = pending.result()
-            if index + 1 < len(items):
-                pending = pool.submit(produce, items[index + 1])
-            yield item, value
-            del value
-
-
-def consolidated_files(
-    sizes: Mapping[tuple[str, str], int], max_shard_size: int | None
-) -> tuple[list[tuple[str, list[tuple[str, str]]]], dict[str, str]]:
-    """The files of a consolidated checkpoint, given each stored (param, key)'s bytes.
-
-    Returns ``(file, its (param, key) pairs in tensor-key order)`` for every file, state files
-    first, and the Hugging Face style index texts of the families that were split
-    (see :func:`shard_files`). Values go to ``model*``, state to ``optimizer*``.
-    """
-    unique_tensor_keys(iter(sizes), None)
-    files: list[tuple[str, list[tuple[str, str]]]] = []
-    texts: dict[str, str] = {}
-    for stem in (STATE_STEM, VALUE_STEM):
-        by_tkey = {tensor_key(*item): item for item in sizes if stem_of(item[1]) == stem}
-        if not by_tkey:
-            continue
-        family = {tkey: sizes[item] for tkey, item in by_tkey.items()}
-        shards = shard_files(family, max_shard_size, stem)
-        files += [(file, [by_tkey[k] for k in keys]) for file, keys in shards]
-        if len(shards) > 1:
-            texts[index_file(stem)] = shard_index(shards, family)
-    return files, texts
-
-
-def shard_files(
-    sizes: Mapping[str, int], max_shard_size: int | None, stem: str = STATE_STEM
-) -> list[tuple[str, list[str]]]:
-    """(file name, sorted tensor keys) of each file of one family, given each key's bytes.
-
-    Keys in sorted order fill a file up to ``max_shard_size`` bytes (a larger tensor gets a
-    file of its own); one file, ``<stem>.safetensors``, without a limit or below it, else
-    ``<stem>-0000i-of-0000N.safetensors``.
-    """
-    if max_shard_size is not None and max_shard_size <= 0:
-        raise CheckpointError(f"max_shard_size must be positive, got {max_shard_size}")
-    shards: list[list[str]] = [[]]
-    used = 0
-    for tkey in sorted(sizes):
-        if max_shard_size is not None and shards[-1] and used + sizes[tkey] > max_shard_size:
-            shards.append([])
-            used = 0
-        shards[-1].append(tkey)
-        used += sizes[tkey]
-    if len(shards) == 1:
-        return [(f"{stem}.safetensors", shards[0])]
-    return [
-        (f"{stem}-{i + 1:05d}-of-{len(shards):05d}.safetensors", keys)
-        for i, keys in enumerate(shards)
-    ]
-
-
-def shard_index(shards: Sequence[tuple[str, Sequence[str]]], sizes: Mapping[str, int]) -> str:
-    """The Hugging Face style ``<stem>.safetensors.index.json`` of sharded files."""
-    index = {
-        "metadata": {"total_size": sum(sizes.values())},
-        "weight_map": {tkey: file for file, keys in shards for tkey in keys},
-    }
-    return json.dumps(index, indent=2) + "\n"
 
 
 def read_manifest(path: str | os.PathLike[str]) -> Manifest:

@@ -27,7 +27,7 @@ import muonckpt
 import muonckpt.offline
 from muonckpt import CheckpointError, MuonCkptError
 from muonckpt.launch import run_distributed
-from muonckpt.pieces import tensor_key as stored_key
+from muonckpt.manifest import tensor_key as stored_key
 
 STEPS = 2
 KINDS = ("per-rank", "consolidated")

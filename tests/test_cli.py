@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 import muonckpt
 from muonckpt.cli import app, parse_size
-from muonckpt.pieces import rank_file
+from muonckpt.manifest import rank_file
 
 runner = CliRunner()
 

@@ -513,14 +513,14 @@ def _fail_on(rank: int, owner: object, name: str, error: Exception) -> None:
 def failing_ranks(root: str, src: str) -> dict[str, str]:
     """(in 2 gloo ranks) Three collective writes, each with one rank raising a non-library
     error; returns what every rank raised."""
-    from muonckpt import checkpoint, offline, storage
+    from muonckpt import offline, storage, writing
 
     seen = {}
-    original = (storage.write_safetensors, checkpoint.write_full_tensors)
+    original = (storage.SafetensorsWriter.write, writing.write_files)
     original_write = storage.SharedSafetensorsFile.write
     cases = {
-        "per-rank": (1, storage, "write_safetensors", OSError(28, "No space left on device")),
-        "consolidated": (0, checkpoint, "write_full_tensors", RuntimeError("disk on fire")),
+        "per-rank": (1, storage.SafetensorsWriter, "write", OSError(28, "No space left on device")),
+        "consolidated": (0, writing, "write_files", RuntimeError("disk on fire")),
         "reshard": (1, storage.SharedSafetensorsFile, "write", ValueError("bad bytes")),
     }
     for case, (rank, owner, name, error) in cases.items():
@@ -535,7 +535,7 @@ def failing_ranks(root: str, src: str) -> dict[str, str]:
             seen[case] = "no error"
         except CheckpointError as exc:
             seen[case] = str(exc)
-        storage.write_safetensors, checkpoint.write_full_tensors = original
+        storage.SafetensorsWriter.write, writing.write_files = original
         storage.SharedSafetensorsFile.write = original_write
     return seen
 
@@ -555,14 +555,22 @@ def test_every_rank_learns_a_non_library_failure(ck, tmp_path):
     assert list(tmp_path.iterdir()) == []  # nothing committed, no staging left
 
 
-def test_outcome_of_any_exception_names_rank_type_and_place():
+def test_a_step_turns_any_exception_into_the_protocol_error_naming_rank_type_and_place():
     from muonckpt import collectives
+
+    steps = collectives.CollectiveSteps("save", [0], 0, CheckpointError)
 
     def boom() -> None:
         raise KeyError("missing")
 
-    outcome = collectives.as_outcome(boom)
-    assert outcome["error"].startswith("rank 0: KeyError: 'missing' (at test_data_safety.py:")
-    assert collectives.as_outcome(lambda: 7) == 7
+    with pytest.raises(CheckpointError) as info:
+        steps.each_then_root("write", boom, lambda values: values)
+    assert str(info.value).startswith(
+        "save (write): rank 0: KeyError: 'missing' (at test_data_safety.py:"
+    )
+    assert isinstance(info.value.__cause__, KeyError)
+    with pytest.raises(CheckpointError, match=r"^save \(commit\): rank 0: ValueError: late"):
+        steps.on_root("commit", lambda: (_ for _ in ()).throw(ValueError("late")))
+    assert steps.each_then_root("stage", lambda: 7, lambda values: values) == [7]
     with pytest.raises(KeyboardInterrupt):
-        collectives.as_outcome(lambda: (_ for _ in ()).throw(KeyboardInterrupt()))
+        steps.on_root("stage", lambda: (_ for _ in ()).throw(KeyboardInterrupt()))

@@ -211,7 +211,9 @@ def test_a_failing_worker_is_one_line_and_debug_shows_the_traceback(setup, tmp_p
     else:
         assert proc.returncode == 2, stderr
         (line,) = stderr.strip().splitlines()
-        assert line.startswith("error: rank 1: RuntimeError: injected pwrite failure"), line
+        assert line.startswith(
+            "error: reshard (write): rank 1: RuntimeError: injected pwrite failure"
+        ), line
         assert len(line) < 300
     _assert_nothing_left(tag, out)
     shutil.rmtree(tmp_path, ignore_errors=True)

@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 import muonckpt
 from muonckpt import offline
 from muonckpt.cli import app
-from muonckpt.pieces import CONSOLIDATED_FILE, MODEL_FILE, rank_file
+from muonckpt.manifest import CONSOLIDATED_FILE, MODEL_FILE, rank_file
 from muonckpt.storage import SafetensorsReader, SafetensorsWriter, SharedSafetensorsFile
 
 RESHARD = {"dp": 2, "tp": 2, "tp_split_dims": {"w_in": 0}, "bucket_numel": 150}

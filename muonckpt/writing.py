@@ -1,0 +1,326 @@
+"""Writes a :class:`~muonckpt.writeplan.WritePlan` and commits the checkpoint: the one write path.
+
+Every checkpoint muonckpt produces (``save`` per rank or consolidated, ``consolidate``,
+``reshard``, ``convert``; in one process or many) is written by :func:`write_checkpoint`, as
+three steps of a :class:`Steps` protocol:
+
+1. ``stage``: every rank checks what it will write; the root creates the staging directory
+   beside the target (:func:`muonckpt.storage.make_staging`);
+2. ``write``: every rank writes its tensors (:func:`write_files` for whole files,
+   :func:`write_share` for its share of files written together) and reports the pieces; the
+   root builds the manifest from the reports and commits (:func:`commit`: manifest last,
+   fsync, atomic swap);
+3. ``retire``: when a checkpoint was replaced, every rank deletes a share of its files.
+
+Across ranks the steps are :class:`muonckpt.collectives.CollectiveSteps`; in one process
+:class:`LocalSteps`. This module itself never calls torch.distributed and imports torch only
+where a tensor crosses, so a single-process offline tool runs without it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol, TypeVar
+
+from . import storage
+from .manifest import MANIFEST_NAME, FileEntry, Manifest, Piece, piece_from_json, piece_to_json
+from .workplan import WorkUnit, split_work
+from .writeplan import TensorWrite, WritePlan
+
+Progress = Callable[[int, int, int, int], None]
+"""``progress(done_bytes, total_bytes, done_tensors, total_tensors)``, called once at the start
+and after each tensor is written."""
+
+Fetch = Callable[[TensorWrite], Any]
+"""The data of one planned tensor: a tensor of its dtype and element count, or its raw bytes
+(1-D uint8 numpy), as :meth:`muonckpt.storage.SafetensorsWriter.write` takes them."""
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+class Steps(Protocol):
+    """A protocol run as named steps; each step's value, or any rank's failure, on every rank."""
+
+    is_root: bool
+    rank: int
+    ranks: list[int]
+
+    def on_root(self, step: str, work: Callable[[], T]) -> T: ...
+
+    def each_then_root(
+        self, step: str, each: Callable[[], Any], then: Callable[[list[Any]], T]
+    ) -> T: ...
+
+
+class LocalSteps:
+    """:class:`Steps` in one process: each step runs its work here, failures propagate as they
+    are."""
+
+    def __init__(self) -> None:
+        self.is_root, self.rank, self.ranks = True, 0, [0]
+
+    def on_root(self, step: str, work: Callable[[], T]) -> T:
+        return work()
+
+    def each_then_root(
+        self, step: str, each: Callable[[], Any], then: Callable[[list[Any]], T]
+    ) -> T:
+        return then([each()])
+
+
+@dataclass
+class Written:
+    """What one rank wrote: its files (in order) and the pieces in them."""
+
+    files: list[str]
+    pieces: list[Piece]
+    dtypes: dict[tuple[str, str], str]
+    """(param, key) -> safetensors dtype, of every piece."""
+    extra: Any = None
+    """Anything else the caller reports to the root (JSON)."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "files": self.files,
+            "pieces": [piece_to_json(p) for p in self.pieces],
+            "dtypes": [[param, key, dtype] for (param, key), dtype in self.dtypes.items()],
+            "extra": self.extra,
+        }
+
+    @classmethod
+    def from_json(cls, raw: Mapping[str, Any]) -> Written:
+        return cls(
+            list(raw["files"]),
+            [piece_from_json(p) for p in raw["pieces"]],
+            {(param, key): dtype for param, key, dtype in raw["dtypes"]},
+            raw["extra"],
+        )
+
+
+@dataclass
+class Reports:
+    """Every rank's :class:`Written`, merged on the root: files in order, the pieces in
+    (file, tensor key) order, each file's size in the staging directory."""
+
+    files: list[FileEntry]
+    pieces: list[Piece]
+    dtypes: dict[tuple[str, str], str]
+    extras: list[Any]
+
+
+def write_checkpoint(
+    steps: Steps,
+    final: str | os.PathLike[str],
+    *,
+    overwrite: bool,
+    write: Callable[[Path], Written],
+    manifest: Callable[[Reports], Manifest],
+    check: Callable[[], None] = lambda: None,
+    create: Callable[[Path], None] = lambda staging: None,
+    seal: Callable[[Path], None] = lambda staging: None,
+    source: str | os.PathLike[str] | None = None,
+) -> Path:
+    """Stage, write and commit a checkpoint at ``final``; a protocol over ``steps``' ranks.
+
+    Args:
+        write: (every rank) writes this rank's tensors into the staging directory.
+        manifest: (the root) the checkpoint's manifest, from every rank's report.
+        check: (every rank) refuses, before anything is created, what it could not write.
+        create: (the root) prepares the fresh staging directory (files written together).
+        seal: (the root) once every rank has written, before the manifest (files written
+            together get their names).
+        source: a checkpoint being read, which ``final`` must not be inside or around.
+    """
+    final = Path(final)
+
+    def stage(_: list[None]) -> str:
+        staging = storage.make_staging(final, overwrite, source=source)
+        try:
+            create(staging)
+        except BaseException:
+            storage.discard(staging)
+            raise
+        return str(staging)
+
+    staging = Path(steps.each_then_root("stage", check, stage))
+
+    def finish(raw: list[dict[str, Any]]) -> dict[str, Any] | None:
+        seal(staging)
+        reports = [Written.from_json(r) for r in raw]
+        names = dict.fromkeys(name for r in reports for name in r.files)
+        files = [FileEntry(name, storage.file_size(staging / name)) for name in names]
+        order = {name: i for i, name in enumerate(names)}
+        merged = Reports(
+            files,
+            sorted((p for r in reports for p in r.pieces), key=lambda p: (order[p.file], p.tensor)),
+            {k: v for r in reports for k, v in r.dtypes.items()},
+            [r.extra for r in reports],
+        )
+        replaced = commit(staging, final, manifest(merged))
+        return (
+            None if replaced is None else {"at": str(replaced), "files": storage.entries(replaced)}
+        )
+
+    try:
+        replaced = steps.each_then_root("write", lambda: write(staging).to_json(), finish)
+    except BaseException:
+        if steps.is_root:
+            storage.discard(staging)
+        raise
+    if replaced is not None and len(steps.ranks) == 1:
+        storage.retire(replaced["at"])
+    elif replaced is not None:
+        share = replaced["files"][steps.ranks.index(steps.rank) :: len(steps.ranks)]
+        steps.each_then_root(
+            "retire",
+            lambda: storage.retire(replaced["at"], share),
+            lambda _: storage.retire(replaced["at"]),
+        )
+    return final
+
+
+def commit(staging: Path, final: Path, manifest: Manifest) -> Path | None:
+    """(the root) The manifest, written last, fsync, and the atomic swap.
+
+    Returns the directory now holding a checkpoint this replaced, for :func:`storage.retire`.
+    """
+    storage.write_text_atomic(staging / MANIFEST_NAME, manifest.to_json())
+    storage.fsync_dir(staging)
+    return storage.swap_in(staging, final)
+
+
+class _Meter:
+    def __init__(self, sizes: Sequence[int], progress: Progress | None) -> None:
+        self.total, self.tensors, self.progress = sum(sizes), len(sizes), progress
+        self.done = self.written = 0
+        if progress is not None:
+            progress(0, self.total, 0, self.tensors)
+
+    def tick(self, nbytes: int) -> None:
+        self.done += nbytes
+        self.written += 1
+        if self.progress is not None:
+            self.progress(self.done, self.total, self.written, self.tensors)
+
+
+def write_files(
+    plan: WritePlan, staging: Path, fetch: Fetch, progress: Progress | None = None
+) -> Written:
+    """Write every file of ``plan`` (and its texts) into ``staging``, front to back, fetching
+    each tensor when its turn comes (the next one on a thread meanwhile)."""
+    meter = _Meter([w.nbytes for w in plan.writes], progress)
+    pieces = []
+    for file, writes in plan.by_file().items():
+        with storage.SafetensorsWriter(staging / file, plan.specs(file), plan.files[file]) as out:
+            for w, value in prefetched(writes, fetch):
+                out.write(w.tensor, value)
+                del value
+                meter.tick(w.nbytes)
+            records = out.commit()
+        pieces += [w.piece(*_sums(records[w.tensor])) for w in writes]
+    _write_texts(plan, staging)
+    return _written(list(plan.files), plan.writes, pieces)
+
+
+def _sums(record: storage.TensorRecord) -> tuple[tuple[str, ...], int]:
+    return record.checksums, record.chunk_bytes
+
+
+def _written(files: list[str], writes: Sequence[TensorWrite], pieces: list[Piece]) -> Written:
+    return Written(files, pieces, {(w.param, w.key): w.dtype for w in writes})
+
+
+def shared_files(plan: WritePlan, staging: Path) -> dict[str, storage.SharedSafetensorsFile]:
+    """The files of ``plan`` as several processes write them together (same header for all)."""
+    return {
+        file: storage.SharedSafetensorsFile(staging / file, plan.specs(file), plan.files[file])
+        for file in plan.files
+    }
+
+
+def create_shared(plan: WritePlan, staging: Path) -> None:
+    """(one process) Every file's header, at its full length, before any process writes; and
+    the plan's texts."""
+    for output in shared_files(plan, staging).values():
+        output.create()
+    _write_texts(plan, staging)
+
+
+def _write_texts(plan: WritePlan, staging: Path) -> None:
+    for name, text in plan.texts.items():
+        storage.write_text_atomic(staging / name, text)
+
+
+def write_share(
+    plan: WritePlan,
+    index: int,
+    count: int,
+    staging: Path,
+    fetch: Fetch,
+    progress: Progress | None = None,
+) -> Written:
+    """Write share ``index`` of ``count`` of the tensors (:func:`share_of`) at their planned
+    offsets in the files written together (made by :func:`create_shared`); every file of the
+    plan is reported."""
+    outputs = shared_files(plan, staging)
+    share = share_of(plan, outputs, index, count)
+    meter = _Meter([w.nbytes for w in share], progress)
+    pieces, current = [], None
+    try:
+        for w, value in prefetched(share, fetch):
+            if current is not None and current != w.file:
+                outputs[current].close()  # a share comes file by file: one open at a time
+            current = w.file
+            record = outputs[w.file].write(w.tensor, value)
+            del value
+            pieces.append(w.piece(*_sums(record)))
+            meter.tick(w.nbytes)
+    finally:
+        for output in outputs.values():
+            output.close()
+    return _written(list(plan.files), share, pieces)
+
+
+def share_of(
+    plan: WritePlan,
+    outputs: Mapping[str, storage.SharedSafetensorsFile],
+    index: int,
+    count: int,
+) -> list[TensorWrite]:
+    """Share ``index`` of ``count`` of the plan's writes: a contiguous run of the output,
+    balanced by bytes (:func:`muonckpt.workplan.split_work`)."""
+    by_unit = {(w.file, w.tensor): w for w in plan.writes}
+    units = [
+        WorkUnit(w.file, w.tensor, outputs[w.file].record(w.tensor).offset, w.nbytes)
+        for w in plan.writes
+    ]
+    return [by_unit[u.file, u.key] for u in split_work(units, count)[index]]
+
+
+def seal_shared(plan: WritePlan, staging: Path) -> None:
+    """(one process, after every process wrote) fsync each file and give it its name."""
+    for output in shared_files(plan, staging).values():
+        output.commit()
+
+
+def prefetched(items: Sequence[T], produce: Callable[[T], R]) -> Iterator[tuple[T, R]]:
+    """``(item, produce(item))`` in order, producing the next item on a thread meanwhile.
+
+    Reading (page-cache copies, xxhash) and writing (write, xxhash) both release the GIL, so a
+    reader one tensor ahead of the writer keeps two cores busy. At most two produced values are
+    alive, and ``produce`` for item ``i + 2`` starts only once the consumer is done with item
+    ``i``: a :class:`~muonckpt.pieces.PieceReader` with ``reuse_outputs=2`` can produce them.
+    """
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        pending = pool.submit(produce, items[0]) if items else None
+        for index, item in enumerate(items):
+            value = pending.result()
+            if index + 1 < len(items):
+                pending = pool.submit(produce, items[index + 1])
+            yield item, value
+            del value
