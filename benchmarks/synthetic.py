@@ -78,7 +78,7 @@ def build_optimizer(shapes: Shapes, dp: int, tp: int) -> muonckpt.Muon:
         dist.get_rank(dp_group),
         dist.get_rank(tp_group),
         tp_split_dims={n: d for n, (_, d) in shapes.items() if d >= 0},
-        bucket_numel=40_000_000,
+        options=muonckpt.LayoutOptions(bucket_numel=40_000_000),
     )
     opt = muonckpt.Muon(sharded.param_groups)
     opt.enable_distributed_mode(sharded.global_buffer_sizes, dp_group, tp_group, sharded.dist_metas)

@@ -18,7 +18,7 @@ from .errors import (
     MuonCkptError,
     StateDictError,
 )
-from .layout import ParamSpec, Topology, arrange
+from .layout import LayoutOptions, ParamSpec, Topology, arrange
 
 if TYPE_CHECKING:
     from .checkpoint import LoadReport, load, save
@@ -57,6 +57,7 @@ __all__ = [
     "CollectiveError",
     "ConversionWarning",
     "LayoutError",
+    "LayoutOptions",
     "LoadReport",
     "Muon",
     "MuonCkptError",

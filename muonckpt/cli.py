@@ -324,9 +324,38 @@ def reshard(
     bucket_numel: Annotated[
         int | None,
         typer.Option(
-            "--bucket-numel", min=1, help="ZeRO-1 bucket size in elements (default: one)."
+            "--bucket-numel",
+            metavar="N",
+            help="Close a ZeRO-1 bucket once it holds at least N elements "
+            "(default: one bucket per buffer).",
+            show_default=False,
         ),
     ] = None,
+    param_alignment: Annotated[
+        int,
+        typer.Option(
+            "--param-alignment",
+            metavar="N",
+            help="Start each param at a multiple of N elements from its bucket's start.",
+        ),
+    ] = 1,
+    bucket_alignment: Annotated[
+        int,
+        typer.Option(
+            "--bucket-alignment",
+            metavar="N",
+            help="Pad each bucket to a multiple of lcm(dp, N) elements.",
+        ),
+    ] = 1,
+    buffers_by: Annotated[
+        str,
+        typer.Option(
+            "--buffers-by",
+            metavar="none|group",
+            help="ZeRO-1 buffers: none (every param in one buffer) or group (one buffer per "
+            "optimizer param group, as the manifest records them).",
+        ),
+    ] = "none",
     tp_split: Annotated[
         list[str] | None,
         typer.Option(
@@ -348,7 +377,19 @@ def reshard(
 
     Under torchrun: torchrun --nproc-per-node 4 -m muonckpt.cli reshard ckpt/step-1000
     --dp 4 --tp 2 -o ckpt/4x2
+
+    Bucketed: muonckpt reshard ckpt/step-1000 --dp 4 --tp 2 --bucket-numel 40000000 -o out
+
+    The layout options are those of muonckpt.LayoutOptions; any choice loads correctly.
     """
+    from . import LayoutOptions
+
+    options = LayoutOptions(
+        bucket_numel=bucket_numel,
+        param_alignment=param_alignment,
+        bucket_alignment=bucket_alignment,
+        buffers_by=buffers_by,  # checked there, as every field
+    )
     splits = {}
     for item in tp_split or []:
         name, sep, dim = item.rpartition("=")
@@ -364,7 +405,7 @@ def reshard(
             dst,
             dp=dp,
             tp=tp,
-            bucket_numel=bucket_numel,
+            options=options,
             tp_split_dims=splits,
             overwrite=force,
             progress=progress,

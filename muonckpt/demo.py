@@ -27,7 +27,7 @@ from . import offline
 from .checkpoint import load, save
 from .collectives import grid_groups
 from .launch import run_distributed
-from .layout import Topology
+from .layout import LayoutOptions, Topology
 from .optim import Muon
 from .regions import extract, insert_
 from .sharding import ShardedParams, shard_param_groups
@@ -37,7 +37,8 @@ ADAMW_PARAMS = {"bias": (7,), "norm": (16,), "embed": (8, 12)}
 TP_SPLIT_DIMS = {"w_in": 0, "w_out": 1, "norm": 0, "embed": 1}
 MUON_HPARAMS = {"use_muon": True, "lr": 0.05, "momentum": 0.9, "weight_decay": 0.1}
 ADAMW_HPARAMS = {"lr": 0.01, "weight_decay": 0.01}
-BUCKET_NUMEL = 150
+LAYOUT = LayoutOptions(bucket_numel=150)
+"""The demo's layout, at every topology: buckets closed at 150 elements, several per buffer."""
 SHAPES = {**MUON_PARAMS, **ADAMW_PARAMS}
 
 
@@ -85,7 +86,7 @@ def _shard(params: dict[str, torch.Tensor], dp: int, tp: int, d: int, t: int) ->
         d,
         t,
         tp_split_dims=TP_SPLIT_DIMS,
-        bucket_numel=BUCKET_NUMEL,
+        options=LAYOUT,
     )
 
 
@@ -195,7 +196,7 @@ def run_demo(
         resharded,
         dp=to_dp,
         tp=to_tp,
-        bucket_numel=BUCKET_NUMEL,
+        options=LAYOUT,
         tp_split_dims=TP_SPLIT_DIMS,
         overwrite=True,
     )

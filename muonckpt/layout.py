@@ -16,8 +16,9 @@ TP block ``t`` is then the column range ``[t*C/T, (t+1)*C/T)``. An unsplit tenso
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 from .errors import LayoutError
 
@@ -411,36 +412,79 @@ class BufferLayout:
         return self.region(index, dp_rank, tp_rank)
 
 
+BuffersBy = Literal["none", "group"]
+"""How :func:`arrange` splits params into ZeRO-1 buffers (see :attr:`LayoutOptions.buffers_by`)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayoutOptions:
+    """How :func:`arrange` packs params into ZeRO-1 buffers and buckets, beyond the topology.
+
+    Passed whole wherever a layout is built (:func:`arrange`,
+    :func:`~muonckpt.sharding.shard_param_groups`, :func:`~muonckpt.offline.reshard`, the
+    ``muonckpt reshard`` options). Checked when made: a bad value raises :class:`LayoutError`
+    naming the field. The defaults are one buffer, one bucket, no alignment.
+    """
+
+    bucket_numel: int | None = None
+    """Close a bucket once it holds at least this many elements (None: one bucket per buffer).
+    A param never straddles two buckets."""
+    param_alignment: int = 1
+    """Each param starts at a multiple of this many elements, counted from its bucket's start."""
+    bucket_alignment: int = 1
+    """Each bucket is padded to a multiple of ``lcm(dp, bucket_alignment)`` elements."""
+    buffers_by: BuffersBy = "none"
+    """``"none"``: every param in buffer 0. ``"group"``: buffer ``i`` holds the params of
+    optimizer param group ``i`` (:attr:`ParamSpec.group`), as Megatron keeps separate buffers
+    for params that are updated differently (Muon and AdamW params, say); a group without params
+    gives a buffer without buckets."""
+
+    def __post_init__(self) -> None:
+        if self.bucket_numel is not None:
+            _check_positive("bucket_numel", self.bucket_numel)
+        _check_positive("param_alignment", self.param_alignment)
+        _check_positive("bucket_alignment", self.bucket_alignment)
+        if self.buffers_by not in get_args(BuffersBy):
+            choices = ", ".join(repr(c) for c in get_args(BuffersBy))
+            raise LayoutError(f"buffers_by must be one of {choices}, got {self.buffers_by!r}")
+
+
+def _check_positive(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise LayoutError(f"{name} must be an int, got {value!r}")
+    if value < 1:
+        raise LayoutError(f"{name} must be positive, got {value}")
+
+
 def arrange(
     specs: Sequence[ParamSpec],
     topology: Topology,
     *,
-    bucket_numel: int | None = None,
-    param_alignment: int = 1,
-    bucket_alignment: int = 1,
-    buffer_of: Callable[[ParamSpec], int] | None = None,
+    options: LayoutOptions = LayoutOptions(),
 ) -> BufferLayout:
     """Pack params into ZeRO-1 buffers and buckets, Megatron style.
 
     Args:
         specs: params in packing order.
         topology: the dp x tp grid; TP shapes use ``topology.tp``.
-        bucket_numel: close a bucket once it holds at least this many elements
-            (None: one bucket per buffer). A param never straddles two buckets.
-        param_alignment: each param starts at a multiple of this many elements.
-        bucket_alignment: each bucket is padded to a multiple of lcm(dp, bucket_alignment).
-        buffer_of: buffer index of a param (default: all params in buffer 0).
+        options: bucketing, alignment and buffers (:class:`LayoutOptions`; default: one buffer
+            of one bucket).
     """
-    if bucket_numel is not None and bucket_numel < 1:
-        raise LayoutError(f"bucket_numel must be positive, got {bucket_numel}")
-    if param_alignment < 1 or bucket_alignment < 1:
-        raise LayoutError("param_alignment and bucket_alignment must be positive")
+    if not isinstance(options, LayoutOptions):
+        raise LayoutError(f"options must be a LayoutOptions, got {type(options).__name__}")
     names = [s.name for s in specs]
     if len(set(names)) != len(names):
         dupes = sorted({n for n in names if names.count(n) > 1})
         raise LayoutError(f"duplicate param names: {dupes}")
-    pad_to = math.lcm(topology.dp, bucket_alignment)
-    buffer_ids = [buffer_of(s) if buffer_of else 0 for s in specs]
+    if options.buffers_by == "group":
+        for spec in specs:
+            if spec.group < 0:
+                raise LayoutError(
+                    f"param {spec.name!r}: group {spec.group} is no buffer index "
+                    "(buffers_by='group' numbers buffers from 0)"
+                )
+    pad_to = math.lcm(topology.dp, options.bucket_alignment)
+    buffer_ids = [s.group if options.buffers_by == "group" else 0 for s in specs]
     n_buffers = max(buffer_ids, default=-1) + 1
     buckets: list[list[Bucket]] = [[] for _ in range(n_buffers)]
     placements: list[Placement | None] = [None] * len(specs)
@@ -450,10 +494,11 @@ def arrange(
         for position, index in enumerate(members):
             spec = specs[index]
             numel = math.prod(tp_local_shape(spec.name, spec.shape, spec.tp_split_dim, topology.tp))
-            cursor = bucket_start + _round_up(cursor - bucket_start, param_alignment)
+            cursor = bucket_start + _round_up(cursor - bucket_start, options.param_alignment)
             placements[index] = Placement(buffer, len(buckets[buffer]), (cursor, cursor + numel))
             cursor += numel
-            full = bucket_numel is not None and cursor - bucket_start >= bucket_numel
+            limit = options.bucket_numel
+            full = limit is not None and cursor - bucket_start >= limit
             if full or position == len(members) - 1:
                 size = _round_up(cursor - bucket_start, pad_to)
                 buckets[buffer].append(Bucket(offset=bucket_start, size=size))

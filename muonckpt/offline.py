@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import kinds, storage, writing
 from .errors import CheckpointError, LayoutError, MuonCkptError
-from .layout import ParamSpec, Topology, arrange, whole_region
+from .layout import LayoutOptions, ParamSpec, Topology, arrange, whole_region
 from .manifest import (
     CONSOLIDATED,
     FORMAT_NAME,
@@ -147,9 +147,7 @@ def reshard(
     *,
     dp: int,
     tp: int,
-    bucket_numel: int | None = None,
-    param_alignment: int = 1,
-    bucket_alignment: int = 1,
+    options: LayoutOptions = LayoutOptions(),
     tp_split_dims: Mapping[str, int] | None = None,
     overwrite: bool = False,
     progress: Progress | None = None,
@@ -160,14 +158,15 @@ def reshard(
 
     Rank ``r`` (TP rank fastest) gets ``rank-0000r-of-N.safetensors`` holding exactly what it
     owns under :func:`muonckpt.layout.arrange` of the manifest's params (in manifest order,
-    TP split dims and groups from the manifest) with the given bucketing; TP-replicated params
-    are stored on TP rank 0 only, as :func:`muonckpt.save` does.
+    TP split dims and groups from the manifest) with the given ``options``; TP-replicated
+    params are stored on TP rank 0 only, as :func:`muonckpt.save` does.
 
     Args:
         tp_split_dims: param name -> split dimension, overriding the manifest's (a checkpoint
             saved by a single process records every param as unsplit, -1).
-        bucket_numel, param_alignment, bucket_alignment: as in :func:`muonckpt.layout.arrange`;
-            they decide which rank holds what, but any choice loads correctly.
+        options: bucketing, alignment and buffers (:class:`~muonckpt.layout.LayoutOptions`),
+            as in :func:`muonckpt.layout.arrange`; they decide which rank holds what, but any
+            choice loads correctly.
         overwrite, progress, workers, collective: as in :func:`consolidate`.
 
     Raises:
@@ -190,13 +189,7 @@ def reshard(
     )
     unique_tensor_keys(((e.name, k) for e in params for k in e.tensor_keys), directory)
     specs = [ParamSpec(e.name, e.shape, tp_split_dim=e.tp_split_dim, group=e.group) for e in params]
-    layout = arrange(
-        specs,
-        topology,
-        bucket_numel=bucket_numel,
-        param_alignment=param_alignment,
-        bucket_alignment=bucket_alignment,
-    )
+    layout = arrange(specs, topology, options=options)
     owned_by_rank = [
         [
             ((entry.name, key, entry.dtype_of(key)), region)
@@ -211,16 +204,14 @@ def reshard(
         per_rank_plan(owned_by_rank),
     )
     if workers > 1:
-        options = {
+        worker_options = {
             "dp": dp,
             "tp": tp,
-            "bucket_numel": bucket_numel,
-            "param_alignment": param_alignment,
-            "bucket_alignment": bucket_alignment,
+            "options": options,
             "tp_split_dims": overrides,
             "overwrite": overwrite,
         }
-        return _spawn(reshard, workers, src, dst, options, progress)
+        return _spawn(reshard, workers, src, dst, worker_options, progress)
     return _write("reshard", job, directory, manifest, dst, overwrite, progress, collective)
 
 

@@ -14,7 +14,7 @@ optimizer needs; they live in :mod:`muonckpt.collectives`. No file I/O here.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +22,7 @@ import torch
 
 from . import collectives
 from .errors import LayoutError
-from .layout import BufferLayout, ParamSpec, Topology, arrange, tp_full_shape
+from .layout import BufferLayout, LayoutOptions, ParamSpec, Topology, arrange, tp_full_shape
 from .optim import MuonDistMeta
 from .regions import extract
 
@@ -151,10 +151,7 @@ def shard_param_groups(
     *,
     tp_split_dims: Mapping[str, int] | None = None,
     tp_local: bool = False,
-    bucket_numel: int | None = None,
-    param_alignment: int = 1,
-    bucket_alignment: int = 1,
-    buffer_of: Callable[[ParamSpec], int] | None = None,
+    options: LayoutOptions = LayoutOptions(),
 ) -> ShardedParams:
     """Cut (``dp_rank``, ``tp_rank``)'s ZeRO-1 + TP shard of every param of ``groups``.
 
@@ -167,8 +164,9 @@ def shard_param_groups(
         tp_split_dims: param name -> dimension split across TP ranks (missing: -1, replicated).
         tp_local: the tensors are this rank's TP shards (a tensor-parallel model, as in
             Megatron) rather than full tensors (a model replicated on every rank).
-        bucket_numel, param_alignment, bucket_alignment, buffer_of: see
-            :func:`muonckpt.layout.arrange`.
+        options: bucketing, alignment and buffers, as in :func:`muonckpt.layout.arrange`
+            (:class:`~muonckpt.layout.LayoutOptions`; ``buffers_by="group"`` gives each param
+            group its own buffer).
 
     Raises:
         LayoutError: naming the param, for a param that is not a ``(name, tensor)`` pair, a
@@ -213,14 +211,7 @@ def shard_param_groups(
     unknown = sorted(set(split_dims) - {s.name for s in specs})
     if unknown:
         raise LayoutError(f"tp_split_dims names params that are in no group: {unknown}")
-    layout = arrange(
-        specs,
-        topology,
-        bucket_numel=bucket_numel,
-        param_alignment=param_alignment,
-        bucket_alignment=bucket_alignment,
-        buffer_of=buffer_of,
-    )
+    layout = arrange(specs, topology, options=options)
     out_groups: list[dict] = []
     dist_metas: dict[torch.Tensor, MuonDistMeta] = {}
     index = 0

@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import subprocess
 import sys
 
 import pytest
-from resume_cases import build, initial_params, train
+import torch
+from ckpt_cases import load_phase
+from resume_cases import assemble, build, initial_params, local_params, train
 from typer.testing import CliRunner
 
 import muonckpt
+from muonckpt import offline
 from muonckpt.cli import app, parse_size
+from muonckpt.launch import run_distributed
 from muonckpt.manifest import rank_file
 
 runner = CliRunner()
@@ -143,6 +148,75 @@ def test_bad_usage_exits_2(ckpts, tmp_path):
     assert parse_size("5GB") == 5 * 10**9
     assert parse_size("500MiB") == 500 * 2**20
     assert parse_size("1024") == 1024
+
+
+def _same_files(a, b) -> bool:
+    names = sorted(p.name for p in a.iterdir())
+    return names == sorted(p.name for p in b.iterdir()) and all(
+        (a / n).read_bytes() == (b / n).read_bytes() for n in names
+    )
+
+
+@pytest.mark.parametrize(
+    "args, options",
+    [
+        (
+            ["--bucket-numel", "40", "--param-alignment", "4", "--bucket-alignment", "8"],
+            muonckpt.LayoutOptions(bucket_numel=40, param_alignment=4, bucket_alignment=8),
+        ),
+        (
+            ["--param-alignment", "4", "--buffers-by", "group"],
+            muonckpt.LayoutOptions(param_alignment=4, buffers_by="group"),
+        ),
+    ],
+)
+def test_reshard_layout_options_are_the_library_s_and_load_back(ckpts, tmp_path, args, options):
+    out = tmp_path / "cli"
+    result = cli("reshard", ckpts["a"], "--dp", "2", "--tp", "1", *args, "-o", out)
+    assert result.exit_code == 0, result.output
+    library = offline.reshard(ckpts["a"], tmp_path / "lib", dp=2, tp=1, options=options)
+    assert _same_files(library, out)
+    # each option given changes which rank holds what, so the comparison above sees any one of
+    # them dropped on the way
+    default = muonckpt.LayoutOptions()
+    for field in dataclasses.fields(options):
+        if getattr(options, field.name) != getattr(default, field.name):
+            without = dataclasses.replace(options, **{field.name: getattr(default, field.name)})
+            other = offline.reshard(ckpts["a"], tmp_path / field.name, dp=2, tp=1, options=without)
+            assert not _same_files(other, out), field.name
+
+    # loads back at 2 x 1 (into the demo's own layout) and trains on bitwise
+    reference, sharded, dp_rank, tp_rank = build(1, 1, initial_params())
+    train(reference, sharded, dp_rank, tp_rank, 0, 3)
+    shards = run_distributed(load_phase, 2, 2, 1, str(out), 2, 1, timeout=180)
+    full = assemble(2, 1, shards)
+    for name, value in local_params(reference).items():
+        assert torch.equal(full[name], value), name
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--bucket-numel", "0"], "bucket_numel must be positive, got 0"),
+        (["--param-alignment", "0"], "param_alignment must be positive, got 0"),
+        (["--bucket-alignment", "-8"], "bucket_alignment must be positive, got -8"),
+        (["--buffers-by", "dtype"], "buffers_by must be one of 'none', 'group', got 'dtype'"),
+    ],
+)
+def test_reshard_bad_layout_options_are_one_error_line(ckpts, tmp_path, args, message):
+    line = _one_error_line(
+        cli("reshard", ckpts["a"], "--dp", "2", "--tp", "1", *args, "-o", tmp_path / "x")
+    )
+    assert line == f"error: {message}"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_reshard_help_names_every_layout_option():
+    result = cli("reshard", "--help")
+    assert result.exit_code == 0
+    for flag in ("--bucket-numel", "--param-alignment", "--bucket-alignment", "--buffers-by"):
+        assert flag in result.stdout
+    assert "none|group" in result.stdout
 
 
 def test_unreadable_input_exits_2_with_one_line(ckpts, tmp_path):

@@ -6,6 +6,7 @@ No processes: every (dp, tp) position is evaluated in this one process. The refe
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 
@@ -14,8 +15,17 @@ import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from muonckpt import LayoutError, ParamSpec, Topology, arrange
-from muonckpt.layout import Region, copy_runs, dp_slice, strided_runs, tp_local_shape, whole_region
+from muonckpt import LayoutError, LayoutOptions, ParamSpec, Topology, arrange
+from muonckpt.layout import (
+    Bucket,
+    Placement,
+    Region,
+    copy_runs,
+    dp_slice,
+    strided_runs,
+    tp_local_shape,
+    whole_region,
+)
 from muonckpt.regions import copy_groups_, extract, insert_
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -47,18 +57,18 @@ def specs_for(draw, tps: tuple[int, ...]):
 def layout_cases(draw):
     dp, tp = draw(st.integers(1, 9)), draw(st.integers(1, 4))
     specs = draw(specs_for((tp,)))
-    kwargs = draw(arrange_kwargs(specs))
-    return specs, Topology(dp, tp), kwargs
+    return specs, Topology(dp, tp), draw(layout_options())
 
 
-@st.composite
-def arrange_kwargs(draw, specs):
-    buffers = {s.name: draw(st.integers(0, 2)) for s in specs}
-    return dict(
-        bucket_numel=draw(st.one_of(st.none(), st.integers(1, 40))),
-        param_alignment=draw(st.sampled_from([1, 2, 3, 4, 8])),
-        bucket_alignment=draw(st.sampled_from([1, 2, 4, 6, 16])),
-        buffer_of=(lambda spec: buffers[spec.name]) if draw(st.booleans()) else None,
+def layout_options():
+    """Any options; with ``buffers_by="group"`` the specs' random groups (0..2, some possibly
+    empty) become buffers."""
+    return st.builds(
+        LayoutOptions,
+        bucket_numel=st.one_of(st.none(), st.integers(1, 40)),
+        param_alignment=st.sampled_from([1, 2, 3, 4, 8]),
+        bucket_alignment=st.sampled_from([1, 2, 4, 6, 16]),
+        buffers_by=st.sampled_from(["none", "group"]),
     )
 
 
@@ -83,7 +93,7 @@ def a_param_some_dp_rank_lacks(layout) -> bool:
 RANKS_WITHOUT_ELEMENTS = (
     [ParamSpec("tiny", (2,)), ParamSpec("w", (4, 3), tp_split_dim=0)],
     Topology(9, 2),
-    dict(bucket_numel=None, param_alignment=1, bucket_alignment=1, buffer_of=None),
+    LayoutOptions(),
 )
 
 
@@ -91,8 +101,8 @@ RANKS_WITHOUT_ELEMENTS = (
 @given(layout_cases())
 @example(RANKS_WITHOUT_ELEMENTS)
 def test_every_element_has_exactly_one_owner(case):
-    specs, topo, kwargs = case
-    layout = arrange(specs, topo, **kwargs)
+    specs, topo, options = case
+    layout = arrange(specs, topo, options=options)
     for i, spec in enumerate(specs):
         counts = torch.zeros(spec.numel, dtype=torch.int64)
         for dp_rank in range(topo.dp):
@@ -108,8 +118,8 @@ def test_every_element_has_exactly_one_owner(case):
 @given(layout_cases())
 @example(RANKS_WITHOUT_ELEMENTS)
 def test_dp_regions_partition_each_tp_block_in_order(case):
-    specs, topo, kwargs = case
-    layout = arrange(specs, topo, **kwargs)
+    specs, topo, options = case
+    layout = arrange(specs, topo, options=options)
     for i, spec in enumerate(specs):
         full_index = torch.arange(spec.numel, dtype=torch.int64).reshape(spec.shape)
         local_numel = math.prod(layout.local_shape(i))
@@ -132,9 +142,9 @@ def test_dp_regions_partition_each_tp_block_in_order(case):
 @SETTINGS
 @given(layout_cases())
 def test_buckets_and_placements(case):
-    specs, topo, kwargs = case
-    layout = arrange(specs, topo, **kwargs)
-    pad = math.lcm(topo.dp, kwargs["bucket_alignment"])
+    specs, topo, options = case
+    layout = arrange(specs, topo, options=options)
+    pad = math.lcm(topo.dp, options.bucket_alignment)
     assert layout.global_buffer_sizes() == [
         [(b.size, b.offset) for b in buffer] for buffer in layout.buckets
     ]
@@ -144,10 +154,9 @@ def test_buckets_and_placements(case):
             assert bucket.offset == offset
             assert bucket.size % topo.dp == 0 and bucket.size % pad == 0
             offset += bucket.size
-    buffer_of = kwargs["buffer_of"] or (lambda spec: 0)
     members: dict[tuple[int, int], list[int]] = {}
     for i, (spec, place) in enumerate(zip(specs, layout.placements)):
-        assert place.buffer == buffer_of(spec)
+        assert place.buffer == (spec.group if options.buffers_by == "group" else 0)
         bucket = layout.buckets[place.buffer][place.bucket]
         lo, hi = place.global_range
         assert (
@@ -157,7 +166,7 @@ def test_buckets_and_placements(case):
         )
         # never straddles a bucket; aligned relative to the bucket start
         assert bucket.offset <= lo <= hi <= bucket.offset + bucket.size
-        assert (lo - bucket.offset) % kwargs["param_alignment"] == 0
+        assert (lo - bucket.offset) % options.param_alignment == 0
         # dp_range is exactly the param's intersection with each rank's share of the bucket
         share = bucket.size // topo.dp
         for dp_rank in range(topo.dp):
@@ -174,17 +183,17 @@ def test_buckets_and_placements(case):
         bucket = layout.buckets[buffer][k]
         content = ranges[-1][1] - bucket.offset
         assert bucket.size == -(-content // pad) * pad
-        if kwargs["bucket_numel"] is not None and k < len(layout.buckets[buffer]) - 1:
+        if options.bucket_numel is not None and k < len(layout.buckets[buffer]) - 1:
             # a bucket closes as soon as it holds bucket_numel elements, not before
-            assert content >= kwargs["bucket_numel"]
-            assert ranges[-2][1] - bucket.offset < kwargs["bucket_numel"] if len(idx) > 1 else True
+            assert content >= options.bucket_numel
+            assert ranges[-2][1] - bucket.offset < options.bucket_numel if len(idx) > 1 else True
     for buffer, bucket_list in enumerate(layout.buckets):
         assert {k for (b, k) in members if b == buffer} == set(range(len(bucket_list)))
 
 
 def test_some_dp_ranks_own_nothing_of_a_param():
     specs = [ParamSpec("tiny", (2,)), ParamSpec("w", (4, 3), tp_split_dim=0), ParamSpec("v", (5,))]
-    layout = arrange(specs, Topology(9, 2), bucket_numel=2)
+    layout = arrange(specs, Topology(9, 2), options=LayoutOptions(bucket_numel=2))
     assert a_param_some_dp_rank_lacks(layout)
     # tiny is alone in a bucket of 18: ranks 0 and 1 hold one element each, the rest nothing
     assert [layout.dp_range(0, r) for r in range(9)] == [(0, 1), (1, 2)] + [(0, 0)] * 7
@@ -197,14 +206,15 @@ def reshard_cases(draw):
     topo_a = Topology(draw(st.integers(1, 6)), draw(st.integers(1, 4)))
     topo_b = Topology(draw(st.integers(1, 6)), draw(st.integers(1, 4)))
     specs = draw(specs_for((topo_a.tp, topo_b.tp)))
-    return specs, topo_a, draw(arrange_kwargs(specs)), topo_b, draw(arrange_kwargs(specs))
+    return specs, topo_a, draw(layout_options()), topo_b, draw(layout_options())
 
 
 @SETTINGS
 @given(reshard_cases())
 def test_strided_runs_reshard_reproduces_target_pieces(case):
-    specs, topo_a, kw_a, topo_b, kw_b = case
-    src_layout, dst_layout = arrange(specs, topo_a, **kw_a), arrange(specs, topo_b, **kw_b)
+    specs, topo_a, opt_a, topo_b, opt_b = case
+    src_layout = arrange(specs, topo_a, options=opt_a)
+    dst_layout = arrange(specs, topo_b, options=opt_b)
     for i, spec in enumerate(specs):
         full = torch.randn(spec.shape, dtype=torch.float64)
         sources = [
@@ -231,8 +241,8 @@ def test_strided_runs_reshard_reproduces_target_pieces(case):
 @SETTINGS
 @given(reshard_cases())
 def test_copy_runs_same_block_is_one_run(case):
-    specs, topo, kw_a, _, kw_b = case
-    a, b = arrange(specs, topo, **kw_a), arrange(specs, topo, **kw_b)
+    specs, topo, opt_a, _, opt_b = case
+    a, b = arrange(specs, topo, options=opt_a), arrange(specs, topo, options=opt_b)
     for i in range(len(specs)):
         for t in range(topo.tp):
             for d1 in range(topo.dp):
@@ -247,8 +257,8 @@ def test_copy_runs_same_block_is_one_run(case):
 @SETTINGS
 @given(layout_cases())
 def test_extract_insert_round_trip(case):
-    specs, topo, kwargs = case
-    layout = arrange(specs, topo, **kwargs)
+    specs, topo, options = case
+    layout = arrange(specs, topo, options=options)
     for i, spec in enumerate(specs):
         full = torch.randn(spec.shape)
         rebuilt = torch.full(spec.shape, float("nan"))
@@ -303,12 +313,85 @@ def test_bucket_size_not_divisible_by_dp():
 
 
 @pytest.mark.parametrize(
-    "kwargs",
-    [dict(bucket_numel=0), dict(param_alignment=0), dict(bucket_alignment=-1)],
+    "fields, message",
+    [
+        (dict(bucket_numel=0), "bucket_numel must be positive, got 0"),
+        (dict(bucket_numel=-3), "bucket_numel must be positive, got -3"),
+        (dict(bucket_numel=2.5), "bucket_numel must be an int, got 2.5"),
+        (dict(param_alignment=0), "param_alignment must be positive, got 0"),
+        (dict(param_alignment=True), "param_alignment must be an int, got True"),
+        (dict(param_alignment=None), "param_alignment must be an int, got None"),
+        (dict(bucket_alignment=-1), "bucket_alignment must be positive, got -1"),
+        (dict(bucket_alignment="4"), "bucket_alignment must be an int, got '4'"),
+        (dict(buffers_by="dtype"), "buffers_by must be one of 'none', 'group', got 'dtype'"),
+        (dict(buffers_by=None), "buffers_by must be one of 'none', 'group', got None"),
+    ],
 )
-def test_bad_arrange_options(kwargs):
-    with pytest.raises(LayoutError):
-        arrange([ParamSpec("a", (2,))], Topology(1, 1), **kwargs)
+def test_layout_options_refuse_bad_values_naming_the_field(fields, message):
+    with pytest.raises(LayoutError) as caught:
+        LayoutOptions(**fields)
+    assert str(caught.value) == message
+
+
+def test_layout_options_are_frozen_keyword_only_values():
+    options = LayoutOptions(bucket_numel=8, param_alignment=2, bucket_alignment=4)
+    assert options == LayoutOptions(bucket_alignment=4, param_alignment=2, bucket_numel=8)
+    assert hash(options) == hash(
+        LayoutOptions(bucket_numel=8, param_alignment=2, bucket_alignment=4)
+    )
+    assert LayoutOptions() == LayoutOptions(
+        bucket_numel=None, param_alignment=1, bucket_alignment=1, buffers_by="none"
+    )
+    with pytest.raises(TypeError):
+        LayoutOptions(8)  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        options.bucket_numel = 9  # type: ignore[misc]
+
+
+def test_arrange_takes_options_whole():
+    specs = [ParamSpec("a", (2,))]
+    with pytest.raises(LayoutError, match="options must be a LayoutOptions, got dict"):
+        arrange(specs, Topology(1, 1), options={"bucket_numel": 1})  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        arrange(specs, Topology(1, 1), LayoutOptions())  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        arrange(specs, Topology(1, 1), bucket_numel=1)  # type: ignore[call-arg]
+
+
+def test_buffers_by_group_refuses_a_negative_group():
+    specs = [ParamSpec("a", (2,)), ParamSpec("b", (2,), group=-1)]
+    assert len(arrange(specs, Topology(1, 1)).buckets) == 1  # no buffers by group: no problem
+    with pytest.raises(LayoutError, match="param 'b': group -1"):
+        arrange(specs, Topology(1, 1), options=LayoutOptions(buffers_by="group"))
+
+
+def test_every_option_at_work_on_a_worked_example():
+    """Buckets and places worked out by hand: dp=2, buckets closed at 6 elements, params
+    aligned to 2, buckets padded to lcm(2, 4) = 4, one buffer per group."""
+    specs = [
+        ParamSpec("a", (5,)),
+        ParamSpec("b", (3,), group=1),
+        ParamSpec("c", (2, 4), tp_split_dim=1),  # 4 elements per TP rank
+        ParamSpec("d", (1,)),
+    ]
+    options = LayoutOptions(
+        bucket_numel=6, param_alignment=2, bucket_alignment=4, buffers_by="group"
+    )
+    layout = arrange(specs, Topology(2, 2), options=options)
+    # buffer 0: a at [0, 5); c aligned to 6, [6, 10): 10 >= 6 closes bucket 0, padded to 12;
+    # d at [12, 13), bucket 1 padded to 4. Buffer 1: b at [0, 3), one bucket padded to 4.
+    assert layout.buckets == ((Bucket(0, 12), Bucket(12, 4)), (Bucket(0, 4),))
+    assert layout.placements == (
+        Placement(0, 0, (0, 5)),
+        Placement(1, 0, (0, 3)),
+        Placement(0, 0, (6, 10)),
+        Placement(0, 1, (12, 13)),
+    )
+    assert [layout.dp_range(2, r) for r in range(2)] == [(0, 0), (0, 4)]
+    # the same specs without options: one buffer, one bucket, packed tight
+    plain = arrange(specs, Topology(2, 2))
+    assert plain.buckets == ((Bucket(0, 14),),)
+    assert [p.global_range for p in plain.placements] == [(0, 5), (5, 8), (8, 12), (12, 13)]
 
 
 @pytest.mark.parametrize("dp,tp", [(0, 1), (1, 0)])

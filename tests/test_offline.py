@@ -82,7 +82,8 @@ def test_sharded_consolidate_writes_an_index(saved, tmp_path):
 
 
 def test_reshard_then_load_is_bitwise(saved, tmp_path):
-    out = offline.reshard(saved["per_rank"], tmp_path / "r", dp=DST[0], tp=DST[1], bucket_numel=150)
+    options = muonckpt.LayoutOptions(bucket_numel=150)
+    out = offline.reshard(saved["per_rank"], tmp_path / "r", dp=DST[0], tp=DST[1], options=options)
     assert muonckpt.verify(out) == []
     manifest = muonckpt.read_manifest(out)
     assert manifest.kind == "per-rank"

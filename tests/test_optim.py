@@ -16,6 +16,7 @@ from seed_port import make_groups
 
 from muonckpt import (
     LayoutError,
+    LayoutOptions,
     Muon,
     MuonDistMeta,
     ShardedParams,
@@ -41,10 +42,10 @@ MUON_ARGS = {
 }
 ADAMW_ARGS = {"lr": 0.01, "weight_decay": 0.05, "adamw_betas": (0.9, 0.95)}
 
-# (bucket_numel, param_alignment, buffer_of): one buffer and bucket, or two buffers (Muon and
-# AdamW params) cut into small buckets with aligned params, so buckets start at offsets > 0.
-PLAIN = (None, 1, None)
-BUCKETED = (40, 4, "by_group")
+# One buffer and bucket, or two buffers (Muon and AdamW params) cut into small buckets with
+# aligned params, so buckets start at offsets > 0.
+PLAIN = LayoutOptions()
+BUCKETED = LayoutOptions(bucket_numel=40, param_alignment=4, buffers_by="group")
 
 
 def full_groups(seed: int = 0, empty_first: bool = False) -> list[dict]:
@@ -68,18 +69,8 @@ def clone_groups(groups: list[dict]) -> list[dict]:
     return [{**g, "params": [(n, t.clone()) for n, t in g["params"]]} for g in groups]
 
 
-def by_group(spec) -> int:
-    return spec.group
-
-
-def layout_kwargs(variant: tuple) -> dict:
-    bucket_numel, alignment, buffer_of = variant
-    return dict(
-        tp_split_dims=TP_SPLIT_DIMS,
-        bucket_numel=bucket_numel,
-        param_alignment=alignment,
-        buffer_of=by_group if buffer_of else None,
-    )
+def layout_kwargs(variant: LayoutOptions) -> dict:
+    return dict(tp_split_dims=TP_SPLIT_DIMS, options=variant)
 
 
 def step_grads(gen: torch.Generator) -> dict[str, torch.Tensor]:

@@ -22,8 +22,19 @@ from muonckpt.cli import app
 from muonckpt.manifest import CONSOLIDATED_FILE, MODEL_FILE, rank_file
 from muonckpt.storage import SafetensorsReader, SafetensorsWriter, SharedSafetensorsFile
 
-RESHARD = {"dp": 2, "tp": 2, "tp_split_dims": {"w_in": 0}, "bucket_numel": 150}
-RESHARD_ARGS = ["--dp", "2", "--tp", "2", "--tp-split", "w_in=0", "--bucket-numel", "150"]
+# Every layout option away from its default, so that workers given other options would differ.
+RESHARD = {
+    "dp": 2,
+    "tp": 2,
+    "tp_split_dims": {"w_in": 0},
+    "options": muonckpt.LayoutOptions(
+        bucket_numel=150, param_alignment=4, bucket_alignment=8, buffers_by="group"
+    ),
+}
+RESHARD_ARGS = [
+    *("--dp", "2", "--tp", "2", "--tp-split", "w_in=0", "--bucket-numel", "150"),
+    *("--param-alignment", "4", "--bucket-alignment", "8", "--buffers-by", "group"),
+]
 
 
 @pytest.fixture(autouse=True)
