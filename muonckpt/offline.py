@@ -83,6 +83,7 @@ no worker outlives the command (see :mod:`muonckpt.launch`)."""
 __all__ = [
     "MAX_RANKS",
     "WORKER_TIMEOUT",
+    "Progress",
     "consolidate",
     "convert",
     "diff",
