@@ -22,8 +22,10 @@ from .layout import LayoutOptions, ParamSpec, Topology, arrange
 
 if TYPE_CHECKING:
     from .checkpoint import LoadReport, load, save
-    from .collectives import grid_groups
+    from .collectives import default_group_from_env, global_rank, grid_groups
+    from .demo import run_demo
     from .hooks import REPLICATED, gather_state_dict, install_hooks
+    from .kinds import FAMILIES
     from .optim import Muon, MuonDistMeta, adjusted_lr, newton_schulz, normalize_range
     from .pieces import read_manifest, verify
     from .sharding import ShardedParams, shard_for_groups, shard_param_groups
@@ -31,6 +33,7 @@ if TYPE_CHECKING:
 __version__ = "0.1.0"
 
 _LAZY = {
+    "FAMILIES": "kinds",
     "LoadReport": "checkpoint",
     "REPLICATED": "hooks",
     "load": "checkpoint",
@@ -38,6 +41,8 @@ _LAZY = {
     "save": "checkpoint",
     "verify": "pieces",
     "gather_state_dict": "hooks",
+    "default_group_from_env": "collectives",
+    "global_rank": "collectives",
     "grid_groups": "collectives",
     "install_hooks": "hooks",
     "Muon": "optim",
@@ -45,12 +50,14 @@ _LAZY = {
     "adjusted_lr": "optim",
     "newton_schulz": "optim",
     "normalize_range": "optim",
+    "run_demo": "demo",
     "ShardedParams": "sharding",
     "shard_for_groups": "sharding",
     "shard_param_groups": "sharding",
 }
 
 __all__ = [
+    "FAMILIES",
     "REPLICATED",
     "CheckpointError",
     "CheckpointWarning",
@@ -68,13 +75,16 @@ __all__ = [
     "Topology",
     "adjusted_lr",
     "arrange",
+    "default_group_from_env",
     "gather_state_dict",
+    "global_rank",
     "grid_groups",
     "install_hooks",
     "load",
     "newton_schulz",
     "normalize_range",
     "read_manifest",
+    "run_demo",
     "save",
     "shard_for_groups",
     "shard_param_groups",

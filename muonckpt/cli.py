@@ -257,14 +257,14 @@ def _ranks(ctx: typer.Context, workers: int) -> Iterator[bool]:
     if not all(name in os.environ for name in TORCHRUN_ENV):
         yield False
         return
-    from . import collectives, offline
+    from . import default_group_from_env, global_rank, offline
 
     if workers != 1:
         raise typer.BadParameter(
             "not with torchrun, whose ranks already share the work", param_hint="--workers"
         )
-    with collectives.default_group_from_env(timedelta(seconds=offline.WORKER_TIMEOUT)):
-        if collectives.global_rank() != 0:
+    with default_group_from_env(timedelta(seconds=offline.WORKER_TIMEOUT)):
+        if global_rank() != 0:
             ctx.obj = {**(ctx.obj or {}), "quiet": True}
         yield True
 
@@ -441,10 +441,10 @@ def convert(
 
     Example: muonckpt convert ckpt/step-1000 -o ckpt/step-1000-torch --to torch
     """
-    from . import kinds, offline
+    from . import FAMILIES, offline
 
-    if to not in kinds.FAMILIES:
-        raise typer.BadParameter(f"choose one of {', '.join(kinds.FAMILIES)}", param_hint="--to")
+    if to not in FAMILIES:
+        raise typer.BadParameter(f"choose one of {', '.join(FAMILIES)}", param_hint="--to")
     _also_quiet(ctx, quiet)
     with _progress(ctx, "convert") as progress:
         out = offline.convert(src, dst, to=to, overwrite=force, progress=progress)
@@ -527,7 +527,7 @@ def verify(src: Src) -> None:
     """
     if not src.is_dir():
         raise CheckpointError("no checkpoint directory", path=src)
-    from .pieces import verify as verify_checkpoint
+    from . import verify as verify_checkpoint
 
     problems = verify_checkpoint(src)
     console = _out()
@@ -594,7 +594,7 @@ def demo(
     Exit 0 only when every param matches an uninterrupted single-process run bit for bit.
     Example: muonckpt demo --dp 2 --tp 2 --to-dp 4 --to-tp 2 --steps 4
     """
-    from .demo import run_demo
+    from . import run_demo
 
     result = run_demo(
         dp=dp,

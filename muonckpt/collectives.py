@@ -254,3 +254,36 @@ def default_group_from_env(timeout: timedelta) -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
+
+
+# --------------------------------------------------------------------------------------------
+# For the modules that may not import torch.distributed themselves (optim, demo, launch): the
+# group queries without a single-process fallback, and the rendezvous of launch.py.
+# --------------------------------------------------------------------------------------------
+
+
+def size_and_rank(group: Group) -> tuple[int, int]:
+    """This process's ``(size of group, rank in group)``.
+
+    Unlike :func:`group_size` and :func:`group_rank`, no single-process fallback: without an
+    initialized process group this raises as torch.distributed does.
+    """
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def tcp_store(host: str, port: int, world_size: int, **options: Any) -> dist.TCPStore:
+    """``torch.distributed.TCPStore(host, port, world_size, **options)``: a rendezvous store
+    (``port`` 0 with ``is_master=True`` picks a free port, then read ``.port``)."""
+    return dist.TCPStore(host, port, world_size, **options)
+
+
+def join_default_group(
+    backend: str, store: dist.Store, rank: int, world_size: int, timeout: timedelta
+) -> None:
+    """Join the default process group of ``world_size`` ranks that meet at ``store``."""
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+
+
+def leave_default_group() -> None:
+    """Destroy the default process group (and every group made from it)."""
+    dist.destroy_process_group()

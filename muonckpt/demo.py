@@ -21,11 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
-from . import offline
+from . import collectives, offline
 from .checkpoint import load, save
-from .collectives import grid_groups
 from .launch import run_distributed
 from .layout import LayoutOptions, Topology
 from .optim import Muon
@@ -97,8 +95,8 @@ def build(dp: int, tp: int, params: dict[str, torch.Tensor]):
             {**g, "params": [(n, p.clone()) for n, p in g["params"]]} for g in _groups(params)
         ]
         return Muon(groups), None, 0, 0
-    dp_group, tp_group = grid_groups(dp, tp)
-    d, t = dist.get_rank(dp_group), dist.get_rank(tp_group)
+    dp_group, tp_group = collectives.grid_groups(dp, tp)
+    d, t = collectives.group_rank(dp_group), collectives.group_rank(tp_group)
     sharded = _shard(params, dp, tp, d, t)
     opt = Muon(sharded.param_groups)
     opt.enable_distributed_mode(sharded.global_buffer_sizes, dp_group, tp_group, sharded.dist_metas)

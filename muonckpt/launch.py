@@ -32,8 +32,8 @@ from datetime import timedelta
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
+from . import collectives
 from .errors import MuonCkptError
 
 DEFAULT_WAIT: float = 1800.0
@@ -96,7 +96,7 @@ def run_distributed(
     ctx = mp.get_context("forkserver")
     # torch._dynamo is imported on first optimizer construction: ~1.6 s per child otherwise.
     ctx.set_forkserver_preload(["torch", "torch._dynamo", "muonckpt"])
-    store = dist.TCPStore(
+    store = collectives.tcp_store(
         "127.0.0.1",
         0,
         world_size,
@@ -283,18 +283,14 @@ def _child(
         MASTER_PORT=str(port),
     )
     try:
-        store = dist.TCPStore(
+        store = collectives.tcp_store(
             "127.0.0.1", port, world_size, is_master=False, timeout=timedelta(seconds=wait_timeout)
         )
-        dist.init_process_group(
-            backend,
-            store=store,
-            rank=rank,
-            world_size=world_size,
-            timeout=timedelta(seconds=wait_timeout),
+        collectives.join_default_group(
+            backend, store, rank, world_size, timedelta(seconds=wait_timeout)
         )
         value = fn(*args)
-        dist.destroy_process_group()
+        collectives.leave_default_group()
     except BaseException as exc:
         results.put((rank, False, (_summary(exc), traceback.format_exc())))
         return

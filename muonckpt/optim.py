@@ -12,7 +12,6 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from . import collectives
 from .errors import LayoutError
@@ -130,8 +129,8 @@ class Muon(torch.optim.Optimizer):
         )
         super().__init__(_name_empty_groups(param_groups), defaults)
         self.distributed_mode = False
-        self.dist_group: dist.ProcessGroup | None = None
-        self.tp_group: dist.ProcessGroup | None = None
+        self.dist_group: collectives.Group = None
+        self.tp_group: collectives.Group = None
         self.dist_metas: dict[torch.Tensor, MuonDistMeta] = {}
         self.global_buffer_sizes: list[list[tuple[int, int]]] = []
         self.local_buffer_ranges: list[list[Range]] = []
@@ -140,8 +139,8 @@ class Muon(torch.optim.Optimizer):
     def enable_distributed_mode(
         self,
         global_buffer_sizes: Sequence[Sequence[tuple[int, int]]],
-        dist_group: dist.ProcessGroup | None,
-        tp_group: dist.ProcessGroup | None,
+        dist_group: collectives.Group,
+        tp_group: collectives.Group,
         dist_metas: dict[torch.Tensor, MuonDistMeta],
     ) -> None:
         """Switch to ZeRO-1 + TP mode.
@@ -153,7 +152,7 @@ class Muon(torch.optim.Optimizer):
             tp_group: the tensor-parallel group (ranks sharing a DP rank).
             dist_metas: a :class:`MuonDistMeta` for every param of every group.
         """
-        dp_size, dp_rank = dist.get_world_size(dist_group), dist.get_rank(dist_group)
+        dp_size, dp_rank = collectives.size_and_rank(dist_group)
         names = self._param_names()
         sizes = [[(int(s), int(o)) for s, o in buffer] for buffer in global_buffer_sizes]
         for b, buffer in enumerate(sizes):
@@ -260,8 +259,9 @@ class Muon(torch.optim.Optimizer):
         self, group: dict[str, Any], ns_inputs: dict[torch.Tensor, torch.Tensor]
     ) -> None:
         lr, weight_decay = group["lr"], group["weight_decay"]
-        tp_size = dist.get_world_size(self.tp_group) if self.distributed_mode else 1
-        tp_rank = dist.get_rank(self.tp_group) if self.distributed_mode else 0
+        tp_size, tp_rank = (
+            collectives.size_and_rank(self.tp_group) if self.distributed_mode else (1, 0)
+        )
         for p in group["params"]:
             ns_input = ns_inputs[p]
             meta = self.dist_metas.get(p) if self.distributed_mode else None

@@ -363,12 +363,10 @@ def test_write_error_is_checkpoint_error(tmp_path: Path) -> None:
 
 
 def test_write_cleans_up_on_failure(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import muonckpt.storage as storage
-
     def boom(*args: object) -> None:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(storage.os, "fsync", boom)
+    monkeypatch.setattr(os, "fsync", boom)
     path = tmp_path / "a.safetensors"
     with pytest.raises(CheckpointError, match="No space left"):
         write_safetensors(path, {"x": torch.ones(2)})
@@ -538,7 +536,10 @@ def test_verify_checks_every_chunk_window_by_window(numel, chunk, window, victim
             raw = bytearray(path.read_bytes())
             raw[rec.offset + victim % rec.nbytes] ^= 0xFF
             path.write_bytes(bytes(raw))
-        with SafetensorsReader(path) as r, mock.patch.object(storage, "_VERIFY_WINDOW", window):
+        with (
+            SafetensorsReader(path) as r,
+            mock.patch.object(storage.safetensors_reader, "_VERIFY_WINDOW", window),
+        ):
             if corrupt:
                 bad = victim % rec.nbytes // chunk
                 with pytest.raises(CheckpointError, match=f"checksum mismatch in chunk {bad} "):

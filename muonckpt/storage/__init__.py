@@ -1,0 +1,76 @@
+"""The only part of muonckpt that touches files: safetensors read/write, atomic text writes,
+and the directory transaction that puts a checkpoint in place.
+
+One module per concern; this package re-exports what the rest of muonckpt uses, so callers
+write ``storage.X``:
+
+* :mod:`.dtypes`: safetensors dtype strings, their sizes and torch dtypes; tensors as bytes.
+* :mod:`.checksums`: the XXH3 checksum of each chunk of a tensor's data.
+* :mod:`.durable`: fsync, atomic text writes, positional write loops, small reads, libc shims.
+* :mod:`.safetensors_format`: the file format's limits and :class:`TensorRecord`.
+* :mod:`.safetensors_reader` / :mod:`.safetensors_writer`: reading and writing the files.
+* :mod:`.transaction`: staging, swap-in, retiring and discarding checkpoint directories, and
+  the ownership rules of what may be replaced or deleted.
+
+torch is imported only where a tensor crosses (the dtype conversions, reading a tensor,
+writing one), so that the single-process offline tools run without it. Nothing here imports
+the collective or checkpoint layers.
+"""
+
+from __future__ import annotations
+
+from ..manifest import CHECKSUM_ALGORITHM
+from .checksums import CHUNK_BYTES, checksum_chunks
+from .dtypes import byte_view, dtype_name, itemsize, tensor_of_bytes, torch_dtype
+from .durable import entries, file_size, fsync_dir, read_text, write_text_atomic
+from .safetensors_format import MAX_HEADER_BYTES, TensorRecord
+from .safetensors_reader import SafetensorsReader
+from .safetensors_writer import SafetensorsWriter, SharedSafetensorsFile, write_safetensors
+from .transaction import (
+    STAGING_TAG,
+    abandon_commits,
+    check_target,
+    discard,
+    foreign_entries,
+    make_staging,
+    ownership_problem,
+    preset_staging,
+    retire,
+    staged,
+    staging_path,
+    swap_in,
+)
+
+__all__ = [
+    "CHECKSUM_ALGORITHM",
+    "CHUNK_BYTES",
+    "MAX_HEADER_BYTES",
+    "STAGING_TAG",
+    "SafetensorsReader",
+    "SafetensorsWriter",
+    "SharedSafetensorsFile",
+    "TensorRecord",
+    "abandon_commits",
+    "byte_view",
+    "check_target",
+    "checksum_chunks",
+    "discard",
+    "dtype_name",
+    "entries",
+    "file_size",
+    "foreign_entries",
+    "fsync_dir",
+    "itemsize",
+    "make_staging",
+    "ownership_problem",
+    "preset_staging",
+    "read_text",
+    "retire",
+    "staged",
+    "staging_path",
+    "swap_in",
+    "tensor_of_bytes",
+    "torch_dtype",
+    "write_safetensors",
+    "write_text_atomic",
+]

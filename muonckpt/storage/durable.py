@@ -1,0 +1,156 @@
+"""File primitives: durable writes (fsync, atomic rename), positional write loops, small
+reads, and the libc calls Python lacks (``renameat2``, ``sync_file_range``)."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import os
+from pathlib import Path
+from typing import Any
+
+from ..errors import CheckpointError
+from .safetensors_format import MAX_HEADER_BYTES
+
+_WRITE_BYTES = 1 << 20
+"""Bytes per write call. On the benchmark VM, 1 GB written into the page cache in 32 MiB calls
+took 0.35-3.7 s from run to run, in 1 MiB calls a steady 0.31-0.42 s."""
+
+
+def fsync_dir(path: str | os.PathLike[str]) -> None:
+    """fsync a directory, so that a rename inside it survives a crash (no-op where unsupported)."""
+    flags = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError as e:
+        if os.name == "nt":  # directories cannot be opened, nor need fsync, on Windows
+            return
+        raise CheckpointError(f"cannot open directory for fsync: {e}", path=path) from e
+    try:
+        os.fsync(fd)
+    except OSError as e:
+        raise CheckpointError(f"cannot fsync directory: {e}", path=path) from e
+    finally:
+        os.close(fd)
+
+
+def temporary_path(path: Path) -> Path:
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
+
+
+def remove_quietly(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        path.unlink()
+
+
+def replace_durably(tmp: Path, path: Path) -> None:
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def write_text_atomic(path: str | os.PathLike[str], text: str) -> None:
+    """Write ``text`` (UTF-8) to ``path`` atomically: temp file, fsync, rename, fsync the dir."""
+    path = Path(path)
+    tmp = temporary_path(path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(text.encode("utf-8"))
+            f.flush()
+            os.fsync(f.fileno())
+        replace_durably(tmp, path)
+    except BaseException as e:
+        remove_quietly(tmp)
+        if isinstance(e, OSError):
+            raise CheckpointError(f"cannot write: {e}", path=path) from e
+        raise
+
+
+def pwrite_all(fd: int, view: memoryview, offset: int) -> None:
+    """Write all of ``view`` at ``offset``, :data:`_WRITE_BYTES` per call."""
+    position = 0
+    while position < len(view):
+        position += os.pwrite(fd, view[position : position + _WRITE_BYTES], offset + position)
+
+
+def start_writeback(fd: int) -> None:
+    """Ask the kernel to start writing ``fd``'s dirty pages now, without waiting (Linux only).
+
+    ``sync_file_range(SYNC_FILE_RANGE_WRITE)`` over the whole file; a no-op where the call does
+    not exist. Durability still comes from the fsync at commit.
+    """
+    if _SYNC_FILE_RANGE is not None:
+        _SYNC_FILE_RANGE(fd, 0, 0, _SYNC_FILE_RANGE_WRITE)
+
+
+def read_text(path: str | os.PathLike[str], *, limit: int = MAX_HEADER_BYTES) -> str:
+    """A small UTF-8 text file (a manifest); :class:`CheckpointError` if unreadable or huge."""
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            data = f.read(limit + 1)
+    except OSError as exc:
+        raise CheckpointError(f"cannot read: {exc.strerror}", path=path) from None
+    if len(data) > limit:
+        raise CheckpointError(f"larger than {limit} bytes", path=path)
+    try:
+        return data.decode()
+    except UnicodeDecodeError:
+        raise CheckpointError("not UTF-8 text", path=path) from None
+
+
+_AT_FDCWD = -100
+RENAME_NOREPLACE = 1
+_RENAME_EXCHANGE = 2
+
+
+def _libc_function(name: str, argtypes: list[type]) -> Any:
+    """``name`` from the C library with ``argtypes``, or None where it does not exist."""
+    try:
+        function = getattr(ctypes.CDLL(None, use_errno=True), name)
+    except (AttributeError, OSError, TypeError):
+        return None
+    function.argtypes = argtypes
+    return function
+
+
+_SYNC_FILE_RANGE = _libc_function(
+    "sync_file_range", [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+)
+_SYNC_FILE_RANGE_WRITE = 2
+_RENAMEAT2 = _libc_function(
+    "renameat2", [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+)
+
+
+def renameat2(a: Path, b: Path, flags: int) -> bool:
+    """renameat2(a, b, flags): True when done, False where the kernel or filesystem lacks it;
+    any other failure raises OSError (FileExistsError for RENAME_NOREPLACE onto a name)."""
+    if _RENAMEAT2 is None:
+        return False
+    if _RENAMEAT2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), flags) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(a), None, str(b))
+
+
+def exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two paths with renameat2(RENAME_EXCHANGE); False where unsupported."""
+    return renameat2(a, b, _RENAME_EXCHANGE)
+
+
+def file_size(path: str | os.PathLike[str]) -> int:
+    try:
+        return os.stat(path).st_size
+    except OSError as exc:
+        raise CheckpointError(f"cannot stat: {exc.strerror}", path=path) from None
+
+
+def entries(directory: str | os.PathLike[str]) -> list[str]:
+    """Sorted names in ``directory``; empty when it cannot be listed."""
+    try:
+        return sorted(os.listdir(directory))
+    except OSError:
+        return []

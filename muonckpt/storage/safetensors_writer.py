@@ -1,0 +1,351 @@
+"""Writing safetensors files: one process streaming tensors in key order
+(:class:`SafetensorsWriter`, :func:`write_safetensors`), or several processes writing one file
+at planned offsets (:class:`SharedSafetensorsFile`); checksums come from the bytes written."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import struct
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from types import TracebackType
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ..errors import CheckpointError
+from .checksums import CHUNK_BYTES, checksum_chunks
+from .dtypes import ITEMSIZE, byte_view, torch_dtype_names
+from .durable import pwrite_all, remove_quietly, replace_durably, start_writeback, temporary_path
+from .safetensors_format import METADATA_KEY, TensorRecord
+
+if TYPE_CHECKING:
+    import torch
+
+_OFFLOAD_BYTES = 1 << 20
+"""Tensors at least this large are checksummed on a worker thread while they are written."""
+
+
+def _payload(
+    data: torch.Tensor | np.ndarray, dtype: str, shape: Sequence[int], path: Path, key: str
+) -> memoryview:
+    """The bytes to write for a tensor declared ``dtype`` x ``shape``.
+
+    ``data`` is a tensor of that dtype and element count (any shape or device; copied only if
+    not a contiguous CPU tensor), or its raw bytes as a 1-D uint8 numpy array (what the
+    offline tools move, without torch).
+    """
+    nbytes = math.prod(shape) * ITEMSIZE[dtype]
+    if isinstance(data, np.ndarray):
+        if data.dtype != np.uint8 or data.ndim != 1 or data.nbytes != nbytes:
+            raise CheckpointError(
+                f"raw data is {data.dtype} x {data.size}, declared {dtype} {tuple(shape)} "
+                f"needs {nbytes} bytes",
+                path=path,
+                param=key,
+            )
+        return memoryview(np.ascontiguousarray(data))
+    if torch_dtype_names().get(data.dtype) != dtype or data.numel() != math.prod(shape):
+        raise CheckpointError(
+            f"tensor is {data.dtype} x {data.numel()} elements, declared {dtype} {tuple(shape)}",
+            path=path,
+            param=key,
+        )
+    return byte_view(data.detach().cpu().contiguous().view(-1))
+
+
+def write_safetensors(
+    path: str | os.PathLike[str],
+    tensors: Mapping[str, torch.Tensor],
+    metadata: Mapping[str, str] | None = None,
+    *,
+    chunk_bytes: int = CHUNK_BYTES,
+) -> dict[str, TensorRecord]:
+    """Write ``tensors`` to a safetensors file at ``path`` atomically and durably.
+
+    The data goes to a temporary name in the same directory, is fsynced, renamed over ``path``
+    and the directory fsynced. Tensors of any supported dtype, layout and size (0 elements too)
+    are accepted; data is packed in key order. Returns each key's :class:`TensorRecord`, with
+    checksums computed from the bytes written. Raises :class:`CheckpointError` on bad input or
+    an OSError.
+    """
+    import torch
+
+    specs = {}
+    for key, tensor in tensors.items():
+        if not isinstance(tensor, torch.Tensor):
+            raise CheckpointError(f"not a tensor: {type(tensor).__name__}", path=path, param=key)
+        if tensor.dtype not in torch_dtype_names():
+            raise CheckpointError(
+                f"dtype {tensor.dtype} cannot be stored in a safetensors file", path=path, param=key
+            )
+        specs[key] = (torch_dtype_names()[tensor.dtype], tuple(tensor.shape))
+    with SafetensorsWriter(path, specs, metadata, chunk_bytes=chunk_bytes) as writer:
+        for key in writer.pending:
+            writer.write(key, tensors[key])
+        return writer.commit()
+
+
+def _write_and_checksum(
+    fd: int, view: memoryview, offset: int, chunk_bytes: int
+) -> tuple[str, ...]:
+    """Write bytes ``view`` at ``offset`` and return their chunk checksums, overlapping the two
+    when large.
+
+    A large tensor also starts the kernel's writeback of the file so far, so the disk works
+    while the next tensor is copied and the final fsync has little left to do.
+    """
+    if len(view) < _OFFLOAD_BYTES:
+        pwrite_all(fd, view, offset)
+        return checksum_chunks(view, chunk_bytes)
+    # xxhash and file writes both release the GIL: overlap them.
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        pending = pool.submit(checksum_chunks, view, chunk_bytes)
+        pwrite_all(fd, view, offset)
+        start_writeback(fd)
+        return pending.result()
+
+
+def _plan_header(
+    path: Path,
+    specs: Mapping[str, tuple[str, Sequence[int]]],
+    metadata: Mapping[str, str] | None,
+) -> tuple[bytes, dict[str, tuple[str, tuple[int, ...], int, int]]]:
+    """The padded header bytes, and each key's (dtype, shape, begin, nbytes), in key order."""
+    meta = dict(metadata or {})
+    for k, v in meta.items():
+        if not isinstance(k, str) or not isinstance(v, str):
+            raise CheckpointError(f"metadata must map str to str, got {k!r}: {v!r}", path=path)
+    header: dict[str, object] = {METADATA_KEY: meta} if meta else {}
+    plan: dict[str, tuple[str, tuple[int, ...], int, int]] = {}
+    position = 0
+    for key in specs:
+        if not isinstance(key, str) or key == METADATA_KEY:
+            raise CheckpointError(f"invalid tensor key {key!r}", path=path)
+    for key in sorted(specs):
+        name, shape = specs[key]
+        if name not in ITEMSIZE:
+            raise CheckpointError(f"unknown safetensors dtype {name!r}", path=path, param=key)
+        shape = tuple(int(s) for s in shape)
+        if any(s < 0 for s in shape):
+            raise CheckpointError(f"negative size in shape {shape}", path=path, param=key)
+        nbytes = math.prod(shape) * ITEMSIZE[name]
+        header[key] = {
+            "dtype": name,
+            "shape": list(shape),
+            "data_offsets": [position, position + nbytes],
+        }
+        plan[key] = (name, shape, position, nbytes)
+        position += nbytes
+    encoded = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    encoded += b" " * (-len(encoded) % 8)
+    return encoded, plan
+
+
+class SafetensorsWriter:
+    """Streams tensors into a safetensors file one at a time, in bounded memory.
+
+    The header is written up front from the declared ``specs`` (key -> (dtype string, shape));
+    :meth:`write` then takes each tensor in sorted key order and checksums the bytes it writes
+    (every ``chunk_bytes``, as :func:`write_safetensors` does). :meth:`commit` fsyncs and
+    renames the temporary file into place and returns the records. Leaving the ``with`` block
+    without a commit (or on an exception) removes the temporary file. Any OSError surfaces as
+    :class:`CheckpointError` naming the file.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        specs: Mapping[str, tuple[str, Sequence[int]]],
+        metadata: Mapping[str, str] | None = None,
+        *,
+        chunk_bytes: int = CHUNK_BYTES,
+    ) -> None:
+        self.path = Path(path)
+        if chunk_bytes <= 0:
+            raise CheckpointError(f"chunk_bytes must be positive, got {chunk_bytes}", path=path)
+        self.chunk_bytes = chunk_bytes
+        header, self._plan = _plan_header(self.path, specs, metadata)
+        self._data_start = 8 + len(header)
+        self._order = list(self._plan)
+        self._next = 0
+        self._records: dict[str, TensorRecord] = {}
+        self._tmp = temporary_path(self.path)
+        self._file = None
+        try:
+            self._file = open(self._tmp, "wb")  # noqa: SIM115 - closed by commit/abort
+            self._file.write(struct.pack("<Q", len(header)))
+            self._file.write(header)
+            self._file.flush()  # the data goes in by positional writes
+        except OSError as e:
+            self.abort()
+            raise CheckpointError(f"cannot write: {e}", path=self.path) from e
+
+    @property
+    def pending(self) -> list[str]:
+        """Keys still to write, in the order :meth:`write` expects them."""
+        return self._order[self._next :]
+
+    def write(self, key: str, tensor: torch.Tensor | np.ndarray) -> TensorRecord:
+        """Write the next tensor (``key`` must be the next in sorted order): a tensor of its
+        declared dtype and element count, any shape, or its raw bytes (1-D uint8 numpy)."""
+        if self._file is None:
+            raise CheckpointError("writer is closed", path=self.path, param=key)
+        if self._next >= len(self._order) or self._order[self._next] != key:
+            want = self._order[self._next] if self._next < len(self._order) else None
+            raise CheckpointError(
+                f"tensors must be written in sorted key order: got {key!r}, expected {want!r}",
+                path=self.path,
+            )
+        name, shape, begin, nbytes = self._plan[key]
+        view = _payload(tensor, name, shape, self.path, key)
+        sums: tuple[str, ...] = ()
+        try:
+            if nbytes:
+                sums = _write_and_checksum(
+                    self._file.fileno(), view, self._data_start + begin, self.chunk_bytes
+                )
+        except OSError as e:
+            self.abort()
+            raise CheckpointError(f"cannot write: {e}", path=self.path) from e
+        record = TensorRecord(
+            key=key,
+            dtype=name,
+            shape=shape,
+            offset=self._data_start + begin,
+            nbytes=nbytes,
+            checksums=sums,
+            chunk_bytes=self.chunk_bytes,
+        )
+        self._records[key] = record
+        self._next += 1
+        return record
+
+    def commit(self) -> dict[str, TensorRecord]:
+        """fsync, rename into place, fsync the directory; every declared tensor must be written."""
+        if self._file is None:
+            raise CheckpointError("writer is closed", path=self.path)
+        if self.pending:
+            missing = self.pending
+            self.abort()
+            raise CheckpointError(
+                f"{len(missing)} declared tensor(s) never written, first {missing[0]!r}",
+                path=self.path,
+            )
+        try:
+            self._file.flush()
+            os.fsync(self._file.fileno())
+            self._file.close()
+            self._file = None
+            replace_durably(self._tmp, self.path)
+        except OSError as e:
+            self.abort()
+            raise CheckpointError(f"cannot write: {e}", path=self.path) from e
+        return dict(self._records)
+
+    def abort(self) -> None:
+        """Close and remove the temporary file (idempotent)."""
+        file, self._file = self._file, None
+        if file is not None:
+            with contextlib.suppress(OSError):
+                file.close()
+        remove_quietly(self._tmp)
+
+    def __enter__(self) -> SafetensorsWriter:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self._file is not None:
+            self.abort()
+
+
+class SharedSafetensorsFile:
+    """A safetensors file that several processes write at once, each tensor at its offset.
+
+    Every process builds the same instance from the same ``specs`` and ``metadata`` (the header,
+    and so every tensor's offset, is planned up front as :class:`SafetensorsWriter` plans it,
+    giving byte-identical files; checksums per :data:`CHUNK_BYTES`). One process calls
+    :meth:`create` before any write; then any process may :meth:`write` any tensors (each
+    exactly once, in any order, with ``os.pwrite`` into the shared temporary file
+    ``.NAME.part``) and :meth:`close` when done; after all of them, one process calls
+    :meth:`commit`. OSErrors surface as :class:`CheckpointError`.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        specs: Mapping[str, tuple[str, Sequence[int]]],
+        metadata: Mapping[str, str] | None = None,
+    ) -> None:
+        self.path = Path(path)
+        self.chunk_bytes = CHUNK_BYTES
+        self._header, self._plan = _plan_header(self.path, specs, metadata)
+        self._data_start = 8 + len(self._header)
+        self.size = self._data_start + sum(nbytes for *_, nbytes in self._plan.values())
+        """Length of the finished file."""
+        self._part = self.path.with_name(f".{self.path.name}.part")
+        self._fd: int | None = None
+
+    def record(self, key: str, checksums: Sequence[str] = ()) -> TensorRecord:
+        """Where ``key`` lies in the file, with the given checksums of its data."""
+        try:
+            name, shape, begin, nbytes = self._plan[key]
+        except KeyError:
+            raise CheckpointError("no such tensor planned", path=self.path, param=key) from None
+        return TensorRecord(
+            key, name, shape, self._data_start + begin, nbytes, tuple(checksums), self.chunk_bytes
+        )
+
+    def create(self) -> None:
+        """Write the header and give the temporary file its full length (the data still holes)."""
+        try:
+            with open(self._part, "xb") as file:
+                file.write(struct.pack("<Q", len(self._header)))
+                file.write(self._header)
+                file.truncate(self.size)
+        except OSError as e:
+            raise CheckpointError(f"cannot create: {e}", path=self.path) from e
+
+    def write(self, key: str, tensor: torch.Tensor | np.ndarray) -> TensorRecord:
+        """Write ``key``'s data (as :meth:`SafetensorsWriter.write` takes it) at its offset,
+        checksumming the bytes written on a thread meanwhile."""
+        record = self.record(key)
+        view = _payload(tensor, record.dtype, record.shape, self.path, key)
+        if not record.nbytes:
+            return record
+        try:
+            if self._fd is None:
+                self._fd = os.open(self._part, os.O_WRONLY | getattr(os, "O_BINARY", 0))
+            sums = _write_and_checksum(self._fd, view, record.offset, self.chunk_bytes)
+        except OSError as e:
+            raise CheckpointError(f"cannot write: {e}", path=self.path, param=key) from e
+        return self.record(key, sums)
+
+    def close(self) -> None:
+        """Close this process's handle of the temporary file (idempotent)."""
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    def commit(self) -> None:
+        """fsync the temporary file, rename it into place and fsync the directory; to be called
+        once, after every process has written its tensors and closed."""
+        try:
+            fd = os.open(self._part, os.O_RDONLY | getattr(os, "O_BINARY", 0))
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            replace_durably(self._part, self.path)
+        except OSError as e:
+            raise CheckpointError(f"cannot write: {e}", path=self.path) from e

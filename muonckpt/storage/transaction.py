@@ -1,0 +1,469 @@
+"""The directory transaction: a checkpoint is written into a staging directory beside its
+target and swapped in atomically; the rules of what may be replaced or deleted (only muonckpt's
+own checkpoints and their files) live here too."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import re
+import threading
+import uuid
+import warnings
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+from ..errors import CheckpointError, CheckpointWarning
+from ..manifest import FORMAT_NAME, MANIFEST_NAME
+from .durable import RENAME_NOREPLACE, exchange, fsync_dir, read_text, renameat2
+
+STAGING_TAG = "staging"
+_STAGING_SUFFIX_BYTES = len(f"..{STAGING_TAG}-") + 8
+"""What ``.NAME.staging-XXXXXXXX`` adds to NAME: a target name may have NAME_MAX minus this."""
+_OURS_NAME = re.compile(rf"^\..+\.({STAGING_TAG}-[0-9a-f]{{8}}|old-\d+)$", re.DOTALL)
+"""A directory of ours beside a target: ``.NAME.staging-XXXXXXXX`` (a save in progress, or the
+checkpoint an exchange replaced) or ``.NAME.old-PID`` (the rename fallback's replaced one)."""
+_CHECKPOINT_FILE = re.compile(
+    rf"^({re.escape(MANIFEST_NAME)}|[^.].*\.safetensors|[^.].*\.index\.json)$", re.DOTALL
+)
+"""Names of the files a checkpoint directory holds."""
+_TEMPORARY_FILE = re.compile(r"^\.(?P<name>.+)\.(part|tmp-\d+)$", re.DOTALL)
+"""Names of muonckpt's temporary files (``.FILE.part``, ``.FILE.tmp-PID``) of such files."""
+_OUR_MANIFEST_HEAD = re.compile(rb'\s*\{\s*"format"\s*:\s*"muonckpt"\s*,')
+"""How every manifest muonckpt writes begins (``Manifest.to_json`` puts the format first)."""
+
+
+def _is_checkpoint_file(name: str) -> bool:
+    """Whether ``name`` is a file muonckpt writes into a checkpoint (or a temporary of one)."""
+    if _CHECKPOINT_FILE.match(name):
+        return True
+    temporary = _TEMPORARY_FILE.match(name)
+    return temporary is not None and _CHECKPOINT_FILE.match(temporary["name"]) is not None
+
+
+def _shown(names: Sequence[str]) -> str:
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+
+def foreign_entries(directory: str | os.PathLike[str]) -> list[str]:
+    """What in ``directory`` no checkpoint holds: descriptions such as ``"user file README.md"``
+    or ``"directory data"``; empty when every entry is a regular file of a checkpoint's."""
+    found = []
+    with os.scandir(directory) as listing:
+        for entry in sorted(listing, key=lambda e: e.name):
+            if entry.is_symlink():
+                found.append(f"symlink {entry.name}")
+            elif entry.is_dir(follow_symlinks=False):
+                found.append(f"directory {entry.name}")
+            elif not entry.is_file(follow_symlinks=False):
+                found.append(f"special file {entry.name}")
+            elif not _is_checkpoint_file(entry.name):
+                found.append(f"user file {entry.name}")
+    return found
+
+
+def ownership_problem(directory: str | os.PathLike[str]) -> str | None:
+    """Why ``directory`` is not a muonckpt checkpoint that may be replaced; None when it is.
+
+    Replaceable: a directory (not a symlink) holding only regular files with the names a
+    checkpoint has (``*.safetensors``, ``manifest.json``, ``*.index.json`` and muonckpt's
+    temporaries of them), and either a ``manifest.json`` whose JSON says ``"format":
+    "muonckpt"``, or no manifest but a name of ours (``.NAME.staging-XXXXXXXX``,
+    ``.NAME.old-PID``: an interrupted save, or a replaced checkpoint). An empty directory is
+    replaceable too: nothing in it can be lost.
+    """
+    directory = Path(directory)
+    try:
+        if directory.is_symlink():
+            return "is a symlink"
+        if not directory.is_dir():
+            return "is not a directory"
+        foreign = foreign_entries(directory)
+    except OSError as exc:
+        return f"cannot be listed: {exc.strerror}"
+    if foreign:
+        return f"is not a muonckpt checkpoint: holds {_shown(foreign)}"
+    manifest = directory / MANIFEST_NAME
+    if not manifest.exists():
+        if _OURS_NAME.match(directory.name) or not any(directory.iterdir()):
+            return None
+        return f"is not a muonckpt checkpoint: it has no {MANIFEST_NAME}"
+    try:
+        with open(manifest, "rb") as f:
+            head = f.read(256)
+    except OSError as exc:
+        return f"cannot be read: {exc.strerror}"
+    if _OUR_MANIFEST_HEAD.match(head):  # as muonckpt writes it: no need to parse megabytes
+        return None
+    try:
+        body = json.loads(read_text(manifest))
+    except (CheckpointError, ValueError, RecursionError):
+        return f"is not a muonckpt checkpoint: its {MANIFEST_NAME} is not valid JSON"
+    if not isinstance(body, dict) or body.get("format") != FORMAT_NAME:
+        return f'is not a muonckpt checkpoint: its {MANIFEST_NAME} has no "format": "{FORMAT_NAME}"'
+    return None
+
+
+def _name_max(directory: Path) -> int:
+    """NAME_MAX of the filesystem holding ``directory`` (its nearest existing ancestor)."""
+    for candidate in (directory, *directory.parents):
+        try:
+            return os.pathconf(candidate, "PC_NAME_MAX")
+        except (OSError, ValueError):
+            if candidate.exists():
+                break
+    return 255
+
+
+def _overlap_problem(final: Path, source: str | os.PathLike[str]) -> str | None:
+    """Why writing ``final`` would write into, over or around ``source``; None if it would not
+    (also when the two are the same directory: an in-place rewrite, staged beside it)."""
+    src = Path(os.path.realpath(source))
+    where = Path(os.path.realpath(final.parent)) / final.name
+    targets = {where, Path(os.path.realpath(final))}
+    if src in targets:
+        return None
+    for target in targets:
+        if target.is_relative_to(src):
+            return f"is inside the source checkpoint {source}"
+        if src.is_relative_to(target):
+            return f"contains the source checkpoint {source}"
+    return None
+
+
+def check_target(
+    final: str | os.PathLike[str],
+    overwrite: bool,
+    *,
+    source: str | os.PathLike[str] | None = None,
+) -> None:
+    """Raise :class:`CheckpointError` unless a checkpoint can be written at ``final``.
+
+    Refused, before anything is written: a name that cannot work (empty, ``.`` or ``..``, one
+    shaped like muonckpt's own staging names, or too long for ``.NAME.staging-XXXXXXXX``); an
+    existing ``final`` without ``overwrite``; with it, anything but a muonckpt checkpoint (see
+    :func:`ownership_problem`), or a symlink to one (then the link is replaced, its target
+    left alone); a parent that is not a directory; and, with ``source``, a target inside the
+    source checkpoint or containing it (the very same directory is allowed: rewritten in
+    place).
+    """
+    final = Path(final)
+    name = final.name
+    if name in ("", ".", ".."):
+        raise CheckpointError("is not a name a checkpoint directory can have", path=final)
+    if _OURS_NAME.match(name):
+        raise CheckpointError(
+            "is named like a muonckpt staging directory (.NAME.staging-XXXXXXXX or "
+            ".NAME.old-PID), which readers refuse as unfinished; choose another name",
+            path=final,
+        )
+    limit = _name_max(final.parent) - _STAGING_SUFFIX_BYTES
+    if len(os.fsencode(name)) > limit:
+        raise CheckpointError(
+            f"the name is {len(os.fsencode(name))} bytes; at most {limit} fit in its staging "
+            f"directory's name .NAME.{STAGING_TAG}-XXXXXXXX",
+            path=final,
+        )
+    if source is not None and (problem := _overlap_problem(final, source)):
+        raise CheckpointError(problem, path=final)
+    for parent in (final.parent, *final.parent.parents):
+        if parent.exists() or parent.is_symlink():
+            if not parent.is_dir():
+                raise CheckpointError("is not a directory", path=parent)
+            break
+    if not os.path.lexists(final):
+        return
+    if not overwrite:
+        raise CheckpointError(
+            "already exists; pass overwrite=True (--force) to replace it", path=final
+        )
+    if final.is_symlink():
+        if not final.exists():
+            raise CheckpointError("is a dangling symlink; remove it or write elsewhere", path=final)
+        problem = ownership_problem(final.resolve())
+        if problem:
+            raise CheckpointError(
+                f"is a symlink to {os.readlink(final)}, which {problem}; refusing to replace it",
+                path=final,
+            )
+        return
+    if not final.is_dir():
+        raise CheckpointError("exists and is not a checkpoint directory", path=final)
+    problem = ownership_problem(final)
+    if problem:
+        raise CheckpointError(
+            f"{problem}; refusing to replace it (--force replaces only muonckpt checkpoints)",
+            path=final,
+        )
+
+
+_INTENT: dict[str, bool] = {}
+"""Staging directory -> its make_staging's ``overwrite``, for a swap_in not told."""
+_PRESET_TOKENS: dict[str, str] = {}
+"""Target (absolute) -> the suffix its next staging directory takes (see preset_staging)."""
+
+
+def staging_path(final: str | os.PathLike[str], token: str) -> Path:
+    """The staging directory ``.NAME.staging-TOKEN`` of ``final``."""
+    final = Path(final)
+    return final.parent / f".{final.name}.{STAGING_TAG}-{token}"
+
+
+def preset_staging(final: str | os.PathLike[str], token: str) -> Path:
+    """Make this process's next :func:`make_staging` for ``final`` use the suffix ``token``
+    (8 hex digits), so that whoever started it knows the staging path in advance (to remove
+    it if this process is killed). Returns that path."""
+    if not re.fullmatch(r"[0-9a-f]{8}", token):
+        raise ValueError(f"a staging token is 8 hex digits, got {token!r}")
+    _PRESET_TOKENS[os.path.abspath(final)] = token
+    return staging_path(final, token)
+
+
+def make_staging(
+    final: str | os.PathLike[str],
+    overwrite: bool,
+    *,
+    source: str | os.PathLike[str] | None = None,
+) -> Path:
+    """A fresh, empty ``.NAME.staging-XXXXXXXX`` directory beside ``final``.
+
+    :func:`check_target` first (nothing is created when it refuses), then the missing parents
+    and the staging directory itself.
+    """
+    final = Path(final)
+    check_target(final, overwrite, source=source)
+    token = _PRESET_TOKENS.pop(os.path.abspath(final), None) or uuid.uuid4().hex[:8]
+    staging = staging_path(final, token)
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        staging.mkdir()
+    except OSError as exc:
+        raise CheckpointError(f"cannot create the staging directory: {exc}", path=staging) from None
+    _INTENT[str(staging)] = overwrite
+    return staging
+
+
+def _warn(message: str) -> None:
+    warnings.warn(message, CheckpointWarning, stacklevel=3)
+
+
+def _remove_ours(directory: Path, names: Sequence[str] | None = None) -> list[str]:
+    """Delete the checkpoint files (``names``, or all) in ``directory``, then, without
+    ``names``, the directory if that left it empty. Nothing else is ever deleted: no other
+    file, no subdirectory, nothing through a symlink. Returns what could not be deleted, as
+    ``"NAME (why)"``."""
+    left = []
+    try:
+        listed = sorted(os.listdir(directory)) if names is None else list(names)
+    except FileNotFoundError:
+        return []
+    except OSError as exc:
+        return [f"{directory} ({exc.strerror})"]
+    for name in listed:
+        path = directory / name
+        if not _is_checkpoint_file(name) or os.sep in name or path.is_symlink():
+            if os.path.lexists(path):
+                left.append(f"{name} (not a checkpoint file: kept)")
+            continue
+        try:
+            if path.is_dir():
+                left.append(f"{name} (a directory: kept)")
+                continue
+            path.unlink()
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            left.append(f"{name} ({exc.strerror})")
+    if names is None and not left:
+        try:
+            directory.rmdir()
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            left.append(f"the directory itself ({exc.strerror})")
+    return left
+
+
+def discard(staging: str | os.PathLike[str]) -> None:
+    """Remove a staging directory that will never be committed (its checkpoint files only;
+    anything else found there is kept and named in a :class:`CheckpointWarning`)."""
+    staging = Path(staging)
+    _INTENT.pop(str(staging), None)
+    if staging.is_symlink():  # never ours: staging directories are made by mkdir
+        _warn(f"{staging} is a symlink, not a staging directory; left alone")
+        return
+    left = _remove_ours(staging)
+    if left:
+        _warn(f"could not remove the staging directory {staging} entirely: {_shown(left)}")
+
+
+@contextlib.contextmanager
+def staged(
+    final: str | os.PathLike[str],
+    overwrite: bool,
+    *,
+    source: str | os.PathLike[str] | None = None,
+) -> Iterator[Path]:
+    """A staging directory for ``final``: swapped in when the block succeeds, else removed."""
+    staging = make_staging(final, overwrite, source=source)
+    try:
+        yield staging
+        fsync_dir(staging)
+        replaced = swap_in(staging, final, overwrite=overwrite)
+    except BaseException:
+        discard(staging)
+        raise
+    if replaced is not None:
+        retire(replaced)
+
+
+def retire(directory: str | os.PathLike[str], files: Sequence[str] | None = None) -> None:
+    """Delete a checkpoint that :func:`swap_in` replaced (only its checkpoint files, never
+    anything else in it).
+
+    With ``files``, only those entries (so several ranks can share the work); without, all
+    of them and then the directory. What cannot be deleted is named in a
+    :class:`CheckpointWarning`: the new checkpoint is in place whatever happens here, and what
+    is left is recognisably incomplete, since swap_in removed its manifest first.
+    """
+    directory = Path(directory)
+    if directory.is_symlink():
+        _warn(f"{directory} is a symlink, not a replaced checkpoint; left alone")
+        return
+    left = _remove_ours(directory, files)
+    if left:
+        _warn(
+            f"the new checkpoint is in place, but the one it replaced could not be deleted "
+            f"entirely: {directory} still holds {_shown(left)}"
+        )
+
+
+_COMMIT_LOCK = threading.Lock()
+_ABANDONED: list[bool] = [False]
+"""Set by :func:`abandon_commits`: no swap_in of this process commits any more."""
+
+
+def abandon_commits() -> None:
+    """From now on every :func:`swap_in` of this process fails, and none is under way when
+    this returns (for a worker whose launcher died: it must never commit)."""
+    with _COMMIT_LOCK:
+        _ABANDONED[0] = True
+
+
+def swap_in(
+    staging: str | os.PathLike[str],
+    final: str | os.PathLike[str],
+    *,
+    overwrite: bool | None = None,
+) -> Path | None:
+    """Make directory ``staging`` appear at ``final`` atomically.
+
+    Without ``overwrite`` the rename never replaces anything (``renameat2(RENAME_NOREPLACE)``):
+    when another writer created ``final`` meanwhile, this raises and ``final`` keeps theirs.
+    With it, an existing ``final`` (a muonckpt checkpoint, checked again here) is exchanged
+    with ``staging`` in one step where the kernel allows it, so a crash at any moment leaves
+    either the old or the new checkpoint at ``final``; a symlink at ``final`` is replaced by
+    the directory and deleted, its target left untouched. ``overwrite=None`` takes the value
+    :func:`make_staging` was given for ``staging`` (True for a directory it did not make).
+
+    Returns the directory now holding the replaced checkpoint, its manifest already deleted so
+    that it reads as incomplete, for the caller to :func:`retire`; None when nothing was
+    replaced (or only a symlink). Raises :class:`CheckpointError` only when nothing was
+    committed; a failure after the commit (deleting the old manifest, the final directory
+    fsync) is a :class:`CheckpointWarning`.
+    """
+    staging, final = Path(staging), Path(final)
+    if overwrite is None:
+        overwrite = _INTENT.get(str(staging), True)
+    with _COMMIT_LOCK:
+        if _ABANDONED[0]:
+            raise CheckpointError("not committed: this process was told to stop", path=final)
+        replaced = _commit_rename(staging, final, overwrite)
+    _INTENT.pop(str(staging), None)
+    if replaced is not None:
+        if replaced.is_symlink():
+            try:
+                replaced.unlink()
+            except OSError as exc:
+                _warn(f"committed {final}, but cannot delete the replaced symlink: {exc}")
+            replaced = None
+        else:
+            try:
+                (replaced / MANIFEST_NAME).unlink(missing_ok=True)
+            except OSError as exc:
+                _warn(
+                    f"committed {final}, but cannot delete the replaced checkpoint's manifest "
+                    f"({exc.strerror}): it is left whole at {replaced}"
+                )
+                replaced = None
+    try:
+        fsync_dir(final.parent)
+    except CheckpointError as exc:
+        _warn(f"committed {final}, but {exc}")
+    return replaced
+
+
+def _commit_rename(staging: Path, final: Path, overwrite: bool) -> Path | None:
+    """The rename of :func:`swap_in`; returns where the replaced entry went, if any."""
+    for _ in range(100):  # only a writer racing us, deleting and recreating final, loops
+        try:
+            if renameat2(staging, final, RENAME_NOREPLACE):
+                return None
+            if not os.path.lexists(final):  # no renameat2 here: check, then rename
+                os.rename(staging, final)
+                return None
+        except FileExistsError:
+            pass
+        except OSError as exc:
+            if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                raise CheckpointError(f"cannot commit the checkpoint: {exc}", path=final) from None
+        if not overwrite:
+            raise CheckpointError(
+                "was created by another writer while this save ran; this save is discarded "
+                "(pass overwrite=True, --force, to replace it)",
+                path=final,
+            )
+        if final.is_symlink():
+            if not final.exists():
+                raise CheckpointError("became a dangling symlink while this save ran", path=final)
+            problem = ownership_problem(final.resolve())
+        else:
+            problem = ownership_problem(final)
+        if problem:
+            raise CheckpointError(
+                f"changed while this save ran and {problem}; not replaced", path=final
+            )
+        try:
+            if exchange(staging, final):
+                return _checked_replaced(staging, final)
+            replaced = final.with_name(f".{final.name}.old-{os.getpid()}")
+            os.rename(final, replaced)
+            try:
+                os.rename(staging, final)
+            except OSError:
+                os.rename(replaced, final)
+                raise
+            return replaced
+        except FileNotFoundError:
+            continue  # final vanished between the two steps: try the plain rename again
+        except OSError as exc:
+            raise CheckpointError(f"cannot commit the checkpoint: {exc}", path=final) from None
+    raise CheckpointError("cannot commit: the target keeps changing", path=final)
+
+
+def _checked_replaced(staging: Path, final: Path) -> Path | None:
+    """After an exchange: what came out of ``final`` (now at ``staging``) must be a checkpoint
+    of ours or a symlink, or it goes straight back and nothing is committed."""
+    if staging.is_symlink():
+        return staging
+    problem = ownership_problem(staging)
+    if problem is None:
+        return staging
+    try:
+        exchange(staging, final)
+    except OSError as exc:
+        _warn(f"{final} was replaced while it changed; what was there is now at {staging}: {exc}")
+        return None
+    raise CheckpointError(f"changed while this save ran and {problem}; not replaced", path=final)
