@@ -10,7 +10,6 @@ param's state as raw bytes from whichever pieces hold it, verifying checksums, a
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Sequence
 from contextlib import ExitStack
 from pathlib import Path
@@ -33,8 +32,6 @@ from .manifest import (
     rank_file,
 )
 
-_STAGING_NAME = re.compile(rf"^\..+\.({storage.STAGING_TAG}-[0-9a-f]{{8}}|old-\d+)$")
-
 
 def read_manifest(path: str | os.PathLike[str]) -> Manifest:
     """The parsed, schema-checked manifest of the checkpoint at ``path``."""
@@ -42,7 +39,7 @@ def read_manifest(path: str | os.PathLike[str]) -> Manifest:
     manifest_path = directory / MANIFEST_NAME
     if not directory.is_dir():
         raise CheckpointError("no checkpoint directory", path=directory)
-    if _STAGING_NAME.match(directory.name):
+    if storage.is_ours(directory.name):
         raise CheckpointError(
             "incomplete: a staging directory left by an interrupted save, not a checkpoint",
             path=directory,

@@ -20,11 +20,18 @@ def racer(who: str, root: str, trials: int, overwrite: bool, barrier: Any, resul
     for trial in range(trials):
         final = Path(root) / f"t{trial:03d}"
         try:
-            with storage.staged(final, overwrite) as staging:
+            staging = storage.make_staging(final, overwrite)
+            try:
                 (staging / DATA).write_text(who)
                 body = {"format": "muonckpt", "writer": who}
                 storage.write_text_atomic(staging / "manifest.json", json.dumps(body))
                 barrier.wait(timeout=30)
+                replaced = storage.swap_in(staging, final, overwrite=overwrite)
+            except BaseException:
+                storage.discard(staging)
+                raise
+            if replaced is not None:
+                storage.retire(replaced)
             results.put((trial, who, "ok"))
         except Exception as exc:  # every outcome goes back to the test
             results.put((trial, who, f"{type(exc).__name__}: {exc}"))

@@ -13,28 +13,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..errors import CheckpointError
+from ..manifest import DTYPE_BYTES
 
 if TYPE_CHECKING:
     import torch
 
-ITEMSIZE: dict[str, int] = {
-    "F64": 8,
-    "F32": 4,
-    "F16": 2,
-    "BF16": 2,
-    "I64": 8,
-    "I32": 4,
-    "I16": 2,
-    "I8": 1,
-    "U64": 8,
-    "U32": 4,
-    "U16": 2,
-    "U8": 1,
-    "BOOL": 1,
-    "F8_E4M3": 1,
-    "F8_E5M2": 1,
-}
-"""Bytes per element of each safetensors dtype that storage reads and writes."""
 
 _TORCH_NAMES = {
     "F64": "float64",
@@ -81,7 +64,7 @@ def torch_dtype(name: str) -> torch.dtype:
 def itemsize(name: str) -> int:
     """Bytes per element of a safetensors dtype string."""
     try:
-        return ITEMSIZE[name]
+        return DTYPE_BYTES[name]
     except (KeyError, TypeError):
         raise CheckpointError(f"unknown safetensors dtype {name!r}") from None
 

@@ -20,9 +20,9 @@ from numpy.lib.stride_tricks import as_strided
 
 from ..errors import CheckpointError
 from ..layout import Strided
-from ..manifest import CHECKSUM_ALGORITHM, MANIFEST_NAME
+from ..manifest import CHECKSUM_ALGORITHM, DTYPE_BYTES, MANIFEST_NAME
 from .checksums import CHUNK_BYTES, chunk_digest
-from .dtypes import ITEMSIZE, byte_view, torch_dtype
+from .dtypes import byte_view, torch_dtype
 from .durable import read_text
 from .safetensors_format import MAX_HEADER_BYTES, METADATA_KEY, TensorRecord
 
@@ -162,7 +162,7 @@ class SafetensorsReader:
             if not isinstance(info, dict):
                 raise self._fail("tensor entry is not an object", key)
             dtype = info.get("dtype")
-            if not isinstance(dtype, str) or dtype not in ITEMSIZE:
+            if not isinstance(dtype, str) or dtype not in DTYPE_BYTES:
                 raise self._fail(f"unknown dtype {dtype!r}", key)
             shape = info.get("shape")
             if not isinstance(shape, list) or not all(_is_int(s) and s >= 0 for s in shape):
@@ -178,7 +178,7 @@ class SafetensorsReader:
                     f"data_offsets {offsets!r} is not [begin, end] with 0 <= begin <= end", key
                 )
             begin, end = offsets
-            nbytes = math.prod(shape) * ITEMSIZE[dtype]
+            nbytes = math.prod(shape) * DTYPE_BYTES[dtype]
             if end - begin != nbytes:
                 raise self._fail(
                     f"data_offsets {offsets} span {end - begin} bytes, but {dtype} {shape} "
@@ -278,7 +278,7 @@ class SafetensorsReader:
         chunks covering the span are verified first: a mismatch raises and ``out`` is untouched.
         """
         rec = self.record(key)
-        size = ITEMSIZE[rec.dtype]
+        size = DTYPE_BYTES[rec.dtype]
         groups = [g for g in groups if g.length and g.count]
         if not groups:
             return

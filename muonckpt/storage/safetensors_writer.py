@@ -18,8 +18,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..errors import CheckpointError
+from ..manifest import DTYPE_BYTES
 from .checksums import CHUNK_BYTES, checksum_chunks
-from .dtypes import ITEMSIZE, byte_view, torch_dtype_names
+from .dtypes import byte_view, torch_dtype_names
 from .durable import pwrite_all, remove_quietly, replace_durably, start_writeback, temporary_path
 from .safetensors_format import METADATA_KEY, TensorRecord
 
@@ -39,7 +40,7 @@ def _payload(
     not a contiguous CPU tensor), or its raw bytes as a 1-D uint8 numpy array (what the
     offline tools move, without torch).
     """
-    nbytes = math.prod(shape) * ITEMSIZE[dtype]
+    nbytes = math.prod(shape) * DTYPE_BYTES[dtype]
     if isinstance(data, np.ndarray):
         if data.dtype != np.uint8 or data.ndim != 1 or data.nbytes != nbytes:
             raise CheckpointError(
@@ -128,12 +129,12 @@ def _plan_header(
             raise CheckpointError(f"invalid tensor key {key!r}", path=path)
     for key in sorted(specs):
         name, shape = specs[key]
-        if name not in ITEMSIZE:
+        if name not in DTYPE_BYTES:
             raise CheckpointError(f"unknown safetensors dtype {name!r}", path=path, param=key)
         shape = tuple(int(s) for s in shape)
         if any(s < 0 for s in shape):
             raise CheckpointError(f"negative size in shape {shape}", path=path, param=key)
-        nbytes = math.prod(shape) * ITEMSIZE[name]
+        nbytes = math.prod(shape) * DTYPE_BYTES[name]
         header[key] = {
             "dtype": name,
             "shape": list(shape),

@@ -4,7 +4,6 @@ own checkpoints and their files) live here too."""
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import json
 import os
@@ -12,7 +11,7 @@ import re
 import threading
 import uuid
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 from ..errors import CheckpointError, CheckpointWarning
@@ -31,7 +30,7 @@ _CHECKPOINT_FILE = re.compile(
 """Names of the files a checkpoint directory holds."""
 _TEMPORARY_FILE = re.compile(r"^\.(?P<name>.+)\.(part|tmp-\d+)$", re.DOTALL)
 """Names of muonckpt's temporary files (``.FILE.part``, ``.FILE.tmp-PID``) of such files."""
-_OUR_MANIFEST_HEAD = re.compile(rb'\s*\{\s*"format"\s*:\s*"muonckpt"\s*,')
+_OUR_MANIFEST_HEAD = re.compile(rb'\s*\{\s*"format"\s*:\s*"%s"\s*,' % FORMAT_NAME.encode())
 """How every manifest muonckpt writes begins (``Manifest.to_json`` puts the format first)."""
 
 
@@ -299,24 +298,10 @@ def discard(staging: str | os.PathLike[str]) -> None:
         _warn(f"could not remove the staging directory {staging} entirely: {_shown(left)}")
 
 
-@contextlib.contextmanager
-def staged(
-    final: str | os.PathLike[str],
-    overwrite: bool,
-    *,
-    source: str | os.PathLike[str] | None = None,
-) -> Iterator[Path]:
-    """A staging directory for ``final``: swapped in when the block succeeds, else removed."""
-    staging = make_staging(final, overwrite, source=source)
-    try:
-        yield staging
-        fsync_dir(staging)
-        replaced = swap_in(staging, final, overwrite=overwrite)
-    except BaseException:
-        discard(staging)
-        raise
-    if replaced is not None:
-        retire(replaced)
+def is_ours(name: str) -> bool:
+    """Whether ``name`` is a directory muonckpt leaves beside a target: a staging directory
+    (a save in progress or interrupted) or a replaced checkpoint not yet deleted."""
+    return bool(_OURS_NAME.match(name))
 
 
 def retire(directory: str | os.PathLike[str], files: Sequence[str] | None = None) -> None:
