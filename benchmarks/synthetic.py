@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 import muonckpt
 from muonckpt.collectives import grid_groups
-from muonckpt.hooks import describe_muon
+from muonckpt.hooks import describe
 from muonckpt.kinds import ADAMW_STATE_KEYS, MUON_STATE_KEYS
 from muonckpt.layout import Region, Topology, strided_runs
 from muonckpt.regions import copy_groups_
@@ -102,7 +102,7 @@ def fill_state(opt: muonckpt.Muon) -> dict[str, torch.Tensor]:
 
 def local_regions(opt: muonckpt.Muon) -> dict[str, Region]:
     """param name -> the region of the full tensor this rank holds."""
-    return {p.name: p.local for p in describe_muon(opt).params}
+    return {p.name: p.local for p in describe(opt).params}
 
 
 def naive_payload(opt: muonckpt.Muon, local: dict[str, torch.Tensor], shapes: Shapes, tp: int):

@@ -33,8 +33,7 @@ import torch
 
 from . import collectives
 from .errors import StateDictError
-from .grid import GridParams, LocalParam, RankReport, merge_reports
-from .kinds import ADAMW_STATE_KEYS, MUON_STATE_KEYS
+from .grid import GridParams, RankReport, merge_reports
 from .layout import Region, Topology, tp_full_shape, tp_region, whole_region
 from .regions import extract, insert_
 
@@ -582,26 +581,21 @@ def _named(optimizer: torch.optim.Optimizer) -> bool:
     return any(group.get("param_names") for group in optimizer.param_groups)
 
 
-def attach_muon_hooks(optimizer: Any) -> StateDictHooks:
-    """Attach the hooks to a packaged :class:`~muonckpt.Muon` (done by its constructor)."""
-    return StateDictHooks(optimizer, lambda collective: describe_muon(optimizer))
+def describe_grid(
+    optimizer: torch.optim.Optimizer,
+    report: Callable[[], RankReport],
+    dp_group: collectives.Group,
+    tp_group: collectives.Group,
+    keys: Callable[[int], tuple[str, ...]],
+) -> Sharding:
+    """Sharding of a ZeRO-1 + TP optimizer over its whole dp x tp grid, from each rank's
+    ``report()`` of the params it holds (in the layout math's terms, :class:`RankReport`).
 
-
-def describe_muon(optimizer: Any) -> Sharding:
-    """Sharding of a packaged Muon over its whole grid.
-
-    In distributed mode the grid's param list is learned once by a collective over the grid
-    (:func:`muonckpt.grid.merge_reports`) and kept beside the optimizer.
+    The grid's param list is learned once by a collective over the grid
+    (:func:`muonckpt.grid.merge_reports`) and kept beside the optimizer in a weak mapping.
     """
-
-    def keys(group: int) -> tuple[str, ...]:
-        use_muon = optimizer.param_groups[group].get("use_muon", False)
-        return MUON_STATE_KEYS if use_muon else ADAMW_STATE_KEYS
-
-    if not optimizer.distributed_mode:
-        return describe_whole(optimizer, keys)
     me = collectives.global_rank()
-    ranks, grid = _grid_params(optimizer)
+    ranks, grid = _grid_params(optimizer, report, dp_group, tp_group)
     topo = grid.topology
     coords = topo.coords(ranks.index(me))
     params = []
@@ -633,53 +627,47 @@ def describe_muon(optimizer: Any) -> Sharding:
 _GRIDS: weakref.WeakKeyDictionary[Any, tuple[tuple, list[int], GridParams]] = (
     weakref.WeakKeyDictionary()
 )
-"""Per distributed packaged Muon: (its local structure, the grid's global ranks, its params)."""
+"""Per distributed optimizer: (its local structure, the grid's global ranks, its params)."""
 
 
-def _grid_params(optimizer: Any) -> tuple[list[int], GridParams]:
+def _grid_params(
+    optimizer: torch.optim.Optimizer,
+    report: Callable[[], RankReport],
+    dp_group: collectives.Group,
+    tp_group: collectives.Group,
+) -> tuple[list[int], GridParams]:
     """The grid's global ranks and canonical params (a collective the first time)."""
     flat = flat_params(optimizer)
     structure = (tuple(id(p) for p in flat), len(optimizer.param_groups))
     cached = _GRIDS.get(optimizer)
     if cached is not None and cached[0] == structure:
         return cached[1], cached[2]
-    dp_group, tp_group = optimizer.dist_group, optimizer.tp_group
     topo = Topology(collectives.group_size(dp_group), collectives.group_size(tp_group))
     ranks = collectives.grid_ranks(dp_group, tp_group)
 
     def merge(reports: list[dict]) -> dict:
         return merge_reports([RankReport.from_json(r) for r in reports], topo).to_json()
 
-    report = RankReport(len(optimizer.param_groups), tuple(_local_params(optimizer)))
     grid = GridParams.from_json(
-        _steps(ranks, ranks[0]).each_then_root("params", report.to_json, merge)
+        _steps(ranks, ranks[0]).each_then_root("params", lambda: report().to_json(), merge)
     )
     _GRIDS[optimizer] = (structure, ranks, grid)
     return ranks, grid
 
 
-def _local_params(optimizer: Any) -> Iterator[LocalParam]:
+def named_params(optimizer: torch.optim.Optimizer) -> Iterator[tuple[str | None, int, Any]]:
+    """(name, or None for an unnamed optimizer; group index; param) of every param in order."""
     named = _named(optimizer)
     names = param_names(optimizer)
     index = 0
     for g, group in enumerate(optimizer.param_groups):
         for p in group["params"]:
-            meta = optimizer.dist_metas[p]
-            yield LocalParam(
-                name=names[index] if named else None,
-                group=g,
-                local_shape=tuple(meta.shape),
-                tp_split_dim=meta.tp_split_dim,
-                buffer=meta.buffer_idx,
-                bucket=meta.bucket_idx,
-                global_range=tuple(meta.global_range),
-                bucket_span=tuple(optimizer.global_buffer_sizes[meta.buffer_idx][meta.bucket_idx]),
-                dtype=_dtype_name(p),
-            )
+            yield (names[index] if named else None), g, p
             index += 1
 
 
-def _dtype_name(tensor: torch.Tensor) -> str:
+def dtype_name(tensor: torch.Tensor) -> str:
+    """A tensor's dtype as the grid reports name it (``float32``)."""
     return str(tensor.dtype).removeprefix("torch.")
 
 
@@ -711,7 +699,7 @@ def describe_whole(
                 index,
                 g,
                 keys(g),
-                dtype=_dtype_name(p),
+                dtype=dtype_name(p),
             )
         )
     _check_unique([p.name for p in params])
@@ -894,7 +882,7 @@ def _describe_owned(
                 local_index=index,
                 group=g,
                 tp_split_dim=splits.get(name, -1),
-                dtype=_dtype_name(p),
+                dtype=dtype_name(p),
                 held=mine,
                 replicated=replicated,
             )

@@ -15,7 +15,9 @@ import torch
 
 from . import collectives
 from .errors import LayoutError
-from .hooks import attach_muon_hooks
+from .grid import LocalParam, RankReport
+from .hooks import Sharding, StateDictHooks, describe_grid, describe_whole, dtype_name, named_params
+from .kinds import ADAMW_STATE_KEYS, MUON_STATE_KEYS
 from .layout import Range, dp_slice
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
@@ -134,7 +136,7 @@ class Muon(torch.optim.Optimizer):
         self.dist_metas: dict[torch.Tensor, MuonDistMeta] = {}
         self.global_buffer_sizes: list[list[tuple[int, int]]] = []
         self.local_buffer_ranges: list[list[Range]] = []
-        attach_muon_hooks(self)
+        StateDictHooks(self, lambda collective: self.describe_sharding())
 
     def enable_distributed_mode(
         self,
@@ -184,6 +186,40 @@ class Muon(torch.optim.Optimizer):
         self.local_buffer_ranges = ranges
         self.dist_group, self.tp_group, self.dist_metas = dist_group, tp_group, dist_metas
         self.distributed_mode = True
+
+    def describe_sharding(self) -> Sharding:
+        """Which rank holds which region of every param (and so of its state), over the whole
+        dp x tp grid: what save, load and the state-dict hooks work from. In distributed mode
+        a collective over the grid the first time (the grid's param list is learned from
+        every rank's report)."""
+
+        def keys(group: int) -> tuple[str, ...]:
+            use_muon = self.param_groups[group].get("use_muon", False)
+            return MUON_STATE_KEYS if use_muon else ADAMW_STATE_KEYS
+
+        if not self.distributed_mode:
+            return describe_whole(self, keys)
+        return describe_grid(self, self._rank_report, self.dist_group, self.tp_group, keys)
+
+    def _rank_report(self) -> RankReport:
+        """This rank's params in the layout math's terms: shapes, buffers, buckets, ranges."""
+        held = []
+        for name, group, p in named_params(self):
+            meta = self.dist_metas[p]
+            held.append(
+                LocalParam(
+                    name=name,
+                    group=group,
+                    local_shape=tuple(meta.shape),
+                    tp_split_dim=meta.tp_split_dim,
+                    buffer=meta.buffer_idx,
+                    bucket=meta.bucket_idx,
+                    global_range=tuple(meta.global_range),
+                    bucket_span=tuple(self.global_buffer_sizes[meta.buffer_idx][meta.bucket_idx]),
+                    dtype=dtype_name(p),
+                )
+            )
+        return RankReport(len(self.param_groups), tuple(held))
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
