@@ -40,11 +40,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import event as _event
 from hypothesis import strategies as st
 from hypothesis.control import currently_in_test_context
-from resume_cases import build, initial_params, train
 
 import muonckpt
 from muonckpt import CheckpointError, MuonCkptError, storage
 from muonckpt.manifest import Manifest, parse_manifest
+
+from .fixture_model import build, initial_params, train
 
 EXAMPLES = 200
 FUZZ = settings(

@@ -11,11 +11,12 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from kj_muon import KJMuon, build, initial_params, owner, train
 
 from muonckpt import Muon, StateDictError
 from muonckpt.hooks import install_hooks
 from muonckpt.launch import DistributedRunError, run_distributed
+
+from .kj_muon import KJMuon, build, initial_params, owner, train
 
 SHAPES = {"w1": (4, 6), "w2": (6, 4), "b": (5,)}
 
