@@ -1,11 +1,12 @@
-"""Checkpoint save/load phases run inside gloo children (built on resume_cases' tiny model)."""
+"""Checkpoint save/load phases run inside gloo children, on the suite's fixture model."""
 
 from __future__ import annotations
 
 import torch
-from resume_cases import build, initial_params, local_params, train
 
 import muonckpt
+
+from .fixture_model import build, initial_params, local_params, train
 
 
 def save_phase(

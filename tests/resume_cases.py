@@ -1,7 +1,7 @@
-"""Resume phases run inside gloo children, on the package's built-in example model.
+"""Resume phases run inside gloo children, on the suite's fixture model.
 
 The model, its deterministic full gradients and the per-topology build come from
-:mod:`muonckpt.demo`, so every run at any topology is comparable bit for bit.
+:mod:`tests.fixture_model`, so every run at any topology is comparable bit for bit.
 """
 
 from __future__ import annotations
@@ -9,9 +9,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from muonckpt.demo import assemble, build, initial_params, local_params, train
-
-__all__ = ["assemble", "build", "initial_params", "local_params", "phase", "train"]
+from .fixture_model import build, initial_params, local_params, train
 
 
 def phase(

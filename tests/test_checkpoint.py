@@ -7,18 +7,19 @@ import json
 import pytest
 import safetensors.torch
 import torch
-from ckpt_cases import load_phase, overwrite_phase, save_phase
-from resume_cases import assemble, build, initial_params, phase, train
 
 import muonckpt
 from muonckpt.launch import run_distributed
+
+from .ckpt_cases import load_phase, overwrite_phase, save_phase
+from .fixture_model import SHAPES, STATE_KEYS, assemble, build, initial_params, train
 
 K, M = 3, 2
 
 
 @pytest.fixture(scope="module")
-def reference():
-    return assemble(1, 1, run_distributed(phase, 1, 1, 1, None, None, 0, K + M, None, timeout=60))
+def reference(reference_params):
+    return reference_params(K + M)
 
 
 def _save(tmp, dp, tp, consolidated):
@@ -57,8 +58,11 @@ def test_distributed_save_over_a_checkpoint_replaces_it_whole(tmp_path):
 def test_consolidated_file_opens_with_safetensors(tmp_path):
     ckpt = _save(tmp_path, 2, 2, True)
     tensors = safetensors.torch.load_file(ckpt / "optimizer.safetensors")
-    assert tensors["state.w_in.momentum_buffer"].shape == (12, 20)
-    assert tensors["state.embed.exp_avg_sq"].shape == (8, 12)
+    # Every state tensor at its full shape, however the 2 x 2 run had sharded it.
+    assert set(tensors) == {f"state.{n}.{k}" for n, keys in STATE_KEYS.items() for k in keys}
+    for name, keys in STATE_KEYS.items():
+        for key in keys:
+            assert tensors[f"state.{name}.{key}"].shape == SHAPES[name], (name, key)
     manifest = muonckpt.read_manifest(ckpt)
     assert manifest.topology == {"dp": 2, "tp": 2}
     assert manifest.step == K

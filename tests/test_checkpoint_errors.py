@@ -19,8 +19,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from ckpt_cases import save_phase
-from resume_cases import build, initial_params, train
 from safetensors import safe_open
 
 import muonckpt
@@ -28,6 +26,9 @@ import muonckpt.offline
 from muonckpt import CheckpointError, MuonCkptError
 from muonckpt.launch import run_distributed
 from muonckpt.manifest import tensor_key as stored_key
+
+from .ckpt_cases import save_phase
+from .fixture_model import SHAPES, build, initial_params, train
 
 STEPS = 2
 KINDS = ("per-rank", "consolidated")
@@ -167,7 +168,8 @@ def remove_data_file(ckpt: Path) -> tuple[str, str | None]:
 
 def grow_shape(ckpt: Path) -> tuple[str, str | None]:
     body = _manifest(ckpt)
-    next(p for p in body["params"] if p["name"] == "w_in")["shape"] = [24, 20]
+    rows, cols = SHAPES["w_in"]
+    next(p for p in body["params"] if p["name"] == "w_in")["shape"] = [2 * rows, cols]
     _write_manifest(ckpt, body)
     return MANIFEST, "w_in"
 
@@ -302,9 +304,16 @@ def test_lying_topology_is_reported_by_verify_and_ignored_by_load(
     _assert_same_state(_load(ckpt), clean_states[kind])
 
 
+def _swapped(name: str) -> list[int]:
+    """The param's shape reversed: the same numel, another shape (the fixture's are not square)."""
+    shape = list(reversed(SHAPES[name]))
+    assert shape != list(SHAPES[name])
+    return shape
+
+
 def test_same_numel_shape_edit_is_refused_by_load(ckpt):
     body = _manifest(ckpt)
-    next(p for p in body["params"] if p["name"] == "w_out")["shape"] = [12, 16]
+    next(p for p in body["params"] if p["name"] == "w_out")["shape"] = _swapped("w_out")
     _write_manifest(ckpt, body)
     with pytest.raises(CheckpointError, match="w_out"):
         muonckpt.load(build(1, 1, initial_params())[0], ckpt)
@@ -314,7 +323,7 @@ def test_same_numel_shape_edit_is_reported_by_verify(saved, tmp_path):
     ckpt = tmp_path / "ckpt"
     shutil.copytree(saved["per-rank"], ckpt)
     body = _manifest(ckpt)
-    next(p for p in body["params"] if p["name"] == "w_out")["shape"] = [12, 16]
+    next(p for p in body["params"] if p["name"] == "w_out")["shape"] = _swapped("w_out")
     _write_manifest(ckpt, body)
     assert muonckpt.verify(ckpt)
 
@@ -479,9 +488,10 @@ def test_same_numel_shape_edit_of_an_unsplit_param_is_caught_in_a_consolidated_c
     ckpt = tmp_path / "ckpt"
     shutil.copytree(saved["consolidated"], ckpt)
     body = _manifest(ckpt)
-    next(p for p in body["params"] if p["name"] == "w_mid")["shape"] = [14, 10]
+    next(p for p in body["params"] if p["name"] == "w_mid")["shape"] = _swapped("w_mid")
     _write_manifest(ckpt, body)
-    assert any("header says shape (10, 14)" in str(p) for p in muonckpt.verify(ckpt))
+    said = f"header says shape {SHAPES['w_mid']}"
+    assert any(said in str(p) for p in muonckpt.verify(ckpt))
     with pytest.raises(CheckpointError, match="w_mid"):
         muonckpt.offline.consolidate(ckpt, tmp_path / "out")
     assert not (tmp_path / "out").exists()

@@ -10,8 +10,6 @@ import sys
 
 import pytest
 import torch
-from ckpt_cases import load_phase
-from resume_cases import assemble, build, initial_params, local_params, train
 from typer.testing import CliRunner
 
 import muonckpt
@@ -20,6 +18,22 @@ from muonckpt.cli import app, parse_size
 from muonckpt.launch import run_distributed
 from muonckpt.manifest import rank_file
 
+from .ckpt_cases import load_phase
+from .fixture_model import (
+    N_GROUPS,
+    N_PARAMS,
+    N_STATE_TENSORS,
+    PARAM_NAMES,
+    TP_SPLIT_DIMS,
+    assemble,
+    build,
+    initial_params,
+    local_params,
+    shape_text,
+    split_params_indivisible_by,
+    train,
+)
+
 runner = CliRunner()
 
 
@@ -27,18 +41,10 @@ def cli(*args: str):
     return runner.invoke(app, [str(a) for a in args])
 
 
-def _save(path, steps):
-    """A single-process checkpoint of the tiny model after ``steps`` steps (no processes)."""
-    opt, sharded, dp_rank, tp_rank = build(1, 1, initial_params())
-    train(opt, sharded, dp_rank, tp_rank, 0, steps)
-    muonckpt.save(opt, path)
-    return path
-
-
 @pytest.fixture(scope="module")
-def ckpts(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("cli")
-    return {"a": _save(tmp / "a", 2), "b": _save(tmp / "b", 3), "tmp": tmp}
+def ckpts(single_ckpt):
+    """Single-process checkpoints of the fixture model after 2 and 3 steps (read only)."""
+    return {"a": single_ckpt(2), "b": single_ckpt(3)}
 
 
 def _one_error_line(result):
@@ -59,13 +65,17 @@ def test_installed_script_help():
 def test_inspect_table_and_json(ckpts):
     result = cli("inspect", ckpts["a"])
     assert result.exit_code == 0, result.output
-    for text in ("per-rank", "step 2", "w_in", "12x20", "momentum_buffer", "exp_avg_sq", "F32"):
+    first = PARAM_NAMES[0]
+    for text in ("per-rank", "step 2", first, shape_text(first), "momentum_buffer", "exp_avg_sq"):
         assert text in result.stdout
+    assert "F32" in result.stdout
     result = cli("inspect", ckpts["a"], "--json")
     assert result.exit_code == 0, result.output
     info = json.loads(result.stdout)
     assert info["step"] == 2 and info["topology"] == {"dp": 1, "tp": 1}
-    assert info["totals"]["params"] == 6 and info["totals"]["tensors"] == 9
+    assert info["totals"]["params"] == N_PARAMS
+    assert info["totals"]["tensors"] == N_STATE_TENSORS
+    assert [p["name"] for p in info["params"]] == PARAM_NAMES
 
 
 def test_reshard_consolidate_and_force(ckpts, tmp_path):
@@ -110,6 +120,7 @@ def test_reshard_consolidate_and_force(ckpts, tmp_path):
 
 
 def test_bad_usage_exits_2(ckpts, tmp_path):
+    bad = split_params_indivisible_by(3)[0]
     result = cli("consolidate", ckpts["a"], "-o", tmp_path / "c", "--max-shard-size", "5XB")
     assert result.exit_code == 2
     assert "5XB" in result.output
@@ -123,12 +134,12 @@ def test_bad_usage_exits_2(ckpts, tmp_path):
             "--tp",
             "3",
             "--tp-split",
-            "norm=0",
+            f"{bad}={TP_SPLIT_DIMS[bad]}",
             "-o",
             tmp_path / "y",
         )
     )
-    assert "param 'norm'" in line and "tp=3" in line
+    assert f"param '{bad}'" in line and "tp=3" in line
     assert not (tmp_path / "y").exists()
     assert (
         cli(
@@ -139,7 +150,7 @@ def test_bad_usage_exits_2(ckpts, tmp_path):
             "--tp",
             "1",
             "--tp-split",
-            "norm",
+            bad,  # no dim
             "-o",
             tmp_path / "z",
         ).exit_code
@@ -185,7 +196,7 @@ def test_reshard_layout_options_are_the_library_s_and_load_back(ckpts, tmp_path,
             other = offline.reshard(ckpts["a"], tmp_path / field.name, dp=2, tp=1, options=without)
             assert not _same_files(other, out), field.name
 
-    # loads back at 2 x 1 (into the demo's own layout) and trains on bitwise
+    # loads back at 2 x 1 (into the fixture model's own layout) and trains on bitwise
     reference, sharded, dp_rank, tp_rank = build(1, 1, initial_params())
     train(reference, sharded, dp_rank, tp_rank, 0, 3)
     shards = run_distributed(load_phase, 2, 2, 1, str(out), 2, 1, timeout=180)
@@ -254,7 +265,8 @@ def test_diff_exit_codes(ckpts):
     # Within the tolerance every tensor matches; the step counts (2 and 3) still differ.
     result = cli("diff", ckpts["a"], ckpts["b"], "--atol", "1e6")
     assert result.exit_code == 1 and "['step']" in result.stdout
-    assert "2 of" in result.stdout  # one row per group
+    tensors = N_STATE_TENSORS + N_PARAMS  # the params are saved too
+    assert f"{N_GROUPS} of {tensors + N_GROUPS} tensor(s) differ" in result.stdout  # the steps
     result = cli("diff", ckpts["a"], ckpts["a"])
     assert result.exit_code == 0 and "bitwise" in result.stdout
 
@@ -276,8 +288,11 @@ def test_demo_small(tmp_path):
         tmp_path,
     )
     assert result.exit_code == 0, result.output
-    for text in ("bitwise equal", "w_in", "12x20", "embed"):
-        assert text in result.stdout
+    from muonckpt.demo import SHAPES as DEMO_SHAPES  # the demo's own model, not the fixture
+
+    assert "bitwise equal" in result.stdout
+    for name, shape in DEMO_SHAPES.items():
+        assert name in result.stdout and "x".join(map(str, shape)) in result.stdout
     assert "NO" not in result.stdout
     assert muonckpt.read_manifest(tmp_path / "resharded").topology == {"dp": 2, "tp": 1}
 
@@ -336,8 +351,8 @@ def test_inspect_of_many_params_prints_plain_lines(ckpts, monkeypatch):
     result = cli("inspect", ckpts["a"])
     assert result.exit_code == 0, result.output
     lines = [line.split("\t") for line in result.stdout.splitlines() if "\t" in line]
-    assert lines[0][0] == "param" and len(lines) == 1 + 6
-    assert lines[1][:2] == ["w_in", "12x20"]
+    assert lines[0][0] == "param" and len(lines) == 1 + N_PARAMS
+    assert [line[:2] for line in lines[1:]] == [[n, shape_text(n)] for n in PARAM_NAMES]
 
 
 def test_reshard_to_an_absurd_topology_is_refused_at_once(ckpts, tmp_path):

@@ -18,15 +18,18 @@ import torch
 
 import muonckpt
 from muonckpt import ConversionWarning, StateDictError
-from muonckpt.demo import (
+from muonckpt.launch import run_distributed
+
+from .fixture_model import (
     ADAMW_HPARAMS,
     ADAMW_PARAMS,
     MUON_HPARAMS,
     MUON_PARAMS,
+    build,
     full_grad,
     initial_params,
+    train,
 )
-from muonckpt.launch import run_distributed
 
 K, STEPS = 3, 8
 BETAS, EPS = (0.95, 0.95), 1e-8
@@ -134,9 +137,7 @@ def from_scratch(kind: str) -> dict[str, torch.Tensor]:
 
 
 def save_packaged_2x2(path: str) -> None:
-    """(gloo child) The demo model trained K steps at 2 x 2, saved per rank."""
-    from muonckpt.demo import build, train
-
+    """(gloo child) The fixture model trained K steps at 2 x 2, saved per rank."""
     opt, sharded, d, t = build(2, 2, initial_params())
     train(opt, sharded, d, t, 0, K)
     muonckpt.save(opt, path)
@@ -186,11 +187,13 @@ def test_load_reports_the_conversion_and_warns_about_settings(tmp_path):
     muon_t.param_groups[0]["adjust_lr_fn"] = None  # torch's default lr rule
     with pytest.warns(ConversionWarning, match='adjust_lr_fn="match_rms_adamw"'):
         report = muonckpt.load([muon_t, adamw_t], ckpt)
-    assert any("sum -> ema" in line and "3 params" in line for line in report.converted)
-    state = muon_t.state[params["w_in"]]["momentum_buffer"]
-    assert state.abs().sum() > 0
-    step = adamw_t.state[params["bias"]]["step"]
-    assert step.dtype == torch.float32 and step.dim() == 0 and float(step) == K
+    muons = f"{len(MUON_PARAMS)} params"
+    assert any("sum -> ema" in line and muons in line for line in report.converted)
+    for name in MUON_PARAMS:
+        assert muon_t.state[params[name]]["momentum_buffer"].abs().sum() > 0, name
+    for name in ADAMW_PARAMS:
+        step = adamw_t.state[params[name]]["step"]
+        assert step.dtype == torch.float32 and step.dim() == 0 and float(step) == K, name
 
 
 def test_a_target_of_unknown_form_needs_momentum_form(tmp_path):

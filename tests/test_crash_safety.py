@@ -18,10 +18,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from resume_cases import build, initial_params
 
 import muonckpt
 from muonckpt import CheckpointError
+
+from .fixture_model import build, initial_params
 
 TRIALS = 24
 SEED = 20240611
@@ -32,7 +33,7 @@ import os, signal, sys, time
 import torch
 torch.set_num_threads(1)  # no OpenMP pool to inherit across fork
 import muonckpt
-from resume_cases import build, initial_params, train
+from tests.fixture_model import build, initial_params, train
 
 opt, sharded, dp_rank, tp_rank = build(1, 1, initial_params())
 train(opt, sharded, dp_rank, tp_rank, 0, 1)
@@ -98,7 +99,7 @@ def test_sigkill_during_save_never_breaks_the_checkpoint(tmp_path):
     template = tmp_path / "template"
     helper = subprocess.Popen(
         [sys.executable, "-c", HELPER, str(template)],
-        cwd=Path(__file__).parent,
+        cwd=Path(__file__).resolve().parents[1],  # imports tests.fixture_model
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

@@ -19,8 +19,6 @@ import time
 from pathlib import Path
 
 import pytest
-from commit_race import DATA, racer
-from resume_cases import build, initial_params, train
 from typer.testing import CliRunner
 
 import muonckpt
@@ -29,7 +27,11 @@ from muonckpt.cli import app
 from muonckpt.errors import CheckpointWarning
 from muonckpt.launch import run_distributed
 
-HERE = Path(__file__).parent
+from .commit_race import DATA, racer
+from .fixture_model import build, initial_params, train
+
+REPO = Path(__file__).resolve().parents[1]
+"""Where a ``python -c`` helper finds ``tests.fixture_model``."""
 
 
 def _opt(steps: int):
@@ -436,7 +438,7 @@ import sys
 import torch
 torch.set_num_threads(1)
 import muonckpt
-from resume_cases import build, initial_params, train
+from tests.fixture_model import build, initial_params, train
 
 opt, sharded, dp_rank, tp_rank = build(1, 1, initial_params())
 train(opt, sharded, dp_rank, tp_rank, 0, 1)
@@ -458,7 +460,7 @@ def test_a_reader_racing_a_writer_gets_a_whole_checkpoint_or_changed_while_readi
     path = tmp_path / "ckpt"
     writer = subprocess.Popen(
         [sys.executable, "-c", WRITER_LOOP, str(path)],
-        cwd=HERE,
+        cwd=REPO,
         stdout=subprocess.PIPE,
         text=True,
     )

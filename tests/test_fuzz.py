@@ -24,6 +24,7 @@ import contextlib
 import copy
 import json
 import math
+import re
 import shutil
 import signal
 import struct
@@ -40,11 +41,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import event as _event
 from hypothesis import strategies as st
 from hypothesis.control import currently_in_test_context
-from resume_cases import build, initial_params, train
 
 import muonckpt
 from muonckpt import CheckpointError, MuonCkptError, storage
 from muonckpt.manifest import Manifest, parse_manifest
+
+from .fixture_model import build, initial_params, single_process_optimizer
 
 EXAMPLES = 200
 FUZZ = settings(
@@ -86,16 +88,14 @@ def watchdog(seconds: int = HANG_LIMIT_S) -> Iterator[None]:
 
 
 @pytest.fixture(scope="module")
-def original(tmp_path_factory) -> dict[str, Any]:
-    root = tmp_path_factory.mktemp("fuzz")
-    opt, _, _, _ = build(1, 1, initial_params())
-    train(opt, None, 0, 0, 0, 1)
-    muonckpt.save(opt, root / "ckpt")
-    assert muonckpt.verify(root / "ckpt") == []
-    work = root / "work"
-    shutil.copytree(root / "ckpt", work)
-    text = (root / "ckpt" / "manifest.json").read_text()
-    return {"dir": work, "text": text, "body": json.loads(text), "state": opt.state_dict()}
+def original(tmp_path_factory, single_ckpt) -> dict[str, Any]:
+    ckpt = single_ckpt(1)
+    assert muonckpt.verify(ckpt) == []
+    work = tmp_path_factory.mktemp("fuzz") / "work"
+    shutil.copytree(ckpt, work)
+    text = (ckpt / "manifest.json").read_text()
+    state = single_process_optimizer(1).state_dict()  # what the checkpoint holds
+    return {"dir": work, "text": text, "body": json.loads(text), "state": state}
 
 
 def _paths(value: Any, prefix: tuple = ()) -> list[tuple]:
@@ -496,14 +496,23 @@ def test_deeply_nested_manifest_raises_checkpoint_error():
         parse_manifest("[" * 100_000, "x")
 
 
-def test_non_int_step_is_refused_or_tolerated(original):
+@pytest.mark.parametrize(
+    "step,message",
+    [
+        ("x", "expected an int, got 'x'"),
+        (1.5, "expected an int, got 1.5"),
+        (True, "expected an int, got True"),
+        (None, "expected an int, got None"),
+        (-1, "expected a non-negative int, got -1"),
+    ],
+)
+def test_a_step_that_is_not_a_non_negative_int_is_refused(original, step, message):
+    """A group's step that ``muonckpt inspect`` and load would read as a number is refused at
+    parse time, naming the value (this case once passed whether it was refused or not)."""
     body = copy.deepcopy(original["body"])
-    body["groups"][0]["hyperparams"]["step"] = "x"
-    try:
-        manifest = parse_manifest(json.dumps(body), "x")
-    except CheckpointError:
-        return
-    assert manifest.step in (None, 1)  # muonckpt info reads it
+    body["groups"][0]["hyperparams"]["step"] = step
+    with pytest.raises(CheckpointError, match=re.escape(message)):
+        parse_manifest(json.dumps(body), "x")
 
 
 def test_verify_of_a_huge_lying_topology_does_not_hang(original):
@@ -512,6 +521,8 @@ def test_verify_of_a_huge_lying_topology_does_not_hang(original):
     (original["dir"] / "manifest.json").write_text(json.dumps(body))
     try:
         with watchdog(1):  # short: the hang also fills memory with rank-file names
-            muonckpt.verify(original["dir"])
+            problems = muonckpt.verify(original["dir"])
     finally:
         _restore(original)
+    assert problems, "a topology of 10**12 ranks over one rank file verified clean"
+    assert "topology" in str(problems[0]) and str(10**12) in str(problems[0])

@@ -11,11 +11,12 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from kj_muon import KJMuon, build, initial_params, owner, train
 
 from muonckpt import Muon, StateDictError
 from muonckpt.hooks import install_hooks
 from muonckpt.launch import DistributedRunError, run_distributed
+
+from .kj_muon import KJMuon, build, initial_params, owner, train
 
 SHAPES = {"w1": (4, 6), "w2": (6, 4), "b": (5,)}
 
@@ -135,7 +136,13 @@ def test_install_hooks_round_trip_with_stateless_param():
     install_hooks(opt, owner=lambda i, p: 0)
     a.grad = torch.ones_like(a)
     opt.step()
-    opt.load_state_dict(opt.state_dict())  # plain torch accepts this
+    momentum = opt.state[a]["momentum_buffer"].clone()
+    sd = copy.deepcopy(opt.state_dict())
+    assert sorted(sd["state"]) == [0]  # b never had a grad: no state, and no entry for it
+    opt.state[a]["momentum_buffer"].zero_()
+    opt.load_state_dict(sd)  # plain torch accepts this
+    assert torch.equal(opt.state[a]["momentum_buffer"], momentum)
+    assert b not in opt.state or not opt.state[b]
 
 
 # --- distributed ------------------------------------------------------------------------------

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from resume_cases import assemble, phase
 
 from muonckpt.launch import run_distributed
+
+from .fixture_model import N_GROUPS, N_PARAMS, PARAM_NAMES, SHAPES, STATE_KEYS, assemble
+from .resume_cases import phase
 
 K_STEPS, M_STEPS = 3, 2
 
@@ -16,9 +18,9 @@ def _run(dp, tp, *args):
 
 
 @pytest.fixture(scope="module")
-def reference():
+def reference(reference_params):
     """Full params after K + M steps of a single-process run (in a child, like every run)."""
-    return assemble(1, 1, _run(1, 1, None, None, 0, K_STEPS + M_STEPS, None))
+    return reference_params(K_STEPS + M_STEPS)
 
 
 @pytest.fixture(scope="module")
@@ -58,14 +60,12 @@ def test_state_dict_is_complete_and_full_shape(from_2x2):
     assert sd["muonckpt"]["complete"] is True
     assert sd["muonckpt"]["source_topology"] == {"dp": 2, "tp": 2}
     names = [n for g in groups for n in g["param_names"]]
-    assert names == ["w_in", "w_out", "w_mid", "bias", "norm", "embed"]
-    assert [g["step"] for g in groups] == [K_STEPS, K_STEPS]
-    shapes = {"w_in": (12, 20), "w_out": (16, 12), "w_mid": (10, 14)}
+    assert names == PARAM_NAMES
+    assert [g["step"] for g in groups] == [K_STEPS] * N_GROUPS
+    assert sorted(sd["state"]) == list(range(N_PARAMS))
     for index, name in enumerate(names):
         entry = sd["state"][index]
-        if name in shapes:
-            assert set(entry) == {"momentum_buffer"}
-            assert tuple(entry["momentum_buffer"].shape) == shapes[name]
-            assert entry["momentum_buffer"].abs().sum() > 0
-        else:
-            assert set(entry) == {"exp_avg", "exp_avg_sq"}
+        assert set(entry) == set(STATE_KEYS[name]), name
+        for key in STATE_KEYS[name]:  # full shape, and filled on every rank's part
+            assert tuple(entry[key].shape) == SHAPES[name], (name, key)
+            assert entry[key].abs().sum() > 0, (name, key)

@@ -10,7 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from kj_muon import (
+
+from muonckpt.hooks import gather_state_dict, install_hooks
+from muonckpt.launch import run_distributed
+
+from .kj_muon import (
     SHAPES,
     SORTED_NAMES,
     build,
@@ -21,9 +25,6 @@ from kj_muon import (
     phase,
     train,
 )
-
-from muonckpt.hooks import gather_state_dict, install_hooks
-from muonckpt.launch import run_distributed
 
 K_STEPS, M_STEPS = 3, 2
 WORLD = 4

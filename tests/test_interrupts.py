@@ -21,9 +21,6 @@ import uuid
 from pathlib import Path
 
 import pytest
-from resume_cases import build, initial_params, train
-
-import muonckpt
 
 SITECUSTOMIZE = """
 import os
@@ -46,14 +43,12 @@ if _delay or _fail:
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory) -> dict[str, Path]:
+def setup(tmp_path_factory, single_ckpt) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("interrupts")
-    opt, sharded, dp_rank, tp_rank = build(1, 1, initial_params())
-    train(opt, sharded, dp_rank, tp_rank, 0, 2)
     site = root / "site"
     site.mkdir()
     (site / "sitecustomize.py").write_text(SITECUSTOMIZE)
-    return {"src": muonckpt.save(opt, root / "src"), "site": site}
+    return {"src": single_ckpt(2), "site": site}
 
 
 def _tagged(tag: str) -> dict[int, str]:

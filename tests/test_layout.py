@@ -142,22 +142,25 @@ def test_dp_regions_partition_each_tp_block_in_order(case):
 @SETTINGS
 @given(layout_cases())
 def test_buckets_and_placements(case):
+    """The buckets as the optimizer takes them (``global_buffer_sizes``), checked against the
+    packing rules, and each param's placement and DP ranges against those buckets."""
     specs, topo, options = case
     layout = arrange(specs, topo, options=options)
     pad = math.lcm(topo.dp, options.bucket_alignment)
-    assert layout.global_buffer_sizes() == [
-        [(b.size, b.offset) for b in buffer] for buffer in layout.buckets
-    ]
-    for buffer in layout.buckets:
-        offset = 0
-        for bucket in buffer:
-            assert bucket.offset == offset
-            assert bucket.size % topo.dp == 0 and bucket.size % pad == 0
-            offset += bucket.size
+
+    def buffer_of(spec: ParamSpec) -> int:
+        return spec.group if options.buffers_by == "group" else 0
+
+    sizes = layout.global_buffer_sizes()  # per buffer, [(size, offset), ...]
+    assert len(sizes) == max((buffer_of(spec) for spec in specs), default=-1) + 1
+    for buffer in sizes:  # laid end to end from 0, each a multiple of lcm(dp, alignment)
+        ends = list(itertools.accumulate(size for size, _ in buffer))
+        assert [offset for _, offset in buffer] == [0, *ends][:-1]
+        assert all(size % topo.dp == 0 and size % pad == 0 for size, _ in buffer)
     members: dict[tuple[int, int], list[int]] = {}
     for i, (spec, place) in enumerate(zip(specs, layout.placements)):
-        assert place.buffer == (spec.group if options.buffers_by == "group" else 0)
-        bucket = layout.buckets[place.buffer][place.bucket]
+        assert place.buffer == buffer_of(spec)
+        size, offset = sizes[place.buffer][place.bucket]
         lo, hi = place.global_range
         assert (
             hi - lo
@@ -165,14 +168,14 @@ def test_buckets_and_placements(case):
             == spec.numel // (topo.tp if spec.tp_split_dim >= 0 else 1)
         )
         # never straddles a bucket; aligned relative to the bucket start
-        assert bucket.offset <= lo <= hi <= bucket.offset + bucket.size
-        assert (lo - bucket.offset) % options.param_alignment == 0
-        # dp_range is exactly the param's intersection with each rank's share of the bucket
-        share = bucket.size // topo.dp
+        assert offset <= lo <= hi <= offset + size
+        assert (lo - offset) % options.param_alignment == 0
+        # dp_range is exactly the param's elements that fall in each rank's equal share of the
+        # bucket, found element by element
+        owners = [(x - offset) * topo.dp // size for x in range(lo, hi)]
         for dp_rank in range(topo.dp):
-            s_lo = bucket.offset + share * dp_rank
-            a, b = max(lo, s_lo), min(hi, s_lo + share)
-            expected = (a - lo, b - lo) if a < b else (0, 0)
+            mine = [k for k, owner in enumerate(owners) if owner == dp_rank]
+            expected = (mine[0], mine[-1] + 1) if mine else (0, 0)
             assert layout.dp_range(i, dp_rank) == expected
         members.setdefault((place.buffer, place.bucket), []).append(i)
     for (buffer, k), idx in members.items():
@@ -180,14 +183,17 @@ def test_buckets_and_placements(case):
         ranges = [layout.placements[i].global_range for i in idx]
         assert idx == sorted(idx)
         assert all(r1[1] <= r2[0] for r1, r2 in itertools.pairwise(ranges))
-        bucket = layout.buckets[buffer][k]
-        content = ranges[-1][1] - bucket.offset
-        assert bucket.size == -(-content // pad) * pad
-        if options.bucket_numel is not None and k < len(layout.buckets[buffer]) - 1:
+        size, offset = sizes[buffer][k]
+        content = ranges[-1][1] - offset
+        # padded to the smallest multiple of lcm(dp, bucket_alignment) that holds its content
+        assert content <= size < content + pad
+        if options.bucket_numel is not None:
             # a bucket closes as soon as it holds bucket_numel elements, not before
-            assert content >= options.bucket_numel
-            assert ranges[-2][1] - bucket.offset < options.bucket_numel if len(idx) > 1 else True
-    for buffer, bucket_list in enumerate(layout.buckets):
+            if k < len(sizes[buffer]) - 1:
+                assert content >= options.bucket_numel
+            if len(idx) > 1:
+                assert ranges[-2][1] - offset < options.bucket_numel
+    for buffer, bucket_list in enumerate(sizes):  # no bucket without a param
         assert {k for (b, k) in members if b == buffer} == set(range(len(bucket_list)))
 
 
@@ -243,15 +249,21 @@ def test_strided_runs_reshard_reproduces_target_pieces(case):
 def test_copy_runs_same_block_is_one_run(case):
     specs, topo, opt_a, _, opt_b = case
     a, b = arrange(specs, topo, options=opt_a), arrange(specs, topo, options=opt_b)
-    for i in range(len(specs)):
+    for i, spec in enumerate(specs):
+        index = torch.arange(spec.numel).reshape(spec.shape)
         for t in range(topo.tp):
             for d1 in range(topo.dp):
                 for d2 in range(topo.dp):
                     r1, r2 = a.region(i, d1, t), b.region(i, d2, t)
                     runs = copy_runs(r1, r2)
                     assert len(runs) <= 1
-                    overlap = max(0, min(r1.stop, r2.stop) - max(r1.start, r2.start))
-                    assert sum(r.length for r in runs) == overlap
+                    # the run copies exactly the elements both hold, found by their indices
+                    held_1, held_2 = extract(index, r1).tolist(), extract(index, r2).tolist()
+                    copied = {
+                        held_2[r.dst + k]: held_1[r.src + k] for r in runs for k in range(r.length)
+                    }
+                    shared = set(held_1) & set(held_2)
+                    assert copied == {e: e for e in shared}
 
 
 @SETTINGS
@@ -398,10 +410,8 @@ def test_every_option_at_work_on_a_worked_example():
 def test_bad_topology(dp, tp):
     with pytest.raises(LayoutError):
         Topology(dp, tp)
-
-
-def test_layout_error_is_value_error():
-    assert issubclass(LayoutError, ValueError)
+    with pytest.raises(ValueError):  # what a caller that knows no muonckpt errors catches
+        Topology(dp, tp)
 
 
 @st.composite

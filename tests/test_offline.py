@@ -7,12 +7,28 @@ import json
 import pytest
 import safetensors.torch
 import torch
-from ckpt_cases import load_phase
-from resume_cases import assemble, build, initial_params, local_params, train
 
 import muonckpt
 from muonckpt import offline
 from muonckpt.launch import run_distributed
+
+from .ckpt_cases import load_phase
+from .fixture_model import (
+    LAYOUT,
+    MUON_PARAMS,
+    N_STATE_TENSORS,
+    PARAM_NAMES,
+    SHAPES,
+    STATE_KEYS,
+    TP_SPLIT_DIMS,
+    assemble,
+    build,
+    initial_params,
+    local_params,
+    numel,
+    split_params_indivisible_by,
+    train,
+)
 
 K, M = 2, 2
 SRC, DST = (2, 2), (4, 2)
@@ -82,8 +98,7 @@ def test_sharded_consolidate_writes_an_index(saved, tmp_path):
 
 
 def test_reshard_then_load_is_bitwise(saved, tmp_path):
-    options = muonckpt.LayoutOptions(bucket_numel=150)
-    out = offline.reshard(saved["per_rank"], tmp_path / "r", dp=DST[0], tp=DST[1], options=options)
+    out = offline.reshard(saved["per_rank"], tmp_path / "r", dp=DST[0], tp=DST[1], options=LAYOUT)
     assert muonckpt.verify(out) == []
     manifest = muonckpt.read_manifest(out)
     assert manifest.kind == "per-rank"
@@ -98,7 +113,8 @@ def test_reshard_then_load_is_bitwise(saved, tmp_path):
 
 
 def test_reshard_refuses_an_indivisible_split(saved, tmp_path):
-    with pytest.raises(muonckpt.LayoutError, match="param 'norm'"):
+    bad = split_params_indivisible_by(3)[0]  # the first in the checkpoint's order
+    with pytest.raises(muonckpt.LayoutError, match=f"param '{bad}'"):
         offline.reshard(saved["per_rank"], tmp_path / "r", dp=1, tp=3)
     assert not (tmp_path / "r").exists()
 
@@ -107,19 +123,23 @@ def test_summarize_and_diff_notes(saved, tmp_path):
     info = offline.summarize(saved["per_rank"])
     assert info["kind"] == "per-rank" and info["topology"] == {"dp": 2, "tp": 2}
     assert info["step"] == K
-    w_in = next(p for p in info["params"] if p["name"] == "w_in")
-    assert w_in == {
-        "name": "w_in",
-        "shape": [12, 20],
-        "dtypes": {"momentum_buffer": "F32", "param": "F32"},
-        "value_dtype": "F32",
-        "scalars": {},
-        "tp_split_dim": 0,
-        "group": 0,
-        "state_keys": ["momentum_buffer"],
-        "bytes": 2 * 12 * 20 * 4,
-    }
-    assert info["totals"]["files"] == 4 and info["totals"]["tensors"] == 9
+    assert [p["name"] for p in info["params"]] == PARAM_NAMES
+    for entry in info["params"]:
+        name = entry["name"]
+        keys = list(STATE_KEYS[name])
+        assert entry == {
+            "name": name,
+            "shape": list(SHAPES[name]),
+            "dtypes": {**dict.fromkeys(keys, "F32"), "param": "F32"},
+            "value_dtype": "F32",
+            "scalars": {},
+            "tp_split_dim": TP_SPLIT_DIMS.get(name, -1),
+            "group": 0 if name in MUON_PARAMS else 1,
+            "state_keys": keys,
+            "bytes": (len(keys) + 1) * numel(name) * 4,  # its state and the param, float32
+        }, name
+    assert info["totals"]["files"] == SRC[0] * SRC[1]
+    assert info["totals"]["tensors"] == N_STATE_TENSORS
     rows = offline.diff(saved["per_rank"], saved["consolidated"], atol=0.0)
     assert all(r["equal"] for r in rows)
 

@@ -12,7 +12,6 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
-from seed_port import make_groups
 
 from muonckpt import (
     LayoutError,
@@ -26,6 +25,8 @@ from muonckpt import (
 )
 from muonckpt.launch import run_distributed
 from muonckpt.sharding import shard_tensor
+
+from .seed_port import make_groups
 
 TIMEOUT = 120
 

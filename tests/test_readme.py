@@ -16,6 +16,8 @@ from pathlib import Path
 
 import muonckpt
 
+from .fixture_model import build, initial_params, train
+
 README = Path(__file__).parents[1] / "README.md"
 
 
@@ -64,14 +66,12 @@ def fragments(single: bool = False) -> list[str]:
 
 
 def fragments_phase(workdir: str) -> bool:
-    """(gloo child, 2 x 2) Each fragment as written, on the demo model's optimizer; where a
+    """(gloo child, 2 x 2) Each fragment as written, on the fixture model's optimizer; where a
     fragment says "later", every rank waits for the others first."""
     import os
 
     import torch
     import torch.distributed as dist
-
-    from muonckpt.demo import build, initial_params, train
 
     os.chdir(workdir)
     opt, sharded, d, t = build(2, 2, initial_params())
@@ -92,7 +92,6 @@ def test_readme_fragments_run_as_written(tmp_path, monkeypatch):
 
     import torch
 
-    from muonckpt.demo import initial_params
     from muonckpt.launch import run_distributed
 
     assert len(fragments()) >= 2 and len(fragments(single=True)) >= 1

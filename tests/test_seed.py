@@ -7,9 +7,10 @@ smaller shapes with the same TP split pattern and odd sizes; the seed's exact sh
 """
 
 import pytest
-from seed_port import SEED_SHAPES, run_seed_test
 
 from muonckpt.launch import run_distributed
+
+from .seed_port import SEED_SHAPES, run_seed_test
 
 SMALL_SHAPES = [(20, 20), (24, 36), (52, 28), (44, 52), (32, 32)]
 

@@ -15,11 +15,12 @@ import pytest
 import safetensors.torch
 import torch
 import torch.distributed as dist
-from seed_port import SEED_TP_DIMS, distribute_params, gen_param_and_grads, make_groups
 
 import muonckpt
 from muonckpt import Muon, StateDictError
 from muonckpt.launch import run_distributed
+
+from .seed_port import SEED_TP_DIMS, distribute_params, gen_param_and_grads, make_groups
 
 SHAPES = [(20, 20), (24, 36), (52, 28), (44, 52), (32, 32)]
 MUON_ARGS = {"use_muon": True, "lr": 0.1, "momentum": 0.9, "nesterov": True, "weight_decay": 0.1}

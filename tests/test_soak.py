@@ -3,9 +3,10 @@
 import os
 
 import torch
-from resume_cases import build, initial_params, train
 
 import muonckpt
+
+from .fixture_model import N_PARAMS, build, initial_params, train
 
 
 def _open_fds() -> int:
@@ -31,7 +32,7 @@ def test_200_save_load_cycles_leak_nothing(tmp_path):
     ]
     fresh, _, _, _ = build(1, 1, initial_params())
     muonckpt.load(fresh, target)
-    assert len(fresh.state) == len(opt.state) == 6
+    assert len(fresh.state) == len(opt.state) == N_PARAMS
     for p, q in zip(opt.state.values(), fresh.state.values()):
         for key in p:
             assert torch.equal(p[key], q[key])

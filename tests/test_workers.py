@@ -13,7 +13,6 @@ import sys
 
 import pytest
 import torch
-from resume_cases import build, initial_params, train
 from typer.testing import CliRunner
 
 import muonckpt
@@ -22,17 +21,21 @@ from muonckpt.cli import app
 from muonckpt.manifest import CONSOLIDATED_FILE, MODEL_FILE, rank_file
 from muonckpt.storage import SafetensorsReader, SafetensorsWriter, SharedSafetensorsFile
 
+from .fixture_model import BUCKET_NUMEL, TP_SPLIT_DIMS, build, initial_params
+
+SPLIT, DIM = next(iter(TP_SPLIT_DIMS.items()))  # one param split, the others replicated
 # Every layout option away from its default, so that workers given other options would differ.
 RESHARD = {
     "dp": 2,
     "tp": 2,
-    "tp_split_dims": {"w_in": 0},
+    "tp_split_dims": {SPLIT: DIM},
     "options": muonckpt.LayoutOptions(
-        bucket_numel=150, param_alignment=4, bucket_alignment=8, buffers_by="group"
+        bucket_numel=BUCKET_NUMEL, param_alignment=4, bucket_alignment=8, buffers_by="group"
     ),
 }
 RESHARD_ARGS = [
-    *("--dp", "2", "--tp", "2", "--tp-split", "w_in=0", "--bucket-numel", "150"),
+    *("--dp", "2", "--tp", "2", "--tp-split", f"{SPLIT}={DIM}"),
+    *("--bucket-numel", str(BUCKET_NUMEL)),
     *("--param-alignment", "4", "--bucket-alignment", "8", "--buffers-by", "group"),
 ]
 
@@ -43,17 +46,15 @@ def _bounded(monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def single(tmp_path_factory):
-    """A single-process checkpoint of the tiny model, and the serial outputs to compare with."""
+def single(tmp_path_factory, single_ckpt):
+    """A single-process checkpoint of the fixture model, and the serial outputs to compare with."""
     tmp = tmp_path_factory.mktemp("workers")
-    opt, sharded, dp_rank, tp_rank = build(1, 1, initial_params())
-    train(opt, sharded, dp_rank, tp_rank, 0, 2)
-    muonckpt.save(opt, tmp / "src")
+    src = single_ckpt(2)
     return {
-        "src": tmp / "src",
-        "consolidated": offline.consolidate(tmp / "src", tmp / "c"),
-        "sharded": offline.consolidate(tmp / "src", tmp / "s", max_shard_size=800),
-        "resharded": offline.reshard(tmp / "src", tmp / "r", **RESHARD),
+        "src": src,
+        "consolidated": offline.consolidate(src, tmp / "c"),
+        "sharded": offline.consolidate(src, tmp / "s", max_shard_size=800),
+        "resharded": offline.reshard(src, tmp / "r", **RESHARD),
     }
 
 

@@ -1,0 +1,54 @@
+"""Fixtures shared by several test files.
+
+``tests`` is a package (``tests/__init__.py``), so pytest imports every test module as
+``tests.<name>`` with the repository root on ``sys.path``, helper modules are imported
+relatively, and a gloo child finds a test's module-level function by that same name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+import muonckpt
+from muonckpt.launch import run_distributed
+
+from .fixture_model import assemble, single_process_optimizer
+from .resume_cases import phase
+
+REPO = Path(__file__).resolve().parents[1]
+"""The repository root: the working directory for subprocesses that import ``tests.*``."""
+
+
+@pytest.fixture(scope="session")
+def single_ckpt(tmp_path_factory) -> Callable[[int], Path]:
+    """``single_ckpt(steps)``: a per-rank checkpoint of the fixture model trained ``steps``
+    steps in this process (1 x 1), saved once per session. Shared: copy it before damaging it."""
+    root = tmp_path_factory.mktemp("single")
+    saved: dict[int, Path] = {}
+
+    def get(steps: int) -> Path:
+        if steps not in saved:
+            saved[steps] = muonckpt.save(single_process_optimizer(steps), root / f"steps-{steps}")
+        return saved[steps]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def reference_params() -> Callable[[int], dict[str, torch.Tensor]]:
+    """``reference_params(steps)``: full params after an uninterrupted single-process run of
+    ``steps`` steps, computed once per session in a gloo child (like every run it is compared
+    with, so the thread settings match)."""
+    done: dict[int, dict[str, torch.Tensor]] = {}
+
+    def get(steps: int) -> dict[str, torch.Tensor]:
+        if steps not in done:
+            shards = run_distributed(phase, 1, 1, 1, None, None, 0, steps, None, timeout=60)
+            done[steps] = assemble(1, 1, shards)
+        return done[steps]
+
+    return get
