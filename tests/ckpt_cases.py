@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 
 import muonckpt
+from muonckpt.demo import local_params
 
-from .fixture_model import build, initial_params, local_params, train
+from .fixture_model import build, initial_params, train
 
 
 def save_phase(

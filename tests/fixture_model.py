@@ -1,6 +1,7 @@
 """The test suite's own model: two groups of named params, sharded at any dp x tp.
 
-Owned by the tests, independent of ``muonckpt/demo.py`` (the demo may change its model freely).
+Owned by the tests, independent of the demo's model (which may change freely); both are a
+:class:`muonckpt.demo.ToyModel`, so the sharding, training and reassembly code is one.
 Every kind of param the layout and the checkpoint code treat differently is here once:
 
 ========  ========  ======  ================================================
@@ -28,12 +29,9 @@ from __future__ import annotations
 
 import math
 
-import torch
-
-from muonckpt import Muon, collectives
-from muonckpt.layout import LayoutOptions, Topology
-from muonckpt.regions import extract, insert_
-from muonckpt.sharding import ShardedParams, shard_param_groups
+from muonckpt import Muon
+from muonckpt.demo import ToyModel
+from muonckpt.layout import LayoutOptions
 
 MUON_PARAMS: dict[str, tuple[int, ...]] = {"w_in": (16, 20), "w_out": (12, 24), "w_mid": (10, 14)}
 ADAMW_PARAMS: dict[str, tuple[int, ...]] = {"bias": (7,), "norm": (20,), "embed": (6, 16)}
@@ -76,85 +74,23 @@ def split_params_indivisible_by(tp: int) -> list[str]:
     return [n for n, d in TP_SPLIT_DIMS.items() if SHAPES[n][d] % tp]
 
 
-def initial_params() -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(2468)
-    return {name: torch.randn(shape, generator=gen) for name, shape in SHAPES.items()}
-
-
-def full_grad(name: str, step: int) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(step * 1000 + sum(map(ord, name)))
-    return torch.randn(SHAPES[name], generator=gen)
-
-
-def param_groups(params: dict[str, torch.Tensor]) -> list[dict]:
-    """The two groups, as ``(name, tensor)`` pairs, with their hyperparameters."""
-    return [
-        {"params": [(n, params[n]) for n in MUON_PARAMS], **MUON_HPARAMS},
-        {"params": [(n, params[n]) for n in ADAMW_PARAMS], **ADAMW_HPARAMS},
-    ]
-
-
-def shard(params: dict[str, torch.Tensor], dp: int, tp: int, d: int, t: int) -> ShardedParams:
-    return shard_param_groups(
-        param_groups(params),
-        Topology(dp, tp),
-        d,
-        t,
-        tp_split_dims=TP_SPLIT_DIMS,
-        options=LAYOUT,
-    )
-
-
-def build(dp: int, tp: int, params: dict[str, torch.Tensor]):
-    """(optimizer, sharded params or None, dp_rank, tp_rank); 1 x 1 is the plain optimizer.
-
-    At 1 x 1 no process group is needed; otherwise call it in a gloo child of dp * tp ranks.
-    """
-    if dp * tp == 1:
-        groups = [
-            {**g, "params": [(n, p.clone()) for n, p in g["params"]]} for g in param_groups(params)
-        ]
-        return Muon(groups), None, 0, 0
-    dp_group, tp_group = collectives.grid_groups(dp, tp)
-    d, t = collectives.group_rank(dp_group), collectives.group_rank(tp_group)
-    sharded = shard(params, dp, tp, d, t)
-    opt = Muon(sharded.param_groups)
-    opt.enable_distributed_mode(sharded.global_buffer_sizes, dp_group, tp_group, sharded.dist_metas)
-    return opt, sharded, d, t
-
-
-def train(opt: Muon, sharded, d: int, t: int, first: int, steps: int) -> None:
-    """Steps ``first .. first+steps-1`` with each rank's cut of the same full gradients."""
-    for step in range(first, first + steps):
-        for group in opt.param_groups:
-            for name, p in zip(group["param_names"], group["params"], strict=True):
-                grad = full_grad(name, step)
-                if sharded is not None:
-                    grad = extract(grad, sharded.layout.region(sharded.index(name), d, t))
-                p.grad = grad.reshape(p.shape)
-        opt.step()
-
-
-def local_params(opt: Muon) -> dict[str, torch.Tensor]:
-    """This rank's params by name (copies)."""
-    return {
-        n: p.detach().clone()
-        for g in opt.param_groups
-        for n, p in zip(g["param_names"], g["params"], strict=True)
-    }
-
-
-def assemble(dp: int, tp: int, shards: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Full params from every rank's local shards (rank order)."""
-    if dp * tp == 1:
-        return shards[0]
-    sharded = shard(initial_params(), dp, tp, 0, 0)
-    full = {name: torch.full(shape, float("nan")) for name, shape in SHAPES.items()}
-    for rank, piece_of in enumerate(shards):
-        d, t = Topology(dp, tp).coords(rank)
-        for name, piece in piece_of.items():
-            insert_(full[name], sharded.layout.region(sharded.index(name), d, t), piece)
-    return full
+MODEL = ToyModel(
+    muon_params=MUON_PARAMS,
+    adamw_params=ADAMW_PARAMS,
+    tp_split_dims=TP_SPLIT_DIMS,
+    layout=LAYOUT,
+    seed=2468,
+    muon_hparams=MUON_HPARAMS,
+    adamw_hparams=ADAMW_HPARAMS,
+)
+"""The model itself; its methods are this module's functions below."""
+initial_params = MODEL.initial_params
+full_grad = MODEL.full_grad
+param_groups = MODEL.param_groups
+shard = MODEL.shard
+build = MODEL.build
+train = MODEL.train
+assemble = MODEL.assemble
 
 
 def single_process_optimizer(steps: int) -> Muon:

@@ -9,7 +9,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .fixture_model import build, initial_params, local_params, train
+from muonckpt.demo import local_params
+
+from .fixture_model import build, initial_params, train
 
 
 def phase(
