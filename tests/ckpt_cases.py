@@ -5,9 +5,8 @@ from __future__ import annotations
 import torch
 
 import muonckpt
-from muonckpt.demo import local_params
 
-from .fixture_model import build, initial_params, train
+from .fixture_model import build, initial_params, local_params, train
 
 
 def save_phase(

@@ -31,6 +31,7 @@ import math
 
 from muonckpt import Muon
 from muonckpt.demo import ToyModel
+from muonckpt.demo import local_params as local_params  # part of the fixture's API
 from muonckpt.layout import LayoutOptions
 
 MUON_PARAMS: dict[str, tuple[int, ...]] = {"w_in": (16, 20), "w_out": (12, 24), "w_mid": (10, 14)}

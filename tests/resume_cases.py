@@ -9,9 +9,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from muonckpt.demo import local_params
-
-from .fixture_model import build, initial_params, train
+from .fixture_model import build, initial_params, local_params, train
 
 
 def phase(
