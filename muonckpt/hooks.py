@@ -122,12 +122,17 @@ def _position(param: ParamSharding) -> int:
 
 
 class StateDictHooks:
-    """The four hooks on one optimizer. ``all_ranks=True`` delivers the full state everywhere."""
+    """The four hooks on one optimizer. ``all_ranks=True`` delivers the full state everywhere.
+
+    ``describe(optimizer, collective)`` gives the optimizer's :class:`Sharding`; it is handed
+    the optimizer at each call and must not hold it, or the weak mapping the hooks are kept in
+    would keep the optimizer (its params and state) alive for good.
+    """
 
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,
-        describe: Callable[[bool], Sharding],
+        describe: Callable[[torch.optim.Optimizer, bool], Sharding],
         *,
         all_ranks: bool = False,
     ) -> None:
@@ -158,12 +163,12 @@ class StateDictHooks:
             self._loading_local_share = False
 
     def _describe_for_gather(self, optimizer: torch.optim.Optimizer) -> None:
-        self._sharding = self.describe(True)
+        self._sharding = self.describe(optimizer, True)
 
     def _gather(
         self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]
     ) -> dict[str, Any]:
-        sharding = self._sharding or self.describe(True)
+        sharding = self._sharding or self.describe(optimizer, True)
         self._sharding = None
         full_state = gather_full_state(sharding, state_dict["state"], self.all_ranks)
         receives = full_state is not None
@@ -182,12 +187,12 @@ class StateDictHooks:
     def _trim(self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
         if self._loading_local_share:
             return dict(state_dict)
-        return trim_state_dict(optimizer, state_dict, self.describe(False))
+        return trim_state_dict(optimizer, state_dict, self.describe(optimizer, False))
 
     def _check_loaded(self, optimizer: torch.optim.Optimizer) -> None:
         """After loading, every region-sharded state tensor must be exactly this rank's share."""
         flat = flat_params(optimizer)
-        for param in self.describe(False).local():
+        for param in self.describe(optimizer, False).local():
             if param.local is None:
                 continue
             for key, value in optimizer.state.get(flat[param.local_index], {}).items():
@@ -714,7 +719,7 @@ def describe(optimizer: torch.optim.Optimizer) -> Sharding:
     """
     hooks = _HOOKS.get(optimizer)
     if hooks is not None:
-        return hooks.describe(True)
+        return hooks.describe(optimizer, True)
     if collectives.is_distributed() and collectives.group_size(None) > 1:
         raise StateDictError(
             f"{type(optimizer).__name__} runs in a process group of "
@@ -809,7 +814,7 @@ def install_hooks(
         raise StateDictError(f"tp_split_dims names params the optimizer does not hold: {unknown}")
     local_only = owner is None and type(optimizer).__name__.startswith("SingleDevice")
 
-    def describe_owners(collective: bool) -> Sharding:
+    def describe_owners(optimizer: torch.optim.Optimizer, collective: bool) -> Sharding:
         if local_only:
             return describe_whole(optimizer, names=given)
         return _describe_owned(optimizer, rule, given, group, tp_group, splits, collective)

@@ -136,7 +136,7 @@ class Muon(torch.optim.Optimizer):
         self.dist_metas: dict[torch.Tensor, MuonDistMeta] = {}
         self.global_buffer_sizes: list[list[tuple[int, int]]] = []
         self.local_buffer_ranges: list[list[Range]] = []
-        StateDictHooks(self, lambda collective: self.describe_sharding())
+        StateDictHooks(self, lambda optimizer, collective: optimizer.describe_sharding())
 
     def enable_distributed_mode(
         self,

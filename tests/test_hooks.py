@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import muonckpt
 from muonckpt.launch import run_distributed
 
 from .fixture_model import N_GROUPS, N_PARAMS, PARAM_NAMES, SHAPES, STATE_KEYS, assemble
@@ -69,3 +70,28 @@ def test_state_dict_is_complete_and_full_shape(from_2x2):
         for key in STATE_KEYS[name]:  # full shape, and filled on every rank's part
             assert tuple(entry[key].shape) == SHAPES[name], (name, key)
             assert entry[key].abs().sum() > 0, (name, key)
+
+
+@pytest.mark.parametrize("kind", ["packaged", "install_hooks"])
+def test_an_optimizer_with_hooks_is_freed_once_dropped(kind):
+    """The hooks live in a weak mapping beside the optimizer: they must not keep it (and its
+    params and state) alive."""
+    import gc
+    import weakref
+
+    from muonckpt.hooks import _HOOKS
+
+    p = torch.nn.Parameter(torch.ones(4, 4))
+    if kind == "packaged":
+        opt = muonckpt.Muon([{"params": [p], "use_muon": True}])
+    else:
+        opt = torch.optim.SGD([p], lr=0.1, momentum=0.9)
+        muonckpt.install_hooks(opt, owner=lambda index, param: 0)
+    p.grad = torch.ones(4, 4)
+    opt.step()
+    opt.load_state_dict(opt.state_dict())
+    alive, held = weakref.ref(opt), len(_HOOKS)
+    del opt
+    gc.collect()
+    assert alive() is None
+    assert len(_HOOKS) == held - 1
