@@ -200,7 +200,8 @@ def _write_rank_file(
             tensors[param.name, key] = value
     rank = sharding.participants.index(me)
     plan = rank_plan(rank, len(sharding.participants), owned)
-    written = writing.write_files(plan, staging, lambda w: tensors[w.param, w.key].reshape(-1))
+    fetch = lambda w: tensors[w.param, w.key].reshape(-1)  # noqa: E731
+    written = writing.write_files(plan, staging, fetch, prefetch=False)
     written.extra = scalars
     return written
 
@@ -234,7 +235,7 @@ def _write_consolidated(
             else:
                 scalars.setdefault(param.name, {})[key] = _scalar_json(info)
     plan = consolidated_plan(items, max_shard_size)
-    written = writing.write_files(plan, staging, lambda w: by_name[w.param][w.key])
+    written = writing.write_files(plan, staging, lambda w: by_name[w.param][w.key], prefetch=False)
     written.extra = scalars
     return written
 

@@ -15,8 +15,8 @@ import signal
 import sys
 import traceback
 import warnings
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
@@ -300,18 +300,8 @@ def consolidate(
     """
     from . import offline
 
-    _also_quiet(ctx, quiet)
-    with _ranks(ctx, workers) as collective, _progress(ctx, "consolidate") as progress:
-        out = offline.consolidate(
-            src,
-            dst,
-            max_shard_size=max_shard_size,
-            overwrite=force,
-            progress=progress,
-            workers=workers,
-            collective=collective,
-        )
-    _say(ctx, _written(out))
+    shards = {"max_shard_size": max_shard_size}
+    _rewrite(ctx, quiet, offline.consolidate, src, dst, force, workers, **shards)
 
 
 @app.command()
@@ -398,21 +388,8 @@ def reshard(
         splits[name] = int(dim)
     from . import offline
 
-    _also_quiet(ctx, quiet)
-    with _ranks(ctx, workers) as collective, _progress(ctx, "reshard") as progress:
-        out = offline.reshard(
-            src,
-            dst,
-            dp=dp,
-            tp=tp,
-            options=options,
-            tp_split_dims=splits,
-            overwrite=force,
-            progress=progress,
-            workers=workers,
-            collective=collective,
-        )
-    _say(ctx, _written(out))
+    settings = {"dp": dp, "tp": tp, "options": options, "tp_split_dims": splits}
+    _rewrite(ctx, quiet, offline.reshard, src, dst, force, workers, **settings)
 
 
 @app.command()
@@ -445,9 +422,28 @@ def convert(
 
     if to not in FAMILIES:
         raise typer.BadParameter(f"choose one of {', '.join(FAMILIES)}", param_hint="--to")
+    _rewrite(ctx, quiet, offline.convert, src, dst, force, None, to=to)
+
+
+def _rewrite(
+    ctx: typer.Context,
+    quiet: bool,
+    operation: Callable[..., Path],
+    src: Path,
+    dst: Path,
+    force: bool,
+    workers: int | None,
+    **settings: Any,
+) -> None:
+    """Run an offline rewrite with the options its commands share: --quiet, --force
+    (overwrite), the progress bar and, where it takes them (``workers`` not None), --workers or
+    torchrun; then say what was written."""
     _also_quiet(ctx, quiet)
-    with _progress(ctx, "convert") as progress:
-        out = offline.convert(src, dst, to=to, overwrite=force, progress=progress)
+    ranks = nullcontext(False) if workers is None else _ranks(ctx, workers)
+    with ranks as collective, _progress(ctx, operation.__name__) as progress:
+        if workers is not None:
+            settings.update(workers=workers, collective=collective)
+        out = operation(src, dst, overwrite=force, progress=progress, **settings)
     _say(ctx, _written(out))
 
 

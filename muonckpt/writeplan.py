@@ -53,7 +53,7 @@ class TensorWrite:
     scale: float = 1.0
     """Factor applied to the values on their way (``convert``: momentum between forms)."""
 
-    @property
+    @cached_property
     def tensor(self) -> str:
         """Its key in the file."""
         return tensor_key(self.param, self.key)

@@ -149,9 +149,11 @@ def write_checkpoint(
 
     staging = Path(steps.each_then_root("stage", check, stage))
 
-    def finish(raw: list[dict[str, Any]]) -> dict[str, Any] | None:
+    across = len(steps.ranks) > 1  # reports cross ranks as JSON; in one process, as they are
+
+    def finish(raw: list[Any]) -> dict[str, Any] | None:
         seal(staging)
-        reports = [Written.from_json(r) for r in raw]
+        reports = [Written.from_json(r) for r in raw] if across else raw
         names = dict.fromkeys(name for r in reports for name in r.files)
         files = [FileEntry(name, storage.file_size(staging / name)) for name in names]
         order = {name: i for i, name in enumerate(names)}
@@ -167,7 +169,8 @@ def write_checkpoint(
         )
 
     try:
-        replaced = steps.each_then_root("write", lambda: write(staging).to_json(), finish)
+        each = (lambda: write(staging).to_json()) if across else (lambda: write(staging))
+        replaced = steps.each_then_root("write", each, finish)
     except BaseException:
         if steps.is_root:
             storage.discard(staging)
@@ -209,15 +212,23 @@ class _Meter:
 
 
 def write_files(
-    plan: WritePlan, staging: Path, fetch: Fetch, progress: Progress | None = None
+    plan: WritePlan,
+    staging: Path,
+    fetch: Fetch,
+    progress: Progress | None = None,
+    *,
+    prefetch: bool = True,
 ) -> Written:
     """Write every file of ``plan`` (and its texts) into ``staging``, front to back, fetching
-    each tensor when its turn comes (the next one on a thread meanwhile)."""
+    each tensor when its turn comes: with ``prefetch``, the next one on a thread meanwhile
+    (for reads from files; state already in memory is written straight, since a thread
+    handoff per tensor costs more than it saves for many small tensors)."""
     meter = _Meter([w.nbytes for w in plan.writes], progress)
     pieces = []
     for file, writes in plan.by_file().items():
         with storage.SafetensorsWriter(staging / file, plan.specs(file), plan.files[file]) as out:
-            for w, value in prefetched(writes, fetch):
+            fetched = prefetched(writes, fetch) if prefetch else ((w, fetch(w)) for w in writes)
+            for w, value in fetched:
                 out.write(w.tensor, value)
                 del value
                 meter.tick(w.nbytes)
