@@ -31,6 +31,7 @@ from .hooks import (
     _HOOKS,
     ParamSharding,
     Sharding,
+    check_state_holders,
     describe,
     describe_value,
     flat_params,
@@ -103,7 +104,7 @@ def save(
         steps,
         path,
         overwrite=overwrite,
-        check=lambda: _check_storable(sharding, optimizer, params, Path(path)),
+        check=lambda: _check_storable(sharding, optimizer, params, Path(path), consolidated),
         write=write,
         manifest=lambda reports: build_manifest(optimizer, sharding, reports, kind),
     )
@@ -129,9 +130,18 @@ def _group_kinds(optimizer: Any) -> list[kinds.GroupKind]:
 
 
 def _check_storable(
-    sharding: Sharding, optimizer: torch.optim.Optimizer, params: bool, where: Path
+    sharding: Sharding,
+    optimizer: torch.optim.Optimizer,
+    params: bool,
+    where: Path,
+    consolidated: bool,
 ) -> None:
-    """Refuse, before writing anything, what a checkpoint could not hold or load back."""
+    """Refuse, before writing anything, what a checkpoint could not hold or load back; for a
+    per-rank save across ranks, also state that is not where the sharding says (a rank writes
+    only the state it owns, so a wrong owner rule would drop the rest; the consolidated
+    gather checks this itself)."""
+    if not consolidated and len(sharding.participants) > 1:
+        check_state_holders(sharding, _local_state(optimizer, sharding, params=False))
     flat = flat_params(optimizer)
     keys = [(p.name, k) for p in sharding.params for k in p.expected_keys]
     for param in sharding.local():
@@ -191,7 +201,7 @@ def _write_rank_file(
     owned, tensors, scalars = [], {}, {}
     for param, state in _owned(optimizer, sharding, params):
         holding = next(h for h in param.sources if h.rank == me)
-        for key, value in state.items():
+        for key, value in sorted(state.items()):
             info = describe_value(param, key, value)
             if info["kind"] != "tensor":
                 scalars.setdefault(param.name, {})[key] = _scalar_json(info)
@@ -228,7 +238,7 @@ def _write_consolidated(
     by_name, items, scalars = {}, [], {}
     for index, param in enumerate(sharding.params):
         by_name[param.name] = state = full.get(index, {})
-        for key, value in state.items():
+        for key, value in sorted(state.items()):
             info = describe_value(param, key, value)
             if info["kind"] == "tensor":
                 items.append(((param.name, key, storage.dtype_name(value.dtype)), param.full_shape))
@@ -535,8 +545,7 @@ def _apply(
         if hooks is None:
             optimizer.load_state_dict(share)
         else:
-            with hooks.local_share_load():
-                optimizer.load_state_dict(share)
+            hooks.load_local_share(optimizer, share)
         flat = flat_params(optimizer)
         with torch.no_grad():
             for index, value in values.items():

@@ -170,12 +170,16 @@ class CollectiveSteps:
 
     A step ends with every rank knowing its outcome: the value, or the failure of any rank,
     raised on every rank as the same ``error`` (a library error type the caller chooses),
-    ``"<operation> (<step>): <message>"``. Any Exception counts, not only the library's own:
-    a rank that let anything else escape would leave the others blocked at the next
-    collective. A library error's message is kept (naming the rank where every rank works);
-    any other names the rank, the exception type and where it was raised. KeyboardInterrupt
-    and other BaseExceptions propagate. Failures travel as JSON (point-to-point, so ``ranks``
-    need not form a process group).
+    ``"<operation> (<step>): <message>"``. A failure of a step nested inside another one's
+    work over the same ranks (the state-dict gather inside a consolidated save's write) has
+    been raised on every rank already and passes through the outer step unchanged. Any
+    Exception counts, not only the library's own: a rank that let anything else escape would
+    leave the others blocked at the next collective. A library error's message is kept (naming
+    the rank where every rank works); any other names the rank, the exception type and where
+    it was raised. KeyboardInterrupt and other BaseExceptions propagate. Failures travel as
+    JSON (point-to-point, so ``ranks`` need not form a process group). Data moved by plain
+    ``send``/``recv`` between steps (the gather of tensor pieces) is not covered: a rank that
+    fails in the middle of it leaves its peers waiting until the process group's timeout.
     """
 
     def __init__(
@@ -186,11 +190,6 @@ class CollectiveSteps:
         self.is_root = self.rank == root
         self._failure: Exception | None = None
         """This rank's own exception in the current step, chained to the error raised."""
-
-    def on_root(self, step: str, work: Callable[[], T]) -> T:
-        """``work()`` on the root; its value on every rank."""
-        outcome = self._run(work) if self.is_root else None
-        return self._agreed(step, broadcast_json(outcome, self.ranks, self.root))
 
     def each_then_root(
         self, step: str, each: Callable[[], Any], then: Callable[[list[Any]], T]
@@ -215,6 +214,8 @@ class CollectiveSteps:
         try:
             return {"value": work()}
         except MuonCkptError as exc:
+            if getattr(exc, "agreed_by", None) == self.ranks:
+                raise  # a nested step's failure, already raised on every rank of this protocol
             self._failure = exc
             named = name_rank and len(self.ranks) > 1
             return {"error": f"rank {self.rank}: {exc}" if named else str(exc)}
@@ -225,7 +226,9 @@ class CollectiveSteps:
     def _agreed(self, step: str, outcome: dict[str, Any]) -> Any:
         failure, self._failure = self._failure, None
         if "error" in outcome:
-            raise self.error(f"{self.operation} ({step}): {outcome['error']}") from failure
+            error = self.error(f"{self.operation} ({step}): {outcome['error']}")
+            error.agreed_by = self.ranks
+            raise error from failure
         return outcome["value"]
 
 

@@ -25,7 +25,6 @@ import math
 import weakref
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +34,7 @@ from . import collectives
 from .errors import StateDictError
 from .grid import GridParams, RankReport, merge_reports
 from .layout import Region, Topology, tp_full_shape, tp_region, whole_region
+from .manifest import PARAM_KEY as VALUES_KEY
 from .regions import extract, insert_
 
 MARKER = "muonckpt"
@@ -152,13 +152,13 @@ class StateDictHooks:
         for handle in self._handles:
             handle.remove()
 
-    @contextmanager
-    def local_share_load(self) -> Iterator[None]:
-        """Within the block, ``load_state_dict`` takes a dict already cut to this rank's share
-        (in this rank's own param indices), as :func:`muonckpt.load` builds it."""
+    def load_local_share(self, optimizer: torch.optim.Optimizer, share: dict[str, Any]) -> None:
+        """Load a state dict already cut to this rank's share, in its own param indices (as
+        :func:`muonckpt.load` builds it): torch's ``load_state_dict`` without the trim, the
+        loaded share still checked."""
         self._loading_local_share = True
         try:
-            yield
+            optimizer.load_state_dict(share)
         finally:
             self._loading_local_share = False
 
@@ -313,6 +313,13 @@ def _gather_entry_metadata(
     )
 
 
+def check_state_holders(sharding: Sharding, local_state: Mapping[int, Mapping[str, Any]]) -> None:
+    """Raise :class:`StateDictError` on every rank unless the state each rank holds is where
+    the sharding says (a declared owner holding none of it: a wrong owner rule). A collective
+    over ``sharding.participants``, exchanging only metadata."""
+    _gather_entry_metadata(sharding, local_state)
+
+
 def merge_entry_reports(
     sharding: Sharding, reports: Sequence[Mapping[str, Mapping[str, Any]]]
 ) -> list[dict[str, Any] | None]:
@@ -332,10 +339,14 @@ def merge_entry_reports(
         owners = [h.rank for h in param.sources if h.region.numel or len(param.sources) == 1]
         if param.replicated:
             owners = list(sharding.participants)
-        lacking = [r for r in owners if r not in holders]
+        # Every rank holds its param's values (a save reports them as VALUES_KEY); only the
+        # optimizer's own state tells where the owner rule put the param.
+        stateful = [r for r in holders if set(by_rank[r][str(index)]) - {VALUES_KEY}]
+        seen = stateful or holders
+        lacking = [r for r in owners if r not in seen]
         if lacking:
             raise StateDictError(
-                f"param {param.name!r}: rank {holders[0]} holds state for it, but its declared "
+                f"param {param.name!r}: rank {seen[0]} holds state for it, but its declared "
                 f"owner rank {lacking[0]} holds none: the owner rule does not match where the "
                 "optimizer keeps its state"
             )

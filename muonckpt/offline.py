@@ -276,7 +276,12 @@ def convert(
         for name in (INDEX_FILE, MODEL_INDEX_FILE)
         if (directory / name).is_file()
     }
-    plan = WritePlan({f.name: {"format": FORMAT_NAME} for f in manifest.files}, writes, texts)
+    files = {f.name: {"format": FORMAT_NAME} for f in manifest.files}
+    if manifest.kind == PER_RANK:  # per-rank files name their rank, as save writes them
+        files = {
+            f.name: {"format": FORMAT_NAME, "rank": str(r)} for r, f in enumerate(manifest.files)
+        }
+    plan = WritePlan(files, writes, texts)
     job = _Job(_output_manifest(manifest, groups=tuple(groups), params=params), plan)
     return _write("convert", job, directory, manifest, dst, overwrite, progress, collective=False)
 

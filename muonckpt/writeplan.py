@@ -1,4 +1,5 @@
-"""What a checkpoint write puts where, decided before any I/O: pure, no torch, no files.
+"""What a checkpoint write puts where, decided before any tensor is written: pure, no torch,
+no files.
 
 Every way of producing a checkpoint (``save`` per rank or consolidated, ``consolidate``,
 ``reshard``, ``convert``) first builds a :class:`WritePlan`, the counterpart of DCP's
@@ -6,8 +7,8 @@ Every way of producing a checkpoint (``save`` per rank or consolidated, ``consol
 :class:`~muonckpt.layout.Region` of the full tensor) of which param's state it holds, with its
 dtype and stored shape. The plan is checked when it is made; :mod:`muonckpt.writing` then
 writes it and commits the directory, the same way for every source of bytes. Between two
-layouts a plan is the design's one idea: a copy plan from the pieces that hold the elements to
-the pieces that will.
+layouts a plan is the design's one idea: a copy plan from the pieces that hold the elements
+to the pieces that will.
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ where a tensor crosses, so a single-process offline tool runs without it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -50,8 +51,6 @@ class Steps(Protocol):
     rank: int
     ranks: list[int]
 
-    def on_root(self, step: str, work: Callable[[], T]) -> T: ...
-
     def each_then_root(
         self, step: str, each: Callable[[], Any], then: Callable[[list[Any]], T]
     ) -> T: ...
@@ -63,9 +62,6 @@ class LocalSteps:
 
     def __init__(self) -> None:
         self.is_root, self.rank, self.ranks = True, 0, [0]
-
-    def on_root(self, step: str, work: Callable[[], T]) -> T:
-        return work()
 
     def each_then_root(
         self, step: str, each: Callable[[], Any], then: Callable[[list[Any]], T]
@@ -228,10 +224,11 @@ def write_files(
     for file, writes in plan.by_file().items():
         with storage.SafetensorsWriter(staging / file, plan.specs(file), plan.files[file]) as out:
             fetched = prefetched(writes, fetch) if prefetch else ((w, fetch(w)) for w in writes)
-            for w, value in fetched:
-                out.write(w.tensor, value)
-                del value
-                meter.tick(w.nbytes)
+            with contextlib.closing(fetched):  # on an error, the prefetch thread ends here
+                for w, value in fetched:
+                    out.write(w.tensor, value)
+                    del value
+                    meter.tick(w.nbytes)
             records = out.commit()
         pieces += [w.piece(*_sums(records[w.tensor])) for w in writes]
     _write_texts(plan, staging)

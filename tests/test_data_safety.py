@@ -571,8 +571,9 @@ def test_a_step_turns_any_exception_into_the_protocol_error_naming_rank_type_and
         "save (write): rank 0: KeyError: 'missing' (at test_data_safety.py:"
     )
     assert isinstance(info.value.__cause__, KeyError)
+    late = lambda values: (_ for _ in ()).throw(ValueError("late"))  # noqa: E731
     with pytest.raises(CheckpointError, match=r"^save \(commit\): rank 0: ValueError: late"):
-        steps.on_root("commit", lambda: (_ for _ in ()).throw(ValueError("late")))
+        steps.each_then_root("commit", lambda: None, late)
     assert steps.each_then_root("stage", lambda: 7, lambda values: values) == [7]
     with pytest.raises(KeyboardInterrupt):
-        steps.on_root("stage", lambda: (_ for _ in ()).throw(KeyboardInterrupt()))
+        steps.each_then_root("stage", lambda: (_ for _ in ()).throw(KeyboardInterrupt()), list)

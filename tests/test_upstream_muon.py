@@ -151,25 +151,37 @@ def test_resume_at_another_world_size_from_zeros_is_bitwise(saved, world, ckpt):
             assert torch.equal(params[name], value), name
 
 
-def wrong_rule(kind: str) -> str | None:
-    """The owner rule the docs used to give: a flat index modulo the world size."""
+def wrong_rule(kind: str, root: str) -> dict[str, str | None]:
+    """The owner rule the docs used to give (a flat index modulo the world size): what
+    ``state_dict()`` and each kind of save raise (neither may write a checkpoint that lacks
+    the momentum the rule misplaces)."""
     model = make_model()
     opt = make_opt(model, kind, single=False)
     world = dist.get_world_size()
     muonckpt.install_hooks(opt, owner=lambda i, p: i % world, names=model.named_parameters())
     train(model, opt, 0, 1)
-    try:
-        opt.state_dict()
-    except StateDictError as exc:
-        return str(exc)
-    return None
+    raised: dict[str, str | None] = {}
+    for case, call in (
+        ("state_dict", opt.state_dict),
+        ("consolidated", lambda: muonckpt.save(opt, f"{root}/ckpt", consolidated=True)),
+        ("per-rank", lambda: muonckpt.save(opt, f"{root}/ckpt")),
+    ):
+        raised[case] = None
+        try:
+            call()
+        except StateDictError as exc:
+            raised[case] = str(exc)
+    return raised
 
 
-def test_the_old_flat_index_rule_raises_instead_of_losing_state():
-    messages = run_distributed(wrong_rule, 4, "MuonWithAuxAdam", timeout=120)
-    assert messages[0] is not None and len(set(messages)) == 1
-    assert "param 'blocks." in messages[0]
-    assert "declared owner rank" in messages[0] and "holds state" in messages[0]
+def test_the_old_flat_index_rule_raises_instead_of_losing_state(tmp_path):
+    ranks = run_distributed(wrong_rule, 4, "MuonWithAuxAdam", str(tmp_path), timeout=120)
+    for case in ("state_dict", "consolidated", "per-rank"):
+        messages = [raised[case] for raised in ranks]
+        assert messages[0] is not None and len(set(messages)) == 1, case
+        assert "param 'blocks." in messages[0]
+        assert "declared owner rank" in messages[0] and "holds state" in messages[0]
+    assert list(tmp_path.iterdir()) == []  # nothing committed, no staging left
 
 
 def test_other_optimizers_need_an_explicit_owner():

@@ -23,18 +23,15 @@ from ..manifest import CHECKSUM_ALGORITHM
 from .checksums import CHUNK_BYTES, checksum_chunks
 from .dtypes import byte_view, dtype_name, itemsize, tensor_of_bytes, torch_dtype
 from .durable import entries, file_size, fsync_dir, read_text, write_text_atomic
-from .safetensors_format import MAX_HEADER_BYTES, TensorRecord
+from .safetensors_format import TensorRecord
 from .safetensors_reader import SafetensorsReader
 from .safetensors_writer import SafetensorsWriter, SharedSafetensorsFile, write_safetensors
 from .transaction import (
-    STAGING_TAG,
     abandon_commits,
     check_target,
     discard,
-    foreign_entries,
     is_ours,
     make_staging,
-    ownership_problem,
     preset_staging,
     retire,
     staging_path,
@@ -44,8 +41,6 @@ from .transaction import (
 __all__ = [
     "CHECKSUM_ALGORITHM",
     "CHUNK_BYTES",
-    "MAX_HEADER_BYTES",
-    "STAGING_TAG",
     "SafetensorsReader",
     "SafetensorsWriter",
     "SharedSafetensorsFile",
@@ -58,12 +53,10 @@ __all__ = [
     "dtype_name",
     "entries",
     "file_size",
-    "foreign_entries",
     "fsync_dir",
     "is_ours",
     "itemsize",
     "make_staging",
-    "ownership_problem",
     "preset_staging",
     "read_text",
     "retire",
