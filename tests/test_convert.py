@@ -252,3 +252,18 @@ def test_convert_refuses_an_unknown_implementation(tmp_path):
     )
     assert result.exit_code == 2 and "choose one of" in result.output
     assert not (tmp_path / "x").exists()
+
+
+def test_convert_keeps_the_file_metadata_of_each_kind(single_ckpt, tmp_path):
+    from safetensors import safe_open
+
+    src = single_ckpt(2)
+    resharded = muonckpt.offline.reshard(src, tmp_path / "r", dp=2, tp=1)
+    for source in (src, resharded, muonckpt.offline.consolidate(src, tmp_path / "c")):
+        out = muonckpt.offline.convert(source, tmp_path / f"{source.name}-torch", to="torch")
+        for entry in muonckpt.read_manifest(source).files:
+            with (
+                safe_open(source / entry.name, "np") as before,
+                safe_open(out / entry.name, "np") as after,
+            ):
+                assert after.metadata() == before.metadata(), (source.name, entry.name)
