@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import itertools
+import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -489,3 +490,41 @@ def test_an_import_cycle_is_reported_with_its_lines():
     ]
     sources["a"] = ("muonckpt/a.py", "from typing import TYPE_CHECKING\nimport os\n")
     assert cycles(sources) == []
+
+
+# ---- docs/design.md's module map is the code's ------------------------------------------------
+
+
+def _documented_map(text: str) -> dict[str, set[str]]:
+    """The module map of docs/design.md: module -> the package modules its row says it imports
+    (any module name in the last column, the package itself written ``muonckpt``)."""
+    section = text.split("## Module map", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("| ") and "`" in line]
+    documented = {}
+    for row in rows:
+        cells = [cell.strip() for cell in row.strip("|").split("|")]
+        module = cells[1].strip("`").removesuffix(".py").removesuffix("/")
+        words = set(re.findall(r"[a-z_]+(?:\.[a-z_]+)?", cells[-1]))
+        documented[module] = words
+    return documented
+
+
+def test_the_design_docs_module_map_lists_every_module_and_what_it_imports():
+    sources = package_sources()
+    graph = import_graph(sources)
+    documented = _documented_map((ROOT.parent / "docs" / "design.md").read_text())
+    tops = {m.split(".")[0] for m in sources if m}
+    assert set(documented) == tops, "modules missing from or extra in the map"
+    problems = []
+    for module in sorted(tops):
+        actual = {
+            (target.split(".")[0] or PACKAGE)
+            for source, targets in graph.items()
+            if source.split(".")[0] == module
+            for target in targets
+        } - {module}
+        said = {w.removeprefix(PACKAGE + ".") for w in documented[module]}
+        said = {w for w in said if w in tops or w == PACKAGE}
+        if actual != said:
+            problems.append(f"{module}: imports {sorted(actual)}, the map says {sorted(said)}")
+    assert not problems, "\n".join(problems)
