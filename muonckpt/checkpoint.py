@@ -100,11 +100,16 @@ def save(
     else:
         write = lambda staging: _write_rank_file(optimizer, sharding, staging, params)  # noqa: E731
     kind = CONSOLIDATED if consolidated else PER_RANK
+    check = lambda: _check_storable(sharding, optimizer, params, Path(path))  # noqa: E731
+    steps.each_then_root("check", check, lambda _: None)
+    if not consolidated and len(sharding.participants) > 1:
+        # Each rank writes only the state it owns: a wrong owner rule would drop the rest
+        # unnoticed (the consolidated gather checks this itself).
+        check_state_holders(sharding, _local_state(optimizer, sharding, params=False))
     return writing.write_checkpoint(
         steps,
         path,
         overwrite=overwrite,
-        check=lambda: _check_storable(sharding, optimizer, params, Path(path), consolidated),
         write=write,
         manifest=lambda reports: build_manifest(optimizer, sharding, reports, kind),
     )
@@ -130,18 +135,9 @@ def _group_kinds(optimizer: Any) -> list[kinds.GroupKind]:
 
 
 def _check_storable(
-    sharding: Sharding,
-    optimizer: torch.optim.Optimizer,
-    params: bool,
-    where: Path,
-    consolidated: bool,
+    sharding: Sharding, optimizer: torch.optim.Optimizer, params: bool, where: Path
 ) -> None:
-    """Refuse, before writing anything, what a checkpoint could not hold or load back; for a
-    per-rank save across ranks, also state that is not where the sharding says (a rank writes
-    only the state it owns, so a wrong owner rule would drop the rest; the consolidated
-    gather checks this itself)."""
-    if not consolidated and len(sharding.participants) > 1:
-        check_state_holders(sharding, _local_state(optimizer, sharding, params=False))
+    """Refuse, before writing anything, what a checkpoint could not hold or load back."""
     flat = flat_params(optimizer)
     keys = [(p.name, k) for p in sharding.params for k in p.expected_keys]
     for param in sharding.local():

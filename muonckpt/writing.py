@@ -4,8 +4,8 @@ Every checkpoint muonckpt produces (``save`` per rank or consolidated, ``consoli
 ``reshard``, ``convert``; in one process or many) is written by :func:`write_checkpoint`, as
 three steps of a :class:`Steps` protocol:
 
-1. ``stage``: every rank checks what it will write; the root creates the staging directory
-   beside the target (:func:`muonckpt.storage.make_staging`);
+1. ``stage``: the root creates the staging directory beside the target
+   (:func:`muonckpt.storage.make_staging`);
 2. ``write``: every rank writes its tensors (:func:`write_files` for whole files,
    :func:`write_share` for its share of files written together) and reports the pieces; the
    root builds the manifest from the reports and commits (:func:`commit`: manifest last,
@@ -116,7 +116,6 @@ def write_checkpoint(
     overwrite: bool,
     write: Callable[[Path], Written],
     manifest: Callable[[Reports], Manifest],
-    check: Callable[[], None] = lambda: None,
     create: Callable[[Path], None] = lambda staging: None,
     seal: Callable[[Path], None] = lambda staging: None,
     source: str | os.PathLike[str] | None = None,
@@ -126,7 +125,6 @@ def write_checkpoint(
     Args:
         write: (every rank) writes this rank's tensors into the staging directory.
         manifest: (the root) the checkpoint's manifest, from every rank's report.
-        check: (every rank) refuses, before anything is created, what it could not write.
         create: (the root) prepares the fresh staging directory (files written together).
         seal: (the root) once every rank has written, before the manifest (files written
             together get their names).
@@ -143,7 +141,7 @@ def write_checkpoint(
             raise
         return str(staging)
 
-    staging = Path(steps.each_then_root("stage", check, stage))
+    staging = Path(steps.each_then_root("stage", lambda: None, stage))
 
     across = len(steps.ranks) > 1  # reports cross ranks as JSON; in one process, as they are
 
