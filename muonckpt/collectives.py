@@ -177,9 +177,9 @@ class CollectiveSteps:
     leave the others blocked at the next collective. A library error's message is kept (naming
     the rank where every rank works); any other names the rank, the exception type and where
     it was raised. KeyboardInterrupt and other BaseExceptions propagate. Failures travel as
-    JSON (point-to-point, so ``ranks`` need not form a process group). Data moved by plain
-    ``send``/``recv`` between steps (the gather of tensor pieces) is not covered: a rank that
-    fails in the middle of it leaves its peers waiting until the process group's timeout.
+    JSON (point-to-point, so ``ranks`` need not form a process group). A transfer that fails
+    itself (a peer process dying, the network) is not a step's failure: the process group's
+    timeout ends it.
     """
 
     def __init__(

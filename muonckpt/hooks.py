@@ -277,15 +277,24 @@ def gather_full_state(
     entries = _gather_entry_metadata(sharding, local_state)
     receives = me == sharding.destination or all_ranks
     full_state: dict[int, dict[str, Any]] = {}
+    failures: list[Exception] = []
     for index, param in enumerate(sharding.params):
         spec = entries[index]
         if spec is None:
             continue
         full_state[index] = {}
         for key, info in spec.items():
-            value = _gather_value(param, key, info, local_state, sharding, all_ranks)
+            value = _gather_value(param, key, info, local_state, sharding, all_ranks, failures)
             if receives:
                 full_state[index][key] = value
+
+    def fail_if_failed() -> None:
+        if failures:
+            raise failures[0]
+
+    _steps(sharding.participants, sharding.destination).each_then_root(
+        "state values", fail_if_failed, lambda _: None
+    )
     return full_state if receives else None
 
 
@@ -425,34 +434,58 @@ def _gather_value(
     local_state: Mapping[int, Mapping[str, Any]],
     sharding: Sharding,
     all_ranks: bool,
+    failures: list[Exception],
 ) -> Any:
-    """Assemble one full state value on the destination (and, if asked, on every rank)."""
+    """Assemble one full state value on the destination (and, if asked, on every rank).
+
+    Every send and receive the metadata fixed happens even after a failure of this rank's own
+    (a full tensor it cannot allocate, a piece it cannot produce): the failure goes to
+    ``failures``, zeros travel instead, and the gather's last step raises it on every rank, so
+    that no peer waits forever for a transfer that never comes.
+    """
     if info["kind"] != "tensor":
         return value_of(info)
     me, dst = collectives.global_rank(), sharding.destination
     dtype = getattr(torch, info["dtype"])
     shape = param.full_shape
-    full = torch.empty(shape, dtype=dtype) if me == dst else None
+    full = _attempt(failures, torch.empty, shape, dtype=dtype) if me == dst else None
     for holding in param.sources:
         if holding.rank == me:
-            piece = local_state[param.local_index][key].reshape(-1)
-            if me == dst:
-                insert_(full, holding.region, piece)
-            else:
-                collectives.send(piece, dst)
+            piece = _attempt(failures, lambda: local_state[param.local_index][key].reshape(-1))
+            if me != dst:
+                collectives.send(_or_zeros(piece, holding.region.numel, dtype), dst)
+            elif full is not None and piece is not None:
+                _attempt(failures, insert_, full, holding.region, piece)
         elif me == dst:
             piece = torch.empty(holding.region.numel, dtype=dtype)
             collectives.recv(piece, holding.rank)
-            insert_(full, holding.region, piece)
+            if full is not None:
+                _attempt(failures, insert_, full, holding.region, piece)
     if all_ranks:
         if me == dst:
             for rank in sharding.participants:
                 if rank != dst:
-                    collectives.send(full, rank)
+                    collectives.send(_or_zeros(full, math.prod(shape), dtype).reshape(shape), rank)
         else:
             full = torch.empty(shape, dtype=dtype)
             collectives.recv(full, dst)
     return full
+
+
+def _attempt(failures: list[Exception], work: Callable[..., Any], *args: Any, **kw: Any) -> Any:
+    """``work(*args, **kw)``, or None with the exception recorded (the first is raised later)."""
+    try:
+        return work(*args, **kw)
+    except Exception as exc:
+        failures.append(exc)
+        return None
+
+
+def _or_zeros(tensor: torch.Tensor | None, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """What a rank sends in place of a tensor it failed to produce: zeros of the agreed size."""
+    if tensor is not None and tensor.numel() == numel and tensor.dtype == dtype:
+        return tensor
+    return torch.zeros(numel, dtype=dtype)
 
 
 def trim_state_dict(

@@ -206,3 +206,56 @@ def test_rank_raising_while_others_wait_is_surfaced():
     assert "raise_before_state_dict" in message  # the traceback, not just the text
     assert "timed out" not in message
     assert elapsed < 25
+
+
+def _failing_second_call(original):
+    """``original``, except that its second call raises (as an allocation out of memory)."""
+    calls = []
+
+    def patched(*args):
+        calls.append(None)
+        if len(calls) == 2:
+            raise RuntimeError("out of memory")
+        return original(*args)
+
+    return patched
+
+
+def failing_mid_gather(root: str) -> dict[str, str]:
+    """(in 2 gloo ranks) The destination fails while assembling a tensor it receives, in
+    ``state_dict()`` and in a consolidated save; then a gather runs normally."""
+    import muonckpt
+    from muonckpt import hooks
+
+    from . import fixture_model
+
+    opt, sharded, d, t = fixture_model.build(2, 1, fixture_model.initial_params())
+    fixture_model.train(opt, sharded, d, t, 0, 1)
+    original, seen = hooks.insert_, {}
+    for case, call in (
+        ("state_dict", opt.state_dict),
+        ("save", lambda: muonckpt.save(opt, f"{root}/ckpt", consolidated=True)),
+    ):
+        if dist.get_rank() == 0:
+            hooks.insert_ = _failing_second_call(original)
+        try:
+            call()
+            seen[case] = "no error"
+        except StateDictError as exc:
+            seen[case] = str(exc)
+        finally:
+            hooks.insert_ = original
+    marker = opt.state_dict()["muonckpt"]  # the ranks are still in step
+    seen["after"] = "in step" if marker["complete"] == (dist.get_rank() == 0) else "?"
+    return seen
+
+
+def test_a_rank_failing_in_the_middle_of_the_transfer_fails_every_rank(tmp_path):
+    start = time.monotonic()
+    ranks = run_distributed(failing_mid_gather, 2, str(tmp_path), timeout=60)
+    assert time.monotonic() - start < 40
+    for seen in ranks:
+        for case in ("state_dict", "save"):
+            assert "state values" in seen[case] and "RuntimeError: out of memory" in seen[case]
+        assert seen["after"] == "in step"
+    assert list(tmp_path.iterdir()) == []
