@@ -299,9 +299,10 @@ def gather_full_state(
 
 
 def _gather_entry_metadata(
-    sharding: Sharding, local_state: Mapping[int, Mapping[str, Any]]
+    sharding: Sharding, local_state: Mapping[int, Mapping[str, Any]], *, learn: bool = True
 ) -> list[dict[str, Any] | None]:
-    """Every rank learns, per param, the state keys with their kind, dtype and shape (or value).
+    """Every rank learns, per param, the state keys with their kind, dtype and shape (or value);
+    with ``learn=False`` only whether they fit the sharding (an empty list).
 
     Every participant reports the state it holds, owner or not, so that the merge can tell a
     wrong owner rule from a param without state.
@@ -317,16 +318,20 @@ def _gather_entry_metadata(
                 }
         return described
 
+    def merged(reports: list[dict[str, Any]]) -> list[dict[str, Any] | None]:
+        entries = merge_entry_reports(sharding, reports)
+        return entries if learn else []
+
     return _steps(sharding.participants, sharding.destination).each_then_root(
-        "state keys", mine, lambda reports: merge_entry_reports(sharding, reports)
+        "state keys", mine, merged
     )
 
 
 def check_state_holders(sharding: Sharding, local_state: Mapping[int, Mapping[str, Any]]) -> None:
     """Raise :class:`StateDictError` on every rank unless the state each rank holds is where
     the sharding says (a declared owner holding none of it: a wrong owner rule). A collective
-    over ``sharding.participants``, exchanging only metadata."""
-    _gather_entry_metadata(sharding, local_state)
+    over ``sharding.participants``: each rank's metadata to the destination, the verdict back."""
+    _gather_entry_metadata(sharding, local_state, learn=False)
 
 
 def merge_entry_reports(
