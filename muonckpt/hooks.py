@@ -34,7 +34,7 @@ from . import collectives
 from .errors import StateDictError
 from .grid import GridParams, RankReport, merge_reports
 from .layout import Region, Topology, tp_full_shape, tp_region, whole_region
-from .manifest import PARAM_KEY as VALUES_KEY
+from .manifest import PARAM_KEY
 from .regions import extract, insert_
 
 MARKER = "muonckpt"
@@ -353,9 +353,9 @@ def merge_entry_reports(
         owners = [h.rank for h in param.sources if h.region.numel or len(param.sources) == 1]
         if param.replicated:
             owners = list(sharding.participants)
-        # Every rank holds its param's values (a save reports them as VALUES_KEY); only the
+        # Every rank holds its param's values (a save reports them as PARAM_KEY); only the
         # optimizer's own state tells where the owner rule put the param.
-        stateful = [r for r in holders if set(by_rank[r][str(index)]) - {VALUES_KEY}]
+        stateful = [r for r in holders if set(by_rank[r][str(index)]) - {PARAM_KEY}]
         seen = stateful or holders
         lacking = [r for r in owners if r not in seen]
         if lacking:
