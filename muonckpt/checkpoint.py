@@ -17,16 +17,19 @@ from __future__ import annotations
 import logging
 import math
 import os
+import threading
 import warnings
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from . import collectives, kinds, storage, writing
-from .errors import CheckpointError, ConversionWarning, StateDictError
+from . import collectives, kinds, retention, storage, writing
+from .errors import CheckpointError, ConversionWarning, MuonCkptError, StateDictError
 from .hooks import (
     _HOOKS,
     ParamSharding,
@@ -39,6 +42,7 @@ from .hooks import (
     remap_groups,
     value_of,
 )
+from .hostcopy import HostBuffers
 from .layout import Region, whole_region
 from .manifest import (
     CONSOLIDATED,
@@ -52,7 +56,12 @@ from .manifest import (
     json_safe,
 )
 from .pieces import PieceReader, open_checkpoint
-from .writeplan import consolidated_plan, rank_plan, unique_tensor_keys
+from .steps import describe_failure
+from .writeplan import WritePlan, consolidated_plan, rank_plan, unique_tensor_keys
+
+DEFAULT_ASYNC_TIMEOUT_S: float = 1800.0
+"""How long, by default, the root of a background save waits for every rank's write (and the
+others for the root's outcome, twice that) before it fails: the process group's own default."""
 
 
 def save(
@@ -63,6 +72,7 @@ def save(
     max_shard_size: int | None = None,
     params: bool = True,
     overwrite: bool = False,
+    keep_last: int | None = None,
 ) -> Path:
     """Save ``optimizer``'s state (and its params) to directory ``path``; a collective over its
     dp x tp grid.
@@ -73,6 +83,8 @@ def save(
             :func:`muonckpt.install_hooks`; or any single-process torch optimizer. In a single
             process also a list of optimizers that together train a model (torch.optim.Muon
             for the matrices and AdamW for the rest): their groups are saved in order, as one.
+            State and params may be in CUDA memory: each tensor is copied to a reused (pinned)
+            host buffer just before it is written.
         path: target directory. The save is staged beside it and swapped in atomically.
         consolidated: gather full-shape tensors on rank 0 and write the state as
             ``state.<param>.<key>`` in ``optimizer.safetensors`` and the params by name in
@@ -83,35 +95,232 @@ def save(
         params: also save the optimizer's params (the default), so that :func:`load` restores
             them; False saves the optimizer state only, for weights kept elsewhere.
         overwrite: replace an existing checkpoint at ``path`` (otherwise an error).
+        keep_last: after the commit, delete the older complete muonckpt checkpoints beside
+            ``path`` (directly under its parent) so that ``keep_last`` remain, the new one
+            always among them (:func:`muonckpt.retention.prune`).
 
     Returns:
         The checkpoint directory.
+
+    A background save of the same optimizer still in flight (:func:`async_save`) commits
+    first.
     """
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        optimizer = _Joined(list(optimizer))
+    optimizer = _one(optimizer)
+    _wait_in_flight(optimizer)
+    prepared = _prepare_save(
+        "save", optimizer, path, consolidated, max_shard_size, params, keep_last, snapshot=False
+    )
+    final = writing.write_checkpoint(
+        prepared.steps,
+        path,
+        overwrite=overwrite,
+        write=prepared.write,
+        manifest=prepared.manifest,
+    )
+    if prepared.steps.is_root:
+        _prune(final, keep_last)
+    return final
+
+
+def async_save(
+    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
+    path: str | os.PathLike[str],
+    *,
+    consolidated: bool = False,
+    max_shard_size: int | None = None,
+    params: bool = True,
+    overwrite: bool = False,
+    keep_last: int | None = None,
+    timeout: float = DEFAULT_ASYNC_TIMEOUT_S,
+) -> Future[Path]:
+    """:func:`save`, returning as soon as the state and params are copied to host memory; the
+    write, fsync, commit, retiring a replaced checkpoint and ``keep_last`` run in the
+    background. A collective over the grid while it snapshots (every rank calls it).
+
+    Training may step right after it returns: the checkpoint holds the values at the call.
+    The snapshot goes into host buffers kept per optimizer and reused by its next save (pinned
+    when the state is in CUDA memory): extra host memory of this rank's share of the state and
+    params (a consolidated save: the full state on rank 0, gathered as in :func:`save`).
+
+    The background work never uses the job's process groups (a collective from another thread
+    could deadlock with, or be reordered against, the job's own). The ranks agree through
+    files in a directory beside the target, ``.NAME.steps-XXXXXXXX``, which every rank must
+    see (as they must see the staging directory they write into): each rank reports its
+    write there, rank 0 commits when every report is in and leaves the outcome for the others.
+
+    Args:
+        optimizer, path, consolidated, max_shard_size, params, overwrite, keep_last: as for
+            :func:`save`.
+        timeout: seconds rank 0 waits for the slowest rank's write before the save fails on
+            every rank still there (the others wait twice that for rank 0's outcome): a rank
+            whose write never finishes is an error, never a hang.
+
+    Returns:
+        A :class:`concurrent.futures.Future` whose ``result()`` is the committed checkpoint's
+        path on every rank, or raises the save's error (a :class:`CheckpointError`; the same
+        on every rank).
+
+    At most one save per optimizer is in flight: a next ``async_save`` or :func:`save` of the
+    same optimizer waits for this one's commit first. At interpreter exit a save in flight is
+    finished (its thread is not a daemon); a process killed meanwhile leaves the previous
+    checkpoint at ``path`` whole and only an unfinished staging directory beside it.
+    Errors found before the snapshot is taken (a target that may not be written, state that
+    cannot be stored) are raised by this call itself.
+    """
+    optimizer = _one(optimizer)
+    _wait_in_flight(optimizer)
+    prepared = _prepare_save(
+        "async_save",
+        optimizer,
+        path,
+        consolidated,
+        max_shard_size,
+        params,
+        keep_last,
+        snapshot=True,
+    )
+    foreground = prepared.steps
+    several = len(foreground.ranks) > 1
+    staging = writing.stage(foreground, path, overwrite=overwrite, mailbox=several)
+    background = writing.DirectorySteps(
+        "async_save",
+        storage.Mailbox(storage.mailbox_path(staging)),
+        foreground.ranks,
+        foreground.root,
+        foreground.rank,
+        timeout,
+        CheckpointError,
+    )
+    future: Future[Path] = Future()
+    future.set_running_or_notify_cancel()
+    thread = threading.Thread(
+        target=_finish_in_background,
+        args=(future, background, staging, Path(path), prepared, keep_last),
+        name=f"muonckpt async_save {path}",
+        daemon=False,  # the interpreter waits for it at exit: a save in flight is finished
+    )
+    _IN_FLIGHT[_key(optimizer)] = future
+    thread.start()
+    return future
+
+
+def _finish_in_background(
+    future: Future[Path],
+    steps: writing.DirectorySteps,
+    staging: Path,
+    final: Path,
+    prepared: _PreparedSave,
+    keep_last: int | None,
+) -> None:
+    """The background half of :func:`async_save`: write, commit, retire, prune; the outcome
+    to ``future``, always a library error on failure."""
+    try:
+        committed = writing.finish(
+            steps, staging, final, write=prepared.write, manifest=prepared.manifest
+        )
+        if steps.is_root:
+            _prune(committed, keep_last)
+    except MuonCkptError as exc:
+        future.set_exception(exc)
+    except BaseException as exc:  # one process: LocalSteps-free, but not yet a library error
+        error = CheckpointError(f"async_save: {describe_failure(exc, steps.rank)}", path=final)
+        error.__cause__ = exc
+        future.set_exception(error)
+    else:
+        future.set_result(committed)
+    finally:
+        steps.leave()
+
+
+_IN_FLIGHT: weakref.WeakKeyDictionary[Any, Future[Path]] = weakref.WeakKeyDictionary()
+"""Per optimizer (the first of a list), its background save in flight, if any."""
+_HOST_BUFFERS: weakref.WeakKeyDictionary[Any, HostBuffers] = weakref.WeakKeyDictionary()
+"""Per optimizer (the first of a list), the host buffers its saves copy state into."""
+
+
+def _one(optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer]) -> Any:
+    """One optimizer, or several single-process ones joined (:class:`_Joined`)."""
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return optimizer
+    return _Joined(list(optimizer))
+
+
+def _key(optimizer: Any) -> Any:
+    """What the in-flight and buffer bookkeeping of ``optimizer`` is keyed by."""
+    return optimizer.optimizers[0] if isinstance(optimizer, _Joined) else optimizer
+
+
+def _wait_in_flight(optimizer: Any) -> None:
+    """Wait until a background save of ``optimizer`` in flight has finished (its own future
+    reports how)."""
+    previous = _IN_FLIGHT.get(_key(optimizer))
+    if previous is not None:
+        wait([previous])
+
+
+def _prune(final: Path, keep_last: int | None) -> None:
+    """(the root, after a commit) Apply ``keep_last`` beside ``final``."""
+    if keep_last is not None:
+        retention.prune(final.parent, keep_last, keep=final)
+
+
+@dataclass
+class _PreparedSave:
+    """A save decided: its protocol over the grid, each rank's write of its files and the
+    root's manifest, with every value they need already taken from the optimizer."""
+
+    steps: collectives.CollectiveSteps
+    write: Callable[[Path], writing.Written]
+    manifest: Callable[[writing.Reports], Manifest]
+
+
+def _prepare_save(
+    operation: str,
+    optimizer: Any,
+    path: str | os.PathLike[str],
+    consolidated: bool,
+    max_shard_size: int | None,
+    params: bool,
+    keep_last: int | None,
+    *,
+    snapshot: bool,
+) -> _PreparedSave:
+    """Everything of a save before the staging directory: checks on every rank, the state
+    holders' check, the group settings and the data this rank writes (the full state gathered
+    on the destination for a consolidated save); with ``snapshot``, copied to host buffers so
+    that the optimizer may change right after."""
     sharding = describe(optimizer)
     steps = collectives.CollectiveSteps(
-        "save", sharding.participants, sharding.destination, CheckpointError
+        operation, sharding.participants, sharding.destination, CheckpointError
     )
-    if consolidated:
-        write = lambda staging: _write_consolidated(  # noqa: E731
-            optimizer, sharding, staging, max_shard_size, params
-        )
-    else:
-        write = lambda staging: _write_rank_file(optimizer, sharding, staging, params)  # noqa: E731
-    kind = CONSOLIDATED if consolidated else PER_RANK
-    check = lambda: _check_storable(sharding, optimizer, params, Path(path))  # noqa: E731
+    check = lambda: _check_storable(sharding, optimizer, params, keep_last, Path(path))  # noqa: E731
     steps.each_then_root("check", check, lambda _: None)
     if not consolidated and len(sharding.participants) > 1:
         # Each rank writes only the state it owns: a wrong owner rule would drop the rest
         # unnoticed (the consolidated gather checks this itself).
         check_state_holders(sharding, _local_state(optimizer, sharding, params=False))
-    return writing.write_checkpoint(
-        steps,
-        path,
-        overwrite=overwrite,
-        write=write,
-        manifest=lambda reports: build_manifest(optimizer, sharding, reports, kind),
+    groups = _group_entries(optimizer, sharding)
+    if consolidated:
+        payload = _consolidated_payload(optimizer, sharding, max_shard_size, params)
+    else:
+        payload = _rank_payload(optimizer, sharding, params)
+    buffers = _HOST_BUFFERS.setdefault(_key(optimizer), HostBuffers())
+    if snapshot and not consolidated:  # a gathered full state is a fresh copy already
+        tensors = buffers.snapshot(payload.tensors)
+        fetch = lambda w: tensors[w.param, w.key].reshape(-1)  # noqa: E731
+    else:
+        fetch = lambda w: buffers.to_host(payload.tensors[w.param, w.key]).reshape(-1)  # noqa: E731
+
+    def write(staging: Path) -> writing.Written:
+        if payload.plan is None:
+            return writing.Written([], [], {})
+        written = writing.write_files(payload.plan, staging, fetch, prefetch=False)
+        written.extra = payload.scalars
+        return written
+
+    kind = CONSOLIDATED if consolidated else PER_RANK
+    return _PreparedSave(
+        steps, write, lambda reports: build_manifest(groups, sharding, reports, kind)
     )
 
 
@@ -135,9 +344,15 @@ def _group_kinds(optimizer: Any) -> list[kinds.GroupKind]:
 
 
 def _check_storable(
-    sharding: Sharding, optimizer: torch.optim.Optimizer, params: bool, where: Path
+    sharding: Sharding,
+    optimizer: torch.optim.Optimizer,
+    params: bool,
+    keep_last: int | None,
+    where: Path,
 ) -> None:
     """Refuse, before writing anything, what a checkpoint could not hold or load back."""
+    if keep_last is not None:
+        retention.check_keep_last(keep_last)
     flat = flat_params(optimizer)
     keys = [(p.name, k) for p in sharding.params for k in p.expected_keys]
     for param in sharding.local():
@@ -189,10 +404,18 @@ def _owned(
             yield param, local[param.local_index]
 
 
-def _write_rank_file(
-    optimizer: torch.optim.Optimizer, sharding: Sharding, staging: Path, params: bool
-) -> writing.Written:
-    """Write this rank's own pieces (its file of :func:`rank_plan`); scalars are reported."""
+@dataclass
+class _Payload:
+    """What one rank of a save writes: its plan (None: nothing), the tensors by (param, key),
+    and the scalars it reports for the manifest."""
+
+    plan: WritePlan | None
+    tensors: dict[tuple[str, str], torch.Tensor]
+    scalars: dict[str, dict[str, Any]]
+
+
+def _rank_payload(optimizer: Any, sharding: Sharding, params: bool) -> _Payload:
+    """This rank's own pieces (its file of :func:`rank_plan`)."""
     me = collectives.global_rank()
     owned, tensors, scalars = [], {}, {}
     for param, state in _owned(optimizer, sharding, params):
@@ -205,11 +428,7 @@ def _write_rank_file(
             owned.append(((param.name, key, storage.dtype_name(value.dtype)), holding.region))
             tensors[param.name, key] = value
     rank = sharding.participants.index(me)
-    plan = rank_plan(rank, len(sharding.participants), owned)
-    fetch = lambda w: tensors[w.param, w.key].reshape(-1)  # noqa: E731
-    written = writing.write_files(plan, staging, fetch, prefetch=False)
-    written.extra = scalars
-    return written
+    return _Payload(rank_plan(rank, len(sharding.participants), owned), tensors, scalars)
 
 
 def _scalar_json(info: Mapping[str, Any]) -> dict[str, Any]:
@@ -219,38 +438,43 @@ def _scalar_json(info: Mapping[str, Any]) -> dict[str, Any]:
     return {"value": value, "dtype": storage.dtype_name(getattr(torch, dtype)) if dtype else None}
 
 
-def _write_consolidated(
-    optimizer: torch.optim.Optimizer,
-    sharding: Sharding,
-    staging: Path,
-    max_shard_size: int | None,
-    params: bool,
-) -> writing.Written:
-    """Gather every param's full state on the destination, which writes the files of
+def _consolidated_payload(
+    optimizer: Any, sharding: Sharding, max_shard_size: int | None, params: bool
+) -> _Payload:
+    """Every param's full state gathered on the destination, which writes every file of
     :func:`consolidated_plan`; the other ranks write nothing."""
     full = gather_full_state(sharding, _local_state(optimizer, sharding, params))
     if full is None:
-        return writing.Written([], [], {})
-    by_name, items, scalars = {}, [], {}
+        return _Payload(None, {}, {})
+    tensors, items, scalars = {}, [], {}
     for index, param in enumerate(sharding.params):
-        by_name[param.name] = state = full.get(index, {})
-        for key, value in sorted(state.items()):
+        for key, value in sorted(full.get(index, {}).items()):
             info = describe_value(param, key, value)
             if info["kind"] == "tensor":
                 items.append(((param.name, key, storage.dtype_name(value.dtype)), param.full_shape))
+                tensors[param.name, key] = value
             else:
                 scalars.setdefault(param.name, {})[key] = _scalar_json(info)
-    plan = consolidated_plan(items, max_shard_size)
-    written = writing.write_files(plan, staging, lambda w: by_name[w.param][w.key], prefetch=False)
-    written.extra = scalars
-    return written
+    return _Payload(consolidated_plan(items, max_shard_size), tensors, scalars)
+
+
+def _group_entries(optimizer: Any, sharding: Sharding) -> list[GroupEntry]:
+    """Each group's settings, params and what it computes, as the manifest records them."""
+    groups = []
+    for g, (group, computes) in enumerate(
+        zip(optimizer.param_groups, _group_kinds(optimizer), strict=True)
+    ):
+        hyper = {k: json_safe(v) for k, v in group.items() if k not in ("params", "param_names")}
+        names = tuple(sharding.params[i].name for i in sharding.members(g))
+        groups.append(GroupEntry(hyperparams=hyper, params=names, optimizer=computes.to_json()))
+    return groups
 
 
 def build_manifest(
-    optimizer: torch.optim.Optimizer, sharding: Sharding, reports: writing.Reports, kind: str
+    groups: Sequence[GroupEntry], sharding: Sharding, reports: writing.Reports, kind: str
 ) -> Manifest:
-    """The manifest of a save: params and groups from the grid, files, pieces, dtypes and
-    scalars from the ranks' reports."""
+    """The manifest of a save: params from the grid, groups as taken at the save's start,
+    files, pieces, dtypes and scalars from the ranks' reports."""
     scalars: dict[str, dict[str, Scalar]] = {}
     for extra in reports.extras:
         for name, values in (extra or {}).items():
@@ -272,12 +496,6 @@ def build_manifest(
                 scalars=dict(scalars.get(param.name, {})),
             )
         )
-    groups = []
-    for g, group in enumerate(optimizer.param_groups):
-        hyper = {k: json_safe(v) for k, v in group.items() if k not in ("params", "param_names")}
-        names = tuple(sharding.params[i].name for i in sharding.members(g))
-        computes = _group_kinds(optimizer)[g].to_json()
-        groups.append(GroupEntry(hyperparams=hyper, params=names, optimizer=computes))
     return Manifest(
         kind=kind,
         topology=dict(sharding.topology),

@@ -28,7 +28,9 @@ from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 from . import storage
+from .errors import CheckpointError, MuonCkptError
 from .manifest import MANIFEST_NAME, FileEntry, Manifest, Piece, piece_from_json, piece_to_json
+from .steps import Outcome, StepProtocol
 from .workplan import WorkUnit, split_work
 from .writeplan import TensorWrite, WritePlan
 
@@ -120,7 +122,8 @@ def write_checkpoint(
     seal: Callable[[Path], None] = lambda staging: None,
     source: str | os.PathLike[str] | None = None,
 ) -> Path:
-    """Stage, write and commit a checkpoint at ``final``; a protocol over ``steps``' ranks.
+    """Stage, write and commit a checkpoint at ``final``; a protocol over ``steps``' ranks
+    (:func:`stage`, then :func:`finish`).
 
     Args:
         write: (every rank) writes this rank's tensors into the staging directory.
@@ -130,22 +133,53 @@ def write_checkpoint(
             together get their names).
         source: a checkpoint being read, which ``final`` must not be inside or around.
     """
+    staging = stage(steps, final, overwrite=overwrite, create=create, source=source)
+    return finish(steps, staging, final, write=write, manifest=manifest, seal=seal)
+
+
+def stage(
+    steps: Steps,
+    final: str | os.PathLike[str],
+    *,
+    overwrite: bool,
+    create: Callable[[Path], None] = lambda staging: None,
+    source: str | os.PathLike[str] | None = None,
+    mailbox: bool = False,
+) -> Path:
+    """The ``stage`` step: the root checks the target and creates the staging directory (and,
+    with ``mailbox``, the :class:`~muonckpt.storage.Mailbox` of a background finish); its path
+    on every rank."""
     final = Path(final)
 
-    def stage(_: list[None]) -> str:
+    def make(_: list[None]) -> str:
         staging = storage.make_staging(final, overwrite, source=source)
         try:
             create(staging)
+            if mailbox:
+                storage.Mailbox(storage.mailbox_path(staging)).create()
         except BaseException:
             storage.discard(staging)
             raise
         return str(staging)
 
-    staging = Path(steps.each_then_root("stage", lambda: None, stage))
+    return Path(steps.each_then_root("stage", lambda: None, make))
 
+
+def finish(
+    steps: Steps,
+    staging: Path,
+    final: str | os.PathLike[str],
+    *,
+    write: Callable[[Path], Written],
+    manifest: Callable[[Reports], Manifest],
+    seal: Callable[[Path], None] = lambda staging: None,
+) -> Path:
+    """The ``write`` step (every rank writes, the root commits) and, when a checkpoint was
+    replaced, the ``retire`` step; a failure discards the staging directory."""
+    final = Path(final)
     across = len(steps.ranks) > 1  # reports cross ranks as JSON; in one process, as they are
 
-    def finish(raw: list[Any]) -> dict[str, Any] | None:
+    def commit_all(raw: list[Any]) -> dict[str, Any] | None:
         seal(staging)
         reports = [Written.from_json(r) for r in raw] if across else raw
         names = dict.fromkeys(name for r in reports for name in r.files)
@@ -164,7 +198,7 @@ def write_checkpoint(
 
     try:
         each = (lambda: write(staging).to_json()) if across else (lambda: write(staging))
-        replaced = steps.each_then_root("write", each, finish)
+        replaced = steps.each_then_root("write", each, commit_all)
     except BaseException:
         if steps.is_root:
             storage.discard(staging)
@@ -179,6 +213,69 @@ def write_checkpoint(
             lambda _: storage.retire(replaced["at"]),
         )
     return final
+
+
+class DirectorySteps(StepProtocol):
+    """:class:`Steps` whose messages are files of a :class:`~muonckpt.storage.Mailbox`, for
+    the ranks of a background save (which must not use the job's process groups).
+
+    Every rank leaves its outcome of a step; the root waits up to ``timeout`` seconds for all
+    of them, decides and leaves the step's outcome, which the others wait for up to twice
+    that (the root itself may wait ``timeout`` for the slowest rank). A rank that does not
+    report in time fails the step on every rank that is still there, naming it: a bounded
+    wait, never a hang. With one rank there is nobody to tell, and no mailbox.
+    """
+
+    def __init__(
+        self,
+        operation: str,
+        mailbox: storage.Mailbox,
+        ranks: Sequence[int],
+        root: int,
+        rank: int,
+        timeout: float,
+        error: type[MuonCkptError],
+    ) -> None:
+        super().__init__(operation, ranks, root, error, rank)
+        self.mailbox, self.timeout = mailbox, timeout
+
+    def _exchange(
+        self, step: str, mine: Outcome, decide: Callable[[list[Outcome]], Outcome]
+    ) -> Outcome:
+        if len(self.ranks) == 1:
+            return decide([mine])  # nobody to tell: no mailbox
+        tag = step.replace(" ", "-")
+        with contextlib.suppress(CheckpointError):  # a mailbox gone is reported below
+            self.mailbox.post(f"{tag}-{self.rank}", mine)
+        if not self.is_root:
+            found, missing = self.mailbox.wait([f"{tag}-outcome"], 2 * self.timeout)
+            if not missing:
+                return found[f"{tag}-outcome"]
+            if not self.mailbox.exists():
+                why = f"rank {self.root} gave up waiting for this rank (its mailbox is gone)"
+            else:
+                why = f"rank {self.root} gave no outcome within {2 * self.timeout:g} s"
+            return {"error": f"rank {self.rank}: {why}"}
+        names = [f"{tag}-{rank}" for rank in self.ranks]
+        found, missing = self.mailbox.wait(names, self.timeout)
+        if missing:
+            late = [self.ranks[names.index(name)] for name in missing]
+            outcome: Outcome = {"error": f"rank(s) {late} did not finish within {self.timeout:g} s"}
+        else:
+            outcome = decide([found[name] for name in names])
+        self.mailbox.post(f"{tag}-outcome", outcome)
+        return outcome
+
+    def leave(self) -> None:
+        """(every rank, once done with the protocol) Say so; the root then waits up to
+        ``timeout`` for the others and removes the mailbox."""
+        if len(self.ranks) == 1:
+            return
+        with contextlib.suppress(CheckpointError):  # the root gave up on this rank already
+            self.mailbox.post(f"done-{self.rank}", None)
+        if self.is_root:
+            self.mailbox.wait([f"done-{rank}" for rank in self.ranks], self.timeout)
+            self.mailbox.remove()
 
 
 def commit(staging: Path, final: Path, manifest: Manifest) -> Path | None:

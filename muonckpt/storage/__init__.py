@@ -9,8 +9,9 @@ write ``storage.X``:
 * :mod:`.durable`: fsync, atomic text writes, positional write loops, small reads, libc shims.
 * :mod:`.safetensors_format`: the file format's limits and :class:`TensorRecord`.
 * :mod:`.safetensors_reader` / :mod:`.safetensors_writer`: reading and writing the files.
-* :mod:`.transaction`: staging, swap-in, retiring and discarding checkpoint directories, and
-  the ownership rules of what may be replaced or deleted.
+* :mod:`.transaction`: staging, swap-in, retiring and discarding checkpoint directories,
+  deleting old checkpoints, and the ownership rules of what may be replaced or deleted.
+* :mod:`.mailbox`: the messages through which the ranks of a background save agree.
 
 torch is imported only where a tensor crosses (the dtype conversions, reading a tensor,
 writing one), so that the single-process offline tools run without it. Nothing here imports
@@ -23,6 +24,7 @@ from ..manifest import CHECKSUM_ALGORITHM
 from .checksums import CHUNK_BYTES, checksum_chunks
 from .dtypes import byte_view, dtype_name, itemsize, tensor_of_bytes, torch_dtype
 from .durable import entries, file_size, fsync_dir, read_text, write_text_atomic
+from .mailbox import Mailbox, mailbox_path
 from .safetensors_format import TensorRecord
 from .safetensors_reader import SafetensorsReader
 from .safetensors_writer import SafetensorsWriter, SharedSafetensorsFile, write_safetensors
@@ -32,7 +34,9 @@ from .transaction import (
     discard,
     is_ours,
     make_staging,
+    ownership_problem,
     preset_staging,
+    remove_checkpoint,
     retire,
     staging_path,
     swap_in,
@@ -41,6 +45,7 @@ from .transaction import (
 __all__ = [
     "CHECKSUM_ALGORITHM",
     "CHUNK_BYTES",
+    "Mailbox",
     "SafetensorsReader",
     "SafetensorsWriter",
     "SharedSafetensorsFile",
@@ -56,9 +61,12 @@ __all__ = [
     "fsync_dir",
     "is_ours",
     "itemsize",
+    "mailbox_path",
     "make_staging",
+    "ownership_problem",
     "preset_staging",
     "read_text",
+    "remove_checkpoint",
     "retire",
     "staging_path",
     "swap_in",

@@ -1,0 +1,86 @@
+"""Host memory that optimizer state passes through on its way to a file.
+
+State and params may live in CUDA memory; the file writer takes host tensors. A synchronous
+save copies each CUDA tensor to the host just before writing it (:meth:`HostBuffers.to_host`,
+one reused buffer); a background save snapshots every tensor it will write into one host
+arena first (:meth:`HostBuffers.snapshot`), so that training may change them right after.
+Buffers are pinned (page-locked) where a CUDA device is present, which makes device-to-host
+copies run at full bus speed and asynchronously, and are kept from one save to the next: a
+pinned allocation costs far more than the copy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping
+from typing import TypeVar
+
+import torch
+
+K = TypeVar("K", bound=Hashable)
+
+_ALIGNMENT = 64
+"""Byte alignment of each tensor in an arena (every dtype's element size divides it)."""
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // _ALIGNMENT) * _ALIGNMENT
+
+
+class HostBuffers:
+    """Reusable host buffers of one optimizer's saves (one save at a time uses them)."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    @property
+    def nbytes(self) -> int:
+        """Host memory held between saves."""
+        return sum(b.numel() for b in self._buffers.values())
+
+    def _buffer(self, purpose: str, nbytes: int, pinned: bool) -> torch.Tensor:
+        """A uint8 host buffer of at least ``nbytes``, reused while it is large enough."""
+        buffer = self._buffers.get(purpose)
+        if buffer is None or buffer.numel() < nbytes or buffer.is_pinned() != pinned:
+            self._buffers.pop(purpose, None)  # free the old one before allocating
+            buffer = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=pinned)
+            self._buffers[purpose] = buffer
+        return buffer
+
+    def to_host(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` itself when it is in host memory; otherwise a copy in a reused buffer,
+        valid until the next call."""
+        if tensor.device.type == "cpu":
+            return tensor
+        buffer = self._buffer("stream", tensor.numel() * tensor.element_size(), _pinnable())
+        host = _view(buffer, 0, tensor)
+        host.copy_(tensor)
+        return host
+
+    def snapshot(self, tensors: Mapping[K, torch.Tensor]) -> dict[K, torch.Tensor]:
+        """Copies of ``tensors`` in one arena, complete when this returns (also for CUDA
+        tensors: the copies are issued on each device's current stream, which then is waited
+        for). The copies stay valid until the next snapshot."""
+        offsets, total = {}, 0
+        for key, tensor in tensors.items():
+            offsets[key] = total
+            total += _aligned(tensor.numel() * tensor.element_size())
+        on_cuda = {t.device for t in tensors.values() if t.device.type == "cuda"}
+        arena = self._buffer("snapshot", total, bool(on_cuda) and _pinnable())
+        copies = {}
+        for key, tensor in tensors.items():
+            copies[key] = _view(arena, offsets[key], tensor)
+            copies[key].copy_(tensor, non_blocking=tensor.device.type == "cuda")
+        for device in on_cuda:
+            torch.cuda.current_stream(device).synchronize()
+        return copies
+
+
+def _pinnable() -> bool:
+    """Whether pinned host memory can be had (it needs a CUDA driver)."""
+    return torch.cuda.is_available()
+
+
+def _view(buffer: torch.Tensor, offset: int, like: torch.Tensor) -> torch.Tensor:
+    """The bytes of ``buffer`` from ``offset`` as a tensor of ``like``'s dtype and shape."""
+    nbytes = like.numel() * like.element_size()
+    return buffer[offset : offset + nbytes].view(like.dtype).view(like.shape)

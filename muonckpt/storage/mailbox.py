@@ -1,0 +1,105 @@
+"""A directory through which the ranks of one background save exchange small JSON messages.
+
+A background save (:func:`muonckpt.async_save`) must not use the job's process groups: a
+collective from its thread could deadlock with, or be reordered against, the job's own. Its
+ranks already share the checkpoint's filesystem (they write into one staging directory), so
+they talk through it: ``.NAME.steps-XXXXXXXX`` beside the target, named after the save's
+staging directory ``.NAME.staging-XXXXXXXX`` and, like it, recognisably muonckpt's own
+(:func:`muonckpt.storage.is_ours`). Each message is one file, written to a temporary name and
+renamed, so a reader sees it whole or not at all; a message is never rewritten.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from ..errors import CheckpointError
+from .durable import read_text, remove_quietly
+
+MAILBOX_TAG = "steps"
+_MESSAGE = re.compile(r"^[a-z0-9-]+\.json$")
+"""Names of the messages: ``<step>-<sender>.json``."""
+_TEMPORARY = re.compile(r"^\.[a-z0-9-]+\.json\.tmp-\d+$")
+_FIRST_POLL_S = 0.001
+_LONGEST_POLL_S = 0.05
+
+
+def mailbox_path(staging: str | os.PathLike[str]) -> Path:
+    """The mailbox of the save staged in ``staging`` (``.NAME.staging-X`` ->
+    ``.NAME.steps-X``)."""
+    staging = Path(staging)
+    stem, _, token = staging.name.rpartition("-")
+    return staging.with_name(f"{stem.rpartition('.')[0]}.{MAILBOX_TAG}-{token}")
+
+
+class Mailbox:
+    """The messages of one background save, in ``directory``."""
+
+    def __init__(self, directory: str | os.PathLike[str]) -> None:
+        self.directory = Path(directory)
+
+    def create(self) -> None:
+        """(one rank, before any message) Make the empty directory."""
+        try:
+            self.directory.mkdir()
+        except OSError as exc:
+            raise CheckpointError(
+                f"cannot create the save's mailbox: {exc}", path=self.directory
+            ) from None
+
+    def _path(self, name: str) -> Path:
+        if not _MESSAGE.match(f"{name}.json"):
+            raise ValueError(f"not a mailbox message name: {name!r}")
+        return self.directory / f"{name}.json"
+
+    def post(self, name: str, payload: Any) -> None:
+        """Leave message ``name``; readers see all of it or none."""
+        path = self._path(name)
+        tmp = self.directory / f".{path.name}.tmp-{os.getpid()}"
+        try:
+            with open(tmp, "w", encoding="utf-8") as f:
+                json.dump(payload, f)
+            os.replace(tmp, path)
+        except OSError as exc:
+            remove_quietly(tmp)
+            raise CheckpointError(f"cannot leave message {name!r}: {exc}", path=path) from None
+
+    def exists(self) -> bool:
+        return self.directory.is_dir()
+
+    def wait(self, names: Sequence[str], timeout: float) -> tuple[dict[str, Any], list[str]]:
+        """The messages ``names`` that arrive within ``timeout`` seconds, and those that did
+        not (in the order of ``names``); early when the mailbox itself is gone."""
+        deadline = time.monotonic() + timeout
+        found: dict[str, Any] = {}
+        pause = _FIRST_POLL_S
+        while True:
+            for name in names:
+                if name not in found and self._path(name).exists():
+                    found[name] = json.loads(read_text(self._path(name)))
+            missing = [n for n in names if n not in found]
+            if not missing or time.monotonic() >= deadline or not self.exists():
+                return found, missing
+            time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
+            pause = min(pause * 2, _LONGEST_POLL_S)
+
+    def remove(self) -> None:
+        """Delete the messages and the directory; nothing else is ever deleted (a file of
+        another name keeps the directory, and is left alone)."""
+        try:
+            names = os.listdir(self.directory)
+        except OSError:
+            return
+        for name in names:
+            path = self.directory / name
+            if (_MESSAGE.match(name) or _TEMPORARY.match(name)) and not path.is_symlink():
+                remove_quietly(path)
+        with contextlib.suppress(OSError):
+            self.directory.rmdir()

@@ -1,0 +1,88 @@
+"""Background-save phases run inside gloo children, on the suite's fixture model."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+import torch.distributed as dist
+
+import muonckpt
+from muonckpt import writing
+
+from .fixture_model import build, initial_params, local_params, train
+
+
+def _trash(opt: muonckpt.Muon) -> None:
+    """Every state tensor and param of ``opt`` overwritten in place, as steps would."""
+    with torch.no_grad():
+        for group in opt.param_groups:
+            for p in group["params"]:
+                p.fill_(math.nan)
+                for value in opt.state.get(p, {}).values():
+                    if isinstance(value, torch.Tensor):
+                        value.fill_(math.nan)
+
+
+def snapshot_phase(
+    dp: int, tp: int, steps: int, more: int, ref: str, ckpt: str, consolidated: bool
+) -> str:
+    """Train, save synchronously to ``ref``, start a background save to ``ckpt``, then go on
+    training and overwrite everything in place before waiting for it."""
+    opt, sharded, dp_rank, tp_rank = build(dp, tp, initial_params())
+    train(opt, sharded, dp_rank, tp_rank, 0, steps)
+    muonckpt.save(opt, ref, consolidated=consolidated)
+    future = muonckpt.async_save(opt, ckpt, consolidated=consolidated)
+    train(opt, sharded, dp_rank, tp_rank, steps, more)
+    _trash(opt)
+    return str(future.result(timeout=60))
+
+
+def failing_rank_phase(ckpt: str, failing_rank: int, how: str, timeout: float) -> str:
+    """Save once, then save over it in the background with one rank's write failing
+    (``"raise"``: an OSError; ``"stall"``: it sleeps past ``timeout`` first); the error's
+    message on this rank."""
+    opt, sharded, dp_rank, tp_rank = build(2, 1, initial_params())
+    train(opt, sharded, dp_rank, tp_rank, 0, 1)
+    muonckpt.save(opt, ckpt)
+    train(opt, sharded, dp_rank, tp_rank, 1, 1)
+    if dist.get_rank() == failing_rank:
+        original = writing.write_files
+
+        def write_files(*args, **kwargs):
+            if how == "raise":
+                raise OSError(28, "No space left on device")
+            time.sleep(3 * timeout)
+            return original(*args, **kwargs)
+
+        writing.write_files = write_files
+    future = muonckpt.async_save(opt, ckpt, overwrite=True, timeout=timeout)
+    try:
+        future.result(timeout=60)
+    except muonckpt.CheckpointError as exc:
+        message = str(exc)
+    else:
+        message = "no error"
+    dist.barrier()
+    return message
+
+
+def keep_last_phase(root: str, saves: int, keep_last: int) -> list[int]:
+    """A background save after each step into ``root/step-N`` with ``keep_last``; the steps
+    of the checkpoints left, as ``latest`` sees the newest."""
+    opt, sharded, dp_rank, tp_rank = build(2, 1, initial_params())
+    futures = []
+    for step in range(saves):
+        train(opt, sharded, dp_rank, tp_rank, step, 1)
+        futures.append(muonckpt.async_save(opt, f"{root}/step-{step + 1}", keep_last=keep_last))
+    futures[-1].result(timeout=60)
+    dist.barrier()
+    newest = muonckpt.latest(root)
+    return [muonckpt.read_manifest(newest).step, int(all(f.done() for f in futures))]
+
+
+def local_params_after(dp: int, tp: int, steps: int) -> dict[str, torch.Tensor]:
+    opt, sharded, dp_rank, tp_rank = build(dp, tp, initial_params())
+    train(opt, sharded, dp_rank, tp_rank, 0, steps)
+    return local_params(opt)

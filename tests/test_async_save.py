@@ -1,0 +1,117 @@
+"""``muonckpt.async_save``: a snapshot at the call, the write and commit in the background,
+errors on every rank, bounded waits, one save in flight, and nothing left behind."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import muonckpt
+from muonckpt import storage
+from muonckpt.launch import run_distributed
+from muonckpt.offline import diff
+
+from .async_cases import failing_rank_phase, keep_last_phase, snapshot_phase
+from .ckpt_cases import load_phase
+from .fixture_model import assemble, single_process_optimizer
+
+REPO = Path(__file__).resolve().parents[1]
+K, M = 3, 2
+
+
+def _entries(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir())
+
+
+@pytest.mark.parametrize("consolidated", [False, True])
+def test_values_changed_after_the_call_do_not_reach_the_checkpoint(
+    tmp_path, reference_params, consolidated
+):
+    ref, ckpt = tmp_path / "ref", tmp_path / "ckpt"
+    paths = run_distributed(
+        snapshot_phase, 4, 2, 2, K, M, str(ref), str(ckpt), consolidated, timeout=120
+    )
+    assert paths == [str(ckpt)] * 4
+    assert _entries(tmp_path) == ["ckpt", "ref"]  # no staging, no mailbox left
+    assert muonckpt.verify(ckpt) == []
+    rows = diff(ref, ckpt)
+    assert rows and all(r["bitwise"] for r in rows), [r for r in rows if not r["bitwise"]]
+    # and a run resumed from it at another topology goes on bit for bit
+    shards = run_distributed(load_phase, 4, 4, 1, str(ckpt), K, M, timeout=120)
+    full = assemble(4, 1, shards)
+    for name, value in reference_params(K + M).items():
+        assert torch.equal(full[name], value), name
+
+
+def test_an_error_in_one_ranks_background_write_surfaces_on_every_rank(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    messages = run_distributed(failing_rank_phase, 2, str(ckpt), 1, "raise", 30.0, timeout=120)
+    assert messages[0] == messages[1], messages
+    assert "async_save (write): rank 1: OSError" in messages[0]
+    assert "No space left on device" in messages[0]
+    # the checkpoint the failed save would have replaced is whole, and nothing else is left
+    assert _entries(tmp_path) == ["ckpt"]
+    assert muonckpt.verify(ckpt) == [] and muonckpt.read_manifest(ckpt).step == 1
+
+
+def test_a_rank_whose_write_never_finishes_is_an_error_after_the_timeout(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    messages = run_distributed(failing_rank_phase, 2, str(ckpt), 1, "stall", 1.0, timeout=120)
+    assert "async_save (write): rank(s) [1] did not finish within 1 s" in messages[0]
+    assert messages[1].startswith("async_save (write): ")  # the late rank learns it failed
+    assert "rank 0 gave up waiting for this rank" in messages[1] or messages[1] == messages[0]
+    assert muonckpt.verify(ckpt) == [] and muonckpt.read_manifest(ckpt).step == 1
+    leftover = [n for n in _entries(tmp_path) if n != "ckpt"]
+    assert all(storage.is_ours(n) for n in leftover), leftover
+
+
+def test_keep_last_with_background_saves(tmp_path):
+    root = tmp_path / "run"
+    root.mkdir()
+    (root / "notes").mkdir()  # the user's own directory beside the checkpoints
+    (root / "notes" / "a.txt").write_text("mine")
+    results = run_distributed(keep_last_phase, 2, str(root), 5, 2, timeout=120)
+    assert results == [[5, 1]] * 2
+    assert _entries(root) == ["notes", "step-4", "step-5"]
+    assert (root / "notes" / "a.txt").read_text() == "mine"
+
+
+def test_one_save_in_flight_per_optimizer(tmp_path):
+    opt = single_process_optimizer(2)
+    first = muonckpt.async_save(opt, tmp_path / "a")
+    second = muonckpt.async_save(opt, tmp_path / "b")
+    assert first.done()  # the second call waited for the first commit
+    assert second.result(timeout=30) == tmp_path / "b"
+    muonckpt.save(opt, tmp_path / "c")
+    assert all(muonckpt.verify(tmp_path / n) == [] for n in "abc")
+
+
+def test_an_error_before_the_snapshot_is_raised_by_the_call(tmp_path):
+    opt = single_process_optimizer(1)
+    muonckpt.save(opt, tmp_path / "a")
+    with pytest.raises(muonckpt.CheckpointError, match="already exists"):
+        muonckpt.async_save(opt, tmp_path / "a")
+    with pytest.raises(muonckpt.CheckpointError, match="keep_last"):
+        muonckpt.async_save(opt, tmp_path / "b", keep_last=0)
+    assert _entries(tmp_path) == ["a"]
+
+
+def test_a_save_in_flight_at_interpreter_exit_is_finished(tmp_path):
+    script = textwrap.dedent(
+        f"""
+        import muonckpt
+        from tests.fixture_model import single_process_optimizer
+        muonckpt.async_save(single_process_optimizer(2), {str(tmp_path / "ckpt")!r})
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert _entries(tmp_path) == ["ckpt"]
+    assert muonckpt.verify(tmp_path / "ckpt") == []
