@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from .kinds import FAMILIES
     from .optim import Muon, MuonDistMeta, adjusted_lr, newton_schulz, normalize_range
     from .pieces import read_manifest, verify
+    from .retention import latest
     from .sharding import ShardedParams, shard_for_groups, shard_param_groups
 
 __version__ = "0.1.0"
@@ -36,6 +37,7 @@ _LAZY = {
     "FAMILIES": "kinds",
     "LoadReport": "checkpoint",
     "REPLICATED": "hooks",
+    "latest": "retention",
     "load": "checkpoint",
     "read_manifest": "pieces",
     "save": "checkpoint",
@@ -80,6 +82,7 @@ __all__ = [
     "global_rank",
     "grid_groups",
     "install_hooks",
+    "latest",
     "load",
     "newton_schulz",
     "normalize_range",

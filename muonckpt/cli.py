@@ -1,9 +1,10 @@
 """The ``muonckpt`` command line: a thin typer layer over :mod:`muonckpt.offline`.
 
-Exit codes: 0 ok; 1 a problem was found (``verify``, ``diff``, ``demo``); 2 bad usage or an
-unreadable input; 128 + the signal number when interrupted (130 SIGINT, 143 SIGTERM, 129
-SIGHUP). Every :class:`~muonckpt.errors.MuonCkptError` becomes one ``error: ...`` line on
-stderr (a traceback only with ``--debug``), in :class:`_Group.invoke` alone.
+Exit codes: 0 ok; 1 a problem was found (``verify``, ``diff``, ``demo``) or nothing was
+(``latest``); 2 bad usage or an unreadable input; 128 + the signal number when interrupted
+(130 SIGINT, 143 SIGTERM, 129 SIGHUP). Every :class:`~muonckpt.errors.MuonCkptError` becomes
+one ``error: ...`` line on stderr (a traceback only with ``--debug``), in
+:class:`_Group.invoke` alone.
 """
 
 from __future__ import annotations
@@ -534,6 +535,35 @@ def verify(src: Src) -> None:
         console.print(f"problem: {problem}", markup=False)
     console.print(f"{len(problems)} problem(s) in {src}", markup=False)
     raise typer.Exit(PROBLEM)
+
+
+@app.command()
+def latest(
+    root: Annotated[
+        Path,
+        typer.Argument(
+            metavar="ROOT", help="Directory holding the checkpoints.", show_default=False
+        ),
+    ],
+) -> None:
+    """Print the newest complete checkpoint directly under ROOT, to resume from.
+
+    Newest by the step its manifest records, then by commit time; staging directories,
+    unfinished, damaged and foreign entries and symlinks are skipped (a cheap check: the
+    manifest and file sizes, no checksums). Exit 1 when there is none (also when ROOT does
+    not exist).
+
+    Example: muonckpt latest ckpt
+
+    In a job script: if ckpt=$(muonckpt latest ckpt); then resume="--resume $ckpt"; fi
+    """
+    from . import latest as find_latest
+
+    found = find_latest(root)
+    if found is None:
+        _stderr_line(f"no complete checkpoint in {root}")
+        raise typer.Exit(PROBLEM)
+    typer.echo(str(found))
 
 
 @app.command()

@@ -58,7 +58,7 @@ def _one_error_line(result):
 def test_installed_script_help():
     done = subprocess.run(["muonckpt", "--help"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
-    for command in ("consolidate", "reshard", "inspect", "verify", "diff", "demo"):
+    for command in ("consolidate", "reshard", "inspect", "verify", "latest", "diff", "demo"):
         assert command in done.stdout
 
 

@@ -325,6 +325,37 @@ def retire(directory: str | os.PathLike[str], files: Sequence[str] | None = None
         )
 
 
+def remove_checkpoint(directory: str | os.PathLike[str]) -> bool:
+    """Delete the committed checkpoint at ``directory`` (an old one a save's ``keep_last`` no
+    longer keeps), crash-safe: its manifest first, so that whatever a crash leaves reads as
+    incomplete, then its other checkpoint files and the directory, as :func:`retire` does
+    (never anything else in it, never through a symlink).
+
+    Returns whether it is gone entirely. What is left is named in a
+    :class:`CheckpointWarning`: the manifest could not be deleted (the checkpoint is left
+    whole), or other files could not (it is left incomplete).
+    """
+    directory = Path(directory)
+    if directory.is_symlink():
+        _warn(f"{directory} is a symlink, not a checkpoint directory; left alone")
+        return False
+    try:
+        (directory / MANIFEST_NAME).unlink(missing_ok=True)
+    except OSError as exc:
+        _warn(
+            f"cannot delete the old checkpoint {directory}: its {MANIFEST_NAME} cannot be "
+            f"deleted ({exc.strerror}); it is left whole"
+        )
+        return False
+    left = _remove_ours(directory)
+    if left:
+        _warn(
+            f"the old checkpoint {directory} was deleted only in part (its manifest is gone, so "
+            f"it reads as incomplete): it still holds {_shown(left)}"
+        )
+    return not left
+
+
 _COMMIT_LOCK = threading.Lock()
 _ABANDONED: list[bool] = [False]
 """Set by :func:`abandon_commits`: no swap_in of this process commits any more."""

@@ -1,0 +1,136 @@
+"""The checkpoints under a directory: the newest complete one, and deleting older ones.
+
+For jobs that are preempted and resumed: :func:`latest` names the checkpoint to resume from,
+:func:`prune` bounds the disk a run's checkpoints take. Both look only at the directories
+directly under the root, and count only complete checkpoints: a directory (not a symlink,
+not a staging name of ours) whose manifest parses and whose every listed file is there at its
+size (:func:`muonckpt.pieces.size_problems`; no checksums are read). Anything else (a save
+still in progress or interrupted, a half-deleted checkpoint, a damaged one, the user's own
+files and directories) is skipped, never an error.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import storage
+from .errors import CheckpointError, CheckpointWarning
+from .manifest import MANIFEST_NAME, Manifest
+from .pieces import read_manifest, size_problems
+
+
+def checkpoint_step(manifest: Manifest) -> int | None:
+    """The training step a checkpoint holds: its groups' step counter, else the largest of its
+    params' own counts (torch's AdamW counts per param); None when it records none."""
+    if manifest.step is not None:
+        return manifest.step
+    try:
+        return manifest.latest_step(entry.name for entry in manifest.params)
+    except (TypeError, ValueError, OverflowError):  # a "step" scalar that is not a number
+        return None
+
+
+@dataclass(frozen=True)
+class Found:
+    """A complete checkpoint under a root, with what orders it among the others."""
+
+    path: Path
+    step: int | None
+    committed_ns: int
+    """The manifest's mtime: a save writes its manifest last, at the commit."""
+
+    def order(self) -> tuple[bool, int, int, str]:
+        """Sort key, oldest first: by step (none before any), then commit time, then name (so
+        that the order is total)."""
+        return (self.step is not None, self.step or 0, self.committed_ns, self.path.name)
+
+
+def _complete(directory: Path) -> Found | None:
+    """``directory`` as a complete checkpoint; None when it is not one (or is damaged)."""
+    try:
+        committed = (directory / MANIFEST_NAME).stat().st_mtime_ns
+        manifest = read_manifest(directory)  # refuses staging names and missing manifests
+        if size_problems(manifest, directory):
+            return None
+    except (CheckpointError, OSError):
+        return None
+    return Found(directory, checkpoint_step(manifest), committed)
+
+
+def complete_checkpoints(root: str | os.PathLike[str]) -> list[Found]:
+    """The complete checkpoints directly under ``root``, oldest first; symlinks are skipped
+    (a ``latest -> step-300`` link would list one checkpoint twice). A missing ``root`` has
+    none; one that is not a directory or cannot be listed is a :class:`CheckpointError`."""
+    root = Path(root)
+    try:
+        with os.scandir(root) as listing:
+            names = sorted(e.name for e in listing if e.is_dir(follow_symlinks=False))
+    except FileNotFoundError:
+        return []
+    except NotADirectoryError:
+        raise CheckpointError("is not a directory of checkpoints", path=root) from None
+    except OSError as exc:
+        raise CheckpointError(f"cannot be listed: {exc.strerror}", path=root) from None
+    found = [_complete(root / name) for name in names]
+    return sorted((f for f in found if f is not None), key=Found.order)
+
+
+def latest(root: str | os.PathLike[str]) -> Path | None:
+    """The newest complete checkpoint directly under ``root``, to resume from; None when there
+    is none, also when ``root`` does not exist yet (a job's first start).
+
+    Newest by the step the manifest records (a checkpoint without one counts as older than any
+    with one), then by commit time. Only a cheap check is made (the manifest parses, every
+    file it lists is there at its size); no checksums. Staging directories, directories
+    without a manifest, symlinks, damaged checkpoints and anything not a checkpoint are
+    skipped. A ``root`` that is not a directory, or cannot be listed, is a
+    :class:`CheckpointError`.
+    """
+    found = complete_checkpoints(root)
+    return found[-1].path if found else None
+
+
+def check_keep_last(keep_last: object) -> None:
+    """Raise :class:`CheckpointError` unless ``keep_last`` is an int of at least 1 (a save
+    checks it before writing anything)."""
+    if not isinstance(keep_last, int) or isinstance(keep_last, bool) or keep_last < 1:
+        raise CheckpointError(
+            f"keep_last must be an int of at least 1 (the checkpoints to keep), got {keep_last!r}"
+        )
+
+
+def prune(root: str | os.PathLike[str], keep_last: int, keep: str | os.PathLike[str]) -> list[Path]:
+    """Delete the complete checkpoints directly under ``root`` older than its ``keep_last``
+    newest (in :func:`latest`'s order); for a save's ``keep_last``, after its commit.
+
+    Never deleted: ``keep`` (the checkpoint just written, kept even when a run restarted at a
+    lower step makes it older than the newest), anything :func:`complete_checkpoints` does not
+    count (staging directories, saves in progress, what is not a checkpoint, symlinks), and a
+    checkpoint holding files of the user's (:func:`muonckpt.storage.ownership_problem`): it is
+    left whole. So at most ``keep_last`` checkpoints remain besides those two kinds.
+
+    Each is deleted manifest first (:func:`muonckpt.storage.remove_checkpoint`), so a crash
+    leaves it incomplete, never something :func:`latest` picks. A failure (a file that cannot
+    be deleted, a root that cannot be listed) is a :class:`CheckpointWarning`: the new
+    checkpoint is committed whatever happens here. ``keep_last`` below 1 is a
+    :class:`CheckpointError`.
+
+    Returns the checkpoints deleted entirely, oldest first.
+    """
+    check_keep_last(keep_last)
+    try:
+        found = complete_checkpoints(root)
+    except CheckpointError as exc:
+        warnings.warn(f"old checkpoints not deleted: {exc}", CheckpointWarning, stacklevel=2)
+        return []
+    kept = os.path.realpath(keep)
+    deleted = []
+    for old in found[:-keep_last]:
+        if os.path.realpath(old.path) == kept or storage.ownership_problem(old.path):
+            continue
+        if storage.remove_checkpoint(old.path):
+            deleted.append(old.path)
+    return deleted

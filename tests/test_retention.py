@@ -1,0 +1,344 @@
+"""Checkpoints of preempted jobs: ``muonckpt.latest`` finds the newest complete checkpoint
+under a root, ``retention.prune`` (a save's ``keep_last``) deletes older ones, on real
+checkpoints and real files beside interrupted saves, damaged checkpoints and the user's own
+files."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+import muonckpt
+from muonckpt import CheckpointError
+from muonckpt.cli import app
+from muonckpt.errors import CheckpointWarning
+from muonckpt.manifest import MANIFEST_NAME, rank_file
+from muonckpt.retention import complete_checkpoints, prune
+
+from .fixture_model import build, initial_params, train
+
+DATA = rank_file(0, 1)
+"""The one data file of a single-process checkpoint."""
+T0 = 1_700_000_000 * 10**9
+"""A commit time, in ns; the tests' commits are seconds after it."""
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> dict[int, Path]:
+    """Real checkpoints of the fixture model after 1, 2, 3 and 4 steps (copy, never change)."""
+    root = tmp_path_factory.mktemp("templates")
+    opt, sharded, dp_rank, tp_rank = build(1, 1, initial_params())
+    found = {}
+    for step in range(1, 5):
+        train(opt, sharded, dp_rank, tp_rank, step - 1, 1)
+        found[step] = muonckpt.save(opt, root / f"step-{step}")
+    return found
+
+
+def committed_at(path: Path, seconds: float) -> None:
+    """Date the checkpoint at ``path``'s commit (its manifest's mtime) ``seconds`` after T0."""
+    when = T0 + int(seconds * 10**9)
+    os.utime(path / MANIFEST_NAME, ns=(when, when))
+
+
+def put(
+    saved: dict[int, Path], root: Path, step: int, name: str | None = None, at: float = 0
+) -> Path:
+    """A copy of the checkpoint of ``step`` at ``root / name``, committed ``at`` seconds."""
+    path = Path(shutil.copytree(saved[step], root / (name or f"step-{step}")))
+    committed_at(path, at)
+    return path
+
+
+def snapshot(root: Path) -> dict[str, object]:
+    """Every entry under ``root``: a file's bytes, a symlink's target, a directory."""
+    found: dict[str, object] = {}
+    for here, dirs, files in os.walk(root):
+        for name in dirs + files:
+            path = Path(here) / name
+            key = str(path.relative_to(root))
+            if path.is_symlink():
+                found[key] = f"-> {os.readlink(path)}"
+            elif path.is_dir():
+                found[key] = "directory"
+            else:
+                found[key] = path.read_bytes()
+    return found
+
+
+# ---------------------------------------------------------------- latest
+
+
+def test_latest_is_the_highest_step_then_the_newest_commit(saved, tmp_path):
+    root = tmp_path / "ckpt"
+    put(saved, root, 3, "b", at=0)
+    put(saved, root, 2, "c", at=20)
+    put(saved, root, 1, "d", at=30)  # the newest commit, but the lowest step
+    assert muonckpt.latest(root) == root / "b"
+    put(saved, root, 3, "a", at=10)  # the same step as b, committed after it
+    assert muonckpt.latest(root) == root / "a"
+    committed_at(root / "b", 40)
+    assert muonckpt.latest(root) == root / "b"
+
+
+def test_among_equal_steps_the_last_real_save_is_latest(tmp_path):
+    opt, sharded, dp_rank, tp_rank = build(1, 1, initial_params())
+    train(opt, sharded, dp_rank, tp_rank, 0, 2)
+    first = muonckpt.save(opt, tmp_path / "z-first")
+    time.sleep(0.05)  # well past the file system's timestamp granularity
+    second = muonckpt.save(opt, tmp_path / "a-second")
+    assert muonckpt.latest(tmp_path) == second
+    os.utime(first / MANIFEST_NAME)  # as if committed now
+    assert muonckpt.latest(tmp_path) == first
+
+
+def test_the_step_is_the_groups_else_the_params_and_none_sorts_first(saved, tmp_path):
+    root = tmp_path / "ckpt"
+    put(saved, root, 1, "muon-1", at=0)
+    param = torch.nn.Parameter(torch.ones(3, 4))
+    sgd = torch.optim.SGD([param], lr=0.1, momentum=0.9)  # no step count anywhere
+    adamw = torch.optim.AdamW([param])  # a step count per param, none per group
+    for opt in (sgd, adamw, adamw):
+        param.grad = torch.ones(3, 4)
+        opt.step()
+    committed_at(muonckpt.save(sgd, root / "sgd"), 20)
+    assert muonckpt.latest(root) == root / "muon-1"
+    committed_at(muonckpt.save(adamw, root / "adamw-2"), 10)
+    assert muonckpt.latest(root) == root / "adamw-2"
+    assert [f.step for f in complete_checkpoints(root)] == [None, 1, 2]
+
+
+def _rename_to(name: str) -> Callable[[Path], None]:
+    return lambda path: path.rename(path.with_name(name.format(path.name)))
+
+
+def _truncate(path: Path) -> None:
+    with open(path / DATA, "r+b") as f:
+        f.truncate(os.fstat(f.fileno()).st_size - 1)
+
+
+def _symlinked_data(path: Path) -> None:
+    moved = path.parent.parent / "elsewhere.safetensors"
+    (path / DATA).rename(moved)
+    (path / DATA).symlink_to(moved)
+
+
+def _moved_out_and_linked(path: Path) -> None:
+    moved = path.parent.parent / "elsewhere" / path.name
+    moved.parent.mkdir()
+    path.rename(moved)
+    path.symlink_to(moved)
+    assert muonckpt.latest(moved.parent) == moved  # still sound where it is
+
+
+DAMAGES = {
+    "a staging directory (interrupted after its manifest)": _rename_to(".{}.staging-0123abcd"),
+    "a replaced checkpoint not yet deleted": _rename_to(".{}.old-4242"),
+    "no manifest (partly written)": lambda path: (path / MANIFEST_NAME).unlink(),
+    "a data file truncated": _truncate,
+    "a data file missing": lambda path: (path / DATA).unlink(),
+    "a data file that is a symlink": _symlinked_data,
+    "a manifest that does not parse": lambda path: (path / MANIFEST_NAME).write_text("{"),
+    "another format's manifest": lambda path: (path / MANIFEST_NAME).write_text(
+        json.dumps({"format": "other", "step": 9})
+    ),
+    "a symlink (latest -> a checkpoint)": _moved_out_and_linked,
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGES.values(), ids=DAMAGES.keys())
+def test_latest_skips_what_is_not_a_complete_checkpoint(saved, tmp_path, damage):
+    root = tmp_path / "ckpt"
+    older = put(saved, root, 1, at=0)
+    newer = put(saved, root, 3, at=10)
+    assert muonckpt.latest(root) == newer  # sound, it is the one
+    damage(newer)
+    assert muonckpt.latest(root) == older
+
+
+def test_latest_ignores_the_users_files_and_directories(saved, tmp_path):
+    root = tmp_path / "ckpt"
+    model = root / "hf-model"
+    model.mkdir(parents=True)
+    (model / "model.safetensors").write_bytes(b"\0" * 64)
+    (model / "config.json").write_text("{}")
+    (root / "empty").mkdir()
+    (root / "notes.txt").write_text("step 9 was the best")
+    (root / "step-9.safetensors").write_bytes(b"\0" * 64)
+    assert muonckpt.latest(root) is None
+    ckpt = put(saved, root, 1)
+    assert muonckpt.latest(root) == ckpt
+
+
+def test_latest_of_a_missing_or_empty_root_is_none_an_unusable_one_an_error(tmp_path, monkeypatch):
+    assert muonckpt.latest(tmp_path) is None
+    assert muonckpt.latest(tmp_path / "not-yet") is None  # a job's first start
+    file = tmp_path / "file"
+    file.write_text("")
+    with pytest.raises(CheckpointError, match="is not a directory") as caught:
+        muonckpt.latest(file)
+    assert str(file) in str(caught.value)
+
+    def refused(path: object) -> None:
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(os, "scandir", refused)  # the suite may run as root: chmod would not do
+    with pytest.raises(CheckpointError, match="cannot be listed: Permission denied") as caught:
+        muonckpt.latest(tmp_path)
+    assert str(tmp_path) in str(caught.value)
+
+
+# ---------------------------------------------------------------- prune
+
+
+def test_prune_keeps_the_newest_and_the_one_just_written(saved, tmp_path):
+    root = tmp_path / "ckpt"
+    for step in range(1, 5):
+        put(saved, root, step, at=step)
+    assert prune(root, 5, root / "step-4") == []
+    assert prune(root, 2, root / "step-4") == [root / "step-1", root / "step-2"]
+    assert sorted(os.listdir(root)) == ["step-3", "step-4"]
+    assert muonckpt.verify(root / "step-3") == [] and muonckpt.verify(root / "step-4") == []
+    # A run restarted at step 1 writes a checkpoint older, by step, than those it finds.
+    put(saved, root, 1, "restarted", at=10)
+    assert prune(root, 1, root / "restarted") == [root / "step-3"]
+    assert sorted(os.listdir(root)) == ["restarted", "step-4"]
+    assert muonckpt.verify(root / "restarted") == []
+
+
+def test_prune_deletes_only_complete_checkpoints_of_ours(saved, tmp_path):
+    root = tmp_path / "ckpt"
+    noted = put(saved, root, 1, "noted", at=1)
+    (noted / "notes.txt").write_text("the user's")  # a checkpoint holding a file of the user's
+    put(saved, root, 1, at=2)
+    put(saved, root, 2, ".step-5.staging-0123abcd", at=3)  # a save committing right now
+    (put(saved, root, 2, "partial", at=3) / MANIFEST_NAME).unlink()
+    model = root / "hf-model"
+    model.mkdir()
+    (model / "model.safetensors").write_bytes(b"\0" * 64)
+    (root / "notes.txt").write_text("mine")
+    outside = put(saved, tmp_path / "elsewhere", 1, at=0)
+    (root / "linked").symlink_to(outside)  # a complete, old checkpoint, but through a link
+    put(saved, root, 3, at=4)
+    put(saved, root, 4, at=5)
+    (root / "latest").symlink_to("step-4")
+    before, outside_before = snapshot(root), snapshot(outside)
+
+    assert prune(root, 1, root / "step-4") == [root / "step-1", root / "step-3"]
+    deleted = ("step-1", "step-3")
+    kept = {k: v for k, v in before.items() if k.split(os.sep)[0] not in deleted}
+    assert snapshot(root) == kept
+    assert snapshot(outside) == outside_before
+    assert muonckpt.latest(root) == root / "step-4"
+
+
+def test_prune_removes_the_manifest_first(saved, tmp_path, monkeypatch):
+    class Killed(BaseException):
+        """The process dying in the middle of a prune."""
+
+    root = tmp_path / "ckpt"
+    old = put(saved, root, 1, at=1)
+    put(saved, root, 2, at=2)
+    unlink, deleted = Path.unlink, []
+
+    def dying(self: Path, missing_ok: bool = False) -> None:
+        if self.parent == old:
+            deleted.append(self.name)
+            if self.name != MANIFEST_NAME:
+                raise Killed
+        unlink(self, missing_ok=missing_ok)
+
+    monkeypatch.setattr(Path, "unlink", dying)
+    with pytest.raises(Killed):
+        prune(root, 1, root / "step-2")
+    monkeypatch.undo()
+    assert deleted == [MANIFEST_NAME, DATA]
+    assert (old / DATA).exists()  # cut short with its data still there
+    assert [f.path for f in complete_checkpoints(root)] == [root / "step-2"]
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    old.rename(alone / old.name)
+    assert muonckpt.latest(alone) is None
+    with pytest.raises(CheckpointError, match="incomplete checkpoint"):
+        muonckpt.load(build(1, 1, initial_params())[0], alone / old.name)
+
+
+def _refuse_deletes_in(monkeypatch, directory: Path, names: tuple[str, ...]) -> None:
+    """Deleting ``names`` in ``directory`` fails with EACCES (the suite may run as root)."""
+    unlink = Path.unlink
+
+    def refusing(self: Path, missing_ok: bool = False) -> None:
+        if self.parent == directory and self.name in names:
+            raise PermissionError(13, "Permission denied", str(self))
+        unlink(self, missing_ok=missing_ok)
+
+    monkeypatch.setattr(Path, "unlink", refusing)
+
+
+def test_a_failed_delete_is_a_warning_never_an_error(saved, tmp_path, monkeypatch):
+    root = tmp_path / "ckpt"
+    for step in (1, 2, 3):
+        put(saved, root, step, at=step)
+    _refuse_deletes_in(monkeypatch, root / "step-1", (DATA,))
+    with pytest.warns(CheckpointWarning, match="deleted only in part") as caught:
+        assert prune(root, 1, root / "step-3") == [root / "step-2"]
+    assert f"{DATA} (Permission denied)" in str(caught[0].message)
+    assert os.listdir(root / "step-1") == [DATA]
+    monkeypatch.undo()
+
+    put(saved, root, 2, at=2)
+    _refuse_deletes_in(monkeypatch, root / "step-2", (MANIFEST_NAME,))
+    with pytest.warns(CheckpointWarning, match="cannot be deleted .Permission denied.; it is left"):
+        assert prune(root, 1, root / "step-3") == []
+    assert muonckpt.verify(root / "step-2") == []
+    monkeypatch.undo()
+
+    def refused(path: object) -> None:
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(os, "scandir", refused)
+    with pytest.warns(CheckpointWarning, match="not deleted: cannot be listed"):
+        assert prune(root, 1, root / "step-3") == []
+    monkeypatch.undo()
+    assert [f.path.name for f in complete_checkpoints(root)] == ["step-2", "step-3"]
+
+
+@pytest.mark.parametrize("keep_last", [0, -1, True, 1.5, "2", None])
+def test_keep_last_below_one_is_an_error_before_anything_is_deleted(saved, tmp_path, keep_last):
+    root = tmp_path / "ckpt"
+    put(saved, root, 1, at=1)
+    put(saved, root, 2, at=2)
+    with pytest.raises(CheckpointError, match="keep_last must be an int of at least 1"):
+        prune(root, keep_last, root / "step-2")
+    assert sorted(os.listdir(root)) == ["step-1", "step-2"]
+
+
+# ---------------------------------------------------------------- the command line
+
+
+def test_cli_latest_prints_the_path_or_exits_1(saved, tmp_path):
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    run = CliRunner().invoke
+    for where in (root, tmp_path / "not-yet"):
+        result = run(app, ["latest", str(where)])
+        assert result.exit_code == 1, result.output
+        assert result.stdout == "" and result.stderr == f"no complete checkpoint in {where}\n"
+    put(saved, root, 2, at=0)
+    put(saved, root, 1, at=5)
+    put(saved, root, 3, ".step-3.staging-0123abcd", at=10)
+    result = run(app, ["latest", str(root)])
+    assert result.exit_code == 0, result.output
+    assert result.stdout == f"{root / 'step-2'}\n"
+    result = run(app, ["latest", str(root / "step-2" / DATA)])
+    assert result.exit_code == 2
+    assert result.stderr.startswith("error: is not a directory of checkpoints (file ")
+    assert "Traceback" not in result.output
