@@ -108,14 +108,10 @@ def save(
     optimizer = _one(optimizer)
     _wait_in_flight(optimizer)
     prepared = _prepare_save(
-        "save", optimizer, path, consolidated, max_shard_size, params, keep_last, snapshot=False
+        "save", optimizer, path, consolidated, max_shard_size, params, overwrite, keep_last
     )
-    final = writing.write_checkpoint(
-        prepared.steps,
-        path,
-        overwrite=overwrite,
-        write=prepared.write,
-        manifest=prepared.manifest,
+    final = writing.finish(
+        prepared.steps, prepared.staging, path, write=prepared.write, manifest=prepared.manifest
     )
     if prepared.steps.is_root:
         _prune(final, keep_last)
@@ -176,15 +172,14 @@ def async_save(
         consolidated,
         max_shard_size,
         params,
+        overwrite,
         keep_last,
-        snapshot=True,
+        background=True,
     )
     foreground = prepared.steps
-    several = len(foreground.ranks) > 1
-    staging = writing.stage(foreground, path, overwrite=overwrite, mailbox=several)
     background = writing.DirectorySteps(
         "async_save",
-        storage.Mailbox(storage.mailbox_path(staging)),
+        storage.Mailbox(storage.mailbox_path(prepared.staging)),
         foreground.ranks,
         foreground.root,
         foreground.rank,
@@ -195,7 +190,7 @@ def async_save(
     future.set_running_or_notify_cancel()
     thread = threading.Thread(
         target=_finish_in_background,
-        args=(future, background, staging, Path(path), prepared, keep_last),
+        args=(future, background, Path(path), prepared, keep_last),
         name=f"muonckpt async_save {path}",
         daemon=False,  # the interpreter waits for it at exit: a save in flight is finished
     )
@@ -207,7 +202,6 @@ def async_save(
 def _finish_in_background(
     future: Future[Path],
     steps: writing.DirectorySteps,
-    staging: Path,
     final: Path,
     prepared: _PreparedSave,
     keep_last: int | None,
@@ -216,7 +210,7 @@ def _finish_in_background(
     to ``future``, always a library error on failure."""
     try:
         committed = writing.finish(
-            steps, staging, final, write=prepared.write, manifest=prepared.manifest
+            steps, prepared.staging, final, write=prepared.write, manifest=prepared.manifest
         )
         if steps.is_root:
             _prune(committed, keep_last)
@@ -266,10 +260,12 @@ def _prune(final: Path, keep_last: int | None) -> None:
 
 @dataclass
 class _PreparedSave:
-    """A save decided: its protocol over the grid, each rank's write of its files and the
-    root's manifest, with every value they need already taken from the optimizer."""
+    """A save staged: its protocol over the grid, the staging directory, each rank's write of
+    its files and the root's manifest, with every value they need already taken from the
+    optimizer."""
 
     steps: collectives.CollectiveSteps
+    staging: Path
     write: Callable[[Path], writing.Written]
     manifest: Callable[[writing.Reports], Manifest]
 
@@ -281,35 +277,47 @@ def _prepare_save(
     consolidated: bool,
     max_shard_size: int | None,
     params: bool,
+    overwrite: bool,
     keep_last: int | None,
     *,
-    snapshot: bool,
+    background: bool = False,
 ) -> _PreparedSave:
-    """Everything of a save before the staging directory: checks on every rank, the state
-    holders' check, the group settings and the data this rank writes (the full state gathered
-    on the destination for a consolidated save); with ``snapshot``, copied to host buffers so
-    that the optimizer may change right after."""
+    """Everything of a save before the writing, in the caller's thread: one ``stage`` step
+    (every rank's checks, then the root creates the staging directory, and for a
+    ``background`` save its mailbox), the state holders' check, the group settings and the
+    data this rank writes (the full state gathered on the destination for a consolidated
+    save); for a ``background`` save copied to host buffers, so that the optimizer may change
+    as soon as this returns."""
     sharding = describe(optimizer)
     steps = collectives.CollectiveSteps(
         operation, sharding.participants, sharding.destination, CheckpointError
     )
     check = lambda: _check_storable(sharding, optimizer, params, keep_last, Path(path))  # noqa: E731
-    steps.each_then_root("check", check, lambda _: None)
-    if not consolidated and len(sharding.participants) > 1:
-        # Each rank writes only the state it owns: a wrong owner rule would drop the rest
-        # unnoticed (the consolidated gather checks this itself).
-        check_state_holders(sharding, _local_state(optimizer, sharding, params=False))
-    groups = _group_entries(optimizer, sharding)
-    if consolidated:
-        payload = _consolidated_payload(optimizer, sharding, max_shard_size, params)
-    else:
-        payload = _rank_payload(optimizer, sharding, params)
-    buffers = _HOST_BUFFERS.setdefault(_key(optimizer), HostBuffers())
-    if snapshot and not consolidated:  # a gathered full state is a fresh copy already
-        tensors = buffers.snapshot(payload.tensors)
+    mailbox = background and len(sharding.participants) > 1
+    staging = writing.stage(steps, path, overwrite=overwrite, check=check, mailbox=mailbox)
+    try:
+        if not consolidated and len(sharding.participants) > 1:
+            # Each rank writes only the state it owns: a wrong owner rule would drop the rest
+            # unnoticed (the consolidated gather checks this itself).
+            check_state_holders(sharding, _local_state(optimizer, sharding, params=False))
+        groups = _group_entries(optimizer, sharding)
+        if consolidated:
+            payload = _consolidated_payload(optimizer, sharding, max_shard_size, params)
+        else:
+            payload = _rank_payload(optimizer, sharding, params)
+        buffers = _HOST_BUFFERS.setdefault(_key(optimizer), HostBuffers())
+        if background and not consolidated:  # a gathered full state is a fresh copy already
+            tensors = buffers.snapshot(payload.tensors)
+        else:
+            tensors = payload.tensors
+    except BaseException:
+        if steps.is_root:
+            writing.abandon(staging)
+        raise
+    if background:
         fetch = lambda w: tensors[w.param, w.key].reshape(-1)  # noqa: E731
-    else:
-        fetch = lambda w: buffers.to_host(payload.tensors[w.param, w.key]).reshape(-1)  # noqa: E731
+    else:  # streamed: each CUDA tensor through one reused host buffer
+        fetch = lambda w: buffers.to_host(tensors[w.param, w.key]).reshape(-1)  # noqa: E731
 
     def write(staging: Path) -> writing.Written:
         if payload.plan is None:
@@ -320,7 +328,7 @@ def _prepare_save(
 
     kind = CONSOLIDATED if consolidated else PER_RANK
     return _PreparedSave(
-        steps, write, lambda reports: build_manifest(groups, sharding, reports, kind)
+        steps, staging, write, lambda reports: build_manifest(groups, sharding, reports, kind)
     )
 
 

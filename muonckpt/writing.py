@@ -144,11 +144,12 @@ def stage(
     overwrite: bool,
     create: Callable[[Path], None] = lambda staging: None,
     source: str | os.PathLike[str] | None = None,
+    check: Callable[[], Any] = lambda: None,
     mailbox: bool = False,
 ) -> Path:
-    """The ``stage`` step: the root checks the target and creates the staging directory (and,
-    with ``mailbox``, the :class:`~muonckpt.storage.Mailbox` of a background finish); its path
-    on every rank."""
+    """The ``stage`` step: every rank runs ``check``; when all pass, the root checks the
+    target and creates the staging directory (and, with ``mailbox``, the
+    :class:`~muonckpt.storage.Mailbox` of a background finish); its path on every rank."""
     final = Path(final)
 
     def make(_: list[None]) -> str:
@@ -162,7 +163,13 @@ def stage(
             raise
         return str(staging)
 
-    return Path(steps.each_then_root("stage", lambda: None, make))
+    return Path(steps.each_then_root("stage", check, make))
+
+
+def abandon(staging: Path) -> None:
+    """(the root) Remove a staging directory (and its mailbox) that will never be written."""
+    storage.discard(staging)
+    storage.Mailbox(storage.mailbox_path(staging)).remove()
 
 
 def finish(
