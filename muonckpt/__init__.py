@@ -21,7 +21,7 @@ from .errors import (
 from .layout import LayoutOptions, ParamSpec, Topology, arrange
 
 if TYPE_CHECKING:
-    from .checkpoint import LoadReport, load, save
+    from .checkpoint import LoadReport, async_save, load, save
     from .collectives import default_group_from_env, global_rank, grid_groups
     from .demo import run_demo
     from .hooks import REPLICATED, gather_state_dict, install_hooks
@@ -36,6 +36,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "FAMILIES": "kinds",
     "LoadReport": "checkpoint",
+    "async_save": "checkpoint",
     "REPLICATED": "hooks",
     "latest": "retention",
     "load": "checkpoint",
@@ -77,6 +78,7 @@ __all__ = [
     "Topology",
     "adjusted_lr",
     "arrange",
+    "async_save",
     "default_group_from_env",
     "gather_state_dict",
     "global_rank",

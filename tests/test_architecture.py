@@ -28,7 +28,7 @@ PURE = ("layout", "grid", "kinds", "manifest", "steps", "workplan", "writeplan")
 """Plain data and arithmetic: no tensors, no files, no process groups."""
 NOT_YET: set[str] = set()
 """Modules the rules name before they land; any other name in the rules must exist."""
-READERS_AND_WRITERS = ("storage", "pieces", "writing")
+READERS_AND_WRITERS = ("storage", "pieces", "retention", "writing")
 """Bytes to and from files: the offline tools' path, which runs without a process group (and
 imports torch only inside functions, where a tensor crosses: tests/test_cli.py checks
 that at run time)."""

@@ -48,7 +48,8 @@ def pause(where):
 def stop_at(moment):
     '''Make the background save stop at ``moment``.'''
     if moment.startswith("tensor-"):
-        n, calls, original = int(moment.split("-")[1]), [0], safetensors_writer.SafetensorsWriter.write
+        n, calls = int(moment.split("-")[1]), [0]
+        original = safetensors_writer.SafetensorsWriter.write
         def write(self, *args, **kwargs):
             calls[0] += 1
             if calls[0] == n:

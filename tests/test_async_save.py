@@ -115,3 +115,22 @@ def test_a_save_in_flight_at_interpreter_exit_is_finished(tmp_path):
     assert done.returncode == 0, done.stderr
     assert _entries(tmp_path) == ["ckpt"]
     assert muonckpt.verify(tmp_path / "ckpt") == []
+
+
+def test_host_buffers_are_reused_between_saves(tmp_path):
+    from muonckpt.checkpoint import _HOST_BUFFERS
+
+    opt = single_process_optimizer(2)
+    muonckpt.async_save(opt, tmp_path / "a").result(timeout=30)
+    buffers = _HOST_BUFFERS[opt]
+    held = buffers.nbytes
+    share = sum(
+        v.numel() * v.element_size()
+        for state in opt.state.values()
+        for v in state.values()
+        if torch.is_tensor(v) and v.dim()
+    )
+    assert held >= share  # the snapshot of the state (and params) is in them
+    address = buffers._buffers["snapshot"].data_ptr()
+    muonckpt.async_save(opt, tmp_path / "b").result(timeout=30)
+    assert buffers._buffers["snapshot"].data_ptr() == address and buffers.nbytes == held

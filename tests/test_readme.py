@@ -45,14 +45,20 @@ def test_readme_training_loop_trains_saves_and_resumes(tmp_path):
     assert len(losses) == 30
     assert losses[-1] < 0.8 * losses[0], losses  # it trains
     assert all(b < a for a, b in itertools.pairwise(losses)), losses
-    ckpt = tmp_path / "ckpt" / "step-30"
-    assert muonckpt.verify(ckpt) == []
-    assert muonckpt.read_manifest(ckpt).step == 30
+    ckpt = tmp_path / "ckpt"
+    # saved in the background at steps 10, 20 and 30; keep_last=2 deleted step-10
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step-20", "step-30"]
+    assert muonckpt.verify(ckpt / "step-30") == []
+    assert muonckpt.read_manifest(ckpt / "step-30").step == 30
+    assert muonckpt.latest(ckpt) == ckpt / "step-30"
     resumed = run(resume, tmp_path)
-    assert len(resumed) == 10
+    assert len(resumed) == 10  # steps 31 to 40: it went on from step 30
     # The resumed model is the saved one (not its fresh initialisation): it starts where the
     # first run ended and keeps improving.
     assert resumed[0] < losses[-1] and resumed[-1] < resumed[0], (losses[-1], resumed)
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step-30", "step-40"]
+    assert muonckpt.read_manifest(ckpt / "step-40").topology == {"dp": 4, "tp": 1}
+    assert muonckpt.verify(ckpt / "step-40") == []
 
 
 SINGLE = "# in one process"

@@ -17,13 +17,17 @@ from pathlib import Path
 from ..errors import CheckpointError, CheckpointWarning
 from ..manifest import FORMAT_NAME, MANIFEST_NAME
 from .durable import RENAME_NOREPLACE, exchange, fsync_dir, read_text, renameat2
+from .mailbox import MAILBOX_TAG
 
 STAGING_TAG = "staging"
 _STAGING_SUFFIX_BYTES = len(f"..{STAGING_TAG}-") + 8
 """What ``.NAME.staging-XXXXXXXX`` adds to NAME: a target name may have NAME_MAX minus this."""
-_OURS_NAME = re.compile(rf"^\..+\.({STAGING_TAG}-[0-9a-f]{{8}}|old-\d+)$", re.DOTALL)
+_OURS_NAME = re.compile(
+    rf"^\..+\.(({STAGING_TAG}|{MAILBOX_TAG})-[0-9a-f]{{8}}|old-\d+)$", re.DOTALL
+)
 """A directory of ours beside a target: ``.NAME.staging-XXXXXXXX`` (a save in progress, or the
-checkpoint an exchange replaced) or ``.NAME.old-PID`` (the rename fallback's replaced one)."""
+checkpoint an exchange replaced), ``.NAME.steps-XXXXXXXX`` (the mailbox of a background save)
+or ``.NAME.old-PID`` (the rename fallback's replaced one)."""
 _CHECKPOINT_FILE = re.compile(
     rf"^({re.escape(MANIFEST_NAME)}|[^.].*\.safetensors|[^.].*\.index\.json)$", re.DOTALL
 )
