@@ -1,7 +1,11 @@
 """Every call muonckpt makes into torch.distributed, in one place.
 
 Ranks are global ranks unless a name says otherwise. Small metadata travels as UTF-8 JSON in
-uint8 tensors (no pickle, unlike torch's ``*_object`` collectives).
+uint8 tensors (no pickle, unlike torch's ``*_object`` collectives). Every tensor muonckpt
+creates for torch.distributed, and every point-to-point message, is on the device
+:func:`comm_device` names for its group (the CPU for gloo, the current CUDA device for NCCL);
+a collective on the caller's tensors uses their own device where the group serves it. Results
+come back on the device the caller's tensors are on.
 """
 
 from __future__ import annotations
@@ -45,35 +49,91 @@ def group_ranks(group: Group) -> list[int]:
     return dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
 
 
+_CPU = torch.device("cpu")
+
+
+def comm_device(group: Group) -> torch.device:
+    """The device of the tensors muonckpt creates to hand to torch.distributed for ``group``
+    (None: the default group; metadata, state pieces, receive buffers): the CPU where the
+    group's backend serves CPU tensors (gloo, ``cpu:gloo,cuda:nccl``), else this process's
+    current device of the type it serves (``cuda:N`` for ``nccl`` or ``cuda:gloo``).
+
+    Read from the group's backend config at each call (well under a microsecond), so nothing
+    goes stale when groups are remade or the current CUDA device changes. Raises
+    :class:`CollectiveError` for a group served only for a device type this process has none of.
+    """
+    if not is_distributed():
+        return _CPU
+    config, served = _served(group)
+    if "cpu" in served:
+        return _CPU
+    kind = served[0]
+    module = torch.get_device_module(kind)
+    if not module.is_available():
+        raise CollectiveError(
+            f"the process group with backend {config!r} needs {kind.upper()} tensors, and this "
+            f"process has no usable {kind.upper()} device (torch.{kind}.is_available() is False): "
+            "run it where there is one, or give the group a CPU backend too (cpu:gloo,...)"
+        )
+    return torch.device(kind, module.current_device())
+
+
+def _served(group: Group) -> tuple[str, list[str]]:
+    """The group's backend config (``cpu:gloo,cuda:nccl``) and the device types it serves."""
+    config = dist.get_backend_config(group)
+    return config, [entry.split(":")[0] for entry in config.split(",")]
+
+
+def _on(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``tensor`` contiguous on ``device``: itself when it is already, else a copy."""
+    return tensor.to(device).contiguous()
+
+
+def _for_collective(tensor: torch.Tensor, group: Group) -> torch.Tensor:
+    """``tensor`` as a collective over ``group`` takes it: on its own device where the group
+    serves that device type (a step's CUDA tensors keep the CUDA backend of a
+    ``cpu:gloo,cuda:nccl`` group), else on :func:`comm_device`. Every rank must pass tensors of
+    one device type, as torch requires."""
+    served = tensor.device.type in _served(group)[1]
+    return _on(tensor, tensor.device if served else comm_device(group))
+
+
 def all_gather_flat(local: torch.Tensor, group: Group) -> torch.Tensor:
-    """Concatenation of every group rank's equal-sized 1-D ``local``, in group-rank order."""
-    out = torch.empty(local.numel() * group_size(group), dtype=local.dtype, device=local.device)
+    """Concatenation of every group rank's equal-sized 1-D ``local``, in group-rank order, on
+    ``local``'s device."""
+    sent = _for_collective(local, group)
+    out = torch.empty(local.numel() * group_size(group), dtype=local.dtype, device=sent.device)
     gather_single = getattr(dist, "all_gather_single", None)
     if gather_single is not None:
-        gather_single(out, local, group=group)
+        gather_single(out, sent, group=group)
     else:
-        dist.all_gather_into_tensor(out, local, group=group)
-    return out
+        dist.all_gather_into_tensor(out, sent, group=group)
+    return out.to(local.device)
 
 
 def all_gather_list(local: torch.Tensor, group: Group) -> list[torch.Tensor]:
-    """Every group rank's ``local`` (all the same shape), in group-rank order."""
-    parts = [torch.empty_like(local) for _ in range(group_size(group))]
-    dist.all_gather(parts, local.contiguous(), group=group)
-    return parts
+    """Every group rank's ``local`` (all the same shape), in group-rank order, on ``local``'s
+    device."""
+    sent = _for_collective(local, group)
+    parts = [torch.empty_like(sent) for _ in range(group_size(group))]
+    dist.all_gather(parts, sent, group=group)
+    return [part.to(local.device) for part in parts]
 
 
 def all_reduce_mean_(tensor: torch.Tensor, group: Group) -> torch.Tensor:
     """``tensor`` replaced in place by its mean over the group's ranks."""
     if group_size(group) > 1:
-        dist.all_reduce(tensor, group=group)
+        reduced = _for_collective(tensor, group)
+        dist.all_reduce(reduced, group=group)
+        if reduced is not tensor:
+            tensor.copy_(reduced)
         tensor.div_(group_size(group))
     return tensor
 
 
 def all_gather_ints(values: Sequence[int], group: Group) -> list[list[int]]:
     """Each group rank's list of ints (all lists the same length), in group-rank order."""
-    local = torch.tensor(list(values), dtype=torch.int64)
+    local = torch.tensor(list(values), dtype=torch.int64, device=comm_device(group))
     return [t.tolist() for t in all_gather_list(local, group)]
 
 
@@ -116,11 +176,18 @@ def grid_groups(dp: int, tp: int) -> tuple[Group, Group]:
 
 
 def send(tensor: torch.Tensor, dst: int) -> None:
-    dist.send(tensor.contiguous(), dst=dst)
+    """Send ``tensor`` to global rank ``dst`` over the default group, from its
+    :func:`comm_device` (always: the receiver cannot know where the sender's tensor is, and
+    both ends must use the same backend)."""
+    dist.send(_on(tensor, comm_device(None)), dst=dst)
 
 
-def recv(tensor: torch.Tensor, src: int) -> None:
+def recv(shape: Sequence[int], dtype: torch.dtype, src: int) -> torch.Tensor:
+    """A tensor of ``shape`` and ``dtype`` received from global rank ``src`` over the default
+    group, on the default group's :func:`comm_device` (copy it to where it is needed)."""
+    tensor = torch.empty(tuple(shape), dtype=dtype, device=comm_device(None))
     dist.recv(tensor, src=src)
+    return tensor
 
 
 def send_json(obj: Any, dst: int) -> None:
@@ -131,12 +198,9 @@ def send_json(obj: Any, dst: int) -> None:
 
 
 def recv_json(src: int) -> Any:
-    length = torch.empty(1, dtype=torch.int64)
-    recv(length, src)
-    payload = torch.empty(int(length.item()), dtype=torch.uint8)
-    if payload.numel():
-        recv(payload, src)
-    return json.loads(payload.numpy().tobytes().decode())
+    length = int(recv((1,), torch.int64, src).item())
+    payload = recv((length,), torch.uint8, src) if length else torch.empty(0, dtype=torch.uint8)
+    return json.loads(payload.cpu().numpy().tobytes().decode())
 
 
 def gather_json(obj: Any, ranks: Sequence[int], dst: int) -> list[Any] | None:

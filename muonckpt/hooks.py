@@ -7,7 +7,8 @@ into torch's ordinary state-dict format with every param's full-shape state:
 
 * ``state_dict()`` (a collective over every rank that holds state) learns the complete list of
   params from the whole grid (a rank may leave out a param it owns no element of), then streams
-  each param's pieces to the destination rank, which assembles full tensors one at a time.
+  each param's pieces to the destination rank, which assembles full tensors one at a time in
+  host memory (CPU tensors, whatever device the state lives on).
   Other ranks return a stub marked incomplete, so loading one by mistake fails loudly instead
   of silently restarting momentum at zero.
 * ``load_state_dict(sd)`` matches params by name, validates names, keys and shapes, and keeps
@@ -15,8 +16,9 @@ into torch's ordinary state-dict format with every param's full-shape state:
   call that needs the grid's param list (``state_dict``, ``load_state_dict``, ``save`` or
   ``load``) is a collective over the grid; the list is kept for later calls.
 
-Memory: the destination holds the complete state plus one piece in flight; every other rank its
-own share plus one piece (or one full param when delivering to all ranks).
+Memory: the destination holds the complete state in host memory plus one piece in flight on the
+device of the process group (:func:`muonckpt.collectives.comm_device`); every other rank its own
+share plus one piece (or one full param when delivering to all ranks).
 """
 
 from __future__ import annotations
@@ -37,6 +39,9 @@ from .layout import Region, Topology, tp_full_shape, tp_region, whole_region
 from .manifest import PARAM_KEY
 from .regions import extract, insert_
 
+HOST = torch.device("cpu")
+"""Where gathered full tensors are assembled and delivered: host memory, as DCP's
+``cpu_offload=True``, so a GPU never holds more than a piece or one param in flight."""
 MARKER = "muonckpt"
 """Top-level key that tags state dicts produced by these hooks."""
 FORMAT_VERSION = 1
@@ -428,7 +433,7 @@ def describe_value(
 def value_of(info: Mapping[str, Any]) -> Any:
     """A scalar or plain value back from its description."""
     if info["kind"] == "scalar":
-        return torch.tensor(info["value"], dtype=getattr(torch, info["dtype"]))
+        return torch.tensor(info["value"], dtype=getattr(torch, info["dtype"]), device=HOST)
     return info["value"]
 
 
@@ -441,7 +446,9 @@ def _gather_value(
     all_ranks: bool,
     failures: list[Exception],
 ) -> Any:
-    """Assemble one full state value on the destination (and, if asked, on every rank).
+    """Assemble one full state value in host memory on the destination (and, if asked, on every
+    rank). Pieces travel on the process group's device and are copied into the host tensor as
+    each arrives.
 
     Every send and receive the metadata fixed happens even after a failure of this rank's own
     (a full tensor it cannot allocate, a piece it cannot produce): the failure goes to
@@ -453,7 +460,7 @@ def _gather_value(
     me, dst = collectives.global_rank(), sharding.destination
     dtype = getattr(torch, info["dtype"])
     shape = param.full_shape
-    full = _attempt(failures, torch.empty, shape, dtype=dtype) if me == dst else None
+    full = _attempt(failures, torch.empty, shape, dtype=dtype, device=HOST) if me == dst else None
     for holding in param.sources:
         if holding.rank == me:
             piece = _attempt(failures, lambda: local_state[param.local_index][key].reshape(-1))
@@ -462,8 +469,7 @@ def _gather_value(
             elif full is not None and piece is not None:
                 _attempt(failures, insert_, full, holding.region, piece)
         elif me == dst:
-            piece = torch.empty(holding.region.numel, dtype=dtype)
-            collectives.recv(piece, holding.rank)
+            piece = collectives.recv((holding.region.numel,), dtype, holding.rank)
             if full is not None:
                 _attempt(failures, insert_, full, holding.region, piece)
     if all_ranks:
@@ -472,8 +478,7 @@ def _gather_value(
                 if rank != dst:
                     collectives.send(_or_zeros(full, math.prod(shape), dtype).reshape(shape), rank)
         else:
-            full = torch.empty(shape, dtype=dtype)
-            collectives.recv(full, dst)
+            full = collectives.recv(shape, dtype, dst).to(HOST)
     return full
 
 

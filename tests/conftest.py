@@ -23,6 +23,16 @@ REPO = Path(__file__).resolve().parents[1]
 """The repository root: the working directory for subprocesses that import ``tests.*``."""
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``cuda`` are skipped where torch sees no CUDA device."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (torch.cuda.is_available() is False)")
+    for item in items:
+        if item.get_closest_marker("cuda") is not None:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def single_ckpt(tmp_path_factory) -> Callable[[int], Path]:
     """``single_ckpt(steps)``: a per-rank checkpoint of the fixture model trained ``steps``
