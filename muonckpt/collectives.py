@@ -11,17 +11,16 @@ come back on the device the caller's tensors are on.
 from __future__ import annotations
 
 import json
-import os
-import traceback
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from .errors import CollectiveError, MuonCkptError
+from .steps import Outcome, StepProtocol
 
 Group = dist.ProcessGroup | None
 
@@ -226,85 +225,24 @@ def broadcast_json(obj: Any, ranks: Sequence[int], src: int) -> Any:
     return recv_json(src)
 
 
-T = TypeVar("T")
-
-
-class CollectiveSteps:
-    """One collective operation run as named steps over ``ranks``, as DCP's ``_DistWrapper``.
-
-    A step ends with every rank knowing its outcome: the value, or the failure of any rank,
-    raised on every rank as the same ``error`` (a library error type the caller chooses),
-    ``"<operation> (<step>): <message>"``. A failure of a step nested inside another one's
-    work over the same ranks (the state-dict gather inside a consolidated save's write) has
-    been raised on every rank already and passes through the outer step unchanged. Any
-    Exception counts, not only the library's own: a rank that let anything else escape would
-    leave the others blocked at the next collective. A library error's message is kept (naming
-    the rank where every rank works); any other names the rank, the exception type and where
-    it was raised. KeyboardInterrupt and other BaseExceptions propagate. Failures travel as
-    JSON (point-to-point, so ``ranks`` need not form a process group). A transfer that fails
-    itself (a peer process dying, the network) is not a step's failure: the process group's
-    timeout ends it.
-    """
+class CollectiveSteps(StepProtocol):
+    """The step protocol (:class:`muonckpt.steps.StepProtocol`) over the job's process group:
+    each rank's outcome travels to the root, and the root's to every rank, as JSON
+    point-to-point (so ``ranks`` need not form a process group). A transfer that fails itself
+    (a peer process dying, the network) is not a step's failure: the process group's timeout
+    ends it."""
 
     def __init__(
         self, operation: str, ranks: Sequence[int], root: int, error: type[MuonCkptError]
     ) -> None:
-        self.operation, self.ranks, self.root, self.error = operation, list(ranks), root, error
-        self.rank = global_rank()
-        self.is_root = self.rank == root
-        self._failure: Exception | None = None
-        """This rank's own exception in the current step, chained to the error raised."""
+        super().__init__(operation, ranks, root, error, global_rank())
 
-    def each_then_root(
-        self, step: str, each: Callable[[], Any], then: Callable[[list[Any]], T]
-    ) -> T:
-        """``each()`` on every rank, their values (in the order of ``ranks``) to
-        ``then(values)`` on the root, its value on every rank.
-
-        Any rank's failure in ``each`` fails the step on every rank, and ``then`` does not run.
-        """
-        outcomes = gather_json(self._run(each, name_rank=True), self.ranks, self.root)
-        outcome = None
-        if self.is_root:
-            failed = [o for o in outcomes if "error" in o]
-            outcome = (
-                failed[0] if failed else self._run(lambda: then([o["value"] for o in outcomes]))
-            )
-        return self._agreed(step, broadcast_json(outcome, self.ranks, self.root))
-
-    def _run(self, work: Callable[[], Any], name_rank: bool = False) -> dict[str, Any]:
-        """``{"value": work()}``, or ``{"error": message}`` when it raises an Exception (a
-        library error's message names this rank with ``name_rank`` among several ranks)."""
-        try:
-            return {"value": work()}
-        except MuonCkptError as exc:
-            if getattr(exc, "agreed_by", None) == self.ranks:
-                raise  # a nested step's failure, already raised on every rank of this protocol
-            self._failure = exc
-            named = name_rank and len(self.ranks) > 1
-            return {"error": f"rank {self.rank}: {exc}" if named else str(exc)}
-        except Exception as exc:
-            self._failure = exc
-            return {"error": describe_failure(exc)}
-
-    def _agreed(self, step: str, outcome: dict[str, Any]) -> Any:
-        failure, self._failure = self._failure, None
-        if "error" in outcome:
-            error = self.error(f"{self.operation} ({step}): {outcome['error']}")
-            error.agreed_by = self.ranks
-            raise error from failure
-        return outcome["value"]
-
-
-def describe_failure(exc: BaseException) -> str:
-    """``rank R: Type: message (at file.py:line in function)``, on one line."""
-    where = ""
-    frames = traceback.extract_tb(exc.__traceback__)
-    if frames:
-        last = frames[-1]
-        where = f" (at {os.path.basename(last.filename)}:{last.lineno} in {last.name})"
-    text = " ".join(str(exc).split())
-    return f"rank {global_rank()}: {type(exc).__name__}{': ' + text if text else ''}{where}"
+    def _exchange(
+        self, step: str, mine: Outcome, decide: Callable[[list[Outcome]], Outcome]
+    ) -> Outcome:
+        outcomes = gather_json(mine, self.ranks, self.root)
+        outcome = decide(outcomes) if outcomes is not None else None
+        return broadcast_json(outcome, self.ranks, self.root)
 
 
 @contextmanager
