@@ -2,7 +2,7 @@
 
 A helper process imports torch once and, per trial, forks a child that saves a small state
 (every state tensor filled with 1) to ``ckpt``, then starts ``async_save`` of the same state
-filled with 2 over it (``overwrite=True``, ``keep_last=2`` beside an older checkpoint). The
+filled with 2 over it (``overwrite=True``, ``keep_last=1`` beside an older checkpoint). The
 child stops at the trial's moment of the background work (a function of the write path
 replaced by one that says where it is and sleeps) and is SIGKILLed there. Afterwards ``ckpt``
 must be one whole checkpoint, the old or the new as the moment implies, anything left beside it
@@ -11,35 +11,18 @@ must be recognisably muonckpt's unfinished work, and ``latest`` must pick a soun
 
 from __future__ import annotations
 
-import select
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
 import muonckpt
 from muonckpt import storage
 
 from .fixture_model import build, initial_params
+from .kill_helpers import loaded_value, readline, start_helper
 
 HELPER = r"""
-import os, signal, sys, time
 from pathlib import Path
-import torch
-torch.set_num_threads(1)  # no OpenMP pool to inherit across fork
-import muonckpt
 from muonckpt import storage, writing
 from muonckpt.storage import safetensors_writer
-from tests.fixture_model import build, initial_params, train
-
-opt, sharded, dp_rank, tp_rank = build(1, 1, initial_params())
-train(opt, sharded, dp_rank, tp_rank, 0, 1)
-tensors = [v for state in opt.state.values() for v in state.values()]
-
-def fill(value):
-    for t in tensors:
-        t.fill_(value)
 
 def pause(where):
     print("at", where, flush=True)
@@ -128,36 +111,10 @@ TRIALS = [
 ]
 
 
-def _readline(proc: subprocess.Popen, timeout: float = 60.0) -> str:
-    ready, _, _ = select.select([proc.stdout], [], [], timeout)
-    if not ready:
-        raise AssertionError(f"helper process silent for {timeout}s")
-    line = proc.stdout.readline()
-    if not line:
-        raise AssertionError(f"helper process died: {proc.stderr.read()}")
-    return line.strip()
-
-
-def _loaded_value(path: Path) -> int:
-    """Load ``path`` into a fresh optimizer; the one value all its state tensors hold."""
-    opt, *_ = build(1, 1, initial_params())
-    muonckpt.load(opt, path)
-    values = {x for s in opt.state.values() for v in s.values() for x in v.unique().tolist()}
-    assert len(values) == 1, f"state mixes saves: {sorted(values)}"
-    return int(values.pop())
-
-
 @pytest.fixture(scope="module")
 def helper():
-    proc = subprocess.Popen(
-        [sys.executable, "-c", HELPER],
-        cwd=Path(__file__).resolve().parents[1],  # imports tests.fixture_model
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    assert _readline(proc) == "ready"
+    proc = start_helper(HELPER)
+    assert readline(proc) == "ready"
     yield proc
     proc.kill()
     proc.wait()
@@ -169,15 +126,15 @@ def test_sigkill_in_the_background_write_loses_nothing(
 ):
     helper.stdin.write(f"{tmp_path} {moment} {int(consolidated)}\n")
     helper.stdin.flush()
-    where = _readline(helper)
+    where = readline(helper)
     helper.stdin.write("kill\n")
     helper.stdin.flush()
-    assert _readline(helper) == "killed"
+    assert readline(helper) == "killed"
     assert where == f"at {moment}"
 
     ckpt = tmp_path / "ckpt"
     assert muonckpt.verify(ckpt) == []
-    assert _loaded_value(ckpt) == expected
+    assert loaded_value(ckpt) == expected
     for entry in tmp_path.iterdir():
         if entry.name in ("ckpt", "older"):
             continue
@@ -191,6 +148,6 @@ def test_sigkill_in_the_background_write_loses_nothing(
     if moment == "pruning":  # half deleted, manifest first: incomplete, never picked
         assert not (older / "manifest.json").exists()
     else:
-        assert muonckpt.verify(older) == [] and _loaded_value(older) == 0
+        assert muonckpt.verify(older) == [] and loaded_value(older) == 0
     newest = muonckpt.latest(tmp_path)
     assert newest == ckpt, newest

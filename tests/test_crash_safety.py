@@ -11,10 +11,7 @@ it must be recognisably unfinished (no manifest) or be a whole checkpoint in its
 from __future__ import annotations
 
 import random
-import select
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,26 +20,13 @@ import muonckpt
 from muonckpt import CheckpointError
 
 from .fixture_model import build, initial_params
+from .kill_helpers import loaded_value, readline, start_helper
 
 TRIALS = 24
 SEED = 20240611
 MAX_DELAY_S = 0.6
 
 HELPER = r"""
-import os, signal, sys, time
-import torch
-torch.set_num_threads(1)  # no OpenMP pool to inherit across fork
-import muonckpt
-from tests.fixture_model import build, initial_params, train
-
-opt, sharded, dp_rank, tp_rank = build(1, 1, initial_params())
-train(opt, sharded, dp_rank, tp_rank, 0, 1)
-tensors = [v for state in opt.state.values() for v in state.values()]
-
-def fill(value):
-    for t in tensors:
-        t.fill_(value)
-
 fill(0)
 muonckpt.save(opt, sys.argv[1])
 print("ready", flush=True)
@@ -65,27 +49,6 @@ for line in sys.stdin:
 """
 
 
-def _readline(proc: subprocess.Popen, timeout: float = 60.0) -> str:
-    ready, _, _ = select.select([proc.stdout], [], [], timeout)
-    if not ready:
-        raise AssertionError(f"helper process silent for {timeout}s")
-    line = proc.stdout.readline()
-    if not line:
-        raise AssertionError(f"helper process died: {proc.stderr.read()}")
-    return line.strip()
-
-
-def _loaded_value(path: Path) -> int:
-    """Load ``path`` into a fresh optimizer; the one value all its state tensors hold."""
-    opt, *_ = build(1, 1, initial_params())
-    muonckpt.load(opt, path)
-    values = {x for s in opt.state.values() for v in s.values() for x in v.unique().tolist()}
-    assert len(values) == 1, f"state mixes saves: {sorted(values)}"
-    (value,) = values
-    assert value == int(value) and value >= 0
-    return int(value)
-
-
 def _check_leftover(staging: Path) -> str:
     """A leftover staging directory must be reported incomplete and refused by load."""
     problems = muonckpt.verify(staging)
@@ -97,16 +60,9 @@ def _check_leftover(staging: Path) -> str:
 
 def test_sigkill_during_save_never_breaks_the_checkpoint(tmp_path):
     template = tmp_path / "template"
-    helper = subprocess.Popen(
-        [sys.executable, "-c", HELPER, str(template)],
-        cwd=Path(__file__).resolve().parents[1],  # imports tests.fixture_model
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    helper = start_helper(HELPER, str(template))
     try:
-        assert _readline(helper) == "ready"
+        assert readline(helper) == "ready"
         rng = random.Random(SEED)
         values, leftovers = [], []
         for trial in range(TRIALS):
@@ -116,10 +72,10 @@ def test_sigkill_during_save_never_breaks_the_checkpoint(tmp_path):
             shutil.copytree(template, ckpt)
             helper.stdin.write(f"{ckpt} {rng.uniform(0, MAX_DELAY_S):.4f}\n")
             helper.stdin.flush()
-            assert _readline(helper) == "killed"
+            assert readline(helper) == "killed"
 
             assert muonckpt.verify(ckpt) == []
-            values.append(_loaded_value(ckpt))
+            values.append(loaded_value(ckpt))
             for entry in root.iterdir():
                 if entry.name == "ckpt":
                     continue

@@ -329,6 +329,18 @@ def retire(directory: str | os.PathLike[str], files: Sequence[str] | None = None
         )
 
 
+def _delete_manifest(directory: Path, what: str) -> bool:
+    """Delete ``directory``'s manifest, the first step of deleting a checkpoint (what a crash
+    leaves then reads as incomplete); False, with a warning that begins with ``what``, when it
+    cannot be deleted (the checkpoint is then left whole)."""
+    try:
+        (directory / MANIFEST_NAME).unlink(missing_ok=True)
+    except OSError as exc:
+        _warn(f"{what}: its {MANIFEST_NAME} cannot be deleted ({exc.strerror}); it is left whole")
+        return False
+    return True
+
+
 def remove_checkpoint(directory: str | os.PathLike[str]) -> bool:
     """Delete the committed checkpoint at ``directory`` (an old one a save's ``keep_last`` no
     longer keeps), crash-safe: its manifest first, so that whatever a crash leaves reads as
@@ -343,13 +355,7 @@ def remove_checkpoint(directory: str | os.PathLike[str]) -> bool:
     if directory.is_symlink():
         _warn(f"{directory} is a symlink, not a checkpoint directory; left alone")
         return False
-    try:
-        (directory / MANIFEST_NAME).unlink(missing_ok=True)
-    except OSError as exc:
-        _warn(
-            f"cannot delete the old checkpoint {directory}: its {MANIFEST_NAME} cannot be "
-            f"deleted ({exc.strerror}); it is left whole"
-        )
+    if not _delete_manifest(directory, f"cannot delete the old checkpoint {directory}"):
         return False
     left = _remove_ours(directory)
     if left:
@@ -409,15 +415,8 @@ def swap_in(
             except OSError as exc:
                 _warn(f"committed {final}, but cannot delete the replaced symlink: {exc}")
             replaced = None
-        else:
-            try:
-                (replaced / MANIFEST_NAME).unlink(missing_ok=True)
-            except OSError as exc:
-                _warn(
-                    f"committed {final}, but cannot delete the replaced checkpoint's manifest "
-                    f"({exc.strerror}): it is left whole at {replaced}"
-                )
-                replaced = None
+        elif not _delete_manifest(replaced, f"committed {final}, but the replaced one {replaced}"):
+            replaced = None
     try:
         fsync_dir(final.parent)
     except CheckpointError as exc:

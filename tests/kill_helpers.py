@@ -1,0 +1,67 @@
+"""What the SIGKILL tests share: a helper process that imports torch once and forks a child
+per trial, reading its lines with a timeout, and loading what a trial left behind."""
+
+from __future__ import annotations
+
+import select
+import subprocess
+import sys
+from pathlib import Path
+
+import muonckpt
+
+from .fixture_model import build, initial_params
+
+REPO = Path(__file__).resolve().parents[1]
+
+PREAMBLE = r"""
+import os, signal, sys, time
+import torch
+torch.set_num_threads(1)  # no OpenMP pool to inherit across fork
+import muonckpt
+from tests.fixture_model import build, initial_params, train
+
+opt, sharded, dp_rank, tp_rank = build(1, 1, initial_params())
+train(opt, sharded, dp_rank, tp_rank, 0, 1)
+tensors = [v for state in opt.state.values() for v in state.values()]
+
+def fill(value):
+    for t in tensors:
+        t.fill_(value)
+"""
+"""The start of every helper script: the fixture optimizer after one step, and ``fill(value)``
+to give all its state tensors one value (which a loaded checkpoint then shows)."""
+
+
+def start_helper(script: str, *args: str) -> subprocess.Popen:
+    """``python -c PREAMBLE + script *args`` in the repository (it imports ``tests.*``)."""
+    return subprocess.Popen(
+        [sys.executable, "-c", PREAMBLE + script, *args],
+        cwd=REPO,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def readline(proc: subprocess.Popen, timeout: float = 60.0) -> str:
+    """The helper's next line; an AssertionError if it stays silent or dies."""
+    ready, _, _ = select.select([proc.stdout], [], [], timeout)
+    if not ready:
+        raise AssertionError(f"helper process silent for {timeout}s")
+    line = proc.stdout.readline()
+    if not line:
+        raise AssertionError(f"helper process died: {proc.stderr.read()}")
+    return line.strip()
+
+
+def loaded_value(path: Path) -> int:
+    """Load ``path`` into a fresh optimizer; the one value all its state tensors hold."""
+    opt, *_ = build(1, 1, initial_params())
+    muonckpt.load(opt, path)
+    values = {x for s in opt.state.values() for v in s.values() for x in v.unique().tolist()}
+    assert len(values) == 1, f"state mixes saves: {sorted(values)}"
+    (value,) = values
+    assert value == int(value) and value >= 0
+    return int(value)
