@@ -60,8 +60,9 @@ from .steps import describe_failure
 from .writeplan import WritePlan, consolidated_plan, rank_plan, unique_tensor_keys
 
 DEFAULT_ASYNC_TIMEOUT_S: float = 1800.0
-"""How long, by default, the root of a background save waits for every rank's write (and the
-others for the root's outcome, twice that) before it fails: the process group's own default."""
+"""How long, by default, the root of a background save waits at each step for every rank (and
+the others for the root, twice that) before the save fails: gloo's default process-group
+timeout (NCCL's is 10 minutes)."""
 
 
 def save(
@@ -134,22 +135,25 @@ def async_save(
     background. A collective over the grid while it snapshots (every rank calls it).
 
     Training may step right after it returns: the checkpoint holds the values at the call.
-    The snapshot goes into host buffers kept per optimizer and reused by its next save (pinned
-    when the state is in CUDA memory): extra host memory of this rank's share of the state and
-    params (a consolidated save: the full state on rank 0, gathered as in :func:`save`).
+    The snapshot goes into host buffers kept per optimizer and reused by its next save: extra
+    host memory of this rank's share of the state and params (a consolidated save: the full
+    state on rank 0, gathered as in :func:`save`). For CUDA state they are pinned, from
+    torch's caching host allocator, which rounds each allocation up to a power of two.
 
     The background work never uses the job's process groups (a collective from another thread
     could deadlock with, or be reordered against, the job's own). The ranks agree through
     files in a directory beside the target, ``.NAME.steps-XXXXXXXX``, which every rank must
     see (as they must see the staging directory they write into): each rank reports its
-    write there, rank 0 commits when every report is in and leaves the outcome for the others.
+    write there, rank 0 commits when every report is in and leaves the outcome for the others
+    (:class:`muonckpt.writing.DirectorySteps`). Callbacks added to the returned future run in
+    that background thread, so they must not use the process groups either.
 
     Args:
         optimizer, path, consolidated, max_shard_size, params, overwrite, keep_last: as for
             :func:`save`.
-        timeout: seconds rank 0 waits for the slowest rank's write before the save fails on
-            every rank still there (the others wait twice that for rank 0's outcome): a rank
-            whose write never finishes is an error, never a hang.
+        timeout: seconds (positive) rank 0 waits at each step for the slowest rank before the
+            save fails on every rank still there (the others wait twice that for rank 0): a
+            rank whose write never finishes is an error, never a hang.
 
     Returns:
         A :class:`concurrent.futures.Future` whose ``result()`` is the committed checkpoint's
@@ -157,12 +161,17 @@ def async_save(
         on every rank).
 
     At most one save per optimizer is in flight: a next ``async_save`` or :func:`save` of the
-    same optimizer waits for this one's commit first. At interpreter exit a save in flight is
-    finished (its thread is not a daemon); a process killed meanwhile leaves the previous
-    checkpoint at ``path`` whole and only an unfinished staging directory beside it.
-    Errors found before the snapshot is taken (a target that may not be written, state that
-    cannot be stored) are raised by this call itself.
+    same optimizer waits for this one to end first (its error stays with its own future:
+    check it, as the README's loop does). At interpreter exit a save in flight is finished (its
+    thread is not a daemon); a process killed meanwhile leaves the previous checkpoint at
+    ``path`` whole, and an unfinished staging directory and the mailbox beside it. Errors
+    found before the snapshot is taken (a target that may not be written, state that cannot
+    be stored, a bad ``timeout``) are raised by this call itself, on every rank.
     """
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise CheckpointError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    if math.isinf(timeout):
+        raise CheckpointError("timeout must be finite: a rank that never reports would hang")
     optimizer = _one(optimizer)
     _wait_in_flight(optimizer)
     prepared = _prepare_save(
@@ -194,8 +203,13 @@ def async_save(
         name=f"muonckpt async_save {path}",
         daemon=False,  # the interpreter waits for it at exit: a save in flight is finished
     )
+    try:
+        thread.start()
+    except BaseException as exc:  # no thread to be had (at interpreter shutdown, say)
+        if foreground.is_root:
+            writing.abandon(prepared.staging)
+        raise CheckpointError(f"cannot start the background save: {exc}", path=path) from exc
     _IN_FLIGHT[_key(optimizer)] = future
-    thread.start()
     return future
 
 
@@ -216,7 +230,7 @@ def _finish_in_background(
             _prune(committed, keep_last)
     except MuonCkptError as exc:
         future.set_exception(exc)
-    except BaseException as exc:  # one process: LocalSteps-free, but not yet a library error
+    except BaseException as exc:  # not a library error yet: the same rule as a step's failure
         error = CheckpointError(f"async_save: {describe_failure(exc, steps.rank)}", path=final)
         error.__cause__ = exc
         future.set_exception(error)
@@ -282,17 +296,27 @@ def _prepare_save(
     *,
     background: bool = False,
 ) -> _PreparedSave:
-    """Everything of a save before the writing, in the caller's thread: one ``stage`` step
-    (every rank's checks, then the root creates the staging directory, and for a
-    ``background`` save its mailbox), the state holders' check, the group settings and the
-    data this rank writes (the full state gathered on the destination for a consolidated
-    save); for a ``background`` save copied to host buffers, so that the optimizer may change
-    as soon as this returns."""
+    """Everything of a save before the writing, in the caller's thread, so that any rank's
+    failure here is every rank's: one ``stage`` step (every rank checks what it will write and,
+    for a ``background`` save, copies it into its host buffers, so that the optimizer may change
+    as soon as this returns; then the root creates the staging directory, and for a
+    ``background`` save its mailbox), the state holders' check, the group settings, and for a
+    consolidated save the full state gathered to the destination's host memory."""
     sharding = describe(optimizer)
     steps = collectives.CollectiveSteps(
         operation, sharding.participants, sharding.destination, CheckpointError
     )
-    check = lambda: _check_storable(sharding, optimizer, params, keep_last, Path(path))  # noqa: E731
+    buffers = _HOST_BUFFERS.setdefault(_key(optimizer), HostBuffers())
+    taken: list[_Payload] = []
+
+    def check() -> None:
+        _check_storable(sharding, optimizer, params, keep_last, Path(path))
+        if not consolidated:
+            payload = _rank_payload(optimizer, sharding, params)
+            if background:
+                payload.tensors = buffers.snapshot(payload.tensors)
+            taken.append(payload)
+
     mailbox = background and len(sharding.participants) > 1
     staging = writing.stage(steps, path, overwrite=overwrite, check=check, mailbox=mailbox)
     try:
@@ -301,23 +325,17 @@ def _prepare_save(
             # unnoticed (the consolidated gather checks this itself).
             check_state_holders(sharding, _local_state(optimizer, sharding, params=False))
         groups = _group_entries(optimizer, sharding)
-        if consolidated:
-            payload = _consolidated_payload(optimizer, sharding, max_shard_size, params)
-        else:
-            payload = _rank_payload(optimizer, sharding, params)
-        buffers = _HOST_BUFFERS.setdefault(_key(optimizer), HostBuffers())
-        if background and not consolidated:  # a gathered full state is a fresh copy already
-            tensors = buffers.snapshot(payload.tensors)
-        else:
-            tensors = payload.tensors
+        if consolidated:  # gathered into fresh host tensors: a snapshot already
+            taken.append(_consolidated_payload(optimizer, sharding, max_shard_size, params))
     except BaseException:
         if steps.is_root:
             writing.abandon(staging)
         raise
+    (payload,) = taken
     if background:
-        fetch = lambda w: tensors[w.param, w.key].reshape(-1)  # noqa: E731
+        fetch = lambda w: payload.tensors[w.param, w.key].reshape(-1)  # noqa: E731
     else:  # streamed: each CUDA tensor through one reused host buffer
-        fetch = lambda w: buffers.to_host(tensors[w.param, w.key]).reshape(-1)  # noqa: E731
+        fetch = lambda w: buffers.to_host(payload.tensors[w.param, w.key]).reshape(-1)  # noqa: E731
 
     def write(staging: Path) -> writing.Written:
         if payload.plan is None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -28,7 +29,7 @@ from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 from . import storage
-from .errors import CheckpointError, MuonCkptError
+from .errors import CheckpointError, CheckpointWarning, MuonCkptError
 from .manifest import MANIFEST_NAME, FileEntry, Manifest, Piece, piece_from_json, piece_to_json
 from .steps import Outcome, StepProtocol
 from .workplan import WorkUnit, split_work
@@ -214,11 +215,19 @@ def finish(
         storage.retire(replaced["at"])
     elif replaced is not None:
         share = replaced["files"][steps.ranks.index(steps.rank) :: len(steps.ranks)]
-        steps.each_then_root(
-            "retire",
-            lambda: storage.retire(replaced["at"], share),
-            lambda _: storage.retire(replaced["at"]),
-        )
+        try:
+            steps.each_then_root(
+                "retire",
+                lambda: storage.retire(replaced["at"], share),
+                lambda _: storage.retire(replaced["at"]),
+            )
+        except MuonCkptError as exc:  # committed: what is left of the old one is a warning
+            warnings.warn(
+                f"committed {final}, but the checkpoint it replaced may not be deleted "
+                f"entirely ({replaced['at']}): {exc}",
+                CheckpointWarning,
+                stacklevel=2,
+            )
     return final
 
 
@@ -226,11 +235,20 @@ class DirectorySteps(StepProtocol):
     """:class:`Steps` whose messages are files of a :class:`~muonckpt.storage.Mailbox`, for
     the ranks of a background save (which must not use the job's process groups).
 
-    Every rank leaves its outcome of a step; the root waits up to ``timeout`` seconds for all
-    of them, decides and leaves the step's outcome, which the others wait for up to twice
-    that (the root itself may wait ``timeout`` for the slowest rank). A rank that does not
-    report in time fails the step on every rank that is still there, naming it: a bounded
-    wait, never a hang. With one rank there is nobody to tell, and no mailbox.
+    Every rank leaves its outcome of a step (``<step>-<rank>``); the root waits up to
+    ``timeout`` seconds for all of them and leaves the step's outcome (``<step>-outcome``),
+    which the others wait for up to twice that (the root itself may wait ``timeout`` for the
+    slowest rank). Waits are bounded, so a rank that never reports fails the step on the
+    others instead of hanging them.
+
+    Every rank ends a step with the same outcome, also when ranks give up on each other: the
+    step is decided once, by whoever first claims ``<step>-decision``
+    (:meth:`~muonckpt.storage.Mailbox.claim`). The root claims it before it acts (its
+    ``then`` may commit a checkpoint, which cannot be taken back), or with the failure it
+    found; a rank that gives up waiting for the root claims it with its error, and a root that
+    finds the claim taken acts on nothing and passes that error on. Only a root that claimed
+    and then gives no outcome for another ``timeout`` leaves the others unsure (they say so).
+    With one rank there is nobody to tell, and no mailbox.
     """
 
     def __init__(
@@ -254,24 +272,53 @@ class DirectorySteps(StepProtocol):
         tag = step.replace(" ", "-")
         with contextlib.suppress(CheckpointError):  # a mailbox gone is reported below
             self.mailbox.post(f"{tag}-{self.rank}", mine)
-        if not self.is_root:
-            found, missing = self.mailbox.wait([f"{tag}-outcome"], 2 * self.timeout)
-            if not missing:
-                return found[f"{tag}-outcome"]
-            if not self.mailbox.exists():
-                why = f"rank {self.root} gave up waiting for this rank (its mailbox is gone)"
-            else:
-                why = f"rank {self.root} gave no outcome within {2 * self.timeout:g} s"
-            return {"error": f"rank {self.rank}: {why}"}
+        if self.is_root:
+            outcome = self._decide(tag, decide)
+            self.mailbox.post(f"{tag}-outcome", outcome)
+            return outcome
+        return self._await_outcome(tag)
+
+    def _decide(self, tag: str, decide: Callable[[list[Outcome]], Outcome]) -> Outcome:
+        """(the root) Every rank's outcome, then the step's: acted on only once claimed."""
         names = [f"{tag}-{rank}" for rank in self.ranks]
         found, missing = self.mailbox.wait(names, self.timeout)
         if missing:
             late = [self.ranks[names.index(name)] for name in missing]
-            outcome: Outcome = {"error": f"rank(s) {late} did not finish within {self.timeout:g} s"}
+            failed: Outcome | None = {
+                "error": f"rank(s) {late} did not finish within {self.timeout:g} s"
+            }
         else:
-            outcome = decide([found[name] for name in names])
-        self.mailbox.post(f"{tag}-outcome", outcome)
-        return outcome
+            failed = next((found[n] for n in names if "error" in found[n]), None)
+        decision = failed if failed is not None else {"acting": self.root}
+        if not self.mailbox.claim(f"{tag}-decision", decision):
+            return self.mailbox.read(f"{tag}-decision")  # a rank gave up first: its error
+        return failed if failed is not None else decide([found[name] for name in names])
+
+    def _await_outcome(self, tag: str) -> Outcome:
+        """(every other rank) The root's outcome of the step; if it does not come in time,
+        this rank's own failure, unless the root already took the decision."""
+        found, missing = self.mailbox.wait([f"{tag}-outcome"], 2 * self.timeout)
+        if not missing:
+            return found[f"{tag}-outcome"]
+        if not self.mailbox.exists():
+            why = f"rank {self.root} gave up waiting for this rank (its mailbox is gone)"
+            return {"error": f"rank {self.rank}: {why}"}
+        abort = {
+            "error": f"rank {self.rank}: rank {self.root} gave no outcome within "
+            f"{2 * self.timeout:g} s"
+        }
+        if self.mailbox.claim(f"{tag}-decision", abort):
+            return abort
+        decision = self.mailbox.read(f"{tag}-decision")
+        if "error" in decision:
+            return decision
+        found, missing = self.mailbox.wait([f"{tag}-outcome"], self.timeout)
+        if not missing:
+            return found[f"{tag}-outcome"]
+        return {
+            "error": f"rank {self.rank}: rank {self.root} went on with the step but gave no "
+            f"outcome within {3 * self.timeout:g} s: whether it took effect is unknown"
+        }
 
     def leave(self) -> None:
         """(every rank, once done with the protocol) Say so; the root then waits up to

@@ -11,7 +11,7 @@ import torch.distributed as dist
 import muonckpt
 from muonckpt import writing
 
-from .fixture_model import build, initial_params, local_params, train
+from .fixture_model import build, initial_params, train
 
 
 def _trash(opt: muonckpt.Muon) -> None:
@@ -39,10 +39,12 @@ def snapshot_phase(
     return str(future.result(timeout=60))
 
 
-def failing_rank_phase(ckpt: str, failing_rank: int, how: str, timeout: float) -> str:
-    """Save once, then save over it in the background with one rank's write failing
-    (``"raise"``: an OSError; ``"stall"``: it sleeps past ``timeout`` first); the error's
-    message on this rank."""
+def failing_rank_phase(
+    ckpt: str, failing_rank: int, how: str, timeout: float, overwrite: bool = True
+) -> str:
+    """Save once, then save in the background (over it with ``overwrite``, else beside it, to
+    ``ckpt-new``) with one rank's write failing (``"raise"``: an OSError; ``"stall"``: it
+    sleeps past ``timeout`` first); the error's message on this rank."""
     opt, sharded, dp_rank, tp_rank = build(2, 1, initial_params())
     train(opt, sharded, dp_rank, tp_rank, 0, 1)
     muonckpt.save(opt, ckpt)
@@ -57,7 +59,8 @@ def failing_rank_phase(ckpt: str, failing_rank: int, how: str, timeout: float) -
             return original(*args, **kwargs)
 
         writing.write_files = write_files
-    future = muonckpt.async_save(opt, ckpt, overwrite=True, timeout=timeout)
+    target = ckpt if overwrite else f"{ckpt}-new"
+    future = muonckpt.async_save(opt, target, overwrite=overwrite, timeout=timeout)
     try:
         future.result(timeout=60)
     except muonckpt.CheckpointError as exc:
@@ -80,9 +83,3 @@ def keep_last_phase(root: str, saves: int, keep_last: int) -> list[int]:
     dist.barrier()
     newest = muonckpt.latest(root)
     return [muonckpt.read_manifest(newest).step, int(all(f.done() for f in futures))]
-
-
-def local_params_after(dp: int, tp: int, steps: int) -> dict[str, torch.Tensor]:
-    opt, sharded, dp_rank, tp_rank = build(dp, tp, initial_params())
-    train(opt, sharded, dp_rank, tp_rank, 0, steps)
-    return local_params(opt)

@@ -70,6 +70,27 @@ def test_a_rank_whose_write_never_finishes_is_an_error_after_the_timeout(tmp_pat
     assert all(storage.is_ours(n) for n in leftover), leftover
 
 
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_ranks_agree_when_the_root_is_the_late_one(tmp_path, overwrite):
+    """Rank 0 writes for longer than rank 1 waits for it: rank 1 gives up first, and rank 0
+    then must not commit what rank 1 has already reported as failed."""
+    ckpt = tmp_path / "ckpt"
+    messages = run_distributed(
+        failing_rank_phase, 2, str(ckpt), 0, "stall", 1.0, overwrite, timeout=120
+    )
+    assert messages[0] == messages[1], messages
+    assert "async_save (write): rank 1: rank 0 gave no outcome within 2 s" in messages[0]
+    assert _entries(tmp_path) == ["ckpt"]  # nothing committed, nothing left beside it
+    assert muonckpt.verify(ckpt) == [] and muonckpt.read_manifest(ckpt).step == 1
+
+
+@pytest.mark.parametrize("timeout", [0, -1.0, float("nan"), float("inf"), None, True])
+def test_a_bad_timeout_is_refused_by_the_call(tmp_path, timeout):
+    with pytest.raises(muonckpt.CheckpointError, match="timeout must be"):
+        muonckpt.async_save(single_process_optimizer(1), tmp_path / "a", timeout=timeout)
+    assert _entries(tmp_path) == []
+
+
 def test_keep_last_with_background_saves(tmp_path):
     root = tmp_path / "run"
     root.mkdir()

@@ -6,7 +6,8 @@ ranks already share the checkpoint's filesystem (they write into one staging dir
 they talk through it: ``.NAME.steps-XXXXXXXX`` beside the target, named after the save's
 staging directory ``.NAME.staging-XXXXXXXX`` and, like it, recognisably muonckpt's own
 (:func:`muonckpt.storage.is_ours`). Each message is one file, written to a temporary name and
-renamed, so a reader sees it whole or not at all; a message is never rewritten.
+renamed (or hard-linked, for a message only one rank may leave: :meth:`Mailbox.claim`), so a
+reader sees it whole or not at all; a message is never rewritten.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import contextlib
 import json
 import os
 import re
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -26,9 +28,9 @@ from .durable import read_text, remove_quietly
 MAILBOX_TAG = "steps"
 _MESSAGE = re.compile(r"^[a-z0-9-]+\.json$")
 """Names of the messages: ``<step>-<sender>.json``."""
-_TEMPORARY = re.compile(r"^\.[a-z0-9-]+\.json\.tmp-\d+$")
+_TEMPORARY = re.compile(r"^\.[a-z0-9-]+\.json\.tmp-\d+-\d+$")
 _FIRST_POLL_S = 0.001
-_LONGEST_POLL_S = 0.05
+_LONGEST_POLL_S = 0.1
 
 
 def mailbox_path(staging: str | os.PathLike[str]) -> Path:
@@ -61,12 +63,34 @@ class Mailbox:
 
     def post(self, name: str, payload: Any) -> None:
         """Leave message ``name``; readers see all of it or none."""
+        self._leave(name, payload, exclusive=False)
+
+    def claim(self, name: str, payload: Any) -> bool:
+        """Leave message ``name`` unless one is there already: of several ranks that claim
+        one name, exactly one succeeds (a hard link, atomic on every POSIX filesystem, NFS
+        included). Whether this rank did."""
+        return self._leave(name, payload, exclusive=True)
+
+    def read(self, name: str) -> Any:
+        """Message ``name``, which must be there."""
+        return json.loads(read_text(self._path(name)))
+
+    def _leave(self, name: str, payload: Any, exclusive: bool) -> bool:
         path = self._path(name)
-        tmp = self.directory / f".{path.name}.tmp-{os.getpid()}"
+        tmp = self.directory / f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}"
         try:
             with open(tmp, "w", encoding="utf-8") as f:
                 json.dump(payload, f)
-            os.replace(tmp, path)
+            if not exclusive:
+                os.replace(tmp, path)
+                return True
+            try:
+                os.link(tmp, path)
+            except FileExistsError:
+                return False
+            finally:
+                remove_quietly(tmp)
+            return True
         except OSError as exc:
             remove_quietly(tmp)
             raise CheckpointError(f"cannot leave message {name!r}: {exc}", path=path) from None
@@ -76,14 +100,20 @@ class Mailbox:
 
     def wait(self, names: Sequence[str], timeout: float) -> tuple[dict[str, Any], list[str]]:
         """The messages ``names`` that arrive within ``timeout`` seconds, and those that did
-        not (in the order of ``names``); early when the mailbox itself is gone."""
+        not (in the order of ``names``); early when the mailbox itself is gone. One listing
+        of the directory per poll, polls ever further apart up to 0.1 s (light on a shared
+        filesystem's metadata server)."""
         deadline = time.monotonic() + timeout
         found: dict[str, Any] = {}
         pause = _FIRST_POLL_S
         while True:
+            try:
+                present = set(os.listdir(self.directory))
+            except OSError:
+                present = set()
             for name in names:
-                if name not in found and self._path(name).exists():
-                    found[name] = json.loads(read_text(self._path(name)))
+                if name not in found and f"{name}.json" in present:
+                    found[name] = self.read(name)
             missing = [n for n in names if n not in found]
             if not missing or time.monotonic() >= deadline or not self.exists():
                 return found, missing
