@@ -55,11 +55,14 @@ def comm_device(group: Group) -> torch.device:
     """The device of the tensors muonckpt creates to hand to torch.distributed for ``group``
     (None: the default group; metadata, state pieces, receive buffers): the CPU where the
     group's backend serves CPU tensors (gloo, ``cpu:gloo,cuda:nccl``), else this process's
-    current device of the type it serves (``cuda:N`` for ``nccl`` or ``cuda:gloo``).
+    current device of the type it serves (``cuda:N`` for ``nccl``).
 
     Read from the group's backend config at each call (well under a microsecond), so nothing
     goes stale when groups are remade or the current CUDA device changes. Raises
-    :class:`CollectiveError` for a group served only for a device type this process has none of.
+    :class:`CollectiveError` for a group served only for a device type this process has none
+    of, and for one served only by gloo for CUDA (``cuda:gloo``): gloo's point-to-point send
+    and receive move host memory only, so such a group can carry neither CPU nor CUDA
+    messages.
     """
     if not is_distributed():
         return _CPU
@@ -73,6 +76,12 @@ def comm_device(group: Group) -> torch.device:
             f"the process group with backend {config!r} needs {kind.upper()} tensors, and this "
             f"process has no usable {kind.upper()} device (torch.{kind}.is_available() is False): "
             "run it where there is one, or give the group a CPU backend too (cpu:gloo,...)"
+        )
+    if f"{kind}:gloo" in config.split(","):
+        raise CollectiveError(
+            f"the process group with backend {config!r} serves {kind.upper()} tensors by gloo "
+            "only, whose point-to-point send and receive move host memory: give it a CPU "
+            f"backend too (cpu:gloo,{kind}:gloo, or plain gloo)"
         )
     return torch.device(kind, module.current_device())
 

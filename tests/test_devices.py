@@ -13,6 +13,7 @@ a group's CPU backend, which needs a GPU (tests/test_cuda.py, a ``cpu:gloo`` gro
 from __future__ import annotations
 
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -64,6 +65,9 @@ def probe(root: str) -> dict[str, str]:
             lambda: dist.all_reduce(torch.ones(1), group=cuda_sub)
         ),
     }
+    with mock.patch.object(torch.cuda, "is_available", return_value=True):
+        # as on a GPU machine: the group then serves CUDA, but by gloo only
+        out["cuda:gloo subgroup with CUDA"] = _outcome(lambda: collectives.comm_device(cuda_sub))
     opt = _sgd(rank)
     out["state_dict"] = _outcome(lambda: sorted(opt.state_dict()["state"]))
     out["save"] = _outcome(lambda: muonckpt.save(opt, Path(root) / "sgd", overwrite=True).name)
@@ -130,3 +134,13 @@ def test_a_cuda_only_default_group_fails_every_operation_at_its_first_collective
         # a hooked optimizer's state_dict() and save(); the packaged Muon's first describe
         for check in ("state_dict", "save", "packaged save"):
             assert out[check].startswith(needs_cuda), (check, out[check])
+
+
+def test_a_group_served_for_cuda_by_gloo_alone_is_refused_even_with_cuda(probed):
+    """gloo's send and receive move host memory, and such a group refuses CPU tensors: where
+    CUDA is present the device choice refuses the group instead of handing gloo CUDA memory."""
+    for out in probed["gloo"]:
+        assert out["cuda:gloo subgroup with CUDA"].startswith(
+            "CollectiveError: the process group with backend 'cuda:gloo' serves CUDA tensors by "
+            "gloo only"
+        )
