@@ -28,9 +28,13 @@ def test_cuda_state_snapshots_through_pinned_buffers_and_loads_back(tmp_path):
     expected = {n: p.detach().clone() for n, p in model.named_parameters()}
     moments = [s["exp_avg"].clone() for s in opt.state.values()]
     future = muonckpt.async_save(opt, tmp_path / "a")
-    with torch.no_grad():  # training goes on at once: the checkpoint keeps the values at the call
+    # Training goes on at once, on another stream (which the copy's stream order would not
+    # protect): the checkpoint keeps the values at the call.
+    with torch.no_grad(), torch.cuda.stream(torch.cuda.Stream()):
         for p in model.parameters():
             p.add_(1.0)
+        for state in opt.state.values():
+            state["exp_avg"].fill_(float("nan"))
     assert future.result(timeout=60) == tmp_path / "a"
     arena = _HOST_BUFFERS[opt]._buffers["snapshot"]
     assert arena.is_pinned()
