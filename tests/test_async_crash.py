@@ -7,9 +7,15 @@ child stops at the trial's moment of the background work (a function of the writ
 replaced by one that says where it is and sleeps) and is SIGKILLed there. Afterwards ``ckpt``
 must be one whole checkpoint, the old or the new as the moment implies, anything left beside it
 must be recognisably muonckpt's unfinished work, and ``latest`` must pick a sound checkpoint.
+Then two ranks of a save: one of them killed, the other must end with an error in bounded time
+that says what is known.
 """
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -17,7 +23,7 @@ import muonckpt
 from muonckpt import storage
 
 from .fixture_model import build, initial_params
-from .kill_helpers import loaded_value, readline, start_helper
+from .kill_helpers import REPO, loaded_value, readline, start_helper
 
 HELPER = r"""
 from pathlib import Path
@@ -151,3 +157,73 @@ def test_sigkill_in_the_background_write_loses_nothing(
         assert muonckpt.verify(older) == [] and loaded_value(older) == 0
     newest = muonckpt.latest(tmp_path)
     assert newest == ckpt, newest
+
+
+RANK_SCRIPT = r"""
+import os, signal, sys
+import torch
+import torch.distributed as dist
+torch.set_num_threads(1)
+import muonckpt
+from muonckpt import storage, writing
+from tests.fixture_model import build, initial_params, train
+
+ckpt, victim = sys.argv[1], sys.argv[2]
+dist.init_process_group("gloo", init_method=f"file://{sys.argv[3]}", rank=int(os.environ["RANK"]),
+                        world_size=2)
+rank = dist.get_rank()
+opt, sharded, dp_rank, tp_rank = build(2, 1, initial_params())
+train(opt, sharded, dp_rank, tp_rank, 0, 1)
+muonckpt.save(opt, ckpt)
+train(opt, sharded, dp_rank, tp_rank, 1, 1)
+if victim == "rank 1 writing" and rank == 1:
+    writing.write_files = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
+if victim == "rank 0 after the swap" and rank == 0:
+    original = storage.swap_in
+    def swap_in(*a, **k):
+        original(*a, **k)
+        os.kill(os.getpid(), signal.SIGKILL)
+    storage.swap_in = swap_in
+future = muonckpt.async_save(opt, ckpt, overwrite=True, timeout=1.0)
+try:
+    print("result", future.result(), flush=True)
+except muonckpt.CheckpointError as exc:
+    print("error", exc, flush=True)
+os._exit(0)  # a peer is dead: no orderly teardown of the group
+"""
+
+
+@pytest.mark.parametrize(
+    "victim,survivor,expected_step,message",
+    [
+        # the survivor is the root: it fails the step after the timeout, nothing committed
+        ("rank 1 writing", 0, 1, "error async_save (write): rank(s) [1] did not finish within 1 s"),
+        # the root died after committing, before its outcome: the survivor cannot know for sure
+        ("rank 0 after the swap", 1, 2, "went on with the step but gave no outcome"),
+    ],
+)
+def test_sigkill_of_one_rank_in_a_background_save(
+    tmp_path, victim, survivor, expected_step, message
+):
+    ckpt = tmp_path / "ckpt"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", RANK_SCRIPT, str(ckpt), victim, str(tmp_path / "rendezvous")],
+            cwd=REPO,
+            env={**os.environ, "RANK": str(rank)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
+    outputs = [proc.communicate(timeout=120) for proc in procs]
+    assert procs[1 - survivor].returncode == -9  # the victim was killed
+    out, err = outputs[survivor]
+    assert procs[survivor].returncode == 0, err[-2000:]
+    assert message in out, out + err[-2000:]
+    assert muonckpt.verify(ckpt) == [] and muonckpt.read_manifest(ckpt).step == expected_step
+    for entry in tmp_path.iterdir():
+        if entry.name not in ("ckpt", "rendezvous"):
+            assert storage.is_ours(entry.name), entry.name  # unfinished work, never a checkpoint
+    assert muonckpt.latest(tmp_path) == ckpt
