@@ -1,13 +1,15 @@
 """State and params in CUDA memory: save, load, state dicts, consolidation, an NCCL group.
 
-Marked ``cuda``: collected everywhere, skipped where ``torch.cuda.is_available()`` is False
-(tests/conftest.py). One GPU is enough: the NCCL group has one rank (every collective path
-still runs, so a CPU tensor handed to NCCL would fail there), and the two-process run keeps a
-gloo group (several NCCL ranks cannot share one GPU) while its params and state live on the GPU.
+The distributed runs save both ways, ``save`` and ``async_save``. Marked ``cuda``: collected
+everywhere, skipped where ``torch.cuda.is_available()`` is False (tests/conftest.py). One GPU
+is enough: the NCCL group has one rank (every collective path still runs, so a CPU tensor
+handed to NCCL would fail there), and the two-process run keeps a gloo group (several NCCL
+ranks cannot share one GPU) while its params and state live on the GPU.
 """
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 from typing import Any
 
@@ -152,6 +154,13 @@ def test_offline_consolidate_of_a_gpu_checkpoint_loads_back(trained, tmp_path):
     assert_same(trained, fresh)
 
 
+def saved(opt: Any, path: Path, consolidated: bool, background: bool) -> Path:
+    """``save``, or ``async_save`` and its result (each rank's, which all must agree on)."""
+    if background:
+        return muonckpt.async_save(opt, path, consolidated=consolidated).result(timeout=120)
+    return muonckpt.save(opt, path, consolidated=consolidated)
+
+
 def nccl_world_of_one(root: str) -> dict[str, str]:
     """(In an NCCL child of world 1.) The distributed packaged Muon on the GPU through
     state_dict, per-rank and consolidated save, load and load_state_dict, then more steps."""
@@ -160,8 +169,10 @@ def nccl_world_of_one(root: str) -> dict[str, str]:
     train(opt, sharded, 0, K)
     sd = opt.state_dict()
     assert {t.device.type for t in host_tensors(sd)} == {"cpu"}
-    for consolidated in (False, True):
-        path = muonckpt.save(opt, Path(root) / f"ckpt-{consolidated}", consolidated=consolidated)
+    for consolidated, background in itertools.product((False, True), (False, True)):
+        path = saved(
+            opt, Path(root) / f"ckpt-{consolidated}-{background}", consolidated, background
+        )
         resumed, resumed_sharded = distributed_on_gpu(zeros(), 1, 1)
         muonckpt.load(resumed, path)
         assert_same(opt, resumed)
@@ -193,8 +204,10 @@ def gloo_ranks_with_gpu_state(root: str, step_on_gpu: bool) -> dict[str, Any]:
     sd = opt.state_dict()
     everywhere = muonckpt.gather_state_dict(opt, all_ranks=True)
     assert {t.device.type for t in host_tensors(everywhere)} == {"cpu"}
-    for consolidated in (False, True):
-        path = muonckpt.save(opt, Path(root) / f"ckpt-{consolidated}", consolidated=consolidated)
+    for consolidated, background in itertools.product((False, True), (False, True)):
+        path = saved(
+            opt, Path(root) / f"ckpt-{consolidated}-{background}", consolidated, background
+        )
         resumed, resumed_sharded, _, _ = build(2, 1, zeros())
         move_to_gpu(resumed)
         muonckpt.load(resumed, path)
