@@ -96,9 +96,10 @@ def save(
         params: also save the optimizer's params (the default), so that :func:`load` restores
             them; False saves the optimizer state only, for weights kept elsewhere.
         overwrite: replace an existing checkpoint at ``path`` (otherwise an error).
-        keep_last: after the commit, delete the older complete muonckpt checkpoints beside
-            ``path`` (directly under its parent) so that ``keep_last`` remain, the new one
-            always among them (:func:`muonckpt.retention.prune`).
+        keep_last: after the commit, delete the older complete muonckpt checkpoints of
+            ``path``'s series beside it (directly under its parent, named as it is but for
+            their numbers: ``step-10`` beside ``step-30``) so that ``keep_last`` remain, the
+            new one always among them (:func:`muonckpt.retention.prune`).
 
     Returns:
         The checkpoint directory.

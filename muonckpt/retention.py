@@ -12,6 +12,7 @@ files and directories) is skipped, never an error.
 from __future__ import annotations
 
 import os
+import re
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -86,11 +87,22 @@ def latest(root: str | os.PathLike[str]) -> Path | None:
     with one), then by commit time. Only a cheap check is made (the manifest parses, every
     file it lists is there at its size); no checksums. Staging directories, directories
     without a manifest, symlinks, damaged checkpoints and anything not a checkpoint are
-    skipped. A ``root`` that is not a directory, or cannot be listed, is a
-    :class:`CheckpointError`.
+    skipped. A ``root`` that is not a directory, cannot be listed or is a checkpoint itself
+    (``latest("ckpt/step-30")`` where ``latest("ckpt")`` was meant) is a
+    :class:`CheckpointError`. When a save commits and prunes while it looks, so that it found
+    nothing complete, it looks again (three times in all).
     """
-    found = complete_checkpoints(root)
-    return found[-1].path if found else None
+    if (Path(root) / MANIFEST_NAME).exists():
+        raise CheckpointError(
+            "is a checkpoint itself; latest looks for checkpoints directly under a directory "
+            "(pass its parent)",
+            path=root,
+        )
+    for _ in range(3):  # a save committing and pruning meanwhile can hide every entry once
+        found = complete_checkpoints(root)
+        if found:
+            return found[-1].path
+    return None
 
 
 def check_keep_last(keep_last: object) -> None:
@@ -102,12 +114,20 @@ def check_keep_last(keep_last: object) -> None:
         )
 
 
+def _series(name: str) -> re.Pattern[str]:
+    """The names of ``name``'s series: ``name`` with any digits where it has digits."""
+    return re.compile(r"\d+".join(re.escape(part) for part in re.split(r"\d+", name)))
+
+
 def prune(root: str | os.PathLike[str], keep_last: int, keep: str | os.PathLike[str]) -> list[Path]:
     """Delete the complete checkpoints directly under ``root`` older than its ``keep_last``
     newest (in :func:`latest`'s order); for a save's ``keep_last``, after its commit.
 
-    Never deleted: ``keep`` (the checkpoint just written, kept even when a run restarted at a
-    lower step makes it older than the newest), anything :func:`complete_checkpoints` does not
+    Only ``keep``'s series counts: the checkpoints whose names are ``keep``'s with other
+    numbers (``step-10`` and ``step-20`` beside ``step-30``; ``final`` has no other), so that
+    checkpoints of other runs or models under the same root are never deleted. Never deleted
+    either: ``keep`` (the checkpoint just written, kept even when a run restarted at a lower
+    step makes it older than the newest), anything :func:`complete_checkpoints` does not
     count (staging directories, saves in progress, what is not a checkpoint, symlinks), and a
     checkpoint holding files of the user's (:func:`muonckpt.storage.ownership_problem`): it is
     left whole. So at most ``keep_last`` checkpoints remain besides those two kinds.
@@ -126,6 +146,8 @@ def prune(root: str | os.PathLike[str], keep_last: int, keep: str | os.PathLike[
     except CheckpointError as exc:
         warnings.warn(f"old checkpoints not deleted: {exc}", CheckpointWarning, stacklevel=2)
         return []
+    series = _series(Path(keep).name)
+    found = [f for f in found if series.fullmatch(f.path.name)]
     kept = os.path.realpath(keep)
     deleted = []
     for old in found[:-keep_last]:

@@ -270,33 +270,39 @@ class DirectorySteps(StepProtocol):
         if len(self.ranks) == 1:
             return decide([mine])  # nobody to tell: no mailbox
         tag = step.replace(" ", "-")
-        with contextlib.suppress(CheckpointError):  # a mailbox gone is reported below
-            self.mailbox.post(f"{tag}-{self.rank}", mine)
         if self.is_root:
-            outcome = self._decide(tag, decide)
-            self.mailbox.post(f"{tag}-outcome", outcome)
+            outcome = self._decide(tag, mine, decide)
+            with contextlib.suppress(CheckpointError):  # the others then time out and say so
+                self.mailbox.post(f"{tag}-outcome", outcome)
             return outcome
-        return self._await_outcome(tag)
+        return self._await_outcome(tag, mine)
 
-    def _decide(self, tag: str, decide: Callable[[list[Outcome]], Outcome]) -> Outcome:
-        """(the root) Every rank's outcome, then the step's: acted on only once claimed."""
-        names = [f"{tag}-{rank}" for rank in self.ranks]
-        found, missing = self.mailbox.wait(names, self.timeout)
+    def _decide(
+        self, tag: str, mine: Outcome, decide: Callable[[list[Outcome]], Outcome]
+    ) -> Outcome:
+        """(the root) Every rank's outcome (its own as it is), then the step's: acted on only
+        once claimed."""
+        names = {rank: f"{tag}-{rank}" for rank in self.ranks if rank != self.root}
+        found, missing = self.mailbox.wait(list(names.values()), self.timeout)
+        outcomes = [mine if rank == self.root else found.get(names[rank]) for rank in self.ranks]
         if missing:
-            late = [self.ranks[names.index(name)] for name in missing]
+            late = [rank for rank, name in names.items() if name in missing]
             failed: Outcome | None = {
                 "error": f"rank(s) {late} did not finish within {self.timeout:g} s"
             }
         else:
-            failed = next((found[n] for n in names if "error" in found[n]), None)
+            failed = next((o for o in outcomes if o is not None and "error" in o), None)
         decision = failed if failed is not None else {"acting": self.root}
         if not self.mailbox.claim(f"{tag}-decision", decision):
             return self.mailbox.read(f"{tag}-decision")  # a rank gave up first: its error
-        return failed if failed is not None else decide([found[name] for name in names])
+        return failed if failed is not None else decide(outcomes)
 
-    def _await_outcome(self, tag: str) -> Outcome:
-        """(every other rank) The root's outcome of the step; if it does not come in time,
-        this rank's own failure, unless the root already took the decision."""
+    def _await_outcome(self, tag: str, mine: Outcome) -> Outcome:
+        """(every other rank) Report ``mine``, then the root's outcome of the step; if it
+        does not come in time, this rank's own failure, unless the root already took the
+        decision."""
+        with contextlib.suppress(CheckpointError):  # a mailbox gone is reported below
+            self.mailbox.post(f"{tag}-{self.rank}", mine)
         found, missing = self.mailbox.wait([f"{tag}-outcome"], 2 * self.timeout)
         if not missing:
             return found[f"{tag}-outcome"]

@@ -208,10 +208,30 @@ def test_prune_keeps_the_newest_and_the_one_just_written(saved, tmp_path):
     assert sorted(os.listdir(root)) == ["step-3", "step-4"]
     assert muonckpt.verify(root / "step-3") == [] and muonckpt.verify(root / "step-4") == []
     # A run restarted at step 1 writes a checkpoint older, by step, than those it finds.
-    put(saved, root, 1, "restarted", at=10)
-    assert prune(root, 1, root / "restarted") == [root / "step-3"]
-    assert sorted(os.listdir(root)) == ["restarted", "step-4"]
-    assert muonckpt.verify(root / "restarted") == []
+    put(saved, root, 1, "step-1", at=10)
+    assert prune(root, 1, root / "step-1") == [root / "step-3"]
+    assert sorted(os.listdir(root)) == ["step-1", "step-4"]
+    assert muonckpt.verify(root / "step-1") == []
+
+
+def test_prune_counts_only_the_series_of_the_one_just_written(saved, tmp_path):
+    """Other runs' and models' checkpoints under the same root are never deleted."""
+    root = tmp_path / "models"
+    for name, step in (("llama-a", 1), ("final", 2), ("run2-step-1", 1), ("step-1", 1)):
+        put(saved, root, step, name, at=step)
+    put(saved, root, 3, "step-3", at=3)
+    put(saved, root, 4, "step-4", at=4)
+    assert prune(root, 1, root / "step-4") == [root / "step-1", root / "step-3"]
+    assert sorted(os.listdir(root)) == ["final", "llama-a", "run2-step-1", "step-4"]
+    assert prune(root, 1, root / "final") == []  # no numbers: a series of one
+    assert prune(root, 1, root / "run2-step-1") == []  # its series: run<N>-step-<M>
+
+
+def test_latest_of_a_checkpoint_itself_is_an_error(saved, tmp_path):
+    ckpt = put(saved, tmp_path / "ckpt", 1)
+    with pytest.raises(CheckpointError, match="is a checkpoint itself"):
+        muonckpt.latest(ckpt)
+    assert muonckpt.latest(tmp_path / "ckpt") == ckpt
 
 
 def test_prune_deletes_only_complete_checkpoints_of_ours(saved, tmp_path):

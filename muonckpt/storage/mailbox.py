@@ -26,9 +26,10 @@ from ..errors import CheckpointError
 from .durable import read_text, remove_quietly
 
 MAILBOX_TAG = "steps"
-_MESSAGE = re.compile(r"^[a-z0-9-]+\.json$")
-"""Names of the messages: ``<step>-<sender>.json``."""
-_TEMPORARY = re.compile(r"^\.[a-z0-9-]+\.json\.tmp-\d+-\d+$")
+_MESSAGE = re.compile(r"^[a-z-]+-(\d+|outcome|decision)\.json$")
+"""Names of the messages: ``<step>-<rank>.json``, ``<step>-outcome.json``,
+``<step>-decision.json``."""
+_TEMPORARY = re.compile(r"^\.[a-z-]+-(\d+|outcome|decision)\.json\.tmp-\d+-\d+$")
 _FIRST_POLL_S = 0.001
 _LONGEST_POLL_S = 0.1
 
@@ -122,7 +123,9 @@ class Mailbox:
 
     def remove(self) -> None:
         """Delete the messages and the directory; nothing else is ever deleted (a file of
-        another name keeps the directory, and is left alone)."""
+        another name keeps the directory, and is left alone), nothing through a symlink."""
+        if self.directory.is_symlink():
+            return
         try:
             names = os.listdir(self.directory)
         except OSError:
