@@ -261,6 +261,15 @@ def _die_with_parent(lifeline: Any) -> None:
     threading.Thread(target=watch, name="muonckpt-lifeline", daemon=True).start()
 
 
+def _finish_threads() -> None:
+    """Wait for the threads ``fn`` left running that are not daemons (a background save in
+    flight), as the interpreter does at exit: once this child has reported, the parent ends
+    it."""
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
+
+
 def _child(
     fn: Callable[..., Any],
     args: tuple[Any, ...],
@@ -290,6 +299,7 @@ def _child(
             backend, store, rank, world_size, timedelta(seconds=wait_timeout)
         )
         value = fn(*args)
+        _finish_threads()
         collectives.leave_default_group()
     except BaseException as exc:
         results.put((rank, False, (_summary(exc), traceback.format_exc())))

@@ -83,3 +83,19 @@ def keep_last_phase(root: str, saves: int, keep_last: int) -> list[int]:
     dist.barrier()
     newest = muonckpt.latest(root)
     return [muonckpt.read_manifest(newest).step, int(all(f.done() for f in futures))]
+
+
+def unwaited_phase(ckpt: str) -> int:
+    """Start a background save that writes slowly and return without waiting for it (as a
+    job's last line)."""
+    opt, sharded, dp_rank, tp_rank = build(2, 1, initial_params())
+    train(opt, sharded, dp_rank, tp_rank, 0, 2)
+    original = writing.write_files
+
+    def write_files(*args, **kwargs):
+        time.sleep(2.0)
+        return original(*args, **kwargs)
+
+    writing.write_files = write_files
+    muonckpt.async_save(opt, ckpt)
+    return dist.get_rank()

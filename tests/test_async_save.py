@@ -16,7 +16,7 @@ from muonckpt import storage
 from muonckpt.launch import run_distributed
 from muonckpt.offline import diff
 
-from .async_cases import failing_rank_phase, keep_last_phase, snapshot_phase
+from .async_cases import failing_rank_phase, keep_last_phase, snapshot_phase, unwaited_phase
 from .ckpt_cases import load_phase
 from .fixture_model import assemble, single_process_optimizer
 
@@ -155,3 +155,12 @@ def test_host_buffers_are_reused_between_saves(tmp_path):
     address = buffers._buffers["snapshot"].data_ptr()
     muonckpt.async_save(opt, tmp_path / "b").result(timeout=30)
     assert buffers._buffers["snapshot"].data_ptr() == address and buffers.nbytes == held
+
+
+def test_a_launched_rank_finishes_its_background_save_before_it_ends(tmp_path):
+    """run_distributed (the demo's and --workers' launcher) lets a child's save in flight
+    finish before it ends the child, as the interpreter does at exit."""
+    assert run_distributed(unwaited_phase, 2, str(tmp_path / "ckpt"), timeout=120) == [0, 1]
+    assert _entries(tmp_path) == ["ckpt"]
+    assert muonckpt.verify(tmp_path / "ckpt") == []
+    assert muonckpt.read_manifest(tmp_path / "ckpt").step == 2
