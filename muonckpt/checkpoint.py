@@ -341,7 +341,7 @@ def _prepare_save(
     def write(staging: Path) -> writing.Written:
         if payload.plan is None:
             return writing.Written([], [], {})
-        written = writing.write_files(payload.plan, staging, fetch, prefetch=False)
+        written = writing.write_files(payload.plan(), staging, fetch, prefetch=False)
         written.extra = payload.scalars
         return written
 
@@ -433,10 +433,11 @@ def _owned(
 
 @dataclass
 class _Payload:
-    """What one rank of a save writes: its plan (None: nothing), the tensors by (param, key),
-    and the scalars it reports for the manifest."""
+    """What one rank of a save writes: its plan (None: nothing; made when it is written, in
+    the background for a background save), the tensors by (param, key), and the scalars it
+    reports for the manifest."""
 
-    plan: WritePlan | None
+    plan: Callable[[], WritePlan] | None
     tensors: dict[tuple[str, str], torch.Tensor]
     scalars: dict[str, dict[str, Any]]
 
@@ -454,8 +455,8 @@ def _rank_payload(optimizer: Any, sharding: Sharding, params: bool) -> _Payload:
                 continue
             owned.append(((param.name, key, storage.dtype_name(value.dtype)), holding.region))
             tensors[param.name, key] = value
-    rank = sharding.participants.index(me)
-    return _Payload(rank_plan(rank, len(sharding.participants), owned), tensors, scalars)
+    rank, world = sharding.participants.index(me), len(sharding.participants)
+    return _Payload(lambda: rank_plan(rank, world, owned), tensors, scalars)
 
 
 def _scalar_json(info: Mapping[str, Any]) -> dict[str, Any]:
@@ -482,7 +483,7 @@ def _consolidated_payload(
                 tensors[param.name, key] = value
             else:
                 scalars.setdefault(param.name, {})[key] = _scalar_json(info)
-    return _Payload(consolidated_plan(items, max_shard_size), tensors, scalars)
+    return _Payload(lambda: consolidated_plan(items, max_shard_size), tensors, scalars)
 
 
 def _group_entries(optimizer: Any, sharding: Sharding) -> list[GroupEntry]:

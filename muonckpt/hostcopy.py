@@ -57,19 +57,29 @@ class HostBuffers:
         return host
 
     def snapshot(self, tensors: Mapping[K, torch.Tensor]) -> dict[K, torch.Tensor]:
-        """Copies of ``tensors`` in one arena, complete when this returns (also for CUDA
-        tensors: the copies are issued on each device's current stream, which then is waited
-        for). The copies stay valid until the next snapshot."""
-        offsets, total = {}, 0
+        """Flat (1-D) copies of ``tensors`` in one arena, complete when this returns (also for
+        CUDA tensors: the copies are issued on each device's current stream, which then is
+        waited for). The copies stay valid until the next snapshot.
+
+        The arena holds the tensors of each dtype in one run, cut by one ``split``: a few
+        operations per tensor, which is what a state of many small tensors costs."""
+        by_dtype: dict[torch.dtype, list[K]] = {}
         for key, tensor in tensors.items():
-            offsets[key] = total
-            total += _aligned(tensor.numel() * tensor.element_size())
+            by_dtype.setdefault(tensor.dtype, []).append(key)
+        starts, total = {}, 0
+        for dtype, keys in by_dtype.items():
+            starts[dtype] = total
+            total += _aligned(sum(tensors[k].numel() for k in keys) * dtype.itemsize)
         on_cuda = {t.device for t in tensors.values() if t.device.type == "cuda"}
         arena = self._buffer("snapshot", total, bool(on_cuda) and _pinnable())
         copies = {}
-        for key, tensor in tensors.items():
-            copies[key] = _view(arena, offsets[key], tensor)
-            copies[key].copy_(tensor, non_blocking=tensor.device.type == "cuda")
+        for dtype, keys in by_dtype.items():
+            numels = [tensors[k].numel() for k in keys]
+            run = arena[starts[dtype] : starts[dtype] + sum(numels) * dtype.itemsize]
+            for key, copy in zip(keys, torch.split(run.view(dtype), numels), strict=True):
+                source = tensors[key]
+                copy.copy_(source.reshape(-1), non_blocking=source.device.type == "cuda")
+                copies[key] = copy
         for device in on_cuda:
             torch.cuda.current_stream(device).synchronize()
         return copies
