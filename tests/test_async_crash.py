@@ -1,10 +1,10 @@
 """SIGKILL a process while its background save runs, at controlled moments: nothing is lost.
 
 A helper process imports torch once and, per trial, forks a child that saves a small state
-(every state tensor filled with 1) to ``ckpt``, then starts ``async_save`` of the same state
-filled with 2 over it (``overwrite=True``, ``keep_last=1`` beside an older checkpoint). The
+(every state tensor filled with 1) to ``step-2``, then starts ``async_save`` of the same state
+filled with 2 over it (``overwrite=True``, ``keep_last=1`` beside an older ``step-1``). The
 child stops at the trial's moment of the background work (a function of the write path
-replaced by one that says where it is and sleeps) and is SIGKILLed there. Afterwards ``ckpt``
+replaced by one that says where it is and sleeps) and is SIGKILLed there. Afterwards ``step-2``
 must be one whole checkpoint, the old or the new as the moment implies, anything left beside it
 must be recognisably muonckpt's unfinished work, and ``latest`` must pick a sound checkpoint.
 Then two ranks of a save: one of them killed, the other must end with an error in bounded time
@@ -77,13 +77,13 @@ for line in sys.stdin:
     if pid == 0:
         try:
             fill(0)
-            muonckpt.save(opt, f"{root}/older", consolidated=consolidated)
+            muonckpt.save(opt, f"{root}/step-1", consolidated=consolidated)
             fill(1)
-            muonckpt.save(opt, f"{root}/ckpt", consolidated=consolidated)
+            muonckpt.save(opt, f"{root}/step-2", consolidated=consolidated)
             fill(2)
             stop_at(moment)
             future = muonckpt.async_save(
-                opt, f"{root}/ckpt", overwrite=True, keep_last=1, consolidated=consolidated
+                opt, f"{root}/step-2", overwrite=True, keep_last=1, consolidated=consolidated
             )
             fill(3)  # training goes on: must not reach the checkpoint
             if moment == "returned":
@@ -138,11 +138,11 @@ def test_sigkill_in_the_background_write_loses_nothing(
     assert readline(helper) == "killed"
     assert where == f"at {moment}"
 
-    ckpt = tmp_path / "ckpt"
+    ckpt = tmp_path / "step-2"
     assert muonckpt.verify(ckpt) == []
     assert loaded_value(ckpt) == expected
     for entry in tmp_path.iterdir():
-        if entry.name in ("ckpt", "older"):
+        if entry.name in ("step-1", "step-2"):
             continue
         # unfinished work of ours (a staging directory, the replaced checkpoint), which
         # verify and load refuse by its name, manifest or not
@@ -150,7 +150,7 @@ def test_sigkill_in_the_background_write_loses_nothing(
         assert len(muonckpt.verify(entry)) == 1
         with pytest.raises(muonckpt.CheckpointError):
             muonckpt.load(build(1, 1, initial_params())[0], entry)
-    older = tmp_path / "older"
+    older = tmp_path / "step-1"
     if moment == "pruning":  # half deleted, manifest first: incomplete, never picked
         assert not (older / "manifest.json").exists()
     else:
