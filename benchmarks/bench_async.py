@@ -15,7 +15,8 @@ warm-up round, each rank runs:
     the synchronous save into a new directory, for comparison.
 
 Before each timed run the ranks ``os.sync()`` (untimed) and the previous round's outputs are
-deleted, as in ``bench_checkpoint.py``. A job's time is its slowest rank's. Every save is of the
+deleted, as in ``bench_checkpoint.py``; with ``--drop-caches`` (root) the page cache is dropped
+too. A job's time is its slowest rank's. Every save is of the
 optimizer state only (``params=False``), the same tensors the floor copies. The extra host
 memory of ``async_save`` is the host buffers it keeps per optimizer (reported per rank), and
 the growth of the rank's peak RSS over the call and the background write.
@@ -51,7 +52,9 @@ ROWS = {
 }
 
 
-def worker(shapes, dp: int, tp: int, device: str, workdir: str, repeats: int) -> dict:
+def worker(
+    shapes, dp: int, tp: int, device: str, workdir: str, repeats: int, drop_caches: bool
+) -> dict:
     """One rank: warm-up plus ``repeats`` rounds of the floor, async_save and save."""
     opt = build_optimizer(shapes, dp, tp)
     local = fill_state(opt)
@@ -74,6 +77,9 @@ def worker(shapes, dp: int, tp: int, device: str, workdir: str, repeats: int) ->
             shutil.rmtree(previous, ignore_errors=True)
         dist.barrier()
         os.sync()
+        if drop_caches and rank == 0:
+            with open("/proc/sys/vm/drop_caches", "w") as f:
+                f.write("1")  # the outputs' pages: no run pays for reclaiming another's
         dist.barrier()
 
     for round_ in range(repeats + 1):
@@ -110,13 +116,18 @@ def worker(shapes, dp: int, tp: int, device: str, workdir: str, repeats: int) ->
     }
 
 
-def run(size: str, dp: int, tp: int, device: str, repeats: int, where: Path) -> dict:
+def run(
+    size: str, dp: int, tp: int, device: str, repeats: int, where: Path, drop_caches: bool
+) -> dict:
     shapes = model_shapes(parse_size(size))
     total = state_bytes(shapes)
     workdir = Path(tempfile.mkdtemp(prefix=f"muonckpt-bench-async-{size}-", dir=where))
     try:
         ranks = run_distributed(
-            worker, dp * tp, shapes, dp, tp, device, str(workdir), repeats, timeout=7200
+            worker,
+            dp * tp,
+            *(shapes, dp, tp, device, str(workdir), repeats, drop_caches),
+            timeout=7200,
         )
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
@@ -155,9 +166,15 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="measured rounds after warm-up")
     parser.add_argument("--workdir", default=None, help="where to write (default: system temp)")
     parser.add_argument("--json", default=None, help="write results here")
+    parser.add_argument(
+        "--drop-caches",
+        action="store_true",
+        help="drop the page cache before each run (root): at 4 GB the outputs' cached pages "
+        "otherwise crowd the state, its snapshot and the floor's buffers in memory",
+    )
     args = parser.parse_args()
     where = Path(args.workdir or tempfile.gettempdir())
-    res = run(args.size, args.dp, args.tp, args.device, args.repeats, where)
+    res = run(args.size, args.dp, args.tp, args.device, args.repeats, where, args.drop_caches)
     print(
         f"\n### {res['size']}: {res['state_bytes'] / MiB:.0f} MiB fp32 state at {res['grid']}, "
         f"state on {res['device']}\n"
