@@ -1,20 +1,22 @@
 """Writes a :class:`~muonckpt.writeplan.WritePlan` and commits the checkpoint: the one write path.
 
-Every checkpoint muonckpt produces (``save`` per rank or consolidated, ``consolidate``,
-``reshard``, ``convert``; in one process or many) is written by :func:`write_checkpoint`, as
-three steps of a :class:`Steps` protocol:
+Every checkpoint muonckpt produces (``save`` and ``async_save`` per rank or consolidated,
+``consolidate``, ``reshard``, ``convert``; in one process or many) is written as three steps
+of a :class:`Steps` protocol (:func:`write_checkpoint`, or :func:`stage` and then
+:func:`finish`, when a save runs its own work between them):
 
-1. ``stage``: the root creates the staging directory beside the target
-   (:func:`muonckpt.storage.make_staging`);
+1. ``stage``: every rank's checks, then the root creates the staging directory beside the
+   target (:func:`muonckpt.storage.make_staging`);
 2. ``write``: every rank writes its tensors (:func:`write_files` for whole files,
    :func:`write_share` for its share of files written together) and reports the pieces; the
    root builds the manifest from the reports and commits (:func:`commit`: manifest last,
    fsync, atomic swap);
 3. ``retire``: when a checkpoint was replaced, every rank deletes a share of its files.
 
-Across ranks the steps are :class:`muonckpt.collectives.CollectiveSteps`; in one process
-:class:`LocalSteps`. This module itself never calls torch.distributed and imports torch only
-where a tensor crosses, so a single-process offline tool runs without it.
+Across ranks the steps are :class:`muonckpt.collectives.CollectiveSteps`, or for a background
+save, which must not use the job's process groups, :class:`DirectorySteps` (messages as files);
+in one process :class:`LocalSteps`. This module itself never calls torch.distributed and
+imports torch only where a tensor crosses, so a single-process offline tool runs without it.
 """
 
 from __future__ import annotations
