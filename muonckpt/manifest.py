@@ -296,10 +296,55 @@ def _coverage(entry: ParamEntry, key: str, pieces: Sequence[Piece]) -> list[str]
     return []
 
 
+MAX_JSON_DEPTH = 32
+"""How deeply a manifest's JSON may nest (a manifest needs 6 levels; hyperparameters such as
+AdamW's ``betas`` one more each)."""
+
+
+def strict_json(text: str | bytes) -> Any:
+    """``json.loads`` as the format requires: numbers finite (no ``NaN``, ``Infinity`` or a
+    float that overflows to one), no key twice in an object, at most :data:`MAX_JSON_DEPTH`
+    levels. Raises ValueError otherwise."""
+
+    def finite(literal: str) -> float:
+        value = float(literal)
+        if not math.isfinite(value):
+            raise ValueError(f"number {literal} is not finite")
+        return value
+
+    def refuse(constant: str) -> Any:
+        raise ValueError(f"{constant} is not a JSON number")
+
+    def unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        body = dict(pairs)
+        if len(body) != len(pairs):
+            seen: set[str] = set()
+            twice = sorted({key for key, _ in pairs if key in seen or seen.add(key)})
+            raise ValueError(f"key(s) {twice[:3]} appear twice in one object")
+        return body
+
+    body = json.loads(text, parse_float=finite, parse_constant=refuse, object_pairs_hook=unique)
+    level, deepest = [body], 1
+    while level:
+        inner = [v for item in level for v in _children(item) if isinstance(v, (dict, list))]
+        if inner:
+            deepest += 1
+            if deepest > MAX_JSON_DEPTH:
+                raise ValueError(f"nested more than {MAX_JSON_DEPTH} levels deep")
+        level = inner
+    return body
+
+
+def _children(value: Any) -> list[Any]:
+    if isinstance(value, dict):
+        return list(value.values())
+    return list(value) if isinstance(value, list) else []
+
+
 def parse_manifest(text: str | bytes, source: object) -> Manifest:
     """Parse and schema-check a manifest; every problem is a :class:`CheckpointError`."""
     try:
-        body = json.loads(text)
+        body = strict_json(text)
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise CheckpointError(f"manifest is not valid JSON: {exc!r:.200}", path=source) from None
     try:
