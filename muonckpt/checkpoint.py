@@ -185,6 +185,7 @@ def async_save(
         overwrite,
         keep_last,
         background=True,
+        timeout=timeout,
     )
     foreground = prepared.steps
     background = writing.DirectorySteps(
@@ -296,27 +297,39 @@ def _prepare_save(
     keep_last: int | None,
     *,
     background: bool = False,
+    timeout: float | None = None,
 ) -> _PreparedSave:
     """Everything of a save before the writing, in the caller's thread, so that any rank's
-    failure here is every rank's: one ``stage`` step (every rank checks what it will write and,
-    for a ``background`` save, copies it into its host buffers, so that the optimizer may change
-    as soon as this returns; then the root creates the staging directory, and for a
+    failure here is every rank's: one ``stage`` step (every rank checks what it will write,
+    and for a ``background`` save copies it into its host buffers, so that the optimizer may
+    change as soon as this returns; the root checks that the ranks agree on the call and its
+    arguments, ``path`` resolved, then creates the staging directory, and for a
     ``background`` save its mailbox), the state holders' check, the group settings, and for a
     consolidated save the full state gathered to the destination's host memory."""
     sharding = describe(optimizer)
     steps = collectives.CollectiveSteps(
         operation, sharding.participants, sharding.destination, CheckpointError
     )
+    arguments = {
+        "path": os.path.abspath(path),
+        "consolidated": consolidated,
+        "max_shard_size": max_shard_size,
+        "params": params,
+        "overwrite": overwrite,
+        "keep_last": keep_last,
+        "timeout": timeout,
+    }
     buffers = _HOST_BUFFERS.setdefault(_key(optimizer), HostBuffers())
     taken: list[_Payload] = []
 
-    def check() -> None:
+    def check() -> dict[str, Any]:
         _check_storable(sharding, optimizer, params, keep_last, Path(path))
         if not consolidated:
             payload = _rank_payload(optimizer, sharding, params)
             if background:
                 payload.tensors = buffers.snapshot(payload.tensors)
             taken.append(payload)
+        return {"call": operation, **arguments}
 
     mailbox = background and len(sharding.participants) > 1
     staging = writing.stage(steps, path, overwrite=overwrite, check=check, mailbox=mailbox)

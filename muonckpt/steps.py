@@ -107,3 +107,19 @@ def describe_failure(exc: BaseException, rank: int) -> str:
         where = f" (at {os.path.basename(last.filename)}:{last.lineno} in {last.name})"
     text = " ".join(str(exc).split())
     return f"rank {rank}: {type(exc).__name__}{': ' + text if text else ''}{where}"
+
+
+def disagreement(arguments: Sequence[dict[str, Any]], ranks: Sequence[int]) -> str | None:
+    """What the ranks' ``arguments`` of one call (in the order of ``ranks``) disagree on, as
+    ``"params: rank 0 True, rank(s) [1, 2] False"`` (the first argument that differs); None
+    when they all agree."""
+    for key in arguments[0]:
+        by_value: dict[str, list[int]] = {}
+        for rank, given in zip(ranks, arguments, strict=True):
+            by_value.setdefault(repr(given.get(key)), []).append(rank)
+        if len(by_value) > 1:
+            shown = [
+                f"rank {r[0]} {v}" if len(r) == 1 else f"ranks {r} {v}" for v, r in by_value.items()
+            ]
+            return f"{key}: {', '.join(shown)}"
+    return None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -99,3 +100,29 @@ def unwaited_phase(ckpt: str) -> int:
     writing.write_files = write_files
     muonckpt.async_save(opt, ckpt)
     return dist.get_rank()
+
+
+def disagreeing_phase(ckpt: str, argument: str) -> str:
+    """Save once, then save over it with rank 1 calling differently (``argument``); the
+    error's message on this rank."""
+    opt, sharded, dp_rank, tp_rank = build(2, 1, initial_params())
+    train(opt, sharded, dp_rank, tp_rank, 0, 1)
+    muonckpt.save(opt, ckpt)
+    train(opt, sharded, dp_rank, tp_rank, 1, 1)
+    odd = dist.get_rank() == 1
+    call, options = muonckpt.async_save, {"overwrite": True}
+    if argument == "params":
+        options["params"] = not odd
+    elif argument == "path":
+        ckpt = f"{ckpt}-rank1" if odd else ckpt
+    elif argument == "consolidated":
+        options["consolidated"] = odd
+    elif argument == "call":
+        call = muonckpt.save if odd else muonckpt.async_save
+    try:
+        outcome = call(opt, ckpt, **options)
+        if not isinstance(outcome, Path):
+            outcome.result(timeout=60)
+    except muonckpt.CheckpointError as exc:
+        return str(exc)
+    return "no error"
