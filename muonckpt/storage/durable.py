@@ -7,6 +7,7 @@ import contextlib
 import ctypes
 import errno
 import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -83,14 +84,32 @@ def start_writeback(fd: int) -> None:
         _SYNC_FILE_RANGE(fd, 0, 0, _SYNC_FILE_RANGE_WRITE)
 
 
+def open_regular(path: str | os.PathLike[str]) -> int:
+    """A read-only descriptor of the regular file at ``path``, never through a symlink at its
+    last component (``O_NOFOLLOW``: a checkpoint's files are its own) and never blocking on a
+    FIFO or device put in its place (``O_NONBLOCK``, then ``fstat``); ``OSError`` otherwise."""
+    flags = os.O_RDONLY | getattr(os, "O_BINARY", 0)
+    flags |= getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+    fd = os.open(path, flags)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", str(path))
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def read_text(path: str | os.PathLike[str], *, limit: int = MAX_HEADER_BYTES) -> str:
-    """A small UTF-8 text file (a manifest); :class:`CheckpointError` if unreadable or huge."""
+    """A small UTF-8 text file (a manifest); :class:`CheckpointError` if unreadable, not a
+    regular file of its own (:func:`open_regular`) or huge."""
     path = Path(path)
     try:
-        with open(path, "rb") as f:
+        with os.fdopen(open_regular(path), "rb") as f:
             data = f.read(limit + 1)
     except OSError as exc:
-        raise CheckpointError(f"cannot read: {exc.strerror}", path=path) from None
+        why = "a symlink" if exc.errno == errno.ELOOP else exc.strerror
+        raise CheckpointError(f"cannot read: {why}", path=path) from None
     if len(data) > limit:
         raise CheckpointError(f"larger than {limit} bytes", path=path)
     try:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import errno
 import itertools
 import json
 import math
@@ -23,7 +24,7 @@ from ..layout import Strided
 from ..manifest import CHECKSUM_ALGORITHM, DTYPE_BYTES, MANIFEST_NAME
 from .checksums import CHUNK_BYTES, chunk_digest
 from .dtypes import byte_view, torch_dtype
-from .durable import read_text
+from .durable import open_regular, read_text
 from .safetensors_format import MAX_HEADER_BYTES, METADATA_KEY, TensorRecord
 
 if TYPE_CHECKING:
@@ -67,12 +68,13 @@ class SafetensorsReader:
         self._fd: int | None = None
         self._scratch = threading.local()
         try:
-            self._fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
+            self._fd = open_regular(self.path)
             self._opened = os.fstat(self._fd)
         except OSError as e:
             if self._fd is not None:
                 self.close()
-            raise CheckpointError(f"cannot open: {e}", path=self.path) from e
+            why = "it is a symlink" if e.errno == errno.ELOOP else str(e)
+            raise CheckpointError(f"cannot open: {why}", path=self.path) from e
         try:
             self._parse_header()
         except BaseException:
