@@ -14,6 +14,7 @@ I/O from :mod:`muonckpt.storage`.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import os
@@ -56,7 +57,7 @@ from .manifest import (
     json_safe,
 )
 from .pieces import PieceReader, open_checkpoint
-from .steps import describe_failure
+from .steps import describe_failure, disagreement
 from .writeplan import WritePlan, consolidated_plan, rank_plan, unique_tensor_keys
 
 DEFAULT_ASYNC_TIMEOUT_S: float = 1800.0
@@ -612,21 +613,48 @@ def load(
             in the optimizer changes. StateDictError: for a target that cannot take the state.
     """
     targets = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
-    directory, manifest = open_checkpoint(path)
-    if params and not manifest.has_values:
-        raise CheckpointError(
-            "the checkpoint holds no param values (saved with params=False, or by format "
-            f"version {manifest.format_version}); load it with params=False to restore the "
-            "optimizer state only",
-            path=directory / MANIFEST_NAME,
-        )
     joined = targets[0] if len(targets) == 1 else _Joined(targets)
-    report = LoadReport()
-    plan = _plan(joined, manifest, momentum_form, report)
-    _check_covered(manifest, plan, directory)
-    with PieceReader(directory, manifest) as reader:
-        state, values = _read(plan, manifest, reader, params, directory)
-    _apply(plan, state, values)
+    sharding = describe(joined)  # a collective the first time: before anything can fail
+    steps = collectives.CollectiveSteps(
+        "load", sharding.participants, sharding.destination, CheckpointError
+    )
+    opened: list[tuple[Path, Manifest]] = []
+
+    def open_it() -> dict[str, Any]:
+        directory, manifest = open_checkpoint(path)
+        if params and not manifest.has_values:
+            raise CheckpointError(
+                "the checkpoint holds no param values (saved with params=False, or by format "
+                f"version {manifest.format_version}); load it with params=False to restore "
+                "the optimizer state only",
+                path=directory / MANIFEST_NAME,
+            )
+        opened.append((directory, manifest))
+        return {
+            "checkpoint": os.path.realpath(directory),
+            "manifest": hashlib.blake2b(manifest.to_json().encode(), digest_size=8).hexdigest(),
+            "params": params,
+            "momentum_form": momentum_form,
+        }
+
+    if len(steps.ranks) > 1:  # (in one process every failure is raised as it is)
+        steps.each_then_root("open", open_it, _agreed_load)
+    else:
+        open_it()
+    (directory, manifest), report = opened[0], LoadReport()
+    read: list[tuple[_Target, dict[int, dict[str, Any]], dict[int, torch.Tensor]]] = []
+
+    def read_share() -> None:
+        plan = _plan(joined, sharding, manifest, momentum_form, report)
+        _check_covered(manifest, plan, directory)
+        with PieceReader(directory, manifest) as reader:
+            read.append((plan, *_read(plan, manifest, reader, params, directory)))
+
+    if len(steps.ranks) > 1:
+        steps.each_then_root("read", read_share, lambda _: None)  # all or none change
+    else:
+        read_share()
+    _apply(*read[0])
     for message in report.converted:
         _LOG.info("muonckpt.load: converted %s", message)
     for message in report.warnings:
@@ -637,10 +665,25 @@ def load(
 _LOG = logging.getLogger("muonckpt")
 
 
+def _agreed_load(arguments: list[dict[str, Any]]) -> None:
+    """(the root of a load) Every rank opened the same checkpoint, the same manifest, and was
+    asked the same: a mix of checkpoints never loads."""
+    differ = disagreement(arguments, list(range(len(arguments))))
+    if differ is not None:
+        raise CheckpointError(
+            f"the ranks of one load disagree on {differ} (by their place among the grid's "
+            "ranks): a load reads one checkpoint on every rank (a path re-pointed or replaced "
+            "while they opened it, or different paths?)"
+        )
+
+
 def _plan(
-    optimizer: Any, manifest: Manifest, momentum_form: str | None, report: LoadReport
+    optimizer: Any,
+    sharding: Sharding,
+    manifest: Manifest,
+    momentum_form: str | None,
+    report: LoadReport,
 ) -> _Target:
-    sharding = describe(optimizer)
     source = [
         kinds.GroupKind.from_json(g.optimizer) if g.optimizer else None for g in manifest.groups
     ]

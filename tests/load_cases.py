@@ -1,0 +1,46 @@
+"""Load phases run inside gloo children: ranks that would read different checkpoints."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+import muonckpt
+
+from .fixture_model import build, initial_params, local_params, train
+
+
+def mixed_load_phase(first: str, second: str, how: str) -> dict[str, object]:
+    """Rank 0 loads ``first``; rank 1 loads ``second`` (``"paths"``), or ``first`` after
+    saving other state over it once rank 0 has opened it (``"replaced"``), or ``first`` as
+    well (``"damaged"``: the test damaged what only rank 1 reads). Returns the error and
+    whether this rank's optimizer kept its own state and params."""
+    opt, sharded, dp_rank, tp_rank = build(2, 1, initial_params())
+    train(opt, sharded, dp_rank, tp_rank, 0, 1)
+    before = local_params(opt)
+    momenta = [s["momentum_buffer"].clone() for s in opt.state.values() if "momentum_buffer" in s]
+    opt.state_dict()  # the grid is learned (a collective) once, here: load then opens at once
+    dist.barrier()
+    path = first
+    if dist.get_rank() == 1:
+        if how == "paths":
+            path = second
+        elif how == "replaced":
+            time.sleep(1.0)  # rank 0 has opened the checkpoint by now
+            other, *_ = build(1, 1, initial_params())
+            muonckpt.save(other, first, overwrite=True)  # a single-process checkpoint
+    try:
+        muonckpt.load(opt, path)
+        error = "no error"
+    except muonckpt.CheckpointError as exc:
+        error = str(exc)
+    after = local_params(opt)
+    kept = all(torch.equal(after[n], v) for n, v in before.items()) and all(
+        torch.equal(s["momentum_buffer"], m)
+        for s, m in zip(
+            (s for s in opt.state.values() if "momentum_buffer" in s), momenta, strict=True
+        )
+    )
+    return {"error": error, "kept": kept}
