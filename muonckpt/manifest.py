@@ -406,9 +406,15 @@ def _manifest_from(body: Any) -> Manifest:
         sorted(n for g in groups for n in g.params) == sorted(names),
         "groups and params list different names",
     )
+    by_name = {p.name: p for p in params}
+    for index, group in enumerate(groups):
+        for name in group.params:
+            _expect(
+                by_name[name].group == index,
+                f"param {name!r} says group {by_name[name].group}, but group {index} lists it",
+            )
     files = tuple(FileEntry(_safe_name(f["name"]), _nonneg_int(f["bytes"])) for f in body["files"])
     file_names = {f.name for f in files}
-    by_name = {p.name: p for p in params}
     pieces = []
     for raw in body["pieces"]:
         piece = piece_from_json(raw)
@@ -516,9 +522,31 @@ def _scalars(raw: Any) -> dict[str, Scalar]:
             value is None or isinstance(value, (int, float, bool, str)),
             f"scalar {key!r} must hold a number, a string or null",
         )
-        _expect(dtype is None or isinstance(dtype, str), f"scalar {key!r}: bad dtype {dtype!r}")
+        _expect(dtype is None or dtype in DTYPE_BYTES, f"scalar {key!r}: unknown dtype {dtype!r}")
+        if dtype is not None:
+            _expect(_fits(value, dtype), f"scalar {key!r}: {value!r} is not a {dtype} value")
+        if key == "step":
+            _expect(
+                value is None or (_number(value) and value >= 0),
+                f"scalar 'step' must be a non-negative number, got {value!r}",
+            )
         scalars[_str(key)] = Scalar(value, dtype)
     return scalars
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _fits(value: Any, dtype: str) -> bool:
+    """Whether a 0-d tensor of safetensors ``dtype`` can hold ``value`` exactly as written."""
+    if dtype == "BOOL":
+        return isinstance(value, bool)
+    if dtype[0] in "IU":
+        bits = 8 * DTYPE_BYTES[dtype]
+        low, high = (-(2 ** (bits - 1)), 2 ** (bits - 1)) if dtype[0] == "I" else (0, 2**bits)
+        return isinstance(value, int) and not isinstance(value, bool) and low <= value < high
+    return _number(value)
 
 
 _GROUP_OPTIMIZER = {
@@ -545,8 +573,14 @@ def _group_optimizer(value: Any) -> dict[str, Any]:
     for field_name in ("momentum", "matched_adamw_rms"):
         number = value.get(field_name)
         _expect(
-            number is None or (isinstance(number, (int, float)) and not isinstance(number, bool)),
+            number is None or _number(number),
             f"group optimizer {field_name} must be a number or null",
+        )
+    if value.get("momentum_form") is not None:  # a form is converted by 1 - mu
+        mu = value.get("momentum")
+        _expect(
+            _number(mu) and 0 <= mu < 1,
+            f"group optimizer momentum must be in [0, 1) for its momentum_form, got {mu!r}",
         )
     _expect(value.get("nesterov") in (True, False, None), "group optimizer nesterov: a bool")
     return dict(value)

@@ -5,9 +5,11 @@ hyperparameter used to load, and the next step made every param NaN)."""
 
 from __future__ import annotations
 
+import re
 import shutil
 
 import pytest
+import torch
 
 import muonckpt
 from muonckpt import CheckpointError, offline
@@ -56,3 +58,67 @@ def test_a_manifest_that_is_not_strict_json_is_refused_by_every_reader(damaged, 
             read()
         assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"], name  # nothing written
     assert muonckpt.latest(tmp_path) is None  # and never picked to resume from
+
+
+def _adamw_ckpt(path):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    return muonckpt.save(opt, path), opt
+
+
+FIELD_EDITS = {
+    # (which checkpoint, old text, new text, what the refusal says)
+    "a param's group out of range": ("muon", '"group":0', '"group":7', "says group 7"),
+    "momentum 1": (
+        "muon",
+        '"momentum_form":"sum","momentum":0.9',
+        '"momentum_form":"sum","momentum":1.0',
+        "[0, 1)",
+    ),
+    "momentum null": (
+        "muon",
+        '"momentum_form":"sum","momentum":0.9',
+        '"momentum_form":"sum","momentum":null',
+        "[0, 1)",
+    ),
+    "a step that is a string": (
+        "adamw",
+        '"value":1.0,"dtype":"F32"',
+        '"value":"1","dtype":null',
+        "non-negative number",
+    ),
+    "a scalar its dtype cannot hold": (
+        "adamw",
+        '"value":1.0,"dtype":"F32"',
+        '"value":1e30,"dtype":"I32"',
+        "not a I32 value",
+    ),
+}
+
+
+@pytest.mark.parametrize("edit", list(FIELD_EDITS))
+def test_a_field_out_of_range_is_refused_by_verify_and_every_tool(single_ckpt, tmp_path, edit):
+    """(issue 20) Manifests that verify called sound made convert, load and consolidate raise
+    IndexError, ZeroDivisionError, TypeError or ValueError."""
+    which, old, new, says = FIELD_EDITS[edit]
+    if which == "muon":
+        ckpt = shutil.copytree(single_ckpt(1), tmp_path / "ckpt")
+        opt = build(1, 1, initial_params())[0]
+    else:
+        ckpt, opt = _adamw_ckpt(tmp_path / "ckpt")
+    text = (ckpt / "manifest.json").read_text()
+    assert old in text
+    (ckpt / "manifest.json").write_text(text.replace(old, new, 1))
+    (problem,) = muonckpt.verify(ckpt)
+    assert says in str(problem), problem
+    for read in (
+        lambda: muonckpt.load(opt, ckpt),
+        lambda: offline.consolidate(ckpt, tmp_path / "full"),
+        lambda: offline.convert(ckpt, tmp_path / "torch", to="torch"),
+    ):
+        with pytest.raises(CheckpointError, match=re.escape(says)):
+            read()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
