@@ -256,10 +256,13 @@ def verify(path: str | os.PathLike[str]) -> list[CheckpointError]:
     ]
     problems += _topology_problems(manifest, directory)
     known = {f.name for f in manifest.files} | {MANIFEST_NAME, INDEX_FILE, MODEL_INDEX_FILE}
-    for extra in sorted(p.name for p in directory.iterdir() if p.name not in known):
-        problems.append(
-            CheckpointError("unknown file in the checkpoint directory", path=directory / extra)
-        )
+    for entry in sorted(directory.iterdir()):
+        if entry.name not in known:
+            problems.append(CheckpointError("unknown file in the checkpoint directory", path=entry))
+        elif entry.is_symlink():
+            problems.append(
+                CheckpointError("is a symlink, not a file of the checkpoint's own", path=entry)
+            )
     with PieceReader(directory, manifest) as reader:
         for piece in manifest.pieces:
             try:

@@ -10,9 +10,9 @@ import threading
 import pytest
 
 import muonckpt
-from muonckpt import CheckpointError, storage
+from muonckpt import CheckpointError, offline, storage
 
-from .fixture_model import build, initial_params
+from .fixture_model import build, initial_params, single_process_optimizer
 
 
 def _finishes(work, seconds: float = 30.0):
@@ -66,3 +66,18 @@ def test_a_symlinked_data_file_is_not_followed_out_of_the_checkpoint(single_ckpt
     assert any("symlink" in str(p) for p in muonckpt.verify(ckpt))
     with pytest.raises(CheckpointError, match="symlink"):
         muonckpt.load(build(1, 1, initial_params())[0], ckpt)
+
+
+def test_a_symlinked_index_file_is_refused_not_copied(tmp_path):
+    """(issue 20) convert copied whatever a symlinked index file pointed to into its output,
+    and verify called the checkpoint sound."""
+    opt = single_process_optimizer(1)
+    ckpt = muonckpt.save(opt, tmp_path / "ckpt", consolidated=True, max_shard_size=2000)
+    index = ckpt / "optimizer.safetensors.index.json"
+    secret = tmp_path / "secret.json"
+    index.rename(secret)
+    index.symlink_to(secret)
+    assert any("symlink" in str(p) and str(index) in str(p) for p in muonckpt.verify(ckpt))
+    with pytest.raises(CheckpointError, match="symlink"):
+        offline.convert(ckpt, tmp_path / "converted", to="torch")
+    assert not (tmp_path / "converted").exists()
