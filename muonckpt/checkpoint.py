@@ -595,7 +595,9 @@ def load(
 
     Every rank reads the manifest and then only the bytes of the pieces overlapping its own
     share, verifying their checksums; memory is its share plus one piece span in flight.
-    In distributed mode a collective over the grid the first time the optimizer is described.
+    In distributed mode a collective over the grid: the ranks agree that they opened one
+    checkpoint (its resolved directory and manifest) with the same arguments, and that every
+    share was read, before any optimizer changes; any rank's failure is every rank's.
 
     Args:
         optimizer: an optimizer :func:`save` takes, at any topology, or a list of them.
