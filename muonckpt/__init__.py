@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from .kinds import FAMILIES
     from .optim import Muon, MuonDistMeta, adjusted_lr, newton_schulz, normalize_range
     from .pieces import read_manifest, verify
-    from .retention import latest
+    from .retention import clean, latest
     from .sharding import ShardedParams, shard_for_groups, shard_param_groups
 
 __version__ = "0.1.0"
@@ -38,6 +38,7 @@ _LAZY = {
     "LoadReport": "checkpoint",
     "async_save": "checkpoint",
     "REPLICATED": "hooks",
+    "clean": "retention",
     "latest": "retention",
     "load": "checkpoint",
     "read_manifest": "pieces",
@@ -79,6 +80,7 @@ __all__ = [
     "adjusted_lr",
     "arrange",
     "async_save",
+    "clean",
     "default_group_from_env",
     "gather_state_dict",
     "global_rank",

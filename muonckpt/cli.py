@@ -538,6 +538,38 @@ def verify(src: Src) -> None:
 
 
 @app.command()
+def clean(
+    root: Annotated[
+        Path,
+        typer.Argument(
+            metavar="ROOT", help="Directory holding the checkpoints.", show_default=False
+        ),
+    ],
+    older_than: Annotated[
+        float,
+        typer.Option(
+            "--older-than",
+            metavar="SECONDS",
+            help="Only what has not changed for this long (a running save changes its own).",
+        ),
+    ] = 3600.0,
+) -> None:
+    """Remove what interrupted saves left directly under ROOT.
+
+    muonckpt's own staging directories (.NAME.staging-*, .NAME.old-PID) and background-save
+    mailboxes (.NAME.steps-*) unchanged for --older-than seconds: only their checkpoint files
+    and messages, never anything else and nothing through a symlink. Prints each directory
+    removed.
+
+    Example: muonckpt clean ckpt --older-than 7200
+    """
+    from . import clean as clean_root
+
+    for path in clean_root(root, older_than):
+        typer.echo(f"removed {path}")
+
+
+@app.command()
 def latest(
     root: Annotated[
         Path,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import re
+import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -156,3 +157,42 @@ def prune(root: str | os.PathLike[str], keep_last: int, keep: str | os.PathLike[
         if storage.remove_checkpoint(old.path):
             deleted.append(old.path)
     return deleted
+
+
+def clean(root: str | os.PathLike[str], older_than: float) -> list[Path]:
+    """Remove what interrupted saves left directly under ``root``: muonckpt's own staging
+    directories (``.NAME.staging-XXXXXXXX``, ``.NAME.old-PID``) and background-save
+    mailboxes (``.NAME.steps-XXXXXXXX``) last changed more than ``older_than`` seconds ago (a
+    save still running changes them; choose longer than your longest save). Only their
+    checkpoint files and messages are deleted, nothing through a symlink, nothing else: a
+    directory holding anything else keeps it (and a :class:`CheckpointWarning` names it).
+
+    Returns the directories removed entirely. A ``root`` that cannot be listed is a
+    :class:`CheckpointError`; a negative ``older_than`` too.
+    """
+    if not older_than >= 0:
+        raise CheckpointError(f"older_than must be a number of seconds >= 0, got {older_than!r}")
+    root = Path(root)
+    try:
+        with os.scandir(root) as listing:
+            entries = sorted(
+                (e for e in listing if storage.is_ours(e.name) and e.is_dir(follow_symlinks=False)),
+                key=lambda e: e.name,
+            )
+            ages = {e.name: time.time() - e.stat(follow_symlinks=False).st_mtime for e in entries}
+    except FileNotFoundError:
+        return []
+    except OSError as exc:
+        raise CheckpointError(f"cannot be listed: {exc.strerror}", path=root) from None
+    removed = []
+    for entry in entries:
+        if ages[entry.name] <= older_than:
+            continue
+        path = root / entry.name
+        if storage.is_mailbox(entry.name):
+            storage.Mailbox(path).remove()
+        else:
+            storage.discard(path)
+        if not os.path.lexists(path):
+            removed.append(path)
+    return removed

@@ -362,3 +362,45 @@ def test_cli_latest_prints_the_path_or_exits_1(saved, tmp_path):
     assert result.exit_code == 2
     assert result.stderr.startswith("error: is not a directory of checkpoints (file ")
     assert "Traceback" not in result.output
+
+
+# ---------------------------------------------------------------- clean
+
+
+def test_clean_removes_only_old_leftovers_of_interrupted_saves(saved, tmp_path):
+    root = tmp_path / "ckpt"
+    put(saved, root, 1, at=1)
+    old_staging = put(saved, root, 2, ".step-2.staging-0123abcd", at=2)
+    (old_staging / "manifest.json").unlink()  # killed before its commit
+    mailbox = root / ".step-2.steps-0123abcd"
+    mailbox.mkdir()
+    (mailbox / "write-1.json").write_text('{"value": null}')
+    fresh = put(saved, root, 3, ".step-3.staging-89abcdef", at=3)  # a save running now
+    (fresh / "manifest.json").unlink()
+    kept_for_user = root / ".mine.staging-00000000"  # named like ours, holding a user file
+    kept_for_user.mkdir()
+    (kept_for_user / "notes.txt").write_text("mine")
+    for path in (old_staging, mailbox, kept_for_user):
+        os.utime(path, (1, 1))  # unchanged for decades
+    before = snapshot(root)
+
+    with pytest.warns(CheckpointWarning, match="notes.txt"):
+        removed = muonckpt.clean(root, older_than=3600)
+    assert removed == [old_staging, mailbox]
+    gone = (old_staging.name, mailbox.name)
+    assert snapshot(root) == {k: v for k, v in before.items() if k.split(os.sep)[0] not in gone}
+    assert (kept_for_user / "notes.txt").read_text() == "mine"
+    assert muonckpt.latest(root) == root / "step-1"
+    assert muonckpt.clean(tmp_path / "nothing-here", older_than=0) == []
+    with pytest.raises(CheckpointError, match="older_than"):
+        muonckpt.clean(root, older_than=-1)
+
+
+def test_clean_on_the_command_line(saved, tmp_path):
+    root = tmp_path / "ckpt"
+    leftover = put(saved, root, 1, ".step-1.staging-0123abcd")
+    os.utime(leftover, (1, 1))
+    done = CliRunner().invoke(app, ["clean", str(root)])
+    assert done.exit_code == 0, done.output
+    assert done.output.strip() == f"removed {leftover}"
+    assert not leftover.exists()

@@ -24,7 +24,7 @@ from ..manifest import CHECKSUM_ALGORITHM
 from .checksums import CHUNK_BYTES, checksum_chunks
 from .dtypes import byte_view, dtype_name, itemsize, tensor_of_bytes, torch_dtype
 from .durable import entries, file_size, fsync_dir, read_text, write_text_atomic
-from .mailbox import Mailbox, mailbox_path
+from .mailbox import Mailbox, is_mailbox, mailbox_path
 from .safetensors_format import TensorRecord
 from .safetensors_reader import SafetensorsReader
 from .safetensors_writer import SafetensorsWriter, SharedSafetensorsFile, write_safetensors
@@ -59,6 +59,7 @@ __all__ = [
     "entries",
     "file_size",
     "fsync_dir",
+    "is_mailbox",
     "is_ours",
     "itemsize",
     "mailbox_path",

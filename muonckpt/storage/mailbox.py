@@ -34,6 +34,11 @@ _FIRST_POLL_S = 0.001
 _LONGEST_POLL_S = 0.1
 
 
+def is_mailbox(name: str) -> bool:
+    """Whether ``name`` is a mailbox's (``.NAME.steps-XXXXXXXX``)."""
+    return re.fullmatch(rf"\..+\.{MAILBOX_TAG}-[0-9a-f]{{8}}", name, re.DOTALL) is not None
+
+
 def mailbox_path(staging: str | os.PathLike[str]) -> Path:
     """The mailbox of the save staged in ``staging`` (``.NAME.staging-X`` ->
     ``.NAME.steps-X``)."""
