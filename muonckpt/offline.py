@@ -48,6 +48,7 @@ from .manifest import (
     Scalar,
 )
 from .pieces import PieceReader, open_checkpoint
+from .retention import checkpoint_step
 from .writeplan import (
     TensorWrite,
     WritePlan,
@@ -523,7 +524,7 @@ def summarize(src: str | os.PathLike[str]) -> dict[str, Any]:
         "kind": manifest.kind,
         "format_version": manifest.format_version,
         "topology": dict(manifest.topology),
-        "step": manifest.step,
+        "step": checkpoint_step(manifest),
         "groups": [
             {"hyperparams": dict(g.hyperparams), "params": list(g.params)} for g in manifest.groups
         ],

@@ -166,3 +166,14 @@ def test_streaming_writer_order_and_abort(tmp_path):
     loaded = safetensors.torch.load_file(tmp_path / "x.safetensors")
     assert torch.equal(loaded["a"], torch.arange(4))
     assert [p.name for p in tmp_path.iterdir()] == ["x.safetensors"]
+
+
+def test_inspect_shows_the_step_of_an_optimizer_that_counts_per_param(tmp_path):
+    """(issue 20) torch's AdamW keeps its step per param, as a 0-d tensor: inspect showed
+    'step None'; it shows the count, as latest orders by it."""
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.AdamW(model.parameters())
+    for _ in range(3):
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+    assert offline.summarize(muonckpt.save(opt, tmp_path / "ckpt"))["step"] == 3
