@@ -362,3 +362,20 @@ def test_reshard_to_an_absurd_topology_is_refused_at_once(ckpts, tmp_path):
     line = _one_error_line(result)
     assert "at most 65536" in line
     assert not (tmp_path / "x").exists()
+
+
+def test_names_read_from_a_checkpoint_cannot_drive_the_terminal(tmp_path):
+    """(issue 20) A param named with a terminal escape code (or rich markup) was printed raw by
+    inspect and diff: it is shown as escapes, as written."""
+    evil = "evil\x1b[2J[red]name"
+    p = torch.nn.Parameter(torch.ones(2, 2))
+    opt = torch.optim.AdamW([(evil, p)])
+    p.grad = torch.ones_like(p)
+    opt.step()
+    ckpt = muonckpt.save(opt, tmp_path / "ckpt")
+    for args in (("diff", ckpt, ckpt), ("inspect", ckpt)):
+        result = cli(*args)
+        assert result.exit_code == 0, result.output
+        assert "\x1b" not in result.output
+        assert "evil\\x1b[2" in result.output, result.output  # shown (inspect cuts long names)
+    assert "evil\\x1b[2J[red]name" in cli("diff", ckpt, ckpt).output  # markup shown as written
