@@ -62,13 +62,16 @@ def _same_state(a: torch.optim.Optimizer, b: torch.optim.Optimizer) -> None:
                 assert value == other and type(value) is type(other), (index, key)
 
 
-@pytest.mark.parametrize("consolidated", [False, True])
+@pytest.mark.parametrize("how", ["per-rank", "consolidated", "background"])
 @pytest.mark.parametrize("kind", sorted(OPTIMIZERS))
-def test_round_trip_and_resume_are_bitwise(tmp_path, kind, consolidated):
+def test_round_trip_and_resume_are_bitwise(tmp_path, kind, how):
     params = make_params()
     opt = OPTIMIZERS[kind](params)
     train(opt, params, 0, K)
-    ckpt = muonckpt.save(opt, tmp_path / "ckpt", consolidated=consolidated)
+    if how == "background":
+        ckpt = muonckpt.async_save(opt, tmp_path / "ckpt").result(timeout=60)
+    else:
+        ckpt = muonckpt.save(opt, tmp_path / "ckpt", consolidated=how == "consolidated")
     assert muonckpt.verify(ckpt) == []
     fresh_params = make_params(zeros=True)
     fresh = OPTIMIZERS[kind](fresh_params)
@@ -173,14 +176,16 @@ def test_a_list_of_optimizers_round_trips_into_the_same_list(tmp_path, named):
         for opt in opts:
             opt.step()
     ckpt = muonckpt.save(opts, tmp_path / "ckpt")
-    fresh_params = make_params(zeros=True)
-    fresh = build(fresh_params)
-    report = muonckpt.load(fresh, ckpt)
-    assert report.converted == [] and report.warnings == []
-    for old, new in zip(opts, fresh):
-        _same_state(old, new)  # max_exp_avg_sq and the saved hyperparams included
-    for name in params:
-        assert torch.equal(fresh_params[name], params[name]), name
+    background = muonckpt.async_save(opts, tmp_path / "background").result(timeout=60)
+    for saved in (ckpt, background):
+        fresh_params = make_params(zeros=True)
+        fresh = build(fresh_params)
+        report = muonckpt.load(fresh, saved)
+        assert report.converted == [] and report.warnings == []
+        for old, new in zip(opts, fresh):
+            _same_state(old, new)  # max_exp_avg_sq and the saved hyperparams included
+        for name in params:
+            assert torch.equal(fresh_params[name], params[name]), name
 
 
 def test_adamw_state_into_an_unknown_optimizer_is_refused(tmp_path):

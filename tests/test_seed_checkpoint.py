@@ -26,7 +26,10 @@ SHAPES = [(20, 20), (24, 36), (52, 28), (44, 52), (32, 32)]
 MUON_ARGS = {"use_muon": True, "lr": 0.1, "momentum": 0.9, "nesterov": True, "weight_decay": 0.1}
 K, M = 3, 2
 SAVED_AT = [(2, 2), (4, 2), (2, 4)]
-VARIANTS = [(named, kind) for named in (False, True) for kind in ("per-rank", "consolidated")]
+VARIANTS = [
+    (named, kind) for named in (False, True) for kind in ("per-rank", "consolidated", "background")
+]
+"""Each checkpoint: named params or not; ``save`` per rank or consolidated, or ``async_save``."""
 
 
 def build(dp, tp, groups, full, named):
@@ -79,7 +82,13 @@ def save_phase(dp, tp, root):
         full, _ = gen_param_and_grads(SHAPES, K + M)
         opt, params, grads = build(dp, tp, groups, full, named)
         train(opt, params, grads, 0, K)
-        muonckpt.save(opt, ckpt_name(root, (dp, tp), named, kind), consolidated=kind != "per-rank")
+        path = ckpt_name(root, (dp, tp), named, kind)
+        if kind == "background":
+            saving = muonckpt.async_save(opt, path)
+            train(opt, params, grads, K, 1)  # training goes on: the checkpoint keeps step K
+            saving.result(timeout=120)
+        else:
+            muonckpt.save(opt, path, consolidated=kind == "consolidated")
         sizes.append(len(params))
     return sizes
 

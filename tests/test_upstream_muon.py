@@ -87,7 +87,11 @@ def save_phase(kind: str, root: str) -> dict[str, torch.Tensor]:
     train(model, opt, 0, K)
     muonckpt.save(opt, f"{root}/per-rank")
     muonckpt.save(opt, f"{root}/consolidated", consolidated=True)
-    return snapshot(model)
+    saving = muonckpt.async_save(opt, f"{root}/background")
+    after = snapshot(model)
+    train(model, opt, K, 1)  # training goes on: the background checkpoint keeps step K
+    saving.result(timeout=120)
+    return after
 
 
 def resume_phase(kind: str, ckpt: str) -> dict[str, torch.Tensor]:
@@ -124,7 +128,7 @@ def test_training_at_world_4_matches_single_device(saved):
 
 def test_checkpoint_holds_every_momentum_and_the_replicated_adamw_state(saved):
     kind, root, _ = saved
-    for ckpt in ("per-rank", "consolidated"):
+    for ckpt in ("per-rank", "consolidated", "background"):
         assert muonckpt.verify(root / ckpt) == []
         manifest = muonckpt.read_manifest(root / ckpt)
         by_name = {p.name: p for p in manifest.params}
@@ -138,7 +142,7 @@ def test_checkpoint_holds_every_momentum_and_the_replicated_adamw_state(saved):
 
 
 @pytest.mark.parametrize("world", [2, 3, 1])
-@pytest.mark.parametrize("ckpt", ["per-rank", "consolidated"])
+@pytest.mark.parametrize("ckpt", ["per-rank", "consolidated", "background"])
 def test_resume_at_another_world_size_from_zeros_is_bitwise(saved, world, ckpt):
     kind, root, _ = saved
     expected = reference(kind, K + M)
