@@ -642,7 +642,7 @@ def load(
         }
 
     if len(steps.ranks) > 1:  # (in one process every failure is raised as it is)
-        steps.each_then_root("open", open_it, _agreed_load)
+        steps.each_then_root("open", open_it, lambda opened: _agreed_load(opened, steps.ranks))
     else:
         open_it()
     (directory, manifest), report = opened[0], LoadReport()
@@ -669,15 +669,14 @@ def load(
 _LOG = logging.getLogger("muonckpt")
 
 
-def _agreed_load(arguments: list[dict[str, Any]]) -> None:
+def _agreed_load(arguments: list[dict[str, Any]], ranks: Sequence[int]) -> None:
     """(the root of a load) Every rank opened the same checkpoint, the same manifest, and was
     asked the same: a mix of checkpoints never loads."""
-    differ = disagreement(arguments, list(range(len(arguments))))
+    differ = disagreement(arguments, ranks)
     if differ is not None:
         raise CheckpointError(
-            f"the ranks of one load disagree on {differ} (by their place among the grid's "
-            "ranks): a load reads one checkpoint on every rank (a path re-pointed or replaced "
-            "while they opened it, or different paths?)"
+            f"the ranks of one load disagree on {differ}: a load reads one checkpoint on every "
+            "rank (a path re-pointed or replaced while they opened it, or different paths?)"
         )
 
 
