@@ -1,8 +1,12 @@
-"""A KellerJordan-style distributed Muon (the upstream ``Muon.step``), and runs of it for the tests.
+"""KellerJordan's distributed Muon (upstream ``muon.Muon.step``) over named params, and runs of it.
 
 Each param's momentum lives only on its owner rank, ``index % world_size`` over the params sorted
-by size, and the updated params are shared with ``dist.all_gather`` over chunks of ``world_size``
-params, exactly as upstream. That is the layout whose ``state_dict()`` upstream loses: without
+by shape, and the updated params are shared with ``dist.all_gather`` over chunks of ``world_size``
+params, exactly as upstream. The update is upstream's own ``muon.muon_update`` from the
+``muon-optimizer`` package; only the constructor differs, because upstream's sorts bare tensors
+and so cannot take the ``(name, tensor)`` pairs that give state dicts names.
+
+That is the layout whose ``state_dict()`` upstream loses: without
 hooks, rank 0 saves only the momentum of the params it owns.
 
 Full params and grads are generated identically on every rank, so runs at any world size are
@@ -13,12 +17,12 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from muon import muon_update
 
-from muonckpt import newton_schulz
 from muonckpt.hooks import install_hooks
 
-# Eight 2-D params of several sizes, with ties in numel (b/f, a/d, e/h, c/g) to pin the stable
-# sort, and a tall one (h) for the rows/cols scale.
+# Eight 2-D params of several shapes, with ties (b/f, a/d, c/g) to pin the stable sort, and a
+# tall one (h) for the rows/cols scale.
 SHAPES = {
     "a": (8, 8),
     "b": (12, 16),
@@ -29,21 +33,10 @@ SHAPES = {
     "g": (4, 6),
     "h": (10, 6),
 }
-SORTED_NAMES = ["b", "f", "a", "d", "e", "h", "c", "g"]
-"""Upstream's construction order: size descending, ties kept in the given order."""
+SORTED_NAMES = ["b", "f", "h", "a", "d", "e", "c", "g"]
+"""Upstream's construction order: ``sorted(params, key=lambda x: x.size(), reverse=True)``, shapes
+compared as tuples, ties kept in the given order."""
 HPARAMS = {"lr": 0.05, "weight_decay": 0.1, "momentum": 0.9}
-
-
-def muon_update(
-    grad: torch.Tensor, momentum: torch.Tensor, beta: float, ns_steps: int, nesterov: bool = True
-) -> torch.Tensor:
-    """Upstream's ``muon_update``: EMA momentum, nesterov, Newton-Schulz on a bf16 copy.
-
-    The ``max(1, rows / cols) ** 0.5`` shape scale is applied by the step, as upstream did.
-    """
-    momentum.lerp_(grad, 1 - beta)
-    update = grad.lerp(momentum, beta) if nesterov else momentum
-    return newton_schulz(update.bfloat16(), steps=ns_steps)
 
 
 class KJMuon(torch.optim.Optimizer):
@@ -62,7 +55,7 @@ class KJMuon(torch.optim.Optimizer):
         momentum: float = 0.95,
         ns_steps: int = 5,
     ) -> None:
-        named = sorted(named_params, key=lambda pair: pair[1].numel(), reverse=True)  # stable
+        named = sorted(named_params, key=lambda pair: pair[1].size(), reverse=True)  # stable
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, ns_steps=ns_steps)
         super().__init__([{"params": named}], defaults)
 
@@ -81,11 +74,13 @@ class KJMuon(torch.optim.Optimizer):
                     if len(state) == 0:
                         state["momentum_buffer"] = torch.zeros_like(p)
                     update = muon_update(
-                        p.grad, state["momentum_buffer"], group["momentum"], group["ns_steps"]
+                        p.grad,
+                        state["momentum_buffer"],
+                        beta=group["momentum"],
+                        ns_steps=group["ns_steps"],
                     )
-                    rows, cols = p.shape[-2], p.shape[-1]
                     p.mul_(1 - group["lr"] * group["weight_decay"])
-                    p.add_(update.reshape(p.shape), alpha=-group["lr"] * max(1, rows / cols) ** 0.5)
+                    p.add_(update.reshape(p.shape), alpha=-group["lr"])
                 _all_gather(params_pad[base_i : base_i + world], params_pad[base_i + rank])
         return None
 

@@ -22,7 +22,7 @@ import pytest
 from typer.testing import CliRunner
 
 import muonckpt
-from muonckpt import CheckpointError, offline, storage
+from muonckpt import CheckpointError, launch, offline, storage
 from muonckpt.cli import app
 from muonckpt.errors import CheckpointWarning
 from muonckpt.launch import run_distributed
@@ -158,7 +158,11 @@ def test_force_replaces_a_checkpoint_and_an_empty_directory(ck, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "in-place", "out"]
 
 
-def test_output_overlapping_its_source_is_refused(ck, tmp_path):
+def _no_process_may_start(*args: object, **kwargs: object) -> None:
+    raise AssertionError("a worker process was started before the arguments were checked")
+
+
+def test_output_overlapping_its_source_is_refused(ck, tmp_path, monkeypatch):
     outer = tmp_path / "outer"
     source = shutil.copytree(ck, outer / "ck")
     with pytest.raises(CheckpointError, match="contains the source checkpoint"):
@@ -171,10 +175,9 @@ def test_output_overlapping_its_source_is_refused(ck, tmp_path):
         storage.check_target(link / "ck" / "out", False, source=source)
     storage.check_target(source, True, source=source)  # the same directory: in place
     # with workers the check runs before any process starts
-    start = time.monotonic()
+    monkeypatch.setattr(launch, "run_distributed", _no_process_may_start)
     with pytest.raises(CheckpointError, match="is inside the source checkpoint"):
         offline.consolidate(source, source / "out", workers=2)
-    assert time.monotonic() - start < 2
     assert sorted(p.name for p in source.iterdir()) == sorted(p.name for p in ck.iterdir())
 
 
@@ -543,9 +546,7 @@ def failing_ranks(root: str, src: str) -> dict[str, str]:
 
 
 def test_every_rank_learns_a_non_library_failure(ck, tmp_path):
-    start = time.monotonic()
-    ranks = run_distributed(failing_ranks, 2, str(tmp_path), str(ck), timeout=90)
-    assert time.monotonic() - start < 60
+    ranks = run_distributed(failing_ranks, 2, str(tmp_path), str(ck), timeout=60)
     expected = {
         "per-rank": "rank 1: OSError: [Errno 28] No space left on device",
         "consolidated": "rank 0: RuntimeError: disk on fire",

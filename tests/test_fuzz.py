@@ -28,7 +28,6 @@ import re
 import shutil
 import signal
 import struct
-import time
 import tracemalloc
 from collections.abc import Iterator
 from pathlib import Path
@@ -56,7 +55,6 @@ FUZZ = settings(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
     database=None,
 )
-CASE_LIMIT_S = 1.0
 HANG_LIMIT_S = 5
 MEMORY_LIMIT = 50 << 20
 
@@ -447,7 +445,6 @@ def test_lying_safetensors_headers_fail_fast_with_checkpoint_error(st_file, data
     path.write_bytes(blob)
     recording = _AllocationRecorder()
     tracemalloc.start()
-    began = time.perf_counter()
     try:
         with watchdog(), recording.recording():
             try:
@@ -457,11 +454,9 @@ def test_lying_safetensors_headers_fail_fast_with_checkpoint_error(st_file, data
             except CheckpointError as exc:
                 assert str(path) in str(exc)
                 event("reader: CheckpointError")
-        elapsed = time.perf_counter() - began
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    assert elapsed < CASE_LIMIT_S, f"{elapsed:.2f}s"
     assert peak < MEMORY_LIMIT, f"{peak} bytes traced"
     # Whatever the header claims, no buffer is larger than the file itself.
     assert max(recording.sizes, default=0) <= len(blob), recording.sizes

@@ -6,7 +6,6 @@ Single-process cases use the packaged Muon with named params; only what needs ra
 from __future__ import annotations
 
 import copy
-import time
 
 import pytest
 import torch
@@ -174,9 +173,7 @@ def stub_and_disagreement() -> dict:
 
 
 def test_stub_is_refused_and_disagreeing_ranks_raise():
-    start = time.monotonic()
-    rank0, rank1 = run_distributed(stub_and_disagreement, 2, timeout=30)
-    assert time.monotonic() - start < 25
+    rank0, rank1 = run_distributed(stub_and_disagreement, 2, timeout=25)
     assert rank0["complete"] is True and rank0["stub_load"] is None
     assert rank1["complete"] is False
     assert "rank 1" in rank1["stub_load"]
@@ -196,16 +193,13 @@ def raise_before_state_dict() -> None:
 
 
 def test_rank_raising_while_others_wait_is_surfaced():
-    start = time.monotonic()
     with pytest.raises(DistributedRunError) as info:
-        run_distributed(raise_before_state_dict, 2, timeout=30)
-    elapsed = time.monotonic() - start
+        run_distributed(raise_before_state_dict, 2, timeout=25)
     message = str(info.value)
     assert "rank 1" in message
     assert "rank one gave up before state_dict" in message
     assert "raise_before_state_dict" in message  # the traceback, not just the text
-    assert "timed out" not in message
-    assert elapsed < 25
+    assert "timed out" not in message  # the failure itself ended the run, not the timeout
 
 
 def _failing_second_call(original):
@@ -251,9 +245,7 @@ def failing_mid_gather(root: str) -> dict[str, str]:
 
 
 def test_a_rank_failing_in_the_middle_of_the_transfer_fails_every_rank(tmp_path):
-    start = time.monotonic()
-    ranks = run_distributed(failing_mid_gather, 2, str(tmp_path), timeout=60)
-    assert time.monotonic() - start < 40
+    ranks = run_distributed(failing_mid_gather, 2, str(tmp_path), timeout=40)
     for seen in ranks:
         for case in ("state_dict", "save"):
             assert "state values" in seen[case] and "RuntimeError: out of memory" in seen[case]

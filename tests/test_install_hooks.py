@@ -15,9 +15,11 @@ from muonckpt.hooks import gather_state_dict, install_hooks
 from muonckpt.launch import run_distributed
 
 from .kj_muon import (
+    HPARAMS,
     SHAPES,
     SORTED_NAMES,
     build,
+    full_grad,
     initial_params,
     local_momentum,
     named_params,
@@ -170,3 +172,29 @@ def test_saved_state_dict_is_complete_and_named(probed, from_4):
     assert sd["param_groups"][0]["param_names"] == SORTED_NAMES
     for index, name in enumerate(SORTED_NAMES):
         assert tuple(sd["state"][index]["momentum_buffer"].shape) == SHAPES[name]
+
+
+def kj_beside_upstream(steps: int) -> dict[str, bool]:
+    """(in 2 gloo ranks) ``KJMuon`` and the ``muon-optimizer`` package's own ``muon.Muon``, from
+    the same params and grads; shapes whose chunks of 2 share a shape, as upstream's gather
+    needs."""
+    import muon
+
+    names = ["b", "f", "a", "d"]
+    start = {n: t for n, t in initial_params().items() if n in names}
+    ours = build(start, hooks=False)
+    bare = [torch.nn.Parameter(start[n].clone()) for n in names]
+    by_name = dict(zip(names, bare, strict=True))
+    theirs = muon.Muon(bare, **HPARAMS)
+    for step in range(steps):
+        train(ours, step, 1)
+        for name, p in by_name.items():
+            p.grad = full_grad(name, step)
+        theirs.step()
+    mine = named_params(ours)
+    return {n: torch.equal(mine[n], by_name[n].detach()) for n in names}
+
+
+def test_the_test_optimizer_is_upstreams_step_bit_for_bit():
+    for rank in run_distributed(kj_beside_upstream, 2, 3, timeout=60):
+        assert rank == {"b": True, "f": True, "a": True, "d": True}
