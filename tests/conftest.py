@@ -7,6 +7,8 @@ relatively, and a gloo child finds a test's module-level function by that same n
 
 from __future__ import annotations
 
+import inspect
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -23,14 +25,42 @@ REPO = Path(__file__).resolve().parents[1]
 """The repository root: the working directory for subprocesses that import ``tests.*``."""
 
 
+STARTS_PROCESSES = re.compile(r"run_distributed\(|subprocess|Popen|workers=|--workers|_spawn\(")
+"""What a test (or a fixture or module function it names) calls when it starts other processes."""
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests marked ``cuda`` are skipped where torch sees no CUDA device."""
-    if torch.cuda.is_available():
-        return
+    """Tests that start processes are marked ``dist`` (``-m "not dist"`` is the fast tier);
+    tests marked ``cuda`` are skipped where torch sees no CUDA device."""
     skip = pytest.mark.skip(reason="needs a CUDA device (torch.cuda.is_available() is False)")
     for item in items:
-        if item.get_closest_marker("cuda") is not None:
+        if _starts_processes(item):
+            item.add_marker(pytest.mark.dist)
+        if item.get_closest_marker("cuda") is not None and not torch.cuda.is_available():
             item.add_marker(skip)
+
+
+def _starts_processes(item: pytest.Item) -> bool:
+    """Whether the test's source, its fixtures' or that of a function of its module that it
+    names (one level deep) starts processes."""
+    function = getattr(item, "function", None)
+    if function is None:
+        return False
+    sources = [_source(function)]
+    info = getattr(item, "_fixtureinfo", None)
+    for definitions in info.name2fixturedefs.values() if info else ():
+        sources += [_source(d.func) for d in definitions]
+    module = vars(inspect.getmodule(function) or object)
+    names = set(re.findall(r"\b(\w+)\(", " ".join(sources)))
+    sources += [_source(module[n]) for n in names if inspect.isfunction(module.get(n))]
+    return any(STARTS_PROCESSES.search(source) for source in sources)
+
+
+def _source(function: Callable[..., object]) -> str:
+    try:
+        return inspect.getsource(function)
+    except (OSError, TypeError):
+        return ""
 
 
 @pytest.fixture(scope="session")
