@@ -53,8 +53,10 @@ from .manifest import (
     GroupEntry,
     Manifest,
     ParamEntry,
+    Rename,
     Scalar,
     json_safe,
+    prefix_hint,
 )
 from .pieces import PieceReader, open_checkpoint
 from .steps import describe_failure, disagreement
@@ -578,6 +580,7 @@ def load(
     *,
     params: bool = True,
     momentum_form: str | None = None,
+    rename: Rename | None = None,
 ) -> LoadReport:
     """Load a checkpoint of any kind and source topology into ``optimizer`` at its topology.
 
@@ -606,6 +609,11 @@ def load(
             restores the optimizer state only, for weights loaded elsewhere.
         momentum_form: ``"sum"`` or ``"ema"``: the momentum form of a target whose form
             muonckpt does not know (required then), or an override for one it knows.
+        rename: the checkpoint's param names as the optimizer has them: prefix replacements
+            (``{"module.": ""}`` strips DDP's prefix, ``{"_orig_mod.": ""}`` torch.compile's,
+            ``{"": "model."}`` adds one; the longest matching prefix applies) or a function of
+            the saved name. Names that differ by a prefix only are refused naming the prefix
+            and this fix.
 
     Returns:
         A :class:`LoadReport` of the conversions made and the settings warned about.
@@ -624,6 +632,8 @@ def load(
 
     def open_it() -> dict[str, Any]:
         directory, manifest = open_checkpoint(path)
+        if rename is not None:
+            manifest = manifest.renamed(rename)
         if params and not manifest.has_values:
             raise CheckpointError(
                 "the checkpoint holds no param values (saved with params=False, or by format "
@@ -649,6 +659,7 @@ def load(
     read: list[tuple[_Target, dict[int, dict[str, Any]], dict[int, torch.Tensor]]] = []
 
     def read_share() -> None:
+        _check_prefix(manifest, sharding, directory)
         plan = _plan(joined, sharding, manifest, momentum_form, report)
         _check_covered(manifest, plan, directory)
         with PieceReader(directory, manifest) as reader:
@@ -678,6 +689,14 @@ def _agreed_load(arguments: list[dict[str, Any]], ranks: Sequence[int]) -> None:
             f"the ranks of one load disagree on {differ}: a load reads one checkpoint on every "
             "rank (a path re-pointed or replaced while they opened it, or different paths?)"
         )
+
+
+def _check_prefix(manifest: Manifest, sharding: Sharding, directory: Path) -> None:
+    """Names that differ by a wrapper's prefix (DDP's ``module.``, torch.compile's
+    ``_orig_mod.``) are refused naming the prefix and the ``rename`` that maps them."""
+    hint = prefix_hint((e.name for e in manifest.params), (p.name for p in sharding.params))
+    if hint is not None:
+        raise CheckpointError(hint, path=directory / MANIFEST_NAME)
 
 
 def _plan(
