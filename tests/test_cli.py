@@ -239,6 +239,7 @@ def test_unreadable_input_exits_2_with_one_line(ckpts, tmp_path):
     assert "not valid JSON" in _one_error_line(cli("diff", ckpts["a"], broken))
     assert "missing" in _one_error_line(cli("verify", tmp_path / "missing"))
 
+
 def test_debug_adds_the_traceback_and_keeps_the_exit_code(tmp_path):
     for args in (["inspect", tmp_path / "missing"], ["verify", tmp_path / "missing"]):
         plain = cli(*args)
