@@ -52,10 +52,13 @@ from .manifest import (
     PER_RANK,
     GroupEntry,
     Manifest,
+    ModelFile,
     ParamEntry,
     Rename,
     Scalar,
     json_safe,
+    model_tensor,
+    prefix_fix,
     prefix_hint,
 )
 from .pieces import PieceReader, open_checkpoint
@@ -77,6 +80,7 @@ def save(
     params: bool = True,
     overwrite: bool = False,
     keep_last: int | None = None,
+    model: torch.nn.Module | None = None,
 ) -> Path:
     """Save ``optimizer``'s state (and its params) to directory ``path``; a collective over its
     dp x tp grid.
@@ -103,6 +107,12 @@ def save(
             ``path``'s series beside it (directly under its parent, named as it is but for
             their numbers: ``step-10`` beside ``step-30``) so that ``keep_last`` remain, the
             new one always among them (:func:`muonckpt.retention.prune`).
+        model: with ``consolidated``, the model the params belong to (the optimizer's param
+            names must be its ``state_dict()`` names): ``model.safetensors`` then holds its
+            whole ``state_dict()``, buffers and params no optimizer holds taken from the
+            destination rank's model, tied names stored once and recorded in the file's
+            metadata (alias -> stored name, as ``safetensors.torch.save_model`` does), so that
+            ``safetensors.torch.load_model(model, ...)`` loads it strictly and re-ties.
 
     Returns:
         The checkpoint directory.
@@ -113,7 +123,15 @@ def save(
     optimizer = _one(optimizer)
     _wait_in_flight(optimizer)
     prepared = _prepare_save(
-        "save", optimizer, path, consolidated, max_shard_size, params, overwrite, keep_last
+        "save",
+        optimizer,
+        path,
+        consolidated,
+        max_shard_size,
+        params,
+        overwrite,
+        keep_last,
+        model=model,
     )
     final = writing.finish(
         prepared.steps, prepared.staging, path, write=prepared.write, manifest=prepared.manifest
@@ -133,6 +151,7 @@ def async_save(
     overwrite: bool = False,
     keep_last: int | None = None,
     timeout: float = DEFAULT_ASYNC_TIMEOUT_S,
+    model: torch.nn.Module | None = None,
 ) -> Future[Path]:
     """:func:`save`, returning as soon as the state and params are copied to host memory; the
     write, fsync, commit, retiring a replaced checkpoint and ``keep_last`` run in the
@@ -153,8 +172,8 @@ def async_save(
     that background thread, so they must not use the process groups either.
 
     Args:
-        optimizer, path, consolidated, max_shard_size, params, overwrite, keep_last: as for
-            :func:`save`.
+        optimizer, path, consolidated, max_shard_size, params, overwrite, keep_last, model:
+            as for :func:`save`.
         timeout: seconds (positive) rank 0 waits at each step for the slowest rank before the
             save fails on every rank still there (the others wait twice that for rank 0): a
             rank whose write never finishes is an error, never a hang.
@@ -189,6 +208,7 @@ def async_save(
         keep_last,
         background=True,
         timeout=timeout,
+        model=model,
     )
     foreground = prepared.steps
     background = writing.DirectorySteps(
@@ -301,6 +321,7 @@ def _prepare_save(
     *,
     background: bool = False,
     timeout: float | None = None,
+    model: torch.nn.Module | None = None,
 ) -> _PreparedSave:
     """Everything of a save before the writing, in the caller's thread, so that any rank's
     failure here is every rank's: one ``stage`` step (every rank checks what it will write,
@@ -324,9 +345,11 @@ def _prepare_save(
     }
     buffers = _HOST_BUFFERS.setdefault(_key(optimizer), HostBuffers())
     taken: list[_Payload] = []
+    described: list[_ModelTensors | None] = []
 
     def check() -> dict[str, Any]:
         _check_storable(sharding, optimizer, params, keep_last, Path(path))
+        described.append(_model_tensors(model, sharding, consolidated, params))
         if not consolidated:
             payload = _rank_payload(optimizer, sharding, params)
             if background:
@@ -343,7 +366,9 @@ def _prepare_save(
             check_state_holders(sharding, _local_state(optimizer, sharding, params=False))
         groups = _group_entries(optimizer, sharding)
         if consolidated:  # gathered into fresh host tensors: a snapshot already
-            taken.append(_consolidated_payload(optimizer, sharding, max_shard_size, params))
+            taken.append(
+                _consolidated_payload(optimizer, sharding, max_shard_size, params, described[0])
+            )
     except BaseException:
         if steps.is_root:
             writing.abandon(staging)
@@ -363,7 +388,10 @@ def _prepare_save(
 
     kind = CONSOLIDATED if consolidated else PER_RANK
     return _PreparedSave(
-        steps, staging, write, lambda reports: build_manifest(groups, sharding, reports, kind)
+        steps,
+        staging,
+        write,
+        lambda reports: build_manifest(groups, sharding, reports, kind, described[0]),
     )
 
 
@@ -483,14 +511,23 @@ def _scalar_json(info: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _consolidated_payload(
-    optimizer: Any, sharding: Sharding, max_shard_size: int | None, params: bool
+    optimizer: Any,
+    sharding: Sharding,
+    max_shard_size: int | None,
+    params: bool,
+    model: _ModelTensors | None = None,
 ) -> _Payload:
     """Every param's full state gathered on the destination, which writes every file of
-    :func:`consolidated_plan`; the other ranks write nothing."""
+    :func:`consolidated_plan` (with ``model``'s other tensors and tied names); the other ranks
+    write nothing."""
     full = gather_full_state(sharding, _local_state(optimizer, sharding, params))
     if full is None:
         return _Payload(None, {}, {})
     tensors, items, scalars = {}, [], {}
+    for name, tensor in (model.extras if model is not None else {}).items():
+        value = tensor.detach().to("cpu", copy=True)  # a snapshot, as the gathered state
+        items.append(((name, PARAM_KEY, storage.dtype_name(value.dtype)), tuple(value.shape)))
+        tensors[name, PARAM_KEY] = value
     for index, param in enumerate(sharding.params):
         for key, value in sorted(full.get(index, {}).items()):
             info = describe_value(param, key, value)
@@ -499,7 +536,8 @@ def _consolidated_payload(
                 tensors[param.name, key] = value
             else:
                 scalars.setdefault(param.name, {})[key] = _scalar_json(info)
-    return _Payload(lambda: consolidated_plan(items, max_shard_size), tensors, scalars)
+    aliases = dict(model.aliases) if model is not None else None
+    return _Payload(lambda: consolidated_plan(items, max_shard_size, aliases), tensors, scalars)
 
 
 def _group_entries(optimizer: Any, sharding: Sharding) -> list[GroupEntry]:
@@ -515,16 +553,23 @@ def _group_entries(optimizer: Any, sharding: Sharding) -> list[GroupEntry]:
 
 
 def build_manifest(
-    groups: Sequence[GroupEntry], sharding: Sharding, reports: writing.Reports, kind: str
+    groups: Sequence[GroupEntry],
+    sharding: Sharding,
+    reports: writing.Reports,
+    kind: str,
+    model: _ModelTensors | None = None,
 ) -> Manifest:
     """The manifest of a save: params from the grid, groups as taken at the save's start,
-    files, pieces, dtypes and scalars from the ranks' reports."""
+    files, pieces, dtypes and scalars from the ranks' reports (``model``'s other tensors
+    apart, in :class:`ModelFile`)."""
     scalars: dict[str, dict[str, Scalar]] = {}
     for extra in reports.extras:
         for name, values in (extra or {}).items():
             for key, item in values.items():
                 scalars.setdefault(name, {}).setdefault(key, Scalar(item["value"], item["dtype"]))
-    pieces, dtypes = reports.pieces, reports.dtypes
+    extras = model.extras if model is not None else {}
+    pieces = [p for p in reports.pieces if p.param not in extras]
+    dtypes = reports.dtypes
     keys: dict[str, set[str]] = {}
     for piece in pieces:
         keys.setdefault(piece.param, set()).add(piece.key)
@@ -540,6 +585,15 @@ def build_manifest(
                 scalars=dict(scalars.get(param.name, {})),
             )
         )
+    model_file = None
+    if model is not None:
+        model_file = ModelFile(
+            tensors=tuple(
+                model_tensor(name, t.shape, dtypes[name, PARAM_KEY]) for name, t in extras.items()
+            ),
+            pieces=tuple(p for p in reports.pieces if p.param in extras),
+            aliases=dict(model.aliases),
+        )
     return Manifest(
         kind=kind,
         topology=dict(sharding.topology),
@@ -547,6 +601,74 @@ def build_manifest(
         params=tuple(entries),
         files=tuple(reports.files),
         pieces=tuple(pieces),
+        model=model_file,
+    )
+
+
+@dataclass(frozen=True)
+class _ModelTensors:
+    """What ``save(..., model=model)`` adds to a consolidated ``model.safetensors``."""
+
+    extras: dict[str, torch.Tensor]
+    """The model's state_dict tensors no optimizer param stands for (buffers, frozen params),
+    by name."""
+    aliases: dict[str, str]
+    """Tied names: alias -> the name the tensor is stored under."""
+
+
+def _model_tensors(
+    model: torch.nn.Module | None, sharding: Sharding, consolidated: bool, params: bool
+) -> _ModelTensors | None:
+    """The model's state_dict beyond the optimizer's params, checked: every optimizer param
+    must be one of its entries; tensors shared by several names are stored once."""
+    if model is None:
+        return None
+    if not isinstance(model, torch.nn.Module):
+        raise CheckpointError(f"model= takes a torch.nn.Module, got {type(model).__name__}")
+    if not consolidated or not params:
+        raise CheckpointError(
+            "model= completes a consolidated model.safetensors: save with consolidated=True "
+            "and params=True"
+        )
+    state = model.state_dict(keep_vars=True)
+    held = [p.name for p in sharding.params]
+    missing = sorted(set(held) - set(state))
+    if missing:
+        fix = prefix_fix(held, state)
+        differ = f"; the names differ by the prefix {fix}" if fix else ""
+        raise CheckpointError(
+            f"the optimizer's params {missing[:4]} are not entries of the model's "
+            f"state_dict(){differ}: give the optimizer the names model.named_parameters() "
+            "gives, for the model passed as model="
+        )
+    by_tensor: dict[Any, list[str]] = {}
+    for name, tensor in state.items():
+        if not isinstance(tensor, torch.Tensor):
+            raise CheckpointError(
+                f"model state {name!r} is a {type(tensor).__name__}, not a tensor"
+            )
+        by_tensor.setdefault(_storage_identity(tensor), []).append(name)
+    extras, aliases, stored_params = {}, {}, set(held)
+    for names in by_tensor.values():
+        stored = next((n for n in names if n in stored_params), names[0])
+        if stored not in stored_params:
+            extras[stored] = state[stored]
+        aliases.update({n: stored for n in names if n != stored and n not in stored_params})
+    return _ModelTensors(extras, aliases)
+
+
+def _storage_identity(tensor: torch.Tensor) -> Any:
+    """Equal for two state_dict entries that are one tensor (tied weights), as safetensors
+    tells shared tensors apart."""
+    if tensor.numel() == 0 or tensor.device.type == "meta":
+        return ("alone", id(tensor))
+    return (
+        tensor.device,
+        tensor.untyped_storage().data_ptr(),
+        tensor.storage_offset(),
+        tuple(tensor.shape),
+        tensor.stride(),
+        tensor.dtype,
     )
 
 

@@ -245,6 +245,22 @@ class Piece:
 
 
 @dataclass(frozen=True)
+class ModelFile:
+    """What a consolidated save given the model (``save(..., model=model)``) adds to
+    ``model.safetensors`` beyond the optimizer's params, so that it holds the model's whole
+    ``state_dict()``."""
+
+    tensors: tuple[ParamEntry, ...]
+    """The model's other tensors (buffers, params no optimizer group holds), each stored
+    whole under its name (group -1, never split)."""
+    pieces: tuple[Piece, ...]
+    """Where each of them is stored, with its checksums."""
+    aliases: Mapping[str, str] = field(default_factory=dict)
+    """state_dict names of tied tensors stored once: alias -> the stored name (as
+    ``safetensors.torch.save_model`` records them in the file's metadata)."""
+
+
+@dataclass(frozen=True)
 class FileEntry:
     name: str
     bytes: int
@@ -263,6 +279,8 @@ class Manifest:
     pieces: tuple[Piece, ...]
     format_version: int = FORMAT_VERSION
     checksum_algorithm: str = CHECKSUM_ALGORITHM
+    model: ModelFile | None = None
+    """A consolidated save's model tensors beyond the optimizer's params (None: none)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_by_name", {entry.name: entry for entry in self.params})
@@ -358,6 +376,15 @@ class Manifest:
             "format_version": self.format_version,
             "checksum_algorithm": self.checksum_algorithm,
         }
+        if self.model is not None:
+            body["model"] = {
+                "tensors": [
+                    {"name": e.name, "shape": list(e.shape), "dtype": e.value_dtype}
+                    for e in self.model.tensors
+                ],
+                "pieces": [piece_to_json(p) for p in self.model.pieces],
+                "aliases": dict(self.model.aliases),
+            }
 
         def compact(value: Any) -> str:
             return json.dumps(value, separators=(",", ":"), allow_nan=False)
@@ -380,6 +407,12 @@ class Manifest:
         for entry in self.params:
             for key in entry.tensor_keys:
                 problems += _coverage(entry, key, grouped.pop((entry.name, key), []))
+        if self.model is not None:
+            held = defaultdict(list)
+            for piece in self.model.pieces:
+                held[piece.param].append(piece)
+            for entry in self.model.tensors:
+                problems += _coverage(entry, PARAM_KEY, held.get(entry.name, []))
         for param, key in grouped:
             problems.append(
                 f"piece of param {param!r} state {key!r} that the manifest's params do not list"
@@ -543,7 +576,47 @@ def _manifest_from(body: Any) -> Manifest:
         files=files,
         pieces=tuple(pieces),
         format_version=version,
+        model=_model_file(body["model"], by_name, file_names) if "model" in body else None,
     )
+
+
+def model_tensor(name: str, shape: Sequence[int], dtype: str) -> ParamEntry:
+    """A model tensor of :class:`ModelFile`: stored whole, in no group."""
+    return ParamEntry(name, tuple(shape), -1, -1, {PARAM_KEY: dtype})
+
+
+def _model_file(raw: Any, params: Mapping[str, ParamEntry], file_names: set[str]) -> ModelFile:
+    _expect(isinstance(raw, dict), "model is not a JSON object")
+    tensors = tuple(
+        model_tensor(_str(t["name"]), [_nonneg_int(n) for n in t["shape"]], _dtypes_of(t["dtype"]))
+        for t in raw["tensors"]
+    )
+    by_name = {t.name: t for t in tensors}
+    _expect(len(by_name) == len(tensors), "model: a tensor listed twice")
+    _expect(not set(by_name) & set(params), "model: a tensor named like an optimizer param")
+    pieces = []
+    for item in raw["pieces"]:
+        piece = piece_from_json(item)
+        entry = by_name.get(piece.param)
+        _expect(entry is not None, f"model: piece of unknown tensor {piece.param!r}")
+        _expect(
+            piece.key == PARAM_KEY and piece.file in file_names, f"model: piece {piece.tensor!r}"
+        )
+        _check_region(entry, piece.region, piece.tensor)
+        pieces.append(piece)
+    aliases = raw["aliases"]
+    stored = set(by_name) | set(params)
+    _expect(
+        isinstance(aliases, dict)
+        and all(isinstance(k, str) and v in stored and k not in stored for k, v in aliases.items()),
+        "model: aliases must map other names to stored tensors",
+    )
+    return ModelFile(tensors, tuple(pieces), dict(aliases))
+
+
+def _dtypes_of(value: Any) -> str:
+    _expect(value in DTYPE_BYTES, f"unknown dtype {value!r}")
+    return value
 
 
 def piece_to_json(piece: Piece) -> dict[str, Any]:

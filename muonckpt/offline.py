@@ -222,8 +222,11 @@ def reshard(
 
 
 def _output_manifest(manifest: Manifest, **changes: Any) -> Manifest:
-    """The manifest of a rewrite of ``manifest``: current format, files and pieces still empty."""
-    return replace(manifest, **changes, files=(), pieces=(), format_version=FORMAT_VERSION)
+    """The manifest of a rewrite of ``manifest``: current format, files and pieces still empty;
+    the model's other tensors (``save(..., model=)``) are not carried."""
+    return replace(
+        manifest, **changes, files=(), pieces=(), format_version=FORMAT_VERSION, model=None
+    )
 
 
 def convert(

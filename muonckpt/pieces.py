@@ -290,10 +290,12 @@ def verify(path: str | os.PathLike[str]) -> list[CheckpointError]:
             problems.append(
                 CheckpointError("is a symlink, not a file of the checkpoint's own", path=entry)
             )
+    model = manifest.model
+    tensors = {e.name: e for e in model.tensors} if model is not None else {}
     with PieceReader(directory, manifest) as reader:
-        for piece in manifest.pieces:
+        for piece in manifest.pieces + (model.pieces if model is not None else ()):
             try:
-                entry = manifest.param(piece.param)
+                entry = tensors.get(piece.param) or manifest.param(piece.param)
                 reader.check_header(piece, entry)
                 reader.reader(piece.file).verify(piece.tensor, piece.checksums, piece.chunk_bytes)
             except CheckpointError as exc:
