@@ -84,7 +84,7 @@ def test_adding_a_prefix_is_named_and_mapped(tmp_path):
     assert all(torch.equal(_state(targets, wrapped.model)[k], saved[k]) for k in saved)
 
 
-def ddp_train_and_save(path: str, steps: int) -> None:
+def ddp_train_and_save(path: str, steps: int) -> dict[str, torch.Tensor]:
     """(In a gloo child.) The model wrapped in DDP, its optimizers built from the wrapper's
     names (``module.*``), as a DDP script has them."""
     model = TinyGPT(seed=0)
@@ -92,6 +92,7 @@ def ddp_train_and_save(path: str, steps: int) -> None:
     opts = optimizers(list(ddp.named_parameters()))
     train(ddp, opts, 0, steps)
     muonckpt.save(opts, path)
+    return {n: p.detach() for n, p in model.named_parameters()}
 
 
 def resume_unwrapped(path: str | None, first: int, steps: int) -> dict[str, torch.Tensor]:
@@ -163,3 +164,14 @@ def test_prefix_fix_finds_the_prefix_that_maps_one_list_onto_the_other(names, pr
         assert mapped == sorted(current)
     assert prefix_hint(names, names) is None
     assert prefix_hint(names, [n + "x" for n in names]) is None or len(names) == 1
+
+
+def test_the_readme_rename_example_runs_as_written(tmp_path, monkeypatch):
+    from .test_readme import example
+
+    monkeypatch.chdir(tmp_path)
+    (saved,) = run_distributed(ddp_train_and_save, 1, "ckpt/ddp-step-1000", K, timeout=120)
+    model = TinyGPT(seed=1)
+    opts = optimizers(list(model.named_parameters()))
+    exec(compile(example("rename"), "README.md", "exec"), {"muonckpt": muonckpt, "opts": opts})
+    assert all(torch.equal(p, saved[n]) for n, p in model.named_parameters())

@@ -139,3 +139,17 @@ def test_the_packaged_muon_writes_a_whole_model_file_from_a_grid(tmp_path):
     fresh = TinyGPT(seed=1)
     safetensors.torch.load_model(fresh, ckpt / "model.safetensors", strict=True)
     _assert_same_model(fresh, states[0])
+
+
+def test_the_readme_model_file_example_runs_as_written(tmp_path, monkeypatch):
+    from .test_readme import example
+
+    monkeypatch.chdir(tmp_path)
+    model, opts = _trained()
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    namespace = {"muonckpt": muonckpt, "model": model, "opts": opts}
+    exec(compile(example("model-file"), "README.md", "exec"), namespace)
+    _assert_same_model(model, expected)
+    fresh = TinyGPT(seed=1)
+    safetensors.torch.load_model(fresh, tmp_path / "ckpt/step-1000-model/model.safetensors")
+    _assert_same_model(fresh, expected)
