@@ -113,7 +113,8 @@ def consolidate(
 ) -> Path:
     """Rewrite any checkpoint as a consolidated one: full-shape tensors ``state.<param>.<key>``
     in ``optimizer.safetensors`` and, where the checkpoint holds them, the params by name in
-    ``model.safetensors`` (loadable with ``model.load_state_dict(load_file(...))``).
+    ``model.safetensors`` (the optimizer's params by name; buffers and tied names only in a
+    consolidated save given the model, which this does not carry).
 
     Args:
         src: a checkpoint directory (any kind, any source topology).
