@@ -553,6 +553,13 @@ def inspect(
         console.print(table)
     else:  # a rich table costs ~0.5 ms a row: plain tab-separated lines past a few thousand
         typer.echo("\n".join("\t".join(row) for row in [columns, *rows]))
+    model = info["model"]
+    if model is not None:
+        tied = ", ".join(f"{a} = {n}" for a, n in model["aliases"].items()) or "none"
+        others = ", ".join(model["tensors"]) or "none"
+        console.print(
+            _printable(f"model file also holds: {others}; tied names: {tied}"), markup=False
+        )
     t = info["totals"]
     console.print(
         f"total: {t['params']} params ({t['values']} with saved values), {t['tensors']} state "

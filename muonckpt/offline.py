@@ -531,7 +531,8 @@ def _worker(
 
 
 def summarize(src: str | os.PathLike[str]) -> dict[str, Any]:
-    """What ``muonckpt inspect`` shows: kind, topology, step, groups, params and totals.
+    """What ``muonckpt inspect`` shows: kind, topology, step, groups, params, the model file's
+    other tensors and tied names (``save(..., model=)``; None without), and totals.
 
     Reads only the manifest (and checks that its pieces cover every state tensor once).
     """
@@ -560,6 +561,12 @@ def summarize(src: str | os.PathLike[str]) -> dict[str, Any]:
             {"hyperparams": dict(g.hyperparams), "params": list(g.params)} for g in manifest.groups
         ],
         "params": params,
+        "model": None
+        if manifest.model is None
+        else {
+            "tensors": {e.name: list(e.shape) for e in manifest.model.tensors},
+            "aliases": dict(manifest.model.aliases),
+        },
         "totals": {
             "params": len(params),
             "tensors": sum(len(e.state_keys) for e in manifest.params),

@@ -14,8 +14,10 @@ import safetensors.torch
 import torch
 import torch.distributed as dist
 from safetensors import safe_open
+from typer.testing import CliRunner
 
 import muonckpt
+from muonckpt.cli import app
 from muonckpt.launch import run_distributed
 
 from .tiny_gpt import TinyGPT, batch, optimizers, train
@@ -45,6 +47,8 @@ def test_a_tied_gpt_loads_strictly_from_the_consolidated_model_file(tmp_path, ba
     else:
         ckpt = muonckpt.save(opts, tmp_path / "full", consolidated=True, model=model)
     assert muonckpt.verify(ckpt) == []
+    shown = CliRunner().invoke(app, ["inspect", str(ckpt)])
+    assert "model file also holds: h.bias; tied names: lm_head.weight = wte.weight" in shown.stdout
     path = ckpt / "model.safetensors"
     with safe_open(path, "pt") as f:
         assert f.metadata()["lm_head.weight"] == "wte.weight"
