@@ -112,7 +112,7 @@ def save(
             whole ``state_dict()``, buffers and params no optimizer holds taken from the
             destination rank's model, tied names stored once and recorded in the file's
             metadata (alias -> stored name, as ``safetensors.torch.save_model`` does), so that
-            ``safetensors.torch.load_model(model, ...)`` loads it strictly and re-ties.
+            ``safetensors.torch.load_model(model, ...)`` loads it strictly.
 
     Returns:
         The checkpoint directory.
