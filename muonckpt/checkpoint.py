@@ -58,9 +58,9 @@ from .manifest import (
     Scalar,
     json_safe,
     model_tensor,
-    prefix_fix,
     prefix_hint,
 )
+from .model_state import ModelTensors, model_tensors
 from .pieces import PieceReader, open_checkpoint
 from .steps import describe_failure, disagreement
 from .writeplan import WritePlan, consolidated_plan, rank_plan, unique_tensor_keys
@@ -345,11 +345,13 @@ def _prepare_save(
     }
     buffers = _HOST_BUFFERS.setdefault(_key(optimizer), HostBuffers())
     taken: list[_Payload] = []
-    described: list[_ModelTensors | None] = []
+    described: list[ModelTensors | None] = []
 
     def check() -> dict[str, Any]:
         _check_storable(sharding, optimizer, params, keep_last, Path(path))
-        described.append(_model_tensors(model, sharding, consolidated, params))
+        described.append(
+            model_tensors(model, [p.name for p in sharding.params], consolidated, params)
+        )
         if not consolidated:
             payload = _rank_payload(optimizer, sharding, params)
             if background:
@@ -515,7 +517,7 @@ def _consolidated_payload(
     sharding: Sharding,
     max_shard_size: int | None,
     params: bool,
-    model: _ModelTensors | None = None,
+    model: ModelTensors | None = None,
 ) -> _Payload:
     """Every param's full state gathered on the destination, which writes every file of
     :func:`consolidated_plan` (with ``model``'s other tensors and tied names); the other ranks
@@ -557,7 +559,7 @@ def build_manifest(
     sharding: Sharding,
     reports: writing.Reports,
     kind: str,
-    model: _ModelTensors | None = None,
+    model: ModelTensors | None = None,
 ) -> Manifest:
     """The manifest of a save: params from the grid, groups as taken at the save's start,
     files, pieces, dtypes and scalars from the ranks' reports (``model``'s other tensors
@@ -602,73 +604,6 @@ def build_manifest(
         files=tuple(reports.files),
         pieces=tuple(pieces),
         model=model_file,
-    )
-
-
-@dataclass(frozen=True)
-class _ModelTensors:
-    """What ``save(..., model=model)`` adds to a consolidated ``model.safetensors``."""
-
-    extras: dict[str, torch.Tensor]
-    """The model's state_dict tensors no optimizer param stands for (buffers, frozen params),
-    by name."""
-    aliases: dict[str, str]
-    """Tied names: alias -> the name the tensor is stored under."""
-
-
-def _model_tensors(
-    model: torch.nn.Module | None, sharding: Sharding, consolidated: bool, params: bool
-) -> _ModelTensors | None:
-    """The model's state_dict beyond the optimizer's params, checked: every optimizer param
-    must be one of its entries; tensors shared by several names are stored once."""
-    if model is None:
-        return None
-    if not isinstance(model, torch.nn.Module):
-        raise CheckpointError(f"model= takes a torch.nn.Module, got {type(model).__name__}")
-    if not consolidated or not params:
-        raise CheckpointError(
-            "model= completes a consolidated model.safetensors: save with consolidated=True "
-            "and params=True"
-        )
-    state = model.state_dict(keep_vars=True)
-    held = [p.name for p in sharding.params]
-    missing = sorted(set(held) - set(state))
-    if missing:
-        fix = prefix_fix(held, state)
-        differ = f"; the names differ by the prefix {fix}" if fix else ""
-        raise CheckpointError(
-            f"the optimizer's params {missing[:4]} are not entries of the model's "
-            f"state_dict(){differ}: give the optimizer the names model.named_parameters() "
-            "gives, for the model passed as model="
-        )
-    by_tensor: dict[Any, list[str]] = {}
-    for name, tensor in state.items():
-        if not isinstance(tensor, torch.Tensor):
-            raise CheckpointError(
-                f"model state {name!r} is a {type(tensor).__name__}, not a tensor"
-            )
-        by_tensor.setdefault(_storage_identity(tensor), []).append(name)
-    extras, aliases, stored_params = {}, {}, set(held)
-    for names in by_tensor.values():
-        stored = next((n for n in names if n in stored_params), names[0])
-        if stored not in stored_params:
-            extras[stored] = state[stored]
-        aliases.update({n: stored for n in names if n != stored and n not in stored_params})
-    return _ModelTensors(extras, aliases)
-
-
-def _storage_identity(tensor: torch.Tensor) -> Any:
-    """Equal for two state_dict entries that are one tensor (tied weights), as safetensors
-    tells shared tensors apart."""
-    if tensor.numel() == 0 or tensor.device.type == "meta":
-        return ("alone", id(tensor))
-    return (
-        tensor.device,
-        tensor.untyped_storage().data_ptr(),
-        tensor.storage_offset(),
-        tuple(tensor.shape),
-        tensor.stride(),
-        tensor.dtype,
     )
 
 
