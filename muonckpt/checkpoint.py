@@ -52,10 +52,15 @@ from .manifest import (
     PER_RANK,
     GroupEntry,
     Manifest,
+    ModelFile,
     ParamEntry,
+    Rename,
     Scalar,
     json_safe,
+    model_tensor,
+    prefix_hint,
 )
+from .model_state import ModelTensors, model_tensors
 from .pieces import PieceReader, open_checkpoint
 from .steps import describe_failure, disagreement
 from .writeplan import WritePlan, consolidated_plan, rank_plan, unique_tensor_keys
@@ -75,6 +80,7 @@ def save(
     params: bool = True,
     overwrite: bool = False,
     keep_last: int | None = None,
+    model: torch.nn.Module | None = None,
 ) -> Path:
     """Save ``optimizer``'s state (and its params) to directory ``path``; a collective over its
     dp x tp grid.
@@ -101,6 +107,12 @@ def save(
             ``path``'s series beside it (directly under its parent, named as it is but for
             their numbers: ``step-10`` beside ``step-30``) so that ``keep_last`` remain, the
             new one always among them (:func:`muonckpt.retention.prune`).
+        model: with ``consolidated``, the model the params belong to (the optimizer's param
+            names must be its ``state_dict()`` names): ``model.safetensors`` then holds its
+            whole ``state_dict()``, buffers and params no optimizer holds taken from the
+            destination rank's model, tied names stored once and recorded in the file's
+            metadata (alias -> stored name, as ``safetensors.torch.save_model`` does), so that
+            ``safetensors.torch.load_model(model, ...)`` loads it strictly.
 
     Returns:
         The checkpoint directory.
@@ -111,7 +123,15 @@ def save(
     optimizer = _one(optimizer)
     _wait_in_flight(optimizer)
     prepared = _prepare_save(
-        "save", optimizer, path, consolidated, max_shard_size, params, overwrite, keep_last
+        "save",
+        optimizer,
+        path,
+        consolidated,
+        max_shard_size,
+        params,
+        overwrite,
+        keep_last,
+        model=model,
     )
     final = writing.finish(
         prepared.steps, prepared.staging, path, write=prepared.write, manifest=prepared.manifest
@@ -131,6 +151,7 @@ def async_save(
     overwrite: bool = False,
     keep_last: int | None = None,
     timeout: float = DEFAULT_ASYNC_TIMEOUT_S,
+    model: torch.nn.Module | None = None,
 ) -> Future[Path]:
     """:func:`save`, returning as soon as the state and params are copied to host memory; the
     write, fsync, commit, retiring a replaced checkpoint and ``keep_last`` run in the
@@ -151,8 +172,8 @@ def async_save(
     that background thread, so they must not use the process groups either.
 
     Args:
-        optimizer, path, consolidated, max_shard_size, params, overwrite, keep_last: as for
-            :func:`save`.
+        optimizer, path, consolidated, max_shard_size, params, overwrite, keep_last, model:
+            as for :func:`save`.
         timeout: seconds (positive) rank 0 waits at each step for the slowest rank before the
             save fails on every rank still there (the others wait twice that for rank 0): a
             rank whose write never finishes is an error, never a hang.
@@ -187,6 +208,7 @@ def async_save(
         keep_last,
         background=True,
         timeout=timeout,
+        model=model,
     )
     foreground = prepared.steps
     background = writing.DirectorySteps(
@@ -299,6 +321,7 @@ def _prepare_save(
     *,
     background: bool = False,
     timeout: float | None = None,
+    model: torch.nn.Module | None = None,
 ) -> _PreparedSave:
     """Everything of a save before the writing, in the caller's thread, so that any rank's
     failure here is every rank's: one ``stage`` step (every rank checks what it will write,
@@ -322,9 +345,13 @@ def _prepare_save(
     }
     buffers = _HOST_BUFFERS.setdefault(_key(optimizer), HostBuffers())
     taken: list[_Payload] = []
+    described: list[ModelTensors | None] = []
 
     def check() -> dict[str, Any]:
         _check_storable(sharding, optimizer, params, keep_last, Path(path))
+        described.append(
+            model_tensors(model, [p.name for p in sharding.params], consolidated, params)
+        )
         if not consolidated:
             payload = _rank_payload(optimizer, sharding, params)
             if background:
@@ -341,7 +368,9 @@ def _prepare_save(
             check_state_holders(sharding, _local_state(optimizer, sharding, params=False))
         groups = _group_entries(optimizer, sharding)
         if consolidated:  # gathered into fresh host tensors: a snapshot already
-            taken.append(_consolidated_payload(optimizer, sharding, max_shard_size, params))
+            taken.append(
+                _consolidated_payload(optimizer, sharding, max_shard_size, params, described[0])
+            )
     except BaseException:
         if steps.is_root:
             writing.abandon(staging)
@@ -361,7 +390,10 @@ def _prepare_save(
 
     kind = CONSOLIDATED if consolidated else PER_RANK
     return _PreparedSave(
-        steps, staging, write, lambda reports: build_manifest(groups, sharding, reports, kind)
+        steps,
+        staging,
+        write,
+        lambda reports: build_manifest(groups, sharding, reports, kind, described[0]),
     )
 
 
@@ -481,14 +513,23 @@ def _scalar_json(info: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _consolidated_payload(
-    optimizer: Any, sharding: Sharding, max_shard_size: int | None, params: bool
+    optimizer: Any,
+    sharding: Sharding,
+    max_shard_size: int | None,
+    params: bool,
+    model: ModelTensors | None = None,
 ) -> _Payload:
     """Every param's full state gathered on the destination, which writes every file of
-    :func:`consolidated_plan`; the other ranks write nothing."""
+    :func:`consolidated_plan` (with ``model``'s other tensors and tied names); the other ranks
+    write nothing."""
     full = gather_full_state(sharding, _local_state(optimizer, sharding, params))
     if full is None:
         return _Payload(None, {}, {})
     tensors, items, scalars = {}, [], {}
+    for name, tensor in (model.extras if model is not None else {}).items():
+        value = tensor.detach().to("cpu", copy=True)  # a snapshot, as the gathered state
+        items.append(((name, PARAM_KEY, storage.dtype_name(value.dtype)), tuple(value.shape)))
+        tensors[name, PARAM_KEY] = value
     for index, param in enumerate(sharding.params):
         for key, value in sorted(full.get(index, {}).items()):
             info = describe_value(param, key, value)
@@ -497,7 +538,8 @@ def _consolidated_payload(
                 tensors[param.name, key] = value
             else:
                 scalars.setdefault(param.name, {})[key] = _scalar_json(info)
-    return _Payload(lambda: consolidated_plan(items, max_shard_size), tensors, scalars)
+    aliases = dict(model.aliases) if model is not None else None
+    return _Payload(lambda: consolidated_plan(items, max_shard_size, aliases), tensors, scalars)
 
 
 def _group_entries(optimizer: Any, sharding: Sharding) -> list[GroupEntry]:
@@ -513,16 +555,23 @@ def _group_entries(optimizer: Any, sharding: Sharding) -> list[GroupEntry]:
 
 
 def build_manifest(
-    groups: Sequence[GroupEntry], sharding: Sharding, reports: writing.Reports, kind: str
+    groups: Sequence[GroupEntry],
+    sharding: Sharding,
+    reports: writing.Reports,
+    kind: str,
+    model: ModelTensors | None = None,
 ) -> Manifest:
     """The manifest of a save: params from the grid, groups as taken at the save's start,
-    files, pieces, dtypes and scalars from the ranks' reports."""
+    files, pieces, dtypes and scalars from the ranks' reports (``model``'s other tensors
+    apart, in :class:`ModelFile`)."""
     scalars: dict[str, dict[str, Scalar]] = {}
     for extra in reports.extras:
         for name, values in (extra or {}).items():
             for key, item in values.items():
                 scalars.setdefault(name, {}).setdefault(key, Scalar(item["value"], item["dtype"]))
-    pieces, dtypes = reports.pieces, reports.dtypes
+    extras = model.extras if model is not None else {}
+    pieces = [p for p in reports.pieces if p.param not in extras]
+    dtypes = reports.dtypes
     keys: dict[str, set[str]] = {}
     for piece in pieces:
         keys.setdefault(piece.param, set()).add(piece.key)
@@ -538,6 +587,15 @@ def build_manifest(
                 scalars=dict(scalars.get(param.name, {})),
             )
         )
+    model_file = None
+    if model is not None:
+        model_file = ModelFile(
+            tensors=tuple(
+                model_tensor(name, t.shape, dtypes[name, PARAM_KEY]) for name, t in extras.items()
+            ),
+            pieces=tuple(p for p in reports.pieces if p.param in extras),
+            aliases=dict(model.aliases),
+        )
     return Manifest(
         kind=kind,
         topology=dict(sharding.topology),
@@ -545,6 +603,7 @@ def build_manifest(
         params=tuple(entries),
         files=tuple(reports.files),
         pieces=tuple(pieces),
+        model=model_file,
     )
 
 
@@ -578,6 +637,7 @@ def load(
     *,
     params: bool = True,
     momentum_form: str | None = None,
+    rename: Rename | None = None,
 ) -> LoadReport:
     """Load a checkpoint of any kind and source topology into ``optimizer`` at its topology.
 
@@ -606,6 +666,11 @@ def load(
             restores the optimizer state only, for weights loaded elsewhere.
         momentum_form: ``"sum"`` or ``"ema"``: the momentum form of a target whose form
             muonckpt does not know (required then), or an override for one it knows.
+        rename: the checkpoint's param names as the optimizer has them: prefix replacements
+            (``{"module.": ""}`` strips DDP's prefix, ``{"_orig_mod.": ""}`` torch.compile's,
+            ``{"": "model."}`` adds one; the longest matching prefix applies) or a function of
+            the saved name. Names that differ by a prefix only are refused naming the prefix
+            and this fix.
 
     Returns:
         A :class:`LoadReport` of the conversions made and the settings warned about.
@@ -624,6 +689,8 @@ def load(
 
     def open_it() -> dict[str, Any]:
         directory, manifest = open_checkpoint(path)
+        if rename is not None:
+            manifest = manifest.renamed(rename)
         if params and not manifest.has_values:
             raise CheckpointError(
                 "the checkpoint holds no param values (saved with params=False, or by format "
@@ -649,6 +716,7 @@ def load(
     read: list[tuple[_Target, dict[int, dict[str, Any]], dict[int, torch.Tensor]]] = []
 
     def read_share() -> None:
+        _check_prefix(manifest, sharding, directory)
         plan = _plan(joined, sharding, manifest, momentum_form, report)
         _check_covered(manifest, plan, directory)
         with PieceReader(directory, manifest) as reader:
@@ -678,6 +746,14 @@ def _agreed_load(arguments: list[dict[str, Any]], ranks: Sequence[int]) -> None:
             f"the ranks of one load disagree on {differ}: a load reads one checkpoint on every "
             "rank (a path re-pointed or replaced while they opened it, or different paths?)"
         )
+
+
+def _check_prefix(manifest: Manifest, sharding: Sharding, directory: Path) -> None:
+    """Names that differ by a wrapper's prefix (DDP's ``module.``, torch.compile's
+    ``_orig_mod.``) are refused naming the prefix and the ``rename`` that maps them."""
+    hint = prefix_hint((e.name for e in manifest.params), (p.name for p in sharding.params))
+    if hint is not None:
+        raise CheckpointError(hint, path=directory / MANIFEST_NAME)
 
 
 def _plan(

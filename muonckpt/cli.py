@@ -3,8 +3,8 @@
 Exit codes: 0 ok; 1 a problem was found (``verify``, ``diff``, ``demo``) or nothing was
 (``latest``); 2 bad usage or an unreadable input; 128 + the signal number when interrupted
 (130 SIGINT, 143 SIGTERM, 129 SIGHUP). Every :class:`~muonckpt.errors.MuonCkptError` becomes
-one ``error: ...`` line on stderr (a traceback only with ``--debug``), in
-:class:`_Group.invoke` alone.
+one ``error: ...`` line on stderr (after its traceback with ``--debug``, which never changes
+the exit code), in :class:`_Group.invoke` alone.
 """
 
 from __future__ import annotations
@@ -91,8 +91,8 @@ class _Group(TyperGroup):
             _stderr_line("error: interrupted")
             ctx.exit(128 + getattr(exc, "signum", signal.SIGINT))
         except (MuonCkptError, OSError) as exc:
-            if debug():
-                raise
+            if debug():  # the traceback too; the exit code stays the same
+                traceback.print_exc()
             # a worker's failure carries its traceback after a one-line summary
             text = getattr(exc, "summary", None) or str(exc)
             message = " ".join(text.split()) or type(exc).__name__
@@ -413,31 +413,51 @@ def convert(
     src: Src,
     dst: Dst,
     to: Annotated[
-        str,
+        str | None,
         typer.Option(
             "--to",
             metavar="IMPLEMENTATION",
             help="packaged (muonckpt.Muon), torch (torch.optim.Muon + AdamW) or keller-jordan "
-            "(muon.MuonWithAuxAdam).",
+            "(muon.MuonWithAuxAdam); left out, each group keeps its implementation.",
             show_default=False,
         ),
-    ],
+    ] = None,
+    rename: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--rename",
+            metavar="OLD=NEW",
+            help="Replace the prefix OLD of param names by NEW (repeatable; the longest "
+            "matching OLD applies): module.= strips DDP's prefix, =model. adds one.",
+        ),
+    ] = None,
     force: Force = False,
     quiet: Quiet = False,
 ) -> None:
-    """Rewrite a checkpoint for another Muon implementation, momentum converted.
+    """Rewrite a checkpoint for another Muon implementation, or with its params renamed.
 
     The packaged Muon keeps sum-form momentum, torch.optim.Muon and KellerJordan's Muon EMA
     form: the buffers are scaled by 1 - mu (or its inverse) and AdamW step counts move to where
     the target keeps them, exactly as muonckpt.load converts in memory.
 
     Example: muonckpt convert ckpt/step-1000 -o ckpt/step-1000-torch --to torch
+
+    Names: muonckpt convert ckpt/step-1000 -o ckpt/plain --rename module.= --rename _orig_mod.=
     """
     from . import FAMILIES, offline
 
-    if to not in FAMILIES:
+    if to is not None and to not in FAMILIES:
         raise typer.BadParameter(f"choose one of {', '.join(FAMILIES)}", param_hint="--to")
-    _rewrite(ctx, quiet, offline.convert, src, dst, force, None, to=to)
+    prefixes = {}
+    for item in rename or []:
+        old, sep, new = item.partition("=")
+        if not sep or old in prefixes:
+            raise typer.BadParameter(f"{item!r} is not OLD=NEW, OLD once", param_hint="--rename")
+        prefixes[old] = new
+    if to is None and not prefixes:
+        raise typer.BadParameter("give --to, --rename or both", param_hint="--to")
+    settings = {"to": to, "rename": prefixes or None}
+    _rewrite(ctx, quiet, offline.convert, src, dst, force, None, **settings)
 
 
 def _rewrite(
@@ -477,8 +497,16 @@ def _written(path: Path) -> str:
 def inspect(
     src: Src,
     as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")] = False,
+    wide: Annotated[
+        bool,
+        typer.Option(
+            "--wide", help="One line per param however wide, instead of wrapping at the terminal."
+        ),
+    ] = False,
 ) -> None:
     """Show a checkpoint's topology, step, params, dtypes, state keys, values and sizes.
+
+    Names are shown whole, wrapped at the terminal's width (--wide: never wrapped).
 
     Example: muonckpt inspect ckpt/step-1000 --json
     """
@@ -514,19 +542,37 @@ def inspect(
     ]
     if len(rows) <= TABLE_ROWS:
         table = Table(show_edge=False)
-        for column in columns:
-            table.add_column(column, justify="right" if column == "bytes" else "left")
+        for column in columns:  # folded, never cut: a name is shown whole
+            table.add_column(
+                column, justify="right" if column == "bytes" else "left", overflow="fold"
+            )
         for row in rows:
             table.add_row(*map(escape, row))
+        if wide:
+            console = Console(highlight=False, soft_wrap=False, width=_widest(console, table))
         console.print(table)
     else:  # a rich table costs ~0.5 ms a row: plain tab-separated lines past a few thousand
         typer.echo("\n".join("\t".join(row) for row in [columns, *rows]))
+    model = info["model"]
+    if model is not None:
+        tied = ", ".join(f"{a} = {n}" for a, n in model["aliases"].items()) or "none"
+        others = ", ".join(model["tensors"]) or "none"
+        console.print(
+            _printable(f"model file also holds: {others}; tied names: {tied}"), markup=False
+        )
     t = info["totals"]
     console.print(
         f"total: {t['params']} params ({t['values']} with saved values), {t['tensors']} state "
         f"tensors, {_human(t['bytes'])} of data in {t['files']} file(s) "
         f"({_human(t['file_bytes'])}, {t['pieces']} pieces)",
         markup=False,
+    )
+
+
+def _widest(console: Console, table: Table) -> int:
+    """The width at which ``table`` needs no wrapping."""
+    return max(
+        console.width, console.measure(table, options=console.options.update(width=1 << 20)).maximum
     )
 
 
@@ -658,7 +704,13 @@ def demo(
     to_tp: Annotated[int, typer.Option(min=1, help="TP size to reshard to and resume at.")] = 2,
     steps: Annotated[int, typer.Option(min=1, help="Steps before and after the reshard.")] = 4,
     workdir: Annotated[
-        Path | None, typer.Option(help="Where checkpoints go (default: a new temp dir).")
+        Path | None,
+        typer.Option(
+            "--workdir",
+            "--dir",
+            help="Where the checkpoints go, and stay (default: a temporary directory, removed "
+            "at the end).",
+        ),
     ] = None,
 ) -> None:
     """Train a tiny model at dp x tp, save, reshard offline, resume elsewhere, compare bitwise.
@@ -695,7 +747,10 @@ def demo(
         )
     console = _out()
     console.print(table)
-    console.print(f"checkpoints in {result.checkpoint.parent}", markup=False)
+    if result.kept:
+        console.print(f"checkpoints in {result.checkpoint.parent}", markup=False)
+    else:
+        console.print("checkpoints removed (--dir DIR keeps them)", markup=False)
     if not result.ok:
         raise typer.Exit(PROBLEM)
 

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .errors import CollectiveError, MuonCkptError
+from .errors import CollectiveError, LayoutError, MuonCkptError
 from .steps import Outcome, StepProtocol
 
 Group = dist.ProcessGroup | None
@@ -168,7 +168,22 @@ def grid_groups(dp: int, tp: int) -> tuple[Group, Group]:
 
     DP groups stride ``tp``; TP groups are consecutive ranks. A collective: every rank creates
     every group, as ``new_group`` requires.
+
+    Raises:
+        LayoutError: ``dp`` or ``tp`` not a positive int, or ``dp * tp`` not the world size
+            (checked before any group is created, so every rank fails the same way).
     """
+    if not is_distributed():
+        raise LayoutError("grid_groups needs an initialized default process group")
+    world = dist.get_world_size()
+    for name, value in (("dp", dp), ("tp", tp)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise LayoutError(f"grid_groups: {name} must be a positive int, got {value!r}")
+    if dp * tp != world:
+        raise LayoutError(
+            f"grid_groups: dp={dp} x tp={tp} = {dp * tp} ranks, but the default process group "
+            f"has {world}: launch dp * tp processes, or choose dp and tp whose product is {world}"
+        )
     rank, dp_group, tp_group = dist.get_rank(), None, None
     for i in range(tp):
         ranks = list(range(i, dp * tp, tp))

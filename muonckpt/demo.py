@@ -17,7 +17,7 @@ from __future__ import annotations
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -177,6 +177,8 @@ class DemoResult:
     checkpoint: Path
     resharded: Path
     seconds: dict[str, float] = field(default_factory=dict)
+    kept: bool = True
+    """Whether the checkpoints are still there (a ``workdir`` was given)."""
 
     @property
     def ok(self) -> bool:
@@ -217,13 +219,34 @@ def run_demo(
     timeout: float = 300.0,
     log: Callable[[str], None] | None = None,
 ) -> DemoResult:
-    """Train at dp x tp, save, reshard offline to to_dp x to_tp, resume, compare (see module)."""
+    """Train at dp x tp, save, reshard offline to to_dp x to_tp, resume, compare (see module).
+
+    The checkpoints go under ``workdir`` (created if needed, kept); without it, under a new
+    temporary directory that is removed before this returns (``DemoResult.kept`` False).
+    """
     if steps < 1:
         raise ValueError(f"steps must be at least 1, got {steps}")
     Topology(dp, tp), Topology(to_dp, to_tp)  # validate before launching anything
+    if workdir is not None:
+        work = Path(workdir)
+        work.mkdir(parents=True, exist_ok=True)
+        return _run(dp, tp, to_dp, to_tp, steps, work, timeout, log)
+    with tempfile.TemporaryDirectory(prefix="muonckpt-demo-") as temporary:
+        result = _run(dp, tp, to_dp, to_tp, steps, Path(temporary), timeout, log)
+    return replace(result, kept=False)
+
+
+def _run(
+    dp: int,
+    tp: int,
+    to_dp: int,
+    to_tp: int,
+    steps: int,
+    work: Path,
+    timeout: float,
+    log: Callable[[str], None] | None,
+) -> DemoResult:
     say = log or (lambda _msg: None)
-    work = Path(workdir) if workdir is not None else Path(tempfile.mkdtemp(prefix="muonckpt-demo-"))
-    work.mkdir(parents=True, exist_ok=True)
     ckpt, resharded = work / "ckpt", work / "resharded"
     seconds: dict[str, float] = {}
 

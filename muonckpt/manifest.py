@@ -10,8 +10,8 @@ import json
 import math
 import re
 from collections import defaultdict
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from .errors import CheckpointError
@@ -76,6 +76,88 @@ def stem_of(key: str) -> str:
     """The consolidated file family of a stored tensor: values to ``model``, state to
     ``optimizer``."""
     return VALUE_STEM if key == PARAM_KEY else STATE_STEM
+
+
+Rename = Callable[[str], str] | Mapping[str, str]
+"""How :func:`muonckpt.load` and ``convert`` rename a checkpoint's params: a function of the
+saved name, or prefix replacements (``{"module.": ""}`` strips DDP's prefix, ``{"": "model."}``
+adds one; the longest matching prefix applies, names matching none stay)."""
+
+WRAPPER_PREFIXES = {
+    "module.": "DDP's or DataParallel's wrapper",
+    "_orig_mod.": "torch.compile's wrapper",
+    "model.": "a wrapping module named model",
+}
+"""Prefixes that wrappers add to every param name, and who adds them."""
+
+
+def renamer(rename: Rename) -> Callable[[str], str]:
+    """``rename`` as a function of the saved name (prefix replacements applied)."""
+    if callable(rename):
+        return rename
+    if not isinstance(rename, Mapping) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in rename.items()
+    ):
+        raise CheckpointError(
+            f"rename must be a function of the name or a mapping of prefixes, got {rename!r}"
+        )
+    prefixes = sorted(rename, key=len, reverse=True)
+
+    def replace_prefix(name: str) -> str:
+        for old in prefixes:
+            if name.startswith(old):
+                return rename[old] + name[len(old) :]
+        return name
+
+    return replace_prefix
+
+
+def prefix_fix(saved: Iterable[str], current: Iterable[str]) -> dict[str, str] | None:
+    """The prefix replacement that turns the ``saved`` names into the ``current`` ones
+    exactly (``{"module.": ""}``: strip DDP's prefix), or None when no prefix does."""
+    saved, current = sorted(set(saved)), sorted(set(current))
+    if not saved or saved == current or len(saved) != len(current):
+        return None
+    old, new = _dotted_prefix(saved), _dotted_prefix(current)
+    while old and new and old.split(".")[-2] == new.split(".")[-2]:  # a shared tail stays
+        old, new = old[: old.rstrip(".").rfind(".") + 1], new[: new.rstrip(".").rfind(".") + 1]
+    if old == new or sorted(renamer({old: new})(n) for n in saved) != current:
+        return None
+    return {old: new}
+
+
+def prefix_hint(saved: Iterable[str], current: Iterable[str]) -> str | None:
+    """One sentence naming the prefix by which the checkpoint's (``saved``) and the
+    optimizer's (``current``) names differ, and the ``rename`` that fixes it; None when they do
+    not differ by a prefix."""
+    fix = prefix_fix(saved, current)
+    if fix is None:
+        return None
+    ((old, new),) = fix.items()
+
+    def who(prefix: str) -> str:
+        wrappers = [w for p, w in WRAPPER_PREFIXES.items() if f".{prefix}".find(f".{p}") >= 0]
+        return f" ({', '.join(wrappers)})" if wrappers else ""
+
+    if not new:
+        differ = f"the checkpoint's start with {old!r}{who(old)}, the optimizer's do not"
+    elif not old:
+        differ = f"the optimizer's start with {new!r}{who(new)}, the checkpoint's do not"
+    else:
+        differ = f"the checkpoint's start with {old!r} where the optimizer's start with {new!r}"
+    return (
+        f"the param names differ by a prefix: {differ}; load(..., rename={fix!r}) maps them "
+        f"(muonckpt convert: --rename {old}={new})"
+    )
+
+
+def _dotted_prefix(names: Sequence[str]) -> str:
+    """The longest prefix of every name that ends with a dot ('' when none)."""
+    first, last = min(names), max(names)
+    common = 0
+    while common < min(len(first), len(last)) and first[common] == last[common]:
+        common += 1
+    return first[: first.rfind(".", 0, common) + 1]
 
 
 def rank_file(rank: int, world_size: int) -> str:
@@ -163,6 +245,22 @@ class Piece:
 
 
 @dataclass(frozen=True)
+class ModelFile:
+    """What a consolidated save given the model (``save(..., model=model)``) adds to
+    ``model.safetensors`` beyond the optimizer's params, so that it holds the model's whole
+    ``state_dict()``."""
+
+    tensors: tuple[ParamEntry, ...]
+    """The model's other tensors (buffers, params no optimizer group holds), each stored
+    whole under its name (group -1, never split)."""
+    pieces: tuple[Piece, ...]
+    """Where each of them is stored, with its checksums."""
+    aliases: Mapping[str, str] = field(default_factory=dict)
+    """state_dict names of tied tensors stored once: alias -> the stored name (as
+    ``safetensors.torch.save_model`` records them in the file's metadata)."""
+
+
+@dataclass(frozen=True)
 class FileEntry:
     name: str
     bytes: int
@@ -181,6 +279,8 @@ class Manifest:
     pieces: tuple[Piece, ...]
     format_version: int = FORMAT_VERSION
     checksum_algorithm: str = CHECKSUM_ALGORITHM
+    model: ModelFile | None = None
+    """A consolidated save's model tensors beyond the optimizer's params (None: none)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_by_name", {entry.name: entry for entry in self.params})
@@ -190,6 +290,30 @@ class Manifest:
         if entry is None:
             raise CheckpointError("no such param in the checkpoint", param=name)
         return entry
+
+    def renamed(self, rename: Rename) -> Manifest:
+        """The same checkpoint with its params renamed (:data:`Rename`); the stored tensors
+        keep their keys in the files. Two params given one name are refused, naming both."""
+        fn = renamer(rename)
+        names: dict[str, str] = {}
+        for entry in self.params:
+            new = fn(entry.name)
+            if not isinstance(new, str) or not new:
+                raise CheckpointError(f"rename gave {new!r}, not a name", param=entry.name)
+            names[entry.name] = new
+        seen: dict[str, str] = {}
+        for old, new in names.items():
+            if new in seen:
+                raise CheckpointError(
+                    f"rename gives params {seen[new]!r} and {old!r} one name {new!r}"
+                )
+            seen[new] = old
+        return replace(
+            self,
+            groups=tuple(replace(g, params=tuple(names[n] for n in g.params)) for g in self.groups),
+            params=tuple(replace(e, name=names[e.name]) for e in self.params),
+            pieces=tuple(replace(p, param=names[p.param]) for p in self.pieces),
+        )
 
     def step_of(self, entry: ParamEntry) -> int | float | None:
         """The step count the checkpoint holds for a param: its own scalar (torch and
@@ -252,6 +376,15 @@ class Manifest:
             "format_version": self.format_version,
             "checksum_algorithm": self.checksum_algorithm,
         }
+        if self.model is not None:
+            body["model"] = {
+                "tensors": [
+                    {"name": e.name, "shape": list(e.shape), "dtype": e.value_dtype}
+                    for e in self.model.tensors
+                ],
+                "pieces": [piece_to_json(p) for p in self.model.pieces],
+                "aliases": dict(self.model.aliases),
+            }
 
         def compact(value: Any) -> str:
             return json.dumps(value, separators=(",", ":"), allow_nan=False)
@@ -274,6 +407,12 @@ class Manifest:
         for entry in self.params:
             for key in entry.tensor_keys:
                 problems += _coverage(entry, key, grouped.pop((entry.name, key), []))
+        if self.model is not None:
+            held = defaultdict(list)
+            for piece in self.model.pieces:
+                held[piece.param].append(piece)
+            for entry in self.model.tensors:
+                problems += _coverage(entry, PARAM_KEY, held.get(entry.name, []))
         for param, key in grouped:
             problems.append(
                 f"piece of param {param!r} state {key!r} that the manifest's params do not list"
@@ -437,7 +576,47 @@ def _manifest_from(body: Any) -> Manifest:
         files=files,
         pieces=tuple(pieces),
         format_version=version,
+        model=_model_file(body["model"], by_name, file_names) if "model" in body else None,
     )
+
+
+def model_tensor(name: str, shape: Sequence[int], dtype: str) -> ParamEntry:
+    """A model tensor of :class:`ModelFile`: stored whole, in no group."""
+    return ParamEntry(name, tuple(shape), -1, -1, {PARAM_KEY: dtype})
+
+
+def _model_file(raw: Any, params: Mapping[str, ParamEntry], file_names: set[str]) -> ModelFile:
+    _expect(isinstance(raw, dict), "model is not a JSON object")
+    tensors = tuple(
+        model_tensor(_str(t["name"]), [_nonneg_int(n) for n in t["shape"]], _dtypes_of(t["dtype"]))
+        for t in raw["tensors"]
+    )
+    by_name = {t.name: t for t in tensors}
+    _expect(len(by_name) == len(tensors), "model: a tensor listed twice")
+    _expect(not set(by_name) & set(params), "model: a tensor named like an optimizer param")
+    pieces = []
+    for item in raw["pieces"]:
+        piece = piece_from_json(item)
+        entry = by_name.get(piece.param)
+        _expect(entry is not None, f"model: piece of unknown tensor {piece.param!r}")
+        _expect(
+            piece.key == PARAM_KEY and piece.file in file_names, f"model: piece {piece.tensor!r}"
+        )
+        _check_region(entry, piece.region, piece.tensor)
+        pieces.append(piece)
+    aliases = raw["aliases"]
+    stored = set(by_name) | set(params)
+    _expect(
+        isinstance(aliases, dict)
+        and all(isinstance(k, str) and v in stored and k not in stored for k, v in aliases.items()),
+        "model: aliases must map other names to stored tensors",
+    )
+    return ModelFile(tensors, tuple(pieces), dict(aliases))
+
+
+def _dtypes_of(value: Any) -> str:
+    _expect(value in DTYPE_BYTES, f"unknown dtype {value!r}")
+    return value
 
 
 def piece_to_json(piece: Piece) -> dict[str, Any]:

@@ -25,8 +25,9 @@ from __future__ import annotations
 import math
 import multiprocessing as mp
 import os
+import re
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -42,9 +43,12 @@ from .manifest import (
     MANIFEST_NAME,
     MODEL_INDEX_FILE,
     PER_RANK,
+    STATE_STEM,
+    VALUE_STEM,
     GroupEntry,
     Manifest,
     ParamEntry,
+    Rename,
     Scalar,
 )
 from .pieces import PieceReader, open_checkpoint
@@ -54,6 +58,7 @@ from .writeplan import (
     WritePlan,
     consolidated_plan,
     per_rank_plan,
+    shard_index,
     unique_tensor_keys,
 )
 from .writing import Progress
@@ -108,7 +113,8 @@ def consolidate(
 ) -> Path:
     """Rewrite any checkpoint as a consolidated one: full-shape tensors ``state.<param>.<key>``
     in ``optimizer.safetensors`` and, where the checkpoint holds them, the params by name in
-    ``model.safetensors`` (loadable with ``model.load_state_dict(load_file(...))``).
+    ``model.safetensors`` (the optimizer's params by name; buffers and tied names only in a
+    consolidated save given the model, which this does not carry).
 
     Args:
         src: a checkpoint directory (any kind, any source topology).
@@ -217,20 +223,26 @@ def reshard(
 
 
 def _output_manifest(manifest: Manifest, **changes: Any) -> Manifest:
-    """The manifest of a rewrite of ``manifest``: current format, files and pieces still empty."""
-    return replace(manifest, **changes, files=(), pieces=(), format_version=FORMAT_VERSION)
+    """The manifest of a rewrite of ``manifest``: current format, files and pieces still empty;
+    the model's other tensors (``save(..., model=)``) are not carried."""
+    return replace(
+        manifest, **changes, files=(), pieces=(), format_version=FORMAT_VERSION, model=None
+    )
 
 
 def convert(
     src: str | os.PathLike[str],
     dst: str | os.PathLike[str],
     *,
-    to: str,
+    to: str | None = None,
+    rename: Rename | None = None,
     overwrite: bool = False,
     progress: Progress | None = None,
 ) -> Path:
     """Rewrite a checkpoint for another Muon implementation: ``packaged`` (muonckpt.Muon),
-    ``torch`` (torch.optim.Muon + AdamW) or ``keller-jordan`` (muon.MuonWithAuxAdam).
+    ``torch`` (torch.optim.Muon + AdamW) or ``keller-jordan`` (muon.MuonWithAuxAdam); and/or
+    with its params renamed (``rename`` as in :func:`muonckpt.load`: ``{"module.": ""}``
+    strips DDP's prefix). ``to=None`` keeps each group's implementation.
 
     Momentum is converted between sum and EMA form by ``1 - mu`` exactly as :func:`muonckpt.load`
     converts it in memory, AdamW step counts move to where the target keeps them, and each
@@ -240,9 +252,17 @@ def convert(
     Raises:
         CheckpointError: for a checkpoint whose groups do not say which optimizer saved them.
     """
+    if to is None and rename is None:
+        raise CheckpointError("convert needs to= (another implementation), rename=, or both")
     directory, manifest = open_checkpoint(src)
+    if rename is not None:
+        manifest = manifest.renamed(rename)
     groups, scales = [], []
     for g, group in enumerate(manifest.groups):
+        if to is None:
+            groups.append(group)
+            scales.append(1.0)
+            continue
         if not group.optimizer:
             raise CheckpointError(
                 f"group {g} does not say which optimizer saved it (format 1): cannot convert",
@@ -272,19 +292,30 @@ def convert(
         )
         for piece in manifest.pieces
     )
-    texts = {
-        name: storage.read_text(directory / name)
-        for name in (INDEX_FILE, MODEL_INDEX_FILE)
-        if (directory / name).is_file()
-    }
     files = {f.name: {"format": FORMAT_NAME} for f in manifest.files}
     if manifest.kind == PER_RANK:  # per-rank files name their rank, as save writes them
         files = {
             f.name: {"format": FORMAT_NAME, "rank": str(r)} for r, f in enumerate(manifest.files)
         }
+    texts = {
+        name: storage.read_text(directory / name)
+        if rename is None
+        else _renamed_index(stem, files, writes)
+        for stem, name in ((STATE_STEM, INDEX_FILE), (VALUE_STEM, MODEL_INDEX_FILE))
+        if (directory / name).is_file()
+    }
     plan = WritePlan(files, writes, texts)
     job = _Job(_output_manifest(manifest, groups=tuple(groups), params=params), plan)
     return _write("convert", job, directory, manifest, dst, overwrite, progress, collective=False)
+
+
+def _renamed_index(stem: str, files: Mapping[str, Any], writes: Sequence[TensorWrite]) -> str:
+    """The Hugging Face index of one family of sharded files, with the renamed keys."""
+    family = [f for f in files if re.match(rf"{re.escape(stem)}[-.]", f)]
+    return shard_index(
+        [(f, sorted(w.tensor for w in writes if w.file == f)) for f in family],
+        {w.tensor: w.nbytes for w in writes if w.file in family},
+    )
 
 
 def _converted_steps(manifest: Manifest, entry: ParamEntry, group: GroupEntry) -> ParamEntry:
@@ -500,7 +531,8 @@ def _worker(
 
 
 def summarize(src: str | os.PathLike[str]) -> dict[str, Any]:
-    """What ``muonckpt inspect`` shows: kind, topology, step, groups, params and totals.
+    """What ``muonckpt inspect`` shows: kind, topology, step, groups, params, the model file's
+    other tensors and tied names (``save(..., model=)``; None without), and totals.
 
     Reads only the manifest (and checks that its pieces cover every state tensor once).
     """
@@ -529,6 +561,12 @@ def summarize(src: str | os.PathLike[str]) -> dict[str, Any]:
             {"hyperparams": dict(g.hyperparams), "params": list(g.params)} for g in manifest.groups
         ],
         "params": params,
+        "model": None
+        if manifest.model is None
+        else {
+            "tensors": {e.name: list(e.shape) for e in manifest.model.tensors},
+            "aliases": dict(manifest.model.aliases),
+        },
         "totals": {
             "params": len(params),
             "tensors": sum(len(e.state_keys) for e in manifest.params),

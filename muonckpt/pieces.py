@@ -21,6 +21,7 @@ from .errors import CheckpointError
 from .layout import Region, Strided, strided_runs
 from .manifest import (
     CONSOLIDATED,
+    FORMAT_NAME,
     INDEX_FILE,
     MANIFEST_NAME,
     MODEL_INDEX_FILE,
@@ -45,7 +46,20 @@ def read_manifest(path: str | os.PathLike[str]) -> Manifest:
             path=directory,
         )
     if not manifest_path.is_file():
-        if any(name.endswith(".safetensors") for name in storage.entries(directory)):
+        data = sorted(name for name in storage.entries(directory) if name.endswith(".safetensors"))
+        if data and not _written_by_muonckpt(directory, data):
+            hf = (
+                " (a Hugging Face model folder: config.json)"
+                if "config.json" in storage.entries(directory)
+                else ""
+            )
+            raise CheckpointError(
+                f"not a muonckpt checkpoint{hf}: safetensors files that muonckpt did not write "
+                "and no manifest.json; muonckpt reads the directories that muonckpt.save, "
+                "consolidate, reshard and convert write",
+                path=directory,
+            )
+        if data:
             raise CheckpointError(
                 "incomplete checkpoint: data files but no manifest.json (the save was "
                 "interrupted or is not done)",
@@ -56,6 +70,19 @@ def read_manifest(path: str | os.PathLike[str]) -> Manifest:
             path=directory,
         )
     return parse_manifest(storage.read_text(manifest_path), manifest_path)
+
+
+def _written_by_muonckpt(directory: Path, names: list[str]) -> bool:
+    """Whether any of these safetensors files carries muonckpt's own header metadata (or
+    cannot be read, so that a damaged file of ours is not called foreign)."""
+    for name in names:
+        try:
+            with storage.SafetensorsReader(directory / name) as reader:
+                if reader.metadata.get("format") == FORMAT_NAME:
+                    return True
+        except CheckpointError:
+            return True
+    return False
 
 
 def open_checkpoint(path: str | os.PathLike[str]) -> tuple[Path, Manifest]:
@@ -263,10 +290,12 @@ def verify(path: str | os.PathLike[str]) -> list[CheckpointError]:
             problems.append(
                 CheckpointError("is a symlink, not a file of the checkpoint's own", path=entry)
             )
+    model = manifest.model
+    tensors = {e.name: e for e in model.tensors} if model is not None else {}
     with PieceReader(directory, manifest) as reader:
-        for piece in manifest.pieces:
+        for piece in manifest.pieces + (model.pieces if model is not None else ()):
             try:
-                entry = manifest.param(piece.param)
+                entry = tensors.get(piece.param) or manifest.param(piece.param)
                 reader.check_header(piece, entry)
                 reader.reader(piece.file).verify(piece.tensor, piece.checksums, piece.chunk_bytes)
             except CheckpointError as exc:

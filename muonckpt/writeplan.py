@@ -165,7 +165,9 @@ def per_rank_plan(owned_by_rank: Sequence[Iterable[tuple[Item, Region]]]) -> Wri
 
 
 def consolidated_plan(
-    items: Iterable[tuple[Item, tuple[int, ...]]], max_shard_size: int | None
+    items: Iterable[tuple[Item, tuple[int, ...]]],
+    max_shard_size: int | None,
+    model_metadata: Mapping[str, str] | None = None,
 ) -> WritePlan:
     """The files of a consolidated checkpoint: each (param, key, dtype) whole, in its full
     shape.
@@ -173,7 +175,11 @@ def consolidated_plan(
     State goes to ``optimizer.safetensors`` as ``state.<param>.<key>``, values to
     ``model.safetensors`` under the param's name; past ``max_shard_size`` bytes a family is
     split HF style (:func:`shard_files`) with its index among the plan's texts.
+    ``model_metadata`` (tied names: alias -> stored name) goes into every ``model`` file's
+    header beside ``format``.
     """
+    if model_metadata and "format" in model_metadata:
+        raise CheckpointError("a tied name 'format' would overwrite the file's format metadata")
     shapes = {item: tuple(shape) for item, shape in items}
     unique_tensor_keys(((param, key) for param, key, _ in shapes), None)
     files: dict[str, dict[str, str]] = {}
@@ -188,7 +194,8 @@ def consolidated_plan(
         }
         shards = shard_files(sizes, max_shard_size, stem)
         for file, keys in shards:
-            files[file] = {"format": FORMAT_NAME}
+            extra = dict(model_metadata or {}) if stem == VALUE_STEM else {}
+            files[file] = {**extra, "format": FORMAT_NAME}
             for tkey in keys:
                 param, key, dtype = family[tkey]
                 shape = shapes[param, key, dtype]

@@ -238,8 +238,15 @@ def test_unreadable_input_exits_2_with_one_line(ckpts, tmp_path):
     (broken / "manifest.json").write_text("{not json")
     assert "not valid JSON" in _one_error_line(cli("diff", ckpts["a"], broken))
     assert "missing" in _one_error_line(cli("verify", tmp_path / "missing"))
-    result = runner.invoke(app, ["--debug", "inspect", str(tmp_path / "missing")])
-    assert isinstance(result.exception, muonckpt.CheckpointError)
+
+
+def test_debug_adds_the_traceback_and_keeps_the_exit_code(tmp_path):
+    for args in (["inspect", tmp_path / "missing"], ["verify", tmp_path / "missing"]):
+        plain = cli(*args)
+        debug = cli("--debug", *args)
+        assert plain.exit_code == debug.exit_code == 2, debug.output
+        assert "Traceback" in debug.stderr and "CheckpointError" in debug.stderr
+        assert debug.stderr.strip().splitlines()[-1] == plain.stderr.strip()
 
 
 def test_verify_sound_and_damaged(ckpts, tmp_path):

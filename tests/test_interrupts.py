@@ -201,7 +201,7 @@ def test_a_failing_worker_is_one_line_and_debug_shows_the_traceback(setup, tmp_p
             proc.kill()
             proc.wait()
     if debug:
-        assert proc.returncode != 0 and "Traceback" in stderr, stderr
+        assert proc.returncode == 2 and "Traceback" in stderr, stderr
         assert "rank 1: RuntimeError: injected pwrite failure" in stderr
     else:
         assert proc.returncode == 2, stderr

@@ -1,0 +1,110 @@
+"""Small things a new user meets first: full names in ``inspect``, a folder that is not a
+checkpoint named as such, ``grid_groups`` checking its arguments, a demo that leaves nothing
+behind, and the thread count beside every "bitwise" claim."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import safetensors.torch
+import torch
+from typer.testing import CliRunner
+
+import muonckpt
+from muonckpt.cli import app
+from muonckpt.demo import run_demo
+from muonckpt.launch import run_distributed
+
+from .conftest import REPO
+
+LONG = "_orig_mod.module.transformer.h.11.attention.query_key_value.weight_with_a_long_tail"
+
+
+def cli(*args):
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+def test_inspect_shows_whole_names(tmp_path):
+    params = [
+        (LONG, torch.nn.Parameter(torch.ones(3, 2))),
+        ("b", torch.nn.Parameter(torch.ones(2))),
+    ]
+    opt = torch.optim.AdamW(params)
+    for _, p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    ckpt = muonckpt.save(opt, tmp_path / "ckpt")
+    wide = cli("inspect", ckpt, "--wide")
+    assert wide.exit_code == 0, wide.output
+    assert any(line.strip().startswith(LONG) for line in wide.stdout.splitlines())
+    narrow = cli("inspect", ckpt)  # 80 columns: wrapped, never cut
+    assert narrow.exit_code == 0 and "…" not in narrow.stdout
+    first_column = [
+        line.split("│")[0].strip() for line in narrow.stdout.splitlines() if "│" in line
+    ]
+    assert LONG in "".join(first_column)
+
+
+def test_a_hugging_face_folder_is_not_called_an_interrupted_save(tmp_path):
+    folder = tmp_path / "gpt2"
+    folder.mkdir()
+    safetensors.torch.save_file({"wte.weight": torch.zeros(4, 2)}, folder / "model.safetensors")
+    (folder / "config.json").write_text("{}")
+    for result in (cli("inspect", folder), cli("verify", folder)):
+        assert result.exit_code in (1, 2), result.output
+        assert "not a muonckpt checkpoint (a Hugging Face model folder" in result.output
+        assert "interrupted" not in result.output
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(4, 2))])
+    with pytest.raises(muonckpt.CheckpointError, match="not a muonckpt checkpoint"):
+        muonckpt.load(opt, folder)
+
+
+def test_a_muonckpt_folder_without_manifest_is_still_called_incomplete(single_ckpt, tmp_path):
+    import shutil
+
+    copy = shutil.copytree(single_ckpt(2), tmp_path / "copy")
+    (copy / "manifest.json").unlink()
+    result = cli("inspect", copy)
+    assert result.exit_code == 2 and "incomplete checkpoint" in result.output
+
+
+def wrong_grid(dp: int, tp: int) -> str:
+    """(In a gloo child.) The error of grid_groups(dp, tp)."""
+    try:
+        muonckpt.grid_groups(dp, tp)
+    except muonckpt.LayoutError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_grid_groups_checks_its_arguments_on_every_rank():
+    messages = run_distributed(wrong_grid, 2, 2, 2, timeout=60)
+    assert len(set(messages)) == 1
+    assert "dp=2 x tp=2 = 4 ranks" in messages[0] and "has 2" in messages[0]
+    (zero,) = set(run_distributed(wrong_grid, 2, 0, 2, timeout=60))
+    assert "dp must be a positive int" in zero
+
+
+def test_the_demo_removes_its_temporary_directory(tmp_path, monkeypatch):
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    result = run_demo(dp=1, tp=1, to_dp=1, to_tp=1, steps=1)
+    assert result.ok and not result.kept
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_demo_keeps_what_it_writes_under_dir(tmp_path):
+    out = cli(
+        "demo", "--dp", 1, "--tp", 1, "--to-dp", 1, "--to-tp", 1, "--steps", 1, "--dir", tmp_path
+    )
+    assert out.exit_code == 0, out.output
+    assert muonckpt.verify(tmp_path / "ckpt") == [] and f"checkpoints in {tmp_path}" in out.stdout
+
+
+def test_bitwise_claims_name_the_thread_count():
+    readme = (REPO / "README.md").read_text()
+    assert re.search(
+        r"[Bb]itwise[^\n]*\n?[^\n]*OMP_NUM_THREADS|OMP_NUM_THREADS[^#]{0,400}bitwise", readme
+    )
