@@ -31,7 +31,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from . import kinds, storage, writing
+from . import storage, writing
 from .errors import CheckpointError, LayoutError, MuonCkptError
 from .layout import LayoutOptions, ParamSpec, Topology, arrange, whole_region
 from .manifest import (
@@ -42,10 +42,8 @@ from .manifest import (
     MANIFEST_NAME,
     MODEL_INDEX_FILE,
     PER_RANK,
-    GroupEntry,
     Manifest,
-    ParamEntry,
-    Scalar,
+    converted_manifest,
 )
 from .pieces import PieceReader, open_checkpoint
 from .retention import checkpoint_step
@@ -241,24 +239,8 @@ def convert(
         CheckpointError: for a checkpoint whose groups do not say which optimizer saved them.
     """
     directory, manifest = open_checkpoint(src)
-    groups, scales = [], []
-    for g, group in enumerate(manifest.groups):
-        if not group.optimizer:
-            raise CheckpointError(
-                f"group {g} does not say which optimizer saved it (format 1): cannot convert",
-                path=directory / MANIFEST_NAME,
-            )
-        source = kinds.GroupKind.from_json(group.optimizer)
-        target = kinds.converted(source, to)
-        factor = kinds.state_mapping(source, target, f"group {g}", None).keys
-        scales.append(factor.get("momentum_buffer", ("", 1.0))[1])
-        hyper = dict(group.hyperparams)
-        step = manifest.latest_step(group.params)
-        if target.step_in == "group" and step is not None:
-            hyper["step"] = step
-        groups.append(replace(group, hyperparams=hyper, optimizer=target.to_json()))
-    params = tuple(_converted_steps(manifest, e, groups[e.group]) for e in manifest.params)
-    by_name = {e.name: e for e in params}
+    target, scales = converted_manifest(manifest, to, path=directory / MANIFEST_NAME)
+    by_name = {e.name: e for e in target.params}
     shaped = manifest.kind == CONSOLIDATED
     writes = tuple(
         TensorWrite(
@@ -283,20 +265,8 @@ def convert(
             f.name: {"format": FORMAT_NAME, "rank": str(r)} for r, f in enumerate(manifest.files)
         }
     plan = WritePlan(files, writes, texts)
-    job = _Job(_output_manifest(manifest, groups=tuple(groups), params=params), plan)
+    job = _Job(_output_manifest(target), plan)
     return _write("convert", job, directory, manifest, dst, overwrite, progress, collective=False)
-
-
-def _converted_steps(manifest: Manifest, entry: ParamEntry, group: GroupEntry) -> ParamEntry:
-    """The param with its AdamW step count where the target keeps it."""
-    step_in = group.optimizer.get("step_in")
-    step = manifest.step_of(entry)
-    scalars = {k: v for k, v in entry.scalars.items() if k != "step"}
-    if step is not None and entry.state_keys and step_in == "tensor":
-        scalars["step"] = Scalar(float(step), "F32")
-    elif step is not None and entry.state_keys and step_in == "int":
-        scalars["step"] = Scalar(int(step), None)
-    return replace(entry, scalars=scalars)
 
 
 def _check_workers(workers: int, collective: bool) -> None:
