@@ -334,6 +334,22 @@ class DcpFamily:
             rms,
         )
 
+    def target_kind(self, source: GroupKind) -> GroupKind:
+        """What ``source``'s group becomes in this family (its form, the source's mu, rule)."""
+        if source.role == "adamw":
+            return GroupKind(self.adamw, "adamw", step_in=self.step_in)
+        if source.role != "muon":
+            raise StateDictError(f"{source.optimizer} is not an optimizer muonckpt can convert")
+        return GroupKind(
+            self.muon,
+            "muon",
+            self.momentum_form,
+            source.momentum,
+            source.nesterov,
+            source.lr_rule,
+            source.matched_adamw_rms,
+        )
+
 
 DCP_FAMILIES: dict[str, DcpFamily] = {
     f.name: f

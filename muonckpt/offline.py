@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from . import storage, writing
+from .dcp import LAYOUTS, DcpConversion, from_dcp, is_dcp, to_dcp
 from .errors import CheckpointError, LayoutError, MuonCkptError
 from .layout import LayoutOptions, ParamSpec, Topology, arrange, whole_region
 from .manifest import (
@@ -72,15 +73,20 @@ no limit: it ends when the work is done, a process fails, or the command is inte
 no worker outlives the command (see :mod:`muonckpt.launch`)."""
 
 __all__ = [
+    "LAYOUTS",
     "MAX_RANKS",
     "WORKER_TIMEOUT",
+    "DcpConversion",
     "Progress",
     "consolidate",
     "convert",
     "diff",
+    "from_dcp",
+    "is_dcp",
     "open_checkpoint",
     "reshard",
     "summarize",
+    "to_dcp",
 ]
 
 
