@@ -84,10 +84,14 @@ def test_dcp_is_written_only_by_torchs_writer():
     saves = []
     for path in _modules():
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
-                if node.func.attr == "save" and getattr(node.func.value, "id", "") == "dcp":
-                    saves.append(path)
-                    writer = {k.arg: k.value for k in node.keywords}["storage_writer"]
-                    assert getattr(writer, "id", "") == "writer"
-                    assert "dcp.FileSystemWriter(" in path.read_text()
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "save"
+                and getattr(node.func.value, "id", "") == "dcp"
+            ):
+                saves.append(path)
+                writer = {k.arg: k.value for k in node.keywords}["storage_writer"]
+                assert getattr(writer, "id", "") == "writer"
+                assert "dcp.FileSystemWriter(" in path.read_text()
     assert saves == [DCP_READER]
