@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import math
 import os
 import pickle
 from collections.abc import Callable, Mapping
@@ -21,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import CheckpointError
-from .dtypes import dtype_name, torch_dtype
+from .dtypes import dtype_name, itemsize, torch_dtype
 
 if TYPE_CHECKING:
     import torch
@@ -333,7 +334,11 @@ def write_dcp(
     """Write a DCP checkpoint of one process into the existing empty ``directory``:
     ``tensors`` (fqn -> (shape, safetensors dtype)), each fetched by ``fetch(fqn)`` when torch's
     writer reaches it, and ``values`` (fqn -> a plain value). Only torch's own writer
-    (``torch.distributed.checkpoint.save``, ``FileSystemWriter``) writes."""
+    (``torch.distributed.checkpoint.save``, ``FileSystemWriter``) writes, its tensors over files
+    of at most the largest tensor's bytes each (torch's writer holds a file's tensors until the
+    file is done), settings in one file of their own.
+
+    Memory: about the largest tensor, twice."""
     import warnings
 
     import torch
@@ -351,12 +356,47 @@ def write_dcp(
                 raise CheckpointError(f"DCP item {fqn!r}: fetched a tensor unlike its plan")
             return tensor.contiguous()
 
+    class _Bounded(dcp.FileSystemWriter):
+        """torch's writer, its tensors split over files of at most ``budget`` bytes (a larger
+        tensor gets a file of its own): it keeps every tensor of a file until the file ends."""
+
+        def write_data(self, plan: Any, planner: Any) -> Any:
+            import queue
+
+            from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX
+            from torch.distributed.checkpoint.planner import WriteItemType
+
+            buckets: list[list[Any]] = [[]]
+            tensor_buckets: list[list[Any]] = []
+            used = budget
+            for item in plan.items:
+                if item.type == WriteItemType.BYTE_IO:
+                    buckets[0].append(item)
+                    continue
+                size = (
+                    math.prod(item.tensor_data.size)
+                    * torch.empty(0, dtype=item.tensor_data.properties.dtype).element_size()
+                )
+                if used + size > budget:
+                    tensor_buckets.append([])
+                    used = 0
+                tensor_buckets[-1].append(item)
+                used += size
+            files: queue.Queue = queue.Queue()
+            for n, bucket in enumerate(b for b in [*buckets, *tensor_buckets] if b):
+                name = f"{plan.storage_data.prefix}{n}{DEFAULT_SUFFIX}"
+                files.put((self.fs.concat_path(self.path, name), name, bucket))
+            return self._write_data(planner, files)
+
+    budget = max(
+        [math.prod(shape) * itemsize(dtype) for shape, dtype in tensors.values()], default=0
+    )
     state: dict[str, Any] = {
         fqn: torch.empty(shape, dtype=torch_dtype(dtype), device="meta")
         for fqn, (shape, dtype) in tensors.items()
     }
     state.update(values)
-    writer = dcp.FileSystemWriter(os.fspath(directory), thread_count=1, per_thread_copy_ahead=0)
+    writer = _Bounded(os.fspath(directory), thread_count=1, per_thread_copy_ahead=0)
     with warnings.catch_warnings():  # one process, no process group: as intended
         warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single")
         dcp.save(state, storage_writer=writer, planner=_Fetching())
