@@ -273,3 +273,37 @@ def test_a_key_that_maps_to_no_param_is_refused_naming_it(tmp_path):
     ):
         offline.from_dcp(src, tmp_path / "out", source="torch")
     assert not (tmp_path / "out").exists()
+
+
+def test_to_dcp_in_the_recipe_layout_loads_in_one_process(tmp_path):
+    """dion's sum form through muonckpt into torch's DCP, DCP's recipe layout: loaded by
+    ``dcp.load`` into a ``{"model": ..., "optimizer": ...}`` state dict as written."""
+    src = tmp_path / "dion"
+    adam = {"exp_avg": "momentum", "exp_avg_sq": "variance", "settings": {"algorithm": "adamw"}}
+    w, b, m, a, v = _single_process_dcp(src, "momentum", "mu", {"algorithm": "muon"}, adam)
+    packaged = offline.from_dcp(src, tmp_path / "packaged", source="dion").path
+    out = offline.to_dcp(packaged, tmp_path / "torch", to="torch", layout="recipe")
+    assert out.layout == "recipe" and any("sum -> ema" in line for line in out.converted)
+    with pytest.raises(CheckpointError, match="already exists"):
+        offline.to_dcp(packaged, tmp_path / "torch", to="torch")
+    groups = {
+        "w": {k: v for k, v in torch.optim.Muon([torch.zeros(2, 2)]).param_groups[0].items()},
+        "b": {k: v for k, v in torch.optim.AdamW([torch.zeros(2)]).param_groups[0].items()},
+    }
+    optimizer = {
+        "state.w.momentum_buffer": torch.zeros(6, 4),
+        "state.b.exp_avg": torch.zeros(5),
+        "state.b.exp_avg_sq": torch.zeros(5),
+        "state.b.step": torch.tensor(0.0),
+    }
+    for name, group in groups.items():
+        optimizer.update({f"param_groups.{name}.{k}": x for k, x in group.items() if k != "params"})
+    state = {"model": {"w": torch.zeros(6, 4), "b": torch.zeros(5)}, "optimizer": optimizer}
+    dcp.load(state, checkpoint_id=str(out.path))
+    assert torch.equal(state["model"]["w"], w) and torch.equal(state["model"]["b"], b)
+    torch.testing.assert_close(state["optimizer"]["state.w.momentum_buffer"], m * (1 - 0.9))
+    assert torch.equal(state["optimizer"]["state.b.exp_avg"], a)
+    assert torch.equal(state["optimizer"]["state.b.exp_avg_sq"], v)
+    assert float(state["optimizer"]["state.b.step"]) == 4
+    assert state["optimizer"]["param_groups.w.momentum"] == 0.9
+    assert state["optimizer"]["param_groups.b.betas"] == (0.9, 0.95)
