@@ -472,6 +472,10 @@ def convert(
     world size.
 
     Example: muonckpt convert ckpt/step-1000 -o ckpt/step-1000-torch --to torch
+
+    Example: muonckpt convert titan/step-300 -o ckpt/step-300 --from torchtitan --to packaged
+
+    Example: muonckpt convert ckpt/step-300 -o titan/step-300-back --to torchtitan --format dcp
     """
     from . import DCP_FAMILIES, FAMILIES, offline
 
