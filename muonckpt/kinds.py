@@ -308,7 +308,13 @@ class DcpFamily:
         adamw = {theirs for _, theirs in self.adamw_keys}
         if adamw & set(keys):
             return "adamw"
-        return "muon" if self.momentum_key in keys else None
+        if self.momentum_key in keys:
+            return "muon"
+        if keys:  # state, but not this family's
+            return None
+        if "betas" in settings:  # no state yet (never stepped): the settings tell
+            return "adamw"
+        return "muon" if self.mu_setting in settings else None
 
     def group_kind(self, role: str, settings: Mapping[str, Any]) -> GroupKind:
         """What a group of this family with ``settings`` computes."""
