@@ -305,8 +305,8 @@ class DcpFamily:
         if self.role_setting is not None and self.role_setting in settings:
             value = settings[self.role_setting]
             return "muon" if value is True or value == "muon" else "adamw"
-        adamw = {theirs for _, theirs in self.adamw_keys}
-        if adamw & set(keys):
+        adamw = {theirs for _, theirs in self.adamw_keys} - {self.momentum_key}
+        if adamw & set(keys):  # (dion's AdamW keeps its first moment under Muon's key)
             return "adamw"
         if self.momentum_key in keys:
             return "muon"

@@ -249,7 +249,7 @@ def test_a_truncated_distcp_is_refused(tmp_path):
                         "exp_avg_sq": "exp_avg_sq"})  # fmt: skip
     (data,) = [p for p in src.iterdir() if p.suffix == ".distcp"]
     os.truncate(data, data.stat().st_size - 100)
-    with pytest.raises(CheckpointError, match="past the end of the file .* truncated"):
+    with pytest.raises(CheckpointError, match=r"past the end of the file .* truncated"):
         offline.from_dcp(src, tmp_path / "out", source="torch")
     assert not (tmp_path / "out").exists()
 
