@@ -307,3 +307,22 @@ def test_to_dcp_in_the_recipe_layout_loads_in_one_process(tmp_path):
     assert float(state["optimizer"]["state.b.step"]) == 4
     assert state["optimizer"]["param_groups.w.momentum"] == 0.9
     assert state["optimizer"]["param_groups.b.betas"] == (0.9, 0.95)
+
+
+def test_the_cli_reports_what_it_left_out_and_prefixes_can_be_given(fsdp_run, tmp_path):
+    paths, _ = fsdp_run
+
+    def convert(out: str, *options: str):
+        argv = ["convert", paths["torchtitan"], "-o", str(tmp_path / out), "--to", "packaged"]
+        result = CliRunner().invoke(app, [*argv, "--from", "torchtitan", *options])
+        return result.exit_code, " ".join(result.output.split())  # unwrapped
+
+    code, output = convert("p")
+    assert code == 0, output
+    for item in ("lr_scheduler", "dataloader", "train_state"):
+        assert f"left out {item}" in output
+    assert "DCP layout torchtitan" in output
+    code, output = convert("q", "--model-prefix", "net.")
+    assert code == 2 and "'net.w_in'" in output and "model_prefix" in output, output
+    code, output = convert("r", "--model-prefix", "")
+    assert code == 0 and "DCP layout torchtitan" in output, output
