@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from .collectives import default_group_from_env, global_rank, grid_groups
     from .demo import run_demo
     from .hooks import REPLICATED, gather_state_dict, install_hooks
-    from .kinds import FAMILIES
+    from .kinds import DCP_FAMILIES, FAMILIES
     from .optim import Muon, MuonDistMeta, adjusted_lr, newton_schulz, normalize_range
     from .pieces import read_manifest, verify
     from .retention import clean, latest
@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 __version__ = "0.1.0"
 
 _LAZY = {
+    "DCP_FAMILIES": "kinds",
     "FAMILIES": "kinds",
     "LoadReport": "checkpoint",
     "async_save": "checkpoint",
@@ -61,6 +62,7 @@ _LAZY = {
 }
 
 __all__ = [
+    "DCP_FAMILIES",
     "FAMILIES",
     "REPLICATED",
     "CheckpointError",

@@ -418,7 +418,8 @@ def convert(
             "--to",
             metavar="IMPLEMENTATION",
             help="packaged (muonckpt.Muon), torch (torch.optim.Muon + AdamW) or keller-jordan "
-            "(muon.MuonWithAuxAdam); left out, each group keeps its implementation.",
+            "(muon.MuonWithAuxAdam); with --format dcp also torchtitan, dion or muon-fsdp2. "
+            "Left out (muonckpt to muonckpt), each group keeps its implementation.",
             show_default=False,
         ),
     ] = None,
@@ -431,6 +432,43 @@ def convert(
             "matching OLD applies): module.= strips DDP's prefix, =model. adds one.",
         ),
     ] = None,
+    source: Annotated[
+        str | None,
+        typer.Option(
+            "--from",
+            metavar="IMPLEMENTATION",
+            help="The implementation that wrote a DCP checkpoint SRC (required for one: DCP "
+            "does not record it): torch, torchtitan, dion, muon-fsdp2, keller-jordan, packaged.",
+            show_default=False,
+        ),
+    ] = None,
+    output_format: Annotated[
+        str,
+        typer.Option(
+            "--format", metavar="FORMAT", help="muonckpt, or dcp (PyTorch Distributed Checkpoint)."
+        ),
+    ] = "muonckpt",
+    layout: Annotated[
+        str,
+        typer.Option(
+            "--layout",
+            help="With --format dcp: torchtitan (model fqns at the top level) or recipe "
+            "(model.<fqn>, DCP's get_state_dict recipe).",
+        ),
+    ] = "torchtitan",
+    model_prefix: Annotated[
+        str | None,
+        typer.Option(
+            "--model-prefix",
+            help="Reading DCP: the prefix of the model's fqns (default: detected, 'model.' or "
+            "none).",
+            show_default=False,
+        ),
+    ] = None,
+    optimizer_prefix: Annotated[
+        str,
+        typer.Option("--optimizer-prefix", help="Reading DCP: the optimizer state's prefix."),
+    ] = "optimizer.",
     force: Force = False,
     quiet: Quiet = False,
 ) -> None:
@@ -438,26 +476,93 @@ def convert(
 
     The packaged Muon keeps sum-form momentum, torch.optim.Muon and KellerJordan's Muon EMA
     form: the buffers are scaled by 1 - mu (or its inverse) and AdamW step counts move to where
-    the target keeps them, exactly as muonckpt.load converts in memory.
+    the target keeps them, exactly as muonckpt.load converts in memory. A DCP checkpoint SRC
+    (a directory with .metadata) becomes a consolidated muonckpt checkpoint (--from names its
+    writer); --format dcp writes DCP that torch.distributed.checkpoint.load reads at any
+    world size.
 
     Example: muonckpt convert ckpt/step-1000 -o ckpt/step-1000-torch --to torch
 
+    Example: muonckpt convert titan/step-300 -o ckpt/step-300 --from torchtitan --to packaged
+
+    Example: muonckpt convert ckpt/step-300 -o titan/step-300-back --to torchtitan --format dcp
+
     Names: muonckpt convert ckpt/step-1000 -o ckpt/plain --rename module.= --rename _orig_mod.=
     """
-    from . import FAMILIES, offline
+    from . import DCP_FAMILIES, FAMILIES, offline
 
-    if to is not None and to not in FAMILIES:
-        raise typer.BadParameter(f"choose one of {', '.join(FAMILIES)}", param_hint="--to")
     prefixes = {}
     for item in rename or []:
         old, sep, new = item.partition("=")
         if not sep or old in prefixes:
             raise typer.BadParameter(f"{item!r} is not OLD=NEW, OLD once", param_hint="--rename")
         prefixes[old] = new
-    if to is None and not prefixes:
-        raise typer.BadParameter("give --to, --rename or both", param_hint="--to")
-    settings = {"to": to, "rename": prefixes or None}
-    _rewrite(ctx, quiet, offline.convert, src, dst, force, None, **settings)
+    if prefixes and (output_format == "dcp" or offline.is_dcp(src)):
+        raise typer.BadParameter("names are mapped between muonckpt checkpoints only")
+    if output_format not in ("muonckpt", "dcp"):
+        raise typer.BadParameter("choose muonckpt or dcp", param_hint="--format")
+    if output_format == "dcp":
+        if to not in DCP_FAMILIES:
+            raise typer.BadParameter(f"choose one of {', '.join(DCP_FAMILIES)}", param_hint="--to")
+        if layout not in offline.LAYOUTS:
+            raise typer.BadParameter(
+                f"choose one of {', '.join(offline.LAYOUTS)}", param_hint="--layout"
+            )
+        if offline.is_dcp(src):
+            raise typer.BadParameter("SRC is a DCP checkpoint already", param_hint="--format")
+        if force:
+            raise typer.BadParameter("DCP output is never written over an existing directory")
+        _also_quiet(ctx, quiet)
+        _report(ctx, offline.to_dcp(src, dst, to=to, layout=layout))
+        return
+    if to is not None and to not in FAMILIES:
+        raise typer.BadParameter(f"choose one of {', '.join(FAMILIES)}", param_hint="--to")
+    if not offline.is_dcp(src):
+        if source is not None:
+            raise typer.BadParameter(
+                "is for DCP checkpoints; a muonckpt checkpoint records what saved it",
+                param_hint="--from",
+            )
+        if to is None and not prefixes:
+            raise typer.BadParameter("give --to, --rename or both", param_hint="--to")
+        settings = {"to": to, "rename": prefixes or None}
+        _rewrite(ctx, quiet, offline.convert, src, dst, force, None, **settings)
+        return
+    if to is None:
+        raise typer.BadParameter(
+            f"converting DCP needs a target: one of {', '.join(FAMILIES)}", param_hint="--to"
+        )
+    if source is None:
+        raise typer.BadParameter(
+            "a DCP checkpoint does not record which optimizer wrote it, and muonckpt never "
+            f"guesses its momentum form: pass --from, one of {', '.join(DCP_FAMILIES)}",
+            param_hint="--from",
+        )
+    if source not in DCP_FAMILIES:
+        raise typer.BadParameter(f"choose one of {', '.join(DCP_FAMILIES)}", param_hint="--from")
+    _also_quiet(ctx, quiet)
+    with _progress(ctx, "convert") as progress:
+        report = offline.from_dcp(
+            src,
+            dst,
+            source=source,
+            to=to,
+            model_prefix=model_prefix,
+            optimizer_prefix=optimizer_prefix,
+            overwrite=force,
+            progress=progress,
+        )
+    _report(ctx, report)
+    _say(ctx, _written(report.path))
+
+
+def _report(ctx: typer.Context, report: Any) -> None:
+    """What a DCP conversion read or wrote, converted and left out."""
+    _say(ctx, f"{report.path}: DCP layout {report.layout}")
+    for line in report.converted:
+        _say(ctx, f"converted {_printable(line)}")
+    for line in report.left_out:
+        _say(ctx, f"left out {_printable(line)}")
 
 
 def _rewrite(

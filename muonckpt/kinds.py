@@ -14,7 +14,7 @@ continue the source's trajectory.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -261,3 +261,118 @@ def _fix(source: GroupKind, target: GroupKind) -> str:
     if source.lr_rule == MOONLIGHT and target.family == "packaged":
         return f"matched_adamw_rms={source.matched_adamw_rms} continues it"
     return "no setting of this optimizer reproduces it: scale lr per param shape to match"
+
+
+@dataclass(frozen=True)
+class DcpFamily:
+    """How one Muon implementation keeps its state in a PyTorch DCP checkpoint (a DCP
+    checkpoint does not record its optimizer: the user names the family)."""
+
+    name: str
+    muon: str
+    """``module.Class`` of its Muon groups' optimizer."""
+    adamw: str
+    """``module.Class`` of the optimizer that runs its AdamW params."""
+    momentum_form: str
+    momentum_key: str
+    """The state key of a Muon param's momentum."""
+    adamw_keys: tuple[tuple[str, str], ...] = (("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq"))
+    """(our key, its key) of an AdamW param's state tensors."""
+    mu_setting: str = "momentum"
+    """The param-group setting that holds mu."""
+    step_in: str = "tensor"
+    """Where its AdamW counts steps (as :attr:`GroupKind.step_in`)."""
+    lr_rule: str | None = None
+    """Its lr scale rule; None: torch's, chosen by the setting ``adjust_lr_fn``."""
+    role_setting: str | None = None
+    """A param-group setting naming the algorithm of a group (its value ``muon`` or not), or a
+    bool ``use_muon``; None: the state keys tell."""
+
+    def their_key(self, role: str, key: str) -> str:
+        """The family's name of our state key ``key`` of a ``role`` param."""
+        if role == "muon":
+            return self.momentum_key if key == "momentum_buffer" else key
+        return dict(self.adamw_keys).get(key, key)
+
+    def our_key(self, role: str, key: str) -> str | None:
+        """Our name of the family's state key ``key`` of a ``role`` param; None: unknown."""
+        if role == "muon":
+            return "momentum_buffer" if key == self.momentum_key else None
+        return {theirs: ours for ours, theirs in self.adamw_keys}.get(key)
+
+    def role(self, settings: Mapping[str, Any], keys: Sequence[str]) -> str | None:
+        """``muon`` or ``adamw`` for a param with group ``settings`` and state ``keys``."""
+        if self.role_setting is not None and self.role_setting in settings:
+            value = settings[self.role_setting]
+            return "muon" if value is True or value == "muon" else "adamw"
+        adamw = {theirs for _, theirs in self.adamw_keys} - {self.momentum_key}
+        if adamw & set(keys):  # (dion's AdamW keeps its first moment under Muon's key)
+            return "adamw"
+        if self.momentum_key in keys:
+            return "muon"
+        if keys:  # state, but not this family's
+            return None
+        if "betas" in settings:  # no state yet (never stepped): the settings tell
+            return "adamw"
+        return "muon" if self.mu_setting in settings else None
+
+    def group_kind(self, role: str, settings: Mapping[str, Any]) -> GroupKind:
+        """What a group of this family with ``settings`` computes."""
+        if role == "adamw":
+            return GroupKind(self.adamw, "adamw", step_in=self.step_in)
+        rule = self.lr_rule or (
+            MOONLIGHT if settings.get("adjust_lr_fn") == "match_rms_adamw" else ASPECT
+        )
+        rms = settings.get("matched_adamw_rms", 0.2) if rule == MOONLIGHT else None
+        mu = settings.get(self.mu_setting)
+        if not isinstance(mu, (int, float)) or isinstance(mu, bool) or not 0 <= mu < 1:
+            raise StateDictError(
+                f"the {self.name} Muon group setting {self.mu_setting!r} (mu) is {mu!r}, "
+                "not a number in [0, 1)"
+            )
+        return GroupKind(
+            self.muon,
+            "muon",
+            self.momentum_form,
+            float(mu),
+            bool(settings.get("nesterov", True)),
+            rule,
+            rms,
+        )
+
+    def target_kind(self, source: GroupKind) -> GroupKind:
+        """What ``source``'s group becomes in this family (its form, the source's mu, rule)."""
+        if source.role == "adamw":
+            return GroupKind(self.adamw, "adamw", step_in=self.step_in)
+        if source.role != "muon":
+            raise StateDictError(f"{source.optimizer} is not an optimizer muonckpt can convert")
+        return GroupKind(
+            self.muon,
+            "muon",
+            self.momentum_form,
+            source.momentum,
+            source.nesterov,
+            source.lr_rule,
+            source.matched_adamw_rms,
+        )
+
+
+DCP_FAMILIES: dict[str, DcpFamily] = {
+    f.name: f
+    for f in (
+        DcpFamily("packaged", "muonckpt.Muon", "muonckpt.Muon", SUM, "momentum_buffer",
+                  step_in="group", lr_rule=MOONLIGHT, role_setting="use_muon"),
+        DcpFamily("torch", "torch.optim.Muon", "torch.optim.AdamW", EMA, "momentum_buffer"),
+        DcpFamily("torchtitan", "torchtitan.DistMuon", "torch.optim.AdamW", EMA,
+                  "momentum_buffer"),
+        DcpFamily("keller-jordan", "muon.MuonWithAuxAdam", "muon.MuonWithAuxAdam", EMA,
+                  "momentum_buffer", step_in="int", role_setting="use_muon"),
+        DcpFamily("dion", "dion.Muon", "dion.Muon", SUM, "momentum",
+                  (("exp_avg", "momentum"), ("exp_avg_sq", "variance")), mu_setting="mu",
+                  role_setting="algorithm"),
+        DcpFamily("muon-fsdp2", "muon_fsdp2.Muon", "muon_fsdp2.Muon", EMA, "m",
+                  step_in="int", role_setting="use_muon"),
+    )
+}  # fmt: skip
+"""The implementations whose DCP state muonckpt reads and writes, by the name ``--from`` /
+``--to`` take: keys, momentum form, mu's setting and where AdamW counts steps."""

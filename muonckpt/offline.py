@@ -32,7 +32,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from . import kinds, storage, writing
+from . import storage, writing
+from .dcp import LAYOUTS, DcpConversion, from_dcp, is_dcp, to_dcp
 from .errors import CheckpointError, LayoutError, MuonCkptError
 from .layout import LayoutOptions, ParamSpec, Topology, arrange, whole_region
 from .manifest import (
@@ -45,11 +46,9 @@ from .manifest import (
     PER_RANK,
     STATE_STEM,
     VALUE_STEM,
-    GroupEntry,
     Manifest,
-    ParamEntry,
     Rename,
-    Scalar,
+    converted_manifest,
 )
 from .pieces import PieceReader, open_checkpoint
 from .retention import checkpoint_step
@@ -79,15 +78,20 @@ no limit: it ends when the work is done, a process fails, or the command is inte
 no worker outlives the command (see :mod:`muonckpt.launch`)."""
 
 __all__ = [
+    "LAYOUTS",
     "MAX_RANKS",
     "WORKER_TIMEOUT",
+    "DcpConversion",
     "Progress",
     "consolidate",
     "convert",
     "diff",
+    "from_dcp",
+    "is_dcp",
     "open_checkpoint",
     "reshard",
     "summarize",
+    "to_dcp",
 ]
 
 
@@ -257,28 +261,8 @@ def convert(
     directory, manifest = open_checkpoint(src)
     if rename is not None:
         manifest = manifest.renamed(rename)
-    groups, scales = [], []
-    for g, group in enumerate(manifest.groups):
-        if to is None:
-            groups.append(group)
-            scales.append(1.0)
-            continue
-        if not group.optimizer:
-            raise CheckpointError(
-                f"group {g} does not say which optimizer saved it (format 1): cannot convert",
-                path=directory / MANIFEST_NAME,
-            )
-        source = kinds.GroupKind.from_json(group.optimizer)
-        target = kinds.converted(source, to)
-        factor = kinds.state_mapping(source, target, f"group {g}", None).keys
-        scales.append(factor.get("momentum_buffer", ("", 1.0))[1])
-        hyper = dict(group.hyperparams)
-        step = manifest.latest_step(group.params)
-        if target.step_in == "group" and step is not None:
-            hyper["step"] = step
-        groups.append(replace(group, hyperparams=hyper, optimizer=target.to_json()))
-    params = tuple(_converted_steps(manifest, e, groups[e.group]) for e in manifest.params)
-    by_name = {e.name: e for e in params}
+    target, scales = converted_manifest(manifest, to, path=directory / MANIFEST_NAME)
+    by_name = {e.name: e for e in target.params}
     shaped = manifest.kind == CONSOLIDATED
     writes = tuple(
         TensorWrite(
@@ -305,7 +289,7 @@ def convert(
         if (directory / name).is_file()
     }
     plan = WritePlan(files, writes, texts)
-    job = _Job(_output_manifest(manifest, groups=tuple(groups), params=params), plan)
+    job = _Job(_output_manifest(target), plan)
     return _write("convert", job, directory, manifest, dst, overwrite, progress, collective=False)
 
 
@@ -316,18 +300,6 @@ def _renamed_index(stem: str, files: Mapping[str, Any], writes: Sequence[TensorW
         [(f, sorted(w.tensor for w in writes if w.file == f)) for f in family],
         {w.tensor: w.nbytes for w in writes if w.file in family},
     )
-
-
-def _converted_steps(manifest: Manifest, entry: ParamEntry, group: GroupEntry) -> ParamEntry:
-    """The param with its AdamW step count where the target keeps it."""
-    step_in = group.optimizer.get("step_in")
-    step = manifest.step_of(entry)
-    scalars = {k: v for k, v in entry.scalars.items() if k != "step"}
-    if step is not None and entry.state_keys and step_in == "tensor":
-        scalars["step"] = Scalar(float(step), "F32")
-    elif step is not None and entry.state_keys and step_in == "int":
-        scalars["step"] = Scalar(int(step), None)
-    return replace(entry, scalars=scalars)
 
 
 def _check_workers(workers: int, collective: bool) -> None:

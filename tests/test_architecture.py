@@ -63,10 +63,21 @@ RULES = (
         only_internal=(*PURE, "errors"),
     ),
     Rule(
-        "only collectives imports torch.distributed",
+        "only collectives imports torch.distributed (and storage.dcp, DCP's file format: its "
+        "metadata classes and torch's own writer)",
         modules=("*",),
-        exempt=("collectives",),
+        exempt=("collectives", "storage.dcp"),
         no_external=("torch.distributed",),
+    ),
+    Rule(
+        "storage.dcp takes from torch.distributed only DCP's file format, never a collective",
+        modules=("storage.dcp",),
+        no_external=(
+            "torch.distributed.distributed_c10d",
+            "torch.distributed.fsdp",
+            "torch.distributed.tensor",
+            "torch.distributed.init_process_group",
+        ),
     ),
     Rule(
         "storage never imports the layers above it",

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from muonckpt import StateDictError
+from muonckpt import StateDictError, kinds
 from muonckpt.grid import LocalParam, RankReport, merge_reports
 from muonckpt.kinds import EMA, SUM, GroupKind, state_mapping, trajectory_notes
 from muonckpt.layout import ParamSpec, Topology, arrange
@@ -140,3 +140,24 @@ def test_grid_and_kinds_do_not_import_torch():
     probe += "print('torch' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
     assert done.stdout.strip() == "False", done.stderr
+
+
+@given(
+    family=st.sampled_from(sorted(kinds.DCP_FAMILIES)),
+    role=st.sampled_from(["muon", "adamw"]),
+    mu=st.floats(0.0, 0.999),
+)
+def test_dcp_families_name_every_key_both_ways_and_tell_roles(family, role, mu):
+    f = kinds.DCP_FAMILIES[family]
+    ours = kinds.MUON_STATE_KEYS if role == "muon" else kinds.ADAMW_STATE_KEYS
+    theirs = [f.their_key(role, k) for k in ours]
+    assert [f.our_key(role, k) for k in theirs] == list(ours)
+    settings = {f.mu_setting: mu} if role == "muon" else {"betas": (0.9, 0.95)}
+    assert f.role(settings, theirs) == role
+    assert f.role(settings, []) == role  # no state yet: the settings tell
+    source = f.group_kind(role, settings)
+    assert source.role == role and f.target_kind(source) == source
+    if role == "muon":
+        assert source.momentum == mu and source.momentum_form == f.momentum_form
+        with pytest.raises(StateDictError, match=f.mu_setting):
+            f.group_kind(role, {f.mu_setting: 1.0})

@@ -1,4 +1,8 @@
-"""No pickle in the package: no pickle import, no torch.load without weights_only=True."""
+"""No pickle in muonckpt's own format, and DCP's pickled metadata read only through the
+restricted unpickler: no pickle import outside muonckpt/storage/dcp.py, where pickle serves
+only as the base class of an Unpickler that defines find_class (no pickle.load, loads, dump,
+dumps, plain Unpickler); no torch.load without weights_only=True; DCP written only by torch's
+writer."""
 
 import ast
 from pathlib import Path
@@ -12,9 +16,15 @@ def _modules():
     return sorted(PACKAGE.rglob("*.py"))
 
 
+DCP_READER = PACKAGE / "storage" / "dcp.py"
+"""The one module that may import pickle: the restricted reader of DCP metadata."""
+
+
 def test_package_never_imports_pickle():
     offenders = []
     for path in _modules():
+        if path == DCP_READER:
+            continue
         for node in ast.walk(ast.parse(path.read_text())):
             names = []
             if isinstance(node, ast.Import):
@@ -44,3 +54,45 @@ def test_every_torch_load_is_weights_only():
                 assert "weights_only" in flags, f"{path.name}:{node.lineno}"
                 assert getattr(flags["weights_only"], "value", None) is True
     assert calls >= 1  # the launcher returns results through torch.load(weights_only=True)
+
+
+def test_the_dcp_reader_uses_pickle_only_through_its_restricted_unpickler():
+    tree = ast.parse(DCP_READER.read_text())
+    uses = [
+        node
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute) and getattr(node.value, "id", "") == "pickle"
+    ]
+    assert [u.attr for u in uses] == ["Unpickler"]  # the base class, nothing else
+    (unpickler,) = [
+        node
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ClassDef) and any(b in uses for b in node.bases)
+    ]
+    methods = {n.name for n in unpickler.body if isinstance(n, ast.FunctionDef)}
+    assert {"find_class", "persistent_load"} <= methods
+    bare = [
+        node.lineno
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and node.module == "pickle"
+    ]
+    assert bare == []  # no "from pickle import load"
+
+
+def test_dcp_is_written_only_by_torchs_writer():
+    """The package never writes DCP bytes itself: one dcp.save call, with torch's FileSystemWriter
+    (subclassed only to choose which tensors share a file)."""
+    saves = []
+    for path in _modules():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "save"
+                and getattr(node.func.value, "id", "") == "dcp"
+            ):
+                saves.append(path)
+                writer = {k.arg: k.value for k in node.keywords}["storage_writer"]
+                assert getattr(writer, "id", "") == "writer"
+                assert "(dcp.FileSystemWriter)" in path.read_text()  # torch's writer, subclassed
+    assert saves == [DCP_READER]

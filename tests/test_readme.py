@@ -115,3 +115,49 @@ def test_readme_fragments_run_as_written(tmp_path, monkeypatch):
             exec(compile(block, "README.md", "exec"), namespace)
         assert any("sum -> ema" in line for line in namespace["report"].converted)
         assert all(p.abs().sum() > 0 for p in model.parameters())  # the checkpoint's params
+
+
+def test_readme_dcp_commands_move_an_fsdp2_checkpoint_into_the_packaged_muon_and_back(tmp_path):
+    """The README's DCP commands as written (``muonckpt`` spelled ``python -m muonckpt.cli``),
+    on a torchtitan-layout checkpoint of the tests' FSDP2 job; the packaged job resumes from
+    the first output at 2 x 2, and an FSDP2 job loads the second."""
+    import torch
+
+    from muonckpt.launch import run_distributed
+
+    from . import dcp_cases
+    from .test_dcp import _load_and_resave
+
+    job = run_distributed(
+        dcp_cases.train_and_save,
+        2,
+        initial_params(),
+        3,
+        {"torchtitan": str(tmp_path / "titan" / "step-300")},
+        timeout=180,
+    )[0]
+    for command in example("dcp-commands").strip().splitlines():
+        argv = shlex.split(command)
+        assert argv[0] == "muonckpt"
+        done = subprocess.run(
+            [sys.executable, "-m", "muonckpt.cli", *argv[1:]],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
+        assert done.returncode == 0, done.stdout + done.stderr
+    assert muonckpt.verify(tmp_path / "ckpt" / "step-300") == []
+    run_distributed(
+        _load_and_resave, 4, 2, 2, str(tmp_path / "ckpt" / "step-300"), str(tmp_path / "r"),
+        timeout=180,
+    )  # fmt: skip
+    zeros = {n: torch.zeros_like(t) for n, t in initial_params().items()}
+    back = str(tmp_path / "titan" / "step-300-back")
+    loaded = run_distributed(dcp_cases.load_and_continue, 2, zeros, back, 3, 1, timeout=180)
+    loaded = loaded[0]["loaded"]
+    for key, value in job.items():
+        if key.endswith("momentum_buffer"):  # EMA -> sum -> EMA: x 1/(1-mu), then x (1-mu)
+            torch.testing.assert_close(loaded[key], value, rtol=1e-6, atol=1e-7)
+        else:
+            assert torch.equal(loaded[key], value), key
