@@ -654,7 +654,7 @@ def describe_grid(
     (:func:`muonckpt.grid.merge_reports`) and kept beside the optimizer in a weak mapping.
     """
     me = collectives.global_rank()
-    ranks, grid = _grid_params(optimizer, report, dp_group, tp_group)
+    ranks, grid = grid_params(optimizer, report, dp_group, tp_group)
     topo = grid.topology
     coords = topo.coords(ranks.index(me))
     params = []
@@ -689,7 +689,7 @@ _GRIDS: weakref.WeakKeyDictionary[Any, tuple[tuple, list[int], GridParams]] = (
 """Per distributed optimizer: (its local structure, the grid's global ranks, its params)."""
 
 
-def _grid_params(
+def grid_params(
     optimizer: torch.optim.Optimizer,
     report: Callable[[], RankReport],
     dp_group: collectives.Group,
