@@ -654,7 +654,7 @@ def describe_grid(
     (:func:`muonckpt.grid.merge_reports`) and kept beside the optimizer in a weak mapping.
     """
     me = collectives.global_rank()
-    ranks, grid = grid_params(optimizer, report, dp_group, tp_group)
+    ranks, grid = _grid_params(optimizer, report, dp_group, tp_group)
     topo = grid.topology
     coords = topo.coords(ranks.index(me))
     params = []
@@ -689,7 +689,7 @@ _GRIDS: weakref.WeakKeyDictionary[Any, tuple[tuple, list[int], GridParams]] = (
 """Per distributed optimizer: (its local structure, the grid's global ranks, its params)."""
 
 
-def grid_params(
+def _grid_params(
     optimizer: torch.optim.Optimizer,
     report: Callable[[], RankReport],
     dp_group: collectives.Group,
@@ -701,6 +701,16 @@ def grid_params(
     cached = _GRIDS.get(optimizer)
     if cached is not None and cached[0] == structure:
         return cached[1], cached[2]
+    ranks, grid = learn_grid(report, dp_group, tp_group)
+    _GRIDS[optimizer] = (structure, ranks, grid)
+    return ranks, grid
+
+
+def learn_grid(
+    report: Callable[[], RankReport], dp_group: collectives.Group, tp_group: collectives.Group
+) -> tuple[list[int], GridParams]:
+    """The grid's global ranks and canonical params, from every rank's ``report()``: a
+    collective over the grid (step ``params``), which fails on every rank when they disagree."""
     topo = Topology(collectives.group_size(dp_group), collectives.group_size(tp_group))
     ranks = collectives.grid_ranks(dp_group, tp_group)
 
@@ -710,7 +720,6 @@ def grid_params(
     grid = GridParams.from_json(
         _steps(ranks, ranks[0]).each_then_root("params", lambda: report().to_json(), merge)
     )
-    _GRIDS[optimizer] = (structure, ranks, grid)
     return ranks, grid
 
 

@@ -27,12 +27,12 @@ from .hooks import (
     describe_whole,
     dtype_name,
     flat_params,
-    grid_params,
+    learn_grid,
     named_params,
 )
 from .kinds import ADAMW_STATE_KEYS, MUON_STATE_KEYS
-from .layout import Range, dp_slice
-from .nsplan import NsPlan, plan_newton_schulz
+from .layout import Range, Region, dp_slice
+from .nsplan import Message, NsPlan, plan_newton_schulz
 from .regions import extract, insert_
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
@@ -164,7 +164,7 @@ class Muon(torch.optim.Optimizer):
                 f"orthogonalize must be 'one_rank' or 'every_holder', got {orthogonalize!r}"
             )
         self.orthogonalize = orthogonalize
-        self._ns_plan_cache: tuple[Any, NsPlan, dict[int, torch.Tensor]] | None = None
+        self._ns_plan_cache: tuple[list[int], int, NsPlan, dict[int, torch.Tensor]] | None = None
         self.distributed_mode = False
         self.dist_group: collectives.Group = None
         self.tp_group: collectives.Group = None
@@ -363,10 +363,10 @@ class Muon(torch.optim.Optimizer):
         there, each holder's piece of the result comes back (two exchanges per step)."""
         ranks, me, plan, mine = self._newton_schulz_plan()
         device = self._device()
-        received = self._exchange(plan.inputs, me, ranks, device, lambda k, _: ns_inputs[mine[k]])
+        received = _exchange(plan.inputs, me, ranks, device, lambda k, _: ns_inputs[mine[k]])
         fulls: dict[int, torch.Tensor] = {}
         for k, matrix in enumerate(plan.matrices):
-            if matrix.worker == me:
+            if matrix.worker == me and any(plan.held[k]):  # an empty matrix needs nothing
                 fulls[k] = torch.empty(matrix.full_shape, dtype=torch.bfloat16, device=device)
                 if k in mine:
                     insert_(fulls[k], plan.held[k][me], ns_inputs[mine[k]])
@@ -377,7 +377,7 @@ class Muon(torch.optim.Optimizer):
             for k, full in fulls.items()
         }
         pieces = {k: extract(updates[k], plan.held[k][me]) for k in updates if k in mine}
-        for k, _, piece in self._exchange(
+        for k, _, piece in _exchange(
             plan.outputs, me, ranks, device, lambda k, region: extract(updates[k], region)
         ):
             pieces[k] = piece
@@ -388,43 +388,14 @@ class Muon(torch.optim.Optimizer):
 
         return update_of
 
-    def _exchange(
-        self,
-        messages: Sequence[Any],
-        me: int,
-        ranks: list[int],
-        device: torch.device,
-        piece_of: Callable[[int, Any], torch.Tensor],
-    ) -> list[tuple[int, Any, torch.Tensor]]:
-        """Send this rank's messages of one direction of the plan (each piece from
-        ``piece_of(matrix, region)``), receive the others'; returns each received piece as
-        ``(matrix, region, 1-D bf16 tensor on device)``."""
-        sends = [
-            (
-                torch.cat([piece_of(pc.matrix, pc.region).reshape(-1) for pc in m.pieces]),
-                ranks[m.dst],
-            )
-            for m in messages
-            if m.src == me
-        ]
-        incoming = [m for m in messages if m.dst == me]
-        buffers = collectives.exchange(
-            sends, [(ranks[m.src], m.numel, torch.bfloat16) for m in incoming], device
-        )
-        return [
-            (pc.matrix, pc.region, buffer[pc.offset : pc.offset + pc.region.numel])
-            for m, buffer in zip(incoming, buffers, strict=True)
-            for pc in m.pieces
-        ]
-
     def _newton_schulz_plan(self) -> tuple[list[int], int, NsPlan, dict[int, torch.Tensor]]:
         """The grid's global ranks, this rank's grid index, the Newton-Schulz plan and, per
-        matrix of the plan this rank holds elements of, its param here. A collective over the
-        grid the first time (the grid's param list is learned), then kept."""
-        ranks, grid = grid_params(self, self._rank_report, self.dist_group, self.tp_group)
-        me = ranks.index(collectives.global_rank())
-        cached = self._ns_plan_cache
-        if cached is None or cached[0] is not grid:
+        matrix of the plan this rank holds elements of, its param here. Learned by a collective
+        over the grid at the first step after :meth:`enable_distributed_mode`, then kept (a
+        step every rank takes, so every rank learns it at the same call)."""
+        if self._ns_plan_cache is None:
+            ranks, grid = learn_grid(self._rank_report, self.dist_group, self.tp_group)
+            me = ranks.index(collectives.global_rank())
             steps = {
                 g: group["ns_steps"]
                 for g, group in enumerate(self.param_groups)
@@ -435,12 +406,10 @@ class Muon(torch.optim.Optimizer):
             mine = {}
             for k, matrix in enumerate(plan.matrices):
                 index = grid.params[matrix.param].local_index[me]
-                region = plan.held[k][me]
-                if region is not None and index is not None:
+                if plan.held[k][me] is not None and index is not None:
                     mine[k] = flat[index]
-            cached = (grid, plan, mine)
-            self._ns_plan_cache = cached
-        return ranks, me, cached[1], cached[2]
+            self._ns_plan_cache = (ranks, me, plan, mine)
+        return self._ns_plan_cache
 
     def _muon_update(
         self,
@@ -473,6 +442,35 @@ class Muon(torch.optim.Optimizer):
             for i, p in enumerate(group["params"]):
                 names[p] = group_names[i] if group_names else str(len(names))
         return names
+
+
+def _exchange(
+    messages: Sequence[Message],
+    me: int,
+    ranks: list[int],
+    device: torch.device,
+    piece_of: Callable[[int, Region], torch.Tensor],
+) -> list[tuple[int, Region, torch.Tensor]]:
+    """Send this rank's messages of one direction of the plan (each piece from
+    ``piece_of(matrix, region)``), receive the others'; returns each received piece as
+    ``(matrix, region, 1-D bf16 tensor on device)``."""
+    sends = [
+        (
+            torch.cat([piece_of(pc.matrix, pc.region).reshape(-1) for pc in m.pieces]),
+            ranks[m.dst],
+        )
+        for m in messages
+        if m.src == me
+    ]
+    incoming = [m for m in messages if m.dst == me]
+    buffers = collectives.exchange(
+        sends, [(ranks[m.src], m.numel, torch.bfloat16) for m in incoming], device
+    )
+    return [
+        (pc.matrix, pc.region, buffer[pc.offset : pc.offset + pc.region.numel])
+        for m, buffer in zip(incoming, buffers, strict=True)
+        for pc in m.pieces
+    ]
 
 
 def _orthogonalize_here(
