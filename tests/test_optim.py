@@ -28,6 +28,7 @@ from muonckpt.launch import run_distributed
 from muonckpt.nsplan import ns_flops
 from muonckpt.sharding import shard_tensor
 
+from .seed_oracle import OracleMuon
 from .seed_port import make_groups
 
 TIMEOUT = 120
@@ -314,6 +315,51 @@ def test_newton_schulz_runs_once_per_matrix_in_the_grid_with_the_same_bits():
         # the busiest rank: within the list-scheduling bound of an even split
         largest_matrix = max(ns_flops(s, MUON_ARGS["ns_steps"]) for s in MUON_SHAPES.values())
         assert max(r["one_rank"] for r in ranks) <= single / 8 + largest_matrix
+
+
+def _oracle_worker(configs, steps):
+    """The default Muon at each grid against the seed's math written independently
+    (``seed_oracle``), on full tensors in every rank: each rank's shards, bitwise."""
+    checked = 0
+    for dp, tp in configs:
+        dp_group, tp_group = make_groups(dp, tp)
+        dp_rank, tp_rank = dist.get_rank(dp_group), dist.get_rank(tp_group)
+        groups = full_groups(seed=3)
+        oracle_groups = [
+            {**g, "params": [t.clone() for _, t in g["params"]]} for g in clone_groups(groups)
+        ]
+        oracle = OracleMuon(oracle_groups)
+        full = dict(
+            zip(
+                [n for g in groups for n, _ in g["params"]],
+                [p for g in oracle.groups for p in g["params"]],
+                strict=True,
+            )
+        )
+        sharded = shard_for_groups(groups, dp_group, tp_group, **layout_kwargs(BUCKETED))
+        opt = Muon(sharded.param_groups)
+        opt.enable_distributed_mode(
+            sharded.global_buffer_sizes, dp_group, tp_group, sharded.dist_metas
+        )
+        params = named_params(opt)
+        gen = torch.Generator().manual_seed(4321)
+        for step in range(steps):
+            grads = step_grads(gen)
+            for name, grad in grads.items():
+                params[name].grad = shard_tensor(grad, sharded, name, dp_rank, tp_rank)
+            oracle.step({id(full[n]): g for n, g in grads.items()})
+            opt.step()
+            for name, p in params.items():
+                expected = shard_tensor(full[name], sharded, name, dp_rank, tp_rank)
+                assert torch.equal(p, expected), f"dp={dp} tp={tp} step {step} param {name}"
+                checked += 1
+    return checked
+
+
+def test_default_muon_matches_an_independent_oracle_of_the_seed_bitwise():
+    configs = [(4, 2), (2, 4), (8, 1)]
+    checked = run_distributed(_oracle_worker, 8, configs, 3, timeout=TIMEOUT)
+    assert checked == [len(configs) * 3 * (len(MUON_SHAPES) + len(ADAMW_SHAPES))] * 8
 
 
 def test_orthogonalize_must_be_one_of_two():
