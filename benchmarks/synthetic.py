@@ -65,8 +65,9 @@ def param_of(tensor_key: str) -> str:
     return tensor_key[len("state.") : tensor_key.rindex(".")]
 
 
-def build_optimizer(shapes: Shapes, dp: int, tp: int) -> muonckpt.Muon:
-    """This rank's ZeRO-1 + TP sharded Muon over the shapes (no state yet)."""
+def build_optimizer(shapes: Shapes, dp: int, tp: int, **muon_options) -> muonckpt.Muon:
+    """This rank's ZeRO-1 + TP sharded Muon over the shapes (no state yet); ``muon_options``
+    go to :class:`muonckpt.Muon`."""
     dp_group, tp_group = grid_groups(dp, tp)
     muon, adamw = [], []
     for name, (shape, _) in shapes.items():  # untouched ``empty`` pages cost no memory
@@ -80,7 +81,7 @@ def build_optimizer(shapes: Shapes, dp: int, tp: int) -> muonckpt.Muon:
         tp_split_dims={n: d for n, (_, d) in shapes.items() if d >= 0},
         options=muonckpt.LayoutOptions(bucket_numel=40_000_000),
     )
-    opt = muonckpt.Muon(sharded.param_groups)
+    opt = muonckpt.Muon(sharded.param_groups, **muon_options)
     opt.enable_distributed_mode(sharded.global_buffer_sizes, dp_group, tp_group, sharded.dist_metas)
     return opt
 

@@ -213,6 +213,32 @@ def recv(shape: Sequence[int], dtype: torch.dtype, src: int) -> torch.Tensor:
     return tensor
 
 
+def exchange(
+    sends: Sequence[tuple[torch.Tensor, int]],
+    receives: Sequence[tuple[int, int, torch.dtype]],
+    device: torch.device,
+) -> list[torch.Tensor]:
+    """Point-to-point messages over the default group, all posted at once
+    (``batch_isend_irecv``): send each ``(tensor, dst)``, receive each ``(src, numel, dtype)``
+    as a 1-D tensor. Returns the received tensors, in the order of ``receives``, on ``device``.
+
+    Every rank's sends must match its peers' receives (shape and dtype), at most one message per
+    ordered pair of global ranks per call. Messages travel on the default group's
+    :func:`comm_device`: NCCL moves CUDA tensors where they are, gloo copies them to the host.
+    """
+    on = comm_device(None)
+    outgoing = [_on(tensor.reshape(-1), on) for tensor, _ in sends]
+    incoming = [torch.empty(numel, dtype=dtype, device=on) for _, numel, dtype in receives]
+    ops = [dist.P2POp(dist.isend, t, dst) for t, (_, dst) in zip(outgoing, sends, strict=True)]
+    ops += [
+        dist.P2POp(dist.irecv, t, src) for t, (src, _, _) in zip(incoming, receives, strict=True)
+    ]
+    if ops:
+        for request in dist.batch_isend_irecv(ops):
+            request.wait()
+    return [t.to(device) for t in incoming]
+
+
 def send_json(obj: Any, dst: int) -> None:
     payload = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)
     send(torch.tensor([payload.numel()], dtype=torch.int64), dst)

@@ -701,6 +701,16 @@ def _grid_params(
     cached = _GRIDS.get(optimizer)
     if cached is not None and cached[0] == structure:
         return cached[1], cached[2]
+    ranks, grid = learn_grid(report, dp_group, tp_group)
+    _GRIDS[optimizer] = (structure, ranks, grid)
+    return ranks, grid
+
+
+def learn_grid(
+    report: Callable[[], RankReport], dp_group: collectives.Group, tp_group: collectives.Group
+) -> tuple[list[int], GridParams]:
+    """The grid's global ranks and canonical params, from every rank's ``report()``: a
+    collective over the grid (step ``params``), which fails on every rank when they disagree."""
     topo = Topology(collectives.group_size(dp_group), collectives.group_size(tp_group))
     ranks = collectives.grid_ranks(dp_group, tp_group)
 
@@ -710,7 +720,6 @@ def _grid_params(
     grid = GridParams.from_json(
         _steps(ranks, ranks[0]).each_then_root("params", lambda: report().to_json(), merge)
     )
-    _GRIDS[optimizer] = (structure, ranks, grid)
     return ranks, grid
 
 

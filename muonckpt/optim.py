@@ -1,26 +1,45 @@
 """The packaged Muon optimizer: Megatron-style ZeRO-1 + TP, bitwise identical to the seed design.
 
 The math lives in small pure functions (:func:`newton_schulz`, :func:`adjusted_lr`); the class
-adds the param-group bookkeeping and, in distributed mode, the two all-gathers the seed needs:
-the DP all-gather of each bucket's Newton-Schulz inputs and the TP all-gather of each split param.
+adds the param-group bookkeeping and, in distributed mode, the traffic Newton-Schulz needs. By
+default each Muon matrix is orthogonalized on one rank of the dp x tp grid (its worker, picked by
+:func:`muonckpt.nsplan.plan_newton_schulz`): the holders send it their pieces of the input and it
+sends each holder its piece of the result. ``orthogonalize="every_holder"`` keeps the seed's
+way: the DP all-gather of each bucket's Newton-Schulz inputs and the TP all-gather of each split
+param, then every holder orthogonalizes the whole matrix. Both give the same bits.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
 from . import collectives
 from .errors import LayoutError
 from .grid import LocalParam, RankReport
-from .hooks import Sharding, StateDictHooks, describe_grid, describe_whole, dtype_name, named_params
+from .hooks import (
+    Sharding,
+    StateDictHooks,
+    describe_grid,
+    describe_whole,
+    dtype_name,
+    flat_params,
+    learn_grid,
+    named_params,
+)
 from .kinds import ADAMW_STATE_KEYS, MUON_STATE_KEYS
-from .layout import Range, dp_slice
+from .layout import Range, Region, dp_slice
+from .nsplan import Message, NsPlan, plan_newton_schulz
+from .regions import extract, insert_
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+
+Orthogonalize = Literal["one_rank", "every_holder"]
+"""Where a distributed :class:`Muon` runs Newton-Schulz: ``"one_rank"`` (the default) on one
+rank of the grid per matrix, ``"every_holder"`` (the seed's way) on every rank holding a piece."""
 
 
 def newton_schulz(grad: torch.Tensor, steps: int) -> torch.Tensor:
@@ -105,6 +124,14 @@ class Muon(torch.optim.Optimizer):
     slice of its TP shard, possibly empty; every rank must hold every param, in the same order.
     ``state_dict()`` is then a collective returning the complete, topology-independent state on
     rank 0 (see :mod:`muonckpt.hooks`), and ``load_state_dict()`` keeps this rank's share of it.
+
+    ``orthogonalize`` says where a distributed step runs Newton-Schulz: ``"one_rank"`` (the
+    default) once per matrix in the grid, on the rank :mod:`muonckpt.nsplan` picks, which
+    receives the input's pieces and sends each holder its piece of the result (point-to-point
+    over the default process group); ``"every_holder"`` on every rank holding a piece of the
+    matrix, after all-gathers over DP and TP, as the seed does (to compare step times). The
+    params come out bitwise the same either way; the optimizer's state and checkpoints do not
+    depend on it.
     """
 
     def __init__(
@@ -118,6 +145,8 @@ class Muon(torch.optim.Optimizer):
         ns_steps: int = 5,
         adamw_betas: tuple[float, float] = (0.95, 0.95),
         adamw_eps: float = 1e-8,
+        *,
+        orthogonalize: Orthogonalize = "one_rank",
     ) -> None:
         defaults = dict(
             lr=lr,
@@ -130,6 +159,12 @@ class Muon(torch.optim.Optimizer):
             adamw_eps=adamw_eps,
         )
         super().__init__(_name_empty_groups(param_groups), defaults)
+        if orthogonalize not in ("one_rank", "every_holder"):
+            raise LayoutError(
+                f"orthogonalize must be 'one_rank' or 'every_holder', got {orthogonalize!r}"
+            )
+        self.orthogonalize = orthogonalize
+        self._ns_plan_cache: tuple[list[int], int, NsPlan, dict[int, torch.Tensor]] | None = None
         self.distributed_mode = False
         self.dist_group: collectives.Group = None
         self.tp_group: collectives.Group = None
@@ -186,6 +221,7 @@ class Muon(torch.optim.Optimizer):
         self.local_buffer_ranges = ranges
         self.dist_group, self.tp_group, self.dist_metas = dist_group, tp_group, dist_metas
         self.distributed_mode = True
+        self._ns_plan_cache = None
 
     def describe_sharding(self) -> Sharding:
         """Which rank holds which region of every param (and so of its state), over the whole
@@ -232,10 +268,14 @@ class Muon(torch.optim.Optimizer):
             group["step"] = group.get("step", 0) + 1
         muon_groups = [g for g in self.param_groups if g.get("use_muon", False)]
         ns_inputs = self._momentum_step(muon_groups)
-        if self.distributed_mode:
-            ns_inputs = self._gather_dp(ns_inputs)
+        if not self.distributed_mode:
+            update_of = _orthogonalize_here(ns_inputs)
+        elif self.orthogonalize == "every_holder":
+            update_of = self._orthogonalize_every_holder(self._gather_dp(ns_inputs))
+        else:
+            update_of = self._orthogonalize_one_rank(ns_inputs)
         for group in muon_groups:
-            self._muon_update(group, ns_inputs)
+            self._muon_update(group, update_of)
         for group in self.param_groups:
             if not group.get("use_muon", False):
                 _adamw_update(group, self.state)
@@ -291,34 +331,101 @@ class Muon(torch.optim.Optimizer):
             full[p] = gathered[meta.buffer_idx][meta.bucket_idx][lo:hi].view(meta.shape)
         return full
 
-    def _muon_update(
-        self, group: dict[str, Any], ns_inputs: dict[torch.Tensor, torch.Tensor]
-    ) -> None:
-        lr, weight_decay = group["lr"], group["weight_decay"]
-        tp_size, tp_rank = (
-            collectives.size_and_rank(self.tp_group) if self.distributed_mode else (1, 0)
-        )
-        for p in group["params"]:
-            ns_input = ns_inputs[p]
-            meta = self.dist_metas.get(p) if self.distributed_mode else None
-            split_dim = meta.tp_split_dim if meta is not None and tp_size > 1 else -1
+    def _orthogonalize_every_holder(
+        self, ns_inputs: dict[torch.Tensor, torch.Tensor]
+    ) -> Callable[[torch.Tensor, dict[str, Any]], tuple[torch.Tensor, tuple[int, ...]]]:
+        """The seed's way: each holder all-gathers the TP shards of a split param and
+        orthogonalizes the whole matrix (``ns_inputs``: each param's whole TP shard)."""
+        tp_size, tp_rank = collectives.size_and_rank(self.tp_group)
+
+        def update_of(p: torch.Tensor, group: dict[str, Any]) -> tuple[torch.Tensor, tuple]:
+            ns_input, meta = ns_inputs[p], self.dist_metas[p]
+            split_dim = meta.tp_split_dim if tp_size > 1 else -1
             if split_dim != -1:
                 # Every TP rank joins, including one that owns no element of p.
                 ns_input = torch.cat(
                     collectives.all_gather_list(ns_input, self.tp_group), dim=split_dim
                 )
             if p.numel() == 0:
-                continue
+                return ns_input, tuple(ns_input.shape)
             update = newton_schulz(ns_input, steps=group["ns_steps"])
             if split_dim != -1:
                 update = update.chunk(tp_size, dim=split_dim)[tp_rank]
-            if meta is not None:
-                lo, hi = normalize_range(meta.local_range, meta.global_range[0])
-                update = update.reshape(-1)[lo:hi]
+            lo, hi = normalize_range(meta.local_range, meta.global_range[0])
+            return update.reshape(-1)[lo:hi], tuple(ns_input.shape)
+
+        return update_of
+
+    def _orthogonalize_one_rank(
+        self, ns_inputs: dict[torch.Tensor, torch.Tensor]
+    ) -> Callable[[torch.Tensor, dict[str, Any]], tuple[torch.Tensor, tuple[int, ...]]]:
+        """Each matrix orthogonalized on its worker only: the holders' pieces of its input go
+        there, each holder's piece of the result comes back (two exchanges per step)."""
+        ranks, me, plan, mine = self._newton_schulz_plan()
+        device = self._device()
+        received = _exchange(plan.inputs, me, ranks, device, lambda k, _: ns_inputs[mine[k]])
+        fulls: dict[int, torch.Tensor] = {}
+        for k, matrix in enumerate(plan.matrices):
+            if matrix.worker == me and any(plan.held[k]):  # an empty matrix needs nothing
+                fulls[k] = torch.empty(matrix.full_shape, dtype=torch.bfloat16, device=device)
+                if k in mine:
+                    insert_(fulls[k], plan.held[k][me], ns_inputs[mine[k]])
+        for k, region, piece in received:
+            insert_(fulls[k], region, piece)
+        updates = {
+            k: newton_schulz(full, steps=self.param_groups[plan.matrices[k].group]["ns_steps"])
+            for k, full in fulls.items()
+        }
+        pieces = {k: extract(updates[k], plan.held[k][me]) for k in updates if k in mine}
+        for k, _, piece in _exchange(
+            plan.outputs, me, ranks, device, lambda k, region: extract(updates[k], region)
+        ):
+            pieces[k] = piece
+        results = {mine[k]: (piece, plan.matrices[k].full_shape) for k, piece in pieces.items()}
+
+        def update_of(p: torch.Tensor, group: dict[str, Any]) -> tuple[torch.Tensor, tuple]:
+            return results.get(p, (ns_inputs[p], ()))  # a param without elements here: unused
+
+        return update_of
+
+    def _newton_schulz_plan(self) -> tuple[list[int], int, NsPlan, dict[int, torch.Tensor]]:
+        """The grid's global ranks, this rank's grid index, the Newton-Schulz plan and, per
+        matrix of the plan this rank holds elements of, its param here. Learned by a collective
+        over the grid at the first step after :meth:`enable_distributed_mode`, then kept (a
+        step every rank takes, so every rank learns it at the same call)."""
+        if self._ns_plan_cache is None:
+            ranks, grid = learn_grid(self._rank_report, self.dist_group, self.tp_group)
+            me = ranks.index(collectives.global_rank())
+            steps = {
+                g: group["ns_steps"]
+                for g, group in enumerate(self.param_groups)
+                if group.get("use_muon", False)
+            }
+            plan = plan_newton_schulz(grid, steps)
+            flat = flat_params(self)
+            mine = {}
+            for k, matrix in enumerate(plan.matrices):
+                index = grid.params[matrix.param].local_index[me]
+                if plan.held[k][me] is not None and index is not None:
+                    mine[k] = flat[index]
+            self._ns_plan_cache = (ranks, me, plan, mine)
+        return self._ns_plan_cache
+
+    def _muon_update(
+        self,
+        group: dict[str, Any],
+        update_of: Callable[[torch.Tensor, dict[str, Any]], tuple[torch.Tensor, tuple[int, ...]]],
+    ) -> None:
+        """Decoupled weight decay, then each param's piece of its orthogonalized update."""
+        lr, weight_decay = group["lr"], group["weight_decay"]
+        for p in group["params"]:
+            update, full_shape = update_of(p, group)
+            if p.numel() == 0:
+                continue
             p.mul_(1 - lr * weight_decay)
             p.add_(
                 update.reshape(p.shape),
-                alpha=-adjusted_lr(lr, group["matched_adamw_rms"], ns_input.shape),
+                alpha=-adjusted_lr(lr, group["matched_adamw_rms"], full_shape),
             )
 
     def _device(self) -> torch.device:
@@ -335,6 +442,47 @@ class Muon(torch.optim.Optimizer):
             for i, p in enumerate(group["params"]):
                 names[p] = group_names[i] if group_names else str(len(names))
         return names
+
+
+def _exchange(
+    messages: Sequence[Message],
+    me: int,
+    ranks: list[int],
+    device: torch.device,
+    piece_of: Callable[[int, Region], torch.Tensor],
+) -> list[tuple[int, Region, torch.Tensor]]:
+    """Send this rank's messages of one direction of the plan (each piece from
+    ``piece_of(matrix, region)``), receive the others'; returns each received piece as
+    ``(matrix, region, 1-D bf16 tensor on device)``."""
+    sends = [
+        (
+            torch.cat([piece_of(pc.matrix, pc.region).reshape(-1) for pc in m.pieces]),
+            ranks[m.dst],
+        )
+        for m in messages
+        if m.src == me
+    ]
+    incoming = [m for m in messages if m.dst == me]
+    buffers = collectives.exchange(
+        sends, [(ranks[m.src], m.numel, torch.bfloat16) for m in incoming], device
+    )
+    return [
+        (pc.matrix, pc.region, buffer[pc.offset : pc.offset + pc.region.numel])
+        for m, buffer in zip(incoming, buffers, strict=True)
+        for pc in m.pieces
+    ]
+
+
+def _orthogonalize_here(
+    ns_inputs: dict[torch.Tensor, torch.Tensor],
+) -> Callable[[torch.Tensor, dict[str, Any]], tuple[torch.Tensor, tuple[int, ...]]]:
+    """Single process: each param's update is :func:`newton_schulz` of its own input."""
+
+    def update_of(p: torch.Tensor, group: dict[str, Any]) -> tuple[torch.Tensor, tuple]:
+        ns_input = ns_inputs[p]
+        return newton_schulz(ns_input, steps=group["ns_steps"]), tuple(ns_input.shape)
+
+    return update_of
 
 
 def _name_empty_groups(param_groups: Iterable[Any]) -> list[Any]:

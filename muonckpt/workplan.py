@@ -1,7 +1,10 @@
-"""Splitting the tensors of output files among workers, balanced by bytes: pure ints, no I/O.
+"""Splitting work among workers: pure ints, no I/O.
 
-Used by ``consolidate`` and ``reshard`` when several processes share the writing
-(:func:`muonckpt.offline.consolidate` with ``workers`` or ``collective``).
+:func:`split_work` cuts the tensors of output files into contiguous runs balanced by bytes, for
+``consolidate`` and ``reshard`` when several processes share the writing
+(:func:`muonckpt.offline.consolidate` with ``workers`` or ``collective``). :func:`balance_lpt`
+spreads independent jobs by cost (longest processing time first), for the packaged Muon's
+Newton-Schulz work (:mod:`muonckpt.nsplan`).
 """
 
 from __future__ import annotations
@@ -49,3 +52,39 @@ def split_work(units: Sequence[WorkUnit], workers: int) -> list[list[WorkUnit]]:
         shares[min(owner, workers - 1)].append(unit)
         start += unit.nbytes
     return shares
+
+
+def balance_lpt(
+    costs: Sequence[int], workers: int, affinity: Sequence[Sequence[int]] | None = None
+) -> list[int]:
+    """The worker of each job: longest processing time first (Graham's LPT).
+
+    Jobs go, largest cost first (ties: lower index first), each to a least loaded worker; among
+    equally loaded workers to the one with the highest ``affinity[job][worker]`` (the elements
+    of the job it already holds, say), then the lowest index. Deterministic. The busiest
+    worker's load is at most ``(4/3 - 1/(3 * workers))`` times the optimum and at most
+    ``sum(costs) / workers + max(costs) * (1 - 1 / workers)``.
+
+    Raises:
+        LayoutError: when ``workers`` is not positive, a cost is negative, or ``affinity`` does
+            not give one row of ``workers`` scores per job.
+    """
+    if workers < 1:
+        raise LayoutError(f"workers must be positive, got {workers}")
+    if any(c < 0 for c in costs):
+        raise LayoutError(f"job costs must not be negative, got {list(costs)}")
+    if affinity is not None and (
+        len(affinity) != len(costs) or any(len(row) != workers for row in affinity)
+    ):
+        raise LayoutError(f"affinity needs {len(costs)} rows of {workers} scores each")
+    loads = [0] * workers
+    assigned = [0] * len(costs)
+    for job in sorted(range(len(costs)), key=lambda j: (-costs[j], j)):
+        least = min(loads)
+        candidates = [w for w in range(workers) if loads[w] == least]
+        if affinity is not None:
+            best = max(affinity[job][w] for w in candidates)
+            candidates = [w for w in candidates if affinity[job][w] == best]
+        assigned[job] = candidates[0]
+        loads[candidates[0]] += costs[job]
+    return assigned

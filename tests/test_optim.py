@@ -12,6 +12,7 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
+from torch.profiler import ProfilerActivity, profile
 
 from muonckpt import (
     LayoutError,
@@ -24,8 +25,10 @@ from muonckpt import (
     shard_param_groups,
 )
 from muonckpt.launch import run_distributed
+from muonckpt.nsplan import ns_flops
 from muonckpt.sharding import shard_tensor
 
+from .seed_oracle import OracleGroup, oracle_step
 from .seed_port import make_groups
 
 TIMEOUT = 120
@@ -245,6 +248,122 @@ def test_distributed_matches_single_process_bitwise():
     checked = run_distributed(_bitwise_worker, 8, configs, 4, timeout=TIMEOUT)
     n_params = len(MUON_SHAPES) + len(ADAMW_SHAPES)
     assert checked == [len(configs) * 4 * n_params] * 8
+
+
+def _mm_flops(work) -> int:
+    """Matrix-multiply FLOPs the profiler counts while ``work()`` runs in this process."""
+    with profile(activities=[ProfilerActivity.CPU], with_flops=True) as prof:
+        work()
+    return sum(e.flops for e in prof.key_averages() if e.key == "aten::mm")
+
+
+def _one_rank_worker(configs, steps):
+    """Per config: the default Muon, the seed's every-holder way and one process, stepped
+    together; params compared bitwise after every step; the last step's matrix-multiply FLOPs
+    of each, profiled, with the plan's load of this rank."""
+    out = []
+    for dp, tp in configs:
+        dp_group, tp_group = make_groups(dp, tp)
+        dp_rank, tp_rank = dist.get_rank(dp_group), dist.get_rank(tp_group)
+        ref_groups = full_groups()
+        ref = Muon(ref_groups)
+        tests = {}
+        for mode in ("one_rank", "every_holder"):
+            sharded = shard_for_groups(
+                clone_groups(ref_groups), dp_group, tp_group, **layout_kwargs(BUCKETED)
+            )
+            tests[mode] = Muon(sharded.param_groups, orthogonalize=mode)
+            tests[mode].enable_distributed_mode(
+                sharded.global_buffer_sizes, dp_group, tp_group, sharded.dist_metas
+            )
+        ref_params = named_params(ref)
+        gen = torch.Generator().manual_seed(77)
+        flops = {}
+        for step in range(steps):
+            grads = step_grads(gen)
+            for name, grad in grads.items():
+                ref_params[name].grad = grad.clone()
+                for opt in tests.values():
+                    local = shard_tensor(grad, sharded, name, dp_rank, tp_rank)
+                    named_params(opt)[name].grad = local
+            last = step == steps - 1
+            for mode, opt in [("ref", ref), *tests.items()]:
+                flops[mode] = _mm_flops(opt.step) if last else opt.step()
+            for mode, opt in tests.items():
+                for name, p in named_params(opt).items():
+                    expected = shard_tensor(ref_params[name], sharded, name, dp_rank, tp_rank)
+                    assert torch.equal(p, expected), f"{mode} dp={dp} tp={tp} step {step} {name}"
+        _, me, plan, _ = tests["one_rank"]._newton_schulz_plan()
+        out.append({**flops, "planned": plan.loads()[me], "largest": max(plan.loads())})
+    return out
+
+
+def test_newton_schulz_runs_once_per_matrix_in_the_grid_with_the_same_bits():
+    """At 4x2 and 2x4 (two buffers of several buckets): the default runs each matrix's
+    Newton-Schulz on exactly one rank, so the grid's matrix-multiply FLOPs are one process's
+    and each rank's are what the plan gives it; the seed's every-holder way does more; the
+    params of both are bitwise those of one process."""
+    configs = [(4, 2), (2, 4)]
+    results = run_distributed(_one_rank_worker, 8, configs, 3, timeout=TIMEOUT)
+    for c, (dp, tp) in enumerate(configs):
+        ranks = [r[c] for r in results]
+        single = ranks[0]["ref"]
+        assert single > 0 and all(r["ref"] == single for r in ranks)
+        assert sum(r["one_rank"] for r in ranks) == single, (dp, tp)
+        assert all(r["one_rank"] == r["planned"] for r in ranks)
+        assert sum(r["every_holder"] for r in ranks) > single
+        # the busiest rank: within the list-scheduling bound of an even split
+        largest_matrix = max(ns_flops(s, MUON_ARGS["ns_steps"]) for s in MUON_SHAPES.values())
+        assert max(r["one_rank"] for r in ranks) <= single / 8 + largest_matrix
+
+
+def _oracle_worker(configs, steps):
+    """The default Muon at each grid against the seed's math written independently
+    (``seed_oracle``), on full tensors in every rank: each rank's shards, bitwise."""
+    checked = 0
+    for dp, tp in configs:
+        dp_group, tp_group = make_groups(dp, tp)
+        dp_rank, tp_rank = dist.get_rank(dp_group), dist.get_rank(tp_group)
+        groups = full_groups(seed=3)
+        oracle = [
+            OracleGroup(
+                [t.clone() for _, t in g["params"]],
+                use_muon=g.get("use_muon", False),
+                **{k: v for k, v in g.items() if k not in ("params", "use_muon")},
+            )
+            for g in groups
+        ]
+        names = [[n for n, _ in g["params"]] for g in groups]
+        full = {n: p for group, o in zip(names, oracle) for n, p in zip(group, o.params)}
+        sharded = shard_for_groups(groups, dp_group, tp_group, **layout_kwargs(BUCKETED))
+        opt = Muon(sharded.param_groups)
+        opt.enable_distributed_mode(
+            sharded.global_buffer_sizes, dp_group, tp_group, sharded.dist_metas
+        )
+        params = named_params(opt)
+        gen = torch.Generator().manual_seed(4321)
+        for step in range(steps):
+            grads = step_grads(gen)
+            for name, grad in grads.items():
+                params[name].grad = shard_tensor(grad, sharded, name, dp_rank, tp_rank)
+            oracle_step(oracle, [[grads[n] for n in group] for group in names])
+            opt.step()
+            for name, p in params.items():
+                expected = shard_tensor(full[name], sharded, name, dp_rank, tp_rank)
+                assert torch.equal(p, expected), f"dp={dp} tp={tp} step {step} param {name}"
+                checked += 1
+    return checked
+
+
+def test_default_muon_matches_an_independent_oracle_of_the_seed_bitwise():
+    configs = [(4, 2), (2, 4), (8, 1)]
+    checked = run_distributed(_oracle_worker, 8, configs, 3, timeout=TIMEOUT)
+    assert checked == [len(configs) * 3 * (len(MUON_SHAPES) + len(ADAMW_SHAPES))] * 8
+
+
+def test_orthogonalize_must_be_one_of_two():
+    with pytest.raises(LayoutError, match="orthogonalize must be 'one_rank' or 'every_holder'"):
+        Muon([{"params": [torch.zeros(2, 2)], **MUON_ARGS}], orthogonalize="owner")
 
 
 # --- hazards -------------------------------------------------------------------------------------
