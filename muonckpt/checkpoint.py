@@ -57,6 +57,7 @@ from .manifest import (
     json_safe,
 )
 from .pieces import PieceReader, open_checkpoint
+from .sharding import following
 from .steps import describe_failure, disagreement
 from .writeplan import WritePlan, consolidated_plan, rank_plan, unique_tensor_keys
 
@@ -583,8 +584,9 @@ def load(
 
     Restores the optimizer state and, by default, the optimizer's params (each rank its own
     share, bitwise): a resumed run needs nothing but the checkpoint. A model whose weights are
-    not the optimizer's params gets them back from those params (see
-    :meth:`muonckpt.ShardedParams.params_to_model`).
+    not the optimizer's params (the packaged Muon's shards from
+    :func:`muonckpt.shard_for_groups`) gets them back too: ``load`` then calls
+    :meth:`muonckpt.ShardedParams.params_to_model` itself, on every rank.
 
     The target may be another Muon implementation than the one that saved, or several
     optimizers that together hold every param (``[torch.optim.Muon(...),
@@ -617,6 +619,7 @@ def load(
     targets = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
     joined = targets[0] if len(targets) == 1 else _Joined(targets)
     sharding = describe(joined)  # a collective the first time: before anything can fail
+    models = following(p for o in targets for p in flat_params(o)) if params else []
     steps = collectives.CollectiveSteps(
         "load", sharding.participants, sharding.destination, CheckpointError
     )
@@ -639,6 +642,7 @@ def load(
             "manifest": hashlib.blake2b(manifest.to_json().encode(), digest_size=8).hexdigest(),
             "params": params,
             "momentum_form": momentum_form,
+            "models that follow the params": len(models),  # each a collective below
         }
 
     if len(steps.ranks) > 1:  # (in one process every failure is raised as it is)
@@ -659,6 +663,8 @@ def load(
     else:
         read_share()
     _apply(*read[0])
+    for sharded in models:  # the model's weights from the loaded shards: never forgotten
+        sharded.params_to_model()
     for message in report.converted:
         _LOG.info("muonckpt.load: converted %s", message)
     for message in report.warnings:
