@@ -49,7 +49,8 @@ class Taken:
         h.update(json.dumps(self.values, sort_keys=True).encode())
         for path, tensor in self.tensors:
             h.update(json.dumps([list(path), str(tensor.dtype), list(tensor.shape)]).encode())
-            h.update(storage.byte_view(tensor))
+            if tensor.numel():
+                h.update(storage.byte_view(tensor.reshape(-1)))
         return h.hexdigest()
 
 
