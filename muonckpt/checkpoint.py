@@ -774,7 +774,7 @@ def load(
         open_it()
     (directory, manifest), report = opened[0], LoadReport()
     read: list[tuple[_Target, dict[int, dict[str, Any]], dict[int, torch.Tensor]]] = []
-    job: list[list[tuple[MutableMapping[str, Any], dict[str, Any]]]] = []
+    job: list[list[tuple[str, MutableMapping[str, Any], dict[str, Any]]]] = []
     me = sharding.participants.index(collectives.global_rank())
 
     def read_share() -> None:
@@ -791,8 +791,8 @@ def load(
     _apply(*read[0])
     for sharded in models:  # the model's weights from the loaded shards: never forgotten
         sharded.params_to_model()
-    for target, saved in job[0]:
-        trainstate.restore(target, saved)
+    for what, target, saved in job[0]:
+        trainstate.restore(target, saved, what)
     for message in report.converted:
         _LOG.info("muonckpt.load: converted %s", message)
     for message in report.warnings:
@@ -842,8 +842,8 @@ def _read_job_state(
     extra: MutableMapping[str, Any] | None,
     rank_extra: MutableMapping[str, Any] | None,
     rank: int,
-) -> list[tuple[MutableMapping[str, Any], dict[str, Any]]]:
-    """(target, saved tree) of what the load asks for, its tensors read and verified, every
+) -> list[tuple[str, MutableMapping[str, Any], dict[str, Any]]]:
+    """(name, target, saved tree) of what the load asks for, its tensors read and verified, every
     asked-for key checked present: nothing changes yet."""
     out = []
     asked = [("extra", extra, manifest.extra.shared if extra is not None else None)]
@@ -860,10 +860,11 @@ def _read_job_state(
         lacking = trainstate.missing(target, saved, what)
         if lacking:
             raise CheckpointError(
-                f"the checkpoint's {what} lacks {', '.join(lacking[:8])}",
+                f"the checkpoint's {what} does not hold what the load asks for: "
+                f"{'; '.join(lacking[:8])}",
                 path=reader.directory / MANIFEST_NAME,
             )
-        out.append((target, saved))
+        out.append((what, target, saved))
     return out
 
 

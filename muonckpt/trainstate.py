@@ -137,29 +137,44 @@ def rebuild(values: Any, tensors: Mapping[ValuePath, torch.Tensor]) -> Any:
 
 
 def missing(target: Mapping[str, Any], saved: Any, what: str, path: ValuePath = ()) -> list[str]:
-    """The places ``target`` asks for that ``saved`` lacks (a dict inside ``target`` is
-    filled key by key, so its keys are asked for too)."""
+    """What ``target`` asks for that ``saved`` cannot give: keys it lacks (a dict inside
+    ``target`` is filled key by key, so its keys are asked for too), and stateful values saved
+    as something other than a state dict."""
     if not isinstance(saved, dict):
-        return [shown(what, path)]
+        return [f"{shown(what, path)} is not a dict"]
     out = []
     for key, value in target.items():
+        place = (*path, key)
         if key not in saved:
-            out.append(shown(what, (*path, key)))
+            out.append(f"{shown(what, place)} is missing")
+        elif is_stateful(value) and not isinstance(saved[key], dict):
+            kind = type(saved[key]).__name__
+            out.append(
+                f"{shown(what, place)} was saved as {kind} {saved[key]!r:.40}, not a state dict"
+            )
         elif isinstance(value, MutableMapping) and not is_stateful(value):
-            out += missing(value, saved[key], what, (*path, key))
+            out += missing(value, saved[key], what, place)
     return out
 
 
-def restore(target: MutableMapping[str, Any], saved: Mapping[str, Any]) -> None:
+def restore(
+    target: MutableMapping[str, Any], saved: Mapping[str, Any], what: str, path: ValuePath = ()
+) -> None:
     """Put the saved tree into ``target`` in place: a stateful value gets ``load_state_dict``
     of its saved state, a dict is filled key by key, anything else is replaced; keys only the
     checkpoint has are added. (:func:`missing` first: every key asked for is there.)"""
     for key, value in saved.items():
         current = target.get(key)
         if is_stateful(current):
-            current.load_state_dict(value)
+            try:
+                current.load_state_dict(value)
+            except Exception as exc:
+                raise CheckpointError(
+                    f"{shown(what, (*path, key))}: its load_state_dict refused the saved "
+                    f"state ({type(exc).__name__}: {exc})"
+                ) from exc
         elif isinstance(current, MutableMapping) and isinstance(value, dict):
-            restore(current, value)
+            restore(current, value, what, (*path, key))
         else:
             target[key] = value
 

@@ -152,8 +152,17 @@ def test_load_refuses_what_the_checkpoint_lacks_before_anything_changes(tmp_path
     target = torch_job(1)[1]
     before = [p.detach().clone() for o in target for g in o.param_groups for p in g["params"]]
     cases = [
-        ("ckpt", {"extra": {"data": {"batch": 0, "epoch": 0}}}, r"extra\['data'\]\['epoch'\]"),
-        ("ckpt", {"extra": {"scheduler": schedulers["muon"]}}, r"lacks extra\['scheduler'\]"),
+        (
+            "ckpt",
+            {"extra": {"data": {"batch": 0, "epoch": 0}}},
+            r"\['data'\]\['epoch'\] is missing",
+        ),
+        ("ckpt", {"extra": {"scheduler": schedulers["muon"]}}, r"\['scheduler'\] is missing"),
+        (
+            "ckpt",
+            {"extra": {"step": schedulers["muon"]}},
+            r"\['step'\] was saved as int 1, not a state dict",
+        ),
         ("ckpt", {"rank_extra": {}}, "holds no rank_extra"),
         ("plain", {"extra": {}}, "holds no extra"),
     ]
@@ -340,3 +349,24 @@ def test_the_offline_tools_carry_extra(tmp_path):
     assert 'extra: {"step": 1, "w": "<tensor I64 [5]>"}' in shown.output
     assert 'rank_extra: 1 ranks, rank 0: {"r": "<tensor F32 [2]>"}' in shown.output
     shutil.rmtree(tmp_path / "full")
+
+
+@pytest.mark.cuda
+def test_cuda_tensors_and_generators_round_trip(tmp_path):
+    """extra tensors in CUDA memory, and the CUDA generators through RNGState."""
+    model = torch.nn.Linear(4, 3).cuda()
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 4, device="cuda")).sum().backward()
+    opt.step()
+    torch.cuda.manual_seed(5)
+    marker = torch.arange(6, device="cuda", dtype=torch.bfloat16)
+    muonckpt.save(
+        opt, tmp_path / "ckpt", extra={"marker": marker}, rank_extra={"rng": muonckpt.RNGState()}
+    )
+    expected = torch.rand(4, device="cuda")
+    torch.cuda.manual_seed(99)
+    got, mine = {}, {"rng": muonckpt.RNGState()}
+    muonckpt.load(opt, tmp_path / "ckpt", extra=got, rank_extra=mine)
+    assert torch.equal(got["marker"], marker.cpu())  # restored in host memory
+    assert len(mine["rng"].state_dict()["cuda"]) == torch.cuda.device_count()
+    assert torch.equal(torch.rand(4, device="cuda"), expected)
