@@ -6,12 +6,16 @@ manifest's strictness about it, verify, inspect and the offline tools carrying i
 from __future__ import annotations
 
 import json
+import math
 import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 import muonckpt
@@ -370,3 +374,57 @@ def test_cuda_tensors_and_generators_round_trip(tmp_path):
     assert torch.equal(got["marker"], marker.cpu())  # restored in host memory
     assert len(mine["rng"].state_dict()["cuda"]) == torch.cuda.device_count()
     assert torch.equal(torch.rand(4, device="cuda"), expected)
+
+
+TENSOR_DTYPES = (torch.float32, torch.bfloat16, torch.int64, torch.uint8, torch.bool)
+
+
+@st.composite
+def small_tensors(draw) -> torch.Tensor:
+    dtype = draw(st.sampled_from(TENSOR_DTYPES))
+    shape = draw(st.lists(st.integers(0, 3), max_size=3))
+    values = torch.arange(math.prod(shape), dtype=torch.float64).reshape(shape)
+    return (values * draw(st.integers(-3, 3))).to(dtype)
+
+
+LEAVES = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=5)
+    | small_tensors()
+)
+TREES = st.dictionaries(
+    st.text(max_size=4).filter(lambda key: key != "step"),  # extra["step"] must be a step
+    st.recursive(
+        LEAVES,
+        lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner),
+        max_leaves=8,
+    ),
+    max_size=4,
+)
+
+
+def same(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, list):
+        return isinstance(b, list) and len(a) == len(b) and all(map(same, a, b))
+    return type(a) is type(b) and a == b
+
+
+@settings(max_examples=40, deadline=None)
+@given(TREES, TREES)
+def test_any_tree_of_json_values_and_tensors_round_trips(extra, rank_extra):
+    """Any keys (dots, slashes, empty, unicode), numbers, nesting and tensors (0-d, empty, any
+    dtype) come back as saved, through the manifest and the files."""
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.ones(2))])
+    with tempfile.TemporaryDirectory() as root:
+        ckpt = muonckpt.save(opt, Path(root) / "ckpt", extra=extra, rank_extra=rank_extra)
+        assert muonckpt.verify(ckpt) == []
+        got, mine = {}, {}
+        muonckpt.load(opt, ckpt, extra=got, rank_extra=mine)
+    assert same(extra, got) and same(rank_extra, mine)
