@@ -524,8 +524,12 @@ def _manifest_from(body: Any) -> Manifest:
 def extra_to_json(extra: Extra) -> dict[str, Any]:
     """An :class:`Extra` in its JSON form (what :func:`extra_from_json` reads)."""
 
+    def tensor(t: ExtraTensor) -> dict[str, Any]:
+        lists = {"path": list(t.path), "shape": list(t.shape), "checksums": list(t.checksums)}
+        return {**asdict(t), **lists}
+
     def tree(values: ExtraValues) -> dict[str, Any]:
-        return {"values": values.values, "tensors": [asdict(t) for t in values.tensors]}
+        return {"values": values.values, "tensors": [tensor(t) for t in values.tensors]}
 
     return {
         "global": None if extra.shared is None else tree(extra.shared),
@@ -543,6 +547,7 @@ def extra_from_json(raw: Any, data_files: Iterable[str] = ()) -> Extra:
         set(raw) == {"global", "ranks", "files"},
         f"extra has fields {sorted(raw)}, not ['files', 'global', 'ranks']",
     )
+    _expect(isinstance(raw["files"], list), "extra files must be a list")
     files = tuple(FileEntry(_safe_name(f["name"]), _nonneg_int(f["bytes"])) for f in raw["files"])
     names = [f.name for f in files]
     _expect(len(set(names)) == len(names), "extra lists a file twice")
@@ -563,6 +568,7 @@ def extra_from_json(raw: Any, data_files: Iterable[str] = ()) -> Extra:
 
 def _extra_values(raw: Any, where: str) -> ExtraValues:
     _expect(isinstance(raw, dict) and set(raw) == {"values", "tensors"}, f"{where}: bad fields")
+    _expect(isinstance(raw["tensors"], list), f"{where}: tensors must be a list")
     values, tensors = raw["values"], []
     paths = set()
     for item in raw["tensors"]:
@@ -570,6 +576,8 @@ def _extra_values(raw: Any, where: str) -> ExtraValues:
             isinstance(item, dict) and set(item) == set(_EXTRA_TENSOR_FIELDS),
             f"{where}: a tensor entry must have exactly the fields {list(_EXTRA_TENSOR_FIELDS)}",
         )
+        for name in ("path", "shape", "checksums"):
+            _expect(isinstance(item[name], list), f"{where}: a tensor's {name} must be a list")
         path = tuple(item["path"])
         _expect(bool(path), f"{where}: a tensor with an empty path (the values are a dict)")
         for step in path:
