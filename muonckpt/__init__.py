@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from .pieces import read_manifest, verify
     from .retention import clean, latest
     from .sharding import ShardedParams, shard_for_groups, shard_param_groups
+    from .trainstate import RNGState
 
 __version__ = "0.1.0"
 
@@ -43,6 +44,7 @@ _LAZY = {
     "latest": "retention",
     "load": "checkpoint",
     "read_manifest": "pieces",
+    "RNGState": "trainstate",
     "save": "checkpoint",
     "verify": "pieces",
     "gather_state_dict": "hooks",
@@ -76,6 +78,7 @@ __all__ = [
     "MuonCkptError",
     "MuonDistMeta",
     "ParamSpec",
+    "RNGState",
     "ShardedParams",
     "StateDictError",
     "Topology",

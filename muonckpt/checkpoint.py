@@ -21,15 +21,15 @@ import os
 import threading
 import warnings
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping, Sequence
 from concurrent.futures import Future, wait
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from . import collectives, kinds, retention, storage, writing
+from . import collectives, kinds, retention, storage, trainstate, writing
 from .errors import CheckpointError, ConversionWarning, MuonCkptError, StateDictError
 from .hooks import (
     _HOOKS,
@@ -47,21 +47,27 @@ from .hostcopy import HostBuffers
 from .layout import Region, whole_region
 from .manifest import (
     CONSOLIDATED,
+    EXTRA_FILE,
     MANIFEST_NAME,
     PARAM_KEY,
     PER_RANK,
+    Extra,
     GroupEntry,
     Manifest,
     ModelFile,
     ParamEntry,
     Rename,
     Scalar,
+    extra_from_json,
+    extra_rank_file,
+    extra_to_json,
     json_safe,
     model_tensor,
     prefix_hint,
 )
 from .model_state import ModelTensors, model_tensors
 from .pieces import PieceReader, open_checkpoint
+from .sharding import following
 from .steps import describe_failure, disagreement
 from .writeplan import WritePlan, consolidated_plan, rank_plan, unique_tensor_keys
 
@@ -81,6 +87,8 @@ def save(
     overwrite: bool = False,
     keep_last: int | None = None,
     model: torch.nn.Module | None = None,
+    extra: Mapping[str, Any] | None = None,
+    rank_extra: Mapping[str, Any] | None = None,
 ) -> Path:
     """Save ``optimizer``'s state (and its params) to directory ``path``; a collective over its
     dp x tp grid.
@@ -113,6 +121,16 @@ def save(
             destination rank's model, tied names stored once and recorded in the file's
             metadata (alias -> stored name, as ``safetensors.torch.save_model`` does), so that
             ``safetensors.torch.load_model(model, ...)`` loads it strictly.
+        extra: the training job's own state, saved in the same atomic commit: a dict of JSON
+            values (numbers, strings, booleans, None, lists, dicts with string keys), tensors
+            (on any device; copied to host memory at the call) and objects with
+            ``state_dict()`` / ``load_state_dict()`` (an LR scheduler), saved as their state
+            dict. Every rank passes the same (compared by a digest: ranks that differ fail the
+            save, nothing written); rank 0 stores it. ``extra["step"]``, a non-negative int,
+            is the step the checkpoint records (``inspect``, :func:`muonckpt.latest`).
+        rank_extra: each rank's own values, as ``extra`` but stored per rank (RNG states:
+            :class:`muonckpt.RNGState`; a data loader's position); every rank passes one, or
+            none does.
 
     Returns:
         The checkpoint directory.
@@ -132,6 +150,8 @@ def save(
         overwrite,
         keep_last,
         model=model,
+        extra=extra,
+        rank_extra=rank_extra,
     )
     final = writing.finish(
         prepared.steps, prepared.staging, path, write=prepared.write, manifest=prepared.manifest
@@ -150,6 +170,8 @@ def async_save(
     params: bool = True,
     overwrite: bool = False,
     keep_last: int | None = None,
+    extra: Mapping[str, Any] | None = None,
+    rank_extra: Mapping[str, Any] | None = None,
     timeout: float = DEFAULT_ASYNC_TIMEOUT_S,
     model: torch.nn.Module | None = None,
 ) -> Future[Path]:
@@ -172,8 +194,9 @@ def async_save(
     that background thread, so they must not use the process groups either.
 
     Args:
-        optimizer, path, consolidated, max_shard_size, params, overwrite, keep_last, model:
-            as for :func:`save`.
+        optimizer, path, consolidated, max_shard_size, params, overwrite, keep_last, model,
+            extra, rank_extra: as for :func:`save` (``extra`` and ``rank_extra`` are taken at
+            the call: tensors copied, state dicts asked for).
         timeout: seconds (positive) rank 0 waits at each step for the slowest rank before the
             save fails on every rank still there (the others wait twice that for rank 0): a
             rank whose write never finishes is an error, never a hang.
@@ -206,6 +229,8 @@ def async_save(
         params,
         overwrite,
         keep_last,
+        extra=extra,
+        rank_extra=rank_extra,
         background=True,
         timeout=timeout,
         model=model,
@@ -319,6 +344,8 @@ def _prepare_save(
     overwrite: bool,
     keep_last: int | None,
     *,
+    extra: Mapping[str, Any] | None = None,
+    rank_extra: Mapping[str, Any] | None = None,
     background: bool = False,
     timeout: float | None = None,
     model: torch.nn.Module | None = None,
@@ -346,18 +373,21 @@ def _prepare_save(
     buffers = _HOST_BUFFERS.setdefault(_key(optimizer), HostBuffers())
     taken: list[_Payload] = []
     described: list[ModelTensors | None] = []
+    job: list[_JobState] = []
 
     def check() -> dict[str, Any]:
         _check_storable(sharding, optimizer, params, keep_last, Path(path))
         described.append(
             model_tensors(model, [p.name for p in sharding.params], consolidated, params)
         )
+        state = _JobState.take(extra, rank_extra)
+        job.append(state)
         if not consolidated:
             payload = _rank_payload(optimizer, sharding, params)
             if background:
                 payload.tensors = buffers.snapshot(payload.tensors)
             taken.append(payload)
-        return {"call": operation, **arguments}
+        return {"call": operation, **arguments, **state.agreement()}
 
     mailbox = background and len(sharding.participants) > 1
     staging = writing.stage(steps, path, overwrite=overwrite, check=check, mailbox=mailbox)
@@ -375,26 +405,78 @@ def _prepare_save(
         if steps.is_root:
             writing.abandon(staging)
         raise
-    (payload,) = taken
+    (payload,), (state,) = taken, job
+    me = sharding.participants.index(collectives.global_rank())
     if background:
         fetch = lambda w: payload.tensors[w.param, w.key].reshape(-1)  # noqa: E731
     else:  # streamed: each CUDA tensor through one reused host buffer
         fetch = lambda w: buffers.to_host(payload.tensors[w.param, w.key]).reshape(-1)  # noqa: E731
 
     def write(staging: Path) -> writing.Written:
-        if payload.plan is None:
-            return writing.Written([], [], {})
-        written = writing.write_files(payload.plan(), staging, fetch, prefetch=False)
-        written.extra = payload.scalars
+        written = writing.Written([], [], {})
+        if payload.plan is not None:
+            written = writing.write_files(payload.plan(), staging, fetch, prefetch=False)
+        shared = state.shared if steps.is_root else None  # stored once, by the root
+        job_state = state.write(staging, shared, me, len(sharding.participants))
+        written.extra = {"scalars": payload.scalars, "extra": job_state}
         return written
 
     kind = CONSOLIDATED if consolidated else PER_RANK
+    given_step = None if extra is None else extra.get("step")
     return _PreparedSave(
         steps,
         staging,
         write,
-        lambda reports: build_manifest(groups, sharding, reports, kind, described[0]),
+        lambda reports: build_manifest(groups, sharding, reports, kind, described[0], given_step),
     )
+
+
+@dataclass
+class _JobState:
+    """The training job's own state of one rank's save: ``extra`` and ``rank_extra`` as
+    taken at the call (:func:`muonckpt.trainstate.take`)."""
+
+    shared: trainstate.Taken | None
+    own: trainstate.Taken | None
+
+    @classmethod
+    def take(
+        cls, extra: Mapping[str, Any] | None, rank_extra: Mapping[str, Any] | None
+    ) -> _JobState:
+        return cls(
+            None if extra is None else trainstate.take(extra, "extra"),
+            None if rank_extra is None else trainstate.take(rank_extra, "rank_extra"),
+        )
+
+    def agreement(self) -> dict[str, Any]:
+        """What every rank's call must have alike (the stage step compares it)."""
+        return {
+            "extra (the same on every rank; per-rank values go in rank_extra)": (
+                None if self.shared is None else self.shared.digest()
+            ),
+            "rank_extra given": self.own is not None,
+        }
+
+    def write(
+        self, staging: Path, shared: trainstate.Taken | None, rank: int, world: int
+    ) -> dict[str, Any] | None:
+        """Write this rank's files of it (``shared``: the root's ``extra``); its part of the
+        manifest's ``extra``, as JSON."""
+        if shared is None and self.own is None:
+            return None
+        trees, files = [], []
+        for taken, file in ((shared, EXTRA_FILE), (self.own, extra_rank_file(rank, world))):
+            if taken is None:
+                trees.append(None)
+                continue
+            tensors = [
+                (path, storage.dtype_name(t.dtype), tuple(t.shape), t) for path, t in taken.tensors
+            ]
+            tree, entry = writing.write_extra(staging, file, taken.values, tensors)
+            trees.append(tree)
+            files += [entry] if entry is not None else []
+        ranks = () if trees[1] is None else (trees[1],)
+        return extra_to_json(Extra(trees[0], ranks, tuple(files)))
 
 
 class _Joined:
@@ -560,13 +642,15 @@ def build_manifest(
     reports: writing.Reports,
     kind: str,
     model: ModelTensors | None = None,
+    given_step: int | None = None,
 ) -> Manifest:
     """The manifest of a save: params from the grid, groups as taken at the save's start,
-    files, pieces, dtypes and scalars from the ranks' reports (``model``'s other tensors
-    apart, in :class:`ModelFile`)."""
+    files, pieces, dtypes, scalars and the job's own state from the ranks' reports
+    (``model``'s other tensors apart, in :class:`ModelFile`); the step ``given_step``
+    (``extra["step"]``), else the optimizer's count where it keeps one."""
     scalars: dict[str, dict[str, Scalar]] = {}
-    for extra in reports.extras:
-        for name, values in (extra or {}).items():
+    for report in reports.extras:
+        for name, values in report["scalars"].items():
             for key, item in values.items():
                 scalars.setdefault(name, {}).setdefault(key, Scalar(item["value"], item["dtype"]))
     extras = model.extras if model is not None else {}
@@ -596,7 +680,7 @@ def build_manifest(
             pieces=tuple(p for p in reports.pieces if p.param in extras),
             aliases=dict(model.aliases),
         )
-    return Manifest(
+    manifest = Manifest(
         kind=kind,
         topology=dict(sharding.topology),
         groups=tuple(groups),
@@ -604,7 +688,21 @@ def build_manifest(
         files=tuple(reports.files),
         pieces=tuple(pieces),
         model=model_file,
+        extra=_merged_extra([report["extra"] for report in reports.extras]),
     )
+    step = given_step if given_step is not None else retention.checkpoint_step(manifest)
+    return replace(manifest, recorded_step=step)
+
+
+def _merged_extra(parts: Sequence[dict[str, Any] | None]) -> Extra | None:
+    """Every rank's part of the job's own state (in grid order) as one: the root's ``extra``,
+    each rank's ``rank_extra``, all their files."""
+    found = [extra_from_json(part) for part in parts if part is not None]
+    if not found:
+        return None
+    shared = next((e.shared for e in found if e.shared is not None), None)
+    ranks = tuple(tree for e in found for tree in e.ranks)
+    return Extra(shared, ranks, tuple(f for e in found for f in e.files))
 
 
 @dataclass
@@ -638,13 +736,16 @@ def load(
     params: bool = True,
     momentum_form: str | None = None,
     rename: Rename | None = None,
+    extra: MutableMapping[str, Any] | None = None,
+    rank_extra: MutableMapping[str, Any] | None = None,
 ) -> LoadReport:
     """Load a checkpoint of any kind and source topology into ``optimizer`` at its topology.
 
     Restores the optimizer state and, by default, the optimizer's params (each rank its own
     share, bitwise): a resumed run needs nothing but the checkpoint. A model whose weights are
-    not the optimizer's params gets them back from those params (see
-    :meth:`muonckpt.ShardedParams.params_to_model`).
+    not the optimizer's params (the packaged Muon's shards from
+    :func:`muonckpt.shard_for_groups`) gets them back too: ``load`` then calls
+    :meth:`muonckpt.ShardedParams.params_to_model` itself, on every rank.
 
     The target may be another Muon implementation than the one that saved, or several
     optimizers that together hold every param (``[torch.optim.Muon(...),
@@ -671,6 +772,14 @@ def load(
             ``{"": "model."}`` adds one; the longest matching prefix applies) or a function of
             the saved name. Names that differ by a prefix only are refused naming the prefix
             and this fix.
+        extra: a dict to fill with the ``extra`` saved with the checkpoint, in place: a
+            stateful value in it (an LR scheduler) gets ``load_state_dict`` of its saved
+            state, a dict is filled key by key, anything else is replaced, and keys only the
+            checkpoint has are added. Every key it holds must be in the checkpoint.
+        rank_extra: the same for this rank's ``rank_extra``: the values the rank of the same
+            place in the grid saved. Only at the number of ranks that saved (per-rank values
+            such as RNG states or data positions do not carry over to another; load without
+            it there and derive them afresh, from ``extra``).
 
     Returns:
         A :class:`LoadReport` of the conversions made and the settings warned about.
@@ -682,6 +791,7 @@ def load(
     targets = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
     joined = targets[0] if len(targets) == 1 else _Joined(targets)
     sharding = describe(joined)  # a collective the first time: before anything can fail
+    models = following(p for o in targets for p in flat_params(o)) if params else []
     steps = collectives.CollectiveSteps(
         "load", sharding.participants, sharding.destination, CheckpointError
     )
@@ -698,6 +808,7 @@ def load(
                 "the optimizer state only",
                 path=directory / MANIFEST_NAME,
             )
+        _check_job_state(manifest, directory, extra, rank_extra, len(sharding.participants))
         opened.append((directory, manifest))
         if len(steps.ranks) == 1:
             return {}  # nobody to agree with: no digest of a large manifest
@@ -706,6 +817,9 @@ def load(
             "manifest": hashlib.blake2b(manifest.to_json().encode(), digest_size=8).hexdigest(),
             "params": params,
             "momentum_form": momentum_form,
+            "models that follow the params": len(models),  # each a collective below
+            "extra given": extra is not None,
+            "rank_extra given": rank_extra is not None,
         }
 
     if len(steps.ranks) > 1:  # (in one process every failure is raised as it is)
@@ -714,6 +828,8 @@ def load(
         open_it()
     (directory, manifest), report = opened[0], LoadReport()
     read: list[tuple[_Target, dict[int, dict[str, Any]], dict[int, torch.Tensor]]] = []
+    job: list[list[tuple[str, MutableMapping[str, Any], dict[str, Any]]]] = []
+    me = sharding.participants.index(collectives.global_rank())
 
     def read_share() -> None:
         _check_prefix(manifest, sharding, directory)
@@ -721,12 +837,17 @@ def load(
         _check_covered(manifest, plan, directory)
         with PieceReader(directory, manifest) as reader:
             read.append((plan, *_read(plan, manifest, reader, params, directory)))
+            job.append(_read_job_state(manifest, reader, extra, rank_extra, me))
 
     if len(steps.ranks) > 1:
         steps.each_then_root("read", read_share, lambda _: None)  # all or none change
     else:
         read_share()
     _apply(*read[0])
+    for sharded in models:  # the model's weights from the loaded shards: never forgotten
+        sharded.params_to_model()
+    for what, target, saved in job[0]:
+        trainstate.restore(target, saved, what)
     for message in report.converted:
         _LOG.info("muonckpt.load: converted %s", message)
     for message in report.warnings:
@@ -735,6 +856,71 @@ def load(
 
 
 _LOG = logging.getLogger("muonckpt")
+
+
+def _check_job_state(
+    manifest: Manifest,
+    directory: Path,
+    extra: Mapping[str, Any] | None,
+    rank_extra: Mapping[str, Any] | None,
+    world: int,
+) -> None:
+    """A load that asks for the job's own state must find it, ``rank_extra`` at the number of
+    ranks that saved it."""
+    saved = manifest.extra
+    where = directory / MANIFEST_NAME
+    if extra is not None and (saved is None or saved.shared is None):
+        raise CheckpointError(
+            "the checkpoint holds no extra (saved without extra=); load it without extra=",
+            path=where,
+        )
+    if rank_extra is None:
+        return
+    if saved is None or not saved.ranks:
+        raise CheckpointError(
+            "the checkpoint holds no rank_extra (saved without rank_extra=); load it "
+            "without rank_extra=",
+            path=where,
+        )
+    if len(saved.ranks) != world:
+        raise CheckpointError(
+            f"rank_extra was saved by {len(saved.ranks)} ranks and this load has {world}: "
+            "per-rank values (RNG states, data positions) do not carry over to another number "
+            "of ranks; load without rank_extra= and derive them afresh (from extra=)",
+            path=where,
+        )
+
+
+def _read_job_state(
+    manifest: Manifest,
+    reader: PieceReader,
+    extra: MutableMapping[str, Any] | None,
+    rank_extra: MutableMapping[str, Any] | None,
+    rank: int,
+) -> list[tuple[str, MutableMapping[str, Any], dict[str, Any]]]:
+    """(name, target, saved tree) of what the load asks for, its tensors read and verified, every
+    asked-for key checked present: nothing changes yet."""
+    out = []
+    asked = [("extra", extra, manifest.extra.shared if extra is not None else None)]
+    if rank_extra is not None:
+        asked.append((f"rank_extra[{rank}]", rank_extra, manifest.extra.ranks[rank]))
+    for what, target, tree in asked:
+        if target is None:
+            continue
+        tensors = {
+            t.path: storage.tensor_of_bytes(reader.read_extra(t, what), t.dtype).reshape(t.shape)
+            for t in tree.tensors
+        }
+        saved = trainstate.rebuild(tree.values, tensors)
+        lacking = trainstate.missing(target, saved, what)
+        if lacking:
+            raise CheckpointError(
+                f"the checkpoint's {what} does not hold what the load asks for: "
+                f"{'; '.join(lacking[:8])}",
+                path=reader.directory / MANIFEST_NAME,
+            )
+        out.append((what, target, saved))
+    return out
 
 
 def _agreed_load(arguments: list[dict[str, Any]], ranks: Sequence[int]) -> None:

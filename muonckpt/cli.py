@@ -628,6 +628,12 @@ def inspect(
         f"topology dp={topo.get('dp')} x tp={topo.get('tp')}, step {info['step']}",
         markup=False,
     )
+    extra = info["extra"]
+    if extra is not None and extra["values"] is not None:
+        console.print(f"extra: {json.dumps(extra['values'])}", markup=False)
+    if extra is not None and extra["ranks"]:
+        shown = json.dumps(extra["rank_0_values"])
+        console.print(f"rank_extra: {extra['ranks']} ranks, rank 0: {shown}", markup=False)
     for g, group in enumerate(info["groups"]):
         hyper = ", ".join(f"{k}={v}" for k, v in group["hyperparams"].items())
         console.print(f"group {g}: {hyper}", markup=False)

@@ -166,6 +166,23 @@ def rank_file(rank: int, world_size: int) -> str:
     return f"rank-{rank:05d}-of-{world_size:05d}.safetensors"
 
 
+EXTRA_FILE = "extra.safetensors"
+"""The tensors of a save's ``extra`` (the training job's own state, the same on every rank)."""
+
+
+def extra_rank_file(rank: int, world_size: int) -> str:
+    """The tensors of rank ``rank``'s ``rank_extra`` (its own values: RNG, data position)."""
+    return f"extra-rank-{rank:05d}-of-{world_size:05d}.safetensors"
+
+
+EXTRA_DEPTH = 24
+"""How deeply ``extra`` values may nest (the manifest around them takes the rest of
+:data:`MAX_JSON_DEPTH`)."""
+EXTRA_JSON_BYTES = 16 << 20
+"""The most bytes of JSON one save's ``extra`` and ``rank_extra`` values may take in the
+manifest; larger data goes in tensors."""
+
+
 @dataclass(frozen=True)
 class Scalar:
     """A state value that is not a tensor shaped like its param: a plain number, or a 0-d tensor
@@ -267,6 +284,58 @@ class FileEntry:
     bytes: int
 
 
+ValuePath = tuple[str | int, ...]
+"""Where a value lies in a tree of ``extra`` values: dict keys and list indices."""
+
+
+@dataclass(frozen=True)
+class ExtraTensor:
+    """One tensor of the training job's own state: where it goes in its values, and where it
+    is stored (a whole safetensors tensor, at its shape)."""
+
+    path: ValuePath
+    file: str
+    tensor: str
+    """Key of the tensor inside the safetensors file."""
+    dtype: str
+    shape: tuple[int, ...]
+    checksums: tuple[str, ...]
+    chunk_bytes: int
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * DTYPE_BYTES[self.dtype]
+
+
+@dataclass(frozen=True)
+class ExtraValues:
+    """A tree of values (``extra`` or one rank's ``rank_extra``): JSON, with ``null`` at each
+    tensor's path, and the tensors."""
+
+    values: Any
+    tensors: tuple[ExtraTensor, ...] = ()
+
+
+@dataclass(frozen=True)
+class Extra:
+    """The training job's own state, saved in the same commit as the optimizer's."""
+
+    shared: ExtraValues | None
+    """``extra``: the values every rank gave alike (None: not saved)."""
+    ranks: tuple[ExtraValues, ...]
+    """``rank_extra``: each saving rank's own values, in grid order (empty: not saved)."""
+    files: tuple[FileEntry, ...]
+    """The safetensors files holding the tensors of both."""
+
+    def trees(self) -> list[tuple[str, ExtraValues]]:
+        """Every tree, named as errors name it (``extra``, ``rank_extra[3]``)."""
+        named = [("extra", self.shared)] if self.shared is not None else []
+        return named + [(f"rank_extra[{r}]", tree) for r, tree in enumerate(self.ranks)]
+
+    def tensors(self) -> list[ExtraTensor]:
+        return [t for _, tree in self.trees() for t in tree.tensors]
+
+
 @dataclass(frozen=True)
 class Manifest:
     """Everything needed to read, verify and reshard a checkpoint without the optimizer."""
@@ -282,6 +351,11 @@ class Manifest:
     checksum_algorithm: str = CHECKSUM_ALGORITHM
     model: ModelFile | None = None
     """A consolidated save's model tensors beyond the optimizer's params (None: none)."""
+    recorded_step: int | None = None
+    """The training step the save recorded (``"step"``): ``extra["step"]`` when given, else
+    the optimizer's own count where it keeps one; None: unknown (and in older manifests)."""
+    extra: Extra | None = None
+    """The training job's own state (``"extra"``); None: none was saved."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_by_name", {entry.name: entry for entry in self.params})
@@ -376,6 +450,8 @@ class Manifest:
             "pieces": [piece_to_json(p) for p in self.pieces],
             "format_version": self.format_version,
             "checksum_algorithm": self.checksum_algorithm,
+            "step": self.recorded_step,
+            "extra": None if self.extra is None else extra_to_json(self.extra),
         }
         if self.model is not None:
             body["model"] = {
@@ -569,6 +645,9 @@ def _manifest_from(body: Any) -> Manifest:
         )
         _check_region(entry, piece.region, piece.tensor)
         pieces.append(piece)
+    step = body.get("step")
+    _expect(step is None or _int(step) >= 0, f"step must be a non-negative int, got {step!r}")
+    extra = body.get("extra")
     return Manifest(
         kind=body["kind"],
         topology=dict(topology),
@@ -578,6 +657,8 @@ def _manifest_from(body: Any) -> Manifest:
         pieces=tuple(pieces),
         format_version=version,
         model=_model_file(body["model"], by_name, file_names) if "model" in body else None,
+        recorded_step=step,
+        extra=None if extra is None else extra_from_json(extra, file_names),
     )
 
 
@@ -618,6 +699,107 @@ def _model_file(raw: Any, params: Mapping[str, ParamEntry], file_names: set[str]
 def _dtypes_of(value: Any) -> str:
     _expect(value in DTYPE_BYTES, f"unknown dtype {value!r}")
     return value
+
+
+def extra_to_json(extra: Extra) -> dict[str, Any]:
+    """An :class:`Extra` in its JSON form (what :func:`extra_from_json` reads)."""
+
+    def tensor(t: ExtraTensor) -> dict[str, Any]:
+        lists = {"path": list(t.path), "shape": list(t.shape), "checksums": list(t.checksums)}
+        return {**asdict(t), **lists}
+
+    def tree(values: ExtraValues) -> dict[str, Any]:
+        return {"values": values.values, "tensors": [tensor(t) for t in values.tensors]}
+
+    return {
+        "global": None if extra.shared is None else tree(extra.shared),
+        "ranks": [tree(r) for r in extra.ranks],
+        "files": [{"name": f.name, "bytes": f.bytes} for f in extra.files],
+    }
+
+
+def extra_from_json(raw: Any, data_files: Iterable[str] = ()) -> Extra:
+    """A schema-checked :class:`Extra`: its files plain names of no data file, each tensor in
+    a listed file, at a path of its values that holds ``null``, no two at one path or under
+    one file key, and as many checksums as its bytes need."""
+    _expect(isinstance(raw, dict), "extra must be an object")
+    _expect(
+        set(raw) == {"global", "ranks", "files"},
+        f"extra has fields {sorted(raw)}, not ['files', 'global', 'ranks']",
+    )
+    _expect(isinstance(raw["files"], list), "extra files must be a list")
+    files = tuple(FileEntry(_safe_name(f["name"]), _nonneg_int(f["bytes"])) for f in raw["files"])
+    names = [f.name for f in files]
+    _expect(len(set(names)) == len(names), "extra lists a file twice")
+    taken = set(names) & (set(data_files) | {MANIFEST_NAME})
+    _expect(not taken, f"extra file(s) {sorted(taken)} are the optimizer's files")
+    _expect(isinstance(raw["ranks"], list), "extra ranks must be a list")
+    shared = None if raw["global"] is None else _extra_values(raw["global"], "extra")
+    ranks = tuple(_extra_values(r, f"rank_extra[{i}]") for i, r in enumerate(raw["ranks"]))
+    extra = Extra(shared, ranks, files)
+    keys = [(t.file, t.tensor) for t in extra.tensors()]
+    _expect(len(set(keys)) == len(keys), "two extra tensors are stored under one file key")
+    unlisted = sorted({t.file for t in extra.tensors()} - set(names))
+    _expect(not unlisted, f"extra tensors name unlisted file(s) {unlisted}")
+    owners = [f for _, tree in extra.trees() for f in {t.file for t in tree.tensors}]
+    _expect(len(set(owners)) == len(owners), "two trees of extra share a file")
+    return extra
+
+
+def _extra_values(raw: Any, where: str) -> ExtraValues:
+    _expect(isinstance(raw, dict) and set(raw) == {"values", "tensors"}, f"{where}: bad fields")
+    _expect(isinstance(raw["tensors"], list), f"{where}: tensors must be a list")
+    values, tensors = raw["values"], []
+    paths = set()
+    for item in raw["tensors"]:
+        _expect(
+            isinstance(item, dict) and set(item) == set(_EXTRA_TENSOR_FIELDS),
+            f"{where}: a tensor entry must have exactly the fields {list(_EXTRA_TENSOR_FIELDS)}",
+        )
+        for name in ("path", "shape", "checksums"):
+            _expect(isinstance(item[name], list), f"{where}: a tensor's {name} must be a list")
+        path = tuple(item["path"])
+        _expect(bool(path), f"{where}: a tensor with an empty path (the values are a dict)")
+        for step in path:
+            _expect(
+                isinstance(step, str) or (isinstance(step, int) and not isinstance(step, bool)),
+                f"{where}: tensor path {list(path)} holds {step!r}",
+            )
+        _expect(path not in paths, f"{where}: two tensors at {list(path)}")
+        _expect(_holds_null(values, path), f"{where}: tensor path {list(path)} is not a null")
+        paths.add(path)
+        dtype = _str(item["dtype"])
+        _expect(dtype in DTYPE_BYTES, f"{where} {list(path)}: unknown dtype {dtype!r}")
+        tensor = ExtraTensor(
+            path=path,
+            file=_safe_name(item["file"]),
+            tensor=_str(item["tensor"]),
+            dtype=dtype,
+            shape=tuple(_nonneg_int(n) for n in item["shape"]),
+            checksums=tuple(_digest(c) for c in item["checksums"]),
+            chunk_bytes=_pos_int_value(item["chunk_bytes"]),
+        )
+        _expect(
+            len(tensor.checksums) == -(-tensor.nbytes // tensor.chunk_bytes),
+            f"{where} {list(path)}: {len(tensor.checksums)} checksums for {tensor.nbytes} bytes",
+        )
+        tensors.append(tensor)
+    return ExtraValues(values, tuple(tensors))
+
+
+_EXTRA_TENSOR_FIELDS = ("path", "file", "tensor", "dtype", "shape", "checksums", "chunk_bytes")
+
+
+def _holds_null(values: Any, path: ValuePath) -> bool:
+    """Whether ``path`` leads to a ``null`` in ``values``."""
+    for step in path:
+        if (isinstance(values, dict) and isinstance(step, str) and step in values) or (
+            isinstance(values, list) and isinstance(step, int) and 0 <= step < len(values)
+        ):
+            values = values[step]
+        else:
+            return False
+    return values is None
 
 
 def piece_to_json(piece: Piece) -> dict[str, Any]:

@@ -22,6 +22,7 @@ the target, manifest last, and swapped in atomically (:func:`muonckpt.storage.sw
 
 from __future__ import annotations
 
+import json
 import math
 import multiprocessing as mp
 import os
@@ -46,6 +47,9 @@ from .manifest import (
     PER_RANK,
     STATE_STEM,
     VALUE_STEM,
+    Extra,
+    ExtraTensor,
+    ExtraValues,
     Manifest,
     Rename,
     converted_manifest,
@@ -335,14 +339,22 @@ def _write(
             return data
         return storage.tensor_of_bytes(data, w.dtype).mul_(w.scale)
 
+    carried: list[Extra | None] = []  # the job's own state, copied by the root
+
+    def carry(staging: Path) -> None:
+        carried.append(_copy_extra(directory, manifest, staging))
+
     def finished(reports: writing.Reports) -> Manifest:
-        return replace(job.manifest, files=tuple(reports.files), pieces=tuple(reports.pieces))
+        files, pieces = tuple(reports.files), tuple(reports.pieces)
+        return replace(job.manifest, files=files, pieces=pieces, extra=carried[0])
 
     if not collective:
 
         def write(staging: Path) -> writing.Written:
             with PieceReader(directory, manifest, reuse_outputs=2) as reader:
-                return writing.write_files(plan, staging, lambda w: fetch(reader, w), progress)
+                written = writing.write_files(plan, staging, lambda w: fetch(reader, w), progress)
+            carry(staging)
+            return written
 
         return writing.write_checkpoint(
             writing.LocalSteps(),
@@ -377,10 +389,34 @@ def _write(
         overwrite=overwrite,
         write=write_share,
         manifest=finished,
-        create=lambda staging: writing.create_shared(plan, staging),
+        create=lambda staging: (writing.create_shared(plan, staging), carry(staging)),
         seal=lambda staging: writing.seal_shared(plan, staging),
         source=directory,
     )
+
+
+def _copy_extra(directory: Path, manifest: Manifest, staging: Path) -> Extra | None:
+    """The training job's own state of the checkpoint in ``directory``, copied unchanged into
+    ``staging`` (every tensor read verified, written as a save writes it)."""
+    extra = manifest.extra
+    if extra is None:
+        return None
+    trees, files = [], []
+    with PieceReader(directory, manifest) as reader:
+        for what, tree in extra.trees():
+            stored: list[ExtraTensor] = []
+            for file in dict.fromkeys(t.file for t in tree.tensors):
+                items = [
+                    (t.path, t.dtype, t.shape, reader.read_extra(t, what))
+                    for t in tree.tensors
+                    if t.file == file
+                ]
+                copied, entry = writing.write_extra(staging, file, tree.values, items)
+                stored += copied.tensors
+                files += [entry] if entry is not None else []
+            trees.append(ExtraValues(tree.values, tuple(stored)))
+    shared = trees.pop(0) if extra.shared is not None else None
+    return Extra(shared, tuple(trees), tuple(files))
 
 
 def _scaled(progress: Progress, total: int, tensors: int) -> Progress:
@@ -529,6 +565,7 @@ def summarize(src: str | os.PathLike[str]) -> dict[str, Any]:
         "format_version": manifest.format_version,
         "topology": dict(manifest.topology),
         "step": checkpoint_step(manifest),
+        "extra": _extra_summary(manifest),
         "groups": [
             {"hyperparams": dict(g.hyperparams), "params": list(g.params)} for g in manifest.groups
         ],
@@ -548,6 +585,29 @@ def summarize(src: str | os.PathLike[str]) -> dict[str, Any]:
             "files": len(manifest.files),
             "pieces": len(manifest.pieces),
         },
+    }
+
+
+def _extra_summary(manifest: Manifest) -> dict[str, Any] | None:
+    """The job's own state for ``inspect``: ``extra``'s values, each tensor as ``"<tensor
+    DTYPE [shape]>"``, and how many ranks saved ``rank_extra`` with rank 0's values so shown."""
+    extra = manifest.extra
+    if extra is None:
+        return None
+
+    def shown(tree: ExtraValues) -> Any:
+        values = json.loads(json.dumps(tree.values))
+        for t in tree.tensors:
+            holder = values
+            for step in t.path[:-1]:
+                holder = holder[step]
+            holder[t.path[-1]] = f"<tensor {t.dtype} {list(t.shape)}>"
+        return values
+
+    return {
+        "values": None if extra.shared is None else shown(extra.shared),
+        "ranks": len(extra.ranks),
+        "rank_0_values": shown(extra.ranks[0]) if extra.ranks else None,
     }
 
 

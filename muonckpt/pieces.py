@@ -26,6 +26,8 @@ from .manifest import (
     MANIFEST_NAME,
     MODEL_INDEX_FILE,
     PER_RANK,
+    ExtraTensor,
+    FileEntry,
     Manifest,
     ParamEntry,
     Piece,
@@ -108,12 +110,21 @@ def changed_while_reading(directory: Path, manifest: Manifest) -> CheckpointErro
         now = read_manifest(directory)
     except CheckpointError:
         now = None
-    if now is not None and (now.files, now.pieces) == (manifest.files, manifest.pieces):
+    if now is not None and (now.files, now.pieces, now.extra) == (
+        manifest.files,
+        manifest.pieces,
+        manifest.extra,
+    ):
         return None
     return CheckpointError(
         "the checkpoint changed while reading (another writer replaced it): read it again",
         path=directory / MANIFEST_NAME,
     )
+
+
+def all_files(manifest: Manifest) -> tuple[FileEntry, ...]:
+    """The data files of the optimizer's state and params, then those of ``extra``."""
+    return manifest.files + (manifest.extra.files if manifest.extra is not None else ())
 
 
 def size_problems(manifest: Manifest, directory: Path) -> list[CheckpointError]:
@@ -128,7 +139,9 @@ def size_problems(manifest: Manifest, directory: Path) -> list[CheckpointError]:
     for piece in manifest.pieces:
         itemsize = storage.itemsize(manifest.param(piece.param).dtype_of(piece.key))
         claimed[piece.file] = claimed.get(piece.file, 0) + piece.region.numel * itemsize
-    for entry in manifest.files:
+    for tensor in manifest.extra.tensors() if manifest.extra is not None else ():
+        claimed[tensor.file] = claimed.get(tensor.file, 0) + tensor.nbytes
+    for entry in all_files(manifest):
         path = directory / entry.name
         if path.is_symlink():
             problems.append(
@@ -172,7 +185,7 @@ class PieceReader:
         self.manifest = manifest
         self._stack = ExitStack()
         self._readers: dict[str, storage.SafetensorsReader] = {}
-        self._sizes = {f.name: f.bytes for f in manifest.files}
+        self._sizes = {f.name: f.bytes for f in all_files(manifest)}
         self._ring = [np.empty(0, dtype=np.uint8) for _ in range(reuse_outputs)]
         self._turn = 0
 
@@ -223,6 +236,36 @@ class PieceReader:
                 param=piece.param,
             )
         return record
+
+    def check_extra(self, tensor: ExtraTensor, what: str) -> storage.TensorRecord:
+        """The header of a tensor of ``extra`` (``what``: ``extra``, ``rank_extra[3]``) as
+        the manifest describes it."""
+        reader = self.reader(tensor.file)
+        where = f"{what} {list(tensor.path)}"
+        if tensor.tensor not in reader:
+            raise CheckpointError(f"{where}: tensor {tensor.tensor!r} missing", path=reader.path)
+        record = reader.record(tensor.tensor)
+        if (record.dtype, tuple(record.shape)) != (tensor.dtype, tensor.shape):
+            raise CheckpointError(
+                f"{where}: header says {record.dtype} {list(record.shape)}, the manifest "
+                f"{tensor.dtype} {list(tensor.shape)}",
+                path=reader.path,
+            )
+        return record
+
+    def read_extra(self, tensor: ExtraTensor, what: str) -> np.ndarray:
+        """The bytes of a tensor of ``extra``, checksums verified."""
+        record = self.check_extra(tensor, what)
+        out = np.empty(record.nbytes, dtype=np.uint8)
+        whole = Strided(src=0, dst=0, length=record.numel, count=1, src_step=0, dst_step=0)
+        self.reader(tensor.file).read_groups(
+            tensor.tensor,
+            memoryview(out),
+            [whole],
+            checksums=tensor.checksums,
+            chunk_bytes=tensor.chunk_bytes,
+        )
+        return out
 
     def gather(
         self, pieces: Sequence[Piece], entry: ParamEntry, key: str, target: Region
@@ -282,7 +325,7 @@ def verify(path: str | os.PathLike[str]) -> list[CheckpointError]:
         CheckpointError(p, path=directory / MANIFEST_NAME) for p in manifest.coverage_problems()
     ]
     problems += _topology_problems(manifest, directory)
-    known = {f.name for f in manifest.files} | {MANIFEST_NAME, INDEX_FILE, MODEL_INDEX_FILE}
+    known = {f.name for f in all_files(manifest)} | {MANIFEST_NAME, INDEX_FILE, MODEL_INDEX_FILE}
     for entry in sorted(directory.iterdir()):
         if entry.name not in known:
             problems.append(CheckpointError("unknown file in the checkpoint directory", path=entry))
@@ -300,6 +343,15 @@ def verify(path: str | os.PathLike[str]) -> list[CheckpointError]:
                 reader.reader(piece.file).verify(piece.tensor, piece.checksums, piece.chunk_bytes)
             except CheckpointError as exc:
                 problems.append(exc)
+        for what, tree in manifest.extra.trees() if manifest.extra is not None else ():
+            for tensor in tree.tensors:
+                try:
+                    reader.check_extra(tensor, what)
+                    reader.reader(tensor.file).verify(
+                        tensor.tensor, tensor.checksums, tensor.chunk_bytes
+                    )
+                except CheckpointError as exc:
+                    problems.append(exc)
     return _unique(problems)
 
 

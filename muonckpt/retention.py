@@ -25,8 +25,11 @@ from .pieces import read_manifest, size_problems
 
 
 def checkpoint_step(manifest: Manifest) -> int | None:
-    """The training step a checkpoint holds: its groups' step counter, else the largest of its
-    params' own counts (torch's AdamW counts per param); None when it records none."""
+    """The training step a checkpoint holds: the step its save recorded (``extra["step"]``, or
+    the optimizer's count), else its groups' step counter, else the largest of its params' own
+    counts (torch's AdamW counts per param); None when it records none."""
+    if manifest.recorded_step is not None:
+        return manifest.recorded_step
     if manifest.step is not None:
         return manifest.step
     try:

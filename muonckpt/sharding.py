@@ -14,7 +14,8 @@ optimizer needs; they live in :mod:`muonckpt.collectives`. No file I/O here.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import weakref
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -93,8 +94,9 @@ class ShardedParams:
     def params_to_model(self) -> None:
         """Copy the optimizer's shards back into the model's params: all-gather each bucket over
         DP (one collective per bucket) and, for full model params split by TP, each split param
-        over TP. Call on every rank of the grid after ``opt.step()``, and after
-        :func:`muonckpt.load`, so that every rank's model holds the same, current weights.
+        over TP. Call on every rank of the grid after ``opt.step()``, so that every rank's model
+        holds the same, current weights. :func:`muonckpt.load` calls it itself for a
+        :class:`ShardedParams` built by :func:`shard_for_groups` (:func:`following`).
         """
         shards = self.shards()
         dp = self.layout.topology.dp
@@ -265,7 +267,27 @@ def shard_for_groups(
     dp_rank, tp_rank = collectives.group_rank(dp_group), collectives.group_rank(tp_group)
     sharded = shard_param_groups(groups, topology, dp_rank, tp_rank, **kwargs)
     sharded.dp_group, sharded.tp_group = dp_group, tp_group
+    for shard in sharded.shards():
+        _FOLLOWED[id(shard)] = sharded
     return sharded
+
+
+_FOLLOWED: weakref.WeakValueDictionary[int, ShardedParams] = weakref.WeakValueDictionary()
+"""Per optimizer shard (by id), the :class:`ShardedParams` from :func:`shard_for_groups` that
+holds it, and whose model params therefore follow it. An entry lives as long as its
+``ShardedParams``, which holds the shard: an id is never another tensor's meanwhile."""
+
+
+def following(params: Iterable[torch.Tensor]) -> list[ShardedParams]:
+    """The :class:`ShardedParams` built by :func:`shard_for_groups` whose shards are among
+    ``params`` (an optimizer's), each once, in order of first appearance: the models that
+    :meth:`ShardedParams.params_to_model` must update after those params are loaded."""
+    found: dict[int, ShardedParams] = {}
+    for p in params:
+        sharded = _FOLLOWED.get(id(p))
+        if sharded is not None:
+            found.setdefault(id(sharded), sharded)
+    return list(found.values())
 
 
 def shard_tensor(

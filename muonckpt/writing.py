@@ -32,7 +32,18 @@ from typing import Any, Protocol, TypeVar
 
 from . import storage
 from .errors import CheckpointError, CheckpointWarning, MuonCkptError
-from .manifest import MANIFEST_NAME, FileEntry, Manifest, Piece, piece_from_json, piece_to_json
+from .manifest import (
+    FORMAT_NAME,
+    MANIFEST_NAME,
+    ExtraTensor,
+    ExtraValues,
+    FileEntry,
+    Manifest,
+    Piece,
+    ValuePath,
+    piece_from_json,
+    piece_to_json,
+)
 from .steps import Outcome, StepProtocol, disagreement
 from .workplan import WorkUnit, split_work
 from .writeplan import TensorWrite, WritePlan
@@ -404,6 +415,35 @@ def _sums(record: storage.TensorRecord) -> tuple[tuple[str, ...], int]:
 
 def _written(files: list[str], writes: Sequence[TensorWrite], pieces: list[Piece]) -> Written:
     return Written(files, pieces, {(w.param, w.key): w.dtype for w in writes})
+
+
+def write_extra(
+    staging: Path,
+    file: str,
+    values: Any,
+    tensors: Sequence[tuple[ValuePath, str, tuple[int, ...], Any]],
+) -> tuple[ExtraValues, FileEntry | None]:
+    """One tree of the training job's own values (``extra``, or a rank's ``rank_extra``): its
+    tensors (path, dtype, shape, data: a tensor, or its raw bytes) into ``file``, none when it
+    has no tensor; the tree as the manifest records it, and the file."""
+    if not tensors:
+        return ExtraValues(values), None
+    keys: dict[str, tuple[ValuePath, str, tuple[int, ...], Any]] = {}
+    for item in tensors:
+        key = "extra." + ".".join(map(str, item[0]))
+        while key in keys:  # paths whose parts hold dots may meet: a key of its own
+            key += "_"
+        keys[key] = item
+    specs = {key: (dtype, shape) for key, (_, dtype, shape, _) in keys.items()}
+    with storage.SafetensorsWriter(staging / file, specs, {"format": FORMAT_NAME}) as out:
+        for key in sorted(keys):
+            out.write(key, keys[key][3])
+        records = out.commit()
+    stored = tuple(
+        ExtraTensor(path, file, key, dtype, shape, records[key].checksums, records[key].chunk_bytes)
+        for key, (path, dtype, shape, _) in keys.items()
+    )
+    return ExtraValues(values, stored), FileEntry(file, storage.file_size(staging / file))
 
 
 def shared_files(plan: WritePlan, staging: Path) -> dict[str, storage.SharedSafetensorsFile]:

@@ -50,6 +50,7 @@ def test_readme_training_loop_trains_saves_and_resumes(tmp_path):
     assert sorted(p.name for p in ckpt.iterdir()) == ["step-20", "step-30"]
     assert muonckpt.verify(ckpt / "step-30") == []
     assert muonckpt.read_manifest(ckpt / "step-30").step == 30
+    assert muonckpt.read_manifest(ckpt / "step-30").recorded_step == 30  # extra={"step": 30}
     assert muonckpt.latest(ckpt) == ckpt / "step-30"
     resumed = run(resume, tmp_path)
     assert len(resumed) == 10  # steps 31 to 40: it went on from step 30
