@@ -81,6 +81,11 @@ class SafetensorsReader:
             self.close()
             raise
 
+    @property
+    def opened(self) -> os.stat_result:
+        """The file's ``fstat`` when this reader opened it."""
+        return self._opened
+
     def _fail(self, message: str, param: str | None = None) -> CheckpointError:
         return CheckpointError(message, path=self.path, param=param)
 
