@@ -612,41 +612,75 @@ def latest(
     typer.echo(str(found))
 
 
+DIFF_COLUMNS = ("param", "state key", "max abs", "max rel", "equal")
+
+
+def _diff_cells(r: dict[str, Any]) -> tuple[str, ...]:
+    """One diff row as printable text cells."""
+    verdict = "bitwise" if r.get("bitwise") else "yes" if r["equal"] else "NO"
+    if r["note"]:
+        verdict = f"{verdict}: {r['note']}" if r["max_abs"] is not None or r["equal"] else r["note"]
+    return (
+        _printable(r["param"]),
+        _printable(r["key"] or "-"),
+        "-" if r["max_abs"] is None else f"{r['max_abs']:.3g}",
+        "-" if r["max_rel"] is None else f"{r['max_rel']:.3g}",
+        _printable(verdict),
+    )
+
+
 @app.command()
 def diff(
+    ctx: typer.Context,
     a: Annotated[Path, typer.Argument(metavar="A", help="First checkpoint.", show_default=False)],
     b: Annotated[Path, typer.Argument(metavar="B", help="Second checkpoint.", show_default=False)],
     atol: Annotated[float, typer.Option(min=0.0, help="Absolute tolerance.")] = 0.0,
     rtol: Annotated[float, typer.Option(min=0.0, help="Relative tolerance (of B).")] = 0.0,
+    quiet: Annotated[
+        bool,
+        typer.Option(
+            "--quiet", "-q", help="Print only the rows that differ, then the summary line."
+        ),
+    ] = False,
 ) -> None:
-    """Compare two checkpoints of any kinds and topologies tensor by tensor.
+    """Compare two checkpoints of any kinds, topologies and Muon implementations tensor by
+    tensor (momentum of another form is converted as load converts it, and the row says so).
 
     Exit 1 when any tensor differs beyond the tolerances. Example: muonckpt diff ckpt/a ckpt/b
+
+    Only the differences: muonckpt diff ckpt/a ckpt/b --quiet
     """
     from . import offline
 
-    rows = offline.diff(a, b, atol=atol, rtol=rtol)
-    table = Table(show_edge=False)
-    for column in ("param", "state key"):
-        table.add_column(column)
-    for column in ("max abs", "max rel"):
-        table.add_column(column, justify="right")
-    table.add_column("equal")
-    for r in rows:
-        table.add_row(
-            _cell(r["param"]),
-            _cell(r["key"] or "-"),
-            "-" if r["max_abs"] is None else f"{r['max_abs']:.3g}",
-            "-" if r["max_rel"] is None else f"{r['max_rel']:.3g}",
-            _cell(r["note"] or ("bitwise" if r.get("bitwise") else "yes" if r["equal"] else "NO")),
-        )
+    only_differences = quiet or _quiet(ctx)
     console = _out()
-    console.print(table)
-    bad = [r for r in rows if not r["equal"]]
-    if bad:
-        console.print(f"{len(bad)} of {len(rows)} tensor(s) differ", markup=False)
+    kept: list[tuple[str, ...]] = []
+    total = differ = 0
+    streaming = False  # past TABLE_ROWS rows: plain tab-separated lines, as they come
+    for r in offline.iter_diff(a, b, atol=atol, rtol=rtol):
+        total += 1
+        differ += not r["equal"]
+        if only_differences and r["equal"]:
+            continue
+        cells = _diff_cells(r)
+        if streaming:
+            typer.echo("\t".join(cells))
+            continue
+        kept.append(cells)
+        if len(kept) > TABLE_ROWS:
+            typer.echo("\n".join("\t".join(row) for row in [DIFF_COLUMNS, *kept]))
+            kept, streaming = [], True
+    if kept:
+        table = Table(show_edge=False)
+        for column in DIFF_COLUMNS:
+            table.add_column(column, justify="right" if column.startswith("max") else "left")
+        for cells in kept:
+            table.add_row(*map(escape, cells))
+        console.print(table)
+    if differ:
+        console.print(f"{differ} of {total} tensor(s) differ", markup=False)
         raise typer.Exit(PROBLEM)
-    console.print(f"all {len(rows)} tensor(s) equal", markup=False)
+    console.print(f"all {total} tensor(s) equal", markup=False)
 
 
 @app.command()
