@@ -1,10 +1,12 @@
 """The ``muonckpt`` command line: a thin typer layer over :mod:`muonckpt.offline`.
 
 Exit codes: 0 ok; 1 a problem was found (``verify``, ``diff``, ``demo``) or nothing was
-(``latest``); 2 bad usage or an unreadable input; 128 + the signal number when interrupted
-(130 SIGINT, 143 SIGTERM, 129 SIGHUP). Every :class:`~muonckpt.errors.MuonCkptError` becomes
-one ``error: ...`` line on stderr (a traceback only with ``--debug``), in
-:class:`_Group.invoke` alone.
+(``latest``); 2 bad usage or an unreadable input; 3 committed: the output is a whole new
+checkpoint, but the command was interrupted while cleaning up after the commit (what is left
+of a replaced checkpoint, ``muonckpt clean`` removes); 128 + the signal number when
+interrupted before the commit (130 SIGINT, 143 SIGTERM, 129 SIGHUP). Every
+:class:`~muonckpt.errors.MuonCkptError` becomes one ``error: ...`` line on stderr (a traceback
+only with ``--debug``), in :class:`_Group.invoke` alone.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from rich.markup import escape
 from rich.table import Table
 from typer.core import TyperGroup
 
-from .errors import CheckpointError, CheckpointWarning, MuonCkptError
+from .errors import CheckpointError, CheckpointWarning, MuonCkptError, committed_path
 
 if TYPE_CHECKING:
     from .offline import Progress
@@ -37,7 +39,7 @@ if TYPE_CHECKING:
 # at once; torch (~2.7 s to import on the benchmark machine) only by those that need it:
 # consolidate and reshard in one process, inspect and verify run without it.
 
-OK, PROBLEM, USAGE = 0, 1, 2
+OK, PROBLEM, USAGE, COMMITTED = 0, 1, 2, 3
 
 _UNITS = {
     "": 1,
@@ -73,7 +75,8 @@ class _Group(TyperGroup):
 
     Also: an interruption (Ctrl-C, or SIGTERM / SIGHUP under :func:`main`) becomes ``error:
     interrupted`` and exit code 128 + the signal's number (130, 143, 129), after the command's
-    own cleanup has run (its staging directory removed, its worker processes killed); a
+    own cleanup has run (its staging directory removed, its worker processes killed); after
+    the commit, ``committed: ...`` and exit code 3 (the output is whole); a
     :class:`~muonckpt.errors.CheckpointWarning` becomes one ``warning: ...`` line. ``--debug``
     shows the tracebacks as well.
     """
@@ -88,6 +91,13 @@ class _Group(TyperGroup):
         except KeyboardInterrupt as exc:
             if debug():
                 traceback.print_exc()
+            committed = committed_path(exc)
+            if committed is not None:
+                _stderr_line(
+                    f"committed: {committed} is complete; interrupted while cleaning up "
+                    "(muonckpt clean removes what is left of a replaced checkpoint)"
+                )
+                ctx.exit(COMMITTED)
             _stderr_line("error: interrupted")
             ctx.exit(128 + getattr(exc, "signum", signal.SIGINT))
         except (MuonCkptError, OSError) as exc:

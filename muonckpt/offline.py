@@ -415,6 +415,7 @@ def _spawn(
 
     storage.check_target(dst, options["overwrite"], source=src)
     token = uuid.uuid4().hex[:8]
+    committed = mp.get_context("forkserver").Value("b", 0)  # rank 0 sets it at the swap
     queue = mp.get_context("forkserver").Queue() if progress is not None else None
     relay = threading.Thread(target=_relay, args=(queue, progress), daemon=True)
     if queue is not None:
@@ -429,12 +430,15 @@ def _spawn(
             options,
             queue,
             token,
+            committed,
             timeout=None,
             wait_timeout=WORKER_TIMEOUT,
         )
-    except BaseException:
-        storage.discard(storage.staging_path(dst, token))
-        raise
+    except BaseException as exc:
+        storage.discard(storage.staging_path(dst, token))  # after the swap: the replaced one
+        if not committed.value:
+            raise
+        return writing.after_commit(exc, Path(dst))  # a worker died, or we were interrupted
     finally:
         if queue is not None:
             queue.put(None)
@@ -447,7 +451,9 @@ def _spawn(
         error = CheckpointError(failed[0]["error"])
         if hasattr(error, "add_note"):  # Python 3.11+: shown with the traceback (--debug)
             error.add_note(f"the worker's traceback:\n{failed[0].get('traceback', '')}")
-        raise error
+        if not committed.value:
+            raise error
+        return writing.after_commit(error, Path(dst))
     return Path(dst)
 
 
@@ -463,12 +469,14 @@ def _worker(
     options: dict[str, Any],
     queue: Any,
     token: str,
+    committed: Any,
 ) -> dict[str, Any]:
     """(one of the ``workers`` processes) Its part of the collective operation.
 
-    Rank 0 stages at the path ``token`` names, and if the parent dies (the lifeline of
-    :mod:`muonckpt.launch`) it first makes sure it never commits, then removes that staging
-    directory, then dies.
+    Rank 0 stages at the path ``token`` names, sets ``committed`` (a shared flag) the moment
+    it commits (so that the parent reports a commit even if rank 0 is killed right after), and
+    if the parent dies (the lifeline of :mod:`muonckpt.launch`) it first makes sure it never
+    commits, then removes that staging directory, then dies.
     """
     import traceback
     import warnings
@@ -484,6 +492,11 @@ def _worker(
             storage.discard(staging)
 
         launch.on_orphaned(abandon)
+
+        def mark() -> None:
+            committed.value = 1
+
+        storage.watch_commit(dst, mark)
     progress = None if queue is None else lambda *update: queue.put(update)
     outcome: dict[str, Any] = {}
     with warnings.catch_warnings(record=True) as caught:

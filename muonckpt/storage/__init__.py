@@ -42,6 +42,8 @@ from .transaction import (
     retire,
     staging_path,
     swap_in,
+    unwatch_commit,
+    watch_commit,
 )
 
 __all__ = [
@@ -76,6 +78,8 @@ __all__ = [
     "swap_in",
     "tensor_of_bytes",
     "torch_dtype",
+    "unwatch_commit",
+    "watch_commit",
     "write_safetensors",
     "write_text_atomic",
 ]
