@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import sys
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -83,7 +84,7 @@ def rank_file(rank: int, world_size: int) -> str:
     return f"rank-{rank:05d}-of-{world_size:05d}.safetensors"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Scalar:
     """A state value that is not a tensor shaped like its param: a plain number, or a 0-d tensor
     (torch keeps AdamW's ``step`` so), stored in the manifest itself."""
@@ -93,7 +94,7 @@ class Scalar:
     """safetensors dtype of a 0-d tensor; None for a plain Python number."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ParamEntry:
     """One param of the optimizer that was saved."""
 
@@ -146,7 +147,7 @@ class GroupEntry:
     empty when unknown (version 1)."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Piece:
     """One stored tensor: a region of one param's state tensor, in one file."""
 
@@ -162,7 +163,7 @@ class Piece:
     chunk_bytes: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class FileEntry:
     name: str
     bytes: int
@@ -379,7 +380,7 @@ def _manifest_from(body: Any) -> Manifest:
     )
     params = tuple(
         ParamEntry(
-            name=_str(p["name"]),
+            name=sys.intern(_str(p["name"])),
             shape=tuple(_nonneg_int(s) for s in p["shape"]),
             tp_split_dim=_int(p["tp_split_dim"]),
             group=_nonneg_int(p["group"]),
@@ -416,7 +417,11 @@ def _manifest_from(body: Any) -> Manifest:
     files = tuple(FileEntry(_safe_name(f["name"]), _nonneg_int(f["bytes"])) for f in body["files"])
     file_names = {f.name for f in files}
     pieces = []
-    for raw in body["pieces"]:
+    raw_pieces = body["pieces"]
+    body["pieces"] = None
+    _expect(isinstance(raw_pieces, list), "pieces must be a list")
+    for index, raw in enumerate(raw_pieces):
+        raw_pieces[index] = None  # each raw piece freed once read: peak memory is not both
         piece = piece_from_json(raw)
         _expect(
             piece.file in file_names, f"piece {piece.tensor!r} names unlisted file {piece.file!r}"
@@ -461,7 +466,10 @@ def piece_to_json(piece: Piece) -> dict[str, Any]:
 
 
 def piece_from_json(raw: Mapping[str, Any]) -> Piece:
-    """A schema-checked :class:`Piece` from its JSON form (as in ``manifest.json``)."""
+    """A schema-checked :class:`Piece` from its JSON form (as in ``manifest.json``).
+
+    Its param, key and file names are interned: a manifest of 100k params repeats each file
+    name in every piece, which would otherwise be a string per piece."""
     region = Region(
         **{
             k: _nonneg_int(raw["region"][k])
@@ -469,9 +477,9 @@ def piece_from_json(raw: Mapping[str, Any]) -> Piece:
         }
     )
     return Piece(
-        param=_str(raw["param"]),
-        key=_str(raw["key"]),
-        file=_safe_name(raw["file"]),
+        param=sys.intern(_str(raw["param"])),
+        key=sys.intern(_str(raw["key"])),
+        file=sys.intern(_safe_name(raw["file"])),
         tensor=_str(raw["tensor"]),
         region=region,
         checksums=tuple(_digest(c) for c in raw["checksums"]),
@@ -491,7 +499,10 @@ def _check_region(entry: ParamEntry, region: Region, tensor: str) -> None:
         ok = rows >= 0 and region.stop <= rows * region.block_width
     if ok and region.numel and region.block_width != region.cols:
         ok = region.cols == matrix_view(entry.shape, entry.tp_split_dim)[1]
-    _expect(ok, f"piece {tensor!r}: region {asdict(region)} lies outside param shape {entry.shape}")
+    if not ok:
+        raise CheckpointError(
+            f"piece {tensor!r}: region {asdict(region)} lies outside param shape {entry.shape}"
+        )
 
 
 def _hyperparams(raw: Any) -> dict[str, Any]:
@@ -509,7 +520,7 @@ def _dtypes(raw: Mapping[str, Any], version: int) -> dict[str, str]:
         return {k: _str(raw["dtype"]) for k in keys}
     dtypes = raw["dtypes"]
     _expect(isinstance(dtypes, dict), "dtypes must map stored keys to dtype strings")
-    return {_str(k): _str(v) for k, v in dtypes.items()}
+    return {sys.intern(_str(k)): sys.intern(_str(v)) for k, v in dtypes.items()}
 
 
 def _scalars(raw: Any) -> dict[str, Scalar]:

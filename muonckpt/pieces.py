@@ -152,7 +152,7 @@ class PieceReader:
         self.directory = directory
         self.manifest = manifest
         self._cache = storage.ReaderCache(open_files)
-        self._checked: set[str] = set()
+        self._paths: dict[str, Path] = {}
         self._sizes = {f.name: f.bytes for f in manifest.files}
         self._ring = [np.empty(0, dtype=np.uint8) for _ in range(reuse_outputs)]
         self._turn = 0
@@ -171,8 +171,9 @@ class PieceReader:
     def reader(self, file: str) -> storage.SafetensorsReader:
         """The open reader of data file ``file``; use it at once (it may be closed once other
         files were opened)."""
-        path = self.directory / file
-        if file not in self._checked:
+        path = self._paths.get(file)
+        if path is None:
+            path = self.directory / file
             if not path.is_file():
                 changed = changed_while_reading(self.directory, self.manifest)
                 raise changed or CheckpointError("missing data file", path=path)
@@ -183,7 +184,7 @@ class PieceReader:
                     " (truncated or replaced)",
                     path=path,
                 )
-            self._checked.add(file)
+            self._paths[file] = path
         return self._cache.get(path)
 
     def check_header(self, piece: Piece, entry: ParamEntry) -> storage.TensorRecord:

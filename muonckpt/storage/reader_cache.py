@@ -61,7 +61,7 @@ class ReaderCache:
 
     def get(self, path: str | os.PathLike[str]) -> SafetensorsReader:
         """The open reader of ``path`` (opened, or reopened and checked, when not cached)."""
-        path = Path(path)
+        path = path if isinstance(path, Path) else Path(path)
         with self._lock:
             reader = self._open.get(path)
             if reader is not None:
