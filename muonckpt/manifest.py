@@ -11,7 +11,7 @@ import math
 import re
 import sys
 from collections import defaultdict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -302,10 +302,13 @@ MAX_JSON_DEPTH = 32
 AdamW's ``betas`` one more each)."""
 
 
-def strict_json(text: str | bytes) -> Any:
+def strict_json(text: str | bytes, objects: Callable[[dict[str, Any]], Any] | None = None) -> Any:
     """``json.loads`` as the format requires: numbers finite (no ``NaN``, ``Infinity`` or a
     float that overflows to one), no key twice in an object, at most :data:`MAX_JSON_DEPTH`
-    levels. Raises ValueError otherwise."""
+    levels. Raises ValueError otherwise.
+
+    ``objects``, when given, turns each JSON object (a dict, innermost first) into what the
+    result holds instead, as it is parsed (so that 300k pieces are never all dicts at once)."""
 
     def finite(literal: str) -> float:
         value = float(literal)
@@ -322,7 +325,7 @@ def strict_json(text: str | bytes) -> Any:
             seen: set[str] = set()
             twice = sorted({key for key, _ in pairs if key in seen or seen.add(key)})
             raise ValueError(f"key(s) {twice[:3]} appear twice in one object")
-        return body
+        return body if objects is None else objects(body)
 
     body = json.loads(text, parse_float=finite, parse_constant=refuse, object_pairs_hook=unique)
     level, deepest = [body], 1
@@ -345,7 +348,7 @@ def _children(value: Any) -> list[Any]:
 def parse_manifest(text: str | bytes, source: object) -> Manifest:
     """Parse and schema-check a manifest; every problem is a :class:`CheckpointError`."""
     try:
-        body = strict_json(text)
+        body = strict_json(text, _parsed_piece)
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise CheckpointError(f"manifest is not valid JSON: {exc!r:.200}", path=source) from None
     try:
@@ -418,11 +421,9 @@ def _manifest_from(body: Any) -> Manifest:
     file_names = {f.name for f in files}
     pieces = []
     raw_pieces = body["pieces"]
-    body["pieces"] = None
     _expect(isinstance(raw_pieces, list), "pieces must be a list")
-    for index, raw in enumerate(raw_pieces):
-        raw_pieces[index] = None  # each raw piece freed once read: peak memory is not both
-        piece = piece_from_json(raw)
+    for raw in raw_pieces:
+        piece = raw if isinstance(raw, Piece) else piece_from_json(raw)
         _expect(
             piece.file in file_names, f"piece {piece.tensor!r} names unlisted file {piece.file!r}"
         )
@@ -509,7 +510,35 @@ def _hyperparams(raw: Any) -> dict[str, Any]:
     _expect(isinstance(raw, dict), "group hyperparams must be an object")
     if "step" in raw:
         _nonneg_int(raw["step"])
-    return dict(raw)
+    return _as_json(raw)
+
+
+_PIECE_FIELDS = ("param", "key", "file", "tensor", "region", "checksums", "chunk_bytes")
+
+
+def _parsed_piece(raw: dict[str, Any]) -> Any:
+    """(the objects hook of :func:`strict_json` for a manifest) A piece, made as soon as its
+    object is parsed: a manifest of 100k params holds 300k of them, and a dict each, all alive
+    at once, was most of the memory a reader needed. Anything else, and a piece-shaped object
+    that is not a valid piece, stays a dict (checked where it is used)."""
+    if len(raw) != len(_PIECE_FIELDS) or any(k not in raw for k in _PIECE_FIELDS):
+        return raw
+    try:
+        return piece_from_json(raw)
+    except (CheckpointError, KeyError, TypeError, ValueError, AttributeError):
+        return raw
+
+
+def _as_json(value: Any) -> Any:
+    """``value`` with any :class:`Piece` the parser made of a piece-shaped object (found where
+    no piece belongs: a hyperparameter) back in its JSON form."""
+    if isinstance(value, Piece):
+        return piece_to_json(value)
+    if isinstance(value, dict):
+        return {k: _as_json(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_as_json(v) for v in value]
+    return value
 
 
 def _dtypes(raw: Mapping[str, Any], version: int) -> dict[str, str]:
@@ -594,7 +623,7 @@ def _group_optimizer(value: Any) -> dict[str, Any]:
             f"group optimizer momentum must be in [0, 1) for its momentum_form, got {mu!r}",
         )
     _expect(value.get("nesterov") in (True, False, None), "group optimizer nesterov: a bool")
-    return dict(value)
+    return _as_json(value)
 
 
 def _expect(condition: bool, message: str) -> None:
