@@ -1,4 +1,5 @@
-"""Cost against the number of params: save, inspect, verify, load and consolidate at 1k to 100k.
+"""Cost against the number of params: save, inspect, verify, load, consolidate, reshard and diff
+at 1k to 100k params, in time and peak memory.
 
     python benchmarks/bench_scale.py                       # 1k and 10k params
     python benchmarks/bench_scale.py --params 1000 --params 10000 --params 100000 --json out.json
@@ -14,6 +15,14 @@ operation alone (interpreter start, imports and, for load, building the optimize
 ``verify``       :func:`muonckpt.verify` (every checksum)
 ``load``         :func:`muonckpt.load` into a fresh optimizer over the same params
 ``consolidate``  :func:`muonckpt.offline.consolidate` into a new directory
+``reshard``      :func:`muonckpt.offline.reshard` to dp=4 x tp=1 into a new directory
+``diff``         :func:`muonckpt.offline.iter_diff` of the checkpoint with itself, rows counted
+                 as they stream (every tensor read twice; what ``muonckpt diff`` does)
+
+Each child also reports its peak resident memory (``getrusage(RUSAGE_SELF).ru_maxrss``:
+interpreter, imports and, for load, the optimizer included; ``*-rss`` rows, MB) and its
+resident memory just before the operation (``OP base (MB)`` rows), so that the operation's own
+share is the difference.
 
 and the CLI commands ``muonckpt inspect``, ``muonckpt verify`` and ``muonckpt --quiet
 consolidate`` run once more as a user runs them, timed as whole commands (``*-cli`` rows:
@@ -37,7 +46,7 @@ import tempfile
 import time
 from pathlib import Path
 
-OPS = ("inspect", "verify", "load", "consolidate")
+OPS = ("inspect", "verify", "load", "consolidate", "reshard", "diff")
 CLI = {
     "inspect-cli": ["inspect", "{ck}"],
     "verify-cli": ["verify", "{ck}"],
@@ -88,7 +97,10 @@ def run_op(op: str, ck: Path, out: Path, n: int, profile: Path | None) -> dict[s
         "verify": lambda: muonckpt.verify(ck),
         "load": lambda: muonckpt.load(opt, ck),
         "consolidate": lambda: offline.consolidate(ck, out),
+        "reshard": lambda: offline.reshard(ck, out, dp=4, tp=1),
+        "diff": lambda: sum(not r["equal"] for r in offline.iter_diff(ck, ck)),
     }
+    base = _rss_mb()
     profiler = cProfile.Profile() if profile is not None else None
     start = time.perf_counter()
     if profiler is not None:
@@ -104,7 +116,26 @@ def run_op(op: str, ck: Path, out: Path, n: int, profile: Path | None) -> dict[s
         text = io.StringIO()
         pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(12)
         print(text.getvalue(), file=sys.stderr)
-    return {"op_s": elapsed}
+    if op == "diff" and result:
+        raise SystemExit("diff of a checkpoint with itself found differences")
+    return {"op_s": elapsed, "base_mb": base, "peak_mb": _peak_rss_mb()}
+
+
+def _rss_mb() -> float:
+    """This process's resident memory now, in MB (Linux /proc; 0 elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 1e6
+    except (OSError, ValueError):
+        return 0.0
+
+
+def _peak_rss_mb() -> float:
+    """This process's peak resident memory, in MB (``ru_maxrss``: KiB on Linux)."""
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 1e6 if sys.platform == "darwin" else peak * 1024 / 1e6
 
 
 def _child(args: list[str], timeout: float) -> dict | None:
@@ -139,6 +170,8 @@ def bench(sizes: list[int], root: Path, timeout: float, profile: Path | None) ->
     results: dict[str, dict[int, float | None]] = {"save": {}}
     for op in (*OPS, *CLI):
         results[op] = {}
+    for op in OPS:
+        results[f"{op} base (MB)"], results[f"{op} peak (MB)"] = {}, {}
     given_up: set[str] = set()
     for n in sizes:
         ck, out = root / f"ck-{n}", root / f"out-{n}"
@@ -151,7 +184,9 @@ def bench(sizes: list[int], root: Path, timeout: float, profile: Path | None) ->
         results["save"][n] = built["save_s"]
         for op in OPS:
             if op in given_up:
-                results[op][n] = None
+                results[op][n] = results[f"{op} base (MB)"][n] = results[f"{op} peak (MB)"][n] = (
+                    None
+                )
                 continue
             shutil.rmtree(out, ignore_errors=True)
             args = ["_op", op, str(ck), str(out), str(n)]
@@ -161,6 +196,8 @@ def bench(sizes: list[int], root: Path, timeout: float, profile: Path | None) ->
             print(f"[{n} params] {op} ...", file=sys.stderr, flush=True)
             got = _child(args, timeout)
             results[op][n] = None if got is None else got["op_s"]
+            results[f"{op} base (MB)"][n] = None if got is None else got["base_mb"]
+            results[f"{op} peak (MB)"][n] = None if got is None else got["peak_mb"]
             if got is None:
                 given_up.add(op)
         for name, argv in CLI.items():
@@ -178,7 +215,7 @@ def bench(sizes: list[int], root: Path, timeout: float, profile: Path | None) ->
 
 
 def _table(results: dict, sizes: list[int]) -> str:
-    head = ["operation", *(f"{n:,} params (s)" for n in sizes)]
+    head = ["operation (s, or MB)", *(f"{n:,} params" for n in sizes)]
     head += [f"growth / params {a:,}->{b:,}" for a, b in itertools.pairwise(sizes)]
     rows = [head, ["---"] * len(head)]
     for op, by_size in results.items():

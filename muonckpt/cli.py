@@ -1,10 +1,12 @@
 """The ``muonckpt`` command line: a thin typer layer over :mod:`muonckpt.offline`.
 
 Exit codes: 0 ok; 1 a problem was found (``verify``, ``diff``, ``demo``) or nothing was
-(``latest``); 2 bad usage or an unreadable input; 128 + the signal number when interrupted
-(130 SIGINT, 143 SIGTERM, 129 SIGHUP). Every :class:`~muonckpt.errors.MuonCkptError` becomes
-one ``error: ...`` line on stderr (after its traceback with ``--debug``, which never changes
-the exit code), in :class:`_Group.invoke` alone.
+(``latest``); 2 bad usage or an unreadable input; 3 committed: the output is a whole new
+checkpoint, but the command was interrupted while cleaning up after the commit (what is left
+of a replaced checkpoint, ``muonckpt clean`` removes); 128 + the signal number when
+interrupted before the commit (130 SIGINT, 143 SIGTERM, 129 SIGHUP). Every
+:class:`~muonckpt.errors.MuonCkptError` becomes one ``error: ...`` line on stderr (after its
+traceback with ``--debug``, which never changes the exit code), in :class:`_Group.invoke` alone.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from rich.markup import escape
 from rich.table import Table
 from typer.core import TyperGroup
 
-from .errors import CheckpointError, CheckpointWarning, MuonCkptError
+from .errors import CheckpointError, CheckpointWarning, MuonCkptError, committed_path
 
 if TYPE_CHECKING:
     from .offline import Progress
@@ -37,7 +39,7 @@ if TYPE_CHECKING:
 # at once; torch (~2.7 s to import on the benchmark machine) only by those that need it:
 # consolidate and reshard in one process, inspect and verify run without it.
 
-OK, PROBLEM, USAGE = 0, 1, 2
+OK, PROBLEM, USAGE, COMMITTED = 0, 1, 2, 3
 
 _UNITS = {
     "": 1,
@@ -73,7 +75,8 @@ class _Group(TyperGroup):
 
     Also: an interruption (Ctrl-C, or SIGTERM / SIGHUP under :func:`main`) becomes ``error:
     interrupted`` and exit code 128 + the signal's number (130, 143, 129), after the command's
-    own cleanup has run (its staging directory removed, its worker processes killed); a
+    own cleanup has run (its staging directory removed, its worker processes killed); after
+    the commit, ``committed: ...`` and exit code 3 (the output is whole); a
     :class:`~muonckpt.errors.CheckpointWarning` becomes one ``warning: ...`` line. ``--debug``
     shows the tracebacks as well.
     """
@@ -88,6 +91,13 @@ class _Group(TyperGroup):
         except KeyboardInterrupt as exc:
             if debug():
                 traceback.print_exc()
+            committed = committed_path(exc)
+            if committed is not None:
+                _stderr_line(
+                    f"committed: {committed} is complete; interrupted while cleaning up "
+                    "(muonckpt clean removes what is left of a replaced checkpoint)"
+                )
+                ctx.exit(COMMITTED)
             _stderr_line("error: interrupted")
             ctx.exit(128 + getattr(exc, "signum", signal.SIGINT))
         except (MuonCkptError, OSError) as exc:
@@ -769,41 +779,75 @@ def latest(
     typer.echo(str(found))
 
 
+DIFF_COLUMNS = ("param", "state key", "max abs", "max rel", "equal")
+
+
+def _diff_cells(r: dict[str, Any]) -> tuple[str, ...]:
+    """One diff row as printable text cells."""
+    verdict = "bitwise" if r.get("bitwise") else "yes" if r["equal"] else "NO"
+    if r["note"]:
+        verdict = f"{verdict}: {r['note']}" if r["max_abs"] is not None or r["equal"] else r["note"]
+    return (
+        _printable(r["param"]),
+        _printable(r["key"] or "-"),
+        "-" if r["max_abs"] is None else f"{r['max_abs']:.3g}",
+        "-" if r["max_rel"] is None else f"{r['max_rel']:.3g}",
+        _printable(verdict),
+    )
+
+
 @app.command()
 def diff(
+    ctx: typer.Context,
     a: Annotated[Path, typer.Argument(metavar="A", help="First checkpoint.", show_default=False)],
     b: Annotated[Path, typer.Argument(metavar="B", help="Second checkpoint.", show_default=False)],
     atol: Annotated[float, typer.Option(min=0.0, help="Absolute tolerance.")] = 0.0,
     rtol: Annotated[float, typer.Option(min=0.0, help="Relative tolerance (of B).")] = 0.0,
+    quiet: Annotated[
+        bool,
+        typer.Option(
+            "--quiet", "-q", help="Print only the rows that differ, then the summary line."
+        ),
+    ] = False,
 ) -> None:
-    """Compare two checkpoints of any kinds and topologies tensor by tensor.
+    """Compare two checkpoints of any kinds, topologies and Muon implementations tensor by
+    tensor (momentum of another form is converted as load converts it, and the row says so).
 
     Exit 1 when any tensor differs beyond the tolerances. Example: muonckpt diff ckpt/a ckpt/b
+
+    Only the differences: muonckpt diff ckpt/a ckpt/b --quiet
     """
     from . import offline
 
-    rows = offline.diff(a, b, atol=atol, rtol=rtol)
-    table = Table(show_edge=False)
-    for column in ("param", "state key"):
-        table.add_column(column)
-    for column in ("max abs", "max rel"):
-        table.add_column(column, justify="right")
-    table.add_column("equal")
-    for r in rows:
-        table.add_row(
-            _cell(r["param"]),
-            _cell(r["key"] or "-"),
-            "-" if r["max_abs"] is None else f"{r['max_abs']:.3g}",
-            "-" if r["max_rel"] is None else f"{r['max_rel']:.3g}",
-            _cell(r["note"] or ("bitwise" if r.get("bitwise") else "yes" if r["equal"] else "NO")),
-        )
+    only_differences = quiet or _quiet(ctx)
     console = _out()
-    console.print(table)
-    bad = [r for r in rows if not r["equal"]]
-    if bad:
-        console.print(f"{len(bad)} of {len(rows)} tensor(s) differ", markup=False)
+    kept: list[tuple[str, ...]] = []
+    total = differ = 0
+    streaming = False  # past TABLE_ROWS rows: plain tab-separated lines, as they come
+    for r in offline.iter_diff(a, b, atol=atol, rtol=rtol):
+        total += 1
+        differ += not r["equal"]
+        if only_differences and r["equal"]:
+            continue
+        cells = _diff_cells(r)
+        if streaming:
+            typer.echo("\t".join(cells))
+            continue
+        kept.append(cells)
+        if len(kept) > TABLE_ROWS:
+            typer.echo("\n".join("\t".join(row) for row in [DIFF_COLUMNS, *kept]))
+            kept, streaming = [], True
+    if kept:
+        table = Table(show_edge=False)
+        for column in DIFF_COLUMNS:
+            table.add_column(column, justify="right" if column.startswith("max") else "left")
+        for cells in kept:
+            table.add_row(*map(escape, cells))
+        console.print(table)
+    if differ:
+        console.print(f"{differ} of {total} tensor(s) differ", markup=False)
         raise typer.Exit(PROBLEM)
-    console.print(f"all {len(rows)} tensor(s) equal", markup=False)
+    console.print(f"all {total} tensor(s) equal", markup=False)
 
 
 @app.command()

@@ -41,3 +41,17 @@ class ConversionWarning(UserWarning):
 class CheckpointWarning(UserWarning):
     """Something went wrong after a checkpoint was committed (the old one could not be deleted
     entirely, say): the new checkpoint is in place, and the warning names what is left."""
+
+
+def mark_committed(exc: BaseException, path: object) -> BaseException:
+    """Tag an interruption that came after ``path`` was committed (so that it is reported as
+    "committed; interrupted while cleaning up", never as an error over a whole new
+    checkpoint); returns ``exc``."""
+    exc.muonckpt_committed = str(path)  # type: ignore[attr-defined]
+    return exc
+
+
+def committed_path(exc: BaseException) -> str | None:
+    """The checkpoint committed before ``exc`` interrupted the cleanup (:func:`mark_committed`),
+    or None."""
+    return getattr(exc, "muonckpt_committed", None)

@@ -377,13 +377,14 @@ def merge_entry_reports(
                         f"rank {holding.rank}, its share of the param {holding.region.numel}"
                     )
         first = by_rank[owners[0]][str(index)]
+        expected = _shape_free(first, param.replicated)
         for rank in owners:
-            if _shape_free(by_rank[rank][str(index)], param.replicated) != _shape_free(
-                first, param.replicated
-            ):
+            theirs = _shape_free(by_rank[rank][str(index)], param.replicated)
+            differs = _differences(expected, theirs, owners[0], rank)
+            if differs:
                 raise StateDictError(
                     f"param {param.name!r}: ranks {owners[0]} and {rank} disagree about its "
-                    f"state ({sorted(first)} vs {sorted(by_rank[rank][str(index)])})"
+                    f"state: {'; '.join(differs)}"
                 )
         merged.append(dict(first))
     return merged
@@ -397,6 +398,23 @@ def _shape_free(entry: Mapping[str, Any], replicated: bool) -> Any:
         + ((tuple(info.get("shape", ())), info.get("value")) if replicated else ())
         for key, info in entry.items()
     }
+
+
+def _differences(a: Mapping[str, Any], b: Mapping[str, Any], rank_a: int, rank_b: int) -> list[str]:
+    """What differs between two ranks' :func:`_shape_free` descriptions, key by key (a key
+    held by one rank only, or its kind, dtype, shape or value)."""
+    fields = ("kind", "dtype", "shape", "value")
+    out = []
+    for key in sorted(set(a) | set(b)):
+        if key not in a or key not in b:
+            out.append(f"state {key!r} only on rank {rank_a if key in a else rank_b}")
+        elif a[key] != b[key]:
+            out += [
+                f"state {key!r} {name} {x!r} on rank {rank_a}, {y!r} on rank {rank_b}"
+                for name, x, y in zip(fields, a[key], b[key], strict=False)
+                if x != y
+            ]
+    return out
 
 
 def describe_value(

@@ -111,7 +111,7 @@ def tp_full_shape(local_shape: Sequence[int], tp_split_dim: int, tp: int) -> tup
     return (*shape[:tp_split_dim], shape[tp_split_dim] * tp, *shape[tp_split_dim + 1 :])
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Region:
     """Flat elements ``[start, stop)`` of one column block of a full tensor's matrix view.
 

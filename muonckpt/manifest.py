@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import sys
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -183,7 +184,7 @@ EXTRA_JSON_BYTES = 16 << 20
 manifest; larger data goes in tensors."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Scalar:
     """A state value that is not a tensor shaped like its param: a plain number, or a 0-d tensor
     (torch keeps AdamW's ``step`` so), stored in the manifest itself."""
@@ -193,7 +194,7 @@ class Scalar:
     """safetensors dtype of a 0-d tensor; None for a plain Python number."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ParamEntry:
     """One param of the optimizer that was saved."""
 
@@ -246,7 +247,7 @@ class GroupEntry:
     empty when unknown (version 1)."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Piece:
     """One stored tensor: a region of one param's state tensor, in one file."""
 
@@ -278,7 +279,7 @@ class ModelFile:
     ``safetensors.torch.save_model`` records them in the file's metadata)."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class FileEntry:
     name: str
     bytes: int
@@ -517,10 +518,13 @@ MAX_JSON_DEPTH = 32
 AdamW's ``betas`` one more each)."""
 
 
-def strict_json(text: str | bytes) -> Any:
+def strict_json(text: str | bytes, objects: Callable[[dict[str, Any]], Any] | None = None) -> Any:
     """``json.loads`` as the format requires: numbers finite (no ``NaN``, ``Infinity`` or a
     float that overflows to one), no key twice in an object, at most :data:`MAX_JSON_DEPTH`
-    levels. Raises ValueError otherwise."""
+    levels. Raises ValueError otherwise.
+
+    ``objects``, when given, turns each JSON object (a dict, innermost first) into what the
+    result holds instead, as it is parsed (so that 300k pieces are never all dicts at once)."""
 
     def finite(literal: str) -> float:
         value = float(literal)
@@ -537,7 +541,7 @@ def strict_json(text: str | bytes) -> Any:
             seen: set[str] = set()
             twice = sorted({key for key, _ in pairs if key in seen or seen.add(key)})
             raise ValueError(f"key(s) {twice[:3]} appear twice in one object")
-        return body
+        return body if objects is None else objects(body)
 
     body = json.loads(text, parse_float=finite, parse_constant=refuse, object_pairs_hook=unique)
     level, deepest = [body], 1
@@ -560,7 +564,7 @@ def _children(value: Any) -> list[Any]:
 def parse_manifest(text: str | bytes, source: object) -> Manifest:
     """Parse and schema-check a manifest; every problem is a :class:`CheckpointError`."""
     try:
-        body = strict_json(text)
+        body = strict_json(text, _parsed_piece)
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise CheckpointError(f"manifest is not valid JSON: {exc!r:.200}", path=source) from None
     try:
@@ -595,7 +599,7 @@ def _manifest_from(body: Any) -> Manifest:
     )
     params = tuple(
         ParamEntry(
-            name=_str(p["name"]),
+            name=sys.intern(_str(p["name"])),
             shape=tuple(_nonneg_int(s) for s in p["shape"]),
             tp_split_dim=_int(p["tp_split_dim"]),
             group=_nonneg_int(p["group"]),
@@ -632,8 +636,10 @@ def _manifest_from(body: Any) -> Manifest:
     files = tuple(FileEntry(_safe_name(f["name"]), _nonneg_int(f["bytes"])) for f in body["files"])
     file_names = {f.name for f in files}
     pieces = []
-    for raw in body["pieces"]:
-        piece = piece_from_json(raw)
+    raw_pieces = body["pieces"]
+    _expect(isinstance(raw_pieces, list), "pieces must be a list")
+    for raw in raw_pieces:
+        piece = raw if isinstance(raw, Piece) else piece_from_json(raw)
         _expect(
             piece.file in file_names, f"piece {piece.tensor!r} names unlisted file {piece.file!r}"
         )
@@ -678,7 +684,7 @@ def _model_file(raw: Any, params: Mapping[str, ParamEntry], file_names: set[str]
     _expect(not set(by_name) & set(params), "model: a tensor named like an optimizer param")
     pieces = []
     for item in raw["pieces"]:
-        piece = piece_from_json(item)
+        piece = item if isinstance(item, Piece) else piece_from_json(item)
         entry = by_name.get(piece.param)
         _expect(entry is not None, f"model: piece of unknown tensor {piece.param!r}")
         _expect(
@@ -749,7 +755,7 @@ def extra_from_json(raw: Any, data_files: Iterable[str] = ()) -> Extra:
 def _extra_values(raw: Any, where: str) -> ExtraValues:
     _expect(isinstance(raw, dict) and set(raw) == {"values", "tensors"}, f"{where}: bad fields")
     _expect(isinstance(raw["tensors"], list), f"{where}: tensors must be a list")
-    values, tensors = raw["values"], []
+    values, tensors = _as_json(raw["values"]), []
     paths = set()
     for item in raw["tensors"]:
         _expect(
@@ -823,7 +829,10 @@ def piece_to_json(piece: Piece) -> dict[str, Any]:
 
 
 def piece_from_json(raw: Mapping[str, Any]) -> Piece:
-    """A schema-checked :class:`Piece` from its JSON form (as in ``manifest.json``)."""
+    """A schema-checked :class:`Piece` from its JSON form (as in ``manifest.json``).
+
+    Its param, key and file names are interned: a manifest of 100k params repeats each file
+    name in every piece, which would otherwise be a string per piece."""
     region = Region(
         **{
             k: _nonneg_int(raw["region"][k])
@@ -831,9 +840,9 @@ def piece_from_json(raw: Mapping[str, Any]) -> Piece:
         }
     )
     return Piece(
-        param=_str(raw["param"]),
-        key=_str(raw["key"]),
-        file=_safe_name(raw["file"]),
+        param=sys.intern(_str(raw["param"])),
+        key=sys.intern(_str(raw["key"])),
+        file=sys.intern(_safe_name(raw["file"])),
         tensor=_str(raw["tensor"]),
         region=region,
         checksums=tuple(_digest(c) for c in raw["checksums"]),
@@ -853,14 +862,45 @@ def _check_region(entry: ParamEntry, region: Region, tensor: str) -> None:
         ok = rows >= 0 and region.stop <= rows * region.block_width
     if ok and region.numel and region.block_width != region.cols:
         ok = region.cols == matrix_view(entry.shape, entry.tp_split_dim)[1]
-    _expect(ok, f"piece {tensor!r}: region {asdict(region)} lies outside param shape {entry.shape}")
+    if not ok:
+        raise CheckpointError(
+            f"piece {tensor!r}: region {asdict(region)} lies outside param shape {entry.shape}"
+        )
 
 
 def _hyperparams(raw: Any) -> dict[str, Any]:
     _expect(isinstance(raw, dict), "group hyperparams must be an object")
     if "step" in raw:
         _nonneg_int(raw["step"])
-    return dict(raw)
+    return _as_json(raw)
+
+
+_PIECE_FIELDS = ("param", "key", "file", "tensor", "region", "checksums", "chunk_bytes")
+
+
+def _parsed_piece(raw: dict[str, Any]) -> Any:
+    """(the objects hook of :func:`strict_json` for a manifest) A piece, made as soon as its
+    object is parsed: a manifest of 100k params holds 300k of them, and a dict each, all alive
+    at once, was most of the memory a reader needed. Anything else, and a piece-shaped object
+    that is not a valid piece, stays a dict (checked where it is used)."""
+    if len(raw) != len(_PIECE_FIELDS) or any(k not in raw for k in _PIECE_FIELDS):
+        return raw
+    try:
+        return piece_from_json(raw)
+    except (CheckpointError, KeyError, TypeError, ValueError, AttributeError):
+        return raw
+
+
+def _as_json(value: Any) -> Any:
+    """``value`` with any :class:`Piece` the parser made of a piece-shaped object (found where
+    no piece belongs: a hyperparameter) back in its JSON form."""
+    if isinstance(value, Piece):
+        return piece_to_json(value)
+    if isinstance(value, dict):
+        return {k: _as_json(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_as_json(v) for v in value]
+    return value
 
 
 def _dtypes(raw: Mapping[str, Any], version: int) -> dict[str, str]:
@@ -871,7 +911,7 @@ def _dtypes(raw: Mapping[str, Any], version: int) -> dict[str, str]:
         return {k: _str(raw["dtype"]) for k in keys}
     dtypes = raw["dtypes"]
     _expect(isinstance(dtypes, dict), "dtypes must map stored keys to dtype strings")
-    return {_str(k): _str(v) for k, v in dtypes.items()}
+    return {sys.intern(_str(k)): sys.intern(_str(v)) for k, v in dtypes.items()}
 
 
 def _scalars(raw: Any) -> dict[str, Scalar]:
@@ -945,7 +985,7 @@ def _group_optimizer(value: Any) -> dict[str, Any]:
             f"group optimizer momentum must be in [0, 1) for its momentum_form, got {mu!r}",
         )
     _expect(value.get("nesterov") in (True, False, None), "group optimizer nesterov: a bool")
-    return dict(value)
+    return _as_json(value)
 
 
 def _expect(condition: bool, message: str) -> None:

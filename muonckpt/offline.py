@@ -28,12 +28,14 @@ import multiprocessing as mp
 import os
 import re
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from . import storage, writing
+import numpy as np
+
+from . import kinds, storage, writing
 from .dcp import LAYOUTS, DcpConversion, from_dcp, is_dcp, to_dcp
 from .errors import CheckpointError, LayoutError, MuonCkptError
 from .layout import LayoutOptions, ParamSpec, Topology, arrange, whole_region
@@ -51,6 +53,7 @@ from .manifest import (
     ExtraTensor,
     ExtraValues,
     Manifest,
+    ParamEntry,
     Rename,
     converted_manifest,
 )
@@ -65,9 +68,6 @@ from .writeplan import (
     unique_tensor_keys,
 )
 from .writing import Progress
-
-if TYPE_CHECKING:
-    import torch
 
 # torch (and so collectives and launch) is imported only by the paths that need it: several
 # processes, and diff.
@@ -92,6 +92,7 @@ __all__ = [
     "diff",
     "from_dcp",
     "is_dcp",
+    "iter_diff",
     "open_checkpoint",
     "reshard",
     "summarize",
@@ -454,6 +455,7 @@ def _spawn(
 
     storage.check_target(dst, options["overwrite"], source=src)
     token = uuid.uuid4().hex[:8]
+    committed = mp.get_context("forkserver").Value("b", 0)  # rank 0 sets it at the swap
     queue = mp.get_context("forkserver").Queue() if progress is not None else None
     relay = threading.Thread(target=_relay, args=(queue, progress), daemon=True)
     if queue is not None:
@@ -468,12 +470,15 @@ def _spawn(
             options,
             queue,
             token,
+            committed,
             timeout=None,
             wait_timeout=WORKER_TIMEOUT,
         )
-    except BaseException:
-        storage.discard(storage.staging_path(dst, token))
-        raise
+    except BaseException as exc:
+        storage.discard(storage.staging_path(dst, token))  # after the swap: the replaced one
+        if not committed.value:
+            raise
+        return writing.after_commit(exc, Path(dst))  # a worker died, or we were interrupted
     finally:
         if queue is not None:
             queue.put(None)
@@ -486,7 +491,9 @@ def _spawn(
         error = CheckpointError(failed[0]["error"])
         if hasattr(error, "add_note"):  # Python 3.11+: shown with the traceback (--debug)
             error.add_note(f"the worker's traceback:\n{failed[0].get('traceback', '')}")
-        raise error
+        if not committed.value:
+            raise error
+        return writing.after_commit(error, Path(dst))
     return Path(dst)
 
 
@@ -502,12 +509,14 @@ def _worker(
     options: dict[str, Any],
     queue: Any,
     token: str,
+    committed: Any,
 ) -> dict[str, Any]:
     """(one of the ``workers`` processes) Its part of the collective operation.
 
-    Rank 0 stages at the path ``token`` names, and if the parent dies (the lifeline of
-    :mod:`muonckpt.launch`) it first makes sure it never commits, then removes that staging
-    directory, then dies.
+    Rank 0 stages at the path ``token`` names, sets ``committed`` (a shared flag) the moment
+    it commits (so that the parent reports a commit even if rank 0 is killed right after), and
+    if the parent dies (the lifeline of :mod:`muonckpt.launch`) it first makes sure it never
+    commits, then removes that staging directory, then dies.
     """
     import traceback
     import warnings
@@ -523,6 +532,11 @@ def _worker(
             storage.discard(staging)
 
         launch.on_orphaned(abandon)
+
+        def mark() -> None:
+            committed.value = 1
+
+        storage.watch_commit(dst, mark)
     progress = None if queue is None else lambda *update: queue.put(update)
     outcome: dict[str, Any] = {}
     with warnings.catch_warnings(record=True) as caught:
@@ -618,14 +632,40 @@ def diff(
     atol: float = 0.0,
     rtol: float = 0.0,
 ) -> list[dict[str, Any]]:
-    """Compare two checkpoints (any kinds, any topologies) as logical tensors.
+    """Compare two checkpoints (any kinds, any topologies, any Muon implementations) as logical
+    tensors: the rows of :func:`iter_diff`, as a list."""
+    return list(iter_diff(a, b, atol=atol, rtol=rtol))
+
+
+DIFF_CHUNK = 1 << 20
+"""Elements compared at a time where two tensors are not bitwise equal (float64 temporaries
+of this size, not of the whole tensor)."""
+
+
+def iter_diff(
+    a: str | os.PathLike[str],
+    b: str | os.PathLike[str],
+    *,
+    atol: float = 0.0,
+    rtol: float = 0.0,
+) -> Iterator[dict[str, Any]]:
+    """Compare two checkpoints (any kinds, any topologies) as logical tensors, one row at a
+    time.
 
     One row per (param, stored key): ``max_abs`` and ``max_rel`` differences and ``equal``
-    (every element within ``atol + rtol * |b|``; NaNs equal NaNs); a row per scalar state
-    value (equal or not, exactly), and one per param group whose settings differ. A param or
-    key on only one side, or of different shape or dtype, is a row with ``equal`` False and a
-    ``note``.
-    Memory: one full tensor from each side at a time.
+    (every element within ``atol + rtol * |b|``; NaNs equal NaNs) and ``bitwise``; a row per
+    scalar state value (equal or not, exactly; a step count compared wherever each side keeps
+    it), and one per param group whose settings differ. A param or key on only one side, or of
+    different shape or dtype, is a row with ``equal`` False and a ``note``.
+
+    Checkpoints of different momentum forms (the packaged Muon's sum form against torch's or
+    KellerJordan's EMA form) are compared as :func:`muonckpt.load` and :func:`convert` would
+    resume them: B's momentum is converted into A's form by the same map
+    (:func:`muonckpt.kinds.state_mapping`), and the row's ``note`` says so; groups that cannot
+    be converted (different roles) are a row with ``equal`` False, never compared raw.
+
+    Memory: one full tensor from each side at a time, in reused buffers, and temporaries of
+    :data:`DIFF_CHUNK` elements; rows are yielded as they are made.
     """
     if atol < 0 or rtol < 0:
         raise CheckpointError(f"atol and rtol must be non-negative, got {atol}, {rtol}")
@@ -637,57 +677,53 @@ def diff(
         e.name for e in man_b.params if e.name not in params_a
     ]
     pieces_a, pieces_b = man_a.pieces_of(), man_b.pieces_of()
-    rows: list[dict[str, Any]] = []
+    scales = _momentum_scales(man_a, man_b)
 
-    def row(param: str, key: str | None, note: str | None = None, **values: Any) -> None:
-        rows.append(
-            {
-                "param": param,
-                "key": key,
-                "max_abs": None,
-                "max_rel": None,
-                "equal": False,
-                "bitwise": False,
-                "note": note,
-                **values,
-            }
-        )
+    def row(param: str, key: str | None, note: str | None = None, **values: Any) -> dict:
+        return {
+            "param": param,
+            "key": key,
+            "max_abs": None,
+            "max_rel": None,
+            "equal": False,
+            "bitwise": False,
+            "note": note,
+            **values,
+        }
 
-    with PieceReader(dir_a, man_a) as read_a, PieceReader(dir_b, man_b) as read_b:
+    with (
+        PieceReader(dir_a, man_a, reuse_outputs=1) as read_a,
+        PieceReader(dir_b, man_b, reuse_outputs=1) as read_b,
+    ):
         for name in names:
             ea, eb = params_a.get(name), params_b.get(name)
             if ea is None or eb is None:
-                row(name, None, f"param only in {'A' if eb is None else 'B'}")
+                yield row(name, None, f"param only in {'A' if eb is None else 'B'}")
                 continue
             if ea.shape != eb.shape:
-                row(name, None, f"A has shape {list(ea.shape)}, B {list(eb.shape)}")
+                yield row(name, None, f"A has shape {list(ea.shape)}, B {list(eb.shape)}")
                 continue
             keys = list(ea.tensor_keys) + [k for k in eb.tensor_keys if k not in ea.tensor_keys]
             for key in keys:
                 if key not in ea.tensor_keys or key not in eb.tensor_keys:
-                    row(name, key, f"stored only in {'A' if key in ea.tensor_keys else 'B'}")
+                    yield row(name, key, f"stored only in {'A' if key in ea.tensor_keys else 'B'}")
                     continue
                 dtype_a, dtype_b = ea.dtype_of(key), eb.dtype_of(key)
                 if dtype_a != dtype_b:
-                    row(name, key, f"A is {dtype_a}, B {dtype_b}")
+                    yield row(name, key, f"A is {dtype_a}, B {dtype_b}")
+                    continue
+                scale, note = (1.0, None)
+                if key == "momentum_buffer":
+                    scale, note = scales.get((ea.group, eb.group), (1.0, None))
+                if isinstance(scale, str):  # the forms cannot be converted: never compared raw
+                    yield row(name, key, scale)
                     continue
                 whole = whole_region(ea.numel)
-                x = storage.tensor_of_bytes(
-                    read_a.gather(pieces_a[name, key], ea, key, whole), dtype_a
-                )
-                y = storage.tensor_of_bytes(
-                    read_b.gather(pieces_b[name, key], eb, key, whole), dtype_b
-                )
-                row(name, key, **_compare(x, y, atol, rtol))
+                x = read_a.gather(pieces_a[name, key], ea, key, whole)
+                y = read_b.gather(pieces_b[name, key], eb, key, whole)
+                yield row(name, key, note, **_compare(x, y, dtype_a, scale, atol, rtol))
                 del x, y
-            for key in sorted(set(ea.scalars) | set(eb.scalars)):
-                sa, sb = ea.scalars.get(key), eb.scalars.get(key)
-                if sa is None or sb is None:
-                    row(name, key, f"stored only in {'A' if sb is None else 'B'}")
-                elif sa == sb:
-                    row(name, key, None, equal=True, bitwise=True)
-                else:
-                    row(name, key, f"A is {sa.value!r}, B {sb.value!r}")
+            yield from _scalar_rows(man_a, man_b, ea, eb, row)
     for g, (ga, gb) in enumerate(zip(man_a.groups, man_b.groups, strict=False)):
         if ga.hyperparams != gb.hyperparams:
             changed = sorted(
@@ -695,24 +731,90 @@ def diff(
                 for k in set(ga.hyperparams) | set(gb.hyperparams)
                 if ga.hyperparams.get(k) != gb.hyperparams.get(k)
             )
-            row(f"group {g}", "hyperparams", f"settings differ: {changed}")
+            yield row(f"group {g}", "hyperparams", f"settings differ: {changed}")
     if len(man_a.groups) != len(man_b.groups):
-        row("groups", None, f"A has {len(man_a.groups)} param groups, B {len(man_b.groups)}")
-    return rows
+        yield row("groups", None, f"A has {len(man_a.groups)} param groups, B {len(man_b.groups)}")
 
 
-def _compare(x: torch.Tensor, y: torch.Tensor, atol: float, rtol: float) -> dict[str, Any]:
+def _momentum_scales(
+    man_a: Manifest, man_b: Manifest
+) -> dict[tuple[int, int], tuple[float | str, str | None]]:
+    """(A's group, B's group) -> (factor, note) turning B's Muon momentum into A's form, by
+    the map :func:`muonckpt.load` uses; the factor is the reason as a string where the groups
+    cannot be compared (their roles differ). Pairs whose forms agree, or where a side does not
+    record its form (format 1), are left out (compared as stored)."""
+    groups_b = {e.name: e.group for e in man_b.params}
+    pairs = {(e.group, groups_b[e.name]) for e in man_a.params if e.name in groups_b}
+    out: dict[tuple[int, int], tuple[float | str, str | None]] = {}
+    for ga, gb in pairs:
+        raw_a, raw_b = man_a.groups[ga].optimizer, man_b.groups[gb].optimizer
+        if not raw_a or not raw_b:
+            continue
+        kind_a, kind_b = kinds.GroupKind.from_json(raw_a), kinds.GroupKind.from_json(raw_b)
+        if kind_a.momentum_form == kind_b.momentum_form or None in (kind_a.role, kind_b.role):
+            continue
+        try:
+            mapping = kinds.state_mapping(kind_b, kind_a, f"of group {gb}", None)
+        except MuonCkptError as exc:
+            out[ga, gb] = (f"not comparable: {exc}", None)
+            continue
+        factor = mapping.keys.get("momentum_buffer", ("", 1.0))[1]
+        out[ga, gb] = (factor, f"B converted {mapping.note}" if mapping.note else None)
+    return out
+
+
+def _scalar_rows(
+    man_a: Manifest,
+    man_b: Manifest,
+    ea: ParamEntry,
+    eb: ParamEntry,
+    row: Callable[..., dict[str, Any]],
+) -> Iterator[dict[str, Any]]:
+    """A param's scalar rows; its step count compared as a number wherever each side keeps it
+    (torch: a 0-d tensor per param, KellerJordan: an int per param, packaged: in the group)."""
+    keys = set(ea.scalars) | set(eb.scalars)
+    if "step" in keys and ea.state_keys and eb.state_keys:
+        keys.discard("step")
+        step_a, step_b = man_a.step_of(ea), man_b.step_of(eb)
+        if step_a == step_b:
+            yield row(ea.name, "step", None, equal=True, bitwise=True)
+        else:
+            yield row(ea.name, "step", f"A is {step_a!r}, B {step_b!r}")
+    for key in sorted(keys):
+        sa, sb = ea.scalars.get(key), eb.scalars.get(key)
+        if sa is None or sb is None:
+            yield row(ea.name, key, f"stored only in {'A' if sb is None else 'B'}")
+        elif sa == sb:
+            yield row(ea.name, key, None, equal=True, bitwise=True)
+        else:
+            yield row(ea.name, key, f"A is {sa.value!r}, B {sb.value!r}")
+
+
+def _compare(
+    x: np.ndarray, y: np.ndarray, dtype: str, scale: float, atol: float, rtol: float
+) -> dict[str, Any]:
+    """Raw bytes ``x`` and ``y`` (of ``dtype``; ``y`` times ``scale`` first) compared: bitwise
+    by their bytes, else element by element in :data:`DIFF_CHUNK` pieces as float64."""
+    if scale == 1.0 and np.array_equal(x, y):
+        return {"max_abs": 0.0, "max_rel": 0.0, "equal": True, "bitwise": True}
     import torch
 
-    if x.numel() == 0:
-        return {"max_abs": 0.0, "max_rel": 0.0, "equal": True}
-    bitwise = torch.equal(x.view(torch.uint8), y.view(torch.uint8))
-    x64, y64 = x.to(torch.float64), y.to(torch.float64)
-    both_nan = torch.isnan(x64) & torch.isnan(y64)
-    delta = (x64 - y64).abs().masked_fill(both_nan, 0.0)
-    rel = delta / y64.abs().clamp_min(torch.finfo(torch.float64).tiny)
-    max_abs, max_rel = float(delta.max()), float(rel.max())
-    if math.isnan(max_abs):
-        max_abs = max_rel = math.inf
-    close = bitwise or bool(torch.isclose(x64, y64, rtol=rtol, atol=atol, equal_nan=True).all())
+    tx, ty = storage.tensor_of_bytes(x, dtype), storage.tensor_of_bytes(y, dtype)
+    if scale != 1.0:
+        ty = ty.mul_(scale)  # in B's reused buffer, as convert scales it
+    bitwise, max_abs, max_rel, close = True, 0.0, 0.0, True
+    for lo in range(0, tx.numel(), DIFF_CHUNK):
+        cx, cy = tx[lo : lo + DIFF_CHUNK], ty[lo : lo + DIFF_CHUNK]
+        same = torch.equal(cx.view(torch.uint8), cy.view(torch.uint8))
+        bitwise = bitwise and same
+        if same:
+            continue
+        x64, y64 = cx.to(torch.float64), cy.to(torch.float64)
+        delta = (x64 - y64).abs().masked_fill_(torch.isnan(x64) & torch.isnan(y64), 0.0)
+        rel = delta / y64.abs().clamp_min(torch.finfo(torch.float64).tiny)
+        chunk_abs, chunk_rel = float(delta.max()), float(rel.max())
+        if math.isnan(chunk_abs) or math.isnan(chunk_rel):
+            chunk_abs = chunk_rel = math.inf
+        max_abs, max_rel = max(max_abs, chunk_abs), max(max_rel, chunk_rel)
+        close = close and bool(torch.isclose(x64, y64, rtol=rtol, atol=atol, equal_nan=True).all())
     return {"max_abs": max_abs, "max_rel": max_rel, "equal": close, "bitwise": bitwise}

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from contextlib import ExitStack
 from pathlib import Path
 
 import numpy as np
@@ -172,7 +171,9 @@ def size_problems(manifest: Manifest, directory: Path) -> list[CheckpointError]:
 
 
 class PieceReader:
-    """Reads pieces of a checkpoint with checksums, keeping each needed file open once.
+    """Reads pieces of a checkpoint with checksums, through a bounded cache of open files
+    (:class:`muonckpt.storage.ReaderCache`): a checkpoint of any number of files reads within
+    the process's open-file limit.
 
     With ``reuse_outputs=n``, :meth:`gather` returns views into a ring of ``n`` buffers that
     are reused, each result valid until ``n`` more gathers: streaming tools (which hold at most
@@ -180,11 +181,18 @@ class PieceReader:
     several times the read itself.
     """
 
-    def __init__(self, directory: Path, manifest: Manifest, *, reuse_outputs: int = 0) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        manifest: Manifest,
+        *,
+        reuse_outputs: int = 0,
+        open_files: int | None = None,
+    ) -> None:
         self.directory = directory
         self.manifest = manifest
-        self._stack = ExitStack()
-        self._readers: dict[str, storage.SafetensorsReader] = {}
+        self._cache = storage.ReaderCache(open_files)
+        self._paths: dict[str, Path] = {}
         self._sizes = {f.name: f.bytes for f in all_files(manifest)}
         self._ring = [np.empty(0, dtype=np.uint8) for _ in range(reuse_outputs)]
         self._turn = 0
@@ -193,10 +201,18 @@ class PieceReader:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._stack.close()
+        self._cache.close()
+
+    @property
+    def opens(self) -> int:
+        """Files opened so far (reopenings after an eviction included)."""
+        return self._cache.opens
 
     def reader(self, file: str) -> storage.SafetensorsReader:
-        if file not in self._readers:
+        """The open reader of data file ``file``; use it at once (it may be closed once other
+        files were opened)."""
+        path = self._paths.get(file)
+        if path is None:
             path = self.directory / file
             if not path.is_file():
                 changed = changed_while_reading(self.directory, self.manifest)
@@ -208,8 +224,8 @@ class PieceReader:
                     " (truncated or replaced)",
                     path=path,
                 )
-            self._readers[file] = self._stack.enter_context(storage.SafetensorsReader(path))
-        return self._readers[file]
+            self._paths[file] = path
+        return self._cache.get(path)
 
     def check_header(self, piece: Piece, entry: ParamEntry) -> storage.TensorRecord:
         reader = self.reader(piece.file)

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 from . import storage
-from .errors import CheckpointError, CheckpointWarning, MuonCkptError
+from .errors import CheckpointError, CheckpointWarning, MuonCkptError, mark_committed
 from .manifest import (
     FORMAT_NAME,
     MANIFEST_NAME,
@@ -223,13 +223,44 @@ def finish(
             None if replaced is None else {"at": str(replaced), "files": storage.entries(replaced)}
         )
 
+    committed: list[bool] = []
+
+    def mark() -> None:
+        committed.append(True)
+
+    storage.watch_commit(final, mark)
     try:
         each = (lambda: write(staging).to_json()) if across else (lambda: write(staging))
         replaced = steps.each_then_root("write", each, commit_all)
-    except BaseException:
+    except BaseException as exc:
+        if committed:  # after the swap: the new checkpoint is whole, whatever came next
+            return after_commit(exc, final)
         if steps.is_root:
             storage.discard(staging)
         raise
+    finally:
+        storage.unwatch_commit(final, mark)
+    try:
+        _retire(steps, replaced, final)
+    except BaseException as exc:
+        return after_commit(exc, final)
+    return final
+
+
+def after_commit(exc: BaseException, final: Path) -> Path:
+    """What a failure after the commit becomes: an interruption (KeyboardInterrupt, SIGTERM in
+    the CLI) is raised again, tagged :func:`~muonckpt.errors.mark_committed`; an error is a
+    :class:`CheckpointWarning` and the call succeeds (the new checkpoint is whole)."""
+    if not isinstance(exc, Exception):
+        mark_committed(exc, final)
+        raise exc
+    warnings.warn(f"committed {final}, but then: {exc}", CheckpointWarning, stacklevel=3)
+    return final
+
+
+def _retire(steps: Steps, replaced: dict[str, Any] | None, final: Path) -> None:
+    """The ``retire`` step, after the commit: every rank deletes its share of the replaced
+    checkpoint's files; a failure is a warning (the new checkpoint is in place)."""
     if replaced is not None and len(steps.ranks) == 1:
         storage.retire(replaced["at"])
     elif replaced is not None:
@@ -245,9 +276,8 @@ def finish(
                 f"committed {final}, but the checkpoint it replaced may not be deleted "
                 f"entirely ({replaced['at']}): {exc}",
                 CheckpointWarning,
-                stacklevel=2,
+                stacklevel=3,
             )
-    return final
 
 
 class DirectorySteps(StepProtocol):

@@ -386,3 +386,17 @@ def test_names_read_from_a_checkpoint_cannot_drive_the_terminal(tmp_path):
         assert "\x1b" not in result.output
         assert "evil\\x1b[2" in result.output, result.output  # shown (inspect cuts long names)
     assert "evil\\x1b[2J[red]name" in cli("diff", ckpt, ckpt).output  # markup shown as written
+
+
+def test_diff_quiet_prints_only_the_differences_and_the_summary(ckpts):
+    """(issue 21, item 7) diff printed every row even when all were equal."""
+    result = cli("diff", ckpts["a"], ckpts["a"], "--quiet")
+    assert result.exit_code == 0, result.output
+    assert result.stdout.strip().splitlines()[-1].startswith("all ")
+    assert "bitwise" not in result.stdout and len(result.stdout.strip().splitlines()) == 1
+    full = cli("diff", ckpts["a"], ckpts["b"], "--atol", "1e6")  # only the steps differ
+    quiet = cli("diff", ckpts["a"], ckpts["b"], "--atol", "1e6", "-q")
+    assert quiet.exit_code == full.exit_code == 1, quiet.output
+    assert "['step']" in quiet.stdout and "yes" in full.stdout and "yes" not in quiet.stdout
+    assert quiet.stdout.strip().splitlines()[-1] == full.stdout.strip().splitlines()[-1]
+    assert len(quiet.stdout.splitlines()) < len(full.stdout.splitlines())

@@ -251,3 +251,22 @@ def test_a_rank_failing_in_the_middle_of_the_transfer_fails_every_rank(tmp_path)
             assert "state values" in seen[case] and "RuntimeError: out of memory" in seen[case]
         assert seen["after"] == "in step"
     assert list(tmp_path.iterdir()) == []
+
+
+def test_ranks_disagreeing_on_a_state_dtype_are_told_what_differs():
+    """(issue 20, cosmetic) The error named both ranks' identical key sets, not the dtype."""
+    from muonckpt.hooks import Holding, ParamSharding, Sharding, merge_entry_reports
+    from muonckpt.layout import whole_region
+
+    half = whole_region(4)
+    param = ParamSharding("w", (2, 4), (Holding(0, half), Holding(1, half)), None, None, 0)
+    tensor = {"kind": "tensor", "shape": [4], "numel": 4}
+    reports = [
+        {"0": {"exp_avg": {**tensor, "dtype": "float32"}, "step": {"kind": "value", "value": 1}}},
+        {"0": {"exp_avg": {**tensor, "dtype": "bfloat16"}, "step": {"kind": "value", "value": 1}}},
+    ]
+    with pytest.raises(StateDictError) as caught:
+        merge_entry_reports(Sharding([param], [0, 1], 0), reports)
+    message = str(caught.value)
+    assert "'exp_avg' dtype 'float32' on rank 0, 'bfloat16' on rank 1" in message, message
+    assert "step" not in message, message

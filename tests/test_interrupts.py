@@ -39,6 +39,23 @@ if _delay or _fail:
         return _pwrite(fd, data, offset)
 
     os.pwrite = pwrite
+
+_unlink_rank = os.environ.get("MUONCKPT_TEST_UNLINK_RANK")
+if _unlink_rank is not None:  # "0": worker rank 0, "main": a process without RANK
+    import time
+
+    _unlink = os.unlink
+
+    def unlink(path, *args, **kwargs):
+        name = os.fsdecode(path)
+        ours = name.endswith(".safetensors") or name.endswith("manifest.json")
+        if ours and os.environ.get("RANK", "main") == _unlink_rank:
+            with open(os.environ["MUONCKPT_TEST_PIDFILE"], "w") as f:
+                f.write(str(os.getpid()))
+            time.sleep(5)
+        return _unlink(path, *args, **kwargs)
+
+    os.unlink = unlink
 """
 
 
@@ -78,11 +95,12 @@ def _parent_pid(pid: int) -> int | None:
 
 
 def _start(
-    setup, out: Path, tag: str, *extra: str, workers: int = 2, **env: str
+    setup, out: Path, tag: str, *extra: str, workers: int = 2, force: bool = False, **env: str
 ) -> subprocess.Popen:
     path = os.pathsep.join([str(setup["site"]), os.environ.get("PYTHONPATH", "")])
     command = [sys.executable, "-m", "muonckpt.cli", *extra, "reshard", str(setup["src"])]
     command += ["--dp", "2", "--tp", "1", "-o", str(out), "--workers", str(workers)]
+    command += ["--force"] if force else []
     return subprocess.Popen(
         command,
         env={**os.environ, "MUONCKPT_TEST_TAG": tag, "PYTHONPATH": path, **env},
@@ -212,3 +230,66 @@ def test_a_failing_worker_is_one_line_and_debug_shows_the_traceback(setup, tmp_p
         assert len(line) < 300
     _assert_nothing_left(tag, out)
     shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+def _start_committing(setup, tmp_path, tag: str, workers: int) -> tuple[subprocess.Popen, Path]:
+    """``reshard --force`` over an existing checkpoint, held up just after its commit: the
+    deletion of the replaced checkpoint's files (by rank 0, or the single process) sleeps."""
+    out, pidfile = tmp_path / "out", tmp_path / "pid"
+    shutil.copytree(setup["src"], out)  # the checkpoint --force replaces (dp 1)
+    rank = "0" if workers > 1 else "main"
+    env = {"MUONCKPT_TEST_UNLINK_RANK": rank, "MUONCKPT_TEST_PIDFILE": str(pidfile)}
+    proc = _start(setup, out, tag, workers=workers, force=True, **env)
+    deadline = time.monotonic() + 90
+    while not pidfile.exists() or not pidfile.read_text():
+        assert proc.poll() is None and time.monotonic() < deadline, _signal(proc, signal.SIGKILL)
+        time.sleep(0.02)
+    return proc, out
+
+
+def _assert_committed(tag: str, out: Path) -> None:
+    """The new checkpoint (dp 2) is whole at ``out``; no process is left; ``muonckpt clean``
+    removes whatever is left of the replaced one."""
+    import muonckpt
+
+    deadline = time.monotonic() + 10
+    while _tagged(tag) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _tagged(tag) == {}
+    assert muonckpt.verify(out) == []
+    assert muonckpt.read_manifest(out).topology == {"dp": 2, "tp": 1}
+    muonckpt.clean(out.parent, 0)
+    assert sorted(p.name for p in out.parent.iterdir() if p.name.startswith(".out")) == []
+
+
+@pytest.mark.parametrize("workers", [2, 1], ids=["workers", "single"])
+@pytest.mark.parametrize(
+    ("signum", "code"), [(signal.SIGTERM, 3), (signal.SIGINT, 3)], ids=["SIGTERM", "SIGINT"]
+)
+def test_a_signal_after_the_commit_reports_committed(setup, tmp_path, signum, code, workers):
+    """(issue 20) After the swap, SIGTERM/SIGINT printed "error: interrupted" (143/130) over a
+    whole new checkpoint; now "committed: ..." and exit code 3."""
+    tag = uuid.uuid4().hex
+    proc, out = _start_committing(setup, tmp_path, tag, workers)
+    stderr = _signal(proc, signum)
+    assert proc.returncode == code, stderr
+    assert stderr.startswith(f"committed: {out} is complete; interrupted while cleaning up"), stderr
+    _assert_committed(tag, out)
+
+
+def test_a_worker_killed_after_the_commit_reports_success(setup, tmp_path):
+    """(issue 20) SIGKILL of worker rank 0 after the swap gave exit 2; the output is whole,
+    so the command succeeds, with a warning naming the death."""
+    tag = uuid.uuid4().hex
+    proc, out = _start_committing(setup, tmp_path, tag, workers=2)
+    try:
+        os.kill(int((tmp_path / "pid").read_text()), signal.SIGKILL)
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, stderr
+    assert stderr.startswith(f"warning: committed {out}, but then:"), stderr
+    assert "SIGKILL" in stderr, stderr
+    _assert_committed(tag, out)

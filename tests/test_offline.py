@@ -9,8 +9,9 @@ import safetensors.torch
 import torch
 
 import muonckpt
-from muonckpt import offline
+from muonckpt import kinds, offline
 from muonckpt.launch import run_distributed
+from muonckpt.manifest import GroupEntry, Manifest, ParamEntry
 
 from .ckpt_cases import load_phase
 from .fixture_model import (
@@ -177,3 +178,38 @@ def test_inspect_shows_the_step_of_an_optimizer_that_counts_per_param(tmp_path):
         model(torch.randn(2, 4)).sum().backward()
         opt.step()
     assert offline.summarize(muonckpt.save(opt, tmp_path / "ckpt"))["step"] == 3
+
+
+def test_diff_across_momentum_forms_converts_as_load_does(tmp_path, single_ckpt):
+    """(issue 21, item 7) The packaged Muon's sum-form momentum against the same state converted
+    to torch's or KellerJordan's EMA form: diff converts B by load's own map (and says so),
+    instead of reporting every buffer 10x off (mu = 0.9). Step counts compare wherever each
+    implementation keeps them."""
+    packaged = single_ckpt(2)
+    for family in ("torch", "keller-jordan"):
+        other = offline.convert(packaged, tmp_path / family, to=family)
+        rows = offline.diff(packaged, other, rtol=1e-6)
+        momentum = [r for r in rows if r["key"] == "momentum_buffer"]
+        assert momentum and all(r["equal"] for r in momentum), momentum
+        assert all("B converted ema -> sum" in r["note"] for r in momentum), momentum
+        assert all(r["equal"] for r in rows), [r for r in rows if not r["equal"]]
+        assert any(r["key"] == "step" and r["equal"] for r in rows)
+        back = offline.diff(other, packaged, rtol=1e-6)
+        assert all(r["equal"] for r in back), [r for r in back if not r["equal"]]
+
+
+def test_diff_refuses_to_compare_state_of_different_roles_raw():
+    muon = kinds.GroupKind("muonckpt.Muon", "muon", "sum", 0.9, True, "moonlight", 0.2)
+    adamw = kinds.GroupKind("torch.optim.AdamW", "adamw", step_in="tensor")
+    ema = kinds.GroupKind("torch.optim.Muon", "muon", "ema", 0.9, True, "aspect")
+
+    def manifest(kind):
+        group = GroupEntry({}, ("w",), kind.to_json())
+        entry = ParamEntry("w", (2,), -1, 0, {"momentum_buffer": "F32"})
+        return Manifest("per-rank", {"dp": 1, "tp": 1}, (group,), (entry,), (), ())
+
+    ((reason, _),) = offline._momentum_scales(manifest(muon), manifest(adamw)).values()
+    assert "not comparable" in reason and "adamw" in reason
+    ((factor, note),) = offline._momentum_scales(manifest(muon), manifest(ema)).values()
+    assert factor == pytest.approx(10.0) and "ema -> sum" in note
+    assert offline._momentum_scales(manifest(ema), manifest(ema)) == {}

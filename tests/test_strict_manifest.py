@@ -122,3 +122,23 @@ def test_a_field_out_of_range_is_refused_by_verify_and_every_tool(single_ckpt, t
         with pytest.raises(CheckpointError, match=re.escape(says)):
             read()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def test_pieces_parsed_as_they_come_leave_piece_shaped_settings_as_they_are(single_ckpt):
+    """The parser makes each piece as soon as its object is parsed (memory at 100k params); an
+    object of the same shape where no piece belongs (a hyperparameter, an optimizer field)
+    stays the JSON it was."""
+    import json
+
+    from muonckpt.manifest import Piece, parse_manifest
+
+    text = (single_ckpt(1) / "manifest.json").read_text()
+    body = json.loads(text)
+    shaped = dict(body["pieces"][0])
+    body["groups"][0]["hyperparams"]["odd"] = [shaped, {"inner": shaped}]
+    body["groups"][0]["optimizer"]["extra"] = shaped
+    manifest = parse_manifest(json.dumps(body), "x")
+    assert manifest.groups[0].hyperparams["odd"] == [shaped, {"inner": shaped}]
+    assert manifest.groups[0].optimizer["extra"] == shaped
+    assert all(isinstance(p, Piece) for p in manifest.pieces)
+    assert parse_manifest(manifest.to_json(), "x") == manifest

@@ -430,3 +430,17 @@ def test_any_tree_of_json_values_and_tensors_round_trips(extra, rank_extra):
         got, mine = {}, {}
         muonckpt.load(opt, ckpt, extra=got, rank_extra=mine)
     assert same(extra, got) and same(rank_extra, mine)
+
+
+def test_a_value_shaped_like_a_manifest_piece_comes_back_as_saved(tmp_path):
+    """The manifest's parser makes pieces of piece-shaped objects as it reads; a user's value
+    of that shape in ``extra`` must come back as the plain JSON it was."""
+    model, opts, schedulers = torch_job(0)
+    train_steps(model, opts, schedulers, 1)
+    plain = muonckpt.save(opts, tmp_path / "plain")
+    piece = json.loads((plain / "manifest.json").read_text())["pieces"][0]
+    muonckpt.save(opts, tmp_path / "ckpt", extra={"piece": piece, "pieces": [piece]})
+    assert muonckpt.verify(tmp_path / "ckpt") == []
+    restored = {"piece": None, "pieces": None}
+    muonckpt.load(torch_job(1)[1], tmp_path / "ckpt", extra=restored)
+    assert restored == {"piece": piece, "pieces": [piece]}

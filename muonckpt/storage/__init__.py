@@ -9,6 +9,7 @@ write ``storage.X``:
 * :mod:`.durable`: fsync, atomic text writes, positional write loops, small reads, libc shims.
 * :mod:`.safetensors_format`: the file format's limits and :class:`TensorRecord`.
 * :mod:`.safetensors_reader` / :mod:`.safetensors_writer`: reading and writing the files.
+* :mod:`.reader_cache`: open readers, a bounded number at a time (LRU).
 * :mod:`.transaction`: staging, swap-in, retiring and discarding checkpoint directories,
   deleting old checkpoints, and the ownership rules of what may be replaced or deleted.
 * :mod:`.mailbox`: the messages through which the ranks of a background save agree.
@@ -25,6 +26,7 @@ from .checksums import CHUNK_BYTES, checksum_chunks
 from .dtypes import byte_view, dtype_name, itemsize, tensor_of_bytes, torch_dtype
 from .durable import entries, file_size, fsync_dir, read_text, write_text_atomic
 from .mailbox import Mailbox, is_mailbox, mailbox_path
+from .reader_cache import ReaderCache
 from .safetensors_format import TensorRecord
 from .safetensors_reader import SafetensorsReader
 from .safetensors_writer import SafetensorsWriter, SharedSafetensorsFile, write_safetensors
@@ -40,12 +42,15 @@ from .transaction import (
     retire,
     staging_path,
     swap_in,
+    unwatch_commit,
+    watch_commit,
 )
 
 __all__ = [
     "CHECKSUM_ALGORITHM",
     "CHUNK_BYTES",
     "Mailbox",
+    "ReaderCache",
     "SafetensorsReader",
     "SafetensorsWriter",
     "SharedSafetensorsFile",
@@ -73,6 +78,8 @@ __all__ = [
     "swap_in",
     "tensor_of_bytes",
     "torch_dtype",
+    "unwatch_commit",
+    "watch_commit",
     "write_safetensors",
     "write_text_atomic",
 ]

@@ -27,7 +27,7 @@ MAX_HEADER_BYTES: int = 100_000_000
 METADATA_KEY = "__metadata__"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class TensorRecord:
     """Where one tensor lies in a safetensors file, and the checksums of its data."""
 

@@ -11,7 +11,6 @@ import os
 import struct
 import threading
 from collections.abc import Sequence
-from dataclasses import astuple
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING
@@ -80,6 +79,11 @@ class SafetensorsReader:
         except BaseException:
             self.close()
             raise
+
+    @property
+    def opened(self) -> os.stat_result:
+        """The file's ``fstat`` when this reader opened it."""
+        return self._opened
 
     def _fail(self, message: str, param: str | None = None) -> CheckpointError:
         return CheckpointError(message, path=self.path, param=param)
@@ -288,7 +292,11 @@ class SafetensorsReader:
         hi = max(g.src + (g.count - 1) * g.src_step + g.length for g in groups) * size
         reach = max(g.dst + (g.count - 1) * g.dst_step + g.length for g in groups) * size
         if not (
-            all(_is_int(x) and x >= 0 for g in groups for x in astuple(g))
+            all(
+                _is_int(x) and x >= 0
+                for g in groups
+                for x in (g.src, g.dst, g.length, g.count, g.src_step, g.dst_step)
+            )
             and hi <= rec.nbytes
             and reach <= len(out)
         ):

@@ -11,7 +11,7 @@ import re
 import threading
 import uuid
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from ..errors import CheckpointError, CheckpointWarning
@@ -378,6 +378,27 @@ def abandon_commits() -> None:
         _ABANDONED[0] = True
 
 
+_COMMIT_WATCHERS: dict[str, list[Callable[[], None]]] = {}
+"""Target (absolute) -> what to call when this process commits it (see watch_commit)."""
+
+
+def watch_commit(final: str | os.PathLike[str], callback: Callable[[], None]) -> None:
+    """Call ``callback()`` the moment a :func:`swap_in` of this process commits ``final``:
+    right after the rename, inside the commit lock, before anything that could be interrupted.
+    Whoever reports the outcome then knows a checkpoint was committed even if the process is
+    interrupted or killed a moment later (it must never say "error" over a whole new one)."""
+    _COMMIT_WATCHERS.setdefault(os.path.abspath(final), []).append(callback)
+
+
+def unwatch_commit(final: str | os.PathLike[str], callback: Callable[[], None]) -> None:
+    """Undo :func:`watch_commit` (a no-op when ``callback`` is not watching ``final``)."""
+    watchers = _COMMIT_WATCHERS.get(os.path.abspath(final), [])
+    if callback in watchers:
+        watchers.remove(callback)
+    if not watchers:
+        _COMMIT_WATCHERS.pop(os.path.abspath(final), None)
+
+
 def swap_in(
     staging: str | os.PathLike[str],
     final: str | os.PathLike[str],
@@ -407,6 +428,8 @@ def swap_in(
         if _ABANDONED[0]:
             raise CheckpointError("not committed: this process was told to stop", path=final)
         replaced = _commit_rename(staging, final, overwrite)
+        for callback in list(_COMMIT_WATCHERS.get(os.path.abspath(final), [])):
+            callback()
     _INTENT.pop(str(staging), None)
     if replaced is not None:
         if replaced.is_symlink():
