@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, Literal, cast
 
 import typer
 from rich.console import Console
@@ -81,7 +81,7 @@ class _Group(TyperGroup):
     shows the tracebacks as well.
     """
 
-    def invoke(self, ctx: typer.Context) -> Any:
+    def invoke(self, ctx: typer.Context) -> Any:  # type: ignore[override]  # click passes typer's
         def debug() -> bool:  # ctx.obj is set by the global callback, inside super().invoke
             return bool((ctx.obj or {}).get("debug"))
 
@@ -403,7 +403,7 @@ def reshard(
         bucket_numel=bucket_numel,
         param_alignment=param_alignment,
         bucket_alignment=bucket_alignment,
-        buffers_by=buffers_by,  # checked there, as every field
+        buffers_by=cast(Literal["none", "group"], buffers_by),  # checked there, as every field
     )
     splits = {}
     for item in tp_split or []:

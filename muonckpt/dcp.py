@@ -140,7 +140,9 @@ def from_dcp(
             )
         state[name][key] = fqn
         used.add(fqn)
-    entries, group_of, kinds_of = [], {}, []
+    entries: list[ParamEntry] = []
+    group_of: dict[str, int] = {}
+    kinds_of: list[tuple[kinds.GroupKind, Any, list[str]]] = []
     for name, group_settings in settings.items():
         model = index.tensors[model_prefix + name]
         used.add(model.fqn)
@@ -262,14 +264,10 @@ def _notes(source: Manifest, target: Manifest) -> tuple[str, ...]:
     notes = []
     for a, b in zip(source.groups, target.groups, strict=True):
         was, now = kinds.GroupKind.from_json(a.optimizer), kinds.GroupKind.from_json(b.optimizer)
-        if was.role == "muon" and was.momentum_form != now.momentum_form:
-            factor = (
-                (1 - was.momentum) if now.momentum_form == kinds.EMA else 1 / (1 - was.momentum)
-            )
-            notes.append(
-                f"{len(a.params)} Muon params: {was.momentum_form} -> {now.momentum_form} "
-                f"(x {factor:.6g}, mu={was.momentum})"
-            )
+        if was.role == "muon":
+            note = kinds.state_mapping(was, now, f"group of {a.params[0]!r}", None).note
+            if note is not None:
+                notes.append(f"{len(a.params)} Muon params: {note}")
     return tuple(notes)
 
 

@@ -26,9 +26,10 @@ from __future__ import annotations
 import math
 import weakref
 import zlib
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -200,7 +201,7 @@ class StateDictHooks:
         for param in self.describe(optimizer, False).local():
             if param.local is None:
                 continue
-            for key, value in optimizer.state.get(flat[param.local_index], {}).items():
+            for key, value in optimizer.state.get(flat[cast(int, param.local_index)], {}).items():
                 kind = describe_value(param, key, value)["kind"]
                 if kind == "tensor" and value.numel() != param.local.numel:
                     raise StateDictError(
@@ -481,7 +482,8 @@ def _gather_value(
     full = _attempt(failures, torch.empty, shape, dtype=dtype, device=HOST) if me == dst else None
     for holding in param.sources:
         if holding.rank == me:
-            piece = _attempt(failures, lambda: local_state[param.local_index][key].reshape(-1))
+            index = cast(int, param.local_index)  # this rank holds a piece of it
+            piece = _attempt(failures, lambda i=index: local_state[i][key].reshape(-1))
             if me != dst:
                 collectives.send(_or_zeros(piece, holding.region.numel, dtype), dst)
             elif full is not None and piece is not None:
@@ -758,8 +760,8 @@ def dtype_name(tensor: torch.Tensor) -> str:
 
 
 def _check_unique(names: Sequence[str]) -> None:
-    seen: set[str] = set()
-    dupes = sorted({n for n in names if n in seen or seen.add(n)})
+    counts = Counter(names)
+    dupes = sorted(n for n, count in counts.items() if count > 1)
     if dupes:
         raise StateDictError(f"duplicate param names {dupes}: names must be unique")
 

@@ -81,7 +81,8 @@ class GroupKind:
 
     @classmethod
     def from_json(cls, raw: Mapping[str, Any]) -> GroupKind:
-        return cls(**{k: raw.get(k) for k in cls.__dataclass_fields__})
+        fields: dict[str, Any] = {k: raw.get(k) for k in cls.__dataclass_fields__}
+        return cls(**fields)
 
 
 def optimizer_name(optimizer: object) -> str:
@@ -176,6 +177,11 @@ def state_mapping(
     factor, note = 1.0, None
     mu = source.momentum
     if source.momentum_form != to_form:
+        if mu is None:
+            raise StateDictError(
+                f"param {param!r}: the checkpoint's {source.optimizer} group records no momentum "
+                f"to convert its {source.momentum_form}-form buffers by"
+            )
         factor = (1 - mu) if to_form == EMA else 1 / (1 - mu)
         note = f"{source.momentum_form} -> {to_form} (x {factor:.6g}, mu={mu})"
     return KeyMap({"momentum_buffer": ("momentum_buffer", factor)}, False, note)

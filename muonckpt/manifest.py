@@ -10,7 +10,7 @@ import json
 import math
 import re
 import sys
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
@@ -395,7 +395,8 @@ class Manifest:
         """The step count the checkpoint holds for a param: its own scalar (torch and
         KellerJordan AdamW count per param), else its group's."""
         if "step" in entry.scalars:
-            return entry.scalars["step"].value
+            value = entry.scalars["step"].value
+            return value if isinstance(value, int | float) else None
         return self.groups[entry.group].hyperparams.get("step")
 
     def latest_step(self, names: Iterable[str]) -> int | None:
@@ -417,7 +418,7 @@ class Manifest:
 
     @property
     def step(self) -> int | None:
-        steps = [g.hyperparams.get("step") for g in self.groups if "step" in g.hyperparams]
+        steps = [g.hyperparams["step"] for g in self.groups if "step" in g.hyperparams]
         return max(steps) if steps else None
 
     def to_json(self) -> str:
@@ -538,8 +539,8 @@ def strict_json(text: str | bytes, objects: Callable[[dict[str, Any]], Any] | No
     def unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
         body = dict(pairs)
         if len(body) != len(pairs):
-            seen: set[str] = set()
-            twice = sorted({key for key, _ in pairs if key in seen or seen.add(key)})
+            counts = Counter(key for key, _ in pairs)
+            twice = sorted(key for key, count in counts.items() if count > 1)
             raise ValueError(f"key(s) {twice[:3]} appear twice in one object")
         return body if objects is None else objects(body)
 
@@ -644,7 +645,8 @@ def _manifest_from(body: Any) -> Manifest:
             piece.file in file_names, f"piece {piece.tensor!r} names unlisted file {piece.file!r}"
         )
         entry = by_name.get(piece.param)
-        _expect(entry is not None, f"piece {piece.tensor!r} of unknown param {piece.param!r}")
+        if entry is None:
+            raise CheckpointError(f"piece {piece.tensor!r} of unknown param {piece.param!r}")
         _expect(
             piece.key in entry.dtypes,
             f"piece {piece.tensor!r}: param {piece.param!r} lists no stored key {piece.key!r}",
@@ -686,7 +688,8 @@ def _model_file(raw: Any, params: Mapping[str, ParamEntry], file_names: set[str]
     for item in raw["pieces"]:
         piece = item if isinstance(item, Piece) else piece_from_json(item)
         entry = by_name.get(piece.param)
-        _expect(entry is not None, f"model: piece of unknown tensor {piece.param!r}")
+        if entry is None:
+            raise CheckpointError(f"model: piece of unknown tensor {piece.param!r}")
         _expect(
             piece.key == PARAM_KEY and piece.file in file_names, f"model: piece {piece.tensor!r}"
         )
@@ -799,12 +802,13 @@ _EXTRA_TENSOR_FIELDS = ("path", "file", "tensor", "dtype", "shape", "checksums",
 def _holds_null(values: Any, path: ValuePath) -> bool:
     """Whether ``path`` leads to a ``null`` in ``values``."""
     for step in path:
-        if (isinstance(values, dict) and isinstance(step, str) and step in values) or (
-            isinstance(values, list) and isinstance(step, int) and 0 <= step < len(values)
-        ):
+        if isinstance(values, dict) and isinstance(step, str) and step in values:
             values = values[step]
-        else:
-            return False
+            continue
+        if isinstance(values, list) and isinstance(step, int) and 0 <= step < len(values):
+            values = values[step]
+            continue
+        return False
     return values is None
 
 

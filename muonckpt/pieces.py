@@ -276,7 +276,7 @@ class PieceReader:
         whole = Strided(src=0, dst=0, length=record.numel, count=1, src_step=0, dst_step=0)
         self.reader(tensor.file).read_groups(
             tensor.tensor,
-            memoryview(out),
+            out.data,
             [whole],
             checksums=tensor.checksums,
             chunk_bytes=tensor.chunk_bytes,
@@ -310,7 +310,7 @@ class PieceReader:
         self.check_header(piece, entry)
         self.reader(piece.file).read_groups(
             piece.tensor,
-            memoryview(out),
+            out.data,
             groups,
             checksums=piece.checksums,
             chunk_bytes=piece.chunk_bytes,
@@ -354,8 +354,8 @@ def verify(path: str | os.PathLike[str]) -> list[CheckpointError]:
     with PieceReader(directory, manifest) as reader:
         for piece in manifest.pieces + (model.pieces if model is not None else ()):
             try:
-                entry = tensors.get(piece.param) or manifest.param(piece.param)
-                reader.check_header(piece, entry)
+                held = tensors.get(piece.param) or manifest.param(piece.param)
+                reader.check_header(piece, held)
                 reader.reader(piece.file).verify(piece.tensor, piece.checksums, piece.chunk_bytes)
             except CheckpointError as exc:
                 problems.append(exc)

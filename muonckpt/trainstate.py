@@ -164,7 +164,7 @@ def restore(
     of its saved state, a dict is filled key by key, anything else is replaced; keys only the
     checkpoint has are added. (:func:`missing` first: every key asked for is there.)"""
     for key, value in saved.items():
-        current = target.get(key)
+        current: Any = target.get(key)
         if is_stateful(current):
             try:
                 current.load_state_dict(value)

@@ -24,11 +24,11 @@ from __future__ import annotations
 import contextlib
 import os
 import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar, cast
 
 from . import storage
 from .errors import CheckpointError, CheckpointWarning, MuonCkptError, mark_committed
@@ -344,7 +344,7 @@ class DirectorySteps(StepProtocol):
         decision = failed if failed is not None else {"acting": self.root}
         if not self.mailbox.claim(f"{tag}-decision", decision):
             return self.mailbox.read(f"{tag}-decision")  # a rank gave up first: its error
-        return failed if failed is not None else decide(outcomes)
+        return failed if failed is not None else decide(cast(list[Outcome], outcomes))
 
     def _await_outcome(self, tag: str, mine: Outcome) -> Outcome:
         """(every other rank) Report ``mine``, then the root's outcome of the step; if it
@@ -427,7 +427,9 @@ def write_files(
     pieces = []
     for file, writes in plan.by_file().items():
         with storage.SafetensorsWriter(staging / file, plan.specs(file), plan.files[file]) as out:
-            fetched = prefetched(writes, fetch) if prefetch else ((w, fetch(w)) for w in writes)
+            fetched: Generator[tuple[TensorWrite, Any], None, None] = (
+                prefetched(writes, fetch) if prefetch else ((w, fetch(w)) for w in writes)
+            )
             with contextlib.closing(fetched):  # on an error, the prefetch thread ends here
                 for w, value in fetched:
                     out.write(w.tensor, value)
@@ -549,7 +551,7 @@ def seal_shared(plan: WritePlan, staging: Path) -> None:
         output.commit()
 
 
-def prefetched(items: Sequence[T], produce: Callable[[T], R]) -> Iterator[tuple[T, R]]:
+def prefetched(items: Sequence[T], produce: Callable[[T], R]) -> Generator[tuple[T, R], None, None]:
     """``(item, produce(item))`` in order, producing the next item on a thread meanwhile.
 
     Reading (page-cache copies, xxhash) and writing (write, xxhash) both release the GIL, so a
@@ -557,8 +559,10 @@ def prefetched(items: Sequence[T], produce: Callable[[T], R]) -> Iterator[tuple[
     alive, and ``produce`` for item ``i + 2`` starts only once the consumer is done with item
     ``i``: a :class:`~muonckpt.pieces.PieceReader` with ``reuse_outputs=2`` can produce them.
     """
+    if not items:
+        return
     with ThreadPoolExecutor(max_workers=1) as pool:
-        pending = pool.submit(produce, items[0]) if items else None
+        pending = pool.submit(produce, items[0])
         for index, item in enumerate(items):
             value = pending.result()
             if index + 1 < len(items):

@@ -20,6 +20,6 @@ def checksum_chunks(
     """Checksums of consecutive ``chunk_bytes`` chunks of a C-contiguous byte buffer."""
     if chunk_bytes <= 0:
         raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
-    view = memoryview(data).cast("B")
+    view = (data.data if isinstance(data, np.ndarray) else memoryview(data)).cast("B")
     digest = chunk_digest
     return tuple(digest(view[i : i + chunk_bytes]) for i in range(0, len(view), chunk_bytes))

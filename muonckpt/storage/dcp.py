@@ -287,12 +287,15 @@ def read_tensor(index: DcpIndex, item: DcpTensor) -> torch.Tensor:
             raise CheckpointError(f"{what}: a chunk lies outside its shape {list(item.shape)}")
         total += math.prod(chunk.sizes)
         for other in item.chunks[:a]:
-            if all(
-                max(o1, o2) < min(o1 + s1, o2 + s2)
-                for o1, s1, o2, s2 in zip(
-                    chunk.offsets, chunk.sizes, other.offsets, other.sizes, strict=True
+            if (
+                all(
+                    max(o1, o2) < min(o1 + s1, o2 + s2)
+                    for o1, s1, o2, s2 in zip(
+                        chunk.offsets, chunk.sizes, other.offsets, other.sizes, strict=True
+                    )
                 )
-            ) and math.prod(chunk.sizes):
+                and math.prod(chunk.sizes) > 0
+            ):
                 raise CheckpointError(f"{what}: two of its chunks overlap")
     if total != math.prod(item.shape):
         raise CheckpointError(

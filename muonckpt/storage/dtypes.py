@@ -90,4 +90,4 @@ def byte_view(tensor: torch.Tensor) -> memoryview:
     """A writable byte view of a contiguous CPU tensor's data."""
     import torch
 
-    return memoryview(tensor.view(torch.uint8).numpy()).cast("B")
+    return tensor.view(torch.uint8).numpy().data.cast("B")

@@ -344,7 +344,7 @@ class SafetensorsReader:
     def _read_into(self, key: str, buffer: np.ndarray, offset: int) -> np.ndarray:
         """Fill ``buffer`` with the file's bytes from ``offset``; a short file raises."""
         fd = self._check_open()
-        view = memoryview(buffer)
+        view = buffer.data
         done = 0
         try:
             while done < len(view):
@@ -402,7 +402,7 @@ class SafetensorsReader:
         """Check the checksum chunks held by ``data`` (tensor bytes from ``lo``)."""
         first = lo // chunk_bytes
         for i, position in enumerate(range(0, len(data), chunk_bytes), start=first):
-            got = chunk_digest(data[position : position + chunk_bytes])
+            got = chunk_digest(data[position : position + chunk_bytes].data)
             if got != checksums[i]:
                 why = self.changed() or (
                     "the manifest beside it no longer lists this data"

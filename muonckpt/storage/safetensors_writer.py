@@ -49,7 +49,7 @@ def _payload(
                 path=path,
                 param=key,
             )
-        return memoryview(np.ascontiguousarray(data))
+        return np.ascontiguousarray(data).data
     if torch_dtype_names().get(data.dtype) != dtype or data.numel() != math.prod(shape):
         raise CheckpointError(
             f"tensor is {data.dtype} x {data.numel()} elements, declared {dtype} {tuple(shape)}",
