@@ -40,6 +40,7 @@ from .hooks import (
     describe_value,
     flat_params,
     gather_full_state,
+    participants,
     remap_groups,
     value_of,
 )
@@ -307,10 +308,6 @@ def _prepare_save(
     arguments, ``path`` resolved, then creates the staging directory, and for a
     ``background`` save its mailbox), the state holders' check, the group settings, and for a
     consolidated save the full state gathered to the destination's host memory."""
-    sharding = describe(optimizer)
-    steps = collectives.CollectiveSteps(
-        operation, sharding.participants, sharding.destination, CheckpointError
-    )
     arguments = {
         "path": os.path.abspath(path),
         "consolidated": consolidated,
@@ -320,17 +317,22 @@ def _prepare_save(
         "keep_last": keep_last,
         "timeout": timeout,
     }
+    ranks = participants(optimizer, operation)
+    collectives.rendezvous(operation, ranks, arguments, CheckpointError)
+    sharding = describe(optimizer)
+    steps = collectives.CollectiveSteps(
+        operation, sharding.participants, sharding.destination, CheckpointError
+    )
     buffers = _HOST_BUFFERS.setdefault(_key(optimizer), HostBuffers())
     taken: list[_Payload] = []
 
-    def check() -> dict[str, Any]:
+    def check() -> None:
         _check_storable(sharding, optimizer, params, keep_last, Path(path))
         if not consolidated:
             payload = _rank_payload(optimizer, sharding, params)
             if background:
                 payload.tensors = buffers.snapshot(payload.tensors)
             taken.append(payload)
-        return {"call": operation, **arguments}
 
     mailbox = background and len(sharding.participants) > 1
     staging = writing.stage(steps, path, overwrite=overwrite, check=check, mailbox=mailbox)
@@ -369,10 +371,15 @@ class _Joined:
     """Several single-process optimizers seen as one by :func:`save`: their groups in order."""
 
     def __init__(self, optimizers: list[torch.optim.Optimizer]) -> None:
-        if collectives.is_distributed() and collectives.group_size(None) > 1:
-            raise CheckpointError("several optimizers go into one checkpoint in one process only")
         if not optimizers:
             raise CheckpointError("no optimizer to save")
+        hooked = [type(o).__name__ for o in optimizers if o in _HOOKS]
+        if hooked and collectives.is_distributed() and collectives.group_size(None) > 1:
+            raise CheckpointError(
+                f"a list of optimizers goes into one checkpoint across ranks only as replicas "
+                f"(DDP: no muonckpt hooks), and {hooked} shard their state: save a sharded "
+                "optimizer on its own"
+            )
         self.optimizers = optimizers
         self.param_groups = [g for o in optimizers for g in o.param_groups]
         self.state = {p: s for o in optimizers for p, s in o.state.items()}
@@ -616,6 +623,8 @@ def load(
     """
     targets = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
     joined = targets[0] if len(targets) == 1 else _Joined(targets)
+    arguments = {"path": os.path.abspath(path), "params": params, "momentum_form": momentum_form}
+    collectives.rendezvous("load", participants(joined, "load"), arguments, CheckpointError)
     sharding = describe(joined)  # a collective the first time: before anything can fail
     steps = collectives.CollectiveSteps(
         "load", sharding.participants, sharding.destination, CheckpointError
@@ -637,8 +646,6 @@ def load(
         return {
             "checkpoint": os.path.realpath(directory),
             "manifest": hashlib.blake2b(manifest.to_json().encode(), digest_size=8).hexdigest(),
-            "params": params,
-            "momentum_form": momentum_form,
         }
 
     if len(steps.ranks) > 1:  # (in one process every failure is raised as it is)

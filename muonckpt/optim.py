@@ -16,7 +16,15 @@ import torch
 from . import collectives
 from .errors import LayoutError
 from .grid import LocalParam, RankReport
-from .hooks import Sharding, StateDictHooks, describe_grid, describe_whole, dtype_name, named_params
+from .hooks import (
+    Sharding,
+    StateDictHooks,
+    describe_grid,
+    describe_whole,
+    dtype_name,
+    grid_members,
+    named_params,
+)
 from .kinds import ADAMW_STATE_KEYS, MUON_STATE_KEYS
 from .layout import Range, dp_slice
 
@@ -136,7 +144,11 @@ class Muon(torch.optim.Optimizer):
         self.dist_metas: dict[torch.Tensor, MuonDistMeta] = {}
         self.global_buffer_sizes: list[list[tuple[int, int]]] = []
         self.local_buffer_ranges: list[list[Range]] = []
-        StateDictHooks(self, lambda optimizer, collective: optimizer.describe_sharding())
+        StateDictHooks(
+            self,
+            lambda optimizer, collective: optimizer.describe_sharding(),
+            ranks=lambda optimizer, operation: optimizer.grid_ranks(operation),
+        )
 
     def enable_distributed_mode(
         self,
@@ -186,6 +198,14 @@ class Muon(torch.optim.Optimizer):
         self.local_buffer_ranges = ranges
         self.dist_group, self.tp_group, self.dist_metas = dist_group, tp_group, dist_metas
         self.distributed_mode = True
+
+    def grid_ranks(self, operation: str = "describe the grid") -> list[int]:
+        """The global ranks of this optimizer's grid (``dp_rank * tp + tp_rank``): learned once
+        through the store, bounded (the first step of ``operation``); this rank alone when not
+        distributed."""
+        if not self.distributed_mode:
+            return [collectives.global_rank()]
+        return grid_members(self, self.dist_group, self.tp_group, operation)
 
     def describe_sharding(self) -> Sharding:
         """Which rank holds which region of every param (and so of its state), over the whole

@@ -33,7 +33,7 @@ from typing import Any, Protocol, TypeVar
 from . import storage
 from .errors import CheckpointError, CheckpointWarning, MuonCkptError
 from .manifest import MANIFEST_NAME, FileEntry, Manifest, Piece, piece_from_json, piece_to_json
-from .steps import Outcome, StepProtocol, disagreement
+from .steps import Outcome, StepProtocol
 from .workplan import WorkUnit, split_work
 from .writeplan import TensorWrite, WritePlan
 
@@ -147,21 +147,17 @@ def stage(
     overwrite: bool,
     create: Callable[[Path], None] = lambda staging: None,
     source: str | os.PathLike[str] | None = None,
-    check: Callable[[], dict[str, Any] | None] = lambda: None,
+    check: Callable[[], None] = lambda: None,
     mailbox: bool = False,
 ) -> Path:
-    """The ``stage`` step: every rank runs ``check``, which may return the call's arguments as
-    this rank was given them; when all pass and agree, the root checks the target and creates
-    the staging directory (and, with ``mailbox``, the :class:`~muonckpt.storage.Mailbox` of a
-    background finish); its path on every rank. Ranks that disagree (one saving without its
-    params, say) fail the step on every rank, naming the argument, before anything exists."""
+    """The ``stage`` step: every rank runs ``check``; when all pass, the root checks the target
+    and creates the staging directory (and, with ``mailbox``, the
+    :class:`~muonckpt.storage.Mailbox` of a background finish); its path on every rank. (That
+    the ranks were called alike is the operation's rendezvous,
+    :func:`muonckpt.collectives.rendezvous`, before this.)"""
     final = Path(final)
 
-    def make(arguments: list[dict[str, Any] | None]) -> str:
-        if arguments[0] is not None:
-            differ = disagreement([given or {} for given in arguments], steps.ranks)
-            if differ is not None:
-                raise CheckpointError(f"the ranks disagree on {differ}; nothing was written")
+    def make(_: list[None]) -> str:
         staging = storage.make_staging(final, overwrite, source=source)
         try:
             create(staging)

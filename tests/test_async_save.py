@@ -178,7 +178,7 @@ def test_ranks_that_disagree_on_the_call_write_nothing(tmp_path, argument):
     read, over the good one; any argument the ranks disagree on now fails every rank first."""
     ckpt = tmp_path / "ckpt"
     messages = run_distributed(disagreeing_phase, 2, str(ckpt), argument, timeout=120)
-    said = [m.partition(" (stage): ")[2] for m in messages]  # each names its own call first
+    said = [m.partition(" (rendezvous): ")[2] for m in messages]  # each names its own call first
     assert said[0] == said[1] and said[0].startswith(f"the ranks disagree on {argument}: ")
     assert _entries(tmp_path) == ["ckpt"]  # nothing staged, nothing retired
     assert muonckpt.verify(ckpt) == [] and muonckpt.read_manifest(ckpt).step == 1
