@@ -1,0 +1,129 @@
+"""Phases run inside gloo children: a DDP job whose torch.optim optimizers (torch.optim.Muon
+for the matrices, AdamW for the rest) are replicas on every rank, saved and loaded with no
+hooks; and collectives that some ranks never call."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+import muonckpt
+
+from .fixture_model import build, initial_params, train
+
+
+class Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Linear(6, 8)
+        self.hidden = torch.nn.Linear(8, 8)
+        self.head = torch.nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.hidden(torch.relu(self.embed(x)))))
+
+
+def ddp_job(seed: int) -> tuple[torch.nn.Module, list[torch.optim.Optimizer]]:
+    """The model (initialised from ``seed``) wrapped in DDP, and its two optimizers."""
+    torch.manual_seed(seed)
+    model = DistributedDataParallel(Net())
+    return model, optimizers_of(model.module)
+
+
+def optimizers_of(net: torch.nn.Module) -> list[torch.optim.Optimizer]:
+    """torch.optim.Muon for the hidden matrices, AdamW for the rest, over named params."""
+    named = list(net.named_parameters())
+    hidden = [(n, p) for n, p in named if p.ndim == 2 and n != "embed.weight"]
+    rest = [(n, p) for n, p in named if p.ndim != 2 or n == "embed.weight"]
+    muon = torch.optim.Muon(hidden, lr=0.02, adjust_lr_fn="match_rms_adamw")
+    return [muon, torch.optim.AdamW(rest, lr=0.01)]
+
+
+def ddp_train(model: torch.nn.Module, optimizers: list, first: int, steps: int) -> list[float]:
+    """``steps`` DDP steps from step ``first``: each rank its own batch of the step."""
+    losses = []
+    for step in range(first, first + steps):
+        gen = torch.Generator().manual_seed(1000 * step + dist.get_rank())
+        x, y = torch.randn(4, 6, generator=gen), torch.randint(0, 3, (4,), generator=gen)
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def state_of(model: torch.nn.Module, optimizers: list) -> dict[str, torch.Tensor]:
+    """Every param and optimizer state value, by name, as CPU tensors."""
+    out = {f"param.{n}": p.detach().clone() for n, p in model.module.named_parameters()}
+    names = {p: n for n, p in model.module.named_parameters()}
+    for k, optimizer in enumerate(optimizers):
+        for p, entry in optimizer.state.items():
+            for key, value in entry.items():
+                out[f"opt{k}.{names[p]}.{key}"] = torch.as_tensor(value).detach().clone()
+    return out
+
+
+def ddp_save_phase(path: str, steps: int) -> dict[str, torch.Tensor]:
+    """Train ``steps`` steps, save both optimizers into one checkpoint; this rank's state."""
+    model, optimizers = ddp_job(seed=0)
+    ddp_train(model, optimizers, 0, steps)
+    muonckpt.save(optimizers, path)
+    return state_of(model, optimizers)
+
+
+def ddp_resume_phase(path: str, first: int, steps: int) -> dict[str, object]:
+    """A fresh job (other initial weights), loaded from ``path``: its state right after the
+    load, and after ``steps`` more steps."""
+    model, optimizers = ddp_job(seed=1)
+    muonckpt.load(optimizers, path)
+    loaded = state_of(model, optimizers)
+    losses = ddp_train(model, optimizers, first, steps)
+    return {"loaded": loaded, "trained": state_of(model, optimizers), "losses": losses}
+
+
+def diverged_save_phase(path: str) -> str:
+    """Rank 1's AdamW state drifts from rank 0's; the save must refuse, naming it."""
+    model, optimizers = ddp_job(seed=0)
+    ddp_train(model, optimizers, 0, 1)
+    if dist.get_rank() == 1:
+        next(iter(optimizers[1].state.values()))["exp_avg"].add_(1e-3)
+    try:
+        muonckpt.save(optimizers, path)
+    except muonckpt.MuonCkptError as exc:
+        return str(exc)
+    return "saved"
+
+
+def lone_call_phase(
+    path: str, kind: str, operation: str, caller: int, warm: bool, timeout: float
+) -> str | None:
+    """Only rank ``caller`` calls ``operation`` (``if rank == caller: save(...)``) on a ``kind``
+    job (``ddp``: the replicated torch optimizers; ``muon``: the packaged Muon at 2x1, whose
+    grid is already learned when ``warm``); the others go on to a barrier. This rank's error."""
+    muonckpt.set_rendezvous_timeout(timeout)
+    if kind == "ddp":
+        model, optimizer = ddp_job(seed=0)
+        ddp_train(model, optimizer, 0, 1)
+    else:
+        optimizer, sharded, dp_rank, tp_rank = build(2, 1, initial_params())
+        train(optimizer, sharded, dp_rank, tp_rank, 0, 1)
+    if operation == "load" or warm:
+        muonckpt.save(optimizer, path)
+    error = None
+    if dist.get_rank() == caller:
+        try:
+            if operation == "save":
+                muonckpt.save(optimizer, path, overwrite=True)
+            elif operation == "async_save":
+                muonckpt.async_save(optimizer, path, overwrite=True).result()
+            elif operation == "load":
+                muonckpt.load(optimizer, path)
+            elif operation == "state_dict()":
+                optimizer.state_dict()
+        except muonckpt.MuonCkptError as exc:
+            error = str(exc)
+    dist.barrier()
+    return error
