@@ -14,7 +14,6 @@ I/O from :mod:`muonckpt.storage`.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
 import os
@@ -645,7 +644,7 @@ def load(
             return {}  # nobody to agree with: no digest of a large manifest
         return {
             "checkpoint": os.path.realpath(directory),
-            "manifest": hashlib.blake2b(manifest.to_json().encode(), digest_size=8).hexdigest(),
+            "manifest": manifest.digest(),
         }
 
     if len(steps.ranks) > 1:  # (in one process every failure is raised as it is)

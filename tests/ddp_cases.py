@@ -9,6 +9,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 import muonckpt
+from muonckpt import offline
 
 from .fixture_model import build, initial_params, train
 
@@ -127,3 +128,29 @@ def lone_call_phase(
             error = str(exc)
     dist.barrier()
     return error
+
+
+def offline_phase(src: str, dst: str, how: str, timeout: float) -> str | None:
+    """``consolidate`` over the default group (as under torchrun), rank 1 called with another
+    output (``output``) or not at all (``lone``). This rank's error."""
+    muonckpt.set_rendezvous_timeout(timeout)
+    error = None
+    if dist.get_rank() == 0 or how == "output":
+        out = f"{dst}-rank1" if dist.get_rank() == 1 else dst
+        try:
+            offline.consolidate(src, out, collective=True)
+        except muonckpt.MuonCkptError as exc:
+            error = str(exc)
+    dist.barrier()
+    return error
+
+
+def gather_disagreeing_phase() -> str | None:
+    """``gather_state_dict`` with ``all_ranks`` True on rank 0 only. This rank's error."""
+    optimizer, sharded, dp_rank, tp_rank = build(2, 1, initial_params())
+    train(optimizer, sharded, dp_rank, tp_rank, 0, 1)
+    try:
+        muonckpt.gather_state_dict(optimizer, all_ranks=dist.get_rank() == 0)
+    except muonckpt.MuonCkptError as exc:
+        return str(exc)
+    return None

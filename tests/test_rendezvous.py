@@ -10,7 +10,7 @@ import pytest
 
 from muonckpt.launch import run_distributed
 
-from .ddp_cases import lone_call_phase
+from .ddp_cases import ddp_save_phase, gather_disagreeing_phase, lone_call_phase, offline_phase
 
 RENDEZVOUS_S = 2.0
 RUN_S = 150.0
@@ -51,3 +51,36 @@ def test_a_collective_called_on_one_rank_fails_there_in_bounded_time(
     assert f"rank(s) [{other}] did not arrive within {RENDEZVOUS_S:g} s" in error, error
     assert f"{operation} is a collective over ranks [0, 1]" in error, error
     assert "call it on every one of them (not under `if rank == 0:`)" in error, error
+
+
+@pytest.mark.parametrize("how", ["output", "lone"])
+def test_an_offline_tool_over_a_process_group_meets_first(tmp_path, how):
+    """consolidate under torchrun (issue 20): ranks called with different outputs fail
+    together before anything is staged; a rank alone fails within the rendezvous timeout."""
+    src, dst = tmp_path / "src", tmp_path / "out"
+    run_distributed(ddp_save_phase, 2, str(src), 1, timeout=RUN_S)
+    errors = run_distributed(
+        offline_phase,
+        2,
+        str(src),
+        str(dst),
+        how,
+        RENDEZVOUS_S,
+        timeout=RUN_S,
+        wait_timeout=RUN_S - 30,
+    )
+    if how == "output":
+        assert errors[0] == errors[1], errors
+        assert errors[0].startswith("consolidate (rendezvous): the ranks disagree on output: ")
+    else:
+        assert errors[1] is None
+        assert "consolidate is a collective over ranks [0, 1]" in errors[0], errors
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]  # nothing staged
+
+
+def test_ranks_that_gather_a_state_dict_differently_fail_together():
+    """(issue 20) gather_state_dict's all_ranks on one rank only: rank 0 waited for a full
+    copy rank 1 never sent, or sent copies nobody received; now both fail, naming it."""
+    errors = run_distributed(gather_disagreeing_phase, 2, timeout=RUN_S, wait_timeout=RUN_S - 30)
+    assert errors[0] == errors[1], errors
+    assert errors[0].startswith("state_dict() (rendezvous): the ranks disagree on all_ranks: ")
