@@ -113,3 +113,23 @@ def test_readme_fragments_run_as_written(tmp_path, monkeypatch):
             exec(compile(block, "README.md", "exec"), namespace)
         assert any("sum -> ema" in line for line in namespace["report"].converted)
         assert all(p.abs().sum() > 0 for p in model.parameters())  # the checkpoint's params
+
+
+def test_readme_ddp_recipe_saves_once_and_resumes_at_another_world_size(tmp_path):
+    """The README's DDP recipe, run as written: torch.optim.Muon + AdamW replicas with no
+    hooks, saved by 2 processes (written once) and resumed by 3."""
+    (tmp_path / "ddp_train.py").write_text(example("ddp_train.py"))
+    first, resume = example("ddp-commands").strip().splitlines()
+    losses = run(first, tmp_path)
+    assert len(losses) == 20 and losses[-1] < losses[0], losses
+    ckpt = tmp_path / "ddp-ckpt"
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step-10", "step-20"]
+    manifest = muonckpt.read_manifest(ckpt / "step-20")
+    assert manifest.topology == {"dp": 2, "tp": 1}
+    assert {piece.file for piece in manifest.pieces} == {"rank-00000-of-00002.safetensors"}
+    assert muonckpt.verify(ckpt / "step-20") == []
+    resumed = run(resume, tmp_path)
+    assert len(resumed) == 10  # steps 21 to 30, from the saved model and state
+    assert resumed[0] < losses[0] and resumed[-1] < resumed[0], (losses, resumed)
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step-20", "step-30"]
+    assert muonckpt.read_manifest(ckpt / "step-30").topology == {"dp": 3, "tp": 1}
