@@ -77,14 +77,17 @@ def save(
     keep_last: int | None = None,
 ) -> Path:
     """Save ``optimizer``'s state (and its params) to directory ``path``; a collective over its
-    dp x tp grid.
+    dp x tp grid, which begins with a bounded rendezvous (every rank must call it, with the same
+    arguments, within :func:`muonckpt.set_rendezvous_timeout` of each other).
 
     Args:
         optimizer: a packaged :class:`~muonckpt.Muon`, single-process or distributed (every
             rank holding every param, or only those it owns elements of); an optimizer with
-            :func:`muonckpt.install_hooks`; or any single-process torch optimizer. In a single
-            process also a list of optimizers that together train a model (torch.optim.Muon
-            for the matrices and AdamW for the rest): their groups are saved in order, as one.
+            :func:`muonckpt.install_hooks`; or any torch optimizer without hooks, in one process
+            or replicated on every rank of a process group (DDP: saved once, by rank 0, after
+            the ranks' digests of the state are found equal). Also a list of such optimizers
+            that together train a model (torch.optim.Muon for the matrices and AdamW for the
+            rest): their groups are saved in order, as one.
             State and params may be in CUDA memory: each tensor is copied to a reused (pinned)
             host buffer just before it is written.
         path: target directory. The save is staged beside it and swapped in atomically.
@@ -601,9 +604,11 @@ def load(
 
     Every rank reads the manifest and then only the bytes of the pieces overlapping its own
     share, verifying their checksums; memory is its share plus one piece span in flight.
-    In distributed mode a collective over the grid: the ranks agree that they opened one
-    checkpoint (its resolved directory and manifest) with the same arguments, and that every
-    share was read, before any optimizer changes; any rank's failure is every rank's.
+    In distributed mode a collective over the grid (for optimizers without hooks in a process
+    group, DDP replicas, the world: every rank reads the whole state): a bounded rendezvous
+    where the ranks agree on the call and its arguments, then they agree that they opened one
+    checkpoint (its resolved directory and manifest) and that every share was read, before any
+    optimizer changes; any rank's failure is every rank's.
 
     Args:
         optimizer: an optimizer :func:`save` takes, at any topology, or a list of them.

@@ -396,17 +396,13 @@ class StoreSteps(StepProtocol):
         super().__init__(operation, ranks, ranks[0], error, global_rank())
         self.timeout = rendezvous_timeout() if timeout is None else _checked_timeout(timeout)
         members = tuple(self.ranks)
-        sequence = _SEQUENCE.get(members, 0)
-        _SEQUENCE[members] = sequence + 1
-        digest = hashlib.blake2b(repr(members).encode(), digest_size=6).hexdigest()
-        self._prefix = f"muonckpt/steps/{digest}/{sequence}"
+        self.sequence = _SEQUENCE.get(members, 0)
+        _SEQUENCE[members] = self.sequence + 1
 
     def _exchange(
         self, step: str, mine: Outcome, decide: Callable[[list[Outcome]], Outcome]
     ) -> Outcome:
-        prefix = f"{self._prefix}/{step}"
-        arrivals = [f"{prefix}/arrived/{rank}" for rank in self.ranks]
-        verdict, done = f"{prefix}/verdict", f"{prefix}/done"
+        arrivals, verdict, done = store_keys(self.ranks, self.sequence, step)
         store, wait = _default_store(), timedelta(seconds=self.timeout)
         mine_key = arrivals[self.ranks.index(self.rank)]
         store.set(mine_key, json.dumps(mine))
@@ -453,6 +449,15 @@ class StoreSteps(StepProtocol):
         if "error" in outcome:
             store.delete_key(mine_key)  # (a late rank's: nobody reads it)
         return outcome
+
+
+def store_keys(ranks: Sequence[int], sequence: int, step: str) -> tuple[list[str], str, str]:
+    """The store keys of one step of the ``sequence``-th :class:`StoreSteps` operation over
+    ``ranks``: each rank's arrival (in the order of ``ranks``), the verdict, the count of
+    ranks that read it."""
+    digest = hashlib.blake2b(repr(tuple(ranks)).encode(), digest_size=6).hexdigest()
+    prefix = f"muonckpt/steps/{digest}/{sequence}/{step}"
+    return [f"{prefix}/arrived/{rank}" for rank in ranks], f"{prefix}/verdict", f"{prefix}/done"
 
 
 def _waited(store: dist.Store, key: str, wait: timedelta) -> Outcome | None:

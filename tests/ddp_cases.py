@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 import muonckpt
-from muonckpt import offline
+from muonckpt import collectives, offline
 
 from .fixture_model import build, initial_params, train
 
@@ -154,3 +154,47 @@ def gather_disagreeing_phase() -> str | None:
     except muonckpt.MuonCkptError as exc:
         return str(exc)
     return None
+
+
+def subgroup_phase(root: str, timeout: float) -> dict[str, object]:
+    """Two pairs of ranks ({0, 1} and {2, 3}), each with its own replicated optimizer over its
+    pair (``install_hooks(..., owner=REPLICATED, group=pair)``), save and load at the same time,
+    three times, each pair to its own path; then rank 2 saves alone. This rank's error and how
+    the rendezvous keys left in the store after the agreed operations."""
+    muonckpt.set_rendezvous_timeout(timeout)
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    pair = dist.get_rank() // 2
+    torch.manual_seed(pair)
+    net = Net()
+    optimizers = optimizers_of(net)
+    for optimizer in optimizers:
+        muonckpt.install_hooks(optimizer, owner=lambda i, p: muonckpt.REPLICATED, group=pairs[pair])
+    for step in range(3):
+        for optimizer in optimizers:
+            for p in optimizer.param_groups[0]["params"]:
+                p.grad = torch.full_like(p, 0.1 * (step + 1))
+            optimizer.step()
+        for k, optimizer in enumerate(optimizers):
+            path = f"{root}/pair-{pair}-opt-{k}-step-{step}"
+            muonckpt.save(optimizer, path)
+            muonckpt.load(optimizer, path)
+    dist.barrier()
+    store = dist.distributed_c10d._get_default_store()
+    members = [2 * pair, 2 * pair + 1]
+    operations = collectives._SEQUENCE[tuple(members)]
+    left = [  # every key of every rendezvous so far, of either pair
+        key
+        for sequence in range(operations)
+        for ranks in ([0, 1], [2, 3])
+        for arrivals, verdict, done in [collectives.store_keys(ranks, sequence, "rendezvous")]
+        for key in [*arrivals, verdict, done]
+        if store.check([key])
+    ]
+    error = None
+    if dist.get_rank() == 2:
+        try:
+            muonckpt.save(optimizers[0], f"{root}/lone")
+        except muonckpt.MuonCkptError as exc:
+            error = str(exc)
+    dist.barrier()
+    return {"error": error, "left": left, "operations": operations}

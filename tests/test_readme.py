@@ -67,8 +67,10 @@ SINGLE = "# in one process"
 def fragments(single: bool = False) -> list[str]:
     """The README's other Python blocks: fragments that use ``opt`` and ``rank`` in a 2 x 2
     run, or (``single``) those marked to run in one process, which use ``model``."""
-    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
-    return [b for b in blocks if b != example("train.py") and b.startswith(SINGLE) == single]
+    text = README.read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, re.S)
+    scripts = set(re.findall(r"<!-- readme-example: [^>]*-->\n```\w+\n(.*?)```", text, re.S))
+    return [b for b in blocks if b not in scripts and b.startswith(SINGLE) == single]
 
 
 def fragments_phase(workdir: str) -> bool:

@@ -8,9 +8,16 @@ from __future__ import annotations
 
 import pytest
 
+import muonckpt
 from muonckpt.launch import run_distributed
 
-from .ddp_cases import ddp_save_phase, gather_disagreeing_phase, lone_call_phase, offline_phase
+from .ddp_cases import (
+    ddp_save_phase,
+    gather_disagreeing_phase,
+    lone_call_phase,
+    offline_phase,
+    subgroup_phase,
+)
 
 RENDEZVOUS_S = 2.0
 RUN_S = 150.0
@@ -84,3 +91,18 @@ def test_ranks_that_gather_a_state_dict_differently_fail_together():
     errors = run_distributed(gather_disagreeing_phase, 2, timeout=RUN_S, wait_timeout=RUN_S - 30)
     assert errors[0] == errors[1], errors
     assert errors[0].startswith("state_dict() (rendezvous): the ranks disagree on all_ranks: ")
+
+
+def test_subgroups_meet_apart_and_leave_no_keys(tmp_path):
+    """Each set of ranks numbers its own operations: two pairs saving and loading at once
+    never meet each other's rendezvous; the store holds no more keys after the agreed
+    operations than before; a lone rank of a pair names its pair."""
+    ranks = run_distributed(
+        subgroup_phase, 4, str(tmp_path), RENDEZVOUS_S, timeout=RUN_S, wait_timeout=RUN_S - 30
+    )
+    assert [r["operations"] for r in ranks] == [12] * 4  # 3 x (2 saves + 2 loads) per pair
+    assert [r["left"] for r in ranks] == [[]] * 4
+    assert [r["error"] is None for r in ranks] == [True, True, False, True]
+    assert "rank(s) [3] did not arrive" in ranks[2]["error"]
+    assert "save is a collective over ranks [2, 3]" in ranks[2]["error"]
+    assert muonckpt.verify(tmp_path / "pair-1-opt-0-step-2") == []
