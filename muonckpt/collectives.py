@@ -382,8 +382,11 @@ class StoreSteps(StepProtocol):
     Each rank leaves its outcome under a key of its own; the first of ``ranks`` (the root)
     decides and leaves the verdict. A rank whose wait ends first claims the verdict instead
     (an atomic ``compare_set``: whoever decides first, every rank ends knowing that one
-    outcome), naming the ranks that did not arrive; a rank arriving after that fails at once.
-    The last rank to read a verdict deletes the step's keys.
+    outcome), naming the ranks that did not arrive. A rank that arrives after the others gave
+    up on an operation without it leaves that one to them and meets their next operation over
+    the same ranks instead, so that one late or missing call does not put the ranks out of step
+    for good. The last rank to read a verdict deletes the step's keys (a failed step's stay, for
+    late ranks to find).
     """
 
     def __init__(
@@ -395,60 +398,81 @@ class StoreSteps(StepProtocol):
     ) -> None:
         super().__init__(operation, ranks, ranks[0], error, global_rank())
         self.timeout = rendezvous_timeout() if timeout is None else _checked_timeout(timeout)
-        members = tuple(self.ranks)
-        self.sequence = _SEQUENCE.get(members, 0)
-        _SEQUENCE[members] = self.sequence + 1
+        self.sequence = _next_sequence(self.ranks)
 
     def _exchange(
         self, step: str, mine: Outcome, decide: Callable[[list[Outcome]], Outcome]
     ) -> Outcome:
-        arrivals, verdict, done = store_keys(self.ranks, self.sequence, step)
         store, wait = _default_store(), timedelta(seconds=self.timeout)
-        mine_key = arrivals[self.ranks.index(self.rank)]
-        store.set(mine_key, json.dumps(mine))
+        while True:
+            arrivals, verdict, done = store_keys(self.ranks, self.sequence, step)
+            mine_key = arrivals[self.ranks.index(self.rank)]
+            store.set(mine_key, json.dumps(mine))
+            outcome = self._verdict(store, wait, arrivals, verdict, decide)
+            if self.rank not in outcome.get("absent", ()):
+                break
+            # The others gave up on this operation before this rank came (and raised): it
+            # is theirs alone. This call meets their next one instead.
+            store.delete_key(mine_key)
+            self.sequence = _next_sequence(self.ranks)
+        if store.add(done, 1) == len(self.ranks):
+            store.delete_key(verdict)
+            store.delete_key(done)
+        if "error" in outcome:
+            store.delete_key(mine_key)  # (the first rank may not have read it)
+        return outcome
+
+    def _verdict(
+        self,
+        store: dist.Store,
+        wait: timedelta,
+        arrivals: list[str],
+        verdict: str,
+        decide: Callable[[list[Outcome]], Outcome],
+    ) -> Outcome:
+        """The step's one outcome: decided by the root when every rank has arrived, or claimed
+        by the first rank whose wait ends (naming the ranks ``absent``)."""
 
         def claim(outcome: Outcome) -> Outcome:
             """The verdict: ``outcome`` unless another rank decided first."""
             return json.loads(store.compare_set(verdict, "", json.dumps(outcome)).decode())
 
-        def missing() -> list[int]:
-            return [
-                r for r, key in zip(self.ranks, arrivals, strict=True) if not store.check([key])
-            ]
-
         def timed_out() -> Outcome:
-            absent = missing()
+            present = [store.check([key]) for key in arrivals]
+            absent = [r for r, came in zip(self.ranks, present, strict=True) if not came]
             came = [r for r in self.ranks if r not in absent]
             return {
                 "error": f"rank(s) {absent} did not arrive within {self.timeout:g} s (ranks "
                 f"{came} did): {self.operation} is a collective over ranks {self.ranks}, call "
                 "it on every one of them (not under `if rank == 0:`), within the rendezvous "
                 "timeout of each other (muonckpt.set_rendezvous_timeout, "
-                "MUONCKPT_RENDEZVOUS_TIMEOUT)"
+                "MUONCKPT_RENDEZVOUS_TIMEOUT)",
+                "absent": absent,
             }
 
+        if store.check([verdict]):  # decided already: the others gave up before this came
+            return json.loads(store.get(verdict).decode())
         if self.is_root:
             try:
                 store.wait(arrivals, wait)
             except dist.DistStoreError:
-                outcome = claim(timed_out())
-            else:
-                outcomes = [json.loads(v) for v in store.multi_get(arrivals)]
-                outcome = claim(decide(outcomes))
-                for key in arrivals:
-                    store.delete_key(key)
-        else:
-            outcome = _waited(store, verdict, wait)
-            if outcome is None and not missing():  # all came: the root is deciding
-                outcome = _waited(store, verdict, wait)
-            if outcome is None:
-                outcome = claim(timed_out())
-        if store.add(done, 1) == len(self.ranks):
-            store.delete_key(verdict)
-            store.delete_key(done)
-        if "error" in outcome:
-            store.delete_key(mine_key)  # (a late rank's: nobody reads it)
-        return outcome
+                return claim(timed_out())
+            outcome = claim(decide([json.loads(v) for v in store.multi_get(arrivals)]))
+            for key in arrivals:
+                store.delete_key(key)
+            return outcome
+        outcome = _waited(store, verdict, wait)
+        if outcome is None and all(store.check([key]) for key in arrivals):
+            outcome = _waited(store, verdict, wait)  # all came: the root is deciding
+        return outcome if outcome is not None else claim(timed_out())
+
+
+def _next_sequence(ranks: Sequence[int]) -> int:
+    """The number of this process's next :class:`StoreSteps` operation over ``ranks``."""
+    members = tuple(ranks)
+    sequence = _SEQUENCE.get(members, 0)
+    _SEQUENCE[members] = sequence + 1
+    return sequence
 
 
 def store_keys(ranks: Sequence[int], sequence: int, step: str) -> tuple[list[str], str, str]:

@@ -100,10 +100,11 @@ def diverged_save_phase(path: str) -> str:
 
 def lone_call_phase(
     path: str, kind: str, operation: str, caller: int, warm: bool, timeout: float
-) -> str | None:
+) -> dict[str, object]:
     """Only rank ``caller`` calls ``operation`` (``if rank == caller: save(...)``) on a ``kind``
     job (``ddp``: the replicated torch optimizers; ``muon``: the packaged Muon at 2x1, whose
-    grid is already learned when ``warm``); the others go on to a barrier. This rank's error."""
+    grid is already learned when ``warm``); the others go on to a barrier. Then every rank
+    calls it. This rank's error, and whether the call of every rank then worked."""
     muonckpt.set_rendezvous_timeout(timeout)
     if kind == "ddp":
         model, optimizer = ddp_job(seed=0)
@@ -113,21 +114,26 @@ def lone_call_phase(
         train(optimizer, sharded, dp_rank, tp_rank, 0, 1)
     if operation == "load" or warm:
         muonckpt.save(optimizer, path)
+
+    def call() -> None:
+        if operation == "save":
+            muonckpt.save(optimizer, path, overwrite=True)
+        elif operation == "async_save":
+            muonckpt.async_save(optimizer, path, overwrite=True).result()
+        elif operation == "load":
+            muonckpt.load(optimizer, path)
+        elif operation == "state_dict()":
+            optimizer.state_dict()
+
     error = None
     if dist.get_rank() == caller:
         try:
-            if operation == "save":
-                muonckpt.save(optimizer, path, overwrite=True)
-            elif operation == "async_save":
-                muonckpt.async_save(optimizer, path, overwrite=True).result()
-            elif operation == "load":
-                muonckpt.load(optimizer, path)
-            elif operation == "state_dict()":
-                optimizer.state_dict()
+            call()
         except muonckpt.MuonCkptError as exc:
             error = str(exc)
     dist.barrier()
-    return error
+    call()  # the ranks meet again: the abandoned call is nobody's
+    return {"error": error, "again": True}
 
 
 def offline_phase(src: str, dst: str, how: str, timeout: float) -> str | None:

@@ -1,8 +1,9 @@
 """Collectives that cannot hang on a missing rank (issue 21, item 2): every muonckpt
 collective begins with a bounded rendezvous, so ``if rank == 0: save(...)`` fails on the rank
 that called it within the rendezvous timeout, saying that the call is a collective, which
-ranks did not come and what to do; the ranks that did not call it go on. (The hang guard is
-the run's timeout: the process group's own timeout is longer, so a hang fails the test.)"""
+ranks did not come and what to do; the ranks that did not call it go on, and the next call
+of every rank meets. (The hang guard is the run's timeout: the process group's own timeout is
+longer, so a hang fails the test.)"""
 
 from __future__ import annotations
 
@@ -52,6 +53,8 @@ def test_a_collective_called_on_one_rank_fails_there_in_bounded_time(
         wait_timeout=RUN_S - 30,
     )
     other = 1 - caller
+    assert all(rank["again"] for rank in errors)  # and then every rank's call meets
+    errors = [rank["error"] for rank in errors]
     assert errors[other] is None
     error = errors[caller]
     assert error is not None and error.startswith(f"{operation} ("), error
