@@ -38,6 +38,7 @@ from .grid import GridParams, RankReport, merge_reports
 from .layout import Region, Topology, tp_full_shape, tp_region, whole_region
 from .manifest import PARAM_KEY
 from .regions import extract, insert_
+from .workplan import spread
 
 HOST = torch.device("cpu")
 """Where gathered full tensors are assembled and delivered: host memory, as DCP's
@@ -862,7 +863,8 @@ def describe(optimizer: torch.optim.Optimizer) -> Sharding:
 def describe_replicated(optimizer: Any) -> Sharding:
     """Sharding of an optimizer without hooks in a process group: a replica on every rank of
     the world (DDP), its state the same everywhere, every param :data:`REPLICATED` (saved
-    once, from the first rank; loaded whole on every rank). A collective over the world: the
+    once, the ranks sharing the writing by :func:`muonckpt.workplan.spread`; loaded whole on
+    every rank). A collective over the world: the
     ranks check that they hold the same params (a sharded optimizer such as upstream
     ``muon.Muon`` needs :func:`install_hooks`, and a gather or save checks that the replicas'
     state agrees, see :func:`replica_digest`)."""
@@ -872,7 +874,11 @@ def describe_replicated(optimizer: Any) -> Sharding:
             f"upstream muon.{type(optimizer).__name__} keeps each Muon param's state on one "
             "rank, not replicated: call muonckpt.install_hooks(optimizer) first"
         )
-    return _describe_owned(optimizer, lambda i, p: REPLICATED, None, None, None, {}, True)
+    world = collectives.group_size(None)
+    writers = spread([p.numel() * p.element_size() for p in flat_params(optimizer)], world)
+    return _describe_owned(
+        optimizer, lambda i, p: REPLICATED, None, None, None, {}, True, writers=writers
+    )
 
 
 UPSTREAM_MODULE = "muon"
@@ -1002,7 +1008,10 @@ def _describe_owned(
     tp_group: collectives.Group,
     splits: Mapping[str, int],
     collective: bool,
+    writers: Sequence[int] | None = None,
 ) -> Sharding:
+    """Sharding of an owner-rule optimizer; ``writers``: per param, the DP rank whose copy of
+    a replicated param's state is saved (default the first)."""
     me = collectives.global_rank()
     if tp_group is None:
         ranks = collectives.group_ranks(group)
@@ -1025,7 +1034,7 @@ def _describe_owned(
 
         rank = owner(index, p)
         replicated = rank is REPLICATED
-        dp_owner = 0 if replicated else int(rank)
+        dp_owner = (writers[index] if writers else 0) if replicated else int(rank)
         if not 0 <= dp_owner < topo.dp:
             raise StateDictError(f"param {name!r}: owner rank {rank} is outside 0..{topo.dp - 1}")
         owners.append(repr(rank))

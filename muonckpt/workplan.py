@@ -1,7 +1,8 @@
 """Splitting the tensors of output files among workers, balanced by bytes: pure ints, no I/O.
 
 Used by ``consolidate`` and ``reshard`` when several processes share the writing
-(:func:`muonckpt.offline.consolidate` with ``workers`` or ``collective``).
+(:func:`muonckpt.offline.consolidate` with ``workers`` or ``collective``), and by ``save`` of a
+replicated optimizer, whose ranks share the writing of its state (:func:`spread`).
 """
 
 from __future__ import annotations
@@ -49,3 +50,23 @@ def split_work(units: Sequence[WorkUnit], workers: int) -> list[list[WorkUnit]]:
         shares[min(owner, workers - 1)].append(unit)
         start += unit.nbytes
     return shares
+
+
+def spread(sizes: Sequence[int], workers: int) -> list[int]:
+    """The worker of each item of ``sizes`` (bytes), by :func:`split_work`'s rule: contiguous
+    runs of the items in order, each worker at most ``total / workers + max(sizes)`` bytes. For
+    items every worker holds alike (replicated optimizer state), so that each is written once
+    and the writing is shared.
+
+    Raises:
+        LayoutError: when ``workers`` is not positive.
+    """
+    units, start = [], 0
+    for index, size in enumerate(sizes):
+        units.append(WorkUnit("", f"{index:012d}", start, size))
+        start += size
+    owners = [0] * len(units)
+    for worker, share in enumerate(split_work(units, workers)):
+        for unit in share:
+            owners[int(unit.key)] = worker
+    return owners

@@ -1,6 +1,6 @@
 """Replicated optimizers under DDP (issue 21, item 1): torch.optim optimizers whose state is
 the same on every rank save and load with no hooks, a list of them as one checkpoint, written
-once (by the first rank), read by every rank, at any world size."""
+once (the ranks sharing the writing), read by every rank, at any world size."""
 
 from __future__ import annotations
 
@@ -23,9 +23,15 @@ def test_a_ddp_job_with_torch_muon_and_adamw_resumes_at_another_world_size_bitwi
     saved = run_distributed(ddp_save_phase, 2, str(ckpt), 3, timeout=180)
     assert saved[0].keys() == saved[1].keys()
     assert any(".momentum_buffer" in k for k in saved[0]) and any(".exp_avg" in k for k in saved[0])
-    # Written once: the first rank's file holds the state, the other's none of it.
+    # Written once, the ranks sharing the writing: each param's state and values in one file.
     manifest = muonckpt.read_manifest(ckpt)
-    assert {piece.file for piece in manifest.pieces} == {"rank-00000-of-00002.safetensors"}
+    written = [(piece.param, piece.key) for piece in manifest.pieces]
+    tensors = [key for key, value in saved[0].items() if value.dim()]  # (steps: in the manifest)
+    assert len(written) == len(set(written)) == len(tensors)
+    assert {piece.file for piece in manifest.pieces} == {
+        "rank-00000-of-00002.safetensors",
+        "rank-00001-of-00002.safetensors",
+    }
     assert muonckpt.verify(ckpt) == []
     resumed = run_distributed(ddp_resume_phase, 3, str(ckpt), 3, 2, timeout=180)
     for rank in resumed:  # every rank of the new world holds exactly what was saved

@@ -128,7 +128,8 @@ def test_readme_ddp_recipe_saves_once_and_resumes_at_another_world_size(tmp_path
     assert sorted(p.name for p in ckpt.iterdir()) == ["step-10", "step-20"]
     manifest = muonckpt.read_manifest(ckpt / "step-20")
     assert manifest.topology == {"dp": 2, "tp": 1}
-    assert {piece.file for piece in manifest.pieces} == {"rank-00000-of-00002.safetensors"}
+    written = [(piece.param, piece.key) for piece in manifest.pieces]
+    assert len(written) == len(set(written))  # each state tensor once, not once per rank
     assert muonckpt.verify(ckpt / "step-20") == []
     resumed = run(resume, tmp_path)
     assert len(resumed) == 10  # steps 21 to 30, from the saved model and state
