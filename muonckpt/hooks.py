@@ -38,6 +38,7 @@ from .grid import GridParams, RankReport, merge_reports
 from .layout import Region, Topology, tp_full_shape, tp_region, whole_region
 from .manifest import PARAM_KEY
 from .regions import extract, insert_
+from .storage import checksum_chunks
 from .workplan import spread
 
 HOST = torch.device("cpu")
@@ -428,12 +429,15 @@ _DIGEST_CHUNK = 1 << 22
 """Words a replica digest reads at a time (bounding its temporary memory to ~100 MiB)."""
 
 
-def replica_digest(tensor: torch.Tensor) -> list[int]:
-    """A cheap fingerprint of a tensor's bytes, computed where the tensor is (CPU or CUDA):
-    two int64 sums (wrapping) of its bytes as 32-bit words, plain and weighted by position,
-    so that replicas that differ in any word, or hold the same words in another order,
-    differ here (with overwhelming likelihood)."""
+def replica_digest(tensor: torch.Tensor) -> list[Any]:
+    """A cheap fingerprint of a tensor's bytes, computed where the tensor is: in host memory
+    the checkpoint's own checksum (XXH3-64) of its bytes; on a device two int64 sums (wrapping)
+    of its bytes as 32-bit words, plain and weighted by position, so that nothing crosses to
+    the host. Replicas that differ in any word, or hold the same words in another order,
+    differ here (with overwhelming likelihood). Replicas compared must be on one device type."""
     data = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+    if data.device.type == "cpu":
+        return list(checksum_chunks(data.numpy(), chunk_bytes=max(1, data.numel())))
     if data.numel() % 4:
         data = torch.cat([data, data.new_zeros(4 - data.numel() % 4)])
     words = data.view(torch.int32)
