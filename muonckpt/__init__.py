@@ -22,7 +22,13 @@ from .layout import LayoutOptions, ParamSpec, Topology, arrange
 
 if TYPE_CHECKING:
     from .checkpoint import LoadReport, async_save, load, save
-    from .collectives import default_group_from_env, global_rank, grid_groups
+    from .collectives import (
+        default_group_from_env,
+        global_rank,
+        grid_groups,
+        rendezvous_timeout,
+        set_rendezvous_timeout,
+    )
     from .demo import run_demo
     from .hooks import REPLICATED, gather_state_dict, install_hooks
     from .kinds import DCP_FAMILIES, FAMILIES
@@ -51,6 +57,8 @@ _LAZY = {
     "default_group_from_env": "collectives",
     "global_rank": "collectives",
     "grid_groups": "collectives",
+    "rendezvous_timeout": "collectives",
+    "set_rendezvous_timeout": "collectives",
     "install_hooks": "hooks",
     "Muon": "optim",
     "MuonDistMeta": "optim",
@@ -96,8 +104,10 @@ __all__ = [
     "newton_schulz",
     "normalize_range",
     "read_manifest",
+    "rendezvous_timeout",
     "run_demo",
     "save",
+    "set_rendezvous_timeout",
     "shard_for_groups",
     "shard_param_groups",
     "verify",

@@ -14,7 +14,6 @@ I/O from :mod:`muonckpt.storage`.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
 import os
@@ -40,6 +39,7 @@ from .hooks import (
     describe_value,
     flat_params,
     gather_full_state,
+    participants,
     remap_groups,
     value_of,
 )
@@ -91,14 +91,17 @@ def save(
     rank_extra: Mapping[str, Any] | None = None,
 ) -> Path:
     """Save ``optimizer``'s state (and its params) to directory ``path``; a collective over its
-    dp x tp grid.
+    dp x tp grid, which begins with a bounded rendezvous (every rank must call it, with the same
+    arguments, within :func:`muonckpt.set_rendezvous_timeout` of each other).
 
     Args:
         optimizer: a packaged :class:`~muonckpt.Muon`, single-process or distributed (every
             rank holding every param, or only those it owns elements of); an optimizer with
-            :func:`muonckpt.install_hooks`; or any single-process torch optimizer. In a single
-            process also a list of optimizers that together train a model (torch.optim.Muon
-            for the matrices and AdamW for the rest): their groups are saved in order, as one.
+            :func:`muonckpt.install_hooks`; or any torch optimizer without hooks, in one process
+            or replicated on every rank of a process group (DDP: saved once, by rank 0, after
+            the ranks' digests of the state are found equal). Also a list of such optimizers
+            that together train a model (torch.optim.Muon for the matrices and AdamW for the
+            rest): their groups are saved in order, as one.
             State and params may be in CUDA memory: each tensor is copied to a reused (pinned)
             host buffer just before it is written.
         path: target directory. The save is staged beside it and swapped in atomically.
@@ -357,10 +360,6 @@ def _prepare_save(
     arguments, ``path`` resolved, then creates the staging directory, and for a
     ``background`` save its mailbox), the state holders' check, the group settings, and for a
     consolidated save the full state gathered to the destination's host memory."""
-    sharding = describe(optimizer)
-    steps = collectives.CollectiveSteps(
-        operation, sharding.participants, sharding.destination, CheckpointError
-    )
     arguments = {
         "path": os.path.abspath(path),
         "consolidated": consolidated,
@@ -370,6 +369,12 @@ def _prepare_save(
         "keep_last": keep_last,
         "timeout": timeout,
     }
+    ranks = participants(optimizer, operation)
+    collectives.rendezvous(operation, ranks, arguments, CheckpointError)
+    sharding = describe(optimizer)
+    steps = collectives.CollectiveSteps(
+        operation, sharding.participants, sharding.destination, CheckpointError
+    )
     buffers = _HOST_BUFFERS.setdefault(_key(optimizer), HostBuffers())
     taken: list[_Payload] = []
     described: list[ModelTensors | None] = []
@@ -387,7 +392,7 @@ def _prepare_save(
             if background:
                 payload.tensors = buffers.snapshot(payload.tensors)
             taken.append(payload)
-        return {"call": operation, **arguments, **state.agreement()}
+        return state.agreement()
 
     mailbox = background and len(sharding.participants) > 1
     staging = writing.stage(steps, path, overwrite=overwrite, check=check, mailbox=mailbox)
@@ -483,10 +488,15 @@ class _Joined:
     """Several single-process optimizers seen as one by :func:`save`: their groups in order."""
 
     def __init__(self, optimizers: list[torch.optim.Optimizer]) -> None:
-        if collectives.is_distributed() and collectives.group_size(None) > 1:
-            raise CheckpointError("several optimizers go into one checkpoint in one process only")
         if not optimizers:
             raise CheckpointError("no optimizer to save")
+        hooked = [type(o).__name__ for o in optimizers if o in _HOOKS]
+        if hooked and collectives.is_distributed() and collectives.group_size(None) > 1:
+            raise CheckpointError(
+                f"a list of optimizers goes into one checkpoint across ranks only as replicas "
+                f"(DDP: no muonckpt hooks), and {hooked} shard their state: save a sharded "
+                "optimizer on its own"
+            )
         self.optimizers = optimizers
         self.param_groups = [g for o in optimizers for g in o.param_groups]
         self.state = {p: s for o in optimizers for p, s in o.state.items()}
@@ -756,9 +766,11 @@ def load(
 
     Every rank reads the manifest and then only the bytes of the pieces overlapping its own
     share, verifying their checksums; memory is its share plus one piece span in flight.
-    In distributed mode a collective over the grid: the ranks agree that they opened one
-    checkpoint (its resolved directory and manifest) with the same arguments, and that every
-    share was read, before any optimizer changes; any rank's failure is every rank's.
+    In distributed mode a collective over the grid (for optimizers without hooks in a process
+    group, DDP replicas, the world: every rank reads the whole state): a bounded rendezvous
+    where the ranks agree on the call and its arguments, then they agree that they opened one
+    checkpoint (its resolved directory and manifest) and that every share was read, before any
+    optimizer changes; any rank's failure is every rank's.
 
     Args:
         optimizer: an optimizer :func:`save` takes, at any topology, or a list of them.
@@ -790,6 +802,14 @@ def load(
     """
     targets = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
     joined = targets[0] if len(targets) == 1 else _Joined(targets)
+    arguments = {
+        "path": os.path.abspath(path),
+        "params": params,
+        "momentum_form": momentum_form,
+        "extra given": extra is not None,
+        "rank_extra given": rank_extra is not None,
+    }
+    collectives.rendezvous("load", participants(joined, "load"), arguments, CheckpointError)
     sharding = describe(joined)  # a collective the first time: before anything can fail
     models = following(p for o in targets for p in flat_params(o)) if params else []
     steps = collectives.CollectiveSteps(
@@ -814,12 +834,8 @@ def load(
             return {}  # nobody to agree with: no digest of a large manifest
         return {
             "checkpoint": os.path.realpath(directory),
-            "manifest": hashlib.blake2b(manifest.to_json().encode(), digest_size=8).hexdigest(),
-            "params": params,
-            "momentum_form": momentum_form,
+            "manifest": manifest.digest(),
             "models that follow the params": len(models),  # each a collective below
-            "extra given": extra is not None,
-            "rank_extra given": rank_extra is not None,
         }
 
     if len(steps.ranks) > 1:  # (in one process every failure is raised as it is)

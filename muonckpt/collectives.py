@@ -10,7 +10,10 @@ come back on the device the caller's tensors are on.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import math
+import os
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
@@ -20,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from .errors import CollectiveError, LayoutError, MuonCkptError
-from .steps import Outcome, StepProtocol
+from .steps import Outcome, StepProtocol, disagreement
 
 Group = dist.ProcessGroup | None
 
@@ -145,22 +148,30 @@ def all_gather_ints(values: Sequence[int], group: Group) -> list[list[int]]:
     return [t.tolist() for t in all_gather_list(local, group)]
 
 
-def grid_ranks(dp_group: Group, tp_group: Group) -> list[int]:
+def grid_ranks(dp_group: Group, tp_group: Group, operation: str = "describe the grid") -> list[int]:
     """Global ranks of the dp x tp grid, indexed ``dp_rank * tp + tp_rank``.
 
-    A collective over both groups; raises :class:`CollectiveError` when the groups do not form
-    a grid (a TP group whose size differs between DP ranks, say).
-    """
+    A collective over the DP group (the first step of ``operation``), through the store with
+    bounded waits (:class:`StoreSteps`), so that it cannot hang on a rank that never comes;
+    raises :class:`CollectiveError` when the groups do not form a grid (a TP group whose size
+    differs between DP ranks, say)."""
     if not is_distributed():
         return [0]
     tp_members = group_ranks(tp_group)
-    rows = all_gather_ints([len(tp_members), *tp_members], dp_group)
-    if any(row[0] != len(tp_members) or len(row) != len(rows[0]) for row in rows):
-        raise CollectiveError("the TP groups of different DP ranks differ in size")
-    grid = [rank for row in rows for rank in row[1:]]
-    if len(set(grid)) != len(grid):
-        raise CollectiveError(f"the DP and TP groups do not form a grid: ranks {grid}")
-    return grid
+
+    def grid(rows: list[list[int]]) -> list[int]:
+        if any(len(row) != len(tp_members) for row in rows):
+            raise CollectiveError("the TP groups of different DP ranks differ in size")
+        ranks = [rank for row in rows for rank in row]
+        if len(set(ranks)) != len(ranks):
+            raise CollectiveError(f"the DP and TP groups do not form a grid: ranks {ranks}")
+        return ranks
+
+    dp_members = group_ranks(dp_group)
+    if len(dp_members) == 1:
+        return grid([tp_members])
+    steps = StoreSteps(operation, dp_members, CollectiveError)
+    return steps.each_then_root("grid", lambda: tp_members, grid)
 
 
 def grid_groups(dp: int, tp: int) -> tuple[Group, Group]:
@@ -342,3 +353,213 @@ def join_default_group(
 def leave_default_group() -> None:
     """Destroy the default process group (and every group made from it)."""
     dist.destroy_process_group()
+
+
+# --------------------------------------------------------------------------------------------
+# The rendezvous every collective operation starts with: bounded, through the default group's
+# store, so that a rank that never comes (``if rank == 0: save(...)``) is an error on the
+# ranks that did within ``timeout``, instead of a hang until the process group's own timeout.
+# --------------------------------------------------------------------------------------------
+
+DEFAULT_RENDEZVOUS_TIMEOUT_S: float = 60.0
+"""How long, by default, the ranks of a muonckpt collective (``save``, ``async_save``,
+``load``, ``state_dict()``, the offline tools under torchrun) wait for each other at its start;
+overridden by the ``MUONCKPT_RENDEZVOUS_TIMEOUT`` environment variable (seconds) or
+:func:`set_rendezvous_timeout`."""
+
+_timeout_s: float | None = None
+"""What :func:`set_rendezvous_timeout` set; None: the environment or the default."""
+
+
+def rendezvous_timeout() -> float:
+    """The rendezvous timeout in seconds now in force."""
+    if _timeout_s is not None:
+        return _timeout_s
+    text = os.environ.get("MUONCKPT_RENDEZVOUS_TIMEOUT")
+    if text is None:
+        return DEFAULT_RENDEZVOUS_TIMEOUT_S
+    try:
+        return _checked_timeout(float(text))
+    except (ValueError, CollectiveError) as exc:
+        raise CollectiveError(
+            f"MUONCKPT_RENDEZVOUS_TIMEOUT={text!r}: must be a positive, finite number of seconds"
+        ) from exc
+
+
+def set_rendezvous_timeout(seconds: float | None) -> float:
+    """Set how long the ranks of every muonckpt collective wait for each other at its start
+    (None: back to ``MUONCKPT_RENDEZVOUS_TIMEOUT`` or the default, 60 s); returns the timeout
+    in force before. Ranks that call a collective further apart than this fail it."""
+    global _timeout_s
+    previous = rendezvous_timeout()
+    _timeout_s = None if seconds is None else _checked_timeout(seconds)
+    return previous
+
+
+def _checked_timeout(seconds: Any) -> float:
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
+        raise CollectiveError(
+            f"the rendezvous timeout must be a number of seconds, got {seconds!r}"
+        )
+    if not (seconds > 0 and math.isfinite(seconds)):
+        raise CollectiveError(f"the rendezvous timeout must be positive and finite, got {seconds}")
+    return float(seconds)
+
+
+_SEQUENCE: dict[tuple[int, ...], int] = {}
+"""Per set of ranks, the number of its store-carried operations this process has begun (every
+rank of a set begins the collectives over it in one order, so the n-th of one rank meets the
+n-th of the others)."""
+
+
+class StoreSteps(StepProtocol):
+    """The step protocol (:class:`muonckpt.steps.StepProtocol`) through the default process
+    group's store, with bounded waits: no rank waits longer than ``timeout`` seconds (default
+    :func:`rendezvous_timeout`) for another, so a rank that never comes (``if rank == 0:
+    save(...)``) is an error on the ranks that did, never a hang until the process group's
+    own timeout. For the small exchanges that start an operation (its rendezvous, learning a
+    grid's ranks), before any collective on the process groups.
+
+    Each rank leaves its outcome under a key of its own; the first of ``ranks`` (the root)
+    decides and leaves the verdict. A rank whose wait ends first claims the verdict instead
+    (an atomic ``compare_set``: whoever decides first, every rank ends knowing that one
+    outcome), naming the ranks that did not arrive. A rank that arrives after the others gave
+    up on an operation without it leaves that one to them and meets their next operation over
+    the same ranks instead, so that one late or missing call does not put the ranks out of step
+    for good. The last rank to read a verdict deletes the step's keys (a failed step's stay, for
+    late ranks to find).
+    """
+
+    def __init__(
+        self,
+        operation: str,
+        ranks: Sequence[int],
+        error: type[MuonCkptError],
+        timeout: float | None = None,
+    ) -> None:
+        super().__init__(operation, ranks, ranks[0], error, global_rank())
+        self.timeout = rendezvous_timeout() if timeout is None else _checked_timeout(timeout)
+        self.sequence = _next_sequence(self.ranks)
+
+    def _exchange(
+        self, step: str, mine: Outcome, decide: Callable[[list[Outcome]], Outcome]
+    ) -> Outcome:
+        store, wait = _default_store(), timedelta(seconds=self.timeout)
+        while True:
+            arrivals, verdict, done = store_keys(self.ranks, self.sequence, step)
+            mine_key = arrivals[self.ranks.index(self.rank)]
+            store.set(mine_key, json.dumps(mine))
+            outcome = self._verdict(store, wait, arrivals, verdict, decide)
+            if self.rank not in outcome.get("absent", ()):
+                break
+            # The others gave up on this operation before this rank came (and raised): it
+            # is theirs alone. This call meets their next one instead.
+            store.delete_key(mine_key)
+            self.sequence = _next_sequence(self.ranks)
+        if store.add(done, 1) == len(self.ranks):
+            store.delete_key(verdict)
+            store.delete_key(done)
+        if "error" in outcome:
+            store.delete_key(mine_key)  # (the first rank may not have read it)
+        return outcome
+
+    def _verdict(
+        self,
+        store: dist.Store,
+        wait: timedelta,
+        arrivals: list[str],
+        verdict: str,
+        decide: Callable[[list[Outcome]], Outcome],
+    ) -> Outcome:
+        """The step's one outcome: decided by the root when every rank has arrived, or claimed
+        by the first rank whose wait ends (naming the ranks ``absent``)."""
+
+        def claim(outcome: Outcome) -> Outcome:
+            """The verdict: ``outcome`` unless another rank decided first."""
+            return json.loads(store.compare_set(verdict, "", json.dumps(outcome)).decode())
+
+        def timed_out() -> Outcome:
+            present = [store.check([key]) for key in arrivals]
+            absent = [r for r, came in zip(self.ranks, present, strict=True) if not came]
+            came = [r for r in self.ranks if r not in absent]
+            return {
+                "error": f"rank(s) {absent} did not arrive within {self.timeout:g} s (ranks "
+                f"{came} did): {self.operation} is a collective over ranks {self.ranks}, call "
+                "it on every one of them (not under `if rank == 0:`), within the rendezvous "
+                "timeout of each other (muonckpt.set_rendezvous_timeout, "
+                "MUONCKPT_RENDEZVOUS_TIMEOUT)",
+                "absent": absent,
+            }
+
+        if store.check([verdict]):  # decided already: the others gave up before this came
+            return json.loads(store.get(verdict).decode())
+        if self.is_root:
+            try:
+                store.wait(arrivals, wait)
+            except dist.DistStoreError:
+                return claim(timed_out())
+            outcome = claim(decide([json.loads(v) for v in store.multi_get(arrivals)]))
+            for key in arrivals:
+                store.delete_key(key)
+            return outcome
+        outcome = _waited(store, verdict, wait)
+        if outcome is None and all(store.check([key]) for key in arrivals):
+            outcome = _waited(store, verdict, wait)  # all came: the root is deciding
+        return outcome if outcome is not None else claim(timed_out())
+
+
+def _next_sequence(ranks: Sequence[int]) -> int:
+    """The number of this process's next :class:`StoreSteps` operation over ``ranks``."""
+    members = tuple(ranks)
+    sequence = _SEQUENCE.get(members, 0)
+    _SEQUENCE[members] = sequence + 1
+    return sequence
+
+
+def store_keys(ranks: Sequence[int], sequence: int, step: str) -> tuple[list[str], str, str]:
+    """The store keys of one step of the ``sequence``-th :class:`StoreSteps` operation over
+    ``ranks``: each rank's arrival (in the order of ``ranks``), the verdict, the count of
+    ranks that read it."""
+    digest = hashlib.blake2b(repr(tuple(ranks)).encode(), digest_size=6).hexdigest()
+    prefix = f"muonckpt/steps/{digest}/{sequence}/{step}"
+    return [f"{prefix}/arrived/{rank}" for rank in ranks], f"{prefix}/verdict", f"{prefix}/done"
+
+
+def _waited(store: dist.Store, key: str, wait: timedelta) -> Outcome | None:
+    """The JSON value of ``key`` once it is set, or None when ``wait`` passes first."""
+    try:
+        store.wait([key], wait)
+    except dist.DistStoreError:
+        return None
+    return json.loads(store.get(key).decode())
+
+
+def rendezvous(
+    operation: str,
+    ranks: Sequence[int],
+    arguments: dict[str, Any],
+    error: type[MuonCkptError],
+    timeout: float | None = None,
+) -> None:
+    """The start of every collective ``operation`` over ``ranks``: a ``rendezvous`` step
+    (:class:`StoreSteps`, bounded by ``timeout``) where the ranks check that they were called
+    alike: the same call and ``arguments`` (JSON-safe). Raises ``error`` on every rank that
+    came, with one message, naming the ranks that did not come or the argument that differs.
+    Nothing in one process."""
+    if not is_distributed() or len(ranks) <= 1:
+        return
+
+    def agreed(given: list[dict[str, Any]]) -> None:
+        differ = disagreement(given, ranks)
+        if differ is not None:
+            raise error(f"the ranks disagree on {differ}; nothing was done")
+
+    called = {"call": operation, **arguments}
+    StoreSteps(operation, ranks, error, timeout).each_then_root(
+        "rendezvous", lambda: called, agreed
+    )
+
+
+def _default_store() -> dist.Store:
+    """The default process group's store (where its ranks met)."""
+    return dist.distributed_c10d._get_default_store()

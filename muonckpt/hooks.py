@@ -39,6 +39,8 @@ from .grid import GridParams, RankReport, merge_reports
 from .layout import Region, Topology, tp_full_shape, tp_region, whole_region
 from .manifest import PARAM_KEY
 from .regions import extract, insert_
+from .storage import checksum_chunks
+from .workplan import spread
 
 HOST = torch.device("cpu")
 """Where gathered full tensors are assembled and delivered: host memory, as DCP's
@@ -132,7 +134,10 @@ class StateDictHooks:
 
     ``describe(optimizer, collective)`` gives the optimizer's :class:`Sharding`; it is handed
     the optimizer at each call and must not hold it, or the weak mapping the hooks are kept in
-    would keep the optimizer (its params and state) alive for good.
+    would keep the optimizer (its params and state) alive for good. ``ranks(optimizer,
+    operation)`` gives the global ranks of its collectives without a collective on the process
+    groups (the store at most, bounded), so that each can begin with a bounded rendezvous
+    (default: this rank alone).
     """
 
     def __init__(
@@ -140,9 +145,11 @@ class StateDictHooks:
         optimizer: torch.optim.Optimizer,
         describe: Callable[[torch.optim.Optimizer, bool], Sharding],
         *,
+        ranks: Callable[[torch.optim.Optimizer, str], list[int]] | None = None,
         all_ranks: bool = False,
     ) -> None:
         self.describe = describe
+        self.ranks = ranks or (lambda optimizer, operation: [collectives.global_rank()])
         self.all_ranks = all_ranks
         self._handles = [
             optimizer.register_state_dict_pre_hook(self._describe_for_gather),
@@ -169,6 +176,9 @@ class StateDictHooks:
             self._loading_local_share = False
 
     def _describe_for_gather(self, optimizer: torch.optim.Optimizer) -> None:
+        operation = "state_dict()"
+        ranks = self.ranks(optimizer, operation)
+        collectives.rendezvous(operation, ranks, {"all_ranks": self.all_ranks}, StateDictError)
         self._sharding = self.describe(optimizer, True)
 
     def _gather(
@@ -322,6 +332,10 @@ def _gather_entry_metadata(
                 described[str(index)] = {
                     key: describe_value(param, key, v, param.held_numel) for key, v in entry.items()
                 }
+                if param.replicated:  # the replicas must agree, not only in their keys
+                    for key, info in described[str(index)].items():
+                        if info["kind"] == "tensor":
+                            info["digest"] = replica_digest(entry[key])
         return described
 
     def merged(reports: list[dict[str, Any]]) -> list[dict[str, Any] | None]:
@@ -380,8 +394,21 @@ def merge_entry_reports(
         first = by_rank[owners[0]][str(index)]
         expected = _shape_free(first, param.replicated)
         for rank in owners:
-            theirs = _shape_free(by_rank[rank][str(index)], param.replicated)
-            differs = _differences(expected, theirs, owners[0], rank)
+            theirs = by_rank[rank][str(index)]
+            drifted = [
+                key
+                for key, info in first.items()
+                if key in theirs and info.get("digest") != theirs[key].get("digest")
+            ]
+            if param.replicated and drifted:
+                raise StateDictError(
+                    f"param {param.name!r}: state {drifted[0]!r} differs between ranks "
+                    f"{owners[0]} and {rank}, whose replicas must be identical (the state of an "
+                    "optimizer without hooks in a process group, or of a REPLICATED param): "
+                    "the ranks' optimizers did not step alike (a sharded optimizer needs "
+                    "muonckpt.install_hooks with its owner rule)"
+                )
+            differs = _differences(expected, _shape_free(theirs, param.replicated), owners[0], rank)
             if differs:
                 raise StateDictError(
                     f"param {param.name!r}: ranks {owners[0]} and {rank} disagree about its "
@@ -416,6 +443,31 @@ def _differences(a: Mapping[str, Any], b: Mapping[str, Any], rank_a: int, rank_b
                 if x != y
             ]
     return out
+
+
+_DIGEST_CHUNK = 1 << 22
+"""Words a replica digest reads at a time (bounding its temporary memory to ~100 MiB)."""
+
+
+def replica_digest(tensor: torch.Tensor) -> list[Any]:
+    """A cheap fingerprint of a tensor's bytes, computed where the tensor is: in host memory
+    the checkpoint's own checksum (XXH3-64) of its bytes; on a device two int64 sums (wrapping)
+    of its bytes as 32-bit words, plain and weighted by position, so that nothing crosses to
+    the host. Replicas that differ in any word, or hold the same words in another order,
+    differ here (with overwhelming likelihood). Replicas compared must be on one device type."""
+    data = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+    if data.device.type == "cpu":
+        return list(checksum_chunks(data.numpy(), chunk_bytes=max(1, data.numel())))
+    if data.numel() % 4:
+        data = torch.cat([data, data.new_zeros(4 - data.numel() % 4)])
+    words = data.view(torch.int32)
+    sums = torch.zeros(2, dtype=torch.int64, device=words.device)
+    for start in range(0, words.numel(), _DIGEST_CHUNK):
+        chunk = words[start : start + _DIGEST_CHUNK].to(torch.int64)
+        weights = torch.arange(start, start + chunk.numel(), device=chunk.device)
+        sums[0] += chunk.sum()
+        sums[1] += (chunk * (weights * 2654435761 + 1)).sum()
+    return sums.tolist()
 
 
 def describe_value(
@@ -721,18 +773,22 @@ def _grid_params(
     cached = _GRIDS.get(optimizer)
     if cached is not None and cached[0] == structure:
         return cached[1], cached[2]
-    ranks, grid = learn_grid(report, dp_group, tp_group)
+    ranks, grid = learn_grid(optimizer, report, dp_group, tp_group)
     _GRIDS[optimizer] = (structure, ranks, grid)
     return ranks, grid
 
 
 def learn_grid(
-    report: Callable[[], RankReport], dp_group: collectives.Group, tp_group: collectives.Group
+    optimizer: torch.optim.Optimizer,
+    report: Callable[[], RankReport],
+    dp_group: collectives.Group,
+    tp_group: collectives.Group,
 ) -> tuple[list[int], GridParams]:
-    """The grid's global ranks and canonical params, from every rank's ``report()``: a
-    collective over the grid (step ``params``), which fails on every rank when they disagree."""
+    """The grid's global ranks (:func:`grid_members`) and canonical params, from every rank's
+    ``report()``: a collective over the grid (step ``params``), which fails on every rank when
+    they disagree."""
     topo = Topology(collectives.group_size(dp_group), collectives.group_size(tp_group))
-    ranks = collectives.grid_ranks(dp_group, tp_group)
+    ranks = grid_members(optimizer, dp_group, tp_group)
 
     def merge(reports: list[dict]) -> dict:
         return merge_reports([RankReport.from_json(r) for r in reports], topo).to_json()
@@ -741,6 +797,40 @@ def learn_grid(
         _steps(ranks, ranks[0]).each_then_root("params", lambda: report().to_json(), merge)
     )
     return ranks, grid
+
+
+_GRID_RANKS: weakref.WeakKeyDictionary[Any, tuple[Any, Any, list[int]]] = (
+    weakref.WeakKeyDictionary()
+)
+"""Per grid optimizer: its DP and TP groups and the grid's global ranks (learned once)."""
+
+
+def grid_members(
+    optimizer: Any,
+    dp_group: collectives.Group,
+    tp_group: collectives.Group,
+    operation: str = "describe the grid",
+) -> list[int]:
+    """The global ranks of ``optimizer``'s dp x tp grid, indexed ``dp_rank * tp + tp_rank``:
+    learned the first time by :func:`muonckpt.collectives.grid_ranks` (the first step of
+    ``operation``, bounded), then kept beside the optimizer."""
+    cached = _GRID_RANKS.get(optimizer)
+    if cached is not None and cached[0] is dp_group and cached[1] is tp_group:
+        return cached[2]
+    ranks = collectives.grid_ranks(dp_group, tp_group, operation)
+    _GRID_RANKS[optimizer] = (dp_group, tp_group, ranks)
+    return ranks
+
+
+def participants(optimizer: Any, operation: str) -> list[int]:
+    """The global ranks of ``operation`` (``save``, ``load``, ...) over ``optimizer``, found
+    without a collective on the process groups, so that the operation can begin with a
+    bounded rendezvous among them (:func:`muonckpt.collectives.rendezvous`): its grid for a
+    hooked optimizer, the world for one without hooks in a process group (:func:`describe`)."""
+    hooks = _HOOKS.get(optimizer)
+    if hooks is not None:
+        return hooks.ranks(optimizer, operation)
+    return collectives.group_ranks(None)
 
 
 def named_params(optimizer: torch.optim.Optimizer) -> Iterator[tuple[str | None, int, Any]]:
@@ -804,12 +894,29 @@ def describe(optimizer: torch.optim.Optimizer) -> Sharding:
     if hooks is not None:
         return hooks.describe(optimizer, True)
     if collectives.is_distributed() and collectives.group_size(None) > 1:
-        raise StateDictError(
-            f"{type(optimizer).__name__} runs in a process group of "
-            f"{collectives.group_size(None)} ranks without muonckpt hooks, so where its state "
-            "lives is unknown: call muonckpt.install_hooks(optimizer, owner=...) first"
-        )
+        return describe_replicated(optimizer)
     return describe_whole(optimizer)
+
+
+def describe_replicated(optimizer: Any) -> Sharding:
+    """Sharding of an optimizer without hooks in a process group: a replica on every rank of
+    the world (DDP), its state the same everywhere, every param :data:`REPLICATED` (saved
+    once, the ranks sharing the writing by :func:`muonckpt.workplan.spread`; loaded whole on
+    every rank). A collective over the world: the
+    ranks check that they hold the same params (a sharded optimizer such as upstream
+    ``muon.Muon`` needs :func:`install_hooks`, and a gather or save checks that the replicas'
+    state agrees, see :func:`replica_digest`)."""
+    kind = type(optimizer)
+    if kind.__module__ == UPSTREAM_MODULE and kind.__name__ in ("Muon", "MuonWithAuxAdam"):
+        raise StateDictError(
+            f"upstream muon.{type(optimizer).__name__} keeps each Muon param's state on one "
+            "rank, not replicated: call muonckpt.install_hooks(optimizer) first"
+        )
+    world = collectives.group_size(None)
+    writers = spread([p.numel() * p.element_size() for p in flat_params(optimizer)], world)
+    return _describe_owned(
+        optimizer, lambda i, p: REPLICATED, None, None, None, {}, True, writers=writers
+    )
 
 
 UPSTREAM_MODULE = "muon"
@@ -902,7 +1009,14 @@ def install_hooks(
             return describe_whole(optimizer, names=given)
         return _describe_owned(optimizer, rule, given, group, tp_group, splits, collective)
 
-    return StateDictHooks(optimizer, describe_owners, all_ranks=all_ranks)
+    def ranks(optimizer: torch.optim.Optimizer, operation: str) -> list[int]:
+        if local_only:
+            return [collectives.global_rank()]
+        if tp_group is None:
+            return collectives.group_ranks(group)
+        return grid_members(optimizer, group, tp_group, operation)
+
+    return StateDictHooks(optimizer, describe_owners, ranks=ranks, all_ranks=all_ranks)
 
 
 def _names_by_param(
@@ -932,13 +1046,16 @@ def _describe_owned(
     tp_group: collectives.Group,
     splits: Mapping[str, int],
     collective: bool,
+    writers: Sequence[int] | None = None,
 ) -> Sharding:
+    """Sharding of an owner-rule optimizer; ``writers``: per param, the DP rank whose copy of
+    a replicated param's state is saved (default the first)."""
     me = collectives.global_rank()
     if tp_group is None:
         ranks = collectives.group_ranks(group)
         topo = Topology(len(ranks), 1)
     else:
-        ranks = _grid(optimizer, group, tp_group)
+        ranks = grid_members(optimizer, group, tp_group)
         topo = Topology(collectives.group_size(group), collectives.group_size(tp_group))
     my_dp, my_tp = topo.coords(ranks.index(me))
     names = list(names) if names is not None else param_names(optimizer)
@@ -955,7 +1072,7 @@ def _describe_owned(
 
         rank = owner(index, p)
         replicated = rank is REPLICATED
-        dp_owner = 0 if replicated else int(rank)
+        dp_owner = (writers[index] if writers else 0) if replicated else int(rank)
         if not 0 <= dp_owner < topo.dp:
             raise StateDictError(f"param {name!r}: owner rank {rank} is outside 0..{topo.dp - 1}")
         owners.append(repr(rank))
@@ -982,18 +1099,6 @@ def _describe_owned(
     if collective:
         check_agreement(sharding, owners)
     return sharding
-
-
-_GRIDS_OWNED: weakref.WeakKeyDictionary[torch.optim.Optimizer, list[int]] = (
-    weakref.WeakKeyDictionary()
-)
-"""Per layer-wise optimizer, the global ranks of its dp x tp grid (learned once)."""
-
-
-def _grid(optimizer: torch.optim.Optimizer, group: collectives.Group, tp_group: Any) -> list[int]:
-    if optimizer not in _GRIDS_OWNED:
-        _GRIDS_OWNED[optimizer] = collectives.grid_ranks(group, tp_group)
-    return _GRIDS_OWNED[optimizer]
 
 
 def gather_state_dict(

@@ -6,6 +6,7 @@ is its commit marker; docs/format.md specifies every field.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
@@ -420,6 +421,11 @@ class Manifest:
     def step(self) -> int | None:
         steps = [g.hyperparams["step"] for g in self.groups if "step" in g.hyperparams]
         return max(steps) if steps else None
+
+    def digest(self) -> str:
+        """A short hash of :meth:`to_json`: what the ranks of one load (or offline tool)
+        compare to know they read one checkpoint."""
+        return hashlib.blake2b(self.to_json().encode(), digest_size=8).hexdigest()
 
     def to_json(self) -> str:
         """The manifest as written: one compact JSON line per group, param, file and piece

@@ -22,6 +22,7 @@ the target, manifest last, and swapped in atomically (:func:`muonckpt.storage.sw
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import multiprocessing as mp
@@ -56,6 +57,7 @@ from .manifest import (
     ParamEntry,
     Rename,
     converted_manifest,
+    json_safe,
 )
 from .pieces import PieceReader, open_checkpoint
 from .retention import checkpoint_step
@@ -154,7 +156,10 @@ def consolidate(
     if workers > 1:
         options = {"max_shard_size": max_shard_size, "overwrite": overwrite}
         return _spawn(consolidate, workers, src, dst, options, progress)
-    return _write("consolidate", job, directory, manifest, dst, overwrite, progress, collective)
+    called = {"max_shard_size": max_shard_size}
+    return _write(
+        "consolidate", job, directory, manifest, dst, overwrite, progress, collective, called
+    )
 
 
 def reshard(
@@ -228,7 +233,13 @@ def reshard(
             "overwrite": overwrite,
         }
         return _spawn(reshard, workers, src, dst, worker_options, progress)
-    return _write("reshard", job, directory, manifest, dst, overwrite, progress, collective)
+    called = {
+        "dp": dp,
+        "tp": tp,
+        "options": json_safe(dataclasses.asdict(options)),
+        "tp_split_dims": overrides,
+    }
+    return _write("reshard", job, directory, manifest, dst, overwrite, progress, collective, called)
 
 
 def _output_manifest(manifest: Manifest, **changes: Any) -> Manifest:
@@ -328,9 +339,12 @@ def _write(
     overwrite: bool,
     progress: Progress | None,
     collective: bool,
+    called: dict[str, Any] | None = None,
 ) -> Path:
     """Write ``job`` from the checkpoint in ``directory``: in this process, or (``collective``)
-    shared among the ranks of the default process group, rank 0 committing."""
+    shared among the ranks of the default process group, rank 0 committing, once the ranks
+    have met and agree that they read one checkpoint (its resolved directory and manifest)
+    and were called alike (the output, ``overwrite`` and the ``called`` options)."""
     grouped = manifest.pieces_of()
     plan = job.plan
 
@@ -368,6 +382,14 @@ def _write(
     from . import collectives
 
     ranks = collectives.group_ranks(None)
+    arguments = {
+        "source": os.path.realpath(directory),
+        "manifest": manifest.digest(),
+        "output": os.path.abspath(dst),
+        "overwrite": overwrite,
+        **(called or {}),
+    }
+    collectives.rendezvous(operation, ranks, arguments, CheckpointError)
     steps = collectives.CollectiveSteps(operation, ranks, ranks[0], CheckpointError)
     shown = None  # rank 0's progress stands for the whole job
     if steps.is_root and progress is not None:

@@ -27,6 +27,7 @@ from .hooks import (
     describe_whole,
     dtype_name,
     flat_params,
+    grid_members,
     learn_grid,
     named_params,
 )
@@ -171,7 +172,11 @@ class Muon(torch.optim.Optimizer):
         self.dist_metas: dict[torch.Tensor, MuonDistMeta] = {}
         self.global_buffer_sizes: list[list[tuple[int, int]]] = []
         self.local_buffer_ranges: list[list[Range]] = []
-        StateDictHooks(self, lambda optimizer, collective: optimizer.describe_sharding())
+        StateDictHooks(
+            self,
+            lambda optimizer, collective: optimizer.describe_sharding(),
+            ranks=lambda optimizer, operation: optimizer.grid_ranks(operation),
+        )
 
     def enable_distributed_mode(
         self,
@@ -222,6 +227,14 @@ class Muon(torch.optim.Optimizer):
         self.dist_group, self.tp_group, self.dist_metas = dist_group, tp_group, dist_metas
         self.distributed_mode = True
         self._ns_plan_cache = None
+
+    def grid_ranks(self, operation: str = "describe the grid") -> list[int]:
+        """The global ranks of this optimizer's grid (``dp_rank * tp + tp_rank``): learned once
+        through the store, bounded (the first step of ``operation``); this rank alone when not
+        distributed."""
+        if not self.distributed_mode:
+            return [collectives.global_rank()]
+        return grid_members(self, self.dist_group, self.tp_group, operation)
 
     def describe_sharding(self) -> Sharding:
         """Which rank holds which region of every param (and so of its state), over the whole
@@ -394,7 +407,7 @@ class Muon(torch.optim.Optimizer):
         over the grid at the first step after :meth:`enable_distributed_mode`, then kept (a
         step every rank takes, so every rank learns it at the same call)."""
         if self._ns_plan_cache is None:
-            ranks, grid = learn_grid(self._rank_report, self.dist_group, self.tp_group)
+            ranks, grid = learn_grid(self, self._rank_report, self.dist_group, self.tp_group)
             me = ranks.index(collectives.global_rank())
             steps = {
                 g: group["ns_steps"]

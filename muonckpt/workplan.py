@@ -4,7 +4,8 @@
 ``consolidate`` and ``reshard`` when several processes share the writing
 (:func:`muonckpt.offline.consolidate` with ``workers`` or ``collective``). :func:`balance_lpt`
 spreads independent jobs by cost (longest processing time first), for the packaged Muon's
-Newton-Schulz work (:mod:`muonckpt.nsplan`).
+Newton-Schulz work (:mod:`muonckpt.nsplan`). :func:`spread` shares the writing of a
+replicated optimizer's state among its ranks, for ``save``.
 """
 
 from __future__ import annotations
@@ -88,3 +89,23 @@ def balance_lpt(
         assigned[job] = candidates[0]
         loads[candidates[0]] += costs[job]
     return assigned
+
+
+def spread(sizes: Sequence[int], workers: int) -> list[int]:
+    """The worker of each item of ``sizes`` (bytes), by :func:`split_work`'s rule: contiguous
+    runs of the items in order, each worker at most ``total / workers + max(sizes)`` bytes. For
+    items every worker holds alike (replicated optimizer state), so that each is written once
+    and the writing is shared.
+
+    Raises:
+        LayoutError: when ``workers`` is not positive.
+    """
+    units, start = [], 0
+    for index, size in enumerate(sizes):
+        units.append(WorkUnit("", f"{index:012d}", start, size))
+        start += size
+    owners = [0] * len(units)
+    for worker, share in enumerate(split_work(units, workers)):
+        for unit in share:
+            owners[int(unit.key)] = worker
+    return owners

@@ -161,16 +161,17 @@ def stage(
     check: Callable[[], dict[str, Any] | None] = lambda: None,
     mailbox: bool = False,
 ) -> Path:
-    """The ``stage`` step: every rank runs ``check``, which may return the call's arguments as
-    this rank was given them; when all pass and agree, the root checks the target and creates
-    the staging directory (and, with ``mailbox``, the :class:`~muonckpt.storage.Mailbox` of a
-    background finish); its path on every rank. Ranks that disagree (one saving without its
-    params, say) fail the step on every rank, naming the argument, before anything exists."""
+    """The ``stage`` step: every rank runs ``check``, which may return what the ranks must
+    have alike that is only known once it ran (a digest of values it took); when all pass and
+    agree, the root checks the target and creates the staging directory (and, with
+    ``mailbox``, the :class:`~muonckpt.storage.Mailbox` of a background finish); its path on
+    every rank. (That the ranks were called alike, with the same arguments, is the
+    operation's rendezvous, :func:`muonckpt.collectives.rendezvous`, before this.)"""
     final = Path(final)
 
-    def make(arguments: list[dict[str, Any] | None]) -> str:
-        if arguments[0] is not None:
-            differ = disagreement([given or {} for given in arguments], steps.ranks)
+    def make(found: list[dict[str, Any] | None]) -> str:
+        if found[0] is not None:
+            differ = disagreement([given or {} for given in found], steps.ranks)
             if differ is not None:
                 raise CheckpointError(f"the ranks disagree on {differ}; nothing was written")
         staging = storage.make_staging(final, overwrite, source=source)

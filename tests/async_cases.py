@@ -119,6 +119,10 @@ def disagreeing_phase(ckpt: str, argument: str) -> str:
         options["consolidated"] = odd
     elif argument == "call":
         call = muonckpt.save if odd else muonckpt.async_save
+    elif argument == "overwrite":
+        options["overwrite"] = not odd
+    elif argument == "load" and odd:  # one rank saving while the other loads
+        call, options = muonckpt.load, {}
     try:
         outcome = call(opt, ckpt, **options)
         if not isinstance(outcome, Path):

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 import muonckpt
+from muonckpt import checkpoint
 
 from .fixture_model import build, initial_params, local_params, train
 
@@ -24,13 +26,24 @@ def mixed_load_phase(first: str, second: str, how: str) -> dict[str, object]:
     opt.state_dict()  # the grid is learned (a collective) once, here: load then opens at once
     dist.barrier()
     path = first
-    if dist.get_rank() == 1:
-        if how == "paths":
-            path = second
-        elif how == "replaced":
-            time.sleep(1.0)  # rank 0 has opened the checkpoint by now
+    if dist.get_rank() == 1 and how == "paths":
+        path = second
+    if how == "replaced":  # between the ranks' opens (after the rendezvous, which they pass)
+        opened = Path(first).parent / "rank-0-opened"
+        original = checkpoint.open_checkpoint
+
+        def open_in_turn(where):
+            if dist.get_rank() == 0:
+                found = original(where)
+                opened.touch()
+                return found
+            while not opened.exists():
+                time.sleep(0.01)
             other, *_ = build(1, 1, initial_params())
             muonckpt.save(other, first, overwrite=True)  # a single-process checkpoint
+            return original(where)
+
+        checkpoint.open_checkpoint = open_in_turn
     try:
         muonckpt.load(opt, path)
         error = "no error"

@@ -172,13 +172,16 @@ def test_a_launched_rank_finishes_its_background_save_before_it_ends(tmp_path):
     assert muonckpt.read_manifest(tmp_path / "ckpt").step == 2
 
 
-@pytest.mark.parametrize("argument", ["params", "path", "consolidated", "call"])
+@pytest.mark.parametrize(
+    "argument", ["params", "path", "consolidated", "call", "overwrite", "load"]
+)
 def test_ranks_that_disagree_on_the_call_write_nothing(tmp_path, argument):
     """(issue 20) One rank saving without its params used to commit a checkpoint no tool could
     read, over the good one; any argument the ranks disagree on now fails every rank first."""
     ckpt = tmp_path / "ckpt"
     messages = run_distributed(disagreeing_phase, 2, str(ckpt), argument, timeout=120)
-    said = [m.partition(" (stage): ")[2] for m in messages]  # each names its own call first
-    assert said[0] == said[1] and said[0].startswith(f"the ranks disagree on {argument}: ")
+    said = [m.partition(" (rendezvous): ")[2] for m in messages]  # each names its own call first
+    differs = "call" if argument == "load" else argument
+    assert said[0] == said[1] and said[0].startswith(f"the ranks disagree on {differs}: "), said
     assert _entries(tmp_path) == ["ckpt"]  # nothing staged, nothing retired
     assert muonckpt.verify(ckpt) == [] and muonckpt.read_manifest(ckpt).step == 1

@@ -19,8 +19,12 @@ def test_ranks_of_one_load_read_one_checkpoint_or_none(tmp_path, how):
     ranks = run_distributed(mixed_load_phase, 2, str(first), str(second), how, timeout=120)
     errors = [r["error"] for r in ranks]
     assert errors[0] == errors[1], errors
-    expected = "checkpoint" if how == "paths" else "manifest"
-    assert errors[0].startswith(f"load (open): the ranks of one load disagree on {expected}: ")
+    expected = (
+        "load (rendezvous): the ranks disagree on path: "
+        if how == "paths"
+        else "load (open): the ranks of one load disagree on manifest: "
+    )
+    assert errors[0].startswith(expected), errors
     assert all(r["kept"] for r in ranks)  # neither optimizer took anything
 
 

@@ -70,8 +70,8 @@ def fragments(single: bool = False) -> list[str]:
     run, or (``single``) those marked to run in one process, which use ``model``."""
     text = README.read_text()
     blocks = re.findall(r"```python\n(.*?)```", text, re.S)
-    named = [example(name) for name in re.findall(r"<!-- readme-example: (\S+) -->", text)]
-    return [b for b in blocks if b not in named and b.startswith(SINGLE) == single]
+    scripts = set(re.findall(r"<!-- readme-example: [^>]*-->\n```\w+\n(.*?)```", text, re.S))
+    return [b for b in blocks if b not in scripts and b.startswith(SINGLE) == single]
 
 
 def fragments_phase(workdir: str) -> bool:
@@ -162,3 +162,24 @@ def test_readme_dcp_commands_move_an_fsdp2_checkpoint_into_the_packaged_muon_and
             torch.testing.assert_close(loaded[key], value, rtol=1e-6, atol=1e-7)
         else:
             assert torch.equal(loaded[key], value), key
+
+
+def test_readme_ddp_recipe_saves_once_and_resumes_at_another_world_size(tmp_path):
+    """The README's DDP recipe, run as written: torch.optim.Muon + AdamW replicas with no
+    hooks, saved by 2 processes (written once) and resumed by 3."""
+    (tmp_path / "ddp_train.py").write_text(example("ddp_train.py"))
+    first, resume = example("ddp-commands").strip().splitlines()
+    losses = run(first, tmp_path)
+    assert len(losses) == 20 and losses[-1] < losses[0], losses
+    ckpt = tmp_path / "ddp-ckpt"
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step-10", "step-20"]
+    manifest = muonckpt.read_manifest(ckpt / "step-20")
+    assert manifest.topology == {"dp": 2, "tp": 1}
+    written = [(piece.param, piece.key) for piece in manifest.pieces]
+    assert len(written) == len(set(written))  # each state tensor once, not once per rank
+    assert muonckpt.verify(ckpt / "step-20") == []
+    resumed = run(resume, tmp_path)
+    assert len(resumed) == 10  # steps 21 to 30, from the saved model and state
+    assert resumed[0] < losses[0] and resumed[-1] < resumed[0], (losses, resumed)
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step-20", "step-30"]
+    assert muonckpt.read_manifest(ckpt / "step-30").topology == {"dp": 3, "tp": 1}

@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from muonckpt import LayoutError
-from muonckpt.workplan import WorkUnit, split_work
+from muonckpt.workplan import WorkUnit, split_work, spread
 
 SETTINGS = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -75,3 +75,18 @@ def test_empty_input_and_bad_worker_count():
     assert split_work(two, 2) == [[two[0]], [two[1]]]
     with pytest.raises(LayoutError, match="workers must be positive"):
         split_work(two, 0)
+
+
+@SETTINGS
+@given(
+    st.lists(st.one_of(st.just(0), st.integers(1, 10), st.integers(1, 10_000)), max_size=40),
+    st.integers(1, 12),
+)
+def test_spread_gives_each_item_one_worker_in_runs_balanced_by_bytes(sizes, workers):
+    """Replicated params: each written by one rank, in contiguous runs, balanced by bytes."""
+    owners = spread(sizes, workers)
+    assert len(owners) == len(sizes) and all(0 <= w < workers for w in owners)
+    assert owners == sorted(owners)  # contiguous runs in order
+    loads = [sum(s for s, w in zip(sizes, owners, strict=True) if w == k) for k in range(workers)]
+    assert max(loads, default=0) <= sum(sizes) / workers + max(sizes, default=0)
+    assert spread(sizes, 1) == [0] * len(sizes)
