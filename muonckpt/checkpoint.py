@@ -844,7 +844,6 @@ def load(
         open_it()
     (directory, manifest), report = opened[0], LoadReport()
     read: list[tuple[_Target, dict[int, dict[str, Any]], dict[int, torch.Tensor]]] = []
-    job: list[list[tuple[str, MutableMapping[str, Any], dict[str, Any]]]] = []
     me = sharding.participants.index(collectives.global_rank())
 
     def read_share() -> None:
@@ -853,17 +852,25 @@ def load(
         _check_covered(manifest, plan, directory)
         with PieceReader(directory, manifest) as reader:
             read.append((plan, *_read(plan, manifest, reader, params, directory)))
-            job.append(_read_job_state(manifest, reader, extra, rank_extra, me))
+            asked = _read_job_state(manifest, reader, extra, rank_extra, me)
+        # The job's own state first, all or nothing on this rank (a load_state_dict that
+        # refuses); inside the step, so that a refusal on any rank fails every rank, each
+        # putting back what it restored, before the optimizer changes.
+        undo.append(trainstate.restore_all(asked))
 
-    if len(steps.ranks) > 1:
-        steps.each_then_root("read", read_share, lambda _: None)  # all or none change
-    else:
-        read_share()
+    undo: list[trainstate.Undo] = []
+    try:
+        if len(steps.ranks) > 1:
+            steps.each_then_root("read", read_share, lambda _: None)  # all or none change
+        else:
+            read_share()
+    except BaseException:
+        for each in undo:
+            each()
+        raise
     _apply(*read[0])
     for sharded in models:  # the model's weights from the loaded shards: never forgotten
         sharded.params_to_model()
-    for what, target, saved in job[0]:
-        trainstate.restore(target, saved, what)
     for message in report.converted:
         _LOG.info("muonckpt.load: converted %s", message)
     for message in report.warnings:

@@ -10,10 +10,11 @@ LR scheduler, :class:`RNGState`) are saved as their state dict and restored thro
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import math
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -177,6 +178,55 @@ def restore(
             restore(current, value, what, (*path, key))
         else:
             target[key] = value
+
+
+def restore_all(asked: Sequence[tuple[str, MutableMapping[str, Any], Mapping[str, Any]]]) -> Undo:
+    """:func:`restore` of each ``(what, target, saved)``, all or nothing: when one fails, what
+    the others changed is put back before the error is raised. Returns the undo, for a load
+    that fails after this (on another rank, say)."""
+    undos = [_undo_of(target) for _, target, _ in asked]
+
+    def undo() -> None:
+        for each in reversed(undos):
+            each()
+
+    try:
+        for what, target, saved in asked:
+            restore(target, saved, what)
+    except BaseException:
+        undo()
+        raise
+    return undo
+
+
+Undo = Callable[[], None]
+
+
+def _undo_of(target: MutableMapping[str, Any]) -> Undo:
+    """What puts ``target`` back as it is now, after :func:`restore` changed it in place: each
+    dict's items (nested ones too) and each stateful value's state (a deep copy of its
+    ``state_dict()``)."""
+    dicts: list[tuple[MutableMapping[str, Any], dict[str, Any]]] = []
+    states: list[tuple[Any, Any]] = []
+
+    def walk(tree: MutableMapping[str, Any]) -> None:
+        dicts.append((tree, dict(tree)))
+        for value in tree.values():
+            if is_stateful(value):
+                states.append((value, copy.deepcopy(value.state_dict())))
+            elif isinstance(value, MutableMapping):
+                walk(value)
+
+    walk(target)
+
+    def undo() -> None:
+        for tree, items in dicts:
+            tree.clear()
+            tree.update(items)
+        for value, state in states:
+            value.load_state_dict(state)
+
+    return undo
 
 
 class RNGState:

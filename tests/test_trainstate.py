@@ -444,3 +444,56 @@ def test_a_value_shaped_like_a_manifest_piece_comes_back_as_saved(tmp_path):
     restored = {"piece": None, "pieces": None}
     muonckpt.load(torch_job(1)[1], tmp_path / "ckpt", extra=restored)
     assert restored == {"piece": piece, "pieces": [piece]}
+
+
+class _Versioned:
+    """A stateful value whose ``load_state_dict`` refuses a state from a newer version."""
+
+    def __init__(self, version: int) -> None:
+        self.version = version
+
+    def state_dict(self) -> dict:
+        return {"version": self.version}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["version"] > 1:
+            raise ValueError("saved by a newer version")
+        self.version = state["version"]
+
+
+def test_a_refused_load_state_dict_changes_nothing(tmp_path):
+    """The job's state is restored all or nothing, before the optimizer changes: a stateful
+    value that refuses leaves the optimizer, the params and the other values as they were."""
+    model, opts, schedulers = torch_job(0)
+    train_steps(model, opts, schedulers, 1)
+    saved = {"step": 1, "scheduler": schedulers["muon"], "data": {"batch": 7}}
+    muonckpt.save(opts, tmp_path / "ckpt", extra={**saved, "thing": _Versioned(5)})
+    _, target, target_schedulers = torch_job(1)
+    params = [p for o in target for g in o.param_groups for p in g["params"]]
+    before = [p.detach().clone() for p in params]
+    scheduler = target_schedulers["muon"]
+    for _ in range(3):
+        scheduler.step()
+    epoch = scheduler.last_epoch  # 3; the checkpoint's is 1
+    trainer = {"step": 0, "scheduler": scheduler, "data": {"batch": 3}, "thing": _Versioned(0)}
+    with pytest.raises(muonckpt.CheckpointError, match=r"\['thing'\]: its load_state_dict"):
+        muonckpt.load(target, tmp_path / "ckpt", extra=trainer)
+    assert all(torch.equal(p, b) for p, b in zip(params, before))
+    assert all(not o.state for o in target)
+    assert trainer["step"] == 0 and trainer["data"] == {"batch": 3}
+    assert trainer["thing"].version == 0 and scheduler.last_epoch == epoch == 3
+
+
+def test_a_manifest_no_reader_would_accept_is_never_committed(tmp_path, monkeypatch):
+    """The writer holds the manifest to the reader's limit: past it the save fails and the
+    checkpoint it would replace stays (here with the limit lowered to a few kB)."""
+    model, opts, schedulers = torch_job(0)
+    train_steps(model, opts, schedulers, 1)
+    path = muonckpt.save(opts, tmp_path / "ckpt", extra={"step": 1})
+    size = len((path / "manifest.json").read_bytes())
+    monkeypatch.setattr(muonckpt.storage, "MAX_TEXT_BYTES", size + 1000)
+    with pytest.raises(muonckpt.CheckpointError, match=r"more than the \d+ a reader accepts"):
+        muonckpt.save(opts, path, extra={"step": 2, "note": "x" * 2000}, overwrite=True)
+    assert muonckpt.read_manifest(path).recorded_step == 1
+    assert muonckpt.verify(path) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]

@@ -24,7 +24,14 @@ from __future__ import annotations
 from ..manifest import CHECKSUM_ALGORITHM
 from .checksums import CHUNK_BYTES, checksum_chunks
 from .dtypes import byte_view, dtype_name, itemsize, tensor_of_bytes, torch_dtype
-from .durable import entries, file_size, fsync_dir, read_text, write_text_atomic
+from .durable import (
+    MAX_TEXT_BYTES,
+    entries,
+    file_size,
+    fsync_dir,
+    read_text,
+    write_text_atomic,
+)
 from .mailbox import Mailbox, is_mailbox, mailbox_path
 from .reader_cache import ReaderCache
 from .safetensors_format import TensorRecord
@@ -49,6 +56,7 @@ from .transaction import (
 __all__ = [
     "CHECKSUM_ALGORITHM",
     "CHUNK_BYTES",
+    "MAX_TEXT_BYTES",
     "Mailbox",
     "ReaderCache",
     "SafetensorsReader",

@@ -100,7 +100,11 @@ def open_regular(path: str | os.PathLike[str]) -> int:
     return fd
 
 
-def read_text(path: str | os.PathLike[str], *, limit: int = MAX_HEADER_BYTES) -> str:
+MAX_TEXT_BYTES = MAX_HEADER_BYTES
+"""The largest text file (a manifest, an index) a reader accepts."""
+
+
+def read_text(path: str | os.PathLike[str], *, limit: int = MAX_TEXT_BYTES) -> str:
     """A small UTF-8 text file (a manifest); :class:`CheckpointError` if unreadable, not a
     regular file of its own (:func:`open_regular`) or huge."""
     path = Path(path)
