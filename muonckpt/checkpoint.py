@@ -368,6 +368,7 @@ def _prepare_save(
         "overwrite": overwrite,
         "keep_last": keep_last,
         "timeout": timeout,
+        "model given": model is not None,
     }
     ranks = participants(optimizer, operation)
     collectives.rendezvous(operation, ranks, arguments, CheckpointError)

@@ -373,7 +373,8 @@ class Manifest:
         keep their keys in the files. Two params given one name are refused, naming both."""
         fn = renamer(rename)
         names: dict[str, str] = {}
-        for entry in self.params:
+        model = self.model
+        for entry in self.params + (model.tensors if model is not None else ()):
             new = fn(entry.name)
             if not isinstance(new, str) or not new:
                 raise CheckpointError(f"rename gave {new!r}, not a name", param=entry.name)
@@ -385,8 +386,16 @@ class Manifest:
                     f"rename gives params {seen[new]!r} and {old!r} one name {new!r}"
                 )
             seen[new] = old
+        if model is not None:
+            aliases = {str(fn(alias)): names[stored] for alias, stored in model.aliases.items()}
+            model = ModelFile(
+                tuple(replace(t, name=names[t.name]) for t in model.tensors),
+                tuple(replace(p, param=names[p.param]) for p in model.pieces),
+                aliases,
+            )
         return replace(
             self,
+            model=model,
             groups=tuple(replace(g, params=tuple(names[n] for n in g.params)) for g in self.groups),
             params=tuple(replace(e, name=names[e.name]) for e in self.params),
             pieces=tuple(replace(p, param=names[p.param]) for p in self.pieces),

@@ -297,10 +297,8 @@ def convert(
         files = {
             f.name: {"format": FORMAT_NAME, "rank": str(r)} for r, f in enumerate(manifest.files)
         }
-    texts = {
-        name: storage.read_text(directory / name)
-        if rename is None
-        else _renamed_index(stem, files, writes)
+    texts = {  # rebuilt: the keys may be renamed, and the model's other tensors are not carried
+        name: _index_of(stem, files, writes)
         for stem, name in ((STATE_STEM, INDEX_FILE), (VALUE_STEM, MODEL_INDEX_FILE))
         if (directory / name).is_file()
     }
@@ -309,8 +307,8 @@ def convert(
     return _write("convert", job, directory, manifest, dst, overwrite, progress, collective=False)
 
 
-def _renamed_index(stem: str, files: Mapping[str, Any], writes: Sequence[TensorWrite]) -> str:
-    """The Hugging Face index of one family of sharded files, with the renamed keys."""
+def _index_of(stem: str, files: Mapping[str, Any], writes: Sequence[TensorWrite]) -> str:
+    """The Hugging Face index of one family of sharded files, of the tensors written."""
     family = [f for f in files if re.match(rf"{re.escape(stem)}[-.]", f)]
     return shard_index(
         [(f, sorted(w.tensor for w in writes if w.file == f)) for f in family],

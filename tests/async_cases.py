@@ -121,6 +121,9 @@ def disagreeing_phase(ckpt: str, argument: str) -> str:
         call = muonckpt.save if odd else muonckpt.async_save
     elif argument == "overwrite":
         options["overwrite"] = not odd
+    elif argument == "model given":  # the model on one rank only (a consolidated save)
+        options["consolidated"] = True
+        options["model"] = torch.nn.Module() if odd else None
     elif argument == "load" and odd:  # one rank saving while the other loads
         call, options = muonckpt.load, {}
     try:

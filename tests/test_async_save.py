@@ -173,7 +173,7 @@ def test_a_launched_rank_finishes_its_background_save_before_it_ends(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "argument", ["params", "path", "consolidated", "call", "overwrite", "load"]
+    "argument", ["params", "path", "consolidated", "call", "overwrite", "model given", "load"]
 )
 def test_ranks_that_disagree_on_the_call_write_nothing(tmp_path, argument):
     """(issue 20) One rank saving without its params used to commit a checkpoint no tool could

@@ -157,3 +157,27 @@ def test_the_readme_model_file_example_runs_as_written(tmp_path, monkeypatch):
     fresh = TinyGPT(seed=1)
     safetensors.torch.load_model(fresh, tmp_path / "ckpt/step-1000-model/model.safetensors")
     _assert_same_model(fresh, expected)
+
+
+def test_rewrites_of_a_checkpoint_with_a_model_file_stay_consistent(tmp_path):
+    """Renaming carries the model section's tensors and aliases along; ``convert`` (which
+    leaves the model's other tensors behind) writes an index of exactly what it wrote."""
+    from muonckpt import offline
+    from muonckpt.manifest import parse_manifest
+
+    model, opts = _trained()
+    ck = muonckpt.save(opts, tmp_path / "ck", consolidated=True, model=model, max_shard_size=400)
+    renamed = muonckpt.read_manifest(ck).renamed({"": "module."})
+    again = parse_manifest(renamed.to_json(), ck / "manifest.json")
+    assert again.model is not None
+    assert {t.name for t in again.model.tensors} == {"module.h.bias"}
+    assert again.model.aliases == {"module.lm_head.weight": "module.wte.weight"}
+    for out, settings in (("torch", {"to": "torch"}), ("named", {"rename": {"": "module."}})):
+        done = offline.convert(ck, tmp_path / out, **settings)
+        assert muonckpt.verify(done) == []
+        index = json.loads((done / "model.safetensors.index.json").read_text())["weight_map"]
+        stored = {}
+        for name in set(index.values()):
+            with safe_open(done / name, "pt") as f:
+                stored.update(dict.fromkeys(f.keys(), name))
+        assert index == stored
