@@ -701,7 +701,7 @@ def build_manifest(
         model=model_file,
         extra=_merged_extra([report["extra"] for report in reports.extras]),
     )
-    step = given_step if given_step is not None else retention.checkpoint_step(manifest)
+    step = given_step if given_step is not None else manifest.step
     return replace(manifest, recorded_step=step)
 
 

@@ -427,9 +427,25 @@ class Manifest:
         return grouped
 
     @property
-    def step(self) -> int | None:
+    def group_step(self) -> int | None:
+        """The largest of the groups' step counters (the packaged Muon's AdamW groups)."""
         steps = [g.hyperparams["step"] for g in self.groups if "step" in g.hyperparams]
         return max(steps) if steps else None
+
+    @property
+    def step(self) -> int | None:
+        """The training step the checkpoint holds: the step its save recorded (the manifest's
+        ``"step"``: ``extra["step"]``, or the optimizer's count), else its groups' counter,
+        else the largest of its params' own counts (torch's AdamW counts per param); None when
+        it records none."""
+        if self.recorded_step is not None:
+            return self.recorded_step
+        if self.group_step is not None:
+            return self.group_step
+        try:
+            return self.latest_step(entry.name for entry in self.params)
+        except (TypeError, ValueError, OverflowError):  # a "step" scalar that is not a number
+            return None
 
     def digest(self) -> str:
         """A short hash of :meth:`to_json`: what the ranks of one load (or offline tool)

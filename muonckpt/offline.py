@@ -60,7 +60,6 @@ from .manifest import (
     json_safe,
 )
 from .pieces import PieceReader, open_checkpoint
-from .retention import checkpoint_step
 from .writeplan import (
     TensorWrite,
     WritePlan,
@@ -598,7 +597,7 @@ def summarize(src: str | os.PathLike[str]) -> dict[str, Any]:
         "kind": manifest.kind,
         "format_version": manifest.format_version,
         "topology": dict(manifest.topology),
-        "step": checkpoint_step(manifest),
+        "step": manifest.step,
         "extra": _extra_summary(manifest),
         "groups": [
             {"hyperparams": dict(g.hyperparams), "params": list(g.params)} for g in manifest.groups

@@ -20,22 +20,8 @@ from pathlib import Path
 
 from . import storage
 from .errors import CheckpointError, CheckpointWarning
-from .manifest import MANIFEST_NAME, Manifest
+from .manifest import MANIFEST_NAME
 from .pieces import read_manifest, size_problems
-
-
-def checkpoint_step(manifest: Manifest) -> int | None:
-    """The training step a checkpoint holds: the step its save recorded (``extra["step"]``, or
-    the optimizer's count), else its groups' step counter, else the largest of its params' own
-    counts (torch's AdamW counts per param); None when it records none."""
-    if manifest.recorded_step is not None:
-        return manifest.recorded_step
-    if manifest.step is not None:
-        return manifest.step
-    try:
-        return manifest.latest_step(entry.name for entry in manifest.params)
-    except (TypeError, ValueError, OverflowError):  # a "step" scalar that is not a number
-        return None
 
 
 @dataclass(frozen=True)
@@ -62,7 +48,7 @@ def _complete(directory: Path) -> Found | None:
             return None
     except (CheckpointError, OSError):
         return None
-    return Found(directory, checkpoint_step(manifest), committed)
+    return Found(directory, manifest.step, committed)
 
 
 def complete_checkpoints(root: str | os.PathLike[str]) -> list[Found]:

@@ -497,3 +497,14 @@ def test_a_manifest_no_reader_would_accept_is_never_committed(tmp_path, monkeypa
     assert muonckpt.read_manifest(path).recorded_step == 1
     assert muonckpt.verify(path) == []
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def test_the_manifests_step_is_the_step_the_save_recorded(tmp_path):
+    """``Manifest.step`` is the manifest's ``"step"`` (what ``latest`` orders by), even for
+    optimizers that count no step of their own (torch.optim.Muon)."""
+    model, opts, schedulers = torch_job(0)
+    train_steps(model, opts, schedulers, 1)
+    path = muonckpt.save(opts[0], tmp_path / "ckpt", extra={"step": 7})
+    assert json.loads((path / "manifest.json").read_text())["step"] == 7
+    manifest = muonckpt.read_manifest(path)
+    assert manifest.step == manifest.recorded_step == 7 and manifest.group_step is None
