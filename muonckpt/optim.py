@@ -397,7 +397,15 @@ class Muon(torch.optim.Optimizer):
         results = {mine[k]: (piece, plan.matrices[k].full_shape) for k, piece in pieces.items()}
 
         def update_of(p: torch.Tensor, group: dict[str, Any]) -> tuple[torch.Tensor, tuple]:
-            return results.get(p, (ns_inputs[p], ()))  # a param without elements here: unused
+            if p in results:
+                return results[p]
+            if p.numel():  # never an update that was not orthogonalized
+                raise LayoutError(
+                    f"a Muon param of shape {tuple(p.shape)} is not in the Newton-Schulz plan: "
+                    "the optimizer's params changed after enable_distributed_mode (call it "
+                    "again after add_param_group)"
+                )
+            return ns_inputs[p], ()  # no elements here: nothing to update
 
         return update_of
 
