@@ -349,7 +349,19 @@ def to_dcp(
     except BaseException:
         dcp_files.discard_dcp(staging)
         raise
-    return DcpConversion(path, layout, tuple(left), tuple(notes))
+    return DcpConversion(path, layout, tuple(left) + _not_carried(manifest), tuple(notes))
+
+
+def _not_carried(manifest: Manifest) -> tuple[str, ...]:
+    """What a muonckpt checkpoint holds beyond the optimizer's state and params, which DCP
+    output does not carry: the model file's other tensors and aliases, the job's own state."""
+    out = []
+    if manifest.model is not None:
+        out += [f"{t.name} (a model tensor no optimizer holds)" for t in manifest.model.tensors]
+        out += [f"{a} (an alias of {s})" for a, s in sorted(manifest.model.aliases.items())]
+    if manifest.extra is not None:
+        out.append("extra / rank_extra (the job's own state, saved with the optimizer)")
+    return tuple(out)
 
 
 def _step_tensor(step: float) -> Any:

@@ -326,3 +326,18 @@ def test_the_cli_reports_what_it_left_out_and_prefixes_can_be_given(fsdp_run, tm
     assert code == 2 and "'net.w_in'" in output and "model_prefix" in output, output
     code, output = convert("r", "--model-prefix", "")
     assert code == 0 and "DCP layout torchtitan" in output, output
+
+
+def test_to_dcp_reports_what_a_dcp_checkpoint_cannot_carry(tmp_path):
+    """A checkpoint with a whole model file and the job's own state: the model's other tensor,
+    the tied alias and the extra state are named as left out, never dropped silently."""
+    from .tiny_gpt import TinyGPT, optimizers, train
+
+    model = TinyGPT(seed=0)
+    opts = optimizers(list(model.named_parameters()))
+    train(model, opts, 0, 1)
+    ck = muonckpt.save(opts, tmp_path / "ck", consolidated=True, model=model, extra={"step": 1})
+    out = offline.to_dcp(ck, tmp_path / "dcp", to="torch")
+    left = " | ".join(out.left_out)
+    assert "h.bias (a model tensor" in left and "lm_head.weight (an alias of wte.weight)" in left
+    assert "extra / rank_extra" in left
