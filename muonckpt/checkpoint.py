@@ -99,9 +99,9 @@ def save(
             rank holding every param, or only those it owns elements of); an optimizer with
             :func:`muonckpt.install_hooks`; or any torch optimizer without hooks, in one process
             or replicated on every rank of a process group (DDP: each param's state written
-            once, the ranks sharing the writing, after their digests of it are found equal). Also a list of such optimizers
-            that together train a model (torch.optim.Muon for the matrices and AdamW for the
-            rest): their groups are saved in order, as one.
+            once, the ranks sharing the writing, after their digests of it are found equal).
+            Also a list of such optimizers that together train a model (torch.optim.Muon for
+            the matrices and AdamW for the rest): their groups are saved in order, as one.
             State and params may be in CUDA memory: each tensor is copied to a reused (pinned)
             host buffer just before it is written.
         path: target directory. The save is staged beside it and swapped in atomically.

@@ -845,9 +845,9 @@ def diff(
             table.add_row(*map(escape, cells))
         console.print(table)
     if differ:
-        console.print(f"{differ} of {total} tensor(s) differ", markup=False)
+        console.print(f"{differ} of {total} row(s) differ", markup=False)
         raise typer.Exit(PROBLEM)
-    console.print(f"all {total} tensor(s) equal", markup=False)
+    console.print(f"all {total} row(s) equal", markup=False)
 
 
 @app.command()

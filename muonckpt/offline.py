@@ -47,6 +47,7 @@ from .manifest import (
     INDEX_FILE,
     MANIFEST_NAME,
     MODEL_INDEX_FILE,
+    PARAM_KEY,
     PER_RANK,
     STATE_STEM,
     VALUE_STEM,
@@ -55,6 +56,7 @@ from .manifest import (
     ExtraValues,
     Manifest,
     ParamEntry,
+    Piece,
     Rename,
     converted_manifest,
     json_safe,
@@ -743,6 +745,11 @@ def iter_diff(
                 yield row(name, key, note, **_compare(x, y, dtype_a, scale, atol, rtol))
                 del x, y
             yield from _scalar_rows(man_a, man_b, ea, eb, row)
+        yield from _model_rows(man_a, man_b, read_a, read_b, row, atol, rtol)
+        yield from _extra_rows(man_a, man_b, read_a, read_b, row)
+    same_step = man_a.step == man_b.step
+    note = None if same_step else f"A at step {man_a.step}, B at step {man_b.step}"
+    yield row("checkpoint", "step", note, equal=same_step, bitwise=same_step)
     for g, (ga, gb) in enumerate(zip(man_a.groups, man_b.groups, strict=False)):
         if ga.hyperparams != gb.hyperparams:
             changed = sorted(
@@ -753,6 +760,81 @@ def iter_diff(
             yield row(f"group {g}", "hyperparams", f"settings differ: {changed}")
     if len(man_a.groups) != len(man_b.groups):
         yield row("groups", None, f"A has {len(man_a.groups)} param groups, B {len(man_b.groups)}")
+
+
+def _model_rows(
+    man_a: Manifest,
+    man_b: Manifest,
+    read_a: PieceReader,
+    read_b: PieceReader,
+    row: Callable[..., dict[str, Any]],
+    atol: float,
+    rtol: float,
+) -> Iterator[dict[str, Any]]:
+    """Rows of a model file's other tensors (``save(..., model=)``: buffers) and its aliases."""
+    model_a, model_b = man_a.model, man_b.model
+    tensors_a = {t.name: t for t in model_a.tensors} if model_a is not None else {}
+    tensors_b = {t.name: t for t in model_b.tensors} if model_b is not None else {}
+    for name in [*tensors_a, *(n for n in tensors_b if n not in tensors_a)]:
+        ta, tb = tensors_a.get(name), tensors_b.get(name)
+        if ta is None or tb is None:
+            yield row(name, PARAM_KEY, f"model tensor only in {'A' if tb is None else 'B'}")
+            continue
+        if ta.shape != tb.shape or ta.dtype_of(PARAM_KEY) != tb.dtype_of(PARAM_KEY):
+            yield row(name, PARAM_KEY, "model tensors of different shapes or dtypes")
+            continue
+        whole = whole_region(ta.numel)
+        x = read_a.gather(_model_pieces(man_a, name), ta, PARAM_KEY, whole)
+        y = read_b.gather(_model_pieces(man_b, name), tb, PARAM_KEY, whole)
+        yield row(
+            name,
+            PARAM_KEY,
+            "model tensor",
+            **_compare(x, y, ta.dtype_of(PARAM_KEY), 1.0, atol, rtol),
+        )
+    aliases_a = model_a.aliases if model_a is not None else {}
+    aliases_b = model_b.aliases if model_b is not None else {}
+    if aliases_a or aliases_b:
+        same = dict(aliases_a) == dict(aliases_b)
+        note = None if same else f"A ties {dict(aliases_a)}, B {dict(aliases_b)}"
+        yield row("model", "aliases", note, equal=same, bitwise=same)
+
+
+def _model_pieces(manifest: Manifest, name: str) -> list[Piece]:
+    pieces = manifest.model.pieces if manifest.model is not None else ()
+    return [p for p in pieces if p.param == name]
+
+
+def _extra_rows(
+    man_a: Manifest,
+    man_b: Manifest,
+    read_a: PieceReader,
+    read_b: PieceReader,
+    row: Callable[..., dict[str, Any]],
+) -> Iterator[dict[str, Any]]:
+    """Rows of the job's own state (``extra``, each rank's ``rank_extra``): its JSON values
+    per tree, its tensors by their bytes."""
+    trees_a = dict(man_a.extra.trees()) if man_a.extra is not None else {}
+    trees_b = dict(man_b.extra.trees()) if man_b.extra is not None else {}
+    for what in [*trees_a, *(n for n in trees_b if n not in trees_a)]:
+        ta, tb = trees_a.get(what), trees_b.get(what)
+        if ta is None or tb is None:
+            yield row(what, None, f"saved only in {'A' if tb is None else 'B'}")
+            continue
+        same = ta.values == tb.values
+        note = None if same else "the values differ"
+        yield row(what, "values", note, equal=same, bitwise=same)
+        tensors_b = {t.path: t for t in tb.tensors}
+        for tensor in ta.tensors:
+            other = tensors_b.get(tensor.path)
+            at = f"{what}{''.join(f'[{step!r}]' for step in tensor.path)}"
+            if other is None or (other.dtype, other.shape) != (tensor.dtype, tensor.shape):
+                yield row(at, None, "a tensor in A, not of this dtype and shape in B")
+                continue
+            same = bool(
+                np.array_equal(read_a.read_extra(tensor, what), read_b.read_extra(other, what))
+            )
+            yield row(at, None, None if same else "the bytes differ", equal=same, bitwise=same)
 
 
 def _momentum_scales(

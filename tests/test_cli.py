@@ -273,7 +273,8 @@ def test_diff_exit_codes(ckpts):
     result = cli("diff", ckpts["a"], ckpts["b"], "--atol", "1e6")
     assert result.exit_code == 1 and "['step']" in result.stdout
     tensors = N_STATE_TENSORS + N_PARAMS  # the params are saved too
-    assert f"{N_GROUPS} of {tensors + N_GROUPS} tensor(s) differ" in result.stdout  # the steps
+    rows = tensors + N_GROUPS + 1  # a row per group's settings, one for the checkpoint's step
+    assert f"{N_GROUPS + 1} of {rows} row(s) differ" in result.stdout  # the steps
     result = cli("diff", ckpts["a"], ckpts["a"])
     assert result.exit_code == 0 and "bitwise" in result.stdout
 

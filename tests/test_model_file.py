@@ -181,3 +181,23 @@ def test_rewrites_of_a_checkpoint_with_a_model_file_stay_consistent(tmp_path):
             with safe_open(done / name, "pt") as f:
                 stored.update(dict.fromkeys(f.keys(), name))
         assert index == stored
+
+
+def test_diff_sees_the_model_file_the_job_state_and_the_step(tmp_path):
+    """Two checkpoints equal in every optimizer tensor but not in a buffer, ``extra`` or the
+    recorded step: ``diff`` names each difference, and two copies of one are all equal."""
+    from muonckpt import offline
+
+    model, opts = _trained()
+    a = muonckpt.save(opts, tmp_path / "a", consolidated=True, model=model, extra={"lr": 0.1})
+    with torch.no_grad():
+        model.h.bias.add_(1.0)
+    b = muonckpt.save(
+        opts, tmp_path / "b", consolidated=True, model=model, extra={"lr": 0.5, "step": 7}
+    )
+    rows = {(r["param"], r["key"]): r for r in offline.diff(a, b)}
+    assert not rows["h.bias", "param"]["equal"]
+    assert not rows["extra", "values"]["equal"]
+    assert not rows["checkpoint", "step"]["equal"]
+    assert rows["model", "aliases"]["equal"]
+    assert all(r["equal"] for r in offline.diff(a, shutil.copytree(a, tmp_path / "copy")))
