@@ -252,7 +252,8 @@ def async_save(
     future.set_running_or_notify_cancel()
     thread = threading.Thread(
         target=_finish_in_background,
-        args=(future, background, Path(path), prepared, keep_last),
+        # absolute: the thread commits where the call named, whatever the working directory
+        args=(future, background, Path(os.path.abspath(path)), prepared, keep_last),
         name=f"muonckpt async_save {path}",
         daemon=False,  # the interpreter waits for it at exit: a save in flight is finished
     )
@@ -807,6 +808,7 @@ def load(
         "path": os.path.abspath(path),
         "params": params,
         "momentum_form": momentum_form,
+        "rename": rename if rename is None or isinstance(rename, Mapping) else _named(rename),
         "extra given": extra is not None,
         "rank_extra given": rank_extra is not None,
     }
@@ -880,6 +882,11 @@ def load(
 
 
 _LOG = logging.getLogger("muonckpt")
+
+
+def _named(function: Callable[..., Any]) -> str:
+    """A function as the ranks of one call can compare it (its qualified name)."""
+    return f"{getattr(function, '__module__', '?')}.{getattr(function, '__qualname__', '?')}"
 
 
 def _check_job_state(

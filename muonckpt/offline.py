@@ -301,11 +301,20 @@ def convert(
     texts = {  # rebuilt: the keys may be renamed, and the model's other tensors are not carried
         name: _index_of(stem, files, writes)
         for stem, name in ((STATE_STEM, INDEX_FILE), (VALUE_STEM, MODEL_INDEX_FILE))
-        if (directory / name).is_file()
+        if _has_index(directory / name)
     }
     plan = WritePlan(files, writes, texts)
     job = _Job(_output_manifest(target), plan)
     return _write("convert", job, directory, manifest, dst, overwrite, progress, collective=False)
+
+
+def _has_index(path: Path) -> bool:
+    """Whether the source has this index file; one that is not a regular file of its own (a
+    symlink, a FIFO) is refused, as every reader refuses it."""
+    if not (path.is_file() or path.is_symlink()):
+        return False
+    storage.read_text(path)
+    return True
 
 
 def _index_of(stem: str, files: Mapping[str, Any], writes: Sequence[TensorWrite]) -> str:

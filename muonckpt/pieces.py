@@ -135,8 +135,13 @@ def size_problems(manifest: Manifest, directory: Path) -> list[CheckpointError]:
     """
     problems = []
     claimed: dict[str, int] = {}
-    for piece in manifest.pieces:
-        itemsize = storage.itemsize(manifest.param(piece.param).dtype_of(piece.key))
+    model = manifest.model
+    model_tensors = {t.name: t for t in model.tensors} if model is not None else {}
+    placed = [(p, manifest.param(p.param)) for p in manifest.pieces] + [
+        (p, model_tensors[p.param]) for p in (model.pieces if model is not None else ())
+    ]
+    for piece, entry in placed:
+        itemsize = storage.itemsize(entry.dtype_of(piece.key))
         claimed[piece.file] = claimed.get(piece.file, 0) + piece.region.numel * itemsize
     for tensor in manifest.extra.tensors() if manifest.extra is not None else ():
         claimed[tensor.file] = claimed.get(tensor.file, 0) + tensor.nbytes
