@@ -31,6 +31,7 @@ from .manifest import (
     ParamEntry,
     Scalar,
     converted_manifest,
+    group_kind,
     json_safe,
 )
 from .pieces import PieceReader, open_checkpoint
@@ -299,12 +300,7 @@ def to_dcp(
     sources: dict[str, tuple[str, str, float]] = {}
     notes, left = [], []
     for g, group in enumerate(manifest.groups):
-        if not group.optimizer:
-            raise CheckpointError(
-                f"group {g} does not say which optimizer saved it (format 1): cannot convert",
-                path=directory,
-            )
-        kind = kinds.GroupKind.from_json(group.optimizer)
+        kind = group_kind(group, g, directory)
         target = family.target_kind(kind)
         mapping = kinds.state_mapping(kind, target, f"group {g}", None)
         factor = mapping.keys.get("momentum_buffer", ("", 1.0))[1]

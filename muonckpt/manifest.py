@@ -1101,12 +1101,7 @@ def converted_manifest(
         return manifest, [1.0] * len(manifest.groups)
     groups, scales = [], []
     for g, group in enumerate(manifest.groups):
-        if not group.optimizer:
-            raise CheckpointError(
-                f"group {g} does not say which optimizer saved it (format 1): cannot convert",
-                path=path,
-            )
-        source = kinds.GroupKind.from_json(group.optimizer)
+        source = group_kind(group, g, path)
         target = kinds.converted(source, to)
         factor = kinds.state_mapping(source, target, f"group {g}", None).keys
         scales.append(factor.get("momentum_buffer", ("", 1.0))[1])
@@ -1117,6 +1112,17 @@ def converted_manifest(
         groups.append(replace(group, hyperparams=hyper, optimizer=target.to_json()))
     params = tuple(_converted_steps(manifest, e, groups[e.group]) for e in manifest.params)
     return replace(manifest, groups=tuple(groups), params=params), scales
+
+
+def group_kind(group: GroupEntry, index: int, path: object = None) -> kinds.GroupKind:
+    """The optimizer kind group ``index`` records, for a conversion; refused (naming ``path``)
+    for a group that records none (format 1)."""
+    if not group.optimizer:
+        raise CheckpointError(
+            f"group {index} does not say which optimizer saved it (format 1): cannot convert",
+            path=path,
+        )
+    return kinds.GroupKind.from_json(group.optimizer)
 
 
 def _converted_steps(manifest: Manifest, entry: ParamEntry, group: GroupEntry) -> ParamEntry:
