@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMappin
 from concurrent.futures import Future, wait
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -471,7 +471,8 @@ class _JobState:
         manifest's ``extra``, as JSON."""
         if shared is None and self.own is None:
             return None
-        trees, files = [], []
+        trees: list[Any] = []
+        files = []
         for taken, file in ((shared, EXTRA_FILE), (self.own, extra_rank_file(rank, world))):
             if taken is None:
                 trees.append(None)
@@ -523,7 +524,7 @@ def _check_storable(
     flat = flat_params(optimizer)
     keys = [(p.name, k) for p in sharding.params for k in p.expected_keys]
     for param in sharding.local():
-        p = flat[param.local_index]
+        p = flat[param.index_here]
         state = optimizer.state.get(p, {})
         if PARAM_KEY in state:
             raise CheckpointError(
@@ -552,11 +553,11 @@ def _local_state(
     flat = flat_params(optimizer)
     local: dict[int, dict[str, Any]] = {}
     for param in sharding.local():
-        p = flat[param.local_index]
+        p = flat[param.index_here]
         entry = dict(optimizer.state.get(p, {}))
         if params:
             entry[PARAM_KEY] = p.detach()
-        local[param.local_index] = entry
+        local[param.index_here] = entry
     return local
 
 
@@ -568,7 +569,7 @@ def _owned(
     local = _local_state(optimizer, sharding, params)
     for param in sharding.params:
         if any(h.rank == me for h in param.sources):
-            yield param, local[param.local_index]
+            yield param, local[param.index_here]
 
 
 @dataclass
@@ -585,7 +586,9 @@ class _Payload:
 def _rank_payload(optimizer: Any, sharding: Sharding, params: bool) -> _Payload:
     """This rank's own pieces (its file of :func:`rank_plan`)."""
     me = collectives.global_rank()
-    owned, tensors, scalars = [], {}, {}
+    owned: list[Any] = []
+    tensors: dict[tuple[str, str], torch.Tensor] = {}
+    scalars: dict[str, Any] = {}
     for param, state in _owned(optimizer, sharding, params):
         holding = next(h for h in param.sources if h.rank == me)
         for key, value in sorted(state.items()):
@@ -619,7 +622,9 @@ def _consolidated_payload(
     full = gather_full_state(sharding, _local_state(optimizer, sharding, params))
     if full is None:
         return _Payload(None, {}, {})
-    tensors, items, scalars = {}, [], {}
+    tensors: dict[tuple[str, str], torch.Tensor] = {}
+    items: list[Any] = []
+    scalars: dict[str, Any] = {}
     for name, tensor in (model.extras if model is not None else {}).items():
         value = tensor.detach().to("cpu", copy=True)  # a snapshot, as the gathered state
         items.append(((name, PARAM_KEY, storage.dtype_name(value.dtype)), tuple(value.shape)))
@@ -813,7 +818,7 @@ def load(
         "rank_extra given": rank_extra is not None,
     }
     collectives.rendezvous("load", participants(joined, "load"), arguments, CheckpointError)
-    sharding = describe(joined)  # a collective the first time: before anything can fail
+    sharding = describe(cast(torch.optim.Optimizer, joined))  # a collective the first time
     models = following(p for o in targets for p in flat_params(o)) if params else []
     steps = collectives.CollectiveSteps(
         "load", sharding.participants, sharding.destination, CheckpointError
@@ -931,12 +936,15 @@ def _read_job_state(
 ) -> list[tuple[str, MutableMapping[str, Any], dict[str, Any]]]:
     """(name, target, saved tree) of what the load asks for, its tensors read and verified, every
     asked-for key checked present: nothing changes yet."""
-    out = []
-    asked = [("extra", extra, manifest.extra.shared if extra is not None else None)]
+    out: list[tuple[str, MutableMapping[str, Any], dict[str, Any]]] = []
+    saved = manifest.extra
+    if saved is None:  # (asked for nothing: a load that asks needs it, checked when opened)
+        return out
+    asked = [("extra", extra, saved.shared)]
     if rank_extra is not None:
-        asked.append((f"rank_extra[{rank}]", rank_extra, manifest.extra.ranks[rank]))
+        asked.append((f"rank_extra[{rank}]", rank_extra, saved.ranks[rank]))
     for what, target, tree in asked:
-        if target is None:
+        if target is None or tree is None:
             continue
         tensors = {
             t.path: storage.tensor_of_bytes(reader.read_extra(t, what), t.dtype).reshape(t.shape)
@@ -1012,7 +1020,8 @@ def _plan(
         report.converted.append(f"{where}: momentum of {len(names)} params, {note}")
     for source_group, target_group in sorted(pairs):
         where = f"{target[target_group].optimizer} (group {target_group})"
-        for note in kinds.trajectory_notes(source[source_group], target[target_group]):
+        origin = source[source_group]
+        for note in kinds.trajectory_notes(origin, target[target_group]) if origin else ():
             report.warnings.append(f"{where}: {note}")
     return _Target(optimizer, sharding, _own_groups(optimizer, sharding, manifest), maps, steps_in)
 
@@ -1066,7 +1075,7 @@ def _read(
         _check_param(entry, param, directory)
         if param.local_index is None:
             continue
-        p = flat[param.local_index]
+        p = flat[param.index_here]
         if param.local is not None and (entry.state_keys or entry.scalars):
             if plan.maps is None:
                 kept = {k: read(entry, k, param.local).reshape(p.shape) for k in entry.state_keys}
@@ -1091,11 +1100,12 @@ def _mapped(
     read: Callable[[ParamEntry, str, Region], torch.Tensor],
 ) -> dict[str, Any]:
     """A param's state in the target's keys and forms."""
+    assert plan.maps is not None  # (a load across implementations)
     key_map = plan.maps[param.name]
     out: dict[str, Any] = {}
     for key, (source_key, factor) in key_map.keys.items():
         if source_key in entry.state_keys:
-            value = read(entry, source_key, param.local)
+            value = read(entry, source_key, param.region_here)
             out[key] = value.mul_(factor) if factor != 1.0 else value
     step = manifest.step_of(entry)
     where = plan.steps_in[param.group]

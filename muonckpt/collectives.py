@@ -502,10 +502,10 @@ class StoreSteps(StepProtocol):
             for key in arrivals:
                 store.delete_key(key)
             return outcome
-        outcome = _waited(store, verdict, wait)
-        if outcome is None and all(store.check([key]) for key in arrivals):
-            outcome = _waited(store, verdict, wait)  # all came: the root is deciding
-        return outcome if outcome is not None else claim(timed_out())
+        waited = _waited(store, verdict, wait)
+        if waited is None and all(store.check([key]) for key in arrivals):
+            waited = _waited(store, verdict, wait)  # all came: the root is deciding
+        return waited if waited is not None else claim(timed_out())
 
 
 def _next_sequence(ranks: Sequence[int]) -> int:

@@ -181,18 +181,18 @@ def merge_reports(reports: Sequence[RankReport], topology: Topology) -> GridPara
             _check_same(first[key], (rank, param), topology, named)
     ordered = sorted(first, key=lambda k: (first[k][1].identity(), str(k)))
     params = []
-    for number, key in enumerate(ordered):
-        spec = first[key][1]
-        held = positions[key]
-        param = GridParam(
-            name=spec.name if named else str(number),
+    for number, identity in enumerate(ordered):
+        spec = first[identity][1]
+        held = positions[identity]
+        merged = GridParam(
+            name=spec.name if named and spec.name is not None else str(number),
             spec=spec,
             full_shape=_full_shape(spec, topology),
             holders=tuple(sorted(held)),
             local_index=tuple(held.get(r) for r in range(topology.world_size)),
         )
-        _check_held(param, topology)
-        params.append(param)
+        _check_held(merged, topology)
+        params.append(merged)
     return GridParams(topology, reports[0].groups, tuple(params))
 
 
@@ -216,7 +216,7 @@ def _check_group_counts(reports: Sequence[RankReport], topology: Topology) -> No
 
 def _naming(reports: Sequence[RankReport], topology: Topology) -> bool:
     """True when every param on every rank has a name, False when none has."""
-    kinds = {}
+    kinds: dict[bool, int] = {}
     for rank, report in enumerate(reports):
         for param in report.params:
             kinds.setdefault(param.name is not None, rank)

@@ -29,7 +29,7 @@ import zlib
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
 import torch
 
@@ -95,6 +95,20 @@ class ParamSharding:
     """What this rank's param tensor holds of the full param (None: all of it)."""
     replicated: bool = False
     """Every rank keeps the same state of this param (:data:`REPLICATED`)."""
+
+    @property
+    def index_here(self) -> int:
+        """:attr:`local_index`, for a param this rank holds (:meth:`Sharding.local`)."""
+        if self.local_index is None:
+            raise StateDictError(f"param {self.name!r} is not held on this rank")
+        return self.local_index
+
+    @property
+    def region_here(self) -> Region:
+        """:attr:`local`, for a param this rank holds (:meth:`Sharding.local`)."""
+        if self.local is None:
+            raise StateDictError(f"param {self.name!r} is not held on this rank")
+        return self.local
 
     @property
     def held_numel(self) -> int:
@@ -211,7 +225,7 @@ class StateDictHooks:
         for param in self.describe(optimizer, False).local():
             if param.local is None:
                 continue
-            for key, value in optimizer.state.get(flat[cast(int, param.local_index)], {}).items():
+            for key, value in optimizer.state.get(flat[param.index_here], {}).items():
                 kind = describe_value(param, key, value)["kind"]
                 if kind == "tensor" and value.numel() != param.local.numel:
                     raise StateDictError(
@@ -534,7 +548,7 @@ def _gather_value(
     full = _attempt(failures, torch.empty, shape, dtype=dtype, device=HOST) if me == dst else None
     for holding in param.sources:
         if holding.rank == me:
-            index = cast(int, param.local_index)  # this rank holds a piece of it
+            index = param.index_here  # this rank holds a piece of it
             piece = _attempt(failures, lambda i=index: local_state[i][key].reshape(-1))
             if me != dst:
                 collectives.send(_or_zeros(piece, holding.region.numel, dtype), dst)

@@ -414,13 +414,17 @@ def _write(
                 shown,
             )
 
+    def create(staging: Path) -> None:
+        writing.create_shared(plan, staging)
+        carry(staging)
+
     return writing.write_checkpoint(
         steps,
         dst,
         overwrite=overwrite,
         write=write_share,
         manifest=finished,
-        create=lambda staging: (writing.create_shared(plan, staging), carry(staging)),
+        create=create,
         seal=lambda staging: writing.seal_shared(plan, staging),
         source=directory,
     )
@@ -742,7 +746,8 @@ def iter_diff(
                 if dtype_a != dtype_b:
                     yield row(name, key, f"A is {dtype_a}, B {dtype_b}")
                     continue
-                scale, note = (1.0, None)
+                scale: float | str = 1.0
+                note: str | None = None
                 if key == "momentum_buffer":
                     scale, note = scales.get((ea.group, eb.group), (1.0, None))
                 if isinstance(scale, str):  # the forms cannot be converted: never compared raw

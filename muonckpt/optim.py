@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 
@@ -105,6 +105,12 @@ class MuonDistMeta:
         end = min(self.global_range[1], local_buffer_range[1])
         self.local_range = (start, end) if start < end else (local_buffer_range[0],) * 2
 
+    def held_range(self) -> Range:
+        """:attr:`local_range`, which :meth:`set_local_buffer_range` sets."""
+        if self.local_range is None:
+            raise LayoutError("a param's local range is unknown: call enable_distributed_mode")
+        return self.local_range
+
     def __repr__(self) -> str:
         return (
             f"MuonDistMeta(buffer_idx={self.buffer_idx}, bucket_idx={self.bucket_idx}, "
@@ -174,8 +180,8 @@ class Muon(torch.optim.Optimizer):
         self.local_buffer_ranges: list[list[Range]] = []
         StateDictHooks(
             self,
-            lambda optimizer, collective: optimizer.describe_sharding(),
-            ranks=lambda optimizer, operation: optimizer.grid_ranks(operation),
+            lambda optimizer, collective: cast(Muon, optimizer).describe_sharding(),
+            ranks=lambda optimizer, operation: cast(Muon, optimizer).grid_ranks(operation),
         )
 
     def enable_distributed_mode(
@@ -255,6 +261,7 @@ class Muon(torch.optim.Optimizer):
         held = []
         for name, group, p in named_params(self):
             meta = self.dist_metas[p]
+            bucket_size, bucket_offset = self.global_buffer_sizes[meta.buffer_idx][meta.bucket_idx]
             held.append(
                 LocalParam(
                     name=name,
@@ -263,8 +270,8 @@ class Muon(torch.optim.Optimizer):
                     tp_split_dim=meta.tp_split_dim,
                     buffer=meta.buffer_idx,
                     bucket=meta.bucket_idx,
-                    global_range=tuple(meta.global_range),
-                    bucket_span=tuple(self.global_buffer_sizes[meta.buffer_idx][meta.bucket_idx]),
+                    global_range=(meta.global_range[0], meta.global_range[1]),
+                    bucket_span=(bucket_size, bucket_offset),
                     dtype=dtype_name(p),
                 )
             )
@@ -330,7 +337,7 @@ class Muon(torch.optim.Optimizer):
         for p, ns_input in ns_inputs.items():
             meta = self.dist_metas[p]
             start = self.local_buffer_ranges[meta.buffer_idx][meta.bucket_idx][0]
-            lo, hi = normalize_range(meta.local_range, start)
+            lo, hi = normalize_range(meta.held_range(), start)
             local[meta.buffer_idx][meta.bucket_idx][lo:hi].copy_(ns_input.view(-1))
         gathered = [
             [collectives.all_gather_flat(bucket, self.dist_group) for bucket in buffer]
@@ -364,7 +371,7 @@ class Muon(torch.optim.Optimizer):
             update = newton_schulz(ns_input, steps=group["ns_steps"])
             if split_dim != -1:
                 update = update.chunk(tp_size, dim=split_dim)[tp_rank]
-            lo, hi = normalize_range(meta.local_range, meta.global_range[0])
+            lo, hi = normalize_range(meta.held_range(), meta.global_range[0])
             return update.reshape(-1)[lo:hi], tuple(ns_input.shape)
 
         return update_of
@@ -381,15 +388,17 @@ class Muon(torch.optim.Optimizer):
         for k, matrix in enumerate(plan.matrices):
             if matrix.worker == me and any(plan.held[k]):  # an empty matrix needs nothing
                 fulls[k] = torch.empty(matrix.full_shape, dtype=torch.bfloat16, device=device)
-                if k in mine:
-                    insert_(fulls[k], plan.held[k][me], ns_inputs[mine[k]])
+                if k in mine:  # (this rank holds a region of it)
+                    insert_(fulls[k], cast(Region, plan.held[k][me]), ns_inputs[mine[k]])
         for k, region, piece in received:
             insert_(fulls[k], region, piece)
         updates = {
             k: newton_schulz(full, steps=self.param_groups[plan.matrices[k].group]["ns_steps"])
             for k, full in fulls.items()
         }
-        pieces = {k: extract(updates[k], plan.held[k][me]) for k in updates if k in mine}
+        pieces = {
+            k: extract(updates[k], cast(Region, plan.held[k][me])) for k in updates if k in mine
+        }
         for k, _, piece in _exchange(
             plan.outputs, me, ranks, device, lambda k, region: extract(updates[k], region)
         ):

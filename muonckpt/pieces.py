@@ -140,8 +140,8 @@ def size_problems(manifest: Manifest, directory: Path) -> list[CheckpointError]:
     placed = [(p, manifest.param(p.param)) for p in manifest.pieces] + [
         (p, model_tensors[p.param]) for p in (model.pieces if model is not None else ())
     ]
-    for piece, entry in placed:
-        itemsize = storage.itemsize(entry.dtype_of(piece.key))
+    for piece, held in placed:
+        itemsize = storage.itemsize(held.dtype_of(piece.key))
         claimed[piece.file] = claimed.get(piece.file, 0) + piece.region.numel * itemsize
     for tensor in manifest.extra.tensors() if manifest.extra is not None else ():
         claimed[tensor.file] = claimed.get(tensor.file, 0) + tensor.nbytes
