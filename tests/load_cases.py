@@ -17,8 +17,9 @@ from .fixture_model import build, initial_params, local_params, train
 def mixed_load_phase(first: str, second: str, how: str) -> dict[str, object]:
     """Rank 0 loads ``first``; rank 1 loads ``second`` (``"paths"``), or ``first`` after
     saving other state over it once rank 0 has opened it (``"replaced"``), or ``first`` as
-    well (``"damaged"``: the test damaged what only rank 1 reads). Returns the error and
-    whether this rank's optimizer kept its own state and params."""
+    well (``"damaged"``: the test damaged what only rank 1 reads; ``"rename"``: rank 1 maps
+    the names, rank 0 does not). Returns the error and whether this rank's optimizer kept its
+    own state and params."""
     opt, sharded, dp_rank, tp_rank = build(2, 1, initial_params())
     train(opt, sharded, dp_rank, tp_rank, 0, 1)
     before = local_params(opt)
@@ -44,8 +45,9 @@ def mixed_load_phase(first: str, second: str, how: str) -> dict[str, object]:
             return original(where)
 
         checkpoint.open_checkpoint = open_in_turn
+    rename = {"": ""} if how == "rename" and dist.get_rank() == 1 else None
     try:
-        muonckpt.load(opt, path)
+        muonckpt.load(opt, path, rename=rename)
         error = "no error"
     except muonckpt.CheckpointError as exc:
         error = str(exc)

@@ -40,3 +40,13 @@ def test_a_read_that_fails_on_one_rank_changes_no_rank(tmp_path):
     assert errors[0] == errors[1] and errors[0].startswith("load (read): rank 1: "), errors
     assert "checksum" in errors[0]
     assert all(r["kept"] for r in ranks)  # rank 0 read its share fine, and took none of it
+
+
+def test_ranks_that_map_names_differently_fail_together(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    run_distributed(save_phase, 2, 2, 1, 1, str(ckpt), False, timeout=120)
+    ranks = run_distributed(mixed_load_phase, 2, str(ckpt), "", "rename", timeout=120)
+    errors = [r["error"] for r in ranks]
+    assert errors[0] == errors[1], errors
+    assert errors[0].startswith("load (rendezvous): the ranks disagree on rename: "), errors
+    assert all(r["kept"] for r in ranks)
