@@ -482,7 +482,7 @@ def convert(
     force: Force = False,
     quiet: Quiet = False,
 ) -> None:
-    """Rewrite a checkpoint for another Muon implementation, or with its params renamed.
+    """Rewrite a checkpoint for another Muon implementation, renamed, or from/to PyTorch DCP.
 
     The packaged Muon keeps sum-form momentum, torch.optim.Muon and KellerJordan's Muon EMA
     form: the buffers are scaled by 1 - mu (or its inverse) and AdamW step counts move to where
@@ -810,10 +810,11 @@ def diff(
         ),
     ] = False,
 ) -> None:
-    """Compare two checkpoints of any kinds, topologies and Muon implementations tensor by
-    tensor (momentum of another form is converted as load converts it, and the row says so).
+    """Compare two checkpoints of any kinds, topologies and Muon implementations, row by row.
 
-    Exit 1 when any tensor differs beyond the tolerances. Example: muonckpt diff ckpt/a ckpt/b
+    A row per tensor (momentum of another form is converted as load converts it, and the row
+    says so), per group's settings, per model-file tensor and job-state tree, and the step.
+    Exit 1 when any row differs beyond the tolerances. Example: muonckpt diff ckpt/a ckpt/b
 
     Only the differences: muonckpt diff ckpt/a ckpt/b --quiet
     """

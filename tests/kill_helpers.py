@@ -6,6 +6,7 @@ from __future__ import annotations
 import select
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import muonckpt
@@ -43,6 +44,28 @@ def start_helper(script: str, *args: str) -> subprocess.Popen:
         stderr=subprocess.PIPE,
         text=True,
     )
+
+
+def running_helper(script: str) -> Iterator[subprocess.Popen]:
+    """(the body of a module-scoped fixture) The helper of ``script``, once it is ready;
+    killed after the module's trials."""
+    proc = start_helper(script)
+    assert readline(proc) == "ready"
+    yield proc
+    proc.kill()
+    proc.wait()
+
+
+def kill_at(helper: subprocess.Popen, request: str, moment: str) -> None:
+    """Have the helper start a trial (``request``: its line of arguments), wait until the
+    trial's child reports it reached ``moment``, and SIGKILL it there."""
+    helper.stdin.write(f"{request}\n")
+    helper.stdin.flush()
+    where = readline(helper)
+    helper.stdin.write("kill\n")
+    helper.stdin.flush()
+    assert readline(helper) == "killed"
+    assert where == f"at {moment}"
 
 
 def readline(proc: subprocess.Popen, timeout: float = 60.0) -> str:

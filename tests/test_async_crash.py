@@ -23,7 +23,7 @@ import muonckpt
 from muonckpt import storage
 
 from .fixture_model import build, initial_params
-from .kill_helpers import REPO, loaded_value, readline, start_helper
+from .kill_helpers import REPO, kill_at, loaded_value, running_helper
 
 HELPER = r"""
 from pathlib import Path
@@ -119,24 +119,14 @@ TRIALS = [
 
 @pytest.fixture(scope="module")
 def helper():
-    proc = start_helper(HELPER)
-    assert readline(proc) == "ready"
-    yield proc
-    proc.kill()
-    proc.wait()
+    yield from running_helper(HELPER)
 
 
 @pytest.mark.parametrize("moment,consolidated,expected", TRIALS)
 def test_sigkill_in_the_background_write_loses_nothing(
     tmp_path, helper, moment, consolidated, expected
 ):
-    helper.stdin.write(f"{tmp_path} {moment} {int(consolidated)}\n")
-    helper.stdin.flush()
-    where = readline(helper)
-    helper.stdin.write("kill\n")
-    helper.stdin.flush()
-    assert readline(helper) == "killed"
-    assert where == f"at {moment}"
+    kill_at(helper, f"{tmp_path} {moment} {int(consolidated)}", moment)
 
     ckpt = tmp_path / "step-2"
     assert muonckpt.verify(ckpt) == []

@@ -16,7 +16,7 @@ import torch
 import muonckpt
 
 from .fixture_model import build, initial_params
-from .kill_helpers import readline, start_helper
+from .kill_helpers import kill_at, running_helper
 
 HELPER = r"""
 from muonckpt import storage, writing
@@ -96,11 +96,7 @@ TRIALS = [
 
 @pytest.fixture(scope="module")
 def helper():
-    proc = start_helper(HELPER)
-    assert readline(proc) == "ready"
-    yield proc
-    proc.kill()
-    proc.wait()
+    yield from running_helper(HELPER)
 
 
 @pytest.mark.parametrize("moment,background,expected", TRIALS)
@@ -108,13 +104,7 @@ def test_sigkill_keeps_the_optimizer_and_the_job_state_together(
     tmp_path, helper, moment, background, expected
 ):
     ckpt = tmp_path / "ckpt"
-    helper.stdin.write(f"{ckpt} {moment} {int(background)}\n")
-    helper.stdin.flush()
-    where = readline(helper)
-    helper.stdin.write("kill\n")
-    helper.stdin.flush()
-    assert readline(helper) == "killed"
-    assert where == f"at {moment}"
+    kill_at(helper, f"{ckpt} {moment} {int(background)}", moment)
 
     assert muonckpt.verify(ckpt) == []
     opt, *_ = build(1, 1, initial_params())
