@@ -230,11 +230,14 @@ def finish(
         committed.append(True)
 
     storage.watch_commit(final, mark)
+    staged = storage.directory_identity(staging)  # another rank's swap keeps it: committed_as
     try:
         each = (lambda: write(staging).to_json()) if across else (lambda: write(staging))
         replaced = steps.each_then_root("write", each, commit_all)
     except BaseException as exc:
-        if committed:  # after the swap: the new checkpoint is whole, whatever came next
+        # After the swap (by this process, or by a root that died before telling the others)
+        # the new checkpoint is whole, whatever came next.
+        if committed or storage.committed_as(final, staged):
             return after_commit(exc, final)
         if steps.is_root:
             storage.discard(staging)

@@ -40,6 +40,8 @@ from .safetensors_writer import SafetensorsWriter, SharedSafetensorsFile, write_
 from .transaction import (
     abandon_commits,
     check_target,
+    committed_as,
+    directory_identity,
     discard,
     is_ours,
     make_staging,
@@ -67,6 +69,8 @@ __all__ = [
     "byte_view",
     "check_target",
     "checksum_chunks",
+    "committed_as",
+    "directory_identity",
     "discard",
     "dtype_name",
     "entries",

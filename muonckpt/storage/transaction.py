@@ -8,6 +8,7 @@ import errno
 import json
 import os
 import re
+import stat
 import threading
 import uuid
 import warnings
@@ -397,6 +398,27 @@ def unwatch_commit(final: str | os.PathLike[str], callback: Callable[[], None]) 
         watchers.remove(callback)
     if not watchers:
         _COMMIT_WATCHERS.pop(os.path.abspath(final), None)
+
+
+def directory_identity(path: str | os.PathLike[str]) -> tuple[int, int] | None:
+    """``(st_dev, st_ino)`` of the directory at ``path`` (a symlink is not followed), or None
+    when there is none: what :func:`committed_as` compares."""
+    try:
+        found = os.lstat(path)
+    except OSError:
+        return None
+    return (found.st_dev, found.st_ino) if stat.S_ISDIR(found.st_mode) else None
+
+
+def committed_as(final: str | os.PathLike[str], staging: tuple[int, int] | None) -> bool:
+    """Whether the staging directory whose :func:`directory_identity` was ``staging`` is now
+    committed at ``final`` (a rename keeps the inode), its manifest in place: how a rank that
+    did not perform the swap learns it happened when the one that did died a moment later."""
+    return (
+        staging is not None
+        and directory_identity(final) == staging
+        and os.path.isfile(Path(final) / MANIFEST_NAME)
+    )
 
 
 def swap_in(
