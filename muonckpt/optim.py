@@ -20,20 +20,20 @@ import torch
 from . import collectives
 from .errors import LayoutError
 from .grid import LocalParam, RankReport
-from .hooks import (
+from .hooks import StateDictHooks
+from .kinds import ADAMW_STATE_KEYS, MUON_STATE_KEYS
+from .layout import Range, Region, dp_slice
+from .nsplan import Message, NsPlan, plan_newton_schulz
+from .placement import (
     Sharding,
-    StateDictHooks,
     describe_grid,
     describe_whole,
-    dtype_name,
     flat_params,
     grid_members,
     learn_grid,
     named_params,
+    torch_dtype_name,
 )
-from .kinds import ADAMW_STATE_KEYS, MUON_STATE_KEYS
-from .layout import Range, Region, dp_slice
-from .nsplan import Message, NsPlan, plan_newton_schulz
 from .regions import extract, insert_
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
@@ -178,11 +178,7 @@ class Muon(torch.optim.Optimizer):
         self.dist_metas: dict[torch.Tensor, MuonDistMeta] = {}
         self.global_buffer_sizes: list[list[tuple[int, int]]] = []
         self.local_buffer_ranges: list[list[Range]] = []
-        StateDictHooks(
-            self,
-            lambda optimizer, collective: cast(Muon, optimizer).describe_sharding(),
-            ranks=lambda optimizer, operation: cast(Muon, optimizer).grid_ranks(operation),
-        )
+        StateDictHooks(self)  # described by describe_sharding (placement.DescribesItself)
 
     def enable_distributed_mode(
         self,
@@ -272,7 +268,7 @@ class Muon(torch.optim.Optimizer):
                     bucket=meta.bucket_idx,
                     global_range=(meta.global_range[0], meta.global_range[1]),
                     bucket_span=(bucket_size, bucket_offset),
-                    dtype=dtype_name(p),
+                    dtype=torch_dtype_name(p),
                 )
             )
         return RankReport(len(self.param_groups), tuple(held))

@@ -1,0 +1,322 @@
+"""The collective gather: every param's full state assembled from the ranks that hold it.
+
+Every rank reports the state it holds (step ``state keys``: keys, kinds, dtypes, a digest of
+replicated tensors); the destination merges the reports against the layout
+(:func:`merge_entry_reports`: a wrong owner rule, drifted replicas or disagreeing ranks fail on
+every rank here, before any data moves); then each param's pieces travel by ``send``/``recv``
+to the destination (and on to every rank when asked), which assembles full tensors one at a
+time in host memory; the last step, ``state values``, raises any rank's failure on every rank.
+
+Memory: the destination holds the complete state in host memory plus one piece in flight on the
+device of the process group (:func:`muonckpt.collectives.comm_device`); every other rank its own
+share plus one piece (or one full param when delivering to all ranks).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from . import collectives
+from .errors import StateDictError
+from .manifest import PARAM_KEY
+from .placement import ParamSharding, Sharding, state_dict_steps, torch_dtype_name
+from .regions import insert_
+from .storage import checksum_chunks
+
+HOST = torch.device("cpu")
+"""Where gathered full tensors are assembled and delivered: host memory, as DCP's
+``cpu_offload=True``, so a GPU never holds more than a piece or one param in flight."""
+
+
+def gather_full_state(
+    sharding: Sharding, local_state: Mapping[int, Mapping[str, Any]], all_ranks: bool = False
+) -> dict[int, dict[str, Any]] | None:
+    """Every param's full state by canonical index, on the destination (and every rank with
+    ``all_ranks``); None elsewhere. ``local_state`` is keyed by this rank's flat param index.
+
+    A collective over ``sharding.participants``. Raises :class:`StateDictError` on every rank
+    when a declared owner lacks state another rank holds, or replicated state differs.
+    """
+    me = collectives.global_rank()
+    entries = _gather_entry_metadata(sharding, local_state)
+    receives = me == sharding.destination or all_ranks
+    full_state: dict[int, dict[str, Any]] = {}
+    failures: list[Exception] = []
+    for index, param in enumerate(sharding.params):
+        spec = entries[index]
+        if spec is None:
+            continue
+        full_state[index] = {}
+        for key, info in spec.items():
+            value = _gather_value(param, key, info, local_state, sharding, all_ranks, failures)
+            if receives:
+                full_state[index][key] = value
+
+    def fail_if_failed() -> None:
+        if failures:
+            raise failures[0]
+
+    state_dict_steps(sharding.participants, sharding.destination).each_then_root(
+        "state values", fail_if_failed, lambda _: None
+    )
+    return full_state if receives else None
+
+
+def _gather_entry_metadata(
+    sharding: Sharding, local_state: Mapping[int, Mapping[str, Any]], *, learn: bool = True
+) -> list[dict[str, Any] | None]:
+    """Every rank learns, per param, the state keys with their kind, dtype and shape (or value);
+    with ``learn=False`` only whether they fit the sharding (an empty list).
+
+    Every participant reports the state it holds, owner or not, so that the merge can tell a
+    wrong owner rule from a param without state.
+    """
+
+    def mine() -> dict[str, Any]:
+        described = {}
+        for index, param in enumerate(sharding.params):
+            entry = local_state.get(param.local_index) if param.local_index is not None else None
+            if entry:
+                described[str(index)] = {
+                    key: describe_value(param, key, v, param.held_numel) for key, v in entry.items()
+                }
+                if param.replicated:  # the replicas must agree, not only in their keys
+                    for key, info in described[str(index)].items():
+                        if info["kind"] == "tensor":
+                            info["digest"] = replica_digest(entry[key])
+        return described
+
+    def merged(reports: list[dict[str, Any]]) -> list[dict[str, Any] | None]:
+        entries = merge_entry_reports(sharding, reports)
+        return entries if learn else []
+
+    return state_dict_steps(sharding.participants, sharding.destination).each_then_root(
+        "state keys", mine, merged
+    )
+
+
+def check_state_holders(sharding: Sharding, local_state: Mapping[int, Mapping[str, Any]]) -> None:
+    """Raise :class:`StateDictError` on every rank unless the state each rank holds is where
+    the sharding says (a declared owner holding none of it: a wrong owner rule). A collective
+    over ``sharding.participants``: each rank's metadata to the destination, the verdict back."""
+    _gather_entry_metadata(sharding, local_state, learn=False)
+
+
+def merge_entry_reports(
+    sharding: Sharding, reports: Sequence[Mapping[str, Mapping[str, Any]]]
+) -> list[dict[str, Any] | None]:
+    """Per param, the description of each state key, taken from its sources' reports.
+
+    ``reports`` are the participants' (in order). Raises :class:`StateDictError` naming the
+    param and ranks when a source lacks state another rank holds (a wrong owner rule), when
+    replicated state differs between ranks, or when sources disagree about a key.
+    """
+    by_rank = dict(zip(sharding.participants, reports, strict=True))
+    merged: list[dict[str, Any] | None] = []
+    for index, param in enumerate(sharding.params):
+        holders = [r for r in sharding.participants if str(index) in by_rank[r]]
+        if not holders:
+            merged.append(None)
+            continue
+        owners = [h.rank for h in param.sources if h.region.numel or len(param.sources) == 1]
+        if param.replicated:
+            owners = list(sharding.participants)
+        # Every rank holds its param's values (a save reports them as PARAM_KEY); only the
+        # optimizer's own state tells where the owner rule put the param.
+        stateful = [r for r in holders if set(by_rank[r][str(index)]) - {PARAM_KEY}]
+        seen = stateful or holders
+        lacking = [r for r in owners if r not in seen]
+        if lacking:
+            raise StateDictError(
+                f"param {param.name!r}: rank {seen[0]} holds state for it, but its declared "
+                f"owner rank {lacking[0]} holds none: the owner rule does not match where the "
+                "optimizer keeps its state"
+            )
+        for holding in param.sources:
+            for key, info in by_rank[holding.rank][str(index)].items():
+                if info["kind"] == "tensor" and info["numel"] != holding.region.numel:
+                    raise StateDictError(
+                        f"param {param.name!r}: state {key!r} holds {info['numel']} elements on "
+                        f"rank {holding.rank}, its share of the param {holding.region.numel}"
+                    )
+        first = by_rank[owners[0]][str(index)]
+        expected = _shape_free(first, param.replicated)
+        for rank in owners:
+            theirs = by_rank[rank][str(index)]
+            drifted = [
+                key
+                for key, info in first.items()
+                if key in theirs and info.get("digest") != theirs[key].get("digest")
+            ]
+            if param.replicated and drifted:
+                raise StateDictError(
+                    f"param {param.name!r}: state {drifted[0]!r} differs between ranks "
+                    f"{owners[0]} and {rank}, whose replicas must be identical (the state of an "
+                    "optimizer without hooks in a process group, or of a REPLICATED param): "
+                    "the ranks' optimizers did not step alike (a sharded optimizer needs "
+                    "muonckpt.install_hooks with its owner rule)"
+                )
+            differs = _differences(expected, _shape_free(theirs, param.replicated), owners[0], rank)
+            if differs:
+                raise StateDictError(
+                    f"param {param.name!r}: ranks {owners[0]} and {rank} disagree about its "
+                    f"state: {'; '.join(differs)}"
+                )
+        merged.append(dict(first))
+    return merged
+
+
+def _shape_free(entry: Mapping[str, Any], replicated: bool) -> Any:
+    """What ranks must agree on: keys, kinds and dtypes (and shapes and values if replicated;
+    shards of one tensor differ in shape)."""
+    return {
+        key: (info["kind"], info.get("dtype"))
+        + ((tuple(info.get("shape", ())), info.get("value")) if replicated else ())
+        for key, info in entry.items()
+    }
+
+
+def _differences(a: Mapping[str, Any], b: Mapping[str, Any], rank_a: int, rank_b: int) -> list[str]:
+    """What differs between two ranks' :func:`_shape_free` descriptions, key by key (a key
+    held by one rank only, or its kind, dtype, shape or value)."""
+    fields = ("kind", "dtype", "shape", "value")
+    out = []
+    for key in sorted(set(a) | set(b)):
+        if key not in a or key not in b:
+            out.append(f"state {key!r} only on rank {rank_a if key in a else rank_b}")
+        elif a[key] != b[key]:
+            out += [
+                f"state {key!r} {name} {x!r} on rank {rank_a}, {y!r} on rank {rank_b}"
+                for name, x, y in zip(fields, a[key], b[key], strict=False)
+                if x != y
+            ]
+    return out
+
+
+_DIGEST_CHUNK = 1 << 22
+"""Words a replica digest reads at a time (bounding its temporary memory to ~100 MiB)."""
+
+
+def replica_digest(tensor: torch.Tensor) -> list[Any]:
+    """A cheap fingerprint of a tensor's bytes, computed where the tensor is: in host memory
+    the checkpoint's own checksum (XXH3-64) of its bytes; on a device two int64 sums (wrapping)
+    of its bytes as 32-bit words, plain and weighted by position, so that nothing crosses to
+    the host. Replicas that differ in any word, or hold the same words in another order,
+    differ here (with overwhelming likelihood). Replicas compared must be on one device type."""
+    data = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+    if data.device.type == "cpu":
+        return list(checksum_chunks(data.numpy(), chunk_bytes=max(1, data.numel())))
+    if data.numel() % 4:
+        data = torch.cat([data, data.new_zeros(4 - data.numel() % 4)])
+    words = data.view(torch.int32)
+    sums = torch.zeros(2, dtype=torch.int64, device=words.device)
+    for start in range(0, words.numel(), _DIGEST_CHUNK):
+        chunk = words[start : start + _DIGEST_CHUNK].to(torch.int64)
+        weights = torch.arange(start, start + chunk.numel(), device=chunk.device)
+        sums[0] += chunk.sum()
+        sums[1] += (chunk * (weights * 2654435761 + 1)).sum()
+    return sums.tolist()
+
+
+def describe_value(
+    param: ParamSharding, key: str, value: Any, numel: int | None = None
+) -> dict[str, Any]:
+    """How a state value travels: a tensor shaped like the param (sharded with it), a
+    ``scalar`` (a 0-d tensor of a param that is not 0-d, such as torch's AdamW ``step``), or a
+    plain ``value`` (a number, None). ``numel``: the elements of this rank's param tensor,
+    which a state tensor must have (refused otherwise: muonckpt shards state with its param)."""
+    if isinstance(value, torch.Tensor):
+        dtype = torch_dtype_name(value)
+        if value.dim() == 0 and len(param.full_shape) != 0:
+            return {"kind": "scalar", "dtype": dtype, "value": value.item()}
+        if numel is not None and value.numel() != numel:
+            raise StateDictError(
+                f"param {param.name!r}: state {key!r} has shape {tuple(value.shape)}, neither "
+                "the param's shape nor a 0-d scalar: muonckpt stores only state shaped like "
+                "its param (factored state such as Adafactor's is not supported)"
+            )
+        return {
+            "kind": "tensor",
+            "dtype": dtype,
+            "shape": list(value.shape),
+            "numel": value.numel(),
+        }
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return {"kind": "value", "value": value}
+    raise StateDictError(
+        f"param {param.name!r}: state {key!r} is a {type(value).__name__}, which muonckpt "
+        "cannot store (tensors, numbers, strings and None only)"
+    )
+
+
+def value_of(info: Mapping[str, Any]) -> Any:
+    """A scalar or plain value back from its description."""
+    if info["kind"] == "scalar":
+        return torch.tensor(info["value"], dtype=getattr(torch, info["dtype"]), device=HOST)
+    return info["value"]
+
+
+def _gather_value(
+    param: ParamSharding,
+    key: str,
+    info: Mapping[str, Any],
+    local_state: Mapping[int, Mapping[str, Any]],
+    sharding: Sharding,
+    all_ranks: bool,
+    failures: list[Exception],
+) -> Any:
+    """Assemble one full state value in host memory on the destination (and, if asked, on every
+    rank). Pieces travel on the process group's device and are copied into the host tensor as
+    each arrives.
+
+    Every send and receive the metadata fixed happens even after a failure of this rank's own
+    (a full tensor it cannot allocate, a piece it cannot produce): the failure goes to
+    ``failures``, zeros travel instead, and the gather's last step raises it on every rank, so
+    that no peer waits forever for a transfer that never comes.
+    """
+    if info["kind"] != "tensor":
+        return value_of(info)
+    me, dst = collectives.global_rank(), sharding.destination
+    dtype = getattr(torch, info["dtype"])
+    shape = param.full_shape
+    full = _attempt(failures, torch.empty, shape, dtype=dtype, device=HOST) if me == dst else None
+    for holding in param.sources:
+        if holding.rank == me:
+            index = param.index_here  # this rank holds a piece of it
+            piece = _attempt(failures, lambda i=index: local_state[i][key].reshape(-1))
+            if me != dst:
+                collectives.send(_or_zeros(piece, holding.region.numel, dtype), dst)
+            elif full is not None and piece is not None:
+                _attempt(failures, insert_, full, holding.region, piece)
+        elif me == dst:
+            piece = collectives.recv((holding.region.numel,), dtype, holding.rank)
+            if full is not None:
+                _attempt(failures, insert_, full, holding.region, piece)
+    if all_ranks:
+        if me == dst:
+            for rank in sharding.participants:
+                if rank != dst:
+                    collectives.send(_or_zeros(full, math.prod(shape), dtype).reshape(shape), rank)
+        else:
+            full = collectives.recv(shape, dtype, dst).to(HOST)
+    return full
+
+
+def _attempt(failures: list[Exception], work: Callable[..., Any], *args: Any, **kw: Any) -> Any:
+    """``work(*args, **kw)``, or None with the exception recorded (the first is raised later)."""
+    try:
+        return work(*args, **kw)
+    except Exception as exc:
+        failures.append(exc)
+        return None
+
+
+def _or_zeros(tensor: torch.Tensor | None, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """What a rank sends in place of a tensor it failed to produce: zeros of the agreed size."""
+    if tensor is not None and tensor.numel() == numel and tensor.dtype == dtype:
+        return tensor
+    return torch.zeros(numel, dtype=dtype)
