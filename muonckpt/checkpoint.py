@@ -29,11 +29,7 @@ from . import retention, storage, writing
 from .errors import CheckpointError, MuonCkptError
 from .hostcopy import HostBuffers
 from .loading import LoadReport, load
-from .placement import (
-    Joined,
-    Optimizers,
-    optimizers_of,
-)
+from .placement import Joined, Optimizers, optimizers_of
 from .saving import PreparedSave, prepare_save
 from .steps import describe_failure
 

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 
@@ -32,29 +33,123 @@ HOST = torch.device("cpu")
 ``cpu_offload=True``, so a GPU never holds more than a piece or one param in flight."""
 
 
+@dataclass(frozen=True)
+class TensorValue:
+    """State shaped like its param: sharded with it, gathered and stored as regions."""
+
+    tensor: torch.Tensor
+
+    def report(self) -> dict[str, Any]:
+        """How it travels, as the ranks report it to each other (JSON)."""
+        t = self.tensor
+        return {
+            "kind": "tensor",
+            "dtype": torch_dtype_name(t.dtype),
+            "shape": list(t.shape),
+            "numel": t.numel(),
+        }
+
+    def as_state(self) -> Any:
+        """The value as an optimizer keeps it."""
+        return self.tensor
+
+
+@dataclass(frozen=True)
+class ScalarValue:
+    """A 0-d tensor of a param that is not 0-d (torch's AdamW ``step``): stored as a number
+    with its dtype (torch's spelling, ``float32``) in the manifest's scalars."""
+
+    value: Any
+    dtype: str
+
+    def report(self) -> dict[str, Any]:
+        return {"kind": "scalar", "dtype": self.dtype, "value": self.value}
+
+    def as_state(self) -> Any:
+        return torch.tensor(self.value, dtype=getattr(torch, self.dtype), device=HOST)
+
+
+@dataclass(frozen=True)
+class PlainValue:
+    """A plain value (a number, a string, None), stored as it is in the manifest's scalars."""
+
+    value: Any
+
+    def report(self) -> dict[str, Any]:
+        return {"kind": "value", "value": self.value}
+
+    def as_state(self) -> Any:
+        return self.value
+
+
+StateValue = TensorValue | ScalarValue | PlainValue
+"""One state value of one param, classified once (:func:`state_value`)."""
+
+
+@dataclass(frozen=True)
+class ParamState:
+    """One param's state on one rank, each value classified once, and the param's own values
+    where a save takes them (stored under :data:`muonckpt.manifest.PARAM_KEY`)."""
+
+    state: dict[str, StateValue]
+    values: torch.Tensor | None = None
+
+
+def param_states(
+    sharding: Sharding, local_state: Mapping[int, Mapping[str, Any]]
+) -> dict[int, ParamState]:
+    """This rank's state by its own flat param index, classified (each state tensor must hold
+    this rank's share of its param)."""
+    return {
+        param.index_here: ParamState(
+            {k: state_value(param, k, v, param.held_numel) for k, v in entry.items()}
+        )
+        for param in sharding.params  # in canonical order, as the ranks report
+        if param.local_index is not None and (entry := local_state.get(param.local_index))
+    }
+
+
 def gather_full_state(
-    sharding: Sharding, local_state: Mapping[int, Mapping[str, Any]], all_ranks: bool = False
-) -> dict[int, dict[str, Any]] | None:
-    """Every param's full state by canonical index, on the destination (and every rank with
-    ``all_ranks``); None elsewhere. ``local_state`` is keyed by this rank's flat param index.
+    sharding: Sharding,
+    local: Callable[[], Mapping[int, ParamState]],
+    all_ranks: bool = False,
+) -> dict[int, ParamState] | None:
+    """Every param's full state (and values where ``local`` has them) by canonical index, on
+    the destination (and every rank with ``all_ranks``); None elsewhere. ``local()`` gives this
+    rank's, keyed by its flat param index; it runs inside the first step, so that a value it
+    refuses fails every rank.
 
     A collective over ``sharding.participants``. Raises :class:`StateDictError` on every rank
     when a declared owner lacks state another rank holds, or replicated state differs.
     """
     me = collectives.global_rank()
-    entries = _gather_entry_metadata(sharding, local_state)
+    held: list[Mapping[int, ParamState]] = []
+    entries = _gather_entry_metadata(sharding, local, held)
     receives = me == sharding.destination or all_ranks
-    full_state: dict[int, dict[str, Any]] = {}
+    full_state: dict[int, ParamState] = {}
     failures: list[Exception] = []
+
+    def state_piece(key: str) -> Callable[[int], torch.Tensor]:
+        return lambda i: cast(TensorValue, held[0][i].state[key]).tensor
+
+    def values_piece(i: int) -> torch.Tensor:
+        return cast(torch.Tensor, held[0][i].values)
+
     for index, param in enumerate(sharding.params):
-        spec = entries[index]
-        if spec is None:
+        spec, value_spec = entries["state"][index], entries["values"][index]
+        if spec is None and value_spec is None:
             continue
-        full_state[index] = {}
-        for key, info in spec.items():
-            value = _gather_value(param, key, info, local_state, sharding, all_ranks, failures)
-            if receives:
-                full_state[index][key] = value
+        state: dict[str, StateValue] = {}
+        for key, info in (spec or {}).items():
+            value = _gather_value(param, info, state_piece(key), sharding, all_ranks, failures)
+            if receives and value is not None:
+                state[key] = value
+        values = None
+        if value_spec is not None:
+            info = value_spec[PARAM_KEY]
+            values = _gather_value(param, info, values_piece, sharding, all_ranks, failures)
+        if receives:
+            full_state[index] = ParamState(state, values.as_state() if values else None)
 
     def fail_if_failed() -> None:
         if failures:
@@ -67,43 +162,57 @@ def gather_full_state(
 
 
 def _gather_entry_metadata(
-    sharding: Sharding, local_state: Mapping[int, Mapping[str, Any]], *, learn: bool = True
-) -> list[dict[str, Any] | None]:
-    """Every rank learns, per param, the state keys with their kind, dtype and shape (or value);
-    with ``learn=False`` only whether they fit the sharding (an empty list).
+    sharding: Sharding,
+    local: Callable[[], Mapping[int, ParamState]],
+    held: list[Mapping[int, ParamState]],
+    *,
+    learn: bool = True,
+) -> dict[str, list[dict[str, Any] | None]]:
+    """Every rank learns, per param, the state keys with their kind, dtype and shape (or value)
+    and the params' values (``state``, ``values``); with ``learn=False`` only whether they fit
+    the sharding (nothing). ``held`` receives this rank's :class:`ParamState`\\ s.
 
     Every participant reports the state it holds, owner or not, so that the merge can tell a
     wrong owner rule from a param without state.
     """
 
     def mine() -> dict[str, Any]:
-        described = {}
+        held.append(local())
+        state, values = {}, {}
         for index, param in enumerate(sharding.params):
-            entry = local_state.get(param.local_index) if param.local_index is not None else None
-            if entry:
-                described[str(index)] = {
-                    key: describe_value(param, key, v, param.held_numel) for key, v in entry.items()
-                }
+            entry = held[0].get(param.local_index) if param.local_index is not None else None
+            if entry is None:
+                continue
+            if entry.state:
+                state[str(index)] = {key: v.report() for key, v in entry.state.items()}
                 if param.replicated:  # the replicas must agree, not only in their keys
-                    for key, info in described[str(index)].items():
-                        if info["kind"] == "tensor":
-                            info["digest"] = replica_digest(entry[key])
-        return described
+                    for key, v in entry.state.items():
+                        if isinstance(v, TensorValue):
+                            state[str(index)][key]["digest"] = replica_digest(v.tensor)
+            if entry.values is not None:
+                report = TensorValue(entry.values).report()
+                if param.replicated:
+                    report["digest"] = replica_digest(entry.values)
+                values[str(index)] = {PARAM_KEY: report}  # named as the files name them
+        return {"state": state, "values": values}
 
-    def merged(reports: list[dict[str, Any]]) -> list[dict[str, Any] | None]:
-        entries = merge_entry_reports(sharding, reports)
-        return entries if learn else []
+    def merged(reports: list[dict[str, Any]]) -> dict[str, list[dict[str, Any] | None]]:
+        state = merge_entry_reports(sharding, [r["state"] for r in reports])
+        values = merge_entry_reports(sharding, [r["values"] for r in reports])
+        return {"state": state, "values": values} if learn else {}
 
     return state_dict_steps(sharding.participants, sharding.destination).each_then_root(
         "state keys", mine, merged
     )
 
 
-def check_state_holders(sharding: Sharding, local_state: Mapping[int, Mapping[str, Any]]) -> None:
+def check_state_holders(sharding: Sharding, local: Mapping[int, ParamState]) -> None:
     """Raise :class:`StateDictError` on every rank unless the state each rank holds is where
     the sharding says (a declared owner holding none of it: a wrong owner rule). A collective
-    over ``sharding.participants``: each rank's metadata to the destination, the verdict back."""
-    _gather_entry_metadata(sharding, local_state, learn=False)
+    over ``sharding.participants``: each rank's metadata to the destination, the verdict back.
+    The params' own values are left out: every rank holds its own."""
+    states = {index: ParamState(held.state) for index, held in local.items()}  # state only
+    _gather_entry_metadata(sharding, lambda: states, [], learn=False)
 
 
 def merge_entry_reports(
@@ -125,10 +234,7 @@ def merge_entry_reports(
         owners = [h.rank for h in param.sources if h.region.numel or len(param.sources) == 1]
         if param.replicated:
             owners = list(sharding.participants)
-        # Every rank holds its param's values (a save reports them as PARAM_KEY); only the
-        # optimizer's own state tells where the owner rule put the param.
-        stateful = [r for r in holders if set(by_rank[r][str(index)]) - {PARAM_KEY}]
-        seen = stateful or holders
+        seen = holders
         lacking = [r for r in owners if r not in seen]
         if lacking:
             raise StateDictError(
@@ -137,7 +243,7 @@ def merge_entry_reports(
                 "optimizer keeps its state"
             )
         for holding in param.sources:
-            for key, info in by_rank[holding.rank][str(index)].items():
+            for key, info in by_rank[holding.rank].get(str(index), {}).items():
                 if info["kind"] == "tensor" and info["numel"] != holding.region.numel:
                     raise StateDictError(
                         f"param {param.name!r}: state {key!r} holds {info['numel']} elements on "
@@ -222,56 +328,48 @@ def replica_digest(tensor: torch.Tensor) -> list[Any]:
     return sums.tolist()
 
 
-def describe_value(
-    param: ParamSharding, key: str, value: Any, numel: int | None = None
-) -> dict[str, Any]:
-    """How a state value travels: a tensor shaped like the param (sharded with it), a
-    ``scalar`` (a 0-d tensor of a param that is not 0-d, such as torch's AdamW ``step``), or a
-    plain ``value`` (a number, None). ``numel``: the elements of this rank's param tensor,
-    which a state tensor must have (refused otherwise: muonckpt shards state with its param)."""
+def state_value(param: ParamSharding, key: str, value: Any, numel: int | None = None) -> StateValue:
+    """How a state value travels and is stored: a tensor shaped like the param (sharded with
+    it), a scalar (a 0-d tensor of a param that is not 0-d, such as torch's AdamW ``step``), or
+    a plain value (a number, None). ``numel``: the elements of this rank's param tensor, which
+    a state tensor must have (refused otherwise: muonckpt shards state with its param)."""
     if isinstance(value, torch.Tensor):
-        dtype = torch_dtype_name(value)
         if value.dim() == 0 and len(param.full_shape) != 0:
-            return {"kind": "scalar", "dtype": dtype, "value": value.item()}
+            return ScalarValue(value.item(), torch_dtype_name(value.dtype))
         if numel is not None and value.numel() != numel:
             raise StateDictError(
                 f"param {param.name!r}: state {key!r} has shape {tuple(value.shape)}, neither "
                 "the param's shape nor a 0-d scalar: muonckpt stores only state shaped like "
                 "its param (factored state such as Adafactor's is not supported)"
             )
-        return {
-            "kind": "tensor",
-            "dtype": dtype,
-            "shape": list(value.shape),
-            "numel": value.numel(),
-        }
+        return TensorValue(value)
     if value is None or isinstance(value, (bool, int, float, str)):
-        return {"kind": "value", "value": value}
+        return PlainValue(value)
     raise StateDictError(
         f"param {param.name!r}: state {key!r} is a {type(value).__name__}, which muonckpt "
         "cannot store (tensors, numbers, strings and None only)"
     )
 
 
-def value_of(info: Mapping[str, Any]) -> Any:
-    """A scalar or plain value back from its description."""
+def _reported(info: Mapping[str, Any]) -> StateValue:
+    """A scalar or plain value back from its report."""
     if info["kind"] == "scalar":
-        return torch.tensor(info["value"], dtype=getattr(torch, info["dtype"]), device=HOST)
-    return info["value"]
+        return ScalarValue(info["value"], info["dtype"])
+    return PlainValue(info["value"])
 
 
 def _gather_value(
     param: ParamSharding,
-    key: str,
     info: Mapping[str, Any],
-    local_state: Mapping[int, Mapping[str, Any]],
+    local_piece: Callable[[int], torch.Tensor],
     sharding: Sharding,
     all_ranks: bool,
     failures: list[Exception],
-) -> Any:
+) -> StateValue | None:
     """Assemble one full state value in host memory on the destination (and, if asked, on every
-    rank). Pieces travel on the process group's device and are copied into the host tensor as
-    each arrives.
+    rank; a tensor is None elsewhere); ``local_piece(i)``: this rank's piece, by its flat
+    param index. Pieces travel on the process group's device and are copied into the host
+    tensor as each arrives.
 
     Every send and receive the metadata fixed happens even after a failure of this rank's own
     (a full tensor it cannot allocate, a piece it cannot produce): the failure goes to
@@ -279,7 +377,7 @@ def _gather_value(
     that no peer waits forever for a transfer that never comes.
     """
     if info["kind"] != "tensor":
-        return value_of(info)
+        return _reported(info)
     me, dst = collectives.global_rank(), sharding.destination
     dtype = getattr(torch, info["dtype"])
     shape = param.full_shape
@@ -287,7 +385,7 @@ def _gather_value(
     for holding in param.sources:
         if holding.rank == me:
             index = param.index_here  # this rank holds a piece of it
-            piece = _attempt(failures, lambda i=index: local_state[i][key].reshape(-1))
+            piece = _attempt(failures, lambda i=index: local_piece(i).reshape(-1))
             if me != dst:
                 collectives.send(_or_zeros(piece, holding.region.numel, dtype), dst)
             elif full is not None and piece is not None:
@@ -303,7 +401,7 @@ def _gather_value(
                     collectives.send(_or_zeros(full, math.prod(shape), dtype).reshape(shape), rank)
         else:
             full = collectives.recv(shape, dtype, dst).to(HOST)
-    return full
+    return TensorValue(full) if full is not None else None
 
 
 def _attempt(failures: list[Exception], work: Callable[..., Any], *args: Any, **kw: Any) -> Any:

@@ -31,7 +31,7 @@ import torch
 
 from . import collectives
 from .errors import StateDictError
-from .gather import describe_value, gather_full_state
+from .gather import TensorValue, gather_full_state, param_states, state_value
 from .placement import (
     Optimizers,
     ParamSharding,
@@ -92,8 +92,8 @@ def _complete_state_dict(optimizer: torch.optim.Optimizer, all_ranks: bool) -> d
     sharding = describe(optimizer)
     flat = flat_params(optimizer)
     local_state = {i: optimizer.state[p] for i, p in enumerate(flat) if p in optimizer.state}
-    full_state = gather_full_state(sharding, local_state, all_ranks)
-    receives = full_state is not None
+    full = gather_full_state(sharding, lambda: param_states(sharding, local_state), all_ranks)
+    receives = full is not None
     marker = {
         "complete": receives,
         "format_version": STATE_DICT_VERSION,
@@ -101,7 +101,10 @@ def _complete_state_dict(optimizer: torch.optim.Optimizer, all_ranks: bool) -> d
         "source_rank": collectives.global_rank(),
     }
     return {
-        "state": full_state if receives else {},
+        "state": {
+            index: {key: value.as_state() for key, value in gathered.state.items()}
+            for index, gathered in (full or {}).items()
+        },
         "param_groups": canonical_groups(optimizer.param_groups, sharding),
         MARKER: marker,
     }
@@ -120,8 +123,8 @@ def _check_loaded(optimizer: torch.optim.Optimizer) -> None:
         if param.local is None:
             continue
         for key, value in optimizer.state.get(flat[param.index_here], {}).items():
-            kind = describe_value(param, key, value)["kind"]
-            if kind == "tensor" and value.numel() != param.local.numel:
+            tensor = isinstance(state_value(param, key, value), TensorValue)
+            if tensor and value.numel() != param.local.numel:
                 raise StateDictError(
                     f"param {param.name!r}: loaded state {key!r} has {value.numel()} "
                     f"elements, this rank's share is {param.local.numel}"
@@ -257,7 +260,7 @@ def _cut_entry(
         return None
     kept: dict[str, Any] = {}
     for key, value in entry.items():
-        if describe_value(param, key, value)["kind"] != "tensor":
+        if not isinstance(state_value(param, key, value), TensorValue):
             kept[key] = value
             continue
         if tuple(value.shape) != param.full_shape:

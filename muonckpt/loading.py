@@ -20,7 +20,7 @@ import torch
 
 from . import collectives, conversion, kinds, storage, trainstate
 from .errors import CheckpointError, ConversionWarning
-from .gather import value_of
+from .gather import ScalarValue
 from .hooks import load_local_share, remap_groups
 from .layout import Region, whole_region
 from .manifest import (
@@ -42,6 +42,7 @@ from .placement import (
     flat_params,
     optimizers_of,
     participants,
+    torch_dtype_name,
 )
 from .sharding import following
 from .steps import disagreement
@@ -469,8 +470,8 @@ def _scalar_value(scalar: Scalar) -> Any:
     """A stored scalar as the optimizer had it: a 0-d tensor of its dtype, or the number."""
     if scalar.dtype is None:
         return scalar.value
-    name = str(storage.torch_dtype(scalar.dtype)).removeprefix("torch.")
-    return value_of({"kind": "scalar", "value": scalar.value, "dtype": name})
+    dtype = torch_dtype_name(storage.torch_dtype(scalar.dtype))
+    return ScalarValue(scalar.value, dtype).as_state()
 
 
 def _checked_value(

@@ -7,8 +7,8 @@ only that, so a new layout is one new describer here, not a new save path.
 
 :func:`describe` is a function of the optimizer that returns its :class:`Sharding`:
 
-* the packaged :class:`~muonckpt.Muon` describes itself (:class:`DescribesItself`:
-  :func:`describe_grid` over its dp x tp grid, :func:`describe_whole` in one process);
+* the packaged :class:`~muonckpt.Muon` reports its own layout (:class:`ReportsItsGrid`):
+  :func:`describe_grid` over its dp x tp grid, :func:`describe_whole` in one process;
 * an optimizer whose state lives whole on owner ranks is described by the owner rule
   :func:`declare_owners` recorded beside it (:func:`muonckpt.install_hooks` records it; the
   upstream KellerJordan rule is :func:`upstream_owner`);
@@ -134,15 +134,22 @@ def _position(param: ParamSharding) -> int:
 
 
 @runtime_checkable
-class DescribesItself(Protocol):
-    """An optimizer that knows its own layout (the packaged :class:`~muonckpt.Muon`)."""
+class ReportsItsGrid(Protocol):
+    """An optimizer that reports its own layout (the packaged :class:`~muonckpt.Muon`): whole in
+    one process, or ZeRO-1 + TP over the dp x tp grid of its two groups in distributed mode,
+    each rank reporting the params it holds (:func:`describe_grid`)."""
 
-    def describe_sharding(self) -> Sharding:
-        """Its :class:`Sharding` (a collective over its grid the first time)."""
+    distributed_mode: bool
+    dist_group: collectives.Group
+    tp_group: collectives.Group
+    param_groups: list[dict[str, Any]]
+
+    def rank_report(self) -> RankReport:
+        """This rank's params in the layout math's terms (shapes, buffers, buckets, ranges)."""
         ...
 
-    def grid_ranks(self, operation: str = "describe the grid") -> list[int]:
-        """The global ranks of its grid, without a collective on the process groups."""
+    def state_keys(self, group: int) -> tuple[str, ...]:
+        """The state keys a complete entry of group ``group`` has."""
         ...
 
 
@@ -176,8 +183,8 @@ def optimizers_of(optimizer: Optimizers) -> list[torch.optim.Optimizer]:
 
 
 def has_own_layout(optimizer: object) -> bool:
-    """Whether ``optimizer`` describes itself or has an owner rule (muonckpt's hooks)."""
-    return isinstance(optimizer, DescribesItself) or optimizer in _OWNERS
+    """Whether ``optimizer`` reports its grid or has an owner rule (muonckpt's hooks)."""
+    return isinstance(optimizer, ReportsItsGrid) or optimizer in _OWNERS
 
 
 @dataclass(frozen=True, eq=False)
@@ -295,7 +302,7 @@ def _named(optimizer: Optimizers) -> bool:
 
 
 def describe_grid(
-    optimizer: torch.optim.Optimizer,
+    optimizer: Optimizers,
     report: Callable[[], RankReport],
     dp_group: collectives.Group,
     tp_group: collectives.Group,
@@ -344,7 +351,7 @@ _GRIDS: weakref.WeakKeyDictionary[Any, tuple[tuple, list[int], GridParams]] = (
 
 
 def _grid_params(
-    optimizer: torch.optim.Optimizer,
+    optimizer: Optimizers,
     report: Callable[[], RankReport],
     dp_group: collectives.Group,
     tp_group: collectives.Group,
@@ -361,7 +368,7 @@ def _grid_params(
 
 
 def learn_grid(
-    optimizer: torch.optim.Optimizer,
+    optimizer: Optimizers,
     report: Callable[[], RankReport],
     dp_group: collectives.Group,
     tp_group: collectives.Group,
@@ -410,10 +417,12 @@ def participants(optimizer: Any, operation: str) -> list[int]:
     """The global ranks of ``operation`` (``save``, ``load``, ...) over ``optimizer``, found
     without a collective on the process groups, so that the operation can begin with a
     bounded rendezvous among them (:func:`muonckpt.collectives.rendezvous`): its grid for a
-    optimizer that describes itself or has an owner rule, the world for any other in a process
+    optimizer that reports its grid or has an owner rule, the world for any other in a process
     group (:func:`describe`)."""
-    if isinstance(optimizer, DescribesItself):
-        return optimizer.grid_ranks(operation)
+    if isinstance(optimizer, ReportsItsGrid):
+        if not optimizer.distributed_mode:
+            return [collectives.global_rank()]
+        return grid_members(optimizer, optimizer.dist_group, optimizer.tp_group, operation)
     rule = _OWNERS.get(optimizer)
     if rule is not None:
         return rule.ranks(optimizer, operation)
@@ -431,10 +440,10 @@ def named_params(optimizer: torch.optim.Optimizer) -> Iterator[tuple[str | None,
             index += 1
 
 
-def torch_dtype_name(tensor: torch.Tensor) -> str:
+def torch_dtype_name(dtype: torch.dtype) -> str:
     """A tensor's dtype in torch's spelling (``float32``), as the grid reports and state values
     name it (the files' safetensors spelling, ``F32``, is :func:`muonckpt.storage.dtype_name`)."""
-    return str(tensor.dtype).removeprefix("torch.")
+    return str(dtype).removeprefix("torch.")
 
 
 def _check_unique(names: Sequence[str]) -> None:
@@ -465,7 +474,7 @@ def describe_whole(
                 index,
                 g,
                 keys(g),
-                dtype=torch_dtype_name(p),
+                dtype=torch_dtype_name(p.dtype),
             )
         )
     _check_unique([p.name for p in params])
@@ -473,7 +482,7 @@ def describe_whole(
 
 
 def describe(optimizer: torch.optim.Optimizer | Joined, *, agree: bool = True) -> Sharding:
-    """How ``optimizer``'s state is sharded: as it describes itself (the packaged Muon), by
+    """How ``optimizer``'s state is sharded: as it reports it (the packaged Muon), by
     the owner rule recorded for it (:func:`declare_owners`), else every param whole and local
     in a single process, a replica on every rank in a process group.
 
@@ -481,8 +490,11 @@ def describe(optimizer: torch.optim.Optimizer | Joined, *, agree: bool = True) -
     skips an owner rule's check that the ranks agree (a local trim, after a state dict that
     was gathered by a collective).
     """
-    if isinstance(optimizer, DescribesItself):
-        return optimizer.describe_sharding()
+    if isinstance(optimizer, ReportsItsGrid):
+        if not optimizer.distributed_mode:
+            return describe_whole(optimizer, optimizer.state_keys)
+        report, keys = optimizer.rank_report, optimizer.state_keys
+        return describe_grid(optimizer, report, optimizer.dist_group, optimizer.tp_group, keys)
     if not isinstance(optimizer, Joined) and optimizer in _OWNERS:
         return _OWNERS[optimizer].describe(optimizer, agree)
     if collectives.is_distributed() and collectives.group_size(None) > 1:
@@ -607,7 +619,7 @@ def _describe_owned(
                 local_index=index,
                 group=g,
                 tp_split_dim=splits.get(name, -1),
-                dtype=torch_dtype_name(p),
+                dtype=torch_dtype_name(p.dtype),
                 held=mine,
                 replicated=replicated,
             )

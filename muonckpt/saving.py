@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -17,7 +17,16 @@ import torch
 
 from . import collectives, conversion, retention, storage, trainstate, writing
 from .errors import CheckpointError
-from .gather import check_state_holders, describe_value, gather_full_state
+from .gather import (
+    ParamState,
+    PlainValue,
+    ScalarValue,
+    StateValue,
+    TensorValue,
+    check_state_holders,
+    gather_full_state,
+    state_value,
+)
 from .hostcopy import HostBuffers
 from .manifest import (
     CONSOLIDATED,
@@ -39,7 +48,6 @@ from .manifest import (
 from .model_state import ModelTensors, model_tensors
 from .placement import (
     Optimizers,
-    ParamSharding,
     Sharding,
     describe,
     flat_params,
@@ -102,18 +110,19 @@ def prepare_save(
         operation, sharding.participants, sharding.destination, CheckpointError
     )
     taken: list[_Payload] = []
+    collected: list[dict[int, ParamState]] = []
     described: list[ModelTensors | None] = []
     job: list[_JobState] = []
 
     def check() -> dict[str, Any]:
-        _check_storable(sharding, optimizer, params, keep_last, Path(path))
+        collected.append(_collect(sharding, optimizer, params, keep_last, Path(path)))
         described.append(
             model_tensors(model, [p.name for p in sharding.params], consolidated, params)
         )
         state = _JobState.take(extra, rank_extra)
         job.append(state)
         if not consolidated:
-            payload = _rank_payload(optimizer, sharding, params)
+            payload = _rank_payload(sharding, collected[0])
             if background:
                 payload.tensors = buffers.snapshot(payload.tensors)
             taken.append(payload)
@@ -125,11 +134,11 @@ def prepare_save(
         if not consolidated and len(sharding.participants) > 1:
             # Each rank writes only the state it owns: a wrong owner rule would drop the rest
             # unnoticed (the consolidated gather checks this itself).
-            check_state_holders(sharding, _local_state(optimizer, sharding, params=False))
+            check_state_holders(sharding, collected[0])
         groups = _group_entries(optimizer, sharding)
         if consolidated:  # gathered into fresh host tensors: a snapshot already
             taken.append(
-                _consolidated_payload(optimizer, sharding, max_shard_size, params, described[0])
+                _consolidated_payload(sharding, collected[0], max_shard_size, described[0])
             )
     except BaseException:
         if steps.is_root:
@@ -210,18 +219,21 @@ class _JobState:
         return extra_to_json(Extra(trees[0], ranks, tuple(files)))
 
 
-def _check_storable(
+def _collect(
     sharding: Sharding,
     optimizer: Optimizers,
     params: bool,
     keep_last: int | None,
     where: Path,
-) -> None:
-    """Refuse, before writing anything, what a checkpoint could not hold or load back."""
+) -> dict[int, ParamState]:
+    """This rank's state by its own flat param index, each value classified once, with each
+    param's values when ``params``; refused, before anything is written, what a checkpoint
+    could not hold or load back."""
     if keep_last is not None:
         retention.check_keep_last(keep_last)
     flat = flat_params(optimizer)
     keys = [(p.name, k) for p in sharding.params for k in p.expected_keys]
+    collected: dict[int, ParamState] = {}
     for param in sharding.local():
         p = flat[param.index_here]
         state = optimizer.state.get(p, {})
@@ -229,46 +241,29 @@ def _check_storable(
             raise CheckpointError(
                 f"state key {PARAM_KEY!r} is reserved for the param's values", param=param.name
             )
+        typed: dict[str, StateValue] = {}
         for key, value in state.items():
             if not isinstance(key, str):
                 raise CheckpointError(f"state key {key!r} is not a string", param=param.name)
-            info = describe_value(param, key, value, p.numel())
-            if info["kind"] == "tensor":
+            typed[key] = kept = state_value(param, key, value, p.numel())
+            if isinstance(kept, TensorValue):
                 keys.append((param.name, key))
-            elif isinstance(info["value"], float) and not math.isfinite(info["value"]):
+            elif isinstance(kept.value, float) and not math.isfinite(kept.value):
                 raise CheckpointError(
-                    f"state {key!r} is {info['value']}, which a JSON manifest cannot hold",
+                    f"state {key!r} is {kept.value}, which a JSON manifest cannot hold",
                     param=param.name,
                 )
+        collected[param.index_here] = ParamState(typed, p.detach() if params else None)
     keys += [(p.name, PARAM_KEY) for p in sharding.params] if params else []
     unique_tensor_keys(iter(keys), where)
+    return collected
 
 
-def _local_state(
-    optimizer: Optimizers, sharding: Sharding, params: bool
-) -> dict[int, dict[str, Any]]:
-    """This rank's state by its own flat param index, with each param's values under
-    :data:`PARAM_KEY` when ``params``."""
-    flat = flat_params(optimizer)
-    local: dict[int, dict[str, Any]] = {}
-    for param in sharding.local():
-        p = flat[param.index_here]
-        entry = dict(optimizer.state.get(p, {}))
-        if params:
-            entry[PARAM_KEY] = p.detach()
-        local[param.index_here] = entry
-    return local
-
-
-def _owned(
-    optimizer: Optimizers, sharding: Sharding, params: bool
-) -> Iterator[tuple[ParamSharding, dict[str, Any]]]:
-    """(param sharding, local state and values) of each param this rank must write."""
-    me = collectives.global_rank()
-    local = _local_state(optimizer, sharding, params)
-    for param in sharding.params:
-        if any(h.rank == me for h in param.sources):
-            yield param, local[param.index_here]
+def _stored(held: ParamState) -> list[tuple[str, StateValue]]:
+    """A param's values as a checkpoint stores them, by key: its state, and its own values
+    under :data:`PARAM_KEY`."""
+    values = [(PARAM_KEY, TensorValue(held.values))] if held.values is not None else []
+    return sorted([*held.state.items(), *values], key=lambda item: item[0])
 
 
 @dataclass
@@ -282,43 +277,44 @@ class _Payload:
     scalars: dict[str, dict[str, Any]]
 
 
-def _rank_payload(optimizer: Optimizers, sharding: Sharding, params: bool) -> _Payload:
+def _rank_payload(sharding: Sharding, collected: Mapping[int, ParamState]) -> _Payload:
     """This rank's own pieces (its file of :func:`rank_plan`)."""
     me = collectives.global_rank()
     owned: list[Any] = []
     tensors: dict[tuple[str, str], torch.Tensor] = {}
     scalars: dict[str, Any] = {}
-    for param, state in _owned(optimizer, sharding, params):
-        holding = next(h for h in param.sources if h.rank == me)
-        for key, value in sorted(state.items()):
-            info = describe_value(param, key, value)
-            if info["kind"] != "tensor":
-                scalars.setdefault(param.name, {})[key] = _scalar_json(info)
+    for param in sharding.params:
+        holding = next((h for h in param.sources if h.rank == me), None)
+        if holding is None:
+            continue
+        for key, value in _stored(collected[param.index_here]):
+            if not isinstance(value, TensorValue):
+                scalars.setdefault(param.name, {})[key] = _scalar_json(value)
                 continue
-            owned.append(((param.name, key, storage.dtype_name(value.dtype)), holding.region))
-            tensors[param.name, key] = value
+            dtype = storage.dtype_name(value.tensor.dtype)
+            owned.append(((param.name, key, dtype), holding.region))
+            tensors[param.name, key] = value.tensor
     rank, world = sharding.participants.index(me), len(sharding.participants)
     return _Payload(lambda: rank_plan(rank, world, owned), tensors, scalars)
 
 
-def _scalar_json(info: Mapping[str, Any]) -> dict[str, Any]:
+def _scalar_json(value: ScalarValue | PlainValue) -> dict[str, Any]:
     """A scalar's manifest form: its value, and its safetensors dtype if it is a 0-d tensor."""
-    dtype = info.get("dtype")
-    value = json_safe(info["value"])
-    return {"value": value, "dtype": storage.dtype_name(getattr(torch, dtype)) if dtype else None}
+    dtype = value.dtype if isinstance(value, ScalarValue) else None
+    stored = storage.dtype_name(getattr(torch, dtype)) if dtype else None
+    return {"value": json_safe(value.value), "dtype": stored}
 
 
 def _consolidated_payload(
-    optimizer: Optimizers,
     sharding: Sharding,
+    collected: Mapping[int, ParamState],
     max_shard_size: int | None,
-    params: bool,
     model: ModelTensors | None = None,
 ) -> _Payload:
     """Every param's full state gathered on the destination, which writes every file of
     :func:`consolidated_plan` (with ``model``'s other tensors and tied names); the other ranks
     write nothing."""
-    full = gather_full_state(sharding, _local_state(optimizer, sharding, params))
+    full = gather_full_state(sharding, lambda: collected)
     if full is None:
         return _Payload(None, {}, {})
     tensors: dict[tuple[str, str], torch.Tensor] = {}
@@ -329,13 +325,14 @@ def _consolidated_payload(
         items.append(((name, PARAM_KEY, storage.dtype_name(value.dtype)), tuple(value.shape)))
         tensors[name, PARAM_KEY] = value
     for index, param in enumerate(sharding.params):
-        for key, value in sorted(full.get(index, {}).items()):
-            info = describe_value(param, key, value)
-            if info["kind"] == "tensor":
-                items.append(((param.name, key, storage.dtype_name(value.dtype)), param.full_shape))
-                tensors[param.name, key] = value
+        gathered = full.get(index)
+        for key, stored in _stored(gathered) if gathered is not None else ():
+            if isinstance(stored, TensorValue):
+                dtype = storage.dtype_name(stored.tensor.dtype)
+                items.append(((param.name, key, dtype), param.full_shape))
+                tensors[param.name, key] = stored.tensor
             else:
-                scalars.setdefault(param.name, {})[key] = _scalar_json(info)
+                scalars.setdefault(param.name, {})[key] = _scalar_json(stored)
     aliases = dict(model.aliases) if model is not None else None
     return _Payload(lambda: consolidated_plan(items, max_shard_size, aliases), tensors, scalars)
 
