@@ -506,10 +506,10 @@ def describe_replicated(optimizer: Any) -> Sharding:
     """Sharding of an optimizer without hooks in a process group: a replica on every rank of
     the world (DDP), its state the same everywhere, every param :data:`REPLICATED` (saved
     once, the ranks sharing the writing by :func:`muonckpt.workplan.spread`; loaded whole on
-    every rank). A collective over the world: the
-    ranks check that they hold the same params (a sharded optimizer such as upstream
-    ``muon.Muon`` needs :func:`install_hooks`, and a gather or save checks that the replicas'
-    state agrees, see :func:`replica_digest`)."""
+    every rank). A collective over the world: the ranks check that they hold the same params
+    (a sharded optimizer such as upstream ``muon.Muon`` needs :func:`muonckpt.install_hooks`,
+    and a gather or save checks that the replicas' state agrees, see
+    :func:`muonckpt.gather.replica_digest`)."""
     kind = type(optimizer)
     if kind.__module__ == UPSTREAM_MODULE and kind.__name__ in ("Muon", "MuonWithAuxAdam"):
         raise StateDictError(
