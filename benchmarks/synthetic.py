@@ -19,9 +19,9 @@ import torch.distributed as dist
 
 import muonckpt
 from muonckpt.collectives import grid_groups
-from muonckpt.hooks import describe
 from muonckpt.kinds import ADAMW_STATE_KEYS, MUON_STATE_KEYS
 from muonckpt.layout import Region, Topology, strided_runs
+from muonckpt.placement import describe
 from muonckpt.regions import copy_groups_
 
 Shapes = dict[str, tuple[tuple[int, ...], int]]

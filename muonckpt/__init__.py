@@ -30,10 +30,11 @@ if TYPE_CHECKING:
         set_rendezvous_timeout,
     )
     from .demo import run_demo
-    from .hooks import REPLICATED, gather_state_dict, install_hooks
+    from .hooks import gather_state_dict, install_hooks
     from .kinds import DCP_FAMILIES, FAMILIES
     from .optim import Muon, MuonDistMeta, adjusted_lr, newton_schulz, normalize_range
     from .pieces import read_manifest, verify
+    from .placement import REPLICATED
     from .retention import clean, latest
     from .sharding import ShardedParams, shard_for_groups, shard_param_groups
     from .trainstate import RNGState
@@ -45,7 +46,7 @@ _LAZY = {
     "FAMILIES": "kinds",
     "LoadReport": "checkpoint",
     "async_save": "checkpoint",
-    "REPLICATED": "hooks",
+    "REPLICATED": "placement",
     "clean": "retention",
     "latest": "retention",
     "load": "checkpoint",

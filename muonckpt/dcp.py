@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from . import kinds, storage, writing
+from .conversion import converted_manifest, group_kind, step_scalar
 from .errors import CheckpointError, StateDictError
 from .layout import whole_region
 from .manifest import (
@@ -30,8 +31,6 @@ from .manifest import (
     Manifest,
     ParamEntry,
     Scalar,
-    converted_manifest,
-    group_kind,
     json_safe,
 )
 from .pieces import PieceReader, open_checkpoint
@@ -318,12 +317,11 @@ def to_dcp(
                 fqn = f"{OPTIMIZER_PREFIX}state.{name}.{family.their_key(kind.role or '', key)}"
                 tensors[fqn] = (entry.shape, entry.dtype_of(key))
                 sources[fqn] = (name, key, factor if key == "momentum_buffer" else 1.0)
-            step = manifest.step_of(entry)
+            step = step_scalar(family.step_in, manifest.step_of(entry))
             if kind.role == "adamw" and step is not None and entry.state_keys:
-                if family.step_in == "tensor":
-                    values[f"{OPTIMIZER_PREFIX}state.{name}.step"] = _step_tensor(step)
-                elif family.step_in == "int":
-                    values[f"{OPTIMIZER_PREFIX}state.{name}.step"] = int(step)
+                values[f"{OPTIMIZER_PREFIX}state.{name}.step"] = (
+                    _step_tensor(step) if step.dtype is not None else step.value
+                )
             for setting, value in group_settings.items():
                 values[f"{OPTIMIZER_PREFIX}param_groups.{name}.{setting}"] = value
     pieces = manifest.pieces_of()
@@ -360,10 +358,10 @@ def _not_carried(manifest: Manifest) -> tuple[str, ...]:
     return tuple(out)
 
 
-def _step_tensor(step: float) -> Any:
+def _step_tensor(step: Scalar) -> Any:
     import torch
 
-    return torch.tensor(float(step), dtype=torch.float32)
+    return torch.tensor(step.value, dtype=torch.float32)
 
 
 def _settings(

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 from .errors import StateDictError
-from .layout import Range, Region, Topology, dp_slice, tp_full_shape, tp_region
+from .layout import Range, Region, Topology, share_region, tp_full_shape
 
 
 @dataclass(frozen=True)
@@ -98,19 +98,28 @@ class GridParam:
     local_index: tuple[int | None, ...]
     """Per grid index, the param's position in that rank's flat param order (None: absent)."""
 
-    def region(self, topology: Topology, dp_rank: int, tp_rank: int) -> Region:
-        """What (dp_rank, tp_rank) holds of the param, in full-tensor coordinates."""
+    def region(
+        self, topology: Topology, dp_rank: int, tp_rank: int, *, owner_only: bool = False
+    ) -> Region:
+        """What (dp_rank, tp_rank) holds of the param, in full-tensor coordinates
+        (:func:`muonckpt.layout.share_region`)."""
         spec = self.spec
-        split = spec.tp_split_dim if topology.tp > 1 else -1
         size, offset = spec.bucket_span
-        flat = dp_slice(spec.global_range, offset, size, topology.dp, dp_rank)
-        return tp_region(self.full_shape, split, topology.tp, tp_rank, flat)
+        return share_region(
+            self.full_shape,
+            spec.tp_split_dim,
+            topology,
+            dp_rank,
+            tp_rank,
+            spec.global_range,
+            offset,
+            size,
+            owner_only=owner_only,
+        )
 
     def owner_region(self, topology: Topology, dp_rank: int, tp_rank: int) -> Region:
         """Like :meth:`region`, with a TP-replicated param counted on TP rank 0 only."""
-        if (self.spec.tp_split_dim < 0 or topology.tp == 1) and tp_rank:
-            return tp_region(self.full_shape, -1, 1, 0, (0, 0))
-        return self.region(topology, dp_rank, tp_rank)
+        return self.region(topology, dp_rank, tp_rank, owner_only=True)
 
 
 @dataclass(frozen=True)

@@ -351,6 +351,29 @@ def dp_slice(
     return lo - global_range[0], hi - global_range[0]
 
 
+def share_region(
+    full_shape: Sequence[int],
+    tp_split_dim: int,
+    topology: Topology,
+    dp_rank: int,
+    tp_rank: int,
+    global_range: Range,
+    bucket_offset: int,
+    bucket_size: int,
+    *,
+    owner_only: bool = False,
+) -> Region:
+    """What rank (``dp_rank``, ``tp_rank``) holds of a bucketed param, in full-tensor
+    coordinates: its ZeRO-1 slice (:func:`dp_slice`) of TP block ``tp_rank``. With
+    ``owner_only`` a TP-replicated param counts on TP rank 0 only, so that every element of
+    every param has exactly one owner."""
+    split = tp_split_dim if topology.tp > 1 else -1
+    if owner_only and split < 0 and tp_rank:
+        return tp_region(full_shape, -1, 1, 0, (0, 0))
+    flat = dp_slice(global_range, bucket_offset, bucket_size, topology.dp, dp_rank)
+    return tp_region(full_shape, split, topology.tp, tp_rank, flat)
+
+
 @dataclass(frozen=True)
 class Bucket:
     """A bucket of a ZeRO-1 flat buffer: ``size`` elements starting at ``offset``."""
@@ -394,11 +417,21 @@ class BufferLayout:
         bucket = self.buckets[place.buffer][place.bucket]
         return dp_slice(place.global_range, bucket.offset, bucket.size, self.topology.dp, dp_rank)
 
-    def region(self, index: int, dp_rank: int, tp_rank: int) -> Region:
-        """What (dp_rank, tp_rank) holds of param ``index``, in full-tensor coordinates."""
-        spec = self.specs[index]
-        return tp_region(
-            spec.shape, spec.tp_split_dim, self.topology.tp, tp_rank, self.dp_range(index, dp_rank)
+    def region(self, index: int, dp_rank: int, tp_rank: int, *, owner_only: bool = False) -> Region:
+        """What (dp_rank, tp_rank) holds of param ``index``, in full-tensor coordinates
+        (:func:`share_region`)."""
+        spec, place = self.specs[index], self.placements[index]
+        bucket = self.buckets[place.buffer][place.bucket]
+        return share_region(
+            spec.shape,
+            spec.tp_split_dim,
+            self.topology,
+            dp_rank,
+            tp_rank,
+            place.global_range,
+            bucket.offset,
+            bucket.size,
+            owner_only=owner_only,
         )
 
     def owner_region(self, index: int, dp_rank: int, tp_rank: int) -> Region:
@@ -406,10 +439,7 @@ class BufferLayout:
 
         Every element of every param has exactly one owner in this sense.
         """
-        spec = self.specs[index]
-        if (spec.tp_split_dim < 0 or self.topology.tp == 1) and tp_rank != 0:
-            return tp_region(spec.shape, -1, 1, 0, (0, 0))
-        return self.region(index, dp_rank, tp_rank)
+        return self.region(index, dp_rank, tp_rank, owner_only=True)
 
 
 BuffersBy = Literal["none", "group"]

@@ -16,7 +16,6 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from . import kinds
 from .errors import CheckpointError
 from .kinds import KNOWN
 from .layout import Region, matrix_view
@@ -1082,56 +1081,3 @@ def json_safe(value: Any) -> Any:
     if isinstance(value, Mapping):
         return {str(k): json_safe(v) for k, v in value.items()}
     raise CheckpointError(f"hyperparameter value {value!r} cannot be stored in the manifest")
-
-
-def converted_manifest(
-    manifest: Manifest, to: str | None, *, path: object = None
-) -> tuple[Manifest, list[float]]:
-    """``manifest`` with its state rewritten for the family ``to`` (``packaged``, ``torch``,
-    ``keller-jordan``): each group records what it now holds (:func:`muonckpt.kinds.converted`)
-    and where its AdamW counts steps; with the factor each group's ``momentum_buffer`` is
-    multiplied by (sum and EMA form differ by ``1 - mu``). Files and pieces are kept.
-    ``to=None`` keeps every group as it is.
-
-    Raises:
-        CheckpointError: (naming ``path``) for a group that does not say which optimizer saved
-            it (format 1).
-    """
-    if to is None:
-        return manifest, [1.0] * len(manifest.groups)
-    groups, scales = [], []
-    for g, group in enumerate(manifest.groups):
-        source = group_kind(group, g, path)
-        target = kinds.converted(source, to)
-        factor = kinds.state_mapping(source, target, f"group {g}", None).keys
-        scales.append(factor.get("momentum_buffer", ("", 1.0))[1])
-        hyper = dict(group.hyperparams)
-        step = manifest.latest_step(group.params)
-        if target.step_in == "group" and step is not None:
-            hyper["step"] = step
-        groups.append(replace(group, hyperparams=hyper, optimizer=target.to_json()))
-    params = tuple(_converted_steps(manifest, e, groups[e.group]) for e in manifest.params)
-    return replace(manifest, groups=tuple(groups), params=params), scales
-
-
-def group_kind(group: GroupEntry, index: int, path: object = None) -> kinds.GroupKind:
-    """The optimizer kind group ``index`` records, for a conversion; refused (naming ``path``)
-    for a group that records none (format 1)."""
-    if not group.optimizer:
-        raise CheckpointError(
-            f"group {index} does not say which optimizer saved it (format 1): cannot convert",
-            path=path,
-        )
-    return kinds.GroupKind.from_json(group.optimizer)
-
-
-def _converted_steps(manifest: Manifest, entry: ParamEntry, group: GroupEntry) -> ParamEntry:
-    """The param with its AdamW step count where the target keeps it."""
-    step_in = group.optimizer.get("step_in")
-    step = manifest.step_of(entry)
-    scalars = {k: v for k, v in entry.scalars.items() if k != "step"}
-    if step is not None and entry.state_keys and step_in == "tensor":
-        scalars["step"] = Scalar(float(step), "F32")
-    elif step is not None and entry.state_keys and step_in == "int":
-        scalars["step"] = Scalar(int(step), None)
-    return replace(entry, scalars=scalars)

@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from . import kinds, storage, writing
+from .conversion import converted_manifest
 from .dcp import LAYOUTS, DcpConversion, from_dcp, is_dcp, to_dcp
 from .errors import CheckpointError, LayoutError, MuonCkptError
 from .layout import LayoutOptions, ParamSpec, Topology, arrange, whole_region
@@ -58,10 +59,10 @@ from .manifest import (
     ParamEntry,
     Piece,
     Rename,
-    converted_manifest,
     json_safe,
 )
 from .pieces import PieceReader, open_checkpoint
+from .workplan import check_workers
 from .writeplan import (
     TensorWrite,
     WritePlan,
@@ -327,8 +328,7 @@ def _index_of(stem: str, files: Mapping[str, Any], writes: Sequence[TensorWrite]
 
 
 def _check_workers(workers: int, collective: bool) -> None:
-    if workers < 1:
-        raise CheckpointError(f"workers must be positive, got {workers}")
+    check_workers(workers)
     if workers > 1 and collective:
         raise CheckpointError("workers > 1 and collective=True exclude each other")
     if collective:

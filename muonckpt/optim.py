@@ -20,20 +20,19 @@ import torch
 from . import collectives
 from .errors import LayoutError
 from .grid import LocalParam, RankReport
-from .hooks import (
-    Sharding,
-    StateDictHooks,
-    describe_grid,
-    describe_whole,
-    dtype_name,
-    flat_params,
-    grid_members,
-    learn_grid,
-    named_params,
-)
+from .hooks import StateDictHooks
 from .kinds import ADAMW_STATE_KEYS, MUON_STATE_KEYS
 from .layout import Range, Region, dp_slice
 from .nsplan import Message, NsPlan, plan_newton_schulz
+from .placement import (
+    Sharding,
+    describe,
+    flat_params,
+    learn_grid,
+    named_params,
+    participants,
+    torch_dtype_name,
+)
 from .regions import extract, insert_
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
@@ -178,11 +177,7 @@ class Muon(torch.optim.Optimizer):
         self.dist_metas: dict[torch.Tensor, MuonDistMeta] = {}
         self.global_buffer_sizes: list[list[tuple[int, int]]] = []
         self.local_buffer_ranges: list[list[Range]] = []
-        StateDictHooks(
-            self,
-            lambda optimizer, collective: cast(Muon, optimizer).describe_sharding(),
-            ranks=lambda optimizer, operation: cast(Muon, optimizer).grid_ranks(operation),
-        )
+        StateDictHooks(self)  # described by placement.describe (placement.ReportsItsGrid)
 
     def enable_distributed_mode(
         self,
@@ -237,26 +232,22 @@ class Muon(torch.optim.Optimizer):
     def grid_ranks(self, operation: str = "describe the grid") -> list[int]:
         """The global ranks of this optimizer's grid (``dp_rank * tp + tp_rank``): learned once
         through the store, bounded (the first step of ``operation``); this rank alone when not
-        distributed."""
-        if not self.distributed_mode:
-            return [collectives.global_rank()]
-        return grid_members(self, self.dist_group, self.tp_group, operation)
+        distributed (:func:`muonckpt.placement.participants`)."""
+        return participants(self, operation)
 
     def describe_sharding(self) -> Sharding:
         """Which rank holds which region of every param (and so of its state), over the whole
         dp x tp grid: what save, load and the state-dict hooks work from. In distributed mode
         a collective over the grid the first time (the grid's param list is learned from
-        every rank's report)."""
+        every rank's report): :func:`muonckpt.placement.describe`."""
+        return describe(self)
 
-        def keys(group: int) -> tuple[str, ...]:
-            use_muon = self.param_groups[group].get("use_muon", False)
-            return MUON_STATE_KEYS if use_muon else ADAMW_STATE_KEYS
+    def state_keys(self, group: int) -> tuple[str, ...]:
+        """The state keys a complete entry of group ``group`` has (Muon's or AdamW's)."""
+        use_muon = self.param_groups[group].get("use_muon", False)
+        return MUON_STATE_KEYS if use_muon else ADAMW_STATE_KEYS
 
-        if not self.distributed_mode:
-            return describe_whole(self, keys)
-        return describe_grid(self, self._rank_report, self.dist_group, self.tp_group, keys)
-
-    def _rank_report(self) -> RankReport:
+    def rank_report(self) -> RankReport:
         """This rank's params in the layout math's terms: shapes, buffers, buckets, ranges."""
         held = []
         for name, group, p in named_params(self):
@@ -272,7 +263,7 @@ class Muon(torch.optim.Optimizer):
                     bucket=meta.bucket_idx,
                     global_range=(meta.global_range[0], meta.global_range[1]),
                     bucket_span=(bucket_size, bucket_offset),
-                    dtype=dtype_name(p),
+                    dtype=torch_dtype_name(p.dtype),
                 )
             )
         return RankReport(len(self.param_groups), tuple(held))
@@ -424,7 +415,7 @@ class Muon(torch.optim.Optimizer):
         over the grid at the first step after :meth:`enable_distributed_mode`, then kept (a
         step every rank takes, so every rank learns it at the same call)."""
         if self._ns_plan_cache is None:
-            ranks, grid = learn_grid(self, self._rank_report, self.dist_group, self.tp_group)
+            ranks, grid = learn_grid(self, self.rank_report, self.dist_group, self.tp_group)
             me = ranks.index(collectives.global_rank())
             steps = {
                 g: group["ns_steps"]

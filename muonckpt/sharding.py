@@ -67,10 +67,7 @@ class ShardedParams:
 
     def cut(self, tensor: torch.Tensor, index: int) -> torch.Tensor:
         """This rank's shard of a tensor shaped like model param ``index`` (a grad, say)."""
-        if self.tp_local:
-            lo, hi = self.layout.dp_range(index, self.dp_rank)
-            return tensor.detach().reshape(-1)[lo:hi].clone()
-        return extract(tensor.detach(), self.layout.region(index, self.dp_rank, self.tp_rank))
+        return _cut(self.layout, tensor, index, self.dp_rank, self.tp_rank, self.tp_local)
 
     @torch.no_grad()
     def grads_to_optimizer(self, *, average: bool = True) -> None:
@@ -221,11 +218,7 @@ def shard_param_groups(
         named = []
         for _ in group["params"]:
             spec, place = specs[index], layout.placements[index]
-            if tp_local:
-                lo, hi = layout.dp_range(index, dp_rank)
-                local = fulls[index].detach().reshape(-1)[lo:hi].clone()
-            else:
-                local = extract(fulls[index].detach(), layout.region(index, dp_rank, tp_rank))
+            local = _cut(layout, fulls[index], index, dp_rank, tp_rank, tp_local)
             dist_metas[local] = MuonDistMeta(
                 place.buffer,
                 place.bucket,
@@ -309,4 +302,20 @@ def shard_tensor(
         raise LayoutError(
             f"(dp_rank={dp_rank}, tp_rank={tp_rank}) is outside a {topology} topology"
         )
-    return extract(full.detach(), sharded.layout.region(index, dp_rank, tp_rank))
+    return _cut(sharded.layout, full, index, dp_rank, tp_rank, tp_local=False)
+
+
+def _cut(
+    layout: BufferLayout,
+    tensor: torch.Tensor,
+    index: int,
+    dp_rank: int,
+    tp_rank: int,
+    tp_local: bool,
+) -> torch.Tensor:
+    """A copy of rank (``dp_rank``, ``tp_rank``)'s shard of ``tensor``, shaped like param
+    ``index``: the ZeRO-1 slice of its TP shard (``tp_local``: ``tensor`` is the TP shard)."""
+    if tp_local:
+        lo, hi = layout.dp_range(index, dp_rank)
+        return tensor.detach().reshape(-1)[lo:hi].clone()
+    return extract(tensor.detach(), layout.region(index, dp_rank, tp_rank))

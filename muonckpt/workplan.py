@@ -27,6 +27,13 @@ class WorkUnit:
     nbytes: int
 
 
+def check_workers(workers: int) -> None:
+    """Refuse a number of workers that is not positive (:class:`LayoutError`): the one rule for
+    every split of work among processes, ``--workers`` included."""
+    if workers < 1:
+        raise LayoutError(f"workers must be positive, got {workers}")
+
+
 def split_work(units: Sequence[WorkUnit], workers: int) -> list[list[WorkUnit]]:
     """Each worker's units, in (file, offset) order; contiguous runs of the output, by bytes.
 
@@ -39,8 +46,7 @@ def split_work(units: Sequence[WorkUnit], workers: int) -> list[list[WorkUnit]]:
     Raises:
         LayoutError: when ``workers`` is not positive.
     """
-    if workers < 1:
-        raise LayoutError(f"workers must be positive, got {workers}")
+    check_workers(workers)
     ordered = sorted(units, key=lambda u: (u.file, u.offset, u.key))
     total = sum(u.nbytes for u in ordered)
     shares: list[list[WorkUnit]] = [[] for _ in range(workers)]
@@ -70,8 +76,7 @@ def balance_lpt(
         LayoutError: when ``workers`` is not positive, a cost is negative, or ``affinity`` does
             not give one row of ``workers`` scores per job.
     """
-    if workers < 1:
-        raise LayoutError(f"workers must be positive, got {workers}")
+    check_workers(workers)
     if any(c < 0 for c in costs):
         raise LayoutError(f"job costs must not be negative, got {list(costs)}")
     if affinity is not None and (

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 import muonckpt
-from muonckpt import checkpoint
+from muonckpt import loading
 
 from .fixture_model import build, initial_params, local_params, train
 
@@ -31,7 +31,7 @@ def mixed_load_phase(first: str, second: str, how: str) -> dict[str, object]:
         path = second
     if how == "replaced":  # between the ranks' opens (after the rendezvous, which they pass)
         opened = Path(first).parent / "rank-0-opened"
-        original = checkpoint.open_checkpoint
+        original = loading.open_checkpoint
 
         def open_in_turn(where):
             if dist.get_rank() == 0:
@@ -44,7 +44,7 @@ def mixed_load_phase(first: str, second: str, how: str) -> dict[str, object]:
             muonckpt.save(other, first, overwrite=True)  # a single-process checkpoint
             return original(where)
 
-        checkpoint.open_checkpoint = open_in_turn
+        loading.open_checkpoint = open_in_turn
     rename = {"": ""} if how == "rename" and dist.get_rank() == 1 else None
     try:
         muonckpt.load(opt, path, rename=rename)

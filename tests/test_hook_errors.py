@@ -219,26 +219,26 @@ def failing_mid_gather(root: str) -> dict[str, str]:
     """(in 2 gloo ranks) The destination fails while assembling a tensor it receives, in
     ``state_dict()`` and in a consolidated save; then a gather runs normally."""
     import muonckpt
-    from muonckpt import hooks
+    from muonckpt import gather
 
     from . import fixture_model
 
     opt, sharded, d, t = fixture_model.build(2, 1, fixture_model.initial_params())
     fixture_model.train(opt, sharded, d, t, 0, 1)
-    original, seen = hooks.insert_, {}
+    original, seen = gather.insert_, {}
     for case, call in (
         ("state_dict", opt.state_dict),
         ("save", lambda: muonckpt.save(opt, f"{root}/ckpt", consolidated=True)),
     ):
         if dist.get_rank() == 0:
-            hooks.insert_ = _failing_second_call(original)
+            gather.insert_ = _failing_second_call(original)
         try:
             call()
             seen[case] = "no error"
         except StateDictError as exc:
             seen[case] = str(exc)
         finally:
-            hooks.insert_ = original
+            gather.insert_ = original
     marker = opt.state_dict()["muonckpt"]  # the ranks are still in step
     seen["after"] = "in step" if marker["complete"] == (dist.get_rank() == 0) else "?"
     return seen
@@ -255,8 +255,9 @@ def test_a_rank_failing_in_the_middle_of_the_transfer_fails_every_rank(tmp_path)
 
 def test_ranks_disagreeing_on_a_state_dtype_are_told_what_differs():
     """(issue 20, cosmetic) The error named both ranks' identical key sets, not the dtype."""
-    from muonckpt.hooks import Holding, ParamSharding, Sharding, merge_entry_reports
+    from muonckpt.gather import merge_entry_reports
     from muonckpt.layout import whole_region
+    from muonckpt.placement import Holding, ParamSharding, Sharding
 
     half = whole_region(4)
     param = ParamSharding("w", (2, 4), (Holding(0, half), Holding(1, half)), None, None, 0)

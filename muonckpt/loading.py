@@ -1,0 +1,511 @@
+"""Load a checkpoint into an optimizer at its own topology: read -> map -> apply.
+
+Every rank opens the checkpoint and agrees with the others that it is one (``open``), plans
+how the checkpoint's state maps onto the target (the same optimizer, or another implementation
+by :mod:`muonckpt.conversion`'s rules), reads and checks only the byte ranges of its own share
+(``read``), and only when every rank has, applies its share (torch's ``load_state_dict``, the
+trim passed by) and copies its params' values."""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from collections.abc import Callable, Iterable, Mapping, MutableMapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import collectives, conversion, kinds, storage, trainstate
+from .errors import CheckpointError, ConversionWarning
+from .gather import ScalarValue
+from .hooks import load_local_share, remap_groups
+from .layout import Region, whole_region
+from .manifest import (
+    MANIFEST_NAME,
+    PARAM_KEY,
+    Manifest,
+    ParamEntry,
+    Rename,
+    Scalar,
+    prefix_hint,
+)
+from .pieces import PieceReader, open_checkpoint
+from .placement import (
+    Joined,
+    Optimizers,
+    ParamSharding,
+    Sharding,
+    describe,
+    flat_params,
+    optimizers_of,
+    participants,
+    torch_dtype_name,
+)
+from .sharding import following
+from .steps import disagreement
+
+
+@dataclass
+class LoadReport:
+    """What :func:`load` did beyond copying bytes (also logged, and warned for settings)."""
+
+    converted: list[str] = field(default_factory=list)
+    """Momentum converted between forms, per group: which params, from which form, by what."""
+    warnings: list[str] = field(default_factory=list)
+    """Target settings that cannot continue the saved trajectory, and what would."""
+
+
+@dataclass
+class _Target:
+    """The optimizer(s) to load into, and how the checkpoint's state maps onto them."""
+
+    optimizer: Optimizers
+    """One optimizer, or several as one."""
+    sharding: Sharding
+    groups: list[dict[str, Any]]
+    maps: dict[str, kinds.KeyMap] | None
+    """Per param name, the key map of a load across implementations; None: same optimizer."""
+    steps_in: list[str | None]
+    """Per target group, where an AdamW step count goes."""
+
+
+def load(
+    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
+    path: str | os.PathLike[str],
+    *,
+    params: bool = True,
+    momentum_form: str | None = None,
+    rename: Rename | None = None,
+    extra: MutableMapping[str, Any] | None = None,
+    rank_extra: MutableMapping[str, Any] | None = None,
+) -> LoadReport:
+    """Load a checkpoint of any kind and source topology into ``optimizer`` at its topology.
+
+    Restores the optimizer state and, by default, the optimizer's params (each rank its own
+    share, bitwise): a resumed run needs nothing but the checkpoint. A model whose weights are
+    not the optimizer's params (the packaged Muon's shards from
+    :func:`muonckpt.shard_for_groups`) gets them back too: ``load`` then calls
+    :meth:`muonckpt.ShardedParams.params_to_model` itself, on every rank.
+
+    The target may be another Muon implementation than the one that saved, or several
+    optimizers that together hold every param (``[torch.optim.Muon(...),
+    torch.optim.AdamW(...)]`` for a packaged Muon + AdamW checkpoint). Momentum is then
+    converted between sum and EMA form by ``1 - mu`` (:mod:`muonckpt.kinds`), AdamW state and
+    step counts are mapped as each optimizer keeps them, the target keeps its own settings,
+    and settings that cannot continue the saved trajectory are warned about.
+
+    Every rank reads the manifest and then only the bytes of the pieces overlapping its own
+    share, verifying their checksums; memory is its share plus one piece span in flight.
+    In distributed mode a collective over the grid (for optimizers without hooks in a process
+    group, DDP replicas, the world: every rank reads the whole state): a bounded rendezvous
+    where the ranks agree on the call and its arguments, then they agree that they opened one
+    checkpoint (its resolved directory and manifest) and that every share was read, before any
+    optimizer changes; any rank's failure is every rank's.
+
+    Args:
+        optimizer: an optimizer :func:`save` takes, at any topology, or a list of them.
+        path: a checkpoint directory.
+        params: restore the params too (the default; the checkpoint must hold them). False
+            restores the optimizer state only, for weights loaded elsewhere.
+        momentum_form: ``"sum"`` or ``"ema"``: the momentum form of a target whose form
+            muonckpt does not know (required then), or an override for one it knows.
+        rename: the checkpoint's param names as the optimizer has them: prefix replacements
+            (``{"module.": ""}`` strips DDP's prefix, ``{"_orig_mod.": ""}`` torch.compile's,
+            ``{"": "model."}`` adds one; the longest matching prefix applies) or a function of
+            the saved name. Names that differ by a prefix only are refused naming the prefix
+            and this fix.
+        extra: a dict to fill with the ``extra`` saved with the checkpoint, in place: a
+            stateful value in it (an LR scheduler) gets ``load_state_dict`` of its saved
+            state, a dict is filled key by key, anything else is replaced, and keys only the
+            checkpoint has are added. Every key it holds must be in the checkpoint.
+        rank_extra: the same for this rank's ``rank_extra``: the values the rank of the same
+            place in the grid saved. Only at the number of ranks that saved (per-rank values
+            such as RNG states or data positions do not carry over to another; load without
+            it there and derive them afresh, from ``extra``).
+
+    Returns:
+        A :class:`LoadReport` of the conversions made and the settings warned about.
+
+    Raises:
+        CheckpointError: naming the file and param on any damage or mismatch, before anything
+            in the optimizer changes. StateDictError: for a target that cannot take the state.
+    """
+    targets = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
+    joined = targets[0] if len(targets) == 1 else Joined(targets)
+    arguments = {
+        "path": os.path.abspath(path),
+        "params": params,
+        "momentum_form": momentum_form,
+        "rename": rename if rename is None or isinstance(rename, Mapping) else _named(rename),
+        "extra given": extra is not None,
+        "rank_extra given": rank_extra is not None,
+    }
+    collectives.rendezvous("load", participants(joined, "load"), arguments, CheckpointError)
+    sharding = describe(joined)  # a collective the first time
+    models = following(p for o in targets for p in flat_params(o)) if params else []
+    steps = collectives.CollectiveSteps(
+        "load", sharding.participants, sharding.destination, CheckpointError
+    )
+    opened: list[tuple[Path, Manifest]] = []
+
+    def open_it() -> dict[str, Any]:
+        directory, manifest = open_checkpoint(path)
+        if rename is not None:
+            manifest = manifest.renamed(rename)
+        if params and not manifest.has_values:
+            raise CheckpointError(
+                "the checkpoint holds no param values (saved with params=False, or by format "
+                f"version {manifest.format_version}); load it with params=False to restore "
+                "the optimizer state only",
+                path=directory / MANIFEST_NAME,
+            )
+        _check_job_state(manifest, directory, extra, rank_extra, len(sharding.participants))
+        opened.append((directory, manifest))
+        if len(steps.ranks) == 1:
+            return {}  # nobody to agree with: no digest of a large manifest
+        return {
+            "checkpoint": os.path.realpath(directory),
+            "manifest": manifest.digest(),
+            "models that follow the params": len(models),  # each a collective below
+        }
+
+    if len(steps.ranks) > 1:  # (in one process every failure is raised as it is)
+        steps.each_then_root("open", open_it, lambda opened: _agreed_load(opened, steps.ranks))
+    else:
+        open_it()
+    (directory, manifest), report = opened[0], LoadReport()
+    read: list[tuple[_Target, dict[int, dict[str, Any]], dict[int, torch.Tensor]]] = []
+    me = sharding.participants.index(collectives.global_rank())
+
+    def read_share() -> None:
+        _check_prefix(manifest, sharding, directory)
+        plan = _plan(joined, sharding, manifest, momentum_form, report)
+        _check_covered(manifest, plan, directory)
+        with PieceReader(directory, manifest) as reader:
+            read.append((plan, *_read(plan, manifest, reader, params, directory)))
+            asked = _read_job_state(manifest, reader, extra, rank_extra, me)
+        # The job's own state first, all or nothing on this rank (a load_state_dict that
+        # refuses); inside the step, so that a refusal on any rank fails every rank, each
+        # putting back what it restored, before the optimizer changes.
+        undo.append(trainstate.restore_all(asked))
+
+    undo: list[trainstate.Undo] = []
+    try:
+        if len(steps.ranks) > 1:
+            steps.each_then_root("read", read_share, lambda _: None)  # all or none change
+        else:
+            read_share()
+    except BaseException:
+        for each in undo:
+            each()
+        raise
+    _apply(*read[0])
+    for sharded in models:  # the model's weights from the loaded shards: never forgotten
+        sharded.params_to_model()
+    for message in report.converted:
+        _LOG.info("muonckpt.load: converted %s", message)
+    for message in report.warnings:
+        warnings.warn(message, ConversionWarning, stacklevel=2)
+    return report
+
+
+_LOG = logging.getLogger("muonckpt")
+
+
+def _named(function: Callable[..., Any]) -> str:
+    """A function as the ranks of one call can compare it (its qualified name)."""
+    return f"{getattr(function, '__module__', '?')}.{getattr(function, '__qualname__', '?')}"
+
+
+def _check_job_state(
+    manifest: Manifest,
+    directory: Path,
+    extra: Mapping[str, Any] | None,
+    rank_extra: Mapping[str, Any] | None,
+    world: int,
+) -> None:
+    """A load that asks for the job's own state must find it, ``rank_extra`` at the number of
+    ranks that saved it."""
+    saved = manifest.extra
+    where = directory / MANIFEST_NAME
+    if extra is not None and (saved is None or saved.shared is None):
+        raise CheckpointError(
+            "the checkpoint holds no extra (saved without extra=); load it without extra=",
+            path=where,
+        )
+    if rank_extra is None:
+        return
+    if saved is None or not saved.ranks:
+        raise CheckpointError(
+            "the checkpoint holds no rank_extra (saved without rank_extra=); load it "
+            "without rank_extra=",
+            path=where,
+        )
+    if len(saved.ranks) != world:
+        raise CheckpointError(
+            f"rank_extra was saved by {len(saved.ranks)} ranks and this load has {world}: "
+            "per-rank values (RNG states, data positions) do not carry over to another number "
+            "of ranks; load without rank_extra= and derive them afresh (from extra=)",
+            path=where,
+        )
+
+
+def _read_job_state(
+    manifest: Manifest,
+    reader: PieceReader,
+    extra: MutableMapping[str, Any] | None,
+    rank_extra: MutableMapping[str, Any] | None,
+    rank: int,
+) -> list[tuple[str, MutableMapping[str, Any], dict[str, Any]]]:
+    """(name, target, saved tree) of what the load asks for, its tensors read and verified, every
+    asked-for key checked present: nothing changes yet."""
+    out: list[tuple[str, MutableMapping[str, Any], dict[str, Any]]] = []
+    saved = manifest.extra
+    if saved is None:  # (asked for nothing: a load that asks needs it, checked when opened)
+        return out
+    asked = [("extra", extra, saved.shared)]
+    if rank_extra is not None:
+        asked.append((f"rank_extra[{rank}]", rank_extra, saved.ranks[rank]))
+    for what, target, tree in asked:
+        if target is None or tree is None:
+            continue
+        tensors = {
+            t.path: storage.tensor_of_bytes(reader.read_extra(t, what), t.dtype).reshape(t.shape)
+            for t in tree.tensors
+        }
+        saved = trainstate.rebuild(tree.values, tensors)
+        lacking = trainstate.missing(target, saved, what)
+        if lacking:
+            raise CheckpointError(
+                f"the checkpoint's {what} does not hold what the load asks for: "
+                f"{'; '.join(lacking[:8])}",
+                path=reader.directory / MANIFEST_NAME,
+            )
+        out.append((what, target, saved))
+    return out
+
+
+def _agreed_load(arguments: list[dict[str, Any]], ranks: Sequence[int]) -> None:
+    """(the root of a load) Every rank opened the same checkpoint, the same manifest, and was
+    asked the same: a mix of checkpoints never loads."""
+    differ = disagreement(arguments, ranks)
+    if differ is not None:
+        raise CheckpointError(
+            f"the ranks of one load disagree on {differ}: a load reads one checkpoint on every "
+            "rank (a path re-pointed or replaced while they opened it, or different paths?)"
+        )
+
+
+def _check_prefix(manifest: Manifest, sharding: Sharding, directory: Path) -> None:
+    """Names that differ by a wrapper's prefix (DDP's ``module.``, torch.compile's
+    ``_orig_mod.``) are refused naming the prefix and the ``rename`` that maps them."""
+    hint = prefix_hint((e.name for e in manifest.params), (p.name for p in sharding.params))
+    if hint is not None:
+        raise CheckpointError(hint, path=directory / MANIFEST_NAME)
+
+
+def _plan(
+    optimizer: Optimizers,
+    sharding: Sharding,
+    manifest: Manifest,
+    momentum_form: str | None,
+    report: LoadReport,
+) -> _Target:
+    """How the checkpoint's state maps onto ``optimizer``: name for name into the same
+    optimizer, else by :mod:`muonckpt.conversion`'s rules (its notes go to ``report``)."""
+    source = [
+        kinds.GroupKind.from_json(g.optimizer) if g.optimizer else None for g in manifest.groups
+    ]
+    target = conversion.group_kinds(optimizers_of(optimizer))
+    steps_in = [k.step_in for k in target]
+    if not conversion.needs_mapping(source, target, momentum_form):
+        groups = remap_groups(optimizer, _torch_groups(manifest), sharding)
+        return _Target(optimizer, sharding, groups, None, steps_in)
+    mapping = conversion.load_mapping(
+        manifest, source, target, ((p.name, p.group) for p in sharding.params), momentum_form
+    )
+    report.converted += mapping.converted
+    report.warnings += mapping.warnings
+    groups = _own_groups(optimizer, target, sharding, manifest)
+    return _Target(optimizer, sharding, groups, mapping.maps, steps_in)
+
+
+def _own_groups(
+    optimizer: Optimizers,
+    computed: Sequence[kinds.GroupKind],
+    sharding: Sharding,
+    manifest: Manifest,
+) -> list[dict[str, Any]]:
+    """The target's own group settings in local indices; a group that counts steps itself (the
+    packaged AdamW) takes the checkpoint's count."""
+    groups, start = [], 0
+    for g, (group, computes) in enumerate(zip(optimizer.param_groups, computed, strict=True)):
+        settings = {k: v for k, v in group.items() if k != "params"}
+        settings["params"] = list(range(start, start + len(group["params"])))
+        start += len(group["params"])
+        names = (p.name for p in sharding.params if p.group == g)
+        step = conversion.group_step(manifest, names, computes.step_in, counts="step" in group)
+        if step is not None:
+            settings["step"] = step
+        groups.append(settings)
+    return groups
+
+
+def _check_covered(manifest: Manifest, plan: _Target, directory: Path) -> None:
+    """Loading across optimizers, every checkpoint param must land in exactly one of them."""
+    if plan.maps is None:
+        return  # the same optimizer: remap_groups has matched every name
+    names = [p.name for p in plan.sharding.params]
+    missing = sorted({e.name for e in manifest.params} - set(names))
+    if missing:
+        raise CheckpointError(
+            f"the optimizers must together hold every param of the checkpoint: held by none "
+            f"{missing[:8]}",
+            path=directory / MANIFEST_NAME,
+        )
+
+
+def _read(
+    plan: _Target, manifest: Manifest, reader: PieceReader, params: bool, directory: Path
+) -> tuple[dict[int, dict[str, Any]], dict[int, torch.Tensor]]:
+    """This rank's share of the state (in the target's keys) and of its params' values."""
+    grouped = manifest.pieces_of()
+
+    def read(entry: ParamEntry, key: str, region: Region) -> torch.Tensor:
+        data = reader.gather(grouped[entry.name, key], entry, key, region)
+        return storage.tensor_of_bytes(data, entry.dtype_of(key))
+
+    flat = flat_params(plan.optimizer)
+    state: dict[int, dict[str, Any]] = {}
+    values: dict[int, torch.Tensor] = {}
+    for param in plan.sharding.params:
+        entry = manifest.param(param.name)
+        _check_param(entry, param, directory)
+        if param.local_index is None:
+            continue
+        p = flat[param.index_here]
+        if param.local is not None and (entry.state_keys or entry.scalars):
+            if plan.maps is None:
+                kept = {k: read(entry, k, param.local).reshape(p.shape) for k in entry.state_keys}
+                kept.update({k: _scalar_value(v) for k, v in entry.scalars.items()})
+            else:
+                kept = _mapped(plan, param, entry, manifest, read)
+                kept = {k: v.reshape(p.shape) if k != "step" else v for k, v in kept.items()}
+            state[param.local_index] = kept
+        if params:
+            held = param.held or whole_region(entry.numel)
+            values[param.local_index] = _checked_value(
+                read(entry, PARAM_KEY, held), p, entry, directory
+            )
+    return state, values
+
+
+def _mapped(
+    plan: _Target,
+    param: ParamSharding,
+    entry: ParamEntry,
+    manifest: Manifest,
+    read: Callable[[ParamEntry, str, Region], torch.Tensor],
+) -> dict[str, Any]:
+    """A param's state in the target's keys and forms."""
+    assert plan.maps is not None  # (a load across implementations)
+    key_map = plan.maps[param.name]
+    out: dict[str, Any] = {}
+    for key, (source_key, factor) in key_map.keys.items():
+        if source_key in entry.state_keys:
+            value = read(entry, source_key, param.region_here)
+            out[key] = value.mul_(factor) if factor != 1.0 else value
+    step = conversion.step_scalar(plan.steps_in[param.group], manifest.step_of(entry))
+    if key_map.step and out and step is not None:
+        out["step"] = _scalar_value(step)
+    return out
+
+
+class _Indices(list):
+    """A group's param indices for ``load_state_dict``: torch asks ``index in group["params"]``
+    once per state value, which on a plain list makes a load quadratic in the params."""
+
+    def __init__(self, indices: Iterable[int]) -> None:
+        super().__init__(indices)
+        self._members = frozenset(self)
+
+    def __contains__(self, index: object) -> bool:
+        return index in self._members
+
+
+def _apply(
+    plan: _Target, state: dict[int, dict[str, Any]], values: dict[int, torch.Tensor]
+) -> None:
+    """Hand each optimizer its share (in its own indices), then copy the params' values."""
+    owners = optimizers_of(plan.optimizer)
+    first_group = first_param = 0
+    for optimizer in owners:
+        groups = plan.groups[first_group : first_group + len(optimizer.param_groups)]
+        count = sum(len(g["params"]) for g in optimizer.param_groups)
+        share = {
+            "state": {
+                i - first_param: v
+                for i, v in state.items()
+                if first_param <= i < first_param + count
+            },
+            "param_groups": [
+                {**g, "params": _Indices(i - first_param for i in g["params"])} for g in groups
+            ],
+        }
+        load_local_share(optimizer, share)
+        flat = flat_params(optimizer)
+        with torch.no_grad():
+            for index, value in values.items():
+                if first_param <= index < first_param + count:
+                    p = flat[index - first_param]
+                    p.copy_(value.reshape(p.shape))
+        first_group += len(optimizer.param_groups)
+        first_param += count
+
+
+def _scalar_value(scalar: Scalar) -> Any:
+    """A stored scalar as the optimizer had it: a 0-d tensor of its dtype, or the number."""
+    if scalar.dtype is None:
+        return scalar.value
+    dtype = torch_dtype_name(storage.torch_dtype(scalar.dtype))
+    return ScalarValue(scalar.value, dtype).as_state()
+
+
+def _checked_value(
+    value: torch.Tensor, p: torch.Tensor, entry: ParamEntry, directory: Path
+) -> torch.Tensor:
+    if value.dtype != p.dtype or value.numel() != p.numel():
+        raise CheckpointError(
+            f"saved values are {value.dtype} x {value.numel()} elements here, the optimizer's "
+            f"param {p.dtype} x {p.numel()}",
+            path=directory / MANIFEST_NAME,
+            param=entry.name,
+        )
+    return value
+
+
+def _torch_groups(manifest: Manifest) -> list[dict[str, Any]]:
+    return [
+        {**g.hyperparams, "param_names": list(g.params), "params": list(g.params)}
+        for g in manifest.groups
+    ]
+
+
+def _check_param(entry: ParamEntry, param: ParamSharding, directory: Path) -> None:
+    if param.full_shape is not None and tuple(entry.shape) != tuple(param.full_shape):
+        raise CheckpointError(
+            f"checkpoint shape {entry.shape} differs from the optimizer's full shape "
+            f"{tuple(param.full_shape)}",
+            path=directory / MANIFEST_NAME,
+            param=param.name,
+        )
+    missing = [k for k in param.expected_keys if entry.state_keys and k not in entry.state_keys]
+    if missing:
+        raise CheckpointError(
+            f"checkpoint lacks state key(s) {missing}",
+            path=directory / MANIFEST_NAME,
+            param=param.name,
+        )
