@@ -282,7 +282,8 @@ def _ranks(ctx: typer.Context, workers: int) -> Iterator[bool]:
     if not all(name in os.environ for name in TORCHRUN_ENV):
         yield False
         return
-    from . import default_group_from_env, global_rank, offline
+    from . import offline
+    from .collectives import default_group_from_env, global_rank
 
     if workers != 1:
         raise typer.BadParameter(
@@ -395,9 +396,9 @@ def reshard(
 
     Bucketed: muonckpt reshard ckpt/step-1000 --dp 4 --tp 2 --bucket-numel 40000000 -o out
 
-    The layout options are those of muonckpt.LayoutOptions; any choice loads correctly.
+    The layout options are those of muonckpt.layout.LayoutOptions; any choice loads correctly.
     """
-    from . import LayoutOptions
+    from .layout import LayoutOptions
 
     options = LayoutOptions(
         bucket_numel=bucket_numel,
@@ -427,9 +428,9 @@ def convert(
         typer.Option(
             "--to",
             metavar="IMPLEMENTATION",
-            help="packaged (muonckpt.Muon), torch (torch.optim.Muon + AdamW) or keller-jordan "
-            "(muon.MuonWithAuxAdam); with --format dcp also torchtitan, dion or muon-fsdp2. "
-            "Left out (muonckpt to muonckpt), each group keeps its implementation.",
+            help="packaged (muonckpt.optim.Muon), torch (torch.optim.Muon + AdamW) or "
+            "keller-jordan (muon.MuonWithAuxAdam); with --format dcp also torchtitan, dion or "
+            "muon-fsdp2. Left out (muonckpt to muonckpt), each group keeps its implementation.",
             show_default=False,
         ),
     ] = None,
@@ -499,7 +500,8 @@ def convert(
 
     Names: muonckpt convert ckpt/step-1000 -o ckpt/plain --rename module.= --rename _orig_mod.=
     """
-    from . import DCP_FAMILIES, FAMILIES, offline
+    from . import offline
+    from .kinds import DCP_FAMILIES, FAMILIES
 
     prefixes = {}
     for item in rename or []:
@@ -874,7 +876,7 @@ def demo(
     Exit 0 only when every param matches an uninterrupted single-process run bit for bit.
     Example: muonckpt demo --dp 2 --tp 2 --to-dp 4 --to-tp 2 --steps 4
     """
-    from . import run_demo
+    from .demo import run_demo
 
     result = run_demo(
         dp=dp,

@@ -260,7 +260,7 @@ def convert(
     overwrite: bool = False,
     progress: Progress | None = None,
 ) -> Path:
-    """Rewrite a checkpoint for another Muon implementation: ``packaged`` (muonckpt.Muon),
+    """Rewrite a checkpoint for another Muon implementation: ``packaged`` (muonckpt.optim.Muon),
     ``torch`` (torch.optim.Muon + AdamW) or ``keller-jordan`` (muon.MuonWithAuxAdam); and/or
     with its params renamed (``rename`` as in :func:`muonckpt.load`: ``{"module.": ""}``
     strips DDP's prefix). ``to=None`` keeps each group's implementation.

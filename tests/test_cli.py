@@ -173,11 +173,11 @@ def _same_files(a, b) -> bool:
     [
         (
             ["--bucket-numel", "40", "--param-alignment", "4", "--bucket-alignment", "8"],
-            muonckpt.LayoutOptions(bucket_numel=40, param_alignment=4, bucket_alignment=8),
+            muonckpt.layout.LayoutOptions(bucket_numel=40, param_alignment=4, bucket_alignment=8),
         ),
         (
             ["--param-alignment", "4", "--buffers-by", "group"],
-            muonckpt.LayoutOptions(param_alignment=4, buffers_by="group"),
+            muonckpt.layout.LayoutOptions(param_alignment=4, buffers_by="group"),
         ),
     ],
 )
@@ -189,7 +189,7 @@ def test_reshard_layout_options_are_the_library_s_and_load_back(ckpts, tmp_path,
     assert _same_files(library, out)
     # each option given changes which rank holds what, so the comparison above sees any one of
     # them dropped on the way
-    default = muonckpt.LayoutOptions()
+    default = muonckpt.layout.LayoutOptions()
     for field in dataclasses.fields(options):
         if getattr(options, field.name) != getattr(default, field.name):
             without = dataclasses.replace(options, **{field.name: getattr(default, field.name)})
