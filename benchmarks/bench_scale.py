@@ -98,7 +98,7 @@ def run_op(op: str, ck: Path, out: Path, n: int, profile: Path | None) -> dict[s
         "load": lambda: muonckpt.load(opt, ck),
         "consolidate": lambda: offline.consolidate(ck, out),
         "reshard": lambda: offline.reshard(ck, out, dp=4, tp=1),
-        "diff": lambda: sum(not r["equal"] for r in offline.iter_diff(ck, ck)),
+        "diff": lambda: sum(not r.equal for r in offline.iter_diff(ck, ck)),
     }
     base = _rss_mb()
     profiler = cProfile.Profile() if profile is not None else None

@@ -195,9 +195,9 @@ def test_diff_sees_the_model_file_the_job_state_and_the_step(tmp_path):
     b = muonckpt.save(
         opts, tmp_path / "b", consolidated=True, model=model, extra={"lr": 0.5, "step": 7}
     )
-    rows = {(r["param"], r["key"]): r for r in offline.diff(a, b)}
-    assert not rows["h.bias", "param"]["equal"]
-    assert not rows["extra", "values"]["equal"]
-    assert not rows["checkpoint", "step"]["equal"]
-    assert rows["model", "aliases"]["equal"]
-    assert all(r["equal"] for r in offline.diff(a, shutil.copytree(a, tmp_path / "copy")))
+    rows = {(r.param, r.key): r for r in offline.diff(a, b)}
+    assert not rows["h.bias", "param"].equal
+    assert not rows["extra", "values"].equal
+    assert not rows["checkpoint", "step"].equal
+    assert rows["model", "aliases"].equal
+    assert all(r.equal for r in offline.diff(a, shutil.copytree(a, tmp_path / "copy")))
