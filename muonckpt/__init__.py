@@ -63,7 +63,7 @@ _MOVED: dict[str, str] = {
     "FAMILIES": "kinds",
     "DCP_FAMILIES": "kinds",
 }
-"""Names the top level held before 0.2, each with its namespace: they still work, with a
+"""Names the top level held up to 0.1.0, each with its namespace: they still work, with a
 :class:`DeprecationWarning`, for one release."""
 
 _NAMESPACES = frozenset(

@@ -69,6 +69,7 @@ def test_the_top_level_is_exactly_what_a_training_script_calls():
 
 @pytest.mark.parametrize("name", sorted(MOVED))
 def test_an_old_top_level_name_still_works_and_warns(name):
+    assert MOVED[name] in muonckpt._NAMESPACES  # the new path works after a bare import
     namespace = importlib.import_module(f"muonckpt.{MOVED[name]}")
     with pytest.warns(DeprecationWarning, match=rf"muonckpt\.{name} moved to muonckpt\."):
         value = getattr(muonckpt, name)
