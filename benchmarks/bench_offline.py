@@ -284,7 +284,7 @@ def _verify(op: str, src: Path, dst: Path, size_dir: Path, shapes, launcher) -> 
             for key in a.keys():  # noqa: SIM118 (safe_open is no mapping)
                 assert torch.equal(a.get_tensor(key), b.get_tensor(key)), key
     elif op in ("reshard", "cli-reshard"):
-        bad = [r for r in offline.diff(src, dst) if not r["bitwise"]]
+        bad = [r for r in offline.diff(src, dst) if not r.bitwise]
         assert not bad, f"reshard differs from its source: {bad[:3]}"
     elif op == "dcp":
         from synthetic import state_keys

@@ -5,7 +5,7 @@ at 1k to 100k params, in time and peak memory.
     python benchmarks/bench_scale.py --params 1000 --params 10000 --params 100000 --json out.json
     python benchmarks/bench_scale.py --params 10000 --profile prof/   # cProfile of every op
 
-For each ``--params N``, one process builds the packaged :class:`muonckpt.Muon` over N tiny
+For each ``--params N``, one process builds the packaged :class:`muonckpt.optim.Muon` over N tiny
 (2, 2) fp32 params in one AdamW group (two state tensors each, ``exp_avg`` and ``exp_avg_sq``),
 takes one step and saves a single-process checkpoint with :func:`muonckpt.save` (timed: the
 ``save`` row). Then each operation runs in a fresh subprocess, which reports the time of the
@@ -63,7 +63,7 @@ def _optimizer(n: int):
     torch.set_num_threads(1)
     generator = torch.Generator().manual_seed(n)
     params = [(f"layer{i:06d}.w", torch.randn(2, 2, generator=generator)) for i in range(n)]
-    opt = muonckpt.Muon([{"params": params}], lr=0.01)
+    opt = muonckpt.optim.Muon([{"params": params}], lr=0.01)
     for _, p in params:
         p.grad = torch.randn(2, 2, generator=generator)
     opt.step()
@@ -98,7 +98,7 @@ def run_op(op: str, ck: Path, out: Path, n: int, profile: Path | None) -> dict[s
         "load": lambda: muonckpt.load(opt, ck),
         "consolidate": lambda: offline.consolidate(ck, out),
         "reshard": lambda: offline.reshard(ck, out, dp=4, tp=1),
-        "diff": lambda: sum(not r["equal"] for r in offline.iter_diff(ck, ck)),
+        "diff": lambda: sum(not r.equal for r in offline.iter_diff(ck, ck)),
     }
     base = _rss_mb()
     profiler = cProfile.Profile() if profile is not None else None

@@ -1,8 +1,8 @@
 """``muonckpt demo``: train at one topology, reshard offline, resume at another, bit for bit.
 
 A tiny two-group model (Muon matrices plus AdamW vectors and an embedding, some of them TP
-split) is trained with the packaged :class:`~muonckpt.Muon` in gloo processes at dp x tp, saved
-per rank with :func:`muonckpt.save` (state and params), resharded with
+split) is trained with the packaged :class:`~muonckpt.optim.Muon` in gloo processes at dp x tp,
+saved per rank with :func:`muonckpt.save` (state and params), resharded with
 :func:`muonckpt.offline.reshard` (the code path of ``muonckpt reshard``) to another dp x tp,
 loaded there with :func:`muonckpt.load` into an optimizer built from zeros, so that the
 checkpoint alone restores the params, and trained on. The final params are compared with an

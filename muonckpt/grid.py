@@ -3,7 +3,7 @@
 Pure: JSON-able reports in, dataclasses out; no torch, no collectives, no I/O.
 
 A rank's optimizer may hold an empty shard of a param it owns no element of (what
-:func:`muonckpt.shard_for_groups` builds) or leave that param out altogether (the seed's
+:func:`muonckpt.sharding.shard_for_groups` builds) or leave that param out altogether (the seed's
 ``distribute_params`` and Megatron's distributed optimizer). Either way no single rank knows
 every param, so each rank reports the params it holds (:class:`LocalParam`) and
 :func:`merge_reports` builds the grid's list, checking that the ranks agree and that every
@@ -13,7 +13,7 @@ Identity: a param is its name where the optimizer's groups carry names. An unnam
 identified by its position in the packing order: params sorted by (group, buffer, bucket,
 place in the buffer), numbered from 0 over the whole grid. A single-process optimizer numbers
 its params in group order, which agrees whenever each group's params are packed in the order
-they are listed (as the seed and :func:`muonckpt.shard_for_groups` do).
+they are listed (as the seed and :func:`muonckpt.sharding.shard_for_groups` do).
 """
 
 from __future__ import annotations

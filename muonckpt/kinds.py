@@ -3,13 +3,13 @@
 Pure: optimizer classes are recognised by module and name, groups read as mappings; no torch.
 
 Three Muon implementations keep their momentum under the same key, ``momentum_buffer``, in two
-forms. The packaged :class:`muonckpt.Muon` keeps sum form, ``b = mu * b + g``; torch.optim.Muon
-and KellerJordan's Muon keep EMA form, ``m = mu * m + (1 - mu) * g``. With a constant ``mu``
-and a zero start, ``m = (1 - mu) * b`` at every step, and Newton-Schulz divides by the norm
-first, so the updates agree up to rounding once the buffer is scaled by ``1 - mu``. Copying
-the raw buffer instead makes the momentum ``1 / (1 - mu)`` times too large (or small). Their
-lr scale rules and defaults differ too; :func:`trajectory_notes` says which target settings
-continue the source's trajectory.
+forms. The packaged :class:`muonckpt.optim.Muon` keeps sum form, ``b = mu * b + g``;
+torch.optim.Muon and KellerJordan's Muon keep EMA form, ``m = mu * m + (1 - mu) * g``. With a
+constant ``mu`` and a zero start, ``m = (1 - mu) * b`` at every step, and Newton-Schulz divides
+by the norm first, so the updates agree up to rounding once the buffer is scaled by ``1 - mu``.
+Copying the raw buffer instead makes the momentum ``1 / (1 - mu)`` times too large (or small).
+Their lr scale rules and defaults differ too; :func:`trajectory_notes` says which target
+settings continue the source's trajectory.
 """
 
 from __future__ import annotations

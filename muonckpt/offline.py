@@ -9,10 +9,11 @@ layout math of :mod:`muonckpt.layout`. All file I/O goes through :mod:`muonckpt.
 elements of which param state each output tensor holds), then write it
 
 * in this process, one file after another, streaming tensor by tensor; or
-* with ``workers=N``, in N local processes (gloo), or with ``collective=True``, in every rank
-  of an initialized default process group (torchrun): the output tensors are split among the
-  ranks by bytes (:func:`muonckpt.workplan.split_work`), each rank writes its share at the
-  planned offsets of the shared files, and rank 0 writes the manifest last and commits.
+* with ``workers=N``, in N local processes (gloo; :mod:`muonckpt.workers`), or with
+  ``collective=True``, in every rank of an initialized default process group (torchrun): the
+  output tensors are split among the ranks by bytes (:func:`muonckpt.workplan.split_work`),
+  each rank writes its share at the planned offsets of the shared files, and rank 0 writes the
+  manifest last and commits.
 
 Memory per process is what one output tensor needs, twice (the next one is read on a thread
 while the current one is written): one full tensor for consolidate, one rank's piece of one
@@ -25,10 +26,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import multiprocessing as mp
 import os
 import re
-import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -40,6 +39,15 @@ from . import kinds, storage, writing
 from .conversion import converted_manifest
 from .dcp import LAYOUTS, DcpConversion, from_dcp, is_dcp, to_dcp
 from .errors import CheckpointError, LayoutError, MuonCkptError
+from .inspection import (
+    DiffRow,
+    ExtraSummary,
+    GroupSummary,
+    ModelSummary,
+    ParamSummary,
+    Summary,
+    Totals,
+)
 from .layout import LayoutOptions, ParamSpec, Topology, arrange, whole_region
 from .manifest import (
     CONSOLIDATED,
@@ -73,8 +81,8 @@ from .writeplan import (
 )
 from .writing import Progress
 
-# torch (and so collectives and launch) is imported only by the paths that need it: several
-# processes, and diff.
+# torch (and so collectives and workers) is imported only by the paths that need it: several
+# processes (:mod:`muonckpt.workers` runs the local ones), and diff.
 
 MAX_RANKS = 1 << 16
 """The most ranks ``reshard`` writes files for: planning costs ranks x params."""
@@ -90,7 +98,9 @@ __all__ = [
     "MAX_RANKS",
     "WORKER_TIMEOUT",
     "DcpConversion",
+    "DiffRow",
     "Progress",
+    "Summary",
     "consolidate",
     "convert",
     "diff",
@@ -157,7 +167,9 @@ def consolidate(
     )
     if workers > 1:
         options = {"max_shard_size": max_shard_size, "overwrite": overwrite}
-        return _spawn(consolidate, workers, src, dst, options, progress)
+        from .workers import run_in_workers
+
+        return run_in_workers(consolidate, workers, src, dst, options, progress, WORKER_TIMEOUT)
     called = {"max_shard_size": max_shard_size}
     return _write(
         "consolidate", job, directory, manifest, dst, overwrite, progress, collective, called
@@ -234,7 +246,9 @@ def reshard(
             "tp_split_dims": overrides,
             "overwrite": overwrite,
         }
-        return _spawn(reshard, workers, src, dst, worker_options, progress)
+        from .workers import run_in_workers
+
+        return run_in_workers(reshard, workers, src, dst, worker_options, progress, WORKER_TIMEOUT)
     called = {
         "dp": dp,
         "tp": tp,
@@ -261,7 +275,7 @@ def convert(
     overwrite: bool = False,
     progress: Progress | None = None,
 ) -> Path:
-    """Rewrite a checkpoint for another Muon implementation: ``packaged`` (muonckpt.Muon),
+    """Rewrite a checkpoint for another Muon implementation: ``packaged`` (muonckpt.optim.Muon),
     ``torch`` (torch.optim.Muon + AdamW) or ``keller-jordan`` (muon.MuonWithAuxAdam); and/or
     with its params renamed (``rename`` as in :func:`muonckpt.load`: ``{"module.": ""}``
     strips DDP's prefix). ``to=None`` keeps each group's implementation.
@@ -401,7 +415,9 @@ def _write(
     steps = collectives.CollectiveSteps(operation, ranks, ranks[0], CheckpointError)
     shown = None  # rank 0's progress stands for the whole job
     if steps.is_root and progress is not None:
-        shown = _scaled(progress, plan.total_bytes, len(plan.writes))
+        from .workers import scaled_progress
+
+        shown = scaled_progress(progress, plan.total_bytes, len(plan.writes))
 
     def write_share(staging: Path) -> writing.Written:
         with PieceReader(directory, manifest, reuse_outputs=2) as reader:
@@ -454,189 +470,55 @@ def _copy_extra(directory: Path, manifest: Manifest, staging: Path) -> Extra | N
     return Extra(shared, tuple(trees), tuple(files))
 
 
-def _scaled(progress: Progress, total: int, tensors: int) -> Progress:
-    """Rank 0's progress through its own share, shown as a fraction of the whole job."""
-
-    def scaled(done: int, share: int, written: int, share_tensors: int) -> None:
-        fraction = done / share if share else written / share_tensors if share_tensors else 1.0
-        progress(round(fraction * total), total, round(fraction * tensors), tensors)
-
-    return scaled
-
-
-def _spawn(
-    operation: Callable[..., Path],
-    workers: int,
-    src: str | os.PathLike[str],
-    dst: str | os.PathLike[str],
-    options: dict[str, Any],
-    progress: Progress | None,
-) -> Path:
-    """Run ``operation(src, dst, **options, collective=True)`` in ``workers`` gloo processes;
-    rank 0's progress comes back through a queue.
-
-    The target is checked here first, so a refused output starts no process. Rank 0 stages
-    at a path chosen here, so that when the run fails or this process is interrupted
-    (KeyboardInterrupt, SIGTERM in the CLI) the staging directory is removed here once the
-    workers are gone, whatever state they were killed in. Warnings of the workers
-    (:class:`~muonckpt.errors.CheckpointWarning`) are issued again here.
-    """
-    import uuid
-    import warnings
-
-    from .errors import CheckpointWarning
-    from .launch import run_distributed
-
-    storage.check_target(dst, options["overwrite"], source=src)
-    token = uuid.uuid4().hex[:8]
-    committed = mp.get_context("forkserver").Value("b", 0)  # rank 0 sets it at the swap
-    queue = mp.get_context("forkserver").Queue() if progress is not None else None
-    relay = threading.Thread(target=_relay, args=(queue, progress), daemon=True)
-    if queue is not None:
-        relay.start()
-    try:
-        results = run_distributed(
-            _worker,
-            workers,
-            operation,
-            str(src),
-            str(dst),
-            options,
-            queue,
-            token,
-            committed,
-            timeout=None,
-            wait_timeout=WORKER_TIMEOUT,
-        )
-    except BaseException as exc:
-        storage.discard(storage.staging_path(dst, token))  # after the swap: the replaced one
-        if not committed.value:
-            raise
-        return writing.after_commit(exc, Path(dst))  # a worker died, or we were interrupted
-    finally:
-        if queue is not None:
-            queue.put(None)
-            relay.join(timeout=10)
-    for result in results:
-        for message in result.get("warnings", []):
-            warnings.warn(message, CheckpointWarning, stacklevel=3)
-    failed = [r for r in results if "error" in r]
-    if failed:
-        error = CheckpointError(failed[0]["error"])
-        if hasattr(error, "add_note"):  # Python 3.11+: shown with the traceback (--debug)
-            error.add_note(f"the worker's traceback:\n{failed[0].get('traceback', '')}")
-        if not committed.value:
-            raise error
-        return writing.after_commit(error, Path(dst))
-    return Path(dst)
-
-
-def _relay(queue: Any, progress: Progress) -> None:
-    while (update := queue.get()) is not None:
-        progress(*update)
-
-
-def _worker(
-    operation: Callable[..., Path],
-    src: str,
-    dst: str,
-    options: dict[str, Any],
-    queue: Any,
-    token: str,
-    committed: Any,
-) -> dict[str, Any]:
-    """(one of the ``workers`` processes) Its part of the collective operation.
-
-    Rank 0 stages at the path ``token`` names, sets ``committed`` (a shared flag) the moment
-    it commits (so that the parent reports a commit even if rank 0 is killed right after), and
-    if the parent dies (the lifeline of :mod:`muonckpt.launch`) it first makes sure it never
-    commits, then removes that staging directory, then dies.
-    """
-    import traceback
-    import warnings
-
-    from . import collectives, launch
-    from .errors import CheckpointWarning
-
-    if collectives.global_rank() == 0:
-        staging = storage.preset_staging(dst, token)
-
-        def abandon() -> None:
-            storage.abandon_commits()
-            storage.discard(staging)
-
-        launch.on_orphaned(abandon)
-
-        def mark() -> None:
-            committed.value = 1
-
-        storage.watch_commit(dst, mark)
-    progress = None if queue is None else lambda *update: queue.put(update)
-    outcome: dict[str, Any] = {}
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", CheckpointWarning)
-        try:
-            operation(src, dst, **options, progress=progress, collective=True)
-        except MuonCkptError as exc:
-            outcome["error"] = str(exc)
-            outcome["traceback"] = traceback.format_exc()
-    shown = [str(w.message) for w in caught if issubclass(w.category, CheckpointWarning)]
-    if shown:
-        outcome["warnings"] = shown
-    return outcome
-
-
-def summarize(src: str | os.PathLike[str]) -> dict[str, Any]:
+def summarize(src: str | os.PathLike[str]) -> Summary:
     """What ``muonckpt inspect`` shows: kind, topology, step, groups, params, the model file's
     other tensors and tied names (``save(..., model=)``; None without), and totals.
 
     Reads only the manifest (and checks that its pieces cover every state tensor once).
     """
     directory, manifest = open_checkpoint(src)
-    params = [
-        {
-            "name": e.name,
-            "shape": list(e.shape),
-            "dtypes": dict(e.dtypes),
-            "value_dtype": e.value_dtype,
-            "scalars": {k: v.value for k, v in e.scalars.items()},
-            "tp_split_dim": e.tp_split_dim,
-            "group": e.group,
-            "state_keys": list(e.state_keys),
-            "bytes": sum(e.numel * storage.itemsize(e.dtype_of(k)) for k in e.tensor_keys),
-        }
+    params = tuple(
+        ParamSummary(
+            name=e.name,
+            shape=tuple(e.shape),
+            dtypes=dict(e.dtypes),
+            value_dtype=e.value_dtype,
+            scalars={k: v.value for k, v in e.scalars.items()},
+            tp_split_dim=e.tp_split_dim,
+            group=e.group,
+            state_keys=tuple(e.state_keys),
+            bytes=sum(e.numel * storage.itemsize(e.dtype_of(k)) for k in e.tensor_keys),
+        )
         for e in manifest.params
-    ]
-    return {
-        "path": str(directory),
-        "kind": manifest.kind,
-        "format_version": manifest.format_version,
-        "topology": dict(manifest.topology),
-        "step": manifest.step,
-        "extra": _extra_summary(manifest),
-        "groups": [
-            {"hyperparams": dict(g.hyperparams), "params": list(g.params)} for g in manifest.groups
-        ],
-        "params": params,
-        "model": None
+    )
+    return Summary(
+        path=str(directory),
+        kind=manifest.kind,
+        format_version=manifest.format_version,
+        topology=dict(manifest.topology),
+        step=manifest.step,
+        extra=_extra_summary(manifest),
+        groups=tuple(GroupSummary(dict(g.hyperparams), tuple(g.params)) for g in manifest.groups),
+        params=params,
+        model=None
         if manifest.model is None
-        else {
-            "tensors": {e.name: list(e.shape) for e in manifest.model.tensors},
-            "aliases": dict(manifest.model.aliases),
-        },
-        "totals": {
-            "params": len(params),
-            "tensors": sum(len(e.state_keys) for e in manifest.params),
-            "values": sum(e.value_dtype is not None for e in manifest.params),
-            "bytes": sum(p["bytes"] for p in params),
-            "file_bytes": sum(f.bytes for f in manifest.files),
-            "files": len(manifest.files),
-            "pieces": len(manifest.pieces),
-        },
-    }
+        else ModelSummary(
+            tensors={e.name: tuple(e.shape) for e in manifest.model.tensors},
+            aliases=dict(manifest.model.aliases),
+        ),
+        totals=Totals(
+            params=len(params),
+            tensors=sum(len(e.state_keys) for e in manifest.params),
+            values=sum(e.value_dtype is not None for e in manifest.params),
+            bytes=sum(p.bytes for p in params),
+            file_bytes=sum(f.bytes for f in manifest.files),
+            files=len(manifest.files),
+            pieces=len(manifest.pieces),
+        ),
+    )
 
 
-def _extra_summary(manifest: Manifest) -> dict[str, Any] | None:
+def _extra_summary(manifest: Manifest) -> ExtraSummary | None:
     """The job's own state for ``inspect``: ``extra``'s values, each tensor as ``"<tensor
     DTYPE [shape]>"``, and how many ranks saved ``rank_extra`` with rank 0's values so shown."""
     extra = manifest.extra
@@ -652,11 +534,11 @@ def _extra_summary(manifest: Manifest) -> dict[str, Any] | None:
             holder[t.path[-1]] = f"<tensor {t.dtype} {list(t.shape)}>"
         return values
 
-    return {
-        "values": None if extra.shared is None else shown(extra.shared),
-        "ranks": len(extra.ranks),
-        "rank_0_values": shown(extra.ranks[0]) if extra.ranks else None,
-    }
+    return ExtraSummary(
+        values=None if extra.shared is None else shown(extra.shared),
+        ranks=len(extra.ranks),
+        rank_0_values=shown(extra.ranks[0]) if extra.ranks else None,
+    )
 
 
 def diff(
@@ -665,7 +547,7 @@ def diff(
     *,
     atol: float = 0.0,
     rtol: float = 0.0,
-) -> list[dict[str, Any]]:
+) -> list[DiffRow]:
     """Compare two checkpoints (any kinds, any topologies, any Muon implementations) as logical
     tensors: the rows of :func:`iter_diff`, as a list."""
     return list(iter_diff(a, b, atol=atol, rtol=rtol))
@@ -682,7 +564,7 @@ def iter_diff(
     *,
     atol: float = 0.0,
     rtol: float = 0.0,
-) -> Iterator[dict[str, Any]]:
+) -> Iterator[DiffRow]:
     """Compare two checkpoints (any kinds, any topologies) as logical tensors, one row at a
     time.
 
@@ -713,17 +595,8 @@ def iter_diff(
     pieces_a, pieces_b = man_a.pieces_of(), man_b.pieces_of()
     scales = _momentum_scales(man_a, man_b)
 
-    def row(param: str, key: str | None, note: str | None = None, **values: Any) -> dict:
-        return {
-            "param": param,
-            "key": key,
-            "max_abs": None,
-            "max_rel": None,
-            "equal": False,
-            "bitwise": False,
-            "note": note,
-            **values,
-        }
+    def row(param: str, key: str | None, note: str | None = None, **values: Any) -> DiffRow:
+        return DiffRow(param, key, note=note, **values)
 
     with (
         PieceReader(dir_a, man_a, reuse_outputs=1) as read_a,
@@ -781,10 +654,10 @@ def _model_rows(
     man_b: Manifest,
     read_a: PieceReader,
     read_b: PieceReader,
-    row: Callable[..., dict[str, Any]],
+    row: Callable[..., DiffRow],
     atol: float,
     rtol: float,
-) -> Iterator[dict[str, Any]]:
+) -> Iterator[DiffRow]:
     """Rows of a model file's other tensors (``save(..., model=)``: buffers) and its aliases."""
     model_a, model_b = man_a.model, man_b.model
     tensors_a = {t.name: t for t in model_a.tensors} if model_a is not None else {}
@@ -824,8 +697,8 @@ def _extra_rows(
     man_b: Manifest,
     read_a: PieceReader,
     read_b: PieceReader,
-    row: Callable[..., dict[str, Any]],
-) -> Iterator[dict[str, Any]]:
+    row: Callable[..., DiffRow],
+) -> Iterator[DiffRow]:
     """Rows of the job's own state (``extra``, each rank's ``rank_extra``): its JSON values
     per tree, its tensors by their bytes."""
     trees_a = dict(man_a.extra.trees()) if man_a.extra is not None else {}
@@ -883,8 +756,8 @@ def _scalar_rows(
     man_b: Manifest,
     ea: ParamEntry,
     eb: ParamEntry,
-    row: Callable[..., dict[str, Any]],
-) -> Iterator[dict[str, Any]]:
+    row: Callable[..., DiffRow],
+) -> Iterator[DiffRow]:
     """A param's scalar rows; its step count compared as a number wherever each side keeps it
     (torch: a 0-d tensor per param, KellerJordan: an int per param, packaged: in the group)."""
     keys = set(ea.scalars) | set(eb.scalars)

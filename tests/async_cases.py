@@ -15,7 +15,7 @@ from muonckpt import writing
 from .fixture_model import build, initial_params, train
 
 
-def _trash(opt: muonckpt.Muon) -> None:
+def _trash(opt: muonckpt.optim.Muon) -> None:
     """Every state tensor and param of ``opt`` overwritten in place, as steps would."""
     with torch.no_grad():
         for group in opt.param_groups:

@@ -29,10 +29,10 @@ from __future__ import annotations
 
 import math
 
-from muonckpt import Muon
 from muonckpt.demo import ToyModel
 from muonckpt.demo import local_params as local_params  # part of the fixture's API
 from muonckpt.layout import LayoutOptions
+from muonckpt.optim import Muon
 
 MUON_PARAMS: dict[str, tuple[int, ...]] = {"w_in": (16, 20), "w_out": (12, 24), "w_mid": (10, 14)}
 ADAMW_PARAMS: dict[str, tuple[int, ...]] = {"bias": (7,), "norm": (20,), "embed": (6, 16)}

@@ -34,6 +34,7 @@ PURE = (
     "steps",
     "workplan",
     "writeplan",
+    "inspection",
 )
 """Plain data and arithmetic: no tensors, no files, no process groups."""
 NOT_YET: set[str] = set()
@@ -42,6 +43,8 @@ READERS_AND_WRITERS = ("storage", "pieces", "retention", "writing")
 """Bytes to and from files: the offline tools' path, which runs without a process group (and
 imports torch only inside functions, where a tensor crosses: tests/test_cli.py checks
 that at run time)."""
+NAMESPACES = ("offline", "errors", "collectives", "demo", "kinds", "layout")
+"""The package's public namespaces besides its top level (``muonckpt/__init__.py``)."""
 
 
 @dataclass(frozen=True)
@@ -60,8 +63,8 @@ class Rule:
     only_internal: tuple[str, ...] | None = None
     """The only package modules they may import (None: any)."""
     public_api: tuple[str, ...] | None = None
-    """The only package modules they may import, and from each only the names in its
-    ``__all__`` (None: no such limit)."""
+    """The only package modules they may import besides ``modules`` themselves, and from each
+    only the names in its ``__all__`` (None: no such limit)."""
 
 
 RULES = (
@@ -124,10 +127,10 @@ RULES = (
         ),
     ),
     Rule(
-        "the command line imports only public names of muonckpt, muonckpt.offline and "
-        "muonckpt.errors",
+        "the command line imports only public names of muonckpt and of its namespaces "
+        f"{', '.join(NAMESPACES)} (and its own modules)",
         modules=("cli",),
-        public_api=("", "offline", "errors"),
+        public_api=("", *NAMESPACES),
     ),
 )
 
@@ -257,12 +260,21 @@ def imports_of(sources: Mapping[str, tuple[str, str]]) -> dict[str, list[Import]
 
 
 def public_names(text: str) -> set[str] | None:
-    """A module's ``__all__`` (a literal list or tuple of strings); None without one."""
+    """A module's ``__all__``: a literal list or tuple of strings, or ``list(TABLE)`` of a
+    literal dict ``TABLE`` of the module (its keys); None without one."""
+    literals: dict[str, ast.expr] = {}
     for node in ast.parse(text).body:
-        targets = node.targets if isinstance(node, ast.Assign) else []
-        if any(isinstance(t, ast.Name) and t.id == "__all__" for t in targets):
-            return set(ast.literal_eval(node.value))
-    return None
+        if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            literals.update({t.id: node.value for t in targets if isinstance(t, ast.Name)})
+    value = literals.get("__all__")
+    if value is None:
+        return None
+    if isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.func.id == "list":
+        (table,) = value.args
+        assert isinstance(table, ast.Name), "__all__ = list(NAME) of a literal dict NAME"
+        return set(ast.literal_eval(literals[table.id]))
+    return set(ast.literal_eval(value))
 
 
 # ---- Checking -------------------------------------------------------------------------------
@@ -282,7 +294,7 @@ def _breaks(rule: Rule, imp: Import, sources: Mapping[str, tuple[str, str]]) -> 
         return shown
     if rule.only_internal is not None and not _within(internal, rule.only_internal):
         return shown
-    if rule.public_api is not None:
+    if rule.public_api is not None and not _within(internal, rule.modules):
         if internal not in rule.public_api:
             return shown
         if imp.name is not None:

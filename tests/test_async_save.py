@@ -46,7 +46,7 @@ def test_values_changed_after_the_call_do_not_reach_the_checkpoint(
     assert _entries(tmp_path) == ["ckpt", "ref"]  # no staging, no mailbox left
     assert muonckpt.verify(ckpt) == []
     rows = diff(ref, ckpt)
-    assert rows and all(r["bitwise"] for r in rows), [r for r in rows if not r["bitwise"]]
+    assert rows and all(r.bitwise for r in rows), [r for r in rows if not r.bitwise]
     # and a run resumed from it at another topology goes on bit for bit
     shards = run_distributed(load_phase, 4, 4, 1, str(ckpt), K, M, timeout=120)
     full = assemble(4, 1, shards)

@@ -435,7 +435,7 @@ def test_reserved_state_key_and_colliding_names_are_refused_before_writing(tmp_p
     with pytest.raises(CheckpointError, match="reserved"):
         muonckpt.save(opt, tmp_path / "a")
     assert not (tmp_path / "a").exists()
-    clash = muonckpt.Muon(
+    clash = muonckpt.optim.Muon(
         [
             {"params": [("w", torch.zeros(2, 2))], "use_muon": True},
             {"params": [("state.w.momentum_buffer", torch.zeros(4))]},

@@ -7,6 +7,7 @@ import json
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -173,11 +174,11 @@ def _same_files(a, b) -> bool:
     [
         (
             ["--bucket-numel", "40", "--param-alignment", "4", "--bucket-alignment", "8"],
-            muonckpt.LayoutOptions(bucket_numel=40, param_alignment=4, bucket_alignment=8),
+            muonckpt.layout.LayoutOptions(bucket_numel=40, param_alignment=4, bucket_alignment=8),
         ),
         (
             ["--param-alignment", "4", "--buffers-by", "group"],
-            muonckpt.LayoutOptions(param_alignment=4, buffers_by="group"),
+            muonckpt.layout.LayoutOptions(param_alignment=4, buffers_by="group"),
         ),
     ],
 )
@@ -189,7 +190,7 @@ def test_reshard_layout_options_are_the_library_s_and_load_back(ckpts, tmp_path,
     assert _same_files(library, out)
     # each option given changes which rank holds what, so the comparison above sees any one of
     # them dropped on the way
-    default = muonckpt.LayoutOptions()
+    default = muonckpt.layout.LayoutOptions()
     for field in dataclasses.fields(options):
         if getattr(options, field.name) != getattr(default, field.name):
             without = dataclasses.replace(options, **{field.name: getattr(default, field.name)})
@@ -353,9 +354,9 @@ def test_lazy_public_names_all_resolve():
 
 
 def test_inspect_of_many_params_prints_plain_lines(ckpts, monkeypatch):
-    import muonckpt.cli
+    from muonckpt.cli import output
 
-    monkeypatch.setattr(muonckpt.cli, "TABLE_ROWS", 2)
+    monkeypatch.setattr(output, "TABLE_ROWS", 2)
     result = cli("inspect", ckpts["a"])
     assert result.exit_code == 0, result.output
     lines = [line.split("\t") for line in result.stdout.splitlines() if "\t" in line]
@@ -401,3 +402,30 @@ def test_diff_quiet_prints_only_the_differences_and_the_summary(ckpts):
     assert "['step']" in quiet.stdout and "yes" in full.stdout and "yes" not in quiet.stdout
     assert quiet.stdout.strip().splitlines()[-1] == full.stdout.strip().splitlines()[-1]
     assert len(quiet.stdout.splitlines()) < len(full.stdout.splitlines())
+
+
+def _readme_exit_codes() -> list[tuple[str, str]]:
+    text = (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
+    section = text.split("| code | meaning |\n|---|---|\n", 1)[1].split("\n\n", 1)[0]
+    rows = [line.strip("|").split("|", 1) for line in section.splitlines()]
+    return [(code.strip(), meaning.strip()) for code, meaning in rows]
+
+
+def test_the_readme_exit_codes_are_the_cli_s_table():
+    from muonckpt.cli.exits import EXIT_CODES
+
+    assert _readme_exit_codes() == [(row.code, row.meaning) for row in EXIT_CODES]
+    for row in EXIT_CODES:  # every error type that ends in a code is named where it is told
+        for error in row.errors:
+            assert f"`{error.__name__}`" in row.meaning, (row.code, error)
+    assert len({row.code for row in EXIT_CODES}) == len(EXIT_CODES)
+
+
+def test_a_write_the_system_refuses_exits_2_as_the_table_says(ckpts, tmp_path):
+    """A write the system refuses (here: the output's parent is a file) is one error line and
+    exit code 2, as a refused read is."""
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    result = cli("consolidate", ckpts["a"], "-o", blocker / "out")
+    assert result.exit_code == 2, result.output
+    assert "error: " in result.output

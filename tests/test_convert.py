@@ -35,8 +35,8 @@ K, STEPS = 3, 8
 BETAS, EPS = (0.95, 0.95), 1e-8
 
 
-def packaged(params: dict[str, torch.nn.Parameter]) -> muonckpt.Muon:
-    return muonckpt.Muon(
+def packaged(params: dict[str, torch.nn.Parameter]) -> muonckpt.optim.Muon:
+    return muonckpt.optim.Muon(
         [
             {"params": [(n, params[n]) for n in MUON_PARAMS], **MUON_HPARAMS},
             {"params": [(n, params[n]) for n in ADAMW_PARAMS], **ADAMW_HPARAMS},

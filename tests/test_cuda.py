@@ -42,30 +42,33 @@ def zeros() -> dict[str, torch.Tensor]:
     return {name: torch.zeros_like(value) for name, value in initial_params().items()}
 
 
-def on_gpu(params: dict[str, torch.Tensor]) -> muonckpt.Muon:
+def on_gpu(params: dict[str, torch.Tensor]) -> muonckpt.optim.Muon:
     """The fixture model's plain (single-process) packaged Muon over ``params`` on the GPU."""
-    return muonckpt.Muon(param_groups({name: p.to(CUDA) for name, p in params.items()}))
+    return muonckpt.optim.Muon(param_groups({name: p.to(CUDA) for name, p in params.items()}))
 
 
 def distributed_on_gpu(
     params: dict[str, torch.Tensor], dp: int, tp: int
-) -> tuple[muonckpt.Muon, muonckpt.ShardedParams]:
+) -> tuple[muonckpt.optim.Muon, muonckpt.sharding.ShardedParams]:
     """The fixture model's distributed packaged Muon at dp x tp, its shards on the GPU."""
-    dp_group, tp_group = muonckpt.grid_groups(dp, tp)
-    sharded = muonckpt.shard_for_groups(
+    dp_group, tp_group = muonckpt.collectives.grid_groups(dp, tp)
+    sharded = muonckpt.sharding.shard_for_groups(
         param_groups({name: p.to(CUDA) for name, p in params.items()}),
         dp_group,
         tp_group,
         tp_split_dims=TP_SPLIT_DIMS,
         options=LAYOUT,
     )
-    opt = muonckpt.Muon(sharded.param_groups)
+    opt = muonckpt.optim.Muon(sharded.param_groups)
     opt.enable_distributed_mode(sharded.global_buffer_sizes, dp_group, tp_group, sharded.dist_metas)
     return opt, sharded
 
 
 def train(
-    opt: muonckpt.Muon, sharded: muonckpt.ShardedParams | None, first: int, steps: int
+    opt: muonckpt.optim.Muon,
+    sharded: muonckpt.sharding.ShardedParams | None,
+    first: int,
+    steps: int,
 ) -> None:
     """Steps ``first .. first+steps-1``, each grad this rank's cut of the fixture's full grad,
     on the device of its param."""
@@ -112,7 +115,7 @@ def host_tensors(state_dict: dict[str, Any]) -> list[torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def trained() -> muonckpt.Muon:
+def trained() -> muonckpt.optim.Muon:
     opt = on_gpu(initial_params())
     train(opt, None, 0, K)
     return opt

@@ -95,8 +95,8 @@ def test_fsdp2_dcp_into_the_packaged_muon(fsdp_run, tmp_path, layout, dp, tp):
     _assert_matches_job(out, job)
     resaved = tmp_path / "resaved"
     run_distributed(_load_and_resave, dp * tp, dp, tp, str(out), str(resaved), timeout=180)
-    rows = [r for r in offline.diff(out, resaved) if r["key"] != "hyperparams"]
-    assert rows and all(r["bitwise"] for r in rows if r["key"] != "step"), rows
+    rows = [r for r in offline.diff(out, resaved) if r.key != "hyperparams"]
+    assert rows and all(r.bitwise for r in rows if r.key != "step"), rows
 
 
 def _save_packaged_2x2(path: str) -> None:

@@ -11,9 +11,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from muonckpt import Muon, StateDictError
+from muonckpt import StateDictError
 from muonckpt.hooks import install_hooks
 from muonckpt.launch import DistributedRunError, run_distributed
+from muonckpt.optim import Muon
 
 from .kj_muon import KJMuon, build, initial_params, owner, train
 

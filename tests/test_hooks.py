@@ -83,7 +83,7 @@ def test_an_optimizer_with_hooks_is_freed_once_dropped(kind):
 
     p = torch.nn.Parameter(torch.ones(4, 4))
     if kind == "packaged":
-        opt = muonckpt.Muon([{"params": [p], "use_muon": True}])
+        opt = muonckpt.optim.Muon([{"params": [p], "use_muon": True}])
     else:
         opt = torch.optim.SGD([p], lr=0.1, momentum=0.9)
         muonckpt.install_hooks(opt, owner=lambda index, param: 0)

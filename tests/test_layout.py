@@ -15,11 +15,15 @@ import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from muonckpt import LayoutError, LayoutOptions, ParamSpec, Topology, arrange
+from muonckpt import LayoutError
 from muonckpt.layout import (
     Bucket,
+    LayoutOptions,
+    ParamSpec,
     Placement,
     Region,
+    Topology,
+    arrange,
     copy_runs,
     dp_slice,
     strided_runs,

@@ -109,11 +109,11 @@ def test_model_mistakes_are_refused_before_anything_is_written(tmp_path):
 def packaged_save(path: str, dp: int, tp: int) -> dict[str, torch.Tensor]:
     """(In a gloo child.) The packaged Muon, ZeRO-1 over dp x tp, on the tied GPT replicated
     on every rank; a consolidated save with the model."""
-    dp_group, tp_group = muonckpt.grid_groups(dp, tp)
+    dp_group, tp_group = muonckpt.collectives.grid_groups(dp, tp)
     model = TinyGPT(seed=0)
     named = list(model.named_parameters())
     hidden = [(n, p) for n, p in named if p.ndim == 2 and n.startswith("h.")]
-    sharded = muonckpt.shard_for_groups(
+    sharded = muonckpt.sharding.shard_for_groups(
         [
             {"params": hidden, "use_muon": True},
             {"params": [(n, p) for n, p in named if (n, p) not in hidden]},
@@ -121,7 +121,7 @@ def packaged_save(path: str, dp: int, tp: int) -> dict[str, torch.Tensor]:
         dp_group,
         tp_group,
     )
-    opt = muonckpt.Muon(sharded.param_groups, lr=0.02)
+    opt = muonckpt.optim.Muon(sharded.param_groups, lr=0.02)
     opt.enable_distributed_mode(sharded.global_buffer_sizes, dp_group, tp_group, sharded.dist_metas)
     for step in range(2):
         x, y = batch(step)
@@ -195,9 +195,9 @@ def test_diff_sees_the_model_file_the_job_state_and_the_step(tmp_path):
     b = muonckpt.save(
         opts, tmp_path / "b", consolidated=True, model=model, extra={"lr": 0.5, "step": 7}
     )
-    rows = {(r["param"], r["key"]): r for r in offline.diff(a, b)}
-    assert not rows["h.bias", "param"]["equal"]
-    assert not rows["extra", "values"]["equal"]
-    assert not rows["checkpoint", "step"]["equal"]
-    assert rows["model", "aliases"]["equal"]
-    assert all(r["equal"] for r in offline.diff(a, shutil.copytree(a, tmp_path / "copy")))
+    rows = {(r.param, r.key): r for r in offline.diff(a, b)}
+    assert not rows["h.bias", "param"].equal
+    assert not rows["extra", "values"].equal
+    assert not rows["checkpoint", "step"].equal
+    assert rows["model", "aliases"].equal
+    assert all(r.equal for r in offline.diff(a, shutil.copytree(a, tmp_path / "copy")))

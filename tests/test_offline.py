@@ -10,6 +10,7 @@ import torch
 
 import muonckpt
 from muonckpt import kinds, offline
+from muonckpt.inspection import ParamSummary
 from muonckpt.launch import run_distributed
 from muonckpt.manifest import GroupEntry, Manifest, ParamEntry
 
@@ -95,7 +96,7 @@ def test_sharded_consolidate_writes_an_index(saved, tmp_path):
         v.numel() * v.element_size() for v in tensors.values()
     )
     assert muonckpt.verify(out) == []
-    assert all(r["equal"] for r in offline.diff(out, saved["per_rank"]))
+    assert all(r.equal for r in offline.diff(out, saved["per_rank"]))
 
 
 def test_reshard_then_load_is_bitwise(saved, tmp_path):
@@ -106,7 +107,7 @@ def test_reshard_then_load_is_bitwise(saved, tmp_path):
     assert manifest.topology == {"dp": DST[0], "tp": DST[1]}
     assert len(manifest.files) == DST[0] * DST[1]
     rows = offline.diff(saved["per_rank"], out)
-    assert rows and all(r["equal"] and r["bitwise"] for r in rows)
+    assert rows and all(r.equal and r.bitwise for r in rows)
     shards = run_distributed(load_phase, DST[0] * DST[1], *DST, str(out), K, M, timeout=180)
     full = assemble(*DST, shards)
     for name, value in saved["final"].items():
@@ -122,27 +123,35 @@ def test_reshard_refuses_an_indivisible_split(saved, tmp_path):
 
 def test_summarize_and_diff_notes(saved, tmp_path):
     info = offline.summarize(saved["per_rank"])
-    assert info["kind"] == "per-rank" and info["topology"] == {"dp": 2, "tp": 2}
-    assert info["step"] == K
-    assert [p["name"] for p in info["params"]] == PARAM_NAMES
-    for entry in info["params"]:
-        name = entry["name"]
-        keys = list(STATE_KEYS[name])
-        assert entry == {
-            "name": name,
-            "shape": list(SHAPES[name]),
-            "dtypes": {**dict.fromkeys(keys, "F32"), "param": "F32"},
-            "value_dtype": "F32",
-            "scalars": {},
-            "tp_split_dim": TP_SPLIT_DIMS.get(name, -1),
-            "group": 0 if name in MUON_PARAMS else 1,
-            "state_keys": keys,
-            "bytes": (len(keys) + 1) * numel(name) * 4,  # its state and the param, float32
-        }, name
-    assert info["totals"]["files"] == SRC[0] * SRC[1]
-    assert info["totals"]["tensors"] == N_STATE_TENSORS
+    assert info.kind == "per-rank" and info.topology == {"dp": 2, "tp": 2}
+    assert info.step == K
+    assert [p.name for p in info.params] == PARAM_NAMES
+    for entry in info.params:
+        name = entry.name
+        keys = tuple(STATE_KEYS[name])
+        assert entry == ParamSummary(
+            name=name,
+            shape=tuple(SHAPES[name]),
+            dtypes={**dict.fromkeys(keys, "F32"), "param": "F32"},
+            value_dtype="F32",
+            scalars={},
+            tp_split_dim=TP_SPLIT_DIMS.get(name, -1),
+            group=0 if name in MUON_PARAMS else 1,
+            state_keys=keys,
+            bytes=(len(keys) + 1) * numel(name) * 4,  # its state and the param, float32
+        ), name
+    assert info.totals.files == SRC[0] * SRC[1]
+    assert info.totals.tensors == N_STATE_TENSORS
+    shown = json.loads(json.dumps(info.to_json()))  # what inspect --json prints
+    assert list(shown) == [
+        *("path", "kind", "format_version", "topology", "step", "extra", "groups", "params"),
+        *("model", "totals"),
+    ]
+    assert shown["params"][0]["shape"] == list(SHAPES[PARAM_NAMES[0]])
     rows = offline.diff(saved["per_rank"], saved["consolidated"], atol=0.0)
-    assert all(r["equal"] for r in rows)
+    assert all(r.equal for r in rows)
+    fields = ["param", "key", "max_abs", "max_rel", "equal", "bitwise", "note"]
+    assert list(rows[0].to_json()) == fields
 
 
 def test_streaming_writer_order_and_abort(tmp_path):
@@ -177,7 +186,7 @@ def test_inspect_shows_the_step_of_an_optimizer_that_counts_per_param(tmp_path):
     for _ in range(3):
         model(torch.randn(2, 4)).sum().backward()
         opt.step()
-    assert offline.summarize(muonckpt.save(opt, tmp_path / "ckpt"))["step"] == 3
+    assert offline.summarize(muonckpt.save(opt, tmp_path / "ckpt")).step == 3
 
 
 def test_diff_across_momentum_forms_converts_as_load_does(tmp_path, single_ckpt):
@@ -189,13 +198,13 @@ def test_diff_across_momentum_forms_converts_as_load_does(tmp_path, single_ckpt)
     for family in ("torch", "keller-jordan"):
         other = offline.convert(packaged, tmp_path / family, to=family)
         rows = offline.diff(packaged, other, rtol=1e-6)
-        momentum = [r for r in rows if r["key"] == "momentum_buffer"]
-        assert momentum and all(r["equal"] for r in momentum), momentum
-        assert all("B converted ema -> sum" in r["note"] for r in momentum), momentum
-        assert all(r["equal"] for r in rows), [r for r in rows if not r["equal"]]
-        assert any(r["key"] == "step" and r["equal"] for r in rows)
+        momentum = [r for r in rows if r.key == "momentum_buffer"]
+        assert momentum and all(r.equal for r in momentum), momentum
+        assert all("B converted ema -> sum" in (r.note or "") for r in momentum), momentum
+        assert all(r.equal for r in rows), [r for r in rows if not r.equal]
+        assert any(r.key == "step" and r.equal for r in rows)
         back = offline.diff(other, packaged, rtol=1e-6)
-        assert all(r["equal"] for r in back), [r for r in back if not r["equal"]]
+        assert all(r.equal for r in back), [r for r in back if not r.equal]
 
 
 def test_diff_refuses_to_compare_state_of_different_roles_raw():

@@ -14,19 +14,12 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
-from muonckpt import (
-    LayoutError,
-    LayoutOptions,
-    Muon,
-    MuonDistMeta,
-    ShardedParams,
-    Topology,
-    shard_for_groups,
-    shard_param_groups,
-)
+from muonckpt import LayoutError
 from muonckpt.launch import run_distributed
+from muonckpt.layout import LayoutOptions, Topology
 from muonckpt.nsplan import ns_flops
-from muonckpt.sharding import shard_tensor
+from muonckpt.optim import Muon, MuonDistMeta
+from muonckpt.sharding import ShardedParams, shard_for_groups, shard_param_groups, shard_tensor
 
 from .seed_oracle import OracleGroup, oracle_step
 from .seed_port import make_groups

@@ -37,10 +37,10 @@ SCRIPT = textwrap.dedent(
     big = offline.reshard(src, root + "/big", dp=10000, tp=1)
     assert len(list(big.glob("rank-*.safetensors"))) == 10000
     assert muonckpt.verify(big) == [], muonckpt.verify(big)[:3]
-    assert offline.summarize(big)["totals"]["files"] == 10000
+    assert offline.summarize(big).totals.files == 10000
     full = offline.consolidate(big, root + "/full")
-    assert all(r["equal"] for r in offline.diff(big, src))
-    assert all(r["equal"] for r in offline.diff(full, big))
+    assert all(r.equal for r in offline.diff(big, src))
+    assert all(r.equal for r in offline.diff(full, big))
     torch.manual_seed(0)
     model = torch.nn.Linear(100, 100)
     opt = torch.optim.AdamW(model.parameters())

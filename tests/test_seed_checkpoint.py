@@ -17,8 +17,9 @@ import torch
 import torch.distributed as dist
 
 import muonckpt
-from muonckpt import Muon, StateDictError
+from muonckpt import StateDictError
 from muonckpt.launch import run_distributed
+from muonckpt.optim import Muon
 
 from .seed_port import SEED_TP_DIMS, distribute_params, gen_param_and_grads, make_groups
 

@@ -29,7 +29,7 @@ RESHARD = {
     "dp": 2,
     "tp": 2,
     "tp_split_dims": {SPLIT: DIM},
-    "options": muonckpt.LayoutOptions(
+    "options": muonckpt.layout.LayoutOptions(
         bucket_numel=BUCKET_NUMEL, param_alignment=4, bucket_alignment=8, buffers_by="group"
     ),
 }

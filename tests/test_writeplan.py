@@ -10,8 +10,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from muonckpt import CheckpointError, LayoutOptions, ParamSpec, Topology, arrange
-from muonckpt.layout import whole_region
+from muonckpt import CheckpointError
+from muonckpt.layout import LayoutOptions, ParamSpec, Topology, arrange, whole_region
 from muonckpt.manifest import DTYPE_BYTES, PARAM_KEY, rank_file
 from muonckpt.writeplan import (
     TensorWrite,

@@ -1,0 +1,257 @@
+"""What the command line prints: progress, summary lines, and the tables of ``inspect``,
+``diff`` and ``demo``. Every text read from a checkpoint is printed with its control
+characters escaped (:func:`printable`), never as rich markup."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+if TYPE_CHECKING:
+    from ..demo import DemoResult
+    from ..offline import DcpConversion, DiffRow, Progress, Summary
+
+TABLE_ROWS = 2000
+"""``inspect`` and ``diff`` draw a table up to this many rows, plain tab-separated lines
+beyond."""
+
+DIFF_COLUMNS = ("param", "state key", "max abs", "max rel", "equal")
+
+
+def printable(text: str) -> str:
+    """``text`` with its control characters (terminal escape codes among them) written as
+    escapes, so that a name read from a checkpoint cannot drive the terminal; newlines kept."""
+    return "".join(
+        c if c.isprintable() or c == "\n" else c.encode("unicode_escape").decode() for c in text
+    )
+
+
+def stderr_line(text: str) -> None:
+    Console(stderr=True, highlight=False, soft_wrap=True).print(printable(text), markup=False)
+
+
+def stdout() -> Console:
+    return Console(highlight=False, soft_wrap=False)
+
+
+def is_quiet(ctx: typer.Context) -> bool:
+    return bool((ctx.obj or {}).get("quiet"))
+
+
+def also_quiet(ctx: typer.Context, quiet: bool) -> None:
+    """A command's own --quiet, the same as the global one."""
+    if quiet:
+        ctx.obj = {**(ctx.obj or {}), "quiet": True}
+
+
+def say(ctx: typer.Context, message: str) -> None:
+    if not is_quiet(ctx):
+        Console(stderr=True, highlight=False).print(message, markup=False)
+
+
+@contextmanager
+def progress_bar(ctx: typer.Context, what: str) -> Iterator[Progress | None]:
+    """A rich bar (bytes, tensors, rate, ETA) on stderr when it is a terminal and not --quiet."""
+    if is_quiet(ctx) or not sys.stderr.isatty():
+        yield None
+        return
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
+
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        DownloadColumn(),
+        TextColumn("{task.fields[tensors]}"),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+        console=Console(stderr=True),
+        transient=True,
+    ) as bar:
+        task = bar.add_task(what, total=None, tensors="")
+
+        def update(done: int, total: int, written: int, tensors: int) -> None:
+            bar.update(task, completed=done, total=total, tensors=f"{written}/{tensors} tensors")
+
+        yield update
+
+
+def human(n: int) -> str:
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{n} B"  # pragma: no cover
+
+
+def written(path: Path, info: Summary) -> str:
+    """The line saying what a rewrite wrote at ``path``."""
+    totals, topo = info.totals, info.topology
+    return (
+        f"wrote {path}: {info.kind}, dp={topo.get('dp')} x tp={topo.get('tp')}, "
+        f"{totals.files} file(s), {human(totals.file_bytes)}"
+    )
+
+
+def say_conversion(ctx: typer.Context, report: DcpConversion) -> None:
+    """What a DCP conversion read or wrote, converted and left out."""
+    say(ctx, f"{report.path}: DCP layout {report.layout}")
+    for line in report.converted:
+        say(ctx, f"converted {printable(line)}")
+    for line in report.left_out:
+        say(ctx, f"left out {printable(line)}")
+
+
+def print_summary(info: Summary, wide: bool) -> None:
+    """``inspect``: the checkpoint's lines, then a table of its params (names folded at the
+    terminal's width, never cut; ``wide``: one line each), then its totals."""
+    console = stdout()
+    topo = info.topology
+    console.print(
+        f"{info.path}: {info.kind} checkpoint (format {info.format_version}), "
+        f"topology dp={topo.get('dp')} x tp={topo.get('tp')}, step {info.step}",
+        markup=False,
+    )
+    extra = info.extra
+    if extra is not None and extra.values is not None:
+        console.print(f"extra: {json.dumps(extra.values)}", markup=False)
+    if extra is not None and extra.ranks:
+        shown = json.dumps(extra.rank_0_values)
+        console.print(f"rank_extra: {extra.ranks} ranks, rank 0: {shown}", markup=False)
+    for g, group in enumerate(info.groups):
+        hyper = ", ".join(f"{k}={v}" for k, v in group.hyperparams.items())
+        console.print(f"group {g}: {hyper}", markup=False)
+    columns = ("param", "shape", "dtype", "tp split", "group", "state keys", "values", "bytes")
+    rows = [
+        (
+            printable(p.name),
+            "x".join(map(str, p.shape)) or "scalar",
+            ", ".join(sorted({d for k, d in p.dtypes.items() if k != "param"})) or "-",
+            str(p.tp_split_dim) if p.tp_split_dim >= 0 else "-",
+            str(p.group),
+            printable(", ".join(p.state_keys)) or "(none)",
+            p.value_dtype or "-",
+            human(p.bytes),
+        )
+        for p in info.params
+    ]
+    if len(rows) <= TABLE_ROWS:
+        table = Table(show_edge=False)
+        for column in columns:  # folded, never cut: a name is shown whole
+            table.add_column(
+                column, justify="right" if column == "bytes" else "left", overflow="fold"
+            )
+        for row in rows:
+            table.add_row(*map(escape, row))
+        if wide:
+            console = Console(highlight=False, soft_wrap=False, width=_widest(console, table))
+        console.print(table)
+    else:  # a rich table costs ~0.5 ms a row: plain tab-separated lines past a few thousand
+        typer.echo("\n".join("\t".join(row) for row in [columns, *rows]))
+    model = info.model
+    if model is not None:
+        tied = ", ".join(f"{a} = {n}" for a, n in model.aliases.items()) or "none"
+        others = ", ".join(model.tensors) or "none"
+        console.print(
+            printable(f"model file also holds: {others}; tied names: {tied}"), markup=False
+        )
+    t = info.totals
+    console.print(
+        f"total: {t.params} params ({t.values} with saved values), {t.tensors} state "
+        f"tensors, {human(t.bytes)} of data in {t.files} file(s) "
+        f"({human(t.file_bytes)}, {t.pieces} pieces)",
+        markup=False,
+    )
+
+
+def _widest(console: Console, table: Table) -> int:
+    """The width at which ``table`` needs no wrapping."""
+    return max(
+        console.width, console.measure(table, options=console.options.update(width=1 << 20)).maximum
+    )
+
+
+def _diff_cells(r: DiffRow) -> tuple[str, ...]:
+    """One diff row as printable text cells."""
+    verdict = "bitwise" if r.bitwise else "yes" if r.equal else "NO"
+    if r.note:
+        verdict = f"{verdict}: {r.note}" if r.max_abs is not None or r.equal else r.note
+    return (
+        printable(r.param),
+        printable(r.key or "-"),
+        "-" if r.max_abs is None else f"{r.max_abs:.3g}",
+        "-" if r.max_rel is None else f"{r.max_rel:.3g}",
+        printable(verdict),
+    )
+
+
+def print_diff(rows: Iterable[DiffRow], only_differences: bool) -> int:
+    """``diff``: its rows as they come (a table, plain tab-separated lines past
+    :data:`TABLE_ROWS`), then the summary line; how many rows differ."""
+    console = stdout()
+    kept: list[tuple[str, ...]] = []
+    total = differ = 0
+    streaming = False  # past TABLE_ROWS rows: plain tab-separated lines, as they come
+    for r in rows:
+        total += 1
+        differ += not r.equal
+        if only_differences and r.equal:
+            continue
+        cells = _diff_cells(r)
+        if streaming:
+            typer.echo("\t".join(cells))
+            continue
+        kept.append(cells)
+        if len(kept) > TABLE_ROWS:
+            typer.echo("\n".join("\t".join(row) for row in [DIFF_COLUMNS, *kept]))
+            kept, streaming = [], True
+    if kept:
+        table = Table(show_edge=False)
+        for column in DIFF_COLUMNS:
+            table.add_column(column, justify="right" if column.startswith("max") else "left")
+        for cells in kept:
+            table.add_row(*map(escape, cells))
+        console.print(table)
+    if differ:
+        console.print(f"{differ} of {total} row(s) differ", markup=False)
+    else:
+        console.print(f"all {total} row(s) equal", markup=False)
+    return differ
+
+
+def print_demo(result: DemoResult, title: str) -> None:
+    """``demo``: each param of the resumed run against the uninterrupted one."""
+    table = Table(title=title, show_edge=False)
+    table.add_column("param")
+    table.add_column("shape")
+    table.add_column("max abs diff", justify="right")
+    table.add_column("bitwise equal")
+    for row in result.rows:
+        table.add_row(
+            row.name,
+            "x".join(map(str, row.shape)),
+            f"{row.max_abs_diff:.3g}",
+            "yes" if row.bitwise_equal else "NO",
+        )
+    console = stdout()
+    console.print(table)
+    if result.kept:
+        console.print(f"checkpoints in {result.checkpoint.parent}", markup=False)
+    else:
+        console.print("checkpoints removed (--dir DIR keeps them)", markup=False)

@@ -1,0 +1,119 @@
+"""What the offline inspectors return: a checkpoint's :class:`Summary` (``offline.summarize``,
+``muonckpt inspect``) and the rows of a comparison, :class:`DiffRow` (``offline.diff``,
+``muonckpt diff``).
+
+Pure, frozen values read from manifests; :meth:`Summary.to_json` is what ``inspect --json``
+prints, with the keys it always had.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ParamSummary:
+    """One param: its shape, stored dtypes (per key), state keys and bytes of data."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtypes: Mapping[str, str]
+    """Stored dtype per tensor key (``param`` among them where the params are saved)."""
+    value_dtype: str | None
+    """The dtype of the param's saved value; None where it was not saved."""
+    scalars: Mapping[str, Any]
+    """Scalar state values (a step count), by key."""
+    tp_split_dim: int
+    """The dimension TP splits; -1 for an unsplit param."""
+    group: int
+    state_keys: tuple[str, ...]
+    bytes: int
+    """Bytes of its tensors (state and saved value)."""
+
+
+@dataclass(frozen=True)
+class GroupSummary:
+    """One param group: its settings and its params' names."""
+
+    hyperparams: Mapping[str, Any]
+    params: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class ExtraSummary:
+    """The training job's own state: ``extra``'s values (each tensor written ``"<tensor DTYPE
+    [shape]>"``), and how many ranks saved ``rank_extra``, with rank 0's values."""
+
+    values: Any
+    ranks: int
+    rank_0_values: Any
+
+
+@dataclass(frozen=True)
+class ModelSummary:
+    """What the model file holds besides the optimizer's params (``save(..., model=)``)."""
+
+    tensors: Mapping[str, tuple[int, ...]]
+    """Other tensors (buffers) by name, with their shapes."""
+    aliases: Mapping[str, str]
+    """Tied names: alias -> the name stored."""
+
+
+@dataclass(frozen=True)
+class Totals:
+    params: int
+    tensors: int
+    """State tensors."""
+    values: int
+    """Params with a saved value."""
+    bytes: int
+    """Bytes of tensor data."""
+    file_bytes: int
+    files: int
+    pieces: int
+
+
+@dataclass(frozen=True)
+class Summary:
+    """A checkpoint as ``muonckpt inspect`` shows it, read from its manifest alone."""
+
+    path: str
+    kind: str
+    """``per_rank`` or ``consolidated``."""
+    format_version: int
+    topology: Mapping[str, int]
+    """The topology it was saved at: ``{"dp": .., "tp": ..}``."""
+    step: int | None
+    extra: ExtraSummary | None
+    groups: tuple[GroupSummary, ...]
+    params: tuple[ParamSummary, ...]
+    model: ModelSummary | None
+    totals: Totals
+
+    def to_json(self) -> dict[str, Any]:
+        """As JSON values (what ``inspect --json`` prints)."""
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class DiffRow:
+    """One comparison of two checkpoints: a tensor (param and key), a scalar, a group's
+    settings, a model-file tensor, a tree of the job's state, or the step."""
+
+    param: str
+    key: str | None
+    max_abs: float | None = None
+    """The largest absolute difference (B converted where the row's ``note`` says so)."""
+    max_rel: float | None = None
+    """The largest difference relative to B."""
+    equal: bool = False
+    """Within the tolerances (``atol + rtol * |b|``; NaNs equal NaNs)."""
+    bitwise: bool = False
+    note: str | None = None
+    """Why the row differs or was not compared, or what was converted; None: nothing to say."""
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)

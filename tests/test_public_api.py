@@ -1,0 +1,101 @@
+"""The public surface: the top level holds what a training script calls, the rest are
+namespaces, and the names the top level held before keep working for one release, warning."""
+
+from __future__ import annotations
+
+import importlib
+import subprocess
+import sys
+
+import pytest
+
+import muonckpt
+
+TOP_LEVEL = {
+    "save",
+    "async_save",
+    "load",
+    "LoadReport",
+    "latest",
+    "clean",
+    "verify",
+    "read_manifest",
+    "install_hooks",
+    "gather_state_dict",
+    "REPLICATED",
+    "RNGState",
+    "MuonCkptError",
+    "CheckpointError",
+    "StateDictError",
+    "LayoutError",
+    "CollectiveError",
+    "CheckpointWarning",
+    "ConversionWarning",
+}
+
+MOVED = {
+    "Muon": "optim",
+    "MuonDistMeta": "optim",
+    "adjusted_lr": "optim",
+    "newton_schulz": "optim",
+    "normalize_range": "optim",
+    "ShardedParams": "sharding",
+    "shard_for_groups": "sharding",
+    "shard_param_groups": "sharding",
+    "LayoutOptions": "layout",
+    "ParamSpec": "layout",
+    "Topology": "layout",
+    "arrange": "layout",
+    "default_group_from_env": "collectives",
+    "global_rank": "collectives",
+    "grid_groups": "collectives",
+    "rendezvous_timeout": "collectives",
+    "set_rendezvous_timeout": "collectives",
+    "run_demo": "demo",
+    "FAMILIES": "kinds",
+    "DCP_FAMILIES": "kinds",
+}
+"""Every name the top level exported before its tiers (0.1.0's ``__all__``, less TOP_LEVEL)."""
+
+
+def test_the_top_level_is_exactly_what_a_training_script_calls():
+    assert set(muonckpt.__all__) == TOP_LEVEL
+    assert len(muonckpt.__all__) == len(TOP_LEVEL)
+    for name in muonckpt.__all__:
+        assert getattr(muonckpt, name) is not None
+    assert set(muonckpt.__all__) <= set(dir(muonckpt))
+    assert not set(MOVED) & set(dir(muonckpt))
+
+
+@pytest.mark.parametrize("name", sorted(MOVED))
+def test_an_old_top_level_name_still_works_and_warns(name):
+    assert MOVED[name] in muonckpt._NAMESPACES  # the new path works after a bare import
+    namespace = importlib.import_module(f"muonckpt.{MOVED[name]}")
+    with pytest.warns(DeprecationWarning, match=rf"muonckpt\.{name} moved to muonckpt\."):
+        value = getattr(muonckpt, name)
+    assert value is getattr(namespace, name)
+
+
+def test_from_import_of_an_old_name_warns_at_the_import():
+    with pytest.warns(DeprecationWarning, match="muonckpt.Muon moved to muonckpt.optim.Muon"):
+        from muonckpt import Muon
+    from muonckpt.optim import Muon as current
+
+    assert Muon is current
+
+
+def test_the_namespaces_load_on_first_use():
+    probe = "import muonckpt, sys; print(muonckpt.layout.Topology(1, 1), 'torch' in sys.modules)"
+    done = subprocess.run(
+        [sys.executable, "-W", "error::DeprecationWarning", "-c", probe],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split()[-1] == "False"  # the torch-free namespace imports no torch
+
+
+def test_an_unknown_name_is_an_attribute_error():
+    with pytest.raises(AttributeError, match="not_a_name"):
+        muonckpt.not_a_name  # noqa: B018
