@@ -59,7 +59,7 @@ def save(
     arguments, within :func:`muonckpt.set_rendezvous_timeout` of each other).
 
     Args:
-        optimizer: a packaged :class:`~muonckpt.Muon`, single-process or distributed (every
+        optimizer: a packaged :class:`~muonckpt.optim.Muon`, single-process or distributed (every
             rank holding every param, or only those it owns elements of); an optimizer with
             :func:`muonckpt.install_hooks`; or any torch optimizer without hooks, in one process
             or replicated on every rank of a process group (DDP: each param's state written

@@ -1,7 +1,7 @@
 """Hooks that make a sharded optimizer's ``state_dict()`` complete and resumable anywhere.
 
 A sharded optimizer keeps each param's state on the ranks that own it: pieces of a flat ZeRO-1
-buffer in the packaged :class:`~muonckpt.Muon`, whole tensors on one owner rank in
+buffer in the packaged :class:`~muonckpt.optim.Muon`, whole tensors on one owner rank in
 KellerJordan-style Muon. The hooks here, attached through torch's optimizer hook API, turn that
 into torch's ordinary state-dict format with every param's full-shape state:
 
@@ -148,7 +148,7 @@ def hooks_of(optimizer: torch.optim.Optimizer) -> StateDictHooks:
     """The muonckpt hooks of ``optimizer``; :class:`StateDictError` if it has none."""
     hooks = _HOOKS.get(optimizer)
     if hooks is None:
-        raise StateDictError("optimizer has no muonckpt hooks: use muonckpt.Muon or install_hooks")
+        raise StateDictError("optimizer has no muonckpt hooks: use muonckpt.optim.Muon or install_hooks")
     return hooks
 
 

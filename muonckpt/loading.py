@@ -87,7 +87,7 @@ def load(
     Restores the optimizer state and, by default, the optimizer's params (each rank its own
     share, bitwise): a resumed run needs nothing but the checkpoint. A model whose weights are
     not the optimizer's params (the packaged Muon's shards from
-    :func:`muonckpt.shard_for_groups`) gets them back too: ``load`` then calls
+    :func:`muonckpt.sharding.shard_for_groups`) gets them back too: ``load`` then calls
     :meth:`muonckpt.ShardedParams.params_to_model` itself, on every rank.
 
     The target may be another Muon implementation than the one that saved, or several

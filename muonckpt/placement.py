@@ -7,7 +7,7 @@ only that, so a new layout is one new describer here, not a new save path.
 
 :func:`describe` is a function of the optimizer that returns its :class:`Sharding`:
 
-* the packaged :class:`~muonckpt.Muon` reports its own layout (:class:`ReportsItsGrid`):
+* the packaged :class:`~muonckpt.optim.Muon` reports its own layout (:class:`ReportsItsGrid`):
   :func:`describe_grid` over its dp x tp grid, :func:`describe_whole` in one process;
 * an optimizer whose state lives whole on owner ranks is described by the owner rule
   :func:`declare_owners` recorded beside it (:func:`muonckpt.install_hooks` records it; the
@@ -135,7 +135,7 @@ def _position(param: ParamSharding) -> int:
 
 @runtime_checkable
 class ReportsItsGrid(Protocol):
-    """An optimizer that reports its own layout (the packaged :class:`~muonckpt.Muon`): whole in
+    """An optimizer that reports its own layout (the packaged :class:`~muonckpt.optim.Muon`): whole in
     one process, or ZeRO-1 + TP over the dp x tp grid of its two groups in distributed mode,
     each rank reporting the params it holds (:func:`describe_grid`)."""
 
