@@ -31,7 +31,7 @@ from .hostcopy import HostBuffers
 from .loading import LoadReport, load
 from .placement import Joined, Optimizers, optimizers_of
 from .saving import PreparedSave, prepare_save
-from .steps import describe_failure
+from .steps import failure_line
 
 __all__ = ["DEFAULT_ASYNC_TIMEOUT_S", "LoadReport", "async_save", "load", "save"]
 
@@ -251,7 +251,7 @@ def _finish_in_background(
     except MuonCkptError as exc:
         future.set_exception(exc)
     except BaseException as exc:  # not a library error yet: the same rule as a step's failure
-        error = CheckpointError(f"async_save: {describe_failure(exc, steps.rank)}", path=final)
+        error = CheckpointError(f"async_save: {failure_line(exc, steps.rank)}", path=final)
         error.__cause__ = exc
         future.set_exception(error)
     else:

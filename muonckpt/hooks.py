@@ -148,7 +148,9 @@ def hooks_of(optimizer: torch.optim.Optimizer) -> StateDictHooks:
     """The muonckpt hooks of ``optimizer``; :class:`StateDictError` if it has none."""
     hooks = _HOOKS.get(optimizer)
     if hooks is None:
-        raise StateDictError("optimizer has no muonckpt hooks: use muonckpt.optim.Muon or install_hooks")
+        raise StateDictError(
+            "optimizer has no muonckpt hooks: use muonckpt.optim.Muon or install_hooks"
+        )
     return hooks
 
 

@@ -135,9 +135,9 @@ def _position(param: ParamSharding) -> int:
 
 @runtime_checkable
 class ReportsItsGrid(Protocol):
-    """An optimizer that reports its own layout (the packaged :class:`~muonckpt.optim.Muon`): whole in
-    one process, or ZeRO-1 + TP over the dp x tp grid of its two groups in distributed mode,
-    each rank reporting the params it holds (:func:`describe_grid`)."""
+    """An optimizer that reports its own layout (the packaged :class:`~muonckpt.optim.Muon`):
+    whole in one process, or ZeRO-1 + TP over the dp x tp grid of its two groups in distributed
+    mode, each rank reporting the params it holds (:func:`describe_grid`)."""
 
     distributed_mode: bool
     dist_group: collectives.Group

@@ -87,7 +87,7 @@ class StepProtocol:
             return {"error": f"rank {self.rank}: {exc}" if named else str(exc)}
         except Exception as exc:
             self._failure = exc
-            return {"error": describe_failure(exc, self.rank)}
+            return {"error": failure_line(exc, self.rank)}
 
     def _agreed(self, step: str, outcome: Outcome) -> Any:
         failure, self._failure = self._failure, None
@@ -98,7 +98,7 @@ class StepProtocol:
         return outcome["value"]
 
 
-def describe_failure(exc: BaseException, rank: int) -> str:
+def failure_line(exc: BaseException, rank: int) -> str:
     """``rank R: Type: message (at file.py:line in function)``, on one line."""
     where = ""
     frames = traceback.extract_tb(exc.__traceback__)
