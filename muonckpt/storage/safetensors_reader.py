@@ -9,8 +9,9 @@ import json
 import math
 import os
 import struct
+import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING
@@ -47,6 +48,58 @@ def _no_duplicates(pairs: list[tuple[str, object]]) -> dict[str, object]:
 
 def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+Entry = tuple[str, tuple[int, ...], int, int]
+"""A tensor's header entry, checked: ``(dtype, shape, begin, end)``."""
+
+_DTYPE_NAMES = {name: name for name in DTYPE_BYTES}
+
+
+def _tensor_entry(info: object) -> Entry | str:
+    """A tensor's header entry as an :data:`Entry`, or what is wrong with it (its offsets
+    against the file's size aside)."""
+    if not isinstance(info, dict):
+        return "tensor entry is not an object"
+    dtype = info.get("dtype")
+    if not isinstance(dtype, str) or dtype not in DTYPE_BYTES:
+        return f"unknown dtype {dtype!r}"
+    shape = info.get("shape")
+    if not isinstance(shape, list) or not all(_is_int(s) and s >= 0 for s in shape):
+        return f"shape {shape!r} is not a list of non-negative ints"
+    offsets = info.get("data_offsets")
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(_is_int(o) for o in offsets)
+        or not 0 <= offsets[0] <= offsets[1]
+    ):
+        return f"data_offsets {offsets!r} is not [begin, end] with 0 <= begin <= end"
+    begin, end = offsets
+    nbytes = math.prod(shape) * DTYPE_BYTES[dtype]
+    if end - begin != nbytes:
+        return (
+            f"data_offsets {offsets} span {end - begin} bytes, but {dtype} {shape} needs {nbytes}"
+        )
+    return _DTYPE_NAMES[dtype], tuple(shape), begin, end
+
+
+def _compact_entries() -> Callable[[list[tuple[str, object]]], object]:
+    """The ``object_pairs_hook`` of a header: each sound tensor entry becomes an
+    :data:`Entry` (equal shapes one tuple) as soon as it is parsed, since a header of 300k
+    tensors as dicts and lists takes several times the memory; anything else stays a dict
+    (no key twice), checked where it is used."""
+    shapes: dict[tuple[int, ...], tuple[int, ...]] = {}
+
+    def compact(pairs: list[tuple[str, object]]) -> object:
+        body = _no_duplicates(pairs)
+        entry = _tensor_entry(body)
+        if isinstance(entry, str):
+            return body
+        dtype, shape, begin, end = entry
+        return dtype, shapes.setdefault(shape, shape), begin, end
+
+    return compact
 
 
 class SafetensorsReader:
@@ -147,7 +200,12 @@ class SafetensorsReader:
             raise self._fail(f"header length {length} runs past the end of the {size}-byte file")
         raw = self._pread(8, length, what="header")
         try:
-            header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
+            text = raw.decode("utf-8")
+            del raw
+            header = json.loads(text, object_pairs_hook=_compact_entries())
+            if not isinstance(header, dict):  # a header that is one entry: judged as it is
+                header = json.loads(text, object_pairs_hook=_no_duplicates)
+            del text
         except (UnicodeDecodeError, ValueError, RecursionError) as e:
             raise self._fail(f"header is not valid UTF-8 JSON: {e}") from e
         if not isinstance(header, dict):
@@ -163,50 +221,36 @@ class SafetensorsReader:
 
         data_start = 8 + length
         data_size = size - data_start
-        spans: list[tuple[int, int, str]] = []
+        ordered, last_end = True, 0
         for key, info in header.items():
-            if not isinstance(info, dict):
-                raise self._fail("tensor entry is not an object", key)
-            dtype = info.get("dtype")
-            if not isinstance(dtype, str) or dtype not in DTYPE_BYTES:
-                raise self._fail(f"unknown dtype {dtype!r}", key)
-            shape = info.get("shape")
-            if not isinstance(shape, list) or not all(_is_int(s) and s >= 0 for s in shape):
-                raise self._fail(f"shape {shape!r} is not a list of non-negative ints", key)
-            offsets = info.get("data_offsets")
-            if (
-                not isinstance(offsets, list)
-                or len(offsets) != 2
-                or not all(_is_int(o) for o in offsets)
-                or not 0 <= offsets[0] <= offsets[1]
-            ):
-                raise self._fail(
-                    f"data_offsets {offsets!r} is not [begin, end] with 0 <= begin <= end", key
-                )
-            begin, end = offsets
-            nbytes = math.prod(shape) * DTYPE_BYTES[dtype]
-            if end - begin != nbytes:
-                raise self._fail(
-                    f"data_offsets {offsets} span {end - begin} bytes, but {dtype} {shape} "
-                    f"needs {nbytes}",
-                    key,
-                )
+            entry = info if isinstance(info, tuple) else _tensor_entry(info)
+            if isinstance(entry, str):
+                raise self._fail(entry, key)
+            dtype, shape, begin, end = entry
             if end > data_size:
                 raise self._fail(
-                    f"data_offsets {offsets} run past the end of the data ({data_size} bytes)", key
+                    f"data_offsets {[begin, end]} run past the end of the data ({data_size} bytes)",
+                    key,
                 )
-            if nbytes:
-                spans.append((begin, end, key))
+            if end > begin:
+                ordered = ordered and begin >= last_end
+                last_end = end
+            key = sys.intern(key)  # the manifest's pieces name it too: one string for both
             self._records[key] = TensorRecord(
                 key=key,
                 dtype=dtype,
-                shape=tuple(shape),
+                shape=shape,
                 offset=data_start + begin,
-                nbytes=nbytes,
+                nbytes=end - begin,
                 checksums=(),
                 chunk_bytes=CHUNK_BYTES,
             )
-        spans.sort()
+        if not ordered:  # data not in header order (written by others): find an overlap
+            self._check_overlaps()
+
+    def _check_overlaps(self) -> None:
+        spans = sorted((r.offset, r.offset + r.nbytes, r.key) for r in self._records.values())
+        spans = [span for span in spans if span[1] > span[0]]
         for (_, prev_end, prev_key), (begin, _, key) in itertools.pairwise(spans):
             if begin < prev_end:
                 raise self._fail(f"tensors {prev_key!r} and {key!r} overlap")
