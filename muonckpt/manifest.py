@@ -557,6 +557,13 @@ def strict_json(text: str | bytes, objects: Callable[[dict[str, Any]], Any] | No
 
     ``objects``, when given, turns each JSON object (a dict, innermost first) into what the
     result holds instead, as it is parsed (so that 300k pieces are never all dicts at once)."""
+    body = json.loads(text, **_strict_options(objects))
+    _check_depth(body, 0)
+    return body
+
+
+def _strict_options(objects: Callable[[dict[str, Any]], Any] | None) -> dict[str, Any]:
+    """The decoder options of :func:`strict_json`."""
 
     def finite(literal: str) -> float:
         value = float(literal)
@@ -575,8 +582,12 @@ def strict_json(text: str | bytes, objects: Callable[[dict[str, Any]], Any] | No
             raise ValueError(f"key(s) {twice[:3]} appear twice in one object")
         return body if objects is None else objects(body)
 
-    body = json.loads(text, parse_float=finite, parse_constant=refuse, object_pairs_hook=unique)
-    level, deepest = [body], 1
+    return {"parse_float": finite, "parse_constant": refuse, "object_pairs_hook": unique}
+
+
+def _check_depth(value: Any, above: int) -> None:
+    """Refuse ``value`` if, found ``above`` levels deep, it nests past :data:`MAX_JSON_DEPTH`."""
+    level, deepest = [value], 1 + above
     while level:
         inner = [v for item in level for v in _children(item) if isinstance(v, (dict, list))]
         if inner:
@@ -584,7 +595,110 @@ def strict_json(text: str | bytes, objects: Callable[[dict[str, Any]], Any] | No
             if deepest > MAX_JSON_DEPTH:
                 raise ValueError(f"nested more than {MAX_JSON_DEPTH} levels deep")
         level = inner
-    return body
+
+
+def strict_json_chunks(
+    chunks: Iterable[str], objects: Callable[[dict[str, Any]], Any] | None = None
+) -> Any:
+    """:func:`strict_json` of the text that ``chunks`` make up, for a JSON object (a
+    manifest), without ever holding the text whole: each member, and each element of a member
+    that is an array, is parsed from a window of the text (100k params make an 89 MB
+    manifest). Raises ValueError for anything that is not a strict JSON object; which problem
+    it names may differ from :func:`strict_json` (a caller that shows it parses again)."""
+    return _JsonStream(chunks, objects).document()
+
+
+_WHITESPACE = re.compile(r"[ \t\n\r]*")
+_AFTER_VALUE = " \t\n\r,:]}"
+
+
+class _JsonStream:
+    """A JSON object parsed from a window onto a stream of text (:func:`strict_json_chunks`)."""
+
+    def __init__(
+        self, chunks: Iterable[str], objects: Callable[[dict[str, Any]], Any] | None
+    ) -> None:
+        self._chunks = iter(chunks)
+        self._scan = json.JSONDecoder(**_strict_options(objects)).scan_once  # type: ignore[attr-defined]
+        self._objects = objects
+        self._text, self._pos, self._eof = "", 0, False
+
+    def document(self) -> Any:
+        self._expect("{")
+        body: dict[str, Any] = {}
+        while self._next() != "}" or body:
+            if self._next() != '"':
+                raise ValueError("expected a member name")
+            key = self._value(0)
+            self._expect(":")
+            if key in body:
+                raise ValueError(f"key(s) {[key]} appear twice in one object")
+            body[key] = self._array() if self._next() == "[" else self._value(1)
+            if self._next() != ",":
+                break
+            self._pos += 1
+        self._expect("}")
+        if self._next():
+            raise ValueError("extra data after the object")
+        return body if self._objects is None else self._objects(body)
+
+    def _array(self) -> list[Any]:
+        self._expect("[")
+        items: list[Any] = []
+        while self._next() != "]" or items:
+            items.append(self._value(2))
+            if self._next() != ",":
+                break
+            self._pos += 1
+        self._expect("]")
+        return items
+
+    def _value(self, above: int) -> Any:
+        """The value at the position, found ``above`` levels deep."""
+        self._next()
+        while True:
+            try:
+                value, end = self._scan(self._text, self._pos)
+            except (StopIteration, json.JSONDecodeError):  # perhaps cut off by the window
+                if self._more():
+                    continue
+                raise ValueError("not a JSON value") from None
+            cut = end == len(self._text) or self._text[end] not in _AFTER_VALUE
+            if cut and self._more():  # a number cut by the window ("2." of "2.5"): read on
+                continue
+            self._pos = end
+            _check_depth(value, above)
+            return value
+
+    def _expect(self, char: str) -> None:
+        if self._next() != char:
+            raise ValueError(f"expected {char!r}")
+        self._pos += 1
+
+    def _next(self) -> str:
+        """The next character after whitespace ('' at the end)."""
+        while True:
+            self._pos = _WHITESPACE.match(self._text, self._pos).end()  # type: ignore[union-attr]
+            if self._pos < len(self._text):
+                return self._text[self._pos]
+            if not self._more():
+                return ""
+
+    def _more(self) -> bool:
+        """Extend the window by at least what it holds (past the position); False at the end."""
+        if self._eof:
+            return False
+        self._text = self._text[self._pos :]
+        self._pos = 0
+        added: list[str] = []
+        while sum(map(len, added)) <= len(self._text):
+            chunk = next(self._chunks, None)
+            if chunk is None:
+                self._eof = True
+                break
+            added.append(chunk)
+        self._text += "".join(added)
+        return bool(added)
 
 
 def _children(value: Any) -> list[Any]:
@@ -595,8 +709,19 @@ def _children(value: Any) -> list[Any]:
 
 def parse_manifest(text: str | bytes, source: object) -> Manifest:
     """Parse and schema-check a manifest; every problem is a :class:`CheckpointError`."""
+    return _checked(lambda: strict_json(text, _piece_parser()), source)
+
+
+def parse_manifest_chunks(chunks: Iterable[str], source: object) -> Manifest:
+    """:func:`parse_manifest` of the text that ``chunks`` make up, never held whole
+    (:func:`strict_json_chunks`). A problem may be named otherwise than
+    :func:`parse_manifest` names it: to show one, parse the whole text again."""
+    return _checked(lambda: strict_json_chunks(chunks, _piece_parser()), source)
+
+
+def _checked(parse: Callable[[], Any], source: object) -> Manifest:
     try:
-        body = strict_json(text, _parsed_piece)
+        body = parse()
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise CheckpointError(f"manifest is not valid JSON: {exc!r:.200}", path=source) from None
     try:
@@ -629,17 +754,21 @@ def _manifest_from(body: Any) -> Manifest:
         isinstance(topology, dict) and all(_pos_int(v) for v in topology.values()),
         "topology must map names to positive ints",
     )
+    shapes: dict[Any, Any] = {}  # equal shapes and dtypes of params: one object each
+    dtypes: dict[Any, Any] = {}
+    no_scalars: dict[str, Scalar] = {}
     params = tuple(
         ParamEntry(
             name=sys.intern(_str(p["name"])),
-            shape=tuple(_nonneg_int(s) for s in p["shape"]),
+            shape=_one(shapes, tuple(_nonneg_int(s) for s in p["shape"])),
             tp_split_dim=_int(p["tp_split_dim"]),
             group=_nonneg_int(p["group"]),
-            dtypes=_dtypes(p, version),
-            scalars=_scalars(p.get("scalars", {}) if version >= 2 else {}),
+            dtypes=_one(dtypes, _dtypes(p, version)),
+            scalars=_scalars(p.get("scalars", {}) if version >= 2 else {}) or no_scalars,
         )
         for p in body["params"]
     )
+    del shapes, dtypes
     names = [p.name for p in params]
     _expect(len(set(names)) == len(names), "duplicate param names")
     for p in params:
@@ -649,7 +778,7 @@ def _manifest_from(body: Any) -> Manifest:
     groups = tuple(
         GroupEntry(
             hyperparams=_hyperparams(g["hyperparams"]),
-            params=tuple(_str(n) for n in g["params"]),
+            params=tuple(sys.intern(_str(n)) for n in g["params"]),
             optimizer=_group_optimizer(g.get("optimizer", {})),
         )
         for g in body["groups"]
@@ -699,6 +828,11 @@ def _manifest_from(body: Any) -> Manifest:
         recorded_step=step,
         extra=None if extra is None else extra_from_json(extra, file_names),
     )
+
+
+def _one(pool: dict[Any, Any], value: Any) -> Any:
+    """``value``, or the equal one already in ``pool`` (frozen values: shared, not copied)."""
+    return pool.setdefault(tuple(value.items()) if isinstance(value, dict) else value, value)
 
 
 def model_tensor(name: str, shape: Sequence[int], dtype: str) -> ParamEntry:
@@ -863,22 +997,28 @@ def piece_to_json(piece: Piece) -> dict[str, Any]:
     }
 
 
-def piece_from_json(raw: Mapping[str, Any]) -> Piece:
+_REGION_FIELDS = ("cols", "block_start", "block_width", "start", "stop")
+
+
+def piece_from_json(
+    raw: Mapping[str, Any], regions: dict[tuple[int, ...], Region] | None = None
+) -> Piece:
     """A schema-checked :class:`Piece` from its JSON form (as in ``manifest.json``).
 
-    Its param, key and file names are interned: a manifest of 100k params repeats each file
-    name in every piece, which would otherwise be a string per piece."""
-    region = Region(
-        **{
-            k: _nonneg_int(raw["region"][k])
-            for k in ("cols", "block_start", "block_width", "start", "stop")
-        }
-    )
+    Its names are interned: a manifest of 100k params repeats each file name in every piece,
+    and a file's header names each tensor again. Equal regions are one object, kept in
+    ``regions`` (one dict for a whole manifest)."""
+    bounds = tuple(_nonneg_int(raw["region"][k]) for k in _REGION_FIELDS)
+    region = regions.get(bounds) if regions is not None else None
+    if region is None:
+        region = Region(*bounds)
+        if regions is not None:
+            regions[bounds] = region
     return Piece(
         param=sys.intern(_str(raw["param"])),
         key=sys.intern(_str(raw["key"])),
         file=sys.intern(_safe_name(raw["file"])),
-        tensor=_str(raw["tensor"]),
+        tensor=sys.intern(_str(raw["tensor"])),
         region=region,
         checksums=tuple(_digest(c) for c in raw["checksums"]),
         chunk_bytes=_pos_int_value(raw["chunk_bytes"]),
@@ -913,17 +1053,23 @@ def _hyperparams(raw: Any) -> dict[str, Any]:
 _PIECE_FIELDS = ("param", "key", "file", "tensor", "region", "checksums", "chunk_bytes")
 
 
-def _parsed_piece(raw: dict[str, Any]) -> Any:
-    """(the objects hook of :func:`strict_json` for a manifest) A piece, made as soon as its
-    object is parsed: a manifest of 100k params holds 300k of them, and a dict each, all alive
-    at once, was most of the memory a reader needed. Anything else, and a piece-shaped object
-    that is not a valid piece, stays a dict (checked where it is used)."""
-    if len(raw) != len(_PIECE_FIELDS) or any(k not in raw for k in _PIECE_FIELDS):
-        return raw
-    try:
-        return piece_from_json(raw)
-    except (CheckpointError, KeyError, TypeError, ValueError, AttributeError):
-        return raw
+def _piece_parser() -> Callable[[dict[str, Any]], Any]:
+    """The objects hook of :func:`strict_json` for one manifest: a piece is made as soon as
+    its object is parsed (a manifest of 100k params holds 300k of them, and a dict each, all
+    alive at once, was most of the memory a reader needed), equal regions one object. Anything
+    else, and a piece-shaped object that is not a valid piece, stays a dict (checked where it
+    is used)."""
+    regions: dict[tuple[int, ...], Region] = {}
+
+    def parsed(raw: dict[str, Any]) -> Any:
+        if len(raw) != len(_PIECE_FIELDS) or any(k not in raw for k in _PIECE_FIELDS):
+            return raw
+        try:
+            return piece_from_json(raw, regions)
+        except (CheckpointError, KeyError, TypeError, ValueError, AttributeError):
+            return raw
+
+    return parsed
 
 
 def _as_json(value: Any) -> Any:
