@@ -598,14 +598,18 @@ def _check_depth(value: Any, above: int) -> None:
 
 
 def strict_json_chunks(
-    chunks: Iterable[str], objects: Callable[[dict[str, Any]], Any] | None = None
+    chunks: Iterable[str],
+    objects: Callable[[dict[str, Any]], Any] | None = None,
+    elements: Mapping[str, Callable[[Any], Any]] | None = None,
 ) -> Any:
     """:func:`strict_json` of the text that ``chunks`` make up, for a JSON object (a
     manifest), without ever holding the text whole: each member, and each element of a member
     that is an array, is parsed from a window of the text (100k params make an 89 MB
-    manifest). Raises ValueError for anything that is not a strict JSON object; which problem
-    it names may differ from :func:`strict_json` (a caller that shows it parses again)."""
-    return _JsonStream(chunks, objects).document()
+    manifest). ``elements[name]``, when given, turns each element of the array member ``name``
+    into what the result holds instead, as it is parsed. Raises ValueError for anything that
+    is not a strict JSON object; which problem it names may differ from :func:`strict_json` (a
+    caller that shows it parses again)."""
+    return _JsonStream(chunks, objects, elements or {}).document()
 
 
 _WHITESPACE = re.compile(r"[ \t\n\r]*")
@@ -616,9 +620,12 @@ class _JsonStream:
     """A JSON object parsed from a window onto a stream of text (:func:`strict_json_chunks`)."""
 
     def __init__(
-        self, chunks: Iterable[str], objects: Callable[[dict[str, Any]], Any] | None
+        self,
+        chunks: Iterable[str],
+        objects: Callable[[dict[str, Any]], Any] | None,
+        elements: Mapping[str, Callable[[Any], Any]],
     ) -> None:
-        self._chunks = iter(chunks)
+        self._chunks, self._elements = iter(chunks), elements
         self._scan = json.JSONDecoder(**_strict_options(objects)).scan_once  # type: ignore[attr-defined]
         self._objects = objects
         self._text, self._pos, self._eof = "", 0, False
@@ -633,7 +640,8 @@ class _JsonStream:
             self._expect(":")
             if key in body:
                 raise ValueError(f"key(s) {[key]} appear twice in one object")
-            body[key] = self._array() if self._next() == "[" else self._value(1)
+            is_array = self._next() == "["
+            body[key] = self._array(self._elements.get(key)) if is_array else self._value(1)
             if self._next() != ",":
                 break
             self._pos += 1
@@ -642,11 +650,12 @@ class _JsonStream:
             raise ValueError("extra data after the object")
         return body if self._objects is None else self._objects(body)
 
-    def _array(self) -> list[Any]:
+    def _array(self, convert: Callable[[Any], Any] | None) -> list[Any]:
         self._expect("[")
         items: list[Any] = []
         while self._next() != "]" or items:
-            items.append(self._value(2))
+            item = self._value(2)
+            items.append(item if convert is None else convert(item))
             if self._next() != ",":
                 break
             self._pos += 1
@@ -709,23 +718,26 @@ def _children(value: Any) -> list[Any]:
 
 def parse_manifest(text: str | bytes, source: object) -> Manifest:
     """Parse and schema-check a manifest; every problem is a :class:`CheckpointError`."""
-    return _checked(lambda: strict_json(text, _piece_parser()), source)
+    shared = _Shared()
+    return _checked(lambda: strict_json(text, shared.piece), shared, source)
 
 
 def parse_manifest_chunks(chunks: Iterable[str], source: object) -> Manifest:
     """:func:`parse_manifest` of the text that ``chunks`` make up, never held whole
     (:func:`strict_json_chunks`). A problem may be named otherwise than
     :func:`parse_manifest` names it: to show one, parse the whole text again."""
-    return _checked(lambda: strict_json_chunks(chunks, _piece_parser()), source)
+    shared = _Shared()
+    parse = lambda: strict_json_chunks(chunks, shared.piece, {"params": shared.param})  # noqa: E731
+    return _checked(parse, shared, source)
 
 
-def _checked(parse: Callable[[], Any], source: object) -> Manifest:
+def _checked(parse: Callable[[], Any], shared: _Shared, source: object) -> Manifest:
     try:
         body = parse()
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise CheckpointError(f"manifest is not valid JSON: {exc!r:.200}", path=source) from None
     try:
-        return _manifest_from(body)
+        return _manifest_from(body, shared)
     except CheckpointError as exc:
         raise CheckpointError(str(exc), path=source) from None
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
@@ -734,7 +746,7 @@ def _checked(parse: Callable[[], Any], source: object) -> Manifest:
         ) from None
 
 
-def _manifest_from(body: Any) -> Manifest:
+def _manifest_from(body: Any, shared: _Shared) -> Manifest:
     _expect(isinstance(body, dict), "manifest is not a JSON object")
     _expect(body.get("format") == FORMAT_NAME, "not a muonckpt manifest (format field)")
     version = body.get("format_version")
@@ -754,21 +766,7 @@ def _manifest_from(body: Any) -> Manifest:
         isinstance(topology, dict) and all(_pos_int(v) for v in topology.values()),
         "topology must map names to positive ints",
     )
-    shapes: dict[Any, Any] = {}  # equal shapes and dtypes of params: one object each
-    dtypes: dict[Any, Any] = {}
-    no_scalars: dict[str, Scalar] = {}
-    params = tuple(
-        ParamEntry(
-            name=sys.intern(_str(p["name"])),
-            shape=_one(shapes, tuple(_nonneg_int(s) for s in p["shape"])),
-            tp_split_dim=_int(p["tp_split_dim"]),
-            group=_nonneg_int(p["group"]),
-            dtypes=_one(dtypes, _dtypes(p, version)),
-            scalars=_scalars(p.get("scalars", {}) if version >= 2 else {}) or no_scalars,
-        )
-        for p in body["params"]
-    )
-    del shapes, dtypes
+    params = tuple(shared.entry(p, version) for p in body["params"])
     names = [p.name for p in params]
     _expect(len(set(names)) == len(names), "duplicate param names")
     for p in params:
@@ -1053,23 +1051,56 @@ def _hyperparams(raw: Any) -> dict[str, Any]:
 _PIECE_FIELDS = ("param", "key", "file", "tensor", "region", "checksums", "chunk_bytes")
 
 
-def _piece_parser() -> Callable[[dict[str, Any]], Any]:
-    """The objects hook of :func:`strict_json` for one manifest: a piece is made as soon as
-    its object is parsed (a manifest of 100k params holds 300k of them, and a dict each, all
-    alive at once, was most of the memory a reader needed), equal regions one object. Anything
-    else, and a piece-shaped object that is not a valid piece, stays a dict (checked where it
-    is used)."""
-    regions: dict[tuple[int, ...], Region] = {}
+class _Shared:
+    """What one manifest's parse shares: equal regions, shapes and dtypes as one object each
+    (frozen, so shared, not copied), and the hooks that make pieces and params as soon as
+    their objects are parsed (a manifest of 100k params holds 300k pieces: a dict each, all
+    alive at once, was most of the memory a reader needed)."""
 
-    def parsed(raw: dict[str, Any]) -> Any:
+    def __init__(self) -> None:
+        self.regions: dict[tuple[int, ...], Region] = {}
+        self._shapes: dict[Any, Any] = {}
+        self._dtypes: dict[Any, Any] = {}
+        self._no_scalars: dict[str, Scalar] = {}
+
+    def piece(self, raw: dict[str, Any]) -> Any:
+        """(the objects hook of :func:`strict_json`) A piece-shaped object as a piece; anything
+        else, and such an object that is not a valid piece, stays a dict (checked where it is
+        used)."""
         if len(raw) != len(_PIECE_FIELDS) or any(k not in raw for k in _PIECE_FIELDS):
             return raw
         try:
-            return piece_from_json(raw, regions)
+            return piece_from_json(raw, self.regions)
         except (CheckpointError, KeyError, TypeError, ValueError, AttributeError):
             return raw
 
-    return parsed
+    def param(self, raw: Any) -> Any:
+        """(for each element of ``params``) A param of the current format as a
+        :class:`ParamEntry`; anything else stays as it is (checked by :meth:`entry`)."""
+        if not isinstance(raw, dict) or set(raw) - {"scalars"} != _PARAM_FIELDS:
+            return raw
+        try:
+            return self.entry(raw, FORMAT_VERSION)
+        except (CheckpointError, KeyError, TypeError, ValueError, AttributeError):
+            return raw
+
+    def entry(self, raw: Any, version: int) -> ParamEntry:
+        """A schema-checked param of a manifest of format ``version``."""
+        if isinstance(raw, ParamEntry):  # made by param() as the current format reads it
+            if version < 2:
+                raise KeyError("state_keys")  # what the fields of format 1 lack
+            return raw
+        return ParamEntry(
+            name=sys.intern(_str(raw["name"])),
+            shape=_one(self._shapes, tuple(_nonneg_int(s) for s in raw["shape"])),
+            tp_split_dim=_int(raw["tp_split_dim"]),
+            group=_nonneg_int(raw["group"]),
+            dtypes=_one(self._dtypes, _dtypes(raw, version)),
+            scalars=_scalars(raw.get("scalars", {}) if version >= 2 else {}) or self._no_scalars,
+        )
+
+
+_PARAM_FIELDS = {"name", "shape", "tp_split_dim", "group", "dtypes"}
 
 
 def _as_json(value: Any) -> Any:
