@@ -12,7 +12,7 @@ import math
 import re
 import sys
 from collections import Counter, defaultdict
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -450,37 +450,33 @@ class Manifest:
     def digest(self) -> str:
         """A short hash of :meth:`to_json`: what the ranks of one load (or offline tool)
         compare to know they read one checkpoint."""
-        return hashlib.blake2b(self.to_json().encode(), digest_size=8).hexdigest()
+        digest = hashlib.blake2b(digest_size=8)
+        for chunk in self.json_chunks():
+            digest.update(chunk.encode())
+        return digest.hexdigest()
 
     def to_json(self) -> str:
         """The manifest as written: one compact JSON line per group, param, file and piece
-        (readable, and half the size of indented JSON: 100k params fit the 100 MB limit).
+        (readable, and half the size of indented JSON: 100k params fit the 100 MB limit)."""
+        return "".join(self.json_chunks())
+
+    def json_chunks(self) -> Iterator[str]:
+        """The text of :meth:`to_json` in consecutive pieces, each line made as it is asked
+        for (the text of 100k params is 89 MB: written or hashed so, it is never whole).
 
         Built field by field: ``dataclasses.asdict`` deep-copies every value, seconds at 100k
         params."""
-        body = {
+        lists: dict[str, tuple[Sequence[Any], Callable[[Any], Any]]] = {
+            "groups": (self.groups, _group_to_json),
+            "params": (self.params, _param_to_json),
+            "files": (self.files, _file_to_json),
+            "pieces": (self.pieces, piece_to_json),
+        }
+        body: dict[str, Any] = {
             "format": FORMAT_NAME,
             "kind": self.kind,
             "topology": dict(self.topology),
-            "groups": [
-                {"hyperparams": g.hyperparams, "params": list(g.params), "optimizer": g.optimizer}
-                for g in self.groups
-            ],
-            "params": [
-                {
-                    "name": e.name,
-                    "shape": list(e.shape),
-                    "tp_split_dim": e.tp_split_dim,
-                    "group": e.group,
-                    "dtypes": dict(e.dtypes),
-                    "scalars": {
-                        k: {"value": v.value, "dtype": v.dtype} for k, v in e.scalars.items()
-                    },
-                }
-                for e in self.params
-            ],
-            "files": [{"name": f.name, "bytes": f.bytes} for f in self.files],
-            "pieces": [piece_to_json(p) for p in self.pieces],
+            **dict.fromkeys(lists),
             "format_version": self.format_version,
             "checksum_algorithm": self.checksum_algorithm,
             "step": self.recorded_step,
@@ -495,20 +491,18 @@ class Manifest:
                 "pieces": [piece_to_json(p) for p in self.model.pieces],
                 "aliases": dict(self.model.aliases),
             }
-
-        def compact(value: Any) -> str:
-            return json.dumps(value, separators=(",", ":"), allow_nan=False)
-
-        fields = [
-            f"{compact(key)}: "
-            + (
-                "[\n" + ",\n".join(compact(item) for item in value) + "\n]"
-                if isinstance(value, list) and value
-                else compact(value)
-            )
-            for key, value in body.items()
-        ]
-        return "{\n" + ",\n".join(fields) + "\n}\n"
+        yield "{\n"
+        for index, (key, value) in enumerate(body.items()):
+            yield (",\n" if index else "") + _compact(key) + ": "
+            items, to_json = lists.get(key, ((), _compact))
+            if not items:
+                yield _compact([] if key in lists else value)
+                continue
+            yield "[\n"
+            for number, item in enumerate(items):
+                yield (",\n" if number else "") + _compact(to_json(item))
+            yield "\n]"
+        yield "\n}\n"
 
     def coverage_problems(self) -> list[str]:
         """Gaps, overlaps and stray pieces: every state tensor must be covered exactly once."""
@@ -528,6 +522,29 @@ class Manifest:
                 f"piece of param {param!r} state {key!r} that the manifest's params do not list"
             )
         return problems
+
+
+def _compact(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"), allow_nan=False)
+
+
+def _group_to_json(g: GroupEntry) -> dict[str, Any]:
+    return {"hyperparams": g.hyperparams, "params": list(g.params), "optimizer": g.optimizer}
+
+
+def _param_to_json(e: ParamEntry) -> dict[str, Any]:
+    return {
+        "name": e.name,
+        "shape": list(e.shape),
+        "tp_split_dim": e.tp_split_dim,
+        "group": e.group,
+        "dtypes": dict(e.dtypes),
+        "scalars": {k: {"value": v.value, "dtype": v.dtype} for k, v in e.scalars.items()},
+    }
+
+
+def _file_to_json(f: FileEntry) -> dict[str, Any]:
+    return {"name": f.name, "bytes": f.bytes}
 
 
 def _coverage(entry: ParamEntry, key: str, pieces: Sequence[Piece]) -> list[str]:

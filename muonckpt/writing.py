@@ -393,16 +393,15 @@ def commit(staging: Path, final: Path, manifest: Manifest) -> Path | None:
 
     Returns the directory now holding a checkpoint this replaced, for :func:`storage.retire`.
     """
-    text = manifest.to_json()
-    size = len(text.encode())
-    if size > storage.MAX_TEXT_BYTES:  # committed, it would be a checkpoint nothing can read
+    limit = storage.MAX_TEXT_BYTES  # past it, committed, a checkpoint nothing could read
+    size = storage.write_text_atomic(staging / MANIFEST_NAME, manifest.json_chunks(), limit=limit)
+    if size > limit:
         raise CheckpointError(
             f"its manifest would be {size} bytes, more than the {storage.MAX_TEXT_BYTES} a "
             "reader accepts (too much in extra / rank_extra: put large data in tensors); "
             "nothing was committed",
             path=final,
         )
-    storage.write_text_atomic(staging / MANIFEST_NAME, text)
     storage.fsync_dir(staging)
     return storage.swap_in(staging, final)
 

@@ -9,7 +9,7 @@ import ctypes
 import errno
 import os
 import stat
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -52,21 +52,36 @@ def replace_durably(tmp: Path, path: Path) -> None:
     fsync_dir(path.parent)
 
 
-def write_text_atomic(path: str | os.PathLike[str], text: str) -> None:
-    """Write ``text`` (UTF-8) to ``path`` atomically: temp file, fsync, rename, fsync the dir."""
+def write_text_atomic(
+    path: str | os.PathLike[str], text: str | Iterable[str], *, limit: int | None = None
+) -> int:
+    """Write ``text`` (UTF-8: a str, or its consecutive pieces, each written as it comes) to
+    ``path`` atomically: temp file, fsync, rename, fsync the dir. Returns its size in bytes;
+    past ``limit`` bytes nothing is written (the rest is only counted) and ``path`` is left as
+    it was."""
     path = Path(path)
     tmp = temporary_path(path)
+    size = 0
     try:
         with open(tmp, "wb") as f:
-            f.write(text.encode("utf-8"))
+            for chunk in [text] if isinstance(text, str) else text:
+                data = chunk.encode("utf-8")
+                size += len(data)
+                if limit is None or size <= limit:
+                    f.write(data)
             f.flush()
-            os.fsync(f.fileno())
+            if limit is None or size <= limit:
+                os.fsync(f.fileno())
+        if limit is not None and size > limit:
+            remove_quietly(tmp)
+            return size
         replace_durably(tmp, path)
     except BaseException as e:
         remove_quietly(tmp)
         if isinstance(e, OSError):
             raise CheckpointError(f"cannot write: {e}", path=path) from e
         raise
+    return size
 
 
 def pwrite_all(fd: int, view: memoryview, offset: int) -> None:
