@@ -150,7 +150,7 @@ def consolidate(
     """
     _check_workers(workers, collective)
     directory, manifest = open_checkpoint(src)
-    items = [((e.name, k, e.dtype_of(k)), e.shape) for e in manifest.params for k in e.tensor_keys]
+    items = (((e.name, k, e.dtype_of(k)), e.shape) for e in manifest.params for k in e.tensor_keys)
     job = _Job(
         _output_manifest(manifest, kind=CONSOLIDATED), consolidated_plan(items, max_shard_size)
     )
@@ -225,6 +225,7 @@ def reshard(
         _output_manifest(manifest, kind=PER_RANK, topology={"dp": dp, "tp": tp}, params=params),
         per_rank_plan(owned_by_rank),
     )
+    del specs, layout, owned_by_rank  # planned: not held while the job is written
     if workers > 1:
         worker_options = {
             "dp": dp,

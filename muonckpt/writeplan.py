@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -37,9 +38,12 @@ Item = tuple[str, str, str]
 """``(param, key, safetensors dtype)`` of one stored tensor."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class TensorWrite:
-    """One output tensor: which elements of which param state go to which file."""
+    """One output tensor: which elements of which param state go to which file.
+
+    Slotted, its key made once and interned (a plan of 100k params holds 300k of them, and
+    the key is also the source file's key and the output piece's)."""
 
     file: str
     param: str
@@ -53,11 +57,11 @@ class TensorWrite:
     """Its shape in the file: the full shape (consolidated) or ``(region.numel,)``."""
     scale: float = 1.0
     """Factor applied to the values on their way (``convert``: momentum between forms)."""
+    tensor: str = field(init=False)
+    """Its key in the file."""
 
-    @cached_property
-    def tensor(self) -> str:
-        """Its key in the file."""
-        return tensor_key(self.param, self.key)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tensor", sys.intern(tensor_key(self.param, self.key)))
 
     @property
     def nbytes(self) -> int:
