@@ -116,13 +116,18 @@ def _plan_header(
     specs: Mapping[str, tuple[str, Sequence[int]]],
     metadata: Mapping[str, str] | None,
 ) -> tuple[bytes, dict[str, tuple[str, tuple[int, ...], int, int]]]:
-    """The padded header bytes, and each key's (dtype, shape, begin, nbytes), in key order."""
+    """The padded header bytes, and each key's (dtype, shape, begin, nbytes), in key order.
+
+    The header is ``json.dumps`` of the format's object (compact, not ASCII-escaped), written
+    entry by entry: 300k tensors as dicts and lists at once took 120 MB. Equal shapes are one
+    tuple."""
     meta = dict(metadata or {})
     for k, v in meta.items():
         if not isinstance(k, str) or not isinstance(v, str):
             raise CheckpointError(f"metadata must map str to str, got {k!r}: {v!r}", path=path)
-    header: dict[str, object] = {METADATA_KEY: meta} if meta else {}
+    entries = [f"{_json(METADATA_KEY)}:{_json(meta)}"] if meta else []
     plan: dict[str, tuple[str, tuple[int, ...], int, int]] = {}
+    shapes: dict[tuple[int, ...], tuple[int, ...]] = {}
     position = 0
     for key in specs:
         if not isinstance(key, str) or key == METADATA_KEY:
@@ -134,17 +139,22 @@ def _plan_header(
         shape = tuple(int(s) for s in shape)
         if any(s < 0 for s in shape):
             raise CheckpointError(f"negative size in shape {shape}", path=path, param=key)
+        shape = shapes.setdefault(shape, shape)
         nbytes = math.prod(shape) * DTYPE_BYTES[name]
-        header[key] = {
-            "dtype": name,
-            "shape": list(shape),
-            "data_offsets": [position, position + nbytes],
-        }
+        entries.append(
+            f'{_json(key)}:{{"dtype":{_json(name)},"shape":[{",".join(map(str, shape))}],'
+            f'"data_offsets":[{position},{position + nbytes}]}}'
+        )
         plan[key] = (name, shape, position, nbytes)
         position += nbytes
-    encoded = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    encoded = ("{" + ",".join(entries) + "}").encode("utf-8")
+    del entries
     encoded += b" " * (-len(encoded) % 8)
     return encoded, plan
+
+
+def _json(value: object) -> str:
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
 
 
 class SafetensorsWriter:
@@ -246,7 +256,7 @@ class SafetensorsWriter:
         except OSError as e:
             self.abort()
             raise CheckpointError(f"cannot write: {e}", path=self.path) from e
-        return dict(self._records)
+        return self._records
 
     def abort(self) -> None:
         """Close and remove the temporary file (idempotent)."""
