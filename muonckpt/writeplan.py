@@ -189,6 +189,7 @@ def consolidated_plan(
     files: dict[str, dict[str, str]] = {}
     writes: list[TensorWrite] = []
     texts: dict[str, str] = {}
+    wholes: dict[int, Region] = {}
     for stem in (STATE_STEM, VALUE_STEM):
         family = {tensor_key(p, k): (p, k, d) for p, k, d in shapes if stem_of(k) == stem}
         if not family:
@@ -203,9 +204,9 @@ def consolidated_plan(
             for tkey in keys:
                 param, key, dtype = family[tkey]
                 shape = shapes[param, key, dtype]
-                writes.append(
-                    TensorWrite(file, param, key, dtype, whole_region(math.prod(shape)), shape)
-                )
+                numel = math.prod(shape)
+                region = wholes.setdefault(numel, whole_region(numel))  # one per size, shared
+                writes.append(TensorWrite(file, param, key, dtype, region, shape))
         if len(shards) > 1:
             texts[index_file(stem)] = shard_index(shards, sizes)
     return WritePlan(files, tuple(writes), texts)
