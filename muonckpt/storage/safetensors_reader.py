@@ -9,6 +9,7 @@ import itertools
 import json
 import math
 import os
+import re
 import struct
 import sys
 import threading
@@ -86,6 +87,57 @@ def _tensor_entry(info: object) -> Entry | str:
     return _DTYPE_NAMES[dtype], tuple(shape), begin, end
 
 
+_WHITESPACE = re.compile(r"[ \t\n\r]*")
+
+
+def _regular_header(
+    text: str, data_start: int, data_size: int
+) -> tuple[dict[str, str], _Records] | None:
+    """The metadata and records of a header that is a JSON object of sound entries, each
+    within the ``data_size`` bytes of data, no key twice, read member by member (never the
+    object whole, a dict of 300k entries); None for anything else, which the full parse
+    judges (naming the problem)."""
+    scan = json.JSONDecoder(object_pairs_hook=_compact_entries()).scan_once  # type: ignore[attr-defined]
+    skip = _WHITESPACE.match
+    records, metadata = _Records(), None
+    pos = skip(text, 0).end()  # type: ignore[union-attr]
+    if text[pos : pos + 1] != "{":
+        return None
+    pos = skip(text, pos + 1).end()  # type: ignore[union-attr]
+    closing = text[pos : pos + 1] == "}"
+    while not closing:
+        try:
+            key, pos = scan(text, pos) if text[pos : pos + 1] == '"' else (None, pos)
+            pos = skip(text, pos).end()  # type: ignore[union-attr]
+            if not isinstance(key, str) or text[pos : pos + 1] != ":":
+                return None
+            value, pos = scan(text, skip(text, pos + 1).end())  # type: ignore[union-attr]
+        except (StopIteration, ValueError, RecursionError):
+            return None
+        if key == METADATA_KEY and metadata is None and _string_map(value):
+            metadata = dict(value)
+        elif key != METADATA_KEY and isinstance(value, tuple) and value[3] <= data_size:
+            dtype, shape, begin, end = value
+            records.add(key, dtype, shape, data_start + begin, end - begin)
+        else:
+            return None
+        pos = skip(text, pos).end()  # type: ignore[union-attr]
+        closing = text[pos : pos + 1] == "}"
+        if not closing:
+            if text[pos : pos + 1] != ",":
+                return None
+            pos = skip(text, pos + 1).end()  # type: ignore[union-attr]
+    if skip(text, pos + 1).end() != len(text) or not records.seal():  # type: ignore[union-attr]
+        return None
+    return metadata or {}, records
+
+
+def _string_map(value: object) -> bool:
+    return isinstance(value, dict) and all(
+        isinstance(k, str) and isinstance(v, str) for k, v in value.items()
+    )
+
+
 def _compact_entries() -> Callable[[list[tuple[str, object]]], object]:
     """The ``object_pairs_hook`` of a header: each sound tensor entry becomes an
     :data:`Entry` (equal shapes one tuple) as soon as it is parsed, since a header of 300k
@@ -117,26 +169,32 @@ class _Records:
         self._keys: list[str] = []
         self._shapes: list[tuple[int, ...]] = []
         self._offsets, self._sizes, self._dtypes = array("q"), array("q"), array("B")
+        self.ordered, self._end = True, 0
+        """Whether the data of the tensors added lies in their order (then none overlap)."""
 
     def add(self, key: str, dtype: str, shape: tuple[int, ...], offset: int, nbytes: int) -> None:
         """One more tensor (then :meth:`seal`, once all are added)."""
+        if nbytes:
+            self.ordered = self.ordered and offset >= self._end
+            self._end = offset + nbytes
         self._keys.append(sys.intern(key))  # the manifest's pieces name it too: one string
         self._shapes.append(shape)
         self._offsets.append(offset)
         self._sizes.append(nbytes)
         self._dtypes.append(_DTYPE_CODES[dtype])
 
-    def seal(self) -> None:
-        """Sort the tensors by key, for lookups."""
+    def seal(self) -> bool:
+        """Sort the tensors by key, for lookups; False when a key came twice."""
         keys = self._keys
         if all(a < b for a, b in itertools.pairwise(keys)):
-            return
+            return True
         order = sorted(range(len(keys)), key=keys.__getitem__)
         self._keys = [keys[i] for i in order]
         self._shapes = [self._shapes[i] for i in order]
         for name in ("_offsets", "_sizes", "_dtypes"):
             values = getattr(self, name)
             setattr(self, name, array(values.typecode, (values[i] for i in order)))
+        return all(a < b for a, b in itertools.pairwise(self._keys))
 
     def __len__(self) -> int:
         return len(self._keys)
@@ -272,27 +330,34 @@ class SafetensorsReader:
         raw = self._pread(8, length, what="header")
         try:
             text = raw.decode("utf-8")
-            del raw
+        except UnicodeDecodeError as e:
+            raise self._fail(f"header is not valid UTF-8 JSON: {e}") from e
+        del raw
+        data_start = 8 + length
+        regular = _regular_header(text, data_start, size - data_start)
+        if regular is None:  # anything else: parsed whole, then judged entry by entry
+            self._judge_header(text, data_start, size - data_start)
+        else:
+            self.metadata, self._records = regular
+        if not self._records.ordered:  # data not in header order (written by others)
+            self._check_overlaps()
+
+    def _judge_header(self, text: str, data_start: int, data_size: int) -> None:
+        try:
             header = json.loads(text, object_pairs_hook=_compact_entries())
             if not isinstance(header, dict):  # a header that is one entry: judged as it is
                 header = json.loads(text, object_pairs_hook=_no_duplicates)
-            del text
-        except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        except (ValueError, RecursionError) as e:
             raise self._fail(f"header is not valid UTF-8 JSON: {e}") from e
         if not isinstance(header, dict):
             raise self._fail(f"header is a JSON {type(header).__name__}, not an object")
 
         meta = header.pop(METADATA_KEY, None)
         if meta is not None:
-            if not isinstance(meta, dict) or not all(
-                isinstance(k, str) and isinstance(v, str) for k, v in meta.items()
-            ):
+            if not _string_map(meta):
                 raise self._fail("__metadata__ is not a map of strings to strings")
             self.metadata = dict(meta)
 
-        data_start = 8 + length
-        data_size = size - data_start
-        ordered, last_end = True, 0
         for key, info in header.items():
             entry = info if isinstance(info, tuple) else _tensor_entry(info)
             if isinstance(entry, str):
@@ -303,13 +368,8 @@ class SafetensorsReader:
                     f"data_offsets {[begin, end]} run past the end of the data ({data_size} bytes)",
                     key,
                 )
-            if end > begin:
-                ordered = ordered and begin >= last_end
-                last_end = end
             self._records.add(key, dtype, shape, data_start + begin, end - begin)
         self._records.seal()
-        if not ordered:  # data not in header order (written by others): find an overlap
-            self._check_overlaps()
 
     def _check_overlaps(self) -> None:
         spans = sorted((r.offset, r.offset + r.nbytes, r.key) for r in self._records.all())
