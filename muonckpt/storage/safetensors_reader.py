@@ -28,7 +28,13 @@ from ..manifest import CHECKSUM_ALGORITHM, DTYPE_BYTES, MANIFEST_NAME
 from .checksums import CHUNK_BYTES, chunk_digest
 from .dtypes import byte_view, torch_dtype
 from .durable import open_regular, read_text
-from .safetensors_format import MAX_HEADER_BYTES, METADATA_KEY, TensorRecord
+from .safetensors_format import (
+    DTYPE_CODES,
+    DTYPES,
+    MAX_HEADER_BYTES,
+    METADATA_KEY,
+    TensorRecord,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -156,10 +162,6 @@ def _compact_entries() -> Callable[[list[tuple[str, object]]], object]:
     return compact
 
 
-_DTYPES = list(DTYPE_BYTES)
-_DTYPE_CODES = {name: code for code, name in enumerate(_DTYPES)}
-
-
 class _Records:
     """The records of one file's tensors, compactly (300k :class:`TensorRecord` objects took
     50 MB): keys sorted, beside arrays of their offsets, sizes and dtypes and a list of their
@@ -181,7 +183,7 @@ class _Records:
         self._shapes.append(shape)
         self._offsets.append(offset)
         self._sizes.append(nbytes)
-        self._dtypes.append(_DTYPE_CODES[dtype])
+        self._dtypes.append(DTYPE_CODES[dtype])
 
     def seal(self) -> bool:
         """Sort the tensors by key, for lookups; False when a key came twice."""
@@ -215,7 +217,7 @@ class _Records:
     def _record(self, index: int) -> TensorRecord:
         return TensorRecord(
             key=self._keys[index],
-            dtype=_DTYPES[self._dtypes[index]],
+            dtype=DTYPES[self._dtypes[index]],
             shape=self._shapes[index],
             offset=self._offsets[index],
             nbytes=self._sizes[index],
