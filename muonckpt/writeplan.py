@@ -152,8 +152,11 @@ def rank_plan(rank: int, world_size: int, owned: Iterable[tuple[Item, Region]]) 
     """One rank's file of a per-rank checkpoint: each (param, key, dtype) with the region of
     the full tensor the rank holds, stored flat."""
     file = rank_file(rank, world_size)
+    shapes: dict[int, tuple[int]] = {}  # equal shapes one tuple
     writes = tuple(
-        TensorWrite(file, param, key, dtype, region, (region.numel,))
+        TensorWrite(
+            file, param, key, dtype, region, shapes.setdefault(region.numel, (region.numel,))
+        )
         for (param, key, dtype), region in owned
     )
     return WritePlan({file: {"format": FORMAT_NAME, "rank": str(rank)}}, writes)

@@ -27,6 +27,7 @@ import warnings
 from collections.abc import Callable, Generator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from operator import attrgetter
 from pathlib import Path
 from typing import Any, Protocol, TypeVar, cast
 
@@ -212,10 +213,13 @@ def finish(
         reports = [Written.from_json(r) for r in raw] if across else raw
         names = dict.fromkeys(name for r in reports for name in r.files)
         files = [FileEntry(name, storage.file_size(staging / name)) for name in names]
-        order = {name: i for i, name in enumerate(names)}
+        in_file: dict[str, list[Piece]] = {name: [] for name in names}
+        for report in reports:
+            for piece in report.pieces:
+                in_file[piece.file].append(piece)
         merged = Reports(
             files,
-            sorted((p for r in reports for p in r.pieces), key=lambda p: (order[p.file], p.tensor)),
+            [p for file in in_file.values() for p in sorted(file, key=attrgetter("tensor"))],
             {k: v for r in reports for k, v in r.dtypes.items()},
             [r.extra for r in reports],
         )
