@@ -19,12 +19,14 @@ import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
+from itertools import pairwise
 
 from .errors import CheckpointError
 from .layout import Region, whole_region
 from .manifest import (
     DTYPE_BYTES,
     FORMAT_NAME,
+    PARAM_KEY,
     STATE_STEM,
     VALUE_STEM,
     Piece,
@@ -95,7 +97,23 @@ class WritePlan:
     """Small extra files (the Hugging Face index of sharded files)."""
 
     def __post_init__(self) -> None:
-        unique_tensor_keys(((w.param, w.key) for w in self.writes), None)
+        _unique_keys(((w.param, w.key, w.tensor) for w in self.writes), None)
+        in_file: dict[str, list[TensorWrite]] = {file: [] for file in self.files}
+        for w in self.writes:
+            if (
+                w.file not in in_file
+                or w.dtype not in DTYPE_BYTES
+                or math.prod(w.shape) != w.region.numel
+            ):
+                self._refuse()
+            in_file[w.file].append(w)
+        ordered = [w for writes in in_file.values() for w in sorted(writes, key=_tensor)]
+        if any(a.tensor == b.tensor and a.file == b.file for a, b in pairwise(ordered)):
+            self._refuse()
+        object.__setattr__(self, "writes", tuple(ordered))
+
+    def _refuse(self) -> None:
+        """Raise the first problem of the writes, in their order (there is one)."""
         order = {file: i for i, file in enumerate(self.files)}
         placed: set[tuple[str, str]] = set()
         for w in self.writes:
@@ -111,8 +129,6 @@ class WritePlan:
             if (w.file, w.tensor) in placed:
                 raise CheckpointError(f"{w.tensor!r} planned twice in {w.file!r}", param=w.param)
             placed.add((w.file, w.tensor))
-        ordered = sorted(self.writes, key=lambda w: (order[w.file], w.tensor))
-        object.__setattr__(self, "writes", tuple(ordered))
 
     @property
     def total_bytes(self) -> int:
@@ -136,16 +152,26 @@ class WritePlan:
 
 def unique_tensor_keys(items: Iterable[tuple[str, str]], where: object) -> None:
     """Refuse (param, key) pairs whose file keys collide (a param named like another's state)."""
-    seen: dict[str, tuple[str, str]] = {}
-    for param, key in items:
-        tkey = tensor_key(param, key)
-        if tkey in seen and seen[tkey] != (param, key):
+    _unique_keys(((param, key, tensor_key(param, key)) for param, key in items), where)
+
+
+def _unique_keys(items: Iterable[tuple[str, str, str]], where: object) -> None:
+    """:func:`unique_tensor_keys` of (param, key, its file key) triples. A file key and its
+    param determine the key, so only the param is kept per file key (300k tuples less)."""
+    seen: dict[str, str] = {}
+    for param, key, tkey in items:
+        first = seen.setdefault(tkey, param)
+        if first != param:
+            first_key = PARAM_KEY if tkey == first else tkey[len(tensor_key(first, "")) :]
             raise CheckpointError(
-                f"param {param!r} {key!r} and param {seen[tkey][0]!r} {seen[tkey][1]!r} would "
+                f"param {param!r} {key!r} and param {first!r} {first_key!r} would "
                 f"both be stored as {tkey!r}: rename one",
                 path=where,
             )
-        seen[tkey] = (param, key)
+
+
+def _tensor(write: TensorWrite) -> str:
+    return write.tensor
 
 
 def rank_plan(rank: int, world_size: int, owned: Iterable[tuple[Item, Region]]) -> WritePlan:
