@@ -39,7 +39,15 @@ import numpy as np
 from . import kinds, storage, writing
 from .dcp import LAYOUTS, DcpConversion, from_dcp, is_dcp, to_dcp
 from .errors import CheckpointError, LayoutError, MuonCkptError
-from .layout import LayoutOptions, ParamSpec, Topology, arrange, whole_region
+from .layout import (
+    BufferLayout,
+    LayoutOptions,
+    ParamSpec,
+    Region,
+    Topology,
+    arrange,
+    whole_region,
+)
 from .manifest import (
     CONSOLIDATED,
     FORMAT_NAME,
@@ -207,25 +215,17 @@ def reshard(
     if unknown:
         raise LayoutError(f"tp_split_dims names params that are not in the checkpoint: {unknown}")
     params = tuple(
-        replace(e, tp_split_dim=overrides.get(e.name, e.tp_split_dim)) for e in manifest.params
+        replace(e, tp_split_dim=overrides[e.name]) if e.name in overrides else e
+        for e in manifest.params
     )
     unique_tensor_keys(((e.name, k) for e in params for k in e.tensor_keys), directory)
     specs = [ParamSpec(e.name, e.shape, tp_split_dim=e.tp_split_dim, group=e.group) for e in params]
     layout = arrange(specs, topology, options=options)
-    owned_by_rank = [
-        [
-            ((entry.name, key, entry.dtype_of(key)), region)
-            for index, entry in enumerate(params)
-            if (region := layout.owner_region(index, *topology.coords(rank))).numel
-            for key in entry.tensor_keys
-        ]
-        for rank in range(topology.world_size)
-    ]
     job = _Job(
         _output_manifest(manifest, kind=PER_RANK, topology={"dp": dp, "tp": tp}, params=params),
-        per_rank_plan(owned_by_rank),
+        per_rank_plan([_owned(params, layout, rank) for rank in range(topology.world_size)]),
     )
-    del specs, layout, owned_by_rank  # planned: not held while the job is written
+    del specs, layout  # planned: not held while the job is written
     if workers > 1:
         worker_options = {
             "dp": dp,
@@ -242,6 +242,19 @@ def reshard(
         "tp_split_dims": overrides,
     }
     return _write("reshard", job, directory, manifest, dst, overwrite, progress, collective, called)
+
+
+def _owned(
+    params: Sequence[ParamEntry], layout: BufferLayout, rank: int
+) -> Iterator[tuple[tuple[str, str, str], Region]]:
+    """What ``rank`` holds under ``layout``: (param, key, dtype) and region, made as its plan
+    takes them (not 300k tuples at once)."""
+    coords = layout.topology.coords(rank)
+    for index, entry in enumerate(params):
+        region = layout.owner_region(index, *coords)
+        if region.numel:
+            for key in entry.tensor_keys:
+                yield (entry.name, key, entry.dtype_of(key)), region
 
 
 def _output_manifest(manifest: Manifest, **changes: Any) -> Manifest:
