@@ -23,6 +23,7 @@ the target, manifest last, and swapped in atomically (:func:`muonckpt.storage.sw
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 import multiprocessing as mp
@@ -719,11 +720,17 @@ def iter_diff(
         raise CheckpointError(f"atol and rtol must be non-negative, got {atol}, {rtol}")
     dir_a, man_a = open_checkpoint(a)
     dir_b, man_b = open_checkpoint(b)
-    params_a = {e.name: e for e in man_a.params}
-    params_b = {e.name: e for e in man_b.params}
-    names = [e.name for e in man_a.params] + [
-        e.name for e in man_b.params if e.name not in params_a
-    ]
+
+    def entry(manifest: Manifest, name: str) -> ParamEntry | None:
+        try:  # the manifest's own index of its params: no second dict of 100k names
+            return manifest.param(name)
+        except CheckpointError:
+            return None
+
+    names = itertools.chain(
+        (e.name for e in man_a.params),
+        (e.name for e in man_b.params if entry(man_a, e.name) is None),
+    )
     pieces_a, pieces_b = man_a.pieces_of(), man_b.pieces_of()
     scales = _momentum_scales(man_a, man_b)
 
@@ -744,7 +751,7 @@ def iter_diff(
         PieceReader(dir_b, man_b, reuse_outputs=1) as read_b,
     ):
         for name in names:
-            ea, eb = params_a.get(name), params_b.get(name)
+            ea, eb = entry(man_a, name), entry(man_b, name)
             if ea is None or eb is None:
                 yield row(name, None, f"param only in {'A' if eb is None else 'B'}")
                 continue
