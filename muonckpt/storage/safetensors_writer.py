@@ -149,10 +149,13 @@ def _plan_header(
         )
         plan.add(key, name, shape, position, nbytes)
         position += nbytes
-    encoded = ("{" + ",".join(entries) + "}").encode("utf-8")
+    text = "".join(["{", ",".join(entries), "}"])
     del entries
-    encoded += b" " * (-len(encoded) % 8)
-    return encoded, plan
+    if text.isascii():  # padded as text, so that the header is encoded once, not copied
+        text += " " * (-len(text) % 8)
+        return text.encode("ascii"), plan
+    encoded = text.encode("utf-8")
+    return encoded + b" " * (-len(encoded) % 8), plan
 
 
 class _Layout:
