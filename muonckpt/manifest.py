@@ -359,11 +359,12 @@ class Manifest:
     extra: Extra | None = None
     """The training job's own state (``"extra"``); None: none was saved."""
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "_by_name", {entry.name: entry for entry in self.params})
-
     def param(self, name: str) -> ParamEntry:
-        entry = self._by_name.get(name)  # type: ignore[attr-defined]
+        by_name = self.__dict__.get("_by_name")
+        if by_name is None:  # made when first asked: a rewrite's output manifest never is
+            by_name = {entry.name: entry for entry in self.params}
+            object.__setattr__(self, "_by_name", by_name)
+        entry = by_name.get(name)
         if entry is None:
             raise CheckpointError("no such param in the checkpoint", param=name)
         return entry
