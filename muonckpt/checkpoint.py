@@ -58,13 +58,13 @@ from .manifest import (
     ParamEntry,
     Rename,
     Scalar,
-    extra_from_json,
     extra_rank_file,
     extra_to_json,
     json_safe,
     model_tensor,
     prefix_hint,
 )
+from .manifest_json import extra_from_json
 from .model_state import ModelTensors, model_tensors
 from .pieces import PieceReader, open_checkpoint
 from .sharding import following

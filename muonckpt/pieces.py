@@ -30,10 +30,9 @@ from .manifest import (
     Manifest,
     ParamEntry,
     Piece,
-    parse_manifest,
-    parse_manifest_chunks,
     rank_file,
 )
+from .manifest_json import parse_manifest, parse_manifest_chunks
 
 
 def read_manifest(path: str | os.PathLike[str]) -> Manifest:

@@ -42,9 +42,9 @@ from .manifest import (
     Manifest,
     Piece,
     ValuePath,
-    piece_from_json,
     piece_to_json,
 )
+from .manifest_json import piece_from_json
 from .steps import Outcome, StepProtocol, disagreement
 from .workplan import WorkUnit, split_work
 from .writeplan import TensorWrite, WritePlan

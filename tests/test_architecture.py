@@ -24,7 +24,18 @@ ROOT = Path(__file__).resolve().parent.parent / PACKAGE
 # module in it, "*" every module, "" the package itself (muonckpt/__init__.py). Other modules
 # are named in full: "torch" also covers torch.nn, torch.distributed, ...
 
-PURE = ("layout", "grid", "kinds", "manifest", "nsplan", "steps", "workplan", "writeplan")
+PURE = (
+    "layout",
+    "grid",
+    "kinds",
+    "manifest",
+    "manifest_json",
+    "nsplan",
+    "steps",
+    "strict_json",
+    "workplan",
+    "writeplan",
+)
 """Plain data and arithmetic: no tensors, no files, no process groups."""
 NOT_YET: set[str] = set()
 """Modules the rules name before they land; any other name in the rules must exist."""
