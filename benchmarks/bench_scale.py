@@ -21,8 +21,9 @@ operation alone (interpreter start, imports and, for load, building the optimize
 
 Each child also reports its peak resident memory (``getrusage(RUSAGE_SELF).ru_maxrss``:
 interpreter, imports and, for load, the optimizer included; ``*-rss`` rows, MB) and its
-resident memory just before the operation (``OP base (MB)`` rows), so that the operation's own
-share is the difference.
+resident memory just before the operation (``OP base (MB)`` rows); the operation's own share
+is the difference (``OP growth (MB)`` rows), which issue 20 bounds by 2x the largest tensor +
+300 MB (the largest tensor here is 16 bytes).
 
 and the CLI commands ``muonckpt inspect``, ``muonckpt verify`` and ``muonckpt --quiet
 consolidate`` run once more as a user runs them, timed as whole commands (``*-cli`` rows:
@@ -172,6 +173,7 @@ def bench(sizes: list[int], root: Path, timeout: float, profile: Path | None) ->
         results[op] = {}
     for op in OPS:
         results[f"{op} base (MB)"], results[f"{op} peak (MB)"] = {}, {}
+        results[f"{op} growth (MB)"] = {}
     given_up: set[str] = set()
     for n in sizes:
         ck, out = root / f"ck-{n}", root / f"out-{n}"
@@ -184,9 +186,8 @@ def bench(sizes: list[int], root: Path, timeout: float, profile: Path | None) ->
         results["save"][n] = built["save_s"]
         for op in OPS:
             if op in given_up:
-                results[op][n] = results[f"{op} base (MB)"][n] = results[f"{op} peak (MB)"][n] = (
-                    None
-                )
+                for row in (op, f"{op} base (MB)", f"{op} peak (MB)", f"{op} growth (MB)"):
+                    results[row][n] = None
                 continue
             shutil.rmtree(out, ignore_errors=True)
             args = ["_op", op, str(ck), str(out), str(n)]
@@ -198,6 +199,9 @@ def bench(sizes: list[int], root: Path, timeout: float, profile: Path | None) ->
             results[op][n] = None if got is None else got["op_s"]
             results[f"{op} base (MB)"][n] = None if got is None else got["base_mb"]
             results[f"{op} peak (MB)"][n] = None if got is None else got["peak_mb"]
+            results[f"{op} growth (MB)"][n] = (
+                None if got is None else got["peak_mb"] - got["base_mb"]
+            )
             if got is None:
                 given_up.add(op)
         for name, argv in CLI.items():

@@ -1,4 +1,5 @@
-"""The checkpoint manifest: versioned dataclasses to and from JSON, with schema checks.
+"""The checkpoint manifest: versioned dataclasses, their JSON text and coverage checks (read
+and schema-checked by :mod:`muonckpt.manifest_json`).
 
 Pure: no tensors, no collectives, no file I/O. ``manifest.json`` is written last by a save and
 is its commit marker; docs/format.md specifies every field.
@@ -9,16 +10,13 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import re
-import sys
-from collections import Counter, defaultdict
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from .errors import CheckpointError
-from .kinds import KNOWN
-from .layout import Region, matrix_view
+from .layout import Region
 
 FORMAT_NAME = "muonckpt"
 FORMAT_VERSION = 2
@@ -32,7 +30,6 @@ MANIFEST_NAME = "manifest.json"
 PER_RANK = "per-rank"
 CONSOLIDATED = "consolidated"
 KINDS = (PER_RANK, CONSOLIDATED)
-_DIGEST = re.compile("[0-9a-f]{16}")
 
 DTYPE_BYTES: dict[str, int] = {
     "F64": 8,
@@ -178,7 +175,7 @@ def extra_rank_file(rank: int, world_size: int) -> str:
 
 EXTRA_DEPTH = 24
 """How deeply ``extra`` values may nest (the manifest around them takes the rest of
-:data:`MAX_JSON_DEPTH`)."""
+:data:`muonckpt.strict_json.MAX_JSON_DEPTH`)."""
 EXTRA_JSON_BYTES = 16 << 20
 """The most bytes of JSON one save's ``extra`` and ``rank_extra`` values may take in the
 manifest; larger data goes in tensors."""
@@ -358,11 +355,12 @@ class Manifest:
     extra: Extra | None = None
     """The training job's own state (``"extra"``); None: none was saved."""
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "_by_name", {entry.name: entry for entry in self.params})
-
     def param(self, name: str) -> ParamEntry:
-        entry = self._by_name.get(name)  # type: ignore[attr-defined]
+        by_name = self.__dict__.get("_by_name")
+        if by_name is None:  # made when first asked: a rewrite's output manifest never is
+            by_name = {entry.name: entry for entry in self.params}
+            object.__setattr__(self, "_by_name", by_name)
+        entry = by_name.get(name)
         if entry is None:
             raise CheckpointError("no such param in the checkpoint", param=name)
         return entry
@@ -418,12 +416,9 @@ class Manifest:
         """Whether the params' own values were saved (every param's, or none)."""
         return bool(self.params) and all(e.value_dtype is not None for e in self.params)
 
-    def pieces_of(self) -> dict[tuple[str, str], list[Piece]]:
+    def pieces_of(self) -> PieceIndex:
         """Pieces grouped by (param, state key)."""
-        grouped: dict[tuple[str, str], list[Piece]] = defaultdict(list)
-        for piece in self.pieces:
-            grouped[piece.param, piece.key].append(piece)
-        return grouped
+        return PieceIndex(self.pieces)
 
     @property
     def group_step(self) -> int | None:
@@ -449,37 +444,33 @@ class Manifest:
     def digest(self) -> str:
         """A short hash of :meth:`to_json`: what the ranks of one load (or offline tool)
         compare to know they read one checkpoint."""
-        return hashlib.blake2b(self.to_json().encode(), digest_size=8).hexdigest()
+        digest = hashlib.blake2b(digest_size=8)
+        for chunk in self.json_chunks():
+            digest.update(chunk.encode())
+        return digest.hexdigest()
 
     def to_json(self) -> str:
         """The manifest as written: one compact JSON line per group, param, file and piece
-        (readable, and half the size of indented JSON: 100k params fit the 100 MB limit).
+        (readable, and half the size of indented JSON: 100k params fit the 100 MB limit)."""
+        return "".join(self.json_chunks())
+
+    def json_chunks(self) -> Iterator[str]:
+        """The text of :meth:`to_json` in consecutive pieces, each line made as it is asked
+        for (the text of 100k params is 89 MB: written or hashed so, it is never whole).
 
         Built field by field: ``dataclasses.asdict`` deep-copies every value, seconds at 100k
         params."""
-        body = {
+        lists: dict[str, tuple[Sequence[Any], Callable[[Any], Any]]] = {
+            "groups": (self.groups, _group_to_json),
+            "params": (self.params, _param_to_json),
+            "files": (self.files, _file_to_json),
+            "pieces": (self.pieces, piece_to_json),
+        }
+        body: dict[str, Any] = {
             "format": FORMAT_NAME,
             "kind": self.kind,
             "topology": dict(self.topology),
-            "groups": [
-                {"hyperparams": g.hyperparams, "params": list(g.params), "optimizer": g.optimizer}
-                for g in self.groups
-            ],
-            "params": [
-                {
-                    "name": e.name,
-                    "shape": list(e.shape),
-                    "tp_split_dim": e.tp_split_dim,
-                    "group": e.group,
-                    "dtypes": dict(e.dtypes),
-                    "scalars": {
-                        k: {"value": v.value, "dtype": v.dtype} for k, v in e.scalars.items()
-                    },
-                }
-                for e in self.params
-            ],
-            "files": [{"name": f.name, "bytes": f.bytes} for f in self.files],
-            "pieces": [piece_to_json(p) for p in self.pieces],
+            **dict.fromkeys(lists),
             "format_version": self.format_version,
             "checksum_algorithm": self.checksum_algorithm,
             "step": self.recorded_step,
@@ -494,39 +485,94 @@ class Manifest:
                 "pieces": [piece_to_json(p) for p in self.model.pieces],
                 "aliases": dict(self.model.aliases),
             }
-
-        def compact(value: Any) -> str:
-            return json.dumps(value, separators=(",", ":"), allow_nan=False)
-
-        fields = [
-            f"{compact(key)}: "
-            + (
-                "[\n" + ",\n".join(compact(item) for item in value) + "\n]"
-                if isinstance(value, list) and value
-                else compact(value)
-            )
-            for key, value in body.items()
-        ]
-        return "{\n" + ",\n".join(fields) + "\n}\n"
+        yield "{\n"
+        for index, (key, value) in enumerate(body.items()):
+            yield (",\n" if index else "") + _compact(key) + ": "
+            items, to_json = lists.get(key, ((), _compact))
+            if not items:
+                yield _compact([] if key in lists else value)
+                continue
+            yield "[\n"
+            for number, item in enumerate(items):
+                yield (",\n" if number else "") + _compact(to_json(item))
+            yield "\n]"
+        yield "\n}\n"
 
     def coverage_problems(self) -> list[str]:
         """Gaps, overlaps and stray pieces: every state tensor must be covered exactly once."""
         problems = []
-        grouped = self.pieces_of()
+        grouped, covered = self.pieces_of(), 0
         for entry in self.params:
             for key in entry.tensor_keys:
-                problems += _coverage(entry, key, grouped.pop((entry.name, key), []))
+                pieces = grouped[entry.name, key]
+                covered += len(pieces)
+                problems += _coverage(entry, key, pieces)
         if self.model is not None:
             held = defaultdict(list)
             for piece in self.model.pieces:
                 held[piece.param].append(piece)
             for entry in self.model.tensors:
                 problems += _coverage(entry, PARAM_KEY, held.get(entry.name, []))
-        for param, key in grouped:
-            problems.append(
+        if covered != len(self.pieces):  # pieces of tensors that no param lists
+            listed = {(entry.name, key) for entry in self.params for key in entry.tensor_keys}
+            strays = dict.fromkeys((p.param, p.key) for p in self.pieces)
+            problems += [
                 f"piece of param {param!r} state {key!r} that the manifest's params do not list"
-            )
+                for param, key in strays
+                if (param, key) not in listed
+            ]
         return problems
+
+
+class PieceIndex:
+    """The pieces of each stored tensor, by (param, key); a tensor that none holds has none.
+
+    One dict per key, of each param's piece, or of its list where several pieces hold it: most
+    tensors have one, and a dict of (param, key) tuples and lists took 55 MB at 100k params."""
+
+    __slots__ = ("_by_key",)
+
+    def __init__(self, pieces: Iterable[Piece]) -> None:
+        self._by_key: dict[str, dict[str, Piece | list[Piece]]] = {}
+        for piece in pieces:
+            held = self._by_key.setdefault(piece.key, {})
+            found = held.get(piece.param)
+            if found is None:
+                held[piece.param] = piece
+            elif isinstance(found, list):
+                found.append(piece)
+            else:
+                held[piece.param] = [found, piece]
+
+    def __getitem__(self, tensor: tuple[str, str]) -> Sequence[Piece]:
+        param, key = tensor
+        found = self._by_key.get(key, {}).get(param)
+        if found is None:
+            return ()
+        return found if isinstance(found, list) else (found,)
+
+
+def _compact(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"), allow_nan=False)
+
+
+def _group_to_json(g: GroupEntry) -> dict[str, Any]:
+    return {"hyperparams": g.hyperparams, "params": list(g.params), "optimizer": g.optimizer}
+
+
+def _param_to_json(e: ParamEntry) -> dict[str, Any]:
+    return {
+        "name": e.name,
+        "shape": list(e.shape),
+        "tp_split_dim": e.tp_split_dim,
+        "group": e.group,
+        "dtypes": dict(e.dtypes),
+        "scalars": {k: {"value": v.value, "dtype": v.dtype} for k, v in e.scalars.items()},
+    }
+
+
+def _file_to_json(f: FileEntry) -> dict[str, Any]:
+    return {"name": f.name, "bytes": f.bytes}
 
 
 def _coverage(entry: ParamEntry, key: str, pieces: Sequence[Piece]) -> list[str]:
@@ -544,200 +590,9 @@ def _coverage(entry: ParamEntry, key: str, pieces: Sequence[Piece]) -> list[str]
     return []
 
 
-MAX_JSON_DEPTH = 32
-"""How deeply a manifest's JSON may nest (a manifest needs 6 levels; hyperparameters such as
-AdamW's ``betas`` one more each)."""
-
-
-def strict_json(text: str | bytes, objects: Callable[[dict[str, Any]], Any] | None = None) -> Any:
-    """``json.loads`` as the format requires: numbers finite (no ``NaN``, ``Infinity`` or a
-    float that overflows to one), no key twice in an object, at most :data:`MAX_JSON_DEPTH`
-    levels. Raises ValueError otherwise.
-
-    ``objects``, when given, turns each JSON object (a dict, innermost first) into what the
-    result holds instead, as it is parsed (so that 300k pieces are never all dicts at once)."""
-
-    def finite(literal: str) -> float:
-        value = float(literal)
-        if not math.isfinite(value):
-            raise ValueError(f"number {literal} is not finite")
-        return value
-
-    def refuse(constant: str) -> Any:
-        raise ValueError(f"{constant} is not a JSON number")
-
-    def unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-        body = dict(pairs)
-        if len(body) != len(pairs):
-            counts = Counter(key for key, _ in pairs)
-            twice = sorted(key for key, count in counts.items() if count > 1)
-            raise ValueError(f"key(s) {twice[:3]} appear twice in one object")
-        return body if objects is None else objects(body)
-
-    body = json.loads(text, parse_float=finite, parse_constant=refuse, object_pairs_hook=unique)
-    level, deepest = [body], 1
-    while level:
-        inner = [v for item in level for v in _children(item) if isinstance(v, (dict, list))]
-        if inner:
-            deepest += 1
-            if deepest > MAX_JSON_DEPTH:
-                raise ValueError(f"nested more than {MAX_JSON_DEPTH} levels deep")
-        level = inner
-    return body
-
-
-def _children(value: Any) -> list[Any]:
-    if isinstance(value, dict):
-        return list(value.values())
-    return list(value) if isinstance(value, list) else []
-
-
-def parse_manifest(text: str | bytes, source: object) -> Manifest:
-    """Parse and schema-check a manifest; every problem is a :class:`CheckpointError`."""
-    try:
-        body = strict_json(text, _parsed_piece)
-    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
-        raise CheckpointError(f"manifest is not valid JSON: {exc!r:.200}", path=source) from None
-    try:
-        return _manifest_from(body)
-    except CheckpointError as exc:
-        raise CheckpointError(str(exc), path=source) from None
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:
-        raise CheckpointError(
-            f"manifest does not follow the format: {exc!r}", path=source
-        ) from None
-
-
-def _manifest_from(body: Any) -> Manifest:
-    _expect(isinstance(body, dict), "manifest is not a JSON object")
-    _expect(body.get("format") == FORMAT_NAME, "not a muonckpt manifest (format field)")
-    version = body.get("format_version")
-    _expect(_pos_int(version), "format_version missing or not a positive int")
-    if version > FORMAT_VERSION:
-        raise CheckpointError(
-            f"format version {version} is newer than this muonckpt reads ({FORMAT_VERSION}); "
-            "upgrade muonckpt"
-        )
-    _expect(body["kind"] in KINDS, f"unknown kind {body['kind']!r}")
-    _expect(
-        body["checksum_algorithm"] == CHECKSUM_ALGORITHM,
-        f"checksum_algorithm {body['checksum_algorithm']!r} is not {CHECKSUM_ALGORITHM!r}",
-    )
-    topology = body["topology"]
-    _expect(
-        isinstance(topology, dict) and all(_pos_int(v) for v in topology.values()),
-        "topology must map names to positive ints",
-    )
-    params = tuple(
-        ParamEntry(
-            name=sys.intern(_str(p["name"])),
-            shape=tuple(_nonneg_int(s) for s in p["shape"]),
-            tp_split_dim=_int(p["tp_split_dim"]),
-            group=_nonneg_int(p["group"]),
-            dtypes=_dtypes(p, version),
-            scalars=_scalars(p.get("scalars", {}) if version >= 2 else {}),
-        )
-        for p in body["params"]
-    )
-    names = [p.name for p in params]
-    _expect(len(set(names)) == len(names), "duplicate param names")
-    for p in params:
-        _expect(not set(p.scalars) & set(p.dtypes), f"param {p.name!r}: a key is stored twice")
-    with_values = {p.value_dtype is not None for p in params}
-    _expect(len(with_values) <= 1, "some params have saved values and others not")
-    groups = tuple(
-        GroupEntry(
-            hyperparams=_hyperparams(g["hyperparams"]),
-            params=tuple(_str(n) for n in g["params"]),
-            optimizer=_group_optimizer(g.get("optimizer", {})),
-        )
-        for g in body["groups"]
-    )
-    _expect(
-        sorted(n for g in groups for n in g.params) == sorted(names),
-        "groups and params list different names",
-    )
-    by_name = {p.name: p for p in params}
-    for index, group in enumerate(groups):
-        for name in group.params:
-            _expect(
-                by_name[name].group == index,
-                f"param {name!r} says group {by_name[name].group}, but group {index} lists it",
-            )
-    files = tuple(FileEntry(_safe_name(f["name"]), _nonneg_int(f["bytes"])) for f in body["files"])
-    file_names = {f.name for f in files}
-    pieces = []
-    raw_pieces = body["pieces"]
-    _expect(isinstance(raw_pieces, list), "pieces must be a list")
-    for raw in raw_pieces:
-        piece = raw if isinstance(raw, Piece) else piece_from_json(raw)
-        _expect(
-            piece.file in file_names, f"piece {piece.tensor!r} names unlisted file {piece.file!r}"
-        )
-        entry = by_name.get(piece.param)
-        if entry is None:
-            raise CheckpointError(f"piece {piece.tensor!r} of unknown param {piece.param!r}")
-        _expect(
-            piece.key in entry.dtypes,
-            f"piece {piece.tensor!r}: param {piece.param!r} lists no stored key {piece.key!r}",
-        )
-        _check_region(entry, piece.region, piece.tensor)
-        pieces.append(piece)
-    step = body.get("step")
-    _expect(step is None or _int(step) >= 0, f"step must be a non-negative int, got {step!r}")
-    extra = body.get("extra")
-    return Manifest(
-        kind=body["kind"],
-        topology=dict(topology),
-        groups=groups,
-        params=params,
-        files=files,
-        pieces=tuple(pieces),
-        format_version=version,
-        model=_model_file(body["model"], by_name, file_names) if "model" in body else None,
-        recorded_step=step,
-        extra=None if extra is None else extra_from_json(extra, file_names),
-    )
-
-
 def model_tensor(name: str, shape: Sequence[int], dtype: str) -> ParamEntry:
     """A model tensor of :class:`ModelFile`: stored whole, in no group."""
     return ParamEntry(name, tuple(shape), -1, -1, {PARAM_KEY: dtype})
-
-
-def _model_file(raw: Any, params: Mapping[str, ParamEntry], file_names: set[str]) -> ModelFile:
-    _expect(isinstance(raw, dict), "model is not a JSON object")
-    tensors = tuple(
-        model_tensor(_str(t["name"]), [_nonneg_int(n) for n in t["shape"]], _dtypes_of(t["dtype"]))
-        for t in raw["tensors"]
-    )
-    by_name = {t.name: t for t in tensors}
-    _expect(len(by_name) == len(tensors), "model: a tensor listed twice")
-    _expect(not set(by_name) & set(params), "model: a tensor named like an optimizer param")
-    pieces = []
-    for item in raw["pieces"]:
-        piece = item if isinstance(item, Piece) else piece_from_json(item)
-        entry = by_name.get(piece.param)
-        if entry is None:
-            raise CheckpointError(f"model: piece of unknown tensor {piece.param!r}")
-        _expect(
-            piece.key == PARAM_KEY and piece.file in file_names, f"model: piece {piece.tensor!r}"
-        )
-        _check_region(entry, piece.region, piece.tensor)
-        pieces.append(piece)
-    aliases = raw["aliases"]
-    stored = set(by_name) | set(params)
-    _expect(
-        isinstance(aliases, dict)
-        and all(isinstance(k, str) and v in stored and k not in stored for k, v in aliases.items()),
-        "model: aliases must map other names to stored tensors",
-    )
-    return ModelFile(tensors, tuple(pieces), dict(aliases))
-
-
-def _dtypes_of(value: Any) -> str:
-    _expect(value in DTYPE_BYTES, f"unknown dtype {value!r}")
-    return value
 
 
 def extra_to_json(extra: Extra) -> dict[str, Any]:
@@ -755,91 +610,6 @@ def extra_to_json(extra: Extra) -> dict[str, Any]:
         "ranks": [tree(r) for r in extra.ranks],
         "files": [{"name": f.name, "bytes": f.bytes} for f in extra.files],
     }
-
-
-def extra_from_json(raw: Any, data_files: Iterable[str] = ()) -> Extra:
-    """A schema-checked :class:`Extra`: its files plain names of no data file, each tensor in
-    a listed file, at a path of its values that holds ``null``, no two at one path or under
-    one file key, and as many checksums as its bytes need."""
-    _expect(isinstance(raw, dict), "extra must be an object")
-    _expect(
-        set(raw) == {"global", "ranks", "files"},
-        f"extra has fields {sorted(raw)}, not ['files', 'global', 'ranks']",
-    )
-    _expect(isinstance(raw["files"], list), "extra files must be a list")
-    files = tuple(FileEntry(_safe_name(f["name"]), _nonneg_int(f["bytes"])) for f in raw["files"])
-    names = [f.name for f in files]
-    _expect(len(set(names)) == len(names), "extra lists a file twice")
-    taken = set(names) & (set(data_files) | {MANIFEST_NAME})
-    _expect(not taken, f"extra file(s) {sorted(taken)} are the optimizer's files")
-    _expect(isinstance(raw["ranks"], list), "extra ranks must be a list")
-    shared = None if raw["global"] is None else _extra_values(raw["global"], "extra")
-    ranks = tuple(_extra_values(r, f"rank_extra[{i}]") for i, r in enumerate(raw["ranks"]))
-    extra = Extra(shared, ranks, files)
-    keys = [(t.file, t.tensor) for t in extra.tensors()]
-    _expect(len(set(keys)) == len(keys), "two extra tensors are stored under one file key")
-    unlisted = sorted({t.file for t in extra.tensors()} - set(names))
-    _expect(not unlisted, f"extra tensors name unlisted file(s) {unlisted}")
-    owners = [f for _, tree in extra.trees() for f in {t.file for t in tree.tensors}]
-    _expect(len(set(owners)) == len(owners), "two trees of extra share a file")
-    return extra
-
-
-def _extra_values(raw: Any, where: str) -> ExtraValues:
-    _expect(isinstance(raw, dict) and set(raw) == {"values", "tensors"}, f"{where}: bad fields")
-    _expect(isinstance(raw["tensors"], list), f"{where}: tensors must be a list")
-    values, tensors = _as_json(raw["values"]), []
-    paths = set()
-    for item in raw["tensors"]:
-        _expect(
-            isinstance(item, dict) and set(item) == set(_EXTRA_TENSOR_FIELDS),
-            f"{where}: a tensor entry must have exactly the fields {list(_EXTRA_TENSOR_FIELDS)}",
-        )
-        for name in ("path", "shape", "checksums"):
-            _expect(isinstance(item[name], list), f"{where}: a tensor's {name} must be a list")
-        path = tuple(item["path"])
-        _expect(bool(path), f"{where}: a tensor with an empty path (the values are a dict)")
-        for step in path:
-            _expect(
-                isinstance(step, str) or (isinstance(step, int) and not isinstance(step, bool)),
-                f"{where}: tensor path {list(path)} holds {step!r}",
-            )
-        _expect(path not in paths, f"{where}: two tensors at {list(path)}")
-        _expect(_holds_null(values, path), f"{where}: tensor path {list(path)} is not a null")
-        paths.add(path)
-        dtype = _str(item["dtype"])
-        _expect(dtype in DTYPE_BYTES, f"{where} {list(path)}: unknown dtype {dtype!r}")
-        tensor = ExtraTensor(
-            path=path,
-            file=_safe_name(item["file"]),
-            tensor=_str(item["tensor"]),
-            dtype=dtype,
-            shape=tuple(_nonneg_int(n) for n in item["shape"]),
-            checksums=tuple(_digest(c) for c in item["checksums"]),
-            chunk_bytes=_pos_int_value(item["chunk_bytes"]),
-        )
-        _expect(
-            len(tensor.checksums) == -(-tensor.nbytes // tensor.chunk_bytes),
-            f"{where} {list(path)}: {len(tensor.checksums)} checksums for {tensor.nbytes} bytes",
-        )
-        tensors.append(tensor)
-    return ExtraValues(values, tuple(tensors))
-
-
-_EXTRA_TENSOR_FIELDS = ("path", "file", "tensor", "dtype", "shape", "checksums", "chunk_bytes")
-
-
-def _holds_null(values: Any, path: ValuePath) -> bool:
-    """Whether ``path`` leads to a ``null`` in ``values``."""
-    for step in path:
-        if isinstance(values, dict) and isinstance(step, str) and step in values:
-            values = values[step]
-            continue
-        if isinstance(values, list) and isinstance(step, int) and 0 <= step < len(values):
-            values = values[step]
-            continue
-        return False
-    return values is None
 
 
 def piece_to_json(piece: Piece) -> dict[str, Any]:
@@ -860,214 +630,6 @@ def piece_to_json(piece: Piece) -> dict[str, Any]:
         "checksums": list(piece.checksums),
         "chunk_bytes": piece.chunk_bytes,
     }
-
-
-def piece_from_json(raw: Mapping[str, Any]) -> Piece:
-    """A schema-checked :class:`Piece` from its JSON form (as in ``manifest.json``).
-
-    Its param, key and file names are interned: a manifest of 100k params repeats each file
-    name in every piece, which would otherwise be a string per piece."""
-    region = Region(
-        **{
-            k: _nonneg_int(raw["region"][k])
-            for k in ("cols", "block_start", "block_width", "start", "stop")
-        }
-    )
-    return Piece(
-        param=sys.intern(_str(raw["param"])),
-        key=sys.intern(_str(raw["key"])),
-        file=sys.intern(_safe_name(raw["file"])),
-        tensor=_str(raw["tensor"]),
-        region=region,
-        checksums=tuple(_digest(c) for c in raw["checksums"]),
-        chunk_bytes=_pos_int_value(raw["chunk_bytes"]),
-    )
-
-
-def _check_region(entry: ParamEntry, region: Region, tensor: str) -> None:
-    numel = entry.numel
-    ok = (
-        (region.block_width > 0 or region.start == region.stop)
-        and region.block_start + region.block_width <= region.cols
-        and region.start <= region.stop
-    )
-    if ok and region.cols and region.numel:
-        rows = numel // region.cols if numel % region.cols == 0 else -1
-        ok = rows >= 0 and region.stop <= rows * region.block_width
-    if ok and region.numel and region.block_width != region.cols:
-        ok = region.cols == matrix_view(entry.shape, entry.tp_split_dim)[1]
-    if not ok:
-        raise CheckpointError(
-            f"piece {tensor!r}: region {asdict(region)} lies outside param shape {entry.shape}"
-        )
-
-
-def _hyperparams(raw: Any) -> dict[str, Any]:
-    _expect(isinstance(raw, dict), "group hyperparams must be an object")
-    if "step" in raw:
-        _nonneg_int(raw["step"])
-    return _as_json(raw)
-
-
-_PIECE_FIELDS = ("param", "key", "file", "tensor", "region", "checksums", "chunk_bytes")
-
-
-def _parsed_piece(raw: dict[str, Any]) -> Any:
-    """(the objects hook of :func:`strict_json` for a manifest) A piece, made as soon as its
-    object is parsed: a manifest of 100k params holds 300k of them, and a dict each, all alive
-    at once, was most of the memory a reader needed. Anything else, and a piece-shaped object
-    that is not a valid piece, stays a dict (checked where it is used)."""
-    if len(raw) != len(_PIECE_FIELDS) or any(k not in raw for k in _PIECE_FIELDS):
-        return raw
-    try:
-        return piece_from_json(raw)
-    except (CheckpointError, KeyError, TypeError, ValueError, AttributeError):
-        return raw
-
-
-def _as_json(value: Any) -> Any:
-    """``value`` with any :class:`Piece` the parser made of a piece-shaped object (found where
-    no piece belongs: a hyperparameter) back in its JSON form."""
-    if isinstance(value, Piece):
-        return piece_to_json(value)
-    if isinstance(value, dict):
-        return {k: _as_json(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_as_json(v) for v in value]
-    return value
-
-
-def _dtypes(raw: Mapping[str, Any], version: int) -> dict[str, str]:
-    """Each stored key's dtype: version 2 lists them, version 1 has one dtype for all state."""
-    if version < 2:
-        keys = [_str(k) for k in raw["state_keys"]]
-        _expect(PARAM_KEY not in keys, f"state key {PARAM_KEY!r} is reserved for the values")
-        return {k: _str(raw["dtype"]) for k in keys}
-    dtypes = raw["dtypes"]
-    _expect(isinstance(dtypes, dict), "dtypes must map stored keys to dtype strings")
-    return {sys.intern(_str(k)): sys.intern(_str(v)) for k, v in dtypes.items()}
-
-
-def _scalars(raw: Any) -> dict[str, Scalar]:
-    _expect(isinstance(raw, dict), "scalars must map state keys to values")
-    scalars = {}
-    for key, item in raw.items():
-        _expect(isinstance(item, dict), f"scalar {key!r} must be an object")
-        value, dtype = item.get("value"), item.get("dtype")
-        _expect(
-            value is None or isinstance(value, (int, float, bool, str)),
-            f"scalar {key!r} must hold a number, a string or null",
-        )
-        _expect(dtype is None or dtype in DTYPE_BYTES, f"scalar {key!r}: unknown dtype {dtype!r}")
-        if dtype is not None:
-            _expect(_fits(value, dtype), f"scalar {key!r}: {value!r} is not a {dtype} value")
-        if key == "step":
-            _expect(
-                value is None or (_number(value) and value >= 0),
-                f"scalar 'step' must be a non-negative number, got {value!r}",
-            )
-        scalars[_str(key)] = Scalar(value, dtype)
-    return scalars
-
-
-def _number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _fits(value: Any, dtype: str) -> bool:
-    """Whether a 0-d tensor of safetensors ``dtype`` can hold ``value`` exactly as written."""
-    if dtype == "BOOL":
-        return isinstance(value, bool)
-    if dtype[0] in "IU":
-        bits = 8 * DTYPE_BYTES[dtype]
-        low, high = (-(2 ** (bits - 1)), 2 ** (bits - 1)) if dtype[0] == "I" else (0, 2**bits)
-        return isinstance(value, int) and not isinstance(value, bool) and low <= value < high
-    return _number(value)
-
-
-_GROUP_OPTIMIZER = {
-    "role": ("muon", "adamw", None),
-    "momentum_form": ("sum", "ema", None),
-    "step_in": ("group", "tensor", "int", None),
-    "lr_rule": ("moonlight", "aspect", None),
-}
-
-
-def _group_optimizer(value: Any) -> dict[str, Any]:
-    """A group's ``optimizer`` object: empty (unknown), or naming the optimizer with valid
-    fields, since a load across implementations acts on them."""
-    _expect(isinstance(value, dict), "group optimizer must be an object")
-    if not value:
-        return {}
-    _expect(isinstance(value.get("optimizer"), str), "group optimizer must name the optimizer")
-    _expect(
-        value["optimizer"] in KNOWN or value.get("role") is None,
-        f"group optimizer {value['optimizer']!r} is not one muonckpt knows, yet has a role",
-    )
-    for field_name, allowed in _GROUP_OPTIMIZER.items():
-        _expect(value.get(field_name) in allowed, f"group optimizer {field_name} not in {allowed}")
-    for field_name in ("momentum", "matched_adamw_rms"):
-        number = value.get(field_name)
-        _expect(
-            number is None or _number(number),
-            f"group optimizer {field_name} must be a number or null",
-        )
-    if value.get("momentum_form") is not None:  # a form is converted by 1 - mu
-        mu = value.get("momentum")
-        _expect(
-            _number(mu) and 0 <= mu < 1,
-            f"group optimizer momentum must be in [0, 1) for its momentum_form, got {mu!r}",
-        )
-    _expect(value.get("nesterov") in (True, False, None), "group optimizer nesterov: a bool")
-    return _as_json(value)
-
-
-def _expect(condition: bool, message: str) -> None:
-    if not condition:
-        raise CheckpointError(message)
-
-
-def _str(value: Any) -> str:
-    _expect(isinstance(value, str), f"expected a string, got {value!r}")
-    return value
-
-
-def _int(value: Any) -> int:
-    _expect(
-        isinstance(value, int) and not isinstance(value, bool), f"expected an int, got {value!r}"
-    )
-    return value
-
-
-def _nonneg_int(value: Any) -> int:
-    _expect(_int(value) >= 0, f"expected a non-negative int, got {value!r}")
-    return value
-
-
-def _pos_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value > 0
-
-
-def _pos_int_value(value: Any) -> int:
-    _expect(_pos_int(value), f"expected a positive int, got {value!r}")
-    return value
-
-
-def _digest(value: Any) -> str:
-    _expect(
-        isinstance(value, str) and _DIGEST.fullmatch(value) is not None,
-        f"expected a checksum of 16 lowercase hex digits, got {value!r}",
-    )
-    return value
-
-
-def _safe_name(value: Any) -> str:
-    name = _str(value)
-    _expect(
-        name not in ("", ".", "..") and "/" not in name and "\\" not in name,
-        f"file name {name!r} is not a plain file name",
-    )
-    return name
 
 
 def json_safe(value: Any) -> Any:

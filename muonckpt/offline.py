@@ -24,6 +24,7 @@ the target, manifest last, and swapped in atomically (:func:`muonckpt.storage.sw
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 import os
@@ -48,7 +49,15 @@ from .inspection import (
     Summary,
     Totals,
 )
-from .layout import LayoutOptions, ParamSpec, Topology, arrange, whole_region
+from .layout import (
+    BufferLayout,
+    LayoutOptions,
+    ParamSpec,
+    Region,
+    Topology,
+    arrange,
+    whole_region,
+)
 from .manifest import (
     CONSOLIDATED,
     FORMAT_NAME,
@@ -161,7 +170,7 @@ def consolidate(
     """
     _check_workers(workers, collective)
     directory, manifest = open_checkpoint(src)
-    items = [((e.name, k, e.dtype_of(k)), e.shape) for e in manifest.params for k in e.tensor_keys]
+    items = (((e.name, k, e.dtype_of(k)), e.shape) for e in manifest.params for k in e.tensor_keys)
     job = _Job(
         _output_manifest(manifest, kind=CONSOLIDATED), consolidated_plan(items, max_shard_size)
     )
@@ -220,24 +229,17 @@ def reshard(
     if unknown:
         raise LayoutError(f"tp_split_dims names params that are not in the checkpoint: {unknown}")
     params = tuple(
-        replace(e, tp_split_dim=overrides.get(e.name, e.tp_split_dim)) for e in manifest.params
+        replace(e, tp_split_dim=overrides[e.name]) if e.name in overrides else e
+        for e in manifest.params
     )
     unique_tensor_keys(((e.name, k) for e in params for k in e.tensor_keys), directory)
     specs = [ParamSpec(e.name, e.shape, tp_split_dim=e.tp_split_dim, group=e.group) for e in params]
     layout = arrange(specs, topology, options=options)
-    owned_by_rank = [
-        [
-            ((entry.name, key, entry.dtype_of(key)), region)
-            for index, entry in enumerate(params)
-            if (region := layout.owner_region(index, *topology.coords(rank))).numel
-            for key in entry.tensor_keys
-        ]
-        for rank in range(topology.world_size)
-    ]
     job = _Job(
         _output_manifest(manifest, kind=PER_RANK, topology={"dp": dp, "tp": tp}, params=params),
-        per_rank_plan(owned_by_rank),
+        per_rank_plan([_owned(params, layout, rank) for rank in range(topology.world_size)]),
     )
+    del specs, layout  # planned: not held while the job is written
     if workers > 1:
         worker_options = {
             "dp": dp,
@@ -256,6 +258,19 @@ def reshard(
         "tp_split_dims": overrides,
     }
     return _write("reshard", job, directory, manifest, dst, overwrite, progress, collective, called)
+
+
+def _owned(
+    params: Sequence[ParamEntry], layout: BufferLayout, rank: int
+) -> Iterator[tuple[tuple[str, str, str], Region]]:
+    """What ``rank`` holds under ``layout``: (param, key, dtype) and region, made as its plan
+    takes them (not 300k tuples at once)."""
+    coords = layout.topology.coords(rank)
+    for index, entry in enumerate(params):
+        region = layout.owner_region(index, *coords)
+        if region.numel:
+            for key in entry.tensor_keys:
+                yield (entry.name, key, entry.dtype_of(key)), region
 
 
 def _output_manifest(manifest: Manifest, **changes: Any) -> Manifest:
@@ -587,11 +602,17 @@ def iter_diff(
         raise CheckpointError(f"atol and rtol must be non-negative, got {atol}, {rtol}")
     dir_a, man_a = open_checkpoint(a)
     dir_b, man_b = open_checkpoint(b)
-    params_a = {e.name: e for e in man_a.params}
-    params_b = {e.name: e for e in man_b.params}
-    names = [e.name for e in man_a.params] + [
-        e.name for e in man_b.params if e.name not in params_a
-    ]
+
+    def entry(manifest: Manifest, name: str) -> ParamEntry | None:
+        try:  # the manifest's own index of its params: no second dict of 100k names
+            return manifest.param(name)
+        except CheckpointError:
+            return None
+
+    names = itertools.chain(
+        (e.name for e in man_a.params),
+        (e.name for e in man_b.params if entry(man_a, e.name) is None),
+    )
     pieces_a, pieces_b = man_a.pieces_of(), man_b.pieces_of()
     scales = _momentum_scales(man_a, man_b)
 
@@ -603,7 +624,7 @@ def iter_diff(
         PieceReader(dir_b, man_b, reuse_outputs=1) as read_b,
     ):
         for name in names:
-            ea, eb = params_a.get(name), params_b.get(name)
+            ea, eb = entry(man_a, name), entry(man_b, name)
             if ea is None or eb is None:
                 yield row(name, None, f"param only in {'A' if eb is None else 'B'}")
                 continue

@@ -30,9 +30,9 @@ from .manifest import (
     Manifest,
     ParamEntry,
     Piece,
-    parse_manifest,
     rank_file,
 )
+from .manifest_json import parse_manifest, parse_manifest_chunks
 
 
 def read_manifest(path: str | os.PathLike[str]) -> Manifest:
@@ -70,7 +70,10 @@ def read_manifest(path: str | os.PathLike[str]) -> Manifest:
             "not a muonckpt checkpoint: no manifest.json and no .safetensors files",
             path=directory,
         )
-    return parse_manifest(storage.read_text(manifest_path), manifest_path)
+    try:
+        return parse_manifest_chunks(storage.read_text_chunks(manifest_path), manifest_path)
+    except CheckpointError:  # named as the whole text shows it (which problem comes first)
+        return parse_manifest(storage.read_text(manifest_path), manifest_path)
 
 
 def _written_by_muonckpt(directory: Path, names: list[str]) -> bool:

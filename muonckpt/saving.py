@@ -39,12 +39,12 @@ from .manifest import (
     ModelFile,
     ParamEntry,
     Scalar,
-    extra_from_json,
     extra_rank_file,
     extra_to_json,
     json_safe,
     model_tensor,
 )
+from .manifest_json import extra_from_json
 from .model_state import ModelTensors, model_tensors
 from .placement import (
     Optimizers,

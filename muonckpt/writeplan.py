@@ -15,15 +15,18 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
+from itertools import pairwise
 
 from .errors import CheckpointError
 from .layout import Region, whole_region
 from .manifest import (
     DTYPE_BYTES,
     FORMAT_NAME,
+    PARAM_KEY,
     STATE_STEM,
     VALUE_STEM,
     Piece,
@@ -37,9 +40,12 @@ Item = tuple[str, str, str]
 """``(param, key, safetensors dtype)`` of one stored tensor."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class TensorWrite:
-    """One output tensor: which elements of which param state go to which file."""
+    """One output tensor: which elements of which param state go to which file.
+
+    Slotted, its key made once and interned (a plan of 100k params holds 300k of them, and
+    the key is also the source file's key and the output piece's)."""
 
     file: str
     param: str
@@ -53,11 +59,11 @@ class TensorWrite:
     """Its shape in the file: the full shape (consolidated) or ``(region.numel,)``."""
     scale: float = 1.0
     """Factor applied to the values on their way (``convert``: momentum between forms)."""
+    tensor: str = field(init=False)
+    """Its key in the file."""
 
-    @cached_property
-    def tensor(self) -> str:
-        """Its key in the file."""
-        return tensor_key(self.param, self.key)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tensor", sys.intern(tensor_key(self.param, self.key)))
 
     @property
     def nbytes(self) -> int:
@@ -91,7 +97,23 @@ class WritePlan:
     """Small extra files (the Hugging Face index of sharded files)."""
 
     def __post_init__(self) -> None:
-        unique_tensor_keys(((w.param, w.key) for w in self.writes), None)
+        _unique_keys(((w.param, w.key, w.tensor) for w in self.writes), None)
+        in_file: dict[str, list[TensorWrite]] = {file: [] for file in self.files}
+        for w in self.writes:
+            if (
+                w.file not in in_file
+                or w.dtype not in DTYPE_BYTES
+                or math.prod(w.shape) != w.region.numel
+            ):
+                self._refuse()
+            in_file[w.file].append(w)
+        ordered = [w for writes in in_file.values() for w in sorted(writes, key=_tensor)]
+        if any(a.tensor == b.tensor and a.file == b.file for a, b in pairwise(ordered)):
+            self._refuse()
+        object.__setattr__(self, "writes", tuple(ordered))
+
+    def _refuse(self) -> None:
+        """Raise the first problem of the writes, in their order (there is one)."""
         order = {file: i for i, file in enumerate(self.files)}
         placed: set[tuple[str, str]] = set()
         for w in self.writes:
@@ -107,8 +129,6 @@ class WritePlan:
             if (w.file, w.tensor) in placed:
                 raise CheckpointError(f"{w.tensor!r} planned twice in {w.file!r}", param=w.param)
             placed.add((w.file, w.tensor))
-        ordered = sorted(self.writes, key=lambda w: (order[w.file], w.tensor))
-        object.__setattr__(self, "writes", tuple(ordered))
 
     @property
     def total_bytes(self) -> int:
@@ -132,24 +152,37 @@ class WritePlan:
 
 def unique_tensor_keys(items: Iterable[tuple[str, str]], where: object) -> None:
     """Refuse (param, key) pairs whose file keys collide (a param named like another's state)."""
-    seen: dict[str, tuple[str, str]] = {}
-    for param, key in items:
-        tkey = tensor_key(param, key)
-        if tkey in seen and seen[tkey] != (param, key):
+    _unique_keys(((param, key, tensor_key(param, key)) for param, key in items), where)
+
+
+def _unique_keys(items: Iterable[tuple[str, str, str]], where: object) -> None:
+    """:func:`unique_tensor_keys` of (param, key, its file key) triples. A file key and its
+    param determine the key, so only the param is kept per file key (300k tuples less)."""
+    seen: dict[str, str] = {}
+    for param, key, tkey in items:
+        first = seen.setdefault(tkey, param)
+        if first != param:
+            first_key = PARAM_KEY if tkey == first else tkey[len(tensor_key(first, "")) :]
             raise CheckpointError(
-                f"param {param!r} {key!r} and param {seen[tkey][0]!r} {seen[tkey][1]!r} would "
+                f"param {param!r} {key!r} and param {first!r} {first_key!r} would "
                 f"both be stored as {tkey!r}: rename one",
                 path=where,
             )
-        seen[tkey] = (param, key)
+
+
+def _tensor(write: TensorWrite) -> str:
+    return write.tensor
 
 
 def rank_plan(rank: int, world_size: int, owned: Iterable[tuple[Item, Region]]) -> WritePlan:
     """One rank's file of a per-rank checkpoint: each (param, key, dtype) with the region of
     the full tensor the rank holds, stored flat."""
     file = rank_file(rank, world_size)
+    shapes: dict[int, tuple[int]] = {}  # equal shapes one tuple
     writes = tuple(
-        TensorWrite(file, param, key, dtype, region, (region.numel,))
+        TensorWrite(
+            file, param, key, dtype, region, shapes.setdefault(region.numel, (region.numel,))
+        )
         for (param, key, dtype), region in owned
     )
     return WritePlan({file: {"format": FORMAT_NAME, "rank": str(rank)}}, writes)
@@ -185,6 +218,7 @@ def consolidated_plan(
     files: dict[str, dict[str, str]] = {}
     writes: list[TensorWrite] = []
     texts: dict[str, str] = {}
+    wholes: dict[int, Region] = {}
     for stem in (STATE_STEM, VALUE_STEM):
         family = {tensor_key(p, k): (p, k, d) for p, k, d in shapes if stem_of(k) == stem}
         if not family:
@@ -199,9 +233,9 @@ def consolidated_plan(
             for tkey in keys:
                 param, key, dtype = family[tkey]
                 shape = shapes[param, key, dtype]
-                writes.append(
-                    TensorWrite(file, param, key, dtype, whole_region(math.prod(shape)), shape)
-                )
+                numel = math.prod(shape)
+                region = wholes.setdefault(numel, whole_region(numel))  # one per size, shared
+                writes.append(TensorWrite(file, param, key, dtype, region, shape))
         if len(shards) > 1:
             texts[index_file(stem)] = shard_index(shards, sizes)
     return WritePlan(files, tuple(writes), texts)

@@ -24,9 +24,10 @@ from __future__ import annotations
 import contextlib
 import os
 import warnings
-from collections.abc import Callable, Generator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from operator import attrgetter
 from pathlib import Path
 from typing import Any, Protocol, TypeVar, cast
 
@@ -41,9 +42,9 @@ from .manifest import (
     Manifest,
     Piece,
     ValuePath,
-    piece_from_json,
     piece_to_json,
 )
+from .manifest_json import piece_from_json
 from .steps import Outcome, StepProtocol, disagreement
 from .workplan import WorkUnit, split_work
 from .writeplan import TensorWrite, WritePlan
@@ -91,7 +92,7 @@ class Written:
 
     files: list[str]
     pieces: list[Piece]
-    dtypes: dict[tuple[str, str], str]
+    dtypes: Mapping[tuple[str, str], str]
     """(param, key) -> safetensors dtype, of every piece."""
     extra: Any = None
     """Anything else the caller reports to the root (JSON)."""
@@ -121,8 +122,31 @@ class Reports:
 
     files: list[FileEntry]
     pieces: list[Piece]
-    dtypes: dict[tuple[str, str], str]
+    dtypes: Mapping[tuple[str, str], str]
     extras: list[Any]
+
+
+class _Lazy(Mapping[tuple[str, str], str]):
+    """A mapping made when first read: the offline tools' commit never reads the dtypes of
+    300k written tensors, and a dict of them was 30 MB alive at the commit."""
+
+    def __init__(self, make: Callable[[], dict[tuple[str, str], str]]) -> None:
+        self._make: Callable[[], dict[tuple[str, str], str]] | None = make
+        self._made: dict[tuple[str, str], str] = {}
+
+    def _mapping(self) -> dict[tuple[str, str], str]:
+        if self._make is not None:
+            self._made, self._make = self._make(), None
+        return self._made
+
+    def __getitem__(self, item: tuple[str, str]) -> str:
+        return self._mapping()[item]
+
+    def __iter__(self) -> Iterator[tuple[str, str]]:
+        return iter(self._mapping())
+
+    def __len__(self) -> int:
+        return len(self._mapping())
 
 
 def write_checkpoint(
@@ -212,11 +236,14 @@ def finish(
         reports = [Written.from_json(r) for r in raw] if across else raw
         names = dict.fromkeys(name for r in reports for name in r.files)
         files = [FileEntry(name, storage.file_size(staging / name)) for name in names]
-        order = {name: i for i, name in enumerate(names)}
+        in_file: dict[str, list[Piece]] = {name: [] for name in names}
+        for report in reports:
+            for piece in report.pieces:
+                in_file[piece.file].append(piece)
         merged = Reports(
             files,
-            sorted((p for r in reports for p in r.pieces), key=lambda p: (order[p.file], p.tensor)),
-            {k: v for r in reports for k, v in r.dtypes.items()},
+            [p for file in in_file.values() for p in sorted(file, key=attrgetter("tensor"))],
+            _Lazy(lambda: {k: v for r in reports for k, v in r.dtypes.items()}),
             [r.extra for r in reports],
         )
         replaced = commit(staging, final, manifest(merged))
@@ -396,16 +423,15 @@ def commit(staging: Path, final: Path, manifest: Manifest) -> Path | None:
 
     Returns the directory now holding a checkpoint this replaced, for :func:`storage.retire`.
     """
-    text = manifest.to_json()
-    size = len(text.encode())
-    if size > storage.MAX_TEXT_BYTES:  # committed, it would be a checkpoint nothing can read
+    limit = storage.MAX_TEXT_BYTES  # past it, committed, a checkpoint nothing could read
+    size = storage.write_text_atomic(staging / MANIFEST_NAME, manifest.json_chunks(), limit=limit)
+    if size > limit:
         raise CheckpointError(
             f"its manifest would be {size} bytes, more than the {storage.MAX_TEXT_BYTES} a "
             "reader accepts (too much in extra / rank_extra: put large data in tensors); "
             "nothing was committed",
             path=final,
         )
-    storage.write_text_atomic(staging / MANIFEST_NAME, text)
     storage.fsync_dir(staging)
     return storage.swap_in(staging, final)
 
@@ -459,7 +485,7 @@ def _sums(record: storage.TensorRecord) -> tuple[tuple[str, ...], int]:
 
 
 def _written(files: list[str], writes: Sequence[TensorWrite], pieces: list[Piece]) -> Written:
-    return Written(files, pieces, {(w.param, w.key): w.dtype for w in writes})
+    return Written(files, pieces, _Lazy(lambda: {(w.param, w.key): w.dtype for w in writes}))
 
 
 def write_extra(

@@ -163,7 +163,7 @@ def test_rewrites_of_a_checkpoint_with_a_model_file_stay_consistent(tmp_path):
     """Renaming carries the model section's tensors and aliases along; ``convert`` (which
     leaves the model's other tensors behind) writes an index of exactly what it wrote."""
     from muonckpt import offline
-    from muonckpt.manifest import parse_manifest
+    from muonckpt.manifest_json import parse_manifest
 
     model, opts = _trained()
     ck = muonckpt.save(opts, tmp_path / "ck", consolidated=True, model=model, max_shard_size=400)

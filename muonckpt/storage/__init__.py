@@ -30,6 +30,7 @@ from .durable import (
     file_size,
     fsync_dir,
     read_text,
+    read_text_chunks,
     write_text_atomic,
 )
 from .mailbox import Mailbox, is_mailbox, mailbox_path
@@ -84,6 +85,7 @@ __all__ = [
     "ownership_problem",
     "preset_staging",
     "read_text",
+    "read_text_chunks",
     "remove_checkpoint",
     "retire",
     "staging_path",

@@ -3,11 +3,13 @@ reads, and the libc calls Python lacks (``renameat2``, ``sync_file_range``)."""
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import ctypes
 import errno
 import os
 import stat
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -50,21 +52,36 @@ def replace_durably(tmp: Path, path: Path) -> None:
     fsync_dir(path.parent)
 
 
-def write_text_atomic(path: str | os.PathLike[str], text: str) -> None:
-    """Write ``text`` (UTF-8) to ``path`` atomically: temp file, fsync, rename, fsync the dir."""
+def write_text_atomic(
+    path: str | os.PathLike[str], text: str | Iterable[str], *, limit: int | None = None
+) -> int:
+    """Write ``text`` (UTF-8: a str, or its consecutive pieces, each written as it comes) to
+    ``path`` atomically: temp file, fsync, rename, fsync the dir. Returns its size in bytes;
+    past ``limit`` bytes nothing is written (the rest is only counted) and ``path`` is left as
+    it was."""
     path = Path(path)
     tmp = temporary_path(path)
+    size = 0
     try:
         with open(tmp, "wb") as f:
-            f.write(text.encode("utf-8"))
+            for chunk in [text] if isinstance(text, str) else text:
+                data = chunk.encode("utf-8")
+                size += len(data)
+                if limit is None or size <= limit:
+                    f.write(data)
             f.flush()
-            os.fsync(f.fileno())
+            if limit is None or size <= limit:
+                os.fsync(f.fileno())
+        if limit is not None and size > limit:
+            remove_quietly(tmp)
+            return size
         replace_durably(tmp, path)
     except BaseException as e:
         remove_quietly(tmp)
         if isinstance(e, OSError):
             raise CheckpointError(f"cannot write: {e}", path=path) from e
         raise
+    return size
 
 
 def pwrite_all(fd: int, view: memoryview, offset: int) -> None:
@@ -120,6 +137,38 @@ def read_text(path: str | os.PathLike[str], *, limit: int = MAX_TEXT_BYTES) -> s
         return data.decode()
     except UnicodeDecodeError:
         raise CheckpointError("not UTF-8 text", path=path) from None
+
+
+def read_text_chunks(
+    path: str | os.PathLike[str], *, limit: int = MAX_TEXT_BYTES, chunk_bytes: int = 1 << 20
+) -> Iterator[str]:
+    """The text of :func:`read_text`, a chunk at a time (``chunk_bytes`` read at once), so
+    that a large manifest is never held whole; the same errors, met as the reading gets there."""
+    path = Path(path)
+    try:
+        fd = open_regular(path)
+    except OSError as exc:
+        why = "a symlink" if exc.errno == errno.ELOOP else exc.strerror
+        raise CheckpointError(f"cannot read: {why}", path=path) from None
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    total = 0
+    with os.fdopen(fd, "rb") as f:
+        while True:
+            try:
+                data = f.read(chunk_bytes)
+            except OSError as exc:
+                raise CheckpointError(f"cannot read: {exc.strerror}", path=path) from None
+            total += len(data)
+            if total > limit:
+                raise CheckpointError(f"larger than {limit} bytes", path=path)
+            try:
+                text = decoder.decode(data, final=not data)
+            except UnicodeDecodeError:
+                raise CheckpointError("not UTF-8 text", path=path) from None
+            if text:
+                yield text
+            if not data:
+                return
 
 
 _AT_FDCWD = -100

@@ -21,10 +21,16 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ..manifest import DTYPE_BYTES
+
 MAX_HEADER_BYTES: int = 100_000_000
 """Largest safetensors JSON header accepted (the format's own limit)."""
 
 METADATA_KEY = "__metadata__"
+
+DTYPES = tuple(DTYPE_BYTES)
+DTYPE_CODES = {name: code for code, name in enumerate(DTYPES)}
+"""Each dtype as a small int, for arrays of many tensors' dtypes (and back)."""
 
 
 @dataclass(frozen=True, slots=True)

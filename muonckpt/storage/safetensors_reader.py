@@ -3,14 +3,18 @@
 
 from __future__ import annotations
 
+import bisect
 import errno
 import itertools
 import json
 import math
 import os
+import re
 import struct
+import sys
 import threading
-from collections.abc import Sequence
+from array import array
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING
@@ -24,7 +28,13 @@ from ..manifest import CHECKSUM_ALGORITHM, DTYPE_BYTES, MANIFEST_NAME
 from .checksums import CHUNK_BYTES, chunk_digest
 from .dtypes import byte_view, torch_dtype
 from .durable import open_regular, read_text
-from .safetensors_format import MAX_HEADER_BYTES, METADATA_KEY, TensorRecord
+from .safetensors_format import (
+    DTYPE_CODES,
+    DTYPES,
+    MAX_HEADER_BYTES,
+    METADATA_KEY,
+    TensorRecord,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -49,6 +59,180 @@ def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+Entry = tuple[str, tuple[int, ...], int, int]
+"""A tensor's header entry, checked: ``(dtype, shape, begin, end)``."""
+
+_DTYPE_NAMES = {name: name for name in DTYPE_BYTES}
+
+
+def _tensor_entry(info: object) -> Entry | str:
+    """A tensor's header entry as an :data:`Entry`, or what is wrong with it (its offsets
+    against the file's size aside)."""
+    if not isinstance(info, dict):
+        return "tensor entry is not an object"
+    dtype = info.get("dtype")
+    if not isinstance(dtype, str) or dtype not in DTYPE_BYTES:
+        return f"unknown dtype {dtype!r}"
+    shape = info.get("shape")
+    if not isinstance(shape, list) or not all(_is_int(s) and s >= 0 for s in shape):
+        return f"shape {shape!r} is not a list of non-negative ints"
+    offsets = info.get("data_offsets")
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(_is_int(o) for o in offsets)
+        or not 0 <= offsets[0] <= offsets[1]
+    ):
+        return f"data_offsets {offsets!r} is not [begin, end] with 0 <= begin <= end"
+    begin, end = offsets
+    nbytes = math.prod(shape) * DTYPE_BYTES[dtype]
+    if end - begin != nbytes:
+        return (
+            f"data_offsets {offsets} span {end - begin} bytes, but {dtype} {shape} needs {nbytes}"
+        )
+    return _DTYPE_NAMES[dtype], tuple(shape), begin, end
+
+
+_WHITESPACE = re.compile(r"[ \t\n\r]*")
+
+
+def _regular_header(
+    text: str, data_start: int, data_size: int
+) -> tuple[dict[str, str], _Records] | None:
+    """The metadata and records of a header that is a JSON object of sound entries, each
+    within the ``data_size`` bytes of data, no key twice, read member by member (never the
+    object whole, a dict of 300k entries); None for anything else, which the full parse
+    judges (naming the problem)."""
+    scan = json.JSONDecoder(object_pairs_hook=_compact_entries()).scan_once  # type: ignore[attr-defined]
+    skip = _WHITESPACE.match
+    records, metadata = _Records(), None
+    pos = skip(text, 0).end()  # type: ignore[union-attr]
+    if text[pos : pos + 1] != "{":
+        return None
+    pos = skip(text, pos + 1).end()  # type: ignore[union-attr]
+    closing = text[pos : pos + 1] == "}"
+    while not closing:
+        try:
+            key, pos = scan(text, pos) if text[pos : pos + 1] == '"' else (None, pos)
+            pos = skip(text, pos).end()  # type: ignore[union-attr]
+            if not isinstance(key, str) or text[pos : pos + 1] != ":":
+                return None
+            value, pos = scan(text, skip(text, pos + 1).end())  # type: ignore[union-attr]
+        except (StopIteration, ValueError, RecursionError):
+            return None
+        if key == METADATA_KEY and metadata is None and _string_map(value):
+            metadata = dict(value)
+        elif key != METADATA_KEY and isinstance(value, tuple) and value[3] <= data_size:
+            dtype, shape, begin, end = value
+            records.add(key, dtype, shape, data_start + begin, end - begin)
+        else:
+            return None
+        pos = skip(text, pos).end()  # type: ignore[union-attr]
+        closing = text[pos : pos + 1] == "}"
+        if not closing:
+            if text[pos : pos + 1] != ",":
+                return None
+            pos = skip(text, pos + 1).end()  # type: ignore[union-attr]
+    if skip(text, pos + 1).end() != len(text) or not records.seal():  # type: ignore[union-attr]
+        return None
+    return metadata or {}, records
+
+
+def _string_map(value: object) -> bool:
+    return isinstance(value, dict) and all(
+        isinstance(k, str) and isinstance(v, str) for k, v in value.items()
+    )
+
+
+def _compact_entries() -> Callable[[list[tuple[str, object]]], object]:
+    """The ``object_pairs_hook`` of a header: each sound tensor entry becomes an
+    :data:`Entry` (equal shapes one tuple) as soon as it is parsed, since a header of 300k
+    tensors as dicts and lists takes several times the memory; anything else stays a dict
+    (no key twice), checked where it is used."""
+    shapes: dict[tuple[int, ...], tuple[int, ...]] = {}
+
+    def compact(pairs: list[tuple[str, object]]) -> object:
+        body = _no_duplicates(pairs)
+        entry = _tensor_entry(body)
+        if isinstance(entry, str):
+            return body
+        dtype, shape, begin, end = entry
+        return dtype, shapes.setdefault(shape, shape), begin, end
+
+    return compact
+
+
+class _Records:
+    """The records of one file's tensors, compactly (300k :class:`TensorRecord` objects took
+    50 MB): keys sorted, beside arrays of their offsets, sizes and dtypes and a list of their
+    shapes (equal ones one tuple); a record is made when asked for."""
+
+    def __init__(self) -> None:
+        self._keys: list[str] = []
+        self._shapes: list[tuple[int, ...]] = []
+        self._offsets, self._sizes, self._dtypes = array("q"), array("q"), array("B")
+        self.ordered, self._end = True, 0
+        """Whether the data of the tensors added lies in their order (then none overlap)."""
+
+    def add(self, key: str, dtype: str, shape: tuple[int, ...], offset: int, nbytes: int) -> None:
+        """One more tensor (then :meth:`seal`, once all are added)."""
+        if nbytes:
+            self.ordered = self.ordered and offset >= self._end
+            self._end = offset + nbytes
+        self._keys.append(sys.intern(key))  # the manifest's pieces name it too: one string
+        self._shapes.append(shape)
+        self._offsets.append(offset)
+        self._sizes.append(nbytes)
+        self._dtypes.append(DTYPE_CODES[dtype])
+
+    def seal(self) -> bool:
+        """Sort the tensors by key, for lookups; False when a key came twice."""
+        keys = self._keys
+        if all(a < b for a, b in itertools.pairwise(keys)):
+            return True
+        order = sorted(range(len(keys)), key=keys.__getitem__)
+        self._keys = [keys[i] for i in order]
+        self._shapes = [self._shapes[i] for i in order]
+        for name in ("_offsets", "_sizes", "_dtypes"):
+            values = getattr(self, name)
+            setattr(self, name, array(values.typecode, (values[i] for i in order)))
+        return all(a < b for a, b in itertools.pairwise(self._keys))
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def _index(self, key: object) -> int | None:
+        if not isinstance(key, str):
+            return None
+        index = bisect.bisect_left(self._keys, key)
+        return index if index < len(self._keys) and self._keys[index] == key else None
+
+    def __contains__(self, key: object) -> bool:
+        return self._index(key) is not None
+
+    def get(self, key: str) -> TensorRecord | None:
+        index = self._index(key)
+        return None if index is None else self._record(index)
+
+    def _record(self, index: int) -> TensorRecord:
+        return TensorRecord(
+            key=self._keys[index],
+            dtype=DTYPES[self._dtypes[index]],
+            shape=self._shapes[index],
+            offset=self._offsets[index],
+            nbytes=self._sizes[index],
+            checksums=(),
+            chunk_bytes=CHUNK_BYTES,
+        )
+
+    def keys(self) -> list[str]:
+        """Every key, sorted."""
+        return list(self._keys)
+
+    def all(self) -> Iterator[TensorRecord]:
+        return (self._record(index) for index in range(len(self._keys)))
+
+
 class SafetensorsReader:
     """Reads tensors, or flat element ranges of them, from one safetensors file.
 
@@ -63,7 +247,7 @@ class SafetensorsReader:
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
         self.metadata = {}
-        self._records: dict[str, TensorRecord] = {}
+        self._records = _Records()
         self._fd: int | None = None
         self._scratch = threading.local()
         try:
@@ -147,66 +331,51 @@ class SafetensorsReader:
             raise self._fail(f"header length {length} runs past the end of the {size}-byte file")
         raw = self._pread(8, length, what="header")
         try:
-            header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
-        except (UnicodeDecodeError, ValueError, RecursionError) as e:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise self._fail(f"header is not valid UTF-8 JSON: {e}") from e
+        del raw
+        data_start = 8 + length
+        regular = _regular_header(text, data_start, size - data_start)
+        if regular is None:  # anything else: parsed whole, then judged entry by entry
+            self._judge_header(text, data_start, size - data_start)
+        else:
+            self.metadata, self._records = regular
+        if not self._records.ordered:  # data not in header order (written by others)
+            self._check_overlaps()
+
+    def _judge_header(self, text: str, data_start: int, data_size: int) -> None:
+        try:
+            header = json.loads(text, object_pairs_hook=_compact_entries())
+            if not isinstance(header, dict):  # a header that is one entry: judged as it is
+                header = json.loads(text, object_pairs_hook=_no_duplicates)
+        except (ValueError, RecursionError) as e:
             raise self._fail(f"header is not valid UTF-8 JSON: {e}") from e
         if not isinstance(header, dict):
             raise self._fail(f"header is a JSON {type(header).__name__}, not an object")
 
         meta = header.pop(METADATA_KEY, None)
         if meta is not None:
-            if not isinstance(meta, dict) or not all(
-                isinstance(k, str) and isinstance(v, str) for k, v in meta.items()
-            ):
+            if not _string_map(meta):
                 raise self._fail("__metadata__ is not a map of strings to strings")
             self.metadata = dict(meta)
 
-        data_start = 8 + length
-        data_size = size - data_start
-        spans: list[tuple[int, int, str]] = []
         for key, info in header.items():
-            if not isinstance(info, dict):
-                raise self._fail("tensor entry is not an object", key)
-            dtype = info.get("dtype")
-            if not isinstance(dtype, str) or dtype not in DTYPE_BYTES:
-                raise self._fail(f"unknown dtype {dtype!r}", key)
-            shape = info.get("shape")
-            if not isinstance(shape, list) or not all(_is_int(s) and s >= 0 for s in shape):
-                raise self._fail(f"shape {shape!r} is not a list of non-negative ints", key)
-            offsets = info.get("data_offsets")
-            if (
-                not isinstance(offsets, list)
-                or len(offsets) != 2
-                or not all(_is_int(o) for o in offsets)
-                or not 0 <= offsets[0] <= offsets[1]
-            ):
-                raise self._fail(
-                    f"data_offsets {offsets!r} is not [begin, end] with 0 <= begin <= end", key
-                )
-            begin, end = offsets
-            nbytes = math.prod(shape) * DTYPE_BYTES[dtype]
-            if end - begin != nbytes:
-                raise self._fail(
-                    f"data_offsets {offsets} span {end - begin} bytes, but {dtype} {shape} "
-                    f"needs {nbytes}",
-                    key,
-                )
+            entry = info if isinstance(info, tuple) else _tensor_entry(info)
+            if isinstance(entry, str):
+                raise self._fail(entry, key)
+            dtype, shape, begin, end = entry
             if end > data_size:
                 raise self._fail(
-                    f"data_offsets {offsets} run past the end of the data ({data_size} bytes)", key
+                    f"data_offsets {[begin, end]} run past the end of the data ({data_size} bytes)",
+                    key,
                 )
-            if nbytes:
-                spans.append((begin, end, key))
-            self._records[key] = TensorRecord(
-                key=key,
-                dtype=dtype,
-                shape=tuple(shape),
-                offset=data_start + begin,
-                nbytes=nbytes,
-                checksums=(),
-                chunk_bytes=CHUNK_BYTES,
-            )
-        spans.sort()
+            self._records.add(key, dtype, shape, data_start + begin, end - begin)
+        self._records.seal()
+
+    def _check_overlaps(self) -> None:
+        spans = sorted((r.offset, r.offset + r.nbytes, r.key) for r in self._records.all())
+        spans = [span for span in spans if span[1] > span[0]]
         for (_, prev_end, prev_key), (begin, _, key) in itertools.pairwise(spans):
             if begin < prev_end:
                 raise self._fail(f"tensors {prev_key!r} and {key!r} overlap")
@@ -231,17 +400,17 @@ class SafetensorsReader:
 
     def keys(self) -> list[str]:
         """Tensor keys, sorted."""
-        return sorted(self._records)
+        return self._records.keys()
 
     def __contains__(self, key: object) -> bool:
         return key in self._records
 
     def record(self, key: str) -> TensorRecord:
         """Dtype, shape, absolute offset and size of ``key`` (``checksums`` is empty)."""
-        try:
-            return self._records[key]
-        except KeyError:
-            raise self._fail("no such tensor in file", key) from None
+        record = self._records.get(key)
+        if record is None:
+            raise self._fail("no such tensor in file", key)
+        return record
 
     def read(
         self,
