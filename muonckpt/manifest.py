@@ -500,7 +500,7 @@ class Manifest:
 
     def coverage_problems(self) -> list[str]:
         """Gaps, overlaps and stray pieces: every state tensor must be covered exactly once."""
-        problems = []
+        problems = [] if (mixed := values_problem(self.params)) is None else [mixed]
         grouped, covered = self.pieces_of(), 0
         for entry in self.params:
             for key in entry.tensor_keys:
@@ -573,6 +573,13 @@ def _param_to_json(e: ParamEntry) -> dict[str, Any]:
 
 def _file_to_json(f: FileEntry) -> dict[str, Any]:
     return {"name": f.name, "bytes": f.bytes}
+
+
+def values_problem(params: Sequence[ParamEntry]) -> str | None:
+    """A checkpoint saves the params' own values for all of them or for none."""
+    if len({p.value_dtype is not None for p in params}) > 1:
+        return "some params have saved values and others not"
+    return None
 
 
 def _coverage(entry: ParamEntry, key: str, pieces: Sequence[Piece]) -> list[str]:

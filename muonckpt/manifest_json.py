@@ -37,6 +37,7 @@ from .manifest import (
     ValuePath,
     model_tensor,
     piece_to_json,
+    values_problem,
 )
 from .strict_json import strict_json, strict_json_chunks
 
@@ -98,8 +99,8 @@ def _manifest_from(body: Any, shared: _Shared) -> Manifest:
     _expect(len(set(names)) == len(names), "duplicate param names")
     for p in params:
         _expect(not set(p.scalars) & set(p.dtypes), f"param {p.name!r}: a key is stored twice")
-    with_values = {p.value_dtype is not None for p in params}
-    _expect(len(with_values) <= 1, "some params have saved values and others not")
+    mixed = values_problem(params)
+    _expect(mixed is None, mixed or "")
     groups = tuple(
         GroupEntry(
             hyperparams=_hyperparams(g["hyperparams"]),

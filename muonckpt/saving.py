@@ -154,7 +154,9 @@ def prepare_save(
     def write(staging: Path) -> writing.Written:
         written = writing.Written([], [], {})
         if payload.plan is not None:
-            written = writing.write_files(payload.plan(), staging, fetch, prefetch=False)
+            plan = payload.plan()
+            _check_plan_holds(plan, payload.tensors)
+            written = writing.write_files(plan, staging, fetch, prefetch=False)
         shared = state.shared if steps.is_root else None  # stored once, by the root
         job_state = state.write(staging, shared, me, len(sharding.participants))
         written.extra = {"scalars": payload.scalars, "extra": job_state}
@@ -168,6 +170,20 @@ def prepare_save(
         write,
         lambda reports: build_manifest(groups, sharding, reports, kind, described[0], given_step),
     )
+
+
+def _check_plan_holds(plan: WritePlan, tensors: Mapping[tuple[str, str], torch.Tensor]) -> None:
+    """The plan writes every tensor this rank collected, once, and nothing else (as DCP
+    validates its plan before writing): a tensor left out would vanish from the checkpoint
+    without a gap for any reader to find."""
+    planned = [(w.param, w.key) for w in plan.writes]
+    if len(planned) != len(tensors) or set(planned) != tensors.keys():
+        missing = sorted(set(tensors) - set(planned))[:3]
+        stray = sorted(set(planned) - set(tensors))[:3]
+        raise CheckpointError(
+            f"the write plan does not hold exactly the state collected (left out: {missing}, "
+            f"not collected: {stray}); nothing was committed"
+        )
 
 
 @dataclass

@@ -422,7 +422,18 @@ def commit(staging: Path, final: Path, manifest: Manifest) -> Path | None:
     """(the root) The manifest, written last, fsync, and the atomic swap.
 
     Returns the directory now holding a checkpoint this replaced, for :func:`storage.retire`.
+    The manifest's coverage is checked first (every state tensor stored exactly once, as a
+    reader requires), so that a faulty plan commits nothing rather than a checkpoint that
+    ``verify`` and ``load`` would refuse.
     """
+    gaps = manifest.coverage_problems()
+    if gaps:
+        more = f" (and {len(gaps) - 1} more)" if len(gaps) > 1 else ""
+        raise CheckpointError(
+            f"the files written do not hold the whole state: {gaps[0]}{more}; nothing was "
+            "committed",
+            path=final,
+        )
     limit = storage.MAX_TEXT_BYTES  # past it, committed, a checkpoint nothing could read
     size = storage.write_text_atomic(staging / MANIFEST_NAME, manifest.json_chunks(), limit=limit)
     if size > limit:

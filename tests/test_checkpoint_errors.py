@@ -356,6 +356,71 @@ def test_save_over_existing_needs_overwrite(tmp_path):
     _assert_same_state(_load(target), newer.state_dict())
 
 
+@pytest.mark.parametrize("consolidated", [False, True], ids=["per-rank", "consolidated"])
+@pytest.mark.parametrize(
+    ("dropped", "problem"),
+    [
+        ("state", "does not hold exactly the state collected (left out: [("),
+        ("param", "does not hold exactly the state collected (left out: [("),
+    ],
+    ids=["a state tensor", "a param's values"],
+)
+def test_a_save_whose_pieces_miss_a_tensor_commits_nothing(
+    tmp_path, monkeypatch, consolidated, dropped, problem
+):
+    """(issue 22, part 2) Coverage is checked before the commit, as DCP validates its global
+    plan before writing: a plan that leaves a tensor out (one write dropped: of a state
+    tensor, or of a param's own values) fails the save naming what is missing, and the
+    previous checkpoint stays whole; before, it was committed and only a later verify or load
+    found the hole."""
+    import muonckpt.saving as saving
+
+    target = tmp_path / "ckpt"
+    muonckpt.save(_single_process_opt(1), target, consolidated=consolidated)
+    before = _snapshot(target)
+    make = saving.consolidated_plan if consolidated else saving.rank_plan
+
+    def short_of_one(*args, **kwargs):
+        plan = make(*args, **kwargs)
+        drop = next(w for w in plan.writes if (w.key == "param") == (dropped == "param"))
+        return type(plan)(plan.files, tuple(w for w in plan.writes if w is not drop))
+
+    monkeypatch.setattr(saving, make.__name__, short_of_one)
+    with pytest.raises(CheckpointError, match="nothing was committed") as caught:
+        muonckpt.save(_single_process_opt(2), target, consolidated=consolidated, overwrite=True)
+    assert problem in str(caught.value)
+    assert _snapshot(target) == before
+    assert muonckpt.read_manifest(target).step == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+@pytest.mark.parametrize("consolidated", [False, True], ids=["per-rank", "consolidated"])
+def test_a_manifest_short_of_a_piece_is_not_committed(tmp_path, monkeypatch, consolidated):
+    """(issue 22, part 2) The root checks the coverage of the manifest it is about to commit
+    (every listed tensor stored exactly once, as a reader requires): a piece lost between the
+    ranks' writes and the commit (here, dropped from the manifest) fails the save, and the
+    previous checkpoint stays whole."""
+    import dataclasses
+
+    import muonckpt.saving as saving
+
+    target = tmp_path / "ckpt"
+    muonckpt.save(_single_process_opt(1), target, consolidated=consolidated)
+    before = _snapshot(target)
+    build_manifest = saving.build_manifest
+
+    def short_of_a_piece(*args, **kwargs):
+        manifest = build_manifest(*args, **kwargs)
+        return dataclasses.replace(manifest, pieces=manifest.pieces[1:])
+
+    monkeypatch.setattr(saving, "build_manifest", short_of_a_piece)
+    with pytest.raises(CheckpointError, match=r"stored nowhere \(gap\); nothing was committed"):
+        muonckpt.save(_single_process_opt(2), target, consolidated=consolidated, overwrite=True)
+    assert _snapshot(target) == before
+    assert muonckpt.read_manifest(target).step == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
 def test_format_doc_reader_reassembles_every_tensor(saved):
     """The plain-Python reader in docs/format.md §9 matches the consolidated file exactly."""
     doc = (Path(__file__).parents[1] / "docs" / "format.md").read_text()
