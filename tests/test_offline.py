@@ -9,7 +9,7 @@ import safetensors.torch
 import torch
 
 import muonckpt
-from muonckpt import kinds, offline
+from muonckpt import examine, kinds, offline
 from muonckpt.inspection import ParamSummary
 from muonckpt.launch import run_distributed
 from muonckpt.manifest import GroupEntry, Manifest, ParamEntry
@@ -217,8 +217,8 @@ def test_diff_refuses_to_compare_state_of_different_roles_raw():
         entry = ParamEntry("w", (2,), -1, 0, {"momentum_buffer": "F32"})
         return Manifest("per-rank", {"dp": 1, "tp": 1}, (group,), (entry,), (), ())
 
-    ((reason, _),) = offline._momentum_scales(manifest(muon), manifest(adamw)).values()
+    ((reason, _),) = examine._momentum_scales(manifest(muon), manifest(adamw)).values()
     assert "not comparable" in reason and "adamw" in reason
-    ((factor, note),) = offline._momentum_scales(manifest(muon), manifest(ema)).values()
+    ((factor, note),) = examine._momentum_scales(manifest(muon), manifest(ema)).values()
     assert factor == pytest.approx(10.0) and "ema -> sum" in note
-    assert offline._momentum_scales(manifest(ema), manifest(ema)) == {}
+    assert examine._momentum_scales(manifest(ema), manifest(ema)) == {}
