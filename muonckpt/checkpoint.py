@@ -56,7 +56,7 @@ def save(
 ) -> Path:
     """Save ``optimizer``'s state (and its params) to directory ``path``; a collective over its
     dp x tp grid, which begins with a bounded rendezvous (every rank must call it, with the same
-    arguments, within :func:`muonckpt.set_rendezvous_timeout` of each other).
+    arguments, within :func:`muonckpt.collectives.set_rendezvous_timeout` of each other).
 
     Args:
         optimizer: a packaged :class:`~muonckpt.optim.Muon`, single-process or distributed (every

@@ -142,8 +142,9 @@ def iter_diff(
     different shape or dtype, is a row with ``equal`` False and a ``note``.
 
     Checkpoints of different momentum forms (the packaged Muon's sum form against torch's or
-    KellerJordan's EMA form) are compared as :func:`muonckpt.load` and :func:`convert` would
-    resume them: B's momentum is converted into A's form by the same map
+    KellerJordan's EMA form) are compared as :func:`muonckpt.load` and
+    :func:`muonckpt.offline.convert` would resume them: B's momentum is converted into A's form
+    by the same map
     (:func:`muonckpt.kinds.state_mapping`), and the row's ``note`` says so; groups that cannot
     be converted (different roles) are a row with ``equal`` False, never compared raw.
 

@@ -314,10 +314,10 @@ def install_hooks(
         optimizer: any torch optimizer; every rank holds every param (its TP shard of it with
             ``tp_group``).
         owner: ``owner(index, param)``: the rank of ``group`` that keeps the state of param
-            ``index`` (counted in order over all param groups), or :data:`REPLICATED` when every
-            rank keeps it identically. None: the rule of upstream KellerJordan ``muon.Muon``,
-            ``muon.MuonWithAuxAdam`` and their single-device classes (see
-            :func:`upstream_owner`); other optimizers need an explicit rule.
+            ``index`` (counted in order over all param groups), or :data:`muonckpt.REPLICATED`
+            when every rank keeps it identically. None: the rule of upstream KellerJordan
+            ``muon.Muon``, ``muon.MuonWithAuxAdam`` and their single-device classes (see
+            :func:`muonckpt.placement.upstream_owner`); other optimizers need an explicit rule.
         names: ``model.named_parameters()`` or a ``{name: param}`` dict, so that checkpoints are
             keyed by name when the optimizer's groups carry no names.
         group: the ranks sharing the work, the DP group with ``tp_group`` (default: the world).

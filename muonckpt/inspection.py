@@ -82,7 +82,7 @@ class Summary:
 
     path: str
     kind: str
-    """``per_rank`` or ``consolidated``."""
+    """``per-rank`` or ``consolidated``."""
     format_version: int
     topology: Mapping[str, int]
     """The topology it was saved at: ``{"dp": .., "tp": ..}``."""

@@ -88,7 +88,7 @@ def load(
     share, bitwise): a resumed run needs nothing but the checkpoint. A model whose weights are
     not the optimizer's params (the packaged Muon's shards from
     :func:`muonckpt.sharding.shard_for_groups`) gets them back too: ``load`` then calls
-    :meth:`muonckpt.ShardedParams.params_to_model` itself, on every rank.
+    :meth:`muonckpt.sharding.ShardedParams.params_to_model` itself, on every rank.
 
     The target may be another Muon implementation than the one that saved, or several
     optimizers that together hold every param (``[torch.optim.Muon(...),
@@ -106,7 +106,7 @@ def load(
     optimizer changes; any rank's failure is every rank's.
 
     Args:
-        optimizer: an optimizer :func:`save` takes, at any topology, or a list of them.
+        optimizer: an optimizer :func:`muonckpt.save` takes, at any topology, or a list of them.
         path: a checkpoint directory.
         params: restore the params too (the default; the checkpoint must hold them). False
             restores the optimizer state only, for weights loaded elsewhere.

@@ -603,7 +603,8 @@ def model_tensor(name: str, shape: Sequence[int], dtype: str) -> ParamEntry:
 
 
 def extra_to_json(extra: Extra) -> dict[str, Any]:
-    """An :class:`Extra` in its JSON form (what :func:`extra_from_json` reads)."""
+    """An :class:`Extra` in its JSON form (what
+    :func:`muonckpt.manifest_json.extra_from_json` reads)."""
 
     def tensor(t: ExtraTensor) -> dict[str, Any]:
         lists = {"path": list(t.path), "shape": list(t.shape), "checksums": list(t.checksums)}
@@ -620,7 +621,8 @@ def extra_to_json(extra: Extra) -> dict[str, Any]:
 
 
 def piece_to_json(piece: Piece) -> dict[str, Any]:
-    """A :class:`Piece` in its JSON form (what :func:`piece_from_json` reads)."""
+    """A :class:`Piece` in its JSON form (what
+    :func:`muonckpt.manifest_json.piece_from_json` reads)."""
     region = piece.region
     return {
         "param": piece.param,
