@@ -24,7 +24,8 @@ import torch
 from . import collectives
 from .errors import StateDictError
 from .manifest import PARAM_KEY
-from .placement import ParamSharding, Sharding, state_dict_steps, torch_dtype_name
+from .paramnames import torch_dtype_name
+from .placement import ParamSharding, Sharding, state_dict_steps
 from .regions import insert_
 from .storage import checksum_chunks
 

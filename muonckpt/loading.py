@@ -32,6 +32,7 @@ from .manifest import (
     Scalar,
     prefix_hint,
 )
+from .paramnames import torch_dtype_name
 from .pieces import PieceReader, open_checkpoint
 from .placement import (
     Joined,
@@ -42,7 +43,6 @@ from .placement import (
     flat_params,
     optimizers_of,
     participants,
-    torch_dtype_name,
 )
 from .sharding import following
 from .steps import disagreement

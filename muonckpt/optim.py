@@ -24,14 +24,13 @@ from .hooks import StateDictHooks
 from .kinds import ADAMW_STATE_KEYS, MUON_STATE_KEYS
 from .layout import Range, Region, dp_slice
 from .nsplan import Message, NsPlan, plan_newton_schulz
+from .paramnames import named_params, param_names, torch_dtype_name
 from .placement import (
     Sharding,
     describe,
     flat_params,
     learn_grid,
-    named_params,
     participants,
-    torch_dtype_name,
 )
 from .regions import extract, insert_
 
@@ -457,12 +456,8 @@ class Muon(torch.optim.Optimizer):
 
     def _param_names(self) -> dict[torch.Tensor, str]:
         """Every param's name: its ``param_names`` entry, else its flat index as a string."""
-        names: dict[torch.Tensor, str] = {}
-        for group in self.param_groups:
-            group_names = group.get("param_names")
-            for i, p in enumerate(group["params"]):
-                names[p] = group_names[i] if group_names else str(len(names))
-        return names
+        params = (p for group in self.param_groups for p in group["params"])
+        return dict(zip(params, param_names(self), strict=True))
 
 
 def _exchange(

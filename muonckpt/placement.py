@@ -37,6 +37,7 @@ from . import collectives
 from .errors import CheckpointError, StateDictError
 from .grid import GridParams, RankReport, merge_reports
 from .layout import Region, Topology, tp_full_shape, tp_region, whole_region
+from .paramnames import is_named, param_names, torch_dtype_name
 from .workplan import spread
 
 
@@ -284,23 +285,6 @@ def state_dict_steps(ranks: Sequence[int], root: int) -> collectives.CollectiveS
     return collectives.CollectiveSteps("state dict", ranks, root, StateDictError)
 
 
-def param_names(optimizer: Optimizers) -> list[str]:
-    """Names of all params in order: ``param_names`` entries, else flat indices as strings."""
-    names: list[str] = []
-    for group in optimizer.param_groups:
-        group_names = group.get("param_names")
-        names.extend(
-            group_names
-            if group_names
-            else [str(len(names) + i) for i in range(len(group["params"]))]
-        )
-    return names
-
-
-def _named(optimizer: Optimizers) -> bool:
-    return any(group.get("param_names") for group in optimizer.param_groups)
-
-
 def describe_grid(
     optimizer: Optimizers,
     report: Callable[[], RankReport],
@@ -429,23 +413,6 @@ def participants(optimizer: Any, operation: str) -> list[int]:
     return collectives.group_ranks(None)
 
 
-def named_params(optimizer: torch.optim.Optimizer) -> Iterator[tuple[str | None, int, Any]]:
-    """(name, or None for an unnamed optimizer; group index; param) of every param in order."""
-    named = _named(optimizer)
-    names = param_names(optimizer)
-    index = 0
-    for g, group in enumerate(optimizer.param_groups):
-        for p in group["params"]:
-            yield (names[index] if named else None), g, p
-            index += 1
-
-
-def torch_dtype_name(dtype: torch.dtype) -> str:
-    """A tensor's dtype in torch's spelling (``float32``), as the grid reports and state values
-    name it (the files' safetensors spelling, ``F32``, is :func:`muonckpt.storage.dtype_name`)."""
-    return str(dtype).removeprefix("torch.")
-
-
 def _check_unique(names: Sequence[str]) -> None:
     counts = Counter(names)
     dupes = sorted(n for n, count in counts.items() if count > 1)
@@ -478,7 +445,7 @@ def describe_whole(
             )
         )
     _check_unique([p.name for p in params])
-    return Sharding(params, [me], me, {"dp": 1, "tp": 1}, _named(optimizer) or names is not None)
+    return Sharding(params, [me], me, {"dp": 1, "tp": 1}, is_named(optimizer) or names is not None)
 
 
 def describe(optimizer: torch.optim.Optimizer | Joined, *, agree: bool = True) -> Sharding:
@@ -626,7 +593,7 @@ def _describe_owned(
         )
     _check_unique([p.name for p in params])
     sharding = Sharding(
-        params, ranks, ranks[0], {"dp": topo.dp, "tp": topo.tp}, _named(optimizer) or bool(names)
+        params, ranks, ranks[0], {"dp": topo.dp, "tp": topo.tp}, is_named(optimizer) or bool(names)
     )
     if collective:
         check_agreement(sharding, owners)
