@@ -11,6 +11,7 @@ each other.
 
 from __future__ import annotations
 
+import inspect
 import sys
 from types import FrameType
 from typing import Any
@@ -34,7 +35,7 @@ def _module_calls(work: Any) -> dict[tuple[str, str], str]:
         return name if name.startswith("muonckpt.") else None
 
     def record(frame: FrameType, event: str, arg: Any) -> None:
-        if event != "call" or "<locals>" in frame.f_code.co_qualname:
+        if event != "call" or frame.f_code.co_flags & inspect.CO_NESTED:
             return
         this = frame.f_locals.get("self")
         if (
@@ -45,7 +46,9 @@ def _module_calls(work: Any) -> dict[tuple[str, str], str]:
             return
         caller, callee = module(frame.f_back), module(frame)
         if caller and callee and caller != callee:
-            calls.setdefault((caller, callee), frame.f_code.co_qualname)
+            calls.setdefault(
+                (caller, callee), getattr(frame.f_code, "co_qualname", frame.f_code.co_name)
+            )
 
     sys.setprofile(record)
     try:
