@@ -11,15 +11,17 @@ from __future__ import annotations
 import logging
 import os
 import warnings
+from array import array
 from collections.abc import Callable, Iterable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from . import collectives, conversion, kinds, storage, trainstate
-from .errors import CheckpointError, ConversionWarning
+from .arena import ReadArena
+from .errors import CheckpointError, ConversionWarning, StateDictError
 from .gather import ScalarValue
 from .hooks import load_local_share, remap_groups
 from .layout import Region, whole_region
@@ -177,7 +179,7 @@ def load(
     else:
         open_it()
     (directory, manifest), report = opened[0], LoadReport()
-    read: list[tuple[_Target, dict[int, dict[str, Any]], dict[int, torch.Tensor]]] = []
+    read: list[tuple[_Target, _Share]] = []
     me = sharding.participants.index(collectives.global_rank())
 
     def read_share() -> None:
@@ -185,7 +187,7 @@ def load(
         plan = _plan(joined, sharding, manifest, momentum_form, report)
         _check_covered(manifest, plan, directory)
         with PieceReader(directory, manifest) as reader:
-            read.append((plan, *_read(plan, manifest, reader, params, directory)))
+            read.append((plan, _read(plan, manifest, reader, params, directory)))
             asked = _read_job_state(manifest, reader, extra, rank_extra, me)
         # The job's own state first, all or nothing on this rank (a load_state_dict that
         # refuses); inside the step, so that a refusal on any rank fails every rank, each
@@ -368,19 +370,42 @@ def _check_covered(manifest: Manifest, plan: _Target, directory: Path) -> None:
         )
 
 
+class _Staged(NamedTuple):
+    """One param's state as read, in the target's keys: tensors in consecutive arena slots."""
+
+    position: int
+    """The param's index in the target's flat param order."""
+    tensors: tuple[tuple[str, str], ...]
+    """(state key, safetensors dtype) of each tensor, the first in slot ``first``."""
+    first: int
+    scalars: Mapping[str, Scalar]
+
+
+@dataclass
+class _Share:
+    """This rank's share as read and checked, nothing applied: its bytes in one arena (a tensor
+    each, held until every rank has read, would cost more than the state itself)."""
+
+    arena: ReadArena
+    state: list[_Staged]
+    values: array
+    """Pairs (flat index, arena slot) of the params' own values."""
+
+
 def _read(
     plan: _Target, manifest: Manifest, reader: PieceReader, params: bool, directory: Path
-) -> tuple[dict[int, dict[str, Any]], dict[int, torch.Tensor]]:
+) -> _Share:
     """This rank's share of the state (in the target's keys) and of its params' values."""
     grouped = manifest.pieces_of()
+    share = _Share(ReadArena(), [], array("q"))
 
-    def read(entry: ParamEntry, key: str, region: Region) -> torch.Tensor:
-        data = reader.gather(grouped[entry.name, key], entry, key, region)
-        return storage.tensor_of_bytes(data, entry.dtype_of(key))
+    def read(entry: ParamEntry, key: str, region: Region) -> int:
+        slot, out = share.arena.reserve(region.numel * storage.itemsize(entry.dtype_of(key)))
+        reader.gather(grouped[entry.name, key], entry, key, region, out)
+        return slot
 
     flat = flat_params(plan.optimizer)
-    state: dict[int, dict[str, Any]] = {}
-    values: dict[int, torch.Tensor] = {}
+    layouts: dict[tuple[tuple[str, str], ...], tuple[tuple[str, str], ...]] = {}
     for param in plan.sharding.params:
         entry = manifest.param(param.name)
         _check_param(entry, param, directory)
@@ -388,19 +413,22 @@ def _read(
             continue
         p = flat[param.index_here]
         if param.local is not None and (entry.state_keys or entry.scalars):
+            _check_share(param, param.local, p)
             if plan.maps is None:
-                kept = {k: read(entry, k, param.local).reshape(p.shape) for k in entry.state_keys}
-                kept.update({k: _scalar_value(v) for k, v in entry.scalars.items()})
+                tensors = tuple((k, entry.dtype_of(k)) for k in entry.state_keys)
+                first = len(share.arena)
+                for key in entry.state_keys:
+                    read(entry, key, param.local)
+                scalars = entry.scalars
             else:
-                kept = _mapped(plan, param, entry, manifest, read)
-                kept = {k: v.reshape(p.shape) if k != "step" else v for k, v in kept.items()}
-            state[param.local_index] = kept
+                tensors, first, scalars = _mapped(plan, param, entry, manifest, read, share.arena)
+            tensors = layouts.setdefault(tensors, tensors)  # equal layouts one tuple
+            share.state.append(_Staged(param.local_index, tensors, first, scalars))
         if params:
             held = param.held or whole_region(entry.numel)
-            values[param.local_index] = _checked_value(
-                read(entry, PARAM_KEY, held), p, entry, directory
-            )
-    return state, values
+            _check_value(entry, held, p, directory)
+            share.values.extend((param.local_index, read(entry, PARAM_KEY, held)))
+    return share
 
 
 def _mapped(
@@ -408,20 +436,25 @@ def _mapped(
     param: ParamSharding,
     entry: ParamEntry,
     manifest: Manifest,
-    read: Callable[[ParamEntry, str, Region], torch.Tensor],
-) -> dict[str, Any]:
-    """A param's state in the target's keys and forms."""
+    read: Callable[[ParamEntry, str, Region], int],
+    arena: ReadArena,
+) -> tuple[tuple[tuple[str, str], ...], int, Mapping[str, Scalar]]:
+    """A param's state in the target's keys and forms: (key, dtype) per tensor read, the first
+    tensor's slot, and the step scalar."""
     assert plan.maps is not None  # (a load across implementations)
     key_map = plan.maps[param.name]
-    out: dict[str, Any] = {}
+    tensors, first = [], len(arena)
     for key, (source_key, factor) in key_map.keys.items():
         if source_key in entry.state_keys:
-            value = read(entry, source_key, param.region_here)
-            out[key] = value.mul_(factor) if factor != 1.0 else value
+            dtype = entry.dtype_of(source_key)
+            slot = read(entry, source_key, param.region_here)
+            if factor != 1.0:
+                numel = (param.region_here.numel,)
+                arena.tensor(slot, storage.torch_dtype(dtype), numel).mul_(factor)
+            tensors.append((key, dtype))
     step = conversion.step_scalar(plan.steps_in[param.group], manifest.step_of(entry))
-    if key_map.step and out and step is not None:
-        out["step"] = _scalar_value(step)
-    return out
+    scalars = {"step": step} if key_map.step and tensors and step is not None else {}
+    return tuple(tensors), first, scalars
 
 
 class _Indices(list):
@@ -436,34 +469,68 @@ class _Indices(list):
         return index in self._members
 
 
-def _apply(
-    plan: _Target, state: dict[int, dict[str, Any]], values: dict[int, torch.Tensor]
-) -> None:
-    """Hand each optimizer its share (in its own indices), then copy the params' values."""
+def _apply(plan: _Target, share: _Share) -> None:
+    """Hand each optimizer its share (in its own indices), then copy the params' values.
+
+    A state tensor the optimizer already has, which torch would replace by one of the same
+    dtype, device and shape, is handed back to torch and the loaded values copied into it once
+    torch took the share: a load into an optimizer that has state (a rollback in a running
+    job) holds no second copy of it, on the host or the device."""
     owners = optimizers_of(plan.optimizer)
+    arena, reused = share.arena, bytearray(len(share.arena))
     first_group = first_param = 0
     for optimizer in owners:
         groups = plan.groups[first_group : first_group + len(optimizer.param_groups)]
         count = sum(len(g["params"]) for g in optimizer.param_groups)
-        share = {
-            "state": {
-                i - first_param: v
-                for i, v in state.items()
-                if first_param <= i < first_param + count
-            },
+        flat = flat_params(optimizer)
+        mine = [s for s in share.state if first_param <= s.position < first_param + count]
+        state: dict[int, dict[str, Any]] = {}
+        for staged in mine:
+            p = flat[staged.position - first_param]
+            had = optimizer.state.get(p, {})
+            values: dict[str, Any] = {}
+            for slot, (key, dtype) in enumerate(staged.tensors, staged.first):
+                if _reusable(had.get(key), p, key):
+                    values[key], reused[slot] = had[key], 1
+                else:
+                    values[key] = arena.tensor(slot, storage.torch_dtype(dtype), p.shape)
+            values.update({k: _scalar_value(v) for k, v in staged.scalars.items()})
+            state[staged.position - first_param] = values
+        share_dict = {
+            "state": state,
             "param_groups": [
                 {**g, "params": _Indices(i - first_param for i in g["params"])} for g in groups
             ],
         }
-        load_local_share(optimizer, share)
-        flat = flat_params(optimizer)
+        load_local_share(optimizer, share_dict)
+        del state, share_dict
         with torch.no_grad():
-            for index, value in values.items():
+            for staged in mine:
+                p = flat[staged.position - first_param]
+                for slot, (key, dtype) in enumerate(staged.tensors, staged.first):
+                    if reused[slot]:
+                        loaded = arena.tensor(slot, storage.torch_dtype(dtype), p.shape)
+                        optimizer.state[p][key].copy_(loaded)
+            for index, slot in zip(share.values[::2], share.values[1::2], strict=True):
                 if first_param <= index < first_param + count:
                     p = flat[index - first_param]
-                    p.copy_(value.reshape(p.shape))
+                    p.copy_(arena.tensor(slot, p.dtype, p.shape))
         first_group += len(optimizer.param_groups)
         first_param += count
+
+
+def _reusable(had: Any, p: torch.Tensor, key: str) -> bool:
+    """Whether ``had``, the optimizer's own value of state ``key`` of ``p``, has the dtype,
+    device and shape torch's ``load_state_dict`` gives a loaded value (the param's, for a
+    floating param; a step count is kept as loaded, and so never reused)."""
+    return (
+        key != "step"
+        and isinstance(had, torch.Tensor)
+        and p.is_floating_point()
+        and had.dtype == p.dtype
+        and had.device == p.device
+        and had.shape == p.shape
+    )
 
 
 def _scalar_value(scalar: Scalar) -> Any:
@@ -474,17 +541,25 @@ def _scalar_value(scalar: Scalar) -> Any:
     return ScalarValue(scalar.value, dtype).as_state()
 
 
-def _checked_value(
-    value: torch.Tensor, p: torch.Tensor, entry: ParamEntry, directory: Path
-) -> torch.Tensor:
-    if value.dtype != p.dtype or value.numel() != p.numel():
+def _check_value(entry: ParamEntry, held: Region, p: torch.Tensor, directory: Path) -> None:
+    """The saved values fit the optimizer's param: its dtype, this rank's elements of it."""
+    dtype = storage.torch_dtype(entry.dtype_of(PARAM_KEY))
+    if dtype != p.dtype or held.numel != p.numel():
         raise CheckpointError(
-            f"saved values are {value.dtype} x {value.numel()} elements here, the optimizer's "
+            f"saved values are {dtype} x {held.numel} elements here, the optimizer's "
             f"param {p.dtype} x {p.numel()}",
             path=directory / MANIFEST_NAME,
             param=entry.name,
         )
-    return value
+
+
+def _check_share(param: ParamSharding, region: Region, p: torch.Tensor) -> None:
+    """This rank's share of a param's state has the elements of its tensor here."""
+    if region.numel != p.numel():
+        raise StateDictError(
+            f"param {param.name!r}: this rank's share of its state is {region.numel} "
+            f"elements, its tensor here {p.numel()}"
+        )
 
 
 def _torch_groups(manifest: Manifest) -> list[dict[str, Any]]:

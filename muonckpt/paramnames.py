@@ -4,6 +4,7 @@ Muon reports without calling back into the module that reads its report."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
 
@@ -46,6 +47,7 @@ def named_params(optimizer: HasParamGroups) -> Iterator[tuple[str | None, int, A
             index += 1
 
 
+@functools.cache
 def torch_dtype_name(dtype: torch.dtype) -> str:
     """A tensor's dtype in torch's spelling (``float32``), as the grid reports and state values
     name it (the files' safetensors spelling, ``F32``, is :func:`muonckpt.storage.dtype_name`)."""

@@ -292,12 +292,21 @@ class PieceReader:
         return out
 
     def gather(
-        self, pieces: Sequence[Piece], entry: ParamEntry, key: str, target: Region
+        self,
+        pieces: Sequence[Piece],
+        entry: ParamEntry,
+        key: str,
+        target: Region,
+        out: np.ndarray | None = None,
     ) -> np.ndarray:
         """The raw bytes of ``target``'s elements of stored tensor ``key`` (in the region's own
-        order), as a 1-D uint8 array, read from the pieces overlapping it and verified."""
+        order), as a 1-D uint8 array, read from the pieces overlapping it and verified; into
+        ``out`` where given (of exactly that many bytes)."""
         size = storage.itemsize(entry.dtype_of(key))
-        out = self._output(target.numel * size)
+        if out is None:
+            out = self._output(target.numel * size)
+        elif out.nbytes != target.numel * size:
+            raise ValueError(f"out holds {out.nbytes} bytes, {target.numel * size} are read")
         filled = 0
         for piece in pieces:
             groups = strided_runs(piece.region, target)

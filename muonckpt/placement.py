@@ -53,7 +53,7 @@ REPLICATED = _Replicated()
 AdamW state of KellerJordan's ``MuonWithAuxAdam``): gathered from one rank, restored on all."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Holding:
     """A global rank's share of a param's state: ``region`` of the full tensor."""
 
@@ -61,7 +61,7 @@ class Holding:
     region: Region
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ParamSharding:
     """How one param of the whole grid is spread over ranks, seen from this rank."""
 
@@ -429,14 +429,17 @@ def describe_whole(
     me = collectives.global_rank()
     names = list(names) if names is not None else param_names(optimizer)
     flat = [(p, g) for g, group in enumerate(optimizer.param_groups) for p in group["params"]]
-    params = []
+    params: list[ParamSharding] = []
+    shapes: dict[tuple[int, ...], tuple[int, ...]] = {}  # equal values one object: 100k
+    sources: dict[Region, tuple[Holding, ...]] = {}  # params of a few shapes hold a few
     for index, ((p, g), name) in enumerate(zip(flat, names, strict=True)):
         whole = whole_region(p.numel())
+        shape = tuple(p.shape)
         params.append(
             ParamSharding(
                 name,
-                tuple(p.shape),
-                (Holding(me, whole),),
+                shapes.setdefault(shape, shape),
+                sources.setdefault(whole, (Holding(me, whole),)),
                 whole,
                 index,
                 g,

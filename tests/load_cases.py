@@ -11,7 +11,7 @@ import torch.distributed as dist
 import muonckpt
 from muonckpt import loading
 
-from .fixture_model import build, initial_params, local_params, train
+from .fixture_model import MODEL, build, initial_params, local_params, train
 
 
 def mixed_load_phase(first: str, second: str, how: str) -> dict[str, object]:
@@ -59,3 +59,22 @@ def mixed_load_phase(first: str, second: str, how: str) -> dict[str, object]:
         )
     )
     return {"error": error, "kept": kept}
+
+
+def in_place_load_phase(path: str, dp: int, tp: int) -> dict[str, object]:
+    """Train 2 steps at ``dp`` x ``tp``, save, train 1 more, load the checkpoint back into the
+    same optimizer and train 1 again. Returns whether every state tensor kept its identity,
+    and this rank's params, beside those of an optimizer built from zeros that loaded the
+    same checkpoint and trained the same step."""
+    opt, sharded, d, t = build(dp, tp, initial_params())
+    train(opt, sharded, d, t, 0, 2)
+    muonckpt.save(opt, path)
+    train(opt, sharded, d, t, 2, 1)
+    own = [(p, k, v) for p, s in opt.state.items() for k, v in s.items() if torch.is_tensor(v)]
+    muonckpt.load(opt, path)
+    kept = bool(own) and all(opt.state[p][k] is v for p, k, v in own)
+    train(opt, sharded, d, t, 2, 1)
+    fresh, fresh_sharded, *_ = build(dp, tp, MODEL.zeros())
+    muonckpt.load(fresh, path)
+    train(fresh, fresh_sharded, d, t, 2, 1)
+    return {"kept": kept, "params": local_params(opt), "fresh": local_params(fresh)}
