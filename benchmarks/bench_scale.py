@@ -13,7 +13,11 @@ operation alone (interpreter start, imports and, for load, building the optimize
 
 ``inspect``      :func:`muonckpt.offline.summarize` (what ``muonckpt inspect`` shows)
 ``verify``       :func:`muonckpt.verify` (every checksum)
-``load``         :func:`muonckpt.load` into a fresh optimizer over the same params
+``load``         :func:`muonckpt.load` into an optimizer over the same params that took one
+                 step (a rollback: the load copies into the state it has)
+``load-fresh``   :func:`muonckpt.load` into one that took none (a resume: the load makes the
+                 state, whose own cost is the ``state (MB)`` row, the RSS the saving child's
+                 step added)
 ``consolidate``  :func:`muonckpt.offline.consolidate` into a new directory
 ``reshard``      :func:`muonckpt.offline.reshard` to dp=4 x tp=1 into a new directory
 ``diff``         :func:`muonckpt.offline.iter_diff` of the checkpoint with itself, rows counted
@@ -47,7 +51,7 @@ import tempfile
 import time
 from pathlib import Path
 
-OPS = ("inspect", "verify", "load", "consolidate", "reshard", "diff")
+OPS = ("inspect", "verify", "load", "load-fresh", "consolidate", "reshard", "diff")
 CLI = {
     "inspect-cli": ["inspect", "{ck}"],
     "verify-cli": ["verify", "{ck}"],
@@ -55,8 +59,10 @@ CLI = {
 }
 
 
-def _optimizer(n: int):
-    """The packaged Muon over ``n`` (2, 2) params in one AdamW group, one step taken."""
+def _optimizer(n: int, *, step: bool = True, stepped: dict[str, float] | None = None):
+    """The packaged Muon over ``n`` (2, 2) params in one AdamW group, one step taken (none
+    with ``step=False``). ``stepped`` gets the RSS the step added (``state_mb``): what its
+    state costs when the optimizer makes it."""
     import torch
 
     import muonckpt
@@ -65,9 +71,13 @@ def _optimizer(n: int):
     generator = torch.Generator().manual_seed(n)
     params = [(f"layer{i:06d}.w", torch.randn(2, 2, generator=generator)) for i in range(n)]
     opt = muonckpt.optim.Muon([{"params": params}], lr=0.01)
-    for _, p in params:
-        p.grad = torch.randn(2, 2, generator=generator)
-    opt.step()
+    if step:
+        for _, p in params:
+            p.grad = torch.randn(2, 2, generator=generator)
+        before = _rss_mb()
+        opt.step()
+        if stepped is not None:
+            stepped["state_mb"] = _rss_mb() - before
     return opt
 
 
@@ -75,12 +85,13 @@ def build(n: int, path: Path) -> dict[str, float]:
     """(in a child) The checkpoint of ``n`` params at ``path``; the step and save times."""
     import muonckpt
 
+    stepped: dict[str, float] = {}
     start = time.perf_counter()
-    opt = _optimizer(n)
+    opt = _optimizer(n, stepped=stepped)
     built = time.perf_counter() - start
     start = time.perf_counter()
     muonckpt.save(opt, path)
-    return {"build_s": built, "save_s": time.perf_counter() - start}
+    return {"build_s": built, "save_s": time.perf_counter() - start, **stepped}
 
 
 def run_op(op: str, ck: Path, out: Path, n: int, profile: Path | None) -> dict[str, float]:
@@ -92,11 +103,12 @@ def run_op(op: str, ck: Path, out: Path, n: int, profile: Path | None) -> dict[s
     import muonckpt
     from muonckpt import offline
 
-    opt = _optimizer(n) if op == "load" else None
+    opt = _optimizer(n, step=op == "load") if op.startswith("load") else None
     calls = {
         "inspect": lambda: offline.summarize(ck),
         "verify": lambda: muonckpt.verify(ck),
         "load": lambda: muonckpt.load(opt, ck),
+        "load-fresh": lambda: muonckpt.load(opt, ck),
         "consolidate": lambda: offline.consolidate(ck, out),
         "reshard": lambda: offline.reshard(ck, out, dp=4, tp=1),
         "diff": lambda: sum(not r.equal for r in offline.iter_diff(ck, ck)),
@@ -168,7 +180,7 @@ def _cli(argv: list[str], timeout: float) -> float | None:
 
 
 def bench(sizes: list[int], root: Path, timeout: float, profile: Path | None) -> dict:
-    results: dict[str, dict[int, float | None]] = {"save": {}}
+    results: dict[str, dict[int, float | None]] = {"save": {}, "state (MB)": {}}
     for op in (*OPS, *CLI):
         results[op] = {}
     for op in OPS:
@@ -184,6 +196,7 @@ def bench(sizes: list[int], root: Path, timeout: float, profile: Path | None) ->
             results["save"][n] = None
             break
         results["save"][n] = built["save_s"]
+        results["state (MB)"][n] = built["state_mb"]
         for op in OPS:
             if op in given_up:
                 for row in (op, f"{op} base (MB)", f"{op} peak (MB)", f"{op} growth (MB)"):

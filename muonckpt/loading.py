@@ -100,7 +100,11 @@ def load(
     and settings that cannot continue the saved trajectory are warned about.
 
     Every rank reads the manifest and then only the bytes of the pieces overlapping its own
-    share, verifying their checksums; memory is its share plus one piece span in flight.
+    share, verifying their checksums, and holds it until every rank has read (small tensors
+    packed together: a tensor object each would cost more than their bytes). State the
+    optimizer already has, of the dtype, device and shape torch would give the loaded value,
+    keeps its tensors: the checkpoint's values are copied into them, so a rollback inside a
+    running job holds no second copy of the state.
     In distributed mode a collective over the grid (for optimizers without hooks in a process
     group, DDP replicas, the world: every rank reads the whole state): a bounded rendezvous
     where the ranks agree on the call and its arguments, then they agree that they opened one
