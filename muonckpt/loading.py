@@ -409,7 +409,8 @@ def _read(
         return slot
 
     flat = flat_params(plan.optimizer)
-    layouts: dict[tuple[tuple[str, str], ...], tuple[tuple[str, str], ...]] = {}
+    layouts: dict[tuple[tuple[str, str], ...], tuple[tuple[str, str], ...]] = {}  # one each
+    checked: set[Scalar] = set()  # scalars that make the optimizer's value
     for param in plan.sharding.params:
         entry = manifest.param(param.name)
         _check_param(entry, param, directory)
@@ -426,8 +427,15 @@ def _read(
                 scalars = entry.scalars
             else:
                 tensors, first, scalars = _mapped(plan, param, entry, manifest, read, share.arena)
-            tensors = layouts.setdefault(tensors, tensors)  # equal layouts one tuple
-            share.state.append(_Staged(param.local_index, tensors, first, scalars))
+            if tensors not in layouts:  # a dtype this torch lacks fails before any change
+                layouts[tensors] = tensors
+                for _, dtype in tensors:
+                    storage.torch_dtype(dtype)
+            for scalar in scalars.values():
+                if scalar not in checked:
+                    _scalar_value(scalar)
+                    checked.add(scalar)
+            share.state.append(_Staged(param.local_index, layouts[tensors], first, scalars))
         if params:
             held = param.held or whole_region(entry.numel)
             _check_value(entry, held, p, directory)
