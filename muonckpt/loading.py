@@ -522,13 +522,25 @@ def _apply(plan: _Target, share: _Share) -> None:
                 for slot, (key, dtype) in enumerate(staged.tensors, staged.first):
                     if reused[slot]:
                         loaded = arena.tensor(slot, storage.torch_dtype(dtype), p.shape)
-                        optimizer.state[p][key].copy_(loaded)
+                        _kept(optimizer, p, key).copy_(loaded)
             for index, slot in zip(share.values[::2], share.values[1::2], strict=True):
                 if first_param <= index < first_param + count:
                     p = flat[index - first_param]
                     p.copy_(arena.tensor(slot, p.dtype, p.shape))
         first_group += len(optimizer.param_groups)
         first_param += count
+
+
+def _kept(optimizer: torch.optim.Optimizer, p: torch.Tensor, key: str) -> torch.Tensor:
+    """The tensor ``optimizer`` keeps for state ``key`` of ``p`` after its ``load_state_dict``
+    took its own tensor back (or, in an override, whatever it made of it)."""
+    kept = optimizer.state.get(p, {}).get(key)
+    if not isinstance(kept, torch.Tensor) or kept.shape != p.shape:
+        raise StateDictError(
+            f"{type(optimizer).__name__}.load_state_dict dropped or reshaped state {key!r} "
+            "of a param that had it"
+        )
+    return kept
 
 
 def _reusable(had: Any, p: torch.Tensor, key: str) -> bool:
