@@ -33,7 +33,7 @@ def _train(opt: torch.optim.Optimizer, params: dict, first: int, steps: int) -> 
     for step in range(first, first + steps):
         for name, p in params.items():
             gen = torch.Generator().manual_seed(step * 7 + len(name))
-            p.grad = torch.randn(p.shape, generator=gen)
+            p.grad = torch.randn(p.shape, generator=gen).to(p.device)
         opt.step()
 
 
@@ -169,3 +169,25 @@ def test_a_distributed_load_copies_into_each_ranks_own_state(tmp_path, dp, tp):
         assert rank["params"].keys() == rank["fresh"].keys()
         for name, value in rank["params"].items():
             assert torch.equal(value, rank["fresh"][name]), name
+
+
+@pytest.mark.cuda
+def test_a_load_into_cuda_state_copies_into_it_on_the_device(tmp_path):
+    cuda = torch.device("cuda", 0)
+    params = {n: torch.nn.Parameter(p.detach().to(cuda)) for n, p in _params().items()}
+    opt = torch.optim.AdamW(list(params.items()), lr=0.01)
+    _train(opt, params, 0, 3)
+    muonckpt.save(opt, tmp_path / "ck")
+    _train(opt, params, 3, 2)
+    own = {n: opt.state[p]["exp_avg"] for n, p in params.items()}
+
+    muonckpt.load(opt, tmp_path / "ck")
+
+    fresh_params = _params(zeros=True)
+    fresh = torch.optim.AdamW(list(fresh_params.items()), lr=0.01)
+    muonckpt.load(fresh, tmp_path / "ck")
+    for name, p in params.items():
+        kept = opt.state[p]["exp_avg"]
+        assert kept is own[name] and kept.device == cuda
+        assert torch.equal(kept.cpu(), fresh.state[fresh_params[name]]["exp_avg"]), name
+        assert torch.equal(p.detach().cpu(), fresh_params[name].detach()), name
