@@ -182,11 +182,15 @@ def load(
         steps.each_then_root("open", open_it, lambda opened: _agreed_load(opened, steps.ranks))
     else:
         open_it()
-    (directory, manifest), report = opened[0], LoadReport()
+    report = LoadReport()
     read: list[tuple[_Target, _Share]] = []
     me = sharding.participants.index(collectives.global_rank())
 
     def read_share() -> None:
+        # Taken, not kept: once the share is read nothing holds the manifest, and the state
+        # the load makes (into a fresh optimizer) takes its place in memory instead of adding
+        # to it.
+        directory, manifest = opened.pop()
         _check_prefix(manifest, sharding, directory)
         plan = _plan(joined, sharding, manifest, momentum_form, report)
         _check_covered(manifest, plan, directory)
