@@ -69,15 +69,15 @@ class TensorWrite:
     def nbytes(self) -> int:
         return self.region.numel * DTYPE_BYTES[self.dtype]
 
-    def piece(self, checksums: Sequence[str], chunk_bytes: int) -> Piece:
-        """Its manifest entry once written, with the checksums of its data."""
+    def piece(self, digests: bytes, chunk_bytes: int) -> Piece:
+        """Its manifest entry once written, with the (packed) checksums of its data."""
         return Piece(
             param=self.param,
             key=self.key,
             file=self.file,
             tensor=self.tensor,
             region=self.region,
-            checksums=tuple(checksums),
+            digests=digests,
             chunk_bytes=chunk_bytes,
         )
 

@@ -221,7 +221,7 @@ class _Records:
             shape=self._shapes[index],
             offset=self._offsets[index],
             nbytes=self._sizes[index],
-            checksums=(),
+            digests=b"",
             chunk_bytes=CHUNK_BYTES,
         )
 
@@ -406,7 +406,8 @@ class SafetensorsReader:
         return key in self._records
 
     def record(self, key: str) -> TensorRecord:
-        """Dtype, shape, absolute offset and size of ``key`` (``checksums`` is empty)."""
+        """Dtype, shape, absolute offset and size of ``key`` (no checksums: ``digests`` is
+        empty)."""
         record = self._records.get(key)
         if record is None:
             raise self._fail("no such tensor in file", key)

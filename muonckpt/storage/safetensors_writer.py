@@ -21,7 +21,7 @@ import numpy as np
 
 from ..errors import CheckpointError
 from ..manifest import DTYPE_BYTES
-from .checksums import CHUNK_BYTES, checksum_chunks
+from .checksums import CHUNK_BYTES, chunk_digests
 from .dtypes import byte_view, torch_dtype_names
 from .durable import pwrite_all, remove_quietly, replace_durably, start_writeback, temporary_path
 from .safetensors_format import DTYPE_CODES, DTYPES, METADATA_KEY, TensorRecord
@@ -93,21 +93,19 @@ def write_safetensors(
         return writer.commit()
 
 
-def _write_and_checksum(
-    fd: int, view: memoryview, offset: int, chunk_bytes: int
-) -> tuple[str, ...]:
-    """Write bytes ``view`` at ``offset`` and return their chunk checksums, overlapping the two
-    when large.
+def _write_and_checksum(fd: int, view: memoryview, offset: int, chunk_bytes: int) -> bytes:
+    """Write bytes ``view`` at ``offset`` and return their chunk checksums (packed:
+    :func:`.checksums.chunk_digests`), overlapping the two when large.
 
     A large tensor also starts the kernel's writeback of the file so far, so the disk works
     while the next tensor is copied and the final fsync has little left to do.
     """
     if len(view) < _OFFLOAD_BYTES:
         pwrite_all(fd, view, offset)
-        return checksum_chunks(view, chunk_bytes)
+        return chunk_digests(view, chunk_bytes)
     # xxhash and file writes both release the GIL: overlap them.
     with ThreadPoolExecutor(max_workers=1) as pool:
-        pending = pool.submit(checksum_chunks, view, chunk_bytes)
+        pending = pool.submit(chunk_digests, view, chunk_bytes)
         pwrite_all(fd, view, offset)
         start_writeback(fd)
         return pending.result()
@@ -198,17 +196,18 @@ class _Layout:
 
 class WrittenRecords(Mapping[str, TensorRecord]):
     """What :meth:`SafetensorsWriter.commit` returns: each written tensor's
-    :class:`TensorRecord`, made when asked for from the file's layout and checksums."""
+    :class:`TensorRecord`, made when asked for from the file's layout and each tensor's packed
+    checksums (:attr:`TensorRecord.digests`)."""
 
     def __init__(
-        self, layout: _Layout, checksums: list[tuple[str, ...]], data_start: int, chunk_bytes: int
+        self, layout: _Layout, digests: list[bytes], data_start: int, chunk_bytes: int
     ) -> None:
-        self._layout, self._checksums = layout, checksums
+        self._layout, self._digests = layout, digests
         self._data_start, self._chunk_bytes = data_start, chunk_bytes
 
     def __getitem__(self, key: str) -> TensorRecord:
         index = self._layout.index(key)
-        if index is None or index >= len(self._checksums):
+        if index is None or index >= len(self._digests):
             raise KeyError(key)
         name, shape, begin, nbytes = self._layout.entry(index)
         return TensorRecord(
@@ -217,15 +216,15 @@ class WrittenRecords(Mapping[str, TensorRecord]):
             shape=shape,
             offset=self._data_start + begin,
             nbytes=nbytes,
-            checksums=self._checksums[index],
+            digests=self._digests[index],
             chunk_bytes=self._chunk_bytes,
         )
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._layout.keys[: len(self._checksums)])
+        return iter(self._layout.keys[: len(self._digests)])
 
     def __len__(self) -> int:
-        return len(self._checksums)
+        return len(self._digests)
 
 
 def _json(value: object) -> str:
@@ -259,7 +258,7 @@ class SafetensorsWriter:
         self._data_start = 8 + len(header)
         self._order = self._plan.keys
         self._next = 0
-        self._checksums: list[tuple[str, ...]] = []
+        self._digests: list[bytes] = []
         self._tmp = temporary_path(self.path)
         self._file = None
         try:
@@ -289,7 +288,7 @@ class SafetensorsWriter:
             )
         name, shape, begin, nbytes = self._plan.entry(self._next)
         view = _payload(tensor, name, shape, self.path, key)
-        sums: tuple[str, ...] = ()
+        sums = b""
         try:
             if nbytes:
                 sums = _write_and_checksum(
@@ -298,12 +297,12 @@ class SafetensorsWriter:
         except OSError as e:
             self.abort()
             raise CheckpointError(f"cannot write: {e}", path=self.path) from e
-        self._checksums.append(sums)
+        self._digests.append(sums)
         self._next += 1
         return self._records()[key]
 
     def _records(self) -> WrittenRecords:
-        return WrittenRecords(self._plan, self._checksums, self._data_start, self.chunk_bytes)
+        return WrittenRecords(self._plan, self._digests, self._data_start, self.chunk_bytes)
 
     def commit(self) -> WrittenRecords:
         """fsync, rename into place, fsync the directory; every declared tensor must be written."""
@@ -375,14 +374,14 @@ class SharedSafetensorsFile:
         self._part = self.path.with_name(f".{self.path.name}.part")
         self._fd: int | None = None
 
-    def record(self, key: str, checksums: Sequence[str] = ()) -> TensorRecord:
-        """Where ``key`` lies in the file, with the given checksums of its data."""
+    def record(self, key: str, digests: bytes = b"") -> TensorRecord:
+        """Where ``key`` lies in the file, with the given (packed) checksums of its data."""
         index = self._plan.index(key)
         if index is None:
             raise CheckpointError("no such tensor planned", path=self.path, param=key)
         name, shape, begin, nbytes = self._plan.entry(index)
         return TensorRecord(
-            key, name, shape, self._data_start + begin, nbytes, tuple(checksums), self.chunk_bytes
+            key, name, shape, self._data_start + begin, nbytes, digests, self.chunk_bytes
         )
 
     def create(self) -> None:
