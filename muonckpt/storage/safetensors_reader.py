@@ -530,9 +530,13 @@ class SafetensorsReader:
             self._verify(key, rec, data, lo, checksums, chunk_bytes)
         target = np.frombuffer(out, dtype=np.uint8)
         for g in groups:
-            shape = (g.count, g.length * size)
             dst = target[g.dst * size :]
             src = data[g.src * size - lo :]
+            if g.count == 1:  # one run: a plain slice (as_strided costs more than the copy)
+                run = g.length * size
+                dst[:run] = src[:run]
+                continue
+            shape = (g.count, g.length * size)
             np.copyto(
                 as_strided(dst, shape, (g.dst_step * size, 1)),
                 as_strided(src, shape, (g.src_step * size, 1), writeable=False),
