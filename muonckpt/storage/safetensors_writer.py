@@ -166,7 +166,7 @@ class _Header:
         file.write(b" " * (self.length - self._unpadded))
 
     def _text(self) -> Iterator[bytes]:
-        """The unpadded header, UTF-8, :data:`_BATCH` entries at a time."""
+        """The unpadded header, UTF-8, :attr:`_BATCH` entries at a time."""
         entries = self._entries()
         yield b"{"
         separator = ""
