@@ -36,6 +36,7 @@ from .manifest import (
     Scalar,
     ValuePath,
     model_tensor,
+    pack_checksums,
     piece_to_json,
     values_problem,
 )
@@ -284,28 +285,27 @@ def _holds_null(values: Any, path: ValuePath) -> bool:
 _REGION_FIELDS = ("cols", "block_start", "block_width", "start", "stop")
 
 
-def piece_from_json(
-    raw: Mapping[str, Any], regions: dict[tuple[int, ...], Region] | None = None
-) -> Piece:
+def piece_from_json(raw: Mapping[str, Any], shared: dict[Any, Any] | None = None) -> Piece:
     """A schema-checked :class:`Piece` from its JSON form (as in ``manifest.json``).
 
-    Its names are interned: a manifest of 100k params repeats each file name in every piece,
-    and a file's header names each tensor again. Equal regions are one object, kept in
-    ``regions`` (one dict for a whole manifest)."""
+    Compact, since a manifest of 100k params holds 300k pieces: its names are interned (each
+    file name is repeated in every piece, and a file's header names each tensor again), its
+    checksums packed (:func:`~muonckpt.manifest.pack_checksums`), and equal regions and chunk
+    sizes are one object each, kept in ``shared`` (one dict for a whole manifest)."""
+    pool = shared if shared is not None else {}
     bounds = tuple(_nonneg_int(raw["region"][k]) for k in _REGION_FIELDS)
-    region = regions.get(bounds) if regions is not None else None
+    region = pool.get(bounds)
     if region is None:
-        region = Region(*bounds)
-        if regions is not None:
-            regions[bounds] = region
+        region = pool[bounds] = Region(*bounds)
+    chunk_bytes = _pos_int_value(raw["chunk_bytes"])
     return Piece(
         param=sys.intern(_str(raw["param"])),
         key=sys.intern(_str(raw["key"])),
         file=sys.intern(_safe_name(raw["file"])),
         tensor=sys.intern(_str(raw["tensor"])),
         region=region,
-        checksums=tuple(_digest(c) for c in raw["checksums"]),
-        chunk_bytes=_pos_int_value(raw["chunk_bytes"]),
+        digests=pack_checksums(_digest(c) for c in raw["checksums"]),
+        chunk_bytes=pool.setdefault(chunk_bytes, chunk_bytes),
     )
 
 
@@ -338,13 +338,13 @@ _PIECE_FIELDS = ("param", "key", "file", "tensor", "region", "checksums", "chunk
 
 
 class _Shared:
-    """What one manifest's parse shares: equal regions, shapes and dtypes as one object each
-    (frozen, so shared, not copied), and the hooks that make pieces and params as soon as
-    their objects are parsed (a manifest of 100k params holds 300k pieces: a dict each, all
-    alive at once, was most of the memory a reader needed)."""
+    """What one manifest's parse shares: equal regions, chunk sizes, shapes and dtypes as one
+    object each (frozen, so shared, not copied), and the hooks that make pieces and params as
+    soon as their objects are parsed (a manifest of 100k params holds 300k pieces: a dict
+    each, all alive at once, was most of the memory a reader needed)."""
 
     def __init__(self) -> None:
-        self.regions: dict[tuple[int, ...], Region] = {}
+        self.pieces: dict[Any, Any] = {}  # regions by bounds, chunk sizes (piece_from_json)
         self._shapes: dict[Any, Any] = {}
         self._dtypes: dict[Any, Any] = {}
         self._no_scalars: dict[str, Scalar] = {}
@@ -356,7 +356,7 @@ class _Shared:
         if len(raw) != len(_PIECE_FIELDS) or any(k not in raw for k in _PIECE_FIELDS):
             return raw
         try:
-            return piece_from_json(raw, self.regions)
+            return piece_from_json(raw, self.pieces)
         except (CheckpointError, KeyError, TypeError, ValueError, AttributeError):
             return raw
 

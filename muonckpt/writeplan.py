@@ -63,21 +63,21 @@ class TensorWrite:
     """Its key in the file."""
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "tensor", sys.intern(tensor_key(self.param, self.key)))
+        object.__setattr__(self, "tensor", _file_key(self.param, self.key))
 
     @property
     def nbytes(self) -> int:
         return self.region.numel * DTYPE_BYTES[self.dtype]
 
-    def piece(self, checksums: Sequence[str], chunk_bytes: int) -> Piece:
-        """Its manifest entry once written, with the checksums of its data."""
+    def piece(self, digests: bytes, chunk_bytes: int) -> Piece:
+        """Its manifest entry once written, with the (packed) checksums of its data."""
         return Piece(
             param=self.param,
             key=self.key,
             file=self.file,
             tensor=self.tensor,
             region=self.region,
-            checksums=tuple(checksums),
+            digests=digests,
             chunk_bytes=chunk_bytes,
         )
 
@@ -150,9 +150,15 @@ class WritePlan:
         return out
 
 
+def _file_key(param: str, key: str) -> str:
+    """:func:`~muonckpt.manifest.tensor_key`, interned: a rewrite's source pieces, its plan
+    and its output name each tensor alike, one string for all (300k of them at 100k params)."""
+    return sys.intern(tensor_key(param, key))
+
+
 def unique_tensor_keys(items: Iterable[tuple[str, str]], where: object) -> None:
     """Refuse (param, key) pairs whose file keys collide (a param named like another's state)."""
-    _unique_keys(((param, key, tensor_key(param, key)) for param, key in items), where)
+    _unique_keys(((param, key, _file_key(param, key)) for param, key in items), where)
 
 
 def _unique_keys(items: Iterable[tuple[str, str, str]], where: object) -> None:
@@ -220,7 +226,7 @@ def consolidated_plan(
     texts: dict[str, str] = {}
     wholes: dict[int, Region] = {}
     for stem in (STATE_STEM, VALUE_STEM):
-        family = {tensor_key(p, k): (p, k, d) for p, k, d in shapes if stem_of(k) == stem}
+        family = {_file_key(p, k): (p, k, d) for p, k, d in shapes if stem_of(k) == stem}
         if not family:
             continue
         sizes = {

@@ -491,8 +491,8 @@ def write_files(
     return _written(list(plan.files), plan.writes, pieces)
 
 
-def _sums(record: storage.TensorRecord) -> tuple[tuple[str, ...], int]:
-    return record.checksums, record.chunk_bytes
+def _sums(record: storage.TensorRecord) -> tuple[bytes, int]:
+    return record.digests, record.chunk_bytes
 
 
 def _written(files: list[str], writes: Sequence[TensorWrite], pieces: list[Piece]) -> Written:

@@ -222,3 +222,44 @@ def test_diff_refuses_to_compare_state_of_different_roles_raw():
     ((factor, note),) = examine._momentum_scales(manifest(muon), manifest(ema)).values()
     assert factor == pytest.approx(10.0) and "ema -> sum" in note
     assert examine._momentum_scales(manifest(ema), manifest(ema)) == {}
+
+
+def test_packed_checksums_come_back_exactly_and_a_lying_one_is_still_caught(tmp_path):
+    """Pieces and written records keep their checksums packed, 8 bytes each (memory at 100k
+    params): every checksum comes back as the manifest lists it, multi-chunk pieces and
+    leading zeros included, the manifest is written again byte for byte, a rewrite lists the
+    checksums of the bytes it wrote, and a checksum that lies is still caught."""
+    from muonckpt.manifest import pack_checksums, unpack_checksums
+    from muonckpt.storage import CHUNK_BYTES, SafetensorsReader, checksum_chunks
+
+    odd = ("0000000000000000", "00000000000000ff", "ffffffffffffffff", "0123456789abcdef")
+    assert unpack_checksums(pack_checksums(odd)) == odd and unpack_checksums(b"") == ()
+    torch.manual_seed(0)
+    big = torch.nn.Parameter(torch.randn(CHUNK_BYTES // 4 + 1000))  # two checksum chunks
+    opt = torch.optim.AdamW([big, torch.nn.Parameter(torch.randn(3))])
+    for p in opt.param_groups[0]["params"]:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    ckpt = muonckpt.save(opt, tmp_path / "ckpt")
+    text = (ckpt / "manifest.json").read_text()
+    listed = [p["checksums"] for p in json.loads(text)["pieces"]]
+    manifest = muonckpt.read_manifest(ckpt)
+    assert [list(p.checksums) for p in manifest.pieces] == listed
+    assert max(map(len, listed)) == 2 and manifest.to_json() == text
+
+    full = offline.consolidate(ckpt, tmp_path / "full")
+    rewritten = muonckpt.read_manifest(full)
+    for piece in rewritten.pieces:
+        with SafetensorsReader(full / piece.file) as reader:
+            data = reader.read(piece.tensor).view(torch.uint8).numpy()
+        assert piece.checksums == checksum_chunks(data, piece.chunk_bytes)
+    assert sorted(map(list, (p.checksums for p in rewritten.pieces))) == sorted(listed)
+    assert muonckpt.verify(full) == []
+
+    true = max(listed, key=len)[1]
+    lie = f"{int(true, 16) ^ 1:016x}"
+    (ckpt / "manifest.json").write_text(text.replace(true, lie))
+    (problem,) = muonckpt.verify(ckpt)
+    assert "checksum mismatch in chunk 1" in str(problem) and lie in str(problem)
+    with pytest.raises(muonckpt.CheckpointError, match="checksum mismatch in chunk 1"):
+        offline.consolidate(ckpt, tmp_path / "again")

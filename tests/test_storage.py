@@ -310,6 +310,53 @@ def test_damaged_files_raise(tmp_path: Path) -> None:
         assert info.value.path == path, name
 
 
+@pytest.mark.parametrize("window", [1, 3, 7, 64, 4 << 20])
+def test_a_header_read_a_window_at_a_time_reads_as_a_whole(tmp_path, monkeypatch, window):
+    """The reader takes a header in windows (a header of 300k tensors is 30 MB): wherever a
+    window cuts (a key, a character of several UTF-8 bytes, a number, the metadata), the
+    file reads as it does whole, without the full parse, and a damaged file is refused with
+    the same message."""
+    from muonckpt.storage import safetensors_reader
+
+    path = tmp_path / "t.safetensors"
+    tensors = {
+        "ä€𝄞.weight": make(torch.float32, (2, 3)),
+        "b": make(torch.int8, (1234,)),
+        "c" * 300: torch.zeros(0),
+        "d": make(torch.bfloat16, (5, 1)),
+    }
+    metadata = {"format": "muonckpt", "note": "ü€ " * 500}
+    written = write_safetensors(path, tensors, metadata)
+    damaged = bad_files(tmp_path)
+    refused = {}
+    for name, bad in damaged.items():
+        with pytest.raises(CheckpointError) as info:
+            SafetensorsReader(bad)
+        refused[name] = str(info.value)
+
+    def whole(*args: object) -> None:
+        raise AssertionError("a sound header was parsed whole")
+
+    monkeypatch.setattr(safetensors_reader._HeaderText, "WINDOW", window)
+    with monkeypatch.context() as patched:
+        patched.setattr(SafetensorsReader, "_judge_header", whole)
+        with SafetensorsReader(path) as reader:
+            assert reader.metadata == metadata and reader.keys() == sorted(tensors)
+            for key, tensor in tensors.items():
+                record = reader.record(key)
+                assert (record.dtype, record.shape, record.offset, record.nbytes) == (
+                    written[key].dtype,
+                    written[key].shape,
+                    written[key].offset,
+                    written[key].nbytes,
+                )
+                assert_same(reader.read_tensor(key), tensor)
+    for name, bad in damaged.items():
+        with pytest.raises(CheckpointError) as info:
+            SafetensorsReader(bad)
+        assert str(info.value) == refused[name], name
+
+
 def test_missing_file(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match=r"missing\.safetensors"):
         SafetensorsReader(tmp_path / "missing.safetensors")

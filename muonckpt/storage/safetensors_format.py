@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..manifest import DTYPE_BYTES
+from ..manifest import DTYPE_BYTES, unpack_checksums
 
 MAX_HEADER_BYTES: int = 100_000_000
 """Largest safetensors JSON header accepted (the format's own limit)."""
@@ -44,9 +44,16 @@ class TensorRecord:
     offset: int
     """Absolute byte offset of the tensor's data in the file."""
     nbytes: int
-    checksums: tuple[str, ...]
-    """One digest per ``chunk_bytes`` chunk of the data (last may be short); empty for 0 bytes."""
+    digests: bytes
+    """One digest per ``chunk_bytes`` chunk of the data (last may be short), packed
+    (:func:`muonckpt.manifest.pack_checksums`); empty for 0 bytes and for a record read from
+    a file, which holds no checksums."""
     chunk_bytes: int
+
+    @property
+    def checksums(self) -> tuple[str, ...]:
+        """:attr:`digests` as hex strings, as the manifest lists them."""
+        return unpack_checksums(self.digests)
 
     @property
     def numel(self) -> int:

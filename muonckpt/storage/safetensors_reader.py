@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import bisect
+import codecs
 import errno
 import itertools
 import json
@@ -96,44 +97,89 @@ def _tensor_entry(info: object) -> Entry | str:
 _WHITESPACE = re.compile(r"[ \t\n\r]*")
 
 
+class _HeaderText:
+    """A header's text, read and decoded (UTF-8) a window at a time, at a position: a header
+    of 300k tensors is 30 MB, which whole, as bytes and as text, took 60 MB."""
+
+    WINDOW = 4 << 20
+    """Bytes read at a time (more where one value is longer)."""
+
+    def __init__(self, read: Callable[[int, int], bytes], start: int, length: int) -> None:
+        self._read, self._next, self._end = read, start, start + length
+        self._decoder = codecs.getincrementaldecoder("utf-8")()
+        self.text, self.pos = "", 0
+
+    def peek(self) -> str:
+        """The next character after whitespace ('' at the end)."""
+        while True:
+            self.pos = _WHITESPACE.match(self.text, self.pos).end()  # type: ignore[union-attr]
+            if self.pos < len(self.text):
+                return self.text[self.pos]
+            if not self._more():
+                return ""
+
+    def scan(self, scan_once: Callable[[str, int], tuple[object, int]]) -> object:
+        """The JSON value at the position (one that a window cuts short fails to scan: a
+        string or an object), read on past it."""
+        while True:
+            try:
+                value, self.pos = scan_once(self.text, self.pos)
+                return value
+            except (StopIteration, ValueError):
+                if not self._more():
+                    raise
+
+    def _more(self) -> bool:
+        """Drop the text before the position and read on (at least as much as is left, so
+        that a long value is read in linear time); False at the end."""
+        if self._next >= self._end:
+            return False
+        count = min(max(self.WINDOW, 2 * (len(self.text) - self.pos)), self._end - self._next)
+        data = self._read(self._next, count)
+        self._next += count
+        decoded = self._decoder.decode(data, final=self._next >= self._end)
+        self.text, self.pos = self.text[self.pos :] + decoded, 0
+        return True
+
+
 def _regular_header(
-    text: str, data_start: int, data_size: int
+    text: _HeaderText, data_start: int, data_size: int
 ) -> tuple[dict[str, str], _Records] | None:
     """The metadata and records of a header that is a JSON object of sound entries, each
     within the ``data_size`` bytes of data, no key twice, read member by member (never the
-    object whole, a dict of 300k entries); None for anything else, which the full parse
-    judges (naming the problem)."""
+    object whole, a dict of 300k entries, nor its text whole); None for anything else, which
+    the full parse judges (naming the problem)."""
     scan = json.JSONDecoder(object_pairs_hook=_compact_entries()).scan_once  # type: ignore[attr-defined]
-    skip = _WHITESPACE.match
     records, metadata = _Records(), None
-    pos = skip(text, 0).end()  # type: ignore[union-attr]
-    if text[pos : pos + 1] != "{":
-        return None
-    pos = skip(text, pos + 1).end()  # type: ignore[union-attr]
-    closing = text[pos : pos + 1] == "}"
-    while not closing:
-        try:
-            key, pos = scan(text, pos) if text[pos : pos + 1] == '"' else (None, pos)
-            pos = skip(text, pos).end()  # type: ignore[union-attr]
-            if not isinstance(key, str) or text[pos : pos + 1] != ":":
-                return None
-            value, pos = scan(text, skip(text, pos + 1).end())  # type: ignore[union-attr]
-        except (StopIteration, ValueError, RecursionError):
+    try:
+        if text.peek() != "{":
             return None
-        if key == METADATA_KEY and metadata is None and _string_map(value):
-            metadata = dict(value)
-        elif key != METADATA_KEY and isinstance(value, tuple) and value[3] <= data_size:
-            dtype, shape, begin, end = value
-            records.add(key, dtype, shape, data_start + begin, end - begin)
-        else:
-            return None
-        pos = skip(text, pos).end()  # type: ignore[union-attr]
-        closing = text[pos : pos + 1] == "}"
-        if not closing:
-            if text[pos : pos + 1] != ",":
+        text.pos += 1
+        closing = text.peek() == "}"
+        while not closing:
+            key = text.scan(scan) if text.peek() == '"' else None
+            if not isinstance(key, str) or text.peek() != ":":
                 return None
-            pos = skip(text, pos + 1).end()  # type: ignore[union-attr]
-    if skip(text, pos + 1).end() != len(text) or not records.seal():  # type: ignore[union-attr]
+            text.pos += 1
+            text.peek()
+            value = text.scan(scan)
+            if key == METADATA_KEY and metadata is None and _string_map(value):
+                metadata = dict(value)  # type: ignore[call-overload]
+            elif key != METADATA_KEY and isinstance(value, tuple) and value[3] <= data_size:
+                dtype, shape, begin, end = value
+                records.add(key, dtype, shape, data_start + begin, end - begin)
+            else:
+                return None
+            closing = text.peek() == "}"
+            if not closing:
+                if text.peek() != ",":
+                    return None
+                text.pos += 1
+                text.peek()
+        text.pos += 1
+        if text.peek() or not records.seal():
+            return None
+    except (StopIteration, ValueError, RecursionError):  # UnicodeDecodeError included
         return None
     return metadata or {}, records
 
@@ -221,7 +267,7 @@ class _Records:
             shape=self._shapes[index],
             offset=self._offsets[index],
             nbytes=self._sizes[index],
-            checksums=(),
+            digests=b"",
             chunk_bytes=CHUNK_BYTES,
         )
 
@@ -329,15 +375,17 @@ class SafetensorsReader:
             raise self._fail(f"header length {length} exceeds the {MAX_HEADER_BYTES}-byte limit")
         if 8 + length > size:
             raise self._fail(f"header length {length} runs past the end of the {size}-byte file")
-        raw = self._pread(8, length, what="header")
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise self._fail(f"header is not valid UTF-8 JSON: {e}") from e
-        del raw
         data_start = 8 + length
-        regular = _regular_header(text, data_start, size - data_start)
-        if regular is None:  # anything else: parsed whole, then judged entry by entry
+        window = _HeaderText(lambda at, count: self._pread(at, count, what="header"), 8, length)
+        regular = _regular_header(window, data_start, size - data_start)
+        del window
+        if regular is None:  # anything else: read whole, then judged entry by entry
+            raw = self._pread(8, length, what="header")
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise self._fail(f"header is not valid UTF-8 JSON: {e}") from e
+            del raw
             self._judge_header(text, data_start, size - data_start)
         else:
             self.metadata, self._records = regular
@@ -406,7 +454,8 @@ class SafetensorsReader:
         return key in self._records
 
     def record(self, key: str) -> TensorRecord:
-        """Dtype, shape, absolute offset and size of ``key`` (``checksums`` is empty)."""
+        """Dtype, shape, absolute offset and size of ``key`` (no checksums: ``digests`` is
+        empty)."""
         record = self._records.get(key)
         if record is None:
             raise self._fail("no such tensor in file", key)
@@ -481,9 +530,13 @@ class SafetensorsReader:
             self._verify(key, rec, data, lo, checksums, chunk_bytes)
         target = np.frombuffer(out, dtype=np.uint8)
         for g in groups:
-            shape = (g.count, g.length * size)
             dst = target[g.dst * size :]
             src = data[g.src * size - lo :]
+            if g.count == 1:  # one run: a plain slice (as_strided costs more than the copy)
+                run = g.length * size
+                dst[:run] = src[:run]
+                continue
+            shape = (g.count, g.length * size)
             np.copyto(
                 as_strided(dst, shape, (g.dst_step * size, 1)),
                 as_strided(src, shape, (g.src_step * size, 1), writeable=False),

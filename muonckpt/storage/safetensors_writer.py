@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import itertools
 import json
 import math
 import os
@@ -15,13 +16,13 @@ from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, BinaryIO
 
 import numpy as np
 
 from ..errors import CheckpointError
 from ..manifest import DTYPE_BYTES
-from .checksums import CHUNK_BYTES, checksum_chunks
+from .checksums import CHUNK_BYTES, chunk_digests
 from .dtypes import byte_view, torch_dtype_names
 from .durable import pwrite_all, remove_quietly, replace_durably, start_writeback, temporary_path
 from .safetensors_format import DTYPE_CODES, DTYPES, METADATA_KEY, TensorRecord
@@ -93,21 +94,19 @@ def write_safetensors(
         return writer.commit()
 
 
-def _write_and_checksum(
-    fd: int, view: memoryview, offset: int, chunk_bytes: int
-) -> tuple[str, ...]:
-    """Write bytes ``view`` at ``offset`` and return their chunk checksums, overlapping the two
-    when large.
+def _write_and_checksum(fd: int, view: memoryview, offset: int, chunk_bytes: int) -> bytes:
+    """Write bytes ``view`` at ``offset`` and return their chunk checksums (packed:
+    :func:`.checksums.chunk_digests`), overlapping the two when large.
 
     A large tensor also starts the kernel's writeback of the file so far, so the disk works
     while the next tensor is copied and the final fsync has little left to do.
     """
     if len(view) < _OFFLOAD_BYTES:
         pwrite_all(fd, view, offset)
-        return checksum_chunks(view, chunk_bytes)
+        return chunk_digests(view, chunk_bytes)
     # xxhash and file writes both release the GIL: overlap them.
     with ThreadPoolExecutor(max_workers=1) as pool:
-        pending = pool.submit(checksum_chunks, view, chunk_bytes)
+        pending = pool.submit(chunk_digests, view, chunk_bytes)
         pwrite_all(fd, view, offset)
         start_writeback(fd)
         return pending.result()
@@ -117,17 +116,13 @@ def _plan_header(
     path: Path,
     specs: Mapping[str, tuple[str, Sequence[int]]],
     metadata: Mapping[str, str] | None,
-) -> tuple[bytes, _Layout]:
-    """The padded header bytes, and where each tensor goes.
-
-    The header is ``json.dumps`` of the format's object (compact, not ASCII-escaped), written
-    entry by entry: 300k tensors as dicts and lists at once took 120 MB. Equal shapes are one
-    tuple."""
+) -> _Header:
+    """The header of a file of these tensors (checked), and where each tensor goes. Equal
+    shapes are one tuple."""
     meta = dict(metadata or {})
     for k, v in meta.items():
         if not isinstance(k, str) or not isinstance(v, str):
             raise CheckpointError(f"metadata must map str to str, got {k!r}: {v!r}", path=path)
-    entries = [f"{_json(METADATA_KEY)}:{_json(meta)}"] if meta else []
     plan = _Layout()
     shapes: dict[tuple[int, ...], tuple[int, ...]] = {}
     position = 0
@@ -143,19 +138,52 @@ def _plan_header(
             raise CheckpointError(f"negative size in shape {shape}", path=path, param=key)
         shape = shapes.setdefault(shape, shape)
         nbytes = math.prod(shape) * DTYPE_BYTES[name]
-        entries.append(
-            f'{_json(key)}:{{"dtype":{_json(name)},"shape":[{",".join(map(str, shape))}],'
-            f'"data_offsets":[{position},{position + nbytes}]}}'
-        )
         plan.add(key, name, shape, position, nbytes)
         position += nbytes
-    text = "".join(["{", ",".join(entries), "}"])
-    del entries
-    if text.isascii():  # padded as text, so that the header is encoded once, not copied
-        text += " " * (-len(text) % 8)
-        return text.encode("ascii"), plan
-    encoded = text.encode("utf-8")
-    return encoded + b" " * (-len(encoded) % 8), plan
+    return _Header(meta, plan)
+
+
+class _Header:
+    """A planned file's header: its metadata, where each tensor goes (:attr:`layout`) and its
+    length. Its text, ``json.dumps`` of the format's object (compact, not ASCII-escaped,
+    padded with spaces), is made again entry by entry each time it is measured or written:
+    300k tensors as dicts and lists took 120 MB, their text whole, beside its bytes, 60 MB."""
+
+    _BATCH = 4096
+    """Entries encoded and written at a time."""
+
+    def __init__(self, meta: dict[str, str], layout: _Layout) -> None:
+        self.meta, self.layout = meta, layout
+        self._unpadded = sum(map(len, self._text()))
+        self.length = self._unpadded + -self._unpadded % 8
+        """Bytes of the padded header (after the 8-byte length)."""
+
+    def write(self, file: BinaryIO) -> None:
+        """The length prefix and the padded header, at the file's position."""
+        file.write(struct.pack("<Q", self.length))
+        for chunk in self._text():
+            file.write(chunk)
+        file.write(b" " * (self.length - self._unpadded))
+
+    def _text(self) -> Iterator[bytes]:
+        """The unpadded header, UTF-8, :attr:`_BATCH` entries at a time."""
+        entries = self._entries()
+        yield b"{"
+        separator = ""
+        while batch := list(itertools.islice(entries, self._BATCH)):
+            yield (separator + ",".join(batch)).encode("utf-8")
+            separator = ","
+        yield b"}"
+
+    def _entries(self) -> Iterator[str]:
+        if self.meta:
+            yield f"{_json(METADATA_KEY)}:{_json(self.meta)}"
+        for index, key in enumerate(self.layout.keys):
+            name, shape, begin, nbytes = self.layout.entry(index)
+            yield (
+                f'{_json(key)}:{{"dtype":{_json(name)},"shape":[{",".join(map(str, shape))}],'
+                f'"data_offsets":[{begin},{begin + nbytes}]}}'
+            )
 
 
 class _Layout:
@@ -198,17 +226,18 @@ class _Layout:
 
 class WrittenRecords(Mapping[str, TensorRecord]):
     """What :meth:`SafetensorsWriter.commit` returns: each written tensor's
-    :class:`TensorRecord`, made when asked for from the file's layout and checksums."""
+    :class:`TensorRecord`, made when asked for from the file's layout and each tensor's packed
+    checksums (:attr:`TensorRecord.digests`)."""
 
     def __init__(
-        self, layout: _Layout, checksums: list[tuple[str, ...]], data_start: int, chunk_bytes: int
+        self, layout: _Layout, digests: list[bytes], data_start: int, chunk_bytes: int
     ) -> None:
-        self._layout, self._checksums = layout, checksums
+        self._layout, self._digests = layout, digests
         self._data_start, self._chunk_bytes = data_start, chunk_bytes
 
     def __getitem__(self, key: str) -> TensorRecord:
         index = self._layout.index(key)
-        if index is None or index >= len(self._checksums):
+        if index is None or index >= len(self._digests):
             raise KeyError(key)
         name, shape, begin, nbytes = self._layout.entry(index)
         return TensorRecord(
@@ -217,15 +246,15 @@ class WrittenRecords(Mapping[str, TensorRecord]):
             shape=shape,
             offset=self._data_start + begin,
             nbytes=nbytes,
-            checksums=self._checksums[index],
+            digests=self._digests[index],
             chunk_bytes=self._chunk_bytes,
         )
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._layout.keys[: len(self._checksums)])
+        return iter(self._layout.keys[: len(self._digests)])
 
     def __len__(self) -> int:
-        return len(self._checksums)
+        return len(self._digests)
 
 
 def _json(value: object) -> str:
@@ -255,17 +284,17 @@ class SafetensorsWriter:
         if chunk_bytes <= 0:
             raise CheckpointError(f"chunk_bytes must be positive, got {chunk_bytes}", path=path)
         self.chunk_bytes = chunk_bytes
-        header, self._plan = _plan_header(self.path, specs, metadata)
-        self._data_start = 8 + len(header)
+        header = _plan_header(self.path, specs, metadata)
+        self._plan = header.layout
+        self._data_start = 8 + header.length
         self._order = self._plan.keys
         self._next = 0
-        self._checksums: list[tuple[str, ...]] = []
+        self._digests: list[bytes] = []
         self._tmp = temporary_path(self.path)
         self._file = None
         try:
             self._file = open(self._tmp, "wb")  # noqa: SIM115 - closed by commit/abort
-            self._file.write(struct.pack("<Q", len(header)))
-            self._file.write(header)
+            header.write(self._file)
             self._file.flush()  # the data goes in by positional writes
         except OSError as e:
             self.abort()
@@ -289,7 +318,7 @@ class SafetensorsWriter:
             )
         name, shape, begin, nbytes = self._plan.entry(self._next)
         view = _payload(tensor, name, shape, self.path, key)
-        sums: tuple[str, ...] = ()
+        sums = b""
         try:
             if nbytes:
                 sums = _write_and_checksum(
@@ -298,12 +327,12 @@ class SafetensorsWriter:
         except OSError as e:
             self.abort()
             raise CheckpointError(f"cannot write: {e}", path=self.path) from e
-        self._checksums.append(sums)
+        self._digests.append(sums)
         self._next += 1
         return self._records()[key]
 
     def _records(self) -> WrittenRecords:
-        return WrittenRecords(self._plan, self._checksums, self._data_start, self.chunk_bytes)
+        return WrittenRecords(self._plan, self._digests, self._data_start, self.chunk_bytes)
 
     def commit(self) -> WrittenRecords:
         """fsync, rename into place, fsync the directory; every declared tensor must be written."""
@@ -368,29 +397,29 @@ class SharedSafetensorsFile:
     ) -> None:
         self.path = Path(path)
         self.chunk_bytes = CHUNK_BYTES
-        self._header, self._plan = _plan_header(self.path, specs, metadata)
-        self._data_start = 8 + len(self._header)
+        self._header = _plan_header(self.path, specs, metadata)
+        self._plan = self._header.layout
+        self._data_start = 8 + self._header.length
         self.size = self._data_start + self._plan.nbytes
         """Length of the finished file."""
         self._part = self.path.with_name(f".{self.path.name}.part")
         self._fd: int | None = None
 
-    def record(self, key: str, checksums: Sequence[str] = ()) -> TensorRecord:
-        """Where ``key`` lies in the file, with the given checksums of its data."""
+    def record(self, key: str, digests: bytes = b"") -> TensorRecord:
+        """Where ``key`` lies in the file, with the given (packed) checksums of its data."""
         index = self._plan.index(key)
         if index is None:
             raise CheckpointError("no such tensor planned", path=self.path, param=key)
         name, shape, begin, nbytes = self._plan.entry(index)
         return TensorRecord(
-            key, name, shape, self._data_start + begin, nbytes, tuple(checksums), self.chunk_bytes
+            key, name, shape, self._data_start + begin, nbytes, digests, self.chunk_bytes
         )
 
     def create(self) -> None:
         """Write the header and give the temporary file its full length (the data still holes)."""
         try:
             with open(self._part, "xb") as file:
-                file.write(struct.pack("<Q", len(self._header)))
-                file.write(self._header)
+                self._header.write(file)
                 file.truncate(self.size)
         except OSError as e:
             raise CheckpointError(f"cannot create: {e}", path=self.path) from e
