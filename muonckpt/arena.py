@@ -46,11 +46,20 @@ class ReadArena:
         else:
             offset = -(-self._used // _ALIGN) * _ALIGN
             if self._filling < 0 or offset + nbytes > self._block:
-                self._arrays.append(torch.empty(self._block, dtype=torch.uint8))
+                # Zeroed: a view's whole block is what torch.save writes, never stale memory.
+                self._arrays.append(torch.zeros(self._block, dtype=torch.uint8))
                 self._filling, offset = len(self._arrays) - 1, 0
             where, self._used = self._filling, offset + nbytes
         self._slots.extend((where, offset, nbytes))
         return len(self) - 1, self._arrays[where].numpy()[offset : offset + nbytes]
+
+    def trim(self) -> None:
+        """Give back the unused rest of the block being filled (a tensor viewing a block keeps
+        it whole, and ``torch.save`` writes a view's whole storage); the next small read
+        starts a new block."""
+        if self._filling >= 0 and self._used < self._block:
+            self._arrays[self._filling] = self._arrays[self._filling][: self._used].clone()
+        self._filling = -1
 
     def tensor(self, slot: int, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
         """The slot's bytes as a tensor of ``dtype`` and ``shape``, sharing them."""

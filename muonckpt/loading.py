@@ -104,7 +104,9 @@ def load(
     packed together: a tensor object each would cost more than their bytes). State the
     optimizer already has, of the dtype, device and shape torch would give the loaded value,
     keeps its tensors: the checkpoint's values are copied into them, so a rollback inside a
-    running job holds no second copy of the state.
+    running job holds no second copy of the state. New small state tensors (a fresh
+    optimizer's) view the shared blocks they were read into: ``torch.save`` of one of them
+    alone writes its whole block.
     In distributed mode a collective over the grid (for optimizers without hooks in a process
     group, DDP replicas, the world: every rank reads the whole state): a bounded rendezvous
     where the ranks agree on the call and its arguments, then they agree that they opened one
@@ -395,9 +397,13 @@ class _Share:
     each, held until every rank has read, would cost more than the state itself)."""
 
     arena: ReadArena
+    """The state's bytes: a fresh optimizer's new state tensors view its blocks."""
     state: list[_Staged]
     values: array
-    """Pairs (flat index, arena slot) of the params' own values."""
+    """Pairs (flat index, slot of ``value_bytes``) of the params' own values."""
+    value_bytes: ReadArena = field(default_factory=ReadArena)
+    """The params' own values, apart from the state's blocks: once copied into the params,
+    nothing keeps them."""
 
 
 def _read(
@@ -407,8 +413,8 @@ def _read(
     grouped = manifest.pieces_of()
     share = _Share(ReadArena(), [], array("q"))
 
-    def read(entry: ParamEntry, key: str, region: Region) -> int:
-        slot, out = share.arena.reserve(region.numel * storage.itemsize(entry.dtype_of(key)))
+    def read(entry: ParamEntry, key: str, region: Region, arena: ReadArena = share.arena) -> int:
+        slot, out = arena.reserve(region.numel * storage.itemsize(entry.dtype_of(key)))
         reader.gather(grouped[entry.name, key], entry, key, region, out)
         return slot
 
@@ -443,7 +449,10 @@ def _read(
         if params:
             held = param.held or whole_region(entry.numel)
             _check_value(entry, held, p, directory)
-            share.values.extend((param.local_index, read(entry, PARAM_KEY, held)))
+            share.values.extend(
+                (param.local_index, read(entry, PARAM_KEY, held, share.value_bytes))
+            )
+    share.arena.trim()
     return share
 
 
@@ -494,6 +503,7 @@ def _apply(plan: _Target, share: _Share) -> None:
     job) holds no second copy of it, on the host or the device."""
     owners = optimizers_of(plan.optimizer)
     arena, reused = share.arena, bytearray(len(share.arena))
+    taken: set[int] = set()  # ids of the tensors copied into: each gets one param's values
     first_group = first_param = 0
     for optimizer in owners:
         groups = plan.groups[first_group : first_group + len(optimizer.param_groups)]
@@ -506,8 +516,9 @@ def _apply(plan: _Target, share: _Share) -> None:
             had = optimizer.state.get(p, {})
             values: dict[str, Any] = {}
             for slot, (key, dtype) in enumerate(staged.tensors, staged.first):
-                if _reusable(had.get(key), p, key):
+                if _reusable(had.get(key), p, key) and id(had[key]) not in taken:
                     values[key], reused[slot] = had[key], 1
+                    taken.add(id(had[key]))
                 else:
                     values[key] = arena.tensor(slot, storage.torch_dtype(dtype), p.shape)
             values.update({k: _scalar_value(v) for k, v in staged.scalars.items()})
@@ -530,7 +541,7 @@ def _apply(plan: _Target, share: _Share) -> None:
             for index, slot in zip(share.values[::2], share.values[1::2], strict=True):
                 if first_param <= index < first_param + count:
                     p = flat[index - first_param]
-                    p.copy_(arena.tensor(slot, p.dtype, p.shape))
+                    p.copy_(share.value_bytes.tensor(slot, p.dtype, p.shape))
         first_group += len(optimizer.param_groups)
         first_param += count
 

@@ -8,6 +8,8 @@ what a load into a fresh optimizer gives, and training on from it is bitwise the
 
 from __future__ import annotations
 
+import io
+
 import pytest
 import torch
 
@@ -116,6 +118,46 @@ def test_state_of_another_dtype_is_replaced_as_torch_replaces_it(tmp_path):
     assert opt.state[params["w1"]]["exp_avg"].dtype == torch.float32
 
 
+def test_a_fresh_optimizers_new_state_holds_no_more_memory_than_its_own_bytes(tmp_path):
+    """torch.save (and a deepcopy) of a view writes its whole storage: the state a load makes
+    for a fresh optimizer must not view blocks that also hold the params' values, or the
+    unused rest of a block (a few KiB of state were saved as 4 MiB)."""
+    params = _params()
+    opt = torch.optim.AdamW(list(params.items()), lr=0.01)
+    _train(opt, params, 0, 2)
+    muonckpt.save(opt, tmp_path / "ck")
+    fresh = torch.optim.AdamW(list(_params(zeros=True).items()), lr=0.01)
+
+    muonckpt.load(fresh, tmp_path / "ck")
+
+    tensors = [v for s in fresh.state.values() for v in s.values() if torch.is_tensor(v)]
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    own = sum(t.nbytes for t in tensors)
+    assert sum(storages.values()) <= own + 16 * len(tensors)
+    saved = io.BytesIO()
+    torch.save(fresh.state_dict(), saved)
+    assert len(saved.getvalue()) < own + (16 << 10)
+
+
+def test_a_tensor_the_optimizer_shares_between_params_is_not_copied_into_twice(tmp_path):
+    """torch's load gives each param its own loaded tensor. Copying each param's values into
+    one tensor that the optimizer shares between two params would leave the last param's
+    values in both."""
+    gen = torch.Generator().manual_seed(5)
+    params = {n: torch.nn.Parameter(torch.randn(3, 4, generator=gen)) for n in ("a", "bb")}
+    opt = torch.optim.AdamW(list(params.items()), lr=0.01)
+    _train(opt, params, 0, 2)
+    muonckpt.save(opt, tmp_path / "ck")
+    saved = {n: opt.state[p]["exp_avg"].clone() for n, p in params.items()}
+    assert not torch.equal(saved["a"], saved["bb"])
+    opt.state[params["bb"]]["exp_avg"] = opt.state[params["a"]]["exp_avg"]
+
+    muonckpt.load(opt, tmp_path / "ck")
+
+    for name, p in params.items():
+        assert torch.equal(opt.state[p]["exp_avg"], saved[name]), name
+
+
 @pytest.mark.parametrize(
     "sizes",
     [
@@ -132,6 +174,7 @@ def test_the_arena_gives_back_each_read_as_written(sizes):
         assert slot == i and out.nbytes == n and out.dtype.name == "uint8"
         out[:] = (torch.arange(n) * (i + 1) % 251).to(torch.uint8).numpy()
         written.append(bytes(out))
+    arena.trim()  # the block being filled shrinks to what it holds; every slot stays
     assert len(arena) == len(sizes)
     for slot, n in enumerate(sizes):
         got = arena.tensor(slot, torch.uint8, (n,))
