@@ -87,6 +87,65 @@ _WHITESPACE = re.compile(r"[ \t\n\r]*")
 _AFTER_VALUE = " \t\n\r,:]}"
 
 
+class TextWindow:
+    """A window onto JSON text that arrives in chunks, at a position: the text before the
+    position is dropped as the window moves on, so the text is never held whole (a manifest,
+    and a safetensors header, of 100k params is tens of MB)."""
+
+    def __init__(self, chunks: Iterable[str]) -> None:
+        self._chunks = iter(chunks)
+        self.text, self.pos, self._eof = "", 0, False
+
+    def peek(self) -> str:
+        """The next character after whitespace ('' at the end), the position moved to it."""
+        while True:
+            self.pos = _WHITESPACE.match(self.text, self.pos).end()  # type: ignore[union-attr]
+            if self.pos < len(self.text):
+                return self.text[self.pos]
+            if not self.more():
+                return ""
+
+    def expect(self, char: str) -> None:
+        """Step past ``char``, the next character after whitespace; ValueError if it is not."""
+        if self.peek() != char:
+            raise ValueError(f"expected {char!r}")
+        self.pos += 1
+
+    def scan(self, scan_once: Callable[[str, int], tuple[Any, int]]) -> Any:
+        """The JSON value at the position, as a decoder's ``scan_once`` makes it, reading on
+        where the window cut it short (an object, or a number: "2." of "2.5")."""
+        self.peek()
+        while True:
+            try:
+                value, end = scan_once(self.text, self.pos)
+            except (StopIteration, json.JSONDecodeError):  # perhaps cut off by the window
+                if self.more():
+                    continue
+                raise ValueError("not a JSON value") from None
+            cut = end == len(self.text) or self.text[end] not in _AFTER_VALUE
+            if cut and self.more():
+                continue
+            self.pos = end
+            return value
+
+    def more(self) -> bool:
+        """Extend the window by at least what it holds past the position (so that a long value
+        is read in linear time); False at the end."""
+        if self._eof:
+            return False
+        self.text = self.text[self.pos :]
+        self.pos = 0
+        added: list[str] = []
+        while sum(map(len, added)) <= len(self.text):
+            chunk = next(self._chunks, None)
+            if chunk is None:
+                self._eof = True
+                break
+            added.append(chunk)
+        self.text += "".join(added)
+        return bool(added)
+
+
 class _JsonStream:
     """A JSON object parsed from a window onto a stream of text (:func:`strict_json_chunks`)."""
 
@@ -96,89 +155,49 @@ class _JsonStream:
         objects: Callable[[dict[str, Any]], Any] | None,
         elements: Mapping[str, Callable[[Any], Any]],
     ) -> None:
-        self._chunks, self._elements = iter(chunks), elements
+        self._window, self._elements = TextWindow(chunks), elements
         self._scan = json.JSONDecoder(**_strict_options(objects)).scan_once  # type: ignore[attr-defined]
         self._objects = objects
-        self._text, self._pos, self._eof = "", 0, False
 
     def document(self) -> Any:
-        self._expect("{")
+        window = self._window
+        window.expect("{")
         body: dict[str, Any] = {}
-        while self._next() != "}" or body:
-            if self._next() != '"':
+        while window.peek() != "}" or body:
+            if window.peek() != '"':
                 raise ValueError("expected a member name")
             key = self._value(0)
-            self._expect(":")
+            window.expect(":")
             if key in body:
                 raise ValueError(f"key(s) {[key]} appear twice in one object")
-            is_array = self._next() == "["
+            is_array = window.peek() == "["
             body[key] = self._array(self._elements.get(key)) if is_array else self._value(1)
-            if self._next() != ",":
+            if window.peek() != ",":
                 break
-            self._pos += 1
-        self._expect("}")
-        if self._next():
+            window.pos += 1
+        window.expect("}")
+        if window.peek():
             raise ValueError("extra data after the object")
         return body if self._objects is None else self._objects(body)
 
     def _array(self, convert: Callable[[Any], Any] | None) -> list[Any]:
-        self._expect("[")
+        window = self._window
+        window.expect("[")
         items: list[Any] = []
-        while self._next() != "]" or items:
+        while window.peek() != "]" or items:
             item = self._value(2)
             items.append(item if convert is None else convert(item))
-            if self._next() != ",":
+            if window.peek() != ",":
                 break
-            self._pos += 1
-        self._expect("]")
+            window.pos += 1
+        window.expect("]")
         return items
 
     def _value(self, above: int) -> Any:
         """The value at the position, found ``above`` levels deep."""
-        self._next()
-        while True:
-            try:
-                value, end = self._scan(self._text, self._pos)
-            except (StopIteration, json.JSONDecodeError):  # perhaps cut off by the window
-                if self._more():
-                    continue
-                raise ValueError("not a JSON value") from None
-            cut = end == len(self._text) or self._text[end] not in _AFTER_VALUE
-            if cut and self._more():  # a number cut by the window ("2." of "2.5"): read on
-                continue
-            self._pos = end
-            _check_depth(value, above)
-            return value
-
-    def _expect(self, char: str) -> None:
-        if self._next() != char:
-            raise ValueError(f"expected {char!r}")
-        self._pos += 1
-
-    def _next(self) -> str:
-        """The next character after whitespace ('' at the end)."""
-        while True:
-            self._pos = _WHITESPACE.match(self._text, self._pos).end()  # type: ignore[union-attr]
-            if self._pos < len(self._text):
-                return self._text[self._pos]
-            if not self._more():
-                return ""
-
-    def _more(self) -> bool:
-        """Extend the window by at least what it holds (past the position); False at the end."""
-        if self._eof:
-            return False
-        self._text = self._text[self._pos :]
-        self._pos = 0
-        added: list[str] = []
-        while sum(map(len, added)) <= len(self._text):
-            chunk = next(self._chunks, None)
-            if chunk is None:
-                self._eof = True
-                break
-            added.append(chunk)
-        self._text += "".join(added)
-        return bool(added)
+        value = self._window.scan(self._scan)
+        _check_depth(value, above)
+        return value
 
 
 def _children(value: Any) -> list[Any]:

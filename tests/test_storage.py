@@ -337,7 +337,7 @@ def test_a_header_read_a_window_at_a_time_reads_as_a_whole(tmp_path, monkeypatch
     def whole(*args: object) -> None:
         raise AssertionError("a sound header was parsed whole")
 
-    monkeypatch.setattr(safetensors_reader._HeaderText, "WINDOW", window)
+    monkeypatch.setattr(safetensors_reader, "HEADER_WINDOW", window)
     with monkeypatch.context() as patched:
         patched.setattr(SafetensorsReader, "_judge_header", whole)
         with SafetensorsReader(path) as reader:

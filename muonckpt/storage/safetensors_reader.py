@@ -10,7 +10,6 @@ import itertools
 import json
 import math
 import os
-import re
 import struct
 import sys
 import threading
@@ -26,6 +25,7 @@ from numpy.lib.stride_tricks import as_strided
 from ..errors import CheckpointError
 from ..layout import Strided
 from ..manifest import CHECKSUM_ALGORITHM, DTYPE_BYTES, MANIFEST_NAME
+from ..strict_json import TextWindow
 from .checksums import CHUNK_BYTES, chunk_digest
 from .dtypes import byte_view, torch_dtype
 from .durable import open_regular, read_text
@@ -94,56 +94,24 @@ def _tensor_entry(info: object) -> Entry | str:
     return _DTYPE_NAMES[dtype], tuple(shape), begin, end
 
 
-_WHITESPACE = re.compile(r"[ \t\n\r]*")
+HEADER_WINDOW = 4 << 20
+"""Bytes of a header read and decoded at a time: a header of 300k tensors is 30 MB, which
+whole, as bytes and as text, took 60 MB."""
 
 
-class _HeaderText:
-    """A header's text, read and decoded (UTF-8) a window at a time, at a position: a header
-    of 300k tensors is 30 MB, which whole, as bytes and as text, took 60 MB."""
-
-    WINDOW = 4 << 20
-    """Bytes read at a time (more where one value is longer)."""
-
-    def __init__(self, read: Callable[[int, int], bytes], start: int, length: int) -> None:
-        self._read, self._next, self._end = read, start, start + length
-        self._decoder = codecs.getincrementaldecoder("utf-8")()
-        self.text, self.pos = "", 0
-
-    def peek(self) -> str:
-        """The next character after whitespace ('' at the end)."""
-        while True:
-            self.pos = _WHITESPACE.match(self.text, self.pos).end()  # type: ignore[union-attr]
-            if self.pos < len(self.text):
-                return self.text[self.pos]
-            if not self._more():
-                return ""
-
-    def scan(self, scan_once: Callable[[str, int], tuple[object, int]]) -> object:
-        """The JSON value at the position (one that a window cuts short fails to scan: a
-        string or an object), read on past it."""
-        while True:
-            try:
-                value, self.pos = scan_once(self.text, self.pos)
-                return value
-            except (StopIteration, ValueError):
-                if not self._more():
-                    raise
-
-    def _more(self) -> bool:
-        """Drop the text before the position and read on (at least as much as is left, so
-        that a long value is read in linear time); False at the end."""
-        if self._next >= self._end:
-            return False
-        count = min(max(self.WINDOW, 2 * (len(self.text) - self.pos)), self._end - self._next)
-        data = self._read(self._next, count)
-        self._next += count
-        decoded = self._decoder.decode(data, final=self._next >= self._end)
-        self.text, self.pos = self.text[self.pos :] + decoded, 0
-        return True
+def _header_chunks(read: Callable[[int, int], bytes], start: int, length: int) -> Iterator[str]:
+    """A header's text, :data:`HEADER_WINDOW` bytes at a time, decoded (UTF-8) as it comes."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    end = start + length
+    while start < end:
+        count = min(HEADER_WINDOW, end - start)
+        data = read(start, count)
+        start += count
+        yield decoder.decode(data, final=start >= end)
 
 
 def _regular_header(
-    text: _HeaderText, data_start: int, data_size: int
+    text: TextWindow, data_start: int, data_size: int
 ) -> tuple[dict[str, str], _Records] | None:
     """The metadata and records of a header that is a JSON object of sound entries, each
     within the ``data_size`` bytes of data, no key twice, read member by member (never the
@@ -376,7 +344,8 @@ class SafetensorsReader:
         if 8 + length > size:
             raise self._fail(f"header length {length} runs past the end of the {size}-byte file")
         data_start = 8 + length
-        window = _HeaderText(lambda at, count: self._pread(at, count, what="header"), 8, length)
+        read = lambda at, count: self._pread(at, count, what="header")  # noqa: E731
+        window = TextWindow(_header_chunks(read, 8, length))
         regular = _regular_header(window, data_start, size - data_start)
         del window
         if regular is None:  # anything else: read whole, then judged entry by entry
