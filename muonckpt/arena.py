@@ -3,9 +3,9 @@
 A load reads its whole share before anything in the optimizer changes (any rank's failure is
 every rank's), so it holds every tensor it read at once. A tensor object costs about a
 kilobyte beside its data (torch's tensor and storage, numpy's array): 300k state tensors of a
-few elements each, held as tensors, cost ten times their bytes and more than the state itself.
-An :class:`ReadArena` packs the bytes of small reads into shared blocks and gives each read an
-integer slot; tensors are made from a slot only when they are used.
+few elements each, held as tensors, cost dozens of times their bytes, more than the state
+itself. A :class:`ReadArena` packs the bytes of small reads into shared blocks and gives each
+read an integer slot; tensors are made from a slot only when they are used.
 """
 
 from __future__ import annotations
