@@ -113,6 +113,23 @@ def load_phase(dp, tp, ckpts):
     return wrong
 
 
+def rollback_phase(dp, tp, ckpt):
+    """Train past the checkpoint, load it back into the same optimizer (a rollback), train on:
+    how many state tensors this rank had, whether each kept its identity, and the params that
+    differ from the reference."""
+    groups = make_groups(dp, tp)
+    expected, _, _, _ = distribute_params(reference(K + M), [], SEED_TP_DIMS, *groups)
+    full, _ = gen_param_and_grads(SHAPES, K + M)
+    opt, params, grads = build(dp, tp, groups, full, "-named-" in ckpt)
+    train(opt, params, grads, 0, K + 1)
+    own = [(p, k, v) for p, s in opt.state.items() for k, v in s.items() if torch.is_tensor(v)]
+    muonckpt.load(opt, ckpt)
+    kept = all(opt.state[p][k] is v for p, k, v in own)
+    train(opt, params, grads, K, M)
+    wrong = [i for i, (a, b) in enumerate(zip(expected, params)) if not torch.equal(a, b)]
+    return {"tensors": len(own), "kept": kept, "wrong": wrong}
+
+
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     root = tmp_path_factory.mktemp("seed-ckpts")
@@ -273,3 +290,13 @@ def test_state_dict_of_seed_sharding_is_complete_everywhere_and_reshards(tmp_pat
                 o["everywhere"]["state"][index]["momentum_buffer"], entry["momentum_buffer"]
             )
     assert run_distributed(load_state_dict_phase, 8, 2, 4, path, timeout=120) == [[]] * 8
+
+
+def test_a_rollback_into_the_seeds_optimizer_copies_into_its_momentum(saved):
+    """A load into the seed-built optimizer that trained past the checkpoint keeps each rank's
+    momentum tensors and continues bitwise as the uninterrupted run."""
+    ckpt = ckpt_name(saved["root"], (2, 2), False, "per-rank")
+    ranks = run_distributed(rollback_phase, 4, 2, 2, ckpt, timeout=180)
+    assert sum(r["tensors"] for r in ranks) > 0
+    assert all(r["kept"] for r in ranks), ranks
+    assert [r["wrong"] for r in ranks] == [[]] * 4
