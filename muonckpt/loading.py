@@ -47,6 +47,7 @@ from .placement import (
     flat_params,
     optimizers_of,
     participants,
+    replica_hint,
 )
 from .sharding import following
 from .steps import disagreement
@@ -85,6 +86,7 @@ def load(
     rename: Rename | None = None,
     extra: MutableMapping[str, Any] | None = None,
     rank_extra: MutableMapping[str, Any] | None = None,
+    local: bool = False,
 ) -> LoadReport:
     """Load a checkpoint of any kind and source topology into ``optimizer`` at its topology.
 
@@ -142,6 +144,10 @@ def load(
             place in the grid saved. Only at the number of ranks that saved (per-rank values
             such as RNG states or data positions do not carry over to another; load without
             it there and derive them afresh, from ``extra``).
+        local: the optimizer is this process's alone, not a DDP replica: loaded by this process
+            alone, whatever process group is initialized (as :func:`muonckpt.save`'s
+            ``local``). Without it an optimizer without hooks in a process group is a replica,
+            and every rank of the world must call ``load``.
 
     Returns:
         A :class:`LoadReport` of the conversions made and the settings warned about.
@@ -154,7 +160,7 @@ def load(
             naming the optimizer whose ``load_state_dict`` refused it.
     """
     targets = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
-    joined = targets[0] if len(targets) == 1 else Joined(targets)
+    joined = targets[0] if len(targets) == 1 else Joined(targets, local=local)
     arguments = {
         "path": os.path.abspath(path),
         "params": params,
@@ -163,8 +169,10 @@ def load(
         "extra given": extra is not None,
         "rank_extra given": rank_extra is not None,
     }
-    collectives.rendezvous("load", participants(joined, "load"), arguments, CheckpointError)
-    sharding = describe(joined)  # a collective the first time
+    ranks = participants(joined, "load", local=local)
+    hint = replica_hint(joined)
+    collectives.rendezvous("load", ranks, arguments, CheckpointError, hint=hint)
+    sharding = describe(joined, local=local)  # a collective the first time
     models = following(p for o in targets for p in flat_params(o)) if params else []
     steps = collectives.CollectiveSteps(
         "load", sharding.participants, sharding.destination, CheckpointError
