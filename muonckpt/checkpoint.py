@@ -53,6 +53,7 @@ def save(
     model: torch.nn.Module | None = None,
     extra: Mapping[str, Any] | None = None,
     rank_extra: Mapping[str, Any] | None = None,
+    local: bool = False,
 ) -> Path:
     """Save ``optimizer``'s state (and its params) to directory ``path``; a collective over its
     dp x tp grid, which begins with a bounded rendezvous (every rank must call it, with the same
@@ -98,6 +99,11 @@ def save(
         rank_extra: each rank's own values, as ``extra`` but stored per rank (RNG states:
             :class:`muonckpt.RNGState`; a data loader's position); every rank passes one, or
             none does.
+        local: the optimizer is this process's alone, not a DDP replica: saved by this
+            process alone, whatever process group is initialized (each rank its own optimizer
+            to its own path, or one rank only). Without it an optimizer without hooks in a
+            process group is a replica on every rank of the world, and every rank must call
+            ``save``. Refused for an optimizer that keeps state on other ranks.
 
     Returns:
         The checkpoint directory.
@@ -105,7 +111,7 @@ def save(
     A background save of the same optimizer still in flight (:func:`async_save`) commits
     first.
     """
-    target = _one(optimizer)
+    target = _one(optimizer, local)
     _wait_in_flight(target)
     prepared = prepare_save(
         "save",
@@ -120,6 +126,7 @@ def save(
         model=model,
         extra=extra,
         rank_extra=rank_extra,
+        local=local,
     )
     final = writing.finish(
         prepared.steps, prepared.staging, path, write=prepared.write, manifest=prepared.manifest
@@ -142,6 +149,7 @@ def async_save(
     rank_extra: Mapping[str, Any] | None = None,
     timeout: float = DEFAULT_ASYNC_TIMEOUT_S,
     model: torch.nn.Module | None = None,
+    local: bool = False,
 ) -> Future[Path]:
     """:func:`save`, returning as soon as the state and params are copied to host memory; the
     write, fsync, commit, retiring a replaced checkpoint and ``keep_last`` run in the
@@ -163,7 +171,7 @@ def async_save(
 
     Args:
         optimizer, path, consolidated, max_shard_size, params, overwrite, keep_last, model,
-            extra, rank_extra: as for :func:`save` (``extra`` and ``rank_extra`` are taken at
+            extra, rank_extra, local: as for :func:`save` (``extra`` and ``rank_extra`` are taken at
             the call: tensors copied, state dicts asked for).
         timeout: seconds (positive) rank 0 waits at each step for the slowest rank before the
             save fails on every rank still there (the others wait twice that for rank 0): a
@@ -186,7 +194,7 @@ def async_save(
         raise CheckpointError(f"timeout must be a positive number of seconds, got {timeout!r}")
     if math.isinf(timeout):
         raise CheckpointError("timeout must be finite: a rank that never reports would hang")
-    target = _one(optimizer)
+    target = _one(optimizer, local)
     _wait_in_flight(target)
     prepared = prepare_save(
         "async_save",
@@ -203,6 +211,7 @@ def async_save(
         background=True,
         timeout=timeout,
         model=model,
+        local=local,
     )
     foreground = prepared.steps
     background = writing.DirectorySteps(
@@ -266,11 +275,13 @@ _HOST_BUFFERS: weakref.WeakKeyDictionary[Any, HostBuffers] = weakref.WeakKeyDict
 """Per optimizer (the first of a list), the host buffers its saves copy state into."""
 
 
-def _one(optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer]) -> Optimizers:
-    """One optimizer, or several single-process ones joined (:class:`Joined`)."""
+def _one(
+    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer], local: bool
+) -> Optimizers:
+    """One optimizer, or several joined (:class:`Joined`)."""
     if isinstance(optimizer, torch.optim.Optimizer):
         return optimizer
-    return Joined(list(optimizer))
+    return Joined(list(optimizer), local=local)
 
 
 def _key(optimizer: Optimizers) -> torch.optim.Optimizer:

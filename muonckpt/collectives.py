@@ -436,10 +436,13 @@ class StoreSteps(StepProtocol):
         ranks: Sequence[int],
         error: type[MuonCkptError],
         timeout: float | None = None,
+        hint: str = "",
     ) -> None:
         super().__init__(operation, ranks, ranks[0], error, global_rank())
         self.timeout = rendezvous_timeout() if timeout is None else _checked_timeout(timeout)
         self.sequence = _next_sequence(self.ranks)
+        self.hint = hint
+        """What else to say when ranks do not arrive (the caller's likely mistake), or empty."""
 
     def _exchange(
         self, step: str, mine: Outcome, decide: Callable[[list[Outcome]], Outcome]
@@ -487,7 +490,7 @@ class StoreSteps(StepProtocol):
                 f"{came} did): {self.operation} is a collective over ranks {self.ranks}, call "
                 "it on every one of them (not under `if rank == 0:`), within the rendezvous "
                 "timeout of each other (muonckpt.collectives.set_rendezvous_timeout, "
-                "MUONCKPT_RENDEZVOUS_TIMEOUT)",
+                f"MUONCKPT_RENDEZVOUS_TIMEOUT){'; ' + self.hint if self.hint else ''}",
                 "absent": absent,
             }
 
@@ -540,22 +543,24 @@ def rendezvous(
     arguments: dict[str, Any],
     error: type[MuonCkptError],
     timeout: float | None = None,
+    hint: str = "",
 ) -> None:
     """The start of every collective ``operation`` over ``ranks``: a ``rendezvous`` step
     (:class:`StoreSteps`, bounded by ``timeout``) where the ranks check that they were called
     alike: the same call and ``arguments`` (JSON-safe). Raises ``error`` on every rank that
-    came, with one message, naming the ranks that did not come or the argument that differs.
-    Nothing in one process."""
+    came, with one message, naming the ranks that did not come or the argument that differs,
+    and then ``hint`` (what the caller may have meant), if any. Nothing in one process."""
     if not is_distributed() or len(ranks) <= 1:
         return
 
     def agreed(given: list[dict[str, Any]]) -> None:
         differ = disagreement(given, ranks)
         if differ is not None:
-            raise error(f"the ranks disagree on {differ}; nothing was done")
+            said = f"; {hint}" if hint else ""
+            raise error(f"the ranks disagree on {differ}; nothing was done{said}")
 
     called = {"call": operation, **arguments}
-    StoreSteps(operation, ranks, error, timeout).each_then_root(
+    StoreSteps(operation, ranks, error, timeout, hint).each_then_root(
         "rendezvous", lambda: called, agreed
     )
 

@@ -265,7 +265,8 @@ def merge_entry_reports(
                     f"{owners[0]} and {rank}, whose replicas must be identical (the state of an "
                     "optimizer without hooks in a process group, or of a REPLICATED param): "
                     "the ranks' optimizers did not step alike (a sharded optimizer needs "
-                    "muonckpt.install_hooks with its owner rule)"
+                    "muonckpt.install_hooks with its owner rule; each process's own optimizer "
+                    "is saved with local=True)"
                 )
             differs = _differences(expected, _shape_free(theirs, param.replicated), owners[0], rank)
             if differs:

@@ -3,8 +3,10 @@
 Every rank opens the checkpoint and agrees with the others that it is one (``open``), plans
 how the checkpoint's state maps onto the target (the same optimizer, or another implementation
 by :mod:`muonckpt.conversion`'s rules), reads and checks only the byte ranges of its own share
-(``read``), and only when every rank has, applies its share (torch's ``load_state_dict``, the
-trim passed by) and copies its params' values."""
+(``read``) and hands it to the optimizers (torch's ``load_state_dict``, the trim passed by)
+and the stateful values of ``extra`` / ``rank_extra`` to theirs, each of which may refuse; only
+when every rank has, copies the loaded values into the tensors kept and the params. A failure
+anywhere puts back everything on every rank: all or nothing."""
 
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ import torch
 
 from . import collectives, conversion, kinds, storage, trainstate
 from .arena import ReadArena
-from .errors import CheckpointError, ConversionWarning, StateDictError
+from .errors import CheckpointError, ConversionWarning, MuonCkptError, StateDictError
 from .gather import ScalarValue
 from .hooks import load_local_share, remap_groups
 from .layout import Region, whole_region
@@ -45,6 +47,7 @@ from .placement import (
     flat_params,
     optimizers_of,
     participants,
+    replica_hint,
 )
 from .sharding import following
 from .steps import disagreement
@@ -83,6 +86,7 @@ def load(
     rename: Rename | None = None,
     extra: MutableMapping[str, Any] | None = None,
     rank_extra: MutableMapping[str, Any] | None = None,
+    local: bool = False,
 ) -> LoadReport:
     """Load a checkpoint of any kind and source topology into ``optimizer`` at its topology.
 
@@ -110,8 +114,15 @@ def load(
     In distributed mode a collective over the grid (for optimizers without hooks in a process
     group, DDP replicas, the world: every rank reads the whole state): a bounded rendezvous
     where the ranks agree on the call and its arguments, then they agree that they opened one
-    checkpoint (its resolved directory and manifest) and that every share was read, before any
-    optimizer changes; any rank's failure is every rank's.
+    checkpoint (its resolved directory and manifest) and that every share was read and taken;
+    any rank's failure is every rank's.
+
+    All or nothing: a load that fails (damage, a mismatch, a stateful value or an optimizer
+    whose ``load_state_dict`` refuses, on any rank) leaves the optimizers, the params and the
+    model, and every value of ``extra`` / ``rank_extra`` as they were. Stateful values are
+    handed their saved state first (their previous ``state_dict()`` copied to put them back),
+    then the optimizers theirs (the state and groups they had kept aside); nothing is written
+    into a tensor, a param or a plain value until every rank has taken its share.
 
     Args:
         optimizer: an optimizer :func:`muonckpt.save` takes, at any topology, or a list of them.
@@ -133,16 +144,23 @@ def load(
             place in the grid saved. Only at the number of ranks that saved (per-rank values
             such as RNG states or data positions do not carry over to another; load without
             it there and derive them afresh, from ``extra``).
+        local: the optimizer is this process's alone, not a DDP replica: loaded by this process
+            alone, whatever process group is initialized (as :func:`muonckpt.save`'s
+            ``local``). Without it an optimizer without hooks in a process group is a replica,
+            and every rank of the world must call ``load``.
 
     Returns:
         A :class:`LoadReport` of the conversions made and the settings warned about.
 
     Raises:
-        CheckpointError: naming the file and param on any damage or mismatch, before anything
-            in the optimizer changes. StateDictError: for a target that cannot take the state.
+        CheckpointError: naming the file and param on any damage or mismatch, or the value of
+            ``extra`` / ``rank_extra`` whose ``load_state_dict`` refused (and any loaded before
+            it that then refused its own previous state too: the one thing a failed load can
+            leave changed, named). StateDictError: for a target that cannot take the state,
+            naming the optimizer whose ``load_state_dict`` refused it.
     """
     targets = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
-    joined = targets[0] if len(targets) == 1 else Joined(targets)
+    joined = targets[0] if len(targets) == 1 else Joined(targets, local=local)
     arguments = {
         "path": os.path.abspath(path),
         "params": params,
@@ -151,8 +169,10 @@ def load(
         "extra given": extra is not None,
         "rank_extra given": rank_extra is not None,
     }
-    collectives.rendezvous("load", participants(joined, "load"), arguments, CheckpointError)
-    sharding = describe(joined)  # a collective the first time
+    ranks = participants(joined, "load", local=local)
+    hint = replica_hint(joined)
+    collectives.rendezvous("load", ranks, arguments, CheckpointError, hint=hint)
+    sharding = describe(joined, local=local)  # a collective the first time
     models = following(p for o in targets for p in flat_params(o)) if params else []
     steps = collectives.CollectiveSteps(
         "load", sharding.participants, sharding.destination, CheckpointError
@@ -185,8 +205,9 @@ def load(
     else:
         open_it()
     report = LoadReport()
-    read: list[tuple[_Target, _Share]] = []
     me = sharding.participants.index(collectives.global_rank())
+    undo: list[Callable[[], list[str]]] = []  # what puts back what the read step changed
+    taken: list[tuple[_Taken, trainstate.Restore]] = []
 
     def read_share() -> None:
         # Taken, not kept: once the share is read nothing holds the manifest, and the state
@@ -197,24 +218,30 @@ def load(
         plan = _plan(joined, sharding, manifest, momentum_form, report)
         _check_covered(manifest, plan, directory)
         with PieceReader(directory, manifest) as reader:
-            read.append((plan, _read(plan, manifest, reader, params, directory)))
+            share = _read(plan, manifest, reader, params, directory)
             asked = _read_job_state(manifest, reader, extra, rank_extra, me)
-        # The job's own state first, all or nothing on this rank (a load_state_dict that
-        # refuses); inside the step, so that a refusal on any rank fails every rank, each
-        # putting back what it restored, before the optimizer changes.
-        undo.append(trainstate.restore_all(asked))
+        # What may refuse happens inside the step, so that a refusal on any rank fails every
+        # rank, each putting back what it changed: the job's stateful values first, then the
+        # optimizers take their share (no tensor of theirs written into yet).
+        restore = trainstate.Restore(asked)
+        undo.append(restore.put_back)
+        restore.load_objects()
+        state = _Taken(plan, share)
+        undo.append(state.put_back)
+        state.take()
+        taken.append((state, restore))
 
-    undo: list[trainstate.Undo] = []
     try:
         if len(steps.ranks) > 1:
             steps.each_then_root("read", read_share, lambda _: None)  # all or none change
         else:
             read_share()
-    except BaseException:
-        for each in undo:
-            each()
+    except BaseException as exc:
+        _put_back(undo, exc)
         raise
-    _apply(*read[0])
+    ((state, restore),) = taken
+    state.finish()  # from here on nothing can refuse
+    restore.assign()
     for sharded in models:  # the model's weights from the loaded shards: never forgotten
         sharded.params_to_model()
     for message in report.converted:
@@ -494,56 +521,111 @@ class _Indices(list):
         return index in self._members
 
 
-def _apply(plan: _Target, share: _Share) -> None:
-    """Hand each optimizer its share (in its own indices), then copy the params' values.
+class _Taken:
+    """The optimizers' share handed to their ``load_state_dict`` (:meth:`take`, which may
+    refuse, and writes into no tensor of theirs), then the loaded values copied into the
+    tensors they kept and into the params (:meth:`finish`, which cannot fail). Until then
+    :meth:`put_back` gives each optimizer back the ``state`` and groups it had: torch's
+    ``load_state_dict`` makes new ones and leaves the old as they were.
 
     A state tensor the optimizer already has, which torch would replace by one of the same
     dtype, device and shape, is handed back to torch and the loaded values copied into it once
-    torch took the share: a load into an optimizer that has state (a rollback in a running
-    job) holds no second copy of it, on the host or the device."""
-    owners = optimizers_of(plan.optimizer)
-    arena, reused = share.arena, bytearray(len(share.arena))
-    taken: set[int] = set()  # ids of the tensors copied into: each gets one param's values
-    first_group = first_param = 0
-    for optimizer in owners:
-        groups = plan.groups[first_group : first_group + len(optimizer.param_groups)]
-        count = sum(len(g["params"]) for g in optimizer.param_groups)
-        flat = flat_params(optimizer)
-        mine = [s for s in share.state if first_param <= s.position < first_param + count]
-        state: dict[int, dict[str, Any]] = {}
-        for staged in mine:
-            p = flat[staged.position - first_param]
-            had = optimizer.state.get(p, {})
-            values: dict[str, Any] = {}
-            for slot, (key, dtype) in enumerate(staged.tensors, staged.first):
-                if _reusable(had.get(key), p, key) and id(had[key]) not in taken:
-                    values[key], reused[slot] = had[key], 1
-                    taken.add(id(had[key]))
-                else:
-                    values[key] = arena.tensor(slot, storage.torch_dtype(dtype), p.shape)
-            values.update({k: _scalar_value(v) for k, v in staged.scalars.items()})
-            state[staged.position - first_param] = values
-        share_dict = {
-            "state": state,
-            "param_groups": [
-                {**g, "params": _Indices(i - first_param for i in g["params"])} for g in groups
-            ],
-        }
-        load_local_share(optimizer, share_dict)
-        del state, share_dict
-        with torch.no_grad():
+    every optimizer took its share: a load into an optimizer that has state (a rollback in a
+    running job) holds no second copy of it, on the host or the device."""
+
+    def __init__(self, plan: _Target, share: _Share) -> None:
+        self.plan, self.share = plan, share
+        self.params = flat_params(plan.optimizer)
+        self.before: list[tuple[torch.optim.Optimizer, Any, Any]] = []
+        """(optimizer, its state, its param groups) as they were, for each one asked so far."""
+        self.copies: list[tuple[torch.Tensor, int, torch.dtype]] = []
+        """(a state tensor the optimizer kept, the arena slot of its loaded values, dtype)."""
+
+    def take(self) -> None:
+        """Hand each optimizer its share (in its own indices); a refusal is raised as a
+        :class:`StateDictError` naming the optimizer."""
+        owners = optimizers_of(self.plan.optimizer)
+        arena, reused = self.share.arena, bytearray(len(self.share.arena))
+        seen: set[int] = set()  # ids of the tensors copied into: each gets one param's values
+        first_group = first_param = 0
+        for number, optimizer in enumerate(owners):
+            groups = self.plan.groups[first_group : first_group + len(optimizer.param_groups)]
+            count = sum(len(g["params"]) for g in optimizer.param_groups)
+            flat = self.params[first_param : first_param + count]
+            mine = [s for s in self.share.state if first_param <= s.position < first_param + count]
+            state: dict[int, dict[str, Any]] = {}
+            for staged in mine:
+                p = flat[staged.position - first_param]
+                had = optimizer.state.get(p, {})
+                values: dict[str, Any] = {}
+                for slot, (key, dtype) in enumerate(staged.tensors, staged.first):
+                    if _reusable(had.get(key), p, key) and id(had[key]) not in seen:
+                        values[key], reused[slot] = had[key], 1
+                        seen.add(id(had[key]))
+                    else:
+                        values[key] = arena.tensor(slot, storage.torch_dtype(dtype), p.shape)
+                values.update({k: _scalar_value(v) for k, v in staged.scalars.items()})
+                state[staged.position - first_param] = values
+            share_dict = {
+                "state": state,
+                "param_groups": [
+                    {**g, "params": _Indices(i - first_param for i in g["params"])} for g in groups
+                ],
+            }
+            self.before.append((optimizer, optimizer.state, optimizer.param_groups))
+            try:
+                load_local_share(optimizer, share_dict)
+            except MuonCkptError:
+                raise
+            except Exception as exc:
+                which = type(optimizer).__name__
+                if len(owners) > 1:
+                    which = f"optimizer {number} ({which})"
+                raise StateDictError(
+                    f"{which}: its load_state_dict refused the checkpoint's state "
+                    f"({trainstate.said(exc)})"
+                ) from exc
+            del state, share_dict
             for staged in mine:
                 p = flat[staged.position - first_param]
                 for slot, (key, dtype) in enumerate(staged.tensors, staged.first):
                     if reused[slot]:
-                        loaded = arena.tensor(slot, storage.torch_dtype(dtype), p.shape)
-                        _kept(optimizer, p, key).copy_(loaded)
+                        kept = _kept(optimizer, p, key)
+                        self.copies.append((kept, slot, storage.torch_dtype(dtype)))
+            first_group += len(optimizer.param_groups)
+            first_param += count
+
+    def finish(self) -> None:
+        """The loaded values into the state tensors the optimizers kept, then into the params."""
+        self.before = []  # the old state goes: nothing holds it now
+        share = self.share
+        with torch.no_grad():
+            for kept, slot, dtype in self.copies:
+                kept.copy_(share.arena.tensor(slot, dtype, kept.shape))
             for index, slot in zip(share.values[::2], share.values[1::2], strict=True):
-                if first_param <= index < first_param + count:
-                    p = flat[index - first_param]
-                    p.copy_(share.value_bytes.tensor(slot, p.dtype, p.shape))
-        first_group += len(optimizer.param_groups)
-        first_param += count
+                p = self.params[index]
+                p.copy_(share.value_bytes.tensor(slot, p.dtype, p.shape))
+        self.copies = []
+
+    def put_back(self) -> list[str]:
+        """Each optimizer asked so far back to the state and groups it had (always possible:
+        no tensor of theirs was written into); nothing is left changed."""
+        for optimizer, state, groups in reversed(self.before):
+            optimizer.state, optimizer.param_groups = state, groups
+        self.before, self.copies = [], []
+        return []
+
+
+def _put_back(undo: Sequence[Callable[[], list[str]]], failure: BaseException) -> None:
+    """After a failed read step: everything it changed put back, last first. What could not
+    be (a stateful value that refuses its own previous state) is named in a
+    :class:`CheckpointError` raised from ``failure``."""
+    left = [message for put_back in reversed(undo) for message in put_back()]
+    if not left:
+        return
+    if isinstance(failure, Exception):
+        raise CheckpointError(f"{failure}; {'; '.join(left)}") from failure
+    _LOG.error("muonckpt.load was interrupted, and %s", "; ".join(left))
 
 
 def _kept(optimizer: torch.optim.Optimizer, p: torch.Tensor, key: str) -> torch.Tensor:

@@ -13,7 +13,8 @@ only that, so a new layout is one new describer here, not a new save path.
   :func:`declare_owners` recorded beside it (:func:`muonckpt.install_hooks` records it; the
   upstream KellerJordan rule is :func:`upstream_owner`);
 * any other optimizer is whole in one process (:func:`describe_whole`) or a replica on every
-  rank of a process group (:func:`describe_replicated`, DDP);
+  rank of a process group (:func:`describe_replicated`, DDP), unless the call says it is this
+  process's own (``local=True``: whole, here alone, whatever process group there is);
 * several optimizers trained together are one :class:`Joined`.
 
 Describing a distributed optimizer is a collective over its ranks the first time (the grid's
@@ -157,13 +158,14 @@ class ReportsItsGrid(Protocol):
 class Joined:
     """Several optimizers that together train one model (``torch.optim.Muon`` for the matrices
     and ``AdamW`` for the rest), seen as one by save and load: their groups in order, their
-    state together. Across ranks only as replicas (DDP): a sharded optimizer goes alone."""
+    state together. Across ranks only as replicas (DDP): a sharded optimizer goes alone
+    (``local``: this process's own optimizers, which :func:`check_local` checks instead)."""
 
-    def __init__(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+    def __init__(self, optimizers: Sequence[torch.optim.Optimizer], *, local: bool = False) -> None:
         if not optimizers:
             raise CheckpointError("no optimizer to save")
         sharded = [type(o).__name__ for o in optimizers if has_own_layout(o)]
-        if sharded and collectives.is_distributed() and collectives.group_size(None) > 1:
+        if sharded and not local and _in_process_group():
             raise CheckpointError(
                 f"a list of optimizers goes into one checkpoint across ranks only as replicas "
                 f"(DDP: no muonckpt hooks), and {sharded} shard their state: save a sharded "
@@ -397,12 +399,17 @@ def grid_members(
     return ranks
 
 
-def participants(optimizer: Any, operation: str) -> list[int]:
+def participants(optimizer: Any, operation: str, *, local: bool = False) -> list[int]:
     """The global ranks of ``operation`` (``save``, ``load``, ...) over ``optimizer``, found
     without a collective on the process groups, so that the operation can begin with a
     bounded rendezvous among them (:func:`muonckpt.collectives.rendezvous`): its grid for a
     optimizer that reports its grid or has an owner rule, the world for any other in a process
-    group (:func:`describe`)."""
+    group (:func:`describe`); with ``local``, this process alone (:func:`check_local`)."""
+    if not isinstance(local, bool):
+        raise CheckpointError(f"{operation}: local must be True or False, got {local!r}")
+    if local:
+        check_local(optimizer, operation)
+        return [collectives.global_rank()]
     if isinstance(optimizer, ReportsItsGrid):
         if not optimizer.distributed_mode:
             return [collectives.global_rank()]
@@ -411,6 +418,52 @@ def participants(optimizer: Any, operation: str) -> list[int]:
     if rule is not None:
         return rule.ranks(optimizer, operation)
     return collectives.group_ranks(None)
+
+
+def check_local(optimizer: Optimizers, operation: str) -> None:
+    """``local=True`` names an optimizer of this process alone: one that keeps state on other
+    ranks (a distributed packaged Muon, an owner rule over a group of several ranks) is refused,
+    told without a collective."""
+    spread = [type(o).__name__ for o in optimizers_of(optimizer) if _spans_ranks(o)]
+    if spread:
+        raise CheckpointError(
+            f"{operation}(..., local=True) is for an optimizer of this process alone, and "
+            f"{spread} keep their state across ranks: {operation} it without local=True, on "
+            "every rank of its grid"
+        )
+
+
+def _spans_ranks(optimizer: object) -> bool:
+    """Whether ``optimizer`` keeps state on ranks other than this one (its grid or its owner
+    rule's group has several), told from its groups' sizes."""
+    if isinstance(optimizer, ReportsItsGrid):
+        grid = collectives.group_size(optimizer.dist_group) * collectives.group_size(
+            optimizer.tp_group
+        )
+        return optimizer.distributed_mode and grid > 1
+    rule = _OWNERS.get(optimizer)
+    if rule is None or rule.local_only:
+        return False
+    tp = collectives.group_size(rule.tp_group) if rule.tp_group is not None else 1
+    return collectives.group_size(rule.group) * tp > 1
+
+
+def _in_process_group() -> bool:
+    """Whether this process is one of several in an initialized default process group."""
+    return collectives.is_distributed() and collectives.group_size(None) > 1
+
+
+def replica_hint(optimizer: Optimizers) -> str:
+    """What to say where a call over ``optimizer`` found the ranks out of step (some never
+    came, or each asked for another path): an optimizer without hooks in a process group is
+    taken for a DDP replica on every rank, and one each process keeps for itself needs
+    ``local=True``. Empty for any other."""
+    if any(has_own_layout(o) for o in optimizers_of(optimizer)) or not _in_process_group():
+        return ""
+    return (
+        "an optimizer without muonckpt hooks in a process group is taken for a DDP replica "
+        "on every rank; for an optimizer of this process alone, pass local=True"
+    )
 
 
 def _check_unique(names: Sequence[str]) -> None:
@@ -451,10 +504,13 @@ def describe_whole(
     return Sharding(params, [me], me, {"dp": 1, "tp": 1}, is_named(optimizer) or names is not None)
 
 
-def describe(optimizer: torch.optim.Optimizer | Joined, *, agree: bool = True) -> Sharding:
+def describe(
+    optimizer: torch.optim.Optimizer | Joined, *, agree: bool = True, local: bool = False
+) -> Sharding:
     """How ``optimizer``'s state is sharded: as it reports it (the packaged Muon), by
     the owner rule recorded for it (:func:`declare_owners`), else every param whole and local
-    in a single process, a replica on every rank in a process group.
+    in a single process or with ``local`` (this process's own, :func:`check_local`), a replica
+    on every rank in a process group.
 
     A collective over the optimizer's ranks where describing it needs one; ``agree=False``
     skips an owner rule's check that the ranks agree (a local trim, after a state dict that
@@ -467,7 +523,7 @@ def describe(optimizer: torch.optim.Optimizer | Joined, *, agree: bool = True) -
         return describe_grid(optimizer, report, optimizer.dist_group, optimizer.tp_group, keys)
     if not isinstance(optimizer, Joined) and optimizer in _OWNERS:
         return _OWNERS[optimizer].describe(optimizer, agree)
-    if collectives.is_distributed() and collectives.group_size(None) > 1:
+    if _in_process_group() and not local:
         return describe_replicated(optimizer)
     return describe_whole(optimizer)
 

@@ -53,6 +53,7 @@ from .placement import (
     flat_params,
     optimizers_of,
     participants,
+    replica_hint,
 )
 from .writeplan import WritePlan, consolidated_plan, rank_plan, unique_tensor_keys
 
@@ -85,6 +86,7 @@ def prepare_save(
     background: bool = False,
     timeout: float | None = None,
     model: torch.nn.Module | None = None,
+    local: bool = False,
 ) -> PreparedSave:
     """Everything of a save before the writing, in the caller's thread, so that any rank's
     failure here is every rank's: one ``stage`` step (every rank checks what it will write,
@@ -92,7 +94,9 @@ def prepare_save(
     change as soon as this returns; the root checks that the ranks agree on the call and its
     arguments, ``path`` resolved, then creates the staging directory, and for a
     ``background`` save its mailbox), the state holders' check, the group settings, and for a
-    consolidated save the full state gathered to the destination's host memory."""
+    consolidated save the full state gathered to the destination's host memory. ``local``:
+    the optimizer is this process's alone (:func:`muonckpt.placement.check_local`), saved by
+    this process alone whatever process group there is."""
     arguments = {
         "path": os.path.abspath(path),
         "consolidated": consolidated,
@@ -103,9 +107,10 @@ def prepare_save(
         "timeout": timeout,
         "model given": model is not None,
     }
-    ranks = participants(optimizer, operation)
-    collectives.rendezvous(operation, ranks, arguments, CheckpointError)
-    sharding = describe(optimizer)
+    ranks = participants(optimizer, operation, local=local)
+    hint = replica_hint(optimizer)
+    collectives.rendezvous(operation, ranks, arguments, CheckpointError, hint=hint)
+    sharding = describe(optimizer, local=local)
     steps = collectives.CollectiveSteps(
         operation, sharding.participants, sharding.destination, CheckpointError
     )

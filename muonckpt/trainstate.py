@@ -5,7 +5,7 @@ tensors) is split into its JSON part, with ``null`` where each tensor was, and t
 with its path (:func:`take`); the manifest keeps the JSON, safetensors files the tensors
 (:class:`muonckpt.manifest.Extra`). Objects with ``state_dict()`` and ``load_state_dict()`` (an
 LR scheduler, :class:`RNGState`) are saved as their state dict and restored through
-``load_state_dict`` (:func:`restore`). No pickle anywhere. No collectives, no file I/O.
+``load_state_dict`` (:class:`Restore`). No pickle anywhere. No collectives, no file I/O.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import copy
 import hashlib
 import json
 import math
-from collections.abc import Callable, Mapping, MutableMapping, Sequence
+from collections.abc import Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -158,75 +158,141 @@ def missing(target: Mapping[str, Any], saved: Any, what: str, path: ValuePath = 
     return out
 
 
-def restore(
-    target: MutableMapping[str, Any], saved: Mapping[str, Any], what: str, path: ValuePath = ()
-) -> None:
-    """Put the saved tree into ``target`` in place: a stateful value gets ``load_state_dict``
-    of its saved state, a dict is filled key by key, anything else is replaced; keys only the
-    checkpoint has are added. (:func:`missing` first: every key asked for is there.)"""
-    for key, value in saved.items():
-        current: Any = target.get(key)
-        if is_stateful(current):
+class Restore:
+    """The saved trees a load puts into ``extra`` / ``rank_extra`` (``(what, target, saved)``
+    each, every asked-for key checked present by :func:`missing`), in two phases, so that a
+    load is all or nothing: :meth:`load_objects`, each stateful value's ``load_state_dict`` of
+    its saved state (which may refuse), before the optimizer changes; :meth:`assign`, the other
+    values (a dict filled key by key, anything else replaced, keys only the checkpoint has
+    added), which cannot fail, once nothing else can. :meth:`put_back` undoes the first.
+
+    Each stateful value's ``state_dict()`` is copied first, so that it can be put back; a value
+    whose state is still its copy after a refusal is not asked again (an object that refuses
+    every state is left alone, as it was)."""
+
+    def __init__(
+        self, asked: Sequence[tuple[str, MutableMapping[str, Any], Mapping[str, Any]]]
+    ) -> None:
+        self.objects: list[_Stateful] = []
+        """Each stateful value of the targets with its saved and its own previous state."""
+        self.assignments: list[tuple[MutableMapping[str, Any], str, Any]] = []
+        """(dict, key, value) of every other value."""
+        self.asked = 0
+        """How many of :attr:`objects` were handed their saved state (a refusal counts)."""
+        for what, target, saved in asked:
+            self._plan(target, saved, what, ())
+
+    def _plan(
+        self, target: MutableMapping[str, Any], saved: Mapping[str, Any], what: str, path: ValuePath
+    ) -> None:
+        for key, value in saved.items():
+            current: Any = target.get(key)
+            place = (*path, key)
+            if is_stateful(current):
+                name = shown(what, place)
+                self.objects.append(_Stateful(name, current, value, _state_copy(current, name)))
+            elif isinstance(current, MutableMapping) and isinstance(value, dict):
+                self._plan(current, value, what, place)
+            else:
+                self.assignments.append((target, key, value))
+
+    def load_objects(self) -> None:
+        """Each stateful value's ``load_state_dict`` of its saved state, in order; the first
+        refusal raised as a :class:`CheckpointError` naming the value (:meth:`put_back`
+        undoes what was loaded)."""
+        for each in self.objects:
+            self.asked += 1  # (before the call: a refusal may have changed it all the same)
             try:
-                current.load_state_dict(value)
+                each.value.load_state_dict(each.saved)
             except Exception as exc:
                 raise CheckpointError(
-                    f"{shown(what, (*path, key))}: its load_state_dict refused the saved "
-                    f"state ({type(exc).__name__}: {exc})"
+                    f"{each.place}: its load_state_dict refused the saved state ({said(exc)})"
                 ) from exc
-        elif isinstance(current, MutableMapping) and isinstance(value, dict):
-            restore(current, value, what, (*path, key))
-        else:
+
+    def put_back(self) -> list[str]:
+        """Every stateful value handed its saved state back to its previous one (those whose
+        ``state_dict()`` still equals it are left alone); what could not be put back, one
+        message each, naming the value. Any other value is untouched until :meth:`assign`."""
+        left = []
+        for each in reversed(self.objects[: self.asked]):
+            if _unchanged(each):
+                continue
+            try:
+                each.value.load_state_dict(each.before)
+            except Exception as exc:
+                left.append(
+                    f"{each.place} is left changed: its load_state_dict refused its own "
+                    f"previous state too ({said(exc)})"
+                )
+        self.asked = 0
+        return left
+
+    def assign(self) -> None:
+        """Every value that is not stateful put in place."""
+        for target, key, value in self.assignments:
             target[key] = value
 
 
-def restore_all(asked: Sequence[tuple[str, MutableMapping[str, Any], Mapping[str, Any]]]) -> Undo:
-    """:func:`restore` of each ``(what, target, saved)``, all or nothing: when one fails, what
-    the others changed is put back before the error is raised. Returns the undo, for a load
-    that fails after this (on another rank, say)."""
-    undos = [_undo_of(target) for _, target, _ in asked]
+@dataclass
+class _Stateful:
+    """A stateful value of a load's target: where it is, its saved state, its own before."""
 
-    def undo() -> None:
-        for each in reversed(undos):
-            each()
+    place: str
+    value: Any
+    saved: Any
+    before: Any
 
+
+def said(exc: BaseException) -> str:
+    """``Type: message`` of an exception, on one line."""
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _state_copy(value: Any, place: str) -> Any:
+    """A deep copy of ``value.state_dict()``: what puts it back after a load changed it."""
     try:
-        for what, target, saved in asked:
-            restore(target, saved, what)
-    except BaseException:
-        undo()
-        raise
-    return undo
+        return copy.deepcopy(value.state_dict())
+    except Exception as exc:
+        raise CheckpointError(
+            f"{place}: its state_dict() cannot be copied, so a failed load could not put it "
+            f"back ({said(exc)}); nothing was changed"
+        ) from exc
 
 
-Undo = Callable[[], None]
+def _unchanged(each: _Stateful) -> bool:
+    """Whether the value's ``state_dict()`` still equals its copy from before the load."""
+    try:
+        return _same(each.value.state_dict(), each.before)
+    except Exception:
+        return False  # (a state_dict() that fails now: put it back)
 
 
-def _undo_of(target: MutableMapping[str, Any]) -> Undo:
-    """What puts ``target`` back as it is now, after :func:`restore` changed it in place: each
-    dict's items (nested ones too) and each stateful value's state (a deep copy of its
-    ``state_dict()``)."""
-    dicts: list[tuple[MutableMapping[str, Any], dict[str, Any]]] = []
-    states: list[tuple[Any, Any]] = []
+def _same(a: Any, b: Any) -> bool:
+    """Equal trees: the same types, keys and values; tensors of one dtype, shape and device
+    with the same bytes."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+            return False
+        if (a.dtype, a.shape, a.device) != (b.dtype, b.shape, b.device):
+            return False
+        try:
+            return torch.equal(_bytes_of(a), _bytes_of(b))
+        except (RuntimeError, TypeError):  # (a layout without plain bytes)
+            return False
+    if isinstance(a, Mapping) and isinstance(b, Mapping):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(map(_same, a, b))
+    try:
+        return type(a) is type(b) and bool(a == b)
+    except Exception:
+        return False
 
-    def walk(tree: MutableMapping[str, Any]) -> None:
-        dicts.append((tree, dict(tree)))
-        for value in tree.values():
-            if is_stateful(value):
-                states.append((value, copy.deepcopy(value.state_dict())))
-            elif isinstance(value, MutableMapping):
-                walk(value)
 
-    walk(target)
-
-    def undo() -> None:
-        for tree, items in dicts:
-            tree.clear()
-            tree.update(items)
-        for value, state in states:
-            value.load_state_dict(state)
-
-    return undo
+def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor's bytes, as a flat uint8 tensor (NaNs and signed zeros compare as bytes)."""
+    return tensor.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
 class RNGState:
