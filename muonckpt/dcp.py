@@ -84,6 +84,8 @@ def _setting(value: Any, fqn: str, where: Path) -> Any:
     def plain(x: Any) -> Any:
         if isinstance(x, torch.Tensor) and x.layout == torch.strided and x.numel() == 1:
             return x.item()
+        if isinstance(x, float) and not math.isfinite(x):
+            raise CheckpointError(f"DCP item {fqn!r} holds {x}, not a finite setting", path=where)
         if x is None or isinstance(x, (bool, int, float, str)):
             return x
         shown = f"a tensor of {list(x.shape)}" if isinstance(x, torch.Tensor) else None
@@ -93,10 +95,9 @@ def _setting(value: Any, fqn: str, where: Path) -> Any:
             path=where,
         )
 
-    if not isinstance(value, (list, tuple)):
-        return plain(value)
+    flat = isinstance(value, (list, tuple))
     out, chars = [], 0
-    for x in value:
+    for x in value if flat else (value,):
         out.append(plain(x))
         chars += len(out[-1]) if isinstance(out[-1], str) else 24
         if chars > MAX_SETTING_CHARS:
@@ -104,6 +105,8 @@ def _setting(value: Any, fqn: str, where: Path) -> Any:
                 f"DCP item {fqn!r} holds more than {MAX_SETTING_CHARS} characters: not a setting",
                 path=where,
             )
+    if not flat:
+        return out[0]
     return tuple(out) if isinstance(value, tuple) else out
 
 
@@ -205,7 +208,10 @@ def from_dcp(
                 )
             dtypes[ours] = index.tensors[fqn].dtype
         hyper = json_safe(group_settings)
-        kind = family.group_kind(role, group_settings)
+        try:
+            kind = family.group_kind(role, group_settings)
+        except StateDictError as exc:
+            raise CheckpointError(f"param {name!r}: {exc}", path=where) from None
         signature = json.dumps([kind.to_json(), hyper], sort_keys=True)
         if signature not in group_of:
             group_of[signature] = len(kinds_of)

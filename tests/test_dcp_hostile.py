@@ -126,27 +126,28 @@ def test_a_stride_0_chunk_declared_at_4_tib_is_refused_before_anything_is_read(s
     assert not (tmp_path / "cli").exists()
 
 
+DENSE = "not a dense tensor of exactly its 262144 bytes"
+
+
 @pytest.mark.parametrize(
     "stored,words",
     [
-        (
-            torch.ones(256 * 256)[:1].expand(256, 256),
-            "with strides [0, 0] from element 0 of 262144",
-        ),
-        (torch.ones(512, 256)[:256], "with strides [256, 1] from element 0 of 524288 bytes"),
+        (torch.ones(256 * 256)[:1].expand(256, 256), ("strides [0, 0] from element 0", DENSE)),
+        (torch.ones(512, 256)[:256], ("strides [256, 1] from element 0 of 524288 bytes", DENSE)),
+        (torch.ones(256, 256).to_sparse(), ("a chunk is a torch.sparse_coo tensor",)),
     ],
-    ids=["stride-0", "view-into-more"],
+    ids=["stride-0", "view-into-more", "sparse"],
 )
 def test_a_chunk_not_stored_as_exactly_its_dense_bytes_is_refused(saved, tmp_path, stored, words):
     """A chunk whose stored bytes pass the metadata's bound but that is, read, a stride-0
-    expansion of one float (over a storage of the declared size) or a view into twice its
-    bytes: refused naming the data file, nothing written (before: converted, the expansion
-    as a tensor of one repeated value)."""
+    expansion of one float (over a storage of the declared size), a view into twice its bytes
+    or a sparse tensor: refused naming the data file, nothing written (before: converted, the
+    expansion as a tensor of one repeated value; the sparse one a NotImplementedError)."""
     metadata = _metadata(saved)
     for fqn in ("model.w", "optimizer.state.w.momentum_buffer"):
         _store(saved, metadata, fqn, stored)
     _write_metadata(saved, metadata)
-    words = ("a chunk of [256, 256] is stored", words, "not a dense tensor", DATA)
+    words = (*words, DATA)
     _refused(saved, tmp_path / "api", *words)
     _one_error_line(_cli(saved, tmp_path / "cli"), *words)
     assert not (tmp_path / "cli").exists()
@@ -209,27 +210,36 @@ def test_a_directory_without_metadata_is_an_incomplete_dcp_checkpoint(saved, tmp
     assert not (tmp_path / "cli").exists()
 
 
-def test_settings_that_are_not_settings_are_refused_in_one_line(saved, tmp_path):
-    """A setting stored as a 3 x 3 tensor, a nested list, or a list of a million long strings
-    (a megabyte pickle that would become a terabyte of manifest): one line naming the item
-    (before: a multi-line tensor repr, or the manifest built)."""
+@pytest.mark.parametrize(
+    "fqn,value,words",
+    [
+        ("optimizer.param_groups.w.lr", torch.zeros(3, 3), "holds a tensor of [3, 3], not a"),
+        ("optimizer.param_groups.w.lr", [[0.1]], "holds a list, not a setting"),
+        ("optimizer.param_groups.w.lr", ["x" * (1 << 20)] * 1000, "more than 1048576 char"),
+        ("optimizer.param_groups.w.lr", "x" * (2 << 20), "more than 1048576 characters"),
+        ("optimizer.param_groups.w.lr", float("nan"), "holds nan, not a finite setting"),
+        ("optimizer.param_groups.w.nesterov", [1, 2], "'nesterov' is [1, 2], not a bool"),
+        ("optimizer.param_groups.w.nesterov", "False", "'nesterov' is 'False', not a bool"),
+    ],
+    ids=["tensor", "nested", "wide", "long", "nan", "nesterov-list", "nesterov-str"],
+)
+def test_settings_that_are_not_settings_are_refused_in_one_line(saved, tmp_path, fqn, value, words):
+    """A setting stored as a 3 x 3 tensor, a nested list, a list of a thousand references to
+    one megabyte string (a small pickle, a gigabyte of manifest), a 2 MiB string, NaN, or a
+    nesterov that is not a bool: one line naming the item and ``.metadata`` (before: a
+    multi-line tensor repr, errors naming no file, the manifest built, nesterov taken as
+    True)."""
     metadata = _metadata(saved)
-    key = _storage_key(metadata, "optimizer.param_groups.w.lr")
-    info = metadata.storage_data[key]
-    word = "x" * (1 << 20)
-    values = {"tensor": torch.zeros(3, 3), "nested": [[0.1]], "wide": [word] * 1000}
-    for name, value in values.items():
-        case = tmp_path / name
-        shutil.copytree(saved, case)
-        buffer = io.BytesIO()
-        torch.save(value, buffer)
-        start = (case / DATA).stat().st_size
-        with open(case / DATA, "ab") as f:
-            f.write(buffer.getvalue())
-        edited = copy.deepcopy(metadata)
-        edited.storage_data[key] = _StorageInfo(info.relative_path, start, len(buffer.getvalue()))
-        _write_metadata(case, edited)
-        _refused(case, tmp_path / f"{name}-out", "'optimizer.param_groups.w.lr'", "not a setting")
+    key = _storage_key(metadata, fqn)
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    start = (saved / DATA).stat().st_size
+    with open(saved / DATA, "ab") as f:
+        f.write(buffer.getvalue())
+    metadata.storage_data[key] = _StorageInfo(DATA, start, len(buffer.getvalue()))
+    _write_metadata(saved, metadata)
+    name = fqn.rsplit(".", 2)[1] if "nesterov" in fqn else fqn
+    _refused(saved, tmp_path / "out", repr(name), words, ".metadata")
 
 
 WRONG: tuple[Any, ...] = (

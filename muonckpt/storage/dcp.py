@@ -534,9 +534,10 @@ def read_tensor(index: DcpIndex, item: DcpTensor) -> torch.Tensor:
             raise CheckpointError(
                 f"{what}: a chunk is {value.dtype}, the metadata says {dtype}", path=path
             )
+        if value.layout != torch.strided:
+            raise CheckpointError(f"{what}: a chunk is a {value.layout} tensor", path=path)
         if (
-            value.layout != torch.strided
-            or not value.is_contiguous()
+            not value.is_contiguous()
             or value.storage_offset() != 0
             or value.untyped_storage().nbytes() != value.numel() * value.element_size()
         ):
