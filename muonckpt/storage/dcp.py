@@ -84,14 +84,6 @@ class DcpTensor:
     """safetensors dtype name."""
     chunks: tuple[Chunk, ...]
 
-    @property
-    def nbytes(self) -> int:
-        import math
-
-        from .dtypes import itemsize
-
-        return math.prod(self.shape) * itemsize(self.dtype)
-
 
 @dataclass(frozen=True)
 class DcpValue:
