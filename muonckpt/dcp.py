@@ -14,6 +14,7 @@ time; all DCP file access is :mod:`muonckpt.storage.dcp`'s.
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
@@ -69,11 +70,44 @@ def _family(name: str, what: str) -> kinds.DcpFamily:
     return family
 
 
-def _plain(value: Any) -> Any:
-    """A setting's value as the manifest holds it (a one-element tensor as its number)."""
-    if hasattr(value, "numel") and value.numel() == 1:
-        return value.item()
-    return value
+MAX_SETTING_CHARS = 1 << 20
+"""The most text one DCP setting may become in the manifest."""
+
+
+def _setting(value: Any, fqn: str, where: Path) -> Any:
+    """A DCP value as the manifest holds a setting: a number, bool, string or None, or a flat
+    tuple or list of them (betas, param_names), a one-element tensor as its number; at most
+    :data:`MAX_SETTING_CHARS` of text. Anything else is refused naming the item: the manifest
+    never holds more than the item's own bytes."""
+    import torch
+
+    def plain(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and x.layout == torch.strided and x.numel() == 1:
+            return x.item()
+        if isinstance(x, float) and not math.isfinite(x):
+            raise CheckpointError(f"DCP item {fqn!r} holds {x}, not a finite setting", path=where)
+        if x is None or isinstance(x, (bool, int, float, str)):
+            return x
+        shown = f"a tensor of {list(x.shape)}" if isinstance(x, torch.Tensor) else None
+        raise CheckpointError(
+            f"DCP item {fqn!r} holds {shown or f'a {type(x).__name__}'}, not a setting (a "
+            "number, bool, string or None, or a flat tuple of them)",
+            path=where,
+        )
+
+    flat = isinstance(value, (list, tuple))
+    out, chars = [], 0
+    for x in value if flat else (value,):
+        out.append(plain(x))
+        chars += len(out[-1]) if isinstance(out[-1], str) else 24
+        if chars > MAX_SETTING_CHARS:
+            raise CheckpointError(
+                f"DCP item {fqn!r} holds more than {MAX_SETTING_CHARS} characters: not a setting",
+                path=where,
+            )
+    if not flat:
+        return out[0]
+    return tuple(out) if isinstance(value, tuple) else out
 
 
 def from_dcp(
@@ -117,7 +151,8 @@ def from_dcp(
     for fqn, item in index.values.items():
         if fqn.startswith(groups_at) and "." in fqn[len(groups_at) :]:
             name, setting = fqn[len(groups_at) :].rsplit(".", 1)
-            settings.setdefault(name, {})[setting] = _plain(dcp_files.read_value(index, item))
+            value = dcp_files.read_value(index, item)
+            settings.setdefault(name, {})[setting] = _setting(value, fqn, where)
     if not settings:
         raise CheckpointError(
             f"holds no {groups_at}<fqn>.<setting> items: not a flattened optimizer state dict "
@@ -156,7 +191,7 @@ def from_dcp(
         dtypes, scalars = {PARAM_KEY: model.dtype}, {}
         for key, fqn in state[name].items():
             if key == "step":
-                scalars["step"] = _step(index, fqn)
+                scalars["step"] = _step(index, fqn, where)
                 continue
             ours = family.our_key(role, key)
             if ours is None or fqn not in index.tensors:
@@ -173,7 +208,10 @@ def from_dcp(
                 )
             dtypes[ours] = index.tensors[fqn].dtype
         hyper = json_safe(group_settings)
-        kind = family.group_kind(role, group_settings)
+        try:
+            kind = family.group_kind(role, group_settings)
+        except StateDictError as exc:
+            raise CheckpointError(f"param {name!r}: {exc}", path=where) from None
         signature = json.dumps([kind.to_json(), hyper], sort_keys=True)
         if signature not in group_of:
             group_of[signature] = len(kinds_of)
@@ -239,16 +277,26 @@ def _model_prefix(
     )
 
 
-def _step(index: dcp_files.DcpIndex, fqn: str) -> Scalar:
+def _step(index: dcp_files.DcpIndex, fqn: str, where: Path) -> Scalar:
+    """A param's step count: a one-element tensor or a number, finite, not negative."""
+    dtype = None
     if fqn in index.tensors:
-        value = dcp_files.read_tensor(index, index.tensors[fqn])
-        if value.numel() != 1:
-            raise CheckpointError(f"DCP item {fqn!r}: a step count of {value.numel()} elements")
-        return Scalar(float(value.item()), index.tensors[fqn].dtype)
-    value = _plain(dcp_files.read_value(index, index.values[fqn]))
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
-        raise CheckpointError(f"DCP item {fqn!r}: step {value!r} is not a count")
-    return Scalar(value, None)
+        tensor = dcp_files.read_tensor(index, index.tensors[fqn])
+        if tensor.numel() != 1:
+            raise CheckpointError(
+                f"DCP item {fqn!r}: a step count of {tensor.numel()} elements", path=where
+            )
+        value, dtype = float(tensor.item()), index.tensors[fqn].dtype
+    else:
+        value = _setting(dcp_files.read_value(index, index.values[fqn]), fqn, where)
+    if (
+        not isinstance(value, (int, float))
+        or isinstance(value, bool)
+        or not value >= 0
+        or (isinstance(value, float) and not math.isfinite(value))
+    ):
+        raise CheckpointError(f"DCP item {fqn!r}: step {value!r} is not a count", path=where)
+    return Scalar(value, dtype)
 
 
 def _summarized(fqns: list[str]) -> tuple[str, ...]:

@@ -14,6 +14,7 @@ settings continue the source's trajectory.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -336,14 +337,20 @@ class DcpFamily:
                 f"the {self.name} Muon group setting {self.mu_setting!r} (mu) is {mu!r}, "
                 "not a number in [0, 1)"
             )
+        if rms is not None and (
+            not isinstance(rms, (int, float)) or isinstance(rms, bool) or not 0 < rms < math.inf
+        ):
+            raise StateDictError(
+                f"the {self.name} Muon group setting 'matched_adamw_rms' is {rms!r}, not a "
+                "positive number"
+            )
+        nesterov = settings.get("nesterov", True)
+        if not isinstance(nesterov, int) or nesterov not in (0, 1):
+            raise StateDictError(
+                f"the {self.name} Muon group setting 'nesterov' is {nesterov!r}, not a bool"
+            )
         return GroupKind(
-            self.muon,
-            "muon",
-            self.momentum_form,
-            float(mu),
-            bool(settings.get("nesterov", True)),
-            rule,
-            rms,
+            self.muon, "muon", self.momentum_form, float(mu), bool(nesterov), rule, rms
         )
 
     def target_kind(self, source: GroupKind) -> GroupKind:

@@ -1,7 +1,8 @@
 """An FSDP2 job with a DTensor Muon, as torchtitan / dion / muon-fsdp2 users run one: the test
 suite's model under ``fully_shard`` (CPU, gloo), torch.optim.Muon's math and param groups on
 the full matrix, the update sharded back; AdamW on the other params. It writes and reads DCP
-as those trainers do. The functions here run in gloo children (``run_distributed``).
+as those trainers do. The functions here run in gloo children (``run_distributed``), but for
+:func:`single_process_dcp`, a small DCP checkpoint one process saves.
 """
 
 from __future__ import annotations
@@ -179,3 +180,21 @@ def load_and_continue(initial: dict[str, torch.Tensor], path: str, first: int, s
     settings = {k: v for k, v in opts[0].param_groups[0].items() if k != "params"}
     train(model, opts, first, steps)
     return {"loaded": loaded, "trained": full_state(model, opts), "settings": settings}
+
+
+def single_process_dcp(path, momentum_key: str, mu_setting: str, extra: dict, adam: dict):
+    """A DCP checkpoint of one Muon matrix and one AdamW vector, saved by one process."""
+    gen = torch.Generator().manual_seed(7)
+    w, b = torch.randn(6, 4, generator=gen), torch.randn(5, generator=gen)
+    m = torch.randn(6, 4, generator=gen)
+    a, v = torch.randn(5, generator=gen), torch.rand(5, generator=gen)
+    muon_settings = {"lr": 0.02, "weight_decay": 0.0, mu_setting: 0.9, "nesterov": True, **extra}
+    optimizer = {f"state.w.{momentum_key}": m, f"state.b.{adam['exp_avg']}": a}
+    optimizer[f"state.b.{adam['exp_avg_sq']}"] = v
+    optimizer["state.b.step"] = adam.get("step", torch.tensor(4.0))
+    optimizer.update({f"param_groups.w.{k}": x for k, x in muon_settings.items()})
+    adam_settings = {"lr": 0.01, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.0}
+    adam_settings.update(adam.get("settings", {}))
+    optimizer.update({f"param_groups.b.{k}": x for k, x in adam_settings.items()})
+    dcp.save({"model": {"w": w, "b": b}, "optimizer": optimizer}, checkpoint_id=str(path))
+    return w, b, m, a, v

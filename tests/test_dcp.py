@@ -144,24 +144,6 @@ def test_packaged_2x2_into_an_fsdp2_job_at_world_4(tmp_path):
         assert not torch.equal(trained[name], loaded[name]), name
 
 
-def _single_process_dcp(path, momentum_key: str, mu_setting: str, extra: dict, adam: dict):
-    """A DCP checkpoint of one Muon matrix and one AdamW vector, saved by one process."""
-    gen = torch.Generator().manual_seed(7)
-    w, b = torch.randn(6, 4, generator=gen), torch.randn(5, generator=gen)
-    m = torch.randn(6, 4, generator=gen)
-    a, v = torch.randn(5, generator=gen), torch.rand(5, generator=gen)
-    muon_settings = {"lr": 0.02, "weight_decay": 0.0, mu_setting: 0.9, "nesterov": True, **extra}
-    optimizer = {f"state.w.{momentum_key}": m, f"state.b.{adam['exp_avg']}": a}
-    optimizer[f"state.b.{adam['exp_avg_sq']}"] = v
-    optimizer["state.b.step"] = adam.get("step", torch.tensor(4.0))
-    optimizer.update({f"param_groups.w.{k}": x for k, x in muon_settings.items()})
-    adam_settings = {"lr": 0.01, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.0}
-    adam_settings.update(adam.get("settings", {}))
-    optimizer.update({f"param_groups.b.{k}": x for k, x in adam_settings.items()})
-    dcp.save({"model": {"w": w, "b": b}, "optimizer": optimizer}, checkpoint_id=str(path))
-    return w, b, m, a, v
-
-
 @pytest.mark.parametrize(
     "family,momentum_key,mu_setting,extra,adam,form",
     [
@@ -186,7 +168,7 @@ def _single_process_dcp(path, momentum_key: str, mu_setting: str, extra: dict, a
 )  # fmt: skip
 def test_sum_and_ema_sources(tmp_path, family, momentum_key, mu_setting, extra, adam, form):
     src = tmp_path / "dcp"
-    w, b, m, a, v = _single_process_dcp(src, momentum_key, mu_setting, extra, adam)
+    w, b, m, a, v = dcp_cases.single_process_dcp(src, momentum_key, mu_setting, extra, adam)
     for to, expected in (("packaged", "sum"), ("torch", "ema")):
         out = offline.from_dcp(src, tmp_path / to, source=family, to=to).path
         model, state = _converted(out)
@@ -232,7 +214,7 @@ class _Payload:
 
 def test_a_foreign_class_in_the_metadata_is_refused_unrun(tmp_path):
     src = tmp_path / "dcp"
-    _single_process_dcp(src, "momentum_buffer", "momentum", {}, {"exp_avg": "exp_avg",
+    dcp_cases.single_process_dcp(src, "momentum_buffer", "momentum", {}, {"exp_avg": "exp_avg",
                         "exp_avg_sq": "exp_avg_sq"})  # fmt: skip
     marker = tmp_path / "was-run"
     (src / ".metadata").write_bytes(pickle.dumps({"state": _Payload(str(marker))}))
@@ -245,7 +227,7 @@ def test_a_foreign_class_in_the_metadata_is_refused_unrun(tmp_path):
 
 def test_a_truncated_distcp_is_refused(tmp_path):
     src = tmp_path / "dcp"
-    _single_process_dcp(src, "momentum_buffer", "momentum", {}, {"exp_avg": "exp_avg",
+    dcp_cases.single_process_dcp(src, "momentum_buffer", "momentum", {}, {"exp_avg": "exp_avg",
                         "exp_avg_sq": "exp_avg_sq"})  # fmt: skip
     (data,) = [p for p in src.iterdir() if p.suffix == ".distcp"]
     os.truncate(data, data.stat().st_size - 100)
@@ -280,7 +262,7 @@ def test_to_dcp_in_the_recipe_layout_loads_in_one_process(tmp_path):
     ``dcp.load`` into a ``{"model": ..., "optimizer": ...}`` state dict as written."""
     src = tmp_path / "dion"
     adam = {"exp_avg": "momentum", "exp_avg_sq": "variance", "settings": {"algorithm": "adamw"}}
-    w, b, m, a, v = _single_process_dcp(src, "momentum", "mu", {"algorithm": "muon"}, adam)
+    w, b, m, a, v = dcp_cases.single_process_dcp(src, "momentum", "mu", {"algorithm": "muon"}, adam)
     packaged = offline.from_dcp(src, tmp_path / "packaged", source="dion").path
     out = offline.to_dcp(packaged, tmp_path / "torch", to="torch", layout="recipe")
     assert out.layout == "recipe" and any("sum -> ema" in line for line in out.converted)

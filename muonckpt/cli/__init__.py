@@ -286,7 +286,7 @@ def convert(
         if not sep or old in prefixes:
             raise typer.BadParameter(f"{item!r} is not OLD=NEW, OLD once", param_hint="--rename")
         prefixes[old] = new
-    if prefixes and (output_format == "dcp" or offline.is_dcp(src)):
+    if prefixes and (output_format == "dcp" or offline.is_dcp(src) or source is not None):
         raise typer.BadParameter("names are mapped between muonckpt checkpoints only")
     if output_format not in ("muonckpt", "dcp"):
         raise typer.BadParameter("choose muonckpt or dcp", param_hint="--format")
@@ -306,12 +306,7 @@ def convert(
         return
     if to is not None and to not in FAMILIES:
         raise typer.BadParameter(f"choose one of {', '.join(FAMILIES)}", param_hint="--to")
-    if not offline.is_dcp(src):
-        if source is not None:
-            raise typer.BadParameter(
-                "is for DCP checkpoints; a muonckpt checkpoint records what saved it",
-                param_hint="--from",
-            )
+    if not offline.is_dcp(src) and source is None:  # with --from, from_dcp says what SRC is
         if to is None and not prefixes:
             raise typer.BadParameter("give --to, --rename or both", param_hint="--to")
         settings = {"to": to, "rename": prefixes or None}

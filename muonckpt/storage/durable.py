@@ -117,6 +117,12 @@ def open_regular(path: str | os.PathLike[str]) -> int:
     return fd
 
 
+def open_failure(exc: OSError) -> str:
+    """Why :func:`open_regular` failed, in words: a symlink, not a regular file, or the
+    system's own reason."""
+    return "a symlink" if exc.errno == errno.ELOOP else exc.strerror or str(exc)
+
+
 MAX_TEXT_BYTES = MAX_HEADER_BYTES
 """The largest text file (a manifest, an index) a reader accepts."""
 
@@ -129,8 +135,7 @@ def read_text(path: str | os.PathLike[str], *, limit: int = MAX_TEXT_BYTES) -> s
         with os.fdopen(open_regular(path), "rb") as f:
             data = f.read(limit + 1)
     except OSError as exc:
-        why = "a symlink" if exc.errno == errno.ELOOP else exc.strerror
-        raise CheckpointError(f"cannot read: {why}", path=path) from None
+        raise CheckpointError(f"cannot read: {open_failure(exc)}", path=path) from None
     if len(data) > limit:
         raise CheckpointError(f"larger than {limit} bytes", path=path)
     try:
@@ -148,8 +153,7 @@ def read_text_chunks(
     try:
         fd = open_regular(path)
     except OSError as exc:
-        why = "a symlink" if exc.errno == errno.ELOOP else exc.strerror
-        raise CheckpointError(f"cannot read: {why}", path=path) from None
+        raise CheckpointError(f"cannot read: {open_failure(exc)}", path=path) from None
     decoder = codecs.getincrementaldecoder("utf-8")()
     total = 0
     with os.fdopen(fd, "rb") as f:
