@@ -46,7 +46,7 @@ def save(
     path: str | os.PathLike[str],
     *,
     consolidated: bool = False,
-    max_shard_size: int | None = None,
+    max_shard_size: int | str | None = None,
     params: bool = True,
     overwrite: bool = False,
     keep_last: int | None = None,
@@ -74,7 +74,8 @@ def save(
             ``model.safetensors`` (:func:`muonckpt.writeplan.consolidated_plan`), instead of
             one file per rank (no gathering; only metadata crosses ranks).
         max_shard_size: with ``consolidated``, split each family of files past this many bytes,
-            HF style.
+            HF style: an int, or a string as the CLI and Hugging Face take it (``"5GB"`` is
+            5 * 10**9 bytes, ``"5GiB"`` 5 * 2**30; :func:`muonckpt.settings.parse_size`).
         params: also save the optimizer's params (the default), so that :func:`load` restores
             them; False saves the optimizer state only, for weights kept elsewhere.
         overwrite: replace an existing checkpoint at ``path`` (otherwise an error).
@@ -105,6 +106,7 @@ def save(
     A background save of the same optimizer still in flight (:func:`async_save`) commits
     first.
     """
+    storage.local_path(path)
     target = _one(optimizer)
     _wait_in_flight(target)
     prepared = prepare_save(
@@ -134,7 +136,7 @@ def async_save(
     path: str | os.PathLike[str],
     *,
     consolidated: bool = False,
-    max_shard_size: int | None = None,
+    max_shard_size: int | str | None = None,
     params: bool = True,
     overwrite: bool = False,
     keep_last: int | None = None,
@@ -186,6 +188,7 @@ def async_save(
         raise CheckpointError(f"timeout must be a positive number of seconds, got {timeout!r}")
     if math.isinf(timeout):
         raise CheckpointError("timeout must be finite: a rank that never reports would hang")
+    storage.local_path(path)
     target = _one(optimizer)
     _wait_in_flight(target)
     prepared = prepare_save(

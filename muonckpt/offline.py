@@ -31,7 +31,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from . import storage, writing
+from . import settings, storage, writing
 from .conversion import converted_manifest
 from .dcp import LAYOUTS, DcpConversion, from_dcp, is_dcp, to_dcp
 from .errors import CheckpointError, LayoutError
@@ -125,7 +125,7 @@ def consolidate(
     src: str | os.PathLike[str],
     dst: str | os.PathLike[str],
     *,
-    max_shard_size: int | None = None,
+    max_shard_size: int | str | None = None,
     overwrite: bool = False,
     progress: Progress | None = None,
     workers: int = 1,
@@ -143,7 +143,8 @@ def consolidate(
             ``optimizer-0000i-of-0000N.safetensors`` files plus an HF-style
             ``optimizer.safetensors.index.json`` (and the params likewise over ``model-*``);
             otherwise one ``optimizer.safetensors`` (and one ``model.safetensors``).
-            A tensor larger than the limit gets a file of its own.
+            A tensor larger than the limit gets a file of its own. An int, or a string as
+            the CLI takes it (``"5GB"``, ``"500MB"``; :func:`muonckpt.settings.parse_size`).
         overwrite: replace an existing ``dst``.
         progress: a :data:`Progress`, called with the bytes and tensors written and their
             totals, at the start and after each tensor. With several processes it follows
@@ -157,6 +158,7 @@ def consolidate(
     Memory: per process, one full tensor plus the span of one source piece (two in flight).
     """
     _check_workers(workers, collective)
+    max_shard_size = settings.shard_size(max_shard_size)
     directory, manifest = open_checkpoint(src)
     items = (((e.name, k, e.dtype_of(k)), e.shape) for e in manifest.params for k in e.tensor_keys)
     job = _Job(

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from . import collectives, conversion, retention, storage, trainstate, writing
+from . import collectives, conversion, retention, settings, storage, trainstate, writing
 from .errors import CheckpointError
 from .gather import (
     ParamState,
@@ -75,7 +75,7 @@ def prepare_save(
     buffers: HostBuffers,
     path: str | os.PathLike[str],
     consolidated: bool,
-    max_shard_size: int | None,
+    max_shard_size: int | str | None,
     params: bool,
     overwrite: bool,
     keep_last: int | None,
@@ -93,6 +93,7 @@ def prepare_save(
     arguments, ``path`` resolved, then creates the staging directory, and for a
     ``background`` save its mailbox), the state holders' check, the group settings, and for a
     consolidated save the full state gathered to the destination's host memory."""
+    max_shard_size = settings.shard_size(max_shard_size)
     arguments = {
         "path": os.path.abspath(path),
         "consolidated": consolidated,

@@ -1,0 +1,115 @@
+"""The bounds of the numeric settings, and sizes as people write them (``"5GB"``): one place
+that the library's entry points and the command line both check with, so that a value out of
+range is a one-line error naming the setting, raised before anything starts. Pure: no torch,
+no files."""
+
+from __future__ import annotations
+
+import re
+from decimal import Decimal, InvalidOperation
+
+from .errors import CheckpointError, MuonCkptError
+
+MAX_WAIT_S = 7 * 24 * 3600.0
+"""The longest wait a timeout may set, a week: a rank waiting longer for another is hung, and
+past about 1e13 s a ``datetime.timedelta`` (what torch.distributed takes) overflows."""
+
+WORKERS_PER_CORE = 4
+"""The most local worker processes per CPU core an offline tool starts: more only share the
+same cores (and each holds a copy of the plan and its buffers)."""
+
+SIZE_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
+"""Size suffixes as Hugging Face reads them: ``5GB`` is 5 * 10**9 bytes, ``5GiB`` 5 * 2**30."""
+
+_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]I?B|B)?\s*", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """``"5GB"`` -> 5_000_000_000, ``"500MiB"`` -> 524_288_000, ``"1024"`` -> 1024: a
+    positive whole number of bytes (:data:`SIZE_UNITS`); ValueError otherwise."""
+    match = _SIZE.fullmatch(text)
+    if match is None:
+        raise ValueError(f"{text!r} is not a size like 5GB, 500MB, 64MiB or 1048576")
+    try:
+        size = int(Decimal(match.group(1)) * SIZE_UNITS[(match.group(2) or "").upper()])
+    except InvalidOperation as exc:  # (the pattern admits decimal digits only)
+        raise ValueError(f"{text!r} is not a size") from exc
+    if size <= 0:
+        raise ValueError(f"{text!r} is not a positive size")
+    return size
+
+
+def shard_size(value: object, name: str = "max_shard_size") -> int | None:
+    """``max_shard_size`` as bytes: None (no split), a positive int, or a string
+    :func:`parse_size` reads (``"5GB"``, ``"100KB"``, as the CLI and Hugging Face take it).
+
+    Raises:
+        CheckpointError: naming the setting, for anything else.
+    """
+    if value is None:
+        return None
+    if isinstance(value, str):
+        try:
+            return parse_size(value)
+        except ValueError as exc:
+            raise CheckpointError(f"{name}: {exc}") from None
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise CheckpointError(
+            f"{name} must be a positive number of bytes (an int, or a string like '5GB', "
+            f"'500MB', '100KB'), got {value!r}"
+        )
+    return value
+
+
+def seconds(
+    value: object,
+    name: str,
+    error: type[MuonCkptError] = CheckpointError,
+    *,
+    zero: bool = False,
+) -> float:
+    """``value`` as a number of seconds: more than 0 (``zero``: at least 0) and at most
+    :data:`MAX_WAIT_S`; NaN, infinities, bools and non-numbers refused.
+
+    Raises:
+        ``error``: naming the setting ``name``.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise error(f"{name} must be a number of seconds, got {value!r}")
+    low = value >= 0 if zero else value > 0
+    if not (low and value <= MAX_WAIT_S):  # (NaN fails both)
+        floor = "at least 0" if zero else "more than 0"
+        raise error(f"{name} must be {floor} and at most {MAX_WAIT_S:g} seconds, got {value!r}")
+    return float(value)
+
+
+def local_workers(requested: object, units: int, cores: int) -> int:
+    """How many local processes share ``units`` pieces of work when ``requested`` were asked
+    for: never more than there are units (at least 1), refusing a request past
+    :data:`WORKERS_PER_CORE` per core of the ``cores`` this process may run on.
+
+    Raises:
+        CheckpointError: naming ``workers``, for a request that is not a positive int or
+            exceeds the cores' bound.
+    """
+    if isinstance(requested, bool) or not isinstance(requested, int) or requested < 1:
+        raise CheckpointError(f"workers must be a positive int, got {requested!r}")
+    most = WORKERS_PER_CORE * max(cores, 1)
+    if requested > most:
+        raise CheckpointError(
+            f"workers={requested} is more than {WORKERS_PER_CORE} processes per core "
+            f"({max(cores, 1)} core(s) here: at most {most}); the output is the same for any "
+            "number"
+        )
+    return max(1, min(requested, units))
