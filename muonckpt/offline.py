@@ -67,7 +67,6 @@ from .manifest import (
     json_safe,
 )
 from .pieces import PieceReader, open_checkpoint
-from .workplan import check_workers
 from .writeplan import (
     TensorWrite,
     WritePlan,
@@ -152,6 +151,8 @@ def consolidate(
         workers: processes on this machine that share the writing (a local gloo group);
             the output is the same, byte for byte, for any number. They start from a
             forkserver, so a calling script needs the ``if __name__ == "__main__":`` guard.
+            At most :data:`muonckpt.settings.WORKERS_PER_CORE` per CPU core (more is
+            refused before anything starts), and never more processes than output tensors.
         collective: every rank of the initialized default process group (torchrun) calls
             this with the same arguments, and the ranks share the writing.
 
@@ -164,7 +165,7 @@ def consolidate(
     job = _Job(
         _output_manifest(manifest, kind=CONSOLIDATED), consolidated_plan(items, max_shard_size)
     )
-    if workers > 1:
+    if (workers := _processes(workers, job.plan)) > 1:
         options = {"max_shard_size": max_shard_size, "overwrite": overwrite}
         from .workers import run_in_workers
 
@@ -230,7 +231,7 @@ def reshard(
         per_rank_plan([_owned(params, layout, rank) for rank in range(topology.world_size)]),
     )
     del specs, layout  # planned: not held while the job is written
-    if workers > 1:
+    if (workers := _processes(workers, job.plan)) > 1:
         worker_options = {
             "dp": dp,
             "tp": tp,
@@ -347,7 +348,7 @@ def _index_of(stem: str, files: Mapping[str, Any], writes: Sequence[TensorWrite]
 
 
 def _check_workers(workers: int, collective: bool) -> None:
-    check_workers(workers)
+    settings.local_workers(workers, settings.available_cores())
     if workers > 1 and collective:
         raise CheckpointError("workers > 1 and collective=True exclude each other")
     if collective:
@@ -355,6 +356,13 @@ def _check_workers(workers: int, collective: bool) -> None:
 
         if not collectives.is_distributed():
             raise CheckpointError("collective=True needs an initialized default process group")
+
+
+def _processes(workers: int, plan: WritePlan) -> int:
+    """The processes that share writing ``plan`` when ``workers`` were asked for: never more
+    than it has output tensors (the units :func:`muonckpt.workplan.split_work` divides), so
+    that none starts with nothing to do."""
+    return min(workers, max(1, len(plan.writes)))
 
 
 def _write(

@@ -5,6 +5,7 @@ no files."""
 
 from __future__ import annotations
 
+import os
 import re
 from decimal import Decimal, InvalidOperation
 
@@ -94,22 +95,27 @@ def seconds(
     return float(value)
 
 
-def local_workers(requested: object, units: int, cores: int) -> int:
-    """How many local processes share ``units`` pieces of work when ``requested`` were asked
-    for: never more than there are units (at least 1), refusing a request past
+def available_cores() -> int:
+    """The CPU cores this process may run on (its affinity, where the system tells it)."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return max(1, os.cpu_count() or 1)
+
+
+def local_workers(requested: object, cores: int) -> int:
+    """``requested`` local worker processes, checked: a positive int of at most
     :data:`WORKERS_PER_CORE` per core of the ``cores`` this process may run on.
 
     Raises:
-        CheckpointError: naming ``workers``, for a request that is not a positive int or
-            exceeds the cores' bound.
+        CheckpointError: naming ``workers``, for anything else (``--workers 1000`` on a
+            laptop), before any process starts.
     """
     if isinstance(requested, bool) or not isinstance(requested, int) or requested < 1:
         raise CheckpointError(f"workers must be a positive int, got {requested!r}")
     most = WORKERS_PER_CORE * max(cores, 1)
     if requested > most:
         raise CheckpointError(
-            f"workers={requested} is more than {WORKERS_PER_CORE} processes per core "
-            f"({max(cores, 1)} core(s) here: at most {most}); the output is the same for any "
-            "number"
+            f"workers={requested} is more than {WORKERS_PER_CORE} processes per CPU core "
+            f"({max(cores, 1)} here: at most {most}); the output is the same for any number"
         )
-    return max(1, min(requested, units))
+    return requested

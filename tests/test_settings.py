@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 
 import muonckpt
@@ -108,6 +109,87 @@ def test_the_cli_refuses_a_url_in_one_line_and_writes_nothing(tmp_path, single_c
     assert line.startswith("error: '") and "URL, not a local path" in line, line
     assert "\n" not in line
     assert _tree(work) == []
+
+
+# --- --workers ------------------------------------------------------------------------------
+
+COUNT_STARTS = """
+import multiprocessing.process
+import os
+
+_start = multiprocessing.process.BaseProcess.start
+
+
+def start(self):
+    with open(os.environ["MUONCKPT_TEST_STARTS"], "a") as f:
+        f.write(f"{self.name}\\n")
+    return _start(self)
+
+
+multiprocessing.process.BaseProcess.start = start
+"""
+"""A ``sitecustomize`` that records every multiprocessing.Process the CLI starts (its
+workers; the forkserver and resource tracker are no Process), one line each."""
+
+
+def _counted_cli(tmp_path: Path, *args: object) -> tuple[subprocess.CompletedProcess[str], int]:
+    """The CLI as a user runs it, and how many processes it started."""
+    site = tmp_path / "site"
+    site.mkdir(exist_ok=True)
+    (site / "sitecustomize.py").write_text(COUNT_STARTS)
+    starts = tmp_path / "starts"
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(site), str(REPO)]),
+        "MUONCKPT_TEST_STARTS": str(starts),
+    }
+    done = subprocess.run(
+        [sys.executable, "-m", "muonckpt.cli", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+    )
+    return done, len(starts.read_text().splitlines()) if starts.exists() else 0
+
+
+def test_workers_1000_is_refused_at_once_and_starts_nothing(tmp_path, single_ckpt):
+    """reshard --workers 1000 on an 8-param checkpoint had started 464 processes (15 GB)
+    within a minute."""
+    out = tmp_path / "out"
+    args = ["reshard", single_ckpt(1), "--dp", "2", "--tp", "1", "-o", out, "--workers", "1000"]
+    done, started = _counted_cli(tmp_path, *args)
+    assert done.returncode == 2, done.stderr
+    line = done.stderr.strip()
+    assert line.startswith("error: workers=1000 is more than 4 processes per CPU core"), line
+    assert "\n" not in line
+    assert started == 0
+    assert not out.exists()
+    with pytest.raises(muonckpt.CheckpointError, match="workers=1000"):
+        offline.consolidate(single_ckpt(1), out, workers=1000)
+    for bad in (0, -1, True, 2.0):
+        with pytest.raises(muonckpt.CheckpointError, match="workers must be a positive int"):
+            offline.reshard(single_ckpt(1), out, dp=2, tp=1, workers=bad)
+    assert not out.exists()
+
+
+def test_workers_never_outnumber_the_output_tensors(tmp_path):
+    """Three output tensors (one AdamW param: exp_avg, exp_avg_sq, its values): asked for up
+    to the cores' bound, three processes write them; the output is the single process's."""
+    param = torch.nn.Parameter(torch.arange(4.0))
+    opt = torch.optim.AdamW([param])
+    param.grad = torch.ones(4)
+    opt.step()
+    src = muonckpt.save(opt, tmp_path / "src")
+    serial = offline.consolidate(src, tmp_path / "serial")
+    asked = min(8, settings.WORKERS_PER_CORE * settings.available_cores())
+    out = tmp_path / "out"
+    done, started = _counted_cli(tmp_path, "consolidate", src, "-o", out, "--workers", asked)
+    assert done.returncode == 0, done.stderr
+    assert started == 3
+    for name in ("optimizer.safetensors", "model.safetensors"):
+        assert (out / name).read_bytes() == (serial / name).read_bytes()
+    assert muonckpt.verify(out) == []
 
 
 # --- max_shard_size as the CLI and Hugging Face write it -------------------------------------

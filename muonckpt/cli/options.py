@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from ..settings import parse_size
+from ..settings import WORKERS_PER_CORE, parse_size
 
 
 def size_parameter(text: str) -> int:
@@ -68,6 +68,7 @@ Workers = Annotated[
         "-w",
         min=1,
         help="Processes on this machine that share the writing (a local gloo group); the output "
-        "is the same for any number. Under torchrun leave it out: the ranks share the work.",
+        f"is the same for any number. At most {WORKERS_PER_CORE} per CPU core, and never more "
+        "than the output has tensors. Under torchrun leave it out: the ranks share the work.",
     ),
 ]
