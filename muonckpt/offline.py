@@ -165,7 +165,7 @@ def consolidate(
     job = _Job(
         _output_manifest(manifest, kind=CONSOLIDATED), consolidated_plan(items, max_shard_size)
     )
-    if (workers := _processes(workers, job.plan)) > 1:
+    if (workers := _processes(workers, job, dst)) > 1:
         options = {"max_shard_size": max_shard_size, "overwrite": overwrite}
         from .workers import run_in_workers
 
@@ -231,7 +231,7 @@ def reshard(
         per_rank_plan([_owned(params, layout, rank) for rank in range(topology.world_size)]),
     )
     del specs, layout  # planned: not held while the job is written
-    if (workers := _processes(workers, job.plan)) > 1:
+    if (workers := _processes(workers, job, dst)) > 1:
         worker_options = {
             "dp": dp,
             "tp": tp,
@@ -326,6 +326,7 @@ def convert(
     }
     plan = WritePlan(files, writes, texts)
     job = _Job(_output_manifest(target), plan)
+    _check_manifest(job, dst)
     return _write("convert", job, directory, manifest, dst, overwrite, progress, collective=False)
 
 
@@ -358,11 +359,19 @@ def _check_workers(workers: int, collective: bool) -> None:
             raise CheckpointError("collective=True needs an initialized default process group")
 
 
-def _processes(workers: int, plan: WritePlan) -> int:
-    """The processes that share writing ``plan`` when ``workers`` were asked for: never more
+def _processes(workers: int, job: _Job, dst: str | os.PathLike[str]) -> int:
+    """The processes that share writing ``job`` when ``workers`` were asked for: never more
     than it has output tensors (the units :func:`muonckpt.workplan.split_work` divides), so
-    that none starts with nothing to do."""
-    return min(workers, max(1, len(plan.writes)))
+    that none starts with nothing to do; none at all for a job whose manifest no reader would
+    take (:func:`_check_manifest`)."""
+    _check_manifest(job, dst)
+    return min(workers, max(1, len(job.plan.writes)))
+
+
+def _check_manifest(job: _Job, dst: str | os.PathLike[str]) -> None:
+    """Refuse ``job`` before anything is written when its manifest would pass the readers'
+    limit (:func:`muonckpt.writing.check_manifest_fits`)."""
+    writing.check_manifest_fits(job.manifest.params, job.plan.writes, dst)
 
 
 def _write(
