@@ -14,7 +14,6 @@ I/O from :mod:`muonckpt.storage`.
 
 from __future__ import annotations
 
-import math
 import os
 import threading
 import weakref
@@ -25,7 +24,7 @@ from typing import Any
 
 import torch
 
-from . import retention, storage, writing
+from . import retention, settings, storage, writing
 from .errors import CheckpointError, MuonCkptError
 from .hostcopy import HostBuffers
 from .loading import LoadReport, load
@@ -184,10 +183,7 @@ def async_save(
     found before the snapshot is taken (a target that may not be written, state that cannot
     be stored, a bad ``timeout``) are raised by this call itself, on every rank.
     """
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-        raise CheckpointError(f"timeout must be a positive number of seconds, got {timeout!r}")
-    if math.isinf(timeout):
-        raise CheckpointError("timeout must be finite: a rank that never reports would hang")
+    settings.seconds(timeout, "timeout")
     storage.local_path(path)
     target = _one(optimizer)
     _wait_in_flight(target)

@@ -5,6 +5,7 @@ no files."""
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from decimal import Decimal, InvalidOperation
@@ -95,6 +96,20 @@ def seconds(
     return float(value)
 
 
+def tolerance(value: object, name: str) -> float:
+    """``value`` as a comparison tolerance: a finite number of at least 0 (NaN would make
+    every element differ, infinity every element agree).
+
+    Raises:
+        CheckpointError: naming the setting ``name``, for anything else.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise CheckpointError(f"{name} must be a number, got {value!r}")
+    if not (0 <= value < math.inf):
+        raise CheckpointError(f"{name} must be finite and at least 0, got {value!r}")
+    return float(value)
+
+
 def available_cores() -> int:
     """The CPU cores this process may run on (its affinity, where the system tells it)."""
     if hasattr(os, "sched_getaffinity"):
@@ -102,20 +117,20 @@ def available_cores() -> int:
     return max(1, os.cpu_count() or 1)
 
 
-def local_workers(requested: object, cores: int) -> int:
-    """``requested`` local worker processes, checked: a positive int of at most
+def local_workers(requested: object, cores: int, name: str = "workers") -> int:
+    """``requested`` local processes, checked: a positive int of at most
     :data:`WORKERS_PER_CORE` per core of the ``cores`` this process may run on.
 
     Raises:
-        CheckpointError: naming ``workers``, for anything else (``--workers 1000`` on a
-            laptop), before any process starts.
+        CheckpointError: naming the setting ``name``, for anything else (``--workers 1000``
+            on a laptop), before any process starts.
     """
     if isinstance(requested, bool) or not isinstance(requested, int) or requested < 1:
-        raise CheckpointError(f"workers must be a positive int, got {requested!r}")
+        raise CheckpointError(f"{name} must be a positive int, got {requested!r}")
     most = WORKERS_PER_CORE * max(cores, 1)
     if requested > most:
         raise CheckpointError(
-            f"workers={requested} is more than {WORKERS_PER_CORE} processes per CPU core "
-            f"({max(cores, 1)} here: at most {most}); the output is the same for any number"
+            f"{name}={requested} is more than {WORKERS_PER_CORE} processes per CPU core "
+            f"({max(cores, 1)} here: at most {most})"
         )
     return requested

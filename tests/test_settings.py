@@ -280,3 +280,32 @@ def test_timeouts_past_a_week_are_refused(monkeypatch, bad):
         muonckpt.collectives.set_rendezvous_timeout(bad)
     assert muonckpt.collectives.set_rendezvous_timeout(settings.MAX_WAIT_S) == 60.0
     muonckpt.collectives.set_rendezvous_timeout(None)
+
+
+# --- the other numeric settings --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad", [1e99, settings.MAX_WAIT_S * 2, float("nan"), 0])
+def test_an_async_save_timeout_past_a_week_is_refused_by_the_call(tmp_path, bad):
+    opt = single_process_optimizer(1)
+    with pytest.raises(muonckpt.CheckpointError, match="timeout must be more than 0 and at most"):
+        muonckpt.async_save(opt, tmp_path / "x", timeout=bad)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -1.0, "0.1", True])
+def test_diff_tolerances_are_finite_numbers(single_ckpt, bad):
+    """A NaN tolerance made every element differ; an infinite one, every element agree."""
+    src = single_ckpt(1)
+    for name in ("atol", "rtol"):
+        with pytest.raises(muonckpt.CheckpointError, match=f"^{name} must be"):
+            offline.diff(src, src, **{name: bad})
+
+
+def test_demo_refuses_more_processes_than_the_cores_bear(tmp_path):
+    """demo --dp 1000 would start 1000 training processes, then 2000 more."""
+    done, started = _counted_cli(tmp_path, "demo", "--dp", "1000", "--tp", "1")
+    assert done.returncode == 2, done.stderr
+    line = done.stderr.strip()
+    assert line.startswith("error: dp x tp=1000 is more than 4 processes per CPU core"), line
+    assert started == 0
