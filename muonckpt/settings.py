@@ -6,6 +6,7 @@ no files."""
 from __future__ import annotations
 
 import math
+import operator
 import os
 import re
 from decimal import Decimal, InvalidOperation
@@ -34,7 +35,7 @@ SIZE_UNITS = {
 }
 """Size suffixes as Hugging Face reads them: ``5GB`` is 5 * 10**9 bytes, ``5GiB`` 5 * 2**30."""
 
-_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]I?B|B)?\s*", re.IGNORECASE)
+_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]I?B|B)?\s*", re.IGNORECASE | re.ASCII)
 
 
 def parse_size(text: str) -> int:
@@ -125,12 +126,21 @@ def local_workers(requested: object, cores: int, name: str = "workers") -> int:
         CheckpointError: naming the setting ``name``, for anything else (``--workers 1000``
             on a laptop), before any process starts.
     """
-    if isinstance(requested, bool) or not isinstance(requested, int) or requested < 1:
+    count = 0 if isinstance(requested, bool) else _whole(requested)  # a numpy int too
+    if count < 1:
         raise CheckpointError(f"{name} must be a positive int, got {requested!r}")
     most = WORKERS_PER_CORE * max(cores, 1)
-    if requested > most:
+    if count > most:
         raise CheckpointError(
-            f"{name}={requested} is more than {WORKERS_PER_CORE} processes per CPU core "
+            f"{name}={count} is more than {WORKERS_PER_CORE} processes per CPU core "
             f"({max(cores, 1)} here: at most {most})"
         )
-    return requested
+    return count
+
+
+def _whole(value: object) -> int:
+    """``value`` as an int where it is one (``operator.index``), else 0."""
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        return 0

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -167,7 +168,8 @@ def test_workers_1000_is_refused_at_once_and_starts_nothing(tmp_path, single_ckp
     assert not out.exists()
     with pytest.raises(muonckpt.CheckpointError, match="workers=1000"):
         offline.consolidate(single_ckpt(1), out, workers=1000)
-    for bad in (0, -1, True, 2.0):
+    assert settings.local_workers(np.int64(2), 1) == 2
+    for bad in (0, -1, True, 2.0, "2"):
         with pytest.raises(muonckpt.CheckpointError, match="workers must be a positive int"):
             offline.reshard(single_ckpt(1), out, dp=2, tp=1, workers=bad)
     assert not out.exists()
@@ -223,6 +225,8 @@ def test_sizes_read_as_hugging_face_reads_them():
     assert settings.parse_size("100KB") == 100_000
     assert settings.parse_size("1.5GB") == 1_500_000_000
     assert settings.parse_size("1024") == 1024
+    with pytest.raises(ValueError):
+        settings.parse_size("\u0661\u0662\u0663")  # digits, but not ASCII ones
 
 
 @pytest.mark.parametrize("bad", ["5 parsecs", "0KB", "", "-1MB", 0, -5, True, 1.5, [1]])
