@@ -105,7 +105,7 @@ def save(
     A background save of the same optimizer still in flight (:func:`async_save`) commits
     first.
     """
-    storage.local_path(path)
+    settings.local_path(path)
     target = _one(optimizer)
     _wait_in_flight(target)
     prepared = prepare_save(
@@ -184,7 +184,7 @@ def async_save(
     be stored, a bad ``timeout``) are raised by this call itself, on every rank.
     """
     settings.seconds(timeout, "timeout")
-    storage.local_path(path)
+    settings.local_path(path)
     target = _one(optimizer)
     _wait_in_flight(target)
     prepared = prepare_save(

@@ -1,7 +1,7 @@
-"""The bounds of the numeric settings, and sizes as people write them (``"5GB"``): one place
-that the library's entry points and the command line both check with, so that a value out of
-range is a one-line error naming the setting, raised before anything starts. Pure: no torch,
-no files."""
+"""The bounds of the numeric settings, sizes as people write them (``"5GB"``), and paths that
+must be local (a URL refused): one place that the library's entry points and the command
+line both check with, so that a value out of range is a one-line error naming the setting,
+raised before anything starts or is written. Pure: no torch, no files."""
 
 from __future__ import annotations
 
@@ -10,8 +10,22 @@ import operator
 import os
 import re
 from decimal import Decimal, InvalidOperation
+from pathlib import Path
 
 from .errors import CheckpointError, MuonCkptError
+
+__all__ = [
+    "MAX_WAIT_S",
+    "SIZE_UNITS",
+    "WORKERS_PER_CORE",
+    "available_cores",
+    "local_path",
+    "local_workers",
+    "parse_size",
+    "seconds",
+    "shard_size",
+    "tolerance",
+]
 
 MAX_WAIT_S = 7 * 24 * 3600.0
 """The longest wait a timeout may set, a week: a rank waiting longer for another is hung, and
@@ -144,3 +158,31 @@ def _whole(value: object) -> int:
         return operator.index(value)  # type: ignore[arg-type]
     except TypeError:
         return 0
+
+
+_URL = re.compile(r"([a-zA-Z][a-zA-Z0-9+.-]*)://")
+"""A URL's start: a scheme (RFC 3986) and ``//``."""
+_SCHEME_PART = re.compile(r"([a-zA-Z][a-zA-Z0-9+.-]*):")
+"""A URL made a ``Path`` (``Path("s3://b/x")`` is ``s3:/b/x``): its first part, the scheme
+and a colon, alone."""
+
+
+def local_path(path: str | os.PathLike[str]) -> Path:
+    """``path`` as a :class:`~pathlib.Path`, unless it is a URL: a string starting with a
+    scheme and ``//`` (``s3://``, ``gs://``, ``hf://``, ``https://``), or a relative path
+    whose first part is a scheme and a colon alone (such a URL made a ``Path``). A local name
+    with a colon (``a:b``, ``run:1/step-10``) is a path.
+
+    Raises:
+        CheckpointError: for a URL, naming it (object storage is not supported).
+    """
+    text = os.fsdecode(os.fspath(path))
+    url = _URL.match(text)
+    first = Path(text).parts[:1]
+    if url is None and not (first and _SCHEME_PART.fullmatch(first[0])):
+        return Path(text)
+    scheme = url.group(1) if url is not None else first[0][:-1]
+    raise CheckpointError(
+        f"{text!r} is a {scheme}:// URL, not a local path: muonckpt reads and writes local "
+        "directories only (object storage is not supported yet); nothing was read or written"
+    )

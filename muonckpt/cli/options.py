@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from ..settings import WORKERS_PER_CORE, parse_size
+from ..settings import WORKERS_PER_CORE, local_path, parse_size
 
 
 def size_parameter(text: str) -> int:
@@ -21,10 +21,8 @@ def size_parameter(text: str) -> int:
 
 def local_directory(text: str) -> Path:
     """A directory argument as typed, refused when it is a URL (``s3://b/x`` would become
-    ``s3:/b/x`` as a Path): :func:`muonckpt.storage.local_path`, its error one ``error:`` line
-    as every library error."""
-    from ..storage.local import local_path  # the storage package, only when a command runs
-
+    ``s3:/b/x`` as a Path): :func:`muonckpt.settings.local_path`, its error one ``error:``
+    line as every library error."""
     return local_path(text)
 
 

@@ -13,7 +13,6 @@ write ``storage.X``:
 * :mod:`.transaction`: staging, swap-in, retiring and discarding checkpoint directories,
   deleting old checkpoints, and the ownership rules of what may be replaced or deleted.
 * :mod:`.mailbox`: the messages through which the ranks of a background save agree.
-* :mod:`.local`: the check that a path is local (a URL is refused).
 
 torch is imported only where a tensor crosses (the dtype conversions, reading a tensor,
 writing one), so that the single-process offline tools run without it. Nothing here imports
@@ -41,7 +40,6 @@ from .durable import (
     read_text_chunks,
     write_text_atomic,
 )
-from .local import local_path
 from .mailbox import Mailbox, is_mailbox, mailbox_path
 from .reader_cache import ReaderCache
 from .safetensors_format import TensorRecord
@@ -89,7 +87,6 @@ __all__ = [
     "is_mailbox",
     "is_ours",
     "itemsize",
-    "local_path",
     "mailbox_path",
     "make_staging",
     "ownership_problem",

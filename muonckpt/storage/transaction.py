@@ -17,8 +17,8 @@ from pathlib import Path
 
 from ..errors import CheckpointError, CheckpointWarning
 from ..manifest import FORMAT_NAME, MANIFEST_NAME
+from ..settings import local_path
 from .durable import RENAME_NOREPLACE, exchange, fsync_dir, read_text, renameat2
-from .local import local_path
 from .mailbox import MAILBOX_TAG
 
 STAGING_TAG = "staging"
@@ -152,7 +152,7 @@ def check_target(
     :func:`ownership_problem`), or a symlink to one (then the link is replaced, its target
     left alone); a parent that is not a directory; and, with ``source``, a target inside the
     source checkpoint or containing it (the very same directory is allowed: rewritten in
-    place); a URL (:func:`~.local.local_path`).
+    place); a URL (:func:`muonckpt.settings.local_path`).
     """
     final = local_path(final)
     name = final.name
