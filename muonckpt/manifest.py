@@ -691,42 +691,26 @@ class ManifestSize:
         self.bytes = sum(len(chunk) for chunk in empty.json_chunks())
         blank = Region(0, 0, 0, 0, 0)
         self._piece_line = len(_compact(piece_to_json(Piece("", "", "", "", blank, b"", 0))))
-        self._param_line = len(_compact(_param_to_json(ParamEntry("", (), 0, 0, {}))))
         self._texts: dict[str, int] = {}
+        self._last = ("", 0)
+        """The last piece's param and its text."""
         self._regions: dict[Region, int] = {}
-        self._shapes: dict[tuple[int, ...], int] = {}
+        self._alike: dict[tuple[Any, ...], int] = {}
+        """A param's line without its name, by everything else it holds."""
         self._groups: set[int] = set()
 
     def add_param(self, entry: ParamEntry) -> None:
         """One entry of ``params``, exactly (+2: its ``,\\n`` or the list's brackets), and its
         name in its group's ``params`` (+3: quotes and a comma, but one per group)."""
-        shape, texts = entry.shape, self._texts
-        if (drawn := self._shapes.get(shape)) is None:
-            drawn = self._shapes[shape] = len(_compact(list(shape))) - 2
-        dtypes = 0
-        for key, dtype in entry.dtypes.items():
-            if (named := texts.get(key)) is None:
-                named = texts[key] = _text(key)
-            if (typed := texts.get(dtype)) is None:
-                typed = texts[dtype] = _text(dtype)
-            dtypes += named + typed + 6  # "key":"dtype",
-        scalars = 0
-        if entry.scalars:
-            scalars = len(_compact(_param_to_json(entry)["scalars"])) - 2
-        ints = len(str(entry.tp_split_dim)) + len(str(entry.group)) - 2
+        # (each value's type too: 1, 1.0 and True are equal keys but different JSON)
+        scalars = tuple((k, type(v.value), v.value, v.dtype) for k, v in entry.scalars.items())
+        alike = (entry.shape, entry.tp_split_dim, entry.group, tuple(entry.dtypes.items()), scalars)
+        if (rest := self._alike.get(alike)) is None:  # params differ mostly by their names
+            rest = self._alike[alike] = len(_compact(_param_to_json(replace(entry, name=""))))
         listed = 3 - (entry.group not in self._groups)
         self._groups.add(entry.group)
         self.params += 1
-        self.bytes += (
-            self._param_line
-            + 2
-            + 2 * _text(entry.name)
-            + listed
-            + drawn
-            + max(dtypes - 1, 0)
-            + scalars
-            + ints
-        )
+        self.bytes += rest + 2 + 2 * _text(entry.name) + listed
 
     def add_piece(
         self, param: str, key: str, file: str, tensor: str, region: Region, nbytes: int, chunk: int
@@ -737,6 +721,8 @@ class ManifestSize:
             named = texts[key] = _text(key)
         if (filed := texts.get(file)) is None:
             filed = texts[file] = _text(file)
+        if param != self._last[0]:  # a param's pieces come together
+            self._last = (param, _text(param))
         if (spans := self._regions.get(region)) is None:
             ints = (region.cols, region.block_start, region.block_width, region.start)
             spans = self._regions[region] = sum(len(str(i)) - 1 for i in (*ints, region.stop))
@@ -745,7 +731,7 @@ class ManifestSize:
         self.bytes += (
             self._piece_line
             + 2
-            + _text(param)
+            + self._last[1]
             + named
             + filed
             + _text(tensor)
