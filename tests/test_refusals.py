@@ -177,3 +177,20 @@ def test_an_offline_rewrite_whose_manifest_is_too_large_starts_nothing(
     params = len(muonckpt.read_manifest(src).params)
     assert f"{params} params and " in str(err.value) and "nothing was written" in str(err.value)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_params_alike_but_for_a_scalars_type_are_counted_apart():
+    """1, 1.0 and True are equal (one key of a cache) but three JSON spellings."""
+    from muonckpt.manifest import ManifestSize, ParamEntry, Scalar
+
+    entries = tuple(
+        ParamEntry(f"p{i}", (2,), -1, 0, {}, {"s": Scalar(value, None)})
+        for i, value in enumerate([1, 1.0, True, 1.0, 1])
+    )
+    size = ManifestSize()
+    for entry in entries:
+        size.add_param(entry)
+    listed = Manifest(CONSOLIDATED, {}, (GroupEntry({}, (), {}),), (), (), ())
+    group = len(listed.to_json()) - len(Manifest(CONSOLIDATED, {}, (), (), (), ()).to_json())
+    names = (GroupEntry({}, tuple(e.name for e in entries), {}),)
+    assert size.bytes == len(Manifest(CONSOLIDATED, {}, names, entries, (), ()).to_json()) - group
