@@ -4,7 +4,8 @@ The top level holds what a training script calls (``_PUBLIC``, the one list of i
 rest are namespaces: :mod:`muonckpt.optim` (the packaged Muon and its math),
 :mod:`muonckpt.sharding` (the ZeRO-1 param sharder), :mod:`muonckpt.layout` (the layout math),
 :mod:`muonckpt.collectives` (process groups and the rendezvous timeout), :mod:`muonckpt.kinds`
-(optimizer families), :mod:`muonckpt.offline` (the offline tools) and :mod:`muonckpt.demo`.
+(optimizer families), :mod:`muonckpt.offline` (the offline tools), :mod:`muonckpt.demo` and
+:mod:`muonckpt.settings` (the bounds of the settings, sizes as ``"5GB"``, local paths).
 
 The names load their modules (and torch) on first use, so that the command line's ``--help``
 and the torch-free modules (``errors``, ``layout``, ``manifest``) import quickly.
@@ -67,7 +68,18 @@ _MOVED: dict[str, str] = {
 :class:`DeprecationWarning`, for one release."""
 
 _NAMESPACES = frozenset(
-    {"optim", "sharding", "layout", "collectives", "launch", "kinds", "offline", "demo", "errors"}
+    {
+        "optim",
+        "sharding",
+        "layout",
+        "collectives",
+        "launch",
+        "kinds",
+        "offline",
+        "demo",
+        "errors",
+        "settings",
+    }
 )
 """The public modules, which ``muonckpt.NAME`` imports on first use as it does the names."""
 

@@ -14,7 +14,6 @@ I/O from :mod:`muonckpt.storage`.
 
 from __future__ import annotations
 
-import math
 import os
 import threading
 import weakref
@@ -25,7 +24,7 @@ from typing import Any
 
 import torch
 
-from . import retention, storage, writing
+from . import retention, settings, storage, writing
 from .errors import CheckpointError, MuonCkptError
 from .hostcopy import HostBuffers
 from .loading import LoadReport, load
@@ -46,7 +45,7 @@ def save(
     path: str | os.PathLike[str],
     *,
     consolidated: bool = False,
-    max_shard_size: int | None = None,
+    max_shard_size: int | str | None = None,
     params: bool = True,
     overwrite: bool = False,
     keep_last: int | None = None,
@@ -75,7 +74,8 @@ def save(
             ``model.safetensors`` (:func:`muonckpt.writeplan.consolidated_plan`), instead of
             one file per rank (no gathering; only metadata crosses ranks).
         max_shard_size: with ``consolidated``, split each family of files past this many bytes,
-            HF style.
+            HF style: an int, or a string as the CLI and Hugging Face take it (``"5GB"`` is
+            5 * 10**9 bytes, ``"5GiB"`` 5 * 2**30; :func:`muonckpt.settings.parse_size`).
         params: also save the optimizer's params (the default), so that :func:`load` restores
             them; False saves the optimizer state only, for weights kept elsewhere.
         overwrite: replace an existing checkpoint at ``path`` (otherwise an error).
@@ -111,6 +111,7 @@ def save(
     A background save of the same optimizer still in flight (:func:`async_save`) commits
     first.
     """
+    settings.local_path(path)
     target = _one(optimizer, local)
     _wait_in_flight(target)
     prepared = prepare_save(
@@ -141,7 +142,7 @@ def async_save(
     path: str | os.PathLike[str],
     *,
     consolidated: bool = False,
-    max_shard_size: int | None = None,
+    max_shard_size: int | str | None = None,
     params: bool = True,
     overwrite: bool = False,
     keep_last: int | None = None,
@@ -190,10 +191,8 @@ def async_save(
     found before the snapshot is taken (a target that may not be written, state that cannot
     be stored, a bad ``timeout``) are raised by this call itself, on every rank.
     """
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-        raise CheckpointError(f"timeout must be a positive number of seconds, got {timeout!r}")
-    if math.isinf(timeout):
-        raise CheckpointError("timeout must be finite: a rank that never reports would hang")
+    settings.seconds(timeout, "timeout")
+    settings.local_path(path)
     target = _one(optimizer, local)
     _wait_in_flight(target)
     prepared = prepare_save(

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -22,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from . import settings
 from .errors import CollectiveError, LayoutError, MuonCkptError
 from .steps import Outcome, StepProtocol, disagreement
 
@@ -382,14 +382,16 @@ def rendezvous_timeout() -> float:
         return _checked_timeout(float(text))
     except (ValueError, CollectiveError) as exc:
         raise CollectiveError(
-            f"MUONCKPT_RENDEZVOUS_TIMEOUT={text!r}: must be a positive, finite number of seconds"
+            f"MUONCKPT_RENDEZVOUS_TIMEOUT={text!r}: must be a number of seconds more than 0 "
+            f"and at most {settings.MAX_WAIT_S:g}"
         ) from exc
 
 
 def set_rendezvous_timeout(seconds: float | None) -> float:
     """Set how long the ranks of every muonckpt collective wait for each other at its start
     (None: back to ``MUONCKPT_RENDEZVOUS_TIMEOUT`` or the default, 60 s); returns the timeout
-    in force before. Ranks that call a collective further apart than this fail it."""
+    in force before. Ranks that call a collective further apart than this fail it. At most
+    :data:`muonckpt.settings.MAX_WAIT_S` (a week)."""
     global _timeout_s
     previous = rendezvous_timeout()
     _timeout_s = None if seconds is None else _checked_timeout(seconds)
@@ -397,13 +399,7 @@ def set_rendezvous_timeout(seconds: float | None) -> float:
 
 
 def _checked_timeout(seconds: Any) -> float:
-    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
-        raise CollectiveError(
-            f"the rendezvous timeout must be a number of seconds, got {seconds!r}"
-        )
-    if not (seconds > 0 and math.isfinite(seconds)):
-        raise CollectiveError(f"the rendezvous timeout must be positive and finite, got {seconds}")
-    return float(seconds)
+    return settings.seconds(seconds, "the rendezvous timeout", CollectiveError)
 
 
 _SEQUENCE: dict[tuple[int, ...], int] = {}

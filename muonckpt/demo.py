@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from . import collectives, offline
+from . import collectives, offline, settings
 from .checkpoint import load, save
 from .launch import run_distributed
 from .layout import LayoutOptions, Topology
@@ -227,6 +227,9 @@ def run_demo(
     if steps < 1:
         raise ValueError(f"steps must be at least 1, got {steps}")
     Topology(dp, tp), Topology(to_dp, to_tp)  # validate before launching anything
+    cores = settings.available_cores()
+    settings.local_workers(dp * tp, cores, "dp x tp")  # each rank a local process
+    settings.local_workers(to_dp * to_tp, cores, "to_dp x to_tp")
     if workdir is not None:
         work = Path(workdir)
         work.mkdir(parents=True, exist_ok=True)

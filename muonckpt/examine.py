@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from . import kinds, storage
+from . import kinds, settings, storage
 from .errors import CheckpointError, MuonCkptError
 from .inspection import (
     DiffRow,
@@ -151,8 +151,8 @@ def iter_diff(
     Memory: one full tensor from each side at a time, in reused buffers, and temporaries of
     :data:`DIFF_CHUNK` elements; rows are yielded as they are made.
     """
-    if atol < 0 or rtol < 0:
-        raise CheckpointError(f"atol and rtol must be non-negative, got {atol}, {rtol}")
+    settings.tolerance(atol, "atol")
+    settings.tolerance(rtol, "rtol")
     dir_a, man_a = open_checkpoint(a)
     dir_b, man_b = open_checkpoint(b)
 

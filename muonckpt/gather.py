@@ -27,7 +27,7 @@ from .manifest import PARAM_KEY
 from .paramnames import torch_dtype_name
 from .placement import ParamSharding, Sharding, state_dict_steps
 from .regions import insert_
-from .storage import checksum_chunks
+from .storage import checksum_chunks, unstorable_kind
 
 HOST = torch.device("cpu")
 """Where gathered full tensors are assembled and delivered: host memory, as DCP's
@@ -336,6 +336,11 @@ def state_value(param: ParamSharding, key: str, value: Any, numel: int | None = 
     a plain value (a number, None). ``numel``: the elements of this rank's param tensor, which
     a state tensor must have (refused otherwise: muonckpt shards state with its param)."""
     if isinstance(value, torch.Tensor):
+        if (kind := unstorable_kind(value)) is not None:
+            raise StateDictError(
+                f"param {param.name!r}: state {key!r} is {kind}, which muonckpt cannot store "
+                "(dense tensors only)"
+            )
         if value.dim() == 0 and len(param.full_shape) != 0:
             return ScalarValue(value.item(), torch_dtype_name(value.dtype))
         if numel is not None and value.numel() != numel:

@@ -11,6 +11,7 @@ import torch
 
 from .errors import CheckpointError
 from .manifest import prefix_fix
+from .storage import unstorable_kind
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,8 @@ def model_tensors(
             raise CheckpointError(
                 f"model state {name!r} is a {type(tensor).__name__}, not a tensor"
             )
+        if (kind := unstorable_kind(tensor)) is not None:
+            raise CheckpointError(f"model state {name!r} is {kind}, which cannot be stored")
         by_tensor.setdefault(_storage_identity(tensor), []).append(name)
     extras, aliases, stored_params = {}, {}, set(held)
     for names in by_tensor.values():

@@ -31,7 +31,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from . import storage, writing
+from . import settings, storage, writing
 from .conversion import converted_manifest
 from .dcp import LAYOUTS, DcpConversion, from_dcp, is_dcp, to_dcp
 from .errors import CheckpointError, LayoutError
@@ -67,7 +67,6 @@ from .manifest import (
     json_safe,
 )
 from .pieces import PieceReader, open_checkpoint
-from .workplan import check_workers
 from .writeplan import (
     TensorWrite,
     WritePlan,
@@ -125,7 +124,7 @@ def consolidate(
     src: str | os.PathLike[str],
     dst: str | os.PathLike[str],
     *,
-    max_shard_size: int | None = None,
+    max_shard_size: int | str | None = None,
     overwrite: bool = False,
     progress: Progress | None = None,
     workers: int = 1,
@@ -143,7 +142,8 @@ def consolidate(
             ``optimizer-0000i-of-0000N.safetensors`` files plus an HF-style
             ``optimizer.safetensors.index.json`` (and the params likewise over ``model-*``);
             otherwise one ``optimizer.safetensors`` (and one ``model.safetensors``).
-            A tensor larger than the limit gets a file of its own.
+            A tensor larger than the limit gets a file of its own. An int, or a string as
+            the CLI takes it (``"5GB"``, ``"500MB"``; :func:`muonckpt.settings.parse_size`).
         overwrite: replace an existing ``dst``.
         progress: a :data:`Progress`, called with the bytes and tensors written and their
             totals, at the start and after each tensor. With several processes it follows
@@ -151,18 +151,21 @@ def consolidate(
         workers: processes on this machine that share the writing (a local gloo group);
             the output is the same, byte for byte, for any number. They start from a
             forkserver, so a calling script needs the ``if __name__ == "__main__":`` guard.
+            At most :data:`muonckpt.settings.WORKERS_PER_CORE` per CPU core (more is
+            refused before anything starts), and never more processes than output tensors.
         collective: every rank of the initialized default process group (torchrun) calls
             this with the same arguments, and the ranks share the writing.
 
     Memory: per process, one full tensor plus the span of one source piece (two in flight).
     """
     _check_workers(workers, collective)
+    max_shard_size = settings.shard_size(max_shard_size)
     directory, manifest = open_checkpoint(src)
     items = (((e.name, k, e.dtype_of(k)), e.shape) for e in manifest.params for k in e.tensor_keys)
     job = _Job(
         _output_manifest(manifest, kind=CONSOLIDATED), consolidated_plan(items, max_shard_size)
     )
-    if workers > 1:
+    if (workers := _processes(workers, job, dst)) > 1:
         options = {"max_shard_size": max_shard_size, "overwrite": overwrite}
         from .workers import run_in_workers
 
@@ -228,7 +231,7 @@ def reshard(
         per_rank_plan([_owned(params, layout, rank) for rank in range(topology.world_size)]),
     )
     del specs, layout  # planned: not held while the job is written
-    if workers > 1:
+    if (workers := _processes(workers, job, dst)) > 1:
         worker_options = {
             "dp": dp,
             "tp": tp,
@@ -323,6 +326,7 @@ def convert(
     }
     plan = WritePlan(files, writes, texts)
     job = _Job(_output_manifest(target), plan)
+    _check_manifest(job, dst)
     return _write("convert", job, directory, manifest, dst, overwrite, progress, collective=False)
 
 
@@ -345,7 +349,7 @@ def _index_of(stem: str, files: Mapping[str, Any], writes: Sequence[TensorWrite]
 
 
 def _check_workers(workers: int, collective: bool) -> None:
-    check_workers(workers)
+    settings.local_workers(workers, settings.available_cores())
     if workers > 1 and collective:
         raise CheckpointError("workers > 1 and collective=True exclude each other")
     if collective:
@@ -353,6 +357,21 @@ def _check_workers(workers: int, collective: bool) -> None:
 
         if not collectives.is_distributed():
             raise CheckpointError("collective=True needs an initialized default process group")
+
+
+def _processes(workers: int, job: _Job, dst: str | os.PathLike[str]) -> int:
+    """The processes that share writing ``job`` when ``workers`` were asked for: never more
+    than it has output tensors (the units :func:`muonckpt.workplan.split_work` divides), so
+    that none starts with nothing to do; none at all for a job whose manifest no reader would
+    take (:func:`_check_manifest`)."""
+    _check_manifest(job, dst)
+    return min(workers, max(1, len(job.plan.writes)))
+
+
+def _check_manifest(job: _Job, dst: str | os.PathLike[str]) -> None:
+    """Refuse ``job`` before anything is written when its manifest would pass the readers'
+    limit (:func:`muonckpt.writing.check_manifest_fits`)."""
+    writing.check_manifest_fits(job.manifest.params, job.plan.writes, dst)
 
 
 def _write(

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import storage
+from . import settings, storage
 from .errors import CheckpointError
 from .layout import Region, Strided, strided_runs
 from .manifest import (
@@ -36,8 +36,8 @@ from .manifest_json import parse_manifest, parse_manifest_chunks
 
 
 def read_manifest(path: str | os.PathLike[str]) -> Manifest:
-    """The parsed, schema-checked manifest of the checkpoint at ``path``."""
-    directory = Path(path)
+    """The parsed, schema-checked manifest of the checkpoint at ``path`` (a URL refused)."""
+    directory = settings.local_path(path)
     manifest_path = directory / MANIFEST_NAME
     if not directory.is_dir():
         raise CheckpointError("no checkpoint directory", path=directory)
@@ -345,8 +345,8 @@ class PieceReader:
 
 def verify(path: str | os.PathLike[str]) -> list[CheckpointError]:
     """Every problem found in the checkpoint at ``path`` (empty: sound). Reads all data once."""
-    directory = Path(path)
     try:
+        directory = settings.local_path(path)
         manifest = read_manifest(directory)
     except CheckpointError as exc:
         return [exc]

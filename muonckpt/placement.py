@@ -39,6 +39,7 @@ from .errors import CheckpointError, StateDictError
 from .grid import GridParams, RankReport, merge_reports
 from .layout import Region, Topology, tp_full_shape, tp_region, whole_region
 from .paramnames import is_named, param_names, torch_dtype_name
+from .storage import unstorable_kind
 from .workplan import spread
 
 
@@ -516,6 +517,7 @@ def describe(
     skips an owner rule's check that the ranks agree (a local trim, after a state dict that
     was gathered by a collective).
     """
+    _check_dense(optimizer)
     if isinstance(optimizer, ReportsItsGrid):
         if not optimizer.distributed_mode:
             return describe_whole(optimizer, optimizer.state_keys)
@@ -526,6 +528,19 @@ def describe(
     if _in_process_group() and not local:
         return describe_replicated(optimizer)
     return describe_whole(optimizer)
+
+
+def _check_dense(optimizer: torch.optim.Optimizer | Joined) -> None:
+    """Refuse a param of a kind no checkpoint holds (nested, sparse, meta, quantized:
+    :func:`muonckpt.storage.unstorable_kind`), naming it, before its shape is asked for (a
+    nested tensor has none)."""
+    flat = [p for group in optimizer.param_groups for p in group["params"]]
+    for index, p in enumerate(flat):
+        if (kind := unstorable_kind(p)) is not None:
+            raise StateDictError(
+                f"param {param_names(optimizer)[index]!r} is {kind}: muonckpt checkpoints "
+                "dense params only"
+            )
 
 
 def describe_replicated(optimizer: Any) -> Sharding:

@@ -18,7 +18,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import storage
+from . import settings, storage
 from .errors import CheckpointError, CheckpointWarning
 from .manifest import MANIFEST_NAME
 from .pieces import read_manifest, size_problems
@@ -82,7 +82,8 @@ def latest(root: str | os.PathLike[str]) -> Path | None:
     :class:`CheckpointError`. When a save commits and prunes while it looks, so that it found
     nothing complete, it looks again (three times in all).
     """
-    if (Path(root) / MANIFEST_NAME).exists():
+    root = settings.local_path(root)
+    if (root / MANIFEST_NAME).exists():
         raise CheckpointError(
             "is a checkpoint itself; latest looks for checkpoints directly under a directory "
             "(pass its parent)",
@@ -161,7 +162,7 @@ def clean(root: str | os.PathLike[str], older_than: float) -> list[Path]:
     """
     if not older_than >= 0:
         raise CheckpointError(f"older_than must be a number of seconds >= 0, got {older_than!r}")
-    root = Path(root)
+    root = settings.local_path(root)
     try:
         with os.scandir(root) as listing:
             entries = sorted(

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from . import collectives, conversion, retention, storage, trainstate, writing
+from . import collectives, conversion, retention, settings, storage, trainstate, writing
 from .errors import CheckpointError
 from .gather import (
     ParamState,
@@ -76,7 +76,7 @@ def prepare_save(
     buffers: HostBuffers,
     path: str | os.PathLike[str],
     consolidated: bool,
-    max_shard_size: int | None,
+    max_shard_size: int | str | None,
     params: bool,
     overwrite: bool,
     keep_last: int | None,
@@ -97,6 +97,7 @@ def prepare_save(
     consolidated save the full state gathered to the destination's host memory. ``local``:
     the optimizer is this process's alone (:func:`muonckpt.placement.check_local`), saved by
     this process alone whatever process group there is."""
+    max_shard_size = settings.shard_size(max_shard_size)
     arguments = {
         "path": os.path.abspath(path),
         "consolidated": consolidated,
@@ -126,11 +127,13 @@ def prepare_save(
         )
         state = _JobState.take(extra, rank_extra)
         job.append(state)
+        payload = None
         if not consolidated:
             payload = _rank_payload(sharding, collected[0])
             if background:
                 payload.tensors = buffers.snapshot(payload.tensors)
             taken.append(payload)
+        _check_manifest(sharding, collected[0], payload, max_shard_size, Path(path))
         return state.agreement()
 
     mailbox = background and len(sharding.participants) > 1
@@ -289,9 +292,10 @@ def _stored(held: ParamState) -> list[tuple[str, StateValue]]:
 
 @dataclass
 class _Payload:
-    """What one rank of a save writes: its plan (None: nothing; made when it is written, in
-    the background for a background save), the tensors by (param, key), and the scalars it
-    reports for the manifest."""
+    """What one rank of a save writes: its plan (None: nothing; a consolidated plan is made
+    when it is written, in the background for a background save; a rank's own file's at the
+    call, where its manifest lines are counted), the tensors by (param, key), and the scalars
+    it reports for the manifest."""
 
     plan: Callable[[], WritePlan] | None
     tensors: dict[tuple[str, str], torch.Tensor]
@@ -316,7 +320,8 @@ def _rank_payload(sharding: Sharding, collected: Mapping[int, ParamState]) -> _P
             owned.append(((param.name, key, dtype), holding.region))
             tensors[param.name, key] = value.tensor
     rank, world = sharding.participants.index(me), len(sharding.participants)
-    return _Payload(lambda: rank_plan(rank, world, owned), tensors, scalars)
+    plan = rank_plan(rank, world, owned)  # made at the call: its manifest lines are counted
+    return _Payload(lambda: plan, tensors, scalars)
 
 
 def _scalar_json(value: ScalarValue | PlainValue) -> dict[str, Any]:
@@ -340,11 +345,24 @@ def _consolidated_payload(
         return _Payload(None, {}, {})
     tensors: dict[tuple[str, str], torch.Tensor] = {}
     items: list[Any] = []
-    scalars: dict[str, Any] = {}
     for name, tensor in (model.extras if model is not None else {}).items():
         value = tensor.detach().to("cpu", copy=True)  # a snapshot, as the gathered state
         items.append(((name, PARAM_KEY, storage.dtype_name(value.dtype)), tuple(value.shape)))
         tensors[name, PARAM_KEY] = value
+    scalars = _consolidated_items(sharding, full, items, tensors)
+    aliases = dict(model.aliases) if model is not None else None
+    return _Payload(lambda: consolidated_plan(items, max_shard_size, aliases), tensors, scalars)
+
+
+def _consolidated_items(
+    sharding: Sharding,
+    full: Mapping[int, ParamState],
+    items: list[Any],
+    tensors: dict[tuple[str, str], torch.Tensor],
+) -> dict[str, Any]:
+    """The tensors of ``full`` (by canonical index) as a consolidated plan takes them, into
+    ``items`` ((param, key, dtype), full shape) and ``tensors``; their scalars, returned."""
+    scalars: dict[str, Any] = {}
     for index, param in enumerate(sharding.params):
         gathered = full.get(index)
         for key, stored in _stored(gathered) if gathered is not None else ():
@@ -354,8 +372,49 @@ def _consolidated_payload(
                 tensors[param.name, key] = stored.tensor
             else:
                 scalars.setdefault(param.name, {})[key] = _scalar_json(stored)
-    aliases = dict(model.aliases) if model is not None else None
-    return _Payload(lambda: consolidated_plan(items, max_shard_size, aliases), tensors, scalars)
+    return scalars
+
+
+def _check_manifest(
+    sharding: Sharding,
+    collected: Mapping[int, ParamState],
+    payload: _Payload | None,
+    max_shard_size: int | None,
+    where: Path,
+) -> None:
+    """(each rank, in the stage step: before any data is written, a refusal every rank's)
+    Refuse a save whose manifest would pass the readers' limit, counted from every param and
+    the tensors and scalars this rank holds as it writes them: its own file (``payload``), or
+    (None) whole in the shared files of a consolidated save. Exact in one process but for the
+    groups and ``extra``; with several ranks a lower bound (the commit checks the whole
+    manifest)."""
+    if payload is not None:
+        plan, scalars = payload.plan() if payload.plan is not None else None, payload.scalars
+    else:
+        held = {
+            i: collected[p.index_here]
+            for i, p in enumerate(sharding.params)
+            if p.local_index is not None
+        }
+        items: list[Any] = []
+        scalars = _consolidated_items(sharding, held, items, {})
+        plan = consolidated_plan(items, max_shard_size)
+    writes = plan.writes if plan is not None else ()
+    dtypes: dict[str, dict[str, str]] = {}
+    for w in writes:
+        dtypes.setdefault(w.param, {})[w.key] = w.dtype
+    params = (
+        ParamEntry(
+            p.name,
+            p.full_shape,
+            p.tp_split_dim,
+            p.group,
+            dtypes.get(p.name, {}),
+            {k: Scalar(v["value"], v["dtype"]) for k, v in scalars.get(p.name, {}).items()},
+        )
+        for p in sharding.params
+    )
+    writing.check_manifest_fits(params, writes, where)
 
 
 def _group_entries(optimizer: Optimizers, sharding: Sharding) -> list[GroupEntry]:

@@ -95,8 +95,8 @@ def _take(
     if len(path) > EXTRA_DEPTH:
         raise CheckpointError(f"{shown(what, path)}: nested deeper than {EXTRA_DEPTH} levels")
     if isinstance(value, torch.Tensor):
-        if value.layout != torch.strided or value.is_nested:
-            raise CheckpointError(f"{shown(what, path)}: a {value.layout} tensor cannot be stored")
+        if (kind := storage.unstorable_kind(value)) is not None:
+            raise CheckpointError(f"{shown(what, path)}: {kind} cannot be stored (dense only)")
         try:
             storage.dtype_name(value.dtype)
         except CheckpointError as exc:

@@ -35,6 +35,7 @@ from .manifest import (
     stem_of,
     tensor_key,
 )
+from .settings import shard_size
 
 Item = tuple[str, str, str]
 """``(param, key, safetensors dtype)`` of one stored tensor."""
@@ -256,8 +257,7 @@ def shard_files(
     file of its own); one file, ``<stem>.safetensors``, without a limit or below it, else
     ``<stem>-0000i-of-0000N.safetensors``.
     """
-    if max_shard_size is not None and max_shard_size <= 0:
-        raise CheckpointError(f"max_shard_size must be positive, got {max_shard_size}")
+    max_shard_size = shard_size(max_shard_size)
     shards: list[list[str]] = [[]]
     used = 0
     for tkey in sorted(sizes):

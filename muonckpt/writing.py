@@ -22,9 +22,10 @@ imports torch only where a tensor crosses, so a single-process offline tool runs
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import warnings
-from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from operator import attrgetter
@@ -40,8 +41,11 @@ from .manifest import (
     ExtraValues,
     FileEntry,
     Manifest,
+    ManifestSize,
+    ParamEntry,
     Piece,
     ValuePath,
+    extra_to_json,
     piece_to_json,
 )
 from .manifest_json import piece_from_json
@@ -437,14 +441,40 @@ def commit(staging: Path, final: Path, manifest: Manifest) -> Path | None:
     limit = storage.MAX_TEXT_BYTES  # past it, committed, a checkpoint nothing could read
     size = storage.write_text_atomic(staging / MANIFEST_NAME, manifest.json_chunks(), limit=limit)
     if size > limit:
+        extra = 0 if manifest.extra is None else len(json.dumps(extra_to_json(manifest.extra)))
         raise CheckpointError(
-            f"its manifest would be {size} bytes, more than the {storage.MAX_TEXT_BYTES} a "
-            "reader accepts (too much in extra / rank_extra: put large data in tensors); "
-            "nothing was committed",
+            f"its manifest would be {size} bytes, more than the {limit} a reader accepts: "
+            f"{len(manifest.params)} params and {len(manifest.pieces)} pieces (stored "
+            f"tensors), extra / rank_extra {extra} bytes of it; nothing was committed",
             path=final,
         )
     storage.fsync_dir(staging)
     return storage.swap_in(staging, final)
+
+
+def check_manifest_fits(
+    params: Iterable[ParamEntry], writes: Iterable[TensorWrite], final: object
+) -> None:
+    """Refuse, before any data is written, a write whose manifest would be more than a reader
+    accepts (:data:`muonckpt.storage.MAX_TEXT_BYTES`): counted from its ``params`` and its
+    planned ``writes`` (:class:`~muonckpt.manifest.ManifestSize`, a lower bound: groups and
+    ``extra`` are not counted, and :func:`commit` checks the whole manifest again), naming
+    the counts."""
+    size = ManifestSize()
+    for entry in params:
+        size.add_param(entry)
+    chunk = storage.CHUNK_BYTES
+    for w in writes:
+        size.add_piece(w.param, w.key, w.file, w.tensor, w.region, w.nbytes, chunk)
+    if size.bytes > storage.MAX_TEXT_BYTES:
+        raise CheckpointError(
+            f"its manifest would be at least {size.bytes} bytes, more than the "
+            f"{storage.MAX_TEXT_BYTES} a reader accepts: {size.params} params and "
+            f"{size.pieces} pieces (stored tensors; about {size.bytes // max(size.pieces, 1)} "
+            "bytes each); nothing was written. Store fewer, larger tensors (params=False "
+            "leaves out the pieces of the params' own values)",
+            path=final,
+        )
 
 
 class _Meter:

@@ -37,6 +37,7 @@ PURE = (
     "workplan",
     "writeplan",
     "inspection",
+    "settings",
 )
 """Plain data and arithmetic: no tensors, no files, no process groups."""
 NOT_YET: set[str] = set()
@@ -45,7 +46,7 @@ READERS_AND_WRITERS = ("storage", "pieces", "retention", "writing")
 """Bytes to and from files: the offline tools' path, which runs without a process group (and
 imports torch only inside functions, where a tensor crosses: tests/test_cli.py checks
 that at run time)."""
-NAMESPACES = ("offline", "errors", "collectives", "demo", "kinds", "layout")
+NAMESPACES = ("offline", "errors", "collectives", "demo", "kinds", "layout", "settings")
 """The package's public namespaces besides its top level (``muonckpt/__init__.py``)."""
 
 

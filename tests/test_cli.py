@@ -15,9 +15,10 @@ from typer.testing import CliRunner
 
 import muonckpt
 from muonckpt import offline
-from muonckpt.cli import app, parse_size
+from muonckpt.cli import app
 from muonckpt.launch import run_distributed
 from muonckpt.manifest import rank_file
+from muonckpt.settings import parse_size
 
 from .ckpt_cases import load_phase
 from .fixture_model import (

@@ -18,7 +18,7 @@ import typer
 from ..errors import CheckpointError
 from . import output
 from .exits import PROBLEM, Group, catch_stop_signals
-from .options import Dst, Force, Quiet, Src, Workers, parse_size
+from .options import Dst, Force, Quiet, Root, Src, Workers, local_directory, size_parameter
 
 # The library is imported by the commands that use it, so that --help and usage errors answer
 # at once; torch (~2.7 s to import on the benchmark machine) only by those that need it:
@@ -81,7 +81,7 @@ def consolidate(
         int | None,
         typer.Option(
             "--max-shard-size",
-            parser=parse_size,
+            parser=size_parameter,
             metavar="SIZE",
             help="Split into HF-style optimizer-0000i-of-0000N files past this size (5GB, 500MB).",
         ),
@@ -417,12 +417,7 @@ def verify(src: Src) -> None:
 
 @app.command()
 def clean(
-    root: Annotated[
-        Path,
-        typer.Argument(
-            metavar="ROOT", help="Directory holding the checkpoints.", show_default=False
-        ),
-    ],
+    root: Root,
     older_than: Annotated[
         float,
         typer.Option(
@@ -449,12 +444,7 @@ def clean(
 
 @app.command()
 def latest(
-    root: Annotated[
-        Path,
-        typer.Argument(
-            metavar="ROOT", help="Directory holding the checkpoints.", show_default=False
-        ),
-    ],
+    root: Root,
 ) -> None:
     """Print the newest complete checkpoint directly under ROOT, to resume from.
 
@@ -479,8 +469,18 @@ def latest(
 @app.command()
 def diff(
     ctx: typer.Context,
-    a: Annotated[Path, typer.Argument(metavar="A", help="First checkpoint.", show_default=False)],
-    b: Annotated[Path, typer.Argument(metavar="B", help="Second checkpoint.", show_default=False)],
+    a: Annotated[
+        Path,
+        typer.Argument(
+            metavar="A", parser=local_directory, help="First checkpoint.", show_default=False
+        ),
+    ],
+    b: Annotated[
+        Path,
+        typer.Argument(
+            metavar="B", parser=local_directory, help="Second checkpoint.", show_default=False
+        ),
+    ],
     atol: Annotated[float, typer.Option(min=0.0, help="Absolute tolerance.")] = 0.0,
     rtol: Annotated[float, typer.Option(min=0.0, help="Relative tolerance (of B).")] = 0.0,
     quiet: Annotated[

@@ -2,42 +2,57 @@
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
-_UNITS = {
-    "": 1,
-    "B": 1,
-    "KB": 10**3,
-    "MB": 10**6,
-    "GB": 10**9,
-    "TB": 10**12,
-    "KIB": 2**10,
-    "MIB": 2**20,
-    "GIB": 2**30,
-    "TIB": 2**40,
-}
+from ..settings import WORKERS_PER_CORE, local_path, parse_size
 
 
-def parse_size(text: str) -> int:
-    """``"5GB"`` -> 5_000_000_000, ``"500MiB"`` -> 524_288_000, ``"1024"`` -> 1024."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]I?B|B)?\s*", str(text), re.IGNORECASE)
-    if not match or (match.group(2) or "").upper() not in _UNITS:
-        raise typer.BadParameter(f"{text!r} is not a size like 5GB, 500MB, 64MiB or 1048576")
-    size = int(float(match.group(1)) * _UNITS[(match.group(2) or "").upper()])
-    if size <= 0:
-        raise typer.BadParameter(f"{text!r} is not a positive size")
-    return size
+def size_parameter(text: str) -> int:
+    """A size option's value (``5GB``, ``500MiB``, ``1048576``), read as the library reads
+    ``max_shard_size`` (:func:`muonckpt.settings.parse_size`)."""
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+
+
+def local_directory(text: str) -> Path:
+    """A directory argument as typed, refused when it is a URL (``s3://b/x`` would become
+    ``s3:/b/x`` as a Path): :func:`muonckpt.settings.local_path`, its error one ``error:``
+    line as every library error."""
+    return local_path(text)
 
 
 Src = Annotated[
-    Path, typer.Argument(metavar="SRC", help="Checkpoint directory to read.", show_default=False)
+    Path,
+    typer.Argument(
+        metavar="SRC",
+        parser=local_directory,
+        help="Checkpoint directory to read.",
+        show_default=False,
+    ),
 ]
 Dst = Annotated[
-    Path, typer.Option("--output", "-o", help="Checkpoint directory to write.", show_default=False)
+    Path,
+    typer.Option(
+        "--output",
+        "-o",
+        parser=local_directory,
+        help="Checkpoint directory to write.",
+        show_default=False,
+    ),
+]
+Root = Annotated[
+    Path,
+    typer.Argument(
+        metavar="ROOT",
+        parser=local_directory,
+        help="Directory holding the checkpoints.",
+        show_default=False,
+    ),
 ]
 Force = Annotated[bool, typer.Option("--force", "-f", help="Replace an existing output.")]
 Quiet = Annotated[
@@ -51,6 +66,7 @@ Workers = Annotated[
         "-w",
         min=1,
         help="Processes on this machine that share the writing (a local gloo group); the output "
-        "is the same for any number. Under torchrun leave it out: the ranks share the work.",
+        f"is the same for any number. At most {WORKERS_PER_CORE} per CPU core, and never more "
+        "than the output has tensors. Under torchrun leave it out: the ranks share the work.",
     ),
 ]

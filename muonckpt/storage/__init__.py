@@ -23,7 +23,14 @@ from __future__ import annotations
 
 from ..manifest import CHECKSUM_ALGORITHM
 from .checksums import CHUNK_BYTES, checksum_chunks
-from .dtypes import byte_view, dtype_name, itemsize, tensor_of_bytes, torch_dtype
+from .dtypes import (
+    byte_view,
+    dtype_name,
+    itemsize,
+    tensor_of_bytes,
+    torch_dtype,
+    unstorable_kind,
+)
 from .durable import (
     MAX_TEXT_BYTES,
     entries,
@@ -92,6 +99,7 @@ __all__ = [
     "swap_in",
     "tensor_of_bytes",
     "torch_dtype",
+    "unstorable_kind",
     "unwatch_commit",
     "watch_commit",
     "write_safetensors",

@@ -77,6 +77,24 @@ def dtype_name(dtype: torch.dtype) -> str:
         raise CheckpointError(f"dtype {dtype} cannot be stored in a safetensors file") from None
 
 
+def unstorable_kind(tensor: torch.Tensor) -> str | None:
+    """What makes ``tensor`` a kind a safetensors file cannot hold, as words (``"a nested
+    tensor"``), or None for a dense one: nested, sparse (any layout but strided), meta (no
+    data) and quantized tensors are named as such, wherever a tensor is stored (state,
+    params, ``extra``), rather than failing later on their dtype or their bytes."""
+    import torch
+
+    if tensor.is_nested:
+        return "a nested tensor"
+    if tensor.layout != torch.strided:
+        return f"a sparse tensor ({tensor.layout})"
+    if tensor.is_meta:
+        return "a meta tensor (it has no data)"
+    if tensor.is_quantized:
+        return f"a quantized tensor ({tensor.dtype})"
+    return None
+
+
 def tensor_of_bytes(data: np.ndarray, dtype: str) -> torch.Tensor:
     """A 1-D tensor of safetensors dtype ``dtype`` sharing the raw bytes ``data`` (1-D uint8)."""
     import torch

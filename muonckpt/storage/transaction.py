@@ -17,6 +17,7 @@ from pathlib import Path
 
 from ..errors import CheckpointError, CheckpointWarning
 from ..manifest import FORMAT_NAME, MANIFEST_NAME
+from ..settings import local_path
 from .durable import RENAME_NOREPLACE, exchange, fsync_dir, read_text, renameat2
 from .mailbox import MAILBOX_TAG
 
@@ -151,9 +152,9 @@ def check_target(
     :func:`ownership_problem`), or a symlink to one (then the link is replaced, its target
     left alone); a parent that is not a directory; and, with ``source``, a target inside the
     source checkpoint or containing it (the very same directory is allowed: rewritten in
-    place).
+    place); a URL (:func:`muonckpt.settings.local_path`).
     """
-    final = Path(final)
+    final = local_path(final)
     name = final.name
     if name in ("", ".", ".."):
         raise CheckpointError("is not a name a checkpoint directory can have", path=final)

@@ -1,0 +1,188 @@
+"""The bounds of the numeric settings, sizes as people write them (``"5GB"``), and paths that
+must be local (a URL refused): one place that the library's entry points and the command
+line both check with, so that a value out of range is a one-line error naming the setting,
+raised before anything starts or is written. Pure: no torch, no files."""
+
+from __future__ import annotations
+
+import math
+import operator
+import os
+import re
+from decimal import Decimal, InvalidOperation
+from pathlib import Path
+
+from .errors import CheckpointError, MuonCkptError
+
+__all__ = [
+    "MAX_WAIT_S",
+    "SIZE_UNITS",
+    "WORKERS_PER_CORE",
+    "available_cores",
+    "local_path",
+    "local_workers",
+    "parse_size",
+    "seconds",
+    "shard_size",
+    "tolerance",
+]
+
+MAX_WAIT_S = 7 * 24 * 3600.0
+"""The longest wait a timeout may set, a week: a rank waiting longer for another is hung, and
+past about 1e13 s a ``datetime.timedelta`` (what torch.distributed takes) overflows."""
+
+WORKERS_PER_CORE = 4
+"""The most local worker processes per CPU core an offline tool starts: more only share the
+same cores (and each holds a copy of the plan and its buffers)."""
+
+SIZE_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
+"""Size suffixes as Hugging Face reads them: ``5GB`` is 5 * 10**9 bytes, ``5GiB`` 5 * 2**30."""
+
+_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]I?B|B)?\s*", re.IGNORECASE | re.ASCII)
+
+
+def parse_size(text: str) -> int:
+    """``"5GB"`` -> 5_000_000_000, ``"500MiB"`` -> 524_288_000, ``"1024"`` -> 1024: a
+    positive whole number of bytes (:data:`SIZE_UNITS`); ValueError otherwise."""
+    match = _SIZE.fullmatch(text)
+    if match is None:
+        raise ValueError(f"{text!r} is not a size like 5GB, 500MB, 64MiB or 1048576")
+    try:
+        size = int(Decimal(match.group(1)) * SIZE_UNITS[(match.group(2) or "").upper()])
+    except InvalidOperation as exc:  # (the pattern admits decimal digits only)
+        raise ValueError(f"{text!r} is not a size") from exc
+    if size <= 0:
+        raise ValueError(f"{text!r} is not a positive size")
+    return size
+
+
+def shard_size(value: object, name: str = "max_shard_size") -> int | None:
+    """``max_shard_size`` as bytes: None (no split), a positive int, or a string
+    :func:`parse_size` reads (``"5GB"``, ``"100KB"``, as the CLI and Hugging Face take it).
+
+    Raises:
+        CheckpointError: naming the setting, for anything else.
+    """
+    if value is None:
+        return None
+    if isinstance(value, str):
+        try:
+            return parse_size(value)
+        except ValueError as exc:
+            raise CheckpointError(f"{name}: {exc}") from None
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise CheckpointError(
+            f"{name} must be a positive number of bytes (an int, or a string like '5GB', "
+            f"'500MB', '100KB'), got {value!r}"
+        )
+    return value
+
+
+def seconds(
+    value: object,
+    name: str,
+    error: type[MuonCkptError] = CheckpointError,
+    *,
+    zero: bool = False,
+) -> float:
+    """``value`` as a number of seconds: more than 0 (``zero``: at least 0) and at most
+    :data:`MAX_WAIT_S`; NaN, infinities, bools and non-numbers refused.
+
+    Raises:
+        ``error``: naming the setting ``name``.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise error(f"{name} must be a number of seconds, got {value!r}")
+    low = value >= 0 if zero else value > 0
+    if not (low and value <= MAX_WAIT_S):  # (NaN fails both)
+        floor = "at least 0" if zero else "more than 0"
+        raise error(f"{name} must be {floor} and at most {MAX_WAIT_S:g} seconds, got {value!r}")
+    return float(value)
+
+
+def tolerance(value: object, name: str) -> float:
+    """``value`` as a comparison tolerance: a finite number of at least 0 (NaN would make
+    every element differ, infinity every element agree).
+
+    Raises:
+        CheckpointError: naming the setting ``name``, for anything else.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise CheckpointError(f"{name} must be a number, got {value!r}")
+    if not (0 <= value < math.inf):
+        raise CheckpointError(f"{name} must be finite and at least 0, got {value!r}")
+    return float(value)
+
+
+def available_cores() -> int:
+    """The CPU cores this process may run on (its affinity, where the system tells it)."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return max(1, os.cpu_count() or 1)
+
+
+def local_workers(requested: object, cores: int, name: str = "workers") -> int:
+    """``requested`` local processes, checked: a positive int of at most
+    :data:`WORKERS_PER_CORE` per core of the ``cores`` this process may run on.
+
+    Raises:
+        CheckpointError: naming the setting ``name``, for anything else (``--workers 1000``
+            on a laptop), before any process starts.
+    """
+    count = 0 if isinstance(requested, bool) else _whole(requested)  # a numpy int too
+    if count < 1:
+        raise CheckpointError(f"{name} must be a positive int, got {requested!r}")
+    most = WORKERS_PER_CORE * max(cores, 1)
+    if count > most:
+        raise CheckpointError(
+            f"{name}={count} is more than {WORKERS_PER_CORE} processes per CPU core "
+            f"({max(cores, 1)} here: at most {most})"
+        )
+    return count
+
+
+def _whole(value: object) -> int:
+    """``value`` as an int where it is one (``operator.index``), else 0."""
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        return 0
+
+
+_URL = re.compile(r"([a-zA-Z][a-zA-Z0-9+.-]*)://")
+"""A URL's start: a scheme (RFC 3986) and ``//``."""
+_SCHEME_PART = re.compile(r"([a-zA-Z][a-zA-Z0-9+.-]*):")
+"""A URL made a ``Path`` (``Path("s3://b/x")`` is ``s3:/b/x``): its first part, the scheme
+and a colon, alone."""
+
+
+def local_path(path: str | os.PathLike[str]) -> Path:
+    """``path`` as a :class:`~pathlib.Path`, unless it is a URL: a string starting with a
+    scheme and ``//`` (``s3://``, ``gs://``, ``hf://``, ``https://``), or a relative path
+    whose first part is a scheme and a colon alone (such a URL made a ``Path``). A local name
+    with a colon (``a:b``, ``run:1/step-10``) is a path.
+
+    Raises:
+        CheckpointError: for a URL, naming it (object storage is not supported).
+    """
+    text = os.fsdecode(os.fspath(path))
+    url = _URL.match(text)
+    first = Path(text).parts[:1]
+    if url is None and not (first and _SCHEME_PART.fullmatch(first[0])):
+        return Path(text)
+    scheme = url.group(1) if url is not None else first[0][:-1]
+    raise CheckpointError(
+        f"{text!r} is a {scheme}:// URL, not a local path: muonckpt reads and writes local "
+        "directories only (object storage is not supported yet); nothing was read or written"
+    )

@@ -1,0 +1,196 @@
+"""Refusals that say the true cause (issue 30, items 11 and 12): a tensor of a kind no
+checkpoint holds is named as such wherever it is given (state, params, ``extra``,
+``rank_extra``, the model's buffers), and a manifest too large for the readers is refused
+before any data is written, naming what makes it large."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+import muonckpt
+from muonckpt import offline
+from muonckpt.manifest import CONSOLIDATED, DTYPE_BYTES, GroupEntry, Manifest, Piece
+
+KINDS: dict[str, tuple[Callable[[], torch.Tensor], str]] = {
+    "nested": (
+        lambda: torch.nested.nested_tensor([torch.zeros(2), torch.zeros(3)]),
+        "a nested tensor",
+    ),
+    "sparse": (lambda: torch.zeros(4).to_sparse(), "a sparse tensor (torch.sparse_coo)"),
+    "sparse_csr": (lambda: torch.zeros(2, 2).to_sparse_csr(), "a sparse tensor (torch.sparse_csr)"),
+    "meta": (lambda: torch.empty(4, device="meta"), "a meta tensor (it has no data)"),
+    "quantized": (
+        lambda: torch.quantize_per_tensor(torch.zeros(4), 0.1, 0, torch.quint8),
+        "a quantized tensor (torch.quint8)",
+    ),
+}
+
+
+def _made(kind: str) -> torch.Tensor:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # nested and sparse CSR tensors are "prototype"
+        return KINDS[kind][0]()
+
+
+def _save(where: str, kind: str, path: Path) -> None:
+    """A save of one AdamW param (``w``, 4 elements, one step) with a ``kind`` tensor
+    ``where``."""
+    weight = torch.nn.Parameter(torch.arange(4.0))
+    if where == "param":
+        weight = torch.nn.Parameter(_made(kind), requires_grad=False)
+    opt = torch.optim.AdamW([{"params": [weight], "param_names": ["w"]}])
+    options: dict[str, object] = {}
+    if where in ("extra", "rank_extra"):
+        options[where] = {"step": 1, "data": {"x": _made(kind)}}
+    elif where == "state":
+        opt.state[weight].update(step=torch.tensor(1.0), exp_avg=_made(kind))
+    elif where == "buffer":
+        model = torch.nn.Module()
+        model.w = weight
+        model.register_buffer("table", _made(kind))
+        options.update(model=model, consolidated=True)
+    muonckpt.save(opt, path, **options)
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("where", ["extra", "rank_extra", "state", "param", "buffer"])
+def test_an_unsupported_tensor_kind_is_named_as_such(tmp_path, where, kind):
+    """A nested tensor in extra got "a torch.strided tensor cannot be stored"; in the state,
+    a param or a buffer, tracebacks from deep inside."""
+    with pytest.raises(muonckpt.MuonCkptError) as err:
+        _save(where, kind, tmp_path / "ckpt")
+    message = str(err.value)
+    assert KINDS[kind][1] in message, message
+    named = {
+        "extra": "extra['data']['x']",
+        "rank_extra": "rank_extra['data']['x']",
+        "state": "param 'w': state 'exp_avg'",
+        "param": "param 'w'",
+        "buffer": "model state 'table'",
+    }[where]
+    assert named in message, message
+    assert "\n" not in message
+    assert list(tmp_path.iterdir()) == []
+
+
+# --- the manifest's size, before any data is written -----------------------------------------
+
+MANY_PARAMS = """
+import sys, time, torch, muonckpt
+count, path = int(sys.argv[1]), sys.argv[2]
+params = [torch.nn.Parameter(torch.zeros(1)) for _ in range(count)]
+names = [f"layers.{i:06d}.mlp.w_in.bias" for i in range(count)]  # 27 characters
+assert {len(n) for n in names} == {27}
+opt = torch.optim.AdamW([{"params": params, "param_names": names}])
+for p in params:
+    p.grad = torch.ones(1)
+opt.step()
+start = time.perf_counter()
+try:
+    muonckpt.save(opt, path, extra={"step": 1})
+except muonckpt.CheckpointError as exc:
+    print(f"refused after {time.perf_counter() - start:.1f} s: {exc}")
+"""
+
+
+def test_a_save_whose_manifest_is_too_large_is_refused_before_writing(tmp_path):
+    """100k AdamW params with 27-character names (300k pieces): every data file was written,
+    then the commit refused, blaming extra / rank_extra (which held {"step": 1}). Now the
+    stage step refuses, before the staging directory exists, naming the counts. (A real
+    script in a subprocess: ~20 s to build the optimizer, ~15 s to the refusal, loaded 2-core
+    VM.)"""
+    done = subprocess.run(
+        [sys.executable, "-c", MANY_PARAMS, "100000", str(tmp_path / "ckpt")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr
+    line = done.stdout.strip()
+    assert "save (stage): its manifest would be at least" in line, line
+    assert "100000 params and 300000 pieces" in line, line
+    assert "nothing was written" in line and "extra" not in line, line
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_manifest_size_is_counted_exactly(tmp_path):
+    """ManifestSize counts a real manifest's params, pieces and group lists to the byte:
+    names that JSON escapes, two groups, scalars, several dtypes, a split checksum list."""
+    from muonckpt.manifest import ManifestSize  # (new with the check)
+
+    names = ['a"b', "w\u00e9ight", "c\\d", "plain.name"]
+    params = [torch.nn.Parameter(torch.randn(3, 5)) for _ in names]
+    params[3] = torch.nn.Parameter(torch.randn(1 << 21, dtype=torch.float64))  # 4 chunks
+    opt = torch.optim.AdamW(
+        [
+            {"params": params[:2], "param_names": names[:2]},
+            {"params": params[2:], "param_names": names[2:]},
+        ]
+    )
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    opt.state[params[0]]["note"] = "text"
+    manifest = muonckpt.read_manifest(muonckpt.save(opt, tmp_path / "c"))
+    assert max(len(p.checksums) for p in manifest.pieces) == 4
+    size = ManifestSize()
+    for entry in manifest.params:
+        size.add_param(entry)
+    for p in manifest.pieces:
+        size.add_piece(p.param, p.key, p.file, p.tensor, p.region, _nbytes(manifest, p), 4 << 20)
+    groups = tuple(GroupEntry({}, g.params, {}) for g in manifest.groups)
+    counted = Manifest(CONSOLIDATED, {}, groups, manifest.params, (), manifest.pieces)
+    skeleton = len(Manifest(CONSOLIDATED, {}, (GroupEntry({}, (), {}),), (), (), ()).to_json())
+    per_group = skeleton - len(Manifest(CONSOLIDATED, {}, (), (), (), ()).to_json())
+    assert size.bytes == len(counted.to_json()) - len(groups) * per_group
+    assert (size.params, size.pieces) == (4, 12)
+
+
+def _nbytes(manifest: Manifest, piece: Piece) -> int:
+    return piece.region.numel * DTYPE_BYTES[manifest.param(piece.param).dtype_of(piece.key)]
+
+
+@pytest.mark.parametrize("tool", ["consolidate", "reshard", "convert"])
+def test_an_offline_rewrite_whose_manifest_is_too_large_starts_nothing(
+    tmp_path, monkeypatch, single_ckpt, tool
+):
+    """The offline tools count their output's manifest from the plan before any process
+    starts or any file is written (the limit lowered below the output's, as
+    test_trainstate does to reach it)."""
+    src = single_ckpt(1)
+    monkeypatch.setattr(muonckpt.storage, "MAX_TEXT_BYTES", 2000)
+    out = tmp_path / "out"
+    calls = {
+        "consolidate": lambda: offline.consolidate(src, out, workers=2),
+        "reshard": lambda: offline.reshard(src, out, dp=2, tp=1, workers=2),
+        "convert": lambda: offline.convert(src, out, to="torch"),
+    }
+    with pytest.raises(muonckpt.CheckpointError, match="more than the 2000 a reader") as err:
+        calls[tool]()
+    params = len(muonckpt.read_manifest(src).params)
+    assert f"{params} params and " in str(err.value) and "nothing was written" in str(err.value)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_params_alike_but_for_a_scalars_type_are_counted_apart():
+    """1, 1.0 and True are equal (one key of a cache) but three JSON spellings."""
+    from muonckpt.manifest import ManifestSize, ParamEntry, Scalar
+
+    entries = tuple(
+        ParamEntry(f"p{i}", (2,), -1, 0, {}, {"s": Scalar(value, None)})
+        for i, value in enumerate([1, 1.0, True, 1.0, 1])
+    )
+    size = ManifestSize()
+    for entry in entries:
+        size.add_param(entry)
+    listed = Manifest(CONSOLIDATED, {}, (GroupEntry({}, (), {}),), (), (), ())
+    group = len(listed.to_json()) - len(Manifest(CONSOLIDATED, {}, (), (), (), ()).to_json())
+    names = (GroupEntry({}, tuple(e.name for e in entries), {}),)
+    assert size.bytes == len(Manifest(CONSOLIDATED, {}, names, entries, (), ()).to_json()) - group
