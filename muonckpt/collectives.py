@@ -444,7 +444,23 @@ class StoreSteps(StepProtocol):
     def _exchange(
         self, step: str, mine: Outcome, decide: Callable[[list[Outcome]], Outcome]
     ) -> Outcome:
-        store, wait = _default_store(), timedelta(seconds=self.timeout)
+        store = _default_store()
+        try:
+            return self._through(store, step, mine, decide)
+        except dist.DistNetworkError as exc:  # the store's server is gone, not a late rank
+            raise self.error(
+                f"{self.operation} ({step}): {store_gone(store)} ({one_line(exc)})"
+            ) from exc
+
+    def _through(
+        self,
+        store: dist.Store,
+        step: str,
+        mine: Outcome,
+        decide: Callable[[list[Outcome]], Outcome],
+    ) -> Outcome:
+        """The step's exchange through ``store`` (see the class docstring)."""
+        wait = timedelta(seconds=self.timeout)
         while True:
             arrivals, verdict, done = store_keys(self.ranks, self.sequence, step)
             mine_key = arrivals[self.ranks.index(self.rank)]
@@ -563,3 +579,24 @@ def rendezvous(
 def _default_store() -> dist.Store:
     """The default process group's store (where its ranks met)."""
     return dist.distributed_c10d._get_default_store()
+
+
+def store_gone(store: dist.Store) -> str:
+    """What to tell a rank that has lost its connection to ``store``: where it was and what
+    went away with it. torchrun's agent (the launcher) hosts the store its workers meet at
+    (``TORCHELASTIC_USE_AGENT_STORE``); a group joined by ``env://`` otherwise meets at a
+    store that rank 0 hosts."""
+    while not isinstance(store, dist.TCPStore) and hasattr(store, "underlying_store"):
+        store = store.underlying_store  # the PrefixStores the groups add
+    where = f" at {store.host}:{store.port}" if isinstance(store, dist.TCPStore) else ""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        host = "the launcher that hosts it (torchrun's agent)"
+    else:
+        host = "the process that hosts it (rank 0, for a group joined by env://)"
+    return f"the process group's store{where} is gone: {host} has exited or was killed"
+
+
+def one_line(exc: BaseException) -> str:
+    """``Type: message`` on one line."""
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
