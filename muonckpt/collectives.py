@@ -14,6 +14,7 @@ import hashlib
 import json
 import math
 import os
+import re
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
@@ -22,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .errors import CollectiveError, LayoutError, MuonCkptError
+from .errors import CollectiveError, LayoutError, MuonCkptError, PeerLostError
 from .steps import Outcome, StepProtocol, disagreement
 
 Group = dist.ProcessGroup | None
@@ -52,6 +53,28 @@ def group_ranks(group: Group) -> list[int]:
 
 
 _CPU = torch.device("cpu")
+
+PEER_LOST = re.compile(
+    r"Connection (closed|reset) by peer|Broken pipe|ECONNRESET|EPIPE|Socket Timeout", re.I
+)
+"""What torch.distributed says when the process at the other end went away (gloo's pairs,
+the store's socket): in a rank's error, a consequence of another's death, not its cause."""
+
+
+@contextmanager
+def _lost(peer: Callable[[], str]) -> Iterator[None]:
+    """Turn torch's error for a process gone from under a transfer into a
+    :class:`PeerLostError` naming ``peer()``, the process(es) at the other end."""
+    try:
+        yield
+    except RuntimeError as exc:
+        if not (isinstance(exc, dist.DistNetworkError) or PEER_LOST.search(str(exc))):
+            raise
+        raise PeerLostError(f"lost the connection to {peer()} ({one_line(exc)})") from exc
+
+
+def _members(group: Group) -> Callable[[], str]:
+    return lambda: f"a rank of the group {group_ranks(group)}"
 
 
 def comm_device(group: Group) -> torch.device:
@@ -115,10 +138,11 @@ def all_gather_flat(local: torch.Tensor, group: Group) -> torch.Tensor:
     sent = _for_collective(local, group)
     out = torch.empty(local.numel() * group_size(group), dtype=local.dtype, device=sent.device)
     gather_single = getattr(dist, "all_gather_single", None)
-    if gather_single is not None:
-        gather_single(out, sent, group=group)
-    else:
-        dist.all_gather_into_tensor(out, sent, group=group)
+    with _lost(_members(group)):
+        if gather_single is not None:
+            gather_single(out, sent, group=group)
+        else:
+            dist.all_gather_into_tensor(out, sent, group=group)
     return out.to(local.device)
 
 
@@ -127,7 +151,8 @@ def all_gather_list(local: torch.Tensor, group: Group) -> list[torch.Tensor]:
     device."""
     sent = _for_collective(local, group)
     parts = [torch.empty_like(sent) for _ in range(group_size(group))]
-    dist.all_gather(parts, sent, group=group)
+    with _lost(_members(group)):
+        dist.all_gather(parts, sent, group=group)
     return [part.to(local.device) for part in parts]
 
 
@@ -135,7 +160,8 @@ def all_reduce_mean_(tensor: torch.Tensor, group: Group) -> torch.Tensor:
     """``tensor`` replaced in place by its mean over the group's ranks."""
     if group_size(group) > 1:
         reduced = _for_collective(tensor, group)
-        dist.all_reduce(reduced, group=group)
+        with _lost(_members(group)):
+            dist.all_reduce(reduced, group=group)
         if reduced is not tensor:
             tensor.copy_(reduced)
         tensor.div_(group_size(group))
@@ -213,14 +239,17 @@ def send(tensor: torch.Tensor, dst: int) -> None:
     """Send ``tensor`` to global rank ``dst`` over the default group, from its
     :func:`comm_device` (always: the receiver cannot know where the sender's tensor is, and
     both ends must use the same backend)."""
-    dist.send(_on(tensor, comm_device(None)), dst=dst)
+    sent = _on(tensor, comm_device(None))
+    with _lost(lambda: f"rank {dst}"):
+        dist.send(sent, dst=dst)
 
 
 def recv(shape: Sequence[int], dtype: torch.dtype, src: int) -> torch.Tensor:
     """A tensor of ``shape`` and ``dtype`` received from global rank ``src`` over the default
     group, on the default group's :func:`comm_device` (copy it to where it is needed)."""
     tensor = torch.empty(tuple(shape), dtype=dtype, device=comm_device(None))
-    dist.recv(tensor, src=src)
+    with _lost(lambda: f"rank {src}"):
+        dist.recv(tensor, src=src)
     return tensor
 
 
@@ -244,8 +273,9 @@ def exchange(
     ops += [
         dist.P2POp(dist.irecv, t, src) for t, (src, _, _) in zip(incoming, receives, strict=True)
     ]
-    if ops:
-        for request in dist.batch_isend_irecv(ops):
+    peers = sorted({dst for _, dst in sends} | {src for src, _, _ in receives})
+    with _lost(lambda: f"rank(s) {peers}"):
+        for request in dist.batch_isend_irecv(ops) if ops else ():
             request.wait()
     return [t.to(device) for t in incoming]
 
@@ -301,9 +331,12 @@ class CollectiveSteps(StepProtocol):
     def _exchange(
         self, step: str, mine: Outcome, decide: Callable[[list[Outcome]], Outcome]
     ) -> Outcome:
-        outcomes = gather_json(mine, self.ranks, self.root)
-        outcome = decide(outcomes) if outcomes is not None else None
-        return broadcast_json(outcome, self.ranks, self.root)
+        try:
+            outcomes = gather_json(mine, self.ranks, self.root)
+            outcome = decide(outcomes) if outcomes is not None else None
+            return broadcast_json(outcome, self.ranks, self.root)
+        except PeerLostError as exc:
+            raise self.error(f"{self.operation} ({step}): {exc}") from exc
 
 
 @contextmanager

@@ -33,6 +33,12 @@ class CollectiveError(MuonCkptError, RuntimeError):
     """Ranks disagree about what they are about to exchange (detected before any data moves)."""
 
 
+class PeerLostError(CollectiveError):
+    """A process at the other end of a transfer went away (it died, or its connection broke):
+    a rank, or the launcher or rank 0 that hosts the process group's store. Named in the
+    message; torch's own error is its ``__cause__``."""
+
+
 class ConversionWarning(UserWarning):
     """A load across Muon implementations whose target settings cannot continue the saved
     trajectory exactly (the message says which setting would)."""

@@ -1,9 +1,10 @@
-"""(issue 30) A job whose launcher, or its rank 0, died while the other ranks trained on: their
-next save is a muonckpt error on every surviving rank, naming what went away, never torch's
-raw ``DistNetworkError: Broken pipe``.
+"""(issue 30) A job whose launcher, or its rank 0, died while the other ranks trained on, or
+whose rank 0 died in a save: the save is a muonckpt error on every surviving rank, naming what
+went away, never torch's raw ``DistNetworkError: Broken pipe`` or gloo's ``RuntimeError``.
 
-The ranks are ``tests/orphan_script.py``, launched as a user launches them: by a real torchrun
-(whose agent hosts the store), and by hand through ``env://`` (rank 0 hosts the store).
+The ranks are launched as a user launches them: ``tests/orphan_script.py`` by a real torchrun
+(whose agent hosts the store) and by hand through ``env://`` (rank 0 hosts the store); the
+ranks of a save that kills its rank 0 join a store hosted outside them, as torchrun's.
 """
 
 from __future__ import annotations
@@ -17,8 +18,12 @@ import socket
 import subprocess
 import sys
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
+
+import pytest
+import torch.distributed as dist
 
 from .kill_helpers import REPO
 
@@ -152,4 +157,67 @@ def test_a_dead_rank_0_hosting_the_store_is_a_muonckpt_error_on_every_other_rank
         _assert_one_library_line_naming(
             ranks.outcomes[rank], f"store at 127.0.0.1:{port} is gone", "rank 0"
         )
+    assert not (tmp_path / "ckpt").exists()
+
+
+RANK_DIES_SCRIPT = r"""
+import json, os, signal, sys
+from datetime import timedelta
+import torch
+import torch.distributed as dist
+torch.set_num_threads(1)
+import muonckpt
+from muonckpt import saving, writing
+from tests.fixture_model import build, initial_params, train
+
+rank, port, out, moment = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+store = dist.TCPStore("127.0.0.1", port, 3, is_master=False, timeout=timedelta(seconds=60))
+dist.init_process_group("gloo", store=store, rank=rank, world_size=3, timeout=timedelta(seconds=60))
+opt, sharded, d, t = build(3, 1, initial_params())
+train(opt, sharded, d, t, 0, 1)
+module, name = (writing, "write_files") if moment == "write" else (saving, "gather_full_state")
+if rank == 0:  # killed there, as the OOM killer would
+    setattr(module, name, lambda *args, **kwargs: os.kill(os.getpid(), signal.SIGKILL))
+try:
+    outcome = {"saved": str(muonckpt.save(opt, out, consolidated=moment == "gather"))}
+except Exception as exc:
+    outcome = {"type": type(exc).__name__, "message": str(exc)}
+    outcome["library"] = isinstance(exc, muonckpt.MuonCkptError)
+print(json.dumps(outcome), flush=True)
+os._exit(0)  # the group lost its root: no orderly teardown
+"""
+
+
+@pytest.mark.parametrize("moment", ["write", "gather"])
+def test_rank_0_dying_in_a_save_is_a_muonckpt_error_naming_it_on_every_other_rank(tmp_path, moment):
+    """Rank 0 SIGKILLed in a save (its write step; a consolidated save's gather), the store
+    hosted outside the ranks as torchrun's agent hosts it: the others used to raise gloo's raw
+    ``RuntimeError: ... Connection closed by peer ... GLHF!``."""
+    store = dist.TCPStore(
+        "127.0.0.1", 0, 3, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
+    )
+    argv = [sys.executable, "-c", RANK_DIES_SCRIPT]
+    procs = [
+        subprocess.Popen(
+            [*argv, str(rank), str(store.port), str(tmp_path / "ckpt"), moment],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+        for rank in range(3)
+    ]
+    try:
+        printed = [proc.communicate(timeout=150)[0] for proc in procs]  # the hang guard
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert procs[0].returncode == -signal.SIGKILL
+    for rank in (1, 2):
+        outcome = json.loads(printed[rank].strip().splitlines()[-1])
+        assert outcome.get("library") is True, outcome
+        assert "lost the connection to rank 0 (" in outcome["message"], outcome
+        assert "\n" not in outcome["message"], outcome
     assert not (tmp_path / "ckpt").exists()
