@@ -230,7 +230,7 @@ def async_save(
     _UNSETTLED.add(future)  # before it starts: it removes itself once settled
     try:
         future.thread.start()
-    except BaseException as exc:  # no thread to be had (at interpreter shutdown, say)
+    except RuntimeError as exc:  # no thread to be had (at interpreter shutdown, say)
         _UNSETTLED.discard(future)
         if foreground.is_root:
             writing.abandon(prepared.staging)
@@ -311,22 +311,24 @@ def _finish_saves_at_exit() -> None:
     which makes every ThreadPoolExecutor refuse new work ("cannot schedule new futures after
     interpreter shutdown") while the non-daemon threads still run: a save waited for only as
     a non-daemon thread failed there, and nobody saw its error. A failure must not pass for a
-    clean exit (the script's own exit code is not known here: 1 stands for it)."""
-    failed: list[str] = []
+    clean exit (the script's own exit code is not known here: 1 stands for it); nor may a
+    Ctrl-C while it waits (said, exit code 1, the staging left for ``muonckpt clean``)."""
     try:
         for save in list(_UNSETTLED):
             save.thread.join()
-        failed = [str(Future.exception(s, 0)) for s in list(_UNSETTLED) if not s.settled()]
+        said = [
+            f"a background save failed and its error was never read: {Future.exception(s, 0)}"
+            for s in list(_UNSETTLED)
+            if not s.settled()
+        ]
     except BaseException:  # a second Ctrl-C while waiting: an exit hook must not raise
-        failed.append("interrupted at exit while it was being written; it may not be committed")
-    if not failed:
+        said = [
+            "interrupted at exit while a background save was being written: it may not be committed"
+        ]
+    if not said:
         return
-    for error in failed:
-        line = " ".join(error.split())
-        print(
-            f"muonckpt: a background save failed and its error was never read: {line}",
-            file=sys.stderr,
-        )
+    for line in said:
+        print(f"muonckpt: {' '.join(line.split())}", file=sys.stderr)
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):  # a closed stream: nothing more to say there
             stream.flush()

@@ -139,6 +139,10 @@ EXITS = {  # how the script ends: its exit code, something its stderr must say
         1,
         "muonckpt: a background save failed and its error was never read: async_save (write)",
     ),
+    "Ctrl-C twice": (
+        1,
+        "muonckpt: interrupted at exit while a background save was being written",
+    ),
 }
 
 
@@ -175,6 +179,9 @@ def test_a_save_in_flight_when_the_script_ends_is_finished_or_the_exit_says_so(
     if kind == "refused":
         assert _entries(tmp_path) == []  # the staging and the mailbox removed
         assert "File too large" in done.stderr, done.stderr[-3000:]
+        return
+    if kind == "Ctrl-C twice":  # ended in the write: its staging is left, for clean
+        assert [e.startswith(".ckpt.staging-") for e in _entries(tmp_path)] == [True]
         return
     assert "never read" not in done.stderr, done.stderr[-3000:]
     assert _entries(tmp_path) == ["ckpt"]
