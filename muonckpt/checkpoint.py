@@ -339,6 +339,7 @@ _UNSETTLED: set[_BackgroundSave] = set()
 """Every background save still running, or failed with its error unread, whether or not its
 optimizer is still alive: what :func:`_finish_saves_at_exit` waits for and reports."""
 threading._register_atexit(_finish_saves_at_exit)  # type: ignore[attr-defined]
+os.register_at_fork(after_in_child=_UNSETTLED.clear)  # a forked child's saves are its own
 
 
 _IN_FLIGHT: weakref.WeakKeyDictionary[Any, Future[Path]] = weakref.WeakKeyDictionary()

@@ -190,6 +190,37 @@ def test_a_save_in_flight_when_the_script_ends_is_finished_or_the_exit_says_so(
     assert sum(f.bytes for f in manifest.files) >= 3 * exit_script.MB * 2**20 // 2
 
 
+FORKING_SCRIPT = """
+import os, sys, threading
+import muonckpt
+from muonckpt import writing
+from tests.fixture_model import single_process_optimizer
+forked, write_files = threading.Event(), writing.write_files
+writing.write_files = lambda *args, **kwargs: forked.wait() and write_files(*args, **kwargs)
+future = muonckpt.async_save(single_process_optimizer(2), sys.argv[1])
+child = os.fork()  # the save is in flight: it writes once forked is set
+if child == 0:
+    sys.exit(0)  # the parent's save is not the child's to wait for or report
+forked.set()
+print(os.waitstatus_to_exitcode(os.waitpid(child, 0)[1]), future.result(), flush=True)
+"""
+
+
+def test_a_forked_child_leaves_its_parents_save_to_the_parent(tmp_path):
+    """The exit hook of a child forked while a save was in flight (a data loader's worker)
+    used to report the parent's save as its own ('interrupted at exit'), exit code 1."""
+    done = subprocess.run(
+        [sys.executable, "-c", FORKING_SCRIPT, str(tmp_path / "ckpt")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,  # the hang guard
+    )
+    assert (done.returncode, done.stderr) == (0, ""), done.stderr[-3000:]
+    assert done.stdout.split() == ["0", str(tmp_path / "ckpt")]
+    assert muonckpt.verify(tmp_path / "ckpt") == []
+
+
 def test_host_buffers_are_reused_between_saves(tmp_path):
     from muonckpt.checkpoint import _HOST_BUFFERS
 
