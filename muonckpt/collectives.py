@@ -74,7 +74,15 @@ def _lost(peer: Callable[[], str]) -> Iterator[None]:
 
 
 def _members(group: Group) -> Callable[[], str]:
-    return lambda: f"a rank of the group {group_ranks(group)}"
+    """``group``'s ranks, short (a rank's one-line error must name the cause early enough for
+    a launcher to tell it from the others', :data:`PEER_LOST`)."""
+
+    def named() -> str:
+        ranks = group_ranks(group)
+        shown = ranks if len(ranks) <= 8 else f"[{ranks[0]}, ..., {ranks[-1]}]"
+        return f"a rank of the group of {len(ranks)} ranks {shown}"
+
+    return named
 
 
 def comm_device(group: Group) -> torch.device:

@@ -175,11 +175,16 @@ store = dist.TCPStore("127.0.0.1", port, 3, is_master=False, timeout=timedelta(s
 dist.init_process_group("gloo", store=store, rank=rank, world_size=3, timeout=timedelta(seconds=60))
 opt, sharded, d, t = build(3, 1, initial_params())
 train(opt, sharded, d, t, 0, 1)
-module, name = (writing, "write_files") if moment == "write" else (saving, "gather_full_state")
-if rank == 0:  # killed there, as the OOM killer would
-    setattr(module, name, lambda *args, **kwargs: os.kill(os.getpid(), signal.SIGKILL))
+die = lambda *args, **kwargs: os.kill(os.getpid(), signal.SIGKILL)
+if moment == "step":  # the packaged Muon's next step: its all-reduce, its all-gathers
+    work = die if rank == 0 else lambda: train(opt, sharded, d, t, 1, 1)
+else:
+    work = lambda: muonckpt.save(opt, out, consolidated=moment == "gather")
+    module, name = (writing, "write_files") if moment == "write" else (saving, "gather_full_state")
+    if rank == 0:  # killed there, as the OOM killer would
+        setattr(module, name, die)
 try:
-    outcome = {"saved": str(muonckpt.save(opt, out, consolidated=moment == "gather"))}
+    outcome = {"done": str(work())}
 except Exception as exc:
     outcome = {"type": type(exc).__name__, "message": str(exc)}
     outcome["library"] = isinstance(exc, muonckpt.MuonCkptError)
@@ -188,11 +193,15 @@ os._exit(0)  # the group lost its root: no orderly teardown
 """
 
 
-@pytest.mark.parametrize("moment", ["write", "gather"])
-def test_rank_0_dying_in_a_save_is_a_muonckpt_error_naming_it_on_every_other_rank(tmp_path, moment):
-    """Rank 0 SIGKILLed in a save (its write step; a consolidated save's gather), the store
-    hosted outside the ranks as torchrun's agent hosts it: the others used to raise gloo's raw
-    ``RuntimeError: ... Connection closed by peer ... GLHF!``."""
+@pytest.mark.parametrize(
+    ("moment", "named"),
+    [("write", "rank 0 ("), ("gather", "rank 0 ("), ("step", "rank(s) [0, ")],
+)
+def test_rank_0_dying_is_a_muonckpt_error_naming_it_on_every_other_rank(tmp_path, moment, named):
+    """Rank 0 SIGKILLed in a save (its write step; a consolidated save's gather) or before a
+    training step of the packaged Muon, the store hosted outside the ranks as torchrun's agent
+    hosts it: the others used to raise gloo's raw ``RuntimeError: ... Connection closed by
+    peer ... GLHF!``."""
     store = dist.TCPStore(
         "127.0.0.1", 0, 3, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
     )
@@ -218,6 +227,6 @@ def test_rank_0_dying_in_a_save_is_a_muonckpt_error_naming_it_on_every_other_ran
     for rank in (1, 2):
         outcome = json.loads(printed[rank].strip().splitlines()[-1])
         assert outcome.get("library") is True, outcome
-        assert "lost the connection to rank 0 (" in outcome["message"], outcome
+        assert f"lost the connection to {named}" in outcome["message"], outcome
         assert "\n" not in outcome["message"], outcome
     assert not (tmp_path / "ckpt").exists()
