@@ -180,8 +180,9 @@ def async_save(
     same optimizer waits for this one to end first (its error stays with its own future:
     check it, as the README's loop does). At interpreter exit (the script's end, ``sys.exit``,
     an uncaught exception or KeyboardInterrupt) a save in flight is finished first
-    (:func:`_finish_saves_at_exit`); one that fails then is reported on stderr and the process
-    exits with code 1. A process killed meanwhile leaves the previous checkpoint at
+    (:func:`_finish_saves_at_exit`); a save that failed and whose error was never read
+    (``result()``, ``exception()``) is then one line on stderr, and the process exits with
+    code 1. A process killed meanwhile leaves the previous checkpoint at
     ``path`` whole, and an unfinished staging directory and the mailbox beside it. Errors
     found before the snapshot is taken (a target that may not be written, state that cannot
     be stored, a bad ``timeout``) are raised by this call itself, on every rank.
@@ -290,6 +291,7 @@ class _BackgroundSave(Future[Path]):
             self._was_read()
 
     def _was_read(self) -> None:
+        """Mark the outcome read, once there is one."""
         if self.done():
             self.read = True
             if self.settled():

@@ -70,7 +70,7 @@ def _lost(peer: Callable[[], str]) -> Iterator[None]:
     except RuntimeError as exc:
         if not (isinstance(exc, dist.DistNetworkError) or PEER_LOST.search(str(exc))):
             raise
-        raise PeerLostError(f"lost the connection to {peer()} ({one_line(exc)})") from exc
+        raise PeerLostError(f"lost the connection to {peer()} ({_one_line(exc)})") from exc
 
 
 def _members(group: Group) -> Callable[[], str]:
@@ -490,7 +490,7 @@ class StoreSteps(StepProtocol):
             return self._through(store, step, mine, decide)
         except dist.DistNetworkError as exc:  # the store's server is gone, not a late rank
             raise self.error(
-                f"{self.operation} ({step}): {store_gone(store)} ({one_line(exc)})"
+                f"{self.operation} ({step}): {_store_gone(store)} ({_one_line(exc)})"
             ) from exc
 
     def _through(
@@ -622,7 +622,7 @@ def _default_store() -> dist.Store:
     return dist.distributed_c10d._get_default_store()
 
 
-def store_gone(store: dist.Store) -> str:
+def _store_gone(store: dist.Store) -> str:
     """What to tell a rank that has lost its connection to ``store``: where it was and what
     went away with it. torchrun's agent (the launcher) hosts the store its workers meet at
     (``TORCHELASTIC_USE_AGENT_STORE``); a group joined by ``env://`` otherwise meets at a
@@ -637,7 +637,7 @@ def store_gone(store: dist.Store) -> str:
     return f"the process group's store{where} is gone: {host} has exited or was killed"
 
 
-def one_line(exc: BaseException) -> str:
+def _one_line(exc: BaseException) -> str:
     """``Type: message`` on one line."""
     text = " ".join(str(exc).split())
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

@@ -34,9 +34,9 @@ class CollectiveError(MuonCkptError, RuntimeError):
 
 
 class PeerLostError(CollectiveError):
-    """A process at the other end of a transfer went away (it died, or its connection broke):
-    a rank, or the launcher or rank 0 that hosts the process group's store. Named in the
-    message; torch's own error is its ``__cause__``."""
+    """The rank(s) at the other end of a transfer went away (died, or their connection broke),
+    named in the message; torch's own error is its ``__cause__``. Inside an operation's steps
+    it becomes the operation's own error, as the loss of the process group's store does."""
 
 
 class ConversionWarning(UserWarning):
