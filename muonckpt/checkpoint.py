@@ -14,7 +14,9 @@ I/O from :mod:`muonckpt.storage`.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
 import threading
 import weakref
 from collections.abc import Mapping, Sequence
@@ -185,8 +187,11 @@ def async_save(
 
     At most one save per optimizer is in flight: a next ``async_save`` or :func:`save` of the
     same optimizer waits for this one to end first (its error stays with its own future:
-    check it, as the README's loop does). At interpreter exit a save in flight is finished (its
-    thread is not a daemon); a process killed meanwhile leaves the previous checkpoint at
+    check it, as the README's loop does). At interpreter exit (the script's end, ``sys.exit``,
+    an uncaught exception or KeyboardInterrupt) a save in flight is finished first
+    (:func:`_finish_saves_at_exit`); a save that failed and whose error was never read
+    (``result()``, ``exception()``) is then one line on stderr, and the process exits with
+    code 1. A process killed meanwhile leaves the previous checkpoint at
     ``path`` whole, and an unfinished staging directory and the mailbox beside it. Errors
     found before the snapshot is taken (a target that may not be written, state that cannot
     be stored, a bad ``timeout``) are raised by this call itself, on every rank.
@@ -222,18 +227,20 @@ def async_save(
         timeout,
         CheckpointError,
     )
-    future: Future[Path] = Future()
+    future = _BackgroundSave()
     future.set_running_or_notify_cancel()
-    thread = threading.Thread(
+    future.thread = threading.Thread(
         target=_finish_in_background,
         # absolute: the thread commits where the call named, whatever the working directory
         args=(future, background, Path(os.path.abspath(path)), prepared, keep_last),
         name=f"muonckpt async_save {path}",
-        daemon=False,  # the interpreter waits for it at exit: a save in flight is finished
+        daemon=False,  # a daemon would die unnoticed at exit; _finish_saves_at_exit waits
     )
+    _UNSETTLED.add(future)  # before it starts: it removes itself once settled
     try:
-        thread.start()
-    except BaseException as exc:  # no thread to be had (at interpreter shutdown, say)
+        future.thread.start()
+    except RuntimeError as exc:  # no thread to be had (at interpreter shutdown, say)
+        _UNSETTLED.discard(future)
         if foreground.is_root:
             writing.abandon(prepared.staging)
         raise CheckpointError(f"cannot start the background save: {exc}", path=path) from exc
@@ -242,7 +249,7 @@ def async_save(
 
 
 def _finish_in_background(
-    future: Future[Path],
+    future: _BackgroundSave,
     steps: writing.DirectorySteps,
     final: Path,
     prepared: PreparedSave,
@@ -266,6 +273,83 @@ def _finish_in_background(
         future.set_result(committed)
     finally:
         steps.leave()
+        if future.settled():
+            _UNSETTLED.discard(future)
+
+
+class _BackgroundSave(Future[Path]):
+    """The future of one background save, which knows whether its outcome was read: a failure
+    nobody read (with :meth:`result` or :meth:`exception`) is reported at exit."""
+
+    thread: threading.Thread
+    """The thread that writes and commits the save."""
+    read = False
+    """Whether its outcome was read once it was known."""
+
+    def result(self, timeout: float | None = None) -> Path:
+        try:
+            return super().result(timeout)
+        finally:
+            self._was_read()
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        try:
+            return super().exception(timeout)
+        finally:
+            self._was_read()
+
+    def _was_read(self) -> None:
+        """Mark the outcome read, once there is one."""
+        if self.done():
+            self.read = True
+            if self.settled():
+                _UNSETTLED.discard(self)
+
+    def settled(self) -> bool:
+        """Its thread has ended, and it succeeded or its error was read: nothing to report."""
+        if self.thread.is_alive():
+            return False
+        return self.read or Future.exception(self, 0) is None
+
+
+def _finish_saves_at_exit() -> None:
+    """(at interpreter exit) Wait for every background save still running; report each failed
+    save whose error nobody read on stderr, one line, and end the process with exit code 1.
+
+    Registered with ``threading._register_atexit`` after :mod:`concurrent.futures` (which
+    :mod:`muonckpt.writing` imports), so it runs before concurrent.futures' own exit hook,
+    which makes every ThreadPoolExecutor refuse new work ("cannot schedule new futures after
+    interpreter shutdown") while the non-daemon threads still run: a save waited for only as
+    a non-daemon thread failed there, and nobody saw its error. A failure must not pass for a
+    clean exit (the script's own exit code is not known here: 1 stands for it); nor may a
+    Ctrl-C while it waits (said, exit code 1, the staging left for ``muonckpt clean``)."""
+    try:
+        for save in list(_UNSETTLED):
+            save.thread.join()
+        said = [
+            f"a background save failed and its error was never read: {Future.exception(s, 0)}"
+            for s in list(_UNSETTLED)
+            if not s.settled()
+        ]
+    except BaseException:  # a second Ctrl-C while waiting: an exit hook must not raise
+        said = [
+            "interrupted at exit while a background save was being written: it may not be committed"
+        ]
+    if not said:
+        return
+    for line in said:
+        print(f"muonckpt: {' '.join(line.split())}", file=sys.stderr)
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):  # a closed stream: nothing more to say there
+            stream.flush()
+    os._exit(1)
+
+
+_UNSETTLED: set[_BackgroundSave] = set()
+"""Every background save still running, or failed with its error unread, whether or not its
+optimizer is still alive: what :func:`_finish_saves_at_exit` waits for and reports."""
+threading._register_atexit(_finish_saves_at_exit)  # type: ignore[attr-defined]
+os.register_at_fork(after_in_child=_UNSETTLED.clear)  # a forked child's saves are its own
 
 
 _IN_FLIGHT: weakref.WeakKeyDictionary[Any, Future[Path]] = weakref.WeakKeyDictionary()

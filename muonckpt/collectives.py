@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
@@ -22,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from . import settings
-from .errors import CollectiveError, LayoutError, MuonCkptError
+from .errors import CollectiveError, LayoutError, MuonCkptError, PeerLostError
 from .steps import Outcome, StepProtocol, disagreement
 
 Group = dist.ProcessGroup | None
@@ -52,6 +53,36 @@ def group_ranks(group: Group) -> list[int]:
 
 
 _CPU = torch.device("cpu")
+
+PEER_LOST = re.compile(
+    r"Connection (closed|reset) by peer|Broken pipe|ECONNRESET|EPIPE|Socket Timeout", re.I
+)
+"""What torch.distributed says when the process at the other end went away (gloo's pairs,
+the store's socket): in a rank's error, a consequence of another's death, not its cause."""
+
+
+@contextmanager
+def _lost(peer: Callable[[], str]) -> Iterator[None]:
+    """Turn torch's error for a process gone from under a transfer into a
+    :class:`PeerLostError` naming ``peer()``, the process(es) at the other end."""
+    try:
+        yield
+    except RuntimeError as exc:
+        if not (isinstance(exc, dist.DistNetworkError) or PEER_LOST.search(str(exc))):
+            raise
+        raise PeerLostError(f"lost the connection to {peer()} ({_one_line(exc)})") from exc
+
+
+def _members(group: Group) -> Callable[[], str]:
+    """``group``'s ranks, short (a rank's one-line error must name the cause early enough for
+    a launcher to tell it from the others', :data:`PEER_LOST`)."""
+
+    def named() -> str:
+        ranks = group_ranks(group)
+        shown = ranks if len(ranks) <= 8 else f"[{ranks[0]}, ..., {ranks[-1]}]"
+        return f"a rank of the group of {len(ranks)} ranks {shown}"
+
+    return named
 
 
 def comm_device(group: Group) -> torch.device:
@@ -115,10 +146,11 @@ def all_gather_flat(local: torch.Tensor, group: Group) -> torch.Tensor:
     sent = _for_collective(local, group)
     out = torch.empty(local.numel() * group_size(group), dtype=local.dtype, device=sent.device)
     gather_single = getattr(dist, "all_gather_single", None)
-    if gather_single is not None:
-        gather_single(out, sent, group=group)
-    else:
-        dist.all_gather_into_tensor(out, sent, group=group)
+    with _lost(_members(group)):
+        if gather_single is not None:
+            gather_single(out, sent, group=group)
+        else:
+            dist.all_gather_into_tensor(out, sent, group=group)
     return out.to(local.device)
 
 
@@ -127,7 +159,8 @@ def all_gather_list(local: torch.Tensor, group: Group) -> list[torch.Tensor]:
     device."""
     sent = _for_collective(local, group)
     parts = [torch.empty_like(sent) for _ in range(group_size(group))]
-    dist.all_gather(parts, sent, group=group)
+    with _lost(_members(group)):
+        dist.all_gather(parts, sent, group=group)
     return [part.to(local.device) for part in parts]
 
 
@@ -135,7 +168,8 @@ def all_reduce_mean_(tensor: torch.Tensor, group: Group) -> torch.Tensor:
     """``tensor`` replaced in place by its mean over the group's ranks."""
     if group_size(group) > 1:
         reduced = _for_collective(tensor, group)
-        dist.all_reduce(reduced, group=group)
+        with _lost(_members(group)):
+            dist.all_reduce(reduced, group=group)
         if reduced is not tensor:
             tensor.copy_(reduced)
         tensor.div_(group_size(group))
@@ -213,14 +247,17 @@ def send(tensor: torch.Tensor, dst: int) -> None:
     """Send ``tensor`` to global rank ``dst`` over the default group, from its
     :func:`comm_device` (always: the receiver cannot know where the sender's tensor is, and
     both ends must use the same backend)."""
-    dist.send(_on(tensor, comm_device(None)), dst=dst)
+    sent = _on(tensor, comm_device(None))
+    with _lost(lambda: f"rank {dst}"):
+        dist.send(sent, dst=dst)
 
 
 def recv(shape: Sequence[int], dtype: torch.dtype, src: int) -> torch.Tensor:
     """A tensor of ``shape`` and ``dtype`` received from global rank ``src`` over the default
     group, on the default group's :func:`comm_device` (copy it to where it is needed)."""
     tensor = torch.empty(tuple(shape), dtype=dtype, device=comm_device(None))
-    dist.recv(tensor, src=src)
+    with _lost(lambda: f"rank {src}"):
+        dist.recv(tensor, src=src)
     return tensor
 
 
@@ -244,8 +281,9 @@ def exchange(
     ops += [
         dist.P2POp(dist.irecv, t, src) for t, (src, _, _) in zip(incoming, receives, strict=True)
     ]
-    if ops:
-        for request in dist.batch_isend_irecv(ops):
+    peers = sorted({dst for _, dst in sends} | {src for src, _, _ in receives})
+    with _lost(lambda: f"rank(s) {peers}"):
+        for request in dist.batch_isend_irecv(ops) if ops else ():
             request.wait()
     return [t.to(device) for t in incoming]
 
@@ -301,9 +339,12 @@ class CollectiveSteps(StepProtocol):
     def _exchange(
         self, step: str, mine: Outcome, decide: Callable[[list[Outcome]], Outcome]
     ) -> Outcome:
-        outcomes = gather_json(mine, self.ranks, self.root)
-        outcome = decide(outcomes) if outcomes is not None else None
-        return broadcast_json(outcome, self.ranks, self.root)
+        try:
+            outcomes = gather_json(mine, self.ranks, self.root)
+            outcome = decide(outcomes) if outcomes is not None else None
+            return broadcast_json(outcome, self.ranks, self.root)
+        except PeerLostError as exc:
+            raise self.error(f"{self.operation} ({step}): {exc}") from exc
 
 
 @contextmanager
@@ -443,7 +484,23 @@ class StoreSteps(StepProtocol):
     def _exchange(
         self, step: str, mine: Outcome, decide: Callable[[list[Outcome]], Outcome]
     ) -> Outcome:
-        store, wait = _default_store(), timedelta(seconds=self.timeout)
+        store = _default_store()
+        try:
+            return self._through(store, step, mine, decide)
+        except dist.DistNetworkError as exc:  # the store's server is gone, not a late rank
+            raise self.error(
+                f"{self.operation} ({step}): {_store_gone(store)} ({_one_line(exc)})"
+            ) from exc
+
+    def _through(
+        self,
+        store: dist.Store,
+        step: str,
+        mine: Outcome,
+        decide: Callable[[list[Outcome]], Outcome],
+    ) -> Outcome:
+        """The step's exchange through ``store`` (see the class docstring)."""
+        wait = timedelta(seconds=self.timeout)
         while True:
             arrivals, verdict, done = store_keys(self.ranks, self.sequence, step)
             mine_key = arrivals[self.ranks.index(self.rank)]
@@ -564,3 +621,24 @@ def rendezvous(
 def _default_store() -> dist.Store:
     """The default process group's store (where its ranks met)."""
     return dist.distributed_c10d._get_default_store()
+
+
+def _store_gone(store: dist.Store) -> str:
+    """What to tell a rank that has lost its connection to ``store``: where it was and what
+    went away with it. torchrun's agent (the launcher) hosts the store its workers meet at
+    (``TORCHELASTIC_USE_AGENT_STORE``); a group joined by ``env://`` otherwise meets at a
+    store that rank 0 hosts."""
+    while not isinstance(store, dist.TCPStore) and hasattr(store, "underlying_store"):
+        store = store.underlying_store  # the PrefixStores the groups add
+    where = f" at {store.host}:{store.port}" if isinstance(store, dist.TCPStore) else ""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        host = "the launcher that hosts it (torchrun's agent)"
+    else:
+        host = "the process that hosts it (rank 0, for a group joined by env://)"
+    return f"the process group's store{where} is gone: {host} has exited or was killed"
+
+
+def _one_line(exc: BaseException) -> str:
+    """``Type: message`` on one line."""
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

@@ -33,6 +33,12 @@ class CollectiveError(MuonCkptError, RuntimeError):
     """Ranks disagree about what they are about to exchange (detected before any data moves)."""
 
 
+class PeerLostError(CollectiveError):
+    """The rank(s) at the other end of a transfer went away (died, or their connection broke),
+    named in the message; torch's own error is its ``__cause__``. Inside an operation's steps
+    it becomes the operation's own error, as the loss of the process group's store does."""
+
+
 class ConversionWarning(UserWarning):
     """A load across Muon implementations whose target settings cannot continue the saved
     trajectory exactly (the message says which setting would)."""

@@ -22,7 +22,6 @@ import io
 import multiprocessing as mp
 import os
 import queue
-import re
 import signal
 import threading
 import time
@@ -40,10 +39,6 @@ DEFAULT_WAIT: float = 1800.0
 """Seconds a rank waits for the others at one step when neither timeout is given."""
 
 _PR_SET_PDEATHSIG = 1
-_PEER_LOST = re.compile(
-    r"Connection (closed|reset) by peer|Broken pipe|ECONNRESET|EPIPE|Socket Timeout", re.I
-)
-"""What a rank reports when another rank died under it: a consequence, not the cause."""
 _SUMMARY_CHARS = 300
 
 
@@ -201,7 +196,7 @@ def _failure(
             continue
         if not ok:
             failures.setdefault(rank, payload)
-    own = [r for r, (summary, _) in failures.items() if not _PEER_LOST.search(summary)]
+    own = [r for r, (summary, _) in failures.items() if not collectives.PEER_LOST.search(summary)]
     if own:
         summary, details = failures[own[0]]
         return DistributedRunError(f"rank {own[0]} of {world_size} failed: {summary}", details)

@@ -3,9 +3,10 @@ errors on every rank, bounded waits, one save in flight, and nothing left behind
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ from muonckpt import storage
 from muonckpt.launch import run_distributed
 from muonckpt.offline import diff
 
+from . import exit_script
 from .async_cases import (
     disagreeing_phase,
     failing_rank_phase,
@@ -128,19 +130,94 @@ def test_an_error_before_the_snapshot_is_raised_by_the_call(tmp_path):
     assert _entries(tmp_path) == ["a"]
 
 
-def test_a_save_in_flight_at_interpreter_exit_is_finished(tmp_path):
-    script = textwrap.dedent(
-        f"""
-        import muonckpt
-        from tests.fixture_model import single_process_optimizer
-        muonckpt.async_save(single_process_optimizer(2), {str(tmp_path / "ckpt")!r})
-        """
+EXITS = {  # how the script ends: its exit code, something its stderr must say
+    "end": (0, None),
+    "sys.exit": (3, None),
+    "exception": (1, "RuntimeError: the training loop failed"),
+    "KeyboardInterrupt": (-signal.SIGINT, "KeyboardInterrupt"),
+    "refused": (
+        1,
+        "muonckpt: a background save failed and its error was never read: async_save (write)",
+    ),
+    "Ctrl-C twice": (
+        1,
+        "muonckpt: interrupted at exit while a background save was being written",
+    ),
+}
+
+
+def _run_exit_script(ckpt: Path, kind: str, world: int) -> subprocess.CompletedProcess:
+    """``tests/exit_script.py`` ending as ``kind`` says, in one process or under torchrun."""
+    script = ["-m", "tests.exit_script", str(ckpt), kind]
+    if world > 1:
+        script = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}"]
+        script += ["-m", "tests.exit_script", str(ckpt), kind]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(  # the timeout is the hang guard
+        [sys.executable, *script], cwd=REPO, capture_output=True, text=True, timeout=240, env=env
     )
-    done = subprocess.run(
-        [sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120
-    )
-    assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.parametrize(
+    ("kind", "world"), [*((kind, 1) for kind in EXITS), ("exception", 2), ("refused", 2)]
+)
+def test_a_save_in_flight_when_the_script_ends_is_finished_or_the_exit_says_so(
+    tmp_path, kind, world
+):
+    """(issue 30) A script ending with 128 MB of state per rank still being written, by
+    running off its end, sys.exit, an exception or Ctrl-C: the checkpoint is committed whole
+    before the process ends (at 75 MB it used to be thrown away, exit code 0: the writer's
+    thread pool refused work once the interpreter began its shutdown). A save that cannot be
+    finished (the files may not grow) is one line on stderr and a non-zero exit, and leaves
+    nothing that looks like a checkpoint."""
+    done = _run_exit_script(tmp_path / "ckpt", kind, world)
+    code, said = EXITS[kind]
+    if world > 1 and code:
+        code = 1  # torchrun's own, for a failed worker
+    assert done.returncode == code, done.stderr[-3000:]
+    assert said is None or said in done.stderr, done.stderr[-3000:]
+    if kind == "refused":
+        assert _entries(tmp_path) == []  # the staging and the mailbox removed
+        assert "File too large" in done.stderr, done.stderr[-3000:]
+        return
+    if kind == "Ctrl-C twice":  # ended in the write: its staging is left, for clean
+        assert [e.startswith(".ckpt.staging-") for e in _entries(tmp_path)] == [True]
+        return
+    assert "never read" not in done.stderr, done.stderr[-3000:]
     assert _entries(tmp_path) == ["ckpt"]
+    assert muonckpt.verify(tmp_path / "ckpt") == []
+    manifest = muonckpt.read_manifest(tmp_path / "ckpt")
+    assert sum(f.bytes for f in manifest.files) >= 3 * exit_script.MB * 2**20 // 2
+
+
+FORKING_SCRIPT = """
+import os, sys, threading
+import muonckpt
+from muonckpt import writing
+from tests.fixture_model import single_process_optimizer
+forked, write_files = threading.Event(), writing.write_files
+writing.write_files = lambda *args, **kwargs: forked.wait() and write_files(*args, **kwargs)
+future = muonckpt.async_save(single_process_optimizer(2), sys.argv[1])
+child = os.fork()  # the save is in flight: it writes once forked is set
+if child == 0:
+    sys.exit(0)  # the parent's save is not the child's to wait for or report
+forked.set()
+print(os.waitstatus_to_exitcode(os.waitpid(child, 0)[1]), future.result(), flush=True)
+"""
+
+
+def test_a_forked_child_leaves_its_parents_save_to_the_parent(tmp_path):
+    """The exit hook of a child forked while a save was in flight (a data loader's worker)
+    used to report the parent's save as its own ('interrupted at exit'), exit code 1."""
+    done = subprocess.run(
+        [sys.executable, "-c", FORKING_SCRIPT, str(tmp_path / "ckpt")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,  # the hang guard
+    )
+    assert (done.returncode, done.stderr) == (0, ""), done.stderr[-3000:]
+    assert done.stdout.split() == ["0", str(tmp_path / "ckpt")]
     assert muonckpt.verify(tmp_path / "ckpt") == []
 
 
