@@ -104,23 +104,67 @@ def check_keep_last(keep_last: object) -> None:
         )
 
 
-def _series(name: str) -> re.Pattern[str]:
-    """The names of ``name``'s series: ``name`` with any digits where it has digits."""
-    return re.compile(r"\d+".join(re.escape(part) for part in re.split(r"\d+", name)))
+_DIGIT_RUN = re.compile(r"[0-9]+")
+
+
+@dataclass(frozen=True)
+class Series:
+    """The names of one run's checkpoints: ``prefix``, the step, ``suffix``. The step is
+    written as a plain number, or zero-padded to ``padded`` digits when the name's was
+    (``step-000400``)."""
+
+    prefix: str
+    suffix: str
+    padded: int
+
+    def name_at(self, step: int) -> str:
+        """The name this series gives the checkpoint of ``step``."""
+        digits = str(step).zfill(self.padded) if self.padded else str(step)
+        return f"{self.prefix}{digits}{self.suffix}"
+
+    def holds(self, found: Found) -> bool:
+        """Whether ``found`` is of this series: its name is the series' name at the step its
+        own manifest records."""
+        return found.step is not None and found.path.name == self.name_at(found.step)
+
+
+def series_of(name: str, step: int | None) -> Series | str:
+    """The series of the checkpoint ``name`` whose manifest records ``step``: ``name`` with
+    the one run of digits that is ``step`` (whole, not part of a longer number; leading
+    zeros allowed) standing for any step. When there is no such run, or several, the series
+    cannot be told: why, as a sentence, instead."""
+    if step is None:
+        return "its manifest records no step"
+    runs = [run for run in _DIGIT_RUN.finditer(name) if int(run.group()) == step]
+    if not runs:
+        return f"its name does not hold its step {step}"
+    if len(runs) > 1:
+        return f"its name holds its step {step} {len(runs)} times"
+    run = runs[0]
+    digits = run.group()
+    padded = len(digits) if len(digits) > 1 and digits.startswith("0") else 0
+    return Series(name[: run.start()], name[run.end() :], padded)
 
 
 def prune(root: str | os.PathLike[str], keep_last: int, keep: str | os.PathLike[str]) -> list[Path]:
     """Delete the complete checkpoints directly under ``root`` older than its ``keep_last``
     newest (in :func:`latest`'s order); for a save's ``keep_last``, after its commit.
 
-    Only ``keep``'s series counts: the checkpoints whose names are ``keep``'s with other
-    numbers (``step-10`` and ``step-20`` beside ``step-30``; ``final`` has no other), so that
-    checkpoints of other runs or models under the same root are never deleted. Never deleted
-    either: ``keep`` (the checkpoint just written, kept even when a run restarted at a lower
-    step makes it older than the newest), anything :func:`complete_checkpoints` does not
-    count (staging directories, saves in progress, what is not a checkpoint, symlinks), and a
-    checkpoint holding files of the user's (:func:`muonckpt.storage.ownership_problem`): it is
-    left whole. So at most ``keep_last`` checkpoints remain besides those two kinds.
+    Only ``keep``'s run counts, its series (:func:`series_of`): the checkpoints whose names
+    differ from ``keep``'s in its step alone, where a checkpoint's step is the one its own
+    manifest records. ``seed1-step-400`` (step 400) has ``seed1-step-300`` (step 300) in its
+    series, never ``seed2-step-300``, ``seed1-step-300`` recording another step, nor
+    ``seed1-step-400-old``. So checkpoints of other runs, sweeps and models under the same
+    root are never deleted. When ``keep`` records no step, or its name does not hold it
+    exactly once (``final``; ``run-7-step-7``), its series cannot be told and nothing is
+    deleted (a :class:`CheckpointWarning` says why).
+
+    Never deleted either: ``keep`` (the checkpoint just written, kept even when a run
+    restarted at a lower step makes it older than the newest), anything
+    :func:`complete_checkpoints` does not count (staging directories, saves in progress, what
+    is not a checkpoint, symlinks), and a checkpoint holding files of the user's
+    (:func:`muonckpt.storage.ownership_problem`): it is left whole. So at most ``keep_last``
+    checkpoints of the series remain besides those two kinds.
 
     Each is deleted manifest first (:func:`muonckpt.storage.remove_checkpoint`), so a crash
     leaves it incomplete, never something :func:`latest` picks. A failure (a file that cannot
@@ -136,9 +180,19 @@ def prune(root: str | os.PathLike[str], keep_last: int, keep: str | os.PathLike[
     except CheckpointError as exc:
         warnings.warn(f"old checkpoints not deleted: {exc}", CheckpointWarning, stacklevel=2)
         return []
-    series = _series(Path(keep).name)
-    found = [f for f in found if series.fullmatch(f.path.name)]
     kept = os.path.realpath(keep)
+    new = next((f for f in found if os.path.realpath(f.path) == kept), None)
+    series = series_of(Path(keep).name, new.step) if new is not None else "it is not complete"
+    if isinstance(series, str):
+        warnings.warn(
+            f"keep_last: no old checkpoint deleted beside {keep}: {series}, so which "
+            "checkpoints are of its run cannot be told (keep_last deletes only those whose "
+            "names differ from the new one's in its step alone)",
+            CheckpointWarning,
+            stacklevel=2,
+        )
+        return []
+    found = [f for f in found if series.holds(f)]
     deleted = []
     for old in found[:-keep_last]:
         if os.path.realpath(old.path) == kept or storage.ownership_problem(old.path):

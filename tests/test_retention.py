@@ -223,8 +223,72 @@ def test_prune_counts_only_the_series_of_the_one_just_written(saved, tmp_path):
     put(saved, root, 4, "step-4", at=4)
     assert prune(root, 1, root / "step-4") == [root / "step-1", root / "step-3"]
     assert sorted(os.listdir(root)) == ["final", "llama-a", "run2-step-1", "step-4"]
-    assert prune(root, 1, root / "final") == []  # no numbers: a series of one
+    with pytest.warns(CheckpointWarning, match="does not hold its step 2"):
+        assert prune(root, 1, root / "final") == []  # no step in its name: nothing deleted
     assert prune(root, 1, root / "run2-step-1") == []  # its series: run<N>-step-<M>
+
+
+def test_keep_last_in_a_sweep_deletes_only_its_own_run(tmp_path):
+    """(issue 30) Seed and learning-rate sweeps under one parent: ``seed1-step-400`` with
+    ``keep_last=1`` deleted ``seed2-step-100/200/300`` too, as names differing only in digits.
+    Now a save prunes only the names that differ from its own in its step alone."""
+    root = tmp_path / "sweep"
+    opt, sharded, dp_rank, tp_rank = build(1, 1, initial_params())
+    train(opt, sharded, dp_rank, tp_rank, 0, 1)
+    others = ["seed2-step-{}", "lr1e-3-step{}", "lr3e-4-step{}", "run-8-step-{}", "step-{:06d}"]
+    for pattern in others:
+        for step in (100, 200, 300):
+            muonckpt.save(opt, root / pattern.format(step), extra={"step": step}, keep_last=3)
+    # a name holding the step, but recording another: not of the series
+    muonckpt.save(opt, root / "seed1-step-250", extra={"step": 7})
+    before = snapshot(root)
+    for step in (100, 200, 300, 400):
+        muonckpt.save(opt, root / f"seed1-step-{step}", extra={"step": step}, keep_last=1)
+    assert snapshot(root) == {**before, **snapshot_of(root, "seed1-step-400")}
+    for step in (100, 200, 300):  # and the other runs prune only themselves
+        muonckpt.save(opt, root / f"run-7-step-{step}", extra={"step": step}, keep_last=2)
+    muonckpt.save(opt, root / "step-000400", extra={"step": 400}, keep_last=2)
+    muonckpt.save(opt, root / "lr3e-4-step1000", extra={"step": 1000}, keep_last=1)
+    left = sorted(os.listdir(root))
+    assert left == sorted(
+        [f"{run}-step-{step}" for run in ("seed2", "run-8") for step in (100, 200, 300)]
+        + ["lr1e-3-step100", "lr1e-3-step200", "lr1e-3-step300", "lr3e-4-step1000"]
+        + ["run-7-step-200", "run-7-step-300", "seed1-step-250", "seed1-step-400"]
+        + ["step-000300", "step-000400"]
+    )
+    assert all(muonckpt.verify(root / name) == [] for name in left)
+
+
+def snapshot_of(root: Path, name: str) -> dict[str, object]:
+    """:func:`snapshot` of ``root / name``, keyed as :func:`snapshot` of ``root`` keys it."""
+    return {str(Path(name) / k): v for k, v in snapshot(root / name).items()} | {name: "directory"}
+
+
+@pytest.mark.parametrize(
+    ("name", "step", "why"),
+    [
+        ("final", 3, "its name does not hold its step 3"),
+        ("run-3-step-3", 3, "its name holds its step 3 2 times"),
+        ("step-30", 3, "its name does not hold its step 3"),  # 3 is part of 30
+        ("step-3", None, "its manifest records no step"),
+    ],
+)
+def test_keep_last_without_a_step_in_the_name_deletes_nothing_and_says_why(
+    tmp_path, name, step, why
+):
+    """A checkpoint whose series cannot be told prunes nothing, and the warning says why."""
+    root = tmp_path / "ckpt"
+    param = torch.nn.Parameter(torch.ones(3, 4))
+    sgd = torch.optim.SGD([param], lr=0.1, momentum=0.9)  # no step count anywhere
+    param.grad = torch.ones(3, 4)
+    sgd.step()
+    extra = None if step is None else {"step": step}
+    for old in ("step-1", "step-2", "run-3-step-1", "final-old"):
+        muonckpt.save(sgd, root / old, extra={"step": int(old[-1]) if old[-1].isdigit() else 1})
+    before = snapshot(root)
+    with pytest.warns(CheckpointWarning, match=f"no old checkpoint deleted.*{why}"):
+        muonckpt.save(sgd, root / name, extra=extra, keep_last=1)
+    assert snapshot(root) == {**before, **snapshot_of(root, name)}
 
 
 def test_latest_of_a_checkpoint_itself_is_an_error(saved, tmp_path):
