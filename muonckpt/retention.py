@@ -202,40 +202,62 @@ def prune(root: str | os.PathLike[str], keep_last: int, keep: str | os.PathLike[
     return deleted
 
 
-def clean(root: str | os.PathLike[str], older_than: float) -> list[Path]:
-    """Remove what interrupted saves left directly under ``root``: muonckpt's own staging
-    directories (``.NAME.staging-XXXXXXXX``, ``.NAME.old-PID``) and background-save
-    mailboxes (``.NAME.steps-XXXXXXXX``) last changed more than ``older_than`` seconds ago (a
-    save still running changes them; choose longer than your longest save). Only their
-    checkpoint files and messages are deleted, nothing through a symlink, nothing else: a
-    directory holding anything else keeps it (and a :class:`CheckpointWarning` names it).
+@dataclass(frozen=True)
+class Cleaned:
+    """What :func:`clean` did under a root."""
 
-    Returns the directories removed entirely. A ``root`` that cannot be listed is a
-    :class:`CheckpointError`; a negative ``older_than`` too.
+    removed: list[Path]
+    """The directories removed entirely."""
+    skipped: list[tuple[Path, str]]
+    """Every other directory named like muonckpt's, with why it was kept (whole, or in part)."""
+
+
+def clean(root: str | os.PathLike[str], older_than: float) -> Cleaned:
+    """Remove what interrupted saves left directly under ``root``, only what muonckpt made and
+    no save uses: directories named like its own (``.NAME.staging-XXXXXXXX``,
+    ``.NAME.old-PID``, the mailbox ``.NAME.steps-XXXXXXXX``) that
+
+    * hold muonckpt's lease file (:mod:`muonckpt.storage.lease`), which it writes first thing
+      into every directory it makes: a look-alike name alone is never enough;
+    * are not in use: a save in progress holds the lease locked (and, for a clean on another
+      host of a shared filesystem, renews it every few seconds), whatever ``older_than`` says;
+    * and have not changed (their lease included) for more than ``older_than`` seconds.
+
+    Only their checkpoint files, messages and lease are deleted, nothing through a symlink,
+    nothing else: a directory holding anything else keeps it. While it deletes, this holds
+    the lease locked.
+
+    Returns what was removed, and every other directory named like muonckpt's with why it
+    was kept. A ``root`` that cannot be listed is a :class:`CheckpointError`; a negative
+    ``older_than`` too.
     """
     if not older_than >= 0:
         raise CheckpointError(f"older_than must be a number of seconds >= 0, got {older_than!r}")
     root = Path(root)
     try:
         with os.scandir(root) as listing:
-            entries = sorted(
-                (e for e in listing if storage.is_ours(e.name) and e.is_dir(follow_symlinks=False)),
-                key=lambda e: e.name,
-            )
-            ages = {e.name: time.time() - e.stat(follow_symlinks=False).st_mtime for e in entries}
+            ours = (e for e in listing if storage.is_ours(e.name))
+            names = sorted(e.name for e in ours if e.is_dir(follow_symlinks=False))
     except FileNotFoundError:
-        return []
+        return Cleaned([], [])
     except OSError as exc:
         raise CheckpointError(f"cannot be listed: {exc.strerror}", path=root) from None
-    removed = []
-    for entry in entries:
-        if ages[entry.name] <= older_than:
-            continue
-        path = root / entry.name
-        if storage.is_mailbox(entry.name):
-            storage.Mailbox(path).remove()
-        else:
-            storage.discard(path)
-        if not os.path.lexists(path):
-            removed.append(path)
-    return removed
+    removed, skipped = [], []
+    for name in names:
+        path = root / name
+        with storage.leftover(path) as found:
+            why = found.kept_because
+            age = time.time() - found.changed
+            if why is None and age <= older_than:
+                why = f"changed {age:.0f} s ago, not older than {older_than:g} s"
+            if why is None:
+                if storage.is_mailbox(name):
+                    kept = storage.Mailbox(path).remove()
+                else:
+                    kept = storage.discard(path, quiet=True)
+                if not os.path.lexists(path):
+                    removed.append(path)
+                    continue
+                why = f"kept in part: it holds {', '.join(kept) or 'what appeared meanwhile'}"
+        skipped.append((path, why))
+    return Cleaned(removed, skipped)
