@@ -72,6 +72,8 @@ def snapshot(root: Path) -> dict[str, object]:
                 found[key] = f"-> {os.readlink(path)}"
             elif path.is_dir():
                 found[key] = "directory"
+            elif not path.is_file():
+                found[key] = "special file"  # a FIFO: never read
             else:
                 found[key] = path.read_bytes()
     return found
@@ -576,3 +578,36 @@ def test_clean_on_the_command_line_says_what_it_skipped_and_why(saved, tmp_path)
     assert snapshot(root) == {
         k: v for k, v in before.items() if not _under(k, {staging.name, mailbox.name})
     }
+
+
+@pytest.mark.parametrize(
+    ("lease", "why"),
+    [
+        ("symlink", "holds no .muonckpt-lease, so muonckpt did not make it"),
+        ("fifo", "its .muonckpt-lease is not one muonckpt wrote"),
+        ("garbage", "its .muonckpt-lease is not one muonckpt wrote"),
+        ("huge", "its .muonckpt-lease is not one muonckpt wrote"),
+        ("directory", "its .muonckpt-lease is not one muonckpt wrote"),
+    ],
+)
+def test_clean_is_not_fooled_by_a_lease_file_it_did_not_write(saved, tmp_path, lease, why):
+    """A look-alike directory whose ``.muonckpt-lease`` is a symlink to a real lease, a FIFO
+    (never opened blocking), not muonckpt's JSON, huge or a directory: left whole, said why."""
+    root = tmp_path / "ckpt"
+    real, _, _ = interrupted_save(saved, tmp_path / "elsewhere" / "step-1")
+    fake = root / ".step-1.staging-0123abcd"
+    fake.mkdir(parents=True)
+    shutil.copy(saved[1] / DATA, fake / DATA)
+    target = fake / ".muonckpt-lease"
+    if lease == "symlink":
+        target.symlink_to(real / ".muonckpt-lease")
+    elif lease == "fifo":
+        os.mkfifo(target)
+    elif lease == "directory":
+        target.mkdir()
+    else:
+        target.write_text("{}" if lease == "garbage" else json.dumps({"muonckpt": "x" * 10**4}))
+    unchanged_for_decades(fake)
+    before = snapshot(root)
+    assert muonckpt.clean(root, older_than=0) == Cleaned([], [(fake, why)])
+    assert snapshot(root) == before
