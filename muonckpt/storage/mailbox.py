@@ -36,10 +36,6 @@ _FIRST_POLL_S = 0.001
 _LONGEST_POLL_S = 0.1
 
 
-def _lease_last(name: str) -> bool:
-    return lease.LEASE_FILE.match(name) is not None
-
-
 def is_mailbox(name: str) -> bool:
     """Whether ``name`` is a mailbox's (``.NAME.steps-XXXXXXXX``)."""
     return re.fullmatch(rf"\..+\.{MAILBOX_TAG}-[0-9a-f]{{8}}", name, re.DOTALL) is not None
@@ -146,7 +142,7 @@ class Mailbox:
         if self.directory.is_symlink():
             return ["the symlink itself"]
         try:
-            names = sorted(os.listdir(self.directory), key=_lease_last)
+            names = sorted(os.listdir(self.directory), key=lease.deletion_order)
         except OSError:
             names = []
         for name in names:

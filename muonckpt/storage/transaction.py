@@ -272,7 +272,7 @@ def _remove_ours(directory: Path, names: Sequence[str] | None = None) -> list[st
     ``"NAME (why)"``."""
     left = []
     try:
-        listed = sorted(os.listdir(directory) if names is None else names, key=_lease_last)
+        listed = sorted(os.listdir(directory) if names is None else names, key=lease.deletion_order)
     except FileNotFoundError:
         return []
     except OSError as exc:
@@ -300,10 +300,6 @@ def _remove_ours(directory: Path, names: Sequence[str] | None = None) -> list[st
         except OSError as exc:
             left.append(f"the directory itself ({exc.strerror})")
     return left
-
-
-def _lease_last(name: str) -> tuple[bool, str]:
-    return (lease.LEASE_FILE.match(name) is not None, name)
 
 
 def discard(staging: str | os.PathLike[str], *, quiet: bool = False) -> list[str]:
