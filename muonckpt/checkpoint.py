@@ -82,9 +82,12 @@ def save(
             them; False saves the optimizer state only, for weights kept elsewhere.
         overwrite: replace an existing checkpoint at ``path`` (otherwise an error).
         keep_last: after the commit, delete the older complete muonckpt checkpoints of
-            ``path``'s series beside it (directly under its parent, named as it is but for
-            their numbers: ``step-10`` beside ``step-30``) so that ``keep_last`` remain, the
-            new one always among them (:func:`muonckpt.retention.prune`).
+            ``path``'s run beside it (directly under its parent, named as it is but for its
+            step, each checkpoint's step as its manifest records it: ``step-10`` beside
+            ``step-30``, never ``seed2-step-10`` beside ``seed1-step-30``) so that
+            ``keep_last`` remain, the new one always among them. A new checkpoint that
+            records no step, or whose name does not hold it once, deletes nothing and warns
+            (:func:`muonckpt.retention.prune`).
         model: with ``consolidated``, the model the params belong to (the optimizer's param
             names must be its ``state_dict()`` names): ``model.safetensors`` then holds its
             whole ``state_dict()``, buffers and params no optimizer holds taken from the

@@ -105,23 +105,67 @@ def check_keep_last(keep_last: object) -> None:
         )
 
 
-def _series(name: str) -> re.Pattern[str]:
-    """The names of ``name``'s series: ``name`` with any digits where it has digits."""
-    return re.compile(r"\d+".join(re.escape(part) for part in re.split(r"\d+", name)))
+_DIGIT_RUN = re.compile(r"[0-9]+")
+
+
+@dataclass(frozen=True)
+class Series:
+    """The names of one run's checkpoints: ``prefix``, the step, ``suffix``. The step is
+    written as a plain number, or zero-padded to ``padded`` digits when the name's was
+    (``step-000400``)."""
+
+    prefix: str
+    suffix: str
+    padded: int
+
+    def name_at(self, step: int) -> str:
+        """The name this series gives the checkpoint of ``step``."""
+        digits = str(step).zfill(self.padded) if self.padded else str(step)
+        return f"{self.prefix}{digits}{self.suffix}"
+
+    def holds(self, found: Found) -> bool:
+        """Whether ``found`` is of this series: its name is the series' name at the step its
+        own manifest records."""
+        return found.step is not None and found.path.name == self.name_at(found.step)
+
+
+def series_of(name: str, step: int | None) -> Series | str:
+    """The series of the checkpoint ``name`` whose manifest records ``step``: ``name`` with
+    the one run of digits that is ``step`` (whole, not part of a longer number; leading
+    zeros allowed) standing for any step. When there is no such run, or several, the series
+    cannot be told: why, as a sentence, instead."""
+    if step is None:
+        return "its manifest records no step"
+    runs = [run for run in _DIGIT_RUN.finditer(name) if int(run.group()) == step]
+    if not runs:
+        return f"its name does not hold its step {step}"
+    if len(runs) > 1:
+        return f"its name holds its step {step} {len(runs)} times"
+    run = runs[0]
+    digits = run.group()
+    padded = len(digits) if len(digits) > 1 and digits.startswith("0") else 0
+    return Series(name[: run.start()], name[run.end() :], padded)
 
 
 def prune(root: str | os.PathLike[str], keep_last: int, keep: str | os.PathLike[str]) -> list[Path]:
     """Delete the complete checkpoints directly under ``root`` older than its ``keep_last``
     newest (in :func:`latest`'s order); for a save's ``keep_last``, after its commit.
 
-    Only ``keep``'s series counts: the checkpoints whose names are ``keep``'s with other
-    numbers (``step-10`` and ``step-20`` beside ``step-30``; ``final`` has no other), so that
-    checkpoints of other runs or models under the same root are never deleted. Never deleted
-    either: ``keep`` (the checkpoint just written, kept even when a run restarted at a lower
-    step makes it older than the newest), anything :func:`complete_checkpoints` does not
-    count (staging directories, saves in progress, what is not a checkpoint, symlinks), and a
-    checkpoint holding files of the user's (:func:`muonckpt.storage.ownership_problem`): it is
-    left whole. So at most ``keep_last`` checkpoints remain besides those two kinds.
+    Only ``keep``'s run counts, its series (:func:`series_of`): the checkpoints whose names
+    differ from ``keep``'s in its step alone, where a checkpoint's step is the one its own
+    manifest records. ``seed1-step-400`` (step 400) has ``seed1-step-300`` (step 300) in its
+    series, never ``seed2-step-300``, ``seed1-step-300`` recording another step, nor
+    ``seed1-step-400-old``. So checkpoints of other runs, sweeps and models under the same
+    root are never deleted. When ``keep`` records no step, or its name does not hold it
+    exactly once (``final``; ``run-7-step-7``), its series cannot be told and nothing is
+    deleted (a :class:`CheckpointWarning` says why).
+
+    Never deleted either: ``keep`` (the checkpoint just written, kept even when a run
+    restarted at a lower step makes it older than the newest), anything
+    :func:`complete_checkpoints` does not count (staging directories, saves in progress, what
+    is not a checkpoint, symlinks), and a checkpoint holding files of the user's
+    (:func:`muonckpt.storage.ownership_problem`): it is left whole. So at most ``keep_last``
+    checkpoints of the series remain besides those two kinds.
 
     Each is deleted manifest first (:func:`muonckpt.storage.remove_checkpoint`), so a crash
     leaves it incomplete, never something :func:`latest` picks. A failure (a file that cannot
@@ -137,9 +181,19 @@ def prune(root: str | os.PathLike[str], keep_last: int, keep: str | os.PathLike[
     except CheckpointError as exc:
         warnings.warn(f"old checkpoints not deleted: {exc}", CheckpointWarning, stacklevel=2)
         return []
-    series = _series(Path(keep).name)
-    found = [f for f in found if series.fullmatch(f.path.name)]
     kept = os.path.realpath(keep)
+    new = next((f for f in found if os.path.realpath(f.path) == kept), None)
+    series = series_of(Path(keep).name, new.step) if new is not None else "it is not complete"
+    if isinstance(series, str):
+        warnings.warn(
+            f"keep_last: no old checkpoint deleted beside {keep}: {series}, so which "
+            "checkpoints are of its run cannot be told (keep_last deletes only those whose "
+            "names differ from the new one's in its step alone)",
+            CheckpointWarning,
+            stacklevel=2,
+        )
+        return []
+    found = [f for f in found if series.holds(f)]
     deleted = []
     for old in found[:-keep_last]:
         if os.path.realpath(old.path) == kept or storage.ownership_problem(old.path):
@@ -149,40 +203,62 @@ def prune(root: str | os.PathLike[str], keep_last: int, keep: str | os.PathLike[
     return deleted
 
 
-def clean(root: str | os.PathLike[str], older_than: float) -> list[Path]:
-    """Remove what interrupted saves left directly under ``root``: muonckpt's own staging
-    directories (``.NAME.staging-XXXXXXXX``, ``.NAME.old-PID``) and background-save
-    mailboxes (``.NAME.steps-XXXXXXXX``) last changed more than ``older_than`` seconds ago (a
-    save still running changes them; choose longer than your longest save). Only their
-    checkpoint files and messages are deleted, nothing through a symlink, nothing else: a
-    directory holding anything else keeps it (and a :class:`CheckpointWarning` names it).
+@dataclass(frozen=True)
+class Cleaned:
+    """What :func:`clean` did under a root."""
 
-    Returns the directories removed entirely. A ``root`` that cannot be listed is a
-    :class:`CheckpointError`; a negative ``older_than`` too.
+    removed: list[Path]
+    """The directories removed entirely."""
+    skipped: list[tuple[Path, str]]
+    """Every other directory named like muonckpt's, with why it was kept (whole, or in part)."""
+
+
+def clean(root: str | os.PathLike[str], older_than: float) -> Cleaned:
+    """Remove what interrupted saves left directly under ``root``, only what muonckpt made and
+    no save uses: directories named like its own (``.NAME.staging-XXXXXXXX``,
+    ``.NAME.old-PID``, the mailbox ``.NAME.steps-XXXXXXXX``) that
+
+    * hold muonckpt's lease file (:mod:`muonckpt.storage.lease`), which it writes first thing
+      into every directory it makes: a look-alike name alone is never enough;
+    * are not in use: a save in progress holds the lease locked (and, for a clean on another
+      host of a shared filesystem, renews it every few seconds), whatever ``older_than`` says;
+    * and have not changed (their lease included) for more than ``older_than`` seconds.
+
+    Only their checkpoint files, messages and lease are deleted, nothing through a symlink,
+    nothing else: a directory holding anything else keeps it. While it deletes, this holds
+    the lease locked.
+
+    Returns what was removed, and every other directory named like muonckpt's with why it
+    was kept. A ``root`` that cannot be listed is a :class:`CheckpointError`; a negative
+    ``older_than`` too.
     """
     if not older_than >= 0:
         raise CheckpointError(f"older_than must be a number of seconds >= 0, got {older_than!r}")
     root = settings.local_path(root)
     try:
         with os.scandir(root) as listing:
-            entries = sorted(
-                (e for e in listing if storage.is_ours(e.name) and e.is_dir(follow_symlinks=False)),
-                key=lambda e: e.name,
-            )
-            ages = {e.name: time.time() - e.stat(follow_symlinks=False).st_mtime for e in entries}
+            ours = (e for e in listing if storage.is_ours(e.name))
+            names = sorted(e.name for e in ours if e.is_dir(follow_symlinks=False))
     except FileNotFoundError:
-        return []
+        return Cleaned([], [])
     except OSError as exc:
         raise CheckpointError(f"cannot be listed: {exc.strerror}", path=root) from None
-    removed = []
-    for entry in entries:
-        if ages[entry.name] <= older_than:
-            continue
-        path = root / entry.name
-        if storage.is_mailbox(entry.name):
-            storage.Mailbox(path).remove()
-        else:
-            storage.discard(path)
-        if not os.path.lexists(path):
-            removed.append(path)
-    return removed
+    removed, skipped = [], []
+    for name in names:
+        path = root / name
+        with storage.leftover(path) as found:
+            why = found.kept_because
+            age = time.time() - found.changed
+            if why is None and age <= older_than:
+                why = f"changed {age:.0f} s ago, not older than {older_than:g} s"
+            if why is None:
+                if storage.is_mailbox(name):
+                    kept = storage.Mailbox(path).remove()
+                else:
+                    kept = storage.discard(path, quiet=True)
+                if not os.path.lexists(path):
+                    removed.append(path)
+                    continue
+                why = f"kept in part: it holds {', '.join(kept) or 'what appeared meanwhile'}"
+        skipped.append((path, why))
+    return Cleaned(removed, skipped)

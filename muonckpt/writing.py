@@ -49,6 +49,7 @@ from .manifest import (
     piece_to_json,
 )
 from .manifest_json import piece_from_json
+from .pieces import all_files
 from .steps import Outcome, StepProtocol, disagreement
 from .workplan import WorkUnit, split_work
 from .writeplan import TensorWrite, WritePlan
@@ -423,7 +424,8 @@ class DirectorySteps(StepProtocol):
 
 
 def commit(staging: Path, final: Path, manifest: Manifest) -> Path | None:
-    """(the root) The manifest, written last, fsync, and the atomic swap.
+    """(the root) The manifest, written last, fsync, and the atomic swap, which checks that
+    every file the manifest lists is there at its size (and the manifest) right before it.
 
     Returns the directory now holding a checkpoint this replaced, for :func:`storage.retire`.
     The manifest's coverage is checked first (every state tensor stored exactly once, as a
@@ -449,7 +451,8 @@ def commit(staging: Path, final: Path, manifest: Manifest) -> Path | None:
             path=final,
         )
     storage.fsync_dir(staging)
-    return storage.swap_in(staging, final)
+    listed = {entry.name: entry.bytes for entry in all_files(manifest)}
+    return storage.swap_in(staging, final, files={**listed, MANIFEST_NAME: size})
 
 
 def check_manifest_fits(

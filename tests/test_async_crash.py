@@ -77,13 +77,18 @@ for line in sys.stdin:
     if pid == 0:
         try:
             fill(0)
-            muonckpt.save(opt, f"{root}/step-1", consolidated=consolidated)
+            muonckpt.save(opt, f"{root}/step-1", consolidated=consolidated, extra={"step": 1})
             fill(1)
-            muonckpt.save(opt, f"{root}/step-2", consolidated=consolidated)
+            muonckpt.save(opt, f"{root}/step-2", consolidated=consolidated, extra={"step": 2})
             fill(2)
             stop_at(moment)
             future = muonckpt.async_save(
-                opt, f"{root}/step-2", overwrite=True, keep_last=1, consolidated=consolidated
+                opt,
+                f"{root}/step-2",
+                overwrite=True,
+                keep_last=1,
+                consolidated=consolidated,
+                extra={"step": 2},  # keep_last prunes the names differing in this step
             )
             fill(3)  # training goes on: must not reach the checkpoint
             if moment == "returned":

@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -21,7 +24,7 @@ from muonckpt import CheckpointError
 from muonckpt.cli import app
 from muonckpt.errors import CheckpointWarning
 from muonckpt.manifest import MANIFEST_NAME, rank_file
-from muonckpt.retention import complete_checkpoints, prune
+from muonckpt.retention import Cleaned, complete_checkpoints, prune
 
 from .fixture_model import build, initial_params, train
 
@@ -69,6 +72,8 @@ def snapshot(root: Path) -> dict[str, object]:
                 found[key] = f"-> {os.readlink(path)}"
             elif path.is_dir():
                 found[key] = "directory"
+            elif not path.is_file():
+                found[key] = "special file"  # a FIFO: never read
             else:
                 found[key] = path.read_bytes()
     return found
@@ -223,8 +228,72 @@ def test_prune_counts_only_the_series_of_the_one_just_written(saved, tmp_path):
     put(saved, root, 4, "step-4", at=4)
     assert prune(root, 1, root / "step-4") == [root / "step-1", root / "step-3"]
     assert sorted(os.listdir(root)) == ["final", "llama-a", "run2-step-1", "step-4"]
-    assert prune(root, 1, root / "final") == []  # no numbers: a series of one
+    with pytest.warns(CheckpointWarning, match="does not hold its step 2"):
+        assert prune(root, 1, root / "final") == []  # no step in its name: nothing deleted
     assert prune(root, 1, root / "run2-step-1") == []  # its series: run<N>-step-<M>
+
+
+def test_keep_last_in_a_sweep_deletes_only_its_own_run(tmp_path):
+    """(issue 30) Seed and learning-rate sweeps under one parent: ``seed1-step-400`` with
+    ``keep_last=1`` deleted ``seed2-step-100/200/300`` too, as names differing only in digits.
+    Now a save prunes only the names that differ from its own in its step alone."""
+    root = tmp_path / "sweep"
+    opt, sharded, dp_rank, tp_rank = build(1, 1, initial_params())
+    train(opt, sharded, dp_rank, tp_rank, 0, 1)
+    others = ["seed2-step-{}", "lr1e-3-step{}", "lr3e-4-step{}", "run-8-step-{}", "step-{:06d}"]
+    for pattern in others:
+        for step in (100, 200, 300):
+            muonckpt.save(opt, root / pattern.format(step), extra={"step": step}, keep_last=3)
+    # a name holding the step, but recording another: not of the series
+    muonckpt.save(opt, root / "seed1-step-250", extra={"step": 7})
+    before = snapshot(root)
+    for step in (100, 200, 300, 400):
+        muonckpt.save(opt, root / f"seed1-step-{step}", extra={"step": step}, keep_last=1)
+    assert snapshot(root) == {**before, **snapshot_of(root, "seed1-step-400")}
+    for step in (100, 200, 300):  # and the other runs prune only themselves
+        muonckpt.save(opt, root / f"run-7-step-{step}", extra={"step": step}, keep_last=2)
+    muonckpt.save(opt, root / "step-000400", extra={"step": 400}, keep_last=2)
+    muonckpt.save(opt, root / "lr3e-4-step1000", extra={"step": 1000}, keep_last=1)
+    left = sorted(os.listdir(root))
+    assert left == sorted(
+        [f"{run}-step-{step}" for run in ("seed2", "run-8") for step in (100, 200, 300)]
+        + ["lr1e-3-step100", "lr1e-3-step200", "lr1e-3-step300", "lr3e-4-step1000"]
+        + ["run-7-step-200", "run-7-step-300", "seed1-step-250", "seed1-step-400"]
+        + ["step-000300", "step-000400"]
+    )
+    assert all(muonckpt.verify(root / name) == [] for name in left)
+
+
+def snapshot_of(root: Path, name: str) -> dict[str, object]:
+    """:func:`snapshot` of ``root / name``, keyed as :func:`snapshot` of ``root`` keys it."""
+    return {str(Path(name) / k): v for k, v in snapshot(root / name).items()} | {name: "directory"}
+
+
+@pytest.mark.parametrize(
+    ("name", "step", "why"),
+    [
+        ("final", 3, "its name does not hold its step 3"),
+        ("run-3-step-3", 3, "its name holds its step 3 2 times"),
+        ("step-30", 3, "its name does not hold its step 3"),  # 3 is part of 30
+        ("step-3", None, "its manifest records no step"),
+    ],
+)
+def test_keep_last_without_a_step_in_the_name_deletes_nothing_and_says_why(
+    tmp_path, name, step, why
+):
+    """A checkpoint whose series cannot be told prunes nothing, and the warning says why."""
+    root = tmp_path / "ckpt"
+    param = torch.nn.Parameter(torch.ones(3, 4))
+    sgd = torch.optim.SGD([param], lr=0.1, momentum=0.9)  # no step count anywhere
+    param.grad = torch.ones(3, 4)
+    sgd.step()
+    extra = None if step is None else {"step": step}
+    for old in ("step-1", "step-2", "run-3-step-1", "final-old"):
+        muonckpt.save(sgd, root / old, extra={"step": int(old[-1]) if old[-1].isdigit() else 1})
+    before = snapshot(root)
+    with pytest.warns(CheckpointWarning, match=f"no old checkpoint deleted.*{why}"):
+        muonckpt.save(sgd, root / name, extra=extra, keep_last=1)
+    assert snapshot(root) == {**before, **snapshot_of(root, name)}
 
 
 def test_latest_of_a_checkpoint_itself_is_an_error(saved, tmp_path):
@@ -367,40 +436,178 @@ def test_cli_latest_prints_the_path_or_exits_1(saved, tmp_path):
 # ---------------------------------------------------------------- clean
 
 
+MAKER = """
+import sys
+from muonckpt import storage
+staging = storage.make_staging(sys.argv[1], False)
+storage.Mailbox(storage.mailbox_path(staging)).create()
+print(staging, flush=True)
+if sys.argv[2] == "hold":
+    sys.stdin.readline()  # a save in progress, until the test says
+"""
+"""A process that stages a save of ``argv[1]`` as a background save does (staging directory and
+mailbox, each with its lease) and then dies, or holds them (``hold``) until told."""
+
+
+def interrupted_save(saved: dict[int, Path], final: Path, *, hold: bool = False):
+    """What a save of ``final`` leaves when its process dies (or, ``hold``, while it runs):
+    the staging directory with its data files written, the mailbox with a message. Returns
+    the two paths and, with ``hold``, the running process (close its stdin to end it)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", MAKER, str(final), "hold" if hold else "exit"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    staging = Path(proc.stdout.readline().strip())
+    if not hold:
+        assert proc.wait(timeout=60) == 0
+    shutil.copy(saved[2] / DATA, staging / DATA)
+    mailbox = staging.with_name(staging.name.replace(".staging-", ".steps-"))
+    (mailbox / "write-1.json").write_text('{"value": null}')
+    return staging, mailbox, proc if hold else None
+
+
+def unchanged_for_decades(*directories: Path) -> None:
+    for directory in directories:
+        for path in [*directory.iterdir(), directory]:
+            os.utime(path, (1, 1), follow_symlinks=False)
+
+
+def lookalikes(root: Path) -> list[Path]:
+    """Directories of a user's, named like muonckpt's own, holding what a checkpoint holds."""
+    made = []
+    for name in (".llama.old-2023", ".mine.staging-00000000", ".runs.steps-0123abcd"):
+        directory = root / name
+        directory.mkdir(parents=True)
+        (directory / "model.safetensors").write_bytes(b"\0" * 64)
+        (directory / "model.safetensors.index.json").write_text("{}")
+        (directory / "write-1.json").write_text("{}")
+        made.append(directory)
+    (root / ".empty.staging-89abcdef").mkdir()
+    return [*made, root / ".empty.staging-89abcdef"]
+
+
 def test_clean_removes_only_old_leftovers_of_interrupted_saves(saved, tmp_path):
+    """(issue 30) Only directories holding muonckpt's lease, no save uses, unchanged for
+    ``older_than``; a user's directory named like ours is left whole, and each kept one is
+    named with why."""
     root = tmp_path / "ckpt"
     put(saved, root, 1, at=1)
-    old_staging = put(saved, root, 2, ".step-2.staging-0123abcd", at=2)
-    (old_staging / "manifest.json").unlink()  # killed before its commit
-    mailbox = root / ".step-2.steps-0123abcd"
-    mailbox.mkdir()
-    (mailbox / "write-1.json").write_text('{"value": null}')
-    fresh = put(saved, root, 3, ".step-3.staging-89abcdef", at=3)  # a save running now
-    (fresh / "manifest.json").unlink()
-    kept_for_user = root / ".mine.staging-00000000"  # named like ours, holding a user file
-    kept_for_user.mkdir()
-    (kept_for_user / "notes.txt").write_text("mine")
-    for path in (old_staging, mailbox, kept_for_user):
-        os.utime(path, (1, 1))  # unchanged for decades
+    old_staging, old_mailbox, _ = interrupted_save(saved, root / "step-2")
+    fresh_staging, fresh_mailbox, _ = interrupted_save(saved, root / "step-3")
+    shared, shared_mailbox, _ = interrupted_save(saved, root / "step-4")
+    (shared / "notes.txt").write_text("mine")  # a user's file in a leftover of ours
+    users = lookalikes(root)
+    unchanged_for_decades(old_staging, old_mailbox, shared, shared_mailbox, *users)
     before = snapshot(root)
 
-    with pytest.warns(CheckpointWarning, match="notes.txt"):
-        removed = muonckpt.clean(root, older_than=3600)
-    assert removed == [old_staging, mailbox]
-    gone = (old_staging.name, mailbox.name)
-    assert snapshot(root) == {k: v for k, v in before.items() if k.split(os.sep)[0] not in gone}
-    assert (kept_for_user / "notes.txt").read_text() == "mine"
+    cleaned = muonckpt.clean(root, older_than=3600)
+    assert cleaned.removed == [old_staging, old_mailbox, shared_mailbox]  # by name
+    gone = {p.name for p in cleaned.removed} | {str(shared.relative_to(root) / DATA)}
+    gone.add(str(shared.relative_to(root) / ".muonckpt-lease"))
+    assert snapshot(root) == {k: v for k, v in before.items() if not _under(k, gone)}
+    why = dict(cleaned.skipped)
+    for user in users:
+        assert why.pop(user) == "holds no .muonckpt-lease, so muonckpt did not make it"
+    assert why.pop(shared) == "kept in part: it holds notes.txt (not a checkpoint file: kept)"
+    for fresh in (fresh_staging, fresh_mailbox):
+        assert re.fullmatch(r"changed \d+ s ago, not older than 3600 s", why.pop(fresh))
+    assert why == {}
     assert muonckpt.latest(root) == root / "step-1"
-    assert muonckpt.clean(tmp_path / "nothing-here", older_than=0) == []
+    assert muonckpt.clean(tmp_path / "nothing-here", older_than=0) == Cleaned([], [])
     with pytest.raises(CheckpointError, match="older_than"):
         muonckpt.clean(root, older_than=-1)
 
 
-def test_clean_on_the_command_line(saved, tmp_path):
+def _under(key: str, names: set[str]) -> bool:
+    return any(key == name or key.startswith(name + os.sep) for name in names)
+
+
+def test_clean_never_removes_a_save_in_progress(saved, tmp_path):
+    """(issue 30) A save in progress holds its lease: ``older_than=0`` leaves it, and once its
+    process is gone its leftovers go."""
     root = tmp_path / "ckpt"
-    leftover = put(saved, root, 1, ".step-1.staging-0123abcd")
-    os.utime(leftover, (1, 1))
-    done = CliRunner().invoke(app, ["clean", str(root)])
-    assert done.exit_code == 0, done.output
-    assert done.output.strip() == f"removed {leftover}"
-    assert not leftover.exists()
+    staging, mailbox, proc = interrupted_save(saved, root / "step-2", hold=True)
+    try:
+        unchanged_for_decades(staging, mailbox)
+        before = snapshot(root)
+        cleaned = muonckpt.clean(root, older_than=0)
+        assert cleaned.removed == []
+        assert snapshot(root) == before
+        for _, why in cleaned.skipped:
+            assert why.startswith(f"in use: a running save holds its lease (pid {proc.pid} on ")
+        assert [path for path, _ in cleaned.skipped] == [staging, mailbox]
+    finally:
+        proc.stdin.close()
+        proc.wait(timeout=60)
+    assert muonckpt.clean(root, older_than=0).removed == [staging, mailbox]
+    assert os.listdir(root) == []
+
+
+def test_clean_on_the_command_line_says_what_it_skipped_and_why(saved, tmp_path):
+    """(issue 30) The real CLI: a user's directory named like ours (``.llama.old-2023``) is
+    left whole; fresh leftovers under the default ``--older-than 3600`` are named, with why;
+    old ones removed."""
+    root = tmp_path / "ckpt"
+    users = lookalikes(root)
+    staging, mailbox, _ = interrupted_save(saved, root / "step-2")
+    unchanged_for_decades(*users)
+    before = snapshot(root)
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        command = [sys.executable, "-m", "muonckpt.cli", "clean", str(root), *args]
+        return subprocess.run(command, capture_output=True, text=True, timeout=120)
+
+    done = cli()
+    assert (done.returncode, done.stderr) == (0, "")
+    lines = done.stdout.splitlines()
+    assert snapshot(root) == before
+    no_lease = "holds no .muonckpt-lease, so muonckpt did not make it"
+    assert lines[:4] == [f"skipped {user}: {no_lease}" for user in sorted(users)]
+    assert len(lines) == 6, lines
+    fresh = r"changed \d+ s ago, not older than 3600 s"
+    for path, line in zip((staging, mailbox), lines[4:]):
+        assert re.fullmatch(rf"skipped {re.escape(str(path))}: {fresh}", line), line
+
+    unchanged_for_decades(staging, mailbox)
+    done = cli("--older-than", "0")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[:2] == [f"removed {staging}", f"removed {mailbox}"]
+    assert not staging.exists() and not mailbox.exists()
+    assert snapshot(root) == {
+        k: v for k, v in before.items() if not _under(k, {staging.name, mailbox.name})
+    }
+
+
+@pytest.mark.parametrize(
+    ("lease", "why"),
+    [
+        ("symlink", "holds no .muonckpt-lease, so muonckpt did not make it"),
+        ("fifo", "its .muonckpt-lease is not one muonckpt wrote"),
+        ("garbage", "its .muonckpt-lease is not one muonckpt wrote"),
+        ("huge", "its .muonckpt-lease is not one muonckpt wrote"),
+        ("directory", "its .muonckpt-lease is not one muonckpt wrote"),
+    ],
+)
+def test_clean_is_not_fooled_by_a_lease_file_it_did_not_write(saved, tmp_path, lease, why):
+    """A look-alike directory whose ``.muonckpt-lease`` is a symlink to a real lease, a FIFO
+    (never opened blocking), not muonckpt's JSON, huge or a directory: left whole, said why."""
+    root = tmp_path / "ckpt"
+    real, _, _ = interrupted_save(saved, tmp_path / "elsewhere" / "step-1")
+    fake = root / ".step-1.staging-0123abcd"
+    fake.mkdir(parents=True)
+    shutil.copy(saved[1] / DATA, fake / DATA)
+    target = fake / ".muonckpt-lease"
+    if lease == "symlink":
+        target.symlink_to(real / ".muonckpt-lease")
+    elif lease == "fifo":
+        os.mkfifo(target)
+    elif lease == "directory":
+        target.mkdir()
+    else:
+        target.write_text("{}" if lease == "garbage" else json.dumps({"muonckpt": "x" * 10**4}))
+    unchanged_for_decades(fake)
+    before = snapshot(root)
+    assert muonckpt.clean(root, older_than=0) == Cleaned([], [(fake, why)])
+    assert snapshot(root) == before

@@ -502,10 +502,11 @@ def test_swap_in(tmp_path: Path) -> None:
         if text == "first":
             assert replaced is None
         else:  # the old checkpoint, its manifest already gone, waits to be retired
-            assert replaced is not None and entries(replaced) == [data]
+            # with the lease this process holds until it is retired (clean leaves it alone)
+            assert replaced is not None and entries(replaced) == [".muonckpt-lease", data]
             assert (replaced / data).read_text() == "first"
             retire(replaced, [data])
-            assert entries(replaced) == []
+            assert entries(replaced) == [".muonckpt-lease"]
             retire(replaced)
         assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
 

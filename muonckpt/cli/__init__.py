@@ -423,23 +423,28 @@ def clean(
         typer.Option(
             "--older-than",
             metavar="SECONDS",
-            help="Only what has not changed for this long (a running save changes its own).",
+            help="Only what has not changed for this long (a running save is never removed).",
         ),
     ] = 3600.0,
 ) -> None:
     """Remove what interrupted saves left directly under ROOT.
 
     muonckpt's own staging directories (.NAME.staging-*, .NAME.old-PID) and background-save
-    mailboxes (.NAME.steps-*) unchanged for --older-than seconds: only their checkpoint files
-    and messages, never anything else and nothing through a symlink. Prints each directory
-    removed.
+    mailboxes (.NAME.steps-*), known by the lease file muonckpt writes into each (never by
+    name alone), that no save uses (a running save holds its lease, whatever --older-than
+    says) and unchanged for --older-than seconds: only their checkpoint files, messages and
+    lease, never anything else and nothing through a symlink. Prints each directory removed,
+    and each one named like these that was kept, with why.
 
     Example: muonckpt clean ckpt --older-than 7200
     """
     from .. import clean as clean_root
 
-    for path in clean_root(root, older_than):
-        typer.echo(f"removed {path}")
+    cleaned = clean_root(root, older_than)
+    for path in cleaned.removed:
+        typer.echo(f"removed {output.printable(str(path))}")
+    for path, why in cleaned.skipped:
+        typer.echo(f"skipped {output.printable(str(path))}: {why}")
 
 
 @app.command()

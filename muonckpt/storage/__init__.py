@@ -12,6 +12,8 @@ write ``storage.X``:
 * :mod:`.reader_cache`: open readers, a bounded number at a time (LRU).
 * :mod:`.transaction`: staging, swap-in, retiring and discarding checkpoint directories,
   deleting old checkpoints, and the ownership rules of what may be replaced or deleted.
+* :mod:`.lease`: the file marking each directory muonckpt makes beside a target as its own,
+  locked and refreshed while in use (what ``clean`` goes by, never names alone).
 * :mod:`.mailbox`: the messages through which the ranks of a background save agree.
 
 torch is imported only where a tensor crosses (the dtype conversions, reading a tensor,
@@ -40,6 +42,7 @@ from .durable import (
     read_text_chunks,
     write_text_atomic,
 )
+from .lease import leftover
 from .mailbox import Mailbox, is_mailbox, mailbox_path
 from .reader_cache import ReaderCache
 from .safetensors_format import TensorRecord
@@ -87,6 +90,7 @@ __all__ = [
     "is_mailbox",
     "is_ours",
     "itemsize",
+    "leftover",
     "mailbox_path",
     "make_staging",
     "ownership_problem",

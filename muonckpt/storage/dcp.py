@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import CheckpointError
 from ..manifest import MANIFEST_NAME
+from . import lease
 from .dtypes import dtype_name, itemsize, torch_dtype, torch_dtype_names
 from .durable import open_failure, open_regular
 
@@ -638,14 +639,18 @@ def write_dcp(
 
 
 def discard_dcp(directory: str | os.PathLike[str]) -> None:
-    """Remove a DCP staging directory this process wrote (only DCP's files, then the
-    directory if that emptied it)."""
+    """Remove a DCP staging directory this process wrote (only DCP's files and, last, the
+    lease, then the directory if that emptied it) and stop holding its lease."""
     directory = Path(directory)
     if not directory.is_dir() or directory.is_symlink():
+        lease.release(directory)
         return
-    for entry in os.listdir(directory):
-        if entry.startswith(METADATA_NAME) or entry.endswith(DATA_SUFFIX):
+    names = sorted(os.listdir(directory), key=lease.deletion_order)
+    for entry in names:
+        ours = entry.startswith(METADATA_NAME) or entry.endswith(DATA_SUFFIX)
+        if ours or lease.LEASE_FILE.match(entry):
             with contextlib.suppress(OSError):
                 (directory / entry).unlink()
+    lease.release(directory)
     with contextlib.suppress(OSError):
         directory.rmdir()

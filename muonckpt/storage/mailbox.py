@@ -4,10 +4,11 @@ A background save (:func:`muonckpt.async_save`) must not use the job's process g
 collective from its thread could deadlock with, or be reordered against, the job's own. Its
 ranks already share the checkpoint's filesystem (they write into one staging directory), so
 they talk through it: ``.NAME.steps-XXXXXXXX`` beside the target, named after the save's
-staging directory ``.NAME.staging-XXXXXXXX`` and, like it, recognisably muonckpt's own
-(:func:`muonckpt.storage.is_ours`). Each message is one file, written to a temporary name and
-renamed (or hard-linked, for a message only one rank may leave: :meth:`Mailbox.claim`), so a
-reader sees it whole or not at all; a message is never rewritten.
+staging directory ``.NAME.staging-XXXXXXXX`` and, like it, muonckpt's own by the lease file the
+root writes into it first and holds while the save runs (:mod:`.lease`). Each message is one
+file, written to a temporary name and renamed (or hard-linked, for a message only one rank may
+leave: :meth:`Mailbox.claim`), so a reader sees it whole or not at all; a message is never
+rewritten.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointError
+from . import lease
 from .durable import read_text, remove_quietly
 
 MAILBOX_TAG = "steps"
@@ -54,13 +56,20 @@ class Mailbox:
         self.directory = Path(directory)
 
     def create(self) -> None:
-        """(one rank, before any message) Make the empty directory."""
+        """(one rank, before any message) Make the directory, holding only its lease, which
+        this process holds until :meth:`remove`."""
         try:
             self.directory.mkdir()
         except OSError as exc:
             raise CheckpointError(
                 f"cannot create the save's mailbox: {exc}", path=self.directory
             ) from None
+        try:
+            lease.take(self.directory, "mailbox")
+        except BaseException:
+            with contextlib.suppress(OSError):
+                self.directory.rmdir()
+            raise
 
     def _path(self, name: str) -> Path:
         if not _MESSAGE.match(f"{name}.json"):
@@ -126,18 +135,25 @@ class Mailbox:
             time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
             pause = min(pause * 2, _LONGEST_POLL_S)
 
-    def remove(self) -> None:
-        """Delete the messages and the directory; nothing else is ever deleted (a file of
-        another name keeps the directory, and is left alone), nothing through a symlink."""
+    def remove(self) -> list[str]:
+        """Delete the messages, the lease (last) and the directory, and stop holding the
+        lease; nothing else is ever deleted (a file of another name keeps the directory, and
+        is left alone), nothing through a symlink. Returns the names kept."""
         if self.directory.is_symlink():
-            return
+            return ["the symlink itself"]
         try:
-            names = os.listdir(self.directory)
+            names = sorted(os.listdir(self.directory), key=lease.deletion_order)
         except OSError:
-            return
+            names = []
         for name in names:
             path = self.directory / name
-            if (_MESSAGE.match(name) or _TEMPORARY.match(name)) and not path.is_symlink():
+            ours = _MESSAGE.match(name) or _TEMPORARY.match(name) or lease.LEASE_FILE.match(name)
+            if ours and not path.is_symlink():
                 remove_quietly(path)
+        lease.release(self.directory)
         with contextlib.suppress(OSError):
             self.directory.rmdir()
+        try:
+            return sorted(os.listdir(self.directory))
+        except OSError:
+            return []

@@ -4,6 +4,7 @@ own checkpoints and their files) live here too."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -12,12 +13,13 @@ import stat
 import threading
 import uuid
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from ..errors import CheckpointError, CheckpointWarning
 from ..manifest import FORMAT_NAME, MANIFEST_NAME
 from ..settings import local_path
+from . import lease
 from .durable import RENAME_NOREPLACE, exchange, fsync_dir, read_text, renameat2
 from .mailbox import MAILBOX_TAG
 
@@ -27,9 +29,10 @@ _STAGING_SUFFIX_BYTES = len(f"..{STAGING_TAG}-") + 8
 _OURS_NAME = re.compile(
     rf"^\..+\.(({STAGING_TAG}|{MAILBOX_TAG})-[0-9a-f]{{8}}|old-\d+)$", re.DOTALL
 )
-"""A directory of ours beside a target: ``.NAME.staging-XXXXXXXX`` (a save in progress, or the
-checkpoint an exchange replaced), ``.NAME.steps-XXXXXXXX`` (the mailbox of a background save)
-or ``.NAME.old-PID`` (the rename fallback's replaced one)."""
+"""The names of directories of ours beside a target: ``.NAME.staging-XXXXXXXX`` (a save in
+progress, or the checkpoint an exchange replaced), ``.NAME.steps-XXXXXXXX`` (the mailbox of a
+background save) or ``.NAME.old-PID`` (the rename fallback's replaced one). A name is never
+proof: what muonckpt made holds its lease file (:mod:`.lease`)."""
 _CHECKPOINT_FILE = re.compile(
     rf"^({re.escape(MANIFEST_NAME)}|[^.].*\.safetensors|[^.].*\.index\.json)$", re.DOTALL
 )
@@ -41,8 +44,9 @@ _OUR_MANIFEST_HEAD = re.compile(rb'\s*\{\s*"format"\s*:\s*"%s"\s*,' % FORMAT_NAM
 
 
 def _is_checkpoint_file(name: str) -> bool:
-    """Whether ``name`` is a file muonckpt writes into a checkpoint (or a temporary of one)."""
-    if _CHECKPOINT_FILE.match(name):
+    """Whether ``name`` is a file muonckpt writes into a checkpoint (or a temporary of one) or
+    into a directory it makes (the lease)."""
+    if _CHECKPOINT_FILE.match(name) or lease.LEASE_FILE.match(name):
         return True
     temporary = _TEMPORARY_FILE.match(name)
     return temporary is not None and _CHECKPOINT_FILE.match(temporary["name"]) is not None
@@ -75,8 +79,8 @@ def ownership_problem(directory: str | os.PathLike[str]) -> str | None:
     Replaceable: a directory (not a symlink) holding only regular files with the names a
     checkpoint has (``*.safetensors``, ``manifest.json``, ``*.index.json`` and muonckpt's
     temporaries of them), and either a ``manifest.json`` whose JSON says ``"format":
-    "muonckpt"``, or no manifest but a name of ours (``.NAME.staging-XXXXXXXX``,
-    ``.NAME.old-PID``: an interrupted save, or a replaced checkpoint). An empty directory is
+    "muonckpt"``, or no manifest but muonckpt's lease file (:mod:`.lease`: an interrupted
+    save, or a replaced checkpoint; a name alone proves nothing). An empty directory is
     replaceable too: nothing in it can be lost.
     """
     directory = Path(directory)
@@ -92,7 +96,7 @@ def ownership_problem(directory: str | os.PathLike[str]) -> str | None:
         return f"is not a muonckpt checkpoint: holds {_shown(foreign)}"
     manifest = directory / MANIFEST_NAME
     if not manifest.exists():
-        if _OURS_NAME.match(directory.name) or not any(directory.iterdir()):
+        if (directory / lease.LEASE_NAME).is_file() or not any(directory.iterdir()):
             return None
         return f"is not a muonckpt checkpoint: it has no {MANIFEST_NAME}"
     try:
@@ -232,7 +236,8 @@ def make_staging(
     *,
     source: str | os.PathLike[str] | None = None,
 ) -> Path:
-    """A fresh, empty ``.NAME.staging-XXXXXXXX`` directory beside ``final``.
+    """A fresh ``.NAME.staging-XXXXXXXX`` directory beside ``final``, holding only its lease
+    (:mod:`.lease`), which this process holds until :func:`swap_in` or :func:`discard`.
 
     :func:`check_target` first (nothing is created when it refuses), then the missing parents
     and the staging directory itself.
@@ -246,6 +251,12 @@ def make_staging(
         staging.mkdir()
     except OSError as exc:
         raise CheckpointError(f"cannot create the staging directory: {exc}", path=staging) from None
+    try:
+        lease.take(staging, "staging")
+    except BaseException:
+        with contextlib.suppress(OSError):
+            staging.rmdir()
+        raise
     _INTENT[str(staging)] = overwrite
     return staging
 
@@ -257,11 +268,12 @@ def _warn(message: str) -> None:
 def _remove_ours(directory: Path, names: Sequence[str] | None = None) -> list[str]:
     """Delete the checkpoint files (``names``, or all) in ``directory``, then, without
     ``names``, the directory if that left it empty. Nothing else is ever deleted: no other
-    file, no subdirectory, nothing through a symlink. Returns what could not be deleted, as
+    file, no subdirectory, nothing through a symlink; the lease file last, so that what a
+    crash leaves is still recognisably ours. Returns what could not be deleted, as
     ``"NAME (why)"``."""
     left = []
     try:
-        listed = sorted(os.listdir(directory)) if names is None else list(names)
+        listed = sorted(os.listdir(directory) if names is None else names, key=lease.deletion_order)
     except FileNotFoundError:
         return []
     except OSError as exc:
@@ -291,17 +303,24 @@ def _remove_ours(directory: Path, names: Sequence[str] | None = None) -> list[st
     return left
 
 
-def discard(staging: str | os.PathLike[str]) -> None:
-    """Remove a staging directory that will never be committed (its checkpoint files only;
-    anything else found there is kept and named in a :class:`CheckpointWarning`)."""
+def discard(staging: str | os.PathLike[str], *, quiet: bool = False) -> list[str]:
+    """Remove a staging directory that will never be committed, and stop holding its lease
+    (its checkpoint files and lease only; anything else found there is kept and, unless
+    ``quiet``, named in a :class:`CheckpointWarning`). Returns what is kept, as
+    ``"NAME (why)"``."""
     staging = Path(staging)
     _INTENT.pop(str(staging), None)
     if staging.is_symlink():  # never ours: staging directories are made by mkdir
-        _warn(f"{staging} is a symlink, not a staging directory; left alone")
-        return
-    left = _remove_ours(staging)
-    if left:
+        if not quiet:
+            _warn(f"{staging} is a symlink, not a staging directory; left alone")
+        return ["the symlink itself"]
+    try:
+        left = _remove_ours(staging)
+    finally:
+        lease.release(staging)
+    if left and not quiet:
         _warn(f"could not remove the staging directory {staging} entirely: {_shown(left)}")
+    return left
 
 
 def is_ours(name: str) -> bool:
@@ -324,6 +343,8 @@ def retire(directory: str | os.PathLike[str], files: Sequence[str] | None = None
         _warn(f"{directory} is a symlink, not a replaced checkpoint; left alone")
         return
     left = _remove_ours(directory, files)
+    if files is None:
+        lease.release(directory)
     if left:
         _warn(
             f"the new checkpoint is in place, but the one it replaced could not be deleted "
@@ -427,8 +448,16 @@ def swap_in(
     final: str | os.PathLike[str],
     *,
     overwrite: bool | None = None,
+    files: Mapping[str, int] | None = None,
 ) -> Path | None:
     """Make directory ``staging`` appear at ``final`` atomically.
+
+    Right before the rename, under the commit lock, what is about to be published is checked:
+    the staging directory's lease (:mod:`.lease`) is still the one this process took, and each
+    of ``files`` (name -> size: every file the manifest lists, and the manifest) is a regular
+    file of that size there; otherwise nothing is committed (a :class:`CheckpointError`: the
+    directory was changed by another process, a ``clean`` that could not see the save's lease
+    on a shared filesystem, say). Then the lease file is deleted, so that it is not published.
 
     Without ``overwrite`` the rename never replaces anything (``renameat2(RENAME_NOREPLACE)``):
     when another writer created ``final`` meanwhile, this raises and ``final`` keeps theirs.
@@ -450,10 +479,29 @@ def swap_in(
     with _COMMIT_LOCK:
         if _ABANDONED[0]:
             raise CheckpointError("not committed: this process was told to stop", path=final)
-        replaced = _commit_rename(staging, final, overwrite)
+        problem = lease.problem(staging) or _publish_problem(staging, files or {})
+        if problem:
+            raise CheckpointError(
+                f"not committed: the staging directory {staging} was changed by another process "
+                f"while this save ran ({problem}); the checkpoint at the path is as it was",
+                path=final,
+            )
+        held = lease.holds(staging)
+        lease.give_up(staging)
+        try:
+            replaced = _commit_rename(staging, final, overwrite)
+        except BaseException:
+            if held:  # still ours, to be discarded: marked again, in case that is cut short
+                with contextlib.suppress(CheckpointError):
+                    lease.take(staging, "staging")
+            raise
+        lease.release(staging)
         for callback in list(_COMMIT_WATCHERS.get(os.path.abspath(final), [])):
             callback()
     _INTENT.pop(str(staging), None)
+    if replaced is not None and not replaced.is_symlink():
+        with contextlib.suppress(CheckpointError):  # without it, retire still deletes it
+            lease.take(replaced, "replaced")
     if replaced is not None:
         if replaced.is_symlink():
             try:
@@ -468,6 +516,23 @@ def swap_in(
     except CheckpointError as exc:
         _warn(f"committed {final}, but {exc}")
     return replaced
+
+
+def _publish_problem(staging: Path, files: Mapping[str, int]) -> str | None:
+    """What is wrong with ``files`` (name -> size) in ``staging``: one missing, not a regular
+    file, or of another size; None when nothing is."""
+    for name, size in files.items():
+        try:
+            found = os.lstat(staging / name)
+        except FileNotFoundError:
+            return f"{name} is missing"
+        except OSError as exc:
+            return f"{name} cannot be checked ({exc.strerror})"
+        if not stat.S_ISREG(found.st_mode):
+            return f"{name} is not a regular file"
+        if found.st_size != size:
+            return f"{name} is {found.st_size} bytes, not {size}"
+    return None
 
 
 def _commit_rename(staging: Path, final: Path, overwrite: bool) -> Path | None:
