@@ -352,11 +352,21 @@ _UNSETTLED: set[_BackgroundSave] = set()
 """Every background save still running, or failed with its error unread, whether or not its
 optimizer is still alive: what :func:`_finish_saves_at_exit` waits for and reports."""
 threading._register_atexit(_finish_saves_at_exit)  # type: ignore[attr-defined]
-os.register_at_fork(after_in_child=_UNSETTLED.clear)  # a forked child's saves are its own
 
 
 _IN_FLIGHT: weakref.WeakKeyDictionary[Any, Future[Path]] = weakref.WeakKeyDictionary()
 """Per optimizer (the first of a list), its background save in flight, if any."""
+
+
+def _forget_saves_in_child() -> None:
+    """(a forked child) The parent's background saves are the parent's: the child has no
+    thread writing them, so it neither reports them at exit nor waits for them before a save
+    of its own (which would wait forever)."""
+    _UNSETTLED.clear()
+    _IN_FLIGHT.clear()
+
+
+os.register_at_fork(after_in_child=_forget_saves_in_child)
 _HOST_BUFFERS: weakref.WeakKeyDictionary[Any, HostBuffers] = weakref.WeakKeyDictionary()
 """Per optimizer (the first of a list), the host buffers its saves copy state into."""
 

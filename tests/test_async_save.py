@@ -221,6 +221,41 @@ def test_a_forked_child_leaves_its_parents_save_to_the_parent(tmp_path):
     assert muonckpt.verify(tmp_path / "ckpt") == []
 
 
+CHILD_SAVING_SCRIPT = """
+import os, sys, threading
+import muonckpt
+from muonckpt import writing
+from tests.fixture_model import single_process_optimizer
+forked, write_files = threading.Event(), writing.write_files
+writing.write_files = lambda *args, **kwargs: forked.wait() and write_files(*args, **kwargs)
+opt = single_process_optimizer(2)
+future = muonckpt.async_save(opt, sys.argv[1] + "/parent")
+child = os.fork()  # the save is in flight: it writes once forked is set
+if child == 0:
+    forked.set()  # the child's own save must not wait for the parent's, which it cannot see
+    muonckpt.save(opt, sys.argv[1] + "/child")
+    os._exit(0)
+forked.set()
+print(os.waitstatus_to_exitcode(os.waitpid(child, 0)[1]), future.result(), flush=True)
+"""
+
+
+def test_a_forked_childs_own_save_does_not_wait_for_its_parents(tmp_path):
+    """A child forked while a save of the same optimizer was in flight waited forever in its
+    own save (or async_save) for the parent's, whose thread it does not have."""
+    done = subprocess.run(
+        [sys.executable, "-c", CHILD_SAVING_SCRIPT, str(tmp_path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,  # the hang guard
+    )
+    assert (done.returncode, done.stderr) == (0, ""), done.stderr[-3000:]
+    assert done.stdout.split() == ["0", str(tmp_path / "parent")]
+    assert muonckpt.verify(tmp_path / "parent") == []
+    assert muonckpt.verify(tmp_path / "child") == []
+
+
 def test_host_buffers_are_reused_between_saves(tmp_path):
     from muonckpt.checkpoint import _HOST_BUFFERS
 
