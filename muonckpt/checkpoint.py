@@ -248,6 +248,9 @@ def async_save(
             writing.abandon(prepared.staging)
         raise CheckpointError(f"cannot start the background save: {exc}", path=path) from exc
     _IN_FLIGHT[_key(target)] = future
+    if _exiting():  # (a user's atexit handler) nothing would wait for it: finish it now
+        future.thread.join()
+        _finish_saves_at_exit()  # its failure, unread: said, and exit code 1
     return future
 
 
@@ -351,7 +354,16 @@ def _finish_saves_at_exit() -> None:
 _UNSETTLED: set[_BackgroundSave] = set()
 """Every background save still running, or failed with its error unread, whether or not its
 optimizer is still alive: what :func:`_finish_saves_at_exit` waits for and reports."""
-threading._register_atexit(_finish_saves_at_exit)  # type: ignore[attr-defined]
+
+
+def _exiting() -> bool:
+    """Whether the interpreter's exit has begun (its threading exit hooks, ours among them,
+    have run or are running): a background thread started now would be waited for by no one."""
+    return bool(getattr(threading, "_SHUTTING_DOWN", False)) or sys.is_finalizing()
+
+
+with contextlib.suppress(RuntimeError):  # first imported at exit (a user's atexit handler)
+    threading._register_atexit(_finish_saves_at_exit)  # type: ignore[attr-defined]
 
 
 _IN_FLIGHT: weakref.WeakKeyDictionary[Any, Future[Path]] = weakref.WeakKeyDictionary()

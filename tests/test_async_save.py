@@ -256,6 +256,42 @@ def test_a_forked_childs_own_save_does_not_wait_for_its_parents(tmp_path):
     assert muonckpt.verify(tmp_path / "child") == []
 
 
+AT_EXIT_SCRIPT = """
+import atexit, sys
+import torch
+import muonckpt
+if sys.argv[2] == "imported":
+    import muonckpt.checkpoint  # the exit hook registered at import, as a script that saved
+param = torch.nn.Parameter(torch.randn(3_000_000))  # 24 MB of moments: the writer's pools
+opt = torch.optim.AdamW([param])
+param.grad = torch.ones_like(param)
+opt.step()
+save = muonckpt.async_save if sys.argv[3] == "async_save" else muonckpt.save
+atexit.register(lambda: print(type(save(opt, sys.argv[1])).__name__, flush=True))
+"""
+
+
+@pytest.mark.parametrize("imported", ["imported", "first used at exit"])
+@pytest.mark.parametrize("how", ["async_save", "save"])
+def test_a_save_from_an_atexit_handler_is_committed(tmp_path, imported, how):
+    """A 'save on exit' handler: muonckpt's first use there raised a raw RuntimeError (its exit
+    hook registered at import, after threading's shutdown); an async_save there returned a
+    running future nobody waited for (exit code 0, nothing committed, the staging left), and
+    the writer's pools refused work ('cannot schedule new futures after interpreter
+    shutdown')."""
+    done = subprocess.run(
+        [sys.executable, "-c", AT_EXIT_SCRIPT, str(tmp_path / "ckpt"), imported, how],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr and "muonckpt:" not in done.stderr, done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+    assert muonckpt.verify(tmp_path / "ckpt") == []
+
+
 def test_host_buffers_are_reused_between_saves(tmp_path):
     from muonckpt.checkpoint import _HOST_BUFFERS
 
