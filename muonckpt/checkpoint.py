@@ -14,6 +14,7 @@ I/O from :mod:`muonckpt.storage`.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import sys
@@ -250,7 +251,7 @@ def async_save(
     _IN_FLIGHT[_key(target)] = future
     if _exiting():  # (a user's atexit handler) nothing would wait for it: finish it now
         future.thread.join()
-        _finish_saves_at_exit()  # its failure, unread: said, and exit code 1
+        _finish_saves_at_exit(in_atexit_handler=True)  # a failure, unread: said, exit 1
     return future
 
 
@@ -318,7 +319,7 @@ class _BackgroundSave(Future[Path]):
         return self.read or Future.exception(self, 0) is None
 
 
-def _finish_saves_at_exit() -> None:
+def _finish_saves_at_exit(*, in_atexit_handler: bool = False) -> None:
     """(at interpreter exit) Wait for every background save still running; report each failed
     save whose error nobody read on stderr, one line, and end the process with exit code 1.
 
@@ -328,7 +329,9 @@ def _finish_saves_at_exit() -> None:
     interpreter shutdown") while the non-daemon threads still run: a save waited for only as
     a non-daemon thread failed there, and nobody saw its error. A failure must not pass for a
     clean exit (the script's own exit code is not known here: 1 stands for it); nor may a
-    Ctrl-C while it waits (said, exit code 1, the staging left for ``muonckpt clean``)."""
+    Ctrl-C while it waits (said, exit code 1, the staging left for ``muonckpt clean``).
+    Before that exit the job's atexit handlers run (os._exit would skip them), unless this is
+    called from one of them (``in_atexit_handler``: an async_save started there)."""
     try:
         for save in list(_UNSETTLED):
             save.thread.join()
@@ -345,6 +348,9 @@ def _finish_saves_at_exit() -> None:
         return
     for line in said:
         print(f"muonckpt: {' '.join(line.split())}", file=sys.stderr)
+    if not in_atexit_handler:  # os._exit skips them: the job's own (a logger's, a tracker's)
+        with contextlib.suppress(BaseException):
+            atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):  # a closed stream: nothing more to say there
             stream.flush()

@@ -292,6 +292,40 @@ def test_a_save_from_an_atexit_handler_is_committed(tmp_path, imported, how):
     assert muonckpt.verify(tmp_path / "ckpt") == []
 
 
+FAILING_AT_EXIT_SCRIPT = """
+import atexit, sys
+import muonckpt
+from muonckpt import writing
+from tests.fixture_model import single_process_optimizer
+def no_space(*args, **kwargs):
+    raise OSError(28, "No space left on device")
+writing.write_files = no_space
+atexit.register(lambda: print("the job's own exit handler ran", flush=True))
+muonckpt.async_save(single_process_optimizer(2), sys.argv[1])  # its failure never read
+"""
+
+
+def test_the_jobs_exit_handlers_still_run_when_a_failed_save_sets_exit_code_1(tmp_path):
+    """The exit hook ended the process with os._exit(1) when a background save failed unread,
+    which skipped the job's own atexit handlers (a tracker's finish, logging's shutdown)."""
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            FAILING_AT_EXIT_SCRIPT,
+            str(tmp_path / "ckpt"),
+            str(tmp_path / "log"),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert done.stderr.startswith("muonckpt: a background save failed"), done.stderr
+    assert done.stdout == "the job's own exit handler ran\n"
+
+
 def test_host_buffers_are_reused_between_saves(tmp_path):
     from muonckpt.checkpoint import _HOST_BUFFERS
 
