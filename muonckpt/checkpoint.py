@@ -14,6 +14,7 @@ I/O from :mod:`muonckpt.storage`.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import sys
@@ -248,6 +249,9 @@ def async_save(
             writing.abandon(prepared.staging)
         raise CheckpointError(f"cannot start the background save: {exc}", path=path) from exc
     _IN_FLIGHT[_key(target)] = future
+    if _exiting():  # (a user's atexit handler) nothing would wait for it: finish it now
+        future.thread.join()
+        _finish_saves_at_exit(in_atexit_handler=True)  # a failure, unread: said, exit 1
     return future
 
 
@@ -315,7 +319,7 @@ class _BackgroundSave(Future[Path]):
         return self.read or Future.exception(self, 0) is None
 
 
-def _finish_saves_at_exit() -> None:
+def _finish_saves_at_exit(*, in_atexit_handler: bool = False) -> None:
     """(at interpreter exit) Wait for every background save still running; report each failed
     save whose error nobody read on stderr, one line, and end the process with exit code 1.
 
@@ -325,7 +329,9 @@ def _finish_saves_at_exit() -> None:
     interpreter shutdown") while the non-daemon threads still run: a save waited for only as
     a non-daemon thread failed there, and nobody saw its error. A failure must not pass for a
     clean exit (the script's own exit code is not known here: 1 stands for it); nor may a
-    Ctrl-C while it waits (said, exit code 1, the staging left for ``muonckpt clean``)."""
+    Ctrl-C while it waits (said, exit code 1, the staging left for ``muonckpt clean``).
+    Before that exit the job's atexit handlers run (os._exit would skip them), unless this is
+    called from one of them (``in_atexit_handler``: an async_save started there)."""
     try:
         for save in list(_UNSETTLED):
             save.thread.join()
@@ -342,6 +348,9 @@ def _finish_saves_at_exit() -> None:
         return
     for line in said:
         print(f"muonckpt: {' '.join(line.split())}", file=sys.stderr)
+    if not in_atexit_handler:  # os._exit skips them: the job's own (a logger's, a tracker's)
+        with contextlib.suppress(BaseException):
+            atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):  # a closed stream: nothing more to say there
             stream.flush()
@@ -351,12 +360,31 @@ def _finish_saves_at_exit() -> None:
 _UNSETTLED: set[_BackgroundSave] = set()
 """Every background save still running, or failed with its error unread, whether or not its
 optimizer is still alive: what :func:`_finish_saves_at_exit` waits for and reports."""
-threading._register_atexit(_finish_saves_at_exit)  # type: ignore[attr-defined]
-os.register_at_fork(after_in_child=_UNSETTLED.clear)  # a forked child's saves are its own
+
+
+def _exiting() -> bool:
+    """Whether the interpreter's exit has begun (its threading exit hooks, ours among them,
+    have run or are running): a background thread started now would be waited for by no one."""
+    return bool(getattr(threading, "_SHUTTING_DOWN", False)) or sys.is_finalizing()
+
+
+with contextlib.suppress(RuntimeError):  # first imported at exit (a user's atexit handler)
+    threading._register_atexit(_finish_saves_at_exit)  # type: ignore[attr-defined]
 
 
 _IN_FLIGHT: weakref.WeakKeyDictionary[Any, Future[Path]] = weakref.WeakKeyDictionary()
 """Per optimizer (the first of a list), its background save in flight, if any."""
+
+
+def _forget_saves_in_child() -> None:
+    """(a forked child) The parent's background saves are the parent's: the child has no
+    thread writing them, so it neither reports them at exit nor waits for them before a save
+    of its own (which would wait forever)."""
+    _UNSETTLED.clear()
+    _IN_FLIGHT.clear()
+
+
+os.register_at_fork(after_in_child=_forget_saves_in_child)
 _HOST_BUFFERS: weakref.WeakKeyDictionary[Any, HostBuffers] = weakref.WeakKeyDictionary()
 """Per optimizer (the first of a list), the host buffers its saves copy state into."""
 

@@ -232,7 +232,8 @@ def clean(root: str | os.PathLike[str], older_than: float) -> Cleaned:
     was kept. A ``root`` that cannot be listed is a :class:`CheckpointError`; a negative
     ``older_than`` too.
     """
-    if not older_than >= 0:
+    number = isinstance(older_than, (int, float)) and not isinstance(older_than, bool)
+    if not (number and older_than >= 0):  # (NaN fails it)
         raise CheckpointError(f"older_than must be a number of seconds >= 0, got {older_than!r}")
     root = settings.local_path(root)
     try:

@@ -120,9 +120,13 @@ def tolerance(value: object, name: str) -> float:
     """
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise CheckpointError(f"{name} must be a number, got {value!r}")
-    if not (0 <= value < math.inf):
+    try:
+        number = float(value)
+    except OverflowError:  # an int past float's range
+        number = math.inf
+    if not (0 <= number < math.inf):
         raise CheckpointError(f"{name} must be finite and at least 0, got {value!r}")
-    return float(value)
+    return number
 
 
 def available_cores() -> int:

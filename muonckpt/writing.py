@@ -51,6 +51,7 @@ from .manifest import (
 from .manifest_json import piece_from_json
 from .pieces import all_files
 from .steps import Outcome, StepProtocol, disagreement
+from .storage.safetensors_writer import beside
 from .workplan import WorkUnit, split_work
 from .writeplan import TensorWrite, WritePlan
 
@@ -645,10 +646,10 @@ def prefetched(items: Sequence[T], produce: Callable[[T], R]) -> Generator[tuple
     if not items:
         return
     with ThreadPoolExecutor(max_workers=1) as pool:
-        pending = pool.submit(produce, items[0])
+        pending = beside(pool, produce, items[0])
         for index, item in enumerate(items):
             value = pending.result()
             if index + 1 < len(items):
-                pending = pool.submit(produce, items[index + 1])
+                pending = beside(pool, produce, items[index + 1])
             yield item, value
             del value

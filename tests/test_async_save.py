@@ -221,6 +221,111 @@ def test_a_forked_child_leaves_its_parents_save_to_the_parent(tmp_path):
     assert muonckpt.verify(tmp_path / "ckpt") == []
 
 
+CHILD_SAVING_SCRIPT = """
+import os, sys, threading
+import muonckpt
+from muonckpt import writing
+from tests.fixture_model import single_process_optimizer
+forked, write_files = threading.Event(), writing.write_files
+writing.write_files = lambda *args, **kwargs: forked.wait() and write_files(*args, **kwargs)
+opt = single_process_optimizer(2)
+future = muonckpt.async_save(opt, sys.argv[1] + "/parent")
+child = os.fork()  # the save is in flight: it writes once forked is set
+if child == 0:
+    forked.set()  # the child's own save must not wait for the parent's, which it cannot see
+    muonckpt.save(opt, sys.argv[1] + "/child")
+    os._exit(0)
+forked.set()
+print(os.waitstatus_to_exitcode(os.waitpid(child, 0)[1]), future.result(), flush=True)
+"""
+
+
+def test_a_forked_childs_own_save_does_not_wait_for_its_parents(tmp_path):
+    """A child forked while a save of the same optimizer was in flight waited forever in its
+    own save (or async_save) for the parent's, whose thread it does not have."""
+    done = subprocess.run(
+        [sys.executable, "-c", CHILD_SAVING_SCRIPT, str(tmp_path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,  # the hang guard
+    )
+    assert (done.returncode, done.stderr) == (0, ""), done.stderr[-3000:]
+    assert done.stdout.split() == ["0", str(tmp_path / "parent")]
+    assert muonckpt.verify(tmp_path / "parent") == []
+    assert muonckpt.verify(tmp_path / "child") == []
+
+
+AT_EXIT_SCRIPT = """
+import atexit, sys
+import torch
+import muonckpt
+if sys.argv[2] == "imported":
+    import muonckpt.checkpoint  # the exit hook registered at import, as a script that saved
+param = torch.nn.Parameter(torch.randn(3_000_000))  # 24 MB of moments: the writer's pools
+opt = torch.optim.AdamW([param])
+param.grad = torch.ones_like(param)
+opt.step()
+save = muonckpt.async_save if sys.argv[3] == "async_save" else muonckpt.save
+atexit.register(lambda: print(type(save(opt, sys.argv[1])).__name__, flush=True))
+"""
+
+
+@pytest.mark.parametrize("imported", ["imported", "first used at exit"])
+@pytest.mark.parametrize("how", ["async_save", "save"])
+def test_a_save_from_an_atexit_handler_is_committed(tmp_path, imported, how):
+    """A 'save on exit' handler: muonckpt's first use there raised a raw RuntimeError (its exit
+    hook registered at import, after threading's shutdown); an async_save there returned a
+    running future nobody waited for (exit code 0, nothing committed, the staging left), and
+    the writer's pools refused work ('cannot schedule new futures after interpreter
+    shutdown')."""
+    done = subprocess.run(
+        [sys.executable, "-c", AT_EXIT_SCRIPT, str(tmp_path / "ckpt"), imported, how],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr and "muonckpt:" not in done.stderr, done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+    assert muonckpt.verify(tmp_path / "ckpt") == []
+
+
+FAILING_AT_EXIT_SCRIPT = """
+import atexit, sys
+import muonckpt
+from muonckpt import writing
+from tests.fixture_model import single_process_optimizer
+def no_space(*args, **kwargs):
+    raise OSError(28, "No space left on device")
+writing.write_files = no_space
+atexit.register(lambda: print("the job's own exit handler ran", flush=True))
+muonckpt.async_save(single_process_optimizer(2), sys.argv[1])  # its failure never read
+"""
+
+
+def test_the_jobs_exit_handlers_still_run_when_a_failed_save_sets_exit_code_1(tmp_path):
+    """The exit hook ended the process with os._exit(1) when a background save failed unread,
+    which skipped the job's own atexit handlers (a tracker's finish, logging's shutdown)."""
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            FAILING_AT_EXIT_SCRIPT,
+            str(tmp_path / "ckpt"),
+            str(tmp_path / "log"),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert done.stderr.startswith("muonckpt: a background save failed"), done.stderr
+    assert done.stdout == "the job's own exit handler ran\n"
+
+
 def test_host_buffers_are_reused_between_saves(tmp_path):
     from muonckpt.checkpoint import _HOST_BUFFERS
 

@@ -377,3 +377,28 @@ def test_some_wrong_fields_through_the_command_line(saved, tmp_path):
         _write_metadata(case, edited)
         _one_error_line(_cli(case, tmp_path / f"out-{n}"), named, str(case / ".metadata"))
         assert not (tmp_path / f"out-{n}").exists()
+
+
+def test_a_dense_chunk_stored_column_major_is_read_not_refused(tmp_path, monkeypatch):
+    """``torch.save`` (and so DCP's writer) keeps a tensor's strides when its storage is exactly
+    its own: a column-major matrix (a transposed init, a ``zeros_like`` of one) is a real DCP
+    chunk of exactly its bytes. It was refused as 'not a dense tensor'; it converts to the same
+    values as the row-major save."""
+    from muonckpt.examine import diff
+
+    save = dcp_cases.dcp.save
+
+    def column_major(state_dict: dict[str, Any], checkpoint_id: str) -> Any:
+        momentum = "state.w.momentum_buffer"
+        state_dict["model"]["w"] = state_dict["model"]["w"].t().contiguous().t()
+        state_dict["optimizer"][momentum] = state_dict["optimizer"][momentum].t().contiguous().t()
+        assert state_dict["model"]["w"].stride() == (1, 6)
+        return save(state_dict, checkpoint_id=checkpoint_id)
+
+    dcp_cases.single_process_dcp(tmp_path / "rows", "momentum_buffer", "momentum", {}, ADAM)
+    monkeypatch.setattr(dcp_cases.dcp, "save", column_major)
+    dcp_cases.single_process_dcp(tmp_path / "columns", "momentum_buffer", "momentum", {}, ADAM)
+    for name in ("rows", "columns"):
+        offline.from_dcp(tmp_path / name, tmp_path / f"{name}.out", source="torch", to="packaged")
+    rows = diff(tmp_path / "rows.out", tmp_path / "columns.out")
+    assert rows and all(row.equal for row in rows), rows

@@ -297,13 +297,23 @@ def test_an_async_save_timeout_past_a_week_is_refused_by_the_call(tmp_path, bad)
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -1.0, "0.1", True])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -1.0, "0.1", True, 10**400])
 def test_diff_tolerances_are_finite_numbers(single_ckpt, bad):
     """A NaN tolerance made every element differ; an infinite one, every element agree."""
     src = single_ckpt(1)
     for name in ("atol", "rtol"):
         with pytest.raises(muonckpt.CheckpointError, match=f"^{name} must be"):
             offline.diff(src, src, **{name: bad})
+
+
+@pytest.mark.parametrize("bad", ["60", None, True, float("nan"), -1])
+def test_clean_older_than_is_a_number_of_seconds(tmp_path, bad):
+    """clean(root, "60") and clean(root, None) were raw TypeErrors; True passed for 1 s."""
+    staging = tmp_path / ".x.staging-0123abcd"
+    staging.mkdir()
+    with pytest.raises(muonckpt.CheckpointError, match=r"^older_than must be a number of seconds"):
+        muonckpt.clean(tmp_path, bad)
+    assert staging.exists()
 
 
 def test_demo_refuses_more_processes_than_the_cores_bear(tmp_path):

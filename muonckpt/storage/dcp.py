@@ -24,7 +24,7 @@ import math
 import os
 import pickle
 import reprlib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -504,6 +504,22 @@ def _load_range(directory: Path, file: str, offset: int, length: int, what: str)
             ) from None
 
 
+def _dense(shape: Sequence[int], strides: Sequence[int]) -> bool:
+    """Whether a tensor of ``shape`` and ``strides`` covers each element of its span exactly
+    once, in any order of its dimensions (row-major, column-major, any permutation: what
+    ``torch.save`` keeps of a tensor whose storage is exactly its own); never a stride-0
+    expansion or an overlapping view."""
+    if 0 in shape:
+        return True  # no element: nothing stored
+    expected = 1
+    spans = sorted((p for p in zip(shape, strides, strict=True) if p[0] != 1), key=lambda p: p[1])
+    for size, stride in spans:
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
 def read_tensor(index: DcpIndex, item: DcpTensor) -> torch.Tensor:
     """The full tensor ``item``, assembled from its chunks (their geometry was checked by
     :func:`read_index`; each read must be a dense tensor of its chunk's shape and dtype whose
@@ -530,7 +546,7 @@ def read_tensor(index: DcpIndex, item: DcpTensor) -> torch.Tensor:
         if value.layout != torch.strided:
             raise CheckpointError(f"{what}: a chunk is a {value.layout} tensor", path=path)
         if (
-            not value.is_contiguous()
+            not _dense(value.shape, value.stride())
             or value.storage_offset() != 0
             or value.untyped_storage().nbytes() != value.numel() * value.element_size()
         ):
@@ -543,7 +559,7 @@ def read_tensor(index: DcpIndex, item: DcpTensor) -> torch.Tensor:
                 path=path,
             )
         if len(item.chunks) == 1:
-            return value
+            return value.contiguous()  # a dense chunk in another order (column-major) too
         if full is None:
             full = torch.empty(item.shape, dtype=dtype)
         full[tuple(slice(o, o + s) for o, s in zip(chunk.offsets, chunk.sizes, strict=True))] = (

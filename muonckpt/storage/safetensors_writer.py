@@ -5,18 +5,20 @@ at planned offsets (:class:`SharedSafetensorsFile`); checksums come from the byt
 from __future__ import annotations
 
 import bisect
+import concurrent.futures.thread
 import contextlib
 import itertools
 import json
 import math
 import os
 import struct
+import sys
 from array import array
-from collections.abc import Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar
 
 import numpy as np
 
@@ -26,6 +28,8 @@ from .checksums import CHUNK_BYTES, chunk_digests
 from .dtypes import byte_view, torch_dtype_names
 from .durable import pwrite_all, remove_quietly, replace_durably, start_writeback, temporary_path
 from .safetensors_format import DTYPE_CODES, DTYPES, METADATA_KEY, TensorRecord
+
+_T = TypeVar("_T")
 
 if TYPE_CHECKING:
     import torch
@@ -106,10 +110,28 @@ def _write_and_checksum(fd: int, view: memoryview, offset: int, chunk_bytes: int
         return chunk_digests(view, chunk_bytes)
     # xxhash and file writes both release the GIL: overlap them.
     with ThreadPoolExecutor(max_workers=1) as pool:
-        pending = pool.submit(chunk_digests, view, chunk_bytes)
+        pending = beside(pool, chunk_digests, view, chunk_bytes)
         pwrite_all(fd, view, offset)
         start_writeback(fd)
         return pending.result()
+
+
+def beside(pool: ThreadPoolExecutor, work: Callable[..., _T], *args: Any) -> Future[_T]:
+    """``pool.submit(work, *args)``; where the pool refuses new work because the interpreter
+    is exiting (concurrent.futures' exit hook has run: a save finished by
+    ``_finish_saves_at_exit``, or started from an atexit handler), ``work`` runs here, now,
+    and its outcome is the future's: slower, never lost."""
+    try:
+        return pool.submit(work, *args)
+    except RuntimeError:
+        if not (sys.is_finalizing() or getattr(concurrent.futures.thread, "_shutdown", False)):
+            raise
+    done: Future[_T] = Future()
+    try:
+        done.set_result(work(*args))
+    except BaseException as exc:
+        done.set_exception(exc)
+    return done
 
 
 def _plan_header(
