@@ -27,7 +27,7 @@ import os
 import warnings
 from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from operator import attrgetter
 from pathlib import Path
 from typing import Any, Protocol, TypeVar, cast
@@ -102,6 +102,10 @@ class Written:
     """(param, key) -> safetensors dtype, of every piece."""
     extra: Any = None
     """Anything else the caller reports to the root (JSON)."""
+    sizes: dict[str, int] = field(default_factory=dict)
+    """Each safetensors file's size as planned (header and data), which the manifest lists:
+    never what a file measures after the write, so that a file cut short under the save is
+    refused by the commit's check instead of listed at its cut size."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -109,6 +113,7 @@ class Written:
             "pieces": [piece_to_json(p) for p in self.pieces],
             "dtypes": [[param, key, dtype] for (param, key), dtype in self.dtypes.items()],
             "extra": self.extra,
+            "sizes": self.sizes,
         }
 
     @classmethod
@@ -118,6 +123,7 @@ class Written:
             [piece_from_json(p) for p in raw["pieces"]],
             {(param, key): dtype for param, key, dtype in raw["dtypes"]},
             raw["extra"],
+            dict(raw["sizes"]),
         )
 
 
@@ -241,7 +247,11 @@ def finish(
         seal(staging)
         reports = [Written.from_json(r) for r in raw] if across else raw
         names = dict.fromkeys(name for r in reports for name in r.files)
-        files = [FileEntry(name, storage.file_size(staging / name)) for name in names]
+        sizes = {name: size for r in reports for name, size in r.sizes.items()}
+        files = [
+            FileEntry(name, sizes[name] if name in sizes else storage.file_size(staging / name))
+            for name in names
+        ]
         in_file: dict[str, list[Piece]] = {name: [] for name in names}
         for report in reports:
             for piece in report.pieces:
@@ -508,7 +518,7 @@ def write_files(
     (for reads from files; state already in memory is written straight, since a thread
     handoff per tensor costs more than it saves for many small tensors)."""
     meter = _Meter([w.nbytes for w in plan.writes], progress)
-    pieces = []
+    pieces, sizes = [], {}
     for file, writes in plan.by_file().items():
         with storage.SafetensorsWriter(staging / file, plan.specs(file), plan.files[file]) as out:
             fetched: Generator[tuple[TensorWrite, Any], None, None] = (
@@ -520,17 +530,21 @@ def write_files(
                     del value
                     meter.tick(w.nbytes)
             records = out.commit()
+        sizes[file] = out.size
         pieces += [w.piece(*_sums(records[w.tensor])) for w in writes]
     _write_texts(plan, staging)
-    return _written(list(plan.files), plan.writes, pieces)
+    return _written(list(plan.files), plan.writes, pieces, sizes)
 
 
 def _sums(record: storage.TensorRecord) -> tuple[bytes, int]:
     return record.digests, record.chunk_bytes
 
 
-def _written(files: list[str], writes: Sequence[TensorWrite], pieces: list[Piece]) -> Written:
-    return Written(files, pieces, _Lazy(lambda: {(w.param, w.key): w.dtype for w in writes}))
+def _written(
+    files: list[str], writes: Sequence[TensorWrite], pieces: list[Piece], sizes: dict[str, int]
+) -> Written:
+    dtypes = _Lazy(lambda: {(w.param, w.key): w.dtype for w in writes})
+    return Written(files, pieces, dtypes, sizes=sizes)
 
 
 def write_extra(
@@ -610,7 +624,8 @@ def write_share(
     finally:
         for output in outputs.values():
             output.close()
-    return _written(list(plan.files), share, pieces)
+    sizes = {file: output.size for file, output in outputs.items()}
+    return _written(list(plan.files), share, pieces, sizes)
 
 
 def share_of(

@@ -581,14 +581,6 @@ def test_a_step_turns_any_exception_into_the_protocol_error_naming_rank_type_and
         steps.each_then_root("stage", lambda: (_ for _ in ()).throw(KeyboardInterrupt()), list)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the commit check compares each file with the size the manifest lists, and the "
-    "manifest's sizes are read from the staging files themselves (writing.finish: "
-    "storage.file_size) after the write: a file truncated between its write and the commit "
-    "(another process, a filesystem fault) is listed at its truncated size and published; "
-    "the writer knows each file's true size and should list that",
-)
 def test_a_data_file_truncated_before_the_commit_is_not_published(tmp_path, monkeypatch):
     from muonckpt import writing
 

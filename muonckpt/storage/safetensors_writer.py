@@ -309,6 +309,8 @@ class SafetensorsWriter:
         header = _plan_header(self.path, specs, metadata)
         self._plan = header.layout
         self._data_start = 8 + header.length
+        self.size = self._data_start + self._plan.nbytes
+        """Length of the finished file."""
         self._order = self._plan.keys
         self._next = 0
         self._digests: list[bytes] = []
