@@ -59,9 +59,12 @@ def parse_size(text: str) -> int:
     if match is None:
         raise ValueError(f"{text!r} is not a size like 5GB, 500MB, 64MiB or 1048576")
     try:
-        size = int(Decimal(match.group(1)) * SIZE_UNITS[(match.group(2) or "").upper()])
+        exact = Decimal(match.group(1)) * SIZE_UNITS[(match.group(2) or "").upper()]
     except InvalidOperation as exc:  # (the pattern admits decimal digits only)
         raise ValueError(f"{text!r} is not a size") from exc
+    if exact != exact.to_integral_value():  # "1.5B" is no size, never silently 1 byte
+        raise ValueError(f"{text!r} is not a whole number of bytes")
+    size = int(exact)
     if size <= 0:
         raise ValueError(f"{text!r} is not a positive size")
     return size

@@ -611,3 +611,18 @@ def test_clean_is_not_fooled_by_a_lease_file_it_did_not_write(saved, tmp_path, l
     before = snapshot(root)
     assert muonckpt.clean(root, older_than=0) == Cleaned([], [(fake, why)])
     assert snapshot(root) == before
+
+
+def test_a_forged_lease_cannot_write_lines_of_its_own_through_clean(tmp_path):
+    """What ``clean`` says of a lease comes from the lease's own text: a forged host with a
+    newline or a terminal escape is shown escaped, on the one line of its directory."""
+    root = tmp_path / "ckpt"
+    fake = root / ".step-1.staging-0123abcd"
+    fake.mkdir(parents=True)
+    forged = {"muonckpt": "staging", "host": "elsewhere\nremoved /data\x1b[2J", "pid": 7}
+    (fake / ".muonckpt-lease").write_text(json.dumps(forged))  # fresh: in use, said why
+    cleaned = muonckpt.clean(root, older_than=0)
+    assert cleaned.removed == [] and [path for path, _ in cleaned.skipped] == [fake]
+    ((_, why),) = cleaned.skipped
+    assert why.startswith("in use: its lease was renewed") and "pid 7 on 'elsewhere" in why
+    assert "\n" not in why and "\x1b" not in why

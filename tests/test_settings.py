@@ -227,6 +227,9 @@ def test_sizes_read_as_hugging_face_reads_them():
     assert settings.parse_size("1024") == 1024
     with pytest.raises(ValueError):
         settings.parse_size("\u0661\u0662\u0663")  # digits, but not ASCII ones
+    with pytest.raises(ValueError, match="whole number of bytes"):
+        settings.parse_size("1.5B")  # once silently 1 byte
+    assert settings.parse_size("1.5KB") == 1500
 
 
 @pytest.mark.parametrize("bad", ["5 parsecs", "0KB", "", "-1MB", 0, -5, True, 1.5, [1]])

@@ -214,6 +214,13 @@ def leftover(directory: str | os.PathLike[str]) -> Iterator[Leftover]:
         os.close(fd)
 
 
+def _shown(value: object) -> str:
+    """A lease field as ``clean`` prints it: a forged lease's newlines or terminal escapes
+    must not make lines of their own."""
+    text = str(value)
+    return text if text.isprintable() and len(text) <= 255 else ascii(text[:255])
+
+
 def _judge(fd: int, path: Path, changed: float) -> Leftover:
     """:func:`leftover` of a directory whose lease file ``path`` is open at ``fd``."""
     info = os.fstat(fd)
@@ -224,7 +231,7 @@ def _judge(fd: int, path: Path, changed: float) -> Leftover:
     if not isinstance(record, dict) or not isinstance(record.get(FORMAT_NAME), str):
         return Leftover(f"its {LEASE_NAME} is not one muonckpt wrote", 0.0)
     changed = max(changed, info.st_mtime)
-    maker = f"pid {record.get('pid')} on {record.get('host')}"
+    maker = f"pid {_shown(record.get('pid'))} on {_shown(record.get('host'))}"
     try:
         locked = _try_lock(fd)
     except OSError as exc:
