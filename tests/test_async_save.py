@@ -158,6 +158,13 @@ def _run_exit_script(ckpt: Path, kind: str, world: int) -> subprocess.CompletedP
     )
 
 
+def _run_script(source: str, *args: object) -> subprocess.CompletedProcess:
+    """``python -c source args...`` from the repository, its output captured; the timeout is
+    the hang guard."""
+    command = [sys.executable, "-c", source, *map(str, args)]
+    return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
+
+
 @pytest.mark.parametrize(
     ("kind", "world"), [*((kind, 1) for kind in EXITS), ("exception", 2), ("refused", 2)]
 )
@@ -209,13 +216,7 @@ print(os.waitstatus_to_exitcode(os.waitpid(child, 0)[1]), future.result(), flush
 def test_a_forked_child_leaves_its_parents_save_to_the_parent(tmp_path):
     """The exit hook of a child forked while a save was in flight (a data loader's worker)
     used to report the parent's save as its own ('interrupted at exit'), exit code 1."""
-    done = subprocess.run(
-        [sys.executable, "-c", FORKING_SCRIPT, str(tmp_path / "ckpt")],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,  # the hang guard
-    )
+    done = _run_script(FORKING_SCRIPT, str(tmp_path / "ckpt"))
     assert (done.returncode, done.stderr) == (0, ""), done.stderr[-3000:]
     assert done.stdout.split() == ["0", str(tmp_path / "ckpt")]
     assert muonckpt.verify(tmp_path / "ckpt") == []
@@ -243,13 +244,7 @@ print(os.waitstatus_to_exitcode(os.waitpid(child, 0)[1]), future.result(), flush
 def test_a_forked_childs_own_save_does_not_wait_for_its_parents(tmp_path):
     """A child forked while a save of the same optimizer was in flight waited forever in its
     own save (or async_save) for the parent's, whose thread it does not have."""
-    done = subprocess.run(
-        [sys.executable, "-c", CHILD_SAVING_SCRIPT, str(tmp_path)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,  # the hang guard
-    )
+    done = _run_script(CHILD_SAVING_SCRIPT, str(tmp_path))
     assert (done.returncode, done.stderr) == (0, ""), done.stderr[-3000:]
     assert done.stdout.split() == ["0", str(tmp_path / "parent")]
     assert muonckpt.verify(tmp_path / "parent") == []
@@ -279,13 +274,7 @@ def test_a_save_from_an_atexit_handler_is_committed(tmp_path, imported, how):
     running future nobody waited for (exit code 0, nothing committed, the staging left), and
     the writer's pools refused work ('cannot schedule new futures after interpreter
     shutdown')."""
-    done = subprocess.run(
-        [sys.executable, "-c", AT_EXIT_SCRIPT, str(tmp_path / "ckpt"), imported, how],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    done = _run_script(AT_EXIT_SCRIPT, str(tmp_path / "ckpt"), imported, how)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "Traceback" not in done.stderr and "muonckpt:" not in done.stderr, done.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
@@ -308,19 +297,7 @@ muonckpt.async_save(single_process_optimizer(2), sys.argv[1])  # its failure nev
 def test_the_jobs_exit_handlers_still_run_when_a_failed_save_sets_exit_code_1(tmp_path):
     """The exit hook ended the process with os._exit(1) when a background save failed unread,
     which skipped the job's own atexit handlers (a tracker's finish, logging's shutdown)."""
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            FAILING_AT_EXIT_SCRIPT,
-            str(tmp_path / "ckpt"),
-            str(tmp_path / "log"),
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    done = _run_script(FAILING_AT_EXIT_SCRIPT, tmp_path / "ckpt", tmp_path / "log")
     assert done.returncode == 1, done.stderr[-3000:]
     assert done.stderr.startswith("muonckpt: a background save failed"), done.stderr
     assert done.stdout == "the job's own exit handler ran\n"
