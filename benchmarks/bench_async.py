@@ -41,8 +41,8 @@ from common import MiB, parse_size, print_table, reset_peak_rss, status_bytes, s
 from synthetic import build_optimizer, fill_state, model_shapes, state_bytes
 
 import muonckpt
-from muonckpt import checkpoint
-from muonckpt.launch import run_distributed
+from muonckpt.checkpoint import api as checkpoint
+from muonckpt.distributed.launch import run_distributed
 
 ROWS = {
     "floor": "copy into preallocated host buffers (floor)",

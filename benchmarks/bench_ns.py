@@ -16,9 +16,9 @@ first step also learns the grid's params, a collective), one step under ``torch.
 no other matrix product), then ``--steps`` timed steps, each started after a barrier: a step's
 time is its slowest rank's, the table shows the median. Bytes: what each rank receives from the
 step's collectives (all-gathers, point-to-point messages), counted by wrapping the functions of
-``muonckpt.collectives`` in the rank's process; the table shows the grid's total and the busiest
-rank's. The modes' params are compared bitwise after the last step. The single-process row is
-the same model's step in this process (one thread), profiled the same way.
+``muonckpt.distributed.collectives`` in the rank's process; the table shows the grid's total and
+the busiest rank's. The modes' params are compared bitwise after the last step. The single-process
+row is the same model's step in this process (one thread), profiled the same way.
 
 Ratios are to the single-process step's FLOPs. The issue's target at 4x2: the grid's total
 within 1.25x, the busiest rank within ``max(2 / (dp * tp), largest matrix + 1 / (dp * tp))``.
@@ -39,10 +39,10 @@ from synthetic import build_optimizer, model_shapes, state_keys
 from torch.profiler import ProfilerActivity, profile
 
 import muonckpt
-from muonckpt import collectives
-from muonckpt.kinds import MUON_STATE_KEYS
-from muonckpt.launch import run_distributed
-from muonckpt.nsplan import ns_flops
+from muonckpt.distributed import collectives
+from muonckpt.distributed.launch import run_distributed
+from muonckpt.format.kinds import MUON_STATE_KEYS
+from muonckpt.optim.nsplan import ns_flops
 
 MODES = ("one_rank", "every_holder")
 NS_STEPS = 5
@@ -105,14 +105,14 @@ class ReceivedBytes:
             setattr(collectives, name, inner)
 
 
-def _fill(opt: muonckpt.optim.Muon, seed: int) -> None:
+def _fill(opt: muonckpt.optim.muon.Muon, seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
     for group in opt.param_groups:
         for p in group["params"]:
             p.copy_(torch.randn(p.shape, generator=gen))
 
 
-def _grads(opt: muonckpt.optim.Muon, gen: torch.Generator) -> None:
+def _grads(opt: muonckpt.optim.muon.Muon, gen: torch.Generator) -> None:
     for group in opt.param_groups:
         for p in group["params"]:
             p.grad = torch.randn(p.shape, generator=gen)
@@ -152,7 +152,7 @@ def single_process(shapes: dict, steps: int) -> dict:
     for name, (shape, _) in shapes.items():
         target = muon if state_keys(name, shape) == MUON_STATE_KEYS else adamw
         target.append((name, torch.randn(shape, generator=gen)))
-    opt = muonckpt.optim.Muon([{"params": muon, "use_muon": True}, {"params": adamw}])
+    opt = muonckpt.optim.muon.Muon([{"params": muon, "use_muon": True}, {"params": adamw}])
     _grads(opt, gen)
     opt.step()
     _grads(opt, gen)

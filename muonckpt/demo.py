@@ -1,9 +1,9 @@
 """``muonckpt demo``: train at one topology, reshard offline, resume at another, bit for bit.
 
 A tiny two-group model (Muon matrices plus AdamW vectors and an embedding, some of them TP
-split) is trained with the packaged :class:`~muonckpt.optim.Muon` in gloo processes at dp x tp,
+split) is trained with the packaged :class:`~muonckpt.optim.muon.Muon` in gloo processes at dp x tp,
 saved per rank with :func:`muonckpt.save` (state and params), resharded with
-:func:`muonckpt.offline.reshard` (the code path of ``muonckpt reshard``) to another dp x tp,
+:func:`muonckpt.offline.tools.reshard` (the code path of ``muonckpt reshard``) to another dp x tp,
 loaded there with :func:`muonckpt.load` into an optimizer built from zeros, so that the
 checkpoint alone restores the params, and trained on. The final params are compared with an
 uninterrupted single-process run.
@@ -23,13 +23,15 @@ from typing import Any
 
 import torch
 
-from . import collectives, offline, settings
-from .checkpoint import load, save
-from .launch import run_distributed
-from .layout import LayoutOptions, Topology
-from .optim import Muon
-from .regions import extract, insert_
-from .sharding import ShardedParams, shard_param_groups
+from . import settings
+from .checkpoint.api import load, save
+from .distributed import collectives
+from .distributed.launch import run_distributed
+from .layout.topology import LayoutOptions, Topology
+from .offline import tools as offline
+from .optim.muon import Muon
+from .optim.sharding import ShardedParams, shard_param_groups
+from .state.regions import extract, insert_
 
 
 @dataclass(frozen=True)

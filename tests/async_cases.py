@@ -10,12 +10,12 @@ import torch
 import torch.distributed as dist
 
 import muonckpt
-from muonckpt import writing
+from muonckpt.checkpoint import writing
 
 from .fixture_model import build, initial_params, train
 
 
-def _trash(opt: muonckpt.optim.Muon) -> None:
+def _trash(opt: muonckpt.optim.muon.Muon) -> None:
     """Every state tensor and param of ``opt`` overwritten in place, as steps would."""
     with torch.no_grad():
         for group in opt.param_groups:

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import muonckpt
-from muonckpt.launch import run_distributed
+from muonckpt.distributed.launch import run_distributed
 
 from .fixture_model import assemble, single_process_optimizer
 from .resume_cases import phase

@@ -31,8 +31,8 @@ import math
 
 from muonckpt.demo import ToyModel
 from muonckpt.demo import local_params as local_params  # part of the fixture's API
-from muonckpt.layout import LayoutOptions
-from muonckpt.optim import Muon
+from muonckpt.layout.topology import LayoutOptions
+from muonckpt.optim.muon import Muon
 
 MUON_PARAMS: dict[str, tuple[int, ...]] = {"w_in": (16, 20), "w_out": (12, 24), "w_mid": (10, 14)}
 ADAMW_PARAMS: dict[str, tuple[int, ...]] = {"bias": (7,), "norm": (20,), "embed": (6, 16)}

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from muon import muon_update
 
-from muonckpt.hooks import install_hooks
+from muonckpt.state.hooks import install_hooks
 
 # Eight 2-D params of several shapes, with ties (b/f, a/d, c/g) to pin the stable sort, and a
 # tall one (h) for the rows/cols scale.

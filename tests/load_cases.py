@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 import muonckpt
-from muonckpt import loading
+from muonckpt.checkpoint import loading
 
 from .fixture_model import MODEL, build, initial_params, local_params, train
 

@@ -7,7 +7,7 @@ Only its import is changed, to muonckpt, and its process launch replaced by the 
 import torch
 import torch.distributed as dist
 
-from muonckpt.optim import Muon, MuonDistMeta, normalize_range
+from muonckpt.optim.muon import Muon, MuonDistMeta, normalize_range
 
 SEED_SHAPES = [(100, 100), (124, 324), (456, 124), (676, 876), (128, 128)]
 SEED_TP_DIMS = [0, 1, -1, 1, 0]

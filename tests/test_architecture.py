@@ -505,7 +505,7 @@ def test_every_form_of_a_forbidden_import_is_reported():
     expected = [
         ("muonckpt/layout.py:1: layout imports numpy", "pure"),
         ("muonckpt/grid.py:2: grid imports torch", "pure"),
-        ("muonckpt/kinds.py:1: kinds imports save from muonckpt.checkpoint", "pure"),
+        ("muonckpt/kinds.py:1: kinds imports save from muonckpt.checkpoint.api.api", "pure"),
         ("muonckpt/manifest.py:3: manifest imports torch", "pure"),
         ("muonckpt/checkpoint.py:1: checkpoint imports torch.distributed", "only collectives"),
         ("muonckpt/hooks.py:1: hooks imports torch.distributed.ProcessGroup", "only collectives"),
@@ -513,20 +513,29 @@ def test_every_form_of_a_forbidden_import_is_reported():
         ("muonckpt/demo.py:5: demo imports torch.distributed", "only collectives"),
         ("muonckpt/launch.py:2: launch imports torch.distributed", "only collectives"),
         (
-            "muonckpt/storage/durable.py:1: storage.durable imports muonckpt.collectives",
+            "muonckpt/storage/durable.py:1: storage.durable imports muonckpt.distributed.collectives",
             "storage",
         ),
-        ("muonckpt/storage/durable.py:2: storage.durable imports x from muonckpt.offline", "s"),
         (
-            "muonckpt/storage/durable.py:1: storage.durable imports muonckpt.collectives",
+            "muonckpt/storage/durable.py:2: storage.durable imports x from muonckpt.offline.tools.tools",
+            "s",
+        ),
+        (
+            "muonckpt/storage/durable.py:1: storage.durable imports muonckpt.distributed.collectives",
             "reading and writing",
         ),
         (
-            "muonckpt/storage/durable.py:2: storage.durable imports x from muonckpt.offline",
+            "muonckpt/storage/durable.py:2: storage.durable imports x from muonckpt.offline.tools.tools",
             "reading and writing",
         ),
-        ("muonckpt/cli.py:2: cli imports _Job from muonckpt.offline (not in its __all__)", ""),
-        ("muonckpt/cli.py:5: cli imports verify from muonckpt.pieces", "the command line"),
+        (
+            "muonckpt/cli.py:2: cli imports _Job from muonckpt.offline.tools.tools (not in its __all__)",
+            "",
+        ),
+        (
+            "muonckpt/cli.py:5: cli imports verify from muonckpt.checkpoint.api.pieces",
+            "the command line",
+        ),
         ("muonckpt/cli.py:6: cli imports load from muonckpt (not in its __all__)", ""),
     ]
     for where, rule in expected:

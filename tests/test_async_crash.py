@@ -27,7 +27,8 @@ from .kill_helpers import REPO, kill_at, loaded_value, running_helper
 
 HELPER = r"""
 from pathlib import Path
-from muonckpt import storage, writing
+from muonckpt import storage
+from muonckpt.checkpoint import writing
 from muonckpt.storage import safetensors_writer
 
 def pause(where):
@@ -160,7 +161,8 @@ import torch
 import torch.distributed as dist
 torch.set_num_threads(1)
 import muonckpt
-from muonckpt import storage, writing
+from muonckpt import storage
+from muonckpt.checkpoint import writing
 from tests.fixture_model import build, initial_params, train
 
 ckpt, victim = sys.argv[1], sys.argv[2]

@@ -14,7 +14,7 @@ import torch
 
 import muonckpt
 from muonckpt import storage
-from muonckpt.launch import run_distributed
+from muonckpt.distributed.launch import run_distributed
 from muonckpt.offline import diff
 
 from . import exit_script
@@ -200,7 +200,7 @@ def test_a_save_in_flight_when_the_script_ends_is_finished_or_the_exit_says_so(
 FORKING_SCRIPT = """
 import os, sys, threading
 import muonckpt
-from muonckpt import writing
+from muonckpt.checkpoint import writing
 from tests.fixture_model import single_process_optimizer
 forked, write_files = threading.Event(), writing.write_files
 writing.write_files = lambda *args, **kwargs: forked.wait() and write_files(*args, **kwargs)
@@ -225,7 +225,7 @@ def test_a_forked_child_leaves_its_parents_save_to_the_parent(tmp_path):
 CHILD_SAVING_SCRIPT = """
 import os, sys, threading
 import muonckpt
-from muonckpt import writing
+from muonckpt.checkpoint import writing
 from tests.fixture_model import single_process_optimizer
 forked, write_files = threading.Event(), writing.write_files
 writing.write_files = lambda *args, **kwargs: forked.wait() and write_files(*args, **kwargs)
@@ -256,7 +256,7 @@ import atexit, sys
 import torch
 import muonckpt
 if sys.argv[2] == "imported":
-    import muonckpt.checkpoint  # the exit hook registered at import, as a script that saved
+    import muonckpt.checkpoint.api  # the exit hook registered at import, as a script that saved
 param = torch.nn.Parameter(torch.randn(3_000_000))  # 24 MB of moments: the writer's pools
 opt = torch.optim.AdamW([param])
 param.grad = torch.ones_like(param)
@@ -284,7 +284,7 @@ def test_a_save_from_an_atexit_handler_is_committed(tmp_path, imported, how):
 FAILING_AT_EXIT_SCRIPT = """
 import atexit, sys
 import muonckpt
-from muonckpt import writing
+from muonckpt.checkpoint import writing
 from tests.fixture_model import single_process_optimizer
 def no_space(*args, **kwargs):
     raise OSError(28, "No space left on device")
@@ -304,7 +304,7 @@ def test_the_jobs_exit_handlers_still_run_when_a_failed_save_sets_exit_code_1(tm
 
 
 def test_host_buffers_are_reused_between_saves(tmp_path):
-    from muonckpt.checkpoint import _HOST_BUFFERS
+    from muonckpt.checkpoint.api import _HOST_BUFFERS
 
     opt = single_process_optimizer(2)
     muonckpt.async_save(opt, tmp_path / "a").result(timeout=30)

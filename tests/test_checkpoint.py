@@ -9,7 +9,7 @@ import safetensors.torch
 import torch
 
 import muonckpt
-from muonckpt.launch import run_distributed
+from muonckpt.distributed.launch import run_distributed
 
 from .ckpt_cases import load_phase, overwrite_phase, save_phase
 from .fixture_model import SHAPES, STATE_KEYS, assemble, build, initial_params, train

@@ -24,8 +24,8 @@ from safetensors import safe_open
 import muonckpt
 import muonckpt.offline
 from muonckpt import CheckpointError, MuonCkptError
-from muonckpt.launch import run_distributed
-from muonckpt.manifest import tensor_key as stored_key
+from muonckpt.distributed.launch import run_distributed
+from muonckpt.format.manifest import tensor_key as stored_key
 
 from .ckpt_cases import save_phase
 from .fixture_model import SHAPES, build, initial_params, train
@@ -373,7 +373,7 @@ def test_a_save_whose_pieces_miss_a_tensor_commits_nothing(
     tensor, or of a param's own values) fails the save naming what is missing, and the
     previous checkpoint stays whole; before, it was committed and only a later verify or load
     found the hole."""
-    import muonckpt.saving as saving
+    import muonckpt.checkpoint.saving as saving
 
     target = tmp_path / "ckpt"
     muonckpt.save(_single_process_opt(1), target, consolidated=consolidated)
@@ -402,7 +402,7 @@ def test_a_manifest_short_of_a_piece_is_not_committed(tmp_path, monkeypatch, con
     previous checkpoint stays whole."""
     import dataclasses
 
-    import muonckpt.saving as saving
+    import muonckpt.checkpoint.saving as saving
 
     target = tmp_path / "ckpt"
     muonckpt.save(_single_process_opt(1), target, consolidated=consolidated)
@@ -500,7 +500,7 @@ def test_reserved_state_key_and_colliding_names_are_refused_before_writing(tmp_p
     with pytest.raises(CheckpointError, match="reserved"):
         muonckpt.save(opt, tmp_path / "a")
     assert not (tmp_path / "a").exists()
-    clash = muonckpt.optim.Muon(
+    clash = muonckpt.optim.muon.Muon(
         [
             {"params": [("w", torch.zeros(2, 2))], "use_muon": True},
             {"params": [("state.w.momentum_buffer", torch.zeros(4))]},
@@ -565,8 +565,8 @@ def test_same_numel_shape_edit_of_an_unsplit_param_is_caught_in_a_consolidated_c
 def test_a_checkpoint_replaced_while_read_says_so_not_missing_file(tmp_path):
     """A reader that opened a per-rank checkpoint, replaced meanwhile by a consolidated one (other
     files): the race is named, not reported as damage."""
-    from muonckpt.layout import whole_region
-    from muonckpt.pieces import PieceReader, open_checkpoint
+    from muonckpt.checkpoint.pieces import PieceReader, open_checkpoint
+    from muonckpt.layout.topology import whole_region
 
     target = muonckpt.save(_single_process_opt(1), tmp_path / "ckpt")
     directory, manifest = open_checkpoint(target)

@@ -16,8 +16,8 @@ from typer.testing import CliRunner
 import muonckpt
 from muonckpt import offline
 from muonckpt.cli import app
-from muonckpt.launch import run_distributed
-from muonckpt.manifest import rank_file
+from muonckpt.distributed.launch import run_distributed
+from muonckpt.format.manifest import rank_file
 from muonckpt.settings import parse_size
 
 from .ckpt_cases import load_phase
@@ -175,11 +175,13 @@ def _same_files(a, b) -> bool:
     [
         (
             ["--bucket-numel", "40", "--param-alignment", "4", "--bucket-alignment", "8"],
-            muonckpt.layout.LayoutOptions(bucket_numel=40, param_alignment=4, bucket_alignment=8),
+            muonckpt.layout.topology.LayoutOptions(
+                bucket_numel=40, param_alignment=4, bucket_alignment=8
+            ),
         ),
         (
             ["--param-alignment", "4", "--buffers-by", "group"],
-            muonckpt.layout.LayoutOptions(param_alignment=4, buffers_by="group"),
+            muonckpt.layout.topology.LayoutOptions(param_alignment=4, buffers_by="group"),
         ),
     ],
 )
@@ -191,7 +193,7 @@ def test_reshard_layout_options_are_the_library_s_and_load_back(ckpts, tmp_path,
     assert _same_files(library, out)
     # each option given changes which rank holds what, so the comparison above sees any one of
     # them dropped on the way
-    default = muonckpt.layout.LayoutOptions()
+    default = muonckpt.layout.topology.LayoutOptions()
     for field in dataclasses.fields(options):
         if getattr(options, field.name) != getattr(default, field.name):
             without = dataclasses.replace(options, **{field.name: getattr(default, field.name)})

@@ -18,7 +18,7 @@ import torch
 
 import muonckpt
 from muonckpt import ConversionWarning, StateDictError
-from muonckpt.launch import run_distributed
+from muonckpt.distributed.launch import run_distributed
 
 from .fixture_model import (
     ADAMW_HPARAMS,
@@ -35,8 +35,8 @@ K, STEPS = 3, 8
 BETAS, EPS = (0.95, 0.95), 1e-8
 
 
-def packaged(params: dict[str, torch.nn.Parameter]) -> muonckpt.optim.Muon:
-    return muonckpt.optim.Muon(
+def packaged(params: dict[str, torch.nn.Parameter]) -> muonckpt.optim.muon.Muon:
+    return muonckpt.optim.muon.Muon(
         [
             {"params": [(n, params[n]) for n in MUON_PARAMS], **MUON_HPARAMS},
             {"params": [(n, params[n]) for n in ADAMW_PARAMS], **ADAMW_HPARAMS},

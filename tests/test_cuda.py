@@ -20,8 +20,8 @@ from safetensors.torch import load_file
 
 import muonckpt
 import muonckpt.offline
-from muonckpt import collectives
-from muonckpt.launch import run_distributed
+from muonckpt.distributed import collectives
+from muonckpt.distributed.launch import run_distributed
 
 from .fixture_model import (
     LAYOUT,
@@ -42,31 +42,31 @@ def zeros() -> dict[str, torch.Tensor]:
     return {name: torch.zeros_like(value) for name, value in initial_params().items()}
 
 
-def on_gpu(params: dict[str, torch.Tensor]) -> muonckpt.optim.Muon:
+def on_gpu(params: dict[str, torch.Tensor]) -> muonckpt.optim.muon.Muon:
     """The fixture model's plain (single-process) packaged Muon over ``params`` on the GPU."""
-    return muonckpt.optim.Muon(param_groups({name: p.to(CUDA) for name, p in params.items()}))
+    return muonckpt.optim.muon.Muon(param_groups({name: p.to(CUDA) for name, p in params.items()}))
 
 
 def distributed_on_gpu(
     params: dict[str, torch.Tensor], dp: int, tp: int
-) -> tuple[muonckpt.optim.Muon, muonckpt.sharding.ShardedParams]:
+) -> tuple[muonckpt.optim.muon.Muon, muonckpt.optim.sharding.ShardedParams]:
     """The fixture model's distributed packaged Muon at dp x tp, its shards on the GPU."""
-    dp_group, tp_group = muonckpt.collectives.grid_groups(dp, tp)
-    sharded = muonckpt.sharding.shard_for_groups(
+    dp_group, tp_group = muonckpt.distributed.collectives.grid_groups(dp, tp)
+    sharded = muonckpt.optim.sharding.shard_for_groups(
         param_groups({name: p.to(CUDA) for name, p in params.items()}),
         dp_group,
         tp_group,
         tp_split_dims=TP_SPLIT_DIMS,
         options=LAYOUT,
     )
-    opt = muonckpt.optim.Muon(sharded.param_groups)
+    opt = muonckpt.optim.muon.Muon(sharded.param_groups)
     opt.enable_distributed_mode(sharded.global_buffer_sizes, dp_group, tp_group, sharded.dist_metas)
     return opt, sharded
 
 
 def train(
-    opt: muonckpt.optim.Muon,
-    sharded: muonckpt.sharding.ShardedParams | None,
+    opt: muonckpt.optim.muon.Muon,
+    sharded: muonckpt.optim.sharding.ShardedParams | None,
     first: int,
     steps: int,
 ) -> None:
@@ -115,7 +115,7 @@ def host_tensors(state_dict: dict[str, Any]) -> list[torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def trained() -> muonckpt.optim.Muon:
+def trained() -> muonckpt.optim.muon.Muon:
     opt = on_gpu(initial_params())
     train(opt, None, 0, K)
     return opt

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import muonckpt
-from muonckpt.checkpoint import _HOST_BUFFERS
+from muonckpt.checkpoint.api import _HOST_BUFFERS
 
 pytestmark = pytest.mark.cuda
 

@@ -23,10 +23,12 @@ import pytest
 from typer.testing import CliRunner
 
 import muonckpt
-from muonckpt import CheckpointError, launch, offline, storage
+from muonckpt import CheckpointError, storage
 from muonckpt.cli import app
+from muonckpt.distributed import launch
+from muonckpt.distributed.launch import run_distributed
 from muonckpt.errors import CheckpointWarning
-from muonckpt.launch import run_distributed
+from muonckpt.offline import tools as offline
 
 from .commit_race import DATA, racer
 from .fixture_model import build, initial_params, train
@@ -386,7 +388,7 @@ import os, random, shutil, sys, threading, time
 import numpy as np
 from muonckpt import storage
 from muonckpt.errors import CheckpointError
-from muonckpt.layout import Strided
+from muonckpt.layout.topology import Strided
 
 root = sys.argv[1]
 data = np.random.default_rng(0).integers(0, 256, 48 << 20, dtype=np.uint8)
@@ -519,7 +521,9 @@ def _fail_on(rank: int, owner: object, name: str, error: Exception) -> None:
 def failing_ranks(root: str, src: str) -> dict[str, str]:
     """(in 2 gloo ranks) Three collective writes, each with one rank raising a non-library
     error; returns what every rank raised."""
-    from muonckpt import offline, storage, writing
+    from muonckpt import storage
+    from muonckpt.checkpoint import writing
+    from muonckpt.offline import tools as offline
 
     seen = {}
     original = (storage.SafetensorsWriter.write, writing.write_files)
@@ -560,7 +564,7 @@ def test_every_rank_learns_a_non_library_failure(ck, tmp_path):
 
 
 def test_a_step_turns_any_exception_into_the_protocol_error_naming_rank_type_and_place():
-    from muonckpt import collectives
+    from muonckpt.distributed import collectives
 
     steps = collectives.CollectiveSteps("save", [0], 0, CheckpointError)
 
@@ -582,7 +586,7 @@ def test_a_step_turns_any_exception_into_the_protocol_error_naming_rank_type_and
 
 
 def test_a_data_file_truncated_before_the_commit_is_not_published(tmp_path, monkeypatch):
-    from muonckpt import writing
+    from muonckpt.checkpoint import writing
 
     from .fixture_model import single_process_optimizer
 

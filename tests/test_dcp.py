@@ -25,7 +25,7 @@ from typer.testing import CliRunner
 import muonckpt
 from muonckpt import CheckpointError, offline
 from muonckpt.cli import app
-from muonckpt.launch import run_distributed
+from muonckpt.distributed.launch import run_distributed
 
 from . import dcp_cases
 from .fixture_model import ADAMW_PARAMS, MUON_HPARAMS, MUON_PARAMS, build, initial_params, train

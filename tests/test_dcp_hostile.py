@@ -384,7 +384,7 @@ def test_a_dense_chunk_stored_column_major_is_read_not_refused(tmp_path, monkeyp
     its own: a column-major matrix (a transposed init, a ``zeros_like`` of one) is a real DCP
     chunk of exactly its bytes. It was refused as 'not a dense tensor'; it converts to the same
     values as the row-major save."""
-    from muonckpt.examine import diff
+    from muonckpt.offline.examine import diff
 
     save = dcp_cases.dcp.save
 

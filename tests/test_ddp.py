@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 import muonckpt
-from muonckpt.launch import run_distributed
+from muonckpt.distributed.launch import run_distributed
 
 from .ddp_cases import (
     Net,

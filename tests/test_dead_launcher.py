@@ -167,7 +167,7 @@ import torch
 import torch.distributed as dist
 torch.set_num_threads(1)
 import muonckpt
-from muonckpt import saving, writing
+from muonckpt.checkpoint import saving, writing
 from tests.fixture_model import build, initial_params, train
 
 rank, port, out, moment = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import muonckpt
-from muonckpt.layout import Topology
+from muonckpt.layout.topology import Topology
 
 from .fixture_model import (
     ADAMW_PARAMS,

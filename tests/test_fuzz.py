@@ -43,8 +43,8 @@ from hypothesis.control import currently_in_test_context
 
 import muonckpt
 from muonckpt import CheckpointError, MuonCkptError, storage
-from muonckpt.manifest import Manifest
-from muonckpt.manifest_json import parse_manifest
+from muonckpt.format.manifest import Manifest
+from muonckpt.format.manifest_json import parse_manifest
 
 from .fixture_model import build, initial_params, single_process_optimizer
 

@@ -1,5 +1,5 @@
 """The pure cores added for the seed's sharding and for moving between implementations:
-``muonckpt.grid`` (merging each rank's report of its params) and ``muonckpt.kinds``
+``muonckpt.layout.grid`` (merging each rank's report of its params) and ``muonckpt.format.kinds``
 (momentum forms and lr rules). No processes, no torch."""
 
 from __future__ import annotations
@@ -11,10 +11,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from muonckpt import StateDictError, kinds
-from muonckpt.grid import LocalParam, RankReport, merge_reports
-from muonckpt.kinds import EMA, SUM, GroupKind, state_mapping, trajectory_notes
-from muonckpt.layout import ParamSpec, Topology, arrange
+from muonckpt import StateDictError
+from muonckpt.format import kinds
+from muonckpt.format.kinds import EMA, SUM, GroupKind, state_mapping, trajectory_notes
+from muonckpt.layout.grid import LocalParam, RankReport, merge_reports
+from muonckpt.layout.topology import ParamSpec, Topology, arrange
 
 
 def reports(shapes, topology: Topology, named: bool, drop_empty: bool):
@@ -136,7 +137,7 @@ def test_settings_that_cannot_continue_the_trajectory_name_the_fix():
 
 
 def test_grid_and_kinds_do_not_import_torch():
-    probe = "import sys, muonckpt.grid, muonckpt.kinds, muonckpt.manifest\n"
+    probe = "import sys, muonckpt.layout.grid, muonckpt.format.kinds, muonckpt.format.manifest\n"
     probe += "print('torch' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
     assert done.stdout.strip() == "False", done.stderr

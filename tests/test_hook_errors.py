@@ -12,9 +12,9 @@ import torch
 import torch.distributed as dist
 
 from muonckpt import StateDictError
-from muonckpt.hooks import install_hooks
-from muonckpt.launch import DistributedRunError, run_distributed
-from muonckpt.optim import Muon
+from muonckpt.distributed.launch import DistributedRunError, run_distributed
+from muonckpt.optim.muon import Muon
+from muonckpt.state.hooks import install_hooks
 
 from .kj_muon import KJMuon, build, initial_params, owner, train
 
@@ -220,7 +220,7 @@ def failing_mid_gather(root: str) -> dict[str, str]:
     """(in 2 gloo ranks) The destination fails while assembling a tensor it receives, in
     ``state_dict()`` and in a consolidated save; then a gather runs normally."""
     import muonckpt
-    from muonckpt import gather
+    from muonckpt.state import gather
 
     from . import fixture_model
 
@@ -256,9 +256,9 @@ def test_a_rank_failing_in_the_middle_of_the_transfer_fails_every_rank(tmp_path)
 
 def test_ranks_disagreeing_on_a_state_dtype_are_told_what_differs():
     """(issue 20, cosmetic) The error named both ranks' identical key sets, not the dtype."""
-    from muonckpt.gather import merge_entry_reports
-    from muonckpt.layout import whole_region
-    from muonckpt.placement import Holding, ParamSharding, Sharding
+    from muonckpt.layout.topology import whole_region
+    from muonckpt.state.gather import merge_entry_reports
+    from muonckpt.state.placement import Holding, ParamSharding, Sharding
 
     half = whole_region(4)
     param = ParamSharding("w", (2, 4), (Holding(0, half), Holding(1, half)), None, None, 0)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import muonckpt
-from muonckpt.launch import run_distributed
+from muonckpt.distributed.launch import run_distributed
 
 from .fixture_model import N_GROUPS, N_PARAMS, PARAM_NAMES, SHAPES, STATE_KEYS, assemble
 from .resume_cases import phase
@@ -79,11 +79,11 @@ def test_an_optimizer_with_hooks_is_freed_once_dropped(kind):
     import gc
     import weakref
 
-    from muonckpt.hooks import _HOOKS
+    from muonckpt.state.hooks import _HOOKS
 
     p = torch.nn.Parameter(torch.ones(4, 4))
     if kind == "packaged":
-        opt = muonckpt.optim.Muon([{"params": [p], "use_muon": True}])
+        opt = muonckpt.optim.muon.Muon([{"params": [p], "use_muon": True}])
     else:
         opt = torch.optim.SGD([p], lr=0.1, momentum=0.9)
         muonckpt.install_hooks(opt, owner=lambda index, param: 0)

@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from muonckpt.hooks import gather_state_dict, install_hooks
-from muonckpt.launch import run_distributed
+from muonckpt.distributed.launch import run_distributed
+from muonckpt.state.hooks import gather_state_dict, install_hooks
 
 from .kj_muon import (
     HPARAMS,

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 import muonckpt
 import muonckpt.offline
-from muonckpt.launch import run_distributed
+from muonckpt.distributed.launch import run_distributed
 
 SHAPES = {"attn.qkv": (12, 8), "attn.out": (8, 12), "mlp.up": (16, 8), "mlp.down": (8, 16)}
 SPLITS = {"attn.qkv": 0, "attn.out": 1, "mlp.up": 0}
@@ -58,7 +58,7 @@ class LayerWiseMuon(torch.optim.Optimizer):
                     parts = [torch.empty_like(buf) for _ in range(self.tp)]
                     dist.all_gather(parts, buf, group=self.tp_group)
                     full = torch.cat(parts, dim=split)
-                update = muonckpt.optim.newton_schulz(full.bfloat16(), steps=5)
+                update = muonckpt.optim.muon.newton_schulz(full.bfloat16(), steps=5)
                 if split >= 0:
                     update = update.chunk(self.tp, dim=split)[dist.get_rank(self.tp_group)]
                 p.add_(update.to(p.dtype), alpha=-group["lr"])
@@ -83,7 +83,7 @@ def tp_shard(full: torch.Tensor, name: str, tp: int, tp_rank: int) -> torch.Tens
 
 
 def build(dp: int, tp: int, zeros: bool):
-    groups = muonckpt.collectives.grid_groups(dp, tp) if dp * tp > 1 else (None, None)
+    groups = muonckpt.distributed.collectives.grid_groups(dp, tp) if dp * tp > 1 else (None, None)
     dp_group, tp_group = groups
     tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
     shards = {

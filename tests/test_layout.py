@@ -1,4 +1,4 @@
-"""Property tests of the pure layout math (muonckpt.layout) and its tensor side (regions).
+"""Property tests of the pure layout math (muonckpt.layout.topology) and its tensor side (regions).
 
 No processes: every (dp, tp) position is evaluated in this one process. The reference for
 "what TP block t is" is torch.chunk on an index tensor, independent of layout's matrix view.
@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from muonckpt import LayoutError
-from muonckpt.layout import (
+from muonckpt.layout.topology import (
     Bucket,
     LayoutOptions,
     ParamSpec,
@@ -30,7 +30,7 @@ from muonckpt.layout import (
     tp_local_shape,
     whole_region,
 )
-from muonckpt.regions import copy_groups_, extract, insert_
+from muonckpt.state.regions import copy_groups_, extract, insert_
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

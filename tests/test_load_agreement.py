@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from muonckpt.launch import run_distributed
+from muonckpt.distributed.launch import run_distributed
 
 from .ckpt_cases import save_phase
 from .load_cases import mixed_load_phase

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 import muonckpt
-from muonckpt.arena import ReadArena
+from muonckpt.distributed.launch import run_distributed
 from muonckpt.errors import CheckpointError
-from muonckpt.launch import run_distributed
+from muonckpt.state.arena import ReadArena
 
 from .load_cases import in_place_load_phase
 
@@ -51,7 +51,7 @@ OPTIMIZERS = {
             {"params": [ps["b"]], "use_muon": False, "lr": 0.01},
         ]
     ),
-    "packaged Muon": lambda ps: muonckpt.optim.Muon(
+    "packaged Muon": lambda ps: muonckpt.optim.muon.Muon(
         [{"params": [(n, ps[n]) for n in ("w1", "w2")]}, {"params": [("b", ps["b"])]}],
         lr=0.02,
     ),

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 import muonckpt
-from muonckpt.launch import run_distributed
+from muonckpt.distributed.launch import run_distributed
 
 from .test_trainstate import torch_job, train_steps
 

@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 
 import muonckpt
-from muonckpt import collectives
-from muonckpt.launch import run_distributed
+from muonckpt.distributed import collectives
+from muonckpt.distributed.launch import run_distributed
 
 from .fixture_model import build, initial_params, train
 

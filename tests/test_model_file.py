@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 
 import muonckpt
 from muonckpt.cli import app
-from muonckpt.launch import run_distributed
+from muonckpt.distributed.launch import run_distributed
 
 from .tiny_gpt import TinyGPT, batch, optimizers, train
 
@@ -109,11 +109,11 @@ def test_model_mistakes_are_refused_before_anything_is_written(tmp_path):
 def packaged_save(path: str, dp: int, tp: int) -> dict[str, torch.Tensor]:
     """(In a gloo child.) The packaged Muon, ZeRO-1 over dp x tp, on the tied GPT replicated
     on every rank; a consolidated save with the model."""
-    dp_group, tp_group = muonckpt.collectives.grid_groups(dp, tp)
+    dp_group, tp_group = muonckpt.distributed.collectives.grid_groups(dp, tp)
     model = TinyGPT(seed=0)
     named = list(model.named_parameters())
     hidden = [(n, p) for n, p in named if p.ndim == 2 and n.startswith("h.")]
-    sharded = muonckpt.sharding.shard_for_groups(
+    sharded = muonckpt.optim.sharding.shard_for_groups(
         [
             {"params": hidden, "use_muon": True},
             {"params": [(n, p) for n, p in named if (n, p) not in hidden]},
@@ -121,7 +121,7 @@ def packaged_save(path: str, dp: int, tp: int) -> dict[str, torch.Tensor]:
         dp_group,
         tp_group,
     )
-    opt = muonckpt.optim.Muon(sharded.param_groups, lr=0.02)
+    opt = muonckpt.optim.muon.Muon(sharded.param_groups, lr=0.02)
     opt.enable_distributed_mode(sharded.global_buffer_sizes, dp_group, tp_group, sharded.dist_metas)
     for step in range(2):
         x, y = batch(step)
@@ -163,7 +163,7 @@ def test_rewrites_of_a_checkpoint_with_a_model_file_stay_consistent(tmp_path):
     """Renaming carries the model section's tensors and aliases along; ``convert`` (which
     leaves the model's other tensors behind) writes an index of exactly what it wrote."""
     from muonckpt import offline
-    from muonckpt.manifest_json import parse_manifest
+    from muonckpt.format.manifest_json import parse_manifest
 
     model, opts = _trained()
     ck = muonckpt.save(opts, tmp_path / "ck", consolidated=True, model=model, max_shard_size=400)

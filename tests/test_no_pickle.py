@@ -1,5 +1,5 @@
 """No pickle in muonckpt's own format, and DCP's pickled metadata read only through the
-restricted unpickler: no pickle import outside muonckpt/storage/dcp.py, where pickle serves
+restricted unpickler: no pickle import outside muonckpt/storage/dcp_files.py, where pickle serves
 only as the base class of an Unpickler that defines find_class (no pickle.load, loads, dump,
 dumps, plain Unpickler); no torch.load without weights_only=True; DCP written only by torch's
 writer."""
@@ -16,7 +16,7 @@ def _modules():
     return sorted(PACKAGE.rglob("*.py"))
 
 
-DCP_READER = PACKAGE / "storage" / "dcp.py"
+DCP_READER = PACKAGE / "storage" / "dcp_files.py"
 """The one module that may import pickle: the restricted reader of DCP metadata."""
 
 

@@ -11,10 +11,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from muonckpt import LayoutError
-from muonckpt.grid import LocalParam, RankReport, merge_reports
-from muonckpt.layout import LayoutOptions, ParamSpec, Topology, arrange
-from muonckpt.nsplan import ns_flops, plan_newton_schulz
-from muonckpt.workplan import balance_lpt
+from muonckpt.layout.grid import LocalParam, RankReport, merge_reports
+from muonckpt.layout.topology import LayoutOptions, ParamSpec, Topology, arrange
+from muonckpt.layout.workplan import balance_lpt
+from muonckpt.optim.nsplan import ns_flops, plan_newton_schulz
 
 costs_strategy = st.lists(st.integers(0, 1000), min_size=0, max_size=7)
 

@@ -9,10 +9,12 @@ import safetensors.torch
 import torch
 
 import muonckpt
-from muonckpt import examine, kinds, offline
-from muonckpt.inspection import ParamSummary
-from muonckpt.launch import run_distributed
-from muonckpt.manifest import GroupEntry, Manifest, ParamEntry
+from muonckpt import offline
+from muonckpt.distributed.launch import run_distributed
+from muonckpt.format import kinds
+from muonckpt.format.manifest import GroupEntry, Manifest, ParamEntry
+from muonckpt.offline import examine
+from muonckpt.offline.inspection import ParamSummary
 
 from .ckpt_cases import load_phase
 from .fixture_model import (
@@ -229,7 +231,7 @@ def test_packed_checksums_come_back_exactly_and_a_lying_one_is_still_caught(tmp_
     params): every checksum comes back as the manifest lists it, multi-chunk pieces and
     leading zeros included, the manifest is written again byte for byte, a rewrite lists the
     checksums of the bytes it wrote, and a checksum that lies is still caught."""
-    from muonckpt.manifest import pack_checksums, unpack_checksums
+    from muonckpt.format.manifest import pack_checksums, unpack_checksums
     from muonckpt.storage import CHUNK_BYTES, SafetensorsReader, checksum_chunks
 
     odd = ("0000000000000000", "00000000000000ff", "ffffffffffffffff", "0123456789abcdef")

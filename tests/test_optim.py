@@ -1,4 +1,5 @@
-"""The packaged Muon: distributed (ZeRO-1 + TP, via muonckpt.sharding) vs single-process, bitwise,
+"""The packaged Muon: distributed (ZeRO-1 + TP, via muonckpt.optim.sharding) vs single-process,
+bitwise,
 plus its hazards and its errors on bad input.
 
 Distributed workers are module-level functions run by ``run_distributed`` in 8 gloo processes;
@@ -15,11 +16,16 @@ import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
 from muonckpt import LayoutError
-from muonckpt.launch import run_distributed
-from muonckpt.layout import LayoutOptions, Topology
-from muonckpt.nsplan import ns_flops
-from muonckpt.optim import Muon, MuonDistMeta
-from muonckpt.sharding import ShardedParams, shard_for_groups, shard_param_groups, shard_tensor
+from muonckpt.distributed.launch import run_distributed
+from muonckpt.layout.topology import LayoutOptions, Topology
+from muonckpt.optim.muon import Muon, MuonDistMeta
+from muonckpt.optim.nsplan import ns_flops
+from muonckpt.optim.sharding import (
+    ShardedParams,
+    shard_for_groups,
+    shard_param_groups,
+    shard_tensor,
+)
 
 from .seed_oracle import OracleGroup, oracle_step
 from .seed_port import make_groups

@@ -80,15 +80,15 @@ def test_an_old_top_level_name_still_works_and_warns(name):
 
 
 def test_from_import_of_an_old_name_warns_at_the_import():
-    with pytest.warns(DeprecationWarning, match="muonckpt.Muon moved to muonckpt.optim.Muon"):
+    with pytest.warns(DeprecationWarning, match="muonckpt.Muon moved to muonckpt.optim.muon.Muon"):
         from muonckpt import Muon
-    from muonckpt.optim import Muon as current
+    from muonckpt.optim.muon import Muon as current
 
     assert Muon is current
 
 
 def test_the_namespaces_load_on_first_use():
-    probe = "import muonckpt, sys; print(muonckpt.layout.Topology(1, 1), 'torch' in sys.modules)"
+    probe = "import muonckpt, sys; print(muonckpt.layout.topology.Topology(1, 1), 'torch' in sys.modules)"
     done = subprocess.run(
         [sys.executable, "-W", "error::DeprecationWarning", "-c", probe],
         capture_output=True,

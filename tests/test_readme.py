@@ -101,7 +101,7 @@ def test_readme_fragments_run_as_written(tmp_path, monkeypatch):
 
     import torch
 
-    from muonckpt.launch import run_distributed
+    from muonckpt.distributed.launch import run_distributed
 
     assert len(fragments()) >= 2 and len(fragments(single=True)) >= 1
     assert run_distributed(fragments_phase, 4, str(tmp_path), timeout=120) == [True] * 4
@@ -124,7 +124,7 @@ def test_readme_dcp_commands_move_an_fsdp2_checkpoint_into_the_packaged_muon_and
     the first output at 2 x 2, and an FSDP2 job loads the second."""
     import torch
 
-    from muonckpt.launch import run_distributed
+    from muonckpt.distributed.launch import run_distributed
 
     from . import dcp_cases
     from .test_dcp import _load_and_resave

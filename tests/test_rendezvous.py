@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 import muonckpt
-from muonckpt.launch import run_distributed
+from muonckpt.distributed.launch import run_distributed
 
 from .ddp_cases import (
     ddp_save_phase,
@@ -113,16 +113,16 @@ def test_subgroups_meet_apart_and_leave_no_keys(tmp_path):
 
 def test_the_rendezvous_timeout_is_checked_and_restored(monkeypatch):
     monkeypatch.delenv("MUONCKPT_RENDEZVOUS_TIMEOUT", raising=False)
-    assert muonckpt.collectives.rendezvous_timeout() == 60.0
+    assert muonckpt.distributed.collectives.rendezvous_timeout() == 60.0
     for bad in (0, -1, float("inf"), float("nan"), "5", True):
         with pytest.raises(muonckpt.CollectiveError, match="rendezvous timeout"):
-            muonckpt.collectives.set_rendezvous_timeout(bad)
+            muonckpt.distributed.collectives.set_rendezvous_timeout(bad)
     monkeypatch.setenv("MUONCKPT_RENDEZVOUS_TIMEOUT", "7.5")
-    assert muonckpt.collectives.rendezvous_timeout() == 7.5
-    assert muonckpt.collectives.set_rendezvous_timeout(3) == 7.5
-    assert muonckpt.collectives.rendezvous_timeout() == 3.0
-    assert muonckpt.collectives.set_rendezvous_timeout(None) == 3.0
-    assert muonckpt.collectives.rendezvous_timeout() == 7.5
+    assert muonckpt.distributed.collectives.rendezvous_timeout() == 7.5
+    assert muonckpt.distributed.collectives.set_rendezvous_timeout(3) == 7.5
+    assert muonckpt.distributed.collectives.rendezvous_timeout() == 3.0
+    assert muonckpt.distributed.collectives.set_rendezvous_timeout(None) == 3.0
+    assert muonckpt.distributed.collectives.rendezvous_timeout() == 7.5
     monkeypatch.setenv("MUONCKPT_RENDEZVOUS_TIMEOUT", "soon")
     with pytest.raises(muonckpt.CollectiveError, match="MUONCKPT_RENDEZVOUS_TIMEOUT='soon'"):
-        muonckpt.collectives.rendezvous_timeout()
+        muonckpt.distributed.collectives.rendezvous_timeout()

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 import muonckpt
-from muonckpt.launch import run_distributed
+from muonckpt.distributed.launch import run_distributed
 
 from .fixture_model import build, initial_params, single_process_optimizer, train
 
@@ -80,7 +80,11 @@ def test_a_single_process_save_runs_one_way_through_the_modules(tmp_path):
     calls = _module_calls(lambda: muonckpt.save(optimizer, tmp_path / "ckpt"))
     assert muonckpt.verify(tmp_path / "ckpt") == []
     modules = {m for pair in calls for m in pair}
-    assert {"muonckpt.checkpoint", "muonckpt.saving", "muonckpt.placement"} <= modules
+    assert {
+        "muonckpt.checkpoint.api",
+        "muonckpt.checkpoint.saving",
+        "muonckpt.state.placement",
+    } <= modules
     assert _both_ways(calls) == []
 
 

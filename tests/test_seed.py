@@ -8,7 +8,7 @@ smaller shapes with the same TP split pattern and odd sizes; the seed's exact sh
 
 import pytest
 
-from muonckpt.launch import run_distributed
+from muonckpt.distributed.launch import run_distributed
 
 from .seed_port import SEED_SHAPES, run_seed_test
 

@@ -18,8 +18,8 @@ import torch.distributed as dist
 
 import muonckpt
 from muonckpt import StateDictError
-from muonckpt.launch import run_distributed
-from muonckpt.optim import Muon
+from muonckpt.distributed.launch import run_distributed
+from muonckpt.optim.muon import Muon
 
 from .seed_port import SEED_TP_DIMS, distribute_params, gen_param_and_grads, make_groups
 

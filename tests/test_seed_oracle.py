@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from muonckpt.launch import run_distributed
-from muonckpt.optim import Muon
+from muonckpt.distributed.launch import run_distributed
+from muonckpt.optim.muon import Muon
 
 from .seed_oracle import OracleGroup, oracle_step
 from .seed_port import SEED_TP_DIMS, distribute_params, gen_param_and_grads, make_groups

@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 
 from muonckpt import storage
 from muonckpt.errors import CheckpointError
-from muonckpt.layout import Strided
+from muonckpt.layout.topology import Strided
 from muonckpt.storage import (
     CHECKSUM_ALGORITHM,
     SafetensorsReader,

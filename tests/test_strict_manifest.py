@@ -130,8 +130,8 @@ def test_pieces_parsed_as_they_come_leave_piece_shaped_settings_as_they_are(sing
     stays the JSON it was."""
     import json
 
-    from muonckpt.manifest import Piece
-    from muonckpt.manifest_json import parse_manifest
+    from muonckpt.format.manifest import Piece
+    from muonckpt.format.manifest_json import parse_manifest
 
     text = (single_ckpt(1) / "manifest.json").read_text()
     body = json.loads(text)

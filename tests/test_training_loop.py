@@ -9,8 +9,8 @@ import torch
 import torch.distributed as dist
 
 import muonckpt
-from muonckpt.launch import run_distributed
-from muonckpt.layout import tp_local_shape
+from muonckpt.distributed.launch import run_distributed
+from muonckpt.layout.topology import tp_local_shape
 
 SHAPES = {"up": (12, 8), "down": (8, 12), "bias": (12,)}
 SPLITS = {"up": 0, "down": 1, "bias": 0}
@@ -29,9 +29,9 @@ def make_model(seed: int, tp: int = 1, tp_rank: int = 0) -> dict[str, torch.nn.P
 
 
 def build(dp: int, tp: int, tp_local: bool, seed: int):
-    dp_group, tp_group = muonckpt.collectives.grid_groups(dp, tp)
+    dp_group, tp_group = muonckpt.distributed.collectives.grid_groups(dp, tp)
     model = make_model(seed, tp if tp_local else 1, dist.get_rank(tp_group))
-    sharded = muonckpt.sharding.shard_for_groups(
+    sharded = muonckpt.optim.sharding.shard_for_groups(
         [
             {"params": [(n, model[n]) for n in ("up", "down")], "use_muon": True},
             {"params": [("bias", model["bias"])]},
@@ -41,7 +41,7 @@ def build(dp: int, tp: int, tp_local: bool, seed: int):
         tp_split_dims=SPLITS,
         tp_local=tp_local,
     )
-    opt = muonckpt.optim.Muon(sharded.param_groups, lr=0.05)
+    opt = muonckpt.optim.muon.Muon(sharded.param_groups, lr=0.05)
     opt.enable_distributed_mode(sharded.global_buffer_sizes, dp_group, tp_group, sharded.dist_metas)
     return model, sharded, opt
 

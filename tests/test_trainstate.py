@@ -20,7 +20,7 @@ from typer.testing import CliRunner
 
 import muonckpt
 from muonckpt.cli import app
-from muonckpt.launch import run_distributed
+from muonckpt.distributed.launch import run_distributed
 from muonckpt.offline import consolidate, convert, reshard
 
 from .fixture_model import build, initial_params, single_process_optimizer, train

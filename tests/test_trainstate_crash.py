@@ -19,7 +19,8 @@ from .fixture_model import build, initial_params
 from .kill_helpers import kill_at, running_helper
 
 HELPER = r"""
-from muonckpt import storage, writing
+from muonckpt import storage
+from muonckpt.checkpoint import writing
 from muonckpt.storage import safetensors_writer
 
 def pause(where):

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 import muonckpt
 from muonckpt import StateDictError
-from muonckpt.launch import run_distributed
+from muonckpt.distributed.launch import run_distributed
 
 K, M = 3, 2
 MATRICES = 12

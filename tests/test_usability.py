@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 import muonckpt
 from muonckpt.cli import app
 from muonckpt.demo import run_demo
-from muonckpt.launch import run_distributed
+from muonckpt.distributed.launch import run_distributed
 
 from .conftest import REPO
 
@@ -72,7 +72,7 @@ def test_a_muonckpt_folder_without_manifest_is_still_called_incomplete(single_ck
 def wrong_grid(dp: int, tp: int) -> str:
     """(In a gloo child.) The error of grid_groups(dp, tp)."""
     try:
-        muonckpt.collectives.grid_groups(dp, tp)
+        muonckpt.distributed.collectives.grid_groups(dp, tp)
     except muonckpt.LayoutError as exc:
         return str(exc)
     return "no error"

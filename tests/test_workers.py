@@ -16,9 +16,9 @@ import torch
 from typer.testing import CliRunner
 
 import muonckpt
-from muonckpt import offline
 from muonckpt.cli import app
-from muonckpt.manifest import CONSOLIDATED_FILE, MODEL_FILE, rank_file
+from muonckpt.format.manifest import CONSOLIDATED_FILE, MODEL_FILE, rank_file
+from muonckpt.offline import tools as offline
 from muonckpt.storage import SafetensorsReader, SafetensorsWriter, SharedSafetensorsFile
 
 from .fixture_model import BUCKET_NUMEL, TP_SPLIT_DIMS, build, initial_params
@@ -29,7 +29,7 @@ RESHARD = {
     "dp": 2,
     "tp": 2,
     "tp_split_dims": {SPLIT: DIM},
-    "options": muonckpt.layout.LayoutOptions(
+    "options": muonckpt.layout.topology.LayoutOptions(
         bucket_numel=BUCKET_NUMEL, param_alignment=4, bucket_alignment=8, buffers_by="group"
     ),
 }

@@ -1,4 +1,5 @@
-"""Property tests of the pure work split (muonckpt.workplan) behind --workers and torchrun."""
+"""Property tests of the pure work split (muonckpt.layout.workplan) behind --workers and
+torchrun."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from muonckpt import LayoutError
-from muonckpt.workplan import WorkUnit, split_work, spread
+from muonckpt.layout.workplan import WorkUnit, split_work, spread
 
 SETTINGS = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

@@ -1,4 +1,4 @@
-"""The pure write plan (muonckpt.writeplan): what every checkpoint write puts where, checked
+"""The pure write plan (muonckpt.format.writeplan): what every checkpoint write puts where, checked
 before any I/O. Expectations are computed independently: element coverage by enumerating
 full-tensor indices, file sizes by summing bytes."""
 
@@ -11,15 +11,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from muonckpt import CheckpointError
-from muonckpt.layout import LayoutOptions, ParamSpec, Topology, arrange, whole_region
-from muonckpt.manifest import DTYPE_BYTES, PARAM_KEY, rank_file
-from muonckpt.writeplan import (
+from muonckpt.format.manifest import DTYPE_BYTES, PARAM_KEY, rank_file
+from muonckpt.format.writeplan import (
     TensorWrite,
     WritePlan,
     consolidated_plan,
     per_rank_plan,
     rank_plan,
 )
+from muonckpt.layout.topology import LayoutOptions, ParamSpec, Topology, arrange, whole_region
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

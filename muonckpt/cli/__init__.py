@@ -1,4 +1,5 @@
-"""The ``muonckpt`` command line: a thin typer layer over :mod:`muonckpt.offline`: the commands
+"""The ``muonckpt`` command line: a thin typer layer over :mod:`muonckpt.offline.tools`: the
+commands
 parse, call and hand what they got to :mod:`.output`; how a command ends (its exit code, its
 errors as one line) is :mod:`.exits`'s.
 """
@@ -59,8 +60,8 @@ def _ranks(ctx: typer.Context, workers: int) -> Iterator[bool]:
     if not all(name in os.environ for name in TORCHRUN_ENV):
         yield False
         return
+    from ..distributed.collectives import default_group_from_env, global_rank
     from .. import offline
-    from ..collectives import default_group_from_env, global_rank
 
     if workers != 1:
         raise typer.BadParameter(
@@ -173,9 +174,10 @@ def reshard(
 
     Bucketed: muonckpt reshard ckpt/step-1000 --dp 4 --tp 2 --bucket-numel 40000000 -o out
 
-    The layout options are those of muonckpt.layout.LayoutOptions; any choice loads correctly.
+    The layout options are those of muonckpt.layout.topology.LayoutOptions; any choice loads
+    correctly.
     """
-    from ..layout import LayoutOptions
+    from ..layout.topology import LayoutOptions
 
     options = LayoutOptions(
         bucket_numel=bucket_numel,
@@ -205,7 +207,7 @@ def convert(
         typer.Option(
             "--to",
             metavar="IMPLEMENTATION",
-            help="packaged (muonckpt.optim.Muon), torch (torch.optim.Muon + AdamW) or "
+            help="packaged (muonckpt.optim.muon.Muon), torch (torch.optim.Muon + AdamW) or "
             "keller-jordan (muon.MuonWithAuxAdam); with --format dcp also torchtitan, dion or "
             "muon-fsdp2. Left out (muonckpt to muonckpt), each group keeps its implementation.",
             show_default=False,
@@ -277,8 +279,8 @@ def convert(
 
     Names: muonckpt convert ckpt/step-1000 -o ckpt/plain --rename module.= --rename _orig_mod.=
     """
+    from ..format.kinds import DCP_FAMILIES, FAMILIES
     from .. import offline
-    from ..kinds import DCP_FAMILIES, FAMILIES
 
     prefixes = {}
     for item in rename or []:

@@ -23,16 +23,9 @@ the collective or checkpoint layers.
 
 from __future__ import annotations
 
-from ..manifest import CHECKSUM_ALGORITHM
+from ..format.manifest import CHECKSUM_ALGORITHM
 from .checksums import CHUNK_BYTES, checksum_chunks
-from .dtypes import (
-    byte_view,
-    dtype_name,
-    itemsize,
-    tensor_of_bytes,
-    torch_dtype,
-    unstorable_kind,
-)
+from .dtypes import byte_view, dtype_name, itemsize, tensor_of_bytes, torch_dtype, unstorable_kind
 from .durable import (
     MAX_TEXT_BYTES,
     entries,

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import xxhash
 
-from ..manifest import unpack_checksums
+from ..format.manifest import unpack_checksums
 
 CHUNK_BYTES: int = 4 << 20
 """Default checksum chunk: 4 MiB of a tensor's data."""
@@ -18,7 +18,7 @@ chunk_digest = xxhash.xxh3_64_hexdigest
 
 def chunk_digests(data: bytes | memoryview | np.ndarray, chunk_bytes: int = CHUNK_BYTES) -> bytes:
     """Checksums of consecutive ``chunk_bytes`` chunks of a C-contiguous byte buffer, packed
-    (:func:`muonckpt.manifest.pack_checksums`: each chunk's 8-byte digest, in order)."""
+    (:func:`muonckpt.format.manifest.pack_checksums`: each chunk's 8-byte digest, in order)."""
     if chunk_bytes <= 0:
         raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
     view = (data.data if isinstance(data, np.ndarray) else memoryview(data)).cast("B")

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..errors import CheckpointError
-from ..manifest import DTYPE_BYTES
+from ..format.manifest import DTYPE_BYTES
 
 if TYPE_CHECKING:
     import torch

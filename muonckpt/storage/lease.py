@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import CheckpointError
-from ..manifest import FORMAT_NAME
+from ..format.manifest import FORMAT_NAME
 
 LEASE_NAME = ".muonckpt-lease"
 LEASE_FILE = re.compile(rf"^{re.escape(LEASE_NAME)}(\.tmp-\d+)?$")

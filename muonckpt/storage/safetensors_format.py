@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..manifest import DTYPE_BYTES, unpack_checksums
+from ..format.manifest import DTYPE_BYTES, unpack_checksums
 
 MAX_HEADER_BYTES: int = 100_000_000
 """Largest safetensors JSON header accepted (the format's own limit)."""
@@ -46,7 +46,7 @@ class TensorRecord:
     nbytes: int
     digests: bytes
     """One digest per ``chunk_bytes`` chunk of the data (last may be short), packed
-    (:func:`muonckpt.manifest.pack_checksums`); empty for 0 bytes and for a record read from
+    (:func:`muonckpt.format.manifest.pack_checksums`); empty for 0 bytes and for a record read from
     a file, which holds no checksums."""
     chunk_bytes: int
 

@@ -23,19 +23,13 @@ import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
 from ..errors import CheckpointError
-from ..layout import Strided
-from ..manifest import CHECKSUM_ALGORITHM, DTYPE_BYTES, MANIFEST_NAME
-from ..strict_json import TextWindow
+from ..format.manifest import CHECKSUM_ALGORITHM, DTYPE_BYTES, MANIFEST_NAME
+from ..format.strict_json import TextWindow
+from ..layout.topology import Strided
 from .checksums import CHUNK_BYTES, chunk_digest
 from .dtypes import byte_view, torch_dtype
 from .durable import open_regular, read_text
-from .safetensors_format import (
-    DTYPE_CODES,
-    DTYPES,
-    MAX_HEADER_BYTES,
-    METADATA_KEY,
-    TensorRecord,
-)
+from .safetensors_format import DTYPE_CODES, DTYPES, MAX_HEADER_BYTES, METADATA_KEY, TensorRecord
 
 if TYPE_CHECKING:
     import torch

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar
 import numpy as np
 
 from ..errors import CheckpointError
-from ..manifest import DTYPE_BYTES
+from ..format.manifest import DTYPE_BYTES
 from .checksums import CHUNK_BYTES, chunk_digests
 from .dtypes import byte_view, torch_dtype_names
 from .durable import pwrite_all, remove_quietly, replace_durably, start_writeback, temporary_path

@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from ..errors import CheckpointError, CheckpointWarning
-from ..manifest import FORMAT_NAME, MANIFEST_NAME
+from ..format.manifest import FORMAT_NAME, MANIFEST_NAME
 from ..settings import local_path
 from . import lease
 from .durable import RENAME_NOREPLACE, exchange, fsync_dir, read_text, renameat2

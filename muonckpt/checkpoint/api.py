@@ -1,0 +1,420 @@
+"""Save and load an optimizer's whole training state as safetensors checkpoints.
+
+Any optimizer muonckpt understands: the packaged Muon (single-process or ZeRO-1 + TP), one with
+:func:`muonckpt.install_hooks` (KellerJordan's Muon, layer-wise layouts), or any single-process
+torch optimizer. A checkpoint holds every param's optimizer state and, by default, the param's
+own values (the optimizer's params: in distributed mode each rank's ZeRO-1 slice of its TP
+shard, Megatron's "main params"), so a run resumes from the checkpoint alone at any dp x tp.
+It is a directory: safetensors data files plus ``manifest.json``, written last as the commit
+marker (docs/format.md). ``save`` writes into a staging directory beside the target and swaps it in
+atomically; ``load`` asks which elements this rank owns under its own topology and reads just
+those from whichever pieces hold them. Collectives come from
+:mod:`muonckpt.distributed.collectives`, file I/O from :mod:`muonckpt.storage`.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import sys
+import threading
+import weakref
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, wait
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .. import settings, storage
+from ..distributed.steps import failure_line
+from ..errors import CheckpointError, MuonCkptError
+from ..state.hostcopy import HostBuffers
+from ..state.placement import Joined, Optimizers, optimizers_of
+from . import retention, writing
+from .loading import LoadReport, load
+from .saving import PreparedSave, prepare_save
+
+__all__ = ["DEFAULT_ASYNC_TIMEOUT_S", "LoadReport", "async_save", "load", "save"]
+
+DEFAULT_ASYNC_TIMEOUT_S: float = 1800.0
+"""How long, by default, the root of a background save waits at each step for every rank (and
+the others for the root, twice that) before the save fails: gloo's default process-group
+timeout (NCCL's is 10 minutes)."""
+
+
+def save(
+    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
+    path: str | os.PathLike[str],
+    *,
+    consolidated: bool = False,
+    max_shard_size: int | str | None = None,
+    params: bool = True,
+    overwrite: bool = False,
+    keep_last: int | None = None,
+    model: torch.nn.Module | None = None,
+    extra: Mapping[str, Any] | None = None,
+    rank_extra: Mapping[str, Any] | None = None,
+    local: bool = False,
+) -> Path:
+    """Save ``optimizer``'s state (and its params) to directory ``path``; a collective over its
+    dp x tp grid, which begins with a bounded rendezvous (every rank must call it, with the same
+    arguments, within :func:`muonckpt.distributed.collectives.set_rendezvous_timeout` of each
+    other).
+
+    Args:
+        optimizer: a packaged :class:`~muonckpt.optim.muon.Muon`, single-process or distributed
+        (every
+            rank holding every param, or only those it owns elements of); an optimizer with
+            :func:`muonckpt.install_hooks`; or any torch optimizer without hooks, in one process
+            or replicated on every rank of a process group (DDP: each param's state written
+            once, the ranks sharing the writing, after their digests of it are found equal).
+            Also a list of such optimizers that together train a model (torch.optim.Muon for
+            the matrices and AdamW for the rest): their groups are saved in order, as one.
+            State and params may be in CUDA memory: each tensor is copied to a reused (pinned)
+            host buffer just before it is written.
+        path: target directory. The save is staged beside it and swapped in atomically.
+        consolidated: gather full-shape tensors on rank 0 and write the state as
+            ``state.<param>.<key>`` in ``optimizer.safetensors`` and the params by name in
+            ``model.safetensors`` (:func:`muonckpt.format.writeplan.consolidated_plan`), instead of
+            one file per rank (no gathering; only metadata crosses ranks).
+        max_shard_size: with ``consolidated``, split each family of files past this many bytes,
+            HF style: an int, or a string as the CLI and Hugging Face take it (``"5GB"`` is
+            5 * 10**9 bytes, ``"5GiB"`` 5 * 2**30; :func:`muonckpt.settings.parse_size`).
+        params: also save the optimizer's params (the default), so that :func:`load` restores
+            them; False saves the optimizer state only, for weights kept elsewhere.
+        overwrite: replace an existing checkpoint at ``path`` (otherwise an error).
+        keep_last: after the commit, delete the older complete muonckpt checkpoints of
+            ``path``'s run beside it (directly under its parent, named as it is but for its
+            step, each checkpoint's step as its manifest records it: ``step-10`` beside
+            ``step-30``, never ``seed2-step-10`` beside ``seed1-step-30``) so that
+            ``keep_last`` remain, the new one always among them. A new checkpoint that
+            records no step, or whose name does not hold it once, deletes nothing and warns
+            (:func:`muonckpt.checkpoint.retention.prune`).
+        model: with ``consolidated``, the model the params belong to (the optimizer's param
+            names must be its ``state_dict()`` names): ``model.safetensors`` then holds its
+            whole ``state_dict()``, buffers and params no optimizer holds taken from the
+            destination rank's model, tied names stored once and recorded in the file's
+            metadata (alias -> stored name, as ``safetensors.torch.save_model`` does), so that
+            ``safetensors.torch.load_model(model, ...)`` loads it strictly.
+        extra: the training job's own state, saved in the same atomic commit: a dict of JSON
+            values (numbers, strings, booleans, None, lists, dicts with string keys), tensors
+            (on any device; copied to host memory at the call) and objects with
+            ``state_dict()`` / ``load_state_dict()`` (an LR scheduler), saved as their state
+            dict. Every rank passes the same (compared by a digest: ranks that differ fail the
+            save, nothing written); rank 0 stores it. ``extra["step"]``, a non-negative int,
+            is the step the checkpoint records (``inspect``, :func:`muonckpt.latest`).
+        rank_extra: each rank's own values, as ``extra`` but stored per rank (RNG states:
+            :class:`muonckpt.RNGState`; a data loader's position); every rank passes one, or
+            none does.
+        local: the optimizer is this process's alone, not a DDP replica: saved by this
+            process alone, whatever process group is initialized (each rank its own optimizer
+            to its own path, or one rank only). Without it an optimizer without hooks in a
+            process group is a replica on every rank of the world, and every rank must call
+            ``save``. Refused for an optimizer that keeps state on other ranks.
+
+    Returns:
+        The checkpoint directory.
+
+    A background save of the same optimizer still in flight (:func:`async_save`) commits
+    first.
+    """
+    settings.local_path(path)
+    target = _one(optimizer, local)
+    _wait_in_flight(target)
+    prepared = prepare_save(
+        "save",
+        target,
+        _HOST_BUFFERS.setdefault(_key(target), HostBuffers()),
+        path,
+        consolidated,
+        max_shard_size,
+        params,
+        overwrite,
+        keep_last,
+        model=model,
+        extra=extra,
+        rank_extra=rank_extra,
+        local=local,
+    )
+    final = writing.finish(
+        prepared.steps, prepared.staging, path, write=prepared.write, manifest=prepared.manifest
+    )
+    if prepared.steps.is_root:
+        _prune(final, keep_last)
+    return final
+
+
+def async_save(
+    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
+    path: str | os.PathLike[str],
+    *,
+    consolidated: bool = False,
+    max_shard_size: int | str | None = None,
+    params: bool = True,
+    overwrite: bool = False,
+    keep_last: int | None = None,
+    extra: Mapping[str, Any] | None = None,
+    rank_extra: Mapping[str, Any] | None = None,
+    timeout: float = DEFAULT_ASYNC_TIMEOUT_S,
+    model: torch.nn.Module | None = None,
+    local: bool = False,
+) -> Future[Path]:
+    """:func:`save`, returning as soon as the state and params are copied to host memory; the
+    write, fsync, commit, retiring a replaced checkpoint and ``keep_last`` run in the
+    background. A collective over the grid while it snapshots (every rank calls it).
+
+    Training may step right after it returns: the checkpoint holds the values at the call.
+    The snapshot goes into host buffers kept per optimizer and reused by its next save: extra
+    host memory of this rank's share of the state and params (a consolidated save: the full
+    state on rank 0, gathered as in :func:`save`). For CUDA state they are pinned, from
+    torch's caching host allocator, which rounds each allocation up to a power of two.
+
+    The background work never uses the job's process groups (a collective from another thread
+    could deadlock with, or be reordered against, the job's own). The ranks agree through
+    files in a directory beside the target, ``.NAME.steps-XXXXXXXX``, which every rank must
+    see (as they must see the staging directory they write into): each rank reports its
+    write there, rank 0 commits when every report is in and leaves the outcome for the others
+    (:class:`muonckpt.checkpoint.writing.DirectorySteps`). Callbacks added to the returned future
+    run in that background thread, so they must not use the process groups either.
+
+    Args:
+        optimizer, path, consolidated, max_shard_size, params, overwrite, keep_last, model,
+            extra, rank_extra, local: as for :func:`save` (``extra`` and ``rank_extra`` are taken at
+            the call: tensors copied, state dicts asked for).
+        timeout: seconds (positive) rank 0 waits at each step for the slowest rank before the
+            save fails on every rank still there (the others wait twice that for rank 0): a
+            rank whose write never finishes is an error, never a hang.
+
+    Returns:
+        A :class:`concurrent.futures.Future` whose ``result()`` is the committed checkpoint's
+        path on every rank, or raises the save's error (a :class:`CheckpointError`; the same
+        on every rank).
+
+    At most one save per optimizer is in flight: a next ``async_save`` or :func:`save` of the
+    same optimizer waits for this one to end first (its error stays with its own future:
+    check it, as the README's loop does). At interpreter exit (the script's end, ``sys.exit``,
+    an uncaught exception or KeyboardInterrupt) a save in flight is finished first
+    (:func:`_finish_saves_at_exit`); a save that failed and whose error was never read
+    (``result()``, ``exception()``) is then one line on stderr, and the process exits with
+    code 1. A process killed meanwhile leaves the previous checkpoint at
+    ``path`` whole, and an unfinished staging directory and the mailbox beside it. Errors
+    found before the snapshot is taken (a target that may not be written, state that cannot
+    be stored, a bad ``timeout``) are raised by this call itself, on every rank.
+    """
+    settings.seconds(timeout, "timeout")
+    settings.local_path(path)
+    target = _one(optimizer, local)
+    _wait_in_flight(target)
+    prepared = prepare_save(
+        "async_save",
+        target,
+        _HOST_BUFFERS.setdefault(_key(target), HostBuffers()),
+        path,
+        consolidated,
+        max_shard_size,
+        params,
+        overwrite,
+        keep_last,
+        extra=extra,
+        rank_extra=rank_extra,
+        background=True,
+        timeout=timeout,
+        model=model,
+        local=local,
+    )
+    foreground = prepared.steps
+    background = writing.DirectorySteps(
+        "async_save",
+        storage.Mailbox(storage.mailbox_path(prepared.staging)),
+        foreground.ranks,
+        foreground.root,
+        foreground.rank,
+        timeout,
+        CheckpointError,
+    )
+    future = _BackgroundSave()
+    future.set_running_or_notify_cancel()
+    future.thread = threading.Thread(
+        target=_finish_in_background,
+        # absolute: the thread commits where the call named, whatever the working directory
+        args=(future, background, Path(os.path.abspath(path)), prepared, keep_last),
+        name=f"muonckpt async_save {path}",
+        daemon=False,  # a daemon would die unnoticed at exit; _finish_saves_at_exit waits
+    )
+    _UNSETTLED.add(future)  # before it starts: it removes itself once settled
+    try:
+        future.thread.start()
+    except RuntimeError as exc:  # no thread to be had (at interpreter shutdown, say)
+        _UNSETTLED.discard(future)
+        if foreground.is_root:
+            writing.abandon(prepared.staging)
+        raise CheckpointError(f"cannot start the background save: {exc}", path=path) from exc
+    _IN_FLIGHT[_key(target)] = future
+    if _exiting():  # (a user's atexit handler) nothing would wait for it: finish it now
+        future.thread.join()
+        _finish_saves_at_exit(in_atexit_handler=True)  # a failure, unread: said, exit 1
+    return future
+
+
+def _finish_in_background(
+    future: _BackgroundSave,
+    steps: writing.DirectorySteps,
+    final: Path,
+    prepared: PreparedSave,
+    keep_last: int | None,
+) -> None:
+    """The background half of :func:`async_save`: write, commit, retire, prune; the outcome
+    to ``future``, always a library error on failure."""
+    try:
+        committed = writing.finish(
+            steps, prepared.staging, final, write=prepared.write, manifest=prepared.manifest
+        )
+        if steps.is_root:
+            _prune(committed, keep_last)
+    except MuonCkptError as exc:
+        future.set_exception(exc)
+    except BaseException as exc:  # not a library error yet: the same rule as a step's failure
+        error = CheckpointError(f"async_save: {failure_line(exc, steps.rank)}", path=final)
+        error.__cause__ = exc
+        future.set_exception(error)
+    else:
+        future.set_result(committed)
+    finally:
+        steps.leave()
+        if future.settled():
+            _UNSETTLED.discard(future)
+
+
+class _BackgroundSave(Future[Path]):
+    """The future of one background save, which knows whether its outcome was read: a failure
+    nobody read (with :meth:`result` or :meth:`exception`) is reported at exit."""
+
+    thread: threading.Thread
+    """The thread that writes and commits the save."""
+    read = False
+    """Whether its outcome was read once it was known."""
+
+    def result(self, timeout: float | None = None) -> Path:
+        try:
+            return super().result(timeout)
+        finally:
+            self._was_read()
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        try:
+            return super().exception(timeout)
+        finally:
+            self._was_read()
+
+    def _was_read(self) -> None:
+        """Mark the outcome read, once there is one."""
+        if self.done():
+            self.read = True
+            if self.settled():
+                _UNSETTLED.discard(self)
+
+    def settled(self) -> bool:
+        """Its thread has ended, and it succeeded or its error was read: nothing to report."""
+        if self.thread.is_alive():
+            return False
+        return self.read or Future.exception(self, 0) is None
+
+
+def _finish_saves_at_exit(*, in_atexit_handler: bool = False) -> None:
+    """(at interpreter exit) Wait for every background save still running; report each failed
+    save whose error nobody read on stderr, one line, and end the process with exit code 1.
+
+    Registered with ``threading._register_atexit`` after :mod:`concurrent.futures` (which
+    :mod:`muonckpt.checkpoint.writing` imports), so it runs before concurrent.futures' own exit
+    hook, which makes every ThreadPoolExecutor refuse new work ("cannot schedule new futures after
+    interpreter shutdown") while the non-daemon threads still run: a save waited for only as
+    a non-daemon thread failed there, and nobody saw its error. A failure must not pass for a
+    clean exit (the script's own exit code is not known here: 1 stands for it); nor may a
+    Ctrl-C while it waits (said, exit code 1, the staging left for ``muonckpt clean``).
+    Before that exit the job's atexit handlers run (os._exit would skip them), unless this is
+    called from one of them (``in_atexit_handler``: an async_save started there)."""
+    try:
+        for save in list(_UNSETTLED):
+            save.thread.join()
+        said = [
+            f"a background save failed and its error was never read: {Future.exception(s, 0)}"
+            for s in list(_UNSETTLED)
+            if not s.settled()
+        ]
+    except BaseException:  # a second Ctrl-C while waiting: an exit hook must not raise
+        said = [
+            "interrupted at exit while a background save was being written: it may not be committed"
+        ]
+    if not said:
+        return
+    for line in said:
+        print(f"muonckpt: {' '.join(line.split())}", file=sys.stderr)
+    if not in_atexit_handler:  # os._exit skips them: the job's own (a logger's, a tracker's)
+        with contextlib.suppress(BaseException):
+            atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):  # a closed stream: nothing more to say there
+            stream.flush()
+    os._exit(1)
+
+
+_UNSETTLED: set[_BackgroundSave] = set()
+"""Every background save still running, or failed with its error unread, whether or not its
+optimizer is still alive: what :func:`_finish_saves_at_exit` waits for and reports."""
+
+
+def _exiting() -> bool:
+    """Whether the interpreter's exit has begun (its threading exit hooks, ours among them,
+    have run or are running): a background thread started now would be waited for by no one."""
+    return bool(getattr(threading, "_SHUTTING_DOWN", False)) or sys.is_finalizing()
+
+
+with contextlib.suppress(RuntimeError):  # first imported at exit (a user's atexit handler)
+    threading._register_atexit(_finish_saves_at_exit)  # type: ignore[attr-defined]
+
+
+_IN_FLIGHT: weakref.WeakKeyDictionary[Any, Future[Path]] = weakref.WeakKeyDictionary()
+"""Per optimizer (the first of a list), its background save in flight, if any."""
+
+
+def _forget_saves_in_child() -> None:
+    """(a forked child) The parent's background saves are the parent's: the child has no
+    thread writing them, so it neither reports them at exit nor waits for them before a save
+    of its own (which would wait forever)."""
+    _UNSETTLED.clear()
+    _IN_FLIGHT.clear()
+
+
+os.register_at_fork(after_in_child=_forget_saves_in_child)
+_HOST_BUFFERS: weakref.WeakKeyDictionary[Any, HostBuffers] = weakref.WeakKeyDictionary()
+"""Per optimizer (the first of a list), the host buffers its saves copy state into."""
+
+
+def _one(
+    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer], local: bool
+) -> Optimizers:
+    """One optimizer, or several joined (:class:`Joined`)."""
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return optimizer
+    return Joined(list(optimizer), local=local)
+
+
+def _key(optimizer: Optimizers) -> torch.optim.Optimizer:
+    """What the in-flight and buffer bookkeeping of ``optimizer`` is keyed by."""
+    return optimizers_of(optimizer)[0]
+
+
+def _wait_in_flight(optimizer: Optimizers) -> None:
+    """Wait until a background save of ``optimizer`` in flight has finished (its own future
+    reports how)."""
+    previous = _IN_FLIGHT.get(_key(optimizer))
+    if previous is not None:
+        wait([previous])
+
+
+def _prune(final: Path, keep_last: int | None) -> None:
+    """(the root, after a commit) Apply ``keep_last`` beside ``final``."""
+    if keep_last is not None:
+        retention.prune(final.parent, keep_last, keep=final)

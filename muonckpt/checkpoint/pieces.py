@@ -1,0 +1,413 @@
+"""Reading checkpoint directories without torch: the manifest, and verified reads of pieces.
+
+What every reader of a checkpoint needs, kept free of torch so that ``muonckpt consolidate``
+and ``reshard`` start in a fraction of a second and stay small: :func:`open_checkpoint`
+(manifest, sizes and coverage checked), :class:`PieceReader`, which gathers any region of a
+param's state as raw bytes from whichever pieces hold it, verifying checksums, and
+:func:`verify` (file access through :mod:`muonckpt.storage`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from .. import settings, storage
+from ..errors import CheckpointError
+from ..format.manifest import (
+    CONSOLIDATED,
+    FORMAT_NAME,
+    INDEX_FILE,
+    MANIFEST_NAME,
+    MODEL_INDEX_FILE,
+    PER_RANK,
+    ExtraTensor,
+    FileEntry,
+    Manifest,
+    ParamEntry,
+    Piece,
+    rank_file,
+)
+from ..format.manifest_json import parse_manifest, parse_manifest_chunks
+from ..layout.topology import Region, Strided, strided_runs
+
+
+def read_manifest(path: str | os.PathLike[str]) -> Manifest:
+    """The parsed, schema-checked manifest of the checkpoint at ``path`` (a URL refused)."""
+    directory = settings.local_path(path)
+    manifest_path = directory / MANIFEST_NAME
+    if not directory.is_dir():
+        raise CheckpointError("no checkpoint directory", path=directory)
+    if storage.is_ours(directory.name):
+        raise CheckpointError(
+            "incomplete: a staging directory left by an interrupted save, not a checkpoint",
+            path=directory,
+        )
+    if not manifest_path.is_file():
+        data = sorted(name for name in storage.entries(directory) if name.endswith(".safetensors"))
+        if data and not _written_by_muonckpt(directory, data):
+            hf = (
+                " (a Hugging Face model folder: config.json)"
+                if "config.json" in storage.entries(directory)
+                else ""
+            )
+            raise CheckpointError(
+                f"not a muonckpt checkpoint{hf}: safetensors files that muonckpt did not write "
+                "and no manifest.json; muonckpt reads the directories that muonckpt.save, "
+                "consolidate, reshard and convert write",
+                path=directory,
+            )
+        if data:
+            raise CheckpointError(
+                "incomplete checkpoint: data files but no manifest.json (the save was "
+                "interrupted or is not done)",
+                path=manifest_path,
+            )
+        raise CheckpointError(
+            "not a muonckpt checkpoint: no manifest.json and no .safetensors files",
+            path=directory,
+        )
+    try:
+        return parse_manifest_chunks(storage.read_text_chunks(manifest_path), manifest_path)
+    except CheckpointError:  # named as the whole text shows it (which problem comes first)
+        return parse_manifest(storage.read_text(manifest_path), manifest_path)
+
+
+def _written_by_muonckpt(directory: Path, names: list[str]) -> bool:
+    """Whether any of these safetensors files carries muonckpt's own header metadata (or
+    cannot be read, so that a damaged file of ours is not called foreign)."""
+    for name in names:
+        try:
+            with storage.SafetensorsReader(directory / name) as reader:
+                if reader.metadata.get("format") == FORMAT_NAME:
+                    return True
+        except CheckpointError:
+            return True
+    return False
+
+
+def open_checkpoint(path: str | os.PathLike[str]) -> tuple[Path, Manifest]:
+    """The directory and manifest of a checkpoint whose pieces cover every state tensor once."""
+    directory = Path(path)
+    manifest = read_manifest(directory)
+    problems = size_problems(manifest, directory)
+    if problems:
+        raise changed_while_reading(directory, manifest) or problems[0]
+    problems = [
+        CheckpointError(p, path=directory / MANIFEST_NAME) for p in manifest.coverage_problems()
+    ]
+    if problems:
+        raise problems[0]
+    return directory, manifest
+
+
+def changed_while_reading(directory: Path, manifest: Manifest) -> CheckpointError | None:
+    """The error to raise when the checkpoint's manifest is no longer ``manifest`` (a writer
+    replaced the checkpoint while it was read), else None: a missing or resized data file is
+    then a race, not damage."""
+    try:
+        now = read_manifest(directory)
+    except CheckpointError:
+        now = None
+    if now is not None and (now.files, now.pieces, now.extra) == (
+        manifest.files,
+        manifest.pieces,
+        manifest.extra,
+    ):
+        return None
+    return CheckpointError(
+        "the checkpoint changed while reading (another writer replaced it): read it again",
+        path=directory / MANIFEST_NAME,
+    )
+
+
+def all_files(manifest: Manifest) -> tuple[FileEntry, ...]:
+    """The data files of the optimizer's state and params, then those of ``extra``."""
+    return manifest.files + (manifest.extra.files if manifest.extra is not None else ())
+
+
+def size_problems(manifest: Manifest, directory: Path) -> list[CheckpointError]:
+    """Files that are symlinks, whose size differs from the manifest, or that are smaller than
+    the pieces it puts in them (a checkpoint's data files are regular files of its own).
+
+    Checked before coverage, so a manifest cannot make the coverage check walk regions larger
+    than the data actually on disk.
+    """
+    problems = []
+    claimed: dict[str, int] = {}
+    model = manifest.model
+    model_tensors = {t.name: t for t in model.tensors} if model is not None else {}
+    placed = [(p, manifest.param(p.param)) for p in manifest.pieces] + [
+        (p, model_tensors[p.param]) for p in (model.pieces if model is not None else ())
+    ]
+    for piece, held in placed:
+        itemsize = storage.itemsize(held.dtype_of(piece.key))
+        claimed[piece.file] = claimed.get(piece.file, 0) + piece.region.numel * itemsize
+    for tensor in manifest.extra.tensors() if manifest.extra is not None else ():
+        claimed[tensor.file] = claimed.get(tensor.file, 0) + tensor.nbytes
+    for entry in all_files(manifest):
+        path = directory / entry.name
+        if path.is_symlink():
+            problems.append(
+                CheckpointError("is a symlink, not a file of this checkpoint", path=path)
+            )
+            continue
+        if not path.is_file():
+            problems.append(CheckpointError("missing data file", path=path))
+            continue
+        size = storage.file_size(path)
+        if size != entry.bytes:
+            problems.append(
+                CheckpointError(
+                    f"file is {size} bytes, the manifest says {entry.bytes} "
+                    "(truncated or replaced)",
+                    path=path,
+                )
+            )
+        elif claimed.get(entry.name, 0) > size:
+            problems.append(
+                CheckpointError(
+                    f"the manifest puts {claimed[entry.name]} bytes of tensors in a "
+                    f"{size}-byte file",
+                    path=path,
+                )
+            )
+    return problems
+
+
+class PieceReader:
+    """Reads pieces of a checkpoint with checksums, through a bounded cache of open files
+    (:class:`muonckpt.storage.ReaderCache`): a checkpoint of any number of files reads within
+    the process's open-file limit.
+
+    With ``reuse_outputs=n``, :meth:`gather` returns views into a ring of ``n`` buffers that
+    are reused, each result valid until ``n`` more gathers: streaming tools (which hold at most
+    ``n`` results) then skip the page faults of fresh allocations, which on some machines cost
+    several times the read itself.
+    """
+
+    def __init__(
+        self,
+        directory: Path,
+        manifest: Manifest,
+        *,
+        reuse_outputs: int = 0,
+        open_files: int | None = None,
+    ) -> None:
+        self.directory = directory
+        self.manifest = manifest
+        self._cache = storage.ReaderCache(open_files)
+        self._paths: dict[str, Path] = {}
+        self._sizes = {f.name: f.bytes for f in all_files(manifest)}
+        self._ring = [np.empty(0, dtype=np.uint8) for _ in range(reuse_outputs)]
+        self._turn = 0
+
+    def __enter__(self) -> PieceReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._cache.close()
+
+    @property
+    def opens(self) -> int:
+        """Files opened so far (reopenings after an eviction included)."""
+        return self._cache.opens
+
+    def reader(self, file: str) -> storage.SafetensorsReader:
+        """The open reader of data file ``file``; use it at once (it may be closed once other
+        files were opened)."""
+        path = self._paths.get(file)
+        if path is None:
+            path = self.directory / file
+            if not path.is_file():
+                changed = changed_while_reading(self.directory, self.manifest)
+                raise changed or CheckpointError("missing data file", path=path)
+            if path.stat().st_size != self._sizes[file]:
+                changed = changed_while_reading(self.directory, self.manifest)
+                raise changed or CheckpointError(
+                    f"file is {path.stat().st_size} bytes, the manifest says {self._sizes[file]}"
+                    " (truncated or replaced)",
+                    path=path,
+                )
+            self._paths[file] = path
+        return self._cache.get(path)
+
+    def check_header(self, piece: Piece, entry: ParamEntry) -> storage.TensorRecord:
+        reader = self.reader(piece.file)
+        if piece.tensor not in reader:
+            raise CheckpointError(
+                f"tensor {piece.tensor!r} missing from the file",
+                path=reader.path,
+                param=piece.param,
+            )
+        record = reader.record(piece.tensor)
+        dtype = entry.dtype_of(piece.key)
+        if record.dtype != dtype or record.numel != piece.region.numel:
+            raise CheckpointError(
+                f"header says {record.dtype} x {record.numel} elements, the manifest "
+                f"{dtype} x {piece.region.numel}",
+                path=reader.path,
+                param=piece.param,
+            )
+        full = self.manifest.kind == CONSOLIDATED  # stored at full shape, as load_file gives it
+        if full and tuple(record.shape) != tuple(entry.shape):
+            raise CheckpointError(
+                f"header says shape {tuple(record.shape)}, the manifest {tuple(entry.shape)}",
+                path=reader.path,
+                param=piece.param,
+            )
+        return record
+
+    def check_extra(self, tensor: ExtraTensor, what: str) -> storage.TensorRecord:
+        """The header of a tensor of ``extra`` (``what``: ``extra``, ``rank_extra[3]``) as
+        the manifest describes it."""
+        reader = self.reader(tensor.file)
+        where = f"{what} {list(tensor.path)}"
+        if tensor.tensor not in reader:
+            raise CheckpointError(f"{where}: tensor {tensor.tensor!r} missing", path=reader.path)
+        record = reader.record(tensor.tensor)
+        if (record.dtype, tuple(record.shape)) != (tensor.dtype, tensor.shape):
+            raise CheckpointError(
+                f"{where}: header says {record.dtype} {list(record.shape)}, the manifest "
+                f"{tensor.dtype} {list(tensor.shape)}",
+                path=reader.path,
+            )
+        return record
+
+    def read_extra(self, tensor: ExtraTensor, what: str) -> np.ndarray:
+        """The bytes of a tensor of ``extra``, checksums verified."""
+        record = self.check_extra(tensor, what)
+        out = np.empty(record.nbytes, dtype=np.uint8)
+        whole = Strided(src=0, dst=0, length=record.numel, count=1, src_step=0, dst_step=0)
+        self.reader(tensor.file).read_groups(
+            tensor.tensor,
+            out.data,
+            [whole],
+            checksums=tensor.checksums,
+            chunk_bytes=tensor.chunk_bytes,
+        )
+        return out
+
+    def gather(
+        self,
+        pieces: Sequence[Piece],
+        entry: ParamEntry,
+        key: str,
+        target: Region,
+        out: np.ndarray | None = None,
+    ) -> np.ndarray:
+        """The raw bytes of ``target``'s elements of stored tensor ``key`` (in the region's own
+        order), as a 1-D uint8 array, read from the pieces overlapping it and verified; into
+        ``out`` where given (of exactly that many bytes)."""
+        size = storage.itemsize(entry.dtype_of(key))
+        if out is None:
+            out = self._output(target.numel * size)
+        elif out.nbytes != target.numel * size:
+            raise ValueError(f"out holds {out.nbytes} bytes, {target.numel * size} are read")
+        filled = 0
+        for piece in pieces:
+            groups = strided_runs(piece.region, target)
+            if groups:
+                self._read_groups(out, piece, groups, entry)
+                filled += sum(g.length * g.count for g in groups)
+        if filled != target.numel:
+            raise CheckpointError(
+                f"pieces cover {filled} of the {target.numel} elements needed",
+                path=self.directory / MANIFEST_NAME,
+                param=entry.name,
+            )
+        return out
+
+    def _read_groups(
+        self, out: np.ndarray, piece: Piece, groups: list[Strided], entry: ParamEntry
+    ) -> None:
+        self.check_header(piece, entry)
+        self.reader(piece.file).read_groups(
+            piece.tensor,
+            out.data,
+            groups,
+            checksums=piece.checksums,
+            chunk_bytes=piece.chunk_bytes,
+        )
+
+    def _output(self, nbytes: int) -> np.ndarray:
+        if not self._ring:
+            return np.empty(nbytes, dtype=np.uint8)
+        slot = self._turn % len(self._ring)
+        self._turn += 1
+        if self._ring[slot].nbytes < nbytes:
+            self._ring[slot] = np.empty(nbytes, dtype=np.uint8)
+        return self._ring[slot][:nbytes]
+
+
+def verify(path: str | os.PathLike[str]) -> list[CheckpointError]:
+    """Every problem found in the checkpoint at ``path`` (empty: sound). Reads all data once."""
+    try:
+        directory = settings.local_path(path)
+        manifest = read_manifest(directory)
+    except CheckpointError as exc:
+        return [exc]
+    try:
+        problems = size_problems(manifest, directory)
+    except CheckpointError as exc:
+        return [exc]
+    problems = problems or [
+        CheckpointError(p, path=directory / MANIFEST_NAME) for p in manifest.coverage_problems()
+    ]
+    problems += _topology_problems(manifest, directory)
+    known = {f.name for f in all_files(manifest)} | {MANIFEST_NAME, INDEX_FILE, MODEL_INDEX_FILE}
+    for entry in sorted(directory.iterdir()):
+        if entry.name not in known:
+            problems.append(CheckpointError("unknown file in the checkpoint directory", path=entry))
+        elif entry.is_symlink():
+            problems.append(
+                CheckpointError("is a symlink, not a file of the checkpoint's own", path=entry)
+            )
+    model = manifest.model
+    tensors = {e.name: e for e in model.tensors} if model is not None else {}
+    with PieceReader(directory, manifest) as reader:
+        for piece in manifest.pieces + (model.pieces if model is not None else ()):
+            try:
+                held = tensors.get(piece.param) or manifest.param(piece.param)
+                reader.check_header(piece, held)
+                reader.reader(piece.file).verify(piece.tensor, piece.checksums, piece.chunk_bytes)
+            except CheckpointError as exc:
+                problems.append(exc)
+        for what, tree in manifest.extra.trees() if manifest.extra is not None else ():
+            for tensor in tree.tensors:
+                try:
+                    reader.check_extra(tensor, what)
+                    reader.reader(tensor.file).verify(
+                        tensor.tensor, tensor.checksums, tensor.chunk_bytes
+                    )
+                except CheckpointError as exc:
+                    problems.append(exc)
+    return _unique(problems)
+
+
+def _topology_problems(manifest: Manifest, directory: Path) -> list[CheckpointError]:
+    if manifest.kind != PER_RANK:
+        return []
+    world = manifest.topology.get("dp", 0) * manifest.topology.get("tp", 0)
+    listed = {f.name for f in manifest.files}
+    if len(listed) != world or listed != {rank_file(r, world) for r in range(world)}:
+        return [
+            CheckpointError(
+                f"the manifest's topology {manifest.topology} implies {world} rank files, "
+                f"it lists {len(listed)}: {sorted(listed)[:4]}",
+                path=directory / MANIFEST_NAME,
+            )
+        ]
+    return []
+
+
+def _unique(problems: list[CheckpointError]) -> list[CheckpointError]:
+    seen, out = set(), []
+    for problem in problems:
+        if str(problem) not in seen:
+            seen.add(str(problem))
+            out.append(problem)
+    return out

@@ -1,0 +1,751 @@
+"""The checkpoint manifest: versioned dataclasses, their JSON text and coverage checks (read
+and schema-checked by :mod:`muonckpt.format.manifest_json`).
+
+Pure: no tensors, no collectives, no file I/O. ``manifest.json`` is written last by a save and
+is its commit marker; docs/format.md specifies every field.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+from ..errors import CheckpointError
+from ..layout.topology import Region
+
+FORMAT_NAME = "muonckpt"
+FORMAT_VERSION = 2
+"""Version 2 added the params' own values (``value_dtype``, pieces of key :data:`PARAM_KEY`);
+version 1 checkpoints are still read (they hold optimizer state only)."""
+PARAM_KEY = "param"
+"""The piece key of a param's own values, beside its state keys (never a state key itself)."""
+CHECKSUM_ALGORITHM = "xxh3-64"
+"""XXH3 64-bit (seed 0) of each chunk of a tensor's data, as 16 lowercase hex digits."""
+DIGEST_BYTES = 8
+"""Bytes of one checksum packed (:func:`pack_checksums`): its digest, big-endian, as its hex
+digits spell it."""
+
+
+def pack_checksums(checksums: Iterable[str]) -> bytes:
+    """Checksums (hex strings, as the manifest writes them) packed into one bytes object,
+    :data:`DIGEST_BYTES` each: how pieces and written records keep them, since a tuple of
+    strings per tensor took 36 MB at 100k params. :func:`unpack_checksums` gives them back."""
+    return bytes.fromhex("".join(checksums))
+
+
+def unpack_checksums(digests: bytes) -> tuple[str, ...]:
+    """Packed checksums (:func:`pack_checksums`) as the manifest's hex strings."""
+    text, width = digests.hex(), 2 * DIGEST_BYTES
+    return tuple(text[i : i + width] for i in range(0, len(text), width))
+
+
+MANIFEST_NAME = "manifest.json"
+PER_RANK = "per-rank"
+CONSOLIDATED = "consolidated"
+KINDS = (PER_RANK, CONSOLIDATED)
+
+DTYPE_BYTES: dict[str, int] = {
+    "F64": 8,
+    "F32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "I64": 8,
+    "I32": 4,
+    "I16": 2,
+    "I8": 1,
+    "U64": 8,
+    "U32": 4,
+    "U16": 2,
+    "U8": 1,
+    "BOOL": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+}
+"""Bytes per element of each safetensors dtype a checkpoint may hold."""
+
+STATE_STEM = "optimizer"
+"""Consolidated state goes to ``optimizer.safetensors`` (or ``optimizer-0000i-of-0000N``)."""
+VALUE_STEM = "model"
+"""Consolidated param values go to ``model.safetensors``, keyed by param name, as HF has it."""
+CONSOLIDATED_FILE = f"{STATE_STEM}.safetensors"
+INDEX_FILE = f"{STATE_STEM}.safetensors.index.json"
+MODEL_FILE = f"{VALUE_STEM}.safetensors"
+MODEL_INDEX_FILE = f"{VALUE_STEM}.safetensors.index.json"
+
+
+def tensor_key(param: str, key: str) -> str:
+    """The key a stored tensor has in its file: the param's name for its values, else torch's
+    flattened optimizer-state key ``state.<param name>.<state key>``."""
+    return param if key == PARAM_KEY else f"state.{param}.{key}"
+
+
+def index_file(stem: str) -> str:
+    """The Hugging Face style index of a family of sharded files."""
+    return f"{stem}.safetensors.index.json"
+
+
+def stem_of(key: str) -> str:
+    """The consolidated file family of a stored tensor: values to ``model``, state to
+    ``optimizer``."""
+    return VALUE_STEM if key == PARAM_KEY else STATE_STEM
+
+
+Rename = Callable[[str], str] | Mapping[str, str]
+"""How :func:`muonckpt.load` and ``convert`` rename a checkpoint's params: a function of the
+saved name, or prefix replacements (``{"module.": ""}`` strips DDP's prefix, ``{"": "model."}``
+adds one; the longest matching prefix applies, names matching none stay)."""
+
+WRAPPER_PREFIXES = {
+    "module.": "DDP's or DataParallel's wrapper",
+    "_orig_mod.": "torch.compile's wrapper",
+    "model.": "a wrapping module named model",
+}
+"""Prefixes that wrappers add to every param name, and who adds them."""
+
+
+def renamer(rename: Rename) -> Callable[[str], str]:
+    """``rename`` as a function of the saved name (prefix replacements applied)."""
+    if callable(rename):
+        return rename
+    if not isinstance(rename, Mapping) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in rename.items()
+    ):
+        raise CheckpointError(
+            f"rename must be a function of the name or a mapping of prefixes, got {rename!r}"
+        )
+    prefixes = sorted(rename, key=len, reverse=True)
+
+    def replace_prefix(name: str) -> str:
+        for old in prefixes:
+            if name.startswith(old):
+                return rename[old] + name[len(old) :]
+        return name
+
+    return replace_prefix
+
+
+def prefix_fix(saved: Iterable[str], current: Iterable[str]) -> dict[str, str] | None:
+    """The prefix replacement that turns the ``saved`` names into the ``current`` ones
+    exactly (``{"module.": ""}``: strip DDP's prefix), or None when no prefix does."""
+    saved, current = sorted(set(saved)), sorted(set(current))
+    if not saved or saved == current or len(saved) != len(current):
+        return None
+    old, new = _dotted_prefix(saved), _dotted_prefix(current)
+    while old and new and old.split(".")[-2] == new.split(".")[-2]:  # a shared tail stays
+        old, new = old[: old.rstrip(".").rfind(".") + 1], new[: new.rstrip(".").rfind(".") + 1]
+    if old == new or sorted(renamer({old: new})(n) for n in saved) != current:
+        return None
+    return {old: new}
+
+
+def prefix_hint(saved: Iterable[str], current: Iterable[str]) -> str | None:
+    """One sentence naming the prefix by which the checkpoint's (``saved``) and the
+    optimizer's (``current``) names differ, and the ``rename`` that fixes it; None when they do
+    not differ by a prefix."""
+    fix = prefix_fix(saved, current)
+    if fix is None:
+        return None
+    ((old, new),) = fix.items()
+
+    def who(prefix: str) -> str:
+        wrappers = [w for p, w in WRAPPER_PREFIXES.items() if f".{prefix}".find(f".{p}") >= 0]
+        return f" ({', '.join(wrappers)})" if wrappers else ""
+
+    if not new:
+        differ = f"the checkpoint's start with {old!r}{who(old)}, the optimizer's do not"
+    elif not old:
+        differ = f"the optimizer's start with {new!r}{who(new)}, the checkpoint's do not"
+    else:
+        differ = f"the checkpoint's start with {old!r} where the optimizer's start with {new!r}"
+    return (
+        f"the param names differ by a prefix: {differ}; load(..., rename={fix!r}) maps them "
+        f"(muonckpt convert: --rename {old}={new})"
+    )
+
+
+def _dotted_prefix(names: Sequence[str]) -> str:
+    """The longest prefix of every name that ends with a dot ('' when none)."""
+    first, last = min(names), max(names)
+    common = 0
+    while common < min(len(first), len(last)) and first[common] == last[common]:
+        common += 1
+    return first[: first.rfind(".", 0, common) + 1]
+
+
+def rank_file(rank: int, world_size: int) -> str:
+    """The file of rank ``rank``'s pieces in a per-rank checkpoint."""
+    return f"rank-{rank:05d}-of-{world_size:05d}.safetensors"
+
+
+EXTRA_FILE = "extra.safetensors"
+"""The tensors of a save's ``extra`` (the training job's own state, the same on every rank)."""
+
+
+def extra_rank_file(rank: int, world_size: int) -> str:
+    """The tensors of rank ``rank``'s ``rank_extra`` (its own values: RNG, data position)."""
+    return f"extra-rank-{rank:05d}-of-{world_size:05d}.safetensors"
+
+
+EXTRA_DEPTH = 24
+"""How deeply ``extra`` values may nest (the manifest around them takes the rest of
+:data:`muonckpt.format.strict_json.MAX_JSON_DEPTH`)."""
+EXTRA_JSON_BYTES = 16 << 20
+"""The most bytes of JSON one save's ``extra`` and ``rank_extra`` values may take in the
+manifest; larger data goes in tensors."""
+
+
+@dataclass(frozen=True, slots=True)
+class Scalar:
+    """A state value that is not a tensor shaped like its param: a plain number, or a 0-d tensor
+    (torch keeps AdamW's ``step`` so), stored in the manifest itself."""
+
+    value: int | float | bool | str | None
+    dtype: str | None = None
+    """safetensors dtype of a 0-d tensor; None for a plain Python number."""
+
+
+@dataclass(frozen=True, slots=True)
+class ParamEntry:
+    """One param of the optimizer that was saved."""
+
+    name: str
+    shape: tuple[int, ...]
+    """Full (logical) shape of the param, and of each of its stored tensors."""
+    tp_split_dim: int
+    """Dimension split across TP ranks in the source run (-1: replicated)."""
+    group: int
+    """Index of its param group."""
+    dtypes: Mapping[str, str]
+    """safetensors dtype of each stored tensor, by key: its state tensors (shaped like the
+    param) and, when saved, its own values under :data:`PARAM_KEY`."""
+    scalars: Mapping[str, Scalar] = field(default_factory=dict)
+    """Its state values that are numbers or 0-d tensors, by key."""
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def state_keys(self) -> tuple[str, ...]:
+        """Keys of its state tensors, sorted (empty: no tensor state)."""
+        return tuple(sorted(k for k in self.dtypes if k != PARAM_KEY))
+
+    @property
+    def value_dtype(self) -> str | None:
+        """dtype of the param's own saved values; None when they were not saved."""
+        return self.dtypes.get(PARAM_KEY)
+
+    @property
+    def tensor_keys(self) -> tuple[str, ...]:
+        """Keys of everything stored for the param: its state keys, then :data:`PARAM_KEY`."""
+        return self.state_keys + ((PARAM_KEY,) if self.value_dtype is not None else ())
+
+    def dtype_of(self, key: str) -> str:
+        """The safetensors dtype of the stored tensor ``key`` (a state key or the values)."""
+        return self.dtypes[key]
+
+
+@dataclass(frozen=True)
+class GroupEntry:
+    """One param group: its hyperparameters (step counter included) and its params' names."""
+
+    hyperparams: dict[str, Any]
+    params: tuple[str, ...]
+    optimizer: dict[str, Any] = field(default_factory=dict)
+    """What the group computed (:class:`muonckpt.format.kinds.GroupKind` as JSON: optimizer class,
+    Muon or AdamW, momentum form, mu, nesterov, lr scale rule, where AdamW counts steps);
+    empty when unknown (version 1)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """One stored tensor: a region of one param's state tensor, in one file."""
+
+    param: str
+    key: str
+    file: str
+    tensor: str
+    """Key of the tensor inside the safetensors file."""
+    region: Region
+    """Which elements of the full tensor it holds, in its own (flat) order."""
+    digests: bytes
+    """Its checksums packed (:func:`pack_checksums`; :attr:`checksums` spells them out)."""
+    chunk_bytes: int
+
+    @property
+    def checksums(self) -> tuple[str, ...]:
+        """One checksum per ``chunk_bytes`` of the tensor's data, as the manifest lists them."""
+        return unpack_checksums(self.digests)
+
+
+@dataclass(frozen=True)
+class ModelFile:
+    """What a consolidated save given the model (``save(..., model=model)``) adds to
+    ``model.safetensors`` beyond the optimizer's params, so that it holds the model's whole
+    ``state_dict()``."""
+
+    tensors: tuple[ParamEntry, ...]
+    """The model's other tensors (buffers, params no optimizer group holds), each stored
+    whole under its name (group -1, never split)."""
+    pieces: tuple[Piece, ...]
+    """Where each of them is stored, with its checksums."""
+    aliases: Mapping[str, str] = field(default_factory=dict)
+    """state_dict names of tied tensors stored once: alias -> the stored name (as
+    ``safetensors.torch.save_model`` records them in the file's metadata)."""
+
+
+@dataclass(frozen=True, slots=True)
+class FileEntry:
+    name: str
+    bytes: int
+
+
+ValuePath = tuple[str | int, ...]
+"""Where a value lies in a tree of ``extra`` values: dict keys and list indices."""
+
+
+@dataclass(frozen=True)
+class ExtraTensor:
+    """One tensor of the training job's own state: where it goes in its values, and where it
+    is stored (a whole safetensors tensor, at its shape)."""
+
+    path: ValuePath
+    file: str
+    tensor: str
+    """Key of the tensor inside the safetensors file."""
+    dtype: str
+    shape: tuple[int, ...]
+    checksums: tuple[str, ...]
+    chunk_bytes: int
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * DTYPE_BYTES[self.dtype]
+
+
+@dataclass(frozen=True)
+class ExtraValues:
+    """A tree of values (``extra`` or one rank's ``rank_extra``): JSON, with ``null`` at each
+    tensor's path, and the tensors."""
+
+    values: Any
+    tensors: tuple[ExtraTensor, ...] = ()
+
+
+@dataclass(frozen=True)
+class Extra:
+    """The training job's own state, saved in the same commit as the optimizer's."""
+
+    shared: ExtraValues | None
+    """``extra``: the values every rank gave alike (None: not saved)."""
+    ranks: tuple[ExtraValues, ...]
+    """``rank_extra``: each saving rank's own values, in grid order (empty: not saved)."""
+    files: tuple[FileEntry, ...]
+    """The safetensors files holding the tensors of both."""
+
+    def trees(self) -> list[tuple[str, ExtraValues]]:
+        """Every tree, named as errors name it (``extra``, ``rank_extra[3]``)."""
+        named = [("extra", self.shared)] if self.shared is not None else []
+        return named + [(f"rank_extra[{r}]", tree) for r, tree in enumerate(self.ranks)]
+
+    def tensors(self) -> list[ExtraTensor]:
+        return [t for _, tree in self.trees() for t in tree.tensors]
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """Everything needed to read, verify and reshard a checkpoint without the optimizer."""
+
+    kind: str
+    topology: dict[str, int]
+    """Source topology: ``{"dp": .., "tp": ..}``."""
+    groups: tuple[GroupEntry, ...]
+    params: tuple[ParamEntry, ...]
+    files: tuple[FileEntry, ...]
+    pieces: tuple[Piece, ...]
+    format_version: int = FORMAT_VERSION
+    checksum_algorithm: str = CHECKSUM_ALGORITHM
+    model: ModelFile | None = None
+    """A consolidated save's model tensors beyond the optimizer's params (None: none)."""
+    recorded_step: int | None = None
+    """The training step the save recorded (``"step"``): ``extra["step"]`` when given, else
+    the optimizer's own count where it keeps one; None: unknown (and in older manifests)."""
+    extra: Extra | None = None
+    """The training job's own state (``"extra"``); None: none was saved."""
+
+    def param(self, name: str) -> ParamEntry:
+        by_name = self.__dict__.get("_by_name")
+        if by_name is None:  # made when first asked: a rewrite's output manifest never is
+            by_name = {entry.name: entry for entry in self.params}
+            object.__setattr__(self, "_by_name", by_name)
+        entry = by_name.get(name)
+        if entry is None:
+            raise CheckpointError("no such param in the checkpoint", param=name)
+        return entry
+
+    def renamed(self, rename: Rename) -> Manifest:
+        """The same checkpoint with its params renamed (:data:`Rename`); the stored tensors
+        keep their keys in the files. Two params given one name are refused, naming both."""
+        fn = renamer(rename)
+        names: dict[str, str] = {}
+        model = self.model
+        for entry in self.params + (model.tensors if model is not None else ()):
+            new = fn(entry.name)
+            if not isinstance(new, str) or not new:
+                raise CheckpointError(f"rename gave {new!r}, not a name", param=entry.name)
+            names[entry.name] = new
+        seen: dict[str, str] = {}
+        for old, new in names.items():
+            if new in seen:
+                raise CheckpointError(
+                    f"rename gives params {seen[new]!r} and {old!r} one name {new!r}"
+                )
+            seen[new] = old
+        if model is not None:
+            aliases = {str(fn(alias)): names[stored] for alias, stored in model.aliases.items()}
+            model = ModelFile(
+                tuple(replace(t, name=names[t.name]) for t in model.tensors),
+                tuple(replace(p, param=names[p.param]) for p in model.pieces),
+                aliases,
+            )
+        return replace(
+            self,
+            model=model,
+            groups=tuple(replace(g, params=tuple(names[n] for n in g.params)) for g in self.groups),
+            params=tuple(replace(e, name=names[e.name]) for e in self.params),
+            pieces=tuple(replace(p, param=names[p.param]) for p in self.pieces),
+        )
+
+    def step_of(self, entry: ParamEntry) -> int | float | None:
+        """The step count the checkpoint holds for a param: its own scalar (torch and
+        KellerJordan AdamW count per param), else its group's."""
+        if "step" in entry.scalars:
+            value = entry.scalars["step"].value
+            return value if isinstance(value, int | float) else None
+        return self.groups[entry.group].hyperparams.get("step")
+
+    def latest_step(self, names: Iterable[str]) -> int | None:
+        """The largest step count of the named params (None: none has one)."""
+        steps = [s for s in (self.step_of(self.param(n)) for n in names) if s is not None]
+        return int(max(steps)) if steps else None
+
+    @property
+    def has_values(self) -> bool:
+        """Whether the params' own values were saved (every param's, or none)."""
+        return bool(self.params) and all(e.value_dtype is not None for e in self.params)
+
+    def pieces_of(self) -> PieceIndex:
+        """Pieces grouped by (param, state key)."""
+        return PieceIndex(self.pieces)
+
+    @property
+    def group_step(self) -> int | None:
+        """The largest of the groups' step counters (the packaged Muon's AdamW groups)."""
+        steps = [g.hyperparams["step"] for g in self.groups if "step" in g.hyperparams]
+        return max(steps) if steps else None
+
+    @property
+    def step(self) -> int | None:
+        """The training step the checkpoint holds: the step its save recorded (the manifest's
+        ``"step"``: ``extra["step"]``, or the optimizer's count), else its groups' counter,
+        else the largest of its params' own counts (torch's AdamW counts per param); None when
+        it records none."""
+        if self.recorded_step is not None:
+            return self.recorded_step
+        if self.group_step is not None:
+            return self.group_step
+        try:
+            return self.latest_step(entry.name for entry in self.params)
+        except (TypeError, ValueError, OverflowError):  # a "step" scalar that is not a number
+            return None
+
+    def digest(self) -> str:
+        """A short hash of :meth:`to_json`: what the ranks of one load (or offline tool)
+        compare to know they read one checkpoint."""
+        digest = hashlib.blake2b(digest_size=8)
+        for chunk in self.json_chunks():
+            digest.update(chunk.encode())
+        return digest.hexdigest()
+
+    def to_json(self) -> str:
+        """The manifest as written: one compact JSON line per group, param, file and piece
+        (readable, and half the size of indented JSON: 100k params fit the 100 MB limit)."""
+        return "".join(self.json_chunks())
+
+    def json_chunks(self) -> Iterator[str]:
+        """The text of :meth:`to_json` in consecutive pieces, each line made as it is asked
+        for (the text of 100k params is 89 MB: written or hashed so, it is never whole).
+
+        Built field by field: ``dataclasses.asdict`` deep-copies every value, seconds at 100k
+        params."""
+        lists: dict[str, tuple[Sequence[Any], Callable[[Any], Any]]] = {
+            "groups": (self.groups, _group_to_json),
+            "params": (self.params, _param_to_json),
+            "files": (self.files, _file_to_json),
+            "pieces": (self.pieces, piece_to_json),
+        }
+        body: dict[str, Any] = {
+            "format": FORMAT_NAME,
+            "kind": self.kind,
+            "topology": dict(self.topology),
+            **dict.fromkeys(lists),
+            "format_version": self.format_version,
+            "checksum_algorithm": self.checksum_algorithm,
+            "step": self.recorded_step,
+            "extra": None if self.extra is None else extra_to_json(self.extra),
+        }
+        if self.model is not None:
+            body["model"] = {
+                "tensors": [
+                    {"name": e.name, "shape": list(e.shape), "dtype": e.value_dtype}
+                    for e in self.model.tensors
+                ],
+                "pieces": [piece_to_json(p) for p in self.model.pieces],
+                "aliases": dict(self.model.aliases),
+            }
+        yield "{\n"
+        for index, (key, value) in enumerate(body.items()):
+            yield (",\n" if index else "") + _compact(key) + ": "
+            items, to_json = lists.get(key, ((), _compact))
+            if not items:
+                yield _compact([] if key in lists else value)
+                continue
+            yield "[\n"
+            for number, item in enumerate(items):
+                yield (",\n" if number else "") + _compact(to_json(item))
+            yield "\n]"
+        yield "\n}\n"
+
+    def coverage_problems(self) -> list[str]:
+        """Gaps, overlaps and stray pieces: every state tensor must be covered exactly once."""
+        problems = [] if (mixed := values_problem(self.params)) is None else [mixed]
+        grouped, covered = self.pieces_of(), 0
+        for entry in self.params:
+            for key in entry.tensor_keys:
+                pieces = grouped[entry.name, key]
+                covered += len(pieces)
+                problems += _coverage(entry, key, pieces)
+        if self.model is not None:
+            held = defaultdict(list)
+            for piece in self.model.pieces:
+                held[piece.param].append(piece)
+            for entry in self.model.tensors:
+                problems += _coverage(entry, PARAM_KEY, held.get(entry.name, []))
+        if covered != len(self.pieces):  # pieces of tensors that no param lists
+            listed = {(entry.name, key) for entry in self.params for key in entry.tensor_keys}
+            strays = dict.fromkeys((p.param, p.key) for p in self.pieces)
+            problems += [
+                f"piece of param {param!r} state {key!r} that the manifest's params do not list"
+                for param, key in strays
+                if (param, key) not in listed
+            ]
+        return problems
+
+
+class PieceIndex:
+    """The pieces of each stored tensor, by (param, key); a tensor that none holds has none.
+
+    One dict per key, of each param's piece, or of its list where several pieces hold it: most
+    tensors have one, and a dict of (param, key) tuples and lists took 55 MB at 100k params."""
+
+    __slots__ = ("_by_key",)
+
+    def __init__(self, pieces: Iterable[Piece]) -> None:
+        self._by_key: dict[str, dict[str, Piece | list[Piece]]] = {}
+        for piece in pieces:
+            held = self._by_key.setdefault(piece.key, {})
+            found = held.get(piece.param)
+            if found is None:
+                held[piece.param] = piece
+            elif isinstance(found, list):
+                found.append(piece)
+            else:
+                held[piece.param] = [found, piece]
+
+    def __getitem__(self, tensor: tuple[str, str]) -> Sequence[Piece]:
+        param, key = tensor
+        found = self._by_key.get(key, {}).get(param)
+        if found is None:
+            return ()
+        return found if isinstance(found, list) else (found,)
+
+
+def _compact(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"), allow_nan=False)
+
+
+def _group_to_json(g: GroupEntry) -> dict[str, Any]:
+    return {"hyperparams": g.hyperparams, "params": list(g.params), "optimizer": g.optimizer}
+
+
+def _param_to_json(e: ParamEntry) -> dict[str, Any]:
+    return {
+        "name": e.name,
+        "shape": list(e.shape),
+        "tp_split_dim": e.tp_split_dim,
+        "group": e.group,
+        "dtypes": dict(e.dtypes),
+        "scalars": {k: {"value": v.value, "dtype": v.dtype} for k, v in e.scalars.items()},
+    }
+
+
+def _file_to_json(f: FileEntry) -> dict[str, Any]:
+    return {"name": f.name, "bytes": f.bytes}
+
+
+def values_problem(params: Sequence[ParamEntry]) -> str | None:
+    """A checkpoint saves the params' own values for all of them or for none."""
+    if len({p.value_dtype is not None for p in params}) > 1:
+        return "some params have saved values and others not"
+    return None
+
+
+def _coverage(entry: ParamEntry, key: str, pieces: Sequence[Piece]) -> list[str]:
+    intervals = sorted(iv for piece in pieces for iv in piece.region.intervals())
+    where = f"param {entry.name!r} state {key!r}"
+    cursor = 0
+    for lo, hi in intervals:
+        if lo < cursor:
+            return [f"{where}: elements [{lo}, {min(hi, cursor)}) stored twice (overlap)"]
+        if lo > cursor:
+            return [f"{where}: elements [{cursor}, {lo}) stored nowhere (gap)"]
+        cursor = hi
+    if cursor != entry.numel:
+        return [f"{where}: elements [{cursor}, {entry.numel}) stored nowhere (gap)"]
+    return []
+
+
+def model_tensor(name: str, shape: Sequence[int], dtype: str) -> ParamEntry:
+    """A model tensor of :class:`ModelFile`: stored whole, in no group."""
+    return ParamEntry(name, tuple(shape), -1, -1, {PARAM_KEY: dtype})
+
+
+def extra_to_json(extra: Extra) -> dict[str, Any]:
+    """An :class:`Extra` in its JSON form (what
+    :func:`muonckpt.format.manifest_json.extra_from_json` reads)."""
+
+    def tensor(t: ExtraTensor) -> dict[str, Any]:
+        lists = {"path": list(t.path), "shape": list(t.shape), "checksums": list(t.checksums)}
+        return {**asdict(t), **lists}
+
+    def tree(values: ExtraValues) -> dict[str, Any]:
+        return {"values": values.values, "tensors": [tensor(t) for t in values.tensors]}
+
+    return {
+        "global": None if extra.shared is None else tree(extra.shared),
+        "ranks": [tree(r) for r in extra.ranks],
+        "files": [{"name": f.name, "bytes": f.bytes} for f in extra.files],
+    }
+
+
+def piece_to_json(piece: Piece) -> dict[str, Any]:
+    """A :class:`Piece` in its JSON form (what
+    :func:`muonckpt.format.manifest_json.piece_from_json` reads)."""
+    region = piece.region
+    return {
+        "param": piece.param,
+        "key": piece.key,
+        "file": piece.file,
+        "tensor": piece.tensor,
+        "region": {
+            "cols": region.cols,
+            "block_start": region.block_start,
+            "block_width": region.block_width,
+            "start": region.start,
+            "stop": region.stop,
+        },
+        "checksums": list(piece.checksums),
+        "chunk_bytes": piece.chunk_bytes,
+    }
+
+
+def json_safe(value: Any) -> Any:
+    """Hyperparameter values as JSON: tuples become lists; anything else JSON can't hold fails."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise CheckpointError(f"hyperparameter value {value!r} cannot be stored in JSON")
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    if isinstance(value, Mapping):
+        return {str(k): json_safe(v) for k, v in value.items()}
+    raise CheckpointError(f"hyperparameter value {value!r} cannot be stored in the manifest")
+
+
+class ManifestSize:
+    """A lower bound on the bytes of a manifest's text, counted from what its lines will hold
+    without making them (:meth:`Manifest.json_chunks` takes seconds at 100k params): each
+    param's and each piece's line exactly, and each param's name in its group's list; of the
+    groups nothing else, nor of ``extra``. So that a write whose manifest no reader would take
+    is refused before any data is written, naming the counts that make it large."""
+
+    def __init__(self) -> None:
+        self.params = 0
+        self.pieces = 0
+        empty = Manifest(CONSOLIDATED, {}, (), (), (), ())
+        self.bytes = sum(len(chunk) for chunk in empty.json_chunks())
+        blank = Region(0, 0, 0, 0, 0)
+        self._piece_line = len(_compact(piece_to_json(Piece("", "", "", "", blank, b"", 0))))
+        self._texts: dict[str, int] = {}
+        self._last = ("", 0)
+        """The last piece's param and its text."""
+        self._regions: dict[Region, int] = {}
+        self._alike: dict[tuple[Any, ...], int] = {}
+        """A param's line without its name, by everything else it holds."""
+        self._groups: set[int] = set()
+
+    def add_param(self, entry: ParamEntry) -> None:
+        """One entry of ``params``, exactly (+2: its ``,\\n`` or the list's brackets), and its
+        name in its group's ``params`` (+3: quotes and a comma, but one per group)."""
+        # (each value's type too: 1, 1.0 and True are equal keys but different JSON)
+        scalars = tuple((k, type(v.value), v.value, v.dtype) for k, v in entry.scalars.items())
+        alike = (entry.shape, entry.tp_split_dim, entry.group, tuple(entry.dtypes.items()), scalars)
+        if (rest := self._alike.get(alike)) is None:  # params differ mostly by their names
+            rest = self._alike[alike] = len(_compact(_param_to_json(replace(entry, name=""))))
+        listed = 3 - (entry.group not in self._groups)
+        self._groups.add(entry.group)
+        self.params += 1
+        self.bytes += rest + 2 + 2 * _text(entry.name) + listed
+
+    def add_piece(
+        self, param: str, key: str, file: str, tensor: str, region: Region, nbytes: int, chunk: int
+    ) -> None:
+        """One entry of ``pieces``: ``nbytes`` of data, a checksum per ``chunk`` bytes."""
+        texts = self._texts
+        if (named := texts.get(key)) is None:
+            named = texts[key] = _text(key)
+        if (filed := texts.get(file)) is None:
+            filed = texts[file] = _text(file)
+        if param != self._last[0]:  # a param's pieces come together
+            self._last = (param, _text(param))
+        if (spans := self._regions.get(region)) is None:
+            ints = (region.cols, region.block_start, region.block_width, region.start)
+            spans = self._regions[region] = sum(len(str(i)) - 1 for i in (*ints, region.stop))
+        checksums = -(-nbytes // chunk)
+        self.pieces += 1
+        self.bytes += (
+            self._piece_line
+            + 2
+            + self._last[1]
+            + named
+            + filed
+            + _text(tensor)
+            + spans
+            + (19 * checksums - 1 if checksums else 0)
+            + len(str(chunk))
+            - 1
+        )
+
+
+_quoted: Callable[[str], str] = json.encoder.encode_basestring_ascii  # type: ignore[attr-defined]
+"""A string as :func:`_compact` writes it (quoted, escaped, ASCII), at C speed."""
+
+
+def _text(value: str) -> int:
+    """The characters ``value`` takes inside its quotes in the manifest."""
+    return len(_quoted(value)) - 2

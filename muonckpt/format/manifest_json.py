@@ -1,0 +1,534 @@
+"""Reading manifests: strict JSON (whole, or as a stream never held whole) and the schema
+checks that turn it into :class:`~muonckpt.format.manifest.Manifest` and its parts.
+
+Pure: no tensors, no collectives, no file I/O. Every problem is a
+:class:`~muonckpt.errors.CheckpointError`; docs/format.md specifies every field.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import asdict
+from typing import Any
+
+from ..errors import CheckpointError
+from ..layout.topology import Region, matrix_view
+from .kinds import KNOWN
+from .manifest import (
+    CHECKSUM_ALGORITHM,
+    DTYPE_BYTES,
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    KINDS,
+    MANIFEST_NAME,
+    PARAM_KEY,
+    Extra,
+    ExtraTensor,
+    ExtraValues,
+    FileEntry,
+    GroupEntry,
+    Manifest,
+    ModelFile,
+    ParamEntry,
+    Piece,
+    Scalar,
+    ValuePath,
+    model_tensor,
+    pack_checksums,
+    piece_to_json,
+    values_problem,
+)
+from .strict_json import strict_json, strict_json_chunks
+
+_DIGEST = re.compile("[0-9a-f]{16}")
+
+
+def parse_manifest(text: str | bytes, source: object) -> Manifest:
+    """Parse and schema-check a manifest; every problem is a :class:`CheckpointError`."""
+    shared = _Shared()
+    return _checked(lambda: strict_json(text, shared.piece), shared, source)
+
+
+def parse_manifest_chunks(chunks: Iterable[str], source: object) -> Manifest:
+    """:func:`parse_manifest` of the text that ``chunks`` make up, never held whole
+    (:func:`strict_json_chunks`). A problem may be named otherwise than
+    :func:`parse_manifest` names it: to show one, parse the whole text again."""
+    shared = _Shared()
+    parse = lambda: strict_json_chunks(chunks, shared.piece, {"params": shared.param})  # noqa: E731
+    return _checked(parse, shared, source)
+
+
+def _checked(parse: Callable[[], Any], shared: _Shared, source: object) -> Manifest:
+    try:
+        body = parse()
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        raise CheckpointError(f"manifest is not valid JSON: {exc!r:.200}", path=source) from None
+    try:
+        return _manifest_from(body, shared)
+    except CheckpointError as exc:
+        raise CheckpointError(str(exc), path=source) from None
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise CheckpointError(
+            f"manifest does not follow the format: {exc!r}", path=source
+        ) from None
+
+
+def _manifest_from(body: Any, shared: _Shared) -> Manifest:
+    _expect(isinstance(body, dict), "manifest is not a JSON object")
+    _expect(body.get("format") == FORMAT_NAME, "not a muonckpt manifest (format field)")
+    version = body.get("format_version")
+    _expect(_pos_int(version), "format_version missing or not a positive int")
+    if version > FORMAT_VERSION:
+        raise CheckpointError(
+            f"format version {version} is newer than this muonckpt reads ({FORMAT_VERSION}); "
+            "upgrade muonckpt"
+        )
+    _expect(body["kind"] in KINDS, f"unknown kind {body['kind']!r}")
+    _expect(
+        body["checksum_algorithm"] == CHECKSUM_ALGORITHM,
+        f"checksum_algorithm {body['checksum_algorithm']!r} is not {CHECKSUM_ALGORITHM!r}",
+    )
+    topology = body["topology"]
+    _expect(
+        isinstance(topology, dict) and all(_pos_int(v) for v in topology.values()),
+        "topology must map names to positive ints",
+    )
+    params = tuple(shared.entry(p, version) for p in body["params"])
+    names = [p.name for p in params]
+    _expect(len(set(names)) == len(names), "duplicate param names")
+    for p in params:
+        _expect(not set(p.scalars) & set(p.dtypes), f"param {p.name!r}: a key is stored twice")
+    mixed = values_problem(params)
+    _expect(mixed is None, mixed or "")
+    groups = tuple(
+        GroupEntry(
+            hyperparams=_hyperparams(g["hyperparams"]),
+            params=tuple(sys.intern(_str(n)) for n in g["params"]),
+            optimizer=_group_optimizer(g.get("optimizer", {})),
+        )
+        for g in body["groups"]
+    )
+    _expect(
+        sorted(n for g in groups for n in g.params) == sorted(names),
+        "groups and params list different names",
+    )
+    by_name = {p.name: p for p in params}
+    for index, group in enumerate(groups):
+        for name in group.params:
+            _expect(
+                by_name[name].group == index,
+                f"param {name!r} says group {by_name[name].group}, but group {index} lists it",
+            )
+    files = tuple(FileEntry(_safe_name(f["name"]), _nonneg_int(f["bytes"])) for f in body["files"])
+    file_names = {f.name for f in files}
+    pieces = []
+    raw_pieces = body["pieces"]
+    _expect(isinstance(raw_pieces, list), "pieces must be a list")
+    for raw in raw_pieces:
+        piece = raw if isinstance(raw, Piece) else piece_from_json(raw)
+        _expect(
+            piece.file in file_names, f"piece {piece.tensor!r} names unlisted file {piece.file!r}"
+        )
+        entry = by_name.get(piece.param)
+        if entry is None:
+            raise CheckpointError(f"piece {piece.tensor!r} of unknown param {piece.param!r}")
+        _expect(
+            piece.key in entry.dtypes,
+            f"piece {piece.tensor!r}: param {piece.param!r} lists no stored key {piece.key!r}",
+        )
+        _check_region(entry, piece.region, piece.tensor)
+        pieces.append(piece)
+    step = body.get("step")
+    _expect(step is None or _int(step) >= 0, f"step must be a non-negative int, got {step!r}")
+    extra = body.get("extra")
+    return Manifest(
+        kind=body["kind"],
+        topology=dict(topology),
+        groups=groups,
+        params=params,
+        files=files,
+        pieces=tuple(pieces),
+        format_version=version,
+        model=_model_file(body["model"], by_name, file_names) if "model" in body else None,
+        recorded_step=step,
+        extra=None if extra is None else extra_from_json(extra, file_names),
+    )
+
+
+def _one(pool: dict[Any, Any], value: Any) -> Any:
+    """``value``, or the equal one already in ``pool`` (frozen values: shared, not copied)."""
+    return pool.setdefault(tuple(value.items()) if isinstance(value, dict) else value, value)
+
+
+def _model_file(raw: Any, params: Mapping[str, ParamEntry], file_names: set[str]) -> ModelFile:
+    _expect(isinstance(raw, dict), "model is not a JSON object")
+    tensors = tuple(
+        model_tensor(_str(t["name"]), [_nonneg_int(n) for n in t["shape"]], _dtypes_of(t["dtype"]))
+        for t in raw["tensors"]
+    )
+    by_name = {t.name: t for t in tensors}
+    _expect(len(by_name) == len(tensors), "model: a tensor listed twice")
+    _expect(not set(by_name) & set(params), "model: a tensor named like an optimizer param")
+    pieces = []
+    for item in raw["pieces"]:
+        piece = item if isinstance(item, Piece) else piece_from_json(item)
+        entry = by_name.get(piece.param)
+        if entry is None:
+            raise CheckpointError(f"model: piece of unknown tensor {piece.param!r}")
+        _expect(
+            piece.key == PARAM_KEY and piece.file in file_names, f"model: piece {piece.tensor!r}"
+        )
+        _check_region(entry, piece.region, piece.tensor)
+        pieces.append(piece)
+    aliases = raw["aliases"]
+    stored = set(by_name) | set(params)
+    _expect(
+        isinstance(aliases, dict)
+        and all(isinstance(k, str) and v in stored and k not in stored for k, v in aliases.items()),
+        "model: aliases must map other names to stored tensors",
+    )
+    return ModelFile(tensors, tuple(pieces), dict(aliases))
+
+
+def _dtypes_of(value: Any) -> str:
+    _expect(value in DTYPE_BYTES, f"unknown dtype {value!r}")
+    return value
+
+
+def extra_from_json(raw: Any, data_files: Iterable[str] = ()) -> Extra:
+    """A schema-checked :class:`Extra`: its files plain names of no data file, each tensor in
+    a listed file, at a path of its values that holds ``null``, no two at one path or under
+    one file key, and as many checksums as its bytes need."""
+    _expect(isinstance(raw, dict), "extra must be an object")
+    _expect(
+        set(raw) == {"global", "ranks", "files"},
+        f"extra has fields {sorted(raw)}, not ['files', 'global', 'ranks']",
+    )
+    _expect(isinstance(raw["files"], list), "extra files must be a list")
+    files = tuple(FileEntry(_safe_name(f["name"]), _nonneg_int(f["bytes"])) for f in raw["files"])
+    names = [f.name for f in files]
+    _expect(len(set(names)) == len(names), "extra lists a file twice")
+    taken = set(names) & (set(data_files) | {MANIFEST_NAME})
+    _expect(not taken, f"extra file(s) {sorted(taken)} are the optimizer's files")
+    _expect(isinstance(raw["ranks"], list), "extra ranks must be a list")
+    shared = None if raw["global"] is None else _extra_values(raw["global"], "extra")
+    ranks = tuple(_extra_values(r, f"rank_extra[{i}]") for i, r in enumerate(raw["ranks"]))
+    extra = Extra(shared, ranks, files)
+    keys = [(t.file, t.tensor) for t in extra.tensors()]
+    _expect(len(set(keys)) == len(keys), "two extra tensors are stored under one file key")
+    unlisted = sorted({t.file for t in extra.tensors()} - set(names))
+    _expect(not unlisted, f"extra tensors name unlisted file(s) {unlisted}")
+    owners = [f for _, tree in extra.trees() for f in {t.file for t in tree.tensors}]
+    _expect(len(set(owners)) == len(owners), "two trees of extra share a file")
+    return extra
+
+
+def _extra_values(raw: Any, where: str) -> ExtraValues:
+    _expect(isinstance(raw, dict) and set(raw) == {"values", "tensors"}, f"{where}: bad fields")
+    _expect(isinstance(raw["tensors"], list), f"{where}: tensors must be a list")
+    values, tensors = _as_json(raw["values"]), []
+    paths = set()
+    for item in raw["tensors"]:
+        _expect(
+            isinstance(item, dict) and set(item) == set(_EXTRA_TENSOR_FIELDS),
+            f"{where}: a tensor entry must have exactly the fields {list(_EXTRA_TENSOR_FIELDS)}",
+        )
+        for name in ("path", "shape", "checksums"):
+            _expect(isinstance(item[name], list), f"{where}: a tensor's {name} must be a list")
+        path = tuple(item["path"])
+        _expect(bool(path), f"{where}: a tensor with an empty path (the values are a dict)")
+        for step in path:
+            _expect(
+                isinstance(step, str) or (isinstance(step, int) and not isinstance(step, bool)),
+                f"{where}: tensor path {list(path)} holds {step!r}",
+            )
+        _expect(path not in paths, f"{where}: two tensors at {list(path)}")
+        _expect(_holds_null(values, path), f"{where}: tensor path {list(path)} is not a null")
+        paths.add(path)
+        dtype = _str(item["dtype"])
+        _expect(dtype in DTYPE_BYTES, f"{where} {list(path)}: unknown dtype {dtype!r}")
+        tensor = ExtraTensor(
+            path=path,
+            file=_safe_name(item["file"]),
+            tensor=_str(item["tensor"]),
+            dtype=dtype,
+            shape=tuple(_nonneg_int(n) for n in item["shape"]),
+            checksums=tuple(_digest(c) for c in item["checksums"]),
+            chunk_bytes=_pos_int_value(item["chunk_bytes"]),
+        )
+        _expect(
+            len(tensor.checksums) == -(-tensor.nbytes // tensor.chunk_bytes),
+            f"{where} {list(path)}: {len(tensor.checksums)} checksums for {tensor.nbytes} bytes",
+        )
+        tensors.append(tensor)
+    return ExtraValues(values, tuple(tensors))
+
+
+_EXTRA_TENSOR_FIELDS = ("path", "file", "tensor", "dtype", "shape", "checksums", "chunk_bytes")
+
+
+def _holds_null(values: Any, path: ValuePath) -> bool:
+    """Whether ``path`` leads to a ``null`` in ``values``."""
+    for step in path:
+        if isinstance(values, dict) and isinstance(step, str) and step in values:
+            values = values[step]
+            continue
+        if isinstance(values, list) and isinstance(step, int) and 0 <= step < len(values):
+            values = values[step]
+            continue
+        return False
+    return values is None
+
+
+_REGION_FIELDS = ("cols", "block_start", "block_width", "start", "stop")
+
+
+def piece_from_json(raw: Mapping[str, Any], shared: dict[Any, Any] | None = None) -> Piece:
+    """A schema-checked :class:`Piece` from its JSON form (as in ``manifest.json``).
+
+    Compact, since a manifest of 100k params holds 300k pieces: its names are interned (each
+    file name is repeated in every piece, and a file's header names each tensor again), its
+    checksums packed (:func:`~muonckpt.format.manifest.pack_checksums`), and equal regions and chunk
+    sizes are one object each, kept in ``shared`` (one dict for a whole manifest)."""
+    pool = shared if shared is not None else {}
+    bounds = tuple(_nonneg_int(raw["region"][k]) for k in _REGION_FIELDS)
+    region = pool.get(bounds)
+    if region is None:
+        region = pool[bounds] = Region(*bounds)
+    chunk_bytes = _pos_int_value(raw["chunk_bytes"])
+    return Piece(
+        param=sys.intern(_str(raw["param"])),
+        key=sys.intern(_str(raw["key"])),
+        file=sys.intern(_safe_name(raw["file"])),
+        tensor=sys.intern(_str(raw["tensor"])),
+        region=region,
+        digests=pack_checksums(_digest(c) for c in raw["checksums"]),
+        chunk_bytes=pool.setdefault(chunk_bytes, chunk_bytes),
+    )
+
+
+def _check_region(entry: ParamEntry, region: Region, tensor: str) -> None:
+    numel = entry.numel
+    ok = (
+        (region.block_width > 0 or region.start == region.stop)
+        and region.block_start + region.block_width <= region.cols
+        and region.start <= region.stop
+    )
+    if ok and region.cols and region.numel:
+        rows = numel // region.cols if numel % region.cols == 0 else -1
+        ok = rows >= 0 and region.stop <= rows * region.block_width
+    if ok and region.numel and region.block_width != region.cols:
+        ok = region.cols == matrix_view(entry.shape, entry.tp_split_dim)[1]
+    if not ok:
+        raise CheckpointError(
+            f"piece {tensor!r}: region {asdict(region)} lies outside param shape {entry.shape}"
+        )
+
+
+def _hyperparams(raw: Any) -> dict[str, Any]:
+    _expect(isinstance(raw, dict), "group hyperparams must be an object")
+    if "step" in raw:
+        _nonneg_int(raw["step"])
+    return _as_json(raw)
+
+
+_PIECE_FIELDS = ("param", "key", "file", "tensor", "region", "checksums", "chunk_bytes")
+
+
+class _Shared:
+    """What one manifest's parse shares: equal regions, chunk sizes, shapes and dtypes as one
+    object each (frozen, so shared, not copied), and the hooks that make pieces and params as
+    soon as their objects are parsed (a manifest of 100k params holds 300k pieces: a dict
+    each, all alive at once, was most of the memory a reader needed)."""
+
+    def __init__(self) -> None:
+        self.pieces: dict[Any, Any] = {}  # regions by bounds, chunk sizes (piece_from_json)
+        self._shapes: dict[Any, Any] = {}
+        self._dtypes: dict[Any, Any] = {}
+        self._no_scalars: dict[str, Scalar] = {}
+
+    def piece(self, raw: dict[str, Any]) -> Any:
+        """(the objects hook of :func:`strict_json`) A piece-shaped object as a piece; anything
+        else, and such an object that is not a valid piece, stays a dict (checked where it is
+        used)."""
+        if len(raw) != len(_PIECE_FIELDS) or any(k not in raw for k in _PIECE_FIELDS):
+            return raw
+        try:
+            return piece_from_json(raw, self.pieces)
+        except (CheckpointError, KeyError, TypeError, ValueError, AttributeError):
+            return raw
+
+    def param(self, raw: Any) -> Any:
+        """(for each element of ``params``) A param of the current format as a
+        :class:`ParamEntry`; anything else stays as it is (checked by :meth:`entry`)."""
+        if not isinstance(raw, dict) or set(raw) - {"scalars"} != _PARAM_FIELDS:
+            return raw
+        try:
+            return self.entry(raw, FORMAT_VERSION)
+        except (CheckpointError, KeyError, TypeError, ValueError, AttributeError):
+            return raw
+
+    def entry(self, raw: Any, version: int) -> ParamEntry:
+        """A schema-checked param of a manifest of format ``version``."""
+        if isinstance(raw, ParamEntry):  # made by param() as the current format reads it
+            if version < 2:
+                raise KeyError("state_keys")  # what the fields of format 1 lack
+            return raw
+        return ParamEntry(
+            name=sys.intern(_str(raw["name"])),
+            shape=_one(self._shapes, tuple(_nonneg_int(s) for s in raw["shape"])),
+            tp_split_dim=_int(raw["tp_split_dim"]),
+            group=_nonneg_int(raw["group"]),
+            dtypes=_one(self._dtypes, _dtypes(raw, version)),
+            scalars=_scalars(raw.get("scalars", {}) if version >= 2 else {}) or self._no_scalars,
+        )
+
+
+_PARAM_FIELDS = {"name", "shape", "tp_split_dim", "group", "dtypes"}
+
+
+def _as_json(value: Any) -> Any:
+    """``value`` with any :class:`Piece` the parser made of a piece-shaped object (found where
+    no piece belongs: a hyperparameter) back in its JSON form."""
+    if isinstance(value, Piece):
+        return piece_to_json(value)
+    if isinstance(value, dict):
+        return {k: _as_json(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_as_json(v) for v in value]
+    return value
+
+
+def _dtypes(raw: Mapping[str, Any], version: int) -> dict[str, str]:
+    """Each stored key's dtype: version 2 lists them, version 1 has one dtype for all state."""
+    if version < 2:
+        keys = [_str(k) for k in raw["state_keys"]]
+        _expect(PARAM_KEY not in keys, f"state key {PARAM_KEY!r} is reserved for the values")
+        return {k: _str(raw["dtype"]) for k in keys}
+    dtypes = raw["dtypes"]
+    _expect(isinstance(dtypes, dict), "dtypes must map stored keys to dtype strings")
+    return {sys.intern(_str(k)): sys.intern(_str(v)) for k, v in dtypes.items()}
+
+
+def _scalars(raw: Any) -> dict[str, Scalar]:
+    _expect(isinstance(raw, dict), "scalars must map state keys to values")
+    scalars = {}
+    for key, item in raw.items():
+        _expect(isinstance(item, dict), f"scalar {key!r} must be an object")
+        value, dtype = item.get("value"), item.get("dtype")
+        _expect(
+            value is None or isinstance(value, (int, float, bool, str)),
+            f"scalar {key!r} must hold a number, a string or null",
+        )
+        _expect(dtype is None or dtype in DTYPE_BYTES, f"scalar {key!r}: unknown dtype {dtype!r}")
+        if dtype is not None:
+            _expect(_fits(value, dtype), f"scalar {key!r}: {value!r} is not a {dtype} value")
+        if key == "step":
+            _expect(
+                value is None or (_number(value) and value >= 0),
+                f"scalar 'step' must be a non-negative number, got {value!r}",
+            )
+        scalars[_str(key)] = Scalar(value, dtype)
+    return scalars
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _fits(value: Any, dtype: str) -> bool:
+    """Whether a 0-d tensor of safetensors ``dtype`` can hold ``value`` exactly as written."""
+    if dtype == "BOOL":
+        return isinstance(value, bool)
+    if dtype[0] in "IU":
+        bits = 8 * DTYPE_BYTES[dtype]
+        low, high = (-(2 ** (bits - 1)), 2 ** (bits - 1)) if dtype[0] == "I" else (0, 2**bits)
+        return isinstance(value, int) and not isinstance(value, bool) and low <= value < high
+    return _number(value)
+
+
+_GROUP_OPTIMIZER = {
+    "role": ("muon", "adamw", None),
+    "momentum_form": ("sum", "ema", None),
+    "step_in": ("group", "tensor", "int", None),
+    "lr_rule": ("moonlight", "aspect", None),
+}
+
+
+def _group_optimizer(value: Any) -> dict[str, Any]:
+    """A group's ``optimizer`` object: empty (unknown), or naming the optimizer with valid
+    fields, since a load across implementations acts on them."""
+    _expect(isinstance(value, dict), "group optimizer must be an object")
+    if not value:
+        return {}
+    _expect(isinstance(value.get("optimizer"), str), "group optimizer must name the optimizer")
+    _expect(
+        value["optimizer"] in KNOWN or value.get("role") is None,
+        f"group optimizer {value['optimizer']!r} is not one muonckpt knows, yet has a role",
+    )
+    for field_name, allowed in _GROUP_OPTIMIZER.items():
+        _expect(value.get(field_name) in allowed, f"group optimizer {field_name} not in {allowed}")
+    for field_name in ("momentum", "matched_adamw_rms"):
+        number = value.get(field_name)
+        _expect(
+            number is None or _number(number),
+            f"group optimizer {field_name} must be a number or null",
+        )
+    if value.get("momentum_form") is not None:  # a form is converted by 1 - mu
+        mu = value.get("momentum")
+        _expect(
+            _number(mu) and 0 <= mu < 1,
+            f"group optimizer momentum must be in [0, 1) for its momentum_form, got {mu!r}",
+        )
+    _expect(value.get("nesterov") in (True, False, None), "group optimizer nesterov: a bool")
+    return _as_json(value)
+
+
+def _expect(condition: bool, message: str) -> None:
+    if not condition:
+        raise CheckpointError(message)
+
+
+def _str(value: Any) -> str:
+    _expect(isinstance(value, str), f"expected a string, got {value!r}")
+    return value
+
+
+def _int(value: Any) -> int:
+    _expect(
+        isinstance(value, int) and not isinstance(value, bool), f"expected an int, got {value!r}"
+    )
+    return value
+
+
+def _nonneg_int(value: Any) -> int:
+    _expect(_int(value) >= 0, f"expected a non-negative int, got {value!r}")
+    return value
+
+
+def _pos_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _pos_int_value(value: Any) -> int:
+    _expect(_pos_int(value), f"expected a positive int, got {value!r}")
+    return value
+
+
+def _digest(value: Any) -> str:
+    _expect(
+        isinstance(value, str) and _DIGEST.fullmatch(value) is not None,
+        f"expected a checksum of 16 lowercase hex digits, got {value!r}",
+    )
+    return value
+
+
+def _safe_name(value: Any) -> str:
+    name = _str(value)
+    _expect(
+        name not in ("", ".", "..") and "/" not in name and "\\" not in name,
+        f"file name {name!r} is not a plain file name",
+    )
+    return name

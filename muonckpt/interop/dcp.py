@@ -1,0 +1,458 @@
+"""PyTorch Distributed Checkpoint (DCP) in and out: the checkpoints of FSDP2 / DTensor Muons
+(torchtitan, microsoft/dion, muon-fsdp2, a hand-rolled Muon under ``fully_shard``).
+
+:func:`from_dcp` reads a DCP checkpoint (the layout of DCP's recipe, ``model.<fqn>`` beside
+``optimizer.state.<fqn>.<key>`` and ``optimizer.param_groups.<fqn>.<setting>``, or
+torchtitan's, the model's fqns at the top level) and writes a consolidated muonckpt
+checkpoint for a muonckpt family, params included, momentum converted from the form of the
+family that wrote it (``source``: a DCP checkpoint does not record its optimizer).
+:func:`to_dcp` writes any muonckpt checkpoint as DCP for a DTensor family, which
+``torch.distributed.checkpoint.load`` reads at any world size. Both stream one tensor at a
+time; all DCP file access is :mod:`muonckpt.storage.dcp_files`'s.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from .. import storage
+from ..checkpoint import writing
+from ..checkpoint.pieces import PieceReader, open_checkpoint
+from ..checkpoint.writing import Progress
+from ..errors import CheckpointError, StateDictError
+from ..format import kinds
+from ..format.conversion import converted_manifest, group_kind, step_scalar
+from ..format.manifest import (
+    CONSOLIDATED,
+    PARAM_KEY,
+    GroupEntry,
+    Manifest,
+    ParamEntry,
+    Scalar,
+    json_safe,
+)
+from ..format.writeplan import TensorWrite, consolidated_plan
+from ..layout.topology import whole_region
+from ..storage import dcp_files
+
+__all__ = ["LAYOUTS", "DcpConversion", "from_dcp", "is_dcp", "to_dcp"]
+
+LAYOUTS = {"torchtitan": "", "recipe": "model."}
+"""Layout name -> the prefix of the model's fqns (the optimizer's is ``optimizer.``)."""
+OPTIMIZER_PREFIX = "optimizer."
+is_dcp = dcp_files.is_dcp
+
+
+@dataclass(frozen=True)
+class DcpConversion:
+    """What :func:`from_dcp` or :func:`to_dcp` wrote, and what it left out."""
+
+    path: Path
+    layout: str
+    """``torchtitan``, ``recipe``, or ``prefixes MODEL / OPTIMIZER`` when given."""
+    left_out: tuple[str, ...]
+    """Items of the source that the output does not hold (schedulers, dataloaders, buffers)."""
+    converted: tuple[str, ...]
+    """The momentum conversions, one line per group."""
+
+
+def _family(name: str, what: str) -> kinds.DcpFamily:
+    family = kinds.DCP_FAMILIES.get(name)
+    if family is None:
+        raise StateDictError(
+            f"{what} {name!r} is not a family muonckpt knows: choose one of "
+            f"{', '.join(kinds.DCP_FAMILIES)}"
+        )
+    return family
+
+
+MAX_SETTING_CHARS = 1 << 20
+"""The most text one DCP setting may become in the manifest."""
+
+
+def _setting(value: Any, fqn: str, where: Path) -> Any:
+    """A DCP value as the manifest holds a setting: a number, bool, string or None, or a flat
+    tuple or list of them (betas, param_names), a one-element tensor as its number; at most
+    :data:`MAX_SETTING_CHARS` of text. Anything else is refused naming the item: the manifest
+    never holds more than the item's own bytes."""
+    import torch
+
+    def plain(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and x.layout == torch.strided and x.numel() == 1:
+            return x.item()
+        if isinstance(x, float) and not math.isfinite(x):
+            raise CheckpointError(f"DCP item {fqn!r} holds {x}, not a finite setting", path=where)
+        if x is None or isinstance(x, (bool, int, float, str)):
+            return x
+        shown = f"a tensor of {list(x.shape)}" if isinstance(x, torch.Tensor) else None
+        raise CheckpointError(
+            f"DCP item {fqn!r} holds {shown or f'a {type(x).__name__}'}, not a setting (a "
+            "number, bool, string or None, or a flat tuple of them)",
+            path=where,
+        )
+
+    flat = isinstance(value, (list, tuple))
+    out, chars = [], 0
+    for x in value if flat else (value,):
+        out.append(plain(x))
+        chars += len(out[-1]) if isinstance(out[-1], str) else 24
+        if chars > MAX_SETTING_CHARS:
+            raise CheckpointError(
+                f"DCP item {fqn!r} holds more than {MAX_SETTING_CHARS} characters: not a setting",
+                path=where,
+            )
+    if not flat:
+        return out[0]
+    return tuple(out) if isinstance(value, tuple) else out
+
+
+def from_dcp(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    *,
+    source: str,
+    to: str = "packaged",
+    model_prefix: str | None = None,
+    optimizer_prefix: str = OPTIMIZER_PREFIX,
+    overwrite: bool = False,
+    progress: Progress | None = None,
+) -> DcpConversion:
+    """Convert the DCP checkpoint ``src`` into a consolidated muonckpt checkpoint at ``dst``.
+
+    Args:
+        source: the family that wrote it (:data:`muonckpt.format.kinds.DCP_FAMILIES`: ``torch``,
+            ``torchtitan``, ``dion``, ``muon-fsdp2``, ``keller-jordan``, ``packaged``); its
+            momentum form and state keys are read as that family keeps them.
+        to: the muonckpt family the output is for (``packaged``, ``torch``, ``keller-jordan``).
+        model_prefix: the prefix of the model's fqns; None detects it (``model.`` for DCP's
+            recipe, none for torchtitan's layout).
+        optimizer_prefix: the prefix of the flattened optimizer state dict.
+
+    The params are the fqns of ``<optimizer_prefix>param_groups.<fqn>.<setting>``; each must
+    have its model tensor (the output resumes from itself alone), and its group's settings
+    give mu. Every ``<optimizer_prefix>state.<fqn>.<key>`` must be a state key of ``source``
+    for a param; anything else under the optimizer prefix is refused naming the key. Other
+    items (schedulers, dataloaders, train state, buffers) are left out and reported.
+
+    Memory: one full tensor and one of its chunks, twice (the next is read meanwhile).
+    """
+    family = _family(source, "source")
+    if to not in kinds.FAMILIES:
+        raise StateDictError(f"cannot convert to {to!r}: choose one of {sorted(kinds.FAMILIES)}")
+    index = dcp_files.read_index(src)
+    where = index.directory / dcp_files.METADATA_NAME
+    groups_at = optimizer_prefix + "param_groups."
+    state_at = optimizer_prefix + "state."
+    settings: dict[str, dict[str, Any]] = {}
+    for fqn, item in index.values.items():
+        if fqn.startswith(groups_at) and "." in fqn[len(groups_at) :]:
+            name, setting = fqn[len(groups_at) :].rsplit(".", 1)
+            value = dcp_files.read_value(index, item)
+            settings.setdefault(name, {})[setting] = _setting(value, fqn, where)
+    if not settings:
+        raise CheckpointError(
+            f"holds no {groups_at}<fqn>.<setting> items: not a flattened optimizer state dict "
+            "under that prefix (pass optimizer_prefix)",
+            path=where,
+        )
+    model_prefix, layout = _model_prefix(index, settings, model_prefix, optimizer_prefix, where)
+    used = {groups_at + f"{n}.{s}" for n, group in settings.items() for s in group}
+    state: dict[str, dict[str, str]] = {name: {} for name in settings}
+    for fqn in [*index.tensors, *index.values]:
+        if fqn in used or not fqn.startswith(optimizer_prefix):
+            continue
+        rest = fqn[len(state_at) :] if fqn.startswith(state_at) else ""
+        name, _, key = rest.rpartition(".")
+        if name not in state:
+            raise CheckpointError(
+                f"DCP item {fqn!r} maps to no param: it is not "
+                f"{state_at}<param>.<key> of a param in {groups_at}*",
+                path=where,
+            )
+        state[name][key] = fqn
+        used.add(fqn)
+    entries: list[ParamEntry] = []
+    group_of: dict[str, int] = {}
+    kinds_of: list[tuple[kinds.GroupKind, Any, list[str]]] = []
+    for name, group_settings in settings.items():
+        model = index.tensors[model_prefix + name]
+        used.add(model.fqn)
+        role = family.role(group_settings, list(state[name]))
+        if role is None:
+            raise CheckpointError(
+                f"param {name!r}: neither its settings nor its state keys "
+                f"{sorted(state[name])} say whether {source} ran Muon or AdamW on it",
+                path=where,
+            )
+        dtypes, scalars = {PARAM_KEY: model.dtype}, {}
+        for key, fqn in state[name].items():
+            if key == "step":
+                scalars["step"] = _step(index, fqn, where)
+                continue
+            ours = family.our_key(role, key)
+            if ours is None or fqn not in index.tensors:
+                raise CheckpointError(
+                    f"DCP item {fqn!r}: {key!r} is not a tensor state key of a {role} param "
+                    f"in {source}",
+                    path=where,
+                )
+            if index.tensors[fqn].shape != model.shape:
+                raise CheckpointError(
+                    f"DCP item {fqn!r} has shape {list(index.tensors[fqn].shape)}, its param "
+                    f"{list(model.shape)}",
+                    path=where,
+                )
+            dtypes[ours] = index.tensors[fqn].dtype
+        hyper = json_safe(group_settings)
+        try:
+            kind = family.group_kind(role, group_settings)
+        except StateDictError as exc:
+            raise CheckpointError(f"param {name!r}: {exc}", path=where) from None
+        signature = json.dumps([kind.to_json(), hyper], sort_keys=True)
+        if signature not in group_of:
+            group_of[signature] = len(kinds_of)
+            kinds_of.append((kind, hyper, []))
+        kinds_of[group_of[signature]][2].append(name)
+        entries.append(ParamEntry(name, model.shape, -1, group_of[signature], dtypes, scalars))
+    groups = tuple(
+        GroupEntry(hyper, tuple(names), kind.to_json()) for kind, hyper, names in kinds_of
+    )
+    order = {name: i for i, (_, _, names) in enumerate(kinds_of) for name in names}
+    entries.sort(key=lambda e: order[e.name])  # group by group, as the manifest lists them
+    manifest = Manifest(CONSOLIDATED, {"dp": 1, "tp": 1}, groups, tuple(entries), (), ())
+    target, scales = converted_manifest(manifest, to, path=where)
+    fqn_of = {(n, PARAM_KEY): model_prefix + n for n in settings}
+    for name, keys in state.items():
+        role = kinds.GroupKind.from_json(groups[manifest.param(name).group].optimizer).role
+        for key, fqn in keys.items():
+            if key != "step":
+                fqn_of[name, family.our_key(role or "", key) or key] = fqn
+    items = [((e.name, k, e.dtype_of(k)), e.shape) for e in target.params for k in e.tensor_keys]
+    plan = consolidated_plan(items, None)
+
+    def fetch(w: TensorWrite) -> Any:
+        tensor = dcp_files.read_tensor(index, index.tensors[fqn_of[w.param, w.key]])
+        if w.key == "momentum_buffer" and (scale := scales[target.param(w.param).group]) != 1.0:
+            tensor = tensor.mul_(scale)
+        return tensor
+
+    def finished(reports: writing.Reports) -> Manifest:
+        return replace(target, files=tuple(reports.files), pieces=tuple(reports.pieces))
+
+    path = writing.write_checkpoint(
+        writing.LocalSteps(),
+        dst,
+        overwrite=overwrite,
+        write=lambda staging: writing.write_files(plan, staging, fetch, progress),
+        manifest=finished,
+        source=index.directory,
+    )
+    left = sorted((set(index.tensors) | set(index.values)) - used)
+    return DcpConversion(path, layout, _summarized(left), _notes(manifest, target))
+
+
+def _model_prefix(
+    index: dcp_files.DcpIndex,
+    settings: Mapping[str, Any],
+    given: str | None,
+    optimizer_prefix: str,
+    where: Path,
+) -> tuple[str, str]:
+    """The model's prefix (given, or the layout whose fqns all exist) and the layout's name."""
+    candidates = [given] if given is not None else list(LAYOUTS.values())
+    for prefix in candidates:
+        if all(prefix + name in index.tensors for name in settings):
+            names = {v: k for k, v in LAYOUTS.items()}
+            default = prefix in names and optimizer_prefix == OPTIMIZER_PREFIX
+            shown = names[prefix] if default else f"prefixes {prefix!r} / {optimizer_prefix!r}"
+            return prefix, shown
+    missing = next(n for n in settings if candidates[-1] + n not in index.tensors)
+    tried = " or ".join(repr(p + missing) for p in candidates)
+    raise CheckpointError(
+        f"param {missing!r} has no model tensor ({tried}): pass model_prefix", path=where
+    )
+
+
+def _step(index: dcp_files.DcpIndex, fqn: str, where: Path) -> Scalar:
+    """A param's step count: a one-element tensor or a number, finite, not negative."""
+    dtype = None
+    if fqn in index.tensors:
+        tensor = dcp_files.read_tensor(index, index.tensors[fqn])
+        if tensor.numel() != 1:
+            raise CheckpointError(
+                f"DCP item {fqn!r}: a step count of {tensor.numel()} elements", path=where
+            )
+        value, dtype = float(tensor.item()), index.tensors[fqn].dtype
+    else:
+        value = _setting(dcp_files.read_value(index, index.values[fqn]), fqn, where)
+    if (
+        not isinstance(value, (int, float))
+        or isinstance(value, bool)
+        or not value >= 0
+        or (isinstance(value, float) and not math.isfinite(value))
+    ):
+        raise CheckpointError(f"DCP item {fqn!r}: step {value!r} is not a count", path=where)
+    return Scalar(value, dtype)
+
+
+def _summarized(fqns: list[str]) -> tuple[str, ...]:
+    """Left-out items by their first name component: ``lr_scheduler (3 items)``."""
+    counts: dict[str, int] = {}
+    for fqn in fqns:
+        head = fqn.split(".", 1)[0]
+        counts[head] = counts.get(head, 0) + 1
+    return tuple(f"{head} ({n} item{'s' * (n != 1)})" for head, n in counts.items())
+
+
+def _notes(source: Manifest, target: Manifest) -> tuple[str, ...]:
+    notes = []
+    for a, b in zip(source.groups, target.groups, strict=True):
+        was, now = kinds.GroupKind.from_json(a.optimizer), kinds.GroupKind.from_json(b.optimizer)
+        if was.role == "muon":
+            note = kinds.state_mapping(was, now, f"group of {a.params[0]!r}", None).note
+            if note is not None:
+                notes.append(f"{len(a.params)} Muon params: {note}")
+    return tuple(notes)
+
+
+def to_dcp(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    *,
+    to: str,
+    layout: str = "torchtitan",
+) -> DcpConversion:
+    """Write the muonckpt checkpoint ``src`` (any kind, any topology) as a DCP checkpoint at
+    ``dst`` for the DTensor family ``to``: the params as the model's tensors, each param's
+    state under ``optimizer.state.<fqn>.<key>`` in the family's keys and momentum form, AdamW
+    step counts where the family keeps them (torch: a float32 0-d tensor per param, as
+    :func:`muonckpt.load` restores them), and ``optimizer.param_groups.<fqn>.<setting>`` for
+    the settings the family has (torch's optimizers' own defaults where the checkpoint does
+    not say). ``layout``: ``torchtitan`` (model fqns at the top level) or ``recipe``
+    (``model.<fqn>``). Only torch's writer writes; ``dst`` must not exist.
+
+    Memory: one full tensor at a time.
+    """
+    family = _family(to, "target")
+    if layout not in LAYOUTS:
+        raise StateDictError(f"layout {layout!r}: choose one of {', '.join(LAYOUTS)}")
+    directory, manifest = open_checkpoint(src)
+    prefix = LAYOUTS[layout]
+    tensors: dict[str, tuple[tuple[int, ...], str]] = {}
+    values: dict[str, Any] = {}
+    sources: dict[str, tuple[str, str, float]] = {}
+    notes, left = [], []
+    for g, group in enumerate(manifest.groups):
+        kind = group_kind(group, g, directory)
+        target = family.target_kind(kind)
+        mapping = kinds.state_mapping(kind, target, f"group {g}", None)
+        factor = mapping.keys.get("momentum_buffer", ("", 1.0))[1]
+        if mapping.note:
+            notes.append(f"{len(group.params)} Muon params: {mapping.note}")
+        group_settings = _settings(family, kind, target, group.hyperparams)
+        for name in group.params:
+            entry = manifest.param(name)
+            if entry.value_dtype is not None:
+                tensors[prefix + name] = (entry.shape, entry.value_dtype)
+                sources[prefix + name] = (name, PARAM_KEY, 1.0)
+            else:
+                left.append(f"{name} (no values saved)")
+            for key in entry.state_keys:
+                fqn = f"{OPTIMIZER_PREFIX}state.{name}.{family.their_key(kind.role or '', key)}"
+                tensors[fqn] = (entry.shape, entry.dtype_of(key))
+                sources[fqn] = (name, key, factor if key == "momentum_buffer" else 1.0)
+            step = step_scalar(family.step_in, manifest.step_of(entry))
+            if kind.role == "adamw" and step is not None and entry.state_keys:
+                values[f"{OPTIMIZER_PREFIX}state.{name}.step"] = (
+                    _step_tensor(step) if step.dtype is not None else step.value
+                )
+            for setting, value in group_settings.items():
+                values[f"{OPTIMIZER_PREFIX}param_groups.{name}.{setting}"] = value
+    pieces = manifest.pieces_of()
+    staging = storage.make_staging(dst, False, source=directory)
+    try:
+        with PieceReader(directory, manifest) as reader:
+
+            def fetch(fqn: str) -> Any:
+                name, key, scale = sources[fqn]
+                entry = manifest.param(name)
+                data = reader.gather(pieces[name, key], entry, key, whole_region(entry.numel))
+                tensor = storage.tensor_of_bytes(data, entry.dtype_of(key)).reshape(entry.shape)
+                return tensor.mul_(scale) if scale != 1.0 else tensor
+
+            dcp_files.write_dcp(staging, tensors, values, fetch)
+        storage.fsync_dir(staging)
+        path = Path(dst)
+        storage.swap_in(staging, path, overwrite=False)
+    except BaseException:
+        dcp_files.discard_dcp(staging)
+        raise
+    return DcpConversion(path, layout, tuple(left) + _not_carried(manifest), tuple(notes))
+
+
+def _not_carried(manifest: Manifest) -> tuple[str, ...]:
+    """What a muonckpt checkpoint holds beyond the optimizer's state and params, which DCP
+    output does not carry: the model file's other tensors and aliases, the job's own state."""
+    out = []
+    if manifest.model is not None:
+        out += [f"{t.name} (a model tensor no optimizer holds)" for t in manifest.model.tensors]
+        out += [f"{a} (an alias of {s})" for a, s in sorted(manifest.model.aliases.items())]
+    if manifest.extra is not None:
+        out.append("extra / rank_extra (the job's own state, saved with the optimizer)")
+    return tuple(out)
+
+
+def _step_tensor(step: Scalar) -> Any:
+    import torch
+
+    return torch.tensor(step.value, dtype=torch.float32)
+
+
+def _settings(
+    family: kinds.DcpFamily,
+    source: kinds.GroupKind,
+    target: kinds.GroupKind,
+    hyper: Mapping[str, Any],
+) -> dict[str, Any]:
+    """The settings a group of ``family`` has, from a group of ``source`` with ``hyper``:
+    torch's optimizers' own defaults (torch, torchtitan), overridden by what the checkpoint
+    says; for other families the settings muonckpt knows they have."""
+    if family.name == source.family and source.converted_from is None:
+        return {k: v for k, v in hyper.items() if k != "step" or family.step_in == "group"}
+    betas = hyper.get("betas", hyper.get("adamw_betas"))
+    eps = hyper.get("eps", hyper.get("adamw_eps"))
+    known: dict[str, Any] = {"lr": hyper.get("lr"), "weight_decay": hyper.get("weight_decay")}
+    if target.role == "muon":
+        known.update({family.mu_setting: target.momentum, "nesterov": target.nesterov})
+        if family.name in ("torch", "torchtitan"):
+            known["adjust_lr_fn"] = "match_rms_adamw" if target.lr_rule == kinds.MOONLIGHT else None
+        if "ns_steps" in hyper:
+            known["ns_steps"] = hyper["ns_steps"]
+    else:
+        known.update({"betas": tuple(betas) if betas is not None else None, "eps": eps})
+    if family.role_setting == "use_muon":
+        known["use_muon"] = target.role == "muon"
+    elif family.role_setting is not None:
+        known[family.role_setting] = "muon" if target.role == "muon" else "adamw"
+    if family.step_in == "group" and hyper.get("step") is not None:
+        known["step"] = hyper["step"]
+    settings = _torch_defaults(target.role or "") if family.name in ("torch", "torchtitan") else {}
+    settings.update({k: v for k, v in known.items() if v is not None})
+    return settings
+
+
+def _torch_defaults(role: str) -> dict[str, Any]:
+    """Every setting of a torch.optim.Muon (or AdamW) group, with torch's defaults."""
+    import torch
+
+    if role == "muon":
+        group = torch.optim.Muon([torch.zeros(2, 2)]).param_groups[0]
+    else:
+        group = torch.optim.AdamW([torch.zeros(2)]).param_groups[0]
+    return {k: v for k, v in group.items() if k not in ("params", "param_names")}

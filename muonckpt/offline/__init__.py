@@ -1,0 +1,34 @@
+"""The offline tools: consolidate, reshard, convert, summarize (``inspect``) and diff a
+checkpoint from its files alone, without an optimizer or a process group.
+
+Modules: :mod:`.tools` (consolidate, reshard, convert), :mod:`.examine` (summarize, diff),
+:mod:`.inspection` (pure: what they return), :mod:`.workers` (a rewrite in N local processes).
+"""
+
+from __future__ import annotations
+
+from ..checkpoint.pieces import open_checkpoint
+from ..interop.dcp import LAYOUTS, DcpConversion, from_dcp, is_dcp, to_dcp
+from .examine import diff, iter_diff, summarize
+from .inspection import DiffRow, Summary
+from .tools import MAX_RANKS, WORKER_TIMEOUT, Progress, consolidate, convert, reshard
+
+__all__ = [
+    "LAYOUTS",
+    "MAX_RANKS",
+    "WORKER_TIMEOUT",
+    "DcpConversion",
+    "DiffRow",
+    "Progress",
+    "Summary",
+    "consolidate",
+    "convert",
+    "diff",
+    "from_dcp",
+    "is_dcp",
+    "iter_diff",
+    "open_checkpoint",
+    "reshard",
+    "summarize",
+    "to_dcp",
+]

@@ -1,0 +1,8 @@
+"""A live optimizer's state (internal): where each param's state is across the ranks
+(describers), the collective gather, the torch ``state_dict`` hooks, regions cut from tensors,
+host buffers, the training job's own state, the model's other tensors.
+
+Modules: :mod:`.placement` (``describe``), :mod:`.gather`, :mod:`.hooks`, :mod:`.regions`,
+:mod:`.paramnames`, :mod:`.hostcopy`, :mod:`.arena`, :mod:`.trainstate`, :mod:`.model_state`.
+Its public names are re-exported by :mod:`muonckpt`.
+"""
