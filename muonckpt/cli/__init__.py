@@ -60,7 +60,7 @@ def _ranks(ctx: typer.Context, workers: int) -> Iterator[bool]:
     if not all(name in os.environ for name in TORCHRUN_ENV):
         yield False
         return
-    from ..distributed.collectives import default_group_from_env, global_rank
+    from ..distributed import default_group_from_env, global_rank
     from .. import offline
 
     if workers != 1:
@@ -177,7 +177,7 @@ def reshard(
     The layout options are those of muonckpt.layout.topology.LayoutOptions; any choice loads
     correctly.
     """
-    from ..layout.topology import LayoutOptions
+    from ..layout import LayoutOptions
 
     options = LayoutOptions(
         bucket_numel=bucket_numel,
@@ -279,7 +279,7 @@ def convert(
 
     Names: muonckpt convert ckpt/step-1000 -o ckpt/plain --rename module.= --rename _orig_mod.=
     """
-    from ..format.kinds import DCP_FAMILIES, FAMILIES
+    from ..format import DCP_FAMILIES, FAMILIES
     from .. import offline
 
     prefixes = {}
