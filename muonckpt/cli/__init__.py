@@ -60,8 +60,8 @@ def _ranks(ctx: typer.Context, workers: int) -> Iterator[bool]:
     if not all(name in os.environ for name in TORCHRUN_ENV):
         yield False
         return
-    from ..distributed import default_group_from_env, global_rank
     from .. import offline
+    from ..distributed import default_group_from_env, global_rank
 
     if workers != 1:
         raise typer.BadParameter(
@@ -279,8 +279,8 @@ def convert(
 
     Names: muonckpt convert ckpt/step-1000 -o ckpt/plain --rename module.= --rename _orig_mod.=
     """
-    from ..format import DCP_FAMILIES, FAMILIES
     from .. import offline
+    from ..format import DCP_FAMILIES, FAMILIES
 
     prefixes = {}
     for item in rename or []:
