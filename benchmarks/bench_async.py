@@ -42,7 +42,7 @@ from synthetic import build_optimizer, fill_state, model_shapes, state_bytes
 
 import muonckpt
 from muonckpt.checkpoint import api as checkpoint
-from muonckpt.distributed.launch import run_distributed
+from muonckpt.distributed import run_distributed
 
 ROWS = {
     "floor": "copy into preallocated host buffers (floor)",

@@ -91,7 +91,7 @@ from torch.distributed.checkpoint import HuggingFaceStorageWriter
 
 import muonckpt
 from muonckpt import storage
-from muonckpt.distributed.launch import run_distributed
+from muonckpt.distributed import run_distributed
 
 SAVES = {
     "save_file": "safetensors save_file + fsync",

@@ -11,10 +11,10 @@ own; rows run interleaved, round by round, ``--repeats`` times. Rows:
     what DCP itself offers for a rewrite in one process: allocate the state dict, ``dcp.load``
     it, ``dcp.save`` it to a new directory (``FileSystemWriter``, one thread), fsync the output.
 ``muonckpt from_dcp``
-    ``muonckpt.offline.tools.from_dcp(src, dst, source="torchtitan", to="packaged")``: the same
+    ``muonckpt.offline.from_dcp(src, dst, source="torchtitan", to="packaged")``: the same
     checkpoint into a consolidated muonckpt checkpoint, momentum converted, checksummed, fsynced.
 ``muonckpt to_dcp``
-    ``muonckpt.offline.tools.to_dcp(that, dst, to="torchtitan")``: back to DCP through torch's
+    ``muonckpt.offline.to_dcp(that, dst, to="torchtitan")``: back to DCP through torch's
     writer.
 
 "op" is the wall time of the operation alone, measured in the child; "growth" its peak RSS
@@ -80,7 +80,7 @@ def _row(name: str, src: str, mid: str, dst: str, size: int) -> dict:
     import torch  # noqa: F401  (imports outside the measured region)
     import torch.distributed.checkpoint as dcp
 
-    import muonckpt.offline.tools as offline
+    from muonckpt import offline
 
     shapes = synthetic.model_shapes(size)
     before = reset_peak_rss()
@@ -115,7 +115,7 @@ def main() -> None:
     import synthetic
     import torch.distributed.checkpoint as dcp
 
-    import muonckpt.offline.tools as offline
+    from muonckpt import offline
 
     results = {}
     for text in args.size or ["256MB"]:

@@ -39,8 +39,7 @@ from synthetic import build_optimizer, model_shapes, state_keys
 from torch.profiler import ProfilerActivity, profile
 
 import muonckpt
-from muonckpt.distributed import collectives
-from muonckpt.distributed.launch import run_distributed
+from muonckpt.distributed import collectives, run_distributed
 from muonckpt.format.kinds import MUON_STATE_KEYS
 from muonckpt.optim.nsplan import ns_flops
 
@@ -105,14 +104,14 @@ class ReceivedBytes:
             setattr(collectives, name, inner)
 
 
-def _fill(opt: muonckpt.optim.muon.Muon, seed: int) -> None:
+def _fill(opt: muonckpt.optim.Muon, seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
     for group in opt.param_groups:
         for p in group["params"]:
             p.copy_(torch.randn(p.shape, generator=gen))
 
 
-def _grads(opt: muonckpt.optim.muon.Muon, gen: torch.Generator) -> None:
+def _grads(opt: muonckpt.optim.Muon, gen: torch.Generator) -> None:
     for group in opt.param_groups:
         for p in group["params"]:
             p.grad = torch.randn(p.shape, generator=gen)
@@ -152,7 +151,7 @@ def single_process(shapes: dict, steps: int) -> dict:
     for name, (shape, _) in shapes.items():
         target = muon if state_keys(name, shape) == MUON_STATE_KEYS else adamw
         target.append((name, torch.randn(shape, generator=gen)))
-    opt = muonckpt.optim.muon.Muon([{"params": muon, "use_muon": True}, {"params": adamw}])
+    opt = muonckpt.optim.Muon([{"params": muon, "use_muon": True}, {"params": adamw}])
     _grads(opt, gen)
     opt.step()
     _grads(opt, gen)

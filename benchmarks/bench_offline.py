@@ -16,7 +16,7 @@ measured inside the child around the operation alone (interpreter start and impo
 ``cp -r + fsync``
     ``cp -r`` of the muonckpt checkpoint directory, then ``fsync`` of every copied file and the
     directory (muonckpt fsyncs what it writes, so this is the disk's own limit, same durability).
-``muonckpt.offline.tools.consolidate`` / ``muonckpt consolidate (CLI)``
+``muonckpt.offline.consolidate`` / ``muonckpt consolidate (CLI)``
     library call (op time) and ``muonckpt --quiet consolidate SRC -o DST`` (whole-command time:
     interpreter, imports and all). ``--quiet`` is a global option, so it goes before the command.
 ``DCP consolidate_safetensors_files``
@@ -36,7 +36,7 @@ measured inside the child around the operation alone (interpreter start and impo
     local flat tensors plus their ``muonckpt.layout.topology.Region``s), reassembles full tensors
     with ``muonckpt.state.regions.insert_``, ``safetensors.torch.save_file``s them and fsyncs the
     file. As muonckpt does, TP-replicated params (the norms) are saved by TP rank 0 only.
-``muonckpt.offline.tools.reshard`` / ``muonckpt reshard (CLI)``
+``muonckpt.offline.reshard`` / ``muonckpt reshard (CLI)``
     as for consolidate, with ``reshard(src, dst, dp=--to-dp, tp=--to-tp)`` (default 4 x 2).
 
 Caveats: by default every input was just written, so reads are served from the page cache for
@@ -83,11 +83,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 ROWS = (
     ("cp", "cp -r + fsync"),
-    ("consolidate", "muonckpt.offline.tools.consolidate"),
+    ("consolidate", "muonckpt.offline.consolidate"),
     ("cli-consolidate", "muonckpt consolidate (CLI)"),
     ("dcp", "DCP consolidate_safetensors_files"),
     ("naive", "naive torch.load + insert_ + save_file"),
-    ("reshard", "muonckpt.offline.tools.reshard"),
+    ("reshard", "muonckpt.offline.reshard"),
     ("cli-reshard", "muonckpt reshard (CLI)"),
 )
 
@@ -137,13 +137,13 @@ def child(op: str, src: str, dst: str, extra: list[str]) -> None:
         subprocess.run(["cp", "-r", src, dst], check=True)
         fsync_tree(dst_p)
     elif op == "consolidate":
-        from muonckpt.offline import tools as offline
+        from muonckpt import offline
 
         before = reset_peak_rss()
         start = time.perf_counter()
         offline.consolidate(src_p, dst_p)
     elif op == "reshard":
-        from muonckpt.offline import tools as offline
+        from muonckpt import offline
 
         before = reset_peak_rss()
         start = time.perf_counter()
@@ -268,7 +268,7 @@ def _verify(op: str, src: Path, dst: Path, size_dir: Path, shapes, launcher) -> 
     import torch
     from safetensors import safe_open
 
-    from muonckpt.offline import tools as offline
+    from muonckpt import offline
 
     if op in ("consolidate", "cli-consolidate"):
         naive = size_dir / "naive-reference"
@@ -304,7 +304,7 @@ def _verify(op: str, src: Path, dst: Path, size_dir: Path, shapes, launcher) -> 
 def bench_size(size_arg: str, args, root: Path, launcher: _Launcher) -> dict:
     from synthetic import largest_tensor_bytes, model_shapes, state_bytes
 
-    from muonckpt.distributed.launch import run_distributed
+    from muonckpt.distributed import run_distributed
 
     shapes = model_shapes(parse_size(size_arg))
     total, largest = state_bytes(shapes), largest_tensor_bytes(shapes)

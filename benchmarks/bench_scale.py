@@ -5,22 +5,22 @@ at 1k to 100k params, in time and peak memory.
     python benchmarks/bench_scale.py --params 1000 --params 10000 --params 100000 --json out.json
     python benchmarks/bench_scale.py --params 10000 --profile prof/   # cProfile of every op
 
-For each ``--params N``, one process builds the packaged :class:`muonckpt.optim.muon.Muon` over N
+For each ``--params N``, one process builds the packaged :class:`muonckpt.optim.Muon` over N
 tiny (2, 2) fp32 params in one AdamW group (two state tensors each, ``exp_avg`` and ``exp_avg_sq``),
 takes one step and saves a single-process checkpoint with :func:`muonckpt.save` (timed: the
 ``save`` row). Then each operation runs in a fresh subprocess, which reports the time of the
 operation alone (interpreter start, imports and, for load, building the optimizer excluded):
 
-``inspect``      :func:`muonckpt.offline.tools.summarize` (what ``muonckpt inspect`` shows)
+``inspect``      :func:`muonckpt.offline.summarize` (what ``muonckpt inspect`` shows)
 ``verify``       :func:`muonckpt.verify` (every checksum)
 ``load``         :func:`muonckpt.load` into an optimizer over the same params that took one
                  step (a rollback: the load copies into the state it has)
 ``load-fresh``   :func:`muonckpt.load` into one that took none (a resume: the load makes the
                  state, whose own cost is the ``state (MB)`` row, the RSS the saving child's
                  step added)
-``consolidate``  :func:`muonckpt.offline.tools.consolidate` into a new directory
-``reshard``      :func:`muonckpt.offline.tools.reshard` to dp=4 x tp=1 into a new directory
-``diff``         :func:`muonckpt.offline.tools.iter_diff` of the checkpoint with itself, rows
+``consolidate``  :func:`muonckpt.offline.consolidate` into a new directory
+``reshard``      :func:`muonckpt.offline.reshard` to dp=4 x tp=1 into a new directory
+``diff``         :func:`muonckpt.offline.iter_diff` of the checkpoint with itself, rows
 counted
                  as they stream (every tensor read twice; what ``muonckpt diff`` does)
 
@@ -71,7 +71,7 @@ def _optimizer(n: int, *, step: bool = True, stepped: dict[str, float] | None = 
     torch.set_num_threads(1)
     generator = torch.Generator().manual_seed(n)
     params = [(f"layer{i:06d}.w", torch.randn(2, 2, generator=generator)) for i in range(n)]
-    opt = muonckpt.optim.muon.Muon([{"params": params}], lr=0.01)
+    opt = muonckpt.optim.Muon([{"params": params}], lr=0.01)
     if step:
         for _, p in params:
             p.grad = torch.randn(2, 2, generator=generator)
@@ -102,7 +102,7 @@ def run_op(op: str, ck: Path, out: Path, n: int, profile: Path | None) -> dict[s
     import pstats
 
     import muonckpt
-    from muonckpt.offline import tools as offline
+    from muonckpt import offline
 
     opt = _optimizer(n, step=op == "load") if op.startswith("load") else None
     calls = {

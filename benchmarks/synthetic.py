@@ -65,15 +65,15 @@ def param_of(tensor_key: str) -> str:
     return tensor_key[len("state.") : tensor_key.rindex(".")]
 
 
-def build_optimizer(shapes: Shapes, dp: int, tp: int, **muon_options) -> muonckpt.optim.muon.Muon:
+def build_optimizer(shapes: Shapes, dp: int, tp: int, **muon_options) -> muonckpt.optim.Muon:
     """This rank's ZeRO-1 + TP sharded Muon over the shapes (no state yet); ``muon_options``
-    go to :class:`muonckpt.optim.muon.Muon`."""
+    go to :class:`muonckpt.optim.Muon`."""
     dp_group, tp_group = grid_groups(dp, tp)
     muon, adamw = [], []
     for name, (shape, _) in shapes.items():  # untouched ``empty`` pages cost no memory
         target = muon if state_keys(name, shape) == MUON_STATE_KEYS else adamw
         target.append((name, torch.empty(shape)))
-    sharded = muonckpt.optim.sharding.shard_param_groups(
+    sharded = muonckpt.optim.shard_param_groups(
         [{"params": muon, "use_muon": True}, {"params": adamw}],
         Topology(dp, tp),
         dist.get_rank(dp_group),
@@ -81,12 +81,12 @@ def build_optimizer(shapes: Shapes, dp: int, tp: int, **muon_options) -> muonckp
         tp_split_dims={n: d for n, (_, d) in shapes.items() if d >= 0},
         options=muonckpt.layout.topology.LayoutOptions(bucket_numel=40_000_000),
     )
-    opt = muonckpt.optim.muon.Muon(sharded.param_groups, **muon_options)
+    opt = muonckpt.optim.Muon(sharded.param_groups, **muon_options)
     opt.enable_distributed_mode(sharded.global_buffer_sizes, dp_group, tp_group, sharded.dist_metas)
     return opt
 
 
-def fill_state(opt: muonckpt.optim.muon.Muon) -> dict[str, torch.Tensor]:
+def fill_state(opt: muonckpt.optim.Muon) -> dict[str, torch.Tensor]:
     """Random state, as after some steps; returns the tensors a rank writes, by file key."""
     gen = torch.Generator().manual_seed(dist.get_rank())
     local = {}
@@ -101,13 +101,13 @@ def fill_state(opt: muonckpt.optim.muon.Muon) -> dict[str, torch.Tensor]:
     return local
 
 
-def local_regions(opt: muonckpt.optim.muon.Muon) -> dict[str, Region]:
+def local_regions(opt: muonckpt.optim.Muon) -> dict[str, Region]:
     """param name -> the region of the full tensor this rank holds."""
     return {p.name: p.local for p in describe(opt).params}
 
 
 def naive_payload(
-    opt: muonckpt.optim.muon.Muon, local: dict[str, torch.Tensor], shapes: Shapes, tp: int
+    opt: muonckpt.optim.Muon, local: dict[str, torch.Tensor], shapes: Shapes, tp: int
 ):
     """What a hand-written per-rank ``torch.save`` holds: local tensors, regions, full shapes.
 
