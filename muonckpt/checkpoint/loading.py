@@ -26,15 +26,9 @@ from ..distributed import collectives
 from ..distributed.steps import disagreement
 from ..errors import CheckpointError, ConversionWarning, MuonCkptError, StateDictError
 from ..format import conversion, kinds
-from ..format.manifest import (
-    MANIFEST_NAME,
-    PARAM_KEY,
-    Manifest,
-    ParamEntry,
-    Rename,
-    Scalar,
-    prefix_hint,
-)
+from ..format.manifest import Manifest, ParamEntry, Scalar
+from ..format.names import MANIFEST_NAME, PARAM_KEY
+from ..format.renames import Rename, prefix_hint
 from ..layout.topology import Region, whole_region
 from ..optim.sharding import following
 from ..state import trainstate

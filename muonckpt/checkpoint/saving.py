@@ -22,8 +22,6 @@ from ..errors import CheckpointError
 from ..format import conversion
 from ..format.manifest import (
     CONSOLIDATED,
-    EXTRA_FILE,
-    PARAM_KEY,
     PER_RANK,
     Extra,
     GroupEntry,
@@ -31,12 +29,12 @@ from ..format.manifest import (
     ModelFile,
     ParamEntry,
     Scalar,
-    extra_rank_file,
     extra_to_json,
     json_safe,
     model_tensor,
 )
 from ..format.manifest_json import extra_from_json
+from ..format.names import EXTRA_FILE, PARAM_KEY, extra_rank_file
 from ..format.writeplan import WritePlan, consolidated_plan, rank_plan, unique_tensor_keys
 from ..state import trainstate
 from ..state.gather import (

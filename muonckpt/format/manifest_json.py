@@ -22,8 +22,6 @@ from .manifest import (
     FORMAT_NAME,
     FORMAT_VERSION,
     KINDS,
-    MANIFEST_NAME,
-    PARAM_KEY,
     Extra,
     ExtraTensor,
     ExtraValues,
@@ -40,6 +38,7 @@ from .manifest import (
     piece_to_json,
     values_problem,
 )
+from .names import MANIFEST_NAME, PARAM_KEY
 from .strict_json import strict_json, strict_json_chunks
 
 _DIGEST = re.compile("[0-9a-f]{16}")

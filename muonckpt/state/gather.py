@@ -23,7 +23,7 @@ import torch
 
 from ..distributed import collectives
 from ..errors import StateDictError
-from ..format.manifest import PARAM_KEY
+from ..format.names import PARAM_KEY
 from ..storage import checksum_chunks, unstorable_kind
 from .paramnames import torch_dtype_name
 from .placement import ParamSharding, Sharding, state_dict_steps
@@ -90,7 +90,7 @@ StateValue = TensorValue | ScalarValue | PlainValue
 @dataclass(frozen=True)
 class ParamState:
     """One param's state on one rank, each value classified once, and the param's own values
-    where a save takes them (stored under :data:`muonckpt.format.manifest.PARAM_KEY`)."""
+    where a save takes them (stored under :data:`muonckpt.format.names.PARAM_KEY`)."""
 
     state: dict[str, StateValue]
     values: torch.Tensor | None = None
