@@ -33,20 +33,19 @@ from ..layout.topology import Region, whole_region
 from ..optim.sharding import following
 from ..state import trainstate
 from ..state.arena import ReadArena
+from ..state.describers import flat_params
 from ..state.gather import ScalarValue
 from ..state.hooks import load_local_share, remap_groups
 from ..state.paramnames import torch_dtype_name
 from ..state.placement import (
     Joined,
     Optimizers,
-    ParamSharding,
-    Sharding,
     describe,
-    flat_params,
     optimizers_of,
     participants,
     replica_hint,
 )
+from ..state.sharding_model import ParamSharding, Sharding
 from .pieces import PieceReader, open_checkpoint
 
 

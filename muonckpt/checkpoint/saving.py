@@ -37,6 +37,7 @@ from ..format.manifest_json import extra_from_json
 from ..format.names import EXTRA_FILE, PARAM_KEY, extra_rank_file
 from ..format.writeplan import WritePlan, consolidated_plan, rank_plan, unique_tensor_keys
 from ..state import trainstate
+from ..state.describers import flat_params
 from ..state.gather import (
     ParamState,
     PlainValue,
@@ -49,15 +50,8 @@ from ..state.gather import (
 )
 from ..state.hostcopy import HostBuffers
 from ..state.model_state import ModelTensors, model_tensors
-from ..state.placement import (
-    Optimizers,
-    Sharding,
-    describe,
-    flat_params,
-    optimizers_of,
-    participants,
-    replica_hint,
-)
+from ..state.placement import Optimizers, describe, optimizers_of, participants, replica_hint
+from ..state.sharding_model import Sharding
 from . import retention, writing
 
 

@@ -22,10 +22,12 @@ from ..errors import LayoutError
 from ..format.kinds import ADAMW_STATE_KEYS, MUON_STATE_KEYS
 from ..layout.grid import LocalParam, RankReport
 from ..layout.topology import Range, Region, dp_slice
+from ..state.describers import flat_params, learn_grid
 from ..state.hooks import StateDictHooks
 from ..state.paramnames import named_params, param_names, torch_dtype_name
-from ..state.placement import Sharding, describe, flat_params, learn_grid, participants
+from ..state.placement import describe, participants
 from ..state.regions import extract, insert_
+from ..state.sharding_model import Sharding
 from .nsplan import Message, NsPlan, plan_newton_schulz
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)

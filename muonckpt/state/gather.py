@@ -25,9 +25,10 @@ from ..distributed import collectives
 from ..errors import StateDictError
 from ..format.names import PARAM_KEY
 from ..storage import checksum_chunks, unstorable_kind
+from .describers import state_dict_steps
 from .paramnames import torch_dtype_name
-from .placement import ParamSharding, Sharding, state_dict_steps
 from .regions import insert_
+from .sharding_model import ParamSharding, Sharding
 
 HOST = torch.device("cpu")
 """Where gathered full tensors are assembled and delivered: host memory, as DCP's
