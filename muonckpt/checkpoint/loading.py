@@ -34,7 +34,6 @@ from ..optim.sharding import following
 from ..state import trainstate
 from ..state.arena import ReadArena
 from ..state.describers import flat_params
-from ..state.gather import ScalarValue
 from ..state.hooks import load_local_share, remap_groups
 from ..state.paramnames import torch_dtype_name
 from ..state.placement import (
@@ -46,6 +45,7 @@ from ..state.placement import (
     replica_hint,
 )
 from ..state.sharding_model import ParamSharding, Sharding
+from ..state.values import ScalarValue
 from .pieces import PieceReader, open_checkpoint
 
 

@@ -38,20 +38,12 @@ from ..format.names import EXTRA_FILE, PARAM_KEY, extra_rank_file
 from ..format.writeplan import WritePlan, consolidated_plan, rank_plan, unique_tensor_keys
 from ..state import trainstate
 from ..state.describers import flat_params
-from ..state.gather import (
-    ParamState,
-    PlainValue,
-    ScalarValue,
-    StateValue,
-    TensorValue,
-    check_state_holders,
-    gather_full_state,
-    state_value,
-)
+from ..state.gather import check_state_holders, gather_full_state
 from ..state.hostcopy import HostBuffers
 from ..state.model_state import ModelTensors, model_tensors
 from ..state.placement import Optimizers, describe, optimizers_of, participants, replica_hint
 from ..state.sharding_model import Sharding
+from ..state.values import ParamState, PlainValue, ScalarValue, StateValue, TensorValue, state_value
 from . import retention, writing
 
 

@@ -32,11 +32,12 @@ import torch
 from ..distributed import collectives
 from ..errors import StateDictError
 from .describers import flat_params
-from .gather import TensorValue, gather_full_state, param_states, state_value
+from .gather import gather_full_state
 from .owners import declare_owners
 from .placement import Optimizers, describe, participants
 from .regions import extract
 from .sharding_model import ParamSharding, Sharding
+from .values import TensorValue, param_states, state_value
 
 MARKER = "muonckpt"
 """Top-level key that tags state dicts produced by these hooks."""
