@@ -256,7 +256,7 @@ class Manifest:
     """The training job's own state (``"extra"``); None: none was saved."""
 
     def param(self, name: str) -> ParamEntry:
-        by_name = self.__dict__.get("_by_name")
+        by_name: dict[str, ParamEntry] | None = self.__dict__.get("_by_name")
         if by_name is None:  # made when first asked: a rewrite's output manifest never is
             by_name = {entry.name: entry for entry in self.params}
             object.__setattr__(self, "_by_name", by_name)

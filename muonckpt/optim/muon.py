@@ -37,6 +37,12 @@ Orthogonalize = Literal["one_rank", "every_holder"]
 rank of the grid per matrix, ``"every_holder"`` (the seed's way) on every rank holding a piece."""
 
 
+ParamUpdate = tuple[torch.Tensor, tuple[int, ...]]
+"""A Muon param's orthogonalized update and the full shape its lr is scaled by."""
+UpdateRule = Callable[[torch.Tensor, dict[str, Any]], ParamUpdate]
+"""How one step computes each Muon param's update, given the param and its group."""
+
+
 def newton_schulz(grad: torch.Tensor, steps: int) -> torch.Tensor:
     """Quintic Newton-Schulz orthogonalization of a 2-D tensor (KellerJordan's iteration).
 
@@ -47,7 +53,7 @@ def newton_schulz(grad: torch.Tensor, steps: int) -> torch.Tensor:
         raise LayoutError(f"newton_schulz needs a 2-D tensor, got shape {tuple(grad.shape)}")
     a, b, c = NS_COEFFICIENTS
     tall = grad.size(0) > grad.size(1)
-    x = grad.T if tall else grad
+    x: torch.Tensor = grad.T if tall else grad
     x = x / (x.norm() + 1e-7)
     for _ in range(steps):
         gram = x @ x.T
@@ -340,12 +346,12 @@ class Muon(torch.optim.Optimizer):
 
     def _orthogonalize_every_holder(
         self, ns_inputs: dict[torch.Tensor, torch.Tensor]
-    ) -> Callable[[torch.Tensor, dict[str, Any]], tuple[torch.Tensor, tuple[int, ...]]]:
+    ) -> UpdateRule:
         """The seed's way: each holder all-gathers the TP shards of a split param and
         orthogonalizes the whole matrix (``ns_inputs``: each param's whole TP shard)."""
         tp_size, tp_rank = collectives.size_and_rank(self.tp_group)
 
-        def update_of(p: torch.Tensor, group: dict[str, Any]) -> tuple[torch.Tensor, tuple]:
+        def update_of(p: torch.Tensor, group: dict[str, Any]) -> ParamUpdate:
             ns_input, meta = ns_inputs[p], self.dist_metas[p]
             split_dim = meta.tp_split_dim if tp_size > 1 else -1
             if split_dim != -1:
@@ -363,9 +369,7 @@ class Muon(torch.optim.Optimizer):
 
         return update_of
 
-    def _orthogonalize_one_rank(
-        self, ns_inputs: dict[torch.Tensor, torch.Tensor]
-    ) -> Callable[[torch.Tensor, dict[str, Any]], tuple[torch.Tensor, tuple[int, ...]]]:
+    def _orthogonalize_one_rank(self, ns_inputs: dict[torch.Tensor, torch.Tensor]) -> UpdateRule:
         """Each matrix orthogonalized on its worker only: the holders' pieces of its input go
         there, each holder's piece of the result comes back (two exchanges per step)."""
         ranks, me, plan, mine = self._newton_schulz_plan()
@@ -392,7 +396,7 @@ class Muon(torch.optim.Optimizer):
             pieces[k] = piece
         results = {mine[k]: (piece, plan.matrices[k].full_shape) for k, piece in pieces.items()}
 
-        def update_of(p: torch.Tensor, group: dict[str, Any]) -> tuple[torch.Tensor, tuple]:
+        def update_of(p: torch.Tensor, group: dict[str, Any]) -> ParamUpdate:
             if p in results:
                 return results[p]
             if p.numel():  # never an update that was not orthogonalized
@@ -431,7 +435,7 @@ class Muon(torch.optim.Optimizer):
     def _muon_update(
         self,
         group: dict[str, Any],
-        update_of: Callable[[torch.Tensor, dict[str, Any]], tuple[torch.Tensor, tuple[int, ...]]],
+        update_of: UpdateRule,
     ) -> None:
         """Decoupled weight decay, then each param's piece of its orthogonalized update."""
         lr, weight_decay = group["lr"], group["weight_decay"]
@@ -447,8 +451,9 @@ class Muon(torch.optim.Optimizer):
 
     def _device(self) -> torch.device:
         for group in self.param_groups:
-            for p in group["params"]:
-                return p.device
+            params: list[torch.Tensor] = group["params"]
+            if params:
+                return params[0].device
         return torch.device("cpu")
 
     def _param_names(self) -> dict[torch.Tensor, str]:
@@ -488,10 +493,10 @@ def _exchange(
 
 def _orthogonalize_here(
     ns_inputs: dict[torch.Tensor, torch.Tensor],
-) -> Callable[[torch.Tensor, dict[str, Any]], tuple[torch.Tensor, tuple[int, ...]]]:
+) -> UpdateRule:
     """Single process: each param's update is :func:`newton_schulz` of its own input."""
 
-    def update_of(p: torch.Tensor, group: dict[str, Any]) -> tuple[torch.Tensor, tuple]:
+    def update_of(p: torch.Tensor, group: dict[str, Any]) -> ParamUpdate:
         ns_input = ns_inputs[p]
         return newton_schulz(ns_input, steps=group["ns_steps"]), tuple(ns_input.shape)
 

@@ -96,9 +96,9 @@ def describe_grid(
     return Sharding(params, ranks, ranks[0], {"dp": topo.dp, "tp": topo.tp}, named)
 
 
-_GRIDS: weakref.WeakKeyDictionary[Any, tuple[tuple, list[int], GridParams]] = (
-    weakref.WeakKeyDictionary()
-)
+_GRIDS: weakref.WeakKeyDictionary[
+    Any, tuple[tuple[tuple[int, ...], int], list[int], GridParams]
+] = weakref.WeakKeyDictionary()
 """Per distributed optimizer: (its local structure, the grid's global ranks, its params)."""
 
 
@@ -131,7 +131,7 @@ def learn_grid(
     topo = Topology(collectives.group_size(dp_group), collectives.group_size(tp_group))
     ranks = grid_members(optimizer, dp_group, tp_group)
 
-    def merge(reports: list[dict]) -> dict:
+    def merge(reports: list[dict[str, Any]]) -> dict[str, Any]:
         return merge_reports([RankReport.from_json(r) for r in reports], topo).to_json()
 
     grid = GridParams.from_json(

@@ -216,7 +216,9 @@ def _describe_owned(
         block = math.prod(p.shape)
         tps = range(topo.tp) if split >= 0 else range(1)
 
-        def region(t: int, full: tuple = full, split: int = split, block: int = block) -> Region:
+        def region(
+            t: int, full: tuple[int, ...] = full, split: int = split, block: int = block
+        ) -> Region:
             return tp_region(full, split, topo.tp, t, (0, block))
 
         rank = owner(index, p)
