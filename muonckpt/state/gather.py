@@ -29,7 +29,15 @@ from ..storage import checksum_chunks
 from .describers import state_dict_steps
 from .regions import insert_
 from .sharding_model import ParamSharding, Sharding
-from .values import HOST, ParamState, StateValue, TensorValue, reported_value
+from .values import (
+    HOST,
+    ParamReport,
+    ParamState,
+    StateValue,
+    TensorValue,
+    ValueReport,
+    reported_value,
+)
 
 
 def gather_full_state(
@@ -90,7 +98,7 @@ def _gather_entry_metadata(
     held: list[Mapping[int, ParamState]],
     *,
     learn: bool = True,
-) -> dict[str, list[dict[str, Any] | None]]:
+) -> dict[str, list[ParamReport | None]]:
     """Every rank learns, per param, the state keys with their kind, dtype and shape (or value)
     and the params' values (``state``, ``values``); with ``learn=False`` only whether they fit
     the sharding (nothing). ``held`` receives this rank's :class:`ParamState`\\ s.
@@ -99,9 +107,10 @@ def _gather_entry_metadata(
     wrong owner rule from a param without state.
     """
 
-    def mine() -> dict[str, Any]:
+    def mine() -> dict[str, dict[str, ParamReport]]:
         held.append(local())
-        state, values = {}, {}
+        state: dict[str, ParamReport] = {}
+        values: dict[str, ParamReport] = {}
         for index, param in enumerate(sharding.params):
             entry = held[0].get(param.local_index) if param.local_index is not None else None
             if entry is None:
@@ -119,7 +128,9 @@ def _gather_entry_metadata(
                 values[str(index)] = {PARAM_KEY: report}  # named as the files name them
         return {"state": state, "values": values}
 
-    def merged(reports: list[dict[str, Any]]) -> dict[str, list[dict[str, Any] | None]]:
+    def merged(
+        reports: list[dict[str, dict[str, ParamReport]]],
+    ) -> dict[str, list[ParamReport | None]]:
         state = merge_entry_reports(sharding, [r["state"] for r in reports])
         values = merge_entry_reports(sharding, [r["values"] for r in reports])
         return {"state": state, "values": values} if learn else {}
@@ -139,8 +150,8 @@ def check_state_holders(sharding: Sharding, local: Mapping[int, ParamState]) -> 
 
 
 def merge_entry_reports(
-    sharding: Sharding, reports: Sequence[Mapping[str, Mapping[str, Any]]]
-) -> list[dict[str, Any] | None]:
+    sharding: Sharding, reports: Sequence[Mapping[str, ParamReport]]
+) -> list[ParamReport | None]:
     """Per param, the description of each state key, taken from its sources' reports.
 
     ``reports`` are the participants' (in order). Raises :class:`StateDictError` naming the
@@ -148,7 +159,7 @@ def merge_entry_reports(
     replicated state differs between ranks, or when sources disagree about a key.
     """
     by_rank = dict(zip(sharding.participants, reports, strict=True))
-    merged: list[dict[str, Any] | None] = []
+    merged: list[ParamReport | None] = []
     for index, param in enumerate(sharding.params):
         holders = [r for r in sharding.participants if str(index) in by_rank[r]]
         if not holders:
@@ -200,7 +211,7 @@ def merge_entry_reports(
     return merged
 
 
-def _shape_free(entry: Mapping[str, Any], replicated: bool) -> Any:
+def _shape_free(entry: Mapping[str, ValueReport], replicated: bool) -> Any:
     """What ranks must agree on: keys, kinds and dtypes (and shapes and values if replicated;
     shards of one tensor differ in shape)."""
     return {
@@ -254,7 +265,7 @@ def replica_digest(tensor: torch.Tensor) -> list[Any]:
 
 def _gather_value(
     param: ParamSharding,
-    info: Mapping[str, Any],
+    info: ValueReport,
     local_piece: Callable[[int], torch.Tensor],
     sharding: Sharding,
     all_ranks: bool,

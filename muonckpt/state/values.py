@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 
@@ -21,13 +21,34 @@ HOST = torch.device("cpu")
 ``cpu_offload=True``, so a GPU never holds more than a piece or one param in flight."""
 
 
+class _Kind(TypedDict):
+    kind: str
+    """``tensor``, ``scalar`` or ``value``."""
+
+
+class ValueReport(_Kind, total=False):
+    """A state value as the ranks report it to each other (JSON): its kind, then a tensor's
+    dtype, shape and elements, or a scalar's dtype and value, or a plain value; ``digest``: a
+    replicated tensor's fingerprint (:func:`muonckpt.state.gather.replica_digest`)."""
+
+    dtype: str
+    shape: list[int]
+    numel: int
+    value: Any
+    digest: list[Any]
+
+
+ParamReport = dict[str, ValueReport]
+"""One param's state (or own values) on one rank, as reported: each key's :class:`ValueReport`."""
+
+
 @dataclass(frozen=True)
 class TensorValue:
     """State shaped like its param: sharded with it, gathered and stored as regions."""
 
     tensor: torch.Tensor
 
-    def report(self) -> dict[str, Any]:
+    def report(self) -> ValueReport:
         """How it travels, as the ranks report it to each other (JSON)."""
         t = self.tensor
         return {
@@ -50,7 +71,7 @@ class ScalarValue:
     value: Any
     dtype: str
 
-    def report(self) -> dict[str, Any]:
+    def report(self) -> ValueReport:
         return {"kind": "scalar", "dtype": self.dtype, "value": self.value}
 
     def as_state(self) -> Any:
@@ -63,7 +84,7 @@ class PlainValue:
 
     value: Any
 
-    def report(self) -> dict[str, Any]:
+    def report(self) -> ValueReport:
         return {"kind": "value", "value": self.value}
 
     def as_state(self) -> Any:
@@ -125,7 +146,7 @@ def state_value(param: ParamSharding, key: str, value: Any, numel: int | None = 
     )
 
 
-def reported_value(info: Mapping[str, Any]) -> StateValue:
+def reported_value(info: ValueReport) -> StateValue:
     """A scalar or plain value back from its report."""
     if info["kind"] == "scalar":
         return ScalarValue(info["value"], info["dtype"])
