@@ -179,7 +179,7 @@ class Muon(torch.optim.Optimizer):
         self.dist_metas: dict[torch.Tensor, MuonDistMeta] = {}
         self.global_buffer_sizes: list[list[tuple[int, int]]] = []
         self.local_buffer_ranges: list[list[Range]] = []
-        StateDictHooks(self)  # described by placement.describe (placement.ReportsItsGrid)
+        StateDictHooks(self)  # described by placement.describe (describers.ReportsItsGrid)
 
     def enable_distributed_mode(
         self,
