@@ -28,7 +28,7 @@ _PUBLIC: dict[str, str] = {
     "read_manifest": ".checkpoint.pieces",
     "install_hooks": ".state.hooks",
     "gather_state_dict": ".state.hooks",
-    "REPLICATED": ".state.placement",
+    "REPLICATED": ".state.sharding_model",
     "RNGState": ".state.trainstate",
     "MuonCkptError": ".errors",
     "CheckpointError": ".errors",

@@ -25,7 +25,7 @@ import muonckpt
 import muonckpt.offline
 from muonckpt import CheckpointError, MuonCkptError
 from muonckpt.distributed.launch import run_distributed
-from muonckpt.format.manifest import tensor_key as stored_key
+from muonckpt.format.names import tensor_key as stored_key
 
 from .ckpt_cases import save_phase
 from .fixture_model import SHAPES, build, initial_params, train

@@ -21,7 +21,7 @@ import torch
 
 import muonckpt
 from muonckpt import storage
-from muonckpt.format.manifest import rank_file
+from muonckpt.format.names import rank_file
 
 ROUNDS = 150
 

@@ -17,7 +17,7 @@ import muonckpt
 from muonckpt import offline
 from muonckpt.cli import app
 from muonckpt.distributed.launch import run_distributed
-from muonckpt.format.manifest import rank_file
+from muonckpt.format.names import rank_file
 from muonckpt.settings import parse_size
 
 from .ckpt_cases import load_phase

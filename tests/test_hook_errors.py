@@ -258,7 +258,7 @@ def test_ranks_disagreeing_on_a_state_dtype_are_told_what_differs():
     """(issue 20, cosmetic) The error named both ranks' identical key sets, not the dtype."""
     from muonckpt.layout.topology import whole_region
     from muonckpt.state.gather import merge_entry_reports
-    from muonckpt.state.placement import Holding, ParamSharding, Sharding
+    from muonckpt.state.sharding_model import Holding, ParamSharding, Sharding
 
     half = whole_region(4)
     param = ParamSharding("w", (2, 4), (Holding(0, half), Holding(1, half)), None, None, 0)

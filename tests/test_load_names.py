@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 import muonckpt
 from muonckpt.cli import app
 from muonckpt.distributed.launch import run_distributed
-from muonckpt.format.manifest import prefix_fix, prefix_hint
+from muonckpt.format.renames import prefix_fix, prefix_hint
 
 from .tiny_gpt import TinyGPT, optimizers, train
 
@@ -160,7 +160,7 @@ def test_prefix_fix_finds_the_prefix_that_maps_one_list_onto_the_other(names, pr
     assert prefix_fix(prefixed, names) is not None
     for saved, current in ((prefixed, names), (names, prefixed)):
         (fix,) = [prefix_fix(saved, current)]
-        mapped = sorted(muonckpt.format.manifest.renamer(fix)(n) for n in saved)
+        mapped = sorted(muonckpt.format.renames.renamer(fix)(n) for n in saved)
         assert mapped == sorted(current)
     assert prefix_hint(names, names) is None
     assert prefix_hint(names, [n + "x" for n in names]) is None or len(names) == 1

@@ -123,7 +123,7 @@ def test_a_save_whose_manifest_is_too_large_is_refused_before_writing(tmp_path):
 def test_the_manifest_size_is_counted_exactly(tmp_path):
     """ManifestSize counts a real manifest's params, pieces and group lists to the byte:
     names that JSON escapes, two groups, scalars, several dtypes, a split checksum list."""
-    from muonckpt.format.manifest import ManifestSize  # (new with the check)
+    from muonckpt.format.manifest_size import ManifestSize
 
     names = ['a"b', "w\u00e9ight", "c\\d", "plain.name"]
     params = [torch.nn.Parameter(torch.randn(3, 5)) for _ in names]
@@ -181,7 +181,8 @@ def test_an_offline_rewrite_whose_manifest_is_too_large_starts_nothing(
 
 def test_params_alike_but_for_a_scalars_type_are_counted_apart():
     """1, 1.0 and True are equal (one key of a cache) but three JSON spellings."""
-    from muonckpt.format.manifest import ManifestSize, ParamEntry, Scalar
+    from muonckpt.format.manifest import ParamEntry, Scalar
+    from muonckpt.format.manifest_size import ManifestSize
 
     entries = tuple(
         ParamEntry(f"p{i}", (2,), -1, 0, {}, {"s": Scalar(value, None)})

@@ -24,7 +24,7 @@ from muonckpt import CheckpointError
 from muonckpt.checkpoint.retention import Cleaned, complete_checkpoints, prune
 from muonckpt.cli import app
 from muonckpt.errors import CheckpointWarning
-from muonckpt.format.manifest import MANIFEST_NAME, rank_file
+from muonckpt.format.names import MANIFEST_NAME, rank_file
 
 from .fixture_model import build, initial_params, train
 

@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 
 import muonckpt
 from muonckpt.cli import app
-from muonckpt.format.manifest import CONSOLIDATED_FILE, MODEL_FILE, rank_file
+from muonckpt.format.names import CONSOLIDATED_FILE, MODEL_FILE, rank_file
 from muonckpt.offline import tools as offline
 from muonckpt.storage import SafetensorsReader, SafetensorsWriter, SharedSafetensorsFile
 

@@ -11,7 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from muonckpt import CheckpointError
-from muonckpt.format.manifest import DTYPE_BYTES, PARAM_KEY, rank_file
+from muonckpt.format.manifest import DTYPE_BYTES
+from muonckpt.format.names import PARAM_KEY, rank_file
 from muonckpt.format.writeplan import (
     TensorWrite,
     WritePlan,

@@ -26,33 +26,26 @@ from ..distributed import collectives
 from ..distributed.steps import disagreement
 from ..errors import CheckpointError, ConversionWarning, MuonCkptError, StateDictError
 from ..format import conversion, kinds
-from ..format.manifest import (
-    MANIFEST_NAME,
-    PARAM_KEY,
-    Manifest,
-    ParamEntry,
-    Rename,
-    Scalar,
-    prefix_hint,
-)
+from ..format.manifest import Manifest, ParamEntry, Scalar
+from ..format.names import MANIFEST_NAME, PARAM_KEY
+from ..format.renames import Rename, prefix_hint
 from ..layout.topology import Region, whole_region
 from ..optim.sharding import following
 from ..state import trainstate
 from ..state.arena import ReadArena
-from ..state.gather import ScalarValue
+from ..state.describers import flat_params
 from ..state.hooks import load_local_share, remap_groups
 from ..state.paramnames import torch_dtype_name
 from ..state.placement import (
     Joined,
     Optimizers,
-    ParamSharding,
-    Sharding,
     describe,
-    flat_params,
     optimizers_of,
     participants,
     replica_hint,
 )
+from ..state.sharding_model import ParamSharding, Sharding
+from ..state.values import ScalarValue
 from .pieces import PieceReader, open_checkpoint
 
 

@@ -20,18 +20,15 @@ from ..errors import CheckpointError
 from ..format.manifest import (
     CONSOLIDATED,
     FORMAT_NAME,
-    INDEX_FILE,
-    MANIFEST_NAME,
-    MODEL_INDEX_FILE,
     PER_RANK,
     ExtraTensor,
     FileEntry,
     Manifest,
     ParamEntry,
     Piece,
-    rank_file,
 )
 from ..format.manifest_json import parse_manifest, parse_manifest_chunks
+from ..format.names import INDEX_FILE, MANIFEST_NAME, MODEL_INDEX_FILE, rank_file
 from ..layout.topology import Region, Strided, strided_runs
 
 

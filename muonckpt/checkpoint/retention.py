@@ -20,7 +20,7 @@ from pathlib import Path
 
 from .. import settings, storage
 from ..errors import CheckpointError, CheckpointWarning
-from ..format.manifest import MANIFEST_NAME
+from ..format.names import MANIFEST_NAME
 from .pieces import read_manifest, size_problems
 
 

@@ -22,8 +22,6 @@ from ..errors import CheckpointError
 from ..format import conversion
 from ..format.manifest import (
     CONSOLIDATED,
-    EXTRA_FILE,
-    PARAM_KEY,
     PER_RANK,
     Extra,
     GroupEntry,
@@ -31,35 +29,21 @@ from ..format.manifest import (
     ModelFile,
     ParamEntry,
     Scalar,
-    extra_rank_file,
     extra_to_json,
     json_safe,
     model_tensor,
 )
 from ..format.manifest_json import extra_from_json
+from ..format.names import EXTRA_FILE, PARAM_KEY, extra_rank_file
 from ..format.writeplan import WritePlan, consolidated_plan, rank_plan, unique_tensor_keys
 from ..state import trainstate
-from ..state.gather import (
-    ParamState,
-    PlainValue,
-    ScalarValue,
-    StateValue,
-    TensorValue,
-    check_state_holders,
-    gather_full_state,
-    state_value,
-)
+from ..state.describers import flat_params
+from ..state.gather import check_state_holders, gather_full_state
 from ..state.hostcopy import HostBuffers
 from ..state.model_state import ModelTensors, model_tensors
-from ..state.placement import (
-    Optimizers,
-    Sharding,
-    describe,
-    flat_params,
-    optimizers_of,
-    participants,
-    replica_hint,
-)
+from ..state.placement import Optimizers, describe, optimizers_of, participants, replica_hint
+from ..state.sharding_model import Sharding
+from ..state.values import ParamState, PlainValue, ScalarValue, StateValue, TensorValue, state_value
 from . import retention, writing
 
 

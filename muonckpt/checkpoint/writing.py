@@ -38,12 +38,10 @@ from ..distributed.steps import Outcome, StepProtocol, disagreement
 from ..errors import CheckpointError, CheckpointWarning, MuonCkptError, mark_committed
 from ..format.manifest import (
     FORMAT_NAME,
-    MANIFEST_NAME,
     ExtraTensor,
     ExtraValues,
     FileEntry,
     Manifest,
-    ManifestSize,
     ParamEntry,
     Piece,
     ValuePath,
@@ -51,6 +49,8 @@ from ..format.manifest import (
     piece_to_json,
 )
 from ..format.manifest_json import piece_from_json
+from ..format.manifest_size import ManifestSize
+from ..format.names import MANIFEST_NAME
 from ..format.writeplan import TensorWrite, WritePlan
 from ..layout.workplan import WorkUnit, split_work
 from ..storage.safetensors_writer import beside

@@ -3,7 +3,9 @@ strict JSON, the write plan, the optimizer families a checkpoint records and the
 convert state between them.
 
 A change to what a checkpoint records goes here. Modules: :mod:`.manifest` (the versioned
-dataclasses, coverage, file names and tensor keys), :mod:`.manifest_json` (reading it back
+dataclasses, their JSON text, coverage), :mod:`.names` (file names and tensor keys),
+:mod:`.renames` (params renamed on load, wrapper prefixes told apart), :mod:`.manifest_size`
+(the manifest's size bounded before a write), :mod:`.manifest_json` (reading it back
 with schema checks), :mod:`.strict_json`, :mod:`.writeplan` (which tensor goes to which file),
 :mod:`.kinds` (what each optimizer group computes), :mod:`.conversion` (state mapped between
 implementations).

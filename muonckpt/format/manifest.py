@@ -1,5 +1,6 @@
 """The checkpoint manifest: versioned dataclasses, their JSON text and coverage checks (read
-and schema-checked by :mod:`muonckpt.format.manifest_json`).
+and schema-checked by :mod:`muonckpt.format.manifest_json`). File names and tensor keys are
+:mod:`.names`; renaming params, :mod:`.renames`; the text's size bound, :mod:`.manifest_size`.
 
 Pure: no tensors, no collectives, no file I/O. ``manifest.json`` is written last by a save and
 is its commit marker; docs/format.md specifies every field.
@@ -17,13 +18,13 @@ from typing import Any
 
 from ..errors import CheckpointError
 from ..layout.topology import Region
+from .names import PARAM_KEY
+from .renames import Rename, renamer
 
 FORMAT_NAME = "muonckpt"
 FORMAT_VERSION = 2
 """Version 2 added the params' own values (``value_dtype``, pieces of key :data:`PARAM_KEY`);
 version 1 checkpoints are still read (they hold optimizer state only)."""
-PARAM_KEY = "param"
-"""The piece key of a param's own values, beside its state keys (never a state key itself)."""
 CHECKSUM_ALGORITHM = "xxh3-64"
 """XXH3 64-bit (seed 0) of each chunk of a tensor's data, as 16 lowercase hex digits."""
 DIGEST_BYTES = 8
@@ -44,7 +45,6 @@ def unpack_checksums(digests: bytes) -> tuple[str, ...]:
     return tuple(text[i : i + width] for i in range(0, len(text), width))
 
 
-MANIFEST_NAME = "manifest.json"
 PER_RANK = "per-rank"
 CONSOLIDATED = "consolidated"
 KINDS = (PER_RANK, CONSOLIDATED)
@@ -67,129 +67,6 @@ DTYPE_BYTES: dict[str, int] = {
     "F8_E5M2": 1,
 }
 """Bytes per element of each safetensors dtype a checkpoint may hold."""
-
-STATE_STEM = "optimizer"
-"""Consolidated state goes to ``optimizer.safetensors`` (or ``optimizer-0000i-of-0000N``)."""
-VALUE_STEM = "model"
-"""Consolidated param values go to ``model.safetensors``, keyed by param name, as HF has it."""
-CONSOLIDATED_FILE = f"{STATE_STEM}.safetensors"
-INDEX_FILE = f"{STATE_STEM}.safetensors.index.json"
-MODEL_FILE = f"{VALUE_STEM}.safetensors"
-MODEL_INDEX_FILE = f"{VALUE_STEM}.safetensors.index.json"
-
-
-def tensor_key(param: str, key: str) -> str:
-    """The key a stored tensor has in its file: the param's name for its values, else torch's
-    flattened optimizer-state key ``state.<param name>.<state key>``."""
-    return param if key == PARAM_KEY else f"state.{param}.{key}"
-
-
-def index_file(stem: str) -> str:
-    """The Hugging Face style index of a family of sharded files."""
-    return f"{stem}.safetensors.index.json"
-
-
-def stem_of(key: str) -> str:
-    """The consolidated file family of a stored tensor: values to ``model``, state to
-    ``optimizer``."""
-    return VALUE_STEM if key == PARAM_KEY else STATE_STEM
-
-
-Rename = Callable[[str], str] | Mapping[str, str]
-"""How :func:`muonckpt.load` and ``convert`` rename a checkpoint's params: a function of the
-saved name, or prefix replacements (``{"module.": ""}`` strips DDP's prefix, ``{"": "model."}``
-adds one; the longest matching prefix applies, names matching none stay)."""
-
-WRAPPER_PREFIXES = {
-    "module.": "DDP's or DataParallel's wrapper",
-    "_orig_mod.": "torch.compile's wrapper",
-    "model.": "a wrapping module named model",
-}
-"""Prefixes that wrappers add to every param name, and who adds them."""
-
-
-def renamer(rename: Rename) -> Callable[[str], str]:
-    """``rename`` as a function of the saved name (prefix replacements applied)."""
-    if callable(rename):
-        return rename
-    if not isinstance(rename, Mapping) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in rename.items()
-    ):
-        raise CheckpointError(
-            f"rename must be a function of the name or a mapping of prefixes, got {rename!r}"
-        )
-    prefixes = sorted(rename, key=len, reverse=True)
-
-    def replace_prefix(name: str) -> str:
-        for old in prefixes:
-            if name.startswith(old):
-                return rename[old] + name[len(old) :]
-        return name
-
-    return replace_prefix
-
-
-def prefix_fix(saved: Iterable[str], current: Iterable[str]) -> dict[str, str] | None:
-    """The prefix replacement that turns the ``saved`` names into the ``current`` ones
-    exactly (``{"module.": ""}``: strip DDP's prefix), or None when no prefix does."""
-    saved, current = sorted(set(saved)), sorted(set(current))
-    if not saved or saved == current or len(saved) != len(current):
-        return None
-    old, new = _dotted_prefix(saved), _dotted_prefix(current)
-    while old and new and old.split(".")[-2] == new.split(".")[-2]:  # a shared tail stays
-        old, new = old[: old.rstrip(".").rfind(".") + 1], new[: new.rstrip(".").rfind(".") + 1]
-    if old == new or sorted(renamer({old: new})(n) for n in saved) != current:
-        return None
-    return {old: new}
-
-
-def prefix_hint(saved: Iterable[str], current: Iterable[str]) -> str | None:
-    """One sentence naming the prefix by which the checkpoint's (``saved``) and the
-    optimizer's (``current``) names differ, and the ``rename`` that fixes it; None when they do
-    not differ by a prefix."""
-    fix = prefix_fix(saved, current)
-    if fix is None:
-        return None
-    ((old, new),) = fix.items()
-
-    def who(prefix: str) -> str:
-        wrappers = [w for p, w in WRAPPER_PREFIXES.items() if f".{prefix}".find(f".{p}") >= 0]
-        return f" ({', '.join(wrappers)})" if wrappers else ""
-
-    if not new:
-        differ = f"the checkpoint's start with {old!r}{who(old)}, the optimizer's do not"
-    elif not old:
-        differ = f"the optimizer's start with {new!r}{who(new)}, the checkpoint's do not"
-    else:
-        differ = f"the checkpoint's start with {old!r} where the optimizer's start with {new!r}"
-    return (
-        f"the param names differ by a prefix: {differ}; load(..., rename={fix!r}) maps them "
-        f"(muonckpt convert: --rename {old}={new})"
-    )
-
-
-def _dotted_prefix(names: Sequence[str]) -> str:
-    """The longest prefix of every name that ends with a dot ('' when none)."""
-    first, last = min(names), max(names)
-    common = 0
-    while common < min(len(first), len(last)) and first[common] == last[common]:
-        common += 1
-    return first[: first.rfind(".", 0, common) + 1]
-
-
-def rank_file(rank: int, world_size: int) -> str:
-    """The file of rank ``rank``'s pieces in a per-rank checkpoint."""
-    return f"rank-{rank:05d}-of-{world_size:05d}.safetensors"
-
-
-EXTRA_FILE = "extra.safetensors"
-"""The tensors of a save's ``extra`` (the training job's own state, the same on every rank)."""
-
-
-def extra_rank_file(rank: int, world_size: int) -> str:
-    """The tensors of rank ``rank``'s ``rank_extra`` (its own values: RNG, data position)."""
-    return f"extra-rank-{rank:05d}-of-{world_size:05d}.safetensors"
-
 
 EXTRA_DEPTH = 24
 """How deeply ``extra`` values may nest (the manifest around them takes the rest of
@@ -379,7 +256,7 @@ class Manifest:
     """The training job's own state (``"extra"``); None: none was saved."""
 
     def param(self, name: str) -> ParamEntry:
-        by_name = self.__dict__.get("_by_name")
+        by_name: dict[str, ParamEntry] | None = self.__dict__.get("_by_name")
         if by_name is None:  # made when first asked: a rewrite's output manifest never is
             by_name = {entry.name: entry for entry in self.params}
             object.__setattr__(self, "_by_name", by_name)
@@ -485,7 +362,7 @@ class Manifest:
         params."""
         lists: dict[str, tuple[Sequence[Any], Callable[[Any], Any]]] = {
             "groups": (self.groups, _group_to_json),
-            "params": (self.params, _param_to_json),
+            "params": (self.params, param_to_json),
             "files": (self.files, _file_to_json),
             "pieces": (self.pieces, piece_to_json),
         }
@@ -510,14 +387,14 @@ class Manifest:
             }
         yield "{\n"
         for index, (key, value) in enumerate(body.items()):
-            yield (",\n" if index else "") + _compact(key) + ": "
-            items, to_json = lists.get(key, ((), _compact))
+            yield (",\n" if index else "") + compact_json(key) + ": "
+            items, to_json = lists.get(key, ((), compact_json))
             if not items:
-                yield _compact([] if key in lists else value)
+                yield compact_json([] if key in lists else value)
                 continue
             yield "[\n"
             for number, item in enumerate(items):
-                yield (",\n" if number else "") + _compact(to_json(item))
+                yield (",\n" if number else "") + compact_json(to_json(item))
             yield "\n]"
         yield "\n}\n"
 
@@ -575,7 +452,8 @@ class PieceIndex:
         return found if isinstance(found, list) else (found,)
 
 
-def _compact(value: Any) -> str:
+def compact_json(value: Any) -> str:
+    """``value`` as the manifest writes it: JSON without spaces, finite numbers only."""
     return json.dumps(value, separators=(",", ":"), allow_nan=False)
 
 
@@ -583,7 +461,8 @@ def _group_to_json(g: GroupEntry) -> dict[str, Any]:
     return {"hyperparams": g.hyperparams, "params": list(g.params), "optimizer": g.optimizer}
 
 
-def _param_to_json(e: ParamEntry) -> dict[str, Any]:
+def param_to_json(e: ParamEntry) -> dict[str, Any]:
+    """A :class:`ParamEntry` in its JSON form (one line of ``params``)."""
     return {
         "name": e.name,
         "shape": list(e.shape),
@@ -675,77 +554,3 @@ def json_safe(value: Any) -> Any:
     if isinstance(value, Mapping):
         return {str(k): json_safe(v) for k, v in value.items()}
     raise CheckpointError(f"hyperparameter value {value!r} cannot be stored in the manifest")
-
-
-class ManifestSize:
-    """A lower bound on the bytes of a manifest's text, counted from what its lines will hold
-    without making them (:meth:`Manifest.json_chunks` takes seconds at 100k params): each
-    param's and each piece's line exactly, and each param's name in its group's list; of the
-    groups nothing else, nor of ``extra``. So that a write whose manifest no reader would take
-    is refused before any data is written, naming the counts that make it large."""
-
-    def __init__(self) -> None:
-        self.params = 0
-        self.pieces = 0
-        empty = Manifest(CONSOLIDATED, {}, (), (), (), ())
-        self.bytes = sum(len(chunk) for chunk in empty.json_chunks())
-        blank = Region(0, 0, 0, 0, 0)
-        self._piece_line = len(_compact(piece_to_json(Piece("", "", "", "", blank, b"", 0))))
-        self._texts: dict[str, int] = {}
-        self._last = ("", 0)
-        """The last piece's param and its text."""
-        self._regions: dict[Region, int] = {}
-        self._alike: dict[tuple[Any, ...], int] = {}
-        """A param's line without its name, by everything else it holds."""
-        self._groups: set[int] = set()
-
-    def add_param(self, entry: ParamEntry) -> None:
-        """One entry of ``params``, exactly (+2: its ``,\\n`` or the list's brackets), and its
-        name in its group's ``params`` (+3: quotes and a comma, but one per group)."""
-        # (each value's type too: 1, 1.0 and True are equal keys but different JSON)
-        scalars = tuple((k, type(v.value), v.value, v.dtype) for k, v in entry.scalars.items())
-        alike = (entry.shape, entry.tp_split_dim, entry.group, tuple(entry.dtypes.items()), scalars)
-        if (rest := self._alike.get(alike)) is None:  # params differ mostly by their names
-            rest = self._alike[alike] = len(_compact(_param_to_json(replace(entry, name=""))))
-        listed = 3 - (entry.group not in self._groups)
-        self._groups.add(entry.group)
-        self.params += 1
-        self.bytes += rest + 2 + 2 * _text(entry.name) + listed
-
-    def add_piece(
-        self, param: str, key: str, file: str, tensor: str, region: Region, nbytes: int, chunk: int
-    ) -> None:
-        """One entry of ``pieces``: ``nbytes`` of data, a checksum per ``chunk`` bytes."""
-        texts = self._texts
-        if (named := texts.get(key)) is None:
-            named = texts[key] = _text(key)
-        if (filed := texts.get(file)) is None:
-            filed = texts[file] = _text(file)
-        if param != self._last[0]:  # a param's pieces come together
-            self._last = (param, _text(param))
-        if (spans := self._regions.get(region)) is None:
-            ints = (region.cols, region.block_start, region.block_width, region.start)
-            spans = self._regions[region] = sum(len(str(i)) - 1 for i in (*ints, region.stop))
-        checksums = -(-nbytes // chunk)
-        self.pieces += 1
-        self.bytes += (
-            self._piece_line
-            + 2
-            + self._last[1]
-            + named
-            + filed
-            + _text(tensor)
-            + spans
-            + (19 * checksums - 1 if checksums else 0)
-            + len(str(chunk))
-            - 1
-        )
-
-
-_quoted: Callable[[str], str] = json.encoder.encode_basestring_ascii  # type: ignore[attr-defined]
-"""A string as :func:`_compact` writes it (quoted, escaped, ASCII), at C speed."""
-
-
-def _text(value: str) -> int:
-    """The characters ``value`` takes inside its quotes in the manifest."""
-    return len(_quoted(value)) - 2

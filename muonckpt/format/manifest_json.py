@@ -11,7 +11,7 @@ import re
 import sys
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict
-from typing import Any
+from typing import Any, TypeGuard
 
 from ..errors import CheckpointError
 from ..layout.topology import Region, matrix_view
@@ -22,8 +22,6 @@ from .manifest import (
     FORMAT_NAME,
     FORMAT_VERSION,
     KINDS,
-    MANIFEST_NAME,
-    PARAM_KEY,
     Extra,
     ExtraTensor,
     ExtraValues,
@@ -40,6 +38,7 @@ from .manifest import (
     piece_to_json,
     values_problem,
 )
+from .names import MANIFEST_NAME, PARAM_KEY
 from .strict_json import strict_json, strict_json_chunks
 
 _DIGEST = re.compile("[0-9a-f]{16}")
@@ -194,7 +193,7 @@ def _model_file(raw: Any, params: Mapping[str, ParamEntry], file_names: set[str]
 
 def _dtypes_of(value: Any) -> str:
     _expect(value in DTYPE_BYTES, f"unknown dtype {value!r}")
-    return value
+    return _str(value)
 
 
 def extra_from_json(raw: Any, data_files: Iterable[str] = ()) -> Extra:
@@ -331,7 +330,7 @@ def _hyperparams(raw: Any) -> dict[str, Any]:
     _expect(isinstance(raw, dict), "group hyperparams must be an object")
     if "step" in raw:
         _nonneg_int(raw["step"])
-    return _as_json(raw)
+    return _as_json_object(raw)
 
 
 _PIECE_FIELDS = ("param", "key", "file", "tensor", "region", "checksums", "chunk_bytes")
@@ -395,10 +394,15 @@ def _as_json(value: Any) -> Any:
     if isinstance(value, Piece):
         return piece_to_json(value)
     if isinstance(value, dict):
-        return {k: _as_json(v) for k, v in value.items()}
+        return _as_json_object(value)
     if isinstance(value, list):
         return [_as_json(v) for v in value]
     return value
+
+
+def _as_json_object(value: Mapping[str, Any]) -> dict[str, Any]:
+    """:func:`_as_json` of a JSON object."""
+    return {k: _as_json(v) for k, v in value.items()}
 
 
 def _dtypes(raw: Mapping[str, Any], version: int) -> dict[str, str]:
@@ -483,7 +487,7 @@ def _group_optimizer(value: Any) -> dict[str, Any]:
             f"group optimizer momentum must be in [0, 1) for its momentum_form, got {mu!r}",
         )
     _expect(value.get("nesterov") in (True, False, None), "group optimizer nesterov: a bool")
-    return _as_json(value)
+    return _as_json_object(value)
 
 
 def _expect(condition: bool, message: str) -> None:
@@ -492,36 +496,36 @@ def _expect(condition: bool, message: str) -> None:
 
 
 def _str(value: Any) -> str:
-    _expect(isinstance(value, str), f"expected a string, got {value!r}")
+    if not isinstance(value, str):
+        raise CheckpointError(f"expected a string, got {value!r}")
     return value
 
 
 def _int(value: Any) -> int:
-    _expect(
-        isinstance(value, int) and not isinstance(value, bool), f"expected an int, got {value!r}"
-    )
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise CheckpointError(f"expected an int, got {value!r}")
     return value
 
 
 def _nonneg_int(value: Any) -> int:
-    _expect(_int(value) >= 0, f"expected a non-negative int, got {value!r}")
-    return value
+    number = _int(value)
+    _expect(number >= 0, f"expected a non-negative int, got {value!r}")
+    return number
 
 
-def _pos_int(value: Any) -> bool:
+def _pos_int(value: Any) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
 def _pos_int_value(value: Any) -> int:
-    _expect(_pos_int(value), f"expected a positive int, got {value!r}")
+    if not _pos_int(value):
+        raise CheckpointError(f"expected a positive int, got {value!r}")
     return value
 
 
 def _digest(value: Any) -> str:
-    _expect(
-        isinstance(value, str) and _DIGEST.fullmatch(value) is not None,
-        f"expected a checksum of 16 lowercase hex digits, got {value!r}",
-    )
+    if not isinstance(value, str) or _DIGEST.fullmatch(value) is None:
+        raise CheckpointError(f"expected a checksum of 16 lowercase hex digits, got {value!r}")
     return value
 
 

@@ -24,18 +24,8 @@ from itertools import pairwise
 from ..errors import CheckpointError
 from ..layout.topology import Region, whole_region
 from ..settings import shard_size
-from .manifest import (
-    DTYPE_BYTES,
-    FORMAT_NAME,
-    PARAM_KEY,
-    STATE_STEM,
-    VALUE_STEM,
-    Piece,
-    index_file,
-    rank_file,
-    stem_of,
-    tensor_key,
-)
+from .manifest import DTYPE_BYTES, FORMAT_NAME, Piece
+from .names import PARAM_KEY, STATE_STEM, VALUE_STEM, index_file, rank_file, stem_of, tensor_key
 
 Item = tuple[str, str, str]
 """``(param, key, safetensors dtype)`` of one stored tensor."""
@@ -51,7 +41,7 @@ class TensorWrite:
     file: str
     param: str
     key: str
-    """A state key, or :data:`~muonckpt.format.manifest.PARAM_KEY` for the param's own values."""
+    """A state key, or :data:`~muonckpt.format.names.PARAM_KEY` for the param's own values."""
     dtype: str
     """safetensors dtype."""
     region: Region
@@ -152,7 +142,7 @@ class WritePlan:
 
 
 def _file_key(param: str, key: str) -> str:
-    """:func:`~muonckpt.format.manifest.tensor_key`, interned: a rewrite's source pieces, its plan
+    """:func:`~muonckpt.format.names.tensor_key`, interned: a rewrite's source pieces, its plan
     and its output name each tensor alike, one string for all (300k of them at 100k params)."""
     return sys.intern(tensor_key(param, key))
 

@@ -28,15 +28,8 @@ from ..checkpoint.writing import Progress
 from ..errors import CheckpointError, StateDictError
 from ..format import kinds
 from ..format.conversion import converted_manifest, group_kind, step_scalar
-from ..format.manifest import (
-    CONSOLIDATED,
-    PARAM_KEY,
-    GroupEntry,
-    Manifest,
-    ParamEntry,
-    Scalar,
-    json_safe,
-)
+from ..format.manifest import CONSOLIDATED, GroupEntry, Manifest, ParamEntry, Scalar, json_safe
+from ..format.names import PARAM_KEY
 from ..format.writeplan import TensorWrite, consolidated_plan
 from ..layout.topology import whole_region
 from ..storage import dcp_files

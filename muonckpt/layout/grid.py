@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from typing import Any
 
 from ..errors import StateDictError
 from .topology import Range, Region, Topology, share_region, tp_full_shape
@@ -52,7 +53,7 @@ class LocalParam:
         return (self.group, self.buffer, self.bucket, *self.global_range)
 
     @classmethod
-    def from_json(cls, raw: dict) -> LocalParam:
+    def from_json(cls, raw: dict[str, Any]) -> LocalParam:
         return cls(
             name=raw["name"],
             group=raw["group"],
@@ -65,7 +66,7 @@ class LocalParam:
             dtype=raw["dtype"],
         )
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
 
@@ -77,10 +78,10 @@ class RankReport:
     params: tuple[LocalParam, ...]
 
     @classmethod
-    def from_json(cls, raw: dict) -> RankReport:
+    def from_json(cls, raw: dict[str, Any]) -> RankReport:
         return cls(raw["groups"], tuple(LocalParam.from_json(p) for p in raw["params"]))
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {"groups": self.groups, "params": [p.to_json() for p in self.params]}
 
 
@@ -130,7 +131,7 @@ class GridParams:
     groups: int
     params: tuple[GridParam, ...]
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {
             "topology": [self.topology.dp, self.topology.tp],
             "groups": self.groups,
@@ -141,7 +142,7 @@ class GridParams:
         }
 
     @classmethod
-    def from_json(cls, raw: dict) -> GridParams:
+    def from_json(cls, raw: dict[str, Any]) -> GridParams:
         topology = Topology(*raw["topology"])
         params = []
         for name, spec, holders, local_index in raw["params"]:

@@ -23,7 +23,8 @@ from .. import settings, storage
 from ..checkpoint.pieces import PieceReader, open_checkpoint
 from ..errors import CheckpointError, MuonCkptError
 from ..format import kinds
-from ..format.manifest import PARAM_KEY, ExtraValues, Manifest, ParamEntry, Piece
+from ..format.manifest import ExtraValues, Manifest, ParamEntry, Piece
+from ..format.names import PARAM_KEY
 from ..layout.topology import whole_region
 from .inspection import (
     DiffRow,

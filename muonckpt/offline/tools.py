@@ -42,20 +42,16 @@ from ..format.manifest import (
     CONSOLIDATED,
     FORMAT_NAME,
     FORMAT_VERSION,
-    INDEX_FILE,
-    MANIFEST_NAME,
-    MODEL_INDEX_FILE,
     PER_RANK,
-    STATE_STEM,
-    VALUE_STEM,
     Extra,
     ExtraTensor,
     ExtraValues,
     Manifest,
     ParamEntry,
-    Rename,
     json_safe,
 )
+from ..format.names import INDEX_FILE, MANIFEST_NAME, MODEL_INDEX_FILE, STATE_STEM, VALUE_STEM
+from ..format.renames import Rename
 from ..format.writeplan import (
     TensorWrite,
     WritePlan,

@@ -22,10 +22,12 @@ from ..errors import LayoutError
 from ..format.kinds import ADAMW_STATE_KEYS, MUON_STATE_KEYS
 from ..layout.grid import LocalParam, RankReport
 from ..layout.topology import Range, Region, dp_slice
+from ..state.describers import flat_params, learn_grid
 from ..state.hooks import StateDictHooks
 from ..state.paramnames import named_params, param_names, torch_dtype_name
-from ..state.placement import Sharding, describe, flat_params, learn_grid, participants
+from ..state.placement import describe, participants
 from ..state.regions import extract, insert_
+from ..state.sharding_model import Sharding
 from .nsplan import Message, NsPlan, plan_newton_schulz
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
@@ -33,6 +35,12 @@ NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 Orthogonalize = Literal["one_rank", "every_holder"]
 """Where a distributed :class:`Muon` runs Newton-Schulz: ``"one_rank"`` (the default) on one
 rank of the grid per matrix, ``"every_holder"`` (the seed's way) on every rank holding a piece."""
+
+
+ParamUpdate = tuple[torch.Tensor, tuple[int, ...]]
+"""A Muon param's orthogonalized update and the full shape its lr is scaled by."""
+UpdateRule = Callable[[torch.Tensor, dict[str, Any]], ParamUpdate]
+"""How one step computes each Muon param's update, given the param and its group."""
 
 
 def newton_schulz(grad: torch.Tensor, steps: int) -> torch.Tensor:
@@ -45,7 +53,7 @@ def newton_schulz(grad: torch.Tensor, steps: int) -> torch.Tensor:
         raise LayoutError(f"newton_schulz needs a 2-D tensor, got shape {tuple(grad.shape)}")
     a, b, c = NS_COEFFICIENTS
     tall = grad.size(0) > grad.size(1)
-    x = grad.T if tall else grad
+    x: torch.Tensor = grad.T if tall else grad
     x = x / (x.norm() + 1e-7)
     for _ in range(steps):
         gram = x @ x.T
@@ -171,7 +179,7 @@ class Muon(torch.optim.Optimizer):
         self.dist_metas: dict[torch.Tensor, MuonDistMeta] = {}
         self.global_buffer_sizes: list[list[tuple[int, int]]] = []
         self.local_buffer_ranges: list[list[Range]] = []
-        StateDictHooks(self)  # described by placement.describe (placement.ReportsItsGrid)
+        StateDictHooks(self)  # described by placement.describe (describers.ReportsItsGrid)
 
     def enable_distributed_mode(
         self,
@@ -338,12 +346,12 @@ class Muon(torch.optim.Optimizer):
 
     def _orthogonalize_every_holder(
         self, ns_inputs: dict[torch.Tensor, torch.Tensor]
-    ) -> Callable[[torch.Tensor, dict[str, Any]], tuple[torch.Tensor, tuple[int, ...]]]:
+    ) -> UpdateRule:
         """The seed's way: each holder all-gathers the TP shards of a split param and
         orthogonalizes the whole matrix (``ns_inputs``: each param's whole TP shard)."""
         tp_size, tp_rank = collectives.size_and_rank(self.tp_group)
 
-        def update_of(p: torch.Tensor, group: dict[str, Any]) -> tuple[torch.Tensor, tuple]:
+        def update_of(p: torch.Tensor, group: dict[str, Any]) -> ParamUpdate:
             ns_input, meta = ns_inputs[p], self.dist_metas[p]
             split_dim = meta.tp_split_dim if tp_size > 1 else -1
             if split_dim != -1:
@@ -361,9 +369,7 @@ class Muon(torch.optim.Optimizer):
 
         return update_of
 
-    def _orthogonalize_one_rank(
-        self, ns_inputs: dict[torch.Tensor, torch.Tensor]
-    ) -> Callable[[torch.Tensor, dict[str, Any]], tuple[torch.Tensor, tuple[int, ...]]]:
+    def _orthogonalize_one_rank(self, ns_inputs: dict[torch.Tensor, torch.Tensor]) -> UpdateRule:
         """Each matrix orthogonalized on its worker only: the holders' pieces of its input go
         there, each holder's piece of the result comes back (two exchanges per step)."""
         ranks, me, plan, mine = self._newton_schulz_plan()
@@ -390,7 +396,7 @@ class Muon(torch.optim.Optimizer):
             pieces[k] = piece
         results = {mine[k]: (piece, plan.matrices[k].full_shape) for k, piece in pieces.items()}
 
-        def update_of(p: torch.Tensor, group: dict[str, Any]) -> tuple[torch.Tensor, tuple]:
+        def update_of(p: torch.Tensor, group: dict[str, Any]) -> ParamUpdate:
             if p in results:
                 return results[p]
             if p.numel():  # never an update that was not orthogonalized
@@ -429,7 +435,7 @@ class Muon(torch.optim.Optimizer):
     def _muon_update(
         self,
         group: dict[str, Any],
-        update_of: Callable[[torch.Tensor, dict[str, Any]], tuple[torch.Tensor, tuple[int, ...]]],
+        update_of: UpdateRule,
     ) -> None:
         """Decoupled weight decay, then each param's piece of its orthogonalized update."""
         lr, weight_decay = group["lr"], group["weight_decay"]
@@ -445,8 +451,9 @@ class Muon(torch.optim.Optimizer):
 
     def _device(self) -> torch.device:
         for group in self.param_groups:
-            for p in group["params"]:
-                return p.device
+            params: list[torch.Tensor] = group["params"]
+            if params:
+                return params[0].device
         return torch.device("cpu")
 
     def _param_names(self) -> dict[torch.Tensor, str]:
@@ -486,10 +493,10 @@ def _exchange(
 
 def _orthogonalize_here(
     ns_inputs: dict[torch.Tensor, torch.Tensor],
-) -> Callable[[torch.Tensor, dict[str, Any]], tuple[torch.Tensor, tuple[int, ...]]]:
+) -> UpdateRule:
     """Single process: each param's update is :func:`newton_schulz` of its own input."""
 
-    def update_of(p: torch.Tensor, group: dict[str, Any]) -> tuple[torch.Tensor, tuple]:
+    def update_of(p: torch.Tensor, group: dict[str, Any]) -> ParamUpdate:
         ns_input = ns_inputs[p]
         return newton_schulz(ns_input, steps=group["ns_steps"]), tuple(ns_input.shape)
 

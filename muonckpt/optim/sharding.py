@@ -40,7 +40,7 @@ from .muon import MuonDistMeta
 class ShardedParams:
     """One rank's share of a model's params: what ``Muon`` and its distributed mode take."""
 
-    param_groups: list[dict]
+    param_groups: list[dict[str, Any]]
     """The input groups with ``"params"`` = ``[(name, local_flat_shard), ...]`` in input order.
 
     Every param is present; a rank that owns no element of a param holds a 0-numel tensor.
@@ -185,6 +185,31 @@ def shard_param_groups(
             f"(dp_rank={dp_rank}, tp_rank={tp_rank}) is outside a {topology} topology"
         )
     split_dims = dict(tp_split_dims or {})
+    specs, fulls = _param_specs(groups, topology, split_dims, tp_local)
+    layout = arrange(specs, topology, options=options)
+    out_groups, dist_metas = _shard_groups(groups, specs, fulls, layout, dp_rank, tp_rank, tp_local)
+    return ShardedParams(
+        param_groups=out_groups,
+        global_buffer_sizes=layout.global_buffer_sizes(),
+        dist_metas=dist_metas,
+        layout=layout,
+        specs=specs,
+        model_params=fulls,
+        dp_rank=dp_rank,
+        tp_rank=tp_rank,
+        tp_local=tp_local,
+    )
+
+
+def _param_specs(
+    groups: Sequence[Mapping[str, Any]],
+    topology: Topology,
+    split_dims: Mapping[str, int],
+    tp_local: bool,
+) -> tuple[list[ParamSpec], list[torch.Tensor]]:
+    """Every param of ``groups`` as the layout math sees it (its full shape, TP split and
+    group), and its tensor, in packing order; a malformed group or param, or a split naming no
+    param, refused (:class:`LayoutError`)."""
     specs: list[ParamSpec] = []
     fulls: list[torch.Tensor] = []
     for g, group in enumerate(groups):
@@ -218,8 +243,21 @@ def shard_param_groups(
     unknown = sorted(set(split_dims) - {s.name for s in specs})
     if unknown:
         raise LayoutError(f"tp_split_dims names params that are in no group: {unknown}")
-    layout = arrange(specs, topology, options=options)
-    out_groups: list[dict] = []
+    return specs, fulls
+
+
+def _shard_groups(
+    groups: Sequence[Mapping[str, Any]],
+    specs: Sequence[ParamSpec],
+    fulls: Sequence[torch.Tensor],
+    layout: BufferLayout,
+    dp_rank: int,
+    tp_rank: int,
+    tp_local: bool,
+) -> tuple[list[dict[str, Any]], dict[torch.Tensor, MuonDistMeta]]:
+    """The input groups with each param cut to this rank's shard (``(name, shard)`` pairs, every
+    other key kept), and each shard's :class:`MuonDistMeta`."""
+    out_groups: list[dict[str, Any]] = []
     dist_metas: dict[torch.Tensor, MuonDistMeta] = {}
     index = 0
     for group in groups:
@@ -242,17 +280,7 @@ def shard_param_groups(
             # would then count as unnamed, which torch refuses to mix with named groups.
             out.setdefault("param_names", [])
         out_groups.append(out)
-    return ShardedParams(
-        param_groups=out_groups,
-        global_buffer_sizes=layout.global_buffer_sizes(),
-        dist_metas=dist_metas,
-        layout=layout,
-        specs=specs,
-        model_params=fulls,
-        dp_rank=dp_rank,
-        tp_rank=tp_rank,
-        tp_local=tp_local,
-    )
+    return out_groups, dist_metas
 
 
 def shard_for_groups(

@@ -10,104 +10,34 @@ time in host memory; the last step, ``state values``, raises any rank's failure 
 Memory: the destination holds the complete state in host memory plus one piece in flight on the
 device of the process group (:func:`muonckpt.distributed.collectives.comm_device`); every other
 rank its own share plus one piece (or one full param when delivering to all ranks).
+
+The values it moves, classified, are :mod:`.values`.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
 
 from ..distributed import collectives
 from ..errors import StateDictError
-from ..format.manifest import PARAM_KEY
-from ..storage import checksum_chunks, unstorable_kind
-from .paramnames import torch_dtype_name
-from .placement import ParamSharding, Sharding, state_dict_steps
+from ..format.names import PARAM_KEY
+from ..storage import checksum_chunks
+from .describers import state_dict_steps
 from .regions import insert_
-
-HOST = torch.device("cpu")
-"""Where gathered full tensors are assembled and delivered: host memory, as DCP's
-``cpu_offload=True``, so a GPU never holds more than a piece or one param in flight."""
-
-
-@dataclass(frozen=True)
-class TensorValue:
-    """State shaped like its param: sharded with it, gathered and stored as regions."""
-
-    tensor: torch.Tensor
-
-    def report(self) -> dict[str, Any]:
-        """How it travels, as the ranks report it to each other (JSON)."""
-        t = self.tensor
-        return {
-            "kind": "tensor",
-            "dtype": torch_dtype_name(t.dtype),
-            "shape": list(t.shape),
-            "numel": t.numel(),
-        }
-
-    def as_state(self) -> Any:
-        """The value as an optimizer keeps it."""
-        return self.tensor
-
-
-@dataclass(frozen=True)
-class ScalarValue:
-    """A 0-d tensor of a param that is not 0-d (torch's AdamW ``step``): stored as a number
-    with its dtype (torch's spelling, ``float32``) in the manifest's scalars."""
-
-    value: Any
-    dtype: str
-
-    def report(self) -> dict[str, Any]:
-        return {"kind": "scalar", "dtype": self.dtype, "value": self.value}
-
-    def as_state(self) -> Any:
-        return torch.tensor(self.value, dtype=getattr(torch, self.dtype), device=HOST)
-
-
-@dataclass(frozen=True)
-class PlainValue:
-    """A plain value (a number, a string, None), stored as it is in the manifest's scalars."""
-
-    value: Any
-
-    def report(self) -> dict[str, Any]:
-        return {"kind": "value", "value": self.value}
-
-    def as_state(self) -> Any:
-        return self.value
-
-
-StateValue = TensorValue | ScalarValue | PlainValue
-"""One state value of one param, classified once (:func:`state_value`)."""
-
-
-@dataclass(frozen=True)
-class ParamState:
-    """One param's state on one rank, each value classified once, and the param's own values
-    where a save takes them (stored under :data:`muonckpt.format.manifest.PARAM_KEY`)."""
-
-    state: dict[str, StateValue]
-    values: torch.Tensor | None = None
-
-
-def param_states(
-    sharding: Sharding, local_state: Mapping[int, Mapping[str, Any]]
-) -> dict[int, ParamState]:
-    """This rank's state by its own flat param index, classified (each state tensor must hold
-    this rank's share of its param)."""
-    return {
-        param.index_here: ParamState(
-            {k: state_value(param, k, v, param.held_numel) for k, v in entry.items()}
-        )
-        for param in sharding.params  # in canonical order, as the ranks report
-        if param.local_index is not None and (entry := local_state.get(param.local_index))
-    }
+from .sharding_model import ParamSharding, Sharding
+from .values import (
+    HOST,
+    ParamReport,
+    ParamState,
+    StateValue,
+    TensorValue,
+    ValueReport,
+    reported_value,
+)
 
 
 def gather_full_state(
@@ -168,7 +98,7 @@ def _gather_entry_metadata(
     held: list[Mapping[int, ParamState]],
     *,
     learn: bool = True,
-) -> dict[str, list[dict[str, Any] | None]]:
+) -> dict[str, list[ParamReport | None]]:
     """Every rank learns, per param, the state keys with their kind, dtype and shape (or value)
     and the params' values (``state``, ``values``); with ``learn=False`` only whether they fit
     the sharding (nothing). ``held`` receives this rank's :class:`ParamState`\\ s.
@@ -177,9 +107,10 @@ def _gather_entry_metadata(
     wrong owner rule from a param without state.
     """
 
-    def mine() -> dict[str, Any]:
+    def mine() -> dict[str, dict[str, ParamReport]]:
         held.append(local())
-        state, values = {}, {}
+        state: dict[str, ParamReport] = {}
+        values: dict[str, ParamReport] = {}
         for index, param in enumerate(sharding.params):
             entry = held[0].get(param.local_index) if param.local_index is not None else None
             if entry is None:
@@ -197,7 +128,9 @@ def _gather_entry_metadata(
                 values[str(index)] = {PARAM_KEY: report}  # named as the files name them
         return {"state": state, "values": values}
 
-    def merged(reports: list[dict[str, Any]]) -> dict[str, list[dict[str, Any] | None]]:
+    def merged(
+        reports: list[dict[str, dict[str, ParamReport]]],
+    ) -> dict[str, list[ParamReport | None]]:
         state = merge_entry_reports(sharding, [r["state"] for r in reports])
         values = merge_entry_reports(sharding, [r["values"] for r in reports])
         return {"state": state, "values": values} if learn else {}
@@ -217,8 +150,8 @@ def check_state_holders(sharding: Sharding, local: Mapping[int, ParamState]) -> 
 
 
 def merge_entry_reports(
-    sharding: Sharding, reports: Sequence[Mapping[str, Mapping[str, Any]]]
-) -> list[dict[str, Any] | None]:
+    sharding: Sharding, reports: Sequence[Mapping[str, ParamReport]]
+) -> list[ParamReport | None]:
     """Per param, the description of each state key, taken from its sources' reports.
 
     ``reports`` are the participants' (in order). Raises :class:`StateDictError` naming the
@@ -226,7 +159,7 @@ def merge_entry_reports(
     replicated state differs between ranks, or when sources disagree about a key.
     """
     by_rank = dict(zip(sharding.participants, reports, strict=True))
-    merged: list[dict[str, Any] | None] = []
+    merged: list[ParamReport | None] = []
     for index, param in enumerate(sharding.params):
         holders = [r for r in sharding.participants if str(index) in by_rank[r]]
         if not holders:
@@ -278,7 +211,7 @@ def merge_entry_reports(
     return merged
 
 
-def _shape_free(entry: Mapping[str, Any], replicated: bool) -> Any:
+def _shape_free(entry: Mapping[str, ValueReport], replicated: bool) -> Any:
     """What ranks must agree on: keys, kinds and dtypes (and shapes and values if replicated;
     shards of one tensor differ in shape)."""
     return {
@@ -330,44 +263,9 @@ def replica_digest(tensor: torch.Tensor) -> list[Any]:
     return sums.tolist()
 
 
-def state_value(param: ParamSharding, key: str, value: Any, numel: int | None = None) -> StateValue:
-    """How a state value travels and is stored: a tensor shaped like the param (sharded with
-    it), a scalar (a 0-d tensor of a param that is not 0-d, such as torch's AdamW ``step``), or
-    a plain value (a number, None). ``numel``: the elements of this rank's param tensor, which
-    a state tensor must have (refused otherwise: muonckpt shards state with its param)."""
-    if isinstance(value, torch.Tensor):
-        if (kind := unstorable_kind(value)) is not None:
-            raise StateDictError(
-                f"param {param.name!r}: state {key!r} is {kind}, which muonckpt cannot store "
-                "(dense tensors only)"
-            )
-        if value.dim() == 0 and len(param.full_shape) != 0:
-            return ScalarValue(value.item(), torch_dtype_name(value.dtype))
-        if numel is not None and value.numel() != numel:
-            raise StateDictError(
-                f"param {param.name!r}: state {key!r} has shape {tuple(value.shape)}, neither "
-                "the param's shape nor a 0-d scalar: muonckpt stores only state shaped like "
-                "its param (factored state such as Adafactor's is not supported)"
-            )
-        return TensorValue(value)
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return PlainValue(value)
-    raise StateDictError(
-        f"param {param.name!r}: state {key!r} is a {type(value).__name__}, which muonckpt "
-        "cannot store (tensors, numbers, strings and None only)"
-    )
-
-
-def _reported(info: Mapping[str, Any]) -> StateValue:
-    """A scalar or plain value back from its report."""
-    if info["kind"] == "scalar":
-        return ScalarValue(info["value"], info["dtype"])
-    return PlainValue(info["value"])
-
-
 def _gather_value(
     param: ParamSharding,
-    info: Mapping[str, Any],
+    info: ValueReport,
     local_piece: Callable[[int], torch.Tensor],
     sharding: Sharding,
     all_ranks: bool,
@@ -384,7 +282,7 @@ def _gather_value(
     that no peer waits forever for a transfer that never comes.
     """
     if info["kind"] != "tensor":
-        return _reported(info)
+        return reported_value(info)
     me, dst = collectives.global_rank(), sharding.destination
     dtype = getattr(torch, info["dtype"])
     shape = param.full_shape

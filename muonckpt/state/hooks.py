@@ -31,17 +31,13 @@ import torch
 
 from ..distributed import collectives
 from ..errors import StateDictError
-from .gather import TensorValue, gather_full_state, param_states, state_value
-from .placement import (
-    Optimizers,
-    ParamSharding,
-    Sharding,
-    declare_owners,
-    describe,
-    flat_params,
-    participants,
-)
+from .describers import flat_params
+from .gather import gather_full_state
+from .owners import declare_owners
+from .placement import Optimizers, describe, participants
 from .regions import extract
+from .sharding_model import ParamSharding, Sharding
+from .values import TensorValue, param_states, state_value
 
 MARKER = "muonckpt"
 """Top-level key that tags state dicts produced by these hooks."""
@@ -317,7 +313,7 @@ def install_hooks(
             ``index`` (counted in order over all param groups), or :data:`muonckpt.REPLICATED`
             when every rank keeps it identically. None: the rule of upstream KellerJordan
             ``muon.Muon``, ``muon.MuonWithAuxAdam`` and their single-device classes (see
-            :func:`muonckpt.state.placement.upstream_owner`); other optimizers need an explicit
+            :func:`muonckpt.state.owners.upstream_owner`); other optimizers need an explicit
             rule.
         names: ``model.named_parameters()`` or a ``{name: param}`` dict, so that checkpoints are
             keyed by name when the optimizer's groups carry no names.

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointError
-from ..format.manifest import prefix_fix
+from ..format.renames import prefix_fix
 from ..storage import unstorable_kind
 
 

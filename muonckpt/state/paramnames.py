@@ -1,6 +1,7 @@
 """An optimizer's params by name, in order, and dtypes in torch's spelling: what the describers
-(:mod:`muonckpt.state.placement`) and the packaged Muon's report of its own layout share, so that
-the Muon reports without calling back into the module that reads its report."""
+(:mod:`muonckpt.state.describers`, :mod:`muonckpt.state.owners`) and the packaged Muon's report
+of its own layout share, so that the Muon reports without calling back into the module that
+reads its report."""
 
 from __future__ import annotations
 

@@ -303,7 +303,8 @@ class RNGState:
     """
 
     def state_dict(self) -> dict[str, Any]:
-        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else []
+        initialized = torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
+        cuda = torch.cuda.get_rng_state_all() if initialized else []
         return {"cpu": torch.get_rng_state(), "cuda": list(cuda)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import CheckpointError
-from ..format.manifest import MANIFEST_NAME
+from ..format.names import MANIFEST_NAME
 from . import lease
 from .dtypes import dtype_name, itemsize, torch_dtype, torch_dtype_names
 from .durable import open_failure, open_regular

@@ -23,7 +23,8 @@ import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
 from ..errors import CheckpointError
-from ..format.manifest import CHECKSUM_ALGORITHM, DTYPE_BYTES, MANIFEST_NAME
+from ..format.manifest import CHECKSUM_ALGORITHM, DTYPE_BYTES
+from ..format.names import MANIFEST_NAME
 from ..format.strict_json import TextWindow
 from ..layout.topology import Strided
 from .checksums import CHUNK_BYTES, chunk_digest

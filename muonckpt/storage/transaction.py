@@ -17,7 +17,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from ..errors import CheckpointError, CheckpointWarning
-from ..format.manifest import FORMAT_NAME, MANIFEST_NAME
+from ..format.manifest import FORMAT_NAME
+from ..format.names import MANIFEST_NAME
 from ..settings import local_path
 from . import lease
 from .durable import RENAME_NOREPLACE, exchange, fsync_dir, read_text, renameat2

@@ -1,0 +1,196 @@
+"""Describers of the layouts an optimizer reports itself or that need no rule: ZeRO-1 + TP over
+a dp x tp grid (:func:`describe_grid`, from each rank's report) and whole in one process
+(:func:`describe_whole`). Owner rules and DDP replicas are :mod:`.owners`; which describer an
+optimizer gets is :func:`muonckpt.state.placement.describe`.
+
+The grid's param list and ranks are learned by a collective the first time and kept beside the
+optimizer in weak mappings.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from ..distributed import collectives
+from ..errors import StateDictError
+from ..layout.grid import GridParams, RankReport, merge_reports
+from ..layout.topology import Region, Topology, whole_region
+from .paramnames import HasParamGroups, is_named, param_names, torch_dtype_name
+from .sharding_model import Holding, ParamSharding, Sharding, check_unique_names
+
+
+@runtime_checkable
+class ReportsItsGrid(Protocol):
+    """An optimizer that reports its own layout (the packaged :class:`~muonckpt.optim.muon.Muon`):
+    whole in one process, or ZeRO-1 + TP over the dp x tp grid of its two groups in distributed
+    mode, each rank reporting the params it holds (:func:`describe_grid`)."""
+
+    distributed_mode: bool
+    dist_group: collectives.Group
+    tp_group: collectives.Group
+    param_groups: list[dict[str, Any]]
+
+    def rank_report(self) -> RankReport:
+        """This rank's params in the layout math's terms (shapes, buffers, buckets, ranges)."""
+        ...
+
+    def state_keys(self, group: int) -> tuple[str, ...]:
+        """The state keys a complete entry of group ``group`` has."""
+        ...
+
+
+def flat_params(optimizer: Any) -> list[torch.Tensor]:
+    """The optimizer's params in order over its groups (torch's state-dict indices)."""
+    return [p for g in optimizer.param_groups for p in g["params"]]
+
+
+def state_dict_steps(ranks: Sequence[int], root: int) -> collectives.CollectiveSteps:
+    """The protocol of a state-dict collective: any rank's failure a StateDictError on all."""
+    return collectives.CollectiveSteps("state dict", ranks, root, StateDictError)
+
+
+def describe_grid(
+    optimizer: HasParamGroups,
+    report: Callable[[], RankReport],
+    dp_group: collectives.Group,
+    tp_group: collectives.Group,
+    keys: Callable[[int], tuple[str, ...]],
+) -> Sharding:
+    """Sharding of a ZeRO-1 + TP optimizer over its whole dp x tp grid, from each rank's
+    ``report()`` of the params it holds (in the layout math's terms, :class:`RankReport`).
+
+    The grid's param list is learned once by a collective over the grid
+    (:func:`muonckpt.layout.grid.merge_reports`) and kept beside the optimizer in a weak mapping.
+    """
+    me = collectives.global_rank()
+    ranks, grid = _grid_params(optimizer, report, dp_group, tp_group)
+    topo = grid.topology
+    coords = topo.coords(ranks.index(me))
+    params = []
+    for gp in grid.params:
+        sources = []
+        for rank in range(topo.world_size):
+            region = gp.owner_region(topo, *topo.coords(rank))
+            if region.numel:
+                sources.append(Holding(ranks[rank], region))
+        local_index = gp.local_index[ranks.index(me)]
+        params.append(
+            ParamSharding(
+                name=gp.name,
+                full_shape=gp.full_shape,
+                sources=tuple(sources),
+                local=gp.region(topo, *coords) if local_index is not None else None,
+                held=gp.region(topo, *coords) if local_index is not None else None,
+                local_index=local_index,
+                group=gp.spec.group,
+                expected_keys=keys(gp.spec.group),
+                tp_split_dim=gp.spec.tp_split_dim,
+                dtype=gp.spec.dtype,
+            )
+        )
+    named = bool(grid.params) and grid.params[0].spec.name is not None
+    return Sharding(params, ranks, ranks[0], {"dp": topo.dp, "tp": topo.tp}, named)
+
+
+_GRIDS: weakref.WeakKeyDictionary[
+    Any, tuple[tuple[tuple[int, ...], int], list[int], GridParams]
+] = weakref.WeakKeyDictionary()
+"""Per distributed optimizer: (its local structure, the grid's global ranks, its params)."""
+
+
+def _grid_params(
+    optimizer: HasParamGroups,
+    report: Callable[[], RankReport],
+    dp_group: collectives.Group,
+    tp_group: collectives.Group,
+) -> tuple[list[int], GridParams]:
+    """The grid's global ranks and canonical params (a collective the first time)."""
+    flat = flat_params(optimizer)
+    structure = (tuple(id(p) for p in flat), len(optimizer.param_groups))
+    cached = _GRIDS.get(optimizer)
+    if cached is not None and cached[0] == structure:
+        return cached[1], cached[2]
+    ranks, grid = learn_grid(optimizer, report, dp_group, tp_group)
+    _GRIDS[optimizer] = (structure, ranks, grid)
+    return ranks, grid
+
+
+def learn_grid(
+    optimizer: HasParamGroups,
+    report: Callable[[], RankReport],
+    dp_group: collectives.Group,
+    tp_group: collectives.Group,
+) -> tuple[list[int], GridParams]:
+    """The grid's global ranks (:func:`grid_members`) and canonical params, from every rank's
+    ``report()``: a collective over the grid (step ``params``), which fails on every rank when
+    they disagree."""
+    topo = Topology(collectives.group_size(dp_group), collectives.group_size(tp_group))
+    ranks = grid_members(optimizer, dp_group, tp_group)
+
+    def merge(reports: list[dict[str, Any]]) -> dict[str, Any]:
+        return merge_reports([RankReport.from_json(r) for r in reports], topo).to_json()
+
+    grid = GridParams.from_json(
+        state_dict_steps(ranks, ranks[0]).each_then_root(
+            "params", lambda: report().to_json(), merge
+        )
+    )
+    return ranks, grid
+
+
+_GRID_RANKS: weakref.WeakKeyDictionary[Any, tuple[Any, Any, list[int]]] = (
+    weakref.WeakKeyDictionary()
+)
+"""Per grid optimizer: its DP and TP groups and the grid's global ranks (learned once)."""
+
+
+def grid_members(
+    optimizer: Any,
+    dp_group: collectives.Group,
+    tp_group: collectives.Group,
+    operation: str = "describe the grid",
+) -> list[int]:
+    """The global ranks of ``optimizer``'s dp x tp grid, indexed ``dp_rank * tp + tp_rank``:
+    learned the first time by :func:`muonckpt.distributed.collectives.grid_ranks` (the first step of
+    ``operation``, bounded), then kept beside the optimizer."""
+    cached = _GRID_RANKS.get(optimizer)
+    if cached is not None and cached[0] is dp_group and cached[1] is tp_group:
+        return cached[2]
+    ranks = collectives.grid_ranks(dp_group, tp_group, operation)
+    _GRID_RANKS[optimizer] = (dp_group, tp_group, ranks)
+    return ranks
+
+
+def describe_whole(
+    optimizer: HasParamGroups,
+    keys: Callable[[int], tuple[str, ...]] = lambda group: (),
+    names: Sequence[str] | None = None,
+) -> Sharding:
+    """Sharding of a single-process optimizer: every param whole, its state all local."""
+    me = collectives.global_rank()
+    names = list(names) if names is not None else param_names(optimizer)
+    flat = [(p, g) for g, group in enumerate(optimizer.param_groups) for p in group["params"]]
+    params: list[ParamSharding] = []
+    shapes: dict[tuple[int, ...], tuple[int, ...]] = {}  # equal values one object: 100k
+    sources: dict[Region, tuple[Holding, ...]] = {}  # params of a few shapes hold a few
+    for index, ((p, g), name) in enumerate(zip(flat, names, strict=True)):
+        whole = whole_region(p.numel())
+        shape = tuple(p.shape)
+        params.append(
+            ParamSharding(
+                name,
+                shapes.setdefault(shape, shape),
+                sources.setdefault(whole, (Holding(me, whole),)),
+                whole,
+                index,
+                g,
+                keys(g),
+                dtype=torch_dtype_name(p.dtype),
+            )
+        )
+    check_unique_names([p.name for p in params])
+    return Sharding(params, [me], me, {"dp": 1, "tp": 1}, is_named(optimizer) or names is not None)
