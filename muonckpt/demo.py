@@ -34,6 +34,17 @@ from .optim.muon import Muon
 from .optim.sharding import ShardedParams, shard_for_groups, shard_param_groups
 from .state.regions import extract, insert_
 
+__all__ = [
+    "MODEL",
+    "SHAPES",
+    "DemoResult",
+    "DemoRow",
+    "TinyLM",
+    "ToyModel",
+    "local_params",
+    "run_demo",
+]
+
 
 @dataclass(frozen=True)
 class ToyModel:
