@@ -160,3 +160,47 @@ def test_every_path_the_docs_name_resolves():
                 line = text.count("\n", 0, match.start()) + 1
                 wrong.append(f"{doc.relative_to(REPO)}:{line}: {target} ({why})")
     assert not wrong, "\n".join(wrong)
+
+
+def _modules_by_name() -> dict[str, str]:
+    """Each module or package of muonckpt by its last name, where that name is unique."""
+    by_name: dict[str, list[str]] = {}
+    for module_name, _ in _module_files():
+        by_name.setdefault(module_name.rsplit(".", 1)[-1], []).append(module_name)
+    return {name: found[0] for name, found in by_name.items() if len(found) == 1}
+
+
+_SHORT_PATH = re.compile(r"`([a-z_]+)\.([A-Za-z_]\w*)")
+"""A module-relative name at the start of a code span: ``storage.check_target``."""
+_NOT_OURS = {"muon", "dcp", "state", "muonckpt"}
+"""Names the docs also use for others' modules and keys: upstream ``muon.MuonWithAuxAdam``,
+``dcp.save`` (``torch.distributed.checkpoint``), ``state.w_in`` (a tensor key)."""
+_FILE_SUFFIXES = {"py", "json", "md", "safetensors"}
+
+
+def test_every_module_name_the_docs_use_resolves():
+    """A name the docs give by its module (``kinds.state_mapping``, ``storage.check_target``)
+    is in that module (``storage.open_regular`` was not)."""
+    modules = _modules_by_name()
+    wrong = []
+    for doc in DOCS:
+        text = doc.read_text()
+        for match in _SHORT_PATH.finditer(text):
+            module, name = match.groups()
+            if module not in modules or module in _NOT_OURS or name in _FILE_SUFFIXES:
+                continue  # ("muonckpt" is in _NOT_OURS: whole paths are the test above's)
+            why = _unresolved(f"{modules[module]}.{name}")
+            if why is not None:
+                line = text.count("\n", 0, match.start()) + 1
+                wrong.append(f"{doc.relative_to(REPO)}:{line}: {module}.{name} ({why})")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_every_source_file_the_docs_name_exists():
+    wrong = [
+        f"{doc.relative_to(REPO)}: {path}"
+        for doc in DOCS
+        for path in re.findall(r"`(muonckpt/[\w/]*(?:\.py)?)`", doc.read_text())
+        if not (REPO / path).exists()
+    ]
+    assert not wrong, "\n".join(wrong)
