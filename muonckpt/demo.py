@@ -160,8 +160,10 @@ class ToyModel:
 GRAD_QUANTUM = 2.0**-16
 """:class:`TinyLM` rounds each micro-batch's gradient to a multiple of this (fixed point)."""
 GRAD_BOUND = 2.0**-2
-"""... and clips it to +-this, so that a sum of up to ``2**24 * GRAD_QUANTUM / GRAD_BOUND``
-(1024) such gradients, in any order, is exact in float32."""
+"""... and clips it to +-this. The DP average then sums ``dp`` times at most ``micro_batches``
+such gradients, in any order: below ``2**24`` quanta, exact in float32, while ``dp *
+micro_batches`` is at most ``2**24 * GRAD_QUANTUM / GRAD_BOUND`` (:data:`MOST_SUMMANDS`)."""
+MOST_SUMMANDS = round(2**24 * GRAD_QUANTUM / GRAD_BOUND)
 
 
 @dataclass(frozen=True)
@@ -377,6 +379,11 @@ def run_demo(
     if steps < 1:
         raise ValueError(f"steps must be at least 1, got {steps}")
     Topology(dp, tp), Topology(to_dp, to_tp)  # validate before launching anything
+    if max(dp, to_dp) * MODEL.micro_batches > MOST_SUMMANDS:
+        raise ValueError(
+            f"dp={max(dp, to_dp)} is more than the demo's exact grad sums allow "
+            f"({MOST_SUMMANDS // MODEL.micro_batches})"
+        )
     cores = settings.available_cores()
     settings.local_workers(dp * tp, cores, "dp x tp")  # each rank a local process
     settings.local_workers(to_dp * to_tp, cores, "to_dp x to_tp")
