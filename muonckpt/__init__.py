@@ -52,7 +52,9 @@ NAMESPACES = (
     "demo",
 )
 """The public namespaces, which ``muonckpt.NAME`` imports on first use as it does the names;
-the docs and ``tests/test_public_api.py`` are built from this list."""
+each lists its names in ``__all__``. The one list: ``tests/test_public_api.py`` checks every
+namespace here and that README.md, docs/design.md and this module's docstring name exactly
+these, in this order."""
 
 __all__ = list(_PUBLIC)
 __getattr__, __dir__ = lazy_names(__name__, _PUBLIC, NAMESPACES)

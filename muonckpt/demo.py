@@ -1,15 +1,15 @@
 """``muonckpt demo``: train at one topology, reshard offline, resume at another, bit for bit.
 
-A tiny two-group model (Muon matrices plus AdamW vectors and an embedding, some of them TP
-split) is trained with the packaged :class:`~muonckpt.optim.muon.Muon` in gloo processes at dp x tp,
-saved per rank with :func:`muonckpt.save` (state and params), resharded with
-:func:`muonckpt.offline.tools.reshard` (the code path of ``muonckpt reshard``) to another dp x tp,
-loaded there with :func:`muonckpt.load` into an optimizer built from zeros, so that the
-checkpoint alone restores the params, and trained on. The final params are compared with an
-uninterrupted single-process run.
-
-Full params and gradients are generated identically on every rank from fixed seeds, so runs
-at any topology are comparable element for element.
+A tiny language model (:class:`TinyLM`: an embedding, an RMS norm, a residual MLP block and an
+output matrix; the matrices updated by Muon, the rest by AdamW, some of them TP split) is
+trained with the packaged :class:`~muonckpt.optim.Muon` in gloo processes at dp x tp: each
+step a forward and a backward pass on each DP rank's share of a fixed synthetic batch, the
+grads averaged over DP (:meth:`~muonckpt.optim.ShardedParams.grads_to_optimizer`), the update,
+the new weights all-gathered back into every rank's model. It is saved per rank with
+:func:`muonckpt.save` (state and params), resharded with :func:`muonckpt.offline.reshard` (the
+code path of ``muonckpt reshard``) to another dp x tp, loaded there with :func:`muonckpt.load`
+into a model and optimizer built from zeros, so that the checkpoint alone restores the weights,
+and trained on. The final params are compared with an uninterrupted single-process run.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from . import settings
 from .checkpoint.api import load, save
@@ -30,18 +31,29 @@ from .distributed.launch import run_distributed
 from .layout.topology import LayoutOptions, Topology
 from .offline import tools as offline
 from .optim.muon import Muon
-from .optim.sharding import ShardedParams, shard_param_groups
+from .optim.sharding import ShardedParams, shard_for_groups, shard_param_groups
 from .state.regions import extract, insert_
+
+__all__ = [
+    "MODEL",
+    "SHAPES",
+    "DemoResult",
+    "DemoRow",
+    "TinyLM",
+    "ToyModel",
+    "local_params",
+    "run_demo",
+]
 
 
 @dataclass(frozen=True)
 class ToyModel:
     """A two-group model of named params (Muon matrices, AdamW vectors), sharded with the
-    packaged Muon at any dp x tp.
+    packaged Muon at any dp x tp, trained on synthetic gradients.
 
     Full params and gradients are generated identically on every rank from fixed seeds, so
-    runs at any topology are comparable element for element. The demo has one; the test suite
-    builds its own.
+    runs at any topology are comparable element for element. The test suite's model is one
+    (its params form no network); the demo's, :class:`TinyLM`, computes its gradients.
     """
 
     muon_params: dict[str, tuple[int, ...]]
@@ -145,23 +157,159 @@ class ToyModel:
         return full
 
 
-def local_params(opt: Muon) -> dict[str, torch.Tensor]:
-    """This rank's params by name (copies)."""
+GRAD_QUANTUM = 2.0**-16
+""":class:`TinyLM` rounds each micro-batch's gradient to a multiple of this (fixed point)."""
+GRAD_BOUND = 2.0**-2
+"""... and clips it to +-this. The DP average then sums ``dp`` times at most ``micro_batches``
+such gradients, in any order: below ``2**24`` quanta, exact in float32, while ``dp *
+micro_batches`` is at most ``2**24 * GRAD_QUANTUM / GRAD_BOUND`` (:data:`MOST_SUMMANDS`)."""
+MOST_SUMMANDS = round(2**24 * GRAD_QUANTUM / GRAD_BOUND)
+
+
+@dataclass(frozen=True)
+class TinyLM(ToyModel):
+    """A tiny next-token model on the params of a :class:`ToyModel`, trained for real.
+
+    ``embed`` (vocab x width) -> RMS norm (``norm``) -> plus ``w_mid @ relu(w_in @ x + bias)``
+    -> ``w_out`` (vocab x width) gives the logits; the target of each token is a fixed
+    permutation of it. The model is replicated on every rank (its params full tensors); each
+    step's batch, ``micro_batches`` of ``micro_batch_size`` tokens drawn from the step's seed, is
+    the same everywhere, and DP rank ``d`` takes the micro-batches ``d, d + dp, ...``.
+
+    Float addition is not associative, so grads averaged over 2 ranks and over 4 differ in
+    their last bits. To let a run at one dp x tp equal a run at another bit for bit (what the
+    demo shows), each micro-batch's gradient is rounded to a multiple of :data:`GRAD_QUANTUM`
+    before it is summed: the sums, on a rank and in the DP all-reduce, are then exact whatever
+    the grouping, and every topology steps with the same gradient.
+    """
+
+    micro_batches: int = 4
+    micro_batch_size: int = 32
+
+    @property
+    def vocab(self) -> int:
+        return self.shapes["embed"][0]
+
+    def initial_params(self) -> dict[str, torch.Tensor]:
+        """Matrices scaled by 1 / sqrt(fan in), the norm's weight ones, the bias zeros."""
+        gen = torch.Generator().manual_seed(self.seed)
+        params = {}
+        for name, shape in self.shapes.items():
+            if len(shape) == 1:
+                params[name] = torch.ones(shape) if name == "norm" else torch.zeros(shape)
+            else:
+                scale = 1.0 if name == "embed" else shape[1] ** -0.5
+                params[name] = torch.randn(shape, generator=gen) * scale
+        return params
+
+    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tokens, targets) of step ``step``, each ``micro_batches`` x ``micro_batch_size``."""
+        gen = torch.Generator().manual_seed(self.seed * 1000 + step)
+        tokens = torch.randint(
+            self.vocab, (self.micro_batches, self.micro_batch_size), generator=gen
+        )
+        return tokens, (5 * tokens + 3) % self.vocab
+
+    @staticmethod
+    def loss(
+        params: dict[str, torch.Tensor], tokens: torch.Tensor, targets: torch.Tensor
+    ) -> torch.Tensor:
+        """The mean cross-entropy of the model with ``params`` on one micro-batch."""
+        x = F.rms_norm(F.embedding(tokens, params["embed"]), params["norm"].shape, params["norm"])
+        x = x + F.linear(F.relu(F.linear(x, params["w_in"], params["bias"])), params["w_mid"])
+        return F.cross_entropy(F.linear(x, params["w_out"]), targets)
+
+    def build(
+        self, dp: int, tp: int, params: dict[str, torch.Tensor]
+    ) -> tuple[Muon, ShardedParams | None, int, int]:
+        """(optimizer, sharded params or None, dp_rank, tp_rank) of a model holding copies of
+        ``params``; at 1 x 1 the plain optimizer updates the model's params themselves.
+
+        Otherwise call it in each of dp * tp ranks: the optimizer holds this rank's shards
+        (:func:`~muonckpt.optim.shard_for_groups`), so that :func:`muonckpt.load` gives the
+        model the checkpoint's weights by itself.
+        """
+        model = {name: p.clone().requires_grad_() for name, p in params.items()}
+        if dp * tp == 1:
+            return Muon(self.param_groups(model)), None, 0, 0
+        dp_group, tp_group = collectives.grid_groups(dp, tp)
+        sharded = shard_for_groups(
+            self.param_groups(model),
+            dp_group,
+            tp_group,
+            tp_split_dims=self.tp_split_dims,
+            options=self.layout,
+        )
+        opt = Muon(sharded.param_groups)
+        opt.enable_distributed_mode(
+            sharded.global_buffer_sizes, dp_group, tp_group, sharded.dist_metas
+        )
+        return opt, sharded, sharded.dp_rank, sharded.tp_rank
+
+    def train(
+        self, opt: Muon, sharded: ShardedParams | None, d: int, t: int, first: int, steps: int
+    ) -> None:
+        """Steps ``first .. first+steps-1``, each a forward, a backward and an update."""
+        self.fit(opt, sharded, first, steps)
+
+    def fit(self, opt: Muon, sharded: ShardedParams | None, first: int, steps: int) -> list[float]:
+        """:meth:`train`, returning each step's loss over this rank's micro-batches (at dp=1,
+        the batch's loss)."""
+        if sharded is None:
+            model = dict(local_params(opt, copy=False))
+            dp, d = 1, 0
+        else:
+            model = {
+                spec.name: p for spec, p in zip(sharded.specs, sharded.model_params, strict=True)
+            }
+            dp, d = sharded.layout.topology.dp, sharded.dp_rank
+        losses = []
+        for step in range(first, first + steps):
+            losses.append(self.backward(model, step, d, dp))
+            if sharded is not None:
+                sharded.grads_to_optimizer()  # averaged over DP: the mean of dp * each sum
+            opt.step()
+            if sharded is not None:
+                sharded.params_to_model()
+        return losses
+
+    def backward(self, model: dict[str, torch.Tensor], step: int, d: int, dp: int) -> float:
+        """Set each param's ``.grad`` to ``dp`` times the sum of DP rank ``d``'s micro-batches'
+        gradients of the batch's mean loss, each in fixed point; return their loss."""
+        tokens, targets = self.batch(step)
+        sums = {name: torch.zeros_like(p) for name, p in model.items()}
+        loss = 0.0
+        for m in range(d, self.micro_batches, dp):
+            share = self.loss(model, tokens[m], targets[m]) / self.micro_batches
+            grads = torch.autograd.grad(share, list(model.values()))
+            for total, grad in zip(sums.values(), grads, strict=True):
+                total += (grad / GRAD_QUANTUM).round().clamp(
+                    -GRAD_BOUND / GRAD_QUANTUM, GRAD_BOUND / GRAD_QUANTUM
+                ) * GRAD_QUANTUM
+            loss += share.item()
+        for name, p in model.items():
+            p.grad = sums[name] * dp
+        return loss
+
+
+def local_params(opt: Muon, *, copy: bool = True) -> dict[str, torch.Tensor]:
+    """This rank's params by name (copies, unless ``copy`` is False)."""
     return {
-        n: p.detach().clone()
+        n: p.detach().clone() if copy else p
         for g in opt.param_groups
         for n, p in zip(g["param_names"], g["params"], strict=True)
     }
 
 
-MODEL = ToyModel(
-    muon_params={"w_in": (12, 20), "w_out": (16, 12), "w_mid": (10, 14)},
-    adamw_params={"bias": (7,), "norm": (16,), "embed": (8, 12)},
+MODEL = TinyLM(
+    muon_params={"w_in": (24, 12), "w_mid": (12, 24), "w_out": (16, 12)},
+    adamw_params={"embed": (16, 12), "norm": (12,), "bias": (24,)},
     tp_split_dims={"w_in": 0, "w_out": 1, "norm": 0, "embed": 1},
     layout=LayoutOptions(bucket_numel=150),
     seed=1234,
 )
-"""The demo's model: buckets closed at 150 elements, several per buffer, at every topology."""
+"""The demo's model: a vocabulary of 16, width 12, hidden 24; buckets closed at 150 elements,
+several per buffer, at every topology."""
 SHAPES = MODEL.shapes
 
 
@@ -176,6 +324,8 @@ class DemoRow:
 @dataclass
 class DemoResult:
     rows: list[DemoRow]
+    losses: list[float]
+    """The uninterrupted run's loss at each step."""
     checkpoint: Path
     resharded: Path
     seconds: dict[str, float] = field(default_factory=dict)
@@ -203,11 +353,11 @@ def load_and_train(dp: int, tp: int, ckpt: str, first: int, steps: int) -> dict[
     return local_params(opt)
 
 
-def reference(steps: int) -> dict[str, torch.Tensor]:
-    """(In a gloo child.) An uninterrupted single-process run."""
-    opt, sharded, d, t = MODEL.build(1, 1, MODEL.initial_params())
-    MODEL.train(opt, sharded, d, t, 0, steps)
-    return local_params(opt)
+def reference(steps: int) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """(In a gloo child.) An uninterrupted single-process run: its params and losses."""
+    opt, sharded, _, _ = MODEL.build(1, 1, MODEL.initial_params())
+    losses = MODEL.fit(opt, sharded, 0, steps)
+    return local_params(opt), losses
 
 
 def run_demo(
@@ -229,6 +379,11 @@ def run_demo(
     if steps < 1:
         raise ValueError(f"steps must be at least 1, got {steps}")
     Topology(dp, tp), Topology(to_dp, to_tp)  # validate before launching anything
+    if max(dp, to_dp) * MODEL.micro_batches > MOST_SUMMANDS:
+        raise ValueError(
+            f"dp={max(dp, to_dp)} is more than the demo's exact grad sums allow "
+            f"({MOST_SUMMANDS // MODEL.micro_batches})"
+        )
     cores = settings.available_cores()
     settings.local_workers(dp * tp, cores, "dp x tp")  # each rank a local process
     settings.local_workers(to_dp * to_tp, cores, "to_dp x to_tp")
@@ -286,8 +441,9 @@ def _run(
 
     clock = time.perf_counter()
     say(f"uninterrupted single-process reference for {2 * steps} steps")
-    (expected,) = run_distributed(reference, 1, 2 * steps, timeout=timeout)
+    ((expected, losses),) = run_distributed(reference, 1, 2 * steps, timeout=timeout)
     seconds["reference"] = time.perf_counter() - clock
+    say(f"its loss: {losses[0]:.4f} at the first step, {losses[-1]:.4f} at the last")
 
     rows = [
         DemoRow(
@@ -298,4 +454,6 @@ def _run(
         )
         for name, shape in SHAPES.items()
     ]
-    return DemoResult(rows=rows, checkpoint=ckpt, resharded=resharded, seconds=seconds)
+    return DemoResult(
+        rows=rows, losses=losses, checkpoint=ckpt, resharded=resharded, seconds=seconds
+    )

@@ -2,6 +2,19 @@
 
 from __future__ import annotations
 
+__all__ = [
+    "CheckpointError",
+    "CheckpointWarning",
+    "CollectiveError",
+    "ConversionWarning",
+    "LayoutError",
+    "MuonCkptError",
+    "PeerLostError",
+    "StateDictError",
+    "committed_path",
+    "mark_committed",
+]
+
 
 class MuonCkptError(Exception):
     """Base class of every error muonckpt raises on bad input or a damaged checkpoint."""

@@ -1,11 +1,13 @@
-"""docs/hooks.md's upstream KellerJordan example, run as written against ``muon-optimizer``.
+"""The docs hold: docs/hooks.md's upstream KellerJordan example, run as written against
+``muon-optimizer``, and every test the docs cite by name exists.
 
 The script is the docs' ``kj_train.py`` block byte for byte, launched by the docs' commands
-(``torchrun`` spelled ``python -m torch.distributed.run``, the same launcher).
+(``torch.distributed.run``, the same launcher as ``torchrun``).
 """
 
 from __future__ import annotations
 
+import fnmatch
 import re
 import shlex
 import subprocess
@@ -16,7 +18,8 @@ import torch
 
 import muonckpt
 
-DOC = Path(__file__).parents[1] / "docs" / "hooks.md"
+REPO = Path(__file__).parents[1]
+DOC = REPO / "docs" / "hooks.md"
 
 
 def example(name: str) -> str:
@@ -54,3 +57,48 @@ def test_hooks_doc_upstream_example_saves_everything_and_resumes_at_another_worl
     loss_b = float(re.search(r"loss ([0-9.]+),", out).group(1))
     assert loss_b < float(loss_a)  # it went on from the checkpoint, not from scratch
     assert muonckpt.read_manifest(tmp_path / "ckpt" / "b").topology == {"dp": 2, "tp": 1}
+
+
+_CITED = re.compile(r"(tests/\w+\.py)|`::([\w*]+)|`(test_\w+(?:\.py)?)`")
+"""``tests/x.py`` (a ``tests/test_x.py`` is the file later ``::name`` citations on its line
+refer to), ``::name`` and a bare ``test_name`` or ``test_x.py``."""
+
+
+def _tests_by_file() -> dict[str, set[str]]:
+    return {
+        f"tests/{path.name}": set(
+            re.findall(r"^\s*(?:async )?def (test_\w+)", path.read_text(), re.M)
+        )
+        for path in (REPO / "tests").glob("*.py")
+    }
+
+
+def test_every_test_the_docs_cite_exists():
+    """A renamed test cited by its old name in docs/reliability.md went unnoticed: every
+    ``tests/test_x.py::name`` (``::name`` after it on the same line), bare ``test_name`` and
+    ``test_x.py`` (or ``test_x``) in README.md and docs/*.md names a file and a test that are
+    there (``*`` matches as in a glob)."""
+    tests = _tests_by_file()
+    every_test = set().union(*tests.values())
+    wrong = []
+    for doc in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
+        for number, line in enumerate(doc.read_text().splitlines(), start=1):
+            where, current = f"{doc.relative_to(REPO)}:{number}", None
+            for path, name, bare in _CITED.findall(line):
+                if path:
+                    current = path if path.startswith("tests/test_") else current
+                    if path not in tests:
+                        wrong.append(f"{where}: no {path}")
+                elif name and current in tests:
+                    if not fnmatch.filter(tests[current], name):
+                        wrong.append(f"{where}: no {current}::{name}")
+                elif bare.endswith(".py"):
+                    if f"tests/{bare}" not in tests:
+                        wrong.append(f"{where}: no tests/{bare}")
+                elif (
+                    bare
+                    and f"tests/{bare}.py" not in tests
+                    and not fnmatch.filter(every_test, bare)
+                ):
+                    wrong.append(f"{where}: no test {bare}")
+    assert not wrong, "\n".join(wrong)

@@ -1,5 +1,6 @@
-"""The public surface: the top level holds what a training script calls, the rest are
-namespaces, and the names the top level held before keep working for one release, warning."""
+"""The public surface: the top level holds what a training script calls, the rest are the
+namespaces of ``muonckpt.NAMESPACES``, each with its ``__all__``; the docs name exactly those
+namespaces, and every ``muonckpt.`` path in the docs and docstrings resolves."""
 
 from __future__ import annotations
 
@@ -13,6 +14,9 @@ from pathlib import Path
 import pytest
 
 import muonckpt
+
+REPO = Path(__file__).parents[1]
+DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 
 TOP_LEVEL = {
     "save",
@@ -36,65 +40,45 @@ TOP_LEVEL = {
     "ConversionWarning",
 }
 
-MOVED = {
-    "Muon": "optim",
-    "MuonDistMeta": "optim",
-    "adjusted_lr": "optim",
-    "newton_schulz": "optim",
-    "normalize_range": "optim",
-    "ShardedParams": "sharding",
-    "shard_for_groups": "sharding",
-    "shard_param_groups": "sharding",
-    "LayoutOptions": "layout",
-    "ParamSpec": "layout",
-    "Topology": "layout",
-    "arrange": "layout",
-    "default_group_from_env": "collectives",
-    "global_rank": "collectives",
-    "grid_groups": "collectives",
-    "rendezvous_timeout": "collectives",
-    "set_rendezvous_timeout": "collectives",
-    "run_demo": "demo",
-    "FAMILIES": "kinds",
-    "DCP_FAMILIES": "kinds",
-}
-"""Every name the top level exported before its tiers (0.1.0's ``__all__``, less TOP_LEVEL)."""
-
 
 def test_the_top_level_is_exactly_what_a_training_script_calls():
     assert set(muonckpt.__all__) == TOP_LEVEL
     assert len(muonckpt.__all__) == len(TOP_LEVEL)
     for name in muonckpt.__all__:
         assert getattr(muonckpt, name) is not None
-    assert set(muonckpt.__all__) <= set(dir(muonckpt))
-    assert not set(MOVED) & set(dir(muonckpt))
+    assert set(muonckpt.__all__) | set(muonckpt.NAMESPACES) <= set(dir(muonckpt))
 
 
-@pytest.mark.parametrize("name", sorted(MOVED))
-def test_an_old_top_level_name_still_works_and_warns(name):
-    assert MOVED[name] in muonckpt._NAMESPACES  # the new path works after a bare import
-    namespace = importlib.import_module(f"muonckpt.{MOVED[name]}")
-    with pytest.warns(DeprecationWarning, match=rf"muonckpt\.{name} moved to muonckpt\."):
-        value = getattr(muonckpt, name)
-    assert value is getattr(namespace, name)
+@pytest.mark.parametrize("namespace", muonckpt.NAMESPACES)
+def test_every_namespace_lists_its_names_and_each_resolves(namespace):
+    module = getattr(muonckpt, namespace)
+    assert module is importlib.import_module(f"muonckpt.{namespace}")
+    names = module.__all__
+    assert names and len(set(names)) == len(names)
+    for name in names:
+        assert getattr(module, name) is not None, name
+    assert set(names) <= set(dir(module))
 
 
-def test_from_import_of_an_old_name_warns_at_the_import():
-    with pytest.warns(DeprecationWarning, match="muonckpt.Muon moved to muonckpt.optim.muon.Muon"):
-        from muonckpt import Muon
-    from muonckpt.optim.muon import Muon as current
+def test_the_package_docstring_names_the_namespaces_in_order():
+    named = re.findall(r":mod:`muonckpt\.(\w+)`", muonckpt.__doc__ or "")
+    assert named == list(muonckpt.NAMESPACES)
 
-    assert Muon is current
+
+@pytest.mark.parametrize("doc", ["README.md", "docs/design.md"])
+def test_the_docs_list_exactly_the_namespaces(doc):
+    """The paragraph after ``<!-- namespaces -->`` names each namespace once, in the order of
+    ``muonckpt.NAMESPACES`` (the one list)."""
+    text = (REPO / doc).read_text()
+    match = re.search(r"<!-- namespaces -->\n(.*?)\n\n", text, re.S)
+    assert match, f"no <!-- namespaces --> paragraph in {doc}"
+    named = re.findall(r"`muonckpt\.(\w+)`", match.group(1))
+    assert named == list(muonckpt.NAMESPACES), named
 
 
 def test_the_namespaces_load_on_first_use():
-    probe = "import muonckpt, sys; print(muonckpt.layout.topology.Topology(1, 1), 'torch' in sys.modules)"
-    done = subprocess.run(
-        [sys.executable, "-W", "error::DeprecationWarning", "-c", probe],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    probe = "import muonckpt, sys; print(muonckpt.layout.Topology(1, 1), 'torch' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split()[-1] == "False"  # the torch-free namespace imports no torch
 
@@ -120,8 +104,6 @@ def _module_files() -> list[tuple[str, Path]]:
 def _unresolved(target: str) -> str | None:
     """Why the ``muonckpt.`` path ``target`` names nothing (None: it resolves)."""
     parts = target.split(".")
-    if parts[1] in muonckpt._MOVED:
-        return "a deprecated top-level name"
     obj: object = muonckpt
     for depth, part in enumerate(parts[1:], start=2):
         if hasattr(obj, part):
@@ -137,9 +119,9 @@ def _unresolved(target: str) -> str | None:
 
 
 def test_the_docstrings_name_the_current_paths():
-    """Every cross-reference in the package's docstrings resolves: a ``muonckpt.`` path through
-    no deprecated top-level name, a bare function, class or constant in its own module (names
-    that moved in the issue 22 split were left pointing at their old places)."""
+    """Every cross-reference in the package's docstrings resolves: a ``muonckpt.`` path, a bare
+    function, class or constant in its own module (names that moved in the issue 22 split were
+    left pointing at their old places)."""
     wrong = []
     for module_name, path in _module_files():
         module = importlib.import_module(module_name)
@@ -157,4 +139,68 @@ def test_the_docstrings_name_the_current_paths():
                 why = f"not in {module_name}"
             if why is not None:
                 wrong.append(f"{where} ({why})")
+    assert not wrong, "\n".join(wrong)
+
+
+_DOC_PATH = re.compile(r"`(muonckpt(?:\.\w+)+)")
+"""A ``muonckpt.`` path at the start of a code span: ``muonckpt.offline.reshard(...)``."""
+
+
+def test_every_path_the_docs_name_resolves():
+    """README.md and docs/*.md name public names by their namespace and internals by their
+    module, never by a path that no longer exists (``muonckpt.collectives.X`` after the move
+    into layer folders)."""
+    wrong = []
+    for doc in DOCS:
+        text = doc.read_text()
+        for match in _DOC_PATH.finditer(text):
+            target = match.group(1)
+            why = _unresolved(target)
+            if why is not None:
+                line = text.count("\n", 0, match.start()) + 1
+                wrong.append(f"{doc.relative_to(REPO)}:{line}: {target} ({why})")
+    assert not wrong, "\n".join(wrong)
+
+
+def _modules_by_name() -> dict[str, str]:
+    """Each module or package of muonckpt by its last name, where that name is unique."""
+    by_name: dict[str, list[str]] = {}
+    for module_name, _ in _module_files():
+        by_name.setdefault(module_name.rsplit(".", 1)[-1], []).append(module_name)
+    return {name: found[0] for name, found in by_name.items() if len(found) == 1}
+
+
+_SHORT_PATH = re.compile(r"`([a-z_]+)\.([A-Za-z_]\w*)")
+"""A module-relative name at the start of a code span: ``storage.check_target``."""
+_NOT_OURS = {"muon", "dcp", "state", "muonckpt"}
+"""Names the docs also use for others' modules and keys: upstream ``muon.MuonWithAuxAdam``,
+``dcp.save`` (``torch.distributed.checkpoint``), ``state.w_in`` (a tensor key)."""
+_FILE_SUFFIXES = {"py", "json", "md", "safetensors"}
+
+
+def test_every_module_name_the_docs_use_resolves():
+    """A name the docs give by its module (``kinds.state_mapping``, ``storage.check_target``)
+    is in that module (``storage.open_regular`` was not)."""
+    modules = _modules_by_name()
+    wrong = []
+    for doc in DOCS:
+        text = doc.read_text()
+        for match in _SHORT_PATH.finditer(text):
+            module, name = match.groups()
+            if module not in modules or module in _NOT_OURS or name in _FILE_SUFFIXES:
+                continue  # ("muonckpt" is in _NOT_OURS: whole paths are the test above's)
+            why = _unresolved(f"{modules[module]}.{name}")
+            if why is not None:
+                line = text.count("\n", 0, match.start()) + 1
+                wrong.append(f"{doc.relative_to(REPO)}:{line}: {module}.{name} ({why})")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_every_source_file_the_docs_name_exists():
+    wrong = [
+        f"{doc.relative_to(REPO)}: {path}"
+        for doc in DOCS
+        for path in re.findall(r"`(muonckpt/[\w/]*(?:\.py)?)`", doc.read_text())
+        if not (REPO / path).exists()
+    ]
     assert not wrong, "\n".join(wrong)

@@ -544,7 +544,7 @@ class StoreSteps(StepProtocol):
                 "error": f"rank(s) {absent} did not arrive within {self.timeout:g} s (ranks "
                 f"{came} did): {self.operation} is a collective over ranks {self.ranks}, call "
                 "it on every one of them (not under `if rank == 0:`), within the rendezvous "
-                "timeout of each other (muonckpt.distributed.collectives.set_rendezvous_timeout, "
+                "timeout of each other (muonckpt.distributed.set_rendezvous_timeout, "
                 f"MUONCKPT_RENDEZVOUS_TIMEOUT){'; ' + self.hint if self.hint else ''}",
                 "absent": absent,
             }

@@ -25,9 +25,7 @@ from ..layout.topology import Range, Region, dp_slice
 from ..state.describers import flat_params, learn_grid
 from ..state.hooks import StateDictHooks
 from ..state.paramnames import named_params, param_names, torch_dtype_name
-from ..state.placement import describe, participants
 from ..state.regions import extract, insert_
-from ..state.sharding_model import Sharding
 from .nsplan import Message, NsPlan, plan_newton_schulz
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
@@ -230,19 +228,6 @@ class Muon(torch.optim.Optimizer):
         self.dist_group, self.tp_group, self.dist_metas = dist_group, tp_group, dist_metas
         self.distributed_mode = True
         self._ns_plan_cache = None
-
-    def grid_ranks(self, operation: str = "describe the grid") -> list[int]:
-        """The global ranks of this optimizer's grid (``dp_rank * tp + tp_rank``): learned once
-        through the store, bounded (the first step of ``operation``); this rank alone when not
-        distributed (:func:`muonckpt.state.placement.participants`)."""
-        return participants(self, operation)
-
-    def describe_sharding(self) -> Sharding:
-        """Which rank holds which region of every param (and so of its state), over the whole
-        dp x tp grid: what save, load and the state-dict hooks work from. In distributed mode
-        a collective over the grid the first time (the grid's param list is learned from
-        every rank's report): :func:`muonckpt.state.placement.describe`."""
-        return describe(self)
 
     def state_keys(self, group: int) -> tuple[str, ...]:
         """The state keys a complete entry of group ``group`` has (Muon's or AdamW's)."""
