@@ -473,8 +473,8 @@ def check_manifest_fits(
     """Refuse, before any data is written, a write whose manifest would be more than a reader
     accepts (:data:`muonckpt.storage.MAX_TEXT_BYTES`): counted from its ``params`` and its
     planned ``writes`` (:class:`~muonckpt.format.manifest_size.ManifestSize`, a lower bound:
-    groups and ``extra`` are not counted, and :func:`commit` checks the whole manifest again), naming
-    the counts."""
+    groups and ``extra`` are not counted, and :func:`commit` checks the whole manifest again),
+    naming the counts."""
     size = ManifestSize()
     for entry in params:
         size.add_param(entry)
