@@ -19,7 +19,8 @@ from ..errors import MuonCkptError
 T = TypeVar("T")
 
 Outcome = dict[str, Any]
-"""``{"value": ...}`` or ``{"error": message}``: one rank's result of a step, as JSON."""
+"""``{"value": ...}`` or ``{"error": message, "rank": the rank that failed}``: one rank's
+result of a step, as JSON."""
 
 
 class StepProtocol:
@@ -80,21 +81,20 @@ class StepProtocol:
         try:
             return {"value": work()}
         except MuonCkptError as exc:
-            if getattr(exc, "agreed_by", None) == self.ranks:
+            if exc.agreed_by == self.ranks:
                 raise  # a nested step's failure, already raised on every rank of this protocol
             self._failure = exc
             named = name_rank and len(self.ranks) > 1
-            return {"error": f"rank {self.rank}: {exc}" if named else str(exc)}
+            return {"error": f"rank {self.rank}: {exc}" if named else str(exc), "rank": self.rank}
         except Exception as exc:
             self._failure = exc
-            return {"error": failure_line(exc, self.rank)}
+            return {"error": failure_line(exc, self.rank), "rank": self.rank}
 
     def _agreed(self, step: str, outcome: Outcome) -> Any:
         failure, self._failure = self._failure, None
         if "error" in outcome:
-            error = self.error(f"{self.operation} ({step}): {outcome['error']}")
-            error.agreed_by = self.ranks  # type: ignore[attr-defined]
-            raise error from failure
+            message = f"{self.operation} ({step}): {outcome['error']}"
+            raise self.error(message, rank=outcome.get("rank"), agreed_by=self.ranks) from failure
         return outcome["value"]
 
 

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from ..errors import CheckpointError
+from ..errors import ArgumentError, CheckpointError
 from ..layout.topology import Region
 
 FORMAT_NAME = "muonckpt"
@@ -115,8 +115,9 @@ def renamer(rename: Rename) -> Callable[[str], str]:
     if not isinstance(rename, Mapping) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in rename.items()
     ):
-        raise CheckpointError(
-            f"rename must be a function of the name or a mapping of prefixes, got {rename!r}"
+        raise ArgumentError(
+            f"rename must be a function of the name or a mapping of prefixes, got {rename!r}",
+            argument="rename",
         )
     prefixes = sorted(rename, key=len, reverse=True)
 
@@ -397,13 +398,16 @@ class Manifest:
         for entry in self.params + (model.tensors if model is not None else ()):
             new = fn(entry.name)
             if not isinstance(new, str) or not new:
-                raise CheckpointError(f"rename gave {new!r}, not a name", param=entry.name)
+                raise ArgumentError(
+                    f"rename gave {new!r}, not a name", argument="rename", param=entry.name
+                )
             names[entry.name] = new
         seen: dict[str, str] = {}
         for old, new in names.items():
             if new in seen:
-                raise CheckpointError(
-                    f"rename gives params {seen[new]!r} and {old!r} one name {new!r}"
+                raise ArgumentError(
+                    f"rename gives params {seen[new]!r} and {old!r} one name {new!r}",
+                    argument="rename",
                 )
             seen[new] = old
         if model is not None:
