@@ -117,9 +117,16 @@ class ArgumentError(CheckpointError, ValueError):
     ``"max_shard_size"``, ``"extra"``..."""
 
     def __init__(
-        self, message: str, *, argument: str, path: object = None, param: str | None = None
+        self,
+        message: str,
+        *,
+        argument: str,
+        path: object = None,
+        param: str | None = None,
+        rank: int | None = None,
+        agreed_by: Sequence[int] | None = None,
     ) -> None:
-        super().__init__(message, path=path, param=param)
+        super().__init__(message, path=path, param=param, rank=rank, agreed_by=agreed_by)
         self.argument = argument
 
 
