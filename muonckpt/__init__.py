@@ -32,6 +32,7 @@ _PUBLIC: dict[str, str] = {
     "RNGState": ".state.trainstate",
     "MuonCkptError": ".errors",
     "CheckpointError": ".errors",
+    "ArgumentError": ".errors",
     "StateDictError": ".errors",
     "LayoutError": ".errors",
     "CollectiveError": ".errors",

@@ -1,23 +1,65 @@
-"""The library's own error types: every failure a user can cause is one of these."""
+"""The library's own error types: every failure a user can cause is one of these.
+
+Each carries the facts its message names as fields, set when it is raised (``path``,
+``param``, ``argument``, ``peers``, ``rank``, ``agreed_by``), so that a caller can act on them
+without parsing the message; ``str()`` is the message alone. An error from a write
+(``save``, ``consolidate``, ...) means nothing was committed: a failure after the commit is a
+:class:`CheckpointWarning`, and an interruption after it an :class:`InterruptedAfterCommit`.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 __all__ = [
+    "ArgumentError",
     "CheckpointError",
     "CheckpointWarning",
     "CollectiveError",
     "ConversionWarning",
+    "DistributedRunError",
+    "InterruptedAfterCommit",
     "LayoutError",
     "MuonCkptError",
     "PeerLostError",
     "StateDictError",
-    "committed_path",
-    "mark_committed",
 ]
 
 
 class MuonCkptError(Exception):
-    """Base class of every error muonckpt raises on bad input or a damaged checkpoint."""
+    """Base class of every error muonckpt raises on bad input or a damaged checkpoint.
+
+    Where several ranks work together, two fields say which: :attr:`rank` and
+    :attr:`agreed_by` (None for an error of this process alone).
+    """
+
+    rank: int | None
+    """The rank whose failure this is: the one that failed an operation's step (the error is
+    raised on every rank of the operation), or the child of a local launch that failed."""
+    agreed_by: list[int] | None
+    """The ranks this same error was raised on together, a failed step of an operation over
+    several ranks (:class:`muonckpt.distributed.steps.StepProtocol`)."""
+
+    def __init__(
+        self, *args: object, rank: int | None = None, agreed_by: Sequence[int] | None = None
+    ) -> None:
+        super().__init__(*args)
+        self.rank = rank
+        self.agreed_by = None if agreed_by is None else list(agreed_by)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled and copied as its message and fields, not by calling ``__init__`` again
+        (whose keyword-only fields the message no longer separates)."""
+        return (_rebuilt, (type(self), self.args, self.__dict__))
+
+
+def _rebuilt(kind: type[MuonCkptError], args: tuple[object, ...], fields: dict[str, Any]) -> Any:
+    """An error of type ``kind`` with message ``args`` and ``fields`` (unpickling)."""
+    error = kind.__new__(kind, *args)
+    error.args = args
+    error.__dict__.update(fields)
+    return error
 
 
 class LayoutError(MuonCkptError, ValueError):
@@ -29,17 +71,63 @@ class StateDictError(MuonCkptError, ValueError):
 
 
 class CheckpointError(MuonCkptError):
-    """A checkpoint on disk that is missing, incomplete, corrupt or from an unknown format."""
+    """A checkpoint on disk that is missing, incomplete, corrupt or from an unknown format, or
+    one that cannot be written where or as asked.
 
-    def __init__(self, message: str, *, path: object = None, param: str | None = None) -> None:
+    :attr:`path` and :attr:`param` are also named at the end of the message."""
+
+    path: object
+    """The file or directory at fault (as given: a str or a Path), or None."""
+    param: str | None
+    """The param (optimizer or model tensor name) at fault, or None."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        path: object = None,
+        param: str | None = None,
+        rank: int | None = None,
+        agreed_by: Sequence[int] | None = None,
+    ) -> None:
         where = []
         if path is not None:
             where.append(f"file {path}")
         if param is not None:
             where.append(f"param {param!r}")
-        super().__init__(f"{message} ({', '.join(where)})" if where else message)
+        text = f"{message} ({', '.join(where)})" if where else message
+        super().__init__(text, rank=rank, agreed_by=agreed_by)
         self.path = path
         self.param = param
+
+
+class ArgumentError(CheckpointError, ValueError):
+    """An argument muonckpt cannot take: a wrong type, a value out of range, or options that
+    exclude each other (``keep_last=0``, ``max_shard_size="5XB"``, ``workers=1000``, a URL for
+    a path), refused before anything is read or written; the message names it, as does
+    :attr:`argument`.
+
+    A :class:`ValueError`, as Python's own refusals of a value are, and a
+    :class:`CheckpointError`, as these refusals were before it existed (``except
+    CheckpointError`` still catches them); the command line exits with code 2, as for bad usage.
+    """
+
+    argument: str
+    """The argument (or setting) refused, as the message names it: ``"keep_last"``,
+    ``"max_shard_size"``, ``"extra"``..."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        argument: str,
+        path: object = None,
+        param: str | None = None,
+        rank: int | None = None,
+        agreed_by: Sequence[int] | None = None,
+    ) -> None:
+        super().__init__(message, path=path, param=param, rank=rank, agreed_by=agreed_by)
+        self.argument = argument
 
 
 class CollectiveError(MuonCkptError, RuntimeError):
@@ -48,8 +136,57 @@ class CollectiveError(MuonCkptError, RuntimeError):
 
 class PeerLostError(CollectiveError):
     """The rank(s) at the other end of a transfer went away (died, or their connection broke),
-    named in the message; torch's own error is its ``__cause__``. Inside an operation's steps
-    it becomes the operation's own error, as the loss of the process group's store does."""
+    named in the message and in :attr:`peers`; torch's own error is its ``__cause__``. Inside
+    an operation's steps it becomes the operation's own error, as the loss of the process
+    group's store does."""
+
+    peers: list[int]
+    """The global ranks at the other end: the one sent to or received from, or every rank of
+    the group of a collective (which of them went away, torch does not say)."""
+
+    def __init__(self, message: str, *, peers: Sequence[int]) -> None:
+        super().__init__(message)
+        self.peers = list(peers)
+
+
+class DistributedRunError(MuonCkptError, RuntimeError):
+    """A child process of a local launch (:func:`muonckpt.distributed.run_distributed`) raised,
+    crashed or timed out; :attr:`rank` is the child's rank, where one is to blame.
+
+    ``str()`` is the one-line :attr:`summary` followed by the failing rank's traceback
+    (:attr:`details`); the command line shows the summary alone (``--debug``: everything).
+    """
+
+    summary: str
+    """One line: which rank failed, and how."""
+    details: str
+    """The failing rank's traceback, or ``""``."""
+
+    def __init__(self, summary: str, details: str = "", *, rank: int | None = None) -> None:
+        super().__init__(f"{summary}\n{details}" if details else summary, rank=rank)
+        self.summary = summary
+        self.details = details
+
+
+class InterruptedAfterCommit(KeyboardInterrupt):
+    """An interruption (Ctrl-C; SIGTERM or SIGHUP in the command line) that came after the
+    checkpoint at :attr:`path` was committed: that checkpoint is whole, only the cleanup after
+    it (deleting the checkpoint it replaced, older ones past ``keep_last``) was cut short;
+    ``muonckpt clean`` removes what is left. The interruption itself is its ``__cause__``.
+
+    A :class:`KeyboardInterrupt`, so that it stops a script as the interruption would have;
+    the command line reports it as ``committed: ...`` with exit code 3.
+    """
+
+    path: str
+    """The checkpoint committed."""
+
+    def __init__(self, path: object) -> None:
+        super().__init__(f"interrupted after {path} was committed (the checkpoint is whole)")
+        self.path = str(path)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.path,))
 
 
 class ConversionWarning(UserWarning):
@@ -60,17 +197,3 @@ class ConversionWarning(UserWarning):
 class CheckpointWarning(UserWarning):
     """Something went wrong after a checkpoint was committed (the old one could not be deleted
     entirely, say): the new checkpoint is in place, and the warning names what is left."""
-
-
-def mark_committed(exc: BaseException, path: object) -> BaseException:
-    """Tag an interruption that came after ``path`` was committed (so that it is reported as
-    "committed; interrupted while cleaning up", never as an error over a whole new
-    checkpoint); returns ``exc``."""
-    exc.muonckpt_committed = str(path)  # type: ignore[attr-defined]
-    return exc
-
-
-def committed_path(exc: BaseException) -> str | None:
-    """The checkpoint committed before ``exc`` interrupted the cleanup (:func:`mark_committed`),
-    or None."""
-    return getattr(exc, "muonckpt_committed", None)

@@ -12,7 +12,7 @@ import re
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
 
-from .errors import CheckpointError, MuonCkptError
+from .errors import ArgumentError, CheckpointError, MuonCkptError
 
 __all__ = [
     "MAX_WAIT_S",
@@ -75,7 +75,7 @@ def shard_size(value: object, name: str = "max_shard_size") -> int | None:
     :func:`parse_size` reads (``"5GB"``, ``"100KB"``, as the CLI and Hugging Face take it).
 
     Raises:
-        CheckpointError: naming the setting, for anything else.
+        ArgumentError: naming the setting, for anything else.
     """
     if value is None:
         return None
@@ -83,11 +83,12 @@ def shard_size(value: object, name: str = "max_shard_size") -> int | None:
         try:
             return parse_size(value)
         except ValueError as exc:
-            raise CheckpointError(f"{name}: {exc}") from None
+            raise ArgumentError(f"{name}: {exc}", argument=name) from None
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise CheckpointError(
+        raise ArgumentError(
             f"{name} must be a positive number of bytes (an int, or a string like '5GB', "
-            f"'500MB', '100KB'), got {value!r}"
+            f"'500MB', '100KB'), got {value!r}",
+            argument=name,
         )
     return value
 
@@ -95,7 +96,7 @@ def shard_size(value: object, name: str = "max_shard_size") -> int | None:
 def seconds(
     value: object,
     name: str,
-    error: type[MuonCkptError] = CheckpointError,
+    error: type[MuonCkptError] | None = None,
     *,
     zero: bool = False,
 ) -> float:
@@ -103,14 +104,18 @@ def seconds(
     :data:`MAX_WAIT_S`; NaN, infinities, bools and non-numbers refused.
 
     Raises:
-        ``error``: naming the setting ``name``.
+        ``error`` (default :class:`ArgumentError`): naming the setting ``name``.
     """
+
+    def refused(message: str) -> MuonCkptError:
+        return ArgumentError(message, argument=name) if error is None else error(message)
+
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise error(f"{name} must be a number of seconds, got {value!r}")
+        raise refused(f"{name} must be a number of seconds, got {value!r}")
     low = value >= 0 if zero else value > 0
     if not (low and value <= MAX_WAIT_S):  # (NaN fails both)
         floor = "at least 0" if zero else "more than 0"
-        raise error(f"{name} must be {floor} and at most {MAX_WAIT_S:g} seconds, got {value!r}")
+        raise refused(f"{name} must be {floor} and at most {MAX_WAIT_S:g} seconds, got {value!r}")
     return float(value)
 
 
@@ -119,16 +124,16 @@ def tolerance(value: object, name: str) -> float:
     every element differ, infinity every element agree).
 
     Raises:
-        CheckpointError: naming the setting ``name``, for anything else.
+        ArgumentError: naming the setting ``name``, for anything else.
     """
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise CheckpointError(f"{name} must be a number, got {value!r}")
+        raise ArgumentError(f"{name} must be a number, got {value!r}", argument=name)
     try:
         number = float(value)
     except OverflowError:  # an int past float's range
         number = math.inf
     if not (0 <= number < math.inf):
-        raise CheckpointError(f"{name} must be finite and at least 0, got {value!r}")
+        raise ArgumentError(f"{name} must be finite and at least 0, got {value!r}", argument=name)
     return number
 
 
@@ -144,17 +149,18 @@ def local_workers(requested: object, cores: int, name: str = "workers") -> int:
     :data:`WORKERS_PER_CORE` per core of the ``cores`` this process may run on.
 
     Raises:
-        CheckpointError: naming the setting ``name``, for anything else (``--workers 1000``
+        ArgumentError: naming the setting ``name``, for anything else (``--workers 1000``
             on a laptop), before any process starts.
     """
     count = 0 if isinstance(requested, bool) else _whole(requested)  # a numpy int too
     if count < 1:
-        raise CheckpointError(f"{name} must be a positive int, got {requested!r}")
+        raise ArgumentError(f"{name} must be a positive int, got {requested!r}", argument=name)
     most = WORKERS_PER_CORE * max(cores, 1)
     if count > most:
-        raise CheckpointError(
+        raise ArgumentError(
             f"{name}={count} is more than {WORKERS_PER_CORE} processes per CPU core "
-            f"({max(cores, 1)} here: at most {most})"
+            f"({max(cores, 1)} here: at most {most})",
+            argument=name,
         )
     return count
 
@@ -181,7 +187,9 @@ def local_path(path: str | os.PathLike[str]) -> Path:
     with a colon (``a:b``, ``run:1/step-10``) is a path.
 
     Raises:
-        CheckpointError: for a URL, naming it (object storage is not supported).
+        CheckpointError: for a URL, naming it (object storage is not supported yet: not an
+            :class:`ArgumentError`, which the command line's option parsers would take for a
+            value of the wrong form).
     """
     text = os.fsdecode(os.fspath(path))
     url = _URL.match(text)

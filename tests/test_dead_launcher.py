@@ -168,6 +168,7 @@ import torch.distributed as dist
 torch.set_num_threads(1)
 import muonckpt
 from muonckpt.checkpoint import saving, writing
+from muonckpt.errors import PeerLostError
 from tests.fixture_model import build, initial_params, train
 
 rank, port, out, moment = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
@@ -188,6 +189,8 @@ try:
 except Exception as exc:
     outcome = {"type": type(exc).__name__, "message": str(exc)}
     outcome["library"] = isinstance(exc, muonckpt.MuonCkptError)
+    lost = exc if isinstance(exc, PeerLostError) else exc.__cause__
+    outcome["peers"] = lost.peers if isinstance(lost, PeerLostError) else None
 print(json.dumps(outcome), flush=True)
 os._exit(0)  # the group lost its root: no orderly teardown
 """
@@ -229,4 +232,5 @@ def test_rank_0_dying_is_a_muonckpt_error_naming_it_on_every_other_rank(tmp_path
         assert outcome.get("library") is True, outcome
         assert f"lost the connection to {named}" in outcome["message"], outcome
         assert "\n" not in outcome["message"], outcome
+        assert 0 in outcome["peers"], outcome  # the PeerLostError's field, cause or error
     assert not (tmp_path / "ckpt").exists()

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .. import settings, storage
-from ..errors import CheckpointError, CheckpointWarning
+from ..errors import ArgumentError, CheckpointError, CheckpointWarning
 from ..format.names import MANIFEST_NAME
 from .pieces import read_manifest, size_problems
 
@@ -97,11 +97,12 @@ def latest(root: str | os.PathLike[str]) -> Path | None:
 
 
 def check_keep_last(keep_last: object) -> None:
-    """Raise :class:`CheckpointError` unless ``keep_last`` is an int of at least 1 (a save
+    """Raise :class:`ArgumentError` unless ``keep_last`` is an int of at least 1 (a save
     checks it before writing anything)."""
     if not isinstance(keep_last, int) or isinstance(keep_last, bool) or keep_last < 1:
-        raise CheckpointError(
-            f"keep_last must be an int of at least 1 (the checkpoints to keep), got {keep_last!r}"
+        raise ArgumentError(
+            f"keep_last must be an int of at least 1 (the checkpoints to keep), got {keep_last!r}",
+            argument="keep_last",
         )
 
 
@@ -230,11 +231,14 @@ def clean(root: str | os.PathLike[str], older_than: float) -> Cleaned:
 
     Returns what was removed, and every other directory named like muonckpt's with why it
     was kept. A ``root`` that cannot be listed is a :class:`CheckpointError`; a negative
-    ``older_than`` too.
+    ``older_than`` an :class:`ArgumentError`.
     """
     number = isinstance(older_than, (int, float)) and not isinstance(older_than, bool)
     if not (number and older_than >= 0):  # (NaN fails it)
-        raise CheckpointError(f"older_than must be a number of seconds >= 0, got {older_than!r}")
+        raise ArgumentError(
+            f"older_than must be a number of seconds >= 0, got {older_than!r}",
+            argument="older_than",
+        )
     root = settings.local_path(root)
     try:
         with os.scandir(root) as listing:

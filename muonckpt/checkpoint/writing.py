@@ -35,7 +35,7 @@ from typing import Any, Protocol, TypeVar, cast
 
 from .. import storage
 from ..distributed.steps import Outcome, StepProtocol, disagreement
-from ..errors import CheckpointError, CheckpointWarning, MuonCkptError, mark_committed
+from ..errors import CheckpointError, CheckpointWarning, InterruptedAfterCommit, MuonCkptError
 from ..format.manifest import (
     FORMAT_NAME,
     ExtraTensor,
@@ -297,10 +297,12 @@ def finish(
 
 def after_commit(exc: BaseException, final: Path) -> Path:
     """What a failure after the commit becomes: an interruption (KeyboardInterrupt, SIGTERM in
-    the CLI) is raised again, tagged :func:`~muonckpt.errors.mark_committed`; an error is a
-    :class:`CheckpointWarning` and the call succeeds (the new checkpoint is whole)."""
+    the CLI) an :class:`~muonckpt.errors.InterruptedAfterCommit` naming ``final``, any other
+    BaseException raised again; an error is a :class:`CheckpointWarning` and the call succeeds
+    (the new checkpoint is whole)."""
+    if isinstance(exc, KeyboardInterrupt):
+        raise InterruptedAfterCommit(final) from exc
     if not isinstance(exc, Exception):
-        mark_committed(exc, final)
         raise exc
     warnings.warn(f"committed {final}, but then: {exc}", CheckpointWarning, stacklevel=3)
     return final

@@ -15,7 +15,7 @@ from typing import Any
 import typer
 from typer.core import TyperGroup
 
-from ..errors import CheckpointWarning, MuonCkptError, committed_path
+from ..errors import ArgumentError, CheckpointWarning, InterruptedAfterCommit, MuonCkptError
 from .output import stderr_line
 
 OK, PROBLEM, USAGE, COMMITTED, INTERRUPTED = 0, 1, 2, 3, 128
@@ -44,17 +44,18 @@ EXIT_CODES = (
     ExitCode(
         str(USAGE),
         "the command could not run: bad usage (with the usage message), or one `error: ...` "
-        "line for a `MuonCkptError` (an input that is missing, incomplete, damaged or not a "
-        "muonckpt checkpoint, a refused output, a failed worker) or an `OSError` from the "
-        "system, reading or writing alike (a file missing or unreadable, permission denied, "
-        "disk full, a read-only filesystem)",
-        (MuonCkptError, OSError),
+        "line for an `ArgumentError` (a value an option cannot take), another `MuonCkptError` "
+        "(an input that is missing, incomplete, damaged or not a muonckpt checkpoint, a "
+        "refused output, a failed worker) or an `OSError` from the system, reading or writing "
+        "alike (a file missing or unreadable, permission denied, disk full, a read-only "
+        "filesystem)",
+        (ArgumentError, MuonCkptError, OSError),
     ),
     ExitCode(
         str(COMMITTED),
         "committed: the output is a whole new checkpoint, but the command was interrupted while "
-        "cleaning up after the commit; prints `committed: ...`; `muonckpt clean` removes what "
-        "is left of a replaced checkpoint",
+        "cleaning up after the commit (an `InterruptedAfterCommit`); prints `committed: ...`; "
+        "`muonckpt clean` removes what is left of a replaced checkpoint",
     ),
     ExitCode(
         f"{INTERRUPTED} + signal",
@@ -89,10 +90,9 @@ class Group(TyperGroup):
         except KeyboardInterrupt as exc:
             if debug():
                 traceback.print_exc()
-            committed = committed_path(exc)
-            if committed is not None:
+            if isinstance(exc, InterruptedAfterCommit):
                 stderr_line(
-                    f"committed: {committed} is complete; interrupted while cleaning up "
+                    f"committed: {exc.path} is complete; interrupted while cleaning up "
                     "(muonckpt clean removes what is left of a replaced checkpoint)"
                 )
                 ctx.exit(COMMITTED)

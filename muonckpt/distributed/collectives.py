@@ -62,15 +62,16 @@ the store's socket): in a rank's error, a consequence of another's death, not it
 
 
 @contextmanager
-def _lost(peer: Callable[[], str]) -> Iterator[None]:
+def _lost(peer: Callable[[], str], peers: Callable[[], Sequence[int]]) -> Iterator[None]:
     """Turn torch's error for a process gone from under a transfer into a
-    :class:`PeerLostError` naming ``peer()``, the process(es) at the other end."""
+    :class:`PeerLostError` naming ``peer()``, the process(es) at the other end: ``peers()``."""
     try:
         yield
     except RuntimeError as exc:
         if not (isinstance(exc, dist.DistNetworkError) or PEER_LOST.search(str(exc))):
             raise
-        raise PeerLostError(f"lost the connection to {peer()} ({_one_line(exc)})") from exc
+        message = f"lost the connection to {peer()} ({_one_line(exc)})"
+        raise PeerLostError(message, peers=peers()) from exc
 
 
 def _members(group: Group) -> Callable[[], str]:
@@ -146,7 +147,7 @@ def all_gather_flat(local: torch.Tensor, group: Group) -> torch.Tensor:
     sent = _for_collective(local, group)
     out = torch.empty(local.numel() * group_size(group), dtype=local.dtype, device=sent.device)
     gather_single = getattr(dist, "all_gather_single", None)
-    with _lost(_members(group)):
+    with _lost(_members(group), lambda: group_ranks(group)):
         if gather_single is not None:
             gather_single(out, sent, group=group)
         else:
@@ -159,7 +160,7 @@ def all_gather_list(local: torch.Tensor, group: Group) -> list[torch.Tensor]:
     device."""
     sent = _for_collective(local, group)
     parts = [torch.empty_like(sent) for _ in range(group_size(group))]
-    with _lost(_members(group)):
+    with _lost(_members(group), lambda: group_ranks(group)):
         dist.all_gather(parts, sent, group=group)
     return [part.to(local.device) for part in parts]
 
@@ -168,7 +169,7 @@ def all_reduce_mean_(tensor: torch.Tensor, group: Group) -> torch.Tensor:
     """``tensor`` replaced in place by its mean over the group's ranks."""
     if group_size(group) > 1:
         reduced = _for_collective(tensor, group)
-        with _lost(_members(group)):
+        with _lost(_members(group), lambda: group_ranks(group)):
             dist.all_reduce(reduced, group=group)
         if reduced is not tensor:
             tensor.copy_(reduced)
@@ -248,7 +249,7 @@ def send(tensor: torch.Tensor, dst: int) -> None:
     :func:`comm_device` (always: the receiver cannot know where the sender's tensor is, and
     both ends must use the same backend)."""
     sent = _on(tensor, comm_device(None))
-    with _lost(lambda: f"rank {dst}"):
+    with _lost(lambda: f"rank {dst}", lambda: [dst]):
         dist.send(sent, dst=dst)
 
 
@@ -256,7 +257,7 @@ def recv(shape: Sequence[int], dtype: torch.dtype, src: int) -> torch.Tensor:
     """A tensor of ``shape`` and ``dtype`` received from global rank ``src`` over the default
     group, on the default group's :func:`comm_device` (copy it to where it is needed)."""
     tensor = torch.empty(tuple(shape), dtype=dtype, device=comm_device(None))
-    with _lost(lambda: f"rank {src}"):
+    with _lost(lambda: f"rank {src}", lambda: [src]):
         dist.recv(tensor, src=src)
     return tensor
 
@@ -282,7 +283,7 @@ def exchange(
         dist.P2POp(dist.irecv, t, src) for t, (src, _, _) in zip(incoming, receives, strict=True)
     ]
     peers = sorted({dst for _, dst in sends} | {src for src, _, _ in receives})
-    with _lost(lambda: f"rank(s) {peers}"):
+    with _lost(lambda: f"rank(s) {peers}", lambda: peers):
         for request in dist.batch_isend_irecv(ops) if ops else ():
             request.wait()
     return [t.to(device) for t in incoming]

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from ..errors import MuonCkptError
+from ..errors import DistributedRunError
 from . import collectives
 
 DEFAULT_WAIT: float = 1800.0
@@ -40,19 +40,6 @@ DEFAULT_WAIT: float = 1800.0
 
 _PR_SET_PDEATHSIG = 1
 _SUMMARY_CHARS = 300
-
-
-class DistributedRunError(MuonCkptError, RuntimeError):
-    """A child process raised, crashed or timed out.
-
-    ``str()`` is the one-line :attr:`summary` followed by the failing rank's traceback
-    (:attr:`details`); the command line shows the summary alone (``--debug``: everything).
-    """
-
-    def __init__(self, summary: str, details: str = "") -> None:
-        super().__init__(f"{summary}\n{details}" if details else summary)
-        self.summary = summary
-        self.details = details
 
 
 def run_distributed(
@@ -161,7 +148,7 @@ def _collect(
             late = [r for r, since in quiet_exit.items() if r not in values and now - since > 5]
             if late:
                 raise DistributedRunError(
-                    f"rank {late[0]} of {world_size} exited without a result"
+                    f"rank {late[0]} of {world_size} exited without a result", rank=late[0]
                 ) from None
             if deadline is not None and now > deadline:
                 pending = sorted(set(range(world_size)) - set(values))
@@ -199,7 +186,9 @@ def _failure(
     own = [r for r, (summary, _) in failures.items() if not collectives.PEER_LOST.search(summary)]
     if own:
         summary, details = failures[own[0]]
-        return DistributedRunError(f"rank {own[0]} of {world_size} failed: {summary}", details)
+        return DistributedRunError(
+            f"rank {own[0]} of {world_size} failed: {summary}", details, rank=own[0]
+        )
     deaths = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
     deaths = [(r, code) for r, code in deaths if r not in failures]
     if deaths:
@@ -210,10 +199,12 @@ def _failure(
                 how = f"was killed by {signal.Signals(-code).name}"
             except ValueError:
                 how = f"was killed by signal {-code}"
-        return DistributedRunError(f"rank {rank} of {world_size} {how}, without an error report")
+        return DistributedRunError(
+            f"rank {rank} of {world_size} {how}, without an error report", rank=rank
+        )
     rank = next(iter(failures))
     summary, details = failures[rank]
-    return DistributedRunError(f"rank {rank} of {world_size} failed: {summary}", details)
+    return DistributedRunError(f"rank {rank} of {world_size} failed: {summary}", details, rank=rank)
 
 
 def _summary(exc: BaseException) -> str:

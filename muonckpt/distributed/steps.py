@@ -14,22 +14,26 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from ..errors import MuonCkptError
+from ..errors import ArgumentError, MuonCkptError
 
 T = TypeVar("T")
 
 Outcome = dict[str, Any]
-"""``{"value": ...}`` or ``{"error": message}``: one rank's result of a step, as JSON."""
+"""``{"value": ...}`` or ``{"error": message, "rank": the rank that failed}`` (and
+``"argument"``: the one an :class:`ArgumentError` refused): one rank's result of a step, as
+JSON."""
 
 
 class StepProtocol:
     """One operation run as named steps over ``ranks``, as DCP's ``_DistWrapper``.
 
     A step ends with every rank knowing its outcome: the value, or the failure of any rank,
-    raised on every rank as the same ``error`` (a library error type the caller chooses),
-    ``"<operation> (<step>): <message>"``. A failure of a step nested inside another one's
-    work over the same ranks (the state-dict gather inside a consolidated save's write) has
-    been raised on every rank already and passes through the outer step unchanged. Any
+    raised on every rank as the same ``error`` (a library error type the caller chooses; an
+    :class:`ArgumentError` for a refused argument, where that is one),
+    ``"<operation> (<step>): <message>"``, its ``rank`` the rank that failed and its
+    ``agreed_by`` these ranks. A failure of a step nested inside another one's work over the
+    same ranks (the state-dict gather inside a consolidated save's write) has been raised on
+    every rank already and passes through the outer step unchanged. Any
     Exception counts, not only the library's own: a rank that let anything else escape would
     leave the others waiting at the next exchange. A library error's message is kept (naming
     the rank where several ranks work); any other names the rank, the exception type and where
@@ -75,26 +79,36 @@ class StepProtocol:
         raise NotImplementedError
 
     def _run(self, work: Callable[[], Any], name_rank: bool = False) -> Outcome:
-        """``{"value": work()}``, or ``{"error": message}`` when it raises an Exception (a
-        library error's message names this rank with ``name_rank`` among several ranks)."""
+        """``{"value": work()}``, or its failure (:data:`Outcome`) when it raises an Exception
+        (a library error's message names this rank with ``name_rank`` among several ranks)."""
         try:
             return {"value": work()}
         except MuonCkptError as exc:
-            if getattr(exc, "agreed_by", None) == self.ranks:
+            if exc.agreed_by == self.ranks:
                 raise  # a nested step's failure, already raised on every rank of this protocol
             self._failure = exc
             named = name_rank and len(self.ranks) > 1
-            return {"error": f"rank {self.rank}: {exc}" if named else str(exc)}
+            outcome = {
+                "error": f"rank {self.rank}: {exc}" if named else str(exc),
+                "rank": self.rank,
+            }
+            if isinstance(exc, ArgumentError):
+                outcome["argument"] = exc.argument
+            return outcome
         except Exception as exc:
             self._failure = exc
-            return {"error": failure_line(exc, self.rank)}
+            return {"error": failure_line(exc, self.rank), "rank": self.rank}
 
     def _agreed(self, step: str, outcome: Outcome) -> Any:
         failure, self._failure = self._failure, None
         if "error" in outcome:
-            error = self.error(f"{self.operation} ({step}): {outcome['error']}")
-            error.agreed_by = self.ranks  # type: ignore[attr-defined]
-            raise error from failure
+            message = f"{self.operation} ({step}): {outcome['error']}"
+            rank, argument = outcome.get("rank"), outcome.get("argument")
+            if argument is not None and issubclass(ArgumentError, self.error):
+                raise ArgumentError(
+                    message, argument=argument, rank=rank, agreed_by=self.ranks
+                ) from failure
+            raise self.error(message, rank=rank, agreed_by=self.ranks) from failure
         return outcome["value"]
 
 

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from ..errors import CheckpointError
+from ..errors import ArgumentError, CheckpointError
 from ..layout.topology import Region
 from .names import PARAM_KEY
 from .renames import Rename, renamer
@@ -274,13 +274,16 @@ class Manifest:
         for entry in self.params + (model.tensors if model is not None else ()):
             new = fn(entry.name)
             if not isinstance(new, str) or not new:
-                raise CheckpointError(f"rename gave {new!r}, not a name", param=entry.name)
+                raise ArgumentError(
+                    f"rename gave {new!r}, not a name", argument="rename", param=entry.name
+                )
             names[entry.name] = new
         seen: dict[str, str] = {}
         for old, new in names.items():
             if new in seen:
-                raise CheckpointError(
-                    f"rename gives params {seen[new]!r} and {old!r} one name {new!r}"
+                raise ArgumentError(
+                    f"rename gives params {seen[new]!r} and {old!r} one name {new!r}",
+                    argument="rename",
                 )
             seen[new] = old
         if model is not None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
-from ..errors import CheckpointError
+from ..errors import ArgumentError
 
 Rename = Callable[[str], str] | Mapping[str, str]
 """How :func:`muonckpt.load` and ``convert`` rename a checkpoint's params: a function of the
@@ -31,8 +31,9 @@ def renamer(rename: Rename) -> Callable[[str], str]:
     if not isinstance(rename, Mapping) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in rename.items()
     ):
-        raise CheckpointError(
-            f"rename must be a function of the name or a mapping of prefixes, got {rename!r}"
+        raise ArgumentError(
+            f"rename must be a function of the name or a mapping of prefixes, got {rename!r}",
+            argument="rename",
         )
     prefixes = sorted(rename, key=len, reverse=True)
 

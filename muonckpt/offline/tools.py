@@ -36,7 +36,7 @@ from .. import settings, storage
 from ..checkpoint import writing
 from ..checkpoint.pieces import PieceReader, open_checkpoint
 from ..checkpoint.writing import Progress
-from ..errors import CheckpointError, LayoutError
+from ..errors import ArgumentError, CheckpointError, LayoutError
 from ..format.conversion import converted_manifest
 from ..format.manifest import (
     CONSOLIDATED,
@@ -262,7 +262,9 @@ def convert(
         CheckpointError: for a checkpoint whose groups do not say which optimizer saved them.
     """
     if to is None and rename is None:
-        raise CheckpointError("convert needs to= (another implementation), rename=, or both")
+        raise ArgumentError(
+            "convert needs to= (another implementation), rename=, or both", argument="to"
+        )
     directory, manifest = open_checkpoint(src)
     if rename is not None:
         manifest = manifest.renamed(rename)
@@ -318,7 +320,9 @@ def _index_of(stem: str, files: Mapping[str, Any], writes: Sequence[TensorWrite]
 def _check_workers(workers: int, collective: bool) -> None:
     settings.local_workers(workers, settings.available_cores())
     if workers > 1 and collective:
-        raise CheckpointError("workers > 1 and collective=True exclude each other")
+        raise ArgumentError(
+            "workers > 1 and collective=True exclude each other", argument="collective"
+        )
     if collective:
         from ..distributed import collectives
 

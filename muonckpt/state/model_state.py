@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from ..errors import CheckpointError
+from ..errors import ArgumentError, CheckpointError
 from ..format.renames import prefix_fix
 from ..storage import unstorable_kind
 
@@ -34,21 +34,25 @@ def model_tensors(
     if model is None:
         return None
     if not isinstance(model, torch.nn.Module):
-        raise CheckpointError(f"model= takes a torch.nn.Module, got {type(model).__name__}")
+        raise ArgumentError(
+            f"model= takes a torch.nn.Module, got {type(model).__name__}", argument="model"
+        )
     if not consolidated or not params:
-        raise CheckpointError(
+        raise ArgumentError(
             "model= completes a consolidated model.safetensors: save with consolidated=True "
-            "and params=True"
+            "and params=True",
+            argument="model",
         )
     state = model.state_dict(keep_vars=True)
     missing = sorted(set(held) - set(state))
     if missing:
         fix = prefix_fix(held, state)
         differ = f"; the names differ by the prefix {fix}" if fix else ""
-        raise CheckpointError(
+        raise ArgumentError(
             f"the optimizer's params {missing[:4]} are not entries of the model's "
             f"state_dict(){differ}: give the optimizer the names model.named_parameters() "
-            "gives, for the model passed as model="
+            "gives, for the model passed as model=",
+            argument="model",
         )
     by_tensor: dict[Any, list[str]] = {}
     for name, tensor in state.items():

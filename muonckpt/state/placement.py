@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from ..distributed import collectives
-from ..errors import CheckpointError, StateDictError
+from ..errors import ArgumentError, StateDictError
 from ..storage import unstorable_kind
 from .describers import ReportsItsGrid, describe_grid, describe_whole, grid_members
 from .owners import describe_replicated, owner_rule
@@ -87,13 +87,14 @@ class Joined:
 
     def __init__(self, optimizers: Sequence[torch.optim.Optimizer], *, local: bool = False) -> None:
         if not optimizers:
-            raise CheckpointError("no optimizer to save")
+            raise ArgumentError("no optimizer to save", argument="optimizer")
         sharded = [type(o).__name__ for o in optimizers if has_own_layout(o)]
         if sharded and not local and _in_process_group():
-            raise CheckpointError(
+            raise ArgumentError(
                 f"a list of optimizers goes into one checkpoint across ranks only as replicas "
                 f"(DDP: no muonckpt hooks), and {sharded} shard their state: save a sharded "
-                "optimizer on its own"
+                "optimizer on its own",
+                argument="optimizer",
             )
         self.optimizers = list(optimizers)
         self.param_groups = [g for o in optimizers for g in o.param_groups]
@@ -121,7 +122,9 @@ def participants(optimizer: Any, operation: str, *, local: bool = False) -> list
     for a optimizer that reports its grid or has an owner rule, the world for any other in a process
     group (:func:`describe`); with ``local``, this process alone (:func:`check_local`)."""
     if not isinstance(local, bool):
-        raise CheckpointError(f"{operation}: local must be True or False, got {local!r}")
+        raise ArgumentError(
+            f"{operation}: local must be True or False, got {local!r}", argument="local"
+        )
     if local:
         check_local(optimizer, operation)
         return [collectives.global_rank()]
@@ -141,10 +144,11 @@ def check_local(optimizer: Optimizers, operation: str) -> None:
     told without a collective."""
     spread = [type(o).__name__ for o in optimizers_of(optimizer) if _spans_ranks(o)]
     if spread:
-        raise CheckpointError(
+        raise ArgumentError(
             f"{operation}(..., local=True) is for an optimizer of this process alone, and "
             f"{spread} keep their state across ranks: {operation} it without local=True, on "
-            "every rank of its grid"
+            "every rank of its grid",
+            argument="local",
         )
 
 

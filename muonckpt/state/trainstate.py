@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from .. import storage
-from ..errors import CheckpointError
+from ..errors import ArgumentError, CheckpointError
 from ..format.manifest import EXTRA_DEPTH, EXTRA_JSON_BYTES, ValuePath
 
 
@@ -60,7 +60,7 @@ def take(tree: Mapping[str, Any], what: str) -> Taken:
     memory now (the save holds the values at its call).
 
     Raises:
-        CheckpointError: naming the value, for a key that is not a string, a float that is
+        ArgumentError: naming the value, for a key that is not a string, a float that is
             not finite, an object that is neither JSON, a tensor nor stateful, a tensor of a
             dtype safetensors has no name for, a tree nested deeper than
             :data:`~muonckpt.format.manifest.EXTRA_DEPTH`, an ``extra["step"]`` that is not a
@@ -68,19 +68,23 @@ def take(tree: Mapping[str, Any], what: str) -> Taken:
             :data:`~muonckpt.format.manifest.EXTRA_JSON_BYTES`.
     """
     if not isinstance(tree, Mapping):
-        raise CheckpointError(f"{what} must be a dict of values, got {type(tree).__name__}")
+        raise ArgumentError(
+            f"{what} must be a dict of values, got {type(tree).__name__}", argument=what
+        )
     taken = Taken(None)
     taken.values = _take(tree, (), what, taken.tensors)
     step = tree.get("step")
     if what == "extra" and "step" in tree and not _step(step):
-        raise CheckpointError(
-            f"extra['step'] must be the training step, a non-negative int; got {step!r}"
+        raise ArgumentError(
+            f"extra['step'] must be the training step, a non-negative int; got {step!r}",
+            argument=what,
         )
     size = len(json.dumps(taken.values))
     if size > EXTRA_JSON_BYTES:
-        raise CheckpointError(
+        raise ArgumentError(
             f"{what}'s values take {size} bytes of JSON, more than {EXTRA_JSON_BYTES}: "
-            "put large data in tensors"
+            "put large data in tensors",
+            argument=what,
         )
     return taken
 
@@ -93,36 +97,42 @@ def _take(
     value: Any, path: ValuePath, what: str, tensors: list[tuple[ValuePath, torch.Tensor]]
 ) -> Any:
     if len(path) > EXTRA_DEPTH:
-        raise CheckpointError(f"{shown(what, path)}: nested deeper than {EXTRA_DEPTH} levels")
+        raise ArgumentError(
+            f"{shown(what, path)}: nested deeper than {EXTRA_DEPTH} levels", argument=what
+        )
     if isinstance(value, torch.Tensor):
         if (kind := storage.unstorable_kind(value)) is not None:
-            raise CheckpointError(f"{shown(what, path)}: {kind} cannot be stored (dense only)")
+            raise ArgumentError(
+                f"{shown(what, path)}: {kind} cannot be stored (dense only)", argument=what
+            )
         try:
             storage.dtype_name(value.dtype)
         except CheckpointError as exc:
-            raise CheckpointError(f"{shown(what, path)}: {exc}") from None
+            raise ArgumentError(f"{shown(what, path)}: {exc}", argument=what) from None
         tensors.append((path, value.detach().to("cpu", copy=True).contiguous()))
         return None
     if isinstance(value, Mapping):
         out = {}
         for key, item in value.items():
             if not isinstance(key, str):
-                raise CheckpointError(
-                    f"{shown(what, path)}: key {key!r} is not a string (JSON keys are strings)"
+                raise ArgumentError(
+                    f"{shown(what, path)}: key {key!r} is not a string (JSON keys are strings)",
+                    argument=what,
                 )
             out[key] = _take(item, (*path, key), what, tensors)
         return out
     if isinstance(value, (list, tuple)):
         return [_take(item, (*path, i), what, tensors) for i, item in enumerate(value)]
     if isinstance(value, float) and not math.isfinite(value):
-        raise CheckpointError(f"{shown(what, path)}: {value} cannot be stored in JSON")
+        raise ArgumentError(f"{shown(what, path)}: {value} cannot be stored in JSON", argument=what)
     if value is None or isinstance(value, (str, bool, int, float)):
         return value
     if is_stateful(value):
         return _take(value.state_dict(), path, what, tensors)
-    raise CheckpointError(
+    raise ArgumentError(
         f"{shown(what, path)}: a {type(value).__name__} is neither a JSON value, a tensor nor "
-        "an object with state_dict() and load_state_dict() (muonckpt stores no pickle)"
+        "an object with state_dict() and load_state_dict() (muonckpt stores no pickle)",
+        argument=what,
     )
 
 
