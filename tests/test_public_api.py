@@ -33,6 +33,7 @@ TOP_LEVEL = {
     "RNGState",
     "MuonCkptError",
     "CheckpointError",
+    "ArgumentError",
     "StateDictError",
     "LayoutError",
     "CollectiveError",
