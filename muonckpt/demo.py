@@ -24,12 +24,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from . import settings
+from . import offline, settings
 from .checkpoint.api import load, save
 from .distributed import collectives
 from .distributed.launch import run_distributed
+from .errors import ArgumentError
 from .layout.topology import LayoutOptions, Topology
-from .offline import tools as offline
 from .optim.muon import Muon
 from .optim.sharding import ShardedParams, shard_for_groups, shard_param_groups
 from .state.regions import extract, insert_
@@ -377,16 +377,17 @@ def run_demo(
     temporary directory that is removed before this returns (``DemoResult.kept`` False).
     """
     if steps < 1:
-        raise ValueError(f"steps must be at least 1, got {steps}")
+        raise ArgumentError(f"steps must be at least 1, got {steps}", argument="steps")
     Topology(dp, tp), Topology(to_dp, to_tp)  # validate before launching anything
-    if max(dp, to_dp) * MODEL.micro_batches > MOST_SUMMANDS:
-        raise ValueError(
-            f"dp={max(dp, to_dp)} is more than the demo's exact grad sums allow "
-            f"({MOST_SUMMANDS // MODEL.micro_batches})"
-        )
     cores = settings.available_cores()
     settings.local_workers(dp * tp, cores, "dp x tp")  # each rank a local process
     settings.local_workers(to_dp * to_tp, cores, "to_dp x to_tp")
+    if max(dp, to_dp) * MODEL.micro_batches > MOST_SUMMANDS:
+        raise ArgumentError(
+            f"dp={max(dp, to_dp)} is more than the demo's exact grad sums allow "
+            f"({MOST_SUMMANDS // MODEL.micro_batches})",
+            argument="dp",
+        )
     if workdir is not None:
         work = Path(workdir)
         work.mkdir(parents=True, exist_ok=True)
