@@ -113,9 +113,8 @@ def _prepare(
     call = saving.agree(target, path, options)
     collected = saving.collect(call, buffers)  # this rank's values, or its refusal
     mailbox = options.background and len(call.sharding.participants) > 1
-    overwrite = options.overwrite
     staging = writing.stage(
-        call.steps, path, overwrite=overwrite, checked=collected, mailbox=mailbox
+        call.steps, path, overwrite=options.overwrite, checked=collected, mailbox=mailbox
     )
     return saving.plan(call, collected.result(), staging, buffers)
 
