@@ -402,18 +402,18 @@ def test_a_manifest_short_of_a_piece_is_not_committed(tmp_path, monkeypatch, con
     previous checkpoint stays whole."""
     import dataclasses
 
-    import muonckpt.checkpoint.saving as saving
+    from muonckpt.checkpoint import _save_manifest
 
     target = tmp_path / "ckpt"
     muonckpt.save(_single_process_opt(1), target, consolidated=consolidated)
     before = _snapshot(target)
-    build_manifest = saving.build_manifest
+    complete = _save_manifest.complete
 
     def short_of_a_piece(*args, **kwargs):
-        manifest = build_manifest(*args, **kwargs)
+        manifest = complete(*args, **kwargs)
         return dataclasses.replace(manifest, pieces=manifest.pieces[1:])
 
-    monkeypatch.setattr(saving, "build_manifest", short_of_a_piece)
+    monkeypatch.setattr(_save_manifest, "complete", short_of_a_piece)
     with pytest.raises(CheckpointError, match=r"stored nowhere \(gap\); nothing was committed"):
         muonckpt.save(_single_process_opt(2), target, consolidated=consolidated, overwrite=True)
     assert _snapshot(target) == before

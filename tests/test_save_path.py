@@ -1,18 +1,27 @@
-"""(issue 22) The save path of the packaged Muon runs one way through the package's modules.
+"""(issues 22 and 31) A save and a load read top to bottom.
 
-Before the redesign a per-rank save went checkpoint -> hooks -> optim -> hooks -> optim -> grid
--> hooks -> checkpoint. Here every call from one package module into another during a real
-save is recorded (``sys.setprofile``), leaving out the closures a caller hands down for the
-step protocol to call back (``check``, ``write``, the commit watcher: functions defined inside
-another function, arguments travelling down) and an object's calls on itself (a base class in
-one module calling the method its subclass in another overrides), and no two modules may call
-each other.
+Every call into a package module during a real save or load is recorded (``sys.setprofile``,
+and ``threading.setprofile`` for a background save's thread), closures, lambdas and callbacks
+included, with the package modules on the stack at that moment. Two things are asserted:
+
+- **No return up the stack.** Control never comes back to a module it left (issue 31: a save
+  went ``saving`` -> ``writing.stage`` -> back into ``saving``'s ``check`` closure, and
+  ``writing.write_files`` called ``saving``'s ``fetch`` lambda per tensor), except as a
+  callback straight into the module that called (``X -> Y -> X``: the step protocol running
+  the work its caller handed it, the commit watcher).
+- **The steps in order.** The entry point calls each step of the save (describe and agree,
+  collect, stage, plan, write, commit, retire, prune) and of the load (describe and agree,
+  open, map, read, apply) itself, once, in that order; a background save runs the same
+  steps, write to prune on its own thread.
 """
 
 from __future__ import annotations
 
 import inspect
 import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any
 
@@ -23,80 +32,202 @@ from muonckpt.distributed.launch import run_distributed
 
 from .fixture_model import build, initial_params, single_process_optimizer, train
 
+_SAVING, _WRITING = "muonckpt.checkpoint.saving", "muonckpt.checkpoint.writing"
+_API, _LOADING = "muonckpt.checkpoint.api", "muonckpt.checkpoint.loading"
 
-def _module_calls(work: Any) -> dict[tuple[str, str], str]:
-    """(caller module, callee module) -> the first callee function, for every call between two
-    modules of the package while ``work()`` runs; closures and an object's calls on itself left
-    out."""
-    calls: dict[tuple[str, str], str] = {}
+SAVE_STEPS = {
+    (_SAVING, "agree"): "describe and agree",
+    (_SAVING, "collect"): "collect",
+    (_WRITING, "stage"): "stage",
+    (_SAVING, "plan"): "plan",
+    (_SAVING, "write"): "write",
+    (_WRITING, "commit_save"): "commit",
+    (_WRITING, "retire"): "retire",
+    ("muonckpt.checkpoint.retention", "prune"): "prune",
+}
+"""(module, function) of each step of a save, as the entry point calls them."""
 
-    def module(frame: FrameType | None) -> str | None:
-        name = frame.f_globals.get("__name__", "") if frame is not None else ""
-        return name if name.startswith("muonckpt.") else None
+SAVE_CALLERS = {"_prepare": list(SAVE_STEPS.values())[:4], "_write_and_commit": ["write"]}
+"""The entry point's functions that call the steps: the first four in the caller's thread,
+the rest where the write runs."""
 
-    def record(frame: FrameType, event: str, arg: Any) -> None:
-        if event != "call" or frame.f_code.co_flags & inspect.CO_NESTED:
+LOAD_STEPS = {
+    (_LOADING, "_agree"): "describe and agree",
+    (_LOADING, "_open"): "open",
+    (_LOADING, "_agree_open"): "the ranks agree they opened one checkpoint",
+    (_LOADING, "_map"): "map",
+    (_LOADING, "_read_and_take"): "read",
+    (_LOADING, "_agree_read"): "the ranks agree every share was taken",
+    (_LOADING, "_apply"): "apply",
+}
+
+
+@dataclass
+class Trace:
+    """What a traced run did: each step called (name, the function that called it, the
+    thread), each return up the stack (the package modules on the stack, outermost first),
+    and every module it entered."""
+
+    steps: dict[tuple[str, str], str]
+    called: list[tuple[str, str, int]] = field(default_factory=list)
+    returns_up: list[str] = field(default_factory=list)
+    modules: set[str] = field(default_factory=set)
+
+    def record(self, frame: FrameType, event: str, arg: Any) -> None:
+        if event != "call":
             return
-        this = frame.f_locals.get("self")
-        if (
-            this is not None
-            and frame.f_back is not None
-            and frame.f_back.f_locals.get("self") is this
-        ):
+        module = _module(frame)
+        if module is None:
             return
-        caller, callee = module(frame.f_back), module(frame)
-        if caller and callee and caller != callee:
-            calls.setdefault(
-                (caller, callee), getattr(frame.f_code, "co_qualname", frame.f_code.co_name)
-            )
+        self.modules.add(module)
+        step = self.steps.get((module, frame.f_code.co_qualname))
+        if step is not None:
+            caller = frame.f_back.f_code.co_name if frame.f_back is not None else "?"
+            self.called.append((step, caller, threading.get_ident()))
+        back = _return_up(_package_stack(frame))
+        if back is not None and back not in self.returns_up:
+            self.returns_up.append(back)
 
-    sys.setprofile(record)
+    def order(self) -> list[str]:
+        return [step for step, _, _ in self.called]
+
+
+def _module(frame: FrameType | None) -> str | None:
+    name = frame.f_globals.get("__name__", "") if frame is not None else ""
+    return name if name.startswith("muonckpt.") else None
+
+
+def _package_stack(frame: FrameType) -> list[tuple[str, bool]]:
+    """The package modules on the stack down to ``frame``, outermost first, each run of one
+    module once, with whether the run was entered through something handed down."""
+    frames: list[FrameType] = []
+    at: FrameType | None = frame
+    while at is not None:
+        frames.append(at)
+        at = at.f_back
+    stack: list[tuple[str, bool]] = []
+    for at in reversed(frames):
+        module = _module(at)
+        if module is not None and (not stack or stack[-1][0] != module):
+            stack.append((module, _handed_down(at)))
+    return stack
+
+
+def _handed_down(frame: FrameType) -> bool:
+    """Whether ``frame`` runs something its caller was handed: a closure or a lambda, or a
+    special method of a value (``__contains__`` of the group indices torch asks)."""
+    name = frame.f_code.co_name
+    return bool(frame.f_code.co_flags & inspect.CO_NESTED) or name[:2] == name[-2:] == "__"
+
+
+def _return_up(stack: list[tuple[str, bool]]) -> str | None:
+    """The stack, if control came back to a module of save and load (``muonckpt.checkpoint``)
+    it had left other than as a callback straight into the module that called (``X -> Y ->
+    X``, ``Y`` running a closure ``X`` handed it). (Lower layers' own callbacks, a JSON
+    decoder's hook, are theirs.)"""
+    reduced: list[str] = []
+    for module, handed_down in stack:
+        if handed_down and len(reduced) >= 2 and reduced[-2] == module:
+            reduced.pop()  # Y ran work X handed it: back in X
+        elif module in reduced and module.startswith("muonckpt.checkpoint."):
+            return " -> ".join([*reduced, module])
+        elif module in reduced:
+            del reduced[reduced.index(module) + 1 :]
+        else:
+            reduced.append(module)
+    return None
+
+
+def _traced(steps: dict[tuple[str, str], str], work: Callable[[], Any]) -> Trace:
+    trace = Trace(steps)
+    threading.setprofile(trace.record)  # a background save's thread, started inside
+    sys.setprofile(trace.record)
     try:
         work()
     finally:
         sys.setprofile(None)
-    return calls
+        threading.setprofile(None)  # type: ignore[arg-type]
+    return trace
 
 
-def _both_ways(calls: dict[tuple[str, str], str]) -> list[str]:
-    return sorted(
-        f"{a} -> {b} ({calls[a, b]}) and back ({calls[b, a]})"
-        for a, b in calls
-        if (b, a) in calls and a < b
+def test_the_tracer_finds_a_callback_up_the_stack():
+    """The rule catches the crossings of issue 31, and passes the step protocol's callbacks."""
+    down, back = False, True  # entered by a call down, or through a closure handed down
+    api, saving, writing = (f"muonckpt.checkpoint.{name}" for name in ("api", "saving", "writing"))
+    steps = [(writing, down), ("steps", down), ("collectives", down), ("steps", back)]
+    check = [(api, down), (saving, down), *steps, (saving, back)]
+    assert _return_up(check) == f"{api} -> {saving} -> {writing} -> steps -> {saving}"
+    write = [(api, down), *steps, (saving, back), (writing, down)]  # saving's write closure
+    assert _return_up(write) == f"{api} -> {writing} -> steps -> {saving} -> {writing}"
+    stage = [(api, down), *steps, (writing, back), ("storage", down), (writing, back)]
+    assert _return_up(stage) is None  # the protocol, the commit watcher: callbacks
+
+
+def _saved(work: Callable[[], Any], background: bool) -> Trace:
+    trace = _traced(SAVE_STEPS, work)
+    assert trace.returns_up == []
+    assert trace.order() == list(SAVE_STEPS.values())
+    for step, caller, thread in trace.called:
+        first = step in SAVE_CALLERS["_prepare"]
+        assert caller == ("_prepare" if first else "_write_and_commit"), (step, caller)
+        assert (thread == threading.get_ident()) == (first or not background), step
+    return trace
+
+
+@pytest.mark.parametrize("consolidated", [False, True], ids=["per-rank", "consolidated"])
+def test_a_save_calls_its_steps_in_order_and_never_returns_up(tmp_path, consolidated):
+    optimizer = single_process_optimizer(1)
+    path = tmp_path / "step-1"
+    trace = _saved(
+        lambda: muonckpt.save(optimizer, path, consolidated=consolidated, keep_last=2), False
     )
+    assert muonckpt.verify(path) == []
+    assert {_API, _SAVING, _WRITING, "muonckpt.state.placement"} <= trace.modules
 
 
-def _save_across_ranks(path: str, dp: int, tp: int) -> list[str]:
-    """(each rank) The packaged Muon at dp x tp after a step, saved per rank: this rank's
-    module calls that run both ways, and the modules the save passed through."""
+def test_a_background_save_runs_the_same_steps_write_to_prune_on_its_thread(tmp_path):
+    optimizer = single_process_optimizer(1)
+    path = tmp_path / "step-1"
+    _saved(lambda: muonckpt.async_save(optimizer, path, keep_last=2).result(timeout=60), True)
+    assert muonckpt.verify(path) == []
+
+
+def test_a_load_opens_maps_reads_and_applies_in_order(tmp_path):
+    muonckpt.save(single_process_optimizer(2), tmp_path / "ckpt")
+    optimizer = single_process_optimizer(1)
+    trace = _traced(LOAD_STEPS, lambda: muonckpt.load(optimizer, tmp_path / "ckpt"))
+    assert trace.returns_up == []
+    assert trace.order() == list(LOAD_STEPS.values())
+    assert {caller for _, caller, _ in trace.called} == {"load"}
+
+
+def _save_and_load_across_ranks(path: str, dp: int, tp: int) -> list[Any]:
+    """(each rank) The packaged Muon at dp x tp after a step, saved per rank and loaded back:
+    this rank's returns up the stack, the steps of each in order, and the modules entered."""
     optimizer, sharded, dp_rank, tp_rank = build(dp, tp, initial_params())
     train(optimizer, sharded, dp_rank, tp_rank, 0, 1)
-    calls = _module_calls(lambda: muonckpt.save(optimizer, path))
-    return [*_both_ways(calls), "modules: " + " ".join(sorted({m for c in calls for m in c}))]
-
-
-def test_a_single_process_save_runs_one_way_through_the_modules(tmp_path):
-    optimizer = single_process_optimizer(1)
-    calls = _module_calls(lambda: muonckpt.save(optimizer, tmp_path / "ckpt"))
-    assert muonckpt.verify(tmp_path / "ckpt") == []
-    modules = {m for pair in calls for m in pair}
-    assert {
-        "muonckpt.checkpoint.api",
-        "muonckpt.checkpoint.saving",
-        "muonckpt.state.placement",
-    } <= modules
-    assert _both_ways(calls) == []
+    saved = _traced(SAVE_STEPS, lambda: muonckpt.save(optimizer, path, keep_last=1))
+    loaded = _traced(LOAD_STEPS, lambda: muonckpt.load(optimizer, path))
+    return [
+        saved.returns_up + loaded.returns_up,
+        saved.order(),
+        loaded.order(),
+        sorted(saved.modules),
+    ]
 
 
 @pytest.mark.parametrize(("dp", "tp"), [(2, 1), (1, 2)])
-def test_a_per_rank_save_of_the_distributed_muon_runs_one_way(tmp_path, dp, tp):
-    """The path the issue traced (a per-rank save of the distributed packaged Muon, whose
-    grid is described on the first save): each rank's calls run one way."""
-    for rank, found in enumerate(
-        run_distributed(_save_across_ranks, dp * tp, str(tmp_path / "ckpt"), dp, tp)
-    ):
-        *both_ways, modules = found
-        assert both_ways == [], (rank, both_ways)
-        for module in ("checkpoint", "saving", "placement", "gather", "grid", "writing"):
-            assert f"muonckpt.{module}" in modules.split(), (rank, modules)
-    assert muonckpt.verify(tmp_path / "ckpt") == []
+def test_a_per_rank_save_and_load_of_the_distributed_muon_read_top_to_bottom(tmp_path, dp, tp):
+    """The path issue 22 traced (a per-rank save of the distributed packaged Muon, whose grid
+    is described on the first save), and its load: on each rank, the steps in order and no
+    return up the stack."""
+    path = str(tmp_path / "step-1")
+    ranks = run_distributed(_save_and_load_across_ranks, dp * tp, path, dp, tp)
+    for rank, (returns_up, save_order, load_order, modules) in enumerate(ranks):
+        assert returns_up == [], (rank, returns_up)
+        steps = list(SAVE_STEPS.values())
+        assert save_order == (steps if rank == 0 else steps[:-1]), rank  # the root prunes
+        assert load_order == list(LOAD_STEPS.values()), rank
+        for module in ("checkpoint.api", "state.placement", "state.gather", "layout.grid"):
+            assert f"muonckpt.{module}" in modules, (rank, modules)
+    assert muonckpt.verify(path) == []

@@ -32,9 +32,10 @@ from ..distributed.steps import failure_line
 from ..errors import CheckpointError, MuonCkptError
 from ..state.hostcopy import HostBuffers
 from ..state.placement import Joined, Optimizers, optimizers_of
-from . import retention, writing
+from . import retention, saving, writing
+from ._directory_steps import DirectorySteps
 from .loading import LoadReport, load
-from .saving import PreparedSave, prepare_save
+from .options import SaveOptions
 
 __all__ = ["DEFAULT_ASYNC_TIMEOUT_S", "LoadReport", "async_save", "load", "save"]
 
@@ -65,54 +66,22 @@ def save(
 
     Args:
         optimizer: a packaged :class:`~muonckpt.optim.muon.Muon`, single-process or distributed
-        (every
-            rank holding every param, or only those it owns elements of); an optimizer with
-            :func:`muonckpt.install_hooks`; or any torch optimizer without hooks, in one process
-            or replicated on every rank of a process group (DDP: each param's state written
-            once, the ranks sharing the writing, after their digests of it are found equal).
-            Also a list of such optimizers that together train a model (torch.optim.Muon for
-            the matrices and AdamW for the rest): their groups are saved in order, as one.
-            State and params may be in CUDA memory: each tensor is copied to a reused (pinned)
-            host buffer just before it is written.
+            (every rank holding every param, or only those it owns elements of); an optimizer
+            with :func:`muonckpt.install_hooks`; or any torch optimizer without hooks, in one
+            process or replicated on every rank of a process group (DDP: each param's state
+            written once, the ranks sharing the writing, after their digests of it are found
+            equal). Also a list of such optimizers that together train a model
+            (torch.optim.Muon for the matrices and AdamW for the rest): their groups are saved
+            in order, as one. State and params may be in CUDA memory: each tensor is copied to
+            a reused (pinned) host buffer just before it is written.
         path: target directory. The save is staged beside it and swapped in atomically.
-        consolidated: gather full-shape tensors on rank 0 and write the state as
-            ``state.<param>.<key>`` in ``optimizer.safetensors`` and the params by name in
-            ``model.safetensors`` (:func:`muonckpt.format.writeplan.consolidated_plan`), instead of
-            one file per rank (no gathering; only metadata crosses ranks).
-        max_shard_size: with ``consolidated``, split each family of files past this many bytes,
-            HF style: an int, or a string as the CLI and Hugging Face take it (``"5GB"`` is
-            5 * 10**9 bytes, ``"5GiB"`` 5 * 2**30; :func:`muonckpt.settings.parse_size`).
-        params: also save the optimizer's params (the default), so that :func:`load` restores
-            them; False saves the optimizer state only, for weights kept elsewhere.
-        overwrite: replace an existing checkpoint at ``path`` (otherwise an error).
-        keep_last: after the commit, delete the older complete muonckpt checkpoints of
-            ``path``'s run beside it (directly under its parent, named as it is but for its
-            step, each checkpoint's step as its manifest records it: ``step-10`` beside
-            ``step-30``, never ``seed2-step-10`` beside ``seed1-step-30``) so that
-            ``keep_last`` remain, the new one always among them. A new checkpoint that
-            records no step, or whose name does not hold it once, deletes nothing and warns
-            (:func:`muonckpt.checkpoint.retention.prune`).
-        model: with ``consolidated``, the model the params belong to (the optimizer's param
-            names must be its ``state_dict()`` names): ``model.safetensors`` then holds its
-            whole ``state_dict()``, buffers and params no optimizer holds taken from the
-            destination rank's model, tied names stored once and recorded in the file's
-            metadata (alias -> stored name, as ``safetensors.torch.save_model`` does), so that
-            ``safetensors.torch.load_model(model, ...)`` loads it strictly.
-        extra: the training job's own state, saved in the same atomic commit: a dict of JSON
-            values (numbers, strings, booleans, None, lists, dicts with string keys), tensors
-            (on any device; copied to host memory at the call) and objects with
-            ``state_dict()`` / ``load_state_dict()`` (an LR scheduler), saved as their state
-            dict. Every rank passes the same (compared by a digest: ranks that differ fail the
-            save, nothing written); rank 0 stores it. ``extra["step"]``, a non-negative int,
-            is the step the checkpoint records (``inspect``, :func:`muonckpt.latest`).
-        rank_extra: each rank's own values, as ``extra`` but stored per rank (RNG states:
-            :class:`muonckpt.RNGState`; a data loader's position); every rank passes one, or
-            none does.
-        local: the optimizer is this process's alone, not a DDP replica: saved by this
-            process alone, whatever process group is initialized (each rank its own optimizer
-            to its own path, or one rank only). Without it an optimizer without hooks in a
-            process group is a replica on every rank of the world, and every rank must call
-            ``save``. Refused for an optimizer that keeps state on other ranks.
+        consolidated, max_shard_size, params, overwrite, keep_last, model, extra, rank_extra,
+            local: the save's options, each described where they are defined once, as the
+            fields of :class:`muonckpt.checkpoint.options.SaveOptions` (``consolidated``
+            gathers full-shape tensors into HF-style files; ``params=False`` leaves the params'
+            values out; ``overwrite`` replaces a checkpoint; ``keep_last`` prunes the run's
+            older ones; ``extra`` / ``rank_extra`` save the job's own state in the same commit;
+            ``local`` saves an optimizer that is this process's alone).
 
     Returns:
         The checkpoint directory.
@@ -120,30 +89,51 @@ def save(
     A background save of the same optimizer still in flight (:func:`async_save`) commits
     first.
     """
-    settings.local_path(path)
-    target = _one(optimizer, local)
-    _wait_in_flight(target)
-    prepared = prepare_save(
-        "save",
-        target,
-        _HOST_BUFFERS.setdefault(_key(target), HostBuffers()),
-        path,
-        consolidated,
-        max_shard_size,
-        params,
-        overwrite,
-        keep_last,
+    options = SaveOptions(
+        consolidated=consolidated,
+        max_shard_size=max_shard_size,
+        params=params,
+        overwrite=overwrite,
+        keep_last=keep_last,
         model=model,
         extra=extra,
         rank_extra=rank_extra,
         local=local,
     )
-    final = writing.finish(
-        prepared.steps, prepared.staging, path, write=prepared.write, manifest=prepared.manifest
+    prepared = _prepare(_target(optimizer, path, local), path, options)
+    return _write_and_commit(prepared.steps, prepared, path, keep_last)
+
+
+def _prepare(
+    target: Optimizers, path: str | os.PathLike[str], options: SaveOptions
+) -> saving.PreparedSave:
+    """A save's steps in the caller's thread, in order: describe and agree, collect, stage,
+    plan (:func:`_write_and_commit` does the rest, here or in the background)."""
+    buffers = _HOST_BUFFERS.setdefault(_key(target), HostBuffers())
+    call = saving.agree(target, path, options)
+    collected = saving.collect(call, buffers)  # this rank's values, or its refusal
+    mailbox = options.background and len(call.sharding.participants) > 1
+    staging = writing.stage(
+        call.steps, path, overwrite=options.overwrite, checked=collected, mailbox=mailbox
     )
-    if prepared.steps.is_root:
-        _prune(final, keep_last)
-    return final
+    return saving.plan(call, collected.result(), staging, buffers)
+
+
+def _write_and_commit(
+    steps: writing.Steps,
+    prepared: saving.PreparedSave,
+    final: str | os.PathLike[str],
+    keep_last: int | None,
+) -> Path:
+    """A save's steps after :func:`_prepare`, in order: write, commit, retire, prune; in the
+    caller's thread (:func:`save`) or the background (:func:`async_save`, over ``steps``
+    through the mailbox)."""
+    written = saving.write(prepared)  # this rank's files: its report, or its failure
+    replaced = writing.commit_save(steps, prepared.staging, final, written, prepared.draft)
+    committed = writing.retire(steps, replaced, final)
+    if steps.is_root and keep_last is not None:
+        retention.prune(committed.parent, keep_last, keep=committed)
+    return committed
 
 
 def async_save(
@@ -176,13 +166,14 @@ def async_save(
     files in a directory beside the target, ``.NAME.steps-XXXXXXXX``, which every rank must
     see (as they must see the staging directory they write into): each rank reports its
     write there, rank 0 commits when every report is in and leaves the outcome for the others
-    (:class:`muonckpt.checkpoint.writing.DirectorySteps`). Callbacks added to the returned future
-    run in that background thread, so they must not use the process groups either.
+    (:class:`muonckpt.checkpoint._directory_steps.DirectorySteps`). Callbacks added to the
+    returned future run in that background thread, so they must not use the process groups
+    either.
 
     Args:
         optimizer, path, consolidated, max_shard_size, params, overwrite, keep_last, model,
-            extra, rank_extra, local: as for :func:`save` (``extra`` and ``rank_extra`` are taken at
-            the call: tensors copied, state dicts asked for).
+            extra, rank_extra, local: as for :func:`save` (``extra`` and ``rank_extra`` are
+            taken at the call: tensors copied, state dicts asked for).
         timeout: seconds (positive) rank 0 waits at each step for the slowest rank before the
             save fails on every rank still there (the others wait twice that for rank 0): a
             rank whose write never finishes is an error, never a hang.
@@ -198,40 +189,45 @@ def async_save(
     an uncaught exception or KeyboardInterrupt) a save in flight is finished first
     (:func:`_finish_saves_at_exit`); a save that failed and whose error was never read
     (``result()``, ``exception()``) is then one line on stderr, and the process exits with
-    code 1. A process killed meanwhile leaves the previous checkpoint at
-    ``path`` whole, and an unfinished staging directory and the mailbox beside it. Errors
-    found before the snapshot is taken (a target that may not be written, state that cannot
-    be stored, a bad ``timeout``) are raised by this call itself, on every rank.
+    code 1. A process killed meanwhile leaves the previous checkpoint at ``path`` whole, and
+    an unfinished staging directory and the mailbox beside it. Errors found before the
+    snapshot is taken (a target that may not be written, state that cannot be stored, a bad
+    ``timeout``) are raised by this call itself, on every rank.
     """
-    settings.seconds(timeout, "timeout")
-    settings.local_path(path)
-    target = _one(optimizer, local)
-    _wait_in_flight(target)
-    prepared = prepare_save(
-        "async_save",
-        target,
-        _HOST_BUFFERS.setdefault(_key(target), HostBuffers()),
-        path,
-        consolidated,
-        max_shard_size,
-        params,
-        overwrite,
-        keep_last,
+    options = SaveOptions(
+        consolidated=consolidated,
+        max_shard_size=max_shard_size,
+        params=params,
+        overwrite=overwrite,
+        keep_last=keep_last,
+        model=model,
         extra=extra,
         rank_extra=rank_extra,
+        local=local,
         background=True,
         timeout=timeout,
-        model=model,
-        local=local,
     )
+    target = _target(optimizer, path, local)
+    return _in_background(target, _prepare(target, path, options), path, options)
+
+
+def _in_background(
+    target: Optimizers,
+    prepared: saving.PreparedSave,
+    path: str | os.PathLike[str],
+    options: SaveOptions,
+) -> Future[Path]:
+    """Start :func:`_write_and_commit` of ``prepared`` on a thread of its own, the ranks
+    agreeing through the mailbox beside the staging directory; its future."""
     foreground = prepared.steps
-    background = writing.DirectorySteps(
+    assert options.timeout is not None  # (a background save's options)
+    background = DirectorySteps(
         "async_save",
         storage.Mailbox(storage.mailbox_path(prepared.staging)),
         foreground.ranks,
         foreground.root,
         foreground.rank,
-        timeout,
+        options.timeout,
         CheckpointError,
     )
     future = _BackgroundSave()
@@ -239,7 +235,7 @@ def async_save(
     future.thread = threading.Thread(
         target=_finish_in_background,
         # absolute: the thread commits where the call named, whatever the working directory
-        args=(future, background, Path(os.path.abspath(path)), prepared, keep_last),
+        args=(future, background, Path(os.path.abspath(path)), prepared, options.keep_last),
         name=f"muonckpt async_save {path}",
         daemon=False,  # a daemon would die unnoticed at exit; _finish_saves_at_exit waits
     )
@@ -260,19 +256,15 @@ def async_save(
 
 def _finish_in_background(
     future: _BackgroundSave,
-    steps: writing.DirectorySteps,
+    steps: DirectorySteps,
     final: Path,
-    prepared: PreparedSave,
+    prepared: saving.PreparedSave,
     keep_last: int | None,
 ) -> None:
-    """The background half of :func:`async_save`: write, commit, retire, prune; the outcome
-    to ``future``, always a library error on failure."""
+    """The background half of :func:`async_save`: :func:`_write_and_commit`; the outcome to
+    ``future``, always a library error on failure."""
     try:
-        committed = writing.finish(
-            steps, prepared.staging, final, write=prepared.write, manifest=prepared.manifest
-        )
-        if steps.is_root:
-            _prune(committed, keep_last)
+        committed = _write_and_commit(steps, prepared, final, keep_last)
     except MuonCkptError as exc:
         future.set_exception(exc)
     except BaseException as exc:  # not a library error yet: the same rule as a step's failure
@@ -392,13 +384,22 @@ _HOST_BUFFERS: weakref.WeakKeyDictionary[Any, HostBuffers] = weakref.WeakKeyDict
 """Per optimizer (the first of a list), the host buffers its saves copy state into."""
 
 
-def _one(
-    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer], local: bool
+def _target(
+    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
+    path: str | os.PathLike[str],
+    local: bool,
 ) -> Optimizers:
-    """One optimizer, or several joined (:class:`Joined`)."""
+    """What a save of ``optimizer`` to ``path`` saves, once ``path`` is found local and any
+    background save of it in flight has ended: one optimizer, or several joined
+    (:class:`Joined`)."""
+    settings.local_path(path)
+    target: Optimizers
     if isinstance(optimizer, torch.optim.Optimizer):
-        return optimizer
-    return Joined(list(optimizer), local=local)
+        target = optimizer
+    else:
+        target = Joined(list(optimizer), local=local)
+    _wait_in_flight(target)
+    return target
 
 
 def _key(optimizer: Optimizers) -> torch.optim.Optimizer:
@@ -412,9 +413,3 @@ def _wait_in_flight(optimizer: Optimizers) -> None:
     previous = _IN_FLIGHT.get(_key(optimizer))
     if previous is not None:
         wait([previous])
-
-
-def _prune(final: Path, keep_last: int | None) -> None:
-    """(the root, after a commit) Apply ``keep_last`` beside ``final``."""
-    if keep_last is not None:
-        retention.prune(final.parent, keep_last, keep=final)

@@ -1,41 +1,63 @@
-"""Load a checkpoint into an optimizer at its own topology: read -> map -> apply.
+"""Load a checkpoint into an optimizer at its own topology: open -> map -> read -> apply.
 
-Every rank opens the checkpoint and agrees with the others that it is one (``open``), plans
-how the checkpoint's state maps onto the target (the same optimizer, or another implementation
-by :mod:`muonckpt.format.conversion`'s rules), reads and checks only the byte ranges of its own
-share (``read``) and hands it to the optimizers (torch's ``load_state_dict``, the trim passed by)
-and the stateful values of ``extra`` / ``rank_extra`` to theirs, each of which may refuse; only
-when every rank has, copies the loaded values into the tensors kept and the params. A failure
-anywhere puts back everything on every rank: all or nothing."""
+:func:`load` calls the steps in turn, each a call that returns data: the rendezvous and the
+layout (``_agree``); every rank opens the checkpoint (``_open``) and agrees with the others that
+it is one (the ``open`` step); it plans how the checkpoint's state maps onto the target
+(``_map``: the same optimizer, or another implementation by
+:mod:`muonckpt.format.conversion`'s rules), reads and checks only the byte ranges of its own
+share and hands it to the optimizers (torch's ``load_state_dict``, the trim passed by) and the
+stateful values of ``extra`` / ``rank_extra`` to theirs, each of which may refuse
+(``_read_and_take``); the ``read`` step then finds whether every rank did; only then are the loaded
+values copied into the tensors kept and the params (``_apply``). A rank's refusal before a step
+travels as data (:class:`~muonckpt.checkpoint._attempt.Attempt`) and fails that step on every
+rank.
+
+Every rank reads the manifest and then only the bytes of the pieces overlapping its own share,
+verifying their checksums, and holds it until every rank has read (small tensors packed
+together: a tensor object each would cost more than their bytes). State the optimizer already
+has, of the dtype, device and shape torch would give the loaded value, keeps its tensors: the
+checkpoint's values are copied into them, so a rollback inside a running job holds no second
+copy of the state. New small state tensors (a fresh optimizer's) view the shared blocks they
+were read into: ``torch.save`` of one of them alone writes its whole block. In distributed
+mode a load is a collective over the grid (for optimizers without hooks in a process group,
+DDP replicas, the world: every rank reads the whole state): a bounded rendezvous where the
+ranks agree on the call and its arguments, then they agree that they opened one checkpoint (its
+resolved directory and manifest) and that every share was read and taken; any rank's failure
+is every rank's.
+
+All or nothing: a load that fails (damage, a mismatch, a stateful value or an optimizer whose
+``load_state_dict`` refuses, on any rank) leaves the optimizers, the params and the model, and
+every value of ``extra`` / ``rank_extra`` as they were. Stateful values are handed their saved
+state first (their previous ``state_dict()`` copied to put them back), then the optimizers
+theirs (the state and groups they had kept aside); nothing is written into a tensor, a param or
+a plain value until every rank has taken its share. (A stateful value that then refuses its own
+previous state too is the one thing a failed load can leave changed, named in its error.)
+"""
 
 from __future__ import annotations
 
 import logging
 import os
 import warnings
-from array import array
-from collections.abc import Callable, Iterable, Mapping, MutableMapping, Sequence
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
 from .. import storage
 from ..distributed import collectives
 from ..distributed.steps import disagreement
-from ..errors import CheckpointError, ConversionWarning, MuonCkptError, StateDictError
+from ..errors import CheckpointError, ConversionWarning
 from ..format import conversion, kinds
-from ..format.manifest import Manifest, ParamEntry, Scalar
-from ..format.names import MANIFEST_NAME, PARAM_KEY
+from ..format.manifest import Manifest
+from ..format.names import MANIFEST_NAME
 from ..format.renames import Rename, prefix_hint
-from ..layout.topology import Region, whole_region
-from ..optim.sharding import following
+from ..optim.sharding import ShardedParams, following
 from ..state import trainstate
-from ..state.arena import ReadArena
 from ..state.describers import flat_params
-from ..state.hooks import load_local_share, remap_groups
-from ..state.paramnames import torch_dtype_name
+from ..state.hooks import remap_groups
 from ..state.placement import (
     Joined,
     Optimizers,
@@ -44,8 +66,10 @@ from ..state.placement import (
     participants,
     replica_hint,
 )
-from ..state.sharding_model import ParamSharding, Sharding
-from ..state.values import ScalarValue
+from ..state.sharding_model import Sharding
+from . import _reading
+from ._attempt import Attempt
+from ._taking import Taken, Target, put_back
 from .pieces import PieceReader, open_checkpoint
 
 
@@ -57,20 +81,6 @@ class LoadReport:
     """Momentum converted between forms, per group: which params, from which form, by what."""
     warnings: list[str] = field(default_factory=list)
     """Target settings that cannot continue the saved trajectory, and what would."""
-
-
-@dataclass
-class _Target:
-    """The optimizer(s) to load into, and how the checkpoint's state maps onto them."""
-
-    optimizer: Optimizers
-    """One optimizer, or several as one."""
-    sharding: Sharding
-    groups: list[dict[str, Any]]
-    maps: dict[str, kinds.KeyMap] | None
-    """Per param name, the key map of a load across implementations; None: same optimizer."""
-    steps_in: list[str | None]
-    """Per target group, where an AdamW step count goes."""
 
 
 def load(
@@ -95,30 +105,14 @@ def load(
     The target may be another Muon implementation than the one that saved, or several
     optimizers that together hold every param (``[torch.optim.Muon(...),
     torch.optim.AdamW(...)]`` for a packaged Muon + AdamW checkpoint). Momentum is then
-    converted between sum and EMA form by ``1 - mu`` (:mod:`muonckpt.format.kinds`), AdamW state and
-    step counts are mapped as each optimizer keeps them, the target keeps its own settings,
-    and settings that cannot continue the saved trajectory are warned about.
+    converted between sum and EMA form by ``1 - mu`` (:mod:`muonckpt.format.kinds`), AdamW
+    state and step counts are mapped as each optimizer keeps them, the target keeps its own
+    settings, and settings that cannot continue the saved trajectory are warned about.
 
-    Every rank reads the manifest and then only the bytes of the pieces overlapping its own
-    share, verifying their checksums, and holds it until every rank has read (small tensors
-    packed together: a tensor object each would cost more than their bytes). State the
-    optimizer already has, of the dtype, device and shape torch would give the loaded value,
-    keeps its tensors: the checkpoint's values are copied into them, so a rollback inside a
-    running job holds no second copy of the state. New small state tensors (a fresh
-    optimizer's) view the shared blocks they were read into: ``torch.save`` of one of them
-    alone writes its whole block.
-    In distributed mode a collective over the grid (for optimizers without hooks in a process
-    group, DDP replicas, the world: every rank reads the whole state): a bounded rendezvous
-    where the ranks agree on the call and its arguments, then they agree that they opened one
-    checkpoint (its resolved directory and manifest) and that every share was read and taken;
-    any rank's failure is every rank's.
-
-    All or nothing: a load that fails (damage, a mismatch, a stateful value or an optimizer
-    whose ``load_state_dict`` refuses, on any rank) leaves the optimizers, the params and the
-    model, and every value of ``extra`` / ``rank_extra`` as they were. Stateful values are
-    handed their saved state first (their previous ``state_dict()`` copied to put them back),
-    then the optimizers theirs (the state and groups they had kept aside); nothing is written
-    into a tensor, a param or a plain value until every rank has taken its share.
+    Every rank reads only the bytes of its own share, verified. In distributed mode a
+    collective over the grid, which any rank's failure fails on every rank. All or nothing: a
+    load that fails leaves the optimizers, the params, the model and every value of ``extra``
+    / ``rank_extra`` as they were (how: :mod:`muonckpt.checkpoint.loading`).
 
     Args:
         optimizer: an optimizer :func:`muonckpt.save` takes, at any topology, or a list of them.
@@ -150,101 +144,215 @@ def load(
 
     Raises:
         CheckpointError: naming the file and param on any damage or mismatch, or the value of
-            ``extra`` / ``rank_extra`` whose ``load_state_dict`` refused (and any loaded before
-            it that then refused its own previous state too: the one thing a failed load can
-            leave changed, named). StateDictError: for a target that cannot take the state,
-            naming the optimizer whose ``load_state_dict`` refused it.
+            ``extra`` / ``rank_extra`` whose ``load_state_dict`` refused (and any that then
+            refused its own previous state too, named). StateDictError: naming the optimizer
+            whose ``load_state_dict`` refused the state.
     """
+    asked = _LoadOptions(path, params, momentum_form, rename, extra, rank_extra, local)
+    call = _agree(optimizer, asked)  # the rendezvous, then the layout
+    opened = _open(call)  # open: the manifest, or this rank's refusal
+    _agree_open(call, opened)
+    report = LoadReport()
+    mapped = _map(call, opened.result(), report)  # map: the checkpoint onto the target
+    read = _read_and_take(call, opened.result(), mapped)  # read, and hand to the optimizers
+    del opened  # nothing holds the manifest now: the state made takes its place in memory
+    _agree_read(call, read)
+    _apply(call, read.taken.result(), report)
+    return report
+
+
+@dataclass(frozen=True)
+class _LoadOptions:
+    """The arguments of one :func:`load` call."""
+
+    path: str | os.PathLike[str]
+    params: bool
+    momentum_form: str | None
+    rename: Rename | None
+    extra: MutableMapping[str, Any] | None
+    rank_extra: MutableMapping[str, Any] | None
+    local: bool
+
+    def agreement(self) -> dict[str, Any]:
+        """What every rank's call must have alike (the rendezvous compares it)."""
+        rename = self.rename
+        return {
+            "path": os.path.abspath(self.path),
+            "params": self.params,
+            "momentum_form": self.momentum_form,
+            "rename": rename if rename is None or isinstance(rename, Mapping) else _named(rename),
+            "extra given": self.extra is not None,
+            "rank_extra given": self.rank_extra is not None,
+        }
+
+
+@dataclass(frozen=True)
+class _LoadCall:
+    """A load described and agreed: its arguments, the optimizer(s) (several as one), their
+    layout, the models whose weights follow the params, and the step protocol."""
+
+    options: _LoadOptions
+    optimizer: Optimizers
+    sharding: Sharding
+    models: list[ShardedParams]
+    steps: collectives.CollectiveSteps
+
+    @property
+    def rank(self) -> int:
+        """This rank's place in the grid."""
+        return self.sharding.participants.index(collectives.global_rank())
+
+
+def _agree(
+    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer], options: _LoadOptions
+) -> _LoadCall:
+    """Describe and agree: the bounded rendezvous where the ranks compare the call and its
+    arguments, then the layout (a collective the first time)."""
     targets = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
-    joined = targets[0] if len(targets) == 1 else Joined(targets, local=local)
-    arguments = {
-        "path": os.path.abspath(path),
-        "params": params,
-        "momentum_form": momentum_form,
-        "rename": rename if rename is None or isinstance(rename, Mapping) else _named(rename),
-        "extra given": extra is not None,
-        "rank_extra given": rank_extra is not None,
-    }
-    ranks = participants(joined, "load", local=local)
+    joined = targets[0] if len(targets) == 1 else Joined(targets, local=options.local)
+    ranks = participants(joined, "load", local=options.local)
     hint = replica_hint(joined)
-    collectives.rendezvous("load", ranks, arguments, CheckpointError, hint=hint)
-    sharding = describe(joined, local=local)  # a collective the first time
-    models = following(p for o in targets for p in flat_params(o)) if params else []
+    collectives.rendezvous("load", ranks, options.agreement(), CheckpointError, hint=hint)
+    sharding = describe(joined, local=options.local)
+    models = following(p for o in targets for p in flat_params(o)) if options.params else []
     steps = collectives.CollectiveSteps(
         "load", sharding.participants, sharding.destination, CheckpointError
     )
-    opened: list[tuple[Path, Manifest]] = []
+    return _LoadCall(options, joined, sharding, models, steps)
 
-    def open_it() -> dict[str, Any]:
-        directory, manifest = open_checkpoint(path)
-        if rename is not None:
-            manifest = manifest.renamed(rename)
-        if params and not manifest.has_values:
-            raise CheckpointError(
-                "the checkpoint holds no param values (saved with params=False, or by format "
-                f"version {manifest.format_version}); load it with params=False to restore "
-                "the optimizer state only",
-                path=directory / MANIFEST_NAME,
-            )
-        _check_job_state(manifest, directory, extra, rank_extra, len(sharding.participants))
-        opened.append((directory, manifest))
-        if len(steps.ranks) == 1:
-            return {}  # nobody to agree with: no digest of a large manifest
-        return {
-            "checkpoint": os.path.realpath(directory),
-            "manifest": manifest.digest(),
-            "models that follow the params": len(models),  # each a collective below
-        }
 
-    if len(steps.ranks) > 1:  # (in one process every failure is raised as it is)
-        steps.each_then_root("open", open_it, lambda opened: _agreed_load(opened, steps.ranks))
-    else:
-        open_it()
-    report = LoadReport()
-    me = sharding.participants.index(collectives.global_rank())
-    undo: list[Callable[[], list[str]]] = []  # what puts back what the read step changed
-    taken: list[tuple[_Taken, trainstate.Restore]] = []
+@dataclass(frozen=True)
+class _Opened:
+    """The checkpoint this rank opened: its directory, its manifest (renamed as asked), and
+    what the ranks compare to find they opened one (empty in one process)."""
 
-    def read_share() -> None:
-        # Taken, not kept: once the share is read nothing holds the manifest, and the state
-        # the load makes (into a fresh optimizer) takes its place in memory instead of adding
-        # to it.
-        directory, manifest = opened.pop()
-        _check_prefix(manifest, sharding, directory)
-        plan = _plan(joined, sharding, manifest, momentum_form, report)
-        _check_covered(manifest, plan, directory)
+    directory: Path
+    manifest: Manifest
+    agreement: dict[str, Any]
+
+
+def _open(call: _LoadCall) -> Attempt[_Opened]:
+    """The checkpoint opened, checked to hold what the load asks for; or the refusal."""
+    try:
+        return Attempt(_opened(call))
+    except BaseException as exc:
+        return Attempt(failure=exc)
+
+
+def _opened(call: _LoadCall) -> _Opened:
+    options = call.options
+    directory, manifest = open_checkpoint(options.path)
+    if options.rename is not None:
+        manifest = manifest.renamed(options.rename)
+    if options.params and not manifest.has_values:
+        raise CheckpointError(
+            "the checkpoint holds no param values (saved with params=False, or by format "
+            f"version {manifest.format_version}); load it with params=False to restore "
+            "the optimizer state only",
+            path=directory / MANIFEST_NAME,
+        )
+    world = len(call.sharding.participants)
+    _check_job_state(manifest, directory, options.extra, options.rank_extra, world)
+    if len(call.steps.ranks) == 1:
+        return _Opened(directory, manifest, {})  # nobody to agree with: no digest of it
+    agreement = {
+        "checkpoint": os.path.realpath(directory),
+        "manifest": manifest.digest(),
+        "models that follow the params": len(call.models),  # each a collective below
+    }
+    return _Opened(directory, manifest, agreement)
+
+
+def _agree_open(call: _LoadCall, opened: Attempt[_Opened]) -> None:
+    """The ``open`` step: every rank opened the same checkpoint, or every rank fails. (In one
+    process every failure is raised as it is.)"""
+    steps = call.steps
+    if len(steps.ranks) == 1:
+        opened.result()
+        return
+
+    def mine() -> dict[str, Any]:
+        return opened.result().agreement
+
+    steps.each_then_root("open", mine, lambda found: _agreed_load(found, steps.ranks))
+
+
+def _map(call: _LoadCall, opened: _Opened, report: LoadReport) -> Attempt[Target]:
+    """How the checkpoint maps onto the target (names that differ by a wrapper's prefix
+    refused, every checkpoint param landing in one optimizer); or the refusal."""
+    try:
+        manifest, directory = opened.manifest, opened.directory
+        _check_prefix(manifest, call.sharding, directory)
+        form = call.options.momentum_form
+        target = _plan(call.optimizer, call.sharding, manifest, form, report)
+        _check_covered(manifest, target, directory)
+        return Attempt(target)
+    except BaseException as exc:
+        return Attempt(failure=exc)
+
+
+@dataclass
+class _Read:
+    """This rank's share read and handed to the optimizers and the job's stateful values (or
+    the refusal), with what puts back what that changed, in the order it changed it."""
+
+    undo: list[Callable[[], list[str]]]
+    taken: Attempt[tuple[Taken, trainstate.Restore]]
+
+
+def _read_and_take(call: _LoadCall, opened: _Opened, mapped: Attempt[Target]) -> _Read:
+    """Read this rank's share and the job's own state, then hand them over, which may refuse:
+    inside the ``read`` step, so that a refusal on any rank fails every rank, each putting
+    back what it changed (the stateful values first, then the optimizers take their share, no
+    tensor of theirs written into yet)."""
+    options, undo = call.options, []
+    try:
+        target, manifest, directory = mapped.result(), opened.manifest, opened.directory
         with PieceReader(directory, manifest) as reader:
-            share = _read(plan, manifest, reader, params, directory)
-            asked = _read_job_state(manifest, reader, extra, rank_extra, me)
-        # What may refuse happens inside the step, so that a refusal on any rank fails every
-        # rank, each putting back what it changed: the job's stateful values first, then the
-        # optimizers take their share (no tensor of theirs written into yet).
+            share = _reading.read_share(target, manifest, reader, options.params, directory)
+            asked = _read_job_state(manifest, reader, options.extra, options.rank_extra, call.rank)
         restore = trainstate.Restore(asked)
         undo.append(restore.put_back)
         restore.load_objects()
-        state = _Taken(plan, share)
+        state = Taken(target, share)
         undo.append(state.put_back)
         state.take()
-        taken.append((state, restore))
+        return _Read(undo, Attempt((state, restore)))
+    except BaseException as exc:
+        return _Read(undo, Attempt(failure=exc))
+
+
+def _agree_read(call: _LoadCall, read: _Read) -> None:
+    """The ``read`` step: every rank read and handed over its share, or every rank puts back
+    what it changed (all or none change)."""
+    steps = call.steps
+
+    def mine() -> None:
+        read.taken.result()
 
     try:
         if len(steps.ranks) > 1:
-            steps.each_then_root("read", read_share, lambda _: None)  # all or none change
+            steps.each_then_root("read", mine, lambda _: None)
         else:
-            read_share()
+            mine()
     except BaseException as exc:
-        _put_back(undo, exc)
+        put_back(read.undo, exc)
         raise
-    ((state, restore),) = taken
+
+
+def _apply(call: _LoadCall, taken: tuple[Taken, trainstate.Restore], report: LoadReport) -> None:
+    """(every rank has taken its share) The loaded values into the optimizers' tensors, the
+    params and the job's plain values, the model's weights from the loaded shards; the
+    report's notes logged and warned (at the caller of :func:`load`)."""
+    state, restore = taken
     state.finish()  # from here on nothing can refuse
     restore.assign()
-    for sharded in models:  # the model's weights from the loaded shards: never forgotten
+    for sharded in call.models:  # the model's weights from the loaded shards: never forgotten
         sharded.params_to_model()
     for message in report.converted:
         _LOG.info("muonckpt.load: converted %s", message)
     for message in report.warnings:
-        warnings.warn(message, ConversionWarning, stacklevel=2)
-    return report
+        warnings.warn(message, ConversionWarning, stacklevel=3)
 
 
 _LOG = logging.getLogger("muonckpt")
@@ -348,7 +456,7 @@ def _plan(
     manifest: Manifest,
     momentum_form: str | None,
     report: LoadReport,
-) -> _Target:
+) -> Target:
     """How the checkpoint's state maps onto ``optimizer``: name for name into the same
     optimizer, else by :mod:`muonckpt.format.conversion`'s rules (its notes go to ``report``)."""
     source = [
@@ -358,14 +466,14 @@ def _plan(
     steps_in = [k.step_in for k in target]
     if not conversion.needs_mapping(source, target, momentum_form):
         groups = remap_groups(optimizer, _torch_groups(manifest), sharding)
-        return _Target(optimizer, sharding, groups, None, steps_in)
+        return Target(optimizer, sharding, groups, None, steps_in)
     mapping = conversion.load_mapping(
         manifest, source, target, ((p.name, p.group) for p in sharding.params), momentum_form
     )
     report.converted += mapping.converted
     report.warnings += mapping.warnings
     groups = _own_groups(optimizer, target, sharding, manifest)
-    return _Target(optimizer, sharding, groups, mapping.maps, steps_in)
+    return Target(optimizer, sharding, groups, mapping.maps, steps_in)
 
 
 def _own_groups(
@@ -389,7 +497,7 @@ def _own_groups(
     return groups
 
 
-def _check_covered(manifest: Manifest, plan: _Target, directory: Path) -> None:
+def _check_covered(manifest: Manifest, plan: Target, directory: Path) -> None:
     """Loading across optimizers, every checkpoint param must land in exactly one of them."""
     if plan.maps is None:
         return  # the same optimizer: remap_groups has matched every name
@@ -403,301 +511,8 @@ def _check_covered(manifest: Manifest, plan: _Target, directory: Path) -> None:
         )
 
 
-class _Staged(NamedTuple):
-    """One param's state as read, in the target's keys: tensors in consecutive arena slots."""
-
-    position: int
-    """The param's index in the target's flat param order."""
-    tensors: tuple[tuple[str, str], ...]
-    """(state key, safetensors dtype) of each tensor, the first in slot ``first``."""
-    first: int
-    scalars: Mapping[str, Scalar]
-
-
-@dataclass
-class _Share:
-    """This rank's share as read and checked, nothing applied: its bytes in one arena (a tensor
-    each, held until every rank has read, would cost more than the state itself)."""
-
-    arena: ReadArena
-    """The state's bytes: a fresh optimizer's new state tensors view its blocks."""
-    state: list[_Staged]
-    values: array
-    """Pairs (flat index, slot of ``value_bytes``) of the params' own values."""
-    value_bytes: ReadArena = field(default_factory=ReadArena)
-    """The params' own values, apart from the state's blocks: once copied into the params,
-    nothing keeps them."""
-
-
-def _read(
-    plan: _Target, manifest: Manifest, reader: PieceReader, params: bool, directory: Path
-) -> _Share:
-    """This rank's share of the state (in the target's keys) and of its params' values."""
-    grouped = manifest.pieces_of()
-    share = _Share(ReadArena(), [], array("q"))
-
-    def read(entry: ParamEntry, key: str, region: Region, arena: ReadArena = share.arena) -> int:
-        slot, out = arena.reserve(region.numel * storage.itemsize(entry.dtype_of(key)))
-        reader.gather(grouped[entry.name, key], entry, key, region, out)
-        return slot
-
-    flat = flat_params(plan.optimizer)
-    layouts: dict[tuple[tuple[str, str], ...], tuple[tuple[str, str], ...]] = {}  # one each
-    checked: set[Scalar] = set()  # scalars that make the optimizer's value
-    for param in plan.sharding.params:
-        entry = manifest.param(param.name)
-        _check_param(entry, param, directory)
-        if param.local_index is None:
-            continue
-        p = flat[param.index_here]
-        if param.local is not None and (entry.state_keys or entry.scalars):
-            _check_share(param, param.local, p)
-            if plan.maps is None:
-                tensors = tuple((k, entry.dtype_of(k)) for k in entry.state_keys)
-                first = len(share.arena)
-                for key in entry.state_keys:
-                    read(entry, key, param.local)
-                scalars = entry.scalars
-            else:
-                tensors, first, scalars = _mapped(plan, param, entry, manifest, read, share.arena)
-            if tensors not in layouts:  # a dtype this torch lacks fails before any change
-                layouts[tensors] = tensors
-                for _, dtype in tensors:
-                    storage.torch_dtype(dtype)
-            for scalar in scalars.values():
-                if scalar not in checked:
-                    _scalar_value(scalar)
-                    checked.add(scalar)
-            share.state.append(_Staged(param.local_index, layouts[tensors], first, scalars))
-        if params:
-            held = param.held or whole_region(entry.numel)
-            _check_value(entry, held, p, directory)
-            share.values.extend(
-                (param.local_index, read(entry, PARAM_KEY, held, share.value_bytes))
-            )
-    share.arena.trim()
-    return share
-
-
-def _mapped(
-    plan: _Target,
-    param: ParamSharding,
-    entry: ParamEntry,
-    manifest: Manifest,
-    read: Callable[[ParamEntry, str, Region], int],
-    arena: ReadArena,
-) -> tuple[tuple[tuple[str, str], ...], int, Mapping[str, Scalar]]:
-    """A param's state in the target's keys and forms: (key, dtype) per tensor read, the first
-    tensor's slot, and the step scalar."""
-    assert plan.maps is not None  # (a load across implementations)
-    key_map = plan.maps[param.name]
-    tensors, first = [], len(arena)
-    for key, (source_key, factor) in key_map.keys.items():
-        if source_key in entry.state_keys:
-            dtype = entry.dtype_of(source_key)
-            slot = read(entry, source_key, param.region_here)
-            if factor != 1.0:
-                numel = (param.region_here.numel,)
-                arena.tensor(slot, storage.torch_dtype(dtype), numel).mul_(factor)
-            tensors.append((key, dtype))
-    step = conversion.step_scalar(plan.steps_in[param.group], manifest.step_of(entry))
-    scalars = {"step": step} if key_map.step and tensors and step is not None else {}
-    return tuple(tensors), first, scalars
-
-
-class _Indices(list):
-    """A group's param indices for ``load_state_dict``: torch asks ``index in group["params"]``
-    once per state value, which on a plain list makes a load quadratic in the params."""
-
-    def __init__(self, indices: Iterable[int]) -> None:
-        super().__init__(indices)
-        self._members = frozenset(self)
-
-    def __contains__(self, index: object) -> bool:
-        return index in self._members
-
-
-class _Taken:
-    """The optimizers' share handed to their ``load_state_dict`` (:meth:`take`, which may
-    refuse, and writes into no tensor of theirs), then the loaded values copied into the
-    tensors they kept and into the params (:meth:`finish`, which cannot fail). Until then
-    :meth:`put_back` gives each optimizer back the ``state`` and groups it had: torch's
-    ``load_state_dict`` makes new ones and leaves the old as they were.
-
-    A state tensor the optimizer already has, which torch would replace by one of the same
-    dtype, device and shape, is handed back to torch and the loaded values copied into it once
-    every optimizer took its share: a load into an optimizer that has state (a rollback in a
-    running job) holds no second copy of it, on the host or the device."""
-
-    def __init__(self, plan: _Target, share: _Share) -> None:
-        self.plan, self.share = plan, share
-        self.params = flat_params(plan.optimizer)
-        self.before: list[tuple[torch.optim.Optimizer, Any, Any]] = []
-        """(optimizer, its state, its param groups) as they were, for each one asked so far."""
-        self.copies: list[tuple[torch.Tensor, int, torch.dtype]] = []
-        """(a state tensor the optimizer kept, the arena slot of its loaded values, dtype)."""
-
-    def take(self) -> None:
-        """Hand each optimizer its share (in its own indices); a refusal is raised as a
-        :class:`StateDictError` naming the optimizer."""
-        owners = optimizers_of(self.plan.optimizer)
-        arena, reused = self.share.arena, bytearray(len(self.share.arena))
-        seen: set[int] = set()  # ids of the tensors copied into: each gets one param's values
-        first_group = first_param = 0
-        for number, optimizer in enumerate(owners):
-            groups = self.plan.groups[first_group : first_group + len(optimizer.param_groups)]
-            count = sum(len(g["params"]) for g in optimizer.param_groups)
-            flat = self.params[first_param : first_param + count]
-            mine = [s for s in self.share.state if first_param <= s.position < first_param + count]
-            state: dict[int, dict[str, Any]] = {}
-            for staged in mine:
-                p = flat[staged.position - first_param]
-                had = optimizer.state.get(p, {})
-                values: dict[str, Any] = {}
-                for slot, (key, dtype) in enumerate(staged.tensors, staged.first):
-                    if _reusable(had.get(key), p, key) and id(had[key]) not in seen:
-                        values[key], reused[slot] = had[key], 1
-                        seen.add(id(had[key]))
-                    else:
-                        values[key] = arena.tensor(slot, storage.torch_dtype(dtype), p.shape)
-                values.update({k: _scalar_value(v) for k, v in staged.scalars.items()})
-                state[staged.position - first_param] = values
-            share_dict = {
-                "state": state,
-                "param_groups": [
-                    {**g, "params": _Indices(i - first_param for i in g["params"])} for g in groups
-                ],
-            }
-            self.before.append((optimizer, optimizer.state, optimizer.param_groups))
-            try:
-                load_local_share(optimizer, share_dict)
-            except MuonCkptError:
-                raise
-            except Exception as exc:
-                which = type(optimizer).__name__
-                if len(owners) > 1:
-                    which = f"optimizer {number} ({which})"
-                raise StateDictError(
-                    f"{which}: its load_state_dict refused the checkpoint's state "
-                    f"({trainstate.said(exc)})"
-                ) from exc
-            del state, share_dict
-            for staged in mine:
-                p = flat[staged.position - first_param]
-                for slot, (key, dtype) in enumerate(staged.tensors, staged.first):
-                    if reused[slot]:
-                        kept = _kept(optimizer, p, key)
-                        self.copies.append((kept, slot, storage.torch_dtype(dtype)))
-            first_group += len(optimizer.param_groups)
-            first_param += count
-
-    def finish(self) -> None:
-        """The loaded values into the state tensors the optimizers kept, then into the params."""
-        self.before = []  # the old state goes: nothing holds it now
-        share = self.share
-        with torch.no_grad():
-            for kept, slot, dtype in self.copies:
-                kept.copy_(share.arena.tensor(slot, dtype, kept.shape))
-            for index, slot in zip(share.values[::2], share.values[1::2], strict=True):
-                p = self.params[index]
-                p.copy_(share.value_bytes.tensor(slot, p.dtype, p.shape))
-        self.copies = []
-
-    def put_back(self) -> list[str]:
-        """Each optimizer asked so far back to the state and groups it had (always possible:
-        no tensor of theirs was written into); nothing is left changed."""
-        for optimizer, state, groups in reversed(self.before):
-            optimizer.state, optimizer.param_groups = state, groups
-        self.before, self.copies = [], []
-        return []
-
-
-def _put_back(undo: Sequence[Callable[[], list[str]]], failure: BaseException) -> None:
-    """After a failed read step: everything it changed put back, last first. What could not
-    be (a stateful value that refuses its own previous state) is named in a
-    :class:`CheckpointError` raised from ``failure``."""
-    left = [message for put_back in reversed(undo) for message in put_back()]
-    if not left:
-        return
-    if isinstance(failure, Exception):
-        raise CheckpointError(f"{failure}; {'; '.join(left)}") from failure
-    _LOG.error("muonckpt.load was interrupted, and %s", "; ".join(left))
-
-
-def _kept(optimizer: torch.optim.Optimizer, p: torch.Tensor, key: str) -> torch.Tensor:
-    """The tensor ``optimizer`` keeps for state ``key`` of ``p`` after its ``load_state_dict``
-    took its own tensor back (or, in an override, whatever it made of it)."""
-    kept = optimizer.state.get(p, {}).get(key)
-    if not isinstance(kept, torch.Tensor) or kept.shape != p.shape:
-        raise StateDictError(
-            f"{type(optimizer).__name__}.load_state_dict dropped or reshaped state {key!r} "
-            "of a param that had it"
-        )
-    return kept
-
-
-def _reusable(had: Any, p: torch.Tensor, key: str) -> bool:
-    """Whether ``had``, the optimizer's own value of state ``key`` of ``p``, has the dtype,
-    device and shape torch's ``load_state_dict`` gives a loaded value (the param's, for a
-    floating param; a step count is kept as loaded, and so never reused)."""
-    return (
-        key != "step"
-        and isinstance(had, torch.Tensor)
-        and p.is_floating_point()
-        and had.dtype == p.dtype
-        and had.device == p.device
-        and had.shape == p.shape
-    )
-
-
-def _scalar_value(scalar: Scalar) -> Any:
-    """A stored scalar as the optimizer had it: a 0-d tensor of its dtype, or the number."""
-    if scalar.dtype is None:
-        return scalar.value
-    dtype = torch_dtype_name(storage.torch_dtype(scalar.dtype))
-    return ScalarValue(scalar.value, dtype).as_state()
-
-
-def _check_value(entry: ParamEntry, held: Region, p: torch.Tensor, directory: Path) -> None:
-    """The saved values fit the optimizer's param: its dtype, this rank's elements of it."""
-    dtype = storage.torch_dtype(entry.dtype_of(PARAM_KEY))
-    if dtype != p.dtype or held.numel != p.numel():
-        raise CheckpointError(
-            f"saved values are {dtype} x {held.numel} elements here, the optimizer's "
-            f"param {p.dtype} x {p.numel()}",
-            path=directory / MANIFEST_NAME,
-            param=entry.name,
-        )
-
-
-def _check_share(param: ParamSharding, region: Region, p: torch.Tensor) -> None:
-    """This rank's share of a param's state has the elements of its tensor here."""
-    if region.numel != p.numel():
-        raise StateDictError(
-            f"param {param.name!r}: this rank's share of its state is {region.numel} "
-            f"elements, its tensor here {p.numel()}"
-        )
-
-
 def _torch_groups(manifest: Manifest) -> list[dict[str, Any]]:
     return [
         {**g.hyperparams, "param_names": list(g.params), "params": list(g.params)}
         for g in manifest.groups
     ]
-
-
-def _check_param(entry: ParamEntry, param: ParamSharding, directory: Path) -> None:
-    if param.full_shape is not None and tuple(entry.shape) != tuple(param.full_shape):
-        raise CheckpointError(
-            f"checkpoint shape {entry.shape} differs from the optimizer's full shape "
-            f"{tuple(param.full_shape)}",
-            path=directory / MANIFEST_NAME,
-            param=param.name,
-        )
-    missing = [k for k in param.expected_keys if entry.state_keys and k not in entry.state_keys]
-    if missing:
-        raise CheckpointError(
-            f"checkpoint lacks state key(s) {missing}",
-            path=directory / MANIFEST_NAME,
-            param=param.name,
-        )

@@ -1,22 +1,23 @@
-"""A save's collect and plan, in the caller's thread: the rendezvous, the layout, each rank's
-check of what it will write (``stage``), the state holders' check or the consolidated gather,
-then each rank's write and the root's manifest, as functions of values taken at the call
-(:class:`PreparedSave`), which :func:`muonckpt.checkpoint.writing.finish` runs (in the background
-for
-:func:`muonckpt.async_save`)."""
+"""A save's steps in the caller's thread, each a call that returns data: :func:`agree` (the
+rendezvous, then the layout), :func:`collect` (this rank's values, taken once, or its
+refusal), :func:`plan` (once the ranks agreed in the ``stage`` step: the holders' check or the
+consolidated gather, the checked write plan and the manifest's draft), and :func:`write` (this
+rank's files, in the caller's thread or the background), which
+:mod:`muonckpt.checkpoint.api` calls in turn between the steps of
+:mod:`muonckpt.checkpoint.writing`."""
 
 from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from .. import settings, storage
+from .. import storage
 from ..distributed import collectives
 from ..errors import CheckpointError
 from ..format import conversion
@@ -25,15 +26,11 @@ from ..format.manifest import (
     PER_RANK,
     Extra,
     GroupEntry,
-    Manifest,
-    ModelFile,
     ParamEntry,
     Scalar,
     extra_to_json,
     json_safe,
-    model_tensor,
 )
-from ..format.manifest_json import extra_from_json
 from ..format.names import EXTRA_FILE, PARAM_KEY, extra_rank_file
 from ..format.writeplan import WritePlan, consolidated_plan, rank_plan, unique_tensor_keys
 from ..state import trainstate
@@ -45,128 +42,140 @@ from ..state.placement import Optimizers, describe, optimizers_of, participants,
 from ..state.sharding_model import Sharding
 from ..state.values import ParamState, PlainValue, ScalarValue, StateValue, TensorValue, state_value
 from . import retention, writing
+from ._attempt import Attempt
+from ._save_manifest import ManifestDraft
+from .options import SaveOptions
+
+
+@dataclass(frozen=True)
+class SaveCall:
+    """A save described and agreed: the optimizer, the path as given, the options, the layout
+    over the grid and the step protocol among its ranks."""
+
+    optimizer: Optimizers
+    path: Path
+    options: SaveOptions
+    sharding: Sharding
+    steps: collectives.CollectiveSteps
+
+
+def agree(optimizer: Optimizers, path: str | os.PathLike[str], options: SaveOptions) -> SaveCall:
+    """Describe and agree: the bounded rendezvous where the ranks compare the call and its
+    arguments (``path`` resolved), then the optimizer's layout (``options.local``: this
+    process's alone, :func:`muonckpt.state.placement.check_local`)."""
+    operation = options.operation
+    ranks = participants(optimizer, operation, local=options.local)
+    hint = replica_hint(optimizer)
+    collectives.rendezvous(operation, ranks, options.agreement(path), CheckpointError, hint=hint)
+    sharding = describe(optimizer, local=options.local)
+    steps = collectives.CollectiveSteps(
+        operation, sharding.participants, sharding.destination, CheckpointError
+    )
+    return SaveCall(optimizer, Path(path), options, sharding, steps)
+
+
+@dataclass
+class Collected:
+    """This rank's share of a save, taken once from the optimizer: its state by flat param
+    index, ``model``'s other tensors, the job's own state, and for a per-rank save its own
+    file (for a background save, its tensors copied into host buffers already)."""
+
+    state: dict[int, ParamState]
+    model: ModelTensors | None
+    job: _JobState
+    payload: _Payload | None
+    agreement: dict[str, Any]
+    """What every rank's must have alike (the ``stage`` step compares it)."""
+
+
+def collect(call: SaveCall, buffers: HostBuffers) -> Attempt[Collected]:
+    """This rank's :class:`Collected`, or its refusal (a value a checkpoint could not hold or
+    load back, a manifest past the readers' limit), which the ``stage`` step
+    (:func:`muonckpt.checkpoint.writing.stage`) raises on every rank."""
+    try:
+        return Attempt(_collected(call, buffers))
+    except BaseException as exc:
+        return Attempt(failure=exc)
+
+
+def _collected(call: SaveCall, buffers: HostBuffers) -> Collected:
+    sharding, options = call.sharding, call.options
+    state = _collect(sharding, call.optimizer, options.params, options.keep_last, call.path)
+    names = [p.name for p in sharding.params]
+    model = model_tensors(options.model, names, options.consolidated, options.params)
+    job = _JobState.take(options.extra, options.rank_extra)
+    payload = None
+    if not options.consolidated:
+        payload = _rank_payload(sharding, state)
+        if options.background:  # the optimizer may change as soon as async_save returns
+            payload.tensors = buffers.snapshot(payload.tensors)
+    _check_manifest(sharding, state, payload, options.shard_bytes, call.path)
+    return Collected(state, model, job, payload, job.agreement())
 
 
 @dataclass
 class PreparedSave:
-    """A save staged: its protocol over the grid, the staging directory, each rank's write of
-    its files and the root's manifest, with every value they need already taken from the
-    optimizer."""
+    """A save planned, every value its write and commit need taken from the optimizer: the
+    protocol over the grid, the staging directory, this rank's plan (or why it could not be
+    made, raised in the ``write`` step) and tensors, the host buffers they stream through
+    (None: a snapshot already), the job's own state, and the manifest's draft."""
 
     steps: collectives.CollectiveSteps
     staging: Path
-    write: Callable[[Path], writing.Written]
-    manifest: Callable[[writing.Reports], Manifest]
+    payload: _Payload
+    host: HostBuffers | None
+    job: _JobState
+    draft: ManifestDraft
 
 
-def prepare_save(
-    operation: str,
-    optimizer: Optimizers,
-    buffers: HostBuffers,
-    path: str | os.PathLike[str],
-    consolidated: bool,
-    max_shard_size: int | str | None,
-    params: bool,
-    overwrite: bool,
-    keep_last: int | None,
-    *,
-    extra: Mapping[str, Any] | None = None,
-    rank_extra: Mapping[str, Any] | None = None,
-    background: bool = False,
-    timeout: float | None = None,
-    model: torch.nn.Module | None = None,
-    local: bool = False,
-) -> PreparedSave:
-    """Everything of a save before the writing, in the caller's thread, so that any rank's
-    failure here is every rank's: one ``stage`` step (every rank checks what it will write,
-    and for a ``background`` save copies it into its host buffers, so that the optimizer may
-    change as soon as this returns; the root checks that the ranks agree on the call and its
-    arguments, ``path`` resolved, then creates the staging directory, and for a
-    ``background`` save its mailbox), the state holders' check, the group settings, and for a
-    consolidated save the full state gathered to the destination's host memory. ``local``:
-    the optimizer is this process's alone (:func:`muonckpt.state.placement.check_local`), saved by
-    this process alone whatever process group there is."""
-    max_shard_size = settings.shard_size(max_shard_size)
-    arguments = {
-        "path": os.path.abspath(path),
-        "consolidated": consolidated,
-        "max_shard_size": max_shard_size,
-        "params": params,
-        "overwrite": overwrite,
-        "keep_last": keep_last,
-        "timeout": timeout,
-        "model given": model is not None,
-    }
-    ranks = participants(optimizer, operation, local=local)
-    hint = replica_hint(optimizer)
-    collectives.rendezvous(operation, ranks, arguments, CheckpointError, hint=hint)
-    sharding = describe(optimizer, local=local)
-    steps = collectives.CollectiveSteps(
-        operation, sharding.participants, sharding.destination, CheckpointError
-    )
-    taken: list[_Payload] = []
-    collected: list[dict[int, ParamState]] = []
-    described: list[ModelTensors | None] = []
-    job: list[_JobState] = []
-
-    def check() -> dict[str, Any]:
-        collected.append(_collect(sharding, optimizer, params, keep_last, Path(path)))
-        described.append(
-            model_tensors(model, [p.name for p in sharding.params], consolidated, params)
-        )
-        state = _JobState.take(extra, rank_extra)
-        job.append(state)
-        payload = None
-        if not consolidated:
-            payload = _rank_payload(sharding, collected[0])
-            if background:
-                payload.tensors = buffers.snapshot(payload.tensors)
-            taken.append(payload)
-        _check_manifest(sharding, collected[0], payload, max_shard_size, Path(path))
-        return state.agreement()
-
-    mailbox = background and len(sharding.participants) > 1
-    staging = writing.stage(steps, path, overwrite=overwrite, check=check, mailbox=mailbox)
+def plan(call: SaveCall, collected: Collected, staging: Path, buffers: HostBuffers) -> PreparedSave:
+    """(after the ``stage`` step) For a per-rank save over several ranks, the state holders'
+    check (a wrong owner rule would drop state unnoticed); the group settings; for a
+    consolidated save the full state gathered to the destination's host memory and its plan.
+    A failure here removes the staging directory (the root)."""
+    sharding, options = call.sharding, call.options
     try:
-        if not consolidated and len(sharding.participants) > 1:
-            # Each rank writes only the state it owns: a wrong owner rule would drop the rest
-            # unnoticed (the consolidated gather checks this itself).
-            check_state_holders(sharding, collected[0])
-        groups = _group_entries(optimizer, sharding)
-        if consolidated:  # gathered into fresh host tensors: a snapshot already
-            taken.append(
-                _consolidated_payload(sharding, collected[0], max_shard_size, described[0])
+        if not options.consolidated and len(sharding.participants) > 1:
+            check_state_holders(sharding, collected.state)
+        groups = _group_entries(call.optimizer, sharding)
+        payload = collected.payload
+        if payload is None:  # gathered into fresh host tensors: a snapshot already
+            payload = _consolidated_payload(
+                sharding, collected.state, options.shard_bytes, collected.model
             )
     except BaseException:
-        if steps.is_root:
+        if call.steps.is_root:
             writing.abandon(staging)
         raise
-    (payload,), (state,) = taken, job
-    me = sharding.participants.index(collectives.global_rank())
-    if background:
-        fetch = lambda w: payload.tensors[w.param, w.key].reshape(-1)  # noqa: E731
-    else:  # streamed: each CUDA tensor through one reused host buffer
-        fetch = lambda w: buffers.to_host(payload.tensors[w.param, w.key]).reshape(-1)  # noqa: E731
+    kind = CONSOLIDATED if options.consolidated else PER_RANK
+    given_step = None if options.extra is None else options.extra.get("step")
+    draft = ManifestDraft(groups, sharding, kind, collected.model, given_step)
+    host = None if options.background else buffers  # else streamed: one reused host buffer
+    return PreparedSave(call.steps, staging, payload, host, collected.job, draft)
 
-    def write(staging: Path) -> writing.Written:
-        written = writing.Written([], [], {})
-        if payload.plan is not None:
-            plan = payload.plan()
-            _check_plan_holds(plan, payload.tensors)
-            written = writing.write_files(plan, staging, fetch, prefetch=False)
-        shared = state.shared if steps.is_root else None  # stored once, by the root
-        job_state = state.write(staging, shared, me, len(sharding.participants))
-        written.extra = {"scalars": payload.scalars, "extra": job_state}
-        return written
 
-    kind = CONSOLIDATED if consolidated else PER_RANK
-    given_step = None if extra is None else extra.get("step")
-    return PreparedSave(
-        steps,
-        staging,
-        write,
-        lambda reports: build_manifest(groups, sharding, reports, kind, described[0], given_step),
-    )
+def write(prepared: PreparedSave) -> Attempt[writing.Written]:
+    """This rank's files: its plan checked against what it collected, its tensors, the job's
+    own state (``extra`` by the root); its report for the root, or its failure, which the
+    ``write`` step (:func:`muonckpt.checkpoint.writing.commit_save`) raises on every rank."""
+    try:
+        return Attempt(_write(prepared))
+    except BaseException as exc:
+        return Attempt(failure=exc)
+
+
+def _write(prepared: PreparedSave) -> writing.Written:
+    payload, steps = prepared.payload, prepared.steps
+    written = writing.Written([], [], {})
+    planned = payload.plan.result()
+    if planned is not None:
+        _check_plan_holds(planned, payload.tensors)
+        written = writing.write_tensors(planned, prepared.staging, payload.tensors, prepared.host)
+    shared = prepared.job.shared if steps.is_root else None  # stored once, by the root
+    me = steps.ranks.index(steps.rank)
+    job_state = prepared.job.write(prepared.staging, shared, me, len(steps.ranks))
+    written.extra = {"scalars": payload.scalars, "extra": job_state}
+    return written
 
 
 def _check_plan_holds(plan: WritePlan, tensors: Mapping[tuple[str, str], torch.Tensor]) -> None:
@@ -281,12 +290,12 @@ def _stored(held: ParamState) -> list[tuple[str, StateValue]]:
 
 @dataclass
 class _Payload:
-    """What one rank of a save writes: its plan (None: nothing; a consolidated plan is made
-    when it is written, in the background for a background save; a rank's own file's at the
-    call, where its manifest lines are counted), the tensors by (param, key), and the scalars
-    it reports for the manifest."""
+    """What one rank of a save writes: its plan (None: nothing; a rank's own file's made in
+    :func:`collect`, where its manifest lines are counted; a consolidated one in :func:`plan`,
+    or why it could not be, raised in the ``write`` step), the tensors by (param, key), and
+    the scalars it reports for the manifest."""
 
-    plan: Callable[[], WritePlan] | None
+    plan: Attempt[WritePlan | None]
     tensors: dict[tuple[str, str], torch.Tensor]
     scalars: dict[str, dict[str, Any]]
 
@@ -310,7 +319,7 @@ def _rank_payload(sharding: Sharding, collected: Mapping[int, ParamState]) -> _P
             tensors[param.name, key] = value.tensor
     rank, world = sharding.participants.index(me), len(sharding.participants)
     plan = rank_plan(rank, world, owned)  # made at the call: its manifest lines are counted
-    return _Payload(lambda: plan, tensors, scalars)
+    return _Payload(Attempt(plan), tensors, scalars)
 
 
 def _scalar_json(value: ScalarValue | PlainValue) -> dict[str, Any]:
@@ -331,7 +340,7 @@ def _consolidated_payload(
     write nothing."""
     full = gather_full_state(sharding, lambda: collected)
     if full is None:
-        return _Payload(None, {}, {})
+        return _Payload(Attempt(None), {}, {})
     tensors: dict[tuple[str, str], torch.Tensor] = {}
     items: list[Any] = []
     for name, tensor in (model.extras if model is not None else {}).items():
@@ -340,7 +349,13 @@ def _consolidated_payload(
         tensors[name, PARAM_KEY] = value
     scalars = _consolidated_items(sharding, full, items, tensors)
     aliases = dict(model.aliases) if model is not None else None
-    return _Payload(lambda: consolidated_plan(items, max_shard_size, aliases), tensors, scalars)
+    try:
+        planned: Attempt[WritePlan | None] = Attempt(
+            consolidated_plan(items, max_shard_size, aliases)
+        )
+    except BaseException as exc:
+        planned = Attempt(failure=exc)
+    return _Payload(planned, tensors, scalars)
 
 
 def _consolidated_items(
@@ -378,7 +393,7 @@ def _check_manifest(
     groups and ``extra``; with several ranks a lower bound (the commit checks the whole
     manifest)."""
     if payload is not None:
-        plan, scalars = payload.plan() if payload.plan is not None else None, payload.scalars
+        plan, scalars = payload.plan.result(), payload.scalars
     else:
         held = {
             i: collected[p.index_here]
@@ -416,72 +431,3 @@ def _group_entries(optimizer: Optimizers, sharding: Sharding) -> list[GroupEntry
         names = tuple(sharding.params[i].name for i in sharding.members(g))
         groups.append(GroupEntry(hyperparams=hyper, params=names, optimizer=computes.to_json()))
     return groups
-
-
-def build_manifest(
-    groups: Sequence[GroupEntry],
-    sharding: Sharding,
-    reports: writing.Reports,
-    kind: str,
-    model: ModelTensors | None = None,
-    given_step: int | None = None,
-) -> Manifest:
-    """The manifest of a save: params from the grid, groups as taken at the save's start,
-    files, pieces, dtypes, scalars and the job's own state from the ranks' reports
-    (``model``'s other tensors apart, in :class:`ModelFile`); the step ``given_step``
-    (``extra["step"]``), else the optimizer's count where it keeps one."""
-    scalars: dict[str, dict[str, Scalar]] = {}
-    for report in reports.extras:
-        for name, values in report["scalars"].items():
-            for key, item in values.items():
-                scalars.setdefault(name, {}).setdefault(key, Scalar(item["value"], item["dtype"]))
-    extras = model.extras if model is not None else {}
-    pieces = [p for p in reports.pieces if p.param not in extras]
-    dtypes = reports.dtypes
-    keys: dict[str, set[str]] = {}
-    for piece in pieces:
-        keys.setdefault(piece.param, set()).add(piece.key)
-    entries = []
-    for param in sharding.params:
-        entries.append(
-            ParamEntry(
-                name=param.name,
-                shape=tuple(param.full_shape),
-                group=param.group,
-                tp_split_dim=param.tp_split_dim,
-                dtypes={k: dtypes[param.name, k] for k in sorted(keys.get(param.name, ()))},
-                scalars=dict(scalars.get(param.name, {})),
-            )
-        )
-    model_file = None
-    if model is not None:
-        model_file = ModelFile(
-            tensors=tuple(
-                model_tensor(name, t.shape, dtypes[name, PARAM_KEY]) for name, t in extras.items()
-            ),
-            pieces=tuple(p for p in reports.pieces if p.param in extras),
-            aliases=dict(model.aliases),
-        )
-    manifest = Manifest(
-        kind=kind,
-        topology=dict(sharding.topology),
-        groups=tuple(groups),
-        params=tuple(entries),
-        files=tuple(reports.files),
-        pieces=tuple(pieces),
-        model=model_file,
-        extra=_merged_extra([report["extra"] for report in reports.extras]),
-    )
-    step = given_step if given_step is not None else manifest.step
-    return replace(manifest, recorded_step=step)
-
-
-def _merged_extra(parts: Sequence[dict[str, Any] | None]) -> Extra | None:
-    """Every rank's part of the job's own state (in grid order) as one: the root's ``extra``,
-    each rank's ``rank_extra``, all their files."""
-    found = [extra_from_json(part) for part in parts if part is not None]
-    if not found:
-        return None
-    shared = next((e.shared for e in found if e.shared is not None), None)
-    ranks = tuple(tree for e in found for tree in e.ranks)
-    return Extra(shared, ranks, tuple(f for e in found for f in e.files))

@@ -3,21 +3,28 @@ path.
 
 Every checkpoint muonckpt produces (``save`` and ``async_save`` per rank or consolidated,
 ``consolidate``, ``reshard``, ``convert``; in one process or many) is written as three steps
-of a :class:`Steps` protocol (:func:`write_checkpoint`, or :func:`stage` and then
-:func:`finish`, when a save runs its own work between them):
+of a :class:`Steps` protocol:
 
-1. ``stage``: every rank's checks, then the root creates the staging directory beside the
-   target (:func:`muonckpt.storage.make_staging`);
+1. ``stage`` (:func:`stage`): every rank's checks, then the root creates the staging
+   directory beside the target (:func:`muonckpt.storage.make_staging`);
 2. ``write``: every rank writes its tensors (:func:`write_files` for whole files,
-   :func:`write_share` for its share of files written together) and reports the pieces; the
-   root builds the manifest from the reports and commits (:func:`commit`: manifest last,
-   fsync, atomic swap);
-3. ``retire``: when a checkpoint was replaced, every rank deletes a share of its files.
+   :func:`write_share` for its share of files written together, :func:`write_tensors` from
+   memory) and reports the pieces; the root builds the manifest from the reports and commits
+   (:func:`commit`: manifest last, fsync, atomic swap);
+3. ``retire`` (:func:`retire`): when a checkpoint was replaced, every rank deletes a share of
+   its files.
+
+The offline tools hand their work down (:func:`write_checkpoint`). A save takes the steps one
+call at a time, each handed data: the outcome of what each rank did before a step
+(:class:`~muonckpt.checkpoint._attempt.Attempt`: its values, or its refusal, which the step
+raises on every rank) and, for the commit, the manifest's draft
+(:func:`commit_save`).
 
 Across ranks the steps are :class:`muonckpt.distributed.collectives.CollectiveSteps`, or for a
-background save, which must not use the job's process groups, :class:`DirectorySteps` (messages as
-files); in one process :class:`LocalSteps`. This module itself never calls torch.distributed and
-imports torch only where a tensor crosses, so a single-process offline tool runs without it.
+background save, which must not use the job's process groups,
+:class:`~muonckpt.checkpoint._directory_steps.DirectorySteps` (messages as files); in one
+process :class:`LocalSteps`. This module itself never calls torch.distributed and imports
+torch only where a tensor crosses, so a single-process offline tool runs without it.
 """
 
 from __future__ import annotations
@@ -26,16 +33,19 @@ import contextlib
 import json
 import os
 import warnings
-from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from operator import attrgetter
 from pathlib import Path
-from typing import Any, Protocol, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
 
 from .. import storage
-from ..distributed.steps import Outcome, StepProtocol, disagreement
-from ..errors import CheckpointError, CheckpointWarning, InterruptedAfterCommit, MuonCkptError
+from ..distributed.steps import disagreement
+from ..errors import (
+    CheckpointError,
+    CheckpointWarning,
+    InterruptedAfterCommit,
+    MuonCkptError,
+)
 from ..format.manifest import (
     FORMAT_NAME,
     ExtraTensor,
@@ -43,18 +53,22 @@ from ..format.manifest import (
     FileEntry,
     Manifest,
     ParamEntry,
-    Piece,
     ValuePath,
     extra_to_json,
-    piece_to_json,
 )
-from ..format.manifest_json import piece_from_json
 from ..format.manifest_size import ManifestSize
 from ..format.names import MANIFEST_NAME
 from ..format.writeplan import TensorWrite, WritePlan
 from ..layout.workplan import WorkUnit, split_work
 from ..storage.safetensors_writer import beside
+from . import _save_manifest
+from ._attempt import Attempt
+from ._reports import Reports, Written
+from ._save_manifest import ManifestDraft
 from .pieces import all_files
+
+if TYPE_CHECKING:  # (torch only where a tensor crosses: in a save)
+    from ..state.hostcopy import HostBuffers
 
 Progress = Callable[[int, int, int, int], None]
 """``progress(done_bytes, total_bytes, done_tensors, total_tensors)``, called once at the start
@@ -93,75 +107,6 @@ class LocalSteps:
         return then([each()])
 
 
-@dataclass
-class Written:
-    """What one rank wrote: its files (in order) and the pieces in them."""
-
-    files: list[str]
-    pieces: list[Piece]
-    dtypes: Mapping[tuple[str, str], str]
-    """(param, key) -> safetensors dtype, of every piece."""
-    extra: Any = None
-    """Anything else the caller reports to the root (JSON)."""
-    sizes: dict[str, int] = field(default_factory=dict)
-    """Each safetensors file's size as planned (header and data), which the manifest lists:
-    never what a file measures after the write, so that a file cut short under the save is
-    refused by the commit's check instead of listed at its cut size."""
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "files": self.files,
-            "pieces": [piece_to_json(p) for p in self.pieces],
-            "dtypes": [[param, key, dtype] for (param, key), dtype in self.dtypes.items()],
-            "extra": self.extra,
-            "sizes": self.sizes,
-        }
-
-    @classmethod
-    def from_json(cls, raw: Mapping[str, Any]) -> Written:
-        return cls(
-            list(raw["files"]),
-            [piece_from_json(p) for p in raw["pieces"]],
-            {(param, key): dtype for param, key, dtype in raw["dtypes"]},
-            raw["extra"],
-            dict(raw["sizes"]),
-        )
-
-
-@dataclass
-class Reports:
-    """Every rank's :class:`Written`, merged on the root: files in order, the pieces in
-    (file, tensor key) order, each file's size in the staging directory."""
-
-    files: list[FileEntry]
-    pieces: list[Piece]
-    dtypes: Mapping[tuple[str, str], str]
-    extras: list[Any]
-
-
-class _Lazy(Mapping[tuple[str, str], str]):
-    """A mapping made when first read: the offline tools' commit never reads the dtypes of
-    300k written tensors, and a dict of them was 30 MB alive at the commit."""
-
-    def __init__(self, make: Callable[[], dict[tuple[str, str], str]]) -> None:
-        self._make: Callable[[], dict[tuple[str, str], str]] | None = make
-        self._made: dict[tuple[str, str], str] = {}
-
-    def _mapping(self) -> dict[tuple[str, str], str]:
-        if self._make is not None:
-            self._made, self._make = self._make(), None
-        return self._made
-
-    def __getitem__(self, item: tuple[str, str]) -> str:
-        return self._mapping()[item]
-
-    def __iter__(self) -> Iterator[tuple[str, str]]:
-        return iter(self._mapping())
-
-    def __len__(self) -> int:
-        return len(self._mapping())
-
-
 def write_checkpoint(
     steps: Steps,
     final: str | os.PathLike[str],
@@ -174,7 +119,7 @@ def write_checkpoint(
     source: str | os.PathLike[str] | None = None,
 ) -> Path:
     """Stage, write and commit a checkpoint at ``final``; a protocol over ``steps``' ranks
-    (:func:`stage`, then :func:`finish`).
+    (:func:`stage`, then :func:`finish`): the offline tools' write.
 
     Args:
         write: (every rank) writes this rank's tensors into the staging directory.
@@ -188,6 +133,13 @@ def write_checkpoint(
     return finish(steps, staging, final, write=write, manifest=manifest, seal=seal)
 
 
+class Agreeing(Protocol):
+    """What a rank found before the ``stage`` step that the ranks must have alike."""
+
+    @property
+    def agreement(self) -> dict[str, Any] | None: ...
+
+
 def stage(
     steps: Steps,
     final: str | os.PathLike[str],
@@ -195,16 +147,21 @@ def stage(
     overwrite: bool,
     create: Callable[[Path], None] = lambda staging: None,
     source: str | os.PathLike[str] | None = None,
-    check: Callable[[], dict[str, Any] | None] = lambda: None,
+    checked: Attempt[Agreeing] | None = None,
     mailbox: bool = False,
 ) -> Path:
-    """The ``stage`` step: every rank runs ``check``, which may return what the ranks must
-    have alike that is only known once it ran (a digest of values it took); when all pass and
-    agree, the root checks the target and creates the staging directory (and, with
-    ``mailbox``, the :class:`~muonckpt.storage.Mailbox` of a background finish); its path on
-    every rank. (That the ranks were called alike, with the same arguments, is the
-    operation's rendezvous, :func:`muonckpt.distributed.collectives.rendezvous`, before this.)"""
+    """The ``stage`` step: every rank hands in ``checked``, what it collected before (a save's
+    :func:`muonckpt.checkpoint.saving.collect`): its refusal fails the step on every rank, and
+    its ``agreement`` (what the ranks must have alike that is only known once it ran: a digest
+    of values it took) is compared; when all passed and agree, the root checks the target and
+    creates the staging directory (and, with ``mailbox``, the
+    :class:`~muonckpt.storage.Mailbox` of a background finish); its path on every rank. (That
+    the ranks were called alike, with the same arguments, is the operation's rendezvous,
+    :func:`muonckpt.distributed.collectives.rendezvous`, before this.)"""
     final = Path(final)
+
+    def mine() -> dict[str, Any] | None:
+        return None if checked is None else checked.result().agreement
 
     def make(found: list[dict[str, Any] | None]) -> str:
         if found[0] is not None:
@@ -221,13 +178,18 @@ def stage(
             raise
         return str(staging)
 
-    return Path(steps.each_then_root("stage", check, make))
+    return Path(steps.each_then_root("stage", mine, make))
 
 
 def abandon(staging: Path) -> None:
     """(the root) Remove a staging directory (and its mailbox) that will never be written."""
     storage.discard(staging)
     storage.Mailbox(storage.mailbox_path(staging)).remove()
+
+
+Replaced = dict[str, Any]
+"""A checkpoint the commit replaced: where it now is (``at``) and its files, for
+:func:`retire`."""
 
 
 def finish(
@@ -242,28 +204,45 @@ def finish(
     """The ``write`` step (every rank writes, the root commits) and, when a checkpoint was
     replaced, the ``retire`` step; a failure discards the staging directory."""
     final = Path(final)
+    replaced = _write_step(steps, staging, final, lambda: write(staging), manifest, seal)
+    return retire(steps, replaced, final)
+
+
+def commit_save(
+    steps: Steps,
+    staging: Path,
+    final: str | os.PathLike[str],
+    written: Attempt[Written],
+    draft: ManifestDraft,
+) -> Replaced | None:
+    """A save's ``write`` step: every rank hands in what it ``written`` (or its failure, which
+    fails the step on every rank), the root completes ``draft`` from the reports and commits
+    (:func:`commit`); the checkpoint this replaced, for :func:`retire`. A failure discards the
+    staging directory; one after the commit is a warning (:func:`after_commit`)."""
+
+    def manifest(reports: Reports) -> Manifest:
+        return _save_manifest.complete(draft, reports)
+
+    return _write_step(steps, staging, Path(final), written.result, manifest)
+
+
+def _write_step(
+    steps: Steps,
+    staging: Path,
+    final: Path,
+    written: Callable[[], Written],
+    manifest: Callable[[Reports], Manifest],
+    seal: Callable[[Path], None] = lambda staging: None,
+) -> Replaced | None:
+    """The ``write`` step: every rank's report of ``written()`` to the root, which merges them,
+    builds the ``manifest`` and commits; the checkpoint it replaced (None also when something
+    failed after the commit: that is a warning, and nothing is retired)."""
     across = len(steps.ranks) > 1  # reports cross ranks as JSON; in one process, as they are
 
-    def commit_all(raw: list[Any]) -> dict[str, Any] | None:
+    def commit_all(raw: list[Any]) -> Replaced | None:
         seal(staging)
         reports = [Written.from_json(r) for r in raw] if across else raw
-        names = dict.fromkeys(name for r in reports for name in r.files)
-        sizes = {name: size for r in reports for name, size in r.sizes.items()}
-        files = [
-            FileEntry(name, sizes[name] if name in sizes else storage.file_size(staging / name))
-            for name in names
-        ]
-        in_file: dict[str, list[Piece]] = {name: [] for name in names}
-        for report in reports:
-            for piece in report.pieces:
-                in_file[piece.file].append(piece)
-        merged = Reports(
-            files,
-            [p for file in in_file.values() for p in sorted(file, key=attrgetter("tensor"))],
-            _Lazy(lambda: {k: v for r in reports for k, v in r.dtypes.items()}),
-            [r.extra for r in reports],
-        )
-        replaced = commit(staging, final, manifest(merged))
+        replaced = commit(staging, final, manifest(Reports.merged(reports, staging)))
         return (
             None if replaced is None else {"at": str(replaced), "files": storage.entries(replaced)}
         )
@@ -276,23 +255,19 @@ def finish(
     storage.watch_commit(final, mark)
     staged = storage.directory_identity(staging)  # another rank's swap keeps it: committed_as
     try:
-        each = (lambda: write(staging).to_json()) if across else (lambda: write(staging))
-        replaced = steps.each_then_root("write", each, commit_all)
+        each = (lambda: written().to_json()) if across else written
+        return cast(Replaced | None, steps.each_then_root("write", each, commit_all))
     except BaseException as exc:
         # After the swap (by this process, or by a root that died before telling the others)
         # the new checkpoint is whole, whatever came next.
         if committed or storage.committed_as(final, staged):
-            return after_commit(exc, final)
+            after_commit(exc, final)
+            return None
         if steps.is_root:
             storage.discard(staging)
         raise
     finally:
         storage.unwatch_commit(final, mark)
-    try:
-        _retire(steps, replaced, final)
-    except BaseException as exc:
-        return after_commit(exc, final)
-    return final
 
 
 def after_commit(exc: BaseException, final: Path) -> Path:
@@ -308,7 +283,19 @@ def after_commit(exc: BaseException, final: Path) -> Path:
     return final
 
 
-def _retire(steps: Steps, replaced: dict[str, Any] | None, final: Path) -> None:
+def retire(steps: Steps, replaced: Replaced | None, final: str | os.PathLike[str]) -> Path:
+    """The ``retire`` step, after the commit: every rank deletes its share of the ``replaced``
+    checkpoint's files (nothing when none was); a failure is a warning (the new checkpoint is
+    in place), an interruption is raised tagged (:func:`after_commit`). ``final``, as a path."""
+    final = Path(final)
+    try:
+        _retire(steps, replaced, final)
+    except BaseException as exc:
+        return after_commit(exc, final)
+    return final
+
+
+def _retire(steps: Steps, replaced: Replaced | None, final: Path) -> None:
     """The ``retire`` step, after the commit: every rank deletes its share of the replaced
     checkpoint's files; a failure is a warning (the new checkpoint is in place)."""
     if replaced is not None and len(steps.ranks) == 1:
@@ -328,113 +315,6 @@ def _retire(steps: Steps, replaced: dict[str, Any] | None, final: Path) -> None:
                 CheckpointWarning,
                 stacklevel=3,
             )
-
-
-class DirectorySteps(StepProtocol):
-    """:class:`Steps` whose messages are files of a :class:`~muonckpt.storage.Mailbox`, for
-    the ranks of a background save (which must not use the job's process groups).
-
-    Every rank leaves its outcome of a step (``<step>-<rank>``); the root waits up to
-    ``timeout`` seconds for all of them and leaves the step's outcome (``<step>-outcome``),
-    which the others wait for up to twice that (the root itself may wait ``timeout`` for the
-    slowest rank). Waits are bounded, so a rank that never reports fails the step on the
-    others instead of hanging them.
-
-    Every rank ends a step with the same outcome, also when ranks give up on each other: the
-    step is decided once, by whoever first claims ``<step>-decision``
-    (:meth:`~muonckpt.storage.Mailbox.claim`). The root claims it before it acts (its
-    ``then`` may commit a checkpoint, which cannot be taken back), or with the failure it
-    found; a rank that gives up waiting for the root claims it with its error, and a root that
-    finds the claim taken acts on nothing and passes that error on. Only a root that claimed
-    and then gives no outcome for another ``timeout`` leaves the others unsure (they say so).
-    With one rank there is nobody to tell, and no mailbox.
-    """
-
-    def __init__(
-        self,
-        operation: str,
-        mailbox: storage.Mailbox,
-        ranks: Sequence[int],
-        root: int,
-        rank: int,
-        timeout: float,
-        error: type[MuonCkptError],
-    ) -> None:
-        super().__init__(operation, ranks, root, error, rank)
-        self.mailbox, self.timeout = mailbox, timeout
-
-    def _exchange(
-        self, step: str, mine: Outcome, decide: Callable[[list[Outcome]], Outcome]
-    ) -> Outcome:
-        if len(self.ranks) == 1:
-            return decide([mine])  # nobody to tell: no mailbox
-        tag = step.replace(" ", "-")
-        if self.is_root:
-            outcome = self._decide(tag, mine, decide)
-            with contextlib.suppress(CheckpointError):  # the others then time out and say so
-                self.mailbox.post(f"{tag}-outcome", outcome)
-            return outcome
-        return self._await_outcome(tag, mine)
-
-    def _decide(
-        self, tag: str, mine: Outcome, decide: Callable[[list[Outcome]], Outcome]
-    ) -> Outcome:
-        """(the root) Every rank's outcome (its own as it is), then the step's: acted on only
-        once claimed."""
-        names = {rank: f"{tag}-{rank}" for rank in self.ranks if rank != self.root}
-        found, missing = self.mailbox.wait(list(names.values()), self.timeout)
-        outcomes = [mine if rank == self.root else found.get(names[rank]) for rank in self.ranks]
-        if missing:
-            late = [rank for rank, name in names.items() if name in missing]
-            failed: Outcome | None = {
-                "error": f"rank(s) {late} did not finish within {self.timeout:g} s"
-            }
-        else:
-            failed = next((o for o in outcomes if o is not None and "error" in o), None)
-        decision = failed if failed is not None else {"acting": self.root}
-        if not self.mailbox.claim(f"{tag}-decision", decision):
-            return self.mailbox.read(f"{tag}-decision")  # a rank gave up first: its error
-        return failed if failed is not None else decide(cast(list[Outcome], outcomes))
-
-    def _await_outcome(self, tag: str, mine: Outcome) -> Outcome:
-        """(every other rank) Report ``mine``, then the root's outcome of the step; if it
-        does not come in time, this rank's own failure, unless the root already took the
-        decision."""
-        with contextlib.suppress(CheckpointError):  # a mailbox gone is reported below
-            self.mailbox.post(f"{tag}-{self.rank}", mine)
-        found, missing = self.mailbox.wait([f"{tag}-outcome"], 2 * self.timeout)
-        if not missing:
-            return found[f"{tag}-outcome"]
-        if not self.mailbox.exists():
-            why = f"rank {self.root} gave up waiting for this rank (its mailbox is gone)"
-            return {"error": f"rank {self.rank}: {why}"}
-        abort = {
-            "error": f"rank {self.rank}: rank {self.root} gave no outcome within "
-            f"{2 * self.timeout:g} s"
-        }
-        if self.mailbox.claim(f"{tag}-decision", abort):
-            return abort
-        decision = self.mailbox.read(f"{tag}-decision")
-        if "error" in decision:
-            return decision
-        found, missing = self.mailbox.wait([f"{tag}-outcome"], self.timeout)
-        if not missing:
-            return found[f"{tag}-outcome"]
-        return {
-            "error": f"rank {self.rank}: rank {self.root} went on with the step but gave no "
-            f"outcome within {3 * self.timeout:g} s: whether it took effect is unknown"
-        }
-
-    def leave(self) -> None:
-        """(every rank, once done with the protocol) Say so; the root then waits up to
-        ``timeout`` for the others and removes the mailbox."""
-        if len(self.ranks) == 1:
-            return
-        with contextlib.suppress(CheckpointError):  # the root gave up on this rank already
-            self.mailbox.post(f"done-{self.rank}", None)
-        if self.is_root:
-            self.mailbox.wait([f"done-{rank}" for rank in self.ranks], self.timeout)
-            self.mailbox.remove()
 
 
 def commit(staging: Path, final: Path, manifest: Manifest) -> Path | None:
@@ -536,18 +416,28 @@ def write_files(
         sizes[file] = out.size
         pieces += [w.piece(*_sums(records[w.tensor])) for w in writes]
     _write_texts(plan, staging)
-    return _written(list(plan.files), plan.writes, pieces, sizes)
+    return Written.of(list(plan.files), plan.writes, pieces, sizes)
+
+
+def write_tensors(
+    plan: WritePlan,
+    staging: Path,
+    tensors: Mapping[tuple[str, str], Any],
+    host: HostBuffers | None,
+) -> Written:
+    """Write ``plan`` (:func:`write_files`) from ``tensors`` in memory, by (param, key): each
+    copied through ``host``'s reused buffer when it is written (streamed), or as it is (a
+    snapshot in host memory already, ``host`` None)."""
+
+    def fetch(w: TensorWrite) -> Any:
+        tensor = tensors[w.param, w.key]
+        return (tensor if host is None else host.to_host(tensor)).reshape(-1)
+
+    return write_files(plan, staging, fetch, prefetch=False)
 
 
 def _sums(record: storage.TensorRecord) -> tuple[bytes, int]:
     return record.digests, record.chunk_bytes
-
-
-def _written(
-    files: list[str], writes: Sequence[TensorWrite], pieces: list[Piece], sizes: dict[str, int]
-) -> Written:
-    dtypes = _Lazy(lambda: {(w.param, w.key): w.dtype for w in writes})
-    return Written(files, pieces, dtypes, sizes=sizes)
 
 
 def write_extra(
@@ -628,7 +518,7 @@ def write_share(
         for output in outputs.values():
             output.close()
     sizes = {file: output.size for file, output in outputs.items()}
-    return _written(list(plan.files), share, pieces, sizes)
+    return Written.of(list(plan.files), share, pieces, sizes)
 
 
 def share_of(

@@ -3,8 +3,9 @@ ends knowing the same outcome of, whatever carries the messages.
 
 Two transports carry it: :class:`muonckpt.distributed.collectives.CollectiveSteps` (JSON
 point-to-point over the job's process group, for work in the caller's thread) and
-:class:`muonckpt.checkpoint.writing.DirectorySteps` (JSON files in a directory every rank sees, for
-a background save, which must not touch the job's process groups). Pure: no torch, no files.
+:class:`muonckpt.checkpoint._directory_steps.DirectorySteps` (JSON files in a directory every
+rank sees, for a background save, which must not touch the job's process groups). Pure: no
+torch, no files.
 """
 
 from __future__ import annotations
