@@ -36,7 +36,7 @@ import warnings
 from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
+from typing import Any, Protocol, TypeVar, cast
 
 from .. import storage
 from ..distributed.steps import disagreement
@@ -67,8 +67,15 @@ from ._reports import Reports, Written
 from ._save_manifest import ManifestDraft
 from .pieces import all_files
 
-if TYPE_CHECKING:  # (torch only where a tensor crosses: in a save)
-    from ..state.hostcopy import HostBuffers
+
+class HostCopy(Protocol):
+    """Where a save's tensors pass on their way to a file (:class:`muonckpt.state.hostcopy.
+    HostBuffers`, from the layer above, which this executor does not import)."""
+
+    def to_host(self, tensor: Any) -> Any:
+        """``tensor`` in host memory (a reused buffer's view for a device tensor)."""
+        ...
+
 
 Progress = Callable[[int, int, int, int], None]
 """``progress(done_bytes, total_bytes, done_tensors, total_tensors)``, called once at the start
@@ -423,7 +430,7 @@ def write_tensors(
     plan: WritePlan,
     staging: Path,
     tensors: Mapping[tuple[str, str], Any],
-    host: HostBuffers | None,
+    host: HostCopy | None,
 ) -> Written:
     """Write ``plan`` (:func:`write_files`) from ``tensors`` in memory, by (param, key): each
     copied through ``host``'s reused buffer when it is written (streamed), or as it is (a
