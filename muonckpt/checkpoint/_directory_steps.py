@@ -14,7 +14,7 @@ from ..errors import CheckpointError, MuonCkptError
 
 
 class DirectorySteps(StepProtocol):
-    """:class:`Steps` whose messages are files of a :class:`~muonckpt.storage.Mailbox`, for
+    """:class:`~muonckpt.checkpoint.writing.Steps` whose messages are files of a :class:`~muonckpt.storage.Mailbox`, for
     the ranks of a background save (which must not use the job's process groups).
 
     Every rank leaves its outcome of a step (``<step>-<rank>``); the root waits up to
