@@ -14,8 +14,9 @@ from ..errors import CheckpointError, MuonCkptError
 
 
 class DirectorySteps(StepProtocol):
-    """:class:`~muonckpt.checkpoint.writing.Steps` whose messages are files of a :class:`~muonckpt.storage.Mailbox`, for
-    the ranks of a background save (which must not use the job's process groups).
+    """:class:`~muonckpt.checkpoint.writing.Steps` whose messages are files of a
+    :class:`~muonckpt.storage.Mailbox`, for the ranks of a background save (which must not use
+    the job's process groups).
 
     Every rank leaves its outcome of a step (``<step>-<rank>``); the root waits up to
     ``timeout`` seconds for all of them and leaves the step's outcome (``<step>-outcome``),
