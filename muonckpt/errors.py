@@ -39,6 +39,17 @@ class PeerLostError(CollectiveError):
     it becomes the operation's own error, as the loss of the process group's store does."""
 
 
+class OptionError(MuonCkptError, ValueError):
+    """A request whose options do not go together, or an option's value outside its choices
+    (``muonckpt convert --format dcp --rename ...``), refused before anything is read or
+    written. ``option`` names the option at fault as the command line spells it (``--to``),
+    None when the fault is the combination."""
+
+    def __init__(self, message: str, option: str | None = None) -> None:
+        super().__init__(message)
+        self.option = option
+
+
 class ConversionWarning(UserWarning):
     """A load across Muon implementations whose target settings cannot continue the saved
     trajectory exactly (the message says which setting would)."""
