@@ -22,6 +22,7 @@ __all__ = [
     "InterruptedAfterCommit",
     "LayoutError",
     "MuonCkptError",
+    "OptionError",
     "PeerLostError",
     "StateDictError",
 ]
@@ -187,6 +188,19 @@ class InterruptedAfterCommit(KeyboardInterrupt):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (self.path,))
+
+
+class OptionError(ArgumentError):
+    """A request whose options do not go together, or an option's value outside its choices
+    (``muonckpt convert --format dcp --rename ...``), refused before anything is read or
+    written. ``option`` names the option at fault as the command line spells it (``--to``),
+    None when the fault is the combination (then :attr:`argument` is ``"options"``)."""
+
+    option: str | None
+
+    def __init__(self, message: str, option: str | None = None) -> None:
+        super().__init__(message, argument=option or "options")
+        self.option = option
 
 
 class ConversionWarning(UserWarning):

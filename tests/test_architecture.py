@@ -47,6 +47,8 @@ READERS_AND_WRITERS = ("storage", "checkpoint.pieces", "checkpoint.retention", "
 """Bytes to and from files: the offline tools' path, which runs without a process group (and
 imports torch only inside functions, where a tensor crosses: tests/test_cli.py checks
 that at run time)."""
+DCP_FILES = ("storage.dcp_metadata", "storage.dcp_files")
+"""DCP's file format: its metadata classes (through a restricted unpickler) and torch's writer."""
 COLLECTIVE_CALLERS = ("distributed.collectives", "distributed.launch")
 """The modules that call torch.distributed (``distributed.steps`` is the pure protocol)."""
 NAMESPACES = (
@@ -103,15 +105,17 @@ RULES = (
         only_internal=(*PURE, "_namespace"),
     ),
     Rule(
-        "only distributed imports torch.distributed (and storage.dcp_files, DCP's file format: "
+        "only distributed imports torch.distributed (and storage.dcp_metadata and dcp_files, DCP's "
+        "file format: "
         "its metadata classes and torch's own writer)",
         modules=("*",),
-        exempt=(*COLLECTIVE_CALLERS, "storage.dcp_files"),
+        exempt=(*COLLECTIVE_CALLERS, *DCP_FILES),
         no_external=("torch.distributed",),
     ),
     Rule(
-        "storage.dcp_files takes from torch.distributed only DCP's file format, never a collective",
-        modules=("storage.dcp_files",),
+        "storage.dcp_metadata and dcp_files take from torch.distributed only DCP's file format, "
+        "never a collective",
+        modules=DCP_FILES,
         no_external=(
             "torch.distributed.distributed_c10d",
             "torch.distributed.fsdp",

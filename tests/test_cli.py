@@ -296,7 +296,7 @@ def test_demo_small(tmp_path):
         "1",
         "--steps",
         "2",
-        "--workdir",
+        "--dir",
         tmp_path,
     )
     assert result.exit_code == 0, result.output

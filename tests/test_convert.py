@@ -267,3 +267,55 @@ def test_convert_keeps_the_file_metadata_of_each_kind(single_ckpt, tmp_path):
                 safe_open(out / entry.name, "np") as after,
             ):
                 assert after.metadata() == before.metadata(), (source.name, entry.name)
+
+
+def test_a_foreign_format_is_one_record_in_the_registry(tmp_path, monkeypatch):
+    """A format added to the registry is found by its name and by its files, and convert's
+    route reads from it, writes to it and refuses what does not fit it, naming the option."""
+    from pathlib import Path
+
+    from muonckpt import interop
+    from muonckpt.errors import OptionError
+    from muonckpt.interop import registry
+
+    assert interop.format_named("dcp") is interop.dcp.FORMAT
+    fake = interop.ForeignFormat(
+        name="fake",
+        title="Fake",
+        detect=lambda path: Path(path, "latest").is_file(),
+        read=lambda *args, **kwargs: None,
+        write=lambda *args, **kwargs: None,
+        sources=("writer",),
+        targets=("reader",),
+        read_options=("model_prefix",),
+        write_options={"layout": ("flat",)},
+    )
+    monkeypatch.setattr(registry, "FORMATS", (*registry.FORMATS, fake))
+    foreign, ours = tmp_path / "foreign", tmp_path / "ours"
+    foreign.mkdir()
+    ours.mkdir()
+    (foreign / "latest").write_text("step-1")
+    assert interop.detect(foreign) is fake and interop.detect(ours) is None
+    options = {"layout": "flat", "model_prefix": None, "optimizer_prefix": "optimizer."}
+
+    def route(src, **given):
+        asked = {"to": None, "source": None, "output_format": "muonckpt", "renamed": False}
+        return interop.route(src, **{**asked, **given}, overwrite=False, options=options)
+
+    assert route(foreign, to="packaged", source="writer") == interop.Route(
+        reads=fake, options={"model_prefix": None}
+    )
+    assert route(ours, to="reader", output_format="fake") == interop.Route(
+        writes=fake, options={"layout": "flat"}
+    )
+    assert route(ours, to="torch") == interop.Route()
+    refusals = [
+        ({"output_format": "bogus"}, "--format", "choose muonckpt or dcp or fake"),
+        ({"to": "torch", "output_format": "fake"}, "--to", "choose one of reader"),
+        ({"to": "packaged"}, "--from", "a Fake checkpoint does not record"),
+        ({"to": "packaged", "source": "torch"}, "--from", "choose one of writer"),
+    ]
+    for given, option, message in refusals:
+        with pytest.raises(OptionError, match=message) as refused:
+            route(foreign, **given)
+        assert refused.value.option == option

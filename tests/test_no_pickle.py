@@ -1,8 +1,8 @@
 """No pickle in muonckpt's own format, and DCP's pickled metadata read only through the
-restricted unpickler: no pickle import outside muonckpt/storage/dcp_files.py, where pickle serves
-only as the base class of an Unpickler that defines find_class (no pickle.load, loads, dump,
-dumps, plain Unpickler); no torch.load without weights_only=True; DCP written only by torch's
-writer."""
+restricted unpickler: no pickle import outside muonckpt/storage/dcp_metadata.py, where pickle
+serves only as the base class of an Unpickler that defines find_class (no pickle.load, loads,
+dump, dumps, plain Unpickler); no torch.load without weights_only=True; DCP written only by
+torch's writer (muonckpt/storage/dcp_files.py)."""
 
 import ast
 from pathlib import Path
@@ -16,8 +16,10 @@ def _modules():
     return sorted(PACKAGE.rglob("*.py"))
 
 
-DCP_READER = PACKAGE / "storage" / "dcp_files.py"
+DCP_READER = PACKAGE / "storage" / "dcp_metadata.py"
 """The one module that may import pickle: the restricted reader of DCP metadata."""
+DCP_WRITER = PACKAGE / "storage" / "dcp_files.py"
+"""The one module that writes DCP, through torch's writer."""
 
 
 def test_package_never_imports_pickle():
@@ -95,4 +97,4 @@ def test_dcp_is_written_only_by_torchs_writer():
                 writer = {k.arg: k.value for k in node.keywords}["storage_writer"]
                 assert getattr(writer, "id", "") == "writer"
                 assert "(dcp.FileSystemWriter)" in path.read_text()  # torch's writer, subclassed
-    assert saves == [DCP_READER]
+    assert saves == [DCP_WRITER]

@@ -19,7 +19,28 @@ import typer
 from ..errors import CheckpointError
 from . import output
 from .exits import PROBLEM, Group, catch_stop_signals
-from .options import Dst, Force, Quiet, Root, Src, Workers, local_directory, size_parameter
+from .options import (
+    BucketAlignment,
+    BucketNumel,
+    BuffersBy,
+    ConvertFrom,
+    ConvertTo,
+    Dst,
+    Force,
+    Layout,
+    ModelPrefix,
+    OptimizerPrefix,
+    OutputFormat,
+    ParamAlignment,
+    Quiet,
+    Renames,
+    Root,
+    Src,
+    TpSplit,
+    Workers,
+    local_directory,
+    size_parameter,
+)
 
 # The library is imported by the commands that use it, so that --help and usage errors answer
 # at once; torch (~2.7 s to import on the benchmark machine) only by those that need it:
@@ -115,50 +136,11 @@ def reshard(
     dp: Annotated[int, typer.Option("--dp", min=1, help="Data-parallel size of the new job.")],
     tp: Annotated[int, typer.Option("--tp", min=1, help="Tensor-parallel size of the new job.")],
     dst: Dst,
-    bucket_numel: Annotated[
-        int | None,
-        typer.Option(
-            "--bucket-numel",
-            metavar="N",
-            help="Close a ZeRO-1 bucket once it holds at least N elements "
-            "(default: one bucket per buffer).",
-            show_default=False,
-        ),
-    ] = None,
-    param_alignment: Annotated[
-        int,
-        typer.Option(
-            "--param-alignment",
-            metavar="N",
-            help="Start each param at a multiple of N elements from its bucket's start.",
-        ),
-    ] = 1,
-    bucket_alignment: Annotated[
-        int,
-        typer.Option(
-            "--bucket-alignment",
-            metavar="N",
-            help="Pad each bucket to a multiple of lcm(dp, N) elements.",
-        ),
-    ] = 1,
-    buffers_by: Annotated[
-        str,
-        typer.Option(
-            "--buffers-by",
-            metavar="none|group",
-            help="ZeRO-1 buffers: none (every param in one buffer) or group (one buffer per "
-            "optimizer param group, as the manifest records them).",
-        ),
-    ] = "none",
-    tp_split: Annotated[
-        list[str] | None,
-        typer.Option(
-            "--tp-split",
-            metavar="NAME=DIM",
-            help="Split dimension of a param, overriding the manifest (repeatable; a "
-            "single-process checkpoint records every param as unsplit).",
-        ),
-    ] = None,
+    bucket_numel: BucketNumel = None,
+    param_alignment: ParamAlignment = 1,
+    bucket_alignment: BucketAlignment = 1,
+    buffers_by: BuffersBy = "none",
+    tp_split: TpSplit = None,
     force: Force = False,
     workers: Workers = 1,
     quiet: Quiet = False,
@@ -202,63 +184,13 @@ def convert(
     ctx: typer.Context,
     src: Src,
     dst: Dst,
-    to: Annotated[
-        str | None,
-        typer.Option(
-            "--to",
-            metavar="IMPLEMENTATION",
-            help="packaged (muonckpt.optim.muon.Muon), torch (torch.optim.Muon + AdamW) or "
-            "keller-jordan (muon.MuonWithAuxAdam); with --format dcp also torchtitan, dion or "
-            "muon-fsdp2. Left out (muonckpt to muonckpt), each group keeps its implementation.",
-            show_default=False,
-        ),
-    ] = None,
-    rename: Annotated[
-        list[str] | None,
-        typer.Option(
-            "--rename",
-            metavar="OLD=NEW",
-            help="Replace the prefix OLD of param names by NEW (repeatable; the longest "
-            "matching OLD applies): module.= strips DDP's prefix, =model. adds one.",
-        ),
-    ] = None,
-    source: Annotated[
-        str | None,
-        typer.Option(
-            "--from",
-            metavar="IMPLEMENTATION",
-            help="The implementation that wrote a DCP checkpoint SRC (required for one: DCP "
-            "does not record it): torch, torchtitan, dion, muon-fsdp2, keller-jordan, packaged.",
-            show_default=False,
-        ),
-    ] = None,
-    output_format: Annotated[
-        str,
-        typer.Option(
-            "--format", metavar="FORMAT", help="muonckpt, or dcp (PyTorch Distributed Checkpoint)."
-        ),
-    ] = "muonckpt",
-    layout: Annotated[
-        str,
-        typer.Option(
-            "--layout",
-            help="With --format dcp: torchtitan (model fqns at the top level) or recipe "
-            "(model.<fqn>, DCP's get_state_dict recipe).",
-        ),
-    ] = "torchtitan",
-    model_prefix: Annotated[
-        str | None,
-        typer.Option(
-            "--model-prefix",
-            help="Reading DCP: the prefix of the model's fqns (default: detected, 'model.' or "
-            "none).",
-            show_default=False,
-        ),
-    ] = None,
-    optimizer_prefix: Annotated[
-        str,
-        typer.Option("--optimizer-prefix", help="Reading DCP: the optimizer state's prefix."),
-    ] = "optimizer.",
+    to: ConvertTo = None,
+    rename: Renames = None,
+    source: ConvertFrom = None,
+    output_format: OutputFormat = "muonckpt",
+    layout: Layout = "torchtitan",
+    model_prefix: ModelPrefix = None,
+    optimizer_prefix: OptimizerPrefix = "optimizer.",
     force: Force = False,
     quiet: Quiet = False,
 ) -> None:
@@ -279,67 +211,48 @@ def convert(
 
     Names: muonckpt convert ckpt/step-1000 -o ckpt/plain --rename module.= --rename _orig_mod.=
     """
-    from .. import offline
-    from ..format import DCP_FAMILIES, FAMILIES
+    from .. import interop, offline
+    from ..errors import OptionError
 
-    prefixes = {}
-    for item in rename or []:
+    prefixes = _renames(rename)
+    options = {"layout": layout, "model_prefix": model_prefix, "optimizer_prefix": optimizer_prefix}
+    try:
+        route = interop.route(
+            src,
+            to=to,
+            source=source,
+            output_format=output_format,
+            renamed=bool(prefixes),
+            overwrite=force,
+            options=options,
+        )
+    except OptionError as exc:
+        raise typer.BadParameter(str(exc), param_hint=exc.option) from None
+    output.also_quiet(ctx, quiet)
+    if route.writes is not None:
+        report = route.writes.write(src, dst, to=to, **route.options)
+        output.say_conversion(ctx, route.writes.title, report)
+    elif route.reads is not None:
+        with output.progress_bar(ctx, "convert") as progress:
+            report = route.reads.read(
+                src, dst, source=source, to=to, overwrite=force, progress=progress, **route.options
+            )
+        output.say_conversion(ctx, route.reads.title, report)
+        output.say(ctx, _written(report.path))
+    else:
+        settings = {"to": to, "rename": prefixes or None}
+        _rewrite(ctx, quiet, offline.convert, src, dst, force, None, **settings)
+
+
+def _renames(items: list[str] | None) -> dict[str, str]:
+    """``--rename OLD=NEW`` options as a mapping, each OLD once."""
+    prefixes: dict[str, str] = {}
+    for item in items or []:
         old, sep, new = item.partition("=")
         if not sep or old in prefixes:
             raise typer.BadParameter(f"{item!r} is not OLD=NEW, OLD once", param_hint="--rename")
         prefixes[old] = new
-    if prefixes and (output_format == "dcp" or offline.is_dcp(src) or source is not None):
-        raise typer.BadParameter("names are mapped between muonckpt checkpoints only")
-    if output_format not in ("muonckpt", "dcp"):
-        raise typer.BadParameter("choose muonckpt or dcp", param_hint="--format")
-    if output_format == "dcp":
-        if to not in DCP_FAMILIES:
-            raise typer.BadParameter(f"choose one of {', '.join(DCP_FAMILIES)}", param_hint="--to")
-        if layout not in offline.LAYOUTS:
-            raise typer.BadParameter(
-                f"choose one of {', '.join(offline.LAYOUTS)}", param_hint="--layout"
-            )
-        if offline.is_dcp(src):
-            raise typer.BadParameter("SRC is a DCP checkpoint already", param_hint="--format")
-        if force:
-            raise typer.BadParameter("DCP output is never written over an existing directory")
-        output.also_quiet(ctx, quiet)
-        output.say_conversion(ctx, offline.to_dcp(src, dst, to=to, layout=layout))
-        return
-    if to is not None and to not in FAMILIES:
-        raise typer.BadParameter(f"choose one of {', '.join(FAMILIES)}", param_hint="--to")
-    if not offline.is_dcp(src) and source is None:  # with --from, from_dcp says what SRC is
-        if to is None and not prefixes:
-            raise typer.BadParameter("give --to, --rename or both", param_hint="--to")
-        settings = {"to": to, "rename": prefixes or None}
-        _rewrite(ctx, quiet, offline.convert, src, dst, force, None, **settings)
-        return
-    if to is None:
-        raise typer.BadParameter(
-            f"converting DCP needs a target: one of {', '.join(FAMILIES)}", param_hint="--to"
-        )
-    if source is None:
-        raise typer.BadParameter(
-            "a DCP checkpoint does not record which optimizer wrote it, and muonckpt never "
-            f"guesses its momentum form: pass --from, one of {', '.join(DCP_FAMILIES)}",
-            param_hint="--from",
-        )
-    if source not in DCP_FAMILIES:
-        raise typer.BadParameter(f"choose one of {', '.join(DCP_FAMILIES)}", param_hint="--from")
-    output.also_quiet(ctx, quiet)
-    with output.progress_bar(ctx, "convert") as progress:
-        report = offline.from_dcp(
-            src,
-            dst,
-            source=source,
-            to=to,
-            model_prefix=model_prefix,
-            optimizer_prefix=optimizer_prefix,
-            overwrite=force,
-            progress=progress,
-        )
-    output.say_conversion(ctx, report)
-    output.say(ctx, _written(report.path))
+    return prefixes
 
 
 def _rewrite(
@@ -523,7 +436,6 @@ def demo(
     workdir: Annotated[
         Path | None,
         typer.Option(
-            "--workdir",
             "--dir",
             help="Where the checkpoints go, and stay (default: a temporary directory, removed "
             "at the end).",

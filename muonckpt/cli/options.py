@@ -70,3 +70,107 @@ Workers = Annotated[
         "than the output has tensors. Under torchrun leave it out: the ranks share the work.",
     ),
 ]
+
+BucketNumel = Annotated[
+    int | None,
+    typer.Option(
+        "--bucket-numel",
+        metavar="N",
+        help="Close a ZeRO-1 bucket once it holds at least N elements "
+        "(default: one bucket per buffer).",
+        show_default=False,
+    ),
+]
+ParamAlignment = Annotated[
+    int,
+    typer.Option(
+        "--param-alignment",
+        metavar="N",
+        help="Start each param at a multiple of N elements from its bucket's start.",
+    ),
+]
+BucketAlignment = Annotated[
+    int,
+    typer.Option(
+        "--bucket-alignment",
+        metavar="N",
+        help="Pad each bucket to a multiple of lcm(dp, N) elements.",
+    ),
+]
+BuffersBy = Annotated[
+    str,
+    typer.Option(
+        "--buffers-by",
+        metavar="none|group",
+        help="ZeRO-1 buffers: none (every param in one buffer) or group (one buffer per "
+        "optimizer param group, as the manifest records them).",
+    ),
+]
+TpSplit = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--tp-split",
+        metavar="NAME=DIM",
+        help="Split dimension of a param, overriding the manifest (repeatable; a "
+        "single-process checkpoint records every param as unsplit).",
+    ),
+]
+"""``reshard``'s layout options."""
+
+ConvertTo = Annotated[
+    str | None,
+    typer.Option(
+        "--to",
+        metavar="IMPLEMENTATION",
+        help="packaged (muonckpt.optim.muon.Muon), torch (torch.optim.Muon + AdamW) or "
+        "keller-jordan (muon.MuonWithAuxAdam); with --format dcp also torchtitan, dion or "
+        "muon-fsdp2. Left out (muonckpt to muonckpt), each group keeps its implementation.",
+        show_default=False,
+    ),
+]
+Renames = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--rename",
+        metavar="OLD=NEW",
+        help="Replace the prefix OLD of param names by NEW (repeatable; the longest "
+        "matching OLD applies): module.= strips DDP's prefix, =model. adds one.",
+    ),
+]
+ConvertFrom = Annotated[
+    str | None,
+    typer.Option(
+        "--from",
+        metavar="IMPLEMENTATION",
+        help="The implementation that wrote a DCP checkpoint SRC (required for one: DCP "
+        "does not record it): torch, torchtitan, dion, muon-fsdp2, keller-jordan, packaged.",
+        show_default=False,
+    ),
+]
+OutputFormat = Annotated[
+    str,
+    typer.Option(
+        "--format", metavar="FORMAT", help="muonckpt, or dcp (PyTorch Distributed Checkpoint)."
+    ),
+]
+Layout = Annotated[
+    str,
+    typer.Option(
+        "--layout",
+        help="With --format dcp: torchtitan (model fqns at the top level) or recipe "
+        "(model.<fqn>, DCP's get_state_dict recipe).",
+    ),
+]
+ModelPrefix = Annotated[
+    str | None,
+    typer.Option(
+        "--model-prefix",
+        help="Reading DCP: the prefix of the model's fqns (default: detected, 'model.' or none).",
+        show_default=False,
+    ),
+]
+OptimizerPrefix = Annotated[
+    str,
+    typer.Option("--optimizer-prefix", help="Reading DCP: the optimizer state's prefix."),
+]
+"""``convert``'s options: the implementations, names, formats, and the formats' own."""

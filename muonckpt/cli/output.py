@@ -18,7 +18,8 @@ from rich.table import Table
 
 if TYPE_CHECKING:
     from ..demo import DemoResult
-    from ..offline import DcpConversion, DiffRow, Progress, Summary
+    from ..interop import Conversion
+    from ..offline import DiffRow, Progress, Summary
 
 TABLE_ROWS = 2000
 """``inspect`` and ``diff`` draw a table up to this many rows, plain tab-separated lines
@@ -109,9 +110,10 @@ def written(path: Path, info: Summary) -> str:
     )
 
 
-def say_conversion(ctx: typer.Context, report: DcpConversion) -> None:
-    """What a DCP conversion read or wrote, converted and left out."""
-    say(ctx, f"{report.path}: DCP layout {report.layout}")
+def say_conversion(ctx: typer.Context, title: str, report: Conversion) -> None:
+    """What a conversion from or to the foreign format ``title`` (``DCP``) read or wrote,
+    converted and left out."""
+    say(ctx, f"{report.path}: {title} layout {report.layout}")
     for line in report.converted:
         say(ctx, f"converted {printable(line)}")
     for line in report.left_out:

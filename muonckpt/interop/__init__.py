@@ -1,17 +1,32 @@
-"""Foreign checkpoint formats in and out of muonckpt's own: one module each.
+"""Foreign checkpoint formats in and out of muonckpt's own: one module each, one registry.
 
-A change to how another trainer's files are read or written goes here. Modules: :mod:`.dcp`
-(PyTorch DCP: FSDP2 / DTensor jobs, torchtitan).
+A change to how another trainer's files are read or written goes in that format's module.
+Modules: :mod:`.foreign` (the interface every format fills in: :class:`ForeignFormat`, and the
+:class:`Conversion` it reports), :mod:`.registry` (:data:`FORMATS`, found by name or by their
+files), :mod:`.routes` (which conversion ``muonckpt convert``'s options ask for), and the
+formats: :mod:`.dcp` (PyTorch DCP: FSDP2 / DTensor jobs, torchtitan).
 """
 
 from __future__ import annotations
 
 from .dcp import LAYOUTS, DcpConversion, from_dcp, is_dcp, to_dcp
+from .foreign import Conversion, ForeignFormat
+from .registry import FORMATS, detect, format_named, reading
+from .routes import MUONCKPT, Route, route
 
 __all__ = [
+    "FORMATS",
     "LAYOUTS",
+    "MUONCKPT",
+    "Conversion",
     "DcpConversion",
+    "ForeignFormat",
+    "Route",
+    "detect",
+    "format_named",
     "from_dcp",
     "is_dcp",
+    "reading",
+    "route",
     "to_dcp",
 ]

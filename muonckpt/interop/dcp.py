@@ -8,7 +8,8 @@ checkpoint for a muonckpt family, params included, momentum converted from the f
 family that wrote it (``source``: a DCP checkpoint does not record its optimizer).
 :func:`to_dcp` writes any muonckpt checkpoint as DCP for a DTensor family, which
 ``torch.distributed.checkpoint.load`` reads at any world size. Both stream one tensor at a
-time; all DCP file access is :mod:`muonckpt.storage.dcp_files`'s.
+time; all DCP file access is :mod:`muonckpt.storage.dcp_metadata`'s and
+:mod:`muonckpt.storage.dcp_files`'s. :data:`FORMAT` is DCP as the registry holds it.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -32,27 +33,21 @@ from ..format.manifest import CONSOLIDATED, GroupEntry, Manifest, ParamEntry, Sc
 from ..format.names import PARAM_KEY
 from ..format.writeplan import TensorWrite, consolidated_plan
 from ..layout.topology import whole_region
-from ..storage import dcp_files
+from ..storage import dcp_files, dcp_metadata
+from .foreign import Conversion, ForeignFormat
 
-__all__ = ["LAYOUTS", "DcpConversion", "from_dcp", "is_dcp", "to_dcp"]
+__all__ = ["FORMAT", "LAYOUTS", "DcpConversion", "from_dcp", "is_dcp", "to_dcp"]
 
 LAYOUTS = {"torchtitan": "", "recipe": "model."}
 """Layout name -> the prefix of the model's fqns (the optimizer's is ``optimizer.``)."""
 OPTIMIZER_PREFIX = "optimizer."
-is_dcp = dcp_files.is_dcp
+is_dcp = dcp_metadata.is_dcp
 
 
 @dataclass(frozen=True)
-class DcpConversion:
-    """What :func:`from_dcp` or :func:`to_dcp` wrote, and what it left out."""
-
-    path: Path
-    layout: str
-    """``torchtitan``, ``recipe``, or ``prefixes MODEL / OPTIMIZER`` when given."""
-    left_out: tuple[str, ...]
-    """Items of the source that the output does not hold (schedulers, dataloaders, buffers)."""
-    converted: tuple[str, ...]
-    """The momentum conversions, one line per group."""
+class DcpConversion(Conversion):
+    """What :func:`from_dcp` or :func:`to_dcp` wrote, and what it left out; its ``layout`` is
+    ``torchtitan``, ``recipe``, or ``prefixes MODEL / OPTIMIZER`` when given."""
 
 
 def _family(name: str, what: str) -> kinds.DcpFamily:
@@ -138,10 +133,32 @@ def from_dcp(
     family = _family(source, "source")
     if to not in kinds.FAMILIES:
         raise StateDictError(f"cannot convert to {to!r}: choose one of {sorted(kinds.FAMILIES)}")
-    index = dcp_files.read_index(src)
-    where = index.directory / dcp_files.METADATA_NAME
+    index = dcp_metadata.read_index(src)
+    where = index.directory / dcp_metadata.METADATA_NAME
+    settings = _group_settings(index, optimizer_prefix, where)
+    model_prefix, layout = _model_prefix(index, settings, model_prefix, optimizer_prefix, where)
+    state = _state_items(index, settings, optimizer_prefix, where)
+    manifest = _manifest(index, family, settings, state, model_prefix, where)
+    target, scales = converted_manifest(manifest, to, path=where)
+    fqn_of = {(n, PARAM_KEY): model_prefix + n for n in settings}
+    for name, keys in state.items():
+        kind = kinds.GroupKind.from_json(manifest.groups[manifest.param(name).group].optimizer)
+        for key, fqn in keys.items():
+            if key != "step":
+                fqn_of[name, family.our_key(kind.role or "", key) or key] = fqn
+    path = _write_consolidated(index, target, scales, fqn_of, dst, overwrite, progress)
+    used = {model_prefix + name for name in settings} | _settings_items(settings, optimizer_prefix)
+    used |= {fqn for keys in state.values() for fqn in keys.values()}
+    left = sorted((set(index.tensors) | set(index.values)) - used)
+    return DcpConversion(path, layout, _summarized(left), _notes(manifest, target))
+
+
+def _group_settings(
+    index: dcp_metadata.DcpIndex, optimizer_prefix: str, where: Path
+) -> dict[str, dict[str, Any]]:
+    """Each param's group settings, by param: the items ``<prefix>param_groups.<fqn>.<setting>``
+    (refused unless there is at least one)."""
     groups_at = optimizer_prefix + "param_groups."
-    state_at = optimizer_prefix + "state."
     settings: dict[str, dict[str, Any]] = {}
     for fqn, item in index.values.items():
         if fqn.startswith(groups_at) and "." in fqn[len(groups_at) :]:
@@ -154,11 +171,28 @@ def from_dcp(
             "under that prefix (pass optimizer_prefix)",
             path=where,
         )
-    model_prefix, layout = _model_prefix(index, settings, model_prefix, optimizer_prefix, where)
-    used = {groups_at + f"{n}.{s}" for n, group in settings.items() for s in group}
+    return settings
+
+
+def _settings_items(settings: Mapping[str, Mapping[str, Any]], optimizer_prefix: str) -> set[str]:
+    """The fqns of the settings items: ``<prefix>param_groups.<param>.<setting>``."""
+    groups_at = optimizer_prefix + "param_groups."
+    return {groups_at + f"{n}.{s}" for n, group in settings.items() for s in group}
+
+
+def _state_items(
+    index: dcp_metadata.DcpIndex,
+    settings: Mapping[str, Mapping[str, Any]],
+    optimizer_prefix: str,
+    where: Path,
+) -> dict[str, dict[str, str]]:
+    """Each param's state items, param -> key -> fqn: every item under the optimizer prefix but
+    the settings, each of them ``<prefix>state.<param>.<key>`` of a param with settings."""
+    groups_at, state_at = optimizer_prefix + "param_groups.", optimizer_prefix + "state."
+    settings_items = _settings_items(settings, optimizer_prefix)
     state: dict[str, dict[str, str]] = {name: {} for name in settings}
     for fqn in [*index.tensors, *index.values]:
-        if fqn in used or not fqn.startswith(optimizer_prefix):
+        if fqn in settings_items or not fqn.startswith(optimizer_prefix):
             continue
         rest = fqn[len(state_at) :] if fqn.startswith(state_at) else ""
         name, _, key = rest.rpartition(".")
@@ -169,39 +203,32 @@ def from_dcp(
                 path=where,
             )
         state[name][key] = fqn
-        used.add(fqn)
+    return state
+
+
+def _manifest(
+    index: dcp_metadata.DcpIndex,
+    family: kinds.DcpFamily,
+    settings: Mapping[str, Mapping[str, Any]],
+    state: Mapping[str, Mapping[str, str]],
+    model_prefix: str,
+    where: Path,
+) -> Manifest:
+    """The DCP checkpoint as a consolidated manifest in ``family``'s own form: one group per
+    kind and settings, the params group by group, files and pieces still empty."""
     entries: list[ParamEntry] = []
     group_of: dict[str, int] = {}
     kinds_of: list[tuple[kinds.GroupKind, Any, list[str]]] = []
     for name, group_settings in settings.items():
         model = index.tensors[model_prefix + name]
-        used.add(model.fqn)
         role = family.role(group_settings, list(state[name]))
         if role is None:
             raise CheckpointError(
                 f"param {name!r}: neither its settings nor its state keys "
-                f"{sorted(state[name])} say whether {source} ran Muon or AdamW on it",
+                f"{sorted(state[name])} say whether {family.name} ran Muon or AdamW on it",
                 path=where,
             )
-        dtypes, scalars = {PARAM_KEY: model.dtype}, {}
-        for key, fqn in state[name].items():
-            if key == "step":
-                scalars["step"] = _step(index, fqn, where)
-                continue
-            ours = family.our_key(role, key)
-            if ours is None or fqn not in index.tensors:
-                raise CheckpointError(
-                    f"DCP item {fqn!r}: {key!r} is not a tensor state key of a {role} param "
-                    f"in {source}",
-                    path=where,
-                )
-            if index.tensors[fqn].shape != model.shape:
-                raise CheckpointError(
-                    f"DCP item {fqn!r} has shape {list(index.tensors[fqn].shape)}, its param "
-                    f"{list(model.shape)}",
-                    path=where,
-                )
-            dtypes[ours] = index.tensors[fqn].dtype
+        dtypes, scalars = _param_state(index, family, role, model, state[name], where)
         hyper = json_safe(group_settings)
         try:
             kind = family.group_kind(role, group_settings)
@@ -218,14 +245,52 @@ def from_dcp(
     )
     order = {name: i for i, (_, _, names) in enumerate(kinds_of) for name in names}
     entries.sort(key=lambda e: order[e.name])  # group by group, as the manifest lists them
-    manifest = Manifest(CONSOLIDATED, {"dp": 1, "tp": 1}, groups, tuple(entries), (), ())
-    target, scales = converted_manifest(manifest, to, path=where)
-    fqn_of = {(n, PARAM_KEY): model_prefix + n for n in settings}
-    for name, keys in state.items():
-        role = kinds.GroupKind.from_json(groups[manifest.param(name).group].optimizer).role
-        for key, fqn in keys.items():
-            if key != "step":
-                fqn_of[name, family.our_key(role or "", key) or key] = fqn
+    return Manifest(CONSOLIDATED, {"dp": 1, "tp": 1}, groups, tuple(entries), (), ())
+
+
+def _param_state(
+    index: dcp_metadata.DcpIndex,
+    family: kinds.DcpFamily,
+    role: str,
+    model: dcp_metadata.DcpTensor,
+    state: Mapping[str, str],
+    where: Path,
+) -> tuple[dict[str, str], dict[str, Scalar]]:
+    """A param's dtypes by muonckpt's keys (its value's and each state tensor's, each of the
+    param's shape) and its step count."""
+    dtypes, scalars = {PARAM_KEY: model.dtype}, {}
+    for key, fqn in state.items():
+        if key == "step":
+            scalars["step"] = _step(index, fqn, where)
+            continue
+        ours = family.our_key(role, key)
+        if ours is None or fqn not in index.tensors:
+            raise CheckpointError(
+                f"DCP item {fqn!r}: {key!r} is not a tensor state key of a {role} param "
+                f"in {family.name}",
+                path=where,
+            )
+        if index.tensors[fqn].shape != model.shape:
+            raise CheckpointError(
+                f"DCP item {fqn!r} has shape {list(index.tensors[fqn].shape)}, its param "
+                f"{list(model.shape)}",
+                path=where,
+            )
+        dtypes[ours] = index.tensors[fqn].dtype
+    return dtypes, scalars
+
+
+def _write_consolidated(
+    index: dcp_metadata.DcpIndex,
+    target: Manifest,
+    scales: Sequence[float],
+    fqn_of: Mapping[tuple[str, str], str],
+    dst: str | os.PathLike[str],
+    overwrite: bool,
+    progress: Progress | None,
+) -> Path:
+    """Write ``target``'s tensors, each read from the DCP item ``fqn_of`` names (momentum
+    scaled by its group's factor), as a consolidated muonckpt checkpoint at ``dst``."""
     items = [((e.name, k, e.dtype_of(k)), e.shape) for e in target.params for k in e.tensor_keys]
     plan = consolidated_plan(items, None)
 
@@ -238,7 +303,7 @@ def from_dcp(
     def finished(reports: writing.Reports) -> Manifest:
         return replace(target, files=tuple(reports.files), pieces=tuple(reports.pieces))
 
-    path = writing.write_checkpoint(
+    return writing.write_checkpoint(
         writing.LocalSteps(),
         dst,
         overwrite=overwrite,
@@ -246,12 +311,10 @@ def from_dcp(
         manifest=finished,
         source=index.directory,
     )
-    left = sorted((set(index.tensors) | set(index.values)) - used)
-    return DcpConversion(path, layout, _summarized(left), _notes(manifest, target))
 
 
 def _model_prefix(
-    index: dcp_files.DcpIndex,
+    index: dcp_metadata.DcpIndex,
     settings: Mapping[str, Any],
     given: str | None,
     optimizer_prefix: str,
@@ -272,7 +335,7 @@ def _model_prefix(
     )
 
 
-def _step(index: dcp_files.DcpIndex, fqn: str, where: Path) -> Scalar:
+def _step(index: dcp_metadata.DcpIndex, fqn: str, where: Path) -> Scalar:
     """A param's step count: a one-element tensor or a number, finite, not negative."""
     dtype = None
     if fqn in index.tensors:
@@ -449,3 +512,17 @@ def _torch_defaults(role: str) -> dict[str, Any]:
     else:
         group = torch.optim.AdamW([torch.zeros(2)]).param_groups[0]
     return {k: v for k, v in group.items() if k not in ("params", "param_names")}
+
+
+FORMAT = ForeignFormat(
+    name="dcp",
+    title="DCP",
+    detect=is_dcp,
+    read=from_dcp,
+    write=to_dcp,
+    sources=tuple(kinds.DCP_FAMILIES),
+    targets=tuple(kinds.DCP_FAMILIES),
+    read_options=("model_prefix", "optimizer_prefix"),
+    write_options={"layout": tuple(LAYOUTS)},
+)
+"""PyTorch DCP in the registry (:mod:`muonckpt.interop.registry`)."""

@@ -23,7 +23,7 @@ from .. import settings, storage
 from ..checkpoint.pieces import PieceReader, open_checkpoint
 from ..errors import CheckpointError, MuonCkptError
 from ..format import kinds
-from ..format.manifest import ExtraValues, Manifest, ParamEntry, Piece
+from ..format.manifest import ExtraValues, Manifest, ParamEntry, Piece, PieceIndex
 from ..format.names import PARAM_KEY
 from ..layout.topology import whole_region
 from .inspection import (
@@ -186,30 +186,55 @@ def iter_diff(
             if ea.shape != eb.shape:
                 yield row(name, None, f"A has shape {list(ea.shape)}, B {list(eb.shape)}")
                 continue
-            keys = list(ea.tensor_keys) + [k for k in eb.tensor_keys if k not in ea.tensor_keys]
-            for key in keys:
-                if key not in ea.tensor_keys or key not in eb.tensor_keys:
-                    yield row(name, key, f"stored only in {'A' if key in ea.tensor_keys else 'B'}")
-                    continue
-                dtype_a, dtype_b = ea.dtype_of(key), eb.dtype_of(key)
-                if dtype_a != dtype_b:
-                    yield row(name, key, f"A is {dtype_a}, B {dtype_b}")
-                    continue
-                scale: float | str = 1.0
-                note: str | None = None
-                if key == "momentum_buffer":
-                    scale, note = scales.get((ea.group, eb.group), (1.0, None))
-                if isinstance(scale, str):  # the forms cannot be converted: never compared raw
-                    yield row(name, key, scale)
-                    continue
-                whole = whole_region(ea.numel)
-                x = read_a.gather(pieces_a[name, key], ea, key, whole)
-                y = read_b.gather(pieces_b[name, key], eb, key, whole)
-                yield row(name, key, note, **_compare(x, y, dtype_a, scale, atol, rtol))
-                del x, y
+            scale = scales.get((ea.group, eb.group))
+            sides = (pieces_a, pieces_b, read_a, read_b)
+            yield from _tensor_rows(ea, eb, sides, scale, row, atol, rtol)
             yield from _scalar_rows(man_a, man_b, ea, eb, row)
         yield from _model_rows(man_a, man_b, read_a, read_b, row, atol, rtol)
         yield from _extra_rows(man_a, man_b, read_a, read_b, row)
+    yield from _checkpoint_rows(man_a, man_b, row)
+
+
+def _tensor_rows(
+    ea: ParamEntry,
+    eb: ParamEntry,
+    sides: tuple[PieceIndex, PieceIndex, PieceReader, PieceReader],
+    momentum_scale: tuple[float | str, str | None] | None,
+    row: Callable[..., DiffRow],
+    atol: float,
+    rtol: float,
+) -> Iterator[DiffRow]:
+    """A param's rows of its stored tensors, one per key of either side (``sides``: each
+    side's pieces and reader); B's momentum converted by ``momentum_scale``
+    (:func:`_momentum_scales`'s; None: compared as stored)."""
+    name, (pieces_a, pieces_b, read_a, read_b) = ea.name, sides
+    keys = list(ea.tensor_keys) + [k for k in eb.tensor_keys if k not in ea.tensor_keys]
+    for key in keys:
+        if key not in ea.tensor_keys or key not in eb.tensor_keys:
+            yield row(name, key, f"stored only in {'A' if key in ea.tensor_keys else 'B'}")
+            continue
+        dtype_a, dtype_b = ea.dtype_of(key), eb.dtype_of(key)
+        if dtype_a != dtype_b:
+            yield row(name, key, f"A is {dtype_a}, B {dtype_b}")
+            continue
+        scale: float | str = 1.0
+        note: str | None = None
+        if key == "momentum_buffer":
+            scale, note = momentum_scale or (1.0, None)
+        if isinstance(scale, str):  # the forms cannot be converted: never compared raw
+            yield row(name, key, scale)
+            continue
+        whole = whole_region(ea.numel)
+        x = read_a.gather(pieces_a[name, key], ea, key, whole)
+        y = read_b.gather(pieces_b[name, key], eb, key, whole)
+        yield row(name, key, note, **_compare(x, y, dtype_a, scale, atol, rtol))
+        del x, y
+
+
+def _checkpoint_rows(
+    man_a: Manifest, man_b: Manifest, row: Callable[..., DiffRow]
+) -> Iterator[DiffRow]:
+    """The rows of the checkpoints as a whole: the step, and each param group's settings."""
     same_step = man_a.step == man_b.step
     note = None if same_step else f"A at step {man_a.step}, B at step {man_b.step}"
     yield row("checkpoint", "step", note, equal=same_step, bitwise=same_step)

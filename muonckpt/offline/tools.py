@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -357,18 +357,7 @@ def _write(
     called: dict[str, Any] | None = None,
 ) -> Path:
     """Write ``job`` from the checkpoint in ``directory``: in this process, or (``collective``)
-    shared among the ranks of the default process group, rank 0 committing, once the ranks
-    have met and agree that they read one checkpoint (its resolved directory and manifest)
-    and were called alike (the output, ``overwrite`` and the ``called`` options)."""
-    grouped = manifest.pieces_of()
-    plan = job.plan
-
-    def fetch(reader: PieceReader, w: TensorWrite) -> Any:
-        data = reader.gather(grouped[w.param, w.key], manifest.param(w.param), w.key, w.region)
-        if w.scale == 1.0:
-            return data
-        return storage.tensor_of_bytes(data, w.dtype).mul_(w.scale)
-
+    shared among the ranks of the default process group (:func:`_write_shared`)."""
     carried: list[Extra | None] = []  # the job's own state, copied by the root
 
     def carry(staging: Path) -> None:
@@ -378,31 +367,65 @@ def _write(
         files, pieces = tuple(reports.files), tuple(reports.pieces)
         return replace(job.manifest, files=files, pieces=pieces, extra=carried[0])
 
-    if not collective:
+    if collective:
+        shared = (directory, manifest, dst, overwrite, progress)
+        return _write_shared(operation, job, *shared, called or {}, carry, finished)
 
-        def write(staging: Path) -> writing.Written:
-            with PieceReader(directory, manifest, reuse_outputs=2) as reader:
-                written = writing.write_files(plan, staging, lambda w: fetch(reader, w), progress)
-            carry(staging)
-            return written
+    def write(staging: Path) -> writing.Written:
+        with PieceReader(directory, manifest, reuse_outputs=2) as reader:
+            written = writing.write_files(job.plan, staging, _fetcher(manifest, reader), progress)
+        carry(staging)
+        return written
 
-        return writing.write_checkpoint(
-            writing.LocalSteps(),
-            dst,
-            overwrite=overwrite,
-            write=write,
-            manifest=finished,
-            source=directory,
-        )
+    return writing.write_checkpoint(
+        writing.LocalSteps(),
+        dst,
+        overwrite=overwrite,
+        write=write,
+        manifest=finished,
+        source=directory,
+    )
+
+
+def _fetcher(manifest: Manifest, reader: PieceReader) -> Callable[[TensorWrite], Any]:
+    """Each planned tensor's data read from ``manifest``'s pieces, scaled where planned."""
+    grouped = manifest.pieces_of()
+
+    def fetch(w: TensorWrite) -> Any:
+        data = reader.gather(grouped[w.param, w.key], manifest.param(w.param), w.key, w.region)
+        if w.scale == 1.0:
+            return data
+        return storage.tensor_of_bytes(data, w.dtype).mul_(w.scale)
+
+    return fetch
+
+
+def _write_shared(
+    operation: str,
+    job: _Job,
+    directory: Path,
+    manifest: Manifest,
+    dst: str | os.PathLike[str],
+    overwrite: bool,
+    progress: Progress | None,
+    called: Mapping[str, Any],
+    carry: Callable[[Path], None],
+    finished: Callable[[writing.Reports], Manifest],
+) -> Path:
+    """Write ``job`` shared among the ranks of the default process group, rank 0 committing,
+    once the ranks have met and agree that they read one checkpoint (its resolved directory
+    and manifest) and were called alike (the output, ``overwrite`` and the ``called``
+    options)."""
     from ..distributed import collectives
 
+    plan = job.plan
     ranks = collectives.group_ranks(None)
     arguments = {
         "source": os.path.realpath(directory),
         "manifest": manifest.digest(),
         "output": os.path.abspath(dst),
         "overwrite": overwrite,
-        **(called or {}),
+        **called,
     }
     collectives.rendezvous(operation, ranks, arguments, CheckpointError)
     steps = collectives.CollectiveSteps(operation, ranks, ranks[0], CheckpointError)
@@ -414,14 +437,9 @@ def _write(
 
     def write_share(staging: Path) -> writing.Written:
         with PieceReader(directory, manifest, reuse_outputs=2) as reader:
-            return writing.write_share(
-                plan,
-                ranks.index(steps.rank),
-                len(ranks),
-                staging,
-                lambda w: fetch(reader, w),
-                shown,
-            )
+            share = ranks.index(steps.rank)
+            fetch = _fetcher(manifest, reader)
+            return writing.write_share(plan, share, len(ranks), staging, fetch, shown)
 
     def create(staging: Path) -> None:
         writing.create_shared(plan, staging)

@@ -1,0 +1,121 @@
+"""Which conversion ``muonckpt convert`` asks for, chosen from the one registry
+(:mod:`.registry`): a muonckpt checkpoint rewritten for another implementation or renamed, a
+foreign checkpoint read into muonckpt's format, or a muonckpt checkpoint written as a foreign
+one. Every combination of options that asks for none of these is refused here, before
+anything is read, naming the option at fault as the command line spells it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import OptionError
+from ..format.kinds import FAMILIES
+from . import registry
+from .foreign import ForeignFormat
+
+__all__ = ["MUONCKPT", "Route", "route"]
+
+MUONCKPT = "muonckpt"
+"""``convert --format``'s name of muonckpt's own format."""
+
+
+@dataclass(frozen=True)
+class Route:
+    """A conversion: from a foreign format (``reads``), to one (``writes``), or, both None,
+    from muonckpt's format to itself; with the options of the chosen format's reader or
+    writer."""
+
+    reads: ForeignFormat | None = None
+    writes: ForeignFormat | None = None
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+
+def route(
+    src: str | os.PathLike[str],
+    *,
+    to: str | None,
+    source: str | None,
+    output_format: str,
+    renamed: bool,
+    overwrite: bool,
+    options: Mapping[str, Any],
+) -> Route:
+    """The conversion of ``src`` that ``convert``'s options ask for: ``to`` (``--to``),
+    ``source`` (``--from``), ``output_format`` (``--format``), ``renamed`` (any ``--rename``),
+    ``overwrite`` (``--force``) and ``options``, the foreign formats' own options by name
+    (``layout``, ``model_prefix``), of which the route keeps those its format takes.
+
+    Raises:
+        OptionError: for options that ask for no conversion, or a value outside its choices.
+    """
+    foreign = [f.name for f in registry.FORMATS]
+    if renamed and (output_format in foreign or source is not None or registry.detect(src)):
+        raise OptionError("names are mapped between muonckpt checkpoints only")
+    if output_format != MUONCKPT and output_format not in foreign:
+        raise OptionError(f"choose {' or '.join([MUONCKPT, *foreign])}", "--format")
+    detected = registry.detect(src)
+    if output_format != MUONCKPT:
+        return _writing(registry.format_named(output_format), detected, to, overwrite, options)
+    if to is not None and to not in FAMILIES:
+        raise OptionError(f"choose one of {', '.join(FAMILIES)}", "--to")
+    if detected is None and source is None:  # with --from, the reader says what SRC is
+        if to is None and not renamed:
+            raise OptionError("give --to, --rename or both", "--to")
+        return Route()
+    return _reading(src, to, source, options)
+
+
+def _writing(
+    format_: ForeignFormat,
+    detected: ForeignFormat | None,
+    to: str | None,
+    overwrite: bool,
+    options: Mapping[str, Any],
+) -> Route:
+    """A muonckpt checkpoint written as one of ``format_``, its options checked."""
+    if to not in format_.targets:
+        raise OptionError(f"choose one of {', '.join(format_.targets)}", "--to")
+    for option, choices in format_.write_options.items():
+        if options[option] not in choices:
+            raise OptionError(f"choose one of {', '.join(choices)}", _flag(option))
+    if detected is format_:
+        raise OptionError(f"SRC is a {format_.title} checkpoint already", "--format")
+    if detected is not None:
+        raise OptionError(
+            f"SRC is a {detected.title} checkpoint: convert it to {MUONCKPT} first", "--format"
+        )
+    if overwrite:
+        raise OptionError(f"{format_.title} output is never written over an existing directory")
+    return Route(writes=format_, options={k: options[k] for k in format_.write_options})
+
+
+def _reading(
+    src: str | os.PathLike[str], to: str | None, source: str | None, options: Mapping[str, Any]
+) -> Route:
+    """A foreign checkpoint read: which format reads it, and from which implementation."""
+    format_ = registry.reading(src, source) if source is not None else registry.detect(src)
+    candidates = [format_] if format_ is not None else list(registry.FORMATS)
+    titles = " or ".join(f.title for f in candidates)
+    if to is None:
+        raise OptionError(
+            f"converting {titles} needs a target: one of {', '.join(FAMILIES)}", "--to"
+        )
+    sources = ", ".join(dict.fromkeys(s for f in candidates for s in f.sources))
+    if source is None:
+        raise OptionError(
+            f"a {titles} checkpoint does not record which optimizer wrote it, and muonckpt "
+            f"never guesses its momentum form: pass --from, one of {sources}",
+            "--from",
+        )
+    if format_ is None or source not in format_.sources:
+        raise OptionError(f"choose one of {sources}", "--from")
+    return Route(reads=format_, options={k: options[k] for k in format_.read_options})
+
+
+def _flag(option: str) -> str:
+    """An option's name as the command line spells it: ``model_prefix`` -> ``--model-prefix``."""
+    return "--" + option.replace("_", "-")
