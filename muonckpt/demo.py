@@ -26,6 +26,7 @@ import torch
 from . import settings
 from .checkpoint.api import load, save
 from .distributed import collectives
+from .distributed.groups import grid_groups
 from .distributed.launch import run_distributed
 from .layout.topology import LayoutOptions, Topology
 from .offline import tools as offline
@@ -107,7 +108,7 @@ class ToyModel:
                 for g in self.param_groups(params)
             ]
             return Muon(groups), None, 0, 0
-        dp_group, tp_group = collectives.grid_groups(dp, tp)
+        dp_group, tp_group = grid_groups(dp, tp)
         d, t = collectives.group_rank(dp_group), collectives.group_rank(tp_group)
         sharded = self.shard(params, dp, tp, d, t)
         opt = Muon(sharded.param_groups)

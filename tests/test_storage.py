@@ -316,7 +316,7 @@ def test_a_header_read_a_window_at_a_time_reads_as_a_whole(tmp_path, monkeypatch
     window cuts (a key, a character of several UTF-8 bytes, a number, the metadata), the
     file reads as it does whole, without the full parse, and a damaged file is refused with
     the same message."""
-    from muonckpt.storage import safetensors_reader
+    from muonckpt.storage import safetensors_header
 
     path = tmp_path / "t.safetensors"
     tensors = {
@@ -337,7 +337,7 @@ def test_a_header_read_a_window_at_a_time_reads_as_a_whole(tmp_path, monkeypatch
     def whole(*args: object) -> None:
         raise AssertionError("a sound header was parsed whole")
 
-    monkeypatch.setattr(safetensors_reader, "HEADER_WINDOW", window)
+    monkeypatch.setattr(safetensors_header, "HEADER_WINDOW", window)
     with monkeypatch.context() as patched:
         patched.setattr(SafetensorsReader, "_judge_header", whole)
         with SafetensorsReader(path) as reader:

@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 import torch
 
 from .. import storage
-from ..distributed import collectives
+from ..distributed import collectives, group_steps
 from ..distributed.steps import disagreement
 from ..errors import CheckpointError, ConversionWarning, MuonCkptError, StateDictError
 from ..format import conversion, kinds
@@ -174,10 +174,10 @@ def load(
     }
     ranks = participants(joined, "load", local=local)
     hint = replica_hint(joined)
-    collectives.rendezvous("load", ranks, arguments, CheckpointError, hint=hint)
+    group_steps.rendezvous("load", ranks, arguments, CheckpointError, hint=hint)
     sharding = describe(joined, local=local)  # a collective the first time
     models = following(p for o in targets for p in flat_params(o)) if params else []
-    steps = collectives.CollectiveSteps(
+    steps = group_steps.CollectiveSteps(
         "load", sharding.participants, sharding.destination, CheckpointError
     )
     opened: list[tuple[Path, Manifest]] = []

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from .. import settings, storage
-from ..distributed import collectives
+from ..distributed import collectives, group_steps
 from ..errors import CheckpointError
 from ..format import conversion
 from ..format.manifest import (
@@ -69,7 +69,7 @@ class PreparedSave:
     its files and the root's manifest, with every value they need already taken from the
     optimizer."""
 
-    steps: collectives.CollectiveSteps
+    steps: group_steps.CollectiveSteps
     staging: Path
     write: Callable[[Path], writing.Written]
     manifest: Callable[[writing.Reports], Manifest]
@@ -115,9 +115,9 @@ def prepare_save(
     }
     ranks = participants(optimizer, operation, local=local)
     hint = replica_hint(optimizer)
-    collectives.rendezvous(operation, ranks, arguments, CheckpointError, hint=hint)
+    group_steps.rendezvous(operation, ranks, arguments, CheckpointError, hint=hint)
     sharding = describe(optimizer, local=local)
-    steps = collectives.CollectiveSteps(
+    steps = group_steps.CollectiveSteps(
         operation, sharding.participants, sharding.destination, CheckpointError
     )
     taken: list[_Payload] = []

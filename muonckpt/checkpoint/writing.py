@@ -14,7 +14,7 @@ of a :class:`Steps` protocol (:func:`write_checkpoint`, or :func:`stage` and the
    fsync, atomic swap);
 3. ``retire``: when a checkpoint was replaced, every rank deletes a share of its files.
 
-Across ranks the steps are :class:`muonckpt.distributed.collectives.CollectiveSteps`, or for a
+Across ranks the steps are :class:`muonckpt.distributed.group_steps.CollectiveSteps`, or for a
 background save, which must not use the job's process groups, :class:`DirectorySteps` (messages as
 files); in one process :class:`LocalSteps`. This module itself never calls torch.distributed and
 imports torch only where a tensor crosses, so a single-process offline tool runs without it.
@@ -203,7 +203,7 @@ def stage(
     agree, the root checks the target and creates the staging directory (and, with
     ``mailbox``, the :class:`~muonckpt.storage.Mailbox` of a background finish); its path on
     every rank. (That the ranks were called alike, with the same arguments, is the
-    operation's rendezvous, :func:`muonckpt.distributed.collectives.rendezvous`, before this.)"""
+    operation's rendezvous, :func:`muonckpt.distributed.group_steps.rendezvous`, before this.)"""
     final = Path(final)
 
     def make(found: list[dict[str, Any] | None]) -> str:

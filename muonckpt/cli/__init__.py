@@ -60,8 +60,9 @@ def _ranks(ctx: typer.Context, workers: int) -> Iterator[bool]:
     if not all(name in os.environ for name in TORCHRUN_ENV):
         yield False
         return
-    from ..distributed.collectives import default_group_from_env, global_rank
     from .. import offline
+    from ..distributed.collectives import global_rank
+    from ..distributed.groups import default_group_from_env
 
     if workers != 1:
         raise typer.BadParameter(
@@ -279,8 +280,8 @@ def convert(
 
     Names: muonckpt convert ckpt/step-1000 -o ckpt/plain --rename module.= --rename _orig_mod.=
     """
-    from ..format.kinds import DCP_FAMILIES, FAMILIES
     from .. import offline
+    from ..format.kinds import DCP_FAMILIES, FAMILIES
 
     prefixes = {}
     for item in rename or []:

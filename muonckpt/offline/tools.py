@@ -394,7 +394,7 @@ def _write(
             manifest=finished,
             source=directory,
         )
-    from ..distributed import collectives
+    from ..distributed import collectives, group_steps
 
     ranks = collectives.group_ranks(None)
     arguments = {
@@ -404,8 +404,8 @@ def _write(
         "overwrite": overwrite,
         **(called or {}),
     }
-    collectives.rendezvous(operation, ranks, arguments, CheckpointError)
-    steps = collectives.CollectiveSteps(operation, ranks, ranks[0], CheckpointError)
+    group_steps.rendezvous(operation, ranks, arguments, CheckpointError)
+    steps = group_steps.CollectiveSteps(operation, ranks, ranks[0], CheckpointError)
     shown = None  # rank 0's progress stands for the whole job
     if steps.is_root and progress is not None:
         from .workers import scaled_progress
