@@ -7,11 +7,11 @@ of a :class:`Steps` protocol (:func:`write_checkpoint`, or :func:`stage` and the
 :func:`finish`, when a save runs its own work between them):
 
 1. ``stage``: every rank's checks, then the root creates the staging directory beside the
-   target (:func:`muonckpt.storage.make_staging`);
+   target (:meth:`muonckpt.storage.CheckpointStore.create_staging`);
 2. ``write``: every rank writes its tensors (:func:`write_files` for whole files,
    :func:`write_share` for its share of files written together) and reports the pieces; the
    root builds the manifest from the reports and commits (:func:`commit`: manifest last,
-   fsync, atomic swap);
+   atomic publish, :meth:`muonckpt.storage.CheckpointStore.publish`);
 3. ``retire``: when a checkpoint was replaced, every rank deletes a share of its files.
 
 Across ranks the steps are :class:`muonckpt.distributed.group_steps.CollectiveSteps`, or for a
@@ -211,13 +211,13 @@ def stage(
             differ = disagreement([given or {} for given in found], steps.ranks)
             if differ is not None:
                 raise CheckpointError(f"the ranks disagree on {differ}; nothing was written")
-        staging = storage.make_staging(final, overwrite, source=source)
+        staging = storage.store.create_staging(final, overwrite, source=source)
         try:
             create(staging)
             if mailbox:
                 storage.Mailbox(storage.mailbox_path(staging)).create()
         except BaseException:
-            storage.discard(staging)
+            storage.store.discard(staging)
             raise
         return str(staging)
 
@@ -226,7 +226,7 @@ def stage(
 
 def abandon(staging: Path) -> None:
     """(the root) Remove a staging directory (and its mailbox) that will never be written."""
-    storage.discard(staging)
+    storage.store.discard(staging)
     storage.Mailbox(storage.mailbox_path(staging)).remove()
 
 
@@ -265,7 +265,9 @@ def finish(
         )
         replaced = commit(staging, final, manifest(merged))
         return (
-            None if replaced is None else {"at": str(replaced), "files": storage.entries(replaced)}
+            None
+            if replaced is None
+            else {"at": str(replaced), "files": storage.store.entries(replaced)}
         )
 
     committed: list[bool] = []
@@ -284,7 +286,7 @@ def finish(
         if committed or storage.committed_as(final, staged):
             return after_commit(exc, final)
         if steps.is_root:
-            storage.discard(staging)
+            storage.store.discard(staging)
         raise
     finally:
         storage.unwatch_commit(final, mark)
@@ -310,14 +312,14 @@ def _retire(steps: Steps, replaced: dict[str, Any] | None, final: Path) -> None:
     """The ``retire`` step, after the commit: every rank deletes its share of the replaced
     checkpoint's files; a failure is a warning (the new checkpoint is in place)."""
     if replaced is not None and len(steps.ranks) == 1:
-        storage.retire(replaced["at"])
+        storage.store.retire(replaced["at"])
     elif replaced is not None:
         share = replaced["files"][steps.ranks.index(steps.rank) :: len(steps.ranks)]
         try:
             steps.each_then_root(
                 "retire",
-                lambda: storage.retire(replaced["at"], share),
-                lambda _: storage.retire(replaced["at"]),
+                lambda: storage.store.retire(replaced["at"], share),
+                lambda _: storage.store.retire(replaced["at"]),
             )
         except MuonCkptError as exc:  # committed: what is left of the old one is a warning
             warnings.warn(
@@ -439,7 +441,7 @@ def commit(staging: Path, final: Path, manifest: Manifest) -> Path | None:
     """(the root) The manifest, written last, fsync, and the atomic swap, which checks that
     every file the manifest lists is there at its size (and the manifest) right before it.
 
-    Returns the directory now holding a checkpoint this replaced, for :func:`storage.retire`.
+    Returns the directory now holding a checkpoint this replaced, for :meth:`storage.store.retire`.
     The manifest's coverage is checked first (every state tensor stored exactly once, as a
     reader requires), so that a faulty plan commits nothing rather than a checkpoint that
     ``verify`` and ``load`` would refuse.
@@ -453,7 +455,7 @@ def commit(staging: Path, final: Path, manifest: Manifest) -> Path | None:
             path=final,
         )
     limit = storage.MAX_TEXT_BYTES  # past it, committed, a checkpoint nothing could read
-    size = storage.write_text_atomic(staging / MANIFEST_NAME, manifest.json_chunks(), limit=limit)
+    size = storage.store.write_text(staging / MANIFEST_NAME, manifest.json_chunks(), limit=limit)
     if size > limit:
         extra = 0 if manifest.extra is None else len(json.dumps(extra_to_json(manifest.extra)))
         raise CheckpointError(
@@ -462,9 +464,8 @@ def commit(staging: Path, final: Path, manifest: Manifest) -> Path | None:
             f"tensors), extra / rank_extra {extra} bytes of it; nothing was committed",
             path=final,
         )
-    storage.fsync_dir(staging)
     listed = {entry.name: entry.bytes for entry in all_files(manifest)}
-    return storage.swap_in(staging, final, files={**listed, MANIFEST_NAME: size})
+    return storage.store.publish(staging, final, files={**listed, MANIFEST_NAME: size})
 
 
 def check_manifest_fits(
@@ -595,7 +596,7 @@ def create_shared(plan: WritePlan, staging: Path) -> None:
 
 def _write_texts(plan: WritePlan, staging: Path) -> None:
     for name, text in plan.texts.items():
-        storage.write_text_atomic(staging / name, text)
+        storage.store.write_text(staging / name, text)
 
 
 def write_share(
