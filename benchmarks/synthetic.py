@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 import muonckpt
-from muonckpt.distributed.collectives import grid_groups
+from muonckpt.distributed.groups import grid_groups
 from muonckpt.format.kinds import ADAMW_STATE_KEYS, MUON_STATE_KEYS
 from muonckpt.layout.topology import Region, Topology, strided_runs
 from muonckpt.state.placement import describe

@@ -26,7 +26,8 @@ import torch.nn.functional as F
 
 from . import offline, settings
 from .checkpoint.api import load, save
-from .distributed import collectives
+from .distributed import collectives, groups
+from .distributed.groups import grid_groups
 from .distributed.launch import run_distributed
 from .errors import ArgumentError
 from .layout.topology import LayoutOptions, Topology
@@ -119,7 +120,7 @@ class ToyModel:
                 for g in self.param_groups(params)
             ]
             return Muon(groups), None, 0, 0
-        dp_group, tp_group = collectives.grid_groups(dp, tp)
+        dp_group, tp_group = grid_groups(dp, tp)
         d, t = collectives.group_rank(dp_group), collectives.group_rank(tp_group)
         sharded = self.shard(params, dp, tp, d, t)
         opt = Muon(sharded.param_groups)
@@ -232,7 +233,7 @@ class TinyLM(ToyModel):
         model = {name: p.clone().requires_grad_() for name, p in params.items()}
         if dp * tp == 1:
             return Muon(self.param_groups(model)), None, 0, 0
-        dp_group, tp_group = collectives.grid_groups(dp, tp)
+        dp_group, tp_group = groups.grid_groups(dp, tp)
         sharded = shard_for_groups(
             self.param_groups(model),
             dp_group,

@@ -10,7 +10,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import muonckpt
 from muonckpt import offline
-from muonckpt.distributed import collectives
+from muonckpt.distributed import group_steps
 
 from .fixture_model import build, initial_params, train
 
@@ -106,7 +106,7 @@ def lone_call_phase(
     job (``ddp``: the replicated torch optimizers; ``muon``: the packaged Muon at 2x1, whose
     grid is already learned when ``warm``); the others go on to a barrier. Then every rank
     calls it. This rank's error, and whether the call of every rank then worked."""
-    muonckpt.distributed.collectives.set_rendezvous_timeout(timeout)
+    muonckpt.distributed.set_rendezvous_timeout(timeout)
     if kind == "ddp":
         model, optimizer = ddp_job(seed=0)
         ddp_train(model, optimizer, 0, 1)
@@ -140,7 +140,7 @@ def lone_call_phase(
 def offline_phase(src: str, dst: str, how: str, timeout: float) -> str | None:
     """``consolidate`` over the default group (as under torchrun), rank 1 called with another
     output (``output``) or not at all (``lone``). This rank's error."""
-    muonckpt.distributed.collectives.set_rendezvous_timeout(timeout)
+    muonckpt.distributed.set_rendezvous_timeout(timeout)
     error = None
     if dist.get_rank() == 0 or how == "output":
         out = f"{dst}-rank1" if dist.get_rank() == 1 else dst
@@ -168,7 +168,7 @@ def subgroup_phase(root: str, timeout: float) -> dict[str, object]:
     pair (``install_hooks(..., owner=REPLICATED, group=pair)``), save and load at the same time,
     three times, each pair to its own path; then rank 2 saves alone. This rank's error and how
     the rendezvous keys left in the store after the agreed operations."""
-    muonckpt.distributed.collectives.set_rendezvous_timeout(timeout)
+    muonckpt.distributed.set_rendezvous_timeout(timeout)
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     pair = dist.get_rank() // 2
     torch.manual_seed(pair)
@@ -188,12 +188,12 @@ def subgroup_phase(root: str, timeout: float) -> dict[str, object]:
     dist.barrier()
     store = dist.distributed_c10d._get_default_store()
     members = [2 * pair, 2 * pair + 1]
-    operations = collectives._SEQUENCE[tuple(members)]
+    operations = group_steps._SEQUENCE[tuple(members)]
     left = [  # every key of every rendezvous so far, of either pair
         key
         for sequence in range(operations)
         for ranks in ([0, 1], [2, 3])
-        for arrivals, verdict, done in [collectives.store_keys(ranks, sequence, "rendezvous")]
+        for arrivals, verdict, done in [group_steps.store_keys(ranks, sequence, "rendezvous")]
         for key in [*arrivals, verdict, done]
         if store.check([key])
     ]

@@ -49,7 +49,12 @@ imports torch only inside functions, where a tensor crosses: tests/test_cli.py c
 that at run time)."""
 DCP_FILES = ("storage.dcp_metadata", "storage.dcp_files")
 """DCP's file format: its metadata classes (through a restricted unpickler) and torch's writer."""
-COLLECTIVE_CALLERS = ("distributed.collectives", "distributed.launch")
+COLLECTIVE_CALLERS = (
+    "distributed.collectives",
+    "distributed.group_steps",
+    "distributed.groups",
+    "distributed.launch",
+)
 """The modules that call torch.distributed (``distributed.steps`` is the pure protocol)."""
 NAMESPACES = (
     "offline",

@@ -51,7 +51,7 @@ def distributed_on_gpu(
     params: dict[str, torch.Tensor], dp: int, tp: int
 ) -> tuple[muonckpt.optim.muon.Muon, muonckpt.optim.sharding.ShardedParams]:
     """The fixture model's distributed packaged Muon at dp x tp, its shards on the GPU."""
-    dp_group, tp_group = muonckpt.distributed.collectives.grid_groups(dp, tp)
+    dp_group, tp_group = muonckpt.distributed.grid_groups(dp, tp)
     sharded = muonckpt.optim.sharding.shard_for_groups(
         param_groups({name: p.to(CUDA) for name, p in params.items()}),
         dp_group,

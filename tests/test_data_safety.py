@@ -564,9 +564,9 @@ def test_every_rank_learns_a_non_library_failure(ck, tmp_path):
 
 
 def test_a_step_turns_any_exception_into_the_protocol_error_naming_rank_type_and_place():
-    from muonckpt.distributed import collectives
+    from muonckpt.distributed import group_steps
 
-    steps = collectives.CollectiveSteps("save", [0], 0, CheckpointError)
+    steps = group_steps.CollectiveSteps("save", [0], 0, CheckpointError)
 
     def boom() -> None:
         raise KeyError("missing")

@@ -18,7 +18,7 @@ import torch
 
 import muonckpt
 from muonckpt import errors, offline, settings
-from muonckpt.distributed import collectives
+from muonckpt.distributed import group_steps
 from muonckpt.distributed.launch import run_distributed
 from muonckpt.errors import (
     ArgumentError,
@@ -109,7 +109,7 @@ def test_a_bad_file_is_no_argument_error(tmp_path):
 
 
 def test_a_step_failure_names_the_rank_that_failed_and_the_ranks_that_agreed():
-    steps = collectives.CollectiveSteps("save", [0], 0, CheckpointError)
+    steps = group_steps.CollectiveSteps("save", [0], 0, CheckpointError)
 
     def refuse() -> None:
         raise KeyError("missing")
@@ -132,7 +132,7 @@ def test_an_interruption_after_the_commit_names_the_committed_checkpoint(
     def interrupted(*args: object) -> None:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(storage, "retire", interrupted)
+    monkeypatch.setattr(storage.store, "retire", interrupted)
     with pytest.raises(InterruptedAfterCommit) as caught:
         muonckpt.save(opt, path, overwrite=True)
     assert isinstance(caught.value, KeyboardInterrupt)

@@ -83,7 +83,7 @@ def tp_shard(full: torch.Tensor, name: str, tp: int, tp_rank: int) -> torch.Tens
 
 
 def build(dp: int, tp: int, zeros: bool):
-    groups = muonckpt.distributed.collectives.grid_groups(dp, tp) if dp * tp > 1 else (None, None)
+    groups = muonckpt.distributed.grid_groups(dp, tp) if dp * tp > 1 else (None, None)
     dp_group, tp_group = groups
     tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
     shards = {

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 import muonckpt
-from muonckpt.distributed import collectives
+from muonckpt.distributed import group_steps
 from muonckpt.distributed.launch import run_distributed
 
 from .fixture_model import build, initial_params, train
@@ -59,7 +59,7 @@ def identical(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 def each_rank_its_own(root: str, background: bool) -> dict:
     """(2 gloo ranks) Each rank saves its own optimizer to its own path with local=True, then
     loads it back into a fresh one; the other rank is busy elsewhere (waiting at a barrier)."""
-    collectives.set_rendezvous_timeout(LONG_RENDEZVOUS_S)
+    group_steps.set_rendezvous_timeout(LONG_RENDEZVOUS_S)
     rank = dist.get_rank()
     model, opt = own_job(seed=rank)
     path = f"{root}/rank{rank}"
@@ -103,7 +103,7 @@ def test_each_rank_saves_and_loads_its_own_optimizer(tmp_path, background):
 def rank_zero_alone(root: str) -> dict:
     """(2 gloo ranks) Only rank 0 saves its optimizer (local=True) and loads it back, twice
     (save, then async_save over it), while rank 1 waits at a barrier."""
-    collectives.set_rendezvous_timeout(LONG_RENDEZVOUS_S)
+    group_steps.set_rendezvous_timeout(LONG_RENDEZVOUS_S)
     rank = dist.get_rank()
     result: dict = {}
     if rank == 0:
@@ -127,7 +127,7 @@ def without_local(root: str, how: str, rendezvous_s: float) -> str | None:
     """(2 gloo ranks) A process-local optimizer saved without local=True: by rank 0 alone
     (``lone``), by each rank to its own path (``paths``) or to one path (``same``); this
     rank's error."""
-    collectives.set_rendezvous_timeout(rendezvous_s)
+    group_steps.set_rendezvous_timeout(rendezvous_s)
     rank = dist.get_rank()
     _, opt = own_job(seed=rank)
     error = None
@@ -173,7 +173,7 @@ def test_a_local_optimizer_saved_without_local_says_to_pass_it(tmp_path, how):
 def sharded_with_local(root: str) -> list[str]:
     """(2 gloo ranks) local=True for a packaged Muon sharded over the 2 ranks: each rank's
     error of save and of load."""
-    collectives.set_rendezvous_timeout(LONG_RENDEZVOUS_S)
+    group_steps.set_rendezvous_timeout(LONG_RENDEZVOUS_S)
     opt, sharded, d, t = build(2, 1, initial_params())
     train(opt, sharded, d, t, 0, 1)
     errors = []

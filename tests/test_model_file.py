@@ -109,7 +109,7 @@ def test_model_mistakes_are_refused_before_anything_is_written(tmp_path):
 def packaged_save(path: str, dp: int, tp: int) -> dict[str, torch.Tensor]:
     """(In a gloo child.) The packaged Muon, ZeRO-1 over dp x tp, on the tied GPT replicated
     on every rank; a consolidated save with the model."""
-    dp_group, tp_group = muonckpt.distributed.collectives.grid_groups(dp, tp)
+    dp_group, tp_group = muonckpt.distributed.grid_groups(dp, tp)
     model = TinyGPT(seed=0)
     named = list(model.named_parameters())
     hidden = [(n, p) for n, p in named if p.ndim == 2 and n.startswith("h.")]

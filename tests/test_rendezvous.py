@@ -113,16 +113,16 @@ def test_subgroups_meet_apart_and_leave_no_keys(tmp_path):
 
 def test_the_rendezvous_timeout_is_checked_and_restored(monkeypatch):
     monkeypatch.delenv("MUONCKPT_RENDEZVOUS_TIMEOUT", raising=False)
-    assert muonckpt.distributed.collectives.rendezvous_timeout() == 60.0
+    assert muonckpt.distributed.rendezvous_timeout() == 60.0
     for bad in (0, -1, float("inf"), float("nan"), "5", True):
         with pytest.raises(muonckpt.CollectiveError, match="rendezvous timeout"):
-            muonckpt.distributed.collectives.set_rendezvous_timeout(bad)
+            muonckpt.distributed.set_rendezvous_timeout(bad)
     monkeypatch.setenv("MUONCKPT_RENDEZVOUS_TIMEOUT", "7.5")
-    assert muonckpt.distributed.collectives.rendezvous_timeout() == 7.5
-    assert muonckpt.distributed.collectives.set_rendezvous_timeout(3) == 7.5
-    assert muonckpt.distributed.collectives.rendezvous_timeout() == 3.0
-    assert muonckpt.distributed.collectives.set_rendezvous_timeout(None) == 3.0
-    assert muonckpt.distributed.collectives.rendezvous_timeout() == 7.5
+    assert muonckpt.distributed.rendezvous_timeout() == 7.5
+    assert muonckpt.distributed.set_rendezvous_timeout(3) == 7.5
+    assert muonckpt.distributed.rendezvous_timeout() == 3.0
+    assert muonckpt.distributed.set_rendezvous_timeout(None) == 3.0
+    assert muonckpt.distributed.rendezvous_timeout() == 7.5
     monkeypatch.setenv("MUONCKPT_RENDEZVOUS_TIMEOUT", "soon")
     with pytest.raises(muonckpt.CollectiveError, match="MUONCKPT_RENDEZVOUS_TIMEOUT='soon'"):
-        muonckpt.distributed.collectives.rendezvous_timeout()
+        muonckpt.distributed.rendezvous_timeout()

@@ -255,7 +255,7 @@ def huge_timeout_phase(path: str, how: str) -> str:
         if how == "env":
             os.environ["MUONCKPT_RENDEZVOUS_TIMEOUT"] = "1e99"
         else:
-            muonckpt.distributed.collectives.set_rendezvous_timeout(1e99)
+            muonckpt.distributed.set_rendezvous_timeout(1e99)
         muonckpt.save(optimizer, path)
     except muonckpt.MuonCkptError as exc:
         error = f"{type(exc).__name__}: {exc}"
@@ -284,9 +284,9 @@ def test_a_huge_rendezvous_timeout_is_one_line_on_every_rank(tmp_path, how):
 def test_timeouts_past_a_week_are_refused(monkeypatch, bad):
     monkeypatch.delenv("MUONCKPT_RENDEZVOUS_TIMEOUT", raising=False)
     with pytest.raises(muonckpt.CollectiveError, match="the rendezvous timeout"):
-        muonckpt.distributed.collectives.set_rendezvous_timeout(bad)
-    assert muonckpt.distributed.collectives.set_rendezvous_timeout(settings.MAX_WAIT_S) == 60.0
-    muonckpt.distributed.collectives.set_rendezvous_timeout(None)
+        muonckpt.distributed.set_rendezvous_timeout(bad)
+    assert muonckpt.distributed.set_rendezvous_timeout(settings.MAX_WAIT_S) == 60.0
+    muonckpt.distributed.set_rendezvous_timeout(None)
 
 
 # --- the other numeric settings --------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import os
@@ -20,7 +21,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from muonckpt import storage
-from muonckpt.errors import CheckpointError
+from muonckpt.errors import CheckpointError, CheckpointWarning
 from muonckpt.layout.topology import Strided
 from muonckpt.storage import (
     CHECKSUM_ALGORITHM,
@@ -316,7 +317,7 @@ def test_a_header_read_a_window_at_a_time_reads_as_a_whole(tmp_path, monkeypatch
     window cuts (a key, a character of several UTF-8 bytes, a number, the metadata), the
     file reads as it does whole, without the full parse, and a damaged file is refused with
     the same message."""
-    from muonckpt.storage import safetensors_reader
+    from muonckpt.storage import safetensors_header
 
     path = tmp_path / "t.safetensors"
     tensors = {
@@ -337,7 +338,7 @@ def test_a_header_read_a_window_at_a_time_reads_as_a_whole(tmp_path, monkeypatch
     def whole(*args: object) -> None:
         raise AssertionError("a sound header was parsed whole")
 
-    monkeypatch.setattr(safetensors_reader, "HEADER_WINDOW", window)
+    monkeypatch.setattr(safetensors_header, "HEADER_WINDOW", window)
     with monkeypatch.context() as patched:
         patched.setattr(SafetensorsReader, "_judge_header", whole)
         with SafetensorsReader(path) as reader:
@@ -518,6 +519,74 @@ def test_swap_in_failure_keeps_old(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="ckpt"):
         swap_in(tmp_path / "missing", final)
     assert read_text(final / "manifest.json") == "old"
+
+
+def test_the_posix_store_is_the_storage_seam(tmp_path: Path) -> None:
+    """:class:`PosixStore` has every operation of :class:`CheckpointStore` with its parameters,
+    is the store the checkpoint code writes through, and does each on real files: a staging
+    directory holding its lease, durable writes, a publish that checks what it publishes and
+    replaces a checkpoint, listing, and removing only muonckpt's own files."""
+    operations = {
+        name
+        for name, member in vars(storage.CheckpointStore).items()
+        if callable(member) and not name.startswith("_")
+    }
+    assert operations == {
+        "create_staging",
+        "write_text",
+        "publish",
+        "entries",
+        "discard",
+        "retire",
+        "remove_checkpoint",
+    }
+    store = storage.PosixStore()
+    assert isinstance(storage.store, storage.PosixStore)
+    for name in operations:
+        wanted = list(inspect.signature(getattr(storage.CheckpointStore, name)).parameters.values())
+        given = inspect.signature(getattr(store, name)).parameters.values()
+        shape = [(p.name, p.kind, p.default) for p in given]
+        assert shape == [(p.name, p.kind, p.default) for p in wanted[1:]], name
+
+    final, data = tmp_path / "ckpt", "rank-00000-of-00001.safetensors"
+    for step in (1, 2):
+        staging = store.create_staging(final, overwrite=step == 2)
+        assert staging.name.startswith(".ckpt.staging-")
+        assert store.entries(staging) == [".muonckpt-lease"]
+        assert store.write_text(staging / data, "x" * step) == step
+        assert store.write_text(staging / "x.index.json", "{}", limit=1) == 2  # past it: none
+        manifest = f'{{"format": "muonckpt", "step": {step}}}'
+        size = store.write_text(staging / "manifest.json", manifest)
+        assert store.entries(staging) == [".muonckpt-lease", "manifest.json", data]
+        with pytest.raises(
+            CheckpointError, match=f"not committed: .*{data} is {step} bytes, not 9"
+        ):
+            store.publish(staging, final, files={data: 9})
+        replaced = store.publish(staging, final, files={data: step, "manifest.json": size})
+        assert store.entries(final) == ["manifest.json", data]
+        assert read_text(final / "manifest.json") == manifest
+        if step == 1:
+            assert replaced is None
+        else:  # the old checkpoint aside, its manifest gone, its lease held until retired
+            assert replaced is not None and store.entries(replaced) == [".muonckpt-lease", data]
+            store.retire(replaced, [data])
+            assert store.entries(replaced) == [".muonckpt-lease"]
+            store.retire(replaced)
+        assert store.entries(tmp_path) == ["ckpt"]
+
+    staging = store.create_staging(tmp_path / "other", overwrite=False)
+    (staging / "notes.txt").write_text("a user's")
+    assert store.discard(staging, quiet=True) == ["notes.txt (not a checkpoint file: kept)"]
+    assert store.entries(staging) == ["notes.txt"]
+    (final / "README.md").write_text("a user's")
+    with pytest.raises(CheckpointError, match="refusing to replace it"):
+        store.create_staging(final, overwrite=True)
+    with pytest.warns(CheckpointWarning, match="README.md"):
+        assert store.remove_checkpoint(final) is False
+    assert store.entries(final) == ["README.md"]
+    (final / "README.md").unlink()
+    (final / data).write_text("x")
+    assert store.remove_checkpoint(final) is True and not final.exists()
 
 
 @st.composite

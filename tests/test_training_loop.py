@@ -29,7 +29,7 @@ def make_model(seed: int, tp: int = 1, tp_rank: int = 0) -> dict[str, torch.nn.P
 
 
 def build(dp: int, tp: int, tp_local: bool, seed: int):
-    dp_group, tp_group = muonckpt.distributed.collectives.grid_groups(dp, tp)
+    dp_group, tp_group = muonckpt.distributed.grid_groups(dp, tp)
     model = make_model(seed, tp if tp_local else 1, dist.get_rank(tp_group))
     sharded = muonckpt.optim.sharding.shard_for_groups(
         [

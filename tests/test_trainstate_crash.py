@@ -40,13 +40,13 @@ def stop_at(moment):
         original = writing.commit
         writing.commit = lambda *a: (pause(moment), original(*a))[1]
     elif moment in ("before-swap", "after-swap"):
-        original = storage.swap_in
+        original = storage.store.publish
         def swap_in(*a, **kw):
             if moment == "before-swap":
                 pause(moment)
             original(*a, **kw)
             pause(moment)
-        storage.swap_in = swap_in
+        storage.store.publish = swap_in
 
 def job(value):
     extra = {"step": value, "marker": torch.full((4,), float(value))}

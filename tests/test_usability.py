@@ -72,7 +72,7 @@ def test_a_muonckpt_folder_without_manifest_is_still_called_incomplete(single_ck
 def wrong_grid(dp: int, tp: int) -> str:
     """(In a gloo child.) The error of grid_groups(dp, tp)."""
     try:
-        muonckpt.distributed.collectives.grid_groups(dp, tp)
+        muonckpt.distributed.grid_groups(dp, tp)
     except muonckpt.LayoutError as exc:
         return str(exc)
     return "no error"

@@ -61,7 +61,7 @@ def save(
 ) -> Path:
     """Save ``optimizer``'s state (and its params) to directory ``path``; a collective over its
     dp x tp grid, which begins with a bounded rendezvous (every rank must call it, with the same
-    arguments, within :func:`muonckpt.distributed.collectives.set_rendezvous_timeout` of each
+    arguments, within :func:`muonckpt.distributed.set_rendezvous_timeout` of each
     other).
 
     Args:

@@ -47,7 +47,7 @@ from typing import Any
 import torch
 
 from .. import storage
-from ..distributed import collectives
+from ..distributed import collectives, group_steps
 from ..distributed.steps import disagreement
 from ..errors import CheckpointError, ConversionWarning
 from ..format import conversion, kinds
@@ -195,7 +195,7 @@ class _LoadCall:
     optimizer: Optimizers
     sharding: Sharding
     models: list[ShardedParams]
-    steps: collectives.CollectiveSteps
+    steps: group_steps.CollectiveSteps
 
     @property
     def rank(self) -> int:
@@ -212,10 +212,10 @@ def _agree(
     joined = targets[0] if len(targets) == 1 else Joined(targets, local=options.local)
     ranks = participants(joined, "load", local=options.local)
     hint = replica_hint(joined)
-    collectives.rendezvous("load", ranks, options.agreement(), CheckpointError, hint=hint)
+    group_steps.rendezvous("load", ranks, options.agreement(), CheckpointError, hint=hint)
     sharding = describe(joined, local=options.local)
     models = following(p for o in targets for p in flat_params(o)) if options.params else []
-    steps = collectives.CollectiveSteps(
+    steps = group_steps.CollectiveSteps(
         "load", sharding.participants, sharding.destination, CheckpointError
     )
     return _LoadCall(options, joined, sharding, models, steps)

@@ -199,7 +199,7 @@ def prune(root: str | os.PathLike[str], keep_last: int, keep: str | os.PathLike[
     for old in found[:-keep_last]:
         if os.path.realpath(old.path) == kept or storage.ownership_problem(old.path):
             continue
-        if storage.remove_checkpoint(old.path):
+        if storage.store.remove_checkpoint(old.path):
             deleted.append(old.path)
     return deleted
 
@@ -260,7 +260,7 @@ def clean(root: str | os.PathLike[str], older_than: float) -> Cleaned:
                 if storage.is_mailbox(name):
                     kept = storage.Mailbox(path).remove()
                 else:
-                    kept = storage.discard(path, quiet=True)
+                    kept = storage.store.discard(path, quiet=True)
                 if not os.path.lexists(path):
                     removed.append(path)
                     continue

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from .. import storage
-from ..distributed import collectives
+from ..distributed import collectives, group_steps
 from ..errors import CheckpointError
 from ..format import conversion
 from ..format.manifest import (
@@ -56,7 +56,7 @@ class SaveCall:
     path: Path
     options: SaveOptions
     sharding: Sharding
-    steps: collectives.CollectiveSteps
+    steps: group_steps.CollectiveSteps
 
 
 def agree(optimizer: Optimizers, path: str | os.PathLike[str], options: SaveOptions) -> SaveCall:
@@ -66,9 +66,9 @@ def agree(optimizer: Optimizers, path: str | os.PathLike[str], options: SaveOpti
     operation = options.operation
     ranks = participants(optimizer, operation, local=options.local)
     hint = replica_hint(optimizer)
-    collectives.rendezvous(operation, ranks, options.agreement(path), CheckpointError, hint=hint)
+    group_steps.rendezvous(operation, ranks, options.agreement(path), CheckpointError, hint=hint)
     sharding = describe(optimizer, local=options.local)
-    steps = collectives.CollectiveSteps(
+    steps = group_steps.CollectiveSteps(
         operation, sharding.participants, sharding.destination, CheckpointError
     )
     return SaveCall(optimizer, Path(path), options, sharding, steps)
@@ -120,7 +120,7 @@ class PreparedSave:
     made, raised in the ``write`` step) and tensors, the host buffers they stream through
     (None: a snapshot already), the job's own state, and the manifest's draft."""
 
-    steps: collectives.CollectiveSteps
+    steps: group_steps.CollectiveSteps
     staging: Path
     payload: _Payload
     host: HostBuffers | None

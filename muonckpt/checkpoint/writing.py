@@ -20,7 +20,7 @@ call at a time, each handed data: the outcome of what each rank did before a ste
 raises on every rank) and, for the commit, the manifest's draft
 (:func:`commit_save`).
 
-Across ranks the steps are :class:`muonckpt.distributed.collectives.CollectiveSteps`, or for a
+Across ranks the steps are :class:`muonckpt.distributed.group_steps.CollectiveSteps`, or for a
 background save, which must not use the job's process groups,
 :class:`~muonckpt.checkpoint._directory_steps.DirectorySteps` (messages as files); in one
 process :class:`LocalSteps`. This module itself never calls torch.distributed and imports
@@ -164,7 +164,7 @@ def stage(
     creates the staging directory (and, with ``mailbox``, the
     :class:`~muonckpt.storage.Mailbox` of a background finish); its path on every rank. (That
     the ranks were called alike, with the same arguments, is the operation's rendezvous,
-    :func:`muonckpt.distributed.collectives.rendezvous`, before this.)"""
+    :func:`muonckpt.distributed.group_steps.rendezvous`, before this.)"""
     final = Path(final)
 
     def mine() -> dict[str, Any] | None:
@@ -175,13 +175,13 @@ def stage(
             differ = disagreement([given or {} for given in found], steps.ranks)
             if differ is not None:
                 raise CheckpointError(f"the ranks disagree on {differ}; nothing was written")
-        staging = storage.make_staging(final, overwrite, source=source)
+        staging = storage.store.create_staging(final, overwrite, source=source)
         try:
             create(staging)
             if mailbox:
                 storage.Mailbox(storage.mailbox_path(staging)).create()
         except BaseException:
-            storage.discard(staging)
+            storage.store.discard(staging)
             raise
         return str(staging)
 
@@ -190,7 +190,7 @@ def stage(
 
 def abandon(staging: Path) -> None:
     """(the root) Remove a staging directory (and its mailbox) that will never be written."""
-    storage.discard(staging)
+    storage.store.discard(staging)
     storage.Mailbox(storage.mailbox_path(staging)).remove()
 
 
@@ -251,7 +251,9 @@ def _write_step(
         reports = [Written.from_json(r) for r in raw] if across else raw
         replaced = commit(staging, final, manifest(Reports.merged(reports, staging)))
         return (
-            None if replaced is None else {"at": str(replaced), "files": storage.entries(replaced)}
+            None
+            if replaced is None
+            else {"at": str(replaced), "files": storage.store.entries(replaced)}
         )
 
     committed: list[bool] = []
@@ -271,7 +273,7 @@ def _write_step(
             after_commit(exc, final)
             return None
         if steps.is_root:
-            storage.discard(staging)
+            storage.store.discard(staging)
         raise
     finally:
         storage.unwatch_commit(final, mark)
@@ -306,14 +308,14 @@ def _retire(steps: Steps, replaced: Replaced | None, final: Path) -> None:
     """The ``retire`` step, after the commit: every rank deletes its share of the replaced
     checkpoint's files; a failure is a warning (the new checkpoint is in place)."""
     if replaced is not None and len(steps.ranks) == 1:
-        storage.retire(replaced["at"])
+        storage.store.retire(replaced["at"])
     elif replaced is not None:
         share = replaced["files"][steps.ranks.index(steps.rank) :: len(steps.ranks)]
         try:
             steps.each_then_root(
                 "retire",
-                lambda: storage.retire(replaced["at"], share),
-                lambda _: storage.retire(replaced["at"]),
+                lambda: storage.store.retire(replaced["at"], share),
+                lambda _: storage.store.retire(replaced["at"]),
             )
         except MuonCkptError as exc:  # committed: what is left of the old one is a warning
             warnings.warn(
@@ -328,7 +330,7 @@ def commit(staging: Path, final: Path, manifest: Manifest) -> Path | None:
     """(the root) The manifest, written last, fsync, and the atomic swap, which checks that
     every file the manifest lists is there at its size (and the manifest) right before it.
 
-    Returns the directory now holding a checkpoint this replaced, for :func:`storage.retire`.
+    Returns the directory now holding a checkpoint this replaced, for :meth:`storage.store.retire`.
     The manifest's coverage is checked first (every state tensor stored exactly once, as a
     reader requires), so that a faulty plan commits nothing rather than a checkpoint that
     ``verify`` and ``load`` would refuse.
@@ -342,7 +344,7 @@ def commit(staging: Path, final: Path, manifest: Manifest) -> Path | None:
             path=final,
         )
     limit = storage.MAX_TEXT_BYTES  # past it, committed, a checkpoint nothing could read
-    size = storage.write_text_atomic(staging / MANIFEST_NAME, manifest.json_chunks(), limit=limit)
+    size = storage.store.write_text(staging / MANIFEST_NAME, manifest.json_chunks(), limit=limit)
     if size > limit:
         extra = 0 if manifest.extra is None else len(json.dumps(extra_to_json(manifest.extra)))
         raise CheckpointError(
@@ -351,9 +353,8 @@ def commit(staging: Path, final: Path, manifest: Manifest) -> Path | None:
             f"tensors), extra / rank_extra {extra} bytes of it; nothing was committed",
             path=final,
         )
-    storage.fsync_dir(staging)
     listed = {entry.name: entry.bytes for entry in all_files(manifest)}
-    return storage.swap_in(staging, final, files={**listed, MANIFEST_NAME: size})
+    return storage.store.publish(staging, final, files={**listed, MANIFEST_NAME: size})
 
 
 def check_manifest_fits(
@@ -494,7 +495,7 @@ def create_shared(plan: WritePlan, staging: Path) -> None:
 
 def _write_texts(plan: WritePlan, staging: Path) -> None:
     for name, text in plan.texts.items():
-        storage.write_text_atomic(staging / name, text)
+        storage.store.write_text(staging / name, text)
 
 
 def write_share(

@@ -2,8 +2,10 @@
 operation over several ranks runs as, and local multi-process launches.
 
 A change to a collective, to the step protocol or to how processes are started goes here.
-Modules: :mod:`.collectives` (process groups, metadata as JSON, ``CollectiveSteps``,
-``StoreSteps``, ``rendezvous``), :mod:`.steps` (pure: the protocol), :mod:`.launch`
+Modules, one reason to change each: :mod:`.collectives` (tensor and JSON collectives, a
+group's size and ranks), :mod:`.steps` (pure: the step protocol), :mod:`.group_steps` (the
+protocol over the process group: ``CollectiveSteps``, ``StoreSteps``, ``rendezvous`` and its
+timeout), :mod:`.groups` (joining the default group, the dp x tp grid), :mod:`.launch`
 (``run_distributed``).
 """
 
@@ -16,20 +18,20 @@ from .._namespace import lazy_names
 if TYPE_CHECKING:
     from ..errors import DistributedRunError as DistributedRunError
     from .collectives import comm_device as comm_device
-    from .collectives import default_group_from_env as default_group_from_env
     from .collectives import global_rank as global_rank
-    from .collectives import grid_groups as grid_groups
-    from .collectives import rendezvous_timeout as rendezvous_timeout
-    from .collectives import set_rendezvous_timeout as set_rendezvous_timeout
+    from .group_steps import rendezvous_timeout as rendezvous_timeout
+    from .group_steps import set_rendezvous_timeout as set_rendezvous_timeout
+    from .groups import default_group_from_env as default_group_from_env
+    from .groups import grid_groups as grid_groups
     from .launch import run_distributed as run_distributed
 
 _NAMES = {
     "comm_device": ".collectives",
-    "default_group_from_env": ".collectives",
+    "default_group_from_env": ".groups",
     "global_rank": ".collectives",
-    "grid_groups": ".collectives",
-    "rendezvous_timeout": ".collectives",
-    "set_rendezvous_timeout": ".collectives",
+    "grid_groups": ".groups",
+    "rendezvous_timeout": ".group_steps",
+    "set_rendezvous_timeout": ".group_steps",
     "run_distributed": ".launch",
     "DistributedRunError": "..errors",
 }

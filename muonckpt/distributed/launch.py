@@ -28,15 +28,19 @@ import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeAlias
 
 import torch
 
 from ..errors import DistributedRunError
-from . import collectives
+from . import collectives, groups
 
 DEFAULT_WAIT: float = 1800.0
 """Seconds a rank waits for the others at one step when neither timeout is given."""
+
+Reports: TypeAlias = "mp.Queue[tuple[int, bool, Any]]"
+"""How the children report: ``(rank, True, the value as torch.save bytes)`` or ``(rank, False,
+(summary, traceback))``."""
 
 _PR_SET_PDEATHSIG = 1
 _SUMMARY_CHARS = 300
@@ -78,15 +82,8 @@ def run_distributed(
     ctx = mp.get_context("forkserver")
     # torch._dynamo is imported on first optimizer construction: ~1.6 s per child otherwise.
     ctx.set_forkserver_preload(["torch", "torch._dynamo", "muonckpt"])
-    store = collectives.tcp_store(
-        "127.0.0.1",
-        0,
-        world_size,
-        is_master=True,
-        wait_for_workers=False,
-        timeout=timedelta(seconds=wait_timeout),
-    )
-    results: mp.Queue = ctx.Queue()
+    store = groups.host_store(world_size, timedelta(seconds=wait_timeout))
+    results: Reports = ctx.Queue()
     lifeline, keep = ctx.Pipe(duplex=False)  # children read; only this process holds ``keep``
     procs = [
         ctx.Process(
@@ -127,7 +124,7 @@ def run_distributed(
 
 def _collect(
     procs: list[Any],
-    results: mp.Queue,
+    results: Reports,
     world_size: int,
     deadline: float | None,
     timeout: float | None,
@@ -165,7 +162,7 @@ def _collect(
 
 def _failure(
     procs: list[Any],
-    results: mp.Queue,
+    results: Reports,
     failures: dict[int, tuple[str, str]],
     world_size: int,
     grace: float = 1.0,
@@ -265,7 +262,7 @@ def _child(
     backend: str,
     threads: int,
     wait_timeout: float,
-    results: mp.Queue,
+    results: Reports,
     lifeline: Any,
 ) -> None:
     _die_with_parent(lifeline)
@@ -278,15 +275,13 @@ def _child(
         MASTER_PORT=str(port),
     )
     try:
-        store = collectives.tcp_store(
+        store = groups.tcp_store(
             "127.0.0.1", port, world_size, is_master=False, timeout=timedelta(seconds=wait_timeout)
         )
-        collectives.join_default_group(
-            backend, store, rank, world_size, timedelta(seconds=wait_timeout)
-        )
+        groups.join_default_group(backend, store, rank, world_size, timedelta(seconds=wait_timeout))
         value = fn(*args)
         _finish_threads()
-        collectives.leave_default_group()
+        groups.leave_default_group()
     except BaseException as exc:
         results.put((rank, False, (_summary(exc), traceback.format_exc())))
         return

@@ -1,7 +1,7 @@
 """The step protocol: one operation over several ranks, run as named steps that every rank
 ends knowing the same outcome of, whatever carries the messages.
 
-Two transports carry it: :class:`muonckpt.distributed.collectives.CollectiveSteps` (JSON
+Two transports carry it: :class:`muonckpt.distributed.group_steps.CollectiveSteps` (JSON
 point-to-point over the job's process group, for work in the caller's thread) and
 :class:`muonckpt.checkpoint._directory_steps.DirectorySteps` (JSON files in a directory every
 rank sees, for a background save, which must not touch the job's process groups). Pure: no
@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import traceback
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from ..errors import ArgumentError, MuonCkptError
 
@@ -70,7 +70,8 @@ class StepProtocol:
             failed = [o for o in outcomes if "error" in o]
             return failed[0] if failed else self._run(lambda: then([o["value"] for o in outcomes]))
 
-        return self._agreed(step, self._exchange(step, self._run(each, name_rank=True), decide))
+        outcome = self._exchange(step, self._run(each, name_rank=True), decide)
+        return cast(T, self._agreed(step, outcome))  # the value ``then`` returned, on the root
 
     def _exchange(
         self, step: str, mine: Outcome, decide: Callable[[list[Outcome]], Outcome]

@@ -431,7 +431,7 @@ def to_dcp(
             for setting, value in group_settings.items():
                 values[f"{OPTIMIZER_PREFIX}param_groups.{name}.{setting}"] = value
     pieces = manifest.pieces_of()
-    staging = storage.make_staging(dst, False, source=directory)
+    staging = storage.store.create_staging(dst, False, source=directory)
     try:
         with PieceReader(directory, manifest) as reader:
 
@@ -443,9 +443,8 @@ def to_dcp(
                 return tensor.mul_(scale) if scale != 1.0 else tensor
 
             dcp_files.write_dcp(staging, tensors, values, fetch)
-        storage.fsync_dir(staging)
         path = Path(dst)
-        storage.swap_in(staging, path, overwrite=False)
+        storage.store.publish(staging, path, overwrite=False)
     except BaseException:
         dcp_files.discard_dcp(staging)
         raise

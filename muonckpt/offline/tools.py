@@ -416,7 +416,7 @@ def _write_shared(
     once the ranks have met and agree that they read one checkpoint (its resolved directory
     and manifest) and were called alike (the output, ``overwrite`` and the ``called``
     options)."""
-    from ..distributed import collectives
+    from ..distributed import collectives, group_steps
 
     plan = job.plan
     ranks = collectives.group_ranks(None)
@@ -427,8 +427,8 @@ def _write_shared(
         "overwrite": overwrite,
         **called,
     }
-    collectives.rendezvous(operation, ranks, arguments, CheckpointError)
-    steps = collectives.CollectiveSteps(operation, ranks, ranks[0], CheckpointError)
+    group_steps.rendezvous(operation, ranks, arguments, CheckpointError)
+    steps = group_steps.CollectiveSteps(operation, ranks, ranks[0], CheckpointError)
     shown = None  # rank 0's progress stands for the whole job
     if steps.is_root and progress is not None:
         from .workers import scaled_progress

@@ -78,7 +78,7 @@ def run_in_workers(
             wait_timeout=wait_timeout,
         )
     except BaseException as exc:
-        storage.discard(storage.staging_path(dst, token))  # after the swap: the replaced one
+        storage.store.discard(storage.staging_path(dst, token))  # after the swap: the replaced one
         if not committed.value:
             raise
         return writing.after_commit(exc, Path(dst))  # a worker died, or we were interrupted
@@ -126,7 +126,7 @@ def _worker(
 
         def abandon() -> None:
             storage.abandon_commits()
-            storage.discard(staging)
+            storage.store.discard(staging)
 
         launch.on_orphaned(abandon)
 

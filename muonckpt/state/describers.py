@@ -15,7 +15,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from ..distributed import collectives
+from ..distributed import collectives, group_steps, groups
 from ..errors import StateDictError
 from ..layout.grid import GridParams, RankReport, merge_reports
 from ..layout.topology import Region, Topology, whole_region
@@ -48,9 +48,9 @@ def flat_params(optimizer: Any) -> list[torch.Tensor]:
     return [p for g in optimizer.param_groups for p in g["params"]]
 
 
-def state_dict_steps(ranks: Sequence[int], root: int) -> collectives.CollectiveSteps:
+def state_dict_steps(ranks: Sequence[int], root: int) -> group_steps.CollectiveSteps:
     """The protocol of a state-dict collective: any rank's failure a StateDictError on all."""
-    return collectives.CollectiveSteps("state dict", ranks, root, StateDictError)
+    return group_steps.CollectiveSteps("state dict", ranks, root, StateDictError)
 
 
 def describe_grid(
@@ -155,12 +155,12 @@ def grid_members(
     operation: str = "describe the grid",
 ) -> list[int]:
     """The global ranks of ``optimizer``'s dp x tp grid, indexed ``dp_rank * tp + tp_rank``:
-    learned the first time by :func:`muonckpt.distributed.collectives.grid_ranks` (the first step of
+    learned the first time by :func:`muonckpt.distributed.groups.grid_ranks` (the first step of
     ``operation``, bounded), then kept beside the optimizer."""
     cached = _GRID_RANKS.get(optimizer)
     if cached is not None and cached[0] is dp_group and cached[1] is tp_group:
         return cached[2]
-    ranks = collectives.grid_ranks(dp_group, tp_group, operation)
+    ranks = groups.grid_ranks(dp_group, tp_group, operation)
     _GRID_RANKS[optimizer] = (dp_group, tp_group, ranks)
     return ranks
 

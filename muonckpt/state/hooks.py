@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from ..distributed import collectives
+from ..distributed import collectives, group_steps
 from ..errors import StateDictError
 from .describers import flat_params
 from .gather import gather_full_state
@@ -79,7 +79,7 @@ def _rendezvous(optimizer: torch.optim.Optimizer, all_ranks: bool) -> None:
     """The first step of a gather: every rank of the optimizer calls, asking the same."""
     operation = "state_dict()"
     ranks = participants(optimizer, operation)
-    collectives.rendezvous(operation, ranks, {"all_ranks": all_ranks}, StateDictError)
+    group_steps.rendezvous(operation, ranks, {"all_ranks": all_ranks}, StateDictError)
 
 
 def _complete_state_dict(optimizer: torch.optim.Optimizer, all_ranks: bool) -> dict[str, Any]:

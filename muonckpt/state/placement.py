@@ -118,7 +118,7 @@ def has_own_layout(optimizer: object) -> bool:
 def participants(optimizer: Any, operation: str, *, local: bool = False) -> list[int]:
     """The global ranks of ``operation`` (``save``, ``load``, ...) over ``optimizer``, found
     without a collective on the process groups, so that the operation can begin with a
-    bounded rendezvous among them (:func:`muonckpt.distributed.collectives.rendezvous`): its grid
+    bounded rendezvous among them (:func:`muonckpt.distributed.group_steps.rendezvous`): its grid
     for a optimizer that reports its grid or has an owner rule, the world for any other in a process
     group (:func:`describe`); with ``local``, this process alone (:func:`check_local`)."""
     if not isinstance(local, bool):

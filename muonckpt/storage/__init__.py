@@ -1,13 +1,24 @@
 """The only part of muonckpt that touches files: safetensors read/write, atomic text writes,
 and the directory transaction that puts a checkpoint in place.
 
+Where a checkpoint's bytes go is behind one seam, :class:`CheckpointStore`
+(:mod:`.backend`): create a staging directory, write a file durably, publish the staging
+directory at its target atomically, list, and remove only muonckpt's own (what a publish
+replaced, a staging directory never published, a checkpoint ``keep_last`` no longer keeps).
+The checkpoint code writes through :data:`store`, a :class:`PosixStore`, whose operations are
+those of :mod:`.durable` and :mod:`.transaction` (fsync before every rename, the atomic swap,
+the lease, the ownership rules). Object stores come later through the same protocol (see
+:mod:`.backend` for how); reading stays with the readers below.
+
 One module per concern; this package re-exports what the rest of muonckpt uses, so callers
 write ``storage.X``:
 
+* :mod:`.backend`: the storage seam, :class:`CheckpointStore` and :class:`PosixStore`.
 * :mod:`.dtypes`: safetensors dtype strings, their sizes and torch dtypes; tensors as bytes.
 * :mod:`.checksums`: the XXH3 checksum of each chunk of a tensor's data.
 * :mod:`.durable`: fsync, atomic text writes, positional write loops, small reads, libc shims.
 * :mod:`.safetensors_format`: the file format's limits and :class:`TensorRecord`.
+* :mod:`.safetensors_header`: a file's header parsed and checked, into compact records.
 * :mod:`.safetensors_reader` / :mod:`.safetensors_writer`: reading and writing the files.
 * :mod:`.reader_cache`: open readers, a bounded number at a time (LRU).
 * :mod:`.transaction`: staging, swap-in, retiring and discarding checkpoint directories,
@@ -15,6 +26,7 @@ write ``storage.X``:
 * :mod:`.lease`: the file marking each directory muonckpt makes beside a target as its own,
   locked and refreshed while in use (what ``clean`` goes by, never names alone).
 * :mod:`.mailbox`: the messages through which the ranks of a background save agree.
+* :mod:`.dcp_files`: DCP's file format, for the DCP bridge.
 
 torch is imported only where a tensor crosses (the dtype conversions, reading a tensor,
 writing one), so that the single-process offline tools run without it. Nothing here imports
@@ -24,6 +36,7 @@ the collective or checkpoint layers.
 from __future__ import annotations
 
 from ..format.manifest import CHECKSUM_ALGORITHM
+from .backend import CheckpointStore, PosixStore, store
 from .checksums import CHUNK_BYTES, checksum_chunks
 from .dtypes import byte_view, dtype_name, itemsize, tensor_of_bytes, torch_dtype, unstorable_kind
 from .durable import (
@@ -63,7 +76,9 @@ __all__ = [
     "CHECKSUM_ALGORITHM",
     "CHUNK_BYTES",
     "MAX_TEXT_BYTES",
+    "CheckpointStore",
     "Mailbox",
+    "PosixStore",
     "ReaderCache",
     "SafetensorsReader",
     "SafetensorsWriter",
@@ -93,6 +108,7 @@ __all__ = [
     "remove_checkpoint",
     "retire",
     "staging_path",
+    "store",
     "swap_in",
     "tensor_of_bytes",
     "torch_dtype",

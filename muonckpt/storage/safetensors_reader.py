@@ -1,20 +1,16 @@
-"""Reading safetensors files: validated headers, element ranges and strided groups read with
-``pread`` (never a mapping), checksums verified on the way."""
+"""Reading safetensors files: validated headers (parsed by :mod:`.safetensors_header`),
+element ranges and strided groups read with ``pread`` (never a mapping), checksums verified on
+the way."""
 
 from __future__ import annotations
 
-import bisect
-import codecs
 import errno
 import itertools
 import json
-import math
 import os
 import struct
-import sys
 import threading
-from array import array
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING
@@ -30,7 +26,17 @@ from ..layout.topology import Strided
 from .checksums import CHUNK_BYTES, chunk_digest
 from .dtypes import byte_view, torch_dtype
 from .durable import open_regular, read_text
-from .safetensors_format import DTYPE_CODES, DTYPES, MAX_HEADER_BYTES, METADATA_KEY, TensorRecord
+from .safetensors_format import MAX_HEADER_BYTES, METADATA_KEY, TensorRecord
+from .safetensors_header import (
+    Records,
+    compact_entries,
+    header_chunks,
+    is_int,
+    no_duplicates,
+    regular_header,
+    string_map,
+    tensor_entry,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -40,206 +46,6 @@ _VERIFY_WINDOW = 4 << 20
 buffer. On the benchmark VM, verify of a warm 305 MB checkpoint took 0.065 s so (min of 21
 interleaved runs), 0.067 s with 8 MiB and 0.074 s with 16 MiB windows, against 0.052 s when
 it hashed 64 MiB mappings, which a file truncated meanwhile turned into SIGBUS."""
-
-
-def _no_duplicates(pairs: list[tuple[str, object]]) -> dict[str, object]:
-    out: dict[str, object] = {}
-    for k, v in pairs:
-        if k in out:
-            raise ValueError(f"duplicate key {k!r}")
-        out[k] = v
-    return out
-
-
-def _is_int(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-Entry = tuple[str, tuple[int, ...], int, int]
-"""A tensor's header entry, checked: ``(dtype, shape, begin, end)``."""
-
-_DTYPE_NAMES = {name: name for name in DTYPE_BYTES}
-
-
-def _tensor_entry(info: object) -> Entry | str:
-    """A tensor's header entry as an :data:`Entry`, or what is wrong with it (its offsets
-    against the file's size aside)."""
-    if not isinstance(info, dict):
-        return "tensor entry is not an object"
-    dtype = info.get("dtype")
-    if not isinstance(dtype, str) or dtype not in DTYPE_BYTES:
-        return f"unknown dtype {dtype!r}"
-    shape = info.get("shape")
-    if not isinstance(shape, list) or not all(_is_int(s) and s >= 0 for s in shape):
-        return f"shape {shape!r} is not a list of non-negative ints"
-    offsets = info.get("data_offsets")
-    if (
-        not isinstance(offsets, list)
-        or len(offsets) != 2
-        or not all(_is_int(o) for o in offsets)
-        or not 0 <= offsets[0] <= offsets[1]
-    ):
-        return f"data_offsets {offsets!r} is not [begin, end] with 0 <= begin <= end"
-    begin, end = offsets
-    nbytes = math.prod(shape) * DTYPE_BYTES[dtype]
-    if end - begin != nbytes:
-        return (
-            f"data_offsets {offsets} span {end - begin} bytes, but {dtype} {shape} needs {nbytes}"
-        )
-    return _DTYPE_NAMES[dtype], tuple(shape), begin, end
-
-
-HEADER_WINDOW = 4 << 20
-"""Bytes of a header read and decoded at a time: a header of 300k tensors is 30 MB, which
-whole, as bytes and as text, took 60 MB."""
-
-
-def _header_chunks(read: Callable[[int, int], bytes], start: int, length: int) -> Iterator[str]:
-    """A header's text, :data:`HEADER_WINDOW` bytes at a time, decoded (UTF-8) as it comes."""
-    decoder = codecs.getincrementaldecoder("utf-8")()
-    end = start + length
-    while start < end:
-        count = min(HEADER_WINDOW, end - start)
-        data = read(start, count)
-        start += count
-        yield decoder.decode(data, final=start >= end)
-
-
-def _regular_header(
-    text: TextWindow, data_start: int, data_size: int
-) -> tuple[dict[str, str], _Records] | None:
-    """The metadata and records of a header that is a JSON object of sound entries, each
-    within the ``data_size`` bytes of data, no key twice, read member by member (never the
-    object whole, a dict of 300k entries, nor its text whole); None for anything else, which
-    the full parse judges (naming the problem)."""
-    scan = json.JSONDecoder(object_pairs_hook=_compact_entries()).scan_once  # type: ignore[attr-defined]
-    records, metadata = _Records(), None
-    try:
-        if text.peek() != "{":
-            return None
-        text.pos += 1
-        closing = text.peek() == "}"
-        while not closing:
-            key = text.scan(scan) if text.peek() == '"' else None
-            if not isinstance(key, str) or text.peek() != ":":
-                return None
-            text.pos += 1
-            text.peek()
-            value = text.scan(scan)
-            if key == METADATA_KEY and metadata is None and _string_map(value):
-                metadata = dict(value)  # type: ignore[call-overload]
-            elif key != METADATA_KEY and isinstance(value, tuple) and value[3] <= data_size:
-                dtype, shape, begin, end = value
-                records.add(key, dtype, shape, data_start + begin, end - begin)
-            else:
-                return None
-            closing = text.peek() == "}"
-            if not closing:
-                if text.peek() != ",":
-                    return None
-                text.pos += 1
-                text.peek()
-        text.pos += 1
-        if text.peek() or not records.seal():
-            return None
-    except (StopIteration, ValueError, RecursionError):  # UnicodeDecodeError included
-        return None
-    return metadata or {}, records
-
-
-def _string_map(value: object) -> bool:
-    return isinstance(value, dict) and all(
-        isinstance(k, str) and isinstance(v, str) for k, v in value.items()
-    )
-
-
-def _compact_entries() -> Callable[[list[tuple[str, object]]], object]:
-    """The ``object_pairs_hook`` of a header: each sound tensor entry becomes an
-    :data:`Entry` (equal shapes one tuple) as soon as it is parsed, since a header of 300k
-    tensors as dicts and lists takes several times the memory; anything else stays a dict
-    (no key twice), checked where it is used."""
-    shapes: dict[tuple[int, ...], tuple[int, ...]] = {}
-
-    def compact(pairs: list[tuple[str, object]]) -> object:
-        body = _no_duplicates(pairs)
-        entry = _tensor_entry(body)
-        if isinstance(entry, str):
-            return body
-        dtype, shape, begin, end = entry
-        return dtype, shapes.setdefault(shape, shape), begin, end
-
-    return compact
-
-
-class _Records:
-    """The records of one file's tensors, compactly (300k :class:`TensorRecord` objects took
-    50 MB): keys sorted, beside arrays of their offsets, sizes and dtypes and a list of their
-    shapes (equal ones one tuple); a record is made when asked for."""
-
-    def __init__(self) -> None:
-        self._keys: list[str] = []
-        self._shapes: list[tuple[int, ...]] = []
-        self._offsets, self._sizes, self._dtypes = array("q"), array("q"), array("B")
-        self.ordered, self._end = True, 0
-        """Whether the data of the tensors added lies in their order (then none overlap)."""
-
-    def add(self, key: str, dtype: str, shape: tuple[int, ...], offset: int, nbytes: int) -> None:
-        """One more tensor (then :meth:`seal`, once all are added)."""
-        if nbytes:
-            self.ordered = self.ordered and offset >= self._end
-            self._end = offset + nbytes
-        self._keys.append(sys.intern(key))  # the manifest's pieces name it too: one string
-        self._shapes.append(shape)
-        self._offsets.append(offset)
-        self._sizes.append(nbytes)
-        self._dtypes.append(DTYPE_CODES[dtype])
-
-    def seal(self) -> bool:
-        """Sort the tensors by key, for lookups; False when a key came twice."""
-        keys = self._keys
-        if all(a < b for a, b in itertools.pairwise(keys)):
-            return True
-        order = sorted(range(len(keys)), key=keys.__getitem__)
-        self._keys = [keys[i] for i in order]
-        self._shapes = [self._shapes[i] for i in order]
-        for name in ("_offsets", "_sizes", "_dtypes"):
-            values = getattr(self, name)
-            setattr(self, name, array(values.typecode, (values[i] for i in order)))
-        return all(a < b for a, b in itertools.pairwise(self._keys))
-
-    def __len__(self) -> int:
-        return len(self._keys)
-
-    def _index(self, key: object) -> int | None:
-        if not isinstance(key, str):
-            return None
-        index = bisect.bisect_left(self._keys, key)
-        return index if index < len(self._keys) and self._keys[index] == key else None
-
-    def __contains__(self, key: object) -> bool:
-        return self._index(key) is not None
-
-    def get(self, key: str) -> TensorRecord | None:
-        index = self._index(key)
-        return None if index is None else self._record(index)
-
-    def _record(self, index: int) -> TensorRecord:
-        return TensorRecord(
-            key=self._keys[index],
-            dtype=DTYPES[self._dtypes[index]],
-            shape=self._shapes[index],
-            offset=self._offsets[index],
-            nbytes=self._sizes[index],
-            digests=b"",
-            chunk_bytes=CHUNK_BYTES,
-        )
-
-    def keys(self) -> list[str]:
-        """Every key, sorted."""
-        return list(self._keys)
-
-    def all(self) -> Iterator[TensorRecord]:
-        return (self._record(index) for index in range(len(self._keys)))
 
 
 class SafetensorsReader:
@@ -256,7 +62,7 @@ class SafetensorsReader:
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
         self.metadata = {}
-        self._records = _Records()
+        self._records = Records()
         self._fd: int | None = None
         self._scratch = threading.local()
         try:
@@ -340,8 +146,8 @@ class SafetensorsReader:
             raise self._fail(f"header length {length} runs past the end of the {size}-byte file")
         data_start = 8 + length
         read = lambda at, count: self._pread(at, count, what="header")  # noqa: E731
-        window = TextWindow(_header_chunks(read, 8, length))
-        regular = _regular_header(window, data_start, size - data_start)
+        window = TextWindow(header_chunks(read, 8, length))
+        regular = regular_header(window, data_start, size - data_start)
         del window
         if regular is None:  # anything else: read whole, then judged entry by entry
             raw = self._pread(8, length, what="header")
@@ -358,9 +164,9 @@ class SafetensorsReader:
 
     def _judge_header(self, text: str, data_start: int, data_size: int) -> None:
         try:
-            header = json.loads(text, object_pairs_hook=_compact_entries())
+            header = json.loads(text, object_pairs_hook=compact_entries())
             if not isinstance(header, dict):  # a header that is one entry: judged as it is
-                header = json.loads(text, object_pairs_hook=_no_duplicates)
+                header = json.loads(text, object_pairs_hook=no_duplicates)
         except (ValueError, RecursionError) as e:
             raise self._fail(f"header is not valid UTF-8 JSON: {e}") from e
         if not isinstance(header, dict):
@@ -368,12 +174,12 @@ class SafetensorsReader:
 
         meta = header.pop(METADATA_KEY, None)
         if meta is not None:
-            if not _string_map(meta):
+            if not string_map(meta):
                 raise self._fail("__metadata__ is not a map of strings to strings")
             self.metadata = dict(meta)
 
         for key, info in header.items():
-            entry = info if isinstance(info, tuple) else _tensor_entry(info)
+            entry = info if isinstance(info, tuple) else tensor_entry(info)
             if isinstance(entry, str):
                 raise self._fail(entry, key)
             dtype, shape, begin, end = entry
@@ -438,7 +244,7 @@ class SafetensorsReader:
         (checksum arguments as in :meth:`read_groups`)."""
         rec = self.record(key)
         stop = rec.numel if stop is None else stop
-        if not (_is_int(start) and _is_int(stop) and 0 <= start <= stop <= rec.numel):
+        if not (is_int(start) and is_int(stop) and 0 <= start <= stop <= rec.numel):
             raise self._fail(f"element range [{start}, {stop}) outside [0, {rec.numel})", key)
         import torch
 
@@ -475,7 +281,7 @@ class SafetensorsReader:
         reach = max(g.dst + (g.count - 1) * g.dst_step + g.length for g in groups) * size
         if not (
             all(
-                _is_int(x) and x >= 0
+                is_int(x) and x >= 0
                 for g in groups
                 for x in (g.src, g.dst, g.length, g.count, g.src_step, g.dst_step)
             )

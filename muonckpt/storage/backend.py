@@ -1,0 +1,115 @@
+"""The storage seam: where a checkpoint's bytes go, behind one small protocol.
+
+A checkpoint is written into a *staging* location beside its target and *published* there in
+one step; what a publish replaced, what a save abandoned and what ``keep_last`` no longer
+keeps are removed, only ever muonckpt's own. :class:`CheckpointStore` names these operations;
+:class:`PosixStore` does them on a POSIX filesystem with the guarantees of :mod:`.durable`,
+:mod:`.transaction` and :mod:`.lease`; :data:`store` is the one the checkpoint code uses.
+
+The staging location is a directory every rank writing the checkpoint can reach: the ranks
+write the tensor files into it with positional writes, several processes into one file
+(:class:`~muonckpt.storage.SharedSafetensorsFile`), which no object store allows. So a store
+for object storage would stage in such a directory too and upload at :meth:`publish`, the
+files it is given first and the manifest last (what makes the checkpoint whole for a reader),
+the replaced one aside; the checkpoint code would not change.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Protocol
+
+from .durable import entries, fsync_dir, write_text_atomic
+from .transaction import discard, make_staging, remove_checkpoint, retire, swap_in
+
+StrPath = str | os.PathLike[str]
+
+
+class CheckpointStore(Protocol):
+    """Where checkpoints are written: staging, durable writes, an atomic publish, listing,
+    and removing (only muonckpt's own)."""
+
+    def create_staging(
+        self, final: StrPath, overwrite: bool, *, source: StrPath | None = None
+    ) -> Path:
+        """A fresh staging directory for a checkpoint at ``final``, marked as this process's
+        own until it is published or discarded; a :class:`~muonckpt.errors.CheckpointError`,
+        with nothing created, when no checkpoint may be written there (it exists without
+        ``overwrite``, it is not a muonckpt checkpoint, it overlaps ``source``, ...)."""
+        ...
+
+    def write_text(
+        self, path: StrPath, text: str | Iterable[str], *, limit: int | None = None
+    ) -> int:
+        """Write ``text`` (UTF-8, a str or its pieces) to ``path`` durably and atomically: a
+        crash leaves the old file or the whole new one. Returns its size in bytes; past
+        ``limit`` bytes nothing is written."""
+        ...
+
+    def publish(
+        self,
+        staging: StrPath,
+        final: StrPath,
+        *,
+        files: Mapping[str, int] | None = None,
+        overwrite: bool | None = None,
+    ) -> Path | None:
+        """Make everything written into ``staging`` durable and put it at ``final`` in one
+        step (a crash leaves the old checkpoint or the new one), after checking that each of
+        ``files`` (name -> size) is there at its size and that ``staging`` is still this
+        process's. Returns where a checkpoint it replaced now is, for :meth:`retire`; None
+        when none was. Raises only when nothing was published."""
+        ...
+
+    def entries(self, directory: StrPath) -> list[str]:
+        """The sorted names in ``directory``; empty when it cannot be listed."""
+        ...
+
+    def discard(self, staging: StrPath, *, quiet: bool = False) -> list[str]:
+        """Remove a staging directory that will never be published (its checkpoint files and
+        marks only). Returns what is kept, as ``"NAME (why)"``."""
+        ...
+
+    def retire(self, directory: StrPath, files: Sequence[str] | None = None) -> None:
+        """Delete the checkpoint a :meth:`publish` replaced: ``files`` of it (a rank's share),
+        or all of it and then the directory; what cannot be deleted is a warning."""
+        ...
+
+    def remove_checkpoint(self, directory: StrPath) -> bool:
+        """Delete a published checkpoint, its manifest first (what a crash leaves reads as
+        incomplete). Returns whether it is gone entirely."""
+        ...
+
+
+class PosixStore:
+    """:class:`CheckpointStore` on a POSIX filesystem: a staging directory
+    ``.NAME.staging-XXXXXXXX`` beside the target holding muonckpt's lease; fsync, then
+    rename, for every write; the publish an fsync of the staging directory and an atomic
+    ``renameat2`` (exchanging with a checkpoint it replaces); removal of only muonckpt's
+    checkpoint files, never through a symlink. Its operations are those of :mod:`.durable` and
+    :mod:`.transaction` themselves."""
+
+    create_staging = staticmethod(make_staging)
+    write_text = staticmethod(write_text_atomic)
+    entries = staticmethod(entries)
+    discard = staticmethod(discard)
+    retire = staticmethod(retire)
+    remove_checkpoint = staticmethod(remove_checkpoint)
+
+    def publish(
+        self,
+        staging: StrPath,
+        final: StrPath,
+        *,
+        files: Mapping[str, int] | None = None,
+        overwrite: bool | None = None,
+    ) -> Path | None:
+        """fsync the staging directory, then :func:`~.transaction.swap_in`."""
+        fsync_dir(staging)
+        return swap_in(staging, final, overwrite=overwrite, files=files)
+
+
+store: CheckpointStore = PosixStore()
+"""The store the checkpoint code writes through."""
