@@ -77,7 +77,7 @@ class DirectorySteps(StepProtocol):
             failed = next((o for o in outcomes if o is not None and "error" in o), None)
         decision = failed if failed is not None else {"acting": self.root}
         if not self.mailbox.claim(f"{tag}-decision", decision):
-            return self.mailbox.read(f"{tag}-decision")  # a rank gave up first: its error
+            return cast(Outcome, self.mailbox.read(f"{tag}-decision"))  # a rank gave up first
         return failed if failed is not None else decide(cast(list[Outcome], outcomes))
 
     def _await_outcome(self, tag: str, mine: Outcome) -> Outcome:
@@ -88,7 +88,7 @@ class DirectorySteps(StepProtocol):
             self.mailbox.post(f"{tag}-{self.rank}", mine)
         found, missing = self.mailbox.wait([f"{tag}-outcome"], 2 * self.timeout)
         if not missing:
-            return found[f"{tag}-outcome"]
+            return cast(Outcome, found[f"{tag}-outcome"])
         if not self.mailbox.exists():
             why = f"rank {self.root} gave up waiting for this rank (its mailbox is gone)"
             return {"error": f"rank {self.rank}: {why}"}
@@ -98,12 +98,12 @@ class DirectorySteps(StepProtocol):
         }
         if self.mailbox.claim(f"{tag}-decision", abort):
             return abort
-        decision = self.mailbox.read(f"{tag}-decision")
+        decision = cast(Outcome, self.mailbox.read(f"{tag}-decision"))
         if "error" in decision:
             return decision
         found, missing = self.mailbox.wait([f"{tag}-outcome"], self.timeout)
         if not missing:
-            return found[f"{tag}-outcome"]
+            return cast(Outcome, found[f"{tag}-outcome"])
         return {
             "error": f"rank {self.rank}: rank {self.root} went on with the step but gave no "
             f"outcome within {3 * self.timeout:g} s: whether it took effect is unknown"

@@ -10,7 +10,6 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from ..format.manifest import (
-    PARAM_KEY,
     Extra,
     GroupEntry,
     Manifest,
@@ -20,11 +19,12 @@ from ..format.manifest import (
     model_tensor,
 )
 from ..format.manifest_json import extra_from_json
+from ..format.names import PARAM_KEY
 
 if TYPE_CHECKING:  # (no torch here: the offline tools' write path imports this module)
     from ..state.model_state import ModelTensors
-    from ..state.placement import Sharding
-    from .writing import Reports
+    from ..state.sharding_model import Sharding
+    from ._reports import Reports
 
 
 @dataclass(frozen=True)

@@ -62,14 +62,14 @@ class Share:
     arena: ReadArena
     """The state's bytes: a fresh optimizer's new state tensors view its blocks."""
     state: list[Staged]
-    values: array
+    values: array[int]
     """Pairs (flat index, slot of ``value_bytes``) of the params' own values."""
     value_bytes: ReadArena = field(default_factory=ReadArena)
     """The params' own values, apart from the state's blocks: once copied into the params,
     nothing keeps them."""
 
 
-class _Indices(list):
+class _Indices(list[int]):
     """A group's param indices for ``load_state_dict``: torch asks ``index in group["params"]``
     once per state value, which on a plain list makes a load quadratic in the params."""
 

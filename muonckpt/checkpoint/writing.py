@@ -36,7 +36,7 @@ import warnings
 from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Protocol, TypeVar, cast
+from typing import Any, Protocol, TypeVar
 
 from .. import storage
 from ..distributed.steps import disagreement
@@ -63,7 +63,8 @@ from ..layout.workplan import WorkUnit, split_work
 from ..storage.safetensors_writer import beside
 from . import _save_manifest
 from ._attempt import Attempt
-from ._reports import Reports, Written
+from ._reports import Reports as Reports
+from ._reports import Written as Written
 from ._save_manifest import ManifestDraft
 from .pieces import all_files
 
@@ -265,7 +266,7 @@ def _write_step(
     staged = storage.directory_identity(staging)  # another rank's swap keeps it: committed_as
     try:
         each = (lambda: written().to_json()) if across else written
-        return cast(Replaced | None, steps.each_then_root("write", each, commit_all))
+        return steps.each_then_root("write", each, commit_all)
     except BaseException as exc:
         # After the swap (by this process, or by a root that died before telling the others)
         # the new checkpoint is whole, whatever came next.

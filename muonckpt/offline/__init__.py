@@ -8,10 +8,11 @@ Modules: :mod:`.tools` (consolidate, reshard, convert), :mod:`.examine` (summari
 from __future__ import annotations
 
 from ..checkpoint.pieces import open_checkpoint
+from ..checkpoint.writing import Progress
 from ..interop import LAYOUTS, DcpConversion, from_dcp, is_dcp, to_dcp
 from .examine import diff, iter_diff, summarize
 from .inspection import DiffRow, Summary
-from .tools import MAX_RANKS, WORKER_TIMEOUT, Progress, consolidate, convert, reshard
+from .tools import MAX_RANKS, WORKER_TIMEOUT, consolidate, convert, reshard
 
 __all__ = [
     "LAYOUTS",

@@ -61,7 +61,7 @@ class _Slice(io.RawIOBase):
         if count <= 0:
             return 0
         self.file.seek(self.start + self.pos)
-        got = self.file.readinto(view[:count])
+        got: int = self.file.readinto(view[:count])
         self.pos += got
         return got
 
@@ -194,7 +194,7 @@ def write_dcp(
                 raise CheckpointError(f"DCP item {fqn!r}: fetched a tensor unlike its plan")
             return tensor.contiguous()
 
-    class _Bounded(dcp.FileSystemWriter):
+    class _Bounded(dcp.FileSystemWriter):  # type: ignore[name-defined,misc]  # not in the stubs
         """torch's writer, its tensors split over files of at most ``budget`` bytes (a larger
         tensor gets a file of its own): it keeps every tensor of a file until the file ends."""
 
@@ -220,7 +220,7 @@ def write_dcp(
                     used = 0
                 tensor_buckets[-1].append(item)
                 used += size
-            files: queue.Queue = queue.Queue()
+            files: queue.Queue[tuple[str, str, list[Any]]] = queue.Queue()
             for n, bucket in enumerate(b for b in [*buckets, *tensor_buckets] if b):
                 name = f"{plan.storage_data.prefix}{n}{DEFAULT_SUFFIX}"
                 files.put((self.fs.concat_path(self.path, name), name, bucket))
@@ -237,7 +237,7 @@ def write_dcp(
     writer = _Bounded(os.fspath(directory), thread_count=1, per_thread_copy_ahead=0)
     with warnings.catch_warnings():  # one process, no process group: as intended
         warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single")
-        dcp.save(state, storage_writer=writer, planner=_Fetching())
+        dcp.save(state, storage_writer=writer, planner=_Fetching())  # type: ignore[attr-defined]
 
 
 def discard_dcp(directory: str | os.PathLike[str]) -> None:
