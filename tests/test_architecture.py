@@ -459,6 +459,28 @@ def test_imports_follow_the_rules():
     assert not found, "imports that break the rules:\n" + "\n".join(found)
 
 
+def private_imports(sources: Mapping[str, tuple[str, str]]) -> list[str]:
+    """Imports of a private module (a name beginning with ``_``: ``checkpoint._attempt``) from
+    outside its folder, as ``FILE:LINE: MODULE imports TARGET``."""
+    found = []
+    for module, imports in imports_of(sources).items():
+        for imp in imports:
+            target = imp.internal
+            if not target or not target.rpartition(".")[2].startswith("_"):
+                continue
+            folder = target.rpartition(".")[0]
+            if folder and module != folder and not module.startswith(folder + "."):
+                found.append(f"{sources[module][0]}:{imp.line}: {module} imports {imp.target}")
+    return found
+
+
+def test_private_modules_are_imported_only_inside_their_folder():
+    found = private_imports(package_sources())
+    assert not found, "private modules imported from outside their folder:\n" + "\n".join(found)
+    fake = _fake({"a": "", "a._b": "", "a.c": "from . import _b\n", "d": "from .a import _b\n"})
+    assert private_imports(fake) == ["muonckpt/d.py:1: d imports muonckpt.a._b"]
+
+
 def test_no_import_cycle():
     found = cycles(package_sources())
     assert not found, "import cycles:\n" + "\n".join(found)
