@@ -165,6 +165,7 @@ def _no_process_may_start(*args: object, **kwargs: object) -> None:
     raise AssertionError("a worker process was started before the arguments were checked")
 
 
+@pytest.mark.dist
 def test_output_overlapping_its_source_is_refused(ck, tmp_path, monkeypatch):
     outer = tmp_path / "outer"
     source = shutil.copytree(ck, outer / "ck")
@@ -287,6 +288,7 @@ def _writer_of(final: Path) -> str:
     return writer
 
 
+@pytest.mark.dist
 def test_racing_writers_without_overwrite_exactly_one_wins(tmp_path):
     outcomes = _race(tmp_path, overwrite=False)
     winners = []
@@ -300,6 +302,7 @@ def test_racing_writers_without_overwrite_exactly_one_wins(tmp_path):
     print(f"winners {''.join(winners)}")
 
 
+@pytest.mark.dist
 def test_racing_writers_with_overwrite_both_commit_and_the_last_wins_whole(tmp_path):
     outcomes = _race(tmp_path, overwrite=True)
     for trial, by in sorted(outcomes.items()):
@@ -421,6 +424,7 @@ print("\n".join(outcomes))
 """
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("mode", ["verify", "read_groups"])
 def test_readers_survive_a_file_truncated_under_them(tmp_path, mode):
     done = subprocess.run(
@@ -462,6 +466,7 @@ while True:
 """
 
 
+@pytest.mark.dist
 def test_a_reader_racing_a_writer_gets_a_whole_checkpoint_or_changed_while_reading(tmp_path):
     path = tmp_path / "ckpt"
     writer = subprocess.Popen(
@@ -550,6 +555,7 @@ def failing_ranks(root: str, src: str) -> dict[str, str]:
     return seen
 
 
+@pytest.mark.dist
 def test_every_rank_learns_a_non_library_failure(ck, tmp_path):
     ranks = run_distributed(failing_ranks, 2, str(tmp_path), str(ck), timeout=60)
     expected = {

@@ -12,9 +12,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 import muonckpt
+
+pytestmark = pytest.mark.dist
 
 DOC = Path(__file__).parents[1] / "docs" / "hooks.md"
 

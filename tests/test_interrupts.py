@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.dist
+
 SITECUSTOMIZE = """
 import os
 
