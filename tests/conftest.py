@@ -1,4 +1,5 @@
-"""Fixtures shared by several test files.
+"""Fixtures shared by several test files, and the tiers' hooks: a test outside the ``dist``
+tier may not start a process, and each run ends with its tier, size and wall time.
 
 ``tests`` is a package (``tests/__init__.py``), so pytest imports every test module as
 ``tests.<name>`` with the repository root on ``sys.path``, helper modules are imported
