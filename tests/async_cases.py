@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-import time
+import threading
 from pathlib import Path
 
 import torch
@@ -11,8 +11,10 @@ import torch.distributed as dist
 
 import muonckpt
 from muonckpt.checkpoint import writing
+from muonckpt.distributed import launch
 
 from .fixture_model import build, initial_params, train
+from .world_signals import announce, await_event
 
 
 def _trash(opt: muonckpt.optim.muon.Muon) -> None:
@@ -45,7 +47,7 @@ def failing_rank_phase(
 ) -> str:
     """Save once, then save in the background (over it with ``overwrite``, else beside it, to
     ``ckpt-new``) with one rank's write failing (``"raise"``: an OSError; ``"stall"``: it
-    sleeps past ``timeout`` first); the error's message on this rank."""
+    waits until the other rank has given up on it first); the error's message on this rank."""
     opt, sharded, dp_rank, tp_rank = build(2, 1, initial_params())
     train(opt, sharded, dp_rank, tp_rank, 0, 1)
     muonckpt.save(opt, ckpt)
@@ -56,7 +58,7 @@ def failing_rank_phase(
         def write_files(*args, **kwargs):
             if how == "raise":
                 raise OSError(28, "No space left on device")
-            time.sleep(3 * timeout)
+            await_event("gave up on the stalled rank")
             return original(*args, **kwargs)
 
         writing.write_files = write_files
@@ -68,6 +70,8 @@ def failing_rank_phase(
         message = str(exc)
     else:
         message = "no error"
+    if dist.get_rank() != failing_rank:
+        announce("gave up on the stalled rank")
     dist.barrier()
     return message
 
@@ -87,16 +91,24 @@ def keep_last_phase(root: str, saves: int, keep_last: int) -> list[int]:
 
 
 def unwaited_phase(ckpt: str) -> int:
-    """Start a background save that writes slowly and return without waiting for it (as a
-    job's last line)."""
+    """Start a background save and return without waiting for it (as a job's last line); its
+    write starts only once the launcher has this function's result and waits for the threads
+    it left (``launch._finish_threads``)."""
     opt, sharded, dp_rank, tp_rank = build(2, 1, initial_params())
     train(opt, sharded, dp_rank, tp_rank, 0, 2)
-    original = writing.write_files
+    original, finish_threads = writing.write_files, launch._finish_threads
+    returned = threading.Event()
+
+    def finishing_threads() -> None:
+        returned.set()
+        finish_threads()
 
     def write_files(*args, **kwargs):
-        time.sleep(2.0)
+        if not returned.wait(timeout=60):
+            raise TimeoutError("the launcher did not wait for this save within 60 s")
         return original(*args, **kwargs)
 
+    launch._finish_threads = finishing_threads
     writing.write_files = write_files
     muonckpt.async_save(opt, ckpt)
     return dist.get_rank()

@@ -1,4 +1,5 @@
-"""Fixtures shared by several test files.
+"""Fixtures shared by several test files, and the tiers' hooks: a test outside the ``dist``
+tier may not start a process, and each run ends with its tier, size and wall time.
 
 ``tests`` is a package (``tests/__init__.py``), so pytest imports every test module as
 ``tests.<name>`` with the repository root on ``sys.path``, helper modules are imported
@@ -7,9 +8,11 @@ relatively, and a gloo child finds a test's module-level function by that same n
 
 from __future__ import annotations
 
-import inspect
-import re
-from collections.abc import Callable
+import multiprocessing.process
+import os
+import subprocess
+import time
+from collections.abc import Callable, Generator
 from pathlib import Path
 
 import pytest
@@ -25,42 +28,85 @@ REPO = Path(__file__).resolve().parents[1]
 """The repository root: the working directory for subprocesses that import ``tests.*``."""
 
 
-STARTS_PROCESSES = re.compile(r"run_distributed\(|subprocess|Popen|workers=|--workers|_spawn\(")
-"""What a test (or a fixture or module function it names) calls when it starts other processes."""
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests that start processes are marked ``dist`` (``-m "not dist"`` is the fast tier);
-    tests marked ``cuda`` are skipped where torch sees no CUDA device."""
+    """Tests marked ``cuda`` are skipped where torch sees no CUDA device."""
     skip = pytest.mark.skip(reason="needs a CUDA device (torch.cuda.is_available() is False)")
     for item in items:
-        if _starts_processes(item):
-            item.add_marker(pytest.mark.dist)
         if item.get_closest_marker("cuda") is not None and not torch.cuda.is_available():
             item.add_marker(skip)
 
 
-def _starts_processes(item: pytest.Item) -> bool:
-    """Whether the test's source, its fixtures' or that of a function of its module that it
-    names (one level deep) starts processes."""
-    function = getattr(item, "function", None)
-    if function is None:
-        return False
-    sources = [_source(function)]
-    info = getattr(item, "_fixtureinfo", None)
-    for definitions in info.name2fixturedefs.values() if info else ():
-        sources += [_source(d.func) for d in definitions]
-    module = vars(inspect.getmodule(function) or object)
-    names = set(re.findall(r"\b(\w+)\(", " ".join(sources)))
-    sources += [_source(module[n]) for n in names if inspect.isfunction(module.get(n))]
-    return any(STARTS_PROCESSES.search(source) for source in sources)
+TIERS = {"not dist": ("the fast tier", 60.0), "not slow": ("the whole suite", 600.0)}
+"""Each tier by its ``-m`` expression: its name and its time budget in seconds on 2 idle cores
+(issue 31); ``python -m pytest`` is ``-m "not slow"`` (pyproject.toml's addopts)."""
+
+_RUN: dict[str, float] = {}
 
 
-def _source(function: Callable[..., object]) -> str:
-    try:
-        return inspect.getsource(function)
-    except (OSError, TypeError):
-        return ""
+def pytest_sessionstart(session: pytest.Session) -> None:
+    _RUN["start"] = time.monotonic()
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    _RUN["tests"] = len(session.items)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """The run's last line: its tier, its size and its wall time (pytest's summary included),
+    measured here rather than quoted in the docs."""
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is None or "tests" not in _RUN or config.getoption("collectonly"):
+        return
+    seconds = time.monotonic() - _RUN["start"]
+    expression = config.getoption("markexpr")
+    whole = config.args_source is pytest.Config.ArgsSource.TESTPATHS
+    selection = f'-m "{expression}"' if expression else "no -m"
+    name, budget = TIERS.get(expression, (selection, None))
+    label = f"{name} ({selection})" if whole else f"the tests named ({selection})"
+    line = f"{label}: {_RUN['tests']:.0f} tests in {seconds:.1f} s on {os.cpu_count()} cores"
+    if whole and budget is not None:
+        line += f", budget {budget:.0f} s on 2 idle cores"
+    reporter.write_sep("-", line)
+
+
+class StartedProcessError(AssertionError):
+    """A test not marked ``dist`` started a process."""
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item: pytest.Item) -> Generator[None, object, object]:
+    return (yield from _refusing_processes_unless_dist(item))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Generator[None, object, object]:
+    return (yield from _refusing_processes_unless_dist(item))
+
+
+def _refusing_processes_unless_dist(item: pytest.Item) -> Generator[None, object, object]:
+    """Runs a test's setup or call; unless it is marked ``dist``, every way to start a process
+    (``subprocess``, ``multiprocessing``, hence ``run_distributed``, and ``os.fork``) raises
+    instead, and the test fails even if it caught that error, so the fast tier
+    (``-m "not dist"``) stays free of processes."""
+    if item.get_closest_marker("dist") is not None:
+        return (yield)
+    refusal = f"{item.nodeid} starts a process: mark it @pytest.mark.dist"
+    refused: list[str] = []
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        refused.append(refusal)
+        raise StartedProcessError(refusal)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(subprocess.Popen, "_execute_child", refuse)
+        patch.setattr(multiprocessing.process.BaseProcess, "start", refuse)
+        patch.setattr(os, "fork", refuse)
+        patch.setattr(os, "posix_spawn", refuse)
+        result = yield
+    if refused:
+        raise StartedProcessError(refusal)
+    return result
 
 
 @pytest.fixture(scope="session")

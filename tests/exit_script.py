@@ -21,7 +21,7 @@ import resource
 import signal
 import sys
 import threading
-import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -47,6 +47,7 @@ def main(ckpt: str, kind: str) -> None:
             resource.RLIMIT_FSIZE, (2**20, resource.getrlimit(resource.RLIMIT_FSIZE)[1])
         )
     if kind == "Ctrl-C twice":
+        threading.Thread.join = _announcing_the_exit_wait(threading.Thread.join)
         writing.write_files = _interrupt_and_hang
     muonckpt.async_save(opt, ckpt)
     if kind == "sys.exit":
@@ -57,24 +58,33 @@ def main(ckpt: str, kind: str) -> None:
         signal.raise_signal(signal.SIGINT)
 
 
+EXIT_WAITS = threading.Event()
+"""Set when muonckpt's exit hook starts waiting for the background save."""
+
+
+def _announcing_the_exit_wait(join: Callable[..., None]) -> Callable[..., None]:
+    """``Thread.join`` that sets :data:`EXIT_WAITS` when muonckpt's exit hook calls it, and
+    then joins in turns of 0.1 s: Python runs a signal's handler between bytecodes, so a
+    SIGINT that lands just before one long blocking wait starts would wait with it."""
+
+    def announcing(self: threading.Thread, timeout: float | None = None) -> None:
+        if sys._getframe(1).f_code.co_name != "_finish_saves_at_exit":
+            join(self, timeout)
+            return
+        EXIT_WAITS.set()
+        while self.is_alive():
+            join(self, 0.1)
+
+    return announcing
+
+
 def _interrupt_and_hang(*args: object, **kwargs: object) -> None:
     """A write that never ends, and the user's Ctrl-C once the exit waits for it (a signal sent
     to the process: the main thread gets the KeyboardInterrupt there)."""
-    main = threading.main_thread().ident
-    while not _waiting_at_exit(main):  # nothing to wait on but the main thread's own frames
-        time.sleep(0.01)
+    if not EXIT_WAITS.wait(timeout=120):
+        raise TimeoutError("the exit never waited for this save")
     os.kill(os.getpid(), signal.SIGINT)
     threading.Event().wait()
-
-
-def _waiting_at_exit(thread: int | None) -> bool:
-    """Whether ``thread`` waits in a join called by muonckpt's exit hook."""
-    frame = sys._current_frames().get(thread or 0)
-    if frame is None or ("join" not in frame.f_code.co_name and "lock" not in frame.f_code.co_name):
-        return False
-    while frame is not None and frame.f_code.co_name != "_finish_saves_at_exit":
-        frame = frame.f_back
-    return frame is not None
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ from .fixture_model import build, initial_params
 REPO = Path(__file__).resolve().parents[1]
 
 PREAMBLE = r"""
-import os, signal, sys, time
+import os, select, signal, sys, threading
 import torch
 torch.set_num_threads(1)  # no OpenMP pool to inherit across fork
 import muonckpt
@@ -29,9 +29,14 @@ tensors = [v for state in opt.state.values() for v in state.values()]
 def fill(value):
     for t in tensors:
         t.fill_(value)
+
+def pause(where):
+    print("at", where, flush=True)
+    threading.Event().wait()  # until the test has this child SIGKILLed
 """
-"""The start of every helper script: the fixture optimizer after one step, and ``fill(value)``
-to give all its state tensors one value (which a loaded checkpoint then shows)."""
+"""The start of every helper script: the fixture optimizer after one step, ``fill(value)`` to
+give all its state tensors one value (which a loaded checkpoint then shows), and
+``pause(where)``, for a forked child to say where it stopped and wait there to be killed."""
 
 
 def start_helper(script: str, *args: str) -> subprocess.Popen:

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import time
-from pathlib import Path
-
 import torch
 import torch.distributed as dist
 
@@ -12,6 +9,7 @@ import muonckpt
 from muonckpt.checkpoint import loading
 
 from .fixture_model import MODEL, build, initial_params, local_params, train
+from .world_signals import announce, await_event
 
 
 def mixed_load_phase(first: str, second: str, how: str) -> dict[str, object]:
@@ -30,16 +28,14 @@ def mixed_load_phase(first: str, second: str, how: str) -> dict[str, object]:
     if dist.get_rank() == 1 and how == "paths":
         path = second
     if how == "replaced":  # between the ranks' opens (after the rendezvous, which they pass)
-        opened = Path(first).parent / "rank-0-opened"
         original = loading.open_checkpoint
 
         def open_in_turn(where):
             if dist.get_rank() == 0:
                 found = original(where)
-                opened.touch()
+                announce("rank 0 opened")
                 return found
-            while not opened.exists():
-                time.sleep(0.01)
+            await_event("rank 0 opened")
             other, *_ = build(1, 1, initial_params())
             muonckpt.save(other, first, overwrite=True)  # a single-process checkpoint
             return original(where)

@@ -4,7 +4,7 @@ A helper process imports torch once and, per trial, forks a child that saves a s
 (every state tensor filled with 1) to ``step-2``, then starts ``async_save`` of the same state
 filled with 2 over it (``overwrite=True``, ``keep_last=1`` beside an older ``step-1``). The
 child stops at the trial's moment of the background work (a function of the write path
-replaced by one that says where it is and sleeps) and is SIGKILLed there. Afterwards ``step-2``
+replaced by one that says where it is and waits) and is SIGKILLed there. Afterwards ``step-2``
 must be one whole checkpoint, the old or the new as the moment implies, anything left beside it
 must be recognisably muonckpt's unfinished work, and ``latest`` must pick a sound checkpoint.
 Then two ranks of a save: one of them killed, the other must end with an error in bounded time
@@ -25,15 +25,13 @@ from muonckpt import storage
 from .fixture_model import build, initial_params
 from .kill_helpers import REPO, kill_at, loaded_value, running_helper
 
+pytestmark = pytest.mark.dist
+
 HELPER = r"""
 from pathlib import Path
 from muonckpt import storage
 from muonckpt.checkpoint import writing
 from muonckpt.storage import safetensors_writer
-
-def pause(where):
-    print("at", where, flush=True)
-    time.sleep(3600)
 
 def stop_at(moment):
     '''Make the background save stop at ``moment``.'''
@@ -96,7 +94,7 @@ for line in sys.stdin:
                 pause(moment)
             future.result()
             print("finished", flush=True)
-            time.sleep(3600)
+            threading.Event().wait()
         finally:
             os._exit(1)
     sys.stdin.readline()  # the test has seen where the child stopped

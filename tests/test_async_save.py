@@ -36,6 +36,7 @@ def _entries(directory: Path) -> list[str]:
     return sorted(p.name for p in directory.iterdir())
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("consolidated", [False, True])
 def test_values_changed_after_the_call_do_not_reach_the_checkpoint(
     tmp_path, reference_params, consolidated
@@ -56,6 +57,7 @@ def test_values_changed_after_the_call_do_not_reach_the_checkpoint(
         assert torch.equal(full[name], value), name
 
 
+@pytest.mark.dist
 def test_an_error_in_one_ranks_background_write_surfaces_on_every_rank(tmp_path):
     ckpt = tmp_path / "ckpt"
     messages = run_distributed(failing_rank_phase, 2, str(ckpt), 1, "raise", 30.0, timeout=120)
@@ -67,6 +69,7 @@ def test_an_error_in_one_ranks_background_write_surfaces_on_every_rank(tmp_path)
     assert muonckpt.verify(ckpt) == [] and muonckpt.read_manifest(ckpt).step == 1
 
 
+@pytest.mark.dist
 def test_a_rank_whose_write_never_finishes_is_an_error_after_the_timeout(tmp_path):
     ckpt = tmp_path / "ckpt"
     messages = run_distributed(failing_rank_phase, 2, str(ckpt), 1, "stall", 1.0, timeout=120)
@@ -78,6 +81,7 @@ def test_a_rank_whose_write_never_finishes_is_an_error_after_the_timeout(tmp_pat
     assert all(storage.is_ours(n) for n in leftover), leftover
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("overwrite", [False, True])
 def test_ranks_agree_when_the_root_is_the_late_one(tmp_path, overwrite):
     """Rank 0 writes for longer than rank 1 waits for it: rank 1 gives up first, and rank 0
@@ -99,6 +103,7 @@ def test_a_bad_timeout_is_refused_by_the_call(tmp_path, timeout):
     assert _entries(tmp_path) == []
 
 
+@pytest.mark.dist
 def test_keep_last_with_background_saves(tmp_path):
     root = tmp_path / "run"
     root.mkdir()
@@ -165,6 +170,7 @@ def _run_script(source: str, *args: object) -> subprocess.CompletedProcess:
     return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize(
     ("kind", "world"), [*((kind, 1) for kind in EXITS), ("exception", 2), ("refused", 2)]
 )
@@ -213,6 +219,7 @@ print(os.waitstatus_to_exitcode(os.waitpid(child, 0)[1]), future.result(), flush
 """
 
 
+@pytest.mark.dist
 def test_a_forked_child_leaves_its_parents_save_to_the_parent(tmp_path):
     """The exit hook of a child forked while a save was in flight (a data loader's worker)
     used to report the parent's save as its own ('interrupted at exit'), exit code 1."""
@@ -241,6 +248,7 @@ print(os.waitstatus_to_exitcode(os.waitpid(child, 0)[1]), future.result(), flush
 """
 
 
+@pytest.mark.dist
 def test_a_forked_childs_own_save_does_not_wait_for_its_parents(tmp_path):
     """A child forked while a save of the same optimizer was in flight waited forever in its
     own save (or async_save) for the parent's, whose thread it does not have."""
@@ -266,6 +274,7 @@ atexit.register(lambda: print(type(save(opt, sys.argv[1])).__name__, flush=True)
 """
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("imported", ["imported", "first used at exit"])
 @pytest.mark.parametrize("how", ["async_save", "save"])
 def test_a_save_from_an_atexit_handler_is_committed(tmp_path, imported, how):
@@ -294,6 +303,7 @@ muonckpt.async_save(single_process_optimizer(2), sys.argv[1])  # its failure nev
 """
 
 
+@pytest.mark.dist
 def test_the_jobs_exit_handlers_still_run_when_a_failed_save_sets_exit_code_1(tmp_path):
     """The exit hook ended the process with os._exit(1) when a background save failed unread,
     which skipped the job's own atexit handlers (a tracker's finish, logging's shutdown)."""
@@ -322,6 +332,7 @@ def test_host_buffers_are_reused_between_saves(tmp_path):
     assert buffers._buffers["snapshot"].data_ptr() == address and buffers.nbytes == held
 
 
+@pytest.mark.dist
 def test_a_launched_rank_finishes_its_background_save_before_it_ends(tmp_path):
     """run_distributed (the demo's and --workers' launcher) lets a child's save in flight
     finish before it ends the child, as the interpreter does at exit."""
@@ -331,6 +342,7 @@ def test_a_launched_rank_finishes_its_background_save_before_it_ends(tmp_path):
     assert muonckpt.read_manifest(tmp_path / "ckpt").step == 2
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize(
     "argument", ["params", "path", "consolidated", "call", "overwrite", "model given", "load"]
 )

@@ -28,6 +28,7 @@ def _save(tmp, dp, tp, consolidated):
     return ckpt
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("consolidated", [False, True])
 @pytest.mark.parametrize(
     "src,dst", [((2, 2), (4, 2)), ((2, 2), (1, 1)), ((4, 2), (2, 4)), ((1, 1), (2, 2))]
@@ -41,6 +42,7 @@ def test_resume_from_checkpoint_is_bitwise(tmp_path, reference, src, dst, consol
         assert torch.equal(full[name], value), name
 
 
+@pytest.mark.dist
 def test_distributed_save_over_a_checkpoint_replaces_it_whole(tmp_path):
     ckpt = tmp_path / "ckpt"
     steps = run_distributed(overwrite_phase, 4, 2, 2, str(ckpt), timeout=120)
@@ -55,6 +57,7 @@ def test_distributed_save_over_a_checkpoint_replaces_it_whole(tmp_path):
     assert muonckpt.read_manifest(ckpt).step == 2 and muonckpt.verify(ckpt) == []
 
 
+@pytest.mark.dist
 def test_consolidated_file_opens_with_safetensors(tmp_path):
     ckpt = _save(tmp_path, 2, 2, True)
     tensors = safetensors.torch.load_file(ckpt / "optimizer.safetensors")

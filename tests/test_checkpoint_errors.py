@@ -249,6 +249,7 @@ DAMAGES: list[Damage] = [
 ]
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("damage", DAMAGES, ids=lambda d: d.__name__)
 def test_damage_is_reported_by_verify_and_refused_by_load(ckpt, damage):
     file, param = damage(ckpt)
@@ -265,6 +266,7 @@ def test_damage_is_reported_by_verify_and_refused_by_load(ckpt, damage):
     assert file in str(caught.value)
 
 
+@pytest.mark.dist
 def test_newer_format_version_is_named_in_the_error(ckpt):
     newer_format_version(ckpt)
     (problem,) = muonckpt.verify(ckpt)
@@ -273,12 +275,14 @@ def test_newer_format_version_is_named_in_the_error(ckpt):
         muonckpt.load(build(1, 1, initial_params())[0], ckpt)
 
 
+@pytest.mark.dist
 def test_missing_manifest_reads_as_incomplete(ckpt):
     missing_manifest(ckpt)
     (problem,) = muonckpt.verify(ckpt)
     assert "incomplete" in str(problem)
 
 
+@pytest.mark.dist
 def test_extra_file_is_reported_by_verify_and_ignored_by_load(ckpt, clean_states):
     (ckpt / "notes.txt").write_text("not part of the checkpoint")
     problems = muonckpt.verify(ckpt)
@@ -288,6 +292,7 @@ def test_extra_file_is_reported_by_verify_and_ignored_by_load(ckpt, clean_states
     _assert_same_state(_load(ckpt), clean_states[_kind(ckpt)])
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("kind", ["per-rank"])
 def test_lying_topology_is_reported_by_verify_and_ignored_by_load(
     saved, clean_states, tmp_path, kind
@@ -311,6 +316,7 @@ def _swapped(name: str) -> list[int]:
     return shape
 
 
+@pytest.mark.dist
 def test_same_numel_shape_edit_is_refused_by_load(ckpt):
     body = _manifest(ckpt)
     next(p for p in body["params"] if p["name"] == "w_out")["shape"] = _swapped("w_out")
@@ -319,6 +325,7 @@ def test_same_numel_shape_edit_is_refused_by_load(ckpt):
         muonckpt.load(build(1, 1, initial_params())[0], ckpt)
 
 
+@pytest.mark.dist
 def test_same_numel_shape_edit_is_reported_by_verify(saved, tmp_path):
     ckpt = tmp_path / "ckpt"
     shutil.copytree(saved["per-rank"], ckpt)
@@ -421,6 +428,7 @@ def test_a_manifest_short_of_a_piece_is_not_committed(tmp_path, monkeypatch, con
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
 
 
+@pytest.mark.dist
 def test_format_doc_reader_reassembles_every_tensor(saved):
     """The plain-Python reader in docs/format.md §9 matches the consolidated file exactly."""
     doc = (Path(__file__).parents[1] / "docs" / "format.md").read_text()
@@ -528,12 +536,14 @@ def reserved_key_on_rank_1(path: str) -> str | None:
     return None
 
 
+@pytest.mark.dist
 def test_a_problem_on_one_rank_fails_every_rank_before_writing(tmp_path):
     messages = run_distributed(reserved_key_on_rank_1, 4, str(tmp_path / "ckpt"), timeout=60)
     assert all(m is not None and "reserved" in m for m in messages)
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.dist
 def test_a_symlinked_data_file_is_reported_and_refused(ckpt, tmp_path):
     data = next(p for p in ckpt.iterdir() if p.suffix == ".safetensors")
     elsewhere = tmp_path / "elsewhere.safetensors"
@@ -545,6 +555,7 @@ def test_a_symlinked_data_file_is_reported_and_refused(ckpt, tmp_path):
         _load(ckpt)
 
 
+@pytest.mark.dist
 def test_same_numel_shape_edit_of_an_unsplit_param_is_caught_in_a_consolidated_checkpoint(
     saved, tmp_path
 ):

@@ -75,6 +75,7 @@ print(json.dumps({"removed": removed, "in_use": in_use, "rounds": rounds}), flus
 """
 
 
+@pytest.mark.dist
 def test_clean_racing_saves_never_costs_a_checkpoint(tmp_path: Path) -> None:
     root = tmp_path / "runs"
     root.mkdir()

@@ -57,6 +57,7 @@ def _one_error_line(result):
     return lines[0]
 
 
+@pytest.mark.dist
 def test_installed_script_help():
     done = subprocess.run(["muonckpt", "--help"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
@@ -170,6 +171,7 @@ def _same_files(a, b) -> bool:
     )
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize(
     "args, options",
     [
@@ -283,6 +285,7 @@ def test_diff_exit_codes(ckpts):
     assert result.exit_code == 0 and "bitwise" in result.stdout
 
 
+@pytest.mark.dist
 def test_demo_small(tmp_path):
     result = cli(
         "demo",
@@ -309,6 +312,7 @@ def test_demo_small(tmp_path):
     assert muonckpt.read_manifest(tmp_path / "resharded").topology == {"dp": 2, "tp": 1}
 
 
+@pytest.mark.dist
 def test_help_and_usage_errors_do_not_import_torch():
     probe = (
         "import sys\n"
@@ -323,6 +327,7 @@ def test_help_and_usage_errors_do_not_import_torch():
     assert done.stdout.strip() == "False"
 
 
+@pytest.mark.dist
 def test_single_process_consolidate_reshard_inspect_verify_do_not_import_torch(ckpts, tmp_path):
     src, out = ckpts["a"], tmp_path
     probe = (

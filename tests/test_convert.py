@@ -160,6 +160,7 @@ RAW = {"packaged": "sum", "torch": "ema", "keller-jordan": "ema"}
 raw, as a plain load_state_dict would."""
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize(
     "source,target",
     [
@@ -180,6 +181,7 @@ def test_converted_momentum_continues_the_run(tmp_path, source, target):
     assert raw_gap >= 10 * gap, (raw_gap, gap)
 
 
+@pytest.mark.dist
 def test_load_reports_the_conversion_and_warns_about_settings(tmp_path):
     ckpt = saved_by("packaged", tmp_path)
     params = fresh(zeros=True)
@@ -196,6 +198,7 @@ def test_load_reports_the_conversion_and_warns_about_settings(tmp_path):
         assert step.dtype == torch.float32 and step.dim() == 0 and float(step) == K, name
 
 
+@pytest.mark.dist
 def test_a_target_of_unknown_form_needs_momentum_form(tmp_path):
     ckpt = saved_by("packaged", tmp_path)
 
@@ -211,6 +214,7 @@ def test_a_target_of_unknown_form_needs_momentum_form(tmp_path):
     assert any("sum -> ema" in line for line in report.converted)
 
 
+@pytest.mark.dist
 def test_optimizers_that_miss_params_are_refused(tmp_path):
     ckpt = saved_by("packaged", tmp_path)
     params = fresh(zeros=True)
@@ -220,6 +224,7 @@ def test_optimizers_that_miss_params_are_refused(tmp_path):
         muonckpt.load([torch.optim.AdamW(list(params.items()))], ckpt)  # Muon params into an AdamW
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize(
     "source,target",
     [("packaged", "torch"), ("torch", "packaged"), ("packaged", "keller-jordan")],
@@ -241,6 +246,7 @@ def test_convert_output_continues_as_the_in_memory_conversion(tmp_path, source, 
         assert torch.equal(offline[name], value), name
 
 
+@pytest.mark.dist
 def test_convert_refuses_an_unknown_implementation(tmp_path):
     from typer.testing import CliRunner
 

@@ -22,6 +22,8 @@ from muonckpt import CheckpointError
 from .fixture_model import build, initial_params
 from .kill_helpers import loaded_value, readline, start_helper
 
+pytestmark = pytest.mark.dist
+
 TRIALS = 24
 SEED = 20240611
 MAX_DELAY_S = 0.6
@@ -42,10 +44,12 @@ for line in sys.stdin:
                 muonckpt.save(opt, path, overwrite=True)
         finally:
             os._exit(1)
-    time.sleep(float(delay))
+    child = os.pidfd_open(pid)  # readable once the child has ended (it never should)
+    ended, _, _ = select.select([child], [], [], float(delay))  # until the trial's kill moment
+    os.close(child)
     os.kill(pid, signal.SIGKILL)
     os.waitpid(pid, 0)
-    print("killed", flush=True)
+    print("ended by itself" if ended else "killed", flush=True)
 """
 
 

@@ -188,6 +188,7 @@ def nccl_world_of_one(root: str) -> dict[str, str]:
     return {"backend": dist.get_backend_config(), "device": str(collectives.comm_device(None))}
 
 
+@pytest.mark.dist
 def test_an_nccl_group_of_one_rank_runs_every_operation(tmp_path):
     (result,) = run_distributed(nccl_world_of_one, 1, str(tmp_path), backend="nccl", timeout=300)
     assert result == {"backend": "cuda:nccl", "device": "cuda:0"}
@@ -226,6 +227,7 @@ def gloo_ranks_with_gpu_state(root: str, step_on_gpu: bool) -> dict[str, Any]:
     return {"on_cpu": on_cpu, "on_gpu": sd}
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("backend", ["gloo", "cpu:gloo"])
 def test_gloo_ranks_with_state_on_the_gpu(tmp_path, backend):
     """Rank 0's state dict gathered from GPU state equals the one gathered before the move."""

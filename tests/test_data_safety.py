@@ -16,7 +16,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -165,6 +164,7 @@ def _no_process_may_start(*args: object, **kwargs: object) -> None:
     raise AssertionError("a worker process was started before the arguments were checked")
 
 
+@pytest.mark.dist
 def test_output_overlapping_its_source_is_refused(ck, tmp_path, monkeypatch):
     outer = tmp_path / "outer"
     source = shutil.copytree(ck, outer / "ck")
@@ -287,6 +287,7 @@ def _writer_of(final: Path) -> str:
     return writer
 
 
+@pytest.mark.dist
 def test_racing_writers_without_overwrite_exactly_one_wins(tmp_path):
     outcomes = _race(tmp_path, overwrite=False)
     winners = []
@@ -300,6 +301,7 @@ def test_racing_writers_without_overwrite_exactly_one_wins(tmp_path):
     print(f"winners {''.join(winners)}")
 
 
+@pytest.mark.dist
 def test_racing_writers_with_overwrite_both_commit_and_the_last_wins_whole(tmp_path):
     outcomes = _race(tmp_path, overwrite=True)
     for trial, by in sorted(outcomes.items()):
@@ -421,6 +423,7 @@ print("\n".join(outcomes))
 """
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("mode", ["verify", "read_groups"])
 def test_readers_survive_a_file_truncated_under_them(tmp_path, mode):
     done = subprocess.run(
@@ -462,6 +465,15 @@ while True:
 """
 
 
+MIN_READS_RACING_A_WRITER = 30
+"""Reads (verify, load, consolidate in turn) against the writer at least, ..."""
+READS_RACING_A_WRITER = 3000
+"""... and at most, if both outcomes have not been seen by then (the hang guard)."""
+OUTCOMES = ("whole", "changed while reading")
+"""What a read racing the writer may find."""
+
+
+@pytest.mark.dist
 def test_a_reader_racing_a_writer_gets_a_whole_checkpoint_or_changed_while_reading(tmp_path):
     path = tmp_path / "ckpt"
     writer = subprocess.Popen(
@@ -474,10 +486,9 @@ def test_a_reader_racing_a_writer_gets_a_whole_checkpoint_or_changed_while_readi
     try:
         assert writer.stdout.readline().strip() == "ready"
         opt = _opt(1)
-        stop = time.monotonic() + 6
-        turn = 0
-        while time.monotonic() < stop:
-            turn += 1
+        for turn in range(READS_RACING_A_WRITER):
+            if turn >= MIN_READS_RACING_A_WRITER and _seen_both(counts):
+                break
             operation = ("verify", "load", "consolidate")[turn % 3]
             try:
                 if operation == "verify":
@@ -493,18 +504,22 @@ def test_a_reader_racing_a_writer_gets_a_whole_checkpoint_or_changed_while_readi
                 else:
                     shutil.rmtree(tmp_path / "out", ignore_errors=True)
                     offline.consolidate(path, tmp_path / "out")
-                outcome = "whole"
+                outcome = OUTCOMES[0]
             except CheckpointError as exc:
                 assert "changed while reading" in str(exc), str(exc)
                 assert "checksum mismatch" not in str(exc)
-                outcome = "changed while reading"
+                outcome = OUTCOMES[1]
             counts[f"{operation}: {outcome}"] = counts.get(f"{operation}: {outcome}", 0) + 1
     finally:
         writer.kill()
         writer.wait()
     print(counts)
-    assert sum(v for k, v in counts.items() if k.endswith("whole")) > 0, counts
-    assert sum(v for k, v in counts.items() if k.endswith("reading")) > 0, counts
+    assert _seen_both(counts), f"{READS_RACING_A_WRITER} reads never saw both outcomes: {counts}"
+
+
+def _seen_both(counts: dict[str, int]) -> bool:
+    """Whether some reads found the checkpoint whole and some found it changed under them."""
+    return {key.split(": ", 1)[1] for key in counts} == set(OUTCOMES)
 
 
 # ---------------------------------------------------------------- every rank learns
@@ -550,6 +565,7 @@ def failing_ranks(root: str, src: str) -> dict[str, str]:
     return seen
 
 
+@pytest.mark.dist
 def test_every_rank_learns_a_non_library_failure(ck, tmp_path):
     ranks = run_distributed(failing_ranks, 2, str(tmp_path), str(ck), timeout=60)
     expected = {

@@ -78,6 +78,7 @@ def _load_and_resave(dp: int, tp: int, src: str, dst: str) -> None:
     muonckpt.save(opt, dst, consolidated=True)
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("layout,dp,tp", [("recipe", 2, 2), ("torchtitan", 4, 1)])
 def test_fsdp2_dcp_into_the_packaged_muon(fsdp_run, tmp_path, layout, dp, tp):
     paths, job = fsdp_run
@@ -105,6 +106,7 @@ def _save_packaged_2x2(path: str) -> None:
     muonckpt.save(opt, path)
 
 
+@pytest.mark.dist
 def test_packaged_2x2_into_an_fsdp2_job_at_world_4(tmp_path):
     src = tmp_path / "packaged"
     run_distributed(_save_packaged_2x2, 4, str(src), timeout=180)
@@ -184,6 +186,7 @@ def test_sum_and_ema_sources(tmp_path, family, momentum_key, mu_setting, extra, 
         assert manifest.step_of(manifest.param("b")) == 4
 
 
+@pytest.mark.dist
 def test_convert_of_dcp_without_from_is_refused_naming_the_choices(fsdp_run, tmp_path):
     paths, _ = fsdp_run
     out = tmp_path / "x"
@@ -291,6 +294,7 @@ def test_to_dcp_in_the_recipe_layout_loads_in_one_process(tmp_path):
     assert state["optimizer"]["param_groups.b.betas"] == (0.9, 0.95)
 
 
+@pytest.mark.dist
 def test_the_cli_reports_what_it_left_out_and_prefixes_can_be_given(fsdp_run, tmp_path):
     paths, _ = fsdp_run
 

@@ -111,6 +111,7 @@ def _refused(src: Path, out: Path, *words: str) -> str:
     return message
 
 
+@pytest.mark.dist
 def test_a_stride_0_chunk_declared_at_4_tib_is_refused_before_anything_is_read(saved, tmp_path):
     """A 4 TiB tensor whose stored chunk is one float expanded: refused from the metadata (its
     storage entry holds a few hundred bytes), never built; before, an allocator traceback."""
@@ -129,6 +130,7 @@ def test_a_stride_0_chunk_declared_at_4_tib_is_refused_before_anything_is_read(s
 DENSE = "not a dense tensor of exactly its 262144 bytes"
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize(
     "stored,words",
     [
@@ -170,6 +172,7 @@ def _fifo(src: Path, name: str) -> Path:
     return path
 
 
+@pytest.mark.dist
 def test_a_fifo_distcp_or_a_symlink_to_one_is_refused_never_blocks(saved, tmp_path):
     """The data file a FIFO, then a symlink to a FIFO outside, then a symlink to a copy of the
     real file outside the directory: each refused at once, one line (before: the first two
@@ -194,6 +197,7 @@ def test_a_fifo_distcp_or_a_symlink_to_one_is_refused_never_blocks(saved, tmp_pa
     _one_error_line(_cli(saved, tmp_path / "md", timeout=90), ".metadata", "not a regular file")
 
 
+@pytest.mark.dist
 def test_a_directory_without_metadata_is_an_incomplete_dcp_checkpoint(saved, tmp_path):
     """An interrupted DCP save (its ``.distcp`` files, no ``.metadata``) is named as such,
     with the directory; before, the CLI said --from is for DCP checkpoints. A muonckpt
@@ -357,6 +361,7 @@ def test_a_sweep_of_wrong_field_values_each_gives_one_line_naming_the_file(saved
     assert not failures, "\n".join(failures)
 
 
+@pytest.mark.dist
 def test_some_wrong_fields_through_the_command_line(saved, tmp_path):
     """Five field mutations of the sweep, as a user's ``muonckpt convert`` meets them: one
     ``error:`` line each naming ``.metadata``, exit code 2, nothing written."""

@@ -4,6 +4,7 @@ once (the ranks sharing the writing), read by every rank, at any world size."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import muonckpt
@@ -16,6 +17,8 @@ from .ddp_cases import (
     diverged_save_phase,
     optimizers_of,
 )
+
+pytestmark = pytest.mark.dist
 
 
 def test_a_ddp_job_with_torch_muon_and_adamw_resumes_at_another_world_size_bitwise(tmp_path):

@@ -27,6 +27,8 @@ import torch.distributed as dist
 
 from .kill_helpers import REPO
 
+pytestmark = pytest.mark.dist
+
 SILENCE_S = 120.0
 """The hang guard: how long the ranks may print nothing before the test fails."""
 

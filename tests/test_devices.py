@@ -94,6 +94,7 @@ def test_outside_a_process_group_tensors_stay_on_the_cpu():
     assert collectives.comm_device(None) == torch.device("cpu")
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("backend", ["gloo", "cpu:gloo", "cpu:gloo,cuda:gloo"])
 def test_a_group_that_serves_cpu_communicates_on_the_cpu_and_everything_runs(probed, backend):
     for out in probed[backend]:
@@ -106,6 +107,7 @@ def test_a_group_that_serves_cpu_communicates_on_the_cpu_and_everything_runs(pro
     assert probed[backend][0]["state_dict"] == "ok: [0, 1]"
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("backend", ["gloo", "cpu:gloo", "cpu:gloo,cuda:gloo", "cuda:gloo"])
 def test_a_cuda_only_group_without_cuda_is_a_collective_error_naming_it(probed, backend):
     """Whatever the default group, a cuda:gloo group on this CPU-only machine needs CUDA: the
@@ -124,6 +126,7 @@ def test_a_cuda_only_group_without_cuda_is_a_collective_error_naming_it(probed, 
         )
 
 
+@pytest.mark.dist
 def test_a_cuda_only_default_group_fails_every_operation_at_its_first_collective(probed):
     """In a cuda:gloo world every muonckpt operation that communicates fails on every rank with
     the CollectiveError, before any tensor moves (no hang, no torch RuntimeError)."""
@@ -136,6 +139,7 @@ def test_a_cuda_only_default_group_fails_every_operation_at_its_first_collective
             assert out[check].startswith(needs_cuda), (check, out[check])
 
 
+@pytest.mark.dist
 def test_a_group_served_for_cuda_by_gloo_alone_is_refused_even_with_cuda(probed):
     """gloo's send and receive move host memory, and such a group refuses CPU tensors: where
     CUDA is present the device choice refuses the group instead of handing gloo CUDA memory."""

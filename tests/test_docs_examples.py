@@ -14,9 +14,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 import muonckpt
+
+pytestmark = pytest.mark.dist
 
 REPO = Path(__file__).parents[1]
 DOC = REPO / "docs" / "hooks.md"

@@ -136,6 +136,7 @@ def test_settings_that_cannot_continue_the_trajectory_name_the_fix():
     )
 
 
+@pytest.mark.dist
 def test_grid_and_kinds_do_not_import_torch():
     probe = "import sys, muonckpt.layout.grid, muonckpt.format.kinds, muonckpt.format.manifest\n"
     probe += "print('torch' in sys.modules)"

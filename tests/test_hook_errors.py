@@ -173,6 +173,7 @@ def stub_and_disagreement() -> dict:
     return out
 
 
+@pytest.mark.dist
 def test_stub_is_refused_and_disagreeing_ranks_raise():
     rank0, rank1 = run_distributed(stub_and_disagreement, 2, timeout=25)
     assert rank0["complete"] is True and rank0["stub_load"] is None
@@ -193,6 +194,7 @@ def raise_before_state_dict() -> None:
     opt.state_dict()  # rank 0 waits here for rank 1
 
 
+@pytest.mark.dist
 def test_rank_raising_while_others_wait_is_surfaced():
     with pytest.raises(DistributedRunError) as info:
         run_distributed(raise_before_state_dict, 2, timeout=25)
@@ -245,6 +247,7 @@ def failing_mid_gather(root: str) -> dict[str, str]:
     return seen
 
 
+@pytest.mark.dist
 def test_a_rank_failing_in_the_middle_of_the_transfer_fails_every_rank(tmp_path):
     ranks = run_distributed(failing_mid_gather, 2, str(tmp_path), timeout=40)
     for seen in ranks:

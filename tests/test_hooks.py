@@ -39,6 +39,7 @@ def _assert_bitwise(full, reference):
         assert torch.equal(full[name], reference[name]), f"param {name} differs"
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("dp,tp", [(4, 2), (2, 4), (8, 1), (1, 1)])
 def test_resume_from_2x2_is_bitwise(dp, tp, from_2x2, reference):
     params, state = from_2x2
@@ -46,6 +47,7 @@ def test_resume_from_2x2_is_bitwise(dp, tp, from_2x2, reference):
     _assert_bitwise(assemble(dp, tp, shards), reference)
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("dp,tp", [(4, 2), (2, 4), (8, 1), (1, 1)])
 def test_resume_into_2x2_is_bitwise(dp, tp, tmp_path, reference):
     state, params = tmp_path / "optim.pt", tmp_path / "params.pt"
@@ -54,6 +56,7 @@ def test_resume_into_2x2_is_bitwise(dp, tp, tmp_path, reference):
     _assert_bitwise(assemble(2, 2, shards), reference)
 
 
+@pytest.mark.dist
 def test_state_dict_is_complete_and_full_shape(from_2x2):
     _, state = from_2x2
     sd = torch.load(state, weights_only=True)

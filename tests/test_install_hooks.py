@@ -28,6 +28,8 @@ from .kj_muon import (
     train,
 )
 
+pytestmark = pytest.mark.dist
+
 K_STEPS, M_STEPS = 3, 2
 WORLD = 4
 

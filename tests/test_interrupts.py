@@ -4,59 +4,119 @@ Each test runs ``python -m muonckpt.cli reshard SRC --dp 2 --tp 1 -o OUT --worke
 subprocess whose environment carries a tag that every process it starts inherits (the
 forkserver, the resource tracker, the workers), so the processes it left can be found in
 /proc after it is gone, whoever their parent is by then. A ``sitecustomize`` module on
-PYTHONPATH slows every ``os.pwrite`` by 0.2 s, so the workers are reliably in the middle of
-writing when the signal comes (or, with a rank named, makes that rank's writes fail).
-Afterwards: no tagged process within 10 s, no OUT, nothing staged beside it.
+PYTHONPATH holds the first ``os.pwrite`` of each process (or, with a rank named, makes that
+rank's writes fail; or holds the first deletion of a replaced checkpoint's file, after the
+commit): the process says so on a FIFO the test reads, and stays there, so the signal always
+comes in the middle of the writing (or of the cleanup), and the command must end a held
+worker itself. Afterwards: every tagged process ends, then no OUT, nothing staged beside it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import select
 import shutil
 import signal
 import subprocess
 import sys
-import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.dist
+
 SITECUSTOMIZE = """
 import os
 
-_delay = float(os.environ.get("MUONCKPT_TEST_PWRITE_DELAY") or 0)
-_fail = os.environ.get("MUONCKPT_TEST_PWRITE_FAIL_RANK")
-if _delay or _fail:
-    import time
+_events = os.environ.get("MUONCKPT_TEST_EVENTS")
+_held = set()
 
+
+def _hold(what):
+    # (once per process and what) Say what this process is doing on the test's events FIFO,
+    # then wait there until the test's signal ends it (or the command kills it, a worker): in
+    # turns of 0.1 s, between which Python runs a signal's handler; 120 s at most.
+    if what in _held:
+        return
+    _held.add(what)
+    import threading
+
+    with open(_events, "w") as events:
+        events.write(f"{what} {os.environ.get('RANK', 'main')} {os.getpid()}\\n")
+    never = threading.Event()
+    for _ in range(1200):
+        never.wait(0.1)
+
+
+_fail = os.environ.get("MUONCKPT_TEST_PWRITE_FAIL_RANK")
+if _fail is not None or os.environ.get("MUONCKPT_TEST_HOLD_PWRITE"):
     _pwrite = os.pwrite
 
     def pwrite(fd, data, offset):
         if _fail is not None and os.environ.get("RANK") == _fail:
             raise RuntimeError("injected pwrite failure")
-        time.sleep(_delay)
+        if _fail is None:
+            _hold("writing")
         return _pwrite(fd, data, offset)
 
     os.pwrite = pwrite
 
 _unlink_rank = os.environ.get("MUONCKPT_TEST_UNLINK_RANK")
 if _unlink_rank is not None:  # "0": worker rank 0, "main": a process without RANK
-    import time
-
     _unlink = os.unlink
 
     def unlink(path, *args, **kwargs):
         name = os.fsdecode(path)
         ours = name.endswith(".safetensors") or name.endswith("manifest.json")
         if ours and os.environ.get("RANK", "main") == _unlink_rank:
-            with open(os.environ["MUONCKPT_TEST_PIDFILE"], "w") as f:
-                f.write(str(os.getpid()))
-            time.sleep(5)
+            _hold("cleaning")
         return _unlink(path, *args, **kwargs)
 
     os.unlink = unlink
 """
+
+
+class Channel:
+    """A FIFO on which a held process of the command writes a line: what it does, its rank (or
+    ``main``) and its pid."""
+
+    def __init__(self, path: Path) -> None:
+        os.mkfifo(path)
+        self.env = {"MUONCKPT_TEST_EVENTS": str(path)}
+        # read and write: no process ever blocks opening it, nor does the test see it closed
+        self._fd = os.open(path, os.O_RDWR | os.O_NONBLOCK)
+        self._buffer = b""
+
+    def next(self, proc: subprocess.Popen, timeout: float = 90.0) -> list[str]:
+        """The next line, split; an AssertionError if ``proc`` ends or stays silent first."""
+        ended = os.pidfd_open(proc.pid)  # readable once the command has ended
+        try:
+            while b"\n" not in self._buffer:
+                ready, _, _ = select.select([self._fd, ended], [], [], timeout)
+                if self._fd in ready:
+                    self._buffer += os.read(self._fd, 4096)
+                elif ready:
+                    raise AssertionError(f"the command ended first: {_signal(proc, 0)}")
+                else:
+                    _signal(proc, signal.SIGKILL)
+                    raise AssertionError(f"no process of the command said anything in {timeout} s")
+        finally:
+            os.close(ended)
+        line, self._buffer = self._buffer.split(b"\n", 1)
+        return line.decode().split()
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+
+@pytest.fixture
+def channel(tmp_path) -> Iterator[Channel]:
+    opened = Channel(tmp_path / "events")
+    yield opened
+    opened.close()
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +155,14 @@ def _parent_pid(pid: int) -> int | None:
 
 
 def _start(
-    setup, out: Path, tag: str, *extra: str, workers: int = 2, force: bool = False, **env: str
+    setup,
+    out: Path,
+    tag: str,
+    channel: Channel,
+    *extra: str,
+    workers: int = 2,
+    force: bool = False,
+    **env: str,
 ) -> subprocess.Popen:
     path = os.pathsep.join([str(setup["site"]), os.environ.get("PYTHONPATH", "")])
     command = [sys.executable, "-m", "muonckpt.cli", *extra, "reshard", str(setup["src"])]
@@ -103,32 +170,41 @@ def _start(
     command += ["--force"] if force else []
     return subprocess.Popen(
         command,
-        env={**os.environ, "MUONCKPT_TEST_TAG": tag, "PYTHONPATH": path, **env},
+        env={**os.environ, **channel.env, "MUONCKPT_TEST_TAG": tag, "PYTHONPATH": path, **env},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
 
 
-def _wait_until_writing(proc: subprocess.Popen, out: Path, timeout: float = 60.0) -> None:
-    """Until a staging directory beside ``out`` holds the workers' .part files."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, proc.communicate()
-        for entry in out.parent.glob(f".{out.name}.staging-*"):
-            if any(p.name.endswith(".part") for p in entry.iterdir()):
-                time.sleep(0.3)  # well inside the writing: each pwrite takes 0.2 s
-                return
-        time.sleep(0.02)
-    raise AssertionError("the workers never started writing")
+def _wait_until_writing(proc: subprocess.Popen, channel: Channel, ranks: set[str]) -> None:
+    """Until the processes of ``ranks`` (``"0"``, ``"1"``, ``"main"``) are each held in a
+    write."""
+    held: set[str] = set()
+    while held != ranks:
+        what, rank, _ = channel.next(proc)
+        assert what == "writing", (what, rank)
+        held.add(rank)
+
+
+def _wait_until_gone(tag: str, timeout: float = 60.0) -> None:
+    """Until no tagged process is left: each wait ends when one of them exits."""
+    while left := _tagged(tag):
+        exits = []
+        for pid in left:
+            with contextlib.suppress(ProcessLookupError):  # it has just exited
+                exits.append(os.pidfd_open(pid))
+        try:
+            ready, _, _ = select.select(exits, [], [], timeout)
+        finally:
+            for fd in exits:
+                os.close(fd)
+        assert ready or not exits, f"tagged processes still running after {timeout} s: {left}"
 
 
 def _assert_nothing_left(tag: str, out: Path) -> None:
-    """Within 10 s: no tagged process, no OUT, nothing named .OUT.* beside it."""
-    deadline = time.monotonic() + 10
-    while (_tagged(tag) or list(out.parent.glob(f".{out.name}.*"))) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert _tagged(tag) == {}, _tagged(tag)
+    """Every tagged process ends; then no OUT, nothing named .OUT.* beside it."""
+    _wait_until_gone(tag)
     assert not out.exists()
     assert list(out.parent.glob(f".{out.name}.*")) == []
 
@@ -141,10 +217,12 @@ def _workers(tag: str) -> list[int]:
 
 
 def _signal(proc: subprocess.Popen, signum: int) -> str:
-    """Send ``signum`` and wait for the command to end; its stderr (killed if it hangs)."""
+    """Send ``signum`` (0: none) and wait for the command to end; its stderr (killed if it
+    hangs)."""
     try:
-        proc.send_signal(signum)
-        _, stderr = proc.communicate(timeout=30)
+        if signum:
+            proc.send_signal(signum)
+        _, stderr = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -157,16 +235,18 @@ def _signal(proc: subprocess.Popen, signum: int) -> str:
     [(signal.SIGKILL, -signal.SIGKILL), (signal.SIGTERM, 143), (signal.SIGINT, 130)],
     ids=["SIGKILL", "SIGTERM", "SIGINT"],
 )
-def test_a_signal_to_the_cli_leaves_no_process_and_no_output(setup, tmp_path, signum, code):
+def test_a_signal_to_the_cli_leaves_no_process_and_no_output(
+    setup, tmp_path, channel, signum, code
+):
     out, tag = tmp_path / "out", uuid.uuid4().hex
-    proc = _start(setup, out, tag, MUONCKPT_TEST_PWRITE_DELAY="0.2")
+    proc = _start(setup, out, tag, channel, MUONCKPT_TEST_HOLD_PWRITE="1")
     try:
-        _wait_until_writing(proc, out)
+        _wait_until_writing(proc, channel, {"0", "1"})
         assert len(_workers(tag)) == 2
     except BaseException:
         _signal(proc, signal.SIGKILL)
         raise
-    stderr = _signal(proc, signum)
+    stderr = _signal(proc, signum)  # the workers stay held: the command must end them
     assert proc.returncode == code, stderr
     if signum != signal.SIGKILL:  # after SIGKILL only the resource tracker may speak
         assert stderr == "error: interrupted\n"
@@ -176,26 +256,25 @@ def test_a_signal_to_the_cli_leaves_no_process_and_no_output(setup, tmp_path, si
 @pytest.mark.parametrize(
     ("signum", "code"), [(signal.SIGTERM, 143), (signal.SIGINT, 130)], ids=["SIGTERM", "SIGINT"]
 )
-def test_a_signal_to_a_single_process_cli_removes_its_staging(setup, tmp_path, signum, code):
+def test_a_signal_to_a_single_process_cli_removes_its_staging(
+    setup, tmp_path, channel, signum, code
+):
     out, tag = tmp_path / "out", uuid.uuid4().hex
-    proc = _start(setup, out, tag, workers=1, MUONCKPT_TEST_PWRITE_DELAY="0.2")
-    deadline = time.monotonic() + 30
-    while not list(tmp_path.glob(".out.staging-*/.*.tmp-*")):  # a file being written
-        assert proc.poll() is None and time.monotonic() < deadline, _signal(proc, signal.SIGKILL)
-        time.sleep(0.02)
+    proc = _start(setup, out, tag, channel, workers=1, MUONCKPT_TEST_HOLD_PWRITE="1")
+    _wait_until_writing(proc, channel, {"main"})
     stderr = _signal(proc, signum)
     assert (proc.returncode, stderr) == (code, "error: interrupted\n")
     _assert_nothing_left(tag, out)
 
 
-def test_a_killed_worker_is_one_short_line(setup, tmp_path):
+def test_a_killed_worker_is_one_short_line(setup, tmp_path, channel):
     out, tag = tmp_path / "out", uuid.uuid4().hex
-    proc = _start(setup, out, tag, MUONCKPT_TEST_PWRITE_DELAY="0.2")
+    proc = _start(setup, out, tag, channel, MUONCKPT_TEST_HOLD_PWRITE="1")
     try:
-        _wait_until_writing(proc, out)
+        _wait_until_writing(proc, channel, {"0", "1"})
         victim = _workers(tag)[-1]
-        os.kill(victim, signal.SIGKILL)
-        _, stderr = proc.communicate(timeout=30)
+        os.kill(victim, signal.SIGKILL)  # the other stays held: the command must end it
+        _, stderr = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -208,10 +287,12 @@ def test_a_killed_worker_is_one_short_line(setup, tmp_path):
 
 
 @pytest.mark.parametrize("debug", [False, True], ids=["plain", "debug"])
-def test_a_failing_worker_is_one_line_and_debug_shows_the_traceback(setup, tmp_path, debug):
+def test_a_failing_worker_is_one_line_and_debug_shows_the_traceback(
+    setup, tmp_path, channel, debug
+):
     out, tag = tmp_path / "out", uuid.uuid4().hex
     extra = ("--debug",) if debug else ()
-    proc = _start(setup, out, tag, *extra, MUONCKPT_TEST_PWRITE_FAIL_RANK="1")
+    proc = _start(setup, out, tag, channel, *extra, MUONCKPT_TEST_PWRITE_FAIL_RANK="1")
     try:
         _, stderr = proc.communicate(timeout=90)
     finally:
@@ -232,19 +313,21 @@ def test_a_failing_worker_is_one_line_and_debug_shows_the_traceback(setup, tmp_p
     shutil.rmtree(tmp_path, ignore_errors=True)
 
 
-def _start_committing(setup, tmp_path, tag: str, workers: int) -> tuple[subprocess.Popen, Path]:
+def _start_committing(
+    setup, tmp_path, tag: str, channel: Channel, workers: int
+) -> tuple[subprocess.Popen, Path, int]:
     """``reshard --force`` over an existing checkpoint, held up just after its commit: the
-    deletion of the replaced checkpoint's files (by rank 0, or the single process) sleeps."""
-    out, pidfile = tmp_path / "out", tmp_path / "pid"
+    deletion of the replaced checkpoint's files (by rank 0, or the single process) is held.
+    The command, its output and the pid of the process held."""
+    out = tmp_path / "out"
     shutil.copytree(setup["src"], out)  # the checkpoint --force replaces (dp 1)
     rank = "0" if workers > 1 else "main"
-    env = {"MUONCKPT_TEST_UNLINK_RANK": rank, "MUONCKPT_TEST_PIDFILE": str(pidfile)}
-    proc = _start(setup, out, tag, workers=workers, force=True, **env)
-    deadline = time.monotonic() + 90
-    while not pidfile.exists() or not pidfile.read_text():
-        assert proc.poll() is None and time.monotonic() < deadline, _signal(proc, signal.SIGKILL)
-        time.sleep(0.02)
-    return proc, out
+    proc = _start(
+        setup, out, tag, channel, workers=workers, force=True, MUONCKPT_TEST_UNLINK_RANK=rank
+    )
+    what, held, pid = channel.next(proc)
+    assert (what, held) == ("cleaning", rank)
+    return proc, out, int(pid)
 
 
 def _assert_committed(tag: str, out: Path) -> None:
@@ -252,10 +335,7 @@ def _assert_committed(tag: str, out: Path) -> None:
     removes whatever is left of the replaced one."""
     import muonckpt
 
-    deadline = time.monotonic() + 10
-    while _tagged(tag) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert _tagged(tag) == {}
+    _wait_until_gone(tag)
     assert muonckpt.verify(out) == []
     assert muonckpt.read_manifest(out).topology == {"dp": 2, "tp": 1}
     muonckpt.clean(out.parent, 0)
@@ -266,24 +346,26 @@ def _assert_committed(tag: str, out: Path) -> None:
 @pytest.mark.parametrize(
     ("signum", "code"), [(signal.SIGTERM, 3), (signal.SIGINT, 3)], ids=["SIGTERM", "SIGINT"]
 )
-def test_a_signal_after_the_commit_reports_committed(setup, tmp_path, signum, code, workers):
+def test_a_signal_after_the_commit_reports_committed(
+    setup, tmp_path, channel, signum, code, workers
+):
     """(issue 20) After the swap, SIGTERM/SIGINT printed "error: interrupted" (143/130) over a
     whole new checkpoint; now "committed: ..." and exit code 3."""
     tag = uuid.uuid4().hex
-    proc, out = _start_committing(setup, tmp_path, tag, workers)
+    proc, out, _ = _start_committing(setup, tmp_path, tag, channel, workers)
     stderr = _signal(proc, signum)
     assert proc.returncode == code, stderr
     assert stderr.startswith(f"committed: {out} is complete; interrupted while cleaning up"), stderr
     _assert_committed(tag, out)
 
 
-def test_a_worker_killed_after_the_commit_reports_success(setup, tmp_path):
+def test_a_worker_killed_after_the_commit_reports_success(setup, tmp_path, channel):
     """(issue 20) SIGKILL of worker rank 0 after the swap gave exit 2; the output is whole,
     so the command succeeds, with a warning naming the death."""
     tag = uuid.uuid4().hex
-    proc, out = _start_committing(setup, tmp_path, tag, workers=2)
+    proc, out, held = _start_committing(setup, tmp_path, tag, channel, workers=2)
     try:
-        os.kill(int((tmp_path / "pid").read_text()), signal.SIGKILL)
+        os.kill(held, signal.SIGKILL)
         _, stderr = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:

@@ -146,6 +146,7 @@ def saved(tmp_path_factory):
     return root, owners
 
 
+@pytest.mark.dist
 def test_layout_gives_whole_shards_to_different_dp_ranks(saved):
     root, owners = saved
     assert set(owners[0]) == {0, 1}  # the work is spread, each shard whole on one DP rank
@@ -158,6 +159,7 @@ def test_layout_gives_whole_shards_to_different_dp_ranks(saved):
         )
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("dp,tp", [(4, 1), (1, 4), (2, 2), (1, 1)])
 @pytest.mark.parametrize("ckpt", ["per-rank", "consolidated"])
 def test_resume_across_dp_and_tp_is_bitwise(saved, dp, tp, ckpt):
@@ -173,6 +175,7 @@ def test_resume_across_dp_and_tp_is_bitwise(saved, dp, tp, ckpt):
             assert torch.equal(full[name], value), name
 
 
+@pytest.mark.dist
 def test_offline_reshard_of_a_layerwise_checkpoint_loads(saved, tmp_path):
     root, _ = saved
     out = muonckpt.offline.reshard(root / "per-rank", tmp_path / "r", dp=1, tp=4)

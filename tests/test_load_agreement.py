@@ -10,6 +10,8 @@ from muonckpt.distributed.launch import run_distributed
 from .ckpt_cases import save_phase
 from .load_cases import mixed_load_phase
 
+pytestmark = pytest.mark.dist
+
 
 @pytest.mark.parametrize("how", ["paths", "replaced"])
 def test_ranks_of_one_load_read_one_checkpoint_or_none(tmp_path, how):

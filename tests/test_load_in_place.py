@@ -217,6 +217,7 @@ def test_arena_slots_view_as_any_dtype_and_share_memory():
     )
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize(("dp", "tp"), [(2, 1), (1, 2)])
 def test_a_distributed_load_copies_into_each_ranks_own_state(tmp_path, dp, tp):
     ranks = run_distributed(in_place_load_phase, dp * tp, str(tmp_path / "ck"), dp, tp, timeout=120)

@@ -106,6 +106,7 @@ def resume_unwrapped(path: str | None, first: int, steps: int) -> dict[str, torc
     return {n: p.detach() for n, p in model.named_parameters()}
 
 
+@pytest.mark.dist
 def test_a_ddp_checkpoint_resumes_unwrapped_bitwise(tmp_path):
     ckpt = tmp_path / "ddp"
     run_distributed(ddp_train_and_save, 1, str(ckpt), K, timeout=120)
@@ -166,6 +167,7 @@ def test_prefix_fix_finds_the_prefix_that_maps_one_list_onto_the_other(names, pr
     assert prefix_hint(names, [n + "x" for n in names]) is None or len(names) == 1
 
 
+@pytest.mark.dist
 def test_the_readme_rename_example_runs_as_written(tmp_path, monkeypatch):
     from .test_readme import example
 

@@ -227,6 +227,7 @@ def refused_on_one_rank(ckpt: str) -> dict:
     }
 
 
+@pytest.mark.dist
 def test_a_refusal_on_one_rank_leaves_every_rank_as_it_was(tmp_path):
     out = run_distributed(refused_on_one_rank, 2, str(tmp_path / "ckpt"), timeout=120)
     for result in out:

@@ -78,6 +78,7 @@ def each_rank_its_own(root: str, background: bool) -> dict:
     return {"same": same, "extra": got, "rank_extra": mine, "path": str(done)}
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("background", [False, True])
 def test_each_rank_saves_and_loads_its_own_optimizer(tmp_path, background):
     out = run_distributed(
@@ -117,6 +118,7 @@ def rank_zero_alone(root: str) -> dict:
     return result
 
 
+@pytest.mark.dist
 def test_one_rank_alone_saves_and_loads_its_own_optimizer(tmp_path):
     out = run_distributed(rank_zero_alone, 2, str(tmp_path), timeout=RUN_S, wait_timeout=RUN_S - 30)
     assert out == [{"same": True}, {}]
@@ -140,6 +142,7 @@ def without_local(root: str, how: str, rendezvous_s: float) -> str | None:
     return error
 
 
+@pytest.mark.dist
 def test_replicas_of_each_process_own_say_to_pass_local(tmp_path):
     """Each rank saves its own optimizer to one path: taken for replicas, they differ."""
     out = run_distributed(
@@ -151,6 +154,7 @@ def test_replicas_of_each_process_own_say_to_pass_local(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("how", ["lone", "paths"])
 def test_a_local_optimizer_saved_without_local_says_to_pass_it(tmp_path, how):
     out = run_distributed(
@@ -185,6 +189,7 @@ def sharded_with_local(root: str) -> list[str]:
     return errors
 
 
+@pytest.mark.dist
 def test_local_refuses_an_optimizer_sharded_over_ranks(tmp_path):
     out = run_distributed(sharded_with_local, 2, str(tmp_path), timeout=RUN_S)
     for errors in out:

@@ -136,6 +136,7 @@ def packaged_save(path: str, dp: int, tp: int) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+@pytest.mark.dist
 def test_the_packaged_muon_writes_a_whole_model_file_from_a_grid(tmp_path):
     ckpt = tmp_path / "full"
     states = run_distributed(packaged_save, 2, str(ckpt), 2, 1, timeout=120)

@@ -30,6 +30,7 @@ def _optimum(costs: list[int], workers: int) -> int:
     return best
 
 
+@pytest.mark.dist
 @given(costs=costs_strategy, workers=st.integers(1, 3))
 def test_lpt_gives_every_job_one_worker_within_four_thirds_of_the_optimum(costs, workers):
     assigned = balance_lpt(costs, workers)
@@ -40,6 +41,7 @@ def test_lpt_gives_every_job_one_worker_within_four_thirds_of_the_optimum(costs,
     assert 3 * workers * max(loads) <= (4 * workers - 1) * _optimum(costs, workers)
 
 
+@pytest.mark.dist
 @given(
     costs=st.lists(st.integers(0, 10**9), max_size=60),
     workers=st.integers(1, 16),

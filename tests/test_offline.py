@@ -59,6 +59,7 @@ def saved(tmp_path_factory):
     return {"per_rank": per_rank, "consolidated": consolidated, "final": final}
 
 
+@pytest.mark.dist
 def test_consolidate_matches_consolidated_save(saved, tmp_path):
     calls = []
     out = offline.consolidate(
@@ -84,6 +85,7 @@ def test_consolidate_matches_consolidated_save(saved, tmp_path):
         offline.consolidate(saved["per_rank"], out)
 
 
+@pytest.mark.dist
 def test_sharded_consolidate_writes_an_index(saved, tmp_path):
     out = offline.consolidate(saved["consolidated"], tmp_path / "c", max_shard_size=800)
     index = json.loads((out / "optimizer.safetensors.index.json").read_text())
@@ -101,6 +103,7 @@ def test_sharded_consolidate_writes_an_index(saved, tmp_path):
     assert all(r.equal for r in offline.diff(out, saved["per_rank"]))
 
 
+@pytest.mark.dist
 def test_reshard_then_load_is_bitwise(saved, tmp_path):
     out = offline.reshard(saved["per_rank"], tmp_path / "r", dp=DST[0], tp=DST[1], options=LAYOUT)
     assert muonckpt.verify(out) == []
@@ -116,6 +119,7 @@ def test_reshard_then_load_is_bitwise(saved, tmp_path):
         assert torch.equal(full[name], value), name
 
 
+@pytest.mark.dist
 def test_reshard_refuses_an_indivisible_split(saved, tmp_path):
     bad = split_params_indivisible_by(3)[0]  # the first in the checkpoint's order
     with pytest.raises(muonckpt.LayoutError, match=f"param '{bad}'"):
@@ -123,6 +127,7 @@ def test_reshard_refuses_an_indivisible_split(saved, tmp_path):
     assert not (tmp_path / "r").exists()
 
 
+@pytest.mark.dist
 def test_summarize_and_diff_notes(saved, tmp_path):
     info = offline.summarize(saved["per_rank"])
     assert info.kind == "per-rank" and info.topology == {"dp": 2, "tp": 2}

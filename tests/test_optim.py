@@ -235,6 +235,7 @@ def _bitwise_worker(configs, steps):
     return checked
 
 
+@pytest.mark.dist
 def test_distributed_matches_single_process_bitwise():
     """dp=4 x tp=2 and dp=2 x tp=4; one buffer and bucket with contiguous grads, then two
     buffers of several buckets (non-zero offsets, param_alignment 4) with strided grads.
@@ -297,6 +298,7 @@ def _one_rank_worker(configs, steps):
     return out
 
 
+@pytest.mark.dist
 def test_newton_schulz_runs_once_per_matrix_in_the_grid_with_the_same_bits():
     """At 4x2 and 2x4 (two buffers of several buckets): the default runs each matrix's
     Newton-Schulz on exactly one rank, so the grid's matrix-multiply FLOPs are one process's
@@ -354,6 +356,7 @@ def _oracle_worker(configs, steps):
     return checked
 
 
+@pytest.mark.dist
 def test_default_muon_matches_an_independent_oracle_of_the_seed_bitwise():
     configs = [(4, 2), (2, 4), (8, 1)]
     checked = run_distributed(_oracle_worker, 8, configs, 3, timeout=TIMEOUT)
@@ -562,6 +565,7 @@ def _hazards_worker():
     return owned, _errors_worker(2, 4)
 
 
+@pytest.mark.dist
 def test_distributed_none_grad_on_one_rank_empty_first_group_and_errors():
     """One rank's grad None vs zeros elsewhere: same result, no hang; an empty first group;
     then enable_distributed_mode's errors (1-D Muon meta, bucket size, missing meta)."""

@@ -77,6 +77,7 @@ def test_the_docs_list_exactly_the_namespaces(doc):
     assert named == list(muonckpt.NAMESPACES), named
 
 
+@pytest.mark.dist
 def test_the_namespaces_load_on_first_use():
     probe = "import muonckpt, sys; print(muonckpt.layout.Topology(1, 1), 'torch' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)

@@ -14,9 +14,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import muonckpt
 
 from .fixture_model import build, initial_params, train
+
+pytestmark = pytest.mark.dist
 
 README = Path(__file__).parents[1] / "README.md"
 

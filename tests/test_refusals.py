@@ -100,6 +100,7 @@ except muonckpt.CheckpointError as exc:
 """
 
 
+@pytest.mark.dist
 def test_a_save_whose_manifest_is_too_large_is_refused_before_writing(tmp_path):
     """100k AdamW params with 27-character names (300k pieces): every data file was written,
     then the commit refused, blaming extra / rank_extra (which held {"step": 1}). Now the
@@ -157,6 +158,7 @@ def _nbytes(manifest: Manifest, piece: Piece) -> int:
     return piece.region.numel * DTYPE_BYTES[manifest.param(piece.param).dtype_of(piece.key)]
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("tool", ["consolidate", "reshard", "convert"])
 def test_an_offline_rewrite_whose_manifest_is_too_large_starts_nothing(
     tmp_path, monkeypatch, single_ckpt, tool

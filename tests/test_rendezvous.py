@@ -24,6 +24,7 @@ RENDEZVOUS_S = 2.0
 RUN_S = 150.0
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize(
     ("kind", "operation", "caller", "warm"),
     [
@@ -63,6 +64,7 @@ def test_a_collective_called_on_one_rank_fails_there_in_bounded_time(
     assert "call it on every one of them (not under `if rank == 0:`)" in error, error
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("how", ["output", "lone"])
 def test_an_offline_tool_over_a_process_group_meets_first(tmp_path, how):
     """consolidate under torchrun (issue 20): ranks called with different outputs fail
@@ -88,6 +90,7 @@ def test_an_offline_tool_over_a_process_group_meets_first(tmp_path, how):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]  # nothing staged
 
 
+@pytest.mark.dist
 def test_ranks_that_gather_a_state_dict_differently_fail_together():
     """(issue 20) gather_state_dict's all_ranks on one rank only: rank 0 waited for a full
     copy rank 1 never sent, or sent copies nobody received; now both fail, naming it."""
@@ -96,6 +99,7 @@ def test_ranks_that_gather_a_state_dict_differently_fail_together():
     assert errors[0].startswith("state_dict() (rendezvous): the ranks disagree on all_ranks: ")
 
 
+@pytest.mark.dist
 def test_subgroups_meet_apart_and_leave_no_keys(tmp_path):
     """Each set of ranks numbers its own operations: two pairs saving and loading at once
     never meet each other's rendezvous; the store holds no more keys after the agreed

@@ -488,6 +488,7 @@ def lookalikes(root: Path) -> list[Path]:
     return [*made, root / ".empty.staging-89abcdef"]
 
 
+@pytest.mark.dist
 def test_clean_removes_only_old_leftovers_of_interrupted_saves(saved, tmp_path):
     """(issue 30) Only directories holding muonckpt's lease, no save uses, unchanged for
     ``older_than``; a user's directory named like ours is left whole, and each kept one is
@@ -524,6 +525,7 @@ def _under(key: str, names: set[str]) -> bool:
     return any(key == name or key.startswith(name + os.sep) for name in names)
 
 
+@pytest.mark.dist
 def test_clean_never_removes_a_save_in_progress(saved, tmp_path):
     """(issue 30) A save in progress holds its lease: ``older_than=0`` leaves it, and once its
     process is gone its leftovers go."""
@@ -545,6 +547,7 @@ def test_clean_never_removes_a_save_in_progress(saved, tmp_path):
     assert os.listdir(root) == []
 
 
+@pytest.mark.dist
 def test_clean_on_the_command_line_says_what_it_skipped_and_why(saved, tmp_path):
     """(issue 30) The real CLI: a user's directory named like ours (``.llama.old-2023``) is
     left whole; fresh leftovers under the default ``--older-than 3600`` are named, with why;
@@ -580,6 +583,7 @@ def test_clean_on_the_command_line_says_what_it_skipped_and_why(saved, tmp_path)
     }
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize(
     ("lease", "why"),
     [

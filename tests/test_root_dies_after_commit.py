@@ -14,11 +14,14 @@ import subprocess
 import sys
 from datetime import timedelta
 
+import pytest
 import torch.distributed as dist
 
 import muonckpt
 
 from .kill_helpers import REPO
+
+pytestmark = pytest.mark.dist
 
 RANK_SCRIPT = r"""
 import json, os, signal, sys, warnings

@@ -220,6 +220,7 @@ def _save_and_load_across_ranks(path: str, dp: int, tp: int) -> list[Any]:
     ]
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize(("dp", "tp"), [(2, 1), (1, 2)])
 def test_a_per_rank_save_and_load_of_the_distributed_muon_read_top_to_bottom(tmp_path, dp, tp):
     """The path issue 22 traced (a per-rank save of the distributed packaged Muon, whose grid

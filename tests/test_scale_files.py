@@ -62,6 +62,7 @@ def _adamw_ckpt(path: Path) -> Path:
     return muonckpt.save(opt, path)
 
 
+@pytest.mark.dist
 def test_ten_thousand_rank_files_under_an_open_file_limit_of_256(tmp_path):
     src = _adamw_ckpt(tmp_path / "src")
     shm = Path("/dev/shm")

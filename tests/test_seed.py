@@ -12,6 +12,8 @@ from muonckpt.distributed.launch import run_distributed
 
 from .seed_port import SEED_SHAPES, run_seed_test
 
+pytestmark = pytest.mark.dist
+
 SMALL_SHAPES = [(20, 20), (24, 36), (52, 28), (44, 52), (32, 32)]
 
 

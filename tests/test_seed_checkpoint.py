@@ -23,6 +23,8 @@ from muonckpt.optim.muon import Muon
 
 from .seed_port import SEED_TP_DIMS, distribute_params, gen_param_and_grads, make_groups
 
+pytestmark = pytest.mark.dist
+
 SHAPES = [(20, 20), (24, 36), (52, 28), (44, 52), (32, 32)]
 MUON_ARGS = {"use_muon": True, "lr": 0.1, "momentum": 0.9, "nesterov": True, "weight_decay": 0.1}
 K, M = 3, 2

@@ -79,6 +79,7 @@ def distributed_against_oracle(dp: int, tp: int) -> int:
     return checked
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("dp,tp", [(2, 2), (4, 2)])
 def test_distributed_matches_the_oracle_bitwise(dp, tp):
     checked = run_distributed(distributed_against_oracle, dp * tp, dp, tp, timeout=180)

@@ -89,6 +89,7 @@ def test_a_local_name_with_a_colon_is_still_a_path(tmp_path, monkeypatch):
     assert muonckpt.save(opt, Path("run:7") / "step-1").is_dir()
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize(
     "args",
     [
@@ -154,6 +155,7 @@ def _counted_cli(tmp_path: Path, *args: object) -> tuple[subprocess.CompletedPro
     return done, len(starts.read_text().splitlines()) if starts.exists() else 0
 
 
+@pytest.mark.dist
 def test_workers_1000_is_refused_at_once_and_starts_nothing(tmp_path, single_ckpt):
     """reshard --workers 1000 on an 8-param checkpoint had started 464 processes (15 GB)
     within a minute."""
@@ -175,6 +177,7 @@ def test_workers_1000_is_refused_at_once_and_starts_nothing(tmp_path, single_ckp
     assert not out.exists()
 
 
+@pytest.mark.dist
 def test_workers_never_outnumber_the_output_tensors(tmp_path):
     """Three output tensors (one AdamW param: exp_avg, exp_avg_sq, its values): asked for up
     to the cores' bound, three processes write them; the output is the single process's."""
@@ -267,6 +270,7 @@ def huge_timeout_phase(path: str, how: str) -> str:
     return error
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("how", ["env", "call"])
 def test_a_huge_rendezvous_timeout_is_one_line_on_every_rank(tmp_path, how):
     """MUONCKPT_RENDEZVOUS_TIMEOUT=1e99 was accepted, then every collective raised a raw
@@ -319,6 +323,7 @@ def test_clean_older_than_is_a_number_of_seconds(tmp_path, bad):
     assert staging.exists()
 
 
+@pytest.mark.dist
 def test_demo_refuses_more_processes_than_the_cores_bear(tmp_path):
     """demo --dp 1000 would start 1000 training processes, then 2000 more."""
     done, started = _counted_cli(tmp_path, "demo", "--dp", "1000", "--tp", "1")

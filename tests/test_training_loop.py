@@ -12,6 +12,8 @@ import muonckpt
 from muonckpt.distributed.launch import run_distributed
 from muonckpt.layout.topology import tp_local_shape
 
+pytestmark = pytest.mark.dist
+
 SHAPES = {"up": (12, 8), "down": (8, 12), "bias": (12,)}
 SPLITS = {"up": 0, "down": 1, "bias": 0}
 

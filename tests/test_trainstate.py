@@ -215,6 +215,7 @@ def load_at_one_rank(ckpt: str):
     return refused, got["lrs"]
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("consolidated,background", [(False, False), (True, True)])
 def test_rank_extra_goes_back_to_its_rank(tmp_path, consolidated, background):
     ckpt = str(tmp_path / "ckpt")
@@ -249,6 +250,7 @@ def disagreeing_save(ckpt: str):
     return errors
 
 
+@pytest.mark.dist
 def test_ranks_that_disagree_on_extra_save_nothing(tmp_path):
     ckpt = tmp_path / "ckpt"
     out = run_distributed(disagreeing_save, 2, str(ckpt), timeout=120)

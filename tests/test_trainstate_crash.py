@@ -18,14 +18,12 @@ import muonckpt
 from .fixture_model import build, initial_params
 from .kill_helpers import kill_at, running_helper
 
+pytestmark = pytest.mark.dist
+
 HELPER = r"""
 from muonckpt import storage
 from muonckpt.checkpoint import writing
 from muonckpt.storage import safetensors_writer
-
-def pause(where):
-    print("at", where, flush=True)
-    time.sleep(3600)
 
 def stop_at(moment):
     if moment.startswith("tensor-"):
@@ -71,7 +69,7 @@ for line in sys.stdin:
             else:
                 muonckpt.save(opt, ckpt, overwrite=True, extra=extra, rank_extra=rank_extra)
             print("finished", flush=True)
-            time.sleep(3600)
+            threading.Event().wait()
         finally:
             os._exit(1)
     sys.stdin.readline()

@@ -118,6 +118,7 @@ def saved(request, tmp_path_factory):
     return kind, root, after
 
 
+@pytest.mark.dist
 def test_training_at_world_4_matches_single_device(saved):
     kind, _, after = saved
     expected = reference(kind, K)
@@ -126,6 +127,7 @@ def test_training_at_world_4_matches_single_device(saved):
             assert torch.equal(params[name], value), name
 
 
+@pytest.mark.dist
 def test_checkpoint_holds_every_momentum_and_the_replicated_adamw_state(saved):
     kind, root, _ = saved
     for ckpt in ("per-rank", "consolidated", "background"):
@@ -141,6 +143,7 @@ def test_checkpoint_holds_every_momentum_and_the_replicated_adamw_state(saved):
         assert manifest.has_values
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("world", [2, 3, 1])
 @pytest.mark.parametrize("ckpt", ["per-rank", "consolidated", "background"])
 def test_resume_at_another_world_size_from_zeros_is_bitwise(saved, world, ckpt):
@@ -178,6 +181,7 @@ def wrong_rule(kind: str, root: str) -> dict[str, str | None]:
     return raised
 
 
+@pytest.mark.dist
 def test_the_old_flat_index_rule_raises_instead_of_losing_state(tmp_path):
     ranks = run_distributed(wrong_rule, 4, "MuonWithAuxAdam", str(tmp_path), timeout=120)
     for case in ("state_dict", "consolidated", "per-rank"):

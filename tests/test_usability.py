@@ -78,6 +78,7 @@ def wrong_grid(dp: int, tp: int) -> str:
     return "no error"
 
 
+@pytest.mark.dist
 def test_grid_groups_checks_its_arguments_on_every_rank():
     messages = run_distributed(wrong_grid, 2, 2, 2, timeout=60)
     assert len(set(messages)) == 1
@@ -86,6 +87,7 @@ def test_grid_groups_checks_its_arguments_on_every_rank():
     assert "dp must be a positive int" in zero
 
 
+@pytest.mark.dist
 def test_the_demo_removes_its_temporary_directory(tmp_path, monkeypatch):
     import tempfile
 
@@ -95,6 +97,7 @@ def test_the_demo_removes_its_temporary_directory(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.dist
 def test_the_demo_keeps_what_it_writes_under_dir(tmp_path):
     out = cli(
         "demo", "--dp", 1, "--tp", 1, "--to-dp", 1, "--to-tp", 1, "--steps", 1, "--dir", tmp_path

@@ -95,6 +95,7 @@ def test_shared_file_written_out_of_order_equals_the_streamed_one(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["p.safetensors", "s.safetensors"]
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("workers", [2, 3])
 def test_consolidate_with_workers_is_byte_identical(single, tmp_path, workers):
     calls = []
@@ -120,6 +121,7 @@ def test_consolidate_with_workers_is_byte_identical(single, tmp_path, workers):
     assert_same_files(single["sharded"], sharded)
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("workers", [2, 3])
 def test_reshard_with_workers_is_byte_identical_and_loads(single, tmp_path, workers):
     out = offline.reshard(single["src"], tmp_path / "r", workers=workers, **RESHARD)
@@ -135,6 +137,7 @@ def test_reshard_with_workers_is_byte_identical_and_loads(single, tmp_path, work
             assert torch.equal(opt.state[p][key], value), key
 
 
+@pytest.mark.dist
 def test_an_error_on_one_worker_fails_the_whole_run(single, tmp_path):
     damaged = shutil.copytree(single["src"], tmp_path / "damaged")
     data = damaged / rank_file(0, 1)
@@ -158,6 +161,7 @@ def test_an_error_on_one_worker_fails_the_whole_run(single, tmp_path):
     assert_nothing_left(tmp_path, "x")
 
 
+@pytest.mark.dist
 def test_cli_workers_and_its_clash_with_torchrun(single, tmp_path, monkeypatch):
     runner = CliRunner()
     out = tmp_path / "r"
@@ -175,6 +179,7 @@ def test_cli_workers_and_its_clash_with_torchrun(single, tmp_path, monkeypatch):
     assert_nothing_left(tmp_path, "t")
 
 
+@pytest.mark.dist
 def test_torchrun_ranks_share_the_work(single, tmp_path):
     out = tmp_path / "r"
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
