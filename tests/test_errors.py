@@ -189,6 +189,7 @@ def fail_on_rank_1() -> None:
         raise RuntimeError("rank one gave up")
 
 
+@pytest.mark.dist
 def test_a_failed_child_names_its_rank():
     with pytest.raises(DistributedRunError) as caught:
         run_distributed(fail_on_rank_1, 2, timeout=60)
