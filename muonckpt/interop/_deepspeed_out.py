@@ -101,6 +101,14 @@ def _out_groups(manifest: Manifest, directory: Path) -> tuple[list[_OutGroup], l
         mapping = kinds.state_mapping(kind, ds_kind, f"group {g}", None)
         if mapping.note:
             notes.append(f"{len(group.params)} Muon params: {mapping.note}")
+        notes += [f"group {g}: {note}" for note in kinds.trajectory_notes(kind, ds_kind)]
+        unsaved = [n for n in group.params if manifest.param(n).value_dtype is None]
+        if unsaved:
+            raise CheckpointError(
+                f"param {unsaved[0]!r} has no saved values: DeepSpeed's files need every "
+                "param's master weights",
+                path=directory,
+            )
         factor = mapping.keys.get(MUON_KEY, ("", 1.0))[1]
         names = list(group.params)
         settings = dict(group.hyperparams) if own else _out_settings(kind, group.hyperparams)
@@ -145,29 +153,18 @@ def _out_values(reader: Any, manifest: Manifest, group: _OutGroup, world: int) -
     keys = {k for e in entries for k in e.state_keys}
     moments = {k: torch.zeros(flat_numel, dtype=torch.float32) for k in ADAM_KEYS if k in keys}
     momentum: dict[str, Any] = {}
+    held = [e.dtype_of(MUON_KEY) for e in entries if MUON_KEY in e.state_keys]
     for index, entry in enumerate(entries):
-        if entry.value_dtype is None:
-            raise CheckpointError(
-                f"param {entry.name!r} has no saved values: DeepSpeed's files need every "
-                "param's master weights",
-                path=reader.directory,
-            )
         at = slice(layout.offsets[index], layout.offsets[index] + entry.numel)
         master[at] = read(entry.name, PARAM_KEY)
         for key, flat in moments.items():
             if key in entry.state_keys:
                 flat[at] = read(entry.name, key)
-        if group.muon and MUON_KEY in keys:
-            value = read(entry.name, MUON_KEY) if MUON_KEY in entry.state_keys else None
-            dtype = next(
-                manifest.param(n).dtype_of(MUON_KEY)
-                for n in group.names
-                if MUON_KEY in manifest.param(n).state_keys
-            )
+        if group.muon and held:  # a matrix without momentum (no grad yet) gets zeros
             value = (
-                value
-                if value is not None
-                else torch.zeros(entry.numel, dtype=storage.torch_dtype(dtype))
+                read(entry.name, MUON_KEY)
+                if MUON_KEY in entry.state_keys
+                else torch.zeros(entry.numel, dtype=storage.torch_dtype(held[0]))
             )
             momentum[entry.name] = value.mul_(group.factor) if group.factor != 1.0 else value
     return _OutValues(layout, master, moments, momentum, manifest.latest_step(group.names))

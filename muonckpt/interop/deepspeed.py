@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -341,19 +341,20 @@ def _manifest(groups: Sequence[_Group], recorded: int | None, path: Path) -> Man
     )  # fmt: skip
 
 
-def _values(groups: Sequence[_Group]) -> dict[tuple[str, str], Any]:
-    """Every tensor of the output by (param, key), each a tensor of its own."""
-    out: dict[tuple[str, str], Any] = {}
-    for group in groups:
-        layout = group.layout
-        for index, (name, shape) in enumerate(zip(group.names, group.shapes, strict=True)):
-            at, numel = layout.offsets[index], layout.numels[index]
-            out[name, PARAM_KEY] = group.master[at : at + numel].clone().reshape(shape)
-            for key, flat in group.moments.items():
-                out[name, key] = flat[at : at + numel].clone().reshape(shape)
-            if name in group.momentum:
-                out[name, MUON_KEY] = group.momentum[name][0]
-    return out
+def _reader(groups: Sequence[_Group]) -> Callable[[str, str], Any]:
+    """``read(param, key)``: each tensor of the output, a tensor of its own, cut from the
+    joined groups when the writer reaches it (a momentum handed over, not copied)."""
+    where = {name: (group, i) for group in groups for i, name in enumerate(group.names)}
+
+    def read(name: str, key: str) -> Any:
+        group, index = where[name]
+        if key == MUON_KEY:
+            return group.momentum.pop(name)[0]
+        flat = group.master if key == PARAM_KEY else group.moments[key]
+        at, numel = group.layout.offsets[index], group.layout.numels[index]
+        return flat[at : at + numel].clone().reshape(group.shapes[index])
+
+    return read
 
 
 _MODEL_KEYS_USED = {
@@ -400,7 +401,7 @@ def from_deepspeed(
     a refusal is one line naming the file. Tied names (``shared_params``) are kept as the
     model's aliases.
 
-    Memory: the whole optimizer state once, plus one rank file.
+    Memory: the whole optimizer state once, plus one rank file and one tensor.
     """
     if source != SOURCE:
         raise CheckpointError(f"a DeepSpeed checkpoint is read as {SOURCE!r}, not {source!r}")
@@ -411,23 +412,28 @@ def from_deepspeed(
     model_path = directory / MODEL_STATES
     model = deepspeed_files.load(model_path)
     shapes = _param_shapes(model, model_path)
+    params = {n for group in shapes for n in group}
+    aliases = _aliases(model.get("shared_params"), params, model_path)
+    left = _left_out(model, params, aliases)
+    recorded = model.get("global_steps")
+    del model  # the module's weights: the masters are the values
     groups: list[_Group] = []
     stages = {_read_rank(rank, len(files), path, shapes, groups) for rank, path in enumerate(files)}
-    recorded = model.get("global_steps")
     manifest = _manifest(groups, recorded if type(recorded) is int else None, directory)
-    params = {n for group in groups for n in group.names}
-    aliases = _aliases(model.get("shared_params"), params, model_path)
     if aliases:
         manifest = _with_aliases(manifest, aliases)
     target, scales = converted_manifest(manifest, to, path=directory)
-    values = _values(groups)
-    del groups
     path = write_consolidated(
-        target, scales, lambda name, key: values.pop((name, key)), dst,
-        overwrite=overwrite, progress=progress, source=directory, aliases=aliases,
-    )  # fmt: skip
+        target,
+        scales,
+        _reader(groups),
+        dst,
+        overwrite=overwrite,
+        progress=progress,
+        source=directory,
+        aliases=aliases,
+    )
     layout = f"ZeRO-{'/'.join(map(str, sorted(stages)))}, world {len(files)}"
-    left = _left_out(model, params, aliases)
     return DeepSpeedConversion(path, layout, tuple(left), conversion_notes(manifest, target))
 
 
