@@ -365,3 +365,32 @@ def test_partitions_that_do_not_add_up_are_refused(tmp_path):
     _refused(
         src, tmp_path, "fp32 partition holds", src / "global_step3" / deepspeed_files.rank_file(0)
     )
+
+
+@pytest.mark.dist
+def test_readme_deepspeed_commands_run_as_written(tmp_path):
+    """The README's DeepSpeed commands as written (``muonckpt`` spelled ``python -m
+    muonckpt.cli``), on a copy of a fixture at ``ds/ckpt``."""
+    import shlex
+    import subprocess
+    import sys
+
+    from .test_readme import example
+
+    shutil.copytree(_ckpt(FIRST), tmp_path / "ds" / "ckpt")
+    for command in example("deepspeed-commands").strip().splitlines():
+        argv = shlex.split(command)
+        assert argv[0] == "muonckpt"
+        done = subprocess.run(
+            [sys.executable, "-m", "muonckpt.cli", *argv[1:]],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
+        assert done.returncode == 0, done.stdout + done.stderr
+    assert muonckpt.verify(tmp_path / "ckpt" / "from-ds") == []
+    back = tmp_path / "back"
+    offline.from_deepspeed(tmp_path / "ds" / "ckpt-world3", back)
+    rows = list(offline.diff(tmp_path / "ckpt" / "from-ds", back))
+    assert rows and all(r.equal for r in rows), [r for r in rows if not r.equal]
