@@ -394,3 +394,34 @@ def test_readme_deepspeed_commands_run_as_written(tmp_path):
     offline.from_deepspeed(tmp_path / "ds" / "ckpt-world3", back)
     rows = list(offline.diff(tmp_path / "ckpt" / "from-ds", back))
     assert rows and all(r.equal for r in rows), [r for r in rows if not r.equal]
+
+
+def test_the_routes_of_deepspeed(tmp_path):
+    """``--to deepspeed`` is ``--format deepspeed``, ``--world`` passes to its writer, and a
+    DeepSpeed checkpoint needs neither ``--from`` nor ``--to``."""
+    from muonckpt import interop
+    from muonckpt.errors import OptionError
+
+    ds = interop.format_named("deepspeed")
+    options = {"layout": "torchtitan", "world": 3, "model_prefix": None, "optimizer_prefix": ""}
+
+    def route(src, **given):
+        asked = {"to": None, "source": None, "output_format": "muonckpt", "renamed": False}
+        return interop.route(src, **{**asked, **given}, overwrite=False, options=options)
+
+    ours = tmp_path / "ours"
+    ours.mkdir()
+    assert route(ours, to="deepspeed") == interop.Route(writes=ds, options={"world": 3})
+    assert route(ours, to="deepspeed", output_format="deepspeed").writes is ds
+    tag = tmp_path / "ds" / "global_step3"
+    tag.mkdir(parents=True)
+    (tag / deepspeed_files.rank_file(0)).write_bytes(b"")
+    (tmp_path / "ds" / "latest").write_text("global_step3")
+    for src in (tmp_path / "ds", tag):
+        assert interop.detect(src) is ds
+        assert route(src) == interop.Route(reads=ds, source="deepspeed")
+    with pytest.raises(OptionError, match="choose one of deepspeed") as refused:
+        route(tmp_path / "ds", source="torch")
+    assert refused.value.option == "--from"
+    with pytest.raises(OptionError, match="a DeepSpeed checkpoint already"):
+        route(tmp_path / "ds", to="deepspeed")

@@ -232,7 +232,7 @@ def _model_file(
     import torch
 
     module: dict[str, Any] = collections.OrderedDict()
-    shapes = []
+    shapes: list[dict[str, Any]] = []
     for group, value in zip(groups, values, strict=True):
         shapes.append(collections.OrderedDict())
         for index, name in enumerate(group.names):

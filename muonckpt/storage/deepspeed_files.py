@@ -17,6 +17,7 @@ from __future__ import annotations
 import enum
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -148,7 +149,9 @@ def load(path: Path) -> Any:
     except OSError as exc:
         raise CheckpointError(f"cannot read: {open_failure(exc)}", path=path) from None
     with os.fdopen(fd, "rb") as f:
-        allowed = [(cls, name) for name, cls in STAND_INS.items()]
+        allowed: list[Callable[..., Any] | tuple[Callable[..., Any], str]] = [
+            (cls, name) for name, cls in STAND_INS.items()
+        ]
         try:
             with torch.serialization.safe_globals(allowed):
                 return torch.load(f, map_location="cpu", weights_only=True)
