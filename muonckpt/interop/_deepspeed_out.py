@@ -291,7 +291,7 @@ def to_deepspeed(
         raise OptionError(f"DeepSpeed output is for {SOURCE!r}, not {to!r}", "--to")
     if type(world) is not int or world < 1:
         raise OptionError(
-            f"give the number of ranks DeepSpeed loads it at, not {world!r}", "--world"
+            f"give --world, the number of ranks DeepSpeed loads it at (not {world!r})", "--world"
         )
     if stage not in (1, 2):
         raise OptionError(f"ZeRO stage {stage!r}: DeepSpeed's Muon runs at stages 1 and 2")

@@ -17,6 +17,7 @@ from __future__ import annotations
 import enum
 import os
 import re
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -104,10 +105,6 @@ def tag_directory(src: str | os.PathLike[str]) -> Path:
         raise CheckpointError(f"names {tag[:80]!r}, not a tag directory's name", path=latest)
     if not (src / tag).is_dir():
         raise CheckpointError(f"names {tag!r}, which is not a directory beside it", path=latest)
-    if not is_tag_directory(src / tag):
-        raise CheckpointError(
-            f"names {tag!r}, which holds no {rank_file(0)}: the save did not finish", path=latest
-        )
     return src / tag
 
 
@@ -129,7 +126,11 @@ def rank_files(directory: Path) -> list[Path]:
         raise CheckpointError(
             "holds both bf16_zero_pp_rank_* and zero_pp_rank_* files", path=directory
         )
-    for rank in range(max(found, default=-1) + 1):
+    if not found:
+        raise CheckpointError(
+            f"holds no {rank_file(0)} (nor any rank's): the save did not finish", path=directory
+        )
+    for rank in range(max(found) + 1):
         if rank not in found:
             missing = directory / rank_file(rank, prefixes == {"bf16_"})
             raise CheckpointError(
@@ -153,7 +154,8 @@ def load(path: Path) -> Any:
             (cls, name) for name, cls in STAND_INS.items()
         ]
         try:
-            with torch.serialization.safe_globals(allowed):
+            with warnings.catch_warnings(), torch.serialization.safe_globals(allowed):
+                warnings.simplefilter("ignore")  # torch's notes on a foreign file's protocol
                 return torch.load(f, map_location="cpu", weights_only=True)
         except OSError as exc:
             raise CheckpointError(f"cannot read: {exc.strerror}", path=path) from None
