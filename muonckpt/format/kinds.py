@@ -33,6 +33,8 @@ MUON_STATE_KEYS = ("momentum_buffer",)
 """The state keys of a Muon param in the packaged Muon (and torch's, and KellerJordan's)."""
 ADAMW_STATE_KEYS = ("exp_avg", "exp_avg_sq")
 """The state keys of an AdamW param in the packaged Muon."""
+DEEPSPEED = "deepspeed.MuonWithAuxAdam"
+"""DeepSpeed's ZeRO-1/2 Muon as a checkpoint read from its files names it."""
 FAMILIES = {"packaged": "muonckpt.Muon", "torch": "torch.optim", "keller-jordan": "muon"}
 KNOWN = (
     "muonckpt.Muon",
@@ -43,8 +45,10 @@ KNOWN = (
     "muon.SingleDeviceMuon",
     "muon.MuonWithAuxAdam",
     "muon.SingleDeviceMuonWithAuxAdam",
+    DEEPSPEED,
 )
-"""The optimizers whose groups muonckpt knows how to convert."""
+"""The optimizers whose groups muonckpt knows how to convert (``deepspeed.MuonWithAuxAdam``:
+DeepSpeed's ZeRO-1/2 Muon, KellerJordan's update in EMA form, read from its checkpoints)."""
 
 
 @dataclass(frozen=True)

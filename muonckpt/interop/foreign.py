@@ -57,6 +57,11 @@ class ForeignFormat:
     read_options: tuple[str, ...] = ()
     """The keyword options of :attr:`read` beyond the common ones, as ``convert`` passes them
     (``model_prefix``: ``--model-prefix``)."""
-    write_options: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    write_options: Mapping[str, tuple[str, ...] | None] = field(default_factory=dict)
     """The keyword options of :attr:`write` beyond ``to``, each with its choices, as
-    ``convert`` passes and checks them (``layout``: ``--layout``)."""
+    ``convert`` passes and checks them (``layout``: ``--layout``); None: any value, which
+    :attr:`write` checks (``world``: ``--world``)."""
+    records_source: bool = False
+    """Whether its checkpoints say which implementation wrote them (DeepSpeed's: its one
+    :attr:`sources`): then ``--from`` may be left out, and without ``--to`` :attr:`read`
+    keeps the state in that implementation's own form."""

@@ -1,0 +1,67 @@
+"""What every foreign format's reader shares: the consolidated muonckpt checkpoint it writes
+(:func:`write_consolidated`) and the lines saying how its momentum was converted
+(:func:`conversion_notes`)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from ..checkpoint import writing
+from ..checkpoint.writing import Progress
+from ..format import kinds
+from ..format.manifest import Manifest
+from ..format.writeplan import TensorWrite, consolidated_plan
+
+
+def write_consolidated(
+    target: Manifest,
+    scales: Sequence[float],
+    read: Callable[[str, str], Any],
+    dst: str | os.PathLike[str],
+    *,
+    overwrite: bool,
+    progress: Progress | None,
+    source: Path,
+    aliases: Mapping[str, str] | None = None,
+) -> Path:
+    """Write ``target``'s tensors, each ``read(param, key)`` (a tensor of its own, read once:
+    momentum is multiplied in place by its group's factor of ``scales``), as a consolidated
+    muonckpt checkpoint at ``dst``; tied names (``aliases``: alias -> stored name) go into
+    the model files' metadata."""
+    items = [((e.name, k, e.dtype_of(k)), e.shape) for e in target.params for k in e.tensor_keys]
+    plan = consolidated_plan(items, None, dict(aliases) if aliases else None)
+
+    def fetch(w: TensorWrite) -> Any:
+        tensor = read(w.param, w.key)
+        if w.key == "momentum_buffer" and (scale := scales[target.param(w.param).group]) != 1.0:
+            tensor = tensor.mul_(scale)
+        return tensor
+
+    def finished(reports: writing.Reports) -> Manifest:
+        return replace(target, files=tuple(reports.files), pieces=tuple(reports.pieces))
+
+    return writing.write_checkpoint(
+        writing.LocalSteps(),
+        dst,
+        overwrite=overwrite,
+        write=lambda staging: writing.write_files(plan, staging, fetch, progress),
+        manifest=finished,
+        source=source,
+    )
+
+
+def conversion_notes(source: Manifest, target: Manifest) -> tuple[str, ...]:
+    """One line per Muon group whose momentum changed form between ``source`` and ``target``
+    (the same groups, rewritten)."""
+    notes = []
+    for a, b in zip(source.groups, target.groups, strict=True):
+        was, now = kinds.GroupKind.from_json(a.optimizer), kinds.GroupKind.from_json(b.optimizer)
+        if was.role == "muon":
+            note = kinds.state_mapping(was, now, f"group of {a.params[0]!r}", None).note
+            if note is not None:
+                notes.append(f"{len(a.params)} Muon params: {note}")
+    return tuple(notes)
