@@ -16,8 +16,10 @@ It checks that:
   (tests/fixtures/deepspeed/LOADING.md): the native files are refused, the universal
   conversion fails on the Muon group (DeepSpeed #8608);
 - DeepSpeed -> ``muonckpt convert --from deepspeed`` -> ``muonckpt convert --to deepspeed
-  --world N`` -> DeepSpeed at N = 1 and 3 restores the source's state exactly and trains on
-  (skipped while muonckpt has no DeepSpeed converter).
+  --world N`` -> DeepSpeed at N = 1 and 3 restores the source's state exactly and trains on;
+- DeepSpeed -> the packaged Muon (``--to packaged``) resharded to 2 x 2 -> DeepSpeed at 3
+  restores it too: params and Adam state exactly, the momentum within the rounding of its
+  two form conversions (EMA to sum and back).
 """
 
 from __future__ import annotations
@@ -91,9 +93,12 @@ def ds_load(python: Path, ckpt: Path, out: Path, world: int, like: str, *more: s
     return result
 
 
-def assert_same_state(loaded: dict[str, torch.Tensor], truth: dict[str, torch.Tensor]) -> None:
+def assert_same_state(
+    loaded: dict[str, torch.Tensor], truth: dict[str, torch.Tensor], momentum_rtol: float = 0.0
+) -> None:
     """Every ``param``, ``momentum_buffer``, ``exp_avg``, ``exp_avg_sq`` and ``step`` of the
-    truth, bit for bit, in the loaded state (which holds no such key the truth lacks)."""
+    truth, bit for bit, in the loaded state (which holds no such key the truth lacks); the
+    momentum within ``momentum_rtol`` of it where that is not 0."""
     want = {k for k in truth if k.rsplit(".", 1)[1] in STATE_KEYS}
     have = {k for k in loaded if k.rsplit(".", 1)[1] in STATE_KEYS}
     assert have == want, (sorted(have - want), sorted(want - have))
@@ -103,6 +108,9 @@ def assert_same_state(loaded: dict[str, torch.Tensor], truth: dict[str, torch.Te
             assert float(a) == float(b), (key, a, b)
             continue
         assert a.shape == b.shape and a.dtype == b.dtype, (key, a.shape, a.dtype, b.shape, b.dtype)
+        if momentum_rtol and key.endswith(".momentum_buffer"):
+            torch.testing.assert_close(a, b, rtol=momentum_rtol, atol=0.0, msg=key)
+            continue
         assert torch.equal(a, b), (key, (a.float() - b.float()).abs().max().item())
 
 
@@ -209,9 +217,8 @@ def muonckpt_cli(*args: str) -> subprocess.CompletedProcess:
 def test_round_trip_to_deepspeed_at_another_world_size(ds_python, tmp_path, name, world) -> None:
     """DeepSpeed (world 2) -> muonckpt -> DeepSpeed at ``world``: the same state, and it trains.
 
-    The flags are the issue's (32): ``convert SRC -o DST --from deepspeed`` and ``convert SRC
-    -o DST --to deepspeed --format deepspeed --world N``."""
-    pytest.importorskip("muonckpt.interop.deepspeed", reason="muonckpt has no DeepSpeed converter")
+    The commands are the README's: ``convert SRC -o DST --from deepspeed`` and ``convert SRC
+    -o DST --to deepspeed --world N``."""
     src = HERE / name / "ckpt"
     ours, back, out = tmp_path / "muonckpt", tmp_path / f"ds-world{world}", tmp_path / "loaded"
     done = muonckpt_cli("convert", str(src), "-o", str(ours), "--from", "deepspeed")
@@ -222,8 +229,6 @@ def test_round_trip_to_deepspeed_at_another_world_size(ds_python, tmp_path, name
         "-o",
         str(back),
         "--to",
-        "deepspeed",
-        "--format",
         "deepspeed",
         "--world",
         str(world),
@@ -239,4 +244,27 @@ def test_round_trip_to_deepspeed_at_another_world_size(ds_python, tmp_path, name
         loaded["groups"][0]["per_rank"][0]["partition_id"] == 0
         and len(loaded["groups"][0]["per_rank"]) == world
     )
+    assert len(result["losses"]) == 2 and all(x == x for x in result["losses"]), result
+
+
+def test_round_trip_through_the_packaged_muon_at_2x2(ds_python, tmp_path) -> None:
+    """DeepSpeed (world 2) -> the packaged Muon (sum form) -> resharded to dp 2 x tp 2 ->
+    DeepSpeed at 3: the params and Adam state exactly, the momentum within the rounding of
+    EMA -> sum -> EMA (two float32 scalings by 1 - mu and its inverse), and it trains."""
+    name = "w2_z1_torchadam_fp32"
+    packaged, resharded = tmp_path / "packaged", tmp_path / "packaged-2x2"
+    back, out = tmp_path / "ds-world3", tmp_path / "loaded"
+    src = str(HERE / name / "ckpt")
+    steps = [
+        ("convert", src, "-o", str(packaged), "--from", "deepspeed", "--to", "packaged"),
+        ("reshard", str(packaged), "--dp", "2", "--tp", "2", "-o", str(resharded)),
+        ("convert", str(resharded), "-o", str(back), "--to", "deepspeed", "--world", "3"),
+    ]
+    for command in steps:
+        done = muonckpt_cli(*command)
+        assert done.returncode == 0, (command, done.stdout[-2000:], done.stderr[-2000:])
+    result = ds_load(ds_python, back, out, 3, name)
+    assert result["ok"], result
+    truth = load_file(HERE / name / "truth.safetensors")
+    assert_same_state(load_file(out / "loaded.safetensors"), truth, momentum_rtol=1e-6)
     assert len(result["losses"]) == 2 and all(x == x for x in result["losses"]), result
