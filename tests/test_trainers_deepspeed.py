@@ -286,3 +286,18 @@ def test_round_trip_through_the_packaged_muon_at_2x2(ds_python, tmp_path) -> Non
     truth = load_file(HERE / name / "truth.safetensors")
     assert_same_state(load_file(out / "loaded.safetensors"), truth, momentum_rtol=1e-6)
     assert len(result["losses"]) == 2 and all(x == x for x in result["losses"]), result
+
+
+def test_the_deepspeed_benchmark_runs(ds_python: Path) -> None:
+    """``benchmarks/bench_deepspeed.py`` at a tiny size (its smoke run; no time asserted)."""
+    env = {**os.environ, "MUONCKPT_DS_VENV": str(VENV), "TORCH_EXTENSIONS_DIR": EXTENSIONS}
+    done = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "smoke.py"), "bench_deepspeed.py"],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=env,
+        cwd=REPO,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    assert "| muonckpt to_deepspeed (world 3) |" in done.stdout, done.stdout
