@@ -376,24 +376,10 @@ def test_partitions_that_do_not_add_up_are_refused(tmp_path):
 def test_readme_deepspeed_commands_run_as_written(tmp_path):
     """The README's DeepSpeed commands as written (``muonckpt`` spelled ``python -m
     muonckpt.cli``), on a copy of a fixture at ``ds/ckpt``."""
-    import shlex
-    import subprocess
-    import sys
-
-    from .test_readme import example
+    from .test_readme import run_cli_example
 
     shutil.copytree(_ckpt(FIRST), tmp_path / "ds" / "ckpt")
-    for command in example("deepspeed-commands").strip().splitlines():
-        argv = shlex.split(command)
-        assert argv[0] == "muonckpt"
-        done = subprocess.run(
-            [sys.executable, "-m", "muonckpt.cli", *argv[1:]],
-            cwd=tmp_path,
-            capture_output=True,
-            text=True,
-            timeout=240,
-        )
-        assert done.returncode == 0, done.stdout + done.stderr
+    run_cli_example("deepspeed-commands", tmp_path)
     assert muonckpt.verify(tmp_path / "ckpt" / "from-ds") == []
     back = tmp_path / "back"
     offline.from_deepspeed(tmp_path / "ds" / "ckpt-world3", back)

@@ -33,6 +33,21 @@ def example(name: str) -> str:
     return match.group(1)
 
 
+def run_cli_example(name: str, cwd: Path) -> None:
+    """Run each ``muonckpt ...`` line of the README example ``name`` in ``cwd``, as written."""
+    for command in example(name).strip().splitlines():
+        argv = shlex.split(command)
+        assert argv[0] == "muonckpt", command
+        done = subprocess.run(
+            [sys.executable, "-m", "muonckpt.cli", *argv[1:]],
+            cwd=cwd,
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
+        assert done.returncode == 0, command + "\n" + done.stdout + done.stderr
+
+
 def run(command: str, cwd: Path) -> list[float]:
     argv = shlex.split(command)
     assert argv[0] == "torchrun"
@@ -141,17 +156,7 @@ def test_readme_dcp_commands_move_an_fsdp2_checkpoint_into_the_packaged_muon_and
         {"torchtitan": str(tmp_path / "titan" / "step-300")},
         timeout=180,
     )[0]
-    for command in example("dcp-commands").strip().splitlines():
-        argv = shlex.split(command)
-        assert argv[0] == "muonckpt"
-        done = subprocess.run(
-            [sys.executable, "-m", "muonckpt.cli", *argv[1:]],
-            cwd=tmp_path,
-            capture_output=True,
-            text=True,
-            timeout=240,
-        )
-        assert done.returncode == 0, done.stdout + done.stderr
+    run_cli_example("dcp-commands", tmp_path)
     assert muonckpt.verify(tmp_path / "ckpt" / "step-300") == []
     run_distributed(
         _load_and_resave, 4, 2, 2, str(tmp_path / "ckpt" / "step-300"), str(tmp_path / "r"),
