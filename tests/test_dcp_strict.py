@@ -17,8 +17,10 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
+from typer.testing import CliRunner
 
 from muonckpt import offline
+from muonckpt.cli import app
 from muonckpt.distributed.launch import run_distributed
 
 from .tiny_gpt import TinyGPT, optimizers, train
@@ -78,10 +80,12 @@ def test_a_gpt_style_fsdp2_job_round_trips_and_loads_strictly(tmp_path):
     job = run_distributed(_train_and_save, 2, src, timeout=120)[0]
     ck = offline.from_dcp(src, tmp_path / "ck", source="torch", to="torch")
     assert not ck.left_out, ck.left_out  # buffers, the tied head and param_names are carried
-    out = offline.to_dcp(ck.path, tmp_path / "dcp", to="torch", layout="recipe")
-    assert not out.left_out, out.left_out
+    out = tmp_path / "dcp"
+    argv = ["convert", str(ck.path), "-o", str(out), "--to", "torch", "--format", "dcp"]
+    result = CliRunner().invoke(app, [*argv, "--layout", "recipe"])
+    assert result.exit_code == 0 and "left out" not in result.output, result.output
     for world in (2, 3):
-        loaded = run_distributed(_load_strictly, world, str(out.path), timeout=120)[0]
+        loaded = run_distributed(_load_strictly, world, str(out), timeout=120)[0]
         assert loaded.keys() == job.keys()
         for name, value in job.items():
             assert torch.equal(loaded[name], value), (world, name)
