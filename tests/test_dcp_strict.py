@@ -19,6 +19,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from typer.testing import CliRunner
 
+import muonckpt
 from muonckpt import offline
 from muonckpt.cli import app
 from muonckpt.distributed.launch import run_distributed
@@ -89,3 +90,27 @@ def test_a_gpt_style_fsdp2_job_round_trips_and_loads_strictly(tmp_path):
         assert loaded.keys() == job.keys()
         for name, value in job.items():
             assert torch.equal(loaded[name], value), (world, name)
+
+
+def test_from_dcp_tells_a_tied_name_from_an_equal_shaped_tensor(tmp_path):
+    """In one process: a copy bitwise equal to a param becomes its alias; a tensor of the same
+    shape with other values, and a buffer, become the model file's tensors; the torchtitan
+    layout's top-level items, not told from the job's, are left out and reported."""
+    w = torch.randn(3, 4)
+    src = tmp_path / "dcp"
+    model = {"w": w, "head": w.clone(), "other": w + 1, "mask": torch.ones(2)}
+    optimizer = {"state.w.momentum_buffer": torch.ones(3, 4), "param_groups.w.momentum": 0.9}
+    dcp.save({"model": model, "optimizer": optimizer}, checkpoint_id=str(src))
+    ck = offline.from_dcp(src, tmp_path / "ck", source="torch", to="torch")
+    assert ck.left_out == ()
+    manifest = muonckpt.read_manifest(ck.path)
+    assert manifest.model is not None and manifest.model.aliases == {"head": "w"}
+    assert sorted(t.name for t in manifest.model.tensors) == ["mask", "other"]
+    out = offline.to_dcp(ck.path, tmp_path / "back", to="torch", layout="recipe")
+    state = {"model": {k: torch.zeros_like(v) for k, v in model.items()}}
+    dcp.load(state, checkpoint_id=str(out.path))
+    assert all(torch.equal(state["model"][k], v) for k, v in model.items())
+    titan = tmp_path / "titan"
+    dcp.save({**model, "optimizer": optimizer}, checkpoint_id=str(titan))
+    left = offline.from_dcp(titan, tmp_path / "t", source="torch", to="torch").left_out
+    assert set(left) == {"head (1 item)", "other (1 item)", "mask (1 item)"}
