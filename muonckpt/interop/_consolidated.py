@@ -13,7 +13,8 @@ from typing import Any
 from ..checkpoint import writing
 from ..checkpoint.writing import Progress
 from ..format import kinds
-from ..format.manifest import Manifest
+from ..format.manifest import Manifest, ModelFile, ParamEntry
+from ..format.names import PARAM_KEY
 from ..format.writeplan import TensorWrite, consolidated_plan
 
 
@@ -27,22 +28,34 @@ def write_consolidated(
     progress: Progress | None,
     source: Path,
     aliases: Mapping[str, str] | None = None,
+    model_tensors: Sequence[ParamEntry] = (),
 ) -> Path:
     """Write ``target``'s tensors, each ``read(param, key)`` (a tensor of its own, read once:
     momentum is multiplied in place by its group's factor of ``scales``), as a consolidated
     muonckpt checkpoint at ``dst``; tied names (``aliases``: alias -> stored name) go into
-    the model files' metadata."""
+    the model files' metadata. ``model_tensors`` (the model's other tensors: buffers, params
+    no optimizer holds, each ``read(name, PARAM_KEY)``) and the aliases go into the manifest's
+    :class:`ModelFile`."""
     items = [((e.name, k, e.dtype_of(k)), e.shape) for e in target.params for k in e.tensor_keys]
+    items += [((t.name, PARAM_KEY, t.dtype_of(PARAM_KEY)), t.shape) for t in model_tensors]
+    others = {t.name for t in model_tensors}
     plan = consolidated_plan(items, None, dict(aliases) if aliases else None)
 
     def fetch(w: TensorWrite) -> Any:
         tensor = read(w.param, w.key)
+        if w.param in others:
+            return tensor
         if w.key == "momentum_buffer" and (scale := scales[target.param(w.param).group]) != 1.0:
             tensor = tensor.mul_(scale)
         return tensor
 
     def finished(reports: writing.Reports) -> Manifest:
-        return replace(target, files=tuple(reports.files), pieces=tuple(reports.pieces))
+        pieces = tuple(p for p in reports.pieces if p.param not in others)
+        model = target.model
+        if model_tensors or (aliases and model is None):
+            held = tuple(p for p in reports.pieces if p.param in others)
+            model = ModelFile(tuple(model_tensors), held, dict(aliases or {}))
+        return replace(target, files=tuple(reports.files), pieces=pieces, model=model)
 
     return writing.write_checkpoint(
         writing.LocalSteps(),

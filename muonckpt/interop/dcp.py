@@ -28,7 +28,16 @@ from ..checkpoint.writing import Progress
 from ..errors import CheckpointError, StateDictError
 from ..format import kinds
 from ..format.conversion import converted_manifest, group_kind, step_scalar
-from ..format.manifest import CONSOLIDATED, GroupEntry, Manifest, ParamEntry, Scalar, json_safe
+from ..format.manifest import (
+    CONSOLIDATED,
+    GroupEntry,
+    Manifest,
+    ParamEntry,
+    PieceIndex,
+    Scalar,
+    json_safe,
+    model_tensor,
+)
 from ..format.names import PARAM_KEY
 from ..layout.topology import whole_region
 from ..storage import dcp_files, dcp_metadata
@@ -124,10 +133,12 @@ def from_dcp(
     The params are the fqns of ``<optimizer_prefix>param_groups.<fqn>.<setting>``; each must
     have its model tensor (the output resumes from itself alone), and its group's settings
     give mu. Every ``<optimizer_prefix>state.<fqn>.<key>`` must be a state key of ``source``
-    for a param; anything else under the optimizer prefix is refused naming the key. Other
-    items (schedulers, dataloaders, train state, buffers) are left out and reported.
+    for a param; anything else under the optimizer prefix is refused naming the key. Under a
+    model prefix of its own, the model's other tensors are carried (:func:`_model_others`).
+    Other items (schedulers, dataloaders, train state) are left out and reported.
 
-    Memory: one full tensor and one of its chunks, twice (the next is read meanwhile).
+    Memory: one full tensor and one of its chunks, twice (the next is read meanwhile); telling
+    a tied name reads it beside each param of its shape and dtype, one at a time.
     """
     family = _family(source, "source")
     if to not in kinds.FAMILIES:
@@ -145,6 +156,8 @@ def from_dcp(
         for key, fqn in keys.items():
             if key != "step":
                 fqn_of[name, family.our_key(kind.role or "", key) or key] = fqn
+    others, aliases = _model_others(index, settings, model_prefix, optimizer_prefix)
+    fqn_of.update({(t.name, PARAM_KEY): model_prefix + t.name for t in others})
     path = write_consolidated(
         target,
         scales,
@@ -153,11 +166,51 @@ def from_dcp(
         overwrite=overwrite,
         progress=progress,
         source=index.directory,
+        aliases=aliases,
+        model_tensors=others,
     )
-    used = {model_prefix + name for name in settings} | _settings_items(settings, optimizer_prefix)
+    used = {model_prefix + name for name in [*settings, *aliases]}
+    used |= {model_prefix + t.name for t in others} | _settings_items(settings, optimizer_prefix)
     used |= {fqn for keys in state.values() for fqn in keys.values()}
     left = sorted((set(index.tensors) | set(index.values)) - used)
-    return DcpConversion(path, layout, _summarized(left), conversion_notes(manifest, target))
+    return DcpConversion(
+        path, layout, _summarized(left, model_prefix), conversion_notes(manifest, target)
+    )
+
+
+def _model_others(
+    index: dcp_metadata.DcpIndex,
+    settings: Mapping[str, Any],
+    model_prefix: str,
+    optimizer_prefix: str,
+) -> tuple[list[ParamEntry], dict[str, str]]:
+    """The model's tensors no optimizer holds (buffers, frozen params) and its tied names
+    (alias -> param: a tensor bitwise equal to a param of its shape and dtype, as
+    ``get_state_dict`` saves a tied weight under each of its names). Only where the model has
+    a prefix of its own (DCP's recipe): at the top level they are not told from the job's."""
+    if not model_prefix:
+        return [], {}
+    others, aliases = [], {}
+    params = {name: index.tensors[model_prefix + name] for name in settings}
+    for fqn, tensor in index.tensors.items():
+        name = fqn[len(model_prefix) :]
+        if not fqn.startswith(model_prefix) or fqn.startswith(optimizer_prefix) or name in params:
+            continue
+        value = dcp_files.read_tensor(index, tensor)
+        tied = next(
+            (
+                p
+                for p, held in params.items()
+                if (held.shape, held.dtype) == (tensor.shape, tensor.dtype)
+                and dcp_files.read_tensor(index, held).equal(value)
+            ),
+            None,
+        )
+        if tied is not None:
+            aliases[name] = tied
+        else:
+            others.append(model_tensor(name, tensor.shape, tensor.dtype))
+    return others, aliases
 
 
 def _group_settings(
@@ -331,13 +384,17 @@ def _step(index: dcp_metadata.DcpIndex, fqn: str, where: Path) -> Scalar:
     return Scalar(value, dtype)
 
 
-def _summarized(fqns: list[str]) -> tuple[str, ...]:
-    """Left-out items by their first name component: ``lr_scheduler (3 items)``."""
+def _summarized(fqns: list[str], model_prefix: str = "") -> tuple[str, ...]:
+    """Left-out items: the model's by name, the others by their first name component:
+    ``lr_scheduler (3 items)``."""
+    named = [fqn for fqn in fqns if model_prefix and fqn.startswith(model_prefix)]
     counts: dict[str, int] = {}
     for fqn in fqns:
+        if model_prefix and fqn.startswith(model_prefix):
+            continue
         head = fqn.split(".", 1)[0]
         counts[head] = counts.get(head, 0) + 1
-    return tuple(f"{head} ({n} item{'s' * (n != 1)})" for head, n in counts.items())
+    return (*named, *(f"{head} ({n} item{'s' * (n != 1)})" for head, n in counts.items()))
 
 
 def to_dcp(
@@ -393,14 +450,25 @@ def to_dcp(
                 )
             for setting, value in group_settings.items():
                 values[f"{OPTIMIZER_PREFIX}param_groups.{name}.{setting}"] = value
-    pieces = manifest.pieces_of()
+    model_file = manifest.model
+    others = {t.name: t for t in model_file.tensors} if model_file is not None else {}
+    for name, entry in others.items():
+        tensors[prefix + name] = (entry.shape, entry.dtype_of(PARAM_KEY))
+        sources[prefix + name] = (name, PARAM_KEY, 1.0)
+    for alias, stored in sorted(model_file.aliases.items()) if model_file is not None else ():
+        if prefix + stored not in sources:
+            left.append(f"{alias} (an alias of {stored}, which holds no values)")
+            continue
+        tensors[prefix + alias] = tensors[prefix + stored]
+        sources[prefix + alias] = sources[prefix + stored]
+    pieces = PieceIndex(manifest.pieces + (model_file.pieces if model_file is not None else ()))
     staging = storage.store.create_staging(dst, False, source=directory)
     try:
         with PieceReader(directory, manifest) as reader:
 
             def fetch(fqn: str) -> Any:
                 name, key, scale = sources[fqn]
-                entry = manifest.param(name)
+                entry = others.get(name) or manifest.param(name)
                 data = reader.gather(pieces[name, key], entry, key, whole_region(entry.numel))
                 tensor = storage.tensor_of_bytes(data, entry.dtype_of(key)).reshape(entry.shape)
                 return tensor.mul_(scale) if scale != 1.0 else tensor
@@ -415,15 +483,11 @@ def to_dcp(
 
 
 def _not_carried(manifest: Manifest) -> tuple[str, ...]:
-    """What a muonckpt checkpoint holds beyond the optimizer's state and params, which DCP
-    output does not carry: the model file's other tensors and aliases, the job's own state."""
-    out = []
-    if manifest.model is not None:
-        out += [f"{t.name} (a model tensor no optimizer holds)" for t in manifest.model.tensors]
-        out += [f"{a} (an alias of {s})" for a, s in sorted(manifest.model.aliases.items())]
+    """What a muonckpt checkpoint holds beyond the model and the optimizer, which DCP output
+    does not carry: the job's own state."""
     if manifest.extra is not None:
-        out.append("extra / rank_extra (the job's own state, saved with the optimizer)")
-    return tuple(out)
+        return ("extra / rank_extra (the job's own state, saved with the optimizer)",)
+    return ()
 
 
 def _step_tensor(step: Scalar) -> Any:
@@ -460,6 +524,8 @@ def _settings(
         known[family.role_setting] = "muon" if target.role == "muon" else "adamw"
     if family.step_in == "group" and hyper.get("step") is not None:
         known["step"] = hyper["step"]
+    if family.name in ("torch", "torchtitan"):
+        known["param_names"] = hyper.get("param_names")  # optimizers built from named params
     settings = _torch_defaults(target.role or "") if family.name in ("torch", "torchtitan") else {}
     settings.update({k: v for k, v in known.items() if v is not None})
     return settings
