@@ -230,7 +230,7 @@ def convert(
         raise typer.BadParameter(str(exc), param_hint=exc.option) from None
     output.also_quiet(ctx, quiet)
     if route.writes is not None:
-        report = route.writes.write(src, dst, to=to, **route.options)
+        report = route.writes.writer()(src, dst, to=to, **route.options)
         output.say_conversion(ctx, route.writes.title, report)
     elif route.reads is not None:
         with output.progress_bar(ctx, "convert") as progress:

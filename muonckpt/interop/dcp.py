@@ -17,13 +17,12 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from .. import storage
-from ..checkpoint import writing
 from ..checkpoint.pieces import PieceReader, open_checkpoint
 from ..checkpoint.writing import Progress
 from ..errors import CheckpointError, StateDictError
@@ -31,9 +30,9 @@ from ..format import kinds
 from ..format.conversion import converted_manifest, group_kind, step_scalar
 from ..format.manifest import CONSOLIDATED, GroupEntry, Manifest, ParamEntry, Scalar, json_safe
 from ..format.names import PARAM_KEY
-from ..format.writeplan import TensorWrite, consolidated_plan
 from ..layout.topology import whole_region
 from ..storage import dcp_files, dcp_metadata
+from ._consolidated import conversion_notes, summarized, write_consolidated
 from .foreign import Conversion, ForeignFormat
 
 __all__ = ["FORMAT", "LAYOUTS", "DcpConversion", "from_dcp", "is_dcp", "to_dcp"]
@@ -146,11 +145,19 @@ def from_dcp(
         for key, fqn in keys.items():
             if key != "step":
                 fqn_of[name, family.our_key(kind.role or "", key) or key] = fqn
-    path = _write_consolidated(index, target, scales, fqn_of, dst, overwrite, progress)
+    path = write_consolidated(
+        index.directory,
+        target,
+        scales,
+        lambda name, key: dcp_files.read_tensor(index, index.tensors[fqn_of[name, key]]),
+        dst,
+        overwrite=overwrite,
+        progress=progress,
+    )
     used = {model_prefix + name for name in settings} | _settings_items(settings, optimizer_prefix)
     used |= {fqn for keys in state.values() for fqn in keys.values()}
     left = sorted((set(index.tensors) | set(index.values)) - used)
-    return DcpConversion(path, layout, _summarized(left), _notes(manifest, target))
+    return DcpConversion(path, layout, summarized(left), conversion_notes(manifest, target))
 
 
 def _group_settings(
@@ -280,39 +287,6 @@ def _param_state(
     return dtypes, scalars
 
 
-def _write_consolidated(
-    index: dcp_metadata.DcpIndex,
-    target: Manifest,
-    scales: Sequence[float],
-    fqn_of: Mapping[tuple[str, str], str],
-    dst: str | os.PathLike[str],
-    overwrite: bool,
-    progress: Progress | None,
-) -> Path:
-    """Write ``target``'s tensors, each read from the DCP item ``fqn_of`` names (momentum
-    scaled by its group's factor), as a consolidated muonckpt checkpoint at ``dst``."""
-    items = [((e.name, k, e.dtype_of(k)), e.shape) for e in target.params for k in e.tensor_keys]
-    plan = consolidated_plan(items, None)
-
-    def fetch(w: TensorWrite) -> Any:
-        tensor = dcp_files.read_tensor(index, index.tensors[fqn_of[w.param, w.key]])
-        if w.key == "momentum_buffer" and (scale := scales[target.param(w.param).group]) != 1.0:
-            tensor = tensor.mul_(scale)
-        return tensor
-
-    def finished(reports: writing.Reports) -> Manifest:
-        return replace(target, files=tuple(reports.files), pieces=tuple(reports.pieces))
-
-    return writing.write_checkpoint(
-        writing.LocalSteps(),
-        dst,
-        overwrite=overwrite,
-        write=lambda staging: writing.write_files(plan, staging, fetch, progress),
-        manifest=finished,
-        source=index.directory,
-    )
-
-
 def _model_prefix(
     index: dcp_metadata.DcpIndex,
     settings: Mapping[str, Any],
@@ -355,26 +329,6 @@ def _step(index: dcp_metadata.DcpIndex, fqn: str, where: Path) -> Scalar:
     ):
         raise CheckpointError(f"DCP item {fqn!r}: step {value!r} is not a count", path=where)
     return Scalar(value, dtype)
-
-
-def _summarized(fqns: list[str]) -> tuple[str, ...]:
-    """Left-out items by their first name component: ``lr_scheduler (3 items)``."""
-    counts: dict[str, int] = {}
-    for fqn in fqns:
-        head = fqn.split(".", 1)[0]
-        counts[head] = counts.get(head, 0) + 1
-    return tuple(f"{head} ({n} item{'s' * (n != 1)})" for head, n in counts.items())
-
-
-def _notes(source: Manifest, target: Manifest) -> tuple[str, ...]:
-    notes = []
-    for a, b in zip(source.groups, target.groups, strict=True):
-        was, now = kinds.GroupKind.from_json(a.optimizer), kinds.GroupKind.from_json(b.optimizer)
-        if was.role == "muon":
-            note = kinds.state_mapping(was, now, f"group of {a.params[0]!r}", None).note
-            if note is not None:
-                notes.append(f"{len(a.params)} Muon params: {note}")
-    return tuple(notes)
 
 
 def to_dcp(

@@ -77,6 +77,7 @@ def _writing(
     options: Mapping[str, Any],
 ) -> Route:
     """A muonckpt checkpoint written as one of ``format_``, its options checked."""
+    format_.writer()  # refused here for a format muonckpt only reads
     if to not in format_.targets:
         raise OptionError(f"choose one of {', '.join(format_.targets)}", "--to")
     for option, choices in format_.write_options.items():
@@ -100,7 +101,7 @@ def _reading(
     format_ = registry.reading(src, source) if source is not None else registry.detect(src)
     candidates = [format_] if format_ is not None else list(registry.FORMATS)
     titles = " or ".join(f.title for f in candidates)
-    if to is None:
+    if to is None and not (format_ is not None and format_.own_form):
         raise OptionError(
             f"converting {titles} needs a target: one of {', '.join(FAMILIES)}", "--to"
         )

@@ -66,8 +66,17 @@ class _Slice(io.RawIOBase):
         return got
 
 
-def _load_range(directory: Path, file: str, offset: int, length: int, what: str) -> Any:
-    """``torch.load(weights_only=True)`` of one stored item's byte range."""
+def _load_range(
+    directory: Path,
+    file: str,
+    offset: int,
+    length: int,
+    what: str,
+    admitted: Sequence[tuple[type, str]] = (),
+) -> Any:
+    """``torch.load(weights_only=True)`` of one stored item's byte range; ``admitted``: the
+    stand-ins, ``(class, "module.qualname")``, for foreign classes it may name (their
+    attributes only: nothing of the foreign class runs)."""
     import torch
 
     with open_data_file(directory, file, what) as (f, size):
@@ -79,9 +88,12 @@ def _load_range(directory: Path, file: str, offset: int, length: int, what: str)
                 path=path,
             )
         try:
-            return torch.load(
-                io.BufferedReader(_Slice(f, offset, length)), map_location="cpu", weights_only=True
-            )
+            with torch.serialization.safe_globals(list(admitted)):
+                return torch.load(
+                    io.BufferedReader(_Slice(f, offset, length)),
+                    map_location="cpu",
+                    weights_only=True,
+                )
         except OSError as exc:
             raise CheckpointError(f"cannot read {what}: {exc.strerror}", path=path) from None
         except Exception as exc:
@@ -106,19 +118,25 @@ def _dense(shape: Sequence[int], strides: Sequence[int]) -> bool:
     return True
 
 
-def read_tensor(index: DcpIndex, item: DcpTensor) -> torch.Tensor:
+def read_tensor(index: DcpIndex, item: DcpTensor, at: int | None = None) -> torch.Tensor:
     """The full tensor ``item``, assembled from its chunks (their geometry was checked by
     :func:`~muonckpt.storage.dcp_metadata.read_index`; each read must be a dense tensor of its
     chunk's shape and dtype whose storage is exactly its bytes: never a stride-0 expansion of fewer
-    bytes, nor a view into more).
+    bytes, nor a view into more); ``at``: only ``item[at]`` (one of stacked layers), from the
+    chunks that hold it.
 
-    Memory: the full tensor plus one chunk, the tensor never more than its stored bytes."""
+    Memory: the full tensor (or ``item[at]``) plus one chunk, the tensor never more than its
+    stored bytes."""
     import torch
 
     what = f"DCP item {item.fqn!r}"
     dtype = torch_dtype(item.dtype)
+    shape, chunks = item.shape, item.chunks
+    if at is not None:
+        shape = item.shape[1:]
+        chunks = tuple(c for c in item.chunks if c.offsets[0] <= at < c.offsets[0] + c.sizes[0])
     full = None
-    for chunk in item.chunks:
+    for chunk in chunks:
         value = _load_range(index.directory, chunk.file, chunk.offset, chunk.length, what)
         path = index.directory / chunk.file
         if not isinstance(value, torch.Tensor) or tuple(value.shape) != chunk.sizes:
@@ -144,22 +162,24 @@ def read_tensor(index: DcpIndex, item: DcpTensor) -> torch.Tensor:
                 "partial view is refused)",
                 path=path,
             )
-        if len(item.chunks) == 1:
+        offsets, sizes = chunk.offsets, chunk.sizes
+        if at is not None:
+            value, offsets, sizes = value[at - offsets[0]], offsets[1:], sizes[1:]
+        if len(chunks) == 1:
             return value.contiguous()  # a dense chunk in another order (column-major) too
         if full is None:
-            full = torch.empty(item.shape, dtype=dtype)
-        full[tuple(slice(o, o + s) for o, s in zip(chunk.offsets, chunk.sizes, strict=True))] = (
-            value
-        )
+            full = torch.empty(shape, dtype=dtype)
+        full[tuple(slice(o, o + s) for o, s in zip(offsets, sizes, strict=True))] = value
         del value
-    return full if full is not None else torch.empty(item.shape, dtype=dtype)
+    return full if full is not None else torch.empty(shape, dtype=dtype)
 
 
-def read_value(index: DcpIndex, item: DcpValue) -> Any:
+def read_value(index: DcpIndex, item: DcpValue, admitted: Sequence[tuple[type, str]] = ()) -> Any:
     """A non-tensor item's value (``torch.load(weights_only=True)``: numbers, strings, tuples
-    and the like only)."""
+    and the like only, and the stand-ins ``admitted`` for foreign classes, as
+    :func:`_load_range` takes them)."""
     return _load_range(
-        index.directory, item.file, item.offset, item.length, f"DCP item {item.fqn!r}"
+        index.directory, item.file, item.offset, item.length, f"DCP item {item.fqn!r}", admitted
     )
 
 
