@@ -309,14 +309,14 @@ def test_a_foreign_format_is_one_record_in_the_registry(tmp_path, monkeypatch):
         return interop.route(src, **{**asked, **given}, overwrite=False, options=options)
 
     assert route(foreign, to="packaged", source="writer") == interop.Route(
-        reads=fake, options={"model_prefix": None}
+        reads=fake, options={"model_prefix": None}, source="writer"
     )
     assert route(ours, to="reader", output_format="fake") == interop.Route(
         writes=fake, options={"layout": "flat"}
     )
     assert route(ours, to="torch") == interop.Route()
     refusals = [
-        ({"output_format": "bogus"}, "--format", "choose muonckpt or dcp or fake"),
+        ({"output_format": "bogus"}, "--format", "choose muonckpt or dcp or deepspeed or fake"),
         ({"to": "torch", "output_format": "fake"}, "--to", "choose one of reader"),
         ({"to": "packaged"}, "--from", "a Fake checkpoint does not record"),
         ({"to": "packaged", "source": "torch"}, "--from", "choose one of writer"),

@@ -38,6 +38,7 @@ from .options import (
     Src,
     TpSplit,
     Workers,
+    World,
     local_directory,
     size_parameter,
 )
@@ -189,19 +190,23 @@ def convert(
     source: ConvertFrom = None,
     output_format: OutputFormat = "muonckpt",
     layout: Layout = "torchtitan",
+    world: World = None,
     model_prefix: ModelPrefix = None,
     optimizer_prefix: OptimizerPrefix = "optimizer.",
     force: Force = False,
     quiet: Quiet = False,
 ) -> None:
-    """Rewrite a checkpoint for another Muon implementation, renamed, or from/to PyTorch DCP.
+    """Rewrite a checkpoint for another Muon implementation, renamed, or from/to PyTorch DCP
+    or DeepSpeed.
 
     The packaged Muon keeps sum-form momentum, torch.optim.Muon and KellerJordan's Muon EMA
     form: the buffers are scaled by 1 - mu (or its inverse) and AdamW step counts move to where
     the target keeps them, exactly as muonckpt.load converts in memory. A DCP checkpoint SRC
     (a directory with .metadata) becomes a consolidated muonckpt checkpoint (--from names its
     writer); --format dcp writes DCP that torch.distributed.checkpoint.load reads at any
-    world size.
+    world size. A DeepSpeed ZeRO-1/2 checkpoint SRC (its directory with latest, or one
+    global_stepN) becomes one too; --to deepspeed --world N writes DeepSpeed's own files for N
+    ranks.
 
     Example: muonckpt convert ckpt/step-1000 -o ckpt/step-1000-torch --to torch
 
@@ -209,13 +214,22 @@ def convert(
 
     Example: muonckpt convert ckpt/step-300 -o titan/step-300-back --to torchtitan --format dcp
 
+    Example: muonckpt convert ds/ckpt -o ckpt/from-ds --from deepspeed --to packaged
+
+    Example: muonckpt convert ckpt/from-ds -o ds/ckpt-world3 --to deepspeed --world 3
+
     Names: muonckpt convert ckpt/step-1000 -o ckpt/plain --rename module.= --rename _orig_mod.=
     """
     from .. import interop, offline
     from ..errors import OptionError
 
     prefixes = _renames(rename)
-    options = {"layout": layout, "model_prefix": model_prefix, "optimizer_prefix": optimizer_prefix}
+    options = {
+        "layout": layout,
+        "world": world,
+        "model_prefix": model_prefix,
+        "optimizer_prefix": optimizer_prefix,
+    }
     try:
         route = interop.route(
             src,
@@ -230,12 +244,18 @@ def convert(
         raise typer.BadParameter(str(exc), param_hint=exc.option) from None
     output.also_quiet(ctx, quiet)
     if route.writes is not None:
-        report = route.writes.writer()(src, dst, to=to, **route.options)
+        report = route.writes.write(src, dst, to=to, **route.options)
         output.say_conversion(ctx, route.writes.title, report)
     elif route.reads is not None:
         with output.progress_bar(ctx, "convert") as progress:
             report = route.reads.read(
-                src, dst, source=source, to=to, overwrite=force, progress=progress, **route.options
+                src,
+                dst,
+                source=route.source,
+                to=to,
+                overwrite=force,
+                progress=progress,
+                **route.options,
             )
         output.say_conversion(ctx, route.reads.title, report)
         output.say(ctx, _written(report.path))

@@ -124,7 +124,8 @@ ConvertTo = Annotated[
         metavar="IMPLEMENTATION",
         help="packaged (muonckpt.optim.muon.Muon), torch (torch.optim.Muon + AdamW) or "
         "keller-jordan (muon.MuonWithAuxAdam); with --format dcp also torchtitan, dion or "
-        "muon-fsdp2. Left out (muonckpt to muonckpt), each group keeps its implementation.",
+        "muon-fsdp2; deepspeed writes DeepSpeed ZeRO-1/2 files (with --world). Left out "
+        "(muonckpt to muonckpt, or from DeepSpeed), each group keeps its implementation.",
         show_default=False,
     ),
 ]
@@ -143,14 +144,17 @@ ConvertFrom = Annotated[
         "--from",
         metavar="IMPLEMENTATION",
         help="The implementation that wrote a DCP checkpoint SRC (required for one: DCP "
-        "does not record it): torch, torchtitan, dion, muon-fsdp2, keller-jordan, packaged.",
+        "does not record it): torch, torchtitan, dion, muon-fsdp2, keller-jordan, packaged; "
+        "deepspeed for a DeepSpeed ZeRO-1/2 checkpoint (optional: its files say so).",
         show_default=False,
     ),
 ]
 OutputFormat = Annotated[
     str,
     typer.Option(
-        "--format", metavar="FORMAT", help="muonckpt, or dcp (PyTorch Distributed Checkpoint)."
+        "--format",
+        metavar="FORMAT",
+        help="muonckpt, dcp (PyTorch Distributed Checkpoint) or deepspeed (as --to deepspeed).",
     ),
 ]
 Layout = Annotated[
@@ -159,6 +163,15 @@ Layout = Annotated[
         "--layout",
         help="With --format dcp: torchtitan (model fqns at the top level) or recipe "
         "(model.<fqn>, DCP's get_state_dict recipe).",
+    ),
+]
+World = Annotated[
+    int | None,
+    typer.Option(
+        "--world",
+        min=1,
+        help="With --to deepspeed: the number of ranks DeepSpeed loads the output at.",
+        show_default=False,
     ),
 ]
 ModelPrefix = Annotated[

@@ -4,12 +4,14 @@ A change to how another trainer's files are read or written goes in that format'
 Modules: :mod:`.foreign` (the interface every format fills in: :class:`ForeignFormat`, and the
 :class:`Conversion` it reports), :mod:`.registry` (:data:`FORMATS`, found by name or by their
 files), :mod:`.routes` (which conversion ``muonckpt convert``'s options ask for), and the
-formats: :mod:`.dcp` (PyTorch DCP: FSDP2 / DTensor jobs, torchtitan).
+formats: :mod:`.dcp` (PyTorch DCP: FSDP2 / DTensor jobs, torchtitan) and :mod:`.deepspeed`
+(DeepSpeed ZeRO-1/2 with its Muon, at any world size; its writer in :mod:`._deepspeed_out`).
 """
 
 from __future__ import annotations
 
 from .dcp import LAYOUTS, DcpConversion, from_dcp, is_dcp, to_dcp
+from .deepspeed import DeepSpeedConversion, from_deepspeed, is_deepspeed, to_deepspeed
 from .foreign import Conversion, ForeignFormat
 from .registry import FORMATS, detect, format_named, reading
 from .routes import MUONCKPT, Route, route
@@ -20,13 +22,17 @@ __all__ = [
     "MUONCKPT",
     "Conversion",
     "DcpConversion",
+    "DeepSpeedConversion",
     "ForeignFormat",
     "Route",
     "detect",
     "format_named",
     "from_dcp",
+    "from_deepspeed",
     "is_dcp",
+    "is_deepspeed",
     "reading",
     "route",
     "to_dcp",
+    "to_deepspeed",
 ]

@@ -1,11 +1,11 @@
-"""What the readers of foreign formats share: a source manifest's tensors written as a
-consolidated muonckpt checkpoint, each read by the format's own function, and the lines of
-their reports."""
+"""What every foreign format's reader shares: the consolidated muonckpt checkpoint it writes
+(:func:`write_consolidated`) and the lines saying how its momentum was converted
+(:func:`conversion_notes`) and what it left out (:func:`summarized`)."""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -16,11 +16,8 @@ from ..format import kinds
 from ..format.manifest import Manifest
 from ..format.writeplan import TensorWrite, consolidated_plan
 
-__all__ = ["conversion_notes", "summarized", "write_consolidated"]
-
 
 def write_consolidated(
-    source: Path,
     target: Manifest,
     scales: Sequence[float],
     read: Callable[[str, str], Any],
@@ -28,12 +25,15 @@ def write_consolidated(
     *,
     overwrite: bool,
     progress: Progress | None,
+    source: Path,
+    aliases: Mapping[str, str] | None = None,
 ) -> Path:
-    """Write ``target``'s tensors, each ``read(param, key)`` from the foreign checkpoint at
-    ``source`` as a whole tensor of its param's shape (momentum then scaled by its group's
-    factor), as a consolidated muonckpt checkpoint at ``dst``."""
+    """Write ``target``'s tensors, each ``read(param, key)`` (a tensor of its own, read once:
+    momentum is multiplied in place by its group's factor of ``scales``), as a consolidated
+    muonckpt checkpoint at ``dst``; tied names (``aliases``: alias -> stored name) go into
+    the model files' metadata."""
     items = [((e.name, k, e.dtype_of(k)), e.shape) for e in target.params for k in e.tensor_keys]
-    plan = consolidated_plan(items, None)
+    plan = consolidated_plan(items, None, dict(aliases) if aliases else None)
 
     def fetch(w: TensorWrite) -> Any:
         tensor = read(w.param, w.key)
@@ -54,17 +54,9 @@ def write_consolidated(
     )
 
 
-def summarized(fqns: list[str]) -> tuple[str, ...]:
-    """Left-out items by their first name component: ``lr_scheduler (3 items)``."""
-    counts: dict[str, int] = {}
-    for fqn in fqns:
-        head = fqn.split(".", 1)[0]
-        counts[head] = counts.get(head, 0) + 1
-    return tuple(f"{head} ({n} item{'s' * (n != 1)})" for head, n in counts.items())
-
-
 def conversion_notes(source: Manifest, target: Manifest) -> tuple[str, ...]:
-    """One line per Muon group whose momentum changed form: how many params, by what."""
+    """One line per Muon group whose momentum changed form between ``source`` and ``target``
+    (the same groups, rewritten)."""
     notes = []
     for a, b in zip(source.groups, target.groups, strict=True):
         was, now = kinds.GroupKind.from_json(a.optimizer), kinds.GroupKind.from_json(b.optimizer)
@@ -73,3 +65,12 @@ def conversion_notes(source: Manifest, target: Manifest) -> tuple[str, ...]:
             if note is not None:
                 notes.append(f"{len(a.params)} Muon params: {note}")
     return tuple(notes)
+
+
+def summarized(fqns: list[str]) -> tuple[str, ...]:
+    """Left-out items by their first name component: ``lr_scheduler (3 items)``."""
+    counts: dict[str, int] = {}
+    for fqn in fqns:
+        head = fqn.split(".", 1)[0]
+        counts[head] = counts.get(head, 0) + 1
+    return tuple(f"{head} ({n} item{'s' * (n != 1)})" for head, n in counts.items())

@@ -146,13 +146,13 @@ def from_dcp(
             if key != "step":
                 fqn_of[name, family.our_key(kind.role or "", key) or key] = fqn
     path = write_consolidated(
-        index.directory,
         target,
         scales,
         lambda name, key: dcp_files.read_tensor(index, index.tensors[fqn_of[name, key]]),
         dst,
         overwrite=overwrite,
         progress=progress,
+        source=index.directory,
     )
     used = {model_prefix + name for name in settings} | _settings_items(settings, optimizer_prefix)
     used |= {fqn for keys in state.values() for fqn in keys.values()}

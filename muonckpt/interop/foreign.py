@@ -13,8 +13,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import OptionError
-
 __all__ = ["Conversion", "ForeignFormat"]
 
 
@@ -51,27 +49,19 @@ class ForeignFormat:
     detect: Callable[[str | os.PathLike[str]], bool]
     """Whether a path is a checkpoint of this format (cheap: a file's presence, never a read)."""
     read: Callable[..., Conversion]
+    write: Callable[..., Conversion]
     sources: tuple[str, ...]
     """The implementations whose checkpoints :attr:`read` takes (``convert --from``)."""
-    targets: tuple[str, ...] = ()
+    targets: tuple[str, ...]
     """The implementations :attr:`write` writes for (``convert --to`` with ``--format``)."""
     read_options: tuple[str, ...] = ()
     """The keyword options of :attr:`read` beyond the common ones, as ``convert`` passes them
     (``model_prefix``: ``--model-prefix``)."""
-    write: Callable[..., Conversion] | None = None
-    """None: muonckpt does not write this format."""
-    own_form: bool = False
-    """Whether its checkpoints record the optimizer that wrote them, so that :attr:`read`
-    takes ``to=None`` (no ``convert --to``) and keeps each group as that optimizer's."""
-    write_options: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    write_options: Mapping[str, tuple[str, ...] | None] = field(default_factory=dict)
     """The keyword options of :attr:`write` beyond ``to``, each with its choices, as
-    ``convert`` passes and checks them (``layout``: ``--layout``)."""
-
-    def writer(self) -> Callable[..., Conversion]:
-        """:attr:`write`, or :class:`~muonckpt.errors.OptionError` for a format muonckpt only
-        reads."""
-        if self.write is None:
-            raise OptionError(
-                f"muonckpt reads {self.title} checkpoints but does not write them", "--format"
-            )
-        return self.write
+    ``convert`` passes and checks them (``layout``: ``--layout``); None: any value, which
+    :attr:`write` checks (``world``: ``--world``)."""
+    records_source: bool = False
+    """Whether its checkpoints say which implementation wrote them (DeepSpeed's: its one
+    :attr:`sources`): then ``--from`` may be left out, and without ``--to`` :attr:`read`
+    keeps the state in that implementation's own form."""

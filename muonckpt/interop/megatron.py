@@ -30,7 +30,7 @@ from typing import Any
 
 from .. import storage
 from ..checkpoint.writing import Progress
-from ..errors import CheckpointError, StateDictError
+from ..errors import CheckpointError, OptionError, StateDictError
 from ..format import kinds
 from ..format.conversion import converted_manifest
 from ..format.manifest import CONSOLIDATED, GroupEntry, Manifest, ParamEntry, Scalar, json_safe
@@ -43,7 +43,7 @@ __all__ = ["FORMAT", "MUON", "from_megatron", "is_megatron", "iteration_dir"]
 
 LATEST = "latest_checkpointed_iteration.txt"
 DIST_METADATA = "metadata.json"
-MUON = "megatron.core.optimizer.TensorParallelMuon"
+MUON = kinds.MEGATRON
 ADAMW = "torch.optim.AdamW"
 STACKED = ("decoder.layers.", "encoder.layers.")
 """Prefixes of the keys whose leading axis is the layer (TransformerBlock's sharded offsets)."""
@@ -157,7 +157,7 @@ def from_megatron(
         return dcp_files.read_tensor(index, index.tensors[fqn], layer)
 
     path = write_consolidated(
-        index.directory, target, scales, read, dst, overwrite=overwrite, progress=progress
+        target, scales, read, dst, overwrite=overwrite, progress=progress, source=index.directory
     )
     used = {fqn for fqn, _ in fqn_of.values()} | {_common_fqn(index, where)}
     left = sorted((set(index.tensors) | set(index.values)) - used)
@@ -364,13 +364,19 @@ def _assumed(common: Mapping[str, Any]) -> tuple[str, ...]:
     return (f"the checkpoint holds no training args: Megatron's defaults {taken} assumed",)
 
 
+def _not_written(*_: Any, **__: Any) -> Conversion:
+    raise OptionError("muonckpt reads Megatron-Core checkpoints but does not write them yet")
+
+
 FORMAT = ForeignFormat(
     name="megatron",
     title="Megatron-Core",
     detect=is_megatron,
     read=from_megatron,
+    write=_not_written,
     sources=("megatron",),
-    own_form=True,
+    targets=(),
+    records_source=True,
 )
 """Megatron-Core's torch_dist format in the registry (:mod:`muonckpt.interop.registry`);
 read only."""

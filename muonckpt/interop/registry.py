@@ -10,18 +10,18 @@ from __future__ import annotations
 import os
 
 from ..errors import OptionError
-from . import dcp, megatron
+from . import dcp, deepspeed, megatron
 from .foreign import ForeignFormat
 
 __all__ = ["FORMATS", "detect", "format_named", "reading"]
 
-FORMATS: tuple[ForeignFormat, ...] = (megatron.FORMAT, dcp.FORMAT)
+FORMATS: tuple[ForeignFormat, ...] = (megatron.FORMAT, dcp.FORMAT, deepspeed.FORMAT)
 """Every foreign format, in the order :func:`detect` asks them: a format built on another
 (one whose checkpoints are also the other's) before that one."""
 
 
 def format_named(name: str) -> ForeignFormat:
-    """The foreign format called ``name`` (``dcp``)."""
+    """The foreign format called ``name`` (``dcp``, ``deepspeed``)."""
     for format_ in FORMATS:
         if format_.name == name:
             return format_

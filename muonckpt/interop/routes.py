@@ -32,6 +32,9 @@ class Route:
     reads: ForeignFormat | None = None
     writes: ForeignFormat | None = None
     options: Mapping[str, Any] = field(default_factory=dict)
+    source: str | None = None
+    """The implementation that wrote a foreign checkpoint read (``--from``, or the one its
+    files record)."""
 
 
 def route(
@@ -47,7 +50,9 @@ def route(
     """The conversion of ``src`` that ``convert``'s options ask for: ``to`` (``--to``),
     ``source`` (``--from``), ``output_format`` (``--format``), ``renamed`` (any ``--rename``),
     ``overwrite`` (``--force``) and ``options``, the foreign formats' own options by name
-    (``layout``, ``model_prefix``), of which the route keeps those its format takes.
+    (``layout``, ``model_prefix``, ``world``), of which the route keeps those its format
+    takes. ``--to NAME`` of a format that writes for itself (``--to deepspeed``) is
+    ``--format NAME --to NAME``.
 
     Raises:
         OptionError: for options that ask for no conversion, or a value outside its choices.
@@ -55,6 +60,8 @@ def route(
     foreign = [f.name for f in registry.FORMATS]
     if renamed and (output_format in foreign or source is not None or registry.detect(src)):
         raise OptionError("names are mapped between muonckpt checkpoints only")
+    if output_format == MUONCKPT and to in foreign and to in registry.format_named(to).targets:
+        output_format = to
     if output_format != MUONCKPT and output_format not in foreign:
         raise OptionError(f"choose {' or '.join([MUONCKPT, *foreign])}", "--format")
     detected = registry.detect(src)
@@ -77,11 +84,12 @@ def _writing(
     options: Mapping[str, Any],
 ) -> Route:
     """A muonckpt checkpoint written as one of ``format_``, its options checked."""
-    format_.writer()  # refused here for a format muonckpt only reads
+    if not format_.targets:
+        raise OptionError(f"muonckpt reads {format_.title} checkpoints but does not write them")
     if to not in format_.targets:
         raise OptionError(f"choose one of {', '.join(format_.targets)}", "--to")
     for option, choices in format_.write_options.items():
-        if options[option] not in choices:
+        if choices is not None and options[option] not in choices:
             raise OptionError(f"choose one of {', '.join(choices)}", _flag(option))
     if detected is format_:
         raise OptionError(f"SRC is a {format_.title} checkpoint already", "--format")
@@ -101,11 +109,14 @@ def _reading(
     format_ = registry.reading(src, source) if source is not None else registry.detect(src)
     candidates = [format_] if format_ is not None else list(registry.FORMATS)
     titles = " or ".join(f.title for f in candidates)
-    if to is None and not (format_ is not None and format_.own_form):
+    recorded = format_ is not None and format_.records_source
+    if to is None and not recorded:
         raise OptionError(
             f"converting {titles} needs a target: one of {', '.join(FAMILIES)}", "--to"
         )
     sources = ", ".join(dict.fromkeys(s for f in candidates for s in f.sources))
+    if source is None and format_ is not None and recorded:
+        source = format_.sources[0]
     if source is None:
         raise OptionError(
             f"a {titles} checkpoint does not record which optimizer wrote it, and muonckpt "
@@ -114,7 +125,9 @@ def _reading(
         )
     if format_ is None or source not in format_.sources:
         raise OptionError(f"choose one of {sources}", "--from")
-    return Route(reads=format_, options={k: options[k] for k in format_.read_options})
+    return Route(
+        reads=format_, options={k: options[k] for k in format_.read_options}, source=source
+    )
 
 
 def _flag(option: str) -> str:

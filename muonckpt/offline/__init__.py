@@ -9,7 +9,17 @@ from __future__ import annotations
 
 from ..checkpoint.pieces import open_checkpoint
 from ..checkpoint.writing import Progress
-from ..interop import LAYOUTS, DcpConversion, from_dcp, is_dcp, to_dcp
+from ..interop import (
+    LAYOUTS,
+    DcpConversion,
+    DeepSpeedConversion,
+    from_dcp,
+    from_deepspeed,
+    is_dcp,
+    is_deepspeed,
+    to_dcp,
+    to_deepspeed,
+)
 from .examine import diff, iter_diff, summarize
 from .inspection import DiffRow, Summary
 from .tools import MAX_RANKS, WORKER_TIMEOUT, consolidate, convert, reshard
@@ -19,6 +29,7 @@ __all__ = [
     "MAX_RANKS",
     "WORKER_TIMEOUT",
     "DcpConversion",
+    "DeepSpeedConversion",
     "DiffRow",
     "Progress",
     "Summary",
@@ -26,10 +37,13 @@ __all__ = [
     "convert",
     "diff",
     "from_dcp",
+    "from_deepspeed",
     "is_dcp",
+    "is_deepspeed",
     "iter_diff",
     "open_checkpoint",
     "reshard",
     "summarize",
     "to_dcp",
+    "to_deepspeed",
 ]

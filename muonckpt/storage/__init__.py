@@ -27,6 +27,8 @@ write ``storage.X``:
   locked and refreshed while in use (what ``clean`` goes by, never names alone).
 * :mod:`.mailbox`: the messages through which the ranks of a background save agree.
 * :mod:`.dcp_files`: DCP's file format, for the DCP bridge.
+* :mod:`.deepspeed_files`: DeepSpeed's ZeRO files, read by torch's restricted unpickler with
+  stand-ins for DeepSpeed's classes, written with plain values only.
 
 torch is imported only where a tensor crosses (the dtype conversions, reading a tensor,
 writing one), so that the single-process offline tools run without it. Nothing here imports

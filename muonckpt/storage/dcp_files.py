@@ -10,7 +10,6 @@ process, without a process group, each tensor fetched when the writer reaches it
 
 from __future__ import annotations
 
-import contextlib
 import io
 import math
 import os
@@ -263,16 +262,6 @@ def write_dcp(
 def discard_dcp(directory: str | os.PathLike[str]) -> None:
     """Remove a DCP staging directory this process wrote (only DCP's files and, last, the
     lease, then the directory if that emptied it) and stop holding its lease."""
-    directory = Path(directory)
-    if not directory.is_dir() or directory.is_symlink():
-        lease.release(directory)
-        return
-    names = sorted(os.listdir(directory), key=lease.deletion_order)
-    for entry in names:
-        ours = entry.startswith(METADATA_NAME) or entry.endswith(DATA_SUFFIX)
-        if ours or lease.LEASE_FILE.match(entry):
-            with contextlib.suppress(OSError):
-                (directory / entry).unlink()
-    lease.release(directory)
-    with contextlib.suppress(OSError):
-        directory.rmdir()
+    lease.discard_foreign(
+        directory, lambda name: name.startswith(METADATA_NAME) or name.endswith(DATA_SUFFIX)
+    )

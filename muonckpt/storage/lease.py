@@ -31,7 +31,7 @@ import stat
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -254,3 +254,30 @@ def _judge(fd: int, path: Path, changed: float) -> Leftover:
             changed,
         )
     return Leftover(None, changed)
+
+
+def discard_foreign(directory: str | os.PathLike[str], ours: Callable[[str], bool]) -> None:
+    """Remove a staging directory of a foreign format that this process wrote: the files and
+    subdirectories ``ours(relative path)`` names (a subdirectory's files by their paths in it,
+    ``"global_step3/x.pt"``), then, last, the lease and the directory if that emptied it; stop
+    holding the lease. Nothing else is deleted, nothing through a symlink."""
+    directory = Path(directory)
+
+    def remove(folder: Path, prefix: str) -> None:
+        with contextlib.suppress(OSError):
+            for entry in sorted(os.listdir(folder), key=deletion_order):
+                path, name = folder / entry, prefix + entry
+                if path.is_dir() and not path.is_symlink():
+                    if ours(name + "/"):
+                        remove(path, name + "/")
+                        with contextlib.suppress(OSError):
+                            path.rmdir()
+                elif ours(name) or (not prefix and LEASE_FILE.match(entry)):
+                    with contextlib.suppress(OSError):
+                        path.unlink()
+
+    if directory.is_dir() and not directory.is_symlink():
+        remove(directory, "")
+    release(directory)
+    with contextlib.suppress(OSError):
+        directory.rmdir()

@@ -1,0 +1,323 @@
+"""DeepSpeed ZeRO-1/2 output: any muonckpt checkpoint as DeepSpeed's own files for ``world``
+ranks (:func:`to_deepspeed`, the writer of :mod:`muonckpt.interop.deepspeed`'s format).
+
+DeepSpeed loads them at that world size as if it had saved them there
+(``engine.load_checkpoint``: ``_load_legacy_checkpoint`` takes rank ``r``'s own file):
+``latest``; ``<tag>/mp_rank_00_model_states.pt``, the module's weights by name (tied names
+included), ``param_shapes`` and ``dp_world_size``; and per rank
+``<tag>/zero_pp_rank_{r}_mp_rank_00_optim_states.pt``, its fp32 master slice of each group,
+the aux Adam's moment slices and step, and for a Muon group the whole EMA momentum of each
+matrix the slice overlaps, laid out by :func:`muonckpt.layout.zero_partitions.group_layout`.
+Only plain tensors, dicts, lists, numbers and strings are written (``torch.save``); a
+DeepSpeed class is never named, so ``param_slice_mappings`` and the loss scaler are left out
+(DeepSpeed's load reads neither).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..errors import CheckpointError, OptionError
+from ..format import kinds
+from ..format.manifest import Manifest
+from ..format.names import PARAM_KEY
+from ..layout.zero_partitions import GroupLayout, group_layout
+from ..storage import deepspeed_files
+from .foreign import Conversion
+
+OPTIMIZER = kinds.DEEPSPEED
+"""How a checkpoint names the optimizer of DeepSpeed's groups."""
+SOURCE = "deepspeed"
+"""The implementation's name (``convert --from`` / ``--to``)."""
+MUON_KEY = kinds.MUON_STATE_KEYS[0]
+ADAM_KEYS = kinds.ADAMW_STATE_KEYS
+DS_VERSION = "0.19.8"
+"""The DeepSpeed version the written files say wrote them (its loader asserts one is there)."""
+
+
+@dataclass(frozen=True)
+class DeepSpeedConversion(Conversion):
+    """What :func:`~muonckpt.interop.deepspeed.from_deepspeed` or :func:`to_deepspeed` wrote,
+    and what it left out; its ``layout`` is ``ZeRO-S, world N``."""
+
+
+@dataclass
+class _OutGroup:
+    """One DeepSpeed group to write: its params in DeepSpeed's order, its settings, and how
+    the source's state becomes DeepSpeed's."""
+
+    names: list[str]
+    settings: dict[str, Any]
+    muon: bool
+    factor: float
+    """What the source's momentum is multiplied by (its form to EMA)."""
+    step_in: str
+
+
+def _out_settings(kind: kinds.GroupKind, hyper: Mapping[str, Any]) -> dict[str, Any]:
+    """A DeepSpeed group's settings from another optimizer's: the ones DeepSpeed's Muon and
+    Adam halves take (``_muon_param_groups``), by their names there."""
+    out: dict[str, Any] = {"lr": hyper.get("lr"), "weight_decay": hyper.get("weight_decay", 0.0)}
+    if kind.role == "muon":
+        out.update(momentum=kind.momentum, ns_method="gram", use_muon=True, name="muon-params")
+    else:
+        betas = hyper.get("betas", hyper.get("adamw_betas", (0.9, 0.95)))
+        eps = hyper.get("eps", hyper.get("adamw_eps", 1e-10))
+        out.update(betas=list(betas), eps=eps, use_muon=False, name="adam-params")
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def _out_groups(manifest: Manifest, directory: Path) -> tuple[list[_OutGroup], list[str]]:
+    """DeepSpeed's groups for ``manifest``'s, with the momentum conversions made. A checkpoint
+    DeepSpeed wrote keeps its groups, order and settings; any other becomes DeepSpeed's own
+    grouping of one incoming group: the Muon groups first, their params largest shape first
+    (``MuonWithAuxAdam`` sorts them so), then the Adam groups, in the checkpoint's order."""
+    from ..format.conversion import group_kind
+
+    out, notes = [], []
+    own = all(
+        kinds.GroupKind.from_json(g.optimizer).optimizer == OPTIMIZER
+        and not g.optimizer.get("converted_from")
+        for g in manifest.groups
+    )
+    for g, group in enumerate(manifest.groups):
+        kind = group_kind(group, g, directory)
+        if kind.role is None:
+            raise CheckpointError(
+                f"group {g}: {kind.optimizer} is not an optimizer muonckpt converts", path=directory
+            )
+        if kind.role == "muon":
+            ds_kind = kinds.GroupKind(
+                OPTIMIZER, "muon", kinds.EMA, kind.momentum, True, kinds.ASPECT
+            )
+        else:
+            ds_kind = kinds.GroupKind(
+                OPTIMIZER, "adamw", step_in="int" if kind.step_in == "int" else "tensor"
+            )
+        mapping = kinds.state_mapping(kind, ds_kind, f"group {g}", None)
+        if mapping.note:
+            notes.append(f"{len(group.params)} Muon params: {mapping.note}")
+        notes += [f"group {g}: {note}" for note in kinds.trajectory_notes(kind, ds_kind)]
+        unsaved = [n for n in group.params if manifest.param(n).value_dtype is None]
+        if unsaved:
+            raise CheckpointError(
+                f"param {unsaved[0]!r} has no saved values: DeepSpeed's files need every "
+                "param's master weights",
+                path=directory,
+            )
+        factor = mapping.keys.get(MUON_KEY, ("", 1.0))[1]
+        names = list(group.params)
+        settings = dict(group.hyperparams) if own else _out_settings(kind, group.hyperparams)
+        settings.pop("step", None)
+        if kind.role == "muon" and not own:
+            names.sort(key=lambda n: manifest.param(n).shape, reverse=True)
+        out.append(_OutGroup(names, settings, kind.role == "muon", factor, ds_kind.step_in or ""))
+    if not own:
+        out.sort(key=lambda group: not group.muon)
+    return out, notes
+
+
+@dataclass
+class _OutValues:
+    """A group's state, whole and flat, padded to ``world`` slices."""
+
+    layout: GroupLayout
+    master: Any
+    moments: dict[str, Any]
+    momentum: dict[str, Any]
+    step: int | None
+
+
+def _out_values(reader: Any, manifest: Manifest, group: _OutGroup, world: int) -> _OutValues:
+    """Read a group's params and state from the muonckpt checkpoint, as DeepSpeed lays them."""
+    import torch
+
+    from .. import storage
+    from ..layout.topology import whole_region
+
+    entries = [manifest.param(n) for n in group.names]
+    layout = group_layout([e.numel for e in entries], world)
+    pieces = manifest.pieces_of()
+    flat_numel = layout.world * layout.partition
+
+    def read(name: str, key: str) -> Any:
+        entry = manifest.param(name)
+        data = reader.gather(pieces[name, key], entry, key, whole_region(entry.numel))
+        return storage.tensor_of_bytes(data, entry.dtype_of(key)).reshape(-1)
+
+    master = torch.zeros(flat_numel, dtype=torch.float32)
+    keys = {k for e in entries for k in e.state_keys}
+    moments = {k: torch.zeros(flat_numel, dtype=torch.float32) for k in ADAM_KEYS if k in keys}
+    momentum: dict[str, Any] = {}
+    held = [e.dtype_of(MUON_KEY) for e in entries if MUON_KEY in e.state_keys]
+    for index, entry in enumerate(entries):
+        at = slice(layout.offsets[index], layout.offsets[index] + entry.numel)
+        master[at] = read(entry.name, PARAM_KEY)
+        for key, flat in moments.items():
+            if key in entry.state_keys:
+                flat[at] = read(entry.name, key)
+        if group.muon and held:  # a matrix without momentum (no grad yet) gets zeros
+            value = (
+                read(entry.name, MUON_KEY)
+                if MUON_KEY in entry.state_keys
+                else torch.zeros(entry.numel, dtype=storage.torch_dtype(held[0]))
+            )
+            momentum[entry.name] = value.mul_(group.factor) if group.factor != 1.0 else value
+    return _OutValues(layout, master, moments, momentum, manifest.latest_step(group.names))
+
+
+def _step_value(step: int | None, step_in: str) -> Any:
+    """An Adam step count as DeepSpeed's aux Adam keeps it: a float32 0-d tensor (torch's
+    AdamW) or an int (FusedAdam, the inline Adam)."""
+    import torch
+
+    if step is None:
+        return None
+    return torch.tensor(float(step), dtype=torch.float32) if step_in == "tensor" else int(step)
+
+
+def _rank_file(
+    rank: int, groups: list[_OutGroup], values: list[_OutValues], stage: int, world: int
+) -> dict[str, Any]:
+    """Rank ``rank``'s optimizer file, as ``DeepSpeedZeroOptimizer.state_dict`` makes it
+    (rigid, not elastic), from plain values only."""
+    import torch
+
+    masters, paddings, states, param_groups = [], [], {}, []
+    for g, (group, value) in enumerate(zip(groups, values, strict=True)):
+        layout, at = value.layout, rank * value.layout.partition
+        masters.append(value.master[at : at + layout.kept(rank)].clone())
+        paddings.append(layout.group_padding(rank))
+        state: dict[str, Any] = {}
+        if value.momentum:
+            parts = [value.momentum[group.names[i]] for i in layout.overlapping(rank)]
+            state[MUON_KEY] = torch.cat(parts) if parts else torch.zeros(0)
+        for key, flat in value.moments.items():
+            state[key] = flat[at : at + layout.partition].clone()
+        step = _step_value(value.step, group.step_in)
+        if value.moments and step is not None:
+            state["step"] = step
+        if state:
+            states[g] = state
+        param_groups.append({**group.settings, "params": [g]})
+    optimizer = {
+        "dynamic_loss_scale": False,
+        "overflow": False,
+        "base_optimizer_state": {"state": states, "param_groups": param_groups},
+        "single_partition_of_fp32_groups": masters,
+        "zero_stage": stage,
+        "group_paddings": paddings,
+        "param_alignment_paddings": [[0] * len(group.names) for group in groups],
+        "partition_count": [world] * len(groups),
+        "ds_version": DS_VERSION,
+    }
+    return {"optimizer_state_dict": optimizer, "ds_version": DS_VERSION}
+
+
+def _model_file(
+    groups: list[_OutGroup],
+    values: list[_OutValues],
+    manifest: Manifest,
+    step: int,
+    world: int,
+) -> dict[str, Any]:
+    """The model states file: the module's weights by name (the fp32 masters; tied names
+    beside the stored one), ``param_shapes`` in DeepSpeed's order, the counters."""
+    import collections
+
+    import torch
+
+    module: dict[str, Any] = collections.OrderedDict()
+    shapes: list[dict[str, Any]] = []
+    for group, value in zip(groups, values, strict=True):
+        shapes.append(collections.OrderedDict())
+        for index, name in enumerate(group.names):
+            entry = manifest.param(name)
+            at = value.layout.offsets[index]
+            module[name] = value.master[at : at + entry.numel].clone().reshape(entry.shape)
+            shapes[-1][name] = torch.Size(entry.shape)
+    aliases = dict(manifest.model.aliases) if manifest.model is not None else {}
+    for alias, stored in aliases.items():
+        module[alias] = module[stored]
+    return {
+        "module": module,
+        "buffer_names": [],
+        "optimizer": None,
+        "param_shapes": shapes,
+        "frozen_param_shapes": None,
+        "shared_params": aliases,
+        "frozen_param_fragments": None,
+        "lr_scheduler": None,
+        "data_sampler": None,
+        "random_ltd": None,
+        "skipped_steps": 0,
+        "global_steps": step,
+        "dp_world_size": world,
+        "mp_world_size": 1,
+        "ds_version": DS_VERSION,
+    }
+
+
+def to_deepspeed(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    *,
+    to: str = SOURCE,
+    world: int | None = None,
+    stage: int = 2,
+) -> DeepSpeedConversion:
+    """Write the muonckpt checkpoint ``src`` (any kind, any topology) as DeepSpeed ZeRO-1/2
+    files for ``world`` ranks at the new directory ``dst`` (``latest`` and
+    ``global_step<N>``, N the checkpoint's step), which ``engine.load_checkpoint(dst)`` of a
+    Muon job at ``world`` ranks loads: the fp32 masters, the aux Adam's moments and step, and
+    the Muon momentum in EMA form (sum-form momentum converted by ``1 - mu``).
+
+    A checkpoint read from DeepSpeed keeps its groups, their order and settings; any other is
+    grouped as DeepSpeed groups one incoming param group (Muon params largest first, then the
+    Adam params), so the job must build its optimizer from one group. ``stage`` is what the
+    files say (DeepSpeed's loader reads stages 1 and 2 alike). The model's other tensors
+    (buffers) are not in a muonckpt checkpoint's optimizer state and are not written.
+
+    Memory: the whole optimizer state once, plus one rank's file.
+    """
+    from .. import storage
+    from ..checkpoint.pieces import PieceReader, open_checkpoint
+
+    if to != SOURCE:
+        raise OptionError(f"DeepSpeed output is for {SOURCE!r}, not {to!r}", "--to")
+    if type(world) is not int or world < 1:
+        raise OptionError(
+            f"give --world, the number of ranks DeepSpeed loads it at (not {world!r})", "--world"
+        )
+    if stage not in (1, 2):
+        raise OptionError(f"ZeRO stage {stage!r}: DeepSpeed's Muon runs at stages 1 and 2")
+    directory, manifest = open_checkpoint(src)
+    groups, notes = _out_groups(manifest, directory)
+    with PieceReader(directory, manifest) as reader:
+        values = [_out_values(reader, manifest, group, world) for group in groups]
+    step = manifest.recorded_step or max((v.step or 0 for v in values), default=0)
+    tag = f"global_step{step}"
+    staging = storage.store.create_staging(dst, False, source=directory)
+    try:
+        tag_dir = deepspeed_files.make_tag_directory(staging, tag)
+        for rank in range(world):
+            deepspeed_files.save(
+                tag_dir / deepspeed_files.rank_file(rank),
+                _rank_file(rank, groups, values, stage, world),
+            )
+        model = _model_file(groups, values, manifest, step, world)
+        deepspeed_files.save(tag_dir / deepspeed_files.MODEL_STATES, model)
+        deepspeed_files.finish(staging, tag)
+        path = Path(dst)
+        storage.store.publish(staging, path, overwrite=False)
+    except BaseException:
+        deepspeed_files.discard(staging)
+        raise
+    left = ["param_slice_mappings and the loss scaler (DeepSpeed's load reads neither)"]
+    if manifest.extra is not None:
+        left.append("extra / rank_extra (the job's own state, saved with the optimizer)")
+    return DeepSpeedConversion(path, f"ZeRO-{stage}, world {world}", tuple(left), tuple(notes))

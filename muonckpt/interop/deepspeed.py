@@ -1,0 +1,468 @@
+"""DeepSpeed ZeRO-1/2 with its Muon (``"optimizer": {"type": "Muon"}``: ``MuonWithAuxAdam``
+inside ``DeepSpeedZeroOptimizer``) in and out, at any world size.
+
+:func:`from_deepspeed` reads what ``engine.save_checkpoint`` wrote (the directory with
+``latest``, or one tag directory) into a consolidated muonckpt checkpoint keyed by
+DeepSpeed's param names: each param's fp32 master value (the ranks' slices joined), each Muon
+matrix's momentum (every rank whose slice overlaps a matrix holds all of it: the copies must
+agree), the aux Adam's moments and step as it keeps them, the group settings, and the
+momentum form (KellerJordan's update, EMA form) recorded as ``deepspeed.MuonWithAuxAdam``, so
+that ``load`` into torch.optim.Muon is exact and into the packaged Muon converts it as for
+every other family. :func:`to_deepspeed` writes any muonckpt checkpoint as DeepSpeed's own
+files for ``world`` ranks, which DeepSpeed loads at that world size as if it had saved them.
+The layout math is :mod:`muonckpt.layout.zero_partitions`'s, the file access
+:mod:`muonckpt.storage.deepspeed_files`'s. :data:`FORMAT` is DeepSpeed as the registry holds it.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..errors import CheckpointError
+from ..format import kinds
+from ..format.conversion import converted_manifest
+from ..format.manifest import (
+    CONSOLIDATED,
+    GroupEntry,
+    Manifest,
+    ModelFile,
+    ParamEntry,
+    Scalar,
+    json_safe,
+)
+from ..format.names import PARAM_KEY
+from ..layout.zero_partitions import GroupLayout, group_layout
+from ..storage import deepspeed_files
+from ..storage.deepspeed_files import MODEL_STATES, FragmentAddress, ZeroStage
+from ..storage.dtypes import dtype_name
+from ._consolidated import conversion_notes, write_consolidated
+from ._deepspeed_out import (
+    ADAM_KEYS,
+    MUON_KEY,
+    OPTIMIZER,
+    SOURCE,
+    DeepSpeedConversion,
+    to_deepspeed,
+)
+from .foreign import ForeignFormat
+
+__all__ = ["FORMAT", "DeepSpeedConversion", "from_deepspeed", "is_deepspeed", "to_deepspeed"]
+
+is_deepspeed = deepspeed_files.is_deepspeed
+
+
+@dataclass
+class _Group:
+    """One DeepSpeed param group as the rank files are read into it, joined."""
+
+    index: int
+    names: list[str]
+    shapes: list[tuple[int, ...]]
+    layout: GroupLayout
+    settings: dict[str, Any]
+    master: Any
+    """The fp32 master values, flat, the whole group (padding included)."""
+    moments: dict[str, Any] = field(default_factory=dict)
+    """Adam's ``exp_avg`` / ``exp_avg_sq``, flat like :attr:`master`."""
+    momentum: dict[str, tuple[Any, int]] = field(default_factory=dict)
+    """Muon: each param's whole momentum, and the first rank that held it."""
+    step: Any = None
+
+    @property
+    def muon(self) -> bool:
+        return self.settings.get("use_muon") is True
+
+
+def _fail(message: str, path: Path) -> CheckpointError:
+    return CheckpointError(message, path=path)
+
+
+def _get(mapping: Any, key: str, kind: type | tuple[type, ...], path: Path, where: str) -> Any:
+    """``mapping[key]``, of type ``kind``; refused naming the file and the field."""
+    if not isinstance(mapping, dict) or key not in mapping:
+        raise _fail(f"{where} has no {key!r}: not a DeepSpeed ZeRO-1/2 file", path)
+    value = mapping[key]
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
+        raise _fail(
+            f"{where}[{key!r}] is a {type(value).__name__}, not what DeepSpeed writes", path
+        )
+    return value
+
+
+def _param_shapes(model: Any, path: Path) -> list[dict[str, tuple[int, ...]]]:
+    """``param_shapes``: per group, each param's name and shape, in the group's order."""
+    import torch
+
+    groups = _get(model, "param_shapes", list, path, "the model states")
+    out = []
+    for g, shapes in enumerate(groups):
+        if not isinstance(shapes, dict) or not shapes:
+            raise _fail(f"param_shapes[{g}] is not a name -> shape mapping", path)
+        group = {}
+        for name, shape in shapes.items():
+            if not isinstance(name, str) or not isinstance(shape, (torch.Size, tuple, list)):
+                raise _fail(
+                    f"param_shapes[{g}] holds {name!r}: {shape!r}, not a name's shape", path
+                )
+            if not all(type(n) is int and n >= 0 for n in shape):
+                raise _fail(f"param_shapes[{g}][{name!r}] is {list(shape)}, not a shape", path)
+            group[name] = tuple(shape)
+        out.append(group)
+    names = [n for group in out for n in group]
+    if len(set(names)) != len(names):
+        raise _fail("param_shapes names a param in two groups", path)
+    return out
+
+
+def _rank_partitions(optim: Any, world: int, groups: int, path: Path) -> int:
+    """The ZeRO stage (1 or 2) of a rank file written by ``world`` ranks over ``groups``
+    groups."""
+    stage = optim.get("zero_stage")
+    if not isinstance(stage, int) or stage not in (ZeroStage.optimizer_states, ZeroStage.gradients):
+        raise _fail(f"zero_stage is {stage!r}: only ZeRO stages 1 and 2 are read", path)
+    counts = optim.get("partition_count")
+    counts = [counts] * groups if isinstance(counts, int) else counts
+    if not isinstance(counts, list) or len(counts) != groups:
+        raise _fail(
+            f"partition_count is {counts!r}, not one count per each of {groups} groups", path
+        )
+    for count in counts:
+        if count != world:
+            raise _fail(
+                f"partition_count is {count}, but {world} rank file{'s' * (world != 1)} "
+                "are beside it: a rank file is missing or left from another save",
+                path,
+            )
+    return int(stage)
+
+
+def _read_rank(
+    rank: int, world: int, path: Path, shapes: list[dict[str, tuple[int, ...]]], out: list[_Group]
+) -> int:
+    """Check rank ``rank``'s file against the layout ``shapes`` make for ``world`` ranks and
+    join its slices into ``out`` (made here from rank 0's); its ZeRO stage."""
+    import torch
+
+    top = deepspeed_files.load(path)
+    optim = _get(top, "optimizer_state_dict", dict, path, "the file")
+    stage = _rank_partitions(optim, world, len(shapes), path)
+    base = optim.get("base_optimizer_state")
+    if not isinstance(base, dict):
+        raise _fail(
+            "base_optimizer_state is not one optimizer state dict: an elastic checkpoint "
+            "(zero_optimization.elastic_checkpoint), which muonckpt does not read",
+            path,
+        )
+    masters = _get(optim, "single_partition_of_fp32_groups", list, path, "optimizer_state_dict")
+    paddings = _get(optim, "group_paddings", list, path, "optimizer_state_dict")
+    param_groups = _get(base, "param_groups", list, path, "base_optimizer_state")
+    states = _get(base, "state", dict, path, "base_optimizer_state")
+    if not len(masters) == len(paddings) == len(param_groups) == len(shapes):
+        raise _fail(
+            f"{len(masters)} fp32 partitions, {len(paddings)} paddings and {len(param_groups)} "
+            f"optimizer groups for the {len(shapes)} groups of param_shapes",
+            path,
+        )
+    align = optim.get("param_alignment_paddings") or [None] * len(shapes)
+    mappings = optim.get("param_slice_mappings")
+    for g, group_shapes in enumerate(shapes):
+        numels = [math.prod(s) for s in group_shapes.values()]
+        layout = group_layout(numels, world, align[g])
+        settings = param_groups[g]
+        if not isinstance(settings, dict):
+            raise _fail(f"param_groups[{g}] is not a group's settings", path)
+        if rank == 0:
+            flat = torch.zeros(layout.world * layout.partition, dtype=torch.float32)
+            hyper = {k: v for k, v in settings.items() if k != "params"}
+            out.append(
+                _Group(g, list(group_shapes), list(group_shapes.values()), layout, hyper, flat)
+            )
+        group = out[g]
+        master = masters[g]
+        where = f"group {g}"
+        if not isinstance(master, torch.Tensor) or master.dim() != 1:
+            raise _fail(f"{where}: its fp32 partition is not a flat tensor", path)
+        if master.numel() != layout.kept(rank) or paddings[g] != layout.group_padding(rank):
+            raise _fail(
+                f"{where}: its fp32 partition holds {master.numel()} elements with padding "
+                f"{paddings[g]!r}; the {sum(numels)} elements of param_shapes over {world} ranks "
+                f"give rank {rank} {layout.kept(rank)} with padding {layout.group_padding(rank)}",
+                path,
+            )
+        _check_mappings(mappings, g, group, rank, path)
+        at = rank * layout.partition
+        group.master[at : at + master.numel()] = master
+        ids = settings.get("params")
+        state = states.get(ids[0], {}) if isinstance(ids, list) and len(ids) == 1 else None
+        if not isinstance(state, dict):
+            raise _fail(f"{where}: its optimizer group holds not one flat param", path)
+        _take_state(state, group, rank, path)
+    return stage
+
+
+def _check_mappings(mappings: Any, g: int, group: _Group, rank: int, path: Path) -> None:
+    """``param_slice_mappings`` (when saved) name exactly the fragments the layout gives."""
+    if mappings is None:
+        return
+    if not isinstance(mappings, list) or len(mappings) <= g or not isinstance(mappings[g], dict):
+        raise _fail("param_slice_mappings is not one mapping per group", path)
+    expected = {}
+    for index, name in enumerate(group.names):
+        for fragment in group.layout.fragments(index):
+            if fragment.rank == rank:
+                expected[name] = (fragment.start, fragment.numel)
+    saved = {}
+    for name, address in mappings[g].items():
+        if not isinstance(address, FragmentAddress):
+            raise _fail(f"param_slice_mappings[{g}][{name!r}] is not a fragment_address", path)
+        saved[name] = (address.start, address.numel)
+    if saved != expected:
+        wrong = sorted(set(saved.items()) ^ set(expected.items()))[0][0]
+        raise _fail(
+            f"param_slice_mappings[{g}] places {wrong!r} at (start, numel) "
+            f"{saved.get(wrong)}, the layout of param_shapes at {expected.get(wrong)}",
+            path,
+        )
+
+
+def _take_state(state: dict[Any, Any], group: _Group, rank: int, path: Path) -> None:
+    """Join one rank's optimizer state of a group: Adam's moment slices and step, or the
+    whole momentum of each Muon matrix the rank's slice overlaps (equal on every rank)."""
+    import torch
+
+    layout, where = group.layout, f"group {group.index}"
+    allowed = {MUON_KEY} if group.muon else {*ADAM_KEYS, "step"}
+    unknown = sorted(str(k) for k in set(state) - allowed)
+    if unknown:
+        raise _fail(f"{where}: state {unknown} is not DeepSpeed Muon's nor its Adam's", path)
+    for key in ADAM_KEYS:
+        if key in state:
+            value = state[key]
+            if not isinstance(value, torch.Tensor) or value.numel() not in (
+                layout.partition,
+                layout.kept(rank),
+            ):
+                raise _fail(f"{where}: {key} is not this rank's slice of {layout.partition}", path)
+            flat = group.moments.setdefault(key, torch.zeros_like(group.master))
+            at = rank * layout.partition
+            flat[at : at + layout.kept(rank)] = value.reshape(-1)[: layout.kept(rank)]
+    if "step" in state:
+        step = state["step"]
+        if rank > 0 and not _same(step, group.step):
+            raise _fail(f"{where}: step {step!r}, rank 0's {group.step!r}", path)
+        group.step = step
+    if MUON_KEY in state:
+        _take_momentum(state[MUON_KEY], group, rank, path)
+
+
+def _same(a: Any, b: Any) -> bool:
+    import torch
+
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return torch.equal(a, b)
+    return type(a) is type(b) and a == b
+
+
+def _take_momentum(buffer: Any, group: _Group, rank: int, path: Path) -> None:
+    import torch
+
+    layout = group.layout
+    if not isinstance(buffer, torch.Tensor) or buffer.numel() != layout.momentum_numel(rank):
+        shown = buffer.numel() if isinstance(buffer, torch.Tensor) else type(buffer).__name__
+        raise _fail(
+            f"group {group.index}: momentum_buffer holds {shown} elements; the "
+            f"Muon matrices rank {rank}'s slice overlaps hold {layout.momentum_numel(rank)}",
+            path,
+        )
+    flat = buffer.reshape(-1)
+    for index, at in layout.momentum_offsets(rank):
+        name, numel = group.names[index], layout.numels[index]
+        piece = flat[at : at + numel].reshape(group.shapes[index])
+        held = group.momentum.get(name)
+        if held is None:
+            group.momentum[name] = (piece.clone(), rank)
+        elif not torch.equal(held[0], piece):
+            raise _fail(
+                f"the momentum of {name!r} differs between rank {held[1]} and rank {rank}, "
+                "which both hold all of it",
+                path,
+            )
+
+
+def _kind(group: _Group, path: Path) -> kinds.GroupKind:
+    """What a DeepSpeed group computes: KellerJordan's Muon update (EMA momentum, Nesterov,
+    ``sqrt(max(1, A / B))``), or its aux Adam (step a tensor with torch's AdamW, an int with
+    FusedAdam and the inline Adam)."""
+    import torch
+
+    if not group.muon:
+        step_in = "tensor" if isinstance(group.step, torch.Tensor) else "int"
+        return kinds.GroupKind(OPTIMIZER, "adamw", step_in=step_in)
+    mu = group.settings.get("momentum")
+    if not isinstance(mu, (int, float)) or isinstance(mu, bool) or not 0 <= mu < 1:
+        raise _fail(f"group {group.index}: momentum {mu!r} is not a number in [0, 1)", path)
+    return kinds.GroupKind(OPTIMIZER, "muon", kinds.EMA, float(mu), True, kinds.ASPECT)
+
+
+def _step(group: _Group) -> Scalar | None:
+    import torch
+
+    if group.step is None:
+        return None
+    if isinstance(group.step, torch.Tensor):
+        return Scalar(float(group.step.item()), dtype_name(group.step.dtype))
+    return Scalar(int(group.step), None)
+
+
+def _manifest(groups: Sequence[_Group], recorded: int | None, path: Path) -> Manifest:
+    """The joined groups as a consolidated manifest in DeepSpeed's own form (files, pieces
+    still empty), groups and params in DeepSpeed's order."""
+    entries, entries_of = [], []
+    for group in groups:
+        kind = _kind(group, path)
+        hyper = json_safe({k: v for k, v in group.settings.items() if k != "step"})
+        entries_of.append(GroupEntry(hyper, tuple(group.names), kind.to_json()))
+        step = _step(group)
+        for name, shape in zip(group.names, group.shapes, strict=True):
+            dtypes = {PARAM_KEY: "F32"}
+            if name in group.momentum:
+                dtypes[MUON_KEY] = dtype_name(group.momentum[name][0].dtype)
+            dtypes.update({key: "F32" for key in group.moments})
+            scalars = {"step": step} if step is not None and group.moments else {}
+            entries.append(ParamEntry(name, shape, -1, group.index, dtypes, scalars))
+    return Manifest(
+        CONSOLIDATED, {"dp": 1, "tp": 1}, tuple(entries_of), tuple(entries), (), (),
+        recorded_step=recorded,
+    )  # fmt: skip
+
+
+def _reader(groups: Sequence[_Group]) -> Callable[[str, str], Any]:
+    """``read(param, key)``: each tensor of the output, a tensor of its own, cut from the
+    joined groups when the writer reaches it (a momentum handed over, not copied)."""
+    where = {name: (group, i) for group in groups for i, name in enumerate(group.names)}
+
+    def read(name: str, key: str) -> Any:
+        group, index = where[name]
+        if key == MUON_KEY:
+            return group.momentum.pop(name)[0]
+        flat = group.master if key == PARAM_KEY else group.moments[key]
+        at, numel = group.layout.offsets[index], group.layout.numels[index]
+        return flat[at : at + numel].clone().reshape(group.shapes[index])
+
+    return read
+
+
+_MODEL_KEYS_USED = {
+    "module", "param_shapes", "shared_params", "global_steps", "dp_world_size",
+    "mp_world_size", "ds_version", "ds_config", "buffer_names", "optimizer",
+    "frozen_param_shapes", "frozen_param_fragments", "skipped_steps", "global_samples",
+    "parallel_dims",
+}  # fmt: skip
+
+
+def _left_out(model: dict[str, Any], params: set[str], aliases: Mapping[str, str]) -> list[str]:
+    """What of the model states the output does not hold: buffers and frozen params, the
+    lr scheduler and other client state."""
+    module = model.get("module")
+    names = list(module) if isinstance(module, dict) else []
+    left = [
+        f"{n} (a model tensor no optimizer holds)" for n in names if n not in params | set(aliases)
+    ]
+    left += [
+        f"{key} (client or engine state)"
+        for key in model
+        if key not in _MODEL_KEYS_USED and model[key] is not None
+    ]
+    return left
+
+
+def from_deepspeed(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    *,
+    source: str = SOURCE,
+    to: str | None = None,
+    overwrite: bool = False,
+    progress: Any = None,
+) -> DeepSpeedConversion:
+    """Convert the DeepSpeed ZeRO-1/2 checkpoint ``src`` (the directory holding ``latest``,
+    or one tag directory such as ``global_step300``) into a consolidated muonckpt checkpoint
+    at ``dst`` for the muonckpt family ``to`` (None: DeepSpeed's own form, recorded as
+    ``deepspeed.MuonWithAuxAdam``).
+
+    Every rank file is checked against the layout ``param_shapes`` gives at the number of rank
+    files: ``partition_count``, each fp32 slice's length and padding, ``param_slice_mappings``,
+    each Muon momentum buffer's length, and the copies of each matrix's momentum must agree;
+    a refusal is one line naming the file. Tied names (``shared_params``) are kept as the
+    model's aliases.
+
+    Memory: the whole optimizer state once, plus one rank file and one tensor.
+    """
+    if source != SOURCE:
+        raise CheckpointError(f"a DeepSpeed checkpoint is read as {SOURCE!r}, not {source!r}")
+    if to is not None and to not in kinds.FAMILIES:
+        raise CheckpointError(f"cannot convert to {to!r}: choose one of {sorted(kinds.FAMILIES)}")
+    directory = deepspeed_files.tag_directory(src)
+    files = deepspeed_files.rank_files(directory)
+    model_path = directory / MODEL_STATES
+    model = deepspeed_files.load(model_path)
+    shapes = _param_shapes(model, model_path)
+    params = {n for group in shapes for n in group}
+    aliases = _aliases(model.get("shared_params"), params, model_path)
+    left = _left_out(model, params, aliases)
+    recorded = model.get("global_steps")
+    del model  # the module's weights: the masters are the values
+    groups: list[_Group] = []
+    stages = {_read_rank(rank, len(files), path, shapes, groups) for rank, path in enumerate(files)}
+    manifest = _manifest(groups, recorded if type(recorded) is int else None, directory)
+    if aliases:
+        manifest = _with_aliases(manifest, aliases)
+    target, scales = converted_manifest(manifest, to, path=directory)
+    path = write_consolidated(
+        target,
+        scales,
+        _reader(groups),
+        dst,
+        overwrite=overwrite,
+        progress=progress,
+        source=directory,
+        aliases=aliases,
+    )
+    layout = f"ZeRO-{'/'.join(map(str, sorted(stages)))}, world {len(files)}"
+    return DeepSpeedConversion(path, layout, tuple(left), conversion_notes(manifest, target))
+
+
+def _aliases(shared: Any, params: set[str], path: Path) -> dict[str, str]:
+    """``shared_params`` (alias -> the param holding the data) as the model's aliases."""
+    if shared is None:
+        return {}
+    if not isinstance(shared, dict) or not all(
+        isinstance(k, str) and v in params and k not in params for k, v in shared.items()
+    ):
+        raise _fail("shared_params does not map other names to the optimizer's params", path)
+    return dict(shared)
+
+
+def _with_aliases(manifest: Manifest, aliases: Mapping[str, str]) -> Manifest:
+    from dataclasses import replace
+
+    return replace(manifest, model=ModelFile((), (), dict(aliases)))
+
+
+FORMAT = ForeignFormat(
+    name="deepspeed",
+    title="DeepSpeed",
+    detect=is_deepspeed,
+    read=from_deepspeed,
+    write=to_deepspeed,
+    sources=(SOURCE,),
+    targets=(SOURCE,),
+    write_options={"world": None},
+    records_source=True,
+)
+"""DeepSpeed ZeRO-1/2 in the registry (:mod:`muonckpt.interop.registry`)."""

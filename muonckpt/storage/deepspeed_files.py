@@ -1,0 +1,228 @@
+"""DeepSpeed ZeRO-1/2 checkpoint files, read safely and written plainly.
+
+A DeepSpeed checkpoint directory holds ``latest`` (the tag of the newest save) and one
+directory per tag (``global_step3``) with ``mp_rank_00_model_states.pt`` and one
+``zero_pp_rank_{r}_mp_rank_00_optim_states.pt`` per rank (``bf16_zero_pp_rank_...`` for a
+bf16 run). They are ``torch.save`` files whose pickles name a few DeepSpeed classes. They are
+read only by ``torch.load(weights_only=True)``, torch's restricted unpickler, with stand-ins
+of this module's own for exactly those classes (:data:`STAND_INS`): DeepSpeed need not be
+installed, nothing of the file runs, and any other global is refused before it resolves.
+Every file is opened as muonckpt opens its own (:func:`~.durable.open_regular`). Written
+files hold plain tensors, dicts, lists, numbers and strings only (``torch.save``), each
+created new and fsynced.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import re
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..errors import CheckpointError
+from . import lease
+from .dcp_metadata import one_line
+from .durable import fsync_dir, open_failure, open_regular, read_text
+
+LATEST = "latest"
+MODEL_STATES = "mp_rank_00_model_states.pt"
+RANK_FILE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
+MAX_TAG_BYTES = 4096
+
+
+def rank_file(rank: int, bf16: bool = False) -> str:
+    """The name of rank ``rank``'s optimizer file."""
+    return f"{'bf16_' if bf16 else ''}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+
+
+@dataclass
+class FragmentAddress:
+    """Stands in for ``deepspeed.utils.tensor_fragment.fragment_address``."""
+
+    numel: int
+    start: int
+
+
+class ZeroStage(enum.IntEnum):
+    """Stands in for ``deepspeed.runtime.zero.config.ZeroStageEnum``."""
+
+    disabled = 0
+    optimizer_states = 1
+    gradients = 2
+    weights = 3
+
+
+class LossScalerState:
+    """Stands in for DeepSpeed's loss scalers: their attributes, nothing else."""
+
+
+STAND_INS: dict[str, type] = {
+    "deepspeed.utils.tensor_fragment.fragment_address": FragmentAddress,
+    "deepspeed.runtime.zero.config.ZeroStageEnum": ZeroStage,
+    "deepspeed.runtime.fp16.loss_scaler.LossScaler": LossScalerState,
+    "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler": LossScalerState,
+}
+"""DeepSpeed's qualified class name -> what its pickles become here."""
+
+
+def is_tag_directory(path: Path) -> bool:
+    """Whether ``path`` holds rank 0's optimizer file (a ``global_stepN`` directory)."""
+    return any((path / rank_file(0, bf16)).is_file() for bf16 in (False, True))
+
+
+def is_deepspeed(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` is a DeepSpeed ZeRO checkpoint: a tag directory, or a directory with
+    ``latest`` and a tag directory (presence only; nothing is read)."""
+    path = Path(path)
+    if is_tag_directory(path):
+        return True
+    if not (path / LATEST).is_file():
+        return False
+    try:
+        with os.scandir(path) as entries:
+            return any(e.is_dir() and is_tag_directory(Path(e.path)) for e in entries)
+    except OSError:
+        return False
+
+
+def tag_directory(src: str | os.PathLike[str]) -> Path:
+    """The tag directory ``src`` means: itself when it holds rank files, else the one its
+    ``latest`` names (a plain name of a directory beside it)."""
+    src = Path(src)
+    if is_tag_directory(src):
+        return src
+    latest = src / LATEST
+    if not latest.exists():
+        raise CheckpointError(
+            f"not a DeepSpeed checkpoint: no {LATEST} and no {rank_file(0)}", path=src
+        )
+    tag = read_text(latest, limit=MAX_TAG_BYTES).strip()
+    if not tag or tag in (".", "..") or "/" in tag or "\0" in tag or "\n" in tag:
+        raise CheckpointError(f"names {tag[:80]!r}, not a tag directory's name", path=latest)
+    if not (src / tag).is_dir():
+        raise CheckpointError(f"names {tag!r}, which is not a directory beside it", path=latest)
+    return src / tag
+
+
+def rank_files(directory: Path) -> list[Path]:
+    """The optimizer files of ranks 0 .. n-1 in ``directory``, in rank order; a gap in the
+    ranks, or both bf16 and plain names, is refused naming the file."""
+    found: dict[int, Path] = {}
+    prefixes = set()
+    try:
+        names = os.listdir(directory)
+    except OSError as exc:
+        raise CheckpointError(f"cannot list: {exc.strerror}", path=directory) from None
+    for name in names:
+        match = RANK_FILE.match(name)
+        if match:
+            prefixes.add(match.group(1) or "")
+            found[int(match.group(2))] = directory / name
+    if len(prefixes) > 1:
+        raise CheckpointError(
+            "holds both bf16_zero_pp_rank_* and zero_pp_rank_* files", path=directory
+        )
+    if not found:
+        raise CheckpointError(
+            f"holds no {rank_file(0)} (nor any rank's): the save did not finish", path=directory
+        )
+    for rank in range(max(found) + 1):
+        if rank not in found:
+            missing = directory / rank_file(rank, prefixes == {"bf16_"})
+            raise CheckpointError(
+                f"rank {rank}'s optimizer file is missing (ranks up to {max(found)} are there)",
+                path=missing,
+            )
+    return [found[rank] for rank in sorted(found)]
+
+
+def load(path: Path) -> Any:
+    """The content of the ``torch.save`` file ``path``, by torch's restricted unpickler with
+    :data:`STAND_INS`: tensors, containers, numbers, strings and those classes only."""
+    import torch
+
+    try:
+        fd = open_regular(path)
+    except OSError as exc:
+        raise CheckpointError(f"cannot read: {open_failure(exc)}", path=path) from None
+    with os.fdopen(fd, "rb") as f:
+        allowed: list[Callable[..., Any] | tuple[Callable[..., Any], str]] = [
+            (cls, name) for name, cls in STAND_INS.items()
+        ]
+        try:
+            with warnings.catch_warnings(), torch.serialization.safe_globals(allowed):
+                warnings.simplefilter("ignore")  # torch's notes on a foreign file's protocol
+                return torch.load(f, map_location="cpu", weights_only=True)
+        except OSError as exc:
+            raise CheckpointError(f"cannot read: {exc.strerror}", path=path) from None
+        except Exception as exc:
+            raise CheckpointError(
+                "refused or unreadable, nothing of it was run (a DeepSpeed file holds tensors "
+                f"and {len(STAND_INS)} DeepSpeed classes only): {type(exc).__name__}: "
+                f"{_first_line(exc)}",
+                path=path,
+            ) from None
+
+
+def _first_line(exc: BaseException) -> str:
+    """The line of torch's refusal that names what was refused."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    named = [line for line in lines if "GLOBAL" in line or "Unsupported" in line]
+    return one_line(Exception((named or lines or [""])[0]))
+
+
+def save(path: Path, obj: Any) -> int:
+    """Write ``obj`` (plain tensors, dicts, lists, numbers, strings) to the new file ``path``
+    with ``torch.save``, fsynced; its size."""
+    import torch
+
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0))
+        with os.fdopen(fd, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+            return f.tell()
+    except OSError as exc:
+        raise CheckpointError(f"cannot write: {exc.strerror}", path=path) from None
+
+
+def make_tag_directory(staging: Path, tag: str) -> Path:
+    try:
+        (staging / tag).mkdir()
+    except OSError as exc:
+        raise CheckpointError(f"cannot create: {exc.strerror}", path=staging / tag) from None
+    return staging / tag
+
+
+def finish(staging: Path, tag: str) -> None:
+    """Write ``latest`` naming ``tag`` and make the tag directory durable."""
+    fsync_dir(staging / tag)
+    path = staging / LATEST
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+        with os.fdopen(fd, "w") as f:
+            f.write(tag)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as exc:
+        raise CheckpointError(f"cannot write: {exc.strerror}", path=path) from None
+
+
+def _ours(name: str) -> bool:
+    """Whether a path in a staging directory is one :func:`save`, :func:`make_tag_directory`
+    or :func:`finish` writes: ``latest``, the tag directory (``NAME/``) and its ``.pt`` files."""
+    head, _, rest = name.partition("/")
+    return name == LATEST or (
+        bool(head) and "/" not in rest and (not rest or rest.endswith(".pt")) and "/" in name
+    )
+
+
+def discard(staging: Path) -> None:
+    """Remove a DeepSpeed staging directory this process wrote: only its files, the tag
+    directory and, last, the lease."""
+    lease.discard_foreign(staging, _ours)
