@@ -127,3 +127,23 @@ def test_refusals_are_one_line_naming_the_file(tmp_path):
     with pytest.raises(CheckpointError, match="torch_dist only") as info:
         megatron.from_megatron(root, tmp_path / "y")
     assert megatron.DIST_METADATA in str(info.value)
+
+
+def test_readme_megatron_commands_run_as_written(tmp_path, monkeypatch):
+    """The README's Megatron commands as written, in process, on a copy of a fixture."""
+    import shlex
+
+    from .test_readme import example
+
+    shutil.copytree(_ckpt("tp2_dp1"), tmp_path / "mcore" / "ckpt")
+    monkeypatch.chdir(tmp_path)
+    for command in example("megatron-commands").strip().splitlines():
+        argv = shlex.split(command)
+        assert argv[0] == "muonckpt"
+        result = CliRunner().invoke(app, argv[1:])
+        assert result.exit_code == 0, result.output
+    assert muonckpt.verify(tmp_path / "ckpt" / "from-mcore-2x2") == []
+    assert muonckpt.read_manifest(tmp_path / "ckpt" / "from-mcore-2x2").topology == {
+        "dp": 2,
+        "tp": 2,
+    }

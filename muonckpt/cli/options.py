@@ -145,7 +145,8 @@ ConvertFrom = Annotated[
         metavar="IMPLEMENTATION",
         help="The implementation that wrote a DCP checkpoint SRC (required for one: DCP "
         "does not record it): torch, torchtitan, dion, muon-fsdp2, keller-jordan, packaged; "
-        "deepspeed for a DeepSpeed ZeRO-1/2 checkpoint (optional: its files say so).",
+        "deepspeed for a DeepSpeed ZeRO-1/2 checkpoint, megatron for a Megatron-Core "
+        "torch_dist one (optional for both: their files say so).",
         show_default=False,
     ),
 ]
