@@ -184,6 +184,30 @@ def test_rewrites_of_a_checkpoint_with_a_model_file_stay_consistent(tmp_path):
         assert index == stored
 
 
+def test_offline_rewrites_carry_the_tied_names(tmp_path):
+    """``reshard``, ``consolidate`` and ``convert`` keep the model's tied names (they name
+    optimizer params), in the manifest and in a consolidated output's model file header, and
+    leave its other tensors behind."""
+    from muonckpt import offline
+
+    model, opts = _trained()
+    tied = {"lm_head.weight": "wte.weight"}
+    ck = muonckpt.save(opts, tmp_path / "ck", consolidated=True, model=model)
+    per_rank = offline.reshard(ck, tmp_path / "1x2", dp=1, tp=2)
+    full = offline.consolidate(per_rank, tmp_path / "full")
+    torch_form = offline.convert(full, tmp_path / "torch", to="torch")
+    for out in (per_rank, full, torch_form):
+        assert muonckpt.verify(out) == []
+        manifest = muonckpt.read_manifest(out)
+        assert manifest.model is not None and dict(manifest.model.aliases) == tied, out
+        assert manifest.model.tensors == ()
+    for out in (full, torch_form):
+        with safe_open(out / "model.safetensors", "pt") as f:
+            assert f.metadata() == {**tied, "format": "muonckpt"}
+    rows = {(r.param, r.key): r for r in offline.diff(ck, full)}
+    assert rows["model", "aliases"].equal
+
+
 def test_diff_sees_the_model_file_the_job_state_and_the_step(tmp_path):
     """Two checkpoints equal in every optimizer tensor but not in a buffer, ``extra`` or the
     recorded step: ``diff`` names each difference, and two copies of one are all equal."""

@@ -47,10 +47,18 @@ from ..format.manifest import (
     ExtraTensor,
     ExtraValues,
     Manifest,
+    ModelFile,
     ParamEntry,
     json_safe,
 )
-from ..format.names import INDEX_FILE, MANIFEST_NAME, MODEL_INDEX_FILE, STATE_STEM, VALUE_STEM
+from ..format.names import (
+    INDEX_FILE,
+    MANIFEST_NAME,
+    MODEL_INDEX_FILE,
+    PARAM_KEY,
+    STATE_STEM,
+    VALUE_STEM,
+)
 from ..format.renames import Rename
 from ..format.writeplan import (
     TensorWrite,
@@ -128,7 +136,8 @@ def consolidate(
     directory, manifest = open_checkpoint(src)
     items = (((e.name, k, e.dtype_of(k)), e.shape) for e in manifest.params for k in e.tensor_keys)
     job = _Job(
-        _output_manifest(manifest, kind=CONSOLIDATED), consolidated_plan(items, max_shard_size)
+        _output_manifest(manifest, kind=CONSOLIDATED),
+        consolidated_plan(items, max_shard_size, _tied_names(manifest)),
     )
     if (workers := _processes(workers, job, dst)) > 1:
         options = {"max_shard_size": max_shard_size, "overwrite": overwrite}
@@ -232,10 +241,23 @@ def _owned(
 
 def _output_manifest(manifest: Manifest, **changes: Any) -> Manifest:
     """The manifest of a rewrite of ``manifest``: current format, files and pieces still empty;
-    the model's other tensors (``save(..., model=)``) are not carried."""
+    of the model section only the tied names (they name optimizer params, which every rewrite
+    keeps), not the model's other tensors (``save(..., model=)``)."""
+    tied = _tied_names(manifest)
+    model = ModelFile((), (), tied) if tied else None
     return replace(
-        manifest, **changes, files=(), pieces=(), format_version=FORMAT_VERSION, model=None
+        manifest, **changes, files=(), pieces=(), format_version=FORMAT_VERSION, model=model
     )
+
+
+def _tied_names(manifest: Manifest) -> dict[str, str] | None:
+    """The model's tied names (alias -> stored name) that name an optimizer param: what a
+    rewrite carries, and a consolidated one records in its model files' headers."""
+    if manifest.model is None:
+        return None
+    params = {e.name for e in manifest.params}
+    tied = {a: stored for a, stored in manifest.model.aliases.items() if stored in params}
+    return tied or None
 
 
 def convert(
@@ -288,6 +310,10 @@ def convert(
         files = {
             f.name: {"format": FORMAT_NAME, "rank": str(r)} for r, f in enumerate(manifest.files)
         }
+    elif tied := _tied_names(manifest):  # as consolidated_plan records them
+        for piece in manifest.pieces:
+            if piece.key == PARAM_KEY:
+                files[piece.file].update(tied)
     texts = {  # rebuilt: the keys may be renamed, and the model's other tensors are not carried
         name: _index_of(stem, files, writes)
         for stem, name in ((STATE_STEM, INDEX_FILE), (VALUE_STEM, MODEL_INDEX_FILE))
