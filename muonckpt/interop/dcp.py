@@ -389,7 +389,7 @@ def to_dcp(
     try:
         with PieceReader(directory, manifest) as reader:
 
-            def fetch(fqn: str) -> Any:
+            def fetch(fqn: str, _whole: dcp_files.Region) -> Any:
                 name, key, scale = sources[fqn]
                 entry = manifest.param(name)
                 data = reader.gather(pieces[name, key], entry, key, whole_region(entry.numel))

@@ -30,26 +30,35 @@ from typing import Any
 
 from .. import storage
 from ..checkpoint.writing import Progress
-from ..errors import CheckpointError, OptionError, StateDictError
+from ..errors import CheckpointError, StateDictError
 from ..format import kinds
 from ..format.conversion import converted_manifest
 from ..format.manifest import CONSOLIDATED, GroupEntry, Manifest, ParamEntry, Scalar, json_safe
 from ..format.names import PARAM_KEY
 from ..storage import dcp_files, dcp_metadata
 from ._consolidated import conversion_notes, summarized, write_consolidated
-from .foreign import Conversion, ForeignFormat
+from ._megatron_out import (
+    DIST_METADATA,
+    LATEST,
+    STACKED,
+    STATE_KEYS,
+    MegatronConversion,
+    to_megatron,
+)
+from .foreign import ForeignFormat
 
-__all__ = ["FORMAT", "MUON", "from_megatron", "is_megatron", "iteration_dir"]
+__all__ = [
+    "FORMAT",
+    "MUON",
+    "MegatronConversion",
+    "from_megatron",
+    "is_megatron",
+    "iteration_dir",
+    "to_megatron",
+]
 
-LATEST = "latest_checkpointed_iteration.txt"
-DIST_METADATA = "metadata.json"
 MUON = kinds.MEGATRON
 ADAMW = "torch.optim.AdamW"
-STACKED = ("decoder.layers.", "encoder.layers.")
-"""Prefixes of the keys whose leading axis is the layer (TransformerBlock's sharded offsets)."""
-STATE_KEYS = {"fp32_param": PARAM_KEY, "momentum_buffer": "momentum_buffer"}
-STATE_KEYS.update({"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"})
-"""Megatron's optimizer state key -> muonckpt's."""
 WANTED = {
     "muon": {"fp32_param", "momentum_buffer"},
     "adamw": {"fp32_param", "exp_avg", "exp_avg_sq"},
@@ -64,12 +73,6 @@ class Namespace:
 
 
 ADMITTED = ((Namespace, "argparse.Namespace"),)
-
-
-@dataclass(frozen=True)
-class MegatronConversion(Conversion):
-    """What :func:`from_megatron` wrote and left out; ``layout`` is the optimizer's sharding
-    format (``dp_reshardable``: chained prefixes; ``fully_reshardable``: none)."""
 
 
 def iteration_dir(path: str | os.PathLike[str]) -> Path:
@@ -364,19 +367,15 @@ def _assumed(common: Mapping[str, Any]) -> tuple[str, ...]:
     return (f"the checkpoint holds no training args: Megatron's defaults {taken} assumed",)
 
 
-def _not_written(*_: Any, **__: Any) -> Conversion:
-    raise OptionError("muonckpt reads Megatron-Core checkpoints but does not write them yet")
-
-
 FORMAT = ForeignFormat(
     name="megatron",
     title="Megatron-Core",
     detect=is_megatron,
     read=from_megatron,
-    write=_not_written,
+    write=to_megatron,
     sources=("megatron",),
-    targets=(),
+    targets=("megatron",),
+    write_options={"tp": None, "dp": None},
     records_source=True,
 )
-"""Megatron-Core's torch_dist format in the registry (:mod:`muonckpt.interop.registry`);
-read only."""
+"""Megatron-Core's torch_dist format in the registry (:mod:`muonckpt.interop.registry`)."""

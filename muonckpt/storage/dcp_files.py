@@ -182,34 +182,75 @@ def read_value(index: DcpIndex, item: DcpValue, admitted: Sequence[tuple[type, s
     )
 
 
+Region = tuple[tuple[int, ...], tuple[int, ...]]
+"""A block of a tensor: its offsets in the full tensor and its sizes."""
+
+
 def write_dcp(
     directory: str | os.PathLike[str],
     tensors: Mapping[str, tuple[tuple[int, ...], str]],
     values: Mapping[str, Any],
-    fetch: Callable[[str], torch.Tensor],
+    fetch: Callable[[str, Region], torch.Tensor],
+    chunks: Mapping[str, Sequence[Region]] | None = None,
 ) -> None:
     """Write a DCP checkpoint of one process into the existing empty ``directory``:
-    ``tensors`` (fqn -> (shape, safetensors dtype)), each fetched by ``fetch(fqn)`` when torch's
-    writer reaches it, and ``values`` (fqn -> a plain value). Only torch's own writer
-    (``torch.distributed.checkpoint.save``, ``FileSystemWriter``) writes, its tensors over files
-    of at most the largest tensor's bytes each (torch's writer holds a file's tensors until the
-    file is done), settings in one file of their own.
+    ``tensors`` (fqn -> (shape, safetensors dtype)), each stored as the blocks ``chunks`` gives
+    it (one block, the whole tensor, where it gives none), each block fetched by
+    ``fetch(fqn, (offsets, sizes))`` when torch's writer reaches it, and ``values`` (fqn -> a
+    plain value). Only torch's own writer (``torch.distributed.checkpoint.save``,
+    ``FileSystemWriter``) writes, its tensors over files of at most the largest tensor's bytes
+    each (torch's writer holds a file's tensors until the file is done), settings in one file
+    of their own, each value one item (as ``torch.save`` of it: a value holding tensors too).
 
     Memory: about the largest tensor, twice."""
+    import dataclasses
     import warnings
 
     import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        MetadataIndex,
+        TensorProperties,
+    )
+    from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+    blocks = dict(chunks or {})
+
+    def block_items(fqn: str) -> list[Any]:
+        shape, dtype = tensors[fqn]
+        properties = TensorProperties(dtype=torch_dtype(dtype))
+        return [
+            WriteItem(
+                index=MetadataIndex(fqn, torch.Size(offsets)),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)),
+                    properties=properties,
+                    size=torch.Size(shape),
+                ),
+            )
+            for offsets, sizes in blocks[fqn]
+        ]
 
     class _Fetching(DefaultSavePlanner):
+        def create_local_plan(self) -> Any:
+            plan = super().create_local_plan()
+            items = [i for i in plan.items if i.index.fqn not in blocks]
+            items += [item for fqn in blocks for item in block_items(fqn)]
+            self.plan = dataclasses.replace(plan, items=items)
+            return self.plan
+
         def resolve_data(self, write_item: Any) -> Any:
             fqn = write_item.index.fqn
             if fqn not in tensors:
                 return super().resolve_data(write_item)
-            tensor = fetch(fqn)
-            shape, dtype = tensors[fqn]
-            if tuple(tensor.shape) != tuple(shape) or tensor.dtype != torch_dtype(dtype):
+            dtype = tensors[fqn][1]
+            chunk = write_item.tensor_data.chunk
+            region = (tuple(chunk.offsets), tuple(chunk.sizes))
+            tensor = fetch(fqn, region)
+            if tuple(tensor.shape) != region[1] or tensor.dtype != torch_dtype(dtype):
                 raise CheckpointError(f"DCP item {fqn!r}: fetched a tensor unlike its plan")
             return tensor.contiguous()
 
@@ -231,7 +272,7 @@ def write_dcp(
                     buckets[0].append(item)
                     continue
                 size = (
-                    math.prod(item.tensor_data.size)
+                    math.prod(item.tensor_data.chunk.sizes)
                     * torch.empty(0, dtype=item.tensor_data.properties.dtype).element_size()
                 )
                 if used + size > budget:
@@ -256,7 +297,8 @@ def write_dcp(
     writer = _Bounded(os.fspath(directory), thread_count=1, per_thread_copy_ahead=0)
     with warnings.catch_warnings():  # one process, no process group: as intended
         warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single")
-        dcp.save(state, storage_writer=writer, planner=_Fetching())  # type: ignore[attr-defined]
+        planner = _Fetching(flatten_state_dict=False, flatten_sharded_tensors=False)
+        dcp.save(state, storage_writer=writer, planner=planner)  # type: ignore[attr-defined]
 
 
 def discard_dcp(directory: str | os.PathLike[str]) -> None:
