@@ -146,6 +146,7 @@ def test_readme_megatron_commands_run_as_written(tmp_path, monkeypatch):
         result = CliRunner().invoke(app, argv[1:])
         assert result.exit_code == 0, result.output
     assert muonckpt.verify(tmp_path / "ckpt" / "from-mcore-2x2") == []
+    assert megatron.is_megatron(tmp_path / "mcore" / "ckpt-tp1-dp2")
     assert muonckpt.read_manifest(tmp_path / "ckpt" / "from-mcore-2x2").topology == {
         "dp": 2,
         "tp": 2,
