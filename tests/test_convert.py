@@ -316,7 +316,11 @@ def test_a_foreign_format_is_one_record_in_the_registry(tmp_path, monkeypatch):
     )
     assert route(ours, to="torch") == interop.Route()
     refusals = [
-        ({"output_format": "bogus"}, "--format", "choose muonckpt or dcp or deepspeed or fake"),
+        (
+            {"output_format": "bogus"},
+            "--format",
+            "choose muonckpt or megatron or dcp or deepspeed or fake",
+        ),
         ({"to": "torch", "output_format": "fake"}, "--to", "choose one of reader"),
         ({"to": "packaged"}, "--from", "a Fake checkpoint does not record"),
         ({"to": "packaged", "source": "torch"}, "--from", "choose one of writer"),

@@ -28,6 +28,8 @@ from .options import (
     Dst,
     Force,
     Layout,
+    MegatronDp,
+    MegatronTp,
     ModelPrefix,
     OptimizerPrefix,
     OutputFormat,
@@ -191,13 +193,15 @@ def convert(
     output_format: OutputFormat = "muonckpt",
     layout: Layout = "torchtitan",
     world: World = None,
+    tp: MegatronTp = None,
+    dp: MegatronDp = None,
     model_prefix: ModelPrefix = None,
     optimizer_prefix: OptimizerPrefix = "optimizer.",
     force: Force = False,
     quiet: Quiet = False,
 ) -> None:
-    """Rewrite a checkpoint for another Muon implementation, renamed, or from/to PyTorch DCP
-    or DeepSpeed.
+    """Rewrite a checkpoint for another Muon implementation, renamed, or from/to PyTorch DCP,
+    DeepSpeed or Megatron-Core.
 
     The packaged Muon keeps sum-form momentum, torch.optim.Muon and KellerJordan's Muon EMA
     form: the buffers are scaled by 1 - mu (or its inverse) and AdamW step counts move to where
@@ -206,7 +210,9 @@ def convert(
     writer); --format dcp writes DCP that torch.distributed.checkpoint.load reads at any
     world size. A DeepSpeed ZeRO-1/2 checkpoint SRC (its directory with latest, or one
     global_stepN) becomes one too; --to deepspeed --world N writes DeepSpeed's own files for N
-    ranks.
+    ranks. A Megatron-Core torch_dist checkpoint SRC (its root or one iter_N) becomes one too;
+    --to megatron --tp T --dp D writes a torch_dist checkpoint for Megatron's layer-wise Muon
+    at TP T, DP D.
 
     Example: muonckpt convert ckpt/step-1000 -o ckpt/step-1000-torch --to torch
 
@@ -218,6 +224,8 @@ def convert(
 
     Example: muonckpt convert ckpt/from-ds -o ds/ckpt-world3 --to deepspeed --world 3
 
+    Example: muonckpt convert ckpt/from-mcore -o mcore/tp1-dp2 --to megatron --tp 1 --dp 2
+
     Names: muonckpt convert ckpt/step-1000 -o ckpt/plain --rename module.= --rename _orig_mod.=
     """
     from .. import interop, offline
@@ -227,6 +235,8 @@ def convert(
     options = {
         "layout": layout,
         "world": world,
+        "tp": tp,
+        "dp": dp,
         "model_prefix": model_prefix,
         "optimizer_prefix": optimizer_prefix,
     }

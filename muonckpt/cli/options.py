@@ -124,8 +124,9 @@ ConvertTo = Annotated[
         metavar="IMPLEMENTATION",
         help="packaged (muonckpt.optim.muon.Muon), torch (torch.optim.Muon + AdamW) or "
         "keller-jordan (muon.MuonWithAuxAdam); with --format dcp also torchtitan, dion or "
-        "muon-fsdp2; deepspeed writes DeepSpeed ZeRO-1/2 files (with --world). Left out "
-        "(muonckpt to muonckpt, or from DeepSpeed), each group keeps its implementation.",
+        "muon-fsdp2; deepspeed writes DeepSpeed ZeRO-1/2 files (with --world), megatron a "
+        "Megatron-Core torch_dist checkpoint (with --tp and --dp). Left out (muonckpt to "
+        "muonckpt, or from DeepSpeed or Megatron), each group keeps its implementation.",
         show_default=False,
     ),
 ]
@@ -145,7 +146,8 @@ ConvertFrom = Annotated[
         metavar="IMPLEMENTATION",
         help="The implementation that wrote a DCP checkpoint SRC (required for one: DCP "
         "does not record it): torch, torchtitan, dion, muon-fsdp2, keller-jordan, packaged; "
-        "deepspeed for a DeepSpeed ZeRO-1/2 checkpoint (optional: its files say so).",
+        "deepspeed for a DeepSpeed ZeRO-1/2 checkpoint, megatron for a Megatron-Core "
+        "torch_dist one (optional for both: their files say so).",
         show_default=False,
     ),
 ]
@@ -163,6 +165,24 @@ Layout = Annotated[
         "--layout",
         help="With --format dcp: torchtitan (model fqns at the top level) or recipe "
         "(model.<fqn>, DCP's get_state_dict recipe).",
+    ),
+]
+MegatronTp = Annotated[
+    int | None,
+    typer.Option(
+        "--tp",
+        min=1,
+        help="With --to megatron: the tensor-parallel size Megatron loads the output at.",
+        show_default=False,
+    ),
+]
+MegatronDp = Annotated[
+    int | None,
+    typer.Option(
+        "--dp",
+        min=1,
+        help="With --to megatron: the data-parallel size Megatron loads the output at.",
+        show_default=False,
     ),
 ]
 World = Annotated[

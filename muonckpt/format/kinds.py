@@ -35,6 +35,8 @@ ADAMW_STATE_KEYS = ("exp_avg", "exp_avg_sq")
 """The state keys of an AdamW param in the packaged Muon."""
 DEEPSPEED = "deepspeed.MuonWithAuxAdam"
 """DeepSpeed's ZeRO-1/2 Muon as a checkpoint read from its files names it."""
+MEGATRON = "megatron.core.optimizer.TensorParallelMuon"
+"""Megatron-Core's layer-wise Muon (emerging-optimizers', EMA form) as read from its files."""
 FAMILIES = {"packaged": "muonckpt.Muon", "torch": "torch.optim", "keller-jordan": "muon"}
 KNOWN = (
     "muonckpt.Muon",
@@ -46,9 +48,11 @@ KNOWN = (
     "muon.MuonWithAuxAdam",
     "muon.SingleDeviceMuonWithAuxAdam",
     DEEPSPEED,
+    MEGATRON,
 )
 """The optimizers whose groups muonckpt knows how to convert (``deepspeed.MuonWithAuxAdam``:
-DeepSpeed's ZeRO-1/2 Muon, KellerJordan's update in EMA form, read from its checkpoints)."""
+DeepSpeed's ZeRO-1/2 Muon, KellerJordan's update in EMA form, read from its checkpoints;
+``megatron.core.optimizer.TensorParallelMuon``: Megatron-Core's, EMA form, likewise)."""
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,9 @@ Modules: :mod:`.foreign` (the interface every format fills in: :class:`ForeignFo
 :class:`Conversion` it reports), :mod:`.registry` (:data:`FORMATS`, found by name or by their
 files), :mod:`.routes` (which conversion ``muonckpt convert``'s options ask for), and the
 formats: :mod:`.dcp` (PyTorch DCP: FSDP2 / DTensor jobs, torchtitan) and :mod:`.deepspeed`
-(DeepSpeed ZeRO-1/2 with its Muon, at any world size; its writer in :mod:`._deepspeed_out`).
+(DeepSpeed ZeRO-1/2 with its Muon, at any world size; its writer in :mod:`._deepspeed_out`)
+and :mod:`.megatron` (Megatron-Core's torch_dist, its layer-wise Muon at any TP and DP; its
+writer in :mod:`._megatron_out`).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 from .dcp import LAYOUTS, DcpConversion, from_dcp, is_dcp, to_dcp
 from .deepspeed import DeepSpeedConversion, from_deepspeed, is_deepspeed, to_deepspeed
 from .foreign import Conversion, ForeignFormat
+from .megatron import MegatronConversion, from_megatron, is_megatron, to_megatron
 from .registry import FORMATS, detect, format_named, reading
 from .routes import MUONCKPT, Route, route
 
@@ -24,15 +27,19 @@ __all__ = [
     "DcpConversion",
     "DeepSpeedConversion",
     "ForeignFormat",
+    "MegatronConversion",
     "Route",
     "detect",
     "format_named",
     "from_dcp",
     "from_deepspeed",
+    "from_megatron",
     "is_dcp",
     "is_deepspeed",
+    "is_megatron",
     "reading",
     "route",
     "to_dcp",
     "to_deepspeed",
+    "to_megatron",
 ]

@@ -1,6 +1,6 @@
 """What every foreign format's reader shares: the consolidated muonckpt checkpoint it writes
 (:func:`write_consolidated`) and the lines saying how its momentum was converted
-(:func:`conversion_notes`)."""
+(:func:`conversion_notes`) and what it left out (:func:`summarized`)."""
 
 from __future__ import annotations
 
@@ -78,3 +78,16 @@ def conversion_notes(source: Manifest, target: Manifest) -> tuple[str, ...]:
             if note is not None:
                 notes.append(f"{len(a.params)} Muon params: {note}")
     return tuple(notes)
+
+
+def summarized(fqns: list[str], named_prefix: str = "") -> tuple[str, ...]:
+    """Left-out items: those under ``named_prefix`` (the model's, say) by name, the others by
+    their first name component: ``lr_scheduler (3 items)``."""
+    named = [fqn for fqn in fqns if named_prefix and fqn.startswith(named_prefix)]
+    counts: dict[str, int] = {}
+    for fqn in fqns:
+        if named_prefix and fqn.startswith(named_prefix):
+            continue
+        head = fqn.split(".", 1)[0]
+        counts[head] = counts.get(head, 0) + 1
+    return (*named, *(f"{head} ({n} item{'s' * (n != 1)})" for head, n in counts.items()))

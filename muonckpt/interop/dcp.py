@@ -41,7 +41,7 @@ from ..format.manifest import (
 from ..format.names import PARAM_KEY
 from ..layout.topology import whole_region
 from ..storage import dcp_files, dcp_metadata
-from ._consolidated import conversion_notes, write_consolidated
+from ._consolidated import conversion_notes, summarized, write_consolidated
 from .foreign import Conversion, ForeignFormat
 
 __all__ = ["FORMAT", "LAYOUTS", "DcpConversion", "from_dcp", "is_dcp", "to_dcp"]
@@ -174,7 +174,7 @@ def from_dcp(
     used |= {fqn for keys in state.values() for fqn in keys.values()}
     left = sorted((set(index.tensors) | set(index.values)) - used)
     return DcpConversion(
-        path, layout, _summarized(left, model_prefix), conversion_notes(manifest, target)
+        path, layout, summarized(left, model_prefix), conversion_notes(manifest, target)
     )
 
 
@@ -384,19 +384,6 @@ def _step(index: dcp_metadata.DcpIndex, fqn: str, where: Path) -> Scalar:
     return Scalar(value, dtype)
 
 
-def _summarized(fqns: list[str], model_prefix: str = "") -> tuple[str, ...]:
-    """Left-out items: the model's by name, the others by their first name component:
-    ``lr_scheduler (3 items)``."""
-    named = [fqn for fqn in fqns if model_prefix and fqn.startswith(model_prefix)]
-    counts: dict[str, int] = {}
-    for fqn in fqns:
-        if model_prefix and fqn.startswith(model_prefix):
-            continue
-        head = fqn.split(".", 1)[0]
-        counts[head] = counts.get(head, 0) + 1
-    return (*named, *(f"{head} ({n} item{'s' * (n != 1)})" for head, n in counts.items()))
-
-
 def to_dcp(
     src: str | os.PathLike[str],
     dst: str | os.PathLike[str],
@@ -466,7 +453,7 @@ def to_dcp(
     try:
         with PieceReader(directory, manifest) as reader:
 
-            def fetch(fqn: str) -> Any:
+            def fetch(fqn: str, _whole: dcp_files.Region) -> Any:
                 name, key, scale = sources[fqn]
                 entry = others.get(name) or manifest.param(name)
                 data = reader.gather(pieces[name, key], entry, key, whole_region(entry.numel))

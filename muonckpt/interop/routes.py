@@ -84,6 +84,8 @@ def _writing(
     options: Mapping[str, Any],
 ) -> Route:
     """A muonckpt checkpoint written as one of ``format_``, its options checked."""
+    if not format_.targets:
+        raise OptionError(f"muonckpt reads {format_.title} checkpoints but does not write them")
     if to not in format_.targets:
         raise OptionError(f"choose one of {', '.join(format_.targets)}", "--to")
     for option, choices in format_.write_options.items():

@@ -65,8 +65,17 @@ class _Slice(io.RawIOBase):
         return got
 
 
-def _load_range(directory: Path, file: str, offset: int, length: int, what: str) -> Any:
-    """``torch.load(weights_only=True)`` of one stored item's byte range."""
+def _load_range(
+    directory: Path,
+    file: str,
+    offset: int,
+    length: int,
+    what: str,
+    admitted: Sequence[tuple[type, str]] = (),
+) -> Any:
+    """``torch.load(weights_only=True)`` of one stored item's byte range; ``admitted``: the
+    stand-ins, ``(class, "module.qualname")``, for foreign classes it may name (their
+    attributes only: nothing of the foreign class runs)."""
     import torch
 
     with open_data_file(directory, file, what) as (f, size):
@@ -78,9 +87,12 @@ def _load_range(directory: Path, file: str, offset: int, length: int, what: str)
                 path=path,
             )
         try:
-            return torch.load(
-                io.BufferedReader(_Slice(f, offset, length)), map_location="cpu", weights_only=True
-            )
+            with torch.serialization.safe_globals(list(admitted)):
+                return torch.load(
+                    io.BufferedReader(_Slice(f, offset, length)),
+                    map_location="cpu",
+                    weights_only=True,
+                )
         except OSError as exc:
             raise CheckpointError(f"cannot read {what}: {exc.strerror}", path=path) from None
         except Exception as exc:
@@ -105,19 +117,25 @@ def _dense(shape: Sequence[int], strides: Sequence[int]) -> bool:
     return True
 
 
-def read_tensor(index: DcpIndex, item: DcpTensor) -> torch.Tensor:
+def read_tensor(index: DcpIndex, item: DcpTensor, at: int | None = None) -> torch.Tensor:
     """The full tensor ``item``, assembled from its chunks (their geometry was checked by
     :func:`~muonckpt.storage.dcp_metadata.read_index`; each read must be a dense tensor of its
     chunk's shape and dtype whose storage is exactly its bytes: never a stride-0 expansion of fewer
-    bytes, nor a view into more).
+    bytes, nor a view into more); ``at``: only ``item[at]`` (one of stacked layers), from the
+    chunks that hold it.
 
-    Memory: the full tensor plus one chunk, the tensor never more than its stored bytes."""
+    Memory: the full tensor (or ``item[at]``) plus one chunk, the tensor never more than its
+    stored bytes."""
     import torch
 
     what = f"DCP item {item.fqn!r}"
     dtype = torch_dtype(item.dtype)
+    shape, chunks = item.shape, item.chunks
+    if at is not None:
+        shape = item.shape[1:]
+        chunks = tuple(c for c in item.chunks if c.offsets[0] <= at < c.offsets[0] + c.sizes[0])
     full = None
-    for chunk in item.chunks:
+    for chunk in chunks:
         value = _load_range(index.directory, chunk.file, chunk.offset, chunk.length, what)
         path = index.directory / chunk.file
         if not isinstance(value, torch.Tensor) or tuple(value.shape) != chunk.sizes:
@@ -143,53 +161,96 @@ def read_tensor(index: DcpIndex, item: DcpTensor) -> torch.Tensor:
                 "partial view is refused)",
                 path=path,
             )
-        if len(item.chunks) == 1:
+        offsets, sizes = chunk.offsets, chunk.sizes
+        if at is not None:
+            value, offsets, sizes = value[at - offsets[0]], offsets[1:], sizes[1:]
+        if len(chunks) == 1:
             return value.contiguous()  # a dense chunk in another order (column-major) too
         if full is None:
-            full = torch.empty(item.shape, dtype=dtype)
-        full[tuple(slice(o, o + s) for o, s in zip(chunk.offsets, chunk.sizes, strict=True))] = (
-            value
-        )
+            full = torch.empty(shape, dtype=dtype)
+        full[tuple(slice(o, o + s) for o, s in zip(offsets, sizes, strict=True))] = value
         del value
-    return full if full is not None else torch.empty(item.shape, dtype=dtype)
+    return full if full is not None else torch.empty(shape, dtype=dtype)
 
 
-def read_value(index: DcpIndex, item: DcpValue) -> Any:
+def read_value(index: DcpIndex, item: DcpValue, admitted: Sequence[tuple[type, str]] = ()) -> Any:
     """A non-tensor item's value (``torch.load(weights_only=True)``: numbers, strings, tuples
-    and the like only)."""
+    and the like only, and the stand-ins ``admitted`` for foreign classes, as
+    :func:`_load_range` takes them)."""
     return _load_range(
-        index.directory, item.file, item.offset, item.length, f"DCP item {item.fqn!r}"
+        index.directory, item.file, item.offset, item.length, f"DCP item {item.fqn!r}", admitted
     )
+
+
+Region = tuple[tuple[int, ...], tuple[int, ...]]
+"""A block of a tensor: its offsets in the full tensor and its sizes."""
 
 
 def write_dcp(
     directory: str | os.PathLike[str],
     tensors: Mapping[str, tuple[tuple[int, ...], str]],
     values: Mapping[str, Any],
-    fetch: Callable[[str], torch.Tensor],
+    fetch: Callable[[str, Region], torch.Tensor],
+    chunks: Mapping[str, Sequence[Region]] | None = None,
 ) -> None:
     """Write a DCP checkpoint of one process into the existing empty ``directory``:
-    ``tensors`` (fqn -> (shape, safetensors dtype)), each fetched by ``fetch(fqn)`` when torch's
-    writer reaches it, and ``values`` (fqn -> a plain value). Only torch's own writer
-    (``torch.distributed.checkpoint.save``, ``FileSystemWriter``) writes, its tensors over files
-    of at most the largest tensor's bytes each (torch's writer holds a file's tensors until the
-    file is done), settings in one file of their own.
+    ``tensors`` (fqn -> (shape, safetensors dtype)), each stored as the blocks ``chunks`` gives
+    it (one block, the whole tensor, where it gives none), each block fetched by
+    ``fetch(fqn, (offsets, sizes))`` when torch's writer reaches it, and ``values`` (fqn -> a
+    plain value). Only torch's own writer (``torch.distributed.checkpoint.save``,
+    ``FileSystemWriter``) writes, its tensors over files of at most the largest tensor's bytes
+    each (torch's writer holds a file's tensors until the file is done), settings in one file
+    of their own, each value one item (as ``torch.save`` of it: a value holding tensors too).
 
     Memory: about the largest tensor, twice."""
+    import dataclasses
     import warnings
 
     import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        MetadataIndex,
+        TensorProperties,
+    )
+    from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+    blocks = dict(chunks or {})
+
+    def block_items(fqn: str) -> list[Any]:
+        shape, dtype = tensors[fqn]
+        properties = TensorProperties(dtype=torch_dtype(dtype))
+        return [
+            WriteItem(
+                index=MetadataIndex(fqn, torch.Size(offsets)),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)),
+                    properties=properties,
+                    size=torch.Size(shape),
+                ),
+            )
+            for offsets, sizes in blocks[fqn]
+        ]
 
     class _Fetching(DefaultSavePlanner):
+        def create_local_plan(self) -> Any:
+            plan = super().create_local_plan()
+            items = [i for i in plan.items if i.index.fqn not in blocks]
+            items += [item for fqn in blocks for item in block_items(fqn)]
+            self.plan = dataclasses.replace(plan, items=items)
+            return self.plan
+
         def resolve_data(self, write_item: Any) -> Any:
             fqn = write_item.index.fqn
             if fqn not in tensors:
                 return super().resolve_data(write_item)
-            tensor = fetch(fqn)
-            shape, dtype = tensors[fqn]
-            if tuple(tensor.shape) != tuple(shape) or tensor.dtype != torch_dtype(dtype):
+            dtype = tensors[fqn][1]
+            chunk = write_item.tensor_data.chunk
+            region = (tuple(chunk.offsets), tuple(chunk.sizes))
+            tensor = fetch(fqn, region)
+            if tuple(tensor.shape) != region[1] or tensor.dtype != torch_dtype(dtype):
                 raise CheckpointError(f"DCP item {fqn!r}: fetched a tensor unlike its plan")
             return tensor.contiguous()
 
@@ -211,7 +272,7 @@ def write_dcp(
                     buckets[0].append(item)
                     continue
                 size = (
-                    math.prod(item.tensor_data.size)
+                    math.prod(item.tensor_data.chunk.sizes)
                     * torch.empty(0, dtype=item.tensor_data.properties.dtype).element_size()
                 )
                 if used + size > budget:
@@ -236,7 +297,8 @@ def write_dcp(
     writer = _Bounded(os.fspath(directory), thread_count=1, per_thread_copy_ahead=0)
     with warnings.catch_warnings():  # one process, no process group: as intended
         warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single")
-        dcp.save(state, storage_writer=writer, planner=_Fetching())  # type: ignore[attr-defined]
+        planner = _Fetching(flatten_state_dict=False, flatten_sharded_tensors=False)
+        dcp.save(state, storage_writer=writer, planner=planner)  # type: ignore[attr-defined]
 
 
 def discard_dcp(directory: str | os.PathLike[str]) -> None:

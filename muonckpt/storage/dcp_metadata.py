@@ -48,6 +48,13 @@ _METADATA_CLASSES = (
 ADMITTED: dict[str, tuple[str, ...]] = {
     "torch.distributed.checkpoint.metadata": _METADATA_CLASSES,
     "torch.distributed.checkpoint.filesystem": ("_StorageInfo",),
+    # Megatron-Core's torch_dist adds its save plans (``all_local_plans``): plain records
+    "torch.distributed.checkpoint.planner": (
+        "SavePlan",
+        "TensorWriteData",
+        "WriteItem",
+        "WriteItemType",
+    ),
     "torch": ("Size",),
     "torch.serialization": ("_get_layout",),
     "pathlib": ("Path", "PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"),

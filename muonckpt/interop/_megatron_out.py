@@ -1,0 +1,317 @@
+"""Megatron-Core out: a muonckpt checkpoint read from Megatron (:func:`.megatron.from_megatron`,
+at any topology since) as the torch_dist checkpoint Megatron-Core's layer-wise Muon loads at
+another TP and DP (:func:`to_megatron`).
+
+Written as Megatron's ``dist_checkpointing.save`` writes for ``--ckpt-format torch_dist``
+(the ``dp_reshardable`` format: ``chained_0.`` the Muon optimizer, ``chained_1.`` AdamW):
+``ROOT/latest_checkpointed_iteration.txt``, ``ROOT/iter_NNNNNNN`` with DCP's ``.metadata``
+and ``.distcp`` files and ``metadata.json``. Each key is one global tensor in the chunks
+Megatron's ranks write at TP ``tp`` (:mod:`muonckpt.layout.megatron_tp`), the decoder's
+layers stacked again: the bf16 model weights (the fp32 masters rounded, as Megatron's
+mixed-precision optimizer makes them), ``chained_N.optimizer.state.{fp32_param,
+momentum_buffer, exp_avg, exp_avg_sq}.KEY``, the linear modules' empty ``_extra_state``, and
+``common_state``: plain data only (the param groups, AdamW's ``common_step``, ``iteration``,
+``checkpoint_version`` and the ``content_metadata`` that ``megatron.training`` saves); the
+training ``args`` (an ``argparse.Namespace``) are left out, which Megatron's loader allows.
+torch_dist's tensors are global, so the files are the same for any DP size.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .. import storage
+from ..errors import CheckpointError, LayoutError, OptionError
+from ..format import kinds
+from ..format.conversion import group_kind
+from ..format.manifest import Manifest
+from ..format.names import PARAM_KEY
+from ..layout import megatron_tp
+from ..storage import dcp_files, lease
+from .foreign import Conversion
+
+SOURCE = "megatron"
+MUON = kinds.MEGATRON
+LATEST = "latest_checkpointed_iteration.txt"
+DIST_METADATA = "metadata.json"
+STACKED = ("decoder.layers.", "encoder.layers.")
+"""Prefixes of the keys whose leading axis is the layer (TransformerBlock's sharded offsets)."""
+STATE_KEYS = {"fp32_param": PARAM_KEY, "momentum_buffer": "momentum_buffer"}
+STATE_KEYS.update({"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"})
+"""Megatron's optimizer state key -> muonckpt's."""
+THEIR_KEY = {ours: theirs for theirs, ours in STATE_KEYS.items()}
+"""muonckpt's state key -> Megatron's."""
+CHAINED = {"muon": 0, "adamw": 1}
+"""The index of each role's optimizer in Megatron's ``ChainedOptimizer`` (Muon's first)."""
+MODEL_DTYPE, STATE_DTYPE = "BF16", "F32"
+"""The layer-wise Muon's model weights (it needs ``bf16=True``) and optimizer state."""
+CONTENT_METADATA = {
+    "distrib_optim_sharding_type": "dp_reshardable",
+    "singleton_local_shards": False,
+    "chained_optim_avoid_prefix": True,
+}
+"""What ``megatron.training``'s ``_build_sharded_state_dict_metadata`` saves for this format."""
+BACKEND = '{"sharded_backend": "torch_dist", "sharded_backend_version": 1}'
+CHECKPOINT_VERSION = 3.0
+_ITERATION_DIR = re.compile(r"iter_\d{7}")
+
+
+_LAYER_NAME = re.compile("(" + "|".join(map(re.escape, STACKED)) + r")(\d+)\.(.+)")
+
+
+@dataclass(frozen=True)
+class MegatronConversion(Conversion):
+    """What :func:`~.megatron.from_megatron` or :func:`to_megatron` wrote and left out;
+    ``layout`` is the optimizer's sharding format (``dp_reshardable``: chained prefixes;
+    ``fully_reshardable``: none), and for output the TP and DP it is for."""
+
+
+def stacked_key(name: str) -> tuple[str, int | None]:
+    """The checkpoint key of a per-layer param and its layer: ``decoder.layers.{i}.X`` ->
+    (``decoder.layers.X``, ``i``); other names as they are (the inverse of
+    :func:`.megatron._layers`)."""
+    match = _LAYER_NAME.fullmatch(name)
+    return (match[1] + match[3], int(match[2])) if match else (name, None)
+
+
+@dataclass(frozen=True)
+class _Source:
+    """Where one layer's tensor of a key comes from: the param, its state key, and the factor
+    its values are multiplied by (a momentum's form to EMA)."""
+
+    name: str
+    key: str
+    factor: float = 1.0
+
+
+@dataclass
+class _Key:
+    """One checkpoint key: its per-layer shape, the partition dim of one layer's tensor,
+    whether its layers are stacked, and each layer's source (one, at 0, where not stacked)."""
+
+    shape: tuple[int, ...]
+    dim: int | None
+    stacked: bool
+    layers: dict[int, _Source]
+
+
+def _check_sizes(tp: Any, dp: Any) -> None:
+    for value, flag in ((tp, "--tp"), (dp, "--dp")):
+        if type(value) is not int or value < 1:
+            raise OptionError(
+                f"give {flag}, the size Megatron loads the output at (not {value!r})", flag
+            )
+
+
+def _plain(value: Any) -> Any:
+    """A setting as torch's optimizers keep it: the manifest's JSON lists back to tuples."""
+    return tuple(value) if isinstance(value, list) else value
+
+
+def _groups(
+    manifest: Manifest, directory: Path
+) -> tuple[dict[str, float], dict[int, Any], int | None, list[str]]:
+    """Each Muon param's momentum factor (its form to EMA), the common state's ``optimizer``
+    (each role's param groups, AdamW's step), that step and the conversion notes. Only groups
+    with Megatron's settings are written (``wd_mult``: what :func:`.megatron.from_megatron`
+    keeps)."""
+    import torch
+
+    factors: dict[str, float] = {}
+    param_groups: dict[int, list[dict[str, Any]]] = {0: [], 1: []}
+    notes: list[str] = []
+    for g, group in enumerate(manifest.groups):
+        kind = group_kind(group, g, directory)
+        if kind.role not in CHAINED or "wd_mult" not in group.hyperparams:
+            raise CheckpointError(
+                f"group {g} ({kind.optimizer}) holds no Megatron param group (wd_mult, lr_mult): "
+                "muonckpt writes Megatron checkpoints of what it read from Megatron",
+                path=directory,
+            )
+        if kind.role == "muon":
+            target = kinds.GroupKind(
+                MUON, "muon", kinds.EMA, kind.momentum, kind.nesterov, kind.lr_rule
+            )
+            mapping = kinds.state_mapping(kind, target, f"group {g}", None)
+            if mapping.note:
+                notes.append(f"{len(group.params)} Muon params: {mapping.note}")
+            factors.update(dict.fromkeys(group.params, mapping.keys["momentum_buffer"][1]))
+        settings = {k: _plain(v) for k, v in group.hyperparams.items() if k != "step"}
+        param_groups[CHAINED[kind.role]].append(settings)
+    if not param_groups[0] or not param_groups[1]:
+        raise CheckpointError(
+            "Megatron's layer-wise Muon chains a Muon and an AdamW optimizer: the checkpoint "
+            "has groups of one role only",
+            path=directory,
+        )
+    adamw = [n for g in manifest.groups if "betas" in g.hyperparams for n in g.params]
+    step = manifest.latest_step(adamw)
+    adam_state = {"state": {"common_step": torch.tensor(float(step))}} if step else {}
+    optimizer = {
+        0: {"optimizer": {"param_groups": param_groups[0]}},
+        1: {"optimizer": {**adam_state, "param_groups": param_groups[1]}},
+    }
+    return factors, optimizer, step, notes
+
+
+def _keys(
+    manifest: Manifest, factors: Mapping[str, float], tp: int, directory: Path
+) -> dict[str, _Key]:
+    """Every checkpoint key (model and optimizer) -> its :class:`_Key`, the layers stacked
+    again; refused where a stacked key's layers differ or skip one."""
+    keys: dict[str, _Key] = {}
+    for entry in manifest.params:
+        if entry.value_dtype is None:
+            raise CheckpointError(
+                "has no saved values: Megatron's checkpoint needs every param's master weights",
+                path=directory,
+                param=entry.name,
+            )
+        fqn, layer = stacked_key(entry.name)
+        try:
+            dim = megatron_tp.partition_dim(entry.name) if tp > 1 else None
+        except LayoutError as exc:
+            raise OptionError(f"--tp {tp}: {exc}", "--tp") from None
+        chain = 0 if entry.name in factors else 1
+        items = {fqn: _Source(entry.name, PARAM_KEY)}
+        for key in entry.state_keys:
+            if key not in THEIR_KEY:
+                raise CheckpointError(
+                    f"holds {key!r}, which Megatron's Muon and AdamW do not keep",
+                    path=directory,
+                    param=entry.name,
+                )
+            their = f"chained_{chain}.optimizer.state.{THEIR_KEY[key]}.{fqn}"
+            items[their] = _Source(entry.name, key, factors.get(entry.name, 1.0))
+        items[f"chained_{chain}.optimizer.state.fp32_param.{fqn}"] = _Source(entry.name, PARAM_KEY)
+        for item, source in items.items():
+            held = keys.setdefault(item, _Key(entry.shape, dim, layer is not None, {}))
+            if held.shape != entry.shape or (layer or 0) in held.layers:
+                raise CheckpointError(
+                    f"stacks into {item!r} with layers of other shapes or twice",
+                    path=directory,
+                    param=entry.name,
+                )
+            held.layers[layer or 0] = source
+    for item, held in keys.items():
+        if sorted(held.layers) != list(range(len(held.layers))):
+            raise CheckpointError(
+                f"the layers of {item!r} are {sorted(held.layers)}, not 0 to "
+                f"{len(held.layers) - 1}: Megatron stacks every layer",
+                path=directory,
+            )
+    return keys
+
+
+def to_megatron(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    *,
+    to: str = SOURCE,
+    tp: int | None = None,
+    dp: int | None = None,
+) -> MegatronConversion:
+    """Write the muonckpt checkpoint ``src`` (read from a Megatron-Core torch_dist checkpoint,
+    at any topology since) as a new Megatron-Core torch_dist checkpoint root ``dst`` that
+    Megatron's layer-wise Muon loads at TP ``tp`` and DP ``dp``: the fp32 masters, the Muon
+    momentum in EMA form (sum-form momentum converted by ``1 - mu``), AdamW's moments and
+    step, the param groups' settings, and the bf16 model weights rounded from the masters.
+    The files do not depend on ``dp`` (torch_dist's tensors are global), only the chunks on
+    ``tp``.
+
+    Memory: one param's tensor at a time (each chunk of it read on its own).
+    """
+    from ..checkpoint.pieces import PieceReader, open_checkpoint
+    from ..layout.topology import whole_region
+
+    if to != SOURCE:
+        raise OptionError(f"Megatron output is for {SOURCE!r}, not {to!r}", "--to")
+    _check_sizes(tp, dp)
+    assert tp is not None
+    directory, manifest = open_checkpoint(src)
+    factors, optimizer, step, notes = _groups(manifest, directory)
+    keys = _keys(manifest, factors, tp, directory)
+    tensors, chunks = {}, {}
+    for item, held in keys.items():
+        shape = (len(held.layers), *held.shape) if held.stacked else held.shape
+        optimizer_item = ".optimizer.state." in item
+        tensors[item] = (shape, STATE_DTYPE if optimizer_item else MODEL_DTYPE)
+        try:
+            chunks[item] = megatron_tp.chunks(
+                held.shape, len(held.layers) if held.stacked else None, held.dim, tp
+            )
+        except LayoutError as exc:
+            raise OptionError(f"--tp {tp}: {item!r}: {exc}", "--tp") from None
+    iteration = manifest.recorded_step or step or 0
+    common = {
+        "optimizer": optimizer,
+        "iteration": iteration,
+        "checkpoint_version": CHECKPOINT_VERSION,
+        "content_metadata": dict(CONTENT_METADATA),
+    }
+    values: dict[str, Any] = {"common_state/shard_0_1": [common]}
+    for item, held in keys.items():
+        module, _, last = item.rpartition(".")
+        if (
+            held.stacked
+            and last == "weight"
+            and module.endswith(megatron_tp.EXTRA_STATE_MODULES)
+            and ".optimizer." not in item
+        ):
+            count = len(held.layers)
+            values.update(
+                {f"{module}._extra_state/shard_{i}_{count}": [None] for i in range(count)}
+            )
+    pieces = manifest.pieces_of()
+    staging = storage.store.create_staging(dst, False, source=directory)
+    try:
+        iteration_dir = staging / f"iter_{iteration:07d}"
+        iteration_dir.mkdir()
+        with PieceReader(directory, manifest) as reader:
+
+            def fetch(item: str, region: dcp_files.Region) -> Any:
+                held = keys[item]
+                offsets, sizes = region
+                source = held.layers[offsets[0] if held.stacked else 0]
+                if held.stacked:
+                    offsets, sizes = offsets[1:], sizes[1:]
+                entry = manifest.param(source.name)
+                data = reader.gather(
+                    pieces[source.name, source.key], entry, source.key, whole_region(entry.numel)
+                )
+                full = storage.tensor_of_bytes(data, entry.dtype_of(source.key))
+                block = full.reshape(entry.shape)[
+                    tuple(slice(o, o + s) for o, s in zip(offsets, sizes, strict=True))
+                ]
+                block = block.to(storage.torch_dtype(tensors[item][1]))
+                if source.factor != 1.0:
+                    block = block.mul(source.factor)
+                return block.reshape(region[1])
+
+            dcp_files.write_dcp(iteration_dir, tensors, values, fetch, chunks)
+        storage.write_text_atomic(iteration_dir / DIST_METADATA, BACKEND)
+        storage.fsync_dir(iteration_dir)
+        storage.write_text_atomic(staging / LATEST, str(iteration))
+        path = Path(dst)
+        storage.store.publish(staging, path, overwrite=False)
+    except BaseException:
+        lease.discard_foreign(staging, _ours)
+        raise
+    left = ["the training args (an argparse.Namespace: Megatron's loader does without)"]
+    if manifest.extra is not None:
+        left.append("extra / rank_extra (the job's own state, saved with the optimizer)")
+    return MegatronConversion(path, f"dp_reshardable, TP {tp} DP {dp}", tuple(left), tuple(notes))
+
+
+def _ours(name: str) -> bool:
+    """Whether a path in a staging directory is one :func:`to_megatron` writes:
+    ``latest_checkpointed_iteration.txt``, ``iter_NNNNNNN/`` and its files."""
+    head, slash, rest = name.partition("/")
+    if not slash:
+        return name == LATEST or name.startswith(f".{LATEST}.tmp-")
+    return bool(_ITERATION_DIR.fullmatch(head)) and "/" not in rest

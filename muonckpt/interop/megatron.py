@@ -1,0 +1,381 @@
+"""Megatron-Core's torch_dist checkpoints of its layer-wise Muon in:
+``LayerWiseDistributedOptimizer`` over emerging-optimizers' Muon (``TensorParallelMuon``) and
+AdamW, saved at any TP and DP.
+
+A torch_dist checkpoint is a DCP one (``.metadata``, ``__R_0.distcp``) with a ``metadata.json``
+(``sharded_backend: torch_dist``), found as ``ROOT/iter_NNNNNNN`` through
+``ROOT/latest_checkpointed_iteration.txt`` or given as that directory. Its tensors are global:
+TP chunks are joined by the DCP index, and the decoder layers are stacked on a leading axis
+(``decoder.layers.self_attention.linear_qkv.weight`` of shape (L, out, in)); :func:`from_megatron`
+splits them into one param per layer under Megatron's own names
+(``decoder.layers.0.self_attention.linear_qkv.weight``), each tensor in Megatron's layout (the
+interleaved QKV as it is). The optimizer's tensors are ``[chained_N.]optimizer.state.KEY.FQN``
+(``fp32_param``, Muon's ``momentum_buffer``, AdamW's ``exp_avg`` / ``exp_avg_sq``; the
+``chained_N.`` prefix in the default ``dp_reshardable`` format, none in ``fully_reshardable``);
+its param groups and AdamW's step are in the ``common_state`` item with the training ``args``,
+read through ``torch.load(weights_only=True)`` with a stand-in for ``argparse.Namespace``.
+The fp32 master params become the output's params; the bf16 model weights are left out.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .. import storage
+from ..checkpoint.writing import Progress
+from ..errors import CheckpointError, StateDictError
+from ..format import kinds
+from ..format.conversion import converted_manifest
+from ..format.manifest import CONSOLIDATED, GroupEntry, Manifest, ParamEntry, Scalar, json_safe
+from ..format.names import PARAM_KEY
+from ..storage import dcp_files, dcp_metadata
+from ._consolidated import conversion_notes, summarized, write_consolidated
+from ._megatron_out import (
+    DIST_METADATA,
+    LATEST,
+    STACKED,
+    STATE_KEYS,
+    MegatronConversion,
+    to_megatron,
+)
+from .foreign import ForeignFormat
+
+__all__ = [
+    "FORMAT",
+    "MUON",
+    "MegatronConversion",
+    "from_megatron",
+    "is_megatron",
+    "iteration_dir",
+    "to_megatron",
+]
+
+MUON = kinds.MEGATRON
+ADAMW = "torch.optim.AdamW"
+WANTED = {
+    "muon": {"fp32_param", "momentum_buffer"},
+    "adamw": {"fp32_param", "exp_avg", "exp_avg_sq"},
+}
+"""The state keys Megatron saves for a param of each role (only ``fp32_param`` before a step)."""
+_OPTIMIZER_ITEM = re.compile(r"(?:chained_(\d+)\.)?optimizer\.state\.([a-z0-9_]+)\.(.+)")
+COMMON = "common_state"
+
+
+class Namespace:
+    """Stand-in for ``argparse.Namespace`` (Megatron's training ``args``): attributes only."""
+
+
+ADMITTED = ((Namespace, "argparse.Namespace"),)
+
+
+def iteration_dir(path: str | os.PathLike[str]) -> Path:
+    """The ``iter_N`` directory ``path`` names: itself, or the one its
+    ``latest_checkpointed_iteration.txt`` names (refused naming the file when missing)."""
+    root = Path(path)
+    if not (root / LATEST).is_file():
+        return root
+    text = storage.read_text(root / LATEST, limit=64).strip()
+    if text == "release":
+        iteration = root / "release"
+    elif text.isdigit():
+        iteration = root / f"iter_{int(text):07d}"
+    else:
+        raise CheckpointError(f"names iteration {text!r}, not a number", path=root / LATEST)
+    if not iteration.is_dir():
+        raise CheckpointError(
+            f"names iteration {text}, but {iteration.name} is not a directory", path=root / LATEST
+        )
+    return iteration
+
+
+def is_megatron(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` is a Megatron checkpoint root (``latest_checkpointed_iteration.txt``) or
+    a torch_dist ``iter_N`` directory (``metadata.json`` beside DCP's ``.metadata``): files'
+    presence only."""
+    root = Path(path)
+    if (root / LATEST).is_file():
+        return True
+    return (root / DIST_METADATA).is_file() and dcp_metadata.is_dcp(root)
+
+
+def _check_backend(directory: Path) -> None:
+    """Refuse what is not torch_dist (the ``torch`` format's ``mp_rank_XX`` files, say)."""
+    where = directory / DIST_METADATA
+    if not where.is_file():
+        found = sorted(p.name for p in directory.iterdir())[:4] if directory.is_dir() else []
+        raise CheckpointError(
+            f"no {DIST_METADATA}: not a torch_dist checkpoint (muonckpt reads Megatron's "
+            f"torch_dist format; found {found})",
+            path=directory,
+        )
+    try:
+        backend = json.loads(storage.read_text(where, limit=1 << 16)).get("sharded_backend")
+    except (ValueError, AttributeError):
+        raise CheckpointError("not a JSON object", path=where) from None
+    if backend != "torch_dist":
+        raise CheckpointError(
+            f"sharded_backend is {backend!r}: muonckpt reads torch_dist only", path=where
+        )
+
+
+def from_megatron(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    *,
+    source: str = "megatron",
+    to: str | None = None,
+    overwrite: bool = False,
+    progress: Progress | None = None,
+) -> MegatronConversion:
+    """Convert the Megatron-Core torch_dist checkpoint ``src`` (its root or an ``iter_N``) into
+    a consolidated muonckpt checkpoint at ``dst``, per layer, with the fp32 master params,
+    Muon's momentum (EMA form, recorded so; converted for ``to``, a muonckpt family, or kept
+    as Megatron's when None), AdamW's state and step and the groups' settings.
+
+    Memory: one layer's tensor and one chunk of it at a time.
+    """
+    if source != "megatron":
+        raise StateDictError(f"source {source!r}: a Megatron checkpoint is read as 'megatron'")
+    if to is not None and to not in kinds.FAMILIES:
+        raise StateDictError(f"cannot convert to {to!r}: choose one of {sorted(kinds.FAMILIES)}")
+    directory = iteration_dir(src)
+    _check_backend(directory)
+    index = dcp_metadata.read_index(directory)
+    where = index.directory / dcp_metadata.METADATA_NAME
+    common = _common_state(index, where)
+    items, layout = _optimizer_items(index, where)
+    groups = _groups(common, where)
+    manifest, fqn_of = _manifest(index, items, groups, common, where)
+    target, scales = converted_manifest(manifest, to, path=where)
+
+    def read(name: str, key: str) -> Any:
+        fqn, layer = fqn_of[name, key]
+        return dcp_files.read_tensor(index, index.tensors[fqn], layer)
+
+    path = write_consolidated(
+        target, scales, read, dst, overwrite=overwrite, progress=progress, source=index.directory
+    )
+    used = {fqn for fqn, _ in fqn_of.values()} | {_common_fqn(index, where)}
+    left = sorted((set(index.tensors) | set(index.values)) - used)
+    notes = conversion_notes(manifest, target) + _assumed(common)
+    return MegatronConversion(path, layout, summarized(left), notes)
+
+
+def _common_fqn(index: dcp_metadata.DcpIndex, where: Path) -> str:
+    found = [fqn for fqn in index.values if fqn.split("/", 1)[0] == COMMON]
+    if len(found) != 1:
+        raise CheckpointError(
+            f"holds {len(found)} {COMMON} items, not one: not a Megatron torch_dist checkpoint",
+            path=where,
+        )
+    return found[0]
+
+
+def _common_state(index: dcp_metadata.DcpIndex, where: Path) -> dict[str, Any]:
+    """The checkpoint's common state (param groups, AdamW's step, ``args``), checked to be a
+    mapping with an ``optimizer``."""
+    fqn = _common_fqn(index, where)
+    value = dcp_files.read_value(index, index.values[fqn], ADMITTED)
+    if isinstance(value, list) and len(value) == 1:
+        value = value[0]  # as dist_checkpointing saves it: one object per shard
+    if not isinstance(value, dict) or not isinstance(value.get("optimizer"), dict):
+        raise CheckpointError(f"DCP item {fqn!r} holds no optimizer state", path=where)
+    return value
+
+
+def _optimizer_items(
+    index: dcp_metadata.DcpIndex, where: Path
+) -> tuple[dict[str, dict[str, str]], str]:
+    """model key -> Megatron's state key -> the item's fqn, and the sharding format."""
+    items: dict[str, dict[str, str]] = {}
+    prefixed = set()
+    for fqn in index.tensors:
+        if "optimizer." not in fqn:
+            continue
+        match = _OPTIMIZER_ITEM.fullmatch(fqn)
+        if match is None or match[2] not in STATE_KEYS:
+            raise CheckpointError(
+                f"DCP item {fqn!r} is not [chained_N.]optimizer.state.KEY.PARAM with KEY one "
+                f"of {sorted(STATE_KEYS)}",
+                path=where,
+            )
+        if match[3] not in index.tensors:
+            raise CheckpointError(f"DCP item {fqn!r}: no model tensor {match[3]!r}", path=where)
+        if index.tensors[fqn].shape != index.tensors[match[3]].shape:
+            raise CheckpointError(
+                f"DCP item {fqn!r} has shape {list(index.tensors[fqn].shape)}, its model "
+                f"tensor {list(index.tensors[match[3]].shape)}",
+                path=where,
+            )
+        prefixed.add(match[1] is not None)
+        items.setdefault(match[3], {})[match[2]] = fqn
+    if not items or len(prefixed) != 1:
+        shown = "no optimizer state" if not items else "chained prefixes on some items only"
+        raise CheckpointError(f"holds {shown}: not a Megatron optimizer checkpoint", path=where)
+    return items, "dp_reshardable" if prefixed == {True} else "fully_reshardable"
+
+
+@dataclass(frozen=True)
+class _Group:
+    role: str
+    settings: dict[str, Any]
+    step: int | None
+
+
+def _groups(common: Mapping[str, Any], where: Path) -> list[_Group]:
+    """Every param group of the chained optimizers, Muon's (a ``momentum`` setting) or
+    AdamW's (``betas``), with its chained optimizer's common step."""
+    optimizer = common["optimizer"]
+    chained = {0: optimizer} if "optimizer" in optimizer else optimizer
+    out = []
+    for c in sorted(chained):
+        inner = chained[c].get("optimizer") if isinstance(chained[c], dict) else None
+        groups = inner.get("param_groups") if isinstance(inner, dict) else None
+        if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
+            raise CheckpointError(
+                f"{COMMON}: chained optimizer {c} has no param_groups", path=where
+            )
+        step = inner.get("state", {}).get("common_step") if isinstance(inner, dict) else None
+        for g, group in enumerate(groups):
+            role = "adamw" if "betas" in group else "muon" if "momentum" in group else None
+            if role is None:
+                raise CheckpointError(
+                    f"{COMMON}: group {g} of chained optimizer {c} is neither Muon's "
+                    "(momentum) nor AdamW's (betas)",
+                    path=where,
+                )
+            settings = {k: v for k, v in group.items() if k != "params"}
+            out.append(_Group(role, json_safe(settings), _count(step, where)))
+    return out
+
+
+def _count(step: Any, where: Path) -> int | None:
+    if step is None:
+        return None
+    value = step.item() if hasattr(step, "item") else step
+    if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise CheckpointError(f"{COMMON}: common_step {value!r} is not a count", path=where)
+    return int(value)
+
+
+def _group_of(
+    groups: list[_Group], role: str, name: str, shape: tuple[int, ...], where: Path
+) -> int:
+    """The group of a param: its role's only group, or, where AdamW's (or Muon's) groups
+    differ by ``wd_mult``, Megatron's default rule: no weight decay for 1-D params and biases
+    (``megatron/core/optimizer/__init__.py``, ``wd_mult=0.0``)."""
+    mine = [i for i, g in enumerate(groups) if g.role == role]
+    if len(mine) == 1:
+        return mine[0]
+    no_decay = len(shape) == 1 or name.endswith(".bias")
+    by_wd = {groups[i].settings.get("wd_mult") == 0.0: i for i in mine}
+    if len(mine) != 2 or len(by_wd) != 2:
+        raise CheckpointError(
+            f"{COMMON}: {len(mine)} {role} groups that Megatron's weight-decay rule does not "
+            "tell apart (the checkpoint does not say which holds a param)",
+            path=where,
+            param=name,
+        )
+    return by_wd[no_decay]
+
+
+def _layers(fqn: str, shape: tuple[int, ...]) -> list[tuple[str, int | None]]:
+    """The per-layer names of a model key: ``decoder.layers.X`` -> ``decoder.layers.{i}.X``
+    for each ``i`` of its leading axis, with ``i``; other keys as they are."""
+    for prefix in STACKED:
+        if fqn.startswith(prefix) and shape:
+            rest = fqn[len(prefix) :]
+            return [(f"{prefix}{i}.{rest}", i) for i in range(shape[0])]
+    return [(fqn, None)]
+
+
+def _manifest(
+    index: dcp_metadata.DcpIndex,
+    items: Mapping[str, Mapping[str, str]],
+    groups: list[_Group],
+    common: Mapping[str, Any],
+    where: Path,
+) -> tuple[Manifest, dict[tuple[str, str], tuple[str, int | None]]]:
+    """The checkpoint as a consolidated manifest in Megatron's own form, one param per layer,
+    and where each (param, key) is: the item's fqn and its layer."""
+    args = vars(common["args"]) if isinstance(common.get("args"), Namespace) else {}
+    kinds_of = [_kind(g, args) for g in groups]
+    members: list[list[str]] = [[] for _ in groups]
+    entries, fqn_of = [], {}
+    for model_fqn in sorted(items):
+        keys = items[model_fqn]
+        if PARAM_KEY not in {STATE_KEYS[k] for k in keys}:
+            raise CheckpointError(f"DCP item {model_fqn!r}: no fp32_param saved", path=where)
+        role = "muon" if "momentum_buffer" in keys else "adamw"
+        wanted = WANTED[role]
+        if set(keys) != wanted and set(keys) != {"fp32_param"}:
+            raise CheckpointError(
+                f"DCP item {model_fqn!r}: optimizer state {sorted(keys)}, not {role}'s "
+                f"{sorted(wanted)}",
+                path=where,
+            )
+        full = index.tensors[keys["fp32_param"]]
+        for name, layer in _layers(model_fqn, full.shape):
+            shape = full.shape[1:] if layer is not None else full.shape
+            g = _group_of(groups, role, name, shape, where)
+            dtypes = {STATE_KEYS[k]: index.tensors[fqn].dtype for k, fqn in keys.items()}
+            step = groups[g].step
+            scalars = {"step": Scalar(float(step), "F32")} if role == "adamw" and step else {}
+            entries.append(ParamEntry(name, shape, -1, g, dtypes, scalars))
+            members[g].append(name)
+            fqn_of.update({(name, STATE_KEYS[k]): (fqn, layer) for k, fqn in keys.items()})
+    order = {name: i for i, names in enumerate(members) for name in names}
+    entries.sort(key=lambda e: (order[e.name], e.name))
+    group_entries = tuple(
+        GroupEntry(g.settings, tuple(sorted(names)), kind.to_json())
+        for g, names, kind in zip(groups, members, kinds_of, strict=True)
+    )
+    manifest = Manifest(CONSOLIDATED, {"dp": 1, "tp": 1}, group_entries, tuple(entries), (), ())
+    return manifest, fqn_of
+
+
+SCALE_RULES = {"spectral": kinds.MOONLIGHT, "shape_scaling": kinds.ASPECT}
+"""emerging-optimizers' ``scale_mode`` -> muonckpt's lr rule: ``spectral`` is
+``sqrt(max(A, B)) * extra_scale_factor``, ``shape_scaling`` ``sqrt(max(1, A / B))``."""
+DEFAULTS = {"muon_nesterov": False, "muon_scale_mode": "spectral", "muon_extra_scale_factor": 1.0}
+"""Megatron-Core 0.19.2's defaults (``optimizer_config.py``) of the Muon settings that its
+param groups do not hold, taken where the checkpoint has no ``args``."""
+
+
+def _kind(group: _Group, args: Mapping[str, Any]) -> kinds.GroupKind:
+    if group.role == "adamw":
+        return kinds.GroupKind(ADAMW, "adamw", step_in="tensor")
+    setting = {k: args.get(k, d) for k, d in DEFAULTS.items()}
+    rule = SCALE_RULES.get(str(setting["muon_scale_mode"]))
+    rms = float(setting["muon_extra_scale_factor"]) if rule == kinds.MOONLIGHT else None
+    mu = group.settings["momentum"]
+    return kinds.GroupKind(MUON, "muon", kinds.EMA, mu, bool(setting["muon_nesterov"]), rule, rms)
+
+
+def _assumed(common: Mapping[str, Any]) -> tuple[str, ...]:
+    """The note for a checkpoint without ``args``: which of Megatron's defaults were taken."""
+    if isinstance(common.get("args"), Namespace):
+        return ()
+    taken = ", ".join(f"{k}={v}" for k, v in DEFAULTS.items())
+    return (f"the checkpoint holds no training args: Megatron's defaults {taken} assumed",)
+
+
+FORMAT = ForeignFormat(
+    name="megatron",
+    title="Megatron-Core",
+    detect=is_megatron,
+    read=from_megatron,
+    write=to_megatron,
+    sources=("megatron",),
+    targets=("megatron",),
+    write_options={"tp": None, "dp": None},
+    records_source=True,
+)
+"""Megatron-Core's torch_dist format in the registry (:mod:`muonckpt.interop.registry`)."""

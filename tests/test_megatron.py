@@ -1,0 +1,248 @@
+"""Megatron-Core's layer-wise Muon in and out: the committed torch_dist fixtures (written by
+Megatron itself, ``tests/fixtures/megatron/make_fixtures.py``) read without Megatron, every value
+checked bitwise against the optimizer's in-memory state, then loaded into torch.optim.Muon +
+AdamW; and written back at the other layout, checked against what Megatron wrote there."""
+
+from __future__ import annotations
+
+import shutil
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from typer.testing import CliRunner
+
+import muonckpt
+from muonckpt import CheckpointError, ConversionWarning, offline
+from muonckpt.cli import app
+from muonckpt.errors import OptionError
+from muonckpt.interop import megatron
+from muonckpt.storage import dcp_files, dcp_metadata
+
+FIXTURES = Path(__file__).parent / "fixtures" / "megatron"
+NAMES = sorted(p.parent.name for p in FIXTURES.glob("*/truth.safetensors"))
+
+
+def _ckpt(name: str) -> Path:
+    return FIXTURES / name / "checkpoint"
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    """Each fixture converted as Megatron keeps it (no --to), once."""
+    root = tmp_path_factory.mktemp("mcore")
+    return {name: megatron.from_megatron(_ckpt(name), root / name).path for name in NAMES}
+
+
+def test_the_fixtures_are_here():
+    assert {"tp2_dp1", "tp1_dp2", "tp2_dp1_reshardable", "tp1_dp2_reshardable"} <= set(NAMES)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_value_is_the_truth_bitwise(converted, name):
+    out, truth = converted[name], load_file(FIXTURES / name / "truth.safetensors")
+    model = load_file(out / "model.safetensors")
+    state = load_file(out / "optimizer.safetensors")
+    manifest = muonckpt.read_manifest(out)
+    for key, expected in truth.items():
+        param, _, what = key.rpartition(".")
+        if what == "step":
+            assert manifest.param(param).scalars["step"].value == expected.item(), key
+            continue
+        got = model[param] if what == "param" else state[f"state.{param}.{what}"]
+        assert got.dtype == expected.dtype and torch.equal(got, expected), key
+    assert {k.rpartition(".")[0] for k in truth} == set(model)
+    assert "decoder.layers.1.self_attention.linear_qkv.weight" in model
+    assert muonckpt.verify(out) == []
+    muon = [g.optimizer for g in manifest.groups if g.optimizer["role"] == "muon"]
+    assert muon and all(g["momentum_form"] == "ema" for g in muon)
+    assert all(g["optimizer"] == "megatron.core.optimizer.TensorParallelMuon" for g in muon)
+
+
+def _torch_opts(model: dict, manifest) -> tuple[list[torch.optim.Optimizer], dict]:
+    params = {n: torch.nn.Parameter(torch.zeros_like(t)) for n, t in model.items()}
+    opts: list[torch.optim.Optimizer] = []
+    for group in manifest.groups:
+        h, named = group.hyperparams, [(n, params[n]) for n in group.params]
+        if group.optimizer["role"] == "muon":
+            nesterov = bool(group.optimizer.get("nesterov"))
+            opts.append(
+                torch.optim.Muon(named, lr=h["lr"], momentum=h["momentum"], nesterov=nesterov)
+            )
+        else:
+            betas = tuple(h["betas"])
+            opts.append(torch.optim.AdamW(named, lr=h["lr"], betas=betas, eps=h["eps"]))
+    return opts, params
+
+
+@pytest.mark.parametrize("name", ["tp2_dp1", "tp1_dp2_reshardable"])
+def test_it_loads_into_torch_muon_and_adamw_exactly(converted, name):
+    out, truth = converted[name], load_file(FIXTURES / name / "truth.safetensors")
+    opts, params = _torch_opts(load_file(out / "model.safetensors"), muonckpt.read_manifest(out))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConversionWarning)
+        muonckpt.load(opts, out)
+    for n, p in params.items():
+        assert torch.equal(p.detach(), truth[f"{n}.param"]), n
+    for opt in opts:
+        for group in opt.param_groups:
+            for n, p in zip(group["param_names"], group["params"], strict=True):
+                for key, value in opt.state[p].items():
+                    expected = truth[f"{n}.{key}"]
+                    if key == "step":
+                        assert float(value) == float(expected), n
+                    else:
+                        assert torch.equal(value, expected.to(value.dtype)), (n, key)
+
+
+def test_converted_for_the_packaged_muon_it_reshards_and_diffs(tmp_path):
+    out = megatron.from_megatron(_ckpt("tp2_dp1"), tmp_path / "p", to="packaged").path
+    assert muonckpt.verify(out) == []
+    resharded = offline.reshard(out, tmp_path / "r", dp=2, tp=2)
+    rows = offline.diff(out, resharded)
+    assert rows and all(r.bitwise for r in rows if r.key != "hyperparams"), rows
+
+
+def test_the_cli_reads_the_root_and_the_iteration(tmp_path):
+    runner = CliRunner()
+    for i, src in enumerate([_ckpt("tp1_dp2"), _ckpt("tp1_dp2") / "iter_0000003"]):
+        dst = tmp_path / f"o{i}"
+        args = ["convert", str(src), "-o", str(dst), "--from", "megatron", "--to", "torch"]
+        result = runner.invoke(app, args)
+        assert result.exit_code == 0, result.output
+        assert muonckpt.verify(dst) == []
+    for args in (["inspect", str(tmp_path / "o0")], ["diff", str(tmp_path / "o0"), str(dst)]):
+        result = runner.invoke(app, args)
+        assert result.exit_code == 0, result.output
+
+
+def test_refusals_are_one_line_naming_the_file(tmp_path):
+    root = tmp_path / "ckpt"
+    shutil.copytree(_ckpt("tp2_dp1"), root)
+    (root / megatron.LATEST).write_text("12")
+    with pytest.raises(CheckpointError, match="iter_0000012 is not a directory") as info:
+        megatron.from_megatron(root, tmp_path / "x")
+    assert "\n" not in str(info.value) and megatron.LATEST in str(info.value)
+    (root / megatron.LATEST).write_text("3")
+    (root / "iter_0000003" / megatron.DIST_METADATA).write_text('{"sharded_backend": "zarr"}')
+    with pytest.raises(CheckpointError, match="torch_dist only") as info:
+        megatron.from_megatron(root, tmp_path / "y")
+    assert megatron.DIST_METADATA in str(info.value)
+
+
+def test_readme_megatron_commands_run_as_written(tmp_path, monkeypatch):
+    """The README's Megatron commands as written, in process, on a copy of a fixture."""
+    import shlex
+
+    from .test_readme import example
+
+    shutil.copytree(_ckpt("tp2_dp1"), tmp_path / "mcore" / "ckpt")
+    monkeypatch.chdir(tmp_path)
+    for command in example("megatron-commands").strip().splitlines():
+        argv = shlex.split(command)
+        assert argv[0] == "muonckpt"
+        result = CliRunner().invoke(app, argv[1:])
+        assert result.exit_code == 0, result.output
+    assert muonckpt.verify(tmp_path / "ckpt" / "from-mcore-2x2") == []
+    assert megatron.is_megatron(tmp_path / "mcore" / "ckpt-tp1-dp2")
+    assert muonckpt.read_manifest(tmp_path / "ckpt" / "from-mcore-2x2").topology == {
+        "dp": 2,
+        "tp": 2,
+    }
+
+
+OTHER_LAYOUT = {"tp2_dp1": ("tp1_dp2", 1, 2), "tp1_dp2": ("tp2_dp1", 2, 1)}
+"""Fixture -> the fixture Megatron wrote at the other layout, and that layout's TP and DP."""
+
+
+@pytest.fixture(scope="module")
+def exported(converted, tmp_path_factory):
+    """Each dp_reshardable fixture, converted, written back at the other layout, once."""
+    root = tmp_path_factory.mktemp("mcore-out")
+    return {
+        name: megatron.to_megatron(converted[name], root / name, tp=tp, dp=dp).path
+        for name, (_, tp, dp) in OTHER_LAYOUT.items()
+    }
+
+
+def _index(root: Path) -> dcp_metadata.DcpIndex:
+    return dcp_metadata.read_index(megatron.iteration_dir(root))
+
+
+def _common(index: dcp_metadata.DcpIndex) -> dict:
+    value = dcp_files.read_value(
+        index, index.values[megatron.COMMON + "/shard_0_1"], megatron.ADMITTED
+    )
+    return value[0]
+
+
+@pytest.mark.parametrize("name", sorted(OTHER_LAYOUT))
+def test_the_export_is_what_megatron_writes_at_that_layout(exported, name):
+    """Keys, shapes, dtypes and DCP chunks as Megatron wrote them at the target layout; every
+    tensor the source's bitwise (the bf16 weights too); the same common state."""
+    mine, theirs = _index(exported[name]), _index(_ckpt(OTHER_LAYOUT[name][0]))
+    source = _index(_ckpt(name))
+    assert set(mine.tensors) == set(theirs.tensors) and set(mine.values) == set(theirs.values)
+    for fqn, ours in mine.tensors.items():
+        other = theirs.tensors[fqn]
+        assert (ours.shape, ours.dtype) == (other.shape, other.dtype), fqn
+        chunks = sorted((c.offsets, c.sizes) for c in ours.chunks)
+        assert chunks == sorted((c.offsets, c.sizes) for c in other.chunks), fqn
+        expected = dcp_files.read_tensor(source, source.tensors[fqn])
+        assert torch.equal(dcp_files.read_tensor(mine, ours), expected), fqn
+    for fqn in mine.values:
+        if fqn != megatron.COMMON + "/shard_0_1":
+            assert dcp_files.read_value(mine, mine.values[fqn]) == [None], fqn
+    common, expected = _common(mine), _common(source)
+    del expected["args"]
+    assert common.pop("content_metadata")["distrib_optim_sharding_type"] == "dp_reshardable"
+    assert repr(common) == repr(expected)
+    assert (exported[name] / megatron.LATEST).read_text() == "3"
+
+
+@pytest.mark.parametrize("name", sorted(OTHER_LAYOUT))
+def test_in_out_in_gives_back_every_tensor_bitwise(converted, exported, tmp_path, name):
+    again = megatron.from_megatron(exported[name], tmp_path / "again").path
+    for file in ("model.safetensors", "optimizer.safetensors"):
+        first, second = load_file(converted[name] / file), load_file(again / file)
+        assert set(first) == set(second), file
+        assert all(torch.equal(first[k], second[k]) for k in first), file
+    assert muonckpt.read_manifest(again).groups == muonckpt.read_manifest(converted[name]).groups
+
+
+def test_a_packaged_checkpoint_at_2x2_goes_back_within_rounding(tmp_path):
+    """Converted for the packaged Muon (sum form) and resharded, then written for Megatron: the
+    momentum back in EMA form within float rounding, everything else bitwise."""
+    packaged = megatron.from_megatron(_ckpt("tp2_dp1"), tmp_path / "p", to="packaged").path
+    resharded = offline.reshard(packaged, tmp_path / "r", dp=2, tp=2)
+    report = offline.to_megatron(resharded, tmp_path / "m", tp=1, dp=2)
+    assert report.converted == ("8 Muon params: sum -> ema (x 0.05, mu=0.95)",)
+    mine, source = _index(report.path), _index(_ckpt("tp2_dp1"))
+    for fqn, item in source.tensors.items():
+        got, expected = (
+            dcp_files.read_tensor(mine, mine.tensors[fqn]),
+            dcp_files.read_tensor(source, item),
+        )
+        if ".momentum_buffer." in fqn:
+            torch.testing.assert_close(got, expected, rtol=1e-6, atol=0)
+        else:
+            assert torch.equal(got, expected), fqn
+
+
+def test_output_refusals_name_the_flag_or_the_file(converted, tmp_path):
+    with pytest.raises(OptionError, match="does not split into 3 TP chunks") as info:
+        megatron.to_megatron(converted["tp2_dp1"], tmp_path / "a", tp=3, dp=1)
+    assert info.value.option == "--tp" and not (tmp_path / "a").exists()
+    with pytest.raises(OptionError, match="give --dp") as info:
+        megatron.to_megatron(converted["tp2_dp1"], tmp_path / "b", tp=1, dp=0)
+    deepspeed = FIXTURES.parent / "deepspeed" / "w2_z1_fused_fp32" / "ckpt"
+    foreign = offline.from_deepspeed(deepspeed, tmp_path / "ds").path
+    with pytest.raises(CheckpointError, match="no Megatron param group") as info:
+        megatron.to_megatron(foreign, tmp_path / "c", tp=1, dp=1)
+    assert "\n" not in str(info.value) and str(foreign) in str(info.value)
+    result = CliRunner().invoke(
+        app, ["convert", str(converted["tp2_dp1"]), "-o", str(tmp_path / "d"), "--to", "megatron"]
+    )
+    assert result.exit_code == 2 and "--tp" in result.output and "Traceback" not in result.output
