@@ -47,8 +47,10 @@ READERS_AND_WRITERS = ("storage", "checkpoint.pieces", "checkpoint.retention", "
 """Bytes to and from files: the offline tools' path, which runs without a process group (and
 imports torch only inside functions, where a tensor crosses: tests/test_cli.py checks
 that at run time)."""
-DCP_FILES = ("storage.dcp_metadata", "storage.dcp_files")
-"""DCP's file format: its metadata classes (through a restricted unpickler) and torch's writer."""
+DCP_FILES = ("storage.dcp_metadata", "storage.dcp_files", "storage._dcp_writer")
+"""DCP's file format: its metadata classes (through a restricted unpickler) and torch's writer
+(``_dcp_writer``: torch's planner and writer subclassed, imported by ``dcp_files`` only inside
+the function that writes)."""
 COLLECTIVE_CALLERS = (
     "distributed.collectives",
     "distributed.group_steps",
@@ -110,16 +112,15 @@ RULES = (
         only_internal=(*PURE, "_namespace"),
     ),
     Rule(
-        "only distributed imports torch.distributed (and storage.dcp_metadata and dcp_files, DCP's "
-        "file format: "
-        "its metadata classes and torch's own writer)",
+        "only distributed imports torch.distributed (and storage.dcp_metadata, dcp_files and "
+        "_dcp_writer, DCP's file format: its metadata classes and torch's own writer)",
         modules=("*",),
         exempt=(*COLLECTIVE_CALLERS, *DCP_FILES),
         no_external=("torch.distributed",),
     ),
     Rule(
-        "storage.dcp_metadata and dcp_files take from torch.distributed only DCP's file format, "
-        "never a collective",
+        "storage.dcp_metadata, dcp_files and _dcp_writer take from torch.distributed only DCP's "
+        "file format, never a collective",
         modules=DCP_FILES,
         no_external=(
             "torch.distributed.distributed_c10d",
@@ -484,6 +485,47 @@ def test_private_modules_are_imported_only_inside_their_folder():
 def test_no_import_cycle():
     found = cycles(package_sources())
     assert not found, "import cycles:\n" + "\n".join(found)
+
+
+MAX_FUNCTION_LINES = 80
+"""The most lines a function or method may span, its ``def`` line to its last."""
+MAX_MODULE_LINES = 600
+
+
+def oversized(sources: Mapping[str, tuple[str, str]]) -> list[str]:
+    """Each module over :data:`MAX_MODULE_LINES` lines and each function (nested ones and
+    methods included) over :data:`MAX_FUNCTION_LINES`, as ``FILE:LINE: NAME is N lines``."""
+    found = []
+    for file, source in sources.values():
+        lines = len(source.splitlines())
+        if lines > MAX_MODULE_LINES:
+            found.append(f"{file}:1: the module is {lines} lines (at most {MAX_MODULE_LINES})")
+        for node in ast.walk(ast.parse(source, file)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                span = (node.end_lineno or node.lineno) - node.lineno + 1
+                if span > MAX_FUNCTION_LINES:
+                    found.append(
+                        f"{file}:{node.lineno}: {node.name} is {span} lines "
+                        f"(at most {MAX_FUNCTION_LINES})"
+                    )
+    return found
+
+
+def test_no_function_over_80_lines_and_no_module_over_600():
+    found = oversized(package_sources())
+    assert not found, "too long:\n" + "\n".join(found)
+    body = [f"x{i} = {i}\n" for i in range(MAX_FUNCTION_LINES)]  # one line too many
+    fake = _fake(
+        {
+            "a": "def fits():\n" + "".join("    " + line for line in body[1:]),
+            "b": "class C:\n    async def f(self):\n" + "".join("        " + x for x in body),
+            "c": "y = 1\n" * (MAX_MODULE_LINES + 1),
+        }
+    )
+    assert oversized(fake) == [
+        f"muonckpt/b.py:2: f is {MAX_FUNCTION_LINES + 1} lines (at most {MAX_FUNCTION_LINES})",
+        f"muonckpt/c.py:1: the module is {MAX_MODULE_LINES + 1} lines (at most {MAX_MODULE_LINES})",
+    ]
 
 
 # ---- The checks themselves: each form of import is caught -----------------------------------

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
-from typing import Annotated, Any, Literal, cast
+from typing import TYPE_CHECKING, Annotated, Any, Literal, cast
 
 import typer
 
@@ -44,6 +44,9 @@ from .options import (
     local_directory,
     size_parameter,
 )
+
+if TYPE_CHECKING:
+    from .. import interop
 
 # The library is imported by the commands that use it, so that --help and usage errors answer
 # at once; torch (~2.7 s to import on the benchmark machine) only by those that need it:
@@ -228,7 +231,7 @@ def convert(
 
     Names: muonckpt convert ckpt/step-1000 -o ckpt/plain --rename module.= --rename _orig_mod.=
     """
-    from .. import interop, offline
+    from .. import interop
     from ..errors import OptionError
 
     prefixes = _renames(rename)
@@ -252,6 +255,24 @@ def convert(
         )
     except OptionError as exc:
         raise typer.BadParameter(str(exc), param_hint=exc.option) from None
+    _convert_by(route, ctx, src, dst, to=to, renames=prefixes, force=force, quiet=quiet)
+
+
+def _convert_by(
+    route: interop.Route,
+    ctx: typer.Context,
+    src: Path,
+    dst: Path,
+    *,
+    to: str | None,
+    renames: dict[str, str],
+    force: bool,
+    quiet: bool,
+) -> None:
+    """Run the conversion ``route`` chose (a foreign format's writer, its reader, or muonckpt
+    to muonckpt), then say what it did."""
+    from .. import offline
+
     output.also_quiet(ctx, quiet)
     if route.writes is not None:
         report = route.writes.write(src, dst, to=to, **route.options)
@@ -270,7 +291,7 @@ def convert(
         output.say_conversion(ctx, route.reads.title, report)
         output.say(ctx, _written(report.path))
     else:
-        settings = {"to": to, "rename": prefixes or None}
+        settings = {"to": to, "rename": renames or None}
         _rewrite(ctx, quiet, offline.convert, src, dst, force, None, **settings)
 
 

@@ -7,7 +7,8 @@ files), :mod:`.routes` (which conversion ``muonckpt convert``'s options ask for)
 formats: :mod:`.dcp` (PyTorch DCP: FSDP2 / DTensor jobs, torchtitan) and :mod:`.deepspeed`
 (DeepSpeed ZeRO-1/2 with its Muon, at any world size; its writer in :mod:`._deepspeed_out`)
 and :mod:`.megatron` (Megatron-Core's torch_dist, its layer-wise Muon at any TP and DP; its
-writer in :mod:`._megatron_out`).
+writer in :mod:`._megatron_out`). What the readers share is :mod:`._consolidated`'s, what the
+writers share :mod:`._foreign_out`'s.
 """
 
 from __future__ import annotations

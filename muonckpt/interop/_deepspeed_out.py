@@ -27,6 +27,7 @@ from ..format.manifest import Manifest
 from ..format.names import PARAM_KEY
 from ..layout.zero_partitions import GroupLayout, group_layout
 from ..storage import deepspeed_files
+from ._foreign_out import not_carried, read_whole, staged_output
 from .foreign import Conversion
 
 OPTIMIZER = kinds.DEEPSPEED
@@ -137,7 +138,6 @@ def _out_values(reader: Any, manifest: Manifest, group: _OutGroup, world: int) -
     import torch
 
     from .. import storage
-    from ..layout.topology import whole_region
 
     entries = [manifest.param(n) for n in group.names]
     layout = group_layout([e.numel for e in entries], world)
@@ -145,9 +145,7 @@ def _out_values(reader: Any, manifest: Manifest, group: _OutGroup, world: int) -
     flat_numel = layout.world * layout.partition
 
     def read(name: str, key: str) -> Any:
-        entry = manifest.param(name)
-        data = reader.gather(pieces[name, key], entry, key, whole_region(entry.numel))
-        return storage.tensor_of_bytes(data, entry.dtype_of(key)).reshape(-1)
+        return read_whole(reader, pieces, manifest.param(name), key).reshape(-1)
 
     master = torch.zeros(flat_numel, dtype=torch.float32)
     keys = {k for e in entries for k in e.state_keys}
@@ -284,7 +282,6 @@ def to_deepspeed(
 
     Memory: the whole optimizer state once, plus one rank's file.
     """
-    from .. import storage
     from ..checkpoint.pieces import PieceReader, open_checkpoint
 
     if to != SOURCE:
@@ -301,8 +298,7 @@ def to_deepspeed(
         values = [_out_values(reader, manifest, group, world) for group in groups]
     step = manifest.recorded_step or max((v.step or 0 for v in values), default=0)
     tag = f"global_step{step}"
-    staging = storage.store.create_staging(dst, False, source=directory)
-    try:
+    with staged_output(dst, directory, deepspeed_files.discard) as staging:
         tag_dir = deepspeed_files.make_tag_directory(staging, tag)
         for rank in range(world):
             deepspeed_files.save(
@@ -312,12 +308,7 @@ def to_deepspeed(
         model = _model_file(groups, values, manifest, step, world)
         deepspeed_files.save(tag_dir / deepspeed_files.MODEL_STATES, model)
         deepspeed_files.finish(staging, tag)
-        path = Path(dst)
-        storage.store.publish(staging, path, overwrite=False)
-    except BaseException:
-        deepspeed_files.discard(staging)
-        raise
     left = ["param_slice_mappings and the loss scaler (DeepSpeed's load reads neither)"]
-    if manifest.extra is not None:
-        left.append("extra / rank_extra (the job's own state, saved with the optimizer)")
-    return DeepSpeedConversion(path, f"ZeRO-{stage}, world {world}", tuple(left), tuple(notes))
+    left += not_carried(manifest)
+    layout = f"ZeRO-{stage}, world {world}"
+    return DeepSpeedConversion(Path(dst), layout, tuple(left), tuple(notes))

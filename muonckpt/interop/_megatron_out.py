@@ -23,7 +23,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .. import storage
 from ..errors import CheckpointError, LayoutError, OptionError
@@ -33,7 +33,11 @@ from ..format.manifest import Manifest
 from ..format.names import PARAM_KEY
 from ..layout import megatron_tp
 from ..storage import dcp_files, lease
+from ._foreign_out import not_carried, read_whole, staged_output
 from .foreign import Conversion
+
+if TYPE_CHECKING:
+    from ..checkpoint.pieces import PieceReader
 
 SOURCE = "megatron"
 MUON = kinds.MEGATRON
@@ -227,7 +231,6 @@ def to_megatron(
     Memory: one param's tensor at a time (each chunk of it read on its own).
     """
     from ..checkpoint.pieces import PieceReader, open_checkpoint
-    from ..layout.topology import whole_region
 
     if to != SOURCE:
         raise OptionError(f"Megatron output is for {SOURCE!r}, not {to!r}", "--to")
@@ -236,6 +239,30 @@ def to_megatron(
     directory, manifest = open_checkpoint(src)
     factors, optimizer, step, notes = _groups(manifest, directory)
     keys = _keys(manifest, factors, tp, directory)
+    tensors, chunks = _tensors_and_chunks(keys, tp)
+    iteration = manifest.recorded_step or step or 0
+    values = _values(keys, optimizer, iteration)
+    with staged_output(dst, directory, _discard) as staging:
+        iteration_dir = staging / f"iter_{iteration:07d}"
+        iteration_dir.mkdir()
+        with PieceReader(directory, manifest) as reader:
+            fetch = _LayerBlocks(keys, tensors, manifest, reader)
+            dcp_files.write_dcp(iteration_dir, tensors, values, fetch, chunks)
+        storage.write_text_atomic(iteration_dir / DIST_METADATA, BACKEND)
+        storage.fsync_dir(iteration_dir)
+        storage.write_text_atomic(staging / LATEST, str(iteration))
+    left = ["the training args (an argparse.Namespace: Megatron's loader does without)"]
+    left += not_carried(manifest)
+    layout = f"dp_reshardable, TP {tp} DP {dp}"
+    return MegatronConversion(Path(dst), layout, tuple(left), tuple(notes))
+
+
+def _tensors_and_chunks(
+    keys: Mapping[str, _Key], tp: int
+) -> tuple[dict[str, tuple[tuple[int, ...], str]], dict[str, list[dcp_files.Region]]]:
+    """Each key's global tensor (fqn -> (shape, safetensors dtype): the layers stacked, the
+    optimizer's in fp32, the model's in bf16) and the blocks Megatron's ranks write of it at
+    TP ``tp``."""
     tensors, chunks = {}, {}
     for item, held in keys.items():
         shape = (len(held.layers), *held.shape) if held.stacked else held.shape
@@ -247,7 +274,13 @@ def to_megatron(
             )
         except LayoutError as exc:
             raise OptionError(f"--tp {tp}: {item!r}: {exc}", "--tp") from None
-    iteration = manifest.recorded_step or step or 0
+    return tensors, chunks
+
+
+def _values(keys: Mapping[str, _Key], optimizer: dict[int, Any], iteration: int) -> dict[str, Any]:
+    """The checkpoint's plain values: ``common_state`` (the optimizer's param groups and step,
+    the iteration, the checkpoint version, ``content_metadata``) and an empty
+    ``_extra_state`` per layer of each stacked linear module, as Megatron saves them."""
     common = {
         "optimizer": optimizer,
         "iteration": iteration,
@@ -267,45 +300,45 @@ def to_megatron(
             values.update(
                 {f"{module}._extra_state/shard_{i}_{count}": [None] for i in range(count)}
             )
-    pieces = manifest.pieces_of()
-    staging = storage.store.create_staging(dst, False, source=directory)
-    try:
-        iteration_dir = staging / f"iter_{iteration:07d}"
-        iteration_dir.mkdir()
-        with PieceReader(directory, manifest) as reader:
+    return values
 
-            def fetch(item: str, region: dcp_files.Region) -> Any:
-                held = keys[item]
-                offsets, sizes = region
-                source = held.layers[offsets[0] if held.stacked else 0]
-                if held.stacked:
-                    offsets, sizes = offsets[1:], sizes[1:]
-                entry = manifest.param(source.name)
-                data = reader.gather(
-                    pieces[source.name, source.key], entry, source.key, whole_region(entry.numel)
-                )
-                full = storage.tensor_of_bytes(data, entry.dtype_of(source.key))
-                block = full.reshape(entry.shape)[
-                    tuple(slice(o, o + s) for o, s in zip(offsets, sizes, strict=True))
-                ]
-                block = block.to(storage.torch_dtype(tensors[item][1]))
-                if source.factor != 1.0:
-                    block = block.mul(source.factor)
-                return block.reshape(region[1])
 
-            dcp_files.write_dcp(iteration_dir, tensors, values, fetch, chunks)
-        storage.write_text_atomic(iteration_dir / DIST_METADATA, BACKEND)
-        storage.fsync_dir(iteration_dir)
-        storage.write_text_atomic(staging / LATEST, str(iteration))
-        path = Path(dst)
-        storage.store.publish(staging, path, overwrite=False)
-    except BaseException:
-        lease.discard_foreign(staging, _ours)
-        raise
-    left = ["the training args (an argparse.Namespace: Megatron's loader does without)"]
-    if manifest.extra is not None:
-        left.append("extra / rank_extra (the job's own state, saved with the optimizer)")
-    return MegatronConversion(path, f"dp_reshardable, TP {tp} DP {dp}", tuple(left), tuple(notes))
+class _LayerBlocks:
+    """The data of each block torch's writer asks for: the layer's tensor of its source (the
+    leading offset of a stacked key picks the layer), read whole from the muonckpt checkpoint,
+    cut to the block, cast to the key's dtype and multiplied by the source's factor."""
+
+    def __init__(
+        self,
+        keys: Mapping[str, _Key],
+        tensors: Mapping[str, tuple[tuple[int, ...], str]],
+        manifest: Manifest,
+        reader: PieceReader,
+    ) -> None:
+        self.keys = keys
+        self.tensors = tensors
+        self.manifest = manifest
+        self.reader = reader
+        self.pieces = manifest.pieces_of()
+
+    def __call__(self, item: str, region: dcp_files.Region) -> Any:
+        held = self.keys[item]
+        offsets, sizes = region
+        source = held.layers[offsets[0] if held.stacked else 0]
+        if held.stacked:
+            offsets, sizes = offsets[1:], sizes[1:]
+        entry = self.manifest.param(source.name)
+        full = read_whole(self.reader, self.pieces, entry, source.key)
+        block = full[tuple(slice(o, o + s) for o, s in zip(offsets, sizes, strict=True))]
+        block = block.to(storage.torch_dtype(self.tensors[item][1]))
+        if source.factor != 1.0:
+            block = block.mul(source.factor)
+        return block.reshape(region[1])
+
+
+def _discard(staging: Path) -> None:
+    """Remove a staging directory :func:`to_megatron` wrote: only its files, then the lease."""
+    lease.discard_foreign(staging, _ours)
 
 
 def _ours(name: str) -> bool:

@@ -18,11 +18,10 @@ import json
 import math
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .. import storage
 from ..checkpoint.pieces import PieceReader, open_checkpoint
 from ..checkpoint.writing import Progress
 from ..errors import CheckpointError, StateDictError
@@ -39,9 +38,9 @@ from ..format.manifest import (
     model_tensor,
 )
 from ..format.names import PARAM_KEY
-from ..layout.topology import whole_region
 from ..storage import dcp_files, dcp_metadata
 from ._consolidated import conversion_notes, summarized, write_consolidated
+from ._foreign_out import not_carried, read_whole, staged_output
 from .foreign import Conversion, ForeignFormat
 
 __all__ = ["FORMAT", "LAYOUTS", "DcpConversion", "from_dcp", "is_dcp", "to_dcp"]
@@ -406,75 +405,104 @@ def to_dcp(
     if layout not in LAYOUTS:
         raise StateDictError(f"layout {layout!r}: choose one of {', '.join(LAYOUTS)}")
     directory, manifest = open_checkpoint(src)
-    prefix = LAYOUTS[layout]
-    tensors: dict[str, tuple[tuple[int, ...], str]] = {}
-    values: dict[str, Any] = {}
-    sources: dict[str, tuple[str, str, float]] = {}
-    notes, left = [], []
+    out = _DcpOut(LAYOUTS[layout])
+    _add_optimizer(out, manifest, family, directory)
+    _add_model(out, manifest)
+    with (
+        staged_output(dst, directory, dcp_files.discard_dcp) as staging,
+        PieceReader(directory, manifest) as reader,
+    ):
+        fetch = _WholeTensors(out.sources, manifest, reader)
+        dcp_files.write_dcp(staging, out.tensors, out.values, fetch)
+    left = tuple(out.left) + not_carried(manifest)
+    return DcpConversion(Path(dst), layout, left, tuple(out.notes))
+
+
+@dataclass
+class _DcpOut:
+    """What :func:`to_dcp` writes, in the order it writes it: each tensor's fqn -> (shape,
+    safetensors dtype) and where its data comes from (the muonckpt name, its state key, the
+    factor its values are multiplied by), the plain values (fqn -> value), and for the report
+    the momentum conversions and what was left out. ``prefix``: the model fqns' prefix."""
+
+    prefix: str
+    tensors: dict[str, tuple[tuple[int, ...], str]] = field(default_factory=dict)
+    sources: dict[str, tuple[str, str, float]] = field(default_factory=dict)
+    values: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    left: list[str] = field(default_factory=list)
+
+
+def _add_optimizer(
+    out: _DcpOut, manifest: Manifest, family: kinds.DcpFamily, directory: Path
+) -> None:
+    """Add each optimizer param to ``out``: its values as the model's tensor, its state in the
+    family's keys and momentum form, its AdamW step and its group's settings."""
     for g, group in enumerate(manifest.groups):
         kind = group_kind(group, g, directory)
         target = family.target_kind(kind)
         mapping = kinds.state_mapping(kind, target, f"group {g}", None)
         factor = mapping.keys.get("momentum_buffer", ("", 1.0))[1]
         if mapping.note:
-            notes.append(f"{len(group.params)} Muon params: {mapping.note}")
+            out.notes.append(f"{len(group.params)} Muon params: {mapping.note}")
         group_settings = _settings(family, kind, target, group.hyperparams)
         for name in group.params:
             entry = manifest.param(name)
             if entry.value_dtype is not None:
-                tensors[prefix + name] = (entry.shape, entry.value_dtype)
-                sources[prefix + name] = (name, PARAM_KEY, 1.0)
+                out.tensors[out.prefix + name] = (entry.shape, entry.value_dtype)
+                out.sources[out.prefix + name] = (name, PARAM_KEY, 1.0)
             else:
-                left.append(f"{name} (no values saved)")
+                out.left.append(f"{name} (no values saved)")
             for key in entry.state_keys:
                 fqn = f"{OPTIMIZER_PREFIX}state.{name}.{family.their_key(kind.role or '', key)}"
-                tensors[fqn] = (entry.shape, entry.dtype_of(key))
-                sources[fqn] = (name, key, factor if key == "momentum_buffer" else 1.0)
+                out.tensors[fqn] = (entry.shape, entry.dtype_of(key))
+                out.sources[fqn] = (name, key, factor if key == "momentum_buffer" else 1.0)
             step = step_scalar(family.step_in, manifest.step_of(entry))
             if kind.role == "adamw" and step is not None and entry.state_keys:
-                values[f"{OPTIMIZER_PREFIX}state.{name}.step"] = (
+                out.values[f"{OPTIMIZER_PREFIX}state.{name}.step"] = (
                     _step_tensor(step) if step.dtype is not None else step.value
                 )
             for setting, value in group_settings.items():
-                values[f"{OPTIMIZER_PREFIX}param_groups.{name}.{setting}"] = value
+                out.values[f"{OPTIMIZER_PREFIX}param_groups.{name}.{setting}"] = value
+
+
+def _add_model(out: _DcpOut, manifest: Manifest) -> None:
+    """Add the model's other tensors (buffers, params no optimizer holds) to ``out``, then its
+    tied names, each as the tensor it aliases (left out where that holds no values)."""
     model_file = manifest.model
-    others = {t.name: t for t in model_file.tensors} if model_file is not None else {}
-    for name, entry in others.items():
-        tensors[prefix + name] = (entry.shape, entry.dtype_of(PARAM_KEY))
-        sources[prefix + name] = (name, PARAM_KEY, 1.0)
-    for alias, stored in sorted(model_file.aliases.items()) if model_file is not None else ():
-        if prefix + stored not in sources:
-            left.append(f"{alias} (an alias of {stored}, which holds no values)")
+    if model_file is None:
+        return
+    for entry in model_file.tensors:
+        out.tensors[out.prefix + entry.name] = (entry.shape, entry.dtype_of(PARAM_KEY))
+        out.sources[out.prefix + entry.name] = (entry.name, PARAM_KEY, 1.0)
+    for alias, stored in sorted(model_file.aliases.items()):
+        if out.prefix + stored not in out.sources:
+            out.left.append(f"{alias} (an alias of {stored}, which holds no values)")
             continue
-        tensors[prefix + alias] = tensors[prefix + stored]
-        sources[prefix + alias] = sources[prefix + stored]
-    pieces = PieceIndex(manifest.pieces + (model_file.pieces if model_file is not None else ()))
-    staging = storage.store.create_staging(dst, False, source=directory)
-    try:
-        with PieceReader(directory, manifest) as reader:
-
-            def fetch(fqn: str, _whole: dcp_files.Region) -> Any:
-                name, key, scale = sources[fqn]
-                entry = others.get(name) or manifest.param(name)
-                data = reader.gather(pieces[name, key], entry, key, whole_region(entry.numel))
-                tensor = storage.tensor_of_bytes(data, entry.dtype_of(key)).reshape(entry.shape)
-                return tensor.mul_(scale) if scale != 1.0 else tensor
-
-            dcp_files.write_dcp(staging, tensors, values, fetch)
-        path = Path(dst)
-        storage.store.publish(staging, path, overwrite=False)
-    except BaseException:
-        dcp_files.discard_dcp(staging)
-        raise
-    return DcpConversion(path, layout, tuple(left) + _not_carried(manifest), tuple(notes))
+        out.tensors[out.prefix + alias] = out.tensors[out.prefix + stored]
+        out.sources[out.prefix + alias] = out.sources[out.prefix + stored]
 
 
-def _not_carried(manifest: Manifest) -> tuple[str, ...]:
-    """What a muonckpt checkpoint holds beyond the model and the optimizer, which DCP output
-    does not carry: the job's own state."""
-    if manifest.extra is not None:
-        return ("extra / rank_extra (the job's own state, saved with the optimizer)",)
-    return ()
+class _WholeTensors:
+    """The data of each tensor torch's writer asks for (one block, the whole tensor): read
+    from the muonckpt checkpoint as ``sources`` says (fqn -> the param or model tensor, its
+    state key, the factor its values are multiplied by)."""
+
+    def __init__(
+        self, sources: Mapping[str, tuple[str, str, float]], manifest: Manifest, reader: PieceReader
+    ) -> None:
+        model = manifest.model
+        self.sources = sources
+        self.manifest = manifest
+        self.reader = reader
+        self.model_tensors = {t.name: t for t in model.tensors} if model is not None else {}
+        self.pieces = PieceIndex(manifest.pieces + (model.pieces if model is not None else ()))
+
+    def __call__(self, fqn: str, _whole: dcp_files.Region) -> Any:
+        name, key, scale = self.sources[fqn]
+        entry = self.model_tensors.get(name) or self.manifest.param(name)
+        tensor = read_whole(self.reader, self.pieces, entry, key)
+        return tensor.mul_(scale) if scale != 1.0 else tensor
 
 
 def _step_tensor(step: Scalar) -> Any:

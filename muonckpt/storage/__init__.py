@@ -26,7 +26,8 @@ write ``storage.X``:
 * :mod:`.lease`: the file marking each directory muonckpt makes beside a target as its own,
   locked and refreshed while in use (what ``clean`` goes by, never names alone).
 * :mod:`.mailbox`: the messages through which the ranks of a background save agree.
-* :mod:`.dcp_files`: DCP's file format, for the DCP bridge.
+* :mod:`.dcp_files`: DCP's file format, for the DCP bridge (torch's planner and writer
+  subclassed in :mod:`._dcp_writer`).
 * :mod:`.deepspeed_files`: DeepSpeed's ZeRO files, read by torch's restricted unpickler with
   stand-ins for DeepSpeed's classes, written with plain values only.
 

@@ -203,88 +203,12 @@ def write_dcp(
     of their own, each value one item (as ``torch.save`` of it: a value holding tensors too).
 
     Memory: about the largest tensor, twice."""
-    import dataclasses
     import warnings
 
     import torch
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-    from torch.distributed.checkpoint.metadata import (
-        ChunkStorageMetadata,
-        MetadataIndex,
-        TensorProperties,
-    )
-    from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-    blocks = dict(chunks or {})
-
-    def block_items(fqn: str) -> list[Any]:
-        shape, dtype = tensors[fqn]
-        properties = TensorProperties(dtype=torch_dtype(dtype))
-        return [
-            WriteItem(
-                index=MetadataIndex(fqn, torch.Size(offsets)),
-                type=WriteItemType.SHARD,
-                tensor_data=TensorWriteData(
-                    chunk=ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)),
-                    properties=properties,
-                    size=torch.Size(shape),
-                ),
-            )
-            for offsets, sizes in blocks[fqn]
-        ]
-
-    class _Fetching(DefaultSavePlanner):
-        def create_local_plan(self) -> Any:
-            plan = super().create_local_plan()
-            items = [i for i in plan.items if i.index.fqn not in blocks]
-            items += [item for fqn in blocks for item in block_items(fqn)]
-            self.plan = dataclasses.replace(plan, items=items)
-            return self.plan
-
-        def resolve_data(self, write_item: Any) -> Any:
-            fqn = write_item.index.fqn
-            if fqn not in tensors:
-                return super().resolve_data(write_item)
-            dtype = tensors[fqn][1]
-            chunk = write_item.tensor_data.chunk
-            region = (tuple(chunk.offsets), tuple(chunk.sizes))
-            tensor = fetch(fqn, region)
-            if tuple(tensor.shape) != region[1] or tensor.dtype != torch_dtype(dtype):
-                raise CheckpointError(f"DCP item {fqn!r}: fetched a tensor unlike its plan")
-            return tensor.contiguous()
-
-    class _Bounded(dcp.FileSystemWriter):  # type: ignore[name-defined,misc]  # not in the stubs
-        """torch's writer, its tensors split over files of at most ``budget`` bytes (a larger
-        tensor gets a file of its own): it keeps every tensor of a file until the file ends."""
-
-        def write_data(self, plan: Any, planner: Any) -> Any:
-            import queue
-
-            from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX
-            from torch.distributed.checkpoint.planner import WriteItemType
-
-            buckets: list[list[Any]] = [[]]
-            tensor_buckets: list[list[Any]] = []
-            used = budget
-            for item in plan.items:
-                if item.type == WriteItemType.BYTE_IO:
-                    buckets[0].append(item)
-                    continue
-                size = (
-                    math.prod(item.tensor_data.chunk.sizes)
-                    * torch.empty(0, dtype=item.tensor_data.properties.dtype).element_size()
-                )
-                if used + size > budget:
-                    tensor_buckets.append([])
-                    used = 0
-                tensor_buckets[-1].append(item)
-                used += size
-            files: queue.Queue[tuple[str, str, list[Any]]] = queue.Queue()
-            for n, bucket in enumerate(b for b in [*buckets, *tensor_buckets] if b):
-                name = f"{plan.storage_data.prefix}{n}{DEFAULT_SUFFIX}"
-                files.put((self.fs.concat_path(self.path, name), name, bucket))
-            return self._write_data(planner, files)
+    from ._dcp_writer import BoundedWriter, FetchingPlanner
 
     budget = max(
         [math.prod(shape) * itemsize(dtype) for shape, dtype in tensors.values()], default=0
@@ -294,10 +218,10 @@ def write_dcp(
         for fqn, (shape, dtype) in tensors.items()
     }
     state.update(values)
-    writer = _Bounded(os.fspath(directory), thread_count=1, per_thread_copy_ahead=0)
+    writer = BoundedWriter(os.fspath(directory), budget)
     with warnings.catch_warnings():  # one process, no process group: as intended
         warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single")
-        planner = _Fetching(flatten_state_dict=False, flatten_sharded_tensors=False)
+        planner = FetchingPlanner(tensors, dict(chunks or {}), fetch)
         dcp.save(state, storage_writer=writer, planner=planner)  # type: ignore[attr-defined]
 
 

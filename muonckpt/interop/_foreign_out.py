@@ -1,0 +1,53 @@
+"""What every foreign format's writer shares: the new directory it writes into, published only
+once complete (:func:`staged_output`), each tensor of the muonckpt checkpoint read whole
+(:func:`read_whole`), and what a muonckpt checkpoint holds that no foreign format carries
+(:func:`not_carried`)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from .. import storage
+from ..checkpoint.pieces import PieceReader
+from ..format.manifest import Manifest, ParamEntry, PieceIndex
+from ..layout.topology import whole_region
+
+if TYPE_CHECKING:
+    import torch
+
+
+@contextmanager
+def staged_output(
+    dst: str | os.PathLike[str], source: Path, discard: Callable[[Path], None]
+) -> Iterator[Path]:
+    """A staging directory beside ``dst`` (which must not exist) to write the output into,
+    published at ``dst`` when the block ends; if anything fails, ``discard`` removes it (only
+    the files the format writes, then the lease) and the error goes on."""
+    staging = storage.store.create_staging(dst, False, source=source)
+    try:
+        yield staging
+        storage.store.publish(staging, Path(dst), overwrite=False)
+    except BaseException:
+        discard(staging)
+        raise
+
+
+def read_whole(
+    reader: PieceReader, pieces: PieceIndex, entry: ParamEntry, key: str
+) -> torch.Tensor:
+    """Stored tensor ``key`` of ``entry`` (a param, or a model tensor), whole and at its shape,
+    read from the pieces that hold it and verified: a tensor of its own."""
+    data = reader.gather(pieces[entry.name, key], entry, key, whole_region(entry.numel))
+    return storage.tensor_of_bytes(data, entry.dtype_of(key)).reshape(entry.shape)
+
+
+def not_carried(manifest: Manifest) -> tuple[str, ...]:
+    """What a muonckpt checkpoint holds beyond the model and the optimizer, which no foreign
+    format's output carries: the job's own state."""
+    if manifest.extra is not None:
+        return ("extra / rank_extra (the job's own state, saved with the optimizer)",)
+    return ()
