@@ -208,9 +208,9 @@ def _names(
     how = "param_names"
     if given is not None:
         names, how = _given(params, optimizers, given), "the names given"
-    named = [n for n in names if n is not None]
+    named = [(optimizers[p.opt], n) for p, n in zip(params, names, strict=True) if n is not None]
     if named:
-        rewrite, note = _prefix(named, model.tensors, optimizers[0])
+        rewrite, note = _prefix(named, model.tensors)
         names, how = [None if n is None else rewrite(n) for n in names], how + note
     claimed = set(names)
     rest = [n for n in model.tensors if n not in claimed]
@@ -247,14 +247,15 @@ def _given(
 
 
 def _prefix(
-    names: list[str], model: Mapping[str, Any], optimizer: OptimizerState
+    named: list[tuple[OptimizerState, str]], model: Mapping[str, Any]
 ) -> tuple[Callable[[str], str], str]:
-    """How names map onto the model's: as they are, or with the one prefix replaced that
-    makes every name the model's; and what was replaced."""
-    missing = [n for n in names if n not in model]
+    """How the names (each with its optimizer) map onto the model's: as they are, or with
+    the one prefix replaced that makes every name the model's; and what was replaced."""
+    names = [n for _, n in named]
+    missing = [(o, n) for o, n in named if n not in model]
     if not missing:
         return (lambda n: n), ""
-    first = missing[0]
+    optimizer, first = missing[0]
     candidates = {("", m[: len(m) - len(first)]) for m in model if m.endswith("." + first)}
     parts = first.split(".")
     for k in range(1, len(parts)):
