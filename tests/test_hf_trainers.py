@@ -353,6 +353,11 @@ def test_the_cli_reads_both(tmp_path):
         ],
     )
     assert wrong.exit_code != 0 and "--from" in wrong.output
+    ours = next(p for p in tmp_path.iterdir() if p.name.startswith("out"))
+    written = runner.invoke(
+        app, ["convert", str(ours), "-o", str(tmp_path / "no"), "--format", "lightning"]
+    )
+    assert written.exit_code != 0 and "does not write them" in written.output
     assert not (tmp_path / "no").exists()
 
 
