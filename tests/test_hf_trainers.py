@@ -383,3 +383,34 @@ def test_readme_accelerate_and_lightning_commands_run_as_written(tmp_path):
         for key in momentum:
             expected = truth[key[len("state.") :]] / (1 - MU)
             torch.testing.assert_close(state[key], expected, rtol=1e-6, atol=0)
+
+
+def test_a_lightning_checkpoint_that_does_not_tell_is_refused(tmp_path):
+    """The named job's .ckpt, its param_names dropped: the blocks' params share shapes, so the
+    index of each is unknown (two optimizers: the model's order does not apply); without
+    ``optimizer_states`` (``save_weights_only``) there is nothing to convert."""
+    top = torch.load(_src("lightning/named"), weights_only=True)
+    for state in top["optimizer_states"]:
+        for group in state["param_groups"]:
+            del group["param_names"]
+    (tmp_path / "in").mkdir()
+    src = tmp_path / "in" / "unnamed.ckpt"
+    torch.save(top, src)
+    _refused(
+        "lightning/named", src, tmp_path, r"optimizer_states\[0\]: param index 0 of shape", src
+    )
+    names = tmp_path / "names.json"
+    names.write_text(json.dumps(_meta("lightning/named")["index_names"]))
+    out = tmp_path / "out"
+    report = offline.from_lightning(src, out, names=names)
+    assert "named by the names given" in report.layout
+    model, state = _tensors(out)
+    for key, expected in _truth("lightning/named").items():
+        param, _, what = key.rpartition(".")
+        if what != "step":
+            got = model[param] if what == "param" else state[f"state.{param}.{what}"]
+            assert torch.equal(got, expected), key
+    del top["optimizer_states"]
+    src.unlink()
+    torch.save(top, src)
+    _refused("lightning/named", src, tmp_path, "holds no 'optimizer_states'", src)

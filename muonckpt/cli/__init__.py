@@ -214,9 +214,7 @@ def convert(
     global_stepN) becomes one too; --to deepspeed --world N writes DeepSpeed's own files for N
     ranks. A Megatron-Core torch_dist checkpoint SRC (its root or one iter_N) becomes one too;
     --to megatron --tp T --dp D writes a torch_dist checkpoint for Megatron's layer-wise Muon
-    at TP T, DP D. An accelerate save_state directory or a Lightning .ckpt of a torch.optim.Muon
-    + AdamW job becomes one too, keyed by the model's names (--names FILE where the files do
-    not say which param each optimizer index is).
+    at TP T, DP D. An accelerate save_state directory or a Lightning .ckpt becomes one too.
 
     Example: muonckpt convert ckpt/step-1000 -o ckpt/step-1000-torch --to torch
 
@@ -229,9 +227,6 @@ def convert(
     Example: muonckpt convert ckpt/from-ds -o ds/ckpt-world3 --to deepspeed --world 3
 
     Example: muonckpt convert ckpt/from-mcore -o mcore/tp1-dp2 --to megatron --tp 1 --dp 2
-
-    Example: muonckpt convert out/checkpoints/epoch=0-step=6.ckpt -o ckpt/from-lightning
-    --from lightning --to packaged
 
     Names: muonckpt convert ckpt/step-1000 -o ckpt/plain --rename module.= --rename _orig_mod.=
     """
