@@ -35,10 +35,19 @@ from muonckpt.distributed.launch import run_distributed
 from muonckpt.layout.topology import LayoutOptions
 
 FIXTURES = Path(__file__).parent / "fixtures"
-CASES = ("accelerate/named", "accelerate/plain", "lightning/named", "lightning/single")
+CASES = (
+    "accelerate/named",
+    "accelerate/plain",
+    "accelerate/bin",
+    "lightning/named",
+    "lightning/single",
+)
+UNNAMED = ("accelerate/plain", "accelerate/bin")
+"""Jobs whose optimizers were built from bare params: converted with the names given."""
 HOW = {
     "accelerate/named": "param_names",
     "accelerate/plain": "the names given",
+    "accelerate/bin": "the names given",
     "lightning/named": "param_names (prefix 'model.' added)",
     "lightning/single": "the model's order",
 }
@@ -58,12 +67,14 @@ def _src(case: str) -> Path:
 
 def _convert(case: str, dst: Path, **options):
     read = offline.from_accelerate if case.startswith("accelerate/") else offline.from_lightning
-    names = _meta(case)["index_names"] if case == "accelerate/plain" else None
+    names = _meta(case)["index_names"] if case in UNNAMED else None
     return read(_src(case), dst, names=names, **options)
 
 
 def _model_file(case: str) -> dict[str, torch.Tensor]:
     """The model's tensors as the trainer saved them (the test trusts its own fixtures)."""
+    if case == "accelerate/bin":
+        return torch.load(_src(case) / "pytorch_model.bin", weights_only=True)
     if case.startswith("accelerate/"):
         return load_file(_src(case) / "model.safetensors")
     return torch.load(_src(case), weights_only=True)["state_dict"]
@@ -280,6 +291,15 @@ def test_unnamed_params_the_files_do_not_tell_are_refused(tmp_path):
         r"model's tensor \[8, 16\]",
         src / "optimizer.bin",
         names=listed,
+    )
+    bin_src = _src("accelerate/bin")  # pytorch_model.bin keeps the order: two optimizers
+    _refused(
+        "accelerate/bin",
+        bin_src,
+        tmp_path,
+        r"param index 0 of shape \[16, 8\] could be any of .*\(2 unnamed params have that "
+        r"shape; its optimizer",
+        bin_src / "optimizer.bin",
     )
     listed.write_text(json.dumps([names[0], ["nowhere.weight", *names[1][1:]]]))
     _refused(

@@ -34,7 +34,7 @@ pytestmark = [pytest.mark.trainers, pytest.mark.dist]
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "tests" / "fixtures"
 VENV = Path(os.environ.get("MUONCKPT_HF_VENV", "~/.cache/muonckpt/hf-trainers")).expanduser()
-TRAINERS = {"accelerate": ("named", "plain"), "lightning": ("named", "single")}
+TRAINERS = {"accelerate": ("named", "plain", "bin"), "lightning": ("named", "single")}
 
 
 @pytest.fixture(scope="session")
@@ -89,7 +89,7 @@ def test_the_producers_remake_the_fixtures(remade, case):
 def test_what_they_write_now_converts_bitwise(remade, tmp_path, case):
     meta = _meta(remade, case)
     if case.startswith("accelerate/"):
-        names = meta["index_names"] if case.endswith("plain") else None
+        names = None if meta["named"] else meta["index_names"]
         offline.from_accelerate(remade / case / "state", tmp_path / "out", names=names)
     else:
         (ckpt,) = (remade / case / "checkpoints").glob("*.ckpt")
