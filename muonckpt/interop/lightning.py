@@ -4,12 +4,13 @@ muonckpt's format.
 :func:`from_lightning` reads the file (one ``torch.save`` pickle, by the restricted
 unpickler: ``state_dict``, the LightningModule's tensors in the model's order, and
 ``optimizer_states``, each optimizer's ``state_dict()`` keyed by param index) into a
-consolidated muonckpt checkpoint keyed by the LightningModule's names (``model.w1.weight``:
-``convert --rename model.=`` drops the attribute's prefix afterwards), with each param's
-value, torch.optim.Muon's momentum and AdamW's moments and step, and ``global_step`` as the
-checkpoint's step; the module's buffers go in as the model's other tensors. The loops,
-callbacks, schedulers and hyperparameters are left out, listed by name. Which index is which
-param: :mod:`._torch_optim`. :data:`FORMAT` is Lightning as the registry holds it.
+consolidated muonckpt checkpoint keyed by the LightningModule's names (``model.w1.weight``;
+``muonckpt.load(..., rename={"model.": ""})`` loads them into the bare model's optimizer),
+with each param's value, torch.optim.Muon's momentum, AdamW's moments and step, and
+``global_step`` as the checkpoint's step; the module's buffers go in as the model's other
+tensors. The loops, callbacks, schedulers and hyperparameters are left out, listed by name.
+Which index is which param: :mod:`._torch_optim`. :data:`FORMAT` is Lightning as the registry
+holds it.
 """
 
 from __future__ import annotations
@@ -86,7 +87,7 @@ def from_lightning(
     layout = f"{count} optimizer{'s' * (count != 1)}, params named by {how}"
     if carried:
         layout += f", {len(carried)} more model tensor{'s' * (len(carried) != 1)} carried"
-    left = tuple(key for key in top if key not in USED)
+    left = tuple(str(key) for key in top if key not in USED)
     return TrainerConversion(path_out, layout, left, notes)
 
 
