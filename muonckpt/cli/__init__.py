@@ -31,6 +31,7 @@ from .options import (
     MegatronDp,
     MegatronTp,
     ModelPrefix,
+    Names,
     OptimizerPrefix,
     OutputFormat,
     ParamAlignment,
@@ -200,11 +201,12 @@ def convert(
     dp: MegatronDp = None,
     model_prefix: ModelPrefix = None,
     optimizer_prefix: OptimizerPrefix = "optimizer.",
+    names: Names = None,
     force: Force = False,
     quiet: Quiet = False,
 ) -> None:
     """Rewrite a checkpoint for another Muon implementation, renamed, or from/to PyTorch DCP,
-    DeepSpeed or Megatron-Core.
+    DeepSpeed or Megatron-Core, or from accelerate or Lightning.
 
     The packaged Muon keeps sum-form momentum, torch.optim.Muon and KellerJordan's Muon EMA
     form: the buffers are scaled by 1 - mu (or its inverse) and AdamW step counts move to where
@@ -215,7 +217,7 @@ def convert(
     global_stepN) becomes one too; --to deepspeed --world N writes DeepSpeed's own files for N
     ranks. A Megatron-Core torch_dist checkpoint SRC (its root or one iter_N) becomes one too;
     --to megatron --tp T --dp D writes a torch_dist checkpoint for Megatron's layer-wise Muon
-    at TP T, DP D.
+    at TP T, DP D. An accelerate save_state directory or a Lightning .ckpt becomes one too.
 
     Example: muonckpt convert ckpt/step-1000 -o ckpt/step-1000-torch --to torch
 
@@ -242,6 +244,7 @@ def convert(
         "dp": dp,
         "model_prefix": model_prefix,
         "optimizer_prefix": optimizer_prefix,
+        "names": names,
     }
     try:
         route = interop.route(

@@ -147,7 +147,8 @@ ConvertFrom = Annotated[
         help="The implementation that wrote a DCP checkpoint SRC (required for one: DCP "
         "does not record it): torch, torchtitan, dion, muon-fsdp2, keller-jordan, packaged; "
         "deepspeed for a DeepSpeed ZeRO-1/2 checkpoint, megatron for a Megatron-Core "
-        "torch_dist one (optional for both: their files say so).",
+        "torch_dist one, accelerate for a save_state directory, lightning for a .ckpt "
+        "(optional for these: their files say so).",
         show_default=False,
     ),
 ]
@@ -199,6 +200,17 @@ ModelPrefix = Annotated[
     typer.Option(
         "--model-prefix",
         help="Reading DCP: the prefix of the model's fqns (default: detected, 'model.' or none).",
+        show_default=False,
+    ),
+]
+Names = Annotated[
+    Path | None,
+    typer.Option(
+        "--names",
+        metavar="FILE",
+        help="Reading accelerate or Lightning: a JSON file of each optimizer's param names, "
+        "one list per optimizer in the order its param groups list them (needed where the "
+        "files do not say which index is which param: see docs/format.md).",
         show_default=False,
     ),
 ]

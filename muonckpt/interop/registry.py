@@ -10,12 +10,18 @@ from __future__ import annotations
 import os
 
 from ..errors import OptionError
-from . import dcp, deepspeed, megatron
+from . import accelerate, dcp, deepspeed, lightning, megatron
 from .foreign import ForeignFormat
 
 __all__ = ["FORMATS", "detect", "format_named", "reading"]
 
-FORMATS: tuple[ForeignFormat, ...] = (megatron.FORMAT, dcp.FORMAT, deepspeed.FORMAT)
+FORMATS: tuple[ForeignFormat, ...] = (
+    megatron.FORMAT,
+    dcp.FORMAT,
+    deepspeed.FORMAT,
+    accelerate.FORMAT,
+    lightning.FORMAT,
+)
 """Every foreign format, in the order :func:`detect` asks them: a format built on another
 (one whose checkpoints are also the other's) before that one."""
 

@@ -4,10 +4,9 @@ A DeepSpeed checkpoint directory holds ``latest`` (the tag of the newest save) a
 directory per tag (``global_step3``) with ``mp_rank_00_model_states.pt`` and one
 ``zero_pp_rank_{r}_mp_rank_00_optim_states.pt`` per rank (``bf16_zero_pp_rank_...`` for a
 bf16 run). They are ``torch.save`` files whose pickles name a few DeepSpeed classes. They are
-read only by ``torch.load(weights_only=True)``, torch's restricted unpickler, with stand-ins
-of this module's own for exactly those classes (:data:`STAND_INS`): DeepSpeed need not be
-installed, nothing of the file runs, and any other global is refused before it resolves.
-Every file is opened as muonckpt opens its own (:func:`~.durable.open_regular`). Written
+read only through :func:`.torch_pickles.load` (torch's restricted unpickler) with stand-ins of
+this module's own for exactly those classes (:data:`STAND_INS`): DeepSpeed need not be
+installed, nothing of the file runs, and any other global is refused before it resolves. Written
 files hold plain tensors, dicts, lists, numbers and strings only (``torch.save``), each
 created new and fsynced.
 """
@@ -17,16 +16,13 @@ from __future__ import annotations
 import enum
 import os
 import re
-import warnings
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointError
-from . import lease
-from .dcp_metadata import one_line
-from .durable import fsync_dir, open_failure, open_regular, read_text
+from . import lease, torch_pickles
+from .durable import fsync_dir, read_text
 
 LATEST = "latest"
 MODEL_STATES = "mp_rank_00_model_states.pt"
@@ -142,37 +138,10 @@ def rank_files(directory: Path) -> list[Path]:
 
 def load(path: Path) -> Any:
     """The content of the ``torch.save`` file ``path``, by torch's restricted unpickler with
-    :data:`STAND_INS`: tensors, containers, numbers, strings and those classes only."""
-    import torch
-
-    try:
-        fd = open_regular(path)
-    except OSError as exc:
-        raise CheckpointError(f"cannot read: {open_failure(exc)}", path=path) from None
-    with os.fdopen(fd, "rb") as f:
-        allowed: list[Callable[..., Any] | tuple[Callable[..., Any], str]] = [
-            (cls, name) for name, cls in STAND_INS.items()
-        ]
-        try:
-            with warnings.catch_warnings(), torch.serialization.safe_globals(allowed):
-                warnings.simplefilter("ignore")  # torch's notes on a foreign file's protocol
-                return torch.load(f, map_location="cpu", weights_only=True)
-        except OSError as exc:
-            raise CheckpointError(f"cannot read: {exc.strerror}", path=path) from None
-        except Exception as exc:
-            raise CheckpointError(
-                "refused or unreadable, nothing of it was run (a DeepSpeed file holds tensors "
-                f"and {len(STAND_INS)} DeepSpeed classes only): {type(exc).__name__}: "
-                f"{_first_line(exc)}",
-                path=path,
-            ) from None
-
-
-def _first_line(exc: BaseException) -> str:
-    """The line of torch's refusal that names what was refused."""
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    named = [line for line in lines if "GLOBAL" in line or "Unsupported" in line]
-    return one_line(Exception((named or lines or [""])[0]))
+    :data:`STAND_INS` (:func:`.torch_pickles.load`): tensors, containers, numbers, strings and
+    those classes only."""
+    holds = f"a DeepSpeed file holds tensors and {len(STAND_INS)} DeepSpeed classes only"
+    return torch_pickles.load(path, STAND_INS, holds)
 
 
 def save(path: Path, obj: Any) -> int:

@@ -1,0 +1,87 @@
+"""Hugging Face accelerate's ``Accelerator.save_state`` directories of torch.optim.Muon +
+AdamW jobs, read into muonckpt's format.
+
+:func:`from_accelerate` reads the directory (``model.safetensors`` or ``pytorch_model.bin``,
+``optimizer.bin`` and ``optimizer_N.bin``: each a pickled ``optimizer.state_dict()`` keyed by
+param index, read by the restricted unpickler) into a consolidated muonckpt checkpoint keyed
+by the model's names, with each param's value, torch.optim.Muon's momentum and AdamW's
+moments and step; the model's buffers go in as its other tensors. The RNG states
+(``random_states_N.pkl``) and every other file are left out unread, listed by name. Which
+index is which param: :mod:`._torch_optim`. :data:`FORMAT` is accelerate as the registry
+holds it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+from ..checkpoint.writing import Progress
+from ..errors import CheckpointError
+from ..storage import hf_files
+from ._torch_optim import (
+    ModelState,
+    OptimizerState,
+    TrainerConversion,
+    convert_optimizers,
+    given_names,
+    read_only,
+)
+from .foreign import ForeignFormat
+
+__all__ = ["FORMAT", "SOURCE", "from_accelerate", "is_accelerate"]
+
+SOURCE = "accelerate"
+is_accelerate = hf_files.is_accelerate
+
+
+def from_accelerate(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    *,
+    source: str = SOURCE,
+    to: str | None = None,
+    names: str | os.PathLike[str] | Sequence[Sequence[str]] | None = None,
+    overwrite: bool = False,
+    progress: Progress | None = None,
+) -> TrainerConversion:
+    """Convert the accelerate ``save_state`` directory ``src`` of a torch.optim.Muon + AdamW
+    job into a consolidated muonckpt checkpoint at ``dst`` for the muonckpt family ``to``
+    (None: torch's own form, EMA momentum).
+
+    Args:
+        names: which param each optimizer's indices are, where the files do not say (no
+            ``param_names``, and shapes that do not tell): per optimizer, the list of its
+            params' names in the order its param groups list them, or a JSON file of that.
+
+    Memory: the model and every optimizer's state, once, plus one tensor.
+    """
+    if source != SOURCE:
+        raise CheckpointError(f"an accelerate save_state is read as {SOURCE!r}, not {source!r}")
+    files = hf_files.accelerate_files(src)
+    model = ModelState(hf_files.read_model(files.model), ordered=files.model.suffix == ".bin")
+    optimizers = [OptimizerState(p.name, p, hf_files.load(p)) for p in files.optimizers]
+    path, how, carried, notes = convert_optimizers(
+        model, optimizers, dst,
+        names=given_names(names), to=to, overwrite=overwrite, progress=progress,
+        source=files.directory,
+    )  # fmt: skip
+    count = len(optimizers)
+    layout = f"save_state of {count} optimizer{'s' * (count != 1)}, params named by {how}"
+    if carried:
+        layout += f", {len(carried)} more model tensor{'s' * (len(carried) != 1)} carried"
+    return TrainerConversion(path, layout, tuple(f"{n} (not read)" for n in files.others), notes)
+
+
+FORMAT = ForeignFormat(
+    name="accelerate",
+    title="accelerate",
+    detect=is_accelerate,
+    read=from_accelerate,
+    write=read_only("accelerate"),
+    sources=(SOURCE,),
+    targets=(),
+    read_options=("names",),
+    records_source=True,
+)
+"""accelerate's ``save_state`` in the registry (:mod:`muonckpt.interop.registry`): read only."""

@@ -1,0 +1,105 @@
+"""Lightning's ``epoch=E-step=S.ckpt`` checkpoints of torch.optim.Muon + AdamW jobs, read into
+muonckpt's format.
+
+:func:`from_lightning` reads the file (one ``torch.save`` pickle, by the restricted
+unpickler: ``state_dict``, the LightningModule's tensors in the model's order, and
+``optimizer_states``, each optimizer's ``state_dict()`` keyed by param index) into a
+consolidated muonckpt checkpoint keyed by the LightningModule's names (``model.w1.weight``;
+``muonckpt.load(..., rename={"model.": ""})`` loads them into the bare model's optimizer),
+with each param's value, torch.optim.Muon's momentum, AdamW's moments and step, and
+``global_step`` as the checkpoint's step; the module's buffers go in as the model's other
+tensors. The loops, callbacks, schedulers and hyperparameters are left out, listed by name.
+Which index is which param: :mod:`._torch_optim`. :data:`FORMAT` is Lightning as the registry
+holds it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+from ..checkpoint.writing import Progress
+from ..errors import CheckpointError
+from ..storage import hf_files
+from ._torch_optim import (
+    ModelState,
+    OptimizerState,
+    TrainerConversion,
+    convert_optimizers,
+    given_names,
+    read_only,
+)
+from .foreign import ForeignFormat
+
+__all__ = ["FORMAT", "SOURCE", "from_lightning", "is_lightning"]
+
+SOURCE = "lightning"
+is_lightning = hf_files.is_lightning
+USED = ("state_dict", "optimizer_states", "global_step")
+
+
+def from_lightning(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    *,
+    source: str = SOURCE,
+    to: str | None = None,
+    names: str | os.PathLike[str] | Sequence[Sequence[str]] | None = None,
+    overwrite: bool = False,
+    progress: Progress | None = None,
+) -> TrainerConversion:
+    """Convert the Lightning checkpoint ``src`` (a ``.ckpt`` file) of a torch.optim.Muon +
+    AdamW job into a consolidated muonckpt checkpoint at ``dst`` for the muonckpt family ``to``
+    (None: torch's own form, EMA momentum). ``names`` as for
+    :func:`~.accelerate.from_accelerate`.
+
+    Memory: the whole checkpoint once, plus one tensor.
+    """
+    import torch
+
+    if source != SOURCE:
+        raise CheckpointError(f"a Lightning checkpoint is read as {SOURCE!r}, not {source!r}")
+    path = Path(src)
+    if not is_lightning(path):
+        raise CheckpointError("is not a Lightning checkpoint (a .ckpt file)", path=path)
+    top = hf_files.load(path)
+    model = top.get("state_dict") if isinstance(top, dict) else None
+    if not isinstance(model, dict) or not all(
+        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in model.items()
+    ):
+        raise CheckpointError("holds no 'state_dict' of named tensors", path=path)
+    states = top.get("optimizer_states")
+    if not isinstance(states, list) or not states:
+        raise CheckpointError(
+            "holds no 'optimizer_states' (saved with save_weights_only, or by a strategy "
+            "that keeps the optimizer elsewhere)",
+            path=path,
+        )
+    optimizers = [OptimizerState(f"optimizer_states[{k}]", path, s) for k, s in enumerate(states)]
+    step = top.get("global_step")
+    path_out, how, carried, notes = convert_optimizers(
+        ModelState(dict(model), ordered=True), optimizers, dst,
+        names=given_names(names), to=to, overwrite=overwrite, progress=progress,
+        source=path, recorded_step=step if type(step) is int and step >= 0 else None,
+    )  # fmt: skip
+    count = len(optimizers)
+    layout = f"{count} optimizer{'s' * (count != 1)}, params named by {how}"
+    if carried:
+        layout += f", {len(carried)} more model tensor{'s' * (len(carried) != 1)} carried"
+    left = tuple(str(key) for key in top if key not in USED)
+    return TrainerConversion(path_out, layout, left, notes)
+
+
+FORMAT = ForeignFormat(
+    name="lightning",
+    title="Lightning",
+    detect=is_lightning,
+    read=from_lightning,
+    write=read_only("Lightning"),
+    sources=(SOURCE,),
+    targets=(),
+    read_options=("names",),
+    records_source=True,
+)
+"""Lightning's ``.ckpt`` in the registry (:mod:`muonckpt.interop.registry`): read only."""
