@@ -31,6 +31,7 @@ from .options import (
     MegatronDp,
     MegatronTp,
     ModelPrefix,
+    ModelBuffers,
     OptimizerPrefix,
     OutputFormat,
     ParamAlignment,
@@ -197,6 +198,7 @@ def convert(
     dp: MegatronDp = None,
     model_prefix: ModelPrefix = None,
     optimizer_prefix: OptimizerPrefix = "optimizer.",
+    model_buffers: ModelBuffers = False,
     force: Force = False,
     quiet: Quiet = False,
 ) -> None:
@@ -218,7 +220,7 @@ def convert(
 
     Example: muonckpt convert titan/step-300 -o ckpt/step-300 --from torchtitan --to packaged
 
-    Example: muonckpt convert ckpt/step-300 -o titan/step-300-back --to torchtitan --format dcp
+    Example: muonckpt convert ckpt/step-300 -o titan/step-300-back --to torchtitan
 
     Example: muonckpt convert ds/ckpt -o ckpt/from-ds --from deepspeed --to packaged
 
@@ -239,6 +241,7 @@ def convert(
         "dp": dp,
         "model_prefix": model_prefix,
         "optimizer_prefix": optimizer_prefix,
+        "model_buffers": model_buffers,
     }
     try:
         route = interop.route(
