@@ -531,7 +531,7 @@ def _settings(
     own = family.name == source.family or source.optimizer in (family.muon, family.adamw)
     if own and source.converted_from is None:
         settings = {k: v for k, v in hyper.items() if k != "step" or family.step_in == "group"}
-        return _titan_lr(family, settings, hyper)
+        return _titan_settings(family, settings, hyper)
     betas = hyper.get("betas", hyper.get("adamw_betas"))
     eps = hyper.get("eps", hyper.get("adamw_eps"))
     known: dict[str, Any] = {"lr": hyper.get("lr"), "weight_decay": hyper.get("weight_decay")}
@@ -553,16 +553,19 @@ def _settings(
         known["param_names"] = hyper.get("param_names")  # optimizers built from named params
     settings = _torch_defaults(target.role or "") if family.name in ("torch", "torchtitan") else {}
     settings.update({k: v for k, v in known.items() if v is not None})
-    return _titan_lr(family, settings, hyper)
+    return _titan_settings(family, settings, hyper)
 
 
-def _titan_lr(
+def _titan_settings(
     family: kinds.DcpFamily, settings: dict[str, Any], hyper: Mapping[str, Any]
 ) -> dict[str, Any]:
-    """``settings`` with torchtitan's ``initial_lr`` (its LR schedulers give every group one,
-    and its load asks for every setting its groups have): the checkpoint's, else ``lr``."""
+    """``settings`` with the settings every torchtitan group has (its load asks for each):
+    ``initial_lr`` (its LR schedulers'; the checkpoint's, else ``lr``), ``foreach`` and
+    ``fused`` (its optimizer builder's; off where the checkpoint does not say)."""
     if family.name == "torchtitan" and settings.get("lr") is not None:
         settings.setdefault("initial_lr", hyper.get("initial_lr", settings["lr"]))
+        settings.setdefault("foreach", False)
+        settings.setdefault("fused", False)
     return settings
 
 
