@@ -101,7 +101,7 @@ def test_torch_muon_takes_no_3d_expert_and_the_load_says_so(converted):
     with pytest.raises(ValueError):
         torch.optim.Muon([torch.nn.Parameter(torch.zeros(4, 8, 16))])
     opts, _ = _torch_opts(converted["manager"])
-    with pytest.raises(CheckpointError, match="layers.0.experts"):
+    with pytest.raises(CheckpointError, match=r"layers\.0\.experts"):
         muonckpt.load(opts, converted["manager"])
 
 

@@ -271,7 +271,9 @@ def _group_settings(
             )
         for member in members:
             if member in settings:
-                raise CheckpointError(f"param {member!r} is in two groups of {groups_at}*", path=where)
+                raise CheckpointError(
+                    f"param {member!r} is in two groups of {groups_at}*", path=where
+                )
             settings[member] = dict(group)
     return settings, items
 

@@ -97,7 +97,9 @@ def from_torchtitan(
     directory = step_dir(src)
     index = dcp_metadata.read_index(directory)
     items = [*index.tensors, *index.values]
-    prefix = next((p for p in LAYOUTS if any(i.startswith(p + "param_groups.") for i in items)), None)
+    prefix = next(
+        (p for p in LAYOUTS if any(i.startswith(p + "param_groups.") for i in items)), None
+    )
     if prefix is None:
         raise CheckpointError(
             "holds no optimizer.param_groups.* (CheckpointManager) nor optim.param_groups.* "
@@ -130,7 +132,9 @@ def to_torchtitan(
     torchtitan's groups have. It holds no ``lr_scheduler`` or ``dataloader``: the loading job
     names them in ``CheckpointManager.Config.exclude_from_loading``."""
     report = dcp.to_dcp(src, dst, to=to, layout="torchtitan")
-    return Conversion(report.path, "torchtitan checkpoint manager", report.left_out, report.converted)
+    return Conversion(
+        report.path, "torchtitan checkpoint manager", report.left_out, report.converted
+    )
 
 
 FORMAT = ForeignFormat(
