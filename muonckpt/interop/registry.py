@@ -41,14 +41,9 @@ def detect(path: str | os.PathLike[str]) -> ForeignFormat | None:
 
 
 def reading(path: str | os.PathLike[str], source: str) -> ForeignFormat | None:
-    """The format that reads ``path``, saved by the implementation ``source``: the format of
-    that name when ``path`` is of it or of no format, or when ``source`` is a DCP family
-    (``--from torchtitan`` on a ``step-N`` DCP directory: torchtitan's reader); else the one
-    that recognises it, else the first that reads checkpoints of ``source`` (which then says
-    why ``path`` is not one of them: an unfinished save, say), else None."""
-    detected = detect(path)
-    own = next((f for f in FORMATS if f.name == source), None)
-    plain_dcp = detected is dcp.FORMAT and source in dcp.FORMAT.sources
-    if own is not None and (detected is None or detected is own or plain_dcp):
-        return own
-    return detected or next((f for f in FORMATS if source in f.sources), None)
+    """The format that reads ``path``, saved by the implementation ``source``: the one that
+    recognises it, else the first that reads checkpoints of ``source`` (which then says why
+    ``path`` is not one of them: an unfinished save, say), else None. (A torchtitan ``step-N``
+    directory is plain DCP: DCP's reader takes it with ``--from torchtitan``; its folder is
+    torchtitan's.)"""
+    return detect(path) or next((f for f in FORMATS if source in f.sources), None)
