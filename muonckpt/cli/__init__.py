@@ -30,6 +30,7 @@ from .options import (
     Layout,
     MegatronDp,
     MegatronTp,
+    ModelBuffers,
     ModelPrefix,
     Names,
     OptimizerPrefix,
@@ -202,6 +203,7 @@ def convert(
     model_prefix: ModelPrefix = None,
     optimizer_prefix: OptimizerPrefix = "optimizer.",
     names: Names = None,
+    model_buffers: ModelBuffers = False,
     force: Force = False,
     quiet: Quiet = False,
 ) -> None:
@@ -223,7 +225,7 @@ def convert(
 
     Example: muonckpt convert titan/step-300 -o ckpt/step-300 --from torchtitan --to packaged
 
-    Example: muonckpt convert ckpt/step-300 -o titan/step-300-back --to torchtitan --format dcp
+    Example: muonckpt convert ckpt/step-300 -o titan/step-300-back --to torchtitan
 
     Example: muonckpt convert ds/ckpt -o ckpt/from-ds --from deepspeed --to packaged
 
@@ -245,6 +247,7 @@ def convert(
         "model_prefix": model_prefix,
         "optimizer_prefix": optimizer_prefix,
         "names": names,
+        "model_buffers": model_buffers,
     }
     try:
         route = interop.route(

@@ -214,6 +214,13 @@ Names = Annotated[
         show_default=False,
     ),
 ]
+ModelBuffers = Annotated[
+    bool,
+    typer.Option(
+        "--model-buffers",
+        help="Reading torchtitan: carry the model's buffers (left out and named without it).",
+    ),
+]
 OptimizerPrefix = Annotated[
     str,
     typer.Option("--optimizer-prefix", help="Reading DCP: the optimizer state's prefix."),

@@ -37,6 +37,9 @@ DEEPSPEED = "deepspeed.MuonWithAuxAdam"
 """DeepSpeed's ZeRO-1/2 Muon as a checkpoint read from its files names it."""
 MEGATRON = "megatron.core.optimizer.TensorParallelMuon"
 """Megatron-Core's layer-wise Muon (emerging-optimizers', EMA form) as read from its files."""
+TORCHTITAN = "torchtitan.DistMuon"
+"""torchtitan 0.3.0's FSDP2 Muon (EMA form, Nesterov by default, torch's lr rules), read from
+its DCP checkpoints."""
 FAMILIES = {"packaged": "muonckpt.Muon", "torch": "torch.optim", "keller-jordan": "muon"}
 KNOWN = (
     "muonckpt.Muon",
@@ -49,6 +52,7 @@ KNOWN = (
     "muon.SingleDeviceMuonWithAuxAdam",
     DEEPSPEED,
     MEGATRON,
+    TORCHTITAN,
 )
 """The optimizers whose groups muonckpt knows how to convert (``deepspeed.MuonWithAuxAdam``:
 DeepSpeed's ZeRO-1/2 Muon, KellerJordan's update in EMA form, read from its checkpoints;
@@ -335,9 +339,13 @@ class DcpFamily:
         """What a group of this family with ``settings`` computes."""
         if role == "adamw":
             return GroupKind(self.adamw, "adamw", step_in=self.step_in)
-        rule = self.lr_rule or (
-            MOONLIGHT if settings.get("adjust_lr_fn") == "match_rms_adamw" else ASPECT
-        )
+        adjust = settings.get("adjust_lr_fn")
+        if self.lr_rule is None and adjust not in (None, "original", "match_rms_adamw"):
+            raise StateDictError(
+                f"the {self.name} Muon group setting 'adjust_lr_fn' is {adjust!r}: muonckpt "
+                "knows None, 'original' and 'match_rms_adamw', and no other Muon's rule is it"
+            )
+        rule = self.lr_rule or (MOONLIGHT if adjust == "match_rms_adamw" else ASPECT)
         rms = settings.get("matched_adamw_rms", 0.2) if rule == MOONLIGHT else None
         mu = settings.get(self.mu_setting)
         if not isinstance(mu, (int, float)) or isinstance(mu, bool) or not 0 <= mu < 1:
@@ -384,7 +392,7 @@ DCP_FAMILIES: dict[str, DcpFamily] = {
         DcpFamily("packaged", "muonckpt.Muon", "muonckpt.Muon", SUM, "momentum_buffer",
                   step_in="group", lr_rule=MOONLIGHT, role_setting="use_muon"),
         DcpFamily("torch", "torch.optim.Muon", "torch.optim.AdamW", EMA, "momentum_buffer"),
-        DcpFamily("torchtitan", "torchtitan.DistMuon", "torch.optim.AdamW", EMA,
+        DcpFamily("torchtitan", TORCHTITAN, "torch.optim.AdamW", EMA,
                   "momentum_buffer"),
         DcpFamily("keller-jordan", "muon.MuonWithAuxAdam", "muon.MuonWithAuxAdam", EMA,
                   "momentum_buffer", step_in="int", role_setting="use_muon"),

@@ -80,14 +80,19 @@ def conversion_notes(source: Manifest, target: Manifest) -> tuple[str, ...]:
     return tuple(notes)
 
 
-def summarized(fqns: list[str], named_prefix: str = "") -> tuple[str, ...]:
-    """Left-out items: those under ``named_prefix`` (the model's, say) by name, the others by
-    their first name component: ``lr_scheduler (3 items)``."""
-    named = [fqn for fqn in fqns if named_prefix and fqn.startswith(named_prefix)]
+def summarized(
+    fqns: list[str], named_prefix: str = "", named: Callable[[str], bool] | None = None
+) -> tuple[str, ...]:
+    """Left-out items: those under ``named_prefix`` (the model's, say), or those ``named``
+    holds, by name, the others by their first name component: ``lr_scheduler (3 items)``."""
+
+    def by_name(fqn: str) -> bool:
+        return bool(named_prefix and fqn.startswith(named_prefix)) or bool(named and named(fqn))
+
     counts: dict[str, int] = {}
     for fqn in fqns:
-        if named_prefix and fqn.startswith(named_prefix):
-            continue
-        head = fqn.split(".", 1)[0]
-        counts[head] = counts.get(head, 0) + 1
-    return (*named, *(f"{head} ({n} item{'s' * (n != 1)})" for head, n in counts.items()))
+        if not by_name(fqn):
+            head = fqn.split(".", 1)[0]
+            counts[head] = counts.get(head, 0) + 1
+    shown = [fqn for fqn in fqns if by_name(fqn)]
+    return (*shown, *(f"{head} ({n} item{'s' * (n != 1)})" for head, n in counts.items()))

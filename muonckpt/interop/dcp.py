@@ -112,9 +112,11 @@ def from_dcp(
     dst: str | os.PathLike[str],
     *,
     source: str,
-    to: str = "packaged",
+    to: str | None = "packaged",
     model_prefix: str | None = None,
     optimizer_prefix: str = OPTIMIZER_PREFIX,
+    job_states: tuple[str, ...] | None = None,
+    model_others: bool = True,
     overwrite: bool = False,
     progress: Progress | None = None,
 ) -> DcpConversion:
@@ -124,12 +126,21 @@ def from_dcp(
         source: the family that wrote it (:data:`muonckpt.format.kinds.DCP_FAMILIES`: ``torch``,
             ``torchtitan``, ``dion``, ``muon-fsdp2``, ``keller-jordan``, ``packaged``); its
             momentum form and state keys are read as that family keeps them.
-        to: the muonckpt family the output is for (``packaged``, ``torch``, ``keller-jordan``).
+        to: the muonckpt family the output is for (``packaged``, ``torch``, ``keller-jordan``);
+            None keeps ``source``'s own groups and form (``torchtitan.DistMuon``, EMA).
         model_prefix: the prefix of the model's fqns; None detects it (``model.`` for DCP's
             recipe, none for torchtitan's layout).
         optimizer_prefix: the prefix of the flattened optimizer state dict.
+        job_states: with the model at the top level (torchtitan's layout), the first name
+            components of the job's other states (``lr_scheduler``, ``dataloader``): every
+            other top-level tensor is the model's, named when left out, carried with
+            ``model_others``.
+        model_others: whether the model's tensors no optimizer holds (buffers, frozen params)
+            are carried where they are told from the job's.
 
-    The params are the fqns of ``<optimizer_prefix>param_groups.<fqn>.<setting>``; each must
+    The params are the fqns of ``<optimizer_prefix>param_groups.<fqn>.<setting>``, or of the
+    ``params`` of ``<optimizer_prefix>param_groups.<i>.<setting>`` (``get_state_dict``'s
+    groups by index); each must
     have its model tensor (the output resumes from itself alone), and its group's settings
     give mu. Every ``<optimizer_prefix>state.<fqn>.<key>`` must be a state key of ``source``
     for a param; anything else under the optimizer prefix is refused naming the key. Under a
@@ -140,13 +151,13 @@ def from_dcp(
     a tied name reads it beside each param of its shape and dtype, one at a time.
     """
     family = _family(source, "source")
-    if to not in kinds.FAMILIES:
+    if to is not None and to not in kinds.FAMILIES:
         raise StateDictError(f"cannot convert to {to!r}: choose one of {sorted(kinds.FAMILIES)}")
     index = dcp_metadata.read_index(src)
     where = index.directory / dcp_metadata.METADATA_NAME
-    settings = _group_settings(index, optimizer_prefix, where)
+    settings, settings_items = _group_settings(index, optimizer_prefix, where)
     model_prefix, layout = _model_prefix(index, settings, model_prefix, optimizer_prefix, where)
-    state = _state_items(index, settings, optimizer_prefix, where)
+    state = _state_items(index, settings, settings_items, optimizer_prefix, where)
     manifest = _manifest(index, family, settings, state, model_prefix, where)
     target, scales = converted_manifest(manifest, to, path=where)
     fqn_of = {(n, PARAM_KEY): model_prefix + n for n in settings}
@@ -155,7 +166,8 @@ def from_dcp(
         for key, fqn in keys.items():
             if key != "step":
                 fqn_of[name, family.our_key(kind.role or "", key) or key] = fqn
-    others, aliases = _model_others(index, settings, model_prefix, optimizer_prefix)
+    model_items = _ModelItems(model_prefix, optimizer_prefix, job_states)
+    others, aliases = _model_others(index, settings, model_items) if model_others else ([], {})
     fqn_of.update({(t.name, PARAM_KEY): model_prefix + t.name for t in others})
     path = write_consolidated(
         target,
@@ -169,31 +181,42 @@ def from_dcp(
         model_tensors=others,
     )
     used = {model_prefix + name for name in [*settings, *aliases]}
-    used |= {model_prefix + t.name for t in others} | _settings_items(settings, optimizer_prefix)
+    used |= {model_prefix + t.name for t in others} | settings_items
     used |= {fqn for keys in state.values() for fqn in keys.values()}
     left = sorted((set(index.tensors) | set(index.values)) - used)
-    return DcpConversion(
-        path, layout, summarized(left, model_prefix), conversion_notes(manifest, target)
-    )
+    left_out = summarized(left, model_prefix, named=model_items.holds)
+    return DcpConversion(path, layout, left_out, conversion_notes(manifest, target))
+
+
+@dataclass(frozen=True)
+class _ModelItems:
+    """Which DCP items are the model's: those under its prefix, or, at the top level, those
+    neither the optimizer's nor one of ``job_states`` (None: not told apart)."""
+
+    prefix: str
+    optimizer_prefix: str
+    job_states: tuple[str, ...] | None
+
+    def holds(self, fqn: str) -> bool:
+        if fqn.startswith(self.optimizer_prefix) or not fqn.startswith(self.prefix):
+            return False
+        if self.prefix:
+            return True
+        return self.job_states is not None and fqn.split(".", 1)[0] not in self.job_states
 
 
 def _model_others(
-    index: dcp_metadata.DcpIndex,
-    settings: Mapping[str, Any],
-    model_prefix: str,
-    optimizer_prefix: str,
+    index: dcp_metadata.DcpIndex, settings: Mapping[str, Any], model: _ModelItems
 ) -> tuple[list[ParamEntry], dict[str, str]]:
     """The model's tensors no optimizer holds (buffers, frozen params) and its tied names
     (alias -> param: a tensor bitwise equal to a param of its shape and dtype, as
-    ``get_state_dict`` saves a tied weight under each of its names). Only where the model has
-    a prefix of its own (DCP's recipe): at the top level they are not told from the job's."""
-    if not model_prefix:
-        return [], {}
+    ``get_state_dict`` saves a tied weight under each of its names). Only where the model's
+    items are told from the job's (:class:`_ModelItems`)."""
     others, aliases = [], {}
-    params = {name: index.tensors[model_prefix + name] for name in settings}
+    params = {name: index.tensors[model.prefix + name] for name in settings}
     for fqn, tensor in index.tensors.items():
-        name = fqn[len(model_prefix) :]
-        if not fqn.startswith(model_prefix) or fqn.startswith(optimizer_prefix) or name in params:
+        name = fqn[len(model.prefix) :]
+        if not model.holds(fqn) or name in params:
             continue
         value = dcp_files.read_tensor(index, tensor)
         tied = next(
@@ -214,41 +237,56 @@ def _model_others(
 
 def _group_settings(
     index: dcp_metadata.DcpIndex, optimizer_prefix: str, where: Path
-) -> dict[str, dict[str, Any]]:
-    """Each param's group settings, by param: the items ``<prefix>param_groups.<fqn>.<setting>``
-    (refused unless there is at least one)."""
+) -> tuple[dict[str, dict[str, Any]], set[str]]:
+    """Each param's group settings, by param, and the items read for them: the items
+    ``<prefix>param_groups.<fqn>.<setting>``, or ``<prefix>param_groups.<i>.<setting>`` of a
+    group whose ``params`` setting lists its params' fqns (``get_state_dict``'s groups by
+    index). Refused unless there is at least one."""
     groups_at = optimizer_prefix + "param_groups."
-    settings: dict[str, dict[str, Any]] = {}
+    read: dict[str, dict[str, Any]] = {}
+    items: set[str] = set()
     for fqn, item in index.values.items():
         if fqn.startswith(groups_at) and "." in fqn[len(groups_at) :]:
             name, setting = fqn[len(groups_at) :].rsplit(".", 1)
             value = dcp_files.read_value(index, item)
-            settings.setdefault(name, {})[setting] = _setting(value, fqn, where)
-    if not settings:
+            read.setdefault(name, {})[setting] = _setting(value, fqn, where)
+            items.add(fqn)
+    if not read:
         raise CheckpointError(
             f"holds no {groups_at}<fqn>.<setting> items: not a flattened optimizer state dict "
             "under that prefix (pass optimizer_prefix)",
             path=where,
         )
-    return settings
-
-
-def _settings_items(settings: Mapping[str, Mapping[str, Any]], optimizer_prefix: str) -> set[str]:
-    """The fqns of the settings items: ``<prefix>param_groups.<param>.<setting>``."""
-    groups_at = optimizer_prefix + "param_groups."
-    return {groups_at + f"{n}.{s}" for n, group in settings.items() for s in group}
+    settings: dict[str, dict[str, Any]] = {}
+    for name, group in read.items():
+        members = group.pop("params", None) if name.isdigit() else None
+        if members is None:
+            settings[name] = group
+            continue
+        if not isinstance(members, (list, tuple)) or not all(isinstance(m, str) for m in members):
+            raise CheckpointError(
+                f"DCP item {groups_at}{name}.params holds {members!r}, not the group's fqns",
+                path=where,
+            )
+        for member in members:
+            if member in settings:
+                raise CheckpointError(
+                    f"param {member!r} is in two groups of {groups_at}*", path=where
+                )
+            settings[member] = dict(group)
+    return settings, items
 
 
 def _state_items(
     index: dcp_metadata.DcpIndex,
     settings: Mapping[str, Mapping[str, Any]],
+    settings_items: set[str],
     optimizer_prefix: str,
     where: Path,
 ) -> dict[str, dict[str, str]]:
     """Each param's state items, param -> key -> fqn: every item under the optimizer prefix but
     the settings, each of them ``<prefix>state.<param>.<key>`` of a param with settings."""
     groups_at, state_at = optimizer_prefix + "param_groups.", optimizer_prefix + "state."
-    settings_items = _settings_items(settings, optimizer_prefix)
     state: dict[str, dict[str, str]] = {name: {} for name in settings}
     for fqn in [*index.tensors, *index.values]:
         if fqn in settings_items or not fqn.startswith(optimizer_prefix):
@@ -520,8 +558,10 @@ def _settings(
     """The settings a group of ``family`` has, from a group of ``source`` with ``hyper``:
     torch's optimizers' own defaults (torch, torchtitan), overridden by what the checkpoint
     says; for other families the settings muonckpt knows they have."""
-    if family.name == source.family and source.converted_from is None:
-        return {k: v for k, v in hyper.items() if k != "step" or family.step_in == "group"}
+    own = family.name == source.family or source.optimizer in (family.muon, family.adamw)
+    if own and source.converted_from is None:
+        settings = {k: v for k, v in hyper.items() if k != "step" or family.step_in == "group"}
+        return _titan_settings(family, settings, hyper)
     betas = hyper.get("betas", hyper.get("adamw_betas"))
     eps = hyper.get("eps", hyper.get("adamw_eps"))
     known: dict[str, Any] = {"lr": hyper.get("lr"), "weight_decay": hyper.get("weight_decay")}
@@ -543,6 +583,19 @@ def _settings(
         known["param_names"] = hyper.get("param_names")  # optimizers built from named params
     settings = _torch_defaults(target.role or "") if family.name in ("torch", "torchtitan") else {}
     settings.update({k: v for k, v in known.items() if v is not None})
+    return _titan_settings(family, settings, hyper)
+
+
+def _titan_settings(
+    family: kinds.DcpFamily, settings: dict[str, Any], hyper: Mapping[str, Any]
+) -> dict[str, Any]:
+    """``settings`` with the settings every torchtitan group has (its load asks for each):
+    ``initial_lr`` (its LR schedulers'; the checkpoint's, else ``lr``), ``foreach`` and
+    ``fused`` (its optimizer builder's; off where the checkpoint does not say)."""
+    if family.name == "torchtitan" and settings.get("lr") is not None:
+        settings.setdefault("initial_lr", hyper.get("initial_lr", settings["lr"]))
+        settings.setdefault("foreach", False)
+        settings.setdefault("fused", False)
     return settings
 
 

@@ -10,13 +10,14 @@ from __future__ import annotations
 import os
 
 from ..errors import OptionError
-from . import accelerate, dcp, deepspeed, lightning, megatron
+from . import accelerate, dcp, deepspeed, lightning, megatron, torchtitan
 from .foreign import ForeignFormat
 
 __all__ = ["FORMATS", "detect", "format_named", "reading"]
 
 FORMATS: tuple[ForeignFormat, ...] = (
     megatron.FORMAT,
+    torchtitan.FORMAT,
     dcp.FORMAT,
     deepspeed.FORMAT,
     accelerate.FORMAT,
@@ -44,5 +45,7 @@ def detect(path: str | os.PathLike[str]) -> ForeignFormat | None:
 def reading(path: str | os.PathLike[str], source: str) -> ForeignFormat | None:
     """The format that reads ``path``, saved by the implementation ``source``: the one that
     recognises it, else the first that reads checkpoints of ``source`` (which then says why
-    ``path`` is not one of them: an unfinished save, say), else None."""
+    ``path`` is not one of them: an unfinished save, say), else None. (A torchtitan ``step-N``
+    directory is plain DCP: DCP's reader takes it with ``--from torchtitan``; its folder is
+    torchtitan's.)"""
     return detect(path) or next((f for f in FORMATS if source in f.sources), None)

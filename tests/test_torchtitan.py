@@ -1,0 +1,181 @@
+"""torchtitan's DistMuon in and out: the committed fixtures (written by torchtitan 0.3.0 itself,
+``tests/fixtures/torchtitan/make_fixtures.py``: its CheckpointManager's ``step-3`` and
+``get_state_dict`` + ``dcp.save``) read without torchtitan, every value checked bitwise against
+the optimizers' in-memory state, then loaded into torch.optim.Muon + AdamW; and written back as
+torchtitan's layout. That torchtitan loads the output at world 1 and 4 is the trainers tier's
+(tests/test_trainers_torchtitan.py)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from typer.testing import CliRunner
+
+import muonckpt
+from muonckpt import CheckpointError, ConversionWarning
+from muonckpt.cli import app
+from muonckpt.interop import registry, torchtitan
+from muonckpt.storage import dcp_files, dcp_metadata
+
+FIXTURES = Path(__file__).parent / "fixtures" / "torchtitan"
+SOURCES = {"manager": FIXTURES / "checkpoint", "get_state_dict": FIXTURES / "getsd"}
+TRUTH = load_file(FIXTURES / "truth.safetensors")
+EXPERTS = ("layers.0.experts", "layers.1.experts")
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    """Each fixture converted as DistMuon keeps it (no ``to``), buffers carried, once."""
+    root = tmp_path_factory.mktemp("titan")
+    return {
+        name: torchtitan.from_torchtitan(src, root / name, model_buffers=True).path
+        for name, src in SOURCES.items()
+    }
+
+
+@pytest.mark.parametrize("name", sorted(SOURCES))
+def test_every_value_is_the_truth_bitwise(converted, name):
+    out = converted[name]
+    model, state = load_file(out / "model.safetensors"), load_file(out / "optimizer.safetensors")
+    manifest = muonckpt.read_manifest(out)
+    for key, expected in TRUTH.items():
+        param, _, what = key.rpartition(".")
+        if what == "step":
+            assert manifest.param(param).scalars["step"].value == expected.item(), key
+            continue
+        got = model[param] if what == "param" else state[f"state.{param}.{what}"]
+        assert got.dtype == expected.dtype and torch.equal(got, expected), key
+    assert model["layers.0.experts"].shape == (4, 8, 16)
+    assert torch.equal(model["layers.1.gate_scale"], torch.linspace(0.5, 1.5, 4))
+    assert muonckpt.verify(out) == []
+    muon = [g for g in manifest.groups if g.optimizer["role"] == "muon"]
+    assert [g.optimizer["optimizer"] for g in muon] == ["torchtitan.DistMuon"]
+    assert muon[0].optimizer["momentum_form"] == "ema" and muon[0].optimizer["nesterov"] is True
+    assert muon[0].optimizer["lr_rule"] == "moonlight" and set(EXPERTS) <= set(muon[0].params)
+    settings = json.loads((FIXTURES / "truth.json").read_text())["params"]
+    assert muon[0].hyperparams["lr"] == settings["layers.0.wq.weight"]["lr"]
+
+
+def test_what_is_left_out_is_named(tmp_path):
+    report = torchtitan.from_torchtitan(SOURCES["manager"], tmp_path / "a")
+    assert report.left_out == (
+        "layers.0.gate_scale",
+        "layers.1.gate_scale",
+        "dataloader (1 item)",
+        "lr_scheduler (1 item)",
+    )
+    assert "gate_scale" not in str(load_file(tmp_path / "a" / "model.safetensors").keys())
+    report = torchtitan.from_torchtitan(SOURCES["get_state_dict"], tmp_path / "b")
+    assert report.left_out == ("model.layers.0.gate_scale", "model.layers.1.gate_scale")
+
+
+def _torch_opts(out: Path) -> tuple[list[torch.optim.Optimizer], dict]:
+    """torch.optim.Muon for the 2-D DistMuon params, AdamW for the rest, built from zeros, as
+    the checkpoint's groups say."""
+    manifest = muonckpt.read_manifest(out)
+    shapes = {p.name: p.shape for p in manifest.params}
+    params = {n: torch.nn.Parameter(torch.zeros(s)) for n, s in shapes.items() if n not in EXPERTS}
+    opts: list[torch.optim.Optimizer] = []
+    for group in manifest.groups:
+        h, named = group.hyperparams, [(n, params[n]) for n in group.params if n in params]
+        if group.optimizer["role"] == "muon":
+            opts.append(
+                torch.optim.Muon(
+                    named, lr=h["lr"], momentum=h["momentum"], adjust_lr_fn=h["adjust_lr_fn"]
+                )
+            )
+        else:
+            opts.append(torch.optim.AdamW(named, lr=h["lr"], betas=tuple(h["betas"]), eps=h["eps"]))
+    return opts, params
+
+
+def test_torch_muon_takes_no_3d_expert_and_the_load_says_so(converted):
+    """torch.optim.Muon refuses 3-D params when built, so DistMuon's experts have no place in
+    it; a load without them is refused naming them, never a silent partial resume."""
+    with pytest.raises(ValueError):
+        torch.optim.Muon([torch.nn.Parameter(torch.zeros(4, 8, 16))])
+    opts, _ = _torch_opts(converted["manager"])
+    with pytest.raises(CheckpointError, match=r"layers\.0\.experts"):
+        muonckpt.load(opts, converted["manager"])
+
+
+def test_the_2d_params_resume_bitwise_in_torch_muon_and_adamw(tmp_path):
+    """The experts' values, momentum and settings set aside (a checkpoint without them is a
+    DCP one with their items removed), everything else resumes bit for bit."""
+    src = tmp_path / "step-3"
+    index = dcp_metadata.read_index(SOURCES["manager"] / "step-3")
+    kept = {f: t for f, t in index.tensors.items() if "experts" not in f}
+    values = {f: dcp_files.read_value(index, v) for f, v in index.values.items()}
+    values = {f: v for f, v in values.items() if "experts" not in f}
+    shapes = {f: (tuple(t.shape), t.dtype) for f, t in kept.items()}
+    dcp_files.write_dcp(src, shapes, values, lambda f, _: dcp_files.read_tensor(index, kept[f]))
+    out = torchtitan.from_torchtitan(src, tmp_path / "ours", to="torch").path
+    opts, params = _torch_opts(out)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConversionWarning)
+        muonckpt.load(opts, out)
+    for n, p in params.items():
+        assert torch.equal(p.detach(), TRUTH[f"{n}.param"]), n
+    for opt in opts:
+        for group in opt.param_groups:
+            for n, p in zip(group["param_names"], group["params"], strict=True):
+                for key, value in opt.state[p].items():
+                    expected = TRUTH[f"{n}.{key}"]
+                    assert torch.equal(value.float(), expected.float()), (n, key)
+    assert any(isinstance(o, torch.optim.Muon) and o.state for o in opts)
+
+
+def test_to_torchtitan_writes_the_source_back(converted, tmp_path):
+    back = tmp_path / "checkpoint" / "step-3"
+    back.parent.mkdir()
+    torchtitan.to_torchtitan(converted["manager"], back)
+    mine = dcp_metadata.read_index(back)
+    theirs = dcp_metadata.read_index(SOURCES["manager"] / "step-3")
+    assert set(mine.tensors) == set(theirs.tensors)
+    for fqn, item in theirs.tensors.items():
+        got = dcp_files.read_tensor(mine, mine.tensors[fqn])
+        assert torch.equal(got, dcp_files.read_tensor(theirs, item)), fqn
+    optimizer = {f for f in theirs.values if f.startswith("optimizer.")}
+    assert optimizer == set(mine.values)
+    for fqn in optimizer:
+        got, want = (dcp_files.read_value(i, i.values[fqn]) for i in (mine, theirs))
+        assert got == want or list(got) == list(want), fqn
+
+
+def test_the_cli_finds_the_format_and_the_newest_step(tmp_path):
+    assert registry.detect(SOURCES["manager"]) is torchtitan.FORMAT
+    runner = CliRunner()
+    for i, args in enumerate(
+        [
+            [str(SOURCES["manager"])],
+            [str(SOURCES["manager"] / "step-3"), "--from", "torchtitan", "--to", "torch"],
+        ]
+    ):
+        result = runner.invoke(app, ["convert", *args, "-o", str(tmp_path / f"o{i}")])
+        assert result.exit_code == 0, result.output
+        assert "left out" in result.output and "lr_scheduler" in result.output
+    result = runner.invoke(app, ["convert", str(tmp_path / "o0"), "-o", str(tmp_path / "t")])
+    assert result.exit_code != 0
+    args = ["convert", str(tmp_path / "o0"), "-o", str(tmp_path / "t"), "--to", "torchtitan"]
+    assert runner.invoke(app, args).exit_code == 0
+    assert dcp_metadata.is_dcp(tmp_path / "t")
+
+
+def test_an_unknown_lr_rule_is_refused_naming_it(tmp_path):
+    src = tmp_path / "step-3"
+    shutil.copytree(SOURCES["manager"] / "step-3", src)
+    index = dcp_metadata.read_index(src)
+    values = {f: dcp_files.read_value(index, v) for f, v in index.values.items()}
+    values["optimizer.param_groups.layers.0.wq.weight.adjust_lr_fn"] = "spectral_unclamped"
+    shapes = {f: (tuple(t.shape), t.dtype) for f, t in index.tensors.items()}
+    tensors = {f: dcp_files.read_tensor(index, t) for f, t in index.tensors.items()}
+    fresh = tmp_path / "fresh" / "step-3"
+    dcp_files.write_dcp(fresh, shapes, values, lambda f, _: tensors[f])
+    with pytest.raises(CheckpointError, match="spectral_unclamped"):
+        torchtitan.from_torchtitan(fresh, tmp_path / "x")
