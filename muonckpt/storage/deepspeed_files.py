@@ -17,16 +17,13 @@ from __future__ import annotations
 import enum
 import os
 import re
-import warnings
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointError
-from . import lease
-from .dcp_metadata import one_line
-from .durable import fsync_dir, open_failure, open_regular, read_text
+from . import lease, pickled
+from .durable import fsync_dir, read_text
 
 LATEST = "latest"
 MODEL_STATES = "mp_rank_00_model_states.pt"
@@ -142,37 +139,10 @@ def rank_files(directory: Path) -> list[Path]:
 
 def load(path: Path) -> Any:
     """The content of the ``torch.save`` file ``path``, by torch's restricted unpickler with
-    :data:`STAND_INS`: tensors, containers, numbers, strings and those classes only."""
-    import torch
-
-    try:
-        fd = open_regular(path)
-    except OSError as exc:
-        raise CheckpointError(f"cannot read: {open_failure(exc)}", path=path) from None
-    with os.fdopen(fd, "rb") as f:
-        allowed: list[Callable[..., Any] | tuple[Callable[..., Any], str]] = [
-            (cls, name) for name, cls in STAND_INS.items()
-        ]
-        try:
-            with warnings.catch_warnings(), torch.serialization.safe_globals(allowed):
-                warnings.simplefilter("ignore")  # torch's notes on a foreign file's protocol
-                return torch.load(f, map_location="cpu", weights_only=True)
-        except OSError as exc:
-            raise CheckpointError(f"cannot read: {exc.strerror}", path=path) from None
-        except Exception as exc:
-            raise CheckpointError(
-                "refused or unreadable, nothing of it was run (a DeepSpeed file holds tensors "
-                f"and {len(STAND_INS)} DeepSpeed classes only): {type(exc).__name__}: "
-                f"{_first_line(exc)}",
-                path=path,
-            ) from None
-
-
-def _first_line(exc: BaseException) -> str:
-    """The line of torch's refusal that names what was refused."""
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    named = [line for line in lines if "GLOBAL" in line or "Unsupported" in line]
-    return one_line(Exception((named or lines or [""])[0]))
+    :data:`STAND_INS` (:func:`.pickled.load`): tensors, containers, numbers, strings and those
+    classes only."""
+    holds = f"a DeepSpeed file holds tensors and {len(STAND_INS)} DeepSpeed classes only"
+    return pickled.load(path, STAND_INS, holds)
 
 
 def save(path: Path, obj: Any) -> int:
