@@ -36,6 +36,7 @@ from ..format.names import PARAM_KEY
 from ..layout.megatron_tp import partition_dim
 from ..storage import megatron_files
 from ..storage.dtypes import dtype_name
+from ..storage.megatron_files import Namespace
 from ._consolidated import conversion_notes, summarized, write_consolidated
 from ._megatron_groups import Group, assumed, count, kind, role_of
 from ._megatron_out import MegatronConversion
@@ -81,6 +82,7 @@ def from_torch_format(
     :func:`~.megatron.from_megatron` does a torch_dist one. Memory: the whole checkpoint."""
     files = megatron_files.torch_files(directory)
     tops = [_top(path) for path in files.model]
+    _check_dp(tops[0].get("args"), files)
     groups = _groups(files.optimizer[0][0])
     ranks = [
         _params(top, paths, groups, dp=len(paths))
@@ -103,6 +105,18 @@ def from_torch_format(
     left += [k for k in tops[0] if k not in ("model", "optimizer", "args", "iteration")]
     notes = conversion_notes(manifest, target) + assumed(args)
     return MegatronConversion(path, "torch", summarized(left), notes)
+
+
+def _check_dp(args: Any, files: megatron_files.TorchFiles) -> None:
+    """Refuse a checkpoint whose training args name another DP size than its files."""
+    size = vars(args).get("data_parallel_size") if isinstance(args, Namespace) else None
+    found = len(files.optimizer[0])
+    if isinstance(size, int) and size != found:
+        raise CheckpointError(
+            f"its training args say data_parallel_size {size}, but {found} "
+            "layer_wise_optimizer file(s) are here (one per DP rank)",
+            path=files.model[0].parent,
+        )
 
 
 def _top(path: Path) -> dict[str, Any]:
@@ -190,7 +204,11 @@ def _params(
                     if name in out:
                         raise CheckpointError(f"{item}: {name} has a master already", path=path)
                     if dp == 1 and order.index(name) < last:
-                        raise CheckpointError(f"{item}: not in the model's order", path=path)
+                        raise CheckpointError(
+                            f"{item}: {name} is not in the model's order, as the ids of a "
+                            "DP-1 optimizer are (a DP rank's file missing?)",
+                            path=path,
+                        )
                     last = order.index(name)
                     out[name] = _state(
                         sd["optimizer"]["state"].get(pid, {}), master, flat, groups, path, item
