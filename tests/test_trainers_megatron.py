@@ -10,9 +10,9 @@ optimizer's state right after the load and trains 2 steps.
 It checks that:
 
 - Megatron -> ``muonckpt convert --from megatron`` -> ``muonckpt convert --to megatron --tp T
-  --dp D`` -> Megatron at the other layout (TP2 DP1 -> TP1 DP2 and back) restores the
-  source's state exactly (fp32 masters, Muon momentum, AdamW moments and step) and trains on
-  with a finite loss;
+  --dp D`` -> Megatron at the other layout (TP2 DP1 -> TP1 DP2 and back, from torch_dist and
+  from the ``torch`` format) restores the source's state exactly (fp32 masters, Muon
+  momentum, AdamW moments and step) and trains on with a finite loss;
 - the same through the packaged Muon at 2 x 2 (``--to packaged``, resharded): the momentum
   within the rounding of its two form conversions (EMA to sum and back), the rest exactly;
 - Megatron itself loads its own dp_reshardable checkpoint at the other layout
@@ -110,9 +110,13 @@ def convert(*args: str) -> None:
     assert result.exit_code == 0, result.output
 
 
-@pytest.mark.parametrize("name", sorted(OTHER_TP))
+TORCH_FORMAT = {"tp2_dp1_torch": 1, "tp1_dp2_torch": 2}
+"""The ``--ckpt-format torch`` fixtures -> the TP size of the other layout."""
+
+
+@pytest.mark.parametrize("name", sorted(OTHER_TP) + sorted(TORCH_FORMAT))
 def test_megatron_resumes_the_export_at_the_other_layout(mc_python, tmp_path, name) -> None:
-    tp = OTHER_TP[name]
+    tp = {**OTHER_TP, **TORCH_FORMAT}[name]
     ours, back = tmp_path / "muonckpt", tmp_path / "megatron"
     convert(str(HERE / name / "checkpoint"), "-o", str(ours), "--from", "megatron")
     convert(str(ours), "-o", str(back), "--to", "megatron", "--tp", str(tp), "--dp", str(2 // tp))
