@@ -28,8 +28,10 @@ SMOKE: dict[str, list[str]] = {
 """Script -> the arguments of its smoke run."""
 NEEDS_A_TRAINER: dict[str, list[str]] = {
     "bench_deepspeed.py": ["--size", "16MB", "--repeats", "1"],  # DeepSpeed's venv
+    "bench_megatron.py": ["--size", "16MB", "--repeats", "1"],  # Megatron-Core's venv
 }
-"""Scripts that need a trainer installed apart (``$MUONCKPT_DS_VENV``): run by name only."""
+"""Scripts that need a trainer installed apart (``$MUONCKPT_DS_VENV``,
+``$MUONCKPT_MEGATRON_VENV``): run by name only."""
 RUN_BY_OTHERS = {"bench_checkpoint.py", "bench_offline.py"}
 """Scripts a smoke run above runs (``run.py`` runs both)."""
 HELPERS = {"common.py", "synthetic.py", "smoke.py"}

@@ -319,7 +319,8 @@ def test_a_foreign_format_is_one_record_in_the_registry(tmp_path, monkeypatch):
         (
             {"output_format": "bogus"},
             "--format",
-            "choose muonckpt or megatron or torchtitan or dcp or deepspeed or accelerate or lightning or fake",
+            "choose muonckpt or megatron or torchtitan or dcp or deepspeed or accelerate or "
+            "lightning or fake",
         ),
         ({"to": "torch", "output_format": "fake"}, "--to", "choose one of reader"),
         ({"to": "packaged"}, "--from", "a Fake checkpoint does not record"),

@@ -246,3 +246,160 @@ def test_output_refusals_name_the_flag_or_the_file(converted, tmp_path):
         app, ["convert", str(converted["tp2_dp1"]), "-o", str(tmp_path / "d"), "--to", "megatron"]
     )
     assert result.exit_code == 2 and "--tp" in result.output and "Traceback" not in result.output
+
+
+RESUMED = ("tp2_dp1", "tp1_dp2")
+"""The fixtures the packaged Muon resumes at 2 x 2 (each layout Megatron saved at)."""
+EMA_TO_SUM_RTOL = 2.0**-23
+"""The EMA -> sum conversion multiplies the fp32 momentum by ``1 / (1 - mu)`` (20 for mu = 0.95,
+exact in fp32): one fp32 rounding of the product (half an ulp, 2**-24 relative) plus the
+factor's own rounding from float64 to fp32 (below 1e-15); 2**-23 bounds both."""
+
+
+def _packaged_groups(manifest) -> list[dict]:
+    """The packaged Muon's groups over zero params, the manifest's groups in its order, each
+    with the settings the checkpoint records (Megatron's Muon: no Nesterov)."""
+    shapes = {e.name: e.shape for e in manifest.params}
+    groups = []
+    for group in manifest.groups:
+        h, kind = group.hyperparams, group.optimizer
+        params = [(n, torch.zeros(shapes[n])) for n in group.params]
+        if kind["role"] == "muon":
+            settings = {"use_muon": True, "lr": h["lr"], "momentum": h["momentum"],
+                        "nesterov": kind["nesterov"], "weight_decay": h["weight_decay"],
+                        "matched_adamw_rms": kind["matched_adamw_rms"]}  # fmt: skip
+        else:
+            settings = {"lr": h["lr"], "weight_decay": h["weight_decay"],
+                        "adamw_betas": tuple(h["betas"]), "adamw_eps": h["eps"]}  # fmt: skip
+        groups.append({"params": params, **settings})
+    return groups
+
+
+def _split_dims(manifest) -> dict[str, int]:
+    """Megatron's own TP split of each param (``layout.megatron_tp``)."""
+    from muonckpt.layout.megatron_tp import partition_dim
+
+    dims = {e.name: partition_dim(e.name) for e in manifest.params}
+    return {n: d for n, d in dims.items() if d is not None}
+
+
+def _grad(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(sum(map(ord, name)))
+    return torch.randn(shape, generator=gen)
+
+
+def _resume_packaged(sources: list[str]) -> list[dict]:
+    """(gloo child, world 4) Per source: the packaged Muon at dp 2 x tp 2 over zero params,
+    loaded from the source alone; this rank's params and state right after the load, and its
+    params after one step on fixed gradients (each rank its cut of them)."""
+    from muonckpt.distributed import collectives
+    from muonckpt.distributed.groups import grid_groups
+    from muonckpt.layout.topology import Topology
+    from muonckpt.optim.muon import Muon
+    from muonckpt.optim.sharding import shard_param_groups
+    from muonckpt.state.regions import extract
+
+    dp_group, tp_group = grid_groups(2, 2)
+    d, t = collectives.group_rank(dp_group), collectives.group_rank(tp_group)
+    out = []
+    for src in sources:
+        manifest = muonckpt.read_manifest(src)
+        sharded = shard_param_groups(
+            _packaged_groups(manifest), Topology(2, 2), d, t, tp_split_dims=_split_dims(manifest)
+        )
+        opt = Muon(sharded.param_groups)
+        opt.enable_distributed_mode(
+            sharded.global_buffer_sizes, dp_group, tp_group, sharded.dist_metas
+        )
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ConversionWarning)
+            muonckpt.load(opt, src)
+        steps = torch.tensor([float(g.get("step", -1)) for g in opt.param_groups])
+        loaded: dict[str, torch.Tensor] = {}
+        for group in opt.param_groups:
+            for n, p in zip(group["param_names"], group["params"], strict=True):
+                loaded[f"{n}.param"] = p.detach().clone()
+                loaded.update({f"{n}.{k}": v.clone() for k, v in opt.state[p].items()})
+                full = _grad(n, manifest.param(n).shape)
+                p.grad = extract(full, sharded.layout.region(sharded.index(n), d, t)).reshape(
+                    p.shape
+                )
+        opt.step()
+        stepped = {n: p.detach().clone() for g in opt.param_groups
+                   for n, p in zip(g["param_names"], g["params"], strict=True)}  # fmt: skip
+        out.append({"coords": torch.tensor([d, t]), "loaded": loaded, "stepped": stepped,
+                    "steps": steps})  # fmt: skip
+    return out
+
+
+def _assemble(manifest, ranks: list[dict], what: str) -> dict[str, torch.Tensor]:
+    """Whole tensors from the ranks' local pieces (``NAME.KEY`` or ``NAME``); NaN where no
+    rank holds an element, so that it fails every comparison."""
+    from muonckpt.layout.topology import Topology
+    from muonckpt.optim.sharding import shard_param_groups
+    from muonckpt.state.regions import insert_
+
+    groups = _packaged_groups(manifest)
+    layout = shard_param_groups(groups, Topology(2, 2), 0, 0, tp_split_dims=_split_dims(manifest))
+    full: dict[str, torch.Tensor] = {}
+    for rank in ranks:
+        d, t = rank["coords"].tolist()
+        for key, piece in rank[what].items():
+            name = key.rsplit(".", 1)[0] if what == "loaded" else key
+            shape = manifest.param(name).shape
+            target = full.setdefault(key, torch.full(shape, float("nan")))
+            insert_(target, layout.layout.region(layout.index(name), d, t), piece)
+    return full
+
+
+@pytest.mark.dist
+def test_it_resumes_in_the_packaged_muon_at_2x2_from_the_converted_checkpoint(tmp_path):
+    """``convert --from megatron --to packaged``, then the packaged Muon at 2 x 2 over zero
+    params loads it: the fp32 masters and AdamW's moments bitwise the source's, Muon's
+    momentum its EMA / (1 - mu) within :data:`EMA_TO_SUM_RTOL`; one step on, every param
+    finite, moved, and bitwise what the same load gives at 1 x 1."""
+    from muonckpt.distributed.launch import run_distributed
+    from muonckpt.optim.muon import Muon
+
+    sources = []
+    for name in RESUMED:
+        dst = tmp_path / name
+        args = ["convert", str(_ckpt(name)), "-o", str(dst), "--from", "megatron"]
+        result = CliRunner().invoke(app, [*args, "--to", "packaged"])
+        assert result.exit_code == 0 and "ema -> sum" in result.output, result.output
+        sources.append(str(dst))
+    ranks = run_distributed(_resume_packaged, 4, sources, timeout=240)
+    for i, (name, src) in enumerate(zip(RESUMED, sources, strict=True)):
+        manifest, truth = (
+            muonckpt.read_manifest(src),
+            load_file(FIXTURES / name / "truth.safetensors"),
+        )
+        mu = {n: g.hyperparams["momentum"] for g in manifest.groups if "momentum" in g.hyperparams
+              for n in g.params}  # fmt: skip
+        loaded = _assemble(manifest, [r[i] for r in ranks], "loaded")
+        for g, group in enumerate(manifest.groups):  # AdamW's step, kept per group
+            if group.optimizer["role"] == "adamw":
+                expected = {truth[f"{n}.step"].item() for n in group.params}
+                assert {r[i]["steps"][g].item() for r in ranks} == expected == {3.0}, g
+        assert set(loaded) == {k for k in truth if not k.endswith(".step")}
+        for key, got in loaded.items():
+            expected = truth[key]
+            if key.endswith(".momentum_buffer"):
+                expected = expected / (1 - mu[key.rsplit(".", 1)[0]])
+                torch.testing.assert_close(got, expected, rtol=EMA_TO_SUM_RTOL, atol=0.0, msg=key)
+            else:
+                assert torch.equal(got, expected), key
+        with warnings.catch_warnings():  # the same load and step in one process
+            warnings.simplefilter("ignore", ConversionWarning)
+            alone = Muon(_packaged_groups(manifest))
+            muonckpt.load(alone, src)
+        for group in alone.param_groups:
+            for n, p in zip(group["param_names"], group["params"], strict=True):
+                p.grad = _grad(n, p.shape)
+        alone.step()
+        stepped = _assemble(manifest, [r[i] for r in ranks], "stepped")
+        for group in alone.param_groups:
+            for n, p in zip(group["param_names"], group["params"], strict=True):
+                got = stepped[n]
+                assert torch.isfinite(got).all() and not torch.equal(got, truth[f"{n}.param"]), n
+                assert torch.equal(got, p.detach()), (name, n)

@@ -10,13 +10,19 @@ optimizer's state right after the load and trains 2 steps.
 It checks that:
 
 - Megatron -> ``muonckpt convert --from megatron`` -> ``muonckpt convert --to megatron --tp T
-  --dp D`` -> Megatron at the other layout (TP2 DP1 -> TP1 DP2 and back) restores the
-  source's state exactly (fp32 masters, Muon momentum, AdamW moments and step) and trains on
-  with a finite loss;
+  --dp D`` -> Megatron at the other layout (TP2 DP1 -> TP1 DP2 and back, from torch_dist and
+  from the ``torch`` format) restores the source's state exactly (fp32 masters, Muon
+  momentum, AdamW moments and step) and trains on with a finite loss;
 - the same through the packaged Muon at 2 x 2 (``--to packaged``, resharded): the momentum
   within the rounding of its two form conversions (EMA to sum and back), the rest exactly;
 - Megatron itself loads its own dp_reshardable checkpoint at the other layout
-  (``dist_checkpointing.load``, the tensors being global): the state equal too.
+  (``dist_checkpointing.load``, the tensors being global): the state equal too;
+- the producer, ``make_fixtures.py``, remakes every fixture (torch_dist in both optimizer
+  formats, and ``--ckpt-format torch`` through ``megatron.training``'s own
+  ``save_checkpoint``): the same files, params, shapes and groups as the committed one, and
+  ``convert --from megatron`` of the new files is its new truth bitwise (the runs are not
+  bitwise reproducible between processes, so the values are compared with the run's own truth);
+- ``benchmarks/bench_megatron.py`` runs (its smoke run).
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import json
 import os
 import socket
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -103,9 +110,13 @@ def convert(*args: str) -> None:
     assert result.exit_code == 0, result.output
 
 
-@pytest.mark.parametrize("name", sorted(OTHER_TP))
+TORCH_FORMAT = {"tp2_dp1_torch": 1, "tp1_dp2_torch": 2}
+"""The ``--ckpt-format torch`` fixtures -> the TP size of the other layout."""
+
+
+@pytest.mark.parametrize("name", sorted(OTHER_TP) + sorted(TORCH_FORMAT))
 def test_megatron_resumes_the_export_at_the_other_layout(mc_python, tmp_path, name) -> None:
-    tp = OTHER_TP[name]
+    tp = {**OTHER_TP, **TORCH_FORMAT}[name]
     ours, back = tmp_path / "muonckpt", tmp_path / "megatron"
     convert(str(HERE / name / "checkpoint"), "-o", str(ours), "--from", "megatron")
     convert(str(ours), "-o", str(back), "--to", "megatron", "--tp", str(tp), "--dp", str(2 // tp))
@@ -137,3 +148,51 @@ def test_megatron_loads_its_own_checkpoint_at_the_other_layout(mc_python, tmp_pa
     assert_trains_on(result)
     truth = load_file(HERE / name / "truth.safetensors")
     assert_same_state(load_file(tmp_path / "run" / "loaded.safetensors"), truth)
+
+
+FIXTURE_NAMES = sorted(p.parent.name for p in HERE.glob("*/truth.safetensors"))
+
+
+def _files(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
+
+
+@pytest.mark.parametrize("name", FIXTURE_NAMES)
+def test_the_producer_remakes_the_fixture(mc_python, tmp_path, name) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run(
+        [str(mc_python), str(HERE / "make_fixtures.py"), str(tmp_path), "--only", name],
+        capture_output=True, text=True, timeout=600, env=env, cwd=REPO,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    new, old = tmp_path / name, HERE / name
+    assert _files(new) == _files(old)
+    new_truth, old_truth = (
+        load_file(new / "truth.safetensors"),
+        load_file(old / "truth.safetensors"),
+    )
+    assert {k: v.shape for k, v in new_truth.items()} == {k: v.shape for k, v in old_truth.items()}
+    assert (
+        json.loads((new / "truth.json").read_text())["params"]
+        == json.loads((old / "truth.json").read_text())["params"]
+    )
+    convert(str(new / "checkpoint"), "-o", str(tmp_path / "ours"), "--from", "megatron")
+    model = load_file(tmp_path / "ours" / "model.safetensors")
+    state = load_file(tmp_path / "ours" / "optimizer.safetensors")
+    for key, expected in new_truth.items():
+        param, _, what = key.rpartition(".")
+        if what == "step":
+            continue
+        got = model[param] if what == "param" else state[f"state.{param}.{what}"]
+        assert torch.equal(got, expected), key
+
+
+def test_the_megatron_benchmark_runs(mc_python: Path) -> None:
+    """``benchmarks/bench_megatron.py`` at a tiny size (its smoke run; no time asserted)."""
+    env = {**os.environ, "MUONCKPT_MEGATRON_VENV": str(mc_python.parent.parent)}
+    done = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "smoke.py"), "bench_megatron.py"],
+        capture_output=True, text=True, timeout=900, env=env, cwd=REPO,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    assert "| muonckpt to_megatron (TP 1, DP 2) |" in done.stdout, done.stdout

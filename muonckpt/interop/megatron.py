@@ -20,11 +20,9 @@ The fp32 master params become the output's params; the bf16 model weights are le
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,8 +33,17 @@ from ..format import kinds
 from ..format.conversion import converted_manifest
 from ..format.manifest import CONSOLIDATED, GroupEntry, Manifest, ParamEntry, Scalar, json_safe
 from ..format.names import PARAM_KEY
-from ..storage import dcp_files, dcp_metadata
+from ..storage import dcp_files, dcp_metadata, megatron_files
+from ..storage.megatron_files import Namespace
 from ._consolidated import conversion_notes, summarized, write_consolidated
+from ._megatron_groups import (
+    MUON,
+    Group,
+    assumed,
+    count,
+    kind,
+    role_of,
+)
 from ._megatron_out import (
     DIST_METADATA,
     LATEST,
@@ -57,8 +64,6 @@ __all__ = [
     "to_megatron",
 ]
 
-MUON = kinds.MEGATRON
-ADAMW = "torch.optim.AdamW"
 WANTED = {
     "muon": {"fp32_param", "momentum_buffer"},
     "adamw": {"fp32_param", "exp_avg", "exp_avg_sq"},
@@ -66,10 +71,6 @@ WANTED = {
 """The state keys Megatron saves for a param of each role (only ``fp32_param`` before a step)."""
 _OPTIMIZER_ITEM = re.compile(r"(?:chained_(\d+)\.)?optimizer\.state\.([a-z0-9_]+)\.(.+)")
 COMMON = "common_state"
-
-
-class Namespace:
-    """Stand-in for ``argparse.Namespace`` (Megatron's training ``args``): attributes only."""
 
 
 ADMITTED = ((Namespace, "argparse.Namespace"),)
@@ -96,11 +97,13 @@ def iteration_dir(path: str | os.PathLike[str]) -> Path:
 
 
 def is_megatron(path: str | os.PathLike[str]) -> bool:
-    """Whether ``path`` is a Megatron checkpoint root (``latest_checkpointed_iteration.txt``) or
-    a torch_dist ``iter_N`` directory (``metadata.json`` beside DCP's ``.metadata``): files'
-    presence only."""
+    """Whether ``path`` is a Megatron checkpoint root (``latest_checkpointed_iteration.txt``), a
+    torch_dist ``iter_N`` directory (``metadata.json`` beside DCP's ``.metadata``) or a torch
+    one (``mp_rank_XX/model_optim_rng.pt``): files' presence only."""
     root = Path(path)
     if (root / LATEST).is_file():
+        return True
+    if megatron_files.is_torch_format(root):
         return True
     return (root / DIST_METADATA).is_file() and dcp_metadata.is_dcp(root)
 
@@ -146,6 +149,10 @@ def from_megatron(
     if to is not None and to not in kinds.FAMILIES:
         raise StateDictError(f"cannot convert to {to!r}: choose one of {sorted(kinds.FAMILIES)}")
     directory = iteration_dir(src)
+    if megatron_files.is_torch_format(directory):
+        from ._megatron_torch import from_torch_format
+
+        return from_torch_format(directory, dst, to=to, overwrite=overwrite, progress=progress)
     _check_backend(directory)
     index = dcp_metadata.read_index(directory)
     where = index.directory / dcp_metadata.METADATA_NAME
@@ -164,7 +171,7 @@ def from_megatron(
     )
     used = {fqn for fqn, _ in fqn_of.values()} | {_common_fqn(index, where)}
     left = sorted((set(index.tensors) | set(index.values)) - used)
-    notes = conversion_notes(manifest, target) + _assumed(common)
+    notes = conversion_notes(manifest, target) + assumed(common.get("args"))
     return MegatronConversion(path, layout, summarized(left), notes)
 
 
@@ -222,14 +229,7 @@ def _optimizer_items(
     return items, "dp_reshardable" if prefixed == {True} else "fully_reshardable"
 
 
-@dataclass(frozen=True)
-class _Group:
-    role: str
-    settings: dict[str, Any]
-    step: int | None
-
-
-def _groups(common: Mapping[str, Any], where: Path) -> list[_Group]:
+def _groups(common: Mapping[str, Any], where: Path) -> list[Group]:
     """Every param group of the chained optimizers, Muon's (a ``momentum`` setting) or
     AdamW's (``betas``), with its chained optimizer's common step."""
     optimizer = common["optimizer"]
@@ -244,7 +244,7 @@ def _groups(common: Mapping[str, Any], where: Path) -> list[_Group]:
             )
         step = inner.get("state", {}).get("common_step") if isinstance(inner, dict) else None
         for g, group in enumerate(groups):
-            role = "adamw" if "betas" in group else "muon" if "momentum" in group else None
+            role = role_of(group)
             if role is None:
                 raise CheckpointError(
                     f"{COMMON}: group {g} of chained optimizer {c} is neither Muon's "
@@ -252,21 +252,14 @@ def _groups(common: Mapping[str, Any], where: Path) -> list[_Group]:
                     path=where,
                 )
             settings = {k: v for k, v in group.items() if k != "params"}
-            out.append(_Group(role, json_safe(settings), _count(step, where)))
+            out.append(
+                Group(role, json_safe(settings), count(step, where, f"{COMMON}: common_step"))
+            )
     return out
 
 
-def _count(step: Any, where: Path) -> int | None:
-    if step is None:
-        return None
-    value = step.item() if hasattr(step, "item") else step
-    if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-        raise CheckpointError(f"{COMMON}: common_step {value!r} is not a count", path=where)
-    return int(value)
-
-
 def _group_of(
-    groups: list[_Group], role: str, name: str, shape: tuple[int, ...], where: Path
+    groups: list[Group], role: str, name: str, shape: tuple[int, ...], where: Path
 ) -> int:
     """The group of a param: its role's only group, or, where AdamW's (or Muon's) groups
     differ by ``wd_mult``, Megatron's default rule: no weight decay for 1-D params and biases
@@ -299,14 +292,13 @@ def _layers(fqn: str, shape: tuple[int, ...]) -> list[tuple[str, int | None]]:
 def _manifest(
     index: dcp_metadata.DcpIndex,
     items: Mapping[str, Mapping[str, str]],
-    groups: list[_Group],
+    groups: list[Group],
     common: Mapping[str, Any],
     where: Path,
 ) -> tuple[Manifest, dict[tuple[str, str], tuple[str, int | None]]]:
     """The checkpoint as a consolidated manifest in Megatron's own form, one param per layer,
     and where each (param, key) is: the item's fqn and its layer."""
-    args = vars(common["args"]) if isinstance(common.get("args"), Namespace) else {}
-    kinds_of = [_kind(g, args) for g in groups]
+    kinds_of = [kind(g, common.get("args")) for g in groups]
     members: list[list[str]] = [[] for _ in groups]
     entries, fqn_of = [], {}
     for model_fqn in sorted(items):
@@ -339,32 +331,6 @@ def _manifest(
     )
     manifest = Manifest(CONSOLIDATED, {"dp": 1, "tp": 1}, group_entries, tuple(entries), (), ())
     return manifest, fqn_of
-
-
-SCALE_RULES = {"spectral": kinds.MOONLIGHT, "shape_scaling": kinds.ASPECT}
-"""emerging-optimizers' ``scale_mode`` -> muonckpt's lr rule: ``spectral`` is
-``sqrt(max(A, B)) * extra_scale_factor``, ``shape_scaling`` ``sqrt(max(1, A / B))``."""
-DEFAULTS = {"muon_nesterov": False, "muon_scale_mode": "spectral", "muon_extra_scale_factor": 1.0}
-"""Megatron-Core 0.19.2's defaults (``optimizer_config.py``) of the Muon settings that its
-param groups do not hold, taken where the checkpoint has no ``args``."""
-
-
-def _kind(group: _Group, args: Mapping[str, Any]) -> kinds.GroupKind:
-    if group.role == "adamw":
-        return kinds.GroupKind(ADAMW, "adamw", step_in="tensor")
-    setting = {k: args.get(k, d) for k, d in DEFAULTS.items()}
-    rule = SCALE_RULES.get(str(setting["muon_scale_mode"]))
-    rms = float(setting["muon_extra_scale_factor"]) if rule == kinds.MOONLIGHT else None
-    mu = group.settings["momentum"]
-    return kinds.GroupKind(MUON, "muon", kinds.EMA, mu, bool(setting["muon_nesterov"]), rule, rms)
-
-
-def _assumed(common: Mapping[str, Any]) -> tuple[str, ...]:
-    """The note for a checkpoint without ``args``: which of Megatron's defaults were taken."""
-    if isinstance(common.get("args"), Namespace):
-        return ()
-    taken = ", ".join(f"{k}={v}" for k, v in DEFAULTS.items())
-    return (f"the checkpoint holds no training args: Megatron's defaults {taken} assumed",)
 
 
 FORMAT = ForeignFormat(

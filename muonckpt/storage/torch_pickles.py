@@ -1,5 +1,5 @@
-"""``torch.save`` files of other trainers (DeepSpeed's ZeRO files, accelerate's
-``optimizer.bin``, Lightning's ``.ckpt``), read safely: only by ``torch.load(weights_only=True)``,
+"""``torch.save`` files of other trainers (DeepSpeed's ZeRO files, Megatron-Core's
+``--ckpt-format torch`` files, accelerate's ``optimizer.bin``, Lightning's ``.ckpt``), read safely: only by ``torch.load(weights_only=True)``,
 torch's restricted unpickler, with an allow-list of stand-in classes of muonckpt's own for the
 few foreign classes a format's pickles name. The foreign package need not be installed,
 nothing of the file runs, and any other global is refused before it resolves; the refusal
@@ -19,7 +19,20 @@ from ..errors import CheckpointError
 from .dcp_metadata import one_line
 from .durable import open_failure, open_regular
 
-__all__ = ["load"]
+__all__ = ["Opaque", "load"]
+
+
+class Opaque:
+    """Stands in for a foreign value muonckpt reads past and never uses (a numpy array in an
+    RNG state, an enum in a trainer's arguments): what it was built from and its pickled
+    state, kept as data; nothing of the foreign class runs."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.args, self.kwargs = args, kwargs
+        self.state: Any = None
+
+    def __setstate__(self, state: Any) -> None:
+        self.state = state
 
 
 def load(path: Path, stand_ins: Mapping[str, type], holds: str) -> Any:
