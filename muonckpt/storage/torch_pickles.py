@@ -1,7 +1,8 @@
 """``torch.save`` files of other trainers (DeepSpeed's ZeRO files, Megatron-Core's
-``--ckpt-format torch`` files, accelerate's ``optimizer.bin``, Lightning's ``.ckpt``), read safely: only by ``torch.load(weights_only=True)``,
-torch's restricted unpickler, with an allow-list of stand-in classes of muonckpt's own for the
-few foreign classes a format's pickles name. The foreign package need not be installed,
+``--ckpt-format torch`` files, accelerate's ``optimizer.bin``, Lightning's ``.ckpt``), read
+safely: only by ``torch.load(weights_only=True)``, torch's restricted unpickler,
+with an allow-list of stand-in classes of muonckpt's own for the few foreign classes a
+format's pickles name. The foreign package need not be installed,
 nothing of the file runs, and any other global is refused before it resolves; the refusal
 names the file. Every file is opened as muonckpt opens its own
 (:func:`~.durable.open_regular`).
