@@ -70,7 +70,7 @@ from ..state.sharding_model import Sharding
 from . import _reading
 from ._attempt import Attempt
 from ._taking import Taken, Target, put_back
-from .pieces import PieceReader, open_checkpoint
+from .pieces import PieceReader, load_pieces, open_checkpoint
 
 
 @dataclass
@@ -241,7 +241,7 @@ def _open(call: _LoadCall) -> Attempt[_Opened]:
 
 def _opened(call: _LoadCall) -> _Opened:
     options = call.options
-    directory, manifest = open_checkpoint(options.path)
+    directory, manifest = open_checkpoint(options.path, pieces=False)  # the indexes: when read
     if options.rename is not None:
         manifest = manifest.renamed(options.rename)
     if options.params and not manifest.has_values:
@@ -308,6 +308,8 @@ def _read_and_take(call: _LoadCall, opened: _Opened, mapped: Attempt[Target]) ->
     options, undo = call.options, []
     try:
         target, manifest, directory = mapped.result(), opened.manifest, opened.directory
+        held_here = (p.name for p in target.sharding.params if p.local_index is not None)
+        manifest = load_pieces(directory, manifest, held_here)  # this rank's indexes only
         with PieceReader(directory, manifest) as reader:
             share = _reading.read_share(target, manifest, reader, options.params, directory)
             asked = _read_job_state(manifest, reader, options.extra, options.rank_extra, call.rank)
