@@ -108,7 +108,7 @@ def read_index(directory: Path, manifest: Manifest, entry: IndexEntry) -> tuple[
     schema-checked (:func:`muonckpt.format.piece_index.parse_index`); a CheckpointError
     naming the index file otherwise."""
     path = directory / entry.name
-    data = storage.read_small(path, limit=storage.MAX_TEXT_BYTES)
+    data = storage.read_small(path)
     if len(data) != entry.bytes:
         raise CheckpointError(
             f"piece index is {len(data)} bytes, the manifest says {entry.bytes} "

@@ -364,24 +364,34 @@ def commit(staging: Path, final: Path, manifest: Manifest) -> Path | None:
 def check_manifest_fits(
     params: Iterable[ParamEntry], writes: Iterable[TensorWrite], final: object
 ) -> None:
-    """Refuse, before any data is written, a write whose manifest would be more than a reader
-    accepts (:data:`muonckpt.storage.MAX_TEXT_BYTES`): counted from its ``params`` and its
-    planned ``writes`` (:class:`~muonckpt.format.manifest_size.ManifestSize`, a lower bound:
-    groups and ``extra`` are not counted, and :func:`commit` checks the whole manifest again),
-    naming the counts."""
+    """Refuse, before any data is written, a write whose manifest, or a piece index of it,
+    would be more than a reader accepts (:data:`muonckpt.storage.MAX_TEXT_BYTES`): counted
+    from its ``params`` and its planned ``writes``
+    (:class:`~muonckpt.format.manifest_size.ManifestSize`: the indexes exactly, the top level
+    a lower bound, since groups, files and ``extra`` are not counted; :func:`commit` checks
+    every text again), naming the counts."""
     size = ManifestSize()
     for entry in params:
         size.add_param(entry)
     chunk = storage.CHUNK_BYTES
     for w in writes:
         size.add_piece(w.param, w.key, w.file, w.tensor, w.region, w.nbytes, chunk)
-    if size.bytes > storage.MAX_TEXT_BYTES:
+    limit = storage.MAX_TEXT_BYTES
+    file, largest = size.largest_index
+    if size.bytes > limit:
         raise CheckpointError(
-            f"its manifest would be at least {size.bytes} bytes, more than the "
-            f"{storage.MAX_TEXT_BYTES} a reader accepts: {size.params} params and "
-            f"{size.pieces} pieces (stored tensors; about {size.bytes // max(size.pieces, 1)} "
-            "bytes each); nothing was written. Store fewer, larger tensors (params=False "
-            "leaves out the pieces of the params' own values)",
+            f"its manifest would be at least {size.bytes} bytes, more than the {limit} a reader "
+            f"accepts: {size.params} params and {size.pieces} pieces (stored tensors); about "
+            f"{size.bytes // max(size.params, 1)} bytes a param; nothing was written",
+            path=final,
+        )
+    if largest > limit:
+        raise CheckpointError(
+            f"the piece index of {file} would be {largest} bytes, more than the {limit} a "
+            f"reader accepts: {size.params} params and {size.pieces} pieces (stored tensors) "
+            "in all; nothing was written. Store fewer, larger tensors per file (params=False "
+            "leaves out the pieces of the params' own values; max_shard_size splits a "
+            "consolidated file)",
             path=final,
         )
 
