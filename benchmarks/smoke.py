@@ -32,7 +32,7 @@ NEEDS_A_TRAINER: dict[str, list[str]] = {
 """Scripts that need a trainer installed apart (``$MUONCKPT_DS_VENV``): run by name only."""
 RUN_BY_OTHERS = {"bench_checkpoint.py", "bench_offline.py"}
 """Scripts a smoke run above runs (``run.py`` runs both)."""
-HELPERS = {"common.py", "synthetic.py", "smoke.py"}
+HELPERS = {"common.py", "synthetic.py", "smoke.py", "moe_shapes.py"}
 """Modules that are no benchmark of their own."""
 TIMEOUT_S = 600
 

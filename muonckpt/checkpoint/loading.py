@@ -308,8 +308,7 @@ def _read_and_take(call: _LoadCall, opened: _Opened, mapped: Attempt[Target]) ->
     options, undo = call.options, []
     try:
         target, manifest, directory = mapped.result(), opened.manifest, opened.directory
-        held_here = (p.name for p in target.sharding.params if p.local_index is not None)
-        manifest = load_pieces(directory, manifest, held_here)  # this rank's indexes only
+        manifest = load_pieces(directory, manifest, _read_here(target, options.params))
         with PieceReader(directory, manifest) as reader:
             share = _reading.read_share(target, manifest, reader, options.params, directory)
             asked = _read_job_state(manifest, reader, options.extra, options.rank_extra, call.rank)
@@ -322,6 +321,20 @@ def _read_and_take(call: _LoadCall, opened: _Opened, mapped: Attempt[Target]) ->
         return _Read(undo, Attempt((state, restore)))
     except BaseException as exc:
         return _Read(undo, Attempt(failure=exc))
+
+
+def _read_here(target: Target, params: bool) -> list[str]:
+    """The params of which this rank reads elements (its state, its values): whose piece
+    indexes it reads (:func:`muonckpt.checkpoint.pieces.load_pieces`)."""
+    names = []
+    for p in target.sharding.params:
+        if p.local_index is None:
+            continue
+        state = p.local is not None and p.local.numel > 0
+        values = params and (p.held is None or p.held.numel > 0)
+        if state or values:
+            names.append(p.name)
+    return names
 
 
 def _agree_read(call: _LoadCall, read: _Read) -> None:

@@ -10,6 +10,7 @@ param's state as raw bytes from whichever pieces hold it, verifying checksums, a
 from __future__ import annotations
 
 import os
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -103,11 +104,17 @@ def load_pieces(directory: Path, manifest: Manifest, names: Iterable[str] | None
     return replace(manifest, pieces=tuple(pieces), complete=complete)
 
 
+INDEXES_READ: Counter[str] = Counter()
+"""How often each piece index was read in this process, by name: what a test or a benchmark
+looks at to see that a load read only its own (never reset here)."""
+
+
 def read_index(directory: Path, manifest: Manifest, entry: IndexEntry) -> tuple[Piece, ...]:
     """The pieces of one piece index: its size and checksum the manifest's, every piece
     schema-checked (:func:`muonckpt.format.piece_index.parse_index`); a CheckpointError
     naming the index file otherwise."""
     path = directory / entry.name
+    INDEXES_READ[entry.name] += 1
     data = storage.read_small(path)
     if len(data) != entry.bytes:
         raise CheckpointError(
