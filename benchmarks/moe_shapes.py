@@ -99,3 +99,38 @@ def plan_rank(path: Path, dp: int, tp: int, rank: int) -> dict[str, float]:
         "pieces": len(share.pieces),
         "bytes": read,
     }
+
+
+def build_checkpoint(model: str, layers: int | None, path: Path) -> dict[str, float]:
+    """(in a child) The model's params (hidden 8, random), torch's SGD with momentum over them
+    by name (one momentum buffer each, as Muon keeps), one step, saved in one process."""
+    import time
+
+    import torch
+
+    import muonckpt
+
+    shapes = model_shapes(model, layers=layers)
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(shape)) for _, shape, _ in shapes]
+    names = [name for name, _, _ in shapes]
+    opt = torch.optim.SGD([{"params": params, "param_names": names}], lr=0.02, momentum=0.9)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    start = time.perf_counter()
+    muonckpt.save(opt, path)
+    return {"save_s": time.perf_counter() - start, "params": len(shapes)}
+
+
+def split_dims(model: str, layers: int | None) -> dict[str, int]:
+    """Each param's TP split dim, for ``reshard``'s ``tp_split_dims`` (a torch optimizer's
+    checkpoint records none)."""
+    return {name: dim for name, _, dim in model_shapes(model, layers=layers) if dim >= 0}
+
+
+def metadata_bytes(path: Path) -> dict[str, float]:
+    """What a checkpoint's metadata takes: its top level, its piece indexes, and both."""
+    top = (path / "manifest.json").stat().st_size
+    indexes = [p.stat().st_size for p in path.glob("*.pieces.json")]
+    return {"top_mb": top / 1e6, "index_mb": sum(indexes) / 1e6, "indexes": len(indexes)}
