@@ -314,6 +314,7 @@ def bench_moe(model: str, layers: int | None, root: Path, timeout: float) -> lis
         result = _child(["_moe", op, json.dumps({**base, **more})], timeout)
         if result is None:
             raise SystemExit(f"{model} {op} {more}: past {timeout} s")
+        print(f"{model} {op} {more.get('dp', '')}x{more.get('tp', '')}: {result}", file=sys.stderr)
         return result
 
     built = run("build")
