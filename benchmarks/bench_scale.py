@@ -248,7 +248,157 @@ def _table(results: dict, sizes: list[int]) -> str:
     return "\n".join("| " + " | ".join(r) + " |" for r in rows)
 
 
+MOE_LAYOUTS = ((8, 8), (128, 8), (512, 8))
+"""dp x tp of each reshard of the MoE models (issue 35)."""
+
+
+def moe_op(op: str, arg: dict) -> dict[str, float]:
+    """(in a child) One operation of the MoE benchmark, timed alone, with its RSS."""
+    import moe_shapes
+
+    import muonckpt
+    from muonckpt import offline
+
+    src, out = Path(arg["src"]), Path(arg.get("out", ""))
+    if op == "build":
+        return {**moe_shapes.build_checkpoint(arg["model"], arg["layers"], src), **_rss()}
+    dims = moe_shapes.split_dims(arg["model"], arg["layers"])
+    base = _rss_mb()
+    start = time.perf_counter()
+    if op == "reshard":
+        offline.reshard(src, out, dp=arg["dp"], tp=arg["tp"], tp_split_dims=dims)
+        extra: dict[str, float] = {}
+    elif op == "verify":
+        problems = muonckpt.verify(src)
+        if problems:
+            raise SystemExit(f"verify found problems: {problems[:3]}")
+        extra = {}
+    elif op == "consolidate":
+        offline.consolidate(src, out)
+        extra = {}
+    elif op == "diff":
+        extra = {"unequal": sum(not r.equal for r in offline.iter_diff(src, out))}
+    else:  # plan: sampled ranks of a load at dp x tp
+        planned = [moe_shapes.plan_rank(src, arg["dp"], arg["tp"], r) for r in arg["ranks"]]
+        elapsed = (time.perf_counter() - start) / len(arg["ranks"])
+        most = max(planned, key=lambda p: p["bytes"])
+        return {
+            "op_s": elapsed,
+            "read_mb": most["bytes"] / 1e6,
+            "indexes": most["indexes"],
+            "base_mb": base,
+            "peak_mb": _peak_rss_mb(),
+        }
+    return {
+        "op_s": time.perf_counter() - start,
+        "base_mb": base,
+        "peak_mb": _peak_rss_mb(),
+        **extra,
+    }
+
+
+def _rss() -> dict[str, float]:
+    return {"base_mb": 0.0, "peak_mb": _peak_rss_mb()}
+
+
+def bench_moe(model: str, layers: int | None, root: Path, timeout: float) -> list[dict]:
+    """The MoE benchmark of one model: build and save, then per layout reshard, verify,
+    consolidate back, diff against the source, and plan sampled ranks' loads; rows of
+    (what, layout, seconds, peak RSS growth MB, metadata MB, ...)."""
+    import moe_shapes
+
+    src = root / f"{model}-src"
+    base = {"model": model, "layers": layers, "src": str(src)}
+
+    def run(op: str, **more: object) -> dict:
+        result = _child(["_moe", op, json.dumps({**base, **more})], timeout)
+        if result is None:
+            raise SystemExit(f"{model} {op} {more}: past {timeout} s")
+        print(f"{model} {op} {more.get('dp', '')}x{more.get('tp', '')}: {result}", file=sys.stderr)
+        return result
+
+    built = run("build")
+    rows = [
+        {
+            "what": "save",
+            "layout": "1x1",
+            "s": built["save_s"],
+            "rss_mb": built["peak_mb"],
+            **moe_shapes.metadata_bytes(src),
+            "params": built["params"],
+        }
+    ]
+    for dp, tp in MOE_LAYOUTS:
+        out, back = root / f"{model}-{dp}x{tp}", root / f"{model}-{dp}x{tp}-back"
+        layout = f"{dp}x{tp}"
+        done = run("reshard", dp=dp, tp=tp, out=str(out))
+        rows.append(
+            {
+                "what": "reshard",
+                "layout": layout,
+                "s": done["op_s"],
+                "rss_mb": done["peak_mb"] - done["base_mb"],
+                **moe_shapes.metadata_bytes(out),
+            }
+        )
+        for op, more in (("verify", {}), ("consolidate", {"out": str(back)})):
+            done = run(op, **{**more, "src": str(out)})
+            rows.append(
+                {
+                    "what": op,
+                    "layout": layout,
+                    "s": done["op_s"],
+                    "rss_mb": done["peak_mb"] - done["base_mb"],
+                }
+            )
+        done = run("diff", out=str(back))
+        if done["unequal"]:
+            raise SystemExit(f"{model} {layout}: consolidated back, {done['unequal']} differ")
+        rows.append(
+            {
+                "what": "diff",
+                "layout": layout,
+                "s": done["op_s"],
+                "rss_mb": done["peak_mb"] - done["base_mb"],
+            }
+        )
+        world = dp * tp
+        done = run("plan", src=str(out), dp=dp, tp=tp, ranks=[0, world // 2, world - 1])
+        rows.append(
+            {
+                "what": "plan a rank's load",
+                "layout": layout,
+                "s": done["op_s"],
+                "rss_mb": done["peak_mb"] - done["base_mb"],
+                "read_mb": done["read_mb"],
+                "indexes": done["indexes"],
+            }
+        )
+        shutil.rmtree(back)
+        if (dp, tp) != MOE_LAYOUTS[-1]:
+            shutil.rmtree(out)
+    return rows
+
+
+def _moe_table(rows: list[dict]) -> str:
+    lines = [
+        f"{'model':10} {'op':20} {'layout':8} {'s':>8} {'RSS+ MB':>8} {'top MB':>7} "
+        f"{'index MB':>9} {'indexes':>7} {'read MB':>8}"
+    ]
+    for r in rows:
+        lines.append(
+            f"{r['model']:10} {r['what']:20} {r['layout']:8} {r['s']:8.2f} {r['rss_mb']:8.0f} "
+            f"{r.get('top_mb', float('nan')):7.2f} {r.get('index_mb', float('nan')):9.2f} "
+            f"{r.get('indexes', ''):>7} {r.get('read_mb', float('nan')):8.2f}"
+        )
+    return "\n".join(lines)
+
+
 def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "_moe":
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        print(json.dumps(moe_op(sys.argv[2], json.loads(sys.argv[3]))))
+        return
     if len(sys.argv) > 1 and sys.argv[1] == "_build":
         print(json.dumps(build(int(sys.argv[2]), Path(sys.argv[3]))))
         return
@@ -263,7 +413,29 @@ def main() -> None:
     parser.add_argument("--workdir", default=None, help="where to write (default: system temp)")
     parser.add_argument("--profile", default=None, help="write cProfile stats to this directory")
     parser.add_argument("--json", default=None, help="write every number here")
+    parser.add_argument(
+        "--moe",
+        action="append",
+        choices=["k2", "moonlight"],
+        help="the MoE benchmark of issue 35 for this model (repeatable)",
+    )
+    parser.add_argument(
+        "--moe-layers", type=int, default=None, help="fewer layers than the model has (a smoke run)"
+    )
     args = parser.parse_args()
+    if args.moe:
+        with tempfile.TemporaryDirectory(prefix="muonckpt-moe-", dir=args.workdir) as tmp:
+            rows = []
+            for model in args.moe:
+                rows += [
+                    {"model": model, **r}
+                    for r in bench_moe(model, args.moe_layers, Path(tmp), args.timeout)
+                ]
+        print(_moe_table(rows))
+        if args.json:
+            Path(args.json).with_suffix(".moe.json").write_text(json.dumps(rows, indent=2) + "\n")
+        if not args.params:
+            return
     sizes = sorted(args.params or [1000, 10000])
     with tempfile.TemporaryDirectory(prefix="muonckpt-scale-", dir=args.workdir) as tmp:
         profile = Path(args.profile).resolve() if args.profile else None

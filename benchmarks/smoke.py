@@ -23,7 +23,7 @@ SMOKE: dict[str, list[str]] = {
     "bench_async.py": ["--size", "2MB", "--repeats", "1"],
     "bench_dcp.py": ["--size", "2MB", "--repeats", "1"],
     "bench_ns.py": ["--grid", "2x1", "--hidden", "16", "--layers", "1", "--steps", "1"],
-    "bench_scale.py": ["--params", "20"],
+    "bench_scale.py": ["--params", "20", "--moe", "moonlight", "--moe-layers", "2"],
 }
 """Script -> the arguments of its smoke run."""
 NEEDS_A_TRAINER: dict[str, list[str]] = {
@@ -34,7 +34,7 @@ NEEDS_A_TRAINER: dict[str, list[str]] = {
 ``$MUONCKPT_MEGATRON_VENV``): run by name only."""
 RUN_BY_OTHERS = {"bench_checkpoint.py", "bench_offline.py"}
 """Scripts a smoke run above runs (``run.py`` runs both)."""
-HELPERS = {"common.py", "synthetic.py", "smoke.py"}
+HELPERS = {"common.py", "synthetic.py", "smoke.py", "moe_shapes.py"}
 """Modules that are no benchmark of their own."""
 TIMEOUT_S = 600
 

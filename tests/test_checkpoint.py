@@ -51,7 +51,9 @@ def test_distributed_save_over_a_checkpoint_replaces_it_whole(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
     assert sorted(p.name for p in ckpt.iterdir()) == [
         "manifest.json",
+        "model.pieces.json",
         "model.safetensors",
+        "optimizer.pieces.json",
         "optimizer.safetensors",
     ]
     assert muonckpt.read_manifest(ckpt).step == 2 and muonckpt.verify(ckpt) == []

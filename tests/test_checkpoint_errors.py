@@ -10,6 +10,7 @@ caught by verify only; there load must still succeed and restore exactly the cle
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import shutil
@@ -23,7 +24,7 @@ from safetensors import safe_open
 
 import muonckpt
 import muonckpt.offline
-from muonckpt import CheckpointError, MuonCkptError
+from muonckpt import CheckpointError, MuonCkptError, storage
 from muonckpt.distributed.launch import run_distributed
 from muonckpt.format.names import tensor_key as stored_key
 
@@ -89,8 +90,62 @@ def _kind(ckpt: Path) -> str:
     return _manifest(ckpt)["kind"]
 
 
+def _pieces(ckpt: Path) -> list[dict]:
+    """Every piece in the version 2 form, read from the piece indexes (version 3)."""
+    body = _manifest(ckpt)
+    names = [name for name, _ in body["params"]]
+    found = []
+    for index in body["indexes"]:
+        for at, key, tensor, _, _, sums in json.loads((ckpt / index["name"]).read_text())["pieces"]:
+            stored = tensor or stored_key(names[at], key)
+            found.append(
+                {
+                    "param": names[at],
+                    "key": key,
+                    "file": index["file"],
+                    "tensor": stored,
+                    "checksums": sums,
+                    "index": index["name"],
+                }
+            )
+    return found
+
+
 def _piece(ckpt: Path, param: str = "w_in") -> dict:
-    return next(p for p in _manifest(ckpt)["pieces"] if p["param"] == param)
+    return next(p for p in _pieces(ckpt) if p["param"] == param)
+
+
+def _edit_index(ckpt: Path, name: str, edit: Callable[[list], None]) -> None:
+    """Edit the rows of piece index ``name``, the manifest's record of it (size, checksum,
+    count) made to agree: a lie the index's own checksum does not catch."""
+    path = ckpt / name
+    body = json.loads(path.read_text())
+    edit(body["pieces"])
+    path.write_text(json.dumps(body))
+    manifest = _manifest(ckpt)
+    entry = next(i for i in manifest["indexes"] if i["name"] == name)
+    entry.update(bytes=path.stat().st_size, checksum=storage.chunk_digest(path.read_bytes()))
+    entry["pieces"] = len(body["pieces"])
+    _write_manifest(ckpt, manifest)
+
+
+def _as_version_2(ckpt: Path) -> None:
+    """Rewrite a checkpoint's manifest as format version 2 wrote it (its pieces in it)."""
+    manifest = muonckpt.read_manifest(ckpt)
+    (ckpt / MANIFEST).write_text(dataclasses.replace(manifest, format_version=2).to_json())
+    for index in manifest.indexes:
+        (ckpt / index.name).unlink()
+
+
+def _param_kind(ckpt: Path, param: str, change: Callable[[dict], None]) -> None:
+    """Give ``param`` a kind of its own (version 3's params table), changed by ``change``."""
+    body = _manifest(ckpt)
+    row = next(p for p in body["params"] if p[0] == param)
+    kind = json.loads(json.dumps(body["param_kinds"][row[1]]))
+    change(kind)
+    body["param_kinds"].append(kind)
+    row[1] = len(body["param_kinds"]) - 1
+    _write_manifest(ckpt, body)
 
 
 def _header(path: Path) -> tuple[int, bytes]:
@@ -167,31 +222,30 @@ def remove_data_file(ckpt: Path) -> tuple[str, str | None]:
 
 
 def grow_shape(ckpt: Path) -> tuple[str, str | None]:
-    body = _manifest(ckpt)
     rows, cols = SHAPES["w_in"]
-    next(p for p in body["params"] if p["name"] == "w_in")["shape"] = [2 * rows, cols]
-    _write_manifest(ckpt, body)
-    return MANIFEST, "w_in"
+    index = _piece(ckpt, "w_in")["index"]
+    _param_kind(ckpt, "w_in", lambda kind: kind.update(shape=[2 * rows, cols]))
+    # per rank: a region of the index past the grown shape's rows; consolidated: a gap
+    return (index if _kind(ckpt) == "per-rank" else MANIFEST), "w_in"
 
 
 def remove_piece(ckpt: Path) -> tuple[str, str | None]:
-    body = _manifest(ckpt)
-    body["pieces"].remove(next(p for p in body["pieces"] if p["param"] == "w_out"))
-    _write_manifest(ckpt, body)
+    piece = _piece(ckpt, "w_out")
+    names = [name for name, _ in _manifest(ckpt)["params"]]
+    at = names.index("w_out")
+    _edit_index(ckpt, piece["index"], lambda rows: rows.remove(next(r for r in rows if r[0] == at)))
     return MANIFEST, "w_out"
 
 
 def duplicate_piece(ckpt: Path) -> tuple[str, str | None]:
-    body = _manifest(ckpt)
-    body["pieces"].append(next(p for p in body["pieces"] if p["param"] == "embed"))
-    _write_manifest(ckpt, body)
+    piece = _piece(ckpt, "embed")
+    at = [name for name, _ in _manifest(ckpt)["params"]].index("embed")
+    _edit_index(ckpt, piece["index"], lambda rows: rows.append(next(r for r in rows if r[0] == at)))
     return MANIFEST, "embed"
 
 
 def change_dtype(ckpt: Path) -> tuple[str, str | None]:
-    body = _manifest(ckpt)
-    next(p for p in body["params"] if p["name"] == "norm")["dtypes"]["exp_avg"] = "F16"
-    _write_manifest(ckpt, body)
+    _param_kind(ckpt, "norm", lambda kind: kind["dtypes"].update(exp_avg="F16"))
     return _piece(ckpt, "norm")["file"], "norm"
 
 
@@ -210,11 +264,14 @@ def other_checksum_algorithm(ckpt: Path) -> tuple[str, str | None]:
 
 
 def malformed_checksum(ckpt: Path) -> tuple[str, str | None]:
-    body = _manifest(ckpt)
-    piece = next(p for p in body["pieces"] if p["checksums"])
-    piece["checksums"][0] = "G" + piece["checksums"][0][1:]  # not a hex digit
-    _write_manifest(ckpt, body)
-    return MANIFEST, None
+    piece = next(p for p in _pieces(ckpt) if p["checksums"])
+
+    def malform(rows: list) -> None:
+        row = next(r for r in rows if r[5])
+        row[5] = "G" + row[5][1:]  # not a hex digit
+
+    _edit_index(ckpt, piece["index"], malform)
+    return piece["index"], None
 
 
 def invalid_json(ckpt: Path) -> tuple[str, str | None]:
@@ -318,9 +375,7 @@ def _swapped(name: str) -> list[int]:
 
 @pytest.mark.dist
 def test_same_numel_shape_edit_is_refused_by_load(ckpt):
-    body = _manifest(ckpt)
-    next(p for p in body["params"] if p["name"] == "w_out")["shape"] = _swapped("w_out")
-    _write_manifest(ckpt, body)
+    _param_kind(ckpt, "w_out", lambda kind: kind.update(shape=_swapped("w_out")))
     with pytest.raises(CheckpointError, match="w_out"):
         muonckpt.load(build(1, 1, initial_params())[0], ckpt)
 
@@ -329,9 +384,7 @@ def test_same_numel_shape_edit_is_refused_by_load(ckpt):
 def test_same_numel_shape_edit_is_reported_by_verify(saved, tmp_path):
     ckpt = tmp_path / "ckpt"
     shutil.copytree(saved["per-rank"], ckpt)
-    body = _manifest(ckpt)
-    next(p for p in body["params"] if p["name"] == "w_out")["shape"] = _swapped("w_out")
-    _write_manifest(ckpt, body)
+    _param_kind(ckpt, "w_out", lambda kind: kind.update(shape=_swapped("w_out")))
     assert muonckpt.verify(ckpt)
 
 
@@ -474,6 +527,7 @@ def test_version_1_checkpoint_loads_state_only_or_says_why(tmp_path):
     """A checkpoint as format version 1 wrote it: no value_dtype, no values."""
     trained = _single_process_opt(2)
     target = muonckpt.save(trained, tmp_path / "ckpt", params=False)
+    _as_version_2(target)
     body = _manifest(target)
     body["format_version"] = 1
     for param in body["params"]:
@@ -489,7 +543,7 @@ def test_version_1_checkpoint_loads_state_only_or_says_why(tmp_path):
     muonckpt.load(fresh, target, params=False)
     _assert_same_state(fresh.state_dict(), trained.state_dict())
     out = muonckpt.offline.consolidate(target, tmp_path / "c")
-    assert muonckpt.read_manifest(out).format_version == 2 and muonckpt.verify(out) == []
+    assert muonckpt.read_manifest(out).format_version == 3 and muonckpt.verify(out) == []
 
 
 def test_load_restores_params_into_an_optimizer_built_from_zeros(tmp_path):
@@ -563,9 +617,7 @@ def test_same_numel_shape_edit_of_an_unsplit_param_is_caught_in_a_consolidated_c
     consolidated checkpoint are what tells."""
     ckpt = tmp_path / "ckpt"
     shutil.copytree(saved["consolidated"], ckpt)
-    body = _manifest(ckpt)
-    next(p for p in body["params"] if p["name"] == "w_mid")["shape"] = _swapped("w_mid")
-    _write_manifest(ckpt, body)
+    _param_kind(ckpt, "w_mid", lambda kind: kind.update(shape=_swapped("w_mid")))
     said = f"header says shape {SHAPES['w_mid']}"
     assert any(said in str(p) for p in muonckpt.verify(ckpt))
     with pytest.raises(CheckpointError, match="w_mid"):

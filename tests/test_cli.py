@@ -86,7 +86,9 @@ def test_reshard_consolidate_and_force(ckpts, tmp_path):
     result = cli("reshard", ckpts["a"], "--dp", "2", "--tp", "2", "-o", out)
     assert result.exit_code == 0, result.output
     assert "wrote" in result.stderr
-    assert sorted(p.name for p in out.glob("rank-*")) == [rank_file(r, 4) for r in range(4)]
+    assert sorted(p.name for p in out.glob("rank-*.safetensors")) == [
+        rank_file(r, 4) for r in range(4)
+    ]
     line = _one_error_line(cli("reshard", ckpts["a"], "--dp", "2", "--tp", "2", "-o", out))
     assert "already exists" in line and "--force" in line
     result = cli("--quiet", "reshard", ckpts["a"], "--dp", "1", "--tp", "2", "-o", out, "--force")

@@ -239,6 +239,8 @@ def test_discard_and_retire_delete_only_checkpoint_files(tmp_path):
             ".rank-00001-of-00002.safetensors.part",
             ".manifest.json.tmp-123",
             "optimizer.safetensors.index.json",
+            "rank-00000-of-00002.pieces.json",
+            ".rank-00000-of-00002.pieces.json.tmp-123",
         ]
         for name in [*names, "README.md", "sub/inner.safetensors"]:
             (staging / name).write_text(name)

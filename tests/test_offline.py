@@ -9,7 +9,7 @@ import safetensors.torch
 import torch
 
 import muonckpt
-from muonckpt import offline
+from muonckpt import offline, storage
 from muonckpt.distributed.launch import run_distributed
 from muonckpt.format import kinds
 from muonckpt.format.manifest import GroupEntry, Manifest, ParamEntry
@@ -249,7 +249,9 @@ def test_packed_checksums_come_back_exactly_and_a_lying_one_is_still_caught(tmp_
     opt.step()
     ckpt = muonckpt.save(opt, tmp_path / "ckpt")
     text = (ckpt / "manifest.json").read_text()
-    listed = [p["checksums"] for p in json.loads(text)["pieces"]]
+    (index,) = json.loads(text)["indexes"]  # (format version 3: the pieces of the one file)
+    rows = json.loads((ckpt / index["name"]).read_text())["pieces"]
+    listed = [[row[5][i : i + 16] for i in range(0, len(row[5]), 16)] for row in rows]
     manifest = muonckpt.read_manifest(ckpt)
     assert [list(p.checksums) for p in manifest.pieces] == listed
     assert max(map(len, listed)) == 2 and manifest.to_json() == text
@@ -265,7 +267,10 @@ def test_packed_checksums_come_back_exactly_and_a_lying_one_is_still_caught(tmp_
 
     true = max(listed, key=len)[1]
     lie = f"{int(true, 16) ^ 1:016x}"
-    (ckpt / "manifest.json").write_text(text.replace(true, lie))
+    lying = (ckpt / index["name"]).read_bytes().replace(true.encode(), lie.encode())
+    (ckpt / index["name"]).write_bytes(lying)  # a lie the index's own checksum agrees with
+    checksum = storage.chunk_digest(lying)
+    (ckpt / "manifest.json").write_text(text.replace(index["checksum"], checksum))
     (problem,) = muonckpt.verify(ckpt)
     assert "checksum mismatch in chunk 1" in str(problem) and lie in str(problem)
     with pytest.raises(muonckpt.CheckpointError, match="checksum mismatch in chunk 1"):

@@ -16,7 +16,7 @@ import torch
 
 import muonckpt
 from muonckpt import offline
-from muonckpt.format.manifest import CONSOLIDATED, DTYPE_BYTES, GroupEntry, Manifest, Piece
+from muonckpt.format.manifest import CONSOLIDATED, DTYPE_BYTES, Manifest, Piece
 
 KINDS: dict[str, tuple[Callable[[], torch.Tensor], str]] = {
     "nested": (
@@ -83,8 +83,9 @@ def test_an_unsupported_tensor_kind_is_named_as_such(tmp_path, where, kind):
 # --- the manifest's size, before any data is written -----------------------------------------
 
 MANY_PARAMS = """
-import sys, time, torch, muonckpt
+import sys, time, torch, muonckpt, muonckpt.storage
 count, path = int(sys.argv[1]), sys.argv[2]
+muonckpt.storage.MAX_TEXT_BYTES = int(sys.argv[3])  # what a reader accepts, lowered
 params = [torch.nn.Parameter(torch.zeros(1)) for _ in range(count)]
 names = [f"layers.{i:06d}.mlp.w_in.bias" for i in range(count)]  # 27 characters
 assert {len(n) for n in names} == {27}
@@ -104,19 +105,20 @@ except muonckpt.CheckpointError as exc:
 def test_a_save_whose_manifest_is_too_large_is_refused_before_writing(tmp_path):
     """100k AdamW params with 27-character names (300k pieces): every data file was written,
     then the commit refused, blaming extra / rank_extra (which held {"step": 1}). Now the
-    stage step refuses, before the staging directory exists, naming the counts. (A real
-    script in a subprocess: ~20 s to build the optimizer, ~15 s to the refusal, loaded 2-core
-    VM.)"""
+    stage step refuses, before the staging directory exists, naming the counts. Since format
+    version 3 (piece indexes) 100k params fit, so the readers' limit is lowered to 1 MB for
+    10k params: their one piece index (30k pieces, 2.7 MB) passes it. (A real script in a
+    subprocess.)"""
     done = subprocess.run(
-        [sys.executable, "-c", MANY_PARAMS, "100000", str(tmp_path / "ckpt")],
+        [sys.executable, "-c", MANY_PARAMS, "10000", str(tmp_path / "ckpt"), "1000000"],
         capture_output=True,
         text=True,
         timeout=600,
     )
     assert done.returncode == 0, done.stderr
     line = done.stdout.strip()
-    assert "save (stage): its manifest would be at least" in line, line
-    assert "100000 params and 300000 pieces" in line, line
+    assert "save (stage): the piece index of rank-00000-of-00001.safetensors would be" in line
+    assert "10000 params and 30000 pieces" in line, line
     assert "nothing was written" in line and "extra" not in line, line
     assert list(tmp_path.iterdir()) == []
 
@@ -146,11 +148,11 @@ def test_the_manifest_size_is_counted_exactly(tmp_path):
         size.add_param(entry)
     for p in manifest.pieces:
         size.add_piece(p.param, p.key, p.file, p.tensor, p.region, _nbytes(manifest, p), 4 << 20)
-    groups = tuple(GroupEntry({}, g.params, {}) for g in manifest.groups)
-    counted = Manifest(CONSOLIDATED, {}, groups, manifest.params, (), manifest.pieces)
-    skeleton = len(Manifest(CONSOLIDATED, {}, (GroupEntry({}, (), {}),), (), (), ()).to_json())
-    per_group = skeleton - len(Manifest(CONSOLIDATED, {}, (), (), (), ()).to_json())
-    assert size.bytes == len(counted.to_json()) - len(groups) * per_group
+    counted = Manifest(CONSOLIDATED, {}, (), manifest.params, (), ())  # version 3: no pieces
+    assert size.bytes == len(counted.to_json())
+    ((file, index_bytes),) = size.index_bytes.items()  # and the one file's index, exactly
+    (index,) = manifest.indexes
+    assert index.file == file and index_bytes == index.bytes
     assert (size.params, size.pieces) == (4, 12)
 
 
@@ -167,14 +169,14 @@ def test_an_offline_rewrite_whose_manifest_is_too_large_starts_nothing(
     starts or any file is written (the limit lowered below the output's, as
     test_trainstate does to reach it)."""
     src = single_ckpt(1)
-    monkeypatch.setattr(muonckpt.storage, "MAX_TEXT_BYTES", 2000)
+    monkeypatch.setattr(muonckpt.storage, "MAX_TEXT_BYTES", 700)
     out = tmp_path / "out"
     calls = {
         "consolidate": lambda: offline.consolidate(src, out, workers=2),
         "reshard": lambda: offline.reshard(src, out, dp=2, tp=1, workers=2),
         "convert": lambda: offline.convert(src, out, to="torch"),
     }
-    with pytest.raises(muonckpt.CheckpointError, match="more than the 2000 a reader") as err:
+    with pytest.raises(muonckpt.CheckpointError, match="more than the 700 a reader") as err:
         calls[tool]()
     params = len(muonckpt.read_manifest(src).params)
     assert f"{params} params and " in str(err.value) and "nothing was written" in str(err.value)
@@ -193,7 +195,4 @@ def test_params_alike_but_for_a_scalars_type_are_counted_apart():
     size = ManifestSize()
     for entry in entries:
         size.add_param(entry)
-    listed = Manifest(CONSOLIDATED, {}, (GroupEntry({}, (), {}),), (), (), ())
-    group = len(listed.to_json()) - len(Manifest(CONSOLIDATED, {}, (), (), (), ()).to_json())
-    names = (GroupEntry({}, tuple(e.name for e in entries), {}),)
-    assert size.bytes == len(Manifest(CONSOLIDATED, {}, names, entries, (), ()).to_json()) - group
+    assert size.bytes == len(Manifest(CONSOLIDATED, {}, (), entries, (), ()).to_json())

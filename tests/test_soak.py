@@ -27,7 +27,9 @@ def test_200_save_load_cycles_leak_nothing(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
     assert sorted(p.name for p in target.iterdir()) == [
         "manifest.json",
+        "model.pieces.json",
         "model.safetensors",
+        "optimizer.pieces.json",
         "optimizer.safetensors",
     ]
     fresh, _, _, _ = build(1, 1, initial_params())

@@ -130,12 +130,13 @@ def test_pieces_parsed_as_they_come_leave_piece_shaped_settings_as_they_are(sing
     stays the JSON it was."""
     import json
 
-    from muonckpt.format.manifest import Piece
+    from muonckpt.format.manifest import Piece, piece_to_json
     from muonckpt.format.manifest_json import parse_manifest
 
-    text = (single_ckpt(1) / "manifest.json").read_text()
+    ckpt = single_ckpt(1)
+    text = (ckpt / "manifest.json").read_text()
     body = json.loads(text)
-    shaped = dict(body["pieces"][0])
+    shaped = piece_to_json(muonckpt.read_manifest(ckpt).pieces[0])  # (version 3: in an index)
     body["groups"][0]["hyperparams"]["odd"] = [shaped, {"inner": shaped}]
     body["groups"][0]["optimizer"]["extra"] = shaped
     manifest = parse_manifest(json.dumps(body), "x")

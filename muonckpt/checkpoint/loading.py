@@ -70,7 +70,7 @@ from ..state.sharding_model import Sharding
 from . import _reading
 from ._attempt import Attempt
 from ._taking import Taken, Target, put_back
-from .pieces import PieceReader, open_checkpoint
+from .pieces import PieceReader, load_pieces, open_checkpoint
 
 
 @dataclass
@@ -241,7 +241,7 @@ def _open(call: _LoadCall) -> Attempt[_Opened]:
 
 def _opened(call: _LoadCall) -> _Opened:
     options = call.options
-    directory, manifest = open_checkpoint(options.path)
+    directory, manifest = open_checkpoint(options.path, pieces=False)  # the indexes: when read
     if options.rename is not None:
         manifest = manifest.renamed(options.rename)
     if options.params and not manifest.has_values:
@@ -308,6 +308,7 @@ def _read_and_take(call: _LoadCall, opened: _Opened, mapped: Attempt[Target]) ->
     options, undo = call.options, []
     try:
         target, manifest, directory = mapped.result(), opened.manifest, opened.directory
+        manifest = load_pieces(directory, manifest, _read_here(target, options.params))
         with PieceReader(directory, manifest) as reader:
             share = _reading.read_share(target, manifest, reader, options.params, directory)
             asked = _read_job_state(manifest, reader, options.extra, options.rank_extra, call.rank)
@@ -320,6 +321,20 @@ def _read_and_take(call: _LoadCall, opened: _Opened, mapped: Attempt[Target]) ->
         return _Read(undo, Attempt((state, restore)))
     except BaseException as exc:
         return _Read(undo, Attempt(failure=exc))
+
+
+def _read_here(target: Target, params: bool) -> list[str]:
+    """The params of which this rank reads elements (its state, its values): whose piece
+    indexes it reads (:func:`muonckpt.checkpoint.pieces.load_pieces`)."""
+    names = []
+    for p in target.sharding.params:
+        if p.local_index is None:
+            continue
+        state = p.local is not None and p.local.numel > 0
+        values = params and (p.held is None or p.held.numel > 0)
+        if state or values:
+            names.append(p.name)
+    return names
 
 
 def _agree_read(call: _LoadCall, read: _Read) -> None:

@@ -10,7 +10,9 @@ param's state as raw bytes from whichever pieces hold it, verifying checksums, a
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -23,17 +25,24 @@ from ..format.manifest import (
     PER_RANK,
     ExtraTensor,
     FileEntry,
+    IndexEntry,
     Manifest,
     ParamEntry,
     Piece,
 )
 from ..format.manifest_json import parse_manifest, parse_manifest_chunks
 from ..format.names import INDEX_FILE, MANIFEST_NAME, MODEL_INDEX_FILE, rank_file
+from ..format.piece_index import parse_index
 from ..layout.topology import Region, Strided, strided_runs
 
 
-def read_manifest(path: str | os.PathLike[str]) -> Manifest:
-    """The parsed, schema-checked manifest of the checkpoint at ``path`` (a URL refused)."""
+def read_manifest(path: str | os.PathLike[str], *, pieces: bool = True) -> Manifest:
+    """The parsed, schema-checked manifest of the checkpoint at ``path`` (a URL refused).
+
+    Of a version 3 checkpoint, with ``pieces`` the manifest holds every piece, read from
+    every piece index (each checked against the size and checksum the manifest records);
+    without, the top level alone (:attr:`Manifest.complete` False), whose pieces a reader
+    then takes from the indexes it needs (:func:`load_pieces`)."""
     directory = settings.local_path(path)
     manifest_path = directory / MANIFEST_NAME
     if not directory.is_dir():
@@ -68,9 +77,63 @@ def read_manifest(path: str | os.PathLike[str]) -> Manifest:
             path=directory,
         )
     try:
-        return parse_manifest_chunks(storage.read_text_chunks(manifest_path), manifest_path)
+        manifest = parse_manifest_chunks(storage.read_text_chunks(manifest_path), manifest_path)
     except CheckpointError:  # named as the whole text shows it (which problem comes first)
-        return parse_manifest(storage.read_text(manifest_path), manifest_path)
+        manifest = parse_manifest(storage.read_text(manifest_path), manifest_path)
+    return load_pieces(directory, manifest, None) if pieces else manifest
+
+
+def indexes_for(manifest: Manifest, names: Iterable[str] | None) -> list[IndexEntry]:
+    """The piece indexes holding pieces of any of the params ``names`` (None: every index)."""
+    if names is None:
+        return list(manifest.indexes)
+    at = {entry.name: n for n, entry in enumerate(manifest.params)}
+    positions = sorted(at[name] for name in set(names) if name in at)
+    return [entry for entry in manifest.indexes if entry.holds_any(positions)]
+
+
+def load_pieces(directory: Path, manifest: Manifest, names: Iterable[str] | None) -> Manifest:
+    """``manifest`` (version 3, read without its pieces) with the pieces of the indexes
+    holding any of the params ``names`` (None: every index), each index checked; a manifest
+    of an older version (which holds its pieces) as it is."""
+    if not manifest.indexes or (manifest.complete and manifest.pieces):
+        return manifest
+    chosen = indexes_for(manifest, names)
+    pieces = [piece for entry in chosen for piece in read_index(directory, manifest, entry)]
+    complete = len(chosen) == len(manifest.indexes)
+    return replace(manifest, pieces=tuple(pieces), complete=complete)
+
+
+INDEXES_READ: Counter[str] = Counter()
+"""How often each piece index was read in this process, by name: what a test or a benchmark
+looks at to see that a load read only its own (never reset here)."""
+
+
+def read_index(directory: Path, manifest: Manifest, entry: IndexEntry) -> tuple[Piece, ...]:
+    """The pieces of one piece index: its size and checksum the manifest's, every piece
+    schema-checked (:func:`muonckpt.format.piece_index.parse_index`); a CheckpointError
+    naming the index file otherwise."""
+    path = directory / entry.name
+    INDEXES_READ[entry.name] += 1
+    data = storage.read_small(path)
+    if len(data) != entry.bytes:
+        raise CheckpointError(
+            f"piece index is {len(data)} bytes, the manifest says {entry.bytes} "
+            "(truncated or replaced)",
+            path=path,
+        )
+    found = storage.chunk_digest(data)
+    if found != entry.checksum:
+        raise CheckpointError(
+            f"piece index checksum mismatch: the manifest records {entry.checksum}, the file "
+            f"hashes to {found}",
+            path=path,
+        )
+    names = manifest.stored_names or tuple(p.name for p in manifest.params)
+    try:
+        return parse_index(data, entry, manifest.params, names)
+    except CheckpointError as exc:
+        raise CheckpointError(f"piece index refused: {exc}", path=path) from None
 
 
 def _written_by_muonckpt(directory: Path, names: list[str]) -> bool:
@@ -86,10 +149,16 @@ def _written_by_muonckpt(directory: Path, names: list[str]) -> bool:
     return False
 
 
-def open_checkpoint(path: str | os.PathLike[str]) -> tuple[Path, Manifest]:
-    """The directory and manifest of a checkpoint whose pieces cover every state tensor once."""
+def open_checkpoint(path: str | os.PathLike[str], *, pieces: bool = True) -> tuple[Path, Manifest]:
+    """The directory and manifest of a checkpoint whose pieces cover every state tensor once.
+
+    Without ``pieces``, a version 3 checkpoint's top level alone: a load then reads the piece
+    indexes of its share (:func:`load_pieces`), each data file's size checked when it is
+    opened, and every region it reads checked to be covered exactly once there."""
     directory = Path(path)
-    manifest = read_manifest(directory)
+    manifest = read_manifest(directory, pieces=pieces)
+    if not manifest.complete:
+        return directory, manifest
     problems = size_problems(manifest, directory)
     if problems:
         raise changed_while_reading(directory, manifest) or problems[0]
@@ -106,12 +175,13 @@ def changed_while_reading(directory: Path, manifest: Manifest) -> CheckpointErro
     replaced the checkpoint while it was read), else None: a missing or resized data file is
     then a race, not damage."""
     try:
-        now = read_manifest(directory)
+        now = read_manifest(directory, pieces=not manifest.indexes)
     except CheckpointError:
         now = None
-    if now is not None and (now.files, now.pieces, now.extra) == (
+    if now is not None and (now.files, now.indexes, now.pieces, now.extra) == (
         manifest.files,
-        manifest.pieces,
+        manifest.indexes,
+        manifest.pieces if not manifest.indexes else (),
         manifest.extra,
     ):
         return None
@@ -344,18 +414,20 @@ def verify(path: str | os.PathLike[str]) -> list[CheckpointError]:
     """Every problem found in the checkpoint at ``path`` (empty: sound). Reads all data once."""
     try:
         directory = settings.local_path(path)
-        manifest = read_manifest(directory)
+        manifest = read_manifest(directory, pieces=False)
     except CheckpointError as exc:
         return [exc]
+    manifest, problems = _with_every_index(directory, manifest)
     try:
-        problems = size_problems(manifest, directory)
+        problems += size_problems(manifest, directory)
     except CheckpointError as exc:
-        return [exc]
+        return [*problems, exc]
     problems = problems or [
         CheckpointError(p, path=directory / MANIFEST_NAME) for p in manifest.coverage_problems()
     ]
     problems += _topology_problems(manifest, directory)
     known = {f.name for f in all_files(manifest)} | {MANIFEST_NAME, INDEX_FILE, MODEL_INDEX_FILE}
+    known |= {entry.name for entry in manifest.indexes}
     for entry in sorted(directory.iterdir()):
         if entry.name not in known:
             problems.append(CheckpointError("unknown file in the checkpoint directory", path=entry))
@@ -383,6 +455,23 @@ def verify(path: str | os.PathLike[str]) -> list[CheckpointError]:
                 except CheckpointError as exc:
                     problems.append(exc)
     return _unique(problems)
+
+
+def _with_every_index(
+    directory: Path, manifest: Manifest
+) -> tuple[Manifest, list[CheckpointError]]:
+    """(verify) The manifest with the pieces of every piece index that reads sound, and the
+    problems of those that do not (each naming its index file)."""
+    if not manifest.indexes:
+        return manifest, []
+    pieces: list[Piece] = []
+    problems = []
+    for entry in manifest.indexes:
+        try:
+            pieces += read_index(directory, manifest, entry)
+        except CheckpointError as exc:
+            problems.append(exc)
+    return replace(manifest, pieces=tuple(pieces), complete=not problems), problems
 
 
 def _topology_problems(manifest: Manifest, directory: Path) -> list[CheckpointError]:

@@ -61,7 +61,7 @@ from ..format.names import MANIFEST_NAME
 from ..format.writeplan import TensorWrite, WritePlan
 from ..layout.workplan import WorkUnit, split_work
 from ..storage.safetensors_writer import beside
-from . import _save_manifest
+from . import _indexes, _save_manifest
 from ._attempt import Attempt
 from ._reports import Reports as Reports
 from ._reports import Written as Written
@@ -345,40 +345,53 @@ def commit(staging: Path, final: Path, manifest: Manifest) -> Path | None:
             path=final,
         )
     limit = storage.MAX_TEXT_BYTES  # past it, committed, a checkpoint nothing could read
+    storage.sync_files(staging, [f.name for f in all_files(manifest)])  # data before indexes
+    manifest = _indexes.write_indexes(staging, manifest, final)
     size = storage.store.write_text(staging / MANIFEST_NAME, manifest.json_chunks(), limit=limit)
     if size > limit:
         extra = 0 if manifest.extra is None else len(json.dumps(extra_to_json(manifest.extra)))
         raise CheckpointError(
             f"its manifest would be {size} bytes, more than the {limit} a reader accepts: "
-            f"{len(manifest.params)} params and {len(manifest.pieces)} pieces (stored "
-            f"tensors), extra / rank_extra {extra} bytes of it; nothing was committed",
+            f"{len(manifest.params)} params, extra / rank_extra {extra} bytes of it; nothing "
+            "was committed",
             path=final,
         )
     listed = {entry.name: entry.bytes for entry in all_files(manifest)}
+    listed.update((entry.name, entry.bytes) for entry in manifest.indexes)
     return storage.store.publish(staging, final, files={**listed, MANIFEST_NAME: size})
 
 
 def check_manifest_fits(
     params: Iterable[ParamEntry], writes: Iterable[TensorWrite], final: object
 ) -> None:
-    """Refuse, before any data is written, a write whose manifest would be more than a reader
-    accepts (:data:`muonckpt.storage.MAX_TEXT_BYTES`): counted from its ``params`` and its
-    planned ``writes`` (:class:`~muonckpt.format.manifest_size.ManifestSize`, a lower bound:
-    groups and ``extra`` are not counted, and :func:`commit` checks the whole manifest again),
-    naming the counts."""
+    """Refuse, before any data is written, a write whose manifest, or a piece index of it,
+    would be more than a reader accepts (:data:`muonckpt.storage.MAX_TEXT_BYTES`): counted
+    from its ``params`` and its planned ``writes``
+    (:class:`~muonckpt.format.manifest_size.ManifestSize`: the indexes exactly, the top level
+    a lower bound, since groups, files and ``extra`` are not counted; :func:`commit` checks
+    every text again), naming the counts."""
     size = ManifestSize()
     for entry in params:
         size.add_param(entry)
     chunk = storage.CHUNK_BYTES
     for w in writes:
         size.add_piece(w.param, w.key, w.file, w.tensor, w.region, w.nbytes, chunk)
-    if size.bytes > storage.MAX_TEXT_BYTES:
+    limit = storage.MAX_TEXT_BYTES
+    file, largest = size.largest_index
+    if size.bytes > limit:
         raise CheckpointError(
-            f"its manifest would be at least {size.bytes} bytes, more than the "
-            f"{storage.MAX_TEXT_BYTES} a reader accepts: {size.params} params and "
-            f"{size.pieces} pieces (stored tensors; about {size.bytes // max(size.pieces, 1)} "
-            "bytes each); nothing was written. Store fewer, larger tensors (params=False "
-            "leaves out the pieces of the params' own values)",
+            f"its manifest would be at least {size.bytes} bytes, more than the {limit} a reader "
+            f"accepts: {size.params} params and {size.pieces} pieces (stored tensors); about "
+            f"{size.bytes // max(size.params, 1)} bytes a param; nothing was written",
+            path=final,
+        )
+    if largest > limit:
+        raise CheckpointError(
+            f"the piece index of {file} would be {largest} bytes, more than the {limit} a "
+            f"reader accepts: {size.params} params and {size.pieces} pieces (stored tensors) "
+            "in all; nothing was written. Store fewer, larger tensors per file (params=False "
+            "leaves out the pieces of the params' own values; max_shard_size splits a "
+            "consolidated file)",
             path=final,
         )
 
@@ -404,15 +417,20 @@ def write_files(
     progress: Progress | None = None,
     *,
     prefetch: bool = True,
+    sync: bool = True,
 ) -> Written:
     """Write every file of ``plan`` (and its texts) into ``staging``, front to back, fetching
     each tensor when its turn comes: with ``prefetch``, the next one on a thread meanwhile
     (for reads from files; state already in memory is written straight, since a thread
-    handoff per tensor costs more than it saves for many small tensors)."""
+    handoff per tensor costs more than it saves for many small tensors). Without ``sync``
+    each file is renamed into place unsynced: :func:`commit` fsyncs every data file in one
+    parallel pass before it writes the indexes and the manifest (thousands of output files are
+    then not thousands of fsyncs in a row)."""
     meter = _Meter([w.nbytes for w in plan.writes], progress)
     pieces, sizes = [], {}
     for file, writes in plan.by_file().items():
-        with storage.SafetensorsWriter(staging / file, plan.specs(file), plan.files[file]) as out:
+        specs, metadata = plan.specs(file), plan.files[file]
+        with storage.SafetensorsWriter(staging / file, specs, metadata, sync=sync) as out:
             fetched: Generator[tuple[TensorWrite, Any], None, None] = (
                 prefetched(writes, fetch) if prefetch else ((w, fetch(w)) for w in writes)
             )
@@ -547,9 +565,10 @@ def share_of(
 
 
 def seal_shared(plan: WritePlan, staging: Path) -> None:
-    """(one process, after every process wrote) fsync each file and give it its name."""
+    """(one process, after every process wrote) give each file its name; :func:`commit`
+    fsyncs them all in one parallel pass."""
     for output in shared_files(plan, staging).values():
-        output.commit()
+        output.commit(sync=False)
 
 
 def prefetched(items: Sequence[T], produce: Callable[[T], R]) -> Generator[tuple[T, R], None, None]:

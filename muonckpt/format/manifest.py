@@ -13,60 +13,53 @@ import json
 import math
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from ..errors import ArgumentError, CheckpointError
-from ..layout.topology import Region
 from .names import PARAM_KEY
+from .records import (  # the records, named here too
+    DIGEST_BYTES,
+    DTYPE_BYTES,
+    FileEntry,
+    GroupEntry,
+    IndexEntry,
+    ModelFile,
+    ParamEntry,
+    Piece,
+    Scalar,
+    Spans,
+    pack_checksums,
+    unpack_checksums,
+)
 from .renames import Rename, renamer
 
 FORMAT_NAME = "muonckpt"
-FORMAT_VERSION = 2
-"""Version 2 added the params' own values (``value_dtype``, pieces of key :data:`PARAM_KEY`);
-version 1 checkpoints are still read (they hold optimizer state only)."""
+FORMAT_VERSION = 3
+"""Version 3 moved the pieces out of ``manifest.json`` into one piece index per data file
+(:mod:`.piece_index`), the params into a table of their kinds; version 2 added the params' own
+values (``value_dtype``, pieces of key :data:`PARAM_KEY`); versions 1 and 2 are still read
+(version 1 holds optimizer state only)."""
+__all__ = [  # the records re-exported; every name defined here is public too
+    "DIGEST_BYTES",
+    "DTYPE_BYTES",
+    "FileEntry",
+    "GroupEntry",
+    "IndexEntry",
+    "ModelFile",
+    "ParamEntry",
+    "Piece",
+    "Scalar",
+    "Spans",
+    "pack_checksums",
+    "unpack_checksums",
+]
+
 CHECKSUM_ALGORITHM = "xxh3-64"
 """XXH3 64-bit (seed 0) of each chunk of a tensor's data, as 16 lowercase hex digits."""
-DIGEST_BYTES = 8
-"""Bytes of one checksum packed (:func:`pack_checksums`): its digest, big-endian, as its hex
-digits spell it."""
-
-
-def pack_checksums(checksums: Iterable[str]) -> bytes:
-    """Checksums (hex strings, as the manifest writes them) packed into one bytes object,
-    :data:`DIGEST_BYTES` each: how pieces and written records keep them, since a tuple of
-    strings per tensor took 36 MB at 100k params. :func:`unpack_checksums` gives them back."""
-    return bytes.fromhex("".join(checksums))
-
-
-def unpack_checksums(digests: bytes) -> tuple[str, ...]:
-    """Packed checksums (:func:`pack_checksums`) as the manifest's hex strings."""
-    text, width = digests.hex(), 2 * DIGEST_BYTES
-    return tuple(text[i : i + width] for i in range(0, len(text), width))
-
-
 PER_RANK = "per-rank"
 CONSOLIDATED = "consolidated"
 KINDS = (PER_RANK, CONSOLIDATED)
-
-DTYPE_BYTES: dict[str, int] = {
-    "F64": 8,
-    "F32": 4,
-    "F16": 2,
-    "BF16": 2,
-    "I64": 8,
-    "I32": 4,
-    "I16": 2,
-    "I8": 1,
-    "U64": 8,
-    "U32": 4,
-    "U16": 2,
-    "U8": 1,
-    "BOOL": 1,
-    "F8_E4M3": 1,
-    "F8_E5M2": 1,
-}
-"""Bytes per element of each safetensors dtype a checkpoint may hold."""
 
 EXTRA_DEPTH = 24
 """How deeply ``extra`` values may nest (the manifest around them takes the rest of
@@ -74,112 +67,6 @@ EXTRA_DEPTH = 24
 EXTRA_JSON_BYTES = 16 << 20
 """The most bytes of JSON one save's ``extra`` and ``rank_extra`` values may take in the
 manifest; larger data goes in tensors."""
-
-
-@dataclass(frozen=True, slots=True)
-class Scalar:
-    """A state value that is not a tensor shaped like its param: a plain number, or a 0-d tensor
-    (torch keeps AdamW's ``step`` so), stored in the manifest itself."""
-
-    value: int | float | bool | str | None
-    dtype: str | None = None
-    """safetensors dtype of a 0-d tensor; None for a plain Python number."""
-
-
-@dataclass(frozen=True, slots=True)
-class ParamEntry:
-    """One param of the optimizer that was saved."""
-
-    name: str
-    shape: tuple[int, ...]
-    """Full (logical) shape of the param, and of each of its stored tensors."""
-    tp_split_dim: int
-    """Dimension split across TP ranks in the source run (-1: replicated)."""
-    group: int
-    """Index of its param group."""
-    dtypes: Mapping[str, str]
-    """safetensors dtype of each stored tensor, by key: its state tensors (shaped like the
-    param) and, when saved, its own values under :data:`PARAM_KEY`."""
-    scalars: Mapping[str, Scalar] = field(default_factory=dict)
-    """Its state values that are numbers or 0-d tensors, by key."""
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    @property
-    def state_keys(self) -> tuple[str, ...]:
-        """Keys of its state tensors, sorted (empty: no tensor state)."""
-        return tuple(sorted(k for k in self.dtypes if k != PARAM_KEY))
-
-    @property
-    def value_dtype(self) -> str | None:
-        """dtype of the param's own saved values; None when they were not saved."""
-        return self.dtypes.get(PARAM_KEY)
-
-    @property
-    def tensor_keys(self) -> tuple[str, ...]:
-        """Keys of everything stored for the param: its state keys, then :data:`PARAM_KEY`."""
-        return self.state_keys + ((PARAM_KEY,) if self.value_dtype is not None else ())
-
-    def dtype_of(self, key: str) -> str:
-        """The safetensors dtype of the stored tensor ``key`` (a state key or the values)."""
-        return self.dtypes[key]
-
-
-@dataclass(frozen=True)
-class GroupEntry:
-    """One param group: its hyperparameters (step counter included) and its params' names."""
-
-    hyperparams: dict[str, Any]
-    params: tuple[str, ...]
-    optimizer: dict[str, Any] = field(default_factory=dict)
-    """What the group computed (:class:`muonckpt.format.kinds.GroupKind` as JSON: optimizer class,
-    Muon or AdamW, momentum form, mu, nesterov, lr scale rule, where AdamW counts steps);
-    empty when unknown (version 1)."""
-
-
-@dataclass(frozen=True, slots=True)
-class Piece:
-    """One stored tensor: a region of one param's state tensor, in one file."""
-
-    param: str
-    key: str
-    file: str
-    tensor: str
-    """Key of the tensor inside the safetensors file."""
-    region: Region
-    """Which elements of the full tensor it holds, in its own (flat) order."""
-    digests: bytes
-    """Its checksums packed (:func:`pack_checksums`; :attr:`checksums` spells them out)."""
-    chunk_bytes: int
-
-    @property
-    def checksums(self) -> tuple[str, ...]:
-        """One checksum per ``chunk_bytes`` of the tensor's data, as the manifest lists them."""
-        return unpack_checksums(self.digests)
-
-
-@dataclass(frozen=True)
-class ModelFile:
-    """What a consolidated save given the model (``save(..., model=model)``) adds to
-    ``model.safetensors`` beyond the optimizer's params, so that it holds the model's whole
-    ``state_dict()``."""
-
-    tensors: tuple[ParamEntry, ...]
-    """The model's other tensors (buffers, params no optimizer group holds), each stored
-    whole under its name (group -1, never split)."""
-    pieces: tuple[Piece, ...]
-    """Where each of them is stored, with its checksums."""
-    aliases: Mapping[str, str] = field(default_factory=dict)
-    """state_dict names of tied tensors stored once: alias -> the stored name (as
-    ``safetensors.torch.save_model`` records them in the file's metadata)."""
-
-
-@dataclass(frozen=True, slots=True)
-class FileEntry:
-    name: str
-    bytes: int
 
 
 ValuePath = tuple[str | int, ...]
@@ -254,6 +141,14 @@ class Manifest:
     the optimizer's own count where it keeps one; None: unknown (and in older manifests)."""
     extra: Extra | None = None
     """The training job's own state (``"extra"``); None: none was saved."""
+    indexes: tuple[IndexEntry, ...] = ()
+    """(version 3) The piece index of each data file holding pieces, as read or committed."""
+    complete: bool = True
+    """Whether :attr:`pieces` holds every piece (False: a version 3 manifest read with only
+    some of its indexes, or none, as a load reads it: coverage is then not checked here)."""
+    stored_names: tuple[str, ...] = ()
+    """(a renamed manifest) The params' names as stored, by position: what a piece index's
+    default tensor keys are made from. Empty: the names are as stored."""
 
     def param(self, name: str) -> ParamEntry:
         by_name: dict[str, ParamEntry] | None = self.__dict__.get("_by_name")
@@ -295,6 +190,7 @@ class Manifest:
             )
         return replace(
             self,
+            stored_names=self.stored_names or tuple(e.name for e in self.params),
             model=model,
             groups=tuple(replace(g, params=tuple(names[n] for n in g.params)) for g in self.groups),
             params=tuple(replace(e, name=names[e.name]) for e in self.params),
@@ -363,12 +259,18 @@ class Manifest:
 
         Built field by field: ``dataclasses.asdict`` deep-copies every value, seconds at 100k
         params."""
+        v3 = self.format_version >= 3
+        kinds: dict[str, int] = {}  # each kind's JSON text -> its position
+        group = _group_to_json if not v3 else _group_v3
         lists: dict[str, tuple[Sequence[Any], Callable[[Any], Any]]] = {
-            "groups": (self.groups, _group_to_json),
-            "params": (self.params, param_to_json),
+            "groups": (self.groups, group),
+            "params": (self.params, param_to_json if not v3 else lambda e: _param_v3(e, kinds)),
             "files": (self.files, _file_to_json),
-            "pieces": (self.pieces, piece_to_json),
         }
+        if v3:
+            lists["indexes"] = (self.indexes, _index_to_json)
+        else:
+            lists["pieces"] = (self.pieces, piece_to_json)
         body: dict[str, Any] = {
             "format": FORMAT_NAME,
             "kind": self.kind,
@@ -399,10 +301,15 @@ class Manifest:
             for number, item in enumerate(items):
                 yield (",\n" if number else "") + compact_json(to_json(item))
             yield "\n]"
+        if v3:  # after params: the kinds their lines name
+            yield ',\n"param_kinds": [\n' + ",\n".join(kinds) + "\n]"
         yield "\n}\n"
 
     def coverage_problems(self) -> list[str]:
-        """Gaps, overlaps and stray pieces: every state tensor must be covered exactly once."""
+        """Gaps, overlaps and stray pieces: every state tensor must be covered exactly once
+        (nothing is checked of a manifest holding only some of its pieces)."""
+        if not self.complete:
+            return []
         problems = [] if (mixed := values_problem(self.params)) is None else [mixed]
         grouped, covered = self.pieces_of(), 0
         for entry in self.params:
@@ -478,6 +385,30 @@ def param_to_json(e: ParamEntry) -> dict[str, Any]:
 
 def _file_to_json(f: FileEntry) -> dict[str, Any]:
     return {"name": f.name, "bytes": f.bytes}
+
+
+def _group_v3(g: GroupEntry) -> dict[str, Any]:
+    """A group in version 3: its params are those whose kind names it, in order."""
+    return {"hyperparams": g.hyperparams, "optimizer": g.optimizer}
+
+
+def _param_v3(e: ParamEntry, kinds: dict[str, int]) -> list[Any]:
+    """A param in version 3: ``[name, kind]``, the kind (everything but the name) a position
+    in ``param_kinds``; ``kinds`` collects them (as their JSON, whose order is the table's)."""
+    line = param_to_json(e)
+    del line["name"]
+    return [e.name, kinds.setdefault(compact_json(line), len(kinds))]
+
+
+def _index_to_json(i: IndexEntry) -> dict[str, Any]:
+    return {
+        "name": i.name,
+        "file": i.file,
+        "bytes": i.bytes,
+        "checksum": i.checksum,
+        "pieces": i.pieces,
+        "params": [list(span) for span in i.params],
+    }
 
 
 def values_problem(params: Sequence[ParamEntry]) -> str | None:

@@ -10,11 +10,11 @@ from __future__ import annotations
 import re
 import sys
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import asdict
+from dataclasses import replace
 from typing import Any, TypeGuard
 
 from ..errors import CheckpointError
-from ..layout.topology import Region, matrix_view
+from ..layout.topology import Region
 from .kinds import KNOWN
 from .manifest import (
     CHECKSUM_ALGORITHM,
@@ -27,6 +27,7 @@ from .manifest import (
     ExtraValues,
     FileEntry,
     GroupEntry,
+    IndexEntry,
     Manifest,
     ModelFile,
     ParamEntry,
@@ -39,6 +40,7 @@ from .manifest import (
     values_problem,
 )
 from .names import MANIFEST_NAME, PARAM_KEY
+from .piece_index import check_region, index_name
 from .strict_json import strict_json, strict_json_chunks
 
 _DIGEST = re.compile("[0-9a-f]{16}")
@@ -94,51 +96,26 @@ def _manifest_from(body: Any, shared: _Shared) -> Manifest:
         isinstance(topology, dict) and all(_pos_int(v) for v in topology.values()),
         "topology must map names to positive ints",
     )
-    params = tuple(shared.entry(p, version) for p in body["params"])
+    if version >= 3:
+        params = _params_v3(body["params"], body["param_kinds"], shared)
+    else:
+        params = tuple(shared.entry(p, version) for p in body["params"])
     names = [p.name for p in params]
     _expect(len(set(names)) == len(names), "duplicate param names")
     for p in params:
         _expect(not set(p.scalars) & set(p.dtypes), f"param {p.name!r}: a key is stored twice")
     mixed = values_problem(params)
     _expect(mixed is None, mixed or "")
-    groups = tuple(
-        GroupEntry(
-            hyperparams=_hyperparams(g["hyperparams"]),
-            params=tuple(sys.intern(_str(n)) for n in g["params"]),
-            optimizer=_group_optimizer(g.get("optimizer", {})),
-        )
-        for g in body["groups"]
-    )
-    _expect(
-        sorted(n for g in groups for n in g.params) == sorted(names),
-        "groups and params list different names",
-    )
+    groups = _groups(body["groups"], params, version)
     by_name = {p.name: p for p in params}
-    for index, group in enumerate(groups):
-        for name in group.params:
-            _expect(
-                by_name[name].group == index,
-                f"param {name!r} says group {by_name[name].group}, but group {index} lists it",
-            )
     files = tuple(FileEntry(_safe_name(f["name"]), _nonneg_int(f["bytes"])) for f in body["files"])
     file_names = {f.name for f in files}
-    pieces = []
-    raw_pieces = body["pieces"]
-    _expect(isinstance(raw_pieces, list), "pieces must be a list")
-    for raw in raw_pieces:
-        piece = raw if isinstance(raw, Piece) else piece_from_json(raw)
-        _expect(
-            piece.file in file_names, f"piece {piece.tensor!r} names unlisted file {piece.file!r}"
-        )
-        entry = by_name.get(piece.param)
-        if entry is None:
-            raise CheckpointError(f"piece {piece.tensor!r} of unknown param {piece.param!r}")
-        _expect(
-            piece.key in entry.dtypes,
-            f"piece {piece.tensor!r}: param {piece.param!r} lists no stored key {piece.key!r}",
-        )
-        _check_region(entry, piece.region, piece.tensor)
-        pieces.append(piece)
+    if version >= 3:
+        _expect("pieces" not in body, "a version 3 manifest lists its pieces in its indexes")
+        pieces: list[Piece] = []
+        indexes = _indexes(body["indexes"], file_names, len(params))
+    else:
+        pieces, indexes = _pieces(body["pieces"], by_name, file_names), ()
     step = body.get("step")
     _expect(step is None or _int(step) >= 0, f"step must be a non-negative int, got {step!r}")
     extra = body.get("extra")
@@ -150,10 +127,105 @@ def _manifest_from(body: Any, shared: _Shared) -> Manifest:
         files=files,
         pieces=tuple(pieces),
         format_version=version,
+        indexes=indexes,
+        complete=not indexes,
         model=_model_file(body["model"], by_name, file_names) if "model" in body else None,
         recorded_step=step,
         extra=None if extra is None else extra_from_json(extra, file_names),
     )
+
+
+def _groups(raw: Any, params: tuple[ParamEntry, ...], version: int) -> tuple[GroupEntry, ...]:
+    """The groups, each listing exactly the params that name it (in version 3 the list is
+    made from the params' order, not written)."""
+    _expect(isinstance(raw, list), "groups must be a list")
+    listed: list[list[str]] = [[] for _ in raw]
+    for p in params:
+        _expect(p.group < len(raw), f"param {p.name!r} says group {p.group}, which is not listed")
+        listed[p.group].append(p.name)
+    groups = tuple(
+        GroupEntry(
+            hyperparams=_hyperparams(g["hyperparams"]),
+            params=(
+                tuple(sys.intern(_str(n)) for n in g["params"])
+                if version < 3
+                else tuple(listed[index])
+            ),
+            optimizer=_group_optimizer(g.get("optimizer", {})),
+        )
+        for index, g in enumerate(raw)
+    )
+    for index, group in enumerate(groups):
+        _expect(
+            list(group.params) == listed[index] or sorted(group.params) == sorted(listed[index]),
+            f"group {index} lists params {list(group.params)[:3]}..., the params that say "
+            f"group {index} are {listed[index][:3]}... (groups and params list different names)",
+        )
+    return groups
+
+
+def _params_v3(raw: Any, raw_kinds: Any, shared: _Shared) -> tuple[ParamEntry, ...]:
+    """Version 3's params: ``[name, kind]``, each kind a param's fields but its name."""
+    _expect(isinstance(raw, list) and isinstance(raw_kinds, list), "params, param_kinds: lists")
+    kinds = [shared.entry({**k, "name": ""}, FORMAT_VERSION) for k in raw_kinds]
+    params = []
+    for item in raw:
+        _expect(isinstance(item, list) and len(item) == 2, f"param {item!r:.80}: not [name, kind]")
+        name, kind = item
+        _expect(_int(kind) < len(kinds) and kind >= 0, f"param {name!r}: no kind {kind!r}")
+        params.append(replace(kinds[kind], name=sys.intern(_str(name))))
+    return tuple(params)
+
+
+def _pieces(raw: Any, by_name: Mapping[str, ParamEntry], file_names: set[str]) -> list[Piece]:
+    """Version 1 and 2's pieces, listed in the manifest itself."""
+    _expect(isinstance(raw, list), "pieces must be a list")
+    pieces = []
+    for item in raw:
+        piece = item if isinstance(item, Piece) else piece_from_json(item)
+        _expect(
+            piece.file in file_names, f"piece {piece.tensor!r} names unlisted file {piece.file!r}"
+        )
+        entry = by_name.get(piece.param)
+        if entry is None:
+            raise CheckpointError(f"piece {piece.tensor!r} of unknown param {piece.param!r}")
+        _expect(
+            piece.key in entry.dtypes,
+            f"piece {piece.tensor!r}: param {piece.param!r} lists no stored key {piece.key!r}",
+        )
+        check_region(entry, piece.region, piece.tensor)
+        pieces.append(piece)
+    return pieces
+
+
+_INDEX_FIELDS = {"name", "file", "bytes", "checksum", "pieces", "params"}
+
+
+def _indexes(raw: Any, file_names: set[str], n_params: int) -> tuple[IndexEntry, ...]:
+    """Version 3's piece indexes: one per data file at most, each named after its file, its
+    param spans increasing ranges of positions in ``params``."""
+    _expect(isinstance(raw, list), "indexes must be a list")
+    indexes = []
+    for item in raw:
+        _expect(isinstance(item, dict) and set(item) == _INDEX_FIELDS, f"index {item!r:.80}")
+        file = _safe_name(item["file"])
+        _expect(file in file_names, f"index of unlisted file {file!r}")
+        name = _safe_name(item["name"])
+        _expect(name == index_name(file), f"index {name!r} is not named after {file!r}")
+        spans, last = [], 0
+        for span in item["params"]:
+            _expect(isinstance(span, list) and len(span) == 2, f"index {name!r}: span {span!r}")
+            lo, hi = _nonneg_int(span[0]), _nonneg_int(span[1])
+            _expect(last <= lo < hi <= n_params, f"index {name!r}: param span {span!r}")
+            spans.append((lo, hi))
+            last = hi
+        checksum = _digest(item["checksum"])
+        count = _nonneg_int(item["pieces"])
+        indexes.append(
+            IndexEntry(name, file, _nonneg_int(item["bytes"]), checksum, count, tuple(spans))
+        )
+    _expect(len({i.file for i in indexes}) == len(indexes), "two indexes of one data file")
+    return tuple(indexes)
 
 
 def _one(pool: dict[Any, Any], value: Any) -> Any:
@@ -179,7 +251,7 @@ def _model_file(raw: Any, params: Mapping[str, ParamEntry], file_names: set[str]
         _expect(
             piece.key == PARAM_KEY and piece.file in file_names, f"model: piece {piece.tensor!r}"
         )
-        _check_region(entry, piece.region, piece.tensor)
+        check_region(entry, piece.region, piece.tensor)
         pieces.append(piece)
     aliases = raw["aliases"]
     stored = set(by_name) | set(params)
@@ -306,24 +378,6 @@ def piece_from_json(raw: Mapping[str, Any], shared: dict[Any, Any] | None = None
         digests=pack_checksums(_digest(c) for c in raw["checksums"]),
         chunk_bytes=pool.setdefault(chunk_bytes, chunk_bytes),
     )
-
-
-def _check_region(entry: ParamEntry, region: Region, tensor: str) -> None:
-    numel = entry.numel
-    ok = (
-        (region.block_width > 0 or region.start == region.stop)
-        and region.block_start + region.block_width <= region.cols
-        and region.start <= region.stop
-    )
-    if ok and region.cols and region.numel:
-        rows = numel // region.cols if numel % region.cols == 0 else -1
-        ok = rows >= 0 and region.stop <= rows * region.block_width
-    if ok and region.numel and region.block_width != region.cols:
-        ok = region.cols == matrix_view(entry.shape, entry.tp_split_dim)[1]
-    if not ok:
-        raise CheckpointError(
-            f"piece {tensor!r}: region {asdict(region)} lies outside param shape {entry.shape}"
-        )
 
 
 def _hyperparams(raw: Any) -> dict[str, Any]:

@@ -1,15 +1,15 @@
 """A lower bound on the bytes of a manifest's text, counted before it is made: so that a write
 whose manifest no reader would take is refused before any data is written.
 
-Pure. It follows :meth:`muonckpt.format.manifest.Manifest.json_chunks` line for line: a change
-to the manifest's JSON text changes it too (tests/test_refusals.py checks the two agree).
+Pure. It follows :meth:`muonckpt.format.manifest.Manifest.json_chunks` and
+:func:`muonckpt.format.piece_index.index_chunks` line for line: a change to either text changes
+it too (tests/test_refusals.py checks the two agree).
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Any
 
 from ..layout.topology import Region
@@ -17,76 +17,77 @@ from .manifest import (
     CONSOLIDATED,
     Manifest,
     ParamEntry,
-    Piece,
     compact_json,
     param_to_json,
-    piece_to_json,
 )
+from .names import tensor_key
 
 
 class ManifestSize:
-    """A lower bound on the bytes of a manifest's text, counted from what its lines will hold
-    without making them (:meth:`Manifest.json_chunks` takes seconds at 100k params): each
-    param's and each piece's line exactly, and each param's name in its group's list; of the
-    groups nothing else, nor of ``extra``. So that a write whose manifest no reader would take
-    is refused before any data is written, naming the counts that make it large."""
+    """The bytes of a manifest's text (format version 3), counted from what its lines will hold
+    without making them (:meth:`Manifest.json_chunks` takes seconds at 100k params): the top
+    level's params and their kinds exactly (:attr:`bytes`; of the groups, files, indexes and
+    ``extra`` nothing, so a lower bound), and each data file's piece index exactly
+    (:attr:`index_bytes`), so that a write whose manifest or an index of it no reader would
+    take is refused before any data is written, naming the counts that make it large."""
 
     def __init__(self) -> None:
         self.params = 0
         self.pieces = 0
         empty = Manifest(CONSOLIDATED, {}, (), (), (), ())
         self.bytes = sum(len(chunk) for chunk in empty.json_chunks())
-        blank = Region(0, 0, 0, 0, 0)
-        self._piece_line = len(compact_json(piece_to_json(Piece("", "", "", "", blank, b"", 0))))
+        self.index_bytes: dict[str, int] = {}
+        """Each piece index's size, by its data file."""
+        self._kinds: dict[tuple[Any, ...], int] = {}
+        """Each kind's position, by everything a param holds but its name."""
         self._texts: dict[str, int] = {}
-        self._last = ("", 0)
-        """The last piece's param and its text."""
+        self._positions: dict[str, int] = {}
         self._regions: dict[Region, int] = {}
-        self._alike: dict[tuple[Any, ...], int] = {}
-        """A param's line without its name, by everything else it holds."""
-        self._groups: set[int] = set()
 
     def add_param(self, entry: ParamEntry) -> None:
-        """One entry of ``params``, exactly (+2: its ``,\\n`` or the list's brackets), and its
-        name in its group's ``params`` (+3: quotes and a comma, but one per group)."""
+        """One entry of ``params`` (``["name",kind]`` and its ``,\n``, or the list's brackets)
+        and, the first time, its kind in ``param_kinds``."""
         # (each value's type too: 1, 1.0 and True are equal keys but different JSON)
         scalars = tuple((k, type(v.value), v.value, v.dtype) for k, v in entry.scalars.items())
         alike = (entry.shape, entry.tp_split_dim, entry.group, tuple(entry.dtypes.items()), scalars)
-        if (rest := self._alike.get(alike)) is None:  # params differ mostly by their names
-            rest = self._alike[alike] = len(compact_json(param_to_json(replace(entry, name=""))))
-        listed = 3 - (entry.group not in self._groups)
-        self._groups.add(entry.group)
+        kind = self._kinds.get(alike)
+        if kind is None:
+            kind = self._kinds[alike] = len(self._kinds)
+            line = param_to_json(entry)
+            del line["name"]
+            self.bytes += len(compact_json(line)) + (2 if kind else 0)
+        self._positions[entry.name] = self.params
         self.params += 1
-        self.bytes += rest + 2 + 2 * _text(entry.name) + listed
+        self.bytes += _text(entry.name) + 5 + len(str(kind)) + 2  # the line and its comma
 
     def add_piece(
         self, param: str, key: str, file: str, tensor: str, region: Region, nbytes: int, chunk: int
     ) -> None:
-        """One entry of ``pieces``: ``nbytes`` of data, a checksum per ``chunk`` bytes."""
+        """One line of ``file``'s piece index: ``nbytes`` of data, a checksum per ``chunk``
+        bytes (its params added first)."""
         texts = self._texts
         if (named := texts.get(key)) is None:
             named = texts[key] = _text(key)
-        if (filed := texts.get(file)) is None:
-            filed = texts[file] = _text(file)
-        if param != self._last[0]:  # a param's pieces come together
-            self._last = (param, _text(param))
+        stored = 4 if tensor == tensor_key(param, key) else _text(tensor) + 2
         if (spans := self._regions.get(region)) is None:
             ints = (region.cols, region.block_start, region.block_width, region.start)
-            spans = self._regions[region] = sum(len(str(i)) - 1 for i in (*ints, region.stop))
+            spans = self._regions[region] = sum(len(str(i)) for i in (*ints, region.stop)) + 4
         checksums = -(-nbytes // chunk)
+        size = self.index_bytes.get(file)
+        if size is None:
+            head = len(compact_json(file)) + len('{"format":"muonckpt-pieces","file":,"pieces":[')
+            size = head + 1 + 3  # the newline after the header, "]}\n" at the end
+        else:
+            size += 1  # the comma that begins every line but the first
+        line = 1 + len(str(self._positions[param])) + 1 + named + 2 + 1 + stored + 1
+        line += 1 + spans + 1 + 1 + len(str(chunk)) + 1 + 16 * checksums + 2 + 1 + 1
+        self.index_bytes[file] = size + line
         self.pieces += 1
-        self.bytes += (
-            self._piece_line
-            + 2
-            + self._last[1]
-            + named
-            + filed
-            + _text(tensor)
-            + spans
-            + (19 * checksums - 1 if checksums else 0)
-            + len(str(chunk))
-            - 1
-        )
+
+    @property
+    def largest_index(self) -> tuple[str, int]:
+        """The data file whose piece index is largest, and its bytes (("", 0): none)."""
+        return max(self.index_bytes.items(), key=lambda item: item[1], default=("", 0))
 
 
 _quoted: Callable[[str], str] = json.encoder.encode_basestring_ascii

@@ -399,7 +399,8 @@ def _write(
 
     def write(staging: Path) -> writing.Written:
         with PieceReader(directory, manifest, reuse_outputs=2) as reader:
-            written = writing.write_files(job.plan, staging, _fetcher(manifest, reader), progress)
+            fetch = _fetcher(manifest, reader)
+            written = writing.write_files(job.plan, staging, fetch, progress, sync=False)
         carry(staging)
         return written
 

@@ -40,16 +40,19 @@ from __future__ import annotations
 
 from ..format.manifest import CHECKSUM_ALGORITHM
 from .backend import CheckpointStore, PosixStore, store
-from .checksums import CHUNK_BYTES, checksum_chunks
+from .checksums import CHUNK_BYTES, checksum_chunks, chunk_digest
 from .dtypes import byte_view, dtype_name, itemsize, tensor_of_bytes, torch_dtype, unstorable_kind
 from .durable import (
     MAX_TEXT_BYTES,
     entries,
     file_size,
     fsync_dir,
+    read_small,
     read_text,
     read_text_chunks,
+    sync_files,
     write_text_atomic,
+    write_texts_durably,
 )
 from .lease import leftover
 from .mailbox import Mailbox, is_mailbox, mailbox_path
@@ -91,6 +94,7 @@ __all__ = [
     "byte_view",
     "check_target",
     "checksum_chunks",
+    "chunk_digest",
     "committed_as",
     "directory_identity",
     "discard",
@@ -106,6 +110,7 @@ __all__ = [
     "make_staging",
     "ownership_problem",
     "preset_staging",
+    "read_small",
     "read_text",
     "read_text_chunks",
     "remove_checkpoint",
@@ -113,6 +118,7 @@ __all__ = [
     "staging_path",
     "store",
     "swap_in",
+    "sync_files",
     "tensor_of_bytes",
     "torch_dtype",
     "unstorable_kind",
@@ -120,4 +126,5 @@ __all__ = [
     "watch_commit",
     "write_safetensors",
     "write_text_atomic",
+    "write_texts_durably",
 ]

@@ -21,6 +21,7 @@ from numpy.lib.stride_tricks import as_strided
 from ..errors import CheckpointError
 from ..format.manifest import CHECKSUM_ALGORITHM, DTYPE_BYTES
 from ..format.names import MANIFEST_NAME
+from ..format.piece_index import index_name
 from ..format.strict_json import TextWindow
 from ..layout.topology import Strided
 from .checksums import CHUNK_BYTES, chunk_digest
@@ -108,10 +109,14 @@ class SafetensorsReader:
         return None
 
     def _manifest_moved_on(self, digest: str) -> bool:
-        """Whether the manifest beside the file exists but no longer lists checksum ``digest``:
-        then the checkpoint directory was replaced after the caller read its manifest."""
+        """Whether the manifest beside the file exists but no longer lists checksum ``digest``
+        (in version 3, in the file's piece index): then the checkpoint directory was replaced
+        after the caller read its manifest."""
         try:
-            return digest not in read_text(self.path.parent / MANIFEST_NAME)
+            text = read_text(self.path.parent / MANIFEST_NAME)
+            if f'"{index_name(self.path.name)}"' in text:
+                text = read_text(self.path.parent / index_name(self.path.name))
+            return digest not in text
         except CheckpointError:
             return False
 

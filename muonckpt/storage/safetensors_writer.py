@@ -301,8 +301,12 @@ class SafetensorsWriter:
         metadata: Mapping[str, str] | None = None,
         *,
         chunk_bytes: int = CHUNK_BYTES,
+        sync: bool = True,
     ) -> None:
         self.path = Path(path)
+        self.sync = sync
+        """fsync at :meth:`commit` (False: the caller syncs the file before it commits a
+        checkpoint, :func:`muonckpt.storage.sync_files`)."""
         if chunk_bytes <= 0:
             raise CheckpointError(f"chunk_bytes must be positive, got {chunk_bytes}", path=path)
         self.chunk_bytes = chunk_bytes
@@ -371,10 +375,14 @@ class SafetensorsWriter:
             )
         try:
             self._file.flush()
-            os.fsync(self._file.fileno())
+            if self.sync:
+                os.fsync(self._file.fileno())
             self._file.close()
             self._file = None
-            replace_durably(self._tmp, self.path)
+            if self.sync:
+                replace_durably(self._tmp, self.path)
+            else:
+                os.replace(self._tmp, self.path)
         except OSError as e:
             self.abort()
             raise CheckpointError(f"cannot write: {e}", path=self.path) from e
@@ -470,10 +478,15 @@ class SharedSafetensorsFile:
             with contextlib.suppress(OSError):
                 os.close(fd)
 
-    def commit(self) -> None:
+    def commit(self, *, sync: bool = True) -> None:
         """fsync the temporary file, rename it into place and fsync the directory; to be called
-        once, after every process has written its tensors and closed."""
+        once, after every process has written its tensors and closed. Without ``sync``, the
+        rename alone (the caller syncs the file before a commit,
+        :func:`muonckpt.storage.sync_files`)."""
         try:
+            if not sync:
+                os.replace(self._part, self.path)
+                return
             fd = os.open(self._part, os.O_RDONLY | getattr(os, "O_BINARY", 0))
             try:
                 os.fsync(fd)
