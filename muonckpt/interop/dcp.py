@@ -35,11 +35,11 @@ from ..format.manifest import (
     PieceIndex,
     Scalar,
     json_safe,
-    model_tensor,
 )
 from ..format.names import PARAM_KEY
 from ..storage import dcp_files, dcp_metadata
 from ._consolidated import conversion_notes, summarized, write_consolidated
+from ._dcp_model import ModelItems, model_others_of
 from ._foreign_out import not_carried, read_whole, staged_output
 from .foreign import Conversion, ForeignFormat
 
@@ -166,8 +166,8 @@ def from_dcp(
         for key, fqn in keys.items():
             if key != "step":
                 fqn_of[name, family.our_key(kind.role or "", key) or key] = fqn
-    model_items = _ModelItems(model_prefix, optimizer_prefix, job_states)
-    others, aliases = _model_others(index, settings, model_items) if model_others else ([], {})
+    model_items = ModelItems(model_prefix, optimizer_prefix, job_states)
+    others, aliases = model_others_of(index, settings, model_items) if model_others else ([], {})
     fqn_of.update({(t.name, PARAM_KEY): model_prefix + t.name for t in others})
     path = write_consolidated(
         target,
@@ -186,53 +186,6 @@ def from_dcp(
     left = sorted((set(index.tensors) | set(index.values)) - used)
     left_out = summarized(left, model_prefix, named=model_items.holds)
     return DcpConversion(path, layout, left_out, conversion_notes(manifest, target))
-
-
-@dataclass(frozen=True)
-class _ModelItems:
-    """Which DCP items are the model's: those under its prefix, or, at the top level, those
-    neither the optimizer's nor one of ``job_states`` (None: not told apart)."""
-
-    prefix: str
-    optimizer_prefix: str
-    job_states: tuple[str, ...] | None
-
-    def holds(self, fqn: str) -> bool:
-        if fqn.startswith(self.optimizer_prefix) or not fqn.startswith(self.prefix):
-            return False
-        if self.prefix:
-            return True
-        return self.job_states is not None and fqn.split(".", 1)[0] not in self.job_states
-
-
-def _model_others(
-    index: dcp_metadata.DcpIndex, settings: Mapping[str, Any], model: _ModelItems
-) -> tuple[list[ParamEntry], dict[str, str]]:
-    """The model's tensors no optimizer holds (buffers, frozen params) and its tied names
-    (alias -> param: a tensor bitwise equal to a param of its shape and dtype, as
-    ``get_state_dict`` saves a tied weight under each of its names). Only where the model's
-    items are told from the job's (:class:`_ModelItems`)."""
-    others, aliases = [], {}
-    params = {name: index.tensors[model.prefix + name] for name in settings}
-    for fqn, tensor in index.tensors.items():
-        name = fqn[len(model.prefix) :]
-        if not model.holds(fqn) or name in params:
-            continue
-        value = dcp_files.read_tensor(index, tensor)
-        tied = next(
-            (
-                p
-                for p, held in params.items()
-                if (held.shape, held.dtype) == (tensor.shape, tensor.dtype)
-                and dcp_files.read_tensor(index, held).equal(value)
-            ),
-            None,
-        )
-        if tied is not None:
-            aliases[name] = tied
-        else:
-            others.append(model_tensor(name, tensor.shape, tensor.dtype))
-    return others, aliases
 
 
 def _group_settings(

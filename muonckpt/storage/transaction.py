@@ -35,8 +35,7 @@ progress, or the checkpoint an exchange replaced), ``.NAME.steps-XXXXXXXX`` (the
 background save) or ``.NAME.old-PID`` (the rename fallback's replaced one). A name is never
 proof: what muonckpt made holds its lease file (:mod:`.lease`)."""
 _CHECKPOINT_FILE = re.compile(
-    rf"^({re.escape(MANIFEST_NAME)}|[^.].*\.safetensors|[^.].*\.(index|pieces)\.json)$",
-    re.DOTALL,
+    rf"^({re.escape(MANIFEST_NAME)}|[^.].*\.safetensors|[^.].*\.(index|pieces)\.json)$", re.DOTALL
 )
 """Names of the files a checkpoint directory holds."""
 _TEMPORARY_FILE = re.compile(r"^\.(?P<name>.+)\.(part|tmp-\d+)$", re.DOTALL)
@@ -80,8 +79,7 @@ def ownership_problem(directory: str | os.PathLike[str]) -> str | None:
 
     Replaceable: a directory (not a symlink) holding only regular files with the names a
     checkpoint has (``*.safetensors``, ``manifest.json``, ``*.index.json``, ``*.pieces.json``
-    and muonckpt's
-    temporaries of them), and either a ``manifest.json`` whose JSON says ``"format":
+    and muonckpt's temporaries of them), and either a ``manifest.json`` whose JSON says ``"format":
     "muonckpt"``, or no manifest but muonckpt's lease file (:mod:`.lease`: an interrupted
     save, or a replaced checkpoint; a name alone proves nothing). An empty directory is
     replaceable too: nothing in it can be lost.
