@@ -30,15 +30,15 @@ def mixed_load_phase(first: str, second: str, how: str) -> dict[str, object]:
     if how == "replaced":  # between the ranks' opens (after the rendezvous, which they pass)
         original = loading.open_checkpoint
 
-        def open_in_turn(where):
+        def open_in_turn(where, **how_to_open):
             if dist.get_rank() == 0:
-                found = original(where)
+                found = original(where, **how_to_open)
                 announce("rank 0 opened")
                 return found
             await_event("rank 0 opened")
             other, *_ = build(1, 1, initial_params())
             muonckpt.save(other, first, overwrite=True)  # a single-process checkpoint
-            return original(where)
+            return original(where, **how_to_open)
 
         loading.open_checkpoint = open_in_turn
     rename = {"": ""} if how == "rename" and dist.get_rank() == 1 else None

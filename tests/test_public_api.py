@@ -174,11 +174,12 @@ def _modules_by_name() -> dict[str, str]:
 
 _SHORT_PATH = re.compile(r"`([a-z_]+)\.([A-Za-z_]\w*)")
 """A module-relative name at the start of a code span: ``storage.check_target``."""
-_NOT_OURS = {"muon", "dcp", "deepspeed", "state", "muonckpt"}
+_NOT_OURS = {"muon", "dcp", "deepspeed", "state", "muonckpt", "megatron", "torchtitan", "optim"}
 """Names the docs also use for others' modules and keys: upstream ``muon.MuonWithAuxAdam``,
 ``dcp.save`` (``torch.distributed.checkpoint``), ``deepspeed.utils`` (DeepSpeed's own
 modules, and the optimizer name ``deepspeed.MuonWithAuxAdam``), ``state.w_in`` (a tensor
-key)."""
+key), ``megatron.training`` (Megatron-LM's package), ``torchtitan.DistMuon`` (the optimizer
+name torchtitan's groups are recorded under), ``optim.state`` (``get_state_dict``'s keys)."""
 _FILE_SUFFIXES = {"py", "json", "md", "safetensors"}
 
 

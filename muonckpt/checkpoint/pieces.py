@@ -115,20 +115,23 @@ def read_index(directory: Path, manifest: Manifest, entry: IndexEntry) -> tuple[
     naming the index file otherwise."""
     path = directory / entry.name
     INDEXES_READ[entry.name] += 1
-    data = storage.read_small(path)
+    try:
+        data = storage.read_small(path)
+    except CheckpointError as exc:
+        raise changed_while_reading(directory, manifest) or exc from None
+    problem = None
     if len(data) != entry.bytes:
-        raise CheckpointError(
+        problem = (
             f"piece index is {len(data)} bytes, the manifest says {entry.bytes} "
-            "(truncated or replaced)",
-            path=path,
+            "(truncated or replaced)"
         )
-    found = storage.chunk_digest(data)
-    if found != entry.checksum:
-        raise CheckpointError(
+    elif (found := storage.chunk_digest(data)) != entry.checksum:
+        problem = (
             f"piece index checksum mismatch: the manifest records {entry.checksum}, the file "
-            f"hashes to {found}",
-            path=path,
+            f"hashes to {found}"
         )
+    if problem is not None:  # a writer that replaced the checkpoint meanwhile, else damage
+        raise changed_while_reading(directory, manifest) or CheckpointError(problem, path=path)
     names = manifest.stored_names or tuple(p.name for p in manifest.params)
     try:
         return parse_index(data, entry, manifest.params, names)

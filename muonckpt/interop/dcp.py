@@ -144,8 +144,9 @@ def from_dcp(
     have its model tensor (the output resumes from itself alone), and its group's settings
     give mu. Every ``<optimizer_prefix>state.<fqn>.<key>`` must be a state key of ``source``
     for a param; anything else under the optimizer prefix is refused naming the key. Under a
-    model prefix of its own, the model's other tensors are carried (:func:`_model_others`).
-    Other items (schedulers, dataloaders, train state) are left out and reported.
+    model prefix of its own, the model's other tensors are carried
+    (:func:`._dcp_model.model_others_of`). Other items (schedulers, dataloaders, train state)
+    are left out and reported.
 
     Memory: one full tensor and one of its chunks, twice (the next is read meanwhile); telling
     a tied name reads it beside each param of its shape and dtype, one at a time.
