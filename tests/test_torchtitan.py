@@ -105,32 +105,6 @@ def test_torch_muon_takes_no_3d_expert_and_the_load_says_so(converted):
         muonckpt.load(opts, converted["manager"])
 
 
-def test_the_2d_params_resume_bitwise_in_torch_muon_and_adamw(tmp_path):
-    """The experts' values, momentum and settings set aside (a checkpoint without them is a
-    DCP one with their items removed), everything else resumes bit for bit."""
-    src = tmp_path / "step-3"
-    index = dcp_metadata.read_index(SOURCES["manager"] / "step-3")
-    kept = {f: t for f, t in index.tensors.items() if "experts" not in f}
-    values = {f: dcp_files.read_value(index, v) for f, v in index.values.items()}
-    values = {f: v for f, v in values.items() if "experts" not in f}
-    shapes = {f: (tuple(t.shape), t.dtype) for f, t in kept.items()}
-    dcp_files.write_dcp(src, shapes, values, lambda f, _: dcp_files.read_tensor(index, kept[f]))
-    out = torchtitan.from_torchtitan(src, tmp_path / "ours", to="torch").path
-    opts, params = _torch_opts(out)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", ConversionWarning)
-        muonckpt.load(opts, out)
-    for n, p in params.items():
-        assert torch.equal(p.detach(), TRUTH[f"{n}.param"]), n
-    for opt in opts:
-        for group in opt.param_groups:
-            for n, p in zip(group["param_names"], group["params"], strict=True):
-                for key, value in opt.state[p].items():
-                    expected = TRUTH[f"{n}.{key}"]
-                    assert torch.equal(value.float(), expected.float()), (n, key)
-    assert any(isinstance(o, torch.optim.Muon) and o.state for o in opts)
-
-
 def test_to_torchtitan_writes_the_source_back(converted, tmp_path):
     back = tmp_path / "checkpoint" / "step-3"
     back.parent.mkdir()
@@ -179,3 +153,53 @@ def test_an_unknown_lr_rule_is_refused_naming_it(tmp_path):
     dcp_files.write_dcp(fresh, shapes, values, lambda f, _: tensors[f])
     with pytest.raises(CheckpointError, match="spectral_unclamped"):
         torchtitan.from_torchtitan(fresh, tmp_path / "x")
+
+
+def test_split_experts_resume_bitwise_in_torch_muon_and_adamw(tmp_path):
+    """The DistMuon job, 3-D experts and all, resumes bit for bit in torch.optim.Muon + AdamW
+    built from zeros: with ``--split-experts`` each expert's (8, 16) matrix is a 2-D param of
+    its own, ``layers.<l>.experts.<e>``, which DistMuon's batched Newton-Schulz treats as one
+    matrix too."""
+    out = tmp_path / "split"
+    args = [str(SOURCES["manager"]), "-o", str(out), "--to", "torch", "--split-experts"]
+    result = CliRunner().invoke(app, ["convert", *args])
+    assert result.exit_code == 0, result.output
+    manifest = muonckpt.read_manifest(out)
+    names = [p.name for p in manifest.params]
+    for stacked in EXPERTS:
+        assert stacked not in names
+        split = [n for n in names if n.startswith(stacked + ".")]
+        assert split == [f"{stacked}.{e}" for e in range(4)]
+        assert {manifest.param(n).shape for n in split} == {(8, 16)}
+    opts, params = _torch_opts(out)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConversionWarning)
+        muonckpt.load(opts, out)
+
+    def truth(name: str, what: str) -> torch.Tensor:
+        stacked, _, e = name.rpartition(".")
+        if stacked in EXPERTS:
+            return TRUTH[f"{stacked}.{what}"][int(e)]
+        return TRUTH[f"{name}.{what}"]
+
+    for n, p in params.items():
+        assert torch.equal(p.detach(), truth(n, "param")), n
+    experts = 0
+    for opt in opts:
+        for group in opt.param_groups:
+            for n, p in zip(group["param_names"], group["params"], strict=True):
+                experts += n.rpartition(".")[0] in EXPERTS
+                for key, value in opt.state[p].items():
+                    assert torch.equal(value.float(), truth(n, key).float()), (n, key)
+    assert experts == 8
+    assert muonckpt.verify(out) == []
+
+
+@pytest.mark.dist
+def test_the_readme_split_command_runs_as_written(tmp_path):
+    from .test_readme import run_cli_example
+
+    shutil.copytree(SOURCES["manager"], tmp_path / "OUTPUTS" / "checkpoint")
+    run_cli_example("torchtitan-split", tmp_path)
+    names = [p.name for p in muonckpt.read_manifest(tmp_path / "DST").params]
+    assert "layers.0.experts.3" in names and "layers.0.experts" not in names

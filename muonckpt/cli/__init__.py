@@ -39,6 +39,7 @@ from .options import (
     Quiet,
     Renames,
     Root,
+    SplitExperts,
     Src,
     TpSplit,
     Workers,
@@ -204,6 +205,7 @@ def convert(
     optimizer_prefix: OptimizerPrefix = "optimizer.",
     names: Names = None,
     model_buffers: ModelBuffers = False,
+    split_experts: SplitExperts = False,
     force: Force = False,
     quiet: Quiet = False,
 ) -> None:
@@ -248,6 +250,7 @@ def convert(
         "optimizer_prefix": optimizer_prefix,
         "names": names,
         "model_buffers": model_buffers,
+        "split_experts": split_experts,
     }
     try:
         route = interop.route(

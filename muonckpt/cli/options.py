@@ -221,6 +221,15 @@ ModelBuffers = Annotated[
         help="Reading torchtitan: carry the model's buffers (left out and named without it).",
     ),
 ]
+SplitExperts = Annotated[
+    bool,
+    typer.Option(
+        "--split-experts",
+        help="Reading DCP or torchtitan: write each stacked expert param (E, m, n) of a Muon "
+        "group as E params NAME.0 ... NAME.<E-1> of shape (m, n), as torch.optim.Muon and the "
+        "packaged Muon hold them.",
+    ),
+]
 OptimizerPrefix = Annotated[
     str,
     typer.Option("--optimizer-prefix", help="Reading DCP: the optimizer state's prefix."),

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import os
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -15,6 +16,7 @@ from ..checkpoint.writing import Progress
 from ..format import kinds
 from ..format.manifest import Manifest, ModelFile, ParamEntry
 from ..format.names import PARAM_KEY
+from ..format.stacked import Part
 from ..format.writeplan import TensorWrite, consolidated_plan
 
 
@@ -29,13 +31,18 @@ def write_consolidated(
     source: Path,
     aliases: Mapping[str, str] | None = None,
     model_tensors: Sequence[ParamEntry] = (),
+    parts: Mapping[str, Part] | None = None,
 ) -> Path:
     """Write ``target``'s tensors, each ``read(param, key)`` (a tensor of its own, read once:
     momentum is multiplied in place by its group's factor of ``scales``), as a consolidated
     muonckpt checkpoint at ``dst``; tied names (``aliases``: alias -> stored name) go into
     the model files' metadata. ``model_tensors`` (the model's other tensors: buffers, params
     no optimizer holds, each ``read(name, PARAM_KEY)``) and the aliases go into the manifest's
-    :class:`ModelFile`."""
+    :class:`ModelFile`. ``parts``: ``target``'s params split from stacked ones
+    (:func:`muonckpt.format.stacked.split_stacked`), each read as its matrix of the stacked
+    tensor ``read`` gives, which is read once per key."""
+    if parts:
+        read = _reading_parts(read, parts)
     items = [((e.name, k, e.dtype_of(k)), e.shape) for e in target.params for k in e.tensor_keys]
     items += [((t.name, PARAM_KEY, t.dtype_of(PARAM_KEY)), t.shape) for t in model_tensors]
     others = {t.name for t in model_tensors}
@@ -65,6 +72,32 @@ def write_consolidated(
         manifest=finished,
         source=source,
     )
+
+
+def _reading_parts(
+    read: Callable[[str, str], Any], parts: Mapping[str, Part]
+) -> Callable[[str, str], Any]:
+    """``read`` that gives each split param's matrix of its stacked tensor, the stacked tensor
+    read once per key and held until its last matrix is taken (the writer fetches one tensor
+    at a time, in whatever order its files sort the names)."""
+    count = Counter(part.stacked for part in parts.values())
+    held: dict[tuple[str, str], tuple[Any, list[int]]] = {}
+
+    def read_part(name: str, key: str) -> Any:
+        part = parts.get(name)
+        if part is None:
+            return read(name, key)
+        slot = (part.stacked, key)
+        if slot not in held:
+            tensor = read(part.stacked, key)
+            held[slot] = (tensor.reshape(-1, *tensor.shape[-2:]), [count[part.stacked]])
+        matrices, left = held[slot]
+        left[0] -= 1
+        if not left[0]:
+            del held[slot]
+        return matrices[part.index]
+
+    return read_part
 
 
 def conversion_notes(source: Manifest, target: Manifest) -> tuple[str, ...]:

@@ -37,6 +37,7 @@ from ..format.manifest import (
     json_safe,
 )
 from ..format.names import PARAM_KEY
+from ..format.stacked import split_stacked
 from ..storage import dcp_files, dcp_metadata
 from ._consolidated import conversion_notes, summarized, write_consolidated
 from ._dcp_model import ModelItems, model_others_of
@@ -117,6 +118,7 @@ def from_dcp(
     optimizer_prefix: str = OPTIMIZER_PREFIX,
     job_states: tuple[str, ...] | None = None,
     model_others: bool = True,
+    split_experts: bool = False,
     overwrite: bool = False,
     progress: Progress | None = None,
 ) -> DcpConversion:
@@ -137,16 +139,17 @@ def from_dcp(
             ``model_others``.
         model_others: whether the model's tensors no optimizer holds (buffers, frozen params)
             are carried where they are told from the job's.
+        split_experts: write each Muon param of more than two dims (stacked experts) as one
+            2-D param per matrix, ``<fqn>.<i>`` (:mod:`muonckpt.format.stacked`).
 
     The params are the fqns of ``<optimizer_prefix>param_groups.<fqn>.<setting>``, or of the
     ``params`` of ``<optimizer_prefix>param_groups.<i>.<setting>`` (``get_state_dict``'s
-    groups by index); each must
-    have its model tensor (the output resumes from itself alone), and its group's settings
-    give mu. Every ``<optimizer_prefix>state.<fqn>.<key>`` must be a state key of ``source``
-    for a param; anything else under the optimizer prefix is refused naming the key. Under a
-    model prefix of its own, the model's other tensors are carried
-    (:func:`._dcp_model.model_others_of`). Other items (schedulers, dataloaders, train state)
-    are left out and reported.
+    groups by index); each must have its model tensor (the output resumes from itself
+    alone), and its group's settings give mu. Every ``<optimizer_prefix>state.<fqn>.<key>``
+    must be a state key of ``source`` for a param; anything else under the optimizer prefix
+    is refused naming the key. Under a model prefix of its own, the model's other tensors are
+    carried (:func:`._dcp_model.model_others_of`). Other items (schedulers, dataloaders,
+    train state) are left out and reported.
 
     Memory: one full tensor and one of its chunks, twice (the next is read meanwhile); telling
     a tied name reads it beside each param of its shape and dtype, one at a time.
@@ -161,12 +164,8 @@ def from_dcp(
     state = _state_items(index, settings, settings_items, optimizer_prefix, where)
     manifest = _manifest(index, family, settings, state, model_prefix, where)
     target, scales = converted_manifest(manifest, to, path=where)
-    fqn_of = {(n, PARAM_KEY): model_prefix + n for n in settings}
-    for name, keys in state.items():
-        kind = kinds.GroupKind.from_json(manifest.groups[manifest.param(name).group].optimizer)
-        for key, fqn in keys.items():
-            if key != "step":
-                fqn_of[name, family.our_key(kind.role or "", key) or key] = fqn
+    target, parts = split_stacked(target) if split_experts else (target, {})
+    fqn_of = _fqns_of(manifest, family, state, model_prefix)
     model_items = ModelItems(model_prefix, optimizer_prefix, job_states)
     others, aliases = model_others_of(index, settings, model_items) if model_others else ([], {})
     fqn_of.update({(t.name, PARAM_KEY): model_prefix + t.name for t in others})
@@ -180,6 +179,7 @@ def from_dcp(
         source=index.directory,
         aliases=aliases,
         model_tensors=others,
+        parts=parts,
     )
     used = {model_prefix + name for name in [*settings, *aliases]}
     used |= {model_prefix + t.name for t in others} | settings_items
@@ -187,6 +187,23 @@ def from_dcp(
     left = sorted((set(index.tensors) | set(index.values)) - used)
     left_out = summarized(left, model_prefix, named=model_items.holds)
     return DcpConversion(path, layout, left_out, conversion_notes(manifest, target))
+
+
+def _fqns_of(
+    manifest: Manifest,
+    family: kinds.DcpFamily,
+    state: Mapping[str, Mapping[str, str]],
+    model_prefix: str,
+) -> dict[tuple[str, str], str]:
+    """The DCP item of each (param, key) the output holds: its values and its state tensors
+    under muonckpt's keys."""
+    fqn_of = {(e.name, PARAM_KEY): model_prefix + e.name for e in manifest.params}
+    for name, keys in state.items():
+        kind = kinds.GroupKind.from_json(manifest.groups[manifest.param(name).group].optimizer)
+        for key, fqn in keys.items():
+            if key != "step":
+                fqn_of[name, family.our_key(kind.role or "", key) or key] = fqn
+    return fqn_of
 
 
 def _group_settings(
@@ -572,7 +589,7 @@ FORMAT = ForeignFormat(
     write=to_dcp,
     sources=tuple(kinds.DCP_FAMILIES),
     targets=tuple(kinds.DCP_FAMILIES),
-    read_options=("model_prefix", "optimizer_prefix"),
+    read_options=("model_prefix", "optimizer_prefix", "split_experts"),
     write_options={"layout": tuple(LAYOUTS)},
 )
 """PyTorch DCP in the registry (:mod:`muonckpt.interop.registry`)."""

@@ -78,6 +78,7 @@ def from_torchtitan(
     source: str = SOURCE,
     to: str | None = None,
     model_buffers: bool = False,
+    split_experts: bool = False,
     overwrite: bool = False,
     progress: Progress | None = None,
 ) -> Conversion:
@@ -89,7 +90,10 @@ def from_torchtitan(
     :func:`muonckpt.load` converts for any Muon. The layout (``CheckpointManager``'s or
     ``get_state_dict``'s) is told by the optimizer's prefix. ``model_buffers``: carry the
     model's tensors no optimizer holds (buffers) into the model file; without it they are left
-    out, each named. The job's other states (``lr_scheduler``, ``dataloader``,
+    out, each named. ``split_experts``: each 3-D expert param becomes one 2-D param per
+    expert, ``<fqn>.<e>`` (:func:`muonckpt.format.stacked.split_stacked`), as a model resumed
+    in torch.optim.Muon or the packaged Muon holds them (each refuses a 3-D param). The job's
+    other states (``lr_scheduler``, ``dataloader``,
     ``train_state``) are left out and named by their first component.
     """
     if source != SOURCE:
@@ -116,6 +120,7 @@ def from_torchtitan(
         optimizer_prefix=prefix,
         job_states=JOB_STATES if not model_prefix else None,
         model_others=model_buffers,
+        split_experts=split_experts,
         overwrite=overwrite,
         progress=progress,
     )
@@ -145,7 +150,7 @@ FORMAT = ForeignFormat(
     write=to_torchtitan,
     sources=(SOURCE,),
     targets=(SOURCE,),
-    read_options=("model_buffers",),
+    read_options=("model_buffers", "split_experts"),
     records_source=True,
 )
 """torchtitan in the registry (:mod:`muonckpt.interop.registry`)."""

@@ -1,0 +1,75 @@
+"""Stacked matrices split into one param each, pure.
+
+torchtitan's DistMuon keeps a MoE layer's experts as one param of shape (E, m, n) and
+orthogonalizes each expert's (m, n) matrix on its own. torch.optim.Muon, KellerJordan's Muon and
+the packaged Muon take 2-D params only, so a model resumed in them holds one (m, n) param per
+expert. :func:`split_stacked` rewrites a manifest that is about to be written (no pieces yet) so
+that every Muon param of more than two dims becomes ``<name>.<i>``, one per matrix, ``i``
+counting over its leading dims in row-major order; the data of ``<name>.<i>`` is the stacked
+tensor's ``reshape(-1, m, n)[i]``, for the param and every state tensor alike.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+
+from ..errors import CheckpointError
+from .kinds import GroupKind
+from .manifest import Manifest
+from .records import ParamEntry
+
+__all__ = ["Part", "split_stacked"]
+
+
+@dataclass(frozen=True, slots=True)
+class Part:
+    """Where a split param's data is: matrix ``index`` of the stacked param ``stacked``."""
+
+    stacked: str
+    index: int
+
+
+def split_stacked(manifest: Manifest) -> tuple[Manifest, Mapping[str, Part]]:
+    """``manifest`` with each Muon param of more than two dims replaced, where it stood, by one
+    2-D param per matrix (same group, dtypes and scalars), and each new name's :class:`Part`.
+
+    Raises:
+        CheckpointError: for a manifest with pieces (its data would no longer match its
+            names), a new name that is already taken, or a tied name of a split param.
+    """
+    if manifest.pieces:
+        raise CheckpointError("split_stacked rewrites a manifest before its data is written")
+    muon = {
+        i for i, g in enumerate(manifest.groups) if GroupKind.from_json(g.optimizer).role == "muon"
+    }
+    parts: dict[str, Part] = {}
+    entries: dict[str, tuple[ParamEntry, ...]] = {}
+    for entry in manifest.params:
+        if entry.group in muon and len(entry.shape) > 2:
+            count = math.prod(entry.shape[:-2])
+            names = [f"{entry.name}.{i}" for i in range(count)]
+            parts.update({n: Part(entry.name, i) for i, n in enumerate(names)})
+            split = (replace(entry, name=n, shape=entry.shape[-2:], tp_split_dim=-1) for n in names)
+            entries[entry.name] = tuple(split)
+        else:
+            entries[entry.name] = (entry,)
+    model = manifest.model
+    taken = {e.name for e in manifest.params}
+    if model is not None:
+        taken |= {t.name for t in model.tensors} | set(model.aliases)
+        tied = [a for a, stored in model.aliases.items() if len(entries.get(stored, ())) > 1]
+        if tied:
+            raise CheckpointError(f"tied name {tied[0]!r} names a stacked param to split")
+    if clash := sorted(taken & set(parts)):
+        raise CheckpointError(
+            f"splitting {parts[clash[0]].stacked!r} gives the name {clash[0]!r}, which the "
+            "checkpoint already holds"
+        )
+    groups = tuple(
+        replace(g, params=tuple(e.name for n in g.params for e in entries[n]))
+        for g in manifest.groups
+    )
+    params = tuple(e for entry in manifest.params for e in entries[entry.name])
+    return replace(manifest, params=params, groups=groups), parts
