@@ -40,6 +40,11 @@ topology (default 4 x 1), again warm-up plus interleaved rounds, each into an em
 ``naive torch.load + slice``
     each rank ``torch.load``s every old rank's ``torch.save`` file, one at a time, and copies
     what overlaps its share (checked equal to ``muonckpt.load``'s result).
+``read the share's bytes from page cache`` (the load's floor and baseline)
+    each rank reads as many bytes as its share holds from the checkpoint's data files, in
+    one contiguous run of their concatenation (rank r the r-th share), with ``readinto`` into a
+    tensor it allocates for them, as a load allocates its state; the files are in page cache
+    (the warm-up load read them).
 
 Rows show median and min job seconds over ``--repeats`` rounds, GB/s of the median (whole
 state / job time), the max over ranks and rounds (warm-up included) of a rank's peak RSS during
@@ -102,7 +107,11 @@ SAVES = {
     "muonckpt_overwrite": "muonckpt.save, overwrite",
     "muonckpt_no_checksums": "muonckpt.save, new directory, no checksums",
 }
-LOADS = {"muonckpt": "muonckpt.load", "naive": "naive torch.load + slice"}
+LOADS = {  # naive last: its result, checked after the rounds, is the last one held
+    "floor": "read the share's bytes from page cache",
+    "muonckpt": "muonckpt.load",
+    "naive": "naive torch.load + slice",
+}
 
 
 def _rounds(variants: dict[str, Callable[[int], object]], repeats: int, reset=None) -> dict:
@@ -224,13 +233,16 @@ def load_worker(shapes, dp: int, tp: int, ckpt: str, naive_dir: str, repeats: in
         opt.state.clear()
         held.clear()
 
+    share = _share_bytes(opt, ckpt)
     variants = {
+        "floor": lambda r: _read_run(sorted(Path(ckpt).glob("*.safetensors")), share),
         "muonckpt": lambda r: muonckpt.load(opt, ckpt, params=False),
         "naive": lambda r: held.update(naive_share(files, regions)),
     }
     assert list(variants) == list(LOADS)
     result = _rounds(variants, repeats, reset=drop)
     result["share_bytes"] = sum(t.numel() * t.element_size() for t in held.values())
+    assert result["share_bytes"] == share, (result["share_bytes"], share)
     muonckpt.load(opt, ckpt, params=False)
     named = [zip(g["param_names"], g["params"], strict=True) for g in opt.param_groups]
     params = {n: p for pairs in named for n, p in pairs}
@@ -241,6 +253,38 @@ def load_worker(shapes, dp: int, tp: int, ckpt: str, naive_dir: str, repeats: in
     ours = sum(t.numel() * t.element_size() for t in tensors)
     assert ours == result["share_bytes"], "naive load missed part of the share"
     return result
+
+
+def _share_bytes(opt: torch.optim.Optimizer, ckpt: str) -> int:
+    """The bytes of this rank's share of the state, from a load of ``ckpt`` (dropped after)."""
+    muonckpt.load(opt, ckpt, params=False)
+    tensors = [t for state in opt.state.values() for t in state.values() if torch.is_tensor(t)]
+    opt.state.clear()
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _read_run(files: list[Path], nbytes: int) -> torch.Tensor:
+    """``nbytes`` read into a new tensor from this rank's run of ``files`` concatenated (rank r
+    starts at r * nbytes, wrapping around)."""
+    sizes = [f.stat().st_size for f in files]
+    start = dist.get_rank() * nbytes % sum(sizes)
+    out = torch.empty(nbytes, dtype=torch.uint8)
+    view, done = memoryview(out.numpy()), 0
+    while done < nbytes:
+        for path, size in zip(files, sizes, strict=True):
+            if start >= size:
+                start -= size
+                continue
+            with open(path, "rb", buffering=0) as f:
+                f.seek(start)
+                want = min(size - start, nbytes - done)
+                got = f.readinto(view[done : done + want])
+                assert got == want, (path, got, want)
+                done += want
+            start = 0
+            if done == nbytes:
+                break
+    return out
 
 
 def _rows(operation: str, labels: dict, ranks: list[dict], total: int, baseline: str | None):
@@ -288,7 +332,8 @@ def run(size: str, dp: int, tp: int, to_dp: int, to_tp: int, repeats: int, where
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     move = f"load with reshard {dp}x{tp} -> {to_dp}x{to_tp}"
-    rows = _rows("save", SAVES, saves, total, "save_file") + _rows(move, LOADS, loads, total, None)
+    rows = _rows("save", SAVES, saves, total, "save_file")
+    rows += _rows(move, LOADS, loads, total, "floor")
     by_tool = {r["tool"]: r["median_s"] for r in rows}
     bound = largest_tensor_bytes(shapes) + 200 * MiB
     return {
