@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import safetensors.torch
 import torch
 import torch.distributed.checkpoint as dcp
@@ -21,6 +22,7 @@ from muonckpt import offline
 from muonckpt.cli import app
 from muonckpt.format.names import rank_file
 from muonckpt.interop import torchtitan
+from muonckpt.offline import tools
 from muonckpt.storage import dcp_files, dcp_metadata
 
 from .test_torchtitan import SOURCES
@@ -144,8 +146,30 @@ def test_torchtitan_loads_the_buffers_strictly_after_a_reshard(tmp_path):
     back.parent.mkdir()
     torchtitan.to_torchtitan(resharded, back)
     theirs = dcp_metadata.read_index(SOURCES["manager"] / "step-3")
-    state = {f: torch.zeros(t.shape, dtype=t.dtype) for f, t in theirs.tensors.items()}
-    assert "layers.1.gate_scale" in state
+    truth = {f: dcp_files.read_tensor(theirs, t) for f, t in theirs.tensors.items()}
+    assert "layers.1.gate_scale" in truth
+    state = {f: torch.zeros_like(t) for f, t in truth.items()}
     dcp.load(state, checkpoint_id=str(back))  # strict: a missing key fails
-    for fqn, item in theirs.tensors.items():
-        assert torch.equal(state[fqn], dcp_files.read_tensor(theirs, item)), fqn
+    for fqn, value in truth.items():
+        assert state[fqn].dtype == value.dtype and torch.equal(state[fqn], value), fqn
+
+
+def _same_files(expected: Path, actual: Path) -> None:
+    names = sorted(p.name for p in expected.iterdir())
+    assert sorted(p.name for p in actual.iterdir()) == names
+    for name in names:
+        assert (actual / name).read_bytes() == (expected / name).read_bytes(), name
+
+
+@pytest.mark.dist
+def test_workers_write_the_model_tensors_byte_for_byte_alike(tmp_path, monkeypatch):
+    """Two local processes share the writing, the model tensors among the planned tensors:
+    the output is the single process's, every file byte for byte."""
+    monkeypatch.setattr(tools, "WORKER_TIMEOUT", 60.0)
+    ck, _, expected = _saved(tmp_path / "ck")
+    single = offline.reshard(ck, tmp_path / "r1", dp=2, tp=2)
+    shared = offline.reshard(ck, tmp_path / "r2", dp=2, tp=2, workers=2)
+    _same_files(single, shared)
+    full = offline.consolidate(single, tmp_path / "c2", max_shard_size=400, workers=2)
+    _same_files(offline.consolidate(single, tmp_path / "c1", max_shard_size=400), full)
+    _check(full, expected)

@@ -80,6 +80,12 @@ def kept_writes(manifest: Manifest, shaped: bool) -> tuple[TensorWrite, ...]:
     )
 
 
+def params_writes(manifest: Manifest, writes: Sequence[TensorWrite]) -> Sequence[TensorWrite]:
+    """The ``writes`` of ``manifest``'s params: not those of its model's other tensors."""
+    names = {t.name for t in tensors(manifest)}
+    return [w for w in writes if w.param not in names] if names else writes
+
+
 def source_pieces(manifest: Manifest) -> PieceIndex:
     """Where every stored tensor of ``manifest`` is, the model's other tensors included."""
     if manifest.model is None or not manifest.model.pieces:
@@ -101,7 +107,9 @@ class Entries:
         return self._model.get(name) or self._manifest.param(name)
 
 
-def finished(draft_manifest: Manifest, files: Sequence[FileEntry], pieces: Sequence[Piece]) -> Manifest:
+def finished(
+    draft_manifest: Manifest, files: Sequence[FileEntry], pieces: Sequence[Piece]
+) -> Manifest:
     """``draft_manifest`` (a rewrite's output, :func:`draft`) with the files and pieces
     written: those of the model's other tensors in its model section, the rest the params'."""
     model = draft_manifest.model

@@ -366,8 +366,10 @@ def _processes(workers: int, job: _Job, dst: str | os.PathLike[str]) -> int:
 
 def _check_manifest(job: _Job, dst: str | os.PathLike[str]) -> None:
     """Refuse ``job`` before anything is written when its manifest would pass the readers'
-    limit (:func:`muonckpt.checkpoint.writing.check_manifest_fits`)."""
-    writing.check_manifest_fits(job.manifest.params, job.plan.writes, dst)
+    limit (:func:`muonckpt.checkpoint.writing.check_manifest_fits`; the params' pieces, which
+    the piece indexes list)."""
+    writes = _model.params_writes(job.manifest, job.plan.writes)
+    writing.check_manifest_fits(job.manifest.params, writes, dst)
 
 
 def _write(
