@@ -1,8 +1,8 @@
 """A strict DCP round trip (issue 34, item 3): a GPT-style FSDP2 job (tied head, a causal-mask
 buffer, torch.optim.Muon + AdamW built from named params) saves DCP with ``get_state_dict``;
-through muonckpt and back to DCP, a job at world 2 and at world 3 loads it with a plain strict
-``dcp.load`` of its whole state, and every param, buffer and state tensor is the source's,
-bitwise."""
+through muonckpt and back to DCP, a job at world 2 and (through a ``reshard`` to 3 x 1 on
+the way) at world 3 loads it with a plain strict ``dcp.load`` of its whole state, and every
+param, buffer and state tensor is the source's, bitwise."""
 
 from __future__ import annotations
 
@@ -81,11 +81,12 @@ def test_a_gpt_style_fsdp2_job_round_trips_and_loads_strictly(tmp_path):
     job = run_distributed(_train_and_save, 2, src, timeout=120)[0]
     ck = offline.from_dcp(src, tmp_path / "ck", source="torch", to="torch")
     assert not ck.left_out, ck.left_out  # buffers, the tied head and param_names are carried
-    out = tmp_path / "dcp"
-    argv = ["convert", str(ck.path), "-o", str(out), "--to", "torch", "--format", "dcp"]
-    result = CliRunner().invoke(app, [*argv, "--layout", "recipe"])
-    assert result.exit_code == 0 and "left out" not in result.output, result.output
-    for world in (2, 3):
+    resharded = offline.reshard(ck.path, tmp_path / "3x1", dp=3, tp=1)  # carries them too
+    for world, muon in ((2, ck.path), (3, resharded)):
+        out = tmp_path / f"dcp{world}"
+        argv = ["convert", str(muon), "-o", str(out), "--to", "torch", "--format", "dcp"]
+        result = CliRunner().invoke(app, [*argv, "--layout", "recipe"])
+        assert result.exit_code == 0 and "left out" not in result.output, result.output
         loaded = run_distributed(_load_strictly, world, str(out), timeout=120)[0]
         assert loaded.keys() == job.keys()
         for name, value in job.items():

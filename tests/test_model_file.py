@@ -162,7 +162,8 @@ def test_the_readme_model_file_example_runs_as_written(tmp_path, monkeypatch):
 
 def test_rewrites_of_a_checkpoint_with_a_model_file_stay_consistent(tmp_path):
     """Renaming carries the model section's tensors and aliases along; ``convert`` (which
-    leaves the model's other tensors behind) writes an index of exactly what it wrote."""
+    keeps the model's other tensors, renamed with the params) writes an index of exactly what
+    it wrote."""
     from muonckpt import offline
     from muonckpt.format.manifest_json import parse_manifest
 
@@ -185,9 +186,9 @@ def test_rewrites_of_a_checkpoint_with_a_model_file_stay_consistent(tmp_path):
 
 
 def test_offline_rewrites_carry_the_tied_names(tmp_path):
-    """``reshard``, ``consolidate`` and ``convert`` keep the model's tied names (they name
-    optimizer params), in the manifest and in a consolidated output's model file header, and
-    leave its other tensors behind."""
+    """``reshard``, ``consolidate`` and ``convert`` keep the model's tied names, in the
+    manifest and in a consolidated output's model file header, and its other tensors
+    (tests/test_rewrites_carry_model.py checks their values)."""
     from muonckpt import offline
 
     model, opts = _trained()
@@ -200,7 +201,7 @@ def test_offline_rewrites_carry_the_tied_names(tmp_path):
         assert muonckpt.verify(out) == []
         manifest = muonckpt.read_manifest(out)
         assert manifest.model is not None and dict(manifest.model.aliases) == tied, out
-        assert manifest.model.tensors == ()
+        assert [t.name for t in manifest.model.tensors] == ["h.bias"], out
     for out in (full, torch_form):
         with safe_open(out / "model.safetensors", "pt") as f:
             assert f.metadata() == {**tied, "format": "muonckpt"}

@@ -12,7 +12,8 @@ It checks that:
   torchtitan`` -> torchtitan's ``CheckpointManager.load`` at world 1 and 4 restores the
   source's state bit for bit (params, DistMuon momentum incl. the 3-D experts, AdamW moments
   and steps) and trains on with finite losses;
-- the same through the packaged Muon (``--to packaged``), at world 4: the momentum
+- the same through ``muonckpt reshard --dp 2 --tp 2`` and the packaged Muon (``--to
+  packaged``), at world 4, the buffers carried by both rewrites: the momentum
   within the rounding of its two form conversions (EMA to sum and back), the rest exactly;
 - the producer makes the same fixtures again.
 """
@@ -105,10 +106,15 @@ def test_torchtitan_resumes_the_export_at_another_world_size(tt_python, tmp_path
 
 
 def test_torchtitan_resumes_through_the_packaged_muon(tt_python, tmp_path):
-    """(Through the packaged form only: ``reshard`` carries the optimizer's params, not the
-    model's buffers, which torchtitan's strict load asks for.)"""
+    """Through a real ``reshard`` to 2 x 2 (the buffers, which torchtitan's strict load asks
+    for, stored once in rank 0's file) and the packaged form, then back to torchtitan."""
+    ours, resharded = tmp_path / "muonckpt", tmp_path / "2x2"
+    convert(str(HERE / "checkpoint"), "-o", str(ours), "--model-buffers")
+    args = ["reshard", str(ours), "-o", str(resharded), "--dp", "2", "--tp", "2"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
     packaged = tmp_path / "packaged"
-    convert(str(HERE / "checkpoint"), "-o", str(packaged), "--to", "packaged", "--model-buffers")
+    convert(str(resharded), "-o", str(packaged), "--to", "packaged")
     back = tmp_path / "checkpoint" / "step-3"
     back.parent.mkdir()
     convert(str(packaged), "-o", str(back), "--to", "torchtitan")

@@ -1,7 +1,8 @@
 """The offline tools: consolidate, reshard, convert, summarize (``inspect``) and diff a
 checkpoint from its files alone, without an optimizer or a process group.
 
-Modules: :mod:`.tools` (consolidate, reshard, convert), :mod:`.examine` (summarize, diff),
+Modules: :mod:`.tools` (consolidate, reshard, convert; :mod:`._model` the model's other tensors
+they carry), :mod:`.examine` (summarize, diff),
 :mod:`.inspection` (pure: what they return), :mod:`.workers` (a rewrite in N local processes).
 """
 

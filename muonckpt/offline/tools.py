@@ -25,6 +25,7 @@ the target, manifest last, and swapped in atomically (:func:`muonckpt.storage.sw
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -47,7 +48,6 @@ from ..format.manifest import (
     ExtraTensor,
     ExtraValues,
     Manifest,
-    ModelFile,
     ParamEntry,
     json_safe,
 )
@@ -69,6 +69,7 @@ from ..format.writeplan import (
     unique_tensor_keys,
 )
 from ..layout.topology import BufferLayout, LayoutOptions, ParamSpec, Region, Topology, arrange
+from . import _model
 
 # torch (and so collectives and workers) is imported only by the paths that need it: several
 # processes (:mod:`muonckpt.offline.workers` runs the local ones), and diff.
@@ -105,8 +106,9 @@ def consolidate(
 ) -> Path:
     """Rewrite any checkpoint as a consolidated one: full-shape tensors ``state.<param>.<key>``
     in ``optimizer.safetensors`` and, where the checkpoint holds them, the params by name in
-    ``model.safetensors`` (the optimizer's params by name; buffers and tied names only in a
-    consolidated save given the model, which this does not carry).
+    ``model.safetensors``, with the model's other tensors (buffers, params no optimizer holds:
+    the manifest's ``model``) whole, bit for bit, and its tied names in the files' headers,
+    as a consolidated save given the model writes them.
 
     Args:
         src: a checkpoint directory (any kind, any source topology).
@@ -134,10 +136,11 @@ def consolidate(
     _check_workers(workers, collective)
     max_shard_size = settings.shard_size(max_shard_size)
     directory, manifest = open_checkpoint(src)
-    items = (((e.name, k, e.dtype_of(k)), e.shape) for e in manifest.params for k in e.tensor_keys)
+    items = [((e.name, k, e.dtype_of(k)), e.shape) for e in manifest.params for k in e.tensor_keys]
+    items += _model.whole_items(manifest)
     job = _Job(
         _output_manifest(manifest, kind=CONSOLIDATED),
-        consolidated_plan(items, max_shard_size, _tied_names(manifest)),
+        consolidated_plan(items, max_shard_size, _model.tied_names(manifest)),
     )
     if (workers := _processes(workers, job, dst)) > 1:
         options = {"max_shard_size": max_shard_size, "overwrite": overwrite}
@@ -168,7 +171,10 @@ def reshard(
     Rank ``r`` (TP rank fastest) gets ``rank-0000r-of-N.safetensors`` holding exactly what it
     owns under :func:`muonckpt.layout.topology.arrange` of the manifest's params (in manifest order,
     TP split dims and groups from the manifest) with the given ``options``; TP-replicated
-    params are stored on TP rank 0 only, as :func:`muonckpt.save` does.
+    params are stored on TP rank 0 only, as :func:`muonckpt.save` does. The model's other
+    tensors (buffers, params no optimizer holds: the manifest's ``model``) are stored once,
+    whole (flat) and bit for bit, in rank 0's file, and listed in the manifest's ``model``
+    with its tied names.
 
     Args:
         tp_split_dims: param name -> split dimension, overriding the manifest's (a checkpoint
@@ -201,9 +207,11 @@ def reshard(
     unique_tensor_keys(((e.name, k) for e in params for k in e.tensor_keys), directory)
     specs = [ParamSpec(e.name, e.shape, tp_split_dim=e.tp_split_dim, group=e.group) for e in params]
     layout = arrange(specs, topology, options=options)
+    owned = [_owned(params, layout, rank) for rank in range(topology.world_size)]
+    owned[0] = itertools.chain(owned[0], _model.owned_whole(manifest))  # stored once, whole
     job = _Job(
         _output_manifest(manifest, kind=PER_RANK, topology={"dp": dp, "tp": tp}, params=params),
-        per_rank_plan([_owned(params, layout, rank) for rank in range(topology.world_size)]),
+        per_rank_plan(owned),
     )
     del specs, layout  # planned: not held while the job is written
     if (workers := _processes(workers, job, dst)) > 1:
@@ -240,24 +248,13 @@ def _owned(
 
 
 def _output_manifest(manifest: Manifest, **changes: Any) -> Manifest:
-    """The manifest of a rewrite of ``manifest``: current format, files and pieces still empty;
-    of the model section only the tied names (they name optimizer params, which every rewrite
-    keeps), not the model's other tensors (``save(..., model=)``)."""
-    tied = _tied_names(manifest)
-    model = ModelFile((), (), tied) if tied else None
+    """The manifest of a rewrite of ``manifest``: current format, files and pieces still empty,
+    the model section's tensors and tied names carried (:mod:`._model`), their pieces too
+    still empty."""
+    model = _model.draft(manifest)
     return replace(
         manifest, **changes, files=(), pieces=(), format_version=FORMAT_VERSION, model=model
     )
-
-
-def _tied_names(manifest: Manifest) -> dict[str, str] | None:
-    """The model's tied names (alias -> stored name) that name an optimizer param: what a
-    rewrite carries, and a consolidated one records in its model files' headers."""
-    if manifest.model is None:
-        return None
-    params = {e.name for e in manifest.params}
-    tied = {a: stored for a, stored in manifest.model.aliases.items() if stored in params}
-    return tied or None
 
 
 def convert(
@@ -278,7 +275,9 @@ def convert(
     Momentum is converted between sum and EMA form by ``1 - mu`` exactly as :func:`muonckpt.load`
     converts it in memory, AdamW step counts move to where the target keeps them, and each
     group records what it now holds (:func:`muonckpt.format.kinds.converted`); files, pieces and
-    regions keep the source's layout. Streams one tensor at a time, atomic like every output.
+    regions keep the source's layout. The model's other tensors (the manifest's ``model``) are
+    kept bit for bit where they are, renamed with the params. Streams one tensor at a time,
+    atomic like every output.
 
     Raises:
         CheckpointError: for a checkpoint whose groups do not say which optimizer saved them.
@@ -304,17 +303,17 @@ def convert(
             scales[by_name[piece.param].group] if piece.key == "momentum_buffer" else 1.0,
         )
         for piece in manifest.pieces
-    )
+    ) + _model.kept_writes(manifest, shaped)
     files = {f.name: {"format": FORMAT_NAME} for f in manifest.files}
     if manifest.kind == PER_RANK:  # per-rank files name their rank, as save writes them
         files = {
             f.name: {"format": FORMAT_NAME, "rank": str(r)} for r, f in enumerate(manifest.files)
         }
-    elif tied := _tied_names(manifest):  # as consolidated_plan records them
-        for piece in manifest.pieces:
-            if piece.key == PARAM_KEY:
-                files[piece.file].update(tied)
-    texts = {  # rebuilt: the keys may be renamed, and the model's other tensors are not carried
+    elif tied := _model.tied_names(manifest):  # as consolidated_plan records them
+        for w in writes:
+            if w.key == PARAM_KEY:
+                files[w.file].update(tied)
+    texts = {  # rebuilt: the keys may be renamed
         name: _index_of(stem, files, writes)
         for stem, name in ((STATE_STEM, INDEX_FILE), (VALUE_STEM, MODEL_INDEX_FILE))
         if _has_index(directory / name)
@@ -367,8 +366,10 @@ def _processes(workers: int, job: _Job, dst: str | os.PathLike[str]) -> int:
 
 def _check_manifest(job: _Job, dst: str | os.PathLike[str]) -> None:
     """Refuse ``job`` before anything is written when its manifest would pass the readers'
-    limit (:func:`muonckpt.checkpoint.writing.check_manifest_fits`)."""
-    writing.check_manifest_fits(job.manifest.params, job.plan.writes, dst)
+    limit (:func:`muonckpt.checkpoint.writing.check_manifest_fits`; the params' pieces, which
+    the piece indexes list)."""
+    writes = _model.params_writes(job.manifest, job.plan.writes)
+    writing.check_manifest_fits(job.manifest.params, writes, dst)
 
 
 def _write(
@@ -390,8 +391,8 @@ def _write(
         carried.append(_copy_extra(directory, manifest, staging))
 
     def finished(reports: writing.Reports) -> Manifest:
-        files, pieces = tuple(reports.files), tuple(reports.pieces)
-        return replace(job.manifest, files=files, pieces=pieces, extra=carried[0])
+        written = _model.finished(job.manifest, reports.files, reports.pieces)
+        return replace(written, extra=carried[0])
 
     if collective:
         shared = (directory, manifest, dst, overwrite, progress)
@@ -415,11 +416,12 @@ def _write(
 
 
 def _fetcher(manifest: Manifest, reader: PieceReader) -> Callable[[TensorWrite], Any]:
-    """Each planned tensor's data read from ``manifest``'s pieces, scaled where planned."""
-    grouped = manifest.pieces_of()
+    """Each planned tensor's data read from ``manifest``'s pieces (the model's other tensors'
+    too), scaled where planned."""
+    grouped, entry = _model.source_pieces(manifest), _model.Entries(manifest)
 
     def fetch(w: TensorWrite) -> Any:
-        data = reader.gather(grouped[w.param, w.key], manifest.param(w.param), w.key, w.region)
+        data = reader.gather(grouped[w.param, w.key], entry(w.param), w.key, w.region)
         if w.scale == 1.0:
             return data
         return storage.tensor_of_bytes(data, w.dtype).mul_(w.scale)
