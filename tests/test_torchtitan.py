@@ -203,3 +203,31 @@ def test_the_readme_split_command_runs_as_written(tmp_path):
     run_cli_example("torchtitan-split", tmp_path)
     names = [p.name for p in muonckpt.read_manifest(tmp_path / "DST").params]
     assert "layers.0.experts.3" in names and "layers.0.experts" not in names
+
+
+def test_split_experts_refuses_a_tie_to_an_expert_before_writing(tmp_path):
+    """A model tensor tied to a stacked expert (its alias would name a param the split
+    removes) is refused naming the alias, and nothing is written: never a committed
+    checkpoint that readers refuse."""
+    index = dcp_metadata.read_index(SOURCES["manager"] / "step-3")
+    values = {f: dcp_files.read_value(index, v) for f, v in index.values.items()}
+    shapes = {f: (tuple(t.shape), t.dtype) for f, t in index.tensors.items()}
+    items = dict(index.tensors, shared_experts=index.tensors["layers.0.experts"])
+    shapes["shared_experts"] = shapes["layers.0.experts"]
+    src = tmp_path / "tied" / "step-3"
+    dcp_files.write_dcp(src, shapes, values, lambda f, _: dcp_files.read_tensor(index, items[f]))
+    out = tmp_path / "out"
+    with pytest.raises(CheckpointError, match="shared_experts"):
+        torchtitan.from_torchtitan(src, out, model_buffers=True, split_experts=True)
+    assert not out.exists()
+    assert torchtitan.from_torchtitan(src, out, model_buffers=True).path == out
+
+
+def test_a_reader_switch_the_route_does_not_take_is_refused(converted, tmp_path):
+    """``--split-experts`` on a muonckpt checkpoint (no reader runs) is refused naming it, not
+    ignored into a checkpoint whose experts are still 3-D."""
+    args = [str(converted["manager"]), "-o", str(tmp_path / "x"), "--to", "torch"]
+    result = CliRunner().invoke(app, ["convert", *args, "--split-experts"])
+    assert result.exit_code != 0 and "--split-experts" in result.output
+    assert not (tmp_path / "x").exists()
+    assert CliRunner().invoke(app, ["convert", *args]).exit_code == 0

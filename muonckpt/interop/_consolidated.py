@@ -1,5 +1,6 @@
 """What every foreign format's reader shares: the consolidated muonckpt checkpoint it writes
-(:func:`write_consolidated`) and the lines saying how its momentum was converted
+(:func:`write_consolidated`), stacked experts split checked against the model's other tensors
+(:func:`split_experts_of`), and the lines saying how its momentum was converted
 (:func:`conversion_notes`) and what it left out (:func:`summarized`)."""
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from ..checkpoint.writing import Progress
 from ..format import kinds
 from ..format.manifest import Manifest, ModelFile, ParamEntry
 from ..format.names import PARAM_KEY
-from ..format.stacked import Part
+from ..format.stacked import Part, split_stacked
 from ..format.writeplan import TensorWrite, consolidated_plan
 
 
@@ -72,6 +73,17 @@ def write_consolidated(
         manifest=finished,
         source=source,
     )
+
+
+def split_experts_of(
+    target: Manifest, others: Sequence[ParamEntry], aliases: Mapping[str, str]
+) -> tuple[Manifest, Mapping[str, Part]]:
+    """:func:`split_stacked` of ``target``, checked against the model's other tensors and tied
+    names the output will carry (a split name they take, or a tie to a split param, refused
+    before anything is written)."""
+    known = replace(target, model=ModelFile(tuple(others), (), dict(aliases)))
+    split, parts = split_stacked(known)
+    return replace(split, model=target.model), parts
 
 
 def _reading_parts(

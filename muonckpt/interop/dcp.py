@@ -37,9 +37,8 @@ from ..format.manifest import (
     json_safe,
 )
 from ..format.names import PARAM_KEY
-from ..format.stacked import split_stacked
 from ..storage import dcp_files, dcp_metadata
-from ._consolidated import conversion_notes, summarized, write_consolidated
+from ._consolidated import conversion_notes, split_experts_of, summarized, write_consolidated
 from ._dcp_model import ModelItems, model_others_of
 from ._foreign_out import not_carried, read_whole, staged_output
 from .foreign import Conversion, ForeignFormat
@@ -164,11 +163,11 @@ def from_dcp(
     state = _state_items(index, settings, settings_items, optimizer_prefix, where)
     manifest = _manifest(index, family, settings, state, model_prefix, where)
     target, scales = converted_manifest(manifest, to, path=where)
-    target, parts = split_stacked(target) if split_experts else (target, {})
     fqn_of = _fqns_of(manifest, family, state, model_prefix)
     model_items = ModelItems(model_prefix, optimizer_prefix, job_states)
     others, aliases = model_others_of(index, settings, model_items) if model_others else ([], {})
     fqn_of.update({(t.name, PARAM_KEY): model_prefix + t.name for t in others})
+    target, parts = split_experts_of(target, others, aliases) if split_experts else (target, {})
     path = write_consolidated(
         target,
         scales,

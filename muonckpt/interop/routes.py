@@ -66,14 +66,27 @@ def route(
         raise OptionError(f"choose {' or '.join([MUONCKPT, *foreign])}", "--format")
     detected = registry.detect(src)
     if output_format != MUONCKPT:
-        return _writing(registry.format_named(output_format), detected, to, overwrite, options)
-    if to is not None and to not in FAMILIES:
+        chosen = _writing(registry.format_named(output_format), detected, to, overwrite, options)
+    elif to is not None and to not in FAMILIES:
         raise OptionError(f"choose one of {', '.join(FAMILIES)}", "--to")
-    if detected is None and source is None:  # with --from, the reader says what SRC is
+    elif detected is None and source is None:  # with --from, the reader says what SRC is
         if to is None and not renamed:
             raise OptionError("give --to, --rename or both", "--to")
-        return Route()
-    return _reading(src, to, source, options)
+        chosen = Route()
+    else:
+        chosen = _reading(src, to, source, options)
+    _check_switches(chosen, options)
+    return chosen
+
+
+def _check_switches(chosen: Route, options: Mapping[str, Any]) -> None:
+    """Refuse a reader's switch (``--split-experts``, ``--model-buffers``) turned on for a
+    conversion whose reader does not take it, rather than ignore it."""
+    taken = chosen.reads.read_options if chosen.reads is not None else ()
+    for option, value in options.items():
+        if value is True and option not in taken:
+            what = chosen.reads.title if chosen.reads is not None else "this conversion"
+            raise OptionError(f"{what} does not take it", _flag(option))
 
 
 def _writing(
