@@ -249,6 +249,8 @@ def _table(results: dict, sizes: list[int]) -> str:
 
 
 MOE_LAYOUTS = ((8, 8), (128, 8), (512, 8))
+RESUME_FROM, RESUME_AT = (128, 8), (2, 2)
+"""A real job at ``RESUME_AT`` resumes from the reshard to ``RESUME_FROM``, bitwise."""
 """dp x tp of each reshard of the MoE models (issue 35)."""
 
 
@@ -278,6 +280,9 @@ def moe_op(op: str, arg: dict) -> dict[str, float]:
         extra = {}
     elif op == "diff":
         extra = {"unequal": sum(not r.equal for r in offline.iter_diff(src, out))}
+    elif op == "resume":
+        dp, tp = RESUME_AT
+        extra = moe_shapes.resumed_bitwise(dp, tp, src, arg["model"], arg["layers"])
     else:  # plan: sampled ranks of a load at dp x tp
         planned = [moe_shapes.plan_rank(src, arg["dp"], arg["tp"], r) for r in arg["ranks"]]
         elapsed = (time.perf_counter() - start) / len(arg["ranks"])
@@ -362,6 +367,20 @@ def bench_moe(model: str, layers: int | None, root: Path, timeout: float) -> lis
                 "rss_mb": done["peak_mb"] - done["base_mb"],
             }
         )
+        if (dp, tp) == RESUME_FROM:
+            done = run("resume", src=str(out))
+            if done["differ"]:
+                raise SystemExit(
+                    f"{model}: resumed at {RESUME_AT} from {layout}, {done['differ']} differ"
+                )
+            rows.append(
+                {
+                    "what": f"resume at {RESUME_AT[0]}x{RESUME_AT[1]}, bitwise",
+                    "layout": layout,
+                    "s": done["load_s"],
+                    "rss_mb": float("nan"),
+                }
+            )
         world = dp * tp
         done = run("plan", src=str(out), dp=dp, tp=tp, ranks=[0, world // 2, world - 1])
         rows.append(

@@ -101,26 +101,72 @@ def plan_rank(path: Path, dp: int, tp: int, rank: int) -> dict[str, float]:
     }
 
 
-def build_checkpoint(model: str, layers: int | None, path: Path) -> dict[str, float]:
-    """(in a child) The model's params (hidden 8, random), torch's SGD with momentum over them
-    by name (one momentum buffer each, as Muon keeps), one step, saved in one process."""
-    import time
+def toy_model(model: str, layers: int | None):
+    """The model as a :class:`muonckpt.demo.ToyModel` for the packaged Muon: its matrices in
+    the Muon group, the rest in the AdamW group, TP split dims as :func:`split_dims`; its
+    params and gradients generated from fixed seeds, alike at every dp x tp."""
+    from muonckpt.demo import ToyModel
+    from muonckpt.layout.topology import LayoutOptions
 
-    import torch
+    shapes = model_shapes(model, layers=layers)
+    return ToyModel(
+        muon_params={name: shape for name, shape, _ in shapes if len(shape) == 2},
+        adamw_params={name: shape for name, shape, _ in shapes if len(shape) != 2},
+        tp_split_dims=split_dims(model, layers),
+        layout=LayoutOptions(),
+        seed=0,
+    )
+
+
+def build_checkpoint(model: str, layers: int | None, path: Path) -> dict[str, float]:
+    """(in a child) The packaged Muon over the model's params in one process (momentum for the
+    matrices, AdamW's two moments for the rest, and the values), one step, saved."""
+    import time
 
     import muonckpt
 
-    shapes = model_shapes(model, layers=layers)
-    torch.manual_seed(0)
-    params = [torch.nn.Parameter(torch.randn(shape)) for _, shape, _ in shapes]
-    names = [name for name, _, _ in shapes]
-    opt = torch.optim.SGD([{"params": params, "param_names": names}], lr=0.02, momentum=0.9)
-    for p in params:
-        p.grad = torch.randn_like(p)
-    opt.step()
+    toy = toy_model(model, layers)
+    opt, _, _, _ = toy.build(1, 1, toy.initial_params())
+    toy.train(opt, None, 0, 0, 0, 1)
     start = time.perf_counter()
     muonckpt.save(opt, path)
-    return {"save_s": time.perf_counter() - start, "params": len(shapes)}
+    return {"save_s": time.perf_counter() - start, "params": len(toy.shapes)}
+
+
+def load_and_step(dp: int, tp: int, path: str, model: str, layers: int | None) -> dict:
+    """(a gloo rank of a dp x tp job) The packaged Muon built over zeros, loaded from ``path``
+    (timed), then the second step taken: this rank's params and the load's seconds."""
+    import time
+
+    import muonckpt
+    from muonckpt.demo import local_params
+
+    toy = toy_model(model, layers)
+    opt, sharded, d, t = toy.build(dp, tp, toy.zeros())
+    start = time.perf_counter()
+    muonckpt.load(opt, path)
+    took = time.perf_counter() - start
+    toy.train(opt, sharded, d, t, 1, 1)
+    return {"load_s": took, "params": local_params(opt)}
+
+
+def resumed_bitwise(dp: int, tp: int, path: Path, model: str, layers: int | None) -> dict:
+    """A real dp x tp job (gloo processes) resumed from ``path`` (saved after step 1) and
+    stepped once more, against one process that took both steps uninterrupted: how many params
+    differ in any bit, and the slowest rank's load time."""
+    import torch
+
+    from muonckpt.demo import local_params
+    from muonckpt.distributed.launch import run_distributed
+
+    out = run_distributed(load_and_step, dp * tp, dp, tp, str(path), model, layers, timeout=1200)
+    toy = toy_model(model, layers)
+    full = toy.assemble(dp, tp, [o["params"] for o in out])
+    opt, _, _, _ = toy.build(1, 1, toy.initial_params())
+    toy.train(opt, None, 0, 0, 0, 2)
+    expected = local_params(opt)
+    differ = sum(not torch.equal(full[name], value) for name, value in expected.items())
+    return {"differ": differ, "params": len(expected), "load_s": max(o["load_s"] for o in out)}
 
 
 def split_dims(model: str, layers: int | None) -> dict[str, int]:

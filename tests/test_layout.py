@@ -121,6 +121,19 @@ def test_every_element_has_exactly_one_owner(case):
 @SETTINGS
 @given(layout_cases())
 @example(RANKS_WITHOUT_ELEMENTS)
+def test_owner_ranks_are_the_ranks_owning_elements(case):
+    specs, topo, options = case
+    layout = arrange(specs, topo, options=options)
+    for i in range(len(specs)):
+        owning = [
+            r for r in range(topo.world_size) if layout.owner_region(i, *topo.coords(r)).numel
+        ]
+        assert layout.owner_ranks(i) == owning, (specs[i], topo, options)
+
+
+@SETTINGS
+@given(layout_cases())
+@example(RANKS_WITHOUT_ELEMENTS)
 def test_dp_regions_partition_each_tp_block_in_order(case):
     specs, topo, options = case
     layout = arrange(specs, topo, options=options)

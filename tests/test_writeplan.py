@@ -14,10 +14,10 @@ from muonckpt import CheckpointError
 from muonckpt.format.manifest import DTYPE_BYTES
 from muonckpt.format.names import PARAM_KEY, rank_file
 from muonckpt.format.writeplan import (
+    PerRankPlan,
     TensorWrite,
     WritePlan,
     consolidated_plan,
-    per_rank_plan,
     rank_plan,
 )
 from muonckpt.layout.topology import LayoutOptions, ParamSpec, Topology, arrange, whole_region
@@ -62,12 +62,16 @@ def test_a_reshard_plan_stores_every_element_of_every_tensor_exactly_once(case):
         ]
         for rank in range(topology.world_size)
     ]
-    plan = per_rank_plan(owned)
+    plan = PerRankPlan(len(owned), owned.__getitem__)
     assert list(plan.files) == [rank_file(r, topology.world_size) for r in range(len(owned))]
     for spec in specs:
         for key in keys:
             assert _elements(plan.writes, spec.name, key) == list(range(spec.numel))
     assert plan.total_bytes == sum(s.numel for s in specs) * len(keys) * 4
+    assert plan.count == len(plan.writes) == sum(map(len, owned))
+    for rank, file in enumerate(plan.files):  # each file's writes as its rank_plan makes them
+        alone = rank_plan(rank, len(owned), owned[rank])
+        assert plan.by_file()[file] == alone.writes and plan.specs(file) == alone.specs(file)
 
 
 @SETTINGS

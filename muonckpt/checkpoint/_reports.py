@@ -4,14 +4,14 @@ merged into :class:`Reports`, from which the root builds the manifest
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from operator import attrgetter
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
 from .. import storage
-from ..format.manifest import FileEntry, Piece, piece_to_json
+from ..format.manifest import FileEntry, Piece, PieceTable, piece_to_json
 from ..format.manifest_json import piece_from_json
 from ..format.writeplan import TensorWrite
 
@@ -21,7 +21,7 @@ class Written:
     """What one rank wrote: its files (in order) and the pieces in them."""
 
     files: list[str]
-    pieces: list[Piece]
+    pieces: Sequence[Piece]
     dtypes: Mapping[tuple[str, str], str]
     """(param, key) -> safetensors dtype, of every piece."""
     extra: Any = None
@@ -44,20 +44,20 @@ class Written:
     def of(
         cls,
         files: list[str],
-        writes: Sequence[TensorWrite],
-        pieces: list[Piece],
+        writes: Callable[[], Iterable[TensorWrite]],
+        pieces: Sequence[Piece],
         sizes: dict[str, int],
     ) -> Written:
-        """The report of ``writes`` into ``files`` (their dtypes read from the plan when
+        """The report of ``writes()`` into ``files`` (their dtypes read from the plan when
         first asked for)."""
-        dtypes = _Lazy(lambda: {(w.param, w.key): w.dtype for w in writes})
+        dtypes = _Lazy(lambda: {(w.param, w.key): w.dtype for w in writes()})
         return cls(files, pieces, dtypes, sizes=sizes)
 
     @classmethod
     def from_json(cls, raw: Mapping[str, Any]) -> Written:
         return cls(
             list(raw["files"]),
-            [piece_from_json(p) for p in raw["pieces"]],
+            PieceTable(piece_from_json(p) for p in raw["pieces"]),
             {(param, key): dtype for param, key, dtype in raw["dtypes"]},
             raw["extra"],
             dict(raw["sizes"]),
@@ -70,7 +70,7 @@ class Reports:
     (file, tensor key) order, each file's size in the staging directory."""
 
     files: list[FileEntry]
-    pieces: list[Piece]
+    pieces: PieceTable
     dtypes: Mapping[tuple[str, str], str]
     extras: list[Any]
 
@@ -84,13 +84,18 @@ class Reports:
             FileEntry(name, sizes[name] if name in sizes else storage.file_size(staging / name))
             for name in names
         ]
-        in_file: dict[str, list[Piece]] = {name: [] for name in names}
-        for report in reports:
-            for piece in report.pieces:
-                in_file[piece.file].append(piece)
+        pieces = reports[0].pieces if len(reports) == 1 else ()
+        if not isinstance(pieces, PieceTable):  # (one process's own table is not copied)
+            pieces = PieceTable(p for report in reports for p in report.pieces)
+        order = {name: n for n, name in enumerate(names)}
+        if any(a > b for a, b in pairwise((order[f], t) for f, t in pieces.placed())):
+            keys = [(order[f], t) for f, t in pieces.placed()]  # ranks shared files out of order
+            pieces = PieceTable(
+                pieces[row] for row in sorted(range(len(keys)), key=keys.__getitem__)
+            )
         return cls(
             files,
-            [p for file in in_file.values() for p in sorted(file, key=attrgetter("tensor"))],
+            pieces,
             _Lazy(lambda: {k: v for r in reports for k, v in r.dtypes.items()}),
             [r.extra for r in reports],
         )

@@ -15,6 +15,7 @@ from ..format.manifest import (
     Manifest,
     ModelFile,
     ParamEntry,
+    PieceTable,
     Scalar,
     model_tensor,
 )
@@ -52,7 +53,7 @@ def complete(draft: ManifestDraft, reports: Reports) -> Manifest:
                 scalars.setdefault(name, {}).setdefault(key, Scalar(item["value"], item["dtype"]))
     model = draft.model
     extras = model.extras if model is not None else {}
-    pieces = [p for p in reports.pieces if p.param not in extras]
+    pieces = PieceTable(p for p in reports.pieces if p.param not in extras)
     dtypes = reports.dtypes
     keys: dict[str, set[str]] = {}
     for piece in pieces:
@@ -84,7 +85,7 @@ def complete(draft: ManifestDraft, reports: Reports) -> Manifest:
         groups=tuple(draft.groups),
         params=tuple(entries),
         files=tuple(reports.files),
-        pieces=tuple(pieces),
+        pieces=pieces,
         model=model_file,
         extra=_merged_extra([report["extra"] for report in reports.extras]),
     )

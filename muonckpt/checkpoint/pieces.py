@@ -9,6 +9,7 @@ param's state as raw bytes from whichever pieces hold it, verifying checksums, a
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections import Counter
 from collections.abc import Iterable, Sequence
@@ -29,6 +30,7 @@ from ..format.manifest import (
     Manifest,
     ParamEntry,
     Piece,
+    PieceTable,
 )
 from ..format.manifest_json import parse_manifest, parse_manifest_chunks
 from ..format.names import INDEX_FILE, MANIFEST_NAME, MODEL_INDEX_FILE, rank_file
@@ -99,9 +101,11 @@ def load_pieces(directory: Path, manifest: Manifest, names: Iterable[str] | None
     if not manifest.indexes or (manifest.complete and manifest.pieces):
         return manifest
     chosen = indexes_for(manifest, names)
-    pieces = [piece for entry in chosen for piece in read_index(directory, manifest, entry)]
+    pieces = PieceTable()
+    for entry in chosen:
+        pieces.extend(read_index(directory, manifest, entry))
     complete = len(chosen) == len(manifest.indexes)
-    return replace(manifest, pieces=tuple(pieces), complete=complete)
+    return replace(manifest, pieces=pieces, complete=complete)
 
 
 INDEXES_READ: Counter[str] = Counter()
@@ -210,9 +214,10 @@ def size_problems(manifest: Manifest, directory: Path) -> list[CheckpointError]:
     claimed: dict[str, int] = {}
     model = manifest.model
     model_tensors = {t.name: t for t in model.tensors} if model is not None else {}
-    placed = [(p, manifest.param(p.param)) for p in manifest.pieces] + [
-        (p, model_tensors[p.param]) for p in (model.pieces if model is not None else ())
-    ]
+    placed = itertools.chain(
+        ((p, manifest.param(p.param)) for p in manifest.pieces),
+        ((p, model_tensors[p.param]) for p in (model.pieces if model is not None else ())),
+    )
     for piece, held in placed:
         itemsize = storage.itemsize(held.dtype_of(piece.key))
         claimed[piece.file] = claimed.get(piece.file, 0) + piece.region.numel * itemsize
@@ -441,7 +446,7 @@ def verify(path: str | os.PathLike[str]) -> list[CheckpointError]:
     model = manifest.model
     tensors = {e.name: e for e in model.tensors} if model is not None else {}
     with PieceReader(directory, manifest) as reader:
-        for piece in manifest.pieces + (model.pieces if model is not None else ()):
+        for piece in itertools.chain(manifest.pieces, model.pieces if model is not None else ()):
             try:
                 held = tensors.get(piece.param) or manifest.param(piece.param)
                 reader.check_header(piece, held)
@@ -467,14 +472,14 @@ def _with_every_index(
     problems of those that do not (each naming its index file)."""
     if not manifest.indexes:
         return manifest, []
-    pieces: list[Piece] = []
+    pieces = PieceTable()
     problems = []
     for entry in manifest.indexes:
         try:
-            pieces += read_index(directory, manifest, entry)
+            pieces.extend(read_index(directory, manifest, entry))
         except CheckpointError as exc:
             problems.append(exc)
-    return replace(manifest, pieces=tuple(pieces), complete=not problems), problems
+    return replace(manifest, pieces=pieces, complete=not problems), problems
 
 
 def _topology_problems(manifest: Manifest, directory: Path) -> list[CheckpointError]:

@@ -53,12 +53,13 @@ from ..format.manifest import (
     FileEntry,
     Manifest,
     ParamEntry,
+    PieceTable,
     ValuePath,
     extra_to_json,
 )
 from ..format.manifest_size import ManifestSize
 from ..format.names import MANIFEST_NAME
-from ..format.writeplan import TensorWrite, WritePlan
+from ..format.writeplan import Plan, TensorWrite, specs_of
 from ..layout.workplan import WorkUnit, split_work
 from ..storage.safetensors_writer import beside
 from . import _indexes, _save_manifest
@@ -397,8 +398,12 @@ def check_manifest_fits(
 
 
 class _Meter:
-    def __init__(self, sizes: Sequence[int], progress: Progress | None) -> None:
-        self.total, self.tensors, self.progress = sum(sizes), len(sizes), progress
+    """Counts what was written for ``progress``; ``totals`` (bytes, tensors) asked for only
+    when there is a progress to show (a plan made one file at a time counts in a pass)."""
+
+    def __init__(self, totals: Callable[[], tuple[int, int]], progress: Progress | None) -> None:
+        self.total, self.tensors = totals() if progress is not None else (0, 0)
+        self.progress = progress
         self.done = self.written = 0
         if progress is not None:
             progress(0, self.total, 0, self.tensors)
@@ -411,7 +416,7 @@ class _Meter:
 
 
 def write_files(
-    plan: WritePlan,
+    plan: Plan,
     staging: Path,
     fetch: Fetch,
     progress: Progress | None = None,
@@ -421,18 +426,18 @@ def write_files(
 ) -> Written:
     """Write every file of ``plan`` (and its texts) into ``staging``, front to back, fetching
     each tensor when its turn comes: with ``prefetch``, the next one on a thread meanwhile
-    (for reads from files; state already in memory is written straight, since a thread
-    handoff per tensor costs more than it saves for many small tensors). Without ``sync``
-    each file is renamed into place unsynced: :func:`commit` fsyncs every data file in one
-    parallel pass before it writes the indexes and the manifest (thousands of output files are
-    then not thousands of fsyncs in a row)."""
-    meter = _Meter([w.nbytes for w in plan.writes], progress)
-    pieces, sizes = [], {}
+    (for reads from files) in a file whose tensors average 64 KiB or more (a handoff costs
+    ~0.15 ms). Without ``sync`` each file is renamed into place unsynced:
+    :func:`commit` fsyncs every data file in one parallel pass before it writes the indexes
+    and the manifest (thousands of output files are not thousands of fsyncs in a row)."""
+    meter = _Meter(lambda: (plan.total_bytes, plan.count), progress)
+    pieces, sizes = PieceTable(), {}
     for file, writes in plan.by_file().items():
-        specs, metadata = plan.specs(file), plan.files[file]
+        specs, metadata = specs_of(writes), plan.files[file]
         with storage.SafetensorsWriter(staging / file, specs, metadata, sync=sync) as out:
+            ahead = prefetch and sum(w.nbytes for w in writes) >= (64 << 10) * len(writes)
             fetched: Generator[tuple[TensorWrite, Any], None, None] = (
-                prefetched(writes, fetch) if prefetch else ((w, fetch(w)) for w in writes)
+                prefetched(writes, fetch) if ahead else ((w, fetch(w)) for w in writes)
             )
             with contextlib.closing(fetched):  # on an error, the prefetch thread ends here
                 for w, value in fetched:
@@ -441,13 +446,13 @@ def write_files(
                     meter.tick(w.nbytes)
             records = out.commit()
         sizes[file] = out.size
-        pieces += [w.piece(*_sums(records[w.tensor])) for w in writes]
+        pieces.extend(w.piece(*_sums(records[w.tensor])) for w in writes)
     _write_texts(plan, staging)
-    return Written.of(list(plan.files), plan.writes, pieces, sizes)
+    return Written.of(list(plan.files), plan.iter_writes, pieces, sizes)
 
 
 def write_tensors(
-    plan: WritePlan,
+    plan: Plan,
     staging: Path,
     tensors: Mapping[tuple[str, str], Any],
     host: HostCopy | None,
@@ -496,7 +501,7 @@ def write_extra(
     return ExtraValues(values, stored), FileEntry(file, storage.file_size(staging / file))
 
 
-def shared_files(plan: WritePlan, staging: Path) -> dict[str, storage.SharedSafetensorsFile]:
+def shared_files(plan: Plan, staging: Path) -> dict[str, storage.SharedSafetensorsFile]:
     """The files of ``plan`` as several processes write them together (same header for all)."""
     return {
         file: storage.SharedSafetensorsFile(staging / file, plan.specs(file), plan.files[file])
@@ -504,7 +509,7 @@ def shared_files(plan: WritePlan, staging: Path) -> dict[str, storage.SharedSafe
     }
 
 
-def create_shared(plan: WritePlan, staging: Path) -> None:
+def create_shared(plan: Plan, staging: Path) -> None:
     """(one process) Every file's header, at its full length, before any process writes; and
     the plan's texts."""
     for output in shared_files(plan, staging).values():
@@ -512,13 +517,13 @@ def create_shared(plan: WritePlan, staging: Path) -> None:
     _write_texts(plan, staging)
 
 
-def _write_texts(plan: WritePlan, staging: Path) -> None:
+def _write_texts(plan: Plan, staging: Path) -> None:
     for name, text in plan.texts.items():
         storage.store.write_text(staging / name, text)
 
 
 def write_share(
-    plan: WritePlan,
+    plan: Plan,
     index: int,
     count: int,
     staging: Path,
@@ -530,7 +535,7 @@ def write_share(
     plan is reported."""
     outputs = shared_files(plan, staging)
     share = share_of(plan, outputs, index, count)
-    meter = _Meter([w.nbytes for w in share], progress)
+    meter = _Meter(lambda: (sum(w.nbytes for w in share), len(share)), progress)
     pieces, current = [], None
     try:
         for w, value in prefetched(share, fetch):
@@ -545,26 +550,27 @@ def write_share(
         for output in outputs.values():
             output.close()
     sizes = {file: output.size for file, output in outputs.items()}
-    return Written.of(list(plan.files), share, pieces, sizes)
+    return Written.of(list(plan.files), lambda: iter(share), pieces, sizes)
 
 
 def share_of(
-    plan: WritePlan,
+    plan: Plan,
     outputs: Mapping[str, storage.SharedSafetensorsFile],
     index: int,
     count: int,
 ) -> list[TensorWrite]:
     """Share ``index`` of ``count`` of the plan's writes: a contiguous run of the output,
     balanced by bytes (:func:`muonckpt.layout.workplan.split_work`)."""
-    by_unit = {(w.file, w.tensor): w for w in plan.writes}
+    writes = plan.writes
+    by_unit = {(w.file, w.tensor): w for w in writes}
     units = [
         WorkUnit(w.file, w.tensor, outputs[w.file].record(w.tensor).offset, w.nbytes)
-        for w in plan.writes
+        for w in writes
     ]
     return [by_unit[u.file, u.key] for u in split_work(units, count)[index]]
 
 
-def seal_shared(plan: WritePlan, staging: Path) -> None:
+def seal_shared(plan: Plan, staging: Path) -> None:
     """(one process, after every process wrote) give each file its name; :func:`commit`
     fsyncs them all in one parallel pass."""
     for output in shared_files(plan, staging).values():

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+from array import array
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
@@ -27,6 +28,7 @@ from .records import (  # the records, named here too
     ModelFile,
     ParamEntry,
     Piece,
+    PieceTable,
     Scalar,
     Spans,
     pack_checksums,
@@ -49,6 +51,7 @@ __all__ = [  # the records re-exported; every name defined here is public too
     "ModelFile",
     "ParamEntry",
     "Piece",
+    "PieceTable",
     "Scalar",
     "Spans",
     "pack_checksums",
@@ -131,7 +134,7 @@ class Manifest:
     groups: tuple[GroupEntry, ...]
     params: tuple[ParamEntry, ...]
     files: tuple[FileEntry, ...]
-    pieces: tuple[Piece, ...]
+    pieces: Sequence[Piece]
     format_version: int = FORMAT_VERSION
     checksum_algorithm: str = CHECKSUM_ALGORITHM
     model: ModelFile | None = None
@@ -194,7 +197,7 @@ class Manifest:
             model=model,
             groups=tuple(replace(g, params=tuple(names[n] for n in g.params)) for g in self.groups),
             params=tuple(replace(e, name=names[e.name]) for e in self.params),
-            pieces=tuple(replace(p, param=names[p.param]) for p in self.pieces),
+            pieces=PieceTable(replace(p, param=names[p.param]) for p in self.pieces),
         )
 
     def step_of(self, entry: ParamEntry) -> int | float | None:
@@ -337,29 +340,35 @@ class Manifest:
 class PieceIndex:
     """The pieces of each stored tensor, by (param, key); a tensor that none holds has none.
 
-    One dict per key, of each param's piece, or of its list where several pieces hold it: most
-    tensors have one, and a dict of (param, key) tuples and lists took 55 MB at 100k params."""
+    One dict per key, of each param's piece row in ``pieces`` (or rows, in an array, where
+    several pieces hold it), and the pieces of ``more`` themselves: most tensors have one, and
+    a dict of (param, key) tuples and lists took 55 MB at 100k params. Rows, not pieces, so
+    that a :class:`PieceTable` of a million pieces is not made into a million objects at once
+    (nor rows into a million ints in lists)."""
 
-    __slots__ = ("_by_key",)
+    __slots__ = ("_by_key", "_more", "_pieces")
 
-    def __init__(self, pieces: Iterable[Piece]) -> None:
-        self._by_key: dict[str, dict[str, Piece | list[Piece]]] = {}
-        for piece in pieces:
-            held = self._by_key.setdefault(piece.key, {})
-            found = held.get(piece.param)
+    def __init__(self, pieces: Sequence[Piece], more: Iterable[Piece] = ()) -> None:
+        self._pieces = pieces
+        self._by_key: dict[str, dict[str, int | array[int]]] = {}
+        for row, piece in enumerate(pieces):
+            by_param = self._by_key.setdefault(piece.key, {})
+            found = by_param.get(piece.param)
             if found is None:
-                held[piece.param] = piece
-            elif isinstance(found, list):
-                found.append(piece)
+                by_param[piece.param] = row
+            elif isinstance(found, array):
+                found.append(row)
             else:
-                held[piece.param] = [found, piece]
+                by_param[piece.param] = array("q", (found, row))
+        self._more: dict[tuple[str, str], list[Piece]] = {}
+        for piece in more:
+            self._more.setdefault((piece.param, piece.key), []).append(piece)
 
     def __getitem__(self, tensor: tuple[str, str]) -> Sequence[Piece]:
         param, key = tensor
         found = self._by_key.get(key, {}).get(param)
-        if found is None:
-            return ()
-        return found if isinstance(found, list) else (found,)
+        rows = () if found is None else (found,) if isinstance(found, int) else found
+        return (*map(self._pieces.__getitem__, rows), *self._more.get(tensor, ()))
 
 
 def compact_json(value: Any) -> str:

@@ -54,7 +54,7 @@ def spans_of(positions: Iterable[int]) -> Spans:
 
 
 def index_chunks(
-    file: str, pieces: Sequence[Piece], position: Mapping[str, int], names: Sequence[str]
+    file: str, pieces: Iterable[Piece], position: Mapping[str, int], names: Sequence[str]
 ) -> Iterator[str]:
     """The text of ``file``'s index: one compact JSON array per piece, ``[param position, key,
     tensor (null: the default key of :func:`~muonckpt.format.names.tensor_key`), [cols,

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import math
 import sys
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from itertools import pairwise
@@ -125,9 +125,16 @@ class WritePlan:
     def total_bytes(self) -> int:
         return sum(w.nbytes for w in self.writes)
 
+    @property
+    def count(self) -> int:
+        return len(self.writes)
+
+    def iter_writes(self) -> Iterator[TensorWrite]:
+        return iter(self.writes)
+
     def specs(self, file: str) -> dict[str, tuple[str, tuple[int, ...]]]:
         """The safetensors header of ``file``: tensor key -> (dtype, shape)."""
-        return {w.tensor: (w.dtype, w.shape) for w in self.by_file()[file]}
+        return specs_of(self.by_file()[file])
 
     def by_file(self) -> dict[str, list[TensorWrite]]:
         """Each file's writes in order, files in order (a file may have none)."""
@@ -139,6 +146,11 @@ class WritePlan:
         for w in self.writes:
             out[w.file].append(w)
         return out
+
+
+def specs_of(writes: Iterable[TensorWrite]) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """The safetensors header of a file of these writes: tensor key -> (dtype, shape)."""
+    return {w.tensor: (w.dtype, w.shape) for w in writes}
 
 
 def _file_key(param: str, key: str) -> str:
@@ -176,22 +188,83 @@ def rank_plan(rank: int, world_size: int, owned: Iterable[tuple[Item, Region]]) 
     the full tensor the rank holds, stored flat."""
     file = rank_file(rank, world_size)
     shapes: dict[int, tuple[int]] = {}  # equal shapes one tuple
+    regions: dict[Region, Region] = {}  # and equal regions one region (many params alike)
     writes = tuple(
         TensorWrite(
-            file, param, key, dtype, region, shapes.setdefault(region.numel, (region.numel,))
+            file,
+            param,
+            key,
+            dtype,
+            regions.setdefault(region, region),
+            shapes.setdefault(region.numel, (region.numel,)),
         )
         for (param, key, dtype), region in owned
     )
     return WritePlan({file: {"format": FORMAT_NAME, "rank": str(rank)}}, writes)
 
 
-def per_rank_plan(owned_by_rank: Sequence[Iterable[tuple[Item, Region]]]) -> WritePlan:
-    """Every rank's file of a per-rank checkpoint (``owned_by_rank[r]`` as :func:`rank_plan`)."""
-    plans = [rank_plan(r, len(owned_by_rank), owned) for r, owned in enumerate(owned_by_rank)]
-    return WritePlan(
-        {file: meta for plan in plans for file, meta in plan.files.items()},
-        tuple(w for plan in plans for w in plan.writes),
-    )
+class PerRankPlan:
+    """Every rank's file of a per-rank checkpoint, each file's writes made (:func:`rank_plan`,
+    checked as a :class:`WritePlan` is) when that file is written and let go after: a reshard to
+    thousands of ranks of a model of 70k params plans a million tensors, which as objects held
+    at once took about 100 MB. ``owned(r)`` is what rank ``r`` holds, each call anew.
+
+    What a :class:`WritePlan` offers, but :attr:`writes` (every file's writes in a tuple, for
+    the paths that split the writes among processes) is made when asked for."""
+
+    def __init__(self, world_size: int, owned: Callable[[int], Iterable[tuple[Item, Region]]]):
+        self.world_size, self._owned = world_size, owned
+        self.files = {
+            rank_file(r, world_size): {"format": FORMAT_NAME, "rank": str(r)}
+            for r in range(world_size)
+        }
+        self.texts: dict[str, str] = {}
+        self._rank = {file: r for r, file in enumerate(self.files)}
+
+    def plan_of(self, file: str) -> WritePlan:
+        return rank_plan(self._rank[file], self.world_size, self._owned(self._rank[file]))
+
+    def by_file(self) -> Mapping[str, Sequence[TensorWrite]]:
+        """Each file's writes, made as each file is looked up."""
+        return _FilesOf(self)
+
+    def specs(self, file: str) -> dict[str, tuple[str, tuple[int, ...]]]:
+        return self.plan_of(file).specs(file)
+
+    def iter_writes(self) -> Iterator[TensorWrite]:
+        for file in self.files:
+            yield from self.plan_of(file).writes
+
+    @property
+    def writes(self) -> tuple[TensorWrite, ...]:
+        return tuple(self.iter_writes())
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(w.nbytes for w in self.iter_writes())
+
+    @property
+    def count(self) -> int:
+        return sum(1 for _ in self.iter_writes())
+
+
+class _FilesOf(Mapping[str, Sequence[TensorWrite]]):
+    def __init__(self, plan: PerRankPlan) -> None:
+        self._plan = plan
+
+    def __getitem__(self, file: str) -> Sequence[TensorWrite]:
+        return self._plan.plan_of(file).writes
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._plan.files)
+
+    def __len__(self) -> int:
+        return len(self._plan.files)
+
+
+Plan = WritePlan | PerRankPlan
+"""What :mod:`muonckpt.checkpoint.writing` writes: a plan made whole, or one per-rank file at a
+time."""
 
 
 def consolidated_plan(

@@ -15,7 +15,7 @@ from typing import Any
 from ..checkpoint import writing
 from ..checkpoint.writing import Progress
 from ..format import kinds
-from ..format.manifest import Manifest, ModelFile, ParamEntry
+from ..format.manifest import Manifest, ModelFile, ParamEntry, PieceTable
 from ..format.names import PARAM_KEY
 from ..format.stacked import Part, split_stacked
 from ..format.writeplan import TensorWrite, consolidated_plan
@@ -58,7 +58,7 @@ def write_consolidated(
         return tensor
 
     def finished(reports: writing.Reports) -> Manifest:
-        pieces = tuple(p for p in reports.pieces if p.param not in others)
+        pieces = PieceTable(p for p in reports.pieces if p.param not in others)
         model = target.model
         if model_tensors or (aliases and model is None):
             held = tuple(p for p in reports.pieces if p.param in others)

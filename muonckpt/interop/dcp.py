@@ -504,7 +504,7 @@ class _WholeTensors:
         self.manifest = manifest
         self.reader = reader
         self.model_tensors = {t.name: t for t in model.tensors} if model is not None else {}
-        self.pieces = PieceIndex(manifest.pieces + (model.pieces if model is not None else ()))
+        self.pieces = PieceIndex(manifest.pieces, model.pieces if model is not None else ())
 
     def __call__(self, fqn: str, _whole: dcp_files.Region) -> Any:
         name, key, scale = self.sources[fqn]

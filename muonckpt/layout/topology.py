@@ -444,6 +444,22 @@ class BufferLayout:
         """
         return self.region(index, dp_rank, tp_rank, owner_only=True)
 
+    def owner_ranks(self, index: int) -> list[int]:
+        """The ranks whose :meth:`owner_region` of param ``index`` is not empty, in increasing
+        order: computed from its place in its bucket, so that finding what every rank owns is
+        linear in params plus pieces, not params x ranks."""
+        spec, place = self.specs[index], self.placements[index]
+        bucket = self.buckets[place.buffer][place.bucket]
+        lo, hi = place.global_range
+        topology = self.topology
+        share = bucket.size // topology.dp
+        if hi <= lo or not share:
+            return []
+        first, last = (lo - bucket.offset) // share, (hi - 1 - bucket.offset) // share
+        split = topology.tp > 1 and spec.tp_split_dim >= 0
+        tp_ranks = range(topology.tp if split else 1)
+        return [topology.rank(d, t) for d in range(first, last + 1) for t in tp_ranks]
+
 
 BuffersBy = Literal["none", "group"]
 """How :func:`arrange` splits params into ZeRO-1 buffers (see :attr:`LayoutOptions.buffers_by`)."""

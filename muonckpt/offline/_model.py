@@ -19,10 +19,18 @@ into a piece index). Pure: no torch, no files.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import replace
 
-from ..format.manifest import FileEntry, Manifest, ModelFile, ParamEntry, Piece, PieceIndex
+from ..format.manifest import (
+    FileEntry,
+    Manifest,
+    ModelFile,
+    ParamEntry,
+    Piece,
+    PieceIndex,
+    PieceTable,
+)
 from ..format.names import PARAM_KEY
 from ..format.writeplan import Item, TensorWrite
 from ..layout.topology import Region, whole_region
@@ -80,17 +88,17 @@ def kept_writes(manifest: Manifest, shaped: bool) -> tuple[TensorWrite, ...]:
     )
 
 
-def params_writes(manifest: Manifest, writes: Sequence[TensorWrite]) -> Sequence[TensorWrite]:
+def params_writes(manifest: Manifest, writes: Iterable[TensorWrite]) -> Iterable[TensorWrite]:
     """The ``writes`` of ``manifest``'s params: not those of its model's other tensors."""
     names = {t.name for t in tensors(manifest)}
-    return [w for w in writes if w.param not in names] if names else writes
+    return (w for w in writes if w.param not in names) if names else writes
 
 
 def source_pieces(manifest: Manifest) -> PieceIndex:
     """Where every stored tensor of ``manifest`` is, the model's other tensors included."""
     if manifest.model is None or not manifest.model.pieces:
         return manifest.pieces_of()
-    return PieceIndex(manifest.pieces + manifest.model.pieces)
+    return PieceIndex(manifest.pieces, manifest.model.pieces)
 
 
 class Entries:
@@ -114,10 +122,10 @@ def finished(
     written: those of the model's other tensors in its model section, the rest the params'."""
     model = draft_manifest.model
     if model is None or not model.tensors:
-        return replace(draft_manifest, files=tuple(files), pieces=tuple(pieces))
+        return replace(draft_manifest, files=tuple(files), pieces=pieces)
     names = {t.name for t in model.tensors}
     held = tuple(p for p in pieces if p.param in names)
-    params = tuple(p for p in pieces if p.param not in names)
+    params = PieceTable(p for p in pieces if p.param not in names)
     return replace(
         draft_manifest, files=tuple(files), pieces=params, model=replace(model, pieces=held)
     )

@@ -28,7 +28,8 @@ import dataclasses
 import itertools
 import os
 import re
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from array import array
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -61,10 +62,11 @@ from ..format.names import (
 )
 from ..format.renames import Rename
 from ..format.writeplan import (
+    PerRankPlan,
+    Plan,
     TensorWrite,
     WritePlan,
     consolidated_plan,
-    per_rank_plan,
     shard_index,
     unique_tensor_keys,
 )
@@ -90,7 +92,7 @@ class _Job:
 
     manifest: Manifest
     """The output's manifest, files and pieces still empty."""
-    plan: WritePlan
+    plan: Plan
     """Every output file and tensor."""
 
 
@@ -207,13 +209,10 @@ def reshard(
     unique_tensor_keys(((e.name, k) for e in params for k in e.tensor_keys), directory)
     specs = [ParamSpec(e.name, e.shape, tp_split_dim=e.tp_split_dim, group=e.group) for e in params]
     layout = arrange(specs, topology, options=options)
-    owned = [_owned(params, layout, rank) for rank in range(topology.world_size)]
-    owned[0] = itertools.chain(owned[0], _model.owned_whole(manifest))  # stored once, whole
     job = _Job(
         _output_manifest(manifest, kind=PER_RANK, topology={"dp": dp, "tp": tp}, params=params),
-        per_rank_plan(owned),
+        PerRankPlan(topology.world_size, _owners(manifest, params, layout)),
     )
-    del specs, layout  # planned: not held while the job is written
     if (workers := _processes(workers, job, dst)) > 1:
         worker_options = {
             "dp": dp,
@@ -234,17 +233,36 @@ def reshard(
     return _write("reshard", job, directory, manifest, dst, overwrite, progress, collective, called)
 
 
+def _owners(
+    manifest: Manifest, params: Sequence[ParamEntry], layout: BufferLayout
+) -> Callable[[int], Iterable[tuple[tuple[str, str, str], Region]]]:
+    """What each rank holds under ``layout`` (:func:`_owned`), found from each param's place
+    in its bucket (linear in params plus pieces); rank 0 also stores the model's other tensors,
+    whole."""
+    held: list[array[int]] = [array("q") for _ in range(layout.topology.world_size)]
+    for index in range(len(params)):
+        for rank in layout.owner_ranks(index):
+            held[rank].append(index)
+
+    def owned(rank: int) -> Iterable[tuple[tuple[str, str, str], Region]]:
+        mine = _owned(params, layout, rank, held[rank])
+        return itertools.chain(mine, _model.owned_whole(manifest)) if rank == 0 else mine
+
+    return owned
+
+
 def _owned(
-    params: Sequence[ParamEntry], layout: BufferLayout, rank: int
+    params: Sequence[ParamEntry], layout: BufferLayout, rank: int, indices: Iterable[int]
 ) -> Iterator[tuple[tuple[str, str, str], Region]]:
-    """What ``rank`` holds under ``layout``: (param, key, dtype) and region, made as its plan
-    takes them (not 300k tuples at once)."""
+    """What ``rank`` holds under ``layout`` of the params at ``indices`` (those it owns
+    elements of, :meth:`~muonckpt.layout.topology.BufferLayout.owner_ranks`): (param, key,
+    dtype) and region, made as its plan takes them (not 300k tuples at once)."""
     coords = layout.topology.coords(rank)
-    for index, entry in enumerate(params):
+    for index in indices:
+        entry = params[index]
         region = layout.owner_region(index, *coords)
-        if region.numel:
-            for key in entry.tensor_keys:
-                yield (entry.name, key, entry.dtype_of(key)), region
+        for key in entry.tensor_keys:
+            yield (entry.name, key, entry.dtype_of(key)), region
 
 
 def _output_manifest(manifest: Manifest, **changes: Any) -> Manifest:
@@ -361,14 +379,14 @@ def _processes(workers: int, job: _Job, dst: str | os.PathLike[str]) -> int:
     that none starts with nothing to do; none at all for a job whose manifest no reader would
     take (:func:`_check_manifest`)."""
     _check_manifest(job, dst)
-    return min(workers, max(1, len(job.plan.writes)))
+    return min(workers, max(1, job.plan.count)) if workers > 1 else 1
 
 
 def _check_manifest(job: _Job, dst: str | os.PathLike[str]) -> None:
     """Refuse ``job`` before anything is written when its manifest would pass the readers'
     limit (:func:`muonckpt.checkpoint.writing.check_manifest_fits`; the params' pieces, which
     the piece indexes list)."""
-    writes = _model.params_writes(job.manifest, job.plan.writes)
+    writes = _model.params_writes(job.manifest, job.plan.iter_writes())
     writing.check_manifest_fits(job.manifest.params, writes, dst)
 
 
@@ -462,7 +480,7 @@ def _write_shared(
     if steps.is_root and progress is not None:
         from .workers import scaled_progress
 
-        shown = scaled_progress(progress, plan.total_bytes, len(plan.writes))
+        shown = scaled_progress(progress, plan.total_bytes, plan.count)
 
     def write_share(staging: Path) -> writing.Written:
         with PieceReader(directory, manifest, reuse_outputs=2) as reader:

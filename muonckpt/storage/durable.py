@@ -211,7 +211,10 @@ def read_small(path: str | os.PathLike[str], *, limit: int = MAX_TEXT_BYTES) -> 
     path = Path(path)
     try:
         with os.fdopen(open_regular(path), "rb") as f:
-            data = f.read(limit + 1)
+            # as many bytes as the file has (a read of ``limit`` would allocate all of it)
+            data = f.read(min(os.fstat(f.fileno()).st_size, limit) + 1)
+            if len(data) <= limit and len(data) > os.fstat(f.fileno()).st_size:  # it grew
+                data += f.read(limit + 1 - len(data))
     except OSError as exc:
         raise CheckpointError(f"cannot read: {open_failure(exc)}", path=path) from None
     if len(data) > limit:
