@@ -26,6 +26,7 @@ import muonckpt
 import muonckpt.offline
 from muonckpt import CheckpointError, MuonCkptError, storage
 from muonckpt.distributed.launch import run_distributed
+from muonckpt.format.manifest import FORMAT_VERSION
 from muonckpt.format.names import tensor_key as stored_key
 
 from .ckpt_cases import save_phase
@@ -90,10 +91,19 @@ def _kind(ckpt: Path) -> str:
     return _manifest(ckpt)["kind"]
 
 
+def _names(body: dict) -> list[str]:
+    """The params' names of a manifest's text (version 4: ``[shared, rest, kind]``, the name
+    the first ``shared`` characters of the previous one and then ``rest``)."""
+    names = [""]
+    for shared, rest, _ in body["params"]:
+        names.append(names[-1][:shared] + rest)
+    return names[1:]
+
+
 def _pieces(ckpt: Path) -> list[dict]:
-    """Every piece in the version 2 form, read from the piece indexes (version 3)."""
+    """Every piece in the version 2 form, read from the piece indexes (version 3 on)."""
     body = _manifest(ckpt)
-    names = [name for name, _ in body["params"]]
+    names = _names(body)
     found = []
     for index in body["indexes"]:
         for at, key, tensor, _, _, sums in json.loads((ckpt / index["name"]).read_text())["pieces"]:
@@ -138,13 +148,13 @@ def _as_version_2(ckpt: Path) -> None:
 
 
 def _param_kind(ckpt: Path, param: str, change: Callable[[dict], None]) -> None:
-    """Give ``param`` a kind of its own (version 3's params table), changed by ``change``."""
+    """Give ``param`` a kind of its own (the params table), changed by ``change``."""
     body = _manifest(ckpt)
-    row = next(p for p in body["params"] if p[0] == param)
-    kind = json.loads(json.dumps(body["param_kinds"][row[1]]))
+    row = body["params"][_names(body).index(param)]
+    kind = json.loads(json.dumps(body["param_kinds"][row[-1]]))
     change(kind)
     body["param_kinds"].append(kind)
-    row[1] = len(body["param_kinds"]) - 1
+    row[-1] = len(body["param_kinds"]) - 1
     _write_manifest(ckpt, body)
 
 
@@ -231,15 +241,14 @@ def grow_shape(ckpt: Path) -> tuple[str, str | None]:
 
 def remove_piece(ckpt: Path) -> tuple[str, str | None]:
     piece = _piece(ckpt, "w_out")
-    names = [name for name, _ in _manifest(ckpt)["params"]]
-    at = names.index("w_out")
+    at = _names(_manifest(ckpt)).index("w_out")
     _edit_index(ckpt, piece["index"], lambda rows: rows.remove(next(r for r in rows if r[0] == at)))
     return MANIFEST, "w_out"
 
 
 def duplicate_piece(ckpt: Path) -> tuple[str, str | None]:
     piece = _piece(ckpt, "embed")
-    at = [name for name, _ in _manifest(ckpt)["params"]].index("embed")
+    at = _names(_manifest(ckpt)).index("embed")
     _edit_index(ckpt, piece["index"], lambda rows: rows.append(next(r for r in rows if r[0] == at)))
     return MANIFEST, "embed"
 
@@ -543,7 +552,8 @@ def test_version_1_checkpoint_loads_state_only_or_says_why(tmp_path):
     muonckpt.load(fresh, target, params=False)
     _assert_same_state(fresh.state_dict(), trained.state_dict())
     out = muonckpt.offline.consolidate(target, tmp_path / "c")
-    assert muonckpt.read_manifest(out).format_version == 3 and muonckpt.verify(out) == []
+    assert muonckpt.read_manifest(out).format_version == FORMAT_VERSION
+    assert muonckpt.verify(out) == []
 
 
 def test_load_restores_params_into_an_optimizer_built_from_zeros(tmp_path):

@@ -21,13 +21,14 @@ from muonckpt.checkpoint import pieces as pieces_module
 from muonckpt.checkpoint._indexes import write_indexes
 from muonckpt.checkpoint.pieces import indexes_for, load_pieces, read_manifest
 from muonckpt.distributed.launch import run_distributed
-from muonckpt.format.manifest import PER_RANK, Manifest, ParamEntry, Piece
+from muonckpt.format.manifest import FORMAT_VERSION, PER_RANK, Manifest, ParamEntry, Piece
 from muonckpt.format.names import MANIFEST_NAME, rank_file, tensor_key
 from muonckpt.layout.topology import ParamSpec, Topology, arrange
 
 from .fixture_model import assemble, build, initial_params, local_params
 
 V2 = Path(__file__).parent / "fixtures" / "v2"
+V3 = Path(__file__).parent / "fixtures" / "v3"
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -35,28 +36,33 @@ def _expected() -> dict[str, torch.Tensor]:
     return safetensors.torch.load_file(V2 / "expected.safetensors")
 
 
-def test_a_version_2_checkpoint_is_read_verified_and_rewritten_as_version_3(tmp_path):
-    """The fixtures written by muonckpt at 6e48449 (version 2): read, verified, loaded into
-    a fresh optimizer, consolidated and resharded into version 3, diffed equal."""
+@pytest.mark.parametrize("version,fixtures", [(2, V2), (3, V3)])
+def test_an_older_version_is_read_verified_and_rewritten_as_the_current(
+    tmp_path, version, fixtures
+):
+    """The fixtures written by muonckpt at 6e48449 (version 2) and 75aaf4b (version 3), of
+    the same run: read, verified, loaded into a fresh optimizer, consolidated and resharded
+    into the current version, diffed equal."""
     expected = _expected()
     for kind in ("per-rank", "consolidated"):
-        manifest = read_manifest(V2 / kind)
-        assert manifest.format_version == 2 and manifest.complete and not manifest.indexes
-        assert muonckpt.verify(V2 / kind) == []
+        manifest = read_manifest(fixtures / kind)
+        assert manifest.format_version == version and manifest.complete
+        assert bool(manifest.indexes) == (version >= 3)
+        assert muonckpt.verify(fixtures / kind) == []
     opt, *_ = build(1, 1, {n: torch.zeros_like(v) for n, v in initial_params().items()})
-    muonckpt.load(opt, V2 / "per-rank")
+    muonckpt.load(opt, fixtures / "per-rank")
     for name, value in assemble(1, 1, [local_params(opt)]).items():
         assert torch.equal(value, expected[name]), name
 
-    full = offline.consolidate(V2 / "per-rank", tmp_path / "full")
-    resharded = offline.reshard(V2 / "consolidated", tmp_path / "r", dp=1, tp=2)
+    full = offline.consolidate(fixtures / "per-rank", tmp_path / "full")
+    resharded = offline.reshard(fixtures / "consolidated", tmp_path / "r", dp=1, tp=2)
     for out in (full, resharded):
-        assert read_manifest(out).format_version == 3 and muonckpt.verify(out) == []
+        assert read_manifest(out).format_version == FORMAT_VERSION and muonckpt.verify(out) == []
     got = safetensors.torch.load_file(full / "optimizer.safetensors")
     got.update(safetensors.torch.load_file(full / "model.safetensors"))
     assert got.keys() == expected.keys()
     assert all(torch.equal(got[k], expected[k]) for k in expected)
-    assert all(row.equal for row in offline.diff(V2 / "consolidated", resharded))
+    assert all(row.equal for row in offline.diff(fixtures / "consolidated", resharded))
 
 
 def _load_and_report(dp: int, tp: int, ckpt: str) -> dict:
@@ -98,9 +104,9 @@ def test_a_load_reads_only_the_indexes_of_its_params(tmp_path):
 
 def _params_of(ckpt: Path, index: str) -> set[str]:
     """The params a piece index lists pieces of (by its rows' positions)."""
-    top = json.loads((ckpt / MANIFEST_NAME).read_text())
+    params = read_manifest(ckpt, pieces=False).params
     rows = json.loads((ckpt / index).read_text())["pieces"]
-    return {top["params"][row[0]][0] for row in rows}
+    return {params[row[0]].name for row in rows}
 
 
 def _rewrite_index(ckpt: Path, name: str, edit) -> None:
@@ -234,3 +240,25 @@ def test_k2_shaped_metadata_fits_and_a_rank_reads_only_its_indexes(tmp_path):
         f"{largest} B, {time.perf_counter() - start:.1f} s"
     )
     shutil.rmtree(tmp_path)
+
+
+def test_front_coded_names_round_trip_and_a_lying_count_is_refused(tmp_path):
+    """Version 4 writes each name as what it shares with the previous one and the rest: names
+    that share nothing, share all of another and share across an escaped character read back
+    as saved; a shared count past the previous name is refused naming the manifest."""
+    names = ["layers.0.w", "layers.0.w.x", "layers.1.w", "z", 'q"\u00e9', 'q"\u00e9\u00e9']
+    params = [torch.nn.Parameter(torch.randn(2, 3)) for _ in names]
+    opt = torch.optim.SGD([{"params": params, "param_names": names}], lr=0.1, momentum=0.9)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    ckpt = muonckpt.save(opt, tmp_path / "c")
+    body = json.loads((ckpt / MANIFEST_NAME).read_text())
+    assert body["format_version"] == FORMAT_VERSION == 4
+    assert [row[0] for row in body["params"]] == [0, 10, 7, 0, 0, 3]
+    assert [p.name for p in read_manifest(ckpt).params] == names
+    body["params"][3][0] = 11
+    (ckpt / MANIFEST_NAME).write_text(json.dumps(body))
+    with pytest.raises(CheckpointError, match="shares 11 characters") as refused:
+        read_manifest(ckpt)
+    assert MANIFEST_NAME in str(refused.value)

@@ -97,7 +97,7 @@ def _manifest_from(body: Any, shared: _Shared) -> Manifest:
         "topology must map names to positive ints",
     )
     if version >= 3:
-        params = _params_v3(body["params"], body["param_kinds"], shared)
+        params = _params_v3(body["params"], body["param_kinds"], shared, version)
     else:
         params = tuple(shared.entry(p, version) for p in body["params"])
     names = [p.name for p in params]
@@ -164,16 +164,28 @@ def _groups(raw: Any, params: tuple[ParamEntry, ...], version: int) -> tuple[Gro
     return groups
 
 
-def _params_v3(raw: Any, raw_kinds: Any, shared: _Shared) -> tuple[ParamEntry, ...]:
-    """Version 3's params: ``[name, kind]``, each kind a param's fields but its name."""
+def _params_v3(raw: Any, raw_kinds: Any, shared: _Shared, version: int) -> tuple[ParamEntry, ...]:
+    """Version 3's params: ``[name, kind]``, each kind a param's fields but its name; version
+    4's ``[shared, rest, kind]``: the first ``shared`` characters of the previous name, then
+    ``rest``."""
     _expect(isinstance(raw, list) and isinstance(raw_kinds, list), "params, param_kinds: lists")
     kinds = [shared.entry({**k, "name": ""}, FORMAT_VERSION) for k in raw_kinds]
-    params = []
+    params, name = [], ""
+    fields, form = (3, "[shared, rest, kind]") if version >= 4 else (2, "[name, kind]")
     for item in raw:
-        _expect(isinstance(item, list) and len(item) == 2, f"param {item!r:.80}: not [name, kind]")
-        name, kind = item
+        _expect(isinstance(item, list) and len(item) == fields, f"param {item!r:.80}: not {form}")
+        *spelled, kind = item
+        if version >= 4:
+            kept, rest = spelled
+            _expect(
+                0 <= _int(kept) <= len(name),
+                f"param {item!r:.80}: shares {kept!r} characters of the previous name {name!r}",
+            )
+            name = name[:kept] + _str(rest)
+        else:
+            name = _str(spelled[0])
         _expect(_int(kind) < len(kinds) and kind >= 0, f"param {name!r}: no kind {kind!r}")
-        params.append(replace(kinds[kind], name=sys.intern(_str(name))))
+        params.append(replace(kinds[kind], name=sys.intern(name)))
     return tuple(params)
 
 

@@ -18,6 +18,7 @@ from .manifest import (
     Manifest,
     ParamEntry,
     compact_json,
+    front_coded,
     param_to_json,
 )
 from .names import tensor_key
@@ -43,10 +44,12 @@ class ManifestSize:
         self._texts: dict[str, int] = {}
         self._positions: dict[str, int] = {}
         self._regions: dict[Region, int] = {}
+        self._previous = ""
+        """The last param's name (each name is written as what it shares with it and the rest)."""
 
     def add_param(self, entry: ParamEntry) -> None:
-        """One entry of ``params`` (``["name",kind]`` and its ``,\n``, or the list's brackets)
-        and, the first time, its kind in ``param_kinds``."""
+        """One entry of ``params`` (``[shared,"rest",kind]`` and its ``,\n``, or the list's
+        brackets) and, the first time, its kind in ``param_kinds``."""
         # (each value's type too: 1, 1.0 and True are equal keys but different JSON)
         scalars = tuple((k, type(v.value), v.value, v.dtype) for k, v in entry.scalars.items())
         alike = (entry.shape, entry.tp_split_dim, entry.group, tuple(entry.dtypes.items()), scalars)
@@ -58,7 +61,9 @@ class ManifestSize:
             self.bytes += len(compact_json(line)) + (2 if kind else 0)
         self._positions[entry.name] = self.params
         self.params += 1
-        self.bytes += _text(entry.name) + 5 + len(str(kind)) + 2  # the line and its comma
+        shared, self._previous = front_coded(self._previous, entry.name), entry.name
+        rest = _text(entry.name[shared:])
+        self.bytes += rest + 6 + len(str(shared)) + len(str(kind)) + 2  # the line and its comma
 
     def add_piece(
         self, param: str, key: str, file: str, tensor: str, region: Region, nbytes: int, chunk: int
