@@ -328,7 +328,7 @@ def bench_moe(model: str, layers: int | None, root: Path, timeout: float) -> lis
             "what": "save",
             "layout": "1x1",
             "s": built["save_s"],
-            "rss_mb": built["peak_mb"],
+            "rss_mb": built["save_growth_mb"],
             **moe_shapes.metadata_bytes(src),
             "params": built["params"],
         }
@@ -378,7 +378,7 @@ def bench_moe(model: str, layers: int | None, root: Path, timeout: float) -> lis
                     "what": f"resume at {RESUME_AT[0]}x{RESUME_AT[1]}, bitwise",
                     "layout": layout,
                     "s": done["load_s"],
-                    "rss_mb": float("nan"),
+                    "rss_mb": done["load_growth_mb"],
                 }
             )
         world = dp * tp

@@ -120,34 +120,45 @@ def toy_model(model: str, layers: int | None):
 
 def build_checkpoint(model: str, layers: int | None, path: Path) -> dict[str, float]:
     """(in a child) The packaged Muon over the model's params in one process (momentum for the
-    matrices, AdamW's two moments for the rest, and the values), one step, saved."""
+    matrices, AdamW's two moments for the rest, and the values), one step, saved: its time
+    and the peak RSS growth of the save alone (VmHWM reset before it)."""
     import time
+
+    from common import reset_peak_rss, status_bytes
 
     import muonckpt
 
     toy = toy_model(model, layers)
     opt, _, _, _ = toy.build(1, 1, toy.initial_params())
     toy.train(opt, None, 0, 0, 0, 1)
+    base = reset_peak_rss()
     start = time.perf_counter()
     muonckpt.save(opt, path)
-    return {"save_s": time.perf_counter() - start, "params": len(toy.shapes)}
+    took = time.perf_counter() - start
+    growth = (status_bytes("VmHWM") - base) / 1e6
+    return {"save_s": took, "save_growth_mb": growth, "params": len(toy.shapes)}
 
 
 def load_and_step(dp: int, tp: int, path: str, model: str, layers: int | None) -> dict:
     """(a gloo rank of a dp x tp job) The packaged Muon built over zeros, loaded from ``path``
-    (timed), then the second step taken: this rank's params and the load's seconds."""
+    (timed, with the peak RSS growth of the load alone), then the second step taken: this
+    rank's params, the load's seconds and MB."""
     import time
+
+    from common import reset_peak_rss, status_bytes
 
     import muonckpt
     from muonckpt.demo import local_params
 
     toy = toy_model(model, layers)
     opt, sharded, d, t = toy.build(dp, tp, toy.zeros())
+    base = reset_peak_rss()
     start = time.perf_counter()
     muonckpt.load(opt, path)
     took = time.perf_counter() - start
+    growth = (status_bytes("VmHWM") - base) / 1e6
     toy.train(opt, sharded, d, t, 1, 1)
-    return {"load_s": took, "params": local_params(opt)}
+    return {"load_s": took, "load_growth_mb": growth, "params": local_params(opt)}
 
 
 def resumed_bitwise(dp: int, tp: int, path: Path, model: str, layers: int | None) -> dict:
@@ -166,7 +177,12 @@ def resumed_bitwise(dp: int, tp: int, path: Path, model: str, layers: int | None
     toy.train(opt, None, 0, 0, 0, 2)
     expected = local_params(opt)
     differ = sum(not torch.equal(full[name], value) for name, value in expected.items())
-    return {"differ": differ, "params": len(expected), "load_s": max(o["load_s"] for o in out)}
+    return {
+        "differ": differ,
+        "params": len(expected),
+        "load_s": max(o["load_s"] for o in out),
+        "load_growth_mb": max(o["load_growth_mb"] for o in out),
+    }
 
 
 def split_dims(model: str, layers: int | None) -> dict[str, int]:
