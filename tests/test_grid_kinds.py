@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 
@@ -14,7 +15,7 @@ from hypothesis import strategies as st
 from muonckpt import StateDictError
 from muonckpt.format import kinds
 from muonckpt.format.kinds import EMA, SUM, GroupKind, state_mapping, trajectory_notes
-from muonckpt.layout.grid import LocalParam, RankReport, merge_reports
+from muonckpt.layout.grid import LocalParam, RankReport, grid_of_alike, merge_reports
 from muonckpt.layout.topology import ParamSpec, Topology, arrange
 
 
@@ -82,6 +83,43 @@ def test_merge_recovers_every_param_whatever_the_ranks_leave_out(shapes, dp, tp,
         )
 
 
+@given(
+    shapes=shapes_strategy,
+    dp=st.integers(1, 4),
+    tp=st.sampled_from([1, 2]),
+    named=st.booleans(),
+)
+def test_a_grid_of_alike_reports_is_their_merge_and_owners_come_from_the_bucket(
+    shapes, dp, tp, named
+):
+    """Every rank holding every param (empty shards included): one report gives what merging
+    all of them gives, each param at one position on every rank; and each param's owners found
+    from its place in its bucket are the ranks whose owner region is not empty."""
+    topology = Topology(dp, tp)
+    _, rank_reports = reports(shapes, topology, named, drop_empty=False)
+    merged = merge_reports(rank_reports, topology)
+    alike = grid_of_alike(rank_reports[0], topology)
+    assert [(p.name, p.spec, p.full_shape) for p in alike.params] == [
+        (p.name, p.spec, p.full_shape) for p in merged.params
+    ]
+    for a, m in zip(alike.params, merged.params, strict=True):
+        assert [a.position_on(r) for r in range(topology.world_size)] == list(m.positions)
+        owners = [
+            r
+            for r in range(topology.world_size)
+            if m.owner_region(topology, *topology.coords(r)).numel
+        ]
+        assert a.owner_ranks(topology) == owners
+
+
+def test_a_name_twice_in_alike_reports_is_refused():
+    topology = Topology(2, 1)
+    _, rank_reports = reports([(4, 4), (4, 4)], topology, named=True, drop_empty=False)
+    first = rank_reports[0].params[0]
+    with pytest.raises(StateDictError, match="'p0' appears twice"):
+        grid_of_alike(RankReport(1, (first, *rank_reports[0].params)), topology)
+
+
 def test_a_rank_lacking_a_param_it_owns_elements_of_is_named():
     topology = Topology(2, 1)
     # 36 elements, 18 a rank: p1 = [12, 24) straddles both; rank 1 leaves it out.
@@ -96,7 +134,7 @@ def test_ranks_that_disagree_are_named():
     topology = Topology(2, 1)
     _, rank_reports = reports([(4, 4), (4, 4)], topology, named=True, drop_empty=False)
     first = rank_reports[1].params[0]
-    changed = LocalParam(**{**first.to_json(), "dtype": "bfloat16"})
+    changed = dataclasses.replace(first, dtype="bfloat16")
     rank_reports[1] = RankReport(1, (changed, *rank_reports[1].params[1:]))
     with pytest.raises(StateDictError, match=r"param 'p0': grid rank 0 .* and grid rank 1 .*dtype"):
         merge_reports(rank_reports, topology)

@@ -20,14 +20,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 from ..errors import StateDictError
-from .topology import Range, Region, Topology, share_region, tp_full_shape
+from .topology import Range, Region, Topology, owner_ranks, share_region, tp_full_shape
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class LocalParam:
     """One param as the rank holding it describes it (the fields every holder must agree on)."""
 
@@ -67,7 +67,17 @@ class LocalParam:
         )
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        return {
+            "name": self.name,
+            "group": self.group,
+            "local_shape": list(self.local_shape),
+            "tp_split_dim": self.tp_split_dim,
+            "buffer": self.buffer,
+            "bucket": self.bucket,
+            "global_range": list(self.global_range),
+            "bucket_span": list(self.bucket_span),
+            "dtype": self.dtype,
+        }
 
 
 @dataclass(frozen=True)
@@ -85,7 +95,7 @@ class RankReport:
         return {"groups": self.groups, "params": [p.to_json() for p in self.params]}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class GridParam:
     """One param of the whole grid, with where its state lives."""
 
@@ -94,10 +104,21 @@ class GridParam:
     spec: LocalParam
     """Its description, as every holder gave it."""
     full_shape: tuple[int, ...]
-    holders: tuple[int, ...]
-    """Grid indices (``dp_rank * tp + tp_rank``) of the ranks whose optimizer holds it."""
-    local_index: tuple[int | None, ...]
-    """Per grid index, the param's position in that rank's flat param order (None: absent)."""
+    positions: tuple[int | None, ...] | int
+    """Per grid index (``dp_rank * tp + tp_rank``), the param's position in that rank's flat
+    param order (None: that rank's optimizer lacks it); one int where every rank holds it at
+    that position (:func:`grid_of_alike`)."""
+
+    def position_on(self, rank: int) -> int | None:
+        """The param's position in grid rank ``rank``'s flat param order (None: absent)."""
+        positions = self.positions
+        return positions if isinstance(positions, int) else positions[rank]
+
+    def owner_ranks(self, topology: Topology) -> list[int]:
+        """The grid ranks whose :meth:`owner_region` is not empty, from the param's place in its
+        bucket (:func:`muonckpt.layout.topology.owner_ranks`): no pass over every rank."""
+        size, offset = self.spec.bucket_span
+        return owner_ranks(self.spec.global_range, offset, size, self.spec.tp_split_dim, topology)
 
     def region(
         self, topology: Topology, dp_rank: int, tp_rank: int, *, owner_only: bool = False
@@ -123,7 +144,7 @@ class GridParam:
         return self.region(topology, dp_rank, tp_rank, owner_only=True)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class GridParams:
     """The grid's params in canonical order (group by group, packing order within a group)."""
 
@@ -136,7 +157,11 @@ class GridParams:
             "topology": [self.topology.dp, self.topology.tp],
             "groups": self.groups,
             "params": [
-                [p.name, p.spec.to_json(), list(p.holders), list(p.local_index)]
+                [
+                    p.name,
+                    p.spec.to_json(),
+                    p.positions if isinstance(p.positions, int) else list(p.positions),
+                ]
                 for p in self.params
             ],
         }
@@ -145,15 +170,14 @@ class GridParams:
     def from_json(cls, raw: dict[str, Any]) -> GridParams:
         topology = Topology(*raw["topology"])
         params = []
-        for name, spec, holders, local_index in raw["params"]:
+        for name, spec, positions in raw["params"]:
             local = LocalParam.from_json(spec)
             params.append(
                 GridParam(
                     name=name,
                     spec=local,
                     full_shape=_full_shape(local, topology),
-                    holders=tuple(holders),
-                    local_index=tuple(local_index),
+                    positions=positions if isinstance(positions, int) else tuple(positions),
                 )
             )
         return cls(topology, raw["groups"], tuple(params))
@@ -170,6 +194,20 @@ def merge_reports(reports: Sequence[RankReport], topology: Topology) -> GridPara
         raise StateDictError(
             f"{len(reports)} rank reports for a {topology} grid of {topology.world_size}"
         )
+    return _merged(reports, topology, alike=False)
+
+
+def grid_of_alike(report: RankReport, topology: Topology) -> GridParams:
+    """The grid's canonical param list when every rank reported ``report`` (found alike by
+    comparing digests): what :func:`merge_reports` of ``world_size`` copies of it returns, each
+    param's position one int, in time and memory that do not grow with the world size.
+
+    Raises :class:`StateDictError` as :func:`merge_reports` does for the one report.
+    """
+    return _merged([report], topology, alike=True)
+
+
+def _merged(reports: Sequence[RankReport], topology: Topology, *, alike: bool) -> GridParams:
     _check_group_counts(reports, topology)
     named = _naming(reports, topology)
     first: dict[object, tuple[int, LocalParam]] = {}
@@ -198,8 +236,7 @@ def merge_reports(reports: Sequence[RankReport], topology: Topology) -> GridPara
             name=spec.name if named and spec.name is not None else str(number),
             spec=spec,
             full_shape=_full_shape(spec, topology),
-            holders=tuple(sorted(held)),
-            local_index=tuple(held.get(r) for r in range(topology.world_size)),
+            positions=held[0] if alike else tuple(map(held.get, range(topology.world_size))),
         )
         _check_held(merged, topology)
         params.append(merged)
@@ -261,8 +298,10 @@ def _check_held(param: GridParam, topology: Topology) -> None:
         raise StateDictError(
             f"param {param.name!r}: bucket size {size} is not divisible by dp={topology.dp}"
         )
+    if isinstance(param.positions, int):
+        return  # held by every rank
     for rank in range(topology.world_size):
-        if param.local_index[rank] is not None:
+        if param.positions[rank] is not None:
             continue
         region = param.region(topology, *topology.coords(rank))
         if region.numel:

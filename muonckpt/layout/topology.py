@@ -445,20 +445,30 @@ class BufferLayout:
         return self.region(index, dp_rank, tp_rank, owner_only=True)
 
     def owner_ranks(self, index: int) -> list[int]:
-        """The ranks whose :meth:`owner_region` of param ``index`` is not empty, in increasing
-        order: computed from its place in its bucket, so that finding what every rank owns is
-        linear in params plus pieces, not params x ranks."""
+        """The ranks whose :meth:`owner_region` of param ``index`` is not empty
+        (:func:`owner_ranks`)."""
         spec, place = self.specs[index], self.placements[index]
         bucket = self.buckets[place.buffer][place.bucket]
-        lo, hi = place.global_range
-        topology = self.topology
-        share = bucket.size // topology.dp
-        if hi <= lo or not share:
-            return []
-        first, last = (lo - bucket.offset) // share, (hi - 1 - bucket.offset) // share
-        split = topology.tp > 1 and spec.tp_split_dim >= 0
-        tp_ranks = range(topology.tp if split else 1)
-        return [topology.rank(d, t) for d in range(first, last + 1) for t in tp_ranks]
+        return owner_ranks(
+            place.global_range, bucket.offset, bucket.size, spec.tp_split_dim, self.topology
+        )
+
+
+def owner_ranks(
+    global_range: Range, bucket_offset: int, bucket_size: int, tp_split_dim: int, topology: Topology
+) -> list[int]:
+    """The ranks whose owner region (:func:`share_region` with ``owner_only``) of a bucketed
+    param is not empty, in increasing order: computed from its place in its bucket, so that
+    finding what every rank owns is linear in params plus pieces, not params x ranks."""
+    lo, hi = global_range
+    share = bucket_size // topology.dp
+    if hi <= lo or not share:
+        return []
+    first = (lo - bucket_offset) // share
+    last = (hi - 1 - bucket_offset) // share
+    split = topology.tp > 1 and tp_split_dim >= 0
+    tp_ranks = range(topology.tp if split else 1)
+    return [topology.rank(d, t) for d in range(first, last + 1) for t in tp_ranks]
 
 
 BuffersBy = Literal["none", "group"]

@@ -411,7 +411,7 @@ class Muon(torch.optim.Optimizer):
             flat = flat_params(self)
             mine = {}
             for k, matrix in enumerate(plan.matrices):
-                index = grid.params[matrix.param].local_index[me]
+                index = grid.params[matrix.param].position_on(me)
                 if plan.held[k][me] is not None and index is not None:
                     mine[k] = flat[index]
             self._ns_plan_cache = (ranks, me, plan, mine)

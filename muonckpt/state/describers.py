@@ -9,15 +9,18 @@ optimizer in weak mappings.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import weakref
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 
 from ..distributed import collectives, group_steps, groups
 from ..errors import StateDictError
-from ..layout.grid import GridParams, RankReport, merge_reports
+from ..layout.grid import GridParams, RankReport, grid_of_alike, merge_reports
 from ..layout.topology import Region, Topology, whole_region
 from .paramnames import HasParamGroups, is_named, param_names, torch_dtype_name
 from .sharding_model import Holding, ParamSharding, Sharding, check_unique_names
@@ -63,31 +66,52 @@ def describe_grid(
     """Sharding of a ZeRO-1 + TP optimizer over its whole dp x tp grid, from each rank's
     ``report()`` of the params it holds (in the layout math's terms, :class:`RankReport`).
 
-    The grid's param list is learned once by a collective over the grid
-    (:func:`muonckpt.layout.grid.merge_reports`) and kept beside the optimizer in a weak mapping.
+    The grid's param list is learned once by a collective over the grid (:func:`learn_grid`)
+    and kept beside the optimizer in a weak mapping, with the sharding made from it.
     """
-    me = collectives.global_rank()
     ranks, grid = _grid_params(optimizer, report, dp_group, tp_group)
+    group_keys = tuple(keys(g) for g in range(grid.groups))
+    cached = _SHARDINGS.get(optimizer)
+    if cached is None or cached[0] is not grid or cached[1] != group_keys:
+        cached = (grid, group_keys, _grid_sharding(grid, ranks, group_keys))
+        _SHARDINGS[optimizer] = cached
+    made = cached[2]  # the same every call: a copy of its lists for the caller
+    return replace(made, params=list(made.params), participants=list(made.participants))
+
+
+def _grid_sharding(
+    grid: GridParams, ranks: list[int], group_keys: tuple[tuple[str, ...], ...]
+) -> Sharding:
+    """This rank's :class:`Sharding` of the grid (its owners from each param's place in its
+    bucket, equal regions one object)."""
     topo = grid.topology
-    coords = topo.coords(ranks.index(me))
+    here = ranks.index(collectives.global_rank())
+    coords = topo.coords(here)
+    regions: dict[Region, Region] = {}  # equal values one object: 70k params of a few shapes
+    holdings: dict[tuple[int, Region], Holding] = {}
     params = []
     for gp in grid.params:
         sources = []
-        for rank in range(topo.world_size):
+        for rank in gp.owner_ranks(topo):
             region = gp.owner_region(topo, *topo.coords(rank))
             if region.numel:
-                sources.append(Holding(ranks[rank], region))
-        local_index = gp.local_index[ranks.index(me)]
+                region = regions.setdefault(region, region)
+                sources.append(holdings.setdefault((rank, region), Holding(ranks[rank], region)))
+        local_index = gp.position_on(here)
+        local = None
+        if local_index is not None:
+            local = gp.region(topo, *coords)
+            local = regions.setdefault(local, local)
         params.append(
             ParamSharding(
                 name=gp.name,
                 full_shape=gp.full_shape,
                 sources=tuple(sources),
-                local=gp.region(topo, *coords) if local_index is not None else None,
-                held=gp.region(topo, *coords) if local_index is not None else None,
+                local=local,
+                held=local,
                 local_index=local_index,
                 group=gp.spec.group,
-                expected_keys=keys(gp.spec.group),
+                expected_keys=group_keys[gp.spec.group],
                 tp_split_dim=gp.spec.tp_split_dim,
                 dtype=gp.spec.dtype,
             )
@@ -101,6 +125,11 @@ _GRIDS: weakref.WeakKeyDictionary[
 ] = weakref.WeakKeyDictionary()
 """Per distributed optimizer: (its local structure, the grid's global ranks, its params)."""
 
+_SHARDINGS: weakref.WeakKeyDictionary[
+    Any, tuple[GridParams, tuple[tuple[str, ...], ...], Sharding]
+] = weakref.WeakKeyDictionary()
+"""Per distributed optimizer: (the grid, its groups' state keys, this rank's sharding of it)."""
+
 
 def _grid_params(
     optimizer: HasParamGroups,
@@ -108,7 +137,8 @@ def _grid_params(
     dp_group: collectives.Group,
     tp_group: collectives.Group,
 ) -> tuple[list[int], GridParams]:
-    """The grid's global ranks and canonical params (a collective the first time)."""
+    """The grid's global ranks and canonical params (a collective the first time: later
+    descriptions, some of them on one rank alone, need none)."""
     flat = flat_params(optimizer)
     structure = (tuple(id(p) for p in flat), len(optimizer.param_groups))
     cached = _GRIDS.get(optimizer)
@@ -126,20 +156,28 @@ def learn_grid(
     tp_group: collectives.Group,
 ) -> tuple[list[int], GridParams]:
     """The grid's global ranks (:func:`grid_members`) and canonical params, from every rank's
-    ``report()``: a collective over the grid (step ``params``), which fails on every rank when
-    they disagree."""
+    ``report()``: a collective over the grid, which fails on every rank when they disagree.
+    The ranks first compare digests of their reports (step ``params``); where all are alike
+    (the packaged sharding), each builds the grid from its own
+    (:func:`~muonckpt.layout.grid.grid_of_alike`), else the root merges every rank's report
+    (step ``params of each rank``)."""
     topo = Topology(collectives.group_size(dp_group), collectives.group_size(tp_group))
     ranks = grid_members(optimizer, dp_group, tp_group)
+    steps = state_dict_steps(ranks, ranks[0])
+    mine: list[RankReport] = []
+
+    def digest() -> str:
+        mine.append(report())
+        return hashlib.sha256(json.dumps(mine[0].to_json()).encode()).hexdigest()
+
+    if steps.each_then_root("params", digest, lambda digests: len(set(digests)) == 1):
+        return ranks, grid_of_alike(mine[0], topo)
 
     def merge(reports: list[dict[str, Any]]) -> dict[str, Any]:
         return merge_reports([RankReport.from_json(r) for r in reports], topo).to_json()
 
-    grid = GridParams.from_json(
-        state_dict_steps(ranks, ranks[0]).each_then_root(
-            "params", lambda: report().to_json(), merge
-        )
-    )
-    return ranks, grid
+    merged = steps.each_then_root("params of each rank", lambda: mine[0].to_json(), merge)
+    return ranks, GridParams.from_json(merged)
 
 
 _GRID_RANKS: weakref.WeakKeyDictionary[Any, tuple[Any, Any, list[int]]] = (
