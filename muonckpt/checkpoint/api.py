@@ -107,14 +107,20 @@ def save(
 def _prepare(
     target: Optimizers, path: str | os.PathLike[str], options: SaveOptions
 ) -> saving.PreparedSave:
-    """A save's steps in the caller's thread, in order: describe and agree, collect, stage,
-    plan (:func:`_write_and_commit` does the rest, here or in the background)."""
+    """A save's steps in the caller's thread, in order: describe and agree, collect, stage
+    (with the check of where the state is), plan (:func:`_write_and_commit` does the rest,
+    here or in the background)."""
     buffers = _HOST_BUFFERS.setdefault(_key(target), HostBuffers())
     call = saving.agree(target, path, options)
     collected = saving.collect(call, buffers)  # this rank's values, or its refusal
     mailbox = options.background and len(call.sharding.participants) > 1
     staging = writing.stage(
-        call.steps, path, overwrite=options.overwrite, checked=collected, mailbox=mailbox
+        call.steps,
+        path,
+        overwrite=options.overwrite,
+        checked=collected,
+        judge=saving.judge(call),
+        mailbox=mailbox,
     )
     return saving.plan(call, collected.result(), staging, buffers)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,7 +35,12 @@ from ..format.names import EXTRA_FILE, PARAM_KEY, extra_rank_file
 from ..format.writeplan import WritePlan, consolidated_plan, rank_plan, unique_tensor_keys
 from ..state import trainstate
 from ..state.describers import flat_params
-from ..state.gather import check_state_holders, gather_full_state
+from ..state.gather import (
+    EntryReports,
+    check_state_holders,
+    gather_full_state,
+    state_holders_report,
+)
 from ..state.hostcopy import HostBuffers
 from ..state.model_state import ModelTensors, model_tensors
 from ..state.placement import Optimizers, describe, optimizers_of, participants, replica_hint
@@ -86,6 +91,9 @@ class Collected:
     payload: _Payload | None
     agreement: dict[str, Any]
     """What every rank's must have alike (the ``stage`` step compares it)."""
+    report: EntryReports | None
+    """Where this rank holds state (a per-rank save over several ranks), which the ``stage``
+    step's root checks against the sharding (:func:`judge`)."""
 
 
 def collect(call: SaveCall, buffers: HostBuffers) -> Attempt[Collected]:
@@ -110,7 +118,24 @@ def _collected(call: SaveCall, buffers: HostBuffers) -> Collected:
         if options.background:  # the optimizer may change as soon as async_save returns
             payload.tensors = buffers.snapshot(payload.tensors)
     _check_manifest(sharding, state, payload, options.shard_bytes, call.path)
-    return Collected(state, model, job, payload, job.agreement())
+    report = state_holders_report(sharding, state) if _holders_checked(call) else None
+    return Collected(state, model, job, payload, job.agreement(), report)
+
+
+def _holders_checked(call: SaveCall) -> bool:
+    """Whether the ``stage`` step checks where the state is: a per-rank save over several
+    ranks (a wrong owner rule would drop state unnoticed; a consolidated save's gather checks
+    it itself)."""
+    return not call.options.consolidated and len(call.sharding.participants) > 1
+
+
+def judge(call: SaveCall) -> Callable[[list[Any]], None] | None:
+    """The ``stage`` step's check of the ranks' :attr:`Collected.report`\\ s (on its root):
+    the state is where the sharding says (:func:`muonckpt.state.gather.check_state_holders`),
+    in the exchange the ranks make anyway rather than one more before the write."""
+    if not _holders_checked(call):
+        return None
+    return lambda reports: check_state_holders(call.sharding, reports)
 
 
 @dataclass
@@ -129,14 +154,11 @@ class PreparedSave:
 
 
 def plan(call: SaveCall, collected: Collected, staging: Path, buffers: HostBuffers) -> PreparedSave:
-    """(after the ``stage`` step) For a per-rank save over several ranks, the state holders'
-    check (a wrong owner rule would drop state unnoticed); the group settings; for a
-    consolidated save the full state gathered to the destination's host memory and its plan.
-    A failure here removes the staging directory (the root)."""
+    """(after the ``stage`` step) The group settings; for a consolidated save the full state
+    gathered to the destination's host memory and its plan. A failure here removes the
+    staging directory (the root)."""
     sharding, options = call.sharding, call.options
     try:
-        if not options.consolidated and len(sharding.participants) > 1:
-            check_state_holders(sharding, collected.state)
         groups = _group_entries(call.optimizer, sharding)
         payload = collected.payload
         if payload is None:  # gathered into fresh host tensors: a snapshot already

@@ -148,6 +148,10 @@ class Agreeing(Protocol):
     @property
     def agreement(self) -> dict[str, Any] | None: ...
 
+    @property
+    def report(self) -> Any:
+        """What the root judges together with the other ranks' (JSON; ``stage``'s ``judge``)."""
+
 
 def stage(
     steps: Steps,
@@ -157,26 +161,34 @@ def stage(
     create: Callable[[Path], None] = lambda staging: None,
     source: str | os.PathLike[str] | None = None,
     checked: Attempt[Agreeing] | None = None,
+    judge: Callable[[list[Any]], None] | None = None,
     mailbox: bool = False,
 ) -> Path:
     """The ``stage`` step: every rank hands in ``checked``, what it collected before (a save's
     :func:`muonckpt.checkpoint.saving.collect`): its refusal fails the step on every rank, and
     its ``agreement`` (what the ranks must have alike that is only known once it ran: a digest
-    of values it took) is compared; when all passed and agree, the root checks the target and
+    of values it took) is compared and its ``report`` judged (``judge``, on the root: a save's
+    check of where the state is); when all passed and agree, the root checks the target and
     creates the staging directory (and, with ``mailbox``, the
     :class:`~muonckpt.storage.Mailbox` of a background finish); its path on every rank. (That
     the ranks were called alike, with the same arguments, is the operation's rendezvous,
     :func:`muonckpt.distributed.group_steps.rendezvous`, before this.)"""
     final = Path(final)
 
-    def mine() -> dict[str, Any] | None:
-        return None if checked is None else checked.result().agreement
+    def mine() -> list[Any] | None:
+        if checked is None:
+            return None
+        found = checked.result()
+        return [found.agreement, found.report if judge is not None else None]
 
-    def make(found: list[dict[str, Any] | None]) -> str:
+    def make(found: list[list[Any] | None]) -> str:
         if found[0] is not None:
-            differ = disagreement([given or {} for given in found], steps.ranks)
+            given = [each or [None, None] for each in found]
+            differ = disagreement([agreement or {} for agreement, _ in given], steps.ranks)
             if differ is not None:
                 raise CheckpointError(f"the ranks disagree on {differ}; nothing was written")
+            if judge is not None:
+                judge([report for _, report in given])
         staging = storage.store.create_staging(final, overwrite, source=source)
         try:
             create(staging)

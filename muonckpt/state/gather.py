@@ -96,57 +96,72 @@ def _gather_entry_metadata(
     sharding: Sharding,
     local: Callable[[], Mapping[int, ParamState]],
     held: list[Mapping[int, ParamState]],
-    *,
-    learn: bool = True,
 ) -> dict[str, list[ParamReport | None]]:
     """Every rank learns, per param, the state keys with their kind, dtype and shape (or value)
-    and the params' values (``state``, ``values``); with ``learn=False`` only whether they fit
-    the sharding (nothing). ``held`` receives this rank's :class:`ParamState`\\ s.
+    and the params' values (``state``, ``values``). ``held`` receives this rank's
+    :class:`ParamState`\\ s.
 
     Every participant reports the state it holds, owner or not, so that the merge can tell a
     wrong owner rule from a param without state.
     """
 
-    def mine() -> dict[str, dict[str, ParamReport]]:
+    def mine() -> EntryReports:
         held.append(local())
-        state: dict[str, ParamReport] = {}
-        values: dict[str, ParamReport] = {}
-        for index, param in enumerate(sharding.params):
-            entry = held[0].get(param.local_index) if param.local_index is not None else None
-            if entry is None:
-                continue
-            if entry.state:
-                state[str(index)] = {key: v.report() for key, v in entry.state.items()}
-                if param.replicated:  # the replicas must agree, not only in their keys
-                    for key, v in entry.state.items():
-                        if isinstance(v, TensorValue):
-                            state[str(index)][key]["digest"] = replica_digest(v.tensor)
-            if entry.values is not None:
-                report = TensorValue(entry.values).report()
-                if param.replicated:
-                    report["digest"] = replica_digest(entry.values)
-                values[str(index)] = {PARAM_KEY: report}  # named as the files name them
-        return {"state": state, "values": values}
-
-    def merged(
-        reports: list[dict[str, dict[str, ParamReport]]],
-    ) -> dict[str, list[ParamReport | None]]:
-        state = merge_entry_reports(sharding, [r["state"] for r in reports])
-        values = merge_entry_reports(sharding, [r["values"] for r in reports])
-        return {"state": state, "values": values} if learn else {}
+        return entry_reports(sharding, held[0])
 
     return state_dict_steps(sharding.participants, sharding.destination).each_then_root(
-        "state keys", mine, merged
+        "state keys", mine, lambda reports: _merged(sharding, reports)
     )
 
 
-def check_state_holders(sharding: Sharding, local: Mapping[int, ParamState]) -> None:
-    """Raise :class:`StateDictError` on every rank unless the state each rank holds is where
-    the sharding says (a declared owner holding none of it: a wrong owner rule). A collective
-    over ``sharding.participants``: each rank's metadata to the destination, the verdict back.
-    The params' own values are left out: every rank holds its own."""
-    states = {index: ParamState(held.state) for index, held in local.items()}  # state only
-    _gather_entry_metadata(sharding, lambda: states, [], learn=False)
+EntryReports = dict[str, dict[str, ParamReport]]
+"""One rank's report of the state and values it holds: ``{"state": {param index: {key:
+report}}, "values": {param index: {"param": report}}}`` (JSON)."""
+
+
+def entry_reports(sharding: Sharding, local: Mapping[int, ParamState]) -> EntryReports:
+    """This rank's :data:`EntryReports` of ``local`` (by flat param index), replicas' tensors
+    with their digests (the replicas must agree, not only in their keys)."""
+    state: dict[str, ParamReport] = {}
+    values: dict[str, ParamReport] = {}
+    for index, param in enumerate(sharding.params):
+        entry = local.get(param.local_index) if param.local_index is not None else None
+        if entry is None:
+            continue
+        if entry.state:
+            state[str(index)] = {key: v.report() for key, v in entry.state.items()}
+            if param.replicated:
+                for key, v in entry.state.items():
+                    if isinstance(v, TensorValue):
+                        state[str(index)][key]["digest"] = replica_digest(v.tensor)
+        if entry.values is not None:
+            report = TensorValue(entry.values).report()
+            if param.replicated:
+                report["digest"] = replica_digest(entry.values)
+            values[str(index)] = {PARAM_KEY: report}  # named as the files name them
+    return {"state": state, "values": values}
+
+
+def _merged(
+    sharding: Sharding, reports: Sequence[EntryReports]
+) -> dict[str, list[ParamReport | None]]:
+    state = merge_entry_reports(sharding, [r["state"] for r in reports])
+    values = merge_entry_reports(sharding, [r["values"] for r in reports])
+    return {"state": state, "values": values}
+
+
+def state_holders_report(sharding: Sharding, local: Mapping[int, ParamState]) -> EntryReports:
+    """What this rank tells :func:`check_state_holders`: the state it holds (the params' own
+    values left out: every rank holds its own)."""
+    return entry_reports(sharding, {i: ParamState(held.state) for i, held in local.items()})
+
+
+def check_state_holders(sharding: Sharding, reports: Sequence[EntryReports]) -> None:
+    """Raise :class:`StateDictError` unless the state each rank holds (``reports``, the
+    participants' :func:`state_holders_report`\\ s in order) is where the sharding says (a
+    declared owner holding none of it: a wrong owner rule). Pure: a save runs it on the root
+    of the step that compares the ranks' reports anyway (``stage``)."""
+    _merged(sharding, reports)
 
 
 def merge_entry_reports(
