@@ -44,9 +44,10 @@ every row alike; ``--drop-caches`` (root only) drops it before each row. ``--ver
 outputs (muonckpt's and the naive consolidation bitwise equal, the reshard equal to its source,
 DCP's keys and shapes) outside the timings.
 
-Bounds printed per size, PASS/FAIL from the measurements: consolidate and reshard op time
-<= 1.5x cp -r op time; whole command <= 2x cp -r's (the target is stated at 4 GB: at small sizes
-interpreter start and imports dominate); muonckpt consolidate >= 2x faster than DCP
+Bounds printed per size, PASS/FAIL from the measurements (each row's fastest run; the JSON
+has every run): consolidate and reshard op time <= 1.2x cp -r op time (issue 36); whole
+command <= 2x cp -r's (the target is stated at 4 GB: at small sizes interpreter start and
+imports dominate); muonckpt consolidate >= 2.5x faster than DCP
 consolidation; peak RSS < 2x the largest state tensor + 200 MiB, both as growth during the
 operation and as the whole process (interpreter and imports included; the muonckpt rows do not
 import torch, DCP's and the naive one do, ~220 MiB).
@@ -418,26 +419,26 @@ def _bounds(rows: dict, state_bytes: int, largest: int) -> list[dict]:
 
     for op in ("consolidate", "reshard"):
         op_s = rows[op]["op_s"]
-        bound(f"{op} op time <= 1.5x cp -r op time", op_s, 1.5 * cp_op, "s", op_s <= 1.5 * cp_op)
+        bound(f"{op} op time <= 1.2x cp -r op time", op_s, 1.2 * cp_op, "s", op_s <= 1.2 * cp_op)
     for op in ("cli-consolidate", "cli-reshard"):
         whole = rows[op]["whole_s"]
         ok = whole <= 2 * cp_whole
         bound(f"{op} whole command <= 2x cp -r whole{at_4gb}", whole, 2 * cp_whole, "s", ok)
     dcp, ours = rows["dcp"]["op_s"], rows["consolidate"]["op_s"]
     bound(
-        "consolidate >= 2x faster than DCP consolidation (+fsync)",
+        "consolidate >= 2.5x faster than DCP consolidation (+fsync)",
         dcp / ours,
-        2.0,
+        2.5,
         "x",
-        dcp >= 2 * ours,
+        dcp >= 2.5 * ours,
     )
     dcp_raw = rows["dcp"]["op_s_without_fsync"]
     bound(
-        "consolidate >= 2x faster than DCP consolidation (DCP without fsync)",
+        "consolidate >= 2.5x faster than DCP consolidation (DCP without fsync)",
         dcp_raw / ours,
-        2.0,
+        2.5,
         "x",
-        dcp_raw >= 2 * ours,
+        dcp_raw >= 2.5 * ours,
     )
     for op in ("consolidate", "reshard"):
         growth = rows[op]["op_rss_growth"]
