@@ -610,8 +610,8 @@ def _strided_reads(draw: st.DrawFn) -> tuple[int, int, list[Strided]]:
 
 
 @settings(max_examples=150, deadline=None)
-@given(_strided_reads(), st.booleans(), st.sampled_from([1, 1 << 16]))
-def test_read_groups_places_rows_and_verifies(case, corrupt, direct_bytes) -> None:
+@given(_strided_reads(), st.booleans(), st.sampled_from([1, 1 << 16]), st.randoms())
+def test_read_groups_places_rows_and_verifies(case, corrupt, direct_bytes, rnd) -> None:
     """Every group placed and verified; with ``direct_bytes`` 1 every single run longer than
     a chunk is read straight into the output, with its partly needed end chunks through the
     scratch buffer."""
@@ -622,9 +622,11 @@ def test_read_groups_places_rows_and_verifies(case, corrupt, direct_bytes) -> No
         path = Path(tmp) / "t.safetensors"
         rec = write_safetensors(path, {"t": data}, chunk_bytes=chunk)["t"]
         if corrupt:
-            # Flip a byte the first group reads: the verified read must refuse it.
+            # Flip a byte some group reads (a run's first or last chunk, or one between,
+            # read straight into the output): the verified read must refuse it.
+            read = [e for g in groups for r in g.runs() for e in range(r.src, r.src + r.length)]
             raw = bytearray(path.read_bytes())
-            raw[rec.offset + groups[0].src * 2] ^= 0xFF
+            raw[rec.offset + rnd.choice(read) * 2 + rnd.randrange(2)] ^= 0xFF
             path.write_bytes(bytes(raw))
         out = torch.zeros(len(expected), dtype=torch.int16)
         with (

@@ -1,10 +1,10 @@
 """A save's steps in the caller's thread, each a call that returns data: :func:`agree` (the
 rendezvous, then the layout), :func:`collect` (this rank's values, taken once, or its
-refusal), :func:`plan` (once the ranks agreed in the ``stage`` step: the holders' check or the
-consolidated gather, the checked write plan and the manifest's draft), and :func:`write` (this
-rank's files, in the caller's thread or the background), which
-:mod:`muonckpt.checkpoint.api` calls in turn between the steps of
-:mod:`muonckpt.checkpoint.writing`."""
+refusal, and where it holds state, which the ``stage`` step's root checks: :func:`judge`),
+:func:`plan` (once the ranks agreed in the ``stage`` step: the consolidated gather, the
+checked write plan and the manifest's draft), and :func:`write` (this rank's files, in the
+caller's thread or the background), which :mod:`muonckpt.checkpoint.api` calls in turn
+between the steps of :mod:`muonckpt.checkpoint.writing`."""
 
 from __future__ import annotations
 

@@ -34,7 +34,6 @@ import json
 import os
 import warnings
 from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
@@ -45,6 +44,7 @@ from ..errors import (
     CheckpointWarning,
     InterruptedAfterCommit,
     MuonCkptError,
+    StateDictError,
 )
 from ..format.manifest import (
     FORMAT_NAME,
@@ -61,7 +61,7 @@ from ..format.manifest_size import ManifestSize
 from ..format.names import MANIFEST_NAME
 from ..format.writeplan import Plan, TensorWrite, specs_of
 from ..layout.workplan import WorkUnit, split_work
-from ..storage.safetensors_writer import beside
+from ..storage.safetensors_writer import prefetched
 from . import _indexes, _save_manifest
 from ._attempt import Attempt
 from ._reports import Reports as Reports
@@ -88,7 +88,6 @@ Fetch = Callable[[TensorWrite], Any]
 (1-D uint8 numpy), as :meth:`muonckpt.storage.SafetensorsWriter.write` takes them."""
 
 T = TypeVar("T")
-R = TypeVar("R")
 
 
 class Steps(Protocol):
@@ -168,7 +167,8 @@ def stage(
     :func:`muonckpt.checkpoint.saving.collect`): its refusal fails the step on every rank, and
     its ``agreement`` (what the ranks must have alike that is only known once it ran: a digest
     of values it took) is compared and its ``report`` judged (``judge``, on the root: a save's
-    check of where the state is); when all passed and agree, the root checks the target and
+    check of where the state is, whose :class:`StateDictError` is raised as one on every
+    rank); when all passed and agree, the root checks the target and
     creates the staging directory (and, with ``mailbox``, the
     :class:`~muonckpt.storage.Mailbox` of a background finish); its path on every rank. (That
     the ranks were called alike, with the same arguments, is the operation's rendezvous,
@@ -181,14 +181,17 @@ def stage(
         found = checked.result()
         return [found.agreement, found.report if judge is not None else None]
 
-    def make(found: list[list[Any] | None]) -> str:
+    def make(found: list[list[Any] | None]) -> dict[str, str]:
         if found[0] is not None:
             given = [each or [None, None] for each in found]
             differ = disagreement([agreement or {} for agreement, _ in given], steps.ranks)
             if differ is not None:
                 raise CheckpointError(f"the ranks disagree on {differ}; nothing was written")
-            if judge is not None:
-                judge([report for _, report in given])
+            try:
+                if judge is not None:
+                    judge([report for _, report in given])
+            except StateDictError as exc:
+                return {"refused": str(exc)}
         staging = storage.store.create_staging(final, overwrite, source=source)
         try:
             create(staging)
@@ -197,9 +200,12 @@ def stage(
         except BaseException:
             storage.store.discard(staging)
             raise
-        return str(staging)
+        return {"staging": str(staging)}
 
-    return Path(steps.each_then_root("stage", mine, make))
+    decided = steps.each_then_root("stage", mine, make)
+    if "refused" in decided:  # the state dict does not fit its sharding: that error, on all
+        raise StateDictError(f"stage: {decided['refused']}", agreed_by=steps.ranks)
+    return Path(decided["staging"])
 
 
 def abandon(staging: Path) -> None:
@@ -587,24 +593,3 @@ def seal_shared(plan: Plan, staging: Path) -> None:
     fsyncs them all in one parallel pass."""
     for output in shared_files(plan, staging).values():
         output.commit(sync=False)
-
-
-def prefetched(items: Sequence[T], produce: Callable[[T], R]) -> Generator[tuple[T, R], None, None]:
-    """``(item, produce(item))`` in order, producing the next item on a thread meanwhile.
-
-    Reading (page-cache copies, xxhash) and writing (write, xxhash) both release the GIL, so a
-    reader one tensor ahead of the writer keeps two cores busy. At most two produced values are
-    alive, and ``produce`` for item ``i + 2`` starts only once the consumer is done with item
-    ``i``: a :class:`~muonckpt.checkpoint.pieces.PieceReader` with ``reuse_outputs=2`` can produce
-    them.
-    """
-    if not items:
-        return
-    with ThreadPoolExecutor(max_workers=1) as pool:
-        pending = beside(pool, produce, items[0])
-        for index, item in enumerate(items):
-            value = pending.result()
-            if index + 1 < len(items):
-                pending = beside(pool, produce, items[index + 1])
-            yield item, value
-            del value

@@ -15,7 +15,7 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar, cast
 
-from ..errors import ArgumentError, MuonCkptError, StateDictError
+from ..errors import ArgumentError, MuonCkptError
 
 T = TypeVar("T")
 
@@ -30,8 +30,7 @@ class StepProtocol:
 
     A step ends with every rank knowing its outcome: the value, or the failure of any rank,
     raised on every rank as the same ``error`` (a library error type the caller chooses; an
-    :class:`ArgumentError` for a refused argument, where that is one; a
-    :class:`StateDictError`, a state dict that does not fit, stays one),
+    :class:`ArgumentError` for a refused argument, where that is one),
     ``"<operation> (<step>): <message>"``, its ``rank`` the rank that failed and its
     ``agreed_by`` these ranks. A failure of a step nested inside another one's work over the
     same ranks (the state-dict gather inside a consolidated save's write) has been raised on
@@ -97,8 +96,6 @@ class StepProtocol:
             }
             if isinstance(exc, ArgumentError):
                 outcome["argument"] = exc.argument
-            if isinstance(exc, StateDictError):
-                outcome["state_dict"] = True
             return outcome
         except Exception as exc:
             self._failure = exc
@@ -113,8 +110,6 @@ class StepProtocol:
                 raise ArgumentError(
                     message, argument=argument, rank=rank, agreed_by=self.ranks
                 ) from failure
-            if outcome.get("state_dict"):  # a state dict that does not fit, in any operation
-                raise StateDictError(message, rank=rank, agreed_by=self.ranks) from failure
             raise self.error(message, rank=rank, agreed_by=self.ranks) from failure
         return outcome["value"]
 

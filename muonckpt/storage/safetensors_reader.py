@@ -49,9 +49,10 @@ interleaved runs), 0.067 s with 8 MiB and 0.074 s with 16 MiB windows, against 0
 it hashed 64 MiB mappings, which a file truncated meanwhile turned into SIGBUS."""
 
 _DIRECT_BYTES = 64 << 10
-"""A read of one contiguous run at least this long goes by ``pread`` straight into the output
-(its whole checksum chunks; a partly needed chunk at either end through the scratch buffer),
-saving the copy out of the scratch buffer: a load's arena, a rewrite's output buffer."""
+"""A read of one contiguous run whose whole checksum chunks hold at least this many bytes
+reads them by ``pread`` straight into the output (a load's arena, a rewrite's output buffer),
+saving the copy out of the scratch buffer; a partly needed chunk at either end goes through
+the scratch buffer."""
 
 
 class SafetensorsReader:

@@ -14,7 +14,7 @@ import os
 import struct
 import sys
 from array import array
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from types import TracebackType
@@ -30,6 +30,7 @@ from .durable import pwrite_all, remove_quietly, replace_durably, start_writebac
 from .safetensors_format import DTYPE_CODES, DTYPES, METADATA_KEY, TensorRecord
 
 _T = TypeVar("_T")
+_R = TypeVar("_R")
 
 if TYPE_CHECKING:
     import torch
@@ -132,6 +133,29 @@ def beside(pool: ThreadPoolExecutor, work: Callable[..., _T], *args: Any) -> Fut
     except BaseException as exc:
         done.set_exception(exc)
     return done
+
+
+def prefetched(
+    items: Sequence[_T], produce: Callable[[_T], _R]
+) -> Generator[tuple[_T, _R], None, None]:
+    """``(item, produce(item))`` in order, producing the next item on a thread meanwhile.
+
+    Reading (page-cache copies, xxhash) and writing (write, xxhash) both release the GIL, so a
+    reader one tensor ahead of the writer keeps two cores busy. At most two produced values are
+    alive, and ``produce`` for item ``i + 2`` starts only once the consumer is done with item
+    ``i``: a :class:`~muonckpt.checkpoint.pieces.PieceReader` with ``reuse_outputs=2`` can produce
+    them.
+    """
+    if not items:
+        return
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        pending = beside(pool, produce, items[0])
+        for index, item in enumerate(items):
+            value = pending.result()
+            if index + 1 < len(items):
+                pending = beside(pool, produce, items[index + 1])
+            yield item, value
+            del value
 
 
 def _plan_header(
