@@ -258,6 +258,13 @@ def change_dtype(ckpt: Path) -> tuple[str, str | None]:
     return _piece(ckpt, "norm")["file"], "norm"
 
 
+def unknown_dtype(ckpt: Path) -> tuple[str, str | None]:
+    """A dtype no safetensors file holds (the fuzz test's ``F32`` -> ``G32``): refused when the
+    manifest is read, not a KeyError where a piece index is parsed."""
+    _param_kind(ckpt, "norm", lambda kind: kind["dtypes"].update(exp_avg="G32"))
+    return MANIFEST, "exp_avg"
+
+
 def newer_format_version(ckpt: Path) -> tuple[str, str | None]:
     body = _manifest(ckpt)
     body["format_version"] = 99
@@ -307,6 +314,7 @@ DAMAGES: list[Damage] = [
     remove_piece,
     duplicate_piece,
     change_dtype,
+    unknown_dtype,
     newer_format_version,
     other_checksum_algorithm,
     malformed_checksum,

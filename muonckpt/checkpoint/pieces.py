@@ -9,6 +9,7 @@ param's state as raw bytes from whichever pieces hold it, verifying checksums, a
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 from collections import Counter
@@ -36,6 +37,11 @@ from ..format.manifest_json import parse_manifest, parse_manifest_chunks
 from ..format.names import INDEX_FILE, MANIFEST_NAME, MODEL_INDEX_FILE, rank_file
 from ..format.piece_index import parse_index
 from ..layout.topology import Region, Strided, strided_runs
+
+_WHOLE_MANIFEST_BYTES = 16 << 20
+"""A manifest up to this size is parsed whole (the C decoder: a Kimi-K2-shaped top level of
+2.6 MB in 0.05 s, against 0.5 s as a stream); a larger one (a version 1 or 2 manifest listing
+every piece) as a stream, never held whole."""
 
 
 def read_manifest(path: str | os.PathLike[str], *, pieces: bool = True) -> Manifest:
@@ -78,11 +84,22 @@ def read_manifest(path: str | os.PathLike[str], *, pieces: bool = True) -> Manif
             "not a muonckpt checkpoint: no manifest.json and no .safetensors files",
             path=directory,
         )
-    try:
-        manifest = parse_manifest_chunks(storage.read_text_chunks(manifest_path), manifest_path)
-    except CheckpointError:  # named as the whole text shows it (which problem comes first)
+    manifest = None
+    if _parsed_as_stream(manifest_path):
+        with contextlib.suppress(CheckpointError):  # else named as the whole text shows it
+            manifest = parse_manifest_chunks(storage.read_text_chunks(manifest_path), manifest_path)
+    if manifest is None:
         manifest = parse_manifest(storage.read_text(manifest_path), manifest_path)
     return load_pieces(directory, manifest, None) if pieces else manifest
+
+
+def _parsed_as_stream(manifest_path: Path) -> bool:
+    """Whether the manifest is past :data:`_WHOLE_MANIFEST_BYTES` (one that cannot be sized
+    is read whole, which names what is wrong with it)."""
+    try:
+        return manifest_path.stat().st_size > _WHOLE_MANIFEST_BYTES
+    except OSError:
+        return False
 
 
 def indexes_for(manifest: Manifest, names: Iterable[str] | None) -> list[IndexEntry]:

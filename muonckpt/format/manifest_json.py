@@ -10,7 +10,6 @@ from __future__ import annotations
 import re
 import sys
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import replace
 from typing import Any, TypeGuard
 
 from ..errors import CheckpointError
@@ -181,7 +180,7 @@ def _params_v3(raw: Any, raw_kinds: Any, shared: _Shared, version: int) -> tuple
         else:
             name = _str(spelled[0])
         _expect(_int(kind) < len(kinds) and kind >= 0, f"param {name!r}: no kind {kind!r}")
-        params.append(replace(kinds[kind], name=sys.intern(name)))
+        params.append(kinds[kind].named(sys.intern(name)))
     return tuple(params)
 
 
@@ -472,9 +471,12 @@ def _dtypes(raw: Mapping[str, Any], version: int) -> dict[str, str]:
     if version < 2:
         keys = [_str(k) for k in raw["state_keys"]]
         _expect(PARAM_KEY not in keys, f"state key {PARAM_KEY!r} is reserved for the values")
+        _expect(raw["dtype"] in DTYPE_BYTES, f"unknown dtype {raw['dtype']!r}")
         return {k: _str(raw["dtype"]) for k in keys}
     dtypes = raw["dtypes"]
     _expect(isinstance(dtypes, dict), "dtypes must map stored keys to dtype strings")
+    for key, dtype in dtypes.items():
+        _expect(dtype in DTYPE_BYTES, f"stored key {key!r}: unknown dtype {dtype!r}")
     return {sys.intern(_str(k)): sys.intern(_str(v)) for k, v in dtypes.items()}
 
 
