@@ -114,15 +114,18 @@ def _prepare(
     call = saving.agree(target, path, options)
     collected = saving.collect(call, buffers)  # this rank's values, or its refusal
     mailbox = options.background and len(call.sharding.participants) > 1
-    staging = writing.stage(
-        call.steps,
-        path,
-        overwrite=options.overwrite,
-        checked=collected,
-        judge=saving.judge(call),
-        mailbox=mailbox,
-    )
-    return saving.plan(call, collected.result(), staging, buffers)
+    try:
+        staging = writing.stage(
+            call.steps,
+            path,
+            overwrite=options.overwrite,
+            checked=collected,
+            judge=saving.judge(call),
+            mailbox=mailbox,
+        )
+        return saving.plan(call, collected.result(), staging, buffers)
+    finally:
+        saving.settle(collected)  # the snapshot made before the call returns or raises
 
 
 def _write_and_commit(

@@ -41,7 +41,7 @@ from ..state.gather import (
     gather_full_state,
     state_holders_report,
 )
-from ..state.hostcopy import HostBuffers
+from ..state.hostcopy import HostBuffers, PendingSnapshot
 from ..state.model_state import ModelTensors, model_tensors
 from ..state.placement import Optimizers, describe, optimizers_of, participants, replica_hint
 from ..state.sharding_model import Sharding
@@ -112,14 +112,26 @@ def _collected(call: SaveCall, buffers: HostBuffers) -> Collected:
     names = [p.name for p in sharding.params]
     model = model_tensors(options.model, names, options.consolidated, options.params)
     job = _JobState.take(options.extra, options.rank_extra)
-    payload = None
-    if not options.consolidated:
-        payload = _rank_payload(sharding, state)
-        if options.background:  # the optimizer may change as soon as async_save returns
-            payload.tensors = buffers.snapshot(payload.tensors)
+    payload = None if options.consolidated else _rank_payload(sharding, state)
     _check_manifest(sharding, state, payload, options.shard_bytes, call.path)
     report = state_holders_report(sharding, state) if _holders_checked(call) else None
+    if payload is not None and options.background:  # the optimizer may change on return
+        payload.snapshot = buffers.start_snapshot(payload.tensors)  # done by settle()
+        payload.tensors = payload.snapshot.copies
     return Collected(state, model, job, payload, job.agreement(), report)
+
+
+def settle(collected: Attempt[Collected]) -> None:
+    """(before a background save's call returns, however it ends) Wait for the snapshot that
+    :func:`collect` started, which the ``stage`` step's exchange overlaps; a copy that failed
+    is this rank's failure of the ``write`` step, which every rank then raises."""
+    payload = collected.value.payload if collected.value is not None else None
+    if payload is None or payload.snapshot is None:
+        return
+    try:
+        payload.snapshot.wait()
+    except Exception as exc:
+        payload.plan = Attempt(failure=exc)
 
 
 def _holders_checked(call: SaveCall) -> bool:
@@ -320,6 +332,8 @@ class _Payload:
     plan: Attempt[WritePlan | None]
     tensors: dict[tuple[str, str], torch.Tensor]
     scalars: dict[str, dict[str, Any]]
+    snapshot: PendingSnapshot[tuple[str, str]] | None = None
+    """A background save's copies of :attr:`tensors` being made (:func:`settle` waits)."""
 
 
 def _rank_payload(sharding: Sharding, collected: Mapping[int, ParamState]) -> _Payload:

@@ -468,15 +468,12 @@ def _as_json_object(value: Mapping[str, Any]) -> dict[str, Any]:
 
 def _dtypes(raw: Mapping[str, Any], version: int) -> dict[str, str]:
     """Each stored key's dtype: version 2 lists them, version 1 has one dtype for all state."""
-    if version < 2:
-        keys = [_str(k) for k in raw["state_keys"]]
-        _expect(PARAM_KEY not in keys, f"state key {PARAM_KEY!r} is reserved for the values")
-        _expect(raw["dtype"] in DTYPE_BYTES, f"unknown dtype {raw['dtype']!r}")
-        return {k: _str(raw["dtype"]) for k in keys}
-    dtypes = raw["dtypes"]
+    keys = [_str(k) for k in raw["state_keys"]] if version < 2 else []
+    _expect(PARAM_KEY not in keys, f"state key {PARAM_KEY!r} is reserved for the values")
+    dtypes = {k: raw["dtype"] for k in keys} if version < 2 else raw["dtypes"]
     _expect(isinstance(dtypes, dict), "dtypes must map stored keys to dtype strings")
-    for key, dtype in dtypes.items():
-        _expect(dtype in DTYPE_BYTES, f"stored key {key!r}: unknown dtype {dtype!r}")
+    unknown = {k: d for k, d in dtypes.items() if d not in DTYPE_BYTES}
+    _expect(not unknown, f"unknown dtype(s) of stored keys: {unknown!r:.100}")
     return {sys.intern(_str(k)): sys.intern(_str(v)) for k, v in dtypes.items()}
 
 

@@ -11,10 +11,14 @@ pinned allocation costs far more than the copy.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Hashable, Mapping
-from typing import TypeVar
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Generic, TypeVar
 
 import torch
+
+from ..storage.safetensors_writer import beside
 
 K = TypeVar("K", bound=Hashable)
 
@@ -57,9 +61,19 @@ class HostBuffers:
         return host
 
     def snapshot(self, tensors: Mapping[K, torch.Tensor]) -> dict[K, torch.Tensor]:
-        """Flat (1-D) copies of ``tensors`` in one arena, complete when this returns (also for
-        CUDA tensors: the copies are issued on each device's current stream, which then is
-        waited for). The copies stay valid until the next snapshot.
+        """Flat (1-D) copies of ``tensors`` in one arena, complete when this returns; valid
+        until the next snapshot (:meth:`start_snapshot`, waited for)."""
+        pending = self.start_snapshot(tensors)
+        pending.wait()
+        return pending.copies
+
+    def start_snapshot(self, tensors: Mapping[K, torch.Tensor]) -> PendingSnapshot[K]:
+        """Flat (1-D) copies of ``tensors`` in one arena, being made: complete once
+        :meth:`PendingSnapshot.wait` returns, which the caller must call before the sources
+        may change (and before the next snapshot). CUDA tensors' copies are issued here, on
+        each device's current stream, and waited for then; host tensors are copied on a
+        worker thread meanwhile (past :data:`_COPIED_HERE_BYTES`), so that a caller's other
+        work (a save's exchanges with the other ranks) overlaps the copy.
 
         The arena holds the tensors of each dtype in one run, cut by one ``split``: a few
         operations per tensor, which is what a state of many small tensors costs."""
@@ -72,17 +86,67 @@ class HostBuffers:
             total += _aligned(sum(tensors[k].numel() for k in keys) * dtype.itemsize)
         on_cuda = {t.device for t in tensors.values() if t.device.type == "cuda"}
         arena = self._buffer("snapshot", total, bool(on_cuda) and _pinnable())
-        copies = {}
+        copies, on_host = {}, []
         for dtype, keys in by_dtype.items():
             numels = [tensors[k].numel() for k in keys]
             run = arena[starts[dtype] : starts[dtype] + sum(numels) * dtype.itemsize]
             for key, copy in zip(keys, torch.split(run.view(dtype), numels), strict=True):
                 source = tensors[key]
-                copy.copy_(source.reshape(-1), non_blocking=source.device.type == "cuda")
+                if source.device.type == "cuda":
+                    copy.copy_(source.reshape(-1), non_blocking=True)
+                else:
+                    on_host.append((copy, source))
                 copies[key] = copy
-        for device in on_cuda:
-            torch.cuda.current_stream(device).synchronize()
-        return copies
+        streams = [torch.cuda.current_stream(device) for device in on_cuda]
+        host_bytes = sum(copy.numel() * copy.element_size() for copy, _ in on_host)
+        if host_bytes < _COPIED_HERE_BYTES:
+            _copy_all(on_host)
+            return PendingSnapshot(copies, streams, None)
+        return PendingSnapshot(copies, streams, beside(_copier(), _copy_all, on_host))
+
+
+_COPIED_HERE_BYTES = 1 << 20
+"""Host tensors of fewer bytes in all are copied in the caller's thread (a handoff costs more)."""
+
+
+def _copy_all(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Each ``(copy, source)``: the source's elements into the copy (torch releases the GIL)."""
+    for copy, source in pairs:
+        copy.copy_(source.reshape(-1))
+
+
+_COPIER: list[ThreadPoolExecutor] = []
+os.register_at_fork(after_in_child=_COPIER.clear)  # a forked child has none of its threads
+
+
+def _copier() -> ThreadPoolExecutor:
+    """The worker thread that host snapshots are copied on (made at the first one)."""
+    if not _COPIER:
+        _COPIER.append(ThreadPoolExecutor(max_workers=1, thread_name_prefix="muonckpt-copy"))
+    return _COPIER[0]
+
+
+class PendingSnapshot(Generic[K]):
+    """A snapshot being made (:meth:`HostBuffers.start_snapshot`): :attr:`copies`, complete
+    once :meth:`wait` returns."""
+
+    def __init__(
+        self,
+        copies: dict[K, torch.Tensor],
+        streams: list[torch.cuda.Stream],
+        copying: Future[None] | None,
+    ) -> None:
+        self.copies = copies
+        self._streams, self._copying = streams, copying
+
+    def wait(self) -> None:
+        """Until every copy is made (idempotent); a copy's failure raises here."""
+        copying, self._copying = self._copying, None
+        if copying is not None:
+            copying.result()
+        streams, self._streams = self._streams, []
+        for stream in streams:
+            stream.synchronize()
 
 
 def _pinnable() -> bool:
