@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 import numpy as np
@@ -28,7 +29,10 @@ def _state() -> dict[str, torch.Tensor]:
 def test_a_snapshot_is_made_on_the_worker_and_complete_once_waited_for():
     state = _state()
     pending = HostBuffers().start_snapshot(state)
-    assert hostcopy._COPIER, "the host copies did not go to the worker thread"
+    assert hostcopy._Copier._here is not None, "the host copies did not go to the worker"
+    # a daemon: an idle worker must not keep a launcher's rank (which joins the threads
+    # that are not daemons) or an interpreter from ending
+    assert [t.daemon for t in threading.enumerate() if t.name == "muonckpt-copy"] == [True]
     pending.wait()
     pending.wait()  # idempotent
     for key, tensor in state.items():
@@ -38,9 +42,9 @@ def test_a_snapshot_is_made_on_the_worker_and_complete_once_waited_for():
 
 
 def test_a_small_snapshot_is_copied_in_the_callers_thread(monkeypatch):
-    monkeypatch.setattr(hostcopy, "_COPIER", [])
+    monkeypatch.setattr(hostcopy._Copier, "_here", None)
     pending = HostBuffers().start_snapshot({"s": torch.ones(8)})
-    assert not hostcopy._COPIER
+    assert hostcopy._Copier._here is None
     assert torch.equal(pending.copies["s"], torch.ones(8))  # before any wait
 
 
@@ -49,7 +53,7 @@ def test_a_forked_child_snapshots_without_its_parents_worker():
     """A child forked after the parent's threaded snapshot has no worker thread: it makes its
     own instead of queueing work for one that does not exist (which would never finish)."""
     HostBuffers().snapshot(_state())
-    assert hostcopy._COPIER
+    assert hostcopy._Copier._here is not None
     child = os.fork()
     if child == 0:  # pragma: no cover - the child's exit code is the assertion
         source = torch.randn(600, 700)  # compared in numpy: torch's parallel ops may hang

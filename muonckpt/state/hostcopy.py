@@ -12,13 +12,13 @@ pinned allocation costs far more than the copy.
 from __future__ import annotations
 
 import os
+import queue
+import threading
 from collections.abc import Hashable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Generic, TypeVar
+from concurrent.futures import Future
+from typing import Any, Generic, TypeVar
 
 import torch
-
-from ..storage.safetensors_writer import beside
 
 K = TypeVar("K", bound=Hashable)
 
@@ -99,10 +99,11 @@ class HostBuffers:
                 copies[key] = copy
         streams = [torch.cuda.current_stream(device) for device in on_cuda]
         host_bytes = sum(copy.numel() * copy.element_size() for copy, _ in on_host)
-        if host_bytes < _COPIED_HERE_BYTES:
+        copier = _Copier.of_this_process() if host_bytes >= _COPIED_HERE_BYTES else None
+        if copier is None:
             _copy_all(on_host)
             return PendingSnapshot(copies, streams, None)
-        return PendingSnapshot(copies, streams, beside(_copier(), _copy_all, on_host))
+        return PendingSnapshot(copies, streams, copier.submit(on_host))
 
 
 _COPIED_HERE_BYTES = 1 << 20
@@ -115,15 +116,48 @@ def _copy_all(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         copy.copy_(source.reshape(-1))
 
 
-_COPIER: list[ThreadPoolExecutor] = []
-os.register_at_fork(after_in_child=_COPIER.clear)  # a forked child has none of its threads
+class _Copier:
+    """The daemon thread that host snapshots are copied on, one per process, made at the
+    first: idle between saves, it keeps no interpreter or launcher from ending (a thread pool's
+    worker is no daemon), and a snapshot is waited for before the call that started it
+    returns, so none is cut short at exit."""
+
+    _here: _Copier | None = None
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[tuple[list[Any], Future[None]]] = queue.SimpleQueue()
+        threading.Thread(target=self._serve, name="muonckpt-copy", daemon=True).start()
+
+    @classmethod
+    def of_this_process(cls) -> _Copier | None:
+        """This process's copier; None when no thread can be started (at interpreter exit,
+        a save from an atexit handler: then the caller copies)."""
+        if cls._here is None:
+            try:
+                cls._here = cls()
+            except RuntimeError:
+                return None
+        return cls._here
+
+    def submit(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Future[None]:
+        """:func:`_copy_all` of ``pairs`` on the thread; its outcome."""
+        done: Future[None] = Future()
+        self._jobs.put((pairs, done))
+        return done
+
+    def _serve(self) -> None:
+        while True:
+            pairs, done = self._jobs.get()
+            try:
+                _copy_all(pairs)
+            except BaseException as exc:
+                done.set_exception(exc)
+            else:
+                done.set_result(None)
+            del pairs, done
 
 
-def _copier() -> ThreadPoolExecutor:
-    """The worker thread that host snapshots are copied on (made at the first one)."""
-    if not _COPIER:
-        _COPIER.append(ThreadPoolExecutor(max_workers=1, thread_name_prefix="muonckpt-copy"))
-    return _COPIER[0]
+os.register_at_fork(after_in_child=lambda: setattr(_Copier, "_here", None))  # its thread is gone
 
 
 class PendingSnapshot(Generic[K]):
