@@ -145,13 +145,3 @@ def disagreeing_phase(ckpt: str, argument: str) -> str:
     except muonckpt.CheckpointError as exc:
         return str(exc)
     return "no error"
-
-
-def big_state_phase(root: str) -> str:
-    """An ``async_save`` of this process's AdamW with 2.4 MB of moments: copied on the
-    snapshot worker thread, which must not keep the rank from ending."""
-    param = torch.nn.Parameter(torch.randn(300_000))
-    opt = torch.optim.AdamW([param])
-    param.grad = torch.ones_like(param)
-    opt.step()
-    return str(muonckpt.async_save(opt, f"{root}/rank-{dist.get_rank()}", local=True).result())

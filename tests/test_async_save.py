@@ -19,7 +19,6 @@ from muonckpt.offline import diff
 
 from . import exit_script
 from .async_cases import (
-    big_state_phase,
     disagreeing_phase,
     failing_rank_phase,
     keep_last_phase,
@@ -331,15 +330,6 @@ def test_host_buffers_are_reused_between_saves(tmp_path):
     address = buffers._buffers["snapshot"].data_ptr()
     muonckpt.async_save(opt, tmp_path / "b").result(timeout=30)
     assert buffers._buffers["snapshot"].data_ptr() == address and buffers.nbytes == held
-
-
-@pytest.mark.dist
-def test_a_rank_whose_snapshot_went_to_the_copy_thread_ends(tmp_path):
-    """The snapshot's worker thread (2.4 MB of host state per rank) is a daemon: a launched
-    rank, which joins every other thread before it ends, used to wait for it forever."""
-    paths = run_distributed(big_state_phase, 2, str(tmp_path), timeout=120)
-    assert paths == [str(tmp_path / "rank-0"), str(tmp_path / "rank-1")]
-    assert all(muonckpt.verify(path) == [] for path in paths)
 
 
 @pytest.mark.dist

@@ -11,12 +11,8 @@ pinned allocation costs far more than the copy.
 
 from __future__ import annotations
 
-import os
-import queue
-import threading
 from collections.abc import Hashable, Mapping
-from concurrent.futures import Future
-from typing import Any, Generic, TypeVar
+from typing import Generic, TypeVar
 
 import torch
 
@@ -70,10 +66,11 @@ class HostBuffers:
     def start_snapshot(self, tensors: Mapping[K, torch.Tensor]) -> PendingSnapshot[K]:
         """Flat (1-D) copies of ``tensors`` in one arena, being made: complete once
         :meth:`PendingSnapshot.wait` returns, which the caller must call before the sources
-        may change (and before the next snapshot). CUDA tensors' copies are issued here, on
-        each device's current stream, and waited for then; host tensors are copied on a
-        worker thread meanwhile (past :data:`_COPIED_HERE_BYTES`), so that a caller's other
-        work (a save's exchanges with the other ranks) overlaps the copy.
+        may change (and before the next snapshot). Host tensors are copied here; CUDA
+        tensors' copies are issued here, on each device's current stream, and waited for
+        then, so that a caller's other work (a save's exchange with the other ranks) overlaps
+        the device-to-host copies. (Host copies on a worker thread measured slower on the
+        2-core benchmark machine: 4 ranks' copies already fill its cores.)
 
         The arena holds the tensors of each dtype in one run, cut by one ``split``: a few
         operations per tensor, which is what a state of many small tensors costs."""
@@ -86,98 +83,27 @@ class HostBuffers:
             total += _aligned(sum(tensors[k].numel() for k in keys) * dtype.itemsize)
         on_cuda = {t.device for t in tensors.values() if t.device.type == "cuda"}
         arena = self._buffer("snapshot", total, bool(on_cuda) and _pinnable())
-        copies, on_host = {}, []
+        copies = {}
         for dtype, keys in by_dtype.items():
             numels = [tensors[k].numel() for k in keys]
             run = arena[starts[dtype] : starts[dtype] + sum(numels) * dtype.itemsize]
             for key, copy in zip(keys, torch.split(run.view(dtype), numels), strict=True):
                 source = tensors[key]
-                if source.device.type == "cuda":
-                    copy.copy_(source.reshape(-1), non_blocking=True)
-                else:
-                    on_host.append((copy, source))
+                copy.copy_(source.reshape(-1), non_blocking=source.device.type == "cuda")
                 copies[key] = copy
-        streams = [torch.cuda.current_stream(device) for device in on_cuda]
-        host_bytes = sum(copy.numel() * copy.element_size() for copy, _ in on_host)
-        copier = _Copier.of_this_process() if host_bytes >= _COPIED_HERE_BYTES else None
-        if copier is None:
-            _copy_all(on_host)
-            return PendingSnapshot(copies, streams, None)
-        return PendingSnapshot(copies, streams, copier.submit(on_host))
-
-
-_COPIED_HERE_BYTES = 1 << 20
-"""Host tensors of fewer bytes in all are copied in the caller's thread (a handoff costs more)."""
-
-
-def _copy_all(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """Each ``(copy, source)``: the source's elements into the copy (torch releases the GIL)."""
-    for copy, source in pairs:
-        copy.copy_(source.reshape(-1))
-
-
-class _Copier:
-    """The daemon thread that host snapshots are copied on, one per process, made at the
-    first: idle between saves, it keeps no interpreter or launcher from ending (a thread pool's
-    worker is no daemon), and a snapshot is waited for before the call that started it
-    returns, so none is cut short at exit."""
-
-    _here: _Copier | None = None
-
-    def __init__(self) -> None:
-        self._jobs: queue.SimpleQueue[tuple[list[Any], Future[None]]] = queue.SimpleQueue()
-        threading.Thread(target=self._serve, name="muonckpt-copy", daemon=True).start()
-
-    @classmethod
-    def of_this_process(cls) -> _Copier | None:
-        """This process's copier; None when no thread can be started (at interpreter exit,
-        a save from an atexit handler: then the caller copies)."""
-        if cls._here is None:
-            try:
-                cls._here = cls()
-            except RuntimeError:
-                return None
-        return cls._here
-
-    def submit(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Future[None]:
-        """:func:`_copy_all` of ``pairs`` on the thread; its outcome."""
-        done: Future[None] = Future()
-        self._jobs.put((pairs, done))
-        return done
-
-    def _serve(self) -> None:
-        while True:
-            pairs, done = self._jobs.get()
-            try:
-                _copy_all(pairs)
-            except BaseException as exc:
-                done.set_exception(exc)
-            else:
-                done.set_result(None)
-            del pairs, done
-
-
-os.register_at_fork(after_in_child=lambda: setattr(_Copier, "_here", None))  # its thread is gone
+        return PendingSnapshot(copies, [torch.cuda.current_stream(d) for d in on_cuda])
 
 
 class PendingSnapshot(Generic[K]):
     """A snapshot being made (:meth:`HostBuffers.start_snapshot`): :attr:`copies`, complete
     once :meth:`wait` returns."""
 
-    def __init__(
-        self,
-        copies: dict[K, torch.Tensor],
-        streams: list[torch.cuda.Stream],
-        copying: Future[None] | None,
-    ) -> None:
+    def __init__(self, copies: dict[K, torch.Tensor], streams: list[torch.cuda.Stream]) -> None:
         self.copies = copies
-        self._streams, self._copying = streams, copying
+        self._streams = streams
 
     def wait(self) -> None:
         """Until every copy is made (idempotent); a copy's failure raises here."""
-        copying, self._copying = self._copying, None
-        if copying is not None:
-            copying.result()
         streams, self._streams = self._streams, []
         for stream in streams:
             stream.synchronize()
