@@ -123,8 +123,8 @@ def _collected(call: SaveCall, buffers: HostBuffers) -> Collected:
 
 def settle(collected: Attempt[Collected]) -> None:
     """(before a background save's call returns, however it ends) Wait for the snapshot that
-    :func:`collect` started, which the ``stage`` step's exchange overlaps; a copy that failed
-    is this rank's failure of the ``write`` step, which every rank then raises."""
+    :func:`collect` started (its CUDA copies run while the ``stage`` step is exchanged); a
+    copy that failed is this rank's failure of the ``write`` step, which every rank raises."""
     payload = collected.value.payload if collected.value is not None else None
     if payload is None or payload.snapshot is None:
         return
