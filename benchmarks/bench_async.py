@@ -19,7 +19,12 @@ warm-up round, each rank runs:
 
 Before each timed run the ranks ``os.sync()`` (untimed) and the previous round's outputs are
 deleted, as in ``bench_checkpoint.py``; with ``--drop-caches`` (root) the page cache is dropped
-too. A job's time is its slowest rank's. Every save is of the
+too. A job's time is its slowest rank's. The floor and the call are also timed as a job
+waits for them (``... : the job's``): from the last rank's start to the last rank's end
+(the ranks of one machine share ``time.perf_counter``'s clock), which leaves out how far
+apart the ranks leave the barrier before it (a rank that starts first waits in the call's
+rendezvous for the others, as a job's ranks wait for the slowest at its next collective
+anyway). Every save is of the
 optimizer state only (``params=False``), the same tensors the floor copies. The extra host
 memory of ``async_save`` is the host buffers it keeps per optimizer (reported per rank), and
 the growth of the rank's peak RSS over the call and the background write.
@@ -50,6 +55,8 @@ from muonckpt.distributed import run_distributed
 ROWS = {
     "floor": "copy into preallocated host buffers (floor)",
     "stall": "async_save: the call (stall)",
+    "job_floor": "the floor: the job's (last rank's start to last rank's end)",
+    "job_stall": "the call: the job's (last rank's call to last rank's return)",
     "commit": "async_save: until committed",
     "background": "async_save: the background write (the call's return to the commit)",
     "sync": "muonckpt.save",
@@ -72,7 +79,8 @@ def worker(
     pinned = device == "cuda"
     floor = {k: torch.zeros(v.shape, dtype=v.dtype, pin_memory=pinned) for k, v in local.items()}
     root, rank = Path(workdir), dist.get_rank()
-    seconds: dict[str, list[float]] = {key: [] for key in ROWS}
+    seconds: dict[str, list[float]] = {key: [] for key in ROWS if not key.startswith("job_")}
+    spans: dict[str, list[tuple[float, float]]] = {"job_floor": [], "job_stall": []}
     growth = 0
 
     def settle(previous: Path | None) -> None:
@@ -93,13 +101,15 @@ def worker(
             floor[key].copy_(value, non_blocking=pinned)
         if pinned:
             torch.cuda.synchronize()
-        floor_s = time.perf_counter() - start
+        floor_span = (start, time.perf_counter())
+        floor_s = floor_span[1] - start
 
         settle(None)
         before = reset_peak_rss()
         start = time.perf_counter()
         future = muonckpt.async_save(opt, root / f"async-{round_}", params=False)
-        stall_s = time.perf_counter() - start
+        stall_span = (start, time.perf_counter())
+        stall_s = stall_span[1] - start
         future.result()
         commit_s = time.perf_counter() - start
         growth = max(growth, status_bytes("VmHWM") - before)
@@ -110,11 +120,14 @@ def worker(
         sync_s = time.perf_counter() - start
         if round_:
             times = (floor_s, stall_s, commit_s, commit_s - stall_s, sync_s)
-            for key, value in zip(ROWS, times, strict=True):
+            for key, value in zip(seconds, times, strict=True):
                 seconds[key].append(value)
+            spans["job_floor"].append(floor_span)
+            spans["job_stall"].append(stall_span)
     settle(None)
     return {
         "seconds": seconds,
+        "spans": spans,
         "bytes": sum(v.numel() * v.element_size() for v in local.values()),
         "host_buffers": checkpoint._HOST_BUFFERS[opt].nbytes,
         "rss_growth": growth,
@@ -136,11 +149,18 @@ def run(
         )
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    jobs = {k: [max(t) for t in zip(*(r["seconds"][k] for r in ranks), strict=True)] for k in ROWS}
-    base = {"stall": "floor", "commit": "sync", "background": "sync"}
+    jobs = {
+        k: [max(t) for t in zip(*(r["seconds"][k] for r in ranks), strict=True)]
+        for k in ROWS
+        if not k.startswith("job_")
+    }
+    for key in ("job_floor", "job_stall"):  # last end minus last start, each round
+        rounds = zip(*(r["spans"][key] for r in ranks), strict=True)
+        jobs[key] = [max(e for _, e in spans) - max(s for s, _ in spans) for spans in rounds]
+    base = {"stall": "floor", "job_stall": "job_floor", "commit": "sync", "background": "sync"}
     rows = [
         summary_row(
-            "async save" if key != "floor" else "snapshot floor",
+            "snapshot floor" if key.endswith("floor") else "async save",
             label,
             jobs[key],
             total,
@@ -155,6 +175,8 @@ def run(
         "device": device,
         "rows": rows,
         "stall_over_floor": statistics.median(jobs["stall"]) / statistics.median(jobs["floor"]),
+        "job_stall_over_floor": statistics.median(jobs["job_stall"])
+        / statistics.median(jobs["job_floor"]),
         "commit_over_sync": statistics.median(jobs["commit"]) / statistics.median(jobs["sync"]),
         "background_over_sync": statistics.median(jobs["background"])
         / statistics.median(jobs["sync"]),
@@ -188,7 +210,8 @@ def main() -> None:
     )
     print_table(res["rows"])
     print(
-        f"\nstall / floor {res['stall_over_floor']:.2f}x; until committed / save "
+        f"\nstall / floor {res['stall_over_floor']:.2f}x (the job's: "
+        f"{res['job_stall_over_floor']:.2f}x); until committed / save "
         f"{res['commit_over_sync']:.2f}x; background write / save "
         f"{res['background_over_sync']:.2f}x; host buffers kept per rank "
         f"{[round(b / MiB) for b in res['host_buffers_per_rank']]} MiB for shares of "

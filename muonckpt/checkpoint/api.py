@@ -241,16 +241,18 @@ def _in_background(
     )
     future = _BackgroundSave()
     future.set_running_or_notify_cancel()
+    go = threading.Event()
     future.thread = threading.Thread(
         target=_finish_in_background,
         # absolute: the thread commits where the call named, whatever the working directory
-        args=(future, background, Path(os.path.abspath(path)), prepared, options.keep_last),
+        args=(future, go, background, Path(os.path.abspath(path)), prepared, options.keep_last),
         name=f"muonckpt async_save {path}",
         daemon=False,  # a daemon would die unnoticed at exit; _finish_saves_at_exit waits
     )
     _UNSETTLED.add(future)  # before it starts: it removes itself once settled
     try:
         future.thread.start()
+        go.set()
     except RuntimeError as exc:  # no thread to be had (at interpreter shutdown, say)
         _UNSETTLED.discard(future)
         if foreground.is_root:
@@ -265,13 +267,17 @@ def _in_background(
 
 def _finish_in_background(
     future: _BackgroundSave,
+    go: threading.Event,
     steps: DirectorySteps,
     final: Path,
     prepared: saving.PreparedSave,
     keep_last: int | None,
 ) -> None:
     """The background half of :func:`async_save`: :func:`_write_and_commit`; the outcome to
-    ``future``, always a library error on failure."""
+    ``future``, always a library error on failure. It begins once ``go`` is set: a thread
+    that ran on from its start would hold the GIL that the call, waiting in
+    ``Thread.start``, needs to return (up to the interpreter's switch interval, 5 ms)."""
+    go.wait()
     try:
         committed = _write_and_commit(steps, prepared, final, keep_last)
     except MuonCkptError as exc:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import torch
@@ -197,7 +197,7 @@ def send(tensor: torch.Tensor, dst: int) -> None:
     :func:`comm_device` (always: the receiver cannot know where the sender's tensor is, and
     both ends must use the same backend)."""
     sent = _on(tensor, comm_device(None))
-    with _lost(lambda: f"rank {dst}", lambda: [dst]):
+    with _lost_peer(dst):
         dist.send(sent, dst=dst)
 
 
@@ -205,7 +205,7 @@ def recv(shape: Sequence[int], dtype: torch.dtype, src: int) -> torch.Tensor:
     """A tensor of ``shape`` and ``dtype`` received from global rank ``src`` over the default
     group, on the default group's :func:`comm_device` (copy it to where it is needed)."""
     tensor = torch.empty(tuple(shape), dtype=dtype, device=comm_device(None))
-    with _lost(lambda: f"rank {src}", lambda: [src]):
+    with _lost_peer(src):
         dist.recv(tensor, src=src)
     return tensor
 
@@ -237,40 +237,104 @@ def exchange(
     return [t.to(device) for t in incoming]
 
 
-def send_json(obj: Any, dst: int) -> None:
-    payload = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)
-    send(torch.tensor([payload.numel()], dtype=torch.int64), dst)
-    if payload.numel():
-        send(payload, dst)
+_HEAD_BYTES = 4096
+"""The first transfer of every JSON message: its length (8 bytes, little-endian) and as much
+of it as fits after that, so that a message of up to 4,088 bytes (a step's outcome, as a
+rule) is one transfer; a longer one's rest follows in a second."""
+_INLINE_BYTES = _HEAD_BYTES - 8
 
 
-def recv_json(src: int) -> Any:
-    length = int(recv((1,), torch.int64, src).item())
-    payload = recv((length,), torch.uint8, src) if length else torch.empty(0, dtype=torch.uint8)
-    return json.loads(payload.cpu().numpy().tobytes().decode())
+def _encoded(obj: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``obj`` as JSON: the head transfer, and the rest (None: it fits in the head)."""
+    data = json.dumps(obj).encode()
+    head = bytearray(_HEAD_BYTES)
+    head[:8] = len(data).to_bytes(8, "little")
+    inline = data[:_INLINE_BYTES]
+    head[8 : 8 + len(inline)] = inline
+    rest = data[_INLINE_BYTES:]
+    return _bytes_tensor(head), _bytes_tensor(bytearray(rest)) if rest else None
+
+
+def _rest_bytes(head: torch.Tensor) -> int:
+    """How many bytes of a message follow its ``head`` in a second transfer."""
+    return max(0, int.from_bytes(_tensor_bytes(head[:8]), "little") - _INLINE_BYTES)
+
+
+def _decoded(head: torch.Tensor, rest: torch.Tensor | None) -> Any:
+    length = int.from_bytes(_tensor_bytes(head[:8]), "little")
+    data = _tensor_bytes(head[8 : 8 + min(length, _INLINE_BYTES)])
+    return json.loads(data + (_tensor_bytes(rest) if rest is not None else b""))
+
+
+def _bytes_tensor(data: bytearray) -> torch.Tensor:
+    return _on(torch.frombuffer(data, dtype=torch.uint8), comm_device(None))
+
+
+def _tensor_bytes(tensor: torch.Tensor) -> bytes:
+    return bytes(tensor.cpu().numpy().tobytes())
+
+
+def _send_json(obj: Any, dsts: Sequence[int]) -> None:
+    """``obj`` to each global rank of ``dsts``, to all at once."""
+    head, rest = _encoded(obj)
+    for part in (head, rest) if rest is not None else (head,):
+        _transfer(dist.isend, [(part, dst) for dst in dsts])
+
+
+def _recv_json(srcs: Sequence[int]) -> list[Any]:
+    """One JSON message from each global rank of ``srcs``, received from all at once."""
+    device = comm_device(None)
+    heads = [torch.empty(_HEAD_BYTES, dtype=torch.uint8, device=device) for _ in srcs]
+    _transfer(dist.irecv, list(zip(heads, srcs, strict=True)))
+    longer = {src: _rest_bytes(head) for src, head in zip(srcs, heads, strict=True)}
+    rests = {
+        src: torch.empty(n, dtype=torch.uint8, device=device) for src, n in longer.items() if n
+    }
+    _transfer(dist.irecv, [(rest, src) for src, rest in rests.items()])
+    return [_decoded(head, rests.get(src)) for src, head in zip(srcs, heads, strict=True)]
+
+
+def _transfer(
+    post: Callable[[torch.Tensor, int], Any], transfers: Sequence[tuple[torch.Tensor, int]]
+) -> None:
+    """``post`` (``dist.isend`` or ``dist.irecv``) each ``(tensor, peer)``, all before waiting
+    for any; a peer gone is a :class:`PeerLostError` naming it."""
+    posted = []
+    for tensor, peer in transfers:
+        with _lost_peer(peer):
+            posted.append((peer, post(tensor, peer)))
+    for peer, work in posted:
+        with _lost_peer(peer):
+            work.wait()
+
+
+def _lost_peer(peer: int) -> AbstractContextManager[None]:
+    """:func:`_lost` for a transfer with global rank ``peer``."""
+    return _lost(lambda: f"rank {peer}", lambda: [peer])
 
 
 def gather_json(obj: Any, ranks: Sequence[int], dst: int) -> list[Any] | None:
     """On ``dst``: every rank's ``obj``, in the order of ``ranks``; elsewhere None.
 
-    Point-to-point, so ``ranks`` need not form a process group.
+    Point-to-point, so ``ranks`` need not form a process group; ``dst`` receives from every
+    rank at once (one transfer each, as a rule: :data:`_HEAD_BYTES`).
     """
     me = global_rank()
     if me != dst:
-        send_json(obj, dst)
+        _send_json(obj, [dst])
         return None
-    return [obj if rank == me else recv_json(rank) for rank in ranks]
+    others = [rank for rank in ranks if rank != me]
+    received = dict(zip(others, _recv_json(others), strict=True))
+    return [obj if rank == me else received[rank] for rank in ranks]
 
 
 def broadcast_json(obj: Any, ranks: Sequence[int], src: int) -> Any:
-    """``src``'s ``obj`` on every rank of ``ranks`` (point-to-point)."""
+    """``src``'s ``obj`` on every rank of ``ranks`` (point-to-point, sent to all at once)."""
     me = global_rank()
     if me == src:
-        for rank in ranks:
-            if rank != src:
-                send_json(obj, rank)
+        _send_json(obj, [rank for rank in ranks if rank != src])
         return obj
-    return recv_json(src)
+    return _recv_json([src])[0]
 
 
 def one_line(exc: BaseException) -> str:

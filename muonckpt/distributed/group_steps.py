@@ -116,8 +116,9 @@ class StoreSteps(StepProtocol):
     outcome), naming the ranks that did not arrive. A rank that arrives after the others gave
     up on an operation without it leaves that one to them and meets their next operation over
     the same ranks instead, so that one late or missing call does not put the ranks out of step
-    for good. The last rank to read a verdict deletes the step's keys (a failed step's stay, for
-    late ranks to find).
+    for good. Each rank deletes its own arrival once it knows the verdict (the root's store
+    operations do not grow with the ranks), and the last rank to read a verdict deletes it (a
+    failed step's stays, for late ranks to find).
     """
 
     def __init__(
@@ -165,11 +166,10 @@ class StoreSteps(StepProtocol):
             # is theirs alone. This call meets their next one instead.
             store.delete_key(mine_key)
             self.sequence = _next_sequence(self.ranks)
+        store.delete_key(mine_key)  # read (or never to be): each rank's own, not all the root's
         if store.add(done, 1) == len(self.ranks):
             store.delete_key(verdict)
             store.delete_key(done)
-        if "error" in outcome:
-            store.delete_key(mine_key)  # (the first rank may not have read it)
         return outcome
 
     def _verdict(
@@ -200,18 +200,15 @@ class StoreSteps(StepProtocol):
                 "absent": absent,
             }
 
-        if store.check([verdict]):  # decided already: the others gave up before this came
-            return _outcome(store.get(verdict))
         if self.is_root:
+            if store.check([verdict]):  # decided already: the others gave up before this came
+                return _outcome(store.get(verdict))
             try:
                 store.wait(arrivals, wait)
             except dist.DistStoreError:
                 return claim(timed_out())
-            outcome = claim(decide([json.loads(v) for v in store.multi_get(arrivals)]))
-            for key in arrivals:
-                store.delete_key(key)
-            return outcome
-        waited = _waited(store, verdict, wait)
+            return claim(decide([json.loads(v) for v in store.multi_get(arrivals)]))
+        waited = _waited(store, verdict, wait)  # (at once where decided already)
         if waited is None and all(store.check([key]) for key in arrivals):
             waited = _waited(store, verdict, wait)  # all came: the root is deciding
         return waited if waited is not None else claim(timed_out())
