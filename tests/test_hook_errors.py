@@ -275,3 +275,21 @@ def test_ranks_disagreeing_on_a_state_dtype_are_told_what_differs():
     message = str(caught.value)
     assert "'exp_avg' dtype 'float32' on rank 0, 'bfloat16' on rank 1" in message, message
     assert "step" not in message, message
+
+
+def test_ranks_disagreeing_on_the_state_keys_are_told_which_key_is_where():
+    """Two holders of one param's shards, one holding a state key the other has not: named
+    with its rank, whatever rank is compared first."""
+    from muonckpt.layout.topology import whole_region
+    from muonckpt.state.gather import merge_entry_reports
+    from muonckpt.state.sharding_model import Holding, ParamSharding, Sharding
+
+    half = whole_region(4)
+    param = ParamSharding("w", (2, 4), (Holding(0, half), Holding(1, half)), None, None, 0)
+    tensor = {"kind": "tensor", "dtype": "float32", "shape": [4], "numel": 4}
+    alike = {"0": {"exp_avg": tensor}}
+    more = {"0": {"exp_avg": tensor, "exp_avg_sq": tensor}}
+    for reports, where in (([alike, more], 1), ([more, alike], 0)):
+        with pytest.raises(StateDictError, match=f"'exp_avg_sq' only on rank {where}"):
+            merge_entry_reports(Sharding([param], [0, 1], 0), reports)
+    merge_entry_reports(Sharding([param], [0, 1], 0), [more, more])  # alike: no error

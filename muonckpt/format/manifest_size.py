@@ -8,6 +8,7 @@ it too (tests/test_refusals.py checks the two agree).
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable
 from typing import Any
@@ -35,8 +36,7 @@ class ManifestSize:
     def __init__(self) -> None:
         self.params = 0
         self.pieces = 0
-        empty = Manifest(CONSOLIDATED, {}, (), (), (), ())
-        self.bytes = sum(len(chunk) for chunk in empty.json_chunks())
+        self.bytes = _empty_manifest_bytes()
         self.index_bytes: dict[str, int] = {}
         """Each piece index's size, by its data file."""
         self._kinds: dict[tuple[Any, ...], int] = {}
@@ -93,6 +93,12 @@ class ManifestSize:
     def largest_index(self) -> tuple[str, int]:
         """The data file whose piece index is largest, and its bytes (("", 0): none)."""
         return max(self.index_bytes.items(), key=lambda item: item[1], default=("", 0))
+
+
+@functools.cache
+def _empty_manifest_bytes() -> int:
+    """The text of a manifest of nothing (made once: each save counts from it)."""
+    return sum(len(chunk) for chunk in Manifest(CONSOLIDATED, {}, (), (), (), ()).json_chunks())
 
 
 _quoted: Callable[[str], str] = json.encoder.encode_basestring_ascii

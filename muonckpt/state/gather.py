@@ -200,14 +200,14 @@ def merge_entry_reports(
                     )
         first = by_rank[owners[0]][str(index)]
         expected = _shape_free(first, param.replicated)
-        for rank in owners:
+        for rank in owners[1:]:
             theirs = by_rank[rank][str(index)]
-            drifted = [
+            drifted = param.replicated and [
                 key
                 for key, info in first.items()
                 if key in theirs and info.get("digest") != theirs[key].get("digest")
             ]
-            if param.replicated and drifted:
+            if drifted:
                 raise StateDictError(
                     f"param {param.name!r}: state {drifted[0]!r} differs between ranks "
                     f"{owners[0]} and {rank}, whose replicas must be identical (the state of an "
@@ -216,8 +216,9 @@ def merge_entry_reports(
                     "muonckpt.install_hooks with its owner rule; each process's own optimizer "
                     "is saved with local=True)"
                 )
-            differs = _differences(expected, _shape_free(theirs, param.replicated), owners[0], rank)
-            if differs:
+            described = _shape_free(theirs, param.replicated)
+            if described != expected:
+                differs = _differences(expected, described, owners[0], rank)
                 raise StateDictError(
                     f"param {param.name!r}: ranks {owners[0]} and {rank} disagree about its "
                     f"state: {'; '.join(differs)}"
