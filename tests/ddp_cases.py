@@ -166,8 +166,9 @@ def gather_disagreeing_phase() -> str | None:
 def subgroup_phase(root: str, timeout: float) -> dict[str, object]:
     """Two pairs of ranks ({0, 1} and {2, 3}), each with its own replicated optimizer over its
     pair (``install_hooks(..., owner=REPLICATED, group=pair)``), save and load at the same time,
-    three times, each pair to its own path; then rank 2 saves alone. This rank's error and how
-    the rendezvous keys left in the store after the agreed operations."""
+    three times, each pair to its own path; then rank 2 saves alone. This rank's error and the
+    keys of the agreed operations' rendezvous left in the store, but the last one's (the
+    next one over the same ranks deletes them)."""
     muonckpt.distributed.set_rendezvous_timeout(timeout)
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     pair = dist.get_rank() // 2
@@ -189,12 +190,12 @@ def subgroup_phase(root: str, timeout: float) -> dict[str, object]:
     store = dist.distributed_c10d._get_default_store()
     members = [2 * pair, 2 * pair + 1]
     operations = group_steps._SEQUENCE[tuple(members)]
-    left = [  # every key of every rendezvous so far, of either pair
+    left = [  # every key of every rendezvous so far but the last (the next one deletes it)
         key
-        for sequence in range(operations)
+        for sequence in range(operations - 1)
         for ranks in ([0, 1], [2, 3])
-        for arrivals, verdict, done in [group_steps.store_keys(ranks, sequence, "rendezvous")]
-        for key in [*arrivals, verdict, done]
+        for arrivals, verdict in [group_steps.store_keys(ranks, sequence, "rendezvous")]
+        for key in [*arrivals, verdict]
         if store.check([key])
     ]
     error = None

@@ -102,8 +102,8 @@ def test_ranks_that_gather_a_state_dict_differently_fail_together():
 @pytest.mark.dist
 def test_subgroups_meet_apart_and_leave_no_keys(tmp_path):
     """Each set of ranks numbers its own operations: two pairs saving and loading at once
-    never meet each other's rendezvous; the store holds no more keys after the agreed
-    operations than before; a lone rank of a pair names its pair."""
+    never meet each other's rendezvous; each operation's keys are gone from the store once
+    the next one over the same ranks has begun; a lone rank of a pair names its pair."""
     ranks = run_distributed(
         subgroup_phase, 4, str(tmp_path), RENDEZVOUS_S, timeout=RUN_S, wait_timeout=RUN_S - 30
     )

@@ -274,35 +274,45 @@ def _tensor_bytes(tensor: torch.Tensor) -> bytes:
     return bytes(tensor.cpu().numpy().tobytes())
 
 
+_HEAD_TAG, _REST_TAG = 0, 1
+"""The tags of a JSON message's two transfers: gloo matches a tag's transfers apart from the
+other's, NCCL keeps a pair's transfers in the order posted."""
+
+
 def _send_json(obj: Any, dsts: Sequence[int]) -> None:
-    """``obj`` to each global rank of ``dsts``, to all at once."""
+    """``obj`` to each global rank of ``dsts``: every transfer posted before any is waited for
+    (a long message's rest too, so that it moves as soon as its receiver asks for it)."""
     head, rest = _encoded(obj)
-    for part in (head, rest) if rest is not None else (head,):
-        _transfer(dist.isend, [(part, dst) for dst in dsts])
+    parts = [(head, _HEAD_TAG)] + ([(rest, _REST_TAG)] if rest is not None else [])
+    _wait_all([(dst, _posted(dist.isend, part, dst, tag)) for dst in dsts for part, tag in parts])
 
 
 def _recv_json(srcs: Sequence[int]) -> list[Any]:
-    """One JSON message from each global rank of ``srcs``, received from all at once."""
+    """One JSON message from each global rank of ``srcs``, received from all at once: each
+    head as it comes, each long message's rest asked for as soon as its head is in."""
     device = comm_device(None)
-    heads = [torch.empty(_HEAD_BYTES, dtype=torch.uint8, device=device) for _ in srcs]
-    _transfer(dist.irecv, list(zip(heads, srcs, strict=True)))
-    longer = {src: _rest_bytes(head) for src, head in zip(srcs, heads, strict=True)}
-    rests = {
-        src: torch.empty(n, dtype=torch.uint8, device=device) for src, n in longer.items() if n
-    }
-    _transfer(dist.irecv, [(rest, src) for src, rest in rests.items()])
-    return [_decoded(head, rests.get(src)) for src, head in zip(srcs, heads, strict=True)]
+    heads = {src: torch.empty(_HEAD_BYTES, dtype=torch.uint8, device=device) for src in srcs}
+    posted = [(src, _posted(dist.irecv, heads[src], src, _HEAD_TAG)) for src in srcs]
+    rests: dict[int, torch.Tensor] = {}
+    asked = []
+    for src, work in posted:
+        _wait_all([(src, work)])
+        if length := _rest_bytes(heads[src]):
+            rests[src] = torch.empty(length, dtype=torch.uint8, device=device)
+            asked.append((src, _posted(dist.irecv, rests[src], src, _REST_TAG)))
+    _wait_all(asked)
+    return [_decoded(heads[src], rests.get(src)) for src in srcs]
 
 
-def _transfer(
-    post: Callable[[torch.Tensor, int], Any], transfers: Sequence[tuple[torch.Tensor, int]]
-) -> None:
-    """``post`` (``dist.isend`` or ``dist.irecv``) each ``(tensor, peer)``, all before waiting
-    for any; a peer gone is a :class:`PeerLostError` naming it."""
-    posted = []
-    for tensor, peer in transfers:
-        with _lost_peer(peer):
-            posted.append((peer, post(tensor, peer)))
+def _posted(post: Callable[..., Any], tensor: torch.Tensor, peer: int, tag: int) -> Any:
+    """``post`` (``dist.isend`` or ``dist.irecv``) of ``tensor`` with global rank ``peer``: its
+    work; a peer gone is a :class:`PeerLostError` naming it."""
+    with _lost_peer(peer):
+        return post(tensor, peer, tag=tag)
+
+
+def _wait_all(posted: Sequence[tuple[int, Any]]) -> None:
+    """Wait for each ``(peer, work)`` in turn; a peer gone is a :class:`PeerLostError`."""
     for peer, work in posted:
         with _lost_peer(peer):
             work.wait()

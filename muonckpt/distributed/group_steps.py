@@ -116,9 +116,12 @@ class StoreSteps(StepProtocol):
     outcome), naming the ranks that did not arrive. A rank that arrives after the others gave
     up on an operation without it leaves that one to them and meets their next operation over
     the same ranks instead, so that one late or missing call does not put the ranks out of step
-    for good. Each rank deletes its own arrival once it knows the verdict (the root's store
-    operations do not grow with the ranks), and the last rank to read a verdict deletes it (a
-    failed step's stays, for late ranks to find).
+    for good. A step's keys are deleted at the next step over the same ranks
+    (:data:`_PREVIOUS`): each rank's arrival by that rank, the verdict by the root once every
+    rank has arrived there (so every rank has read it, a late rank too). Not at once: by then
+    the ranks' work has begun (a save's copies), and a store request then waits for a core,
+    several milliseconds on a busy machine, holding up the rank that makes it. The root's store
+    operations do not grow with the ranks.
     """
 
     def __init__(
@@ -155,21 +158,23 @@ class StoreSteps(StepProtocol):
     ) -> Outcome:
         """The step's exchange through ``store`` (see the class docstring)."""
         wait = timedelta(seconds=self.timeout)
+        members = tuple(self.ranks)
+        previous = _PREVIOUS.pop(members, None)
+        if previous is not None:
+            store.delete_key(previous[0])  # this rank's own arrival, read then
         while True:
-            arrivals, verdict, done = store_keys(self.ranks, self.sequence, step)
+            arrivals, verdict = store_keys(self.ranks, self.sequence, step)
             mine_key = arrivals[self.ranks.index(self.rank)]
             store.set(mine_key, json.dumps(mine))
-            outcome = self._verdict(store, wait, arrivals, verdict, decide)
+            old_verdict = previous[1] if previous is not None and self.is_root else None
+            outcome = self._verdict(store, wait, arrivals, verdict, decide, old_verdict)
             if self.rank not in outcome.get("absent", ()):
                 break
             # The others gave up on this operation before this rank came (and raised): it
             # is theirs alone. This call meets their next one instead.
             store.delete_key(mine_key)
             self.sequence = _next_sequence(self.ranks)
-        store.delete_key(mine_key)  # read (or never to be): each rank's own, not all the root's
-        if store.add(done, 1) == len(self.ranks):
-            store.delete_key(verdict)
-            store.delete_key(done)
+        _PREVIOUS[members] = (mine_key, verdict)
         return outcome
 
     def _verdict(
@@ -179,9 +184,11 @@ class StoreSteps(StepProtocol):
         arrivals: list[str],
         verdict: str,
         decide: Callable[[list[Outcome]], Outcome],
+        old_verdict: str | None,
     ) -> Outcome:
-        """The step's one outcome: decided by the root when every rank has arrived, or claimed
-        by the first rank whose wait ends (naming the ranks ``absent``)."""
+        """The step's one outcome: decided by the root when every rank has arrived (deleting
+        ``old_verdict``, the previous step's, which every rank has read then), or claimed by
+        the first rank whose wait ends (naming the ranks ``absent``)."""
 
         def claim(outcome: Outcome) -> Outcome:
             """The verdict: ``outcome`` unless another rank decided first."""
@@ -207,11 +214,18 @@ class StoreSteps(StepProtocol):
                 store.wait(arrivals, wait)
             except dist.DistStoreError:
                 return claim(timed_out())
+            if old_verdict is not None:
+                store.delete_key(old_verdict)
             return claim(decide([json.loads(v) for v in store.multi_get(arrivals)]))
         waited = _waited(store, verdict, wait)  # (at once where decided already)
         if waited is None and all(store.check([key]) for key in arrivals):
             waited = _waited(store, verdict, wait)  # all came: the root is deciding
         return waited if waited is not None else claim(timed_out())
+
+
+_PREVIOUS: dict[tuple[int, ...], tuple[str, str]] = {}
+"""Per set of ranks, this process's arrival key and the verdict key of its last
+:class:`StoreSteps` step over them, deleted at its next one (see the class docstring)."""
 
 
 def _next_sequence(ranks: Sequence[int]) -> int:
@@ -222,13 +236,12 @@ def _next_sequence(ranks: Sequence[int]) -> int:
     return sequence
 
 
-def store_keys(ranks: Sequence[int], sequence: int, step: str) -> tuple[list[str], str, str]:
+def store_keys(ranks: Sequence[int], sequence: int, step: str) -> tuple[list[str], str]:
     """The store keys of one step of the ``sequence``-th :class:`StoreSteps` operation over
-    ``ranks``: each rank's arrival (in the order of ``ranks``), the verdict, the count of
-    ranks that read it."""
+    ``ranks``: each rank's arrival (in the order of ``ranks``) and the verdict."""
     digest = hashlib.blake2b(repr(tuple(ranks)).encode(), digest_size=6).hexdigest()
     prefix = f"muonckpt/steps/{digest}/{sequence}/{step}"
-    return [f"{prefix}/arrived/{rank}" for rank in ranks], f"{prefix}/verdict", f"{prefix}/done"
+    return [f"{prefix}/arrived/{rank}" for rank in ranks], f"{prefix}/verdict"
 
 
 def _waited(store: Store, key: str, wait: timedelta) -> Outcome | None:
