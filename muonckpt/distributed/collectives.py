@@ -246,7 +246,7 @@ _INLINE_BYTES = _HEAD_BYTES - 8
 
 def _encoded(obj: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``obj`` as JSON: the head transfer, and the rest (None: it fits in the head)."""
-    data = json.dumps(obj).encode()
+    data = json.dumps(obj, separators=(",", ":")).encode()
     head = bytearray(_HEAD_BYTES)
     head[:8] = len(data).to_bytes(8, "little")
     inline = data[:_INLINE_BYTES]
