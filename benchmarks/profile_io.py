@@ -11,10 +11,14 @@
   fsync, none of the three), against ``cp -r`` + fsync, fresh processes, interleaved rounds.
 
 ``async``: ``cProfile`` of the ``async_save`` call on every rank (2 x 2 gloo processes, after two
-warm-up saves): each rank's call times, and the functions of the rank whose call took longest.
+warm-up saves): each rank's call times, and the functions of the rank whose call took longest;
+then the call's timeline over ``--rounds`` rounds: when the last rank has the rendezvous'
+verdict, when the ranks' copies start and end, when the ``stage`` step ends and the ranks
+return, against the floor's copy (each round's outputs deleted and ``os.sync()`` run before
+it, as in ``bench_async.py``).
 
     python benchmarks/profile_io.py offline --size 1GB --rounds 5
-    python benchmarks/profile_io.py async --size 1GB
+    python benchmarks/profile_io.py async --size 1GB --rounds 10
 """
 
 from __future__ import annotations
@@ -155,15 +159,46 @@ def profile_offline(size: str, rounds: int, root: Path) -> None:
         print(f"| {label} | {statistics.median(taken):.3f} | {runs} |")
 
 
-def async_worker(shapes, root: str) -> dict:
-    """One rank: two warm-up async saves, then the call profiled."""
+TIMED = {
+    "agree": "muonckpt.checkpoint.saving",
+    "collect": "muonckpt.checkpoint.saving",
+    "stage": "muonckpt.checkpoint.writing",
+    "_in_background": "muonckpt.checkpoint.api",
+}
+"""The steps of the ``async_save`` call whose ends the timeline records (function: module),
+with the snapshot's copy (``HostBuffers.start_snapshot``)."""
+
+TIMELINE = {
+    "floor": "the floor: the slowest rank's copy into preallocated host buffers",
+    "call": "the call: the slowest rank's",
+    "last call": "the last rank calls",
+    "last agreed": "the last rank has the rendezvous' verdict (and the layout)",
+    "first copy": "the first rank starts its copy",
+    "last copy": "the last rank starts its copy",
+    "slowest copy": "the slowest rank's copy (its duration)",
+    "copies done": "the last copy ends",
+    "first staged": "the first rank has the stage step's outcome",
+    "last staged": "the last rank has it",
+    "last return": "the last rank returns",
+}
+"""The rows of the timeline: times from the first rank's call (ms), the floor and the call and
+the slowest copy as durations."""
+
+
+def async_worker(shapes, root: str, rounds: int) -> dict:
+    """One rank: two warm-up async saves, the call profiled, then ``rounds`` rounds of the
+    floor's copy and the call, each after a barrier, with the times its steps end."""
+    import importlib
+
+    import torch
     import torch.distributed as dist
     from synthetic import build_optimizer, fill_state
 
     import muonckpt
+    from muonckpt.state.hostcopy import HostBuffers
 
     opt = build_optimizer(shapes, 2, 2)
-    fill_state(opt)
+    local = fill_state(opt)
     calls, text = [], ""
     for round_ in range(4):
         dist.barrier()
@@ -180,21 +215,87 @@ def async_worker(shapes, root: str) -> dict:
             out = io.StringIO()
             pstats.Stats(profile, stream=out).sort_stats("cumulative").print_stats(20)
             text = out.getvalue()
-    return {"calls": calls[2:], "profile": text}
+
+    events: dict[str, float] = {}
+
+    def timed(owner: Any, name: str) -> None:
+        work = getattr(owner, name)
+
+        def run(*args, **kwargs):
+            events.setdefault(f"{name}<", time.perf_counter())
+            try:
+                return work(*args, **kwargs)
+            finally:
+                events[f"{name}>"] = time.perf_counter()
+
+        setattr(owner, name, run)
+
+    for name, module in TIMED.items():
+        timed(importlib.import_module(module), name)
+    timed(HostBuffers, "start_snapshot")
+    floor = {key: torch.zeros_like(value) for key, value in local.items()}
+    timeline = []
+    for round_ in range(rounds):
+        dist.barrier()
+        start = time.perf_counter()
+        for key, value in local.items():
+            floor[key].copy_(value)
+        copied = time.perf_counter() - start
+        if dist.get_rank() == 0:
+            shutil.rmtree(Path(root) / f"t{round_ - 1}", ignore_errors=True)
+        dist.barrier()
+        os.sync()
+        dist.barrier()
+        events.clear()
+        events["call"] = time.perf_counter()  # one machine: the ranks share this clock
+        future = muonckpt.async_save(opt, Path(root) / f"t{round_}", params=False)
+        events["return"] = time.perf_counter()
+        future.result()
+        timeline.append({"floor": copied, **events})
+    return {"calls": calls[2:], "profile": text, "timeline": timeline}
 
 
-def profile_async(size: str, root: Path) -> None:
+def _timeline_rows(ranks: list[dict]) -> dict[str, list[float]]:
+    """Each round's :data:`TIMELINE` rows, in ms, from every rank's events."""
+    rows: dict[str, list[float]] = {row: [] for row in TIMELINE}
+
+    def last(each: tuple[dict, ...], key: str) -> float:
+        return (max(e[key] for e in each) - min(e["call"] for e in each)) * 1000
+
+    for each in zip(*(r["timeline"] for r in ranks), strict=True):
+        first = min(e["call"] for e in each)
+        copies = [e["start_snapshot>"] - e["start_snapshot<"] for e in each]
+        rows["floor"].append(max(e["floor"] for e in each) * 1000)
+        rows["call"].append(max(e["return"] - e["call"] for e in each) * 1000)
+        rows["last call"].append(last(each, "call"))
+        rows["last agreed"].append(last(each, "agree>"))
+        rows["first copy"].append((min(e["start_snapshot<"] for e in each) - first) * 1000)
+        rows["last copy"].append(last(each, "start_snapshot<"))
+        rows["slowest copy"].append(max(copies) * 1000)
+        rows["copies done"].append(last(each, "start_snapshot>"))
+        rows["first staged"].append((min(e["stage>"] for e in each) - first) * 1000)
+        rows["last staged"].append(last(each, "stage>"))
+        rows["last return"].append(last(each, "return"))
+    return rows
+
+
+def profile_async(size: str, rounds: int, root: Path) -> None:
     from synthetic import model_shapes
 
     from muonckpt.distributed import run_distributed
 
     ranks = run_distributed(
-        async_worker, 4, model_shapes(parse_size(size)), str(root), timeout=3600
+        async_worker, 4, model_shapes(parse_size(size)), str(root), rounds, timeout=3600
     )
     for rank, result in enumerate(ranks):
         print(f"rank {rank}: the call took {[round(c, 3) for c in result['calls']]} s")
     slowest = max(range(len(ranks)), key=lambda r: ranks[r]["calls"][-1])
     print(f"\n### rank {slowest}, the profiled call\n\n```\n{ranks[slowest]['profile']}```")
+    print(f"\n### The call's timeline, {rounds} rounds (ms from the first rank's call)\n")
+    print("| event | median | every round |\n| --- | --- | --- |")
+    for row, times in _timeline_rows(ranks).items():
+        runs = " / ".join(f"{t:.1f}" for t in times)
+        print(f"| {TIMELINE[row]} | {statistics.median(times):.1f} | {runs} |")
 
 
 def main() -> None:
@@ -206,15 +307,18 @@ def main() -> None:
             print(json.dumps(variant(op, src, dst, [p for p in rest[0].split(",") if p])))
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("what", choices=("offline", "async"))
+    parser.add_argument("what", choices=("offline", "async"), nargs="+")
     parser.add_argument("--size", default="1GB", help="total optimizer state, e.g. 1GB")
-    parser.add_argument("--rounds", type=int, default=5, help="offline: rounds of the variants")
+    parser.add_argument(
+        "--rounds", type=int, default=5, help="rounds of the offline variants and of the timeline"
+    )
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory(prefix="muonckpt-profile-") as tmp:
-        if args.what == "offline":
-            profile_offline(args.size, args.rounds, Path(tmp))
-        else:
-            profile_async(args.size, Path(tmp))
+    for what in args.what:
+        with tempfile.TemporaryDirectory(prefix="muonckpt-profile-") as tmp:
+            if what == "offline":
+                profile_offline(args.size, args.rounds, Path(tmp))
+            else:
+                profile_async(args.size, args.rounds, Path(tmp))
 
 
 if __name__ == "__main__":

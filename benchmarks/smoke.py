@@ -24,7 +24,7 @@ SMOKE: dict[str, list[str]] = {
     "bench_dcp.py": ["--size", "2MB", "--repeats", "1"],
     "bench_ns.py": ["--grid", "2x1", "--hidden", "16", "--layers", "1", "--steps", "1"],
     "bench_scale.py": ["--params", "20", "--moe", "moonlight", "--moe-layers", "2"],
-    "profile_io.py": ["offline", "--size", "2MB", "--rounds", "1"],
+    "profile_io.py": ["offline", "async", "--size", "2MB", "--rounds", "1"],
 }
 """Script -> the arguments of its smoke run."""
 NEEDS_A_TRAINER: dict[str, list[str]] = {
