@@ -356,3 +356,29 @@ def test_ranks_that_disagree_on_the_call_write_nothing(tmp_path, argument):
     assert said[0] == said[1] and said[0].startswith(f"the ranks disagree on {differs}: "), said
     assert _entries(tmp_path) == ["ckpt"]  # nothing staged, nothing retired
     assert muonckpt.verify(ckpt) == [] and muonckpt.read_manifest(ckpt).step == 1
+
+
+CTRL_C_IN_START_SCRIPT = """
+import sys, threading
+import muonckpt
+from tests.fixture_model import single_process_optimizer
+start = threading.Thread.start
+def interrupted(thread):  # a Ctrl-C landing in Thread.start, once the thread runs
+    start(thread)
+    if thread.name.startswith("muonckpt async_save"):
+        raise KeyboardInterrupt
+threading.Thread.start = interrupted
+try:
+    muonckpt.async_save(single_process_optimizer(1), sys.argv[1])
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+"""
+
+
+@pytest.mark.dist
+def test_a_ctrl_c_in_the_threads_start_neither_hangs_the_exit_nor_loses_the_save(tmp_path):
+    """The background thread waits for the call before it writes; a Ctrl-C in
+    ``Thread.start`` (found by review) left it waiting for ever, and the exit waiting for it."""
+    done = _run_script(CTRL_C_IN_START_SCRIPT, tmp_path / "ckpt")
+    assert (done.returncode, done.stdout.split()) == (0, ["interrupted"]), done.stderr[-3000:]
+    assert muonckpt.verify(tmp_path / "ckpt") == []

@@ -252,12 +252,13 @@ def _in_background(
     _UNSETTLED.add(future)  # before it starts: it removes itself once settled
     try:
         future.thread.start()
-        go.set()
     except RuntimeError as exc:  # no thread to be had (at interpreter shutdown, say)
         _UNSETTLED.discard(future)
         if foreground.is_root:
             writing.abandon(prepared.staging)
         raise CheckpointError(f"cannot start the background save: {exc}", path=path) from exc
+    finally:  # always: a Ctrl-C in start() must not leave a started thread waiting for ever
+        go.set()
     _IN_FLIGHT[_key(target)] = future
     if _exiting():  # (a user's atexit handler) nothing would wait for it: finish it now
         future.thread.join()

@@ -288,8 +288,9 @@ def _send_json(obj: Any, dsts: Sequence[int]) -> None:
 
 
 def _recv_json(srcs: Sequence[int]) -> list[Any]:
-    """One JSON message from each global rank of ``srcs``, received from all at once: each
-    head as it comes, each long message's rest asked for as soon as its head is in."""
+    """One JSON message from each global rank of ``srcs``, received from all at once: every
+    head posted, then each waited for in the order of ``srcs`` and a long message's rest
+    asked for once its head is in."""
     device = comm_device(None)
     heads = {src: torch.empty(_HEAD_BYTES, dtype=torch.uint8, device=device) for src in srcs}
     posted = [(src, _posted(dist.irecv, heads[src], src, _HEAD_TAG)) for src in srcs]
@@ -312,7 +313,8 @@ def _posted(post: Callable[..., Any], tensor: torch.Tensor, peer: int, tag: int)
 
 
 def _wait_all(posted: Sequence[tuple[int, Any]]) -> None:
-    """Wait for each ``(peer, work)`` in turn; a peer gone is a :class:`PeerLostError`."""
+    """Wait for each ``(peer, work)`` in turn; a peer gone is a :class:`PeerLostError` (the
+    transfers posted to the others are left unwaited: the group is of no use after it)."""
     for peer, work in posted:
         with _lost_peer(peer):
             work.wait()

@@ -121,7 +121,8 @@ class StoreSteps(StepProtocol):
     rank has arrived there (so every rank has read it, a late rank too). Not at once: by then
     the ranks' work has begun (a save's copies), and a store request then waits for a core,
     several milliseconds on a busy machine, holding up the rank that makes it. The root's store
-    operations do not grow with the ranks.
+    operations do not grow with the ranks. A step that fails for a rank that did not come may
+    leave its verdict, and the one before it, in the store (one key each, as before).
     """
 
     def __init__(
