@@ -3,7 +3,7 @@
 State and params may live in CUDA memory; the file writer takes host tensors. A synchronous
 save copies each CUDA tensor to the host just before writing it (:meth:`HostBuffers.to_host`,
 one reused buffer); a background save snapshots every tensor it will write into one host
-arena first (:meth:`HostBuffers.snapshot`), so that training may change them right after.
+arena first (:meth:`HostBuffers.start_snapshot`), so that training may change them right after.
 Buffers are pinned (page-locked) where a CUDA device is present, which makes device-to-host
 copies run at full bus speed and asynchronously, and are kept from one save to the next: a
 pinned allocation costs far more than the copy.
@@ -55,13 +55,6 @@ class HostBuffers:
         host = _view(buffer, 0, tensor)
         host.copy_(tensor)
         return host
-
-    def snapshot(self, tensors: Mapping[K, torch.Tensor]) -> dict[K, torch.Tensor]:
-        """Flat (1-D) copies of ``tensors`` in one arena, complete when this returns; valid
-        until the next snapshot (:meth:`start_snapshot`, waited for)."""
-        pending = self.start_snapshot(tensors)
-        pending.wait()
-        return pending.copies
 
     def start_snapshot(self, tensors: Mapping[K, torch.Tensor]) -> PendingSnapshot[K]:
         """Flat (1-D) copies of ``tensors`` in one arena, being made: complete once
