@@ -62,6 +62,9 @@ __all__ = [  # the records re-exported; every name defined here is public too
 
 CHECKSUM_ALGORITHM = "xxh3-64"
 """XXH3 64-bit (seed 0) of each chunk of a tensor's data, as 16 lowercase hex digits."""
+MAX_CHUNK_BYTES = 64 << 20
+"""The largest checksum chunk a reader accepts (the writer's is 4 MiB): a chunk is read whole
+to be verified, so this bounds what verify and load hold of one tensor at once."""
 PER_RANK = "per-rank"
 CONSOLIDATED = "consolidated"
 KINDS = (PER_RANK, CONSOLIDATED)
@@ -72,6 +75,14 @@ EXTRA_DEPTH = 24
 EXTRA_JSON_BYTES = 16 << 20
 """The most bytes of JSON one save's ``extra`` and ``rank_extra`` values may take in the
 manifest; larger data goes in tensors."""
+
+
+def chunk_bytes_of(value: Any) -> int:
+    """``value`` as a checksum chunk size a reader accepts, an int from 1 to
+    :data:`MAX_CHUNK_BYTES`; :class:`CheckpointError` otherwise."""
+    if type(value) is not int or not 0 < value <= MAX_CHUNK_BYTES:
+        raise CheckpointError(f"chunk_bytes {value!r} is not from 1 to {MAX_CHUNK_BYTES}")
+    return value
 
 
 ValuePath = tuple[str | int, ...]

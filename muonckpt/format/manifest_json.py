@@ -33,6 +33,7 @@ from .manifest import (
     Piece,
     Scalar,
     ValuePath,
+    chunk_bytes_of,
     model_tensor,
     pack_checksums,
     piece_to_json,
@@ -40,7 +41,7 @@ from .manifest import (
 )
 from .names import MANIFEST_NAME, PARAM_KEY
 from .piece_index import check_region, index_name
-from .strict_json import strict_json, strict_json_chunks
+from .strict_json import strict_json, strict_json_chunks, valid_text
 
 _DIGEST = re.compile("[0-9a-f]{16}")
 
@@ -334,7 +335,7 @@ def _extra_values(raw: Any, where: str) -> ExtraValues:
             dtype=dtype,
             shape=tuple(_nonneg_int(n) for n in item["shape"]),
             checksums=tuple(_digest(c) for c in item["checksums"]),
-            chunk_bytes=_pos_int_value(item["chunk_bytes"]),
+            chunk_bytes=chunk_bytes_of(item["chunk_bytes"]),
         )
         _expect(
             len(tensor.checksums) == -(-tensor.nbytes // tensor.chunk_bytes),
@@ -375,7 +376,7 @@ def piece_from_json(raw: Mapping[str, Any], shared: dict[Any, Any] | None = None
     region = pool.get(bounds)
     if region is None:
         region = pool[bounds] = Region(*bounds)
-    chunk_bytes = _pos_int_value(raw["chunk_bytes"])
+    chunk_bytes = chunk_bytes_of(raw["chunk_bytes"])
     return Piece(
         param=sys.intern(_str(raw["param"])),
         key=sys.intern(_str(raw["key"])),
@@ -451,19 +452,19 @@ _PARAM_FIELDS = {"name", "shape", "tp_split_dim", "group", "dtypes"}
 
 def _as_json(value: Any) -> Any:
     """``value`` with any :class:`Piece` the parser made of a piece-shaped object (found where
-    no piece belongs: a hyperparameter) back in its JSON form."""
+    no piece belongs: a hyperparameter) back in its JSON form, its strings checked as names are."""
     if isinstance(value, Piece):
         return piece_to_json(value)
     if isinstance(value, dict):
         return _as_json_object(value)
     if isinstance(value, list):
         return [_as_json(v) for v in value]
-    return value
+    return _str(value) if isinstance(value, str) else value
 
 
 def _as_json_object(value: Mapping[str, Any]) -> dict[str, Any]:
-    """:func:`_as_json` of a JSON object."""
-    return {k: _as_json(v) for k, v in value.items()}
+    """:func:`_as_json` of a JSON object, its keys checked too."""
+    return {_str(k): _as_json(v) for k, v in value.items()}
 
 
 def _dtypes(raw: Mapping[str, Any], version: int) -> dict[str, str]:
@@ -559,6 +560,7 @@ def _expect(condition: bool, message: str) -> None:
 def _str(value: Any) -> str:
     if not isinstance(value, str):
         raise CheckpointError(f"expected a string, got {value!r}")
+    _expect(valid_text(value), f"{value!r} is not valid Unicode: it holds a lone surrogate")
     return value
 
 
@@ -576,12 +578,6 @@ def _nonneg_int(value: Any) -> int:
 
 def _pos_int(value: Any) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
-
-
-def _pos_int_value(value: Any) -> int:
-    if not _pos_int(value):
-        raise CheckpointError(f"expected a positive int, got {value!r}")
-    return value
 
 
 def _digest(value: Any) -> str:

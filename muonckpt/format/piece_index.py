@@ -24,11 +24,12 @@ from .manifest import (
     ParamEntry,
     Piece,
     Spans,
+    chunk_bytes_of,
     compact_json,
     pack_checksums,
 )
 from .names import tensor_key
-from .strict_json import strict_json
+from .strict_json import strict_json, valid_text
 
 INDEX_FORMAT = "muonckpt-pieces"
 """The ``format`` field of every piece index."""
@@ -115,12 +116,15 @@ def _piece(
     _expect(_int(at) and _within(at, entry.params), f"piece of param position {at!r} not held")
     param = params[at]
     _expect(isinstance(key, str) and key in param.dtypes, f"param {param.name!r}: key {key!r}")
-    _expect(tensor is None or isinstance(tensor, str), f"tensor {tensor!r} is not a key")
+    _expect(
+        tensor is None or (isinstance(tensor, str) and valid_text(tensor)),
+        f"tensor {tensor!r} is not a key",
+    )
     _expect(
         isinstance(bounds, list) and len(bounds) == 5 and all(_int(b) and b >= 0 for b in bounds),
         f"param {param.name!r}: region {bounds!r} is not 5 non-negative ints",
     )
-    _expect(_int(chunk_bytes) and chunk_bytes > 0, f"chunk_bytes {chunk_bytes!r}")
+    chunk_bytes = chunk_bytes_of(chunk_bytes)
     _expect(
         isinstance(digests, str) and len(digests) % 16 == 0 and digests == digests.lower(),
         f"param {param.name!r}: checksums {digests!r:.40} are not 16-digit lowercase hex",

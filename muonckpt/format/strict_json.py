@@ -1,6 +1,6 @@
 """Strict JSON, as the checkpoint format requires it: finite numbers, no key twice in an
 object, bounded depth; parsed whole (:func:`strict_json`) or as a stream never held whole
-(:func:`strict_json_chunks`).
+(:func:`strict_json_chunks`); and which strings are text UTF-8 can hold (:func:`valid_text`).
 
 Pure: the standard library's JSON decoder and nothing of the package.
 """
@@ -17,6 +17,16 @@ from typing import Any
 MAX_JSON_DEPTH = 32
 """How deeply a manifest's JSON may nest (a manifest needs 6 levels; hyperparameters such as
 AdamW's ``betas`` one more each)."""
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def valid_text(value: str) -> bool:
+    """Whether ``value`` is text UTF-8 can hold: no lone surrogate, which a JSON ``\\ud800``
+    escape decodes to and no file, header or manifest can store (the readers refuse such a
+    name where they read it, so that no writer meets it)."""
+    return value.isascii() or _SURROGATE.search(value) is None
 
 
 def strict_json(text: str | bytes, objects: Callable[[dict[str, Any]], Any] | None = None) -> Any:

@@ -26,7 +26,7 @@ from ..format import kinds
 from ..format.manifest import Manifest
 from ..format.names import PARAM_KEY
 from ..layout.zero_partitions import GroupLayout, group_layout
-from ..storage import deepspeed_files
+from ..storage import deepspeed_files, make_directory
 from ._foreign_out import not_carried, read_whole, staged_output
 from .foreign import Conversion
 
@@ -299,7 +299,7 @@ def to_deepspeed(
     step = manifest.recorded_step or max((v.step or 0 for v in values), default=0)
     tag = f"global_step{step}"
     with staged_output(dst, directory, deepspeed_files.discard) as staging:
-        tag_dir = deepspeed_files.make_tag_directory(staging, tag)
+        tag_dir = make_directory(staging / tag)
         for rank in range(world):
             deepspeed_files.save(
                 tag_dir / deepspeed_files.rank_file(rank),

@@ -243,8 +243,7 @@ def to_megatron(
     iteration = manifest.recorded_step or step or 0
     values = _values(keys, optimizer, iteration)
     with staged_output(dst, directory, _discard) as staging:
-        iteration_dir = staging / f"iter_{iteration:07d}"
-        iteration_dir.mkdir()
+        iteration_dir = storage.make_directory(staging / f"iter_{iteration:07d}")
         with PieceReader(directory, manifest) as reader:
             fetch = _LayerBlocks(keys, tensors, manifest, reader)
             dcp_files.write_dcp(iteration_dir, tensors, values, fetch, chunks)

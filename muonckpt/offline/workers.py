@@ -56,7 +56,8 @@ def run_in_workers(
     workers are gone, whatever state they were killed in. Warnings of the workers
     (:class:`~muonckpt.errors.CheckpointWarning`) are issued again here.
     """
-    storage.check_target(dst, options["overwrite"], source=src)
+    with storage.failing_as("look up", dst):
+        storage.check_target(dst, options["overwrite"], source=src)
     token = uuid.uuid4().hex[:8]
     committed = mp.get_context("forkserver").Value("b", 0)  # rank 0 sets it at the swap
     queue = mp.get_context("forkserver").Queue() if progress is not None else None

@@ -29,6 +29,7 @@ from .dcp_metadata import (
     open_data_file,
 )
 from .dtypes import itemsize, torch_dtype
+from .durable import failing_as
 
 if TYPE_CHECKING:
     import torch
@@ -207,6 +208,7 @@ def write_dcp(
 
     import torch
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
     from ._dcp_writer import BoundedWriter, FetchingPlanner
 
@@ -219,10 +221,15 @@ def write_dcp(
     }
     state.update(values)
     writer = BoundedWriter(os.fspath(directory), budget)
-    with warnings.catch_warnings():  # one process, no process group: as intended
+    planner = FetchingPlanner(tensors, dict(chunks or {}), fetch)
+    with warnings.catch_warnings(), failing_as("write", directory):
+        # one process, no process group: as intended
         warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single")
-        planner = FetchingPlanner(tensors, dict(chunks or {}), fetch)
-        dcp.save(state, storage_writer=writer, planner=planner)  # type: ignore[attr-defined]
+        try:
+            dcp.save(state, storage_writer=writer, planner=planner)  # type: ignore[attr-defined]
+        except CheckpointException as exc:
+            # torch's wrapper of what failed in a step (a full disk, a source refused, Ctrl-C)
+            raise next(iter(exc.failures.values()))[0] from None
 
 
 def discard_dcp(directory: str | os.PathLike[str]) -> None:

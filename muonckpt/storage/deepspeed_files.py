@@ -22,7 +22,7 @@ from typing import Any
 
 from ..errors import CheckpointError
 from . import lease, torch_pickles
-from .durable import fsync_dir, read_text
+from .durable import failing_as, fsync_dir, read_text
 
 LATEST = "latest"
 MODEL_STATES = "mp_rank_00_model_states.pt"
@@ -149,42 +149,30 @@ def save(path: Path, obj: Any) -> int:
     with ``torch.save``, fsynced; its size."""
     import torch
 
-    try:
+    with failing_as("write", path):  # a full disk: torch's zip writer raises over the OSError
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0))
         with os.fdopen(fd, "wb") as f:
             torch.save(obj, f)
             f.flush()
             os.fsync(f.fileno())
             return f.tell()
-    except OSError as exc:
-        raise CheckpointError(f"cannot write: {exc.strerror}", path=path) from None
-
-
-def make_tag_directory(staging: Path, tag: str) -> Path:
-    try:
-        (staging / tag).mkdir()
-    except OSError as exc:
-        raise CheckpointError(f"cannot create: {exc.strerror}", path=staging / tag) from None
-    return staging / tag
 
 
 def finish(staging: Path, tag: str) -> None:
     """Write ``latest`` naming ``tag`` and make the tag directory durable."""
     fsync_dir(staging / tag)
     path = staging / LATEST
-    try:
+    with failing_as("write", path):
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
         with os.fdopen(fd, "w") as f:
             f.write(tag)
             f.flush()
             os.fsync(f.fileno())
-    except OSError as exc:
-        raise CheckpointError(f"cannot write: {exc.strerror}", path=path) from None
 
 
 def _ours(name: str) -> bool:
-    """Whether a path in a staging directory is one :func:`save`, :func:`make_tag_directory`
-    or :func:`finish` writes: ``latest``, the tag directory (``NAME/``) and its ``.pt`` files."""
+    """Whether a path in a staging directory is one the DeepSpeed writer makes: ``latest``,
+    the tag directory (``NAME/``) and its ``.pt`` files."""
     head, _, rest = name.partition("/")
     return name == LATEST or (
         bool(head) and "/" not in rest and (not rest or rest.endswith(".pt")) and "/" in name

@@ -1,5 +1,6 @@
 """File primitives: durable writes (fsync, atomic rename), positional write loops, small
-reads, and the libc calls Python lacks (``renameat2``, ``sync_file_range``)."""
+reads, the libc calls Python lacks (``renameat2``, ``sync_file_range``), and the one mapping of
+a system error to the library's one-line error that every writer uses (:func:`failing_as`)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import os
 import stat
 from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +26,49 @@ _WRITE_BYTES = 1 << 20
 took 0.35-3.7 s from run to run, in 1 MiB calls a steady 0.31-0.42 s."""
 
 
+def system_error(exc: BaseException) -> OSError | None:
+    """The system's error that ``exc`` is or was raised over, else None: torch's zip writer
+    (``torch.save``) meets a full disk with a RuntimeError ("unexpected pos") raised while the
+    OSError of its write is being handled."""
+    if isinstance(exc, OSError):
+        return exc
+    if isinstance(exc, RuntimeError) and isinstance(exc.__context__, OSError):
+        return exc.__context__
+    return None
+
+
+def failure(doing: str, exc: OSError, path: object, param: str | None = None) -> CheckpointError:
+    """The one line for a file operation the system refused: ``cannot <doing>: <its reason>``
+    (no space left on device, read-only file system, ...), naming the file the system names,
+    else ``path``, and ``param`` if given."""
+    return CheckpointError(
+        f"cannot {doing}: {exc.strerror or exc}",
+        path=exc.filename if exc.filename is not None else path,
+        param=param,
+    )
+
+
+@contextmanager
+def failing_as(doing: str, path: object) -> Iterator[None]:
+    """Any OSError of the block (or a library's error over one, :func:`system_error`) raised
+    as :func:`failure`'s :class:`CheckpointError`; every other exception goes on as it is."""
+    try:
+        yield
+    except (OSError, RuntimeError) as exc:
+        cause = system_error(exc)
+        if cause is None:
+            raise
+        raise failure(doing, cause, path) from exc
+
+
+def make_directory(path: str | os.PathLike[str]) -> Path:
+    """Create the new directory ``path`` (its parent exists); :class:`CheckpointError` if the
+    system refuses."""
+    with failing_as("create", path):
+        os.mkdir(path)
+    return Path(path)
+
+
 def fsync_dir(path: str | os.PathLike[str]) -> None:
     """fsync a directory, so that a rename inside it survives a crash (no-op where unsupported)."""
     flags = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0)
@@ -32,11 +77,11 @@ def fsync_dir(path: str | os.PathLike[str]) -> None:
     except OSError as e:
         if os.name == "nt":  # directories cannot be opened, nor need fsync, on Windows
             return
-        raise CheckpointError(f"cannot open directory for fsync: {e}", path=path) from e
+        raise failure("open directory for fsync", e, path) from e
     try:
         os.fsync(fd)
     except OSError as e:
-        raise CheckpointError(f"cannot fsync directory: {e}", path=path) from e
+        raise failure("fsync directory", e, path) from e
     finally:
         os.close(fd)
 
@@ -55,6 +100,16 @@ def replace_durably(tmp: Path, path: Path) -> None:
     fsync_dir(path.parent)
 
 
+def _utf8(text: str, path: Path) -> bytes:
+    """``text`` as UTF-8, or a :class:`CheckpointError` naming ``path`` and the text around
+    a lone surrogate, which UTF-8 cannot hold."""
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        around = exc.object[max(exc.start - 40, 0) : exc.end + 10]
+        raise CheckpointError(f"cannot write {around!r}: not valid Unicode", path=path) from None
+
+
 def write_text_atomic(
     path: str | os.PathLike[str], text: str | Iterable[str], *, limit: int | None = None
 ) -> int:
@@ -68,7 +123,7 @@ def write_text_atomic(
     try:
         with open(tmp, "wb") as f:
             for chunk in [text] if isinstance(text, str) else text:
-                data = chunk.encode("utf-8")
+                data = _utf8(chunk, path)
                 size += len(data)
                 if limit is None or size <= limit:
                     f.write(data)
@@ -82,7 +137,7 @@ def write_text_atomic(
     except BaseException as e:
         remove_quietly(tmp)
         if isinstance(e, OSError):
-            raise CheckpointError(f"cannot write: {e}", path=path) from e
+            raise failure("write", e, path) from e
         raise
     return size
 
@@ -143,7 +198,7 @@ def write_texts_durably(
         try:
             with open(tmp, "wb") as f:
                 for chunk in chunks:
-                    data = chunk.encode("utf-8")
+                    data = _utf8(chunk, path)
                     size += len(data)
                     if size > limit:
                         raise CheckpointError(
@@ -155,7 +210,7 @@ def write_texts_durably(
         except BaseException as e:
             remove_quietly(tmp)
             if isinstance(e, OSError):
-                raise CheckpointError(f"cannot write: {e}", path=path) from e
+                raise failure("write", e, path) from e
             raise
         written[name] = (size, hasher.hexdigest())
     sync_files(directory, written)

@@ -35,8 +35,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import CheckpointError
 from ..format.manifest import FORMAT_NAME
+from .durable import failure
 
 LEASE_NAME = ".muonckpt-lease"
 LEASE_FILE = re.compile(rf"^{re.escape(LEASE_NAME)}(\.tmp-\d+)?$")
@@ -82,7 +82,7 @@ def take(directory: str | os.PathLike[str], what: str) -> None:
     try:
         fd = os.open(tmp, flags, 0o644)
     except OSError as exc:
-        raise CheckpointError(f"cannot write its lease: {exc}", path=directory) from None
+        raise failure("write its lease", exc, directory) from None
     try:
         _try_lock(fd)  # a fresh file: nobody else has it open
         os.write(fd, json.dumps(record).encode())
@@ -91,7 +91,7 @@ def take(directory: str | os.PathLike[str], what: str) -> None:
         os.close(fd)
         with contextlib.suppress(OSError):
             tmp.unlink()
-        raise CheckpointError(f"cannot write its lease: {exc}", path=directory) from None
+        raise failure("write its lease", exc, directory) from None
     with _GUARD:
         previous = _HELD.pop(_key(directory), None)
         _HELD[_key(directory)] = fd

@@ -24,9 +24,17 @@ import numpy as np
 
 from ..errors import CheckpointError
 from ..format.manifest import DTYPE_BYTES
+from ..format.strict_json import valid_text
 from .checksums import CHUNK_BYTES, chunk_digests
 from .dtypes import byte_view, torch_dtype_names
-from .durable import pwrite_all, remove_quietly, replace_durably, start_writeback, temporary_path
+from .durable import (
+    failure,
+    pwrite_all,
+    remove_quietly,
+    replace_durably,
+    start_writeback,
+    temporary_path,
+)
 from .safetensors_format import DTYPE_CODES, DTYPES, METADATA_KEY, TensorRecord
 
 _T = TypeVar("_T")
@@ -169,12 +177,18 @@ def _plan_header(
     for k, v in meta.items():
         if not isinstance(k, str) or not isinstance(v, str):
             raise CheckpointError(f"metadata must map str to str, got {k!r}: {v!r}", path=path)
+        if not valid_text(k + v):
+            raise CheckpointError(f"metadata {k!r}: {v!r} is not valid Unicode", path=path)
     plan = _Layout()
     shapes: dict[tuple[int, ...], tuple[int, ...]] = {}
     position = 0
     for key in specs:
         if not isinstance(key, str) or key == METADATA_KEY:
             raise CheckpointError(f"invalid tensor key {key!r}", path=path)
+        if not valid_text(key):
+            raise CheckpointError(
+                f"tensor key {key!r} is not valid Unicode: it holds a lone surrogate", path=path
+            )
     for key in sorted(specs):
         name, shape = specs[key]
         if name not in DTYPE_BYTES:
@@ -350,7 +364,7 @@ class SafetensorsWriter:
             self._file.flush()  # the data goes in by positional writes
         except OSError as e:
             self.abort()
-            raise CheckpointError(f"cannot write: {e}", path=self.path) from e
+            raise failure("write", e, self.path) from e
 
     @property
     def pending(self) -> list[str]:
@@ -378,7 +392,7 @@ class SafetensorsWriter:
                 )
         except OSError as e:
             self.abort()
-            raise CheckpointError(f"cannot write: {e}", path=self.path) from e
+            raise failure("write", e, self.path) from e
         self._digests.append(sums)
         self._next += 1
         return self._records()[key]
@@ -409,7 +423,7 @@ class SafetensorsWriter:
                 os.replace(self._tmp, self.path)
         except OSError as e:
             self.abort()
-            raise CheckpointError(f"cannot write: {e}", path=self.path) from e
+            raise failure("write", e, self.path) from e
         return self._records()
 
     def abort(self) -> None:
@@ -478,7 +492,7 @@ class SharedSafetensorsFile:
                 self._header.write(file)
                 file.truncate(self.size)
         except OSError as e:
-            raise CheckpointError(f"cannot create: {e}", path=self.path) from e
+            raise failure("create", e, self.path) from e
 
     def write(self, key: str, tensor: torch.Tensor | np.ndarray) -> TensorRecord:
         """Write ``key``'s data (as :meth:`SafetensorsWriter.write` takes it) at its offset,
@@ -492,7 +506,7 @@ class SharedSafetensorsFile:
                 self._fd = os.open(self._part, os.O_WRONLY | getattr(os, "O_BINARY", 0))
             sums = _write_and_checksum(self._fd, view, record.offset, self.chunk_bytes)
         except OSError as e:
-            raise CheckpointError(f"cannot write: {e}", path=self.path, param=key) from e
+            raise failure("write", e, self.path, key) from e
         return self.record(key, sums)
 
     def close(self) -> None:
@@ -518,4 +532,4 @@ class SharedSafetensorsFile:
                 os.close(fd)
             replace_durably(self._part, self.path)
         except OSError as e:
-            raise CheckpointError(f"cannot write: {e}", path=self.path) from e
+            raise failure("write", e, self.path) from e

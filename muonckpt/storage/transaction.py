@@ -21,7 +21,7 @@ from ..format.manifest import FORMAT_NAME
 from ..format.names import MANIFEST_NAME
 from ..settings import local_path
 from . import lease
-from .durable import RENAME_NOREPLACE, exchange, fsync_dir, read_text, renameat2
+from .durable import RENAME_NOREPLACE, exchange, failing_as, fsync_dir, read_text, renameat2
 from .mailbox import MAILBOX_TAG
 
 STAGING_TAG = "staging"
@@ -244,14 +244,12 @@ def make_staging(
     and the staging directory itself.
     """
     final = Path(final)
-    check_target(final, overwrite, source=source)
-    token = _PRESET_TOKENS.pop(os.path.abspath(final), None) or uuid.uuid4().hex[:8]
-    staging = staging_path(final, token)
-    try:
+    with failing_as("create the staging directory", final):  # a stat of check_target's too
+        check_target(final, overwrite, source=source)
+        token = _PRESET_TOKENS.pop(os.path.abspath(final), None) or uuid.uuid4().hex[:8]
+        staging = staging_path(final, token)
         final.parent.mkdir(parents=True, exist_ok=True)
         staging.mkdir()
-    except OSError as exc:
-        raise CheckpointError(f"cannot create the staging directory: {exc}", path=staging) from None
     try:
         lease.take(staging, "staging")
     except BaseException:
