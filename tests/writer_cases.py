@@ -1,12 +1,14 @@
-"""Every writer on a disk that is full, as ``python -m tests.full_disk_cases LIMIT CASES``:
-with ``LIMIT`` bytes a number, no file may grow past it (``RLIMIT_FSIZE``, a quota: a write
-past it fails with EFBIG, SIGXFSZ ignored); with ``-``, the disk is what the outputs are on (a
-small tmpfs: ENOSPC). ``CASES`` is a JSON list of cases, each ``{"cli": [argv...]}`` (the
-command line, in this process) or ``{"api": "module:function", "args": [...], "kwargs":
-{...}}``; the last line printed is a JSON list of their outcomes: for the command line its
-exit code, stderr and the exception that escaped it (a traceback), for the API the type and
-message of what it raised. ``tests.full_disk_cases:save`` saves the fixture model's optimizer
-(after 2 steps) with ``save``'s options, or ``async_save``'s with ``asynchronous``.
+"""Writers where they cannot write, as ``python -m tests.writer_cases LIMIT CASES``: with
+``LIMIT`` bytes a number, no file may grow past it (``RLIMIT_FSIZE``, a quota: a write past it
+fails with EFBIG, SIGXFSZ ignored); with ``-``, no limit (the outputs' places say what fails: a
+full or read-only tmpfs, a directory without permissions, a path too long).
+
+``CASES`` is a JSON list of cases, each ``{"cli": [argv...]}`` (the command line, in this
+process) or ``{"api": "module:function", "args": [...], "kwargs": {...}}``; the last line
+printed is a JSON list of their outcomes: for the command line its exit code, stderr and the
+exception that escaped it (a traceback), for the API the type and message of what it raised.
+``tests.writer_cases:save`` saves the fixture model's optimizer (after 2 steps) with
+``save``'s options, or ``async_save``'s with ``asynchronous``.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ def run(case: dict[str, Any]) -> dict[str, Any]:
         if hasattr(result, "result"):  # async_save's future
             result.result()
     except BaseException as exc:
-        return {"raised": type(exc).__name__, "message": str(exc)[:300]}
+        return {"raised": type(exc).__name__, "message": str(exc)}
     return {"raised": None, "message": ""}
 
 

@@ -1,0 +1,222 @@
+"""Every writer where it cannot write (issue 50): a full disk (a quota, RLIMIT_FSIZE, which runs
+everywhere; a real one, a small tmpfs, where this process may mount one), a read-only
+filesystem, a parent it may not write in or enter, a path longer than the system takes. Each
+ends in one ``error: cannot ...`` line naming the file and the system's reason, exit code 2 (a
+CheckpointError from the API), its staging directory removed, nothing published, the source
+untouched; never a traceback (DCP, Megatron and DeepSpeed outputs printed one on a full disk,
+and a path too long raised a bare OSError from the API)."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from muonckpt.interop import deepspeed, megatron
+
+from .conftest import REPO
+
+FIXTURES = Path(__file__).parent / "fixtures"
+DEEPSPEED = FIXTURES / "deepspeed" / "w2_z1_fused_fp32" / "ckpt"
+STAGING = "create the staging directory"
+CONDITIONS = {
+    "quota": "write: File too large",
+    "full disk": "write: No space left on device",
+    "read-only": f"{STAGING}: Read-only file system",
+    "parent not writable": f"{STAGING}: Permission denied",
+    "parent not searchable": f"{STAGING}: Permission denied",
+    "path too long": f"{STAGING}: File name too long",
+}
+"""Each condition, and what the line says after ``cannot``."""
+
+
+@pytest.fixture(scope="module")
+def sources(single_ckpt, tmp_path_factory) -> dict[str, Path]:
+    """The checkpoints the writers read: the fixture model's per-rank one, one read from
+    Megatron (what ``--to megatron`` writes from), one read from DeepSpeed (whose rank files
+    are larger than one write of ``torch.save``: a full disk meets it inside its zip writer)
+    and DeepSpeed's own files."""
+    root = tmp_path_factory.mktemp("sources")
+    mcore = megatron.from_megatron(FIXTURES / "megatron" / "tp2_dp1" / "checkpoint", root / "mg")
+    ds = deepspeed.from_deepspeed(DEEPSPEED, root / "ds")
+    return {
+        "muonckpt": single_ckpt(2),
+        "megatron": mcore.path,
+        "from-deepspeed": ds.path,
+        "deepspeed": DEEPSPEED,
+    }
+
+
+def _cases(sources: dict[str, Path], out: Path) -> dict[str, dict]:
+    """Each writer, by the name of its output under ``out``: the command line and the API."""
+    ours, mcore, ds = (str(sources[name]) for name in ("muonckpt", "megatron", "from-deepspeed"))
+
+    def cli(name: str, *argv: str) -> dict:
+        return {"cli": [argv[0], argv[1], "-o", str(out / name), *argv[2:]]}
+
+    def api(name: str, function: str, src: str | None, **kwargs: object) -> dict:
+        args = [str(out / name)] if src is None else [src, str(out / name)]
+        return {"api": function, "args": args, "kwargs": kwargs}
+
+    return {
+        "dcp": cli("dcp", "convert", ours, "--to", "torch", "--format", "dcp"),
+        "megatron": cli("megatron", "convert", mcore, "--to", "megatron", "--tp", "1", "--dp", "1"),
+        "deepspeed": cli("deepspeed", "convert", ds, "--to", "deepspeed", "--world", "2"),
+        "consolidate": cli("consolidate", "consolidate", ours),
+        "reshard": cli("reshard", "reshard", ours, "--dp", "2", "--tp", "1"),
+        "convert": cli("convert", "convert", ours, "--to", "torch"),
+        "from-deepspeed": cli(
+            "from-deepspeed", "convert", str(sources["deepspeed"]), "--from", "deepspeed"
+        ),
+        "api-dcp": api("api-dcp", "muonckpt.interop:to_dcp", ours, to="torch"),
+        "api-megatron": api("api-megatron", "muonckpt.interop:to_megatron", mcore, tp=1, dp=1),
+        "api-deepspeed": api("api-deepspeed", "muonckpt.interop:to_deepspeed", ds, world=2),
+        "api-consolidate": api("api-consolidate", "muonckpt.offline:consolidate", ours),
+        "save": api("save", "tests.writer_cases:save", None),
+        "save-consolidated": api(
+            "save-consolidated", "tests.writer_cases:save", None, consolidated=True
+        ),
+        "async_save": api("async_save", "tests.writer_cases:save", None, asynchronous=True),
+    }
+
+
+def _digest(directory: Path) -> str:
+    """Every file under ``directory``, its name and bytes, as one digest."""
+    digest = hashlib.sha256()
+    for path in sorted(directory.rglob("*")):
+        digest.update(str(path.relative_to(directory)).encode())
+        if path.is_file():
+            digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+@contextlib.contextmanager
+def _tmpfs(where: Path, options: str) -> Iterator[bool]:
+    """A tmpfs mounted at ``where`` with ``options``: whether it could be (root, and a
+    container that allows it)."""
+    where.mkdir()
+    try:
+        done = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)],
+            capture_output=True,
+            timeout=30,
+        )
+    except OSError:  # no mount command
+        yield False
+        return
+    try:
+        yield done.returncode == 0
+    finally:
+        if done.returncode == 0:
+            subprocess.run(["umount", str(where)], capture_output=True, timeout=30)
+
+
+def _unprivileged() -> list[str] | None:
+    """How to run a command so that permissions hold for it: as it is, when not root; as root
+    without the capabilities that bypass them (``setpriv``), else None."""
+    if os.geteuid() != 0:
+        return []
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        return None
+    return [setpriv, "--bounding-set", "-dac_override,-dac_read_search"]
+
+
+def _run(cases: dict[tuple[str, str], dict], limit: str, prefix: list[str]) -> dict:
+    """The outcome of each case, run in one process (``tests/writer_cases.py``)."""
+    argv = [*prefix, sys.executable, "-m", "tests.writer_cases", limit]
+    done = subprocess.run(
+        [*argv, json.dumps(list(cases.values()))],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    return dict(zip(cases, json.loads(done.stdout.splitlines()[-1]), strict=True))
+
+
+@pytest.fixture(scope="module")
+def outcomes(sources, tmp_path_factory) -> Iterator[dict[str, tuple[Path, dict] | str]]:
+    """Each condition: where the writers wrote and each writer's outcome there, or why the
+    condition could not be made here. The quota in a process of its own, every other
+    condition in one more."""
+    root = tmp_path_factory.mktemp("conditions")
+    before = {name: _digest(path) for name, path in sources.items()}
+    found: dict[str, tuple[Path, dict] | str] = {}
+    with (
+        _tmpfs(root / "full", "size=8k") as full,
+        _tmpfs(root / "ro", "ro,size=8k") as read_only,
+    ):
+        outs = {
+            "quota": root / "quota",
+            "full disk": root / "full",
+            "read-only": root / "ro",
+            "parent not writable": root / "locked",
+            "parent not searchable": root / "closed" / "inner",
+            "path too long": root.joinpath(*["d" * 200] * 25),
+        }
+        for condition in ("quota", "parent not writable"):
+            outs[condition].mkdir()
+        (root / "closed").mkdir()
+        unprivileged = _unprivileged()
+        skipped = {
+            "full disk": None if full else "cannot mount a tmpfs here",
+            "read-only": None if read_only else "cannot mount a tmpfs here",
+            "parent not writable": None if unprivileged is not None else "root, no setpriv",
+            "parent not searchable": None if unprivileged is not None else "root, no setpriv",
+        }
+        found.update({condition: why for condition, why in skipped.items() if why})
+        (root / "locked").chmod(0o555)
+        (root / "closed").chmod(0o000)
+        try:
+            quota = {("quota", k): c for k, c in _cases(sources, outs["quota"]).items()}
+            rest = {
+                (condition, k): case
+                for condition, out in outs.items()
+                if condition != "quota" and condition not in found
+                for k, case in _cases(sources, out).items()
+            }
+            ran = {**_run(quota, str(4 << 10), []), **_run(rest, "-", unprivileged or [])}
+        finally:
+            (root / "locked").chmod(0o755)
+            (root / "closed").chmod(0o755)
+        for condition, out in outs.items():
+            if condition not in found:
+                cases = {k: v for (c, k), v in ran.items() if c == condition}
+                left = sorted(os.listdir(out)) if os.path.isdir(out) else None
+                found[condition] = (out, {"outcomes": cases, "left": left})
+        yield found
+    assert {name: _digest(path) for name, path in sources.items()} == before
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("condition", CONDITIONS)
+def test_every_writer_refuses_in_one_line(outcomes, condition):
+    """DeepSpeed's writer meets a full disk inside ``torch.save``'s zip writer, which raises a
+    RuntimeError over the OSError; DCP's writer wraps it in torch's own CheckpointException."""
+    if isinstance(outcomes[condition], str):
+        pytest.skip(outcomes[condition])
+    out, seen = outcomes[condition]
+    print(json.dumps(seen, indent=1))  # shown when it fails
+    said = f"cannot {CONDITIONS[condition]} (file "
+    where = str(out if condition != "path too long" else out.parents[20])  # the file named
+    for name, outcome in seen["outcomes"].items():
+        if "code" in outcome:
+            assert outcome["escaped"] is None and outcome["code"] == 2, (name, outcome)
+            lines = outcome["stderr"].splitlines()
+            assert len(lines) == 1 and "Traceback" not in outcome["stderr"], (name, outcome)
+            assert lines[0].startswith(f"error: {said}{where}"), (name, lines)
+        else:
+            assert outcome["raised"] == "CheckpointError", (name, outcome)
+            assert f"{said}{where}" in outcome["message"], (name, outcome)
+            assert "\n" not in outcome["message"], (name, outcome)
+    assert seen["left"] in ([], None)  # nothing published, every staging directory removed
