@@ -191,3 +191,17 @@ def test_a_lone_surrogate_is_refused_by_every_tool_naming_it(saved, tmp_path, da
         _assert_one_error(_cli(*argv(ckpt, out)), file, escaped)
         assert not out.exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def test_a_writer_refuses_text_utf8_cannot_hold(tmp_path):
+    """What a foreign reader or a caller hands a writer (a name from a pickle, an ``extra``
+    path decoded with ``surrogateescape``) is refused naming it, not a UnicodeEncodeError, and
+    nothing is left behind."""
+    import torch
+
+    path = tmp_path / "a.safetensors"
+    with pytest.raises(CheckpointError, match=r"tensor key 'w\\ud800' is not valid Unicode"):
+        storage.write_safetensors(path, {"w\ud800": torch.ones(2)})
+    with pytest.raises(CheckpointError, match=r"\\udcff"):
+        storage.write_text_atomic(tmp_path / "m.json", ['{"path": "/data/', '\udcff"}'])
+    assert list(tmp_path.iterdir()) == []
