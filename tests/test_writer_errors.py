@@ -19,7 +19,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from typer.testing import CliRunner
 
+from muonckpt import interop
+from muonckpt.checkpoint.pieces import PieceReader
+from muonckpt.cli import app
 from muonckpt.interop import deepspeed, megatron
 
 from .conftest import REPO
@@ -220,3 +224,47 @@ def test_every_writer_refuses_in_one_line(outcomes, condition):
             assert f"{said}{where}" in outcome["message"], (name, outcome)
             assert "\n" not in outcome["message"], (name, outcome)
     assert seen["left"] in ([], None)  # nothing published, every staging directory removed
+
+
+def _flip_last_data_byte(ckpt: Path, file: str) -> None:
+    """A byte of the last tensor's data changed: its checksum no longer matches."""
+    path = ckpt / file
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("to", ["dcp", "megatron"])
+def test_a_damaged_source_inside_torchs_dcp_writer_is_one_line(sources, tmp_path, to):
+    """torch's DCP writer reads each tensor from the source when it reaches it, and wraps
+    what that read raises in its CheckpointException: the library's own error is what
+    ends the command (a traceback before)."""
+    if to == "dcp":
+        src, file, argv = sources["muonckpt"], "rank-00000-of-00001.safetensors", ["--to", "torch"]
+        argv += ["--format", "dcp"]
+    else:
+        src, file, argv = sources["megatron"], "optimizer.safetensors", ["--to", "megatron"]
+        argv += ["--tp", "1", "--dp", "1"]
+    damaged = tmp_path / "src"
+    shutil.copytree(src, damaged)
+    _flip_last_data_byte(damaged, file)
+    result = CliRunner().invoke(app, ["convert", str(damaged), "-o", str(tmp_path / "out"), *argv])
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit), result.exception
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: checksum mismatch"), result.output
+    assert str(damaged / file) in lines[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+def test_ctrl_c_inside_torchs_dcp_writer_is_an_interruption(sources, tmp_path, monkeypatch):
+    """Ctrl-C while torch's writer fetches a tensor ends the call as a KeyboardInterrupt (the
+    command line: exit code 130), its staging directory removed; torch's CheckpointException
+    around it was a traceback before."""
+
+    def interrupted(*args: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(PieceReader, "gather", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        interop.to_dcp(sources["muonckpt"], tmp_path / "out", to="torch")
+    assert list(tmp_path.iterdir()) == []
