@@ -68,7 +68,8 @@ def _key(directory: str | os.PathLike[str]) -> str:
 
 def take(directory: str | os.PathLike[str], what: str) -> None:
     """(the process that made ``directory``) Write its lease, locked, and hold it (heartbeat
-    included) until :func:`release`. A :class:`CheckpointError` when it cannot be written."""
+    included) until :func:`release`. A :class:`~muonckpt.errors.CheckpointError` when it
+    cannot be written."""
     directory = Path(directory)
     tmp = directory / f"{LEASE_NAME}.tmp-{os.getpid()}"
     record = {
