@@ -30,6 +30,7 @@ from .conftest import REPO
 
 FIXTURES = Path(__file__).parent / "fixtures"
 DEEPSPEED = FIXTURES / "deepspeed" / "w2_z1_fused_fp32" / "ckpt"
+WRITER_CASES = "tests.writer_cases"
 STAGING = "create the staging directory"
 CONDITIONS = {
     "quota": "write: File too large",
@@ -134,18 +135,35 @@ def _unprivileged() -> list[str] | None:
     return [setpriv, "--bounding-set", "-dac_override,-dac_read_search"]
 
 
-def _run(cases: dict[tuple[str, str], dict], limit: str, prefix: list[str]) -> dict:
-    """The outcome of each case, run in one process (``tests/writer_cases.py``)."""
-    argv = [*prefix, sys.executable, "-m", "tests.writer_cases", limit]
-    done = subprocess.run(
-        [*argv, json.dumps(list(cases.values()))],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr
-    return dict(zip(cases, json.loads(done.stdout.splitlines()[-1]), strict=True))
+def _run(runs: list[tuple[dict[tuple[str, str], dict], str, list[str]]]) -> dict:
+    """The outcome of each case of each run ``(cases, limit, prefix)``, the runs side by side,
+    each in one process (``tests/writer_cases.py``)."""
+    started = [
+        (
+            cases,
+            subprocess.Popen(
+                [
+                    *prefix,
+                    sys.executable,
+                    "-m",
+                    WRITER_CASES,
+                    limit,
+                    json.dumps(list(cases.values())),
+                ],
+                cwd=REPO,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            ),
+        )
+        for cases, limit, prefix in runs
+    ]
+    found = {}
+    for cases, process in started:
+        out, err = process.communicate(timeout=300)
+        assert process.returncode == 0, err
+        found.update(zip(cases, json.loads(out.splitlines()[-1]), strict=True))
+    return found
 
 
 @pytest.fixture(scope="module")
@@ -189,7 +207,7 @@ def outcomes(sources, tmp_path_factory) -> Iterator[dict[str, tuple[Path, dict] 
                 if condition != "quota" and condition not in found
                 for k, case in _cases(sources, out).items()
             }
-            ran = {**_run(quota, str(4 << 10), []), **_run(rest, "-", unprivileged or [])}
+            ran = _run([(quota, str(4 << 10), []), (rest, "-", unprivileged or [])])
         finally:
             (root / "locked").chmod(0o755)
             (root / "closed").chmod(0o755)
