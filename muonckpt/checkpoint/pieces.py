@@ -185,8 +185,8 @@ def open_checkpoint(path: str | os.PathLike[str], *, pieces: bool = True) -> tup
     """The directory and manifest of a checkpoint whose pieces cover every state tensor once.
 
     Without ``pieces``, a version 3 checkpoint's top level alone: a load then reads the piece
-    indexes of its share (:func:`load_pieces`), each data file's size checked when it is
-    opened, and every region it reads checked to be covered exactly once there."""
+    indexes of its share (:func:`load_pieces`, which checks those params' coverage), each
+    data file's size checked when it is opened."""
     directory = Path(path)
     manifest = read_manifest(directory, pieces=pieces)
     if not manifest.complete:
