@@ -465,7 +465,7 @@ def _add_optimizer(
                 fqn = f"{OPTIMIZER_PREFIX}state.{name}.{family.their_key(kind.role or '', key)}"
                 out.tensors[fqn] = (entry.shape, entry.dtype_of(key))
                 out.sources[fqn] = (name, key, factor if key == "momentum_buffer" else 1.0)
-            step = step_scalar(family.step_in, manifest.step_of(entry))
+            step = step_scalar(family.step_in, manifest.step_of(entry), name)
             if kind.role == "adamw" and step is not None and entry.state_keys:
                 out.values[f"{OPTIMIZER_PREFIX}state.{name}.step"] = (
                     _step_tensor(step) if step.dtype is not None else step.value
