@@ -462,7 +462,7 @@ FORMAT = ForeignFormat(
     write=to_deepspeed,
     sources=(SOURCE,),
     targets=(SOURCE,),
-    write_options={"world": None},
+    write_options={"world": None, "allow_large_world": None},
     records_source=True,
 )
 """DeepSpeed ZeRO-1/2 in the registry (:mod:`muonckpt.interop.registry`)."""

@@ -341,7 +341,7 @@ FORMAT = ForeignFormat(
     write=to_megatron,
     sources=("megatron",),
     targets=("megatron",),
-    write_options={"tp": None, "dp": None},
+    write_options={"tp": None, "dp": None, "allow_large_world": None},
     records_source=True,
 )
 """Megatron-Core's torch_dist format in the registry (:mod:`muonckpt.interop.registry`)."""
