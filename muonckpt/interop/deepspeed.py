@@ -119,6 +119,22 @@ def _param_shapes(model: Any, path: Path) -> list[dict[str, tuple[int, ...]]]:
     return out
 
 
+def _check_declared(
+    shapes: list[dict[str, tuple[int, ...]]], files: list[Path], path: Path
+) -> None:
+    """The elements ``param_shapes`` declares must fit the rank files: their fp32 masters
+    alone take 4 bytes each. Checked on the files' sizes, before any of them is read, so a
+    few-KB file claiming 16384 x 16384 is refused without allocating its 1 GiB."""
+    declared = sum(math.prod(shape) for group in shapes for shape in group.values())
+    present = deepspeed_files.total_size(files)
+    if 4 * declared > present:
+        raise _fail(
+            f"param_shapes declares {declared} elements ({4 * declared} bytes of fp32 masters), "
+            f"but the {len(files)} rank files hold {present} bytes in all",
+            path,
+        )
+
+
 def _rank_partitions(optim: Any, world: int, groups: int, path: Path) -> int:
     """The ZeRO stage (1 or 2) of a rank file written by ``world`` ranks over ``groups``
     groups."""
@@ -176,13 +192,6 @@ def _read_rank(
         settings = param_groups[g]
         if not isinstance(settings, dict):
             raise _fail(f"param_groups[{g}] is not a group's settings", path)
-        if rank == 0:
-            flat = torch.zeros(layout.world * layout.partition, dtype=torch.float32)
-            hyper = {k: v for k, v in settings.items() if k != "params"}
-            out.append(
-                _Group(g, list(group_shapes), list(group_shapes.values()), layout, hyper, flat)
-            )
-        group = out[g]
         master = masters[g]
         where = f"group {g}"
         if not isinstance(master, torch.Tensor) or master.dim() != 1:
@@ -194,6 +203,13 @@ def _read_rank(
                 f"give rank {rank} {layout.kept(rank)} with padding {layout.group_padding(rank)}",
                 path,
             )
+        if rank == 0:  # (the partition checked first: param_shapes' claim is not allocated)
+            flat = torch.zeros(layout.world * layout.partition, dtype=torch.float32)
+            hyper = {k: v for k, v in settings.items() if k != "params"}
+            out.append(
+                _Group(g, list(group_shapes), list(group_shapes.values()), layout, hyper, flat)
+            )
+        group = out[g]
         _check_mappings(mappings, g, group, rank, path)
         at = rank * layout.partition
         group.master[at : at + master.numel()] = master
@@ -417,6 +433,7 @@ def from_deepspeed(
     left = _left_out(model, params, aliases)
     recorded = model.get("global_steps")
     del model  # the module's weights: the masters are the values
+    _check_declared(shapes, files, model_path)
     groups: list[_Group] = []
     stages = {_read_rank(rank, len(files), path, shapes, groups) for rank, path in enumerate(files)}
     manifest = _manifest(groups, recorded if type(recorded) is int else None, directory)

@@ -33,6 +33,7 @@ from ..format import kinds
 from ..format.conversion import converted_manifest
 from ..format.manifest import CONSOLIDATED, GroupEntry, Manifest, ParamEntry, Scalar, json_safe
 from ..format.names import PARAM_KEY
+from ..format.stacked import matrices
 from ..storage import dcp_files, dcp_metadata, megatron_files
 from ..storage.megatron_files import Namespace
 from ._consolidated import conversion_notes, summarized, write_consolidated
@@ -279,13 +280,14 @@ def _group_of(
     return by_wd[no_decay]
 
 
-def _layers(fqn: str, shape: tuple[int, ...]) -> list[tuple[str, int | None]]:
+def _layers(fqn: str, shape: tuple[int, ...], where: Path) -> list[tuple[str, int | None]]:
     """The per-layer names of a model key: ``decoder.layers.X`` -> ``decoder.layers.{i}.X``
-    for each ``i`` of its leading axis, with ``i``; other keys as they are."""
+    for each ``i`` of its leading axis, with ``i``; other keys as they are. A stacked key of
+    no elements is refused (:func:`~muonckpt.format.stacked.matrices`)."""
     for prefix in STACKED:
         if fqn.startswith(prefix) and shape:
             rest = fqn[len(prefix) :]
-            return [(f"{prefix}{i}.{rest}", i) for i in range(shape[0])]
+            return [(f"{prefix}{i}.{rest}", i) for i in range(matrices(fqn, shape, 1, where))]
     return [(fqn, None)]
 
 
@@ -314,7 +316,7 @@ def _manifest(
                 path=where,
             )
         full = index.tensors[keys["fp32_param"]]
-        for name, layer in _layers(model_fqn, full.shape):
+        for name, layer in _layers(model_fqn, full.shape, where):
             shape = full.shape[1:] if layer is not None else full.shape
             g = _group_of(groups, role, name, shape, where)
             dtypes = {STATE_KEYS[k]: index.tensors[fqn].dtype for k, fqn in keys.items()}
