@@ -36,13 +36,18 @@ def role_of(group: Mapping[str, Any]) -> str | None:
 
 def count(step: Any, where: Path, what: str) -> int | None:
     """A step count (a number or a one-element tensor), refused naming ``what`` where it is
-    not a finite count."""
+    not a finite count: a bool, NaN, infinite, negative or not a number."""
     if step is None:
         return None
     value = (
         step.item() if hasattr(step, "item") and getattr(step, "numel", lambda: 1)() == 1 else step
     )
-    if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+    if (
+        isinstance(value, bool)  # (True is no step 1)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value < 0
+    ):
         raise CheckpointError(f"{what} {value!r} is not a count", path=where)
     return int(value)
 

@@ -77,9 +77,11 @@ def from_torch_format(
     to: str | None,
     overwrite: bool,
     progress: Progress | None,
+    root: Path,
 ) -> MegatronConversion:
     """Convert the torch-format iteration ``directory`` (see the module's text) as
-    :func:`~.megatron.from_megatron` does a torch_dist one. Memory: the whole checkpoint."""
+    :func:`~.megatron.from_megatron` does a torch_dist one; ``root``: the checkpoint as given
+    (no output inside it). Memory: the whole checkpoint."""
     files = megatron_files.torch_files(directory)
     tops = [_top(path) for path in files.model]
     _check_dp(tops[0].get("args"), files)
@@ -99,7 +101,7 @@ def from_torch_format(
         dst,
         overwrite=overwrite,
         progress=progress,
-        source=directory,
+        source=root,
     )
     left = list(tops[0]["model"])  # the bf16 weights: the fp32 masters are carried
     left += [k for k in tops[0] if k not in ("model", "optimizer", "args", "iteration")]

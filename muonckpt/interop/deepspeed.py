@@ -72,6 +72,8 @@ class _Group:
     momentum: dict[str, tuple[Any, int]] = field(default_factory=dict)
     """Muon: each param's whole momentum, and the first rank that held it."""
     step: Any = None
+    keys: list[str] = field(default_factory=list)
+    """Rank 0's state keys of the group: every rank's Adam state holds the same."""
 
     @property
     def muon(self) -> bool:
@@ -99,10 +101,15 @@ def _param_shapes(model: Any, path: Path) -> list[dict[str, tuple[int, ...]]]:
     import torch
 
     groups = _get(model, "param_shapes", list, path, "the model states")
+    if not groups:
+        raise _fail("param_shapes holds no param group: an optimizer of no params", path)
     out = []
     for g, shapes in enumerate(groups):
         if not isinstance(shapes, dict) or not shapes:
-            raise _fail(f"param_shapes[{g}] is not a name -> shape mapping", path)
+            shown = (
+                "names no param" if isinstance(shapes, dict) else "is not a name -> shape mapping"
+            )
+            raise _fail(f"param_shapes[{g}] {shown}", path)
         group = {}
         for name, shape in shapes.items():
             if not isinstance(name, str) or not isinstance(shape, (torch.Size, tuple, list)):
@@ -148,6 +155,13 @@ def _rank_partitions(optim: Any, world: int, groups: int, path: Path) -> int:
             f"partition_count is {counts!r}, not one count per each of {groups} groups", path
         )
     for count in counts:
+        if isinstance(count, int) and count > world:  # name the first missing, not this one
+            missing = path.parent / deepspeed_files.rank_file(world, path.name.startswith("bf16_"))
+            raise _fail(
+                f"rank {world}'s optimizer file is missing: partition_count is {count} in "
+                f"{path.name}, and {world} rank file{'s are' if world != 1 else ' is'} there",
+                missing,
+            )
         if count != world:
             raise _fail(
                 f"partition_count is {count}, but {world} rank file{'s' * (world != 1)} "
@@ -213,11 +227,7 @@ def _read_rank(
         _check_mappings(mappings, g, group, rank, path)
         at = rank * layout.partition
         group.master[at : at + master.numel()] = master
-        ids = settings.get("params")
-        state = states.get(ids[0], {}) if isinstance(ids, list) and len(ids) == 1 else None
-        if not isinstance(state, dict):
-            raise _fail(f"{where}: its optimizer group holds not one flat param", path)
-        _take_state(state, group, rank, path)
+        _take_state(_state_of(settings.get("params"), states, where, path), group, rank, path)
     return stage
 
 
@@ -246,6 +256,20 @@ def _check_mappings(mappings: Any, g: int, group: _Group, rank: int, path: Path)
         )
 
 
+def _state_of(ids: Any, states: dict[Any, Any], where: str, path: Path) -> dict[Any, Any]:
+    """The state of a group's one flat param (id ``ids[0]``): none before the first step (an
+    empty ``state``), else it must be there, never read as none."""
+    if not isinstance(ids, list) or len(ids) != 1:
+        raise _fail(f"{where}: its optimizer group holds not one flat param", path)
+    if ids[0] not in states and states:
+        held = sorted(map(repr, states))[:8]
+        raise _fail(f"{where}: param id {ids[0]!r} has no state (the file holds ids {held})", path)
+    state = states.get(ids[0], {})
+    if not isinstance(state, dict):
+        raise _fail(f"{where}: the state of param id {ids[0]!r} is not a mapping", path)
+    return state
+
+
 def _take_state(state: dict[Any, Any], group: _Group, rank: int, path: Path) -> None:
     """Join one rank's optimizer state of a group: Adam's moment slices and step, or the
     whole momentum of each Muon matrix the rank's slice overlaps (equal on every rank)."""
@@ -256,6 +280,13 @@ def _take_state(state: dict[Any, Any], group: _Group, rank: int, path: Path) -> 
     unknown = sorted(str(k) for k in set(state) - allowed)
     if unknown:
         raise _fail(f"{where}: state {unknown} is not DeepSpeed Muon's nor its Adam's", path)
+    keys = sorted(map(str, state))
+    if rank == 0:
+        group.keys = keys
+    elif keys != group.keys and not group.muon:  # (a Muon rank may overlap no matrix)
+        raise _fail(
+            f"{where}: state {keys}, rank 0's {group.keys}: the ranks did not all step", path
+        )
     for key in ADAM_KEYS:
         if key in state:
             value = state[key]
@@ -447,7 +478,7 @@ def from_deepspeed(
         dst,
         overwrite=overwrite,
         progress=progress,
-        source=directory,
+        source=Path(src),  # the root a latest names the tag of: no output inside it either
         aliases=aliases,
     )
     layout = f"ZeRO-{'/'.join(map(str, sorted(stages)))}, world {len(files)}"

@@ -79,14 +79,15 @@ ADMITTED = ((Namespace, "argparse.Namespace"),)
 
 def iteration_dir(path: str | os.PathLike[str]) -> Path:
     """The ``iter_N`` directory ``path`` names: itself, or the one its
-    ``latest_checkpointed_iteration.txt`` names (refused naming the file when missing)."""
+    ``latest_checkpointed_iteration.txt`` names (refused naming the file where it is missing,
+    not a regular file, or not ASCII digits: ``str.isdigit`` takes '²', which ``int`` refuses)."""
     root = Path(path)
-    if not (root / LATEST).is_file():
+    if not (root / LATEST).exists():
         return root
     text = storage.read_text(root / LATEST, limit=64).strip()
     if text == "release":
         iteration = root / "release"
-    elif text.isdigit():
+    elif text.isascii() and text.isdigit():
         iteration = root / f"iter_{int(text):07d}"
     else:
         raise CheckpointError(f"names iteration {text!r}, not a number", path=root / LATEST)
@@ -100,19 +101,20 @@ def iteration_dir(path: str | os.PathLike[str]) -> Path:
 def is_megatron(path: str | os.PathLike[str]) -> bool:
     """Whether ``path`` is a Megatron checkpoint root (``latest_checkpointed_iteration.txt``), a
     torch_dist ``iter_N`` directory (``metadata.json`` beside DCP's ``.metadata``) or a torch
-    one (``mp_rank_XX/model_optim_rng.pt``): files' presence only."""
+    one (``mp_rank_XX/model_optim_rng.pt``): files' presence only (a FIFO in a file's place
+    too, which the reader then refuses as not a regular file)."""
     root = Path(path)
-    if (root / LATEST).is_file():
+    if (root / LATEST).exists():
         return True
     if megatron_files.is_torch_format(root):
         return True
-    return (root / DIST_METADATA).is_file() and dcp_metadata.is_dcp(root)
+    return (root / DIST_METADATA).exists() and dcp_metadata.is_dcp(root)
 
 
 def _check_backend(directory: Path) -> None:
     """Refuse what is not torch_dist (the ``torch`` format's ``mp_rank_XX`` files, say)."""
     where = directory / DIST_METADATA
-    if not where.is_file():
+    if not where.exists():
         found = sorted(p.name for p in directory.iterdir())[:4] if directory.is_dir() else []
         raise CheckpointError(
             f"no {DIST_METADATA}: not a torch_dist checkpoint (muonckpt reads Megatron's "
@@ -153,7 +155,9 @@ def from_megatron(
     if megatron_files.is_torch_format(directory):
         from ._megatron_torch import from_torch_format
 
-        return from_torch_format(directory, dst, to=to, overwrite=overwrite, progress=progress)
+        return from_torch_format(
+            directory, dst, to=to, overwrite=overwrite, progress=progress, root=Path(src)
+        )
     _check_backend(directory)
     index = dcp_metadata.read_index(directory)
     where = index.directory / dcp_metadata.METADATA_NAME
@@ -168,8 +172,8 @@ def from_megatron(
         return dcp_files.read_tensor(index, index.tensors[fqn], layer)
 
     path = write_consolidated(
-        target, scales, read, dst, overwrite=overwrite, progress=progress, source=index.directory
-    )
+        target, scales, read, dst, overwrite=overwrite, progress=progress, source=Path(src)
+    )  # (the root: an output inside it is refused, as inside the iteration)
     used = {fqn for fqn, _ in fqn_of.values()} | {_common_fqn(index, where)}
     left = sorted((set(index.tensors) | set(index.values)) - used)
     notes = conversion_notes(manifest, target) + assumed(common.get("args"))

@@ -114,7 +114,8 @@ def _writing(
         )
     if overwrite:
         raise OptionError(f"{format_.title} output is never written over an existing directory")
-    return Route(writes=format_, options={k: options[k] for k in format_.write_options})
+    given = {k: options[k] for k in format_.write_options if k in options}  # else its default
+    return Route(writes=format_, options=given)
 
 
 def _reading(
