@@ -9,58 +9,14 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
-import time
-from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
 import torch
-from typer.testing import CliRunner
 
-from muonckpt.cli import app
-from muonckpt.interop import megatron
-from muonckpt.storage import dcp_files, dcp_metadata, deepspeed_files
+from muonckpt.storage import deepspeed_files
 
-FIXTURES = Path(__file__).parent / "fixtures"
-TITAN = FIXTURES / "torchtitan" / "checkpoint" / "step-3"
-MCORE = FIXTURES / "megatron" / "tp2_dp1" / "checkpoint"
-DEEPSPEED = FIXTURES / "deepspeed" / "w2_z1_torchadam_fp32" / "ckpt"
-
-
-def rewrite_dcp(
-    src: Path, dst: Path, shapes: Mapping[str, tuple[int, ...]], edit=lambda values: None
-) -> Path:
-    """The DCP checkpoint ``src`` written again by torch's writer at ``dst``, each item of
-    ``shapes`` declared at its new shape (zeros), the values changed by ``edit``."""
-    index = dcp_metadata.read_index(src)
-    values = {f: dcp_files.read_value(index, v, megatron.ADMITTED) for f, v in index.values.items()}
-    edit(values)
-    tensors = {f: (shapes.get(f, tuple(t.shape)), t.dtype) for f, t in index.tensors.items()}
-
-    def fetch(fqn: str, region) -> torch.Tensor:
-        if fqn in shapes:
-            return torch.zeros(
-                region[1], dtype=dcp_files.read_tensor(index, index.tensors[fqn]).dtype
-            )
-        return dcp_files.read_tensor(index, index.tensors[fqn])
-
-    dst.mkdir(parents=True)
-    dcp_files.write_dcp(dst, tensors, values, fetch)
-    return dst
-
-
-def refused(args: list[str], dst: Path, *named: str) -> str:
-    """``muonckpt convert ARGS -o DST``: exit 2, one line naming each of ``named``, nothing
-    written, within seconds."""
-    began = time.monotonic()
-    result = CliRunner().invoke(app, ["convert", *args, "-o", str(dst)])
-    message = result.output.strip()
-    assert result.exit_code == 2 and isinstance(result.exception, SystemExit), result.output
-    assert "\n" not in message and "Traceback" not in message, message
-    assert all(n in message for n in named), message
-    assert not dst.exists() and not list(dst.parent.glob(f".{dst.name}*"))
-    assert time.monotonic() - began < 10, message
-    return message
+from .hostile_files import DEEPSPEED, MCORE, TITAN, refused, rewrite_dcp
 
 
 def test_an_empty_stacked_expert_is_refused_naming_it(tmp_path):

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, LayoutError
 from ..format import kinds
 from ..format.conversion import converted_manifest
 from ..format.manifest import (
@@ -49,6 +49,7 @@ from ._deepspeed_out import (
     DeepSpeedConversion,
     to_deepspeed,
 )
+from ._fields import shown, step_count, tensor
 from .foreign import ForeignFormat
 
 __all__ = ["FORMAT", "DeepSpeedConversion", "from_deepspeed", "is_deepspeed", "to_deepspeed"]
@@ -199,16 +200,27 @@ def _read_rank(
             path,
         )
     align = optim.get("param_alignment_paddings") or [None] * len(shapes)
+    if not isinstance(align, list) or len(align) != len(shapes):
+        raise _fail(
+            f"param_alignment_paddings is not one list per each of {len(shapes)} groups", path
+        )
     mappings = optim.get("param_slice_mappings")
     for g, group_shapes in enumerate(shapes):
         numels = [math.prod(s) for s in group_shapes.values()]
-        layout = group_layout(numels, world, align[g])
+        try:
+            layout = group_layout(numels, world, align[g])
+        except (LayoutError, TypeError):
+            raise _fail(
+                f"param_alignment_paddings[{g}] is {shown(align[g])}, not one padding of at least "
+                f"0 after each of its {len(numels)} params but the last",
+                path,
+            ) from None
         settings = param_groups[g]
         if not isinstance(settings, dict):
             raise _fail(f"param_groups[{g}] is not a group's settings", path)
-        master = masters[g]
         where = f"group {g}"
-        if not isinstance(master, torch.Tensor) or master.dim() != 1:
+        master = tensor(masters[g], path, f"{where}: its fp32 partition")
+        if master.dim() != 1:
             raise _fail(f"{where}: its fp32 partition is not a flat tensor", path)
         if master.numel() != layout.kept(rank) or paddings[g] != layout.group_padding(rank):
             raise _fail(
@@ -289,8 +301,8 @@ def _take_state(state: dict[Any, Any], group: _Group, rank: int, path: Path) -> 
         )
     for key in ADAM_KEYS:
         if key in state:
-            value = state[key]
-            if not isinstance(value, torch.Tensor) or value.numel() not in (
+            value = tensor(state[key], path, f"{where}: {key}")
+            if value.numel() not in (
                 layout.partition,
                 layout.kept(rank),
             ):
@@ -300,6 +312,7 @@ def _take_state(state: dict[Any, Any], group: _Group, rank: int, path: Path) -> 
             flat[at : at + layout.kept(rank)] = value.reshape(-1)[: layout.kept(rank)]
     if "step" in state:
         step = state["step"]
+        step_count(step, path, f"{where}: step")
         if rank > 0 and not _same(step, group.step):
             raise _fail(f"{where}: step {step!r}, rank 0's {group.step!r}", path)
         group.step = step
@@ -319,6 +332,8 @@ def _take_momentum(buffer: Any, group: _Group, rank: int, path: Path) -> None:
     import torch
 
     layout = group.layout
+    if isinstance(buffer, torch.Tensor):
+        tensor(buffer, path, f"group {group.index}: {MUON_KEY}")
     if not isinstance(buffer, torch.Tensor) or buffer.numel() != layout.momentum_numel(rank):
         shown = buffer.numel() if isinstance(buffer, torch.Tensor) else type(buffer).__name__
         raise _fail(
@@ -372,7 +387,7 @@ def _manifest(groups: Sequence[_Group], recorded: int | None, path: Path) -> Man
     entries, entries_of = [], []
     for group in groups:
         kind = _kind(group, path)
-        hyper = json_safe({k: v for k, v in group.settings.items() if k != "step"})
+        hyper = json_safe({k: v for k, v in group.settings.items() if k != "step"}, path)
         entries_of.append(GroupEntry(hyper, tuple(group.names), kind.to_json()))
         step = _step(group)
         for name, shape in zip(group.names, group.shapes, strict=True):
@@ -467,7 +482,7 @@ def from_deepspeed(
     _check_declared(shapes, files, model_path)
     groups: list[_Group] = []
     stages = {_read_rank(rank, len(files), path, shapes, groups) for rank, path in enumerate(files)}
-    manifest = _manifest(groups, recorded if type(recorded) is int else None, directory)
+    manifest = _manifest(groups, recorded if type(recorded) is int else None, files[0])
     if aliases:
         manifest = _with_aliases(manifest, aliases)
     target, scales = converted_manifest(manifest, to, path=directory)

@@ -31,17 +31,18 @@ from ..checkpoint.writing import Progress
 from ..errors import CheckpointError, StateDictError
 from ..format import kinds
 from ..format.conversion import converted_manifest
-from ..format.manifest import CONSOLIDATED, GroupEntry, Manifest, ParamEntry, Scalar, json_safe
+from ..format.manifest import CONSOLIDATED, GroupEntry, Manifest, ParamEntry, Scalar
 from ..format.names import PARAM_KEY
 from ..format.stacked import matrices
 from ..storage import dcp_files, dcp_metadata, megatron_files
 from ..storage.megatron_files import Namespace
 from ._consolidated import conversion_notes, summarized, write_consolidated
+from ._fields import count
 from ._megatron_groups import (
     MUON,
     Group,
     assumed,
-    count,
+    group_of,
     kind,
     role_of,
 )
@@ -258,7 +259,7 @@ def _groups(common: Mapping[str, Any], where: Path) -> list[Group]:
                 )
             settings = {k: v for k, v in group.items() if k != "params"}
             out.append(
-                Group(role, json_safe(settings), count(step, where, f"{COMMON}: common_step"))
+                group_of(role, settings, where, count(step, where, f"{COMMON}: common_step"))
             )
     return out
 
