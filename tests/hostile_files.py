@@ -60,16 +60,20 @@ def rewrite_dcp(
     dst: Path,
     shapes: Mapping[str, tuple[int, ...]] | None = None,
     edit: Callable[[dict[str, Any]], None] = lambda values: None,
+    data: Mapping[str, torch.Tensor] | None = None,
 ) -> Path:
     """The DCP checkpoint ``src`` written again by torch's writer at ``dst``, each item of
-    ``shapes`` declared at its new shape (zeros), the plain values changed by ``edit``."""
-    shapes = shapes or {}
+    ``shapes`` declared at its new shape (zeros), each of ``data`` holding that tensor's
+    values instead, the plain values changed by ``edit``."""
+    shapes, data = shapes or {}, data or {}
     index = dcp_metadata.read_index(src)
     values = {f: dcp_files.read_value(index, v, megatron.ADMITTED) for f, v in index.values.items()}
     edit(values)
     tensors = {f: (shapes.get(f, tuple(t.shape)), t.dtype) for f, t in index.tensors.items()}
 
     def fetch(fqn: str, region: Any) -> torch.Tensor:
+        if fqn in data:
+            return data[fqn]
         tensor = dcp_files.read_tensor(index, index.tensors[fqn])
         return torch.zeros(region[1], dtype=tensor.dtype) if fqn in shapes else tensor
 

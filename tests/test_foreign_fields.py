@@ -129,7 +129,11 @@ def _lightning(change: Callable[[Any], None]) -> Callable[[Path], tuple[Path, Pa
 
 def _titan(fqn: str, value: Any) -> Callable[[Path], tuple[Path, Path]]:
     def build(tmp: Path) -> tuple[Path, Path]:
-        src = rewrite_dcp(TITAN, tmp / "titan" / "step-3", edit=lambda v: v.__setitem__(fqn, value))
+        dst = tmp / "titan" / "step-3"
+        if isinstance(value, torch.Tensor):
+            src = rewrite_dcp(TITAN, dst, data={fqn: value})
+        else:
+            src = rewrite_dcp(TITAN, dst, edit=lambda values: values.__setitem__(fqn, value))
         return src, src / ".metadata"
 
     return build
@@ -155,6 +159,9 @@ CASES = {
     "lightning bool step": _lightning(lambda s: s.__setitem__("step", True)),
     "torchtitan nan momentum": _titan("optimizer.param_groups.layers.0.experts.momentum", math.nan),
     "torchtitan str momentum": _titan("optimizer.param_groups.layers.0.experts.momentum", "0.9"),
+    "torchtitan nan step": _titan(
+        "optimizer.state.layers.0.norm.weight.step", torch.tensor(math.nan)
+    ),
     "torchtitan deep lr": _titan("optimizer.param_groups.layers.0.experts.lr", nested(40)),
 }
 
