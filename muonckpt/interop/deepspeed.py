@@ -107,10 +107,8 @@ def _param_shapes(model: Any, path: Path) -> list[dict[str, tuple[int, ...]]]:
     out = []
     for g, shapes in enumerate(groups):
         if not isinstance(shapes, dict) or not shapes:
-            shown = (
-                "names no param" if isinstance(shapes, dict) else "is not a name -> shape mapping"
-            )
-            raise _fail(f"param_shapes[{g}] {shown}", path)
+            wrong = "names no param" if isinstance(shapes, dict) else "is not a name's shapes"
+            raise _fail(f"param_shapes[{g}] {wrong}", path)
         group = {}
         for name, shape in shapes.items():
             if not isinstance(name, str) or not isinstance(shape, (torch.Size, tuple, list)):
