@@ -230,12 +230,18 @@ def _within(seconds: float, run: Callable[[], Any]) -> None:
 
 
 @pytest.mark.parametrize(
-    "fifo", ["latest_checkpointed_iteration.txt", "iter_0000003/metadata.json"]
+    "fifo",
+    [
+        "latest_checkpointed_iteration.txt",
+        "iter_0000003/metadata.json",
+        "iter_0000003/mp_rank_00/model_optim_rng.pt",
+    ],
 )
 def test_a_megatron_fifo_is_named_as_not_a_regular_file(fifo, tmp_path):
-    """Before: a FIFO for latest_checkpointed_iteration.txt made the root no Megatron
-    checkpoint ('give --to'), one for metadata.json 'no metadata.json' (listing it)."""
-    root = copy(MCORE, tmp_path / "mcore")
+    """Before: a FIFO for latest_checkpointed_iteration.txt (or the torch format's
+    model_optim_rng.pt) made the root no Megatron checkpoint ('give --to'), one for
+    metadata.json 'no metadata.json' (listing it)."""
+    root = copy(MCORE_TORCH if "mp_rank" in fifo else MCORE, tmp_path / "mcore")
     (root / fifo).unlink()
     os.mkfifo(root / fifo)
     args = [str(root), "--to", "torch"]
