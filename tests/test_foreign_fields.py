@@ -13,7 +13,9 @@ from typing import Any
 
 import pytest
 import torch
+from typer.testing import CliRunner
 
+from muonckpt.cli import app
 from muonckpt.storage import deepspeed_files
 
 from .hostile_files import (
@@ -286,3 +288,24 @@ def test_an_output_inside_a_foreign_root_is_refused(kind, tmp_path):
     """Before: checked against the tag (iteration) directory only, so ROOT/out was written."""
     root = copy(DEEPSPEED if kind == "deepspeed" else MCORE, tmp_path / "root")
     refused([str(root), "--to", "torch"], root / "out", "is inside the source checkpoint")
+
+
+def test_a_setting_nests_at_most_extra_depth_levels(tmp_path):
+    """At the limit (the group's settings, then 23 lists: EXTRA_DEPTH levels) the conversion
+    commits a checkpoint its own reader takes; one level more is refused before anything is
+    written, naming the file (before: committed, then refused by every reader)."""
+    import muonckpt
+    from muonckpt.format.manifest import EXTRA_DEPTH
+
+    def betas(depth: int) -> Callable[[Any], None]:
+        return lambda o: o["base_optimizer_state"]["param_groups"][1].__setitem__(
+            "betas", nested(depth)
+        )
+
+    src, _ = _each_rank(betas(EXTRA_DEPTH - 1))(tmp_path / "at")
+    result = CliRunner().invoke(app, ["convert", str(src), "-o", str(tmp_path / "at" / "out")])
+    assert result.exit_code == 0, result.output
+    assert muonckpt.verify(tmp_path / "at" / "out") == []
+    src, file = _each_rank(betas(EXTRA_DEPTH))(tmp_path / "past")
+    message = refused([str(src)], tmp_path / "past" / "out", str(file))
+    assert f"more than {EXTRA_DEPTH} levels" in message
