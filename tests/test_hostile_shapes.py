@@ -83,4 +83,4 @@ def test_deepspeed_s_refusal_of_a_claim_stays_far_below_its_size(tmp_path):
         [sys.executable, "-c", probe, str(src), str(tmp_path / "rss" / "out")],
         capture_output=True, text=True, check=True, timeout=120,
     ).stdout  # fmt: skip
-    assert int(peak_kib) < 700 * 1024, peak_kib  # torch itself; the claim is 1 GiB
+    assert int(peak_kib) < 512 * 1024, peak_kib  # torch itself (~230 MiB); the claim is 1 GiB
