@@ -20,6 +20,7 @@ from ..errors import CheckpointError
 from . import output
 from .exits import PROBLEM, Group, catch_stop_signals
 from .options import (
+    AllowLargeWorld,
     BucketAlignment,
     BucketNumel,
     BuffersBy,
@@ -152,6 +153,7 @@ def reshard(
     tp_split: TpSplit = None,
     force: Force = False,
     workers: Workers = 1,
+    allow_large_world: AllowLargeWorld = False,
     quiet: Quiet = False,
 ) -> None:
     """Rewrite any checkpoint as one file per rank of a dp x tp job.
@@ -184,7 +186,13 @@ def reshard(
         splits[name] = int(dim)
     from .. import offline
 
-    settings = {"dp": dp, "tp": tp, "options": options, "tp_split_dims": splits}
+    settings = {
+        "dp": dp,
+        "tp": tp,
+        "options": options,
+        "tp_split_dims": splits,
+        "allow_large_world": allow_large_world,
+    }
     _rewrite(ctx, quiet, offline.reshard, src, dst, force, workers, **settings)
 
 
@@ -206,6 +214,7 @@ def convert(
     names: Names = None,
     model_buffers: ModelBuffers = False,
     split_experts: SplitExperts = False,
+    allow_large_world: AllowLargeWorld = False,
     force: Force = False,
     quiet: Quiet = False,
 ) -> None:
@@ -251,6 +260,7 @@ def convert(
         "names": names,
         "model_buffers": model_buffers,
         "split_experts": split_experts,
+        "allow_large_world": allow_large_world,
     }
     try:
         route = interop.route(

@@ -68,8 +68,8 @@ CONSOLIDATED = "consolidated"
 KINDS = (PER_RANK, CONSOLIDATED)
 
 EXTRA_DEPTH = 24
-"""How deeply ``extra`` values may nest (the manifest around them takes the rest of
-:data:`muonckpt.format.strict_json.MAX_JSON_DEPTH`)."""
+"""How deeply ``extra`` values and hyperparameters (:func:`json_safe`) may nest (the
+manifest around them takes the rest of :data:`muonckpt.format.strict_json.MAX_JSON_DEPTH`)."""
 EXTRA_JSON_BYTES = 16 << 20
 """The most bytes of JSON one save's ``extra`` and ``rank_extra`` values may take in the
 manifest; larger data goes in tensors."""
@@ -507,14 +507,29 @@ def piece_to_json(piece: Piece) -> dict[str, Any]:
     }
 
 
-def json_safe(value: Any) -> Any:
-    """Hyperparameter values as JSON: tuples become lists; anything else JSON can't hold fails."""
-    if isinstance(value, float) and not math.isfinite(value):
-        raise CheckpointError(f"hyperparameter value {value!r} cannot be stored in JSON")
-    if isinstance(value, (str, int, float, bool)) or value is None:
-        return value
-    if isinstance(value, (list, tuple)):
-        return [json_safe(v) for v in value]
-    if isinstance(value, Mapping):
-        return {str(k): json_safe(v) for k, v in value.items()}
-    raise CheckpointError(f"hyperparameter value {value!r} cannot be stored in the manifest")
+def json_safe(value: Any, path: object = None) -> Any:
+    """Hyperparameter values as JSON: tuples become lists; anything else JSON can't hold
+    fails, as does a value nesting more than :data:`EXTRA_DEPTH` levels (which the manifest's
+    reader would refuse: checked as it is walked, never a RecursionError); the error names
+    ``path``, the file the value came from."""
+
+    def safe(value: Any, depth: int) -> Any:
+        if isinstance(value, float) and not math.isfinite(value):
+            raise CheckpointError(
+                f"hyperparameter value {value!r} cannot be stored in JSON", path=path
+            )
+        if isinstance(value, (str, int, float, bool)) or value is None:
+            return value
+        if depth >= EXTRA_DEPTH and isinstance(value, (list, tuple, Mapping)):
+            raise CheckpointError(
+                f"a hyperparameter value nests more than {EXTRA_DEPTH} levels deep", path=path
+            )
+        if isinstance(value, (list, tuple)):
+            return [safe(v, depth + 1) for v in value]
+        if isinstance(value, Mapping):
+            return {str(k): safe(v, depth + 1) for k, v in value.items()}
+        raise CheckpointError(
+            f"hyperparameter value {value!r} cannot be stored in the manifest", path=path
+        )
+
+    return safe(value, 0)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .. import storage
+from .. import settings, storage
 from ..errors import CheckpointError, LayoutError, OptionError
 from ..format import kinds
 from ..format.conversion import group_kind
@@ -219,6 +219,7 @@ def to_megatron(
     to: str = SOURCE,
     tp: int | None = None,
     dp: int | None = None,
+    allow_large_world: bool = False,
 ) -> MegatronConversion:
     """Write the muonckpt checkpoint ``src`` (read from a Megatron-Core torch_dist checkpoint,
     at any topology since) as a new Megatron-Core torch_dist checkpoint root ``dst`` that
@@ -226,7 +227,8 @@ def to_megatron(
     momentum in EMA form (sum-form momentum converted by ``1 - mu``), AdamW's moments and
     step, the param groups' settings, and the bf16 model weights rounded from the masters.
     The files do not depend on ``dp`` (torch_dist's tensors are global), only the chunks on
-    ``tp``.
+    ``tp``. More than :data:`muonckpt.settings.MAX_WORLD` ranks (``tp * dp``) need
+    ``allow_large_world``.
 
     Memory: one param's tensor at a time (each chunk of it read on its own).
     """
@@ -235,7 +237,10 @@ def to_megatron(
     if to != SOURCE:
         raise OptionError(f"Megatron output is for {SOURCE!r}, not {to!r}", "--to")
     _check_sizes(tp, dp)
-    assert tp is not None
+    assert tp is not None and dp is not None
+    settings.world_size(
+        tp * dp, "--tp x --dp", "one TP chunk or DP slice", allow_large=allow_large_world
+    )
     directory, manifest = open_checkpoint(src)
     factors, optimizer, step, notes = _groups(manifest, directory)
     keys = _keys(manifest, factors, tp, directory)

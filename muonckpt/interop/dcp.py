@@ -296,7 +296,7 @@ def _manifest(
                 path=where,
             )
         dtypes, scalars = _param_state(index, family, role, model, state[name], where)
-        hyper = json_safe(group_settings)
+        hyper = json_safe(group_settings, where)
         try:
             kind = family.group_kind(role, group_settings)
         except StateDictError as exc:

@@ -136,6 +136,17 @@ def rank_files(directory: Path) -> list[Path]:
     return [found[rank] for rank in sorted(found)]
 
 
+def total_size(paths: list[Path]) -> int:
+    """The bytes of the files ``paths`` together, as they are on disk (nothing read)."""
+    total = 0
+    for path in paths:
+        try:
+            total += path.stat().st_size
+        except OSError as exc:
+            raise CheckpointError(f"cannot read: {exc.strerror}", path=path) from None
+    return total
+
+
 def load(path: Path) -> Any:
     """The content of the ``torch.save`` file ``path``, by torch's restricted unpickler with
     :data:`STAND_INS` (:func:`.torch_pickles.load`): tensors, containers, numbers, strings and

@@ -72,9 +72,10 @@ class TorchFiles:
 
 
 def is_torch_format(directory: Path) -> bool:
-    """Whether ``directory`` holds ``mp_rank_XX/model_optim_rng.pt`` (presence only)."""
+    """Whether ``directory`` holds ``mp_rank_XX/model_optim_rng.pt`` (presence only: a FIFO in
+    its place too, which :func:`load` refuses as not a regular file)."""
     return directory.is_dir() and any(
-        _TP_DIR.fullmatch(p.name) and (p / MODEL_FILE).is_file() for p in directory.iterdir()
+        _TP_DIR.fullmatch(p.name) and (p / MODEL_FILE).exists() for p in directory.iterdir()
     )
 
 
@@ -101,7 +102,7 @@ def torch_files(directory: Path) -> TorchFiles:
     models, optimizers = [], []
     for t in sorted(tp_dirs):
         where = tp_dirs[t]
-        if not (where / MODEL_FILE).is_file():
+        if not (where / MODEL_FILE).exists():  # (not a regular file: refused reading it)
             raise CheckpointError(f"no {MODEL_FILE}", path=where)
         ranks = {
             int(m[1]): p
