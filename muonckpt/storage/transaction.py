@@ -402,25 +402,34 @@ def abandon_commits() -> None:
         _ABANDONED[0] = True
 
 
-_COMMIT_WATCHERS: dict[str, list[Callable[[], None]]] = {}
-"""Target (absolute) -> what to call when this process commits it (see watch_commit)."""
+_COMMIT_WATCHERS: dict[str, list[tuple[str | None, Callable[[], None]]]] = {}
+"""Target (absolute) -> (staging directory or None, what to call) (see watch_commit)."""
 
 
-def watch_commit(final: str | os.PathLike[str], callback: Callable[[], None]) -> None:
-    """Call ``callback()`` the moment a :func:`swap_in` of this process commits ``final``:
-    right after the rename, inside the commit lock, before anything that could be interrupted.
-    Whoever reports the outcome then knows a checkpoint was committed even if the process is
-    interrupted or killed a moment later (it must never say "error" over a whole new one)."""
-    _COMMIT_WATCHERS.setdefault(os.path.abspath(final), []).append(callback)
+def watch_commit(
+    final: str | os.PathLike[str],
+    callback: Callable[[], None],
+    *,
+    staging: str | os.PathLike[str] | None = None,
+) -> None:
+    """Call ``callback()`` the moment a :func:`swap_in` of this process commits ``final`` (from
+    ``staging`` only, when given: another save of this process to the same path, committed
+    first, is not this one's commit): right after the rename, inside the commit lock, before
+    anything that could be interrupted. Whoever reports the outcome then knows a checkpoint was
+    committed even if the process is interrupted or killed a moment later (it must never say
+    "error" over a whole new one)."""
+    mine = None if staging is None else os.path.abspath(staging)
+    _COMMIT_WATCHERS.setdefault(os.path.abspath(final), []).append((mine, callback))
 
 
 def unwatch_commit(final: str | os.PathLike[str], callback: Callable[[], None]) -> None:
     """Undo :func:`watch_commit` (a no-op when ``callback`` is not watching ``final``)."""
-    watchers = _COMMIT_WATCHERS.get(os.path.abspath(final), [])
-    if callback in watchers:
-        watchers.remove(callback)
-    if not watchers:
-        _COMMIT_WATCHERS.pop(os.path.abspath(final), None)
+    key = os.path.abspath(final)
+    watchers = [each for each in _COMMIT_WATCHERS.get(key, []) if each[1] is not callback]
+    if watchers:
+        _COMMIT_WATCHERS[key] = watchers
+    else:
+        _COMMIT_WATCHERS.pop(key, None)
 
 
 def directory_identity(path: str | os.PathLike[str]) -> tuple[int, int] | None:
@@ -497,8 +506,9 @@ def swap_in(
                     lease.take(staging, "staging")
             raise
         lease.release(staging)
-        for callback in list(_COMMIT_WATCHERS.get(os.path.abspath(final), [])):
-            callback()
+        for watched, callback in list(_COMMIT_WATCHERS.get(os.path.abspath(final), [])):
+            if watched in (None, os.path.abspath(staging)):
+                callback()
     _INTENT.pop(str(staging), None)
     if replaced is not None and not replaced.is_symlink():
         with contextlib.suppress(CheckpointError):  # without it, retire still deletes it
