@@ -34,7 +34,7 @@ from ..format.conversion import converted_manifest
 from ..format.manifest import CONSOLIDATED, GroupEntry, Manifest, ParamEntry, Scalar, json_safe
 from ..format.names import PARAM_KEY
 from ..storage import dcp_files, dcp_metadata, megatron_files
-from ..storage.megatron_files import Namespace
+from ..storage.megatron_files import LATEST, Namespace
 from ._consolidated import conversion_notes, summarized, write_consolidated
 from ._megatron_groups import (
     MUON,
@@ -46,7 +46,6 @@ from ._megatron_groups import (
 )
 from ._megatron_out import (
     DIST_METADATA,
-    LATEST,
     STACKED,
     STATE_KEYS,
     MegatronConversion,

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from ..errors import CheckpointError, CheckpointWarning
 from ..format.names import MANIFEST_NAME
-from . import lease
+from . import lease, outputs
 from .durable import RENAME_NOREPLACE, exchange, fsync_dir, renameat2
 from .ownership import STAGING_TAG, check_target, is_checkpoint_file, ownership_problem, shown
 
@@ -48,9 +48,11 @@ def make_staging(
     overwrite: bool,
     *,
     source: str | os.PathLike[str] | None = None,
+    output: str | None = None,
 ) -> Path:
     """A fresh ``.NAME.staging-XXXXXXXX`` directory beside ``final``, holding only its lease
-    (:mod:`.lease`), which this process holds until :func:`swap_in` or :func:`discard`.
+    (:mod:`.lease`), which this process holds until :func:`swap_in` or :func:`discard`; for
+    the files of foreign format ``output`` (:data:`.outputs.WRITTEN`), recorded in the lease.
 
     :func:`check_target` first (nothing is created when it refuses), then the missing parents
     and the staging directory itself.
@@ -65,7 +67,7 @@ def make_staging(
     except OSError as exc:
         raise CheckpointError(f"cannot create the staging directory: {exc}", path=staging) from None
     try:
-        lease.take(staging, "staging")
+        lease.take(staging, "staging", output)
     except BaseException:
         with contextlib.suppress(OSError):
             staging.rmdir()
@@ -118,8 +120,9 @@ def _remove_ours(directory: Path, names: Sequence[str] | None = None) -> list[st
 
 def discard(staging: str | os.PathLike[str], *, quiet: bool = False) -> list[str]:
     """Remove a staging directory that will never be committed, and stop holding its lease
-    (its checkpoint files and lease only; anything else found there is kept and, unless
-    ``quiet``, named in a :class:`CheckpointWarning`). Returns what is kept, as
+    (its checkpoint files, or the files of the foreign format its lease records
+    (:func:`.outputs.remove_written`), and the lease only; anything else found there is kept
+    and, unless ``quiet``, named in a :class:`CheckpointWarning`). Returns what is kept, as
     ``"NAME (why)"``."""
     staging = Path(staging)
     _INTENT.pop(str(staging), None)
@@ -127,8 +130,12 @@ def discard(staging: str | os.PathLike[str], *, quiet: bool = False) -> list[str
         if not quiet:
             _warn(f"{staging} is a symlink, not a staging directory; left alone")
         return ["the symlink itself"]
+    output = lease.recorded_output(staging)
     try:
-        left = _remove_ours(staging)
+        if output in outputs.WRITTEN:
+            left = outputs.remove_written(staging, output)
+        else:
+            left = _remove_ours(staging)
     finally:
         lease.release(staging)
     if left and not quiet:
@@ -302,14 +309,14 @@ def swap_in(
                 f"while this save ran ({problem}); the checkpoint at the path is as it was",
                 path=final,
             )
-        held = lease.holds(staging)
+        held, output = lease.holds(staging), lease.recorded_output(staging)
         lease.give_up(staging)
         try:
             replaced = _commit_rename(staging, final, overwrite)
         except BaseException:
             if held:  # still ours, to be discarded: marked again, in case that is cut short
                 with contextlib.suppress(CheckpointError):
-                    lease.take(staging, "staging")
+                    lease.take(staging, "staging", output)
             raise
         lease.release(staging)
         for watched, callback in list(_COMMIT_WATCHERS.get(os.path.abspath(final), [])):
