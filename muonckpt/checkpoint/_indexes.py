@@ -106,7 +106,7 @@ def check_readable(manifest: Manifest, source: object, final: Path) -> None:
         parse_manifest_chunks(manifest.json_chunks(), None)
     except CheckpointError as exc:
         raise CheckpointError(
-            f"would be written as a checkpoint that verify and load refuse ({exc}); nothing "
-            f"was committed at {final}",
+            f"would give a checkpoint that verify and load refuse: {exc}; nothing was "
+            f"committed at {final}",
             path=source,
         ) from None
