@@ -27,6 +27,7 @@ import json, os, signal, sys
 import torch
 import torch.distributed.checkpoint  # once, not in each child
 torch.set_num_threads(1)  # no OpenMP pool to inherit across fork
+import muonckpt.interop
 from muonckpt.cli import main
 from muonckpt.storage import dcp_files, deepspeed_files
 
