@@ -1,9 +1,9 @@
 """(issue 50, finding 5) Nothing committed that its own readers refuse: odd values in a foreign
-checkpoint (a Lightning ``.ckpt``'s AdamW ``step`` of ``'abc'`` or -3, a param group nested
-past the reader's 32 levels, a DeepSpeed ``global_steps`` of -3) or a ``--rename`` onto a tied
-alias are refused before the commit, naming the source and what is wrong: the Python API
-raises a CheckpointError, the CLI exits 2, and the output path does not exist (nor its
-staging)."""
+checkpoint (a Lightning ``.ckpt``'s AdamW ``step`` of ``'abc'`` or -3, a param group value
+nested one level past the reader's 32 in the manifest, a DeepSpeed ``global_steps`` of -3) or
+a ``--rename`` onto a tied alias are refused before the commit, naming the source and what is
+wrong: the Python API raises a CheckpointError, the CLI exits 2, and the output path does not
+exist (nor its staging)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+import muonckpt
 from muonckpt import CheckpointError, offline
 from muonckpt.cli import app
 
@@ -31,18 +32,33 @@ def _steps(value):
     return edit
 
 
-def _nested(top: dict) -> None:
-    deep: object = 1.0
-    for _ in range(40):
-        deep = [deep]
-    top["optimizer_states"][1]["param_groups"][0]["schedule"] = deep
+def _nested(levels: int):
+    """A param group value nested ``levels`` lists deep: in the manifest it sits 4 levels down
+    (the manifest, its groups, the group, its optimizer), so 28 are the reader's 32."""
+
+    def edit(top: dict) -> None:
+        deep: object = 1.0
+        for _ in range(levels):
+            deep = [deep]
+        top["optimizer_states"][1]["param_groups"][0]["schedule"] = deep
+
+    return edit
 
 
 EDITS = {
     "step-abc": (_steps("abc"), "scalar 'step' must be a non-negative number, got 'abc'"),
     "step-minus-3": (_steps(torch.tensor(-3.0)), "got -3.0"),
-    "nested-40": (_nested, "nested more than 32 levels deep"),
+    "nested-29": (_nested(29), "nested more than 32 levels deep"),
 }
+
+
+def _edited(tmp_path: Path, edit) -> Path:
+    top = torch.load(LIGHTNING, weights_only=True)
+    edit(top)
+    (tmp_path / "in").mkdir()
+    src = tmp_path / "in" / "odd.ckpt"
+    torch.save(top, src)
+    return src
 
 
 def _refused_by_both(src: Path, out: Path, why: str, api, cli_args: list[str]) -> None:
@@ -63,14 +79,18 @@ def _refused_by_both(src: Path, out: Path, why: str, api, cli_args: list[str]) -
 @pytest.mark.parametrize("case", sorted(EDITS))
 def test_a_lightning_checkpoint_with_odd_values_commits_nothing(tmp_path, case):
     edit, why = EDITS[case]
-    top = torch.load(LIGHTNING, weights_only=True)
-    edit(top)
-    (tmp_path / "in").mkdir()
-    src = tmp_path / "in" / "odd.ckpt"
-    torch.save(top, src)
+    src = _edited(tmp_path, edit)
     out = tmp_path / "out"
     api = lambda: offline.from_lightning(src, out)  # noqa: E731
     _refused_by_both(src, out, why, api, ["--from", "lightning"])
+
+
+def test_a_value_nested_to_the_readers_limit_is_committed_and_reads(tmp_path):
+    """28 levels in the group: 32 in the manifest, the reader's limit (29 is refused above)."""
+    src = _edited(tmp_path, _nested(28))
+    out = offline.from_lightning(src, tmp_path / "out").path
+    assert muonckpt.verify(out) == []
+    assert muonckpt.read_manifest(out).groups
 
 
 def test_a_deepspeed_global_steps_of_minus_3_commits_nothing(tmp_path):
