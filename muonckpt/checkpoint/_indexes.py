@@ -97,13 +97,14 @@ def check_manifest_fits(
         )
 
 
-def check_readable(manifest: Manifest, source: object, final: Path) -> None:
-    """Refuse, before the commit, a ``manifest`` (as committed) that the reader ``verify`` and
-    ``load`` use would refuse (:func:`~muonckpt.format.manifest_json.parse_manifest_chunks`):
-    odd values a rewrite took from ``source`` (a ``step`` of ``'abc'``, nesting past the
-    reader's depth) commit nothing rather than a checkpoint nothing can read."""
+def check_readable(manifest: Path, source: object, final: Path) -> None:
+    """Refuse, before the commit, the ``manifest`` file written into the staging directory when
+    the reader ``verify`` and ``load`` use refuses it (read as a stream,
+    :func:`~muonckpt.format.manifest_json.parse_manifest_chunks`): odd values a rewrite took
+    from ``source`` (a ``step`` of ``'abc'``, nesting past the reader's depth) commit nothing
+    rather than a checkpoint nothing can read."""
     try:
-        parse_manifest_chunks(manifest.json_chunks(), None)
+        parse_manifest_chunks(storage.read_text_chunks(manifest), None)
     except CheckpointError as exc:
         raise CheckpointError(
             f"would give a checkpoint that verify and load refuse: {exc}; nothing was "

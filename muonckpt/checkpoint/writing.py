@@ -357,8 +357,8 @@ def commit(staging: Path, final: Path, manifest: Manifest, source: object = None
     The manifest's coverage is checked first (every state tensor stored exactly once, as a
     reader requires), so that a faulty plan commits nothing rather than a checkpoint that
     ``verify`` and ``load`` would refuse; with ``source`` (the files a rewrite read, whose
-    values may be odd) the manifest is parsed back by their reader too, naming ``source``
-    (:func:`~._indexes.check_readable`).
+    values may be odd) the manifest written is read back by their reader too, naming
+    ``source`` (:func:`~._indexes.check_readable`).
     """
     gaps = manifest.coverage_problems()
     if gaps:
@@ -371,8 +371,6 @@ def commit(staging: Path, final: Path, manifest: Manifest, source: object = None
     limit = storage.MAX_TEXT_BYTES  # past it, committed, a checkpoint nothing could read
     storage.sync_files(staging, [f.name for f in all_files(manifest)])  # data before indexes
     manifest = _indexes.write_indexes(staging, manifest, final)
-    if source is not None:
-        _indexes.check_readable(manifest, source, final)
     size = storage.store.write_text(staging / MANIFEST_NAME, manifest.json_chunks(), limit=limit)
     if size > limit:
         extra = 0 if manifest.extra is None else len(json.dumps(extra_to_json(manifest.extra)))
@@ -382,6 +380,8 @@ def commit(staging: Path, final: Path, manifest: Manifest, source: object = None
             "was committed",
             path=final,
         )
+    if source is not None:
+        _indexes.check_readable(staging / MANIFEST_NAME, source, final)
     listed = {entry.name: entry.bytes for entry in all_files(manifest)}
     listed.update((entry.name, entry.bytes) for entry in manifest.indexes)
     return storage.store.publish(staging, final, files={**listed, MANIFEST_NAME: size})
