@@ -418,7 +418,8 @@ def clean(
     mailboxes (.NAME.steps-*), known by the lease file muonckpt writes into each (never by
     name alone), that no save uses (a running save holds its lease, whatever --older-than
     says) and unchanged for --older-than seconds: only their checkpoint files, messages and
-    lease, never anything else and nothing through a symlink. Prints each directory removed,
+    lease (of a killed conversion to DCP, DeepSpeed or Megatron, that format's files), never
+    anything else and nothing through a symlink. Prints each directory removed,
     and each one named like these that was kept, with why.
 
     Example: muonckpt clean ckpt --older-than 7200

@@ -32,7 +32,8 @@ from ..format.conversion import group_kind
 from ..format.manifest import Manifest
 from ..format.names import PARAM_KEY
 from ..layout import megatron_tp
-from ..storage import dcp_files, lease
+from ..storage import dcp_files
+from ..storage.megatron_files import LATEST
 from ._foreign_out import not_carried, read_whole, staged_output
 from .foreign import Conversion
 
@@ -41,7 +42,6 @@ if TYPE_CHECKING:
 
 SOURCE = "megatron"
 MUON = kinds.MEGATRON
-LATEST = "latest_checkpointed_iteration.txt"
 DIST_METADATA = "metadata.json"
 STACKED = ("decoder.layers.", "encoder.layers.")
 """Prefixes of the keys whose leading axis is the layer (TransformerBlock's sharded offsets)."""
@@ -62,7 +62,6 @@ CONTENT_METADATA = {
 """What ``megatron.training``'s ``_build_sharded_state_dict_metadata`` saves for this format."""
 BACKEND = '{"sharded_backend": "torch_dist", "sharded_backend_version": 1}'
 CHECKPOINT_VERSION = 3.0
-_ITERATION_DIR = re.compile(r"iter_\d{7}")
 
 
 _LAYER_NAME = re.compile("(" + "|".join(map(re.escape, STACKED)) + r")(\d+)\.(.+)")
@@ -247,7 +246,7 @@ def to_megatron(
     tensors, chunks = _tensors_and_chunks(keys, tp)
     iteration = manifest.recorded_step or step or 0
     values = _values(keys, optimizer, iteration)
-    with staged_output(dst, directory, _discard) as staging:
+    with staged_output(dst, directory, SOURCE) as staging:
         iteration_dir = staging / f"iter_{iteration:07d}"
         iteration_dir.mkdir()
         with PieceReader(directory, manifest) as reader:
@@ -339,17 +338,3 @@ class _LayerBlocks:
         if source.factor != 1.0:
             block = block.mul(source.factor)
         return block.reshape(region[1])
-
-
-def _discard(staging: Path) -> None:
-    """Remove a staging directory :func:`to_megatron` wrote: only its files, then the lease."""
-    lease.discard_foreign(staging, _ours)
-
-
-def _ours(name: str) -> bool:
-    """Whether a path in a staging directory is one :func:`to_megatron` writes:
-    ``latest_checkpointed_iteration.txt``, ``iter_NNNNNNN/`` and its files."""
-    head, slash, rest = name.partition("/")
-    if not slash:
-        return name == LATEST or name.startswith(f".{LATEST}.tmp-")
-    return bool(_ITERATION_DIR.fullmatch(head)) and "/" not in rest

@@ -417,7 +417,7 @@ def to_dcp(
     _add_optimizer(out, manifest, family, directory)
     _add_model(out, manifest)
     with (
-        staged_output(dst, directory, dcp_files.discard_dcp) as staging,
+        staged_output(dst, directory, "dcp") as staging,
         PieceReader(directory, manifest) as reader,
     ):
         fetch = _WholeTensors(out.sources, manifest, reader)

@@ -35,7 +35,7 @@ from ..format.manifest import CONSOLIDATED, GroupEntry, Manifest, ParamEntry, Sc
 from ..format.names import PARAM_KEY
 from ..format.stacked import matrices
 from ..storage import dcp_files, dcp_metadata, megatron_files
-from ..storage.megatron_files import Namespace
+from ..storage.megatron_files import LATEST, Namespace
 from ._consolidated import conversion_notes, summarized, write_consolidated
 from ._fields import count
 from ._megatron_groups import (
@@ -48,7 +48,6 @@ from ._megatron_groups import (
 )
 from ._megatron_out import (
     DIST_METADATA,
-    LATEST,
     STACKED,
     STATE_KEYS,
     MegatronConversion,

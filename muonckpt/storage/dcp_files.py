@@ -18,10 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import CheckpointError
-from . import lease
 from .dcp_metadata import (
-    DATA_SUFFIX,
-    METADATA_NAME,
     DcpIndex,
     DcpTensor,
     DcpValue,
@@ -223,11 +220,3 @@ def write_dcp(
         warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single")
         planner = FetchingPlanner(tensors, dict(chunks or {}), fetch)
         dcp.save(state, storage_writer=writer, planner=planner)  # type: ignore[attr-defined]
-
-
-def discard_dcp(directory: str | os.PathLike[str]) -> None:
-    """Remove a DCP staging directory this process wrote (only DCP's files and, last, the
-    lease, then the directory if that emptied it) and stop holding its lease."""
-    lease.discard_foreign(
-        directory, lambda name: name.startswith(METADATA_NAME) or name.endswith(DATA_SUFFIX)
-    )

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointError
-from . import lease, torch_pickles
+from . import torch_pickles
 from .durable import fsync_dir, read_text
 
 LATEST = "latest"
@@ -191,18 +191,3 @@ def finish(staging: Path, tag: str) -> None:
             os.fsync(f.fileno())
     except OSError as exc:
         raise CheckpointError(f"cannot write: {exc.strerror}", path=path) from None
-
-
-def _ours(name: str) -> bool:
-    """Whether a path in a staging directory is one :func:`save`, :func:`make_tag_directory`
-    or :func:`finish` writes: ``latest``, the tag directory (``NAME/``) and its ``.pt`` files."""
-    head, _, rest = name.partition("/")
-    return name == LATEST or (
-        bool(head) and "/" not in rest and (not rest or rest.endswith(".pt")) and "/" in name
-    )
-
-
-def discard(staging: Path) -> None:
-    """Remove a DeepSpeed staging directory this process wrote: only its files, the tag
-    directory and, last, the lease."""
-    lease.discard_foreign(staging, _ours)

@@ -21,6 +21,8 @@ from ..errors import CheckpointError
 from . import torch_pickles
 
 __all__ = [
+    "ITERATION_DIR",
+    "LATEST",
     "MODEL_FILE",
     "STAND_INS",
     "Namespace",
@@ -31,6 +33,10 @@ __all__ = [
 ]
 
 MODEL_FILE = "model_optim_rng.pt"
+LATEST = "latest_checkpointed_iteration.txt"
+"""The file naming a Megatron checkpoint root's newest iteration."""
+ITERATION_DIR = re.compile(r"iter_\d{7}")
+"""The name of an iteration's directory, as Megatron writes it."""
 _TP_DIR = re.compile(r"mp_rank_(\d+)(_\d+)?(_\d+)?")
 _OPTIM_FILE = re.compile(r"layer_wise_optimizer_(\d+)\.pt")
 
