@@ -1,9 +1,11 @@
 """(issue 50, finding 5) Nothing committed that its own readers refuse: odd values in a foreign
 checkpoint (a Lightning ``.ckpt``'s AdamW ``step`` of ``'abc'`` or -3, a param group value
-nested one level past the reader's 32 in the manifest, a DeepSpeed ``global_steps`` of -3) or
-a ``--rename`` onto a tied alias are refused before the commit, naming the source and what is
-wrong: the Python API raises a CheckpointError, the CLI exits 2, and the output path does not
-exist (nor its staging)."""
+nested one level past :data:`~muonckpt.format.manifest.EXTRA_DEPTH`, a DeepSpeed
+``global_steps`` of -3) or a ``--rename`` onto a tied alias are refused before the commit,
+naming the source and what is wrong: the Python API raises a CheckpointError, the CLI exits
+2, and the output path does not exist (nor its staging). The Lightning reader refuses its
+cases as it takes the values (``interop/_fields``, ``json_safe``); the DeepSpeed step and the
+rename reach the commit, whose read-back of the manifest refuses them."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from typer.testing import CliRunner
 import muonckpt
 from muonckpt import CheckpointError, offline
 from muonckpt.cli import app
+from muonckpt.format.manifest import EXTRA_DEPTH
 
 FIXTURES = Path(__file__).parent / "fixtures"
 LIGHTNING = next((FIXTURES / "lightning" / "named" / "checkpoints").glob("*.ckpt"))
@@ -33,8 +36,8 @@ def _steps(value):
 
 
 def _nested(levels: int):
-    """A param group value nested ``levels`` lists deep: in the manifest it sits 4 levels down
-    (the manifest, its groups, the group, its optimizer), so 28 are the reader's 32."""
+    """A param group value nested ``levels`` lists deep (the innermost list at depth
+    ``levels`` of the group's settings, which ``json_safe`` admits below EXTRA_DEPTH)."""
 
     def edit(top: dict) -> None:
         deep: object = 1.0
@@ -46,10 +49,12 @@ def _nested(levels: int):
 
 
 EDITS = {
-    "step-abc": (_steps("abc"), "scalar 'step' must be a non-negative number, got 'abc'"),
-    "step-minus-3": (_steps(torch.tensor(-3.0)), "got -3.0"),
-    "nested-29": (_nested(29), "nested more than 32 levels deep"),
+    "step-abc": (_steps("abc"), "the state 'step' of param index 0 'abc' is not a step count"),
+    "step-minus-3": (_steps(torch.tensor(-3.0)), "-3.0 is not a step count"),
+    f"nested-{EXTRA_DEPTH}": (_nested(EXTRA_DEPTH), f"nests more than {EXTRA_DEPTH} levels deep"),
 }
+READ_BACK = "verify and load refuse"
+"""How the commit's read-back of the manifest words its refusal."""
 
 
 def _edited(tmp_path: Path, edit) -> Path:
@@ -61,11 +66,13 @@ def _edited(tmp_path: Path, edit) -> Path:
     return src
 
 
-def _refused_by_both(src: Path, out: Path, why: str, api, cli_args: list[str]) -> None:
+def _refused_by_both(
+    src: Path, out: Path, why: str, api, cli_args: list[str], match: str = ""
+) -> None:
     """The API raises, naming ``src`` and ``why``; the CLI exits 2 saying so; neither commits
     anything or leaves a staging directory beside ``out``."""
     before = sorted(os.listdir(out.parent))
-    with pytest.raises(CheckpointError, match="verify and load refuse") as info:
+    with pytest.raises(CheckpointError, match=match) as info:
         api()
     message = str(info.value)
     assert why in message and str(src) in message and "\n" not in message, message
@@ -86,8 +93,8 @@ def test_a_lightning_checkpoint_with_odd_values_commits_nothing(tmp_path, case):
 
 
 def test_a_value_nested_to_the_readers_limit_is_committed_and_reads(tmp_path):
-    """28 levels in the group: 32 in the manifest, the reader's limit (29 is refused above)."""
-    src = _edited(tmp_path, _nested(28))
+    """EXTRA_DEPTH - 1 levels in the group, the reader's limit (one more is refused above)."""
+    src = _edited(tmp_path, _nested(EXTRA_DEPTH - 1))
     out = offline.from_lightning(src, tmp_path / "out").path
     assert muonckpt.verify(out) == []
     assert muonckpt.read_manifest(out).groups
@@ -102,7 +109,8 @@ def test_a_deepspeed_global_steps_of_minus_3_commits_nothing(tmp_path):
     torch.save(states, model)
     out = tmp_path / "out"
     api = lambda: offline.from_deepspeed(src, out)  # noqa: E731
-    _refused_by_both(src, out, "step must be a non-negative int, got -3", api, [])
+    why = "step must be a non-negative int, got -3"
+    _refused_by_both(src, out, why, api, [], match=READ_BACK)
 
 
 def test_a_rename_onto_a_tied_alias_commits_nothing(tmp_path):
@@ -110,4 +118,4 @@ def test_a_rename_onto_a_tied_alias_commits_nothing(tmp_path):
     out = tmp_path / "out"
     api = lambda: offline.convert(src, out, rename={"embed.": "lm_head."})  # noqa: E731
     why = "aliases must map other names to stored tensors"
-    _refused_by_both(src, out, why, api, ["--rename", "embed.=lm_head."])
+    _refused_by_both(src, out, why, api, ["--rename", "embed.=lm_head."], match=READ_BACK)
