@@ -26,11 +26,11 @@ from .dcp_metadata import (
     DcpIndex,
     DcpTensor,
     DcpValue,
-    one_line,
     open_data_file,
 )
 from .dtypes import itemsize, torch_dtype
 from .foreign_limits import check_archive, check_value, non_overlapping
+from .torch_pickles import refusal
 
 if TYPE_CHECKING:
     import torch
@@ -100,7 +100,7 @@ def _load_range(
             raise CheckpointError(f"cannot read {what}: {exc.strerror}", path=path) from None
         except Exception as exc:
             raise CheckpointError(
-                f"{what} cannot be read: {type(exc).__name__}: {one_line(exc)}", path=path
+                f"{what} cannot be read: {type(exc).__name__}: {refusal(exc)}", path=path
             ) from None
 
 

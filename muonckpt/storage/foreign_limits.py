@@ -5,6 +5,7 @@ write, bounded before anything of it is converted.
 * :func:`check_archive`: a ``torch.save`` zip archive's members, from its central directory,
   before torch decompresses any: complete, each stored member holding the bytes it declares,
   compressed ones (``torch.save`` writes none) inflating to at most :data:`MAX_INFLATED_BYTES`.
+* :func:`read_json`: a foreign JSON file, parsed and walked as :func:`check_value` walks.
 * :func:`check_value`: a loaded value, walked once by one bounded walker that never expands a
   shared reference (pickle's memo lets a few KB name a list of a billion items: each container
   is visited once, its expanded measures remembered by ``id``), for nesting depth, items per
@@ -26,6 +27,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from ..errors import CheckpointError
+from .durable import read_text
 
 __all__ = [
     "MAX_DEPTH",
@@ -37,6 +39,7 @@ __all__ = [
     "check_archive",
     "check_value",
     "non_overlapping",
+    "read_json",
 ]
 
 MAX_DEPTH = 32
@@ -101,6 +104,28 @@ def check_archive(f: IO[bytes], path: Path, what: str = "") -> None:
                     "refused before inflating",
                     path=path,
                 )
+
+
+def read_json(path: Path, limit: int) -> Any:
+    """The JSON value of the foreign file ``path`` (at most ``limit`` bytes), within the limits
+    of :func:`check_value`.
+
+    Raises:
+        CheckpointError: naming ``path``, for a file that is unreadable, over ``limit`` bytes,
+            not JSON (nested too deeply for the parser among that) or over a limit.
+    """
+    import json
+
+    try:
+        value = json.loads(read_text(path, limit=limit))
+    except RecursionError:
+        raise CheckpointError(
+            f"is not JSON muonckpt reads: nested more than {MAX_DEPTH} levels deep", path=path
+        ) from None
+    except ValueError as exc:
+        raise CheckpointError(f"is not JSON: {exc}", path=path) from None
+    check_value(value, path)
+    return value
 
 
 def non_overlapping(shape: Sequence[int], strides: Sequence[int]) -> bool:

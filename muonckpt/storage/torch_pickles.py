@@ -23,7 +23,7 @@ from .dcp_metadata import one_line
 from .durable import open_failure, open_regular
 from .foreign_limits import check_archive, check_value
 
-__all__ = ["Opaque", "load"]
+__all__ = ["Opaque", "load", "refusal"]
 
 
 class Opaque:
@@ -72,7 +72,7 @@ def load(path: Path, stand_ins: Mapping[str, type], holds: str) -> Any:
         except Exception as exc:
             raise CheckpointError(
                 f"refused or unreadable, nothing of it was run ({holds}): "
-                f"{type(exc).__name__}: {_first_line(exc)}",
+                f"{type(exc).__name__}: {refusal(exc)}",
                 path=path,
             ) from None
     check_value(content, path)
@@ -84,10 +84,10 @@ _GLOBAL = re.compile(r"GLOBAL (\S+)")
 _BOILERPLATE = ("Weights only load failed", "Check the documentation", "In PyTorch 2.6")
 
 
-def _first_line(exc: BaseException) -> str:
-    """What torch's refusal says was refused, in one line without terminal codes: the blocked
-    global (``GLOBAL posix.system``) where it names one, else its first line past torch's
-    advice on ``weights_only``."""
+def refusal(exc: BaseException) -> str:
+    """What a refusal of ``torch.load(weights_only=True)`` says was refused, in one line
+    without terminal codes: the blocked global (``GLOBAL posix.system``) where it names one,
+    else its first line past torch's advice on ``weights_only``."""
     text = _ANSI.sub("", str(exc))
     named = _GLOBAL.search(text)
     if named is not None:
