@@ -379,3 +379,31 @@ def test_check_value_counts_a_shared_container_where_it_is_used():
     with pytest.raises(CheckpointError, match="holds itself"):
         limits.check_value(looped, Path("f"))
     limits.check_value({"a": [1, 2], "b": (3.0, "x"), "c": {1, 2}}, Path("f"))
+
+
+def _crafted(path: Path, pickled: bytes) -> None:
+    """A torch.save archive whose pickle is ``pickled`` (what a hostile file's would be)."""
+    buffer, out = io.BytesIO(), io.BytesIO()
+    torch.save({}, buffer)
+    with zipfile.ZipFile(buffer) as src, zipfile.ZipFile(out, "w") as dst:
+        for info in src.infolist():
+            data = pickled if info.filename.endswith("/data.pkl") else src.read(info)
+            dst.writestr(info.filename, data)
+    path.write_bytes(out.getvalue())
+
+
+@pytest.mark.parametrize(
+    "pickled,words",
+    [
+        (b"\x80\x02cbuiltins\nbytearray\nJ\x00\xca\x9a\x3b\x85R.", "names builtins.bytearray"),
+        (b"\x80\x02ctorch\nTensor\nJ\x00\xca\x9a\x3b\x85\x81.", "bytes stored: made, not read"),
+    ],
+    ids=["bytearray", "tensor"],
+)
+def test_allocations_a_few_bytes_ask_for_are_refused(tmp_path, pickled, words):
+    """An 800-byte file whose pickle calls bytearray(10**9) (torch's unpickler admits it: 1 GB
+    allocated before) or torch.Tensor(10**9) (4 GB of tensor from no stored byte)."""
+    path = tmp_path / "crafted.pt"
+    _crafted(path, pickled)
+    assert path.stat().st_size < 1024
+    _refused_by(lambda: hf_files.load(path), words, str(path))

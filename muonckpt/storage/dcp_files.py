@@ -74,11 +74,11 @@ def _load_range(
     length: int,
     what: str,
     admitted: Sequence[tuple[type, str]] = (),
-) -> Any:
+) -> tuple[Any, int]:
     """``torch.load(weights_only=True)`` of one stored item's byte range, its archive checked
     first (:func:`~.foreign_limits.check_archive`); ``admitted``: the stand-ins,
     ``(class, "module.qualname")``, for foreign classes it may name (their attributes only:
-    nothing of the foreign class runs)."""
+    nothing of the foreign class runs). Returns the value and the bytes its archive holds."""
     import torch
 
     with open_data_file(directory, file, what) as (f, size):
@@ -91,9 +91,9 @@ def _load_range(
             )
         stream = io.BufferedReader(_Slice(f, offset, length))
         try:
-            check_archive(stream, path, what)
+            held = check_archive(stream, path, what)
             with torch.serialization.safe_globals(list(admitted)):
-                return torch.load(stream, map_location="cpu", weights_only=True)
+                return torch.load(stream, map_location="cpu", weights_only=True), held
         except CheckpointError:
             raise
         except OSError as exc:
@@ -123,7 +123,7 @@ def read_tensor(index: DcpIndex, item: DcpTensor, at: int | None = None) -> torc
         chunks = tuple(c for c in item.chunks if c.offsets[0] <= at < c.offsets[0] + c.sizes[0])
     full = None
     for chunk in chunks:
-        value = _load_range(index.directory, chunk.file, chunk.offset, chunk.length, what)
+        value, _ = _load_range(index.directory, chunk.file, chunk.offset, chunk.length, what)
         path = index.directory / chunk.file
         if not isinstance(value, torch.Tensor) or tuple(value.shape) != chunk.sizes:
             raise CheckpointError(
@@ -166,8 +166,8 @@ def read_value(index: DcpIndex, item: DcpValue, admitted: Sequence[tuple[type, s
     :func:`_load_range` takes them), within the limits of
     :func:`~.foreign_limits.check_value`."""
     what = f"DCP item {item.fqn!r}"
-    value = _load_range(index.directory, item.file, item.offset, item.length, what, admitted)
-    check_value(value, index.directory / item.file, what)
+    value, held = _load_range(index.directory, item.file, item.offset, item.length, what, admitted)
+    check_value(value, index.directory / item.file, what, held)
     return value
 
 

@@ -63,21 +63,30 @@ MAX_INFLATED_BYTES = 1 << 26
 _ZIP_MAGIC = b"PK\x03\x04"
 
 
-def check_archive(f: IO[bytes], path: Path, what: str = "") -> None:
-    """Refuse a ``torch.save`` zip archive (``f``, at its start; a file of another kind passes
-    unread, left to torch) that is truncated, whose stored members declare more bytes than they
-    hold, or whose compressed members would inflate past :data:`MAX_INFLATED_BYTES`; read from
-    the central directory only, nothing decompressed. ``f`` is left at its start."""
-    head = f.read(len(_ZIP_MAGIC))
-    f.seek(0)
-    if head != _ZIP_MAGIC:
-        return
+def check_archive(f: IO[bytes], path: Path, what: str = "") -> int:
+    """Refuse a ``torch.save`` file (``f``, at its start) before torch reads it: a zip archive
+    that is truncated, whose stored members declare more bytes than they hold, or whose
+    compressed members would inflate past :data:`MAX_INFLATED_BYTES` (from its central
+    directory: nothing inflated); and any whose pickle names a global of :data:`ALLOCATING`.
+    Returns the bytes it holds (its members' declared sizes, or the file's size for a file of
+    another kind, left to torch); ``f`` is left at its start."""
     named = f"{what}: " if what else ""
     size = f.seek(0, 2)
     f.seek(0)
+    head = f.read(len(_ZIP_MAGIC))
+    f.seek(0)
+    if head != _ZIP_MAGIC:
+        _check_pickle(f, path, named)
+        f.seek(0)
+        return size
     try:
         with zipfile.ZipFile(f) as archive:
             members = archive.infolist()
+            _check_members(members, path, named)
+            for member in members:
+                if member.filename.endswith(".pkl"):
+                    with archive.open(member) as pickled:
+                        _check_pickle(pickled, path, named)
     except (zipfile.BadZipFile, zipfile.LargeZipFile, ValueError, EOFError) as exc:
         raise CheckpointError(
             f"{named}truncated or damaged: not a complete zip archive as torch.save writes "
@@ -86,6 +95,12 @@ def check_archive(f: IO[bytes], path: Path, what: str = "") -> None:
         ) from None
     finally:
         f.seek(0)
+    return sum(member.file_size for member in members)
+
+
+def _check_members(members: list[zipfile.ZipInfo], path: Path, named: str) -> None:
+    """Each stored member holds the bytes it declares; the compressed ones inflate to at most
+    :data:`MAX_INFLATED_BYTES` in all."""
     inflated = 0
     for member in members:
         if member.compress_type == zipfile.ZIP_STORED:
@@ -102,6 +117,27 @@ def check_archive(f: IO[bytes], path: Path, what: str = "") -> None:
                     f"{named}its compressed archive members declare more than "
                     f"{MAX_INFLATED_BYTES} bytes uncompressed (torch.save compresses nothing): "
                     "refused before inflating",
+                    path=path,
+                )
+
+
+ALLOCATING = ("bytearray",)
+"""Globals torch's restricted unpickler admits whose call allocates what a few bytes of
+arguments ask (``bytearray(2**31)``); no trainer's checkpoint holds one. (torch's unpickler
+reads globals by its ``GLOBAL`` opcode only, so a name appears in the pickle as written.)"""
+
+
+def _check_pickle(f: IO[bytes], path: Path, named: str) -> None:
+    """Refuse a pickle (read from ``f`` a MiB at a time) that names a global of
+    :data:`ALLOCATING`."""
+    tail = b""
+    while chunk := f.read(1 << 20):
+        window, tail = tail + chunk, chunk[-32:]
+        for name in ALLOCATING:
+            if f"\n{name}\n".encode() in window:
+                raise CheckpointError(
+                    f"{named}its pickle names builtins.{name}, which no checkpoint holds and "
+                    "whose call allocates what its arguments ask: refused before unpickling",
                     path=path,
                 )
 
@@ -185,12 +221,13 @@ class _Walk:
     storages: dict[int, int] = field(default_factory=dict)
 
 
-def check_value(value: Any, path: Path, what: str = "") -> None:
+def check_value(value: Any, path: Path, what: str = "", held: int | None = None) -> None:
     """Refuse ``value``, loaded from the foreign file ``path`` (``what``: the item of it), if
     converting it could expand past the limits of this module: its depth, a container's items,
     its values and characters counted as expanded (each container walked once: a shared one is
-    never expanded), a stride-0 or overlapping tensor view, or its tensors using its stored
-    bytes more than :data:`MAX_TENSOR_REUSE` times over.
+    never expanded), a stride-0 or overlapping tensor view, its tensors' storages holding more
+    than the ``held`` bytes the file holds (a tensor made, not read: ``torch.Tensor(2**31)``),
+    or its tensors using their storages' bytes more than :data:`MAX_TENSOR_REUSE` times over.
 
     Raises:
         CheckpointError: naming ``path``, the limit and its number, and where in the value.
@@ -200,6 +237,11 @@ def check_value(value: Any, path: Path, what: str = "") -> None:
     try:
         total = _measure(value, 0, walk)
         stored = sum(walk.storages.values())
+        if held is not None and stored > held:
+            raise _Over(
+                f"its tensors hold {stored} bytes, more than the {held} bytes stored: made, "
+                "not read"
+            )
         if total.tensor_bytes > MAX_TENSOR_REUSE * stored:
             raise _Over(
                 f"its tensors use {total.tensor_bytes} bytes of its {stored} stored bytes, more "

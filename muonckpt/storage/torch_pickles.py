@@ -61,7 +61,7 @@ def load(path: Path, stand_ins: Mapping[str, type], holds: str) -> Any:
             (cls, name) for name, cls in stand_ins.items()
         ]
         try:
-            check_archive(f, path)
+            held = check_archive(f, path)
             with warnings.catch_warnings(), torch.serialization.safe_globals(allowed):
                 warnings.simplefilter("ignore")  # torch's notes on a foreign file's protocol
                 content = torch.load(f, map_location="cpu", weights_only=True)
@@ -75,7 +75,7 @@ def load(path: Path, stand_ins: Mapping[str, type], holds: str) -> Any:
                 f"{type(exc).__name__}: {refusal(exc)}",
                 path=path,
             ) from None
-    check_value(content, path)
+    check_value(content, path, held=held)
     return content
 
 
