@@ -4,17 +4,20 @@ write, bounded before anything of it is converted.
 
 * :func:`check_archive`: a ``torch.save`` zip archive's members, from its central directory,
   before torch decompresses any: complete, each stored member holding the bytes it declares,
-  compressed ones (``torch.save`` writes none) inflating to at most :data:`MAX_INFLATED_BYTES`.
+  compressed ones (``torch.save`` writes none) inflating to at most :data:`MAX_INFLATED_BYTES`;
+  and its pickle naming no global whose call allocates what its arguments ask
+  (:data:`ALLOCATING`: torch's unpickler admits ``bytearray(2**31)``).
 * :func:`read_json`: a foreign JSON file, parsed and walked as :func:`check_value` walks.
 * :func:`check_value`: a loaded value, walked once by one bounded walker that never expands a
   shared reference (pickle's memo lets a few KB name a list of a billion items: each container
   is visited once, its expanded measures remembered by ``id``), for nesting depth, items per
   container, total values and characters as a conversion would expand them, and tensors:
-  no stride-0 or overlapping view, and no more tensor bytes than the file's storages hold,
-  :data:`MAX_TENSOR_REUSE` times over.
+  no stride-0 or overlapping view, storages of no more bytes than the file holds (a tensor
+  made by its pickle, ``torch.Tensor(10**9)``, is not), and no more tensor bytes than those
+  storages hold, :data:`MAX_TENSOR_REUSE` times over.
 
-Every refusal is a :class:`~muonckpt.errors.CheckpointError` naming the file, the limit and
-its number.
+Every refusal is a :class:`~muonckpt.errors.CheckpointError` naming the file and the limit
+(with its number, where it has one).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from ..errors import CheckpointError
 from .durable import read_text
 
 __all__ = [
+    "ALLOCATING",
     "MAX_DEPTH",
     "MAX_ELEMENTS",
     "MAX_INFLATED_BYTES",
