@@ -353,13 +353,13 @@ def _tensor_measure(value: Any, walk: _Walk) -> _Measure:
     kind is checked)."""
     import torch
 
-    if value.layout != torch.strided or value.device.type != "cpu" or value.is_nested:
+    if value.layout != torch.strided or not value.is_cpu or value.is_nested:
         return _LEAF
-    if not non_overlapping(value.shape, value.stride()):
+    if not value.is_contiguous() and not non_overlapping(value.shape, value.stride()):
         raise _Over(
             f"a tensor of shape {list(value.shape)} is stored with strides "
             f"{list(value.stride())}: a stride-0 expansion or an overlapping view is refused"
         )
     storage = value.untyped_storage()
     walk.storages[storage.data_ptr()] = storage.nbytes()
-    return _Measure(tensor_bytes=value.numel() * value.element_size())
+    return _Measure(tensor_bytes=value.nbytes)
