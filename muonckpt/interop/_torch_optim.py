@@ -42,7 +42,7 @@ from ..format.manifest import (
 )
 from ..format.names import PARAM_KEY
 from ..storage.dtypes import dtype_name
-from ..storage.durable import read_text
+from ..storage.foreign_limits import read_json
 from ._consolidated import conversion_notes, write_consolidated
 from ._fields import step_count, tensor
 from .foreign import Conversion
@@ -440,13 +440,8 @@ def given_names(
         return None
     where = None
     if isinstance(names, (str, os.PathLike)):
-        import json
-
         where = Path(names)
-        try:
-            names = json.loads(read_text(where, limit=MAX_NAMES_BYTES))
-        except ValueError as exc:
-            raise CheckpointError(f"is not JSON: {exc}", path=where) from None
+        names = read_json(where, limit=MAX_NAMES_BYTES)
     if isinstance(names, (list, tuple)) and all(isinstance(n, str) for n in names):
         names = [names]
     if not isinstance(names, (list, tuple)) or not all(

@@ -19,7 +19,6 @@ The fp32 master params become the output's params; the bf16 model weights are le
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from collections.abc import Mapping
@@ -35,6 +34,7 @@ from ..format.manifest import CONSOLIDATED, GroupEntry, Manifest, ParamEntry, Sc
 from ..format.names import PARAM_KEY
 from ..format.stacked import matrices
 from ..storage import dcp_files, dcp_metadata, megatron_files
+from ..storage.foreign_limits import read_json
 from ..storage.megatron_files import LATEST, Namespace
 from ._consolidated import conversion_notes, summarized, write_consolidated
 from ._fields import count
@@ -121,10 +121,10 @@ def _check_backend(directory: Path) -> None:
             f"torch_dist format; found {found})",
             path=directory,
         )
-    try:
-        backend = json.loads(storage.read_text(where, limit=1 << 16)).get("sharded_backend")
-    except (ValueError, AttributeError):
-        raise CheckpointError("not a JSON object", path=where) from None
+    body = read_json(where, limit=1 << 16)
+    if not isinstance(body, dict):
+        raise CheckpointError("not a JSON object", path=where)
+    backend = body.get("sharded_backend")
     if backend != "torch_dist":
         raise CheckpointError(
             f"sharded_backend is {backend!r}: muonckpt reads torch_dist only", path=where
