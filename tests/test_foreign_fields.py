@@ -91,7 +91,8 @@ def _deepspeed_cases() -> dict[str, Callable[[Path], tuple[Path, Path]]]:
 def _megatron(edit: Callable[[dict[str, Any]], None]) -> Callable[[Path], tuple[Path, Path]]:
     def build(tmp: Path) -> tuple[Path, Path]:
         root = megatron_root(tmp / "mcore", edit)
-        return root, root / "iter_0000003" / ".metadata"
+        # A DCP item is refused naming the file it is in: .metadata or a .distcp data file.
+        return root, root / "iter_0000003"
 
     return build
 
@@ -136,7 +137,7 @@ def _titan(fqn: str, value: Any) -> Callable[[Path], tuple[Path, Path]]:
             src = rewrite_dcp(TITAN, dst, data={fqn: value})
         else:
             src = rewrite_dcp(TITAN, dst, edit=lambda values: values.__setitem__(fqn, value))
-        return src, src / ".metadata"
+        return src, src  # .metadata or the .distcp file holding the item
 
     return build
 
