@@ -12,10 +12,12 @@ import re
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
 
-from .errors import ArgumentError, CheckpointError, MuonCkptError
+from .errors import ArgumentError, CheckpointError, MuonCkptError, OptionError
 
 __all__ = [
+    "MAX_LARGE_WORLD",
     "MAX_WAIT_S",
+    "MAX_WORLD",
     "SIZE_UNITS",
     "WORKERS_PER_CORE",
     "available_cores",
@@ -25,11 +27,24 @@ __all__ = [
     "seconds",
     "shard_size",
     "tolerance",
+    "world_size",
 ]
 
 MAX_WAIT_S = 7 * 24 * 3600.0
 """The longest wait a timeout may set, a week: a rank waiting longer for another is hung, and
 past about 1e13 s a ``datetime.timedelta`` (what torch.distributed takes) overflows."""
+
+MAX_WORLD = 4096
+"""The most ranks an output is written for unless ``allow_large_world`` is passed: ``reshard``'s
+``--dp`` x ``--tp`` (one file per rank), ``convert --to deepspeed``'s ``--world`` (one rank
+file each, every one holding every group's settings) and ``--to megatron``'s ``--tp`` x
+``--dp``. 4,096 GPUs is past the ZeRO-1/2 and TP x DP jobs these outputs serve; a slip of
+the keyboard (``--world 100000``) would otherwise write tens of thousands of files before
+anyone noticed."""
+
+MAX_LARGE_WORLD = 1 << 16
+"""The most ranks even with ``allow_large_world``: planning an output costs ranks x params,
+and each rank is at least one file."""
 
 WORKERS_PER_CORE = 4
 """The most local worker processes per CPU core an offline tool starts: more only share the
@@ -135,6 +150,28 @@ def tolerance(value: object, name: str) -> float:
     if not (0 <= number < math.inf):
         raise ArgumentError(f"{name} must be finite and at least 0, got {value!r}", argument=name)
     return number
+
+
+def world_size(value: int, option: str, what: str, *, allow_large: bool) -> int:
+    """``value`` ranks (``--world``, or ``--dp`` x ``--tp``: ``option`` as the command line
+    spells it) of an output that writes ``what`` per rank, checked against :data:`MAX_WORLD`
+    (:data:`MAX_LARGE_WORLD` with ``allow_large``), before anything is read or written.
+
+    Raises:
+        OptionError: naming the option, the cap and the override.
+    """
+    cap = MAX_LARGE_WORLD if allow_large else MAX_WORLD
+    if value <= cap:
+        return value
+    more = (
+        "muonckpt plans no more"
+        if allow_large
+        else f"pass --allow-large-world (allow_large_world=True) for up to {MAX_LARGE_WORLD}"
+    )
+    raise OptionError(
+        f"{option} gives {value} ranks, more than {cap} ({what} each): {more}",
+        option.split()[0],
+    )
 
 
 def available_cores() -> int:

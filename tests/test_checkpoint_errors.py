@@ -405,6 +405,33 @@ def test_same_numel_shape_edit_is_reported_by_verify(saved, tmp_path):
     assert muonckpt.verify(ckpt)
 
 
+@pytest.mark.dist
+@pytest.mark.parametrize("shape", [[5, 64], [1, 320]])
+def test_a_dim_0_split_shape_edit_the_tp_blocks_do_not_cut_is_caught(saved, tmp_path, shape):
+    """w_in (16, 20) is split on dim 0: at tp=2 its blocks are 160 elements, 8 rows of 20; a
+    shape whose rows the blocks do not hold whole (5 or 1 rows for 2 blocks) is refused."""
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(saved["per-rank"], ckpt)
+    _param_kind(ckpt, "w_in", lambda kind: kind.update(shape=shape))
+    problems = "\n".join(map(str, muonckpt.verify(ckpt)))
+    assert "w_in" in problems and "lies outside param shape" in problems, problems
+    with pytest.raises(CheckpointError, match="w_in"):
+        muonckpt.load(build(1, 1, initial_params())[0], ckpt)
+
+
+@pytest.mark.dist
+def test_a_dim_0_split_shape_edit_the_tp_blocks_cut_alike_is_a_known_limit(saved, tmp_path):
+    """(20, 16) for (16, 20): the same flat runs cut at the same rows-of-elements, every piece
+    fits either shape and no file records another, so verify cannot tell (docs/reliability.md);
+    a load refuses it, the optimizer's param being (16, 20)."""
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(saved["per-rank"], ckpt)
+    _param_kind(ckpt, "w_in", lambda kind: kind.update(shape=[20, 16]))
+    assert muonckpt.verify(ckpt) == []
+    with pytest.raises(CheckpointError, match="w_in"):
+        muonckpt.load(build(1, 1, initial_params())[0], ckpt)
+
+
 def _single_process_opt(steps: int):
     opt, sharded, dp_rank, tp_rank = build(1, 1, initial_params())
     train(opt, sharded, dp_rank, tp_rank, 0, steps)

@@ -379,8 +379,11 @@ def test_reshard_to_an_absurd_topology_is_refused_at_once(ckpts, tmp_path):
         "reshard", ckpts["a"], "--dp", "1000000000", "--tp", "1000000", "-o", tmp_path / "x"
     )
     line = _one_error_line(result)
-    assert "at most 65536" in line
+    assert "more than 4096" in line and "--allow-large-world" in line and "65536" in line
     assert not (tmp_path / "x").exists()
+    large = ("--dp", "1000000000", "--tp", "1000000", "--allow-large-world")
+    line = _one_error_line(cli("reshard", ckpts["a"], *large, "-o", tmp_path / "x"))
+    assert "more than 65536" in line and not (tmp_path / "x").exists()
 
 
 def test_names_read_from_a_checkpoint_cannot_drive_the_terminal(tmp_path):

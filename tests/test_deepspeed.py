@@ -348,8 +348,8 @@ def test_a_missing_rank_file_is_refused_naming_it(tmp_path):
     first.unlink()
     _refused(src, tmp_path, "rank 0's optimizer file is missing", first)
     first.write_bytes(kept)
-    second.unlink()  # rank 0 alone: its partition_count says 2
-    _refused(src, tmp_path, "partition_count is 2, but 1 rank file", first)
+    second.unlink()  # rank 0 alone: its partition_count says 2, and the missing one is named
+    _refused(src, tmp_path, "rank 1's optimizer file is missing: partition_count is 2", second)
 
 
 def test_a_latest_naming_nothing_is_refused(tmp_path):

@@ -94,7 +94,7 @@ def _mapped(
                 numel = (param.region_here.numel,)
                 arena.tensor(slot, storage.torch_dtype(dtype), numel).mul_(factor)
             tensors.append((key, dtype))
-    step = conversion.step_scalar(plan.steps_in[param.group], manifest.step_of(entry))
+    step = conversion.step_scalar(plan.steps_in[param.group], manifest.step_of(entry), entry.name)
     scalars = {"step": step} if key_map.step and tensors and step is not None else {}
     return tuple(tensors), first, scalars
 

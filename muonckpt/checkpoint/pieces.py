@@ -113,16 +113,24 @@ def indexes_for(manifest: Manifest, names: Iterable[str] | None) -> list[IndexEn
 
 def load_pieces(directory: Path, manifest: Manifest, names: Iterable[str] | None) -> Manifest:
     """``manifest`` (version 3, read without its pieces) with the pieces of the indexes
-    holding any of the params ``names`` (None: every index), each index checked; a manifest
-    of an older version (which holds its pieces) as it is."""
+    holding any of the params ``names`` (None: every index), each index checked, and the
+    params ``names`` covered exactly once (``verify``'s check of every param, made whatever
+    the indexes' checksums say: a region moved never puts one piece's bytes in another's
+    place); a manifest of an older version (which holds its pieces, its coverage checked by
+    :func:`open_checkpoint`) as it is."""
     if not manifest.indexes or (manifest.complete and manifest.pieces):
         return manifest
+    names = None if names is None else list(names)
     chosen = indexes_for(manifest, names)
     pieces = PieceTable()
     for entry in chosen:
         pieces.extend(read_index(directory, manifest, entry))
     complete = len(chosen) == len(manifest.indexes)
-    return replace(manifest, pieces=pieces, complete=complete)
+    manifest = replace(manifest, pieces=pieces, complete=complete)
+    problems = [] if names is None else manifest.coverage_problems(names)
+    if problems:
+        raise CheckpointError(problems[0], path=directory / MANIFEST_NAME)
+    return manifest
 
 
 INDEXES_READ: Counter[str] = Counter()
@@ -177,8 +185,8 @@ def open_checkpoint(path: str | os.PathLike[str], *, pieces: bool = True) -> tup
     """The directory and manifest of a checkpoint whose pieces cover every state tensor once.
 
     Without ``pieces``, a version 3 checkpoint's top level alone: a load then reads the piece
-    indexes of its share (:func:`load_pieces`), each data file's size checked when it is
-    opened, and every region it reads checked to be covered exactly once there."""
+    indexes of its share (:func:`load_pieces`, which checks those params' coverage), each
+    data file's size checked when it is opened."""
     directory = Path(path)
     manifest = read_manifest(directory, pieces=pieces)
     if not manifest.complete:

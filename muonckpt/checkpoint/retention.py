@@ -225,9 +225,10 @@ def clean(root: str | os.PathLike[str], older_than: float) -> Cleaned:
       host of a shared filesystem, renews it every few seconds), whatever ``older_than`` says;
     * and have not changed (their lease included) for more than ``older_than`` seconds.
 
-    Only their checkpoint files, messages and lease are deleted, nothing through a symlink,
-    nothing else: a directory holding anything else keeps it. While it deletes, this holds
-    the lease locked.
+    Only their checkpoint files, messages and lease are deleted (in the staging directory of
+    a conversion to a foreign format, whose lease names it, that format's files instead),
+    nothing through a symlink, nothing else: a directory holding anything else keeps it.
+    While it deletes, this holds the lease locked.
 
     Returns what was removed, and every other directory named like muonckpt's with why it
     was kept. A ``root`` that cannot be listed is a :class:`CheckpointError`; a negative

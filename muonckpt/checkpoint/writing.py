@@ -33,7 +33,7 @@ import contextlib
 import json
 import os
 import warnings
-from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
@@ -52,18 +52,17 @@ from ..format.manifest import (
     ExtraValues,
     FileEntry,
     Manifest,
-    ParamEntry,
     PieceTable,
     ValuePath,
     extra_to_json,
 )
-from ..format.manifest_size import ManifestSize
 from ..format.names import MANIFEST_NAME
 from ..format.writeplan import Plan, TensorWrite, specs_of
 from ..layout.workplan import WorkUnit, split_work
 from ..storage.safetensors_writer import prefetched
 from . import _indexes, _save_manifest
 from ._attempt import Attempt
+from ._indexes import check_manifest_fits as check_manifest_fits
 from ._reports import Reports as Reports
 from ._reports import Written as Written
 from ._save_manifest import ManifestDraft
@@ -138,7 +137,7 @@ def write_checkpoint(
         source: a checkpoint being read, which ``final`` must not be inside or around.
     """
     staging = stage(steps, final, overwrite=overwrite, create=create, source=source)
-    return finish(steps, staging, final, write=write, manifest=manifest, seal=seal)
+    return finish(steps, staging, final, write=write, manifest=manifest, seal=seal, source=source)
 
 
 class Agreeing(Protocol):
@@ -227,11 +226,13 @@ def finish(
     write: Callable[[Path], Written],
     manifest: Callable[[Reports], Manifest],
     seal: Callable[[Path], None] = lambda staging: None,
+    source: str | os.PathLike[str] | None = None,
 ) -> Path:
-    """The ``write`` step (every rank writes, the root commits) and, when a checkpoint was
-    replaced, the ``retire`` step; a failure discards the staging directory."""
+    """The ``write`` step (every rank writes, the root commits: with ``source``, the files
+    read, only a manifest its own reader accepts) and, when a checkpoint was replaced, the
+    ``retire`` step; a failure discards the staging directory."""
     final = Path(final)
-    replaced = _write_step(steps, staging, final, lambda: write(staging), manifest, seal)
+    replaced = _write_step(steps, staging, final, lambda: write(staging), manifest, seal, source)
     return retire(steps, replaced, final)
 
 
@@ -260,16 +261,18 @@ def _write_step(
     written: Callable[[], Written],
     manifest: Callable[[Reports], Manifest],
     seal: Callable[[Path], None] = lambda staging: None,
+    source: str | os.PathLike[str] | None = None,
 ) -> Replaced | None:
     """The ``write`` step: every rank's report of ``written()`` to the root, which merges them,
-    builds the ``manifest`` and commits; the checkpoint it replaced (None also when something
-    failed after the commit: that is a warning, and nothing is retired)."""
+    builds the ``manifest`` and commits (:func:`commit`, of ``source``); the checkpoint it
+    replaced (None also when something failed after the commit: that is a warning, and
+    nothing is retired)."""
     across = len(steps.ranks) > 1  # reports cross ranks as JSON; in one process, as they are
 
     def commit_all(raw: list[Any]) -> Replaced | None:
         seal(staging)
         reports = [Written.from_json(r) for r in raw] if across else raw
-        replaced = commit(staging, final, manifest(Reports.merged(reports, staging)))
+        replaced = commit(staging, final, manifest(Reports.merged(reports, staging)), source)
         return (
             None
             if replaced is None
@@ -281,7 +284,7 @@ def _write_step(
     def mark() -> None:
         committed.append(True)
 
-    storage.watch_commit(final, mark)
+    storage.watch_commit(final, mark, staging=staging)
     staged = storage.directory_identity(staging)  # another rank's swap keeps it: committed_as
     try:
         each = (lambda: written().to_json()) if across else written
@@ -346,14 +349,16 @@ def _retire(steps: Steps, replaced: Replaced | None, final: Path) -> None:
             )
 
 
-def commit(staging: Path, final: Path, manifest: Manifest) -> Path | None:
+def commit(staging: Path, final: Path, manifest: Manifest, source: object = None) -> Path | None:
     """(the root) The manifest, written last, fsync, and the atomic swap, which checks that
     every file the manifest lists is there at its size (and the manifest) right before it.
 
     Returns the directory now holding a checkpoint this replaced, for :meth:`storage.store.retire`.
     The manifest's coverage is checked first (every state tensor stored exactly once, as a
     reader requires), so that a faulty plan commits nothing rather than a checkpoint that
-    ``verify`` and ``load`` would refuse.
+    ``verify`` and ``load`` would refuse; with ``source`` (the files a rewrite read, whose
+    values may be odd) the manifest written is read back by their reader too, naming
+    ``source`` (:func:`~._indexes.check_readable`).
     """
     gaps = manifest.coverage_problems()
     if gaps:
@@ -375,44 +380,11 @@ def commit(staging: Path, final: Path, manifest: Manifest) -> Path | None:
             "was committed",
             path=final,
         )
+    if source is not None:
+        _indexes.check_readable(staging / MANIFEST_NAME, source, final)
     listed = {entry.name: entry.bytes for entry in all_files(manifest)}
     listed.update((entry.name, entry.bytes) for entry in manifest.indexes)
     return storage.store.publish(staging, final, files={**listed, MANIFEST_NAME: size})
-
-
-def check_manifest_fits(
-    params: Iterable[ParamEntry], writes: Iterable[TensorWrite], final: object
-) -> None:
-    """Refuse, before any data is written, a write whose manifest, or a piece index of it,
-    would be more than a reader accepts (:data:`muonckpt.storage.MAX_TEXT_BYTES`): counted
-    from its ``params`` and its planned ``writes``
-    (:class:`~muonckpt.format.manifest_size.ManifestSize`: the indexes exactly, the top level
-    a lower bound, since groups, files and ``extra`` are not counted; :func:`commit` checks
-    every text again), naming the counts."""
-    size = ManifestSize()
-    for entry in params:
-        size.add_param(entry)
-    chunk = storage.CHUNK_BYTES
-    for w in writes:
-        size.add_piece(w.param, w.key, w.file, w.tensor, w.region, w.nbytes, chunk)
-    limit = storage.MAX_TEXT_BYTES
-    file, largest = size.largest_index
-    if size.bytes > limit:
-        raise CheckpointError(
-            f"its manifest would be at least {size.bytes} bytes, more than the {limit} a reader "
-            f"accepts: {size.params} params and {size.pieces} pieces (stored tensors); about "
-            f"{size.bytes // max(size.params, 1)} bytes a param; nothing was written",
-            path=final,
-        )
-    if largest > limit:
-        raise CheckpointError(
-            f"the piece index of {file} would be {largest} bytes, more than the {limit} a "
-            f"reader accepts: {size.params} params and {size.pieces} pieces (stored tensors) "
-            "in all; nothing was written. Store fewer, larger tensors per file (params=False "
-            "leaves out the pieces of the params' own values; max_shard_size splits a "
-            "consolidated file)",
-            path=final,
-        )
 
 
 class _Meter:

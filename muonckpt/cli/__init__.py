@@ -20,6 +20,7 @@ from ..errors import CheckpointError
 from . import output
 from .exits import PROBLEM, Group, catch_stop_signals
 from .options import (
+    AllowLargeWorld,
     BucketAlignment,
     BucketNumel,
     BuffersBy,
@@ -152,6 +153,7 @@ def reshard(
     tp_split: TpSplit = None,
     force: Force = False,
     workers: Workers = 1,
+    allow_large_world: AllowLargeWorld = False,
     quiet: Quiet = False,
 ) -> None:
     """Rewrite any checkpoint as one file per rank of a dp x tp job.
@@ -184,7 +186,13 @@ def reshard(
         splits[name] = int(dim)
     from .. import offline
 
-    settings = {"dp": dp, "tp": tp, "options": options, "tp_split_dims": splits}
+    settings = {
+        "dp": dp,
+        "tp": tp,
+        "options": options,
+        "tp_split_dims": splits,
+        "allow_large_world": allow_large_world,
+    }
     _rewrite(ctx, quiet, offline.reshard, src, dst, force, workers, **settings)
 
 
@@ -206,6 +214,7 @@ def convert(
     names: Names = None,
     model_buffers: ModelBuffers = False,
     split_experts: SplitExperts = False,
+    allow_large_world: AllowLargeWorld = False,
     force: Force = False,
     quiet: Quiet = False,
 ) -> None:
@@ -251,6 +260,7 @@ def convert(
         "names": names,
         "model_buffers": model_buffers,
         "split_experts": split_experts,
+        "allow_large_world": allow_large_world,
     }
     try:
         route = interop.route(
@@ -408,7 +418,8 @@ def clean(
     mailboxes (.NAME.steps-*), known by the lease file muonckpt writes into each (never by
     name alone), that no save uses (a running save holds its lease, whatever --older-than
     says) and unchanged for --older-than seconds: only their checkpoint files, messages and
-    lease, never anything else and nothing through a symlink. Prints each directory removed,
+    lease (of a killed conversion to DCP, DeepSpeed or Megatron, that format's files), never
+    anything else and nothing through a symlink. Prints each directory removed,
     and each one named like these that was kept, with why.
 
     Example: muonckpt clean ckpt --older-than 7200

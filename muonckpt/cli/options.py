@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from ..settings import WORKERS_PER_CORE, local_path, parse_size
+from ..settings import MAX_LARGE_WORLD, MAX_WORLD, WORKERS_PER_CORE, local_path, parse_size
 
 
 def size_parameter(text: str) -> int:
@@ -228,6 +228,14 @@ SplitExperts = Annotated[
         help="Reading DCP or torchtitan: write each stacked expert param (E, m, n) of a Muon "
         "group as E params NAME.0 ... NAME.<E-1> of shape (m, n), as torch.optim.Muon and the "
         "packaged Muon hold them.",
+    ),
+]
+AllowLargeWorld = Annotated[
+    bool,
+    typer.Option(
+        "--allow-large-world",
+        help=f"Write for more than {MAX_WORLD} ranks (reshard, --to deepspeed, --to megatron; "
+        f"at most {MAX_LARGE_WORLD}): one file or more per rank.",
     ),
 ]
 OptimizerPrefix = Annotated[

@@ -17,6 +17,7 @@ from typing import Any
 from ..errors import CheckpointError, StateDictError
 from . import kinds
 from .manifest import GroupEntry, Manifest, ParamEntry, Scalar
+from .records import fits
 
 
 def group_kinds(optimizers: Iterable[Any]) -> list[kinds.GroupKind]:
@@ -35,13 +36,16 @@ def group_kind(group: GroupEntry, index: int, path: object = None) -> kinds.Grou
     return kinds.GroupKind.from_json(group.optimizer)
 
 
-def step_scalar(step_in: str | None, step: int | float | None) -> Scalar | None:
+def step_scalar(step_in: str | None, step: int | float | None, param: str) -> Scalar | None:
     """A param's AdamW step count as a target that counts per param keeps it: a float32
-    tensor (torch, ``"tensor"``) or an int (KellerJordan, ``"int"``); None where the target
-    keeps no per-param count (or there is none)."""
+    tensor (torch, ``"tensor"``; a count past float32's range refused, not made inf) or an
+    int (KellerJordan, ``"int"``); None where the target keeps no per-param count (or there
+    is none)."""
     if step is None:
         return None
     if step_in == "tensor":
+        if not fits(step, "F32"):
+            raise CheckpointError(f"step {step!r} does not fit a float32 tensor", param=param)
         return Scalar(float(step), "F32")
     if step_in == "int":
         return Scalar(int(step), None)
@@ -92,7 +96,7 @@ def converted_manifest(
 def _converted_steps(manifest: Manifest, entry: ParamEntry, group: GroupEntry) -> ParamEntry:
     """The param with its AdamW step count where the target keeps it."""
     scalars = {k: v for k, v in entry.scalars.items() if k != "step"}
-    step = step_scalar(group.optimizer.get("step_in"), manifest.step_of(entry))
+    step = step_scalar(group.optimizer.get("step_in"), manifest.step_of(entry), entry.name)
     if step is not None and entry.state_keys:
         scalars["step"] = step
     return replace(entry, scalars=scalars)

@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from ..errors import ArgumentError, CheckpointError
+from .coverage import tensor_coverage
 from .names import PARAM_KEY
 from .records import (  # the records, named here too
     DIGEST_BYTES,
@@ -70,8 +71,8 @@ CONSOLIDATED = "consolidated"
 KINDS = (PER_RANK, CONSOLIDATED)
 
 EXTRA_DEPTH = 24
-"""How deeply ``extra`` values may nest (the manifest around them takes the rest of
-:data:`muonckpt.format.strict_json.MAX_JSON_DEPTH`)."""
+"""How deeply ``extra`` values and hyperparameters (:func:`json_safe`) may nest (the
+manifest around them takes the rest of :data:`muonckpt.format.strict_json.MAX_JSON_DEPTH`)."""
 EXTRA_JSON_BYTES = 16 << 20
 """The most bytes of JSON one save's ``extra`` and ``rank_extra`` values may take in the
 manifest; larger data goes in tensors."""
@@ -324,24 +325,33 @@ class Manifest:
             yield ',\n"param_kinds": [\n' + ",\n".join(kinds) + "\n]"
         yield "\n}\n"
 
-    def coverage_problems(self) -> list[str]:
-        """Gaps, overlaps and stray pieces: every state tensor must be covered exactly once
-        (nothing is checked of a manifest holding only some of its pieces)."""
-        if not self.complete:
+    def coverage_problems(self, names: Iterable[str] | None = None) -> list[str]:
+        """Gaps, overlaps and stray pieces: every stored tensor must hold each element once
+        (:func:`.coverage.tensor_coverage`). With ``names``, of those params alone (a load's
+        share, whose pieces the manifest holds all of: the indexes holding any of them were
+        read); else of every param and model tensor, and nothing is checked of a manifest
+        holding only some of its pieces."""
+        everything = names is None
+        if everything and not self.complete:
             return []
-        problems = [] if (mixed := values_problem(self.params)) is None else [mixed]
+        wanted = set() if names is None else set(names)
+        params = self.params if everything else [e for e in self.params if e.name in wanted]
+        mixed = values_problem(self.params) if everything else None
+        problems = [] if mixed is None else [mixed]
         grouped, covered = self.pieces_of(), 0
-        for entry in self.params:
+        for entry in params:
             for key in entry.tensor_keys:
                 pieces = grouped[entry.name, key]
                 covered += len(pieces)
-                problems += _coverage(entry, key, pieces)
+                problems += tensor_coverage(entry, key, pieces)
+        if not everything:
+            return problems
         if self.model is not None:
             held = defaultdict(list)
             for piece in self.model.pieces:
                 held[piece.param].append(piece)
             for entry in self.model.tensors:
-                problems += _coverage(entry, PARAM_KEY, held.get(entry.name, []))
+                problems += tensor_coverage(entry, PARAM_KEY, held.get(entry.name, []))
         if covered != len(self.pieces):  # pieces of tensors that no param lists
             listed = {(entry.name, key) for entry in self.params for key in entry.tensor_keys}
             strays = dict.fromkeys((p.param, p.key) for p in self.pieces)
@@ -464,21 +474,6 @@ def values_problem(params: Sequence[ParamEntry]) -> str | None:
     return None
 
 
-def _coverage(entry: ParamEntry, key: str, pieces: Sequence[Piece]) -> list[str]:
-    intervals = sorted(iv for piece in pieces for iv in piece.region.intervals())
-    where = f"param {entry.name!r} state {key!r}"
-    cursor = 0
-    for lo, hi in intervals:
-        if lo < cursor:
-            return [f"{where}: elements [{lo}, {min(hi, cursor)}) stored twice (overlap)"]
-        if lo > cursor:
-            return [f"{where}: elements [{cursor}, {lo}) stored nowhere (gap)"]
-        cursor = hi
-    if cursor != entry.numel:
-        return [f"{where}: elements [{cursor}, {entry.numel}) stored nowhere (gap)"]
-    return []
-
-
 def model_tensor(name: str, shape: Sequence[int], dtype: str) -> ParamEntry:
     """A model tensor of :class:`ModelFile`: stored whole, in no group."""
     return ParamEntry(name, tuple(shape), -1, -1, {PARAM_KEY: dtype})
@@ -523,14 +518,29 @@ def piece_to_json(piece: Piece) -> dict[str, Any]:
     }
 
 
-def json_safe(value: Any) -> Any:
-    """Hyperparameter values as JSON: tuples become lists; anything else JSON can't hold fails."""
-    if isinstance(value, float) and not math.isfinite(value):
-        raise CheckpointError(f"hyperparameter value {value!r} cannot be stored in JSON")
-    if isinstance(value, (str, int, float, bool)) or value is None:
-        return value
-    if isinstance(value, (list, tuple)):
-        return [json_safe(v) for v in value]
-    if isinstance(value, Mapping):
-        return {str(k): json_safe(v) for k, v in value.items()}
-    raise CheckpointError(f"hyperparameter value {value!r} cannot be stored in the manifest")
+def json_safe(value: Any, path: object = None) -> Any:
+    """Hyperparameter values as JSON: tuples become lists; anything else JSON can't hold
+    fails, as does a value nesting more than :data:`EXTRA_DEPTH` levels (which the manifest's
+    reader would refuse: checked as it is walked, never a RecursionError); the error names
+    ``path``, the file the value came from."""
+
+    def safe(value: Any, depth: int) -> Any:
+        if isinstance(value, float) and not math.isfinite(value):
+            raise CheckpointError(
+                f"hyperparameter value {value!r} cannot be stored in JSON", path=path
+            )
+        if isinstance(value, (str, int, float, bool)) or value is None:
+            return value
+        if depth >= EXTRA_DEPTH and isinstance(value, (list, tuple, Mapping)):
+            raise CheckpointError(
+                f"a hyperparameter value nests more than {EXTRA_DEPTH} levels deep", path=path
+            )
+        if isinstance(value, (list, tuple)):
+            return [safe(v, depth + 1) for v in value]
+        if isinstance(value, Mapping):
+            return {str(k): safe(v, depth + 1) for k, v in value.items()}
+        raise CheckpointError(
+            f"hyperparameter value {value!r} cannot be stored in the manifest", path=path
+        )
+
+    return safe(value, 0)

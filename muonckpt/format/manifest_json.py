@@ -41,6 +41,7 @@ from .manifest import (
 )
 from .names import MANIFEST_NAME, PARAM_KEY
 from .piece_index import check_region, index_name
+from .records import fits
 from .strict_json import strict_json, strict_json_chunks, valid_text
 
 _DIGEST = re.compile("[0-9a-f]{16}")
@@ -490,7 +491,7 @@ def _scalars(raw: Any) -> dict[str, Scalar]:
         )
         _expect(dtype is None or dtype in DTYPE_BYTES, f"scalar {key!r}: unknown dtype {dtype!r}")
         if dtype is not None:
-            _expect(_fits(value, dtype), f"scalar {key!r}: {value!r} is not a {dtype} value")
+            _expect(fits(value, dtype), f"scalar {key!r}: {value!r} is not a {dtype} value")
         if key == "step":
             _expect(
                 value is None or (_number(value) and value >= 0),
@@ -502,17 +503,6 @@ def _scalars(raw: Any) -> dict[str, Scalar]:
 
 def _number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _fits(value: Any, dtype: str) -> bool:
-    """Whether a 0-d tensor of safetensors ``dtype`` can hold ``value`` exactly as written."""
-    if dtype == "BOOL":
-        return isinstance(value, bool)
-    if dtype[0] in "IU":
-        bits = 8 * DTYPE_BYTES[dtype]
-        low, high = (-(2 ** (bits - 1)), 2 ** (bits - 1)) if dtype[0] == "I" else (0, 2**bits)
-        return isinstance(value, int) and not isinstance(value, bool) and low <= value < high
-    return _number(value)
 
 
 _GROUP_OPTIMIZER = {

@@ -11,6 +11,7 @@ in the top-level manifest (:class:`IndexEntry`); reading and checking them is
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict
@@ -161,7 +162,8 @@ def _expect(condition: bool, message: str) -> None:
 
 def check_region(entry: ParamEntry, region: Region, tensor: str) -> None:
     """Refuse a piece whose region lies outside its param (the schema check of every piece,
-    in a manifest or a piece index)."""
+    in a manifest or a piece index): a column block (a TP block) must be of the param's
+    matrix view and hold whole slices of its split dim, as a TP split cuts it."""
     numel = entry.numel
     ok = (
         (region.block_width > 0 or region.start == region.stop)
@@ -172,7 +174,13 @@ def check_region(entry: ParamEntry, region: Region, tensor: str) -> None:
         rows = numel // region.cols if numel % region.cols == 0 else -1
         ok = rows >= 0 and region.stop <= rows * region.block_width
     if ok and region.numel and region.block_width != region.cols:
-        ok = region.cols == matrix_view(entry.shape, entry.tp_split_dim)[1]
+        split = entry.tp_split_dim
+        inner = math.prod(entry.shape[split + 1 :]) if split >= 0 else 1
+        ok = (
+            region.cols == matrix_view(entry.shape, entry.tp_split_dim)[1]
+            and region.block_start % inner == 0
+            and region.block_width % inner == 0
+        )
     if not ok:
         raise CheckpointError(
             f"piece {tensor!r}: region {asdict(region)} lies outside param shape {entry.shape}"

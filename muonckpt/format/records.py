@@ -6,6 +6,7 @@ checksums packed as pieces keep them. Pure; :mod:`.manifest` builds the manifest
 from __future__ import annotations
 
 import math
+import sys
 from array import array
 from bisect import bisect_left
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -52,6 +53,30 @@ DTYPE_BYTES: dict[str, int] = {
     "F8_E5M2": 1,
 }
 """Bytes per element of each safetensors dtype a checkpoint may hold."""
+
+FLOAT_MAX: dict[str, float] = {
+    "F64": sys.float_info.max,
+    "F32": 3.4028234663852886e38,
+    "BF16": 3.3895313892515355e38,
+    "F16": 65504.0,
+    "F8_E4M3": 448.0,
+    "F8_E5M2": 57344.0,
+}
+"""The largest finite value of each floating dtype (a larger one would load as inf)."""
+
+
+def fits(value: Any, dtype: str) -> bool:
+    """Whether a 0-d tensor of safetensors ``dtype`` holds ``value`` as written: a bool of
+    ``BOOL``, an int in an integer dtype's range, a number within a float dtype's finite
+    range (a ``step`` of 1e308 is no F16 value: it would load as inf)."""
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if dtype == "BOOL":
+        return isinstance(value, bool)
+    if dtype[0] in "IU":
+        bits = 8 * DTYPE_BYTES[dtype]
+        low, high = (-(2 ** (bits - 1)), 2 ** (bits - 1)) if dtype[0] == "I" else (0, 2**bits)
+        return number and isinstance(value, int) and low <= value < high
+    return number and abs(value) <= FLOAT_MAX[dtype]
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,7 +20,7 @@ from .kinds import GroupKind
 from .manifest import Manifest
 from .records import ParamEntry
 
-__all__ = ["Part", "split_stacked"]
+__all__ = ["Part", "matrices", "split_stacked"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +29,24 @@ class Part:
 
     stacked: str
     index: int
+
+
+def matrices(name: str, shape: tuple[int, ...], leading: int, path: object = None) -> int:
+    """How many matrices (or layers) the stacked tensor ``name`` of ``shape`` splits into, one
+    per index of its first ``leading`` dims; a tensor of no elements is refused, so that a
+    declared shape such as (1000000, 0, 16) never becomes a million empty params.
+
+    Raises:
+        CheckpointError: naming the param (and ``path``) for an empty stacked tensor.
+    """
+    if 0 in shape:
+        raise CheckpointError(
+            f"stacked param of shape {list(shape)} holds no elements: nothing to split into "
+            "one param per matrix",
+            path=path,
+            param=name,
+        )
+    return math.prod(shape[:leading])
 
 
 def split_stacked(manifest: Manifest) -> tuple[Manifest, Mapping[str, Part]]:
@@ -48,7 +66,7 @@ def split_stacked(manifest: Manifest) -> tuple[Manifest, Mapping[str, Part]]:
     entries: dict[str, tuple[ParamEntry, ...]] = {}
     for entry in manifest.params:
         if entry.group in muon and len(entry.shape) > 2:
-            count = math.prod(entry.shape[:-2])
+            count = matrices(entry.name, entry.shape, len(entry.shape) - 2)
             names = [f"{entry.name}.{i}" for i in range(count)]
             parts.update({n: Part(entry.name, i) for i, n in enumerate(names)})
             split = (replace(entry, name=n, shape=entry.shape[-2:], tp_split_dim=-1) for n in names)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .. import settings
 from ..errors import CheckpointError, OptionError
 from ..format import kinds
 from ..format.manifest import Manifest
@@ -267,6 +268,7 @@ def to_deepspeed(
     to: str = SOURCE,
     world: int | None = None,
     stage: int = 2,
+    allow_large_world: bool = False,
 ) -> DeepSpeedConversion:
     """Write the muonckpt checkpoint ``src`` (any kind, any topology) as DeepSpeed ZeRO-1/2
     files for ``world`` ranks at the new directory ``dst`` (``latest`` and
@@ -278,7 +280,8 @@ def to_deepspeed(
     grouped as DeepSpeed groups one incoming param group (Muon params largest first, then the
     Adam params), so the job must build its optimizer from one group. ``stage`` is what the
     files say (DeepSpeed's loader reads stages 1 and 2 alike). The model's other tensors
-    (buffers) are not in a muonckpt checkpoint's optimizer state and are not written.
+    (buffers) are not in a muonckpt checkpoint's optimizer state and are not written. More
+    than :data:`muonckpt.settings.MAX_WORLD` ranks need ``allow_large_world``.
 
     Memory: the whole optimizer state once, plus one rank's file.
     """
@@ -290,6 +293,7 @@ def to_deepspeed(
         raise OptionError(
             f"give --world, the number of ranks DeepSpeed loads it at (not {world!r})", "--world"
         )
+    settings.world_size(world, "--world", "one rank file", allow_large=allow_large_world)
     if stage not in (1, 2):
         raise OptionError(f"ZeRO stage {stage!r}: DeepSpeed's Muon runs at stages 1 and 2")
     directory, manifest = open_checkpoint(src)
@@ -298,7 +302,7 @@ def to_deepspeed(
         values = [_out_values(reader, manifest, group, world) for group in groups]
     step = manifest.recorded_step or max((v.step or 0 for v in values), default=0)
     tag = f"global_step{step}"
-    with staged_output(dst, directory, deepspeed_files.discard) as staging:
+    with staged_output(dst, directory, SOURCE) as staging:
         tag_dir = make_directory(staging / tag)
         for rank in range(world):
             deepspeed_files.save(

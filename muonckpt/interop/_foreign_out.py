@@ -6,7 +6,7 @@ once complete (:func:`staged_output`), each tensor of the muonckpt checkpoint re
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -21,18 +21,17 @@ if TYPE_CHECKING:
 
 
 @contextmanager
-def staged_output(
-    dst: str | os.PathLike[str], source: Path, discard: Callable[[Path], None]
-) -> Iterator[Path]:
-    """A staging directory beside ``dst`` (which must not exist) to write the output into,
-    published at ``dst`` when the block ends; if anything fails, ``discard`` removes it (only
-    the files the format writes, then the lease) and the error goes on."""
-    staging = storage.store.create_staging(dst, False, source=source)
+def staged_output(dst: str | os.PathLike[str], source: Path, output: str) -> Iterator[Path]:
+    """A staging directory beside ``dst`` (which must not exist) to write the files of foreign
+    format ``output`` into, published at ``dst`` when the block ends; if anything fails, it is
+    discarded (only the files the format writes, then the lease, which records the format:
+    ``clean`` removes as much after a crash) and the error goes on."""
+    staging = storage.store.create_staging(dst, False, source=source, output=output)
     try:
         yield staging
         storage.store.publish(staging, Path(dst), overwrite=False)
     except BaseException:
-        discard(staging)
+        storage.store.discard(staging)
         raise
 
 

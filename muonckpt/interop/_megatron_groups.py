@@ -5,7 +5,6 @@ training ``args`` or Megatron's defaults."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,7 +12,9 @@ from typing import Any
 
 from ..errors import CheckpointError
 from ..format import kinds
+from ..format.manifest import json_safe
 from ..storage.megatron_files import Namespace
+from ._fields import shown
 
 MUON = kinds.MEGATRON
 ADAMW = "torch.optim.AdamW"
@@ -29,22 +30,23 @@ class Group:
     step: int | None
 
 
+def group_of(role: str, settings: dict[str, Any], where: Path, step: int | None = None) -> Group:
+    """A param group read from the file ``where``: its settings as the manifest holds them
+    (:func:`~muonckpt.format.manifest.json_safe`), a Muon group's momentum checked to be a
+    number in [0, 1) (never ``'0.9'``, committed for readers to refuse)."""
+    mu = settings.get("momentum")
+    if role == "muon" and (
+        isinstance(mu, bool) or not isinstance(mu, (int, float)) or not 0 <= mu < 1
+    ):
+        raise CheckpointError(
+            f"a Muon group's momentum {shown(mu)} is not a number in [0, 1)", path=where
+        )
+    return Group(role, json_safe(settings, where), step)
+
+
 def role_of(group: Mapping[str, Any]) -> str | None:
     """A param group's role: Muon's (a ``momentum`` setting) or AdamW's (``betas``)."""
     return "adamw" if "betas" in group else "muon" if "momentum" in group else None
-
-
-def count(step: Any, where: Path, what: str) -> int | None:
-    """A step count (a number or a one-element tensor), refused naming ``what`` where it is
-    not a finite count."""
-    if step is None:
-        return None
-    value = (
-        step.item() if hasattr(step, "item") and getattr(step, "numel", lambda: 1)() == 1 else step
-    )
-    if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-        raise CheckpointError(f"{what} {value!r} is not a count", path=where)
-    return int(value)
 
 
 SCALE_RULES = {"spectral": kinds.MOONLIGHT, "shape_scaling": kinds.ASPECT}

@@ -25,14 +25,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .. import storage
+from .. import settings, storage
 from ..errors import CheckpointError, LayoutError, OptionError
 from ..format import kinds
 from ..format.conversion import group_kind
 from ..format.manifest import Manifest
 from ..format.names import PARAM_KEY
 from ..layout import megatron_tp
-from ..storage import dcp_files, lease
+from ..storage import dcp_files
+from ..storage.megatron_files import LATEST
 from ._foreign_out import not_carried, read_whole, staged_output
 from .foreign import Conversion
 
@@ -41,7 +42,6 @@ if TYPE_CHECKING:
 
 SOURCE = "megatron"
 MUON = kinds.MEGATRON
-LATEST = "latest_checkpointed_iteration.txt"
 DIST_METADATA = "metadata.json"
 STACKED = ("decoder.layers.", "encoder.layers.")
 """Prefixes of the keys whose leading axis is the layer (TransformerBlock's sharded offsets)."""
@@ -62,7 +62,6 @@ CONTENT_METADATA = {
 """What ``megatron.training``'s ``_build_sharded_state_dict_metadata`` saves for this format."""
 BACKEND = '{"sharded_backend": "torch_dist", "sharded_backend_version": 1}'
 CHECKPOINT_VERSION = 3.0
-_ITERATION_DIR = re.compile(r"iter_\d{7}")
 
 
 _LAYER_NAME = re.compile("(" + "|".join(map(re.escape, STACKED)) + r")(\d+)\.(.+)")
@@ -219,6 +218,7 @@ def to_megatron(
     to: str = SOURCE,
     tp: int | None = None,
     dp: int | None = None,
+    allow_large_world: bool = False,
 ) -> MegatronConversion:
     """Write the muonckpt checkpoint ``src`` (read from a Megatron-Core torch_dist checkpoint,
     at any topology since) as a new Megatron-Core torch_dist checkpoint root ``dst`` that
@@ -226,7 +226,8 @@ def to_megatron(
     momentum in EMA form (sum-form momentum converted by ``1 - mu``), AdamW's moments and
     step, the param groups' settings, and the bf16 model weights rounded from the masters.
     The files do not depend on ``dp`` (torch_dist's tensors are global), only the chunks on
-    ``tp``.
+    ``tp``. More than :data:`muonckpt.settings.MAX_WORLD` ranks (``tp * dp``) need
+    ``allow_large_world``.
 
     Memory: one param's tensor at a time (each chunk of it read on its own).
     """
@@ -235,14 +236,17 @@ def to_megatron(
     if to != SOURCE:
         raise OptionError(f"Megatron output is for {SOURCE!r}, not {to!r}", "--to")
     _check_sizes(tp, dp)
-    assert tp is not None
+    assert tp is not None and dp is not None
+    settings.world_size(
+        tp * dp, "--tp x --dp", "one TP chunk or DP slice", allow_large=allow_large_world
+    )
     directory, manifest = open_checkpoint(src)
     factors, optimizer, step, notes = _groups(manifest, directory)
     keys = _keys(manifest, factors, tp, directory)
     tensors, chunks = _tensors_and_chunks(keys, tp)
     iteration = manifest.recorded_step or step or 0
     values = _values(keys, optimizer, iteration)
-    with staged_output(dst, directory, _discard) as staging:
+    with staged_output(dst, directory, SOURCE) as staging:
         iteration_dir = storage.make_directory(staging / f"iter_{iteration:07d}")
         with PieceReader(directory, manifest) as reader:
             fetch = _LayerBlocks(keys, tensors, manifest, reader)
@@ -333,17 +337,3 @@ class _LayerBlocks:
         if source.factor != 1.0:
             block = block.mul(source.factor)
         return block.reshape(region[1])
-
-
-def _discard(staging: Path) -> None:
-    """Remove a staging directory :func:`to_megatron` wrote: only its files, then the lease."""
-    lease.discard_foreign(staging, _ours)
-
-
-def _ours(name: str) -> bool:
-    """Whether a path in a staging directory is one :func:`to_megatron` writes:
-    ``latest_checkpointed_iteration.txt``, ``iter_NNNNNNN/`` and its files."""
-    head, slash, rest = name.partition("/")
-    if not slash:
-        return name == LATEST or name.startswith(f".{LATEST}.tmp-")
-    return bool(_ITERATION_DIR.fullmatch(head)) and "/" not in rest

@@ -31,14 +31,15 @@ import torch
 from ..checkpoint.writing import Progress
 from ..errors import CheckpointError, LayoutError
 from ..format.conversion import converted_manifest
-from ..format.manifest import CONSOLIDATED, GroupEntry, Manifest, ParamEntry, Scalar, json_safe
+from ..format.manifest import CONSOLIDATED, GroupEntry, Manifest, ParamEntry, Scalar
 from ..format.names import PARAM_KEY
 from ..layout.megatron_tp import partition_dim
 from ..storage import megatron_files
 from ..storage.dtypes import dtype_name
 from ..storage.megatron_files import Namespace
 from ._consolidated import conversion_notes, summarized, write_consolidated
-from ._megatron_groups import Group, assumed, count, kind, role_of
+from ._fields import count, tensor
+from ._megatron_groups import Group, assumed, group_of, kind, role_of
 from ._megatron_out import MegatronConversion
 
 __all__ = ["LOCAL_NAMES", "from_torch_format"]
@@ -77,9 +78,11 @@ def from_torch_format(
     to: str | None,
     overwrite: bool,
     progress: Progress | None,
+    root: Path,
 ) -> MegatronConversion:
     """Convert the torch-format iteration ``directory`` (see the module's text) as
-    :func:`~.megatron.from_megatron` does a torch_dist one. Memory: the whole checkpoint."""
+    :func:`~.megatron.from_megatron` does a torch_dist one; ``root``: the checkpoint as given
+    (no output inside it). Memory: the whole checkpoint."""
     files = megatron_files.torch_files(directory)
     tops = [_top(path) for path in files.model]
     _check_dp(tops[0].get("args"), files)
@@ -99,7 +102,7 @@ def from_torch_format(
         dst,
         overwrite=overwrite,
         progress=progress,
-        source=directory,
+        source=root,
     )
     left = list(tops[0]["model"])  # the bf16 weights: the fp32 masters are carried
     left += [k for k in tops[0] if k not in ("model", "optimizer", "args", "iteration")]
@@ -174,7 +177,7 @@ def _groups(path: Path) -> list[Group]:
                     path=path,
                 )
             settings = {k: v for k, v in group.items() if k != "params"}
-            out.append(Group(role, json_safe(settings), None))
+            out.append(group_of(role, settings, path))
     return out
 
 
@@ -200,7 +203,7 @@ def _params(
                 last = -1
                 for pid, master in zip(group["params"], masters, strict=True):
                     item = f"chained optimizer {c}, group {g}, param id {pid}"
-                    name = _match(model, master, path, item)
+                    name = _match(model, tensor(master, path, f"{item}: its master"), path, item)
                     if name in out:
                         raise CheckpointError(f"{item}: {name} has a master already", path=path)
                     if dp == 1 and order.index(name) < last:
@@ -254,7 +257,7 @@ def _state(
         if key == "step" and role == "adamw":
             param.step = count(value, path, f"{item}: step")
         elif KEYS.get(key) == role and torch.is_tensor(value) and value.shape == master.shape:
-            param.tensors[key] = value
+            param.tensors[key] = tensor(value, path, f"{item}: state {key!r}")
         else:
             raise CheckpointError(
                 f"{item}: state {key!r} is not one of {role}'s tensors of shape "

@@ -42,8 +42,9 @@ from ..format.manifest import (
 )
 from ..format.names import PARAM_KEY
 from ..storage.dtypes import dtype_name
-from ..storage.durable import read_text
+from ..storage.foreign_limits import read_json
 from ._consolidated import conversion_notes, write_consolidated
+from ._fields import step_count, tensor
 from .foreign import Conversion
 
 MUON_SETTINGS = frozenset({"momentum", "nesterov", "ns_coefficients", "ns_steps", "adjust_lr_fn"})
@@ -167,6 +168,12 @@ def _params(opt: int, optimizer: OptimizerState) -> tuple[list[_Param], list[kin
                 raise _fail(
                     f"the state of param index {index} is {shown}: not a {role} param's", optimizer
                 )
+            for k, v in state.items():
+                what = f"the state {k!r} of param index {index}"
+                if k == "step":
+                    step_count(v, optimizer.path, f"{optimizer.label}: {what}")
+                elif isinstance(v, torch.Tensor):
+                    tensor(v, optimizer.path, f"{optimizer.label}: {what}")
             shapes = {
                 tuple(v.shape)
                 for k, v in state.items()
@@ -332,13 +339,11 @@ def _check(
             )
 
 
-def _step(value: Any) -> Scalar:
-    """AdamW's step count: a 0-d tensor (float32 in torch) or a number."""
-    import torch
-
-    if isinstance(value, torch.Tensor):
-        return Scalar(float(value.item()), dtype_name(value.dtype))
-    return Scalar(value, None)
+def _step(value: Any, where: Path) -> Scalar:
+    """AdamW's step count: a 0-d tensor (float32 in torch) or a number (checked by
+    :func:`._fields.step_count` as the state was taken)."""
+    number, dtype = step_count(value, where, "step")
+    return Scalar(float(number), dtype) if dtype is not None else Scalar(number, None)
 
 
 def _manifest(
@@ -357,13 +362,15 @@ def _manifest(
     groups, entries = [], []
     for (k, g), held in members.items():
         settings = optimizers[k].state_dict["param_groups"][g]
-        hyper = json_safe({s: v for s, v in settings.items() if s not in ("params", "param_names")})
+        hyper = {s: v for s, v in settings.items() if s not in ("params", "param_names")}
+        hyper = json_safe(hyper, optimizers[k].path)
         groups.append(GroupEntry(hyper, tuple(n for _, n in held), group_kinds[k][g].to_json()))
         for p, name in held:
             value = model.tensors[name]
             dtypes = {PARAM_KEY: dtype_name(value.dtype)}
             dtypes.update({key: dtype_name(t.dtype) for key, t in p.state.items() if key != "step"})
-            scalars = {"step": _step(p.state["step"])} if "step" in p.state else {}
+            step = p.state.get("step")
+            scalars = {"step": _step(step, optimizers[k].path)} if step is not None else {}
             entries.append(
                 ParamEntry(name, tuple(value.shape), -1, len(groups) - 1, dtypes, scalars)
             )
@@ -433,13 +440,8 @@ def given_names(
         return None
     where = None
     if isinstance(names, (str, os.PathLike)):
-        import json
-
         where = Path(names)
-        try:
-            names = json.loads(read_text(where, limit=MAX_NAMES_BYTES))
-        except ValueError as exc:
-            raise CheckpointError(f"is not JSON: {exc}", path=where) from None
+        names = read_json(where, limit=MAX_NAMES_BYTES)
     if isinstance(names, (list, tuple)) and all(isinstance(n, str) for n in names):
         names = [names]
     if not isinstance(names, (list, tuple)) or not all(

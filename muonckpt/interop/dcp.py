@@ -296,7 +296,7 @@ def _manifest(
                 path=where,
             )
         dtypes, scalars = _param_state(index, family, role, model, state[name], where)
-        hyper = json_safe(group_settings)
+        hyper = json_safe(group_settings, where)
         try:
             kind = family.group_kind(role, group_settings)
         except StateDictError as exc:
@@ -417,7 +417,7 @@ def to_dcp(
     _add_optimizer(out, manifest, family, directory)
     _add_model(out, manifest)
     with (
-        staged_output(dst, directory, dcp_files.discard_dcp) as staging,
+        staged_output(dst, directory, "dcp") as staging,
         PieceReader(directory, manifest) as reader,
     ):
         fetch = _WholeTensors(out.sources, manifest, reader)
@@ -465,7 +465,7 @@ def _add_optimizer(
                 fqn = f"{OPTIMIZER_PREFIX}state.{name}.{family.their_key(kind.role or '', key)}"
                 out.tensors[fqn] = (entry.shape, entry.dtype_of(key))
                 out.sources[fqn] = (name, key, factor if key == "momentum_buffer" else 1.0)
-            step = step_scalar(family.step_in, manifest.step_of(entry))
+            step = step_scalar(family.step_in, manifest.step_of(entry), name)
             if kind.role == "adamw" and step is not None and entry.state_keys:
                 out.values[f"{OPTIMIZER_PREFIX}state.{name}.step"] = (
                     _step_tensor(step) if step.dtype is not None else step.value

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, LayoutError
 from ..format import kinds
 from ..format.conversion import converted_manifest
 from ..format.manifest import (
@@ -49,6 +49,7 @@ from ._deepspeed_out import (
     DeepSpeedConversion,
     to_deepspeed,
 )
+from ._fields import shown, step_count, tensor
 from .foreign import ForeignFormat
 
 __all__ = ["FORMAT", "DeepSpeedConversion", "from_deepspeed", "is_deepspeed", "to_deepspeed"]
@@ -72,6 +73,8 @@ class _Group:
     momentum: dict[str, tuple[Any, int]] = field(default_factory=dict)
     """Muon: each param's whole momentum, and the first rank that held it."""
     step: Any = None
+    keys: list[str] = field(default_factory=list)
+    """Rank 0's state keys of the group: every rank's Adam state holds the same."""
 
     @property
     def muon(self) -> bool:
@@ -99,10 +102,13 @@ def _param_shapes(model: Any, path: Path) -> list[dict[str, tuple[int, ...]]]:
     import torch
 
     groups = _get(model, "param_shapes", list, path, "the model states")
+    if not groups:
+        raise _fail("param_shapes holds no param group: an optimizer of no params", path)
     out = []
     for g, shapes in enumerate(groups):
         if not isinstance(shapes, dict) or not shapes:
-            raise _fail(f"param_shapes[{g}] is not a name -> shape mapping", path)
+            wrong = "names no param" if isinstance(shapes, dict) else "is not a name's shapes"
+            raise _fail(f"param_shapes[{g}] {wrong}", path)
         group = {}
         for name, shape in shapes.items():
             if not isinstance(name, str) or not isinstance(shape, (torch.Size, tuple, list)):
@@ -119,6 +125,22 @@ def _param_shapes(model: Any, path: Path) -> list[dict[str, tuple[int, ...]]]:
     return out
 
 
+def _check_declared(
+    shapes: list[dict[str, tuple[int, ...]]], files: list[Path], path: Path
+) -> None:
+    """The elements ``param_shapes`` declares must fit the rank files: their fp32 masters
+    alone take 4 bytes each. Checked on the files' sizes, before any of them is read, so a
+    few-KB file claiming 16384 x 16384 is refused without allocating its 1 GiB."""
+    declared = sum(math.prod(shape) for group in shapes for shape in group.values())
+    present = deepspeed_files.total_size(files)
+    if 4 * declared > present:
+        raise _fail(
+            f"param_shapes declares {declared} elements ({4 * declared} bytes of fp32 masters), "
+            f"but the {len(files)} rank files hold {present} bytes in all",
+            path,
+        )
+
+
 def _rank_partitions(optim: Any, world: int, groups: int, path: Path) -> int:
     """The ZeRO stage (1 or 2) of a rank file written by ``world`` ranks over ``groups``
     groups."""
@@ -132,6 +154,13 @@ def _rank_partitions(optim: Any, world: int, groups: int, path: Path) -> int:
             f"partition_count is {counts!r}, not one count per each of {groups} groups", path
         )
     for count in counts:
+        if isinstance(count, int) and count > world:  # name the first missing, not this one
+            missing = path.parent / deepspeed_files.rank_file(world, path.name.startswith("bf16_"))
+            raise _fail(
+                f"rank {world}'s optimizer file is missing: partition_count is {count} in "
+                f"{path.name}, and {world} rank file{'s are' if world != 1 else ' is'} there",
+                missing,
+            )
         if count != world:
             raise _fail(
                 f"partition_count is {count}, but {world} rank file{'s' * (world != 1)} "
@@ -169,23 +198,27 @@ def _read_rank(
             path,
         )
     align = optim.get("param_alignment_paddings") or [None] * len(shapes)
+    if not isinstance(align, list) or len(align) != len(shapes):
+        raise _fail(
+            f"param_alignment_paddings is not one list per each of {len(shapes)} groups", path
+        )
     mappings = optim.get("param_slice_mappings")
     for g, group_shapes in enumerate(shapes):
         numels = [math.prod(s) for s in group_shapes.values()]
-        layout = group_layout(numels, world, align[g])
+        try:
+            layout = group_layout(numels, world, align[g])
+        except (LayoutError, TypeError):
+            raise _fail(
+                f"param_alignment_paddings[{g}] is {shown(align[g])}, not one padding of at least "
+                f"0 after each of its {len(numels)} params but the last",
+                path,
+            ) from None
         settings = param_groups[g]
         if not isinstance(settings, dict):
             raise _fail(f"param_groups[{g}] is not a group's settings", path)
-        if rank == 0:
-            flat = torch.zeros(layout.world * layout.partition, dtype=torch.float32)
-            hyper = {k: v for k, v in settings.items() if k != "params"}
-            out.append(
-                _Group(g, list(group_shapes), list(group_shapes.values()), layout, hyper, flat)
-            )
-        group = out[g]
-        master = masters[g]
         where = f"group {g}"
-        if not isinstance(master, torch.Tensor) or master.dim() != 1:
+        master = tensor(masters[g], path, f"{where}: its fp32 partition")
+        if master.dim() != 1:
             raise _fail(f"{where}: its fp32 partition is not a flat tensor", path)
         if master.numel() != layout.kept(rank) or paddings[g] != layout.group_padding(rank):
             raise _fail(
@@ -194,14 +227,17 @@ def _read_rank(
                 f"give rank {rank} {layout.kept(rank)} with padding {layout.group_padding(rank)}",
                 path,
             )
+        if rank == 0:  # (the partition checked first: param_shapes' claim is not allocated)
+            flat = torch.zeros(layout.world * layout.partition, dtype=torch.float32)
+            hyper = {k: v for k, v in settings.items() if k != "params"}
+            out.append(
+                _Group(g, list(group_shapes), list(group_shapes.values()), layout, hyper, flat)
+            )
+        group = out[g]
         _check_mappings(mappings, g, group, rank, path)
         at = rank * layout.partition
         group.master[at : at + master.numel()] = master
-        ids = settings.get("params")
-        state = states.get(ids[0], {}) if isinstance(ids, list) and len(ids) == 1 else None
-        if not isinstance(state, dict):
-            raise _fail(f"{where}: its optimizer group holds not one flat param", path)
-        _take_state(state, group, rank, path)
+        _take_state(_state_of(settings.get("params"), states, where, path), group, rank, path)
     return stage
 
 
@@ -230,6 +266,20 @@ def _check_mappings(mappings: Any, g: int, group: _Group, rank: int, path: Path)
         )
 
 
+def _state_of(ids: Any, states: dict[Any, Any], where: str, path: Path) -> dict[Any, Any]:
+    """The state of a group's one flat param (id ``ids[0]``): none before the first step (an
+    empty ``state``), else it must be there, never read as none."""
+    if not isinstance(ids, list) or len(ids) != 1:
+        raise _fail(f"{where}: its optimizer group holds not one flat param", path)
+    if ids[0] not in states and states:
+        held = sorted(map(repr, states))[:8]
+        raise _fail(f"{where}: param id {ids[0]!r} has no state (the file holds ids {held})", path)
+    state = states.get(ids[0], {})
+    if not isinstance(state, dict):
+        raise _fail(f"{where}: the state of param id {ids[0]!r} is not a mapping", path)
+    return state
+
+
 def _take_state(state: dict[Any, Any], group: _Group, rank: int, path: Path) -> None:
     """Join one rank's optimizer state of a group: Adam's moment slices and step, or the
     whole momentum of each Muon matrix the rank's slice overlaps (equal on every rank)."""
@@ -240,10 +290,17 @@ def _take_state(state: dict[Any, Any], group: _Group, rank: int, path: Path) -> 
     unknown = sorted(str(k) for k in set(state) - allowed)
     if unknown:
         raise _fail(f"{where}: state {unknown} is not DeepSpeed Muon's nor its Adam's", path)
+    keys = sorted(map(str, state))
+    if rank == 0:
+        group.keys = keys
+    elif keys != group.keys and not group.muon:  # (a Muon rank may overlap no matrix)
+        raise _fail(
+            f"{where}: state {keys}, rank 0's {group.keys}: the ranks did not all step", path
+        )
     for key in ADAM_KEYS:
         if key in state:
-            value = state[key]
-            if not isinstance(value, torch.Tensor) or value.numel() not in (
+            value = tensor(state[key], path, f"{where}: {key}")
+            if value.numel() not in (
                 layout.partition,
                 layout.kept(rank),
             ):
@@ -253,6 +310,7 @@ def _take_state(state: dict[Any, Any], group: _Group, rank: int, path: Path) -> 
             flat[at : at + layout.kept(rank)] = value.reshape(-1)[: layout.kept(rank)]
     if "step" in state:
         step = state["step"]
+        step_count(step, path, f"{where}: step")
         if rank > 0 and not _same(step, group.step):
             raise _fail(f"{where}: step {step!r}, rank 0's {group.step!r}", path)
         group.step = step
@@ -272,6 +330,8 @@ def _take_momentum(buffer: Any, group: _Group, rank: int, path: Path) -> None:
     import torch
 
     layout = group.layout
+    if isinstance(buffer, torch.Tensor):
+        tensor(buffer, path, f"group {group.index}: {MUON_KEY}")
     if not isinstance(buffer, torch.Tensor) or buffer.numel() != layout.momentum_numel(rank):
         shown = buffer.numel() if isinstance(buffer, torch.Tensor) else type(buffer).__name__
         raise _fail(
@@ -325,7 +385,7 @@ def _manifest(groups: Sequence[_Group], recorded: int | None, path: Path) -> Man
     entries, entries_of = [], []
     for group in groups:
         kind = _kind(group, path)
-        hyper = json_safe({k: v for k, v in group.settings.items() if k != "step"})
+        hyper = json_safe({k: v for k, v in group.settings.items() if k != "step"}, path)
         entries_of.append(GroupEntry(hyper, tuple(group.names), kind.to_json()))
         step = _step(group)
         for name, shape in zip(group.names, group.shapes, strict=True):
@@ -417,9 +477,10 @@ def from_deepspeed(
     left = _left_out(model, params, aliases)
     recorded = model.get("global_steps")
     del model  # the module's weights: the masters are the values
+    _check_declared(shapes, files, model_path)
     groups: list[_Group] = []
     stages = {_read_rank(rank, len(files), path, shapes, groups) for rank, path in enumerate(files)}
-    manifest = _manifest(groups, recorded if type(recorded) is int else None, directory)
+    manifest = _manifest(groups, recorded if type(recorded) is int else None, files[0])
     if aliases:
         manifest = _with_aliases(manifest, aliases)
     target, scales = converted_manifest(manifest, to, path=directory)
@@ -430,7 +491,7 @@ def from_deepspeed(
         dst,
         overwrite=overwrite,
         progress=progress,
-        source=directory,
+        source=Path(src),  # the root a latest names the tag of: no output inside it either
         aliases=aliases,
     )
     layout = f"ZeRO-{'/'.join(map(str, sorted(stages)))}, world {len(files)}"
@@ -462,7 +523,7 @@ FORMAT = ForeignFormat(
     write=to_deepspeed,
     sources=(SOURCE,),
     targets=(SOURCE,),
-    write_options={"world": None},
+    write_options={"world": None, "allow_large_world": None},
     records_source=True,
 )
 """DeepSpeed ZeRO-1/2 in the registry (:mod:`muonckpt.interop.registry`)."""

@@ -19,7 +19,6 @@ The fp32 master params become the output's params; the bf16 model weights are le
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from collections.abc import Mapping
@@ -31,22 +30,24 @@ from ..checkpoint.writing import Progress
 from ..errors import CheckpointError, StateDictError
 from ..format import kinds
 from ..format.conversion import converted_manifest
-from ..format.manifest import CONSOLIDATED, GroupEntry, Manifest, ParamEntry, Scalar, json_safe
+from ..format.manifest import CONSOLIDATED, GroupEntry, Manifest, ParamEntry, Scalar
 from ..format.names import PARAM_KEY
+from ..format.stacked import matrices
 from ..storage import dcp_files, dcp_metadata, megatron_files
-from ..storage.megatron_files import Namespace
+from ..storage.foreign_limits import read_json
+from ..storage.megatron_files import LATEST, Namespace
 from ._consolidated import conversion_notes, summarized, write_consolidated
+from ._fields import count
 from ._megatron_groups import (
     MUON,
     Group,
     assumed,
-    count,
+    group_of,
     kind,
     role_of,
 )
 from ._megatron_out import (
     DIST_METADATA,
-    LATEST,
     STACKED,
     STATE_KEYS,
     MegatronConversion,
@@ -78,14 +79,15 @@ ADMITTED = ((Namespace, "argparse.Namespace"),)
 
 def iteration_dir(path: str | os.PathLike[str]) -> Path:
     """The ``iter_N`` directory ``path`` names: itself, or the one its
-    ``latest_checkpointed_iteration.txt`` names (refused naming the file when missing)."""
+    ``latest_checkpointed_iteration.txt`` names (refused naming the file where it is missing,
+    not a regular file, or not ASCII digits: ``str.isdigit`` takes '²', which ``int`` refuses)."""
     root = Path(path)
-    if not (root / LATEST).is_file():
+    if not (root / LATEST).exists():
         return root
     text = storage.read_text(root / LATEST, limit=64).strip()
     if text == "release":
         iteration = root / "release"
-    elif text.isdigit():
+    elif text.isascii() and text.isdigit():
         iteration = root / f"iter_{int(text):07d}"
     else:
         raise CheckpointError(f"names iteration {text!r}, not a number", path=root / LATEST)
@@ -99,29 +101,30 @@ def iteration_dir(path: str | os.PathLike[str]) -> Path:
 def is_megatron(path: str | os.PathLike[str]) -> bool:
     """Whether ``path`` is a Megatron checkpoint root (``latest_checkpointed_iteration.txt``), a
     torch_dist ``iter_N`` directory (``metadata.json`` beside DCP's ``.metadata``) or a torch
-    one (``mp_rank_XX/model_optim_rng.pt``): files' presence only."""
+    one (``mp_rank_XX/model_optim_rng.pt``): files' presence only (a FIFO in a file's place
+    too, which the reader then refuses as not a regular file)."""
     root = Path(path)
-    if (root / LATEST).is_file():
+    if (root / LATEST).exists():
         return True
     if megatron_files.is_torch_format(root):
         return True
-    return (root / DIST_METADATA).is_file() and dcp_metadata.is_dcp(root)
+    return (root / DIST_METADATA).exists() and dcp_metadata.is_dcp(root)
 
 
 def _check_backend(directory: Path) -> None:
     """Refuse what is not torch_dist (the ``torch`` format's ``mp_rank_XX`` files, say)."""
     where = directory / DIST_METADATA
-    if not where.is_file():
+    if not where.exists():
         found = sorted(p.name for p in directory.iterdir())[:4] if directory.is_dir() else []
         raise CheckpointError(
             f"no {DIST_METADATA}: not a torch_dist checkpoint (muonckpt reads Megatron's "
             f"torch_dist format; found {found})",
             path=directory,
         )
-    try:
-        backend = json.loads(storage.read_text(where, limit=1 << 16)).get("sharded_backend")
-    except (ValueError, AttributeError):
-        raise CheckpointError("not a JSON object", path=where) from None
+    body = read_json(where, limit=1 << 16)
+    if not isinstance(body, dict):
+        raise CheckpointError("not a JSON object", path=where)
+    backend = body.get("sharded_backend")
     if backend != "torch_dist":
         raise CheckpointError(
             f"sharded_backend is {backend!r}: muonckpt reads torch_dist only", path=where
@@ -152,7 +155,9 @@ def from_megatron(
     if megatron_files.is_torch_format(directory):
         from ._megatron_torch import from_torch_format
 
-        return from_torch_format(directory, dst, to=to, overwrite=overwrite, progress=progress)
+        return from_torch_format(
+            directory, dst, to=to, overwrite=overwrite, progress=progress, root=Path(src)
+        )
     _check_backend(directory)
     index = dcp_metadata.read_index(directory)
     where = index.directory / dcp_metadata.METADATA_NAME
@@ -167,8 +172,8 @@ def from_megatron(
         return dcp_files.read_tensor(index, index.tensors[fqn], layer)
 
     path = write_consolidated(
-        target, scales, read, dst, overwrite=overwrite, progress=progress, source=index.directory
-    )
+        target, scales, read, dst, overwrite=overwrite, progress=progress, source=Path(src)
+    )  # (the root: an output inside it is refused, as inside the iteration)
     used = {fqn for fqn, _ in fqn_of.values()} | {_common_fqn(index, where)}
     left = sorted((set(index.tensors) | set(index.values)) - used)
     notes = conversion_notes(manifest, target) + assumed(common.get("args"))
@@ -253,7 +258,7 @@ def _groups(common: Mapping[str, Any], where: Path) -> list[Group]:
                 )
             settings = {k: v for k, v in group.items() if k != "params"}
             out.append(
-                Group(role, json_safe(settings), count(step, where, f"{COMMON}: common_step"))
+                group_of(role, settings, where, count(step, where, f"{COMMON}: common_step"))
             )
     return out
 
@@ -279,13 +284,14 @@ def _group_of(
     return by_wd[no_decay]
 
 
-def _layers(fqn: str, shape: tuple[int, ...]) -> list[tuple[str, int | None]]:
+def _layers(fqn: str, shape: tuple[int, ...], where: Path) -> list[tuple[str, int | None]]:
     """The per-layer names of a model key: ``decoder.layers.X`` -> ``decoder.layers.{i}.X``
-    for each ``i`` of its leading axis, with ``i``; other keys as they are."""
+    for each ``i`` of its leading axis, with ``i``; other keys as they are. A stacked key of
+    no elements is refused (:func:`~muonckpt.format.stacked.matrices`)."""
     for prefix in STACKED:
         if fqn.startswith(prefix) and shape:
             rest = fqn[len(prefix) :]
-            return [(f"{prefix}{i}.{rest}", i) for i in range(shape[0])]
+            return [(f"{prefix}{i}.{rest}", i) for i in range(matrices(fqn, shape, 1, where))]
     return [(fqn, None)]
 
 
@@ -314,7 +320,7 @@ def _manifest(
                 path=where,
             )
         full = index.tensors[keys["fp32_param"]]
-        for name, layer in _layers(model_fqn, full.shape):
+        for name, layer in _layers(model_fqn, full.shape, where):
             shape = full.shape[1:] if layer is not None else full.shape
             g = _group_of(groups, role, name, shape, where)
             dtypes = {STATE_KEYS[k]: index.tensors[fqn].dtype for k, fqn in keys.items()}
@@ -341,7 +347,7 @@ FORMAT = ForeignFormat(
     write=to_megatron,
     sources=("megatron",),
     targets=("megatron",),
-    write_options={"tp": None, "dp": None},
+    write_options={"tp": None, "dp": None, "allow_large_world": None},
     records_source=True,
 )
 """Megatron-Core's torch_dist format in the registry (:mod:`muonckpt.interop.registry`)."""

@@ -80,12 +80,14 @@ def route(
 
 
 def _check_switches(chosen: Route, options: Mapping[str, Any]) -> None:
-    """Refuse a reader's switch (``--split-experts``, ``--model-buffers``) turned on for a
-    conversion whose reader does not take it, rather than ignore it."""
-    taken = chosen.reads.read_options if chosen.reads is not None else ()
+    """Refuse a switch (``--split-experts``, ``--model-buffers``, ``--allow-large-world``)
+    turned on for a conversion whose reader or writer does not take it, rather than ignore it."""
+    foreign = chosen.reads or chosen.writes
+    taken = [*chosen.reads.read_options] if chosen.reads is not None else []
+    taken += [*chosen.writes.write_options] if chosen.writes is not None else []
     for option, value in options.items():
         if value is True and option not in taken:
-            what = chosen.reads.title if chosen.reads is not None else "this conversion"
+            what = foreign.title if foreign is not None else "this conversion"
             raise OptionError(f"{what} does not take it", _flag(option))
 
 
@@ -112,7 +114,8 @@ def _writing(
         )
     if overwrite:
         raise OptionError(f"{format_.title} output is never written over an existing directory")
-    return Route(writes=format_, options={k: options[k] for k in format_.write_options})
+    given = {k: options[k] for k in format_.write_options if k in options}  # else its default
+    return Route(writes=format_, options=given)
 
 
 def _reading(

@@ -76,8 +76,9 @@ from . import _model
 # torch (and so collectives and workers) is imported only by the paths that need it: several
 # processes (:mod:`muonckpt.offline.workers` runs the local ones), and diff.
 
-MAX_RANKS = 1 << 16
-"""The most ranks ``reshard`` writes files for: planning costs ranks x params."""
+MAX_RANKS = settings.MAX_LARGE_WORLD
+"""The most ranks ``reshard`` writes files for, ``allow_large_world`` or not (without it,
+:data:`muonckpt.settings.MAX_WORLD`): planning costs ranks x params."""
 
 WORKER_TIMEOUT: float = 1800.0
 """Seconds one of several processes (``workers > 1``, torchrun) waits for the others at one
@@ -167,6 +168,7 @@ def reshard(
     progress: Progress | None = None,
     workers: int = 1,
     collective: bool = False,
+    allow_large_world: bool = False,
 ) -> Path:
     """Rewrite any checkpoint as per-rank files for a ``dp`` x ``tp`` job.
 
@@ -186,17 +188,18 @@ def reshard(
             as in :func:`muonckpt.layout.topology.arrange`; they decide which rank holds what, but
             any choice loads correctly.
         overwrite, progress, workers, collective: as in :func:`consolidate`.
+        allow_large_world: allow more than :data:`muonckpt.settings.MAX_WORLD` ranks (up to
+            :data:`MAX_RANKS`).
 
     Raises:
         LayoutError: naming the param, when ``tp`` does not divide a split dimension.
+        OptionError: for more ranks than the cap, before anything is read.
     """
     _check_workers(workers, collective)
     topology = Topology(dp, tp)
-    if topology.world_size > MAX_RANKS:
-        raise LayoutError(
-            f"reshard to {topology.world_size} ranks: muonckpt plans at most {MAX_RANKS} "
-            "(one file per rank)"
-        )
+    settings.world_size(
+        topology.world_size, "--dp x --tp", "one file", allow_large=allow_large_world
+    )
     directory, manifest = open_checkpoint(src)
     overrides = dict(tp_split_dims or {})
     unknown = sorted(set(overrides) - {e.name for e in manifest.params})
@@ -220,6 +223,7 @@ def reshard(
             "options": options,
             "tp_split_dims": overrides,
             "overwrite": overwrite,
+            "allow_large_world": allow_large_world,
         }
         from .workers import run_in_workers
 

@@ -134,7 +134,7 @@ def _worker(
         def mark() -> None:
             committed.value = 1
 
-        storage.watch_commit(dst, mark)
+        storage.watch_commit(dst, mark, staging=staging)
     progress = None if queue is None else lambda *update: queue.put(update)
     outcome: dict[str, Any] = {}
     with warnings.catch_warnings(record=True) as caught:

@@ -22,7 +22,9 @@ write ``storage.X``:
 * :mod:`.safetensors_reader` / :mod:`.safetensors_writer`: reading and writing the files.
 * :mod:`.reader_cache`: open readers, a bounded number at a time (LRU).
 * :mod:`.transaction`: staging, swap-in, retiring and discarding checkpoint directories,
-  deleting old checkpoints, and the ownership rules of what may be replaced or deleted.
+  deleting old checkpoints.
+* :mod:`.ownership`: the rules of what may be replaced or deleted (muonckpt's own only), a
+  target checked before a write.
 * :mod:`.lease`: the file marking each directory muonckpt makes beside a target as its own,
   locked and refreshed while in use (what ``clean`` goes by, never names alone).
 * :mod:`.mailbox`: the messages through which the ranks of a background save agree.
@@ -58,19 +60,17 @@ from .durable import (
 )
 from .lease import leftover
 from .mailbox import Mailbox, is_mailbox, mailbox_path
+from .ownership import check_target, is_ours, ownership_problem
 from .reader_cache import ReaderCache
 from .safetensors_format import TensorRecord
 from .safetensors_reader import SafetensorsReader
 from .safetensors_writer import SafetensorsWriter, SharedSafetensorsFile, write_safetensors
 from .transaction import (
     abandon_commits,
-    check_target,
     committed_as,
     directory_identity,
     discard,
-    is_ours,
     make_staging,
-    ownership_problem,
     preset_staging,
     remove_checkpoint,
     retire,

@@ -126,7 +126,7 @@ class BoundedWriter(dcp.FileSystemWriter):  # type: ignore[name-defined,misc]  #
                 math.prod(item.tensor_data.chunk.sizes)
                 * torch.empty(0, dtype=item.tensor_data.properties.dtype).element_size()
             )
-            if used + size > self.budget:
+            if not tensor_buckets or used + size > self.budget:  # (a first tensor of 0 bytes)
                 tensor_buckets.append([])
                 used = 0
             tensor_buckets[-1].append(item)

@@ -32,12 +32,19 @@ class CheckpointStore(Protocol):
     and removing (only muonckpt's own)."""
 
     def create_staging(
-        self, final: StrPath, overwrite: bool, *, source: StrPath | None = None
+        self,
+        final: StrPath,
+        overwrite: bool,
+        *,
+        source: StrPath | None = None,
+        output: str | None = None,
     ) -> Path:
-        """A fresh staging directory for a checkpoint at ``final``, marked as this process's
-        own until it is published or discarded; a :class:`~muonckpt.errors.CheckpointError`,
-        with nothing created, when no checkpoint may be written there (it exists without
-        ``overwrite``, it is not a muonckpt checkpoint, it overlaps ``source``, ...)."""
+        """A fresh staging directory for a checkpoint at ``final`` (or for the files of
+        foreign format ``output``: what a discard, or ``clean`` after a crash, then deletes),
+        marked as this process's own until it is published or discarded; a
+        :class:`~muonckpt.errors.CheckpointError`, with nothing created, when no checkpoint may
+        be written there (it exists without ``overwrite``, it is not a muonckpt checkpoint, it
+        overlaps ``source``, ...)."""
         ...
 
     def write_text(
@@ -68,8 +75,8 @@ class CheckpointStore(Protocol):
         ...
 
     def discard(self, staging: StrPath, *, quiet: bool = False) -> list[str]:
-        """Remove a staging directory that will never be published (its checkpoint files and
-        marks only). Returns what is kept, as ``"NAME (why)"``."""
+        """Remove a staging directory that will never be published (its checkpoint files, or
+        its foreign format's, and marks only). Returns what is kept, as ``"NAME (why)"``."""
         ...
 
     def retire(self, directory: StrPath, files: Sequence[str] | None = None) -> None:

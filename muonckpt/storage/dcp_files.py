@@ -3,7 +3,8 @@
 
 Each range is read through ``torch.load(weights_only=True)`` as torch's own reader does, and
 a chunk read is a dense tensor whose storage is exactly those bytes (never a stride-0
-expansion or a view into more): what is read never exceeds what the directory holds. DCP is
+expansion or a view into more): what is read never exceeds what the directory holds; a value
+is read within :mod:`.foreign_limits`. DCP is
 written only by ``torch.distributed.checkpoint.save`` with a ``FileSystemWriter``, in this
 process, without a process group, each tensor fetched when the writer reaches it.
 """
@@ -18,18 +19,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import CheckpointError
-from . import lease
 from .dcp_metadata import (
-    DATA_SUFFIX,
-    METADATA_NAME,
     DcpIndex,
     DcpTensor,
     DcpValue,
-    one_line,
     open_data_file,
 )
 from .dtypes import itemsize, torch_dtype
 from .durable import failing_as
+from .foreign_limits import check_archive, check_value, non_overlapping
+from .torch_pickles import refusal
 
 if TYPE_CHECKING:
     import torch
@@ -73,10 +72,11 @@ def _load_range(
     length: int,
     what: str,
     admitted: Sequence[tuple[type, str]] = (),
-) -> Any:
-    """``torch.load(weights_only=True)`` of one stored item's byte range; ``admitted``: the
-    stand-ins, ``(class, "module.qualname")``, for foreign classes it may name (their
-    attributes only: nothing of the foreign class runs)."""
+) -> tuple[Any, int]:
+    """``torch.load(weights_only=True)`` of one stored item's byte range, its archive checked
+    first (:func:`~.foreign_limits.check_archive`); ``admitted``: the stand-ins,
+    ``(class, "module.qualname")``, for foreign classes it may name (their attributes only:
+    nothing of the foreign class runs). Returns the value and the bytes its archive holds."""
     import torch
 
     with open_data_file(directory, file, what) as (f, size):
@@ -87,35 +87,19 @@ def _load_range(
                 f"the file ({size} bytes): truncated",
                 path=path,
             )
+        stream = io.BufferedReader(_Slice(f, offset, length))
         try:
+            held = check_archive(stream, path, what)
             with torch.serialization.safe_globals(list(admitted)):
-                return torch.load(
-                    io.BufferedReader(_Slice(f, offset, length)),
-                    map_location="cpu",
-                    weights_only=True,
-                )
+                return torch.load(stream, map_location="cpu", weights_only=True), held
+        except CheckpointError:
+            raise
         except OSError as exc:
             raise CheckpointError(f"cannot read {what}: {exc.strerror}", path=path) from None
         except Exception as exc:
             raise CheckpointError(
-                f"{what} cannot be read: {type(exc).__name__}: {one_line(exc)}", path=path
+                f"{what} cannot be read: {type(exc).__name__}: {refusal(exc)}", path=path
             ) from None
-
-
-def _dense(shape: Sequence[int], strides: Sequence[int]) -> bool:
-    """Whether a tensor of ``shape`` and ``strides`` covers each element of its span exactly
-    once, in any order of its dimensions (row-major, column-major, any permutation: what
-    ``torch.save`` keeps of a tensor whose storage is exactly its own); never a stride-0
-    expansion or an overlapping view."""
-    if 0 in shape:
-        return True  # no element: nothing stored
-    expected = 1
-    spans = sorted((p for p in zip(shape, strides, strict=True) if p[0] != 1), key=lambda p: p[1])
-    for size, stride in spans:
-        if stride != expected:
-            return False
-        expected *= size
-    return True
 
 
 def read_tensor(index: DcpIndex, item: DcpTensor, at: int | None = None) -> torch.Tensor:
@@ -137,7 +121,7 @@ def read_tensor(index: DcpIndex, item: DcpTensor, at: int | None = None) -> torc
         chunks = tuple(c for c in item.chunks if c.offsets[0] <= at < c.offsets[0] + c.sizes[0])
     full = None
     for chunk in chunks:
-        value = _load_range(index.directory, chunk.file, chunk.offset, chunk.length, what)
+        value, _ = _load_range(index.directory, chunk.file, chunk.offset, chunk.length, what)
         path = index.directory / chunk.file
         if not isinstance(value, torch.Tensor) or tuple(value.shape) != chunk.sizes:
             raise CheckpointError(
@@ -149,8 +133,8 @@ def read_tensor(index: DcpIndex, item: DcpTensor, at: int | None = None) -> torc
             )
         if value.layout != torch.strided:
             raise CheckpointError(f"{what}: a chunk is a {value.layout} tensor", path=path)
-        if (
-            not _dense(value.shape, value.stride())
+        if (  # no element twice, from element 0, as many as its storage holds: dense
+            not non_overlapping(value.shape, value.stride())
             or value.storage_offset() != 0
             or value.untyped_storage().nbytes() != value.numel() * value.element_size()
         ):
@@ -177,10 +161,12 @@ def read_tensor(index: DcpIndex, item: DcpTensor, at: int | None = None) -> torc
 def read_value(index: DcpIndex, item: DcpValue, admitted: Sequence[tuple[type, str]] = ()) -> Any:
     """A non-tensor item's value (``torch.load(weights_only=True)``: numbers, strings, tuples
     and the like only, and the stand-ins ``admitted`` for foreign classes, as
-    :func:`_load_range` takes them)."""
-    return _load_range(
-        index.directory, item.file, item.offset, item.length, f"DCP item {item.fqn!r}", admitted
-    )
+    :func:`_load_range` takes them), within the limits of
+    :func:`~.foreign_limits.check_value`."""
+    what = f"DCP item {item.fqn!r}"
+    value, held = _load_range(index.directory, item.file, item.offset, item.length, what, admitted)
+    check_value(value, index.directory / item.file, what, held)
+    return value
 
 
 Region = tuple[tuple[int, ...], tuple[int, ...]]
@@ -230,11 +216,3 @@ def write_dcp(
         except CheckpointException as exc:
             # torch's wrapper of what failed in a step (a full disk, a source refused, Ctrl-C)
             raise next(iter(exc.failures.values()))[0] from None
-
-
-def discard_dcp(directory: str | os.PathLike[str]) -> None:
-    """Remove a DCP staging directory this process wrote (only DCP's files and, last, the
-    lease, then the directory if that emptied it) and stop holding its lease."""
-    lease.discard_foreign(
-        directory, lambda name: name.startswith(METADATA_NAME) or name.endswith(DATA_SUFFIX)
-    )

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointError
-from . import lease, torch_pickles
+from . import torch_pickles
 from .durable import failing_as, fsync_dir, read_text
 
 LATEST = "latest"
@@ -136,6 +136,17 @@ def rank_files(directory: Path) -> list[Path]:
     return [found[rank] for rank in sorted(found)]
 
 
+def total_size(paths: list[Path]) -> int:
+    """The bytes of the files ``paths`` together, as they are on disk (nothing read)."""
+    total = 0
+    for path in paths:
+        try:
+            total += path.stat().st_size
+        except OSError as exc:
+            raise CheckpointError(f"cannot read: {exc.strerror}", path=path) from None
+    return total
+
+
 def load(path: Path) -> Any:
     """The content of the ``torch.save`` file ``path``, by torch's restricted unpickler with
     :data:`STAND_INS` (:func:`.torch_pickles.load`): tensors, containers, numbers, strings and
@@ -168,18 +179,3 @@ def finish(staging: Path, tag: str) -> None:
             f.write(tag)
             f.flush()
             os.fsync(f.fileno())
-
-
-def _ours(name: str) -> bool:
-    """Whether a path in a staging directory is one the DeepSpeed writer makes: ``latest``,
-    the tag directory (``NAME/``) and its ``.pt`` files."""
-    head, _, rest = name.partition("/")
-    return name == LATEST or (
-        bool(head) and "/" not in rest and (not rest or rest.endswith(".pt")) and "/" in name
-    )
-
-
-def discard(staging: Path) -> None:
-    """Remove a DeepSpeed staging directory this process wrote: only its files, the tag
-    directory and, last, the lease."""
-    lease.discard_foreign(staging, _ours)

@@ -31,7 +31,7 @@ import stat
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -66,19 +66,22 @@ def _key(directory: str | os.PathLike[str]) -> str:
     return os.path.abspath(directory)
 
 
-def take(directory: str | os.PathLike[str], what: str) -> None:
+def take(directory: str | os.PathLike[str], what: str, output: str | None = None) -> None:
     """(the process that made ``directory``) Write its lease, locked, and hold it (heartbeat
-    included) until :func:`release`. A :class:`~muonckpt.errors.CheckpointError` when it
-    cannot be written."""
+    included) until :func:`release`; ``output``, the foreign format written into it (see
+    :func:`recorded_output`). A :class:`~muonckpt.errors.CheckpointError` when it cannot be
+    written."""
     directory = Path(directory)
     tmp = directory / f"{LEASE_NAME}.tmp-{os.getpid()}"
-    record = {
+    record: dict[str, object] = {
         FORMAT_NAME: what,
         "token": uuid.uuid4().hex,
         "host": socket.gethostname(),
         "pid": os.getpid(),
         "created": time.time(),
     }
+    if output is not None:
+        record["output"] = output
     flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0)
     try:
         fd = os.open(tmp, flags, 0o644)
@@ -129,6 +132,25 @@ def _beat() -> None:
             for fd in _HELD.values():
                 with contextlib.suppress(OSError):
                     os.utime(fd)
+
+
+def recorded_output(directory: str | os.PathLike[str]) -> str | None:
+    """The foreign format whose files ``directory`` was made for, as its lease records it
+    (:func:`take`'s ``output``); None for a muonckpt checkpoint's, or when there is no lease
+    muonckpt wrote."""
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+    try:
+        fd = os.open(Path(directory) / LEASE_NAME, flags)
+    except OSError:
+        return None
+    try:
+        record = json.loads(os.read(fd, _MAX_LEASE_BYTES))
+    except (OSError, ValueError):
+        return None
+    finally:
+        os.close(fd)
+    output = record.get("output") if isinstance(record, dict) else None
+    return output if isinstance(output, str) else None
 
 
 def holds(directory: str | os.PathLike[str]) -> bool:
@@ -255,30 +277,3 @@ def _judge(fd: int, path: Path, changed: float) -> Leftover:
             changed,
         )
     return Leftover(None, changed)
-
-
-def discard_foreign(directory: str | os.PathLike[str], ours: Callable[[str], bool]) -> None:
-    """Remove a staging directory of a foreign format that this process wrote: the files and
-    subdirectories ``ours(relative path)`` names (a subdirectory's files by their paths in it,
-    ``"global_step3/x.pt"``), then, last, the lease and the directory if that emptied it; stop
-    holding the lease. Nothing else is deleted, nothing through a symlink."""
-    directory = Path(directory)
-
-    def remove(folder: Path, prefix: str) -> None:
-        with contextlib.suppress(OSError):
-            for entry in sorted(os.listdir(folder), key=deletion_order):
-                path, name = folder / entry, prefix + entry
-                if path.is_dir() and not path.is_symlink():
-                    if ours(name + "/"):
-                        remove(path, name + "/")
-                        with contextlib.suppress(OSError):
-                            path.rmdir()
-                elif ours(name) or (not prefix and LEASE_FILE.match(entry)):
-                    with contextlib.suppress(OSError):
-                        path.unlink()
-
-    if directory.is_dir() and not directory.is_symlink():
-        remove(directory, "")
-    release(directory)
-    with contextlib.suppress(OSError):
-        directory.rmdir()

@@ -21,6 +21,8 @@ from ..errors import CheckpointError
 from . import torch_pickles
 
 __all__ = [
+    "ITERATION_DIR",
+    "LATEST",
     "MODEL_FILE",
     "STAND_INS",
     "Namespace",
@@ -31,6 +33,10 @@ __all__ = [
 ]
 
 MODEL_FILE = "model_optim_rng.pt"
+LATEST = "latest_checkpointed_iteration.txt"
+"""The file naming a Megatron checkpoint root's newest iteration."""
+ITERATION_DIR = re.compile(r"iter_\d{7}")
+"""The name of an iteration's directory, as Megatron writes it."""
 _TP_DIR = re.compile(r"mp_rank_(\d+)(_\d+)?(_\d+)?")
 _OPTIM_FILE = re.compile(r"layer_wise_optimizer_(\d+)\.pt")
 
@@ -72,9 +78,10 @@ class TorchFiles:
 
 
 def is_torch_format(directory: Path) -> bool:
-    """Whether ``directory`` holds ``mp_rank_XX/model_optim_rng.pt`` (presence only)."""
+    """Whether ``directory`` holds ``mp_rank_XX/model_optim_rng.pt`` (presence only: a FIFO in
+    its place too, which :func:`load` refuses as not a regular file)."""
     return directory.is_dir() and any(
-        _TP_DIR.fullmatch(p.name) and (p / MODEL_FILE).is_file() for p in directory.iterdir()
+        _TP_DIR.fullmatch(p.name) and (p / MODEL_FILE).exists() for p in directory.iterdir()
     )
 
 
@@ -101,7 +108,7 @@ def torch_files(directory: Path) -> TorchFiles:
     models, optimizers = [], []
     for t in sorted(tp_dirs):
         where = tp_dirs[t]
-        if not (where / MODEL_FILE).is_file():
+        if not (where / MODEL_FILE).exists():  # (not a regular file: refused reading it)
             raise CheckpointError(f"no {MODEL_FILE}", path=where)
         ranks = {
             int(m[1]): p

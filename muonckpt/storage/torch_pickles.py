@@ -4,13 +4,15 @@ safely: only by ``torch.load(weights_only=True)``, torch's restricted unpickler,
 with an allow-list of stand-in classes of muonckpt's own for the few foreign classes a
 format's pickles name. The foreign package need not be installed,
 nothing of the file runs, and any other global is refused before it resolves; the refusal
-names the file. Every file is opened as muonckpt opens its own
-(:func:`~.durable.open_regular`).
+names the file and the global. Every file is opened as muonckpt opens its own
+(:func:`~.durable.open_regular`), and read under :mod:`.foreign_limits`: its archive checked
+before anything is decompressed, what it holds walked before anything of it is used.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -19,8 +21,9 @@ from typing import Any
 from ..errors import CheckpointError
 from .dcp_metadata import one_line
 from .durable import open_failure, open_regular
+from .foreign_limits import check_archive, check_value
 
-__all__ = ["Opaque", "load"]
+__all__ = ["Opaque", "load", "refusal"]
 
 
 class Opaque:
@@ -39,11 +42,13 @@ class Opaque:
 def load(path: Path, stand_ins: Mapping[str, type], holds: str) -> Any:
     """The content of the ``torch.save`` file ``path``, by torch's restricted unpickler with
     ``stand_ins`` (a foreign class's qualified name -> the class its pickles become here):
-    tensors, containers, numbers, strings and those classes only.
+    tensors, containers, numbers, strings and those classes only, within the limits of
+    :mod:`.foreign_limits` (:func:`~.foreign_limits.check_archive` before the load,
+    :func:`~.foreign_limits.check_value` after it).
 
     Raises:
-        CheckpointError: naming ``path``, for a file that cannot be read or is refused
-            (``holds`` says what a file of its format holds).
+        CheckpointError: naming ``path``, for a file that cannot be read, is truncated, is
+            over a limit or is refused (``holds`` says what a file of its format holds).
     """
     import torch
 
@@ -56,21 +61,38 @@ def load(path: Path, stand_ins: Mapping[str, type], holds: str) -> Any:
             (cls, name) for name, cls in stand_ins.items()
         ]
         try:
+            held = check_archive(f, path)
             with warnings.catch_warnings(), torch.serialization.safe_globals(allowed):
                 warnings.simplefilter("ignore")  # torch's notes on a foreign file's protocol
-                return torch.load(f, map_location="cpu", weights_only=True)
+                content = torch.load(f, map_location="cpu", weights_only=True)
+        except CheckpointError:
+            raise
         except OSError as exc:
             raise CheckpointError(f"cannot read: {exc.strerror}", path=path) from None
         except Exception as exc:
             raise CheckpointError(
                 f"refused or unreadable, nothing of it was run ({holds}): "
-                f"{type(exc).__name__}: {_first_line(exc)}",
+                f"{type(exc).__name__}: {refusal(exc)}",
                 path=path,
             ) from None
+    check_value(content, path, held=held)
+    return content
 
 
-def _first_line(exc: BaseException) -> str:
-    """The line of torch's refusal that names what was refused."""
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    named = [line for line in lines if "GLOBAL" in line or "Unsupported" in line]
-    return one_line(Exception((named or lines or [""])[0]))
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+_GLOBAL = re.compile(r"GLOBAL (\S+)")
+_BOILERPLATE = ("Weights only load failed", "Check the documentation", "In PyTorch 2.6")
+
+
+def refusal(exc: BaseException) -> str:
+    """What a refusal of ``torch.load(weights_only=True)`` says was refused, in one line
+    without terminal codes: the blocked global (``GLOBAL posix.system``) where it names one,
+    else its first line past torch's advice on ``weights_only``."""
+    text = _ANSI.sub("", str(exc))
+    named = _GLOBAL.search(text)
+    if named is not None:
+        name = re.sub(r"[^\x21-\x7e]", "?", named.group(1).rstrip("."))[:120]
+        return f"GLOBAL {name} is not allowed"
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    said = [line for line in lines if not line.startswith(_BOILERPLATE)]
+    return one_line(Exception((said or lines or [""])[0]))

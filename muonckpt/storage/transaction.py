@@ -1,12 +1,11 @@
 """The directory transaction: a checkpoint is written into a staging directory beside its
-target and swapped in atomically; the rules of what may be replaced or deleted (only muonckpt's
-own checkpoints and their files) live here too."""
+target and swapped in atomically, what it replaced retired; what may be replaced or deleted
+(only muonckpt's own checkpoints and their files) is :mod:`.ownership`'s to say."""
 
 from __future__ import annotations
 
 import contextlib
 import errno
-import json
 import os
 import re
 import stat
@@ -17,197 +16,10 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from ..errors import CheckpointError, CheckpointWarning
-from ..format.manifest import FORMAT_NAME
 from ..format.names import MANIFEST_NAME
-from ..settings import local_path
-from . import lease
-from .durable import RENAME_NOREPLACE, exchange, failing_as, fsync_dir, read_text, renameat2
-from .mailbox import MAILBOX_TAG
-
-STAGING_TAG = "staging"
-_STAGING_SUFFIX_BYTES = len(f"..{STAGING_TAG}-") + 8
-"""What ``.NAME.staging-XXXXXXXX`` adds to NAME: a target name may have NAME_MAX minus this."""
-_OURS_NAME = re.compile(
-    rf"^\..+\.(({STAGING_TAG}|{MAILBOX_TAG})-[0-9a-f]{{8}}|old-\d+)$", re.DOTALL
-)
-"""The names of directories of ours beside a target: ``.NAME.staging-XXXXXXXX`` (a save in
-progress, or the checkpoint an exchange replaced), ``.NAME.steps-XXXXXXXX`` (the mailbox of a
-background save) or ``.NAME.old-PID`` (the rename fallback's replaced one). A name is never
-proof: what muonckpt made holds its lease file (:mod:`.lease`)."""
-_CHECKPOINT_FILE = re.compile(
-    rf"^({re.escape(MANIFEST_NAME)}|[^.].*\.safetensors|[^.].*\.(index|pieces)\.json)$", re.DOTALL
-)
-"""Names of the files a checkpoint directory holds."""
-_TEMPORARY_FILE = re.compile(r"^\.(?P<name>.+)\.(part|tmp-\d+)$", re.DOTALL)
-"""Names of muonckpt's temporary files (``.FILE.part``, ``.FILE.tmp-PID``) of such files."""
-_OUR_MANIFEST_HEAD = re.compile(rb'\s*\{\s*"format"\s*:\s*"%s"\s*,' % FORMAT_NAME.encode())
-"""How every manifest muonckpt writes begins (``Manifest.to_json`` puts the format first)."""
-
-
-def _is_checkpoint_file(name: str) -> bool:
-    """Whether ``name`` is a file muonckpt writes into a checkpoint (or a temporary of one) or
-    into a directory it makes (the lease)."""
-    if _CHECKPOINT_FILE.match(name) or lease.LEASE_FILE.match(name):
-        return True
-    temporary = _TEMPORARY_FILE.match(name)
-    return temporary is not None and _CHECKPOINT_FILE.match(temporary["name"]) is not None
-
-
-def _shown(names: Sequence[str]) -> str:
-    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-
-
-def foreign_entries(directory: str | os.PathLike[str]) -> list[str]:
-    """What in ``directory`` no checkpoint holds: descriptions such as ``"user file README.md"``
-    or ``"directory data"``; empty when every entry is a regular file of a checkpoint's."""
-    found = []
-    with os.scandir(directory) as listing:
-        for entry in sorted(listing, key=lambda e: e.name):
-            if entry.is_symlink():
-                found.append(f"symlink {entry.name}")
-            elif entry.is_dir(follow_symlinks=False):
-                found.append(f"directory {entry.name}")
-            elif not entry.is_file(follow_symlinks=False):
-                found.append(f"special file {entry.name}")
-            elif not _is_checkpoint_file(entry.name):
-                found.append(f"user file {entry.name}")
-    return found
-
-
-def ownership_problem(directory: str | os.PathLike[str]) -> str | None:
-    """Why ``directory`` is not a muonckpt checkpoint that may be replaced; None when it is.
-
-    Replaceable: a directory (not a symlink) holding only regular files with the names a
-    checkpoint has (``*.safetensors``, ``manifest.json``, ``*.index.json``, ``*.pieces.json``
-    and muonckpt's temporaries of them), and either a ``manifest.json`` whose JSON says ``"format":
-    "muonckpt"``, or no manifest but muonckpt's lease file (:mod:`.lease`: an interrupted
-    save, or a replaced checkpoint; a name alone proves nothing). An empty directory is
-    replaceable too: nothing in it can be lost.
-    """
-    directory = Path(directory)
-    try:
-        if directory.is_symlink():
-            return "is a symlink"
-        if not directory.is_dir():
-            return "is not a directory"
-        foreign = foreign_entries(directory)
-    except OSError as exc:
-        return f"cannot be listed: {exc.strerror}"
-    if foreign:
-        return f"is not a muonckpt checkpoint: holds {_shown(foreign)}"
-    manifest = directory / MANIFEST_NAME
-    if not manifest.exists():
-        if (directory / lease.LEASE_NAME).is_file() or not any(directory.iterdir()):
-            return None
-        return f"is not a muonckpt checkpoint: it has no {MANIFEST_NAME}"
-    try:
-        with open(manifest, "rb") as f:
-            head = f.read(256)
-    except OSError as exc:
-        return f"cannot be read: {exc.strerror}"
-    if _OUR_MANIFEST_HEAD.match(head):  # as muonckpt writes it: no need to parse megabytes
-        return None
-    try:
-        body = json.loads(read_text(manifest))
-    except (CheckpointError, ValueError, RecursionError):
-        return f"is not a muonckpt checkpoint: its {MANIFEST_NAME} is not valid JSON"
-    if not isinstance(body, dict) or body.get("format") != FORMAT_NAME:
-        return f'is not a muonckpt checkpoint: its {MANIFEST_NAME} has no "format": "{FORMAT_NAME}"'
-    return None
-
-
-def _name_max(directory: Path) -> int:
-    """NAME_MAX of the filesystem holding ``directory`` (its nearest existing ancestor)."""
-    for candidate in (directory, *directory.parents):
-        try:
-            return os.pathconf(candidate, "PC_NAME_MAX")
-        except (OSError, ValueError):
-            if candidate.exists():
-                break
-    return 255
-
-
-def _overlap_problem(final: Path, source: str | os.PathLike[str]) -> str | None:
-    """Why writing ``final`` would write into, over or around ``source``; None if it would not
-    (also when the two are the same directory: an in-place rewrite, staged beside it)."""
-    src = Path(os.path.realpath(source))
-    where = Path(os.path.realpath(final.parent)) / final.name
-    targets = {where, Path(os.path.realpath(final))}
-    if src in targets:
-        return None
-    for target in targets:
-        if target.is_relative_to(src):
-            return f"is inside the source checkpoint {source}"
-        if src.is_relative_to(target):
-            return f"contains the source checkpoint {source}"
-    return None
-
-
-def check_target(
-    final: str | os.PathLike[str],
-    overwrite: bool,
-    *,
-    source: str | os.PathLike[str] | None = None,
-) -> None:
-    """Raise :class:`CheckpointError` unless a checkpoint can be written at ``final``.
-
-    Refused, before anything is written: a name that cannot work (empty, ``.`` or ``..``, one
-    shaped like muonckpt's own staging names, or too long for ``.NAME.staging-XXXXXXXX``); an
-    existing ``final`` without ``overwrite``; with it, anything but a muonckpt checkpoint (see
-    :func:`ownership_problem`), or a symlink to one (then the link is replaced, its target
-    left alone); a parent that is not a directory; and, with ``source``, a target inside the
-    source checkpoint or containing it (the very same directory is allowed: rewritten in
-    place); a URL (:func:`muonckpt.settings.local_path`).
-    """
-    final = local_path(final)
-    name = final.name
-    if name in ("", ".", ".."):
-        raise CheckpointError("is not a name a checkpoint directory can have", path=final)
-    if _OURS_NAME.match(name):
-        raise CheckpointError(
-            "is named like a muonckpt staging directory (.NAME.staging-XXXXXXXX or "
-            ".NAME.old-PID), which readers refuse as unfinished; choose another name",
-            path=final,
-        )
-    limit = _name_max(final.parent) - _STAGING_SUFFIX_BYTES
-    if len(os.fsencode(name)) > limit:
-        raise CheckpointError(
-            f"the name is {len(os.fsencode(name))} bytes; at most {limit} fit in its staging "
-            f"directory's name .NAME.{STAGING_TAG}-XXXXXXXX",
-            path=final,
-        )
-    if source is not None and (problem := _overlap_problem(final, source)):
-        raise CheckpointError(problem, path=final)
-    for parent in (final.parent, *final.parent.parents):
-        if parent.exists() or parent.is_symlink():
-            if not parent.is_dir():
-                raise CheckpointError("is not a directory", path=parent)
-            break
-    if not os.path.lexists(final):
-        return
-    if not overwrite:
-        raise CheckpointError(
-            "already exists; pass overwrite=True (--force) to replace it", path=final
-        )
-    if final.is_symlink():
-        if not final.exists():
-            raise CheckpointError("is a dangling symlink; remove it or write elsewhere", path=final)
-        problem = ownership_problem(final.resolve())
-        if problem:
-            raise CheckpointError(
-                f"is a symlink to {os.readlink(final)}, which {problem}; refusing to replace it",
-                path=final,
-            )
-        return
-    if not final.is_dir():
-        raise CheckpointError("exists and is not a checkpoint directory", path=final)
-    problem = ownership_problem(final)
-    if problem:
-        raise CheckpointError(
-            f"{problem}; refusing to replace it (--force replaces only muonckpt checkpoints)",
-            path=final,
-        )
-
+from . import lease, outputs
+from .durable import RENAME_NOREPLACE, exchange, failing_as, fsync_dir, renameat2
+from .ownership import STAGING_TAG, check_target, is_checkpoint_file, ownership_problem, shown
 
 _INTENT: dict[str, bool] = {}
 """Staging directory -> its make_staging's ``overwrite``, for a swap_in not told."""
@@ -236,9 +48,11 @@ def make_staging(
     overwrite: bool,
     *,
     source: str | os.PathLike[str] | None = None,
+    output: str | None = None,
 ) -> Path:
     """A fresh ``.NAME.staging-XXXXXXXX`` directory beside ``final``, holding only its lease
-    (:mod:`.lease`), which this process holds until :func:`swap_in` or :func:`discard`.
+    (:mod:`.lease`), which this process holds until :func:`swap_in` or :func:`discard`; for
+    the files of foreign format ``output`` (:data:`.outputs.WRITTEN`), recorded in the lease.
 
     :func:`check_target` first (nothing is created when it refuses), then the missing parents
     and the staging directory itself.
@@ -251,7 +65,7 @@ def make_staging(
         final.parent.mkdir(parents=True, exist_ok=True)
         staging.mkdir()
     try:
-        lease.take(staging, "staging")
+        lease.take(staging, "staging", output)
     except BaseException:
         with contextlib.suppress(OSError):
             staging.rmdir()
@@ -279,7 +93,7 @@ def _remove_ours(directory: Path, names: Sequence[str] | None = None) -> list[st
         return [f"{directory} ({exc.strerror})"]
     for name in listed:
         path = directory / name
-        if not _is_checkpoint_file(name) or os.sep in name or path.is_symlink():
+        if not is_checkpoint_file(name) or os.sep in name or path.is_symlink():
             if os.path.lexists(path):
                 left.append(f"{name} (not a checkpoint file: kept)")
             continue
@@ -304,8 +118,9 @@ def _remove_ours(directory: Path, names: Sequence[str] | None = None) -> list[st
 
 def discard(staging: str | os.PathLike[str], *, quiet: bool = False) -> list[str]:
     """Remove a staging directory that will never be committed, and stop holding its lease
-    (its checkpoint files and lease only; anything else found there is kept and, unless
-    ``quiet``, named in a :class:`CheckpointWarning`). Returns what is kept, as
+    (its checkpoint files, or the files of the foreign format its lease records
+    (:func:`.outputs.remove_written`), and the lease only; anything else found there is kept
+    and, unless ``quiet``, named in a :class:`CheckpointWarning`). Returns what is kept, as
     ``"NAME (why)"``."""
     staging = Path(staging)
     _INTENT.pop(str(staging), None)
@@ -313,19 +128,17 @@ def discard(staging: str | os.PathLike[str], *, quiet: bool = False) -> list[str
         if not quiet:
             _warn(f"{staging} is a symlink, not a staging directory; left alone")
         return ["the symlink itself"]
+    output = lease.recorded_output(staging)
     try:
-        left = _remove_ours(staging)
+        if output in outputs.WRITTEN:
+            left = outputs.remove_written(staging, output)
+        else:
+            left = _remove_ours(staging)
     finally:
         lease.release(staging)
     if left and not quiet:
-        _warn(f"could not remove the staging directory {staging} entirely: {_shown(left)}")
+        _warn(f"could not remove the staging directory {staging} entirely: {shown(left)}")
     return left
-
-
-def is_ours(name: str) -> bool:
-    """Whether ``name`` is a directory muonckpt leaves beside a target: a staging directory
-    (a save in progress or interrupted) or a replaced checkpoint not yet deleted."""
-    return bool(_OURS_NAME.match(name))
 
 
 def retire(directory: str | os.PathLike[str], files: Sequence[str] | None = None) -> None:
@@ -347,7 +160,7 @@ def retire(directory: str | os.PathLike[str], files: Sequence[str] | None = None
     if left:
         _warn(
             f"the new checkpoint is in place, but the one it replaced could not be deleted "
-            f"entirely: {directory} still holds {_shown(left)}"
+            f"entirely: {directory} still holds {shown(left)}"
         )
 
 
@@ -383,7 +196,7 @@ def remove_checkpoint(directory: str | os.PathLike[str]) -> bool:
     if left:
         _warn(
             f"the old checkpoint {directory} was deleted only in part (its manifest is gone, so "
-            f"it reads as incomplete): it still holds {_shown(left)}"
+            f"it reads as incomplete): it still holds {shown(left)}"
         )
     return not left
 
@@ -400,25 +213,34 @@ def abandon_commits() -> None:
         _ABANDONED[0] = True
 
 
-_COMMIT_WATCHERS: dict[str, list[Callable[[], None]]] = {}
-"""Target (absolute) -> what to call when this process commits it (see watch_commit)."""
+_COMMIT_WATCHERS: dict[str, list[tuple[str | None, Callable[[], None]]]] = {}
+"""Target (absolute) -> (staging directory or None, what to call) (see watch_commit)."""
 
 
-def watch_commit(final: str | os.PathLike[str], callback: Callable[[], None]) -> None:
-    """Call ``callback()`` the moment a :func:`swap_in` of this process commits ``final``:
-    right after the rename, inside the commit lock, before anything that could be interrupted.
-    Whoever reports the outcome then knows a checkpoint was committed even if the process is
-    interrupted or killed a moment later (it must never say "error" over a whole new one)."""
-    _COMMIT_WATCHERS.setdefault(os.path.abspath(final), []).append(callback)
+def watch_commit(
+    final: str | os.PathLike[str],
+    callback: Callable[[], None],
+    *,
+    staging: str | os.PathLike[str] | None = None,
+) -> None:
+    """Call ``callback()`` the moment a :func:`swap_in` of this process commits ``final`` (from
+    ``staging`` only, when given: another save of this process to the same path, committed
+    first, is not this one's commit): right after the rename, inside the commit lock, before
+    anything that could be interrupted. Whoever reports the outcome then knows a checkpoint was
+    committed even if the process is interrupted or killed a moment later (it must never say
+    "error" over a whole new one)."""
+    mine = None if staging is None else os.path.abspath(staging)
+    _COMMIT_WATCHERS.setdefault(os.path.abspath(final), []).append((mine, callback))
 
 
 def unwatch_commit(final: str | os.PathLike[str], callback: Callable[[], None]) -> None:
     """Undo :func:`watch_commit` (a no-op when ``callback`` is not watching ``final``)."""
-    watchers = _COMMIT_WATCHERS.get(os.path.abspath(final), [])
-    if callback in watchers:
-        watchers.remove(callback)
-    if not watchers:
-        _COMMIT_WATCHERS.pop(os.path.abspath(final), None)
+    key = os.path.abspath(final)
+    watchers = [each for each in _COMMIT_WATCHERS.get(key, []) if each[1] is not callback]
+    if watchers:
+        _COMMIT_WATCHERS[key] = watchers
+    else:
+        _COMMIT_WATCHERS.pop(key, None)
 
 
 def directory_identity(path: str | os.PathLike[str]) -> tuple[int, int] | None:
@@ -485,18 +307,19 @@ def swap_in(
                 f"while this save ran ({problem}); the checkpoint at the path is as it was",
                 path=final,
             )
-        held = lease.holds(staging)
+        held, output = lease.holds(staging), lease.recorded_output(staging)
         lease.give_up(staging)
         try:
             replaced = _commit_rename(staging, final, overwrite)
         except BaseException:
             if held:  # still ours, to be discarded: marked again, in case that is cut short
                 with contextlib.suppress(CheckpointError):
-                    lease.take(staging, "staging")
+                    lease.take(staging, "staging", output)
             raise
         lease.release(staging)
-        for callback in list(_COMMIT_WATCHERS.get(os.path.abspath(final), [])):
-            callback()
+        for watched, callback in list(_COMMIT_WATCHERS.get(os.path.abspath(final), [])):
+            if watched in (None, os.path.abspath(staging)):
+                callback()
     _INTENT.pop(str(staging), None)
     if replaced is not None and not replaced.is_symlink():
         with contextlib.suppress(CheckpointError):  # without it, retire still deletes it
