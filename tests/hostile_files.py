@@ -119,3 +119,16 @@ def refused(args: list[str], dst: Path, *named: str) -> str:
     assert not dst.exists() and not list(dst.parent.glob(f".{dst.name}*"))
     assert time.monotonic() - began < 10, message
     return message
+
+
+PEAK_RSS = '''
+def peak_rss():
+    """This process's own peak resident memory in bytes: VmHWM, which starts afresh at exec
+    (ru_maxrss does not: it keeps the peak of the process that forked it, here pytest's)."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) << 10
+    raise RuntimeError("no VmHWM in /proc/self/status")
+'''
+"""Source of ``peak_rss()`` for the probe scripts that measure a child process's memory."""

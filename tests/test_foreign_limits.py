@@ -31,6 +31,7 @@ from muonckpt.storage import deepspeed_files, hf_files, megatron_files
 from muonckpt.storage import foreign_limits as limits
 
 from .conftest import REPO
+from .hostile_files import PEAK_RSS
 
 FIXTURES = Path(__file__).parent / "fixtures"
 (LIGHTNING,) = (FIXTURES / "lightning" / "named" / "checkpoints").glob("*.ckpt")
@@ -98,12 +99,14 @@ def _ds_group(top: dict, key: str, value: Any) -> None:
     top["optimizer_state_dict"]["base_optimizer_state"]["param_groups"][0][key] = value
 
 
-_MEASURE = """
-import json, resource, sys, time
+_MEASURE = (
+    PEAK_RSS
+    + """
+import json, sys, time
 import muonckpt.cli, muonckpt.offline, torch
 runs = []
 for argv in json.loads(sys.argv[1]):
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss << 10
+    before = peak_rss()
     cpu = time.process_time()
     sys.argv = ["muonckpt", *argv]
     try:
@@ -111,10 +114,11 @@ for argv in json.loads(sys.argv[1]):
         code = 0
     except SystemExit as exc:
         code = exc.code
-    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss << 10
+    after = peak_rss()
     runs.append({"code": code, "extra": after - before, "cpu": time.process_time() - cpu})
 print(json.dumps(runs))
 """
+)
 
 
 @pytest.mark.dist

@@ -16,7 +16,7 @@ import torch
 
 from muonckpt.storage import deepspeed_files
 
-from .hostile_files import DEEPSPEED, MCORE, TITAN, refused, rewrite_dcp
+from .hostile_files import DEEPSPEED, MCORE, PEAK_RSS, TITAN, refused, rewrite_dcp
 
 
 def test_an_empty_stacked_expert_is_refused_naming_it(tmp_path):
@@ -71,16 +71,16 @@ def test_deepspeed_param_shapes_past_the_bytes_present_are_refused_before_alloca
 @pytest.mark.dist
 def test_deepspeed_s_refusal_of_a_claim_stays_far_below_its_size(tmp_path):
     """The process's peak memory refusing 16384 x 16384 (1 GiB): torch's own, not the claim's."""
-    probe = (
-        "import resource, sys\n"
+    probe = PEAK_RSS + (
+        "import sys\n"
         "from muonckpt import CheckpointError, offline\n"
         "try:\n    offline.from_deepspeed(sys.argv[1], sys.argv[2])\n"
         "except CheckpointError:\n    pass\n"
-        "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\n"
+        "print(peak_rss())\n"
     )
     src = _claiming(tmp_path / "rss", 16384, 16384)
-    peak_kib = subprocess.run(
+    peak = subprocess.run(
         [sys.executable, "-c", probe, str(src), str(tmp_path / "rss" / "out")],
         capture_output=True, text=True, check=True, timeout=120,
     ).stdout  # fmt: skip
-    assert int(peak_kib) < 512 * 1024, peak_kib  # torch itself (~230 MiB); the claim is 1 GiB
+    assert int(peak) < 512 << 20, peak  # torch itself (~230 MiB); the claim is 1 GiB
