@@ -34,7 +34,7 @@ SCRIPT = textwrap.dedent(
 
     resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
     src, root = sys.argv[1], sys.argv[2]
-    big = offline.reshard(src, root + "/big", dp=10000, tp=1)
+    big = offline.reshard(src, root + "/big", dp=10000, tp=1, allow_large_world=True)
     assert len(list(big.glob("rank-*.safetensors"))) == 10000
     assert muonckpt.verify(big) == [], muonckpt.verify(big)[:3]
     assert offline.summarize(big).totals.files == 10000

@@ -69,8 +69,8 @@ def check_manifest_fits(
     would be more than a reader accepts (:data:`muonckpt.storage.MAX_TEXT_BYTES`): counted
     from its ``params`` and its planned ``writes``
     (:class:`~muonckpt.format.manifest_size.ManifestSize`: the indexes exactly, the top level
-    a lower bound, since groups, files and ``extra`` are not counted; :func:`commit` checks
-    every text again), naming the counts."""
+    a lower bound, since groups, files and ``extra`` are not counted;
+    :func:`~muonckpt.checkpoint.writing.commit` checks every text again), naming the counts."""
     size = ManifestSize()
     for entry in params:
         size.add_param(entry)
