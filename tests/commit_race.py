@@ -9,6 +9,7 @@ optimizers already).
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -66,3 +67,26 @@ def saving_racer(
             results.put((trial, who, "ok"))
         except Exception as exc:  # every outcome goes back to the test
             results.put((trial, who, f"{type(exc).__name__}: {exc}"))
+
+
+def race(
+    ctx: Any, target: Callable[..., None], args: list[tuple[Any, ...]], results: Any, trials: int
+) -> dict[int, dict[Any, str]]:
+    """Run ``target(*a)`` in a process of ``ctx`` for each ``a`` of ``args`` (writers that put
+    ``(trial, who, outcome)`` on ``results`` for each of ``trials``); each trial's outcome by
+    writer, once every writer has exited 0 (a stuck one is killed, and fails the test)."""
+    procs = [ctx.Process(target=target, args=a) for a in args]
+    for proc in procs:
+        proc.start()
+    try:
+        outcomes: dict[int, dict[Any, str]] = {}
+        for _ in range(len(procs) * trials):
+            trial, who, outcome = results.get(timeout=120)
+            outcomes.setdefault(trial, {})[who] = outcome
+    finally:
+        for proc in procs:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()
+    assert [p.exitcode for p in procs] == [0] * len(procs)
+    return outcomes

@@ -29,7 +29,7 @@ from muonckpt.distributed.launch import run_distributed
 from muonckpt.errors import CheckpointWarning
 from muonckpt.offline import tools as offline
 
-from .commit_race import DATA, racer
+from .commit_race import DATA, race, racer
 from .fixture_model import build, initial_params, train
 
 REPO = Path(__file__).resolve().parents[1]
@@ -261,23 +261,8 @@ def test_discard_and_retire_delete_only_checkpoint_files(tmp_path):
 def _race(tmp_path: Path, overwrite: bool, trials: int = 40) -> dict[int, dict[str, str]]:
     ctx = mp.get_context("spawn")
     barrier, results = ctx.Barrier(2, timeout=30), ctx.Queue()
-    procs = [
-        ctx.Process(target=racer, args=(who, str(tmp_path), trials, overwrite, barrier, results))
-        for who in ("A", "B")
-    ]
-    for proc in procs:
-        proc.start()
-    try:
-        outcomes: dict[int, dict[str, str]] = {}
-        for _ in range(2 * trials):
-            trial, who, outcome = results.get(timeout=60)
-            outcomes.setdefault(trial, {})[who] = outcome
-    finally:
-        for proc in procs:
-            proc.join(timeout=30)
-            if proc.is_alive():
-                proc.kill()
-    assert [p.exitcode for p in procs] == [0, 0]
+    args = [(who, str(tmp_path), trials, overwrite, barrier, results) for who in ("A", "B")]
+    outcomes = race(ctx, racer, args, results, trials)
     assert sorted(p.name for p in tmp_path.iterdir()) == [f"t{t:03d}" for t in range(trials)]
     return outcomes
 

@@ -14,7 +14,7 @@ import pytest
 import muonckpt
 from muonckpt import CheckpointError
 
-from .commit_race import saving_racer
+from .commit_race import race, saving_racer
 from .fixture_model import single_process_optimizer
 
 TRIALS = 10
@@ -84,21 +84,11 @@ def test_two_processes_saving_one_path_one_wins(tmp_path, optimizers):
     trials = 40
     ctx = mp.get_context("fork")
     barrier, results = ctx.Barrier(2, timeout=60), ctx.Queue()
-    args = (str(tmp_path), trials, trials // 2, barrier, results)
-    procs = [ctx.Process(target=saving_racer, args=(who, optimizers[who], *args)) for who in (0, 1)]
-    for proc in procs:
-        proc.start()
-    try:
-        outcomes: dict[int, dict[int, str]] = {}
-        for _ in range(2 * trials):
-            trial, who, outcome = results.get(timeout=120)
-            outcomes.setdefault(trial, {})[who] = outcome
-    finally:
-        for proc in procs:
-            proc.join(timeout=30)
-            if proc.is_alive():
-                proc.kill()
-    assert [p.exitcode for p in procs] == [0, 0]
+    args = [
+        (who, optimizers[who], str(tmp_path), trials, trials // 2, barrier, results)
+        for who in (0, 1)
+    ]
+    outcomes = race(ctx, saving_racer, args, results, trials)
     assert sorted(os.listdir(tmp_path)) == [f"t{t:03d}" for t in range(trials)]
     for trial, by in sorted(outcomes.items()):
         final = tmp_path / f"t{trial:03d}"
