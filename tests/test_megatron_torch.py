@@ -3,10 +3,13 @@ fixtures ``tests/fixtures/megatron/{tp2_dp1,tp1_dp2}_torch`` were written by
 ``megatron.training.checkpointing.save_checkpoint`` itself (``make_fixtures.py``). Their values
 are checked bitwise against the truth with the torch_dist ones (``test_megatron.py``); here, the
 CLI and the way out at the other layout, and the refusals: a hostile pickle (unrun), a master
-that no model param holds, a DP rank's file missing, a pipeline-parallel layout."""
+that no model param holds, a DP rank's file missing, a pipeline-parallel layout, TP ranks'
+directories other than the training args record, two names for one rank, state of an id no
+param group lists."""
 
 from __future__ import annotations
 
+import argparse
 import pickle
 import shutil
 from pathlib import Path
@@ -21,6 +24,9 @@ from muonckpt import CheckpointError
 from muonckpt.cli import app
 from muonckpt.interop import megatron
 from muonckpt.storage import dcp_metadata, megatron_files
+
+from . import hostile_files
+from .hostile_files import refused
 
 FIXTURES = Path(__file__).parent / "fixtures" / "megatron"
 TORCH = ("tp2_dp1_torch", "tp1_dp2_torch")
@@ -120,6 +126,13 @@ def _without_args(top: dict) -> None:
     del top["args"], top["rng_state"]  # (their stand-ins are not for saving)
 
 
+def _sizes_only(top: dict) -> None:
+    """The training args cut to their parallel sizes (a real ``argparse.Namespace``)."""
+    sizes = {k: v for k, v in vars(top["args"]).items() if k.endswith("parallel_size")}
+    _without_args(top)
+    top["args"] = argparse.Namespace(**sizes)
+
+
 def test_a_master_no_model_param_holds_is_refused_naming_the_item(tmp_path):
     root = _copy("tp2_dp1_torch", tmp_path)
     victim = _rank0(root) / "layer_wise_optimizer_0.pt"
@@ -147,7 +160,7 @@ def test_params_of_equal_values_are_refused_not_guessed(tmp_path):
 
         def same_weights(top, names=names):
             top["model"][names[1]] = top["model"][names[0]].clone()
-            _without_args(top)
+            _sizes_only(top)
 
         _resave(where / megatron_files.MODEL_FILE, same_weights)
         model = megatron_files.load(where / megatron_files.MODEL_FILE)["model"]
@@ -200,3 +213,75 @@ def test_a_param_without_a_master_is_refused(tmp_path):
     _resave(_rank0(root) / "layer_wise_optimizer_0.pt", drop_last)
     with pytest.raises(CheckpointError, match=r"model param \S+ \(1 in all\) has no master"):
         megatron.from_megatron(root, tmp_path / "x")
+
+
+def _convert(root: Path) -> list[str]:
+    return [str(root), "--from", "megatron"]
+
+
+def test_tp_rank_directories_other_than_the_args_record_are_refused(tmp_path):
+    """A TP-1 save (its args: tensor_model_parallel_size 1) beside a stale ``mp_rank_01/`` of
+    an earlier save of the iteration was read as TP 2, every TP-split param at twice its shape
+    (fifth adversarial pass, F3); so was the other way, a TP-2 save missing ``mp_rank_01/``.
+    Without args, two TP ranks' directories cannot be told from one and a stale one."""
+    stale = _copy("tp1_dp2_torch", tmp_path)
+    shutil.copytree(_rank0(stale), _iteration(stale) / "mp_rank_01")
+    said = "args of mp_rank_00 say tensor_model_parallel_size 1, but 2 mp_rank_XX directories"
+    refused(_convert(stale), tmp_path / "x", said, f"(file {_iteration(stale)})")
+    lost = _copy("tp2_dp1_torch", tmp_path)
+    shutil.rmtree(_iteration(lost) / "mp_rank_01")
+    said = "tensor_model_parallel_size 2, but 1 mp_rank_XX directories (one per TP rank) are"
+    refused(_convert(lost), tmp_path / "x", said, "(one missing?)", str(_iteration(lost)))
+    bare = _copy("tp2_dp1_torch", tmp_path / "bare")
+    _resave(_rank0(bare) / megatron_files.MODEL_FILE, _without_args)
+    said = "2 mp_rank_XX directories, but no training args of mp_rank_00 record its tensor_model"
+    refused(_convert(bare), tmp_path / "x", said, "cannot be known", str(_iteration(bare)))
+
+
+def test_two_names_for_one_rank_are_refused_naming_both(tmp_path):
+    """``mp_rank_1/`` beside ``mp_rank_01/``, ``layer_wise_optimizer_01.pt`` beside
+    ``layer_wise_optimizer_1.pt``: one of each was taken, silently (fifth pass, F4)."""
+    root = _copy("tp2_dp1_torch", tmp_path)
+    shutil.copytree(_iteration(root) / "mp_rank_01", _iteration(root) / "mp_rank_1")
+    said = "mp_rank_01 and mp_rank_1 both name TP rank 1"
+    refused(_convert(root), tmp_path / "x", said, str(_iteration(root)))
+    root = _copy("tp1_dp2_torch", tmp_path)
+    shutil.copy(
+        _rank0(root) / "layer_wise_optimizer_1.pt", _rank0(root) / "layer_wise_optimizer_01.pt"
+    )
+    said = "layer_wise_optimizer_01.pt and layer_wise_optimizer_1.pt both name DP rank 1"
+    refused(_convert(root), tmp_path / "x", said, str(_rank0(root)))
+
+
+ORPHANS = {
+    "megatron-torch": ("megatron/tp1_dp2_torch/checkpoint", "*/*/layer_wise_optimizer_0.pt"),
+    "accelerate": ("accelerate/named/state", "optimizer_1.bin"),
+    "lightning": ("lightning/named/checkpoints", "*.ckpt"),
+}
+"""A torch reader -> its fixture and the file whose optimizer state gets an orphan."""
+
+
+@pytest.mark.parametrize("reader", sorted(ORPHANS))
+def test_state_of_an_id_no_param_group_lists_is_refused(reader, tmp_path):
+    """A param's state stored under its id as a str (``'1'`` for ``1``): the Megatron torch
+    reader dropped it, 7 momentum buffers of 8 written, exit 0 (fifth pass, F6); refused now
+    by the check the accelerate and Lightning readers share (``_fields.listed_state``)."""
+    fixture, name = ORPHANS[reader]
+    root = hostile_files.copy(FIXTURES.parent / fixture, tmp_path / "src")
+    victim = next(root.glob(name))
+
+    moved = []
+
+    def str_key(value):
+        state = (
+            value[0]["optimizer"]["state"] if reader == "megatron-torch"
+            else value["optimizer_states"][0]["state"] if reader == "lightning"
+            else value["state"]
+        )  # fmt: skip
+        moved.append(min(state))
+        state[str(moved[0])] = state.pop(moved[0])
+
+    hostile_files.resave(victim, str_key)
+    said = f"holds state of param index '{moved[0]}', which no param group lists"
+    src = victim if reader == "lightning" else root
+    refused([str(src), "--to", "torch"], tmp_path / "x", said, str(victim))

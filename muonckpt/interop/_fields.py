@@ -6,13 +6,14 @@ field, never met later as a traceback or committed as a wrong value."""
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointError
 from ..storage.dtypes import dtype_name
 
-__all__ = ["count", "shown", "step_count", "tensor"]
+__all__ = ["count", "listed_state", "shown", "step_count", "tensor"]
 
 
 def shown(value: Any) -> str:
@@ -71,3 +72,15 @@ def step_count(value: Any, where: Path, what: str) -> tuple[int | float, str | N
 def count(value: Any, where: Path, what: str) -> int | None:
     """:func:`step_count` as an int, None for None (no step saved)."""
     return None if value is None else int(step_count(value, where, what)[0])
+
+
+def listed_state(state: Mapping[Any, Any], listed: Iterable[Any], where: Path, what: str) -> None:
+    """Refuse an optimizer's ``state`` (by param id) holding an id that none of its param
+    groups ``listed``: that state would be dropped unread (an id saved as ``'1'`` for ``1``,
+    say); refused naming the file ``where``, the optimizer ``what`` and the id."""
+    stray = sorted(set(state) - set(listed), key=str)
+    if stray:
+        raise CheckpointError(
+            f"{what}: holds state of param index {stray[0]!r}, which no param group lists",
+            path=where,
+        )

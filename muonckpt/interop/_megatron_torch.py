@@ -38,7 +38,7 @@ from ..storage import megatron_files
 from ..storage.dtypes import dtype_name
 from ..storage.megatron_files import Namespace
 from ._consolidated import conversion_notes, summarized, write_consolidated
-from ._fields import count, tensor
+from ._fields import count, listed_state, tensor
 from ._megatron_groups import Group, assumed, group_of, kind, role_of
 from ._megatron_out import MegatronConversion
 
@@ -85,7 +85,7 @@ def from_torch_format(
     (no output inside it). Memory: the whole checkpoint."""
     files = megatron_files.torch_files(directory)
     tops = [_top(path) for path in files.model]
-    _check_dp(tops[0].get("args"), files)
+    _check_sizes(tops, files)
     groups = _groups(files.optimizer[0][0])
     ranks = [
         _params(top, paths, groups, dp=len(paths))
@@ -110,16 +110,45 @@ def from_torch_format(
     return MegatronConversion(path, "torch", summarized(left), notes)
 
 
-def _check_dp(args: Any, files: megatron_files.TorchFiles) -> None:
-    """Refuse a checkpoint whose training args name another DP size than its files."""
-    size = vars(args).get("data_parallel_size") if isinstance(args, Namespace) else None
-    found = len(files.optimizer[0])
-    if isinstance(size, int) and size != found:
+SIZES = (
+    ("tensor_model_parallel_size", "mp_rank_XX directories (one per TP rank)"),
+    ("data_parallel_size", "layer_wise_optimizer files per mp_rank_XX (one per DP rank)"),
+    ("pipeline_model_parallel_size", "pipeline stage(s) (mp_rank_XX names hold none)"),
+)
+"""The parallel sizes of the training ``args`` that the files must match, and what counts."""
+
+
+def _check_sizes(tops: list[dict[str, Any]], files: megatron_files.TorchFiles) -> None:
+    """Refuse an iteration whose files are not those of the parallel sizes that each TP
+    rank's training args record (a stale ``mp_rank_XX`` left by an earlier save of the
+    iteration at another TP size would be read as a TP rank, every TP-split param joined at a
+    wrong shape), or, where ``mp_rank_00``'s args record no TP size, more than one TP rank's
+    directory (which of them this save wrote cannot be known)."""
+    directory = files.model[0].parent.parent
+    found = (len(files.model), len(files.optimizer[0]), 1)
+    if found[0] > 1 and type(_recorded(tops[0]).get(SIZES[0][0])) is not int:
         raise CheckpointError(
-            f"its training args say data_parallel_size {size}, but {found} "
-            "layer_wise_optimizer file(s) are here (one per DP rank)",
-            path=files.model[0].parent,
+            f"holds {found[0]} mp_rank_XX directories, but no training args of "
+            f"{files.model[0].parent.name} record its {SIZES[0][0]}: which of them are this "
+            "save's TP ranks cannot be known",
+            path=directory,
         )
+    for path, top in zip(files.model, tops, strict=True):
+        for (key, what), count_ in zip(SIZES, found, strict=True):
+            size = _recorded(top).get(key)
+            if type(size) is int and size != count_:
+                why = "one left by another save?" if count_ > size else "one missing?"
+                raise CheckpointError(
+                    f"the training args of {path.parent.name} say {key} {size}, but {count_} "
+                    f"{what} are here ({why})",
+                    path=directory,
+                )
+
+
+def _recorded(top: Mapping[str, Any]) -> dict[str, Any]:
+    """A ``model_optim_rng.pt``'s training args by name (none where it holds no args)."""
+    args = top.get("args")
+    return vars(args) if isinstance(args, Namespace) else {}
 
 
 def _top(path: Path) -> dict[str, Any]:
@@ -144,6 +173,8 @@ def _chained(path: Path) -> list[dict[str, Any]]:
                 "fp32_from_fp16_params master per param id",
                 path=path,
             )
+        ids = [i for group in sd["optimizer"]["param_groups"] for i in group["params"]]
+        listed_state(sd["optimizer"]["state"], ids, path, f"chained optimizer {c}")
     return chained
 
 
@@ -159,6 +190,7 @@ def _well_formed(sd: Any) -> bool:
     return len(groups) == len(masters) and all(
         isinstance(g, dict) and isinstance(g.get("params"), list) and isinstance(m, list)
         and len(g["params"]) == len(m) and all(torch.is_tensor(t) for t in m)
+        and all(type(i) is int for i in g["params"])
         for g, m in zip(groups, masters, strict=True)
     )  # fmt: skip
 

@@ -44,7 +44,7 @@ from ..format.names import PARAM_KEY
 from ..storage.dtypes import dtype_name
 from ..storage.foreign_limits import read_json
 from ._consolidated import conversion_notes, write_consolidated
-from ._fields import step_count, tensor
+from ._fields import listed_state, step_count, tensor
 from .foreign import Conversion
 
 MUON_SETTINGS = frozenset({"momentum", "nesterov", "ns_coefficients", "ns_steps", "adjust_lr_fn"})
@@ -189,11 +189,7 @@ def _params(opt: int, optimizer: OptimizerState) -> tuple[list[_Param], list[kin
             params.append(
                 _Param(opt, index, g, role, state, name, shapes.pop() if shapes else None)
             )
-    stray = sorted(set(sd["state"]) - seen, key=str)
-    if stray:
-        raise _fail(
-            f"holds state of param index {stray[0]!r}, which no param group lists", optimizer
-        )
+    listed_state(sd["state"], seen, optimizer.path, optimizer.label)
     return params, group_kinds
 
 

@@ -87,8 +87,9 @@ def is_torch_format(directory: Path) -> bool:
 
 def torch_files(directory: Path) -> TorchFiles:
     """The files of the torch-format iteration ``directory``; refused, naming the directory,
-    where the TP ranks or any TP rank's DP ranks are not 0..N-1, where pipeline or expert
-    parallelism made the names (``mp_rank_XX_YYY``: not read), or where a file is missing."""
+    where the TP ranks or any TP rank's DP ranks are not 0..N-1 or two names are one rank's,
+    where pipeline or expert parallelism made the names (``mp_rank_XX_YYY``: not read), or
+    where a file is missing."""
     tp_dirs: dict[int, Path] = {}
     for p in sorted(directory.iterdir()):
         match = _TP_DIR.fullmatch(p.name)
@@ -100,7 +101,7 @@ def torch_files(directory: Path) -> TorchFiles:
                 "reads TP x DP ones only)",
                 path=directory,
             )
-        tp_dirs[int(match[1])] = p
+        _add(tp_dirs, int(match[1]), p, "TP", directory)
     if not tp_dirs or sorted(tp_dirs) != list(range(len(tp_dirs))):
         raise CheckpointError(
             f"holds TP ranks {sorted(tp_dirs)}, not 0..N-1 (mp_rank_XX)", path=directory
@@ -110,11 +111,10 @@ def torch_files(directory: Path) -> TorchFiles:
         where = tp_dirs[t]
         if not (where / MODEL_FILE).exists():  # (not a regular file: refused reading it)
             raise CheckpointError(f"no {MODEL_FILE}", path=where)
-        ranks = {
-            int(m[1]): p
-            for p in where.iterdir()
-            if (m := _OPTIM_FILE.fullmatch(p.name)) is not None
-        }
+        ranks: dict[int, Path] = {}
+        for p in sorted(where.iterdir()):
+            if (m := _OPTIM_FILE.fullmatch(p.name)) is not None:
+                _add(ranks, int(m[1]), p, "DP", where)
         if not ranks or sorted(ranks) != list(range(len(ranks))):
             raise CheckpointError(
                 f"holds layer_wise_optimizer files of DP ranks {sorted(ranks)}, not 0..N-1 "
@@ -130,6 +130,16 @@ def torch_files(directory: Path) -> TorchFiles:
             path=directory,
         )
     return TorchFiles(tuple(models), tuple(optimizers))
+
+
+def _add(ranks: dict[int, Path], rank: int, path: Path, kind: str, directory: Path) -> None:
+    """``path`` as ``kind`` rank ``rank``'s, refused where another name is that rank's too
+    (``mp_rank_01`` beside ``mp_rank_1``: which one the save wrote cannot be known)."""
+    if rank in ranks:
+        raise CheckpointError(
+            f"{ranks[rank].name} and {path.name} both name {kind} rank {rank}", path=directory
+        )
+    ranks[rank] = path
 
 
 def load(path: Path) -> Any:
