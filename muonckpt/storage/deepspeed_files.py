@@ -138,7 +138,7 @@ def rank_files(directory: Path) -> list[Path]:
         canonical = MODEL_STATES if rank is None else rank_file(int(rank), bf16)
         if name != canonical:
             what = "the model states" if rank is None else f"rank {int(rank)}'s optimizer file"
-            beside = ", which is also there: two files for one" if canonical in names else ""
+            beside = ", which is also there: two files for one rank" if canonical in names else ""
             raise CheckpointError(
                 f"not the name DeepSpeed gives {what} ({canonical}{beside})",
                 path=directory / name,
