@@ -15,6 +15,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+import muonckpt
 from muonckpt.cli import app
 from muonckpt.storage import deepspeed_files
 
@@ -310,3 +311,17 @@ def test_a_setting_nests_at_most_extra_depth_levels(tmp_path):
     src, file = _each_rank(betas(EXTRA_DEPTH))(tmp_path / "past")
     message = refused([str(src)], tmp_path / "past" / "out", str(file))
     assert f"more than {EXTRA_DEPTH} levels" in message
+
+
+@pytest.mark.parametrize("kind", ["lightning", "accelerate"])
+def test_an_int64_step_tensor_is_kept_an_int(kind, tmp_path):
+    """AdamW's step saved as ``tensor(3)`` (int64): kept the int 3 of an I64 scalar (before:
+    turned into 3.0 and refused at the read-back, 'scalar step: 3.0 is not a I64 value',
+    blaming the output). The DeepSpeed reader's case: tests/test_deepspeed_layouts.py."""
+    build = _lightning if kind == "lightning" else _accelerate
+    src, _ = build(lambda s: s.__setitem__("step", torch.tensor(3)))(tmp_path)
+    out = tmp_path / "out"
+    result = CliRunner().invoke(app, ["convert", str(src), "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    steps = [e.scalars["step"] for e in muonckpt.read_manifest(out).params if "step" in e.scalars]
+    assert any(s.value == 3 and type(s.value) is int and s.dtype == "I64" for s in steps), steps

@@ -45,7 +45,8 @@ def tensor(value: Any, where: Path, what: str) -> Any:
 
 def step_count(value: Any, where: Path, what: str) -> tuple[int | float, str | None]:
     """A step count as a trainer saves it (a Python int or float, or a one-element tensor)
-    and the tensor's dtype (None for a Python number); refused naming the file and the field
+    and the tensor's dtype (None for a Python number): a tensor's count as its dtype holds it,
+    an int of an integer tensor (``tensor(3)``: 3, not 3.0); refused naming the file and the field
     where it is not a finite count of at least 0: a bool (``True`` is no step 1), NaN,
     infinity, a negative number, a string."""
     import torch

@@ -336,10 +336,9 @@ def _check(
 
 
 def _step(value: Any, where: Path) -> Scalar:
-    """AdamW's step count: a 0-d tensor (float32 in torch) or a number (checked by
-    :func:`._fields.step_count` as the state was taken)."""
-    number, dtype = step_count(value, where, "step")
-    return Scalar(float(number), dtype) if dtype is not None else Scalar(number, None)
+    """AdamW's step count: a 0-d tensor (float32 in torch; an int64 one stays an int) or a
+    number (checked by :func:`._fields.step_count` as the state was taken)."""
+    return Scalar(*step_count(value, where, "step"))
 
 
 def _manifest(

@@ -125,6 +125,30 @@ def _param_shapes(model: Any, path: Path) -> list[dict[str, tuple[int, ...]]]:
     return out
 
 
+_DEGREES = ("tp_degree", "pp_degree")
+"""The degrees of ``checkpoint_parallel_dimensions`` that split a param across files."""
+
+
+def _check_unparallel(model: dict[str, Any], path: Path) -> None:
+    """The model states record no model parallelism: ``mp_world_size`` and the
+    ``tp_degree`` / ``pp_degree`` of ``checkpoint_parallel_dimensions`` are 1 where saved. A
+    save with it holds each rank's shard under the full param's name: read from
+    ``mp_rank_00`` alone it would be a wrong checkpoint, not a partial one."""
+    dims = model.get("checkpoint_parallel_dimensions")
+    found = {"mp_world_size": model.get("mp_world_size", 1)}
+    if dims is not None:
+        if not isinstance(dims, dict):
+            raise _fail(f"checkpoint_parallel_dimensions is {shown(dims)}, not a mapping", path)
+        found.update({f"checkpoint_parallel_dimensions[{k!r}]": dims.get(k, 1) for k in _DEGREES})
+    for what, degree in found.items():
+        if type(degree) is not int or degree != 1:
+            raise _fail(
+                f"{what} is {shown(degree)}: a save with tensor or pipeline parallelism, which "
+                "muonckpt does not read (DeepSpeed ZeRO-1/2 without it only)",
+                path,
+            )
+
+
 def _check_declared(
     shapes: list[dict[str, tuple[int, ...]]], files: list[Path], path: Path
 ) -> None:
@@ -319,10 +343,14 @@ def _take_state(state: dict[Any, Any], group: _Group, rank: int, path: Path) -> 
 
 
 def _same(a: Any, b: Any) -> bool:
+    """Whether ``a`` and ``b`` are copies of one value: tensors bit for bit (two NaN copies
+    are the same, as ``torch.equal`` would not say), else of one type and equal."""
     import torch
 
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-        return torch.equal(a, b)
+        if a.dtype != b.dtype or a.shape != b.shape:
+            return False
+        return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
     return type(a) is type(b) and a == b
 
 
@@ -346,7 +374,7 @@ def _take_momentum(buffer: Any, group: _Group, rank: int, path: Path) -> None:
         held = group.momentum.get(name)
         if held is None:
             group.momentum[name] = (piece.clone(), rank)
-        elif not torch.equal(held[0], piece):
+        elif not _same(held[0], piece):
             raise _fail(
                 f"the momentum of {name!r} differs between rank {held[1]} and rank {rank}, "
                 "which both hold all of it",
@@ -374,8 +402,8 @@ def _step(group: _Group) -> Scalar | None:
 
     if group.step is None:
         return None
-    if isinstance(group.step, torch.Tensor):
-        return Scalar(float(group.step.item()), dtype_name(group.step.dtype))
+    if isinstance(group.step, torch.Tensor):  # (an int64 step stays an int)
+        return Scalar(group.step.item(), dtype_name(group.step.dtype))
     return Scalar(int(group.step), None)
 
 
@@ -421,7 +449,7 @@ _MODEL_KEYS_USED = {
     "module", "param_shapes", "shared_params", "global_steps", "dp_world_size",
     "mp_world_size", "ds_version", "ds_config", "buffer_names", "optimizer",
     "frozen_param_shapes", "frozen_param_fragments", "skipped_steps", "global_samples",
-    "parallel_dims",
+    "parallel_dims", "checkpoint_parallel_dimensions",
 }  # fmt: skip
 
 
@@ -471,7 +499,8 @@ def from_deepspeed(
     files = deepspeed_files.rank_files(directory)
     model_path = directory / MODEL_STATES
     model = deepspeed_files.load(model_path)
-    shapes = _param_shapes(model, model_path)
+    shapes = _param_shapes(model, model_path)  # (a mapping, or refused)
+    _check_unparallel(model, model_path)
     params = {n for group in shapes for n in group}
     aliases = _aliases(model.get("shared_params"), params, model_path)
     left = _left_out(model, params, aliases)

@@ -3,12 +3,13 @@
 A DeepSpeed checkpoint directory holds ``latest`` (the tag of the newest save) and one
 directory per tag (``global_step3``) with ``mp_rank_00_model_states.pt`` and one
 ``zero_pp_rank_{r}_mp_rank_00_optim_states.pt`` per rank (``bf16_zero_pp_rank_...`` for a
-bf16 run). They are ``torch.save`` files whose pickles name a few DeepSpeed classes. They are
-read only through :func:`.torch_pickles.load` (torch's restricted unpickler) with stand-ins of
-this module's own for exactly those classes (:data:`STAND_INS`): DeepSpeed need not be
-installed, nothing of the file runs, and any other global is refused before it resolves. Written
-files hold plain tensors, dicts, lists, numbers and strings only (``torch.save``), each
-created new and fsynced.
+bf16 run); a save with tensor or pipeline parallelism adds ``mp_rank_01_*`` files, which
+muonckpt does not read (:func:`rank_files` refuses them). They are ``torch.save`` files whose
+pickles name a few DeepSpeed classes. They are read only through :func:`.torch_pickles.load`
+(torch's restricted unpickler) with stand-ins of this module's own for exactly those classes
+(:data:`STAND_INS`): DeepSpeed need not be installed, nothing of the file runs, and any other
+global is refused before it resolves. Written files hold plain tensors, dicts, lists, numbers
+and strings only (``torch.save``), each created new and fsynced.
 """
 
 from __future__ import annotations
@@ -26,7 +27,11 @@ from .durable import failing_as, fsync_dir, read_text
 
 LATEST = "latest"
 MODEL_STATES = "mp_rank_00_model_states.pt"
-RANK_FILE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
+DEEPSPEED_FILE = re.compile(
+    r"^(?:(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states|mp_rank_(\d+)_model_states)\.pt$"
+)
+"""A name of a file DeepSpeed writes into a tag directory, loosely (any digits): an optimizer
+file (prefix, rank, model-parallel rank) or a model states file (model-parallel rank)."""
 MAX_TAG_BYTES = 4096
 
 
@@ -66,17 +71,20 @@ STAND_INS: dict[str, type] = {
 
 
 def is_tag_directory(path: Path) -> bool:
-    """Whether ``path`` holds rank 0's optimizer file (a ``global_stepN`` directory)."""
-    return any((path / rank_file(0, bf16)).is_file() for bf16 in (False, True))
+    """Whether ``path`` is a ``global_stepN`` directory: it holds the model states or rank 0's
+    optimizer file (an entry of that name of any kind, so that what is wrong with a partial
+    or odd one is named by the reader, not met as a usage error)."""
+    names = (MODEL_STATES, rank_file(0), rank_file(0, bf16=True))
+    return any(os.path.lexists(path / name) for name in names)
 
 
 def is_deepspeed(path: str | os.PathLike[str]) -> bool:
     """Whether ``path`` is a DeepSpeed ZeRO checkpoint: a tag directory, or a directory with
-    ``latest`` and a tag directory (presence only; nothing is read)."""
+    ``latest`` (an entry of any kind) and a tag directory (presence only; nothing is read)."""
     path = Path(path)
     if is_tag_directory(path):
         return True
-    if not (path / LATEST).is_file():
+    if not os.path.lexists(path / LATEST):
         return False
     try:
         with os.scandir(path) as entries:
@@ -92,7 +100,7 @@ def tag_directory(src: str | os.PathLike[str]) -> Path:
     if is_tag_directory(src):
         return src
     latest = src / LATEST
-    if not latest.exists():
+    if not os.path.lexists(latest):
         raise CheckpointError(
             f"not a DeepSpeed checkpoint: no {LATEST} and no {rank_file(0)}", path=src
         )
@@ -105,19 +113,39 @@ def tag_directory(src: str | os.PathLike[str]) -> Path:
 
 
 def rank_files(directory: Path) -> list[Path]:
-    """The optimizer files of ranks 0 .. n-1 in ``directory``, in rank order; a gap in the
-    ranks, or both bf16 and plain names, is refused naming the file."""
+    """The optimizer files of ranks 0 .. n-1 in ``directory``, in rank order. Refused naming
+    the file: a file of a model-parallel rank other than 0, a DeepSpeed name not spelled as
+    DeepSpeed writes it (``zero_pp_rank_01_...``: a second name for rank 1), a gap in the
+    ranks, or both bf16 and plain names."""
     found: dict[int, Path] = {}
     prefixes = set()
     try:
-        names = os.listdir(directory)
+        names = sorted(os.listdir(directory))
     except OSError as exc:
         raise CheckpointError(f"cannot list: {exc.strerror}", path=directory) from None
     for name in names:
-        match = RANK_FILE.match(name)
-        if match:
-            prefixes.add(match.group(1) or "")
-            found[int(match.group(2))] = directory / name
+        match = DEEPSPEED_FILE.match(name)
+        if not match:
+            continue
+        bf16, rank, mp_rank = match.group(1) is not None, match.group(2), match.group(3)
+        mp_rank = mp_rank or match.group(4)
+        if int(mp_rank) != 0:
+            raise CheckpointError(
+                f"a file of model-parallel rank {int(mp_rank)}: a save with tensor or pipeline "
+                "parallelism, which muonckpt does not read (DeepSpeed ZeRO-1/2 without it only)",
+                path=directory / name,
+            )
+        canonical = MODEL_STATES if rank is None else rank_file(int(rank), bf16)
+        if name != canonical:
+            what = "the model states" if rank is None else f"rank {int(rank)}'s optimizer file"
+            beside = ", which is also there: two files for one rank" if canonical in names else ""
+            raise CheckpointError(
+                f"not the name DeepSpeed gives {what} ({canonical}{beside})",
+                path=directory / name,
+            )
+        if rank is not None:
+            prefixes.add(bf16)
+            found[int(rank)] = directory / name
     if len(prefixes) > 1:
         raise CheckpointError(
             "holds both bf16_zero_pp_rank_* and zero_pp_rank_* files", path=directory
@@ -128,7 +156,7 @@ def rank_files(directory: Path) -> list[Path]:
         )
     for rank in range(max(found) + 1):
         if rank not in found:
-            missing = directory / rank_file(rank, prefixes == {"bf16_"})
+            missing = directory / rank_file(rank, prefixes == {True})
             raise CheckpointError(
                 f"rank {rank}'s optimizer file is missing (ranks up to {max(found)} are there)",
                 path=missing,
