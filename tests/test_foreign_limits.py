@@ -153,6 +153,61 @@ def test_few_kb_hostile_files_through_the_cli_are_refused_in_bounded_memory_and_
     assert not any((tmp_path / name).exists() for name in "abc")
 
 
+def _pickle_bomb(path: Path, size: int, opcode: bytes) -> None:
+    """Rewrite the ``torch.save`` file ``path`` with its ``data.pkl`` replaced by a deflated
+    pickle of exactly ``size`` bytes, ``{'x': [...]}`` whose list is one empty container per
+    byte (``opcode``): what unpickling builds the most objects from (finding F1's file)."""
+    head, tail = b"\x80\x02}q\x00X\x01\x00\x00\x00x](", b"es."
+    pickled = head + opcode * (size - len(head) - len(tail)) + tail
+    with zipfile.ZipFile(path) as src:
+        members = [(info.filename, src.read(info)) for info in src.infolist()]
+    with zipfile.ZipFile(path, "w") as dst:
+        for name, data in members:
+            if name.endswith("/data.pkl"):
+                dst.writestr(name, pickled, compress_type=zipfile.ZIP_DEFLATED)
+            else:
+                dst.writestr(name, data)
+
+
+@pytest.mark.dist
+def test_a_compressed_pickle_bomb_through_the_cli_is_bounded_at_the_limit_and_one_past(tmp_path):
+    """Finding F1: a Lightning ``.ckpt`` of 32 KB whose deflated ``data.pkl`` is 16 MiB of
+    empty dicts peaked at 1.56 GB and 15 s before its refusal (the same through DeepSpeed's
+    model states). A compressed pickle of ``MAX_INFLATED_PICKLE`` bytes of empty sets (216
+    bytes each, the most one byte builds) is unpickled and walked within 256 MiB and 10 s;
+    one byte more, and the 16 MiB ones, are refused before inflating, naming the file."""
+    limit = limits.MAX_INFLATED_PICKLE
+    ds = Path(shutil.copytree(DEEPSPEED, tmp_path / "ds"))
+    victims = [ds / "global_step3" / deepspeed_files.MODEL_STATES]
+    _pickle_bomb(victims[0], 16 << 20, b"}")
+    runs = [["convert", str(ds), "-o", str(tmp_path / "ds_out")]]
+    # refused first: each run's peak is measured above the peaks of the runs before it
+    cases = [("f1", 16 << 20, b"}"), ("past", limit + 1, b"\x8f"), ("at", limit, b"\x8f")]
+    for name, size, opcode in cases:
+        victims.append(tmp_path / name / LIGHTNING.name)
+        victims[-1].parent.mkdir()
+        shutil.copyfile(LIGHTNING, victims[-1])
+        _pickle_bomb(victims[-1], size, opcode)
+        out = str(tmp_path / f"{name}_out")
+        runs.append(["convert", str(victims[-1]), "--from", "lightning", "-o", out])
+    assert all(path.stat().st_size < 64 << 10 for path in victims)
+    done = subprocess.run(
+        [sys.executable, "-c", _MEASURE, json.dumps(runs)],
+        capture_output=True, text=True, timeout=180, cwd=REPO,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 4 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    for error, victim, size in zip(errors[:3], victims, [16 << 20, 16 << 20, limit + 1]):
+        said = f"declares {size} bytes uncompressed, more than {limit}"
+        assert said in error and "refused before inflating" in error, error
+        assert str(victim) in error, error
+    assert "holds no 'state_dict'" in errors[3] and str(victims[3]) in errors[3], errors[3]
+    for run in json.loads(done.stdout):
+        assert run["code"] == 2 and run["extra"] < ALLOWANCE and run["cpu"] < SECONDS, run
+    assert not any(path.name.endswith("_out") for path in tmp_path.iterdir())
+
+
 def _refused_by(call, *words: str) -> str:
     with pytest.raises(MuonCkptError) as caught:
         call()
@@ -360,6 +415,15 @@ def test_a_blocked_global_is_named_in_one_line(tmp_path):
     root = _megatron_dist_common(tmp_path / "md", lambda common: [Fraction(1, 3), common])
     run = lambda: offline.from_megatron(root, tmp_path / "md_out")  # noqa: E731
     _refused_by(run, "common_state", "GLOBAL fractions.Fraction is not allowed", ".distcp")
+
+
+def test_an_opcode_torch_does_not_read_is_named_in_the_one_line(tmp_path):
+    """Minor finding M1: a Lightning step of 10**5000 (pickled as ``LONG4``, which torch's
+    restricted unpickler does not read): the line names torch's cause (before, it ended at
+    torch's "WeightsUnpickler error:", the cause cut)."""
+    path = _lightning(tmp_path, lambda t: t.update(global_step=10**5000))
+    run = lambda: offline.from_lightning(path, tmp_path / "out")  # noqa: E731
+    _refused_by(run, "UnpicklingError: Unsupported operand 139", str(path))
 
 
 def test_a_names_file_nested_past_the_parser_is_refused(tmp_path):

@@ -4,9 +4,10 @@ write, bounded before anything of it is converted.
 
 * :func:`check_archive`: a ``torch.save`` zip archive's members, from its central directory,
   before torch decompresses any: complete, each stored member holding the bytes it declares,
-  compressed ones (``torch.save`` writes none) inflating to at most :data:`MAX_INFLATED_BYTES`;
-  and its pickle naming no global whose call allocates what its arguments ask
-  (:data:`ALLOCATING`: torch's unpickler admits ``bytearray(2**31)``).
+  compressed ones (``torch.save`` writes none) inflating to at most :data:`MAX_INFLATED_BYTES`,
+  a compressed pickle to at most :data:`MAX_INFLATED_PICKLE`; and its pickle naming no global
+  whose call allocates what its arguments ask (:data:`ALLOCATING`: torch's unpickler admits
+  ``bytearray(2**31)``).
 * :func:`read_json`: a foreign JSON file, parsed and walked as :func:`check_value` walks.
 * :func:`check_value`: a loaded value, walked once by one bounded walker that never expands a
   shared reference (pickle's memo lets a few KB name a list of a billion items: each container
@@ -37,6 +38,7 @@ __all__ = [
     "MAX_DEPTH",
     "MAX_ELEMENTS",
     "MAX_INFLATED_BYTES",
+    "MAX_INFLATED_PICKLE",
     "MAX_ITEMS",
     "MAX_TENSOR_REUSE",
     "MAX_TEXT",
@@ -63,6 +65,13 @@ each tensor's bytes counted where it is used, against the bytes of its distinct 
 MAX_INFLATED_BYTES = 1 << 26
 """The most bytes the compressed members of a ``torch.save`` archive may declare in all
 (``torch.save`` stores its members uncompressed: a compressed one is a later re-zip)."""
+MAX_INFLATED_PICKLE = 1 << 18
+"""The most bytes a compressed pickle member (``data.pkl``) may declare. Unpickling builds up
+to one object per byte (an ``EMPTY_SET`` opcode is one byte, its set 216), and the walk of
+:func:`check_value` adds its own record of each: 256 KiB of such a pickle costs 115 MiB and
+1.7 s of CPU, within a foreign file's bound of 256 MiB and 10 s; deflate at 1000:1 would otherwise
+let a 64 KiB file build 64 MiB of pickle (GBs). A stored pickle is bounded by the file's own
+size; trainers' pickles are KBs to a few MB, and stored."""
 
 _ZIP_MAGIC = b"PK\x03\x04"
 
@@ -70,10 +79,11 @@ _ZIP_MAGIC = b"PK\x03\x04"
 def check_archive(f: IO[bytes], path: Path, what: str = "") -> int:
     """Refuse a ``torch.save`` file (``f``, at its start) before torch reads it: a zip archive
     that is truncated, whose stored members declare more bytes than they hold, or whose
-    compressed members would inflate past :data:`MAX_INFLATED_BYTES` (from its central
-    directory: nothing inflated); and any whose pickle names a global of :data:`ALLOCATING`.
-    Returns the bytes it holds (its members' declared sizes, or the file's size for a file of
-    another kind, left to torch); ``f`` is left at its start."""
+    compressed members would inflate past :data:`MAX_INFLATED_BYTES` (a pickle past
+    :data:`MAX_INFLATED_PICKLE`; from its central directory: nothing inflated); and any whose
+    pickle names a global of :data:`ALLOCATING`. Returns the bytes it holds (its members'
+    declared sizes, or the file's size for a file of another kind, left to torch); ``f`` is
+    left at its start."""
     named = f"{what}: " if what else ""
     size = f.seek(0, 2)
     f.seek(0)
@@ -104,7 +114,8 @@ def check_archive(f: IO[bytes], path: Path, what: str = "") -> int:
 
 def _check_members(members: list[zipfile.ZipInfo], path: Path, named: str) -> None:
     """Each stored member holds the bytes it declares; the compressed ones inflate to at most
-    :data:`MAX_INFLATED_BYTES` in all."""
+    :data:`MAX_INFLATED_BYTES` in all, a compressed pickle to at most
+    :data:`MAX_INFLATED_PICKLE`."""
     inflated = 0
     for member in members:
         if member.compress_type == zipfile.ZIP_STORED:
@@ -115,6 +126,14 @@ def _check_members(members: list[zipfile.ZipInfo], path: Path, named: str) -> No
                     path=path,
                 )
         else:
+            if member.filename.endswith(".pkl") and member.file_size > MAX_INFLATED_PICKLE:
+                raise CheckpointError(
+                    f"{named}its pickle member {member.filename!r} is compressed and declares "
+                    f"{member.file_size} bytes uncompressed, more than {MAX_INFLATED_PICKLE} "
+                    "(torch.save stores its pickle uncompressed; unpickling builds an object "
+                    "per byte): refused before inflating",
+                    path=path,
+                )
             inflated += member.file_size
             if inflated > MAX_INFLATED_BYTES:
                 raise CheckpointError(

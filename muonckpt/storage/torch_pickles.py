@@ -81,7 +81,12 @@ def load(path: Path, stand_ins: Mapping[str, type], holds: str) -> Any:
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 _GLOBAL = re.compile(r"GLOBAL (\S+)")
-_BOILERPLATE = ("Weights only load failed", "Check the documentation", "In PyTorch 2.6")
+_BOILERPLATE = (
+    "Weights only load failed",
+    "Check the documentation",
+    "In PyTorch 2.6",
+    "Please file an issue",  # its line ends "WeightsUnpickler error:", the cause on the next
+)
 
 
 def refusal(exc: BaseException) -> str:
