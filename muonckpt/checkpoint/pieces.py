@@ -36,6 +36,7 @@ from ..format.manifest import (
 from ..format.manifest_json import parse_manifest, parse_manifest_chunks
 from ..format.names import INDEX_FILE, MANIFEST_NAME, MODEL_INDEX_FILE, rank_file
 from ..format.piece_index import parse_index
+from ..format.records import placed
 from ..layout.topology import Region, Strided, strided_runs
 
 _WHOLE_MANIFEST_BYTES = 16 << 20
@@ -497,12 +498,15 @@ def _unread_tensors(manifest: Manifest, reader: PieceReader) -> list[CheckpointE
     put there. Counted per file, names compared only where it holds more tensors than are
     named in it: with each tensor named once (reported with coverage:
     :func:`muonckpt.format.coverage.shared_tensors`) and present
-    (:meth:`PieceReader.check_header`), that is exactly where one is unread."""
+    (:meth:`PieceReader.check_header`), that is exactly where one is unread. Not checked
+    while a piece index is refused (its pieces are then not known)."""
+    if not manifest.complete:
+        return []
 
     def named() -> Iterator[tuple[str, str]]:
         model = manifest.model
-        for item in itertools.chain(manifest.pieces, model.pieces if model is not None else ()):
-            yield item.file, item.tensor
+        yield from placed(manifest.pieces)
+        yield from placed(model.pieces if model is not None else ())
         for _, tree in manifest.extra.trees() if manifest.extra is not None else ():
             yield from ((tensor.file, tensor.tensor) for tensor in tree.tensors)
 

@@ -19,7 +19,7 @@ import itertools
 from collections.abc import Iterable, Sequence
 
 from ..layout.topology import Range, matrix_view
-from .records import ParamEntry, Piece
+from .records import ParamEntry, Piece, placed
 
 
 def tensor_coverage(entry: ParamEntry, key: str, pieces: Sequence[Piece]) -> list[str]:
@@ -93,8 +93,7 @@ def shared_tensors(*groups: Sequence[Piece]) -> list[str]:
     twice."""
     seen: set[int] = set()
     twice: set[int] = set()
-    for piece in itertools.chain(*groups):
-        at = hash((piece.file, piece.tensor))
+    for at in map(hash, itertools.chain.from_iterable(map(placed, groups))):
         (twice if at in seen else seen).add(at)
     named: dict[tuple[str, str], Piece] = {}
     for piece in itertools.chain(*groups) if twice else ():
