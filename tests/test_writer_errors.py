@@ -41,6 +41,9 @@ CONDITIONS = {
     "path too long": f"{STAGING}: File name too long",
 }
 """Each condition, and what the line says after ``cannot``."""
+WRITTEN_FILES = (".safetensors)", ".distcp)", "/.metadata)", ".pt)", ".json)")
+"""How the file named ends where a write failed (the DCP and Megatron writers named the
+checkpoint's directory before)."""
 
 
 @pytest.fixture(scope="module")
@@ -237,10 +240,14 @@ def test_every_writer_refuses_in_one_line(outcomes, condition):
             lines = outcome["stderr"].splitlines()
             assert len(lines) == 1 and "Traceback" not in outcome["stderr"], (name, outcome)
             assert lines[0].startswith(f"error: {said}{where}"), (name, lines)
+            message = lines[0]
         else:
             assert outcome["raised"] == "CheckpointError", (name, outcome)
             assert f"{said}{where}" in outcome["message"], (name, outcome)
             assert "\n" not in outcome["message"], (name, outcome)
+            message = outcome["message"]
+        if condition in ("quota", "full disk"):  # the file not written, not its directory
+            assert message.endswith(WRITTEN_FILES), (name, message)
     assert seen["left"] in ([], None)  # nothing published, every staging directory removed
 
 

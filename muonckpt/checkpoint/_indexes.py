@@ -6,16 +6,17 @@ file holding pieces, written and made durable before the manifest that records t
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator
 from dataclasses import replace
 from pathlib import Path
 
 from .. import storage
 from ..errors import CheckpointError
-from ..format.manifest import FORMAT_VERSION, IndexEntry, Manifest, ParamEntry, Piece, PieceTable
+from ..format.manifest import FORMAT_VERSION, IndexEntry, Manifest, ParamEntry, Piece
 from ..format.manifest_json import parse_manifest_chunks
 from ..format.manifest_size import ManifestSize
 from ..format.piece_index import index_chunks, index_name, spans_of
+from ..format.records import placed
 from ..format.writeplan import TensorWrite
 
 
@@ -25,7 +26,7 @@ def write_indexes(staging: Path, manifest: Manifest, final: Path) -> Manifest:
     (:func:`muonckpt.storage.write_texts_durably`: all written, then fsynced in one parallel
     pass); the manifest as it is committed."""
     by_file: dict[str, array[int]] = {}  # rows: a million pieces are not made at once
-    for row, (file, _) in enumerate(_placed(manifest.pieces)):
+    for row, (file, _) in enumerate(placed(manifest.pieces)):
         by_file.setdefault(file, array("q")).append(row)
     names = tuple(entry.name for entry in manifest.params)
     position = {name: at for at, name in enumerate(names)}
@@ -53,13 +54,6 @@ def write_indexes(staging: Path, manifest: Manifest, final: Path) -> Manifest:
     return replace(
         manifest, format_version=FORMAT_VERSION, indexes=indexes, complete=True, stored_names=()
     )
-
-
-def _placed(pieces: Sequence[Piece]) -> Iterator[tuple[str, str]]:
-    """Each piece's (file, tensor key), from a :class:`PieceTable` without making the pieces."""
-    if isinstance(pieces, PieceTable):
-        return pieces.placed()
-    return ((p.file, p.tensor) for p in pieces)
 
 
 def check_manifest_fits(

@@ -13,7 +13,7 @@ import contextlib
 import itertools
 import os
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -36,6 +36,7 @@ from ..format.manifest import (
 from ..format.manifest_json import parse_manifest, parse_manifest_chunks
 from ..format.names import INDEX_FILE, MANIFEST_NAME, MODEL_INDEX_FILE, rank_file
 from ..format.piece_index import parse_index
+from ..format.records import placed
 from ..layout.topology import Region, Strided, strided_runs
 
 _WHOLE_MANIFEST_BYTES = 16 << 20
@@ -487,7 +488,45 @@ def verify(path: str | os.PathLike[str]) -> list[CheckpointError]:
                     )
                 except CheckpointError as exc:
                     problems.append(exc)
+        problems += _unread_tensors(manifest, reader)
     return _unique(problems)
+
+
+def _unread_tensors(manifest: Manifest, reader: PieceReader) -> list[CheckpointError]:
+    """(verify) The first tensor of each data file that no piece, model piece or tensor of
+    ``extra`` names: a writer stores none, and a piece pointed at it reads values no save
+    put there. Counted per file, names compared only where it holds more tensors than are
+    named in it: with each tensor named once (reported with coverage:
+    :func:`muonckpt.format.coverage.shared_tensors`) and present
+    (:meth:`PieceReader.check_header`), that is exactly where one is unread. Not checked
+    while a piece index is refused (its pieces are then not known)."""
+    if not manifest.complete:
+        return []
+
+    def named() -> Iterator[tuple[str, str]]:
+        model = manifest.model
+        yield from placed(manifest.pieces)
+        yield from placed(model.pieces if model is not None else ())
+        for _, tree in manifest.extra.trees() if manifest.extra is not None else ():
+            yield from ((tensor.file, tensor.tensor) for tensor in tree.tensors)
+
+    counts = Counter(file for file, _ in named())
+    problems = []
+    for entry in all_files(manifest):
+        try:
+            keys = reader.reader(entry.name).keys()
+        except CheckpointError:
+            continue  # reported with the pieces of the file
+        if len(keys) > counts[entry.name]:
+            read = {tensor for file, tensor in named() if file == entry.name}
+            unread = [key for key in keys if key not in read]
+            problems.append(
+                CheckpointError(
+                    f"tensor {unread[0]!r} is read by no piece ({len(unread)} such tensors)",
+                    path=reader.directory / entry.name,
+                )
+            )
+    return problems
 
 
 def _with_every_index(

@@ -4,6 +4,9 @@ The one check of a tensor's pieces that both ``verify`` (every param) and a load
 of its share, before any byte is applied) make, through
 :meth:`muonckpt.format.manifest.Manifest.coverage_problems`. Pure.
 
+Each piece is a stored tensor of its own (:func:`shared_tensors`): two naming one ``(file,
+tensor)`` would read one tensor's bytes as both, whatever the checksums say.
+
 Pieces that are column blocks of the tensor's matrix view, side by side (every TP layout a
 save or a rewrite writes), are checked block by block, one run per piece: a block of a large
 matrix is not walked row by row. Any other pieces are checked by their full-tensor flat runs
@@ -16,7 +19,7 @@ import itertools
 from collections.abc import Iterable, Sequence
 
 from ..layout.topology import Range, matrix_view
-from .records import ParamEntry, Piece
+from .records import ParamEntry, Piece, placed
 
 
 def tensor_coverage(entry: ParamEntry, key: str, pieces: Sequence[Piece]) -> list[str]:
@@ -80,3 +83,28 @@ def _first_fault(runs: Iterable[Range], end: int) -> tuple[int, int, str] | None
     if cursor != end:
         return cursor, end, "stored nowhere (gap)"
     return None
+
+
+def shared_tensors(*groups: Sequence[Piece]) -> list[str]:
+    """The first stored tensor (data file, tensor key) that two pieces of ``groups`` name;
+    none where each names its own. A row pointed at another stored tensor of its shape and
+    dtype, its checksums copied, passes every other check and reads that tensor's values.
+    Hashes first (a set of ints, not of a million names), then the names of hashes seen
+    twice."""
+    seen: set[int] = set()
+    twice: set[int] = set()
+    for at in map(hash, itertools.chain.from_iterable(map(placed, groups))):
+        (twice if at in seen else seen).add(at)
+    named: dict[tuple[str, str], Piece] = {}
+    for piece in itertools.chain(*groups) if twice else ():
+        at2 = (piece.file, piece.tensor)
+        if hash(at2) not in twice:
+            continue
+        other = named.setdefault(at2, piece)
+        if other is not piece:
+            return [
+                f"file {piece.file!r} tensor {piece.tensor!r} is read by two pieces, of param "
+                f"{other.param!r} state {other.key!r} and of param {piece.param!r} state "
+                f"{piece.key!r} (each piece is a tensor of its own)"
+            ]
+    return []

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from ..errors import ArgumentError, CheckpointError
-from .coverage import tensor_coverage
+from .coverage import shared_tensors, tensor_coverage
 from .names import PARAM_KEY
 from .records import (  # the records, named here too
     DIGEST_BYTES,
@@ -326,11 +326,14 @@ class Manifest:
         yield "\n}\n"
 
     def coverage_problems(self, names: Iterable[str] | None = None) -> list[str]:
-        """Gaps, overlaps and stray pieces: every stored tensor must hold each element once
-        (:func:`.coverage.tensor_coverage`). With ``names``, of those params alone (a load's
-        share, whose pieces the manifest holds all of: the indexes holding any of them were
-        read); else of every param and model tensor, and nothing is checked of a manifest
-        holding only some of its pieces."""
+        """Gaps, overlaps, stray pieces and pieces sharing a stored tensor: every stored tensor
+        must hold each element once (:func:`.coverage.tensor_coverage`), each piece in a tensor
+        of its own (:func:`.coverage.shared_tensors`). With ``names``, the coverage of those
+        params alone (a load's share, whose pieces the manifest holds all of: the indexes
+        holding any of them were read) and no two of the pieces held naming one tensor (every
+        piece of each data file they are in: one index lists a file's pieces); else of every
+        param and model tensor, and nothing is checked of a manifest holding only some of its
+        pieces."""
         everything = names is None
         if everything and not self.complete:
             return []
@@ -345,7 +348,8 @@ class Manifest:
                 covered += len(pieces)
                 problems += tensor_coverage(entry, key, pieces)
         if not everything:
-            return problems
+            return problems + shared_tensors(self.pieces)
+        problems += shared_tensors(self.pieces, self.model.pieces if self.model else ())
         if self.model is not None:
             held = defaultdict(list)
             for piece in self.model.pieces:

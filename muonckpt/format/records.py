@@ -266,6 +266,13 @@ class PieceTable(Sequence[Piece]):
         return f"PieceTable({len(self)} pieces: {shown}{', ...' if len(self) > 2 else ''})"
 
 
+def placed(pieces: Sequence[Piece]) -> Iterator[tuple[str, str]]:
+    """Each piece's (file, tensor key), from a :class:`PieceTable` without making the pieces."""
+    if isinstance(pieces, PieceTable):
+        return pieces.placed()
+    return ((p.file, p.tensor) for p in pieces)
+
+
 @dataclass(frozen=True)
 class ModelFile:
     """What a consolidated save given the model (``save(..., model=model)``) adds to

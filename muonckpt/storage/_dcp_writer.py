@@ -11,14 +11,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import queue
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX
+from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, FileSystem
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     MetadataIndex,
@@ -96,6 +98,22 @@ class FetchingPlanner(DefaultSavePlanner):
         return tensor.contiguous()
 
 
+class NamingFileSystem(FileSystem):
+    """torch's file system, its write errors naming the file written: a write or close that
+    fails (a full disk) raises an OSError without a file name, which then named only the
+    directory of the checkpoint."""
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[Any]:
+        try:
+            with super().create_stream(path, mode) as stream:
+                yield stream
+        except OSError as exc:
+            if exc.filename is None:
+                exc.filename = os.fspath(path)
+            raise
+
+
 class BoundedWriter(dcp.FileSystemWriter):  # type: ignore[name-defined,misc]  # not in the stubs
     """torch's writer, its tensors split over files of at most ``budget`` bytes (a larger
     tensor gets a file of its own): it keeps every tensor of a file until the file ends. The
@@ -103,10 +121,11 @@ class BoundedWriter(dcp.FileSystemWriter):  # type: ignore[name-defined,misc]  #
 
     def __init__(self, path: str, budget: int) -> None:
         super().__init__(path, thread_count=1, per_thread_copy_ahead=0)
+        self.fs = NamingFileSystem()
         self.budget = budget
 
     def write_data(self, plan: Any, planner: Any) -> Any:
-        files: queue.Queue[tuple[str, str, list[Any]]] = queue.Queue()
+        files: queue.Queue[tuple[str | os.PathLike[str], str, list[Any]]] = queue.Queue()
         for n, bucket in enumerate(b for b in self.buckets(plan.items) if b):
             name = f"{plan.storage_data.prefix}{n}{DEFAULT_SUFFIX}"
             files.put((self.fs.concat_path(self.path, name), name, bucket))

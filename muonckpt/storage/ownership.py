@@ -142,8 +142,10 @@ def check_target(
     overwrite: bool,
     *,
     source: str | os.PathLike[str] | None = None,
+    output: str | None = None,
 ) -> None:
-    """Raise :class:`CheckpointError` unless a checkpoint can be written at ``final``.
+    """Raise :class:`CheckpointError` unless a checkpoint (or the files of foreign format
+    ``output``, which never replace anything) can be written at ``final``.
 
     Refused, before anything is written: a name that cannot work (empty, ``.`` or ``..``, one
     shaped like muonckpt's own staging names, or too long for ``.NAME.staging-XXXXXXXX``); an
@@ -179,6 +181,12 @@ def check_target(
             break
     if not os.path.lexists(final):
         return
+    if output is not None:  # its writers never replace: --force would be refused
+        raise CheckpointError(
+            f"already exists; {output} output is never written over an existing path: remove "
+            "it or choose another",
+            path=final,
+        )
     if not overwrite:
         raise CheckpointError(
             "already exists; pass overwrite=True (--force) to replace it", path=final

@@ -59,7 +59,7 @@ def make_staging(
     """
     final = Path(final)
     with failing_as("create the staging directory", final):  # a stat of check_target's too
-        check_target(final, overwrite, source=source)
+        check_target(final, overwrite, source=source, output=output)
         token = _PRESET_TOKENS.pop(os.path.abspath(final), None) or uuid.uuid4().hex[:8]
         staging = staging_path(final, token)
         final.parent.mkdir(parents=True, exist_ok=True)
