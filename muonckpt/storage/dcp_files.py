@@ -26,7 +26,7 @@ from .dcp_metadata import (
     open_data_file,
 )
 from .dtypes import itemsize, torch_dtype
-from .durable import failing_as
+from .durable import failing_as, failure, system_error
 from .foreign_limits import check_archive, check_value, non_overlapping
 from .torch_pickles import refusal
 
@@ -214,5 +214,9 @@ def write_dcp(
         try:
             dcp.save(state, storage_writer=writer, planner=planner)  # type: ignore[attr-defined]
         except CheckpointException as exc:
-            # torch's wrapper of what failed in a step (a full disk, a source refused, Ctrl-C)
-            raise next(iter(exc.failures.values()))[0] from None
+            # torch's wrapper of what failed in a step (a full disk, a source refused, Ctrl-C):
+            # mapped here, as re-raising it would hide the OSError under a zip writer's
+            # RuntimeError behind the wrapper (its context becomes the CheckpointException)
+            first = next(iter(exc.failures.values()))[0]
+            cause = system_error(first)
+            raise (first if cause is None else failure("write", cause, directory)) from None
