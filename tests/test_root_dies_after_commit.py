@@ -39,7 +39,7 @@ dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=ti
 opt, sharded, d, t = build(2, 1, initial_params())
 train(opt, sharded, d, t, 0, 1)
 if rank == 0:  # killed right after its rename put the new checkpoint in place
-    storage.watch_commit(out, lambda: os.kill(os.getpid(), signal.SIGKILL))
+    storage.watch_commit(out, lambda: os.kill(os.getpid(), signal.SIGKILL), staging=None)
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     try:

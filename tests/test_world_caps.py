@@ -1,5 +1,5 @@
 """The most ranks an output is written for (issue 50, finding 4): ``--to deepspeed --world``,
-``--to megatron --tp x --dp`` and ``reshard --dp x --tp`` are capped at
+``--to megatron --tp`` and ``reshard --dp x --tp`` are capped at
 :data:`muonckpt.settings.MAX_WORLD` unless ``--allow-large-world`` is passed, and refused past
 the cap before anything is read or written, in one line naming the option, the cap and the
 override."""
@@ -58,7 +58,7 @@ def test_each_output_past_the_cap_is_refused_before_anything_is_written(sources,
         ["convert", str(ds), "--to", "deepspeed", "--world", "100000"], tmp_path / "b", "--world"
     )
     _refused(
-        ["convert", str(mcore), "--to", "megatron", "--tp", "1", "--dp", past],
+        ["convert", str(mcore), "--to", "megatron", "--tp", past, "--dp", "1"],
         tmp_path / "c",
         "--tp",
     )
@@ -82,3 +82,16 @@ def test_the_override_is_taken_by_the_writers_that_need_it_only(sources, tmp_pat
     )
     assert not_taken.exit_code == 2 and "--allow-large-world" in not_taken.output
     assert not (tmp_path / "t").exists()
+
+
+def test_a_megatron_output_caps_its_tp_only(sources, tmp_path):
+    """Megatron's torch_dist files hold global tensors in one chunk per TP rank, whatever the
+    DP size: a DP of 100,000 costs nothing and is taken, as a real job's DP of thousands is."""
+    listed = []
+    for dp in ("1", "100000"):
+        out = tmp_path / dp
+        args = ["convert", str(sources["megatron"]), "-o", str(out), "--to", "megatron"]
+        done = CliRunner().invoke(app, [*args, "--tp", "1", "--dp", dp])
+        assert done.exit_code == 0, done.output
+        listed.append(sorted(str(p.relative_to(out)) for p in out.rglob("*")))
+    assert listed[0] == listed[1]

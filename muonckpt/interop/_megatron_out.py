@@ -226,8 +226,8 @@ def to_megatron(
     momentum in EMA form (sum-form momentum converted by ``1 - mu``), AdamW's moments and
     step, the param groups' settings, and the bf16 model weights rounded from the masters.
     The files do not depend on ``dp`` (torch_dist's tensors are global), only the chunks on
-    ``tp``. More than :data:`muonckpt.settings.MAX_WORLD` ranks (``tp * dp``) need
-    ``allow_large_world``.
+    ``tp``: a ``tp`` past :data:`muonckpt.settings.MAX_WORLD` needs ``allow_large_world``,
+    and any ``dp`` is taken.
 
     Memory: one param's tensor at a time (each chunk of it read on its own).
     """
@@ -237,9 +237,7 @@ def to_megatron(
         raise OptionError(f"Megatron output is for {SOURCE!r}, not {to!r}", "--to")
     _check_sizes(tp, dp)
     assert tp is not None and dp is not None
-    settings.world_size(
-        tp * dp, "--tp x --dp", "one TP chunk or DP slice", allow_large=allow_large_world
-    )
+    settings.world_size(tp, "--tp", "one chunk of each tensor", allow_large=allow_large_world)
     directory, manifest = open_checkpoint(src)
     factors, optimizer, step, notes = _groups(manifest, directory)
     keys = _keys(manifest, factors, tp, directory)

@@ -214,33 +214,47 @@ def abandon_commits() -> None:
 
 
 _COMMIT_WATCHERS: dict[str, list[tuple[str | None, Callable[[], None]]]] = {}
-"""Target (absolute) -> (staging directory or None, what to call) (see watch_commit)."""
+"""Target (absolute) -> (staging directory (absolute) or None, what to call) (see
+watch_commit)."""
+_WATCHERS_LOCK = threading.Lock()
+"""Guards :data:`_COMMIT_WATCHERS`: two saves of one process to one path (in two threads)
+watch and unwatch it at once."""
 
 
 def watch_commit(
     final: str | os.PathLike[str],
     callback: Callable[[], None],
     *,
-    staging: str | os.PathLike[str] | None = None,
+    staging: str | os.PathLike[str] | None,
 ) -> None:
-    """Call ``callback()`` the moment a :func:`swap_in` of this process commits ``final`` (from
-    ``staging`` only, when given: another save of this process to the same path, committed
-    first, is not this one's commit): right after the rename, inside the commit lock, before
-    anything that could be interrupted. Whoever reports the outcome then knows a checkpoint was
-    committed even if the process is interrupted or killed a moment later (it must never say
-    "error" over a whole new one)."""
-    mine = None if staging is None else os.path.abspath(staging)
-    _COMMIT_WATCHERS.setdefault(os.path.abspath(final), []).append((mine, callback))
+    """Call ``callback()`` the moment a :func:`swap_in` of this process commits ``final`` from
+    ``staging`` (another save of this process to the same path, committed first, is not this
+    one's commit; None: any commit of ``final``, for a test's hook): right after the rename,
+    inside the commit lock, before anything that could be interrupted. Whoever reports the
+    outcome then knows a checkpoint was committed even if the process is interrupted or killed
+    a moment later (it must never say "error" over a whole new one)."""
+    with _WATCHERS_LOCK:
+        watchers = _COMMIT_WATCHERS.setdefault(os.path.abspath(final), [])
+        watchers.append((None if staging is None else os.path.abspath(staging), callback))
 
 
 def unwatch_commit(final: str | os.PathLike[str], callback: Callable[[], None]) -> None:
     """Undo :func:`watch_commit` (a no-op when ``callback`` is not watching ``final``)."""
     key = os.path.abspath(final)
-    watchers = [each for each in _COMMIT_WATCHERS.get(key, []) if each[1] is not callback]
-    if watchers:
-        _COMMIT_WATCHERS[key] = watchers
-    else:
-        _COMMIT_WATCHERS.pop(key, None)
+    with _WATCHERS_LOCK:
+        watchers = [each for each in _COMMIT_WATCHERS.get(key, []) if each[1] is not callback]
+        if watchers:
+            _COMMIT_WATCHERS[key] = watchers
+        else:
+            _COMMIT_WATCHERS.pop(key, None)
+
+
+def _watchers_of(final: Path, staging: Path) -> list[Callable[[], None]]:
+    """The callbacks watching the commit of ``final`` from ``staging``."""
+    mine = os.path.abspath(staging)
+    with _WATCHERS_LOCK:
+        watching = list(_COMMIT_WATCHERS.get(os.path.abspath(final), []))
+    return [callback for watched, callback in watching if watched in (None, mine)]
 
 
 def directory_identity(path: str | os.PathLike[str]) -> tuple[int, int] | None:
@@ -317,9 +331,8 @@ def swap_in(
                     lease.take(staging, "staging", output)
             raise
         lease.release(staging)
-        for watched, callback in list(_COMMIT_WATCHERS.get(os.path.abspath(final), [])):
-            if watched in (None, os.path.abspath(staging)):
-                callback()
+        for callback in _watchers_of(final, staging):
+            callback()
     _INTENT.pop(str(staging), None)
     if replaced is not None and not replaced.is_symlink():
         with contextlib.suppress(CheckpointError):  # without it, retire still deletes it
