@@ -200,9 +200,10 @@ def _rank_file(
         step = _step_value(value.step, group.step_in)
         if value.moments and step is not None:
             state["step"] = step
-        if state:
-            states[g] = state
+        states[g] = state
         param_groups.append({**group.settings, "params": [g]})
+    if not any(states.values()):  # before the first step: no state at all, as DeepSpeed saves
+        states = {}
     optimizer = {
         "dynamic_loss_scale": False,
         "overflow": False,
