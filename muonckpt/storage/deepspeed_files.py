@@ -23,7 +23,7 @@ from typing import Any
 
 from ..errors import CheckpointError
 from . import torch_pickles
-from .durable import failing_as, fsync_dir, read_text
+from .durable import failing_as, file_size, fsync_dir, read_text
 
 LATEST = "latest"
 MODEL_STATES = "mp_rank_00_model_states.pt"
@@ -166,13 +166,7 @@ def rank_files(directory: Path) -> list[Path]:
 
 def total_size(paths: list[Path]) -> int:
     """The bytes of the files ``paths`` together, as they are on disk (nothing read)."""
-    total = 0
-    for path in paths:
-        try:
-            total += path.stat().st_size
-        except OSError as exc:
-            raise CheckpointError(f"cannot read: {exc.strerror}", path=path) from None
-    return total
+    return sum(map(file_size, paths))
 
 
 def load(path: Path) -> Any:
