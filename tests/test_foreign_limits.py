@@ -121,6 +121,19 @@ print(json.dumps(runs))
 )
 
 
+def _measured(runs: list[list[str]]) -> tuple[list[str], list[dict[str, Any]]]:
+    """``muonckpt RUN`` for each of ``runs`` in one child under :data:`_MEASURE`, which must
+    end cleanly with no traceback: the ``error:`` lines and each run's exit code, extra memory
+    and CPU."""
+    done = subprocess.run(
+        [sys.executable, "-c", _MEASURE, json.dumps(runs)],
+        capture_output=True, text=True, timeout=180, cwd=REPO,
+    )  # fmt: skip
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
+    return errors, json.loads(done.stdout)
+
+
 @pytest.mark.dist
 def test_few_kb_hostile_files_through_the_cli_are_refused_in_bounded_memory_and_time(tmp_path):
     """A billion laughs in a param group of a Lightning ``.ckpt`` and of a DeepSpeed rank file,
@@ -138,17 +151,12 @@ def test_few_kb_hostile_files_through_the_cli_are_refused_in_bounded_memory_and_
         ["convert", str(expanded), "--from", "lightning", "-o", str(tmp_path / "b")],
         ["convert", str(ds), "-o", str(tmp_path / "c")],
     ]
-    done = subprocess.run(
-        [sys.executable, "-c", _MEASURE, json.dumps(runs)],
-        capture_output=True, text=True, timeout=180, cwd=REPO,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-2000:]
-    errors = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
-    assert len(errors) == 3 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    errors, measured = _measured(runs)
+    assert len(errors) == 3, errors
     said = (f"more than {limits.MAX_ELEMENTS} values", "strides [0]", "more than 4194304 values")
     for error, words, victim in zip(errors, said, victims, strict=True):
         assert words in error and str(victim) in error, error
-    for run in json.loads(done.stdout):
+    for run in measured:
         assert run["code"] == 2 and run["extra"] < ALLOWANCE and run["cpu"] < SECONDS, run
     assert not any((tmp_path / name).exists() for name in "abc")
 
@@ -191,19 +199,14 @@ def test_a_compressed_pickle_bomb_through_the_cli_is_bounded_at_the_limit_and_on
         out = str(tmp_path / f"{name}_out")
         runs.append(["convert", str(victims[-1]), "--from", "lightning", "-o", out])
     assert all(path.stat().st_size < 64 << 10 for path in victims)
-    done = subprocess.run(
-        [sys.executable, "-c", _MEASURE, json.dumps(runs)],
-        capture_output=True, text=True, timeout=180, cwd=REPO,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-2000:]
-    errors = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
-    assert len(errors) == 4 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    errors, measured = _measured(runs)
+    assert len(errors) == 4, errors
     for error, victim, size in zip(errors[:3], victims, [16 << 20, 16 << 20, limit + 1]):
         said = f"declares {size} bytes uncompressed, more than {limit}"
         assert said in error and "refused before inflating" in error, error
         assert str(victim) in error, error
     assert "holds no 'state_dict'" in errors[3] and str(victims[3]) in errors[3], errors[3]
-    for run in json.loads(done.stdout):
+    for run in measured:
         assert run["code"] == 2 and run["extra"] < ALLOWANCE and run["cpu"] < SECONDS, run
     assert not any(path.name.endswith("_out") for path in tmp_path.iterdir())
 
