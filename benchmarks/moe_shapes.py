@@ -6,8 +6,8 @@ norms, router, shared expert, embedding and head: 69,854 params) and a Moonlight
 hidden size, so that the metadata is real-sized and the data small.
 
 ``plan_rank`` plans one rank's share of an N-rank load without starting N processes, through
-the functions a real load calls (:func:`muonckpt.checkpoint.pieces.open_checkpoint` without
-the pieces, then :func:`~muonckpt.checkpoint.pieces.load_pieces` of the params the rank holds
+the functions a real load calls (:func:`muonckpt.files.pieces.open_checkpoint` without
+the pieces, then :func:`~muonckpt.files.pieces.load_pieces` of the params the rank holds
 under :func:`muonckpt.layout.topology.arrange`, the packaged Muon's layout).
 """
 
@@ -86,7 +86,7 @@ def held_names(manifest, dp: int, tp: int, rank: int) -> list[str]:
 def plan_rank(path: Path, dp: int, tp: int, rank: int) -> dict[str, float]:
     """One rank's load planned: the top level read, then the piece indexes of its params, as
     :func:`muonckpt.load` reads them; the metadata bytes read and the indexes opened."""
-    from muonckpt.checkpoint.pieces import indexes_for, load_pieces, open_checkpoint
+    from muonckpt.files.pieces import indexes_for, load_pieces, open_checkpoint
 
     directory, top = open_checkpoint(path, pieces=False)
     names = held_names(top, dp, tp, rank)

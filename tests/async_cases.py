@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 
 import muonckpt
-from muonckpt.checkpoint import writing
 from muonckpt.distributed import launch
+from muonckpt.files import writing
 
 from .fixture_model import build, initial_params, train
 from .world_signals import announce, await_event

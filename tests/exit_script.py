@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 import muonckpt
-from muonckpt.checkpoint import writing
+from muonckpt.files import writing
 
 MB = 128
 """Optimizer state per rank (AdamW's two moments), in MB; the param adds half as much."""

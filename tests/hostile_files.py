@@ -14,8 +14,11 @@ import torch
 from typer.testing import CliRunner
 
 from muonckpt.cli import app
-from muonckpt.interop import megatron
-from muonckpt.storage import dcp_files, dcp_metadata, deepspeed_files, megatron_files
+from muonckpt.interop.dcp import files as dcp_files
+from muonckpt.interop.dcp import metadata as dcp_metadata
+from muonckpt.interop.deepspeed import files as deepspeed_files
+from muonckpt.interop.megatron import files as megatron_files
+from muonckpt.interop.megatron import reader as megatron
 
 FIXTURES = Path(__file__).parent / "fixtures"
 DEEPSPEED = FIXTURES / "deepspeed" / "w2_z1_torchadam_fp32" / "ckpt"

@@ -30,7 +30,7 @@ pytestmark = pytest.mark.dist
 HELPER = r"""
 from pathlib import Path
 from muonckpt import storage
-from muonckpt.checkpoint import writing
+from muonckpt.files import writing
 from muonckpt.storage import safetensors_writer
 
 def stop_at(moment):
@@ -160,7 +160,7 @@ import torch.distributed as dist
 torch.set_num_threads(1)
 import muonckpt
 from muonckpt import storage
-from muonckpt.checkpoint import writing
+from muonckpt.files import writing
 from tests.fixture_model import build, initial_params, train
 
 ckpt, victim = sys.argv[1], sys.argv[2]

@@ -206,7 +206,7 @@ def test_a_save_in_flight_when_the_script_ends_is_finished_or_the_exit_says_so(
 FORKING_SCRIPT = """
 import os, sys, threading
 import muonckpt
-from muonckpt.checkpoint import writing
+from muonckpt.files import writing
 from tests.fixture_model import single_process_optimizer
 forked, write_files = threading.Event(), writing.write_files
 writing.write_files = lambda *args, **kwargs: forked.wait() and write_files(*args, **kwargs)
@@ -232,7 +232,7 @@ def test_a_forked_child_leaves_its_parents_save_to_the_parent(tmp_path):
 CHILD_SAVING_SCRIPT = """
 import os, sys, threading
 import muonckpt
-from muonckpt.checkpoint import writing
+from muonckpt.files import writing
 from tests.fixture_model import single_process_optimizer
 forked, write_files = threading.Event(), writing.write_files
 writing.write_files = lambda *args, **kwargs: forked.wait() and write_files(*args, **kwargs)
@@ -293,7 +293,7 @@ def test_a_save_from_an_atexit_handler_is_committed(tmp_path, imported, how):
 FAILING_AT_EXIT_SCRIPT = """
 import atexit, sys
 import muonckpt
-from muonckpt.checkpoint import writing
+from muonckpt.files import writing
 from tests.fixture_model import single_process_optimizer
 def no_space(*args, **kwargs):
     raise OSError(28, "No space left on device")

@@ -673,7 +673,7 @@ def test_same_numel_shape_edit_of_an_unsplit_param_is_caught_in_a_consolidated_c
 def test_a_checkpoint_replaced_while_read_says_so_not_missing_file(tmp_path):
     """A reader that opened a per-rank checkpoint, replaced meanwhile by a consolidated one (other
     files): the race is named, not reported as damage."""
-    from muonckpt.checkpoint.pieces import PieceReader, open_checkpoint
+    from muonckpt.files.pieces import PieceReader, open_checkpoint
     from muonckpt.layout.topology import whole_region
 
     target = muonckpt.save(_single_process_opt(1), tmp_path / "ckpt")

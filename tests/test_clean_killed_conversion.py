@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 import muonckpt
-from muonckpt.interop import megatron
+from muonckpt.interop.megatron import reader as megatron
 
 from .fixture_model import single_process_optimizer
 from .kill_helpers import REPO
@@ -29,7 +29,8 @@ import torch.distributed.checkpoint  # once, not in each child
 torch.set_num_threads(1)  # no OpenMP pool to inherit across fork
 import muonckpt.interop
 from muonckpt.cli import main
-from muonckpt.storage import dcp_files, deepspeed_files
+from muonckpt.interop.dcp import files as dcp_files
+from muonckpt.interop.deepspeed import files as deepspeed_files
 
 def killed_after(original):
     def call(*args, **kwargs):

@@ -524,7 +524,7 @@ def failing_ranks(root: str, src: str) -> dict[str, str]:
     """(in 2 gloo ranks) Three collective writes, each with one rank raising a non-library
     error; returns what every rank raised."""
     from muonckpt import storage
-    from muonckpt.checkpoint import writing
+    from muonckpt.files import writing
     from muonckpt.offline import tools as offline
 
     seen = {}
@@ -589,7 +589,7 @@ def test_a_step_turns_any_exception_into_the_protocol_error_naming_rank_type_and
 
 
 def test_a_data_file_truncated_before_the_commit_is_not_published(tmp_path, monkeypatch):
-    from muonckpt.checkpoint import writing
+    from muonckpt.files import writing
 
     from .fixture_model import single_process_optimizer
 

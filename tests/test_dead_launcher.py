@@ -169,7 +169,8 @@ import torch
 import torch.distributed as dist
 torch.set_num_threads(1)
 import muonckpt
-from muonckpt.checkpoint import saving, writing
+from muonckpt.checkpoint import saving
+from muonckpt.files import writing
 from muonckpt.errors import PeerLostError
 from tests.fixture_model import build, initial_params, train
 

@@ -29,8 +29,8 @@ from muonckpt import CheckpointError, ConversionWarning, offline
 from muonckpt.cli import app
 from muonckpt.demo import ToyModel, local_params
 from muonckpt.distributed.launch import run_distributed
+from muonckpt.interop.deepspeed import files as deepspeed_files
 from muonckpt.layout.topology import LayoutOptions
-from muonckpt.storage import deepspeed_files
 
 FIXTURES = Path(__file__).parent / "fixtures" / "deepspeed"
 NAMES = sorted(p.parent.name for p in FIXTURES.glob("*/truth.safetensors"))

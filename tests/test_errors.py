@@ -144,7 +144,7 @@ def test_an_interruption_after_the_commit_names_the_committed_checkpoint(
 
 def test_an_interruption_before_the_commit_is_raised_as_it_was(opt, tmp_path, monkeypatch):
     """An interruption before the commit is the interruption itself: nothing was committed."""
-    from muonckpt.checkpoint import writing
+    from muonckpt.files import writing
 
     def interrupted(*args: object, **kwargs: object) -> None:
         raise KeyboardInterrupt

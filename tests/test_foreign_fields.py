@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 
 import muonckpt
 from muonckpt.cli import app
-from muonckpt.storage import deepspeed_files
+from muonckpt.interop.deepspeed import files as deepspeed_files
 
 from .hostile_files import (
     ACCELERATE,

@@ -27,7 +27,9 @@ import pytest
 import torch
 
 from muonckpt import CheckpointError, MuonCkptError, offline
-from muonckpt.storage import deepspeed_files, hf_files, megatron_files
+from muonckpt.interop import _trainer_files as hf_files
+from muonckpt.interop.deepspeed import files as deepspeed_files
+from muonckpt.interop.megatron import files as megatron_files
 from muonckpt.storage import foreign_limits as limits
 
 from .conftest import REPO
@@ -254,8 +256,9 @@ def _megatron_dist_common(tmp_path: Path, change) -> Path:
     """A copy of a Megatron torch_dist checkpoint whose common state is ``change``'s (its
     ``args`` left out: their stand-in is not for saving), appended to a data file as DCP
     stores a value."""
-    from muonckpt.interop import megatron
-    from muonckpt.storage import dcp_files, dcp_metadata
+    from muonckpt.interop.dcp import files as dcp_files
+    from muonckpt.interop.dcp import metadata as dcp_metadata
+    from muonckpt.interop.megatron import reader as megatron
 
     root = Path(shutil.copytree(MEGATRON / "tp1_dp2" / "checkpoint", tmp_path))
     directory = root / "iter_0000003"

@@ -17,10 +17,10 @@ import torch
 
 import muonckpt
 from muonckpt import CheckpointError, offline, storage
-from muonckpt.checkpoint import pieces as pieces_module
-from muonckpt.checkpoint._indexes import write_indexes
-from muonckpt.checkpoint.pieces import indexes_for, load_pieces, read_manifest
 from muonckpt.distributed.launch import run_distributed
+from muonckpt.files import pieces as pieces_module
+from muonckpt.files._indexes import write_indexes
+from muonckpt.files.pieces import indexes_for, load_pieces, read_manifest
 from muonckpt.format.manifest import FORMAT_VERSION, PER_RANK, Manifest, ParamEntry, Piece
 from muonckpt.format.names import MANIFEST_NAME, rank_file, tensor_key
 from muonckpt.layout.topology import ParamSpec, Topology, arrange

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from muonckpt.storage import deepspeed_files
+from muonckpt.interop.deepspeed import files as deepspeed_files
 
 from .hostile_files import DEEPSPEED, MCORE, PEAK_RSS, TITAN, refused, rewrite_dcp
 

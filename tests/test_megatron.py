@@ -18,8 +18,9 @@ import muonckpt
 from muonckpt import CheckpointError, ConversionWarning, offline
 from muonckpt.cli import app
 from muonckpt.errors import OptionError
-from muonckpt.interop import megatron
-from muonckpt.storage import dcp_files, dcp_metadata
+from muonckpt.interop.dcp import files as dcp_files
+from muonckpt.interop.dcp import metadata as dcp_metadata
+from muonckpt.interop.megatron import reader as megatron
 
 FIXTURES = Path(__file__).parent / "fixtures" / "megatron"
 NAMES = sorted(p.parent.name for p in FIXTURES.glob("*/truth.safetensors"))
@@ -277,7 +278,7 @@ def _packaged_groups(manifest) -> list[dict]:
 
 def _split_dims(manifest) -> dict[str, int]:
     """Megatron's own TP split of each param (``layout.megatron_tp``)."""
-    from muonckpt.layout.megatron_tp import partition_dim
+    from muonckpt.interop.megatron.tp_chunks import partition_dim
 
     dims = {e.name: partition_dim(e.name) for e in manifest.params}
     return {n: d for n, d in dims.items() if d is not None}

@@ -22,8 +22,9 @@ from typer.testing import CliRunner
 import muonckpt
 from muonckpt import CheckpointError
 from muonckpt.cli import app
-from muonckpt.interop import megatron
-from muonckpt.storage import dcp_metadata, megatron_files
+from muonckpt.interop.dcp import metadata as dcp_metadata
+from muonckpt.interop.megatron import files as megatron_files
+from muonckpt.interop.megatron import reader as megatron
 
 from . import hostile_files
 from .hostile_files import refused

@@ -1,8 +1,8 @@
 """No pickle in muonckpt's own format, and DCP's pickled metadata read only through the
-restricted unpickler: no pickle import outside muonckpt/storage/dcp_metadata.py, where pickle
+restricted unpickler: no pickle import outside muonckpt/interop/dcp/metadata.py, where pickle
 serves only as the base class of an Unpickler that defines find_class (no pickle.load, loads,
 dump, dumps, plain Unpickler); no torch.load without weights_only=True; DCP written only by
-torch's writer (muonckpt/storage/dcp_files.py)."""
+torch's writer (muonckpt/interop/dcp/files.py)."""
 
 import ast
 from pathlib import Path

@@ -1,6 +1,6 @@
 """The column-wise piece store (:class:`muonckpt.format.records.PieceTable`), the grouping by
 tensor over it (:class:`muonckpt.format.manifest.PieceIndex`) and the merge of ranks' reports
-into one table in (file, tensor) order (:class:`muonckpt.checkpoint._reports.Reports`)."""
+into one table in (file, tensor) order (:class:`muonckpt.files._reports.Reports`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from muonckpt.checkpoint._reports import Reports, Written
+from muonckpt.files._reports import Reports, Written
 from muonckpt.format.manifest import Piece, PieceIndex, PieceTable
 from muonckpt.format.names import tensor_key
 from muonckpt.layout.topology import Region

@@ -21,9 +21,9 @@ from typer.testing import CliRunner
 
 import muonckpt
 from muonckpt import CheckpointError
-from muonckpt.checkpoint.retention import Cleaned, complete_checkpoints, prune
 from muonckpt.cli import app
 from muonckpt.errors import CheckpointWarning
+from muonckpt.files.retention import Cleaned, complete_checkpoints, prune
 from muonckpt.format.names import MANIFEST_NAME, rank_file
 
 from .fixture_model import build, initial_params, train

@@ -21,9 +21,10 @@ import muonckpt
 from muonckpt import offline
 from muonckpt.cli import app
 from muonckpt.format.names import rank_file
-from muonckpt.interop import torchtitan
+from muonckpt.interop.dcp import files as dcp_files
+from muonckpt.interop.dcp import metadata as dcp_metadata
+from muonckpt.interop.torchtitan import reader as torchtitan
 from muonckpt.offline import tools
-from muonckpt.storage import dcp_files, dcp_metadata
 
 from .test_torchtitan import SOURCES
 from .tiny_gpt import TinyGPT, optimizers, train

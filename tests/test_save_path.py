@@ -32,8 +32,10 @@ from muonckpt.distributed.launch import run_distributed
 
 from .fixture_model import build, initial_params, single_process_optimizer, train
 
-_SAVING, _WRITING = "muonckpt.checkpoint.saving", "muonckpt.checkpoint.writing"
+_SAVING, _WRITING = "muonckpt.checkpoint.saving", "muonckpt.files.writing"
 _API, _LOADING = "muonckpt.checkpoint.api", "muonckpt.checkpoint.loading"
+_PER_MODULE = ("muonckpt.checkpoint.", "muonckpt.files.")
+"""Packages whose modules are told apart: save and load, and the files' engine."""
 
 SAVE_STEPS = {
     (_SAVING, "agree"): "describe and agree",
@@ -41,9 +43,9 @@ SAVE_STEPS = {
     (_WRITING, "stage"): "stage",
     (_SAVING, "plan"): "plan",
     (_SAVING, "write"): "write",
-    (_WRITING, "commit_save"): "commit",
+    (_SAVING, "commit"): "commit",
     (_WRITING, "retire"): "retire",
-    ("muonckpt.checkpoint.retention", "prune"): "prune",
+    ("muonckpt.files.retention", "prune"): "prune",
 }
 """(module, function) of each step of a save, as the entry point calls them."""
 
@@ -98,7 +100,7 @@ def _module(frame: FrameType | None) -> str | None:
     name = frame.f_globals.get("__name__", "") if frame is not None else ""
     if not name.startswith("muonckpt."):
         return None
-    return name if name.startswith("muonckpt.checkpoint.") else ".".join(name.split(".")[:2])
+    return name if name.startswith(_PER_MODULE) else ".".join(name.split(".")[:2])
 
 
 def _package_stack(frame: FrameType) -> list[tuple[str, bool]]:
@@ -133,7 +135,7 @@ def _return_up(stack: list[tuple[str, bool]]) -> str | None:
     for module, handed_down in stack:
         if handed_down and len(reduced) >= 2 and reduced[-2] == module:
             reduced.pop()  # Y ran work X handed it: back in X
-        elif module in reduced and module.startswith("muonckpt.checkpoint."):
+        elif module in reduced and module.startswith(_PER_MODULE):
             return " -> ".join([*reduced, module])
         elif module in reduced:
             del reduced[reduced.index(module) + 1 :]
@@ -157,7 +159,7 @@ def _traced(steps: dict[tuple[str, str], str], work: Callable[[], Any]) -> Trace
 def test_the_tracer_finds_a_callback_up_the_stack():
     """The rule catches the crossings of issue 31, and passes the step protocol's callbacks."""
     down, back = False, True  # entered by a call down, or through a closure handed down
-    api, saving, writing = (f"muonckpt.checkpoint.{name}" for name in ("api", "saving", "writing"))
+    api, saving, writing = _API, _SAVING, _WRITING
     steps = [(writing, down), ("steps", down), ("collectives", down), ("steps", back)]
     check = [(api, down), (saving, down), *steps, (saving, back)]
     assert _return_up(check) == f"{api} -> {saving} -> {writing} -> steps -> {saving}"

@@ -21,7 +21,7 @@ import torch
 
 import muonckpt
 from muonckpt import CheckpointError, storage
-from muonckpt.checkpoint.pieces import PieceReader, open_checkpoint
+from muonckpt.files.pieces import PieceReader, open_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 

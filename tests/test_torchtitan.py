@@ -20,8 +20,10 @@ from typer.testing import CliRunner
 import muonckpt
 from muonckpt import CheckpointError, ConversionWarning
 from muonckpt.cli import app
-from muonckpt.interop import registry, torchtitan
-from muonckpt.storage import dcp_files, dcp_metadata
+from muonckpt.interop import registry
+from muonckpt.interop.dcp import files as dcp_files
+from muonckpt.interop.dcp import metadata as dcp_metadata
+from muonckpt.interop.torchtitan import reader as torchtitan
 
 FIXTURES = Path(__file__).parent / "fixtures" / "torchtitan"
 SOURCES = {"manager": FIXTURES / "checkpoint", "get_state_dict": FIXTURES / "getsd"}

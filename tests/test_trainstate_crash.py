@@ -22,7 +22,7 @@ pytestmark = pytest.mark.dist
 
 HELPER = r"""
 from muonckpt import storage
-from muonckpt.checkpoint import writing
+from muonckpt.files import writing
 from muonckpt.storage import safetensors_writer
 
 def stop_at(moment):

@@ -22,9 +22,10 @@ import pytest
 from typer.testing import CliRunner
 
 from muonckpt import interop
-from muonckpt.checkpoint.pieces import PieceReader
 from muonckpt.cli import app
-from muonckpt.interop import deepspeed, megatron
+from muonckpt.files.pieces import PieceReader
+from muonckpt.interop.deepspeed import reader as deepspeed
+from muonckpt.interop.megatron import reader as megatron
 
 from .conftest import REPO
 
@@ -301,7 +302,7 @@ from pathlib import Path
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 import torch
 from muonckpt import CheckpointError
-from muonckpt.storage import dcp_files
+from muonckpt.interop.dcp import files as dcp_files
 resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
 tensor = torch.randn(2048, 1024)
 try:

@@ -1,4 +1,4 @@
-"""Property tests of DeepSpeed ZeRO-1/2's group layout (muonckpt.layout.zero_partitions),
+"""Property tests of DeepSpeed ZeRO-1/2's group layout (muonckpt.interop.deepspeed.partitions),
 checked against a direct transcription of DeepSpeed 0.19.8's own arithmetic
 (``stage_1_and_2.py``: the aligned flat buffer, ``get_data_parallel_partitions``,
 ``groups_padding``, ``get_partition_info``)."""
@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from muonckpt import LayoutError
-from muonckpt.layout.zero_partitions import group_layout
+from muonckpt.interop.deepspeed.partitions import group_layout
 
 SETTINGS = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 numels = st.lists(st.integers(0, 300), min_size=1, max_size=12)

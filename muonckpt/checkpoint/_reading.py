@@ -12,6 +12,7 @@ import torch
 
 from .. import storage
 from ..errors import CheckpointError, StateDictError
+from ..files.pieces import PieceReader
 from ..format import conversion
 from ..format.manifest import Manifest, ParamEntry, Scalar
 from ..format.names import MANIFEST_NAME, PARAM_KEY
@@ -20,7 +21,6 @@ from ..state.arena import ReadArena
 from ..state.describers import flat_params
 from ..state.sharding_model import ParamSharding
 from ._taking import Share, Staged, Target, scalar_value
-from .pieces import PieceReader
 
 
 def read_share(

@@ -1,7 +1,7 @@
 """(internal) The manifest of a save: a :class:`ManifestDraft` of what is known at the call
 (made by :func:`muonckpt.checkpoint.saving.plan`), completed on the root at the commit from the
 ranks' reports of what they wrote (:func:`complete`, called by
-:func:`muonckpt.checkpoint.writing.commit_save`)."""
+:func:`muonckpt.checkpoint.saving.commit`)."""
 
 from __future__ import annotations
 
@@ -22,10 +22,10 @@ from ..format.manifest import (
 from ..format.manifest_json import extra_from_json
 from ..format.names import PARAM_KEY
 
-if TYPE_CHECKING:  # (no torch here: the offline tools' write path imports this module)
+if TYPE_CHECKING:
+    from ..files.writing import Reports
     from ..state.model_state import ModelTensors
     from ..state.sharding_model import Sharding
-    from ._reports import Reports
 
 
 @dataclass(frozen=True)

@@ -30,10 +30,11 @@ import torch
 from .. import settings, storage
 from ..distributed.steps import failure_line
 from ..errors import CheckpointError, MuonCkptError
+from ..files import retention, writing
+from ..files.directory_steps import DirectorySteps
 from ..state.hostcopy import HostBuffers
 from ..state.placement import Joined, Optimizers, optimizers_of
-from . import retention, saving, writing
-from ._directory_steps import DirectorySteps
+from . import saving
 from .loading import LoadReport, load
 from .options import SaveOptions
 
@@ -138,7 +139,7 @@ def _write_and_commit(
     caller's thread (:func:`save`) or the background (:func:`async_save`, over ``steps``
     through the mailbox)."""
     written = saving.write(prepared)  # this rank's files: its report, or its failure
-    replaced = writing.commit_save(steps, prepared.staging, final, written, prepared.draft)
+    replaced = saving.commit(steps, prepared.staging, final, written, prepared.draft)
     committed = writing.retire(steps, replaced, final)
     if steps.is_root and keep_last is not None:
         retention.prune(committed.parent, keep_last, keep=committed)
@@ -175,7 +176,7 @@ def async_save(
     files in a directory beside the target, ``.NAME.steps-XXXXXXXX``, which every rank must
     see (as they must see the staging directory they write into): each rank reports its
     write there, rank 0 commits when every report is in and leaves the outcome for the others
-    (:class:`muonckpt.checkpoint._directory_steps.DirectorySteps`). Callbacks added to the
+    (:class:`muonckpt.files.directory_steps.DirectorySteps`). Callbacks added to the
     returned future run in that background thread, so they must not use the process groups
     either.
 
@@ -335,7 +336,7 @@ def _finish_saves_at_exit(*, in_atexit_handler: bool = False) -> None:
     save whose error nobody read on stderr, one line, and end the process with exit code 1.
 
     Registered with ``threading._register_atexit`` after :mod:`concurrent.futures` (which
-    :mod:`muonckpt.checkpoint.writing` imports), so it runs before concurrent.futures' own exit
+    :mod:`muonckpt.files.writing` imports), so it runs before concurrent.futures' own exit
     hook, which makes every ThreadPoolExecutor refuse new work ("cannot schedule new futures after
     interpreter shutdown") while the non-daemon threads still run: a save waited for only as
     a non-daemon thread failed there, and nobody saw its error. A failure must not pass for a

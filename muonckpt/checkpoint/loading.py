@@ -9,7 +9,7 @@ share and hands it to the optimizers (torch's ``load_state_dict``, the trim pass
 stateful values of ``extra`` / ``rank_extra`` to theirs, each of which may refuse
 (``_read_and_take``); the ``read`` step then finds whether every rank did; only then are the loaded
 values copied into the tensors kept and the params (``_apply``). A rank's refusal before a step
-travels as data (:class:`~muonckpt.checkpoint._attempt.Attempt`) and fails that step on every
+travels as data (:class:`~muonckpt.files.attempt.Attempt`) and fails that step on every
 rank.
 
 Every rank reads the manifest and then only the bytes of the pieces overlapping its own share,
@@ -50,6 +50,8 @@ from .. import storage
 from ..distributed import collectives, group_steps
 from ..distributed.steps import disagreement
 from ..errors import CheckpointError, ConversionWarning
+from ..files.attempt import Attempt
+from ..files.pieces import PieceReader, load_pieces, open_checkpoint
 from ..format import conversion, kinds
 from ..format.manifest import Manifest
 from ..format.names import MANIFEST_NAME
@@ -68,9 +70,7 @@ from ..state.placement import (
 )
 from ..state.sharding_model import Sharding
 from . import _reading
-from ._attempt import Attempt
 from ._taking import Taken, Target, put_back
-from .pieces import PieceReader, load_pieces, open_checkpoint
 
 
 @dataclass
@@ -325,7 +325,7 @@ def _read_and_take(call: _LoadCall, opened: _Opened, mapped: Attempt[Target]) ->
 
 def _read_here(target: Target, params: bool) -> list[str]:
     """The params of which this rank reads elements (its state, its values): whose piece
-    indexes it reads (:func:`muonckpt.checkpoint.pieces.load_pieces`)."""
+    indexes it reads (:func:`muonckpt.files.pieces.load_pieces`)."""
     names = []
     for p in target.sharding.params:
         if p.local_index is None:

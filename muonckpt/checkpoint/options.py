@@ -43,7 +43,7 @@ class SaveOptions:
     step as its manifest records it: ``step-10`` beside ``step-30``, never ``seed2-step-10``
     beside ``seed1-step-30``) so that ``keep_last`` remain, the new one always among them. A
     new checkpoint that records no step, or whose name does not hold it once, deletes nothing
-    and warns (:func:`muonckpt.checkpoint.retention.prune`)."""
+    and warns (:func:`muonckpt.files.retention.prune`)."""
     model: torch.nn.Module | None = None
     """With ``consolidated``, the model the params belong to (the optimizer's param names must
     be its ``state_dict()`` names): ``model.safetensors`` then holds its whole

@@ -4,7 +4,7 @@ refusal, and where it holds state, which the ``stage`` step's root checks: :func
 :func:`plan` (once the ranks agreed in the ``stage`` step: the consolidated gather, the
 checked write plan and the manifest's draft), and :func:`write` (this rank's files, in the
 caller's thread or the background), which :mod:`muonckpt.checkpoint.api` calls in turn
-between the steps of :mod:`muonckpt.checkpoint.writing`."""
+between the steps of :mod:`muonckpt.files.writing`."""
 
 from __future__ import annotations
 
@@ -20,12 +20,15 @@ import torch
 from .. import storage
 from ..distributed import collectives, group_steps
 from ..errors import CheckpointError
+from ..files import retention, writing
+from ..files.attempt import Attempt
 from ..format import conversion
 from ..format.manifest import (
     CONSOLIDATED,
     PER_RANK,
     Extra,
     GroupEntry,
+    Manifest,
     ParamEntry,
     Scalar,
     extra_to_json,
@@ -46,8 +49,7 @@ from ..state.model_state import ModelTensors, model_tensors
 from ..state.placement import Optimizers, describe, optimizers_of, participants, replica_hint
 from ..state.sharding_model import Sharding
 from ..state.values import ParamState, PlainValue, ScalarValue, StateValue, TensorValue, state_value
-from . import retention, writing
-from ._attempt import Attempt
+from . import _save_manifest
 from ._save_manifest import ManifestDraft
 from .options import SaveOptions
 
@@ -99,7 +101,7 @@ class Collected:
 def collect(call: SaveCall, buffers: HostBuffers) -> Attempt[Collected]:
     """This rank's :class:`Collected`, or its refusal (a value a checkpoint could not hold or
     load back, a manifest past the readers' limit), which the ``stage`` step
-    (:func:`muonckpt.checkpoint.writing.stage`) raises on every rank."""
+    (:func:`muonckpt.files.writing.stage`) raises on every rank."""
     try:
         return Attempt(_collected(call, buffers))
     except BaseException as exc:
@@ -191,7 +193,7 @@ def plan(call: SaveCall, collected: Collected, staging: Path, buffers: HostBuffe
 def write(prepared: PreparedSave) -> Attempt[writing.Written]:
     """This rank's files: its plan checked against what it collected, its tensors, the job's
     own state (``extra`` by the root); its report for the root, or its failure, which the
-    ``write`` step (:func:`muonckpt.checkpoint.writing.commit_save`) raises on every rank."""
+    ``write`` step (:func:`muonckpt.checkpoint.saving.commit`) raises on every rank."""
     try:
         return Attempt(_write(prepared))
     except BaseException as exc:
@@ -467,3 +469,22 @@ def _group_entries(optimizer: Optimizers, sharding: Sharding) -> list[GroupEntry
         names = tuple(sharding.params[i].name for i in sharding.members(g))
         groups.append(GroupEntry(hyperparams=hyper, params=names, optimizer=computes.to_json()))
     return groups
+
+
+def commit(
+    steps: writing.Steps,
+    staging: Path,
+    final: str | os.PathLike[str],
+    written: Attempt[writing.Written],
+    draft: ManifestDraft,
+) -> writing.Replaced | None:
+    """A save's ``write`` step: every rank hands in what it ``written`` (or its failure, which
+    fails the step on every rank), the root completes ``draft`` from the reports and commits
+    (:func:`muonckpt.files.writing.commit`); the checkpoint this replaced, for
+    :func:`muonckpt.files.writing.retire`. A failure discards the staging directory; one after
+    the commit is a warning (:func:`muonckpt.files.writing.after_commit`)."""
+
+    def manifest(reports: writing.Reports) -> Manifest:
+        return _save_manifest.complete(draft, reports)
+
+    return writing.write_step(steps, staging, Path(final), written.result, manifest)

@@ -6,7 +6,7 @@ Pure: the index's text (:func:`index_chunks`) and its reading back with schema c
 (:func:`parse_index`); which indexes hold which params (:class:`IndexEntry.params`, spans of
 positions in the manifest's ``params``). The bytes and the checksum of each index are recorded
 in the top-level manifest (:class:`IndexEntry`); reading and checking them is
-:mod:`muonckpt.checkpoint.pieces`. docs/format.md section 3a specifies the text.
+:mod:`muonckpt.files.pieces`. docs/format.md section 3a specifies the text.
 """
 
 from __future__ import annotations

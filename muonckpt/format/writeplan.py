@@ -5,7 +5,7 @@ Every way of producing a checkpoint (``save`` per rank or consolidated, ``consol
 ``reshard``, ``convert``) first builds a :class:`WritePlan`, the counterpart of DCP's
 ``SavePlan``: the output files, and for every output tensor which elements (a
 :class:`~muonckpt.layout.topology.Region` of the full tensor) of which param's state it holds, with
-its dtype and stored shape. The plan is checked when it is made; :mod:`muonckpt.checkpoint.writing`
+its dtype and stored shape. The plan is checked when it is made; :mod:`muonckpt.files.writing`
 then writes it and commits the directory, the same way for every source of bytes. Between two
 layouts a plan is the design's one idea: a copy plan from the pieces that hold the elements
 to the pieces that will.
@@ -263,7 +263,7 @@ class _FilesOf(Mapping[str, Sequence[TensorWrite]]):
 
 
 Plan = WritePlan | PerRankPlan
-"""What :mod:`muonckpt.checkpoint.writing` writes: a plan made whole, or one per-rank file at a
+"""What :mod:`muonckpt.files.writing` writes: a plan made whole, or one per-rank file at a
 time."""
 
 

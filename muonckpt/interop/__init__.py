@@ -16,12 +16,12 @@ writers share :mod:`._foreign_out`'s.
 from __future__ import annotations
 
 from ._torch_optim import TrainerConversion
-from .accelerate import from_accelerate, is_accelerate
-from .dcp import LAYOUTS, DcpConversion, from_dcp, is_dcp, to_dcp
-from .deepspeed import DeepSpeedConversion, from_deepspeed, is_deepspeed, to_deepspeed
+from .accelerate.reader import from_accelerate, is_accelerate
+from .dcp.reader import LAYOUTS, DcpConversion, from_dcp, is_dcp, to_dcp
+from .deepspeed.reader import DeepSpeedConversion, from_deepspeed, is_deepspeed, to_deepspeed
 from .foreign import Conversion, ForeignFormat
-from .lightning import from_lightning, is_lightning
-from .megatron import MegatronConversion, from_megatron, is_megatron, to_megatron
+from .lightning.reader import from_lightning, is_lightning
+from .megatron.reader import MegatronConversion, from_megatron, is_megatron, to_megatron
 from .registry import FORMATS, detect, format_named, reading
 from .routes import MUONCKPT, Route, route
 

@@ -12,8 +12,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from ..checkpoint import writing
-from ..checkpoint.writing import Progress
+from ..files import writing
+from ..files.writing import Progress
 from ..format import kinds
 from ..format.manifest import Manifest, ModelFile, ParamEntry, PieceTable
 from ..format.names import PARAM_KEY

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .. import storage
-from ..checkpoint.pieces import PieceReader
+from ..files.pieces import PieceReader
 from ..format.manifest import Manifest, ParamEntry, PieceIndex
 from ..layout.topology import whole_region
 
@@ -21,7 +21,9 @@ if TYPE_CHECKING:
 
 
 @contextmanager
-def staged_output(dst: str | os.PathLike[str], source: Path, output: str) -> Iterator[Path]:
+def staged_output(
+    dst: str | os.PathLike[str], source: Path, output: storage.Output
+) -> Iterator[Path]:
     """A staging directory beside ``dst`` (which must not exist) to write the files of foreign
     format ``output`` into, published at ``dst`` when the block ends; if anything fails, it is
     discarded (only the files the format writes, then the lease, which records the format:

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..checkpoint.writing import Progress
 from ..errors import CheckpointError, StateDictError
+from ..files.writing import Progress
 from ..format import kinds
 from ..format.conversion import converted_manifest
 from ..format.manifest import (

@@ -10,8 +10,13 @@ from __future__ import annotations
 import os
 
 from ..errors import OptionError
-from . import accelerate, dcp, deepspeed, lightning, megatron, torchtitan
+from .accelerate import reader as accelerate
+from .dcp import reader as dcp
+from .deepspeed import reader as deepspeed
 from .foreign import ForeignFormat
+from .lightning import reader as lightning
+from .megatron import reader as megatron
+from .torchtitan import reader as torchtitan
 
 __all__ = ["FORMATS", "detect", "format_named", "reading"]
 

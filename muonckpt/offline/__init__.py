@@ -8,8 +8,8 @@ they carry), :mod:`.examine` (summarize, diff),
 
 from __future__ import annotations
 
-from ..checkpoint.pieces import open_checkpoint
-from ..checkpoint.writing import Progress
+from ..files.pieces import open_checkpoint
+from ..files.writing import Progress
 from ..interop import (
     LAYOUTS,
     DcpConversion,

@@ -2,7 +2,7 @@
 ``diff`` / ``iter_diff`` (what ``muonckpt diff`` prints), returning the typed results of
 :mod:`muonckpt.offline.inspection`.
 
-Both read through :func:`muonckpt.checkpoint.pieces.open_checkpoint` and :class:`PieceReader`
+Both read through :func:`muonckpt.files.pieces.open_checkpoint` and :class:`PieceReader`
 (checksums verified on every read); ``diff`` streams its rows, one tensor pair in reused buffers at
 a time, and converts momentum across implementations by the map ``load`` uses. Re-exported by
 :mod:`muonckpt.offline.tools`, the offline tools' namespace.
@@ -20,8 +20,8 @@ from typing import Any
 import numpy as np
 
 from .. import settings, storage
-from ..checkpoint.pieces import PieceReader, open_checkpoint
 from ..errors import CheckpointError, MuonCkptError
+from ..files.pieces import PieceReader, open_checkpoint
 from ..format import kinds
 from ..format.manifest import ExtraValues, Manifest, ParamEntry, Piece, PieceIndex
 from ..format.names import PARAM_KEY

@@ -3,7 +3,7 @@
 Library functions behind the ``muonckpt`` CLI, driven by a checkpoint's manifest and the pure
 layout math of :mod:`muonckpt.layout.topology`. All file I/O goes through :mod:`muonckpt.storage`
 and
-:class:`muonckpt.checkpoint.pieces.PieceReader` (which verifies checksums on every read). A
+:class:`muonckpt.files.pieces.PieceReader` (which verifies checksums on every read). A
 single-process ``consolidate`` or ``reshard`` does not import torch.
 
 ``consolidate`` and ``reshard`` first plan the whole output (a :class:`_Job`: files, and which
@@ -35,10 +35,10 @@ from pathlib import Path
 from typing import Any
 
 from .. import settings, storage
-from ..checkpoint import writing
-from ..checkpoint.pieces import PieceReader, open_checkpoint
-from ..checkpoint.writing import Progress
 from ..errors import ArgumentError, CheckpointError, LayoutError
+from ..files import writing
+from ..files.pieces import PieceReader, open_checkpoint
+from ..files.writing import Progress
 from ..format.conversion import converted_manifest
 from ..format.manifest import (
     CONSOLIDATED,
@@ -388,7 +388,7 @@ def _processes(workers: int, job: _Job, dst: str | os.PathLike[str]) -> int:
 
 def _check_manifest(job: _Job, dst: str | os.PathLike[str]) -> None:
     """Refuse ``job`` before anything is written when its manifest would pass the readers'
-    limit (:func:`muonckpt.checkpoint.writing.check_manifest_fits`; the params' pieces, which
+    limit (:func:`muonckpt.files.writing.check_manifest_fits`; the params' pieces, which
     the piece indexes list)."""
     writes = _model.params_writes(job.manifest, job.plan.iter_writes())
     writing.check_manifest_fits(job.manifest.params, writes, dst)

@@ -21,10 +21,10 @@ from pathlib import Path
 from typing import Any
 
 from .. import storage
-from ..checkpoint import writing
-from ..checkpoint.writing import Progress
 from ..distributed import collectives, launch
 from ..errors import CheckpointError, CheckpointWarning, MuonCkptError
+from ..files import writing
+from ..files.writing import Progress
 
 
 def scaled_progress(progress: Progress, total: int, tensors: int) -> Progress:

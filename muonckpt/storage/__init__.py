@@ -58,7 +58,7 @@ from .durable import (
     write_text_atomic,
     write_texts_durably,
 )
-from .lease import leftover
+from .lease import Output, leftover
 from .mailbox import Mailbox, is_mailbox, mailbox_path
 from .ownership import check_target, is_ours, ownership_problem
 from .reader_cache import ReaderCache
@@ -86,6 +86,7 @@ __all__ = [
     "MAX_TEXT_BYTES",
     "CheckpointStore",
     "Mailbox",
+    "Output",
     "PosixStore",
     "ReaderCache",
     "SafetensorsReader",

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Protocol
 
 from .durable import entries, fsync_dir, write_text_atomic
+from .lease import Output
 from .transaction import discard, make_staging, remove_checkpoint, retire, swap_in
 
 StrPath = str | os.PathLike[str]
@@ -37,7 +38,7 @@ class CheckpointStore(Protocol):
         overwrite: bool,
         *,
         source: StrPath | None = None,
-        output: str | None = None,
+        output: Output | None = None,
     ) -> Path:
         """A fresh staging directory for a checkpoint at ``final`` (or for the files of
         foreign format ``output``: what a discard, or ``clean`` after a crash, then deletes),

@@ -7,51 +7,17 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable
 from pathlib import Path
 
-from . import deepspeed_files, lease, megatron_files
-from .dcp_metadata import DATA_SUFFIX, METADATA_NAME
+from . import lease
 
 
-def _dcp(name: str) -> bool:
-    """DCP's ``.metadata`` (and its temporary) and ``*.distcp`` data files."""
-    return name.startswith(METADATA_NAME) or name.endswith(DATA_SUFFIX)
-
-
-def _deepspeed(name: str) -> bool:
-    """``latest``, the tag directory (``NAME/``) and its ``.pt`` files."""
-    head, _, rest = name.partition("/")
-    return name == deepspeed_files.LATEST or (
-        bool(head) and "/" not in rest and (not rest or rest.endswith(".pt")) and "/" in name
-    )
-
-
-def _megatron(name: str) -> bool:
-    """``latest_checkpointed_iteration.txt`` (and its temporary), ``iter_NNNNNNN/`` and its
-    files."""
-    latest = megatron_files.LATEST
-    head, slash, rest = name.partition("/")
-    if not slash:
-        return name == latest or name.startswith(f".{latest}.tmp-")
-    return bool(megatron_files.ITERATION_DIR.fullmatch(head)) and "/" not in rest
-
-
-WRITTEN: dict[str, Callable[[str], bool]] = {
-    "dcp": _dcp,
-    "deepspeed": _deepspeed,
-    "megatron": _megatron,
-}
-"""Foreign format -> whether a path in its staging directory is one its writer writes (a
-subdirectory's files by their paths in it, ``"global_step3/x.pt"``; a subdirectory as
-``"NAME/"``)."""
-
-
-def remove_written(directory: Path, output: str) -> list[str]:
-    """Delete from ``directory`` what the writer of ``output`` writes (:data:`WRITTEN`), then,
-    last, the lease and the directory if that emptied it. Nothing else is deleted, nothing
-    through a symlink. Returns what is kept, as ``"NAME (why)"``."""
-    ours, kept = WRITTEN[output], []
+def remove_written(directory: Path, output: lease.Output) -> list[str]:
+    """Delete from ``directory`` what the writer of ``output`` writes
+    (:meth:`.lease.Output.wrote`), then, last, the lease and the directory if that emptied it.
+    Nothing else is deleted, nothing through a symlink. Returns what is kept, as
+    ``"NAME (why)"``."""
+    ours, kept = output.wrote, []
 
     def remove(folder: Path, prefix: str) -> None:
         try:

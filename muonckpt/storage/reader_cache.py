@@ -47,7 +47,7 @@ class ReaderCache:
     """Open readers by path, least recently used closed first past ``limit``.
 
     Thread-safe. A reader returned stays usable until ``limit`` other files were asked for
-    since, so a caller uses it right away (as :class:`muonckpt.checkpoint.pieces.PieceReader` does,
+    since, so a caller uses it right away (as :class:`muonckpt.files.pieces.PieceReader` does,
     one piece at a time) and asks again for the next read.
     """
 

@@ -151,7 +151,7 @@ def prefetched(
     Reading (page-cache copies, xxhash) and writing (write, xxhash) both release the GIL, so a
     reader one tensor ahead of the writer keeps two cores busy. At most two produced values are
     alive, and ``produce`` for item ``i + 2`` starts only once the consumer is done with item
-    ``i``: a :class:`~muonckpt.checkpoint.pieces.PieceReader` with ``reuse_outputs=2`` can produce
+    ``i``: a :class:`~muonckpt.files.pieces.PieceReader` with ``reuse_outputs=2`` can produce
     them.
     """
     if not items:

@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointError
-from .dcp_metadata import one_line
 from .durable import open_failure, open_regular
 from .foreign_limits import check_archive, check_value
 
@@ -101,3 +100,8 @@ def refusal(exc: BaseException) -> str:
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     said = [line for line in lines if not line.startswith(_BOILERPLATE)]
     return one_line(Exception((said or lines or [""])[0]))
+
+
+def one_line(exc: BaseException) -> str:
+    """An exception's message in an error line: one line, at most 200 characters."""
+    return " ".join(str(exc).split())[:200]

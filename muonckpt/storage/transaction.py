@@ -48,11 +48,11 @@ def make_staging(
     overwrite: bool,
     *,
     source: str | os.PathLike[str] | None = None,
-    output: str | None = None,
+    output: lease.Output | None = None,
 ) -> Path:
     """A fresh ``.NAME.staging-XXXXXXXX`` directory beside ``final``, holding only its lease
     (:mod:`.lease`), which this process holds until :func:`swap_in` or :func:`discard`; for
-    the files of foreign format ``output`` (:data:`.outputs.WRITTEN`), recorded in the lease.
+    the files of foreign format ``output`` (:class:`.lease.Output`), recorded in the lease.
 
     :func:`check_target` first (nothing is created when it refuses), then the missing parents
     and the staging directory itself.
@@ -130,7 +130,7 @@ def discard(staging: str | os.PathLike[str], *, quiet: bool = False) -> list[str
         return ["the symlink itself"]
     output = lease.recorded_output(staging)
     try:
-        if output in outputs.WRITTEN:
+        if output is not None:
             left = outputs.remove_written(staging, output)
         else:
             left = _remove_ours(staging)

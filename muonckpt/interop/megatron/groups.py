@@ -10,11 +10,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import CheckpointError
-from ..format import kinds
-from ..format.manifest import json_safe
-from ..storage.megatron_files import Namespace
-from ._fields import shown
+from ...errors import CheckpointError
+from ...format import kinds
+from ...format.manifest import json_safe
+from .._fields import shown
+from .files import Namespace
 
 MUON = kinds.MEGATRON
 ADAMW = "torch.optim.AdamW"
@@ -59,7 +59,7 @@ param groups do not hold, taken where the checkpoint has no ``args``."""
 
 def kind(group: Group, args: Any) -> kinds.GroupKind:
     """The group's optimizer kind; ``args``: the checkpoint's training args (a
-    :class:`~muonckpt.storage.megatron_files.Namespace`) or None."""
+    :class:`~muonckpt.interop.megatron.files.Namespace`) or None."""
     if group.role == "adamw":
         return kinds.GroupKind(ADAMW, "adamw", step_in="tensor")
     given = vars(args) if isinstance(args, Namespace) else {}

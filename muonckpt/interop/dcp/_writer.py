@@ -28,11 +28,11 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-from ..errors import CheckpointError
-from .dtypes import torch_dtype
+from ...errors import CheckpointError
+from ...storage.dtypes import torch_dtype
 
 if TYPE_CHECKING:
-    from .dcp_files import Region
+    from .files import Region
 
 TensorPlan = Mapping[str, tuple[tuple[int, ...], str]]
 """fqn -> (shape, safetensors dtype) of each tensor written."""

@@ -1,5 +1,5 @@
 """DeepSpeed ZeRO-1/2 output: any muonckpt checkpoint as DeepSpeed's own files for ``world``
-ranks (:func:`to_deepspeed`, the writer of :mod:`muonckpt.interop.deepspeed`'s format).
+ranks (:func:`to_deepspeed`, the writer of :mod:`muonckpt.interop.deepspeed.reader`'s format).
 
 DeepSpeed loads them at that world size as if it had saved them there
 (``engine.load_checkpoint``: ``_load_legacy_checkpoint`` takes rank ``r``'s own file):
@@ -7,7 +7,7 @@ DeepSpeed loads them at that world size as if it had saved them there
 included), ``param_shapes`` and ``dp_world_size``; and per rank
 ``<tag>/zero_pp_rank_{r}_mp_rank_00_optim_states.pt``, its fp32 master slice of each group,
 the aux Adam's moment slices and step, and for a Muon group the whole EMA momentum of each
-matrix the slice overlaps, laid out by :func:`muonckpt.layout.zero_partitions.group_layout`.
+matrix the slice overlaps, laid out by :func:`muonckpt.interop.deepspeed.partitions.group_layout`.
 Only plain tensors, dicts, lists, numbers and strings are written (``torch.save``); a
 DeepSpeed class is never named, so ``param_slice_mappings`` and the loss scaler are left out
 (DeepSpeed's load reads neither).
@@ -21,15 +21,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .. import settings
-from ..errors import CheckpointError, OptionError
-from ..format import kinds
-from ..format.manifest import Manifest
-from ..format.names import PARAM_KEY
-from ..layout.zero_partitions import GroupLayout, group_layout
-from ..storage import deepspeed_files, make_directory
-from ._foreign_out import not_carried, read_whole, staged_output
-from .foreign import Conversion
+from ... import settings
+from ...errors import CheckpointError, OptionError
+from ...format import kinds
+from ...format.manifest import Manifest
+from ...format.names import PARAM_KEY
+from ...storage import make_directory
+from .._foreign_out import not_carried, read_whole, staged_output
+from ..foreign import Conversion
+from . import files as deepspeed_files
+from .partitions import GroupLayout, group_layout
 
 OPTIMIZER = kinds.DEEPSPEED
 """How a checkpoint names the optimizer of DeepSpeed's groups."""
@@ -43,7 +44,7 @@ DS_VERSION = "0.19.8"
 
 @dataclass(frozen=True)
 class DeepSpeedConversion(Conversion):
-    """What :func:`~muonckpt.interop.deepspeed.from_deepspeed` or :func:`to_deepspeed` wrote,
+    """What :func:`~muonckpt.interop.deepspeed.reader.from_deepspeed` or :func:`to_deepspeed` wrote,
     and what it left out; its ``layout`` is ``ZeRO-S, world N``."""
 
 
@@ -78,7 +79,7 @@ def _out_groups(manifest: Manifest, directory: Path) -> tuple[list[_OutGroup], l
     DeepSpeed wrote keeps its groups, order and settings; any other becomes DeepSpeed's own
     grouping of one incoming group: the Muon groups first, their params largest shape first
     (``MuonWithAuxAdam`` sorts them so), then the Adam groups, in the checkpoint's order."""
-    from ..format.conversion import group_kind
+    from ...format.conversion import group_kind
 
     out, notes = [], []
     own = all(
@@ -138,7 +139,7 @@ def _out_values(reader: Any, manifest: Manifest, group: _OutGroup, world: int) -
     """Read a group's params and state from the muonckpt checkpoint, as DeepSpeed lays them."""
     import torch
 
-    from .. import storage
+    from ... import storage
 
     entries = [manifest.param(n) for n in group.names]
     layout = group_layout([e.numel for e in entries], world)
@@ -286,7 +287,7 @@ def to_deepspeed(
 
     Memory: the whole optimizer state once, plus one rank's file.
     """
-    from ..checkpoint.pieces import PieceReader, open_checkpoint
+    from ...files.pieces import PieceReader, open_checkpoint
 
     if to != SOURCE:
         raise OptionError(f"DeepSpeed output is for {SOURCE!r}, not {to!r}", "--to")
@@ -303,7 +304,7 @@ def to_deepspeed(
         values = [_out_values(reader, manifest, group, world) for group in groups]
     step = manifest.recorded_step or max((v.step or 0 for v in values), default=0)
     tag = f"global_step{step}"
-    with staged_output(dst, directory, SOURCE) as staging:
+    with staged_output(dst, directory, deepspeed_files.OUTPUT) as staging:
         tag_dir = make_directory(staging / tag)
         for rank in range(world):
             deepspeed_files.save(

@@ -21,11 +21,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import CheckpointError
-from . import torch_pickles
-from .durable import failing_as, file_size, fsync_dir, read_text
+from ...errors import CheckpointError
+from ...storage import Output, torch_pickles
+from ...storage.durable import failing_as, file_size, fsync_dir, read_text
 
 LATEST = "latest"
+OUTPUT = Output("deepspeed", (re.escape(LATEST), r"[^/]+/", r"[^/]+/[^/]*\.pt"))
+"""What its writer writes (:class:`muonckpt.storage.Output`): ``latest``, the tag directory
+and its ``.pt`` files."""
 MODEL_STATES = "mp_rank_00_model_states.pt"
 DEEPSPEED_FILE = re.compile(
     r"^(?:(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states|mp_rank_(\d+)_model_states)\.pt$"

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import itertools
 
-from ..errors import LayoutError
+from ...errors import LayoutError
 
 __all__ = ["EXTRA_STATE_MODULES", "Region", "chunks", "partition_dim"]
 

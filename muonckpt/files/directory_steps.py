@@ -14,7 +14,7 @@ from ..errors import CheckpointError, MuonCkptError
 
 
 class DirectorySteps(StepProtocol):
-    """:class:`~muonckpt.checkpoint.writing.Steps` whose messages are files of a
+    """:class:`~muonckpt.files.writing.Steps` whose messages are files of a
     :class:`~muonckpt.storage.Mailbox`, for the ranks of a background save (which must not use
     the job's process groups).
 

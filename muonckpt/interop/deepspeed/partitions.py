@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..errors import LayoutError
+from ...errors import LayoutError
 
 START_ALIGNMENT = 2
 """DeepSpeed's ``nccl_start_alignment_factor``: the buffer is a multiple of it per rank."""

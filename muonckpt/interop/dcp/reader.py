@@ -8,8 +8,8 @@ checkpoint for a muonckpt family, params included, momentum converted from the f
 family that wrote it (``source``: a DCP checkpoint does not record its optimizer).
 :func:`to_dcp` writes any muonckpt checkpoint as DCP for a DTensor family, which
 ``torch.distributed.checkpoint.load`` reads at any world size. Both stream one tensor at a
-time; all DCP file access is :mod:`muonckpt.storage.dcp_metadata`'s and
-:mod:`muonckpt.storage.dcp_files`'s. :data:`FORMAT` is DCP as the registry holds it.
+time; all DCP file access is :mod:`muonckpt.interop.dcp.metadata`'s and
+:mod:`muonckpt.interop.dcp.files`'s. :data:`FORMAT` is DCP as the registry holds it.
 """
 
 from __future__ import annotations
@@ -22,12 +22,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..checkpoint.pieces import PieceReader, open_checkpoint
-from ..checkpoint.writing import Progress
-from ..errors import CheckpointError, StateDictError
-from ..format import kinds
-from ..format.conversion import converted_manifest, group_kind, step_scalar
-from ..format.manifest import (
+from ...errors import CheckpointError, StateDictError
+from ...files.pieces import PieceReader, open_checkpoint
+from ...files.writing import Progress
+from ...format import kinds
+from ...format.conversion import converted_manifest, group_kind, step_scalar
+from ...format.manifest import (
     CONSOLIDATED,
     GroupEntry,
     Manifest,
@@ -36,12 +36,13 @@ from ..format.manifest import (
     Scalar,
     json_safe,
 )
-from ..format.names import PARAM_KEY
-from ..storage import dcp_files, dcp_metadata
-from ._consolidated import conversion_notes, split_experts_of, summarized, write_consolidated
-from ._dcp_model import ModelItems, model_others_of
-from ._foreign_out import not_carried, read_whole, staged_output
-from .foreign import Conversion, ForeignFormat
+from ...format.names import PARAM_KEY
+from .._consolidated import conversion_notes, split_experts_of, summarized, write_consolidated
+from .._foreign_out import not_carried, read_whole, staged_output
+from ..foreign import Conversion, ForeignFormat
+from . import files as dcp_files
+from . import metadata as dcp_metadata
+from .model_items import ModelItems, model_others_of
 
 __all__ = ["FORMAT", "LAYOUTS", "DcpConversion", "from_dcp", "is_dcp", "to_dcp"]
 
@@ -417,7 +418,7 @@ def to_dcp(
     _add_optimizer(out, manifest, family, directory)
     _add_model(out, manifest)
     with (
-        staged_output(dst, directory, "dcp") as staging,
+        staged_output(dst, directory, dcp_metadata.OUTPUT) as staging,
         PieceReader(directory, manifest) as reader,
     ):
         fetch = _WholeTensors(out.sources, manifest, reader)

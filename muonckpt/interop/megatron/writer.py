@@ -6,7 +6,7 @@ Written as Megatron's ``dist_checkpointing.save`` writes for ``--ckpt-format tor
 (the ``dp_reshardable`` format: ``chained_0.`` the Muon optimizer, ``chained_1.`` AdamW):
 ``ROOT/latest_checkpointed_iteration.txt``, ``ROOT/iter_NNNNNNN`` with DCP's ``.metadata``
 and ``.distcp`` files and ``metadata.json``. Each key is one global tensor in the chunks
-Megatron's ranks write at TP ``tp`` (:mod:`muonckpt.layout.megatron_tp`), the decoder's
+Megatron's ranks write at TP ``tp`` (:mod:`muonckpt.interop.megatron.tp_chunks`), the decoder's
 layers stacked again: the bf16 model weights (the fp32 masters rounded, as Megatron's
 mixed-precision optimizer makes them), ``chained_N.optimizer.state.{fp32_param,
 momentum_buffer, exp_avg, exp_avg_sq}.KEY``, the linear modules' empty ``_extra_state``, and
@@ -25,20 +25,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .. import settings, storage
-from ..errors import CheckpointError, LayoutError, OptionError
-from ..format import kinds
-from ..format.conversion import group_kind
-from ..format.manifest import Manifest
-from ..format.names import PARAM_KEY
-from ..layout import megatron_tp
-from ..storage import dcp_files
-from ..storage.megatron_files import LATEST
-from ._foreign_out import not_carried, read_whole, staged_output
-from .foreign import Conversion
+from ... import settings, storage
+from ...errors import CheckpointError, LayoutError, OptionError
+from ...format import kinds
+from ...format.conversion import group_kind
+from ...format.manifest import Manifest
+from ...format.names import PARAM_KEY
+from .._foreign_out import not_carried, read_whole, staged_output
+from ..dcp import files as dcp_files
+from ..foreign import Conversion
+from . import files as megatron_files
+from . import tp_chunks as megatron_tp
+from .files import LATEST
 
 if TYPE_CHECKING:
-    from ..checkpoint.pieces import PieceReader
+    from ...files.pieces import PieceReader
 
 SOURCE = "megatron"
 MUON = kinds.MEGATRON
@@ -231,7 +232,7 @@ def to_megatron(
 
     Memory: one param's tensor at a time (each chunk of it read on its own).
     """
-    from ..checkpoint.pieces import PieceReader, open_checkpoint
+    from ...files.pieces import PieceReader, open_checkpoint
 
     if to != SOURCE:
         raise OptionError(f"Megatron output is for {SOURCE!r}, not {to!r}", "--to")
@@ -244,7 +245,7 @@ def to_megatron(
     tensors, chunks = _tensors_and_chunks(keys, tp)
     iteration = manifest.recorded_step or step or 0
     values = _values(keys, optimizer, iteration)
-    with staged_output(dst, directory, SOURCE) as staging:
+    with staged_output(dst, directory, megatron_files.OUTPUT) as staging:
         iteration_dir = storage.make_directory(staging / f"iter_{iteration:07d}")
         with PieceReader(directory, manifest) as reader:
             fetch = _LayerBlocks(keys, tensors, manifest, reader)

@@ -4,7 +4,7 @@ For jobs that are preempted and resumed: :func:`latest` names the checkpoint to 
 :func:`prune` bounds the disk a run's checkpoints take. Both look only at the directories
 directly under the root, and count only complete checkpoints: a directory (not a symlink,
 not a staging name of ours) whose manifest parses and whose every listed file is there at its
-size (:func:`muonckpt.checkpoint.pieces.size_problems`; no checksums are read). Anything else (a
+size (:func:`muonckpt.files.pieces.size_problems`; no checksums are read). Anything else (a
 save still in progress or interrupted, a half-deleted checkpoint, a damaged one, the user's own
 files and directories) is skipped, never an error.
 """

@@ -16,13 +16,13 @@ of a :class:`Steps` protocol:
 
 The offline tools hand their work down (:func:`write_checkpoint`). A save takes the steps one
 call at a time, each handed data: the outcome of what each rank did before a step
-(:class:`~muonckpt.checkpoint._attempt.Attempt`: its values, or its refusal, which the step
+(:class:`~muonckpt.files.attempt.Attempt`: its values, or its refusal, which the step
 raises on every rank) and, for the commit, the manifest's draft
-(:func:`commit_save`).
+(:func:`muonckpt.checkpoint.saving.commit`).
 
 Across ranks the steps are :class:`muonckpt.distributed.group_steps.CollectiveSteps`, or for a
 background save, which must not use the job's process groups,
-:class:`~muonckpt.checkpoint._directory_steps.DirectorySteps` (messages as files); in one
+:class:`~muonckpt.files.directory_steps.DirectorySteps` (messages as files); in one
 process :class:`LocalSteps`. This module itself never calls torch.distributed and imports
 torch only where a tensor crosses, so a single-process offline tool runs without it.
 """
@@ -60,12 +60,11 @@ from ..format.names import MANIFEST_NAME
 from ..format.writeplan import Plan, TensorWrite, specs_of
 from ..layout.workplan import WorkUnit, split_work
 from ..storage.safetensors_writer import prefetched
-from . import _indexes, _save_manifest
-from ._attempt import Attempt
+from . import _indexes
 from ._indexes import check_manifest_fits as check_manifest_fits
 from ._reports import Reports as Reports
 from ._reports import Written as Written
-from ._save_manifest import ManifestDraft
+from .attempt import Attempt
 from .pieces import all_files
 
 
@@ -232,29 +231,11 @@ def finish(
     read, only a manifest its own reader accepts) and, when a checkpoint was replaced, the
     ``retire`` step; a failure discards the staging directory."""
     final = Path(final)
-    replaced = _write_step(steps, staging, final, lambda: write(staging), manifest, seal, source)
+    replaced = write_step(steps, staging, final, lambda: write(staging), manifest, seal, source)
     return retire(steps, replaced, final)
 
 
-def commit_save(
-    steps: Steps,
-    staging: Path,
-    final: str | os.PathLike[str],
-    written: Attempt[Written],
-    draft: ManifestDraft,
-) -> Replaced | None:
-    """A save's ``write`` step: every rank hands in what it ``written`` (or its failure, which
-    fails the step on every rank), the root completes ``draft`` from the reports and commits
-    (:func:`commit`); the checkpoint this replaced, for :func:`retire`. A failure discards the
-    staging directory; one after the commit is a warning (:func:`after_commit`)."""
-
-    def manifest(reports: Reports) -> Manifest:
-        return _save_manifest.complete(draft, reports)
-
-    return _write_step(steps, staging, Path(final), written.result, manifest)
-
-
-def _write_step(
+def write_step(
     steps: Steps,
     staging: Path,
     final: Path,

@@ -13,9 +13,10 @@ the model's own order, of the master's shape whose weight is the master so round
 param or more than one is (params of equal values: a checkpoint saved before any step, say),
 the mapping cannot be known and the checkpoint is refused, naming the file and the item. At DP
 1 the ids also run in the model's order, and that is checked. TP shards are joined along
-Megatron's partition dims (:func:`~muonckpt.layout.megatron_tp.partition_dim`); names are the
-torch_dist checkpoint's (the local spec's ``input_layernorm.`` as
-``self_attention.linear_qkv.layer_norm_``), so both formats convert to the same checkpoint.
+Megatron's partition dims
+(:func:`~muonckpt.interop.megatron.tp_chunks.partition_dim`); names are the torch_dist
+checkpoint's (the local spec's ``input_layernorm.`` as ``self_attention.linear_qkv.layer_norm_``),
+so both formats convert to the same checkpoint.
 """
 
 from __future__ import annotations
@@ -28,19 +29,19 @@ from typing import Any
 
 import torch
 
-from ..checkpoint.writing import Progress
-from ..errors import CheckpointError, LayoutError
-from ..format.conversion import converted_manifest
-from ..format.manifest import CONSOLIDATED, GroupEntry, Manifest, ParamEntry, Scalar
-from ..format.names import PARAM_KEY
-from ..layout.megatron_tp import partition_dim
-from ..storage import megatron_files
-from ..storage.dtypes import dtype_name
-from ..storage.megatron_files import Namespace
-from ._consolidated import conversion_notes, summarized, write_consolidated
-from ._fields import count, listed_state, tensor
-from ._megatron_groups import Group, assumed, group_of, kind, role_of
-from ._megatron_out import MegatronConversion
+from ...errors import CheckpointError, LayoutError
+from ...files.writing import Progress
+from ...format.conversion import converted_manifest
+from ...format.manifest import CONSOLIDATED, GroupEntry, Manifest, ParamEntry, Scalar
+from ...format.names import PARAM_KEY
+from ...storage.dtypes import dtype_name
+from .._consolidated import conversion_notes, summarized, write_consolidated
+from .._fields import count, listed_state, tensor
+from . import files as megatron_files
+from .files import Namespace
+from .groups import Group, assumed, group_of, kind, role_of
+from .tp_chunks import partition_dim
+from .writer import MegatronConversion
 
 __all__ = ["LOCAL_NAMES", "from_torch_format"]
 

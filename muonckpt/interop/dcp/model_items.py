@@ -1,4 +1,4 @@
-"""The model's items of a DCP checkpoint that :func:`muonckpt.interop.dcp.from_dcp` reads:
+"""The model's items of a DCP checkpoint that :func:`muonckpt.interop.dcp.reader.from_dcp` reads:
 which items are the model's, and its tensors no optimizer holds (buffers, frozen params) told
 from its tied names."""
 
@@ -8,8 +8,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..format.manifest import ParamEntry, model_tensor
-from ..storage import dcp_files, dcp_metadata
+from ...format.manifest import ParamEntry, model_tensor
+from . import files as dcp_files
+from . import metadata as dcp_metadata
 
 
 @dataclass(frozen=True)

@@ -25,35 +25,24 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from .. import storage
-from ..checkpoint.writing import Progress
-from ..errors import CheckpointError, StateDictError
-from ..format import kinds
-from ..format.conversion import converted_manifest
-from ..format.manifest import CONSOLIDATED, GroupEntry, Manifest, ParamEntry, Scalar
-from ..format.names import PARAM_KEY
-from ..format.stacked import matrices
-from ..storage import dcp_files, dcp_metadata, megatron_files
-from ..storage.foreign_limits import read_json
-from ..storage.megatron_files import LATEST, Namespace
-from ._consolidated import conversion_notes, summarized, write_consolidated
-from ._fields import count
-from ._megatron_groups import (
-    MUON,
-    Group,
-    assumed,
-    group_of,
-    kind,
-    role_of,
-)
-from ._megatron_out import (
-    DIST_METADATA,
-    STACKED,
-    STATE_KEYS,
-    MegatronConversion,
-    to_megatron,
-)
-from .foreign import ForeignFormat
+from ... import storage
+from ...errors import CheckpointError, StateDictError
+from ...files.writing import Progress
+from ...format import kinds
+from ...format.conversion import converted_manifest
+from ...format.manifest import CONSOLIDATED, GroupEntry, Manifest, ParamEntry, Scalar
+from ...format.names import PARAM_KEY
+from ...format.stacked import matrices
+from ...storage.foreign_limits import read_json
+from .._consolidated import conversion_notes, summarized, write_consolidated
+from .._fields import count
+from ..dcp import files as dcp_files
+from ..dcp import metadata as dcp_metadata
+from ..foreign import ForeignFormat
+from . import files as megatron_files
+from .files import LATEST, Namespace
+from .groups import MUON, Group, assumed, group_of, kind, role_of
+from .writer import DIST_METADATA, STACKED, STATE_KEYS, MegatronConversion, to_megatron
 
 __all__ = [
     "FORMAT",
@@ -153,7 +142,7 @@ def from_megatron(
         raise StateDictError(f"cannot convert to {to!r}: choose one of {sorted(kinds.FAMILIES)}")
     directory = iteration_dir(src)
     if megatron_files.is_torch_format(directory):
-        from ._megatron_torch import from_torch_format
+        from .torch_format import from_torch_format
 
         return from_torch_format(
             directory, dst, to=to, overwrite=overwrite, progress=progress, root=Path(src)

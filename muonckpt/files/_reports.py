@@ -1,6 +1,6 @@
 """(internal) What the ranks of a write report to the root: each rank's :class:`Written`,
 merged into :class:`Reports`, from which the root builds the manifest
-(:mod:`muonckpt.checkpoint.writing`)."""
+(:mod:`muonckpt.files.writing`)."""
 
 from __future__ import annotations
 

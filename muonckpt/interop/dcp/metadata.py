@@ -17,20 +17,26 @@ import itertools
 import math
 import os
 import pickle
+import re
 import reprlib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import CheckpointError
-from ..format.names import MANIFEST_NAME
-from .dtypes import dtype_name, itemsize, torch_dtype_names
-from .durable import open_failure, open_regular
+from ...errors import CheckpointError
+from ...format.names import MANIFEST_NAME
+from ...storage import Output
+from ...storage.dtypes import dtype_name, itemsize, torch_dtype_names
+from ...storage.durable import open_failure, open_regular
+from ...storage.torch_pickles import one_line
 
 METADATA_NAME = ".metadata"
 """The pickled metadata file that makes a directory a DCP checkpoint."""
 DATA_SUFFIX = ".distcp"
+OUTPUT = Output("dcp", (re.escape(METADATA_NAME) + "[^/]*", "[^/]*" + re.escape(DATA_SUFFIX)))
+"""What a DCP writer writes (:class:`muonckpt.storage.Output`): ``.metadata`` (and its
+temporary) and ``*.distcp`` data files."""
 MAX_METADATA_BYTES = 1 << 30
 MAX_COUNT = (1 << 63) - 1
 """The largest size, offset or length a metadata field may give (torch's int64)."""
@@ -229,11 +235,6 @@ def _shown(value: Any) -> str:
     if value is None or isinstance(value, (bool, int, float, str, bytes)):
         return _SHOWN.repr(value)
     return f"a {type(value).__name__}"
-
-
-def one_line(exc: BaseException) -> str:
-    """An exception's message in an error line: one line, at most 200 characters."""
-    return " ".join(str(exc).split())[:200]
 
 
 class _Fields:

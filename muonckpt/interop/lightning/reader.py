@@ -19,10 +19,10 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from ..checkpoint.writing import Progress
-from ..errors import CheckpointError
-from ..storage import hf_files
-from ._torch_optim import (
+from ...errors import CheckpointError
+from ...files.writing import Progress
+from .. import _trainer_files as hf_files
+from .._torch_optim import (
     ModelState,
     OptimizerState,
     TrainerConversion,
@@ -30,7 +30,7 @@ from ._torch_optim import (
     given_names,
     read_only,
 )
-from .foreign import ForeignFormat
+from ..foreign import ForeignFormat
 
 __all__ = ["FORMAT", "SOURCE", "from_lightning", "is_lightning"]
 

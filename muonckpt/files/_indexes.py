@@ -1,7 +1,7 @@
 """(internal) A manifest's checks before a write and a commit (:func:`check_manifest_fits`,
 :func:`check_readable`) and the piece indexes of a commit (format version 3): one per data
 file holding pieces, written and made durable before the manifest that records them; for
-:mod:`muonckpt.checkpoint.writing`."""
+:mod:`muonckpt.files.writing`."""
 
 from __future__ import annotations
 
@@ -64,7 +64,7 @@ def check_manifest_fits(
     from its ``params`` and its planned ``writes``
     (:class:`~muonckpt.format.manifest_size.ManifestSize`: the indexes exactly, the top level
     a lower bound, since groups, files and ``extra`` are not counted;
-    :func:`~muonckpt.checkpoint.writing.commit` checks every text again), naming the counts."""
+    :func:`~muonckpt.files.writing.commit` checks every text again), naming the counts."""
     size = ManifestSize()
     for entry in params:
         size.add_param(entry)

@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointError
-from . import torch_pickles
-from .durable import entries
-from .safetensors_reader import SafetensorsReader
+from ..storage import torch_pickles
+from ..storage.durable import entries
+from ..storage.safetensors_reader import SafetensorsReader
 
 __all__ = [
     "AccelerateFiles",

@@ -18,17 +18,12 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..errors import CheckpointError
-from .dcp_metadata import (
-    DcpIndex,
-    DcpTensor,
-    DcpValue,
-    open_data_file,
-)
-from .dtypes import itemsize, torch_dtype
-from .durable import failing_as, failure, system_error
-from .foreign_limits import check_archive, check_value, non_overlapping
-from .torch_pickles import refusal
+from ...errors import CheckpointError
+from ...storage.dtypes import itemsize, torch_dtype
+from ...storage.durable import failing_as, failure, system_error
+from ...storage.foreign_limits import check_archive, check_value, non_overlapping
+from ...storage.torch_pickles import refusal
+from .metadata import DcpIndex, DcpTensor, DcpValue, open_data_file
 
 if TYPE_CHECKING:
     import torch
@@ -104,7 +99,7 @@ def _load_range(
 
 def read_tensor(index: DcpIndex, item: DcpTensor, at: int | None = None) -> torch.Tensor:
     """The full tensor ``item``, assembled from its chunks (their geometry was checked by
-    :func:`~muonckpt.storage.dcp_metadata.read_index`; each read must be a dense tensor of its
+    :func:`~muonckpt.interop.dcp.metadata.read_index`; each read must be a dense tensor of its
     chunk's shape and dtype whose storage is exactly its bytes: never a stride-0 expansion of fewer
     bytes, nor a view into more); ``at``: only ``item[at]`` (one of stacked layers), from the
     chunks that hold it.
@@ -196,7 +191,7 @@ def write_dcp(
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from ._dcp_writer import BoundedWriter, FetchingPlanner
+    from ._writer import BoundedWriter, FetchingPlanner
 
     budget = max(
         [math.prod(shape) * itemsize(dtype) for shape, dtype in tensors.values()], default=0

@@ -16,10 +16,10 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-from ..checkpoint.writing import Progress
-from ..errors import CheckpointError
-from ..storage import hf_files
-from ._torch_optim import (
+from ...errors import CheckpointError
+from ...files.writing import Progress
+from .. import _trainer_files as hf_files
+from .._torch_optim import (
     ModelState,
     OptimizerState,
     TrainerConversion,
@@ -27,7 +27,7 @@ from ._torch_optim import (
     given_names,
     read_only,
 )
-from .foreign import ForeignFormat
+from ..foreign import ForeignFormat
 
 __all__ = ["FORMAT", "SOURCE", "from_accelerate", "is_accelerate"]
 

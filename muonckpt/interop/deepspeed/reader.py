@@ -10,8 +10,8 @@ momentum form (KellerJordan's update, EMA form) recorded as ``deepspeed.MuonWith
 that ``load`` into torch.optim.Muon is exact and into the packaged Muon converts it as for
 every other family. :func:`to_deepspeed` writes any muonckpt checkpoint as DeepSpeed's own
 files for ``world`` ranks, which DeepSpeed loads at that world size as if it had saved them.
-The layout math is :mod:`muonckpt.layout.zero_partitions`'s, the file access
-:mod:`muonckpt.storage.deepspeed_files`'s. :data:`FORMAT` is DeepSpeed as the registry holds it.
+The layout math is :mod:`muonckpt.interop.deepspeed.partitions`'s, the file access
+:mod:`muonckpt.interop.deepspeed.files`'s. :data:`FORMAT` is DeepSpeed as the registry holds it.
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import CheckpointError, LayoutError
-from ..format import kinds
-from ..format.conversion import converted_manifest
-from ..format.manifest import (
+from ...errors import CheckpointError, LayoutError
+from ...format import kinds
+from ...format.conversion import converted_manifest
+from ...format.manifest import (
     CONSOLIDATED,
     GroupEntry,
     Manifest,
@@ -35,22 +35,15 @@ from ..format.manifest import (
     Scalar,
     json_safe,
 )
-from ..format.names import PARAM_KEY
-from ..layout.zero_partitions import GroupLayout, group_layout
-from ..storage import deepspeed_files
-from ..storage.deepspeed_files import MODEL_STATES, FragmentAddress, ZeroStage
-from ..storage.dtypes import dtype_name
-from ._consolidated import conversion_notes, write_consolidated
-from ._deepspeed_out import (
-    ADAM_KEYS,
-    MUON_KEY,
-    OPTIMIZER,
-    SOURCE,
-    DeepSpeedConversion,
-    to_deepspeed,
-)
-from ._fields import shown, step_count, tensor
-from .foreign import ForeignFormat
+from ...format.names import PARAM_KEY
+from ...storage.dtypes import dtype_name
+from .._consolidated import conversion_notes, write_consolidated
+from .._fields import shown, step_count, tensor
+from ..foreign import ForeignFormat
+from . import files as deepspeed_files
+from .files import MODEL_STATES, FragmentAddress, ZeroStage
+from .partitions import GroupLayout, group_layout
+from .writer import ADAM_KEYS, MUON_KEY, OPTIMIZER, SOURCE, DeepSpeedConversion, to_deepspeed
 
 __all__ = ["FORMAT", "DeepSpeedConversion", "from_deepspeed", "is_deepspeed", "to_deepspeed"]
 

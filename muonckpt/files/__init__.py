@@ -1,0 +1,1 @@
+"""The checkpoint files' engine."""
