@@ -391,18 +391,21 @@ def test_the_routes_of_deepspeed(tmp_path):
     """``--to deepspeed`` is ``--format deepspeed``, ``--world`` passes to its writer, and a
     DeepSpeed checkpoint needs neither ``--from`` nor ``--to``."""
     from muonckpt import interop
+    from muonckpt.cli import routes
     from muonckpt.errors import OptionError
+    from muonckpt.interop import NoOptions
+    from muonckpt.interop.deepspeed import DeepSpeedWriteOptions
 
     ds = interop.format_named("deepspeed")
     options = {"layout": "torchtitan", "world": 3, "model_prefix": None, "optimizer_prefix": ""}
 
     def route(src, **given):
         asked = {"to": None, "source": None, "output_format": "muonckpt", "renamed": False}
-        return interop.route(src, **{**asked, **given}, overwrite=False, options=options)
+        return routes.route(src, **{**asked, **given}, overwrite=False, options=options)
 
     ours = tmp_path / "ours"
     ours.mkdir()
-    assert route(ours, to="deepspeed") == interop.Route(writes=ds, options={"world": 3})
+    assert route(ours, to="deepspeed") == routes.Route(writes=ds, options=DeepSpeedWriteOptions(world=3))
     assert route(ours, to="deepspeed", output_format="deepspeed").writes is ds
     tag = tmp_path / "ds" / "global_step3"
     tag.mkdir(parents=True)
@@ -410,7 +413,7 @@ def test_the_routes_of_deepspeed(tmp_path):
     (tmp_path / "ds" / "latest").write_text("global_step3")
     for src in (tmp_path / "ds", tag):
         assert interop.detect(src) is ds
-        assert route(src) == interop.Route(reads=ds, source="deepspeed")
+        assert route(src) == routes.Route(reads=ds, options=NoOptions(), source="deepspeed")
     with pytest.raises(OptionError, match="choose one of deepspeed") as refused:
         route(tmp_path / "ds", source="torch")
     assert refused.value.option == "--from"

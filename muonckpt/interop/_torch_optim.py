@@ -45,7 +45,6 @@ from ..storage.dtypes import dtype_name
 from ..storage.foreign_limits import read_json
 from ._consolidated import conversion_notes, write_consolidated
 from ._fields import listed_state, step_count, tensor
-from .foreign import Conversion
 
 MUON_SETTINGS = frozenset({"momentum", "nesterov", "ns_coefficients", "ns_steps", "adjust_lr_fn"})
 """Settings every torch.optim.Muon group holds (its ``state_dict()`` does not name its class)."""
@@ -58,9 +57,12 @@ STATE_KEYS = {
 TORCH = kinds.DCP_FAMILIES["torch"]
 
 
-class TrainerConversion(Conversion):
-    """What :func:`~.accelerate.from_accelerate` or :func:`~.lightning.from_lightning` wrote
-    and left out; ``layout`` names the optimizers and how their params were named."""
+@dataclass(frozen=True)
+class TrainerReadOptions:
+    """The options of accelerate's and Lightning's readers as ``convert`` passes them:
+    ``names`` (``--names``), a JSON file of each optimizer's params' names."""
+
+    names: Path | None = None
 
 
 @dataclass(frozen=True)
@@ -446,12 +448,3 @@ def given_names(
             "the names given are not a list, per optimizer, of its params' names", path=where
         )
     return [list(row) for row in names]
-
-
-def read_only(title: str) -> Callable[..., Conversion]:
-    """The writer of a format muonckpt only reads (``convert`` refuses before it is called)."""
-
-    def write(*_: Any, **__: Any) -> Conversion:
-        raise CheckpointError(f"muonckpt reads {title} checkpoints but does not write them")
-
-    return write

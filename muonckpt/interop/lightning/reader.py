@@ -9,8 +9,7 @@ consolidated muonckpt checkpoint keyed by the LightningModule's names (``model.w
 with each param's value, torch.optim.Muon's momentum, AdamW's moments and step, and
 ``global_step`` as the checkpoint's step; the module's buffers go in as the model's other
 tensors. The loops, callbacks, schedulers and hyperparameters are left out, listed by name.
-Which index is which param: :mod:`._torch_optim`. :data:`FORMAT` is Lightning as the registry
-holds it.
+Which index is which param: :mod:`._torch_optim`.
 """
 
 from __future__ import annotations
@@ -25,14 +24,12 @@ from .. import _trainer_files as hf_files
 from .._torch_optim import (
     ModelState,
     OptimizerState,
-    TrainerConversion,
     convert_optimizers,
     given_names,
-    read_only,
 )
-from ..foreign import ForeignFormat
+from ..foreign import Conversion
 
-__all__ = ["FORMAT", "SOURCE", "from_lightning", "is_lightning"]
+__all__ = ["SOURCE", "from_lightning", "is_lightning"]
 
 SOURCE = "lightning"
 is_lightning = hf_files.is_lightning
@@ -48,7 +45,7 @@ def from_lightning(
     names: str | os.PathLike[str] | Sequence[Sequence[str]] | None = None,
     overwrite: bool = False,
     progress: Progress | None = None,
-) -> TrainerConversion:
+) -> Conversion:
     """Convert the Lightning checkpoint ``src`` (a ``.ckpt`` file) of a torch.optim.Muon +
     AdamW job into a consolidated muonckpt checkpoint at ``dst`` for the muonckpt family ``to``
     (None: torch's own form, EMA momentum). ``names`` as for
@@ -88,18 +85,4 @@ def from_lightning(
     if carried:
         layout += f", {len(carried)} more model tensor{'s' * (len(carried) != 1)} carried"
     left = tuple(str(key) for key in top if key not in USED)
-    return TrainerConversion(path_out, layout, left, notes)
-
-
-FORMAT = ForeignFormat(
-    name="lightning",
-    title="Lightning",
-    detect=is_lightning,
-    read=from_lightning,
-    write=read_only("Lightning"),
-    sources=(SOURCE,),
-    targets=(),
-    read_options=("names",),
-    records_source=True,
-)
-"""Lightning's ``.ckpt`` in the registry (:mod:`muonckpt.interop.registry`): read only."""
+    return Conversion(path_out, layout, left, notes)

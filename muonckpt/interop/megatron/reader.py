@@ -38,16 +38,14 @@ from .._consolidated import conversion_notes, summarized, write_consolidated
 from .._fields import count
 from ..dcp import files as dcp_files
 from ..dcp import metadata as dcp_metadata
-from ..foreign import ForeignFormat
+from ..foreign import Conversion
 from . import files as megatron_files
 from .files import LATEST, Namespace
 from .groups import MUON, Group, assumed, group_of, kind, role_of
-from .writer import DIST_METADATA, STACKED, STATE_KEYS, MegatronConversion, to_megatron
+from .writer import DIST_METADATA, STACKED, STATE_KEYS, to_megatron
 
 __all__ = [
-    "FORMAT",
     "MUON",
-    "MegatronConversion",
     "from_megatron",
     "is_megatron",
     "iteration_dir",
@@ -128,7 +126,7 @@ def from_megatron(
     to: str | None = None,
     overwrite: bool = False,
     progress: Progress | None = None,
-) -> MegatronConversion:
+) -> Conversion:
     """Convert the Megatron-Core torch_dist checkpoint ``src`` (its root or an ``iter_N``) into
     a consolidated muonckpt checkpoint at ``dst``, per layer, with the fp32 master params,
     Muon's momentum (EMA form, recorded so; converted for ``to``, a muonckpt family, or kept
@@ -166,7 +164,7 @@ def from_megatron(
     used = {fqn for fqn, _ in fqn_of.values()} | {_common_fqn(index, where)}
     left = sorted((set(index.tensors) | set(index.values)) - used)
     notes = conversion_notes(manifest, target) + assumed(common.get("args"))
-    return MegatronConversion(path, layout, summarized(left), notes)
+    return Conversion(path, layout, summarized(left), notes)
 
 
 def _common_fqn(index: dcp_metadata.DcpIndex, where: Path) -> str:
@@ -326,17 +324,3 @@ def _manifest(
     )
     manifest = Manifest(CONSOLIDATED, {"dp": 1, "tp": 1}, group_entries, tuple(entries), (), ())
     return manifest, fqn_of
-
-
-FORMAT = ForeignFormat(
-    name="megatron",
-    title="Megatron-Core",
-    detect=is_megatron,
-    read=from_megatron,
-    write=to_megatron,
-    sources=("megatron",),
-    targets=("megatron",),
-    write_options={"tp": None, "dp": None, "allow_large_world": None},
-    records_source=True,
-)
-"""Megatron-Core's torch_dist format in the registry (:mod:`muonckpt.interop.registry`)."""

@@ -28,9 +28,15 @@ from ...errors import CheckpointError
 from ...files.writing import Progress
 from ..dcp import metadata as dcp_metadata
 from ..dcp import reader as dcp
-from ..foreign import Conversion, ForeignFormat
+from ..foreign import Conversion
 
-__all__ = ["FORMAT", "JOB_STATES", "from_torchtitan", "is_torchtitan", "step_dir", "to_torchtitan"]
+__all__ = [
+    "JOB_STATES",
+    "from_torchtitan",
+    "is_torchtitan",
+    "step_dir",
+    "to_torchtitan",
+]
 
 SOURCE = "torchtitan"
 JOB_STATES = ("optimizer", "lr_scheduler", "dataloader", "train_state")
@@ -141,17 +147,3 @@ def to_torchtitan(
     return Conversion(
         report.path, "torchtitan checkpoint manager", report.left_out, report.converted
     )
-
-
-FORMAT = ForeignFormat(
-    name=SOURCE,
-    title="torchtitan",
-    detect=is_torchtitan,
-    read=from_torchtitan,
-    write=to_torchtitan,
-    sources=(SOURCE,),
-    targets=(SOURCE,),
-    read_options=("model_buffers", "split_experts"),
-    records_source=True,
-)
-"""torchtitan in the registry (:mod:`muonckpt.interop.registry`)."""
