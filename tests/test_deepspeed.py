@@ -405,7 +405,9 @@ def test_the_routes_of_deepspeed(tmp_path):
 
     ours = tmp_path / "ours"
     ours.mkdir()
-    assert route(ours, to="deepspeed") == routes.Route(writes=ds, options=DeepSpeedWriteOptions(world=3))
+    assert route(ours, to="deepspeed") == routes.Route(
+        writes=ds, options=DeepSpeedWriteOptions(world=3)
+    )
     assert route(ours, to="deepspeed", output_format="deepspeed").writes is ds
     tag = tmp_path / "ds" / "global_step3"
     tag.mkdir(parents=True)

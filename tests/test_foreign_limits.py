@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from muonckpt import CheckpointError, MuonCkptError, offline
-from muonckpt.interop import _trainer_files as hf_files
+from muonckpt.interop import _torch_optim
 from muonckpt.interop.deepspeed import files as deepspeed_files
 from muonckpt.interop.megatron import files as megatron_files
 from muonckpt.storage import foreign_limits as limits
@@ -284,7 +284,7 @@ def _loaded(tmp_path: Path, value: Any) -> Any:
     """``value`` through a real ``torch.save`` file and the restricted loader."""
     path = tmp_path / "value.pt"
     torch.save({"x": value}, path)
-    return hf_files.load(path)
+    return _torch_optim.load(path)
 
 
 def _over(tmp_path: Path, value: Any, *words: str) -> None:
@@ -320,9 +320,9 @@ def _elements(total: int) -> dict[str, Any]:
 def test_total_values_at_the_limit_and_one_past(tmp_path):
     path = tmp_path / "value.pt"
     torch.save(_elements(limits.MAX_ELEMENTS), path)
-    hf_files.load(path)
+    _torch_optim.load(path)
     torch.save(_elements(limits.MAX_ELEMENTS + 1), path)
-    _refused_by(lambda: hf_files.load(path), f"more than {limits.MAX_ELEMENTS} values")
+    _refused_by(lambda: _torch_optim.load(path), f"more than {limits.MAX_ELEMENTS} values")
 
 
 def test_total_text_at_the_limit_and_one_past(tmp_path):
@@ -334,9 +334,9 @@ def test_total_text_at_the_limit_and_one_past(tmp_path):
         padding = "y" * (limits.MAX_TEXT - 2 - 1023 * len(text) + extra)
         torch.save({"x": [text] * 1023, "y": padding}, path)
         if extra:
-            _refused_by(lambda: hf_files.load(path), f"more than {limits.MAX_TEXT} characters")
+            _refused_by(lambda: _torch_optim.load(path), f"more than {limits.MAX_TEXT} characters")
         else:
-            hf_files.load(path)
+            _torch_optim.load(path)
 
 
 def test_tensor_reuse_at_the_limit_and_one_past(tmp_path):
@@ -381,9 +381,9 @@ def test_compressed_archive_at_the_limit_and_one_past(tmp_path):
     path = tmp_path / "zipped.pt"
     _compressed(path, limits.MAX_INFLATED_BYTES)
     assert path.stat().st_size < 1 << 20
-    assert hf_files.load(path).numel() > 0
+    assert _torch_optim.load(path).numel() > 0
     _compressed(path, limits.MAX_INFLATED_BYTES + 1)
-    _refused_by(lambda: hf_files.load(path), f"more than {limits.MAX_INFLATED_BYTES} bytes")
+    _refused_by(lambda: _torch_optim.load(path), f"more than {limits.MAX_INFLATED_BYTES} bytes")
 
 
 def test_a_stored_member_declaring_more_than_it_stores_is_refused(tmp_path):
@@ -398,7 +398,9 @@ def test_a_stored_member_declaring_more_than_it_stores_is_refused(tmp_path):
     at += 24  # the entry's uncompressed size
     struct.pack_into("<I", data, at, 1 << 30)
     path.write_bytes(bytes(data))
-    _refused_by(lambda: hf_files.load(path), "declares 1073741824 bytes but stores 16", str(path))
+    _refused_by(
+        lambda: _torch_optim.load(path), "declares 1073741824 bytes but stores 16", str(path)
+    )
 
 
 def test_a_truncated_file_is_named_truncated(tmp_path):
@@ -480,4 +482,4 @@ def test_allocations_a_few_bytes_ask_for_are_refused(tmp_path, pickled, words):
     path = tmp_path / "crafted.pt"
     _crafted(path, pickled)
     assert path.stat().st_size < 1024
-    _refused_by(lambda: hf_files.load(path), words, str(path))
+    _refused_by(lambda: _torch_optim.load(path), words, str(path))

@@ -41,6 +41,7 @@ from ..format.manifest import (
     model_tensor,
 )
 from ..format.names import PARAM_KEY
+from ..storage import torch_pickles
 from ..storage.dtypes import dtype_name
 from ..storage.foreign_limits import read_json
 from ._consolidated import conversion_notes, write_consolidated
@@ -55,6 +56,7 @@ STATE_KEYS = {
     "adamw": {"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"},
 }
 TORCH = kinds.DCP_FAMILIES["torch"]
+HOLDS = "a file of accelerate or Lightning holds tensors, containers, numbers and strings only"
 
 
 @dataclass(frozen=True)
@@ -448,3 +450,9 @@ def given_names(
             "the names given are not a list, per optimizer, of its params' names", path=where
         )
     return [list(row) for row in names]
+
+
+def load(path: Path) -> Any:
+    """The content of the ``torch.save`` file ``path`` (``optimizer.bin``, a ``.ckpt``), by
+    torch's restricted unpickler: tensors, containers, numbers and strings only."""
+    return torch_pickles.load(path, {}, HOLDS)

@@ -17,19 +17,19 @@ from collections.abc import Sequence
 
 from ...errors import CheckpointError
 from ...files.writing import Progress
-from .. import _trainer_files as hf_files
 from .._torch_optim import (
     ModelState,
     OptimizerState,
     convert_optimizers,
     given_names,
+    load,
 )
 from ..foreign import Conversion
+from .files import accelerate_files, is_accelerate, read_model
 
 __all__ = ["SOURCE", "from_accelerate", "is_accelerate"]
 
 SOURCE = "accelerate"
-is_accelerate = hf_files.is_accelerate
 
 
 def from_accelerate(
@@ -55,9 +55,9 @@ def from_accelerate(
     """
     if source != SOURCE:
         raise CheckpointError(f"an accelerate save_state is read as {SOURCE!r}, not {source!r}")
-    files = hf_files.accelerate_files(src)
-    model = ModelState(hf_files.read_model(files.model), ordered=files.model.suffix == ".bin")
-    optimizers = [OptimizerState(p.name, p, hf_files.load(p)) for p in files.optimizers]
+    files = accelerate_files(src)
+    model = ModelState(read_model(files.model), ordered=files.model.suffix == ".bin")
+    optimizers = [OptimizerState(p.name, p, load(p)) for p in files.optimizers]
     path, how, carried, notes = convert_optimizers(
         model, optimizers, dst,
         names=given_names(names), to=to, overwrite=overwrite, progress=progress,

@@ -20,20 +20,27 @@ from pathlib import Path
 
 from ...errors import CheckpointError
 from ...files.writing import Progress
-from .. import _trainer_files as hf_files
+from ...storage import access
 from .._torch_optim import (
     ModelState,
     OptimizerState,
     convert_optimizers,
     given_names,
+    load,
 )
 from ..foreign import Conversion
 
 __all__ = ["SOURCE", "from_lightning", "is_lightning"]
 
 SOURCE = "lightning"
-is_lightning = hf_files.is_lightning
 USED = ("state_dict", "optimizer_states", "global_step")
+SUFFIX = ".ckpt"
+
+
+def is_lightning(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` is a Lightning checkpoint: a ``.ckpt`` file (its name only)."""
+    path = Path(path)
+    return path.suffix == SUFFIX and access.is_file(path)
 
 
 def from_lightning(
@@ -60,7 +67,7 @@ def from_lightning(
     path = Path(src)
     if not is_lightning(path):
         raise CheckpointError("is not a Lightning checkpoint (a .ckpt file)", path=path)
-    top = hf_files.load(path)
+    top = load(path)
     model = top.get("state_dict") if isinstance(top, dict) else None
     if not isinstance(model, dict) or not all(
         isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in model.items()

@@ -1,10 +1,12 @@
 """Megatron-Core's checkpoints of its layer-wise Muon (``LayerWiseDistributedOptimizer``),
 in at any TP and DP and out for another.
 
-Modules: :mod:`.reader` (:func:`from_megatron`: ``--ckpt-format torch_dist``, DCP underneath), :mod:`.torch_format` (``--ckpt-format torch``'s per-rank pickles), :mod:`.writer`
-(:func:`to_megatron`: a torch_dist checkpoint for TP T, DP D), :mod:`.tp_chunks` (pure: the TP
-split of a GPT's params and the DCP chunks it is stored in), :mod:`.groups` (its param groups'
-roles and settings), :mod:`.files` (the checkpoint's files found and read safely).
+Modules: :mod:`.reader` (:func:`from_megatron`: ``--ckpt-format torch_dist``, DCP
+underneath), :mod:`.torch_format` (``--ckpt-format torch``'s per-rank pickles),
+:mod:`.writer` (:func:`to_megatron`: a torch_dist checkpoint for TP T, DP D),
+:mod:`.tp_chunks` (pure: the TP split of a GPT's params and the DCP chunks it is stored in),
+:mod:`.groups` (its param groups' roles and settings), :mod:`.files` (the checkpoint's files
+found and read safely).
 Here: ``FORMAT``, the format as :mod:`..registry` holds it, with its options.
 """
 

@@ -33,6 +33,7 @@ from ...format.conversion import converted_manifest
 from ...format.manifest import CONSOLIDATED, GroupEntry, Manifest, ParamEntry, Scalar
 from ...format.names import PARAM_KEY
 from ...format.stacked import matrices
+from ...storage import access
 from ...storage.foreign_limits import read_json
 from .._consolidated import conversion_notes, summarized, write_consolidated
 from .._fields import count
@@ -69,7 +70,7 @@ def iteration_dir(path: str | os.PathLike[str]) -> Path:
     ``latest_checkpointed_iteration.txt`` names (refused naming the file where it is missing,
     not a regular file, or not ASCII digits: ``str.isdigit`` takes '²', which ``int`` refuses)."""
     root = Path(path)
-    if not (root / LATEST).exists():
+    if not access.exists(root / LATEST):
         return root
     text = storage.read_text(root / LATEST, limit=64).strip()
     if text == "release":
@@ -78,7 +79,7 @@ def iteration_dir(path: str | os.PathLike[str]) -> Path:
         iteration = root / f"iter_{int(text):07d}"
     else:
         raise CheckpointError(f"names iteration {text!r}, not a number", path=root / LATEST)
-    if not iteration.is_dir():
+    if not access.is_dir(iteration):
         raise CheckpointError(
             f"names iteration {text}, but {iteration.name} is not a directory", path=root / LATEST
         )
@@ -91,18 +92,18 @@ def is_megatron(path: str | os.PathLike[str]) -> bool:
     one (``mp_rank_XX/model_optim_rng.pt``): files' presence only (a FIFO in a file's place
     too, which the reader then refuses as not a regular file)."""
     root = Path(path)
-    if (root / LATEST).exists():
+    if access.exists(root / LATEST):
         return True
     if megatron_files.is_torch_format(root):
         return True
-    return (root / DIST_METADATA).exists() and dcp_metadata.is_dcp(root)
+    return access.exists(root / DIST_METADATA) and dcp_metadata.is_dcp(root)
 
 
 def _check_backend(directory: Path) -> None:
     """Refuse what is not torch_dist (the ``torch`` format's ``mp_rank_XX`` files, say)."""
     where = directory / DIST_METADATA
-    if not where.exists():
-        found = sorted(p.name for p in directory.iterdir())[:4] if directory.is_dir() else []
+    if not access.exists(where):
+        found = access.list_names(directory)[:4] if access.is_dir(directory) else []
         raise CheckpointError(
             f"no {DIST_METADATA}: not a torch_dist checkpoint (muonckpt reads Megatron's "
             f"torch_dist format; found {found})",

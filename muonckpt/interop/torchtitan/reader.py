@@ -26,6 +26,7 @@ from pathlib import Path
 
 from ...errors import CheckpointError
 from ...files.writing import Progress
+from ...storage import access
 from ..dcp import metadata as dcp_metadata
 from ..dcp import reader as dcp
 from ..foreign import Conversion
@@ -48,9 +49,9 @@ LAYOUTS = {"optimizer.": ("", "checkpoint manager"), "optim.": ("model.", "get_s
 
 def _steps(root: Path) -> list[tuple[int, Path]]:
     """``root``'s ``step-N`` DCP directories, by N."""
-    if not root.is_dir():
+    if not access.is_dir(root):
         return []
-    found = [(_STEP.fullmatch(p.name), p) for p in root.iterdir()]
+    found = [(_STEP.fullmatch(n), root / n) for n in access.list_names(root)]
     return sorted((int(m.group(1)), p) for m, p in found if m and dcp_metadata.is_dcp(p))
 
 
