@@ -1,5 +1,6 @@
 """The file system as the layers above see it: whether a path is there and what it is, a
-directory's names, a new file to write into, directories made, a temporary directory.
+directory's names, a new file to write into, a file renamed or removed, directories made, a
+temporary directory.
 
 Every module outside ``storage/`` reaches files through these and the other storage
 functions (``tests/test_file_access.py`` holds them to it), so that a foreign format's folder
@@ -15,7 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO
 
-from .durable import failing_as
+from .durable import failing_as, replace_durably
 
 __all__ = [
     "exists",
@@ -26,6 +27,8 @@ __all__ = [
     "list_names",
     "make_directories",
     "new_file",
+    "remove",
+    "rename",
     "temporary_directory",
 ]
 
@@ -71,6 +74,16 @@ def new_file(path: str | os.PathLike[str]) -> Iterator[IO[bytes]]:
             yield f
             f.flush()
             os.fsync(f.fileno())
+
+
+def rename(path: str | os.PathLike[str], new_path: str | os.PathLike[str]) -> None:
+    """Rename ``path`` to ``new_path`` (replacing a file there) and make it durable."""
+    replace_durably(Path(path), Path(new_path))
+
+
+def remove(path: str | os.PathLike[str]) -> None:
+    """Remove the file ``path``; ``OSError`` as the system raises it."""
+    os.unlink(path)
 
 
 def make_directories(path: str | os.PathLike[str]) -> Path:

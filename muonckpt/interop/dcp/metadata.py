@@ -7,7 +7,7 @@ before anything of it runs; then every field muonckpt uses is type- and range-ch
 within the data files (which may not overlap, each at least the bytes its chunk's shape
 needs). This is muonckpt's one use of pickle. Every file is opened as muonckpt opens its own
 (:func:`~muonckpt.storage.durable.open_regular`: no FIFO, device or symlink). The data itself
-is read and written by :mod:`.dcp_files`.
+is read and written by :mod:`.files`.
 """
 
 from __future__ import annotations

@@ -147,7 +147,7 @@ def from_dcp(
     alone), and its group's settings give mu. Every ``<optimizer_prefix>state.<fqn>.<key>``
     must be a state key of ``source`` for a param; anything else under the optimizer prefix
     is refused naming the key. Under a model prefix of its own, the model's other tensors are
-    carried (:func:`._dcp_model.model_others_of`). Other items (schedulers, dataloaders,
+    carried (:func:`.model_items.model_others_of`). Other items (schedulers, dataloaders,
     train state) are left out and reported.
 
     Memory: one full tensor and one of its chunks, twice (the next is read meanwhile); telling

@@ -5,11 +5,12 @@ directory per tag (``global_step3``) with ``mp_rank_00_model_states.pt`` and one
 ``zero_pp_rank_{r}_mp_rank_00_optim_states.pt`` per rank (``bf16_zero_pp_rank_...`` for a
 bf16 run); a save with tensor or pipeline parallelism adds ``mp_rank_01_*`` files, which
 muonckpt does not read (:func:`rank_files` refuses them). They are ``torch.save`` files whose
-pickles name a few DeepSpeed classes. They are read only through :func:`.torch_pickles.load`
-(torch's restricted unpickler) with stand-ins of this module's own for exactly those classes
-(:data:`STAND_INS`): DeepSpeed need not be installed, nothing of the file runs, and any other
-global is refused before it resolves. Written files hold plain tensors, dicts, lists, numbers
-and strings only (``torch.save``), each created new and fsynced.
+pickles name a few DeepSpeed classes. They are read only through
+:func:`~muonckpt.storage.torch_pickles.load` (torch's restricted unpickler) with stand-ins of
+this module's own for exactly those classes (:data:`STAND_INS`): DeepSpeed need not be
+installed, nothing of the file runs, and any other global is refused before it resolves.
+Written files hold plain tensors, dicts, lists, numbers and strings only (``torch.save``),
+each created new and fsynced.
 """
 
 from __future__ import annotations
@@ -174,8 +175,8 @@ def total_size(paths: list[Path]) -> int:
 
 def load(path: Path) -> Any:
     """The content of the ``torch.save`` file ``path``, by torch's restricted unpickler with
-    :data:`STAND_INS` (:func:`.torch_pickles.load`): tensors, containers, numbers, strings and
-    those classes only."""
+    :data:`STAND_INS` (:func:`~muonckpt.storage.torch_pickles.load`): tensors, containers,
+    numbers, strings and those classes only."""
     holds = f"a DeepSpeed file holds tensors and {len(STAND_INS)} DeepSpeed classes only"
     return torch_pickles.load(path, STAND_INS, holds)
 

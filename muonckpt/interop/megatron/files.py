@@ -5,7 +5,7 @@
 the ``model``'s state dict, ``optimizer.state_dict()``, the RNG states) and beside it one
 ``layer_wise_optimizer_{d}.pt`` per DP rank ``d`` (that rank's ``ChainedOptimizer.state_dict()``:
 state keyed by integer ids). They are ``torch.save`` files read only through
-:func:`.torch_pickles.load` with :data:`STAND_INS`: ``argparse.Namespace`` becomes
+:func:`~muonckpt.storage.torch_pickles.load` with :data:`STAND_INS`: ``argparse.Namespace`` becomes
 :class:`Namespace` (its attributes only); the numpy arrays of the RNG states and the enums of the
 ``args`` become :class:`~.torch_pickles.Opaque`; any other global is refused, naming the file.
 """
@@ -155,7 +155,7 @@ def _add(ranks: dict[int, Path], rank: int, path: Path, kind: str, directory: Pa
 
 
 def load(path: Path) -> Any:
-    """The content of one of Megatron's ``torch.save`` files (:func:`.torch_pickles.load` with
-    :data:`STAND_INS`)."""
+    """The content of one of Megatron's ``torch.save`` files
+    (:func:`~muonckpt.storage.torch_pickles.load` with :data:`STAND_INS`)."""
     holds = "a Megatron torch-format file holds tensors, its args and RNG states only"
     return torch_pickles.load(path, STAND_INS, holds)
