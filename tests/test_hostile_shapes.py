@@ -74,7 +74,7 @@ def test_deepspeed_s_refusal_of_a_claim_stays_far_below_its_size(tmp_path):
     probe = PEAK_RSS + (
         "import sys\n"
         "from muonckpt import CheckpointError, offline\n"
-        "try:\n    offline.from_deepspeed(sys.argv[1], sys.argv[2])\n"
+        "try:\n    interop.from_deepspeed(sys.argv[1], sys.argv[2])\n"
         "except CheckpointError:\n    pass\n"
         "print(peak_rss())\n"
     )

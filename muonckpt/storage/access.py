@@ -64,16 +64,18 @@ def list_names(directory: str | os.PathLike[str]) -> list[str]:
 
 
 @contextmanager
-def new_file(path: str | os.PathLike[str]) -> Iterator[IO[bytes]]:
+def new_file(path: str | os.PathLike[str], *, sync: bool = True) -> Iterator[IO[bytes]]:
     """The new file ``path`` (never an existing one, nor through a symlink), open for writing
-    in binary; flushed and fsynced when the block ends. A failure of the system is a
+    in binary; flushed and fsynced when the block ends (``sync``: else the writer fsyncs it, as
+    torch's DCP writer does before it closes the file). A failure of the system is a
     :class:`~muonckpt.errors.CheckpointError` naming the path."""
     with failing_as("write", path):  # a full disk: torch's zip writer raises over the OSError
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0))
         with os.fdopen(fd, "wb") as f:
             yield f
-            f.flush()
-            os.fsync(f.fileno())
+            if sync:
+                f.flush()
+                os.fsync(f.fileno())
 
 
 def rename(path: str | os.PathLike[str], new_path: str | os.PathLike[str]) -> None:

@@ -102,15 +102,15 @@ class FetchingPlanner(DefaultSavePlanner):
 
 class StorageFileSystem(FileSystemBase):
     """torch's file system interface over muonckpt's storage seam (:mod:`muonckpt.storage.access`):
-    DCP's files are created new, fsynced when closed, renamed and removed as every other file
-    muonckpt writes, so that a store behind the seam is DCP's too. A failure of the system is
+    DCP's files are created new, renamed and removed as every other file muonckpt writes, so
+    that a store behind the seam is DCP's too. A failure of the system is
     the storage's :class:`~muonckpt.errors.CheckpointError`, naming the file written."""
 
     @contextmanager
     def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[Any]:
         if mode != "wb":
             raise ValueError(f"muonckpt's DCP writer only writes new files, not mode {mode!r}")
-        with access.new_file(path) as stream:
+        with access.new_file(path, sync=False) as stream:  # torch fsyncs each file it writes
             yield stream
 
     def concat_path(self, path: str | os.PathLike[str], suffix: str) -> Path:
@@ -142,8 +142,7 @@ class BoundedWriter(dcp.FileSystemWriter):  # type: ignore[name-defined,misc]  #
     plain values go into a file of their own, the first."""
 
     def __init__(self, path: str, budget: int) -> None:
-        # (each file is fsynced by the storage seam as it closes: torch need not again)
-        super().__init__(path, thread_count=1, per_thread_copy_ahead=0, sync_files=False)
+        super().__init__(path, thread_count=1, per_thread_copy_ahead=0)
         self.fs = StorageFileSystem()
         self.budget = budget
 
