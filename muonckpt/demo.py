@@ -14,7 +14,6 @@ and trained on. The final params are compared with an uninterrupted single-proce
 
 from __future__ import annotations
 
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -34,6 +33,7 @@ from .layout.topology import LayoutOptions, Topology
 from .optim.muon import Muon
 from .optim.sharding import ShardedParams, shard_for_groups, shard_param_groups
 from .state.regions import extract, insert_
+from .storage import access
 
 __all__ = [
     "MODEL",
@@ -390,11 +390,10 @@ def run_demo(
             argument="dp",
         )
     if workdir is not None:
-        work = Path(workdir)
-        work.mkdir(parents=True, exist_ok=True)
+        work = access.make_directories(workdir)
         return _run(dp, tp, to_dp, to_tp, steps, work, timeout, log)
-    with tempfile.TemporaryDirectory(prefix="muonckpt-demo-") as temporary:
-        result = _run(dp, tp, to_dp, to_tp, steps, Path(temporary), timeout, log)
+    with access.temporary_directory("muonckpt-demo-") as temporary:
+        result = _run(dp, tp, to_dp, to_tp, steps, temporary, timeout, log)
     return replace(result, kept=False)
 
 

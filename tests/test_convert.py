@@ -278,25 +278,40 @@ def test_convert_keeps_the_file_metadata_of_each_kind(single_ckpt, tmp_path):
 def test_a_foreign_format_is_one_record_in_the_registry(tmp_path, monkeypatch):
     """A format added to the registry is found by its name and by its files, and convert's
     route reads from it, writes to it and refuses what does not fit it, naming the option."""
+    from dataclasses import dataclass
     from pathlib import Path
 
     from muonckpt import interop
+    from muonckpt.cli import routes
     from muonckpt.errors import OptionError
     from muonckpt.interop import registry
+
+    @dataclass(frozen=True)
+    class ReadOptions:
+        model_prefix: str | None = None
+
+    @dataclass(frozen=True)
+    class WriteOptions:
+        layout: str = "flat"
+
+        def __post_init__(self):
+            if self.layout != "flat":
+                raise OptionError("choose one of flat", "--layout")
 
     assert interop.format_named("dcp") is interop.dcp.FORMAT
     fake = interop.ForeignFormat(
         name="fake",
         title="Fake",
         detect=lambda path: Path(path, "latest").is_file(),
-        read=lambda *args, **kwargs: None,
-        write=lambda *args, **kwargs: None,
+        read=lambda *args: None,
+        read_options=ReadOptions,
+        write=lambda *args: None,
+        write_options=WriteOptions,
         sources=("writer",),
         targets=("reader",),
-        read_options=("model_prefix",),
-        write_options={"layout": ("flat",)},
     )
     monkeypatch.setattr(registry, "FORMATS", (*registry.FORMATS, fake))
+    monkeypatch.setattr(routes, "FORMATS", registry.FORMATS)
     foreign, ours = tmp_path / "foreign", tmp_path / "ours"
     foreign.mkdir()
     ours.mkdir()
@@ -306,15 +321,15 @@ def test_a_foreign_format_is_one_record_in_the_registry(tmp_path, monkeypatch):
 
     def route(src, **given):
         asked = {"to": None, "source": None, "output_format": "muonckpt", "renamed": False}
-        return interop.route(src, **{**asked, **given}, overwrite=False, options=options)
+        return routes.route(src, **{**asked, **given}, overwrite=False, options=options)
 
-    assert route(foreign, to="packaged", source="writer") == interop.Route(
-        reads=fake, options={"model_prefix": None}, source="writer"
+    assert route(foreign, to="packaged", source="writer") == routes.Route(
+        reads=fake, options=ReadOptions(None), source="writer"
     )
-    assert route(ours, to="reader", output_format="fake") == interop.Route(
-        writes=fake, options={"layout": "flat"}
+    assert route(ours, to="reader", output_format="fake") == routes.Route(
+        writes=fake, options=WriteOptions("flat")
     )
-    assert route(ours, to="torch") == interop.Route()
+    assert route(ours, to="torch") == routes.Route()
     refusals = [
         (
             {"output_format": "bogus"},

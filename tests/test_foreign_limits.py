@@ -26,8 +26,8 @@ from typing import Any
 import pytest
 import torch
 
-from muonckpt import CheckpointError, MuonCkptError, offline
-from muonckpt.interop import _trainer_files as hf_files
+from muonckpt import CheckpointError, MuonCkptError, interop
+from muonckpt.interop import _torch_optim
 from muonckpt.interop.deepspeed import files as deepspeed_files
 from muonckpt.interop.megatron import files as megatron_files
 from muonckpt.storage import foreign_limits as limits
@@ -232,7 +232,7 @@ def test_billion_laughs_in_the_other_readers_are_refused(tmp_path):
     state = torch.load(victim, weights_only=True)
     state["param_groups"][0]["laughs"] = _laughs()
     torch.save(state, victim)
-    run = lambda: offline.from_accelerate(src, tmp_path / "acc_out")  # noqa: E731
+    run = lambda: interop.from_accelerate(src, tmp_path / "acc_out")  # noqa: E731
     _refused_by(run, f"more than {limits.MAX_ELEMENTS} values", str(victim))
 
     root = Path(shutil.copytree(MEGATRON / "tp1_dp2_torch" / "checkpoint", tmp_path / "mt"))
@@ -240,7 +240,7 @@ def test_billion_laughs_in_the_other_readers_are_refused(tmp_path):
     chained = megatron_files.load(victim)
     chained[0]["optimizer"]["param_groups"][0]["laughs"] = _laughs()
     torch.save(chained, victim)
-    run = lambda: offline.from_megatron(root, tmp_path / "mt_out")  # noqa: E731
+    run = lambda: interop.from_megatron(root, tmp_path / "mt_out")  # noqa: E731
     _refused_by(run, f"more than {limits.MAX_ELEMENTS} values", str(victim))
 
     def laugh(common: Any) -> Any:
@@ -248,7 +248,7 @@ def test_billion_laughs_in_the_other_readers_are_refused(tmp_path):
         return common
 
     root = _megatron_dist_common(tmp_path / "md", laugh)
-    run = lambda: offline.from_megatron(root, tmp_path / "md_out")  # noqa: E731
+    run = lambda: interop.from_megatron(root, tmp_path / "md_out")  # noqa: E731
     _refused_by(run, "common_state", f"more than {limits.MAX_ELEMENTS} values", "__0_0.distcp")
 
 
@@ -284,7 +284,7 @@ def _loaded(tmp_path: Path, value: Any) -> Any:
     """``value`` through a real ``torch.save`` file and the restricted loader."""
     path = tmp_path / "value.pt"
     torch.save({"x": value}, path)
-    return hf_files.load(path)
+    return _torch_optim.load(path)
 
 
 def _over(tmp_path: Path, value: Any, *words: str) -> None:
@@ -320,9 +320,9 @@ def _elements(total: int) -> dict[str, Any]:
 def test_total_values_at_the_limit_and_one_past(tmp_path):
     path = tmp_path / "value.pt"
     torch.save(_elements(limits.MAX_ELEMENTS), path)
-    hf_files.load(path)
+    _torch_optim.load(path)
     torch.save(_elements(limits.MAX_ELEMENTS + 1), path)
-    _refused_by(lambda: hf_files.load(path), f"more than {limits.MAX_ELEMENTS} values")
+    _refused_by(lambda: _torch_optim.load(path), f"more than {limits.MAX_ELEMENTS} values")
 
 
 def test_total_text_at_the_limit_and_one_past(tmp_path):
@@ -334,9 +334,9 @@ def test_total_text_at_the_limit_and_one_past(tmp_path):
         padding = "y" * (limits.MAX_TEXT - 2 - 1023 * len(text) + extra)
         torch.save({"x": [text] * 1023, "y": padding}, path)
         if extra:
-            _refused_by(lambda: hf_files.load(path), f"more than {limits.MAX_TEXT} characters")
+            _refused_by(lambda: _torch_optim.load(path), f"more than {limits.MAX_TEXT} characters")
         else:
-            hf_files.load(path)
+            _torch_optim.load(path)
 
 
 def test_tensor_reuse_at_the_limit_and_one_past(tmp_path):
@@ -381,9 +381,9 @@ def test_compressed_archive_at_the_limit_and_one_past(tmp_path):
     path = tmp_path / "zipped.pt"
     _compressed(path, limits.MAX_INFLATED_BYTES)
     assert path.stat().st_size < 1 << 20
-    assert hf_files.load(path).numel() > 0
+    assert _torch_optim.load(path).numel() > 0
     _compressed(path, limits.MAX_INFLATED_BYTES + 1)
-    _refused_by(lambda: hf_files.load(path), f"more than {limits.MAX_INFLATED_BYTES} bytes")
+    _refused_by(lambda: _torch_optim.load(path), f"more than {limits.MAX_INFLATED_BYTES} bytes")
 
 
 def test_a_stored_member_declaring_more_than_it_stores_is_refused(tmp_path):
@@ -398,7 +398,9 @@ def test_a_stored_member_declaring_more_than_it_stores_is_refused(tmp_path):
     at += 24  # the entry's uncompressed size
     struct.pack_into("<I", data, at, 1 << 30)
     path.write_bytes(bytes(data))
-    _refused_by(lambda: hf_files.load(path), "declares 1073741824 bytes but stores 16", str(path))
+    _refused_by(
+        lambda: _torch_optim.load(path), "declares 1073741824 bytes but stores 16", str(path)
+    )
 
 
 def test_a_truncated_file_is_named_truncated(tmp_path):
@@ -407,7 +409,7 @@ def test_a_truncated_file_is_named_truncated(tmp_path):
     path = tmp_path / LIGHTNING.name
     for size in (len(data) // 2, len(data) - 1):
         path.write_bytes(data[:size])
-        run = lambda: offline.from_lightning(path, tmp_path / "out")  # noqa: E731
+        run = lambda: interop.from_lightning(path, tmp_path / "out")  # noqa: E731
         _refused_by(run, "truncated", f"({size} bytes", str(path))
 
 
@@ -416,10 +418,10 @@ def test_a_blocked_global_is_named_in_one_line(tmp_path):
     common state): one line naming it, no terminal codes (before, the DCP value's refusal was
     cut before it named the global, with raw ANSI codes)."""
     path = _lightning(tmp_path, lambda t: t["state_dict"].update(x=Fraction(1, 3)))
-    run = lambda: offline.from_lightning(path, tmp_path / "out")  # noqa: E731
+    run = lambda: interop.from_lightning(path, tmp_path / "out")  # noqa: E731
     _refused_by(run, "GLOBAL fractions.Fraction is not allowed", str(path))
     root = _megatron_dist_common(tmp_path / "md", lambda common: [Fraction(1, 3), common])
-    run = lambda: offline.from_megatron(root, tmp_path / "md_out")  # noqa: E731
+    run = lambda: interop.from_megatron(root, tmp_path / "md_out")  # noqa: E731
     _refused_by(run, "common_state", "GLOBAL fractions.Fraction is not allowed", ".distcp")
 
 
@@ -428,7 +430,7 @@ def test_an_opcode_torch_does_not_read_is_named_in_the_one_line(tmp_path):
     restricted unpickler does not read): the line names torch's cause (before, it ended at
     torch's "WeightsUnpickler error:", the cause cut)."""
     path = _lightning(tmp_path, lambda t: t.update(global_step=10**5000))
-    run = lambda: offline.from_lightning(path, tmp_path / "out")  # noqa: E731
+    run = lambda: interop.from_lightning(path, tmp_path / "out")  # noqa: E731
     _refused_by(run, "UnpicklingError: Unsupported operand 139", str(path))
 
 
@@ -436,7 +438,7 @@ def test_a_names_file_nested_past_the_parser_is_refused(tmp_path):
     names = tmp_path / "names.json"
     names.write_text("[" * 100_000 + "]" * 100_000)
     src = FIXTURES / "accelerate" / "plain" / "state"
-    run = lambda: offline.from_accelerate(src, tmp_path / "out", names=names)  # noqa: E731
+    run = lambda: interop.from_accelerate(src, tmp_path / "out", names=names)  # noqa: E731
     _refused_by(run, "nested more than 32 levels", str(names))
     names.write_text(json.dumps([[[[[]]]]]))
     for _ in range(limits.MAX_DEPTH - 4):
@@ -480,4 +482,4 @@ def test_allocations_a_few_bytes_ask_for_are_refused(tmp_path, pickled, words):
     path = tmp_path / "crafted.pt"
     _crafted(path, pickled)
     assert path.stat().st_size < 1024
-    _refused_by(lambda: hf_files.load(path), words, str(path))
+    _refused_by(lambda: _torch_optim.load(path), words, str(path))

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 import muonckpt
-from muonckpt import CheckpointError, ConversionWarning
+from muonckpt import CheckpointError, ConversionWarning, interop
 from muonckpt.cli import app
 from muonckpt.interop import registry
 from muonckpt.interop.dcp import files as dcp_files
@@ -125,7 +125,7 @@ def test_to_torchtitan_writes_the_source_back(converted, tmp_path):
 
 
 def test_the_cli_finds_the_format_and_the_newest_step(tmp_path):
-    assert registry.detect(SOURCES["manager"]) is torchtitan.FORMAT
+    assert registry.detect(SOURCES["manager"]) is interop.torchtitan.FORMAT
     runner = CliRunner()
     for i, args in enumerate(
         [

@@ -50,7 +50,7 @@ from .options import (
 )
 
 if TYPE_CHECKING:
-    from .. import interop
+    from .routes import Route
 
 # The library is imported by the commands that use it, so that --help and usage errors answer
 # at once; torch (~2.7 s to import on the benchmark machine) only by those that need it:
@@ -246,8 +246,8 @@ def convert(
 
     Names: muonckpt convert ckpt/step-1000 -o ckpt/plain --rename module.= --rename _orig_mod.=
     """
-    from .. import interop
     from ..errors import OptionError
+    from .routes import route as route_of
 
     prefixes = _renames(rename)
     options = {
@@ -263,7 +263,7 @@ def convert(
         "allow_large_world": allow_large_world,
     }
     try:
-        route = interop.route(
+        route = route_of(
             src,
             to=to,
             source=source,
@@ -278,7 +278,7 @@ def convert(
 
 
 def _convert_by(
-    route: interop.Route,
+    route: Route,
     ctx: typer.Context,
     src: Path,
     dst: Path,
@@ -291,22 +291,17 @@ def _convert_by(
     """Run the conversion ``route`` chose (a foreign format's writer, its reader, or muonckpt
     to muonckpt), then say what it did."""
     from .. import offline
+    from ..interop import Reading
 
     output.also_quiet(ctx, quiet)
-    if route.writes is not None:
-        report = route.writes.write(src, dst, to=to, **route.options)
+    if route.writes is not None and route.writes.write is not None:
+        assert to is not None  # the route checked it is one of the format's targets
+        report = route.writes.write(src, dst, to, route.options)
         output.say_conversion(ctx, route.writes.title, report)
-    elif route.reads is not None:
+    elif route.reads is not None and route.source is not None:
         with output.progress_bar(ctx, "convert") as progress:
-            report = route.reads.read(
-                src,
-                dst,
-                source=route.source,
-                to=to,
-                overwrite=force,
-                progress=progress,
-                **route.options,
-            )
+            reading = Reading(route.source, to, overwrite=force, progress=progress)
+            report = route.reads.read(src, dst, reading, route.options)
         output.say_conversion(ctx, route.reads.title, report)
         output.say(ctx, _written(report.path))
     else:

@@ -41,11 +41,11 @@ from ..format.manifest import (
     model_tensor,
 )
 from ..format.names import PARAM_KEY
+from ..storage import torch_pickles
 from ..storage.dtypes import dtype_name
 from ..storage.foreign_limits import read_json
 from ._consolidated import conversion_notes, write_consolidated
 from ._fields import listed_state, step_count, tensor
-from .foreign import Conversion
 
 MUON_SETTINGS = frozenset({"momentum", "nesterov", "ns_coefficients", "ns_steps", "adjust_lr_fn"})
 """Settings every torch.optim.Muon group holds (its ``state_dict()`` does not name its class)."""
@@ -56,11 +56,15 @@ STATE_KEYS = {
     "adamw": {"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"},
 }
 TORCH = kinds.DCP_FAMILIES["torch"]
+HOLDS = "a file of accelerate or Lightning holds tensors, containers, numbers and strings only"
 
 
-class TrainerConversion(Conversion):
-    """What :func:`~.accelerate.from_accelerate` or :func:`~.lightning.from_lightning` wrote
-    and left out; ``layout`` names the optimizers and how their params were named."""
+@dataclass(frozen=True)
+class TrainerReadOptions:
+    """The options of accelerate's and Lightning's readers as ``convert`` passes them:
+    ``names`` (``--names``), a JSON file of each optimizer's params' names."""
+
+    names: Path | None = None
 
 
 @dataclass(frozen=True)
@@ -448,10 +452,7 @@ def given_names(
     return [list(row) for row in names]
 
 
-def read_only(title: str) -> Callable[..., Conversion]:
-    """The writer of a format muonckpt only reads (``convert`` refuses before it is called)."""
-
-    def write(*_: Any, **__: Any) -> Conversion:
-        raise CheckpointError(f"muonckpt reads {title} checkpoints but does not write them")
-
-    return write
+def load(path: Path) -> Any:
+    """The content of the ``torch.save`` file ``path`` (``optimizer.bin``, a ``.ckpt``), by
+    torch's restricted unpickler: tensors, containers, numbers and strings only."""
+    return torch_pickles.load(path, {}, HOLDS)

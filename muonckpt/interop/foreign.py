@@ -1,19 +1,26 @@
 """The one interface of a foreign checkpoint format: what :mod:`.registry` holds for each.
 
-A format is a :class:`ForeignFormat` record made by its own module (``interop/dcp.py``'s
+A format is a :class:`ForeignFormat` record made by its own folder (``interop/dcp/``'s
 ``FORMAT``): how to recognise its checkpoints, a reader that writes one as a consolidated
-muonckpt checkpoint, and a writer that writes any muonckpt checkpoint as one; both report
-what they did as a :class:`Conversion`.
+muonckpt checkpoint, and a writer that writes any muonckpt checkpoint as one, each with its
+options as a frozen dataclass of that format; both report what they did as a
+:class:`Conversion`.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Generic, TypeVar
 
-__all__ = ["Conversion", "ForeignFormat"]
+from ..files.writing import Progress
+
+__all__ = ["Conversion", "ForeignFormat", "NoOptions", "Reading"]
+
+R = TypeVar("R")
+W = TypeVar("W")
 
 
 @dataclass(frozen=True)
@@ -22,7 +29,10 @@ class Conversion:
 
     path: Path
     layout: str
-    """How the foreign checkpoint is laid out (its own words: DCP's ``torchtitan``)."""
+    """How the foreign checkpoint is laid out, in its format's words: DCP's ``torchtitan``,
+    ``recipe`` or ``prefixes MODEL / OPTIMIZER``; DeepSpeed's ``ZeRO-S, world N``; Megatron's
+    sharding format (``dp_reshardable``, ``fully_reshardable``) and, written, its TP and DP;
+    accelerate's and Lightning's optimizers and how their params were named."""
     left_out: tuple[str, ...]
     """Items of the source that the output does not hold (schedulers, dataloaders, buffers)."""
     converted: tuple[str, ...]
@@ -30,16 +40,35 @@ class Conversion:
 
 
 @dataclass(frozen=True)
-class ForeignFormat:
-    """A checkpoint format of another trainer, in and out of muonckpt's own.
+class NoOptions:
+    """The options of a reader or writer that takes none beyond the common ones."""
 
-    ``read(src, dst, *, source, to, overwrite=False, progress=None, **read_options)`` writes
-    the foreign checkpoint ``src``, saved by the implementation ``source`` (one of
-    :attr:`sources`: the files do not say), as a consolidated muonckpt checkpoint ``dst`` for
-    the muonckpt family ``to`` (:data:`muonckpt.format.kinds.FAMILIES`).
-    ``write(src, dst, *, to, **write_options)`` writes the muonckpt checkpoint ``src`` as a new
-    foreign checkpoint ``dst`` for the implementation ``to`` (one of :attr:`targets`), never
-    over an existing one. Both stream, and return a :class:`Conversion`.
+
+@dataclass(frozen=True)
+class Reading:
+    """What every reader is asked beside its format's own options: ``source``, the
+    implementation that saved the checkpoint (one of :attr:`ForeignFormat.sources`: the files
+    do not say), ``to``, the muonckpt family it is converted for
+    (:data:`muonckpt.format.FAMILIES`; None: the source's own form where the format keeps
+    it), whether ``dst`` may be replaced, and a progress callback."""
+
+    source: str
+    to: str | None
+    overwrite: bool = False
+    progress: Progress | None = None
+
+
+@dataclass(frozen=True)
+class ForeignFormat(Generic[R, W]):
+    """A checkpoint format of another trainer, in and out of muonckpt's own, with ``R`` and
+    ``W`` its reader's and writer's options (frozen dataclasses whose fields are named as
+    ``convert``'s options: ``world`` is ``--world``).
+
+    ``read(src, dst, reading, options)`` writes the foreign checkpoint ``src`` as a
+    consolidated muonckpt checkpoint ``dst`` (:class:`Reading`). ``write(src, dst, to,
+    options)`` writes the muonckpt checkpoint ``src`` as a new foreign checkpoint ``dst`` for
+    the implementation ``to`` (one of :attr:`targets`), never over an existing one. Both
+    stream, and return a :class:`Conversion`.
     """
 
     name: str
@@ -48,19 +77,17 @@ class ForeignFormat:
     """How messages call it: ``DCP``."""
     detect: Callable[[str | os.PathLike[str]], bool]
     """Whether a path is a checkpoint of this format (cheap: a file's presence, never a read)."""
-    read: Callable[..., Conversion]
-    write: Callable[..., Conversion]
+    read: Callable[[Path, Path, Reading, R], Conversion]
+    read_options: type[R]
+    """The reader's options; a choice outside those a field takes raises
+    :class:`~muonckpt.errors.OptionError` when made."""
     sources: tuple[str, ...]
     """The implementations whose checkpoints :attr:`read` takes (``convert --from``)."""
-    targets: tuple[str, ...]
+    write: Callable[[Path, Path, str, W], Conversion] | None = None
+    """None: muonckpt reads the format but does not write it."""
+    write_options: type[W] | None = None
+    targets: tuple[str, ...] = ()
     """The implementations :attr:`write` writes for (``convert --to`` with ``--format``)."""
-    read_options: tuple[str, ...] = ()
-    """The keyword options of :attr:`read` beyond the common ones, as ``convert`` passes them
-    (``model_prefix``: ``--model-prefix``)."""
-    write_options: Mapping[str, tuple[str, ...] | None] = field(default_factory=dict)
-    """The keyword options of :attr:`write` beyond ``to``, each with its choices, as
-    ``convert`` passes and checks them (``layout``: ``--layout``); None: any value, which
-    :attr:`write` checks (``world``: ``--world``)."""
     records_source: bool = False
     """Whether its checkpoints say which implementation wrote them (DeepSpeed's: its one
     :attr:`sources`): then ``--from`` may be left out, and without ``--to`` :attr:`read`

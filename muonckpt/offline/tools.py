@@ -71,6 +71,7 @@ from ..format.writeplan import (
     unique_tensor_keys,
 )
 from ..layout.topology import BufferLayout, LayoutOptions, ParamSpec, Region, Topology, arrange
+from ..storage import access
 from . import _model
 
 # torch (and so collectives and workers) is imported only by the paths that need it: several
@@ -349,7 +350,7 @@ def convert(
 def _has_index(path: Path) -> bool:
     """Whether the source has this index file; one that is not a regular file of its own (a
     symlink, a FIFO) is refused, as every reader refuses it."""
-    if not (path.is_file() or path.is_symlink()):
+    if not (access.is_file(path) or access.is_symlink(path)):
         return False
     storage.read_text(path)
     return True

@@ -28,10 +28,11 @@ write ``storage.X``:
 * :mod:`.lease`: the file marking each directory muonckpt makes beside a target as its own,
   locked and refreshed while in use (what ``clean`` goes by, never names alone).
 * :mod:`.mailbox`: the messages through which the ranks of a background save agree.
-* :mod:`.dcp_files`: DCP's file format, for the DCP bridge (torch's planner and writer
-  subclassed in :mod:`._dcp_writer`).
-* :mod:`.deepspeed_files`: DeepSpeed's ZeRO files, read by torch's restricted unpickler with
-  stand-ins for DeepSpeed's classes, written with plain values only.
+* :mod:`.access`: what the layers above ask of paths (is it there, a directory's names, a
+  new file to write into, directories made), so that no module outside ``storage/`` opens
+  files (``tests/test_file_access.py``).
+* :mod:`.torch_pickles` / :mod:`.foreign_limits`: every foreign ``torch.save`` file read by one
+  restricted loader, under one set of limits.
 
 torch is imported only where a tensor crosses (the dtype conversions, reading a tensor,
 writing one), so that the single-process offline tools run without it. Nothing here imports

@@ -7,8 +7,7 @@ param index, read by the restricted unpickler) into a consolidated muonckpt chec
 by the model's names, with each param's value, torch.optim.Muon's momentum and AdamW's
 moments and step; the model's buffers go in as its other tensors. The RNG states
 (``random_states_N.pkl``) and every other file are left out unread, listed by name. Which
-index is which param: :mod:`._torch_optim`. :data:`FORMAT` is accelerate as the registry
-holds it.
+index is which param: :mod:`._torch_optim`.
 """
 
 from __future__ import annotations
@@ -18,21 +17,19 @@ from collections.abc import Sequence
 
 from ...errors import CheckpointError
 from ...files.writing import Progress
-from .. import _trainer_files as hf_files
 from .._torch_optim import (
     ModelState,
     OptimizerState,
-    TrainerConversion,
     convert_optimizers,
     given_names,
-    read_only,
+    load,
 )
-from ..foreign import ForeignFormat
+from ..foreign import Conversion
+from .files import accelerate_files, is_accelerate, read_model
 
-__all__ = ["FORMAT", "SOURCE", "from_accelerate", "is_accelerate"]
+__all__ = ["SOURCE", "from_accelerate", "is_accelerate"]
 
 SOURCE = "accelerate"
-is_accelerate = hf_files.is_accelerate
 
 
 def from_accelerate(
@@ -44,7 +41,7 @@ def from_accelerate(
     names: str | os.PathLike[str] | Sequence[Sequence[str]] | None = None,
     overwrite: bool = False,
     progress: Progress | None = None,
-) -> TrainerConversion:
+) -> Conversion:
     """Convert the accelerate ``save_state`` directory ``src`` of a torch.optim.Muon + AdamW
     job into a consolidated muonckpt checkpoint at ``dst`` for the muonckpt family ``to``
     (None: torch's own form, EMA momentum).
@@ -58,9 +55,9 @@ def from_accelerate(
     """
     if source != SOURCE:
         raise CheckpointError(f"an accelerate save_state is read as {SOURCE!r}, not {source!r}")
-    files = hf_files.accelerate_files(src)
-    model = ModelState(hf_files.read_model(files.model), ordered=files.model.suffix == ".bin")
-    optimizers = [OptimizerState(p.name, p, hf_files.load(p)) for p in files.optimizers]
+    files = accelerate_files(src)
+    model = ModelState(read_model(files.model), ordered=files.model.suffix == ".bin")
+    optimizers = [OptimizerState(p.name, p, load(p)) for p in files.optimizers]
     path, how, carried, notes = convert_optimizers(
         model, optimizers, dst,
         names=given_names(names), to=to, overwrite=overwrite, progress=progress,
@@ -70,18 +67,4 @@ def from_accelerate(
     layout = f"save_state of {count} optimizer{'s' * (count != 1)}, params named by {how}"
     if carried:
         layout += f", {len(carried)} more model tensor{'s' * (len(carried) != 1)} carried"
-    return TrainerConversion(path, layout, tuple(f"{n} (not read)" for n in files.others), notes)
-
-
-FORMAT = ForeignFormat(
-    name="accelerate",
-    title="accelerate",
-    detect=is_accelerate,
-    read=from_accelerate,
-    write=read_only("accelerate"),
-    sources=(SOURCE,),
-    targets=(),
-    read_options=("names",),
-    records_source=True,
-)
-"""accelerate's ``save_state`` in the registry (:mod:`muonckpt.interop.registry`): read only."""
+    return Conversion(path, layout, tuple(f"{n} (not read)" for n in files.others), notes)

@@ -1,9 +1,9 @@
-"""torch's DCP writer, taught to fetch each tensor when it reaches it and to bound its files:
-the planner and storage writer that :func:`.dcp_files.write_dcp` hands to
-``torch.distributed.checkpoint.save``.
+"""torch's DCP writer, taught to fetch each tensor when it reaches it, to bound its files and
+to write them through the storage seam: the planner and storage writer that
+:func:`.files.write_dcp` hands to ``torch.distributed.checkpoint.save``.
 
 This module imports ``torch.distributed.checkpoint`` at its top, since its classes derive from
-torch's; :mod:`.dcp_files` imports it only inside :func:`~.dcp_files.write_dcp`, so that the
+torch's; :mod:`.files` imports it only inside :func:`~.files.write_dcp`, so that the
 offline tools run without torch.
 """
 
@@ -15,12 +15,13 @@ import os
 import queue
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, FileSystem
+from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, FileSystemBase
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     MetadataIndex,
@@ -29,6 +30,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from ...errors import CheckpointError
+from ...storage import access
 from ...storage.dtypes import torch_dtype
 
 if TYPE_CHECKING:
@@ -98,20 +100,40 @@ class FetchingPlanner(DefaultSavePlanner):
         return tensor.contiguous()
 
 
-class NamingFileSystem(FileSystem):
-    """torch's file system, its write errors naming the file written: a write or close that
-    fails (a full disk) raises an OSError without a file name, which then named only the
-    directory of the checkpoint."""
+class StorageFileSystem(FileSystemBase):
+    """torch's file system interface over muonckpt's storage seam (:mod:`muonckpt.storage.access`):
+    DCP's files are created new, renamed and removed as every other file muonckpt writes, so
+    that a store behind the seam is DCP's too. A failure of the system is
+    the storage's :class:`~muonckpt.errors.CheckpointError`, naming the file written."""
 
     @contextmanager
     def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[Any]:
-        try:
-            with super().create_stream(path, mode) as stream:
-                yield stream
-        except OSError as exc:
-            if exc.filename is None:
-                exc.filename = os.fspath(path)
-            raise
+        if mode != "wb":
+            raise ValueError(f"muonckpt's DCP writer only writes new files, not mode {mode!r}")
+        with access.new_file(path, sync=False) as stream:  # torch fsyncs each file it writes
+            yield stream
+
+    def concat_path(self, path: str | os.PathLike[str], suffix: str) -> Path:
+        return Path(path, suffix)
+
+    def init_path(self, path: str | os.PathLike[str]) -> Path:
+        return Path(path)
+
+    def rename(self, path: str | os.PathLike[str], new_path: str | os.PathLike[str]) -> None:
+        access.rename(path, new_path)
+
+    def mkdir(self, path: str | os.PathLike[str]) -> None:
+        access.make_directories(path)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return "://" not in str(checkpoint_id)
+
+    def exists(self, path: str | os.PathLike[str]) -> bool:
+        return access.exists(path)
+
+    def rm_file(self, path: str | os.PathLike[str]) -> None:
+        access.remove(path)
 
 
 class BoundedWriter(dcp.FileSystemWriter):  # type: ignore[name-defined,misc]  # not in the stubs
@@ -121,7 +143,7 @@ class BoundedWriter(dcp.FileSystemWriter):  # type: ignore[name-defined,misc]  #
 
     def __init__(self, path: str, budget: int) -> None:
         super().__init__(path, thread_count=1, per_thread_copy_ahead=0)
-        self.fs = NamingFileSystem()
+        self.fs = StorageFileSystem()
         self.budget = budget
 
     def write_data(self, plan: Any, planner: Any) -> Any:

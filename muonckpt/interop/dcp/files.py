@@ -1,10 +1,10 @@
 """PyTorch Distributed Checkpoint (DCP) data: tensors and values read by the byte ranges
-:func:`.dcp_metadata.read_index` checked, written only through torch's writer.
+:func:`.metadata.read_index` checked, written only through torch's writer.
 
 Each range is read through ``torch.load(weights_only=True)`` as torch's own reader does, and
 a chunk read is a dense tensor whose storage is exactly those bytes (never a stride-0
 expansion or a view into more): what is read never exceeds what the directory holds; a value
-is read within :mod:`.foreign_limits`. DCP is
+is read within :mod:`muonckpt.storage.foreign_limits`. DCP is
 written only by ``torch.distributed.checkpoint.save`` with a ``FileSystemWriter``, in this
 process, without a process group, each tensor fetched when the writer reaches it.
 """

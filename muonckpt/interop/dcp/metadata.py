@@ -7,7 +7,7 @@ before anything of it runs; then every field muonckpt uses is type- and range-ch
 within the data files (which may not overlap, each at least the bytes its chunk's shape
 needs). This is muonckpt's one use of pickle. Every file is opened as muonckpt opens its own
 (:func:`~muonckpt.storage.durable.open_regular`: no FIFO, device or symlink). The data itself
-is read and written by :mod:`.dcp_files`.
+is read and written by :mod:`.files`.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Any
 
 from ...errors import CheckpointError
 from ...format.names import MANIFEST_NAME
-from ...storage import Output
+from ...storage import Output, access
 from ...storage.dtypes import dtype_name, itemsize, torch_dtype_names
 from ...storage.durable import open_failure, open_regular
 from ...storage.torch_pickles import one_line
@@ -110,7 +110,7 @@ class DcpIndex:
 
 def is_dcp(path: str | os.PathLike[str]) -> bool:
     """Whether ``path`` is a DCP checkpoint directory (it has a ``.metadata``)."""
-    return Path(path, METADATA_NAME).is_file()
+    return access.is_file(Path(path, METADATA_NAME))
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -207,8 +207,7 @@ def _no_metadata(directory: Path) -> CheckpointError:
     """The refusal of a directory without ``.metadata``: a muonckpt checkpoint, what DCP
     leaves of a save that did not finish (its ``.distcp`` files), or not DCP at all."""
     try:
-        with os.scandir(directory) as entries:
-            names = [entry.name for entry in entries]
+        names = access.list_names(directory)
     except OSError as exc:
         return CheckpointError(f"cannot read the directory: {exc.strerror}", path=directory)
     if MANIFEST_NAME in names:

@@ -9,7 +9,7 @@ family that wrote it (``source``: a DCP checkpoint does not record its optimizer
 :func:`to_dcp` writes any muonckpt checkpoint as DCP for a DTensor family, which
 ``torch.distributed.checkpoint.load`` reads at any world size. Both stream one tensor at a
 time; all DCP file access is :mod:`muonckpt.interop.dcp.metadata`'s and
-:mod:`muonckpt.interop.dcp.files`'s. :data:`FORMAT` is DCP as the registry holds it.
+:mod:`muonckpt.interop.dcp.files`'s.
 """
 
 from __future__ import annotations
@@ -39,23 +39,22 @@ from ...format.manifest import (
 from ...format.names import PARAM_KEY
 from .._consolidated import conversion_notes, split_experts_of, summarized, write_consolidated
 from .._foreign_out import not_carried, read_whole, staged_output
-from ..foreign import Conversion, ForeignFormat
+from ..foreign import Conversion
 from . import files as dcp_files
 from . import metadata as dcp_metadata
 from .model_items import ModelItems, model_others_of
 
-__all__ = ["FORMAT", "LAYOUTS", "DcpConversion", "from_dcp", "is_dcp", "to_dcp"]
+__all__ = [
+    "LAYOUTS",
+    "from_dcp",
+    "is_dcp",
+    "to_dcp",
+]
 
 LAYOUTS = {"torchtitan": "", "recipe": "model."}
 """Layout name -> the prefix of the model's fqns (the optimizer's is ``optimizer.``)."""
 OPTIMIZER_PREFIX = "optimizer."
 is_dcp = dcp_metadata.is_dcp
-
-
-@dataclass(frozen=True)
-class DcpConversion(Conversion):
-    """What :func:`from_dcp` or :func:`to_dcp` wrote, and what it left out; its ``layout`` is
-    ``torchtitan``, ``recipe``, or ``prefixes MODEL / OPTIMIZER`` when given."""
 
 
 def _family(name: str, what: str) -> kinds.DcpFamily:
@@ -121,7 +120,7 @@ def from_dcp(
     split_experts: bool = False,
     overwrite: bool = False,
     progress: Progress | None = None,
-) -> DcpConversion:
+) -> Conversion:
     """Convert the DCP checkpoint ``src`` into a consolidated muonckpt checkpoint at ``dst``.
 
     Args:
@@ -148,7 +147,7 @@ def from_dcp(
     alone), and its group's settings give mu. Every ``<optimizer_prefix>state.<fqn>.<key>``
     must be a state key of ``source`` for a param; anything else under the optimizer prefix
     is refused naming the key. Under a model prefix of its own, the model's other tensors are
-    carried (:func:`._dcp_model.model_others_of`). Other items (schedulers, dataloaders,
+    carried (:func:`.model_items.model_others_of`). Other items (schedulers, dataloaders,
     train state) are left out and reported.
 
     Memory: one full tensor and one of its chunks, twice (the next is read meanwhile); telling
@@ -186,7 +185,7 @@ def from_dcp(
     used |= {fqn for keys in state.values() for fqn in keys.values()}
     left = sorted((set(index.tensors) | set(index.values)) - used)
     left_out = summarized(left, model_prefix, named=model_items.holds)
-    return DcpConversion(path, layout, left_out, conversion_notes(manifest, target))
+    return Conversion(path, layout, left_out, conversion_notes(manifest, target))
 
 
 def _fqns_of(
@@ -398,7 +397,7 @@ def to_dcp(
     *,
     to: str,
     layout: str = "torchtitan",
-) -> DcpConversion:
+) -> Conversion:
     """Write the muonckpt checkpoint ``src`` (any kind, any topology) as a DCP checkpoint at
     ``dst`` for the DTensor family ``to``: the params as the model's tensors, each param's
     state under ``optimizer.state.<fqn>.<key>`` in the family's keys and momentum form, AdamW
@@ -424,7 +423,7 @@ def to_dcp(
         fetch = _WholeTensors(out.sources, manifest, reader)
         dcp_files.write_dcp(staging, out.tensors, out.values, fetch)
     left = tuple(out.left) + not_carried(manifest)
-    return DcpConversion(Path(dst), layout, left, tuple(out.notes))
+    return Conversion(Path(dst), layout, left, tuple(out.notes))
 
 
 @dataclass
@@ -579,17 +578,3 @@ def _torch_defaults(role: str) -> dict[str, Any]:
     else:
         group = torch.optim.AdamW([torch.zeros(2)]).param_groups[0]
     return {k: v for k, v in group.items() if k not in ("params", "param_names")}
-
-
-FORMAT = ForeignFormat(
-    name="dcp",
-    title="DCP",
-    detect=is_dcp,
-    read=from_dcp,
-    write=to_dcp,
-    sources=tuple(kinds.DCP_FAMILIES),
-    targets=tuple(kinds.DCP_FAMILIES),
-    read_options=("model_prefix", "optimizer_prefix", "split_experts"),
-    write_options={"layout": tuple(LAYOUTS)},
-)
-"""PyTorch DCP in the registry (:mod:`muonckpt.interop.registry`)."""

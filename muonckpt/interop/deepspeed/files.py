@@ -5,11 +5,12 @@ directory per tag (``global_step3``) with ``mp_rank_00_model_states.pt`` and one
 ``zero_pp_rank_{r}_mp_rank_00_optim_states.pt`` per rank (``bf16_zero_pp_rank_...`` for a
 bf16 run); a save with tensor or pipeline parallelism adds ``mp_rank_01_*`` files, which
 muonckpt does not read (:func:`rank_files` refuses them). They are ``torch.save`` files whose
-pickles name a few DeepSpeed classes. They are read only through :func:`.torch_pickles.load`
-(torch's restricted unpickler) with stand-ins of this module's own for exactly those classes
-(:data:`STAND_INS`): DeepSpeed need not be installed, nothing of the file runs, and any other
-global is refused before it resolves. Written files hold plain tensors, dicts, lists, numbers
-and strings only (``torch.save``), each created new and fsynced.
+pickles name a few DeepSpeed classes. They are read only through
+:func:`~muonckpt.storage.torch_pickles.load` (torch's restricted unpickler) with stand-ins of
+this module's own for exactly those classes (:data:`STAND_INS`): DeepSpeed need not be
+installed, nothing of the file runs, and any other global is refused before it resolves.
+Written files hold plain tensors, dicts, lists, numbers and strings only (``torch.save``),
+each created new and fsynced.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import CheckpointError
-from ...storage import Output, torch_pickles
-from ...storage.durable import failing_as, file_size, fsync_dir, read_text
+from ...storage import Output, access, torch_pickles
+from ...storage.durable import file_size, fsync_dir, read_text
 
 LATEST = "latest"
 OUTPUT = Output("deepspeed", (re.escape(LATEST), r"[^/]+/", r"[^/]+/[^/]*\.pt"))
@@ -78,7 +79,7 @@ def is_tag_directory(path: Path) -> bool:
     optimizer file (an entry of that name of any kind, so that what is wrong with a partial
     or odd one is named by the reader, not met as a usage error)."""
     names = (MODEL_STATES, rank_file(0), rank_file(0, bf16=True))
-    return any(os.path.lexists(path / name) for name in names)
+    return any(access.lexists(path / name) for name in names)
 
 
 def is_deepspeed(path: str | os.PathLike[str]) -> bool:
@@ -87,13 +88,13 @@ def is_deepspeed(path: str | os.PathLike[str]) -> bool:
     path = Path(path)
     if is_tag_directory(path):
         return True
-    if not os.path.lexists(path / LATEST):
+    if not access.lexists(path / LATEST):
         return False
     try:
-        with os.scandir(path) as entries:
-            return any(e.is_dir() and is_tag_directory(Path(e.path)) for e in entries)
+        names = access.list_names(path)
     except OSError:
         return False
+    return any(access.is_dir(path / n) and is_tag_directory(path / n) for n in names)
 
 
 def tag_directory(src: str | os.PathLike[str]) -> Path:
@@ -103,14 +104,14 @@ def tag_directory(src: str | os.PathLike[str]) -> Path:
     if is_tag_directory(src):
         return src
     latest = src / LATEST
-    if not os.path.lexists(latest):
+    if not access.lexists(latest):
         raise CheckpointError(
             f"not a DeepSpeed checkpoint: no {LATEST} and no {rank_file(0)}", path=src
         )
     tag = read_text(latest, limit=MAX_TAG_BYTES).strip()
     if not tag or tag in (".", "..") or "/" in tag or "\0" in tag or "\n" in tag:
         raise CheckpointError(f"names {tag[:80]!r}, not a tag directory's name", path=latest)
-    if not (src / tag).is_dir():
+    if not access.is_dir(src / tag):
         raise CheckpointError(f"names {tag!r}, which is not a directory beside it", path=latest)
     return src / tag
 
@@ -123,7 +124,7 @@ def rank_files(directory: Path) -> list[Path]:
     found: dict[int, Path] = {}
     prefixes = set()
     try:
-        names = sorted(os.listdir(directory))
+        names = access.list_names(directory)
     except OSError as exc:
         raise CheckpointError(f"cannot list: {exc.strerror}", path=directory) from None
     for name in names:
@@ -174,8 +175,8 @@ def total_size(paths: list[Path]) -> int:
 
 def load(path: Path) -> Any:
     """The content of the ``torch.save`` file ``path``, by torch's restricted unpickler with
-    :data:`STAND_INS` (:func:`.torch_pickles.load`): tensors, containers, numbers, strings and
-    those classes only."""
+    :data:`STAND_INS` (:func:`~muonckpt.storage.torch_pickles.load`): tensors, containers,
+    numbers, strings and those classes only."""
     holds = f"a DeepSpeed file holds tensors and {len(STAND_INS)} DeepSpeed classes only"
     return torch_pickles.load(path, STAND_INS, holds)
 
@@ -185,22 +186,13 @@ def save(path: Path, obj: Any) -> int:
     with ``torch.save``, fsynced; its size."""
     import torch
 
-    with failing_as("write", path):  # a full disk: torch's zip writer raises over the OSError
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0))
-        with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-            return f.tell()
+    with access.new_file(path) as f:
+        torch.save(obj, f)
+        return f.tell()
 
 
 def finish(staging: Path, tag: str) -> None:
     """Write ``latest`` naming ``tag`` and make the tag directory durable."""
     fsync_dir(staging / tag)
-    path = staging / LATEST
-    with failing_as("write", path):
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
-        with os.fdopen(fd, "w") as f:
-            f.write(tag)
-            f.flush()
-            os.fsync(f.fileno())
+    with access.new_file(staging / LATEST) as f:
+        f.write(tag.encode())

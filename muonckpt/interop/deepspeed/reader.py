@@ -11,7 +11,7 @@ that ``load`` into torch.optim.Muon is exact and into the packaged Muon converts
 every other family. :func:`to_deepspeed` writes any muonckpt checkpoint as DeepSpeed's own
 files for ``world`` ranks, which DeepSpeed loads at that world size as if it had saved them.
 The layout math is :mod:`muonckpt.interop.deepspeed.partitions`'s, the file access
-:mod:`muonckpt.interop.deepspeed.files`'s. :data:`FORMAT` is DeepSpeed as the registry holds it.
+:mod:`muonckpt.interop.deepspeed.files`'s.
 """
 
 from __future__ import annotations
@@ -39,13 +39,13 @@ from ...format.names import PARAM_KEY
 from ...storage.dtypes import dtype_name
 from .._consolidated import conversion_notes, write_consolidated
 from .._fields import shown, step_count, tensor
-from ..foreign import ForeignFormat
+from ..foreign import Conversion
 from . import files as deepspeed_files
 from .files import MODEL_STATES, FragmentAddress, ZeroStage
 from .partitions import GroupLayout, group_layout
-from .writer import ADAM_KEYS, MUON_KEY, OPTIMIZER, SOURCE, DeepSpeedConversion, to_deepspeed
+from .writer import ADAM_KEYS, MUON_KEY, OPTIMIZER, SOURCE, to_deepspeed
 
-__all__ = ["FORMAT", "DeepSpeedConversion", "from_deepspeed", "is_deepspeed", "to_deepspeed"]
+__all__ = ["from_deepspeed", "is_deepspeed", "to_deepspeed"]
 
 is_deepspeed = deepspeed_files.is_deepspeed
 
@@ -470,7 +470,7 @@ def from_deepspeed(
     to: str | None = None,
     overwrite: bool = False,
     progress: Any = None,
-) -> DeepSpeedConversion:
+) -> Conversion:
     """Convert the DeepSpeed ZeRO-1/2 checkpoint ``src`` (the directory holding ``latest``,
     or one tag directory such as ``global_step300``) into a consolidated muonckpt checkpoint
     at ``dst`` for the muonckpt family ``to`` (None: DeepSpeed's own form, recorded as
@@ -517,7 +517,7 @@ def from_deepspeed(
         aliases=aliases,
     )
     layout = f"ZeRO-{'/'.join(map(str, sorted(stages)))}, world {len(files)}"
-    return DeepSpeedConversion(path, layout, tuple(left), conversion_notes(manifest, target))
+    return Conversion(path, layout, tuple(left), conversion_notes(manifest, target))
 
 
 def _aliases(shared: Any, params: set[str], path: Path) -> dict[str, str]:
@@ -535,17 +535,3 @@ def _with_aliases(manifest: Manifest, aliases: Mapping[str, str]) -> Manifest:
     from dataclasses import replace
 
     return replace(manifest, model=ModelFile((), (), dict(aliases)))
-
-
-FORMAT = ForeignFormat(
-    name="deepspeed",
-    title="DeepSpeed",
-    detect=is_deepspeed,
-    read=from_deepspeed,
-    write=to_deepspeed,
-    sources=(SOURCE,),
-    targets=(SOURCE,),
-    write_options={"world": None, "allow_large_world": None},
-    records_source=True,
-)
-"""DeepSpeed ZeRO-1/2 in the registry (:mod:`muonckpt.interop.registry`)."""

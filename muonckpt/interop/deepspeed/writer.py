@@ -42,12 +42,6 @@ DS_VERSION = "0.19.8"
 """The DeepSpeed version the written files say wrote them (its loader asserts one is there)."""
 
 
-@dataclass(frozen=True)
-class DeepSpeedConversion(Conversion):
-    """What :func:`~muonckpt.interop.deepspeed.reader.from_deepspeed` or :func:`to_deepspeed` wrote,
-    and what it left out; its ``layout`` is ``ZeRO-S, world N``."""
-
-
 @dataclass
 class _OutGroup:
     """One DeepSpeed group to write: its params in DeepSpeed's order, its settings, and how
@@ -271,7 +265,7 @@ def to_deepspeed(
     world: int | None = None,
     stage: int = 2,
     allow_large_world: bool = False,
-) -> DeepSpeedConversion:
+) -> Conversion:
     """Write the muonckpt checkpoint ``src`` (any kind, any topology) as DeepSpeed ZeRO-1/2
     files for ``world`` ranks at the new directory ``dst`` (``latest`` and
     ``global_step<N>``, N the checkpoint's step), which ``engine.load_checkpoint(dst)`` of a
@@ -317,4 +311,4 @@ def to_deepspeed(
     left = ["param_slice_mappings and the loss scaler (DeepSpeed's load reads neither)"]
     left += not_carried(manifest)
     layout = f"ZeRO-{stage}, world {world}"
-    return DeepSpeedConversion(Path(dst), layout, tuple(left), tuple(notes))
+    return Conversion(Path(dst), layout, tuple(left), tuple(notes))

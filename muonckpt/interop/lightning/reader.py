@@ -9,8 +9,7 @@ consolidated muonckpt checkpoint keyed by the LightningModule's names (``model.w
 with each param's value, torch.optim.Muon's momentum, AdamW's moments and step, and
 ``global_step`` as the checkpoint's step; the module's buffers go in as the model's other
 tensors. The loops, callbacks, schedulers and hyperparameters are left out, listed by name.
-Which index is which param: :mod:`._torch_optim`. :data:`FORMAT` is Lightning as the registry
-holds it.
+Which index is which param: :mod:`._torch_optim`.
 """
 
 from __future__ import annotations
@@ -21,22 +20,27 @@ from pathlib import Path
 
 from ...errors import CheckpointError
 from ...files.writing import Progress
-from .. import _trainer_files as hf_files
+from ...storage import access
 from .._torch_optim import (
     ModelState,
     OptimizerState,
-    TrainerConversion,
     convert_optimizers,
     given_names,
-    read_only,
+    load,
 )
-from ..foreign import ForeignFormat
+from ..foreign import Conversion
 
-__all__ = ["FORMAT", "SOURCE", "from_lightning", "is_lightning"]
+__all__ = ["SOURCE", "from_lightning", "is_lightning"]
 
 SOURCE = "lightning"
-is_lightning = hf_files.is_lightning
 USED = ("state_dict", "optimizer_states", "global_step")
+SUFFIX = ".ckpt"
+
+
+def is_lightning(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` is a Lightning checkpoint: a ``.ckpt`` file (its name only)."""
+    path = Path(path)
+    return path.suffix == SUFFIX and access.is_file(path)
 
 
 def from_lightning(
@@ -48,7 +52,7 @@ def from_lightning(
     names: str | os.PathLike[str] | Sequence[Sequence[str]] | None = None,
     overwrite: bool = False,
     progress: Progress | None = None,
-) -> TrainerConversion:
+) -> Conversion:
     """Convert the Lightning checkpoint ``src`` (a ``.ckpt`` file) of a torch.optim.Muon +
     AdamW job into a consolidated muonckpt checkpoint at ``dst`` for the muonckpt family ``to``
     (None: torch's own form, EMA momentum). ``names`` as for
@@ -63,7 +67,7 @@ def from_lightning(
     path = Path(src)
     if not is_lightning(path):
         raise CheckpointError("is not a Lightning checkpoint (a .ckpt file)", path=path)
-    top = hf_files.load(path)
+    top = load(path)
     model = top.get("state_dict") if isinstance(top, dict) else None
     if not isinstance(model, dict) or not all(
         isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in model.items()
@@ -88,18 +92,4 @@ def from_lightning(
     if carried:
         layout += f", {len(carried)} more model tensor{'s' * (len(carried) != 1)} carried"
     left = tuple(str(key) for key in top if key not in USED)
-    return TrainerConversion(path_out, layout, left, notes)
-
-
-FORMAT = ForeignFormat(
-    name="lightning",
-    title="Lightning",
-    detect=is_lightning,
-    read=from_lightning,
-    write=read_only("Lightning"),
-    sources=(SOURCE,),
-    targets=(),
-    read_options=("names",),
-    records_source=True,
-)
-"""Lightning's ``.ckpt`` in the registry (:mod:`muonckpt.interop.registry`): read only."""
+    return Conversion(path_out, layout, left, notes)

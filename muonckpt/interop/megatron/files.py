@@ -5,7 +5,7 @@
 the ``model``'s state dict, ``optimizer.state_dict()``, the RNG states) and beside it one
 ``layer_wise_optimizer_{d}.pt`` per DP rank ``d`` (that rank's ``ChainedOptimizer.state_dict()``:
 state keyed by integer ids). They are ``torch.save`` files read only through
-:func:`.torch_pickles.load` with :data:`STAND_INS`: ``argparse.Namespace`` becomes
+:func:`~muonckpt.storage.torch_pickles.load` with :data:`STAND_INS`: ``argparse.Namespace`` becomes
 :class:`Namespace` (its attributes only); the numpy arrays of the RNG states and the enums of the
 ``args`` become :class:`~.torch_pickles.Opaque`; any other global is refused, naming the file.
 """
@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import CheckpointError
-from ...storage import Output, torch_pickles
+from ...storage import Output, access, torch_pickles
 
 __all__ = [
     "ITERATION_DIR",
@@ -86,8 +86,9 @@ class TorchFiles:
 def is_torch_format(directory: Path) -> bool:
     """Whether ``directory`` holds ``mp_rank_XX/model_optim_rng.pt`` (presence only: a FIFO in
     its place too, which :func:`load` refuses as not a regular file)."""
-    return directory.is_dir() and any(
-        _TP_DIR.fullmatch(p.name) and (p / MODEL_FILE).exists() for p in directory.iterdir()
+    return access.is_dir(directory) and any(
+        _TP_DIR.fullmatch(n) and access.exists(directory / n / MODEL_FILE)
+        for n in access.list_names(directory)
     )
 
 
@@ -97,7 +98,7 @@ def torch_files(directory: Path) -> TorchFiles:
     where pipeline or expert parallelism made the names (``mp_rank_XX_YYY``: not read), or
     where a file is missing."""
     tp_dirs: dict[int, Path] = {}
-    for p in sorted(directory.iterdir()):
+    for p in _listed(directory):
         match = _TP_DIR.fullmatch(p.name)
         if match is None:
             continue
@@ -115,10 +116,10 @@ def torch_files(directory: Path) -> TorchFiles:
     models, optimizers = [], []
     for t in sorted(tp_dirs):
         where = tp_dirs[t]
-        if not (where / MODEL_FILE).exists():  # (not a regular file: refused reading it)
+        if not access.exists(where / MODEL_FILE):  # (not a regular file: refused reading it)
             raise CheckpointError(f"no {MODEL_FILE}", path=where)
         ranks: dict[int, Path] = {}
-        for p in sorted(where.iterdir()):
+        for p in _listed(where):
             if (m := _OPTIM_FILE.fullmatch(p.name)) is not None:
                 _add(ranks, int(m[1]), p, "DP", where)
         if not ranks or sorted(ranks) != list(range(len(ranks))):
@@ -138,6 +139,11 @@ def torch_files(directory: Path) -> TorchFiles:
     return TorchFiles(tuple(models), tuple(optimizers))
 
 
+def _listed(directory: Path) -> list[Path]:
+    """The entries of ``directory``, by name."""
+    return [directory / name for name in access.list_names(directory)]
+
+
 def _add(ranks: dict[int, Path], rank: int, path: Path, kind: str, directory: Path) -> None:
     """``path`` as ``kind`` rank ``rank``'s, refused where another name is that rank's too
     (``mp_rank_01`` beside ``mp_rank_1``: which one the save wrote cannot be known)."""
@@ -149,7 +155,7 @@ def _add(ranks: dict[int, Path], rank: int, path: Path, kind: str, directory: Pa
 
 
 def load(path: Path) -> Any:
-    """The content of one of Megatron's ``torch.save`` files (:func:`.torch_pickles.load` with
-    :data:`STAND_INS`)."""
+    """The content of one of Megatron's ``torch.save`` files
+    (:func:`~muonckpt.storage.torch_pickles.load` with :data:`STAND_INS`)."""
     holds = "a Megatron torch-format file holds tensors, its args and RNG states only"
     return torch_pickles.load(path, STAND_INS, holds)

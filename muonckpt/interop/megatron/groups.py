@@ -1,5 +1,5 @@
 """What Megatron-Core's layer-wise Muon records of its param groups, read the same way from
-either of its checkpoint formats (torch_dist: :mod:`.megatron`; torch: :mod:`._megatron_torch`):
+either of its checkpoint formats (torch_dist: :mod:`.reader`; torch: :mod:`.torch_format`):
 each group's role and settings, and the Muon settings its groups do not hold, from the
 training ``args`` or Megatron's defaults."""
 

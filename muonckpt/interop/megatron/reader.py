@@ -33,21 +33,20 @@ from ...format.conversion import converted_manifest
 from ...format.manifest import CONSOLIDATED, GroupEntry, Manifest, ParamEntry, Scalar
 from ...format.names import PARAM_KEY
 from ...format.stacked import matrices
+from ...storage import access
 from ...storage.foreign_limits import read_json
 from .._consolidated import conversion_notes, summarized, write_consolidated
 from .._fields import count
 from ..dcp import files as dcp_files
 from ..dcp import metadata as dcp_metadata
-from ..foreign import ForeignFormat
+from ..foreign import Conversion
 from . import files as megatron_files
 from .files import LATEST, Namespace
 from .groups import MUON, Group, assumed, group_of, kind, role_of
-from .writer import DIST_METADATA, STACKED, STATE_KEYS, MegatronConversion, to_megatron
+from .writer import DIST_METADATA, STACKED, STATE_KEYS, to_megatron
 
 __all__ = [
-    "FORMAT",
     "MUON",
-    "MegatronConversion",
     "from_megatron",
     "is_megatron",
     "iteration_dir",
@@ -71,7 +70,7 @@ def iteration_dir(path: str | os.PathLike[str]) -> Path:
     ``latest_checkpointed_iteration.txt`` names (refused naming the file where it is missing,
     not a regular file, or not ASCII digits: ``str.isdigit`` takes '²', which ``int`` refuses)."""
     root = Path(path)
-    if not (root / LATEST).exists():
+    if not access.exists(root / LATEST):
         return root
     text = storage.read_text(root / LATEST, limit=64).strip()
     if text == "release":
@@ -80,7 +79,7 @@ def iteration_dir(path: str | os.PathLike[str]) -> Path:
         iteration = root / f"iter_{int(text):07d}"
     else:
         raise CheckpointError(f"names iteration {text!r}, not a number", path=root / LATEST)
-    if not iteration.is_dir():
+    if not access.is_dir(iteration):
         raise CheckpointError(
             f"names iteration {text}, but {iteration.name} is not a directory", path=root / LATEST
         )
@@ -93,18 +92,18 @@ def is_megatron(path: str | os.PathLike[str]) -> bool:
     one (``mp_rank_XX/model_optim_rng.pt``): files' presence only (a FIFO in a file's place
     too, which the reader then refuses as not a regular file)."""
     root = Path(path)
-    if (root / LATEST).exists():
+    if access.exists(root / LATEST):
         return True
     if megatron_files.is_torch_format(root):
         return True
-    return (root / DIST_METADATA).exists() and dcp_metadata.is_dcp(root)
+    return access.exists(root / DIST_METADATA) and dcp_metadata.is_dcp(root)
 
 
 def _check_backend(directory: Path) -> None:
     """Refuse what is not torch_dist (the ``torch`` format's ``mp_rank_XX`` files, say)."""
     where = directory / DIST_METADATA
-    if not where.exists():
-        found = sorted(p.name for p in directory.iterdir())[:4] if directory.is_dir() else []
+    if not access.exists(where):
+        found = access.list_names(directory)[:4] if access.is_dir(directory) else []
         raise CheckpointError(
             f"no {DIST_METADATA}: not a torch_dist checkpoint (muonckpt reads Megatron's "
             f"torch_dist format; found {found})",
@@ -128,7 +127,7 @@ def from_megatron(
     to: str | None = None,
     overwrite: bool = False,
     progress: Progress | None = None,
-) -> MegatronConversion:
+) -> Conversion:
     """Convert the Megatron-Core torch_dist checkpoint ``src`` (its root or an ``iter_N``) into
     a consolidated muonckpt checkpoint at ``dst``, per layer, with the fp32 master params,
     Muon's momentum (EMA form, recorded so; converted for ``to``, a muonckpt family, or kept
@@ -166,7 +165,7 @@ def from_megatron(
     used = {fqn for fqn, _ in fqn_of.values()} | {_common_fqn(index, where)}
     left = sorted((set(index.tensors) | set(index.values)) - used)
     notes = conversion_notes(manifest, target) + assumed(common.get("args"))
-    return MegatronConversion(path, layout, summarized(left), notes)
+    return Conversion(path, layout, summarized(left), notes)
 
 
 def _common_fqn(index: dcp_metadata.DcpIndex, where: Path) -> str:
@@ -326,17 +325,3 @@ def _manifest(
     )
     manifest = Manifest(CONSOLIDATED, {"dp": 1, "tp": 1}, group_entries, tuple(entries), (), ())
     return manifest, fqn_of
-
-
-FORMAT = ForeignFormat(
-    name="megatron",
-    title="Megatron-Core",
-    detect=is_megatron,
-    read=from_megatron,
-    write=to_megatron,
-    sources=("megatron",),
-    targets=("megatron",),
-    write_options={"tp": None, "dp": None, "allow_large_world": None},
-    records_source=True,
-)
-"""Megatron-Core's torch_dist format in the registry (:mod:`muonckpt.interop.registry`)."""

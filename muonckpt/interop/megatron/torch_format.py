@@ -37,11 +37,11 @@ from ...format.names import PARAM_KEY
 from ...storage.dtypes import dtype_name
 from .._consolidated import conversion_notes, summarized, write_consolidated
 from .._fields import count, listed_state, tensor
+from ..foreign import Conversion
 from . import files as megatron_files
 from .files import Namespace
 from .groups import Group, assumed, group_of, kind, role_of
 from .tp_chunks import partition_dim
-from .writer import MegatronConversion
 
 __all__ = ["LOCAL_NAMES", "from_torch_format"]
 
@@ -80,7 +80,7 @@ def from_torch_format(
     overwrite: bool,
     progress: Progress | None,
     root: Path,
-) -> MegatronConversion:
+) -> Conversion:
     """Convert the torch-format iteration ``directory`` (see the module's text) as
     :func:`~.megatron.from_megatron` does a torch_dist one; ``root``: the checkpoint as given
     (no output inside it). Memory: the whole checkpoint."""
@@ -108,7 +108,7 @@ def from_torch_format(
     left = list(tops[0]["model"])  # the bf16 weights: the fp32 masters are carried
     left += [k for k in tops[0] if k not in ("model", "optimizer", "args", "iteration")]
     notes = conversion_notes(manifest, target) + assumed(args)
-    return MegatronConversion(path, "torch", summarized(left), notes)
+    return Conversion(path, "torch", summarized(left), notes)
 
 
 SIZES = (

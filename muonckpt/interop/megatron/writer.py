@@ -68,13 +68,6 @@ CHECKPOINT_VERSION = 3.0
 _LAYER_NAME = re.compile("(" + "|".join(map(re.escape, STACKED)) + r")(\d+)\.(.+)")
 
 
-@dataclass(frozen=True)
-class MegatronConversion(Conversion):
-    """What :func:`~.megatron.from_megatron` or :func:`to_megatron` wrote and left out;
-    ``layout`` is the optimizer's sharding format (``dp_reshardable``: chained prefixes;
-    ``fully_reshardable``: none), and for output the TP and DP it is for."""
-
-
 def stacked_key(name: str) -> tuple[str, int | None]:
     """The checkpoint key of a per-layer param and its layer: ``decoder.layers.{i}.X`` ->
     (``decoder.layers.X``, ``i``); other names as they are (the inverse of
@@ -220,7 +213,7 @@ def to_megatron(
     tp: int | None = None,
     dp: int | None = None,
     allow_large_world: bool = False,
-) -> MegatronConversion:
+) -> Conversion:
     """Write the muonckpt checkpoint ``src`` (read from a Megatron-Core torch_dist checkpoint,
     at any topology since) as a new Megatron-Core torch_dist checkpoint root ``dst`` that
     Megatron's layer-wise Muon loads at TP ``tp`` and DP ``dp``: the fp32 masters, the Muon
@@ -256,7 +249,7 @@ def to_megatron(
     left = ["the training args (an argparse.Namespace: Megatron's loader does without)"]
     left += not_carried(manifest)
     layout = f"dp_reshardable, TP {tp} DP {dp}"
-    return MegatronConversion(Path(dst), layout, tuple(left), tuple(notes))
+    return Conversion(Path(dst), layout, tuple(left), tuple(notes))
 
 
 def _tensors_and_chunks(

@@ -26,11 +26,18 @@ from pathlib import Path
 
 from ...errors import CheckpointError
 from ...files.writing import Progress
+from ...storage import access
 from ..dcp import metadata as dcp_metadata
 from ..dcp import reader as dcp
-from ..foreign import Conversion, ForeignFormat
+from ..foreign import Conversion
 
-__all__ = ["FORMAT", "JOB_STATES", "from_torchtitan", "is_torchtitan", "step_dir", "to_torchtitan"]
+__all__ = [
+    "JOB_STATES",
+    "from_torchtitan",
+    "is_torchtitan",
+    "step_dir",
+    "to_torchtitan",
+]
 
 SOURCE = "torchtitan"
 JOB_STATES = ("optimizer", "lr_scheduler", "dataloader", "train_state")
@@ -42,9 +49,9 @@ LAYOUTS = {"optimizer.": ("", "checkpoint manager"), "optim.": ("model.", "get_s
 
 def _steps(root: Path) -> list[tuple[int, Path]]:
     """``root``'s ``step-N`` DCP directories, by N."""
-    if not root.is_dir():
+    if not access.is_dir(root):
         return []
-    found = [(_STEP.fullmatch(p.name), p) for p in root.iterdir()]
+    found = [(_STEP.fullmatch(n), root / n) for n in access.list_names(root)]
     return sorted((int(m.group(1)), p) for m, p in found if m and dcp_metadata.is_dcp(p))
 
 
@@ -141,17 +148,3 @@ def to_torchtitan(
     return Conversion(
         report.path, "torchtitan checkpoint manager", report.left_out, report.converted
     )
-
-
-FORMAT = ForeignFormat(
-    name=SOURCE,
-    title="torchtitan",
-    detect=is_torchtitan,
-    read=from_torchtitan,
-    write=to_torchtitan,
-    sources=(SOURCE,),
-    targets=(SOURCE,),
-    read_options=("model_buffers", "split_experts"),
-    records_source=True,
-)
-"""torchtitan in the registry (:mod:`muonckpt.interop.registry`)."""

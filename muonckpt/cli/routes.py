@@ -1,21 +1,22 @@
-"""Which conversion ``muonckpt convert`` asks for, chosen from the one registry
-(:mod:`.registry`): a muonckpt checkpoint rewritten for another implementation or renamed, a
-foreign checkpoint read into muonckpt's format, or a muonckpt checkpoint written as a foreign
-one. Every combination of options that asks for none of these is refused here, before
-anything is read, naming the option at fault as the command line spells it.
+"""Which conversion ``muonckpt convert`` asks for, chosen from the one registry of foreign
+formats (:data:`muonckpt.interop.FORMATS`): a muonckpt checkpoint rewritten for another
+implementation or renamed, a foreign checkpoint read into muonckpt's format, or a muonckpt
+checkpoint written as a foreign one. Every combination of options that asks for none of
+these is refused here, before anything is read, naming the option at fault as the command
+line spells it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from ..errors import OptionError
-from ..format.kinds import FAMILIES
-from . import registry
-from .foreign import ForeignFormat
+from ..format import FAMILIES
+from ..interop import FORMATS, ForeignFormat, detect, format_named
 
 __all__ = ["MUONCKPT", "Route", "route"]
 
@@ -27,11 +28,11 @@ MUONCKPT = "muonckpt"
 class Route:
     """A conversion: from a foreign format (``reads``), to one (``writes``), or, both None,
     from muonckpt's format to itself; with the options of the chosen format's reader or
-    writer."""
+    writer (an instance of its ``read_options`` or ``write_options``)."""
 
-    reads: ForeignFormat | None = None
-    writes: ForeignFormat | None = None
-    options: Mapping[str, Any] = field(default_factory=dict)
+    reads: ForeignFormat[Any, Any] | None = None
+    writes: ForeignFormat[Any, Any] | None = None
+    options: Any = None
     source: str | None = None
     """The implementation that wrote a foreign checkpoint read (``--from``, or the one its
     files record)."""
@@ -50,23 +51,23 @@ def route(
     """The conversion of ``src`` that ``convert``'s options ask for: ``to`` (``--to``),
     ``source`` (``--from``), ``output_format`` (``--format``), ``renamed`` (any ``--rename``),
     ``overwrite`` (``--force``) and ``options``, the foreign formats' own options by name
-    (``layout``, ``model_prefix``, ``world``), of which the route keeps those its format
-    takes. ``--to NAME`` of a format that writes for itself (``--to deepspeed``) is
+    (``layout``, ``model_prefix``, ``world``), of which the route gives its format's options
+    record those it has. ``--to NAME`` of a format that writes for itself (``--to deepspeed``) is
     ``--format NAME --to NAME``.
 
     Raises:
         OptionError: for options that ask for no conversion, or a value outside its choices.
     """
-    foreign = [f.name for f in registry.FORMATS]
-    if renamed and (output_format in foreign or source is not None or registry.detect(src)):
+    foreign = [f.name for f in FORMATS]
+    if renamed and (output_format in foreign or source is not None or detect(src)):
         raise OptionError("names are mapped between muonckpt checkpoints only")
-    if output_format == MUONCKPT and to in foreign and to in registry.format_named(to).targets:
+    if output_format == MUONCKPT and to in foreign and to in format_named(to).targets:
         output_format = to
     if output_format != MUONCKPT and output_format not in foreign:
         raise OptionError(f"choose {' or '.join([MUONCKPT, *foreign])}", "--format")
-    detected = registry.detect(src)
+    detected = detect(src)
     if output_format != MUONCKPT:
-        chosen = _writing(registry.format_named(output_format), detected, to, overwrite, options)
+        chosen = _writing(format_named(output_format), detected, to, overwrite, options)
     elif to is not None and to not in FAMILIES:
         raise OptionError(f"choose one of {', '.join(FAMILIES)}", "--to")
     elif detected is None and source is None:  # with --from, the reader says what SRC is
@@ -83,29 +84,33 @@ def _check_switches(chosen: Route, options: Mapping[str, Any]) -> None:
     """Refuse a switch (``--split-experts``, ``--model-buffers``, ``--allow-large-world``)
     turned on for a conversion whose reader or writer does not take it, rather than ignore it."""
     foreign = chosen.reads or chosen.writes
-    taken = [*chosen.reads.read_options] if chosen.reads is not None else []
-    taken += [*chosen.writes.write_options] if chosen.writes is not None else []
+    taken = [f.name for f in dataclasses.fields(chosen.options)] if foreign is not None else []
     for option, value in options.items():
         if value is True and option not in taken:
             what = foreign.title if foreign is not None else "this conversion"
             raise OptionError(f"{what} does not take it", _flag(option))
 
 
+def _options(kind: type[Any], options: Mapping[str, Any]) -> Any:
+    """A format's options record (``kind``) of the values ``options`` has for its fields
+    (the others at its defaults); a value outside a field's choices raises its
+    :class:`~muonckpt.errors.OptionError`."""
+    return kind(**{f.name: options[f.name] for f in dataclasses.fields(kind) if f.name in options})
+
+
 def _writing(
-    format_: ForeignFormat,
-    detected: ForeignFormat | None,
+    format_: ForeignFormat[Any, Any],
+    detected: ForeignFormat[Any, Any] | None,
     to: str | None,
     overwrite: bool,
     options: Mapping[str, Any],
 ) -> Route:
     """A muonckpt checkpoint written as one of ``format_``, its options checked."""
-    if not format_.targets:
+    if format_.write is None or format_.write_options is None:
         raise OptionError(f"muonckpt reads {format_.title} checkpoints but does not write them")
     if to not in format_.targets:
         raise OptionError(f"choose one of {', '.join(format_.targets)}", "--to")
-    for option, choices in format_.write_options.items():
-        if choices is not None and options[option] not in choices:
-            raise OptionError(f"choose one of {', '.join(choices)}", _flag(option))
+    given = _options(format_.write_options, options)
     if detected is format_:
         raise OptionError(f"SRC is a {format_.title} checkpoint already", "--format")
     if detected is not None:
@@ -114,7 +119,6 @@ def _writing(
         )
     if overwrite:
         raise OptionError(f"{format_.title} output is never written over an existing directory")
-    given = {k: options[k] for k in format_.write_options if k in options}  # else its default
     return Route(writes=format_, options=given)
 
 
@@ -122,8 +126,13 @@ def _reading(
     src: str | os.PathLike[str], to: str | None, source: str | None, options: Mapping[str, Any]
 ) -> Route:
     """A foreign checkpoint read: which format reads it, and from which implementation."""
-    format_ = registry.reading(src, source) if source is not None else registry.detect(src)
-    candidates = [format_] if format_ is not None else list(registry.FORMATS)
+    format_ = detect(src)
+    if format_ is None and source is not None:
+        # The first format that reads what ``source`` saves: it says why ``src`` is not one (an
+        # unfinished save, say). A torchtitan ``step-N`` directory is plain DCP: read by DCP's
+        # reader with ``--from torchtitan``.
+        format_ = next((f for f in FORMATS if source in f.sources), None)
+    candidates = [format_] if format_ is not None else list(FORMATS)
     titles = " or ".join(f.title for f in candidates)
     recorded = format_ is not None and format_.records_source
     if to is None and not recorded:
@@ -141,9 +150,7 @@ def _reading(
         )
     if format_ is None or source not in format_.sources:
         raise OptionError(f"choose one of {sources}", "--from")
-    return Route(
-        reads=format_, options={k: options[k] for k in format_.read_options}, source=source
-    )
+    return Route(reads=format_, options=_options(format_.read_options, options), source=source)
 
 
 def _flag(option: str) -> str:

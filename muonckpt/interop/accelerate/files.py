@@ -1,13 +1,12 @@
-"""Hugging Face accelerate's ``save_state`` directories and Lightning's ``.ckpt`` files, read
-safely.
+"""Hugging Face accelerate's ``save_state`` directories, found and read safely.
 
-accelerate's directory holds the model (``model.safetensors``, or ``pytorch_model.bin`` without
-safe serialization), one ``optimizer.bin`` per optimizer (``optimizer_1.bin``, ... for more:
-each a pickled ``optimizer.state_dict()``), ``random_states_{rank}.pkl`` and, when the job
+The directory holds the model (``model.safetensors``, or ``pytorch_model.bin`` without safe
+serialization), one ``optimizer.bin`` per optimizer (``optimizer_1.bin``, ... for more: each
+a pickled ``optimizer.state_dict()``), ``random_states_{rank}.pkl`` and, when the job
 registered them, ``scheduler.bin``, ``sampler.bin``, ``scaler.pt``, ``custom_checkpoint_N.pkl``.
-A Lightning checkpoint is one ``torch.save`` file (``epoch=E-step=S.ckpt``). Pickles are read
-only through :func:`.torch_pickles.load`, with no stand-ins: plain tensors, containers, numbers
-and strings; the files muonckpt does not need (the RNG states) are never opened.
+Pickles are read by :func:`muonckpt.interop._torch_optim.load` (no stand-ins: plain tensors,
+containers, numbers and strings); the files muonckpt does not need (the RNG states) are never
+opened.
 """
 
 from __future__ import annotations
@@ -18,26 +17,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import CheckpointError
-from ..storage import torch_pickles
-from ..storage.durable import entries
-from ..storage.safetensors_reader import SafetensorsReader
+from ...errors import CheckpointError
+from ...storage import access
+from ...storage.durable import entries
+from ...storage.safetensors_reader import SafetensorsReader
+from .._torch_optim import load
 
-__all__ = [
-    "AccelerateFiles",
-    "accelerate_files",
-    "is_accelerate",
-    "is_lightning",
-    "load",
-    "read_model",
-]
+__all__ = ["AccelerateFiles", "accelerate_files", "is_accelerate", "read_model"]
 
 OPTIMIZER = "optimizer.bin"
 OPTIMIZER_FILE = re.compile(r"^optimizer(?:_(\d+))?\.bin$")
 MODEL_FILES = ("model.safetensors", "pytorch_model.bin")
 MORE_MODELS = re.compile(r"^(?:model|pytorch_model)_\d+\.(?:safetensors|bin)$")
-LIGHTNING_SUFFIX = ".ckpt"
-HOLDS = "a file of accelerate or Lightning holds tensors, containers, numbers and strings only"
 
 
 def optimizer_file(index: int) -> str:
@@ -49,13 +40,7 @@ def is_accelerate(path: str | os.PathLike[str]) -> bool:
     """Whether ``path`` is an accelerate ``save_state`` directory: ``optimizer.bin`` beside a
     model file (presence only; nothing is read)."""
     path = Path(path)
-    return (path / OPTIMIZER).is_file() and any((path / m).is_file() for m in MODEL_FILES)
-
-
-def is_lightning(path: str | os.PathLike[str]) -> bool:
-    """Whether ``path`` is a Lightning checkpoint: a ``.ckpt`` file (its name only)."""
-    path = Path(path)
-    return path.suffix == LIGHTNING_SUFFIX and path.is_file()
+    return access.is_file(path / OPTIMIZER) and any(access.is_file(path / m) for m in MODEL_FILES)
 
 
 @dataclass(frozen=True)
@@ -74,7 +59,7 @@ def accelerate_files(src: str | os.PathLike[str]) -> AccelerateFiles:
     """The model and optimizer files of the ``save_state`` directory ``src``; a gap in the
     optimizers' numbers, a second model or no model is refused naming the file."""
     directory = Path(src)
-    if not directory.is_dir():
+    if not access.is_dir(directory):
         raise CheckpointError("is not a directory: not an accelerate save_state", path=directory)
     names = entries(directory)
     found = {}
@@ -110,12 +95,6 @@ def accelerate_files(src: str | os.PathLike[str]) -> AccelerateFiles:
         tuple(found[i] for i in sorted(found)),
         tuple(sorted(set(names) - used)),
     )
-
-
-def load(path: Path) -> Any:
-    """The content of the ``torch.save`` file ``path`` (``optimizer.bin``, a ``.ckpt``), by
-    torch's restricted unpickler: tensors, containers, numbers and strings only."""
-    return torch_pickles.load(path, {}, HOLDS)
 
 
 def read_model(path: Path) -> dict[str, Any]:
