@@ -536,12 +536,13 @@ def test_the_posix_store_is_the_storage_seam(tmp_path: Path) -> None:
         "write_text",
         "publish",
         "entries",
+        "directories",
         "discard",
         "retire",
         "remove_checkpoint",
     }
     store = storage.PosixStore()
-    assert isinstance(storage.store, storage.PosixStore)
+    assert isinstance(storage.store_for(tmp_path), storage.PosixStore)
     for name in operations:
         wanted = list(inspect.signature(getattr(storage.CheckpointStore, name)).parameters.values())
         given = inspect.signature(getattr(store, name)).parameters.values()

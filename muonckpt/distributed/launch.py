@@ -1,6 +1,6 @@
 """Run a function in N torch.distributed processes on this machine (gloo on CPU by default).
 
-Used by the test suite, by ``muonckpt demo`` and by ``consolidate``/``reshard --workers N``.
+Used by the test suite and by ``muonckpt demo``.
 Children start from a forkserver that has already imported torch, so a launch costs well under
 a second per process; the parent hosts the rendezvous store on a free port chosen at run time.
 The first child that raises, dies or outlives the timeout ends the whole run, and its error

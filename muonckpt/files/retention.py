@@ -18,7 +18,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from .. import settings, storage
+from .. import storage
 from ..errors import ArgumentError, CheckpointError, CheckpointWarning
 from ..format.names import MANIFEST_NAME
 from .pieces import read_manifest, size_problems
@@ -51,21 +51,15 @@ def _complete(directory: Path) -> Found | None:
     return Found(directory, manifest.step, committed)
 
 
-def complete_checkpoints(root: str | os.PathLike[str]) -> list[Found]:
+def complete_checkpoints(
+    root: str | os.PathLike[str], store: storage.CheckpointStore
+) -> list[Found]:
     """The complete checkpoints directly under ``root``, oldest first; symlinks are skipped
     (a ``latest -> step-300`` link would list one checkpoint twice). A missing ``root`` has
-    none; one that is not a directory or cannot be listed is a :class:`CheckpointError`."""
+    none; one that is not a directory or cannot be listed is a :class:`CheckpointError`
+    (:meth:`~muonckpt.storage.CheckpointStore.directories`)."""
     root = Path(root)
-    try:
-        with os.scandir(root) as listing:
-            names = sorted(e.name for e in listing if e.is_dir(follow_symlinks=False))
-    except FileNotFoundError:
-        return []
-    except NotADirectoryError:
-        raise CheckpointError("is not a directory of checkpoints", path=root) from None
-    except OSError as exc:
-        raise CheckpointError(f"cannot be listed: {exc.strerror}", path=root) from None
-    found = [_complete(root / name) for name in names]
+    found = [_complete(root / name) for name in store.directories(root)]
     return sorted((f for f in found if f is not None), key=Found.order)
 
 
@@ -82,7 +76,7 @@ def latest(root: str | os.PathLike[str]) -> Path | None:
     :class:`CheckpointError`. When a save commits and prunes while it looks, so that it found
     nothing complete, it looks again (three times in all).
     """
-    root = settings.local_path(root)
+    store, root = storage.store_for(root), Path(root)
     if (root / MANIFEST_NAME).exists():
         raise CheckpointError(
             "is a checkpoint itself; latest looks for checkpoints directly under a directory "
@@ -90,7 +84,7 @@ def latest(root: str | os.PathLike[str]) -> Path | None:
             path=root,
         )
     for _ in range(3):  # a save committing and pruning meanwhile can hide every entry once
-        found = complete_checkpoints(root)
+        found = complete_checkpoints(root, store)
         if found:
             return found[-1].path
     return None
@@ -148,7 +142,12 @@ def series_of(name: str, step: int | None) -> Series | str:
     return Series(name[: run.start()], name[run.end() :], padded)
 
 
-def prune(root: str | os.PathLike[str], keep_last: int, keep: str | os.PathLike[str]) -> list[Path]:
+def prune(
+    root: str | os.PathLike[str],
+    keep_last: int,
+    keep: str | os.PathLike[str],
+    store: storage.CheckpointStore,
+) -> list[Path]:
     """Delete the complete checkpoints directly under ``root`` older than its ``keep_last``
     newest (in :func:`latest`'s order); for a save's ``keep_last``, after its commit.
 
@@ -178,7 +177,7 @@ def prune(root: str | os.PathLike[str], keep_last: int, keep: str | os.PathLike[
     """
     check_keep_last(keep_last)
     try:
-        found = complete_checkpoints(root)
+        found = complete_checkpoints(root, store)
     except CheckpointError as exc:
         warnings.warn(f"old checkpoints not deleted: {exc}", CheckpointWarning, stacklevel=2)
         return []
@@ -199,7 +198,7 @@ def prune(root: str | os.PathLike[str], keep_last: int, keep: str | os.PathLike[
     for old in found[:-keep_last]:
         if os.path.realpath(old.path) == kept or storage.ownership_problem(old.path):
             continue
-        if storage.store.remove_checkpoint(old.path):
+        if store.remove_checkpoint(old.path):
             deleted.append(old.path)
     return deleted
 
@@ -240,17 +239,9 @@ def clean(root: str | os.PathLike[str], older_than: float) -> Cleaned:
             f"older_than must be a number of seconds >= 0, got {older_than!r}",
             argument="older_than",
         )
-    root = settings.local_path(root)
-    try:
-        with os.scandir(root) as listing:
-            ours = (e for e in listing if storage.is_ours(e.name))
-            names = sorted(e.name for e in ours if e.is_dir(follow_symlinks=False))
-    except FileNotFoundError:
-        return Cleaned([], [])
-    except OSError as exc:
-        raise CheckpointError(f"cannot be listed: {exc.strerror}", path=root) from None
+    store, root = storage.store_for(root), Path(root)
     removed, skipped = [], []
-    for name in names:
+    for name in filter(storage.is_ours, store.directories(root)):
         path = root / name
         with storage.leftover(path) as found:
             why = found.kept_because
@@ -261,7 +252,7 @@ def clean(root: str | os.PathLike[str], older_than: float) -> Cleaned:
                 if storage.is_mailbox(name):
                     kept = storage.Mailbox(path).remove()
                 else:
-                    kept = storage.store.discard(path, quiet=True)
+                    kept = store.discard(path, quiet=True)
                 if not os.path.lexists(path):
                     removed.append(path)
                     continue
