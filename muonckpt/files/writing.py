@@ -342,10 +342,11 @@ def _pulled(
     ``ahead``, each next one pulled on a thread meanwhile
     (:func:`muonckpt.storage.safetensors_writer.prefetched`)."""
     pulled = prefetched(tensors, len(writes)) if ahead else (next(tensors) for _ in writes)
-    for planned, (w, value) in zip(writes, pulled, strict=True):
-        if w != planned:
-            raise CheckpointError(f"{w.tensor!r} came where {planned.tensor!r} was planned")
-        yield w, value
+    with contextlib.closing(pulled):  # on an error, the prefetch thread ends here
+        for planned, (w, value) in zip(writes, pulled, strict=True):
+            if w is not planned and w != planned:
+                raise CheckpointError(f"{w.tensor!r} came where {planned.tensor!r} was planned")
+            yield w, value
 
 
 def write_files(
@@ -371,7 +372,7 @@ def write_files(
         with storage.SafetensorsWriter(staging / file, specs, metadata, sync=sync) as out:
             ahead = prefetch and sum(w.nbytes for w in writes) >= (64 << 10) * len(writes)
             pulled = _pulled(tensors, writes, ahead)
-            with contextlib.closing(pulled):  # on an error, the prefetch thread ends here
+            with contextlib.closing(pulled):
                 for w, value in pulled:
                     out.write(w.tensor, value)
                     del value

@@ -143,7 +143,6 @@ def consolidate(
         _output_manifest(manifest, kind=CONSOLIDATED),
         consolidated_plan(items, max_shard_size, _model.tied_names(manifest)),
     )
-    _check_manifest(job, dst)
     called = {"max_shard_size": max_shard_size}
     return _write(
         "consolidate", job, directory, manifest, dst, overwrite, progress, collective, called
@@ -209,7 +208,6 @@ def reshard(
         _output_manifest(manifest, kind=PER_RANK, topology={"dp": dp, "tp": tp}, params=params),
         PerRankPlan(topology.world_size, _owners(manifest, params, layout)),
     )
-    _check_manifest(job, dst)
     called = {
         "dp": dp,
         "tp": tp,
@@ -330,7 +328,6 @@ def convert(
     }
     plan = WritePlan(files, writes, texts)
     job = _Job(_output_manifest(target), plan)
-    _check_manifest(job, dst)
     return _write("convert", job, directory, manifest, dst, overwrite, progress, collective=False)
 
 
@@ -382,7 +379,9 @@ def _write(
     """Write ``job`` from the checkpoint in ``directory`` through the write engine: in this
     process, or (``collective``) shared among the ranks of the default process group, once
     they have met and agree that they read one checkpoint (its resolved directory and
-    manifest) and were called alike (the output, ``overwrite`` and the ``called`` options)."""
+    manifest) and were called alike (the output, ``overwrite`` and the ``called`` options); a
+    job whose manifest no reader would take is refused first (:func:`_check_manifest`)."""
+    _check_manifest(job, dst)
     store, plan = storage.store_for(dst), job.plan
     steps: writing.Steps = writing.LocalSteps()
     if collective:
