@@ -1,13 +1,16 @@
-"""The real CLI, interrupted by real signals: its staging is removed, or after the commit it
-says the output is complete.
+"""The real CLI, interrupted by real signals: no process outlives it, its staging is removed,
+or after the commit it says the output is complete.
 
-Each test runs ``python -m muonckpt.cli reshard SRC --dp 2 --tp 1 -o OUT`` in a subprocess
-whose environment carries a tag that every process it starts inherits, so the processes it
-left can be found in /proc after it is gone. A ``sitecustomize`` module on PYTHONPATH holds the
-first ``os.pwrite`` (or the first deletion of a replaced checkpoint's file, after the commit):
-the process says so on a FIFO the test reads, and stays there, so the signal always comes in
-the middle of the writing (or of the cleanup). Afterwards: every tagged process ends, then no
-OUT, nothing staged beside it.
+Each test runs ``python -m muonckpt.cli reshard SRC --dp 2 --tp 1 -o OUT`` (or ``demo``, whose
+ranks are processes of :func:`muonckpt.distributed.launch.run_distributed`) in a subprocess
+whose environment carries a tag that every process it starts inherits (the forkserver, the
+resource tracker, the ranks), so the processes it left can be found in /proc after it is gone,
+whoever their parent is by then. A ``sitecustomize`` module on PYTHONPATH holds the first
+``os.pwrite`` of each process (or the first deletion of a replaced checkpoint's file, after
+the commit): the process says so on a FIFO the test reads, and stays there, so the signal
+always comes in the middle of the writing (or of the cleanup), and the command must end a
+held rank itself. Afterwards: every tagged process ends, then no OUT, nothing staged beside
+it.
 """
 
 from __future__ import annotations
@@ -137,19 +140,30 @@ def _tagged(tag: str) -> dict[int, str]:
     return found
 
 
+def _parent_pid(pid: int) -> int | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("PPid:"):
+                return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
 def _start(
     setup,
     out: Path,
     tag: str,
     channel: Channel,
-    *extra: str,
+    *args: str,
     force: bool = False,
     **env: str,
 ) -> subprocess.Popen:
+    """The CLI with ``args`` (default: ``reshard`` of the source to ``out``)."""
     path = os.pathsep.join([str(setup["site"]), os.environ.get("PYTHONPATH", "")])
-    command = [sys.executable, "-m", "muonckpt.cli", *extra, "reshard", str(setup["src"])]
-    command += ["--dp", "2", "--tp", "1", "-o", str(out)]
-    command += ["--force"] if force else []
+    if not args:
+        args = ("reshard", str(setup["src"]), "--dp", "2", "--tp", "1", "-o", str(out))
+    command = [sys.executable, "-m", "muonckpt.cli", *args, *(["--force"] if force else [])]
     return subprocess.Popen(
         command,
         env={**os.environ, **channel.env, "MUONCKPT_TEST_TAG": tag, "PYTHONPATH": path, **env},
@@ -191,6 +205,13 @@ def _assert_nothing_left(tag: str, out: Path) -> None:
     assert list(out.parent.glob(f".{out.name}.*")) == []
 
 
+def _ranks(tag: str) -> list[int]:
+    """The rank processes: tagged children of the tagged forkserver."""
+    procs = _tagged(tag)
+    servers = {pid for pid, cmd in procs.items() if "forkserver" in cmd}
+    return sorted(pid for pid in procs if _parent_pid(pid) in servers)
+
+
 def _signal(proc: subprocess.Popen, signum: int) -> str:
     """Send ``signum`` (0: none) and wait for the command to end; its stderr (killed if it
     hangs)."""
@@ -203,6 +224,29 @@ def _signal(proc: subprocess.Popen, signum: int) -> str:
             proc.kill()
             proc.wait()
     return stderr
+
+
+@pytest.mark.parametrize(
+    ("signum", "code"),
+    [(signal.SIGKILL, -signal.SIGKILL), (signal.SIGTERM, 143), (signal.SIGINT, 130)],
+    ids=["SIGKILL", "SIGTERM", "SIGINT"],
+)
+def test_a_signal_to_the_cli_leaves_no_process(setup, tmp_path, channel, signum, code):
+    """``demo``'s two ranks, held in their writes: the command ends them, however it ends."""
+    out, tag = tmp_path / "out", uuid.uuid4().hex
+    demo = ("demo", "--dp", "2", "--tp", "1", "--dir", str(out))
+    proc = _start(setup, out, tag, channel, *demo, MUONCKPT_TEST_HOLD_PWRITE="1")
+    try:
+        _wait_until_writing(proc, channel, {"0", "1"})
+        assert len(_ranks(tag)) == 2
+    except BaseException:
+        _signal(proc, signal.SIGKILL)
+        raise
+    stderr = _signal(proc, signum)  # the ranks stay held: the command must end them
+    assert proc.returncode == code, stderr
+    if signum != signal.SIGKILL:  # after SIGKILL only the resource tracker may speak
+        assert stderr.endswith("error: interrupted\n"), stderr
+    _wait_until_gone(tag)
 
 
 @pytest.mark.parametrize(
