@@ -525,7 +525,8 @@ def test_the_posix_store_is_the_storage_seam(tmp_path: Path) -> None:
     """:class:`PosixStore` has every operation of :class:`CheckpointStore` with its parameters,
     is the store the checkpoint code writes through, and does each on real files: a staging
     directory holding its lease, durable writes, a publish that checks what it publishes and
-    replaces a checkpoint, listing, and removing only muonckpt's own files."""
+    replaces a checkpoint, listing, and removing only muonckpt's own files; a URL has no
+    store yet."""
     operations = {
         name
         for name, member in vars(storage.CheckpointStore).items()
@@ -588,6 +589,13 @@ def test_the_posix_store_is_the_storage_seam(tmp_path: Path) -> None:
     (final / "README.md").unlink()
     (final / data).write_text("x")
     assert store.remove_checkpoint(final) is True and not final.exists()
+    (tmp_path / "link").symlink_to(staging)
+    assert store.directories(tmp_path) == [staging.name]  # no symlinks, no files
+    assert store.directories(tmp_path / "missing") == []
+    with pytest.raises(CheckpointError, match="not a directory of checkpoints"):
+        store.directories(staging / "notes.txt")
+    with pytest.raises(CheckpointError, match="URL, not a local path"):
+        storage.store_for("s3://bucket/ckpt")
 
 
 @st.composite
