@@ -67,12 +67,10 @@ from .safetensors_format import TensorRecord
 from .safetensors_reader import SafetensorsReader
 from .safetensors_writer import SafetensorsWriter, SharedSafetensorsFile, write_safetensors
 from .transaction import (
-    abandon_commits,
     committed_as,
     directory_identity,
     discard,
     make_staging,
-    preset_staging,
     remove_checkpoint,
     retire,
     staging_path,
@@ -94,7 +92,6 @@ __all__ = [
     "SafetensorsWriter",
     "SharedSafetensorsFile",
     "TensorRecord",
-    "abandon_commits",
     "byte_view",
     "check_target",
     "checksum_chunks",
@@ -115,7 +112,6 @@ __all__ = [
     "make_directory",
     "make_staging",
     "ownership_problem",
-    "preset_staging",
     "read_small",
     "read_text",
     "read_text_chunks",
