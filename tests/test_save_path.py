@@ -47,8 +47,9 @@ from .fixture_model import build, initial_params, single_process_optimizer, trai
 
 _SAVING, _WRITING = "muonckpt.checkpoint.saving", "muonckpt.files.writing"
 _API, _LOADING = "muonckpt.checkpoint.api", "muonckpt.checkpoint.loading"
-_PER_MODULE = ("muonckpt.checkpoint.", "muonckpt.files.")
-"""Packages whose modules are told apart: save and load, and the files' engine."""
+_PER_MODULE = ("muonckpt.checkpoint.", "muonckpt.files.", "muonckpt.offline.", "muonckpt.interop.")
+"""Packages whose modules are told apart: save and load, the files' engine, and the offline
+tools and foreign formats that produce checkpoints through it."""
 
 SAVE_STEPS = {
     (_SAVING, "agree"): "describe and agree",
@@ -142,10 +143,10 @@ def _handed_down(frame: FrameType) -> bool:
 
 
 def _return_up(stack: list[tuple[str, bool]]) -> str | None:
-    """The stack, if control came back to a module of save and load (``muonckpt.checkpoint``)
-    it had left other than as a callback straight into the module that called (``X -> Y ->
-    X``, ``Y`` running a closure ``X`` handed it). (Lower layers' own callbacks, a JSON
-    decoder's hook, are theirs.)"""
+    """The stack, if control came back to a module of :data:`_PER_MODULE` it had left other
+    than as a callback straight into the module that called (``X -> Y -> X``, ``Y`` running a
+    closure or generator ``X`` handed it). (Lower layers' own callbacks, a JSON decoder's
+    hook, are theirs.)"""
     reduced: list[str] = []
     for module, handed_down in stack:
         if handed_down and len(reduced) >= 2 and reduced[-2] == module:
