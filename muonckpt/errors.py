@@ -104,7 +104,7 @@ class CheckpointError(MuonCkptError):
 
 class ArgumentError(CheckpointError, ValueError):
     """An argument muonckpt cannot take: a wrong type, a value out of range, or options that
-    exclude each other (``keep_last=0``, ``max_shard_size="5XB"``, ``workers=1000``, a URL for
+    exclude each other (``keep_last=0``, ``max_shard_size="5XB"``, ``demo --dp 1000``, a URL for
     a path), refused before anything is read or written; the message names it, as does
     :attr:`argument`.
 

@@ -186,7 +186,7 @@ def local_workers(requested: object, cores: int, name: str = "workers") -> int:
     :data:`WORKERS_PER_CORE` per core of the ``cores`` this process may run on.
 
     Raises:
-        ArgumentError: naming the setting ``name``, for anything else (``--workers 1000``
+        ArgumentError: naming the setting ``name``, for anything else (``--dp 1000``
             on a laptop), before any process starts.
     """
     count = 0 if isinstance(requested, bool) else _whole(requested)  # a numpy int too

@@ -45,28 +45,27 @@ def stop_at(moment):
             return original(self, *args, **kwargs)
         safetensors_writer.SafetensorsWriter.write = write
     elif moment == "before-manifest":
-        original = writing.commit
-        writing.commit = lambda *a: (pause(moment), original(*a))[1]
+        original = writing.publish
+        writing.publish = lambda *a: (pause(moment), original(*a))[1]
     elif moment in ("before-swap", "after-swap"):
-        original = storage.store.publish
+        original = storage.PosixStore.publish
         def swap_in(*a, **kw):
             if moment == "before-swap":
                 pause(moment)
             replaced = original(*a, **kw)
             pause(moment)
-        storage.store.publish = swap_in
+        storage.PosixStore.publish = swap_in
     elif moment == "retiring":
-        original = storage.store.retire
         def retire(directory, files=None):
             names = sorted(os.listdir(directory))
             os.unlink(Path(directory) / names[0])  # one file of the replaced checkpoint gone
             pause(moment)
-        storage.store.retire = retire
+        storage.PosixStore.retire = staticmethod(retire)
     elif moment == "pruning":
         def remove_checkpoint(directory):
             (Path(directory) / "manifest.json").unlink()
             pause(moment)
-        storage.store.remove_checkpoint = remove_checkpoint
+        storage.PosixStore.remove_checkpoint = staticmethod(remove_checkpoint)
 
 print("ready", flush=True)
 for line in sys.stdin:
@@ -174,11 +173,11 @@ train(opt, sharded, dp_rank, tp_rank, 1, 1)
 if victim == "rank 1 writing" and rank == 1:
     writing.write_files = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
 if victim == "rank 0 after the swap" and rank == 0:
-    original = storage.store.publish
+    original = storage.PosixStore.publish
     def swap_in(*a, **k):
         original(*a, **k)
         os.kill(os.getpid(), signal.SIGKILL)
-    storage.store.publish = swap_in
+    storage.PosixStore.publish = swap_in
 future = muonckpt.async_save(opt, ckpt, overwrite=True, timeout=1.0)
 try:
     print("result", future.result(), flush=True)

@@ -334,7 +334,7 @@ def test_host_buffers_are_reused_between_saves(tmp_path):
 
 @pytest.mark.dist
 def test_a_launched_rank_finishes_its_background_save_before_it_ends(tmp_path):
-    """run_distributed (the demo's and --workers' launcher) lets a child's save in flight
+    """run_distributed (the demo's launcher) lets a child's save in flight
     finish before it ends the child, as the interpreter does at exit."""
     assert run_distributed(unwaited_phase, 2, str(tmp_path / "ckpt"), timeout=120) == [0, 1]
     assert _entries(tmp_path) == ["ckpt"]

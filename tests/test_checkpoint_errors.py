@@ -506,18 +506,18 @@ def test_a_manifest_short_of_a_piece_is_not_committed(tmp_path, monkeypatch, con
     previous checkpoint stays whole."""
     import dataclasses
 
-    from muonckpt.checkpoint import _save_manifest
+    from muonckpt.files import writing
 
     target = tmp_path / "ckpt"
     muonckpt.save(_single_process_opt(1), target, consolidated=consolidated)
     before = _snapshot(target)
-    complete = _save_manifest.complete
+    complete = writing.complete
 
     def short_of_a_piece(*args, **kwargs):
         manifest = complete(*args, **kwargs)
         return dataclasses.replace(manifest, pieces=manifest.pieces[1:])
 
-    monkeypatch.setattr(_save_manifest, "complete", short_of_a_piece)
+    monkeypatch.setattr(writing, "complete", short_of_a_piece)
     with pytest.raises(CheckpointError, match=r"stored nowhere \(gap\); nothing was committed"):
         muonckpt.save(_single_process_opt(2), target, consolidated=consolidated, overwrite=True)
     assert _snapshot(target) == before

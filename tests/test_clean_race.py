@@ -127,14 +127,14 @@ def test_a_save_never_commits_a_staging_directory_changed_under_it(tmp_path, mon
     path = muonckpt.save(opt, tmp_path / "ckpt", extra={"step": 1})
     before = {f.name: f.read_bytes() for f in path.iterdir()}
     opt.step()
-    publish = storage.store.publish
+    publish = storage.PosixStore.publish
 
-    def intruder(staging, final, **options):  # right before the commit's publish
+    def intruder(store, staging, final, **options):  # right before the commit's publish
         victim = ".muonckpt-lease" if taken == "lease" else rank_file(0, 1)
         (Path(staging) / victim).unlink()
-        return publish(staging, final, **options)
+        return publish(store, staging, final, **options)
 
-    monkeypatch.setattr(storage.store, "publish", intruder)
+    monkeypatch.setattr(storage.PosixStore, "publish", intruder)
     gone = "its .muonckpt-lease is gone" if taken == "lease" else f"{rank_file(0, 1)} is missing"
     with pytest.raises(muonckpt.CheckpointError, match=f"not committed: .*{gone}"):
         muonckpt.save(opt, path, extra={"step": 2}, overwrite=True)

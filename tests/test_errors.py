@@ -132,7 +132,7 @@ def test_an_interruption_after_the_commit_names_the_committed_checkpoint(
     def interrupted(*args: object) -> None:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(storage.store, "retire", interrupted)
+    monkeypatch.setattr(storage.PosixStore, "retire", staticmethod(interrupted))
     with pytest.raises(InterruptedAfterCommit) as caught:
         muonckpt.save(opt, path, overwrite=True)
     assert isinstance(caught.value, KeyboardInterrupt)

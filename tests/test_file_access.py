@@ -47,15 +47,6 @@ ALLOWED: dict[str, frozenset[str]] = {
     # code 2 (verify itself reports a missing directory as a problem, exit 1): the CLI may
     # call only public names, and none says whether a path is a directory.
     "muonckpt/cli/__init__.py": frozenset({"Path.is_dir"}),
-    # files/ is the write engine's (issue 51): its direct file access moves behind storage/
-    # there; the lead empties these after merging.
-    "muonckpt/files/directory_steps.py": frozenset({"Path.exists"}),
-    "muonckpt/files/pieces.py": frozenset(
-        {"Path.is_dir", "Path.is_file", "Path.is_symlink", "Path.iterdir", "Path.stat"}
-    ),
-    "muonckpt/files/retention.py": frozenset(
-        {"Path.exists", "Path.stat", "Path.is_dir", "os.scandir", "os.path.lexists"}
-    ),
 }
 """Modules outside ``storage/`` allowed, for now, to make the calls named."""
 

@@ -172,8 +172,8 @@ def test_an_offline_rewrite_whose_manifest_is_too_large_starts_nothing(
     monkeypatch.setattr(muonckpt.storage, "MAX_TEXT_BYTES", 700)
     out = tmp_path / "out"
     calls = {
-        "consolidate": lambda: offline.consolidate(src, out, workers=2),
-        "reshard": lambda: offline.reshard(src, out, dp=2, tp=1, workers=2),
+        "consolidate": lambda: offline.consolidate(src, out),
+        "reshard": lambda: offline.reshard(src, out, dp=2, tp=1),
         "convert": lambda: offline.convert(src, out, to="torch"),
     }
     with pytest.raises(muonckpt.CheckpointError, match="more than the 700 a reader") as err:

@@ -20,13 +20,15 @@ import torch
 from typer.testing import CliRunner
 
 import muonckpt
-from muonckpt import CheckpointError
+from muonckpt import CheckpointError, storage
 from muonckpt.cli import app
 from muonckpt.errors import CheckpointWarning
 from muonckpt.files.retention import Cleaned, complete_checkpoints, prune
 from muonckpt.format.names import MANIFEST_NAME, rank_file
 
 from .fixture_model import build, initial_params, train
+
+STORE = storage.PosixStore()
 
 DATA = rank_file(0, 1)
 """The one data file of a single-process checkpoint."""
@@ -118,7 +120,7 @@ def test_the_step_is_the_groups_else_the_params_and_none_sorts_first(saved, tmp_
     assert muonckpt.latest(root) == root / "muon-1"
     committed_at(muonckpt.save(adamw, root / "adamw-2"), 10)
     assert muonckpt.latest(root) == root / "adamw-2"
-    assert [f.step for f in complete_checkpoints(root)] == [None, 1, 2]
+    assert [f.step for f in complete_checkpoints(root, STORE)] == [None, 1, 2]
 
 
 def _rename_to(name: str) -> Callable[[Path], None]:
@@ -208,13 +210,13 @@ def test_prune_keeps_the_newest_and_the_one_just_written(saved, tmp_path):
     root = tmp_path / "ckpt"
     for step in range(1, 5):
         put(saved, root, step, at=step)
-    assert prune(root, 5, root / "step-4") == []
-    assert prune(root, 2, root / "step-4") == [root / "step-1", root / "step-2"]
+    assert prune(root, 5, root / "step-4", STORE) == []
+    assert prune(root, 2, root / "step-4", STORE) == [root / "step-1", root / "step-2"]
     assert sorted(os.listdir(root)) == ["step-3", "step-4"]
     assert muonckpt.verify(root / "step-3") == [] and muonckpt.verify(root / "step-4") == []
     # A run restarted at step 1 writes a checkpoint older, by step, than those it finds.
     put(saved, root, 1, "step-1", at=10)
-    assert prune(root, 1, root / "step-1") == [root / "step-3"]
+    assert prune(root, 1, root / "step-1", STORE) == [root / "step-3"]
     assert sorted(os.listdir(root)) == ["step-1", "step-4"]
     assert muonckpt.verify(root / "step-1") == []
 
@@ -226,11 +228,11 @@ def test_prune_counts_only_the_series_of_the_one_just_written(saved, tmp_path):
         put(saved, root, step, name, at=step)
     put(saved, root, 3, "step-3", at=3)
     put(saved, root, 4, "step-4", at=4)
-    assert prune(root, 1, root / "step-4") == [root / "step-1", root / "step-3"]
+    assert prune(root, 1, root / "step-4", STORE) == [root / "step-1", root / "step-3"]
     assert sorted(os.listdir(root)) == ["final", "llama-a", "run2-step-1", "step-4"]
     with pytest.warns(CheckpointWarning, match="does not hold its step 2"):
-        assert prune(root, 1, root / "final") == []  # no step in its name: nothing deleted
-    assert prune(root, 1, root / "run2-step-1") == []  # its series: run<N>-step-<M>
+        assert prune(root, 1, root / "final", STORE) == []  # no step in its name: nothing deleted
+    assert prune(root, 1, root / "run2-step-1", STORE) == []  # its series: run<N>-step-<M>
 
 
 def test_keep_last_in_a_sweep_deletes_only_its_own_run(tmp_path):
@@ -321,7 +323,7 @@ def test_prune_deletes_only_complete_checkpoints_of_ours(saved, tmp_path):
     (root / "latest").symlink_to("step-4")
     before, outside_before = snapshot(root), snapshot(outside)
 
-    assert prune(root, 1, root / "step-4") == [root / "step-1", root / "step-3"]
+    assert prune(root, 1, root / "step-4", STORE) == [root / "step-1", root / "step-3"]
     deleted = ("step-1", "step-3")
     kept = {k: v for k, v in before.items() if k.split(os.sep)[0] not in deleted}
     assert snapshot(root) == kept
@@ -347,11 +349,11 @@ def test_prune_removes_the_manifest_first(saved, tmp_path, monkeypatch):
 
     monkeypatch.setattr(Path, "unlink", dying)
     with pytest.raises(Killed):
-        prune(root, 1, root / "step-2")
+        prune(root, 1, root / "step-2", STORE)
     monkeypatch.undo()
     assert deleted == [MANIFEST_NAME, DATA.replace(".safetensors", ".pieces.json")]  # its index
     assert (old / DATA).exists()  # cut short with its data still there
-    assert [f.path for f in complete_checkpoints(root)] == [root / "step-2"]
+    assert [f.path for f in complete_checkpoints(root, STORE)] == [root / "step-2"]
     alone = tmp_path / "alone"
     alone.mkdir()
     old.rename(alone / old.name)
@@ -378,7 +380,7 @@ def test_a_failed_delete_is_a_warning_never_an_error(saved, tmp_path, monkeypatc
         put(saved, root, step, at=step)
     _refuse_deletes_in(monkeypatch, root / "step-1", (DATA,))
     with pytest.warns(CheckpointWarning, match="deleted only in part") as caught:
-        assert prune(root, 1, root / "step-3") == [root / "step-2"]
+        assert prune(root, 1, root / "step-3", STORE) == [root / "step-2"]
     assert f"{DATA} (Permission denied)" in str(caught[0].message)
     assert os.listdir(root / "step-1") == [DATA]
     monkeypatch.undo()
@@ -386,7 +388,7 @@ def test_a_failed_delete_is_a_warning_never_an_error(saved, tmp_path, monkeypatc
     put(saved, root, 2, at=2)
     _refuse_deletes_in(monkeypatch, root / "step-2", (MANIFEST_NAME,))
     with pytest.warns(CheckpointWarning, match="cannot be deleted .Permission denied.; it is left"):
-        assert prune(root, 1, root / "step-3") == []
+        assert prune(root, 1, root / "step-3", STORE) == []
     assert muonckpt.verify(root / "step-2") == []
     monkeypatch.undo()
 
@@ -395,9 +397,9 @@ def test_a_failed_delete_is_a_warning_never_an_error(saved, tmp_path, monkeypatc
 
     monkeypatch.setattr(os, "scandir", refused)
     with pytest.warns(CheckpointWarning, match="not deleted: cannot be listed"):
-        assert prune(root, 1, root / "step-3") == []
+        assert prune(root, 1, root / "step-3", STORE) == []
     monkeypatch.undo()
-    assert [f.path.name for f in complete_checkpoints(root)] == ["step-2", "step-3"]
+    assert [f.path.name for f in complete_checkpoints(root, STORE)] == ["step-2", "step-3"]
 
 
 @pytest.mark.parametrize("keep_last", [0, -1, True, 1.5, "2", None])
@@ -406,7 +408,7 @@ def test_keep_last_below_one_is_an_error_before_anything_is_deleted(saved, tmp_p
     put(saved, root, 1, at=1)
     put(saved, root, 2, at=2)
     with pytest.raises(CheckpointError, match="keep_last must be an int of at least 1"):
-        prune(root, keep_last, root / "step-2")
+        prune(root, keep_last, root / "step-2", STORE)
     assert sorted(os.listdir(root)) == ["step-1", "step-2"]
 
 

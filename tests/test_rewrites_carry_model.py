@@ -20,11 +20,11 @@ from typer.testing import CliRunner
 import muonckpt
 from muonckpt import offline
 from muonckpt.cli import app
+from muonckpt.distributed.launch import run_distributed
 from muonckpt.format.names import rank_file
 from muonckpt.interop.dcp import files as dcp_files
 from muonckpt.interop.dcp import metadata as dcp_metadata
 from muonckpt.interop.torchtitan import reader as torchtitan
-from muonckpt.offline import tools
 
 from .test_torchtitan import SOURCES
 from .tiny_gpt import TinyGPT, optimizers, train
@@ -162,15 +162,22 @@ def _same_files(expected: Path, actual: Path) -> None:
         assert (actual / name).read_bytes() == (expected / name).read_bytes(), name
 
 
+def _shared(operation: str, src: str, dst: str, options: dict) -> str:
+    """(each rank) ``operation`` shared among the ranks of the default group."""
+    return str(getattr(offline, operation)(src, dst, collective=True, **options))
+
+
 @pytest.mark.dist
-def test_workers_write_the_model_tensors_byte_for_byte_alike(tmp_path, monkeypatch):
-    """Two local processes share the writing, the model tensors among the planned tensors:
-    the output is the single process's, every file byte for byte."""
-    monkeypatch.setattr(tools, "WORKER_TIMEOUT", 60.0)
+def test_ranks_sharing_the_writing_write_the_model_tensors_byte_for_byte_alike(tmp_path):
+    """Two processes share the writing (``collective``), the model tensors among the planned
+    tensors: the output is the single process's, every file byte for byte."""
     ck, _, expected = _saved(tmp_path / "ck")
     single = offline.reshard(ck, tmp_path / "r1", dp=2, tp=2)
-    shared = offline.reshard(ck, tmp_path / "r2", dp=2, tp=2, workers=2)
+    options = {"dp": 2, "tp": 2}
+    shared = Path(run_distributed(_shared, 2, "reshard", str(ck), str(tmp_path / "r2"), options)[0])
     _same_files(single, shared)
-    full = offline.consolidate(single, tmp_path / "c2", max_shard_size=400, workers=2)
+    options = {"max_shard_size": 400}
+    full = run_distributed(_shared, 2, "consolidate", str(single), str(tmp_path / "c2"), options)
+    full = Path(full[0])
     _same_files(offline.consolidate(single, tmp_path / "c1", max_shard_size=400), full)
     _check(full, expected)

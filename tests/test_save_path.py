@@ -13,37 +13,51 @@ included, with the package modules on the stack at that moment. Two things are a
   collect, stage, plan, write, commit, retire, prune) and of the load (describe and agree,
   open, map, read, apply) itself, once, in that order; a background save runs the same
   steps, write to prune on its own thread.
+- **One write engine.** A save, a background save, ``consolidate`` and a DeepSpeed import
+  make the same calls of the write engine (:mod:`muonckpt.files.writing`), in the same
+  order; and no parameter of its API, nor of any function of ``muonckpt.files``, is a
+  callable (a producer hands the engine data: a plan, an iterator of its tensors, a draft of
+  the manifest), the user's own progress report apart.
 """
 
 from __future__ import annotations
 
+import importlib
 import inspect
+import pkgutil
 import sys
 import threading
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import FrameType
 from typing import Any
 
 import pytest
 
 import muonckpt
+import muonckpt.files
+from muonckpt import offline
 from muonckpt.distributed.launch import run_distributed
+from muonckpt.files import writing
+from muonckpt.interop import from_deepspeed
 
 from .fixture_model import build, initial_params, single_process_optimizer, train
 
 _SAVING, _WRITING = "muonckpt.checkpoint.saving", "muonckpt.files.writing"
 _API, _LOADING = "muonckpt.checkpoint.api", "muonckpt.checkpoint.loading"
-_PER_MODULE = ("muonckpt.checkpoint.", "muonckpt.files.")
-"""Packages whose modules are told apart: save and load, and the files' engine."""
+_PER_MODULE = ("muonckpt.checkpoint.", "muonckpt.files.", "muonckpt.offline.", "muonckpt.interop.")
+"""Packages whose modules are told apart: save and load, the files' engine, and the offline
+tools and foreign formats that produce checkpoints through it."""
 
 SAVE_STEPS = {
     (_SAVING, "agree"): "describe and agree",
     (_SAVING, "collect"): "collect",
-    (_WRITING, "stage"): "stage",
+    (_SAVING, "stage"): "stage",
     (_SAVING, "plan"): "plan",
     (_SAVING, "write"): "write",
-    (_SAVING, "commit"): "commit",
+    (_WRITING, "commit"): "commit",
     (_WRITING, "retire"): "retire",
     ("muonckpt.files.retention", "prune"): "prune",
 }
@@ -120,17 +134,19 @@ def _package_stack(frame: FrameType) -> list[tuple[str, bool]]:
 
 
 def _handed_down(frame: FrameType) -> bool:
-    """Whether ``frame`` runs something its caller was handed: a closure or a lambda, or a
-    special method of a value (``__contains__`` of the group indices torch asks)."""
-    name = frame.f_code.co_name
-    return bool(frame.f_code.co_flags & inspect.CO_NESTED) or name[:2] == name[-2:] == "__"
+    """Whether ``frame`` runs something its caller was handed: a closure or a lambda, a
+    generator (the tensors a producer hands the write engine, pulled as they are written), or
+    a special method of a value (``__contains__`` of the group indices torch asks)."""
+    name, flags = frame.f_code.co_name, frame.f_code.co_flags
+    handed = inspect.CO_NESTED | inspect.CO_GENERATOR
+    return bool(flags & handed) or name[:2] == name[-2:] == "__"
 
 
 def _return_up(stack: list[tuple[str, bool]]) -> str | None:
-    """The stack, if control came back to a module of save and load (``muonckpt.checkpoint``)
-    it had left other than as a callback straight into the module that called (``X -> Y ->
-    X``, ``Y`` running a closure ``X`` handed it). (Lower layers' own callbacks, a JSON
-    decoder's hook, are theirs.)"""
+    """The stack, if control came back to a module of :data:`_PER_MODULE` it had left other
+    than as a callback straight into the module that called (``X -> Y -> X``, ``Y`` running a
+    closure or generator ``X`` handed it). (Lower layers' own callbacks, a JSON decoder's
+    hook, are theirs.)"""
     reduced: list[str] = []
     for module, handed_down in stack:
         if handed_down and len(reduced) >= 2 and reduced[-2] == module:
@@ -238,3 +254,72 @@ def test_a_per_rank_save_and_load_of_the_distributed_muon_read_top_to_bottom(tmp
         for module in ("checkpoint.api", "state", "layout"):
             assert f"muonckpt.{module}" in modules, (rank, modules)
     assert muonckpt.verify(path) == []
+
+
+ENGINE_STEPS = {
+    (_WRITING, name): name
+    for name in ("open_staging", "write_files", "commit", "publish", "retire")
+}
+"""The write engine's calls every producer makes: the root opens the staging directory, the
+writer pulls the producer's tensors into the plan's files, the commit (the root completes the
+draft and publishes it), the retire."""
+
+DEEPSPEED = Path(__file__).parent / "fixtures" / "deepspeed" / "w2_z1_torchadam_fp32" / "ckpt"
+
+
+@pytest.mark.parametrize(
+    "producer", ["save", "async_save", "consolidate", "from_deepspeed"], ids=str
+)
+def test_every_producer_makes_the_same_write_engine_calls_in_order(tmp_path, producer):
+    optimizer = single_process_optimizer(1)
+    muonckpt.save(optimizer, tmp_path / "saved")
+    path = tmp_path / "out"
+    work = {
+        "save": lambda: muonckpt.save(optimizer, path),
+        "async_save": lambda: muonckpt.async_save(optimizer, path).result(timeout=60),
+        "consolidate": lambda: offline.consolidate(tmp_path / "saved", path),
+        "from_deepspeed": lambda: from_deepspeed(DEEPSPEED, path),
+    }[producer]
+    trace = _traced(ENGINE_STEPS, work)
+    assert trace.returns_up == []
+    assert trace.order() == list(ENGINE_STEPS.values())
+    assert muonckpt.verify(path) == []
+
+
+def _engine_functions() -> list[tuple[str, Callable[..., Any]]]:
+    """Every public function of ``muonckpt.files`` (and public class's constructor and public
+    methods)."""
+    found = []
+    for info in pkgutil.iter_modules(muonckpt.files.__path__, "muonckpt.files."):
+        module = importlib.import_module(info.name)
+        for name, value in vars(module).items():
+            if name.startswith("_") or getattr(value, "__module__", None) != module.__name__:
+                continue
+            if inspect.isfunction(value):
+                found.append((f"{module.__name__}.{name}", value))
+            elif inspect.isclass(value):
+                for method, function in vars(value).items():
+                    function = getattr(function, "__func__", function)  # class, static
+                    public = not method.startswith("_") or method == "__init__"
+                    if inspect.isfunction(function) and public:
+                        found.append((f"{module.__name__}.{name}.{method}", function))
+    return found
+
+
+def test_no_parameter_of_the_write_engine_is_a_callable():
+    """(issue 51) Producers hand the engine data, never work to call back: no parameter is
+    annotated a callable (the user's own :data:`~muonckpt.files.writing.Progress` apart)
+    and no default is a function. A protocol's steps (``each_then_root``) run the closures
+    of the module that called the protocol, which is how a step is made."""
+    functions = _engine_functions()
+    assert len(functions) > 20
+    for where, function in functions:
+        if where.endswith(".each_then_root"):
+            continue
+        hints = typing.get_type_hints(function)
+        for name, parameter in inspect.signature(function).parameters.items():
+            hint = hints.get(name)
+            called = [typing.get_origin(h) for h in (hint, *typing.get_args(hint))]
+            progress = hint in (writing.Progress, writing.Progress | None)
+            assert progress or Callable not in called, (where, name, hint)
+            assert not inspect.isfunction(parameter.default), (where, name)

@@ -525,7 +525,8 @@ def test_the_posix_store_is_the_storage_seam(tmp_path: Path) -> None:
     """:class:`PosixStore` has every operation of :class:`CheckpointStore` with its parameters,
     is the store the checkpoint code writes through, and does each on real files: a staging
     directory holding its lease, durable writes, a publish that checks what it publishes and
-    replaces a checkpoint, listing, and removing only muonckpt's own files."""
+    replaces a checkpoint, listing, and removing only muonckpt's own files; a URL has no
+    store yet."""
     operations = {
         name
         for name, member in vars(storage.CheckpointStore).items()
@@ -536,12 +537,13 @@ def test_the_posix_store_is_the_storage_seam(tmp_path: Path) -> None:
         "write_text",
         "publish",
         "entries",
+        "directories",
         "discard",
         "retire",
         "remove_checkpoint",
     }
     store = storage.PosixStore()
-    assert isinstance(storage.store, storage.PosixStore)
+    assert isinstance(storage.store_for(tmp_path), storage.PosixStore)
     for name in operations:
         wanted = list(inspect.signature(getattr(storage.CheckpointStore, name)).parameters.values())
         given = inspect.signature(getattr(store, name)).parameters.values()
@@ -553,10 +555,10 @@ def test_the_posix_store_is_the_storage_seam(tmp_path: Path) -> None:
         staging = store.create_staging(final, overwrite=step == 2)
         assert staging.name.startswith(".ckpt.staging-")
         assert store.entries(staging) == [".muonckpt-lease"]
-        assert store.write_text(staging / data, "x" * step) == step
-        assert store.write_text(staging / "x.index.json", "{}", limit=1) == 2  # past it: none
+        assert store.put_text(staging / data, "x" * step) == step
+        assert store.put_text(staging / "x.index.json", "{}", limit=1) == 2  # past it: none
         manifest = f'{{"format": "muonckpt", "step": {step}}}'
-        size = store.write_text(staging / "manifest.json", manifest)
+        size = store.put_text(staging / "manifest.json", manifest)
         assert store.entries(staging) == [".muonckpt-lease", "manifest.json", data]
         with pytest.raises(
             CheckpointError, match=f"not committed: .*{data} is {step} bytes, not 9"
@@ -587,6 +589,13 @@ def test_the_posix_store_is_the_storage_seam(tmp_path: Path) -> None:
     (final / "README.md").unlink()
     (final / data).write_text("x")
     assert store.remove_checkpoint(final) is True and not final.exists()
+    (tmp_path / "link").symlink_to(staging)
+    assert store.directories(tmp_path) == [staging.name]  # no symlinks, no files
+    assert store.directories(tmp_path / "missing") == []
+    with pytest.raises(CheckpointError, match="not a directory of checkpoints"):
+        store.directories(staging / "notes.txt")
+    with pytest.raises(CheckpointError, match="URL, not a local path"):
+        storage.store_for("s3://bucket/ckpt")
 
 
 @st.composite

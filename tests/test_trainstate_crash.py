@@ -35,16 +35,16 @@ def stop_at(moment):
             return original(self, key, *args, **kwargs)
         safetensors_writer.SafetensorsWriter.write = write
     elif moment == "before-manifest":
-        original = writing.commit
-        writing.commit = lambda *a: (pause(moment), original(*a))[1]
+        original = writing.publish
+        writing.publish = lambda *a: (pause(moment), original(*a))[1]
     elif moment in ("before-swap", "after-swap"):
-        original = storage.store.publish
+        original = storage.PosixStore.publish
         def swap_in(*a, **kw):
             if moment == "before-swap":
                 pause(moment)
             original(*a, **kw)
             pause(moment)
-        storage.store.publish = swap_in
+        storage.PosixStore.publish = swap_in
 
 def job(value):
     extra = {"step": value, "marker": torch.full((4,), float(value))}

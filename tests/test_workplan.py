@@ -1,5 +1,5 @@
-"""Property tests of the pure work split (muonckpt.layout.workplan) behind --workers and
-torchrun."""
+"""Property tests of the pure work split (muonckpt.layout.workplan) behind the writing shared
+among torchrun's ranks."""
 
 from __future__ import annotations
 

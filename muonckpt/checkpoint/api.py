@@ -112,19 +112,13 @@ def _prepare(
     (with the check of where the state is), plan (:func:`_write_and_commit` does the rest,
     here or in the background)."""
     buffers = _HOST_BUFFERS.setdefault(_key(target), HostBuffers())
+    store = storage.store_for(path)
     call = saving.agree(target, path, options)
     collected = saving.collect(call, buffers)  # this rank's values, or its refusal
     mailbox = options.background and len(call.sharding.participants) > 1
     try:
-        staging = writing.stage(
-            call.steps,
-            path,
-            overwrite=options.overwrite,
-            checked=collected,
-            judge=saving.judge(call),
-            mailbox=mailbox,
-        )
-        return saving.plan(call, collected.result(), staging, buffers)
+        staging = saving.stage(call, collected, store, mailbox)
+        return saving.plan(call, collected.result(), staging, buffers, store)
     finally:
         saving.settle(collected)  # the snapshot made before the call returns or raises
 
@@ -139,10 +133,11 @@ def _write_and_commit(
     caller's thread (:func:`save`) or the background (:func:`async_save`, over ``steps``
     through the mailbox)."""
     written = saving.write(prepared)  # this rank's files: its report, or its failure
-    replaced = saving.commit(steps, prepared.staging, final, written, prepared.draft)
-    committed = writing.retire(steps, replaced, final)
+    store, staging = prepared.store, prepared.staging
+    replaced = writing.commit(steps, store, staging, final, written, prepared.draft)
+    committed = writing.retire(steps, store, replaced, final)
     if steps.is_root and keep_last is not None:
-        retention.prune(committed.parent, keep_last, keep=committed)
+        retention.prune(committed.parent, keep_last, keep=committed, store=store)
     return committed
 
 
@@ -256,7 +251,7 @@ def _in_background(
     except RuntimeError as exc:  # no thread to be had (at interpreter shutdown, say)
         _UNSETTLED.discard(future)
         if foreground.is_root:
-            writing.abandon(prepared.staging)
+            writing.abandon(prepared.store, prepared.staging)
         raise CheckpointError(f"cannot start the background save: {exc}", path=path) from exc
     finally:  # always: a Ctrl-C in start() must not leave a started thread waiting for ever
         go.set()

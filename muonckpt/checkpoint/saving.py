@@ -1,16 +1,17 @@
 """A save's steps in the caller's thread, each a call that returns data: :func:`agree` (the
 rendezvous, then the layout), :func:`collect` (this rank's values, taken once, or its
-refusal, and where it holds state, which the ``stage`` step's root checks: :func:`judge`),
-:func:`plan` (once the ranks agreed in the ``stage`` step: the consolidated gather, the
-checked write plan and the manifest's draft), and :func:`write` (this rank's files, in the
-caller's thread or the background), which :mod:`muonckpt.checkpoint.api` calls in turn
-between the steps of :mod:`muonckpt.files.writing`."""
+refusal, and where it holds state), :func:`stage` (the ranks compare what they collected,
+the root checks where the state is and opens the staging directory), :func:`plan` (the
+consolidated gather, the checked write plan and the manifest's draft), and :func:`write`
+(this rank's files, in the caller's thread or the background), which
+:mod:`muonckpt.checkpoint.api` calls in turn, then the commit and retire of the write engine
+(:mod:`muonckpt.files.writing`)."""
 
 from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,8 @@ import torch
 
 from .. import storage
 from ..distributed import collectives, group_steps
-from ..errors import CheckpointError
+from ..distributed.steps import disagreement
+from ..errors import CheckpointError, StateDictError
 from ..files import retention, writing
 from ..files.attempt import Attempt
 from ..format import conversion
@@ -28,7 +30,6 @@ from ..format.manifest import (
     PER_RANK,
     Extra,
     GroupEntry,
-    Manifest,
     ParamEntry,
     Scalar,
     extra_to_json,
@@ -50,7 +51,6 @@ from ..state.placement import Optimizers, describe, optimizers_of, participants,
 from ..state.sharding_model import Sharding
 from ..state.values import ParamState, PlainValue, ScalarValue, StateValue, TensorValue, state_value
 from . import _save_manifest
-from ._save_manifest import ManifestDraft
 from .options import SaveOptions
 
 
@@ -95,13 +95,13 @@ class Collected:
     """What every rank's must have alike (the ``stage`` step compares it)."""
     report: EntryReports | None
     """Where this rank holds state (a per-rank save over several ranks), which the ``stage``
-    step's root checks against the sharding (:func:`judge`)."""
+    step's root checks against the sharding (:func:`stage`)."""
 
 
 def collect(call: SaveCall, buffers: HostBuffers) -> Attempt[Collected]:
     """This rank's :class:`Collected`, or its refusal (a value a checkpoint could not hold or
-    load back, a manifest past the readers' limit), which the ``stage`` step
-    (:func:`muonckpt.files.writing.stage`) raises on every rank."""
+    load back, a manifest past the readers' limit), which the ``stage`` step (:func:`stage`)
+    raises on every rank."""
     try:
         return Attempt(_collected(call, buffers))
     except BaseException as exc:
@@ -143,13 +143,43 @@ def _holders_checked(call: SaveCall) -> bool:
     return not call.options.consolidated and len(call.sharding.participants) > 1
 
 
-def judge(call: SaveCall) -> Callable[[list[Any]], None] | None:
-    """The ``stage`` step's check of the ranks' :attr:`Collected.report`\\ s (on its root):
-    the state is where the sharding says (:func:`muonckpt.state.gather.check_state_holders`),
-    in the exchange the ranks make anyway rather than one more before the write."""
-    if not _holders_checked(call):
-        return None
-    return lambda reports: check_state_holders(call.sharding, reports)
+def stage(
+    call: SaveCall,
+    collected: Attempt[Collected],
+    store: storage.CheckpointStore,
+    mailbox: bool,
+) -> Path:
+    """The ``stage`` step: every rank hands in what it ``collected`` (its refusal fails the
+    step on every rank), and the root compares the ranks' :attr:`Collected.agreement` and,
+    for a per-rank save over several ranks, checks their :attr:`Collected.report`\\ s against
+    the sharding (:func:`muonckpt.state.gather.check_state_holders`: a refusal raised as one
+    on every rank), in the exchange the ranks make anyway rather than one more; when all
+    passed and agree, it opens the staging directory (with ``mailbox``, that of a background
+    finish: :func:`muonckpt.files.writing.open_staging`); its path on every rank. (That the
+    ranks were called alike is the rendezvous, :func:`agree`, before this.)"""
+    steps = call.steps
+
+    def mine() -> list[Any]:
+        found = collected.result()
+        return [found.agreement, found.report]
+
+    def open_if_agreed(found: list[list[Any]]) -> dict[str, str]:
+        differ = disagreement([agreement for agreement, _ in found], steps.ranks)
+        if differ is not None:
+            raise CheckpointError(f"the ranks disagree on {differ}; nothing was written")
+        try:
+            if _holders_checked(call):
+                check_state_holders(call.sharding, [report for _, report in found])
+        except StateDictError as exc:
+            return {"refused": str(exc)}
+        overwrite = call.options.overwrite
+        staging = writing.open_staging(store, call.path, overwrite=overwrite, mailbox=mailbox)
+        return {"staging": str(staging)}
+
+    decided = steps.each_then_root("stage", mine, open_if_agreed)
+    if "refused" in decided:  # the state dict does not fit its sharding: that error, on all
+        raise StateDictError(f"stage: {decided['refused']}", agreed_by=steps.ranks)
+    return Path(decided["staging"])
 
 
 @dataclass
@@ -157,17 +187,25 @@ class PreparedSave:
     """A save planned, every value its write and commit need taken from the optimizer: the
     protocol over the grid, the staging directory, this rank's plan (or why it could not be
     made, raised in the ``write`` step) and tensors, the host buffers they stream through
-    (None: a snapshot already), the job's own state, and the manifest's draft."""
+    (None: a snapshot already), the job's own state, the manifest's draft, and the target's
+    store."""
 
     steps: group_steps.CollectiveSteps
     staging: Path
     payload: _Payload
     host: HostBuffers | None
     job: _JobState
-    draft: ManifestDraft
+    draft: writing.Draft
+    store: storage.CheckpointStore
 
 
-def plan(call: SaveCall, collected: Collected, staging: Path, buffers: HostBuffers) -> PreparedSave:
+def plan(
+    call: SaveCall,
+    collected: Collected,
+    staging: Path,
+    buffers: HostBuffers,
+    store: storage.CheckpointStore,
+) -> PreparedSave:
     """(after the ``stage`` step) The group settings; for a consolidated save the full state
     gathered to the destination's host memory and its plan. A failure here removes the
     staging directory (the root)."""
@@ -181,19 +219,19 @@ def plan(call: SaveCall, collected: Collected, staging: Path, buffers: HostBuffe
             )
     except BaseException:
         if call.steps.is_root:
-            writing.abandon(staging)
+            writing.abandon(store, staging)
         raise
     kind = CONSOLIDATED if options.consolidated else PER_RANK
     given_step = None if options.extra is None else options.extra.get("step")
-    draft = ManifestDraft(groups, sharding, kind, collected.model, given_step)
+    draft = _save_manifest.draft(groups, sharding, kind, collected.model, given_step)
     host = None if options.background else buffers  # else streamed: one reused host buffer
-    return PreparedSave(call.steps, staging, payload, host, collected.job, draft)
+    return PreparedSave(call.steps, staging, payload, host, collected.job, draft, store)
 
 
 def write(prepared: PreparedSave) -> Attempt[writing.Written]:
     """This rank's files: its plan checked against what it collected, its tensors, the job's
     own state (``extra`` by the root); its report for the root, or its failure, which the
-    ``write`` step (:func:`muonckpt.checkpoint.saving.commit`) raises on every rank."""
+    ``write`` step (:func:`muonckpt.files.writing.commit`) raises on every rank."""
     try:
         return Attempt(_write(prepared))
     except BaseException as exc:
@@ -206,12 +244,25 @@ def _write(prepared: PreparedSave) -> writing.Written:
     planned = payload.plan.result()
     if planned is not None:
         _check_plan_holds(planned, payload.tensors)
-        written = writing.write_tensors(planned, prepared.staging, payload.tensors, prepared.host)
+        tensors = _streamed(planned, payload.tensors, prepared.host)
+        staging, store = prepared.staging, prepared.store
+        written = writing.write_files(store, planned, staging, tensors, prefetch=False)
     shared = prepared.job.shared if steps.is_root else None  # stored once, by the root
     me = steps.ranks.index(steps.rank)
-    job_state = prepared.job.write(prepared.staging, shared, me, len(steps.ranks))
-    written.extra = {"scalars": payload.scalars, "extra": job_state}
+    written.scalars = payload.scalars
+    written.extra = prepared.job.write(prepared.staging, shared, me, len(steps.ranks))
     return written
+
+
+def _streamed(
+    plan: WritePlan, tensors: Mapping[tuple[str, str], torch.Tensor], host: HostBuffers | None
+) -> writing.Tensors:
+    """Each tensor of ``plan`` in the order it is written, flat, copied through ``host``'s
+    reused buffer as the writer takes it (streamed), or as it is (a snapshot in host memory
+    already, ``host`` None)."""
+    for w in writing.in_order(plan):
+        tensor = tensors[w.param, w.key]
+        yield w, (tensor if host is None else host.to_host(tensor)).reshape(-1)
 
 
 def _check_plan_holds(plan: WritePlan, tensors: Mapping[tuple[str, str], torch.Tensor]) -> None:
@@ -469,22 +520,3 @@ def _group_entries(optimizer: Optimizers, sharding: Sharding) -> list[GroupEntry
         names = tuple(sharding.params[i].name for i in sharding.members(g))
         groups.append(GroupEntry(hyperparams=hyper, params=names, optimizer=computes.to_json()))
     return groups
-
-
-def commit(
-    steps: writing.Steps,
-    staging: Path,
-    final: str | os.PathLike[str],
-    written: Attempt[writing.Written],
-    draft: ManifestDraft,
-) -> writing.Replaced | None:
-    """A save's ``write`` step: every rank hands in what it ``written`` (or its failure, which
-    fails the step on every rank), the root completes ``draft`` from the reports and commits
-    (:func:`muonckpt.files.writing.commit`); the checkpoint this replaced, for
-    :func:`muonckpt.files.writing.retire`. A failure discards the staging directory; one after
-    the commit is a warning (:func:`muonckpt.files.writing.after_commit`)."""
-
-    def manifest(reports: writing.Reports) -> Manifest:
-        return _save_manifest.complete(draft, reports)
-
-    return writing.write_step(steps, staging, Path(final), written.result, manifest)

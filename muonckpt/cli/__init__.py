@@ -43,7 +43,6 @@ from .options import (
     SplitExperts,
     Src,
     TpSplit,
-    Workers,
     World,
     local_directory,
     size_parameter,
@@ -83,10 +82,10 @@ TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 @contextmanager
-def _ranks(ctx: typer.Context, workers: int) -> Iterator[bool]:
+def _ranks(ctx: typer.Context) -> Iterator[bool]:
     """Under torchrun: join its gloo group (unless joined), quiet every rank but 0, yield True.
 
-    Otherwise yield False. ``--workers`` with torchrun is a usage error.
+    Otherwise yield False.
     """
     if not all(name in os.environ for name in TORCHRUN_ENV):
         yield False
@@ -94,10 +93,6 @@ def _ranks(ctx: typer.Context, workers: int) -> Iterator[bool]:
     from .. import offline
     from ..distributed import default_group_from_env, global_rank
 
-    if workers != 1:
-        raise typer.BadParameter(
-            "not with torchrun, whose ranks already share the work", param_hint="--workers"
-        )
     with default_group_from_env(timedelta(seconds=offline.WORKER_TIMEOUT)):
         if global_rank() != 0:
             ctx.obj = {**(ctx.obj or {}), "quiet": True}
@@ -119,7 +114,6 @@ def consolidate(
         ),
     ] = None,
     force: Force = False,
-    workers: Workers = 1,
     quiet: Quiet = False,
 ) -> None:
     """Rewrite any checkpoint as full-shape tensors: optimizer.safetensors and model.safetensors.
@@ -128,15 +122,13 @@ def consolidate(
 
     Example: muonckpt consolidate ckpt/step-1000 -o ckpt/full --max-shard-size 5GB
 
-    Four processes: muonckpt consolidate ckpt/step-1000 -o ckpt/full --workers 4
-
     Under torchrun: torchrun --nproc-per-node 4 -m muonckpt.cli consolidate ckpt/step-1000
     -o ckpt/full
     """
     from .. import offline
 
     shards = {"max_shard_size": max_shard_size}
-    _rewrite(ctx, quiet, offline.consolidate, src, dst, force, workers, **shards)
+    _rewrite(ctx, quiet, offline.consolidate, src, dst, force, True, **shards)
 
 
 @app.command()
@@ -152,15 +144,12 @@ def reshard(
     buffers_by: BuffersBy = "none",
     tp_split: TpSplit = None,
     force: Force = False,
-    workers: Workers = 1,
     allow_large_world: AllowLargeWorld = False,
     quiet: Quiet = False,
 ) -> None:
     """Rewrite any checkpoint as one file per rank of a dp x tp job.
 
     Example: muonckpt reshard ckpt/step-1000 --dp 4 --tp 2 -o ckpt/step-1000-dp4-tp2
-
-    Four processes: muonckpt reshard ckpt/step-1000 --dp 4 --tp 2 -o ckpt/4x2 --workers 4
 
     Under torchrun: torchrun --nproc-per-node 4 -m muonckpt.cli reshard ckpt/step-1000
     --dp 4 --tp 2 -o ckpt/4x2
@@ -193,7 +182,7 @@ def reshard(
         "tp_split_dims": splits,
         "allow_large_world": allow_large_world,
     }
-    _rewrite(ctx, quiet, offline.reshard, src, dst, force, workers, **settings)
+    _rewrite(ctx, quiet, offline.reshard, src, dst, force, True, **settings)
 
 
 @app.command()
@@ -306,7 +295,7 @@ def _convert_by(
         output.say(ctx, _written(report.path))
     else:
         settings = {"to": to, "rename": renames or None}
-        _rewrite(ctx, quiet, offline.convert, src, dst, force, None, **settings)
+        _rewrite(ctx, quiet, offline.convert, src, dst, force, False, **settings)
 
 
 def _renames(items: list[str] | None) -> dict[str, str]:
@@ -327,17 +316,17 @@ def _rewrite(
     src: Path,
     dst: Path,
     force: bool,
-    workers: int | None,
+    shared: bool,
     **settings: Any,
 ) -> None:
     """Run an offline rewrite with the options its commands share: --quiet, --force
-    (overwrite), the progress bar and, where it takes them (``workers`` not None), --workers or
-    torchrun; then say what was written."""
+    (overwrite), the progress bar and, where it takes them (``shared``), torchrun's ranks;
+    then say what was written."""
     output.also_quiet(ctx, quiet)
-    ranks = nullcontext(False) if workers is None else _ranks(ctx, workers)
+    ranks = _ranks(ctx) if shared else nullcontext(False)
     with ranks as collective, output.progress_bar(ctx, operation.__name__) as progress:
-        if workers is not None:
-            settings.update(workers=workers, collective=collective)
+        if shared:
+            settings.update(collective=collective)
         out = operation(src, dst, overwrite=force, progress=progress, **settings)
     output.say(ctx, _written(out))
 

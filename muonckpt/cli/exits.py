@@ -33,8 +33,7 @@ class ExitCode:
 EXIT_CODES = (
     ExitCode(
         str(OK),
-        "success (with a `warning: committed ...` line when a `--workers` process died after "
-        "the commit)",
+        "success (with a `warning: committed ...` line when something failed after the commit)",
     ),
     ExitCode(
         str(PROBLEM),

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from ..settings import MAX_LARGE_WORLD, MAX_WORLD, WORKERS_PER_CORE, local_path, parse_size
+from ..settings import MAX_LARGE_WORLD, MAX_WORLD, local_path, parse_size
 
 
 def size_parameter(text: str) -> int:
@@ -59,18 +59,6 @@ Quiet = Annotated[
     bool,
     typer.Option("--quiet", "-q", help="No progress bar and no summary line (as muonckpt -q)."),
 ]
-Workers = Annotated[
-    int,
-    typer.Option(
-        "--workers",
-        "-w",
-        min=1,
-        help="Processes on this machine that share the writing (a local gloo group); the output "
-        f"is the same for any number. At most {WORKERS_PER_CORE} per CPU core, and never more "
-        "than the output has tensors. Under torchrun leave it out: the ranks share the work.",
-    ),
-]
-
 BucketNumel = Annotated[
     int | None,
     typer.Option(

@@ -1,6 +1,6 @@
 """Run a function in N torch.distributed processes on this machine (gloo on CPU by default).
 
-Used by the test suite, by ``muonckpt demo`` and by ``consolidate``/``reshard --workers N``.
+Used by the test suite and by ``muonckpt demo``.
 Children start from a forkserver that has already imported torch, so a launch costs well under
 a second per process; the parent hosts the rendezvous store on a free port chosen at run time.
 The first child that raises, dies or outlives the timeout ends the whole run, and its error
@@ -16,7 +16,6 @@ themselves once the parent and every child are gone.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import io
 import multiprocessing as mp
@@ -213,15 +212,6 @@ def _summary(exc: BaseException) -> str:
     return text
 
 
-_ON_ORPHANED: list[Callable[[], None]] = []
-
-
-def on_orphaned(callback: Callable[[], None]) -> None:
-    """(in a child) Call ``callback`` when the parent is found gone, just before this process
-    kills itself: the one chance to undo what only it knows about (a staging directory)."""
-    _ON_ORPHANED.append(callback)
-
-
 def _die_with_parent(lifeline: Any) -> None:
     """Kill this child as soon as the launching process is gone (see the module docstring)."""
     try:
@@ -236,9 +226,6 @@ def _die_with_parent(lifeline: Any) -> None:
                 lifeline.recv_bytes()  # the parent never sends: this ends at end-of-file
         except (EOFError, OSError):
             pass
-        for callback in _ON_ORPHANED:
-            with contextlib.suppress(Exception):  # dying anyway: nobody to report to
-                callback()
         os.kill(os.getpid(), signal.SIGKILL)
 
     threading.Thread(target=watch, name="muonckpt-lifeline", daemon=True).start()

@@ -64,7 +64,7 @@ def check_manifest_fits(
     from its ``params`` and its planned ``writes``
     (:class:`~muonckpt.format.manifest_size.ManifestSize`: the indexes exactly, the top level
     a lower bound, since groups, files and ``extra`` are not counted;
-    :func:`~muonckpt.files.writing.commit` checks every text again), naming the counts."""
+    :func:`~muonckpt.files.writing.publish` checks every text again), naming the counts."""
     size = ManifestSize()
     for entry in params:
         size.add_param(entry)

@@ -1,19 +1,28 @@
 """(internal) What the ranks of a write report to the root: each rank's :class:`Written`,
-merged into :class:`Reports`, from which the root builds the manifest
-(:mod:`muonckpt.files.writing`)."""
+merged into :class:`Reports`, which complete the producer's :class:`Draft` of the manifest
+(:func:`complete`; :mod:`muonckpt.files.writing`)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
 from .. import storage
-from ..format.manifest import FileEntry, Piece, PieceTable, piece_to_json
-from ..format.manifest_json import piece_from_json
-from ..format.writeplan import TensorWrite
+from ..format.manifest import (
+    Extra,
+    FileEntry,
+    Manifest,
+    ParamEntry,
+    Piece,
+    PieceTable,
+    Scalar,
+    piece_to_json,
+)
+from ..format.manifest_json import extra_from_json, piece_from_json
+from ..format.writeplan import Plan, TensorWrite
 
 
 @dataclass
@@ -24,33 +33,37 @@ class Written:
     pieces: Sequence[Piece]
     dtypes: Mapping[tuple[str, str], str]
     """(param, key) -> safetensors dtype, of every piece."""
-    extra: Any = None
-    """Anything else the caller reports to the root (JSON)."""
     sizes: dict[str, int] = field(default_factory=dict)
     """Each safetensors file's size as planned (header and data), which the manifest lists:
     never what a file measures after the write, so that a file cut short under the save is
     refused by the commit's check instead of listed at its cut size."""
+    scalars: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """The scalar state values this rank holds, param -> key -> ``{"value", "dtype"}``."""
+    extra: dict[str, Any] | None = None
+    """This rank's part of the job's own state (:class:`Extra` as JSON), files written."""
 
     def to_json(self) -> dict[str, Any]:
         return {
             "files": self.files,
             "pieces": [piece_to_json(p) for p in self.pieces],
             "dtypes": [[param, key, dtype] for (param, key), dtype in self.dtypes.items()],
-            "extra": self.extra,
             "sizes": self.sizes,
+            "scalars": self.scalars,
+            "extra": self.extra,
         }
 
     @classmethod
     def of(
         cls,
         files: list[str],
-        writes: Callable[[], Iterable[TensorWrite]],
+        writes: Plan | Sequence[TensorWrite],
         pieces: Sequence[Piece],
         sizes: dict[str, int],
     ) -> Written:
-        """The report of ``writes()`` into ``files`` (their dtypes read from the plan when
-        first asked for)."""
-        dtypes = _Lazy(lambda: {(w.param, w.key): w.dtype for w in writes()})
+        """The report of ``writes`` (a plan's, or a share of them) into ``files``: their dtypes
+        read from them when first asked for."""
+        each = writes if isinstance(writes, Sequence) else writes.iter_writes()
+        dtypes = _Lazy(lambda: {(w.param, w.key): w.dtype for w in each})
         return cls(files, pieces, dtypes, sizes=sizes)
 
     @classmethod
@@ -59,8 +72,9 @@ class Written:
             list(raw["files"]),
             PieceTable(piece_from_json(p) for p in raw["pieces"]),
             {(param, key): dtype for param, key, dtype in raw["dtypes"]},
-            raw["extra"],
             dict(raw["sizes"]),
+            raw["scalars"],
+            raw["extra"],
         )
 
 
@@ -72,7 +86,8 @@ class Reports:
     files: list[FileEntry]
     pieces: PieceTable
     dtypes: Mapping[tuple[str, str], str]
-    extras: list[Any]
+    scalars: list[dict[str, dict[str, Any]]]
+    extras: list[dict[str, Any] | None]
 
     @classmethod
     def merged(cls, reports: Sequence[Written], staging: Path) -> Reports:
@@ -97,8 +112,82 @@ class Reports:
             files,
             pieces,
             _Lazy(lambda: {k: v for r in reports for k, v in r.dtypes.items()}),
+            [r.scalars for r in reports],
             [r.extra for r in reports],
         )
+
+
+@dataclass(frozen=True)
+class Draft:
+    """A checkpoint's manifest as its producer knows it before the write: ``manifest`` without
+    files and pieces (its params' dtypes and scalars where the producer knows them; the model
+    section's tensors and tied names), which the root completes from the ranks' reports
+    (:func:`complete`)."""
+
+    manifest: Manifest
+    record_step: bool = False
+    """Record the step the complete manifest holds (a save: the optimizer's own count, known
+    only from every rank's scalars, where ``manifest`` records none); else ``manifest``'s."""
+
+
+def complete(draft: Draft, reports: Reports) -> Manifest:
+    """``draft``'s manifest with what the ranks wrote: the files; the pieces, those of the
+    model section's tensors in it; each param's scalars the ranks report, and the dtypes of
+    its pieces where the draft has none (keys sorted); the job's own state the ranks wrote
+    (else the draft's)."""
+    manifest, model = draft.manifest, draft.manifest.model
+    others = {t.name for t in model.tensors} if model is not None else set()
+    pieces = reports.pieces
+    if model is not None and others:
+        model = replace(model, pieces=tuple(p for p in pieces if p.param in others))
+        pieces = PieceTable(p for p in pieces if p.param not in others)
+    done = replace(
+        manifest,
+        params=_entries(manifest.params, pieces, reports),
+        files=tuple(reports.files),
+        pieces=pieces,
+        model=model,
+        extra=_merged_extra(reports.extras) or manifest.extra,
+    )
+    return replace(done, recorded_step=done.step) if draft.record_step else done
+
+
+def _entries(
+    params: Sequence[ParamEntry], pieces: PieceTable, reports: Reports
+) -> tuple[ParamEntry, ...]:
+    """``params`` with the scalars the ranks report (the first rank's of each, in rank
+    order) and, where an entry has no dtypes, those of its pieces."""
+    scalars: dict[str, dict[str, Scalar]] = {}
+    for report in reports.scalars:
+        for name, values in report.items():
+            for key, item in values.items():
+                scalars.setdefault(name, {}).setdefault(key, Scalar(item["value"], item["dtype"]))
+    bare = {e.name for e in params if not e.dtypes}
+    keys: dict[str, set[str]] = {}
+    for piece in pieces if bare else ():
+        if piece.param in bare:
+            keys.setdefault(piece.param, set()).add(piece.key)
+    if not scalars and not keys:
+        return tuple(params)
+    return tuple(
+        replace(
+            e,
+            dtypes=e.dtypes or {k: reports.dtypes[e.name, k] for k in sorted(keys.get(e.name, ()))},
+            scalars={**e.scalars, **scalars.get(e.name, {})},
+        )
+        for e in params
+    )
+
+
+def _merged_extra(parts: Sequence[dict[str, Any] | None]) -> Extra | None:
+    """Every rank's part of the job's own state (in rank order) as one: the root's
+    ``extra``, each rank's ``rank_extra``, all their files."""
+    found = [extra_from_json(part) for part in parts if part is not None]
+    if not found:
+        return None
+    shared = next((e.shared for e in found if e.shared is not None), None)
+    ranks = tuple(tree for e in found for tree in e.ranks)
+    return Extra(shared, ranks, tuple(f for e in found for f in e.files))
 
 
 class _Lazy(Mapping[tuple[str, str], str]):

@@ -89,7 +89,7 @@ class DirectorySteps(StepProtocol):
         found, missing = self.mailbox.wait([f"{tag}-outcome"], 2 * self.timeout)
         if not missing:
             return cast(Outcome, found[f"{tag}-outcome"])
-        if not self.mailbox.exists():
+        if not self.mailbox.present():
             why = f"rank {self.root} gave up waiting for this rank (its mailbox is gone)"
             return {"error": f"rank {self.rank}: {why}"}
         abort = {

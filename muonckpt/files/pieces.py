@@ -38,6 +38,7 @@ from ..format.names import INDEX_FILE, MANIFEST_NAME, MODEL_INDEX_FILE, rank_fil
 from ..format.piece_index import parse_index
 from ..format.records import placed
 from ..layout.topology import Region, Strided, strided_runs
+from ..storage import access
 
 _WHOLE_MANIFEST_BYTES = 16 << 20
 """A manifest up to this size is parsed whole (the C decoder: a Kimi-K2-shaped top level of
@@ -54,14 +55,14 @@ def read_manifest(path: str | os.PathLike[str], *, pieces: bool = True) -> Manif
     then takes from the indexes it needs (:func:`load_pieces`)."""
     directory = settings.local_path(path)
     manifest_path = directory / MANIFEST_NAME
-    if not directory.is_dir():
+    if not access.is_dir(directory):
         raise CheckpointError("no checkpoint directory", path=directory)
     if storage.is_ours(directory.name):
         raise CheckpointError(
             "incomplete: a staging directory left by an interrupted save, not a checkpoint",
             path=directory,
         )
-    if not manifest_path.is_file():
+    if not access.is_file(manifest_path):
         data = sorted(name for name in storage.entries(directory) if name.endswith(".safetensors"))
         if data and not _written_by_muonckpt(directory, data):
             hf = (
@@ -98,8 +99,8 @@ def _parsed_as_stream(manifest_path: Path) -> bool:
     """Whether the manifest is past :data:`_WHOLE_MANIFEST_BYTES` (one that cannot be sized
     is read whole, which names what is wrong with it)."""
     try:
-        return manifest_path.stat().st_size > _WHOLE_MANIFEST_BYTES
-    except OSError:
+        return storage.file_size(manifest_path) > _WHOLE_MANIFEST_BYTES
+    except CheckpointError:
         return False
 
 
@@ -251,12 +252,12 @@ def size_problems(manifest: Manifest, directory: Path) -> list[CheckpointError]:
         claimed[tensor.file] = claimed.get(tensor.file, 0) + tensor.nbytes
     for entry in all_files(manifest):
         path = directory / entry.name
-        if path.is_symlink():
+        if access.is_symlink(path):
             problems.append(
                 CheckpointError("is a symlink, not a file of this checkpoint", path=path)
             )
             continue
-        if not path.is_file():
+        if not access.is_file(path):
             problems.append(CheckpointError("missing data file", path=path))
             continue
         size = storage.file_size(path)
@@ -323,13 +324,14 @@ class PieceReader:
         path = self._paths.get(file)
         if path is None:
             path = self.directory / file
-            if not path.is_file():
+            if not access.is_file(path):
                 changed = changed_while_reading(self.directory, self.manifest)
                 raise changed or CheckpointError("missing data file", path=path)
-            if path.stat().st_size != self._sizes[file]:
+            size = storage.file_size(path)
+            if size != self._sizes[file]:
                 changed = changed_while_reading(self.directory, self.manifest)
                 raise changed or CheckpointError(
-                    f"file is {path.stat().st_size} bytes, the manifest says {self._sizes[file]}"
+                    f"file is {size} bytes, the manifest says {self._sizes[file]}"
                     " (truncated or replaced)",
                     path=path,
                 )
@@ -462,10 +464,11 @@ def verify(path: str | os.PathLike[str]) -> list[CheckpointError]:
     problems += _topology_problems(manifest, directory)
     known = {f.name for f in all_files(manifest)} | {MANIFEST_NAME, INDEX_FILE, MODEL_INDEX_FILE}
     known |= {entry.name for entry in manifest.indexes}
-    for entry in sorted(directory.iterdir()):
-        if entry.name not in known:
+    for name in sorted(access.list_names(directory)):
+        entry = directory / name
+        if name not in known:
             problems.append(CheckpointError("unknown file in the checkpoint directory", path=entry))
-        elif entry.is_symlink():
+        elif access.is_symlink(entry):
             problems.append(
                 CheckpointError("is a symlink, not a file of the checkpoint's own", path=entry)
             )

@@ -18,9 +18,10 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from .. import settings, storage
+from .. import storage
 from ..errors import ArgumentError, CheckpointError, CheckpointWarning
 from ..format.names import MANIFEST_NAME
+from ..storage import access
 from .pieces import read_manifest, size_problems
 
 
@@ -42,7 +43,7 @@ class Found:
 def _complete(directory: Path) -> Found | None:
     """``directory`` as a complete checkpoint; None when it is not one (or is damaged)."""
     try:
-        committed = (directory / MANIFEST_NAME).stat().st_mtime_ns
+        committed = access.modified_ns(directory / MANIFEST_NAME)
         manifest = read_manifest(directory)  # refuses staging names and missing manifests
         if size_problems(manifest, directory):
             return None
@@ -51,21 +52,15 @@ def _complete(directory: Path) -> Found | None:
     return Found(directory, manifest.step, committed)
 
 
-def complete_checkpoints(root: str | os.PathLike[str]) -> list[Found]:
+def complete_checkpoints(
+    root: str | os.PathLike[str], store: storage.CheckpointStore
+) -> list[Found]:
     """The complete checkpoints directly under ``root``, oldest first; symlinks are skipped
     (a ``latest -> step-300`` link would list one checkpoint twice). A missing ``root`` has
-    none; one that is not a directory or cannot be listed is a :class:`CheckpointError`."""
+    none; one that is not a directory or cannot be listed is a :class:`CheckpointError`
+    (:meth:`~muonckpt.storage.CheckpointStore.directories`)."""
     root = Path(root)
-    try:
-        with os.scandir(root) as listing:
-            names = sorted(e.name for e in listing if e.is_dir(follow_symlinks=False))
-    except FileNotFoundError:
-        return []
-    except NotADirectoryError:
-        raise CheckpointError("is not a directory of checkpoints", path=root) from None
-    except OSError as exc:
-        raise CheckpointError(f"cannot be listed: {exc.strerror}", path=root) from None
-    found = [_complete(root / name) for name in names]
+    found = [_complete(root / name) for name in store.directories(root)]
     return sorted((f for f in found if f is not None), key=Found.order)
 
 
@@ -82,15 +77,15 @@ def latest(root: str | os.PathLike[str]) -> Path | None:
     :class:`CheckpointError`. When a save commits and prunes while it looks, so that it found
     nothing complete, it looks again (three times in all).
     """
-    root = settings.local_path(root)
-    if (root / MANIFEST_NAME).exists():
+    store, root = storage.store_for(root), Path(root)
+    if access.exists(root / MANIFEST_NAME):
         raise CheckpointError(
             "is a checkpoint itself; latest looks for checkpoints directly under a directory "
             "(pass its parent)",
             path=root,
         )
     for _ in range(3):  # a save committing and pruning meanwhile can hide every entry once
-        found = complete_checkpoints(root)
+        found = complete_checkpoints(root, store)
         if found:
             return found[-1].path
     return None
@@ -148,7 +143,12 @@ def series_of(name: str, step: int | None) -> Series | str:
     return Series(name[: run.start()], name[run.end() :], padded)
 
 
-def prune(root: str | os.PathLike[str], keep_last: int, keep: str | os.PathLike[str]) -> list[Path]:
+def prune(
+    root: str | os.PathLike[str],
+    keep_last: int,
+    keep: str | os.PathLike[str],
+    store: storage.CheckpointStore,
+) -> list[Path]:
     """Delete the complete checkpoints directly under ``root`` older than its ``keep_last``
     newest (in :func:`latest`'s order); for a save's ``keep_last``, after its commit.
 
@@ -178,7 +178,7 @@ def prune(root: str | os.PathLike[str], keep_last: int, keep: str | os.PathLike[
     """
     check_keep_last(keep_last)
     try:
-        found = complete_checkpoints(root)
+        found = complete_checkpoints(root, store)
     except CheckpointError as exc:
         warnings.warn(f"old checkpoints not deleted: {exc}", CheckpointWarning, stacklevel=2)
         return []
@@ -199,7 +199,7 @@ def prune(root: str | os.PathLike[str], keep_last: int, keep: str | os.PathLike[
     for old in found[:-keep_last]:
         if os.path.realpath(old.path) == kept or storage.ownership_problem(old.path):
             continue
-        if storage.store.remove_checkpoint(old.path):
+        if store.remove_checkpoint(old.path):
             deleted.append(old.path)
     return deleted
 
@@ -240,17 +240,9 @@ def clean(root: str | os.PathLike[str], older_than: float) -> Cleaned:
             f"older_than must be a number of seconds >= 0, got {older_than!r}",
             argument="older_than",
         )
-    root = settings.local_path(root)
-    try:
-        with os.scandir(root) as listing:
-            ours = (e for e in listing if storage.is_ours(e.name))
-            names = sorted(e.name for e in ours if e.is_dir(follow_symlinks=False))
-    except FileNotFoundError:
-        return Cleaned([], [])
-    except OSError as exc:
-        raise CheckpointError(f"cannot be listed: {exc.strerror}", path=root) from None
+    store, root = storage.store_for(root), Path(root)
     removed, skipped = [], []
-    for name in names:
+    for name in filter(storage.is_ours, store.directories(root)):
         path = root / name
         with storage.leftover(path) as found:
             why = found.kept_because
@@ -261,8 +253,8 @@ def clean(root: str | os.PathLike[str], older_than: float) -> Cleaned:
                 if storage.is_mailbox(name):
                     kept = storage.Mailbox(path).remove()
                 else:
-                    kept = storage.store.discard(path, quiet=True)
-                if not os.path.lexists(path):
+                    kept = store.discard(path, quiet=True)
+                if not access.lexists(path):
                     removed.append(path)
                     continue
                 why = f"kept in part: it holds {', '.join(kept) or 'what appeared meanwhile'}"

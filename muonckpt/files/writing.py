@@ -1,30 +1,28 @@
-"""Writes a :class:`~muonckpt.format.writeplan.WritePlan` and commits the checkpoint: the one write
-path.
+"""The write engine: every checkpoint muonckpt produces (``save`` and ``async_save`` per rank
+or consolidated, ``consolidate``, ``reshard``, ``convert``, every foreign reader's output; the
+DeepSpeed and Megatron writers' foreign files) is written by the same calls, each handed data
+and returning data, over a :class:`Steps` protocol among the ranks that write it:
 
-Every checkpoint muonckpt produces (``save`` and ``async_save`` per rank or consolidated,
-``consolidate``, ``reshard``, ``convert``; in one process or many) is written as three steps
-of a :class:`Steps` protocol:
+1. stage: the root opens the staging directory beside the target (:func:`open_staging`;
+   :func:`stage` is the step for a producer with nothing to check across ranks, a save runs
+   its own, :func:`muonckpt.checkpoint.saving.stage`, whose root checks, then opens it);
+2. write: every rank writes its tensors (:func:`write_files` for whole files,
+   :func:`write_share` for its share of files written together), pulling them in plan order
+   (:func:`in_order`) from an iterator of (write, data) its producer made, and gets its report
+   (:class:`Written`);
+3. commit (:func:`commit`): every rank's report to the root, which completes the producer's
+   :class:`Draft` of the manifest from them (:func:`~._reports.complete`) and publishes
+   (:func:`publish`: the manifest last, fsync, the atomic swap);
+4. retire (:func:`retire`): when a checkpoint was replaced, every rank deletes a share of its
+   files.
 
-1. ``stage`` (:func:`stage`): every rank's checks, then the root creates the staging
-   directory beside the target (:func:`muonckpt.storage.make_staging`);
-2. ``write``: every rank writes its tensors (:func:`write_files` for whole files,
-   :func:`write_share` for its share of files written together, :func:`write_tensors` from
-   memory) and reports the pieces; the root builds the manifest from the reports and commits
-   (:func:`commit`: manifest last, fsync, atomic swap);
-3. ``retire`` (:func:`retire`): when a checkpoint was replaced, every rank deletes a share of
-   its files.
-
-The offline tools hand their work down (:func:`write_checkpoint`). A save takes the steps one
-call at a time, each handed data: the outcome of what each rank did before a step
-(:class:`~muonckpt.files.attempt.Attempt`: its values, or its refusal, which the step
-raises on every rank) and, for the commit, the manifest's draft
-(:func:`muonckpt.checkpoint.saving.commit`).
-
-Across ranks the steps are :class:`muonckpt.distributed.group_steps.CollectiveSteps`, or for a
-background save, which must not use the job's process groups,
-:class:`~muonckpt.files.directory_steps.DirectorySteps` (messages as files); in one
-process :class:`LocalSteps`. This module itself never calls torch.distributed and imports
-torch only where a tensor crosses, so a single-process offline tool runs without it.
+Where the bytes go is the target's :class:`~muonckpt.storage.CheckpointStore`, which the entry
+point takes (:func:`muonckpt.storage.store_for`) and hands to each call. Across ranks the
+steps are :class:`muonckpt.distributed.group_steps.CollectiveSteps`, or for a background
+save, which must not use the job's process groups,
+:class:`~muonckpt.files.directory_steps.DirectorySteps` (messages as files); in one process
+:class:`LocalSteps`. This module itself never calls torch.distributed and imports torch only
+where a tensor crosses, so a single-process offline tool runs without it.
 """
 
 from __future__ import annotations
@@ -33,19 +31,12 @@ import contextlib
 import json
 import os
 import warnings
-from collections.abc import Callable, Generator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 from .. import storage
-from ..distributed.steps import disagreement
-from ..errors import (
-    CheckpointError,
-    CheckpointWarning,
-    InterruptedAfterCommit,
-    MuonCkptError,
-    StateDictError,
-)
+from ..errors import CheckpointError, CheckpointWarning, InterruptedAfterCommit, MuonCkptError
 from ..format.manifest import (
     FORMAT_NAME,
     ExtraTensor,
@@ -62,28 +53,21 @@ from ..layout.workplan import WorkUnit, split_work
 from ..storage.safetensors_writer import prefetched
 from . import _indexes
 from ._indexes import check_manifest_fits as check_manifest_fits
+from ._reports import Draft as Draft
 from ._reports import Reports as Reports
 from ._reports import Written as Written
+from ._reports import complete
 from .attempt import Attempt
 from .pieces import all_files
 
-
-class HostCopy(Protocol):
-    """Where a save's tensors pass on their way to a file (:class:`muonckpt.state.hostcopy.
-    HostBuffers`, from the layer above, which this executor does not import)."""
-
-    def to_host(self, tensor: Any) -> Any:
-        """``tensor`` in host memory (a reused buffer's view for a device tensor)."""
-        ...
-
-
 Progress = Callable[[int, int, int, int], None]
 """``progress(done_bytes, total_bytes, done_tensors, total_tensors)``, called once at the start
-and after each tensor is written."""
+and after each tensor is written: the user's own progress report."""
 
-Fetch = Callable[[TensorWrite], Any]
-"""The data of one planned tensor: a tensor of its dtype and element count, or its raw bytes
-(1-D uint8 numpy), as :meth:`muonckpt.storage.SafetensorsWriter.write` takes them."""
+Tensors = Iterator[tuple[TensorWrite, Any]]
+"""What a producer hands the writer: each planned tensor (in :func:`in_order`) with its data,
+a tensor of its dtype and element count, or its raw bytes (1-D uint8 numpy), as
+:meth:`muonckpt.storage.SafetensorsWriter.write` takes them; made as the writer pulls it."""
 
 T = TypeVar("T")
 
@@ -113,102 +97,57 @@ class LocalSteps:
         return then([each()])
 
 
-def write_checkpoint(
-    steps: Steps,
+def open_staging(
+    store: storage.CheckpointStore,
     final: str | os.PathLike[str],
     *,
     overwrite: bool,
-    write: Callable[[Path], Written],
-    manifest: Callable[[Reports], Manifest],
-    create: Callable[[Path], None] = lambda staging: None,
-    seal: Callable[[Path], None] = lambda staging: None,
     source: str | os.PathLike[str] | None = None,
+    output: storage.Output | None = None,
+    shared: Plan | None = None,
+    mailbox: bool = False,
 ) -> Path:
-    """Stage, write and commit a checkpoint at ``final``; a protocol over ``steps``' ranks
-    (:func:`stage`, then :func:`finish`): the offline tools' write.
-
-    Args:
-        write: (every rank) writes this rank's tensors into the staging directory.
-        manifest: (the root) the checkpoint's manifest, from every rank's report.
-        create: (the root) prepares the fresh staging directory (files written together).
-        seal: (the root) once every rank has written, before the manifest (files written
-            together get their names).
-        source: a checkpoint being read, which ``final`` must not be inside or around.
-    """
-    staging = stage(steps, final, overwrite=overwrite, create=create, source=source)
-    return finish(steps, staging, final, write=write, manifest=manifest, seal=seal, source=source)
-
-
-class Agreeing(Protocol):
-    """What a rank found before the ``stage`` step that the ranks must have alike."""
-
-    @property
-    def agreement(self) -> dict[str, Any] | None: ...
-
-    @property
-    def report(self) -> Any:
-        """What the root judges together with the other ranks' (JSON; ``stage``'s ``judge``)."""
+    """(the root) A fresh staging directory for ``final`` once the target is checked
+    (:meth:`~muonckpt.storage.CheckpointStore.create_staging`: ``source``, a checkpoint being
+    read, must not be inside or around it; ``output``, a foreign format's files); with
+    ``shared``, the headers of the files the ranks write together (:func:`create_shared`);
+    with ``mailbox``, the :class:`~muonckpt.storage.Mailbox` of a background finish."""
+    staging = store.create_staging(final, overwrite, source=source, output=output)
+    try:
+        if shared is not None:
+            create_shared(store, shared, staging)
+        if mailbox:
+            storage.Mailbox(storage.mailbox_path(staging)).create()
+    except BaseException:
+        store.discard(staging)
+        raise
+    return staging
 
 
 def stage(
     steps: Steps,
+    store: storage.CheckpointStore,
     final: str | os.PathLike[str],
     *,
     overwrite: bool,
-    create: Callable[[Path], None] = lambda staging: None,
     source: str | os.PathLike[str] | None = None,
-    checked: Attempt[Agreeing] | None = None,
-    judge: Callable[[list[Any]], None] | None = None,
-    mailbox: bool = False,
+    shared: Plan | None = None,
 ) -> Path:
-    """The ``stage`` step: every rank hands in ``checked``, what it collected before (a save's
-    :func:`muonckpt.checkpoint.saving.collect`): its refusal fails the step on every rank, and
-    its ``agreement`` (what the ranks must have alike that is only known once it ran: a digest
-    of values it took) is compared and its ``report`` judged (``judge``, on the root: a save's
-    check of where the state is, whose :class:`StateDictError` is raised as one on every
-    rank); when all passed and agree, the root checks the target and
-    creates the staging directory (and, with ``mailbox``, the
-    :class:`~muonckpt.storage.Mailbox` of a background finish); its path on every rank. (That
-    the ranks were called alike, with the same arguments, is the operation's rendezvous,
-    :func:`muonckpt.distributed.group_steps.rendezvous`, before this.)"""
-    final = Path(final)
-
-    def mine() -> list[Any] | None:
-        if checked is None:
-            return None
-        found = checked.result()
-        return [found.agreement, found.report if judge is not None else None]
-
-    def make(found: list[list[Any] | None]) -> dict[str, str]:
-        if found[0] is not None:
-            given = [each or [None, None] for each in found]
-            differ = disagreement([agreement or {} for agreement, _ in given], steps.ranks)
-            if differ is not None:
-                raise CheckpointError(f"the ranks disagree on {differ}; nothing was written")
-            try:
-                if judge is not None:
-                    judge([report for _, report in given])
-            except StateDictError as exc:
-                return {"refused": str(exc)}
-        staging = storage.store.create_staging(final, overwrite, source=source)
-        try:
-            create(staging)
-            if mailbox:
-                storage.Mailbox(storage.mailbox_path(staging)).create()
-        except BaseException:
-            storage.store.discard(staging)
-            raise
-        return {"staging": str(staging)}
-
-    decided = steps.each_then_root("stage", mine, make)
-    if "refused" in decided:  # the state dict does not fit its sharding: that error, on all
-        raise StateDictError(f"stage: {decided['refused']}", agreed_by=steps.ranks)
-    return Path(decided["staging"])
+    """The ``stage`` step of a producer whose ranks have nothing to compare: the root opens
+    the staging directory (:func:`open_staging`); its path on every rank."""
+    decided = steps.each_then_root(
+        "stage",
+        lambda: None,
+        lambda _: str(
+            open_staging(store, final, overwrite=overwrite, source=source, shared=shared)
+        ),
+    )
+    return Path(decided)
 
 
-def abandon(staging: Path) -> None:
+def abandon(store: storage.CheckpointStore, staging: Path) -> None:
     """(the root) Remove a staging directory (and its mailbox) that will never be written."""
-    storage.store.discard(staging)
+    store.discard(staging)
     storage.Mailbox(storage.mailbox_path(staging)).remove()
 
 
@@ -217,48 +156,37 @@ Replaced = dict[str, Any]
 :func:`retire`."""
 
 
-def finish(
+def commit(
     steps: Steps,
+    store: storage.CheckpointStore,
     staging: Path,
     final: str | os.PathLike[str],
+    written: Attempt[Written],
+    draft: Draft,
     *,
-    write: Callable[[Path], Written],
-    manifest: Callable[[Reports], Manifest],
-    seal: Callable[[Path], None] = lambda staging: None,
     source: str | os.PathLike[str] | None = None,
-) -> Path:
-    """The ``write`` step (every rank writes, the root commits: with ``source``, the files
-    read, only a manifest its own reader accepts) and, when a checkpoint was replaced, the
-    ``retire`` step; a failure discards the staging directory."""
-    final = Path(final)
-    replaced = write_step(steps, staging, final, lambda: write(staging), manifest, seal, source)
-    return retire(steps, replaced, final)
-
-
-def write_step(
-    steps: Steps,
-    staging: Path,
-    final: Path,
-    written: Callable[[], Written],
-    manifest: Callable[[Reports], Manifest],
-    seal: Callable[[Path], None] = lambda staging: None,
-    source: str | os.PathLike[str] | None = None,
+    shared: Plan | None = None,
 ) -> Replaced | None:
-    """The ``write`` step: every rank's report of ``written()`` to the root, which merges them,
-    builds the ``manifest`` and commits (:func:`commit`, of ``source``); the checkpoint it
-    replaced (None also when something failed after the commit: that is a warning, and
-    nothing is retired)."""
+    """The ``write`` step: every rank hands in what it ``written`` (or its failure, which fails
+    the step on every rank); the root gives the files written together (``shared``) their
+    names (:func:`seal_shared`), completes ``draft`` from the merged reports and publishes
+    (:func:`publish`; with ``source``, the files read, only a manifest their reader accepts).
+    The checkpoint it replaced, for :func:`retire` (None also when something failed after
+    the commit: that is a warning, and nothing is retired). A failure before the commit
+    discards the staging directory."""
+    final = Path(final)
     across = len(steps.ranks) > 1  # reports cross ranks as JSON; in one process, as they are
 
+    def report() -> Any:
+        return written.result().to_json() if across else written.result()
+
     def commit_all(raw: list[Any]) -> Replaced | None:
-        seal(staging)
+        if shared is not None:
+            seal_shared(shared, staging)
         reports = [Written.from_json(r) for r in raw] if across else raw
-        replaced = commit(staging, final, manifest(Reports.merged(reports, staging)), source)
-        return (
-            None
-            if replaced is None
-            else {"at": str(replaced), "files": storage.store.entries(replaced)}
-        )
+        manifest = complete(draft, Reports.merged(reports, staging))
+        replaced = publish(store, staging, final, manifest, source)
+        return None if replaced is None else {"at": str(replaced), "files": store.entries(replaced)}
 
     committed: list[bool] = []
 
@@ -268,8 +196,7 @@ def write_step(
     storage.watch_commit(final, mark, staging=staging)
     staged = storage.directory_identity(staging)  # another rank's swap keeps it: committed_as
     try:
-        each = (lambda: written().to_json()) if across else written
-        return steps.each_then_root("write", each, commit_all)
+        return steps.each_then_root("write", report, commit_all)
     except BaseException as exc:
         # After the swap (by this process, or by a root that died before telling the others)
         # the new checkpoint is whole, whatever came next.
@@ -277,7 +204,7 @@ def write_step(
             after_commit(exc, final)
             return None
         if steps.is_root:
-            storage.store.discard(staging)
+            store.discard(staging)
         raise
     finally:
         storage.unwatch_commit(final, mark)
@@ -296,30 +223,37 @@ def after_commit(exc: BaseException, final: Path) -> Path:
     return final
 
 
-def retire(steps: Steps, replaced: Replaced | None, final: str | os.PathLike[str]) -> Path:
+def retire(
+    steps: Steps,
+    store: storage.CheckpointStore,
+    replaced: Replaced | None,
+    final: str | os.PathLike[str],
+) -> Path:
     """The ``retire`` step, after the commit: every rank deletes its share of the ``replaced``
     checkpoint's files (nothing when none was); a failure is a warning (the new checkpoint is
     in place), an interruption is raised tagged (:func:`after_commit`). ``final``, as a path."""
     final = Path(final)
     try:
-        _retire(steps, replaced, final)
+        _retire(steps, store, replaced, final)
     except BaseException as exc:
         return after_commit(exc, final)
     return final
 
 
-def _retire(steps: Steps, replaced: Replaced | None, final: Path) -> None:
+def _retire(
+    steps: Steps, store: storage.CheckpointStore, replaced: Replaced | None, final: Path
+) -> None:
     """The ``retire`` step, after the commit: every rank deletes its share of the replaced
     checkpoint's files; a failure is a warning (the new checkpoint is in place)."""
     if replaced is not None and len(steps.ranks) == 1:
-        storage.store.retire(replaced["at"])
+        store.retire(replaced["at"])
     elif replaced is not None:
         share = replaced["files"][steps.ranks.index(steps.rank) :: len(steps.ranks)]
         try:
             steps.each_then_root(
                 "retire",
-                lambda: storage.store.retire(replaced["at"], share),
-                lambda _: storage.store.retire(replaced["at"]),
+                lambda: store.retire(replaced["at"], share),
+                lambda _: store.retire(replaced["at"]),
             )
         except MuonCkptError as exc:  # committed: what is left of the old one is a warning
             warnings.warn(
@@ -330,17 +264,26 @@ def _retire(steps: Steps, replaced: Replaced | None, final: Path) -> None:
             )
 
 
-def commit(staging: Path, final: Path, manifest: Manifest, source: object = None) -> Path | None:
+def publish(
+    store: storage.CheckpointStore,
+    staging: Path,
+    final: Path,
+    manifest: Manifest | None,
+    source: object = None,
+) -> Path | None:
     """(the root) The manifest, written last, fsync, and the atomic swap, which checks that
-    every file the manifest lists is there at its size (and the manifest) right before it.
+    every file the manifest lists is there at its size (and the manifest) right before it; a
+    foreign format's files (``manifest`` None) as they are, never over anything.
 
-    Returns the directory now holding a checkpoint this replaced, for :meth:`storage.store.retire`.
+    Returns the directory now holding a checkpoint this replaced, for :func:`retire`.
     The manifest's coverage is checked first (every state tensor stored exactly once, as a
     reader requires), so that a faulty plan commits nothing rather than a checkpoint that
     ``verify`` and ``load`` would refuse; with ``source`` (the files a rewrite read, whose
     values may be odd) the manifest written is read back by their reader too, naming
     ``source`` (:func:`~._indexes.check_readable`).
     """
+    if manifest is None:
+        return store.publish(staging, final, overwrite=False)
     gaps = manifest.coverage_problems()
     if gaps:
         more = f" (and {len(gaps) - 1} more)" if len(gaps) > 1 else ""
@@ -352,7 +295,7 @@ def commit(staging: Path, final: Path, manifest: Manifest, source: object = None
     limit = storage.MAX_TEXT_BYTES  # past it, committed, a checkpoint nothing could read
     storage.sync_files(staging, [f.name for f in all_files(manifest)])  # data before indexes
     manifest = _indexes.write_indexes(staging, manifest, final)
-    size = storage.store.write_text(staging / MANIFEST_NAME, manifest.json_chunks(), limit=limit)
+    size = store.put_text(staging / MANIFEST_NAME, manifest.json_chunks(), limit=limit)
     if size > limit:
         extra = 0 if manifest.extra is None else len(json.dumps(extra_to_json(manifest.extra)))
         raise CheckpointError(
@@ -365,7 +308,7 @@ def commit(staging: Path, final: Path, manifest: Manifest, source: object = None
         _indexes.check_readable(staging / MANIFEST_NAME, source, final)
     listed = {entry.name: entry.bytes for entry in all_files(manifest)}
     listed.update((entry.name, entry.bytes) for entry in manifest.indexes)
-    return storage.store.publish(staging, final, files={**listed, MANIFEST_NAME: size})
+    return store.publish(staging, final, files={**listed, MANIFEST_NAME: size})
 
 
 class _Meter:
@@ -386,20 +329,41 @@ class _Meter:
             self.progress(self.done, self.total, self.written, self.tensors)
 
 
+def in_order(plan: Plan) -> Iterator[TensorWrite]:
+    """The writes of ``plan`` in the order :func:`write_files` writes them: file by file."""
+    for writes in plan.by_file().values():
+        yield from writes
+
+
+def _pulled(
+    tensors: Tensors, writes: Sequence[TensorWrite], ahead: bool
+) -> Generator[tuple[TensorWrite, Any], None, None]:
+    """The next ``len(writes)`` of ``tensors``, which must be ``writes`` in order; with
+    ``ahead``, each next one pulled on a thread meanwhile
+    (:func:`muonckpt.storage.safetensors_writer.prefetched`)."""
+    pulled = prefetched(tensors, len(writes)) if ahead else (next(tensors) for _ in writes)
+    with contextlib.closing(pulled):  # on an error, the prefetch thread ends here
+        for planned, (w, value) in zip(writes, pulled, strict=True):
+            if w is not planned and w != planned:
+                raise CheckpointError(f"{w.tensor!r} came where {planned.tensor!r} was planned")
+            yield w, value
+
+
 def write_files(
+    store: storage.CheckpointStore,
     plan: Plan,
     staging: Path,
-    fetch: Fetch,
+    tensors: Tensors,
     progress: Progress | None = None,
     *,
     prefetch: bool = True,
     sync: bool = True,
 ) -> Written:
-    """Write every file of ``plan`` (and its texts) into ``staging``, front to back, fetching
-    each tensor when its turn comes: with ``prefetch``, the next one on a thread meanwhile
-    (for reads from files) in a file whose tensors average 64 KiB or more (a handoff costs
-    ~0.15 ms). Without ``sync`` each file is renamed into place unsynced:
-    :func:`commit` fsyncs every data file in one parallel pass before it writes the indexes
+    """Write every file of ``plan`` (and its texts) into ``staging``, front to back, each
+    tensor pulled from ``tensors`` when its turn comes: with ``prefetch``, the next one on a
+    thread meanwhile (for reads from files) in a file whose tensors average 64 KiB or more (a
+    handoff costs ~0.15 ms). Without ``sync`` each file is renamed into place unsynced:
+    :func:`publish` fsyncs every data file in one parallel pass before it writes the indexes
     and the manifest (thousands of output files are not thousands of fsyncs in a row)."""
     meter = _Meter(lambda: (plan.total_bytes, plan.count), progress)
     pieces, sizes = PieceTable(), {}
@@ -407,36 +371,17 @@ def write_files(
         specs, metadata = specs_of(writes), plan.files[file]
         with storage.SafetensorsWriter(staging / file, specs, metadata, sync=sync) as out:
             ahead = prefetch and sum(w.nbytes for w in writes) >= (64 << 10) * len(writes)
-            fetched: Generator[tuple[TensorWrite, Any], None, None] = (
-                prefetched(writes, fetch) if ahead else ((w, fetch(w)) for w in writes)
-            )
-            with contextlib.closing(fetched):  # on an error, the prefetch thread ends here
-                for w, value in fetched:
+            pulled = _pulled(tensors, writes, ahead)
+            with contextlib.closing(pulled):
+                for w, value in pulled:
                     out.write(w.tensor, value)
                     del value
                     meter.tick(w.nbytes)
             records = out.commit()
         sizes[file] = out.size
         pieces.extend(w.piece(*_sums(records[w.tensor])) for w in writes)
-    _write_texts(plan, staging)
-    return Written.of(list(plan.files), plan.iter_writes, pieces, sizes)
-
-
-def write_tensors(
-    plan: Plan,
-    staging: Path,
-    tensors: Mapping[tuple[str, str], Any],
-    host: HostCopy | None,
-) -> Written:
-    """Write ``plan`` (:func:`write_files`) from ``tensors`` in memory, by (param, key): each
-    copied through ``host``'s reused buffer when it is written (streamed), or as it is (a
-    snapshot in host memory already, ``host`` None)."""
-
-    def fetch(w: TensorWrite) -> Any:
-        tensor = tensors[w.param, w.key]
-        return (tensor if host is None else host.to_host(tensor)).reshape(-1)
-
-    return write_files(plan, staging, fetch, prefetch=False)
+    _write_texts(store, plan, staging)
+    return Written.of(list(plan.files), plan, pieces, sizes)
 
 
 def _sums(record: storage.TensorRecord) -> tuple[bytes, int]:
@@ -472,7 +417,7 @@ def write_extra(
     return ExtraValues(values, stored), FileEntry(file, storage.file_size(staging / file))
 
 
-def shared_files(plan: Plan, staging: Path) -> dict[str, storage.SharedSafetensorsFile]:
+def _shared_files(plan: Plan, staging: Path) -> dict[str, storage.SharedSafetensorsFile]:
     """The files of ``plan`` as several processes write them together (same header for all)."""
     return {
         file: storage.SharedSafetensorsFile(staging / file, plan.specs(file), plan.files[file])
@@ -480,58 +425,24 @@ def shared_files(plan: Plan, staging: Path) -> dict[str, storage.SharedSafetenso
     }
 
 
-def create_shared(plan: Plan, staging: Path) -> None:
+def create_shared(store: storage.CheckpointStore, plan: Plan, staging: Path) -> None:
     """(one process) Every file's header, at its full length, before any process writes; and
     the plan's texts."""
-    for output in shared_files(plan, staging).values():
+    for output in _shared_files(plan, staging).values():
         output.create()
-    _write_texts(plan, staging)
+    _write_texts(store, plan, staging)
 
 
-def _write_texts(plan: Plan, staging: Path) -> None:
+def _write_texts(store: storage.CheckpointStore, plan: Plan, staging: Path) -> None:
     for name, text in plan.texts.items():
-        storage.store.write_text(staging / name, text)
+        store.put_text(staging / name, text)
 
 
-def write_share(
-    plan: Plan,
-    index: int,
-    count: int,
-    staging: Path,
-    fetch: Fetch,
-    progress: Progress | None = None,
-) -> Written:
-    """Write share ``index`` of ``count`` of the tensors (:func:`share_of`) at their planned
-    offsets in the files written together (made by :func:`create_shared`); every file of the
-    plan is reported."""
-    outputs = shared_files(plan, staging)
-    share = share_of(plan, outputs, index, count)
-    meter = _Meter(lambda: (sum(w.nbytes for w in share), len(share)), progress)
-    pieces, current = [], None
-    try:
-        for w, value in prefetched(share, fetch):
-            if current is not None and current != w.file:
-                outputs[current].close()  # a share comes file by file: one open at a time
-            current = w.file
-            record = outputs[w.file].write(w.tensor, value)
-            del value
-            pieces.append(w.piece(*_sums(record)))
-            meter.tick(w.nbytes)
-    finally:
-        for output in outputs.values():
-            output.close()
-    sizes = {file: output.size for file, output in outputs.items()}
-    return Written.of(list(plan.files), lambda: iter(share), pieces, sizes)
-
-
-def share_of(
-    plan: Plan,
-    outputs: Mapping[str, storage.SharedSafetensorsFile],
-    index: int,
-    count: int,
-) -> list[TensorWrite]:
-    """Share ``index`` of ``count`` of the plan's writes: a contiguous run of the output,
-    balanced by bytes (:func:`muonckpt.layout.workplan.split_work`)."""
+def share_of(plan: Plan, staging: Path, index: int, count: int) -> list[TensorWrite]:
+    """Share ``index`` of ``count`` of the plan's writes into the files written together
+    (made by :func:`create_shared`): a contiguous run of the output, balanced by bytes
+    (:func:`muonckpt.layout.workplan.split_work`)."""
+    outputs = _shared_files(plan, staging)
     writes = plan.writes
     by_unit = {(w.file, w.tensor): w for w in writes}
     units = [
@@ -541,8 +452,39 @@ def share_of(
     return [by_unit[u.file, u.key] for u in split_work(units, count)[index]]
 
 
+def write_share(
+    plan: Plan,
+    staging: Path,
+    share: Sequence[TensorWrite],
+    tensors: Tensors,
+    progress: Progress | None = None,
+) -> Written:
+    """Write ``share`` (:func:`share_of`), each tensor pulled from ``tensors`` (the next on a
+    thread meanwhile), at its planned offset in the files written together; every file of the
+    plan is reported."""
+    outputs = _shared_files(plan, staging)
+    meter = _Meter(lambda: (sum(w.nbytes for w in share), len(share)), progress)
+    pieces, current = [], None
+    pulled = _pulled(tensors, share, ahead=True)
+    try:
+        for w, value in pulled:
+            if current is not None and current != w.file:
+                outputs[current].close()  # a share comes file by file: one open at a time
+            current = w.file
+            record = outputs[w.file].write(w.tensor, value)
+            del value
+            pieces.append(w.piece(*_sums(record)))
+            meter.tick(w.nbytes)
+    finally:
+        pulled.close()
+        for output in outputs.values():
+            output.close()
+    sizes = {file: output.size for file, output in outputs.items()}
+    return Written.of(list(plan.files), share, pieces, sizes)
+
+
 def seal_shared(plan: Plan, staging: Path) -> None:
-    """(one process, after every process wrote) give each file its name; :func:`commit`
+    """(one process, after every process wrote) give each file its name; :func:`publish`
     fsyncs them all in one parallel pass."""
-    for output in shared_files(plan, staging).values():
+    for output in _shared_files(plan, staging).values():
         output.commit(sync=False)

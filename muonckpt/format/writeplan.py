@@ -220,9 +220,16 @@ class PerRankPlan:
         }
         self.texts: dict[str, str] = {}
         self._rank = {file: r for r, file in enumerate(self.files)}
+        self._recent: dict[str, WritePlan] = {}
 
     def plan_of(self, file: str) -> WritePlan:
-        return rank_plan(self._rank[file], self.world_size, self._owned(self._rank[file]))
+        """``file``'s plan; the last two made are kept, so that the writer and the producer
+        of the tensors it pulls (one file ahead, at most) each walking the plan make it once."""
+        made = self._recent.get(file)
+        if made is None:
+            made = rank_plan(self._rank[file], self.world_size, self._owned(self._rank[file]))
+            self._recent = {**dict(list(self._recent.items())[-1:]), file: made}
+        return made
 
     def by_file(self) -> Mapping[str, Sequence[TensorWrite]]:
         """Each file's writes, made as each file is looked up."""

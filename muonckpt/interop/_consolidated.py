@@ -1,7 +1,7 @@
 """What every foreign format's reader shares: the consolidated muonckpt checkpoint it writes
-(:func:`write_consolidated`), stacked experts split checked against the model's other tensors
-(:func:`split_experts_of`), and the lines saying how its momentum was converted
-(:func:`conversion_notes`) and what it left out (:func:`summarized`)."""
+(:func:`write_consolidated`, through the write engine's calls), stacked experts split checked
+against the model's other tensors (:func:`split_experts_of`), and the lines saying how its
+momentum was converted (:func:`conversion_notes`) and what it left out (:func:`summarized`)."""
 
 from __future__ import annotations
 
@@ -12,13 +12,15 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from .. import storage
 from ..files import writing
+from ..files.attempt import Attempt
 from ..files.writing import Progress
 from ..format import kinds
-from ..format.manifest import Manifest, ModelFile, ParamEntry, PieceTable
+from ..format.manifest import Manifest, ModelFile, ParamEntry
 from ..format.names import PARAM_KEY
 from ..format.stacked import Part, split_stacked
-from ..format.writeplan import TensorWrite, consolidated_plan
+from ..format.writeplan import Plan, consolidated_plan
 
 
 def write_consolidated(
@@ -46,33 +48,37 @@ def write_consolidated(
         read = _reading_parts(read, parts)
     items = [((e.name, k, e.dtype_of(k)), e.shape) for e in target.params for k in e.tensor_keys]
     items += [((t.name, PARAM_KEY, t.dtype_of(PARAM_KEY)), t.shape) for t in model_tensors]
-    others = {t.name for t in model_tensors}
     plan = consolidated_plan(items, None, dict(aliases) if aliases else None)
+    model = target.model
+    if model_tensors or (aliases and model is None):
+        model = ModelFile(tuple(model_tensors), (), dict(aliases or {}))
+    draft = writing.Draft(replace(target, model=model))
+    store, steps = storage.store_for(dst), writing.LocalSteps()
+    staging = writing.stage(steps, store, dst, overwrite=overwrite, source=source)
+    tensors = _scaled(target, scales, read, plan, {t.name for t in model_tensors})
+    try:
+        written = Attempt(writing.write_files(store, plan, staging, tensors, progress))
+    except BaseException as exc:
+        written = Attempt(failure=exc)
+    replaced = writing.commit(steps, store, staging, dst, written, draft, source=source)
+    return writing.retire(steps, store, replaced, dst)
 
-    def fetch(w: TensorWrite) -> Any:
+
+def _scaled(
+    target: Manifest,
+    scales: Sequence[float],
+    read: Callable[[str, str], Any],
+    plan: Plan,
+    others: set[str],
+) -> writing.Tensors:
+    """Each tensor of ``plan`` as it is written, ``read(param, key)``: momentum multiplied in
+    place by its group's factor of ``scales``; the model's ``others`` as they are."""
+    for w in writing.in_order(plan):
         tensor = read(w.param, w.key)
-        if w.param in others:
-            return tensor
-        if w.key == "momentum_buffer" and (scale := scales[target.param(w.param).group]) != 1.0:
+        momentum = w.param not in others and w.key == "momentum_buffer"
+        if momentum and (scale := scales[target.param(w.param).group]) != 1.0:
             tensor = tensor.mul_(scale)
-        return tensor
-
-    def finished(reports: writing.Reports) -> Manifest:
-        pieces = PieceTable(p for p in reports.pieces if p.param not in others)
-        model = target.model
-        if model_tensors or (aliases and model is None):
-            held = tuple(p for p in reports.pieces if p.param in others)
-            model = ModelFile(tuple(model_tensors), held, dict(aliases or {}))
-        return replace(target, files=tuple(reports.files), pieces=pieces, model=model)
-
-    return writing.write_checkpoint(
-        writing.LocalSteps(),
-        dst,
-        overwrite=overwrite,
-        write=lambda staging: writing.write_files(plan, staging, fetch, progress),
-        manifest=finished,
-        source=source,
-    )
+        yield w, tensor
 
 
 def split_experts_of(

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .. import storage
+from ..files import writing
 from ..files.pieces import PieceReader
 from ..format.manifest import Manifest, ParamEntry, PieceIndex
 from ..layout.topology import whole_region
@@ -25,15 +26,18 @@ def staged_output(
     dst: str | os.PathLike[str], source: Path, output: storage.Output
 ) -> Iterator[Path]:
     """A staging directory beside ``dst`` (which must not exist) to write the files of foreign
-    format ``output`` into, published at ``dst`` when the block ends; if anything fails, it is
-    discarded (only the files the format writes, then the lease, which records the format:
-    ``clean`` removes as much after a crash) and the error goes on."""
-    staging = storage.store.create_staging(dst, False, source=source, output=output)
+    format ``output`` into, published at ``dst`` when the block ends, by the write engine
+    (:func:`~muonckpt.files.writing.open_staging`, :func:`~muonckpt.files.writing.publish`);
+    if anything fails, it is discarded (only the files the format writes, then the lease,
+    which records the format: ``clean`` removes as much after a crash) and the error goes
+    on."""
+    store = storage.store_for(dst)
+    staging = writing.open_staging(store, dst, overwrite=False, source=source, output=output)
     try:
         yield staging
-        storage.store.publish(staging, Path(dst), overwrite=False)
+        writing.publish(store, staging, Path(dst), None)
     except BaseException:
-        storage.store.discard(staging)
+        writing.abandon(store, staging)
         raise
 
 

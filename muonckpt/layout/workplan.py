@@ -2,7 +2,7 @@
 
 :func:`split_work` cuts the tensors of output files into contiguous runs balanced by bytes, for
 ``consolidate`` and ``reshard`` when several processes share the writing
-(:func:`muonckpt.offline.tools.consolidate` with ``workers`` or ``collective``). :func:`balance_lpt`
+(:func:`muonckpt.offline.tools.consolidate` with ``collective``). :func:`balance_lpt`
 spreads independent jobs by cost (longest processing time first), for the packaged Muon's
 Newton-Schulz work (:mod:`muonckpt.optim.nsplan`). :func:`spread` shares the writing of a
 replicated optimizer's state among its ranks, for ``save``.

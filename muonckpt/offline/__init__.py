@@ -3,7 +3,7 @@ checkpoint from its files alone, without an optimizer or a process group.
 
 Modules: :mod:`.tools` (consolidate, reshard, convert; :mod:`._model` the model's other tensors
 they carry), :mod:`.examine` (summarize, diff),
-:mod:`.inspection` (pure: what they return), :mod:`.workers` (a rewrite in N local processes).
+:mod:`.inspection` (pure: what they return).
 """
 
 from __future__ import annotations

@@ -14,22 +14,19 @@ whole and bit for bit, as planned tensors of its own output (key
 * ``convert`` keeps each where the source has it.
 
 Their pieces go into the output manifest's ``model`` section, not among the params' (nor
-into a piece index). Pure: no torch, no files.
+into a piece index): the write engine puts them there, by the names of :func:`draft`'s
+tensors (:func:`muonckpt.files.writing.commit`). Pure: no torch, no files.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import replace
+from collections.abc import Iterable, Iterator
 
 from ..format.manifest import (
-    FileEntry,
     Manifest,
     ModelFile,
     ParamEntry,
-    Piece,
     PieceIndex,
-    PieceTable,
 )
 from ..format.names import PARAM_KEY
 from ..format.writeplan import Item, TensorWrite
@@ -113,19 +110,3 @@ class Entries:
 
     def __call__(self, name: str) -> ParamEntry:
         return self._model.get(name) or self._manifest.param(name)
-
-
-def finished(
-    draft_manifest: Manifest, files: Sequence[FileEntry], pieces: Sequence[Piece]
-) -> Manifest:
-    """``draft_manifest`` (a rewrite's output, :func:`draft`) with the files and pieces
-    written: those of the model's other tensors in its model section, the rest the params'."""
-    model = draft_manifest.model
-    if model is None or not model.tensors:
-        return replace(draft_manifest, files=tuple(files), pieces=pieces)
-    names = {t.name for t in model.tensors}
-    held = tuple(p for p in pieces if p.param in names)
-    params = PieceTable(p for p in pieces if p.param not in names)
-    return replace(
-        draft_manifest, files=tuple(files), pieces=params, model=replace(model, pieces=held)
-    )

@@ -10,16 +10,18 @@ single-process ``consolidate`` or ``reshard`` does not import torch.
 elements of which param state each output tensor holds), then write it
 
 * in this process, one file after another, streaming tensor by tensor; or
-* with ``workers=N``, in N local processes (gloo; :mod:`muonckpt.offline.workers`), or with
-  ``collective=True``, in every rank of an initialized default process group (torchrun): the
-  output tensors are split among the ranks by bytes (:func:`muonckpt.layout.workplan.split_work`),
-  each rank writes its share at the planned offsets of the shared files, and rank 0 writes the
-  manifest last and commits.
+* with ``collective=True``, in every rank of an initialized default process group (torchrun):
+  the output tensors are split among the ranks by bytes
+  (:func:`muonckpt.layout.workplan.split_work`), each rank writes its share at the planned
+  offsets of the shared files, and rank 0 writes the manifest last and commits.
+
+Either way through the write engine's calls (:mod:`muonckpt.files.writing`): stage, write
+(each tensor read from the source's pieces as the writer pulls it), commit, retire.
 
 Memory per process is what one output tensor needs, twice (the next one is read on a thread
 while the current one is written): one full tensor for consolidate, one rank's piece of one
 tensor for reshard, plus one source span. Outputs are written into a staging directory beside
-the target, manifest last, and swapped in atomically (:func:`muonckpt.storage.swap_in`).
+the target, manifest last, and swapped in atomically (:func:`muonckpt.files.writing.publish`).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from typing import Any
 from .. import settings, storage
 from ..errors import ArgumentError, CheckpointError, LayoutError
 from ..files import writing
+from ..files.attempt import Attempt
 from ..files.pieces import PieceReader, open_checkpoint
 from ..files.writing import Progress
 from ..format.conversion import converted_manifest
@@ -50,6 +53,7 @@ from ..format.manifest import (
     ExtraValues,
     Manifest,
     ParamEntry,
+    extra_to_json,
     json_safe,
 )
 from ..format.names import (
@@ -74,18 +78,17 @@ from ..layout.topology import BufferLayout, LayoutOptions, ParamSpec, Region, To
 from ..storage import access
 from . import _model
 
-# torch (and so collectives and workers) is imported only by the paths that need it: several
-# processes (:mod:`muonckpt.offline.workers` runs the local ones), and diff.
+# torch (and so collectives) is imported only by the paths that need it: several processes
+# (torchrun), and diff.
 
 MAX_RANKS = settings.MAX_LARGE_WORLD
 """The most ranks ``reshard`` writes files for, ``allow_large_world`` or not (without it,
 :data:`muonckpt.settings.MAX_WORLD`): planning costs ranks x params."""
 
 WORKER_TIMEOUT: float = 1800.0
-"""Seconds one of several processes (``workers > 1``, torchrun) waits for the others at one
-step (the rendezvous, each exchange of results) before the run fails. The run as a whole has
-no limit: it ends when the work is done, a process fails, or the command is interrupted; and
-no worker outlives the command (see :mod:`muonckpt.distributed.launch`)."""
+"""Seconds one of several processes (torchrun) waits for the others at one step (the
+rendezvous, each exchange of results) before the run fails. The run as a whole has no limit:
+it ends when the work is done, a process fails, or the command is interrupted."""
 
 
 @dataclass(frozen=True)
@@ -105,7 +108,6 @@ def consolidate(
     max_shard_size: int | str | None = None,
     overwrite: bool = False,
     progress: Progress | None = None,
-    workers: int = 1,
     collective: bool = False,
 ) -> Path:
     """Rewrite any checkpoint as a consolidated one: full-shape tensors ``state.<param>.<key>``
@@ -127,17 +129,13 @@ def consolidate(
         progress: a :data:`Progress`, called with the bytes and tensors written and their
             totals, at the start and after each tensor. With several processes it follows
             rank 0's share, scaled to the total.
-        workers: processes on this machine that share the writing (a local gloo group);
-            the output is the same, byte for byte, for any number. They start from a
-            forkserver, so a calling script needs the ``if __name__ == "__main__":`` guard.
-            At most :data:`muonckpt.settings.WORKERS_PER_CORE` per CPU core (more is
-            refused before anything starts), and never more processes than output tensors.
         collective: every rank of the initialized default process group (torchrun) calls
-            this with the same arguments, and the ranks share the writing.
+            this with the same arguments, and the ranks share the writing; the output is the
+            same, byte for byte, for any number of ranks.
 
     Memory: per process, one full tensor plus the span of one source piece (two in flight).
     """
-    _check_workers(workers, collective)
+    _check_collective(collective)
     max_shard_size = settings.shard_size(max_shard_size)
     directory, manifest = open_checkpoint(src)
     items = [((e.name, k, e.dtype_of(k)), e.shape) for e in manifest.params for k in e.tensor_keys]
@@ -146,11 +144,6 @@ def consolidate(
         _output_manifest(manifest, kind=CONSOLIDATED),
         consolidated_plan(items, max_shard_size, _model.tied_names(manifest)),
     )
-    if (workers := _processes(workers, job, dst)) > 1:
-        options = {"max_shard_size": max_shard_size, "overwrite": overwrite}
-        from .workers import run_in_workers
-
-        return run_in_workers(consolidate, workers, src, dst, options, progress, WORKER_TIMEOUT)
     called = {"max_shard_size": max_shard_size}
     return _write(
         "consolidate", job, directory, manifest, dst, overwrite, progress, collective, called
@@ -167,7 +160,6 @@ def reshard(
     tp_split_dims: Mapping[str, int] | None = None,
     overwrite: bool = False,
     progress: Progress | None = None,
-    workers: int = 1,
     collective: bool = False,
     allow_large_world: bool = False,
 ) -> Path:
@@ -188,7 +180,7 @@ def reshard(
         (:class:`~muonckpt.layout.topology.LayoutOptions`),
             as in :func:`muonckpt.layout.topology.arrange`; they decide which rank holds what, but
             any choice loads correctly.
-        overwrite, progress, workers, collective: as in :func:`consolidate`.
+        overwrite, progress, collective: as in :func:`consolidate`.
         allow_large_world: allow more than :data:`muonckpt.settings.MAX_WORLD` ranks (up to
             :data:`MAX_RANKS`).
 
@@ -196,7 +188,7 @@ def reshard(
         LayoutError: naming the param, when ``tp`` does not divide a split dimension.
         OptionError: for more ranks than the cap, before anything is read.
     """
-    _check_workers(workers, collective)
+    _check_collective(collective)
     topology = Topology(dp, tp)
     settings.world_size(
         topology.world_size, "--dp x --tp", "one file", allow_large=allow_large_world
@@ -217,18 +209,6 @@ def reshard(
         _output_manifest(manifest, kind=PER_RANK, topology={"dp": dp, "tp": tp}, params=params),
         PerRankPlan(topology.world_size, _owners(manifest, params, layout)),
     )
-    if (workers := _processes(workers, job, dst)) > 1:
-        worker_options = {
-            "dp": dp,
-            "tp": tp,
-            "options": options,
-            "tp_split_dims": overrides,
-            "overwrite": overwrite,
-            "allow_large_world": allow_large_world,
-        }
-        from .workers import run_in_workers
-
-        return run_in_workers(reshard, workers, src, dst, worker_options, progress, WORKER_TIMEOUT)
     called = {
         "dp": dp,
         "tp": tp,
@@ -273,10 +253,16 @@ def _owned(
 def _output_manifest(manifest: Manifest, **changes: Any) -> Manifest:
     """The manifest of a rewrite of ``manifest``: current format, files and pieces still empty,
     the model section's tensors and tied names carried (:mod:`._model`), their pieces too
-    still empty."""
+    still empty; the job's own state is the copy the root reports (:func:`_write_rank`)."""
     model = _model.draft(manifest)
     return replace(
-        manifest, **changes, files=(), pieces=(), format_version=FORMAT_VERSION, model=model
+        manifest,
+        **changes,
+        files=(),
+        pieces=(),
+        format_version=FORMAT_VERSION,
+        model=model,
+        extra=None,
     )
 
 
@@ -343,7 +329,6 @@ def convert(
     }
     plan = WritePlan(files, writes, texts)
     job = _Job(_output_manifest(target), plan)
-    _check_manifest(job, dst)
     return _write("convert", job, directory, manifest, dst, overwrite, progress, collective=False)
 
 
@@ -365,26 +350,12 @@ def _index_of(stem: str, files: Mapping[str, Any], writes: Sequence[TensorWrite]
     )
 
 
-def _check_workers(workers: int, collective: bool) -> None:
-    settings.local_workers(workers, settings.available_cores())
-    if workers > 1 and collective:
-        raise ArgumentError(
-            "workers > 1 and collective=True exclude each other", argument="collective"
-        )
+def _check_collective(collective: bool) -> None:
     if collective:
         from ..distributed import collectives
 
         if not collectives.is_distributed():
             raise CheckpointError("collective=True needs an initialized default process group")
-
-
-def _processes(workers: int, job: _Job, dst: str | os.PathLike[str]) -> int:
-    """The processes that share writing ``job`` when ``workers`` were asked for: never more
-    than it has output tensors (the units :func:`muonckpt.layout.workplan.split_work` divides), so
-    that none starts with nothing to do; none at all for a job whose manifest no reader would
-    take (:func:`_check_manifest`)."""
-    _check_manifest(job, dst)
-    return min(workers, max(1, job.plan.count)) if workers > 1 else 1
 
 
 def _check_manifest(job: _Job, dst: str | os.PathLike[str]) -> None:
@@ -406,107 +377,92 @@ def _write(
     collective: bool,
     called: dict[str, Any] | None = None,
 ) -> Path:
-    """Write ``job`` from the checkpoint in ``directory``: in this process, or (``collective``)
-    shared among the ranks of the default process group (:func:`_write_shared`)."""
-    carried: list[Extra | None] = []  # the job's own state, copied by the root
-
-    def carry(staging: Path) -> None:
-        carried.append(_copy_extra(directory, manifest, staging))
-
-    def finished(reports: writing.Reports) -> Manifest:
-        written = _model.finished(job.manifest, reports.files, reports.pieces)
-        return replace(written, extra=carried[0])
-
+    """Write ``job`` from the checkpoint in ``directory`` through the write engine: in this
+    process, or (``collective``) shared among the ranks of the default process group, once
+    they have met and agree that they read one checkpoint (its resolved directory and
+    manifest) and were called alike (the output, ``overwrite`` and the ``called`` options); a
+    job whose manifest no reader would take is refused first (:func:`_check_manifest`)."""
+    _check_manifest(job, dst)
+    store, plan = storage.store_for(dst), job.plan
+    steps: writing.Steps = writing.LocalSteps()
     if collective:
-        shared = (directory, manifest, dst, overwrite, progress)
-        return _write_shared(operation, job, *shared, called or {}, carry, finished)
+        from ..distributed import collectives, group_steps
 
-    def write(staging: Path) -> writing.Written:
-        with PieceReader(directory, manifest, reuse_outputs=2) as reader:
-            fetch = _fetcher(manifest, reader)
-            written = writing.write_files(job.plan, staging, fetch, progress, sync=False)
-        carry(staging)
-        return written
-
-    return writing.write_checkpoint(
-        writing.LocalSteps(),
-        dst,
-        overwrite=overwrite,
-        write=write,
-        manifest=finished,
-        source=directory,
+        ranks = collectives.group_ranks(None)
+        arguments = {
+            "source": os.path.realpath(directory),
+            "manifest": manifest.digest(),
+            "output": os.path.abspath(dst),
+            "overwrite": overwrite,
+            **(called or {}),
+        }
+        group_steps.rendezvous(operation, ranks, arguments, CheckpointError)
+        steps = group_steps.CollectiveSteps(operation, ranks, ranks[0], CheckpointError)
+    shared = plan if collective else None
+    staging = writing.stage(steps, store, dst, overwrite=overwrite, source=directory, shared=shared)
+    written = _write_rank(steps, store, job, directory, manifest, staging, progress, shared)
+    draft = writing.Draft(job.manifest)
+    replaced = writing.commit(
+        steps, store, staging, dst, written, draft, source=directory, shared=shared
     )
+    return writing.retire(steps, store, replaced, dst)
 
 
-def _fetcher(manifest: Manifest, reader: PieceReader) -> Callable[[TensorWrite], Any]:
-    """Each planned tensor's data read from ``manifest``'s pieces (the model's other tensors'
-    too), scaled where planned."""
-    grouped, entry = _model.source_pieces(manifest), _model.Entries(manifest)
-
-    def fetch(w: TensorWrite) -> Any:
-        data = reader.gather(grouped[w.param, w.key], entry(w.param), w.key, w.region)
-        if w.scale == 1.0:
-            return data
-        return storage.tensor_of_bytes(data, w.dtype).mul_(w.scale)
-
-    return fetch
-
-
-def _write_shared(
-    operation: str,
+def _write_rank(
+    steps: writing.Steps,
+    store: storage.CheckpointStore,
     job: _Job,
     directory: Path,
     manifest: Manifest,
-    dst: str | os.PathLike[str],
-    overwrite: bool,
+    staging: Path,
     progress: Progress | None,
-    called: Mapping[str, Any],
-    carry: Callable[[Path], None],
-    finished: Callable[[writing.Reports], Manifest],
-) -> Path:
-    """Write ``job`` shared among the ranks of the default process group, rank 0 committing,
-    once the ranks have met and agree that they read one checkpoint (its resolved directory
-    and manifest) and were called alike (the output, ``overwrite`` and the ``called``
-    options)."""
-    from ..distributed import collectives, group_steps
-
+    shared: Plan | None,
+) -> Attempt[writing.Written]:
+    """This rank's files: every file of the plan (in one process), or its share of the files
+    written together (``shared``, rank 0's progress standing for the whole job); on the root,
+    the job's own state copied. Its report, or its failure, which the commit raises."""
     plan = job.plan
-    ranks = collectives.group_ranks(None)
-    arguments = {
-        "source": os.path.realpath(directory),
-        "manifest": manifest.digest(),
-        "output": os.path.abspath(dst),
-        "overwrite": overwrite,
-        **called,
-    }
-    group_steps.rendezvous(operation, ranks, arguments, CheckpointError)
-    steps = group_steps.CollectiveSteps(operation, ranks, ranks[0], CheckpointError)
-    shown = None  # rank 0's progress stands for the whole job
-    if steps.is_root and progress is not None:
-        from .workers import scaled_progress
-
-        shown = scaled_progress(progress, plan.total_bytes, plan.count)
-
-    def write_share(staging: Path) -> writing.Written:
+    try:
         with PieceReader(directory, manifest, reuse_outputs=2) as reader:
-            share = ranks.index(steps.rank)
-            fetch = _fetcher(manifest, reader)
-            return writing.write_share(plan, share, len(ranks), staging, fetch, shown)
+            if shared is None:
+                tensors = _read(manifest, reader, writing.in_order(plan))
+                written = writing.write_files(store, plan, staging, tensors, progress, sync=False)
+            else:
+                me, count = steps.ranks.index(steps.rank), len(steps.ranks)
+                share = writing.share_of(plan, staging, me, count)
+                shown = None  # rank 0's progress stands for the whole job
+                if progress is not None and steps.is_root:
+                    shown = _scaled(progress, plan)
+                tensors = _read(manifest, reader, iter(share))
+                written = writing.write_share(plan, staging, share, tensors, shown)
+        if steps.is_root:
+            extra = _copy_extra(directory, manifest, staging)
+            written.extra = None if extra is None else extra_to_json(extra)
+    except BaseException as exc:
+        return Attempt(failure=exc)
+    return Attempt(written)
 
-    def create(staging: Path) -> None:
-        writing.create_shared(plan, staging)
-        carry(staging)
 
-    return writing.write_checkpoint(
-        steps,
-        dst,
-        overwrite=overwrite,
-        write=write_share,
-        manifest=finished,
-        create=create,
-        seal=lambda staging: writing.seal_shared(plan, staging),
-        source=directory,
-    )
+def _read(
+    manifest: Manifest, reader: PieceReader, writes: Iterator[TensorWrite]
+) -> writing.Tensors:
+    """Each of ``writes`` with its data read from ``manifest``'s pieces (the model's other
+    tensors' too), scaled where planned."""
+    grouped, entry = _model.source_pieces(manifest), _model.Entries(manifest)
+    for w in writes:
+        data = reader.gather(grouped[w.param, w.key], entry(w.param), w.key, w.region)
+        yield w, data if w.scale == 1.0 else storage.tensor_of_bytes(data, w.dtype).mul_(w.scale)
+
+
+def _scaled(progress: Progress, plan: Plan) -> Progress:
+    """Rank 0's progress through its own share, shown as a fraction of the whole job."""
+    total, tensors = plan.total_bytes, plan.count
+
+    def scaled(done: int, share: int, written: int, share_tensors: int) -> None:
+        fraction = done / share if share else written / share_tensors if share_tensors else 1.0
+        progress(round(fraction * total), total, round(fraction * tensors), tensors)
+
+    return scaled
 
 
 def _copy_extra(directory: Path, manifest: Manifest, staging: Path) -> Extra | None:

@@ -5,9 +5,10 @@ Where a checkpoint's bytes go is behind one seam, :class:`CheckpointStore`
 (:mod:`.backend`): create a staging directory, write a file durably, publish the staging
 directory at its target atomically, list, and remove only muonckpt's own (what a publish
 replaced, a staging directory never published, a checkpoint ``keep_last`` no longer keeps).
-The checkpoint code writes through :data:`store`, a :class:`PosixStore`, whose operations are
-those of :mod:`.durable` and :mod:`.transaction` (fsync before every rename, the atomic swap,
-the lease, the ownership rules). Object stores come later through the same protocol (see
+Each entry point writes through the store of its target (:func:`store_for`: a
+:class:`PosixStore`), whose operations are those of :mod:`.durable` and
+:mod:`.transaction` (fsync before every rename, the atomic swap, the lease, the ownership
+rules). Object stores come later through the same protocol (see
 :mod:`.backend` for how); reading stays with the readers below.
 
 One module per concern; this package re-exports what the rest of muonckpt uses, so callers
@@ -42,7 +43,7 @@ the collective or checkpoint layers.
 from __future__ import annotations
 
 from ..format.manifest import CHECKSUM_ALGORITHM
-from .backend import CheckpointStore, PosixStore, store
+from .backend import CheckpointStore, PosixStore, store_for
 from .checksums import CHUNK_BYTES, checksum_chunks, chunk_digest
 from .dtypes import byte_view, dtype_name, itemsize, tensor_of_bytes, torch_dtype, unstorable_kind
 from .durable import (
@@ -67,12 +68,10 @@ from .safetensors_format import TensorRecord
 from .safetensors_reader import SafetensorsReader
 from .safetensors_writer import SafetensorsWriter, SharedSafetensorsFile, write_safetensors
 from .transaction import (
-    abandon_commits,
     committed_as,
     directory_identity,
     discard,
     make_staging,
-    preset_staging,
     remove_checkpoint,
     retire,
     staging_path,
@@ -94,7 +93,6 @@ __all__ = [
     "SafetensorsWriter",
     "SharedSafetensorsFile",
     "TensorRecord",
-    "abandon_commits",
     "byte_view",
     "check_target",
     "checksum_chunks",
@@ -115,14 +113,13 @@ __all__ = [
     "make_directory",
     "make_staging",
     "ownership_problem",
-    "preset_staging",
     "read_small",
     "read_text",
     "read_text_chunks",
     "remove_checkpoint",
     "retire",
     "staging_path",
-    "store",
+    "store_for",
     "swap_in",
     "sync_files",
     "tensor_of_bytes",

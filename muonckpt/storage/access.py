@@ -26,6 +26,7 @@ __all__ = [
     "lexists",
     "list_names",
     "make_directories",
+    "modified_ns",
     "new_file",
     "remove",
     "rename",
@@ -51,6 +52,11 @@ def is_file(path: str | os.PathLike[str]) -> bool:
 def is_dir(path: str | os.PathLike[str]) -> bool:
     """Whether ``path`` is a directory (through a symlink)."""
     return os.path.isdir(path)
+
+
+def modified_ns(path: str | os.PathLike[str]) -> int:
+    """When ``path`` last changed, in nanoseconds (an ``OSError`` when it cannot be told)."""
+    return os.stat(path).st_mtime_ns
 
 
 def is_symlink(path: str | os.PathLike[str]) -> bool:

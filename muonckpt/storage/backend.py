@@ -4,7 +4,8 @@ A checkpoint is written into a *staging* location beside its target and *publish
 one step; what a publish replaced, what a save abandoned and what ``keep_last`` no longer
 keeps are removed, only ever muonckpt's own. :class:`CheckpointStore` names these operations;
 :class:`PosixStore` does them on a POSIX filesystem with the guarantees of :mod:`.durable`,
-:mod:`.transaction` and :mod:`.lease`; :data:`store` is the one the checkpoint code uses.
+:mod:`.transaction` and :mod:`.lease`. Each entry point takes the store of its target from
+:func:`store_for` and hands it down to every call that stages, publishes, lists or removes.
 
 The staging location is a directory every rank writing the checkpoint can reach: the ranks
 write the tensor files into it with positional writes, several processes into one file
@@ -21,6 +22,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Protocol
 
+from ..errors import CheckpointError
+from ..settings import local_path
 from .durable import entries, fsync_dir, write_text_atomic
 from .lease import Output
 from .transaction import discard, make_staging, remove_checkpoint, retire, swap_in
@@ -48,7 +51,7 @@ class CheckpointStore(Protocol):
         overlaps ``source``, ...)."""
         ...
 
-    def write_text(
+    def put_text(
         self, path: StrPath, text: str | Iterable[str], *, limit: int | None = None
     ) -> int:
         """Write ``text`` (UTF-8, a str or its pieces) to ``path`` durably and atomically: a
@@ -73,6 +76,13 @@ class CheckpointStore(Protocol):
 
     def entries(self, directory: StrPath) -> list[str]:
         """The sorted names in ``directory``; empty when it cannot be listed."""
+        ...
+
+    def directories(self, root: StrPath) -> list[str]:
+        """The sorted names of the directories directly under ``root`` (not symlinks): where
+        checkpoints are looked for; none when ``root`` does not exist, a
+        :class:`~muonckpt.errors.CheckpointError` when it is no directory or cannot be
+        listed."""
         ...
 
     def discard(self, staging: StrPath, *, quiet: bool = False) -> list[str]:
@@ -100,11 +110,22 @@ class PosixStore:
     :mod:`.transaction` themselves."""
 
     create_staging = staticmethod(make_staging)
-    write_text = staticmethod(write_text_atomic)
+    put_text = staticmethod(write_text_atomic)
     entries = staticmethod(entries)
     discard = staticmethod(discard)
     retire = staticmethod(retire)
     remove_checkpoint = staticmethod(remove_checkpoint)
+
+    def directories(self, root: StrPath) -> list[str]:
+        try:
+            with os.scandir(root) as listing:
+                return sorted(e.name for e in listing if e.is_dir(follow_symlinks=False))
+        except FileNotFoundError:
+            return []
+        except NotADirectoryError:
+            raise CheckpointError("is not a directory of checkpoints", path=root) from None
+        except OSError as exc:
+            raise CheckpointError(f"cannot be listed: {exc.strerror}", path=root) from None
 
     def publish(
         self,
@@ -119,5 +140,8 @@ class PosixStore:
         return swap_in(staging, final, overwrite=overwrite, files=files)
 
 
-store: CheckpointStore = PosixStore()
-"""The store the checkpoint code writes through."""
+def store_for(target: StrPath) -> CheckpointStore:
+    """The store that holds ``target``: a local path's filesystem (:class:`PosixStore`); a
+    URL is refused (:func:`muonckpt.settings.local_path`) until a store for it exists."""
+    local_path(target)
+    return PosixStore()

@@ -115,7 +115,7 @@ class Mailbox:
             remove_quietly(tmp)
             raise CheckpointError(f"cannot leave message {name!r}: {exc}", path=path) from None
 
-    def exists(self) -> bool:
+    def present(self) -> bool:
         return self.directory.is_dir()
 
     def wait(self, names: Sequence[str], timeout: float) -> tuple[dict[str, Any], list[str]]:
@@ -135,7 +135,7 @@ class Mailbox:
                 if name not in found and f"{name}.json" in present:
                     found[name] = self.read(name)
             missing = [n for n in names if n not in found]
-            if not missing or time.monotonic() >= deadline or not self.exists():
+            if not missing or time.monotonic() >= deadline or not self.present():
                 return found, missing
             time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
             pause = min(pause * _POLL_GROWTH, _LONGEST_POLL_S)

@@ -143,26 +143,23 @@ def beside(pool: ThreadPoolExecutor, work: Callable[..., _T], *args: Any) -> Fut
     return done
 
 
-def prefetched(
-    items: Sequence[_T], produce: Callable[[_T], _R]
-) -> Generator[tuple[_T, _R], None, None]:
-    """``(item, produce(item))`` in order, producing the next item on a thread meanwhile.
+def prefetched(source: Iterator[_T], count: int) -> Generator[_T, None, None]:
+    """The next ``count`` items of ``source``, the next one pulled on a thread meanwhile.
 
     Reading (page-cache copies, xxhash) and writing (write, xxhash) both release the GIL, so a
-    reader one tensor ahead of the writer keeps two cores busy. At most two produced values are
-    alive, and ``produce`` for item ``i + 2`` starts only once the consumer is done with item
-    ``i``: a :class:`~muonckpt.files.pieces.PieceReader` with ``reuse_outputs=2`` can produce
-    them.
+    reader one tensor ahead of the writer keeps two cores busy. At most two pulled values are
+    alive, and item ``i + 2`` is pulled only once the consumer is done with item ``i``: a
+    :class:`~muonckpt.files.pieces.PieceReader` with ``reuse_outputs=2`` can produce them.
     """
-    if not items:
+    if not count:
         return
     with ThreadPoolExecutor(max_workers=1) as pool:
-        pending = beside(pool, produce, items[0])
-        for index, item in enumerate(items):
+        pending = beside(pool, next, source)
+        for index in range(count):
             value = pending.result()
-            if index + 1 < len(items):
-                pending = beside(pool, produce, items[index + 1])
-            yield item, value
+            if index + 1 < count:
+                pending = beside(pool, next, source)
+            yield value
             del value
 
 

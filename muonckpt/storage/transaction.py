@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-import re
 import stat
 import threading
 import uuid
@@ -23,24 +22,12 @@ from .ownership import STAGING_TAG, check_target, is_checkpoint_file, ownership_
 
 _INTENT: dict[str, bool] = {}
 """Staging directory -> its make_staging's ``overwrite``, for a swap_in not told."""
-_PRESET_TOKENS: dict[str, str] = {}
-"""Target (absolute) -> the suffix its next staging directory takes (see preset_staging)."""
 
 
 def staging_path(final: str | os.PathLike[str], token: str) -> Path:
     """The staging directory ``.NAME.staging-TOKEN`` of ``final``."""
     final = Path(final)
     return final.parent / f".{final.name}.{STAGING_TAG}-{token}"
-
-
-def preset_staging(final: str | os.PathLike[str], token: str) -> Path:
-    """Make this process's next :func:`make_staging` for ``final`` use the suffix ``token``
-    (8 hex digits), so that whoever started it knows the staging path in advance (to remove
-    it if this process is killed). Returns that path."""
-    if not re.fullmatch(r"[0-9a-f]{8}", token):
-        raise ValueError(f"a staging token is 8 hex digits, got {token!r}")
-    _PRESET_TOKENS[os.path.abspath(final)] = token
-    return staging_path(final, token)
 
 
 def make_staging(
@@ -60,8 +47,7 @@ def make_staging(
     final = Path(final)
     with failing_as("create the staging directory", final):  # a stat of check_target's too
         check_target(final, overwrite, source=source, output=output)
-        token = _PRESET_TOKENS.pop(os.path.abspath(final), None) or uuid.uuid4().hex[:8]
-        staging = staging_path(final, token)
+        staging = staging_path(final, uuid.uuid4().hex[:8])
         final.parent.mkdir(parents=True, exist_ok=True)
         staging.mkdir()
     try:
@@ -202,15 +188,8 @@ def remove_checkpoint(directory: str | os.PathLike[str]) -> bool:
 
 
 _COMMIT_LOCK = threading.Lock()
-_ABANDONED: list[bool] = [False]
-"""Set by :func:`abandon_commits`: no swap_in of this process commits any more."""
-
-
-def abandon_commits() -> None:
-    """From now on every :func:`swap_in` of this process fails, and none is under way when
-    this returns (for a worker whose launcher died: it must never commit)."""
-    with _COMMIT_LOCK:
-        _ABANDONED[0] = True
+"""Held by a :func:`swap_in` from its checks to its rename: one commit of this process at a
+time."""
 
 
 _COMMIT_WATCHERS: dict[str, list[tuple[str | None, Callable[[], None]]]] = {}
@@ -312,8 +291,6 @@ def swap_in(
     if overwrite is None:
         overwrite = _INTENT.get(str(staging), True)
     with _COMMIT_LOCK:
-        if _ABANDONED[0]:
-            raise CheckpointError("not committed: this process was told to stop", path=final)
         problem = lease.problem(staging) or _publish_problem(staging, files or {})
         if problem:
             raise CheckpointError(

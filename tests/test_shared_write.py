@@ -1,4 +1,6 @@
-"""consolidate / reshard shared by several processes: --workers N (local gloo) and torchrun.
+"""consolidate / reshard shared by several processes (``collective=True``: the ranks of a
+default process group, as torchrun starts them), each writing its share of the files written
+together.
 
 Real multi-process runs against the single-process output of the same command: every file,
 the manifest included, must be byte for byte the same.
@@ -10,13 +12,14 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
-from typer.testing import CliRunner
 
 import muonckpt
-from muonckpt.cli import app
+from muonckpt.distributed.launch import run_distributed
+from muonckpt.errors import DistributedRunError
 from muonckpt.format.names import CONSOLIDATED_FILE, MODEL_FILE, rank_file
 from muonckpt.offline import tools as offline
 from muonckpt.storage import SafetensorsReader, SafetensorsWriter, SharedSafetensorsFile
@@ -24,7 +27,7 @@ from muonckpt.storage import SafetensorsReader, SafetensorsWriter, SharedSafeten
 from .fixture_model import BUCKET_NUMEL, TP_SPLIT_DIMS, build, initial_params
 
 SPLIT, DIM = next(iter(TP_SPLIT_DIMS.items()))  # one param split, the others replicated
-# Every layout option away from its default, so that workers given other options would differ.
+# Every layout option away from its default, so that ranks given other options would differ.
 RESHARD = {
     "dp": 2,
     "tp": 2,
@@ -48,7 +51,7 @@ def _bounded(monkeypatch):
 @pytest.fixture(scope="module")
 def single(tmp_path_factory, single_ckpt):
     """A single-process checkpoint of the fixture model, and the serial outputs to compare with."""
-    tmp = tmp_path_factory.mktemp("workers")
+    tmp = tmp_path_factory.mktemp("shared")
     src = single_ckpt(2)
     return {
         "src": src,
@@ -95,18 +98,28 @@ def test_shared_file_written_out_of_order_equals_the_streamed_one(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["p.safetensors", "s.safetensors"]
 
 
-@pytest.mark.dist
-@pytest.mark.parametrize("workers", [2, 3])
-def test_consolidate_with_workers_is_byte_identical(single, tmp_path, workers):
-    calls = []
-    out = offline.consolidate(
-        single["src"],
-        tmp_path / "c",
-        workers=workers,
-        progress=lambda *update: calls.append(update),
+def _shared(operation: str, src: str, dst: str, options: dict) -> list:
+    """(each rank) ``operation`` shared among the ranks (``collective``): the output's path
+    and the progress this rank reported."""
+    calls: list = []
+    out = getattr(offline, operation)(
+        src, dst, collective=True, progress=lambda *update: calls.append(update), **options
     )
+    return [str(out), calls]
+
+
+def _run(operation, ranks, src, dst, **options):
+    return run_distributed(_shared, ranks, operation, str(src), str(dst), options, timeout=120)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_consolidate_shared_among_ranks_is_byte_identical(single, tmp_path, ranks):
+    (out, calls), *others = _run("consolidate", ranks, single["src"], tmp_path / "c")
+    out = Path(out)
     assert_same_files(single["consolidated"], out)
     assert muonckpt.verify(out) == []
+    assert all(shown == [] for _, shown in others)  # rank 0's progress stands for the job
     total = count = 0
     for file in (CONSOLIDATED_FILE, MODEL_FILE):
         with SafetensorsReader(out / file) as reader:
@@ -114,17 +127,15 @@ def test_consolidate_with_workers_is_byte_identical(single, tmp_path, workers):
             total += sum(reader.record(k).nbytes for k in keys)
             count += len(keys)
     assert calls[0] == (0, total, 0, count) and calls[-1] == (total, total, count, count)
-    sharded = offline.consolidate(
-        single["src"], tmp_path / "s", max_shard_size=800, workers=workers
-    )
+    sharded = _run("consolidate", ranks, single["src"], tmp_path / "s", max_shard_size=800)[0][0]
     assert len(muonckpt.read_manifest(sharded).files) > 1
-    assert_same_files(single["sharded"], sharded)
+    assert_same_files(single["sharded"], Path(sharded))
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("workers", [2, 3])
-def test_reshard_with_workers_is_byte_identical_and_loads(single, tmp_path, workers):
-    out = offline.reshard(single["src"], tmp_path / "r", workers=workers, **RESHARD)
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_reshard_shared_among_ranks_is_byte_identical_and_loads(single, tmp_path, ranks):
+    out = Path(_run("reshard", ranks, single["src"], tmp_path / "r", **RESHARD)[0][0])
     assert_same_files(single["resharded"], out)
     assert muonckpt.verify(out) == []
     assert muonckpt.read_manifest(out).topology == {"dp": 2, "tp": 2}
@@ -138,45 +149,24 @@ def test_reshard_with_workers_is_byte_identical_and_loads(single, tmp_path, work
 
 
 @pytest.mark.dist
-def test_an_error_on_one_worker_fails_the_whole_run(single, tmp_path):
+def test_an_error_on_one_rank_fails_the_whole_run(single, tmp_path):
     damaged = shutil.copytree(single["src"], tmp_path / "damaged")
     data = damaged / rank_file(0, 1)
     raw = bytearray(data.read_bytes())
-    raw[-5] ^= 0xFF  # in one tensor's data, which only one of the workers reads
+    raw[-5] ^= 0xFF  # in one tensor's data, which only one of the ranks reads
     data.write_bytes(bytes(raw))
-    with pytest.raises(muonckpt.CheckpointError, match="checksum mismatch") as caught:
-        offline.consolidate(damaged, tmp_path / "c", workers=2)
+    with pytest.raises(DistributedRunError, match="checksum mismatch") as caught:
+        _run("consolidate", 2, damaged, tmp_path / "c")
     assert rank_file(0, 1) in str(caught.value)
     assert_nothing_left(tmp_path, "c")
-    with pytest.raises(muonckpt.CheckpointError, match="checksum mismatch"):
-        offline.reshard(damaged, tmp_path / "r", workers=3, **RESHARD)
+    with pytest.raises(DistributedRunError, match="checksum mismatch"):
+        _run("reshard", 3, damaged, tmp_path / "r", **RESHARD)
     assert_nothing_left(tmp_path, "r")
-
-    with pytest.raises(muonckpt.CheckpointError, match="already exists"):
-        offline.consolidate(single["src"], single["consolidated"], workers=2)
-    with pytest.raises(muonckpt.CheckpointError, match="exclude each other"):
-        offline.consolidate(single["src"], tmp_path / "x", workers=2, collective=True)
+    with pytest.raises(DistributedRunError, match="already exists"):
+        _run("consolidate", 2, single["src"], single["consolidated"])
     with pytest.raises(muonckpt.CheckpointError, match="process group"):
         offline.reshard(single["src"], tmp_path / "x", collective=True, **RESHARD)
     assert_nothing_left(tmp_path, "x")
-
-
-@pytest.mark.dist
-def test_cli_workers_and_its_clash_with_torchrun(single, tmp_path, monkeypatch):
-    runner = CliRunner()
-    out = tmp_path / "r"
-    args = ["reshard", str(single["src"]), *RESHARD_ARGS, "-o", str(out), "--workers", "2"]
-    result = runner.invoke(app, args)
-    assert result.exit_code == 0, result.output
-    assert "wrote" in result.stderr
-    assert_same_files(single["resharded"], out)
-    torchrun = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "x", "MASTER_PORT": "1"}
-    for name, value in torchrun.items():
-        monkeypatch.setenv(name, value)
-    result = runner.invoke(app, [*args[:-3], str(tmp_path / "t"), "--workers", "2"])
-    assert result.exit_code == 2, result.output
-    assert "torchrun" in result.output
-    assert_nothing_left(tmp_path, "t")
 
 
 @pytest.mark.dist
