@@ -169,9 +169,10 @@ def _params_v3(raw: Any, raw_kinds: Any, shared: _Shared, version: int) -> tuple
     """Version 3's params ``[name, kind]``, version 4's ``[shared, rest, kind]`` (docs §3)."""
     _expect(isinstance(raw, list) and isinstance(raw_kinds, list), "params, param_kinds: lists")
     kinds = [shared.entry({**k, "name": ""}, FORMAT_VERSION) for k in raw_kinds]
-    params, name, form = [], "", "[shared, rest, kind]" if version >= 4 else "[name, kind]"
+    fields, form = (3, "[shared, rest, kind]") if version >= 4 else (2, "[name, kind]")
+    params, name = [], ""
     for item in raw:
-        fits = isinstance(item, list) and len(item) == form.count(",") + 1
+        fits = isinstance(item, list) and len(item) == fields
         _expect(fits, f"param {item!r:.80}: not {form}")
         *spelled, kind = item
         if version >= 4:
