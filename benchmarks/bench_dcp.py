@@ -11,10 +11,10 @@ own; rows run interleaved, round by round, ``--repeats`` times. Rows:
     what DCP itself offers for a rewrite in one process: allocate the state dict, ``dcp.load``
     it, ``dcp.save`` it to a new directory (``FileSystemWriter``, one thread), fsync the output.
 ``muonckpt from_dcp``
-    ``muonckpt.offline.from_dcp(src, dst, source="torchtitan", to="packaged")``: the same
+    ``muonckpt.interop.from_dcp(src, dst, source="torchtitan", to="packaged")``: the same
     checkpoint into a consolidated muonckpt checkpoint, momentum converted, checksummed, fsynced.
 ``muonckpt to_dcp``
-    ``muonckpt.offline.to_dcp(that, dst, to="torchtitan")``: back to DCP through torch's
+    ``muonckpt.interop.to_dcp(that, dst, to="torchtitan")``: back to DCP through torch's
     writer.
 
 "op" is the wall time of the operation alone, measured in the child; "growth" its peak RSS
@@ -80,7 +80,7 @@ def _row(name: str, src: str, mid: str, dst: str, size: int) -> dict:
     import torch  # noqa: F401  (imports outside the measured region)
     import torch.distributed.checkpoint as dcp
 
-    from muonckpt import offline
+    from muonckpt import interop
 
     shapes = synthetic.model_shapes(size)
     before = reset_peak_rss()
@@ -91,9 +91,9 @@ def _row(name: str, src: str, mid: str, dst: str, size: int) -> dict:
         dcp.save(state, storage_writer=dcp.FileSystemWriter(dst, thread_count=1))
         fsync_tree(dst)
     elif name == "muonckpt from_dcp":
-        offline.from_dcp(src, dst, source="torchtitan", to="packaged")
+        interop.from_dcp(src, dst, source="torchtitan", to="packaged")
     else:
-        offline.to_dcp(mid, dst, to="torchtitan")
+        interop.to_dcp(mid, dst, to="torchtitan")
     seconds = time.perf_counter() - start
     return {"op_s": seconds, "growth_mib": (status_bytes("VmHWM") - before) / MiB}
 
@@ -115,7 +115,7 @@ def main() -> None:
     import synthetic
     import torch.distributed.checkpoint as dcp
 
-    from muonckpt import offline
+    from muonckpt import interop
 
     results = {}
     for text in args.size or ["256MB"]:
@@ -128,7 +128,7 @@ def main() -> None:
         root = Path(tempfile.mkdtemp(prefix="bench-dcp-", dir=os.environ.get("BENCH_DIR")))
         src, mid = root / "src", root / "mid"
         dcp.save(_state(shapes), checkpoint_id=str(src))
-        offline.from_dcp(src, mid, source="torchtitan", to="packaged")
+        interop.from_dcp(src, mid, source="torchtitan", to="packaged")
         rows: dict[str, list[dict]] = {name: [] for name in ROWS}
         for _ in range(args.repeats):
             for name in ROWS:

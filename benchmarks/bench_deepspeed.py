@@ -11,10 +11,10 @@ the rows interleaved, round by round, ``--repeats`` times:
     what DeepSpeed itself offers: ``engine.load_checkpoint`` in a job of the saving world size
     (built untimed first); the time is the slowest rank's, the growth the largest rank's.
 ``muonckpt from_deepspeed``
-    ``muonckpt.offline.from_deepspeed(src, dst)``: the rank files checked and joined into a
+    ``muonckpt.interop.from_deepspeed(src, dst)``: the rank files checked and joined into a
     consolidated muonckpt checkpoint, checksummed, fsynced; one process.
 ``muonckpt to_deepspeed (world W+1)``
-    ``muonckpt.offline.to_deepspeed(that, dst, world=W + 1)``: DeepSpeed's files for another
+    ``muonckpt.interop.to_deepspeed(that, dst, world=W + 1)``: DeepSpeed's files for another
     world size, which DeepSpeed itself cannot write; one process.
 
 "op" is the operation's wall time alone, measured in the child; "growth" its peak RSS (VmHWM
@@ -138,14 +138,14 @@ def muonckpt_child(what: str, src: str, mid: str, dst: str, world: int) -> dict:
     warnings.simplefilter("ignore")
     import torch  # noqa: F401  (imported outside the measured region)
 
-    from muonckpt import offline
+    from muonckpt import interop
 
     before = reset_peak_rss()
     start = time.perf_counter()
     if what == "muonckpt from_deepspeed":
-        offline.from_deepspeed(src, dst)
+        interop.from_deepspeed(src, dst)
     else:
-        offline.to_deepspeed(mid, dst, world=world + 1)
+        interop.to_deepspeed(mid, dst, world=world + 1)
     return {
         "op_s": time.perf_counter() - start,
         "growth_mib": (status_bytes("VmHWM") - before) / MiB,

@@ -14,10 +14,10 @@ rows interleaved, round by round, ``--repeats`` times:
     mc_load.py``'s ``load``), in a job of the saving layout (built untimed first); the time is
     the slowest rank's, the growth the largest rank's.
 ``muonckpt from_megatron``
-    ``muonckpt.offline.from_megatron(src, dst)``: the DCP files read per layer into a
+    ``muonckpt.interop.from_megatron(src, dst)``: the DCP files read per layer into a
     consolidated muonckpt checkpoint, checksummed, fsynced; one process.
 ``muonckpt to_megatron (TP 1, DP 2)``
-    ``muonckpt.offline.to_megatron(that, dst, tp=1, dp=2)``: a torch_dist checkpoint for
+    ``muonckpt.interop.to_megatron(that, dst, tp=1, dp=2)``: a torch_dist checkpoint for
     another layout; one process.
 
 "op" is the operation's wall time alone, measured in the child; "growth" its peak RSS (VmHWM
@@ -107,14 +107,14 @@ def muonckpt_child(what: str, src: str, mid: str, dst: str) -> dict:
     warnings.simplefilter("ignore")
     import torch  # noqa: F401  (imported outside the measured region)
 
-    from muonckpt import offline
+    from muonckpt import interop
 
     before = reset_peak_rss()
     start = time.perf_counter()
     if what == "muonckpt from_megatron":
-        offline.from_megatron(src, dst)
+        interop.from_megatron(src, dst)
     else:
-        offline.to_megatron(mid, dst, tp=1, dp=2)
+        interop.to_megatron(mid, dst, tp=1, dp=2)
     return {
         "op_s": time.perf_counter() - start,
         "growth_mib": (status_bytes("VmHWM") - before) / MiB,

@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 import muonckpt
-from muonckpt import CheckpointError, offline
+from muonckpt import CheckpointError, interop, offline
 from muonckpt.cli import app
 from muonckpt.distributed.launch import run_distributed
 
@@ -83,7 +83,7 @@ def _load_and_resave(dp: int, tp: int, src: str, dst: str) -> None:
 def test_fsdp2_dcp_into_the_packaged_muon(fsdp_run, tmp_path, layout, dp, tp):
     paths, job = fsdp_run
     out = tmp_path / "packaged"
-    report = offline.from_dcp(paths[layout], out, source="torch", to="packaged")
+    report = interop.from_dcp(paths[layout], out, source="torch", to="packaged")
     assert report.layout == layout
     assert any("ema -> sum" in line for line in report.converted)
     if layout == "torchtitan":
@@ -172,7 +172,7 @@ def test_sum_and_ema_sources(tmp_path, family, momentum_key, mu_setting, extra, 
     src = tmp_path / "dcp"
     w, b, m, a, v = dcp_cases.single_process_dcp(src, momentum_key, mu_setting, extra, adam)
     for to, expected in (("packaged", "sum"), ("torch", "ema")):
-        out = offline.from_dcp(src, tmp_path / to, source=family, to=to).path
+        out = interop.from_dcp(src, tmp_path / to, source=family, to=to).path
         model, state = _converted(out)
         assert torch.equal(model["w"], w) and torch.equal(model["b"], b)
         factor = 1.0 if form == expected else (1 - 0.9 if expected == "ema" else 1 / (1 - 0.9))
@@ -222,7 +222,7 @@ def test_a_foreign_class_in_the_metadata_is_refused_unrun(tmp_path):
     marker = tmp_path / "was-run"
     (src / ".metadata").write_bytes(pickle.dumps({"state": _Payload(str(marker))}))
     with pytest.raises(CheckpointError, match=r"pathlib.*not a class DCP metadata"):
-        offline.from_dcp(src, tmp_path / "out", source="torch")
+        interop.from_dcp(src, tmp_path / "out", source="torch")
     assert not marker.exists() and not (tmp_path / "out").exists()
     pickle.loads((src / ".metadata").read_bytes())  # the payload is live: plain pickle runs it
     assert marker.exists()
@@ -235,7 +235,7 @@ def test_a_truncated_distcp_is_refused(tmp_path):
     (data,) = [p for p in src.iterdir() if p.suffix == ".distcp"]
     os.truncate(data, data.stat().st_size - 100)
     with pytest.raises(CheckpointError, match=r"past the end of the file .* truncated"):
-        offline.from_dcp(src, tmp_path / "out", source="torch")
+        interop.from_dcp(src, tmp_path / "out", source="torch")
     assert not (tmp_path / "out").exists()
 
 
@@ -256,7 +256,7 @@ def test_a_key_that_maps_to_no_param_is_refused_naming_it(tmp_path):
     with pytest.raises(
         CheckpointError, match=r"'optimizer\.state\.ghost\.momentum_buffer' maps to"
     ):
-        offline.from_dcp(src, tmp_path / "out", source="torch")
+        interop.from_dcp(src, tmp_path / "out", source="torch")
     assert not (tmp_path / "out").exists()
 
 
@@ -266,11 +266,11 @@ def test_to_dcp_in_the_recipe_layout_loads_in_one_process(tmp_path):
     src = tmp_path / "dion"
     adam = {"exp_avg": "momentum", "exp_avg_sq": "variance", "settings": {"algorithm": "adamw"}}
     w, b, m, a, v = dcp_cases.single_process_dcp(src, "momentum", "mu", {"algorithm": "muon"}, adam)
-    packaged = offline.from_dcp(src, tmp_path / "packaged", source="dion").path
-    out = offline.to_dcp(packaged, tmp_path / "torch", to="torch", layout="recipe")
+    packaged = interop.from_dcp(src, tmp_path / "packaged", source="dion").path
+    out = interop.to_dcp(packaged, tmp_path / "torch", to="torch", layout="recipe")
     assert out.layout == "recipe" and any("sum -> ema" in line for line in out.converted)
     with pytest.raises(CheckpointError, match="already exists"):
-        offline.to_dcp(packaged, tmp_path / "torch", to="torch")
+        interop.to_dcp(packaged, tmp_path / "torch", to="torch")
     groups = {
         "w": {k: v for k, v in torch.optim.Muon([torch.zeros(2, 2)]).param_groups[0].items()},
         "b": {k: v for k, v in torch.optim.AdamW([torch.zeros(2)]).param_groups[0].items()},
@@ -324,7 +324,7 @@ def test_to_dcp_carries_the_model_file_and_reports_the_jobs_state(tmp_path):
     opts = optimizers(list(model.named_parameters()))
     train(model, opts, 0, 1)
     ck = muonckpt.save(opts, tmp_path / "ck", consolidated=True, model=model, extra={"step": 1})
-    out = offline.to_dcp(ck, tmp_path / "dcp", to="torch", layout="recipe")
+    out = interop.to_dcp(ck, tmp_path / "dcp", to="torch", layout="recipe")
     assert out.left_out == ("extra / rank_extra (the job's own state, saved with the optimizer)",)
     state = {"model": {k: torch.zeros_like(v) for k, v in model.state_dict().items()}}
     dcp.load(state, checkpoint_id=str(out.path))  # strict: every model key is found

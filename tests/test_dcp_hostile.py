@@ -28,7 +28,7 @@ import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
 
-from muonckpt import MuonCkptError, offline
+from muonckpt import MuonCkptError, interop
 
 from . import dcp_cases
 from .conftest import REPO
@@ -102,7 +102,7 @@ def _one_error_line(done: subprocess.CompletedProcess[str], *words: str) -> str:
 def _refused(src: Path, out: Path, *words: str) -> str:
     """The API's refusal: one line, a MuonCkptError holding ``words``; nothing written."""
     with pytest.raises(MuonCkptError) as caught:
-        offline.from_dcp(src, out, source="torch", to="packaged")
+        interop.from_dcp(src, out, source="torch", to="packaged")
     message = str(caught.value)
     assert "\n" not in message, message
     for word in words:
@@ -202,7 +202,7 @@ def test_a_directory_without_metadata_is_an_incomplete_dcp_checkpoint(saved, tmp
     """An interrupted DCP save (its ``.distcp`` files, no ``.metadata``) is named as such,
     with the directory; before, the CLI said --from is for DCP checkpoints. A muonckpt
     checkpoint and an empty directory given with --from are each named for what they are."""
-    ours = offline.from_dcp(saved, tmp_path / "ours", source="torch").path
+    ours = interop.from_dcp(saved, tmp_path / "ours", source="torch").path
     _one_error_line(_cli(ours, tmp_path / "cli"), "a muonckpt checkpoint, not DCP", str(ours))
     (saved / ".metadata").unlink()
     words = ("an incomplete DCP checkpoint: no .metadata", str(saved))
@@ -346,7 +346,7 @@ def test_a_sweep_of_wrong_field_values_each_gives_one_line_naming_the_file(saved
             (case / ".metadata").write_bytes(data)
             out = tmp_path / f"out-{seen}"
             try:
-                offline.from_dcp(case, out, source="torch", to="packaged")
+                interop.from_dcp(case, out, source="torch", to="packaged")
                 failures.append(f"{field} = {value!r}: converted")
             except MuonCkptError as exc:
                 message = str(exc)
@@ -405,6 +405,6 @@ def test_a_dense_chunk_stored_column_major_is_read_not_refused(tmp_path, monkeyp
     monkeypatch.setattr(dcp_cases.dcp, "save", column_major)
     dcp_cases.single_process_dcp(tmp_path / "columns", "momentum_buffer", "momentum", {}, ADAM)
     for name in ("rows", "columns"):
-        offline.from_dcp(tmp_path / name, tmp_path / f"{name}.out", source="torch", to="packaged")
+        interop.from_dcp(tmp_path / name, tmp_path / f"{name}.out", source="torch", to="packaged")
     rows = diff(tmp_path / "rows.out", tmp_path / "columns.out")
     assert rows and all(row.equal for row in rows), rows

@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 from typer.testing import CliRunner
 
 import muonckpt
-from muonckpt import offline
+from muonckpt import interop, offline
 from muonckpt.cli import app
 from muonckpt.distributed.launch import run_distributed
 
@@ -79,7 +79,7 @@ def _load_strictly(path: str) -> dict[str, torch.Tensor]:
 def test_a_gpt_style_fsdp2_job_round_trips_and_loads_strictly(tmp_path):
     src = str(tmp_path / "job")
     job = run_distributed(_train_and_save, 2, src, timeout=120)[0]
-    ck = offline.from_dcp(src, tmp_path / "ck", source="torch", to="torch")
+    ck = interop.from_dcp(src, tmp_path / "ck", source="torch", to="torch")
     assert not ck.left_out, ck.left_out  # buffers, the tied head and param_names are carried
     resharded = offline.reshard(ck.path, tmp_path / "3x1", dp=3, tp=1)  # carries them too
     for world, muon in ((2, ck.path), (3, resharded)):
@@ -102,16 +102,16 @@ def test_from_dcp_tells_a_tied_name_from_an_equal_shaped_tensor(tmp_path):
     model = {"w": w, "head": w.clone(), "other": w + 1, "mask": torch.ones(2)}
     optimizer = {"state.w.momentum_buffer": torch.ones(3, 4), "param_groups.w.momentum": 0.9}
     dcp.save({"model": model, "optimizer": optimizer}, checkpoint_id=str(src))
-    ck = offline.from_dcp(src, tmp_path / "ck", source="torch", to="torch")
+    ck = interop.from_dcp(src, tmp_path / "ck", source="torch", to="torch")
     assert ck.left_out == ()
     manifest = muonckpt.read_manifest(ck.path)
     assert manifest.model is not None and manifest.model.aliases == {"head": "w"}
     assert sorted(t.name for t in manifest.model.tensors) == ["mask", "other"]
-    out = offline.to_dcp(ck.path, tmp_path / "back", to="torch", layout="recipe")
+    out = interop.to_dcp(ck.path, tmp_path / "back", to="torch", layout="recipe")
     state = {"model": {k: torch.zeros_like(v) for k, v in model.items()}}
     dcp.load(state, checkpoint_id=str(out.path))
     assert all(torch.equal(state["model"][k], v) for k, v in model.items())
     titan = tmp_path / "titan"
     dcp.save({**model, "optimizer": optimizer}, checkpoint_id=str(titan))
-    left = offline.from_dcp(titan, tmp_path / "t", source="torch", to="torch").left_out
+    left = interop.from_dcp(titan, tmp_path / "t", source="torch", to="torch").left_out
     assert set(left) == {"head (1 item)", "other (1 item)", "mask (1 item)"}

@@ -25,7 +25,7 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 import muonckpt
-from muonckpt import CheckpointError, ConversionWarning, offline
+from muonckpt import CheckpointError, ConversionWarning, interop, offline
 from muonckpt.cli import app
 from muonckpt.demo import ToyModel, local_params
 from muonckpt.distributed.launch import run_distributed
@@ -57,7 +57,7 @@ def converted(tmp_path_factory):
     out = {}
     for name in NAMES:
         out[name] = root / name
-        offline.from_deepspeed(_ckpt(name), out[name])
+        interop.from_deepspeed(_ckpt(name), out[name])
     return out
 
 
@@ -185,7 +185,7 @@ def _load_train_save(dp: int, tp: int, src: str, dst: str, steps: int) -> dict:
 )
 def test_it_resumes_in_the_packaged_muon_at_2x2_and_4x1(converted, tmp_path, name):
     packaged = tmp_path / "packaged"
-    report = offline.from_deepspeed(_ckpt(name), packaged, to="packaged")
+    report = interop.from_deepspeed(_ckpt(name), packaged, to="packaged")
     assert any("ema -> sum" in line for line in report.converted)
     truth = _truth(name)
     _, state = _tensors(packaged)
@@ -245,7 +245,7 @@ def test_the_offline_tools_take_it(converted, tmp_path):
 def test_written_for_n_ranks_it_reads_back_the_same(converted, tmp_path, world):
     src = converted[FIRST]
     ds = tmp_path / "ds"
-    report = offline.to_deepspeed(src, ds, world=world)
+    report = interop.to_deepspeed(src, ds, world=world)
     assert report.layout == f"ZeRO-2, world {world}"
     tag = (ds / "latest").read_text()
     assert tag == "global_step3"
@@ -255,7 +255,7 @@ def test_written_for_n_ranks_it_reads_back_the_same(converted, tmp_path, world):
     assert model["dp_world_size"] == world and model["shared_params"] == TIED
     assert torch.equal(model["module"]["lm_head.weight"], model["module"]["embed.weight"])
     back = tmp_path / "back"
-    offline.from_deepspeed(ds, back)
+    interop.from_deepspeed(ds, back)
     rows = list(offline.diff(src, back))
     assert rows and all(r.bitwise for r in rows), [r for r in rows if not r.bitwise]
     assert dict(muonckpt.read_manifest(back).model.aliases) == TIED
@@ -269,10 +269,10 @@ def test_a_packaged_checkpoint_written_for_deepspeed(tmp_path):
     src = tmp_path / "packaged"
     muonckpt.save(single_process_optimizer(3), src, consolidated=True)
     ds = tmp_path / "ds"
-    report = offline.to_deepspeed(src, ds, world=3)
+    report = interop.to_deepspeed(src, ds, world=3)
     assert any("sum -> ema" in line for line in report.converted)
     back = tmp_path / "back"
-    offline.from_deepspeed(ds, back)
+    interop.from_deepspeed(ds, back)
     manifest = muonckpt.read_manifest(back)
     muon = manifest.groups[0]
     shapes = [manifest.param(n).shape for n in muon.params]
@@ -319,7 +319,7 @@ def _copy(tmp_path: Path, name: str = FIRST) -> Path:
 def _refused(src: Path, tmp_path: Path, match: str, named: Path) -> None:
     dst = tmp_path / "dst"
     with pytest.raises(CheckpointError, match=match) as info:
-        offline.from_deepspeed(src, dst)
+        interop.from_deepspeed(src, dst)
     assert "\n" not in str(info.value) and str(named) in str(info.value), str(info.value)
     assert not dst.exists() and not list(tmp_path.glob(".dst*"))
 
@@ -382,7 +382,7 @@ def test_readme_deepspeed_commands_run_as_written(tmp_path):
     run_cli_example("deepspeed-commands", tmp_path)
     assert muonckpt.verify(tmp_path / "ckpt" / "from-ds") == []
     back = tmp_path / "back"
-    offline.from_deepspeed(tmp_path / "ds" / "ckpt-world3", back)
+    interop.from_deepspeed(tmp_path / "ds" / "ckpt-world3", back)
     rows = [r for r in offline.diff(tmp_path / "ckpt" / "from-ds", back) if r.max_abs is not None]
     assert rows and all(r.max_rel < 1e-6 for r in rows), [r for r in rows if r.max_rel >= 1e-6]
 

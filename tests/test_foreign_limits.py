@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 import torch
 
-from muonckpt import CheckpointError, MuonCkptError, offline
+from muonckpt import CheckpointError, MuonCkptError, interop
 from muonckpt.interop import _trainer_files as hf_files
 from muonckpt.interop.deepspeed import files as deepspeed_files
 from muonckpt.interop.megatron import files as megatron_files
@@ -232,7 +232,7 @@ def test_billion_laughs_in_the_other_readers_are_refused(tmp_path):
     state = torch.load(victim, weights_only=True)
     state["param_groups"][0]["laughs"] = _laughs()
     torch.save(state, victim)
-    run = lambda: offline.from_accelerate(src, tmp_path / "acc_out")  # noqa: E731
+    run = lambda: interop.from_accelerate(src, tmp_path / "acc_out")  # noqa: E731
     _refused_by(run, f"more than {limits.MAX_ELEMENTS} values", str(victim))
 
     root = Path(shutil.copytree(MEGATRON / "tp1_dp2_torch" / "checkpoint", tmp_path / "mt"))
@@ -240,7 +240,7 @@ def test_billion_laughs_in_the_other_readers_are_refused(tmp_path):
     chained = megatron_files.load(victim)
     chained[0]["optimizer"]["param_groups"][0]["laughs"] = _laughs()
     torch.save(chained, victim)
-    run = lambda: offline.from_megatron(root, tmp_path / "mt_out")  # noqa: E731
+    run = lambda: interop.from_megatron(root, tmp_path / "mt_out")  # noqa: E731
     _refused_by(run, f"more than {limits.MAX_ELEMENTS} values", str(victim))
 
     def laugh(common: Any) -> Any:
@@ -248,7 +248,7 @@ def test_billion_laughs_in_the_other_readers_are_refused(tmp_path):
         return common
 
     root = _megatron_dist_common(tmp_path / "md", laugh)
-    run = lambda: offline.from_megatron(root, tmp_path / "md_out")  # noqa: E731
+    run = lambda: interop.from_megatron(root, tmp_path / "md_out")  # noqa: E731
     _refused_by(run, "common_state", f"more than {limits.MAX_ELEMENTS} values", "__0_0.distcp")
 
 
@@ -407,7 +407,7 @@ def test_a_truncated_file_is_named_truncated(tmp_path):
     path = tmp_path / LIGHTNING.name
     for size in (len(data) // 2, len(data) - 1):
         path.write_bytes(data[:size])
-        run = lambda: offline.from_lightning(path, tmp_path / "out")  # noqa: E731
+        run = lambda: interop.from_lightning(path, tmp_path / "out")  # noqa: E731
         _refused_by(run, "truncated", f"({size} bytes", str(path))
 
 
@@ -416,10 +416,10 @@ def test_a_blocked_global_is_named_in_one_line(tmp_path):
     common state): one line naming it, no terminal codes (before, the DCP value's refusal was
     cut before it named the global, with raw ANSI codes)."""
     path = _lightning(tmp_path, lambda t: t["state_dict"].update(x=Fraction(1, 3)))
-    run = lambda: offline.from_lightning(path, tmp_path / "out")  # noqa: E731
+    run = lambda: interop.from_lightning(path, tmp_path / "out")  # noqa: E731
     _refused_by(run, "GLOBAL fractions.Fraction is not allowed", str(path))
     root = _megatron_dist_common(tmp_path / "md", lambda common: [Fraction(1, 3), common])
-    run = lambda: offline.from_megatron(root, tmp_path / "md_out")  # noqa: E731
+    run = lambda: interop.from_megatron(root, tmp_path / "md_out")  # noqa: E731
     _refused_by(run, "common_state", "GLOBAL fractions.Fraction is not allowed", ".distcp")
 
 
@@ -428,7 +428,7 @@ def test_an_opcode_torch_does_not_read_is_named_in_the_one_line(tmp_path):
     restricted unpickler does not read): the line names torch's cause (before, it ended at
     torch's "WeightsUnpickler error:", the cause cut)."""
     path = _lightning(tmp_path, lambda t: t.update(global_step=10**5000))
-    run = lambda: offline.from_lightning(path, tmp_path / "out")  # noqa: E731
+    run = lambda: interop.from_lightning(path, tmp_path / "out")  # noqa: E731
     _refused_by(run, "UnpicklingError: Unsupported operand 139", str(path))
 
 
@@ -436,7 +436,7 @@ def test_a_names_file_nested_past_the_parser_is_refused(tmp_path):
     names = tmp_path / "names.json"
     names.write_text("[" * 100_000 + "]" * 100_000)
     src = FIXTURES / "accelerate" / "plain" / "state"
-    run = lambda: offline.from_accelerate(src, tmp_path / "out", names=names)  # noqa: E731
+    run = lambda: interop.from_accelerate(src, tmp_path / "out", names=names)  # noqa: E731
     _refused_by(run, "nested more than 32 levels", str(names))
     names.write_text(json.dumps([[[[[]]]]]))
     for _ in range(limits.MAX_DEPTH - 4):

@@ -28,7 +28,7 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 import muonckpt
-from muonckpt import CheckpointError, ConversionWarning, offline
+from muonckpt import CheckpointError, ConversionWarning, interop, offline
 from muonckpt.cli import app
 from muonckpt.demo import ToyModel, local_params
 from muonckpt.distributed.launch import run_distributed
@@ -66,7 +66,7 @@ def _src(case: str) -> Path:
 
 
 def _convert(case: str, dst: Path, **options):
-    read = offline.from_accelerate if case.startswith("accelerate/") else offline.from_lightning
+    read = interop.from_accelerate if case.startswith("accelerate/") else interop.from_lightning
     names = _meta(case)["index_names"] if case in UNNAMED else None
     return read(_src(case), dst, names=names, **options)
 
@@ -251,7 +251,7 @@ def test_both_resume_in_the_packaged_muon_at_2x2(tmp_path):
 
 def _refused(case: str, src: Path, tmp_path: Path, match: str, named: Path, **options) -> None:
     dst = tmp_path / "dst"
-    read = offline.from_accelerate if case.startswith("accelerate/") else offline.from_lightning
+    read = interop.from_accelerate if case.startswith("accelerate/") else interop.from_lightning
     with pytest.raises(CheckpointError, match=match) as info:
         read(src, dst, **options)
     assert "\n" not in str(info.value) and str(named) in str(info.value), str(info.value)
@@ -422,7 +422,7 @@ def test_a_lightning_checkpoint_that_does_not_tell_is_refused(tmp_path):
     names = tmp_path / "names.json"
     names.write_text(json.dumps(_meta("lightning/named")["index_names"]))
     out = tmp_path / "out"
-    report = offline.from_lightning(src, out, names=names)
+    report = interop.from_lightning(src, out, names=names)
     assert "named by the names given" in report.layout
     model, state = _tensors(out)
     for key, expected in _truth("lightning/named").items():

@@ -73,8 +73,8 @@ def test_deepspeed_s_refusal_of_a_claim_stays_far_below_its_size(tmp_path):
     """The process's peak memory refusing 16384 x 16384 (1 GiB): torch's own, not the claim's."""
     probe = PEAK_RSS + (
         "import sys\n"
-        "from muonckpt import CheckpointError, offline\n"
-        "try:\n    offline.from_deepspeed(sys.argv[1], sys.argv[2])\n"
+        "from muonckpt import CheckpointError, interop\n"
+        "try:\n    interop.from_deepspeed(sys.argv[1], sys.argv[2])\n"
         "except CheckpointError:\n    pass\n"
         "print(peak_rss())\n"
     )

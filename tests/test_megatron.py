@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 import muonckpt
-from muonckpt import CheckpointError, ConversionWarning, offline
+from muonckpt import CheckpointError, ConversionWarning, interop, offline
 from muonckpt.cli import app
 from muonckpt.errors import OptionError
 from muonckpt.interop.dcp import files as dcp_files
@@ -218,7 +218,7 @@ def test_a_packaged_checkpoint_at_2x2_goes_back_within_rounding(tmp_path):
     momentum back in EMA form within float rounding, everything else bitwise."""
     packaged = megatron.from_megatron(_ckpt("tp2_dp1"), tmp_path / "p", to="packaged").path
     resharded = offline.reshard(packaged, tmp_path / "r", dp=2, tp=2)
-    report = offline.to_megatron(resharded, tmp_path / "m", tp=1, dp=2)
+    report = interop.to_megatron(resharded, tmp_path / "m", tp=1, dp=2)
     assert report.converted == ("8 Muon params: sum -> ema (x 0.05, mu=0.95)",)
     mine, source = _index(report.path), _index(_ckpt("tp2_dp1"))
     for fqn, item in source.tensors.items():
@@ -239,7 +239,7 @@ def test_output_refusals_name_the_flag_or_the_file(converted, tmp_path):
     with pytest.raises(OptionError, match="give --dp") as info:
         megatron.to_megatron(converted["tp2_dp1"], tmp_path / "b", tp=1, dp=0)
     deepspeed = FIXTURES.parent / "deepspeed" / "w2_z1_fused_fp32" / "ckpt"
-    foreign = offline.from_deepspeed(deepspeed, tmp_path / "ds").path
+    foreign = interop.from_deepspeed(deepspeed, tmp_path / "ds").path
     with pytest.raises(CheckpointError, match="no Megatron param group") as info:
         megatron.to_megatron(foreign, tmp_path / "c", tp=1, dp=1)
     assert "\n" not in str(info.value) and str(foreign) in str(info.value)

@@ -18,7 +18,7 @@ import torch
 from typer.testing import CliRunner
 
 import muonckpt
-from muonckpt import CheckpointError, offline
+from muonckpt import CheckpointError, interop, offline
 from muonckpt.cli import app
 from muonckpt.format.manifest import EXTRA_DEPTH
 
@@ -88,14 +88,14 @@ def test_a_lightning_checkpoint_with_odd_values_commits_nothing(tmp_path, case):
     edit, why = EDITS[case]
     src = _edited(tmp_path, edit)
     out = tmp_path / "out"
-    api = lambda: offline.from_lightning(src, out)  # noqa: E731
+    api = lambda: interop.from_lightning(src, out)  # noqa: E731
     _refused_by_both(src, out, why, api, ["--from", "lightning"])
 
 
 def test_a_value_nested_to_the_readers_limit_is_committed_and_reads(tmp_path):
     """EXTRA_DEPTH - 1 levels in the group, the reader's limit (one more is refused above)."""
     src = _edited(tmp_path, _nested(EXTRA_DEPTH - 1))
-    out = offline.from_lightning(src, tmp_path / "out").path
+    out = interop.from_lightning(src, tmp_path / "out").path
     assert muonckpt.verify(out) == []
     assert muonckpt.read_manifest(out).groups
 
@@ -108,13 +108,13 @@ def test_a_deepspeed_global_steps_of_minus_3_commits_nothing(tmp_path):
     states["global_steps"] = -3
     torch.save(states, model)
     out = tmp_path / "out"
-    api = lambda: offline.from_deepspeed(src, out)  # noqa: E731
+    api = lambda: interop.from_deepspeed(src, out)  # noqa: E731
     why = "step must be a non-negative int, got -3"
     _refused_by_both(src, out, why, api, [], match=READ_BACK)
 
 
 def test_a_rename_onto_a_tied_alias_commits_nothing(tmp_path):
-    src = offline.from_deepspeed(DEEPSPEED, tmp_path / "ckpt").path  # lm_head.weight is tied
+    src = interop.from_deepspeed(DEEPSPEED, tmp_path / "ckpt").path  # lm_head.weight is tied
     out = tmp_path / "out"
     api = lambda: offline.convert(src, out, rename={"embed.": "lm_head."})  # noqa: E731
     why = "aliases must map other names to stored tensors"

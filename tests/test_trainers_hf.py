@@ -27,7 +27,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from muonckpt import offline
+from muonckpt import interop
 
 pytestmark = [pytest.mark.trainers, pytest.mark.dist]
 
@@ -90,10 +90,10 @@ def test_what_they_write_now_converts_bitwise(remade, tmp_path, case):
     meta = _meta(remade, case)
     if case.startswith("accelerate/"):
         names = None if meta["named"] else meta["index_names"]
-        offline.from_accelerate(remade / case / "state", tmp_path / "out", names=names)
+        interop.from_accelerate(remade / case / "state", tmp_path / "out", names=names)
     else:
         (ckpt,) = (remade / case / "checkpoints").glob("*.ckpt")
-        offline.from_lightning(ckpt, tmp_path / "out")
+        interop.from_lightning(ckpt, tmp_path / "out")
     model = load_file(tmp_path / "out" / "model.safetensors")
     state = load_file(tmp_path / "out" / "optimizer.safetensors")
     truth = load_file(remade / case / "truth.safetensors")

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from muonckpt import offline, settings
+from muonckpt import interop, settings
 from muonckpt.cli import app
 from muonckpt.errors import OptionError
 
@@ -23,8 +23,8 @@ MEGATRON = Path(__file__).parent / "fixtures" / "megatron" / "tp2_dp1" / "checkp
 def sources(tmp_path_factory) -> dict[str, Path]:
     """A muonckpt checkpoint read from DeepSpeed, and one read from Megatron."""
     root = tmp_path_factory.mktemp("caps")
-    offline.from_deepspeed(DEEPSPEED, root / "ds")
-    offline.from_megatron(MEGATRON, root / "mcore")
+    interop.from_deepspeed(DEEPSPEED, root / "ds")
+    interop.from_megatron(MEGATRON, root / "mcore")
     return {"deepspeed": root / "ds", "megatron": root / "mcore"}
 
 
@@ -64,7 +64,7 @@ def test_each_output_past_the_cap_is_refused_before_anything_is_written(sources,
     )
     _refused(["reshard", str(ds), "--dp", past, "--tp", "1"], tmp_path / "d", "--dp")
     with pytest.raises(OptionError, match="allow_large_world=True"):
-        offline.to_deepspeed(ds, tmp_path / "e", world=settings.MAX_WORLD + 1)
+        interop.to_deepspeed(ds, tmp_path / "e", world=settings.MAX_WORLD + 1)
     assert not (tmp_path / "e").exists()
 
 
