@@ -1,7 +1,8 @@
 """The direction of imports inside muonckpt, read from the source with ``ast`` (nothing here
 imports the package).
 
-The rules are the table :data:`RULES` below: to add one, add a row. Every violation is reported
+The rules are the tables :data:`RULES` (what modules may not import) and :data:`OWNERS` (who
+alone imports a module of another package) below: to add one, add a row. Every violation is reported
 as ``muonckpt/FILE:LINE: MODULE imports TARGET: rule 'RULE'``. Separately, no module reaches a
 higher layer through others (the imports' transitive closure, the names a lazy namespace loads
 included), no import cycle may run through the package's modules (function-level imports
@@ -159,8 +160,8 @@ OWNERS = (
         folders=("distributed", "interop.dcp"),
     ),
 )
-"""Who alone imports a module of another package. Only storage/ opens files:
-tests/test_file_access.py checks that at run time."""
+"""Who alone imports a module of another package. (That only storage/ opens files is
+tests/test_file_access.py's to check.)"""
 
 # ---- Reading the imports --------------------------------------------------------------------
 
