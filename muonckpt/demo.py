@@ -35,16 +35,10 @@ from .optim.sharding import ShardedParams, shard_for_groups, shard_param_groups
 from .state.regions import extract, insert_
 from .storage import access
 
-__all__ = [
-    "MODEL",
-    "SHAPES",
-    "DemoResult",
-    "DemoRow",
-    "TinyLM",
-    "ToyModel",
-    "local_params",
-    "run_demo",
-]
+__all__ = ["MODEL", "SHAPES", "DemoResult", "DemoRow", "TinyLM", "run_demo"]
+"""The demo's run and model. :class:`ToyModel` and :func:`local_params`, on which the demo and
+the test suite both build (tests/fixture_model.py), are not public: they change with the
+tests."""
 
 
 @dataclass(frozen=True)

@@ -67,21 +67,28 @@ SIZE_UNITS = {
 _SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]I?B|B)?\s*", re.IGNORECASE | re.ASCII)
 
 
-def parse_size(text: str) -> int:
+def parse_size(text: str, name: str = "size") -> int:
     """``"5GB"`` -> 5_000_000_000, ``"500MiB"`` -> 524_288_000, ``"1024"`` -> 1024: a
-    positive whole number of bytes (:data:`SIZE_UNITS`); ValueError otherwise."""
+    positive whole number of bytes (:data:`SIZE_UNITS`).
+
+    Raises:
+        ArgumentError: for anything else, its :attr:`~ArgumentError.argument` ``name`` (the
+            message names the text alone: a command line option's parser adds the option).
+    """
     match = _SIZE.fullmatch(text)
     if match is None:
-        raise ValueError(f"{text!r} is not a size like 5GB, 500MB, 64MiB or 1048576")
+        raise ArgumentError(
+            f"{text!r} is not a size like 5GB, 500MB, 64MiB or 1048576", argument=name
+        )
     try:
         exact = Decimal(match.group(1)) * SIZE_UNITS[(match.group(2) or "").upper()]
     except InvalidOperation as exc:  # (the pattern admits decimal digits only)
-        raise ValueError(f"{text!r} is not a size") from exc
+        raise ArgumentError(f"{text!r} is not a size", argument=name) from exc
     if exact != exact.to_integral_value():  # "1.5B" is no size, never silently 1 byte
-        raise ValueError(f"{text!r} is not a whole number of bytes")
+        raise ArgumentError(f"{text!r} is not a whole number of bytes", argument=name)
     size = int(exact)
     if size <= 0:
-        raise ValueError(f"{text!r} is not a positive size")
+        raise ArgumentError(f"{text!r} is not a positive size", argument=name)
     return size
 
 
@@ -96,8 +103,8 @@ def shard_size(value: object, name: str = "max_shard_size") -> int | None:
         return None
     if isinstance(value, str):
         try:
-            return parse_size(value)
-        except ValueError as exc:
+            return parse_size(value, name)
+        except ArgumentError as exc:
             raise ArgumentError(f"{name}: {exc}", argument=name) from None
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ArgumentError(

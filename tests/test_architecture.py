@@ -1,10 +1,13 @@
 """The direction of imports inside muonckpt, read from the source with ``ast`` (nothing here
 imports the package).
 
-The rules are the table :data:`RULES` below: to add one, add a row. Every violation is reported
-as ``muonckpt/FILE:LINE: MODULE imports TARGET: rule 'RULE'``. Separately, no import cycle may
-run through the package's modules (function-level imports count; ``if TYPE_CHECKING:`` blocks
-do not, since they never run).
+The rules are the tables :data:`RULES` (what modules may not import) and :data:`OWNERS` (who
+alone imports a module of another package) below: to add one, add a row. Every violation is reported
+as ``muonckpt/FILE:LINE: MODULE imports TARGET: rule 'RULE'``. Separately, no module reaches a
+higher layer through others (the imports' transitive closure, the names a lazy namespace loads
+included), no import cycle may run through the package's modules (function-level imports
+count; ``if TYPE_CHECKING:`` blocks do not, since they never run), and docs/design.md's module
+map names each folder's modules and what each folder imports.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import ast
 import itertools
 import re
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 PACKAGE = "muonckpt"
@@ -53,21 +56,6 @@ PURE = (
 """Plain data and arithmetic: no tensors, no files, no process groups."""
 NOT_YET: set[str] = set()
 """Modules the rules name before they land; any other name in the rules must exist."""
-READERS_AND_WRITERS = ("storage", "files", "interop")
-"""Bytes to and from files: the offline tools' path, which runs without a process group (and
-imports torch only inside functions, where a tensor crosses: tests/test_cli.py checks
-that at run time)."""
-DCP_FILES = ("interop.dcp.metadata", "interop.dcp.files", "interop.dcp._writer")
-"""DCP's file format: its metadata classes (through a restricted unpickler) and torch's writer
-(``_dcp_writer``: torch's planner and writer subclassed, imported by ``dcp_files`` only inside
-the function that writes)."""
-COLLECTIVE_CALLERS = (
-    "distributed.collectives",
-    "distributed.group_steps",
-    "distributed.groups",
-    "distributed.launch",
-)
-"""The modules that call torch.distributed (``distributed.steps`` is the pure protocol)."""
 NAMESPACES = (
     "offline",
     "errors",
@@ -86,24 +74,39 @@ def _above(layer: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(module for higher in LAYERS[index + 1 :] for module in higher)
 
 
+def layer_of(module: str) -> int | None:
+    """The index in :data:`LAYERS` of ``module``'s layer (None: the package itself)."""
+    return next((i for i, layer in enumerate(LAYERS) if _within(module, layer)), None)
+
+
 @dataclass(frozen=True)
 class Rule:
-    """What the modules ``modules`` (but not ``exempt``) may not import."""
+    """What the modules ``modules`` may not import."""
 
     name: str
     modules: tuple[str, ...]
-    exempt: tuple[str, ...] = ()
     no_external: tuple[str, ...] = ()
     """Modules outside the package they may not import (any form: ``import X``, ``from X
     import Y``, ``from X.Y import Z``, ``importlib.import_module("X")``, ``torch.distributed``
     reached as an attribute)."""
     no_internal: tuple[str, ...] = ()
-    """Package modules they may not import."""
+    """Package modules they may not import (a name of a lazy namespace counts as the module
+    it loads)."""
     only_internal: tuple[str, ...] | None = None
     """The only package modules they may import (None: any)."""
     public_api: tuple[str, ...] | None = None
     """The only package modules they may import besides ``modules`` themselves, and from each
     only the names in its ``__all__`` (None: no such limit)."""
+
+
+@dataclass(frozen=True)
+class Owner:
+    """Only the folders (or modules) ``folders`` import ``external``, a module outside the
+    package, in any of :attr:`Rule.no_external`'s forms."""
+
+    name: str
+    external: str
+    folders: tuple[str, ...]
 
 
 RULES = (
@@ -122,16 +125,8 @@ RULES = (
         only_internal=(*PURE, "_namespace"),
     ),
     Rule(
-        "only distributed imports torch.distributed (and storage.dcp_metadata, dcp_files and "
-        "_dcp_writer, DCP's file format: its metadata classes and torch's own writer)",
-        modules=("*",),
-        exempt=(*COLLECTIVE_CALLERS, *DCP_FILES),
-        no_external=("torch.distributed",),
-    ),
-    Rule(
-        "storage.dcp_metadata, dcp_files and _dcp_writer take from torch.distributed only DCP's "
-        "file format, never a collective",
-        modules=DCP_FILES,
+        "interop/dcp/ takes from torch.distributed only DCP's file format, never a collective",
+        modules=("interop.dcp",),
         no_external=(
             "torch.distributed.distributed_c10d",
             "torch.distributed.fsdp",
@@ -140,9 +135,15 @@ RULES = (
         ),
     ),
     Rule(
-        "reading and writing files never imports the collectives or a live optimizer's state",
-        modules=READERS_AND_WRITERS,
-        no_internal=(*COLLECTIVE_CALLERS, "state", "optim"),
+        "files/ and interop/ run without a process group: of distributed/ they import only "
+        "the pure step protocol (steps)",
+        modules=("files", "interop"),
+        no_internal=(
+            "distributed.collectives",
+            "distributed.group_steps",
+            "distributed.groups",
+            "distributed.launch",
+        ),
     ),
     Rule(
         "the command line imports only public names of muonckpt and of its namespaces "
@@ -151,6 +152,16 @@ RULES = (
         public_api=("", *NAMESPACES),
     ),
 )
+OWNERS = (
+    Owner(
+        "only distributed/ and interop/dcp/ (DCP's file format: its metadata classes and "
+        "torch's own writer) import torch.distributed",
+        external="torch.distributed",
+        folders=("distributed", "interop.dcp"),
+    ),
+)
+"""Who alone imports a module of another package. (That only storage/ opens files is
+tests/test_file_access.py's to check.)"""
 
 # ---- Reading the imports --------------------------------------------------------------------
 
@@ -167,6 +178,9 @@ class Import:
     """From a package module: the name taken from it (None: the module itself)."""
     type_checking: bool
     """Inside an ``if TYPE_CHECKING:`` block (never runs)."""
+    loads: tuple[str, ...] = ()
+    """From a lazy namespace (:func:`lazy_tables`): the package modules its names load when
+    used, relative to the package (the whole namespace imported: every module it may load)."""
 
     @property
     def internal(self) -> str | None:
@@ -266,25 +280,75 @@ class _Finder(ast.NodeVisitor):
 
 
 def imports_of(sources: Mapping[str, tuple[str, str]]) -> dict[str, list[Import]]:
-    """Each module's imports, anywhere in it (function bodies too)."""
+    """Each module's imports, anywhere in it (function bodies too), each name of a lazy
+    namespace with the modules it loads."""
     modules = set(sources)
     packages = {m.rpartition(".")[0] for m in modules if m}
+    tables = lazy_tables(sources)
     found = {}
     for module, (_, text) in sources.items():
         finder = _Finder(module, module in packages or module == "", modules)
         finder.visit(ast.parse(text))
-        found[module] = finder.found
+        found[module] = [_with_loads(imp, tables) for imp in finder.found]
     return found
 
 
-def public_names(text: str) -> set[str] | None:
-    """A module's ``__all__``: a literal list or tuple of strings, or ``list(TABLE)`` of a
-    literal dict ``TABLE`` of the module (its keys); None without one."""
+def _with_loads(imp: Import, tables: Mapping[str, Mapping[str, str]]) -> Import:
+    table = tables.get(imp.internal) if imp.internal is not None else None
+    if table is None:
+        return imp
+    if imp.name is None:
+        return replace(imp, loads=tuple(sorted(set(table.values()))))
+    return replace(imp, loads=(table[imp.name],)) if imp.name in table else imp
+
+
+def _literals(text: str) -> dict[str, ast.expr]:
+    """A module's top-level assignments: name -> the expression assigned."""
     literals: dict[str, ast.expr] = {}
     for node in ast.parse(text).body:
         if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
             literals.update({t.id: node.value for t in targets if isinstance(t, ast.Name)})
+    return literals
+
+
+def lazy_tables(sources: Mapping[str, tuple[str, str]]) -> dict[str, dict[str, str]]:
+    """Each package whose names load their modules on first use (``lazy_names(__name__,
+    TABLE[, NAMESPACES])`` of muonckpt/_namespace.py, TABLE a literal dict of name -> module
+    relative to the package, NAMESPACES a literal tuple of its sub-packages): package -> {name:
+    the module it loads, relative to muonckpt}."""
+    tables = {}
+    for package, (_, text) in sources.items():
+        literals = _literals(text)
+        for node in ast.walk(ast.parse(text)):
+            if not (
+                isinstance(node, ast.Call)
+                and getattr(node.func, "id", None) == "lazy_names"
+                and all(isinstance(arg, ast.Name) for arg in node.args[1:])
+            ):
+                continue
+            table: dict[str, str] = {}
+            for name, where in ast.literal_eval(literals[node.args[1].id]).items():
+                table[name] = _resolved(package, where)
+            for arg in node.args[2:]:
+                table |= {
+                    n: _resolved(package, "." + n) for n in ast.literal_eval(literals[arg.id])
+                }
+            tables[package] = table
+    return tables
+
+
+def _resolved(package: str, relative: str) -> str:
+    """A module named relative to ``package`` (``..errors``), relative to muonckpt."""
+    level = len(relative) - len(relative.lstrip("."))
+    base = package.split(".") if package else []
+    return ".".join([*base[: len(base) - level + 1], relative[level:]])
+
+
+def public_names(text: str) -> set[str] | None:
+    """A module's ``__all__``: a literal list or tuple of strings, or ``list(TABLE)`` of a
+    literal dict ``TABLE`` of the module (its keys); None without one."""
+    literals = _literals(text)
     value = literals.get("__all__")
     if value is None:
         return None
@@ -308,10 +372,12 @@ def _breaks(rule: Rule, imp: Import, sources: Mapping[str, tuple[str, str]]) -> 
     shown = imp.target if imp.name is None else f"{imp.name} from {imp.target}"
     if internal is None:
         return shown if _within(imp.target, rule.no_external) else None
-    if rule.no_internal and internal and _within(internal, rule.no_internal):
-        return shown
-    if rule.only_internal is not None and not _within(internal, rule.only_internal):
-        return shown
+    reached = [internal, *imp.loads] if internal else list(imp.loads)
+    wrong = [m for m in reached if rule.no_internal and _within(m, rule.no_internal)]
+    if rule.only_internal is not None:
+        wrong += [m for m in reached if not _within(m, rule.only_internal)]
+    if wrong:
+        return shown if wrong[0] == internal else f"{shown} (which loads {_full(wrong[0])})"
     if rule.public_api is not None and not _within(internal, rule.modules):
         if internal not in rule.public_api:
             return shown
@@ -338,32 +404,85 @@ def _top_level_names(text: str) -> set[str]:
 
 
 def violations(
-    sources: Mapping[str, tuple[str, str]], rules: tuple[Rule, ...] = RULES
+    sources: Mapping[str, tuple[str, str]],
+    rules: tuple[Rule, ...] = RULES,
+    owners: tuple[Owner, ...] = OWNERS,
 ) -> list[str]:
     """Every import that breaks a rule, as ``FILE:LINE: MODULE imports TARGET: rule 'NAME'``."""
     found = []
     for module, imports in imports_of(sources).items():
+        where, shown = sources[module][0], module or PACKAGE
         for rule in rules:
-            if not _within(module, rule.modules) or _within(module, rule.exempt):
+            if not _within(module, rule.modules):
                 continue
             for imp in imports:
                 what = _breaks(rule, imp, sources)
                 if what is not None:
-                    file = sources[module][0]
-                    shown = module or PACKAGE
-                    found.append(f"{file}:{imp.line}: {shown} imports {what}: rule '{rule.name}'")
+                    found.append(f"{where}:{imp.line}: {shown} imports {what}: rule '{rule.name}'")
+        for owner in owners:
+            if _within(module, owner.folders):
+                continue
+            for imp in imports:
+                if imp.internal is None and _within(imp.target, (owner.external,)):
+                    found.append(
+                        f"{where}:{imp.line}: {shown} imports {imp.target}: rule '{owner.name}'"
+                    )
     return found
 
 
-def import_graph(sources: Mapping[str, tuple[str, str]]) -> dict[str, dict[str, int]]:
+def import_graph(
+    sources: Mapping[str, tuple[str, str]], *, lazy: bool = False
+) -> dict[str, dict[str, int]]:
     """module -> {imported package module: line of the first such import}, without the
-    imports of ``if TYPE_CHECKING:`` blocks."""
+    imports of ``if TYPE_CHECKING:`` blocks; with ``lazy``, also the modules that the names of
+    a lazy namespace load."""
     graph: dict[str, dict[str, int]] = {module: {} for module in sources}
     for module, imports in imports_of(sources).items():
         for imp in imports:
-            if imp.internal is not None and not imp.type_checking and imp.internal in sources:
-                graph[module].setdefault(imp.internal, imp.line)
+            if imp.internal is None or imp.type_checking:
+                continue
+            for target in (imp.internal, *(imp.loads if lazy else ())):
+                if target in sources:
+                    graph[module].setdefault(target, imp.line)
     return graph
+
+
+def upward_reaches(sources: Mapping[str, tuple[str, str]]) -> list[str]:
+    """Each module of a layer that reaches a module of a higher layer through others (an
+    import of an import..., function-level ones and the names of lazy namespaces included), as
+    ``FILE:LINE: MODULE reaches TARGET through A -> ... -> TARGET``, LINE its import of A.
+    (A direct import of a higher layer is the layer rules' to report.)"""
+    graph = import_graph(sources, lazy=True)
+    found = []
+    for module in sorted(graph):
+        layer = layer_of(module)
+        if layer is None:
+            continue
+        previous: dict[str, str] = {}
+        frontier = [module]
+        while frontier:
+            following = []
+            for node in frontier:
+                for child in sorted(graph[node]):
+                    if child == module or child in previous:
+                        continue
+                    previous[child] = node
+                    higher = layer_of(child)
+                    if higher is None or higher <= layer:  # (None: the package, its names')
+                        following.append(child)
+                        continue
+                    path = [child]
+                    while path[-1] != module:
+                        path.append(previous[path[-1]])
+                    *through, _ = reversed(path)  # module, A, ..., child
+                    if len(path) > 2:
+                        steps = " -> ".join(m or PACKAGE for m in [*through[1:], child])
+                        line = graph[module][through[1]]
+                        found.append(
+                            f"{sources[module][0]}:{line}: {module} reaches {child} through {steps}"
+                        )
+            frontier = following
+    return found
 
 
 def cycles(sources: Mapping[str, tuple[str, str]]) -> list[str]:
@@ -454,13 +573,12 @@ def test_the_rules_name_modules_that_exist():
         for rule in RULES
         for names in (
             rule.modules,
-            rule.exempt,
             rule.no_internal,
             rule.only_internal or (),
             rule.public_api or (),
         )
         for name in names
-    }
+    } | {folder for owner in OWNERS for folder in owner.folders}
     missing = sorted(named - NOT_YET - modules - {"*"})
     assert not missing, f"the rules name modules muonckpt does not have: {missing}"
 
@@ -497,45 +615,9 @@ def test_no_import_cycle():
     assert not found, "import cycles:\n" + "\n".join(found)
 
 
-MAX_FUNCTION_LINES = 80
-"""The most lines a function or method may span, its ``def`` line to its last."""
-MAX_MODULE_LINES = 600
-
-
-def oversized(sources: Mapping[str, tuple[str, str]]) -> list[str]:
-    """Each module over :data:`MAX_MODULE_LINES` lines and each function (nested ones and
-    methods included) over :data:`MAX_FUNCTION_LINES`, as ``FILE:LINE: NAME is N lines``."""
-    found = []
-    for file, source in sources.values():
-        lines = len(source.splitlines())
-        if lines > MAX_MODULE_LINES:
-            found.append(f"{file}:1: the module is {lines} lines (at most {MAX_MODULE_LINES})")
-        for node in ast.walk(ast.parse(source, file)):
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                span = (node.end_lineno or node.lineno) - node.lineno + 1
-                if span > MAX_FUNCTION_LINES:
-                    found.append(
-                        f"{file}:{node.lineno}: {node.name} is {span} lines "
-                        f"(at most {MAX_FUNCTION_LINES})"
-                    )
-    return found
-
-
-def test_no_function_over_80_lines_and_no_module_over_600():
-    found = oversized(package_sources())
-    assert not found, "too long:\n" + "\n".join(found)
-    body = [f"x{i} = {i}\n" for i in range(MAX_FUNCTION_LINES)]  # one line too many
-    fake = _fake(
-        {
-            "a": "def fits():\n" + "".join("    " + line for line in body[1:]),
-            "b": "class C:\n    async def f(self):\n" + "".join("        " + x for x in body),
-            "c": "y = 1\n" * (MAX_MODULE_LINES + 1),
-        }
-    )
-    assert oversized(fake) == [
-        f"muonckpt/b.py:2: f is {MAX_FUNCTION_LINES + 1} lines (at most {MAX_FUNCTION_LINES})",
-        f"muonckpt/c.py:1: the module is {MAX_MODULE_LINES + 1} lines (at most {MAX_MODULE_LINES})",
-    ]
+def test_no_module_reaches_a_higher_layer_through_others():
+    found = upward_reaches(package_sources())
+    assert not found, "modules that reach a higher layer:\n" + "\n".join(found)
 
 
 # ---- The checks themselves: each form of import is caught -----------------------------------
@@ -555,7 +637,11 @@ def _fake(modules: Mapping[str, str]) -> dict[str, tuple[str, str]]:
 def test_every_form_of_a_forbidden_import_is_reported():
     sources = _fake(
         {
-            "": "__all__ = ['save']\n",
+            "": (
+                "from ._namespace import lazy_names\n_PUBLIC = {'save': '.checkpoint.api'}\n"
+                "__all__ = list(_PUBLIC)\n__getattr__, __dir__ = lazy_names(__name__, _PUBLIC)\n"
+            ),
+            "_namespace": "def lazy_names(package, names, namespaces=()): ...\n",
             "errors": "class CheckpointError(Exception): ...\n",
             "layout": "",
             "layout.topology": "import numpy as np\nfrom .. import errors\n",
@@ -573,7 +659,11 @@ def test_every_form_of_a_forbidden_import_is_reported():
             "optim": "",
             "optim.muon": "import torch.distributed as dist\n",
             "demo": "import torch\n\n\ndef f():\n    torch.distributed.barrier()\n",
-            "distributed": "",
+            "distributed": (
+                "from .._namespace import lazy_names\n_NAMES = {'rank': '.collectives'}\n"
+                "__getattr__, __dir__ = lazy_names(__name__, _NAMES)\n"
+            ),
+            "distributed.steps": "",
             "distributed.launch": (
                 "import importlib\nimportlib.import_module('torch.distributed')\n"
             ),
@@ -581,6 +671,17 @@ def test_every_form_of_a_forbidden_import_is_reported():
             "storage": "from . import durable\n",
             "storage.durable": "from ..distributed import collectives\nfrom ..offline import x\n",
             "offline": "__all__ = ['consolidate']\n",
+            "files": "",
+            "files.writing": (
+                "from ..distributed import steps, collectives\nfrom ..distributed import rank\n"
+                "def f():\n    from .. import save\n"
+            ),
+            "interop": "",
+            "interop.dcp": "",
+            "interop.dcp.files": (
+                "import torch.distributed.checkpoint as dcp\n"
+                "from torch.distributed import init_process_group\n"
+            ),
             "cli": (
                 "from . import offline, save\n"
                 "from .offline import consolidate, _Job\n"
@@ -590,7 +691,7 @@ def test_every_form_of_a_forbidden_import_is_reported():
         }
     )
     found = violations(sources)
-    durable = "muonckpt/storage/durable.py"
+    durable, writing = "muonckpt/storage/durable.py", "muonckpt/files/writing.py"
     expected = [
         ("muonckpt/layout/topology.py:1: layout.topology imports numpy", "pure"),
         ("muonckpt/layout/grid.py:2: layout.grid imports torch", "pure"),
@@ -609,7 +710,22 @@ def test_every_form_of_a_forbidden_import_is_reported():
         ("muonckpt/demo.py:5: demo imports torch.distributed", "only"),
         (f"{durable}:1: storage.durable imports muonckpt.distributed.collectives", "storage"),
         (f"{durable}:2: storage.durable imports x from muonckpt.offline", "storage"),
-        (f"{durable}:1: storage.durable imports muonckpt.distributed.collectives", "reading"),
+        (f"{writing}:1: files.writing imports muonckpt.distributed.collectives", "files/"),
+        (
+            f"{writing}:2: files.writing imports rank from muonckpt.distributed "
+            "(which loads muonckpt.distributed.collectives)",
+            "files/",
+        ),
+        (
+            f"{writing}:4: files.writing imports save from muonckpt "
+            "(which loads muonckpt.checkpoint.api)",
+            "files import only",
+        ),
+        (
+            "muonckpt/interop/dcp/files.py:2: interop.dcp.files imports "
+            "torch.distributed.init_process_group",
+            "interop/dcp/",
+        ),
         ("muonckpt/cli.py:2: cli imports _Job from muonckpt.offline (not in its __all__)", "the"),
         ("muonckpt/cli.py:5: cli imports verify from muonckpt.checkpoint.pieces", "the command"),
         ("muonckpt/cli.py:6: cli imports load from muonckpt (not in its __all__)", "the command"),
@@ -618,6 +734,46 @@ def test_every_form_of_a_forbidden_import_is_reported():
         hits = [line for line in found if line.startswith(where + ": rule '" + rule)]
         assert hits, f"not reported: {where} (rule {rule!r}); reported:\n" + "\n".join(found)
     assert len(found) == len(expected), "\n".join(found)
+
+
+def test_an_indirect_upward_import_is_reported_with_its_path():
+    sources = _fake(
+        {
+            "": (
+                "from ._namespace import lazy_names\n_PUBLIC = {'save': '.checkpoint.api'}\n"
+                "NAMESPACES = ('offline',)\n"
+                "__getattr__, __dir__ = lazy_names(__name__, _PUBLIC, NAMESPACES)\n"
+            ),
+            "_namespace": "",
+            "checkpoint": "",
+            "checkpoint.api": "",
+            "offline": "",
+            "offline.tools": "",
+            "state": "",
+            "state.x": "from ..files import a\n",
+            "storage": "",
+            "storage.b": "def f():\n    from .. import save\n",
+            "storage.g": "from .. import offline\n",
+            "files": "",
+            "files.a": "import os\nfrom ..storage import b\n",
+            "files.c": "from ..storage import g\n",
+            "files.d": "from ..distributed import run\n",
+            "files.e": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from . import a\n",
+            "distributed": (
+                "from .._namespace import lazy_names\n_NAMES = {'run': '.launch'}\n"
+                "__getattr__, __dir__ = lazy_names(__name__, _NAMES)\n"
+            ),
+            "distributed.launch": "from ..offline import tools\n",
+        }
+    )
+    assert upward_reaches(sources) == [
+        "muonckpt/files/a.py:2: files.a reaches checkpoint.api through storage.b -> checkpoint.api",
+        "muonckpt/files/c.py:1: files.c reaches offline through storage.g -> offline",
+        "muonckpt/files/d.py:1: files.d reaches offline.tools through "
+        "distributed.launch -> offline.tools",
+        "muonckpt/state/x.py:1: state.x reaches checkpoint.api through "
+        "files.a -> storage.b -> checkpoint.api",
+    ]
 
 
 def test_an_import_cycle_is_reported_with_its_lines():
@@ -673,3 +829,50 @@ def test_the_design_docs_module_map_lists_every_module_and_what_it_imports():
         if actual != said:
             problems.append(f"{module}: imports {sorted(actual)}, the map says {sorted(said)}")
     assert not problems, "\n".join(problems)
+
+
+_MODULE_NAME = re.compile(r"`([a-z_][a-z0-9_]*(?:/[a-z0-9_]*)*)`")
+"""A module as a folder's row names it: ``topology``, ``deepspeed/`` (a sub-folder),
+``deepspeed/reader``; a dotted name (``retention.latest``) is a name inside a module."""
+
+
+def _documented_modules(text: str) -> dict[str, set[str]]:
+    """Each folder of the module map -> the modules its row's "what changes here" names."""
+    section = text.split("## Module map", 1)[1].split("\n## ", 1)[0]
+    named = {}
+    for row in section.splitlines():
+        cells = [cell.strip() for cell in row.strip("|").split("|")]
+        if row.startswith("| ") and len(cells) == 4 and cells[1].endswith("/`"):
+            named[cells[1].strip("`/")] = set(_MODULE_NAME.findall(cells[2]))
+    return named
+
+
+def folder_modules(sources: Mapping[str, tuple[str, str]], folder: str) -> set[str]:
+    """The modules of ``folder`` as its row names them, sub-folders as ``sub/``."""
+    found = set()
+    for module, (file, _) in sources.items():
+        if module.startswith(folder + "."):
+            name = module[len(folder) + 1 :].replace(".", "/")
+            found.add(name + "/" if file.endswith("/__init__.py") else name)
+    return found
+
+
+def test_each_folders_row_of_the_module_map_names_exactly_its_modules():
+    """A module's responsibility is its folder's, as docs/design.md's table states it: a new
+    module is named in its folder's row, and a row never names a module that is not there."""
+    sources = package_sources()
+    documented = _documented_modules((ROOT.parent / "docs" / "design.md").read_text())
+    folders = {m.split(".")[0] for m in sources if "." in m}
+    assert set(documented) == folders
+    problems = []
+    for folder in sorted(folders):
+        actual = folder_modules(sources, folder)
+        if missing := sorted(actual - documented[folder]):
+            problems.append(f"{folder}/: its row does not name {missing}")
+        if extra := sorted(documented[folder] - actual):
+            problems.append(f"{folder}/: its row names {extra}, which {folder}/ does not have")
+    assert not problems, "\n".join(problems)
+    fake = _fake({"a": "", "a.b": "", "a.c": "", "a.c.d": ""})
+    assert folder_modules(fake, "a") == {"b", "c/", "c/d"}
+    row = "| 1 | `a/` | the b (`b`, `b.f`), the `c/` of `c/d`, the `e` | x |"
+    assert _documented_modules(f"## Module map\n\n{row}\n") == {"a": {"b", "c/", "c/d", "e"}}

@@ -77,6 +77,31 @@ def test_the_docs_list_exactly_the_namespaces(doc):
     assert named == list(muonckpt.NAMESPACES), named
 
 
+def public_paths() -> dict[int, tuple[object, list[str]]]:
+    """Every public path (``muonckpt.NAME`` of the top level's ``__all__``, ``muonckpt.NS.NAME``
+    of each namespace's), grouped by the object it names: its ``id`` -> (it, its paths)."""
+    paths: dict[int, tuple[object, list[str]]] = {}
+    for prefix, module in [("muonckpt", muonckpt)] + [
+        (f"muonckpt.{ns}", getattr(muonckpt, ns)) for ns in muonckpt.NAMESPACES
+    ]:
+        for name in module.__all__:
+            obj = getattr(module, name)
+            paths.setdefault(id(obj), (obj, []))[1].append(f"{prefix}.{name}")
+    return paths
+
+
+def test_every_public_object_has_one_public_path():
+    """One name for one thing: no namespace re-exports another's names (``offline`` once
+    re-exported 18 of ``interop``'s). An error type may stand in ``muonckpt.errors`` and beside
+    the calls that raise it (the top level, ``muonckpt.distributed.DistributedRunError``)."""
+    twice = [
+        paths
+        for obj, paths in public_paths().values()
+        if len(paths) > 1 and not (isinstance(obj, type) and issubclass(obj, BaseException))
+    ]
+    assert not twice, "objects with several public paths:\n" + "\n".join(map(str, twice))
+
+
 @pytest.mark.dist
 def test_the_namespaces_load_on_first_use():
     probe = "import muonckpt, sys; print(muonckpt.layout.Topology(1, 1), 'torch' in sys.modules)"

@@ -185,10 +185,11 @@ def test_sizes_read_as_hugging_face_reads_them():
     assert settings.parse_size("100KB") == 100_000
     assert settings.parse_size("1.5GB") == 1_500_000_000
     assert settings.parse_size("1024") == 1024
-    with pytest.raises(ValueError):
+    with pytest.raises(muonckpt.ArgumentError) as refused:
         settings.parse_size("\u0661\u0662\u0663")  # digits, but not ASCII ones
-    with pytest.raises(ValueError, match="whole number of bytes"):
-        settings.parse_size("1.5B")  # once silently 1 byte
+    assert refused.value.argument == "size"
+    with pytest.raises(muonckpt.ArgumentError, match="whole number of bytes"):
+        settings.parse_size("1.5B", "max_shard_size")  # once silently 1 byte
     assert settings.parse_size("1.5KB") == 1500
 
 

@@ -7,6 +7,7 @@ from typing import Annotated
 
 import typer
 
+from ..errors import ArgumentError
 from ..settings import MAX_LARGE_WORLD, MAX_WORLD, local_path, parse_size
 
 
@@ -15,7 +16,7 @@ def size_parameter(text: str) -> int:
     ``max_shard_size`` (:func:`muonckpt.settings.parse_size`)."""
     try:
         return parse_size(text)
-    except ValueError as exc:
+    except ArgumentError as exc:  # a usage error (exit code 2), shown as typer shows one
         raise typer.BadParameter(str(exc)) from None
 
 

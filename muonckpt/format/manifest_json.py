@@ -166,18 +166,22 @@ def _groups(raw: Any, params: tuple[ParamEntry, ...], version: int) -> tuple[Gro
 
 
 def _params_v3(raw: Any, raw_kinds: Any, shared: _Shared, version: int) -> tuple[ParamEntry, ...]:
-    """Version 3's params ``[name, kind]``, version 4's ``[shared, rest, kind]`` (docs §3)."""
+    """Version 3's params: ``[name, kind]``, each kind a param's fields but its name; version
+    4's ``[shared, rest, kind]``: the first ``shared`` characters of the previous name, then
+    ``rest`` (docs/format.md §3)."""
     _expect(isinstance(raw, list) and isinstance(raw_kinds, list), "params, param_kinds: lists")
     kinds = [shared.entry({**k, "name": ""}, FORMAT_VERSION) for k in raw_kinds]
-    params, name, form = [], "", "[shared, rest, kind]" if version >= 4 else "[name, kind]"
+    params, name = [], ""
+    fields, form = (3, "[shared, rest, kind]") if version >= 4 else (2, "[name, kind]")
     for item in raw:
-        fits = isinstance(item, list) and len(item) == form.count(",") + 1
-        _expect(fits, f"param {item!r:.80}: not {form}")
+        _expect(isinstance(item, list) and len(item) == fields, f"param {item!r:.80}: not {form}")
         *spelled, kind = item
         if version >= 4:
             kept, rest = spelled
-            said = f"param {item!r:.80}: shares {kept!r} characters of the previous name {name!r}"
-            _expect(0 <= _int(kept) <= len(name), said)
+            _expect(
+                0 <= _int(kept) <= len(name),
+                f"param {item!r:.80}: shares {kept!r} characters of the previous name {name!r}",
+            )
             name = name[:kept] + _str(rest)
         else:
             name = _str(spelled[0])

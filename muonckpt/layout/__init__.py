@@ -5,50 +5,15 @@ map onto each other (copy runs), the grid's canonical param list merged from eac
 report, and work split among processes. Modules: :mod:`.topology` (ParamSpec, Topology,
 ``arrange``, regions, copy runs), :mod:`.grid` (each rank's report merged), :mod:`.workplan`
 (work balanced among processes).
+
+Public here is what a user passes or reads back: the params and the grid (:class:`ParamSpec`,
+:class:`Topology`), how they are packed (:class:`LayoutOptions`, :func:`arrange`) and the
+packing (:class:`BufferLayout`). The regions and copy runs are the package's own, in
+:mod:`.topology`.
 """
 
 from __future__ import annotations
 
-from .topology import (
-    Bucket,
-    BufferLayout,
-    LayoutOptions,
-    ParamSpec,
-    Placement,
-    Region,
-    Run,
-    Strided,
-    Topology,
-    arrange,
-    copy_runs,
-    dp_slice,
-    matrix_view,
-    share_region,
-    strided_runs,
-    tp_full_shape,
-    tp_local_shape,
-    tp_region,
-    whole_region,
-)
+from .topology import BufferLayout, LayoutOptions, ParamSpec, Topology, arrange
 
-__all__ = [
-    "Bucket",
-    "BufferLayout",
-    "LayoutOptions",
-    "ParamSpec",
-    "Placement",
-    "Region",
-    "Run",
-    "Strided",
-    "Topology",
-    "arrange",
-    "copy_runs",
-    "dp_slice",
-    "matrix_view",
-    "share_region",
-    "strided_runs",
-    "tp_full_shape",
-    "tp_local_shape",
-    "tp_region",
-    "whole_region",
-]
+__all__ = ["BufferLayout", "LayoutOptions", "ParamSpec", "Topology", "arrange"]

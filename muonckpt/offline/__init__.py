@@ -1,5 +1,6 @@
 """The offline tools: consolidate, reshard, convert, summarize (``inspect``) and diff a
-checkpoint from its files alone, without an optimizer or a process group.
+checkpoint from its files alone, without an optimizer or a process group. (Foreign formats in
+and out are :mod:`muonckpt.interop`'s.)
 
 Modules: :mod:`.tools` (consolidate, reshard, convert; :mod:`._model` the model's other tensors
 they carry), :mod:`.examine` (summarize, diff),
@@ -12,10 +13,9 @@ from ..files.pieces import open_checkpoint
 from ..files.writing import Progress
 from .examine import diff, iter_diff, summarize
 from .inspection import DiffRow, Summary
-from .tools import MAX_RANKS, WORKER_TIMEOUT, consolidate, convert, reshard
+from .tools import WORKER_TIMEOUT, consolidate, convert, reshard
 
 __all__ = [
-    "MAX_RANKS",
     "WORKER_TIMEOUT",
     "DiffRow",
     "Progress",

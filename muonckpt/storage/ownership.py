@@ -156,6 +156,21 @@ def check_target(
     place); a URL (:func:`muonckpt.settings.local_path`).
     """
     final = local_path(final)
+    _check_name(final)
+    if source is not None and (problem := _overlap_problem(final, source)):
+        raise CheckpointError(problem, path=final)
+    for parent in (final.parent, *final.parent.parents):
+        if parent.exists() or parent.is_symlink():
+            if not parent.is_dir():
+                raise CheckpointError("is not a directory", path=parent)
+            break
+    if os.path.lexists(final):
+        _check_existing(final, overwrite, output)
+
+
+def _check_name(final: Path) -> None:
+    """Raise :class:`CheckpointError` unless ``final``'s last part can name a checkpoint
+    (:func:`check_target`)."""
     name = final.name
     if name in ("", ".", ".."):
         raise CheckpointError("is not a name a checkpoint directory can have", path=final)
@@ -172,15 +187,11 @@ def check_target(
             f"directory's name .NAME.{STAGING_TAG}-XXXXXXXX",
             path=final,
         )
-    if source is not None and (problem := _overlap_problem(final, source)):
-        raise CheckpointError(problem, path=final)
-    for parent in (final.parent, *final.parent.parents):
-        if parent.exists() or parent.is_symlink():
-            if not parent.is_dir():
-                raise CheckpointError("is not a directory", path=parent)
-            break
-    if not os.path.lexists(final):
-        return
+
+
+def _check_existing(final: Path, overwrite: bool, output: lease.Output | None) -> None:
+    """Raise :class:`CheckpointError` unless the existing ``final`` may be replaced
+    (:func:`check_target`)."""
     if output is not None:  # its writers never replace: --force would be refused
         raise CheckpointError(
             f"already exists; {output.name} output is never written over an existing path: remove "

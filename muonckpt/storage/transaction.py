@@ -311,6 +311,14 @@ def swap_in(
         for callback in _watchers_of(final, staging):
             callback()
     _INTENT.pop(str(staging), None)
+    return _after_commit(final, replaced)
+
+
+def _after_commit(final: Path, replaced: Path | None) -> Path | None:
+    """What follows the commit of :func:`swap_in`, which replaced ``replaced`` (None:
+    nothing): the replaced checkpoint marked as ours and its manifest deleted (a replaced
+    symlink deleted instead), then ``final``'s parent fsynced, each failure a warning. Returns
+    the replaced directory, for :func:`retire`, or None."""
     if replaced is not None and not replaced.is_symlink():
         with contextlib.suppress(CheckpointError):  # without it, retire still deletes it
             lease.take(replaced, "replaced")
@@ -361,38 +369,52 @@ def _commit_rename(staging: Path, final: Path, overwrite: bool) -> Path | None:
         except OSError as exc:
             if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
                 raise CheckpointError(f"cannot commit the checkpoint: {exc}", path=final) from None
-        if not overwrite:
-            raise CheckpointError(
-                "was created by another writer while this save ran; this save is discarded "
-                "(pass overwrite=True, --force, to replace it)",
-                path=final,
-            )
-        if final.is_symlink():
-            if not final.exists():
-                raise CheckpointError("became a dangling symlink while this save ran", path=final)
-            problem = ownership_problem(final.resolve())
-        else:
-            problem = ownership_problem(final)
-        if problem:
-            raise CheckpointError(
-                f"changed while this save ran and {problem}; not replaced", path=final
-            )
+        _check_replaceable(final, overwrite)
         try:
-            if exchange(staging, final):
-                return _checked_replaced(staging, final)
-            replaced = final.with_name(f".{final.name}.old-{os.getpid()}")
-            os.rename(final, replaced)
-            try:
-                os.rename(staging, final)
-            except OSError:
-                os.rename(replaced, final)
-                raise
-            return replaced
+            return _replace(staging, final)
         except FileNotFoundError:
             continue  # final vanished between the two steps: try the plain rename again
         except OSError as exc:
             raise CheckpointError(f"cannot commit the checkpoint: {exc}", path=final) from None
     raise CheckpointError("cannot commit: the target keeps changing", path=final)
+
+
+def _check_replaceable(final: Path, overwrite: bool) -> None:
+    """Raise :class:`CheckpointError` unless ``final``, found in the way of
+    :func:`_commit_rename`, may be replaced: ``overwrite``, and a muonckpt checkpoint (or a
+    symlink to one)."""
+    if not overwrite:
+        raise CheckpointError(
+            "was created by another writer while this save ran; this save is discarded "
+            "(pass overwrite=True, --force, to replace it)",
+            path=final,
+        )
+    if final.is_symlink():
+        if not final.exists():
+            raise CheckpointError("became a dangling symlink while this save ran", path=final)
+        problem = ownership_problem(final.resolve())
+    else:
+        problem = ownership_problem(final)
+    if problem:
+        raise CheckpointError(
+            f"changed while this save ran and {problem}; not replaced", path=final
+        )
+
+
+def _replace(staging: Path, final: Path) -> Path | None:
+    """``staging`` put at ``final`` in place of what is there: one exchange where the kernel
+    has it, else two renames (the first undone when the second fails); returns where the
+    replaced entry went."""
+    if exchange(staging, final):
+        return _checked_replaced(staging, final)
+    replaced = final.with_name(f".{final.name}.old-{os.getpid()}")
+    os.rename(final, replaced)
+    try:
+        os.rename(staging, final)
+    except OSError:
+        os.rename(replaced, final)
+        raise
+    return replaced
 
 
 def _checked_replaced(staging: Path, final: Path) -> Path | None:
