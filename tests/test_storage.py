@@ -534,7 +534,7 @@ def test_the_posix_store_is_the_storage_seam(tmp_path: Path) -> None:
     }
     assert operations == {
         "create_staging",
-        "write_text",
+        "put_text",
         "publish",
         "entries",
         "directories",
