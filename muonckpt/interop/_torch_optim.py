@@ -44,7 +44,7 @@ from ..format.names import PARAM_KEY
 from ..storage import torch_pickles
 from ..storage.dtypes import dtype_name
 from ..storage.foreign_limits import read_json
-from ._consolidated import conversion_notes, write_consolidated
+from ._consolidated import consolidated, conversion_notes, write_consolidated
 from ._fields import listed_state, step_count, tensor
 
 MUON_SETTINGS = frozenset({"momentum", "nesterov", "ns_coefficients", "ns_steps", "adjust_lr_fn"})
@@ -413,15 +413,14 @@ def convert_optimizers(
         for n, t in model.tensors.items()
         if n not in state
     ]
-
-    def read(name: str, key: str) -> Any:
-        tensor = model.tensors.pop(name) if key == PARAM_KEY else state[name].pop(key)
-        return tensor.clone()
-
+    planned = consolidated(target, model_tensors=others)
+    tensors = (
+        (model.tensors.pop(name) if key == PARAM_KEY else state[name].pop(key)).clone()
+        for name, key in planned.reads
+    )
     path = write_consolidated(
-        target, scales, read, dst,
-        overwrite=overwrite, progress=progress, source=source, model_tensors=others,
-    )  # fmt: skip
+        planned, scales, tensors, dst, overwrite=overwrite, progress=progress, source=source
+    )
     carried = tuple(f"{t.name} (a model tensor no optimizer holds)" for t in others)
     return path, how, carried, conversion_notes(manifest, target)
 

@@ -14,11 +14,10 @@ Here: ``FORMAT``, the format as :mod:`..registry` holds it, with its options.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 from ...errors import OptionError
 from ...format import kinds
-from ..foreign import Conversion, ForeignFormat, Reading
+from ..foreign import ForeignFormat
 from .reader import LAYOUTS, OPTIMIZER_PREFIX, from_dcp, is_dcp, to_dcp
 
 __all__ = [
@@ -54,31 +53,13 @@ class DcpWriteOptions:
             raise OptionError(f"choose one of {', '.join(LAYOUTS)}", "--layout")
 
 
-def _read(src: Path, dst: Path, reading: Reading, options: DcpReadOptions) -> Conversion:
-    return from_dcp(
-        src,
-        dst,
-        source=reading.source,
-        to=reading.to,
-        model_prefix=options.model_prefix,
-        optimizer_prefix=options.optimizer_prefix,
-        split_experts=options.split_experts,
-        overwrite=reading.overwrite,
-        progress=reading.progress,
-    )
-
-
-def _write(src: Path, dst: Path, to: str, options: DcpWriteOptions) -> Conversion:
-    return to_dcp(src, dst, to=to, layout=options.layout)
-
-
 FORMAT = ForeignFormat(
     name="dcp",
     title="DCP",
     detect=is_dcp,
-    read=_read,
+    reader=from_dcp,
     read_options=DcpReadOptions,
-    write=_write,
+    writer=to_dcp,
     write_options=DcpWriteOptions,
     sources=tuple(kinds.DCP_FAMILIES),
     targets=tuple(kinds.DCP_FAMILIES),

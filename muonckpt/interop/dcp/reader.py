@@ -37,7 +37,13 @@ from ...format.manifest import (
     json_safe,
 )
 from ...format.names import PARAM_KEY
-from .._consolidated import conversion_notes, split_experts_of, summarized, write_consolidated
+from .._consolidated import (
+    consolidated,
+    conversion_notes,
+    split_experts_of,
+    summarized,
+    write_consolidated,
+)
 from .._foreign_out import not_carried, read_whole, staged_output
 from ..foreign import Conversion
 from . import files as dcp_files
@@ -168,17 +174,16 @@ def from_dcp(
     others, aliases = model_others_of(index, settings, model_items) if model_others else ([], {})
     fqn_of.update({(t.name, PARAM_KEY): model_prefix + t.name for t in others})
     target, parts = split_experts_of(target, others, aliases) if split_experts else (target, {})
+    planned = consolidated(target, aliases=aliases, model_tensors=others, parts=parts)
+    tensors = (dcp_files.read_tensor(index, index.tensors[fqn_of[r]]) for r in planned.reads)
     path = write_consolidated(
-        target,
+        planned,
         scales,
-        lambda name, key: dcp_files.read_tensor(index, index.tensors[fqn_of[name, key]]),
+        tensors,
         dst,
         overwrite=overwrite,
         progress=progress,
         source=index.directory,
-        aliases=aliases,
-        model_tensors=others,
-        parts=parts,
     )
     used = {model_prefix + name for name in [*settings, *aliases]}
     used |= {model_prefix + t.name for t in others} | settings_items

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,7 +37,7 @@ from ...format.manifest import (
 )
 from ...format.names import PARAM_KEY
 from ...storage.dtypes import dtype_name
-from .._consolidated import conversion_notes, write_consolidated
+from .._consolidated import consolidated, conversion_notes, write_consolidated
 from .._fields import shown, step_count, tensor
 from ..foreign import Conversion
 from . import files as deepspeed_files
@@ -422,20 +422,18 @@ def _manifest(groups: Sequence[_Group], recorded: int | None, path: Path) -> Man
     )  # fmt: skip
 
 
-def _reader(groups: Sequence[_Group]) -> Callable[[str, str], Any]:
-    """``read(param, key)``: each tensor of the output, a tensor of its own, cut from the
-    joined groups when the writer reaches it (a momentum handed over, not copied)."""
+def _tensors(groups: Sequence[_Group], reads: Iterable[tuple[str, str]]) -> Iterator[Any]:
+    """Each tensor of ``reads``, a tensor of its own, cut from the joined groups when the
+    writer pulls it (a momentum handed over, not copied)."""
     where = {name: (group, i) for group in groups for i, name in enumerate(group.names)}
-
-    def read(name: str, key: str) -> Any:
+    for name, key in reads:
         group, index = where[name]
         if key == MUON_KEY:
-            return group.momentum.pop(name)[0]
+            yield group.momentum.pop(name)[0]
+            continue
         flat = group.master if key == PARAM_KEY else group.moments[key]
         at, numel = group.layout.offsets[index], group.layout.numels[index]
-        return flat[at : at + numel].clone().reshape(group.shapes[index])
-
-    return read
+        yield flat[at : at + numel].clone().reshape(group.shapes[index])
 
 
 _MODEL_KEYS_USED = {
@@ -506,15 +504,15 @@ def from_deepspeed(
     if aliases:
         manifest = _with_aliases(manifest, aliases)
     target, scales = converted_manifest(manifest, to, path=directory)
+    planned = consolidated(target, aliases=aliases)
     path = write_consolidated(
-        target,
+        planned,
         scales,
-        _reader(groups),
+        _tensors(groups, planned.reads),
         dst,
         overwrite=overwrite,
         progress=progress,
         source=Path(src),  # the root a latest names the tag of: no output inside it either
-        aliases=aliases,
     )
     layout = f"ZeRO-{'/'.join(map(str, sorted(stages)))}, world {len(files)}"
     return Conversion(path, layout, tuple(left), conversion_notes(manifest, target))

@@ -35,7 +35,7 @@ from ...format.names import PARAM_KEY
 from ...format.stacked import matrices
 from ...storage import access
 from ...storage.foreign_limits import read_json
-from .._consolidated import conversion_notes, summarized, write_consolidated
+from .._consolidated import consolidated, conversion_notes, summarized, write_consolidated
 from .._fields import count
 from ..dcp import files as dcp_files
 from ..dcp import metadata as dcp_metadata
@@ -154,13 +154,13 @@ def from_megatron(
     groups = _groups(common, where)
     manifest, fqn_of = _manifest(index, items, groups, common, where)
     target, scales = converted_manifest(manifest, to, path=where)
-
-    def read(name: str, key: str) -> Any:
-        fqn, layer = fqn_of[name, key]
-        return dcp_files.read_tensor(index, index.tensors[fqn], layer)
-
+    planned = consolidated(target)
+    tensors = (
+        dcp_files.read_tensor(index, index.tensors[fqn], layer)
+        for fqn, layer in (fqn_of[r] for r in planned.reads)
+    )
     path = write_consolidated(
-        target, scales, read, dst, overwrite=overwrite, progress=progress, source=Path(src)
+        planned, scales, tensors, dst, overwrite=overwrite, progress=progress, source=Path(src)
     )  # (the root: an output inside it is refused, as inside the iteration)
     used = {fqn for fqn, _ in fqn_of.values()} | {_common_fqn(index, where)}
     left = sorted((set(index.tensors) | set(index.values)) - used)

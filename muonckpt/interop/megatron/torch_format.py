@@ -35,7 +35,7 @@ from ...format.conversion import converted_manifest
 from ...format.manifest import CONSOLIDATED, GroupEntry, Manifest, ParamEntry, Scalar
 from ...format.names import PARAM_KEY
 from ...storage.dtypes import dtype_name
-from .._consolidated import conversion_notes, summarized, write_consolidated
+from .._consolidated import consolidated, conversion_notes, summarized, write_consolidated
 from .._fields import count, listed_state, tensor
 from ..foreign import Conversion
 from . import files as megatron_files
@@ -96,14 +96,10 @@ def from_torch_format(
     args = tops[0].get("args")
     manifest = _manifest(tensors, steps, groups, ranks[0], args)
     target, scales = converted_manifest(manifest, to, path=files.model[0])
+    planned = consolidated(target)
+    pulled = (tensors[name][key].clone() for name, key in planned.reads)
     path = write_consolidated(
-        target,
-        scales,
-        lambda name, key: tensors[name][key].clone(),
-        dst,
-        overwrite=overwrite,
-        progress=progress,
-        source=root,
+        planned, scales, pulled, dst, overwrite=overwrite, progress=progress, source=root
     )
     left = list(tops[0]["model"])  # the bf16 weights: the fp32 masters are carried
     left += [k for k in tops[0] if k not in ("model", "optimizer", "args", "iteration")]
