@@ -1,13 +1,13 @@
 """PyTorch Distributed Checkpoint (DCP): the checkpoints of FSDP2 / DTensor Muons (torchtitan,
 microsoft/dion, muon-fsdp2, a hand-rolled Muon under ``fully_shard``), in and out.
 
-Modules: :mod:`.reader` (:func:`from_dcp` and :func:`to_dcp`), :mod:`.metadata`
+Modules: :mod:`.reader` (:func:`from_dcp`), :mod:`.writer` (:func:`to_dcp`), :mod:`.metadata`
 (``.metadata`` read by a restricted unpickler and checked: :class:`~.metadata.DcpIndex`),
 :mod:`.files` (each item's data read by its checked byte range; written by torch's own
-``FileSystemWriter``), :mod:`._writer` (torch's planner and storage writer, taught to fetch each
-tensor when written and to write through the storage seam), :mod:`.model_items` (which items
-are the model's). The other formats built on DCP (:mod:`..torchtitan`, :mod:`..megatron`)
-read and write through these.
+``FileSystemWriter``), :mod:`._torch_writer` (torch's planner and storage writer, taught to
+fetch each tensor when written and to write through the storage seam), :mod:`.model_items`
+(which items are the model's). The other formats built on DCP (:mod:`..torchtitan`,
+:mod:`..megatron`) read and write through these.
 Here: ``FORMAT``, the format as :mod:`..registry` holds it, with its options.
 """
 
@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from ...errors import OptionError
 from ...format import kinds
 from ..foreign import ForeignFormat
-from .reader import LAYOUTS, OPTIMIZER_PREFIX, from_dcp, is_dcp, to_dcp
+from .reader import LAYOUTS, OPTIMIZER_PREFIX, from_dcp, is_dcp
+from .writer import to_dcp
 
 __all__ = [
     "FORMAT",
