@@ -52,7 +52,7 @@ def to_dcp(
     _add_optimizer(out, manifest, family, directory)
     _add_model(out, manifest)
     with (
-        staged_output(dst, directory, dcp_metadata.OUTPUT) as staging,
+        staged_output(dst, directory, dcp_metadata.OUTPUT) as (_, staging),
         PieceReader(directory, manifest) as reader,
     ):
         fetch = _WholeTensors(out.sources, manifest, reader)
