@@ -35,7 +35,6 @@ class Consolidated:
     reads: tuple[tuple[str, str], ...]
     """Each (name, key) the output's tensors come from, in the order they are written: a
     split param's stacked tensor once per key, where its first matrix is written."""
-    model_tensors: frozenset[str]
 
 
 def consolidated(
@@ -63,8 +62,7 @@ def consolidated(
         (parts[w.param].stacked if w.param in parts else w.param, w.key)
         for w in writing.in_order(plan)
     )
-    names = frozenset(t.name for t in model_tensors)
-    return Consolidated(replace(target, model=model), plan, parts, tuple(reads), names)
+    return Consolidated(replace(target, model=model), plan, parts, tuple(reads))
 
 
 def write_consolidated(
@@ -97,7 +95,7 @@ def _scaled(
 ) -> writing.Tensors:
     """Each tensor of ``planned`` as it is written: a split param's matrix of its stacked
     tensor (held until its last matrix is written), momentum multiplied in place by its
-    group's factor of ``scales``; the model's other tensors as they are."""
+    group's factor of ``scales`` (the model's other tensors are values only)."""
     count = Counter(
         (part.stacked, w.key)
         for w in writing.in_order(planned.plan)
@@ -117,10 +115,9 @@ def _scaled(
             count[slot] -= 1
             if not count[slot]:
                 del held[slot]
-        momentum = w.param not in planned.model_tensors and w.key == "momentum_buffer"
-        if momentum and (scale := scales[planned.manifest.param(w.param).group]) != 1.0:
-            tensor = tensor.mul_(scale)
-        yield w, tensor
+        momentum = w.key == "momentum_buffer"
+        scale = scales[planned.manifest.param(w.param).group] if momentum else 1.0
+        yield w, tensor.mul_(scale) if scale != 1.0 else tensor
 
 
 def split_experts_of(
