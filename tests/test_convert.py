@@ -303,9 +303,9 @@ def test_a_foreign_format_is_one_record_in_the_registry(tmp_path, monkeypatch):
         name="fake",
         title="Fake",
         detect=lambda path: Path(path, "latest").is_file(),
-        read=lambda *args: None,
+        reader=lambda *args, **kwargs: None,
         read_options=ReadOptions,
-        write=lambda *args: None,
+        writer=lambda *args, **kwargs: None,
         write_options=WriteOptions,
         sources=("writer",),
         targets=("reader",),
@@ -345,3 +345,22 @@ def test_a_foreign_format_is_one_record_in_the_registry(tmp_path, monkeypatch):
         with pytest.raises(OptionError, match=message) as refused:
             route(foreign, **given)
         assert refused.value.option == option
+
+
+def test_each_formats_options_are_keywords_of_its_reader_and_writer():
+    """The registry calls a format's public ``from_X``/``to_X`` with its options' fields (and
+    :class:`Reading`'s) as keywords: each must be one the function takes."""
+    import dataclasses
+    import inspect
+
+    from muonckpt import interop
+
+    reading = [f.name for f in dataclasses.fields(interop.Reading)]
+    for format_ in interop.FORMATS:
+        calls = [(format_.reader, format_.read_options, reading)]
+        if format_.writer is not None:
+            calls.append((format_.writer, format_.write_options, ["to"]))
+        for function, options, common in calls:
+            taken = inspect.signature(function).parameters
+            for name in [*common, *(f.name for f in dataclasses.fields(options))]:
+                assert taken[name].kind is inspect.Parameter.KEYWORD_ONLY, (function, name)

@@ -98,5 +98,5 @@ def test_dcp_is_written_only_by_torchs_writer():
                 writer = {k.arg: k.value for k in node.keywords}["storage_writer"]
                 assert getattr(writer, "id", "") == "writer"
                 # torch's writer, subclassed in the private module beside it
-                assert "(dcp.FileSystemWriter)" in (path.parent / "_writer.py").read_text()
+                assert "(dcp.FileSystemWriter)" in (path.parent / "_torch_writer.py").read_text()
     assert saves == [DCP_WRITER]

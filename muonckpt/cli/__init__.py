@@ -283,7 +283,7 @@ def _convert_by(
     from ..interop import Reading
 
     output.also_quiet(ctx, quiet)
-    if route.writes is not None and route.writes.write is not None:
+    if route.writes is not None:
         assert to is not None  # the route checked it is one of the format's targets
         report = route.writes.write(src, dst, to, route.options)
         output.say_conversion(ctx, route.writes.title, report)

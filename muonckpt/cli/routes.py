@@ -106,7 +106,7 @@ def _writing(
     options: Mapping[str, Any],
 ) -> Route:
     """A muonckpt checkpoint written as one of ``format_``, its options checked."""
-    if format_.write is None or format_.write_options is None:
+    if format_.writer is None or format_.write_options is None:
         raise OptionError(f"muonckpt reads {format_.title} checkpoints but does not write them")
     if to not in format_.targets:
         raise OptionError(f"choose one of {', '.join(format_.targets)}", "--to")

@@ -1,5 +1,6 @@
 """What every foreign format's reader shares: the consolidated muonckpt checkpoint it writes
-(:func:`write_consolidated`, through the write engine's calls), stacked experts split checked
+(:func:`consolidated` plans it, :func:`write_consolidated` writes it through the write engine's
+calls, pulling the tensors the reader hands it), stacked experts split checked
 against the model's other tensors (:func:`split_experts_of`), and the lines saying how its
 momentum was converted (:func:`conversion_notes`) and what it left out (:func:`summarized`)."""
 
@@ -7,8 +8,8 @@ from __future__ import annotations
 
 import os
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import replace
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -23,62 +24,100 @@ from ..format.stacked import Part, split_stacked
 from ..format.writeplan import Plan, consolidated_plan
 
 
-def write_consolidated(
+@dataclass(frozen=True)
+class Consolidated:
+    """The consolidated checkpoint a reader writes, planned before any tensor is read:
+    :attr:`reads` is what the reader hands :func:`write_consolidated`, in that order."""
+
+    manifest: Manifest
+    plan: Plan
+    parts: Mapping[str, Part]
+    reads: tuple[tuple[str, str], ...]
+    """Each (name, key) the output's tensors come from, in the order they are written: a
+    split param's stacked tensor once per key, where its first matrix is written."""
+
+
+def consolidated(
     target: Manifest,
-    scales: Sequence[float],
-    read: Callable[[str, str], Any],
-    dst: str | os.PathLike[str],
     *,
-    overwrite: bool,
-    progress: Progress | None,
-    source: Path,
     aliases: Mapping[str, str] | None = None,
     model_tensors: Sequence[ParamEntry] = (),
     parts: Mapping[str, Part] | None = None,
-) -> Path:
-    """Write ``target``'s tensors, each ``read(param, key)`` (a tensor of its own, read once:
-    momentum is multiplied in place by its group's factor of ``scales``), as a consolidated
-    muonckpt checkpoint at ``dst``; tied names (``aliases``: alias -> stored name) go into
-    the model files' metadata. ``model_tensors`` (the model's other tensors: buffers, params
-    no optimizer holds, each ``read(name, PARAM_KEY)``) and the aliases go into the manifest's
-    :class:`ModelFile`. ``parts``: ``target``'s params split from stacked ones
-    (:func:`muonckpt.format.stacked.split_stacked`), each read as its matrix of the stacked
-    tensor ``read`` gives, which is read once per key."""
-    if parts:
-        read = _reading_parts(read, parts)
+) -> Consolidated:
+    """The plan of ``target``'s tensors as a consolidated muonckpt checkpoint: tied names
+    (``aliases``: alias -> stored name) go into the model files' metadata; ``model_tensors``
+    (the model's other tensors: buffers, params no optimizer holds, each read as
+    ``(name, PARAM_KEY)``) and the aliases go into the manifest's :class:`ModelFile`.
+    ``parts``: ``target``'s params split from stacked ones
+    (:func:`muonckpt.format.stacked.split_stacked`), each written as its matrix of the
+    stacked tensor, which is read once per key."""
     items = [((e.name, k, e.dtype_of(k)), e.shape) for e in target.params for k in e.tensor_keys]
     items += [((t.name, PARAM_KEY, t.dtype_of(PARAM_KEY)), t.shape) for t in model_tensors]
     plan = consolidated_plan(items, None, dict(aliases) if aliases else None)
     model = target.model
     if model_tensors or (aliases and model is None):
         model = ModelFile(tuple(model_tensors), (), dict(aliases or {}))
-    draft = writing.Draft(replace(target, model=model))
+    parts = parts or {}
+    reads = dict.fromkeys(
+        (parts[w.param].stacked if w.param in parts else w.param, w.key)
+        for w in writing.in_order(plan)
+    )
+    return Consolidated(replace(target, model=model), plan, parts, tuple(reads))
+
+
+def write_consolidated(
+    planned: Consolidated,
+    scales: Sequence[float],
+    tensors: Iterable[Any],
+    dst: str | os.PathLike[str],
+    *,
+    overwrite: bool,
+    progress: Progress | None,
+    source: Path,
+) -> Path:
+    """Write ``planned`` at ``dst``, its tensors pulled from ``tensors`` (one of
+    :attr:`Consolidated.reads` each, in that order, a tensor of its own: momentum is
+    multiplied in place by its group's factor of ``scales``)."""
     store, steps = storage.store_for(dst), writing.LocalSteps()
     staging = writing.stage(steps, store, dst, overwrite=overwrite, source=source)
-    tensors = _scaled(target, scales, read, plan, {t.name for t in model_tensors})
+    pulled = _scaled(planned, scales, iter(tensors))
     try:
-        written = Attempt(writing.write_files(store, plan, staging, tensors, progress))
+        written = Attempt(writing.write_files(store, planned.plan, staging, pulled, progress))
     except BaseException as exc:
         written = Attempt(failure=exc)
+    draft = writing.Draft(planned.manifest)
     replaced = writing.commit(steps, store, staging, dst, written, draft, source=source)
     return writing.retire(steps, store, replaced, dst)
 
 
 def _scaled(
-    target: Manifest,
-    scales: Sequence[float],
-    read: Callable[[str, str], Any],
-    plan: Plan,
-    others: set[str],
+    planned: Consolidated, scales: Sequence[float], tensors: Iterator[Any]
 ) -> writing.Tensors:
-    """Each tensor of ``plan`` as it is written, ``read(param, key)``: momentum multiplied in
-    place by its group's factor of ``scales``; the model's ``others`` as they are."""
-    for w in writing.in_order(plan):
-        tensor = read(w.param, w.key)
-        momentum = w.param not in others and w.key == "momentum_buffer"
-        if momentum and (scale := scales[target.param(w.param).group]) != 1.0:
-            tensor = tensor.mul_(scale)
-        yield w, tensor
+    """Each tensor of ``planned`` as it is written: a split param's matrix of its stacked
+    tensor (held until its last matrix is written), momentum multiplied in place by its
+    group's factor of ``scales`` (the model's other tensors are values only)."""
+    count = Counter(
+        (part.stacked, w.key)
+        for w in writing.in_order(planned.plan)
+        if (part := planned.parts.get(w.param))
+    )
+    held: dict[tuple[str, str], Any] = {}
+    for w in writing.in_order(planned.plan):
+        part = planned.parts.get(w.param)
+        if part is None:
+            tensor = next(tensors)
+        else:
+            slot = (part.stacked, w.key)
+            if slot not in held:
+                stacked = next(tensors)
+                held[slot] = stacked.reshape(-1, *stacked.shape[-2:])
+            tensor = held[slot][part.index]
+            count[slot] -= 1
+            if not count[slot]:
+                del held[slot]
+        momentum = w.key == "momentum_buffer"
+        scale = scales[planned.manifest.param(w.param).group] if momentum else 1.0
+        yield w, tensor.mul_(scale) if scale != 1.0 else tensor
 
 
 def split_experts_of(
@@ -90,32 +129,6 @@ def split_experts_of(
     known = replace(target, model=ModelFile(tuple(others), (), dict(aliases)))
     split, parts = split_stacked(known)
     return replace(split, model=target.model), parts
-
-
-def _reading_parts(
-    read: Callable[[str, str], Any], parts: Mapping[str, Part]
-) -> Callable[[str, str], Any]:
-    """``read`` that gives each split param's matrix of its stacked tensor, the stacked tensor
-    read once per key and held until its last matrix is taken (the writer fetches one tensor
-    at a time, in whatever order its files sort the names)."""
-    count = Counter(part.stacked for part in parts.values())
-    held: dict[tuple[str, str], tuple[Any, list[int]]] = {}
-
-    def read_part(name: str, key: str) -> Any:
-        part = parts.get(name)
-        if part is None:
-            return read(name, key)
-        slot = (part.stacked, key)
-        if slot not in held:
-            tensor = read(part.stacked, key)
-            held[slot] = (tensor.reshape(-1, *tensor.shape[-2:]), [count[part.stacked]])
-        matrices, left = held[slot]
-        left[0] -= 1
-        if not left[0]:
-            del held[slot]
-        return matrices[part.index]
-
-    return read_part
 
 
 def conversion_notes(source: Manifest, target: Manifest) -> tuple[str, ...]:

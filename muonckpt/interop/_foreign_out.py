@@ -24,9 +24,10 @@ if TYPE_CHECKING:
 @contextmanager
 def staged_output(
     dst: str | os.PathLike[str], source: Path, output: storage.Output
-) -> Iterator[Path]:
-    """A staging directory beside ``dst`` (which must not exist) to write the files of foreign
-    format ``output`` into, published at ``dst`` when the block ends, by the write engine
+) -> Iterator[tuple[storage.CheckpointStore, Path]]:
+    """The store of ``dst`` (what a writer writes its own small files through) and a staging
+    directory beside ``dst`` (which must not exist) to write the files of foreign format
+    ``output`` into, published at ``dst`` when the block ends, by the write engine
     (:func:`~muonckpt.files.writing.open_staging`, :func:`~muonckpt.files.writing.publish`);
     if anything fails, it is discarded (only the files the format writes, then the lease,
     which records the format: ``clean`` removes as much after a crash) and the error goes
@@ -34,7 +35,7 @@ def staged_output(
     store = storage.store_for(dst)
     staging = writing.open_staging(store, dst, overwrite=False, source=source, output=output)
     try:
-        yield staging
+        yield store, staging
         writing.publish(store, staging, Path(dst), None)
     except BaseException:
         writing.abandon(store, staging)

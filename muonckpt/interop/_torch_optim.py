@@ -44,7 +44,7 @@ from ..format.names import PARAM_KEY
 from ..storage import torch_pickles
 from ..storage.dtypes import dtype_name
 from ..storage.foreign_limits import read_json
-from ._consolidated import conversion_notes, write_consolidated
+from ._consolidated import consolidated, conversion_notes, write_consolidated
 from ._fields import listed_state, step_count, tensor
 
 MUON_SETTINGS = frozenset({"momentum", "nesterov", "ns_coefficients", "ns_steps", "adjust_lr_fn"})
@@ -384,18 +384,21 @@ def convert_optimizers(
     optimizers: Sequence[OptimizerState],
     dst: str | os.PathLike[str],
     *,
-    names: Sequence[Sequence[str]] | None,
+    names: str | os.PathLike[str] | Sequence[Sequence[str]] | None,
     to: str | None,
     overwrite: bool,
     progress: Progress | None,
     source: Path,
     recorded_step: int | None = None,
-) -> tuple[Path, str, tuple[str, ...], tuple[str, ...]]:
+) -> tuple[Path, str, tuple[str, ...]]:
     """Write ``optimizers``' state and ``model``'s tensors as a consolidated muonckpt
     checkpoint at ``dst`` for the family ``to`` (None: torch.optim.Muon's and AdamW's own
-    form), keyed by the model's names; the model's tensors no optimizer holds (buffers, frozen
-    params) go in as the model's other tensors. Returns the path, how the params were named,
-    the model tensors carried beside the params, and the momentum conversions."""
+    form), keyed by the model's names (``names``: :func:`given_names`, where the files do not
+    say); the model's tensors no optimizer holds (buffers, frozen params) go in as the
+    model's other tensors. Returns the path, the layout (how many optimizers, how the params
+    were named, how many model tensors were carried beside them), and the momentum
+    conversions."""
+    given = given_names(names)
     if to is not None and to not in kinds.FAMILIES:
         raise CheckpointError(f"cannot convert to {to!r}: choose one of {sorted(kinds.FAMILIES)}")
     params: list[_Param] = []
@@ -404,7 +407,7 @@ def convert_optimizers(
         held, held_kinds = _params(k, optimizer)
         params += held
         group_kinds.append(held_kinds)
-    found, how = _names(params, optimizers, model, names)
+    found, how = _names(params, optimizers, model, given)
     manifest = _manifest(params, found, group_kinds, optimizers, model, recorded_step)
     target, scales = converted_manifest(manifest, to, path=source)
     state = {name: p.state for p, name in zip(params, found, strict=True)}
@@ -413,17 +416,19 @@ def convert_optimizers(
         for n, t in model.tensors.items()
         if n not in state
     ]
-
-    def read(name: str, key: str) -> Any:
-        tensor = model.tensors.pop(name) if key == PARAM_KEY else state[name].pop(key)
-        return tensor.clone()
-
+    planned = consolidated(target, model_tensors=others)
+    tensors = (
+        (model.tensors.pop(name) if key == PARAM_KEY else state[name].pop(key)).clone()
+        for name, key in planned.reads
+    )
     path = write_consolidated(
-        target, scales, read, dst,
-        overwrite=overwrite, progress=progress, source=source, model_tensors=others,
-    )  # fmt: skip
-    carried = tuple(f"{t.name} (a model tensor no optimizer holds)" for t in others)
-    return path, how, carried, conversion_notes(manifest, target)
+        planned, scales, tensors, dst, overwrite=overwrite, progress=progress, source=source
+    )
+    count = len(optimizers)
+    layout = f"{count} optimizer{'s' * (count != 1)}, params named by {how}"
+    if others:
+        layout += f", {len(others)} more model tensor{'s' * (len(others) != 1)} carried"
+    return path, layout, conversion_notes(manifest, target)
 
 
 MAX_NAMES_BYTES = 64 << 20

@@ -3,8 +3,8 @@
 A format is a :class:`ForeignFormat` record made by its own folder (``interop/dcp/``'s
 ``FORMAT``): how to recognise its checkpoints, a reader that writes one as a consolidated
 muonckpt checkpoint, and a writer that writes any muonckpt checkpoint as one, each with its
-options as a frozen dataclass of that format; both report what they did as a
-:class:`Conversion`.
+options as a frozen dataclass of that format whose fields are its function's keywords; both
+report what they did as a :class:`Conversion`.
 """
 
 from __future__ import annotations
@@ -64,11 +64,11 @@ class ForeignFormat(Generic[R, W]):
     ``W`` its reader's and writer's options (frozen dataclasses whose fields are named as
     ``convert``'s options: ``world`` is ``--world``).
 
-    ``read(src, dst, reading, options)`` writes the foreign checkpoint ``src`` as a
-    consolidated muonckpt checkpoint ``dst`` (:class:`Reading`). ``write(src, dst, to,
-    options)`` writes the muonckpt checkpoint ``src`` as a new foreign checkpoint ``dst`` for
-    the implementation ``to`` (one of :attr:`targets`), never over an existing one. Both
-    stream, and return a :class:`Conversion`.
+    :meth:`read` writes a foreign checkpoint as a consolidated muonckpt checkpoint, and
+    :meth:`write` a muonckpt checkpoint as a new foreign one, never over an existing one,
+    each by calling the format's public function (:attr:`reader`, :attr:`writer`: ``from_dcp``,
+    ``to_dcp``) with its options' fields as keywords. Both stream, and return a
+    :class:`Conversion`.
     """
 
     name: str
@@ -77,14 +77,17 @@ class ForeignFormat(Generic[R, W]):
     """How messages call it: ``DCP``."""
     detect: Callable[[str | os.PathLike[str]], bool]
     """Whether a path is a checkpoint of this format (cheap: a file's presence, never a read)."""
-    read: Callable[[Path, Path, Reading, R], Conversion]
+    reader: Callable[..., Conversion]
+    """``reader(src, dst, source=, to=, overwrite=, progress=, **options)``: the fields of
+    :class:`Reading` and of :attr:`read_options` as keywords."""
     read_options: type[R]
     """The reader's options; a choice outside those a field takes raises
     :class:`~muonckpt.errors.OptionError` when made."""
     sources: tuple[str, ...]
     """The implementations whose checkpoints :attr:`read` takes (``convert --from``)."""
-    write: Callable[[Path, Path, str, W], Conversion] | None = None
-    """None: muonckpt reads the format but does not write it."""
+    writer: Callable[..., Conversion] | None = None
+    """``writer(src, dst, to=, **options)``, the fields of :attr:`write_options` as keywords;
+    None: muonckpt reads the format but does not write it."""
     write_options: type[W] | None = None
     targets: tuple[str, ...] = ()
     """The implementations :attr:`write` writes for (``convert --to`` with ``--format``)."""
@@ -92,3 +95,13 @@ class ForeignFormat(Generic[R, W]):
     """Whether its checkpoints say which implementation wrote them (DeepSpeed's: its one
     :attr:`sources`): then ``--from`` may be left out, and without ``--to`` :attr:`read`
     keeps the state in that implementation's own form."""
+
+    def read(self, src: Path, dst: Path, reading: Reading, options: R) -> Conversion:
+        """Write the foreign checkpoint ``src`` as a consolidated muonckpt checkpoint ``dst``."""
+        return self.reader(src, dst, **vars(reading), **vars(options))
+
+    def write(self, src: Path, dst: Path, to: str, options: W) -> Conversion:
+        """Write the muonckpt checkpoint ``src`` as a new foreign checkpoint ``dst`` for the
+        implementation ``to`` (one of :attr:`targets`)."""
+        assert self.writer is not None  # the router refuses to write a read-only format
+        return self.writer(src, dst, to=to, **vars(options))

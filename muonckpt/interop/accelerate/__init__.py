@@ -9,32 +9,18 @@ Here: ``FORMAT``, the format as :mod:`..registry` holds it, with its options.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from .._torch_optim import TrainerReadOptions
-from ..foreign import Conversion, ForeignFormat, NoOptions, Reading
+from ..foreign import ForeignFormat, NoOptions
 from .reader import SOURCE, from_accelerate, is_accelerate
 
 __all__ = ["FORMAT", "from_accelerate", "is_accelerate"]
-
-
-def _read(src: Path, dst: Path, reading: Reading, options: TrainerReadOptions) -> Conversion:
-    return from_accelerate(
-        src,
-        dst,
-        source=reading.source,
-        to=reading.to,
-        names=options.names,
-        overwrite=reading.overwrite,
-        progress=reading.progress,
-    )
 
 
 FORMAT: ForeignFormat[TrainerReadOptions, NoOptions] = ForeignFormat(
     name="accelerate",
     title="accelerate",
     detect=is_accelerate,
-    read=_read,
+    reader=from_accelerate,
     sources=(SOURCE,),
     read_options=TrainerReadOptions,
     records_source=True,

@@ -21,7 +21,6 @@ from .._torch_optim import (
     ModelState,
     OptimizerState,
     convert_optimizers,
-    given_names,
     load,
 )
 from ..foreign import Conversion
@@ -58,13 +57,10 @@ def from_accelerate(
     files = accelerate_files(src)
     model = ModelState(read_model(files.model), ordered=files.model.suffix == ".bin")
     optimizers = [OptimizerState(p.name, p, load(p)) for p in files.optimizers]
-    path, how, carried, notes = convert_optimizers(
+    path, layout, notes = convert_optimizers(
         model, optimizers, dst,
-        names=given_names(names), to=to, overwrite=overwrite, progress=progress,
-        source=files.directory,
+        names=names, to=to, overwrite=overwrite, progress=progress, source=files.directory,
     )  # fmt: skip
-    count = len(optimizers)
-    layout = f"save_state of {count} optimizer{'s' * (count != 1)}, params named by {how}"
-    if carried:
-        layout += f", {len(carried)} more model tensor{'s' * (len(carried) != 1)} carried"
-    return Conversion(path, layout, tuple(f"{n} (not read)" for n in files.others), notes)
+    return Conversion(
+        path, f"save_state of {layout}", tuple(f"{n} (not read)" for n in files.others), notes
+    )

@@ -1,25 +1,25 @@
 """PyTorch Distributed Checkpoint (DCP): the checkpoints of FSDP2 / DTensor Muons (torchtitan,
 microsoft/dion, muon-fsdp2, a hand-rolled Muon under ``fully_shard``), in and out.
 
-Modules: :mod:`.reader` (:func:`from_dcp` and :func:`to_dcp`), :mod:`.metadata`
+Modules: :mod:`.reader` (:func:`from_dcp`), :mod:`.writer` (:func:`to_dcp`), :mod:`.metadata`
 (``.metadata`` read by a restricted unpickler and checked: :class:`~.metadata.DcpIndex`),
 :mod:`.files` (each item's data read by its checked byte range; written by torch's own
-``FileSystemWriter``), :mod:`._writer` (torch's planner and storage writer, taught to fetch each
-tensor when written and to write through the storage seam), :mod:`.model_items` (which items
-are the model's). The other formats built on DCP (:mod:`..torchtitan`, :mod:`..megatron`)
-read and write through these.
+``FileSystemWriter``), :mod:`._torch_writer` (torch's planner and storage writer, taught to
+fetch each tensor when written and to write through the storage seam), :mod:`.model_items`
+(which items are the model's). The other formats built on DCP (:mod:`..torchtitan`,
+:mod:`..megatron`) read and write through these.
 Here: ``FORMAT``, the format as :mod:`..registry` holds it, with its options.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 from ...errors import OptionError
 from ...format import kinds
-from ..foreign import Conversion, ForeignFormat, Reading
-from .reader import LAYOUTS, OPTIMIZER_PREFIX, from_dcp, is_dcp, to_dcp
+from ..foreign import ForeignFormat
+from .reader import LAYOUTS, OPTIMIZER_PREFIX, from_dcp, is_dcp
+from .writer import to_dcp
 
 __all__ = [
     "FORMAT",
@@ -54,31 +54,13 @@ class DcpWriteOptions:
             raise OptionError(f"choose one of {', '.join(LAYOUTS)}", "--layout")
 
 
-def _read(src: Path, dst: Path, reading: Reading, options: DcpReadOptions) -> Conversion:
-    return from_dcp(
-        src,
-        dst,
-        source=reading.source,
-        to=reading.to,
-        model_prefix=options.model_prefix,
-        optimizer_prefix=options.optimizer_prefix,
-        split_experts=options.split_experts,
-        overwrite=reading.overwrite,
-        progress=reading.progress,
-    )
-
-
-def _write(src: Path, dst: Path, to: str, options: DcpWriteOptions) -> Conversion:
-    return to_dcp(src, dst, to=to, layout=options.layout)
-
-
 FORMAT = ForeignFormat(
     name="dcp",
     title="DCP",
     detect=is_dcp,
-    read=_read,
+    reader=from_dcp,
     read_options=DcpReadOptions,
-    write=_write,
+    writer=to_dcp,
     write_options=DcpWriteOptions,
     sources=tuple(kinds.DCP_FAMILIES),
     targets=tuple(kinds.DCP_FAMILIES),

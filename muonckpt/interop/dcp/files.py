@@ -191,7 +191,7 @@ def write_dcp(
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from ._writer import BoundedWriter, FetchingPlanner
+    from ._torch_writer import BoundedWriter, FetchingPlanner
 
     budget = max(
         [math.prod(shape) * itemsize(dtype) for shape, dtype in tensors.values()], default=0

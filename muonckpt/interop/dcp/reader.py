@@ -1,4 +1,4 @@
-"""PyTorch Distributed Checkpoint (DCP) in and out: the checkpoints of FSDP2 / DTensor Muons
+"""PyTorch Distributed Checkpoint (DCP) in: the checkpoints of FSDP2 / DTensor Muons
 (torchtitan, microsoft/dion, muon-fsdp2, a hand-rolled Muon under ``fully_shard``).
 
 :func:`from_dcp` reads a DCP checkpoint (the layout of DCP's recipe, ``model.<fqn>`` beside
@@ -6,10 +6,9 @@
 torchtitan's, the model's fqns at the top level) and writes a consolidated muonckpt
 checkpoint for a muonckpt family, params included, momentum converted from the form of the
 family that wrote it (``source``: a DCP checkpoint does not record its optimizer).
-:func:`to_dcp` writes any muonckpt checkpoint as DCP for a DTensor family, which
-``torch.distributed.checkpoint.load`` reads at any world size. Both stream one tensor at a
-time; all DCP file access is :mod:`muonckpt.interop.dcp.metadata`'s and
-:mod:`muonckpt.interop.dcp.files`'s.
+It streams one tensor at a time; all DCP file access is
+:mod:`muonckpt.interop.dcp.metadata`'s and :mod:`muonckpt.interop.dcp.files`'s (DCP out:
+:mod:`.writer`).
 """
 
 from __future__ import annotations
@@ -18,27 +17,29 @@ import json
 import math
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ...errors import CheckpointError, StateDictError
-from ...files.pieces import PieceReader, open_checkpoint
 from ...files.writing import Progress
 from ...format import kinds
-from ...format.conversion import converted_manifest, group_kind, step_scalar
+from ...format.conversion import converted_manifest
 from ...format.manifest import (
     CONSOLIDATED,
     GroupEntry,
     Manifest,
     ParamEntry,
-    PieceIndex,
     Scalar,
     json_safe,
 )
 from ...format.names import PARAM_KEY
-from .._consolidated import conversion_notes, split_experts_of, summarized, write_consolidated
-from .._foreign_out import not_carried, read_whole, staged_output
+from .._consolidated import (
+    consolidated,
+    conversion_notes,
+    split_experts_of,
+    summarized,
+    write_consolidated,
+)
 from ..foreign import Conversion
 from . import files as dcp_files
 from . import metadata as dcp_metadata
@@ -48,7 +49,6 @@ __all__ = [
     "LAYOUTS",
     "from_dcp",
     "is_dcp",
-    "to_dcp",
 ]
 
 LAYOUTS = {"torchtitan": "", "recipe": "model."}
@@ -57,7 +57,8 @@ OPTIMIZER_PREFIX = "optimizer."
 is_dcp = dcp_metadata.is_dcp
 
 
-def _family(name: str, what: str) -> kinds.DcpFamily:
+def dcp_family(name: str, what: str) -> kinds.DcpFamily:
+    """The DCP family ``name``, the ``source`` or ``target`` (``what``) of a conversion."""
     family = kinds.DCP_FAMILIES.get(name)
     if family is None:
         raise StateDictError(
@@ -153,7 +154,7 @@ def from_dcp(
     Memory: one full tensor and one of its chunks, twice (the next is read meanwhile); telling
     a tied name reads it beside each param of its shape and dtype, one at a time.
     """
-    family = _family(source, "source")
+    family = dcp_family(source, "source")
     if to is not None and to not in kinds.FAMILIES:
         raise StateDictError(f"cannot convert to {to!r}: choose one of {sorted(kinds.FAMILIES)}")
     index = dcp_metadata.read_index(src)
@@ -168,17 +169,16 @@ def from_dcp(
     others, aliases = model_others_of(index, settings, model_items) if model_others else ([], {})
     fqn_of.update({(t.name, PARAM_KEY): model_prefix + t.name for t in others})
     target, parts = split_experts_of(target, others, aliases) if split_experts else (target, {})
+    planned = consolidated(target, aliases=aliases, model_tensors=others, parts=parts)
+    tensors = (dcp_files.read_tensor(index, index.tensors[fqn_of[r]]) for r in planned.reads)
     path = write_consolidated(
-        target,
+        planned,
         scales,
-        lambda name, key: dcp_files.read_tensor(index, index.tensors[fqn_of[name, key]]),
+        tensors,
         dst,
         overwrite=overwrite,
         progress=progress,
         source=index.directory,
-        aliases=aliases,
-        model_tensors=others,
-        parts=parts,
     )
     used = {model_prefix + name for name in [*settings, *aliases]}
     used |= {model_prefix + t.name for t in others} | settings_items
@@ -389,192 +389,3 @@ def _step(index: dcp_metadata.DcpIndex, fqn: str, where: Path) -> Scalar:
     ):
         raise CheckpointError(f"DCP item {fqn!r}: step {value!r} is not a count", path=where)
     return Scalar(value, dtype)
-
-
-def to_dcp(
-    src: str | os.PathLike[str],
-    dst: str | os.PathLike[str],
-    *,
-    to: str,
-    layout: str = "torchtitan",
-) -> Conversion:
-    """Write the muonckpt checkpoint ``src`` (any kind, any topology) as a DCP checkpoint at
-    ``dst`` for the DTensor family ``to``: the params as the model's tensors, each param's
-    state under ``optimizer.state.<fqn>.<key>`` in the family's keys and momentum form, AdamW
-    step counts where the family keeps them (torch: a float32 0-d tensor per param, as
-    :func:`muonckpt.load` restores them), and ``optimizer.param_groups.<fqn>.<setting>`` for
-    the settings the family has (torch's optimizers' own defaults where the checkpoint does
-    not say). ``layout``: ``torchtitan`` (model fqns at the top level) or ``recipe``
-    (``model.<fqn>``). Only torch's writer writes; ``dst`` must not exist.
-
-    Memory: one full tensor at a time.
-    """
-    family = _family(to, "target")
-    if layout not in LAYOUTS:
-        raise StateDictError(f"layout {layout!r}: choose one of {', '.join(LAYOUTS)}")
-    directory, manifest = open_checkpoint(src)
-    out = _DcpOut(LAYOUTS[layout])
-    _add_optimizer(out, manifest, family, directory)
-    _add_model(out, manifest)
-    with (
-        staged_output(dst, directory, dcp_metadata.OUTPUT) as staging,
-        PieceReader(directory, manifest) as reader,
-    ):
-        fetch = _WholeTensors(out.sources, manifest, reader)
-        dcp_files.write_dcp(staging, out.tensors, out.values, fetch)
-    left = tuple(out.left) + not_carried(manifest)
-    return Conversion(Path(dst), layout, left, tuple(out.notes))
-
-
-@dataclass
-class _DcpOut:
-    """What :func:`to_dcp` writes, in the order it writes it: each tensor's fqn -> (shape,
-    safetensors dtype) and where its data comes from (the muonckpt name, its state key, the
-    factor its values are multiplied by), the plain values (fqn -> value), and for the report
-    the momentum conversions and what was left out. ``prefix``: the model fqns' prefix."""
-
-    prefix: str
-    tensors: dict[str, tuple[tuple[int, ...], str]] = field(default_factory=dict)
-    sources: dict[str, tuple[str, str, float]] = field(default_factory=dict)
-    values: dict[str, Any] = field(default_factory=dict)
-    notes: list[str] = field(default_factory=list)
-    left: list[str] = field(default_factory=list)
-
-
-def _add_optimizer(
-    out: _DcpOut, manifest: Manifest, family: kinds.DcpFamily, directory: Path
-) -> None:
-    """Add each optimizer param to ``out``: its values as the model's tensor, its state in the
-    family's keys and momentum form, its AdamW step and its group's settings."""
-    for g, group in enumerate(manifest.groups):
-        kind = group_kind(group, g, directory)
-        target = family.target_kind(kind)
-        mapping = kinds.state_mapping(kind, target, f"group {g}", None)
-        factor = mapping.keys.get("momentum_buffer", ("", 1.0))[1]
-        if mapping.note:
-            out.notes.append(f"{len(group.params)} Muon params: {mapping.note}")
-        group_settings = _settings(family, kind, target, group.hyperparams)
-        for name in group.params:
-            entry = manifest.param(name)
-            if entry.value_dtype is not None:
-                out.tensors[out.prefix + name] = (entry.shape, entry.value_dtype)
-                out.sources[out.prefix + name] = (name, PARAM_KEY, 1.0)
-            else:
-                out.left.append(f"{name} (no values saved)")
-            for key in entry.state_keys:
-                fqn = f"{OPTIMIZER_PREFIX}state.{name}.{family.their_key(kind.role or '', key)}"
-                out.tensors[fqn] = (entry.shape, entry.dtype_of(key))
-                out.sources[fqn] = (name, key, factor if key == "momentum_buffer" else 1.0)
-            step = step_scalar(family.step_in, manifest.step_of(entry), name)
-            if kind.role == "adamw" and step is not None and entry.state_keys:
-                out.values[f"{OPTIMIZER_PREFIX}state.{name}.step"] = (
-                    _step_tensor(step) if step.dtype is not None else step.value
-                )
-            for setting, value in group_settings.items():
-                out.values[f"{OPTIMIZER_PREFIX}param_groups.{name}.{setting}"] = value
-
-
-def _add_model(out: _DcpOut, manifest: Manifest) -> None:
-    """Add the model's other tensors (buffers, params no optimizer holds) to ``out``, then its
-    tied names, each as the tensor it aliases (left out where that holds no values)."""
-    model_file = manifest.model
-    if model_file is None:
-        return
-    for entry in model_file.tensors:
-        out.tensors[out.prefix + entry.name] = (entry.shape, entry.dtype_of(PARAM_KEY))
-        out.sources[out.prefix + entry.name] = (entry.name, PARAM_KEY, 1.0)
-    for alias, stored in sorted(model_file.aliases.items()):
-        if out.prefix + stored not in out.sources:
-            out.left.append(f"{alias} (an alias of {stored}, which holds no values)")
-            continue
-        out.tensors[out.prefix + alias] = out.tensors[out.prefix + stored]
-        out.sources[out.prefix + alias] = out.sources[out.prefix + stored]
-
-
-class _WholeTensors:
-    """The data of each tensor torch's writer asks for (one block, the whole tensor): read
-    from the muonckpt checkpoint as ``sources`` says (fqn -> the param or model tensor, its
-    state key, the factor its values are multiplied by)."""
-
-    def __init__(
-        self, sources: Mapping[str, tuple[str, str, float]], manifest: Manifest, reader: PieceReader
-    ) -> None:
-        model = manifest.model
-        self.sources = sources
-        self.manifest = manifest
-        self.reader = reader
-        self.model_tensors = {t.name: t for t in model.tensors} if model is not None else {}
-        self.pieces = PieceIndex(manifest.pieces, model.pieces if model is not None else ())
-
-    def __call__(self, fqn: str, _whole: dcp_files.Region) -> Any:
-        name, key, scale = self.sources[fqn]
-        entry = self.model_tensors.get(name) or self.manifest.param(name)
-        tensor = read_whole(self.reader, self.pieces, entry, key)
-        return tensor.mul_(scale) if scale != 1.0 else tensor
-
-
-def _step_tensor(step: Scalar) -> Any:
-    import torch
-
-    return torch.tensor(step.value, dtype=torch.float32)
-
-
-def _settings(
-    family: kinds.DcpFamily,
-    source: kinds.GroupKind,
-    target: kinds.GroupKind,
-    hyper: Mapping[str, Any],
-) -> dict[str, Any]:
-    """The settings a group of ``family`` has, from a group of ``source`` with ``hyper``:
-    torch's optimizers' own defaults (torch, torchtitan), overridden by what the checkpoint
-    says; for other families the settings muonckpt knows they have."""
-    own = family.name == source.family or source.optimizer in (family.muon, family.adamw)
-    if own and source.converted_from is None:
-        settings = {k: v for k, v in hyper.items() if k != "step" or family.step_in == "group"}
-        return _titan_settings(family, settings, hyper)
-    betas = hyper.get("betas", hyper.get("adamw_betas"))
-    eps = hyper.get("eps", hyper.get("adamw_eps"))
-    known: dict[str, Any] = {"lr": hyper.get("lr"), "weight_decay": hyper.get("weight_decay")}
-    if target.role == "muon":
-        known.update({family.mu_setting: target.momentum, "nesterov": target.nesterov})
-        if family.name in ("torch", "torchtitan"):
-            known["adjust_lr_fn"] = "match_rms_adamw" if target.lr_rule == kinds.MOONLIGHT else None
-        if "ns_steps" in hyper:
-            known["ns_steps"] = hyper["ns_steps"]
-    else:
-        known.update({"betas": tuple(betas) if betas is not None else None, "eps": eps})
-    if family.role_setting == "use_muon":
-        known["use_muon"] = target.role == "muon"
-    elif family.role_setting is not None:
-        known[family.role_setting] = "muon" if target.role == "muon" else "adamw"
-    if family.step_in == "group" and hyper.get("step") is not None:
-        known["step"] = hyper["step"]
-    if family.name in ("torch", "torchtitan"):
-        known["param_names"] = hyper.get("param_names")  # optimizers built from named params
-    settings = _torch_defaults(target.role or "") if family.name in ("torch", "torchtitan") else {}
-    settings.update({k: v for k, v in known.items() if v is not None})
-    return _titan_settings(family, settings, hyper)
-
-
-def _titan_settings(
-    family: kinds.DcpFamily, settings: dict[str, Any], hyper: Mapping[str, Any]
-) -> dict[str, Any]:
-    """``settings`` with the settings every torchtitan group has (its load asks for each):
-    ``initial_lr`` (its LR schedulers'; the checkpoint's, else ``lr``), ``foreach`` and
-    ``fused`` (its optimizer builder's; off where the checkpoint does not say)."""
-    if family.name == "torchtitan" and settings.get("lr") is not None:
-        settings.setdefault("initial_lr", hyper.get("initial_lr", settings["lr"]))
-        settings.setdefault("foreach", False)
-        settings.setdefault("fused", False)
-    return settings
-
-
-def _torch_defaults(role: str) -> dict[str, Any]:
-    """Every setting of a torch.optim.Muon (or AdamW) group, with torch's defaults."""
-    import torch
-
-    if role == "muon":
-        group = torch.optim.Muon([torch.zeros(2, 2)]).param_groups[0]
-    else:
-        group = torch.optim.AdamW([torch.zeros(2)]).param_groups[0]
-    return {k: v for k, v in group.items() if k not in ("params", "param_names")}

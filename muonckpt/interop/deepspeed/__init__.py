@@ -12,9 +12,8 @@ Here: ``FORMAT``, the format as :mod:`..registry` holds it, with its options.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
-from ..foreign import Conversion, ForeignFormat, NoOptions, Reading
+from ..foreign import ForeignFormat, NoOptions
 from .reader import from_deepspeed, is_deepspeed
 from .writer import SOURCE, to_deepspeed
 
@@ -30,30 +29,13 @@ class DeepSpeedWriteOptions:
     allow_large_world: bool = False
 
 
-def _read(src: Path, dst: Path, reading: Reading, _: NoOptions) -> Conversion:
-    return from_deepspeed(
-        src,
-        dst,
-        source=reading.source,
-        to=reading.to,
-        overwrite=reading.overwrite,
-        progress=reading.progress,
-    )
-
-
-def _write(src: Path, dst: Path, to: str, options: DeepSpeedWriteOptions) -> Conversion:
-    return to_deepspeed(
-        src, dst, to=to, world=options.world, allow_large_world=options.allow_large_world
-    )
-
-
 FORMAT = ForeignFormat(
     name="deepspeed",
     title="DeepSpeed",
     detect=is_deepspeed,
-    read=_read,
+    reader=from_deepspeed,
     read_options=NoOptions,
-    write=_write,
+    writer=to_deepspeed,
     write_options=DeepSpeedWriteOptions,
     sources=(SOURCE,),
     targets=(SOURCE,),

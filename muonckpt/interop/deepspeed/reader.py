@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,7 +37,7 @@ from ...format.manifest import (
 )
 from ...format.names import PARAM_KEY
 from ...storage.dtypes import dtype_name
-from .._consolidated import conversion_notes, write_consolidated
+from .._consolidated import consolidated, conversion_notes, write_consolidated
 from .._fields import shown, step_count, tensor
 from ..foreign import Conversion
 from . import files as deepspeed_files
@@ -197,53 +197,16 @@ def _read_rank(
     top = deepspeed_files.load(path)
     optim = _get(top, "optimizer_state_dict", dict, path, "the file")
     stage = _rank_partitions(optim, world, len(shapes), path)
-    base = optim.get("base_optimizer_state")
-    if not isinstance(base, dict):
-        raise _fail(
-            "base_optimizer_state is not one optimizer state dict: an elastic checkpoint "
-            "(zero_optimization.elastic_checkpoint), which muonckpt does not read",
-            path,
-        )
-    masters = _get(optim, "single_partition_of_fp32_groups", list, path, "optimizer_state_dict")
-    paddings = _get(optim, "group_paddings", list, path, "optimizer_state_dict")
-    param_groups = _get(base, "param_groups", list, path, "base_optimizer_state")
-    states = _get(base, "state", dict, path, "base_optimizer_state")
-    if not len(masters) == len(paddings) == len(param_groups) == len(shapes):
-        raise _fail(
-            f"{len(masters)} fp32 partitions, {len(paddings)} paddings and {len(param_groups)} "
-            f"optimizer groups for the {len(shapes)} groups of param_shapes",
-            path,
-        )
-    align = optim.get("param_alignment_paddings") or [None] * len(shapes)
-    if not isinstance(align, list) or len(align) != len(shapes):
-        raise _fail(
-            f"param_alignment_paddings is not one list per each of {len(shapes)} groups", path
-        )
+    masters, paddings, param_groups, states, align = _rank_groups(optim, len(shapes), path)
     mappings = optim.get("param_slice_mappings")
     for g, group_shapes in enumerate(shapes):
         numels = [math.prod(s) for s in group_shapes.values()]
-        try:
-            layout = group_layout(numels, world, align[g])
-        except (LayoutError, TypeError):
-            raise _fail(
-                f"param_alignment_paddings[{g}] is {shown(align[g])}, not one padding of at least "
-                f"0 after each of its {len(numels)} params but the last",
-                path,
-            ) from None
+        layout = _group_layout(numels, world, align[g], g, path)
         settings = param_groups[g]
         if not isinstance(settings, dict):
             raise _fail(f"param_groups[{g}] is not a group's settings", path)
         where = f"group {g}"
-        master = tensor(masters[g], path, f"{where}: its fp32 partition")
-        if master.dim() != 1:
-            raise _fail(f"{where}: its fp32 partition is not a flat tensor", path)
-        if master.numel() != layout.kept(rank) or paddings[g] != layout.group_padding(rank):
-            raise _fail(
-                f"{where}: its fp32 partition holds {master.numel()} elements with padding "
-                f"{paddings[g]!r}; the {sum(numels)} elements of param_shapes over {world} ranks "
-                f"give rank {rank} {layout.kept(rank)} with padding {layout.group_padding(rank)}",
-                path,
-            )
+        master = _master(masters[g], paddings[g], layout, rank, where, path)
         if rank == 0:  # (the partition checked first: param_shapes' claim is not allocated)
             flat = torch.zeros(layout.world * layout.partition, dtype=torch.float32)
             hyper = {k: v for k, v in settings.items() if k != "params"}
@@ -256,6 +219,67 @@ def _read_rank(
         group.master[at : at + master.numel()] = master
         _take_state(_state_of(settings.get("params"), states, where, path), group, rank, path)
     return stage
+
+
+def _rank_groups(
+    optim: dict[Any, Any], groups: int, path: Path
+) -> tuple[list[Any], list[Any], list[Any], dict[Any, Any], list[Any]]:
+    """A rank file's fp32 partitions, their paddings, its optimizer's groups and state, and
+    its params' alignment paddings: one of each per each of the ``groups`` groups of
+    ``param_shapes`` (the state by param id)."""
+    base = optim.get("base_optimizer_state")
+    if not isinstance(base, dict):
+        raise _fail(
+            "base_optimizer_state is not one optimizer state dict: an elastic checkpoint "
+            "(zero_optimization.elastic_checkpoint), which muonckpt does not read",
+            path,
+        )
+    masters = _get(optim, "single_partition_of_fp32_groups", list, path, "optimizer_state_dict")
+    paddings = _get(optim, "group_paddings", list, path, "optimizer_state_dict")
+    param_groups = _get(base, "param_groups", list, path, "base_optimizer_state")
+    states = _get(base, "state", dict, path, "base_optimizer_state")
+    if not len(masters) == len(paddings) == len(param_groups) == groups:
+        raise _fail(
+            f"{len(masters)} fp32 partitions, {len(paddings)} paddings and {len(param_groups)} "
+            f"optimizer groups for the {groups} groups of param_shapes",
+            path,
+        )
+    align = optim.get("param_alignment_paddings") or [None] * groups
+    if not isinstance(align, list) or len(align) != groups:
+        raise _fail(f"param_alignment_paddings is not one list per each of {groups} groups", path)
+    return masters, paddings, param_groups, states, align
+
+
+def _group_layout(numels: list[int], world: int, align: Any, g: int, path: Path) -> GroupLayout:
+    """The ZeRO layout of group ``g``'s params (``numels`` elements each) over ``world``
+    ranks, with the alignment paddings ``align`` its rank file saved."""
+    try:
+        return group_layout(numels, world, align)
+    except (LayoutError, TypeError):
+        raise _fail(
+            f"param_alignment_paddings[{g}] is {shown(align)}, not one padding of at least "
+            f"0 after each of its {len(numels)} params but the last",
+            path,
+        ) from None
+
+
+def _master(
+    saved: Any, padding: Any, layout: GroupLayout, rank: int, where: str, path: Path
+) -> Any:
+    """Rank ``rank``'s fp32 partition of a group, checked to be the flat tensor, at the
+    padding, that ``layout`` gives it."""
+    master = tensor(saved, path, f"{where}: its fp32 partition")
+    if master.dim() != 1:
+        raise _fail(f"{where}: its fp32 partition is not a flat tensor", path)
+    if master.numel() != layout.kept(rank) or padding != layout.group_padding(rank):
+        raise _fail(
+            f"{where}: its fp32 partition holds {master.numel()} elements with padding "
+            f"{padding!r}; the {sum(layout.numels)} elements of param_shapes over "
+            f"{layout.world} ranks give rank {rank} {layout.kept(rank)} with padding "
+            f"{layout.group_padding(rank)}",
+            path,
+        )
+    return master
 
 
 def _check_mappings(mappings: Any, g: int, group: _Group, rank: int, path: Path) -> None:
@@ -422,20 +446,18 @@ def _manifest(groups: Sequence[_Group], recorded: int | None, path: Path) -> Man
     )  # fmt: skip
 
 
-def _reader(groups: Sequence[_Group]) -> Callable[[str, str], Any]:
-    """``read(param, key)``: each tensor of the output, a tensor of its own, cut from the
-    joined groups when the writer reaches it (a momentum handed over, not copied)."""
+def _tensors(groups: Sequence[_Group], reads: Iterable[tuple[str, str]]) -> Iterator[Any]:
+    """Each tensor of ``reads``, a tensor of its own, cut from the joined groups when the
+    writer pulls it (a momentum handed over, not copied)."""
     where = {name: (group, i) for group in groups for i, name in enumerate(group.names)}
-
-    def read(name: str, key: str) -> Any:
+    for name, key in reads:
         group, index = where[name]
         if key == MUON_KEY:
-            return group.momentum.pop(name)[0]
+            yield group.momentum.pop(name)[0]
+            continue
         flat = group.master if key == PARAM_KEY else group.moments[key]
         at, numel = group.layout.offsets[index], group.layout.numels[index]
-        return flat[at : at + numel].clone().reshape(group.shapes[index])
-
-    return read
+        yield flat[at : at + numel].clone().reshape(group.shapes[index])
 
 
 _MODEL_KEYS_USED = {
@@ -506,15 +528,15 @@ def from_deepspeed(
     if aliases:
         manifest = _with_aliases(manifest, aliases)
     target, scales = converted_manifest(manifest, to, path=directory)
+    planned = consolidated(target, aliases=aliases)
     path = write_consolidated(
-        target,
+        planned,
         scales,
-        _reader(groups),
+        _tensors(groups, planned.reads),
         dst,
         overwrite=overwrite,
         progress=progress,
         source=Path(src),  # the root a latest names the tag of: no output inside it either
-        aliases=aliases,
     )
     layout = f"ZeRO-{'/'.join(map(str, sorted(stages)))}, world {len(files)}"
     return Conversion(path, layout, tuple(left), conversion_notes(manifest, target))

@@ -25,7 +25,6 @@ from .._torch_optim import (
     ModelState,
     OptimizerState,
     convert_optimizers,
-    given_names,
     load,
 )
 from ..foreign import Conversion
@@ -82,14 +81,10 @@ def from_lightning(
         )
     optimizers = [OptimizerState(f"optimizer_states[{k}]", path, s) for k, s in enumerate(states)]
     step = top.get("global_step")
-    path_out, how, carried, notes = convert_optimizers(
+    path_out, layout, notes = convert_optimizers(
         ModelState(dict(model), ordered=True), optimizers, dst,
-        names=given_names(names), to=to, overwrite=overwrite, progress=progress,
+        names=names, to=to, overwrite=overwrite, progress=progress,
         source=path, recorded_step=step if type(step) is int and step >= 0 else None,
     )  # fmt: skip
-    count = len(optimizers)
-    layout = f"{count} optimizer{'s' * (count != 1)}, params named by {how}"
-    if carried:
-        layout += f", {len(carried)} more model tensor{'s' * (len(carried) != 1)} carried"
     left = tuple(str(key) for key in top if key not in USED)
     return Conversion(path_out, layout, left, notes)

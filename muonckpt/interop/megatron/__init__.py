@@ -13,9 +13,8 @@ Here: ``FORMAT``, the format as :mod:`..registry` holds it, with its options.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
-from ..foreign import Conversion, ForeignFormat, NoOptions, Reading
+from ..foreign import ForeignFormat, NoOptions
 from .reader import from_megatron, is_megatron
 from .writer import to_megatron
 
@@ -32,30 +31,13 @@ class MegatronWriteOptions:
     allow_large_world: bool = False
 
 
-def _read(src: Path, dst: Path, reading: Reading, _: NoOptions) -> Conversion:
-    return from_megatron(
-        src,
-        dst,
-        source=reading.source,
-        to=reading.to,
-        overwrite=reading.overwrite,
-        progress=reading.progress,
-    )
-
-
-def _write(src: Path, dst: Path, to: str, options: MegatronWriteOptions) -> Conversion:
-    return to_megatron(
-        src, dst, to=to, tp=options.tp, dp=options.dp, allow_large_world=options.allow_large_world
-    )
-
-
 FORMAT = ForeignFormat(
     name="megatron",
     title="Megatron-Core",
     detect=is_megatron,
-    read=_read,
+    reader=from_megatron,
     read_options=NoOptions,
-    write=_write,
+    writer=to_megatron,
     write_options=MegatronWriteOptions,
     sources=("megatron",),
     targets=("megatron",),

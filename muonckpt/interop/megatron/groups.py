@@ -1,7 +1,7 @@
 """What Megatron-Core's layer-wise Muon records of its param groups, read the same way from
 either of its checkpoint formats (torch_dist: :mod:`.reader`; torch: :mod:`.torch_format`):
-each group's role and settings, and the Muon settings its groups do not hold, from the
-training ``args`` or Megatron's defaults."""
+each group's role and settings, the Muon settings its groups do not hold, from the
+training ``args`` or Megatron's defaults, and the consolidated manifest of its groups."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import Any
 
 from ...errors import CheckpointError
 from ...format import kinds
-from ...format.manifest import json_safe
+from ...format.manifest import CONSOLIDATED, GroupEntry, Manifest, ParamEntry, json_safe
 from .._fields import shown
 from .files import Namespace
 
@@ -76,3 +76,16 @@ def assumed(args: Any) -> tuple[str, ...]:
         return ()
     taken = ", ".join(f"{k}={v}" for k, v in DEFAULTS.items())
     return (f"the checkpoint holds no training args: Megatron's defaults {taken} assumed",)
+
+
+def manifest_of(
+    groups: list[Group], group_kinds: list[kinds.GroupKind], entries: list[ParamEntry]
+) -> Manifest:
+    """A consolidated manifest in Megatron's own form of ``entries``, each in its group of
+    ``groups`` (of ``group_kinds``): the params group by group, by name within each."""
+    entries = sorted(entries, key=lambda e: (e.group, e.name))
+    group_entries = tuple(
+        GroupEntry(group.settings, tuple(e.name for e in entries if e.group == g), kind.to_json())
+        for g, (group, kind) in enumerate(zip(groups, group_kinds, strict=True))
+    )
+    return Manifest(CONSOLIDATED, {"dp": 1, "tp": 1}, group_entries, tuple(entries), (), ())

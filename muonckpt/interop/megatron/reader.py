@@ -30,19 +30,19 @@ from ...errors import CheckpointError, StateDictError
 from ...files.writing import Progress
 from ...format import kinds
 from ...format.conversion import converted_manifest
-from ...format.manifest import CONSOLIDATED, GroupEntry, Manifest, ParamEntry, Scalar
+from ...format.manifest import Manifest, ParamEntry, Scalar
 from ...format.names import PARAM_KEY
 from ...format.stacked import matrices
 from ...storage import access
 from ...storage.foreign_limits import read_json
-from .._consolidated import conversion_notes, summarized, write_consolidated
+from .._consolidated import consolidated, conversion_notes, summarized, write_consolidated
 from .._fields import count
 from ..dcp import files as dcp_files
 from ..dcp import metadata as dcp_metadata
 from ..foreign import Conversion
 from . import files as megatron_files
 from .files import LATEST, Namespace
-from .groups import MUON, Group, assumed, group_of, kind, role_of
+from .groups import MUON, Group, assumed, group_of, kind, manifest_of, role_of
 from .writer import DIST_METADATA, STACKED, STATE_KEYS, to_megatron
 
 __all__ = [
@@ -154,13 +154,13 @@ def from_megatron(
     groups = _groups(common, where)
     manifest, fqn_of = _manifest(index, items, groups, common, where)
     target, scales = converted_manifest(manifest, to, path=where)
-
-    def read(name: str, key: str) -> Any:
-        fqn, layer = fqn_of[name, key]
-        return dcp_files.read_tensor(index, index.tensors[fqn], layer)
-
+    planned = consolidated(target)
+    tensors = (
+        dcp_files.read_tensor(index, index.tensors[fqn], layer)
+        for fqn, layer in (fqn_of[r] for r in planned.reads)
+    )
     path = write_consolidated(
-        target, scales, read, dst, overwrite=overwrite, progress=progress, source=Path(src)
+        planned, scales, tensors, dst, overwrite=overwrite, progress=progress, source=Path(src)
     )  # (the root: an output inside it is refused, as inside the iteration)
     used = {fqn for fqn, _ in fqn_of.values()} | {_common_fqn(index, where)}
     left = sorted((set(index.tensors) | set(index.values)) - used)
@@ -293,7 +293,6 @@ def _manifest(
     """The checkpoint as a consolidated manifest in Megatron's own form, one param per layer,
     and where each (param, key) is: the item's fqn and its layer."""
     kinds_of = [kind(g, common.get("args")) for g in groups]
-    members: list[list[str]] = [[] for _ in groups]
     entries, fqn_of = [], {}
     for model_fqn in sorted(items):
         keys = items[model_fqn]
@@ -315,13 +314,5 @@ def _manifest(
             step = groups[g].step
             scalars = {"step": Scalar(float(step), "F32")} if role == "adamw" and step else {}
             entries.append(ParamEntry(name, shape, -1, g, dtypes, scalars))
-            members[g].append(name)
             fqn_of.update({(name, STATE_KEYS[k]): (fqn, layer) for k, fqn in keys.items()})
-    order = {name: i for i, names in enumerate(members) for name in names}
-    entries.sort(key=lambda e: (order[e.name], e.name))
-    group_entries = tuple(
-        GroupEntry(g.settings, tuple(sorted(names)), kind.to_json())
-        for g, names, kind in zip(groups, members, kinds_of, strict=True)
-    )
-    manifest = Manifest(CONSOLIDATED, {"dp": 1, "tp": 1}, group_entries, tuple(entries), (), ())
-    return manifest, fqn_of
+    return manifest_of(groups, kinds_of, entries), fqn_of

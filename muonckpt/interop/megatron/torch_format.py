@@ -32,15 +32,15 @@ import torch
 from ...errors import CheckpointError, LayoutError
 from ...files.writing import Progress
 from ...format.conversion import converted_manifest
-from ...format.manifest import CONSOLIDATED, GroupEntry, Manifest, ParamEntry, Scalar
+from ...format.manifest import Manifest, ParamEntry, Scalar
 from ...format.names import PARAM_KEY
 from ...storage.dtypes import dtype_name
-from .._consolidated import conversion_notes, summarized, write_consolidated
+from .._consolidated import consolidated, conversion_notes, summarized, write_consolidated
 from .._fields import count, listed_state, tensor
 from ..foreign import Conversion
 from . import files as megatron_files
 from .files import Namespace
-from .groups import Group, assumed, group_of, kind, role_of
+from .groups import Group, assumed, group_of, kind, manifest_of, role_of
 from .tp_chunks import partition_dim
 
 __all__ = ["LOCAL_NAMES", "from_torch_format"]
@@ -96,14 +96,10 @@ def from_torch_format(
     args = tops[0].get("args")
     manifest = _manifest(tensors, steps, groups, ranks[0], args)
     target, scales = converted_manifest(manifest, to, path=files.model[0])
+    planned = consolidated(target)
+    pulled = (tensors[name][key].clone() for name, key in planned.reads)
     path = write_consolidated(
-        target,
-        scales,
-        lambda name, key: tensors[name][key].clone(),
-        dst,
-        overwrite=overwrite,
-        progress=progress,
-        source=root,
+        planned, scales, pulled, dst, overwrite=overwrite, progress=progress, source=root
     )
     left = list(tops[0]["model"])  # the bf16 weights: the fp32 masters are carried
     left += [k for k in tops[0] if k not in ("model", "optimizer", "args", "iteration")]
@@ -339,7 +335,6 @@ def _manifest(
 ) -> Manifest:
     """The checkpoint as a consolidated manifest in Megatron's own form, as the torch_dist
     reader makes it."""
-    members: list[list[str]] = [[] for _ in groups]
     entries = []
     for name in sorted(tensors):
         g = params[name].group
@@ -348,11 +343,4 @@ def _manifest(
         step = steps[name]
         scalars = {"step": Scalar(float(step), "F32")} if step else {}
         entries.append(ParamEntry(name, shape, -1, g, dtypes, scalars))
-        members[g].append(name)
-    order = {name: i for i, names in enumerate(members) for name in names}
-    entries.sort(key=lambda e: (order[e.name], e.name))
-    group_entries = tuple(
-        GroupEntry(g.settings, tuple(sorted(names)), kind(g, args).to_json())
-        for g, names in zip(groups, members, strict=True)
-    )
-    return Manifest(CONSOLIDATED, {"dp": 1, "tp": 1}, group_entries, tuple(entries), (), ())
+    return manifest_of(groups, [kind(g, args) for g in groups], entries)

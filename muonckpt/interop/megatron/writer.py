@@ -238,14 +238,14 @@ def to_megatron(
     tensors, chunks = _tensors_and_chunks(keys, tp)
     iteration = manifest.recorded_step or step or 0
     values = _values(keys, optimizer, iteration)
-    with staged_output(dst, directory, megatron_files.OUTPUT) as staging:
+    with staged_output(dst, directory, megatron_files.OUTPUT) as (store, staging):
         iteration_dir = storage.make_directory(staging / f"iter_{iteration:07d}")
         with PieceReader(directory, manifest) as reader:
             fetch = _LayerBlocks(keys, tensors, manifest, reader)
             dcp_files.write_dcp(iteration_dir, tensors, values, fetch, chunks)
-        storage.write_text_atomic(iteration_dir / DIST_METADATA, BACKEND)
+        store.put_text(iteration_dir / DIST_METADATA, BACKEND)
         storage.fsync_dir(iteration_dir)
-        storage.write_text_atomic(staging / LATEST, str(iteration))
+        store.put_text(staging / LATEST, str(iteration))
     left = ["the training args (an argparse.Namespace: Megatron's loader does without)"]
     left += not_carried(manifest)
     layout = f"dp_reshardable, TP {tp} DP {dp}"

@@ -9,9 +9,9 @@ expert params; AdamW's ``exp_avg``, ``exp_avg_sq`` and a 0-d float32 ``step``),
 ``lr_scheduler.*``, ``dataloader.*``, ``train_state.*``. ``get_state_dict`` + ``dcp.save``
 of ``{"model": ..., "optim": ...}`` writes ``model.<fqn>``, ``optim.state.<fqn>.<key>`` and
 ``optim.param_groups.<i>.<setting>`` instead. Both are read by :func:`from_torchtitan` through
-:func:`muonckpt.interop.dcp.reader.from_dcp`;
+:func:`muonckpt.interop.dcp.from_dcp`;
 :func:`to_torchtitan` writes what ``CheckpointManager``
-loads with DistMuon, at any world size, through :func:`muonckpt.interop.dcp.reader.to_dcp`.
+loads with DistMuon, at any world size, through :func:`muonckpt.interop.dcp.to_dcp`.
 
 DistMuon keeps EMA-form momentum with Nesterov by default (``momentum_buffer.lerp_(grad,
 1 - momentum)``, then ``lerp(grad, buffer, momentum)`` when ``nesterov``), as torch.optim.Muon
@@ -27,8 +27,8 @@ from pathlib import Path
 from ...errors import CheckpointError
 from ...files.writing import Progress
 from ...storage import access
+from .. import dcp
 from ..dcp import metadata as dcp_metadata
-from ..dcp import reader as dcp
 from ..foreign import Conversion
 
 __all__ = [
