@@ -15,7 +15,9 @@ from pathlib import Path
 import pytest
 
 import muonckpt
+from muonckpt import storage
 from muonckpt.interop.megatron import reader as megatron
+from muonckpt.storage import lease
 
 from .fixture_model import single_process_optimizer
 from .kill_helpers import REPO
@@ -101,3 +103,38 @@ def test_clean_removes_a_killed_conversions_staging(killed, case, variant):
     else:
         assert cleaned.removed == [staging] and not staging.exists(), (cleaned, written)
         assert list(where.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    "recorded",
+    [{"name": "deepspeed", "writes": [".*"]}, "evil", ["deepspeed"], None],
+    ids=["patterns-in-the-lease", "unknown-name", "not-a-name", "no-output"],
+)
+def test_what_clean_deletes_never_comes_from_the_lease(tmp_path, recorded):
+    """(issue 51 review) A lease names its foreign format; the files that format's writer may
+    leave are the package's own table (``storage.outputs.OUTPUTS``), never read from the file:
+    a lease that records patterns, an unknown name or no format leaves a foreign file and a
+    user's file in place, and a lease of this version's own kind removes only the format's."""
+    staging = tmp_path / ".out.staging-0123abcd"
+    storage.make_directory(staging)
+    lease.take(staging, "staging", "deepspeed")
+    lease.release(staging)
+    record = json.loads((staging / lease.LEASE_NAME).read_text())
+    record["output"] = recorded
+    (staging / lease.LEASE_NAME).write_text(json.dumps(record))
+    (staging / "latest").write_text("global_step3")
+    (staging / "notes.txt").write_text("mine")
+    muonckpt.clean(tmp_path, 0)
+    assert (staging / "notes.txt").read_text() == "mine"
+    assert (staging / "latest").exists()
+
+
+def test_a_killed_conversions_own_lease_removes_only_its_format_files(tmp_path):
+    staging = tmp_path / ".out.staging-0123abcd"
+    storage.make_directory(staging)
+    lease.take(staging, "staging", "deepspeed")
+    lease.release(staging)
+    (staging / "latest").write_text("global_step3")
+    (staging / "notes.txt").write_text("mine")
+    muonckpt.clean(tmp_path, 0)
+    assert sorted(p.name for p in staging.iterdir()) == ["notes.txt"]

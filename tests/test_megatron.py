@@ -277,7 +277,7 @@ def _packaged_groups(manifest) -> list[dict]:
 
 
 def _split_dims(manifest) -> dict[str, int]:
-    """Megatron's own TP split of each param (``layout.megatron_tp``)."""
+    """Megatron's own TP split of each param (``interop.megatron.tp_chunks``)."""
     from muonckpt.interop.megatron.tp_chunks import partition_dim
 
     dims = {e.name: partition_dim(e.name) for e in manifest.params}

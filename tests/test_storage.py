@@ -710,3 +710,15 @@ def test_read_of_a_file_truncated_after_open_raises(tmp_path: Path) -> None:
         os.truncate(path, path.stat().st_size - 100)
         with pytest.raises(CheckpointError, match="file truncated"):
             r.read("t")
+
+
+def test_a_new_file_is_made_as_open_makes_one(tmp_path: Path) -> None:
+    """(issue 51 review) Files the formats write through ``storage.access.new_file`` get the
+    mode ``open()`` gives (0o666 less the umask), not an executable 0o777: DCP's and
+    Megatron's outputs were 0755 when the DCP writer went through the storage seam."""
+    from muonckpt.storage import access
+
+    with access.new_file(tmp_path / "new") as f:
+        f.write(b"x")
+    (tmp_path / "plain").write_bytes(b"x")
+    assert (tmp_path / "new").stat().st_mode == (tmp_path / "plain").stat().st_mode

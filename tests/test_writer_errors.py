@@ -325,3 +325,23 @@ def test_a_tensor_larger_than_a_write_over_a_quota_is_one_line_from_torchs_dcp_w
     )  # fmt: skip
     assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-2000:]
     assert done.stdout.startswith("cannot write: File too large (file "), done.stdout
+
+
+@pytest.mark.parametrize("prefetch", [True, False], ids=["prefetched", "in-turn"])
+def test_a_source_that_ends_early_is_one_error_naming_the_tensor(tmp_path, prefetch):
+    """(issue 51 review) The write engine pulls a producer's tensors; a source that ends before
+    the plan does is a CheckpointError naming the first tensor that did not come (it was a
+    ``RuntimeError: generator raised StopIteration``)."""
+    import torch
+
+    from muonckpt import CheckpointError, storage
+    from muonckpt.files import writing
+    from muonckpt.format.writeplan import consolidated_plan
+
+    shape = (64, 1024)  # 256 KiB each: prefetched when asked
+    items = [(("a", "exp_avg", "F32"), shape), (("b", "exp_avg", "F32"), shape)]
+    plan = consolidated_plan(items, None)
+    source = iter([(plan.writes[0], torch.zeros(shape))])
+    store = storage.store_for(tmp_path)
+    with pytest.raises(CheckpointError, match=rf"no tensor came for '{plan.writes[1].tensor}'"):
+        writing.write_files(store, plan, tmp_path, source, prefetch=prefetch)

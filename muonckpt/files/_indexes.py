@@ -32,7 +32,7 @@ def write_indexes(staging: Path, manifest: Manifest, final: Path) -> Manifest:
     position = {name: at for at, name in enumerate(names)}
 
     def pieces_in(file: str) -> Iterator[Piece]:  # (made as the index's text is written)
-        return map(manifest.pieces.__getitem__, by_file[file])
+        return (manifest.pieces[row] for row in by_file[file])
 
     texts = {
         index_name(file): index_chunks(file, pieces_in(file), position, names) for file in by_file

@@ -28,6 +28,7 @@ where a tensor crosses, so a single-process offline tool runs without it.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import warnings
@@ -103,7 +104,7 @@ def open_staging(
     *,
     overwrite: bool,
     source: str | os.PathLike[str] | None = None,
-    output: storage.Output | None = None,
+    output: str | None = None,
     shared: Plan | None = None,
     mailbox: bool = False,
 ) -> Path:
@@ -341,9 +342,13 @@ def _pulled(
     """The next ``len(writes)`` of ``tensors``, which must be ``writes`` in order; with
     ``ahead``, each next one pulled on a thread meanwhile
     (:func:`muonckpt.storage.safetensors_writer.prefetched`)."""
-    pulled = prefetched(tensors, len(writes)) if ahead else (next(tensors) for _ in writes)
+    taken = itertools.islice(tensors, len(writes))
+    pulled = prefetched(tensors, len(writes)) if ahead else (item for item in taken)
     with contextlib.closing(pulled):  # on an error, the prefetch thread ends here
-        for planned, (w, value) in zip(writes, pulled, strict=True):
+        for planned, found in itertools.zip_longest(writes, pulled):
+            if found is None:
+                raise CheckpointError(f"no tensor came for {planned.tensor!r}: the source ended")
+            w, value = found
             if w is not planned and w != planned:
                 raise CheckpointError(f"{w.tensor!r} came where {planned.tensor!r} was planned")
             yield w, value

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
 @contextmanager
 def staged_output(
-    dst: str | os.PathLike[str], source: Path, output: storage.Output
+    dst: str | os.PathLike[str], source: Path, output: str
 ) -> Iterator[tuple[storage.CheckpointStore, Path]]:
     """The store of ``dst`` (what a writer writes its own small files through) and a staging
     directory beside ``dst`` (which must not exist) to write the files of foreign format

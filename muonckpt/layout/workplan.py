@@ -29,7 +29,7 @@ class WorkUnit:
 
 def check_workers(workers: int) -> None:
     """Refuse a number of workers that is not positive (:class:`LayoutError`): the one rule for
-    every split of work among processes, ``--workers`` included."""
+    every split of work among processes."""
     if workers < 1:
         raise LayoutError(f"workers must be positive, got {workers}")
 

@@ -81,10 +81,6 @@ from . import _model
 # torch (and so collectives) is imported only by the paths that need it: several processes
 # (torchrun), and diff.
 
-MAX_RANKS = settings.MAX_LARGE_WORLD
-"""The most ranks ``reshard`` writes files for, ``allow_large_world`` or not (without it,
-:data:`muonckpt.settings.MAX_WORLD`): planning costs ranks x params."""
-
 WORKER_TIMEOUT: float = 1800.0
 """Seconds one of several processes (torchrun) waits for the others at one step (the
 rendezvous, each exchange of results) before the run fails. The run as a whole has no limit:
@@ -182,7 +178,7 @@ def reshard(
             any choice loads correctly.
         overwrite, progress, collective: as in :func:`consolidate`.
         allow_large_world: allow more than :data:`muonckpt.settings.MAX_WORLD` ranks (up to
-            :data:`MAX_RANKS`).
+            :data:`muonckpt.settings.MAX_LARGE_WORLD`).
 
     Raises:
         LayoutError: naming the param, when ``tp`` does not divide a split dimension.

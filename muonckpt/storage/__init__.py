@@ -60,7 +60,7 @@ from .durable import (
     write_text_atomic,
     write_texts_durably,
 )
-from .lease import Output, leftover
+from .lease import leftover
 from .mailbox import Mailbox, is_mailbox, mailbox_path
 from .ownership import check_target, is_ours, ownership_problem
 from .reader_cache import ReaderCache
@@ -86,7 +86,6 @@ __all__ = [
     "MAX_TEXT_BYTES",
     "CheckpointStore",
     "Mailbox",
-    "Output",
     "PosixStore",
     "ReaderCache",
     "SafetensorsReader",

@@ -76,7 +76,8 @@ def new_file(path: str | os.PathLike[str], *, sync: bool = True) -> Iterator[IO[
     torch's DCP writer does before it closes the file). A failure of the system is a
     :class:`~muonckpt.errors.CheckpointError` naming the path."""
     with failing_as("write", path):  # a full disk: torch's zip writer raises over the OSError
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0))
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+        fd = os.open(path, flags, 0o666)  # as open() makes a file: the umask decides
         with os.fdopen(fd, "wb") as f:
             yield f
             if sync:

@@ -25,7 +25,6 @@ from typing import Protocol
 from ..errors import CheckpointError
 from ..settings import local_path
 from .durable import entries, fsync_dir, write_text_atomic
-from .lease import Output
 from .transaction import discard, make_staging, remove_checkpoint, retire, swap_in
 
 StrPath = str | os.PathLike[str]
@@ -41,7 +40,7 @@ class CheckpointStore(Protocol):
         overwrite: bool,
         *,
         source: StrPath | None = None,
-        output: Output | None = None,
+        output: str | None = None,
     ) -> Path:
         """A fresh staging directory for a checkpoint at ``final`` (or for the files of
         foreign format ``output``: what a discard, or ``clean`` after a crash, then deletes),

@@ -66,44 +66,7 @@ def _key(directory: str | os.PathLike[str]) -> str:
     return os.path.abspath(directory)
 
 
-@dataclass(frozen=True)
-class Output:
-    """A foreign format's output as its lease records it (:func:`take`): the format's ``name``
-    (what messages call it) and ``writes``, regular expressions of the paths its writer puts
-    into its staging directory (a subdirectory's files by their paths in it,
-    ``"global_step3/x.pt"``; a subdirectory as ``"NAME/"``), each matched whole against one
-    name or one ``"DIRECTORY/NAME"``. Each format's folder makes its own: storage knows no
-    format by name, and what a discard or ``clean`` deletes (:mod:`.outputs`) is what the
-    writer declared."""
-
-    name: str
-    writes: tuple[str, ...]
-
-    def to_json(self) -> dict[str, object]:
-        return {"name": self.name, "writes": list(self.writes)}
-
-    @staticmethod
-    def from_json(value: object) -> Output | None:
-        """The record a lease holds, or None where it is not one (a lease of an older version:
-        its files are then kept, never guessed at)."""
-        if not isinstance(value, dict) or not isinstance(value.get("name"), str):
-            return None
-        writes = value.get("writes")
-        if not isinstance(writes, list) or not all(isinstance(w, str) for w in writes):
-            return None
-        try:
-            for pattern in writes:
-                re.compile(pattern)
-        except re.error:
-            return None
-        return Output(value["name"], tuple(writes))
-
-    def wrote(self, name: str) -> bool:
-        """Whether ``name`` (``"NAME"``, ``"DIR/"`` or ``"DIR/NAME"``) is one its writer writes."""
-        return name.count("/") <= 1 and any(re.fullmatch(w, name) for w in self.writes)
-
-
-def take(directory: str | os.PathLike[str], what: str, output: Output | None = None) -> None:
+def take(directory: str | os.PathLike[str], what: str, output: str | None = None) -> None:
     """(the process that made ``directory``) Write its lease, locked, and hold it (heartbeat
     included) until :func:`release`; ``output``, the foreign format written into it (see
     :func:`recorded_output`). A :class:`~muonckpt.errors.CheckpointError` when it cannot be
@@ -118,7 +81,7 @@ def take(directory: str | os.PathLike[str], what: str, output: Output | None = N
         "created": time.time(),
     }
     if output is not None:
-        record["output"] = output.to_json()
+        record["output"] = output
     flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0)
     try:
         fd = os.open(tmp, flags, 0o644)
@@ -171,7 +134,7 @@ def _beat() -> None:
                     os.utime(fd)
 
 
-def recorded_output(directory: str | os.PathLike[str]) -> Output | None:
+def recorded_output(directory: str | os.PathLike[str]) -> str | None:
     """The foreign format whose files ``directory`` was made for, as its lease records it
     (:func:`take`'s ``output``); None for a muonckpt checkpoint's, or when there is no lease
     muonckpt wrote."""
@@ -186,7 +149,8 @@ def recorded_output(directory: str | os.PathLike[str]) -> Output | None:
         return None
     finally:
         os.close(fd)
-    return Output.from_json(record.get("output") if isinstance(record, dict) else None)
+    output = record.get("output") if isinstance(record, dict) else None
+    return output if isinstance(output, str) else None
 
 
 def holds(directory: str | os.PathLike[str]) -> bool:

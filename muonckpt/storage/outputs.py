@@ -7,14 +7,53 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
+from dataclasses import dataclass
 from pathlib import Path
 
 from . import lease
 
 
-def remove_written(directory: Path, output: lease.Output) -> list[str]:
+@dataclass(frozen=True)
+class Output:
+    """What a foreign format's writer puts into its staging directory: regular expressions
+    (``writes``) of its paths there (a subdirectory's files by their paths in it,
+    ``"global_step3/x.pt"``; a subdirectory as ``"NAME/"``), each matched whole."""
+
+    name: str
+    writes: tuple[str, ...]
+
+    def wrote(self, name: str) -> bool:
+        """Whether ``name`` (``"NAME"``, ``"DIR/"`` or ``"DIR/NAME"``) is one it writes."""
+        return name.count("/") <= 1 and any(re.fullmatch(w, name) for w in self.writes)
+
+
+OUTPUTS = {
+    output.name: output
+    for output in (
+        # .metadata (and torch's temporary of it) and the *.distcp data files
+        Output("dcp", (r"\.metadata[^/]*", r"[^/]*\.distcp")),
+        # latest, the tag directory and its .pt files
+        Output("deepspeed", ("latest", "[^/]+/", r"[^/]+/[^/]*\.pt")),
+        # the iteration pointer (and its temporary), iter_NNNNNNN/ and its files
+        Output(
+            "megatron",
+            (
+                r"latest_checkpointed_iteration\.txt",
+                r"\.latest_checkpointed_iteration\.txt\.tmp-[^/]*",
+                r"iter_\d{7}/[^/]*",
+            ),
+        ),
+    )
+}
+"""The foreign formats whose output a lease may record, by the name it records: fixed here, in
+the package, so that what a discard or ``clean`` deletes never comes from a file on disk (a
+lease naming anything else is a muonckpt staging directory's, whose own rules apply)."""
+
+
+def remove_written(directory: Path, output: Output) -> list[str]:
     """Delete from ``directory`` what the writer of ``output`` writes
-    (:meth:`.lease.Output.wrote`), then, last, the lease and the directory if that emptied it.
+    (:meth:`Output.wrote`), then, last, the lease and the directory if that emptied it.
     Nothing else is deleted, nothing through a symlink. Returns what is kept, as
     ``"NAME (why)"``."""
     ours, kept = output.wrote, []

@@ -142,7 +142,7 @@ def check_target(
     overwrite: bool,
     *,
     source: str | os.PathLike[str] | None = None,
-    output: lease.Output | None = None,
+    output: str | None = None,
 ) -> None:
     """Raise :class:`CheckpointError` unless a checkpoint (or the files of foreign format
     ``output``, which never replace anything) can be written at ``final``.
@@ -189,12 +189,12 @@ def _check_name(final: Path) -> None:
         )
 
 
-def _check_existing(final: Path, overwrite: bool, output: lease.Output | None) -> None:
+def _check_existing(final: Path, overwrite: bool, output: str | None) -> None:
     """Raise :class:`CheckpointError` unless the existing ``final`` may be replaced
     (:func:`check_target`)."""
     if output is not None:  # its writers never replace: --force would be refused
         raise CheckpointError(
-            f"already exists; {output.name} output is never written over an existing path: remove "
+            f"already exists; {output} output is never written over an existing path: remove "
             "it or choose another",
             path=final,
         )

@@ -144,7 +144,8 @@ def beside(pool: ThreadPoolExecutor, work: Callable[..., _T], *args: Any) -> Fut
 
 
 def prefetched(source: Iterator[_T], count: int) -> Generator[_T, None, None]:
-    """The next ``count`` items of ``source``, the next one pulled on a thread meanwhile.
+    """The next ``count`` items of ``source`` (fewer where it ends first), the next one pulled
+    on a thread meanwhile.
 
     Reading (page-cache copies, xxhash) and writing (write, xxhash) both release the GIL, so a
     reader one tensor ahead of the writer keeps two cores busy. At most two pulled values are
@@ -156,7 +157,10 @@ def prefetched(source: Iterator[_T], count: int) -> Generator[_T, None, None]:
     with ThreadPoolExecutor(max_workers=1) as pool:
         pending = beside(pool, next, source)
         for index in range(count):
-            value = pending.result()
+            try:
+                value = pending.result()
+            except StopIteration:  # fewer than count: the caller names what did not come
+                return
             if index + 1 < count:
                 pending = beside(pool, next, source)
             yield value

@@ -35,11 +35,11 @@ def make_staging(
     overwrite: bool,
     *,
     source: str | os.PathLike[str] | None = None,
-    output: lease.Output | None = None,
+    output: str | None = None,
 ) -> Path:
     """A fresh ``.NAME.staging-XXXXXXXX`` directory beside ``final``, holding only its lease
     (:mod:`.lease`), which this process holds until :func:`swap_in` or :func:`discard`; for
-    the files of foreign format ``output`` (:class:`.lease.Output`), recorded in the lease.
+    the files of foreign format ``output`` (:data:`.outputs.OUTPUTS`), recorded in the lease.
 
     :func:`check_target` first (nothing is created when it refuses), then the missing parents
     and the staging directory itself.
@@ -114,7 +114,7 @@ def discard(staging: str | os.PathLike[str], *, quiet: bool = False) -> list[str
         if not quiet:
             _warn(f"{staging} is a symlink, not a staging directory; left alone")
         return ["the symlink itself"]
-    output = lease.recorded_output(staging)
+    output = outputs.OUTPUTS.get(lease.recorded_output(staging) or "")
     try:
         if output is not None:
             left = outputs.remove_written(staging, output)

@@ -17,7 +17,6 @@ import itertools
 import math
 import os
 import pickle
-import re
 import reprlib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -26,7 +25,7 @@ from typing import Any
 
 from ...errors import CheckpointError
 from ...format.names import MANIFEST_NAME
-from ...storage import Output, access
+from ...storage import access
 from ...storage.dtypes import dtype_name, itemsize, torch_dtype_names
 from ...storage.durable import open_failure, open_regular
 from ...storage.torch_pickles import one_line
@@ -34,9 +33,6 @@ from ...storage.torch_pickles import one_line
 METADATA_NAME = ".metadata"
 """The pickled metadata file that makes a directory a DCP checkpoint."""
 DATA_SUFFIX = ".distcp"
-OUTPUT = Output("dcp", (re.escape(METADATA_NAME) + "[^/]*", "[^/]*" + re.escape(DATA_SUFFIX)))
-"""What a DCP writer writes (:class:`muonckpt.storage.Output`): ``.metadata`` (and its
-temporary) and ``*.distcp`` data files."""
 MAX_METADATA_BYTES = 1 << 30
 MAX_COUNT = (1 << 63) - 1
 """The largest size, offset or length a metadata field may give (torch's int64)."""

@@ -20,7 +20,6 @@ from ...format.names import PARAM_KEY
 from .._foreign_out import not_carried, read_whole, staged_output
 from ..foreign import Conversion
 from . import files as dcp_files
-from . import metadata as dcp_metadata
 from .reader import LAYOUTS, OPTIMIZER_PREFIX, dcp_family
 
 __all__ = ["to_dcp"]
@@ -52,7 +51,7 @@ def to_dcp(
     _add_optimizer(out, manifest, family, directory)
     _add_model(out, manifest)
     with (
-        staged_output(dst, directory, dcp_metadata.OUTPUT) as (_, staging),
+        staged_output(dst, directory, "dcp") as (_, staging),
         PieceReader(directory, manifest) as reader,
     ):
         fetch = _WholeTensors(out.sources, manifest, reader)

@@ -23,13 +23,10 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import CheckpointError
-from ...storage import Output, access, torch_pickles
+from ...storage import access, torch_pickles
 from ...storage.durable import file_size, fsync_dir, read_text
 
 LATEST = "latest"
-OUTPUT = Output("deepspeed", (re.escape(LATEST), r"[^/]+/", r"[^/]+/[^/]*\.pt"))
-"""What its writer writes (:class:`muonckpt.storage.Output`): ``latest``, the tag directory
-and its ``.pt`` files."""
 MODEL_STATES = "mp_rank_00_model_states.pt"
 DEEPSPEED_FILE = re.compile(
     r"^(?:(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states|mp_rank_(\d+)_model_states)\.pt$"

@@ -298,7 +298,7 @@ def to_deepspeed(
         values = [_out_values(reader, manifest, group, world) for group in groups]
     step = manifest.recorded_step or max((v.step or 0 for v in values), default=0)
     tag = f"global_step{step}"
-    with staged_output(dst, directory, deepspeed_files.OUTPUT) as (_, staging):
+    with staged_output(dst, directory, SOURCE) as (_, staging):
         tag_dir = make_directory(staging / tag)
         for rank in range(world):
             deepspeed_files.save(

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import CheckpointError
-from ...storage import Output, access, torch_pickles
+from ...storage import access, torch_pickles
 
 __all__ = [
     "ITERATION_DIR",
@@ -36,12 +36,6 @@ MODEL_FILE = "model_optim_rng.pt"
 LATEST = "latest_checkpointed_iteration.txt"
 """The file naming a Megatron checkpoint root's newest iteration."""
 ITERATION_DIR = re.compile(r"iter_\d{7}")
-OUTPUT = Output(
-    "megatron",
-    (re.escape(LATEST), re.escape(f".{LATEST}.tmp-") + r"[^/]*", ITERATION_DIR.pattern + "/[^/]*"),
-)
-"""What its writer writes (:class:`muonckpt.storage.Output`): the iteration pointer (and its
-temporary), ``iter_NNNNNNN/`` and its files."""
 """The name of an iteration's directory, as Megatron writes it."""
 _TP_DIR = re.compile(r"mp_rank_(\d+)(_\d+)?(_\d+)?")
 _OPTIM_FILE = re.compile(r"layer_wise_optimizer_(\d+)\.pt")

@@ -34,7 +34,6 @@ from ...format.names import PARAM_KEY
 from .._foreign_out import not_carried, read_whole, staged_output
 from ..dcp import files as dcp_files
 from ..foreign import Conversion
-from . import files as megatron_files
 from . import tp_chunks as megatron_tp
 from .files import LATEST
 
@@ -238,7 +237,7 @@ def to_megatron(
     tensors, chunks = _tensors_and_chunks(keys, tp)
     iteration = manifest.recorded_step or step or 0
     values = _values(keys, optimizer, iteration)
-    with staged_output(dst, directory, megatron_files.OUTPUT) as (store, staging):
+    with staged_output(dst, directory, SOURCE) as (store, staging):
         iteration_dir = storage.make_directory(staging / f"iter_{iteration:07d}")
         with PieceReader(directory, manifest) as reader:
             fetch = _LayerBlocks(keys, tensors, manifest, reader)
