@@ -133,23 +133,33 @@ def _package_stack(frame: FrameType) -> list[tuple[str, bool]]:
     return stack
 
 
-def _handed_down(frame: FrameType) -> bool:
-    """Whether ``frame`` runs something its caller was handed: a closure or a lambda, a
-    generator (the tensors a producer hands the write engine, pulled as they are written), or
-    a special method of a value (``__contains__`` of the group indices torch asks)."""
+CALLED, PULLED = 1, 2
+"""How a frame runs work its caller was handed (:func:`_handed_down`): called back (a closure,
+a lambda, a special method), or pulled (a generator: data, taken as whoever holds it needs)."""
+
+
+def _handed_down(frame: FrameType) -> int:
+    """Whether ``frame`` runs something its caller was handed: :data:`PULLED` for a generator
+    (the tensors a producer hands the write engine, an index's pieces handed to its writer,
+    pulled as they are written, however far down), :data:`CALLED` for a closure or a lambda,
+    or a special method of a value (``__contains__`` of the group indices torch asks), else 0."""
     name, flags = frame.f_code.co_name, frame.f_code.co_flags
-    handed = inspect.CO_NESTED | inspect.CO_GENERATOR
-    return bool(flags & handed) or name[:2] == name[-2:] == "__"
+    if flags & inspect.CO_GENERATOR:
+        return PULLED
+    return CALLED if flags & inspect.CO_NESTED or name[:2] == name[-2:] == "__" else 0
 
 
-def _return_up(stack: list[tuple[str, bool]]) -> str | None:
+def _return_up(stack: list[tuple[str, int]]) -> str | None:
     """The stack, if control came back to a module of :data:`_PER_MODULE` it had left other
     than as a callback straight into the module that called (``X -> Y -> X``, ``Y`` running a
-    closure or generator ``X`` handed it). (Lower layers' own callbacks, a JSON decoder's
-    hook, are theirs.)"""
+    closure ``X`` handed it) or as a generator of its own being pulled (data ``X`` handed
+    down, taken by whoever holds it). (Lower layers' own callbacks, a JSON decoder's hook, are
+    theirs.)"""
     reduced: list[str] = []
     for module, handed_down in stack:
-        if handed_down and len(reduced) >= 2 and reduced[-2] == module:
+        if handed_down == PULLED and module in reduced:
+            del reduced[reduced.index(module) + 1 :]  # X's generator, pulled: data, not control
+        elif handed_down and len(reduced) >= 2 and reduced[-2] == module:
             reduced.pop()  # Y ran work X handed it: back in X
         elif module in reduced and module.startswith(_PER_MODULE):
             return " -> ".join([*reduced, module])
@@ -183,6 +193,10 @@ def test_the_tracer_finds_a_callback_up_the_stack():
     assert _return_up(write) == f"{api} -> {writing} -> steps -> {saving} -> {writing}"
     stage = [(api, down), *steps, (writing, back), ("storage", down), (writing, back)]
     assert _return_up(stage) is None  # the protocol, the commit watcher: callbacks
+    pulled = [(api, down), (writing, down), ("storage", down), ("format", down), (writing, PULLED)]
+    assert _return_up(pulled) is None  # writing's generator, pulled two layers down: data
+    called = [*pulled[:-1], (writing, CALLED)]  # a closure called back from there: control
+    assert _return_up(called) == f"{api} -> {writing} -> storage -> format -> {writing}"
 
 
 def _saved(work: Callable[[], Any], background: bool) -> Trace:
