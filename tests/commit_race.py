@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from muonckpt import storage
+from muonckpt.storage import durable, transaction
 
 DATA = "rank-00000-of-00001.safetensors"
 
@@ -24,18 +24,18 @@ def racer(who: str, root: str, trials: int, overwrite: bool, barrier: Any, resul
     for trial in range(trials):
         final = Path(root) / f"t{trial:03d}"
         try:
-            staging = storage.make_staging(final, overwrite)
+            staging = transaction.make_staging(final, overwrite)
             try:
                 (staging / DATA).write_text(who)
                 body = {"format": "muonckpt", "writer": who}
-                storage.write_text_atomic(staging / "manifest.json", json.dumps(body))
+                durable.write_text_atomic(staging / "manifest.json", json.dumps(body))
                 barrier.wait(timeout=30)
-                replaced = storage.swap_in(staging, final, overwrite=overwrite)
+                replaced = transaction.swap_in(staging, final, overwrite=overwrite)
             except BaseException:
-                storage.discard(staging)
+                transaction.discard(staging)
                 raise
             if replaced is not None:
-                storage.retire(replaced)
+                transaction.retire(replaced)
             results.put((trial, who, "ok"))
         except Exception as exc:  # every outcome goes back to the test
             results.put((trial, who, f"{type(exc).__name__}: {exc}"))

@@ -30,6 +30,7 @@ pytestmark = pytest.mark.dist
 HELPER = r"""
 from pathlib import Path
 from muonckpt import storage
+from muonckpt.storage import backend
 from muonckpt.files import writing
 from muonckpt.storage import safetensors_writer
 
@@ -48,24 +49,24 @@ def stop_at(moment):
         original = writing.publish
         writing.publish = lambda *a: (pause(moment), original(*a))[1]
     elif moment in ("before-swap", "after-swap"):
-        original = storage.PosixStore.publish
+        original = backend.PosixStore.publish
         def swap_in(*a, **kw):
             if moment == "before-swap":
                 pause(moment)
             replaced = original(*a, **kw)
             pause(moment)
-        storage.PosixStore.publish = swap_in
+        backend.PosixStore.publish = swap_in
     elif moment == "retiring":
         def retire(directory, files=None):
             names = sorted(os.listdir(directory))
             os.unlink(Path(directory) / names[0])  # one file of the replaced checkpoint gone
             pause(moment)
-        storage.PosixStore.retire = staticmethod(retire)
+        backend.PosixStore.retire = staticmethod(retire)
     elif moment == "pruning":
         def remove_checkpoint(directory):
             (Path(directory) / "manifest.json").unlink()
             pause(moment)
-        storage.PosixStore.remove_checkpoint = staticmethod(remove_checkpoint)
+        backend.PosixStore.remove_checkpoint = staticmethod(remove_checkpoint)
 
 print("ready", flush=True)
 for line in sys.stdin:
@@ -159,6 +160,7 @@ import torch.distributed as dist
 torch.set_num_threads(1)
 import muonckpt
 from muonckpt import storage
+from muonckpt.storage import backend
 from muonckpt.files import writing
 from tests.fixture_model import build, initial_params, train
 
@@ -173,11 +175,11 @@ train(opt, sharded, dp_rank, tp_rank, 1, 1)
 if victim == "rank 1 writing" and rank == 1:
     writing.write_files = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
 if victim == "rank 0 after the swap" and rank == 0:
-    original = storage.PosixStore.publish
+    original = backend.PosixStore.publish
     def swap_in(*a, **k):
         original(*a, **k)
         os.kill(os.getpid(), signal.SIGKILL)
-    storage.PosixStore.publish = swap_in
+    backend.PosixStore.publish = swap_in
 future = muonckpt.async_save(opt, ckpt, overwrite=True, timeout=1.0)
 try:
     print("result", future.result(), flush=True)

@@ -20,8 +20,8 @@ import pytest
 import torch
 
 import muonckpt
-from muonckpt import storage
 from muonckpt.format.names import rank_file
+from muonckpt.storage import backend
 
 ROUNDS = 150
 
@@ -127,14 +127,14 @@ def test_a_save_never_commits_a_staging_directory_changed_under_it(tmp_path, mon
     path = muonckpt.save(opt, tmp_path / "ckpt", extra={"step": 1})
     before = {f.name: f.read_bytes() for f in path.iterdir()}
     opt.step()
-    publish = storage.PosixStore.publish
+    publish = backend.PosixStore.publish
 
     def intruder(store, staging, final, **options):  # right before the commit's publish
         victim = ".muonckpt-lease" if taken == "lease" else rank_file(0, 1)
         (Path(staging) / victim).unlink()
         return publish(store, staging, final, **options)
 
-    monkeypatch.setattr(storage.PosixStore, "publish", intruder)
+    monkeypatch.setattr(backend.PosixStore, "publish", intruder)
     gone = "its .muonckpt-lease is gone" if taken == "lease" else f"{rank_file(0, 1)} is missing"
     with pytest.raises(muonckpt.CheckpointError, match=f"not committed: .*{gone}"):
         muonckpt.save(opt, path, extra={"step": 2}, overwrite=True)

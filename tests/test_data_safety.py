@@ -27,6 +27,7 @@ from muonckpt.cli import app
 from muonckpt.distributed.launch import run_distributed
 from muonckpt.errors import CheckpointWarning
 from muonckpt.offline import tools as offline
+from muonckpt.storage import transaction
 
 from .commit_race import DATA, race, racer
 from .fixture_model import build, initial_params, train
@@ -220,7 +221,7 @@ def test_symlinked_output_replaces_the_link_never_its_target(ck, tmp_path):
 
 
 def test_discard_and_retire_delete_only_checkpoint_files(tmp_path):
-    for remove in (storage.discard, storage.retire):
+    for remove in (transaction.discard, transaction.retire):
         staging = tmp_path / f".ck.staging-{remove.__name__[:2]}345678"
         (staging / "sub").mkdir(parents=True)
         names = [

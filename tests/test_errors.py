@@ -125,14 +125,14 @@ def test_an_interruption_after_the_commit_names_the_committed_checkpoint(
 ):
     """A Ctrl-C while the replaced checkpoint is deleted: the new one is whole, and the
     interruption (still a KeyboardInterrupt) says where, as a field."""
-    from muonckpt import storage
+    from muonckpt.storage import backend
 
     path = muonckpt.save(opt, tmp_path / "ckpt")
 
     def interrupted(*args: object) -> None:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(storage.PosixStore, "retire", staticmethod(interrupted))
+    monkeypatch.setattr(backend.PosixStore, "retire", staticmethod(interrupted))
     with pytest.raises(InterruptedAfterCommit) as caught:
         muonckpt.save(opt, path, overwrite=True)
     assert isinstance(caught.value, KeyboardInterrupt)

@@ -24,6 +24,7 @@ from muonckpt.files.pieces import indexes_for, load_pieces, read_manifest
 from muonckpt.format.manifest import FORMAT_VERSION, PER_RANK, Manifest, ParamEntry, Piece
 from muonckpt.format.names import MANIFEST_NAME, rank_file, tensor_key
 from muonckpt.layout.topology import ParamSpec, Topology, arrange
+from muonckpt.storage import durable
 
 from .fixture_model import assemble, build, initial_params, local_params
 
@@ -218,7 +219,7 @@ def test_k2_shaped_metadata_fits_and_a_rank_reads_only_its_indexes(tmp_path):
     v2_bytes = sum(map(len, dataclasses.replace(manifest, format_version=2).json_chunks()))
     start = time.perf_counter()
     committed = write_indexes(tmp_path, manifest, tmp_path)
-    storage.write_text_atomic(tmp_path / MANIFEST_NAME, committed.json_chunks())
+    durable.write_text_atomic(tmp_path / MANIFEST_NAME, committed.json_chunks())
     top_bytes = (tmp_path / MANIFEST_NAME).stat().st_size
     largest = max(i.bytes for i in committed.indexes)
     assert top_bytes < 10_000_000 < v2_bytes and largest < 2_000_000, (top_bytes, v2_bytes)

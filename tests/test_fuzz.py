@@ -45,6 +45,7 @@ import muonckpt
 from muonckpt import CheckpointError, MuonCkptError, storage
 from muonckpt.format.manifest import Manifest
 from muonckpt.format.manifest_json import parse_manifest
+from muonckpt.storage import safetensors_writer
 
 from .fixture_model import build, initial_params, single_process_optimizer
 
@@ -333,7 +334,9 @@ TENSORS = {
 def st_file(tmp_path_factory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("st")
     path = root / "clean.safetensors"
-    records = storage.write_safetensors(path, TENSORS, {"format": "muonckpt"}, chunk_bytes=16)
+    records = safetensors_writer.write_safetensors(
+        path, TENSORS, {"format": "muonckpt"}, chunk_bytes=16
+    )
     raw = path.read_bytes()
     (length,) = struct.unpack("<Q", raw[:8])
     return {

@@ -19,6 +19,7 @@ from muonckpt import CheckpointError, offline, storage
 from muonckpt.cli import app
 from muonckpt.format.manifest import MAX_CHUNK_BYTES
 from muonckpt.format.names import MANIFEST_NAME
+from muonckpt.storage import durable, safetensors_writer
 
 from .fixture_model import single_process_optimizer
 
@@ -201,7 +202,7 @@ def test_a_writer_refuses_text_utf8_cannot_hold(tmp_path):
 
     path = tmp_path / "a.safetensors"
     with pytest.raises(CheckpointError, match=r"tensor key 'w\\ud800' is not valid Unicode"):
-        storage.write_safetensors(path, {"w\ud800": torch.ones(2)})
+        safetensors_writer.write_safetensors(path, {"w\ud800": torch.ones(2)})
     with pytest.raises(CheckpointError, match=r"\\udcff"):
-        storage.write_text_atomic(tmp_path / "m.json", ['{"path": "/data/', '\udcff"}'])
+        durable.write_text_atomic(tmp_path / "m.json", ['{"path": "/data/', '\udcff"}'])
     assert list(tmp_path.iterdir()) == []

@@ -20,15 +20,16 @@ import torch
 from typer.testing import CliRunner
 
 import muonckpt
-from muonckpt import CheckpointError, storage
+from muonckpt import CheckpointError
 from muonckpt.cli import app
 from muonckpt.errors import CheckpointWarning
 from muonckpt.files.retention import Cleaned, complete_checkpoints, prune
 from muonckpt.format.names import MANIFEST_NAME, rank_file
+from muonckpt.storage import backend
 
 from .fixture_model import build, initial_params, train
 
-STORE = storage.PosixStore()
+STORE = backend.PosixStore()
 
 DATA = rank_file(0, 1)
 """The one data file of a single-process checkpoint."""
@@ -441,7 +442,8 @@ def test_cli_latest_prints_the_path_or_exits_1(saved, tmp_path):
 MAKER = """
 import sys
 from muonckpt import storage
-staging = storage.make_staging(sys.argv[1], False)
+from muonckpt.storage import transaction
+staging = transaction.make_staging(sys.argv[1], False)
 storage.Mailbox(storage.mailbox_path(staging)).create()
 print(staging, flush=True)
 if sys.argv[2] == "hold":

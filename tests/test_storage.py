@@ -22,22 +22,22 @@ from safetensors.torch import load_file, save_file
 
 from muonckpt import storage
 from muonckpt.errors import CheckpointError, CheckpointWarning
+from muonckpt.format.manifest import CHECKSUM_ALGORITHM
 from muonckpt.layout.topology import Strided
 from muonckpt.storage import (
-    CHECKSUM_ALGORITHM,
     SafetensorsReader,
     TensorRecord,
+    backend,
     byte_view,
     checksum_chunks,
     dtype_name,
     entries,
     read_text,
-    retire,
-    swap_in,
     torch_dtype,
-    write_safetensors,
-    write_text_atomic,
 )
+from muonckpt.storage.durable import write_text_atomic
+from muonckpt.storage.safetensors_writer import write_safetensors
+from muonckpt.storage.transaction import retire, swap_in
 
 DTYPES = [
     torch.float32,
@@ -542,8 +542,8 @@ def test_the_posix_store_is_the_storage_seam(tmp_path: Path) -> None:
         "retire",
         "remove_checkpoint",
     }
-    store = storage.PosixStore()
-    assert isinstance(storage.store_for(tmp_path), storage.PosixStore)
+    store = backend.PosixStore()
+    assert isinstance(storage.store_for(tmp_path), backend.PosixStore)
     for name in operations:
         wanted = list(inspect.signature(getattr(storage.CheckpointStore, name)).parameters.values())
         given = inspect.signature(getattr(store, name)).parameters.values()

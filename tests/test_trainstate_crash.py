@@ -22,6 +22,7 @@ pytestmark = pytest.mark.dist
 
 HELPER = r"""
 from muonckpt import storage
+from muonckpt.storage import backend
 from muonckpt.files import writing
 from muonckpt.storage import safetensors_writer
 
@@ -38,13 +39,13 @@ def stop_at(moment):
         original = writing.publish
         writing.publish = lambda *a: (pause(moment), original(*a))[1]
     elif moment in ("before-swap", "after-swap"):
-        original = storage.PosixStore.publish
+        original = backend.PosixStore.publish
         def swap_in(*a, **kw):
             if moment == "before-swap":
                 pause(moment)
             original(*a, **kw)
             pause(moment)
-        storage.PosixStore.publish = swap_in
+        backend.PosixStore.publish = swap_in
 
 def job(value):
     extra = {"step": value, "marker": torch.full((4,), float(value))}

@@ -14,10 +14,10 @@ from typing import Any, NamedTuple
 import torch
 
 from .. import storage
+from ..distributed.collectives import one_line
 from ..errors import CheckpointError, MuonCkptError, StateDictError
 from ..format import kinds
 from ..format.manifest import Scalar
-from ..state import trainstate
 from ..state.arena import ReadArena
 from ..state.describers import flat_params
 from ..state.hooks import load_local_share
@@ -142,8 +142,7 @@ class Taken:
                 if len(owners) > 1:
                     which = f"optimizer {number} ({which})"
                 raise StateDictError(
-                    f"{which}: its load_state_dict refused the checkpoint's state "
-                    f"({trainstate.said(exc)})"
+                    f"{which}: its load_state_dict refused the checkpoint's state ({one_line(exc)})"
                 ) from exc
             del state, share_dict
             for staged in mine:

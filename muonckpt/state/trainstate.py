@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from .. import storage
+from ..distributed.collectives import one_line
 from ..errors import ArgumentError, CheckpointError
 from ..format.manifest import EXTRA_DEPTH, EXTRA_JSON_BYTES, ValuePath
 
@@ -216,7 +217,7 @@ class Restore:
                 each.value.load_state_dict(each.saved)
             except Exception as exc:
                 raise CheckpointError(
-                    f"{each.place}: its load_state_dict refused the saved state ({said(exc)})"
+                    f"{each.place}: its load_state_dict refused the saved state ({one_line(exc)})"
                 ) from exc
 
     def put_back(self) -> list[str]:
@@ -232,7 +233,7 @@ class Restore:
             except Exception as exc:
                 left.append(
                     f"{each.place} is left changed: its load_state_dict refused its own "
-                    f"previous state too ({said(exc)})"
+                    f"previous state too ({one_line(exc)})"
                 )
         self.asked = 0
         return left
@@ -253,12 +254,6 @@ class _Stateful:
     before: Any
 
 
-def said(exc: BaseException) -> str:
-    """``Type: message`` of an exception, on one line."""
-    text = " ".join(str(exc).split())
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
-
-
 def _state_copy(value: Any, place: str) -> Any:
     """A deep copy of ``value.state_dict()``: what puts it back after a load changed it."""
     try:
@@ -266,7 +261,7 @@ def _state_copy(value: Any, place: str) -> Any:
     except Exception as exc:
         raise CheckpointError(
             f"{place}: its state_dict() cannot be copied, so a failed load could not put it "
-            f"back ({said(exc)}); nothing was changed"
+            f"back ({one_line(exc)}); nothing was changed"
         ) from exc
 
 

@@ -6,7 +6,7 @@ Where a checkpoint's bytes go is behind one seam, :class:`CheckpointStore`
 directory at its target atomically, list, and remove only muonckpt's own (what a publish
 replaced, a staging directory never published, a checkpoint ``keep_last`` no longer keeps).
 Each entry point writes through the store of its target (:func:`store_for`: a
-:class:`PosixStore`), whose operations are those of :mod:`.durable` and
+:class:`~.backend.PosixStore`), whose operations are those of :mod:`.durable` and
 :mod:`.transaction` (fsync before every rename, the atomic swap, the lease, the ownership
 rules). Object stores come later through the same protocol (see
 :mod:`.backend` for how); reading stays with the readers below.
@@ -14,7 +14,7 @@ rules). Object stores come later through the same protocol (see
 One module per concern; this package re-exports what the rest of muonckpt uses, so callers
 write ``storage.X``:
 
-* :mod:`.backend`: the storage seam, :class:`CheckpointStore` and :class:`PosixStore`.
+* :mod:`.backend`: the storage seam, :class:`CheckpointStore` and :class:`~.backend.PosixStore`.
 * :mod:`.dtypes`: safetensors dtype strings, their sizes and torch dtypes; tensors as bytes.
 * :mod:`.checksums`: the XXH3 checksum of each chunk of a tensor's data.
 * :mod:`.durable`: fsync, atomic text writes, positional write loops, small reads, libc shims.
@@ -42,14 +42,12 @@ the collective or checkpoint layers.
 
 from __future__ import annotations
 
-from ..format.manifest import CHECKSUM_ALGORITHM
-from .backend import CheckpointStore, PosixStore, store_for
+from .backend import CheckpointStore, store_for
 from .checksums import CHUNK_BYTES, checksum_chunks, chunk_digest
 from .dtypes import byte_view, dtype_name, itemsize, tensor_of_bytes, torch_dtype, unstorable_kind
 from .durable import (
     MAX_TEXT_BYTES,
     entries,
-    failing_as,
     file_size,
     fsync_dir,
     make_directory,
@@ -57,7 +55,6 @@ from .durable import (
     read_text,
     read_text_chunks,
     sync_files,
-    write_text_atomic,
     write_texts_durably,
 )
 from .lease import leftover
@@ -66,27 +63,20 @@ from .ownership import check_target, is_ours, ownership_problem
 from .reader_cache import ReaderCache
 from .safetensors_format import TensorRecord
 from .safetensors_reader import SafetensorsReader
-from .safetensors_writer import SafetensorsWriter, SharedSafetensorsFile, write_safetensors
+from .safetensors_writer import SafetensorsWriter, SharedSafetensorsFile
 from .transaction import (
     committed_as,
     directory_identity,
-    discard,
-    make_staging,
     remove_checkpoint,
-    retire,
-    staging_path,
-    swap_in,
     unwatch_commit,
     watch_commit,
 )
 
 __all__ = [
-    "CHECKSUM_ALGORITHM",
     "CHUNK_BYTES",
     "MAX_TEXT_BYTES",
     "CheckpointStore",
     "Mailbox",
-    "PosixStore",
     "ReaderCache",
     "SafetensorsReader",
     "SafetensorsWriter",
@@ -98,10 +88,8 @@ __all__ = [
     "chunk_digest",
     "committed_as",
     "directory_identity",
-    "discard",
     "dtype_name",
     "entries",
-    "failing_as",
     "file_size",
     "fsync_dir",
     "is_mailbox",
@@ -110,23 +98,17 @@ __all__ = [
     "leftover",
     "mailbox_path",
     "make_directory",
-    "make_staging",
     "ownership_problem",
     "read_small",
     "read_text",
     "read_text_chunks",
     "remove_checkpoint",
-    "retire",
-    "staging_path",
     "store_for",
-    "swap_in",
     "sync_files",
     "tensor_of_bytes",
     "torch_dtype",
     "unstorable_kind",
     "unwatch_commit",
     "watch_commit",
-    "write_safetensors",
-    "write_text_atomic",
     "write_texts_durably",
 ]
