@@ -162,7 +162,7 @@ def profile_offline(size: str, rounds: int, root: Path) -> None:
 TIMED = {
     "agree": "muonckpt.checkpoint.saving",
     "collect": "muonckpt.checkpoint.saving",
-    "stage": "muonckpt.files.writing",
+    "stage": "muonckpt.checkpoint.saving",
     "_in_background": "muonckpt.checkpoint.api",
 }
 """The steps of the ``async_save`` call whose ends the timeline records (function: module),
