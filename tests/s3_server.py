@@ -6,9 +6,9 @@ says why).
 The client is the real one (boto3), pointed at the server through the standard AWS
 environment: dummy credentials, a region and ``AWS_ENDPOINT_URL``, set for the session (so a
 muonckpt call and a subprocess of a test find the server the way a user's job finds S3).
-A module using it imports the fixture ``s3_server`` and marks its tests ``dist`` (starting the
-server starts a process). Without ``boto3`` and ``moto[server]`` (the ``s3`` and ``test``
-extras), those tests are skipped.
+A test asks for the fixture ``s3_server`` (``tests/conftest.py`` imports it) and is marked
+``dist`` (starting the server starts a process). Without ``boto3`` and ``moto[server]`` (the
+``s3`` and ``test`` extras), those tests are skipped.
 """
 
 from __future__ import annotations
@@ -76,9 +76,11 @@ def _serving(endpoint: str, process: subprocess.Popen[bytes], timeout: float) ->
     while time.monotonic() < deadline:
         if process.poll() is not None:
             return False
-        with contextlib.suppress(OSError, urllib.error.URLError):
-            with urllib.request.urlopen(f"{endpoint}/moto-api/", timeout=1):
-                return True
+        with (
+            contextlib.suppress(OSError, urllib.error.URLError),
+            urllib.request.urlopen(f"{endpoint}/moto-api/", timeout=1),
+        ):
+            return True
         time.sleep(0.1)
     return False
 

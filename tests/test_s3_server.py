@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from .s3_server import S3Server, s3_server  # noqa: F401 (the fixture)
+from .s3_server import S3Server
 
 pytestmark = pytest.mark.dist
 
