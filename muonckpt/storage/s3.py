@@ -1,0 +1,475 @@
+"""Objects in S3-compatible storage: ``s3://bucket/prefix`` URLs and one client that makes
+every request muonckpt sends, with bounded retries, the conditional writes a commit relies on
+(``If-None-Match: *``, ``If-Match: <etag>``), ranged reads, and multipart uploads whose memory
+is bounded by part size x concurrency.
+
+The client library is boto3 (the optional extra ``muonckpt[s3]``), imported when the first
+client is made, so that a local-only install never needs it. Endpoint, region and credentials
+come from boto3's standard configuration (environment, ``~/.aws`` files, profiles,
+``AWS_ENDPOINT_URL`` for an S3-compatible server). botocore's own retries are off: every
+request goes through :meth:`S3Client._call`, which retries what is transient (503 SlowDown,
+5xx, throttling, timeouts, dropped connections) with exponential backoff and full jitter,
+bounded in count and in time, then raises one :class:`~muonckpt.errors.CheckpointError` naming
+the object and the last error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import random
+import re
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from ..errors import CheckpointError
+
+SCHEME = "s3://"
+
+_BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
+"""S3's bucket names: 3 to 63 lowercase letters, digits, dots and hyphens."""
+
+_TRANSIENT_CODES = frozenset(
+    {
+        "SlowDown",
+        "ServiceUnavailable",
+        "InternalError",
+        "RequestTimeout",
+        "RequestTimeoutException",
+        "Throttling",
+        "ThrottlingException",
+        "RequestThrottled",
+        "TooManyRequestsException",
+    }
+)
+_TRANSIENT_STATUS = frozenset({500, 502, 503, 504})
+
+T = TypeVar("T")
+
+
+def is_s3_url(path: object) -> bool:
+    """Whether ``path`` is a string naming an ``s3://`` URL."""
+    return isinstance(path, str) and path.startswith(SCHEME)
+
+
+@dataclass(frozen=True)
+class S3Url:
+    """An object, or a prefix of objects, in a bucket: ``s3://bucket/key``. ``key`` has no
+    leading or trailing ``/``; empty for the bucket's root."""
+
+    bucket: str
+    key: str
+
+    @staticmethod
+    def parse(text: str) -> S3Url:
+        """``text`` as an :class:`S3Url`; a :class:`CheckpointError` naming it when it is not
+        ``s3://BUCKET[/KEY]`` with a valid bucket name and no empty, ``.`` or ``..`` part."""
+        if not text.startswith(SCHEME):
+            raise CheckpointError(f"{text!r} is not an s3:// URL")
+        bucket, _, key = text[len(SCHEME) :].partition("/")
+        key = key.strip("/")
+        if not _BUCKET.fullmatch(bucket):
+            raise CheckpointError(f"{text!r}: {bucket!r} is not an S3 bucket name")
+        if key and any(part in ("", ".", "..") for part in key.split("/")):
+            raise CheckpointError(f"{text!r}: an empty, '.' or '..' part in its key")
+        return S3Url(bucket, key)
+
+    def child(self, name: str) -> S3Url:
+        """The object or prefix ``name`` (one or more ``/``-separated parts) under this one."""
+        return S3Url(self.bucket, f"{self.key}/{name}" if self.key else name)
+
+    @property
+    def name(self) -> str:
+        """The last part of the key (a checkpoint's name)."""
+        return self.key.rpartition("/")[2]
+
+    @property
+    def prefix(self) -> str:
+        """The key as a prefix of the objects under it (with a trailing ``/``)."""
+        return f"{self.key}/" if self.key else ""
+
+    def __str__(self) -> str:
+        return f"{SCHEME}{self.bucket}/{self.key}"
+
+
+class PreconditionFailed(CheckpointError):
+    """A conditional write was refused (HTTP 412): the object exists (``If-None-Match: *``)
+    or is no longer the one whose etag was given (``If-Match``)."""
+
+
+@dataclass(frozen=True)
+class TransferSettings:
+    """How requests are sent: multipart part size and parts in flight per upload (memory is
+    at most ``part_size * (concurrency + 1)`` per upload), the ranged reads in flight, and the
+    retry bounds."""
+
+    part_size: int = 16 << 20
+    concurrency: int = 8
+    attempts: int = 8
+    retry_seconds: float = 120.0
+    backoff_base: float = 0.1
+    backoff_cap: float = 5.0
+    connect_timeout: float = 10.0
+    read_timeout: float = 60.0
+
+    def __post_init__(self) -> None:
+        if not 5 << 20 <= self.part_size <= 5 << 30:
+            raise ValueError(
+                f"part_size must be 5 MiB to 5 GiB (S3's limits), not {self.part_size}"
+            )
+        if self.concurrency < 1 or self.attempts < 1:
+            raise ValueError("concurrency and attempts must be at least 1")
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    """An object's size and etag (quotes included, as S3 sends it)."""
+
+    size: int
+    etag: str
+
+
+def _botocore() -> tuple[Any, Any]:
+    try:
+        return importlib.import_module("boto3"), importlib.import_module("botocore")
+    except ImportError:
+        raise CheckpointError(
+            "s3:// URLs need boto3: pip install 'muonckpt[s3]'; nothing was read or written"
+        ) from None
+
+
+class S3Client:
+    """Every request muonckpt sends to S3, through one boto3 client (thread-safe; its
+    connection pool sized for ``settings.concurrency``)."""
+
+    def __init__(self, settings: TransferSettings | None = None) -> None:
+        self.settings = settings or TransferSettings()
+        boto3, botocore = _botocore()
+        self._exceptions = importlib.import_module("botocore.exceptions")
+        config = importlib.import_module("botocore.config").Config(
+            retries={"max_attempts": 1, "mode": "standard"},
+            max_pool_connections=max(10, 2 * self.settings.concurrency),
+            connect_timeout=self.settings.connect_timeout,
+            read_timeout=self.settings.read_timeout,
+        )
+        del botocore
+        self._client: Any = boto3.session.Session().client("s3", config=config)
+
+    # -- the one place requests are made ------------------------------------------------
+
+    def _status(self, exc: BaseException) -> tuple[str, int]:
+        response = getattr(exc, "response", None) or {}
+        code = str(response.get("Error", {}).get("Code", ""))
+        status = int(response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
+        return code, status
+
+    def _transient(self, exc: BaseException) -> bool:
+        errors = self._exceptions
+        if isinstance(exc, errors.ClientError):
+            code, status = self._status(exc)
+            return code in _TRANSIENT_CODES or status in _TRANSIENT_STATUS
+        return isinstance(
+            exc,
+            (errors.ConnectionError, errors.HTTPClientError, errors.ReadTimeoutError),
+        )
+
+    def _failure(self, what: str, url: S3Url, exc: BaseException, tries: int) -> CheckpointError:
+        errors = self._exceptions
+        if isinstance(exc, errors.NoCredentialsError):
+            why = "no AWS credentials were found (environment, ~/.aws, profile)"
+        elif isinstance(exc, errors.ClientError):
+            code, status = self._status(exc)
+            message = exc.response.get("Error", {}).get("Message", "")
+            why = f"{code or status}" + (f": {message}" if message else "")
+        else:
+            why = f"{type(exc).__name__}: {exc}"
+        after = f" (after {tries} tries)" if tries > 1 else ""
+        return CheckpointError(f"cannot {what} {url}{after}: {why}")
+
+    def _call(self, what: str, url: S3Url, request: Callable[[], T]) -> T:
+        """``request()``, retried while it fails transiently, within the settings' bounds;
+        a 412 raises :class:`PreconditionFailed`, anything else one ``CheckpointError``."""
+        s = self.settings
+        deadline = time.monotonic() + s.retry_seconds
+        tries = 0
+        while True:
+            tries += 1
+            try:
+                return request()
+            except Exception as exc:
+                code, status = self._status(exc)
+                if status == 412 or code == "PreconditionFailed":
+                    raise PreconditionFailed(
+                        f"cannot {what} {url}: its condition failed (HTTP 412)"
+                    ) from None
+                delay = random.uniform(0, min(s.backoff_cap, s.backoff_base * 2**tries))
+                if (
+                    not self._transient(exc)
+                    or tries >= s.attempts
+                    or time.monotonic() + delay > deadline
+                ):
+                    raise self._failure(what, url, exc, tries) from exc
+            time.sleep(delay)
+
+    def _missing(self, exc: CheckpointError) -> bool:
+        cause = exc.__cause__
+        return cause is not None and self._status(cause)[1] == 404
+
+    # -- objects --------------------------------------------------------------------------
+
+    def put(
+        self,
+        url: S3Url,
+        data: bytes | bytearray | memoryview,
+        *,
+        if_none_match: bool = False,
+        if_match: str | None = None,
+    ) -> str:
+        """Write ``data`` as object ``url`` in one request: only when no object is there
+        (``if_none_match``), or only over the one with etag ``if_match``. Returns the new
+        etag; :class:`PreconditionFailed` when the condition fails."""
+        extra: dict[str, str] = {}
+        if if_none_match:
+            extra["IfNoneMatch"] = "*"
+        if if_match is not None:
+            extra["IfMatch"] = if_match
+        body = bytes(data)
+        response = self._call(
+            "write",
+            url,
+            lambda: self._client.put_object(Bucket=url.bucket, Key=url.key, Body=body, **extra),
+        )
+        return str(response["ETag"])
+
+    def head(self, url: S3Url) -> ObjectInfo | None:
+        """The object's size and etag; None when there is none."""
+        try:
+            response = self._call(
+                "look up", url, lambda: self._client.head_object(Bucket=url.bucket, Key=url.key)
+            )
+        except CheckpointError as exc:
+            if self._missing(exc):
+                return None
+            raise
+        return ObjectInfo(int(response["ContentLength"]), str(response["ETag"]))
+
+    def get(
+        self, url: S3Url, start: int = 0, end: int | None = None, *, if_match: str | None = None
+    ) -> bytes | None:
+        """Bytes ``[start, end)`` of the object (to its end when ``end`` is None), read by one
+        ranged GET, only from the object with etag ``if_match`` when given
+        (:class:`PreconditionFailed` otherwise); None when there is no object."""
+        extra: dict[str, str] = {}
+        if start or end is not None:
+            extra["Range"] = f"bytes={start}-{'' if end is None else end - 1}"
+        if if_match is not None:
+            extra["IfMatch"] = if_match
+
+        def request() -> bytes:
+            response = self._client.get_object(Bucket=url.bucket, Key=url.key, **extra)
+            data: bytes = response["Body"].read()  # a dropped body is retried whole
+            return data
+
+        if end is not None and end <= start:
+            return b""
+        try:
+            data = self._call("read", url, request)
+        except CheckpointError as exc:
+            if self._missing(exc):
+                return None
+            raise
+        if end is not None and len(data) != end - start:
+            raise CheckpointError(
+                f"cannot read {url}: bytes {start}-{end} asked for, {len(data)} came back"
+            )
+        return data
+
+    def read_into(self, url: S3Url, offset: int, out: memoryview, *, if_match: str) -> None:
+        """Fill ``out`` with the object's bytes from ``offset``, in ranged GETs of at most
+        one part each, ``settings.concurrency`` at a time (the read seam's S3 side)."""
+        step = self.settings.part_size
+        spans = [(s, min(s + step, len(out))) for s in range(0, len(out), step)]
+
+        def one(span: tuple[int, int]) -> None:
+            a, b = span
+            data = self.get(url, offset + a, offset + b, if_match=if_match)
+            if data is None:
+                raise CheckpointError(f"cannot read {url}: it was deleted")
+            out[a:b] = data
+
+        if len(spans) <= 1:
+            for span in spans:
+                one(span)
+            return
+        with ThreadPoolExecutor(min(self.settings.concurrency, len(spans))) as pool:
+            for future in [pool.submit(one, span) for span in spans]:
+                future.result()
+
+    def delete(self, url: S3Url, *, if_match: str | None = None) -> None:
+        """Delete the object (none there is no error); only the one with etag ``if_match``
+        when given."""
+        extra = {"IfMatch": if_match} if if_match is not None else {}
+        self._call(
+            "delete",
+            url,
+            lambda: self._client.delete_object(Bucket=url.bucket, Key=url.key, **extra),
+        )
+
+    def delete_many(self, urls: Iterable[S3Url]) -> None:
+        """Delete objects of one bucket, 1000 to a request; a key that could not be deleted
+        raises, naming it."""
+        by_bucket: dict[str, list[str]] = {}
+        for url in urls:
+            by_bucket.setdefault(url.bucket, []).append(url.key)
+        for bucket, keys in by_bucket.items():
+            for i in range(0, len(keys), 1000):
+                batch = [{"Key": k} for k in keys[i : i + 1000]]
+                response = self._call(
+                    "delete",
+                    S3Url(bucket, keys[i]),
+                    functools.partial(
+                        self._client.delete_objects,
+                        Bucket=bucket,
+                        Delete={"Objects": batch, "Quiet": True},
+                    ),
+                )
+                for error in response.get("Errors", []):
+                    raise CheckpointError(
+                        f"cannot delete {S3Url(bucket, error['Key'])}: {error.get('Code')}"
+                    )
+
+    def listing(self, prefix: S3Url, *, delimiter: bool = False) -> tuple[list[str], list[str]]:
+        """The keys under ``prefix`` (relative to it) and, with ``delimiter``, the names of
+        the "directories" directly under it (without their ``/``), both sorted. One LIST per
+        1000 keys."""
+        keys: list[str] = []
+        directories: list[str] = []
+        token: str | None = None
+        base = prefix.prefix
+        while True:
+            extra: dict[str, str] = {"Delimiter": "/"} if delimiter else {}
+            if token is not None:
+                extra["ContinuationToken"] = token
+            page = self._call(
+                "list",
+                prefix,
+                functools.partial(
+                    self._client.list_objects_v2, Bucket=prefix.bucket, Prefix=base, **extra
+                ),
+            )
+            keys += [o["Key"][len(base) :] for o in page.get("Contents", [])]
+            directories += [p["Prefix"][len(base) : -1] for p in page.get("CommonPrefixes", [])]
+            if not page.get("IsTruncated"):
+                return sorted(keys), sorted(directories)
+            token = page["NextContinuationToken"]
+
+    # -- multipart ------------------------------------------------------------------------
+
+    def upload(
+        self, url: S3Url, chunks: Iterable[bytes | bytearray | memoryview], *, if_none_match: bool
+    ) -> str:
+        """Write the concatenation of ``chunks`` as object ``url``: one PUT when it fits in
+        one part, else a multipart upload of ``settings.part_size`` parts, at most
+        ``settings.concurrency`` in flight; completed only when no object is there
+        (``if_none_match``). Any failure aborts the upload (no parts left behind) and raises.
+        Returns the object's etag."""
+        parts = _parts(chunks, self.settings.part_size)
+        first = next(parts, b"")
+        second = next(parts, None)
+        if second is None:
+            return self.put(url, first, if_none_match=if_none_match)
+        upload = self._call(
+            "start an upload of",
+            url,
+            lambda: self._client.create_multipart_upload(Bucket=url.bucket, Key=url.key),
+        )["UploadId"]
+        try:
+            done = self._send_parts(url, upload, _chain(first, second, parts))
+            extra = {"IfNoneMatch": "*"} if if_none_match else {}
+            response = self._call(
+                "complete the upload of",
+                url,
+                lambda: self._client.complete_multipart_upload(
+                    Bucket=url.bucket,
+                    Key=url.key,
+                    UploadId=upload,
+                    MultipartUpload={"Parts": done},
+                    **extra,
+                ),
+            )
+        except BaseException:
+            self._abort(url, upload)
+            raise
+        return str(response["ETag"])
+
+    def _send_parts(self, url: S3Url, upload: str, parts: Iterator[bytes]) -> list[dict[str, Any]]:
+        slots = threading.BoundedSemaphore(self.settings.concurrency)
+        futures: list[Future[dict[str, Any]]] = []
+
+        def send(number: int, body: bytes) -> dict[str, Any]:
+            try:
+                response = self._call(
+                    f"upload part {number} of",
+                    url,
+                    lambda: self._client.upload_part(
+                        Bucket=url.bucket,
+                        Key=url.key,
+                        UploadId=upload,
+                        PartNumber=number,
+                        Body=body,
+                    ),
+                )
+                return {"PartNumber": number, "ETag": response["ETag"]}
+            finally:
+                slots.release()
+
+        with ThreadPoolExecutor(self.settings.concurrency) as pool:
+            try:
+                for number, body in enumerate(parts, start=1):
+                    slots.acquire()  # at most `concurrency` parts held: memory bounded
+                    failed = next((f for f in futures if f.done() and f.exception()), None)
+                    if failed is not None:
+                        slots.release()
+                        break
+                    futures.append(pool.submit(send, number, body))
+            finally:
+                results = [f.result() for f in futures]  # the first failure raises
+        return results
+
+    def _abort(self, url: S3Url, upload: str) -> None:
+        # The original failure is what the caller must see; `clean` aborts leftovers.
+        with contextlib.suppress(CheckpointError):
+            self._call(
+                "abort the upload of",
+                url,
+                lambda: self._client.abort_multipart_upload(
+                    Bucket=url.bucket, Key=url.key, UploadId=upload
+                ),
+            )
+
+
+def _parts(chunks: Iterable[bytes | bytearray | memoryview], size: int) -> Iterator[bytes]:
+    """``chunks`` regrouped into ``size``-byte parts (the last one shorter)."""
+    buffer = bytearray()
+    for chunk in chunks:
+        view = memoryview(chunk).cast("B")
+        while len(view):
+            take = min(size - len(buffer), len(view))
+            buffer += view[:take]
+            view = view[take:]
+            if len(buffer) == size:
+                yield bytes(buffer)
+                buffer.clear()
+    if buffer:
+        yield bytes(buffer)
+
+
+def _chain(first: bytes, second: bytes, rest: Iterator[bytes]) -> Iterator[bytes]:
+    yield first
+    yield second
+    yield from rest
