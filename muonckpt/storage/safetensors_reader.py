@@ -1,6 +1,6 @@
 """Reading safetensors files: validated headers (parsed by :mod:`.safetensors_header`),
-element ranges and strided groups read with ``pread`` (never a mapping), checksums verified on
-the way."""
+element ranges and strided groups read with ``pread`` (never a mapping), or from an object in
+S3 by ranged GETs (the read seam, :mod:`.byte_source`), checksums verified on the way."""
 
 from __future__ import annotations
 
@@ -24,9 +24,10 @@ from ..format.names import MANIFEST_NAME
 from ..format.piece_index import index_name
 from ..format.strict_json import TextWindow
 from ..layout.topology import Strided
+from .byte_source import ByteSource, FileSource
 from .checksums import CHUNK_BYTES, chunk_digest
 from .dtypes import byte_view, torch_dtype
-from .durable import open_regular, read_text
+from .durable import read_text
 from .safetensors_format import MAX_HEADER_BYTES, METADATA_KEY, TensorRecord
 from .safetensors_header import (
     Records,
@@ -61,25 +62,28 @@ class SafetensorsReader:
     The header is fully validated on open; any damage raises :class:`CheckpointError` naming
     the file. Reads are positional, so one reader may serve several threads. Use it as a
     context manager, or call :meth:`close`.
+
+    ``source``: where the bytes come from when not the local file ``path``
+    (:class:`~.byte_source.ObjectSource`: an object in S3; ``path`` is then what messages
+    name it by, its URL).
     """
 
     path: Path
     metadata: dict[str, str]
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, source: ByteSource | None = None) -> None:
         self.path = Path(path)
+        self._where: object = self.path if source is None else path
         self.metadata = {}
         self._records = Records()
-        self._fd: int | None = None
+        self._source: ByteSource | None = source
         self._scratch = threading.local()
-        try:
-            self._fd = open_regular(self.path)
-            self._opened = os.fstat(self._fd)
-        except OSError as e:
-            if self._fd is not None:
-                self.close()
-            why = "it is a symlink" if e.errno == errno.ELOOP else str(e)
-            raise CheckpointError(f"cannot open: {why}", path=self.path) from e
+        if source is None:
+            try:
+                self._source = FileSource(self.path)
+            except OSError as e:
+                why = "it is a symlink" if e.errno == errno.ELOOP else str(e)
+                raise CheckpointError(f"cannot open: {why}", path=self.path) from e
         try:
             self._parse_header()
         except BaseException:
@@ -88,36 +92,25 @@ class SafetensorsReader:
 
     @property
     def opened(self) -> os.stat_result:
-        """The file's ``fstat`` when this reader opened it."""
-        return self._opened
+        """The file's ``fstat`` when this reader opened it (a local file's reader only)."""
+        if not isinstance(self._source, FileSource):
+            raise self._fail("not a local file: it has no fstat")
+        return self._source.opened
 
     def _fail(self, message: str, param: str | None = None) -> CheckpointError:
-        return CheckpointError(message, path=self.path, param=param)
+        return CheckpointError(message, path=self._where, param=param)
 
     def changed(self) -> str | None:
         """How the file changed since this reader opened it (its size or modification time,
-        or the file its path names), or None when it did not."""
-        try:
-            now = os.fstat(self._check_open())
-        except (OSError, CheckpointError):
-            return None
-        was = self._opened
-        if (now.st_size, now.st_mtime_ns) != (was.st_size, was.st_mtime_ns):
-            return f"it was modified ({was.st_size} bytes when opened, now {now.st_size})"
-        try:
-            there = os.stat(self.path)
-        except FileNotFoundError:
-            return "it was deleted"
-        except OSError:
-            return None
-        if (there.st_dev, there.st_ino) != (was.st_dev, was.st_ino):
-            return "another file was put in its place"
-        return None
+        or the file its path names; an object's etag), or None when it did not."""
+        return None if self._source is None else self._source.changed()
 
     def _manifest_moved_on(self, digest: str) -> bool:
         """Whether the manifest beside the file exists but no longer lists checksum ``digest``
         (in version 3, in the file's piece index): then the checkpoint directory was replaced
         after the caller read its manifest."""
+        if not isinstance(self._source, FileSource):
+            return False  # an object: its etag tells (changed)
         try:
             text = read_text(self.path.parent / MANIFEST_NAME)
             if f'"{index_name(self.path.name)}"' in text:
@@ -143,7 +136,7 @@ class SafetensorsReader:
 
     def _parse_header(self) -> None:
         try:
-            size = os.fstat(self._fd).st_size  # type: ignore[arg-type]
+            size = self._check_open().size()
         except OSError as e:
             raise self._fail(f"cannot stat: {e}") from e
         if size < 8:
@@ -210,22 +203,20 @@ class SafetensorsReader:
                 raise self._fail(f"tensors {prev_key!r} and {key!r} overlap")
 
     def _pread(self, offset: int, n: int, what: str) -> bytes:
-        fd = self._check_open()
-        data = b""
+        source = self._check_open()
+        data = bytearray(n)
         try:
-            while len(data) < n:
-                more = os.pread(fd, n - len(data), offset + len(data))
-                if not more:
-                    raise self._truncated(f"{what} needs bytes up to {offset + n}")
-                data += more
+            got = source.read_into(memoryview(data), offset)
         except OSError as e:
             raise self._fail(f"cannot read {what}: {e}") from e
-        return data
+        if got < n:
+            raise self._truncated(f"{what} needs bytes up to {offset + n}")
+        return bytes(data)
 
-    def _check_open(self) -> int:
-        if self._fd is None:
+    def _check_open(self) -> ByteSource:
+        if self._source is None:
             raise self._fail("reader is closed")
-        return self._fd
+        return self._source
 
     def keys(self) -> list[str]:
         """Tensor keys, sorted."""
@@ -388,27 +379,23 @@ class SafetensorsReader:
 
     def _read_into(self, key: str, buffer: np.ndarray, offset: int) -> np.ndarray:
         """Fill ``buffer`` with the file's bytes from ``offset``; a short file raises."""
-        fd = self._check_open()
+        source = self._check_open()
         view = buffer.data
-        done = 0
         try:
-            while done < len(view):
-                got = os.preadv(fd, [view[done:]], offset + done)
-                if not got:
-                    raise self._truncated(
-                        f"the tensor needs bytes up to {offset + len(view)}, the file has "
-                        f"{offset + done}",
-                        key,
-                    )
-                done += got
+            done = source.read_into(view, offset)
         except OSError as e:
             raise self._fail(f"cannot read bytes [{offset}, {offset + len(view)}): {e}", key) from e
+        if done < len(view):
+            raise self._truncated(
+                f"the tensor needs bytes up to {offset + len(view)}, the file has {offset + done}",
+                key,
+            )
         return buffer
 
     def _check_size(self, key: str, end: int) -> None:
         """Raise unless the file still holds bytes up to ``end``."""
         try:
-            size = os.fstat(self._check_open()).st_size
+            size = self._check_open().size()
         except OSError as e:
             raise self._fail(f"cannot stat: {e}", key) from e
         if end > size:
@@ -479,9 +466,9 @@ class SafetensorsReader:
 
     def close(self) -> None:
         """Close the file; further reads raise :class:`CheckpointError`. Idempotent."""
-        fd, self._fd = self._fd, None
-        if fd is not None:
-            os.close(fd)
+        source, self._source = self._source, None
+        if source is not None:
+            source.close()
 
     def __enter__(self) -> SafetensorsReader:
         return self
@@ -495,4 +482,4 @@ class SafetensorsReader:
         self.close()
 
     def __repr__(self) -> str:
-        return f"SafetensorsReader({str(self.path)!r}, {len(self._records)} tensors)"
+        return f"SafetensorsReader({str(self._where)!r}, {len(self._records)} tensors)"

@@ -1,0 +1,148 @@
+"""The read seam: where a reader's bytes come from. :class:`~.SafetensorsReader` reads
+through a :class:`ByteSource`: a local file by ``pread`` (:class:`FileSource`, what it always
+did), or an object in S3 by ranged GETs of exactly the bytes asked for, pinned to the etag the
+object had when it was opened (:class:`ObjectSource`): a reader never mixes two versions of a
+file, and one replaced or deleted meanwhile reads as changed."""
+
+from __future__ import annotations
+
+import errno
+import os
+from typing import Protocol
+
+from ..errors import CheckpointError
+from .durable import open_regular
+from .s3 import PreconditionFailed, S3Client, S3Url
+
+HEAD_PREFETCH = 64 << 10
+"""Bytes of an object read by its first GET: a safetensors header of this size or less costs
+no second request."""
+
+
+class ByteSource(Protocol):
+    """Positional reads of one file or object, the way ``pread`` does them."""
+
+    def size(self) -> int:
+        """Its size in bytes now (``OSError`` or ``CheckpointError`` when that cannot be
+        known)."""
+        ...
+
+    def read_into(self, view: memoryview, offset: int) -> int:
+        """Fill ``view`` from byte ``offset``; the bytes read, fewer only at the end."""
+        ...
+
+    def changed(self) -> str | None:
+        """How it changed since it was opened, in words; None when it did not (or that
+        cannot be told)."""
+        ...
+
+    def close(self) -> None:
+        """Release it; idempotent."""
+        ...
+
+
+class FileSource:
+    """A regular local file, opened never through a symlink (:func:`.durable.open_regular`),
+    read by ``preadv``; changed when its size, modification time or the file its path names
+    differ from when it was opened."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = path
+        self.fd: int | None = open_regular(path)
+        try:
+            self.opened = os.fstat(self.fd)
+        except BaseException:
+            self.close()
+            raise
+
+    def _open_fd(self) -> int:
+        if self.fd is None:
+            raise OSError(errno.EBADF, "the file is closed")
+        return self.fd
+
+    def size(self) -> int:
+        return os.fstat(self._open_fd()).st_size
+
+    def read_into(self, view: memoryview, offset: int) -> int:
+        fd = self._open_fd()
+        done = 0
+        while done < len(view):
+            got = os.preadv(fd, [view[done:]], offset + done)
+            if not got:
+                break
+            done += got
+        return done
+
+    def changed(self) -> str | None:
+        try:
+            now = os.fstat(self._open_fd())
+        except OSError:
+            return None
+        was = self.opened
+        if (now.st_size, now.st_mtime_ns) != (was.st_size, was.st_mtime_ns):
+            return f"it was modified ({was.st_size} bytes when opened, now {now.st_size})"
+        try:
+            there = os.stat(self.path)
+        except FileNotFoundError:
+            return "it was deleted"
+        except OSError:
+            return None
+        if (there.st_dev, there.st_ino) != (was.st_dev, was.st_ino):
+            return "another file was put in its place"
+        return None
+
+    def close(self) -> None:
+        fd, self.fd = self.fd, None
+        if fd is not None:
+            os.close(fd)
+
+
+class ObjectSource:
+    """An object in S3: its size and etag taken when opened (with its first
+    :data:`HEAD_PREFETCH` bytes, one GET), every later read a ranged GET ``If-Match`` that
+    etag. A read of an object replaced meanwhile raises, saying so."""
+
+    def __init__(self, client: S3Client, url: S3Url) -> None:
+        self.client = client
+        self.url = url
+        info = client.head(url)
+        if info is None:
+            raise CheckpointError(f"cannot open {url}: there is no such object")
+        self.etag = info.etag
+        self._size = info.size
+        try:
+            head = client.get(url, 0, min(info.size, HEAD_PREFETCH), if_match=self.etag)
+        except PreconditionFailed:
+            raise CheckpointError(f"cannot open {url}: it was replaced while opening") from None
+        self._head = head or b""
+
+    def size(self) -> int:
+        return self._size
+
+    def read_into(self, view: memoryview, offset: int) -> int:
+        n = max(0, min(len(view), self._size - offset))
+        if offset + n <= len(self._head):
+            view[:n] = self._head[offset : offset + n]
+            return n
+        try:
+            self.client.read_into(self.url, offset, view[:n], if_match=self.etag)
+        except PreconditionFailed:
+            raise CheckpointError(
+                f"cannot read {self.url}: another object was put in its place since it was "
+                "opened (the checkpoint changed while reading); read it again"
+            ) from None
+        return n
+
+    def changed(self) -> str | None:
+        try:
+            info = self.client.head(self.url)
+        except CheckpointError:
+            return None
+        if info is None:
+            return "it was deleted"
+        if info.etag != self.etag:
+            return "another object was put in its place"
+        return None
+
+    def close(self) -> None:
+        self._head = b""
