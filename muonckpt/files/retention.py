@@ -18,7 +18,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from .. import storage
+from .. import settings, storage
 from ..errors import ArgumentError, CheckpointError, CheckpointWarning
 from ..format.names import MANIFEST_NAME
 from ..storage import access
@@ -77,7 +77,7 @@ def latest(root: str | os.PathLike[str]) -> Path | None:
     :class:`CheckpointError`. When a save commits and prunes while it looks, so that it found
     nothing complete, it looks again (three times in all).
     """
-    store, root = storage.store_for(root), Path(root)
+    store, root = storage.store_for(settings.local_path(root)), Path(root)
     if access.exists(root / MANIFEST_NAME):
         raise CheckpointError(
             "is a checkpoint itself; latest looks for checkpoints directly under a directory "
@@ -240,7 +240,7 @@ def clean(root: str | os.PathLike[str], older_than: float) -> Cleaned:
             f"older_than must be a number of seconds >= 0, got {older_than!r}",
             argument="older_than",
         )
-    store, root = storage.store_for(root), Path(root)
+    store, root = storage.store_for(settings.local_path(root)), Path(root)
     removed, skipped = [], []
     for name in filter(storage.is_ours, store.directories(root)):
         path = root / name

@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from .. import storage
+from .. import settings, storage
 from ..files import writing
 from ..files.attempt import Attempt
 from ..files.writing import Progress
@@ -78,7 +78,7 @@ def write_consolidated(
     """Write ``planned`` at ``dst``, its tensors pulled from ``tensors`` (one of
     :attr:`Consolidated.reads` each, in that order, a tensor of its own: momentum is
     multiplied in place by its group's factor of ``scales``)."""
-    store, steps = storage.store_for(dst), writing.LocalSteps()
+    store, steps = storage.store_for(settings.local_path(dst)), writing.LocalSteps()
     staging = writing.stage(steps, store, dst, overwrite=overwrite, source=source)
     pulled = _scaled(planned, scales, iter(tensors))
     try:

@@ -11,7 +11,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .. import storage
+from .. import settings, storage
 from ..files import writing
 from ..files.pieces import PieceReader
 from ..format.manifest import Manifest, ParamEntry, PieceIndex
@@ -32,7 +32,7 @@ def staged_output(
     if anything fails, it is discarded (only the files the format writes, then the lease,
     which records the format: ``clean`` removes as much after a crash) and the error goes
     on."""
-    store = storage.store_for(dst)
+    store = storage.store_for(settings.local_path(dst))
     staging = writing.open_staging(store, dst, overwrite=False, source=source, output=output)
     try:
         yield store, staging

@@ -379,7 +379,7 @@ def _write(
     manifest) and were called alike (the output, ``overwrite`` and the ``called`` options); a
     job whose manifest no reader would take is refused first (:func:`_check_manifest`)."""
     _check_manifest(job, dst)
-    store, plan = storage.store_for(dst), job.plan
+    store, plan = storage.store_for(settings.local_path(dst)), job.plan
     steps: writing.Steps = writing.LocalSteps()
     if collective:
         from ..distributed import collectives, group_steps

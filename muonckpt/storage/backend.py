@@ -25,6 +25,7 @@ from typing import Protocol
 from ..errors import CheckpointError
 from ..settings import local_path
 from .durable import entries, fsync_dir, write_text_atomic
+from .s3 import is_s3_url
 from .transaction import discard, make_staging, remove_checkpoint, retire, swap_in
 
 StrPath = str | os.PathLike[str]
@@ -140,7 +141,13 @@ class PosixStore:
 
 
 def store_for(target: StrPath) -> CheckpointStore:
-    """The store that holds ``target``: a local path's filesystem (:class:`PosixStore`); a
-    URL is refused (:func:`muonckpt.settings.local_path`) until a store for it exists."""
+    """The store that holds ``target``: an ``s3://bucket/prefix`` URL's bucket
+    (:class:`~.s3store.S3Store`, work in progress: the entry points do not hand it URLs yet,
+    each still refuses one first), a local path's filesystem (:class:`PosixStore`); any other
+    URL is refused in one line (:func:`muonckpt.settings.local_path`)."""
+    if is_s3_url(target):
+        from .s3store import S3Store  # (boto3 itself only when its first request is made)
+
+        return S3Store()
     local_path(target)
     return PosixStore()

@@ -1,0 +1,112 @@
+"""The commit protocol on S3 at the store (storage/s3store.py), against the real server:
+staged files uploaded under a save prefix of their own, the manifest committed by one
+conditional PutObject, exactly one of racing writers committing (the others' objects removed,
+the winner's kept), an overwrite deleting the old objects only after its commit."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import pytest
+
+from muonckpt.errors import CheckpointError
+from muonckpt.storage.s3 import S3Client, S3Url
+from muonckpt.storage.s3store import S3Store, data_prefix_of
+
+from .s3_server import S3Server
+
+pytestmark = pytest.mark.dist
+
+DATA = "rank-00000-of-00001.safetensors"
+
+
+def _stage(store: S3Store, target: str, overwrite: bool, payload: bytes) -> Path:
+    staging = store.create_staging(target, overwrite)
+    (staging / DATA).write_bytes(payload)
+    store.put_text(staging / "manifest.json", json.dumps({"files": [{"name": DATA}]}))
+    return staging
+
+
+def _objects(client: S3Client, target: str) -> list[str]:
+    return client.listing(S3Url.parse(target))[0]
+
+
+def _manifest(client: S3Client, target: str) -> str:
+    raw = client.get(S3Url.parse(target).child("manifest.json"))
+    assert raw is not None
+    return raw.decode()
+
+
+def test_publish_then_overwrite(s3_server: S3Server) -> None:
+    client = S3Client()
+    target = f"s3://{s3_server.bucket()}/runs/step-1"
+    store = S3Store(client)
+    staging = _stage(store, target, False, b"first")
+    assert store.publish(staging, target, files={DATA: 5}) is None
+    assert not staging.exists()
+    first = data_prefix_of(_manifest(client, target))
+    assert first is not None and first.startswith("s-")
+    assert _objects(client, target) == sorted(["manifest.json", first + DATA])
+    assert client.get(S3Url.parse(target).child(first + DATA)) == b"first"
+    with pytest.raises(CheckpointError, match="overwrite=True"):
+        store.create_staging(target, False)
+    assert _objects(client, target) == sorted(["manifest.json", first + DATA])  # nothing made
+    staging = _stage(store, target, True, b"second")
+    store.publish(staging, target, files={DATA: 6})
+    second = data_prefix_of(_manifest(client, target))
+    assert second not in (None, first)
+    assert _objects(client, target) == sorted(["manifest.json", f"{second}{DATA}"])
+    assert store.directories(f"s3://{S3Url.parse(target).bucket}/runs") == ["step-1"]
+    assert store.remove_checkpoint(target)
+    assert _objects(client, target) == []
+
+
+def test_a_discarded_save_leaves_nothing(s3_server: S3Server) -> None:
+    client = S3Client()
+    target = f"s3://{s3_server.bucket()}/step-1"
+    store = S3Store(client)
+    staging = _stage(store, target, False, b"x")
+    assert len(_objects(client, target)) == 1  # its lease
+    store.discard(staging)
+    assert _objects(client, target) == [] and not staging.exists()
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_racing_writers_one_commits(s3_server: S3Server, overwrite: bool) -> None:
+    """8 writers stage the same target at once (each reads the same state: no checkpoint, or
+    the same old one) and publish: exactly one commits; every other fails naming the target,
+    and only the winner's objects (and nothing of the old checkpoint) remain."""
+    client = S3Client()
+    target = f"s3://{s3_server.bucket()}/step-7"
+    if overwrite:
+        store = S3Store(client)
+        store.publish(_stage(store, target, False, b"old"), target)
+    writers = 8
+    stores = [S3Store(S3Client()) for _ in range(writers)]
+    stagings = [_stage(s, target, overwrite, f"writer {i}".encode()) for i, s in enumerate(stores)]
+    barrier = threading.Barrier(writers)
+    outcomes: list[str] = [""] * writers
+
+    def run(i: int) -> None:
+        barrier.wait()
+        try:
+            stores[i].publish(stagings[i], target)
+            outcomes[i] = "committed"
+        except CheckpointError as exc:
+            assert target in str(exc) and "first" in str(exc)
+            outcomes[i] = "lost"
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(writers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(outcomes) == ["committed"] + ["lost"] * (writers - 1)
+    winner = outcomes.index("committed")
+    prefix = data_prefix_of(_manifest(client, target))
+    assert _objects(client, target) == sorted(["manifest.json", f"{prefix}{DATA}"])
+    got = client.get(S3Url.parse(target).child(f"{prefix}{DATA}"))
+    assert got == f"writer {winner}".encode()
+    assert all(not s.exists() for s in stagings)
