@@ -152,7 +152,7 @@ class S3Client:
         boto3, botocore = _botocore()
         self._exceptions = importlib.import_module("botocore.exceptions")
         config = importlib.import_module("botocore.config").Config(
-            retries={"max_attempts": 1, "mode": "standard"},
+            retries={"total_max_attempts": 1, "mode": "standard"},  # ours alone retry
             max_pool_connections=max(10, 2 * self.settings.concurrency),
             connect_timeout=self.settings.connect_timeout,
             read_timeout=self.settings.read_timeout,

@@ -1,0 +1,131 @@
+"""A small HTTP proxy in front of the tests' S3 server that injects faults: the next N
+requests answered ``503 SlowDown`` (as S3 throttles), or connections accepted and dropped
+before an answer (a reset mid-request). moto keeps its objects in memory, so faults are made
+here rather than by restarting the server.
+
+It runs as a thread of the test process (no process of its own): each client connection is
+read request by request (a request head, ``Expect: 100-continue`` answered, the body by its
+``Content-Length``), each forwarded over a fresh ``http.client`` connection to the server and
+its answer sent back."""
+
+from __future__ import annotations
+
+import http.client
+import socket
+import socketserver
+import threading
+from typing import Any
+
+SLOW_DOWN = (
+    b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
+    b"<Message>Please reduce your request rate.</Message></Error>"
+)
+_DROP_HEADERS = {"connection", "transfer-encoding", "keep-alive", "expect"}
+
+
+class FaultProxy:
+    """Listens on 127.0.0.1 at a free port (:attr:`endpoint`), forwarding to ``upstream``
+    (``http://host:port``)."""
+
+    def __init__(self, upstream: str) -> None:
+        host, port = upstream.removeprefix("http://").split(":")
+        self.upstream = (host, int(port))
+        self.lock = threading.Lock()
+        self.slow_downs = 0
+        self.drops = 0
+        self.requests = 0
+        self.injected = 0
+        proxy = self
+
+        class Handler(socketserver.StreamRequestHandler):
+            def handle(self) -> None:
+                proxy._serve(self.rfile, self.connection)
+
+        self.server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def inject(self, *, slow_downs: int = 0, drops: int = 0) -> None:
+        """The next ``slow_downs`` requests answered 503 SlowDown, then the next ``drops``
+        dropped (the connection closed once the request was read)."""
+        with self.lock:
+            self.slow_downs, self.drops = slow_downs, drops
+
+    def _fault(self) -> str | None:
+        with self.lock:
+            self.requests += 1
+            if self.slow_downs:
+                self.slow_downs -= 1
+                self.injected += 1
+                return "slow down"
+            if self.drops:
+                self.drops -= 1
+                self.injected += 1
+                return "drop"
+        return None
+
+    def _serve(self, rfile: Any, connection: socket.socket) -> None:
+        while True:
+            line = rfile.readline(65537)
+            if not line.strip():
+                return
+            method, target, _ = line.decode("latin-1").split(" ", 2)
+            headers: list[tuple[str, str]] = []
+            while (raw := rfile.readline(65537)) not in (b"\r\n", b"\n", b""):
+                name, _, value = raw.decode("latin-1").partition(":")
+                headers.append((name.strip(), value.strip()))
+            lower = {k.lower(): v for k, v in headers}
+            if lower.get("expect", "").lower() == "100-continue":
+                connection.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")
+            body = rfile.read(int(lower.get("content-length", "0") or 0))
+            fault = self._fault()
+            if fault == "drop":
+                connection.close()
+                return
+            if fault == "slow down":
+                self._answer(connection, 503, [("Content-Type", "application/xml")], SLOW_DOWN)
+                continue
+            status, answer, data = self._forward(method, target, headers, body)
+            if method == "HEAD":
+                connection.sendall(_head(status, answer))
+            else:
+                self._answer(connection, status, answer, data)
+
+    def _forward(
+        self, method: str, target: str, headers: list[tuple[str, str]], body: bytes
+    ) -> tuple[int, list[tuple[str, str]], bytes]:
+        upstream = http.client.HTTPConnection(*self.upstream, timeout=60)
+        try:
+            upstream.putrequest(method, target, skip_host=True, skip_accept_encoding=True)
+            for name, value in headers:
+                if name.lower() not in _DROP_HEADERS:
+                    upstream.putheader(name, value)
+            upstream.endheaders(body if body else None)
+            response = upstream.getresponse()
+            data = response.read()
+            kept = [(k, v) for k, v in response.getheaders() if k.lower() not in _DROP_HEADERS]
+            return response.status, kept, data
+        finally:
+            upstream.close()
+
+    def _answer(
+        self,
+        connection: socket.socket,
+        status: int,
+        headers: list[tuple[str, str]],
+        data: bytes,
+    ) -> None:
+        kept = [(k, v) for k, v in headers if k.lower() != "content-length"]
+        connection.sendall(_head(status, [*kept, ("Content-Length", str(len(data)))]) + data)
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def _head(status: int, headers: list[tuple[str, str]]) -> bytes:
+    reason = http.client.responses.get(status, "Unknown")
+    lines = [f"HTTP/1.1 {status} {reason}", *(f"{k}: {v}" for k, v in headers), "", ""]
+    return "\r\n".join(lines).encode("latin-1")
