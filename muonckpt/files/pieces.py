@@ -140,11 +140,17 @@ INDEXES_READ: Counter[str] = Counter()
 looks at to see that a load read only its own (never reset here)."""
 
 
+def data_directory(directory: Path, manifest: Manifest) -> Path:
+    """Where the files ``manifest`` names are: ``directory`` itself, or its save prefix's
+    subdirectory (a checkpoint committed to S3 and copied here object by object)."""
+    return directory / manifest.data_prefix if manifest.data_prefix else directory
+
+
 def read_index(directory: Path, manifest: Manifest, entry: IndexEntry) -> tuple[Piece, ...]:
     """The pieces of one piece index: its size and checksum the manifest's, every piece
     schema-checked (:func:`muonckpt.format.piece_index.parse_index`); a CheckpointError
     naming the index file otherwise."""
-    path = directory / entry.name
+    path = data_directory(directory, manifest) / entry.name
     INDEXES_READ[entry.name] += 1
     try:
         data = storage.read_small(path)
@@ -251,7 +257,7 @@ def size_problems(manifest: Manifest, directory: Path) -> list[CheckpointError]:
     for tensor in manifest.extra.tensors() if manifest.extra is not None else ():
         claimed[tensor.file] = claimed.get(tensor.file, 0) + tensor.nbytes
     for entry in all_files(manifest):
-        path = directory / entry.name
+        path = data_directory(directory, manifest) / entry.name
         if access.is_symlink(path):
             problems.append(
                 CheckpointError("is a symlink, not a file of this checkpoint", path=path)
@@ -323,7 +329,7 @@ class PieceReader:
         files were opened)."""
         path = self._paths.get(file)
         if path is None:
-            path = self.directory / file
+            path = data_directory(self.directory, self.manifest) / file
             if not access.is_file(path):
                 changed = changed_while_reading(self.directory, self.manifest)
                 raise changed or CheckpointError("missing data file", path=path)
@@ -462,16 +468,13 @@ def verify(path: str | os.PathLike[str]) -> list[CheckpointError]:
         CheckpointError(p, path=directory / MANIFEST_NAME) for p in manifest.coverage_problems()
     ]
     problems += _topology_problems(manifest, directory)
-    known = {f.name for f in all_files(manifest)} | {MANIFEST_NAME, INDEX_FILE, MODEL_INDEX_FILE}
+    known = {f.name for f in all_files(manifest)} | {INDEX_FILE, MODEL_INDEX_FILE}
     known |= {entry.name for entry in manifest.indexes}
-    for name in sorted(access.list_names(directory)):
-        entry = directory / name
-        if name not in known:
-            problems.append(CheckpointError("unknown file in the checkpoint directory", path=entry))
-        elif access.is_symlink(entry):
-            problems.append(
-                CheckpointError("is a symlink, not a file of the checkpoint's own", path=entry)
-            )
+    if manifest.data_prefix:  # the manifest and the save prefix beside it, its files in that
+        problems += _unknown_files(directory, {MANIFEST_NAME, manifest.data_prefix[:-1]})
+        problems += _unknown_files(data_directory(directory, manifest), known)
+    else:
+        problems += _unknown_files(directory, known | {MANIFEST_NAME})
     model = manifest.model
     tensors = {e.name: e for e in model.tensors} if model is not None else {}
     with PieceReader(directory, manifest) as reader:
@@ -526,8 +529,26 @@ def _unread_tensors(manifest: Manifest, reader: PieceReader) -> list[CheckpointE
             problems.append(
                 CheckpointError(
                     f"tensor {unread[0]!r} is read by no piece ({len(unread)} such tensors)",
-                    path=reader.directory / entry.name,
+                    path=data_directory(reader.directory, manifest) / entry.name,
                 )
+            )
+    return problems
+
+
+def _unknown_files(directory: Path, known: set[str]) -> list[CheckpointError]:
+    """The names in ``directory`` not ``known``, and those that are symlinks."""
+    problems = []
+    try:
+        names = access.list_names(directory)
+    except OSError as exc:
+        return [CheckpointError(f"cannot be listed: {exc.strerror}", path=directory)]
+    for name in names:
+        entry = directory / name
+        if name not in known:
+            problems.append(CheckpointError("unknown file in the checkpoint directory", path=entry))
+        elif access.is_symlink(entry):
+            problems.append(
+                CheckpointError("is a symlink, not a file of the checkpoint's own", path=entry)
             )
     return problems
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 from array import array
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -38,6 +39,9 @@ from .records import (  # the records, named here too
 from .renames import Rename, renamer
 
 FORMAT_NAME = "muonckpt"
+DATA_PREFIX = re.compile(r"(s-[0-9a-f]{16}/)?")
+"""What a manifest's ``data_prefix`` may be (whole): none, or one save prefix: a manifest
+cannot name a file outside its checkpoint."""
 FORMAT_VERSION = 4
 """Version 4 writes each param's name as the characters it shares with the previous param's
 name and the rest (a Kimi-K2-shaped model's 70k names of 75 characters: 5.9 MB -> 2.1 MB of
@@ -166,6 +170,10 @@ class Manifest:
     stored_names: tuple[str, ...] = ()
     """(a renamed manifest) The params' names as stored, by position: what a piece index's
     default tensor keys are made from. Empty: the names are as stored."""
+    data_prefix: str = ""
+    """(a checkpoint committed to object storage; issue 52, work in progress) Where the files
+    it names are, relative to the manifest: ``""``, beside it, or ``"s-<16 hex>/"``, the save
+    prefix of the save that wrote it (:data:`DATA_PREFIX`)."""
 
     def param(self, name: str) -> ParamEntry:
         by_name: dict[str, ParamEntry] | None = self.__dict__.get("_by_name")
@@ -301,6 +309,8 @@ class Manifest:
             "step": self.recorded_step,
             "extra": None if self.extra is None else extra_to_json(self.extra),
         }
+        if self.data_prefix:
+            body["data_prefix"] = self.data_prefix
         if self.model is not None:
             body["model"] = {
                 "tensors": [

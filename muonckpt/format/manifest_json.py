@@ -17,6 +17,7 @@ from ..layout.topology import Region
 from .kinds import KNOWN
 from .manifest import (
     CHECKSUM_ALGORITHM,
+    DATA_PREFIX,
     DTYPE_BYTES,
     FORMAT_NAME,
     FORMAT_VERSION,
@@ -119,6 +120,11 @@ def _manifest_from(body: Any, shared: _Shared) -> Manifest:
         pieces, indexes = _pieces(body["pieces"], by_name, file_names), ()
     step = body.get("step")
     _expect(step is None or _int(step) >= 0, f"step must be a non-negative int, got {step!r}")
+    prefix = body.get("data_prefix", "")
+    _expect(
+        isinstance(prefix, str) and DATA_PREFIX.fullmatch(prefix) is not None,
+        f"data_prefix {prefix!r:.80} is not a save prefix (s-<16 hex digits>/)",
+    )
     extra = body.get("extra")
     return Manifest(
         kind=body["kind"],
@@ -133,6 +139,7 @@ def _manifest_from(body: Any, shared: _Shared) -> Manifest:
         model=_model_file(body["model"], by_name, file_names) if "model" in body else None,
         recorded_step=step,
         extra=None if extra is None else extra_from_json(extra, file_names),
+        data_prefix=prefix,
     )
 
 
