@@ -218,11 +218,12 @@ def changed_while_reading(directory: Path, manifest: Manifest) -> CheckpointErro
         now = read_manifest(directory, pieces=not manifest.indexes)
     except CheckpointError:
         now = None
-    if now is not None and (now.files, now.indexes, now.pieces, now.extra) == (
+    if now is not None and (now.files, now.indexes, now.pieces, now.extra, now.data_prefix) == (
         manifest.files,
         manifest.indexes,
         manifest.pieces if not manifest.indexes else (),
         manifest.extra,
+        manifest.data_prefix,  # the same files under another save's prefix: another checkpoint
     ):
         return None
     return CheckpointError(
