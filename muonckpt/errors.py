@@ -24,6 +24,7 @@ __all__ = [
     "MuonCkptError",
     "OptionError",
     "PeerLostError",
+    "PreconditionFailed",
     "StateDictError",
 ]
 
@@ -129,6 +130,12 @@ class ArgumentError(CheckpointError, ValueError):
     ) -> None:
         super().__init__(message, path=path, param=param, rank=rank, agreed_by=agreed_by)
         self.argument = argument
+
+
+class PreconditionFailed(CheckpointError):
+    """A conditional write to object storage was refused (HTTP 412): the object exists
+    (``If-None-Match: *``) or is no longer the one whose etag was given (``If-Match``). How a
+    commit on S3 learns that another writer committed first (issue 52, work in progress)."""
 
 
 class CollectiveError(MuonCkptError, RuntimeError):

@@ -8,9 +8,8 @@ import os
 
 import pytest
 
-from muonckpt.errors import CheckpointError
+from muonckpt.errors import CheckpointError, PreconditionFailed
 from muonckpt.storage.s3 import (
-    PreconditionFailed,
     S3Client,
     S3Url,
     TransferSettings,

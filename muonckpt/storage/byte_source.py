@@ -10,9 +10,9 @@ import errno
 import os
 from typing import Protocol
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, PreconditionFailed
 from .durable import open_regular
-from .s3 import PreconditionFailed, S3Client, S3Url
+from .s3 import S3Client, S3Url
 
 HEAD_PREFETCH = 64 << 10
 """Bytes of an object read by its first GET: a safetensors header of this size or less costs

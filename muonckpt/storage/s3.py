@@ -27,7 +27,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, PreconditionFailed
 
 SCHEME = "s3://"
 
@@ -95,11 +95,6 @@ class S3Url:
 
     def __str__(self) -> str:
         return f"{SCHEME}{self.bucket}/{self.key}"
-
-
-class PreconditionFailed(CheckpointError):
-    """A conditional write was refused (HTTP 412): the object exists (``If-None-Match: *``)
-    or is no longer the one whose etag was given (``If-Match``)."""
 
 
 @dataclass(frozen=True)

@@ -29,11 +29,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, PreconditionFailed
 from ..format.names import MANIFEST_NAME
 from .durable import MAX_TEXT_BYTES, write_text_atomic
-
-from .s3 import PreconditionFailed, S3Client, S3Url
+from .s3 import S3Client, S3Url
 
 StrPath = str | os.PathLike[str]
 
