@@ -1,6 +1,7 @@
 """A small HTTP proxy in front of the tests' S3 server that injects faults: the next N
-requests answered ``503 SlowDown`` (as S3 throttles), or connections accepted and dropped
-before an answer (a reset mid-request). moto keeps its objects in memory, so faults are made
+requests answered ``503 SlowDown`` (as S3 throttles), connections dropped before an answer (a
+reset mid-request), or a request matching a pattern forwarded and then its answer lost (the
+server did it; the client never hears). moto keeps its objects in memory, so faults are made
 here rather than by restarting the server.
 
 It runs as a thread of the test process (no process of its own): each client connection is
@@ -35,6 +36,8 @@ class FaultProxy:
         self.drops = 0
         self.requests = 0
         self.injected = 0
+        self.lose_answer_to: str | None = None
+        """A request line containing this text is forwarded once, its answer never sent."""
         proxy = self
 
         class Handler(socketserver.StreamRequestHandler):
@@ -81,6 +84,12 @@ class FaultProxy:
                 connection.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")
             body = rfile.read(int(lower.get("content-length", "0") or 0))
             fault = self._fault()
+            lose = self.lose_answer_to
+            if lose is not None and lose in line.decode("latin-1"):
+                self.lose_answer_to = None
+                self._forward(method, target, headers, body)
+                connection.close()
+                return
             if fault == "drop":
                 connection.close()
                 return

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from muonckpt.errors import CheckpointError
+from muonckpt.errors import CheckpointError, PreconditionFailed
 from muonckpt.storage.s3 import S3Client, S3Url, TransferSettings
 
 from .s3_proxy import FaultProxy
@@ -86,3 +86,40 @@ def test_a_failed_multipart_upload_is_aborted(s3_server: S3Server, proxy: FaultP
         client.upload(other, failing(), if_none_match=True)
     assert s3_server.client().list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []
     assert client.head(other) is None
+
+
+def test_a_commit_whose_answer_was_lost_is_still_ours(
+    s3_server: S3Server, proxy: FaultProxy
+) -> None:
+    """The manifest's conditional PUT reaches the server, which commits, and its answer is
+    lost: the client retries, gets 412 (the object is there now: its own), and the store
+    finds its own save prefix in the manifest: committed, its objects kept (taking the 412 for
+    a lost race would delete the committed checkpoint's data)."""
+    from muonckpt.storage.s3store import S3Store, data_prefix_of
+
+    client = S3Client(SETTINGS)
+    target = f"s3://{s3_server.bucket()}/step-3"
+    store = S3Store(client)
+    staging = store.create_staging(target, False)
+    (staging / "rank-00000-of-00001.safetensors").write_bytes(b"data")
+    store.put_text(staging / "manifest.json", '{"files": []}')
+    proxy.lose_answer_to = "step-3/manifest.json"
+    refused: list[str] = []
+    put = client.put
+
+    def watched_put(url: S3Url, data: bytes, **condition: object) -> str:
+        try:
+            return put(url, data, **condition)  # type: ignore[arg-type]
+        except PreconditionFailed:
+            refused.append(url.name)
+            raise
+
+    client.put = watched_put  # type: ignore[method-assign]
+    store.publish(staging, target)
+    assert proxy.lose_answer_to is None  # the answer was lost once
+    assert refused == ["manifest.json"]  # the retry was refused: the server had committed
+    url = S3Url.parse(target)
+    raw = client.get(url.child("manifest.json"))
+    assert raw is not None
+    prefix = data_prefix_of(raw.decode())
+    assert prefix and client.get(url.child(prefix + "rank-00000-of-00001.safetensors")) == b"data"
