@@ -15,6 +15,7 @@ import http.client
 import socket
 import socketserver
 import threading
+import time
 from typing import Any
 
 SLOW_DOWN = (
@@ -36,6 +37,9 @@ class FaultProxy:
         self.drops = 0
         self.requests = 0
         self.injected = 0
+        self.down_until = 0.0
+        """Until this time.monotonic(), every request's connection is closed unanswered once
+        its request line is read (the server gone; not a refused connection)."""
         self.lose_answer_to: str | None = None
         """A request line containing this text is forwarded once, its answer never sent."""
         proxy = self
@@ -74,6 +78,10 @@ class FaultProxy:
             line = rfile.readline(65537)
             if not line.strip():
                 return
+            if time.monotonic() < self.down_until:  # (a kept-alive connection too)
+                with self.lock:
+                    self.injected += 1
+                return  # closed unanswered
             method, target, _ = line.decode("latin-1").split(" ", 2)
             headers: list[tuple[str, str]] = []
             while (raw := rfile.readline(65537)) not in (b"\r\n", b"\n", b""):

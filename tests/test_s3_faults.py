@@ -123,3 +123,24 @@ def test_a_commit_whose_answer_was_lost_is_still_ours(
     assert raw is not None
     prefix = data_prefix_of(raw.decode())
     assert prefix and client.get(url.child(prefix + "rank-00000-of-00001.safetensors")) == b"data"
+
+
+def test_the_server_unreachable_for_a_while(s3_server: S3Server, proxy: FaultProxy) -> None:
+    """For 1.5 s every request's connection is closed unanswered (the proxy stays listening:
+    not a refused connection): the retries' backoff carries the
+    request past it (within their time bound); an outage past the bound fails in one line."""
+    slow = dataclasses.replace(SETTINGS, attempts=20, backoff_base=0.2, backoff_cap=0.5)
+    client = S3Client(slow)
+    url = S3Url(s3_server.bucket(), "ckpt/manifest.json")
+    client.put(url, b"before")
+    proxy.down_until = time.monotonic() + 1.5
+    began = time.monotonic()
+    client.put(url, b"after")
+    assert time.monotonic() - began >= 1.0 and proxy.injected >= 1
+    assert client.get(url) == b"after"
+    brief = dataclasses.replace(slow, retry_seconds=1.0)
+    proxy.down_until = time.monotonic() + 30
+    with pytest.raises(CheckpointError, match=r"cannot read s3://.*ckpt/manifest\.json") as caught:
+        S3Client(brief).get(url)
+    assert "\n" not in str(caught.value)
+    proxy.down_until = 0.0
