@@ -24,12 +24,13 @@ import os
 import secrets
 import shutil
 import tempfile
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import CheckpointError, PreconditionFailed
+from ..errors import CheckpointError, CheckpointWarning, PreconditionFailed
 from ..format.names import MANIFEST_NAME
 from .durable import MAX_TEXT_BYTES, write_text_atomic
 from .s3 import S3Client, S3Url
@@ -180,9 +181,12 @@ class S3Store:
             self.discard(staging, quiet=True)
             raise
         self._forget(staging)
-        if staged.replaced_text is not None:
-            self._remove_named(staged.final, staged.replaced_text)
-        self.client.delete(staged.final.child(staged.save_prefix + ".lease"))
+        try:  # committed: what fails now is a warning (clean removes what is left)
+            if staged.replaced_text is not None:
+                self._remove_named(staged.final, staged.replaced_text)
+            self.client.delete(staged.final.child(staged.save_prefix + ".lease"))
+        except CheckpointError as exc:
+            warnings.warn(f"committed {staged.final}, but then: {exc}", CheckpointWarning, 2)
         return None
 
     def _check_sizes(self, local: Path, files: Mapping[str, int]) -> None:
