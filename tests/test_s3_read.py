@@ -13,9 +13,9 @@ import torch
 from muonckpt.errors import CheckpointError
 from muonckpt.format.manifest import unpack_checksums
 from muonckpt.storage import SafetensorsReader
-from muonckpt.storage.safetensors_writer import write_safetensors
 from muonckpt.storage.byte_source import HEAD_PREFETCH, ObjectSource
 from muonckpt.storage.s3 import S3Client, S3Url, TransferSettings
+from muonckpt.storage.safetensors_writer import write_safetensors
 
 from .s3_server import S3Server
 
