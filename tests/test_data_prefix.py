@@ -5,12 +5,16 @@ unchanged."""
 
 from __future__ import annotations
 
+import json
 import shutil
+from dataclasses import replace
 
 import pytest
 
 import muonckpt
 from muonckpt.errors import CheckpointError
+from muonckpt.format.manifest import PREFIXED_VERSION
+from muonckpt.format.manifest_json import parse_manifest
 
 HOSTILE = [
     "../",
@@ -27,10 +31,12 @@ HOSTILE = [
 ]
 
 
-def _with_prefix(text: str, prefix: object) -> str:
-    import json
-
-    return '{"data_prefix": ' + json.dumps(prefix) + "," + text.lstrip()[1:]
+def _with_prefix(text: str, prefix: object, version: int = PREFIXED_VERSION) -> str:
+    """The manifest ``text`` with ``data_prefix`` first and its format version ``version``."""
+    old, new = '"format_version": 4,', f'"format_version": {version},'
+    body = text.lstrip()[1:].replace(old, new, 1)
+    assert new in body
+    return '{"data_prefix": ' + json.dumps(prefix) + "," + body
 
 
 def test_a_local_save_writes_no_data_prefix(single_ckpt) -> None:
@@ -50,6 +56,22 @@ def test_only_a_save_prefix_is_accepted(single_ckpt, tmp_path, prefix) -> None:
         return
     with pytest.raises(CheckpointError, match="data_prefix"):
         muonckpt.read_manifest(ckpt)
+
+
+def test_a_data_prefix_is_version_5(single_ckpt, tmp_path) -> None:
+    """A reader that knows no ``data_prefix`` (version 4 and older) refuses the version rather
+    than reading files beside the manifest; a version 4 manifest naming one is refused."""
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(single_ckpt(1), ckpt)
+    manifest = ckpt / "manifest.json"
+    plain = manifest.read_text()
+    manifest.write_text(_with_prefix(plain, "s-0123456789abcdef/", version=4))
+    with pytest.raises(CheckpointError, match="version 4 manifest has no data_prefix"):
+        muonckpt.read_manifest(ckpt)
+    prefixed = replace(parse_manifest(plain, ckpt), data_prefix="s-0123456789abcdef/")
+    written = "".join(prefixed.json_chunks())
+    assert f'"format_version": {PREFIXED_VERSION},' in written
+    assert parse_manifest(written, ckpt).data_prefix == "s-0123456789abcdef/"
 
 
 def test_a_save_prefix_is_where_the_files_are(single_ckpt, tmp_path) -> None:

@@ -48,7 +48,13 @@ name and the rest (a Kimi-K2-shaped model's 70k names of 75 characters: 5.9 MB -
 the top level every loading rank reads); version 3 moved the pieces out of ``manifest.json``
 into one piece index per data file (:mod:`.piece_index`), the params into a table of their
 kinds; version 2 added the params' own values (``value_dtype``, pieces of key
-:data:`PARAM_KEY`); versions 1 to 3 are still read (version 1 holds optimizer state only)."""
+:data:`PARAM_KEY`); versions 1 to 3 are still read (version 1 holds optimizer state only).
+A checkpoint whose files sit under a save prefix is version :data:`PREFIXED_VERSION`."""
+PREFIXED_VERSION = 5
+"""Version 5 is version 4 with ``data_prefix`` (a checkpoint committed to object storage, or
+copied from there): its files are under a save prefix beside the manifest. Written only then,
+so that a reader that knows no ``data_prefix`` refuses it rather than looking beside the
+manifest; the newest version this muonckpt reads."""
 __all__ = [  # the records re-exported; every name defined here is public too
     "DIGEST_BYTES",
     "DTYPE_BYTES",
@@ -171,9 +177,9 @@ class Manifest:
     """(a renamed manifest) The params' names as stored, by position: what a piece index's
     default tensor keys are made from. Empty: the names are as stored."""
     data_prefix: str = ""
-    """(a checkpoint committed to object storage; issue 52, work in progress) Where the files
-    it names are, relative to the manifest: ``""``, beside it, or ``"s-<16 hex>/"``, the save
-    prefix of the save that wrote it (:data:`DATA_PREFIX`)."""
+    """(version 5: a checkpoint committed to object storage) Where the files it names are,
+    relative to the manifest: ``""``, beside it, or ``"s-<16 hex>/"``, the save prefix of the
+    save that wrote it (:data:`DATA_PREFIX`)."""
 
     def param(self, name: str) -> ParamEntry:
         by_name: dict[str, ParamEntry] | None = self.__dict__.get("_by_name")
@@ -304,7 +310,7 @@ class Manifest:
             "kind": self.kind,
             "topology": dict(self.topology),
             **dict.fromkeys(lists),
-            "format_version": self.format_version,
+            "format_version": PREFIXED_VERSION if self.data_prefix else self.format_version,
             "checksum_algorithm": self.checksum_algorithm,
             "step": self.recorded_step,
             "extra": None if self.extra is None else extra_to_json(self.extra),

@@ -22,6 +22,7 @@ from .manifest import (
     FORMAT_NAME,
     FORMAT_VERSION,
     KINDS,
+    PREFIXED_VERSION,
     Extra,
     ExtraTensor,
     ExtraValues,
@@ -83,9 +84,9 @@ def _manifest_from(body: Any, shared: _Shared) -> Manifest:
     _expect(body.get("format") == FORMAT_NAME, "not a muonckpt manifest (format field)")
     version = body.get("format_version")
     _expect(_pos_int(version), "format_version missing or not a positive int")
-    if version > FORMAT_VERSION:
+    if version > PREFIXED_VERSION:
         raise CheckpointError(
-            f"format version {version} is newer than this muonckpt reads ({FORMAT_VERSION}); "
+            f"format version {version} is newer than this muonckpt reads ({PREFIXED_VERSION}); "
             "upgrade muonckpt"
         )
     _expect(body["kind"] in KINDS, f"unknown kind {body['kind']!r}")
@@ -124,6 +125,10 @@ def _manifest_from(body: Any, shared: _Shared) -> Manifest:
     _expect(
         isinstance(prefix, str) and DATA_PREFIX.fullmatch(prefix) is not None,
         f"data_prefix {prefix!r:.80} is not a save prefix (s-<16 hex digits>/)",
+    )
+    _expect(
+        not prefix or version >= PREFIXED_VERSION,
+        f"a version {version} manifest has no data_prefix (version {PREFIXED_VERSION} has)",
     )
     extra = body.get("extra")
     return Manifest(
