@@ -7,6 +7,7 @@ so that the test uses this interpreter.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import re
 import shlex
@@ -192,3 +193,33 @@ def test_readme_ddp_recipe_saves_once_and_resumes_at_another_world_size(tmp_path
     assert resumed[0] < losses[0] and resumed[-1] < resumed[0], (losses, resumed)
     assert sorted(p.name for p in ckpt.iterdir()) == ["step-20", "step-30"]
     assert muonckpt.read_manifest(ckpt / "step-30").topology == {"dp": 3, "tp": 1}
+
+
+def test_readme_s3_commands_save_to_and_resume_from_a_bucket(tmp_path, s3_server):
+    """The README's S3 commands, as written, against the tests' S3 server (found through
+    ``AWS_ENDPOINT_URL``, as a job finds an S3-compatible server): the DDP script saves to
+    ``s3://my-bucket/ddp`` on 2 processes, keeping 2, and resumes from it on 3."""
+    client = s3_server.client()
+    with contextlib.suppress(client.exceptions.BucketAlreadyOwnedByYou):
+        client.create_bucket(Bucket="my-bucket")
+    for item in client.list_objects_v2(Bucket="my-bucket").get("Contents", []):
+        client.delete_object(Bucket="my-bucket", Key=item["Key"])
+    (tmp_path / "ddp_train.py").write_text(example("ddp_train.py"))
+    first, resume = example("s3-commands").strip().splitlines()
+
+    def checkpoints() -> list[str]:
+        listed = client.list_objects_v2(Bucket="my-bucket", Prefix="ddp/", Delimiter="/")
+        return sorted(p["Prefix"] for p in listed.get("CommonPrefixes", []))
+
+    losses = run(first, tmp_path)
+    assert len(losses) == 20 and losses[-1] < losses[0], losses
+    assert checkpoints() == ["ddp/step-10/", "ddp/step-20/"]
+    assert muonckpt.verify("s3://my-bucket/ddp/step-20") == []
+    assert muonckpt.read_manifest("s3://my-bucket/ddp/step-20").topology == {"dp": 2, "tp": 1}
+    resumed = run(resume, tmp_path)
+    assert len(resumed) == 10  # steps 21 to 30, from the saved model and state
+    assert resumed[0] < losses[0] and resumed[-1] < resumed[0], (losses, resumed)
+    assert checkpoints() == ["ddp/step-20/", "ddp/step-30/"]  # step-10 wholly deleted
+    assert str(muonckpt.latest("s3://my-bucket/ddp")) == "s3://my-bucket/ddp/step-30"
+    assert muonckpt.read_manifest("s3://my-bucket/ddp/step-30").topology == {"dp": 3, "tp": 1}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ddp_train.py"]  # nothing local
