@@ -277,6 +277,7 @@ def _finish_in_background(
     ``Thread.start``, needs to return (up to the interpreter's switch interval, 5 ms)."""
     go.wait()
     try:
+        steps.connect()
         committed = _write_and_commit(steps, prepared, final, keep_last)
     except MuonCkptError as exc:
         future.set_exception(exc)

@@ -52,8 +52,10 @@ class Mailbox:
     A message is set once and never rewritten (:meth:`post`), or set by exactly one of the
     ranks that :meth:`claim` it (the store's ``compare_set``). Waits poll (:meth:`wait`)
     rather than block in the store's own ``wait``, which holds its connection for as long as
-    it waits; and the messages go through a connection of their own (``store.clone()``, made
-    on first use, in the background), so that a wait of the job's on the store (a
+    it waits; and the messages go through a connection of their own (``store.clone()``,
+    :meth:`connect`, as the background thread starts: not in the call, whose stall it would
+    add to, nor later, when the store's host may be gone and a new connection would retry
+    for as long as the store's timeout), so that a wait of the job's on the store (a
     rendezvous, NCCL's initialisation) holds up neither the messages nor the job. A store
     that cannot be reached is a :class:`CheckpointError` saying where it was.
     """
@@ -73,30 +75,31 @@ class Mailbox:
         """(the root, before any message, in the caller's thread) A new mailbox in ``store``
         (default: the default process group's)."""
         mailbox = cls(uuid.uuid4().hex, default_store() if store is None else store)
-        mailbox._do("create", lambda keys: keys.set(_OPEN, ""), mailbox._job)
+        mailbox._do("making the mailbox", lambda keys: keys.set(_OPEN, ""))
         return mailbox
 
-    def _keys(self) -> Store:
-        """This mailbox's keys, through a connection of its own (see the class docstring),
-        or the job's for a store that cannot make one (a store of the job's own making)."""
-        if self._own is None:
-            try:
-                self._own = self._job.clone()  # type: ignore[attr-defined]  # (not in stubs)
-            except RuntimeError:
-                self._own = self._job
-        return self._own
+    def connect(self) -> None:
+        """(in the background thread, first) A connection of this mailbox's own to the store,
+        or the job's for a store that cannot make one (a store of the job's own making, or
+        one gone already: the first message then says so)."""
+        try:
+            self._own = self._job.clone()  # type: ignore[attr-defined]  # (not in stubs)
+        except RuntimeError:
+            self._own = self._job
 
-    def _do(self, what: str, request: Callable[[Store], T], keys: Store | None = None) -> T:
+    def _keys(self) -> Store:
+        """This mailbox's keys, through its own connection once made (:meth:`connect`)."""
+        return self._job if self._own is None else self._own
+
+    def _do(self, what: str, request: Callable[[Store], T]) -> T:
         """``request`` of this mailbox's keys; a store that fails it a :class:`CheckpointError`."""
         try:
-            return request(self._keys() if keys is None else keys)
+            return request(self._keys())
         except RuntimeError as exc:  # (torch.distributed's errors: DistError and its kinds)
             why = one_line(exc)
             if isinstance(exc, dist.DistNetworkError):
                 why = f"{store_gone(self._job)} ({why})"
-            raise CheckpointError(
-                f"the background save's messages ({what}), through the process group's store: {why}"
-            ) from exc
+            raise CheckpointError(f"{what} in the process group's store failed: {why}") from exc
 
     def post(self, name: str, payload: Any) -> None:
         """Leave message ``name``; a mailbox the root has removed already is a
@@ -104,20 +107,20 @@ class Mailbox:
         if not self.present():
             raise CheckpointError(f"cannot leave message {name!r}: the mailbox is gone")
         self._names.add(name)
-        self._do(f"leave {name}", lambda keys: keys.set(name, self._wrapped(payload)))
+        self._do(f"leaving message {name}", lambda keys: keys.set(name, self._wrapped(payload)))
 
     def claim(self, name: str, payload: Any) -> bool:
         """Leave message ``name`` unless one is there already: of several ranks that claim
         one name, exactly one succeeds (the store's ``compare_set``). Whether this rank did."""
         self._names.add(name)
         mine = self._wrapped(payload)
-        there = self._do(f"claim {name}", lambda keys: keys.compare_set(name, "", mine))
+        there = self._do(f"claiming message {name}", lambda keys: keys.compare_set(name, "", mine))
         return bool(json.loads(there)[0] == self._token)
 
     def read(self, name: str) -> Any:
         """Message ``name``, which must be there."""
         self._names.add(name)
-        return self._unwrapped(self._do(f"read {name}", lambda keys: keys.get(name)))
+        return self._unwrapped(self._do(f"reading message {name}", lambda keys: keys.get(name)))
 
     def _wrapped(self, payload: Any) -> str:
         return json.dumps([self._token, payload])
@@ -128,7 +131,7 @@ class Mailbox:
 
     def present(self) -> bool:
         """Whether the mailbox is there: made, and not yet removed."""
-        return bool(self._do("look", lambda keys: keys.check([_OPEN])))
+        return bool(self._do("looking for the mailbox", lambda keys: keys.check([_OPEN])))
 
     def wait(self, names: Sequence[str], timeout: float) -> tuple[dict[str, Any], list[str]]:
         """The messages ``names`` that arrive within ``timeout`` seconds, and those that did
@@ -138,8 +141,8 @@ class Mailbox:
         deadline = time.monotonic() + timeout
         pause = _FIRST_POLL_S
         while True:
-            if self._do("look", lambda keys: keys.check(list(names))):
-                values = self._do("read", lambda keys: keys.multi_get(list(names)))
+            if self._do("looking for messages", lambda keys: keys.check(list(names))):
+                values = self._do("reading messages", lambda keys: keys.multi_get(list(names)))
                 return dict(zip(names, map(self._unwrapped, values), strict=True)), []
             if time.monotonic() >= deadline or not self.present():
                 return self._some(names)
@@ -152,7 +155,7 @@ class Mailbox:
         return found, [name for name in names if name not in found]
 
     def _there(self, name: str) -> bool:
-        return bool(self._do("look", lambda keys: keys.check([name])))
+        return bool(self._do(f"looking for message {name}", lambda keys: keys.check([name])))
 
     def remove(self) -> None:
         """Delete every message this rank has left, claimed or asked for (the root: all of
@@ -161,7 +164,7 @@ class Mailbox:
             self._delete(name)
 
     def _delete(self, name: str) -> None:
-        self._do(f"delete {name}", lambda keys: keys.delete_key(name))
+        self._do(f"deleting message {name}", lambda keys: keys.delete_key(name))
 
 
 class MailboxSteps(StepProtocol):
@@ -197,6 +200,12 @@ class MailboxSteps(StepProtocol):
     ) -> None:
         super().__init__(operation, ranks, root, error, rank)
         self.mailbox, self.timeout = mailbox, timeout
+
+    def connect(self) -> None:
+        """(in the background thread, before the first step) The mailbox's own connection
+        (:meth:`Mailbox.connect`)."""
+        if self.mailbox is not None:
+            self.mailbox.connect()
 
     def _exchange(
         self, step: str, mine: Outcome, decide: Callable[[list[Outcome]], Outcome]
