@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import threading
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -145,3 +146,25 @@ def disagreeing_phase(ckpt: str, argument: str) -> str:
     except muonckpt.CheckpointError as exc:
         return str(exc)
     return "no error"
+
+
+def store_keys_phase(root: str) -> list[Any]:
+    """Two optimizers' background saves in flight together, then a third save of the first
+    optimizer (which waits for its first): the steps of what each committed, and the keys of
+    background saves left in the process group's store (none: the root deletes them)."""
+    first, sharded, dp_rank, tp_rank = build(2, 1, initial_params())
+    train(first, sharded, dp_rank, tp_rank, 0, 1)
+    second = build(2, 1, initial_params())[0]
+    futures = [
+        muonckpt.async_save(first, f"{root}/a", extra={"step": 1}),
+        muonckpt.async_save(second, f"{root}/b", extra={"step": 0}),
+    ]
+    futures.append(muonckpt.async_save(first, f"{root}/c", extra={"step": 2}))
+    steps = [muonckpt.read_manifest(f.result(timeout=60)).step for f in futures]
+    for future in futures:  # the root deletes the keys after the outcome: once all have left
+        future.thread.join(timeout=60)
+    dist.barrier()
+    store = dist.distributed_c10d._get_default_store()
+    while hasattr(store, "underlying_store"):
+        store = store.underlying_store
+    return [steps, [key for key in store.list_keys() if "muonckpt/async_save" in key]]

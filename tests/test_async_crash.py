@@ -14,6 +14,7 @@ that says what is known.
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 
@@ -165,14 +166,15 @@ from muonckpt.files import writing
 from tests.fixture_model import build, initial_params, train
 
 ckpt, victim = sys.argv[1], sys.argv[2]
-dist.init_process_group("gloo", init_method=f"file://{sys.argv[3]}", rank=int(os.environ["RANK"]),
+# file://PATH, or tcp://127.0.0.1:PORT: a store that rank 0 hosts, gone with it
+dist.init_process_group("gloo", init_method=sys.argv[3], rank=int(os.environ["RANK"]),
                         world_size=2)
 rank = dist.get_rank()
 opt, sharded, dp_rank, tp_rank = build(2, 1, initial_params())
 train(opt, sharded, dp_rank, tp_rank, 0, 1)
 muonckpt.save(opt, ckpt)
 train(opt, sharded, dp_rank, tp_rank, 1, 1)
-if victim == "rank 1 writing" and rank == 1:
+if victim == f"rank {rank} writing":
     writing.write_files = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
 if victim == "rank 0 after the swap" and rank == 0:
     original = backend.PosixStore.publish
@@ -190,22 +192,44 @@ os._exit(0)  # a peer is dead: no orderly teardown of the group
 
 
 @pytest.mark.parametrize(
-    "victim,survivor,expected_step,message",
+    "victim,survivor,expected_step,message,store",
     [
         # the survivor is the root: it fails the step after the timeout, nothing committed
-        ("rank 1 writing", 0, 1, "error async_save (write): rank(s) [1] did not finish within 1 s"),
+        (
+            "rank 1 writing",
+            0,
+            1,
+            "error async_save (write): rank(s) [1] did not finish within 1 s",
+            "file",
+        ),
         # the root died after committing, before its outcome: the survivor finds its staging
         # directory committed at the path (issue 20; it said "gave no outcome" before)
-        ("rank 0 after the swap", 1, 2, "result "),
+        ("rank 0 after the swap", 1, 2, "result ", "file"),
+        # the same, the store gone with the root (issue 52: the messages go through it)
+        ("rank 0 after the swap", 1, 2, "result ", "tcp"),
+        # the root and its store gone before the commit: the survivor says so at once
+        (
+            "rank 0 writing",
+            1,
+            1,
+            "error async_save (write): looking for messages in the process group's store failed",
+            "tcp",
+        ),
     ],
 )
 def test_sigkill_of_one_rank_in_a_background_save(
-    tmp_path, victim, survivor, expected_step, message
+    tmp_path, victim, survivor, expected_step, message, store
 ):
     ckpt = tmp_path / "ckpt"
+    if store == "tcp":
+        with socket.socket() as probe:  # a free port for rank 0's store
+            probe.bind(("127.0.0.1", 0))
+            init = f"tcp://127.0.0.1:{probe.getsockname()[1]}"
+    else:
+        init = f"file://{tmp_path / 'rendezvous'}"
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", RANK_SCRIPT, str(ckpt), victim, str(tmp_path / "rendezvous")],
+            [sys.executable, "-c", RANK_SCRIPT, str(ckpt), victim, init],
             cwd=REPO,
             env={**os.environ, "RANK": str(rank)},
             stdout=subprocess.PIPE,
@@ -219,6 +243,9 @@ def test_sigkill_of_one_rank_in_a_background_save(
     out, err = outputs[survivor]
     assert procs[survivor].returncode == 0, err[-2000:]
     assert message in out, out + err[-2000:]
+    if store == "tcp" and expected_step == 1:
+        assert "the process group's store at 127.0.0.1:" in out, out
+        assert "is gone: the process that hosts it (rank 0" in out, out
     assert muonckpt.verify(ckpt) == [] and muonckpt.read_manifest(ckpt).step == expected_step
     for entry in tmp_path.iterdir():
         if entry.name not in ("ckpt", "rendezvous"):

@@ -23,6 +23,7 @@ from .async_cases import (
     failing_rank_phase,
     keep_last_phase,
     snapshot_phase,
+    store_keys_phase,
     unwaited_phase,
 )
 from .ckpt_cases import load_phase
@@ -113,6 +114,16 @@ def test_keep_last_with_background_saves(tmp_path):
     assert results == [[5, 1]] * 2
     assert _entries(root) == ["notes", "step-4", "step-5"]
     assert (root / "notes" / "a.txt").read_text() == "mine"
+
+
+@pytest.mark.dist
+def test_the_ranks_agree_through_the_store_and_leave_no_key_there(tmp_path):
+    """(issue 52) No directory beside the target: the messages are keys of the process
+    group's store, a prefix of their own per save (two in flight together never meet),
+    deleted at the end of each."""
+    results = run_distributed(store_keys_phase, 2, str(tmp_path), timeout=120)
+    assert results == [[[1, 0, 2], []]] * 2
+    assert _entries(tmp_path) == ["a", "b", "c"]
 
 
 def test_one_save_in_flight_per_optimizer(tmp_path):

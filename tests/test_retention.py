@@ -441,16 +441,18 @@ def test_cli_latest_prints_the_path_or_exits_1(saved, tmp_path):
 
 MAKER = """
 import sys
-from muonckpt import storage
-from muonckpt.storage import transaction
+from muonckpt.storage import lease, transaction
 staging = transaction.make_staging(sys.argv[1], False)
-storage.Mailbox(storage.mailbox_path(staging)).create()
+mailbox = staging.with_name(staging.name.replace(".staging-", ".steps-"))
+mailbox.mkdir()
+lease.take(mailbox, "mailbox")
 print(staging, flush=True)
 if sys.argv[2] == "hold":
     sys.stdin.readline()  # a save in progress, until the test says
 """
-"""A process that stages a save of ``argv[1]`` as a background save does (staging directory and
-mailbox, each with its lease) and then dies, or holds them (``hold``) until told."""
+"""A process that stages a save of ``argv[1]`` as a background save of an earlier version did
+(staging directory and mailbox directory ``.NAME.steps-X``, each with its lease) and then
+dies, or holds them (``hold``) until told."""
 
 
 def interrupted_save(saved: dict[int, Path], final: Path, *, hold: bool = False):

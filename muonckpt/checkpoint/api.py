@@ -28,10 +28,10 @@ from typing import Any
 import torch
 
 from .. import settings, storage
+from ..distributed.mailbox import MailboxSteps
 from ..distributed.steps import failure_line
 from ..errors import CheckpointError, MuonCkptError
 from ..files import retention, writing
-from ..files.directory_steps import DirectorySteps
 from ..state.hostcopy import HostBuffers
 from ..state.placement import Joined, Optimizers, optimizers_of
 from . import saving
@@ -117,8 +117,8 @@ def _prepare(
     collected = saving.collect(call, buffers)  # this rank's values, or its refusal
     mailbox = options.background and len(call.sharding.participants) > 1
     try:
-        staging = saving.stage(call, collected, store, mailbox)
-        return saving.plan(call, collected.result(), staging, buffers, store)
+        staging, box = saving.stage(call, collected, store, mailbox)
+        return saving.plan(call, collected.result(), staging, box, buffers, store)
     finally:
         saving.settle(collected)  # the snapshot made before the call returns or raises
 
@@ -131,7 +131,7 @@ def _write_and_commit(
 ) -> Path:
     """A save's steps after :func:`_prepare`, in order: write, commit, retire, prune; in the
     caller's thread (:func:`save`) or the background (:func:`async_save`, over ``steps``
-    through the mailbox)."""
+    through its mailbox)."""
     written = saving.write(prepared)  # this rank's files: its report, or its failure
     store, staging = prepared.store, prepared.staging
     replaced = writing.commit(steps, store, staging, final, written, prepared.draft)
@@ -168,12 +168,13 @@ def async_save(
 
     The background work never uses the job's process groups (a collective from another thread
     could deadlock with, or be reordered against, the job's own). The ranks agree through
-    files in a directory beside the target, ``.NAME.steps-XXXXXXXX``, which every rank must
-    see (as they must see the staging directory they write into): each rank reports its
-    write there, rank 0 commits when every report is in and leaves the outcome for the others
-    (:class:`muonckpt.files.directory_steps.DirectorySteps`). Callbacks added to the
-    returned future run in that background thread, so they must not use the process groups
-    either.
+    small messages in the default process group's store (where the ranks met: torchrun's,
+    or the one ``init_process_group`` made), under keys of this save's own that rank 0
+    deletes at its end, so no filesystem need be shared by the ranks for that: each rank
+    reports its write there, rank 0 commits when every report is in and leaves the outcome
+    for the others (:class:`muonckpt.distributed.mailbox.MailboxSteps`). Callbacks added to
+    the returned future run in that background thread, so they must not use the process
+    groups either.
 
     Args:
         optimizer, path, consolidated, max_shard_size, params, overwrite, keep_last, model,
@@ -195,7 +196,7 @@ def async_save(
     (:func:`_finish_saves_at_exit`); a save that failed and whose error was never read
     (``result()``, ``exception()``) is then one line on stderr, and the process exits with
     code 1. A process killed meanwhile leaves the previous checkpoint at ``path`` whole, and
-    an unfinished staging directory and the mailbox beside it. Errors found before the
+    an unfinished staging directory (for ``muonckpt clean``). Errors found before the
     snapshot is taken (a target that may not be written, state that cannot be stored, a bad
     ``timeout``) are raised by this call itself, on every rank.
     """
@@ -223,12 +224,12 @@ def _in_background(
     options: SaveOptions,
 ) -> Future[Path]:
     """Start :func:`_write_and_commit` of ``prepared`` on a thread of its own, the ranks
-    agreeing through the mailbox beside the staging directory; its future."""
+    agreeing through its mailbox; its future."""
     foreground = prepared.steps
     assert options.timeout is not None  # (a background save's options)
-    background = DirectorySteps(
+    background = MailboxSteps(
         "async_save",
-        storage.Mailbox(storage.mailbox_path(prepared.staging)),
+        prepared.mailbox,
         foreground.ranks,
         foreground.root,
         foreground.rank,
@@ -251,7 +252,7 @@ def _in_background(
     except RuntimeError as exc:  # no thread to be had (at interpreter shutdown, say)
         _UNSETTLED.discard(future)
         if foreground.is_root:
-            writing.abandon(prepared.store, prepared.staging)
+            saving.abandon(prepared.store, prepared.staging, prepared.mailbox)
         raise CheckpointError(f"cannot start the background save: {exc}", path=path) from exc
     finally:  # always: a Ctrl-C in start() must not leave a started thread waiting for ever
         go.set()
@@ -265,7 +266,7 @@ def _in_background(
 def _finish_in_background(
     future: _BackgroundSave,
     go: threading.Event,
-    steps: DirectorySteps,
+    steps: MailboxSteps,
     final: Path,
     prepared: saving.PreparedSave,
     keep_last: int | None,
@@ -276,6 +277,7 @@ def _finish_in_background(
     ``Thread.start``, needs to return (up to the interpreter's switch interval, 5 ms)."""
     go.wait()
     try:
+        steps.connect()
         committed = _write_and_commit(steps, prepared, final, keep_last)
     except MuonCkptError as exc:
         future.set_exception(exc)

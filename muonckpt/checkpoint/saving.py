@@ -9,6 +9,7 @@ consolidated gather, the checked write plan and the manifest's draft), and :func
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from collections.abc import Mapping
@@ -20,6 +21,8 @@ import torch
 
 from .. import storage
 from ..distributed import collectives, group_steps
+from ..distributed.group_steps import default_store
+from ..distributed.mailbox import Mailbox
 from ..distributed.steps import disagreement
 from ..errors import CheckpointError, StateDictError
 from ..files import retention, writing
@@ -148,22 +151,24 @@ def stage(
     collected: Attempt[Collected],
     store: storage.CheckpointStore,
     mailbox: bool,
-) -> Path:
+) -> tuple[Path, Mailbox | None]:
     """The ``stage`` step: every rank hands in what it ``collected`` (its refusal fails the
     step on every rank), and the root compares the ranks' :attr:`Collected.agreement` and,
     for a per-rank save over several ranks, checks their :attr:`Collected.report`\\ s against
     the sharding (:func:`muonckpt.state.gather.check_state_holders`: a refusal raised as one
     on every rank), in the exchange the ranks make anyway rather than one more; when all
-    passed and agree, it opens the staging directory (with ``mailbox``, that of a background
-    finish: :func:`muonckpt.files.writing.open_staging`); its path on every rank. (That the
-    ranks were called alike is the rendezvous, :func:`agree`, before this.)"""
+    passed and agree, it opens the staging directory
+    (:func:`muonckpt.files.writing.open_staging`) and, with ``mailbox``, creates the
+    :class:`~muonckpt.distributed.mailbox.Mailbox` of a background finish; on every rank,
+    the staging directory's path and that mailbox (None without). (That the ranks were
+    called alike is the rendezvous, :func:`agree`, before this.)"""
     steps = call.steps
 
     def mine() -> list[Any]:
         found = collected.result()
         return [found.agreement, found.report]
 
-    def open_if_agreed(found: list[list[Any]]) -> dict[str, str]:
+    def open_if_agreed(found: list[list[Any]]) -> dict[str, Any]:
         differ = disagreement([agreement for agreement, _ in found], steps.ranks)
         if differ is not None:
             raise CheckpointError(f"the ranks disagree on {differ}; nothing was written")
@@ -172,26 +177,33 @@ def stage(
                 check_state_holders(call.sharding, [report for _, report in found])
         except StateDictError as exc:
             return {"refused": str(exc)}
-        overwrite = call.options.overwrite
-        staging = writing.open_staging(store, call.path, overwrite=overwrite, mailbox=mailbox)
-        return {"staging": str(staging)}
+        staging = writing.open_staging(store, call.path, overwrite=call.options.overwrite)
+        try:
+            name = Mailbox.create().name if mailbox else None
+        except BaseException:
+            store.discard(staging)
+            raise
+        return {"staging": str(staging), "mailbox": name}
 
     decided = steps.each_then_root("stage", mine, open_if_agreed)
     if "refused" in decided:  # the state dict does not fit its sharding: that error, on all
         raise StateDictError(f"stage: {decided['refused']}", agreed_by=steps.ranks)
-    return Path(decided["staging"])
+    name = decided["mailbox"]
+    return Path(decided["staging"]), None if name is None else Mailbox(name, default_store())
 
 
 @dataclass
 class PreparedSave:
     """A save planned, every value its write and commit need taken from the optimizer: the
-    protocol over the grid, the staging directory, this rank's plan (or why it could not be
+    protocol over the grid, the staging directory, the mailbox of a background save's ranks
+    (None: not one, or one rank), this rank's plan (or why it could not be
     made, raised in the ``write`` step) and tensors, the host buffers they stream through
     (None: a snapshot already), the job's own state, the manifest's draft, and the target's
     store."""
 
     steps: group_steps.CollectiveSteps
     staging: Path
+    mailbox: Mailbox | None
     payload: _Payload
     host: HostBuffers | None
     job: _JobState
@@ -203,12 +215,13 @@ def plan(
     call: SaveCall,
     collected: Collected,
     staging: Path,
+    mailbox: Mailbox | None,
     buffers: HostBuffers,
     store: storage.CheckpointStore,
 ) -> PreparedSave:
     """(after the ``stage`` step) The group settings; for a consolidated save the full state
     gathered to the destination's host memory and its plan. A failure here removes the
-    staging directory (the root)."""
+    staging directory and the ``mailbox`` (the root)."""
     sharding, options = call.sharding, call.options
     try:
         groups = _group_entries(call.optimizer, sharding)
@@ -219,13 +232,23 @@ def plan(
             )
     except BaseException:
         if call.steps.is_root:
-            writing.abandon(store, staging)
+            abandon(store, staging, mailbox)
         raise
     kind = CONSOLIDATED if options.consolidated else PER_RANK
     given_step = None if options.extra is None else options.extra.get("step")
     draft = _save_manifest.draft(groups, sharding, kind, collected.model, given_step)
     host = None if options.background else buffers  # else streamed: one reused host buffer
-    return PreparedSave(call.steps, staging, payload, host, collected.job, draft, store)
+    job = collected.job
+    return PreparedSave(call.steps, staging, mailbox, payload, host, job, draft, store)
+
+
+def abandon(store: storage.CheckpointStore, staging: Path, mailbox: Mailbox | None) -> None:
+    """(the root) Remove a staging directory and the ``mailbox`` of a save that will never be
+    written."""
+    writing.abandon(store, staging)
+    if mailbox is not None:
+        with contextlib.suppress(CheckpointError):  # the store gone: nothing to delete
+            mailbox.remove()
 
 
 def write(prepared: PreparedSave) -> Attempt[writing.Written]:

@@ -398,13 +398,13 @@ def clean(
 ) -> None:
     """Remove what interrupted saves left directly under ROOT.
 
-    muonckpt's own staging directories (.NAME.staging-*, .NAME.old-PID) and background-save
-    mailboxes (.NAME.steps-*), known by the lease file muonckpt writes into each (never by
-    name alone), that no save uses (a running save holds its lease, whatever --older-than
-    says) and unchanged for --older-than seconds: only their checkpoint files, messages and
-    lease (of a killed conversion to DCP, DeepSpeed or Megatron, that format's files), never
-    anything else and nothing through a symlink. Prints each directory removed,
-    and each one named like these that was kept, with why.
+    muonckpt's own staging directories (.NAME.staging-*, .NAME.old-PID) and earlier
+    versions' background-save mailboxes (.NAME.steps-*), known by the lease file muonckpt
+    writes into each (never by name alone), that no save uses (a running save holds its
+    lease, whatever --older-than says) and unchanged for --older-than seconds: only their
+    checkpoint files, messages and lease (of a killed conversion to DCP, DeepSpeed or
+    Megatron, that format's files), never anything else and nothing through a symlink.
+    Prints each directory removed, and each one named like these that was kept, with why.
 
     Example: muonckpt clean ckpt --older-than 7200
     """

@@ -142,12 +142,12 @@ class StoreSteps(StepProtocol):
     def _exchange(
         self, step: str, mine: Outcome, decide: Callable[[list[Outcome]], Outcome]
     ) -> Outcome:
-        store = _default_store()
+        store = default_store()
         try:
             return self._through(store, step, mine, decide)
         except dist.DistNetworkError as exc:  # the store's server is gone, not a late rank
             raise self.error(
-                f"{self.operation} ({step}): {_store_gone(store)} ({one_line(exc)})"
+                f"{self.operation} ({step}): {store_gone(store)} ({one_line(exc)})"
             ) from exc
 
     def _through(
@@ -288,12 +288,12 @@ def _outcome(data: bytes) -> Outcome:
     return outcome
 
 
-def _default_store() -> Store:
+def default_store() -> Store:
     """The default process group's store (where its ranks met)."""
     return dist.distributed_c10d._get_default_store()
 
 
-def _store_gone(store: Store) -> str:
+def store_gone(store: Store) -> str:
     """What to tell a rank that has lost its connection to ``store``: where it was and what
     went away with it. torchrun's agent (the launcher) hosts the store its workers meet at
     (``TORCHELASTIC_USE_AGENT_STORE``); a group joined by ``env://`` otherwise meets at a

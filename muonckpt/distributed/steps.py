@@ -3,8 +3,8 @@ ends knowing the same outcome of, whatever carries the messages.
 
 Two transports carry it: :class:`muonckpt.distributed.group_steps.CollectiveSteps` (JSON
 point-to-point over the job's process group, for work in the caller's thread) and
-:class:`muonckpt.files.directory_steps.DirectorySteps` (JSON files in a directory every
-rank sees, for a background save, which must not touch the job's process groups). Pure: no
+:class:`muonckpt.distributed.mailbox.MailboxSteps` (JSON messages in the process group's
+store, for a background save, which must not touch the job's process groups). Pure: no
 torch, no files.
 """
 

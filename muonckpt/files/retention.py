@@ -217,7 +217,7 @@ class Cleaned:
 def clean(root: str | os.PathLike[str], older_than: float) -> Cleaned:
     """Remove what interrupted saves left directly under ``root``, only what muonckpt made and
     no save uses: directories named like its own (``.NAME.staging-XXXXXXXX``,
-    ``.NAME.old-PID``, the mailbox ``.NAME.steps-XXXXXXXX``) that
+    ``.NAME.old-PID``, the mailbox ``.NAME.steps-XXXXXXXX`` of earlier versions) that
 
     * hold muonckpt's lease file (:mod:`muonckpt.storage.lease`), which it writes first thing
       into every directory it makes: a look-alike name alone is never enough;
@@ -251,7 +251,7 @@ def clean(root: str | os.PathLike[str], older_than: float) -> Cleaned:
                 why = f"changed {age:.0f} s ago, not older than {older_than:g} s"
             if why is None:
                 if storage.is_mailbox(name):
-                    kept = storage.Mailbox(path).remove()
+                    kept = storage.remove_mailbox(path)
                 else:
                     kept = store.discard(path, quiet=True)
                 if not access.lexists(path):

@@ -20,9 +20,10 @@ Where the bytes go is the target's :class:`~muonckpt.storage.CheckpointStore`, w
 point takes (:func:`muonckpt.storage.store_for`) and hands to each call. Across ranks the
 steps are :class:`muonckpt.distributed.group_steps.CollectiveSteps`, or for a background
 save, which must not use the job's process groups,
-:class:`~muonckpt.files.directory_steps.DirectorySteps` (messages as files); in one process
-:class:`LocalSteps`. This module itself never calls torch.distributed and imports torch only
-where a tensor crosses, so a single-process offline tool runs without it.
+:class:`~muonckpt.distributed.mailbox.MailboxSteps` (messages through the process group's
+store); in one process :class:`LocalSteps`. This module itself never calls torch.distributed
+and imports torch only where a tensor crosses, so a single-process offline tool runs without
+it.
 """
 
 from __future__ import annotations
@@ -106,19 +107,15 @@ def open_staging(
     source: str | os.PathLike[str] | None = None,
     output: str | None = None,
     shared: Plan | None = None,
-    mailbox: bool = False,
 ) -> Path:
     """(the root) A fresh staging directory for ``final`` once the target is checked
     (:meth:`~muonckpt.storage.CheckpointStore.create_staging`: ``source``, a checkpoint being
     read, must not be inside or around it; ``output``, a foreign format's files); with
-    ``shared``, the headers of the files the ranks write together (:func:`create_shared`);
-    with ``mailbox``, the :class:`~muonckpt.storage.Mailbox` of a background finish."""
+    ``shared``, the headers of the files the ranks write together (:func:`create_shared`)."""
     staging = store.create_staging(final, overwrite, source=source, output=output)
     try:
         if shared is not None:
             create_shared(store, shared, staging)
-        if mailbox:
-            storage.Mailbox(storage.mailbox_path(staging)).create()
     except BaseException:
         store.discard(staging)
         raise
@@ -147,9 +144,8 @@ def stage(
 
 
 def abandon(store: storage.CheckpointStore, staging: Path) -> None:
-    """(the root) Remove a staging directory (and its mailbox) that will never be written."""
+    """(the root) Remove a staging directory that will never be written."""
     store.discard(staging)
-    storage.Mailbox(storage.mailbox_path(staging)).remove()
 
 
 Replaced = dict[str, Any]

@@ -28,7 +28,8 @@ write ``storage.X``:
   target checked before a write.
 * :mod:`.lease`: the file marking each directory muonckpt makes beside a target as its own,
   locked and refreshed while in use (what ``clean`` goes by, never names alone).
-* :mod:`.mailbox`: the messages through which the ranks of a background save agree.
+* :mod:`.mailbox`: the mailbox directories background saves of earlier versions left (for
+  ``clean``).
 * :mod:`.access`: what the layers above ask of paths (is it there, a directory's names, a
   new file to write into, directories made), so that no module outside ``storage/`` opens
   files (``tests/test_file_access.py``).
@@ -58,7 +59,7 @@ from .durable import (
     write_texts_durably,
 )
 from .lease import leftover
-from .mailbox import Mailbox, is_mailbox, mailbox_path
+from .mailbox import is_mailbox, remove_mailbox
 from .ownership import check_target, is_ours, ownership_problem
 from .reader_cache import ReaderCache
 from .safetensors_format import TensorRecord
@@ -76,7 +77,6 @@ __all__ = [
     "CHUNK_BYTES",
     "MAX_TEXT_BYTES",
     "CheckpointStore",
-    "Mailbox",
     "ReaderCache",
     "SafetensorsReader",
     "SafetensorsWriter",
@@ -96,13 +96,13 @@ __all__ = [
     "is_ours",
     "itemsize",
     "leftover",
-    "mailbox_path",
     "make_directory",
     "ownership_problem",
     "read_small",
     "read_text",
     "read_text_chunks",
     "remove_checkpoint",
+    "remove_mailbox",
     "store_for",
     "sync_files",
     "tensor_of_bytes",

@@ -1,8 +1,8 @@
 """The lease file: what marks a directory beside a target as muonckpt's own, and as in use.
 
-Every directory muonckpt makes beside a target (a staging directory, the mailbox of a
-background save) and every replaced checkpoint it renames aside gets a lease file,
-``.muonckpt-lease``, written first thing (JSON: what the directory is, a random token, the
+Every directory muonckpt makes beside a target (a staging directory; earlier versions also
+the mailbox of a background save) and every replaced checkpoint it renames aside gets a lease
+file, ``.muonckpt-lease``, written first thing (JSON: what the directory is, a random token, the
 host, pid and time of its making). ``clean`` removes only directories holding one, so a
 directory a user made with a look-alike name is never touched; and only those nobody uses:
 

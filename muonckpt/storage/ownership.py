@@ -26,8 +26,8 @@ _OURS_NAME = re.compile(
 )
 """The names of directories of ours beside a target: ``.NAME.staging-XXXXXXXX`` (a save in
 progress, or the checkpoint an exchange replaced), ``.NAME.steps-XXXXXXXX`` (the mailbox of a
-background save) or ``.NAME.old-PID`` (the rename fallback's replaced one). A name is never
-proof: what muonckpt made holds its lease file (:mod:`.lease`)."""
+background save of an earlier version) or ``.NAME.old-PID`` (the rename fallback's replaced
+one). A name is never proof: what muonckpt made holds its lease file (:mod:`.lease`)."""
 _CHECKPOINT_FILE = re.compile(
     rf"^({re.escape(MANIFEST_NAME)}|[^.].*\.safetensors|[^.].*\.(index|pieces)\.json)$", re.DOTALL
 )
