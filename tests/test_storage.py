@@ -541,6 +541,10 @@ def test_the_posix_store_is_the_storage_seam(tmp_path: Path) -> None:
         "discard",
         "retire",
         "remove_checkpoint",
+        "join_staging",
+        "send",
+        "sync_files",
+        "watching",
     }
     store = backend.PosixStore()
     assert isinstance(storage.store_for(tmp_path), backend.PosixStore)

@@ -50,6 +50,7 @@ from ..state.model_state import ModelTensors, model_tensors
 from ..state.placement import Optimizers, describe, optimizers_of, participants, replica_hint
 from ..state.sharding_model import Sharding
 from ..state.values import ParamState, PlainValue, ScalarValue, StateValue, TensorValue, state_value
+from ..storage.location import target
 from . import _save_manifest
 from .options import SaveOptions
 
@@ -60,7 +61,8 @@ class SaveCall:
     over the grid and the step protocol among its ranks."""
 
     optimizer: Optimizers
-    path: Path
+    path: Path | str
+    """The target as the store takes it (:func:`muonckpt.storage.location.target`)."""
     options: SaveOptions
     sharding: Sharding
     steps: group_steps.CollectiveSteps
@@ -78,7 +80,7 @@ def agree(optimizer: Optimizers, path: str | os.PathLike[str], options: SaveOpti
     steps = group_steps.CollectiveSteps(
         operation, sharding.participants, sharding.destination, CheckpointError
     )
-    return SaveCall(optimizer, Path(path), options, sharding, steps)
+    return SaveCall(optimizer, target(path), options, sharding, steps)
 
 
 @dataclass
@@ -155,7 +157,8 @@ def stage(
     the sharding (:func:`muonckpt.state.gather.check_state_holders`: a refusal raised as one
     on every rank), in the exchange the ranks make anyway rather than one more; when all
     passed and agree, it opens the staging directory (with ``mailbox``, that of a background
-    finish: :func:`muonckpt.files.writing.open_staging`); its path on every rank. (That the
+    finish: :func:`muonckpt.files.writing.open_staging`); on every rank, the directory it
+    writes into (:meth:`~muonckpt.storage.CheckpointStore.join_staging`). (That the
     ranks were called alike is the rendezvous, :func:`agree`, before this.)"""
     steps = call.steps
 
@@ -179,7 +182,7 @@ def stage(
     decided = steps.each_then_root("stage", mine, open_if_agreed)
     if "refused" in decided:  # the state dict does not fit its sharding: that error, on all
         raise StateDictError(f"stage: {decided['refused']}", agreed_by=steps.ranks)
-    return Path(decided["staging"])
+    return store.join_staging(decided["staging"], steps.rank)
 
 
 @dataclass
@@ -333,7 +336,7 @@ def _collect(
     optimizer: Optimizers,
     params: bool,
     keep_last: int | None,
-    where: Path,
+    where: Path | str,
 ) -> dict[int, ParamState]:
     """This rank's state by its own flat param index, each value classified once, with each
     param's values when ``params``; refused, before anything is written, what a checkpoint
@@ -473,7 +476,7 @@ def _check_manifest(
     collected: Mapping[int, ParamState],
     payload: _Payload | None,
     max_shard_size: int | None,
-    where: Path,
+    where: Path | str,
 ) -> None:
     """(each rank, in the stage step: before any data is written, a refusal every rank's)
     Refuse a save whose manifest would pass the readers' limit, counted from every param and
