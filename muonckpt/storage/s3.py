@@ -419,9 +419,8 @@ class S3Client:
             token = page["NextContinuationToken"]
 
     def uploads(self, prefix: S3Url) -> list[Listed]:
-        """The multipart uploads in progress under ``prefix``: each as its key (relative to
-        it), its upload id in ``size``'s stead (0; see :attr:`Listed.upload`) and when it
-        began."""
+        """The multipart uploads in progress under ``prefix``: each its key (relative to
+        it), when it began and its id (:attr:`Listed.upload`; size 0)."""
         found: list[Listed] = []
         base = prefix.prefix
         markers: dict[str, str] = {}

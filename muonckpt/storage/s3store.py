@@ -243,7 +243,7 @@ class S3Store:
         names = sorted(os.listdir(local))
         try:
             if upload:
-                self._upload(local, _url(final).child(_save_prefix_of(staging)), names)
+                self._upload(local, _url(final).child(_save_prefix_of(staging)[:-1]), names)
         finally:
             for name in names:
                 with contextlib.suppress(FileNotFoundError):
@@ -278,7 +278,7 @@ class S3Store:
         back)."""
         staged = self._staged_of(staging)
         local = Path(staging)
-        saved = staged.final.child(staged.save_prefix)
+        saved = staged.final.child(staged.save_prefix[:-1])
         try:
             names = sorted(n for n in os.listdir(local) if n != MANIFEST_NAME)
             self._upload(local, saved, names)
