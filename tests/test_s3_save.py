@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -125,6 +126,27 @@ def test_an_overwrite_of_a_copied_up_checkpoint_deletes_every_file_it_named(
     muonckpt.save(single_process_optimizer(2), url, overwrite=True)
     keys = _keys(url)
     assert "manifest.json" in keys and all("/" in k for k in keys if k != "manifest.json")
+
+
+def test_one_client_per_process_and_a_renewed_lease(
+    s3_server: S3Server, scratch: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every store of the process sends through one client (made once: ~0.3 s); a save's
+    root renews its lease while the save runs, and stops when it ends."""
+    from muonckpt import storage
+    from muonckpt.storage import s3store
+
+    one, two = storage.store_for("s3://b/x"), storage.store_for("s3://b/y")
+    assert isinstance(one, s3store.S3Store) and isinstance(two, s3store.S3Store)
+    assert one.client is two.client
+    monkeypatch.setattr(s3store, "LEASE_BEAT_S", 0.05)
+    url = f"s3://{s3_server.bucket()}/step-1"
+    staging = one.create_staging(url, False)
+    time.sleep(2.5)
+    (lease,) = [o for o in one.client.objects(S3Url.parse(url)) if o.key.endswith("/.lease")]
+    assert time.time() - lease.modified < 1.5  # renewed meanwhile
+    one.discard(staging)
+    assert _keys(url) == [] and _staged_in(scratch) == []
 
 
 def test_ranks_sharing_no_directory_save_to_s3(s3_server: S3Server, tmp_path: Path) -> None:
