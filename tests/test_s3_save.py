@@ -149,18 +149,29 @@ def test_one_client_per_process_and_a_renewed_lease(
     assert _keys(url) == [] and _staged_in(scratch) == []
 
 
-def test_ranks_sharing_no_directory_save_to_s3(s3_server: S3Server, tmp_path: Path) -> None:
-    """A 2 x 2 save (per-rank, then consolidated) by four ranks, each with a temporary
-    directory of its own: the same files as the same save to a local directory, and every
-    rank's scratch directory gone."""
+@pytest.mark.parametrize(
+    "dp, tp",
+    [
+        (2, 2),
+        pytest.param(2, 1, marks=pytest.mark.slow),
+        pytest.param(3, 1, marks=pytest.mark.slow),
+    ],
+)
+def test_ranks_sharing_no_directory_save_to_s3(
+    s3_server: S3Server, tmp_path: Path, dp: int, tp: int
+) -> None:
+    """A dp x tp save (per-rank, then consolidated) by ranks each with a temporary directory
+    of its own: the same files as the same save to a local directory, and every rank's
+    scratch directory gone."""
     url = f"s3://{s3_server.bucket()}/run"
-    scratch = [str(tmp_path / f"host-{r}") for r in range(4)]
+    world = dp * tp
+    scratch = [str(tmp_path / f"host-{r}") for r in range(world)]
     for path in scratch:
         os.mkdir(path)
     env = {k: v for k, v in os.environ.items() if k.startswith("AWS_")}
     local = tmp_path / "local"
-    out = run_distributed(save_to_both, 4, 2, 2, env, scratch, str(local), url, timeout=180)
-    assert out == [[f"{url}/per-rank", f"{url}/consolidated"]] * 4  # nothing left in tmp
+    out = run_distributed(save_to_both, world, dp, tp, env, scratch, str(local), url, timeout=180)
+    assert out == [[f"{url}/per-rank", f"{url}/consolidated"]] * world  # nothing left in tmp
     for kind in ("per-rank", "consolidated"):
         _same_checkpoint(local / kind, _download(f"{url}/{kind}", tmp_path / kind))
 

@@ -120,7 +120,7 @@ class Staged:
     """The etag of the manifest read when staging, which the commit must replace; None when
     there was none."""
     replaced_text: str | None
-    heartbeat: _Heartbeat | None = field(default=None, repr=False)
+    heartbeat: _Heartbeat = field(repr=False)
 
 
 def _by_save(listed: Iterable[Listed]) -> dict[tuple[str, str], list[Listed]]:
@@ -212,11 +212,15 @@ class S3Store:
             etag, text = info.etag, raw.decode("utf-8")
         prefix = new_save_prefix()
         lease = url.child(prefix + LEASE)
-        self.client.put(lease, _lease_body(), if_none_match=True)
         scratch = _scratch(prefix)
         scratch.mkdir(mode=0o700)
-        self._staged[prefix] = Staged(url, overwrite, prefix, etag, text)
-        self._staged[prefix].heartbeat = _Heartbeat(self.client, lease)
+        try:
+            self.client.put(lease, _lease_body(), if_none_match=True)
+        except BaseException:
+            scratch.rmdir()
+            raise
+        beat = _Heartbeat(self.client, lease)
+        self._staged[prefix] = Staged(url, overwrite, prefix, etag, text, beat)
         return scratch
 
     def join_staging(self, staging: str, rank: int) -> Path:
@@ -381,8 +385,7 @@ class S3Store:
 
     def _forget(self, staged: Staged) -> None:
         self._staged.pop(staged.save_prefix, None)
-        if staged.heartbeat is not None:
-            staged.heartbeat.stop()
+        staged.heartbeat.stop()
         shutil.rmtree(_scratch(staged.save_prefix), ignore_errors=True)
 
     def discard(self, staging: StrPath, *, quiet: bool = False) -> list[str]:
