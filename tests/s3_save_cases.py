@@ -39,6 +39,26 @@ def save_to_both(
     return [*out, *(n for n in os.listdir(mine) if n.startswith("muonckpt-s3-"))]
 
 
+def save_one_rank_cannot_reach(
+    dp: int, tp: int, env: dict[str, str], scratch: list[str], url: str, away: str
+) -> list[str]:
+    """Save to S3 where rank 1 reaches the server only through ``away`` (a proxy answering
+    every request 503): the error every rank raises, and what is left in its own temporary
+    directory."""
+    os.environ.update(env)
+    if dist.get_rank() == 1:
+        os.environ["AWS_ENDPOINT_URL"] = away
+    mine = scratch[dist.get_rank()]
+    tempfile.tempdir = mine
+    opt, sharded, dp_rank, tp_rank = build(dp, tp, initial_params())
+    train(opt, sharded, dp_rank, tp_rank, 0, 1)
+    try:
+        muonckpt.save(opt, url)
+    except muonckpt.CheckpointError as exc:
+        return [str(exc), *(n for n in os.listdir(mine) if n.startswith("muonckpt-s3-"))]
+    return ["saved"]
+
+
 def _pause_at(where: str) -> None:
     """Make the ``count``-th upload of a file (``upload:COUNT``) or the commit (``commit``)
     say ``paused`` on stdout and wait to be killed."""

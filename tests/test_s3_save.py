@@ -32,7 +32,8 @@ from muonckpt.storage.s3store import data_prefix_of
 
 from .fixture_model import single_process_optimizer
 from .kill_helpers import REPO, readline
-from .s3_save_cases import save_to_both
+from .s3_proxy import FaultProxy
+from .s3_save_cases import save_one_rank_cannot_reach, save_to_both
 from .s3_server import S3Server
 
 pytestmark = pytest.mark.dist
@@ -174,6 +175,31 @@ def test_ranks_sharing_no_directory_save_to_s3(
     assert out == [[f"{url}/per-rank", f"{url}/consolidated"]] * world  # nothing left in tmp
     for kind in ("per-rank", "consolidated"):
         _same_checkpoint(local / kind, _download(f"{url}/{kind}", tmp_path / kind))
+
+
+@pytest.mark.slow
+def test_a_rank_whose_uploads_fail_fails_the_save_on_every_rank(
+    s3_server: S3Server, tmp_path: Path
+) -> None:
+    """Rank 1 of 2 gets 503 SlowDown for every request (through the fault proxy) until its
+    retries are spent: every rank raises the save's error naming the object, nothing is
+    committed, the root removes its save prefix, and no rank leaves scratch files."""
+    proxy = FaultProxy(s3_server.endpoint)
+    proxy.inject(slow_downs=10**6)
+    url = f"s3://{s3_server.bucket()}/step-1"
+    scratch = [str(tmp_path / f"host-{r}") for r in range(2)]
+    for path in scratch:
+        os.mkdir(path)
+    env = {k: v for k, v in os.environ.items() if k.startswith("AWS_")}
+    try:
+        out = run_distributed(
+            save_one_rank_cannot_reach, 2, 2, 1, env, scratch, url, proxy.endpoint, timeout=300
+        )
+    finally:
+        proxy.close()
+    assert [len(o) for o in out] == [1, 1], out  # an error each, nothing left in tmp
+    assert all("SlowDown" in o[0] and url in o[0] for o in out), out
+    assert _keys(url) == []
 
 
 def test_clean_removes_only_what_no_manifest_names_and_no_save_is_writing(
