@@ -313,19 +313,26 @@ class S3Store:
                 raise CheckpointError(f"{name} is {found} bytes, not {size}; nothing published")
 
     def _upload(self, local: Path, saved: S3Url, names: Sequence[str]) -> None:
-        if not names:
-            return
+        """Upload files ``names`` of ``local`` under ``saved``: those of one part at most
+        ``concurrency`` at a time, then each larger one in turn, ``concurrency`` parts at a
+        time (memory at most part size x (concurrency + 1))."""
         client = self.client
+        part = client.settings.part_size
 
         def one(name: str) -> None:
             with open(local / name, "rb") as f:
-                chunks = iter(lambda: f.read(client.settings.part_size), b"")
+                chunks = iter(lambda: f.read(part), b"")
                 client.upload(saved.child(name), chunks, if_none_match=True)
 
-        workers = max(1, min(client.settings.concurrency, len(names)))
-        with ThreadPoolExecutor(workers) as pool:
-            for future in [pool.submit(one, n) for n in names]:
-                future.result()
+        sizes = {name: os.stat(local / name).st_size for name in names}
+        small = [name for name in names if sizes[name] <= part]
+        if small:
+            with ThreadPoolExecutor(min(client.settings.concurrency, len(small))) as pool:
+                for future in [pool.submit(one, name) for name in small]:
+                    future.result()
+        for name in names:
+            if sizes[name] > part:
+                one(name)
 
     def _commit(self, staged: Staged, manifest: str) -> None:
         """The commit: one conditional PutObject of the manifest. A 412 after a retried
