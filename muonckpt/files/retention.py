@@ -185,10 +185,10 @@ def prune(
     Returns the checkpoints deleted entirely, oldest first.
     """
     check_keep_last(keep_last)
-    keep = location(keep)
+    keep, where = location(keep), location(root)
     try:
-        if isinstance(store, S3Store):
-            found = _committed_objects(store, location(root))
+        if isinstance(where, S3Url) and isinstance(store, S3Store):
+            found = _committed_objects(store, where)
         else:
             found = complete_checkpoints(target(root), store)
     except CheckpointError as exc:
@@ -223,12 +223,12 @@ def _identity(where: Location) -> str:
     return os.path.realpath(where) if isinstance(where, Path) else str(where)
 
 
-def _committed_objects(store: S3Store, root: Location) -> list[Found]:
+def _committed_objects(store: S3Store, root: S3Url) -> list[Found]:
     """:func:`complete_checkpoints` on S3: the complete checkpoints directly under ``root``,
     oldest first."""
     found = []
     for name in store.directories(str(root)):
-        directory = S3Url.parse(str(root)).child(name)
+        directory = root.child(name)
         committed = store.committed(str(directory))
         if committed is not None:
             manifest, at = committed
