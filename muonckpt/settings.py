@@ -231,9 +231,10 @@ def local_path(path: str | os.PathLike[str]) -> Path:
     with a colon (``a:b``, ``run:1/step-10``) is a path.
 
     Raises:
-        CheckpointError: for a URL, naming it (object storage is not supported yet: not an
+        CheckpointError: for a URL, naming it and what is supported (not an
             :class:`ArgumentError`, which the command line's option parsers would take for a
-            value of the wrong form).
+            value of the wrong form): an ``s3://`` URL where only a local directory will do
+            (a foreign format's files), or any other scheme.
     """
     text = os.fsdecode(os.fspath(path))
     url = _URL.match(text)
@@ -241,7 +242,12 @@ def local_path(path: str | os.PathLike[str]) -> Path:
     if url is None and not (first and _SCHEME_PART.fullmatch(first[0])):
         return Path(text)
     scheme = url.group(1) if url is not None else first[0][:-1]
+    if url is not None and scheme == "s3":
+        raise CheckpointError(
+            f"{text!r} is an s3:// URL, not a local path: this takes a local directory only "
+            "(stage the files locally, e.g. aws s3 cp --recursive); nothing was read or written"
+        )
     raise CheckpointError(
         f"{text!r} is a {scheme}:// URL, not a local path: muonckpt reads and writes local "
-        "directories only (object storage is not supported yet); nothing was read or written"
+        "directories and s3:// URLs only; nothing was read or written"
     )

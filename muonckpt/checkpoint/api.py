@@ -27,13 +27,15 @@ from typing import Any
 
 import torch
 
-from .. import settings, storage
+from .. import storage
 from ..distributed.mailbox import MailboxSteps
 from ..distributed.steps import failure_line
 from ..errors import CheckpointError, MuonCkptError
 from ..files import retention, writing
 from ..state.hostcopy import HostBuffers
 from ..state.placement import Joined, Optimizers, optimizers_of
+from ..storage.location import Location, location
+from ..storage.location import target as target_text
 from . import saving
 from .loading import LoadReport, load
 from .options import SaveOptions
@@ -59,7 +61,7 @@ def save(
     extra: Mapping[str, Any] | None = None,
     rank_extra: Mapping[str, Any] | None = None,
     local: bool = False,
-) -> Path:
+) -> Location:
     """Save ``optimizer``'s state (and its params) to directory ``path``; a collective over its
     dp x tp grid, which begins with a bounded rendezvous (every rank must call it, with the same
     arguments, within :func:`muonckpt.distributed.set_rendezvous_timeout` of each
@@ -75,7 +77,9 @@ def save(
             (torch.optim.Muon for the matrices and AdamW for the rest): their groups are saved
             in order, as one. State and params may be in CUDA memory: each tensor is copied to
             a reused (pinned) host buffer just before it is written.
-        path: target directory. The save is staged beside it and swapped in atomically.
+        path: target directory, or an ``s3://bucket/prefix`` URL. A local save is staged beside
+            it and swapped in atomically; on S3 each rank uploads its own files under a prefix
+            of the save's own and the root commits the manifest by one conditional write.
         consolidated, max_shard_size, params, overwrite, keep_last, model, extra, rank_extra,
             local: the save's options, each described where they are defined once, as the
             fields of :class:`muonckpt.checkpoint.options.SaveOptions` (``consolidated``
@@ -85,7 +89,7 @@ def save(
             ``local`` saves an optimizer that is this process's alone).
 
     Returns:
-        The checkpoint directory.
+        The checkpoint directory (an :class:`~muonckpt.storage.s3.S3Url` for an S3 target).
 
     A background save of the same optimizer still in flight (:func:`async_save`) commits
     first.
@@ -112,7 +116,7 @@ def _prepare(
     (with the check of where the state is), plan (:func:`_write_and_commit` does the rest,
     here or in the background)."""
     buffers = _HOST_BUFFERS.setdefault(_key(target), HostBuffers())
-    store = storage.store_for(path)
+    store = storage.store_for(target_text(path))
     call = saving.agree(target, path, options)
     collected = saving.collect(call, buffers)  # this rank's values, or its refusal
     mailbox = options.background and len(call.sharding.participants) > 1
@@ -128,12 +132,13 @@ def _write_and_commit(
     prepared: saving.PreparedSave,
     final: str | os.PathLike[str],
     keep_last: int | None,
-) -> Path:
+) -> Location:
     """A save's steps after :func:`_prepare`, in order: write, commit, retire, prune; in the
     caller's thread (:func:`save`) or the background (:func:`async_save`, over ``steps``
     through its mailbox)."""
     written = saving.write(prepared)  # this rank's files: its report, or its failure
     store, staging = prepared.store, prepared.staging
+    final = target_text(final)
     replaced = writing.commit(steps, store, staging, final, written, prepared.draft)
     committed = writing.retire(steps, store, replaced, final)
     if steps.is_root and keep_last is not None:
@@ -155,7 +160,7 @@ def async_save(
     timeout: float = DEFAULT_ASYNC_TIMEOUT_S,
     model: torch.nn.Module | None = None,
     local: bool = False,
-) -> Future[Path]:
+) -> Future[Location]:
     """:func:`save`, returning as soon as the state and params are copied to host memory; the
     write, fsync, commit, retiring a replaced checkpoint and ``keep_last`` run in the
     background. A collective over the grid while it snapshots (every rank calls it).
@@ -222,7 +227,7 @@ def _in_background(
     prepared: saving.PreparedSave,
     path: str | os.PathLike[str],
     options: SaveOptions,
-) -> Future[Path]:
+) -> Future[Location]:
     """Start :func:`_write_and_commit` of ``prepared`` on a thread of its own, the ranks
     agreeing through its mailbox; its future."""
     foreground = prepared.steps
@@ -242,7 +247,7 @@ def _in_background(
     future.thread = threading.Thread(
         target=_finish_in_background,
         # absolute: the thread commits where the call named, whatever the working directory
-        args=(future, go, background, Path(os.path.abspath(path)), prepared, options.keep_last),
+        args=(future, go, background, _absolute(path), prepared, options.keep_last),
         name=f"muonckpt async_save {path}",
         daemon=False,  # a daemon would die unnoticed at exit; _finish_saves_at_exit waits
     )
@@ -267,7 +272,7 @@ def _finish_in_background(
     future: _BackgroundSave,
     go: threading.Event,
     steps: MailboxSteps,
-    final: Path,
+    final: Path | str,
     prepared: saving.PreparedSave,
     keep_last: int | None,
 ) -> None:
@@ -293,7 +298,7 @@ def _finish_in_background(
             _UNSETTLED.discard(future)
 
 
-class _BackgroundSave(Future[Path]):
+class _BackgroundSave(Future[Location]):
     """The future of one background save, which knows whether its outcome was read: a failure
     nobody read (with :meth:`result` or :meth:`exception`) is reported at exit."""
 
@@ -302,7 +307,7 @@ class _BackgroundSave(Future[Path]):
     read = False
     """Whether its outcome was read once it was known."""
 
-    def result(self, timeout: float | None = None) -> Path:
+    def result(self, timeout: float | None = None) -> Location:
         try:
             return super().result(timeout)
         finally:
@@ -381,7 +386,7 @@ with contextlib.suppress(RuntimeError):  # first imported at exit (a user's atex
     threading._register_atexit(_finish_saves_at_exit)  # type: ignore[attr-defined]
 
 
-_IN_FLIGHT: weakref.WeakKeyDictionary[Any, Future[Path]] = weakref.WeakKeyDictionary()
+_IN_FLIGHT: weakref.WeakKeyDictionary[Any, Future[Location]] = weakref.WeakKeyDictionary()
 """Per optimizer (the first of a list), its background save in flight, if any."""
 
 
@@ -398,15 +403,23 @@ _HOST_BUFFERS: weakref.WeakKeyDictionary[Any, HostBuffers] = weakref.WeakKeyDict
 """Per optimizer (the first of a list), the host buffers its saves copy state into."""
 
 
+def _absolute(path: str | os.PathLike[str]) -> Path | str:
+    """``path`` as the engine takes it (:func:`muonckpt.storage.location.target`), a local
+    one made absolute: a background save commits where the call named, whatever the working
+    directory is by then."""
+    where = target_text(path)
+    return Path(os.path.abspath(where)) if isinstance(where, Path) else where
+
+
 def _target(
     optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
     path: str | os.PathLike[str],
     local: bool,
 ) -> Optimizers:
-    """What a save of ``optimizer`` to ``path`` saves, once ``path`` is found local and any
-    background save of it in flight has ended: one optimizer, or several joined
-    (:class:`Joined`)."""
-    settings.local_path(path)
+    """What a save of ``optimizer`` to ``path`` saves, once ``path`` is found a local path or
+    an ``s3://`` URL and any background save of it in flight has ended: one optimizer, or
+    several joined (:class:`Joined`)."""
+    location(path)
     target: Optimizers
     if isinstance(optimizer, torch.optim.Optimizer):
         target = optimizer

@@ -12,6 +12,8 @@ from typing import Any
 import torch
 
 from .. import settings
+from ..storage.location import location
+from ..storage.s3 import S3Url
 
 
 @dataclass(frozen=True)
@@ -91,8 +93,9 @@ class SaveOptions:
 
     def agreement(self, path: str | os.PathLike[str]) -> dict[str, Any]:
         """What every rank's call must have alike (the rendezvous compares it)."""
+        where = location(path)
         return {
-            "path": os.path.abspath(path),
+            "path": str(where) if isinstance(where, S3Url) else os.path.abspath(path),
             "consolidated": self.consolidated,
             "max_shard_size": self.shard_bytes,
             "params": self.params,

@@ -53,6 +53,7 @@ from ..state.model_state import ModelTensors, model_tensors
 from ..state.placement import Optimizers, describe, optimizers_of, participants, replica_hint
 from ..state.sharding_model import Sharding
 from ..state.values import ParamState, PlainValue, ScalarValue, StateValue, TensorValue, state_value
+from ..storage.location import target
 from . import _save_manifest
 from .options import SaveOptions
 
@@ -63,7 +64,8 @@ class SaveCall:
     over the grid and the step protocol among its ranks."""
 
     optimizer: Optimizers
-    path: Path
+    path: Path | str
+    """The target as the store takes it (:func:`muonckpt.storage.location.target`)."""
     options: SaveOptions
     sharding: Sharding
     steps: group_steps.CollectiveSteps
@@ -81,7 +83,7 @@ def agree(optimizer: Optimizers, path: str | os.PathLike[str], options: SaveOpti
     steps = group_steps.CollectiveSteps(
         operation, sharding.participants, sharding.destination, CheckpointError
     )
-    return SaveCall(optimizer, Path(path), options, sharding, steps)
+    return SaveCall(optimizer, target(path), options, sharding, steps)
 
 
 @dataclass
@@ -160,8 +162,9 @@ def stage(
     passed and agree, it opens the staging directory
     (:func:`muonckpt.files.writing.open_staging`) and, with ``mailbox``, creates the
     :class:`~muonckpt.distributed.mailbox.Mailbox` of a background finish; on every rank,
-    the staging directory's path and that mailbox (None without). (That the ranks were
-    called alike is the rendezvous, :func:`agree`, before this.)"""
+    the directory it writes into (:meth:`~muonckpt.storage.CheckpointStore.join_staging`)
+    and that mailbox (None without). (That the ranks were called alike is the rendezvous,
+    :func:`agree`, before this.)"""
     steps = call.steps
 
     def mine() -> list[Any]:
@@ -189,7 +192,8 @@ def stage(
     if "refused" in decided:  # the state dict does not fit its sharding: that error, on all
         raise StateDictError(f"stage: {decided['refused']}", agreed_by=steps.ranks)
     name = decided["mailbox"]
-    return Path(decided["staging"]), None if name is None else Mailbox(name, default_store())
+    staging = store.join_staging(decided["staging"], steps.rank)
+    return staging, None if name is None else Mailbox(name, default_store())
 
 
 @dataclass
@@ -356,7 +360,7 @@ def _collect(
     optimizer: Optimizers,
     params: bool,
     keep_last: int | None,
-    where: Path,
+    where: Path | str,
 ) -> dict[int, ParamState]:
     """This rank's state by its own flat param index, each value classified once, with each
     param's values when ``params``; refused, before anything is written, what a checkpoint
@@ -496,7 +500,7 @@ def _check_manifest(
     collected: Mapping[int, ParamState],
     payload: _Payload | None,
     max_shard_size: int | None,
-    where: Path,
+    where: Path | str,
 ) -> None:
     """(each rank, in the stage step: before any data is written, a refusal every rank's)
     Refuse a save whose manifest would pass the readers' limit, counted from every param and

@@ -312,7 +312,7 @@ def _renames(items: list[str] | None) -> dict[str, str]:
 def _rewrite(
     ctx: typer.Context,
     quiet: bool,
-    operation: Callable[..., Path],
+    operation: Callable[..., object],
     src: Path,
     dst: Path,
     force: bool,
@@ -327,8 +327,8 @@ def _rewrite(
     with ranks as collective, output.progress_bar(ctx, operation.__name__) as progress:
         if shared:
             settings.update(collective=collective)
-        out = operation(src, dst, overwrite=force, progress=progress, **settings)
-    output.say(ctx, _written(out))
+        operation(src, dst, overwrite=force, progress=progress, **settings)
+    output.say(ctx, _written(dst))  # (local: the CLI's options take local paths)
 
 
 def _written(path: Path) -> str:

@@ -20,7 +20,7 @@ from ..format.records import placed
 from ..format.writeplan import TensorWrite
 
 
-def write_indexes(staging: Path, manifest: Manifest, final: Path) -> Manifest:
+def write_indexes(staging: Path, manifest: Manifest, final: object) -> Manifest:
     """(format version 3) One piece index per data file holding pieces, written into
     ``staging`` and made durable before the manifest that records their sizes and checksums
     (:func:`muonckpt.storage.write_texts_durably`: all written, then fsynced in one parallel
@@ -91,7 +91,7 @@ def check_manifest_fits(
         )
 
 
-def check_readable(manifest: Path, source: object, final: Path) -> None:
+def check_readable(manifest: Path, source: object, final: object) -> None:
     """Refuse, before the commit, the ``manifest`` file written into the staging directory when
     the reader ``verify`` and ``load`` use refuses it (read as a stream,
     :func:`~muonckpt.format.manifest_json.parse_manifest_chunks`): odd values a rewrite took

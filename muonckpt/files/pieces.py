@@ -26,12 +26,12 @@ from ..format.manifest import (
     FORMAT_NAME,
     PER_RANK,
     ExtraTensor,
-    FileEntry,
     IndexEntry,
     Manifest,
     ParamEntry,
     Piece,
     PieceTable,
+    all_files,
 )
 from ..format.manifest_json import parse_manifest, parse_manifest_chunks
 from ..format.names import INDEX_FILE, MANIFEST_NAME, MODEL_INDEX_FILE, rank_file
@@ -230,11 +230,6 @@ def changed_while_reading(directory: Path, manifest: Manifest) -> CheckpointErro
         "the checkpoint changed while reading (another writer replaced it): read it again",
         path=directory / MANIFEST_NAME,
     )
-
-
-def all_files(manifest: Manifest) -> tuple[FileEntry, ...]:
-    """The data files of the optimizer's state and params, then those of ``extra``."""
-    return manifest.files + (manifest.extra.files if manifest.extra is not None else ())
 
 
 def size_problems(manifest: Manifest, directory: Path) -> list[CheckpointError]:

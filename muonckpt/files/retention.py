@@ -22,6 +22,9 @@ from .. import settings, storage
 from ..errors import ArgumentError, CheckpointError, CheckpointWarning
 from ..format.names import MANIFEST_NAME
 from ..storage import access
+from ..storage.location import Location, location, target
+from ..storage.s3 import S3Url
+from ..storage.s3store import S3Store
 from .pieces import read_manifest, size_problems
 
 
@@ -29,7 +32,7 @@ from .pieces import read_manifest, size_problems
 class Found:
     """A complete checkpoint under a root, with what orders it among the others."""
 
-    path: Path
+    path: Location
     step: int | None
     committed_ns: int
     """The manifest's mtime: a save writes its manifest last, at the commit."""
@@ -64,7 +67,7 @@ def complete_checkpoints(
     return sorted((f for f in found if f is not None), key=Found.order)
 
 
-def latest(root: str | os.PathLike[str]) -> Path | None:
+def latest(root: str | os.PathLike[str]) -> Location | None:
     """The newest complete checkpoint directly under ``root``, to resume from; None when there
     is none, also when ``root`` does not exist yet (a job's first start).
 
@@ -144,11 +147,11 @@ def series_of(name: str, step: int | None) -> Series | str:
 
 
 def prune(
-    root: str | os.PathLike[str],
+    root: str | os.PathLike[str] | S3Url,
     keep_last: int,
-    keep: str | os.PathLike[str],
+    keep: str | os.PathLike[str] | S3Url,
     store: storage.CheckpointStore,
-) -> list[Path]:
+) -> list[Location]:
     """Delete the complete checkpoints directly under ``root`` older than its ``keep_last``
     newest (in :func:`latest`'s order); for a save's ``keep_last``, after its commit.
 
@@ -174,17 +177,26 @@ def prune(
     checkpoint is committed whatever happens here. ``keep_last`` below 1 is a
     :class:`CheckpointError`.
 
+    On S3 (an :class:`~muonckpt.storage.s3store.S3Store`), a checkpoint counts when its
+    manifest parses and every object it lists is there at its size (one LIST and one GET per
+    checkpoint, :meth:`~muonckpt.storage.s3store.S3Store.committed`), and is deleted
+    manifest first, only the manifest that was read (``If-Match``), then the objects it names.
+
     Returns the checkpoints deleted entirely, oldest first.
     """
     check_keep_last(keep_last)
+    keep, where = location(keep), location(root)
     try:
-        found = complete_checkpoints(root, store)
+        if isinstance(where, S3Url) and isinstance(store, S3Store):
+            found = _committed_objects(store, where)
+        else:
+            found = complete_checkpoints(target(root), store)
     except CheckpointError as exc:
         warnings.warn(f"old checkpoints not deleted: {exc}", CheckpointWarning, stacklevel=2)
         return []
-    kept = os.path.realpath(keep)
-    new = next((f for f in found if os.path.realpath(f.path) == kept), None)
-    series = series_of(Path(keep).name, new.step) if new is not None else "it is not complete"
+    kept = _identity(keep)
+    new = next((f for f in found if _identity(f.path) == kept), None)
+    series = series_of(keep.name, new.step) if new is not None else "it is not complete"
     if isinstance(series, str):
         warnings.warn(
             f"keep_last: no old checkpoint deleted beside {keep}: {series}, so which "
@@ -197,20 +209,40 @@ def prune(
     found = [f for f in found if series.holds(f)]
     deleted = []
     for old in found[:-keep_last]:
-        if os.path.realpath(old.path) == kept or storage.ownership_problem(old.path):
+        if _identity(old.path) == kept:
             continue
-        if store.remove_checkpoint(old.path):
+        if isinstance(old.path, Path) and storage.ownership_problem(old.path):
+            continue
+        if store.remove_checkpoint(target(old.path)):
             deleted.append(old.path)
     return deleted
+
+
+def _identity(where: Location) -> str:
+    """What tells two checkpoints apart: a local one's real path, an S3 one's URL."""
+    return os.path.realpath(where) if isinstance(where, Path) else str(where)
+
+
+def _committed_objects(store: S3Store, root: S3Url) -> list[Found]:
+    """:func:`complete_checkpoints` on S3: the complete checkpoints directly under ``root``,
+    oldest first."""
+    found = []
+    for name in store.directories(str(root)):
+        directory = root.child(name)
+        committed = store.committed(str(directory))
+        if committed is not None:
+            manifest, at = committed
+            found.append(Found(directory, manifest.step, int(at * 1e9)))
+    return sorted(found, key=Found.order)
 
 
 @dataclass(frozen=True)
 class Cleaned:
     """What :func:`clean` did under a root."""
 
-    removed: list[Path]
-    """The directories removed entirely."""
-    skipped: list[tuple[Path, str]]
+    removed: list[Location]
+    """The directories removed entirely (on S3: the save prefixes)."""
+    skipped: list[tuple[Location, str]]
     """Every other directory named like muonckpt's, with why it was kept (whole, or in part)."""
 
 
@@ -230,6 +262,13 @@ def clean(root: str | os.PathLike[str], older_than: float) -> Cleaned:
     nothing through a symlink, nothing else: a directory holding anything else keeps it.
     While it deletes, this holds the lease locked.
 
+    On S3 (an ``s3://`` root) what interrupted saves leave is a save prefix
+    ``<root>/<checkpoint>/s-<16 hex>/`` that no committed manifest names: it is removed (its
+    objects, and its multipart uploads aborted) when its lease object is absent or was not
+    renewed for two minutes (a running save renews it every 10 s) and nothing under it
+    changed for more than ``older_than`` seconds
+    (:meth:`~muonckpt.storage.s3store.S3Store.leftovers`); nothing else is deleted.
+
     Returns what was removed, and every other directory named like muonckpt's with why it
     was kept. A ``root`` that cannot be listed is a :class:`CheckpointError`; a negative
     ``older_than`` an :class:`ArgumentError`.
@@ -240,8 +279,13 @@ def clean(root: str | os.PathLike[str], older_than: float) -> Cleaned:
             f"older_than must be a number of seconds >= 0, got {older_than!r}",
             argument="older_than",
         )
-    store, root = storage.store_for(settings.local_path(root)), Path(root)
-    removed, skipped = [], []
+    where = location(root)
+    if isinstance(where, S3Url):
+        gone, left = S3Store().leftovers(str(where), older_than)
+        return Cleaned(list(gone), list(left))
+    store, root = storage.store_for(where), where
+    removed: list[Location] = []
+    skipped: list[tuple[Location, str]] = []
     for name in filter(storage.is_ours, store.directories(root)):
         path = root / name
         with storage.leftover(path) as found:

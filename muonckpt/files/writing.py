@@ -47,11 +47,13 @@ from ..format.manifest import (
     Manifest,
     PieceTable,
     ValuePath,
+    all_files,
     extra_to_json,
 )
 from ..format.names import MANIFEST_NAME
 from ..format.writeplan import Plan, TensorWrite, specs_of
 from ..layout.workplan import WorkUnit, split_work
+from ..storage.location import Location, location
 from ..storage.safetensors_writer import prefetched
 from . import _indexes
 from ._indexes import check_manifest_fits as check_manifest_fits
@@ -60,7 +62,6 @@ from ._reports import Reports as Reports
 from ._reports import Written as Written
 from ._reports import complete
 from .attempt import Attempt
-from .pieces import all_files
 
 Progress = Callable[[int, int, int, int], None]
 """``progress(done_bytes, total_bytes, done_tensors, total_tensors)``, called once at the start
@@ -132,7 +133,8 @@ def stage(
     shared: Plan | None = None,
 ) -> Path:
     """The ``stage`` step of a producer whose ranks have nothing to compare: the root opens
-    the staging directory (:func:`open_staging`); its path on every rank."""
+    the staging directory (:func:`open_staging`); on every rank, the one it writes into
+    (:meth:`~muonckpt.storage.CheckpointStore.join_staging`)."""
     decided = steps.each_then_root(
         "stage",
         lambda: None,
@@ -140,7 +142,7 @@ def stage(
             open_staging(store, final, overwrite=overwrite, source=source, shared=shared)
         ),
     )
-    return Path(decided)
+    return store.join_staging(decided, steps.rank)
 
 
 def abandon(store: storage.CheckpointStore, staging: Path) -> None:
@@ -165,49 +167,50 @@ def commit(
     shared: Plan | None = None,
 ) -> Replaced | None:
     """The ``write`` step: every rank hands in what it ``written`` (or its failure, which fails
-    the step on every rank); the root gives the files written together (``shared``) their
+    the step on every rank), its files first put where the root finds them
+    (:meth:`~muonckpt.storage.CheckpointStore.send`: on object storage, uploaded by this rank
+    in parallel with the others); the root gives the files written together (``shared``) their
     names (:func:`seal_shared`), completes ``draft`` from the merged reports and publishes
     (:func:`publish`; with ``source``, the files read, only a manifest their reader accepts).
     The checkpoint it replaced, for :func:`retire` (None also when something failed after
     the commit: that is a warning, and nothing is retired). A failure before the commit
     discards the staging directory."""
-    final = Path(final)
+    where = location(final)
     across = len(steps.ranks) > 1  # reports cross ranks as JSON; in one process, as they are
+    last = not steps.is_root  # the root writes the indexes and the manifest there next
 
     def report() -> Any:
-        return written.result().to_json() if across else written.result()
+        try:
+            result = written.result()
+        except BaseException:
+            store.send(staging, final, upload=False, last=last)
+            raise
+        store.send(staging, final, last=last)
+        return result.to_json() if across else result
 
     def commit_all(raw: list[Any]) -> Replaced | None:
         if shared is not None:
             seal_shared(shared, staging)
         reports = [Written.from_json(r) for r in raw] if across else raw
         manifest = complete(draft, Reports.merged(reports, staging))
-        replaced = publish(store, staging, final, manifest, source)
+        replaced = publish(store, staging, where, manifest, source)
         return None if replaced is None else {"at": str(replaced), "files": store.entries(replaced)}
 
-    committed: list[bool] = []
-
-    def mark() -> None:
-        committed.append(True)
-
-    storage.watch_commit(final, mark, staging=staging)
-    staged = storage.directory_identity(staging)  # another rank's swap keeps it: committed_as
-    try:
-        return steps.each_then_root("write", report, commit_all)
-    except BaseException as exc:
-        # After the swap (by this process, or by a root that died before telling the others)
-        # the new checkpoint is whole, whatever came next.
-        if committed or storage.committed_as(final, staged):
-            after_commit(exc, final)
-            return None
-        if steps.is_root:
-            store.discard(staging)
-        raise
-    finally:
-        storage.unwatch_commit(final, mark)
+    with store.watching(final, staging) as committed:
+        try:
+            return steps.each_then_root("write", report, commit_all)
+        except BaseException as exc:
+            # After the commit (by this process, or by a root that died before telling the
+            # others) the new checkpoint is whole, whatever came next.
+            if committed():
+                after_commit(exc, where)
+                return None
+            if steps.is_root:
+                store.discard(staging)
+            raise
 
 
-def after_commit(exc: BaseException, final: Path) -> Path:
+def after_commit(exc: BaseException, final: Location) -> Location:
     """What a failure after the commit becomes: an interruption (KeyboardInterrupt, SIGTERM in
     the CLI) an :class:`~muonckpt.errors.InterruptedAfterCommit` naming ``final``, any other
     BaseException raised again; an error is a :class:`CheckpointWarning` and the call succeeds
@@ -225,20 +228,21 @@ def retire(
     store: storage.CheckpointStore,
     replaced: Replaced | None,
     final: str | os.PathLike[str],
-) -> Path:
+) -> Location:
     """The ``retire`` step, after the commit: every rank deletes its share of the ``replaced``
     checkpoint's files (nothing when none was); a failure is a warning (the new checkpoint is
-    in place), an interruption is raised tagged (:func:`after_commit`). ``final``, as a path."""
-    final = Path(final)
+    in place), an interruption is raised tagged (:func:`after_commit`). ``final``, as a
+    local path or an S3 URL (:func:`muonckpt.storage.location.location`)."""
+    where = location(final)
     try:
-        _retire(steps, store, replaced, final)
+        _retire(steps, store, replaced, where)
     except BaseException as exc:
-        return after_commit(exc, final)
-    return final
+        return after_commit(exc, where)
+    return where
 
 
 def _retire(
-    steps: Steps, store: storage.CheckpointStore, replaced: Replaced | None, final: Path
+    steps: Steps, store: storage.CheckpointStore, replaced: Replaced | None, final: Location
 ) -> None:
     """The ``retire`` step, after the commit: every rank deletes its share of the replaced
     checkpoint's files; a failure is a warning (the new checkpoint is in place)."""
@@ -264,7 +268,7 @@ def _retire(
 def publish(
     store: storage.CheckpointStore,
     staging: Path,
-    final: Path,
+    final: Location,
     manifest: Manifest | None,
     source: object = None,
 ) -> Path | None:
@@ -279,8 +283,9 @@ def publish(
     values may be odd) the manifest written is read back by their reader too, naming
     ``source`` (:func:`~._indexes.check_readable`).
     """
+    target = str(final)
     if manifest is None:
-        return store.publish(staging, final, overwrite=False)
+        return store.publish(staging, target, overwrite=False)
     gaps = manifest.coverage_problems()
     if gaps:
         more = f" (and {len(gaps) - 1} more)" if len(gaps) > 1 else ""
@@ -290,7 +295,7 @@ def publish(
             path=final,
         )
     limit = storage.MAX_TEXT_BYTES  # past it, committed, a checkpoint nothing could read
-    storage.sync_files(staging, [f.name for f in all_files(manifest)])  # data before indexes
+    store.sync_files(staging, [f.name for f in all_files(manifest)])  # data before indexes
     manifest = _indexes.write_indexes(staging, manifest, final)
     size = store.put_text(staging / MANIFEST_NAME, manifest.json_chunks(), limit=limit)
     if size > limit:
@@ -305,7 +310,7 @@ def publish(
         _indexes.check_readable(staging / MANIFEST_NAME, source, final)
     listed = {entry.name: entry.bytes for entry in all_files(manifest)}
     listed.update((entry.name, entry.bytes) for entry in manifest.indexes)
-    return store.publish(staging, final, files={**listed, MANIFEST_NAME: size})
+    return store.publish(staging, target, files={**listed, MANIFEST_NAME: size})
 
 
 class _Meter:

@@ -383,6 +383,11 @@ class Manifest:
         return problems
 
 
+def all_files(manifest: Manifest) -> tuple[FileEntry, ...]:
+    """The data files of the optimizer's state and params, then those of ``extra``."""
+    return manifest.files + (manifest.extra.files if manifest.extra is not None else ())
+
+
 class PieceIndex:
     """The pieces of each stored tensor, by (param, key); a tensor that none holds has none.
 

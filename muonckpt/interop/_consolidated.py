@@ -78,16 +78,18 @@ def write_consolidated(
     """Write ``planned`` at ``dst``, its tensors pulled from ``tensors`` (one of
     :attr:`Consolidated.reads` each, in that order, a tensor of its own: momentum is
     multiplied in place by its group's factor of ``scales``)."""
-    store, steps = storage.store_for(settings.local_path(dst)), writing.LocalSteps()
-    staging = writing.stage(steps, store, dst, overwrite=overwrite, source=source)
+    where = settings.local_path(dst)  # (a foreign format's files: staged locally first)
+    store, steps = storage.store_for(where), writing.LocalSteps()
+    staging = writing.stage(steps, store, where, overwrite=overwrite, source=source)
     pulled = _scaled(planned, scales, iter(tensors))
     try:
         written = Attempt(writing.write_files(store, planned.plan, staging, pulled, progress))
     except BaseException as exc:
         written = Attempt(failure=exc)
     draft = writing.Draft(planned.manifest)
-    replaced = writing.commit(steps, store, staging, dst, written, draft, source=source)
-    return writing.retire(steps, store, replaced, dst)
+    replaced = writing.commit(steps, store, staging, where, written, draft, source=source)
+    writing.retire(steps, store, replaced, where)
+    return where
 
 
 def _scaled(

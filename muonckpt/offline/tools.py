@@ -76,6 +76,7 @@ from ..format.writeplan import (
 )
 from ..layout.topology import BufferLayout, LayoutOptions, ParamSpec, Region, Topology, arrange
 from ..storage import access
+from ..storage.location import Location, target
 from . import _model
 
 # torch (and so collectives) is imported only by the paths that need it: several processes
@@ -105,7 +106,7 @@ def consolidate(
     overwrite: bool = False,
     progress: Progress | None = None,
     collective: bool = False,
-) -> Path:
+) -> Location:
     """Rewrite any checkpoint as a consolidated one: full-shape tensors ``state.<param>.<key>``
     in ``optimizer.safetensors`` and, where the checkpoint holds them, the params by name in
     ``model.safetensors``, with the model's other tensors (buffers, params no optimizer holds:
@@ -158,7 +159,7 @@ def reshard(
     progress: Progress | None = None,
     collective: bool = False,
     allow_large_world: bool = False,
-) -> Path:
+) -> Location:
     """Rewrite any checkpoint as per-rank files for a ``dp`` x ``tp`` job.
 
     Rank ``r`` (TP rank fastest) gets ``rank-0000r-of-N.safetensors`` holding exactly what it
@@ -270,7 +271,7 @@ def convert(
     rename: Rename | None = None,
     overwrite: bool = False,
     progress: Progress | None = None,
-) -> Path:
+) -> Location:
     """Rewrite a checkpoint for another Muon implementation: ``packaged``
     (muonckpt.optim.muon.Muon),
     ``torch`` (torch.optim.Muon + AdamW) or ``keller-jordan`` (muon.MuonWithAuxAdam); and/or
@@ -372,14 +373,22 @@ def _write(
     progress: Progress | None,
     collective: bool,
     called: dict[str, Any] | None = None,
-) -> Path:
+) -> Location:
     """Write ``job`` from the checkpoint in ``directory`` through the write engine: in this
     process, or (``collective``) shared among the ranks of the default process group, once
     they have met and agree that they read one checkpoint (its resolved directory and
     manifest) and were called alike (the output, ``overwrite`` and the ``called`` options); a
     job whose manifest no reader would take is refused first (:func:`_check_manifest`)."""
     _check_manifest(job, dst)
-    store, plan = storage.store_for(settings.local_path(dst)), job.plan
+    dst = target(dst)
+    if collective and isinstance(dst, str):  # (an s3:// URL)
+        raise CheckpointError(
+            f"{operation} with collective=True writes files several ranks share, which cannot "
+            "go to S3 from several hosts: run it in one process (collective=False), or write "
+            "to a local directory and copy it",
+            path=dst,
+        )
+    store, plan = storage.store_for(dst), job.plan
     steps: writing.Steps = writing.LocalSteps()
     if collective:
         from ..distributed import collectives, group_steps

@@ -8,8 +8,8 @@ replaced, a staging directory never published, a checkpoint ``keep_last`` no lon
 Each entry point writes through the store of its target (:func:`store_for`: a
 :class:`~.backend.PosixStore`), whose operations are those of :mod:`.durable` and
 :mod:`.transaction` (fsync before every rename, the atomic swap, the lease, the ownership
-rules). Object stores come later through the same protocol (see
-:mod:`.backend` for how); reading stays with the readers below.
+rules); an ``s3://`` target's, an :class:`~.s3store.S3Store` (the manifest the commit, by
+one conditional write); reading stays with the readers below.
 
 One module per concern; this package re-exports what the rest of muonckpt uses, so callers
 write ``storage.X``:
@@ -65,13 +65,7 @@ from .reader_cache import ReaderCache
 from .safetensors_format import TensorRecord
 from .safetensors_reader import SafetensorsReader
 from .safetensors_writer import SafetensorsWriter, SharedSafetensorsFile
-from .transaction import (
-    committed_as,
-    directory_identity,
-    remove_checkpoint,
-    unwatch_commit,
-    watch_commit,
-)
+from .transaction import remove_checkpoint, watch_commit
 
 __all__ = [
     "CHUNK_BYTES",
@@ -86,8 +80,6 @@ __all__ = [
     "check_target",
     "checksum_chunks",
     "chunk_digest",
-    "committed_as",
-    "directory_identity",
     "dtype_name",
     "entries",
     "file_size",
@@ -108,7 +100,6 @@ __all__ = [
     "tensor_of_bytes",
     "torch_dtype",
     "unstorable_kind",
-    "unwatch_commit",
     "watch_commit",
     "write_texts_durably",
 ]

@@ -4,29 +4,32 @@ A checkpoint is written into a *staging* location beside its target and *publish
 one step; what a publish replaced, what a save abandoned and what ``keep_last`` no longer
 keeps are removed, only ever muonckpt's own. :class:`CheckpointStore` names these operations;
 :class:`PosixStore` does them on a POSIX filesystem with the guarantees of :mod:`.durable`,
-:mod:`.transaction` and :mod:`.lease`. Each entry point takes the store of its target from
-:func:`store_for` and hands it down to every call that stages, publishes, lists or removes.
+:mod:`.transaction` and :mod:`.lease`; :class:`~.s3store.S3Store` on S3-compatible object
+storage, where the manifest is the commit. Each entry point takes the store of its target
+from :func:`store_for` and hands it down to every call that stages, publishes, lists or
+removes.
 
-The staging location is a directory every rank writing the checkpoint can reach: the ranks
-write the tensor files into it with positional writes, several processes into one file
-(:class:`~muonckpt.storage.SharedSafetensorsFile`), which no object store allows. So a store
-for object storage would stage in such a directory too and upload at :meth:`publish`, the
-files it is given first and the manifest last (what makes the checkpoint whole for a reader),
-the replaced one aside; the checkpoint code would not change.
+On a POSIX filesystem the staging location is a directory every rank writing the checkpoint
+can reach: the ranks write the tensor files into it with positional writes, several
+processes into one file (:class:`~muonckpt.storage.SharedSafetensorsFile`). On object
+storage each rank writes into a scratch directory of its own host (:meth:`~CheckpointStore.
+join_staging`) and uploads its own files (:meth:`~CheckpointStore.send`) before the root
+commits; files several ranks write together cannot go there from several hosts.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Protocol
 
 from ..errors import CheckpointError
 from ..settings import local_path
-from .durable import entries, fsync_dir, write_text_atomic
+from .durable import entries, fsync_dir, sync_files, write_text_atomic
 from .s3 import is_s3_url
-from .transaction import discard, make_staging, remove_checkpoint, retire, swap_in
+from .transaction import discard, make_staging, remove_checkpoint, retire, swap_in, watching
 
 StrPath = str | os.PathLike[str]
 
@@ -49,6 +52,33 @@ class CheckpointStore(Protocol):
         :class:`~muonckpt.errors.CheckpointError`, with nothing created, when no checkpoint may
         be written there (it exists without ``overwrite``, it is not a muonckpt checkpoint, it
         overlaps ``source``, ...)."""
+        ...
+
+    def join_staging(self, staging: str, rank: int) -> Path:
+        """The staging directory rank ``rank`` writes into, from what :meth:`create_staging`
+        returned on the root (sent to every rank)."""
+        ...
+
+    def send(
+        self, staging: StrPath, final: StrPath, *, upload: bool = True, last: bool = True
+    ) -> None:
+        """(every rank, when its files are written, before it reports them) Put what this
+        rank wrote into ``staging`` where the root's :meth:`publish` finds it (without
+        ``upload``: its write failed, drop it); with ``last``, this rank writes no more
+        there."""
+        ...
+
+    def sync_files(self, directory: StrPath, names: Iterable[str]) -> None:
+        """(the root, before the piece indexes and the manifest) Make the data files
+        ``names`` of the staging ``directory`` durable."""
+        ...
+
+    def watching(
+        self, final: StrPath, staging: StrPath
+    ) -> contextlib.AbstractContextManager[Callable[[], bool]]:
+        """While in it, a call telling whether the save staged in ``staging`` is committed
+        at ``final`` (by this process, or by a root that died right after): what a failure
+        in the ``write`` step is, an error or a warning after the commit."""
         ...
 
     def put_text(
@@ -110,11 +140,22 @@ class PosixStore:
     :mod:`.transaction` themselves."""
 
     create_staging = staticmethod(make_staging)
+    sync_files = staticmethod(sync_files)
+    watching = staticmethod(watching)
     put_text = staticmethod(write_text_atomic)
     entries = staticmethod(entries)
     discard = staticmethod(discard)
     retire = staticmethod(retire)
     remove_checkpoint = staticmethod(remove_checkpoint)
+
+    def join_staging(self, staging: str, rank: int) -> Path:
+        """``staging`` itself: every rank writes into the one directory beside the target."""
+        return Path(staging)
+
+    def send(
+        self, staging: StrPath, final: StrPath, *, upload: bool = True, last: bool = True
+    ) -> None:
+        """Nothing: the files are in place in the staging directory the ranks share."""
 
     def directories(self, root: StrPath) -> list[str]:
         try:
@@ -142,9 +183,9 @@ class PosixStore:
 
 def store_for(target: StrPath) -> CheckpointStore:
     """The store that holds ``target``: an ``s3://bucket/prefix`` URL's bucket
-    (:class:`~.s3store.S3Store`, work in progress: the entry points do not hand it URLs yet,
-    each still refuses one first), a local path's filesystem (:class:`PosixStore`); any other
-    URL is refused in one line (:func:`muonckpt.settings.local_path`)."""
+    (:class:`~.s3store.S3Store`, on this process's one client), a local path's filesystem
+    (:class:`PosixStore`); any other URL is refused in one line
+    (:func:`muonckpt.settings.local_path`)."""
     if is_s3_url(target):
         from .s3store import S3Store  # (boto3 itself only when its first request is made)
 

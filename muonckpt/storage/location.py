@@ -23,3 +23,11 @@ def location(target: str | os.PathLike[str] | S3Url) -> Location:
     if is_s3_url(target):
         return S3Url.parse(os.fspath(target))
     return local_path(target)
+
+
+def target(path: str | os.PathLike[str] | S3Url) -> Path | str:
+    """``path`` as the stores and the write engine take it: a local :class:`~pathlib.Path`,
+    an ``s3://`` URL as its text (checked, normalized); any other URL refused
+    (:func:`location`)."""
+    where = location(path)
+    return where if isinstance(where, Path) else str(where)

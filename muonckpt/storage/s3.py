@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import os
 import random
 import re
 import threading
@@ -89,6 +90,11 @@ class S3Url:
         return self.key.rpartition("/")[2]
 
     @property
+    def parent(self) -> S3Url:
+        """The prefix this one is directly under (where a run's checkpoints are listed)."""
+        return S3Url(self.bucket, self.key.rpartition("/")[0])
+
+    @property
     def prefix(self) -> str:
         """The key as a prefix of the objects under it (with a trailing ``/``)."""
         return f"{self.key}/" if self.key else ""
@@ -122,6 +128,21 @@ class TransferSettings:
 
 
 @dataclass(frozen=True)
+class Listed:
+    """An object found by a listing: its key relative to the prefix listed, its size, when it
+    was last written (seconds since the epoch); for an upload in progress, its id."""
+
+    key: str
+    size: int
+    modified: float
+    upload: str = ""
+
+
+def _key_of(listed: Listed) -> str:
+    return listed.key
+
+
+@dataclass(frozen=True)
 class ObjectInfo:
     """An object's size and etag (quotes included, as S3 sends it)."""
 
@@ -136,6 +157,24 @@ def _botocore() -> tuple[Any, Any]:
         raise CheckpointError(
             "s3:// URLs need boto3: pip install 'muonckpt[s3]'; nothing was read or written"
         ) from None
+
+
+_CLIENTS: dict[TransferSettings, S3Client] = {}
+_CLIENTS_LOCK = threading.Lock()
+
+
+def shared_client(settings: TransferSettings | None = None) -> S3Client:
+    """This process's client for ``settings`` (the defaults when None), made at the first
+    call (boto3's session and client take ~0.3 s); a forked child makes its own."""
+    settings = settings or TransferSettings()
+    with _CLIENTS_LOCK:
+        client = _CLIENTS.get(settings)
+        if client is None:
+            client = _CLIENTS[settings] = S3Client(settings)
+        return client
+
+
+os.register_at_fork(after_in_child=_CLIENTS.clear)
 
 
 class S3Client:
@@ -344,6 +383,17 @@ class S3Client:
         1000 keys."""
         keys: list[str] = []
         directories: list[str] = []
+        for page in self._pages(prefix, delimiter):
+            keys += [o.key for o in page[0]]
+            directories += page[1]
+        return sorted(keys), sorted(directories)
+
+    def objects(self, prefix: S3Url) -> list[Listed]:
+        """Every object under ``prefix`` (its key relative to it, size and last change), sorted
+        by key. One LIST per 1000 keys."""
+        return sorted((o for page in self._pages(prefix, False) for o in page[0]), key=_key_of)
+
+    def _pages(self, prefix: S3Url, delimiter: bool) -> Iterator[tuple[list[Listed], list[str]]]:
         token: str | None = None
         base = prefix.prefix
         while True:
@@ -357,11 +407,44 @@ class S3Client:
                     self._client.list_objects_v2, Bucket=prefix.bucket, Prefix=base, **extra
                 ),
             )
-            keys += [o["Key"][len(base) :] for o in page.get("Contents", [])]
-            directories += [p["Prefix"][len(base) : -1] for p in page.get("CommonPrefixes", [])]
+            yield (
+                [
+                    Listed(o["Key"][len(base) :], int(o["Size"]), o["LastModified"].timestamp())
+                    for o in page.get("Contents", [])
+                ],
+                [p["Prefix"][len(base) : -1] for p in page.get("CommonPrefixes", [])],
+            )
             if not page.get("IsTruncated"):
-                return sorted(keys), sorted(directories)
+                return
             token = page["NextContinuationToken"]
+
+    def uploads(self, prefix: S3Url) -> list[Listed]:
+        """The multipart uploads in progress under ``prefix``: each its key (relative to
+        it), when it began and its id (:attr:`Listed.upload`; size 0)."""
+        found: list[Listed] = []
+        base = prefix.prefix
+        markers: dict[str, str] = {}
+        while True:
+            page = self._call(
+                "list the uploads under",
+                prefix,
+                functools.partial(
+                    self._client.list_multipart_uploads,
+                    Bucket=prefix.bucket,
+                    Prefix=base,
+                    **markers,
+                ),
+            )
+            found += [
+                Listed(u["Key"][len(base) :], 0, u["Initiated"].timestamp(), u["UploadId"])
+                for u in page.get("Uploads", [])
+            ]
+            if not page.get("IsTruncated"):
+                return found
+            markers = {
+                "KeyMarker": page["NextKeyMarker"],
+                "UploadIdMarker": page["NextUploadIdMarker"],
+            }
 
     # -- multipart ------------------------------------------------------------------------
 
@@ -439,13 +522,17 @@ class S3Client:
     def _abort(self, url: S3Url, upload: str) -> None:
         # The original failure is what the caller must see; `clean` aborts leftovers.
         with contextlib.suppress(CheckpointError):
-            self._call(
-                "abort the upload of",
-                url,
-                lambda: self._client.abort_multipart_upload(
-                    Bucket=url.bucket, Key=url.key, UploadId=upload
-                ),
-            )
+            self.abort(url, upload)
+
+    def abort(self, url: S3Url, upload: str) -> None:
+        """Abort multipart upload ``upload`` of object ``url`` (its parts deleted)."""
+        self._call(
+            "abort the upload of",
+            url,
+            lambda: self._client.abort_multipart_upload(
+                Bucket=url.bucket, Key=url.key, UploadId=upload
+            ),
+        )
 
 
 def _parts(chunks: Iterable[bytes | bytearray | memoryview], size: int) -> Iterator[bytes]:

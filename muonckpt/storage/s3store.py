@@ -1,39 +1,52 @@
-"""The storage seam for ``s3://`` targets (work in progress, issue 52): the commit protocol on
-object storage, where the manifest is the commit.
+"""The storage seam for ``s3://`` targets (issue 52): the commit protocol on object storage,
+where the manifest is the commit.
 
-A save is staged in a local scratch directory (the engine writes files there as it does for a
-:class:`~.backend.PosixStore`); :meth:`S3Store.publish` uploads every staged file under a
-*save prefix* of its own, ``<checkpoint>/s-<16 hex>/`` (so racing writers never write one
-key and an overwrite never touches the objects of the checkpoint it replaces), then commits by
-one conditional PutObject of ``<checkpoint>/manifest.json``, with ``data_prefix`` naming the
-save prefix: ``If-None-Match: *`` where there was no checkpoint, ``If-Match`` the etag read
-when staging where one is replaced. Exactly one writer commits; a loser removes only its own
-save prefix and fails naming the target. After a commit, the objects the replaced manifest
-named are deleted (what a crash leaves of them is for ``clean``).
+Every object a save writes is under a *save prefix* of its own, ``<checkpoint>/s-<16 hex>/``
+(so racing writers never write one key and an overwrite never touches the objects of the
+checkpoint it replaces), and the save commits by one conditional PutObject of
+``<checkpoint>/manifest.json`` whose ``data_prefix`` names its save prefix: ``If-None-Match:
+*`` where there was no checkpoint, ``If-Match`` the etag read when staging where one is
+replaced. Exactly one writer commits; a loser removes only its own save prefix and fails
+naming the target. After a commit, the objects the replaced manifest named are deleted (what a
+crash leaves of them is for ``clean``).
 
-Not yet: the manifest's ``data_prefix`` is not a field the format's reader knows (the next
-step: a format version and ``files.pieces`` reading through :class:`~.byte_source.ObjectSource`),
-the entry points still refuse URLs (``settings.local_path``), no lease heartbeat, no
-``clean``.
+Each rank writes its files into a local scratch directory of its own host,
+``$TMPDIR/muonckpt-s3-<16 hex>/rank-<rank>`` (the name the root's :meth:`S3Store.create_staging`
+returns is sent to every rank, each derives its own from it: :meth:`S3Store.join_staging`),
+uploads them itself (:meth:`S3Store.send`, multipart with part size x concurrency bounded, in
+parallel with the other ranks, before it reports in the ``write`` step) and deletes its
+scratch copies. The root then uploads the piece indexes and commits (:meth:`S3Store.publish`).
+Nothing needs a directory every rank shares.
+
+While a save runs, its root renews ``<save prefix>.lease`` every :data:`LEASE_BEAT_S`
+seconds; ``clean`` (:meth:`S3Store.leftovers`) removes a save prefix no committed manifest
+names only when its lease is older than :data:`LEASE_STALE_S` (or absent) and nothing under
+it (lease, objects, uploads in progress) changed for ``older_than`` seconds.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import secrets
 import shutil
 import tempfile
+import threading
+import time
 import warnings
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import CheckpointError, CheckpointWarning, PreconditionFailed
-from ..format.names import MANIFEST_NAME
+from ..format.manifest import Manifest, all_files
+from ..format.manifest_json import parse_manifest
+from ..format.names import INDEX_FILE, MANIFEST_NAME, MODEL_INDEX_FILE
 from .durable import MAX_TEXT_BYTES, write_text_atomic
-from .s3 import S3Client, S3Url
+from .s3 import Listed, S3Client, S3Url, shared_client
 
 StrPath = str | os.PathLike[str]
 
@@ -41,7 +54,15 @@ SAVE_PREFIX_TAG = "s-"
 """A save prefix is ``s-`` and 16 hex digits; nothing else under a checkpoint is ours to
 delete by prefix."""
 
-STAGING_PREFIX = "muonckpt-s3-staging-"
+_SAVE_PREFIX = re.compile(r"s-([0-9a-f]{16})")
+_SCRATCH = re.compile(r"muonckpt-s3-([0-9a-f]{16})")
+LEASE = ".lease"
+"""The object under a save prefix that marks the save as running while its root renews it."""
+LEASE_BEAT_S = 10.0
+"""How often a save's root renews its lease."""
+LEASE_STALE_S = 120.0
+"""A lease not renewed for this long is a dead save's (12 beats: a margin for clocks that
+differ between the server and the host running ``clean``)."""
 
 
 def new_save_prefix() -> str:
@@ -50,9 +71,47 @@ def new_save_prefix() -> str:
     return f"{SAVE_PREFIX_TAG}{secrets.token_hex(8)}/"
 
 
-@dataclass(frozen=True)
+def _save_prefix_of(staging: StrPath) -> str:
+    """The save prefix of a scratch directory (the root's name for it, or a rank's own)."""
+    for part in reversed(Path(staging).parts):
+        found = _SCRATCH.fullmatch(part)
+        if found is not None:
+            return f"{SAVE_PREFIX_TAG}{found.group(1)}/"
+    raise CheckpointError("not a staging directory of an S3 save", path=staging)
+
+
+def _scratch(save_prefix: str) -> Path:
+    """This host's scratch directory of the save ``save_prefix``."""
+    return Path(tempfile.gettempdir()) / f"muonckpt-s3-{save_prefix[2:-1]}"
+
+
+class _Heartbeat:
+    """The lease of a running save, renewed on a thread every :data:`LEASE_BEAT_S` seconds
+    until :meth:`stop` (a failed renewal is retried at the next beat)."""
+
+    def __init__(self, client: S3Client, lease: S3Url) -> None:
+        self._stop = threading.Event()
+        self._client, self._lease = client, lease
+        self._thread = threading.Thread(target=self._run, name="muonckpt-s3-lease", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(LEASE_BEAT_S):
+            with contextlib.suppress(CheckpointError):
+                self._client.put(self._lease, _lease_body())
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def _lease_body() -> bytes:
+    return json.dumps({"host": os.uname().nodename, "pid": os.getpid()}).encode()
+
+
+@dataclass
 class Staged:
-    """What :meth:`S3Store.create_staging` learnt and chose for one save."""
+    """What :meth:`S3Store.create_staging` learnt and chose for one save (on its root)."""
 
     final: S3Url
     overwrite: bool
@@ -61,6 +120,18 @@ class Staged:
     """The etag of the manifest read when staging, which the commit must replace; None when
     there was none."""
     replaced_text: str | None
+    heartbeat: _Heartbeat = field(repr=False)
+
+
+def _by_save(listed: Iterable[Listed]) -> dict[tuple[str, str], list[Listed]]:
+    """What a listing of a root holds under each ``<checkpoint>/s-<16 hex>/``, by (checkpoint,
+    save prefix); every other key is left out (never ours to delete)."""
+    found: dict[tuple[str, str], list[Listed]] = {}
+    for item in listed:
+        parts = item.key.split("/", 2)
+        if len(parts) == 3 and _SAVE_PREFIX.fullmatch(parts[1]):
+            found.setdefault((parts[0], parts[1] + "/"), []).append(item)
+    return found
 
 
 def _url(target: StrPath) -> S3Url:
@@ -88,13 +159,12 @@ def data_prefix_of(manifest: str) -> str | None:
     return prefix if isinstance(prefix, str) else None
 
 
-def named_objects(manifest: str) -> list[str]:
-    """The names of the objects a manifest names relative to its checkpoint: everything under
-    its save prefix is listed by the caller; without one, its files and piece indexes."""
-    value = json.loads(manifest)
-    names = [f["name"] for f in value.get("files", []) if isinstance(f, dict)]
-    names += [i["name"] for i in value.get("indexes", []) if isinstance(i, dict)]
-    return [n for n in names if isinstance(n, str) and n and "/" not in n and n not in (".", "..")]
+def named_objects(manifest: str, source: S3Url) -> list[str]:
+    """The names of the files a manifest without a save prefix names beside it (every data
+    file, extra's included, the piece indexes, the index texts of a consolidated save)."""
+    parsed = parse_manifest(manifest, source)
+    names = [f.name for f in all_files(parsed)] + [i.name for i in parsed.indexes]
+    return [*names, INDEX_FILE, MODEL_INDEX_FILE]
 
 
 class S3Store:
@@ -104,12 +174,15 @@ class S3Store:
     def __init__(self, client: S3Client | None = None) -> None:
         self._client = client
         self._staged: dict[str, Staged] = {}
+        self._committed: set[str] = set()
 
     @property
     def client(self) -> S3Client:
         if self._client is None:
-            self._client = S3Client()
+            self._client = shared_client()
         return self._client
+
+    # -- one save ---------------------------------------------------------------------------
 
     def create_staging(
         self,
@@ -121,8 +194,8 @@ class S3Store:
     ) -> Path:
         if output is not None:
             raise CheckpointError(
-                f"{final}: foreign formats are not written to S3; write them to a local "
-                "directory and copy them"
+                f"{final}: foreign formats are not written to S3; stage the files locally "
+                "and copy them"
             )
         url = _url(final)
         manifest = url.child(MANIFEST_NAME)
@@ -138,22 +211,58 @@ class S3Store:
                 raise CheckpointError(f"{url}: its manifest.json is not a muonckpt manifest")
             etag, text = info.etag, raw.decode("utf-8")
         prefix = new_save_prefix()
-        self.client.put(
-            url.child(prefix + ".lease"),
-            json.dumps({"host": os.uname().nodename, "pid": os.getpid()}).encode(),
-            if_none_match=True,
-        )
-        staging = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX))
-        self._staged[str(staging)] = Staged(url, overwrite, prefix, etag, text)
-        return staging
+        lease = url.child(prefix + LEASE)
+        scratch = _scratch(prefix)
+        scratch.mkdir(mode=0o700)
+        try:
+            self.client.put(lease, _lease_body(), if_none_match=True)
+        except BaseException:
+            scratch.rmdir()
+            raise
+        beat = _Heartbeat(self.client, lease)
+        self._staged[prefix] = Staged(url, overwrite, prefix, etag, text, beat)
+        return scratch
+
+    def join_staging(self, staging: str, rank: int) -> Path:
+        """This rank's own scratch directory on its host, from the name the root's
+        :meth:`create_staging` returned: every rank writes only its own files there."""
+        mine = _scratch(_save_prefix_of(staging)) / f"rank-{rank:05d}"
+        mine.mkdir(mode=0o700, parents=True, exist_ok=True)
+        return mine
 
     def put_text(
         self, path: StrPath, text: str | Iterable[str], *, limit: int | None = None
     ) -> int:
         return write_text_atomic(path, text, limit=limit)
 
+    def send(
+        self, staging: StrPath, final: StrPath, *, upload: bool = True, last: bool = True
+    ) -> None:
+        """(every rank, before it reports in the ``write`` step) Upload every file this rank
+        wrote into its scratch directory ``staging`` under the save prefix, in parallel,
+        then delete the scratch copies (without ``upload``, after a failed write: only
+        delete them); with ``last``, the directory too (the root keeps it for the indexes
+        and the manifest)."""
+        local = Path(staging)
+        names = sorted(os.listdir(local))
+        try:
+            if upload:
+                self._upload(local, _url(final).child(_save_prefix_of(staging)[:-1]), names)
+        finally:
+            for name in names:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(local / name)
+            if last:
+                with contextlib.suppress(OSError):
+                    os.rmdir(local)
+                    os.rmdir(local.parent)  # (the last rank of this host to leave)
+
+    def sync_files(self, directory: StrPath, names: Iterable[str]) -> None:
+        """Nothing: every rank's files were uploaded whole before it reported
+        (:meth:`send`)."""
+
     def _staged_of(self, staging: StrPath) -> Staged:
-        staged = self._staged.get(str(staging))
+        staged = self._staged.get(_save_prefix_of(staging))
         if staged is None:
             raise CheckpointError("not a staging directory of this store", path=staging)
         return staged
@@ -166,52 +275,64 @@ class S3Store:
         files: Mapping[str, int] | None = None,
         overwrite: bool | None = None,
     ) -> Path | None:
-        """Upload the staged files under the save prefix, then commit the manifest
-        conditionally, then delete what the replaced manifest named. Returns None: the
-        replaced checkpoint is retired here (its objects are not a directory to hand back)."""
+        """Upload what the root wrote after :meth:`send` (the piece indexes), check that every
+        file the manifest lists is there at its size (one LIST of the save prefix), commit
+        the manifest conditionally, then delete what the replaced manifest named. Returns
+        None: the replaced checkpoint is retired here (its objects are no directory to hand
+        back)."""
         staged = self._staged_of(staging)
         local = Path(staging)
-        self._check_sizes(local, files or {})
-        names = sorted(n for n in os.listdir(local) if n != MANIFEST_NAME)
+        saved = staged.final.child(staged.save_prefix[:-1])
         try:
-            self._upload(local, staged, names)
+            names = sorted(n for n in os.listdir(local) if n != MANIFEST_NAME)
+            self._upload(local, saved, names)
+            self._check_sizes(local, saved, files or {})
             text = (local / MANIFEST_NAME).read_text(encoding="utf-8")
             self._commit(staged, with_data_prefix(text, staged.save_prefix))
         except BaseException:
             self.discard(staging, quiet=True)
             raise
-        self._forget(staging)
+        self._committed.add(staged.save_prefix)
+        self._forget(staged)
         try:  # committed: what fails now is a warning (clean removes what is left)
             if staged.replaced_text is not None:
                 self._remove_named(staged.final, staged.replaced_text)
-            self.client.delete(staged.final.child(staged.save_prefix + ".lease"))
+            self.client.delete(saved.child(LEASE))
         except CheckpointError as exc:
             warnings.warn(f"committed {staged.final}, but then: {exc}", CheckpointWarning, 2)
         return None
 
-    def _check_sizes(self, local: Path, files: Mapping[str, int]) -> None:
+    def _check_sizes(self, local: Path, saved: S3Url, files: Mapping[str, int]) -> None:
+        uploaded = {o.key: o.size for o in self.client.objects(saved)}
         for name, size in files.items():
             try:
-                found = os.stat(local / name).st_size
-            except OSError:
+                found = os.stat(local / name).st_size if name == MANIFEST_NAME else uploaded[name]
+            except (OSError, KeyError):
                 raise CheckpointError(f"{name} is missing; nothing was published") from None
             if found != size:
                 raise CheckpointError(f"{name} is {found} bytes, not {size}; nothing published")
 
-    def _upload(self, local: Path, staged: Staged, names: Sequence[str]) -> None:
+    def _upload(self, local: Path, saved: S3Url, names: Sequence[str]) -> None:
+        """Upload files ``names`` of ``local`` under ``saved``: those of one part at most
+        ``concurrency`` at a time, then each larger one in turn, ``concurrency`` parts at a
+        time (memory at most part size x (concurrency + 1))."""
         client = self.client
+        part = client.settings.part_size
 
         def one(name: str) -> None:
             with open(local / name, "rb") as f:
-                chunks = iter(lambda: f.read(client.settings.part_size), b"")
-                client.upload(
-                    staged.final.child(staged.save_prefix + name), chunks, if_none_match=True
-                )
+                chunks = iter(lambda: f.read(part), b"")
+                client.upload(saved.child(name), chunks, if_none_match=True)
 
-        workers = max(1, min(client.settings.concurrency, len(names)))
-        with ThreadPoolExecutor(workers) as pool:
-            for future in [pool.submit(one, n) for n in names]:
-                future.result()
+        sizes = {name: os.stat(local / name).st_size for name in names}
+        small = [name for name in names if sizes[name] <= part]
+        if small:
+            with ThreadPoolExecutor(min(client.settings.concurrency, len(small))) as pool:
+                for future in [pool.submit(one, name) for name in small]:
+                    future.result()
+        for name in names:
+            if sizes[name] > part:
+                one(name)
 
     def _commit(self, staged: Staged, manifest: str) -> None:
         """The commit: one conditional PutObject of the manifest. A 412 after a retried
@@ -225,33 +346,63 @@ class S3Store:
             else:
                 self.client.put(url, body, if_match=staged.replaces)
         except PreconditionFailed:
-            now = self.client.get(url)
-            if now is not None and data_prefix_of(now.decode("utf-8", "replace")) == (
-                staged.save_prefix
-            ):
+            if self._names(staged.final, staged.save_prefix):
                 return
             raise CheckpointError(
                 f"another save committed {staged.final} first (its manifest changed since "
                 "this save began); this save's objects were removed, the other's kept"
             ) from None
 
+    def _names(self, checkpoint: S3Url, save_prefix: str) -> bool:
+        """Whether the manifest now at ``checkpoint`` names ``save_prefix``."""
+        now = self.client.get(checkpoint.child(MANIFEST_NAME))
+        return now is not None and data_prefix_of(now.decode("utf-8", "replace")) == save_prefix
+
+    @contextlib.contextmanager
+    def watching(self, final: StrPath, staging: StrPath) -> Iterator[Callable[[], bool]]:
+        """Whether the save staged in ``staging`` is committed at ``final``: committed by this
+        process, or the manifest there names its save prefix (a rank whose root died right
+        after the commit); a manifest that cannot be read counts as not committed."""
+        url, prefix = _url(final), _save_prefix_of(staging)
+
+        def committed() -> bool:
+            if prefix in self._committed:
+                return True
+            try:
+                return self._names(url, prefix)
+            except CheckpointError:
+                return False
+
+        yield committed
+
     def _remove_named(self, checkpoint: S3Url, manifest: str) -> None:
         prefix = data_prefix_of(manifest)
         if prefix:
             self._remove_prefix(checkpoint, prefix)
         else:
-            self.client.delete_many(checkpoint.child(n) for n in named_objects(manifest))
+            names = named_objects(manifest, checkpoint)
+            self.client.delete_many(checkpoint.child(n) for n in names)
 
     def _remove_prefix(self, checkpoint: S3Url, prefix: str) -> None:
-        if not (prefix.startswith(SAVE_PREFIX_TAG) and prefix.endswith("/")):
+        if not _SAVE_PREFIX.fullmatch(prefix.rstrip("/")) or not prefix.endswith("/"):
             raise CheckpointError(f"{checkpoint}: {prefix!r} is not a save prefix of muonckpt's")
         under = checkpoint.child(prefix.rstrip("/"))
         keys, _ = self.client.listing(under)
         self.client.delete_many(under.child(k) for k in keys)
 
-    def _forget(self, staging: StrPath) -> None:
-        self._staged.pop(str(staging), None)
-        shutil.rmtree(staging, ignore_errors=True)
+    def _forget(self, staged: Staged) -> None:
+        self._staged.pop(staged.save_prefix, None)
+        staged.heartbeat.stop()
+        shutil.rmtree(_scratch(staged.save_prefix), ignore_errors=True)
+
+    def discard(self, staging: StrPath, *, quiet: bool = False) -> list[str]:
+        staged = self._staged.get(_save_prefix_of(staging))
+        if staged is not None:
+            self._forget(staged)
+            self._remove_prefix(staged.final, staged.save_prefix)
+        return []
+
+    # -- checkpoints --------------------------------------------------------------------------
 
     def entries(self, directory: StrPath) -> list[str]:
         keys, directories = self.client.listing(_url(directory), delimiter=True)
@@ -260,15 +411,33 @@ class S3Store:
     def directories(self, root: StrPath) -> list[str]:
         return self.client.listing(_url(root), delimiter=True)[1]
 
-    def discard(self, staging: StrPath, *, quiet: bool = False) -> list[str]:
-        staged = self._staged.get(str(staging))
-        if staged is not None:
-            self._remove_prefix(staged.final, staged.save_prefix)
-        self._forget(staging)
-        return []
-
     def retire(self, directory: StrPath, files: Sequence[str] | None = None) -> None:
         """Nothing: :meth:`publish` retired what it replaced."""
+
+    def committed(self, directory: StrPath) -> tuple[Manifest, float] | None:
+        """The manifest of the complete checkpoint at ``directory`` and when it was
+        committed (the manifest's last change, seconds since the epoch): None when there is
+        none, it is no muonckpt manifest, or a file it lists is missing or of another size
+        (one LIST of the checkpoint, one GET of its manifest)."""
+        url = _url(directory)
+        found = {o.key: o for o in self.client.objects(url)}
+        listed = found.get(MANIFEST_NAME)
+        if listed is None or listed.size > MAX_TEXT_BYTES:
+            return None
+        raw = self.client.get(url.child(MANIFEST_NAME))
+        if raw is None:
+            return None
+        text = raw.decode("utf-8", "replace")
+        try:
+            manifest = parse_manifest(text, url)
+        except CheckpointError:
+            return None
+        sizes = [(f.name, f.bytes) for f in all_files(manifest)]
+        for name, size in sizes + [(i.name, i.bytes) for i in manifest.indexes]:
+            there = found.get(manifest.data_prefix + name)
+            if there is None or there.size != size:
+                return None
+        return manifest, listed.modified
 
     def remove_checkpoint(self, directory: StrPath) -> bool:
         """Delete a committed checkpoint: its manifest (only the one read: If-Match), then
@@ -284,3 +453,48 @@ class S3Store:
         self.client.delete(manifest, if_match=info.etag)
         self._remove_named(url, raw.decode("utf-8", "replace"))
         return True
+
+    def leftovers(
+        self, root: StrPath, older_than: float
+    ) -> tuple[list[S3Url], list[tuple[S3Url, str]]]:
+        """(``clean``) Remove the save prefixes ``<root>/<checkpoint>/s-<16 hex>/`` that no
+        committed manifest names, whose lease is absent or older than
+        :data:`LEASE_STALE_S`, and under which nothing (lease, objects, uploads in progress)
+        changed for more than ``older_than`` seconds: their objects, and their multipart
+        uploads aborted. Nothing else is ever deleted. Returns the prefixes removed, and the
+        others no manifest names with why each was kept.
+
+        One LIST of everything under ``root`` and one of its uploads, made before the
+        manifests are read: a save that commits meanwhile had a fresh lease in the listing."""
+        url = _url(root)
+        objects = _by_save(self.client.objects(url))
+        uploads = _by_save(self.client.uploads(url))
+        named: dict[str, str | None] = {}
+        removed: list[S3Url] = []
+        skipped: list[tuple[S3Url, str]] = []
+        now = time.time()
+        for checkpoint, prefix in sorted({*objects, *uploads}):
+            if checkpoint not in named:
+                raw = self.client.get(url.child(checkpoint).child(MANIFEST_NAME))
+                text = None if raw is None else raw.decode("utf-8", "replace")
+                named[checkpoint] = "" if text is None else data_prefix_of(text)
+            where = url.child(checkpoint).child(prefix.rstrip("/"))
+            if named[checkpoint] is None:
+                skipped.append((where, "its checkpoint's manifest.json is not muonckpt's"))
+                continue
+            if named[checkpoint] == prefix:
+                continue
+            held = objects.get((checkpoint, prefix), [])
+            going = uploads.get((checkpoint, prefix), [])
+            lease = next((now - o.modified for o in held if o.key.endswith("/" + LEASE)), None)
+            age = now - max(o.modified for o in [*held, *going])
+            if lease is not None and lease <= LEASE_STALE_S:
+                skipped.append((where, f"its save is running (lease renewed {lease:.0f} s ago)"))
+            elif age <= older_than:
+                skipped.append((where, f"changed {age:.0f} s ago, not older than {older_than:g} s"))
+            else:
+                for upload in going:
+                    self.client.abort(url.child(upload.key), upload.upload)
+                self.client.delete_many(url.child(o.key) for o in held)
+                removed.append(where)
+        return removed, skipped

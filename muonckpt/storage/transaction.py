@@ -11,7 +11,7 @@ import stat
 import threading
 import uuid
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 from ..errors import CheckpointError, CheckpointWarning
@@ -255,6 +255,27 @@ def committed_as(final: str | os.PathLike[str], staging: tuple[int, int] | None)
         and directory_identity(final) == staging
         and os.path.isfile(Path(final) / MANIFEST_NAME)
     )
+
+
+@contextlib.contextmanager
+def watching(
+    final: str | os.PathLike[str], staging: str | os.PathLike[str]
+) -> Iterator[Callable[[], bool]]:
+    """While in it, whether the save staged in ``staging`` is committed at ``final``: the
+    commit of this process's :func:`swap_in` seen (:func:`watch_commit`), or the staging
+    directory found at ``final`` with its manifest (:func:`committed_as`: another rank's swap,
+    whose process died before it could tell)."""
+    committed: list[bool] = []
+
+    def mark() -> None:
+        committed.append(True)
+
+    watch_commit(final, mark, staging=staging)
+    staged = directory_identity(staging)  # another rank's swap keeps it: committed_as
+    try:
+        yield lambda: bool(committed) or committed_as(final, staged)
+    finally:
+        unwatch_commit(final, mark)
 
 
 def swap_in(
