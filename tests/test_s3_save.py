@@ -27,6 +27,7 @@ import muonckpt
 from muonckpt import offline
 from muonckpt.distributed.launch import run_distributed
 from muonckpt.errors import CheckpointError
+from muonckpt.format.manifest import PREFIXED_VERSION
 from muonckpt.storage.s3 import S3Client, S3Url
 from muonckpt.storage.s3store import data_prefix_of
 
@@ -77,10 +78,14 @@ def _download(url: str, into: Path) -> Path:
 
 def _same_checkpoint(local: Path, copied: Path) -> None:
     """``copied`` (an S3 checkpoint copied down) holds ``local``'s files byte for byte under
-    its save prefix, its manifest is ``local``'s with ``data_prefix``, and it verifies."""
+    its save prefix, its manifest is ``local``'s with ``data_prefix`` (format version 5),
+    and it verifies."""
     manifest = json.loads((copied / "manifest.json").read_text())
     prefix = manifest.pop("data_prefix")
-    assert manifest == json.loads((local / "manifest.json").read_text())
+    assert manifest == {
+        **json.loads((local / "manifest.json").read_text()),
+        "format_version": PREFIXED_VERSION,
+    }
     names = sorted(p.name for p in local.iterdir() if p.name != "manifest.json")
     assert sorted(p.name for p in (copied / prefix).iterdir()) == names
     for name in names:

@@ -26,7 +26,11 @@ DATA = "rank-00000-of-00001.safetensors"
 def _stage(store: S3Store, target: str, overwrite: bool, payload: bytes) -> Path:
     staging = store.create_staging(target, overwrite)
     (staging / DATA).write_bytes(payload)
-    store.put_text(staging / "manifest.json", json.dumps({"files": [{"name": DATA}]}))
+    files = json.dumps([{"name": DATA}])  # the top-level layout the manifest writer uses
+    store.put_text(
+        staging / "manifest.json",
+        f'{{"files": {files},\n"format_version": 4,\n"kind": "per-rank"}}',
+    )
     return staging
 
 

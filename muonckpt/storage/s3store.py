@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import CheckpointError, CheckpointWarning, PreconditionFailed
-from ..format.manifest import Manifest, all_files
+from ..format.manifest import PREFIXED_VERSION, Manifest, all_files
 from ..format.manifest_json import parse_manifest
 from ..format.names import INDEX_FILE, MANIFEST_NAME, MODEL_INDEX_FILE
 from .durable import MAX_TEXT_BYTES, write_text_atomic
@@ -138,11 +138,20 @@ def _url(target: StrPath) -> S3Url:
     return S3Url.parse(os.fspath(target))
 
 
+_VERSION_LINE = re.compile(r'^"format_version": \d+,$', re.M)
+"""The top-level ``format_version`` as :meth:`~muonckpt.format.manifest.Manifest.json_chunks`
+writes it: a line of its own (nested values never start a line with a key)."""
+
+
 def with_data_prefix(manifest: str, prefix: str) -> str:
-    """The manifest text with ``data_prefix`` first in its top-level object."""
+    """The manifest text muonckpt staged, with ``data_prefix`` first in its top-level object
+    and its format version :data:`~muonckpt.format.manifest.PREFIXED_VERSION` (what a
+    reader that knows no ``data_prefix`` refuses)."""
     body = manifest.lstrip()
-    if not body.startswith("{"):
-        raise CheckpointError("the staged manifest is not a JSON object")
+    version = f'"format_version": {PREFIXED_VERSION},'
+    body, found = _VERSION_LINE.subn(version, body)
+    if not body.startswith("{") or found != 1:
+        raise CheckpointError("the staged manifest is not one muonckpt wrote; nothing committed")
     return "{" + json.dumps("data_prefix") + ":" + json.dumps(prefix) + "," + body[1:]
 
 
