@@ -20,9 +20,10 @@ from pathlib import Path
 
 from .. import settings, storage
 from ..errors import ArgumentError, CheckpointError, CheckpointWarning
+from ..format.manifest import Manifest
 from ..format.names import MANIFEST_NAME
 from ..storage import access
-from .pieces import read_manifest, size_problems
+from .pieces import load_pieces, read_manifest, size_problems
 
 
 @dataclass(frozen=True)
@@ -35,21 +36,54 @@ class Found:
     """The manifest's mtime: a save writes its manifest last, at the commit."""
 
     def order(self) -> tuple[bool, int, int, str]:
-        """Sort key, oldest first: by step (none before any), then commit time, then name (so
-        that the order is total)."""
-        return (self.step is not None, self.step or 0, self.committed_ns, self.path.name)
+        """Sort key, oldest first (:func:`_order`)."""
+        return _order(self.step, self.committed_ns, self.path.name)
 
 
-def _complete(directory: Path) -> Found | None:
-    """``directory`` as a complete checkpoint; None when it is not one (or is damaged)."""
+def _order(step: int | None, committed_ns: int, name: str) -> tuple[bool, int, int, str]:
+    """Sort key of a checkpoint, oldest first: by step (none before any), then commit time,
+    then name (so that the order is total)."""
+    return (step is not None, step or 0, committed_ns, name)
+
+
+@dataclass(frozen=True)
+class _Committed:
+    """A checkpoint whose manifest's top level parses: its files, that manifest, and when it
+    was committed; whether it is complete, still to be told (:meth:`complete`)."""
+
+    files: storage.CheckpointFiles
+    manifest: Manifest
+    committed_ns: int
+
+    def order(self) -> tuple[bool, int, int, str]:
+        """Sort key, oldest first (:func:`_order`)."""
+        return _order(self.manifest.step, self.committed_ns, self.files.location.name)
+
+    def complete(self) -> bool:
+        """Every piece index sound and every file listed there at its size (no checksums)."""
+        try:
+            manifest = load_pieces(self.files, self.manifest, None)
+            return not size_problems(manifest, self.files)
+        except (CheckpointError, OSError):
+            return False
+
+
+def _committed(files: storage.CheckpointFiles) -> _Committed | None:
+    """The checkpoint of ``files``, when its manifest's top level parses (it refuses staging
+    names and missing manifests); else None."""
     try:
-        committed = access.modified_ns(directory / MANIFEST_NAME)
-        manifest = read_manifest(directory)  # refuses staging names and missing manifests
-        if size_problems(manifest, directory):
-            return None
+        manifest = read_manifest(files, pieces=False)
+        return _Committed(files, manifest, files.committed_ns())
     except (CheckpointError, OSError):
         return None
-    return Found(directory, manifest.step, committed)
+
+
+def _under(
+    root: storage.Location, names: list[str], client: storage.S3Client | None
+) -> list[_Committed]:
+    """The checkpoints ``names`` directly under ``root`` whose manifests parse, oldest first."""
+    found = [_committed(storage.checkpoint_files(root / name, client)) for name in names]
+    return sorted((f for f in found if f is not None), key=_Committed.order)
 
 
 def complete_checkpoints(
@@ -60,13 +94,19 @@ def complete_checkpoints(
     none; one that is not a directory or cannot be listed is a :class:`CheckpointError`
     (:meth:`~muonckpt.storage.CheckpointStore.directories`)."""
     root = Path(root)
-    found = [_complete(root / name) for name in store.directories(root)]
-    return sorted((f for f in found if f is not None), key=Found.order)
+    found = _under(root, store.directories(root), None)
+    return [
+        Found(root / f.files.location.name, f.manifest.step, f.committed_ns)
+        for f in found
+        if f.complete()
+    ]
 
 
-def latest(root: str | os.PathLike[str]) -> Path | None:
+def latest(root: str | os.PathLike[str]) -> Path | str | None:
     """The newest complete checkpoint directly under ``root``, to resume from; None when there
-    is none, also when ``root`` does not exist yet (a job's first start).
+    is none, also when ``root`` does not exist yet (a job's first start). ``root`` is a
+    directory, or an ``s3://bucket/prefix`` URL: then the checkpoint's URL is returned, found
+    by one LIST of the prefixes directly under it and a GET of each one's manifest.
 
     Newest by the step the manifest records (a checkpoint without one counts as older than any
     with one), then by commit time. Only a cheap check is made (the manifest parses, every
@@ -77,17 +117,21 @@ def latest(root: str | os.PathLike[str]) -> Path | None:
     :class:`CheckpointError`. When a save commits and prunes while it looks, so that it found
     nothing complete, it looks again (three times in all).
     """
-    store, root = storage.store_for(settings.local_path(root)), Path(root)
-    if access.exists(root / MANIFEST_NAME):
+    place = storage.location(root)
+    client = storage.S3Client() if isinstance(place, storage.S3Url) else None
+    files = storage.checkpoint_files(place, client)
+    if files.size(MANIFEST_NAME) is not None:
         raise CheckpointError(
             "is a checkpoint itself; latest looks for checkpoints directly under a directory "
             "(pass its parent)",
             path=root,
         )
+    store = storage.store_for(str(place))
     for _ in range(3):  # a save committing and pruning meanwhile can hide every entry once
-        found = complete_checkpoints(root, store)
-        if found:
-            return found[-1].path
+        found = _under(place, store.directories(str(place)), client)
+        newest = next((f.files.location for f in reversed(found) if f.complete()), None)
+        if newest is not None:
+            return str(newest) if isinstance(newest, storage.S3Url) else newest
     return None
 
 

@@ -22,6 +22,9 @@ write ``storage.X``:
 * :mod:`.safetensors_header`: a file's header parsed and checked, into compact records.
 * :mod:`.safetensors_reader` / :mod:`.safetensors_writer`: reading and writing the files.
 * :mod:`.reader_cache`: open readers, a bounded number at a time (LRU).
+* :mod:`.checkpoint_files`: the read seam of a whole checkpoint, :class:`CheckpointFiles`: a
+  local directory's files, or an S3 prefix's objects (manifest, indexes, data by ranged GETs),
+  chosen from the place (:func:`location`: a local path or an ``s3://`` URL).
 * :mod:`.transaction`: staging, swap-in, retiring and discarding checkpoint directories,
   deleting old checkpoints.
 * :mod:`.ownership`: the rules of what may be replaced or deleted (muonckpt's own only), a
@@ -43,6 +46,7 @@ the collective or checkpoint layers.
 from __future__ import annotations
 
 from .backend import CheckpointStore, store_for
+from .checkpoint_files import CheckpointFiles, checkpoint_files
 from .checksums import CHUNK_BYTES, checksum_chunks, chunk_digest
 from .dtypes import byte_view, dtype_name, itemsize, tensor_of_bytes, torch_dtype, unstorable_kind
 from .durable import (
@@ -58,9 +62,11 @@ from .durable import (
     write_texts_durably,
 )
 from .lease import leftover
+from .location import Location, location, resolved_place
 from .mailbox import Mailbox, is_mailbox, mailbox_path
 from .ownership import check_target, is_ours, ownership_problem
 from .reader_cache import ReaderCache
+from .s3 import S3Client, S3Url
 from .safetensors_format import TensorRecord
 from .safetensors_reader import SafetensorsReader
 from .safetensors_writer import SafetensorsWriter, SharedSafetensorsFile
@@ -75,15 +81,20 @@ from .transaction import (
 __all__ = [
     "CHUNK_BYTES",
     "MAX_TEXT_BYTES",
+    "CheckpointFiles",
     "CheckpointStore",
+    "Location",
     "Mailbox",
     "ReaderCache",
+    "S3Client",
+    "S3Url",
     "SafetensorsReader",
     "SafetensorsWriter",
     "SharedSafetensorsFile",
     "TensorRecord",
     "byte_view",
     "check_target",
+    "checkpoint_files",
     "checksum_chunks",
     "chunk_digest",
     "committed_as",
@@ -96,6 +107,7 @@ __all__ = [
     "is_ours",
     "itemsize",
     "leftover",
+    "location",
     "mailbox_path",
     "make_directory",
     "ownership_problem",
@@ -103,6 +115,7 @@ __all__ = [
     "read_text",
     "read_text_chunks",
     "remove_checkpoint",
+    "resolved_place",
     "store_for",
     "sync_files",
     "tensor_of_bytes",

@@ -23,3 +23,11 @@ def location(target: str | os.PathLike[str] | S3Url) -> Location:
     if is_s3_url(target):
         return S3Url.parse(os.fspath(target))
     return local_path(target)
+
+
+def resolved_place(target: str | os.PathLike[str] | S3Url) -> str:
+    """``target`` as the ranks of one call compare it: a local path made absolute (not
+    resolved: each rank's own symlinks are its business until the checkpoint is opened), an
+    ``s3://`` URL as parsed."""
+    place = location(target)
+    return str(place) if isinstance(place, S3Url) else os.path.abspath(place)

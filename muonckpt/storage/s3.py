@@ -83,6 +83,11 @@ class S3Url:
         """The object or prefix ``name`` (one or more ``/``-separated parts) under this one."""
         return S3Url(self.bucket, f"{self.key}/{name}" if self.key else name)
 
+    def __truediv__(self, name: str) -> S3Url:
+        """:meth:`child`, as ``/`` joins a :class:`~pathlib.Path`: a checkpoint's place, local
+        or in S3, names its files alike."""
+        return self.child(name)
+
     @property
     def name(self) -> str:
         """The last part of the key (a checkpoint's name)."""
@@ -127,6 +132,8 @@ class ObjectInfo:
 
     size: int
     etag: str
+    modified_ns: int = 0
+    """When it was written (S3 keeps seconds), in nanoseconds."""
 
 
 def _botocore() -> tuple[Any, Any]:
@@ -251,7 +258,33 @@ class S3Client:
             if self._missing(exc):
                 return None
             raise
-        return ObjectInfo(int(response["ContentLength"]), str(response["ETag"]))
+        return ObjectInfo(
+            int(response["ContentLength"]), str(response["ETag"]), _ns(response["LastModified"])
+        )
+
+    def fetch(self, url: S3Url, limit: int) -> tuple[bytes, ObjectInfo] | None:
+        """The object's first ``limit`` bytes (all of it when it is smaller) with its whole
+        size, etag and time, in one GET (a range past its end is answered with what there
+        is); None when there is no object."""
+
+        def request() -> tuple[bytes, ObjectInfo]:
+            response = self._client.get_object(
+                Bucket=url.bucket, Key=url.key, Range=f"bytes=0-{limit - 1}"
+            )
+            data: bytes = response["Body"].read()
+            whole = str(response.get("ContentRange", "")).rpartition("/")[2]
+            size = int(whole) if whole.isdigit() else len(data)
+            return data, ObjectInfo(size, str(response["ETag"]), _ns(response["LastModified"]))
+
+        try:
+            return self._call("read", url, request)
+        except CheckpointError as exc:
+            if self._missing(exc):
+                return None
+            if exc.__cause__ is None or self._status(exc.__cause__)[1] != 416:
+                raise
+        info = self.head(url)  # an empty object: it has no byte 0 to range over
+        return None if info is None else (b"", info)
 
     def get(
         self, url: S3Url, start: int = 0, end: int | None = None, *, if_match: str | None = None
@@ -446,6 +479,11 @@ class S3Client:
                     Bucket=url.bucket, Key=url.key, UploadId=upload
                 ),
             )
+
+
+def _ns(when: Any) -> int:
+    """An S3 time (a ``datetime``) in nanoseconds since the epoch."""
+    return int(when.timestamp()) * 1_000_000_000
 
 
 def _parts(chunks: Iterable[bytes | bytearray | memoryview], size: int) -> Iterator[bytes]:
