@@ -20,6 +20,7 @@ from ..errors import CheckpointError
 from . import output
 from .exits import PROBLEM, Group, catch_stop_signals
 from .options import (
+    S3_SCHEME,
     AllowLargeWorld,
     BucketAlignment,
     BucketNumel,
@@ -40,11 +41,12 @@ from .options import (
     Quiet,
     Renames,
     Root,
+    Source,
     SplitExperts,
     Src,
     TpSplit,
     World,
-    local_directory,
+    checkpoint_source,
     size_parameter,
 )
 
@@ -102,7 +104,7 @@ def _ranks(ctx: typer.Context) -> Iterator[bool]:
 @app.command()
 def consolidate(
     ctx: typer.Context,
-    src: Src,
+    src: Source,
     dst: Dst,
     max_shard_size: Annotated[
         int | None,
@@ -134,7 +136,7 @@ def consolidate(
 @app.command()
 def reshard(
     ctx: typer.Context,
-    src: Src,
+    src: Source,
     dp: Annotated[int, typer.Option("--dp", min=1, help="Data-parallel size of the new job.")],
     tp: Annotated[int, typer.Option("--tp", min=1, help="Tensor-parallel size of the new job.")],
     dst: Dst,
@@ -313,7 +315,7 @@ def _rewrite(
     ctx: typer.Context,
     quiet: bool,
     operation: Callable[..., Path],
-    src: Path,
+    src: str | Path,
     dst: Path,
     force: bool,
     shared: bool,
@@ -339,7 +341,7 @@ def _written(path: Path) -> str:
 
 @app.command()
 def inspect(
-    src: Src,
+    src: Source,
     as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")] = False,
     wide: Annotated[
         bool,
@@ -364,12 +366,15 @@ def inspect(
 
 
 @app.command()
-def verify(src: Src) -> None:
+def verify(src: Source) -> None:
     """Check a checkpoint: manifest, coverage, file sizes, headers and every checksum.
 
     Exit 0 when sound, 1 listing each problem. Example: muonckpt verify ckpt/step-1000
+
+    Of a checkpoint in S3 (s3://bucket/prefix) every object its manifest names is checked;
+    objects it does not name (a save that never committed) are left for clean.
     """
-    if not src.is_dir():
+    if not src.startswith(S3_SCHEME) and not Path(src).is_dir():
         raise CheckpointError("no checkpoint directory", path=src)
     from .. import verify as verify_checkpoint
 
@@ -445,15 +450,15 @@ def latest(
 def diff(
     ctx: typer.Context,
     a: Annotated[
-        Path,
+        str,
         typer.Argument(
-            metavar="A", parser=local_directory, help="First checkpoint.", show_default=False
+            metavar="A", parser=checkpoint_source, help="First checkpoint.", show_default=False
         ),
     ],
     b: Annotated[
-        Path,
+        str,
         typer.Argument(
-            metavar="B", parser=local_directory, help="Second checkpoint.", show_default=False
+            metavar="B", parser=checkpoint_source, help="Second checkpoint.", show_default=False
         ),
     ],
     atol: Annotated[float, typer.Option(min=0.0, help="Absolute tolerance.")] = 0.0,

@@ -27,12 +27,32 @@ def local_directory(text: str) -> Path:
     return local_path(text)
 
 
+S3_SCHEME = "s3://"
+"""The one URL scheme a checkpoint to read may have (the library parses the rest)."""
+
+
+def checkpoint_source(text: str) -> str:
+    """A checkpoint to read as typed: an ``s3://bucket/prefix`` URL (parsed, and refused in
+    one line when malformed, by the library), else a local directory
+    (:func:`local_directory`, every other URL refused)."""
+    return text if text.startswith(S3_SCHEME) else str(local_directory(text))
+
+
 Src = Annotated[
     Path,
     typer.Argument(
         metavar="SRC",
         parser=local_directory,
         help="Checkpoint directory to read.",
+        show_default=False,
+    ),
+]
+Source = Annotated[
+    str,
+    typer.Argument(
+        metavar="SRC",
+        parser=checkpoint_source,
+        help="Checkpoint to read: a directory or an s3://bucket/prefix URL.",
         show_default=False,
     ),
 ]

@@ -248,15 +248,17 @@ def _owned(
 
 
 def _output_manifest(manifest: Manifest, **changes: Any) -> Manifest:
-    """The manifest of a rewrite of ``manifest``: current format, files and pieces still empty,
-    the model section's tensors and tied names carried (:mod:`._model`), their pieces too
-    still empty; the job's own state is the copy the root reports (:func:`_write_rank`)."""
+    """The manifest of a rewrite of ``manifest``: current format, files and pieces still empty
+    (and beside it: the source's save prefix is the source's), the model section's tensors
+    and tied names carried (:mod:`._model`), their pieces too still empty; the job's own state
+    is the copy the root reports (:func:`_write_rank`)."""
     model = _model.draft(manifest)
     return replace(
         manifest,
         **changes,
         files=(),
         pieces=(),
+        data_prefix="",
         format_version=FORMAT_VERSION,
         model=model,
         extra=None,

@@ -219,8 +219,13 @@ class S3Client:
             time.sleep(delay)
 
     def _missing(self, exc: CheckpointError) -> bool:
+        """Whether ``exc`` says there is no such object (not: no such bucket, which a GET's
+        answer tells apart; a HEAD's has no body to)."""
         cause = exc.__cause__
-        return cause is not None and self._status(cause)[1] == 404
+        if cause is None:
+            return False
+        code, status = self._status(cause)
+        return status == 404 and code != "NoSuchBucket"
 
     # -- objects --------------------------------------------------------------------------
 
