@@ -44,12 +44,14 @@ def state_of(opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
 
 
 def save_copy_load_phase(
-    local: str, bucket: str, prefix: str, upstream: str, steps: int
+    local: str, bucket: str, prefix: str, upstream: str, environment: dict[str, str], steps: int
 ) -> dict[str, torch.Tensor]:
     """Train ``steps`` at 2 x 2 and save to ``local``; rank 0 copies it to S3 (straight to
     ``upstream``, not through the endpoint the loads use); then load at 4 x 1 from both,
-    each into an optimizer built from zeros. Returns both loads' state, ``local/`` and
-    ``s3/`` before each name."""
+    each into an optimizer built from zeros, with the AWS ``environment`` given (the
+    children of a forkserver started earlier in the session have the environment it had
+    then). Returns both loads' state, ``local/`` and ``s3/`` before each name."""
+    os.environ.update(environment)
     rank = dist.get_rank()
     opt, sharded, dp_rank, tp_rank = build(2, 2, initial_params())
     train(opt, sharded, dp_rank, tp_rank, 0, steps)

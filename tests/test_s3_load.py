@@ -8,6 +8,7 @@ in one line naming the URL."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 from collections import Counter
@@ -31,7 +32,7 @@ from muonckpt.storage.s3store import S3Store
 from .fixture_model import build, initial_params
 from .s3_cases import AGENT, save_copy_load_phase, state_of, upload
 from .s3_proxy import FaultProxy
-from .s3_server import S3Server
+from .s3_server import ENVIRONMENT, S3Server
 
 pytestmark = pytest.mark.dist
 
@@ -81,8 +82,12 @@ def test_a_2x2_save_copied_to_s3_loads_at_4x1_bitwise(
     bucket = s3_server.bucket()
     prefix = "run/step-3"
     local = tmp_path / "step-3"
+    environment = {k: os.environ[k] for k in [*ENVIRONMENT, "AWS_ENDPOINT_URL"]}
     results = run_distributed(
-        save_copy_load_phase, 4, str(local), bucket, prefix, s3_server.endpoint, 3, timeout=180
+        save_copy_load_phase,
+        4,
+        *(str(local), bucket, prefix, s3_server.endpoint, environment, 3),
+        timeout=180,
     )
     for state in results:
         mine = {k.removeprefix("local/"): v for k, v in state.items() if k.startswith("local/")}
@@ -138,6 +143,8 @@ def test_read_verify_load_latest_and_the_cli_in_one_process(
     result = runner.invoke(app, ["inspect", two, "--json"])
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["path"] == two
+    result = runner.invoke(app, ["latest", f"s3://{bucket}/run"])
+    assert result.exit_code == 0 and result.stdout.strip() == three, result.output
     result = runner.invoke(app, ["verify", three])
     assert result.exit_code == 0 and f"ok: {three} is sound" in result.stdout, result.output
     result = runner.invoke(app, ["diff", two, str(single_ckpt(2))])

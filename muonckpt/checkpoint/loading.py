@@ -115,7 +115,8 @@ def load(
 
     Args:
         optimizer: an optimizer :func:`muonckpt.save` takes, at any topology, or a list of them.
-        path: a checkpoint directory.
+        path: a checkpoint directory, or an ``s3://bucket/prefix`` URL (its manifest read by
+            one GET, each rank's byte ranges by ranged GETs; never a LIST).
         params: restore the params too (the default; the checkpoint must hold them). False
             restores the optimizer state only, for weights loaded elsewhere.
         momentum_form: ``"sum"`` or ``"ema"``: the momentum form of a target whose form

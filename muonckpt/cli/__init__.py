@@ -424,7 +424,15 @@ def clean(
 
 @app.command()
 def latest(
-    root: Root,
+    root: Annotated[
+        str,
+        typer.Argument(
+            metavar="ROOT",
+            parser=checkpoint_source,
+            help="Directory holding the checkpoints, or an s3://bucket/prefix URL.",
+            show_default=False,
+        ),
+    ],
 ) -> None:
     """Print the newest complete checkpoint directly under ROOT, to resume from.
 

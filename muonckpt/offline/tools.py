@@ -112,7 +112,8 @@ def consolidate(
     as a consolidated save given the model writes them.
 
     Args:
-        src: a checkpoint directory (any kind, any source topology).
+        src: a checkpoint directory or an ``s3://bucket/prefix`` URL (any kind, any source
+            topology).
         dst: target directory; staged beside it and swapped in atomically.
         max_shard_size: past this many bytes of tensor data, split the state over
             ``optimizer-0000i-of-0000N.safetensors`` files plus an HF-style
