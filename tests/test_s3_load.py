@@ -151,6 +151,11 @@ def test_read_verify_load_latest_and_the_cli_in_one_process(
     assert result.exit_code == 0 and "bitwise" in result.stdout, result.output
     result = runner.invoke(app, ["diff", three, two])
     assert result.exit_code == 1, result.output
+    result = runner.invoke(app, ["convert", two, "-o", str(tmp_path / "torch"), "--to", "torch"])
+    assert result.exit_code == 0, result.output
+    assert muonckpt.verify(tmp_path / "torch") == []
+    result = runner.invoke(app, ["convert", two, "-o", str(tmp_path / "dcp"), "--format", "dcp"])
+    assert result.exit_code == 2 and "foreign formats are converted" in result.output
     out = tmp_path / "full"
     result = runner.invoke(app, ["consolidate", two, "-o", str(out)])
     assert result.exit_code == 0, result.output

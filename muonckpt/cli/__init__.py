@@ -43,7 +43,6 @@ from .options import (
     Root,
     Source,
     SplitExperts,
-    Src,
     TpSplit,
     World,
     checkpoint_source,
@@ -190,7 +189,7 @@ def reshard(
 @app.command()
 def convert(
     ctx: typer.Context,
-    src: Src,
+    src: Source,
     dst: Dst,
     to: ConvertTo = None,
     rename: Renames = None,
@@ -271,7 +270,7 @@ def convert(
 def _convert_by(
     route: Route,
     ctx: typer.Context,
-    src: Path,
+    src: str,
     dst: Path,
     *,
     to: str | None,
@@ -287,12 +286,12 @@ def _convert_by(
     output.also_quiet(ctx, quiet)
     if route.writes is not None:
         assert to is not None  # the route checked it is one of the format's targets
-        report = route.writes.write(src, dst, to, route.options)
+        report = route.writes.write(Path(src), dst, to, route.options)  # (local: the route)
         output.say_conversion(ctx, route.writes.title, report)
     elif route.reads is not None and route.source is not None:
         with output.progress_bar(ctx, "convert") as progress:
             reading = Reading(route.source, to, overwrite=force, progress=progress)
-            report = route.reads.read(src, dst, reading, route.options)
+            report = route.reads.read(Path(src), dst, reading, route.options)
         output.say_conversion(ctx, route.reads.title, report)
         output.say(ctx, _written(report.path))
     else:

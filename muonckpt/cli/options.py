@@ -38,15 +38,6 @@ def checkpoint_source(text: str) -> str:
     return text if text.startswith(S3_SCHEME) else str(local_directory(text))
 
 
-Src = Annotated[
-    Path,
-    typer.Argument(
-        metavar="SRC",
-        parser=local_directory,
-        help="Checkpoint directory to read.",
-        show_default=False,
-    ),
-]
 Source = Annotated[
     str,
     typer.Argument(

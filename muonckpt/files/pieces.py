@@ -231,7 +231,10 @@ def changed_while_reading(
     """The error to raise when the checkpoint's manifest is no longer ``manifest`` (a writer
     replaced the checkpoint while it was read), else None: a missing or resized data file is
     then a race, not damage. (In S3 a new save's objects are under a save prefix of its own,
-    so the same file list under another ``data_prefix`` is another checkpoint.)"""
+    so the same file list under another ``data_prefix`` is another checkpoint, and a manifest
+    of the etag read is the one read.)"""
+    if files.manifest_kept():
+        return None
     try:
         now = read_manifest(files, pieces=not manifest.indexes)
     except CheckpointError:

@@ -337,7 +337,7 @@ def _has_index(checkpoint: storage.CheckpointFiles, name: str) -> bool:
     symlink) is refused, as every reader refuses it."""
     if checkpoint.size(name) is None and not checkpoint.symlinked(name):
         return False
-    checkpoint.read_small(name)
+    checkpoint.small_text(name)
     return True
 
 

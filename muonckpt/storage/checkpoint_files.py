@@ -71,6 +71,11 @@ class CheckpointFiles(Protocol):
         when that cannot be told)."""
         ...
 
+    def manifest_kept(self) -> bool:
+        """Whether the manifest is certainly still the one first read (in S3: its etag, by
+        one HEAD); False when that cannot be told so cheaply (a local file: read it again)."""
+        ...
+
     def names(self, under: str = "") -> list[str] | None:
         """The names directly in the checkpoint (or in its subdirectory ``under``), sorted;
         None where the checkpoint is no directory of its own: a key prefix in S3, where an
@@ -89,6 +94,10 @@ class CheckpointFiles(Protocol):
     def read_small(self, name: str) -> bytes:
         """The bytes of a small file (a piece index), at most
         :data:`~.durable.MAX_TEXT_BYTES`."""
+        ...
+
+    def small_text(self, name: str) -> str:
+        """:meth:`read_small` of a UTF-8 text file, as text."""
         ...
 
     def reader(self, name: str) -> SafetensorsReader:
@@ -132,6 +141,9 @@ class DirectoryFiles:
     def committed_ns(self) -> int:
         return access.modified_ns(self.at(MANIFEST_NAME))
 
+    def manifest_kept(self) -> bool:
+        return False
+
     def names(self, under: str = "") -> list[str]:
         return access.list_names(self.at(under) if under else self.location)
 
@@ -144,6 +156,9 @@ class DirectoryFiles:
 
     def read_small(self, name: str) -> bytes:
         return read_small(self.at(name))
+
+    def small_text(self, name: str) -> str:
+        return read_text(self.at(name))
 
     def reader(self, name: str) -> SafetensorsReader:
         return SafetensorsReader(self.at(name))
@@ -170,22 +185,34 @@ class ObjectFiles:
         return None  # a prefix is there whatever it holds: the manifest tells
 
     def manifest_text(self, *, whole: bool = True) -> str | None:
-        url = self.at(MANIFEST_NAME)
-        fetched = self.client.fetch(url, MAX_TEXT_BYTES + 1)
+        fetched = self._fetch(MANIFEST_NAME)
         if fetched is None:
             return None
-        data, self._manifest = fetched
-        if len(data) > MAX_TEXT_BYTES:
+        data, info = fetched
+        self._manifest = self._manifest or info  # the first read: what readers read on from
+        return _text(data, self.at(MANIFEST_NAME))
+
+    def _fetch(self, name: str) -> tuple[bytes, ObjectInfo] | None:
+        """A small object whole, with its size and etag (one GET); None when there is none."""
+        url = self.at(name)
+        fetched = self.client.fetch(url, MAX_TEXT_BYTES + 1)
+        if fetched is not None and len(fetched[0]) > MAX_TEXT_BYTES:
             raise CheckpointError(f"more than {MAX_TEXT_BYTES} bytes", path=url)
-        try:
-            return data.decode()
-        except UnicodeDecodeError:
-            raise CheckpointError("not UTF-8 text", path=url) from None
+        return fetched
 
     def committed_ns(self) -> int:
         if self._manifest is None:
             raise CheckpointError("the manifest was not read", path=self.at(MANIFEST_NAME))
         return self._manifest.modified_ns
+
+    def manifest_kept(self) -> bool:
+        if self._manifest is None:
+            return False
+        try:
+            now = self.client.head(self.at(MANIFEST_NAME))
+        except CheckpointError:
+            return False
+        return now is not None and now.etag == self._manifest.etag
 
     def names(self, under: str = "") -> None:
         return None
@@ -208,19 +235,26 @@ class ObjectFiles:
         return None if info is None else info.size
 
     def read_small(self, name: str) -> bytes:
-        url = self.at(name)
-        fetched = self.client.fetch(url, MAX_TEXT_BYTES + 1)
+        fetched = self._fetch(name)
         if fetched is None:
-            raise CheckpointError("cannot read: there is no such object", path=url)
-        if len(fetched[0]) > MAX_TEXT_BYTES:
-            raise CheckpointError(f"more than {MAX_TEXT_BYTES} bytes", path=url)
+            raise CheckpointError("cannot read: there is no such object", path=self.at(name))
         return fetched[0]
+
+    def small_text(self, name: str) -> str:
+        return _text(self.read_small(name), self.at(name))
 
     def reader(self, name: str) -> SafetensorsReader:
         url = self.at(name)
         with self._lock:
             info = self._found.get(name)
         return SafetensorsReader(str(url), source=ObjectSource(self.client, url, info))
+
+
+def _text(data: bytes, url: S3Url) -> str:
+    try:
+        return data.decode()
+    except UnicodeDecodeError:
+        raise CheckpointError("not UTF-8 text", path=url) from None
 
 
 def checkpoint_files(place: Location, client: S3Client | None = None) -> CheckpointFiles:
