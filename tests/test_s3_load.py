@@ -25,7 +25,7 @@ from muonckpt.distributed.launch import run_distributed
 from muonckpt.errors import CheckpointError
 from muonckpt.files.pieces import PieceReader, open_checkpoint
 from muonckpt.layout.topology import whole_region
-from muonckpt.storage import byte_source
+from muonckpt.storage import byte_source, checkpoint_files
 from muonckpt.storage.s3 import S3Client, S3Url
 from muonckpt.storage.s3store import S3Store
 
@@ -123,7 +123,12 @@ def test_read_verify_load_latest_and_the_cli_in_one_process(
             on_disk.files,
             on_disk.step,
         )
-        assert muonckpt.verify(url) == []
+        assert muonckpt.verify(url) == []  # its objects looked up one by one
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(checkpoint_files, "LISTED_FROM", 1)
+            before = len(proxy.log)
+            assert muonckpt.verify(url) == []  # by one LIST (reads pinned to its etags)
+            assert not any(r.method == "HEAD" for r in proxy.log[before:])
         before = len(proxy.log)
         _bitwise(_loaded(url), _loaded(local))
         assert not any("list-type" in r.target for r in proxy.log[before:])

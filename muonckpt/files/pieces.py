@@ -44,7 +44,7 @@ from ..layout.topology import Region, Strided, strided_runs
 def checkpoint_at(path: str | os.PathLike[str]) -> storage.CheckpointFiles:
     """The files of the checkpoint at ``path``: a local directory, or an ``s3://`` URL (any
     other URL refused in one line: :func:`muonckpt.storage.location`)."""
-    return storage.checkpoint_files(storage.location(path))
+    return storage.files_at(storage.location(path))
 
 
 def read_manifest(
@@ -278,15 +278,16 @@ def size_problems(manifest: Manifest, files: storage.CheckpointFiles) -> list[Ch
         claimed[piece.file] = claimed.get(piece.file, 0) + piece.region.numel * itemsize
     for tensor in manifest.extra.tensors() if manifest.extra is not None else ():
         claimed[tensor.file] = claimed.get(tensor.file, 0) + tensor.nbytes
-    for entry in all_files(manifest):
-        name = data_name(manifest, entry.name)
+    names = [data_name(manifest, entry.name) for entry in all_files(manifest)]
+    sizes = files.sizes(names)
+    for entry, name in zip(all_files(manifest), names, strict=True):
         path = files.at(name)
         if files.symlinked(name):
             problems.append(
                 CheckpointError("is a symlink, not a file of this checkpoint", path=path)
             )
             continue
-        size = files.size(name)
+        size = sizes[name]
         if size is None:
             problems.append(CheckpointError("missing data file", path=path))
             continue

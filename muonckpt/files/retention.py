@@ -82,7 +82,7 @@ def _under(
     root: storage.Location, names: list[str], client: storage.S3Client | None
 ) -> list[_Committed]:
     """The checkpoints ``names`` directly under ``root`` whose manifests parse, oldest first."""
-    found = [_committed(storage.checkpoint_files(root / name, client)) for name in names]
+    found = [_committed(storage.files_at(root / name, client)) for name in names]
     return sorted((f for f in found if f is not None), key=_Committed.order)
 
 
@@ -119,7 +119,7 @@ def latest(root: str | os.PathLike[str]) -> Path | str | None:
     """
     place = storage.location(root)
     client = storage.S3Client() if isinstance(place, storage.S3Url) else None
-    files = storage.checkpoint_files(place, client)
+    files = storage.files_at(place, client)
     if files.size(MANIFEST_NAME) is not None:
         raise CheckpointError(
             "is a checkpoint itself; latest looks for checkpoints directly under a directory "

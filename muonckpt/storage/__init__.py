@@ -46,7 +46,7 @@ the collective or checkpoint layers.
 from __future__ import annotations
 
 from .backend import CheckpointStore, store_for
-from .checkpoint_files import CheckpointFiles, checkpoint_files
+from .checkpoint_files import CheckpointFiles, files_at
 from .checksums import CHUNK_BYTES, checksum_chunks, chunk_digest
 from .dtypes import byte_view, dtype_name, itemsize, tensor_of_bytes, torch_dtype, unstorable_kind
 from .durable import (
@@ -94,7 +94,6 @@ __all__ = [
     "TensorRecord",
     "byte_view",
     "check_target",
-    "checkpoint_files",
     "checksum_chunks",
     "chunk_digest",
     "committed_as",
@@ -102,6 +101,7 @@ __all__ = [
     "dtype_name",
     "entries",
     "file_size",
+    "files_at",
     "fsync_dir",
     "is_mailbox",
     "is_ours",

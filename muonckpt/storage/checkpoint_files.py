@@ -4,7 +4,7 @@ A reader (:mod:`muonckpt.files.pieces`: the manifest, the piece indexes, the dat
 asks a :class:`CheckpointFiles` for the manifest's text, a small file's bytes, a file's size
 and an open :class:`~.safetensors_reader.SafetensorsReader`, by the file's name relative to
 the checkpoint (``rank-00000-of-00004.safetensors``, or under the manifest's save prefix,
-``s-<16 hex>/rank-...``). :func:`checkpoint_files` picks the one for a place, told apart once
+``s-<16 hex>/rank-...``). :func:`files_at` picks the one for a place, told apart once
 at the entry point (:func:`.location.location`), and the reader hands it down:
 
 * :class:`DirectoryFiles`, a local directory: exactly the calls every reader made before the
@@ -31,6 +31,11 @@ from .location import Location
 from .ownership import is_ours
 from .s3 import ObjectInfo, S3Client, S3Url
 from .safetensors_reader import SafetensorsReader
+
+LISTED_FROM = 16
+"""Sizes of this many objects or more (``verify``, an offline tool's source, ``latest``'s
+check; never a load's reads) are taken from one LIST of each prefix holding them (1000
+objects a request) rather than a HEAD each."""
 
 WHOLE_MANIFEST_BYTES = 16 << 20
 """A manifest up to this size is parsed whole (the C decoder: a Kimi-K2-shaped top level of
@@ -89,6 +94,10 @@ class CheckpointFiles(Protocol):
 
     def size(self, name: str) -> int | None:
         """The size of file ``name``; None when it is no regular file (or no object)."""
+        ...
+
+    def sizes(self, names: list[str]) -> dict[str, int | None]:
+        """:meth:`size` of each of ``names``."""
         ...
 
     def read_small(self, name: str) -> bytes:
@@ -153,6 +162,9 @@ class DirectoryFiles:
     def size(self, name: str) -> int | None:
         path = self.at(name)
         return file_size(path) if access.is_file(path) else None
+
+    def sizes(self, names: list[str]) -> dict[str, int | None]:
+        return {name: self.size(name) for name in names}
 
     def read_small(self, name: str) -> bytes:
         return read_small(self.at(name))
@@ -234,6 +246,17 @@ class ObjectFiles:
         info = self._info(name)
         return None if info is None else info.size
 
+    def sizes(self, names: list[str]) -> dict[str, int | None]:
+        if len(names) < LISTED_FROM:
+            return {name: self.size(name) for name in names}
+        found: dict[str, ObjectInfo] = {}
+        for under in sorted({name.rpartition("/")[0] for name in names}):
+            listed = self.client.objects(self.at(under) if under else self.location)
+            found |= {f"{under}/{n}" if under else n: info for n, info in listed.items()}
+        with self._lock:  # each later read pinned to the etag listed
+            self._found |= {name: found[name] for name in names if name in found}
+        return {name: found[name].size if name in found else None for name in names}
+
     def read_small(self, name: str) -> bytes:
         fetched = self._fetch(name)
         if fetched is None:
@@ -257,7 +280,7 @@ def _text(data: bytes, url: S3Url) -> str:
         raise CheckpointError("not UTF-8 text", path=url) from None
 
 
-def checkpoint_files(place: Location, client: S3Client | None = None) -> CheckpointFiles:
+def files_at(place: Location, client: S3Client | None = None) -> CheckpointFiles:
     """The files of the checkpoint at ``place`` (:func:`.location.location`): a local
     directory's, or (through ``client``, a new one when None) an S3 prefix's."""
     if isinstance(place, S3Url):

@@ -382,23 +382,45 @@ class S3Client:
         1000 keys."""
         keys: list[str] = []
         directories: list[str] = []
-        token: str | None = None
         base = prefix.prefix
+        for page in self._pages(prefix, delimiter):
+            keys += [o["Key"][len(base) :] for o in page.get("Contents", [])]
+            directories += [p["Prefix"][len(base) : -1] for p in page.get("CommonPrefixes", [])]
+        return sorted(keys), sorted(directories)
+
+    def objects(self, prefix: S3Url) -> dict[str, ObjectInfo]:
+        """The objects directly under ``prefix`` (not those under a further ``/``), by name
+        relative to it, each with its size, etag and time. One LIST per 1000 keys."""
+        base = prefix.prefix
+        return {
+            o["Key"][len(base) :]: ObjectInfo(
+                int(o["Size"]), str(o["ETag"]), _ns(o["LastModified"])
+            )
+            for page in self._pages(prefix, True)
+            for o in page.get("Contents", [])
+        }
+
+    def _pages(self, prefix: S3Url, delimiter: bool) -> Iterator[dict[str, Any]]:
+        """The pages of a LIST of the keys under ``prefix`` (with ``delimiter``: those directly
+        under it, and its "directories")."""
+        token: str | None = None
         while True:
             extra: dict[str, str] = {"Delimiter": "/"} if delimiter else {}
             if token is not None:
                 extra["ContinuationToken"] = token
-            page = self._call(
+            page: dict[str, Any] = self._call(
                 "list",
                 prefix,
                 functools.partial(
-                    self._client.list_objects_v2, Bucket=prefix.bucket, Prefix=base, **extra
+                    self._client.list_objects_v2,
+                    Bucket=prefix.bucket,
+                    Prefix=prefix.prefix,
+                    **extra,
                 ),
             )
-            keys += [o["Key"][len(base) :] for o in page.get("Contents", [])]
-            directories += [p["Prefix"][len(base) : -1] for p in page.get("CommonPrefixes", [])]
+            yield page
             if not page.get("IsTruncated"):
-                return sorted(keys), sorted(directories)
+                return
             token = page["NextContinuationToken"]
 
     # -- multipart ------------------------------------------------------------------------
