@@ -110,18 +110,23 @@ class FileSource:
 class ObjectSource:
     """An object in S3: its size and etag taken when opened, with its first
     :data:`HEAD_PREFETCH` bytes (one GET; ``If-Match`` the etag of ``info`` when the caller
-    looked the object up already), every later read a ranged GET ``If-Match`` that etag. A
-    read of an object replaced or deleted meanwhile raises, saying so."""
+    looked the object up already, none when it also read them: ``head``), every later read a
+    ranged GET ``If-Match`` that etag. A read of an object replaced or deleted meanwhile
+    raises, saying so."""
 
-    def __init__(self, client: S3Client, url: S3Url, info: ObjectInfo | None = None) -> None:
+    def __init__(
+        self,
+        client: S3Client,
+        url: S3Url,
+        info: ObjectInfo | None = None,
+        head: bytes | None = None,
+    ) -> None:
         self.client = client
         self.url = url
-        head: bytes | None = None
         try:
             if info is None:
-                fetched = client.fetch(url, HEAD_PREFETCH)
-                head, info = fetched or (None, None)
-            else:
+                head, info = client.fetch(url, HEAD_PREFETCH) or (None, None)
+            elif head is None:
                 head = client.get(url, 0, min(info.size, HEAD_PREFETCH), if_match=info.etag)
         except PreconditionFailed:
             raise CheckpointError(f"cannot open {url}: it was replaced while opening") from None

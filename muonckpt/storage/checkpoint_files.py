@@ -10,8 +10,9 @@ at the entry point (:func:`.location.location`), and the reader hands it down:
 * :class:`DirectoryFiles`, a local directory: exactly the calls every reader made before the
   seam (regular files of its own, never through a symlink; ``pread``).
 * :class:`ObjectFiles`, a key prefix in S3: the manifest by one GET (the reader never lists:
-  the manifest names every object it reads), an index by one GET, a data object by its HEAD
-  and ranged GETs pinned to the etag it had then (:class:`~.byte_source.ObjectSource`).
+  the manifest names every object it reads), an index by one GET, a data object by one GET
+  of its first 64 KiB (its size and etag with them) and ranged GETs pinned to that etag
+  (:class:`~.byte_source.ObjectSource`).
 """
 
 from __future__ import annotations
@@ -24,8 +25,7 @@ from typing import Protocol, runtime_checkable
 
 from ..errors import CheckpointError
 from ..format.names import MANIFEST_NAME
-from . import access
-from .byte_source import ObjectSource
+from . import access, byte_source
 from .durable import MAX_TEXT_BYTES, file_size, read_small, read_text, read_text_chunks
 from .location import Location
 from .ownership import is_ours
@@ -178,12 +178,15 @@ class DirectoryFiles:
 
 class ObjectFiles:
     """A checkpoint at a key prefix in S3, read through ``client``. Each object is looked
-    up (HEAD) once, and read only as it was then (``If-Match``)."""
+    up once (by a GET of its first :data:`~.byte_source.HEAD_PREFETCH` bytes, kept for the
+    reader that opens it next; or listed, :meth:`sizes`), and read only as it was then
+    (``If-Match``)."""
 
     def __init__(self, client: S3Client, url: S3Url) -> None:
         self.client = client
         self.location: S3Url = url
         self._found: dict[str, ObjectInfo] = {}
+        self._heads: dict[str, bytes] = {}
         self._lock = threading.Lock()
         self._manifest: ObjectInfo | None = None
 
@@ -232,19 +235,18 @@ class ObjectFiles:
     def symlinked(self, name: str) -> bool:
         return False
 
-    def _info(self, name: str) -> ObjectInfo | None:
+    def size(self, name: str) -> int | None:
         with self._lock:
             info = self._found.get(name)
         if info is None:
-            info = self.client.head(self.at(name))
-            if info is not None:
-                with self._lock:
-                    info = self._found.setdefault(name, info)
-        return info
-
-    def size(self, name: str) -> int | None:
-        info = self._info(name)
-        return None if info is None else info.size
+            fetched = self.client.fetch(self.at(name), byte_source.HEAD_PREFETCH)
+            if fetched is None:
+                return None
+            with self._lock:
+                info = self._found.setdefault(name, fetched[1])
+                if info is fetched[1]:
+                    self._heads[name] = fetched[0]
+        return info.size
 
     def sizes(self, names: list[str]) -> dict[str, int | None]:
         if len(names) < LISTED_FROM:
@@ -269,8 +271,10 @@ class ObjectFiles:
     def reader(self, name: str) -> SafetensorsReader:
         url = self.at(name)
         with self._lock:
-            info = self._found.get(name)
-        return SafetensorsReader(str(url), source=ObjectSource(self.client, url, info))
+            info, head = self._found.get(name), self._heads.pop(name, None)
+        return SafetensorsReader(
+            str(url), source=byte_source.ObjectSource(self.client, url, info, head)
+        )
 
 
 def _text(data: bytes, url: S3Url) -> str:
