@@ -35,7 +35,7 @@ from .safetensors_reader import SafetensorsReader
 LISTED_FROM = 16
 """Sizes of this many objects or more (``verify``, an offline tool's source, ``latest``'s
 check; never a load's reads) are taken from one LIST of each prefix holding them (1000
-objects a request) rather than a HEAD each."""
+objects a request) rather than a GET of each one's first bytes."""
 
 WHOLE_MANIFEST_BYTES = 16 << 20
 """A manifest up to this size is parsed whole (the C decoder: a Kimi-K2-shaped top level of
