@@ -28,22 +28,13 @@ from .pieces import load_pieces, read_manifest, size_problems
 
 @dataclass(frozen=True)
 class Found:
-    """A complete checkpoint under a root, with what orders it among the others."""
+    """A complete checkpoint under a root, with what orders it among the others (by step,
+    then commit time, then name)."""
 
     path: Path
     step: int | None
     committed_ns: int
     """The manifest's mtime: a save writes its manifest last, at the commit."""
-
-    def order(self) -> tuple[bool, int, int, str]:
-        """Sort key, oldest first (:func:`_order`)."""
-        return _order(self.step, self.committed_ns, self.path.name)
-
-
-def _order(step: int | None, committed_ns: int, name: str) -> tuple[bool, int, int, str]:
-    """Sort key of a checkpoint, oldest first: by step (none before any), then commit time,
-    then name (so that the order is total)."""
-    return (step is not None, step or 0, committed_ns, name)
 
 
 @dataclass(frozen=True)
@@ -56,8 +47,10 @@ class _Committed:
     committed_ns: int
 
     def order(self) -> tuple[bool, int, int, str]:
-        """Sort key, oldest first (:func:`_order`)."""
-        return _order(self.manifest.step, self.committed_ns, self.files.location.name)
+        """Sort key, oldest first: by step (none before any), then commit time, then name (so
+        that the order is total)."""
+        step = self.manifest.step
+        return (step is not None, step or 0, self.committed_ns, self.files.location.name)
 
     def complete(self) -> bool:
         """Every piece index sound and every file listed there at its size (no checksums)."""
