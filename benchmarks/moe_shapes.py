@@ -88,11 +88,11 @@ def plan_rank(path: Path, dp: int, tp: int, rank: int) -> dict[str, float]:
     :func:`muonckpt.load` reads them; the metadata bytes read and the indexes opened."""
     from muonckpt.files.pieces import indexes_for, load_pieces, open_checkpoint
 
-    directory, top = open_checkpoint(path, pieces=False)
+    files, top = open_checkpoint(path, pieces=False)
     names = held_names(top, dp, tp, rank)
     chosen = indexes_for(top, names)
-    share = load_pieces(directory, top, names)
-    read = (directory / "manifest.json").stat().st_size + sum(i.bytes for i in chosen)
+    share = load_pieces(files, top, names)
+    read = (path / "manifest.json").stat().st_size + sum(i.bytes for i in chosen)
     return {
         "params": len(names),
         "indexes": len(chosen),

@@ -16,6 +16,7 @@ import socket
 import socketserver
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 SLOW_DOWN = (
@@ -23,6 +24,18 @@ SLOW_DOWN = (
     b"<Message>Please reduce your request rate.</Message></Error>"
 )
 _DROP_HEADERS = {"connection", "transfer-encoding", "keep-alive", "expect"}
+
+
+@dataclass(frozen=True)
+class Served:
+    """A request the proxy forwarded: its method, target (path and query), ``Range`` header,
+    ``User-Agent`` and the bytes of its answer's body."""
+
+    method: str
+    target: str
+    range: str | None
+    agent: str
+    bytes: int
 
 
 class FaultProxy:
@@ -42,6 +55,8 @@ class FaultProxy:
         its request line is read (the server gone; not a refused connection)."""
         self.lose_answer_to: str | None = None
         """A request line containing this text is forwarded once, its answer never sent."""
+        self.log: list[Served] = []
+        """Every request forwarded and answered, in order."""
         proxy = self
 
         class Handler(socketserver.StreamRequestHandler):
@@ -105,6 +120,11 @@ class FaultProxy:
                 self._answer(connection, 503, [("Content-Type", "application/xml")], SLOW_DOWN)
                 continue
             status, answer, data = self._forward(method, target, headers, body)
+            served = Served(
+                method, target, lower.get("range"), lower.get("user-agent", ""), len(data)
+            )
+            with self.lock:
+                self.log.append(served)
             if method == "HEAD":
                 connection.sendall(_head(status, answer))
             else:

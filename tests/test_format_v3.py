@@ -20,7 +20,7 @@ from muonckpt import CheckpointError, offline, storage
 from muonckpt.distributed.launch import run_distributed
 from muonckpt.files import pieces as pieces_module
 from muonckpt.files._indexes import write_indexes
-from muonckpt.files.pieces import indexes_for, load_pieces, read_manifest
+from muonckpt.files.pieces import checkpoint_at, indexes_for, load_pieces, read_manifest
 from muonckpt.format.manifest import FORMAT_VERSION, PER_RANK, Manifest, ParamEntry, Piece
 from muonckpt.format.names import MANIFEST_NAME, rank_file, tensor_key
 from muonckpt.layout.topology import ParamSpec, Topology, arrange
@@ -226,14 +226,14 @@ def test_k2_shaped_metadata_fits_and_a_rank_reads_only_its_indexes(tmp_path):
     top = read_manifest(tmp_path, pieces=False)
     assert top.params == params and len(top.indexes) == dp and not top.pieces
     names = moe.held_names(top, dp, 1, 5)
-    share = load_pieces(tmp_path, top, names)
+    share = load_pieces(checkpoint_at(tmp_path), top, names)
     assert {p.file for p in share.pieces} <= {rank_file(r, dp) for r in (4, 5, 6)}
     assert {p.param for p in share.pieces} >= set(names)
     assert set(pieces_module.INDEXES_READ) >= {i.name for i in indexes_for(top, names)}
     # an index rank 5 does not need, damaged: its load still plans; a full read names it
     unread = tmp_path / committed.indexes[40].name
     unread.write_bytes(unread.read_bytes().replace(b"[", b"(", 1))
-    assert load_pieces(tmp_path, top, names).pieces == share.pieces
+    assert load_pieces(checkpoint_at(tmp_path), top, names).pieces == share.pieces
     with pytest.raises(CheckpointError, match=unread.name):
         read_manifest(tmp_path)
     print(

@@ -149,7 +149,7 @@ def test_one_client_per_process_and_a_renewed_lease(
     url = f"s3://{s3_server.bucket()}/step-1"
     staging = one.create_staging(url, False)
     time.sleep(2.5)
-    (lease,) = [o for o in one.client.objects(S3Url.parse(url)) if o.key.endswith("/.lease")]
+    (lease,) = [o for o in one.client.tree(S3Url.parse(url)) if o.key.endswith("/.lease")]
     assert time.time() - lease.modified < 1.5  # renewed meanwhile
     one.discard(staging)
     assert _keys(url) == [] and _staged_in(scratch) == []

@@ -87,8 +87,9 @@ def test_an_evicted_file_reopened_must_be_the_same_file(tmp_path, single_ckpt):
     """A reader past its cache's limit closes and reopens files; one replaced meanwhile is the
     checkpoint changing under the reader, never read as if it were the file first opened."""
     ckpt = muonckpt.offline.reshard(single_ckpt(1), tmp_path / "ckpt", dp=2, tp=1)
-    directory, manifest = open_checkpoint(ckpt)
-    with PieceReader(directory, manifest, open_files=1) as reader:
+    checkpoint, manifest = open_checkpoint(ckpt)
+    directory = ckpt
+    with PieceReader(checkpoint, manifest, open_files=1) as reader:
         files = [f.name for f in manifest.files]
         reader.reader(files[0])
         reader.reader(files[1])  # evicts files[0]

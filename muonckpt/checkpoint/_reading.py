@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Callable, Mapping
-from pathlib import Path
 
 import torch
 
@@ -24,7 +23,7 @@ from ._taking import Share, Staged, Target, scalar_value
 
 
 def read_share(
-    plan: Target, manifest: Manifest, reader: PieceReader, params: bool, directory: Path
+    plan: Target, manifest: Manifest, reader: PieceReader, params: bool, directory: storage.Location
 ) -> Share:
     """This rank's share of the state (in the target's keys) and of its params' values."""
     grouped = manifest.pieces_of()
@@ -99,7 +98,9 @@ def _mapped(
     return tuple(tensors), first, scalars
 
 
-def _check_value(entry: ParamEntry, held: Region, p: torch.Tensor, directory: Path) -> None:
+def _check_value(
+    entry: ParamEntry, held: Region, p: torch.Tensor, directory: storage.Location
+) -> None:
     """The saved values fit the optimizer's param: its dtype, this rank's elements of it."""
     dtype = storage.torch_dtype(entry.dtype_of(PARAM_KEY))
     if dtype != p.dtype or held.numel != p.numel():
@@ -120,7 +121,7 @@ def _check_share(param: ParamSharding, region: Region, p: torch.Tensor) -> None:
         )
 
 
-def _check_param(entry: ParamEntry, param: ParamSharding, directory: Path) -> None:
+def _check_param(entry: ParamEntry, param: ParamSharding, directory: storage.Location) -> None:
     if param.full_shape is not None and tuple(entry.shape) != tuple(param.full_shape):
         raise CheckpointError(
             f"checkpoint shape {entry.shape} differs from the optimizer's full shape "

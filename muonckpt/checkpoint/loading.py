@@ -41,7 +41,6 @@ import os
 import warnings
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -116,7 +115,8 @@ def load(
 
     Args:
         optimizer: an optimizer :func:`muonckpt.save` takes, at any topology, or a list of them.
-        path: a checkpoint directory.
+        path: a checkpoint directory, or an ``s3://bucket/prefix`` URL (its manifest read by
+            one GET, each rank's byte ranges by ranged GETs; never a LIST).
         params: restore the params too (the default; the checkpoint must hold them). False
             restores the optimizer state only, for weights loaded elsewhere.
         momentum_form: ``"sum"`` or ``"ema"``: the momentum form of a target whose form
@@ -177,7 +177,7 @@ class _LoadOptions:
         """What every rank's call must have alike (the rendezvous compares it)."""
         rename = self.rename
         return {
-            "path": os.path.abspath(self.path),
+            "path": storage.resolved_place(self.path),
             "params": self.params,
             "momentum_form": self.momentum_form,
             "rename": rename if rename is None or isinstance(rename, Mapping) else _named(rename),
@@ -223,10 +223,10 @@ def _agree(
 
 @dataclass(frozen=True)
 class _Opened:
-    """The checkpoint this rank opened: its directory, its manifest (renamed as asked), and
+    """The checkpoint this rank opened: its files, its manifest (renamed as asked), and
     what the ranks compare to find they opened one (empty in one process)."""
 
-    directory: Path
+    files: storage.CheckpointFiles
     manifest: Manifest
     agreement: dict[str, Any]
 
@@ -241,7 +241,7 @@ def _open(call: _LoadCall) -> Attempt[_Opened]:
 
 def _opened(call: _LoadCall) -> _Opened:
     options = call.options
-    directory, manifest = open_checkpoint(options.path, pieces=False)  # the indexes: when read
+    files, manifest = open_checkpoint(options.path, pieces=False)  # the indexes: when read
     if options.rename is not None:
         manifest = manifest.renamed(options.rename)
     if options.params and not manifest.has_values:
@@ -249,18 +249,18 @@ def _opened(call: _LoadCall) -> _Opened:
             "the checkpoint holds no param values (saved with params=False, or by format "
             f"version {manifest.format_version}); load it with params=False to restore "
             "the optimizer state only",
-            path=directory / MANIFEST_NAME,
+            path=files.at(MANIFEST_NAME),
         )
     world = len(call.sharding.participants)
-    _check_job_state(manifest, directory, options.extra, options.rank_extra, world)
+    _check_job_state(manifest, files.location, options.extra, options.rank_extra, world)
     if len(call.steps.ranks) == 1:
-        return _Opened(directory, manifest, {})  # nobody to agree with: no digest of it
+        return _Opened(files, manifest, {})  # nobody to agree with: no digest of it
     agreement = {
-        "checkpoint": os.path.realpath(directory),
+        "checkpoint": files.resolved(),
         "manifest": manifest.digest(),
         "models that follow the params": len(call.models),  # each a collective below
     }
-    return _Opened(directory, manifest, agreement)
+    return _Opened(files, manifest, agreement)
 
 
 def _agree_open(call: _LoadCall, opened: Attempt[_Opened]) -> None:
@@ -281,7 +281,7 @@ def _map(call: _LoadCall, opened: _Opened, report: LoadReport) -> Attempt[Target
     """How the checkpoint maps onto the target (names that differ by a wrapper's prefix
     refused, every checkpoint param landing in one optimizer); or the refusal."""
     try:
-        manifest, directory = opened.manifest, opened.directory
+        manifest, directory = opened.manifest, opened.files.location
         _check_prefix(manifest, call.sharding, directory)
         form = call.options.momentum_form
         target = _plan(call.optimizer, call.sharding, manifest, form, report)
@@ -307,10 +307,10 @@ def _read_and_take(call: _LoadCall, opened: _Opened, mapped: Attempt[Target]) ->
     tensor of theirs written into yet)."""
     options, undo = call.options, []
     try:
-        target, manifest, directory = mapped.result(), opened.manifest, opened.directory
-        manifest = load_pieces(directory, manifest, _read_here(target, options.params))
-        with PieceReader(directory, manifest) as reader:
-            share = _reading.read_share(target, manifest, reader, options.params, directory)
+        target, manifest, files = mapped.result(), opened.manifest, opened.files
+        manifest = load_pieces(files, manifest, _read_here(target, options.params))
+        with PieceReader(files, manifest) as reader:
+            share = _reading.read_share(target, manifest, reader, options.params, files.location)
             asked = _read_job_state(manifest, reader, options.extra, options.rank_extra, call.rank)
         restore = trainstate.Restore(asked)
         undo.append(restore.put_back)
@@ -380,7 +380,7 @@ def _named(function: Callable[..., Any]) -> str:
 
 def _check_job_state(
     manifest: Manifest,
-    directory: Path,
+    directory: storage.Location,
     extra: Mapping[str, Any] | None,
     rank_extra: Mapping[str, Any] | None,
     world: int,
@@ -440,7 +440,7 @@ def _read_job_state(
             raise CheckpointError(
                 f"the checkpoint's {what} does not hold what the load asks for: "
                 f"{'; '.join(lacking[:8])}",
-                path=reader.directory / MANIFEST_NAME,
+                path=reader.files.at(MANIFEST_NAME),
             )
         out.append((what, target, saved))
     return out
@@ -457,7 +457,7 @@ def _agreed_load(arguments: list[dict[str, Any]], ranks: Sequence[int]) -> None:
         )
 
 
-def _check_prefix(manifest: Manifest, sharding: Sharding, directory: Path) -> None:
+def _check_prefix(manifest: Manifest, sharding: Sharding, directory: storage.Location) -> None:
     """Names that differ by a wrapper's prefix (DDP's ``module.``, torch.compile's
     ``_orig_mod.``) are refused naming the prefix and the ``rename`` that maps them."""
     hint = prefix_hint((e.name for e in manifest.params), (p.name for p in sharding.params))
@@ -512,7 +512,7 @@ def _own_groups(
     return groups
 
 
-def _check_covered(manifest: Manifest, plan: Target, directory: Path) -> None:
+def _check_covered(manifest: Manifest, plan: Target, directory: storage.Location) -> None:
     """Loading across optimizers, every checkpoint param must land in exactly one of them."""
     if plan.maps is None:
         return  # the same optimizer: remap_groups has matched every name

@@ -20,6 +20,7 @@ from ..errors import CheckpointError
 from . import output
 from .exits import PROBLEM, Group, catch_stop_signals
 from .options import (
+    S3_SCHEME,
     AllowLargeWorld,
     BucketAlignment,
     BucketNumel,
@@ -40,10 +41,11 @@ from .options import (
     Quiet,
     Renames,
     Root,
+    Source,
     SplitExperts,
-    Src,
     TpSplit,
     World,
+    checkpoint_source,
     local_directory,
     size_parameter,
 )
@@ -102,7 +104,7 @@ def _ranks(ctx: typer.Context) -> Iterator[bool]:
 @app.command()
 def consolidate(
     ctx: typer.Context,
-    src: Src,
+    src: Source,
     dst: Dst,
     max_shard_size: Annotated[
         int | None,
@@ -134,7 +136,7 @@ def consolidate(
 @app.command()
 def reshard(
     ctx: typer.Context,
-    src: Src,
+    src: Source,
     dp: Annotated[int, typer.Option("--dp", min=1, help="Data-parallel size of the new job.")],
     tp: Annotated[int, typer.Option("--tp", min=1, help="Tensor-parallel size of the new job.")],
     dst: Dst,
@@ -188,7 +190,7 @@ def reshard(
 @app.command()
 def convert(
     ctx: typer.Context,
-    src: Src,
+    src: Source,
     dst: Dst,
     to: ConvertTo = None,
     rename: Renames = None,
@@ -269,8 +271,8 @@ def convert(
 def _convert_by(
     route: Route,
     ctx: typer.Context,
-    src: Path,
-    dst: Path,
+    src: str,
+    dst: str,
     *,
     to: str | None,
     renames: dict[str, str],
@@ -285,12 +287,13 @@ def _convert_by(
     output.also_quiet(ctx, quiet)
     if route.writes is not None:
         assert to is not None  # the route checked it is one of the format's targets
-        report = route.writes.write(src, dst, to, route.options)
+        # foreign files are local only: SRC by the route, DST refused here when a URL
+        report = route.writes.write(Path(src), local_directory(dst), to, route.options)
         output.say_conversion(ctx, route.writes.title, report)
     elif route.reads is not None and route.source is not None:
         with output.progress_bar(ctx, "convert") as progress:
             reading = Reading(route.source, to, overwrite=force, progress=progress)
-            report = route.reads.read(src, dst, reading, route.options)
+            report = route.reads.read(Path(src), local_directory(dst), reading, route.options)
         output.say_conversion(ctx, route.reads.title, report)
         output.say(ctx, _written(report.path))
     else:
@@ -313,8 +316,8 @@ def _rewrite(
     ctx: typer.Context,
     quiet: bool,
     operation: Callable[..., object],
-    src: Path,
-    dst: Path,
+    src: str | Path,
+    dst: str,
     force: bool,
     shared: bool,
     **settings: Any,
@@ -328,10 +331,10 @@ def _rewrite(
         if shared:
             settings.update(collective=collective)
         operation(src, dst, overwrite=force, progress=progress, **settings)
-    output.say(ctx, _written(dst))  # (local: the CLI's options take local paths)
+    output.say(ctx, _written(dst))
 
 
-def _written(path: Path) -> str:
+def _written(path: str | Path) -> str:
     from .. import offline
 
     return output.written(path, offline.summarize(path))
@@ -339,7 +342,7 @@ def _written(path: Path) -> str:
 
 @app.command()
 def inspect(
-    src: Src,
+    src: Source,
     as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")] = False,
     wide: Annotated[
         bool,
@@ -364,12 +367,15 @@ def inspect(
 
 
 @app.command()
-def verify(src: Src) -> None:
+def verify(src: Source) -> None:
     """Check a checkpoint: manifest, coverage, file sizes, headers and every checksum.
 
     Exit 0 when sound, 1 listing each problem. Example: muonckpt verify ckpt/step-1000
+
+    Of a checkpoint in S3 (s3://bucket/prefix) every object its manifest names is checked;
+    objects it does not name (a save that never committed) are left for clean.
     """
-    if not src.is_dir():
+    if not src.startswith(S3_SCHEME) and not Path(src).is_dir():
         raise CheckpointError("no checkpoint directory", path=src)
     from .. import verify as verify_checkpoint
 
@@ -405,6 +411,8 @@ def clean(
     checkpoint files, messages and lease (of a killed conversion to DCP, DeepSpeed or
     Megatron, that format's files), never anything else and nothing through a symlink.
     Prints each directory removed, and each one named like these that was kept, with why.
+    Under an s3:// ROOT: the save prefixes (CHECKPOINT/s-<16 hex>/) no committed manifest
+    names, whose lease is gone or stale, and their unfinished multipart uploads.
 
     Example: muonckpt clean ckpt --older-than 7200
     """
@@ -418,9 +426,7 @@ def clean(
 
 
 @app.command()
-def latest(
-    root: Root,
-) -> None:
+def latest(root: Root) -> None:
     """Print the newest complete checkpoint directly under ROOT, to resume from.
 
     Newest by the step its manifest records, then by commit time; staging directories,
@@ -445,15 +451,15 @@ def latest(
 def diff(
     ctx: typer.Context,
     a: Annotated[
-        Path,
+        str,
         typer.Argument(
-            metavar="A", parser=local_directory, help="First checkpoint.", show_default=False
+            metavar="A", parser=checkpoint_source, help="First checkpoint.", show_default=False
         ),
     ],
     b: Annotated[
-        Path,
+        str,
         typer.Argument(
-            metavar="B", parser=local_directory, help="Second checkpoint.", show_default=False
+            metavar="B", parser=checkpoint_source, help="Second checkpoint.", show_default=False
         ),
     ],
     atol: Annotated[float, typer.Option(min=0.0, help="Absolute tolerance.")] = 0.0,

@@ -27,31 +27,43 @@ def local_directory(text: str) -> Path:
     return local_path(text)
 
 
-Src = Annotated[
-    Path,
+S3_SCHEME = "s3://"
+"""The one URL scheme a checkpoint may have (the library parses the rest)."""
+
+
+def checkpoint_source(text: str) -> str:
+    """A checkpoint (or a directory of them) as typed: an ``s3://bucket/prefix`` URL (parsed,
+    and refused in one line when malformed, by the library), else a local directory
+    (:func:`local_directory`, every other URL refused)."""
+    return text if text.startswith(S3_SCHEME) else str(local_directory(text))
+
+
+Source = Annotated[
+    str,
     typer.Argument(
         metavar="SRC",
-        parser=local_directory,
-        help="Checkpoint directory to read.",
+        parser=checkpoint_source,
+        help="Checkpoint to read: a directory or an s3://bucket/prefix URL.",
         show_default=False,
     ),
 ]
 Dst = Annotated[
-    Path,
+    str,
     typer.Option(
         "--output",
         "-o",
-        parser=local_directory,
-        help="Checkpoint directory to write.",
+        parser=checkpoint_source,
+        help="Checkpoint to write: a directory or an s3://bucket/prefix URL (a foreign "
+        "format's files: a directory).",
         show_default=False,
     ),
 ]
 Root = Annotated[
-    Path,
+    str,
     typer.Argument(
         metavar="ROOT",
-        parser=local_directory,
-        help="Directory holding the checkpoints.",
+        parser=checkpoint_source,
+        help="Directory holding the checkpoints, or an s3://bucket/prefix URL.",
         show_default=False,
     ),
 ]

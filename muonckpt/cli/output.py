@@ -101,7 +101,7 @@ def human(n: int) -> str:
     return f"{n} B"  # pragma: no cover
 
 
-def written(path: Path, info: Summary) -> str:
+def written(path: str | Path, info: Summary) -> str:
     """The line saying what a rewrite wrote at ``path``."""
     totals, topo = info.totals, info.topology
     return (

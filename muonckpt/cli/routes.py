@@ -17,6 +17,7 @@ from typing import Any
 from ..errors import OptionError
 from ..format import FAMILIES
 from ..interop import FORMATS, ForeignFormat, detect, format_named
+from .options import S3_SCHEME
 
 __all__ = ["MUONCKPT", "Route", "route"]
 
@@ -59,13 +60,19 @@ def route(
         OptionError: for options that ask for no conversion, or a value outside its choices.
     """
     foreign = [f.name for f in FORMATS]
-    if renamed and (output_format in foreign or source is not None or detect(src)):
+    in_s3 = os.fspath(src).startswith(S3_SCHEME)  # foreign files are never looked for there
+    detected = None if in_s3 else detect(src)
+    if renamed and (output_format in foreign or source is not None or detected):
         raise OptionError("names are mapped between muonckpt checkpoints only")
     if output_format == MUONCKPT and to in foreign and to in format_named(to).targets:
         output_format = to
     if output_format != MUONCKPT and output_format not in foreign:
         raise OptionError(f"choose {' or '.join([MUONCKPT, *foreign])}", "--format")
-    detected = detect(src)
+    if in_s3 and (output_format != MUONCKPT or source is not None):
+        raise OptionError(
+            "foreign formats are converted from and to local directories only: copy "
+            f"{os.fspath(src)} to a directory first"
+        )
     if output_format != MUONCKPT:
         chosen = _writing(format_named(output_format), detected, to, overwrite, options)
     elif to is not None and to not in FAMILIES:

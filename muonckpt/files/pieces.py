@@ -1,10 +1,12 @@
-"""Reading checkpoint directories without torch: the manifest, and verified reads of pieces.
+"""Reading checkpoints without torch: the manifest, and verified reads of pieces.
 
 What every reader of a checkpoint needs, kept free of torch so that ``muonckpt consolidate``
 and ``reshard`` start in a fraction of a second and stay small: :func:`open_checkpoint`
 (manifest, sizes and coverage checked), :class:`PieceReader`, which gathers any region of a
 param's state as raw bytes from whichever pieces hold it, verifying checksums, and
-:func:`verify` (file access through :mod:`muonckpt.storage`).
+:func:`verify`. A checkpoint is read through its :class:`muonckpt.storage.CheckpointFiles`,
+chosen once from the place it is at (a local directory, or an ``s3://`` prefix, read by
+ranged GETs of exactly the bytes needed and never listed) and handed down.
 """
 
 from __future__ import annotations
@@ -15,11 +17,10 @@ import os
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import replace
-from pathlib import Path
 
 import numpy as np
 
-from .. import settings, storage
+from .. import storage
 from ..errors import CheckpointError
 from ..format.manifest import (
     CONSOLIDATED,
@@ -38,70 +39,75 @@ from ..format.names import INDEX_FILE, MANIFEST_NAME, MODEL_INDEX_FILE, rank_fil
 from ..format.piece_index import parse_index
 from ..format.records import placed
 from ..layout.topology import Region, Strided, strided_runs
-from ..storage import access
-
-_WHOLE_MANIFEST_BYTES = 16 << 20
-"""A manifest up to this size is parsed whole (the C decoder: a Kimi-K2-shaped top level of
-2.6 MB in 0.05 s, against 0.5 s as a stream); a larger one (a version 1 or 2 manifest listing
-every piece) as a stream, never held whole."""
 
 
-def read_manifest(path: str | os.PathLike[str], *, pieces: bool = True) -> Manifest:
-    """The parsed, schema-checked manifest of the checkpoint at ``path`` (a URL refused).
+def checkpoint_at(path: str | os.PathLike[str]) -> storage.CheckpointFiles:
+    """The files of the checkpoint at ``path``: a local directory, or an ``s3://`` URL (any
+    other URL refused in one line: :func:`muonckpt.storage.location`)."""
+    return storage.files_at(storage.location(path))
+
+
+def read_manifest(
+    path: str | os.PathLike[str] | storage.CheckpointFiles, *, pieces: bool = True
+) -> Manifest:
+    """The parsed, schema-checked manifest of the checkpoint at ``path``: a directory, an
+    ``s3://bucket/prefix`` URL (its ``manifest.json``, one GET), or the files of one.
 
     Of a version 3 checkpoint, with ``pieces`` the manifest holds every piece, read from
     every piece index (each checked against the size and checksum the manifest records);
     without, the top level alone (:attr:`Manifest.complete` False), whose pieces a reader
     then takes from the indexes it needs (:func:`load_pieces`)."""
-    directory = settings.local_path(path)
-    manifest_path = directory / MANIFEST_NAME
-    if not access.is_dir(directory):
-        raise CheckpointError("no checkpoint directory", path=directory)
-    if storage.is_ours(directory.name):
-        raise CheckpointError(
-            "incomplete: a staging directory left by an interrupted save, not a checkpoint",
-            path=directory,
-        )
-    if not access.is_file(manifest_path):
-        data = sorted(name for name in storage.entries(directory) if name.endswith(".safetensors"))
-        if data and not _written_by_muonckpt(directory, data):
-            hf = (
-                " (a Hugging Face model folder: config.json)"
-                if "config.json" in storage.entries(directory)
-                else ""
-            )
-            raise CheckpointError(
-                f"not a muonckpt checkpoint{hf}: safetensors files that muonckpt did not write "
-                "and no manifest.json; muonckpt reads the directories that muonckpt.save, "
-                "consolidate, reshard and convert write",
-                path=directory,
-            )
-        if data:
-            raise CheckpointError(
-                "incomplete checkpoint: data files but no manifest.json (the save was "
-                "interrupted or is not done)",
-                path=manifest_path,
-            )
-        raise CheckpointError(
-            "not a muonckpt checkpoint: no manifest.json and no .safetensors files",
-            path=directory,
-        )
+    files = path if isinstance(path, storage.CheckpointFiles) else checkpoint_at(path)
+    refusal = files.refusal()
+    if refusal is not None:
+        raise refusal
+    manifest_path = files.at(MANIFEST_NAME)
+    text = files.manifest_text()
+    if text is None:
+        raise _no_manifest(files)
     manifest = None
-    if _parsed_as_stream(manifest_path):
+    if not isinstance(text, str):  # a large one, read as a stream
         with contextlib.suppress(CheckpointError):  # else named as the whole text shows it
-            manifest = parse_manifest_chunks(storage.read_text_chunks(manifest_path), manifest_path)
+            manifest = parse_manifest_chunks(text, manifest_path)
+        text = None if manifest is not None else files.manifest_text(whole=True)
     if manifest is None:
-        manifest = parse_manifest(storage.read_text(manifest_path), manifest_path)
-    return load_pieces(directory, manifest, None) if pieces else manifest
+        assert isinstance(text, str)  # (read whole: it was there)
+        manifest = parse_manifest(text, manifest_path)
+    return load_pieces(files, manifest, None) if pieces else manifest
 
 
-def _parsed_as_stream(manifest_path: Path) -> bool:
-    """Whether the manifest is past :data:`_WHOLE_MANIFEST_BYTES` (one that cannot be sized
-    is read whole, which names what is wrong with it)."""
+def _no_manifest(files: storage.CheckpointFiles) -> CheckpointError:
+    """Why there is no checkpoint where the manifest is missing: a folder of another's
+    safetensors files, an interrupted save, or nothing of a checkpoint at all."""
     try:
-        return storage.file_size(manifest_path) > _WHOLE_MANIFEST_BYTES
-    except CheckpointError:
-        return False
+        names = files.names()
+    except OSError:
+        names = []
+    if names is None:  # a prefix in S3: nothing tells more than the missing manifest
+        return CheckpointError(
+            "no checkpoint: no manifest.json (not a muonckpt checkpoint, or its save did not "
+            "commit)",
+            path=files.at(MANIFEST_NAME),
+        )
+    data = [name for name in names if name.endswith(".safetensors")]
+    if data and not _written_by_muonckpt(files, data):
+        hf = " (a Hugging Face model folder: config.json)" if "config.json" in names else ""
+        return CheckpointError(
+            f"not a muonckpt checkpoint{hf}: safetensors files that muonckpt did not write "
+            "and no manifest.json; muonckpt reads the directories that muonckpt.save, "
+            "consolidate, reshard and convert write",
+            path=files.location,
+        )
+    if data:
+        return CheckpointError(
+            "incomplete checkpoint: data files but no manifest.json (the save was "
+            "interrupted or is not done)",
+            path=files.at(MANIFEST_NAME),
+        )
+    return CheckpointError(
+        "not a muonckpt checkpoint: no manifest.json and no .safetensors files",
+        path=files.location,
+    )
 
 
 def indexes_for(manifest: Manifest, names: Iterable[str] | None) -> list[IndexEntry]:
@@ -113,7 +119,9 @@ def indexes_for(manifest: Manifest, names: Iterable[str] | None) -> list[IndexEn
     return [entry for entry in manifest.indexes if entry.holds_any(positions)]
 
 
-def load_pieces(directory: Path, manifest: Manifest, names: Iterable[str] | None) -> Manifest:
+def load_pieces(
+    files: storage.CheckpointFiles, manifest: Manifest, names: Iterable[str] | None
+) -> Manifest:
     """``manifest`` (version 3, read without its pieces) with the pieces of the indexes
     holding any of the params ``names`` (None: every index), each index checked, and the
     params ``names`` covered exactly once (``verify``'s check of every param, made whatever
@@ -126,12 +134,12 @@ def load_pieces(directory: Path, manifest: Manifest, names: Iterable[str] | None
     chosen = indexes_for(manifest, names)
     pieces = PieceTable()
     for entry in chosen:
-        pieces.extend(read_index(directory, manifest, entry))
+        pieces.extend(read_index(files, manifest, entry))
     complete = len(chosen) == len(manifest.indexes)
     manifest = replace(manifest, pieces=pieces, complete=complete)
     problems = [] if names is None else manifest.coverage_problems(names)
     if problems:
-        raise CheckpointError(problems[0], path=directory / MANIFEST_NAME)
+        raise CheckpointError(problems[0], path=files.at(MANIFEST_NAME))
     return manifest
 
 
@@ -140,22 +148,26 @@ INDEXES_READ: Counter[str] = Counter()
 looks at to see that a load read only its own (never reset here)."""
 
 
-def data_directory(directory: Path, manifest: Manifest) -> Path:
-    """Where the files ``manifest`` names are: ``directory`` itself, or its save prefix's
-    subdirectory (a checkpoint committed to S3 and copied here object by object)."""
-    return directory / manifest.data_prefix if manifest.data_prefix else directory
+def data_name(manifest: Manifest, name: str) -> str:
+    """The name, relative to the checkpoint, of file ``name`` of ``manifest``: beside the
+    manifest, or under its save prefix (a checkpoint committed to S3, or copied from there
+    object by object)."""
+    return manifest.data_prefix + name
 
 
-def read_index(directory: Path, manifest: Manifest, entry: IndexEntry) -> tuple[Piece, ...]:
+def read_index(
+    files: storage.CheckpointFiles, manifest: Manifest, entry: IndexEntry
+) -> tuple[Piece, ...]:
     """The pieces of one piece index: its size and checksum the manifest's, every piece
     schema-checked (:func:`muonckpt.format.piece_index.parse_index`); a CheckpointError
     naming the index file otherwise."""
-    path = data_directory(directory, manifest) / entry.name
+    name = data_name(manifest, entry.name)
+    path = files.at(name)
     INDEXES_READ[entry.name] += 1
     try:
-        data = storage.read_small(path)
+        data = files.read_small(name)
     except CheckpointError as exc:
-        raise changed_while_reading(directory, manifest) or exc from None
+        raise changed_while_reading(files, manifest) or exc from None
     problem = None
     if len(data) != entry.bytes:
         problem = (
@@ -168,7 +180,7 @@ def read_index(directory: Path, manifest: Manifest, entry: IndexEntry) -> tuple[
             f"hashes to {found}"
         )
     if problem is not None:  # a writer that replaced the checkpoint meanwhile, else damage
-        raise changed_while_reading(directory, manifest) or CheckpointError(problem, path=path)
+        raise changed_while_reading(files, manifest) or CheckpointError(problem, path=path)
     names = manifest.stored_names or tuple(p.name for p in manifest.params)
     try:
         return parse_index(data, entry, manifest.params, names)
@@ -176,12 +188,12 @@ def read_index(directory: Path, manifest: Manifest, entry: IndexEntry) -> tuple[
         raise CheckpointError(f"piece index refused: {exc}", path=path) from None
 
 
-def _written_by_muonckpt(directory: Path, names: list[str]) -> bool:
+def _written_by_muonckpt(files: storage.CheckpointFiles, names: list[str]) -> bool:
     """Whether any of these safetensors files carries muonckpt's own header metadata (or
     cannot be read, so that a damaged file of ours is not called foreign)."""
     for name in names:
         try:
-            with storage.SafetensorsReader(directory / name) as reader:
+            with files.reader(name) as reader:
                 if reader.metadata.get("format") == FORMAT_NAME:
                     return True
         except CheckpointError:
@@ -189,33 +201,42 @@ def _written_by_muonckpt(directory: Path, names: list[str]) -> bool:
     return False
 
 
-def open_checkpoint(path: str | os.PathLike[str], *, pieces: bool = True) -> tuple[Path, Manifest]:
-    """The directory and manifest of a checkpoint whose pieces cover every state tensor once.
+def open_checkpoint(
+    path: str | os.PathLike[str] | storage.CheckpointFiles, *, pieces: bool = True
+) -> tuple[storage.CheckpointFiles, Manifest]:
+    """The files and manifest of a checkpoint whose pieces cover every state tensor once
+    (at a directory, an ``s3://`` URL, or of the files given).
 
     Without ``pieces``, a version 3 checkpoint's top level alone: a load then reads the piece
     indexes of its share (:func:`load_pieces`, which checks those params' coverage), each
     data file's size checked when it is opened."""
-    directory = Path(path)
-    manifest = read_manifest(directory, pieces=pieces)
+    files = path if isinstance(path, storage.CheckpointFiles) else checkpoint_at(path)
+    manifest = read_manifest(files, pieces=pieces)
     if not manifest.complete:
-        return directory, manifest
-    problems = size_problems(manifest, directory)
+        return files, manifest
+    problems = size_problems(manifest, files)
     if problems:
-        raise changed_while_reading(directory, manifest) or problems[0]
+        raise changed_while_reading(files, manifest) or problems[0]
     problems = [
-        CheckpointError(p, path=directory / MANIFEST_NAME) for p in manifest.coverage_problems()
+        CheckpointError(p, path=files.at(MANIFEST_NAME)) for p in manifest.coverage_problems()
     ]
     if problems:
         raise problems[0]
-    return directory, manifest
+    return files, manifest
 
 
-def changed_while_reading(directory: Path, manifest: Manifest) -> CheckpointError | None:
+def changed_while_reading(
+    files: storage.CheckpointFiles, manifest: Manifest
+) -> CheckpointError | None:
     """The error to raise when the checkpoint's manifest is no longer ``manifest`` (a writer
     replaced the checkpoint while it was read), else None: a missing or resized data file is
-    then a race, not damage."""
+    then a race, not damage. (In S3 a new save's objects are under a save prefix of its own,
+    so the same file list under another ``data_prefix`` is another checkpoint, and a manifest
+    of the etag read is the one read.)"""
+    if files.manifest_kept():
+        return None
     try:
-        now = read_manifest(directory, pieces=not manifest.indexes)
+        now = read_manifest(files, pieces=not manifest.indexes)
     except CheckpointError:
         now = None
     if now is not None and (now.files, now.indexes, now.pieces, now.extra, now.data_prefix) == (
@@ -228,11 +249,11 @@ def changed_while_reading(directory: Path, manifest: Manifest) -> CheckpointErro
         return None
     return CheckpointError(
         "the checkpoint changed while reading (another writer replaced it): read it again",
-        path=directory / MANIFEST_NAME,
+        path=files.at(MANIFEST_NAME),
     )
 
 
-def size_problems(manifest: Manifest, directory: Path) -> list[CheckpointError]:
+def size_problems(manifest: Manifest, files: storage.CheckpointFiles) -> list[CheckpointError]:
     """Files that are symlinks, whose size differs from the manifest, or that are smaller than
     the pieces it puts in them (a checkpoint's data files are regular files of its own).
 
@@ -252,17 +273,19 @@ def size_problems(manifest: Manifest, directory: Path) -> list[CheckpointError]:
         claimed[piece.file] = claimed.get(piece.file, 0) + piece.region.numel * itemsize
     for tensor in manifest.extra.tensors() if manifest.extra is not None else ():
         claimed[tensor.file] = claimed.get(tensor.file, 0) + tensor.nbytes
-    for entry in all_files(manifest):
-        path = data_directory(directory, manifest) / entry.name
-        if access.is_symlink(path):
+    names = [data_name(manifest, entry.name) for entry in all_files(manifest)]
+    sizes = files.sizes(names)
+    for entry, name in zip(all_files(manifest), names, strict=True):
+        path = files.at(name)
+        if files.symlinked(name):
             problems.append(
                 CheckpointError("is a symlink, not a file of this checkpoint", path=path)
             )
             continue
-        if not access.is_file(path):
+        size = sizes[name]
+        if size is None:
             problems.append(CheckpointError("missing data file", path=path))
             continue
-        size = storage.file_size(path)
         if size != entry.bytes:
             problems.append(
                 CheckpointError(
@@ -295,16 +318,16 @@ class PieceReader:
 
     def __init__(
         self,
-        directory: Path,
+        files: storage.CheckpointFiles,
         manifest: Manifest,
         *,
         reuse_outputs: int = 0,
         open_files: int | None = None,
     ) -> None:
-        self.directory = directory
+        self.files = files
         self.manifest = manifest
-        self._cache = storage.ReaderCache(open_files)
-        self._paths: dict[str, Path] = {}
+        self._cache = storage.ReaderCache(open_files, files.reader)
+        self._checked: set[str] = set()
         self._sizes = {f.name: f.bytes for f in all_files(manifest)}
         self._ring = [np.empty(0, dtype=np.uint8) for _ in range(reuse_outputs)]
         self._turn = 0
@@ -320,32 +343,38 @@ class PieceReader:
         """Files opened so far (reopenings after an eviction included)."""
         return self._cache.opens
 
+    def at(self, file: str) -> storage.Location:
+        """Where data file ``file`` of the checkpoint is."""
+        return self.files.at(data_name(self.manifest, file))
+
     def reader(self, file: str) -> storage.SafetensorsReader:
         """The open reader of data file ``file``; use it at once (it may be closed once other
         files were opened)."""
-        path = self._paths.get(file)
-        if path is None:
-            path = data_directory(self.directory, self.manifest) / file
-            if not access.is_file(path):
-                changed = changed_while_reading(self.directory, self.manifest)
-                raise changed or CheckpointError("missing data file", path=path)
-            size = storage.file_size(path)
+        name = data_name(self.manifest, file)
+        if name not in self._checked:
+            size = self.files.size(name)
+            if size is None:
+                changed = changed_while_reading(self.files, self.manifest)
+                raise changed or CheckpointError("missing data file", path=self.at(file))
             if size != self._sizes[file]:
-                changed = changed_while_reading(self.directory, self.manifest)
+                changed = changed_while_reading(self.files, self.manifest)
                 raise changed or CheckpointError(
                     f"file is {size} bytes, the manifest says {self._sizes[file]}"
                     " (truncated or replaced)",
-                    path=path,
+                    path=self.at(file),
                 )
-            self._paths[file] = path
-        return self._cache.get(path)
+            self._checked.add(name)
+        try:
+            return self._cache.get(name)
+        except CheckpointError as exc:  # gone or replaced meanwhile: the checkpoint, if so
+            raise changed_while_reading(self.files, self.manifest) or exc from None
 
     def check_header(self, piece: Piece, entry: ParamEntry) -> storage.TensorRecord:
         reader = self.reader(piece.file)
         if piece.tensor not in reader:
             raise CheckpointError(
                 f"tensor {piece.tensor!r} missing from the file",
-                path=reader.path,
+                path=self.at(piece.file),
                 param=piece.param,
             )
         record = reader.record(piece.tensor)
@@ -354,14 +383,14 @@ class PieceReader:
             raise CheckpointError(
                 f"header says {record.dtype} x {record.numel} elements, the manifest "
                 f"{dtype} x {piece.region.numel}",
-                path=reader.path,
+                path=self.at(piece.file),
                 param=piece.param,
             )
         full = self.manifest.kind == CONSOLIDATED  # stored at full shape, as load_file gives it
         if full and tuple(record.shape) != tuple(entry.shape):
             raise CheckpointError(
                 f"header says shape {tuple(record.shape)}, the manifest {tuple(entry.shape)}",
-                path=reader.path,
+                path=self.at(piece.file),
                 param=piece.param,
             )
         return record
@@ -372,13 +401,15 @@ class PieceReader:
         reader = self.reader(tensor.file)
         where = f"{what} {list(tensor.path)}"
         if tensor.tensor not in reader:
-            raise CheckpointError(f"{where}: tensor {tensor.tensor!r} missing", path=reader.path)
+            raise CheckpointError(
+                f"{where}: tensor {tensor.tensor!r} missing", path=self.at(tensor.file)
+            )
         record = reader.record(tensor.tensor)
         if (record.dtype, tuple(record.shape)) != (tensor.dtype, tensor.shape):
             raise CheckpointError(
                 f"{where}: header says {record.dtype} {list(record.shape)}, the manifest "
                 f"{tensor.dtype} {list(tensor.shape)}",
-                path=reader.path,
+                path=self.at(tensor.file),
             )
         return record
 
@@ -387,13 +418,7 @@ class PieceReader:
         record = self.check_extra(tensor, what)
         out = np.empty(record.nbytes, dtype=np.uint8)
         whole = Strided(src=0, dst=0, length=record.numel, count=1, src_step=0, dst_step=0)
-        self.reader(tensor.file).read_groups(
-            tensor.tensor,
-            out.data,
-            [whole],
-            checksums=tensor.checksums,
-            chunk_bytes=tensor.chunk_bytes,
-        )
+        self._read(tensor.file, tensor.tensor, out, [whole], tensor.checksums, tensor.chunk_bytes)
         return out
 
     def gather(
@@ -421,7 +446,7 @@ class PieceReader:
         if filled != target.numel:
             raise CheckpointError(
                 f"pieces cover {filled} of the {target.numel} elements needed",
-                path=self.directory / MANIFEST_NAME,
+                path=self.files.at(MANIFEST_NAME),
                 param=entry.name,
             )
         return out
@@ -430,13 +455,28 @@ class PieceReader:
         self, out: np.ndarray, piece: Piece, groups: list[Strided], entry: ParamEntry
     ) -> None:
         self.check_header(piece, entry)
-        self.reader(piece.file).read_groups(
-            piece.tensor,
-            out.data,
-            groups,
-            checksums=piece.checksums,
-            chunk_bytes=piece.chunk_bytes,
-        )
+        self._read(piece.file, piece.tensor, out, groups, piece.checksums, piece.chunk_bytes)
+
+    def _read(
+        self,
+        file: str,
+        tensor: str,
+        out: np.ndarray,
+        groups: list[Strided],
+        checksums: Sequence[str],
+        chunk_bytes: int,
+    ) -> None:
+        """``groups`` of ``tensor`` read into ``out``, verified; a failure of a file that
+        changed since it was opened is the checkpoint's, when a writer replaced it."""
+        reader = self.reader(file)
+        try:
+            reader.read_groups(
+                tensor, out.data, groups, checksums=checksums, chunk_bytes=chunk_bytes
+            )
+        except CheckpointError as exc:
+            if reader.changed() is None:
+                raise
+            raise changed_while_reading(self.files, self.manifest) or exc from None
 
     def _output(self, nbytes: int) -> np.ndarray:
         if not self._ring:
@@ -449,31 +489,31 @@ class PieceReader:
 
 
 def verify(path: str | os.PathLike[str]) -> list[CheckpointError]:
-    """Every problem found in the checkpoint at ``path`` (empty: sound). Reads all data once."""
+    """Every problem found in the checkpoint at ``path`` (empty: sound): a directory, or an
+    ``s3://`` URL. Reads all data once.
+
+    Every file the manifest names is checked (there, at its size, its header, every
+    checksum). In a local directory a file no manifest names is a problem too; under an S3
+    prefix it is not: an object a writer left that never committed (a killed save's
+    ``s-<16 hex>/`` prefix) is never read, and is garbage for ``clean``."""
     try:
-        directory = settings.local_path(path)
-        manifest = read_manifest(directory, pieces=False)
+        files = checkpoint_at(path)
+        manifest = read_manifest(files, pieces=False)
     except CheckpointError as exc:
         return [exc]
-    manifest, problems = _with_every_index(directory, manifest)
+    manifest, problems = _with_every_index(files, manifest)
     try:
-        problems += size_problems(manifest, directory)
+        problems += size_problems(manifest, files)
     except CheckpointError as exc:
         return [*problems, exc]
     problems = problems or [
-        CheckpointError(p, path=directory / MANIFEST_NAME) for p in manifest.coverage_problems()
+        CheckpointError(p, path=files.at(MANIFEST_NAME)) for p in manifest.coverage_problems()
     ]
-    problems += _topology_problems(manifest, directory)
-    known = {f.name for f in all_files(manifest)} | {INDEX_FILE, MODEL_INDEX_FILE}
-    known |= {entry.name for entry in manifest.indexes}
-    if manifest.data_prefix:  # the manifest and the save prefix beside it, its files in that
-        problems += _unknown_files(directory, {MANIFEST_NAME, manifest.data_prefix[:-1]})
-        problems += _unknown_files(data_directory(directory, manifest), known)
-    else:
-        problems += _unknown_files(directory, known | {MANIFEST_NAME})
+    problems += _topology_problems(manifest, files)
+    problems += _unknown_files(files, manifest)
     model = manifest.model
     tensors = {e.name: e for e in model.tensors} if model is not None else {}
-    with PieceReader(directory, manifest) as reader:
+    with PieceReader(files, manifest) as reader:
         for piece in itertools.chain(manifest.pieces, model.pieces if model is not None else ()):
             try:
                 held = tensors.get(piece.param) or manifest.param(piece.param)
@@ -525,24 +565,40 @@ def _unread_tensors(manifest: Manifest, reader: PieceReader) -> list[CheckpointE
             problems.append(
                 CheckpointError(
                     f"tensor {unread[0]!r} is read by no piece ({len(unread)} such tensors)",
-                    path=data_directory(reader.directory, manifest) / entry.name,
+                    path=reader.at(entry.name),
                 )
             )
     return problems
 
 
-def _unknown_files(directory: Path, known: set[str]) -> list[CheckpointError]:
-    """The names in ``directory`` not ``known``, and those that are symlinks."""
+def _unknown_files(files: storage.CheckpointFiles, manifest: Manifest) -> list[CheckpointError]:
+    """(verify, a local directory) The files no manifest names, and those that are symlinks:
+    beside the manifest, or (a checkpoint copied down from S3) the save prefix beside it and
+    the files in that."""
+    known = {f.name for f in all_files(manifest)} | {INDEX_FILE, MODEL_INDEX_FILE}
+    known |= {entry.name for entry in manifest.indexes}
+    if not manifest.data_prefix:
+        return _unknown_in(files, "", known | {MANIFEST_NAME})
+    top = _unknown_in(files, "", {MANIFEST_NAME, manifest.data_prefix[:-1]})
+    return top + _unknown_in(files, manifest.data_prefix, known)
+
+
+def _unknown_in(
+    files: storage.CheckpointFiles, under: str, known: set[str]
+) -> list[CheckpointError]:
+    """The names in the checkpoint (or its subdirectory ``under``) not ``known``, and those
+    that are symlinks; none where the checkpoint is no directory of its own (in S3)."""
     problems = []
     try:
-        names = access.list_names(directory)
+        names = files.names(under)
     except OSError as exc:
-        return [CheckpointError(f"cannot be listed: {exc.strerror}", path=directory)]
-    for name in names:
-        entry = directory / name
+        where = files.at(under) if under else files.location
+        return [CheckpointError(f"cannot be listed: {exc.strerror}", path=where)]
+    for name in names or ():
+        entry = files.at(under + name)
         if name not in known:
             problems.append(CheckpointError("unknown file in the checkpoint directory", path=entry))
-        elif access.is_symlink(entry):
+        elif files.symlinked(under + name):
             problems.append(
                 CheckpointError("is a symlink, not a file of the checkpoint's own", path=entry)
             )
@@ -550,7 +606,7 @@ def _unknown_files(directory: Path, known: set[str]) -> list[CheckpointError]:
 
 
 def _with_every_index(
-    directory: Path, manifest: Manifest
+    files: storage.CheckpointFiles, manifest: Manifest
 ) -> tuple[Manifest, list[CheckpointError]]:
     """(verify) The manifest with the pieces of every piece index that reads sound, and the
     problems of those that do not (each naming its index file)."""
@@ -560,13 +616,13 @@ def _with_every_index(
     problems = []
     for entry in manifest.indexes:
         try:
-            pieces.extend(read_index(directory, manifest, entry))
+            pieces.extend(read_index(files, manifest, entry))
         except CheckpointError as exc:
             problems.append(exc)
     return replace(manifest, pieces=pieces, complete=not problems), problems
 
 
-def _topology_problems(manifest: Manifest, directory: Path) -> list[CheckpointError]:
+def _topology_problems(manifest: Manifest, files: storage.CheckpointFiles) -> list[CheckpointError]:
     if manifest.kind != PER_RANK:
         return []
     world = manifest.topology.get("dp", 0) * manifest.topology.get("tp", 0)
@@ -576,7 +632,7 @@ def _topology_problems(manifest: Manifest, directory: Path) -> list[CheckpointEr
             CheckpointError(
                 f"the manifest's topology {manifest.topology} implies {world} rank files, "
                 f"it lists {len(listed)}: {sorted(listed)[:4]}",
-                path=directory / MANIFEST_NAME,
+                path=files.at(MANIFEST_NAME),
             )
         ]
     return []

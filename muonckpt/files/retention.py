@@ -18,58 +18,90 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from .. import settings, storage
+from .. import storage
 from ..errors import ArgumentError, CheckpointError, CheckpointWarning
+from ..format.manifest import Manifest
 from ..format.names import MANIFEST_NAME
 from ..storage import access
 from ..storage.location import Location, location, target
 from ..storage.s3 import S3Url
 from ..storage.s3store import S3Store
-from .pieces import read_manifest, size_problems
+from .pieces import load_pieces, read_manifest, size_problems
 
 
 @dataclass(frozen=True)
 class Found:
-    """A complete checkpoint under a root, with what orders it among the others."""
+    """A complete checkpoint under a root, with what orders it among the others (by step,
+    then commit time, then name)."""
 
     path: Location
     step: int | None
     committed_ns: int
     """The manifest's mtime: a save writes its manifest last, at the commit."""
 
+
+@dataclass(frozen=True)
+class _Committed:
+    """A checkpoint whose manifest's top level parses: its files, that manifest, and when it
+    was committed; whether it is complete, still to be told (:meth:`complete`)."""
+
+    files: storage.CheckpointFiles
+    manifest: Manifest
+    committed_ns: int
+
     def order(self) -> tuple[bool, int, int, str]:
         """Sort key, oldest first: by step (none before any), then commit time, then name (so
         that the order is total)."""
-        return (self.step is not None, self.step or 0, self.committed_ns, self.path.name)
+        step = self.manifest.step
+        return (step is not None, step or 0, self.committed_ns, self.files.location.name)
+
+    def complete(self) -> bool:
+        """Every piece index sound and every file listed there at its size (no checksums)."""
+        try:
+            manifest = load_pieces(self.files, self.manifest, None)
+            return not size_problems(manifest, self.files)
+        except (CheckpointError, OSError):
+            return False
 
 
-def _complete(directory: Path) -> Found | None:
-    """``directory`` as a complete checkpoint; None when it is not one (or is damaged)."""
+def _committed(files: storage.CheckpointFiles) -> _Committed | None:
+    """The checkpoint of ``files``, when its manifest's top level parses (it refuses staging
+    names and missing manifests); else None."""
     try:
-        committed = access.modified_ns(directory / MANIFEST_NAME)
-        manifest = read_manifest(directory)  # refuses staging names and missing manifests
-        if size_problems(manifest, directory):
-            return None
+        manifest = read_manifest(files, pieces=False)
+        return _Committed(files, manifest, files.committed_ns())
     except (CheckpointError, OSError):
         return None
-    return Found(directory, manifest.step, committed)
+
+
+def _under(root: Location, store: storage.CheckpointStore) -> list[_Committed]:
+    """The checkpoints directly under ``root`` whose manifests parse, oldest first (one
+    listing, :meth:`~muonckpt.storage.CheckpointStore.directories`)."""
+    names = store.directories(target(root))
+    found = [_committed(storage.files_at(root / name)) for name in names]
+    return sorted((f for f in found if f is not None), key=_Committed.order)
 
 
 def complete_checkpoints(
-    root: str | os.PathLike[str], store: storage.CheckpointStore
+    root: str | os.PathLike[str] | S3Url, store: storage.CheckpointStore
 ) -> list[Found]:
-    """The complete checkpoints directly under ``root``, oldest first; symlinks are skipped
-    (a ``latest -> step-300`` link would list one checkpoint twice). A missing ``root`` has
-    none; one that is not a directory or cannot be listed is a :class:`CheckpointError`
+    """The complete checkpoints directly under ``root`` (a directory, or an ``s3://``
+    prefix), oldest first; symlinks are skipped (a ``latest -> step-300`` link would list one
+    checkpoint twice). A missing ``root`` has none; one that is not a directory or cannot be
+    listed is a :class:`CheckpointError`
     (:meth:`~muonckpt.storage.CheckpointStore.directories`)."""
-    root = Path(root)
-    found = [_complete(root / name) for name in store.directories(root)]
-    return sorted((f for f in found if f is not None), key=Found.order)
+    return [
+        Found(f.files.location, f.manifest.step, f.committed_ns)
+        for f in _under(location(root), store)
+        if f.complete()
+    ]
 
 
 def latest(root: str | os.PathLike[str]) -> Location | None:
     """The newest complete checkpoint directly under ``root``, to resume from; None when there
-    is none, also when ``root`` does not exist yet (a job's first start).
+    is none, also when ``root`` does not exist yet (a job's first start). ``root`` is a
+    directory, or an ``s3://bucket/prefix`` URL: then the checkpoint's URL is returned, found
+    by one LIST of the prefixes directly under it and a GET of each one's manifest.
 
     Newest by the step the manifest records (a checkpoint without one counts as older than any
     with one), then by commit time. Only a cheap check is made (the manifest parses, every
@@ -80,17 +112,19 @@ def latest(root: str | os.PathLike[str]) -> Location | None:
     :class:`CheckpointError`. When a save commits and prunes while it looks, so that it found
     nothing complete, it looks again (three times in all).
     """
-    store, root = storage.store_for(settings.local_path(root)), Path(root)
-    if access.exists(root / MANIFEST_NAME):
+    place = storage.location(root)
+    if storage.files_at(place).size(MANIFEST_NAME) is not None:
         raise CheckpointError(
             "is a checkpoint itself; latest looks for checkpoints directly under a directory "
             "(pass its parent)",
             path=root,
         )
+    store = storage.store_for(target(place))
     for _ in range(3):  # a save committing and pruning meanwhile can hide every entry once
-        found = complete_checkpoints(root, store)
-        if found:
-            return found[-1].path
+        found = _under(place, store)
+        newest = next((f.files.location for f in reversed(found) if f.complete()), None)
+        if newest is not None:
+            return newest
     return None
 
 
@@ -177,20 +211,16 @@ def prune(
     checkpoint is committed whatever happens here. ``keep_last`` below 1 is a
     :class:`CheckpointError`.
 
-    On S3 (an :class:`~muonckpt.storage.s3store.S3Store`), a checkpoint counts when its
-    manifest parses and every object it lists is there at its size (one LIST and one GET per
-    checkpoint, :meth:`~muonckpt.storage.s3store.S3Store.committed`), and is deleted
-    manifest first, only the manifest that was read (``If-Match``), then the objects it names.
+    On S3 (an ``s3://`` root) a checkpoint counts by the same check as :func:`latest`'s, and
+    is deleted manifest first, only the manifest that was read (``If-Match``), then the
+    objects it names (:meth:`~muonckpt.storage.s3store.S3Store.remove_checkpoint`).
 
     Returns the checkpoints deleted entirely, oldest first.
     """
     check_keep_last(keep_last)
     keep, where = location(keep), location(root)
     try:
-        if isinstance(where, S3Url) and isinstance(store, S3Store):
-            found = _committed_objects(store, where)
-        else:
-            found = complete_checkpoints(target(root), store)
+        found = complete_checkpoints(where, store)
     except CheckpointError as exc:
         warnings.warn(f"old checkpoints not deleted: {exc}", CheckpointWarning, stacklevel=2)
         return []
@@ -221,19 +251,6 @@ def prune(
 def _identity(where: Location) -> str:
     """What tells two checkpoints apart: a local one's real path, an S3 one's URL."""
     return os.path.realpath(where) if isinstance(where, Path) else str(where)
-
-
-def _committed_objects(store: S3Store, root: S3Url) -> list[Found]:
-    """:func:`complete_checkpoints` on S3: the complete checkpoints directly under ``root``,
-    oldest first."""
-    found = []
-    for name in store.directories(str(root)):
-        directory = root.child(name)
-        committed = store.committed(str(directory))
-        if committed is not None:
-            manifest, at = committed
-            found.append(Found(directory, manifest.step, int(at * 1e9)))
-    return sorted(found, key=Found.order)
 
 
 @dataclass(frozen=True)

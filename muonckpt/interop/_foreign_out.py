@@ -13,12 +13,20 @@ from typing import TYPE_CHECKING
 
 from .. import settings, storage
 from ..files import writing
-from ..files.pieces import PieceReader
+from ..files.pieces import PieceReader, open_checkpoint
 from ..format.manifest import Manifest, ParamEntry, PieceIndex
 from ..layout.topology import whole_region
 
 if TYPE_CHECKING:
     import torch
+
+
+def open_local(src: str | os.PathLike[str]) -> tuple[Path, storage.CheckpointFiles, Manifest]:
+    """The directory, files and manifest of the muonckpt checkpoint a foreign format is
+    written from: a local one (a URL is refused in one line: copy it to a directory first)."""
+    directory = settings.local_path(src)
+    files, manifest = open_checkpoint(directory)
+    return directory, files, manifest
 
 
 @contextmanager

@@ -45,7 +45,7 @@ def summarize(src: str | os.PathLike[str]) -> Summary:
 
     Reads only the manifest (and checks that its pieces cover every state tensor once).
     """
-    directory, manifest = open_checkpoint(src)
+    checkpoint, manifest = open_checkpoint(src)
     params = tuple(
         ParamSummary(
             name=e.name,
@@ -61,7 +61,7 @@ def summarize(src: str | os.PathLike[str]) -> Summary:
         for e in manifest.params
     )
     return Summary(
-        path=str(directory),
+        path=str(checkpoint.location),
         kind=manifest.kind,
         format_version=manifest.format_version,
         topology=dict(manifest.topology),
@@ -155,8 +155,8 @@ def iter_diff(
     """
     settings.tolerance(atol, "atol")
     settings.tolerance(rtol, "rtol")
-    dir_a, man_a = open_checkpoint(a)
-    dir_b, man_b = open_checkpoint(b)
+    files_a, man_a = open_checkpoint(a)
+    files_b, man_b = open_checkpoint(b)
 
     def entry(manifest: Manifest, name: str) -> ParamEntry | None:
         try:  # the manifest's own index of its params: no second dict of 100k names
@@ -175,8 +175,8 @@ def iter_diff(
         return DiffRow(param, key, note=note, **values)
 
     with (
-        PieceReader(dir_a, man_a, reuse_outputs=1) as read_a,
-        PieceReader(dir_b, man_b, reuse_outputs=1) as read_b,
+        PieceReader(files_a, man_a, reuse_outputs=1) as read_a,
+        PieceReader(files_b, man_b, reuse_outputs=1) as read_b,
     ):
         for name in names:
             ea, eb = entry(man_a, name), entry(man_b, name)

@@ -40,7 +40,7 @@ from .. import settings, storage
 from ..errors import ArgumentError, CheckpointError, LayoutError
 from ..files import writing
 from ..files.attempt import Attempt
-from ..files.pieces import PieceReader, open_checkpoint
+from ..files.pieces import PieceReader, data_name, open_checkpoint
 from ..files.writing import Progress
 from ..format.conversion import converted_manifest
 from ..format.manifest import (
@@ -75,7 +75,6 @@ from ..format.writeplan import (
     unique_tensor_keys,
 )
 from ..layout.topology import BufferLayout, LayoutOptions, ParamSpec, Region, Topology, arrange
-from ..storage import access
 from ..storage.location import Location, target
 from . import _model
 
@@ -114,7 +113,8 @@ def consolidate(
     as a consolidated save given the model writes them.
 
     Args:
-        src: a checkpoint directory (any kind, any source topology).
+        src: a checkpoint directory or an ``s3://bucket/prefix`` URL (any kind, any source
+            topology).
         dst: target directory; staged beside it and swapped in atomically.
         max_shard_size: past this many bytes of tensor data, split the state over
             ``optimizer-0000i-of-0000N.safetensors`` files plus an HF-style
@@ -134,7 +134,7 @@ def consolidate(
     """
     _check_collective(collective)
     max_shard_size = settings.shard_size(max_shard_size)
-    directory, manifest = open_checkpoint(src)
+    checkpoint, manifest = open_checkpoint(src)
     items = [((e.name, k, e.dtype_of(k)), e.shape) for e in manifest.params for k in e.tensor_keys]
     items += _model.whole_items(manifest)
     job = _Job(
@@ -143,7 +143,7 @@ def consolidate(
     )
     called = {"max_shard_size": max_shard_size}
     return _write(
-        "consolidate", job, directory, manifest, dst, overwrite, progress, collective, called
+        "consolidate", job, checkpoint, manifest, dst, overwrite, progress, collective, called
     )
 
 
@@ -190,7 +190,7 @@ def reshard(
     settings.world_size(
         topology.world_size, "--dp x --tp", "one file", allow_large=allow_large_world
     )
-    directory, manifest = open_checkpoint(src)
+    checkpoint, manifest = open_checkpoint(src)
     overrides = dict(tp_split_dims or {})
     unknown = sorted(set(overrides) - {e.name for e in manifest.params})
     if unknown:
@@ -199,7 +199,7 @@ def reshard(
         replace(e, tp_split_dim=overrides[e.name]) if e.name in overrides else e
         for e in manifest.params
     )
-    unique_tensor_keys(((e.name, k) for e in params for k in e.tensor_keys), directory)
+    unique_tensor_keys(((e.name, k) for e in params for k in e.tensor_keys), checkpoint.location)
     specs = [ParamSpec(e.name, e.shape, tp_split_dim=e.tp_split_dim, group=e.group) for e in params]
     layout = arrange(specs, topology, options=options)
     job = _Job(
@@ -212,7 +212,9 @@ def reshard(
         "options": json_safe(dataclasses.asdict(options)),
         "tp_split_dims": overrides,
     }
-    return _write("reshard", job, directory, manifest, dst, overwrite, progress, collective, called)
+    return _write(
+        "reshard", job, checkpoint, manifest, dst, overwrite, progress, collective, called
+    )
 
 
 def _owners(
@@ -248,15 +250,17 @@ def _owned(
 
 
 def _output_manifest(manifest: Manifest, **changes: Any) -> Manifest:
-    """The manifest of a rewrite of ``manifest``: current format, files and pieces still empty,
-    the model section's tensors and tied names carried (:mod:`._model`), their pieces too
-    still empty; the job's own state is the copy the root reports (:func:`_write_rank`)."""
+    """The manifest of a rewrite of ``manifest``: current format, files and pieces still empty
+    (and beside it: the source's save prefix is the source's), the model section's tensors
+    and tied names carried (:mod:`._model`), their pieces too still empty; the job's own state
+    is the copy the root reports (:func:`_write_rank`)."""
     model = _model.draft(manifest)
     return replace(
         manifest,
         **changes,
         files=(),
         pieces=(),
+        data_prefix="",
         format_version=FORMAT_VERSION,
         model=model,
         extra=None,
@@ -292,10 +296,10 @@ def convert(
         raise ArgumentError(
             "convert needs to= (another implementation), rename=, or both", argument="to"
         )
-    directory, manifest = open_checkpoint(src)
+    checkpoint, manifest = open_checkpoint(src)
     if rename is not None:
         manifest = manifest.renamed(rename)
-    target, scales = converted_manifest(manifest, to, path=directory / MANIFEST_NAME)
+    target, scales = converted_manifest(manifest, to, path=checkpoint.at(MANIFEST_NAME))
     by_name = {e.name: e for e in target.params}
     shaped = manifest.kind == CONSOLIDATED
     writes = tuple(
@@ -322,19 +326,19 @@ def convert(
     texts = {  # rebuilt: the keys may be renamed
         name: _index_of(stem, files, writes)
         for stem, name in ((STATE_STEM, INDEX_FILE), (VALUE_STEM, MODEL_INDEX_FILE))
-        if _has_index(directory / name)
+        if _has_index(checkpoint, data_name(manifest, name))
     }
     plan = WritePlan(files, writes, texts)
     job = _Job(_output_manifest(target), plan)
-    return _write("convert", job, directory, manifest, dst, overwrite, progress, collective=False)
+    return _write("convert", job, checkpoint, manifest, dst, overwrite, progress, collective=False)
 
 
-def _has_index(path: Path) -> bool:
+def _has_index(checkpoint: storage.CheckpointFiles, name: str) -> bool:
     """Whether the source has this index file; one that is not a regular file of its own (a
-    symlink, a FIFO) is refused, as every reader refuses it."""
-    if not (access.is_file(path) or access.is_symlink(path)):
+    symlink) is refused, as every reader refuses it."""
+    if checkpoint.size(name) is None and not checkpoint.symlinked(name):
         return False
-    storage.read_text(path)
+    checkpoint.small_text(name)
     return True
 
 
@@ -366,7 +370,7 @@ def _check_manifest(job: _Job, dst: str | os.PathLike[str]) -> None:
 def _write(
     operation: str,
     job: _Job,
-    directory: Path,
+    checkpoint: storage.CheckpointFiles,
     manifest: Manifest,
     dst: str | os.PathLike[str],
     overwrite: bool,
@@ -374,7 +378,7 @@ def _write(
     collective: bool,
     called: dict[str, Any] | None = None,
 ) -> Location:
-    """Write ``job`` from the checkpoint in ``directory`` through the write engine: in this
+    """Write ``job`` from ``checkpoint`` through the write engine: in this
     process, or (``collective``) shared among the ranks of the default process group, once
     they have met and agree that they read one checkpoint (its resolved directory and
     manifest) and were called alike (the output, ``overwrite`` and the ``called`` options); a
@@ -395,7 +399,7 @@ def _write(
 
         ranks = collectives.group_ranks(None)
         arguments = {
-            "source": os.path.realpath(directory),
+            "source": checkpoint.resolved(),
             "manifest": manifest.digest(),
             "output": os.path.abspath(dst),
             "overwrite": overwrite,
@@ -404,11 +408,12 @@ def _write(
         group_steps.rendezvous(operation, ranks, arguments, CheckpointError)
         steps = group_steps.CollectiveSteps(operation, ranks, ranks[0], CheckpointError)
     shared = plan if collective else None
-    staging = writing.stage(steps, store, dst, overwrite=overwrite, source=directory, shared=shared)
-    written = _write_rank(steps, store, job, directory, manifest, staging, progress, shared)
+    source = str(checkpoint.location)
+    staging = writing.stage(steps, store, dst, overwrite=overwrite, source=source, shared=shared)
+    written = _write_rank(steps, store, job, checkpoint, manifest, staging, progress, shared)
     draft = writing.Draft(job.manifest)
     replaced = writing.commit(
-        steps, store, staging, dst, written, draft, source=directory, shared=shared
+        steps, store, staging, dst, written, draft, source=source, shared=shared
     )
     return writing.retire(steps, store, replaced, dst)
 
@@ -417,7 +422,7 @@ def _write_rank(
     steps: writing.Steps,
     store: storage.CheckpointStore,
     job: _Job,
-    directory: Path,
+    checkpoint: storage.CheckpointFiles,
     manifest: Manifest,
     staging: Path,
     progress: Progress | None,
@@ -428,7 +433,7 @@ def _write_rank(
     the job's own state copied. Its report, or its failure, which the commit raises."""
     plan = job.plan
     try:
-        with PieceReader(directory, manifest, reuse_outputs=2) as reader:
+        with PieceReader(checkpoint, manifest, reuse_outputs=2) as reader:
             if shared is None:
                 tensors = _read(manifest, reader, writing.in_order(plan))
                 written = writing.write_files(store, plan, staging, tensors, progress, sync=False)
@@ -441,7 +446,7 @@ def _write_rank(
                 tensors = _read(manifest, reader, iter(share))
                 written = writing.write_share(plan, staging, share, tensors, shown)
         if steps.is_root:
-            extra = _copy_extra(directory, manifest, staging)
+            extra = _copy_extra(checkpoint, manifest, staging)
             written.extra = None if extra is None else extra_to_json(extra)
     except BaseException as exc:
         return Attempt(failure=exc)
@@ -470,14 +475,16 @@ def _scaled(progress: Progress, plan: Plan) -> Progress:
     return scaled
 
 
-def _copy_extra(directory: Path, manifest: Manifest, staging: Path) -> Extra | None:
-    """The training job's own state of the checkpoint in ``directory``, copied unchanged into
+def _copy_extra(
+    checkpoint: storage.CheckpointFiles, manifest: Manifest, staging: Path
+) -> Extra | None:
+    """The training job's own state of ``checkpoint``, copied unchanged into
     ``staging`` (every tensor read verified, written as a save writes it)."""
     extra = manifest.extra
     if extra is None:
         return None
     trees, files = [], []
-    with PieceReader(directory, manifest) as reader:
+    with PieceReader(checkpoint, manifest) as reader:
         for what, tree in extra.trees():
             stored: list[ExtraTensor] = []
             for file in dict.fromkeys(t.file for t in tree.tensors):

@@ -22,6 +22,9 @@ write ``storage.X``:
 * :mod:`.safetensors_header`: a file's header parsed and checked, into compact records.
 * :mod:`.safetensors_reader` / :mod:`.safetensors_writer`: reading and writing the files.
 * :mod:`.reader_cache`: open readers, a bounded number at a time (LRU).
+* :mod:`.checkpoint_files`: the read seam of a whole checkpoint, :class:`CheckpointFiles`: a
+  local directory's files, or an S3 prefix's objects (manifest, indexes, data by ranged GETs),
+  chosen from the place (:func:`location`: a local path or an ``s3://`` URL).
 * :mod:`.transaction`: staging, swap-in, retiring and discarding checkpoint directories,
   deleting old checkpoints.
 * :mod:`.ownership`: the rules of what may be replaced or deleted (muonckpt's own only), a
@@ -44,6 +47,7 @@ the collective or checkpoint layers.
 from __future__ import annotations
 
 from .backend import CheckpointStore, store_for
+from .checkpoint_files import CheckpointFiles, files_at
 from .checksums import CHUNK_BYTES, checksum_chunks, chunk_digest
 from .dtypes import byte_view, dtype_name, itemsize, tensor_of_bytes, torch_dtype, unstorable_kind
 from .durable import (
@@ -59,9 +63,11 @@ from .durable import (
     write_texts_durably,
 )
 from .lease import leftover
+from .location import Location, location, resolved_place
 from .mailbox import is_mailbox, remove_mailbox
 from .ownership import check_target, is_ours, ownership_problem
 from .reader_cache import ReaderCache
+from .s3 import S3Client, S3Url
 from .safetensors_format import TensorRecord
 from .safetensors_reader import SafetensorsReader
 from .safetensors_writer import SafetensorsWriter, SharedSafetensorsFile
@@ -70,8 +76,12 @@ from .transaction import remove_checkpoint, watch_commit
 __all__ = [
     "CHUNK_BYTES",
     "MAX_TEXT_BYTES",
+    "CheckpointFiles",
     "CheckpointStore",
+    "Location",
     "ReaderCache",
+    "S3Client",
+    "S3Url",
     "SafetensorsReader",
     "SafetensorsWriter",
     "SharedSafetensorsFile",
@@ -83,11 +93,13 @@ __all__ = [
     "dtype_name",
     "entries",
     "file_size",
+    "files_at",
     "fsync_dir",
     "is_mailbox",
     "is_ours",
     "itemsize",
     "leftover",
+    "location",
     "make_directory",
     "ownership_problem",
     "read_small",
@@ -95,6 +107,7 @@ __all__ = [
     "read_text_chunks",
     "remove_checkpoint",
     "remove_mailbox",
+    "resolved_place",
     "store_for",
     "sync_files",
     "tensor_of_bytes",

@@ -12,7 +12,7 @@ from typing import Protocol
 
 from ..errors import CheckpointError, PreconditionFailed
 from .durable import open_regular
-from .s3 import S3Client, S3Url
+from .s3 import ObjectInfo, S3Client, S3Url
 
 HEAD_PREFETCH = 64 << 10
 """Bytes of an object read by its first GET: a safetensors header of this size or less costs
@@ -34,6 +34,11 @@ class ByteSource(Protocol):
     def changed(self) -> str | None:
         """How it changed since it was opened, in words; None when it did not (or that
         cannot be told)."""
+        ...
+
+    def identity(self) -> tuple[object, ...]:
+        """What tells the file or object opened from another put in its place: a reader
+        opened again must find the same (:class:`~.reader_cache.ReaderCache`)."""
         ...
 
     def close(self) -> None:
@@ -73,6 +78,11 @@ class FileSource:
             done += got
         return done
 
+    def identity(self) -> tuple[object, ...]:
+        """Device, inode, size and modification time when opened."""
+        was = self.opened
+        return (was.st_dev, was.st_ino, was.st_size, was.st_mtime_ns)
+
     def changed(self) -> str | None:
         try:
             now = os.fstat(self._open_fd())
@@ -98,23 +108,33 @@ class FileSource:
 
 
 class ObjectSource:
-    """An object in S3: its size and etag taken when opened (with its first
-    :data:`HEAD_PREFETCH` bytes, one GET), every later read a ranged GET ``If-Match`` that
-    etag. A read of an object replaced meanwhile raises, saying so."""
+    """An object in S3: its size and etag taken when opened, with its first
+    :data:`HEAD_PREFETCH` bytes (one GET; ``If-Match`` the etag of ``info`` when the caller
+    looked the object up already, none when it also read them: ``head``), every later read a
+    ranged GET ``If-Match`` that etag. A read of an object replaced or deleted meanwhile
+    raises, saying so."""
 
-    def __init__(self, client: S3Client, url: S3Url) -> None:
+    def __init__(
+        self,
+        client: S3Client,
+        url: S3Url,
+        info: ObjectInfo | None = None,
+        head: bytes | None = None,
+    ) -> None:
         self.client = client
         self.url = url
-        info = client.head(url)
-        if info is None:
+        try:
+            if info is None:
+                head, info = client.fetch(url, HEAD_PREFETCH) or (None, None)
+            elif head is None:
+                head = client.get(url, 0, min(info.size, HEAD_PREFETCH), if_match=info.etag)
+        except PreconditionFailed:
+            raise CheckpointError(f"cannot open {url}: it was replaced while opening") from None
+        if head is None or info is None:
             raise CheckpointError(f"cannot open {url}: there is no such object")
         self.etag = info.etag
         self._size = info.size
-        try:
-            head = client.get(url, 0, min(info.size, HEAD_PREFETCH), if_match=self.etag)
-        except PreconditionFailed:
-            raise CheckpointError(f"cannot open {url}: it was replaced while opening") from None
-        self._head = head or b""
+        self._head = head
 
     def size(self) -> int:
         return self._size
@@ -132,6 +152,10 @@ class ObjectSource:
                 "opened (the checkpoint changed while reading); read it again"
             ) from None
         return n
+
+    def identity(self) -> tuple[object, ...]:
+        """Its URL, etag and size when opened."""
+        return (str(self.url), self.etag, self._size)
 
     def changed(self) -> str | None:
         try:

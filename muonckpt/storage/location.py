@@ -31,3 +31,11 @@ def target(path: str | os.PathLike[str] | S3Url) -> Path | str:
     (:func:`location`)."""
     where = location(path)
     return where if isinstance(where, Path) else str(where)
+
+
+def resolved_place(target: str | os.PathLike[str] | S3Url) -> str:
+    """``target`` as the ranks of one call compare it: a local path made absolute (not
+    resolved: each rank's own symlinks are its business until the checkpoint is opened), an
+    ``s3://`` URL as parsed."""
+    place = location(target)
+    return str(place) if isinstance(place, S3Url) else os.path.abspath(place)

@@ -17,6 +17,7 @@ from ..settings import local_path
 from . import lease
 from .durable import read_text
 from .mailbox import MAILBOX_TAG
+from .s3 import is_s3_url
 
 STAGING_TAG = "staging"
 _STAGING_SUFFIX_BYTES = len(f"..{STAGING_TAG}-") + 8
@@ -123,7 +124,10 @@ def _name_max(directory: Path) -> int:
 
 def _overlap_problem(final: Path, source: str | os.PathLike[str]) -> str | None:
     """Why writing ``final`` would write into, over or around ``source``; None if it would not
-    (also when the two are the same directory: an in-place rewrite, staged beside it)."""
+    (also when the two are the same directory: an in-place rewrite, staged beside it, and
+    when ``source`` is in S3, which no local directory overlaps)."""
+    if is_s3_url(source):
+        return None
     src = Path(os.path.realpath(source))
     where = Path(os.path.realpath(final.parent)) / final.name
     targets = {where, Path(os.path.realpath(final))}

@@ -3,18 +3,17 @@
 A checkpoint of a large job has a file per rank (10,000 and more), beyond the open-file limit
 of most processes (``ulimit -n``: 1024, often less). Readers are kept open least recently used
 first, at most ``limit`` of them; one evicted is closed and opened again when asked for, and a
-file reopened must be the one first opened (same device, inode, size and modification time),
-else the checkpoint changed while it was read.
+file reopened must be the one first opened (its source's identity: a local file's device,
+inode, size and modification time, an object's URL, etag and size), else the checkpoint
+changed while it was read.
 """
 
 from __future__ import annotations
 
-import os
 import threading
 from collections import OrderedDict
-from pathlib import Path
+from collections.abc import Callable
 
-from ..errors import CheckpointError
 from .safetensors_reader import SafetensorsReader
 
 OPEN_FILES_SHARE = 4
@@ -39,49 +38,47 @@ def default_limit() -> int:
     return max(MIN_OPEN_FILES, min(MAX_OPEN_FILES, soft // OPEN_FILES_SHARE))
 
 
-def _identity(stat: os.stat_result) -> tuple[int, int, int, int]:
-    return (stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns)
-
-
 class ReaderCache:
-    """Open readers by path, least recently used closed first past ``limit``.
+    """Open readers by name, least recently used closed first past ``limit``; ``opener``
+    opens the reader of a name (a file of a checkpoint:
+    :meth:`~.checkpoint_files.CheckpointFiles.reader`; a local path by default).
 
     Thread-safe. A reader returned stays usable until ``limit`` other files were asked for
     since, so a caller uses it right away (as :class:`muonckpt.files.pieces.PieceReader` does,
     one piece at a time) and asks again for the next read.
     """
 
-    def __init__(self, limit: int | None = None) -> None:
+    def __init__(
+        self,
+        limit: int | None = None,
+        opener: Callable[[str], SafetensorsReader] = SafetensorsReader,
+    ) -> None:
         self.limit = default_limit() if limit is None else max(1, limit)
-        self._open: OrderedDict[Path, SafetensorsReader] = OrderedDict()
-        self._first: dict[Path, tuple[int, int, int, int]] = {}
+        self._opener = opener
+        self._open: OrderedDict[str, SafetensorsReader] = OrderedDict()
+        self._first: dict[str, tuple[object, ...]] = {}
         self._lock = threading.Lock()
         self.opens = 0
         """Files opened so far, reopenings included (for tests and benchmarks)."""
 
-    def get(self, path: str | os.PathLike[str]) -> SafetensorsReader:
-        """The open reader of ``path`` (opened, or reopened and checked, when not cached)."""
-        path = path if isinstance(path, Path) else Path(path)
+    def get(self, name: str) -> SafetensorsReader:
+        """The open reader of ``name`` (opened, or reopened and checked, when not cached)."""
         with self._lock:
-            reader = self._open.get(path)
+            reader = self._open.get(name)
             if reader is not None:
-                self._open.move_to_end(path)
+                self._open.move_to_end(name)
                 return reader
             while len(self._open) >= self.limit:
                 _, evicted = self._open.popitem(last=False)
                 evicted.close()
-            reader = SafetensorsReader(path)
+            reader = self._opener(name)
             self.opens += 1
-            now = _identity(reader.opened)
-            first = self._first.setdefault(path, now)
+            now = reader.identity()
+            first = self._first.setdefault(name, now)
             if now != first:
                 reader.close()
-                raise CheckpointError(
-                    "the checkpoint changed while reading: another file was put in its place "
-                    "(another process wrote it meanwhile); read it again",
-                    path=path,
-                )
-            self._open[path] = reader
+                raise reader.changed_error("another file was put in its place")
+            self._open[name] = reader
             return reader
 
     def close(self) -> None:

@@ -84,6 +84,11 @@ class S3Url:
         """The object or prefix ``name`` (one or more ``/``-separated parts) under this one."""
         return S3Url(self.bucket, f"{self.key}/{name}" if self.key else name)
 
+    def __truediv__(self, name: str) -> S3Url:
+        """:meth:`child`, as ``/`` joins a :class:`~pathlib.Path`: a checkpoint's place, local
+        or in S3, names its files alike."""
+        return self.child(name)
+
     @property
     def name(self) -> str:
         """The last part of the key (a checkpoint's name)."""
@@ -148,6 +153,8 @@ class ObjectInfo:
 
     size: int
     etag: str
+    modified_ns: int = 0
+    """When it was written (S3 keeps seconds), in nanoseconds."""
 
 
 def _botocore() -> tuple[Any, Any]:
@@ -251,8 +258,13 @@ class S3Client:
             time.sleep(delay)
 
     def _missing(self, exc: CheckpointError) -> bool:
+        """Whether ``exc`` says there is no such object (not: no such bucket, which a GET's
+        answer tells apart; a HEAD's has no body to)."""
         cause = exc.__cause__
-        return cause is not None and self._status(cause)[1] == 404
+        if cause is None:
+            return False
+        code, status = self._status(cause)
+        return status == 404 and code != "NoSuchBucket"
 
     # -- objects --------------------------------------------------------------------------
 
@@ -290,7 +302,33 @@ class S3Client:
             if self._missing(exc):
                 return None
             raise
-        return ObjectInfo(int(response["ContentLength"]), str(response["ETag"]))
+        return ObjectInfo(
+            int(response["ContentLength"]), str(response["ETag"]), _ns(response["LastModified"])
+        )
+
+    def fetch(self, url: S3Url, limit: int) -> tuple[bytes, ObjectInfo] | None:
+        """The object's first ``limit`` bytes (all of it when it is smaller) with its whole
+        size, etag and time, in one GET (a range past its end is answered with what there
+        is); None when there is no object."""
+
+        def request() -> tuple[bytes, ObjectInfo]:
+            response = self._client.get_object(
+                Bucket=url.bucket, Key=url.key, Range=f"bytes=0-{limit - 1}"
+            )
+            data: bytes = response["Body"].read()
+            whole = str(response.get("ContentRange", "")).rpartition("/")[2]
+            size = int(whole) if whole.isdigit() else len(data)
+            return data, ObjectInfo(size, str(response["ETag"]), _ns(response["LastModified"]))
+
+        try:
+            return self._call("read", url, request)
+        except CheckpointError as exc:
+            if self._missing(exc):
+                return None
+            if exc.__cause__ is None or self._status(exc.__cause__)[1] != 416:
+                raise
+        info = self.head(url)  # an empty object: it has no byte 0 to range over
+        return None if info is None else (b"", info)
 
     def get(
         self, url: S3Url, start: int = 0, end: int | None = None, *, if_match: str | None = None
@@ -383,37 +421,54 @@ class S3Client:
         1000 keys."""
         keys: list[str] = []
         directories: list[str] = []
+        base = prefix.prefix
         for page in self._pages(prefix, delimiter):
-            keys += [o.key for o in page[0]]
-            directories += page[1]
+            keys += [o["Key"][len(base) :] for o in page.get("Contents", [])]
+            directories += [p["Prefix"][len(base) : -1] for p in page.get("CommonPrefixes", [])]
         return sorted(keys), sorted(directories)
 
-    def objects(self, prefix: S3Url) -> list[Listed]:
-        """Every object under ``prefix`` (its key relative to it, size and last change), sorted
-        by key. One LIST per 1000 keys."""
-        return sorted((o for page in self._pages(prefix, False) for o in page[0]), key=_key_of)
-
-    def _pages(self, prefix: S3Url, delimiter: bool) -> Iterator[tuple[list[Listed], list[str]]]:
-        token: str | None = None
+    def objects(self, prefix: S3Url) -> dict[str, ObjectInfo]:
+        """The objects directly under ``prefix`` (not those under a further ``/``), by name
+        relative to it, each with its size, etag and time. One LIST per 1000 keys."""
         base = prefix.prefix
+        return {
+            o["Key"][len(base) :]: ObjectInfo(
+                int(o["Size"]), str(o["ETag"]), _ns(o["LastModified"])
+            )
+            for page in self._pages(prefix, True)
+            for o in page.get("Contents", [])
+        }
+
+    def tree(self, prefix: S3Url) -> list[Listed]:
+        """Every object under ``prefix``, however deep (its key relative to it, size and last
+        change), sorted by key. One LIST per 1000 keys."""
+        base = prefix.prefix
+        found = (
+            Listed(o["Key"][len(base) :], int(o["Size"]), o["LastModified"].timestamp())
+            for page in self._pages(prefix, False)
+            for o in page.get("Contents", [])
+        )
+        return sorted(found, key=_key_of)
+
+    def _pages(self, prefix: S3Url, delimiter: bool) -> Iterator[dict[str, Any]]:
+        """The pages of a LIST of the keys under ``prefix`` (with ``delimiter``: those directly
+        under it, and its "directories")."""
+        token: str | None = None
         while True:
             extra: dict[str, str] = {"Delimiter": "/"} if delimiter else {}
             if token is not None:
                 extra["ContinuationToken"] = token
-            page = self._call(
+            page: dict[str, Any] = self._call(
                 "list",
                 prefix,
                 functools.partial(
-                    self._client.list_objects_v2, Bucket=prefix.bucket, Prefix=base, **extra
+                    self._client.list_objects_v2,
+                    Bucket=prefix.bucket,
+                    Prefix=prefix.prefix,
+                    **extra,
                 ),
             )
-            yield (
-                [
-                    Listed(o["Key"][len(base) :], int(o["Size"]), o["LastModified"].timestamp())
-                    for o in page.get("Contents", [])
-                ],
-                [p["Prefix"][len(base) : -1] for p in page.get("CommonPrefixes", [])],
-            )
+            yield page
             if not page.get("IsTruncated"):
                 return
             token = page["NextContinuationToken"]
@@ -533,6 +588,11 @@ class S3Client:
                 Bucket=url.bucket, Key=url.key, UploadId=upload
             ),
         )
+
+
+def _ns(when: Any) -> int:
+    """An S3 time (a ``datetime``) in nanoseconds since the epoch."""
+    return int(when.timestamp()) * 1_000_000_000
 
 
 def _parts(chunks: Iterable[bytes | bytearray | memoryview], size: int) -> Iterator[bytes]:

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import CheckpointError, CheckpointWarning, PreconditionFailed
-from ..format.manifest import PREFIXED_VERSION, Manifest, all_files
+from ..format.manifest import PREFIXED_VERSION, all_files
 from ..format.manifest_json import parse_manifest
 from ..format.names import INDEX_FILE, MANIFEST_NAME, MODEL_INDEX_FILE
 from .durable import MAX_TEXT_BYTES, write_text_atomic
@@ -312,7 +312,7 @@ class S3Store:
         return None
 
     def _check_sizes(self, local: Path, saved: S3Url, files: Mapping[str, int]) -> None:
-        uploaded = {o.key: o.size for o in self.client.objects(saved)}
+        uploaded = {o.key: o.size for o in self.client.tree(saved)}
         for name, size in files.items():
             try:
                 found = os.stat(local / name).st_size if name == MANIFEST_NAME else uploaded[name]
@@ -423,31 +423,6 @@ class S3Store:
     def retire(self, directory: StrPath, files: Sequence[str] | None = None) -> None:
         """Nothing: :meth:`publish` retired what it replaced."""
 
-    def committed(self, directory: StrPath) -> tuple[Manifest, float] | None:
-        """The manifest of the complete checkpoint at ``directory`` and when it was
-        committed (the manifest's last change, seconds since the epoch): None when there is
-        none, it is no muonckpt manifest, or a file it lists is missing or of another size
-        (one LIST of the checkpoint, one GET of its manifest)."""
-        url = _url(directory)
-        found = {o.key: o for o in self.client.objects(url)}
-        listed = found.get(MANIFEST_NAME)
-        if listed is None or listed.size > MAX_TEXT_BYTES:
-            return None
-        raw = self.client.get(url.child(MANIFEST_NAME))
-        if raw is None:
-            return None
-        text = raw.decode("utf-8", "replace")
-        try:
-            manifest = parse_manifest(text, url)
-        except CheckpointError:
-            return None
-        sizes = [(f.name, f.bytes) for f in all_files(manifest)]
-        for name, size in sizes + [(i.name, i.bytes) for i in manifest.indexes]:
-            there = found.get(manifest.data_prefix + name)
-            if there is None or there.size != size:
-                return None
-        return manifest, listed.modified
-
     def remove_checkpoint(self, directory: StrPath) -> bool:
         """Delete a committed checkpoint: its manifest (only the one read: If-Match), then
         the objects it named."""
@@ -476,7 +451,7 @@ class S3Store:
         One LIST of everything under ``root`` and one of its uploads, made before the
         manifests are read: a save that commits meanwhile had a fresh lease in the listing."""
         url = _url(root)
-        objects = _by_save(self.client.objects(url))
+        objects = _by_save(self.client.tree(url))
         uploads = _by_save(self.client.uploads(url))
         named: dict[str, str | None] = {}
         removed: list[S3Url] = []

@@ -90,12 +90,10 @@ class SafetensorsReader:
             self.close()
             raise
 
-    @property
-    def opened(self) -> os.stat_result:
-        """The file's ``fstat`` when this reader opened it (a local file's reader only)."""
-        if not isinstance(self._source, FileSource):
-            raise self._fail("not a local file: it has no fstat")
-        return self._source.opened
+    def identity(self) -> tuple[object, ...]:
+        """What tells the file or object this reader opened from another put in its place
+        (:meth:`~.byte_source.ByteSource.identity`)."""
+        return self._check_open().identity()
 
     def _fail(self, message: str, param: str | None = None) -> CheckpointError:
         return CheckpointError(message, path=self._where, param=param)
@@ -119,7 +117,8 @@ class SafetensorsReader:
         except CheckpointError:
             return False
 
-    def _changed_error(self, why: str, param: str | None) -> CheckpointError:
+    def changed_error(self, why: str, param: str | None = None) -> CheckpointError:
+        """The error of a read that found the file changed since it was opened (``why``)."""
         return self._fail(
             f"the checkpoint changed while reading: {why} (another process wrote it meanwhile); "
             "read it again",
@@ -442,7 +441,7 @@ class SafetensorsReader:
                     else None
                 )
                 if why is not None:
-                    raise self._changed_error(f"{why}; chunk {i} no longer matches", key)
+                    raise self.changed_error(f"{why}; chunk {i} no longer matches", key)
                 raise self._fail(
                     f"checksum mismatch in chunk {i} (bytes [{i * chunk_bytes}, "
                     f"{min((i + 1) * chunk_bytes, rec.nbytes)}) of the tensor): "

@@ -12,12 +12,12 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import StateDictError
-from ...files.pieces import PieceReader, open_checkpoint
+from ...files.pieces import PieceReader
 from ...format import kinds
 from ...format.conversion import group_kind, step_scalar
 from ...format.manifest import Manifest, PieceIndex, Scalar
 from ...format.names import PARAM_KEY
-from .._foreign_out import not_carried, read_whole, staged_output
+from .._foreign_out import not_carried, open_local, read_whole, staged_output
 from ..foreign import Conversion
 from . import files as dcp_files
 from .reader import LAYOUTS, OPTIMIZER_PREFIX, dcp_family
@@ -46,13 +46,13 @@ def to_dcp(
     family = dcp_family(to, "target")
     if layout not in LAYOUTS:
         raise StateDictError(f"layout {layout!r}: choose one of {', '.join(LAYOUTS)}")
-    directory, manifest = open_checkpoint(src)
+    directory, files, manifest = open_local(src)
     out = _DcpOut(LAYOUTS[layout])
     _add_optimizer(out, manifest, family, directory)
     _add_model(out, manifest)
     with (
         staged_output(dst, directory, "dcp") as (_, staging),
-        PieceReader(directory, manifest) as reader,
+        PieceReader(files, manifest) as reader,
     ):
         fetch = _WholeTensors(out.sources, manifest, reader)
         dcp_files.write_dcp(staging, out.tensors, out.values, fetch)

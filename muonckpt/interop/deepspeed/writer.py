@@ -27,7 +27,7 @@ from ...format import kinds
 from ...format.manifest import Manifest
 from ...format.names import PARAM_KEY
 from ...storage import make_directory
-from .._foreign_out import not_carried, read_whole, staged_output
+from .._foreign_out import not_carried, open_local, read_whole, staged_output
 from ..foreign import Conversion
 from . import files as deepspeed_files
 from .partitions import GroupLayout, group_layout
@@ -281,7 +281,7 @@ def to_deepspeed(
 
     Memory: the whole optimizer state once, plus one rank's file.
     """
-    from ...files.pieces import PieceReader, open_checkpoint
+    from ...files.pieces import PieceReader
 
     if to != SOURCE:
         raise OptionError(f"DeepSpeed output is for {SOURCE!r}, not {to!r}", "--to")
@@ -292,9 +292,9 @@ def to_deepspeed(
     settings.world_size(world, "--world", "one rank file", allow_large=allow_large_world)
     if stage not in (1, 2):
         raise OptionError(f"ZeRO stage {stage!r}: DeepSpeed's Muon runs at stages 1 and 2")
-    directory, manifest = open_checkpoint(src)
+    directory, files, manifest = open_local(src)
     groups, notes = _out_groups(manifest, directory)
-    with PieceReader(directory, manifest) as reader:
+    with PieceReader(files, manifest) as reader:
         values = [_out_values(reader, manifest, group, world) for group in groups]
     step = manifest.recorded_step or max((v.step or 0 for v in values), default=0)
     tag = f"global_step{step}"

@@ -31,7 +31,7 @@ from ...format import kinds
 from ...format.conversion import group_kind
 from ...format.manifest import Manifest
 from ...format.names import PARAM_KEY
-from .._foreign_out import not_carried, read_whole, staged_output
+from .._foreign_out import not_carried, open_local, read_whole, staged_output
 from ..dcp import files as dcp_files
 from ..foreign import Conversion
 from . import tp_chunks as megatron_tp
@@ -224,14 +224,14 @@ def to_megatron(
 
     Memory: one param's tensor at a time (each chunk of it read on its own).
     """
-    from ...files.pieces import PieceReader, open_checkpoint
+    from ...files.pieces import PieceReader
 
     if to != SOURCE:
         raise OptionError(f"Megatron output is for {SOURCE!r}, not {to!r}", "--to")
     _check_sizes(tp, dp)
     assert tp is not None and dp is not None
     settings.world_size(tp, "--tp", "one chunk of each tensor", allow_large=allow_large_world)
-    directory, manifest = open_checkpoint(src)
+    directory, files, manifest = open_local(src)
     factors, optimizer, step, notes = _groups(manifest, directory)
     keys = _keys(manifest, factors, tp, directory)
     tensors, chunks = _tensors_and_chunks(keys, tp)
@@ -239,7 +239,7 @@ def to_megatron(
     values = _values(keys, optimizer, iteration)
     with staged_output(dst, directory, SOURCE) as (store, staging):
         iteration_dir = storage.make_directory(staging / f"iter_{iteration:07d}")
-        with PieceReader(directory, manifest) as reader:
+        with PieceReader(files, manifest) as reader:
             fetch = _LayerBlocks(keys, tensors, manifest, reader)
             dcp_files.write_dcp(iteration_dir, tensors, values, fetch, chunks)
         store.put_text(iteration_dir / DIST_METADATA, BACKEND)
