@@ -34,8 +34,8 @@ from ..errors import CheckpointError, MuonCkptError
 from ..files import retention, writing
 from ..state.hostcopy import HostBuffers
 from ..state.placement import Joined, Optimizers, optimizers_of
-from ..storage.location import Location, location
-from ..storage.location import target as target_text
+from ..storage.places import Location, location
+from ..storage.places import target as target_text
 from . import saving
 from .loading import LoadReport, load
 from .options import SaveOptions
@@ -404,7 +404,7 @@ _HOST_BUFFERS: weakref.WeakKeyDictionary[Any, HostBuffers] = weakref.WeakKeyDict
 
 
 def _absolute(path: str | os.PathLike[str]) -> Path | str:
-    """``path`` as the engine takes it (:func:`muonckpt.storage.location.target`), a local
+    """``path`` as the engine takes it (:func:`muonckpt.storage.places.target`), a local
     one made absolute: a background save commits where the call named, whatever the working
     directory is by then."""
     where = target_text(path)

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from .. import settings
-from ..storage.location import location
+from ..storage.places import location
 from ..storage.s3 import S3Url
 
 

@@ -53,7 +53,7 @@ from ..state.model_state import ModelTensors, model_tensors
 from ..state.placement import Optimizers, describe, optimizers_of, participants, replica_hint
 from ..state.sharding_model import Sharding
 from ..state.values import ParamState, PlainValue, ScalarValue, StateValue, TensorValue, state_value
-from ..storage.location import target
+from ..storage.places import target
 from . import _save_manifest
 from .options import SaveOptions
 
@@ -65,7 +65,7 @@ class SaveCall:
 
     optimizer: Optimizers
     path: Path | str
-    """The target as the store takes it (:func:`muonckpt.storage.location.target`)."""
+    """The target as the store takes it (:func:`muonckpt.storage.places.target`)."""
     options: SaveOptions
     sharding: Sharding
     steps: group_steps.CollectiveSteps

@@ -23,7 +23,7 @@ from ..errors import ArgumentError, CheckpointError, CheckpointWarning
 from ..format.manifest import Manifest
 from ..format.names import MANIFEST_NAME
 from ..storage import access
-from ..storage.location import Location, location, target
+from ..storage.places import Location, location, target
 from ..storage.s3 import S3Url
 from ..storage.s3store import S3Store
 from .pieces import load_pieces, read_manifest, size_problems

@@ -53,7 +53,7 @@ from ..format.manifest import (
 from ..format.names import MANIFEST_NAME
 from ..format.writeplan import Plan, TensorWrite, specs_of
 from ..layout.workplan import WorkUnit, split_work
-from ..storage.location import Location, location
+from ..storage.places import Location, location
 from ..storage.safetensors_writer import prefetched
 from . import _indexes
 from ._indexes import check_manifest_fits as check_manifest_fits
@@ -232,7 +232,7 @@ def retire(
     """The ``retire`` step, after the commit: every rank deletes its share of the ``replaced``
     checkpoint's files (nothing when none was); a failure is a warning (the new checkpoint is
     in place), an interruption is raised tagged (:func:`after_commit`). ``final``, as a
-    local path or an S3 URL (:func:`muonckpt.storage.location.location`)."""
+    local path or an S3 URL (:func:`muonckpt.storage.places.location`)."""
     where = location(final)
     try:
         _retire(steps, store, replaced, where)

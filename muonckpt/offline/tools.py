@@ -75,7 +75,7 @@ from ..format.writeplan import (
     unique_tensor_keys,
 )
 from ..layout.topology import BufferLayout, LayoutOptions, ParamSpec, Region, Topology, arrange
-from ..storage.location import Location, target
+from ..storage.places import Location, target
 from . import _model
 
 # torch (and so collectives) is imported only by the paths that need it: several processes

@@ -63,9 +63,9 @@ from .durable import (
     write_texts_durably,
 )
 from .lease import leftover
-from .location import Location, location, resolved_place
 from .mailbox import is_mailbox, remove_mailbox
 from .ownership import check_target, is_ours, ownership_problem
+from .places import Location, location, resolved_place
 from .reader_cache import ReaderCache
 from .s3 import S3Client, S3Url
 from .safetensors_format import TensorRecord

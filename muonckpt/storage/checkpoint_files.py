@@ -5,7 +5,7 @@ asks a :class:`CheckpointFiles` for the manifest's text, a small file's bytes, a
 and an open :class:`~.safetensors_reader.SafetensorsReader`, by the file's name relative to
 the checkpoint (``rank-00000-of-00004.safetensors``, or under the manifest's save prefix,
 ``s-<16 hex>/rank-...``). :func:`files_at` picks the one for a place, told apart once
-at the entry point (:func:`.location.location`), and the reader hands it down:
+at the entry point (:func:`.places.location`), and the reader hands it down:
 
 * :class:`DirectoryFiles`, a local directory: exactly the calls every reader made before the
   seam (regular files of its own, never through a symlink; ``pread``).
@@ -27,8 +27,8 @@ from ..errors import CheckpointError
 from ..format.names import MANIFEST_NAME
 from . import access, byte_source
 from .durable import MAX_TEXT_BYTES, file_size, read_small, read_text, read_text_chunks
-from .location import Location
 from .ownership import is_ours
+from .places import Location
 from .s3 import ObjectInfo, S3Client, S3Url, shared_client
 from .safetensors_reader import SafetensorsReader
 
@@ -285,7 +285,7 @@ def _text(data: bytes, url: S3Url) -> str:
 
 
 def files_at(place: Location) -> CheckpointFiles:
-    """The files of the checkpoint at ``place`` (:func:`.location.location`): a local
+    """The files of the checkpoint at ``place`` (:func:`.places.location`): a local
     directory's, or an S3 prefix's (through this process's client,
     :func:`~.s3.shared_client`)."""
     if isinstance(place, S3Url):
