@@ -102,7 +102,9 @@ def test_a_commit_whose_answer_was_lost_is_still_ours(
     store = S3Store(client)
     staging = store.create_staging(target, False)
     (staging / "rank-00000-of-00001.safetensors").write_bytes(b"data")
-    store.put_text(staging / "manifest.json", '{"files": []}')
+    store.put_text(
+        staging / "manifest.json", '{"files": [],\n"format_version": 4,\n"kind": "per-rank"}'
+    )
     proxy.lose_answer_to = "step-3/manifest.json"
     refused: list[str] = []
     put = client.put

@@ -138,7 +138,7 @@ def test_read_verify_load_latest_and_the_cli_in_one_process(
     client.put(S3Url.parse(two) / "s-0123456789abcdef/rank-00000-of-00001.safetensors", b"x")
     assert muonckpt.verify(two) == []
     before = len(proxy.log)
-    assert muonckpt.latest(f"s3://{bucket}/run") == three
+    assert str(muonckpt.latest(f"s3://{bucket}/run")) == three
     assert sum("list-type" in r.target for r in proxy.log[before:]) == 1
     assert muonckpt.latest(f"s3://{bucket}/nothing-yet") is None
     with pytest.raises(CheckpointError, match="is a checkpoint itself"):

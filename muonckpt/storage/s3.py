@@ -166,18 +166,21 @@ def _botocore() -> tuple[Any, Any]:
         ) from None
 
 
-_CLIENTS: dict[TransferSettings, S3Client] = {}
+_CLIENTS: dict[tuple[TransferSettings, tuple[tuple[str, str], ...]], S3Client] = {}
 _CLIENTS_LOCK = threading.Lock()
 
 
 def shared_client(settings: TransferSettings | None = None) -> S3Client:
-    """This process's client for ``settings`` (the defaults when None), made at the first
-    call (boto3's session and client take ~0.3 s); a forked child makes its own."""
+    """This process's client for ``settings`` (the defaults when None) and the AWS
+    environment as it is now (``AWS_*``: endpoint, profile, credentials, region), made at the
+    first call with them (boto3's session and client take ~0.3 s): a process that changes its
+    environment gets a client that follows it. A forked child makes its own."""
     settings = settings or TransferSettings()
+    key = (settings, tuple(sorted(i for i in os.environ.items() if i[0].startswith("AWS_"))))
     with _CLIENTS_LOCK:
-        client = _CLIENTS.get(settings)
+        client = _CLIENTS.get(key)
         if client is None:
-            client = _CLIENTS[settings] = S3Client(settings)
+            client = _CLIENTS[key] = S3Client(settings)
         return client
 
 
