@@ -1,6 +1,6 @@
 """The phase of tests/test_s3_load.py that runs in gloo children: save at 2 x 2 to a local
-directory, copy it to S3 object by object (as ``aws s3 cp --recursive`` does), then load it
-at 4 x 1 from the directory and from S3."""
+directory and to S3, copy the directory to S3 object by object (as ``aws s3 cp --recursive``
+does), then load each at 4 x 1."""
 
 from __future__ import annotations
 
@@ -46,22 +46,28 @@ def state_of(opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
 def save_copy_load_phase(
     local: str, bucket: str, prefix: str, upstream: str, environment: dict[str, str], steps: int
 ) -> dict[str, torch.Tensor]:
-    """Train ``steps`` at 2 x 2 and save to ``local``; rank 0 copies it to S3 (straight to
-    ``upstream``, not through the endpoint the loads use); then load at 4 x 1 from both,
-    each into an optimizer built from zeros, with the AWS ``environment`` given (the
-    children of a forkserver started earlier in the session have the environment it had
-    then). Returns both loads' state, ``local/`` and ``s3/`` before each name."""
+    """Train ``steps`` at 2 x 2 and save to ``local`` and to S3 (``<prefix>-saved``); rank 0
+    copies the local one to S3 (both straight to ``upstream``, not through the endpoint the
+    loads use); then load at 4 x 1 from all three, each into an optimizer built from zeros,
+    with the AWS ``environment`` given (the children of a forkserver started earlier in the
+    session have the environment it had then). Returns the loads' state, ``local/``, ``s3/``
+    and ``saved/`` before each name."""
     os.environ.update(environment)
     rank = dist.get_rank()
     opt, sharded, dp_rank, tp_rank = build(2, 2, initial_params())
     train(opt, sharded, dp_rank, tp_rank, 0, steps)
     muonckpt.save(opt, local)
+    # and saved to S3 by every rank (straight to ``upstream`` too: the proxy logs loads only)
+    os.environ["AWS_ENDPOINT_URL"] = upstream
+    muonckpt.save(opt, f"s3://{bucket}/{prefix}-saved")
+    os.environ.update(environment)
     if rank == 0:
         upload(Path(local), bucket, prefix, upstream)
     dist.barrier()
     out = {}
     zeros = {name: torch.zeros_like(value) for name, value in initial_params().items()}
-    for tag, ckpt in (("local", local), ("s3", f"s3://{bucket}/{prefix}")):
+    copies = (("s3", f"s3://{bucket}/{prefix}"), ("saved", f"s3://{bucket}/{prefix}-saved"))
+    for tag, ckpt in (("local", local), *copies):
         os.environ["AWS_SDK_UA_APP_ID"] = AGENT.format(rank=rank)
         loaded, _, _, _ = build(4, 1, zeros)
         muonckpt.load(loaded, ckpt)

@@ -22,9 +22,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from typer.testing import CliRunner
 
 import muonckpt
 from muonckpt import offline
+from muonckpt.cli import app
 from muonckpt.distributed.launch import run_distributed
 from muonckpt.errors import CheckpointError
 from muonckpt.format.manifest import PREFIXED_VERSION
@@ -33,6 +35,7 @@ from muonckpt.storage.s3store import data_prefix_of
 
 from .fixture_model import single_process_optimizer
 from .kill_helpers import REPO, readline
+from .s3_cases import upload
 from .s3_proxy import FaultProxy
 from .s3_save_cases import save_one_rank_cannot_reach, save_to_both
 from .s3_server import S3Server
@@ -348,3 +351,48 @@ def test_two_writers_racing_one_target_20_trials(s3_server: S3Server, scratch: P
     bucket = s3_server.bucket()
     lost = [_race(f"s3://{bucket}/race-{trial}") for trial in range(20)]
     assert any("first" in e for e in lost)  # (20 of 20 lost at the conditional commit, here)
+
+
+def test_the_cli_rewrites_s3_to_s3_and_local_to_s3(
+    s3_server: S3Server, tmp_path: Path, scratch: Path, single_ckpt
+) -> None:
+    """``muonckpt consolidate / reshard / convert --to torch`` with an ``s3://`` SRC (a plain
+    object copy of a local checkpoint) and ``-o s3://``, and from a directory to S3: the same
+    files as the same command between directories, each output verified where it is. A
+    foreign format from or to S3 is refused, exit 2, nothing written."""
+    bucket = s3_server.bucket()
+    local_src = single_ckpt(2)
+    upload(local_src, bucket, "src", s3_server.endpoint)
+    commands = {
+        "consolidated": ["consolidate"],
+        "resharded": ["reshard", "--dp", "2", "--tp", "1"],
+        "converted": ["convert", "--to", "torch"],
+    }
+    runner = CliRunner()
+    for name, (command, *options) in commands.items():
+        for src, dst in (
+            (str(local_src), str(tmp_path / name)),
+            (f"s3://{bucket}/src", f"s3://{bucket}/{name}"),
+            (str(local_src), f"s3://{bucket}/{name}-up"),
+        ):
+            result = runner.invoke(app, [command, src, *options, "-o", dst])
+            assert result.exit_code == 0, result.output
+            assert f"wrote {dst}:" in " ".join(result.output.split())  # (wrapped at 80)
+            assert muonckpt.verify(dst) == []
+        for copy in (name, f"{name}-up"):
+            down = _download(f"s3://{bucket}/{copy}", tmp_path / f"{copy}-copy")
+            _same_checkpoint(tmp_path / name, down)
+    result = runner.invoke(
+        app, ["convert", f"s3://{bucket}/src", "--format", "dcp", "-o", f"s3://{bucket}/dcp"]
+    )
+    said = " ".join(result.output.split())
+    assert (
+        result.exit_code == 2 and "local directories" in said and "src to a directory first" in said
+    ), said
+    assert [k for k in _keys(f"s3://{bucket}") if k.startswith("dcp")] == []
+    result = runner.invoke(
+        app, ["convert", str(local_src), "--format", "dcp", "--to", "torchtitan", "-o", "s3://x/y"]
+    )
+    said = " ".join(result.output.split())
+    assert result.exit_code == 2 and "takes a local directory only" in said, said
+    assert _staged_in(scratch) == []
