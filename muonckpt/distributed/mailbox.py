@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -35,6 +36,9 @@ PREFIX = "muonckpt/async_save"
 """Every mailbox's keys are under ``PREFIX/<its name>/``."""
 _OPEN = "open"
 """The key the root sets first and deletes last: the mailbox is there while it is."""
+CONNECT_S = 5.0
+"""How long a connection of the mailbox's own may take to be made (ms, when the store is
+there)."""
 _FIRST_POLL_S = 0.001
 _LONGEST_POLL_S = 0.1
 _POLL_GROWTH = 1.25
@@ -82,10 +86,19 @@ class Mailbox:
         """(in the background thread, first) A connection of this mailbox's own to the store,
         or the job's for a store that cannot make one (a store of the job's own making, or
         one gone already: the first message then says so)."""
-        try:
-            self._own = self._job.clone()  # type: ignore[attr-defined]  # (not in stubs)
-        except RuntimeError:
-            self._own = self._job
+        made: list[Store] = []
+
+        def clone() -> None:
+            with contextlib.suppress(RuntimeError):
+                made.append(self._job.clone())  # type: ignore[attr-defined]  # (not in stubs)
+
+        # A clone of a store whose host is dying connects again and again for the store's
+        # whole timeout (30 min): after CONNECT_S, the job's connection, whose first request
+        # then fails at once.
+        maker = threading.Thread(target=clone, name="muonckpt store connection", daemon=True)
+        maker.start()
+        maker.join(CONNECT_S)
+        self._own = made[0] if made else self._job
 
     def _keys(self) -> Store:
         """This mailbox's keys, through its own connection once made (:meth:`connect`)."""
