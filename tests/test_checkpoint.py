@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import safetensors.torch
@@ -22,10 +24,30 @@ def reference(reference_params):
     return reference_params(K + M)
 
 
-def _save(tmp, dp, tp, consolidated):
-    ckpt = tmp / "ckpt"
-    run_distributed(save_phase, dp * tp, dp, tp, K, str(ckpt), consolidated, timeout=120)
-    return ckpt
+def save_both(dp: int, tp: int, root: str) -> None:
+    """(gloo child) Both kinds, saved after the same K steps, from one launch."""
+    for consolidated in (False, True):
+        save_phase(dp, tp, K, f"{root}/{_kind(consolidated)}", consolidated)
+
+
+def _kind(consolidated: bool) -> str:
+    return "consolidated" if consolidated else "per-rank"
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> Callable[[tuple[int, int], bool], Path]:
+    """``saved((dp, tp), consolidated)``: the checkpoint of K steps at dp x tp, both kinds
+    saved by one launch the first time either is asked for. Shared: only read it."""
+    launched: dict[tuple[int, int], Path] = {}
+
+    def get(topology: tuple[int, int], consolidated: bool) -> Path:
+        if topology not in launched:
+            root = tmp_path_factory.mktemp(f"saved-{topology[0]}x{topology[1]}")
+            run_distributed(save_both, topology[0] * topology[1], *topology, str(root), timeout=120)
+            launched[topology] = root
+        return launched[topology] / _kind(consolidated)
+
+    return get
 
 
 @pytest.mark.dist
@@ -33,8 +55,8 @@ def _save(tmp, dp, tp, consolidated):
 @pytest.mark.parametrize(
     "src,dst", [((2, 2), (4, 2)), ((2, 2), (1, 1)), ((4, 2), (2, 4)), ((1, 1), (2, 2))]
 )
-def test_resume_from_checkpoint_is_bitwise(tmp_path, reference, src, dst, consolidated):
-    ckpt = _save(tmp_path, *src, consolidated)
+def test_resume_from_checkpoint_is_bitwise(saved, reference, src, dst, consolidated):
+    ckpt = saved(src, consolidated)
     assert muonckpt.verify(ckpt) == []
     shards = run_distributed(load_phase, dst[0] * dst[1], *dst, str(ckpt), K, M, timeout=120)
     full = assemble(*dst, shards)
@@ -60,8 +82,8 @@ def test_distributed_save_over_a_checkpoint_replaces_it_whole(tmp_path):
 
 
 @pytest.mark.dist
-def test_consolidated_file_opens_with_safetensors(tmp_path):
-    ckpt = _save(tmp_path, 2, 2, True)
+def test_consolidated_file_opens_with_safetensors(saved):
+    ckpt = saved((2, 2), True)
     tensors = safetensors.torch.load_file(ckpt / "optimizer.safetensors")
     # Every state tensor at its full shape, however the 2 x 2 run had sharded it.
     assert set(tensors) == {f"state.{n}.{k}" for n, keys in STATE_KEYS.items() for k in keys}

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Callable
+from pathlib import Path
 
 import muon
 import pytest
@@ -143,16 +145,27 @@ def save_packaged_2x2(path: str) -> None:
     muonckpt.save(opt, path)
 
 
-def saved_by(kind: str, root) -> str:
-    path = root / kind
-    if kind == "packaged":
-        run_distributed(save_packaged_2x2, 4, str(path), timeout=120)
-    else:
-        params = fresh()
-        opts = BUILD[kind](params)
-        step_all(opts, params, 0, K)
-        muonckpt.save(opts, path)
-    return path
+@pytest.fixture(scope="module")
+def saved_by(tmp_path_factory) -> Callable[[str], Path]:
+    """``saved_by(kind)``: the fixture model trained K steps by ``kind`` and saved, once per
+    module (the packaged Muon's by a 2 x 2 launch). Shared: only read it."""
+    root = tmp_path_factory.mktemp("saved-by")
+    saved: dict[str, Path] = {}
+
+    def get(kind: str) -> Path:
+        if kind not in saved:
+            path = root / kind
+            if kind == "packaged":
+                run_distributed(save_packaged_2x2, 4, str(path), timeout=120)
+            else:
+                params = fresh()
+                opts = BUILD[kind](params)
+                step_all(opts, params, 0, K)
+                muonckpt.save(opts, path)
+            saved[kind] = path
+        return saved[kind]
+
+    return get
 
 
 RAW = {"packaged": "sum", "torch": "ema", "keller-jordan": "ema"}
@@ -170,8 +183,8 @@ raw, as a plain load_state_dict would."""
         ("keller-jordan", "packaged"),
     ],
 )
-def test_converted_momentum_continues_the_run(tmp_path, source, target):
-    ckpt = saved_by(source, tmp_path)
+def test_converted_momentum_continues_the_run(saved_by, source, target):
+    ckpt = saved_by(source)
     same = continue_from(source, ckpt)
     converted = continue_from(target, ckpt)
     raw = continue_from(target, ckpt, momentum_form=RAW[source])
@@ -182,8 +195,8 @@ def test_converted_momentum_continues_the_run(tmp_path, source, target):
 
 
 @pytest.mark.dist
-def test_load_reports_the_conversion_and_warns_about_settings(tmp_path):
-    ckpt = saved_by("packaged", tmp_path)
+def test_load_reports_the_conversion_and_warns_about_settings(saved_by):
+    ckpt = saved_by("packaged")
     params = fresh(zeros=True)
     muon_t, adamw_t = torch_pair(params)
     muon_t.param_groups[0]["adjust_lr_fn"] = None  # torch's default lr rule
@@ -199,8 +212,8 @@ def test_load_reports_the_conversion_and_warns_about_settings(tmp_path):
 
 
 @pytest.mark.dist
-def test_a_target_of_unknown_form_needs_momentum_form(tmp_path):
-    ckpt = saved_by("packaged", tmp_path)
+def test_a_target_of_unknown_form_needs_momentum_form(saved_by):
+    ckpt = saved_by("packaged")
 
     class MyMuon(torch.optim.SGD):
         """A Muon muonckpt has never heard of."""
@@ -215,8 +228,8 @@ def test_a_target_of_unknown_form_needs_momentum_form(tmp_path):
 
 
 @pytest.mark.dist
-def test_optimizers_that_miss_params_are_refused(tmp_path):
-    ckpt = saved_by("packaged", tmp_path)
+def test_optimizers_that_miss_params_are_refused(saved_by):
+    ckpt = saved_by("packaged")
     params = fresh(zeros=True)
     with pytest.raises(muonckpt.CheckpointError, match="held by none"):
         muonckpt.load(torch_pair(params)[:1], ckpt)
@@ -229,12 +242,12 @@ def test_optimizers_that_miss_params_are_refused(tmp_path):
     "source,target",
     [("packaged", "torch"), ("torch", "packaged"), ("packaged", "keller-jordan")],
 )
-def test_convert_output_continues_as_the_in_memory_conversion(tmp_path, source, target):
+def test_convert_output_continues_as_the_in_memory_conversion(saved_by, tmp_path, source, target):
     from typer.testing import CliRunner
 
     from muonckpt.cli import app
 
-    ckpt = saved_by(source, tmp_path)
+    ckpt = saved_by(source)
     out = tmp_path / "converted"
     result = CliRunner().invoke(app, ["convert", str(ckpt), "-o", str(out), "--to", target])
     assert result.exit_code == 0, result.output
@@ -247,12 +260,12 @@ def test_convert_output_continues_as_the_in_memory_conversion(tmp_path, source, 
 
 
 @pytest.mark.dist
-def test_convert_refuses_an_unknown_implementation(tmp_path):
+def test_convert_refuses_an_unknown_implementation(saved_by, tmp_path):
     from typer.testing import CliRunner
 
     from muonckpt.cli import app
 
-    ckpt = saved_by("torch", tmp_path)
+    ckpt = saved_by("torch")
     result = CliRunner().invoke(
         app, ["convert", str(ckpt), "-o", str(tmp_path / "x"), "--to", "jax"]
     )

@@ -24,7 +24,10 @@ from .kill_helpers import loaded_value, readline, start_helper
 
 pytestmark = pytest.mark.dist
 
-TRIALS = 24
+TRIALS = 12
+"""Kills in the default tier; the ``slow`` tier runs ``SLOW_TRIALS`` (the first ``TRIALS``
+the same: one seed)."""
+SLOW_TRIALS = 24
 SEED = 20240611
 MAX_DELAY_S = 0.6
 
@@ -62,14 +65,17 @@ def _check_leftover(staging: Path) -> str:
     return "manifest" if (staging / "manifest.json").exists() else "no manifest"
 
 
-def test_sigkill_during_save_never_breaks_the_checkpoint(tmp_path):
+@pytest.mark.parametrize(
+    "trials", [TRIALS, pytest.param(SLOW_TRIALS, marks=pytest.mark.slow)], ids=str
+)
+def test_sigkill_during_save_never_breaks_the_checkpoint(tmp_path, trials):
     template = tmp_path / "template"
     helper = start_helper(HELPER, str(template))
     try:
         assert readline(helper) == "ready"
         rng = random.Random(SEED)
         values, leftovers = [], []
-        for trial in range(TRIALS):
+        for trial in range(trials):
             root = tmp_path / f"trial{trial:02d}"
             root.mkdir()
             ckpt = root / "ckpt"

@@ -226,10 +226,19 @@ def _signal(proc: subprocess.Popen, signum: int) -> str:
     return stderr
 
 
+SLOW = pytest.mark.slow
+"""SIGINT and SIGTERM reach one handler (``cli.exits._stop``, the exit code 128 + its number):
+each test runs one of them in the default tier, the other in the slow tier, and the default
+tier runs both."""
+
+
 @pytest.mark.parametrize(
     ("signum", "code"),
-    [(signal.SIGKILL, -signal.SIGKILL), (signal.SIGTERM, 143), (signal.SIGINT, 130)],
-    ids=["SIGKILL", "SIGTERM", "SIGINT"],
+    [
+        pytest.param(signal.SIGKILL, -signal.SIGKILL, id="SIGKILL"),
+        pytest.param(signal.SIGTERM, 143, id="SIGTERM"),
+        pytest.param(signal.SIGINT, 130, id="SIGINT", marks=SLOW),
+    ],
 )
 def test_a_signal_to_the_cli_leaves_no_process(setup, tmp_path, channel, signum, code):
     """``demo``'s two ranks, held in their writes: the command ends them, however it ends."""
@@ -250,7 +259,11 @@ def test_a_signal_to_the_cli_leaves_no_process(setup, tmp_path, channel, signum,
 
 
 @pytest.mark.parametrize(
-    ("signum", "code"), [(signal.SIGTERM, 143), (signal.SIGINT, 130)], ids=["SIGTERM", "SIGINT"]
+    ("signum", "code"),
+    [
+        pytest.param(signal.SIGTERM, 143, id="SIGTERM", marks=SLOW),
+        pytest.param(signal.SIGINT, 130, id="SIGINT"),
+    ],
 )
 def test_a_signal_to_a_single_process_cli_removes_its_staging(
     setup, tmp_path, channel, signum, code
@@ -287,7 +300,11 @@ def _assert_committed(tag: str, out: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    ("signum", "code"), [(signal.SIGTERM, 3), (signal.SIGINT, 3)], ids=["SIGTERM", "SIGINT"]
+    ("signum", "code"),
+    [
+        pytest.param(signal.SIGTERM, 3, id="SIGTERM"),
+        pytest.param(signal.SIGINT, 3, id="SIGINT", marks=SLOW),
+    ],
 )
 def test_a_signal_after_the_commit_reports_committed(setup, tmp_path, channel, signum, code):
     """(issue 20) After the swap, SIGTERM/SIGINT printed "error: interrupted" (143/130) over a

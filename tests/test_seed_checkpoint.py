@@ -148,8 +148,11 @@ def test_seed_sharding_leaves_params_out(saved):
         assert min(min(s) for s in sizes) < len(SHAPES), (dp, tp, sizes)
 
 
-@pytest.mark.parametrize("dp,tp", [(4, 2), (2, 4), (2, 2)])
+@pytest.mark.parametrize("dp,tp", [(4, 2), (2, 4), pytest.param(2, 2, marks=pytest.mark.slow)])
 def test_resume_at_another_topology_from_zeros_is_bitwise(saved, dp, tp):
+    """Every checkpoint saved at 2x2, 4x2 and 2x4, resumed at dp x tp: 4x2 and 2x4 take DP and
+    TP each up and down, and each topology's own; 2x2 (the same directions, fewer ranks) is in
+    the slow tier."""
     for ckpt in saved["ckpts"]:
         assert muonckpt.verify(ckpt) == []
     wrong = run_distributed(load_phase, dp * tp, dp, tp, saved["ckpts"], timeout=300)
