@@ -78,14 +78,20 @@ def _has_s3fs() -> bool:
     return True
 
 
-def _rounds(variants: dict[str, Callable[[int], object]], repeats: int) -> dict[str, list[float]]:
-    """Warm-up plus ``repeats`` interleaved rounds of every variant on every rank; this
-    rank's seconds per measured round."""
+def _rounds(
+    variants: dict[str, Callable[[int], object]],
+    repeats: int,
+    reset: Callable[[str, int], object] | None = None,
+) -> dict[str, list[float]]:
+    """Warm-up plus ``repeats`` interleaved rounds of every variant on every rank, each
+    after ``reset(key, round)`` (untimed); this rank's seconds per measured round."""
     import torch.distributed as dist
 
     seconds: dict[str, list[float]] = {}
     for round_ in range(repeats + 1):
         for key, run in variants.items():
+            if reset is not None:
+                reset(key, round_)
             dist.barrier()
             start = time.perf_counter()
             run(round_)
@@ -104,6 +110,25 @@ def _client():
 
 def _fsspec_options() -> dict:
     return {"client_kwargs": {"endpoint_url": os.environ["AWS_ENDPOINT_URL"]}}
+
+
+def _drop_previous(bucket: str, run_id: str) -> Callable[[str, int], None]:
+    """A ``reset`` that deletes a row's previous round (rank 0), so that the server holds
+    one round of each row at a time; the last round stays for the loads."""
+    import torch.distributed as dist
+
+    client = _client()
+
+    def reset(key: str, round_: int) -> None:
+        if round_ == 0 or dist.get_rank() != 0:
+            return
+        prefix = f"{run_id}/{key}/round-{round_ - 1}/"
+        for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
+            keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
+            if keys:
+                client.delete_objects(Bucket=bucket, Delete={"Objects": keys, "Quiet": True})
+
+    return reset
 
 
 def save_worker(shapes, dp: int, tp: int, bucket: str, run_id: str, repeats: int, dcp_too: bool):
@@ -129,7 +154,8 @@ def save_worker(shapes, dp: int, tp: int, bucket: str, run_id: str, repeats: int
             opt, f"s3://{bucket}/{run_id}/muonckpt/round-{r}", params=False
         ),
     }
-    seconds = _rounds(variants, repeats)
+    drop = _drop_previous(bucket, run_id)
+    seconds = _rounds(variants, repeats, drop)
     if dcp_too:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
@@ -140,7 +166,7 @@ def save_worker(shapes, dp: int, tp: int, bucket: str, run_id: str, repeats: int
             url = f"s3://{bucket}/{run_id}/dcp/round-{round_}"
             dcp.save(dtensors, storage_writer=FsspecWriter(url, **_fsspec_options()))
 
-        seconds.update(_rounds({"dcp": dcp_save}, repeats))
+        seconds.update(_rounds({"dcp": dcp_save}, repeats, drop))
     return {"seconds": seconds, "bytes": len(blob)}
 
 
