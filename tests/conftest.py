@@ -23,7 +23,8 @@ from muonckpt.distributed.launch import run_distributed
 
 from .fixture_model import assemble, single_process_optimizer
 from .resume_cases import phase
-from .s3_server import s3_server  # noqa: F401 (the fixture of the S3 tests)
+from .s3_proxy import s3_proxy  # noqa: F401 (the fixtures of the S3 tests)
+from .s3_server import s3_server  # noqa: F401
 
 REPO = Path(__file__).resolve().parents[1]
 """The repository root: the working directory for subprocesses that import ``tests.*``."""

@@ -16,8 +16,13 @@ import socket
 import socketserver
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
+
+import pytest
+
+from .s3_server import S3Server
 
 SLOW_DOWN = (
     b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
@@ -166,3 +171,15 @@ def _head(status: int, headers: list[tuple[str, str]]) -> bytes:
     reason = http.client.responses.get(status, "Unknown")
     lines = [f"HTTP/1.1 {status} {reason}", *(f"{k}: {v}" for k, v in headers), "", ""]
     return "\r\n".join(lines).encode("latin-1")
+
+
+@pytest.fixture
+def s3_proxy(s3_server: S3Server, monkeypatch: pytest.MonkeyPatch) -> Iterator[FaultProxy]:
+    """A fault proxy in front of the session's server, which logs every request; every
+    request of the test (and of its children) goes through it (``AWS_ENDPOINT_URL``)."""
+    through = FaultProxy(s3_server.endpoint)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", through.endpoint)
+    try:
+        yield through
+    finally:
+        through.close()

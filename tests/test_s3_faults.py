@@ -30,48 +30,38 @@ SETTINGS = TransferSettings(
 )
 
 
-@pytest.fixture
-def proxy(s3_server: S3Server, monkeypatch: pytest.MonkeyPatch) -> Iterator[FaultProxy]:
-    proxy = FaultProxy(s3_server.endpoint)
-    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
-    try:
-        yield proxy
-    finally:
-        proxy.close()
-
-
-def test_a_burst_of_faults_is_retried(s3_server: S3Server, proxy: FaultProxy) -> None:
+def test_a_burst_of_faults_is_retried(s3_server: S3Server, s3_proxy: FaultProxy) -> None:
     client = S3Client(SETTINGS)
     url = S3Url(s3_server.bucket(), "ckpt/manifest.json")
     client.put(url, b"through the proxy")
-    proxy.inject(slow_downs=3)
+    s3_proxy.inject(slow_downs=3)
     assert client.get(url) == b"through the proxy"
-    proxy.inject(slow_downs=2, drops=2)
+    s3_proxy.inject(slow_downs=2, drops=2)
     client.put(url, b"second")
-    assert proxy.injected == 7
+    assert s3_proxy.injected == 7
     assert client.get(url) == b"second"
 
 
-def test_faults_past_the_bound_fail_in_one_line(s3_server: S3Server, proxy: FaultProxy) -> None:
+def test_faults_past_the_bound_fail_in_one_line(s3_server: S3Server, s3_proxy: FaultProxy) -> None:
     client = S3Client(SETTINGS)
     url = S3Url(s3_server.bucket(), "ckpt/rank-00000-of-00001.safetensors")
-    proxy.inject(slow_downs=100)
+    s3_proxy.inject(slow_downs=100)
     began = time.monotonic()
     with pytest.raises(CheckpointError) as caught:
         client.put(url, b"x")
     message = str(caught.value)
     assert str(url) in message and "SlowDown" in message and "after 6 tries" in message
     assert "\n" not in message and time.monotonic() - began < 10
-    assert proxy.injected == 6
+    assert s3_proxy.injected == 6
 
 
-def test_a_failed_multipart_upload_is_aborted(s3_server: S3Server, proxy: FaultProxy) -> None:
+def test_a_failed_multipart_upload_is_aborted(s3_server: S3Server, s3_proxy: FaultProxy) -> None:
     one_at_a_time = dataclasses.replace(SETTINGS, concurrency=1)
     client = S3Client(one_at_a_time)
     bucket = s3_server.bucket()
     url = S3Url(bucket, "ckpt/s-0123456789abcdef/big")
     data = bytes(range(256)) * (12 << 12)  # 12 MiB: three parts
-    proxy.inject(slow_downs=2)  # retried: the upload goes through
+    s3_proxy.inject(slow_downs=2)  # retried: the upload goes through
     client.upload(url, [data], if_none_match=True)
     assert client.get(url) == data
     other = S3Url(bucket, "ckpt/s-0123456789abcdef/big2")
@@ -79,7 +69,7 @@ def test_a_failed_multipart_upload_is_aborted(s3_server: S3Server, proxy: FaultP
     def failing() -> Iterator[bytes]:
         yield data
         # One part at a time: the next part's every try fails, then the abort goes through.
-        proxy.inject(slow_downs=one_at_a_time.attempts)
+        s3_proxy.inject(slow_downs=one_at_a_time.attempts)
         yield data
 
     with pytest.raises(CheckpointError, match=r"upload part \d+ of .*after 6 tries.*SlowDown"):
@@ -89,7 +79,7 @@ def test_a_failed_multipart_upload_is_aborted(s3_server: S3Server, proxy: FaultP
 
 
 def test_a_commit_whose_answer_was_lost_is_still_ours(
-    s3_server: S3Server, proxy: FaultProxy
+    s3_server: S3Server, s3_proxy: FaultProxy
 ) -> None:
     """The manifest's conditional PUT reaches the server, which commits, and its answer is
     lost: the client retries, gets 412 (the object is there now: its own), and the store
@@ -105,7 +95,7 @@ def test_a_commit_whose_answer_was_lost_is_still_ours(
     store.put_text(
         staging / "manifest.json", '{"files": [],\n"format_version": 4,\n"kind": "per-rank"}'
     )
-    proxy.lose_answer_to = "step-3/manifest.json"
+    s3_proxy.lose_answer_to = "step-3/manifest.json"
     refused: list[str] = []
     put = client.put
 
@@ -118,7 +108,7 @@ def test_a_commit_whose_answer_was_lost_is_still_ours(
 
     client.put = watched_put  # type: ignore[method-assign]
     store.publish(staging, target)
-    assert proxy.lose_answer_to is None  # the answer was lost once
+    assert s3_proxy.lose_answer_to is None  # the answer was lost once
     assert refused == ["manifest.json"]  # the retry was refused: the server had committed
     url = S3Url.parse(target)
     raw = client.get(url.child("manifest.json"))
@@ -127,7 +117,7 @@ def test_a_commit_whose_answer_was_lost_is_still_ours(
     assert prefix and client.get(url.child(prefix + "rank-00000-of-00001.safetensors")) == b"data"
 
 
-def test_the_server_unreachable_for_a_while(s3_server: S3Server, proxy: FaultProxy) -> None:
+def test_the_server_unreachable_for_a_while(s3_server: S3Server, s3_proxy: FaultProxy) -> None:
     """For 1.5 s every request's connection is closed unanswered (the proxy stays listening:
     not a refused connection): the retries' backoff carries the
     request past it (within their time bound); an outage past the bound fails in one line."""
@@ -135,14 +125,14 @@ def test_the_server_unreachable_for_a_while(s3_server: S3Server, proxy: FaultPro
     client = S3Client(slow)
     url = S3Url(s3_server.bucket(), "ckpt/manifest.json")
     client.put(url, b"before")
-    proxy.down_until = time.monotonic() + 1.5
+    s3_proxy.down_until = time.monotonic() + 1.5
     began = time.monotonic()
     client.put(url, b"after")
-    assert time.monotonic() - began >= 1.0 and proxy.injected >= 1
+    assert time.monotonic() - began >= 1.0 and s3_proxy.injected >= 1
     assert client.get(url) == b"after"
     brief = dataclasses.replace(slow, retry_seconds=1.0)
-    proxy.down_until = time.monotonic() + 30
+    s3_proxy.down_until = time.monotonic() + 30
     with pytest.raises(CheckpointError, match=r"cannot read s3://.*ckpt/manifest\.json") as caught:
         S3Client(brief).get(url)
     assert "\n" not in str(caught.value)
-    proxy.down_until = 0.0
+    s3_proxy.down_until = 0.0

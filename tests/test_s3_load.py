@@ -12,7 +12,6 @@ import os
 import re
 import shutil
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -35,17 +34,6 @@ from .s3_proxy import FaultProxy
 from .s3_server import ENVIRONMENT, S3Server
 
 pytestmark = pytest.mark.dist
-
-
-@pytest.fixture
-def proxy(s3_server: S3Server, monkeypatch: pytest.MonkeyPatch) -> Iterator[FaultProxy]:
-    """Every request of the test (and of its children) through the proxy, which logs them."""
-    proxy = FaultProxy(s3_server.endpoint)
-    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
-    try:
-        yield proxy
-    finally:
-        proxy.close()
 
 
 def _publish(local: Path, target: str) -> str:
@@ -74,7 +62,7 @@ def _loaded(ckpt: str | Path) -> dict[str, torch.Tensor]:
 
 
 def test_a_2x2_save_copied_to_s3_loads_at_4x1_bitwise(
-    tmp_path: Path, s3_server: S3Server, proxy: FaultProxy
+    tmp_path: Path, s3_server: S3Server, s3_proxy: FaultProxy
 ) -> None:
     """The issue's case: saved at 2 x 2 to S3, and to a directory copied object by object to
     S3, each loaded at 4 x 1 under gloo from s3:// bitwise as from the directory. Each rank
@@ -95,7 +83,7 @@ def test_a_2x2_save_copied_to_s3_loads_at_4x1_bitwise(
         for tag in ("s3/", "saved/"):  # copied to S3, saved to S3
             _bitwise({k.removeprefix(tag): v for k, v in state.items() if k.startswith(tag)}, mine)
         assert any(v.abs().sum() > 0 for v in mine.values())
-    log = proxy.log
+    log = s3_proxy.log
     assert all("list-type" not in r.target and "delimiter" not in r.target for r in log)
     manifest = json.loads((local / "manifest.json").read_text())
     indexes = {i["name"] for i in manifest["indexes"]}
@@ -109,7 +97,7 @@ def test_a_2x2_save_copied_to_s3_loads_at_4x1_bitwise(
 
 
 def test_read_verify_load_latest_and_the_cli_in_one_process(
-    tmp_path: Path, s3_server: S3Server, single_ckpt, proxy: FaultProxy
+    tmp_path: Path, s3_server: S3Server, single_ckpt, s3_proxy: FaultProxy
 ) -> None:
     """A checkpoint committed to S3 by the store (under a save prefix) and one copied there
     object by object: read_manifest, verify, load (bitwise as from the directory, no LIST),
@@ -128,20 +116,20 @@ def test_read_verify_load_latest_and_the_cli_in_one_process(
         assert muonckpt.verify(url) == []  # its objects looked up one by one
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(checkpoint_files, "LISTED_FROM", 1)
-            before = len(proxy.log)
+            before = len(s3_proxy.log)
             assert muonckpt.verify(url) == []  # by one LIST (reads pinned to its etags)
-            assert not any(r.method == "HEAD" for r in proxy.log[before:])
-        before = len(proxy.log)
+            assert not any(r.method == "HEAD" for r in s3_proxy.log[before:])
+        before = len(s3_proxy.log)
         _bitwise(_loaded(url), _loaded(local))
-        assert not any("list-type" in r.target for r in proxy.log[before:])
+        assert not any("list-type" in r.target for r in s3_proxy.log[before:])
     assert muonckpt.read_manifest(two).data_prefix.startswith("s-")
     # A save that never committed left objects under the checkpoint: garbage, not damage.
     client = S3Client()
     client.put(S3Url.parse(two) / "s-0123456789abcdef/rank-00000-of-00001.safetensors", b"x")
     assert muonckpt.verify(two) == []
-    before = len(proxy.log)
+    before = len(s3_proxy.log)
     assert str(muonckpt.latest(f"s3://{bucket}/run")) == three
-    assert sum("list-type" in r.target for r in proxy.log[before:]) == 1
+    assert sum("list-type" in r.target for r in s3_proxy.log[before:]) == 1
     assert muonckpt.latest(f"s3://{bucket}/nothing-yet") is None
     with pytest.raises(CheckpointError, match="is a checkpoint itself"):
         muonckpt.latest(two)
