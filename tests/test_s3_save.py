@@ -396,3 +396,29 @@ def test_the_cli_rewrites_s3_to_s3_and_local_to_s3(
     said = " ".join(result.output.split())
     assert result.exit_code == 2 and "takes a local directory only" in said, said
     assert _staged_in(scratch) == []
+
+
+AT_EXIT = """
+import sys
+import muonckpt
+from tests.fixture_model import single_process_optimizer
+muonckpt.async_save(single_process_optimizer(3), sys.argv[1])
+print("returned", flush=True)
+"""
+
+
+def test_an_async_save_to_s3_in_flight_at_the_end_of_a_script_is_finished(
+    s3_server: S3Server,
+) -> None:
+    """A script that ends right after ``async_save`` to S3 returns at once and exits 0 once
+    the save is committed, as for a directory."""
+    url = f"s3://{s3_server.bucket()}/run/step-3"
+    done = subprocess.run(
+        [sys.executable, "-c", AT_EXIT, url],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0 and done.stdout == "returned\n", done.stderr[-2000:]
+    assert muonckpt.verify(url) == [] and muonckpt.read_manifest(url).step == 3
