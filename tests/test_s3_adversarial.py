@@ -8,6 +8,9 @@ docs/reliability.md), each as a test against the real server:
 * the answer to a conditional create (``If-None-Match: *``) of a save's own object lost (the
   server did it; the connection dropped before the client heard): the retry got 412 and the
   save failed, though the object was its own.
+* an AWS configuration boto3 cannot make a client of (a profile that does not exist, an
+  endpoint that is no URL) escaped as botocore's own exception (``load``, ``verify``,
+  ``latest``, ``clean``) or as a save's "rank 0: ValueError ... (at endpoint.py:410 ...)".
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from collections.abc import Iterator
 import pytest
 
 import muonckpt
+from muonckpt.errors import CheckpointError
 from muonckpt.storage import s3store
 from muonckpt.storage.s3 import S3Client, S3Url
 
@@ -86,3 +90,27 @@ def test_a_lost_answer_to_creating_a_saves_own_object(
             assert p.equal(q)
             assert all(v.equal(loaded.state[q][k]) for k, v in saved.state[p].items())
     assert os.environ["AWS_ENDPOINT_URL"] == proxy.endpoint
+
+
+@pytest.mark.parametrize(
+    ("variable", "value"), [("AWS_PROFILE", "no-such-profile"), ("AWS_ENDPOINT_URL", "not a url")]
+)
+def test_an_aws_configuration_without_a_client_is_one_line(
+    s3_server: S3Server, monkeypatch: pytest.MonkeyPatch, variable: str, value: str
+) -> None:
+    """A library error in one line naming the setting's problem, for every entry point."""
+    target = f"s3://{s3_server.bucket()}/run/step-1"
+    muonckpt.save(single_process_optimizer(1), target)
+    monkeypatch.setenv(variable, value)
+    calls = {
+        "save": lambda: muonckpt.save(single_process_optimizer(1), target + "-new"),
+        "load": lambda: muonckpt.load(single_process_optimizer(1), target),
+        "latest": lambda: muonckpt.latest(target.rpartition("/")[0]),
+        "clean": lambda: muonckpt.clean(target.rpartition("/")[0], 0),
+    }
+    for call in calls.values():
+        with pytest.raises(CheckpointError, match="AWS configuration") as err:
+            call()
+        assert "\n" not in str(err.value) and value in str(err.value)
+    problems = muonckpt.verify(target)
+    assert len(problems) == 1 and "AWS configuration" in str(problems[0])
