@@ -202,7 +202,13 @@ class S3Client:
             read_timeout=self.settings.read_timeout,
         )
         del botocore
-        self._client: Any = boto3.session.Session().client("s3", config=config)
+        try:
+            self._client: Any = boto3.session.Session().client("s3", config=config)
+        except (self._exceptions.BotoCoreError, ValueError) as exc:  # a profile, an endpoint
+            raise CheckpointError(
+                "cannot make an S3 client of the AWS configuration (AWS_* environment, "
+                f"~/.aws, profile): {type(exc).__name__}: {exc}"
+            ) from None
 
     # -- the one place requests are made ------------------------------------------------
 
