@@ -502,11 +502,15 @@ class S3Store:
 
     def _named_prefix(self, root: S3Url, checkpoint: str) -> dict[str, str | None]:
         """``{checkpoint: the save prefix its manifest names}`` (``""``: none; None: no
-        manifest there); ``{}`` when its manifest is not a muonckpt manifest."""
+        manifest there); ``{}`` when its manifest is not a muonckpt manifest (one longer than
+        a reader reads is not: only its first bytes are fetched)."""
         at = root.child(checkpoint)
-        raw = self.client.get(at.child(MANIFEST_NAME))
-        if raw is None:
+        found = self.client.fetch(at.child(MANIFEST_NAME), MAX_TEXT_BYTES + 1)
+        if found is None:
             return {checkpoint: None}
+        raw = found[0]
+        if len(raw) > MAX_TEXT_BYTES:
+            return {}
         try:
             return {checkpoint: parse_manifest(raw.decode("utf-8", "replace"), at).data_prefix}
         except CheckpointError:
