@@ -469,13 +469,15 @@ class S3Store:
         objects = _by_save(self.client.tree(url))
         uploads = _by_save(self.client.uploads(url))
         named: dict[str, str | None] = {}
-        """Per checkpoint: the save prefix its muonckpt manifest names (``""``: none); None
-        when it has no manifest. Absent from it: a manifest that is not muonckpt's."""
+        """Per checkpoint read: the save prefix its muonckpt manifest names (``""``: none);
+        None when it has no manifest. Absent from it: a manifest that is not muonckpt's."""
+        read: set[str] = set()
         removed: list[S3Url] = []
         skipped: list[tuple[S3Url, str]] = []
         now = time.time()
         for checkpoint, prefix in sorted({*objects, *uploads}):
-            if checkpoint not in named:
+            if checkpoint not in read:
+                read.add(checkpoint)
                 named |= self._named_prefix(url, checkpoint)
             where = url.child(checkpoint).child(prefix.rstrip("/"))
             if checkpoint not in named:
