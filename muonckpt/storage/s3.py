@@ -202,7 +202,13 @@ class S3Client:
             read_timeout=self.settings.read_timeout,
         )
         del botocore
-        self._client: Any = boto3.session.Session().client("s3", config=config)
+        try:
+            self._client: Any = boto3.session.Session().client("s3", config=config)
+        except (self._exceptions.BotoCoreError, ValueError) as exc:  # a profile, an endpoint
+            raise CheckpointError(
+                "cannot make an S3 client of the AWS configuration (AWS_* environment, "
+                f"~/.aws, profile): {type(exc).__name__}: {exc}"
+            ) from None
 
     # -- the one place requests are made ------------------------------------------------
 
@@ -294,6 +300,19 @@ class S3Client:
             lambda: self._client.put_object(Bucket=url.bucket, Key=url.key, Body=body, **extra),
         )
         return str(response["ETag"])
+
+    def create(self, url: S3Url, data: bytes | bytearray | memoryview) -> str:
+        """:meth:`put` only when no object is there (``If-None-Match: *``), of an object only
+        this writer names (under its own save prefix): a 412 whose object holds exactly
+        ``data`` is this write's own, its first answer lost and the retry refused. Returns
+        the etag; :class:`PreconditionFailed` when another object is there."""
+        try:
+            return self.put(url, data, if_none_match=True)
+        except PreconditionFailed:
+            found = self.fetch(url, len(data) + 1)
+            if found is None or found[0] != bytes(data):
+                raise
+            return found[1].etag
 
     def head(self, url: S3Url) -> ObjectInfo | None:
         """The object's size and etag; None when there is none."""
@@ -518,7 +537,7 @@ class S3Client:
         first = next(parts, b"")
         second = next(parts, None)
         if second is None:
-            return self.put(url, first, if_none_match=if_none_match)
+            return self.create(url, first) if if_none_match else self.put(url, first)
         upload = self._call(
             "start an upload of",
             url,

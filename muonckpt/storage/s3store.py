@@ -224,7 +224,7 @@ class S3Store:
         scratch = _scratch(prefix)
         scratch.mkdir(mode=0o700)
         try:
-            self.client.put(lease, _lease_body(), if_none_match=True)
+            self.client.create(lease, _lease_body())
         except BaseException:
             scratch.rmdir()
             raise
@@ -392,12 +392,21 @@ class S3Store:
             names = named_objects(manifest, checkpoint)
             self.client.delete_many(checkpoint.child(n) for n in names)
 
-    def _remove_prefix(self, checkpoint: S3Url, prefix: str) -> None:
+    def _saved(self, checkpoint: S3Url, prefix: str) -> S3Url:
+        """The objects of save prefix ``prefix`` under ``checkpoint``; refused unless it is
+        one (``s-<16 hex>/``)."""
         if not _SAVE_PREFIX.fullmatch(prefix.rstrip("/")) or not prefix.endswith("/"):
             raise CheckpointError(f"{checkpoint}: {prefix!r} is not a save prefix of muonckpt's")
-        under = checkpoint.child(prefix.rstrip("/"))
+        return checkpoint.child(prefix.rstrip("/"))
+
+    def _remove_prefix(self, checkpoint: S3Url, prefix: str) -> None:
+        """Delete every object under a save prefix, its lease last: what a crash leaves of it
+        still holds the lease by which ``clean`` knows it for muonckpt's."""
+        under = self._saved(checkpoint, prefix)
         keys, _ = self.client.listing(under)
-        self.client.delete_many(under.child(k) for k in keys)
+        self.client.delete_many(under.child(k) for k in keys if k != LEASE)
+        if LEASE in keys:
+            self.client.delete(under.child(LEASE))
 
     def _forget(self, staged: Staged) -> None:
         self._staged.pop(staged.save_prefix, None)
@@ -434,19 +443,25 @@ class S3Store:
         raw = self.client.get(manifest, 0, min(info.size, MAX_TEXT_BYTES), if_match=info.etag)
         if raw is None:
             return False
+        text = raw.decode("utf-8", "replace")
+        prefix = data_prefix_of(text)
+        if prefix:  # a lease first: what a crash leaves of the objects is known for ours
+            self.client.put(self._saved(url, prefix).child(LEASE), _lease_body())
         self.client.delete(manifest, if_match=info.etag)
-        self._remove_named(url, raw.decode("utf-8", "replace"))
+        self._remove_named(url, text)
         return True
 
     def leftovers(
         self, root: StrPath, older_than: float
     ) -> tuple[list[S3Url], list[tuple[S3Url, str]]]:
         """(``clean``) Remove the save prefixes ``<root>/<checkpoint>/s-<16 hex>/`` that no
-        committed manifest names, whose lease is absent or older than
-        :data:`LEASE_STALE_S`, and under which nothing (lease, objects, uploads in progress)
-        changed for more than ``older_than`` seconds: their objects, and their multipart
-        uploads aborted. Nothing else is ever deleted. Returns the prefixes removed, and the
-        others no manifest names with why each was kept.
+        committed manifest names, that are known for muonckpt's (they hold its lease, or
+        ``<checkpoint>`` holds a muonckpt manifest: a look-alike name alone is never enough),
+        whose lease is absent or older than :data:`LEASE_STALE_S`, and under which nothing
+        (lease, objects, uploads in progress) changed for more than ``older_than`` seconds:
+        their objects, and their multipart uploads aborted. Nothing else is ever deleted.
+        Returns the prefixes removed, and the others no manifest names with why each was
+        kept.
 
         One LIST of everything under ``root`` and one of its uploads, made before the
         manifests are read: a save that commits meanwhile had a fresh lease in the listing."""
@@ -454,16 +469,18 @@ class S3Store:
         objects = _by_save(self.client.tree(url))
         uploads = _by_save(self.client.uploads(url))
         named: dict[str, str | None] = {}
+        """Per checkpoint read: the save prefix its muonckpt manifest names (``""``: none);
+        None when it has no manifest. Absent from it: a manifest that is not muonckpt's."""
+        read: set[str] = set()
         removed: list[S3Url] = []
         skipped: list[tuple[S3Url, str]] = []
         now = time.time()
         for checkpoint, prefix in sorted({*objects, *uploads}):
-            if checkpoint not in named:
-                raw = self.client.get(url.child(checkpoint).child(MANIFEST_NAME))
-                text = None if raw is None else raw.decode("utf-8", "replace")
-                named[checkpoint] = "" if text is None else data_prefix_of(text)
+            if checkpoint not in read:
+                read.add(checkpoint)
+                named |= self._named_prefix(url, checkpoint)
             where = url.child(checkpoint).child(prefix.rstrip("/"))
-            if named[checkpoint] is None:
+            if checkpoint not in named:
                 skipped.append((where, "its checkpoint's manifest.json is not muonckpt's"))
                 continue
             if named[checkpoint] == prefix:
@@ -472,7 +489,9 @@ class S3Store:
             going = uploads.get((checkpoint, prefix), [])
             lease = next((now - o.modified for o in held if o.key.endswith("/" + LEASE)), None)
             age = now - max(o.modified for o in [*held, *going])
-            if lease is not None and lease <= LEASE_STALE_S:
+            if lease is None and named[checkpoint] is None:
+                skipped.append((where, "no lease of muonckpt's and no checkpoint: not its"))
+            elif lease is not None and lease <= LEASE_STALE_S:
                 skipped.append((where, f"its save is running (lease renewed {lease:.0f} s ago)"))
             elif age <= older_than:
                 skipped.append((where, f"changed {age:.0f} s ago, not older than {older_than:g} s"))
@@ -482,3 +501,19 @@ class S3Store:
                 self.client.delete_many(url.child(o.key) for o in held)
                 removed.append(where)
         return removed, skipped
+
+    def _named_prefix(self, root: S3Url, checkpoint: str) -> dict[str, str | None]:
+        """``{checkpoint: the save prefix its manifest names}`` (``""``: none; None: no
+        manifest there); ``{}`` when its manifest is not a muonckpt manifest (one longer than
+        a reader reads is not: only its first bytes are fetched)."""
+        at = root.child(checkpoint)
+        found = self.client.fetch(at.child(MANIFEST_NAME), MAX_TEXT_BYTES + 1)
+        if found is None:
+            return {checkpoint: None}
+        raw = found[0]
+        if len(raw) > MAX_TEXT_BYTES:
+            return {}
+        try:
+            return {checkpoint: parse_manifest(raw.decode("utf-8", "replace"), at).data_prefix}
+        except CheckpointError:
+            return {}
