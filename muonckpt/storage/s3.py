@@ -618,9 +618,13 @@ def _ns(when: Any) -> int:
 
 
 def _parts(chunks: Iterable[bytes | bytearray | memoryview], size: int) -> Iterator[bytes]:
-    """``chunks`` regrouped into ``size``-byte parts (the last one shorter)."""
+    """``chunks`` regrouped into ``size``-byte parts (the last one shorter); a chunk that is
+    a part already (a file read a part at a time) is passed on as it is, not copied."""
     buffer = bytearray()
     for chunk in chunks:
+        if not buffer and isinstance(chunk, bytes) and len(chunk) == size:
+            yield chunk
+            continue
         view = memoryview(chunk).cast("B")
         while len(view):
             take = min(size - len(buffer), len(view))
