@@ -60,6 +60,8 @@ class FaultProxy:
         its request line is read (the server gone; not a refused connection)."""
         self.lose_answer_to: str | None = None
         """A request line containing this text is forwarded once, its answer never sent."""
+        self.away_after_loss = 0.0
+        """Seconds the server is away (:attr:`down_until`) once that answer was lost."""
         self.log: list[Served] = []
         """Every request forwarded and answered, in order."""
         proxy = self
@@ -116,6 +118,7 @@ class FaultProxy:
             if lose is not None and lose in line.decode("latin-1"):
                 self.lose_answer_to = None
                 self._forward(method, target, headers, body)
+                self.down_until = time.monotonic() + self.away_after_loss
                 connection.close()
                 return
             if fault == "drop":

@@ -117,6 +117,34 @@ def test_a_commit_whose_answer_was_lost_is_still_ours(
     assert prefix and client.get(url.child(prefix + "rank-00000-of-00001.safetensors")) == b"data"
 
 
+def test_a_commit_whose_outcome_cannot_be_told_keeps_its_objects(
+    s3_server: S3Server, s3_proxy: FaultProxy
+) -> None:
+    """The manifest's PUT reaches the server, which commits, its answer is lost and the
+    server is then away for longer than the retries last: whether the save committed cannot
+    be told, so it fails saying so and keeps its objects, which the committed manifest names
+    (deleting them would leave a committed checkpoint without its data)."""
+    from muonckpt.storage.s3store import S3Store, data_prefix_of
+
+    client = S3Client(dataclasses.replace(SETTINGS, attempts=3, retry_seconds=0.5))
+    target = f"s3://{s3_server.bucket()}/step-4"
+    store = S3Store(client)
+    staging = store.create_staging(target, False)
+    (staging / "rank-00000-of-00001.safetensors").write_bytes(b"data")
+    store.put_text(
+        staging / "manifest.json", '{"files": [],\n"format_version": 4,\n"kind": "per-rank"}'
+    )
+    s3_proxy.lose_answer_to, s3_proxy.away_after_loss = "step-4/manifest.json", 2.0
+    with pytest.raises(CheckpointError, match="whether this save committed cannot be told"):
+        store.publish(staging, target)
+    time.sleep(max(0.0, s3_proxy.down_until - time.monotonic()))
+    url = S3Url.parse(target)
+    raw = client.get(url.child("manifest.json"))
+    assert raw is not None
+    prefix = data_prefix_of(raw.decode())
+    assert prefix and client.get(url.child(prefix + "rank-00000-of-00001.safetensors")) == b"data"
+
+
 def test_the_server_unreachable_for_a_while(s3_server: S3Server, s3_proxy: FaultProxy) -> None:
     """For 1.5 s every request's connection is closed unanswered (the proxy stays listening:
     not a refused connection): the retries' backoff carries the

@@ -422,3 +422,18 @@ def test_an_async_save_to_s3_in_flight_at_the_end_of_a_script_is_finished(
     )
     assert done.returncode == 0 and done.stdout == "returned\n", done.stderr[-2000:]
     assert muonckpt.verify(url) == [] and muonckpt.read_manifest(url).step == 3
+
+
+def test_overwrite_replaces_only_a_muonckpt_manifest(s3_server: S3Server, scratch: Path) -> None:
+    """``overwrite=True`` over an ``s3://`` prefix whose ``manifest.json`` another tool wrote
+    (a JSON object that is no muonckpt manifest) is refused naming it; the object stays, and
+    nothing of the save is left."""
+    bucket = s3_server.bucket()
+    url = f"s3://{bucket}/dataset"
+    theirs = b'{"dataset": "shards", "files": 12}'
+    S3Client().put(S3Url.parse(url).child("manifest.json"), theirs)
+    with pytest.raises(CheckpointError, match="not a muonckpt manifest") as refused:
+        muonckpt.save(single_process_optimizer(1), url, overwrite=True)
+    assert url in str(refused.value) and "\n" not in str(refused.value)
+    assert S3Client().get(S3Url.parse(url).child("manifest.json")) == theirs
+    assert _keys(url) == ["manifest.json"] and _staged_in(scratch) == []

@@ -23,14 +23,17 @@ pytestmark = pytest.mark.dist
 DATA = "rank-00000-of-00001.safetensors"
 
 
-def _stage(store: S3Store, target: str, overwrite: bool, payload: bytes) -> Path:
+@pytest.fixture
+def manifest(single_ckpt) -> str:
+    """A real checkpoint's manifest (naming ``DATA``): what a save stages, and an overwrite
+    replaces only when it is one."""
+    return (single_ckpt(1) / "manifest.json").read_text()
+
+
+def _stage(store: S3Store, target: str, overwrite: bool, payload: bytes, manifest: str) -> Path:
     staging = store.create_staging(target, overwrite)
     (staging / DATA).write_bytes(payload)
-    files = json.dumps([{"name": DATA}])  # the top-level layout the manifest writer uses
-    store.put_text(
-        staging / "manifest.json",
-        f'{{"files": {files},\n"format_version": 4,\n"kind": "per-rank"}}',
-    )
+    store.put_text(staging / "manifest.json", manifest)
     return staging
 
 
@@ -44,11 +47,11 @@ def _manifest(client: S3Client, target: str) -> str:
     return raw.decode()
 
 
-def test_publish_then_overwrite(s3_server: S3Server) -> None:
+def test_publish_then_overwrite(s3_server: S3Server, manifest: str) -> None:
     client = S3Client()
     target = f"s3://{s3_server.bucket()}/runs/step-1"
     store = S3Store(client)
-    staging = _stage(store, target, False, b"first")
+    staging = _stage(store, target, False, b"first", manifest)
     assert store.publish(staging, target, files={DATA: 5}) is None
     assert not staging.exists()
     first = data_prefix_of(_manifest(client, target))
@@ -58,7 +61,7 @@ def test_publish_then_overwrite(s3_server: S3Server) -> None:
     with pytest.raises(CheckpointError, match="overwrite=True"):
         store.create_staging(target, False)
     assert _objects(client, target) == sorted(["manifest.json", first + DATA])  # nothing made
-    staging = _stage(store, target, True, b"second")
+    staging = _stage(store, target, True, b"second", manifest)
     store.publish(staging, target, files={DATA: 6})
     second = data_prefix_of(_manifest(client, target))
     assert second not in (None, first)
@@ -68,18 +71,18 @@ def test_publish_then_overwrite(s3_server: S3Server) -> None:
     assert _objects(client, target) == []
 
 
-def test_a_discarded_save_leaves_nothing(s3_server: S3Server) -> None:
+def test_a_discarded_save_leaves_nothing(s3_server: S3Server, manifest: str) -> None:
     client = S3Client()
     target = f"s3://{s3_server.bucket()}/step-1"
     store = S3Store(client)
-    staging = _stage(store, target, False, b"x")
+    staging = _stage(store, target, False, b"x", manifest)
     assert len(_objects(client, target)) == 1  # its lease
     store.discard(staging)
     assert _objects(client, target) == [] and not staging.exists()
 
 
 @pytest.mark.parametrize("overwrite", [False, True])
-def test_racing_writers_one_commits(s3_server: S3Server, overwrite: bool) -> None:
+def test_racing_writers_one_commits(s3_server: S3Server, overwrite: bool, manifest: str) -> None:
     """8 writers stage the same target at once (each reads the same state: no checkpoint, or
     the same old one) and publish: exactly one commits; every other fails naming the target,
     and only the winner's objects (and nothing of the old checkpoint) remain."""
@@ -87,10 +90,12 @@ def test_racing_writers_one_commits(s3_server: S3Server, overwrite: bool) -> Non
     target = f"s3://{s3_server.bucket()}/step-7"
     if overwrite:
         store = S3Store(client)
-        store.publish(_stage(store, target, False, b"old"), target)
+        store.publish(_stage(store, target, False, b"old", manifest), target)
     writers = 8
     stores = [S3Store(S3Client()) for _ in range(writers)]
-    stagings = [_stage(s, target, overwrite, f"writer {i}".encode()) for i, s in enumerate(stores)]
+    stagings = [
+        _stage(s, target, overwrite, f"writer {i}".encode(), manifest) for i, s in enumerate(stores)
+    ]
     barrier = threading.Barrier(writers)
     outcomes: list[str] = [""] * writers
 

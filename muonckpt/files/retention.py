@@ -243,7 +243,12 @@ def prune(
             continue
         if isinstance(old.path, Path) and storage.ownership_problem(old.path):
             continue
-        if store.remove_checkpoint(target(old.path)):
+        try:
+            gone = store.remove_checkpoint(target(old.path))
+        except CheckpointError as exc:  # (S3: a request that failed; POSIX warns itself)
+            warnings.warn(f"{old.path} not deleted: {exc}", CheckpointWarning, stacklevel=2)
+            continue
+        if gone:
             deleted.append(old.path)
     return deleted
 

@@ -176,6 +176,10 @@ def named_objects(manifest: str, source: S3Url) -> list[str]:
     return [*names, INDEX_FILE, MODEL_INDEX_FILE]
 
 
+class _LostRace(CheckpointError):
+    """Another save's manifest is the one committed: this one certainly did not commit."""
+
+
 class S3Store:
     """:class:`~.backend.CheckpointStore` for ``s3://bucket/prefix`` targets (module
     docstring)."""
@@ -215,10 +219,19 @@ class S3Store:
                 raise CheckpointError(
                     f"{url} already holds a checkpoint; pass overwrite=True to replace it"
                 )
-            raw = self.client.get(manifest, if_match=info.etag)
-            if raw is None or data_prefix_of(raw.decode("utf-8", "replace")) is None:
-                raise CheckpointError(f"{url}: its manifest.json is not a muonckpt manifest")
-            etag, text = info.etag, raw.decode("utf-8")
+            raw = (
+                None
+                if info.size > MAX_TEXT_BYTES
+                else self.client.get(manifest, if_match=info.etag)
+            )
+            try:
+                text = None if raw is None else raw.decode("utf-8")
+                parse_manifest(text or "", url)
+            except (CheckpointError, UnicodeDecodeError):
+                raise CheckpointError(
+                    f"{url}: its manifest.json is not a muonckpt manifest; nothing replaced"
+                ) from None
+            etag = info.etag
         prefix = new_save_prefix()
         lease = url.child(prefix + LEASE)
         scratch = _scratch(prefix)
@@ -297,10 +310,11 @@ class S3Store:
             self._upload(local, saved, names)
             self._check_sizes(local, saved, files or {})
             text = (local / MANIFEST_NAME).read_text(encoding="utf-8")
-            self._commit(staged, with_data_prefix(text, staged.save_prefix))
+            manifest = with_data_prefix(text, staged.save_prefix)
         except BaseException:
             self.discard(staging, quiet=True)
             raise
+        self._commit_or_keep(staged, staging, manifest)
         self._committed.add(staged.save_prefix)
         self._forget(staged)
         try:  # committed: what fails now is a warning (clean removes what is left)
@@ -343,6 +357,33 @@ class S3Store:
             if sizes[name] > part:
                 one(name)
 
+    def _commit_or_keep(self, staged: Staged, staging: StrPath, manifest: str) -> None:
+        """:meth:`_commit`, and this save's objects removed only when it certainly did not
+        commit (another save did; or, after a failed request, the manifest read back names
+        another): a request that may have reached the server leaves them for ``clean`` when
+        the outcome cannot be told, for the manifest may name them."""
+        try:
+            self._commit(staged, manifest)
+        except _LostRace:
+            self.discard(staging, quiet=True)
+            raise
+        except Exception as exc:
+            try:
+                ours = self._names(staged.final, staged.save_prefix)
+            except CheckpointError:
+                self._forget(staged)  # its lease goes stale: clean tells what is left
+                raise CheckpointError(
+                    f"{staged.final}: whether this save committed cannot be told ({exc}); "
+                    "its objects were kept (muonckpt clean removes them if no manifest "
+                    "names them)"
+                ) from exc
+            if not ours:
+                self.discard(staging, quiet=True)
+                raise
+        except BaseException:  # interrupted: the PUT may have landed; clean decides later
+            self._forget(staged)
+            raise
+
     def _commit(self, staged: Staged, manifest: str) -> None:
         """The commit: one conditional PutObject of the manifest. A 412 after a retried
         request may be our own first attempt's success whose answer was lost: the manifest
@@ -357,7 +398,7 @@ class S3Store:
         except PreconditionFailed:
             if self._names(staged.final, staged.save_prefix):
                 return
-            raise CheckpointError(
+            raise _LostRace(
                 f"another save committed {staged.final} first (its manifest changed since "
                 "this save began); this save's objects were removed, the other's kept"
             ) from None
@@ -498,7 +539,9 @@ class S3Store:
             else:
                 for upload in going:
                     self.client.abort(url.child(upload.key), upload.upload)
-                self.client.delete_many(url.child(o.key) for o in held)
+                last = [o for o in held if o.key.endswith("/" + LEASE)]  # known for ours
+                self.client.delete_many(url.child(o.key) for o in held if o not in last)
+                self.client.delete_many(url.child(o.key) for o in last)
                 removed.append(where)
         return removed, skipped
 
