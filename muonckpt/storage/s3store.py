@@ -176,10 +176,6 @@ def named_objects(manifest: str, source: S3Url) -> list[str]:
     return [*names, INDEX_FILE, MODEL_INDEX_FILE]
 
 
-class _LostRace(CheckpointError):
-    """Another save's manifest is the one committed: this one certainly did not commit."""
-
-
 class S3Store:
     """:class:`~.backend.CheckpointStore` for ``s3://bucket/prefix`` targets (module
     docstring)."""
@@ -364,9 +360,12 @@ class S3Store:
         the outcome cannot be told, for the manifest may name them."""
         try:
             self._commit(staged, manifest)
-        except _LostRace:
+        except PreconditionFailed:  # another save's manifest is the one committed
             self.discard(staging, quiet=True)
-            raise
+            raise CheckpointError(
+                f"another save committed {staged.final} first (its manifest changed since "
+                "this save began); this save's objects were removed, the other's kept"
+            ) from None
         except Exception as exc:
             try:
                 ours = self._names(staged.final, staged.save_prefix)
@@ -385,9 +384,10 @@ class S3Store:
             raise
 
     def _commit(self, staged: Staged, manifest: str) -> None:
-        """The commit: one conditional PutObject of the manifest. A 412 after a retried
-        request may be our own first attempt's success whose answer was lost: the manifest
-        then names our save prefix."""
+        """The commit: one conditional PutObject of the manifest; its
+        :class:`PreconditionFailed` when another save's manifest is there. A 412 after a
+        retried request may be our own first attempt's success whose answer was lost: the
+        manifest then names our save prefix."""
         url = staged.final.child(MANIFEST_NAME)
         body = manifest.encode("utf-8")
         try:
@@ -396,12 +396,8 @@ class S3Store:
             else:
                 self.client.put(url, body, if_match=staged.replaces)
         except PreconditionFailed:
-            if self._names(staged.final, staged.save_prefix):
-                return
-            raise _LostRace(
-                f"another save committed {staged.final} first (its manifest changed since "
-                "this save began); this save's objects were removed, the other's kept"
-            ) from None
+            if not self._names(staged.final, staged.save_prefix):
+                raise
 
     def _names(self, checkpoint: S3Url, save_prefix: str) -> bool:
         """Whether the manifest now at ``checkpoint`` names ``save_prefix``."""
