@@ -16,7 +16,6 @@ docs/reliability.md), each as a test against the real server:
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 
 import pytest
 
@@ -60,28 +59,18 @@ def test_clean_keeps_look_alike_prefixes_that_are_not_muonckpts(
     }
 
 
-@pytest.fixture
-def proxy(s3_server: S3Server, monkeypatch: pytest.MonkeyPatch) -> Iterator[FaultProxy]:
-    proxy = FaultProxy(s3_server.endpoint)
-    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
-    try:
-        yield proxy
-    finally:
-        proxy.close()
-
-
 @pytest.mark.parametrize("lost", ["/.lease", ".safetensors", ".pieces.json"])
 def test_a_lost_answer_to_creating_a_saves_own_object(
-    s3_server: S3Server, proxy: FaultProxy, lost: str
+    s3_server: S3Server, s3_proxy: FaultProxy, lost: str
 ) -> None:
     """The PUT of the lease, of a data file or of a piece index reaches the server and its
     answer is lost: the retry's 412 is the save's own object (the same bytes), so the save
     commits, and loads back bitwise."""
     target = f"s3://{s3_server.bucket()}/step-1"
     saved = single_process_optimizer(2)
-    proxy.lose_answer_to = lost
+    s3_proxy.lose_answer_to = lost
     muonckpt.save(saved, target)
-    assert proxy.lose_answer_to is None  # the answer was lost once
+    assert s3_proxy.lose_answer_to is None  # the answer was lost once
     assert muonckpt.verify(target) == []
     loaded = single_process_optimizer(1)
     muonckpt.load(loaded, target)
@@ -89,7 +78,7 @@ def test_a_lost_answer_to_creating_a_saves_own_object(
         for p, q in zip(a["params"], b["params"], strict=True):
             assert p.equal(q)
             assert all(v.equal(loaded.state[q][k]) for k, v in saved.state[p].items())
-    assert os.environ["AWS_ENDPOINT_URL"] == proxy.endpoint
+    assert os.environ["AWS_ENDPOINT_URL"] == s3_proxy.endpoint
 
 
 @pytest.mark.parametrize(
