@@ -542,6 +542,7 @@ def test_the_posix_store_is_the_storage_seam(tmp_path: Path) -> None:
         "retire",
         "remove_checkpoint",
         "join_staging",
+        "follow",
         "send",
         "sync_files",
         "watching",

@@ -192,7 +192,7 @@ def stage(
     if "refused" in decided:  # the state dict does not fit its sharding: that error, on all
         raise StateDictError(f"stage: {decided['refused']}", agreed_by=steps.ranks)
     name = decided["mailbox"]
-    staging = store.join_staging(decided["staging"], steps.rank)
+    staging = store.join_staging(decided["staging"], steps.rank, call.path)
     return staging, None if name is None else Mailbox(name, default_store())
 
 

@@ -142,7 +142,7 @@ def stage(
             open_staging(store, final, overwrite=overwrite, source=source, shared=shared)
         ),
     )
-    return store.join_staging(decided, steps.rank)
+    return store.join_staging(decided, steps.rank, final)
 
 
 def abandon(store: storage.CheckpointStore, staging: Path) -> None:
@@ -375,7 +375,9 @@ def write_files(
     pieces, sizes = PieceTable(), {}
     for file, writes in plan.by_file().items():
         specs, metadata = specs_of(writes), plan.files[file]
-        with storage.SafetensorsWriter(staging / file, specs, metadata, sync=sync) as out:
+        with storage.SafetensorsWriter(
+            staging / file, specs, metadata, sync=sync, follow=store.follow
+        ) as out:
             ahead = prefetch and sum(w.nbytes for w in writes) >= (64 << 10) * len(writes)
             pulled = _pulled(tensors, writes, ahead)
             with contextlib.closing(pulled):

@@ -29,6 +29,7 @@ from ..errors import CheckpointError
 from ..settings import local_path
 from .durable import entries, fsync_dir, sync_files, write_text_atomic
 from .s3 import is_s3_url
+from .safetensors_writer import WriteFollower
 from .transaction import discard, make_staging, remove_checkpoint, retire, swap_in, watching
 
 StrPath = str | os.PathLike[str]
@@ -54,9 +55,15 @@ class CheckpointStore(Protocol):
         overlaps ``source``, ...)."""
         ...
 
-    def join_staging(self, staging: str, rank: int) -> Path:
-        """The staging directory rank ``rank`` writes into, from what :meth:`create_staging`
-        returned on the root (sent to every rank)."""
+    def join_staging(self, staging: str, rank: int, final: StrPath) -> Path:
+        """The staging directory rank ``rank`` writes into for the checkpoint at ``final``,
+        from what :meth:`create_staging` returned on the root (sent to every rank)."""
+        ...
+
+    def follow(self, path: Path, fd: int) -> WriteFollower | None:
+        """Who stores data file ``path`` (open as ``fd``, theirs to close) elsewhere while
+        it is written into a staging directory (:class:`~.safetensors_writer.WriteFollower`),
+        or None: nobody, the file in the staging directory is the one published."""
         ...
 
     def send(
@@ -148,9 +155,12 @@ class PosixStore:
     retire = staticmethod(retire)
     remove_checkpoint = staticmethod(remove_checkpoint)
 
-    def join_staging(self, staging: str, rank: int) -> Path:
+    def join_staging(self, staging: str, rank: int, final: StrPath) -> Path:
         """``staging`` itself: every rank writes into the one directory beside the target."""
         return Path(staging)
+
+    def follow(self, path: Path, fd: int) -> None:
+        """Nobody: the staging directory's files are published as they are."""
 
     def send(
         self, staging: StrPath, final: StrPath, *, upload: bool = True, last: bool = True

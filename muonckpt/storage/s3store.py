@@ -47,6 +47,7 @@ from ..format.manifest_json import parse_manifest
 from ..format.names import INDEX_FILE, MANIFEST_NAME, MODEL_INDEX_FILE
 from .durable import MAX_TEXT_BYTES, write_text_atomic
 from .s3 import Listed, S3Client, S3Url, shared_client
+from .streamed_upload import StreamedUpload
 
 StrPath = str | os.PathLike[str]
 
@@ -103,6 +104,22 @@ class _Heartbeat:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join()
+
+
+def _wait_all(streams: Sequence[StreamedUpload]) -> None:
+    """Wait for every upload in ``streams``; the first failure raised once all have ended
+    (the others abandoned: none is left running)."""
+    failed: BaseException | None = None
+    for stream in streams:
+        if failed is not None:
+            stream.abandon()
+            continue
+        try:
+            stream.wait()
+        except BaseException as exc:
+            failed = exc
+    if failed is not None:
+        raise failed
 
 
 def _lease_body() -> bytes:
@@ -184,6 +201,10 @@ class S3Store:
         self._client = client
         self._staged: dict[str, Staged] = {}
         self._committed: set[str] = set()
+        self._joined: dict[Path, S3Url] = {}
+        """Each scratch directory a rank of this process writes into: its save prefix."""
+        self._streams: dict[Path, StreamedUpload] = {}
+        """Each file uploaded as it is written (:meth:`follow`), until :meth:`send`."""
 
     @property
     def client(self) -> S3Client:
@@ -241,12 +262,25 @@ class S3Store:
         self._staged[prefix] = Staged(url, overwrite, prefix, etag, text, beat)
         return scratch
 
-    def join_staging(self, staging: str, rank: int) -> Path:
+    def join_staging(self, staging: str, rank: int, final: StrPath) -> Path:
         """This rank's own scratch directory on its host, from the name the root's
         :meth:`create_staging` returned: every rank writes only its own files there."""
-        mine = _scratch(_save_prefix_of(staging)) / f"rank-{rank:05d}"
+        prefix = _save_prefix_of(staging)
+        mine = _scratch(prefix) / f"rank-{rank:05d}"
         mine.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self._joined[mine] = _url(final).child(prefix[:-1])
         return mine
+
+    def follow(self, path: Path, fd: int) -> StreamedUpload | None:
+        """A data file written into a scratch directory of :meth:`join_staging` is uploaded
+        as it is written (:class:`~.streamed_upload.StreamedUpload`, reading ``fd``), and
+        :meth:`send` waits for it; None elsewhere."""
+        saved = self._joined.get(path.parent)
+        if saved is None:
+            return None
+        stream = StreamedUpload(self.client, saved.child(path.name), fd)
+        self._streams[path] = stream
+        return stream
 
     def put_text(
         self, path: StrPath, text: str | Iterable[str], *, limit: int | None = None
@@ -256,17 +290,26 @@ class S3Store:
     def send(
         self, staging: StrPath, final: StrPath, *, upload: bool = True, last: bool = True
     ) -> None:
-        """(every rank, before it reports in the ``write`` step) Upload every file this rank
-        wrote into its scratch directory ``staging`` under the save prefix, in parallel,
-        then delete the scratch copies (without ``upload``, after a failed write: only
-        delete them); with ``last``, the directory too (the root keeps it for the indexes
-        and the manifest)."""
+        """(every rank, before it reports in the ``write`` step) Wait for the files this rank
+        wrote into its scratch directory ``staging`` that were uploaded as they were written
+        (:meth:`follow`), upload the others under the save prefix, in parallel, then delete
+        the scratch copies (without ``upload``, after a failed write: abandon the uploads
+        and only delete the copies); with ``last``, the directory too (the root keeps it
+        for the indexes and the manifest)."""
         local = Path(staging)
         names = sorted(os.listdir(local))
+        streams = [self._streams.pop(p) for p in list(self._streams) if p.parent == local]
         try:
             if upload:
-                self._upload(local, _url(final).child(_save_prefix_of(staging)[:-1]), names)
+                _wait_all(streams)
+                streamed = {stream.url.name for stream in streams}
+                rest = [name for name in names if name not in streamed]
+                self._upload(local, _url(final).child(_save_prefix_of(staging)[:-1]), rest)
         finally:
+            for stream in streams:
+                stream.abandon()  # (a finished upload: nothing more)
+            if last:
+                self._joined.pop(local, None)
             for name in names:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(local / name)
@@ -448,7 +491,10 @@ class S3Store:
     def _forget(self, staged: Staged) -> None:
         self._staged.pop(staged.save_prefix, None)
         staged.heartbeat.stop()
-        shutil.rmtree(_scratch(staged.save_prefix), ignore_errors=True)
+        scratch = _scratch(staged.save_prefix)
+        for joined in [p for p in self._joined if p.parent == scratch]:
+            del self._joined[joined]
+        shutil.rmtree(scratch, ignore_errors=True)
 
     def discard(self, staging: StrPath, *, quiet: bool = False) -> list[str]:
         staged = self._staged.get(_save_prefix_of(staging))

@@ -18,7 +18,7 @@ from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar
+from typing import TYPE_CHECKING, Any, BinaryIO, Protocol, TypeVar
 
 import numpy as np
 
@@ -107,12 +107,15 @@ def write_safetensors(
         return writer.commit()
 
 
-def _write_and_checksum(fd: int, view: memoryview, offset: int, chunk_bytes: int) -> bytes:
+def _write_and_checksum(
+    fd: int, view: memoryview, offset: int, chunk_bytes: int, *, writeback: bool = True
+) -> bytes:
     """Write bytes ``view`` at ``offset`` and return their chunk checksums (packed:
     :func:`.checksums.chunk_digests`), overlapping the two when large.
 
-    A large tensor also starts the kernel's writeback of the file so far, so the disk works
-    while the next tensor is copied and the final fsync has little left to do.
+    A large tensor also starts the kernel's writeback of the file so far (with
+    ``writeback``), so the disk works while the next tensor is copied and the final fsync has
+    little left to do.
     """
     if len(view) < _OFFLOAD_BYTES:
         pwrite_all(fd, view, offset)
@@ -121,7 +124,8 @@ def _write_and_checksum(fd: int, view: memoryview, offset: int, chunk_bytes: int
     with ThreadPoolExecutor(max_workers=1) as pool:
         pending = beside(pool, chunk_digests, view, chunk_bytes)
         pwrite_all(fd, view, offset)
-        start_writeback(fd)
+        if writeback:
+            start_writeback(fd)
         return pending.result()
 
 
@@ -322,6 +326,24 @@ def _json(value: object) -> str:
     return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
 
 
+class WriteFollower(Protocol):
+    """What a :class:`SafetensorsWriter` tells whoever follows the file
+    it writes front to back: the file is a scratch copy of what the follower stores
+    elsewhere, so the writer neither fsyncs it nor starts its writeback."""
+
+    def advance(self, end: int) -> None:
+        """Bytes ``[0, end)`` of the file are written and will not change."""
+        ...
+
+    def finish(self, size: int) -> None:
+        """The file is complete at ``size`` bytes."""
+        ...
+
+    def abandon(self) -> None:
+        """The file will never be complete: stop, leaving nothing stored of it."""
+        ...
+
+
 class SafetensorsWriter:
     """Streams tensors into a safetensors file one at a time, in bounded memory.
 
@@ -341,6 +363,7 @@ class SafetensorsWriter:
         *,
         chunk_bytes: int = CHUNK_BYTES,
         sync: bool = True,
+        follow: Callable[[Path, int], WriteFollower | None] | None = None,
     ) -> None:
         self.path = Path(path)
         self.sync = sync
@@ -359,13 +382,22 @@ class SafetensorsWriter:
         self._digests: list[bytes] = []
         self._tmp = temporary_path(self.path)
         self._file = None
+        self._follower: WriteFollower | None = None
+        """Who stores the file elsewhere as it is written (``follow(path, a descriptor of
+        the file it owns)``, None: nobody); the file is then its scratch copy."""
         try:
-            self._file = open(self._tmp, "wb")  # noqa: SIM115 - closed by commit/abort
+            # (readable too: a follower reads the file back while it is written)
+            self._file = open(self._tmp, "w+b")  # noqa: SIM115 - closed by commit/abort
             header.write(self._file)
             self._file.flush()  # the data goes in by positional writes
+            if follow is not None:
+                self._follower = _followed(follow, self.path, self._file.fileno())
         except OSError as e:
             self.abort()
             raise failure("write", e, self.path) from e
+        if self._follower is not None:
+            self.sync = False
+            self._follower.advance(self._data_start)
 
     @property
     def pending(self) -> list[str]:
@@ -389,13 +421,19 @@ class SafetensorsWriter:
         try:
             if nbytes:
                 sums = _write_and_checksum(
-                    self._file.fileno(), view, self._data_start + begin, self.chunk_bytes
+                    self._file.fileno(),
+                    view,
+                    self._data_start + begin,
+                    self.chunk_bytes,
+                    writeback=self._follower is None,
                 )
         except OSError as e:
             self.abort()
             raise failure("write", e, self.path) from e
         self._digests.append(sums)
         self._next += 1
+        if self._follower is not None:
+            self._follower.advance(self._data_start + begin + nbytes)
         return self._records()[key]
 
     def _records(self) -> WrittenRecords:
@@ -425,11 +463,17 @@ class SafetensorsWriter:
         except OSError as e:
             self.abort()
             raise failure("write", e, self.path) from e
+        follower, self._follower = self._follower, None
+        if follower is not None:
+            follower.finish(self.size)
         return self._records()
 
     def abort(self) -> None:
-        """Close and remove the temporary file (idempotent)."""
+        """Close and remove the temporary file, and abandon its follower (idempotent)."""
         file, self._file = self._file, None
+        follower, self._follower = self._follower, None
+        if follower is not None:
+            follower.abandon()
         if file is not None:
             with contextlib.suppress(OSError):
                 file.close()
@@ -446,6 +490,22 @@ class SafetensorsWriter:
     ) -> None:
         if self._file is not None:
             self.abort()
+
+
+def _followed(
+    follow: Callable[[Path, int], WriteFollower | None], path: Path, fd: int
+) -> WriteFollower | None:
+    """``follow(path, a duplicate of fd)``: the follower owns the duplicate (it may read the
+    file after the writer has closed it); closed here when nobody follows."""
+    own = os.dup(fd)
+    try:
+        follower = follow(path, own)
+    except BaseException:
+        os.close(own)
+        raise
+    if follower is None:
+        os.close(own)
+    return follower
 
 
 class SharedSafetensorsFile:
