@@ -22,7 +22,7 @@ _PUBLIC: dict[str, str] = {
     "async_save": ".checkpoint.api",
     "load": ".checkpoint.api",
     "LoadReport": ".checkpoint.api",
-    "latest": ".files.retention",
+    "latest": ".checkpoint.newest",
     "clean": ".files.retention",
     "verify": ".files.pieces",
     "read_manifest": ".files.pieces",

@@ -15,6 +15,9 @@ import muonckpt
 from .fixture_model import build, initial_params, train
 
 AGENT = "muonckpt-test-rank-{rank}"
+LOOKING = "muonckpt-test-latest-{rank}"
+"""The user agent of rank ``rank``'s requests in a load (:data:`AGENT`) and in a ``latest``
+(:data:`LOOKING`)."""
 """Each rank's S3 client adds this to its User-Agent (``AWS_SDK_UA_APP_ID``), so that the
 proxy's log tells whose request each was."""
 
@@ -64,6 +67,12 @@ def save_copy_load_phase(
     if rank == 0:
         upload(Path(local), bucket, prefix, upstream)
     dist.barrier()
+    os.environ["AWS_SDK_UA_APP_ID"] = LOOKING.format(rank=rank)
+    found = muonckpt.latest(f"s3://{bucket}/{prefix.rpartition('/')[0]}", collective=True)
+    assert str(found) in (f"s3://{bucket}/{prefix}", f"s3://{bucket}/{prefix}-saved"), found
+    answers: list[object] = [None] * dist.get_world_size()
+    dist.all_gather_object(answers, found)
+    assert len(set(map(str, answers))) == 1, answers  # every rank was told the same
     out = {}
     zeros = {name: torch.zeros_like(value) for name, value in initial_params().items()}
     copies = (("s3", f"s3://{bucket}/{prefix}"), ("saved", f"s3://{bucket}/{prefix}-saved"))

@@ -636,3 +636,13 @@ def test_a_forged_lease_cannot_write_lines_of_its_own_through_clean(tmp_path):
     ((_, why),) = cleaned.skipped
     assert why.startswith("in use: its lease was renewed") and "pid 7 on 'elsewhere" in why
     assert "\n" not in why and "\x1b" not in why
+
+
+def test_latest_for_every_rank_needs_a_process_group(saved, tmp_path):
+    """``latest(root, collective=True)`` (rank 0 looks for every rank: one listing of the root,
+    tests/test_s3_load.py) outside a process group is refused in one line, not answered as
+    if one process were the job."""
+    put(saved, tmp_path, 1, "step-1", at=0)
+    assert muonckpt.latest(tmp_path) == tmp_path / "step-1"
+    with pytest.raises(CheckpointError, match="collective=True needs an initialized"):
+        muonckpt.latest(tmp_path, collective=True)

@@ -29,7 +29,7 @@ from muonckpt.storage.s3 import S3Client, S3Url
 from muonckpt.storage.s3store import S3Store
 
 from .fixture_model import build, initial_params
-from .s3_cases import AGENT, save_copy_load_phase, state_of, upload
+from .s3_cases import AGENT, LOOKING, save_copy_load_phase, state_of, upload
 from .s3_proxy import FaultProxy
 from .s3_server import ENVIRONMENT, S3Server
 
@@ -65,9 +65,10 @@ def test_a_2x2_save_copied_to_s3_loads_at_4x1_bitwise(
     tmp_path: Path, s3_server: S3Server, s3_proxy: FaultProxy
 ) -> None:
     """The issue's case: saved at 2 x 2 to S3, and to a directory copied object by object to
-    S3, each loaded at 4 x 1 under gloo from s3:// bitwise as from the directory. Each rank
-    reads the manifest by one GET, never lists, and reads only what its share needs (its
-    piece indexes)."""
+    S3, each loaded at 4 x 1 under gloo from s3:// bitwise as from the directory. The newest
+    is found by ``latest(collective=True)``: one LIST, by rank 0. Each rank reads the
+    manifest by one GET, never lists, and reads only what its share needs (its piece
+    indexes)."""
     bucket = s3_server.bucket()
     prefix = "run/step-3"
     local = tmp_path / "step-3"
@@ -84,6 +85,10 @@ def test_a_2x2_save_copied_to_s3_loads_at_4x1_bitwise(
             _bitwise({k.removeprefix(tag): v for k, v in state.items() if k.startswith(tag)}, mine)
         assert any(v.abs().sum() > 0 for v in mine.values())
     log = s3_proxy.log
+    looked = [r for r in log if LOOKING.format(rank="") in r.agent]
+    assert all(LOOKING.format(rank=0) in r.agent for r in looked)  # rank 0 alone looked
+    assert sum("list-type" in r.target or "delimiter" in r.target for r in looked) == 1
+    log = [r for r in log if r not in looked]
     assert all("list-type" not in r.target and "delimiter" not in r.target for r in log)
     manifest = json.loads((local / "manifest.json").read_text())
     indexes = {i["name"] for i in manifest["indexes"]}

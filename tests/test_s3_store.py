@@ -7,14 +7,16 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from pathlib import Path
 
 import pytest
+import safetensors.torch
 import torch
 
 from muonckpt.errors import CheckpointError
 from muonckpt.storage.s3 import S3Client, S3Url
-from muonckpt.storage.s3store import S3Store, data_prefix_of, with_data_prefix
+from muonckpt.storage.s3store import S3Store, _save_prefix_of, data_prefix_of, with_data_prefix
 
 from .s3_server import S3Server
 
@@ -203,3 +205,42 @@ def test_a_plain_object_copy_down_loads_and_verifies(
     assert [str(e) for e in muonckpt.verify(copy)] == [
         f"unknown file in the checkpoint directory (file {copy / 's-0000000000000000'})"
     ]
+
+
+def test_a_data_file_is_uploaded_while_it_is_written(s3_server: S3Server) -> None:
+    """A file written into a rank's scratch directory is uploaded as its writer passes each
+    part (:class:`~muonckpt.storage.streamed_upload.StreamedUpload`): parts go up before the
+    writer has finished, the object holds the file's bytes, and ``send`` only waits for it. A
+    writer that gives up leaves no object and no multipart upload (no billable parts)."""
+    from muonckpt.storage import SafetensorsWriter
+    from muonckpt.storage.s3 import TransferSettings
+
+    client = S3Client(TransferSettings(part_size=5 << 20, concurrency=2))
+    target = f"s3://{s3_server.bucket()}/runs/step-1"
+    store = S3Store(client)
+    root = store.create_staging(target, False)
+    mine = store.join_staging(str(root), 1, target)
+    saved = S3Url.parse(target).child(_save_prefix_of(root).rstrip("/"))
+    tensors = {f"t{i}": torch.full((3 << 20,), float(i)) for i in range(3)}  # 12 MiB each
+    specs = {key: ("F32", tuple(t.shape)) for key, t in tensors.items()}
+    with SafetensorsWriter(mine / "kept.safetensors", specs, follow=store.follow) as out:
+        out.write("t0", tensors["t0"])
+        out.write("t1", tensors["t1"])
+        deadline = time.monotonic() + 30
+        while not client.uploads(saved) and time.monotonic() < deadline:
+            time.sleep(0.05)  # the upload started before the last tensor was written
+        assert client.uploads(saved)
+        out.write("t2", tensors["t2"])
+        out.commit()
+    size = out.size
+    with SafetensorsWriter(mine / "dropped.safetensors", specs, follow=store.follow) as out:
+        out.write("t0", tensors["t0"])
+        out.write("t1", tensors["t1"])  # then given up: the with block ends uncommitted
+    store.send(mine, target)
+    assert not mine.exists()
+    kept = client.get(saved.child("kept.safetensors"))
+    assert kept is not None and len(kept) == size
+    assert torch.equal(safetensors.torch.load(kept)["t2"], tensors["t2"])
+    assert client.head(saved.child("dropped.safetensors")) is None
+    assert client.uploads(saved) == []
+    store.discard(root)

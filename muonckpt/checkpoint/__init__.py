@@ -2,8 +2,9 @@
 write and read goes through :mod:`muonckpt.files` (the write engine, reading pieces, the
 checkpoints under a directory).
 
-Modules: :mod:`.api` (``save``, ``async_save``, ``load``), :mod:`.options` (``SaveOptions``),
-:mod:`.saving`, :mod:`.loading`; the private helpers of these (a leading underscore):
+Modules: :mod:`.api` (``save``, ``async_save``, ``load``), :mod:`.newest` (``latest``),
+:mod:`.options` (``SaveOptions``), :mod:`.saving`, :mod:`.loading`; the private helpers of
+these (a leading underscore):
 :mod:`._save_manifest` (a save's manifest draft), :mod:`._reading` and :mod:`._taking` (a load's
 share read, then handed to the optimizers). Its public names are re-exported by
 :mod:`muonckpt`.

@@ -13,6 +13,7 @@ concurrency whatever the writer's pace.
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from collections.abc import Iterator
@@ -60,11 +61,12 @@ class StreamedUpload:
         self._close()
 
     def wait(self) -> None:
-        """Until the object is stored; the upload's failure, if any, raised (a file never
-        finished is abandoned and refused)."""
+        """Until the object is stored (an abandoned file: until its upload has stopped); the
+        upload's failure, if any, raised. A file neither finished nor abandoned is abandoned
+        and refused."""
         with self._changed:
-            finished = self._size is not None
-        if not finished:
+            unfinished = self._size is None and not self._abandoned
+        if unfinished:
             self.abandon()
             raise CheckpointError(f"{self.url}: its file was never finished; nothing stored")
         self._close()
@@ -91,9 +93,7 @@ class StreamedUpload:
         start = 0
         while True:
             with self._changed:
-                self._changed.wait_for(
-                    lambda: self._abandoned or self._size is not None or self._ready >= start + part
-                )
+                self._changed.wait_for(functools.partial(self._passed, start + part))
                 if self._abandoned:
                     raise _Abandoned
                 end = start + part if self._size is None else min(start + part, self._size)
@@ -103,6 +103,10 @@ class StreamedUpload:
             if end - start < part:
                 return
             start = end
+
+    def _passed(self, end: int) -> bool:
+        """Whether the writer has passed byte ``end`` (or finished, or given up)."""
+        return self._abandoned or self._size is not None or self._ready >= end
 
     def _read(self, offset: int, length: int) -> bytes:
         data = os.pread(self._fd, length, offset)
