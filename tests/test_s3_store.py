@@ -6,6 +6,11 @@ the winner's kept), an overwrite deleting the old objects only after its commit.
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -244,3 +249,39 @@ def test_a_data_file_is_uploaded_while_it_is_written(s3_server: S3Server) -> Non
     assert client.head(saved.child("dropped.safetensors")) is None
     assert client.uploads(saved) == []
     store.discard(root)
+
+
+def test_a_killed_ranks_scratch_directory_is_removed_by_the_next_save_on_its_host(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rank killed mid-save leaves its scratch directory (``$TMPDIR/muonckpt-s3-*/rank-*``)
+    with the files it wrote; the next save on the host removes it, for its lease is no longer
+    held. A live rank's directory, and a look-alike directory without a lease muonckpt
+    wrote, are kept."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    target = "s3://bucket/runs/step-1"
+    killed = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import os, signal; from muonckpt.storage.s3store import S3Store\n"
+            f"d = S3Store().join_staging({str(tmp_path / ('muonckpt-s3-' + '1' * 16))!r}, 3, "
+            f"{target!r})\n"
+            "(d / 'rank-00003-of-00004.safetensors').write_bytes(b'x' * 100)\n"
+            "os.kill(os.getpid(), signal.SIGKILL)",
+        ],
+        env={**os.environ, "TMPDIR": str(tmp_path), "PYTHONPATH": os.getcwd()},
+        timeout=60,
+    )
+    assert killed.returncode == -signal.SIGKILL
+    dead = tmp_path / f"muonckpt-s3-{'1' * 16}" / "rank-00003"
+    assert (dead / "rank-00003-of-00004.safetensors").exists()
+    alike = tmp_path / f"muonckpt-s3-{'2' * 16}" / "rank-00000"
+    alike.mkdir(parents=True)
+    (alike / "notes.txt").write_text("mine")
+    store = S3Store()
+    live = store.join_staging(str(tmp_path / f"muonckpt-s3-{'3' * 16}"), 0, target)
+    other = S3Store().join_staging(str(tmp_path / f"muonckpt-s3-{'4' * 16}"), 1, target)
+    assert not dead.parent.exists()
+    assert (alike / "notes.txt").read_text() == "mine"
+    assert live.is_dir() and other.is_dir()  # the first's lease is held: not swept by the second

@@ -45,6 +45,7 @@ from ..errors import CheckpointError, CheckpointWarning, PreconditionFailed
 from ..format.manifest import PREFIXED_VERSION, all_files
 from ..format.manifest_json import parse_manifest
 from ..format.names import INDEX_FILE, MANIFEST_NAME, MODEL_INDEX_FILE
+from . import lease
 from .durable import MAX_TEXT_BYTES, write_text_atomic
 from .s3 import Listed, S3Client, S3Url, shared_client
 from .streamed_upload import StreamedUpload
@@ -104,6 +105,45 @@ class _Heartbeat:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join()
+
+
+SCRATCH_LEASE = "s3 scratch"
+"""What the lease of a rank's scratch directory says it is (:mod:`.lease`)."""
+
+
+def _scratch_files(local: Path) -> list[str]:
+    """The files a rank wrote into its scratch directory ``local`` (not its lease)."""
+    return sorted(n for n in os.listdir(local) if not lease.LEASE_FILE.match(n))
+
+
+def _leave(local: Path) -> None:
+    """This process is done with its scratch directory ``local``: its lease given up."""
+    lease.give_up(local)
+    lease.release(local)
+
+
+def _sweep_scratch() -> None:
+    """Remove this host's scratch directories of ranks that died mid-save (killed, out of
+    memory: nothing of theirs ran to remove them): those whose lease, which a live rank holds
+    locked, is free (:func:`.lease.leftover`). A directory without a lease muonckpt wrote, or
+    another user's, is left alone; a save's directory goes once its last rank's has."""
+    for top in Path(tempfile.gettempdir()).glob("muonckpt-s3-*"):
+        if _SCRATCH.fullmatch(top.name) is None:
+            continue
+        try:
+            ranks = [d for d in top.iterdir() if d.name.startswith("rank-")]
+        except OSError:  # another user's, or gone meanwhile
+            continue
+        for directory in ranks:
+            with lease.leftover(directory) as found:
+                if found.kept_because is not None:
+                    continue
+                for name in sorted(os.listdir(directory), key=lease.deletion_order):
+                    with contextlib.suppress(OSError):
+                        os.unlink(directory / name)
+            with contextlib.suppress(OSError):
+                directory.rmdir()
+                top.rmdir()  # (when that was its last rank's)
 
 
 def _wait_all(streams: Sequence[StreamedUpload]) -> None:
@@ -266,8 +306,10 @@ class S3Store:
         """This rank's own scratch directory on its host, from the name the root's
         :meth:`create_staging` returned: every rank writes only its own files there."""
         prefix = _save_prefix_of(staging)
+        _sweep_scratch()
         mine = _scratch(prefix) / f"rank-{rank:05d}"
         mine.mkdir(mode=0o700, parents=True, exist_ok=True)
+        lease.take(mine, SCRATCH_LEASE)
         self._joined[mine] = _url(final).child(prefix[:-1])
         return mine
 
@@ -297,7 +339,7 @@ class S3Store:
         and only delete the copies); with ``last``, the directory too (the root keeps it
         for the indexes and the manifest)."""
         local = Path(staging)
-        names = sorted(os.listdir(local))
+        names = _scratch_files(local)
         streams = [self._streams.pop(p) for p in list(self._streams) if p.parent == local]
         try:
             if upload:
@@ -310,6 +352,7 @@ class S3Store:
                 stream.abandon()  # (a finished upload: nothing more)
             if last:
                 self._joined.pop(local, None)
+                _leave(local)
             for name in names:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(local / name)
@@ -345,7 +388,7 @@ class S3Store:
         local = Path(staging)
         saved = staged.final.child(staged.save_prefix[:-1])
         try:
-            names = sorted(n for n in os.listdir(local) if n != MANIFEST_NAME)
+            names = [n for n in _scratch_files(local) if n != MANIFEST_NAME]
             self._upload(local, saved, names)
             self._check_sizes(local, saved, files or {})
             text = (local / MANIFEST_NAME).read_text(encoding="utf-8")
@@ -494,6 +537,7 @@ class S3Store:
         scratch = _scratch(staged.save_prefix)
         for joined in [p for p in self._joined if p.parent == scratch]:
             del self._joined[joined]
+            _leave(joined)
         shutil.rmtree(scratch, ignore_errors=True)
 
     def discard(self, staging: StrPath, *, quiet: bool = False) -> list[str]:
