@@ -62,6 +62,8 @@ class FaultProxy:
         """A request line containing this text is forwarded once, its answer never sent."""
         self.away_after_loss = 0.0
         """Seconds the server is away (:attr:`down_until`) once that answer was lost."""
+        self.ignore_if_match_on_delete = False
+        """Drop ``If-Match`` from every DELETE: a server that ignores conditional deletes."""
         self.log: list[Served] = []
         """Every request forwarded and answered, in order."""
         proxy = self
@@ -109,6 +111,8 @@ class FaultProxy:
             while (raw := rfile.readline(65537)) not in (b"\r\n", b"\n", b""):
                 name, _, value = raw.decode("latin-1").partition(":")
                 headers.append((name.strip(), value.strip()))
+            if method == "DELETE" and self.ignore_if_match_on_delete:
+                headers = [(k, v) for k, v in headers if k.lower() != "if-match"]
             lower = {k.lower(): v for k, v in headers}
             if lower.get("expect", "").lower() == "100-continue":
                 connection.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")

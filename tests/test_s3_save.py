@@ -28,7 +28,7 @@ import muonckpt
 from muonckpt import offline
 from muonckpt.cli import app
 from muonckpt.distributed.launch import run_distributed
-from muonckpt.errors import CheckpointError
+from muonckpt.errors import CheckpointError, CheckpointWarning
 from muonckpt.format.manifest import PREFIXED_VERSION
 from muonckpt.storage.s3 import S3Client, S3Url
 from muonckpt.storage.s3store import data_prefix_of
@@ -118,6 +118,25 @@ def test_a_save_in_one_process_with_keep_last(
     keys = _keys(f"{root}/step-3")
     assert before is not None and not any(k.startswith(before) for k in keys)
     assert len({k.split("/")[0] for k in keys if "/" in k}) == 1  # the new save's prefix alone
+
+
+def test_keep_last_deletes_nothing_where_the_server_ignores_conditional_deletes(
+    s3_server: S3Server, s3_proxy: FaultProxy
+) -> None:
+    """Pruning deletes a checkpoint's manifest only if it is still the one read (If-Match on
+    DELETE); a server that ignores that condition could delete a checkpoint saved at the same
+    place meanwhile, so there ``keep_last`` deletes nothing and warns, naming the URL and why
+    (the server probed once per bucket). The real server honours the condition."""
+    root = f"s3://{s3_server.bucket()}/run"
+    muonckpt.save(single_process_optimizer(1), f"{root}/step-1", keep_last=1)
+    s3_proxy.ignore_if_match_on_delete = True
+    with pytest.warns(CheckpointWarning, match=f"{root}/step-1 not deleted: .*ignores If-Match"):
+        muonckpt.save(single_process_optimizer(2), f"{root}/step-2", keep_last=1)
+    assert S3Client().listing(S3Url.parse(root), delimiter=True)[1] == ["step-1", "step-2"]
+    assert muonckpt.verify(f"{root}/step-1") == []
+    assert S3Client().listing(S3Url.parse(root), delimiter=True)[0] == []  # no probe left
+    s3_proxy.ignore_if_match_on_delete = False
+    assert S3Client().honours_conditional_delete(S3Url.parse(root))  # (a new client probes)
 
 
 def test_an_overwrite_of_a_copied_up_checkpoint_deletes_every_file_it_named(

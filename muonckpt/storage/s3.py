@@ -21,6 +21,7 @@ import importlib
 import os
 import random
 import re
+import secrets
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -193,6 +194,8 @@ class S3Client:
 
     def __init__(self, settings: TransferSettings | None = None) -> None:
         self.settings = settings or TransferSettings()
+        self._conditional_deletes: dict[str, bool] = {}
+        """Per bucket, whether the server honours ``If-Match`` on DELETE (probed)."""
         boto3, botocore = _botocore()
         self._exceptions = importlib.import_module("botocore.exceptions")
         config = importlib.import_module("botocore.config").Config(
@@ -413,6 +416,24 @@ class S3Client:
             url,
             lambda: self._client.delete_object(Bucket=url.bucket, Key=url.key, **extra),
         )
+
+    def honours_conditional_delete(self, place: S3Url) -> bool:
+        """Whether the server refuses a DELETE whose ``If-Match`` does not match (S3 does;
+        some S3-compatible servers ignore the header and delete): probed once per bucket by
+        this client with an object of its own under ``place``, then deleted."""
+        known = self._conditional_deletes.get(place.bucket)
+        if known is None:
+            probe = place.child(f".muonckpt-probe-{secrets.token_hex(8)}")
+            self.create(probe, b"")
+            try:
+                self.delete(probe, if_match='"0123456789abcdef0123456789abcdef"')
+                known = self.head(probe) is not None  # (ignored: deleted anyway)
+            except PreconditionFailed:
+                known = True
+            finally:
+                self.delete(probe)
+            self._conditional_deletes[place.bucket] = known
+        return known
 
     def delete_many(self, urls: Iterable[S3Url]) -> None:
         """Delete objects of one bucket, 1000 to a request; a key that could not be deleted

@@ -561,8 +561,15 @@ class S3Store:
 
     def remove_checkpoint(self, directory: StrPath) -> bool:
         """Delete a committed checkpoint: its manifest (only the one read: If-Match), then
-        the objects it named."""
+        the objects it named. Refused where the server ignores If-Match on DELETE
+        (:meth:`~.s3.S3Client.honours_conditional_delete`): there a checkpoint saved at the
+        same place meanwhile could be the one deleted."""
         url = _url(directory)
+        if not self.client.honours_conditional_delete(url.parent):
+            raise CheckpointError(
+                f"{url}: the server ignores If-Match on DELETE, so deleting this checkpoint "
+                "could delete one saved there meanwhile; delete old checkpoints by hand there"
+            )
         manifest = url.child(MANIFEST_NAME)
         info = self.client.head(manifest)
         if info is None:
