@@ -191,3 +191,25 @@ def test_a_store_that_is_gone_fails_the_step_with_where_it_was():
     assert said.startswith("async_save (write): looking for messages in the process"), said
     assert f"the process group's store at 127.0.0.1:{client.port} is gone" in said, said
     protocol.leave()  # says nothing more
+
+
+@pytest.mark.parametrize("kind", ["hash", "tcp"])
+def test_a_message_removed_after_it_was_seen_is_gone_at_once(kind: str) -> None:
+    """A rank that saw a message and then reads it after the root removed the mailbox (the
+    root gave up waiting for it) learns at once that it is gone, where the store's ``get``
+    would wait for the store's whole timeout; reading creates nothing."""
+    store: dist.Store
+    if kind == "hash":
+        store = dist.HashStore()
+    else:
+        store = dist.TCPStore("127.0.0.1", 0, 1, True, timedelta(seconds=600))
+    store.set_timeout(timedelta(seconds=600))  # a get of the removed key would wait this long
+    root = Mailbox.create(store)
+    root.post("write-outcome", {"ok": True})
+    late = Mailbox(root.name, store)
+    assert late.wait(["write-outcome"], 1.0) == ({"write-outcome": {"ok": True}}, [])
+    root.remove()
+    with pytest.raises(CheckpointError, match="'write-outcome' is gone: the mailbox was removed"):
+        late.read("write-outcome")
+    assert late.wait(["write-outcome"], 0.0) == ({}, ["write-outcome"])
+    assert _ours(store) == []

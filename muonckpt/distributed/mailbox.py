@@ -35,6 +35,8 @@ T = TypeVar("T")
 PREFIX = "muonckpt/async_save"
 """Every mailbox's keys are under ``PREFIX/<its name>/``."""
 _OPEN = "open"
+_NONE = "\x00none"
+"""What no message is (each is JSON): the expected value of a read that must not wait."""
 """The key the root sets first and deletes last: the mailbox is there while it is."""
 CONNECT_S = 5.0
 """How long a connection of the mailbox's own may take to be made (ms, when the store is
@@ -131,9 +133,23 @@ class Mailbox:
         return bool(json.loads(there)[0] == self._token)
 
     def read(self, name: str) -> Any:
-        """Message ``name``, which must be there."""
+        """Message ``name``, which must be there (a :class:`CheckpointError` when it is not:
+        the root removed the mailbox meanwhile)."""
         self._names.add(name)
-        return self._unwrapped(self._do(f"reading message {name}", lambda keys: keys.get(name)))
+        data = self._peek(name)
+        if data is None:
+            raise CheckpointError(f"message {name!r} is gone: the mailbox was removed")
+        return self._unwrapped(data)
+
+    def _peek(self, name: str) -> bytes | None:
+        """Message ``name`` as stored, or None when it is not there, without waiting: the
+        store's ``get`` of a key deleted since it was seen waits for the store's whole
+        timeout (30 min under torchrun), where ``compare_set`` with an expected value no
+        message has answers at once (the value there, or that expected value itself)."""
+        data: bytes = self._do(
+            f"reading message {name}", lambda keys: keys.compare_set(name, _NONE, _NONE)
+        )
+        return None if data == _NONE.encode() else data
 
     def _wrapped(self, payload: Any) -> str:
         return json.dumps([self._token, payload])
@@ -155,8 +171,7 @@ class Mailbox:
         pause = _FIRST_POLL_S
         while True:
             if self._do("looking for messages", lambda keys: keys.check(list(names))):
-                values = self._do("reading messages", lambda keys: keys.multi_get(list(names)))
-                return dict(zip(names, map(self._unwrapped, values), strict=True)), []
+                return self._some(names)  # (all, unless the root removed them meanwhile)
             if time.monotonic() >= deadline or not self.present():
                 return self._some(names)
             time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
@@ -164,11 +179,9 @@ class Mailbox:
 
     def _some(self, names: Sequence[str]) -> tuple[dict[str, Any], list[str]]:
         """The messages ``names`` there now, and those not (once a wait has ended)."""
-        found = {name: self.read(name) for name in names if self._there(name)}
+        stored = {name: self._peek(name) for name in names}
+        found = {name: self._unwrapped(data) for name, data in stored.items() if data is not None}
         return found, [name for name in names if name not in found]
-
-    def _there(self, name: str) -> bool:
-        return bool(self._do(f"looking for message {name}", lambda keys: keys.check([name])))
 
     def remove(self) -> None:
         """Delete every message this rank has left, claimed or asked for (the root: all of
