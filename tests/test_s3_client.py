@@ -40,7 +40,8 @@ def test_urls_parse_and_refuse() -> None:
     assert str(url.child("manifest.json")) == "s3://my-bucket/runs/a/step-10/manifest.json"
     assert S3Url.parse("s3://my-bucket").prefix == ""
     assert is_s3_url("s3://b/x") and not is_s3_url("/tmp/x")
-    for bad in ("s3://A_B/x", "s3://b", "s3://bucket/a//b", "s3://bucket/a/../b", "gs://b/x"):
+    bad_urls = ("s3://A_B/x", "s3://b", "s3://bucket/a//b", "s3://bucket//b", "s3://bucket/a/../b")
+    for bad in (*bad_urls, "gs://b/x"):
         with pytest.raises(CheckpointError):
             S3Url.parse(bad)
 

@@ -74,7 +74,7 @@ class S3Url:
         if not text.startswith(SCHEME):
             raise CheckpointError(f"{text!r} is not an s3:// URL")
         bucket, _, key = text[len(SCHEME) :].partition("/")
-        key = key.strip("/")
+        key = key.rstrip("/")  # (a leading "/" is an empty part: aws s3 reads it as a key's)
         if not _BUCKET.fullmatch(bucket):
             raise CheckpointError(f"{text!r}: {bucket!r} is not an S3 bucket name")
         if key and any(part in ("", ".", "..") for part in key.split("/")):
