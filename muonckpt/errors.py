@@ -26,6 +26,7 @@ __all__ = [
     "PeerLostError",
     "PreconditionFailed",
     "StateDictError",
+    "StoreUnreachable",
 ]
 
 
@@ -135,7 +136,14 @@ class ArgumentError(CheckpointError, ValueError):
 class PreconditionFailed(CheckpointError):
     """A conditional write to object storage was refused (HTTP 412): the object exists
     (``If-None-Match: *``) or is no longer the one whose etag was given (``If-Match``). How a
-    commit on S3 learns that another writer committed first (issue 52, work in progress)."""
+    commit on S3 learns that another writer committed first."""
+
+
+class StoreUnreachable(CheckpointError):
+    """Object storage could not be used, for a reason of the place and not of a checkpoint:
+    no credentials, access denied, no such bucket, or the server unreachable or failing after
+    every retry. :func:`muonckpt.verify` raises it rather than report it as a problem of the
+    checkpoint (the command line's ``verify`` exits 2, as for bad usage)."""
 
 
 class CollectiveError(MuonCkptError, RuntimeError):

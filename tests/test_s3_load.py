@@ -21,7 +21,7 @@ from typer.testing import CliRunner
 import muonckpt
 from muonckpt.cli import app
 from muonckpt.distributed.launch import run_distributed
-from muonckpt.errors import CheckpointError
+from muonckpt.errors import CheckpointError, StoreUnreachable
 from muonckpt.files.pieces import PieceReader, open_checkpoint
 from muonckpt.layout.topology import whole_region
 from muonckpt.storage import byte_source, checkpoint_files
@@ -227,3 +227,8 @@ def test_refused_in_one_line_naming_the_url(
     with pytest.raises(CheckpointError, match=f"{re.escape(url)}.*no AWS credentials") as refused:
         muonckpt.load(build(1, 1, initial_params())[0], url)
     assert "\n" not in str(refused.value)
+    with pytest.raises(StoreUnreachable, match="no AWS credentials"):  # not the checkpoint's
+        muonckpt.verify(url)
+    verified = CliRunner().invoke(app, ["verify", url])
+    assert verified.exit_code == 2 and "problem" not in verified.output, verified.output
+    assert "no AWS credentials" in verified.output

@@ -373,7 +373,8 @@ def verify(src: Source) -> None:
     Exit 0 when sound, 1 listing each problem. Example: muonckpt verify ckpt/step-1000
 
     Of a checkpoint in S3 (s3://bucket/prefix) every object its manifest names is checked;
-    objects it does not name (a save that never committed) are left for clean.
+    objects it does not name (a save that never committed) are left for clean. A store that
+    cannot be used (no credentials, access denied, unreachable) exits 2 with one error line.
     """
     if not src.startswith(S3_SCHEME) and not Path(src).is_dir():
         raise CheckpointError("no checkpoint directory", path=src)

@@ -21,7 +21,7 @@ from dataclasses import replace
 import numpy as np
 
 from .. import storage
-from ..errors import CheckpointError
+from ..errors import CheckpointError, StoreUnreachable
 from ..format.manifest import (
     CONSOLIDATED,
     FORMAT_NAME,
@@ -495,7 +495,19 @@ def verify(path: str | os.PathLike[str]) -> list[CheckpointError]:
     Every file the manifest names is checked (there, at its size, its header, every
     checksum). In a local directory a file no manifest names is a problem too; under an S3
     prefix it is not: an object a writer left that never committed (a killed save's
-    ``s-<16 hex>/`` prefix) is never read, and is garbage for ``clean``."""
+    ``s-<16 hex>/`` prefix) is never read, and is garbage for ``clean``. Object storage that
+    cannot be used (no credentials, access denied, the server unreachable:
+    :class:`~muonckpt.errors.StoreUnreachable`) is raised, not reported as the checkpoint's
+    problem."""
+    problems = _problems(path)
+    unreachable = next((p for p in problems if isinstance(p, StoreUnreachable)), None)
+    if unreachable is not None:
+        raise unreachable
+    return problems
+
+
+def _problems(path: str | os.PathLike[str]) -> list[CheckpointError]:
+    """:func:`verify`'s findings, whatever their cause."""
     try:
         files = checkpoint_at(path)
         manifest = read_manifest(files, pieces=False)

@@ -29,7 +29,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from ..errors import CheckpointError, PreconditionFailed
+from ..errors import CheckpointError, PreconditionFailed, StoreUnreachable
 
 SCHEME = "s3://"
 
@@ -50,6 +50,20 @@ _TRANSIENT_CODES = frozenset(
     }
 )
 _TRANSIENT_STATUS = frozenset({500, 502, 503, 504})
+_PLACE_CODES = frozenset(
+    {
+        "AccessDenied",
+        "AllAccessDisabled",
+        "InvalidAccessKeyId",
+        "SignatureDoesNotMatch",
+        "ExpiredToken",
+        "InvalidToken",
+        "NoSuchBucket",
+        "PermanentRedirect",
+        "AuthorizationHeaderMalformed",
+    }
+)
+"""Error codes that say the place is at fault, not a checkpoint (:class:`StoreUnreachable`)."""
 
 T = TypeVar("T")
 
@@ -232,17 +246,23 @@ class S3Client:
         )
 
     def _failure(self, what: str, url: S3Url, exc: BaseException, tries: int) -> CheckpointError:
+        """The error of a request that failed for good: :class:`StoreUnreachable` where the
+        place is at fault (credentials, access, bucket, the server), else a
+        :class:`CheckpointError` (an object missing, a range it does not have, ...)."""
         errors = self._exceptions
+        kind: type[CheckpointError] = StoreUnreachable
         if isinstance(exc, errors.NoCredentialsError):
             why = "no AWS credentials were found (environment, ~/.aws, profile)"
         elif isinstance(exc, errors.ClientError):
             code, status = self._status(exc)
             message = exc.response.get("Error", {}).get("Message", "")
             why = f"{code or status}" + (f": {message}" if message else "")
+            if code not in _PLACE_CODES and status not in (401, 403) and not self._transient(exc):
+                kind = CheckpointError
         else:
             why = f"{type(exc).__name__}: {exc}"
         after = f" (after {tries} tries)" if tries > 1 else ""
-        return CheckpointError(f"cannot {what} {url}{after}: {why}")
+        return kind(f"cannot {what} {url}{after}: {why}")
 
     def _call(self, what: str, url: S3Url, request: Callable[[], T]) -> T:
         """``request()``, retried while it fails transiently, within the settings' bounds;
