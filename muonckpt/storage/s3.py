@@ -208,6 +208,12 @@ class S3Client:
 
     def __init__(self, settings: TransferSettings | None = None) -> None:
         self.settings = settings or TransferSettings()
+        self._part_checksums: dict[str, str] = {}
+        """A multipart upload's checksum algorithm, declared when it starts and given with
+        each part, as boto3's own managed upload does (the server then checks each part and
+        combines their checksums at the completion rather than recomputing the object's);
+        none where the AWS configuration asks for checksums only when required
+        (``AWS_REQUEST_CHECKSUM_CALCULATION=when_required``: servers that refuse them)."""
         self._conditional_deletes: dict[str, bool] = {}
         """Per bucket, whether the server honours ``If-Match`` on DELETE (probed)."""
         boto3, botocore = _botocore()
@@ -226,6 +232,10 @@ class S3Client:
                 "cannot make an S3 client of the AWS configuration (AWS_* environment, "
                 f"~/.aws, profile): {type(exc).__name__}: {exc}"
             ) from None
+        if getattr(self._client.meta.config, "request_checksum_calculation", None) != (
+            "when_required"
+        ):
+            self._part_checksums = {"ChecksumAlgorithm": "CRC32"}
 
     # -- the one place requests are made ------------------------------------------------
 
@@ -582,7 +592,9 @@ class S3Client:
         upload = self._call(
             "start an upload of",
             url,
-            lambda: self._client.create_multipart_upload(Bucket=url.bucket, Key=url.key),
+            lambda: self._client.create_multipart_upload(
+                Bucket=url.bucket, Key=url.key, **self._part_checksums
+            ),
         )["UploadId"]
         try:
             done = self._send_parts(url, upload, _chain(first, second, parts))
@@ -618,9 +630,13 @@ class S3Client:
                         UploadId=upload,
                         PartNumber=number,
                         Body=body,
+                        **self._part_checksums,
                     ),
                 )
-                return {"PartNumber": number, "ETag": response["ETag"]}
+                part = {"PartNumber": number, "ETag": response["ETag"]}
+                if "ChecksumCRC32" in response:
+                    part["ChecksumCRC32"] = response["ChecksumCRC32"]
+                return part
             finally:
                 slots.release()
 
