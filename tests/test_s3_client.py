@@ -79,7 +79,9 @@ def test_conditional_put_head_get(s3_server: S3Server) -> None:
     assert client.head(url) is None
 
 
-def test_multipart_upload_and_ranged_read_into(s3_server: S3Server) -> None:
+def test_multipart_upload_and_ranged_read_into(
+    s3_server: S3Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
     client = S3Client(SMALL_PARTS)
     bucket = s3_server.bucket()
     url = S3Url(bucket, "ckpt/s-0123456789abcdef/rank-00000-of-00001.safetensors")
@@ -87,6 +89,15 @@ def test_multipart_upload_and_ranged_read_into(s3_server: S3Server) -> None:
     chunks = [data[i : i + 3 * MIB + 1] for i in range(0, len(data), 3 * MIB + 1)]
     etag = client.upload(url, chunks, if_none_match=True)
     assert "-3" in etag  # a multipart etag: 3 parts of 5 MiB, 5 MiB, 2 MiB + 17
+    held = s3_server.client().head_object(Bucket=bucket, Key=url.key, ChecksumMode="ENABLED")
+    assert "ChecksumCRC32" in held, held  # declared, each part checked by the server
+    monkeypatch.setenv("AWS_REQUEST_CHECKSUM_CALCULATION", "when_required")  # (not declared)
+    S3Client(SMALL_PARTS).upload(url.parent.child("plain"), chunks, if_none_match=True)
+    plain = s3_server.client().head_object(
+        Bucket=bucket, Key=url.parent.child("plain").key, ChecksumMode="ENABLED"
+    )
+    assert "ChecksumCRC32" not in plain
+    monkeypatch.delenv("AWS_REQUEST_CHECKSUM_CALCULATION")
     out = bytearray(len(data) - 100)
     client.read_into(url, 50, memoryview(out), if_match=etag)
     assert out == data[50:-50]
