@@ -22,8 +22,10 @@ row working at once, warm-up plus ``--repeats`` interleaved rounds, each into a 
     ``FsspecWriter`` / ``FsspecReader`` on ``s3fs``; skipped (said so) without s3fs.
 
 Rows: median and min job seconds (a job's time is its slowest rank's), MB/s of the median,
-and the ratio to the floor of the same operation. A pure-Python server on a few cores may
-itself be the ceiling of every row; its ceiling shows as the floor rows' MB/s.
+the ratio to the floor of the same operation, and the CPU seconds the server started here
+spent on the row's requests (median), with the cores that makes over the row's time. A
+pure-Python server on a few cores may itself be the ceiling of every row: moto's requests
+hold Python's GIL, so a row whose server is busy about one core is waiting on the server.
 
     python benchmarks/bench_s3.py --size 1GB --repeats 3
 """
@@ -84,22 +86,39 @@ def _rounds(
     reset: Callable[[str, int], object] | None = None,
 ) -> dict[str, list[float]]:
     """Warm-up plus ``repeats`` interleaved rounds of every variant on every rank, each
-    after ``reset(key, round)`` (untimed); this rank's seconds per measured round."""
+    after ``reset(key, round)`` (untimed); this rank's seconds per measured round, and on
+    rank 0 under ``server:KEY`` the CPU seconds the server process spent meanwhile (between
+    the barriers: the whole job's requests)."""
     import torch.distributed as dist
 
     seconds: dict[str, list[float]] = {}
+    watched = dist.get_rank() == 0
     for round_ in range(repeats + 1):
         for key, run in variants.items():
             if reset is not None:
                 reset(key, round_)
             dist.barrier()
+            server = _server_cpu() if watched else None
             start = time.perf_counter()
             run(round_)
             elapsed = time.perf_counter() - start
             dist.barrier()
             if round_:
                 seconds.setdefault(key, []).append(elapsed)
+                if server is not None and (now := _server_cpu()) is not None:
+                    seconds.setdefault(f"server:{key}", []).append(now - server)
     return seconds
+
+
+def _server_cpu() -> float | None:
+    """CPU seconds (user + system) of the server this script started (its pid in
+    ``MUONCKPT_BENCH_SERVER_PID``), or None (another server, or no /proc)."""
+    pid = os.environ.get("MUONCKPT_BENCH_SERVER_PID")
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _client():
@@ -224,6 +243,7 @@ def _rows(operation: str, labels: dict, ranks: list[dict], total: int) -> list[d
         jobs = [
             max(r["seconds"][key][i] for r in ranks) for i in range(len(ranks[0]["seconds"][key]))
         ]
+        server = ranks[0]["seconds"].get(f"server:{key}")
         rows.append(
             {
                 "operation": operation,
@@ -231,6 +251,7 @@ def _rows(operation: str, labels: dict, ranks: list[dict], total: int) -> list[d
                 "median_s": statistics.median(jobs),
                 "min_s": min(jobs),
                 "mb_per_s": total / MiB / statistics.median(jobs),
+                "server_cpu_s": statistics.median(server) if server else None,
             }
         )
     floor = rows[0]["median_s"]
@@ -291,12 +312,14 @@ def run(size: str, dp: int, tp: int, to_dp: int, to_tp: int, repeats: int) -> di
 
 def print_rows(res: dict) -> None:
     print(f"\n### {res['size']}: {res['state_bytes'] / MiB:.0f} MiB fp32 state through S3\n")
-    print("| operation | tool | median s | min s | MB/s | x floor |")
-    print("|---|---|---:|---:|---:|---:|")
+    print("| operation | tool | median s | min s | MB/s | x floor | server CPU s (cores) |")
+    print("|---|---|---:|---:|---:|---:|---:|")
     for r in res["rows"]:
+        cpu = r["server_cpu_s"]
+        busy = "-" if cpu is None else f"{cpu:.2f} ({cpu / r['median_s']:.2f})"
         print(
             f"| {r['operation']} | {r['tool']} | {r['median_s']:.2f} | {r['min_s']:.2f} | "
-            f"{r['mb_per_s']:.0f} | {r['ratio']:.2f} |"
+            f"{r['mb_per_s']:.0f} | {r['ratio']:.2f} | {busy} |"
         )
 
 
@@ -317,6 +340,7 @@ def main() -> None:
     else:
         endpoint, server = _serve()
         os.environ.update(ENVIRONMENT, AWS_ENDPOINT_URL=endpoint)
+        os.environ["MUONCKPT_BENCH_SERVER_PID"] = str(server.pid)
     try:
         res = run(args.size, args.dp, args.tp, args.to_dp, args.to_tp, args.repeats)
     finally:
