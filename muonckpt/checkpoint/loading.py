@@ -54,7 +54,7 @@ from ..files.pieces import PieceReader, load_pieces, open_checkpoint
 from ..format import conversion, kinds
 from ..format.manifest import Manifest
 from ..format.names import MANIFEST_NAME
-from ..format.renames import Rename, prefix_hint
+from ..format.renames import Rename, names_hint
 from ..optim.sharding import ShardedParams, following
 from ..state import trainstate
 from ..state.describers import flat_params
@@ -129,7 +129,8 @@ def load(
         extra: a dict to fill with the ``extra`` saved with the checkpoint, in place: a
             stateful value in it (an LR scheduler) gets ``load_state_dict`` of its saved
             state, a dict is filled key by key, anything else is replaced, and keys only the
-            checkpoint has are added. Every key it holds must be in the checkpoint.
+            checkpoint has are added. Every key it holds must be in the checkpoint; an empty
+            dict stays empty when the checkpoint holds no extra.
         rank_extra: the same for this rank's ``rank_extra``: the values the rank of the same
             place in the grid saved. Only at the number of ranks that saved (per-rank values
             such as RNG states or data positions do not carry over to another; load without
@@ -386,20 +387,24 @@ def _check_job_state(
     world: int,
 ) -> None:
     """A load that asks for the job's own state must find it, ``rank_extra`` at the number of
-    ranks that saved it."""
+    ranks that saved it. An empty dict asks for no key: it stays empty where none was saved, so
+    that one resume script serves checkpoints with and without it."""
     saved = manifest.extra
     where = directory / MANIFEST_NAME
-    if extra is not None and (saved is None or saved.shared is None):
+    if extra and (saved is None or saved.shared is None):
         raise CheckpointError(
-            "the checkpoint holds no extra (saved without extra=); load it without extra=",
+            "the checkpoint holds no extra (saved without extra=); load it without extra= "
+            "(or with an empty dict)",
             path=where,
         )
     if rank_extra is None:
         return
     if saved is None or not saved.ranks:
+        if not rank_extra:
+            return
         raise CheckpointError(
             "the checkpoint holds no rank_extra (saved without rank_extra=); load it "
-            "without rank_extra=",
+            "without rank_extra= (or with an empty dict)",
             path=where,
         )
     if len(saved.ranks) != world:
@@ -425,7 +430,7 @@ def _read_job_state(
     if saved is None:  # (asked for nothing: a load that asks needs it, checked when opened)
         return out
     asked = [("extra", extra, saved.shared)]
-    if rank_extra is not None:
+    if rank_extra is not None and saved.ranks:
         asked.append((f"rank_extra[{rank}]", rank_extra, saved.ranks[rank]))
     for what, target, tree in asked:
         if target is None or tree is None:
@@ -459,8 +464,9 @@ def _agreed_load(arguments: list[dict[str, Any]], ranks: Sequence[int]) -> None:
 
 def _check_prefix(manifest: Manifest, sharding: Sharding, directory: storage.Location) -> None:
     """Names that differ by a wrapper's prefix (DDP's ``module.``, torch.compile's
-    ``_orig_mod.``) are refused naming the prefix and the ``rename`` that maps them."""
-    hint = prefix_hint((e.name for e in manifest.params), (p.name for p in sharding.params))
+    ``_orig_mod.``) are refused naming the prefix and the ``rename`` that maps them; an optimizer
+    without names, loading named params, naming ``named_parameters()``."""
+    hint = names_hint((e.name for e in manifest.params), (p.name for p in sharding.params))
     if hint is not None:
         raise CheckpointError(hint, path=directory / MANIFEST_NAME)
 
