@@ -296,6 +296,7 @@ def test_the_cli_in_and_out(tmp_path):
         app, ["convert", str(out), "-o", str(ds), "--to", "deepspeed", "--world", "3"]
     )
     assert result.exit_code == 0, result.output
+    assert f"wrote {ds}: DeepSpeed, " in " ".join(result.output.split())
     assert len(deepspeed_files.rank_files(ds / "global_step3")) == 3
     again = runner.invoke(
         app, ["convert", str(out), "-o", str(ds), "--to", "deepspeed", "--world", "3"]
@@ -304,7 +305,9 @@ def test_the_cli_in_and_out(tmp_path):
     no_world = runner.invoke(
         app, ["convert", str(out), "-o", str(tmp_path / "x"), "--to", "deepspeed"]
     )
-    assert no_world.exit_code != 0 and "--world" in no_world.output
+    assert no_world.exit_code == 2, no_world.output
+    said = " ".join(no_world.output.split())
+    assert "DeepSpeed output needs --world" in said and "None" not in said
     assert not (tmp_path / "x").exists()
     detected = runner.invoke(
         app, ["convert", str(_ckpt(FIRST) / "global_step3"), "-o", str(tmp_path / "y")]

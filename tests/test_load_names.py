@@ -61,7 +61,7 @@ def test_torch_compile_names_load_with_rename_and_the_error_names_the_prefix(tmp
 
 
 def test_an_optimizer_without_names_is_told_to_use_named_parameters(tmp_path):
-    saved, ckpt = _compiled_checkpoint(tmp_path / "ckpt")
+    _, ckpt = _compiled_checkpoint(tmp_path / "ckpt")
     model = TinyGPT(seed=1)
     unnamed = [torch.optim.AdamW(model.parameters())]
     with pytest.raises(muonckpt.CheckpointError, match=r"named_parameters\(\)"):

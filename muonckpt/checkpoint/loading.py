@@ -359,7 +359,8 @@ def _agree_read(call: _LoadCall, read: _Read) -> None:
 def _apply(call: _LoadCall, taken: tuple[Taken, trainstate.Restore], report: LoadReport) -> None:
     """(every rank has taken its share) The loaded values into the optimizers' tensors, the
     params and the job's plain values, the model's weights from the loaded shards; the
-    report's notes logged and warned (at the caller of :func:`load`)."""
+    report's notes logged, and warned (at the caller of :func:`load`) by the first rank alone:
+    every rank holds the same report, and a job's log wants each warning once."""
     state, restore = taken
     state.finish()  # from here on nothing can refuse
     restore.assign()
@@ -367,7 +368,7 @@ def _apply(call: _LoadCall, taken: tuple[Taken, trainstate.Restore], report: Loa
         sharded.params_to_model()
     for message in report.converted:
         _LOG.info("muonckpt.load: converted %s", message)
-    for message in report.warnings:
+    for message in report.warnings if call.rank == 0 else ():
         warnings.warn(message, ConversionWarning, stacklevel=3)
 
 

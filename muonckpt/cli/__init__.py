@@ -290,6 +290,7 @@ def _convert_by(
         # foreign files are local only: SRC by the route, DST refused here when a URL
         report = route.writes.write(Path(src), local_directory(dst), to, route.options)
         output.say_conversion(ctx, route.writes.title, report)
+        output.say(ctx, output.wrote_foreign(report, route.writes.title))
     elif route.reads is not None and route.source is not None:
         with output.progress_bar(ctx, "convert") as progress:
             reading = Reading(route.source, to, overwrite=force, progress=progress)
@@ -412,10 +413,14 @@ def clean(
     Megatron, that format's files), never anything else and nothing through a symlink.
     Prints each directory removed, and each one named like these that was kept, with why.
     Under an s3:// ROOT: the save prefixes (CHECKPOINT/s-<16 hex>/) no committed manifest
-    names, whose lease is gone or stale, and their unfinished multipart uploads.
+    names, whose lease is gone or stale, and their unfinished multipart uploads. Exit 1 when
+    ROOT does not exist (as latest).
 
     Example: muonckpt clean ckpt --older-than 7200
     """
+    if not root.startswith(S3_SCHEME) and not Path(root).is_dir():
+        output.stderr_line(f"no directory {root}: nothing to clean")
+        raise typer.Exit(PROBLEM)
     from .. import clean as clean_root
 
     cleaned = clean_root(root, older_than)
@@ -449,7 +454,6 @@ def latest(root: Root) -> None:
 
 @app.command()
 def diff(
-    ctx: typer.Context,
     a: Annotated[
         str,
         typer.Argument(
@@ -464,10 +468,10 @@ def diff(
     ],
     atol: Annotated[float, typer.Option(min=0.0, help="Absolute tolerance.")] = 0.0,
     rtol: Annotated[float, typer.Option(min=0.0, help="Relative tolerance (of B).")] = 0.0,
-    quiet: Annotated[
+    differences: Annotated[
         bool,
         typer.Option(
-            "--quiet", "-q", help="Print only the rows that differ, then the summary line."
+            "--differences", "-d", help="Print only the rows that differ, then the summary line."
         ),
     ] = False,
 ) -> None:
@@ -477,12 +481,12 @@ def diff(
     says so), per group's settings, per model-file tensor and job-state tree, and the step.
     Exit 1 when any row differs beyond the tolerances. Example: muonckpt diff ckpt/a ckpt/b
 
-    Only the differences: muonckpt diff ckpt/a ckpt/b --quiet
+    Only the differences: muonckpt diff ckpt/a ckpt/b --differences
     """
     from .. import offline
 
     rows = offline.iter_diff(a, b, atol=atol, rtol=rtol)
-    if output.print_diff(rows, only_differences=quiet or output.is_quiet(ctx)):
+    if output.print_diff(rows, only_differences=differences):
         raise typer.Exit(PROBLEM)
 
 

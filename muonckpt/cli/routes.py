@@ -118,6 +118,10 @@ def _writing(
     if to not in format_.targets:
         raise OptionError(f"choose one of {', '.join(format_.targets)}", "--to")
     given = _options(format_.write_options, options)
+    missing = [name for name in format_.write_requires if options.get(name) is None]
+    if missing:
+        needed = "; ".join(f"{_flag(n)}, {format_.write_requires[n]}" for n in missing)
+        raise OptionError(f"{format_.title} output needs {needed}", _flag(missing[0]))
     if detected is format_:
         raise OptionError(f"SRC is a {format_.title} checkpoint already", "--format")
     if detected is not None:
