@@ -28,6 +28,8 @@ from pathlib import Path
 
 import pytest
 
+from .dispositions import default_stop_signals
+
 pytestmark = pytest.mark.dist
 
 SITECUSTOMIZE = """
@@ -170,6 +172,7 @@ def _start(
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=default_stop_signals,  # the signals these tests send, as on a terminal
     )
 
 
