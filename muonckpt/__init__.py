@@ -30,6 +30,7 @@ _PUBLIC: dict[str, str] = {
     "gather_state_dict": ".state.hooks",
     "REPLICATED": ".state.sharding_model",
     "RNGState": ".state.trainstate",
+    "ProgressLines": ".files.progress",
     "MuonCkptError": ".errors",
     "CheckpointError": ".errors",
     "ArgumentError": ".errors",

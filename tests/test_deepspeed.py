@@ -313,6 +313,12 @@ def test_the_cli_in_and_out(tmp_path):
         app, ["convert", str(_ckpt(FIRST) / "global_step3"), "-o", str(tmp_path / "y")]
     )
     assert detected.exit_code == 0, detected.output
+    assert "--from deepspeed: inferred (DeepSpeed files record it)" in detected.output
+    for command in ("inspect", "verify"):  # (issue 57) a foreign checkpoint is named as such
+        refused = runner.invoke(app, [command, str(_ckpt(FIRST))])
+        said = " ".join(refused.output.split())
+        assert refused.exit_code == 2 and "is a DeepSpeed checkpoint, not a muonckpt one" in said
+        assert f"muonckpt convert {_ckpt(FIRST)} -o OUT" in said and "--from" not in said
 
 
 def _copy(tmp_path: Path, name: str = FIRST) -> Path:

@@ -51,6 +51,7 @@ from ..distributed.steps import disagreement
 from ..errors import CheckpointError, ConversionWarning
 from ..files.attempt import Attempt
 from ..files.pieces import PieceReader, load_pieces, open_checkpoint
+from ..files.progress import Progress
 from ..format import conversion, kinds
 from ..format.manifest import Manifest
 from ..format.names import MANIFEST_NAME
@@ -92,6 +93,7 @@ def load(
     extra: MutableMapping[str, Any] | None = None,
     rank_extra: MutableMapping[str, Any] | None = None,
     local: bool = False,
+    progress: Progress | None = None,
 ) -> LoadReport:
     """Load a checkpoint of any kind and source topology into ``optimizer`` at its topology.
 
@@ -139,6 +141,9 @@ def load(
             alone, whatever process group is initialized (as :func:`muonckpt.save`'s
             ``local``). Without it an optimizer without hooks in a process group is a replica,
             and every rank of the world must call ``load``.
+        progress: a :data:`muonckpt.offline.Progress` callback, called with this rank's bytes
+            and tensors read and their totals as its share is read
+            (:class:`muonckpt.ProgressLines` prints them as lines for a log).
 
     Returns:
         A :class:`LoadReport` of the conversions made and the settings warned about.
@@ -149,7 +154,7 @@ def load(
             refused its own previous state too, named). StateDictError: naming the optimizer
             whose ``load_state_dict`` refused the state.
     """
-    asked = _LoadOptions(path, params, momentum_form, rename, extra, rank_extra, local)
+    asked = _LoadOptions(path, params, momentum_form, rename, extra, rank_extra, local, progress)
     call = _agree(optimizer, asked)  # the rendezvous, then the layout
     opened = _open(call)  # open: the manifest, or this rank's refusal
     _agree_open(call, opened)
@@ -173,6 +178,8 @@ class _LoadOptions:
     extra: MutableMapping[str, Any] | None
     rank_extra: MutableMapping[str, Any] | None
     local: bool
+    progress: Progress | None = None
+    """This rank's own report of its reads (not compared across ranks)."""
 
     def agreement(self) -> dict[str, Any]:
         """What every rank's call must have alike (the rendezvous compares it)."""
@@ -311,7 +318,9 @@ def _read_and_take(call: _LoadCall, opened: _Opened, mapped: Attempt[Target]) ->
         target, manifest, files = mapped.result(), opened.manifest, opened.files
         manifest = load_pieces(files, manifest, _read_here(target, options.params))
         with PieceReader(files, manifest) as reader:
-            share = _reading.read_share(target, manifest, reader, options.params, files.location)
+            share = _reading.read_share(
+                target, manifest, reader, options.params, files.location, options.progress
+            )
             asked = _read_job_state(manifest, reader, options.extra, options.rank_extra, call.rank)
         restore = trainstate.Restore(asked)
         undo.append(restore.put_back)

@@ -196,7 +196,7 @@ def convert(
     rename: Renames = None,
     source: ConvertFrom = None,
     output_format: OutputFormat = "muonckpt",
-    layout: Layout = "torchtitan",
+    layout: Layout = None,
     world: World = None,
     tp: MegatronTp = None,
     dp: MegatronDp = None,
@@ -292,8 +292,12 @@ def _convert_by(
         output.say_conversion(ctx, route.writes.title, report)
         output.say(ctx, output.wrote_foreign(report, route.writes.title))
     elif route.reads is not None and route.source is not None:
+        if route.inferred:
+            output.say(
+                ctx, f"--from {route.source}: inferred ({route.reads.title} files record it)"
+            )
         with output.progress_bar(ctx, "convert") as progress:
-            reading = Reading(route.source, to, overwrite=force, progress=progress)
+            reading = Reading(route.source, route.to, overwrite=force, progress=progress)
             report = route.reads.read(Path(src), local_directory(dst), reading, route.options)
         output.say_conversion(ctx, route.reads.title, report)
         output.say(ctx, _written(report.path))
@@ -360,7 +364,11 @@ def inspect(
     """
     from .. import offline
 
-    info = offline.summarize(src)
+    try:
+        info = offline.summarize(src)
+    except CheckpointError:
+        _refuse_foreign(src)
+        raise
     if as_json:
         typer.echo(json.dumps(info.to_json(), indent=2))
         return
@@ -381,6 +389,8 @@ def verify(src: Source) -> None:
     from .. import verify as verify_checkpoint
 
     problems = verify_checkpoint(src)
+    if problems:
+        _refuse_foreign(src)
     console = output.stdout()
     if not problems:
         console.print(f"ok: {src} is sound", markup=False)
@@ -389,6 +399,15 @@ def verify(src: Source) -> None:
         console.print(f"problem: {output.printable(str(problem))}", markup=False)
     console.print(f"{len(problems)} problem(s) in {src}", markup=False)
     raise typer.Exit(PROBLEM)
+
+
+def _refuse_foreign(src: str) -> None:
+    """A foreign checkpoint SRC is refused naming its format and the convert that reads it."""
+    from .routes import reading_hint
+
+    hint = reading_hint(src)
+    if hint is not None:
+        raise CheckpointError(hint) from None
 
 
 @app.command()

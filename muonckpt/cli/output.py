@@ -16,6 +16,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from ..settings import human_size
+
 if TYPE_CHECKING:
     from ..demo import DemoResult
     from ..interop import Conversion
@@ -62,9 +64,16 @@ def say(ctx: typer.Context, message: str) -> None:
 
 @contextmanager
 def progress_bar(ctx: typer.Context, what: str) -> Iterator[Progress | None]:
-    """A rich bar (bytes, tensors, rate, ETA) on stderr when it is a terminal and not --quiet."""
-    if is_quiet(ctx) or not sys.stderr.isatty():
+    """Progress on stderr unless --quiet: a rich bar (bytes, tensors, rate, ETA) on a terminal,
+    else lines a log reads well (:class:`muonckpt.ProgressLines`: every 10 s, and a last one
+    with the total and the rate)."""
+    if is_quiet(ctx):
         yield None
+        return
+    if not sys.stderr.isatty():
+        from .. import ProgressLines
+
+        yield ProgressLines(what)
         return
     from rich.progress import (
         BarColumn,
@@ -93,28 +102,19 @@ def progress_bar(ctx: typer.Context, what: str) -> Iterator[Progress | None]:
         yield update
 
 
-def human(n: int) -> str:
-    size = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if size < 1024 or unit == "TiB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    return f"{n} B"  # pragma: no cover
-
-
 def written(path: str | Path, info: Summary) -> str:
     """The line saying what a rewrite wrote at ``path``."""
     totals, topo = info.totals, info.topology
     return (
         f"wrote {path}: {info.kind}, dp={topo.get('dp')} x tp={topo.get('tp')}, "
-        f"{totals.files} file(s), {human(totals.file_bytes)}"
+        f"{totals.files} file(s), {human_size(totals.file_bytes)}"
     )
 
 
 def wrote_foreign(report: Conversion, title: str) -> str:
     """The line saying what a conversion to the foreign format ``title`` wrote."""
     files, size = report.written or (0, 0)
-    return f"wrote {report.path}: {title}, {files} file(s), {human(size)}"
+    return f"wrote {report.path}: {title}, {files} file(s), {human_size(size)}"
 
 
 def say_conversion(ctx: typer.Context, title: str, report: Conversion) -> None:
@@ -157,7 +157,7 @@ def print_summary(info: Summary, wide: bool) -> None:
             str(p.group),
             printable(", ".join(p.state_keys)) or "(none)",
             p.value_dtype or "-",
-            human(p.bytes),
+            human_size(p.bytes),
         )
         for p in info.params
     ]
@@ -182,8 +182,8 @@ def print_summary(info: Summary, wide: bool) -> None:
     t = info.totals
     lines.print(
         f"total: {t.params} params ({t.values} with saved values), {t.tensors} state "
-        f"tensors, {human(t.bytes)} of data in {t.files} file(s) "
-        f"({human(t.file_bytes)}, {t.pieces} pieces)",
+        f"tensors, {human_size(t.bytes)} of data in {t.files} file(s) "
+        f"({human_size(t.file_bytes)}, {t.pieces} pieces)",
         markup=False,
     )
 

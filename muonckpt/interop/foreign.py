@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Generic, TypeVar
 
-from ..files.writing import Progress
+from ..files.progress import Progress
 from ..storage import access
 
 __all__ = ["Conversion", "ForeignFormat", "NoOptions", "Reading"]
