@@ -355,7 +355,7 @@ def test_a_foreign_format_is_one_record_in_the_registry(tmp_path, monkeypatch):
         return routes.route(src, **{**asked, **given}, overwrite=False, options=options)
 
     assert route(foreign, to="packaged", source="writer") == routes.Route(
-        reads=fake, options=ReadOptions(None), source="writer"
+        reads=fake, options=ReadOptions(None), source="writer", to="packaged"
     )
     assert route(ours, to="reader", output_format="fake") == routes.Route(
         writes=fake, options=WriteOptions("flat")

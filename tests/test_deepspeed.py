@@ -422,9 +422,10 @@ def test_the_routes_of_deepspeed(tmp_path):
     tag.mkdir(parents=True)
     (tag / deepspeed_files.rank_file(0)).write_bytes(b"")
     (tmp_path / "ds" / "latest").write_text("global_step3")
+    inferred = routes.Route(reads=ds, options=NoOptions(), source="deepspeed", inferred=True)
     for src in (tmp_path / "ds", tag):
         assert interop.detect(src) is ds
-        assert route(src) == routes.Route(reads=ds, options=NoOptions(), source="deepspeed")
+        assert route(src) == inferred  # (issue 57) the CLI says what it inferred
     with pytest.raises(OptionError, match="choose one of deepspeed") as refused:
         route(tmp_path / "ds", source="torch")
     assert refused.value.option == "--from"

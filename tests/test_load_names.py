@@ -183,5 +183,5 @@ def test_the_readme_rename_example_runs_as_written(tmp_path, monkeypatch):
     (saved,) = run_distributed(ddp_train_and_save, 1, "ckpt/ddp-step-1000", K, timeout=120)
     model = TinyGPT(seed=1)
     opts = optimizers(list(model.named_parameters()))
-    exec(compile(example("rename"), "README.md", "exec"), {"muonckpt": muonckpt, "opts": opts})
+    exec(compile(example("rename"), "docs/usage.md", "exec"), {"muonckpt": muonckpt, "opts": opts})
     assert all(torch.equal(p, saved[n]) for n, p in model.named_parameters())

@@ -148,3 +148,28 @@ def test_the_cli_reports_progress_in_lines_where_stderr_is_no_terminal(single_ck
     assert len(done) == 1 and done[0].endswith("/s"), result.stderr
     quiet = cli("-q", "reshard", single_ckpt(2), "--dp", "2", "--tp", "1", "-o", tmp_path / "q")
     assert quiet.exit_code == 0 and quiet.stderr == "", quiet.stderr
+
+
+def _spec(package):
+    import importlib.machinery
+
+    return importlib.machinery.ModuleSpec("torch", None, origin=str(package / "__init__.py"))
+
+
+def test_an_older_torch_is_one_line_at_import(monkeypatch, tmp_path):
+    """(issue 57, item 1) torch 2.4 failed deep inside (``optimizer can only optimize Tensors``);
+    now ``import muonckpt`` names the version needed, from torch's version file alone."""
+    assert muonckpt._torch_too_old("2.13.0+cpu") is None
+    assert muonckpt._torch_too_old("2.14.0.dev20260101") is None
+    old = tmp_path / "torch"  # an installed torch 2.4.1, as far as its version file says
+    old.mkdir()
+    (old / "__init__.py").write_text("")
+    (old / "version.py").write_text("__version__ = '2.4.1'\n")
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: _spec(old))
+    with pytest.raises(ImportError) as refused:
+        muonckpt._check_torch()
+    assert str(refused.value) == (
+        "muonckpt needs torch>=2.13, and torch 2.4.1 is installed: pip install 'torch>=2.13'"
+    )
+    monkeypatch.setenv("MUONCKPT_ALLOW_OLD_TORCH", "1")  # the job that tries a lower floor
+    muonckpt._check_torch()
