@@ -300,7 +300,7 @@ def _convert_by(
             reading = Reading(route.source, route.to, overwrite=force, progress=progress)
             report = route.reads.read(Path(src), local_directory(dst), reading, route.options)
         output.say_conversion(ctx, route.reads.title, report)
-        output.say(ctx, _written(report.path))
+        _say_written(ctx, report.path)
     else:
         settings = {"to": to, "rename": renames or None}
         _rewrite(ctx, quiet, offline.convert, src, dst, force, False, **settings)
@@ -336,13 +336,17 @@ def _rewrite(
         if shared:
             settings.update(collective=collective)
         operation(src, dst, overwrite=force, progress=progress, **settings)
-    output.say(ctx, _written(dst))
+    _say_written(ctx, dst)
 
 
-def _written(path: str | Path) -> str:
+def _say_written(ctx: typer.Context, path: str | Path) -> None:
+    """The ``wrote ...`` line of a muonckpt output, unless --quiet (its summary, which reads the
+    output's manifest and imports what reads it, only then)."""
+    if output.is_quiet(ctx):
+        return
     from .. import offline
 
-    return output.written(path, offline.summarize(path))
+    output.say(ctx, output.written(path, offline.summarize(path)))
 
 
 @app.command()
