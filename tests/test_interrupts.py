@@ -316,5 +316,7 @@ def test_a_signal_after_the_commit_reports_committed(setup, tmp_path, channel, s
     proc, out = _start_committing(setup, tmp_path, tag, channel)
     stderr = _signal(proc, signum)
     assert proc.returncode == code, stderr
-    assert stderr.startswith(f"committed: {out} is complete; interrupted while cleaning up"), stderr
+    done, committed = stderr.splitlines()[:2]  # the write's progress line (no terminal) first
+    assert done.startswith("reshard: done, "), stderr
+    assert committed.startswith(f"committed: {out} is complete; interrupted while cleaning up")
     _assert_committed(tag, out)

@@ -292,13 +292,13 @@ def _convert_by(
         output.say_conversion(ctx, route.writes.title, report)
         output.say(ctx, output.wrote_foreign(report, route.writes.title))
     elif route.reads is not None and route.source is not None:
-        if route.inferred:
-            output.say(
-                ctx, f"--from {route.source}: inferred ({route.reads.title} files record it)"
-            )
         with output.progress_bar(ctx, "convert") as progress:
             reading = Reading(route.source, route.to, overwrite=force, progress=progress)
             report = route.reads.read(Path(src), local_directory(dst), reading, route.options)
+        if route.inferred:  # (after the read: a refusal stays one line)
+            output.say(
+                ctx, f"--from {route.source}: inferred ({route.reads.title} files record it)"
+            )
         output.say_conversion(ctx, route.reads.title, report)
         _say_written(ctx, report.path)
     else:
