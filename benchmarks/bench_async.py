@@ -45,7 +45,15 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from common import MiB, parse_size, print_table, reset_peak_rss, status_bytes, summary_row
+from common import (
+    MiB,
+    make_workdir,
+    parse_size,
+    print_table,
+    reset_peak_rss,
+    status_bytes,
+    summary_row,
+)
 from synthetic import build_optimizer, fill_state, model_shapes, state_bytes
 
 import muonckpt
@@ -193,7 +201,9 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--repeats", type=int, default=3, help="measured rounds after warm-up")
-    parser.add_argument("--workdir", default=None, help="where to write (default: system temp)")
+    parser.add_argument(
+        "--workdir", type=make_workdir, default=None, help="where to write (default: system temp)"
+    )
     parser.add_argument("--json", default=None, help="write results here")
     parser.add_argument(
         "--drop-caches",

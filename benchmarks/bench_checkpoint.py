@@ -74,6 +74,7 @@ from common import (
     MiB,
     checkpoint_notes,
     fsync_path,
+    make_workdir,
     parse_size,
     print_table,
     reset_peak_rss,
@@ -370,7 +371,9 @@ def main() -> None:
     parser.add_argument("--to-dp", type=int, default=4, help="load target dp")
     parser.add_argument("--to-tp", type=int, default=1, help="load target tp")
     parser.add_argument("--repeats", type=int, default=3, help="measured rounds after warm-up")
-    parser.add_argument("--workdir", default=None, help="where to write (default: system temp)")
+    parser.add_argument(
+        "--workdir", type=make_workdir, default=None, help="where to write (default: system temp)"
+    )
     parser.add_argument("--json", default=None, help="write results here")
     args = parser.parse_args()
     workdir = Path(args.workdir or tempfile.gettempdir())

@@ -72,6 +72,7 @@ from common import (
     MiB,
     fsync_path,
     fsync_tree,
+    make_workdir,
     parse_size,
     reset_peak_rss,
     status_bytes,
@@ -503,7 +504,9 @@ def main() -> None:
     parser.add_argument(
         "--repeats", type=int, default=1, help="runs per row (table: fastest; summary: median)"
     )
-    parser.add_argument("--workdir", default=None, help="default: a temp dir, removed at the end")
+    parser.add_argument(
+        "--workdir", type=make_workdir, default=None, help="default: a temp dir, removed at the end"
+    )
     parser.add_argument("--drop-caches", action="store_true", help="drop page cache per row")
     parser.add_argument("--verify", action="store_true", help="check outputs (not timed)")
     parser.add_argument("--json", default=None, help="write all numbers here")

@@ -52,6 +52,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from common import make_workdir
+
 OPS = ("inspect", "verify", "load", "load-fresh", "consolidate", "reshard", "diff")
 CLI = {
     "inspect-cli": ["inspect", "{ck}"],
@@ -429,7 +431,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--params", type=int, action="append", help="params (repeatable)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per operation")
-    parser.add_argument("--workdir", default=None, help="where to write (default: system temp)")
+    parser.add_argument(
+        "--workdir", type=make_workdir, default=None, help="where to write (default: system temp)"
+    )
     parser.add_argument("--profile", default=None, help="write cProfile stats to this directory")
     parser.add_argument("--json", default=None, help="write every number here")
     parser.add_argument(

@@ -12,6 +12,16 @@ from pathlib import Path
 MiB = 2**20
 
 
+def make_workdir(text: str) -> str:
+    """``--workdir DIR`` of every script: DIR made (with its parents) when missing, else a
+    one-line refusal (exit 1) naming DIR and why, never a traceback."""
+    try:
+        Path(text).mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise SystemExit(f"--workdir {text}: {exc.strerror or exc}") from None
+    return text
+
+
 def parse_size(text: str) -> int:
     """``"256MB"``, ``"1GB"``, ``"64KB"`` (binary units) or plain bytes."""
     units = {"KB": 1 << 10, "MB": 1 << 20, "GB": 1 << 30}

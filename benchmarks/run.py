@@ -21,7 +21,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from common import MiB, checkpoint_notes, print_growth, print_table
+from common import MiB, checkpoint_notes, make_workdir, print_growth, print_table
 
 HERE = Path(__file__).resolve().parent
 
@@ -41,7 +41,9 @@ def main() -> None:
     parser.add_argument("--to-dp", type=int, default=4, help="reshard / load target dp")
     parser.add_argument("--to-tp", type=int, default=1, help="reshard / load target tp")
     parser.add_argument("--repeats", type=int, default=3, help="measured runs per row")
-    parser.add_argument("--workdir", default=None, help="where to write (default: system temp)")
+    parser.add_argument(
+        "--workdir", type=make_workdir, default=None, help="where to write (default: system temp)"
+    )
     parser.add_argument("--json", default=None, help="write every number here")
     args = parser.parse_args()
     shared = ["--dp", str(args.dp), "--tp", str(args.tp), "--repeats", str(args.repeats)]

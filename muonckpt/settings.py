@@ -21,6 +21,7 @@ __all__ = [
     "SIZE_UNITS",
     "WORKERS_PER_CORE",
     "available_cores",
+    "human_size",
     "local_path",
     "local_workers",
     "parse_size",
@@ -90,6 +91,16 @@ def parse_size(text: str, name: str = "size") -> int:
     if size <= 0:
         raise ArgumentError(f"{text!r} is not a positive size", argument=name)
     return size
+
+
+def human_size(n: int) -> str:
+    """``n`` bytes as a person reads them (binary units): ``512 B``, ``1.5 MiB``."""
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{n} B"  # pragma: no cover
 
 
 def shard_size(value: object, name: str = "max_shard_size") -> int | None:

@@ -27,6 +27,7 @@ from .async_cases import (
     unwaited_phase,
 )
 from .ckpt_cases import load_phase
+from .dispositions import default_stop_signals
 from .fixture_model import assemble, single_process_optimizer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -170,7 +171,13 @@ def _run_exit_script(ckpt: Path, kind: str, world: int) -> subprocess.CompletedP
         script += ["-m", "tests.exit_script", str(ckpt), kind]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run(  # the timeout is the hang guard
-        [sys.executable, *script], cwd=REPO, capture_output=True, text=True, timeout=240, env=env
+        [sys.executable, *script],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+        preexec_fn=default_stop_signals,  # its Ctrl-C ends as on a terminal, however run
     )
 
 

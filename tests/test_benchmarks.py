@@ -7,6 +7,8 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 BENCHMARKS = REPO / "benchmarks"
 
@@ -38,3 +40,25 @@ def test_ci_runs_the_smoke_after_the_suite() -> None:
     suite = next(i for i, line in enumerate(lines) if "python -m pytest" in line)
     smoke = next(i for i, line in enumerate(lines) if "benchmarks/smoke.py" in line)
     assert smoke > suite
+
+
+def test_workdir_is_made_or_refused_in_one_line(tmp_path) -> None:
+    """(issue 57) ``--workdir DIR`` of a missing DIR ended in a traceback."""
+    spec = importlib.util.spec_from_file_location("benchmark_common", BENCHMARKS / "common.py")
+    assert spec is not None and spec.loader is not None
+    common = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(common)
+    made = tmp_path / "new" / "dir"
+    assert common.make_workdir(str(made)) == str(made) and made.is_dir()
+    (tmp_path / "file").write_text("")
+    with pytest.raises(SystemExit) as refused:
+        common.make_workdir(str(tmp_path / "file" / "dir"))
+    assert str(refused.value) == f"--workdir {tmp_path / 'file' / 'dir'}: Not a directory"
+    for script in (
+        "run.py",
+        "bench_async.py",
+        "bench_checkpoint.py",
+        "bench_offline.py",
+        "bench_scale.py",
+    ):
+        assert "type=make_workdir" in (BENCHMARKS / script).read_text(), script

@@ -72,6 +72,10 @@ def test_inspect_table_and_json(ckpts):
     for text in ("per-rank", "step 2", first, shape_text(first), "momentum_buffer", "exp_avg_sq"):
         assert text in result.stdout
     assert "F32" in result.stdout
+    wide = cli("inspect", ckpts["a"], "--wide").stdout.splitlines()  # 80 columns: not a terminal
+    total = [line for line in wide if line.startswith("total: ")]
+    assert len(total) == 1 and total[0].endswith("pieces)") and len(total[0]) > 80, wide
+    assert all(line.startswith("group ") for line in wide if "weight_decay" in line)
     result = cli("inspect", ckpts["a"], "--json")
     assert result.exit_code == 0, result.output
     info = json.loads(result.stdout)
@@ -90,7 +94,9 @@ def test_reshard_consolidate_and_force(ckpts, tmp_path):
         rank_file(r, 4) for r in range(4)
     ]
     line = _one_error_line(cli("reshard", ckpts["a"], "--dp", "2", "--tp", "2", "-o", out))
-    assert "already exists" in line and "--force" in line
+    assert "already exists; pass --force to replace it" in line and "overwrite" not in line
+    with pytest.raises(muonckpt.CheckpointError, match="pass overwrite=True to replace it"):
+        offline.reshard(ckpts["a"], out, dp=2, tp=2)  # the API speaks in arguments
     result = cli("--quiet", "reshard", ckpts["a"], "--dp", "1", "--tp", "2", "-o", out, "--force")
     assert result.exit_code == 0, result.output
     assert result.stderr == ""
@@ -273,6 +279,14 @@ def test_verify_sound_and_damaged(ckpts, tmp_path):
     assert "2 problem(s)" in result.stdout
 
 
+def test_a_missing_root_exits_1_for_clean_as_for_latest(tmp_path):
+    for command in ("clean", "latest"):
+        result = cli(command, tmp_path / "no" / "such")
+        assert result.exit_code == 1, result.output
+        assert len(result.stderr.strip().splitlines()) == 1 and "no/such" in result.stderr
+    assert cli("clean", tmp_path).exit_code == 0  # nothing to clean in an existing ROOT
+
+
 def test_diff_exit_codes(ckpts):
     result = cli("diff", ckpts["a"], ckpts["b"])
     assert result.exit_code == 1, result.output
@@ -403,14 +417,16 @@ def test_names_read_from_a_checkpoint_cannot_drive_the_terminal(tmp_path):
     assert "evil\\x1b[2J[red]name" in cli("diff", ckpt, ckpt).output  # markup shown as written
 
 
-def test_diff_quiet_prints_only_the_differences_and_the_summary(ckpts):
-    """(issue 21, item 7) diff printed every row even when all were equal."""
-    result = cli("diff", ckpts["a"], ckpts["a"], "--quiet")
+def test_diff_differences_prints_only_the_differences_and_the_summary(ckpts):
+    """(issue 21, item 7) diff printed every row even when all were equal. (issue 57) The flag
+    is --differences: -q means "no progress bar" in every command, and diff has none."""
+    assert cli("diff", ckpts["a"], ckpts["a"], "-q").exit_code == 2  # no such option
+    result = cli("diff", ckpts["a"], ckpts["a"], "--differences")
     assert result.exit_code == 0, result.output
     assert result.stdout.strip().splitlines()[-1].startswith("all ")
     assert "bitwise" not in result.stdout and len(result.stdout.strip().splitlines()) == 1
     full = cli("diff", ckpts["a"], ckpts["b"], "--atol", "1e6")  # only the steps differ
-    quiet = cli("diff", ckpts["a"], ckpts["b"], "--atol", "1e6", "-q")
+    quiet = cli("diff", ckpts["a"], ckpts["b"], "--atol", "1e6", "-d")
     assert quiet.exit_code == full.exit_code == 1, quiet.output
     assert "['step']" in quiet.stdout and "yes" in full.stdout and "yes" not in quiet.stdout
     assert quiet.stdout.strip().splitlines()[-1] == full.stdout.strip().splitlines()[-1]

@@ -211,6 +211,24 @@ def test_load_reports_the_conversion_and_warns_about_settings(saved_by):
         assert step.dtype == torch.float32 and step.dim() == 0 and float(step) == K, name
 
 
+def _load_warned(ckpt: str) -> tuple[int, int]:
+    """(gloo child, a DDP replica) A torch.optim.Muon at torch's default lr rule loads the packaged
+    Muon's checkpoint: the load's warnings as reported, and as warned on this rank."""
+    params = fresh(zeros=True)
+    muon_t, adamw_t = torch_pair(params)
+    muon_t.param_groups[0]["adjust_lr_fn"] = None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ConversionWarning)
+        report = muonckpt.load([muon_t, adamw_t], ckpt)
+    return len(report.warnings), sum(issubclass(w.category, ConversionWarning) for w in caught)
+
+
+@pytest.mark.dist
+def test_a_conversion_warning_is_warned_once_not_once_per_rank(saved_by):
+    ranks = run_distributed(_load_warned, 2, str(saved_by("packaged")), timeout=120)
+    assert ranks[0][0] > 0 and ranks == [ranks[0], (ranks[0][0], 0)], ranks
+
+
 @pytest.mark.dist
 def test_a_target_of_unknown_form_needs_momentum_form(saved_by):
     ckpt = saved_by("packaged")
@@ -337,7 +355,7 @@ def test_a_foreign_format_is_one_record_in_the_registry(tmp_path, monkeypatch):
         return routes.route(src, **{**asked, **given}, overwrite=False, options=options)
 
     assert route(foreign, to="packaged", source="writer") == routes.Route(
-        reads=fake, options=ReadOptions(None), source="writer"
+        reads=fake, options=ReadOptions(None), source="writer", to="packaged"
     )
     assert route(ours, to="reader", output_format="fake") == routes.Route(
         writes=fake, options=WriteOptions("flat")

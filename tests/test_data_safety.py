@@ -322,8 +322,10 @@ def test_a_commit_is_reported_as_it_happened_when_the_old_cannot_be_deleted(
     assert muonckpt.read_manifest(target).step == 3
     result = _cli("consolidate", ck, "-o", target, "--force")
     assert result.exit_code == 0, result.output
-    warning, *wrote = result.stderr.strip().splitlines()
-    assert warning.startswith("warning: the new checkpoint is in place"), result.stderr
+    done, warning, *wrote = result.stderr.strip().splitlines()  # progress (no terminal) first
+    assert done.startswith("consolidate: done, ") and warning.startswith(
+        "warning: the new checkpoint is in place"
+    ), result.stderr
     assert wrote[0].startswith("wrote "), result.stderr
     assert muonckpt.read_manifest(target).kind == "consolidated"
 

@@ -267,8 +267,13 @@ def test_to_dcp_in_the_recipe_layout_loads_in_one_process(tmp_path):
     adam = {"exp_avg": "momentum", "exp_avg_sq": "variance", "settings": {"algorithm": "adamw"}}
     w, b, m, a, v = dcp_cases.single_process_dcp(src, "momentum", "mu", {"algorithm": "muon"}, adam)
     packaged = interop.from_dcp(src, tmp_path / "packaged", source="dion").path
-    out = interop.to_dcp(packaged, tmp_path / "torch", to="torch", layout="recipe")
+    assert muonckpt.read_manifest(packaged).dcp_layout == "recipe"  # the layout read
+    out = interop.to_dcp(packaged, tmp_path / "torch", to="torch")  # the way back keeps it
     assert out.layout == "recipe" and any("sum -> ema" in line for line in out.converted)
+    refused = CliRunner().invoke(app, ["inspect", str(src)])  # (issue 57) named, with the way in
+    said = " ".join(refused.output.split())
+    assert refused.exit_code == 2 and "is a DCP checkpoint, not a muonckpt one" in said, said
+    assert "--from WRITER (one of packaged, torch, torchtitan, keller-jordan, dion" in said
     with pytest.raises(CheckpointError, match="already exists"):
         interop.to_dcp(packaged, tmp_path / "torch", to="torch")
     groups = {

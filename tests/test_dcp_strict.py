@@ -79,14 +79,21 @@ def _load_strictly(path: str) -> dict[str, torch.Tensor]:
 def test_a_gpt_style_fsdp2_job_round_trips_and_loads_strictly(tmp_path):
     src = str(tmp_path / "job")
     job = run_distributed(_train_and_save, 2, src, timeout=120)[0]
-    ck = interop.from_dcp(src, tmp_path / "ck", source="torch", to="torch")
-    assert not ck.left_out, ck.left_out  # buffers, the tied head and param_names are carried
-    resharded = offline.reshard(ck.path, tmp_path / "3x1", dp=3, tp=1)  # carries them too
-    for world, muon in ((2, ck.path), (3, resharded)):
+    # (issue 57) --from torch alone converts for torch, and the way back writes the layout read
+    ck = CliRunner().invoke(app, ["convert", src, "-o", str(tmp_path / "ck"), "--from", "torch"])
+    assert ck.exit_code == 0 and "DCP layout recipe" in ck.output, ck.output
+    assert "left out" not in ck.output  # buffers, the tied head and param_names are carried
+    assert (
+        muonckpt.read_manifest(tmp_path / "ck").groups[0].optimizer["optimizer"]
+        == "torch.optim.Muon"
+    )
+    resharded = offline.reshard(tmp_path / "ck", tmp_path / "3x1", dp=3, tp=1)  # carries them too
+    for world, muon in ((2, tmp_path / "ck"), (3, resharded)):
         out = tmp_path / f"dcp{world}"
         argv = ["convert", str(muon), "-o", str(out), "--to", "torch", "--format", "dcp"]
-        result = CliRunner().invoke(app, [*argv, "--layout", "recipe"])
+        result = CliRunner().invoke(app, argv)
         assert result.exit_code == 0 and "left out" not in result.output, result.output
+        assert "DCP layout recipe" in result.output, result.output
         loaded = run_distributed(_load_strictly, world, str(out), timeout=120)[0]
         assert loaded.keys() == job.keys()
         for name, value in job.items():

@@ -296,6 +296,7 @@ def test_the_cli_in_and_out(tmp_path):
         app, ["convert", str(out), "-o", str(ds), "--to", "deepspeed", "--world", "3"]
     )
     assert result.exit_code == 0, result.output
+    assert f"wrote {ds}: DeepSpeed, " in " ".join(result.output.split())
     assert len(deepspeed_files.rank_files(ds / "global_step3")) == 3
     again = runner.invoke(
         app, ["convert", str(out), "-o", str(ds), "--to", "deepspeed", "--world", "3"]
@@ -304,12 +305,20 @@ def test_the_cli_in_and_out(tmp_path):
     no_world = runner.invoke(
         app, ["convert", str(out), "-o", str(tmp_path / "x"), "--to", "deepspeed"]
     )
-    assert no_world.exit_code != 0 and "--world" in no_world.output
+    assert no_world.exit_code == 2, no_world.output
+    said = " ".join(no_world.output.split())
+    assert "DeepSpeed output needs --world" in said and "None" not in said
     assert not (tmp_path / "x").exists()
     detected = runner.invoke(
         app, ["convert", str(_ckpt(FIRST) / "global_step3"), "-o", str(tmp_path / "y")]
     )
     assert detected.exit_code == 0, detected.output
+    assert "--from deepspeed: inferred (DeepSpeed files record it)" in detected.output
+    for command in ("inspect", "verify"):  # (issue 57) a foreign checkpoint is named as such
+        refused = runner.invoke(app, [command, str(_ckpt(FIRST))])
+        said = " ".join(refused.output.split())
+        assert refused.exit_code == 2 and "is a DeepSpeed checkpoint, not a muonckpt one" in said
+        assert f"muonckpt convert {_ckpt(FIRST)} -o OUT" in said and "--from" not in said
 
 
 def _copy(tmp_path: Path, name: str = FIRST) -> Path:
@@ -413,9 +422,10 @@ def test_the_routes_of_deepspeed(tmp_path):
     tag.mkdir(parents=True)
     (tag / deepspeed_files.rank_file(0)).write_bytes(b"")
     (tmp_path / "ds" / "latest").write_text("global_step3")
+    inferred = routes.Route(reads=ds, options=NoOptions(), source="deepspeed", inferred=True)
     for src in (tmp_path / "ds", tag):
         assert interop.detect(src) is ds
-        assert route(src) == routes.Route(reads=ds, options=NoOptions(), source="deepspeed")
+        assert route(src) == inferred  # (issue 57) the CLI says what it inferred
     with pytest.raises(OptionError, match="choose one of deepspeed") as refused:
         route(tmp_path / "ds", source="torch")
     assert refused.value.option == "--from"

@@ -172,7 +172,7 @@ def _run_every_tool(saved: dict, body: Any, log: list[str]) -> None:
         except Exception as exc:  # the bug this test looks for
             raise AssertionError(f"{name} raised {exc!r} after mutations {log}") from exc
     runner = CliRunner()
-    for argv in (["inspect", str(ckpt)], ["diff", str(ckpt), str(saved["original"]), "-q"]):
+    for argv in (["inspect", str(ckpt)], ["diff", str(ckpt), str(saved["original"]), "-d"]):
         result = runner.invoke(app, argv)
         assert result.exit_code in (0, 1, 2), (argv, log, result.output)
         assert result.exception is None or isinstance(result.exception, SystemExit), (

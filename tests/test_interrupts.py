@@ -28,6 +28,8 @@ from pathlib import Path
 
 import pytest
 
+from .dispositions import default_stop_signals
+
 pytestmark = pytest.mark.dist
 
 SITECUSTOMIZE = """
@@ -170,6 +172,7 @@ def _start(
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=default_stop_signals,  # the signals these tests send, as on a terminal
     )
 
 
@@ -313,5 +316,7 @@ def test_a_signal_after_the_commit_reports_committed(setup, tmp_path, channel, s
     proc, out = _start_committing(setup, tmp_path, tag, channel)
     stderr = _signal(proc, signum)
     assert proc.returncode == code, stderr
-    assert stderr.startswith(f"committed: {out} is complete; interrupted while cleaning up"), stderr
+    done, committed = stderr.splitlines()[:2]  # the write's progress line (no terminal) first
+    assert done.startswith("reshard: done, "), stderr
+    assert committed.startswith(f"committed: {out} is complete; interrupted while cleaning up")
     _assert_committed(tag, out)

@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 import muonckpt
 from muonckpt.cli import app
 from muonckpt.distributed.launch import run_distributed
-from muonckpt.format.renames import prefix_fix, prefix_hint
+from muonckpt.format.renames import names_hint, prefix_fix
 
 from .tiny_gpt import TinyGPT, optimizers, train
 
@@ -58,6 +58,14 @@ def test_torch_compile_names_load_with_rename_and_the_error_names_the_prefix(tmp
     loaded = _state(opts, model)
     assert loaded.keys() == saved.keys()
     assert all(torch.equal(loaded[k], saved[k]) for k in saved)
+
+
+def test_an_optimizer_without_names_is_told_to_use_named_parameters(tmp_path):
+    _, ckpt = _compiled_checkpoint(tmp_path / "ckpt")
+    model = TinyGPT(seed=1)
+    unnamed = [torch.optim.AdamW(model.parameters())]
+    with pytest.raises(muonckpt.CheckpointError, match=r"named_parameters\(\)"):
+        muonckpt.load(unnamed, ckpt)
 
 
 def test_a_function_renames_too_and_collisions_are_refused(tmp_path):
@@ -163,8 +171,8 @@ def test_prefix_fix_finds_the_prefix_that_maps_one_list_onto_the_other(names, pr
         (fix,) = [prefix_fix(saved, current)]
         mapped = sorted(muonckpt.format.renames.renamer(fix)(n) for n in saved)
         assert mapped == sorted(current)
-    assert prefix_hint(names, names) is None
-    assert prefix_hint(names, [n + "x" for n in names]) is None or len(names) == 1
+    assert names_hint(names, names) is None
+    assert names_hint(names, [n + "x" for n in names]) is None or len(names) == 1
 
 
 @pytest.mark.dist
@@ -175,5 +183,5 @@ def test_the_readme_rename_example_runs_as_written(tmp_path, monkeypatch):
     (saved,) = run_distributed(ddp_train_and_save, 1, "ckpt/ddp-step-1000", K, timeout=120)
     model = TinyGPT(seed=1)
     opts = optimizers(list(model.named_parameters()))
-    exec(compile(example("rename"), "README.md", "exec"), {"muonckpt": muonckpt, "opts": opts})
+    exec(compile(example("rename"), "docs/usage.md", "exec"), {"muonckpt": muonckpt, "opts": opts})
     assert all(torch.equal(p, saved[n]) for n, p in model.named_parameters())

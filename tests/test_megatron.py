@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 import muonckpt
 from muonckpt import CheckpointError, ConversionWarning, interop, offline
 from muonckpt.cli import app
-from muonckpt.errors import OptionError
+from muonckpt.errors import ArgumentError, OptionError
 from muonckpt.interop.dcp import files as dcp_files
 from muonckpt.interop.dcp import metadata as dcp_metadata
 from muonckpt.interop.megatron import reader as megatron
@@ -236,8 +236,9 @@ def test_output_refusals_name_the_flag_or_the_file(converted, tmp_path):
     with pytest.raises(OptionError, match="does not split into 3 TP chunks") as info:
         megatron.to_megatron(converted["tp2_dp1"], tmp_path / "a", tp=3, dp=1)
     assert info.value.option == "--tp" and not (tmp_path / "a").exists()
-    with pytest.raises(OptionError, match="give --dp") as info:
+    with pytest.raises(ArgumentError, match="dp must be the data-parallel size") as info:
         megatron.to_megatron(converted["tp2_dp1"], tmp_path / "b", tp=1, dp=0)
+    assert info.value.argument == "dp"  # the API speaks in arguments, the CLI in flags
     deepspeed = FIXTURES.parent / "deepspeed" / "w2_z1_fused_fp32" / "ckpt"
     foreign = interop.from_deepspeed(deepspeed, tmp_path / "ds").path
     with pytest.raises(CheckpointError, match="no Megatron param group") as info:
@@ -246,7 +247,8 @@ def test_output_refusals_name_the_flag_or_the_file(converted, tmp_path):
     result = CliRunner().invoke(
         app, ["convert", str(converted["tp2_dp1"]), "-o", str(tmp_path / "d"), "--to", "megatron"]
     )
-    assert result.exit_code == 2 and "--tp" in result.output and "Traceback" not in result.output
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert "Megatron-Core output needs --tp" in " ".join(result.output.split())
 
 
 RESUMED = ("tp2_dp1", "tp1_dp2")

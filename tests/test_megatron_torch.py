@@ -71,6 +71,7 @@ def test_cli_in_then_out_at_the_other_layout(tmp_path, name):
     args = ["convert", str(ours), "-o", str(back), "--to", "megatron", "--tp", str(tp)]
     result = runner.invoke(app, [*args, "--dp", str(dp)])
     assert result.exit_code == 0, result.output
+    assert f"wrote {back}: Megatron-Core" in result.output
     mine = dcp_metadata.read_index(megatron.iteration_dir(back))
     theirs = dcp_metadata.read_index(megatron.iteration_dir(_ckpt(other)))
     assert set(mine.tensors) == set(theirs.tensors)

@@ -153,7 +153,7 @@ def test_the_readme_model_file_example_runs_as_written(tmp_path, monkeypatch):
     model, opts = _trained()
     expected = {k: v.clone() for k, v in model.state_dict().items()}
     namespace = {"muonckpt": muonckpt, "model": model, "opts": opts}
-    exec(compile(example("model-file"), "README.md", "exec"), namespace)
+    exec(compile(example("model-file"), "docs/usage.md", "exec"), namespace)
     _assert_same_model(model, expected)
     fresh = TinyGPT(seed=1)
     safetensors.torch.load_model(fresh, tmp_path / "ckpt/step-1000-model/model.safetensors")

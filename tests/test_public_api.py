@@ -31,6 +31,7 @@ TOP_LEVEL = {
     "gather_state_dict",
     "REPLICATED",
     "RNGState",
+    "ProgressLines",
     "MuonCkptError",
     "CheckpointError",
     "ArgumentError",

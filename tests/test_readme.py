@@ -24,13 +24,20 @@ from .fixture_model import build, initial_params, train
 pytestmark = pytest.mark.dist
 
 README = Path(__file__).parents[1] / "README.md"
+DOCS = [README, README.parent / "docs" / "usage.md", README.parent / "docs" / "interop.md"]
+"""The README and the pages its reference moved to: their examples run here alike."""
+
+
+def _text() -> str:
+    return "\n".join(doc.read_text() for doc in DOCS)
 
 
 def example(name: str) -> str:
-    """The fenced block that follows ``<!-- readme-example: NAME -->`` in the README."""
-    text = README.read_text()
+    """The fenced block that follows ``<!-- readme-example: NAME -->`` in the README (or the
+    pages of :data:`DOCS`)."""
+    text = _text()
     match = re.search(rf"<!-- readme-example: {re.escape(name)} -->\n```\w+\n(.*?)```", text, re.S)
-    assert match, f"no readme-example {name!r} in README.md"
+    assert match, f"no readme-example {name!r} in README.md or docs/"
     return match.group(1)
 
 
@@ -56,6 +63,24 @@ def run(command: str, cwd: Path) -> list[float]:
     done = subprocess.run(argv, cwd=cwd, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     return [float(m) for m in re.findall(r"^step \d+ loss ([0-9.]+)$", done.stdout, re.M)]
+
+
+def test_readme_quickstart_saves_every_10_steps_and_resumes_on_another_number_of_ranks(tmp_path):
+    """The README's quickstart as written: a plain torch optimizer under DDP saved by 2
+    processes (the 2 newest kept) and resumed by 3 from the newest, at its step."""
+    (tmp_path / "quickstart.py").write_text(example("quickstart.py"))
+    first, resume = example("quickstart-commands").strip().splitlines()
+    losses = run(first, tmp_path)
+    assert len(losses) == 30 and losses[-1] < losses[0], losses
+    ckpt = tmp_path / "ckpt"
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step-20", "step-30"]
+    assert muonckpt.read_manifest(ckpt / "step-30").recorded_step == 30
+    resumed = run(resume, tmp_path)
+    assert len(resumed) == 20  # steps 31 to 50: from step 30's state and weights
+    assert resumed[0] < losses[0], (losses, resumed)
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step-40", "step-50"]
+    assert muonckpt.read_manifest(ckpt / "step-50").topology == {"dp": 3, "tp": 1}
+    assert muonckpt.verify(ckpt / "step-50") == []
 
 
 def test_readme_training_loop_trains_saves_and_resumes(tmp_path):
@@ -86,9 +111,10 @@ SINGLE = "# in one process"
 
 
 def fragments(single: bool = False) -> list[str]:
-    """The README's other Python blocks: fragments that use ``opt`` and ``rank`` in a 2 x 2
-    run, or (``single``) those marked to run in one process, which use ``model``."""
-    text = README.read_text()
+    """The README's (and :data:`DOCS`') other Python blocks: fragments that use ``opt`` and
+    ``rank`` in a 2 x 2 run, or (``single``) those marked to run in one process, which use
+    ``model``."""
+    text = _text()
     blocks = re.findall(r"```python\n(.*?)```", text, re.S)
     scripts = set(re.findall(r"<!-- readme-example: [^>]*-->\n```\w+\n(.*?)```", text, re.S))
     return [b for b in blocks if b not in scripts and b.startswith(SINGLE) == single]
@@ -174,6 +200,7 @@ def test_readme_dcp_commands_move_an_fsdp2_checkpoint_into_the_packaged_muon_and
             assert torch.equal(loaded[key], value), key
 
 
+@pytest.mark.slow  # the quickstart's test runs the same path (2 processes, then 3) by default
 def test_readme_ddp_recipe_saves_once_and_resumes_at_another_world_size(tmp_path):
     """The README's DDP recipe, run as written: torch.optim.Muon + AdamW replicas with no
     hooks, saved by 2 processes (written once) and resumed by 3."""

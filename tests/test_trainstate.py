@@ -168,8 +168,8 @@ def test_load_refuses_what_the_checkpoint_lacks_before_anything_changes(tmp_path
             {"extra": {"step": schedulers["muon"]}},
             r"\['step'\] was saved as int 1, not a state dict",
         ),
-        ("ckpt", {"rank_extra": {}}, "holds no rank_extra"),
-        ("plain", {"extra": {}}, "holds no extra"),
+        ("ckpt", {"rank_extra": {"pos": 0}}, "holds no rank_extra"),
+        ("plain", {"extra": {"step": 0}}, "holds no extra"),
     ]
     for name, arguments, message in cases:
         with pytest.raises(muonckpt.CheckpointError, match=message):
@@ -177,6 +177,17 @@ def test_load_refuses_what_the_checkpoint_lacks_before_anything_changes(tmp_path
         after = [p for o in target for g in o.param_groups for p in g["params"]]
         assert all(torch.equal(a, b) for a, b in zip(after, before, strict=True))
         assert all(not o.state for o in target)
+
+
+def test_an_empty_extra_loads_a_checkpoint_saved_without_one(tmp_path):
+    """One resume script for checkpoints with and without extra: an empty dict asks for no key."""
+    model, opts, schedulers = torch_job(0)
+    train_steps(model, opts, schedulers, 1)
+    muonckpt.save(opts, tmp_path / "plain")
+    extra: dict[str, object] = {}
+    rank_extra: dict[str, object] = {}
+    muonckpt.load(torch_job(1)[1], tmp_path / "plain", extra=extra, rank_extra=rank_extra)
+    assert extra == {} and rank_extra == {}
 
 
 def save_and_resume(ckpt: str, consolidated: bool, background: bool):

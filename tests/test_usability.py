@@ -4,6 +4,7 @@ behind, and the thread count beside every "bitwise" claim."""
 
 from __future__ import annotations
 
+import io
 import re
 
 import pytest
@@ -111,3 +112,64 @@ def test_bitwise_claims_name_the_thread_count():
     assert re.search(
         r"[Bb]itwise[^\n]*\n?[^\n]*OMP_NUM_THREADS|OMP_NUM_THREADS[^#]{0,400}bitwise", readme
     )
+
+
+def test_save_async_save_and_load_report_progress_and_lines_report_it_to_a_log(tmp_path):
+    """(issue 57, item 4) ``progress=`` on save, async_save and load, the offline tools' own
+    callback; ProgressLines prints it at a steady interval and once done."""
+    params = [(f"w{i}", torch.nn.Parameter(torch.ones(8, 8))) for i in range(3)]
+    opt = torch.optim.AdamW(params)
+    for _, p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    calls: dict[str, list[tuple[int, int, int, int]]] = {"save": [], "async": [], "load": []}
+    muonckpt.save(opt, tmp_path / "a", progress=lambda *a: calls["save"].append(a))
+    muonckpt.async_save(opt, tmp_path / "b", progress=lambda *a: calls["async"].append(a)).result()
+    muonckpt.load(opt, tmp_path / "a", progress=lambda *a: calls["load"].append(a))
+    for what, seen in calls.items():
+        total, tensors = seen[0][1], seen[0][3]
+        assert seen[0] == (0, total, 0, tensors) and seen[-1] == (total, total, tensors, tensors)
+        assert tensors == 3 * 3 and total >= 3 * 3 * 8 * 8 * 4, (what, seen)  # param + 2 moments
+    lines, now = io.StringIO(), [0.0]
+    report = muonckpt.ProgressLines("reshard", every=10.0, stream=lines, clock=lambda: now[0])
+    for done, seconds in ((0, 0.0), (1 << 20, 5.0), (3 << 20, 10.0), (4 << 20, 16.0)):
+        now[0] = seconds
+        report(done, 4 << 20, done >> 20, 4)
+    assert lines.getvalue().splitlines() == [
+        "reshard: 75% 3.0 MiB of 4.0 MiB, 3 of 4 tensors, 307.2 KiB/s",
+        "reshard: done, 4.0 MiB, 4 tensors in 16.0 s, 256.0 KiB/s",
+    ]
+
+
+def test_the_cli_reports_progress_in_lines_where_stderr_is_no_terminal(single_ckpt, tmp_path):
+    result = cli("reshard", single_ckpt(2), "--dp", "2", "--tp", "1", "-o", tmp_path / "r")
+    assert result.exit_code == 0, result.output
+    done = [line for line in result.stderr.splitlines() if line.startswith("reshard: done, ")]
+    assert len(done) == 1 and done[0].endswith("/s"), result.stderr
+    quiet = cli("-q", "reshard", single_ckpt(2), "--dp", "2", "--tp", "1", "-o", tmp_path / "q")
+    assert quiet.exit_code == 0 and quiet.stderr == "", quiet.stderr
+
+
+def _spec(package):
+    import importlib.machinery
+
+    return importlib.machinery.ModuleSpec("torch", None, origin=str(package / "__init__.py"))
+
+
+def test_an_older_torch_is_one_line_at_import(monkeypatch, tmp_path):
+    """(issue 57, item 1) torch 2.4 failed deep inside (``optimizer can only optimize Tensors``);
+    now ``import muonckpt`` names the version needed, from torch's version file alone."""
+    assert muonckpt._torch_too_old("2.13.0+cpu") is None
+    assert muonckpt._torch_too_old("2.14.0.dev20260101") is None
+    old = tmp_path / "torch"  # an installed torch 2.4.1, as far as its version file says
+    old.mkdir()
+    (old / "__init__.py").write_text("")
+    (old / "version.py").write_text("__version__ = '2.4.1'\n")
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: _spec(old))
+    with pytest.raises(ImportError) as refused:
+        muonckpt._check_torch()
+    assert str(refused.value) == (
+        "muonckpt needs torch>=2.13, and torch 2.4.1 is installed: pip install 'torch>=2.13'"
+    )
+    monkeypatch.setenv("MUONCKPT_ALLOW_OLD_TORCH", "1")  # the job that tries a lower floor
+    muonckpt._check_torch()

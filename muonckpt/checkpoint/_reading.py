@@ -6,12 +6,14 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 
 from .. import storage
 from ..errors import CheckpointError, StateDictError
 from ..files.pieces import PieceReader
+from ..files.progress import Meter, Progress
 from ..format import conversion
 from ..format.manifest import Manifest, ParamEntry, Scalar
 from ..format.names import MANIFEST_NAME, PARAM_KEY
@@ -23,16 +25,19 @@ from ._taking import Share, Staged, Target, scalar_value
 
 
 def read_share(
-    plan: Target, manifest: Manifest, reader: PieceReader, params: bool, directory: storage.Location
+    plan: Target,
+    manifest: Manifest,
+    reader: PieceReader,
+    params: bool,
+    directory: storage.Location,
+    progress: Progress | None = None,
 ) -> Share:
-    """This rank's share of the state (in the target's keys) and of its params' values."""
-    grouped = manifest.pieces_of()
+    """This rank's share of the state (in the target's keys) and of its params' values: every
+    param checked and its slots reserved first, then the reads (reported to ``progress``),
+    then the momentum scaled where the forms differ."""
     share = Share(ReadArena(), [], array("q"))
-
-    def read(entry: ParamEntry, key: str, region: Region, arena: ReadArena = share.arena) -> int:
-        slot, out = arena.reserve(region.numel * storage.itemsize(entry.dtype_of(key)))
-        reader.gather(grouped[entry.name, key], entry, key, region, out)
-        return slot
+    reads = _Reads(share.arena)
+    read = reads.reserve
 
     flat = flat_params(plan.optimizer)
     layouts: dict[tuple[tuple[str, str], ...], tuple[tuple[str, str], ...]] = {}  # one each
@@ -52,7 +57,9 @@ def read_share(
                     read(entry, key, param.local)
                 scalars = entry.scalars
             else:
-                tensors, first, scalars = _mapped(plan, param, entry, manifest, read, share.arena)
+                tensors, first, scalars = _mapped(
+                    plan, param, entry, manifest, read, len(share.arena), reads.scales
+                )
             if tensors not in layouts:  # a dtype this torch lacks fails before any change
                 layouts[tensors] = tensors
                 for _, dtype in tensors:
@@ -68,8 +75,39 @@ def read_share(
             share.values.extend(
                 (param.local_index, read(entry, PARAM_KEY, held, share.value_bytes))
             )
+    reads.run(manifest, reader, progress)
     share.arena.trim()
     return share
+
+
+class _Reads:
+    """A share's reads, each slot reserved as its param is checked (every refusal before any
+    byte is read), then read together (:meth:`run`), reported to the caller's ``progress``."""
+
+    def __init__(self, arena: ReadArena) -> None:
+        self.arena = arena
+        self.pending: list[tuple[ParamEntry, str, Region, Any]] = []
+        self.scales: list[tuple[int, str, int, float]] = []
+        """(slot, dtype, numel, factor): momentum to scale once read, where the forms differ."""
+
+    def reserve(
+        self, entry: ParamEntry, key: str, region: Region, arena: ReadArena | None = None
+    ) -> int:
+        """A slot (of ``arena``, the state's by default) for ``region`` of ``entry``'s ``key``."""
+        arena = self.arena if arena is None else arena
+        slot, out = arena.reserve(region.numel * storage.itemsize(entry.dtype_of(key)))
+        self.pending.append((entry, key, region, out))
+        return slot
+
+    def run(self, manifest: Manifest, reader: PieceReader, progress: Progress | None) -> None:
+        """Every read, then every scale."""
+        grouped = manifest.pieces_of()
+        meter = Meter(lambda: (sum(len(o) for *_, o in self.pending), len(self.pending)), progress)
+        for entry, key, region, out in self.pending:
+            reader.gather(grouped[entry.name, key], entry, key, region, out)
+            meter.tick(len(out))
+        for slot, dtype, numel, factor in self.scales:
+            self.arena.tensor(slot, storage.torch_dtype(dtype), (numel,)).mul_(factor)
 
 
 def _mapped(
@@ -78,20 +116,21 @@ def _mapped(
     entry: ParamEntry,
     manifest: Manifest,
     read: Callable[[ParamEntry, str, Region], int],
-    arena: ReadArena,
+    first: int,
+    scales: list[tuple[int, str, int, float]],
 ) -> tuple[tuple[tuple[str, str], ...], int, Mapping[str, Scalar]]:
     """A param's state in the target's keys and forms: (key, dtype) per tensor read, the first
-    tensor's slot, and the step scalar."""
+    tensor's slot (``first``, the arena's next), and the step scalar; each slot to scale once
+    read, with its factor, added to ``scales``."""
     assert plan.maps is not None  # (a load across implementations)
     key_map = plan.maps[param.name]
-    tensors, first = [], len(arena)
+    tensors: list[tuple[str, str]] = []
     for key, (source_key, factor) in key_map.keys.items():
         if source_key in entry.state_keys:
             dtype = entry.dtype_of(source_key)
             slot = read(entry, source_key, param.region_here)
             if factor != 1.0:
-                numel = (param.region_here.numel,)
-                arena.tensor(slot, storage.torch_dtype(dtype), numel).mul_(factor)
+                scales.append((slot, dtype, param.region_here.numel, factor))
             tensors.append((key, dtype))
     step = conversion.step_scalar(plan.steps_in[param.group], manifest.step_of(entry), entry.name)
     scalars = {"step": step} if key_map.step and tensors and step is not None else {}

@@ -32,6 +32,7 @@ from ..distributed.mailbox import MailboxSteps
 from ..distributed.steps import failure_line
 from ..errors import CheckpointError, MuonCkptError
 from ..files import retention, writing
+from ..files.progress import Progress
 from ..state.hostcopy import HostBuffers
 from ..state.placement import Joined, Optimizers, optimizers_of
 from ..storage.places import Location, location
@@ -61,6 +62,7 @@ def save(
     extra: Mapping[str, Any] | None = None,
     rank_extra: Mapping[str, Any] | None = None,
     local: bool = False,
+    progress: Progress | None = None,
 ) -> Location:
     """Save ``optimizer``'s state (and its params) to directory ``path``; a collective over its
     dp x tp grid, which begins with a bounded rendezvous (every rank must call it, with the same
@@ -87,6 +89,9 @@ def save(
             values out; ``overwrite`` replaces a checkpoint; ``keep_last`` prunes the run's
             older ones; ``extra`` / ``rank_extra`` save the job's own state in the same commit;
             ``local`` saves an optimizer that is this process's alone).
+        progress: a :data:`muonckpt.offline.Progress` callback, called with this rank's bytes
+            and tensors written and their totals as its files are written
+            (:class:`muonckpt.ProgressLines` prints them as lines for a log).
 
     Returns:
         The checkpoint directory (an :class:`~muonckpt.storage.s3.S3Url` for an S3 target).
@@ -104,6 +109,7 @@ def save(
         extra=extra,
         rank_extra=rank_extra,
         local=local,
+        progress=progress,
     )
     prepared = _prepare(_target(optimizer, path, local), path, options)
     return _write_and_commit(prepared.steps, prepared, path, keep_last)
@@ -160,6 +166,7 @@ def async_save(
     timeout: float = DEFAULT_ASYNC_TIMEOUT_S,
     model: torch.nn.Module | None = None,
     local: bool = False,
+    progress: Progress | None = None,
 ) -> Future[Location]:
     """:func:`save`, returning as soon as the state and params are copied to host memory; the
     write, fsync, commit, retiring a replaced checkpoint and ``keep_last`` run in the
@@ -183,8 +190,9 @@ def async_save(
 
     Args:
         optimizer, path, consolidated, max_shard_size, params, overwrite, keep_last, model,
-            extra, rank_extra, local: as for :func:`save` (``extra`` and ``rank_extra`` are
-            taken at the call: tensors copied, state dicts asked for).
+            extra, rank_extra, local, progress: as for :func:`save` (``extra`` and
+            ``rank_extra`` are taken at the call: tensors copied, state dicts asked for;
+            ``progress`` is called from the background thread).
         timeout: seconds (positive) rank 0 waits at each step for the slowest rank before the
             save fails on every rank still there (the others wait twice that for rank 0): a
             rank whose write never finishes is an error, never a hang.
@@ -217,6 +225,7 @@ def async_save(
         local=local,
         background=True,
         timeout=timeout,
+        progress=progress,
     )
     target = _target(optimizer, path, local)
     return _in_background(target, _prepare(target, path, options), path, options)

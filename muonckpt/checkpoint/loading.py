@@ -51,10 +51,11 @@ from ..distributed.steps import disagreement
 from ..errors import CheckpointError, ConversionWarning
 from ..files.attempt import Attempt
 from ..files.pieces import PieceReader, load_pieces, open_checkpoint
+from ..files.progress import Progress
 from ..format import conversion, kinds
 from ..format.manifest import Manifest
 from ..format.names import MANIFEST_NAME
-from ..format.renames import Rename, prefix_hint
+from ..format.renames import Rename, names_hint
 from ..optim.sharding import ShardedParams, following
 from ..state import trainstate
 from ..state.describers import flat_params
@@ -92,6 +93,7 @@ def load(
     extra: MutableMapping[str, Any] | None = None,
     rank_extra: MutableMapping[str, Any] | None = None,
     local: bool = False,
+    progress: Progress | None = None,
 ) -> LoadReport:
     """Load a checkpoint of any kind and source topology into ``optimizer`` at its topology.
 
@@ -129,7 +131,8 @@ def load(
         extra: a dict to fill with the ``extra`` saved with the checkpoint, in place: a
             stateful value in it (an LR scheduler) gets ``load_state_dict`` of its saved
             state, a dict is filled key by key, anything else is replaced, and keys only the
-            checkpoint has are added. Every key it holds must be in the checkpoint.
+            checkpoint has are added. Every key it holds must be in the checkpoint; an empty
+            dict stays empty when the checkpoint holds no extra.
         rank_extra: the same for this rank's ``rank_extra``: the values the rank of the same
             place in the grid saved. Only at the number of ranks that saved (per-rank values
             such as RNG states or data positions do not carry over to another; load without
@@ -138,6 +141,9 @@ def load(
             alone, whatever process group is initialized (as :func:`muonckpt.save`'s
             ``local``). Without it an optimizer without hooks in a process group is a replica,
             and every rank of the world must call ``load``.
+        progress: a :data:`muonckpt.offline.Progress` callback, called with this rank's bytes
+            and tensors read and their totals as its share is read
+            (:class:`muonckpt.ProgressLines` prints them as lines for a log).
 
     Returns:
         A :class:`LoadReport` of the conversions made and the settings warned about.
@@ -148,7 +154,7 @@ def load(
             refused its own previous state too, named). StateDictError: naming the optimizer
             whose ``load_state_dict`` refused the state.
     """
-    asked = _LoadOptions(path, params, momentum_form, rename, extra, rank_extra, local)
+    asked = _LoadOptions(path, params, momentum_form, rename, extra, rank_extra, local, progress)
     call = _agree(optimizer, asked)  # the rendezvous, then the layout
     opened = _open(call)  # open: the manifest, or this rank's refusal
     _agree_open(call, opened)
@@ -172,6 +178,8 @@ class _LoadOptions:
     extra: MutableMapping[str, Any] | None
     rank_extra: MutableMapping[str, Any] | None
     local: bool
+    progress: Progress | None = None
+    """This rank's own report of its reads (not compared across ranks)."""
 
     def agreement(self) -> dict[str, Any]:
         """What every rank's call must have alike (the rendezvous compares it)."""
@@ -310,7 +318,9 @@ def _read_and_take(call: _LoadCall, opened: _Opened, mapped: Attempt[Target]) ->
         target, manifest, files = mapped.result(), opened.manifest, opened.files
         manifest = load_pieces(files, manifest, _read_here(target, options.params))
         with PieceReader(files, manifest) as reader:
-            share = _reading.read_share(target, manifest, reader, options.params, files.location)
+            share = _reading.read_share(
+                target, manifest, reader, options.params, files.location, options.progress
+            )
             asked = _read_job_state(manifest, reader, options.extra, options.rank_extra, call.rank)
         restore = trainstate.Restore(asked)
         undo.append(restore.put_back)
@@ -358,7 +368,8 @@ def _agree_read(call: _LoadCall, read: _Read) -> None:
 def _apply(call: _LoadCall, taken: tuple[Taken, trainstate.Restore], report: LoadReport) -> None:
     """(every rank has taken its share) The loaded values into the optimizers' tensors, the
     params and the job's plain values, the model's weights from the loaded shards; the
-    report's notes logged and warned (at the caller of :func:`load`)."""
+    report's notes logged, and warned (at the caller of :func:`load`) by the first rank alone:
+    every rank holds the same report, and a job's log wants each warning once."""
     state, restore = taken
     state.finish()  # from here on nothing can refuse
     restore.assign()
@@ -366,7 +377,7 @@ def _apply(call: _LoadCall, taken: tuple[Taken, trainstate.Restore], report: Loa
         sharded.params_to_model()
     for message in report.converted:
         _LOG.info("muonckpt.load: converted %s", message)
-    for message in report.warnings:
+    for message in report.warnings if call.rank == 0 else ():
         warnings.warn(message, ConversionWarning, stacklevel=3)
 
 
@@ -386,20 +397,24 @@ def _check_job_state(
     world: int,
 ) -> None:
     """A load that asks for the job's own state must find it, ``rank_extra`` at the number of
-    ranks that saved it."""
+    ranks that saved it. An empty dict asks for no key: it stays empty where none was saved, so
+    that one resume script serves checkpoints with and without it."""
     saved = manifest.extra
     where = directory / MANIFEST_NAME
-    if extra is not None and (saved is None or saved.shared is None):
+    if extra and (saved is None or saved.shared is None):
         raise CheckpointError(
-            "the checkpoint holds no extra (saved without extra=); load it without extra=",
+            "the checkpoint holds no extra (saved without extra=); load it without extra= "
+            "(or with an empty dict)",
             path=where,
         )
     if rank_extra is None:
         return
     if saved is None or not saved.ranks:
+        if not rank_extra:
+            return
         raise CheckpointError(
             "the checkpoint holds no rank_extra (saved without rank_extra=); load it "
-            "without rank_extra=",
+            "without rank_extra= (or with an empty dict)",
             path=where,
         )
     if len(saved.ranks) != world:
@@ -425,7 +440,7 @@ def _read_job_state(
     if saved is None:  # (asked for nothing: a load that asks needs it, checked when opened)
         return out
     asked = [("extra", extra, saved.shared)]
-    if rank_extra is not None:
+    if rank_extra is not None and saved.ranks:
         asked.append((f"rank_extra[{rank}]", rank_extra, saved.ranks[rank]))
     for what, target, tree in asked:
         if target is None or tree is None:
@@ -459,8 +474,9 @@ def _agreed_load(arguments: list[dict[str, Any]], ranks: Sequence[int]) -> None:
 
 def _check_prefix(manifest: Manifest, sharding: Sharding, directory: storage.Location) -> None:
     """Names that differ by a wrapper's prefix (DDP's ``module.``, torch.compile's
-    ``_orig_mod.``) are refused naming the prefix and the ``rename`` that maps them."""
-    hint = prefix_hint((e.name for e in manifest.params), (p.name for p in sharding.params))
+    ``_orig_mod.``) are refused naming the prefix and the ``rename`` that maps them; an optimizer
+    without names, loading named params, naming ``named_parameters()``."""
+    hint = names_hint((e.name for e in manifest.params), (p.name for p in sharding.params))
     if hint is not None:
         raise CheckpointError(hint, path=directory / MANIFEST_NAME)
 

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from .. import settings
+from ..files.progress import Progress
 from ..storage.places import location
 from ..storage.s3 import S3Url
 
@@ -78,6 +79,9 @@ class SaveOptions:
     """(``background``) Seconds (positive) rank 0 waits at each step for the slowest rank
     before the save fails on every rank still there (the others wait twice that for rank
     0)."""
+    progress: Progress | None = None
+    """This rank's own report of its files written (:data:`muonckpt.offline.Progress`): each
+    rank may pass its own, or none (not compared across ranks)."""
     shard_bytes: int | None = field(init=False)
     """``max_shard_size`` as bytes (None: no split)."""
 

@@ -27,6 +27,7 @@ from ..distributed.steps import disagreement
 from ..errors import CheckpointError, StateDictError
 from ..files import retention, writing
 from ..files.attempt import Attempt
+from ..files.progress import Progress
 from ..format import conversion
 from ..format.manifest import (
     CONSOLIDATED,
@@ -213,6 +214,8 @@ class PreparedSave:
     job: _JobState
     draft: writing.Draft
     store: storage.CheckpointStore
+    progress: Progress | None
+    """The caller's report of this rank's files written (:attr:`SaveOptions.progress`)."""
 
 
 def plan(
@@ -243,7 +246,9 @@ def plan(
     draft = _save_manifest.draft(groups, sharding, kind, collected.model, given_step)
     host = None if options.background else buffers  # else streamed: one reused host buffer
     job = collected.job
-    return PreparedSave(call.steps, staging, mailbox, payload, host, job, draft, store)
+    return PreparedSave(
+        call.steps, staging, mailbox, payload, host, job, draft, store, options.progress
+    )
 
 
 def abandon(store: storage.CheckpointStore, staging: Path, mailbox: Mailbox | None) -> None:
@@ -273,7 +278,9 @@ def _write(prepared: PreparedSave) -> writing.Written:
         _check_plan_holds(planned, payload.tensors)
         tensors = _streamed(planned, payload.tensors, prepared.host)
         staging, store = prepared.staging, prepared.store
-        written = writing.write_files(store, planned, staging, tensors, prefetch=False)
+        written = writing.write_files(
+            store, planned, staging, tensors, prepared.progress, prefetch=False
+        )
     shared = prepared.job.shared if steps.is_root else None  # stored once, by the root
     me = steps.ranks.index(steps.rank)
     written.scalars = payload.scalars

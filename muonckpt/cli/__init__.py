@@ -196,7 +196,7 @@ def convert(
     rename: Renames = None,
     source: ConvertFrom = None,
     output_format: OutputFormat = "muonckpt",
-    layout: Layout = "torchtitan",
+    layout: Layout = None,
     world: World = None,
     tp: MegatronTp = None,
     dp: MegatronDp = None,
@@ -290,12 +290,17 @@ def _convert_by(
         # foreign files are local only: SRC by the route, DST refused here when a URL
         report = route.writes.write(Path(src), local_directory(dst), to, route.options)
         output.say_conversion(ctx, route.writes.title, report)
+        output.say(ctx, output.wrote_foreign(report, route.writes.title))
     elif route.reads is not None and route.source is not None:
         with output.progress_bar(ctx, "convert") as progress:
-            reading = Reading(route.source, to, overwrite=force, progress=progress)
+            reading = Reading(route.source, route.to, overwrite=force, progress=progress)
             report = route.reads.read(Path(src), local_directory(dst), reading, route.options)
+        if route.inferred:  # (after the read: a refusal stays one line)
+            output.say(
+                ctx, f"--from {route.source}: inferred ({route.reads.title} files record it)"
+            )
         output.say_conversion(ctx, route.reads.title, report)
-        output.say(ctx, _written(report.path))
+        _say_written(ctx, report.path)
     else:
         settings = {"to": to, "rename": renames or None}
         _rewrite(ctx, quiet, offline.convert, src, dst, force, False, **settings)
@@ -331,13 +336,17 @@ def _rewrite(
         if shared:
             settings.update(collective=collective)
         operation(src, dst, overwrite=force, progress=progress, **settings)
-    output.say(ctx, _written(dst))
+    _say_written(ctx, dst)
 
 
-def _written(path: str | Path) -> str:
+def _say_written(ctx: typer.Context, path: str | Path) -> None:
+    """The ``wrote ...`` line of a muonckpt output, unless --quiet (its summary, which reads the
+    output's manifest and imports what reads it, only then)."""
+    if output.is_quiet(ctx):
+        return
     from .. import offline
 
-    return output.written(path, offline.summarize(path))
+    output.say(ctx, output.written(path, offline.summarize(path)))
 
 
 @app.command()
@@ -359,7 +368,11 @@ def inspect(
     """
     from .. import offline
 
-    info = offline.summarize(src)
+    try:
+        info = offline.summarize(src)
+    except CheckpointError:
+        _refuse_foreign(src)
+        raise
     if as_json:
         typer.echo(json.dumps(info.to_json(), indent=2))
         return
@@ -381,6 +394,8 @@ def verify(src: Source) -> None:
     from .. import verify as verify_checkpoint
 
     problems = verify_checkpoint(src)
+    if problems:
+        _refuse_foreign(src)
     console = output.stdout()
     if not problems:
         console.print(f"ok: {src} is sound", markup=False)
@@ -389,6 +404,15 @@ def verify(src: Source) -> None:
         console.print(f"problem: {output.printable(str(problem))}", markup=False)
     console.print(f"{len(problems)} problem(s) in {src}", markup=False)
     raise typer.Exit(PROBLEM)
+
+
+def _refuse_foreign(src: str) -> None:
+    """A foreign checkpoint SRC is refused naming its format and the convert that reads it."""
+    from .routes import reading_hint
+
+    hint = reading_hint(src)
+    if hint is not None:
+        raise CheckpointError(hint) from None
 
 
 @app.command()
@@ -413,10 +437,14 @@ def clean(
     Megatron, that format's files), never anything else and nothing through a symlink.
     Prints each directory removed, and each one named like these that was kept, with why.
     Under an s3:// ROOT: the save prefixes (CHECKPOINT/s-<16 hex>/) no committed manifest
-    names, whose lease is gone or stale, and their unfinished multipart uploads.
+    names, whose lease is gone or stale, and their unfinished multipart uploads. Exit 1 when
+    ROOT does not exist (as latest).
 
     Example: muonckpt clean ckpt --older-than 7200
     """
+    if not root.startswith(S3_SCHEME) and not Path(root).is_dir():
+        output.stderr_line(f"no directory {root}: nothing to clean")
+        raise typer.Exit(PROBLEM)
     from .. import clean as clean_root
 
     cleaned = clean_root(root, older_than)
@@ -450,7 +478,6 @@ def latest(root: Root) -> None:
 
 @app.command()
 def diff(
-    ctx: typer.Context,
     a: Annotated[
         str,
         typer.Argument(
@@ -465,10 +492,10 @@ def diff(
     ],
     atol: Annotated[float, typer.Option(min=0.0, help="Absolute tolerance.")] = 0.0,
     rtol: Annotated[float, typer.Option(min=0.0, help="Relative tolerance (of B).")] = 0.0,
-    quiet: Annotated[
+    differences: Annotated[
         bool,
         typer.Option(
-            "--quiet", "-q", help="Print only the rows that differ, then the summary line."
+            "--differences", "-d", help="Print only the rows that differ, then the summary line."
         ),
     ] = False,
 ) -> None:
@@ -478,12 +505,12 @@ def diff(
     says so), per group's settings, per model-file tensor and job-state tree, and the step.
     Exit 1 when any row differs beyond the tolerances. Example: muonckpt diff ckpt/a ckpt/b
 
-    Only the differences: muonckpt diff ckpt/a ckpt/b --quiet
+    Only the differences: muonckpt diff ckpt/a ckpt/b --differences
     """
     from .. import offline
 
     rows = offline.iter_diff(a, b, atol=atol, rtol=rtol)
-    if output.print_diff(rows, only_differences=quiet or output.is_quiet(ctx)):
+    if output.print_diff(rows, only_differences=differences):
         raise typer.Exit(PROBLEM)
 
 

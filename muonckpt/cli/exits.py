@@ -37,7 +37,8 @@ EXIT_CODES = (
     ),
     ExitCode(
         str(PROBLEM),
-        "a problem found (`verify`, `diff`, `demo`), or no checkpoint (`latest`); also an "
+        "a problem found (`verify`, `diff`, `demo`), or nothing there: no checkpoint "
+        "(`latest`), no ROOT directory (`latest`, `clean`); also an "
         "exception muonckpt does not expect (a bug), shown with its traceback",
     ),
     ExitCode(
@@ -65,6 +66,17 @@ EXIT_CODES = (
 """Every exit code of the command line, what it means, and the errors that end in it."""
 
 _ERROR_CODES = {error: int(row.code) for row in EXIT_CODES for error in row.errors}
+
+FLAGS = {"overwrite=True": "--force"}
+"""The library's arguments as its messages name them, and the flags that give them: an error
+line speaks in flags."""
+
+
+def in_flags(message: str) -> str:
+    """A library message as the command line says it: each argument (:data:`FLAGS`) its flag."""
+    for argument, flag in FLAGS.items():
+        message = message.replace(argument, flag)
+    return message
 
 
 class Group(TyperGroup):
@@ -103,7 +115,7 @@ class Group(TyperGroup):
             # a worker's failure carries its traceback after a one-line summary
             text = getattr(exc, "summary", None) or str(exc)
             message = " ".join(text.split()) or type(exc).__name__
-            stderr_line(f"error: {message}")
+            stderr_line(f"error: {in_flags(message)}")
             ctx.exit(next(code for error, code in _ERROR_CODES.items() if isinstance(exc, error)))
 
 

@@ -126,8 +126,9 @@ ConvertTo = Annotated[
         help="packaged (muonckpt.optim.muon.Muon), torch (torch.optim.Muon + AdamW) or "
         "keller-jordan (muon.MuonWithAuxAdam); with --format dcp also torchtitan, dion or "
         "muon-fsdp2; deepspeed writes DeepSpeed ZeRO-1/2 files (with --world), megatron a "
-        "Megatron-Core torch_dist checkpoint (with --tp and --dp). Left out (muonckpt to "
-        "muonckpt, or from DeepSpeed or Megatron), each group keeps its implementation.",
+        "Megatron-Core torch_dist checkpoint (with --tp and --dp). Left out: reading DCP, "
+        "--from's family where it is one of muonckpt's (--from torch: torch), else each group "
+        "keeps its implementation (muonckpt to muonckpt, or from DeepSpeed or Megatron).",
         show_default=False,
     ),
 ]
@@ -146,10 +147,11 @@ ConvertFrom = Annotated[
         "--from",
         metavar="IMPLEMENTATION",
         help="The implementation that wrote a DCP checkpoint SRC (required for one: DCP "
-        "does not record it): torch, torchtitan, dion, muon-fsdp2, keller-jordan, packaged; "
-        "deepspeed for a DeepSpeed ZeRO-1/2 checkpoint, megatron for a Megatron-Core "
-        "torch_dist one, accelerate for a save_state directory, lightning for a .ckpt "
-        "(optional for these: their files say so).",
+        "does not record it, and a guessed momentum form would resume wrongly): torch, "
+        "torchtitan, dion, muon-fsdp2, keller-jordan, packaged; deepspeed for a DeepSpeed "
+        "ZeRO-1/2 checkpoint, megatron for a Megatron-Core torch_dist one, accelerate for a "
+        "save_state directory, lightning for a .ckpt (optional for these: their files say so, "
+        "and a line says what was inferred).",
         show_default=False,
     ),
 ]
@@ -162,11 +164,13 @@ OutputFormat = Annotated[
     ),
 ]
 Layout = Annotated[
-    str,
+    str | None,
     typer.Option(
         "--layout",
         help="With --format dcp: torchtitan (model fqns at the top level) or recipe "
-        "(model.<fqn>, DCP's get_state_dict recipe).",
+        "(model.<fqn>, DCP's get_state_dict recipe). Default: the layout SRC was read as, "
+        "when it was converted from DCP (a round trip keeps it), else torchtitan.",
+        show_default=False,
     ),
 ]
 MegatronTp = Annotated[

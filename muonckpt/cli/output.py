@@ -16,6 +16,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from ..settings import human_size
+
 if TYPE_CHECKING:
     from ..demo import DemoResult
     from ..interop import Conversion
@@ -55,15 +57,23 @@ def also_quiet(ctx: typer.Context, quiet: bool) -> None:
 
 
 def say(ctx: typer.Context, message: str) -> None:
+    """A summary line on stderr, never wrapped (a log reads it whole); none under --quiet."""
     if not is_quiet(ctx):
-        Console(stderr=True, highlight=False).print(message, markup=False)
+        Console(stderr=True, highlight=False, soft_wrap=True).print(message, markup=False)
 
 
 @contextmanager
 def progress_bar(ctx: typer.Context, what: str) -> Iterator[Progress | None]:
-    """A rich bar (bytes, tensors, rate, ETA) on stderr when it is a terminal and not --quiet."""
-    if is_quiet(ctx) or not sys.stderr.isatty():
+    """Progress on stderr unless --quiet: a rich bar (bytes, tensors, rate, ETA) on a terminal,
+    else lines a log reads well (:class:`muonckpt.ProgressLines`: every 10 s, and a last one
+    with the total and the rate)."""
+    if is_quiet(ctx):
         yield None
+        return
+    if not sys.stderr.isatty():
+        from .. import ProgressLines
+
+        yield ProgressLines(what)
         return
     from rich.progress import (
         BarColumn,
@@ -92,22 +102,19 @@ def progress_bar(ctx: typer.Context, what: str) -> Iterator[Progress | None]:
         yield update
 
 
-def human(n: int) -> str:
-    size = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if size < 1024 or unit == "TiB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    return f"{n} B"  # pragma: no cover
-
-
 def written(path: str | Path, info: Summary) -> str:
     """The line saying what a rewrite wrote at ``path``."""
     totals, topo = info.totals, info.topology
     return (
         f"wrote {path}: {info.kind}, dp={topo.get('dp')} x tp={topo.get('tp')}, "
-        f"{totals.files} file(s), {human(totals.file_bytes)}"
+        f"{totals.files} file(s), {human_size(totals.file_bytes)}"
     )
+
+
+def wrote_foreign(report: Conversion, title: str) -> str:
+    """The line saying what a conversion to the foreign format ``title`` wrote."""
+    files, size = report.written or (0, 0)
+    return f"wrote {report.path}: {title}, {files} file(s), {human_size(size)}"
 
 
 def say_conversion(ctx: typer.Context, title: str, report: Conversion) -> None:
@@ -122,23 +129,24 @@ def say_conversion(ctx: typer.Context, title: str, report: Conversion) -> None:
 
 def print_summary(info: Summary, wide: bool) -> None:
     """``inspect``: the checkpoint's lines, then a table of its params (names folded at the
-    terminal's width, never cut; ``wide``: one line each), then its totals."""
-    console = stdout()
+    terminal's width, never cut; ``wide``: one line each), then its totals. Its lines are never
+    wrapped (the terminal folds them, a pipe reads them whole)."""
+    console, lines = stdout(), Console(highlight=False, soft_wrap=True)
     topo = info.topology
-    console.print(
+    lines.print(
         f"{info.path}: {info.kind} checkpoint (format {info.format_version}), "
         f"topology dp={topo.get('dp')} x tp={topo.get('tp')}, step {info.step}",
         markup=False,
     )
     extra = info.extra
     if extra is not None and extra.values is not None:
-        console.print(f"extra: {json.dumps(extra.values)}", markup=False)
+        lines.print(f"extra: {json.dumps(extra.values)}", markup=False)
     if extra is not None and extra.ranks:
         shown = json.dumps(extra.rank_0_values)
-        console.print(f"rank_extra: {extra.ranks} ranks, rank 0: {shown}", markup=False)
+        lines.print(f"rank_extra: {extra.ranks} ranks, rank 0: {shown}", markup=False)
     for g, group in enumerate(info.groups):
         hyper = ", ".join(f"{k}={v}" for k, v in group.hyperparams.items())
-        console.print(f"group {g}: {hyper}", markup=False)
+        lines.print(f"group {g}: {hyper}", markup=False)
     columns = ("param", "shape", "dtype", "tp split", "group", "state keys", "values", "bytes")
     rows = [
         (
@@ -149,7 +157,7 @@ def print_summary(info: Summary, wide: bool) -> None:
             str(p.group),
             printable(", ".join(p.state_keys)) or "(none)",
             p.value_dtype or "-",
-            human(p.bytes),
+            human_size(p.bytes),
         )
         for p in info.params
     ]
@@ -170,14 +178,12 @@ def print_summary(info: Summary, wide: bool) -> None:
     if model is not None:
         tied = ", ".join(f"{a} = {n}" for a, n in model.aliases.items()) or "none"
         others = ", ".join(model.tensors) or "none"
-        console.print(
-            printable(f"model file also holds: {others}; tied names: {tied}"), markup=False
-        )
+        lines.print(printable(f"model file also holds: {others}; tied names: {tied}"), markup=False)
     t = info.totals
-    console.print(
+    lines.print(
         f"total: {t.params} params ({t.values} with saved values), {t.tensors} state "
-        f"tensors, {human(t.bytes)} of data in {t.files} file(s) "
-        f"({human(t.file_bytes)}, {t.pieces} pieces)",
+        f"tensors, {human_size(t.bytes)} of data in {t.files} file(s) "
+        f"({human_size(t.file_bytes)}, {t.pieces} pieces)",
         markup=False,
     )
 

@@ -19,7 +19,7 @@ from ..format import FAMILIES
 from ..interop import FORMATS, ForeignFormat, detect, format_named
 from .options import S3_SCHEME
 
-__all__ = ["MUONCKPT", "Route", "route"]
+__all__ = ["MUONCKPT", "Route", "reading_hint", "route"]
 
 MUONCKPT = "muonckpt"
 """``convert --format``'s name of muonckpt's own format."""
@@ -37,6 +37,11 @@ class Route:
     source: str | None = None
     """The implementation that wrote a foreign checkpoint read (``--from``, or the one its
     files record)."""
+    to: str | None = None
+    """The family a foreign checkpoint read is converted for: ``--to``, else ``--from``'s
+    where it is one of muonckpt's (None: the writer's own groups and form)."""
+    inferred: bool = False
+    """Whether :attr:`source` was inferred from what the files record (no ``--from``)."""
 
 
 def route(
@@ -118,6 +123,10 @@ def _writing(
     if to not in format_.targets:
         raise OptionError(f"choose one of {', '.join(format_.targets)}", "--to")
     given = _options(format_.write_options, options)
+    missing = [name for name in format_.write_requires if options.get(name) is None]
+    if missing:
+        needed = "; ".join(f"{_flag(n)}, {format_.write_requires[n]}" for n in missing)
+        raise OptionError(f"{format_.title} output needs {needed}", _flag(missing[0]))
     if detected is format_:
         raise OptionError(f"SRC is a {format_.title} checkpoint already", "--format")
     if detected is not None:
@@ -142,12 +151,10 @@ def _reading(
     candidates = [format_] if format_ is not None else list(FORMATS)
     titles = " or ".join(f.title for f in candidates)
     recorded = format_ is not None and format_.records_source
-    if to is None and not recorded:
-        raise OptionError(
-            f"converting {titles} needs a target: one of {', '.join(FAMILIES)}", "--to"
-        )
     sources = ", ".join(dict.fromkeys(s for f in candidates for s in f.sources))
-    if source is None and format_ is not None and recorded:
+    inferred = source is None and format_ is not None and recorded
+    if inferred:
+        assert format_ is not None
         source = format_.sources[0]
     if source is None:
         raise OptionError(
@@ -157,7 +164,24 @@ def _reading(
         )
     if format_ is None or source not in format_.sources:
         raise OptionError(f"choose one of {sources}", "--from")
-    return Route(reads=format_, options=_options(format_.read_options, options), source=source)
+    if to is None and not recorded and source in FAMILIES:
+        to = source  # --from torch alone round-trips: torch in, torch out
+    given = _options(format_.read_options, options)
+    return Route(reads=format_, options=given, source=source, to=to, inferred=inferred)
+
+
+def reading_hint(src: str | os.PathLike[str]) -> str | None:
+    """For a foreign checkpoint ``src``: one sentence naming its format and the ``convert``
+    command that reads it; None for anything else."""
+    if os.fspath(src).startswith(S3_SCHEME):
+        return None
+    format_ = detect(src)
+    if format_ is None:
+        return None
+    command = f"muonckpt convert {os.fspath(src)} -o OUT"
+    if not format_.records_source:
+        command += f" --from WRITER (one of {', '.join(format_.sources)}: its files do not say)"
+    return f"{os.fspath(src)} is a {format_.title} checkpoint, not a muonckpt one: {command}"
 
 
 def _flag(option: str) -> str:

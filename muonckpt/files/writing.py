@@ -62,10 +62,7 @@ from ._reports import Reports as Reports
 from ._reports import Written as Written
 from ._reports import complete
 from .attempt import Attempt
-
-Progress = Callable[[int, int, int, int], None]
-"""``progress(done_bytes, total_bytes, done_tensors, total_tensors)``, called once at the start
-and after each tensor is written: the user's own progress report."""
+from .progress import Meter, Progress
 
 Tensors = Iterator[tuple[TensorWrite, Any]]
 """What a producer hands the writer: each planned tensor (in :func:`in_order`) with its data,
@@ -313,24 +310,6 @@ def publish(
     return store.publish(staging, target, files={**listed, MANIFEST_NAME: size})
 
 
-class _Meter:
-    """Counts what was written for ``progress``; ``totals`` (bytes, tensors) asked for only
-    when there is a progress to show (a plan made one file at a time counts in a pass)."""
-
-    def __init__(self, totals: Callable[[], tuple[int, int]], progress: Progress | None) -> None:
-        self.total, self.tensors = totals() if progress is not None else (0, 0)
-        self.progress = progress
-        self.done = self.written = 0
-        if progress is not None:
-            progress(0, self.total, 0, self.tensors)
-
-    def tick(self, nbytes: int) -> None:
-        self.done += nbytes
-        self.written += 1
-        if self.progress is not None:
-            self.progress(self.done, self.total, self.written, self.tensors)
-
-
 def in_order(plan: Plan) -> Iterator[TensorWrite]:
     """The writes of ``plan`` in the order :func:`write_files` writes them: file by file."""
     for writes in plan.by_file().values():
@@ -371,7 +350,7 @@ def write_files(
     handoff costs ~0.15 ms). Without ``sync`` each file is renamed into place unsynced:
     :func:`publish` fsyncs every data file in one parallel pass before it writes the indexes
     and the manifest (thousands of output files are not thousands of fsyncs in a row)."""
-    meter = _Meter(lambda: (plan.total_bytes, plan.count), progress)
+    meter = Meter(lambda: (plan.total_bytes, plan.count), progress)
     pieces, sizes = PieceTable(), {}
     for file, writes in plan.by_file().items():
         specs, metadata = specs_of(writes), plan.files[file]
@@ -471,7 +450,7 @@ def write_share(
     thread meanwhile), at its planned offset in the files written together; every file of the
     plan is reported."""
     outputs = _shared_files(plan, staging)
-    meter = _Meter(lambda: (sum(w.nbytes for w in share), len(share)), progress)
+    meter = Meter(lambda: (sum(w.nbytes for w in share), len(share)), progress)
     pieces, current = [], None
     pulled = _pulled(tensors, share, ahead=True)
     try:

@@ -180,6 +180,10 @@ class Manifest:
     """(version 5: a checkpoint committed to object storage) Where the files it names are,
     relative to the manifest: ``""``, beside it, or ``"s-<16 hex>/"``, the save prefix of the
     save that wrote it (:data:`DATA_PREFIX`)."""
+    dcp_layout: str = ""
+    """(version 5: a checkpoint converted from PyTorch DCP) The layout the DCP checkpoint was
+    read as (``recipe``, ``torchtitan``), what a conversion back to DCP writes by default, so
+    that the round trip gives the layout it started from; ``""``: none recorded."""
 
     def param(self, name: str) -> ParamEntry:
         by_name: dict[str, ParamEntry] | None = self.__dict__.get("_by_name")
@@ -310,13 +314,17 @@ class Manifest:
             "kind": self.kind,
             "topology": dict(self.topology),
             **dict.fromkeys(lists),
-            "format_version": PREFIXED_VERSION if self.data_prefix else self.format_version,
+            "format_version": (
+                PREFIXED_VERSION if self.data_prefix or self.dcp_layout else self.format_version
+            ),
             "checksum_algorithm": self.checksum_algorithm,
             "step": self.recorded_step,
             "extra": None if self.extra is None else extra_to_json(self.extra),
         }
         if self.data_prefix:
             body["data_prefix"] = self.data_prefix
+        if self.dcp_layout:
+            body["dcp_layout"] = self.dcp_layout
         if self.model is not None:
             body["model"] = {
                 "tensors": [

@@ -130,6 +130,15 @@ def _manifest_from(body: Any, shared: _Shared) -> Manifest:
         not prefix or version >= PREFIXED_VERSION,
         f"a version {version} manifest has no data_prefix (version {PREFIXED_VERSION} has)",
     )
+    dcp_layout = body.get("dcp_layout", "")
+    _expect(
+        isinstance(dcp_layout, str) and DCP_LAYOUT.fullmatch(dcp_layout) is not None,
+        f"dcp_layout {dcp_layout!r:.80} is not a layout's name",
+    )
+    _expect(
+        not dcp_layout or version >= PREFIXED_VERSION,
+        f"a version {version} manifest has no dcp_layout (version {PREFIXED_VERSION} has)",
+    )
     extra = body.get("extra")
     return Manifest(
         kind=body["kind"],
@@ -145,7 +154,12 @@ def _manifest_from(body: Any, shared: _Shared) -> Manifest:
         recorded_step=step,
         extra=None if extra is None else extra_from_json(extra, file_names),
         data_prefix=prefix,
+        dcp_layout=dcp_layout,
     )
+
+
+DCP_LAYOUT = re.compile(r"[a-z_]{0,32}")
+"""What a manifest's ``dcp_layout`` may be (whole): none, or a layout's name."""
 
 
 def _groups(raw: Any, params: tuple[ParamEntry, ...], version: int) -> tuple[GroupEntry, ...]:

@@ -60,10 +60,21 @@ def prefix_fix(saved: Iterable[str], current: Iterable[str]) -> dict[str, str] |
     return {old: new}
 
 
-def prefix_hint(saved: Iterable[str], current: Iterable[str]) -> str | None:
-    """One sentence naming the prefix by which the checkpoint's (``saved``) and the
-    optimizer's (``current``) names differ, and the ``rename`` that fixes it; None when they do
-    not differ by a prefix."""
+UNNAMED_HINT = (
+    "the optimizer's params have no names (it was built from model.parameters(): muonckpt "
+    "calls them '0', '1', ...) and the checkpoint's have: build it from "
+    "model.named_parameters(), as the optimizer that saved was"
+)
+"""Why an optimizer over unnamed params cannot load a checkpoint of named ones, and the fix."""
+
+
+def names_hint(saved: Iterable[str], current: Iterable[str]) -> str | None:
+    """One sentence saying why the checkpoint's (``saved``) and the optimizer's (``current``)
+    names differ and how to fix it: an optimizer without names (:data:`UNNAMED_HINT`), or the
+    prefix by which they differ and the ``rename`` that maps it; None when neither explains it."""
+    saved, current = list(saved), list(current)
+    if current and all(n.isdecimal() for n in current) and any(not n.isdecimal() for n in saved):
+        return UNNAMED_HINT
     fix = prefix_fix(saved, current)
     if fix is None:
         return None

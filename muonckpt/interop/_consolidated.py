@@ -16,7 +16,7 @@ from typing import Any
 from .. import settings, storage
 from ..files import writing
 from ..files.attempt import Attempt
-from ..files.writing import Progress
+from ..files.progress import Progress
 from ..format import kinds
 from ..format.manifest import Manifest, ModelFile, ParamEntry
 from ..format.names import PARAM_KEY

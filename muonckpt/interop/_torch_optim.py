@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointError, StateDictError
-from ..files.writing import Progress
+from ..files.progress import Progress
 from ..format import kinds
 from ..format.conversion import converted_manifest
 from ..format.manifest import (

@@ -10,12 +10,13 @@ report what they did as a :class:`Conversion`.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Generic, TypeVar
 
-from ..files.writing import Progress
+from ..files.progress import Progress
+from ..storage import access
 
 __all__ = ["Conversion", "ForeignFormat", "NoOptions", "Reading"]
 
@@ -37,6 +38,9 @@ class Conversion:
     """Items of the source that the output does not hold (schedulers, dataloaders, buffers)."""
     converted: tuple[str, ...]
     """The momentum conversions, one line per group."""
+    written: tuple[int, int] | None = None
+    """(a foreign checkpoint written, by :meth:`ForeignFormat.write`) Its files: how many, and
+    their bytes."""
 
 
 @dataclass(frozen=True)
@@ -89,6 +93,10 @@ class ForeignFormat(Generic[R, W]):
     """``writer(src, dst, to=, **options)``, the fields of :attr:`write_options` as keywords;
     None: muonckpt reads the format but does not write it."""
     write_options: type[W] | None = None
+    write_requires: Mapping[str, str] = field(default_factory=dict)
+    """The fields of :attr:`write_options` a write must be given (their default None is no
+    value), and what each is: ``{"world": "the number of ranks DeepSpeed loads the output
+    at"}``."""
     targets: tuple[str, ...] = ()
     """The implementations :attr:`write` writes for (``convert --to`` with ``--format``)."""
     records_source: bool = False
@@ -104,4 +112,5 @@ class ForeignFormat(Generic[R, W]):
         """Write the muonckpt checkpoint ``src`` as a new foreign checkpoint ``dst`` for the
         implementation ``to`` (one of :attr:`targets`)."""
         assert self.writer is not None  # the router refuses to write a read-only format
-        return self.writer(src, dst, to=to, **vars(options))
+        report = self.writer(src, dst, to=to, **vars(options))
+        return replace(report, written=access.tree_size(report.path))

@@ -10,7 +10,7 @@ they carry), :mod:`.examine` (summarize, diff),
 from __future__ import annotations
 
 from ..files.pieces import open_checkpoint
-from ..files.writing import Progress
+from ..files.progress import Progress
 from .examine import diff, iter_diff, summarize
 from .inspection import DiffRow, Summary
 from .tools import WORKER_TIMEOUT, consolidate, convert, reshard

@@ -41,7 +41,7 @@ from ..errors import ArgumentError, CheckpointError, LayoutError
 from ..files import writing
 from ..files.attempt import Attempt
 from ..files.pieces import PieceReader, data_name, open_checkpoint
-from ..files.writing import Progress
+from ..files.progress import Progress
 from ..format.conversion import converted_manifest
 from ..format.manifest import (
     CONSOLIDATED,

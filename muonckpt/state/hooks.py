@@ -31,6 +31,7 @@ import torch
 
 from ..distributed import collectives, group_steps
 from ..errors import StateDictError
+from ..format.renames import names_hint
 from .describers import flat_params
 from .gather import gather_full_state
 from .owners import declare_owners
@@ -283,9 +284,11 @@ def _check_names(saved: Sequence[str], current: Sequence[str]) -> None:
         return
     only_saved = sorted(set(saved) - set(current))
     only_current = sorted(set(current) - set(saved))
+    hint = names_hint(saved, current)
     raise StateDictError(
         "param names differ between the state dict and the optimizer: "
         f"only in the state dict {only_saved}, only in the optimizer {only_current}"
+        + (f": {hint}" if hint else "")
     )
 
 

@@ -10,6 +10,7 @@ parses what it is handed and an object store can stand behind it later.
 from __future__ import annotations
 
 import os
+import stat
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -31,6 +32,7 @@ __all__ = [
     "remove",
     "rename",
     "temporary_directory",
+    "tree_size",
 ]
 
 
@@ -67,6 +69,17 @@ def is_symlink(path: str | os.PathLike[str]) -> bool:
 def list_names(directory: str | os.PathLike[str]) -> list[str]:
     """The names in ``directory``, sorted; ``OSError`` as the system raises it."""
     return sorted(os.listdir(directory))
+
+
+def tree_size(directory: str | os.PathLike[str]) -> tuple[int, int]:
+    """The regular files under ``directory`` (not through symlinks): how many, and their bytes."""
+    files = size = 0
+    for folder, _, names in os.walk(directory):
+        for name in names:
+            info = os.lstat(os.path.join(folder, name))
+            if stat.S_ISREG(info.st_mode):
+                files, size = files + 1, size + info.st_size
+    return files, size
 
 
 @contextmanager

@@ -196,16 +196,14 @@ def _check_name(final: Path) -> None:
 def _check_existing(final: Path, overwrite: bool, output: str | None) -> None:
     """Raise :class:`CheckpointError` unless the existing ``final`` may be replaced
     (:func:`check_target`)."""
-    if output is not None:  # its writers never replace: --force would be refused
+    if output is not None:  # its writers never replace: overwrite=True would be refused
         raise CheckpointError(
             f"already exists; {output} output is never written over an existing path: remove "
             "it or choose another",
             path=final,
         )
     if not overwrite:
-        raise CheckpointError(
-            "already exists; pass overwrite=True (--force) to replace it", path=final
-        )
+        raise CheckpointError("already exists; pass overwrite=True to replace it", path=final)
     if final.is_symlink():
         if not final.exists():
             raise CheckpointError("is a dangling symlink; remove it or write elsewhere", path=final)
@@ -221,7 +219,8 @@ def _check_existing(final: Path, overwrite: bool, output: str | None) -> None:
     problem = ownership_problem(final)
     if problem:
         raise CheckpointError(
-            f"{problem}; refusing to replace it (--force replaces only muonckpt checkpoints)",
+            f"{problem}; refusing to replace it (overwrite=True replaces only muonckpt "
+            "checkpoints)",
             path=final,
         )
 

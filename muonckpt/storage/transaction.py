@@ -407,7 +407,7 @@ def _check_replaceable(final: Path, overwrite: bool) -> None:
     if not overwrite:
         raise CheckpointError(
             "was created by another writer while this save ran; this save is discarded "
-            "(pass overwrite=True, --force, to replace it)",
+            "(pass overwrite=True to replace it)",
             path=final,
         )
     if final.is_symlink():

@@ -16,7 +16,7 @@ import os
 from collections.abc import Sequence
 
 from ...errors import CheckpointError
-from ...files.writing import Progress
+from ...files.progress import Progress
 from .._torch_optim import (
     ModelState,
     OptimizerState,

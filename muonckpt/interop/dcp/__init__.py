@@ -45,12 +45,12 @@ class DcpReadOptions:
 @dataclass(frozen=True)
 class DcpWriteOptions:
     """:func:`to_dcp`'s options as ``convert`` passes them (``--layout``, one of
-    :data:`LAYOUTS`)."""
+    :data:`LAYOUTS`; None: the layout the checkpoint was read as, else torchtitan's)."""
 
-    layout: str = "torchtitan"
+    layout: str | None = None
 
     def __post_init__(self) -> None:
-        if self.layout not in LAYOUTS:
+        if self.layout is not None and self.layout not in LAYOUTS:
             raise OptionError(f"choose one of {', '.join(LAYOUTS)}", "--layout")
 
 

@@ -17,11 +17,12 @@ import json
 import math
 import os
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from ...errors import CheckpointError, StateDictError
-from ...files.writing import Progress
+from ...files.progress import Progress
 from ...format import kinds
 from ...format.conversion import converted_manifest
 from ...format.manifest import (
@@ -169,6 +170,8 @@ def from_dcp(
     others, aliases = model_others_of(index, settings, model_items) if model_others else ([], {})
     fqn_of.update({(t.name, PARAM_KEY): model_prefix + t.name for t in others})
     target, parts = split_experts_of(target, others, aliases) if split_experts else (target, {})
+    if layout in LAYOUTS:  # what a conversion back writes by default (other prefixes: none)
+        target = replace(target, dcp_layout=layout)
     planned = consolidated(target, aliases=aliases, model_tensors=others, parts=parts)
     tensors = (dcp_files.read_tensor(index, index.tensors[fqn_of[r]]) for r in planned.reads)
     path = write_consolidated(

@@ -22,7 +22,10 @@ from ..foreign import Conversion
 from . import files as dcp_files
 from .reader import LAYOUTS, OPTIMIZER_PREFIX, dcp_family
 
-__all__ = ["to_dcp"]
+__all__ = ["DEFAULT_LAYOUT", "to_dcp"]
+
+DEFAULT_LAYOUT = "torchtitan"
+"""The layout :func:`to_dcp` writes a checkpoint that was not read from DCP in."""
 
 
 def to_dcp(
@@ -30,7 +33,7 @@ def to_dcp(
     dst: str | os.PathLike[str],
     *,
     to: str,
-    layout: str = "torchtitan",
+    layout: str | None = None,
 ) -> Conversion:
     """Write the muonckpt checkpoint ``src`` (any kind, any topology) as a DCP checkpoint at
     ``dst`` for the DTensor family ``to``: the params as the model's tensors, each param's
@@ -39,14 +42,18 @@ def to_dcp(
     :func:`muonckpt.load` restores them), and ``optimizer.param_groups.<fqn>.<setting>`` for
     the settings the family has (torch's optimizers' own defaults where the checkpoint does
     not say). ``layout``: ``torchtitan`` (model fqns at the top level) or ``recipe``
-    (``model.<fqn>``). Only torch's writer writes; ``dst`` must not exist.
+    (``model.<fqn>``); None: the layout ``src`` was read as when it was converted from DCP (its
+    manifest's ``dcp_layout``: the round trip keeps it), else ``torchtitan``. Only torch's
+    writer writes; ``dst`` must not exist.
 
     Memory: one full tensor at a time.
     """
     family = dcp_family(to, "target")
-    if layout not in LAYOUTS:
+    if layout is not None and layout not in LAYOUTS:
         raise StateDictError(f"layout {layout!r}: choose one of {', '.join(LAYOUTS)}")
     directory, files, manifest = open_local(src)
+    if layout is None:
+        layout = manifest.dcp_layout if manifest.dcp_layout in LAYOUTS else DEFAULT_LAYOUT
     out = _DcpOut(LAYOUTS[layout])
     _add_optimizer(out, manifest, family, directory)
     _add_model(out, manifest)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from ..foreign import ForeignFormat, NoOptions
 from .reader import from_deepspeed, is_deepspeed
-from .writer import SOURCE, to_deepspeed
+from .writer import SOURCE, WORLD, to_deepspeed
 
 __all__ = ["FORMAT", "DeepSpeedWriteOptions", "from_deepspeed", "is_deepspeed", "to_deepspeed"]
 
@@ -37,6 +37,7 @@ FORMAT = ForeignFormat(
     read_options=NoOptions,
     writer=to_deepspeed,
     write_options=DeepSpeedWriteOptions,
+    write_requires={"world": WORLD},
     sources=(SOURCE,),
     targets=(SOURCE,),
     records_source=True,

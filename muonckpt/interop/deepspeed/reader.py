@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import CheckpointError, LayoutError
+from ...files.progress import Progress
 from ...format import kinds
 from ...format.conversion import converted_manifest
 from ...format.manifest import (
@@ -491,7 +492,7 @@ def from_deepspeed(
     source: str = SOURCE,
     to: str | None = None,
     overwrite: bool = False,
-    progress: Any = None,
+    progress: Progress | None = None,
 ) -> Conversion:
     """Convert the DeepSpeed ZeRO-1/2 checkpoint ``src`` (the directory holding ``latest``,
     or one tag directory such as ``global_step300``) into a consolidated muonckpt checkpoint

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ... import settings
-from ...errors import CheckpointError, OptionError
+from ...errors import ArgumentError, CheckpointError, OptionError
 from ...format import kinds
 from ...format.manifest import Manifest
 from ...format.names import PARAM_KEY
@@ -257,6 +257,10 @@ def _model_file(
     }
 
 
+WORLD = "the number of ranks DeepSpeed loads the output at"
+"""What :func:`to_deepspeed`'s ``world`` (``convert --world``) is."""
+
+
 def to_deepspeed(
     src: str | os.PathLike[str],
     dst: str | os.PathLike[str],
@@ -286,8 +290,8 @@ def to_deepspeed(
     if to != SOURCE:
         raise OptionError(f"DeepSpeed output is for {SOURCE!r}, not {to!r}", "--to")
     if type(world) is not int or world < 1:
-        raise OptionError(
-            f"give --world, the number of ranks DeepSpeed loads it at (not {world!r})", "--world"
+        raise ArgumentError(
+            f"world must be {WORLD}, a positive int, not {world!r}", argument="world"
         )
     settings.world_size(world, "--world", "one rank file", allow_large=allow_large_world)
     if stage not in (1, 2):

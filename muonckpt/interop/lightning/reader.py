@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ...errors import CheckpointError
-from ...files.writing import Progress
+from ...files.progress import Progress
 from ...storage import access
 from .._torch_optim import (
     ModelState,

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from ..foreign import ForeignFormat, NoOptions
 from .reader import from_megatron, is_megatron
-from .writer import to_megatron
+from .writer import SIZES, to_megatron
 
 __all__ = ["FORMAT", "MegatronWriteOptions", "from_megatron", "is_megatron", "to_megatron"]
 
@@ -39,6 +39,7 @@ FORMAT = ForeignFormat(
     read_options=NoOptions,
     writer=to_megatron,
     write_options=MegatronWriteOptions,
+    write_requires={"tp": SIZES.format("tensor"), "dp": SIZES.format("data")},
     sources=("megatron",),
     targets=("megatron",),
     records_source=True,

@@ -27,7 +27,7 @@ from typing import Any
 
 from ... import storage
 from ...errors import CheckpointError, StateDictError
-from ...files.writing import Progress
+from ...files.progress import Progress
 from ...format import kinds
 from ...format.conversion import converted_manifest
 from ...format.manifest import Manifest, ParamEntry, Scalar

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from ...errors import CheckpointError, LayoutError
-from ...files.writing import Progress
+from ...files.progress import Progress
 from ...format.conversion import converted_manifest
 from ...format.manifest import Manifest, ParamEntry, Scalar
 from ...format.names import PARAM_KEY

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ... import settings, storage
-from ...errors import CheckpointError, LayoutError, OptionError
+from ...errors import ArgumentError, CheckpointError, LayoutError, OptionError
 from ...format import kinds
 from ...format.conversion import group_kind
 from ...format.manifest import Manifest
@@ -96,11 +96,16 @@ class _Key:
     layers: dict[int, _Source]
 
 
+SIZES = "the {}-parallel size Megatron loads the output at"
+"""What :func:`to_megatron`'s ``tp`` and ``dp`` (``convert --tp``, ``--dp``) are."""
+
+
 def _check_sizes(tp: Any, dp: Any) -> None:
-    for value, flag in ((tp, "--tp"), (dp, "--dp")):
+    for value, name, kind in ((tp, "tp", "tensor"), (dp, "dp", "data")):
         if type(value) is not int or value < 1:
-            raise OptionError(
-                f"give {flag}, the size Megatron loads the output at (not {value!r})", flag
+            raise ArgumentError(
+                f"{name} must be {SIZES.format(kind)}, a positive int, not {value!r}",
+                argument=name,
             )
 
 

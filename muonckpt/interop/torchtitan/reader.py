@@ -25,7 +25,7 @@ import re
 from pathlib import Path
 
 from ...errors import CheckpointError
-from ...files.writing import Progress
+from ...files.progress import Progress
 from ...storage import access
 from .. import dcp
 from ..dcp import metadata as dcp_metadata
