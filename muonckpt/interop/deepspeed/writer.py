@@ -312,9 +312,10 @@ def to_deepspeed(
     Adam params), so the job must build its optimizer from one group, and must split its
     params between Muon and Adam as DeepSpeed does (:func:`uses_muon`): one that does not is
     refused before anything is written, naming the params that would change optimizer.
-    ``stage`` is what the files say (DeepSpeed's loader reads stages 1 and 2 alike). The model's other tensors
-    (buffers) are not in a muonckpt checkpoint's optimizer state and are not written. More
-    than :data:`muonckpt.settings.MAX_WORLD` ranks need ``allow_large_world``.
+    ``stage`` is what the files say (DeepSpeed's loader reads stages 1 and 2 alike). The
+    model's other tensors (buffers) are not in a muonckpt checkpoint's optimizer state and
+    are not written. More than :data:`muonckpt.settings.MAX_WORLD` ranks need
+    ``allow_large_world``.
 
     Memory: the whole optimizer state once, plus one rank's file.
     """
