@@ -288,6 +288,8 @@ def test_convert_refuses_an_unknown_implementation(saved_by, tmp_path):
         app, ["convert", str(ckpt), "-o", str(tmp_path / "x"), "--to", "jax"]
     )
     assert result.exit_code == 2 and "choose one of" in result.output
+    said = " ".join(result.output.split())  # (the error box wraps it)
+    assert all(name in said for name in ("keller-jordan", "deepspeed", "megatron")), said
     assert not (tmp_path / "x").exists()
 
 

@@ -30,6 +30,7 @@ from muonckpt.cli import app
 from muonckpt.demo import ToyModel, local_params
 from muonckpt.distributed.launch import run_distributed
 from muonckpt.interop.deepspeed import files as deepspeed_files
+from muonckpt.interop.deepspeed.writer import uses_muon
 from muonckpt.layout.topology import LayoutOptions
 
 FIXTURES = Path(__file__).parent / "fixtures" / "deepspeed"
@@ -261,13 +262,43 @@ def test_written_for_n_ranks_it_reads_back_the_same(converted, tmp_path, world):
     assert dict(muonckpt.read_manifest(back).model.aliases) == TIED
 
 
+def test_a_checkpoint_whose_split_deepspeed_would_change_is_refused(tmp_path):
+    """DeepSpeed's Muon job puts every 2-D param whose name holds neither "embed" nor
+    "lm_head" in Muon: a checkpoint with such a param in AdamW (a token embedding named
+    ``wte``, as a Lightning or torch job may keep it) is refused before anything is written,
+    naming the param, instead of files DeepSpeed's load refuses with a layout error."""
+    from .fixture_model import ADAMW_HPARAMS, LAYOUT, MUON_HPARAMS, MUON_PARAMS
+
+    model = ToyModel(
+        muon_params=MUON_PARAMS,
+        adamw_params={"bias": (7,), "norm": (20,), "wte": (6, 16)},
+        tp_split_dims={},
+        layout=LAYOUT,
+        seed=2468,
+        muon_hparams=MUON_HPARAMS,
+        adamw_hparams=ADAMW_HPARAMS,
+    )
+    opt, sharded, dp_rank, tp_rank = model.build(1, 1, model.initial_params())
+    model.train(opt, sharded, dp_rank, tp_rank, 0, 1)
+    src = tmp_path / "packaged"
+    muonckpt.save(opt, src, consolidated=True)
+    with pytest.raises(CheckpointError, match=r"1 param\(s\) would change optimizer: 'wte'"):
+        interop.to_deepspeed(src, tmp_path / "ds", world=2)
+    assert not (tmp_path / "ds").exists()
+    assert [uses_muon(n, s) for n, s in [("blocks.0.w", (4, 4)), ("embed.weight", (6, 16))]] == [
+        True,
+        False,
+    ]
+    assert not uses_muon("lm_head.weight", (6, 16)) and not uses_muon("experts", (2, 4, 4))
+
+
 def test_a_packaged_checkpoint_written_for_deepspeed(tmp_path):
     """Another trainer's checkpoint: DeepSpeed's grouping (Muon params largest first), its
     momentum in EMA form."""
     from .fixture_model import MUON_HPARAMS, single_process_optimizer
 
     src = tmp_path / "packaged"
-    muonckpt.save(single_process_optimizer(3), src, consolidated=True)
+    muonckpt.save(single_process_optimizer(3), src, consolidated=True)  # embed: Adam in both
     ds = tmp_path / "ds"
     report = interop.to_deepspeed(src, ds, world=3)
     assert any("sum -> ema" in line for line in report.converted)

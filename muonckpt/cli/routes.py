@@ -81,7 +81,8 @@ def route(
     if output_format != MUONCKPT:
         chosen = _writing(format_named(output_format), detected, to, overwrite, options)
     elif to is not None and to not in FAMILIES:
-        raise OptionError(f"choose one of {', '.join(FAMILIES)}", "--to")
+        written = [f.name for f in FORMATS if f.name in f.targets]  # (--to NAME: its files)
+        raise OptionError(f"choose one of {', '.join([*FAMILIES, *written])}", "--to")
     elif detected is None and source is None:  # with --from, the reader says what SRC is
         if to is None and not renamed:
             raise OptionError("give --to, --rename or both", "--to")

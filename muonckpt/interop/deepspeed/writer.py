@@ -114,8 +114,43 @@ def _out_groups(manifest: Manifest, directory: Path) -> tuple[list[_OutGroup], l
             names.sort(key=lambda n: manifest.param(n).shape, reverse=True)
         out.append(_OutGroup(names, settings, kind.role == "muon", factor, ds_kind.step_in or ""))
     if not own:
+        _check_split(manifest, out, directory)
         out.sort(key=lambda group: not group.muon)
     return out, notes
+
+
+def uses_muon(name: str, shape: tuple[int, ...]) -> bool:
+    """Whether DeepSpeed's Muon job puts param ``name`` of ``shape`` in Muon: DeepSpeed
+    0.19.8 tags a param ``use_muon`` when it is 2-D and its name holds neither ``embed`` nor
+    ``lm_head`` (``deepspeed/__init__.py`` ``set_optimizer_flags``); every other goes to its
+    Adam."""
+    return len(shape) == 2 and not any(word in name.lower() for word in ("embed", "lm_head"))
+
+
+def _check_split(manifest: Manifest, groups: list[_OutGroup], directory: Path) -> None:
+    """Refuse, before anything is written, a checkpoint whose Muon / Adam split is not the
+    one DeepSpeed's Muon job makes (:func:`uses_muon`): its load would take such a param's
+    state for the other optimizer's and refuse the files with a layout error that does not
+    name the cause."""
+    moved = [
+        (name, group.muon)
+        for group in groups
+        for name in group.names
+        if uses_muon(name, manifest.param(name).shape) != group.muon
+    ]
+    if moved:
+        shown = ", ".join(
+            f"{name!r} ({'Muon' if muon else 'Adam'} here, {'Adam' if muon else 'Muon'} there)"
+            for name, muon in moved[:6]
+        )
+        more = f" and {len(moved) - 6} more" if len(moved) > 6 else ""
+        raise CheckpointError(
+            "DeepSpeed's Muon job puts every 2-D param whose name holds neither 'embed' nor "
+            f"'lm_head' in Muon and every other in its Adam, so {len(moved)} param(s) would "
+            f"change optimizer: {shown}{more}; nothing was written (resume them in a trainer "
+            "that keeps this split)",
+            path=directory,
+        )
 
 
 @dataclass
@@ -278,10 +313,13 @@ def to_deepspeed(
 
     A checkpoint read from DeepSpeed keeps its groups, their order and settings; any other is
     grouped as DeepSpeed groups one incoming param group (Muon params largest first, then the
-    Adam params), so the job must build its optimizer from one group. ``stage`` is what the
-    files say (DeepSpeed's loader reads stages 1 and 2 alike). The model's other tensors
-    (buffers) are not in a muonckpt checkpoint's optimizer state and are not written. More
-    than :data:`muonckpt.settings.MAX_WORLD` ranks need ``allow_large_world``.
+    Adam params), so the job must build its optimizer from one group, and must split its
+    params between Muon and Adam as DeepSpeed does (:func:`uses_muon`): one that does not is
+    refused before anything is written, naming the params that would change optimizer.
+    ``stage`` is what the files say (DeepSpeed's loader reads stages 1 and 2 alike). The
+    model's other tensors (buffers) are not in a muonckpt checkpoint's optimizer state and
+    are not written. More than :data:`muonckpt.settings.MAX_WORLD` ranks need
+    ``allow_large_world``.
 
     Memory: the whole optimizer state once, plus one rank's file.
     """
