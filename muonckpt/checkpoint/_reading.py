@@ -15,6 +15,7 @@ from ..files.pieces import PieceReader
 from ..format import conversion
 from ..format.manifest import Manifest, ParamEntry, Scalar
 from ..format.names import MANIFEST_NAME, PARAM_KEY
+from ..layout.state_shapes import local_shape, state_region
 from ..layout.topology import Region, whole_region
 from ..state.arena import ReadArena
 from ..state.describers import flat_params
@@ -30,8 +31,9 @@ def read_share(
     share = Share(ReadArena(), [], array("q"))
 
     def read(entry: ParamEntry, key: str, region: Region, arena: ReadArena = share.arena) -> int:
-        slot, out = arena.reserve(region.numel * storage.itemsize(entry.dtype_of(key)))
-        reader.gather(grouped[entry.name, key], entry, key, region, out)
+        kept = region if key == PARAM_KEY else _state_share(entry, key, region, directory)
+        slot, out = arena.reserve(kept.numel * storage.itemsize(entry.dtype_of(key)))
+        reader.gather(grouped[entry.name, key], entry, key, kept, out)
         return slot
 
     flat = flat_params(plan.optimizer)
@@ -51,8 +53,15 @@ def read_share(
                 for key in entry.state_keys:
                     read(entry, key, param.local)
                 scalars = entry.scalars
+                sources = {k: k for k in entry.state_keys}
             else:
                 tensors, first, scalars = _mapped(plan, param, entry, manifest, read, share.arena)
+                sources = {k: source for k, (source, _) in plan.maps[param.name].keys.items()}
+            shapes = {
+                key: local_shape(stored, entry.shape, param.local, tuple(p.shape))
+                for key, _ in tensors
+                if (stored := entry.state_shapes.get(sources[key])) is not None
+            }
             if tensors not in layouts:  # a dtype this torch lacks fails before any change
                 layouts[tensors] = tensors
                 for _, dtype in tensors:
@@ -61,7 +70,7 @@ def read_share(
                 if scalar not in checked:
                     scalar_value(scalar)
                     checked.add(scalar)
-            share.state.append(Staged(param.local_index, layouts[tensors], first, scalars))
+            share.state.append(Staged(param.local_index, layouts[tensors], first, scalars, shapes))
         if params:
             held = param.held or whole_region(entry.numel)
             _check_value(entry, held, p, directory)
@@ -90,12 +99,32 @@ def _mapped(
             dtype = entry.dtype_of(source_key)
             slot = read(entry, source_key, param.region_here)
             if factor != 1.0:
-                numel = (param.region_here.numel,)
+                numel = (_state_share(entry, source_key, param.region_here, None).numel,)
                 arena.tensor(slot, storage.torch_dtype(dtype), numel).mul_(factor)
             tensors.append((key, dtype))
     step = conversion.step_scalar(plan.steps_in[param.group], manifest.step_of(entry), entry.name)
     scalars = {"step": step} if key_map.step and tensors and step is not None else {}
     return tuple(tensors), first, scalars
+
+
+def _state_share(
+    entry: ParamEntry, key: str, region: Region, directory: storage.Location | None
+) -> Region:
+    """The elements of stored state ``key`` that the holder of ``region`` of the param keeps
+    (:func:`muonckpt.layout.state_shapes.state_region`); refused where this layout would cut
+    what the key's shape rule keeps whole."""
+    stored = entry.state_shapes.get(key)
+    kept = state_region(stored, entry.shape, region)
+    if kept is None:
+        assert stored is not None  # (state shaped like its param follows any region)
+        raise CheckpointError(
+            f"state {key!r} is {stored.rule} state of shape {stored.shape}, which this layout "
+            f"would cut (this rank holds elements [{region.start}, {region.stop}) of column "
+            f"block {region.block_start}+{region.block_width} of the param's {entry.shape})",
+            path=directory / MANIFEST_NAME if directory is not None else None,
+            param=entry.name,
+        )
+    return kept
 
 
 def _check_value(

@@ -528,6 +528,6 @@ def _check_covered(manifest: Manifest, plan: Target, directory: storage.Location
 
 def _torch_groups(manifest: Manifest) -> list[dict[str, Any]]:
     return [
-        {**g.hyperparams, "param_names": list(g.params), "params": list(g.params)}
+        {**g.settings(), "param_names": list(g.params), "params": list(g.params)}
         for g in manifest.groups
     ]
