@@ -209,3 +209,58 @@ def test_state_keeps_its_dtype_where_it_is_not_the_params(tmp_path):
     muonckpt.load(fresh, ckpt)
     assert_same_state(opt, fresh)
     assert fresh.state[fresh_params["w"]]["momentum_buffer"].dtype == torch.float32
+
+
+def world_2_phase(root: str, saved: dict[str, str]) -> None:
+    """(in each of 2 gloo processes) Each optimizer trained K steps as DDP replicas and saved
+    per rank; and each world-1 checkpoint of ``saved`` loaded into an owner layout (param
+    ``i``'s state on rank ``i % 2``, ``install_hooks``), which saves it again per rank."""
+    for kind, make in OPTIMIZERS.items():
+        params = make_params()
+        opt = make(params)
+        train(opt, params, 0, K)
+        muonckpt.save(opt, f"{root}/{kind}-replicas")
+        owned = make(make_params(zeros=True))
+        muonckpt.install_hooks(owned, owner=lambda index, p: index % 2)
+        muonckpt.load(owned, saved[kind])
+        rank = torch.distributed.get_rank()
+        held = [i for i, p in enumerate(_flat(owned)) if _tensors(owned.state.get(p, {}))]
+        assert held and all(i % 2 == rank for i in held), (kind, rank, held)
+        muonckpt.save(owned, f"{root}/{kind}-owners")
+
+
+def _tensors(state) -> list[str]:
+    return [k for k, v in state.items() if isinstance(v, torch.Tensor)]
+
+
+@pytest.mark.dist
+def test_muon_family_at_world_2(trained, tmp_path):
+    """One launch for every optimizer: checkpoints of 2 DDP replicas and of a 2-rank owner
+    layout (loaded there from one process's checkpoint) resume in one process bitwise."""
+    from muonckpt.distributed.launch import run_distributed
+
+    saved = {kind: str(muonckpt.save(run[1], tmp_path / kind)) for kind, run in trained.items()}
+    run_distributed(world_2_phase, 2, str(tmp_path), saved, timeout=120)
+    for kind, (_, opt, reference) in trained.items():
+        for layout in ("replicas", "owners"):
+            fresh_params, fresh = _resumed(kind, tmp_path / f"{kind}-{layout}")
+            assert_same_state(opt, fresh)
+            train(fresh, fresh_params, K, M)
+            for name, p in fresh_params.items():
+                assert torch.equal(p, reference[name]), (kind, layout, name)
+
+
+def test_torch_muon_with_3d_expert_params_round_trips_where_torch_takes_them(tmp_path):
+    """torch.optim.Muon's batched [..., M, N] matrices (pytorch #190597, #197202): run where
+    the installed torch takes a 3-D param; skipped, with torch's reason, where it refuses."""
+    experts = torch.nn.Parameter(torch.randn(4, 6, 8, generator=torch.Generator().manual_seed(3)))
+    try:
+        opt = torch.optim.Muon([("experts", experts)], lr=0.02)
+        train(opt, {"experts": experts}, 0, K)
+    except ValueError as refused:  # torch 2.13: "Muon only supports 2D parameters ..."
+        pytest.skip(f"torch {torch.__version__} refuses a 3-D param in torch.optim.Muon: {refused}")
+    ckpt = muonckpt.save(opt, tmp_path / "ckpt")
+    fresh = torch.nn.Parameter(torch.zeros(4, 6, 8))
+    again = torch.optim.Muon([("experts", fresh)], lr=0.02)
+    muonckpt.load(again, ckpt)
+    assert_same_state(opt, again)
