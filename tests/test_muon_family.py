@@ -264,3 +264,18 @@ def test_torch_muon_with_3d_expert_params_round_trips_where_torch_takes_them(tmp
     again = torch.optim.Muon([("experts", fresh)], lr=0.02)
     muonckpt.load(again, ckpt)
     assert_same_state(opt, again)
+
+
+def test_a_load_into_a_variant_built_otherwise_warns_naming_the_difference(trained, tmp_path):
+    ckpt = muonckpt.save(trained["NorMuon"][1], tmp_path / "ckpt")
+    params = make_params(zeros=True)
+    plain = po.NorMuon(_muon_groups(params), lr=0.02, nesterov=False, update_scale="match_rms")
+    with pytest.warns(muonckpt.ConversionWarning) as caught:
+        muonckpt.load(plain, ckpt)
+    (message,) = {str(w.message) for w in caught}
+    assert "group 0 (pytorch_optimizer" in message and "NorMuon)" in message
+    assert (
+        "nesterov False -> True" in message
+        and "update_scale 'match_rms' -> 'preserve_norm'" in message
+    )
+    assert plain.param_groups[0]["nesterov"] is True  # the checkpoint's, as torch loads it
