@@ -173,10 +173,12 @@ UPDATE_SETTINGS = (
     "use_muon",
     "qk_clip_threshold",
     "qk_clip_alpha",
+    "second_moment",
 )
 """Group settings that pick a Muon variant's update (Nesterov, momentum, the Newton-Schulz
 steps and coefficients, NorMuon's ``beta2`` and ``update_scale``, AdaMuon's ``betas``, the lr
-rule, MuonClip's ``qk_clip_*``), beside the learning rate and its schedule."""
+rule, MuonClip's ``qk_clip_*``, the packaged Muon's ``second_moment``), beside the learning
+rate and its schedule."""
 
 
 def replaced_settings(
@@ -189,11 +191,10 @@ def replaced_settings(
     notes = []
     for index, (group, settings) in enumerate(zip(saved, own, strict=True)):
         differ = [
-            f"{key} {settings[key]!r} -> {group.hyperparams[key]!r}"
+            f"{key} {settings.get(key, '(none)')!r} -> {group.hyperparams.get(key, '(none)')!r}"
             for key in UPDATE_SETTINGS
-            if key in group.hyperparams
-            and key in settings
-            and settings[key] != group.hyperparams[key]
+            if (key in group.hyperparams or key in settings)
+            and settings.get(key) != group.hyperparams.get(key)
         ]
         if differ:
             notes.append(

@@ -572,6 +572,7 @@ _GROUP_OPTIMIZER = {
     "momentum_form": ("sum", "ema", None),
     "step_in": ("group", "tensor", "int", None),
     "lr_rule": ("moonlight", "aspect", None),
+    "second_moment": ("element", "row", None),
 }
 
 
