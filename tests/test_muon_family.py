@@ -160,6 +160,8 @@ def test_consolidate_and_reshard_keep_each_tensor_where_its_rule_allows(trained,
     rows = offline.reshard(whole, tmp_path / "tp2", dp=1, tp=2, tp_split_dims={"w1": 0, "w2": 0})
     for out in (whole, rows, offline.consolidate(rows, tmp_path / "back")):
         assert muonckpt.verify(out) == []
+        differ = [r for r in offline.diff(ckpt, out) if not r.bitwise]
+        assert not differ, differ
         _, fresh = _resumed("NorMuon", out)
         assert_same_state(opt, fresh)
 
@@ -279,3 +281,17 @@ def test_a_load_into_a_variant_built_otherwise_warns_naming_the_difference(train
         and "update_scale 'match_rms' -> 'preserve_norm'" in message
     )
     assert plain.param_groups[0]["nesterov"] is True  # the checkpoint's, as torch loads it
+
+
+def test_inspect_lists_each_state_key_with_its_rule_and_shape(trained, tmp_path):
+    from typer.testing import CliRunner
+
+    from muonckpt.cli import app
+
+    ckpt = muonckpt.save(trained["NorMuon"][1], tmp_path / "ckpt")
+    summary = offline.summarize(ckpt)
+    w1 = next(p for p in summary.params if p.name == "w1")
+    assert w1.state_shapes == {"second_momentum_buffer": ("row", (16, 1))}
+    assert w1.bytes == (16 * 24 + 16) * 4 + 16 * 24 * 4  # momentum, row statistic, values
+    shown = CliRunner().invoke(app, ["inspect", str(ckpt)])
+    assert shown.exit_code == 0 and "(row" in shown.output and "16x1)" in shown.output

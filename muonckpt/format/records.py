@@ -82,7 +82,7 @@ def fits(value: Any, dtype: str) -> bool:
 
 @dataclass(frozen=True, slots=True)
 class Scalar:
-    """A state value that is not a tensor shaped like its param: a plain number, or a 0-d tensor
+    """A state value that is no tensor of 1 or more dims: a plain number, or a 0-d tensor
     (torch keeps AdamW's ``step`` so), stored in the manifest itself."""
 
     value: int | float | bool | str | None
@@ -96,14 +96,16 @@ class ParamEntry:
 
     name: str
     shape: tuple[int, ...]
-    """Full (logical) shape of the param, and of each of its stored tensors."""
+    """Full (logical) shape of the param, and of each of its stored tensors but those of
+    :attr:`state_shapes`."""
     tp_split_dim: int
     """Dimension split across TP ranks in the source run (-1: replicated)."""
     group: int
     """Index of its param group."""
     dtypes: Mapping[str, str]
     """safetensors dtype of each stored tensor, by key: its state tensors (shaped like the
-    param) and, when saved, its own values under :data:`PARAM_KEY`."""
+    param, or as :attr:`state_shapes` says) and, when saved, its own values under
+    :data:`PARAM_KEY`."""
     scalars: Mapping[str, Scalar] = field(default_factory=dict)
     """Its state values that are numbers or 0-d tensors, by key."""
     state_shapes: Mapping[str, StateShape] = field(default_factory=dict)

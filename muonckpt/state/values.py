@@ -1,6 +1,7 @@
-"""One param's state on one rank, each value classified once: a tensor shaped like its param
-(sharded with it), a 0-d scalar, or a plain value; how each is reported to the other ranks and
-given back to an optimizer. The collective that moves them is :mod:`.gather`.
+"""One param's state on one rank, each value classified once: a tensor (shaped like its param
+and sharded with it, or following it by a shape rule, :mod:`muonckpt.layout.state_shapes`), a
+0-d scalar, or a plain value; how each is reported to the other ranks and given back to an
+optimizer. The collective that moves them is :mod:`.gather`.
 """
 
 from __future__ import annotations
