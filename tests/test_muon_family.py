@@ -295,3 +295,14 @@ def test_inspect_lists_each_state_key_with_its_rule_and_shape(trained, tmp_path)
     assert w1.bytes == (16 * 24 + 16) * 4 + 16 * 24 * 4  # momentum, row statistic, values
     shown = CliRunner().invoke(app, ["inspect", str(ckpt)])
     assert shown.exit_code == 0 and "(row" in shown.output and "16x1)" in shown.output
+
+
+def test_state_saved_in_its_params_dtype_follows_the_params_dtype_on_load(trained, tmp_path):
+    """A run resumed at another precision: state the optimizer kept in its param's dtype is
+    cast to the new param's dtype, as torch's load_state_dict does."""
+    ckpt = muonckpt.save(trained["NorMuon"][1], tmp_path / "ckpt")
+    params = make_params(zeros=True, dtype=torch.bfloat16)
+    opt = OPTIMIZERS["NorMuon"](params)
+    muonckpt.load(opt, ckpt, params=False)
+    state = opt.state[params["w1"]]
+    assert state["momentum_buffer"].dtype == state["second_momentum_buffer"].dtype == torch.bfloat16

@@ -57,11 +57,6 @@ def read_share(
             else:
                 tensors, first, scalars = _mapped(plan, param, entry, manifest, read, share.arena)
                 sources = {k: source for k, (source, _) in plan.maps[param.name].keys.items()}
-            shapes = {
-                key: local_shape(stored, entry.shape, param.local, tuple(p.shape))
-                for key, _ in tensors
-                if (stored := entry.state_shapes.get(sources[key])) is not None
-            }
             if tensors not in layouts:  # a dtype this torch lacks fails before any change
                 layouts[tensors] = tensors
                 for _, dtype in tensors:
@@ -70,7 +65,8 @@ def read_share(
                 if scalar not in checked:
                     scalar_value(scalar)
                     checked.add(scalar)
-            share.state.append(Staged(param.local_index, layouts[tensors], first, scalars, shapes))
+            forms = _forms(entry, param.local, tuple(p.shape), tensors, sources)
+            share.state.append(Staged(param.local_index, layouts[tensors], first, scalars, *forms))
         if params:
             held = param.held or whole_region(entry.numel)
             _check_value(entry, held, p, directory)
@@ -79,6 +75,25 @@ def read_share(
             )
     share.arena.trim()
     return share
+
+
+def _forms(
+    entry: ParamEntry,
+    region: Region,
+    held: tuple[int, ...],
+    tensors: tuple[tuple[str, str], ...],
+    sources: Mapping[str, str],
+) -> tuple[dict[str, tuple[int, ...]], frozenset[str]]:
+    """Of the tensors a param's state is given back as (each target key read from
+    ``sources[key]``), the shape here of each not shaped like the param's tensor (``held``),
+    and the keys whose dtype was not the param's when saved (kept so on load)."""
+    shapes = {
+        key: local_shape(stored, entry.shape, region, held)
+        for key, _ in tensors
+        if (stored := entry.state_shapes.get(sources[key])) is not None
+    }
+    own = frozenset(key for key, dtype in tensors if entry.value_dtype not in (None, dtype))
+    return shapes, own
 
 
 def _mapped(

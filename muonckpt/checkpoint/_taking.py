@@ -54,6 +54,10 @@ class Staged(NamedTuple):
     scalars: Mapping[str, Scalar]
     shapes: Mapping[str, tuple[int, ...]] = {}
     """The shape of each tensor not shaped like the param's tensor here, by key."""
+    own_dtypes: frozenset[str] = frozenset()
+    """The tensors the optimizer kept in another dtype than the param's (its saved values'),
+    which keep theirs (an fp32 momentum of a bf16 param); the others follow the param's dtype
+    as torch's ``load_state_dict`` casts them (a run resumed at another precision)."""
 
 
 @dataclass
@@ -149,16 +153,17 @@ class Taken:
         self, optimizer: torch.optim.Optimizer, p: torch.Tensor, staged: Staged, reused: bytearray
     ) -> None:
         """After ``optimizer`` took ``staged``: each tensor of its own it kept, to be copied
-        into (:meth:`finish`); each it took cast to the param's dtype (torch's
-        ``load_state_dict`` casts a floating param's state so) in its stored dtype again, as
-        the optimizer had it (an fp32 momentum of a bf16 param)."""
+        into (:meth:`finish`); each of :attr:`Staged.own_dtypes` it took cast to the param's
+        dtype (torch's ``load_state_dict`` casts a floating param's state so) in its stored
+        dtype again, as the optimizer had it (an fp32 momentum of a bf16 param)."""
         for slot, (key, stored) in enumerate(staged.tensors, staged.first):
             dtype, shape = storage.torch_dtype(stored), staged.shapes.get(key, p.shape)
             if reused[slot]:
                 self.copies.append((_kept(optimizer, p, key, shape), slot, dtype))
                 continue
             kept = optimizer.state.get(p, {}).get(key)
-            if isinstance(kept, torch.Tensor) and kept.is_floating_point() and kept.dtype != dtype:
+            cast = isinstance(kept, torch.Tensor) and kept.dtype != dtype
+            if cast and key in staged.own_dtypes:
                 own = self.share.arena.tensor(slot, dtype, shape)
                 optimizer.state[p][key] = own.to(device=kept.device)
 

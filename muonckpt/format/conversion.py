@@ -188,7 +188,9 @@ def replaced_settings(
     torch's ``load_state_dict`` does): each group whose :data:`UPDATE_SETTINGS` the optimizer
     was built with otherwise, naming the difference (``own``: its groups' settings as JSON,
     ``names``: its optimizer's, by group)."""
-    notes = []
+    notes: list[str] = []
+    if len(saved) != len(own):  # another group structure, which the load refuses itself
+        return notes
     for index, (group, settings) in enumerate(zip(saved, own, strict=True)):
         differ = [
             f"{key} {settings.get(key, '(none)')!r} -> {group.hyperparams.get(key, '(none)')!r}"
