@@ -125,3 +125,8 @@ def test_a_variant_loads_only_into_a_muon_with_a_place_for_its_second_moment(tmp
     ]
     with pytest.raises(StateDictError, match=r"second moment of its update \(update_sq\)"):
         muonckpt.load(torch_opts, ckpt)
+    other, _, _, _ = MODEL.build(1, 1, MODEL.initial_params())
+    MODEL.train(other, None, 0, 0, 0, 1)
+    plain_ckpt = muonckpt.save(other, tmp_path / "plain")  # no second moment to give ...
+    with pytest.raises(muonckpt.CheckpointError, match=r"lacks state key\(s\) \['update_sq'\]"):
+        muonckpt.load(plain, plain_ckpt)  # ... the row variant that `plain` now is
