@@ -17,6 +17,7 @@ from ..files.progress import Meter, Progress
 from ..format import conversion
 from ..format.manifest import Manifest, ParamEntry, Scalar
 from ..format.names import MANIFEST_NAME, PARAM_KEY
+from ..layout.state_shapes import local_shape, state_region
 from ..layout.topology import Region, whole_region
 from ..state.arena import ReadArena
 from ..state.describers import flat_params
@@ -37,7 +38,10 @@ def read_share(
     then the momentum scaled where the forms differ."""
     share = Share(ReadArena(), [], array("q"))
     reads = _Reads(share.arena)
-    read = reads.reserve
+
+    def read(entry: ParamEntry, key: str, region: Region, arena: ReadArena | None = None) -> int:
+        kept = region if key == PARAM_KEY else _state_share(entry, key, region, directory)
+        return reads.reserve(entry, key, kept, arena)
 
     flat = flat_params(plan.optimizer)
     layouts: dict[tuple[tuple[str, str], ...], tuple[tuple[str, str], ...]] = {}  # one each
@@ -56,10 +60,12 @@ def read_share(
                 for key in entry.state_keys:
                     read(entry, key, param.local)
                 scalars = entry.scalars
+                sources = {k: k for k in entry.state_keys}
             else:
                 tensors, first, scalars = _mapped(
                     plan, param, entry, manifest, read, len(share.arena), reads.scales
                 )
+                sources = {k: source for k, (source, _) in plan.maps[param.name].keys.items()}
             if tensors not in layouts:  # a dtype this torch lacks fails before any change
                 layouts[tensors] = tensors
                 for _, dtype in tensors:
@@ -68,7 +74,8 @@ def read_share(
                 if scalar not in checked:
                     scalar_value(scalar)
                     checked.add(scalar)
-            share.state.append(Staged(param.local_index, layouts[tensors], first, scalars))
+            forms = _forms(entry, param.local, tuple(p.shape), tensors, sources)
+            share.state.append(Staged(param.local_index, layouts[tensors], first, scalars, *forms))
         if params:
             held = param.held or whole_region(entry.numel)
             _check_value(entry, held, p, directory)
@@ -110,6 +117,25 @@ class _Reads:
             self.arena.tensor(slot, storage.torch_dtype(dtype), (numel,)).mul_(factor)
 
 
+def _forms(
+    entry: ParamEntry,
+    region: Region,
+    held: tuple[int, ...],
+    tensors: tuple[tuple[str, str], ...],
+    sources: Mapping[str, str],
+) -> tuple[dict[str, tuple[int, ...]], frozenset[str]]:
+    """Of the tensors a param's state is given back as (each target key read from
+    ``sources[key]``), the shape here of each not shaped like the param's tensor (``held``),
+    and the keys whose dtype was not the param's when saved (kept so on load)."""
+    shapes = {
+        key: local_shape(stored, entry.shape, region, held)
+        for key, _ in tensors
+        if (stored := entry.state_shapes.get(sources[key])) is not None
+    }
+    own = frozenset(key for key, dtype in tensors if entry.value_dtype not in (None, dtype))
+    return shapes, own
+
+
 def _mapped(
     plan: Target,
     param: ParamSharding,
@@ -130,11 +156,32 @@ def _mapped(
             dtype = entry.dtype_of(source_key)
             slot = read(entry, source_key, param.region_here)
             if factor != 1.0:
-                scales.append((slot, dtype, param.region_here.numel, factor))
+                numel = _state_share(entry, source_key, param.region_here, None).numel
+                scales.append((slot, dtype, numel, factor))
             tensors.append((key, dtype))
     step = conversion.step_scalar(plan.steps_in[param.group], manifest.step_of(entry), entry.name)
     scalars = {"step": step} if key_map.step and tensors and step is not None else {}
     return tuple(tensors), first, scalars
+
+
+def _state_share(
+    entry: ParamEntry, key: str, region: Region, directory: storage.Location | None
+) -> Region:
+    """The elements of stored state ``key`` that the holder of ``region`` of the param keeps
+    (:func:`muonckpt.layout.state_shapes.state_region`); refused where this layout would cut
+    what the key's shape rule keeps whole."""
+    stored = entry.state_shapes.get(key)
+    kept = state_region(stored, entry.shape, region)
+    if kept is None:
+        assert stored is not None  # (state shaped like its param follows any region)
+        raise CheckpointError(
+            f"state {key!r} is {stored.rule} state of shape {stored.shape}, which this layout "
+            f"would cut (this rank holds elements [{region.start}, {region.stop}) of column "
+            f"block {region.block_start}+{region.block_width} of the param's {entry.shape})",
+            path=directory / MANIFEST_NAME if directory is not None else None,
+            param=entry.name,
+        )
+    return kept
 
 
 def _check_value(

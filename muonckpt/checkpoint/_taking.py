@@ -52,6 +52,12 @@ class Staged(NamedTuple):
     """(state key, safetensors dtype) of each tensor, the first in slot ``first``."""
     first: int
     scalars: Mapping[str, Scalar]
+    shapes: Mapping[str, tuple[int, ...]] = {}
+    """The shape of each tensor not shaped like the param's tensor here, by key."""
+    own_dtypes: frozenset[str] = frozenset()
+    """The tensors the optimizer kept in another dtype than the param's (its saved values'),
+    which keep theirs (an fp32 momentum of a bf16 param); the others follow the param's dtype
+    as torch's ``load_state_dict`` casts them (a run resumed at another precision)."""
 
 
 @dataclass
@@ -105,7 +111,7 @@ class Taken:
         """Hand each optimizer its share (in its own indices); a refusal is raised as a
         :class:`StateDictError` naming the optimizer."""
         owners = optimizers_of(self.plan.optimizer)
-        arena, reused = self.share.arena, bytearray(len(self.share.arena))
+        reused = bytearray(len(self.share.arena))
         seen: set[int] = set()  # ids of the tensors copied into: each gets one param's values
         first_group = first_param = 0
         for number, optimizer in enumerate(owners):
@@ -117,14 +123,7 @@ class Taken:
             for staged in mine:
                 p = flat[staged.position - first_param]
                 had = optimizer.state.get(p, {})
-                values: dict[str, Any] = {}
-                for slot, (key, dtype) in enumerate(staged.tensors, staged.first):
-                    if _reusable(had.get(key), p, key) and id(had[key]) not in seen:
-                        values[key], reused[slot] = had[key], 1
-                        seen.add(id(had[key]))
-                    else:
-                        values[key] = arena.tensor(slot, storage.torch_dtype(dtype), p.shape)
-                values.update({k: scalar_value(v) for k, v in staged.scalars.items()})
+                values = _staged_values(staged, p, had, self.share.arena, reused, seen)
                 state[staged.position - first_param] = values
             share_dict = {
                 "state": state,
@@ -146,13 +145,27 @@ class Taken:
                 ) from exc
             del state, share_dict
             for staged in mine:
-                p = flat[staged.position - first_param]
-                for slot, (key, dtype) in enumerate(staged.tensors, staged.first):
-                    if reused[slot]:
-                        kept = _kept(optimizer, p, key)
-                        self.copies.append((kept, slot, storage.torch_dtype(dtype)))
+                self._kept_tensors(optimizer, flat[staged.position - first_param], staged, reused)
             first_group += len(optimizer.param_groups)
             first_param += count
+
+    def _kept_tensors(
+        self, optimizer: torch.optim.Optimizer, p: torch.Tensor, staged: Staged, reused: bytearray
+    ) -> None:
+        """After ``optimizer`` took ``staged``: each tensor of its own it kept, to be copied
+        into (:meth:`finish`); each of :attr:`Staged.own_dtypes` it took cast to the param's
+        dtype (torch's ``load_state_dict`` casts a floating param's state so) in its stored
+        dtype again, as the optimizer had it (an fp32 momentum of a bf16 param)."""
+        for slot, (key, stored) in enumerate(staged.tensors, staged.first):
+            dtype, shape = storage.torch_dtype(stored), staged.shapes.get(key, p.shape)
+            if reused[slot]:
+                self.copies.append((_kept(optimizer, p, key, shape), slot, dtype))
+                continue
+            kept = optimizer.state.get(p, {}).get(key)
+            cast = isinstance(kept, torch.Tensor) and kept.dtype != dtype
+            if cast and key in staged.own_dtypes:
+                own = self.share.arena.tensor(slot, dtype, shape)
+                optimizer.state[p][key] = own.to(device=kept.device)
 
     def finish(self) -> None:
         """The loaded values into the state tensors the optimizers kept, then into the params."""
@@ -187,11 +200,36 @@ def put_back(undo: Sequence[Callable[[], list[str]]], failure: BaseException) ->
     _LOG.error("muonckpt.load was interrupted, and %s", "; ".join(left))
 
 
-def _kept(optimizer: torch.optim.Optimizer, p: torch.Tensor, key: str) -> torch.Tensor:
-    """The tensor ``optimizer`` keeps for state ``key`` of ``p`` after its ``load_state_dict``
-    took its own tensor back (or, in an override, whatever it made of it)."""
+def _staged_values(
+    staged: Staged,
+    p: torch.Tensor,
+    had: Mapping[str, Any],
+    arena: ReadArena,
+    reused: bytearray,
+    seen: set[int],
+) -> dict[str, Any]:
+    """A param's state as its optimizer takes it: each tensor the optimizer's own where it can
+    be reused (marked in ``reused``, its id in ``seen``: each gets one param's values), else
+    a view of the arena, at its shape; its scalars as the optimizer had them."""
+    values: dict[str, Any] = {}
+    for slot, (key, dtype) in enumerate(staged.tensors, staged.first):
+        shape = staged.shapes.get(key, p.shape)
+        if _reusable(had.get(key), p, key, shape) and id(had[key]) not in seen:
+            values[key], reused[slot] = had[key], 1
+            seen.add(id(had[key]))
+        else:
+            values[key] = arena.tensor(slot, storage.torch_dtype(dtype), shape)
+    values.update({k: scalar_value(v) for k, v in staged.scalars.items()})
+    return values
+
+
+def _kept(
+    optimizer: torch.optim.Optimizer, p: torch.Tensor, key: str, shape: Sequence[int]
+) -> torch.Tensor:
+    """The tensor ``optimizer`` keeps for state ``key`` (of ``shape``) of ``p`` after its
+    ``load_state_dict`` took its own tensor back (or, in an override, whatever it made of it)."""
     kept = optimizer.state.get(p, {}).get(key)
-    if not isinstance(kept, torch.Tensor) or kept.shape != p.shape:
+    if not isinstance(kept, torch.Tensor) or kept.shape != tuple(shape):
         raise StateDictError(
             f"{type(optimizer).__name__}.load_state_dict dropped or reshaped state {key!r} "
             "of a param that had it"
@@ -199,17 +237,18 @@ def _kept(optimizer: torch.optim.Optimizer, p: torch.Tensor, key: str) -> torch.
     return kept
 
 
-def _reusable(had: Any, p: torch.Tensor, key: str) -> bool:
+def _reusable(had: Any, p: torch.Tensor, key: str, shape: Sequence[int]) -> bool:
     """Whether ``had``, the optimizer's own value of state ``key`` of ``p``, has the dtype,
-    device and shape torch's ``load_state_dict`` gives a loaded value (the param's, for a
-    floating param; a step count is kept as loaded, and so never reused)."""
+    device and shape (``shape``) torch's ``load_state_dict`` gives a loaded value (the
+    param's dtype, for a floating param; a step count is kept as loaded, and so never
+    reused)."""
     return (
         key != "step"
         and isinstance(had, torch.Tensor)
         and p.is_floating_point()
         and had.dtype == p.dtype
         and had.device == p.device
-        and had.shape == p.shape
+        and had.shape == tuple(shape)
     )
 
 

@@ -53,7 +53,7 @@ from ..files.attempt import Attempt
 from ..files.pieces import PieceReader, load_pieces, open_checkpoint
 from ..files.progress import Progress
 from ..format import conversion, kinds
-from ..format.manifest import Manifest
+from ..format.manifest import Manifest, json_safe
 from ..format.names import MANIFEST_NAME
 from ..format.renames import Rename, names_hint
 from ..optim.sharding import ShardedParams, following
@@ -496,6 +496,12 @@ def _plan(
     target = conversion.group_kinds(optimizers_of(optimizer))
     steps_in = [k.step_in for k in target]
     if not conversion.needs_mapping(source, target, momentum_form):
+        own = [
+            {k: json_safe(v) for k, v in g.items() if k in conversion.UPDATE_SETTINGS}
+            for g in optimizer.param_groups
+        ]
+        names = [k.optimizer for k in target]
+        report.warnings += conversion.replaced_settings(manifest.groups, own, names)
         groups = remap_groups(optimizer, _torch_groups(manifest), sharding)
         return Target(optimizer, sharding, groups, None, steps_in)
     mapping = conversion.load_mapping(
@@ -544,6 +550,6 @@ def _check_covered(manifest: Manifest, plan: Target, directory: storage.Location
 
 def _torch_groups(manifest: Manifest) -> list[dict[str, Any]]:
     return [
-        {**g.hyperparams, "param_names": list(g.params), "params": list(g.params)}
+        {**g.settings(), "param_names": list(g.params), "params": list(g.params)}
         for g in manifest.groups
     ]

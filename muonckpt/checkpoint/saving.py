@@ -38,9 +38,11 @@ from ..format.manifest import (
     Scalar,
     extra_to_json,
     json_safe,
+    tuple_paths,
 )
 from ..format.names import EXTRA_FILE, PARAM_KEY, extra_rank_file
 from ..format.writeplan import WritePlan, consolidated_plan, rank_plan, unique_tensor_keys
+from ..layout.state_shapes import StateShape, state_region
 from ..state import trainstate
 from ..state.describers import flat_params
 from ..state.gather import (
@@ -284,6 +286,7 @@ def _write(prepared: PreparedSave) -> writing.Written:
     shared = prepared.job.shared if steps.is_root else None  # stored once, by the root
     me = steps.ranks.index(steps.rank)
     written.scalars = payload.scalars
+    written.shapes = payload.shapes
     written.extra = prepared.job.write(prepared.staging, shared, me, len(steps.ranks))
     return written
 
@@ -388,7 +391,7 @@ def _collect(
         for key, value in state.items():
             if not isinstance(key, str):
                 raise CheckpointError(f"state key {key!r} is not a string", param=param.name)
-            typed[key] = kept = state_value(param, key, value, p.numel())
+            typed[key] = kept = state_value(param, key, value, tuple(p.shape))
             if isinstance(kept, TensorValue):
                 keys.append((param.name, key))
             elif isinstance(kept.value, float) and not math.isfinite(kept.value):
@@ -419,6 +422,8 @@ class _Payload:
     plan: Attempt[WritePlan | None]
     tensors: dict[tuple[str, str], torch.Tensor]
     scalars: dict[str, dict[str, Any]]
+    shapes: dict[str, dict[str, StateShape]]
+    """The state tensors not shaped like their param: param -> key -> full shape and rule."""
     snapshot: PendingSnapshot[tuple[str, str]] | None = None
     """A background save's copies of :attr:`tensors` being made (:func:`settle` waits)."""
 
@@ -429,6 +434,7 @@ def _rank_payload(sharding: Sharding, collected: Mapping[int, ParamState]) -> _P
     owned: list[Any] = []
     tensors: dict[tuple[str, str], torch.Tensor] = {}
     scalars: dict[str, Any] = {}
+    shapes: dict[str, dict[str, StateShape]] = {}
     for param in sharding.params:
         holding = next((h for h in param.sources if h.rank == me), None)
         if holding is None:
@@ -438,11 +444,15 @@ def _rank_payload(sharding: Sharding, collected: Mapping[int, ParamState]) -> _P
                 scalars.setdefault(param.name, {})[key] = _scalar_json(value)
                 continue
             dtype = storage.dtype_name(value.tensor.dtype)
-            owned.append(((param.name, key, dtype), holding.region))
+            region = state_region(value.stored, param.full_shape, holding.region)
+            assert region is not None  # (state_value refused a layout that cuts it)
+            owned.append(((param.name, key, dtype), region))
             tensors[param.name, key] = value.tensor
+            if value.stored is not None:
+                shapes.setdefault(param.name, {})[key] = value.stored
     rank, world = sharding.participants.index(me), len(sharding.participants)
     plan = rank_plan(rank, world, owned)  # made at the call: its manifest lines are counted
-    return _Payload(Attempt(plan), tensors, scalars)
+    return _Payload(Attempt(plan), tensors, scalars, shapes)
 
 
 def _scalar_json(value: ScalarValue | PlainValue) -> dict[str, Any]:
@@ -463,14 +473,15 @@ def _consolidated_payload(
     write nothing."""
     full = gather_full_state(sharding, lambda: collected)
     if full is None:
-        return _Payload(Attempt(None), {}, {})
+        return _Payload(Attempt(None), {}, {}, {})
     tensors: dict[tuple[str, str], torch.Tensor] = {}
     items: list[Any] = []
     for name, tensor in (model.extras if model is not None else {}).items():
         value = tensor.detach().to("cpu", copy=True)  # a snapshot, as the gathered state
         items.append(((name, PARAM_KEY, storage.dtype_name(value.dtype)), tuple(value.shape)))
         tensors[name, PARAM_KEY] = value
-    scalars = _consolidated_items(sharding, full, items, tensors)
+    shapes: dict[str, dict[str, StateShape]] = {}
+    scalars = _consolidated_items(sharding, full, items, tensors, shapes)
     aliases = dict(model.aliases) if model is not None else None
     try:
         planned: Attempt[WritePlan | None] = Attempt(
@@ -478,7 +489,7 @@ def _consolidated_payload(
         )
     except BaseException as exc:
         planned = Attempt(failure=exc)
-    return _Payload(planned, tensors, scalars)
+    return _Payload(planned, tensors, scalars, shapes)
 
 
 def _consolidated_items(
@@ -486,17 +497,22 @@ def _consolidated_items(
     full: Mapping[int, ParamState],
     items: list[Any],
     tensors: dict[tuple[str, str], torch.Tensor],
+    shapes: dict[str, dict[str, StateShape]],
 ) -> dict[str, Any]:
     """The tensors of ``full`` (by canonical index) as a consolidated plan takes them, into
-    ``items`` ((param, key, dtype), full shape) and ``tensors``; their scalars, returned."""
+    ``items`` ((param, key, dtype), full shape), ``tensors`` and (those not shaped like their
+    param) ``shapes``; their scalars, returned."""
     scalars: dict[str, Any] = {}
     for index, param in enumerate(sharding.params):
         gathered = full.get(index)
         for key, stored in _stored(gathered) if gathered is not None else ():
             if isinstance(stored, TensorValue):
                 dtype = storage.dtype_name(stored.tensor.dtype)
-                items.append(((param.name, key, dtype), param.full_shape))
+                shape = param.full_shape if stored.stored is None else stored.stored.shape
+                items.append(((param.name, key, dtype), shape))
                 tensors[param.name, key] = stored.tensor
+                if stored.stored is not None:
+                    shapes.setdefault(param.name, {})[key] = stored.stored
             else:
                 scalars.setdefault(param.name, {})[key] = _scalar_json(stored)
     return scalars
@@ -516,7 +532,7 @@ def _check_manifest(
     groups and ``extra``; with several ranks a lower bound (the commit checks the whole
     manifest)."""
     if payload is not None:
-        plan, scalars = payload.plan.result(), payload.scalars
+        plan, scalars, shapes = payload.plan.result(), payload.scalars, payload.shapes
     else:
         held = {
             i: collected[p.index_here]
@@ -524,7 +540,8 @@ def _check_manifest(
             if p.local_index is not None
         }
         items: list[Any] = []
-        scalars = _consolidated_items(sharding, held, items, {})
+        shapes = {}
+        scalars = _consolidated_items(sharding, held, items, {}, shapes)
         plan = consolidated_plan(items, max_shard_size)
     writes = plan.writes if plan is not None else ()
     dtypes: dict[str, dict[str, str]] = {}
@@ -538,6 +555,7 @@ def _check_manifest(
             p.group,
             dtypes.get(p.name, {}),
             {k: Scalar(v["value"], v["dtype"]) for k, v in scalars.get(p.name, {}).items()},
+            shapes.get(p.name, {}),
         )
         for p in sharding.params
     )
@@ -550,7 +568,8 @@ def _group_entries(optimizer: Optimizers, sharding: Sharding) -> list[GroupEntry
     for g, (group, computes) in enumerate(
         zip(optimizer.param_groups, conversion.group_kinds(optimizers_of(optimizer)), strict=True)
     ):
-        hyper = {k: json_safe(v) for k, v in group.items() if k not in ("params", "param_names")}
+        settings = {k: v for k, v in group.items() if k not in ("params", "param_names")}
+        hyper = {k: json_safe(v) for k, v in settings.items()}
         names = tuple(sharding.params[i].name for i in sharding.members(g))
-        groups.append(GroupEntry(hyperparams=hyper, params=names, optimizer=computes.to_json()))
+        groups.append(GroupEntry(hyper, names, computes.to_json(), tuple(tuple_paths(settings))))
     return groups

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -155,7 +155,7 @@ def print_summary(info: Summary, wide: bool) -> None:
             ", ".join(sorted({d for k, d in p.dtypes.items() if k != "param"})) or "-",
             str(p.tp_split_dim) if p.tp_split_dim >= 0 else "-",
             str(p.group),
-            printable(", ".join(p.state_keys)) or "(none)",
+            printable(", ".join(_state_key(p.state_shapes, k) for k in p.state_keys)) or "(none)",
             p.value_dtype or "-",
             human_size(p.bytes),
         )
@@ -263,3 +263,12 @@ def print_demo(result: DemoResult, title: str) -> None:
         console.print(f"checkpoints in {result.checkpoint.parent}", markup=False)
     else:
         console.print("checkpoints removed (--dir DIR keeps them)", markup=False)
+
+
+def _state_key(shapes: Mapping[str, tuple[str, tuple[int, ...]]], key: str) -> str:
+    """A state key as inspect lists it: with its rule and shape where it is not the param's
+    (``second_momentum_buffer (row 16x1)``)."""
+    if key not in shapes:
+        return key
+    rule, shape = shapes[key]
+    return f"{key} ({rule} {'x'.join(map(str, shape))})"

@@ -20,9 +20,11 @@ from ..format.manifest import (
     PieceTable,
     Scalar,
     piece_to_json,
+    state_shapes_to_json,
 )
-from ..format.manifest_json import extra_from_json, piece_from_json
+from ..format.manifest_json import extra_from_json, piece_from_json, state_shapes_from_json
 from ..format.writeplan import Plan, TensorWrite
+from ..layout.state_shapes import StateShape
 
 
 @dataclass
@@ -41,6 +43,8 @@ class Written:
     """The scalar state values this rank holds, param -> key -> ``{"value", "dtype"}``."""
     extra: dict[str, Any] | None = None
     """This rank's part of the job's own state (:class:`Extra` as JSON), files written."""
+    shapes: Mapping[str, Mapping[str, StateShape]] = field(default_factory=dict)
+    """The state tensors it wrote not shaped like their param: param -> key -> shape, rule."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -50,6 +54,7 @@ class Written:
             "sizes": self.sizes,
             "scalars": self.scalars,
             "extra": self.extra,
+            "shapes": {name: state_shapes_to_json(s) for name, s in self.shapes.items()},
         }
 
     @classmethod
@@ -75,6 +80,7 @@ class Written:
             dict(raw["sizes"]),
             raw["scalars"],
             raw["extra"],
+            {name: state_shapes_from_json(s) for name, s in raw["shapes"].items()},
         )
 
 
@@ -88,6 +94,7 @@ class Reports:
     dtypes: Mapping[tuple[str, str], str]
     scalars: list[dict[str, dict[str, Any]]]
     extras: list[dict[str, Any] | None]
+    shapes: dict[str, Mapping[str, StateShape]] = field(default_factory=dict)
 
     @classmethod
     def merged(cls, reports: Sequence[Written], staging: Path) -> Reports:
@@ -114,6 +121,7 @@ class Reports:
             _Lazy(lambda: {k: v for r in reports for k, v in r.dtypes.items()}),
             [r.scalars for r in reports],
             [r.extra for r in reports],
+            {name: shapes for r in reports for name, shapes in r.shapes.items()},
         )
 
 
@@ -167,13 +175,14 @@ def _entries(
     for piece in pieces if bare else ():
         if piece.param in bare:
             keys.setdefault(piece.param, set()).add(piece.key)
-    if not scalars and not keys:
+    if not scalars and not keys and not reports.shapes:
         return tuple(params)
     return tuple(
         replace(
             e,
             dtypes=e.dtypes or {k: reports.dtypes[e.name, k] for k in sorted(keys.get(e.name, ()))},
             scalars={**e.scalars, **scalars.get(e.name, {})},
+            state_shapes={**e.state_shapes, **reports.shapes.get(e.name, {})},
         )
         for e in params
     )

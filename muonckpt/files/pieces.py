@@ -387,9 +387,10 @@ class PieceReader:
                 param=piece.param,
             )
         full = self.manifest.kind == CONSOLIDATED  # stored at full shape, as load_file gives it
-        if full and tuple(record.shape) != tuple(entry.shape):
+        if full and tuple(record.shape) != entry.shape_of(piece.key):
             raise CheckpointError(
-                f"header says shape {tuple(record.shape)}, the manifest {tuple(entry.shape)}",
+                f"header says shape {tuple(record.shape)}, the manifest "
+                f"{entry.shape_of(piece.key)}",
                 path=self.at(piece.file),
                 param=piece.param,
             )

@@ -159,3 +159,49 @@ def load_mapping(
         for note in kinds.trajectory_notes(origin, target[target_group]) if origin else ():
             out.warnings.append(f"{where}: {note}")
     return out
+
+
+UPDATE_SETTINGS = (
+    "nesterov",
+    "momentum",
+    "ns_steps",
+    "ns_coeffs",
+    "beta2",
+    "betas",
+    "update_scale",
+    "adjust_lr_fn",
+    "use_muon",
+    "qk_clip_threshold",
+    "qk_clip_alpha",
+    "second_moment",
+)
+"""Group settings that pick a Muon variant's update (Nesterov, momentum, the Newton-Schulz
+steps and coefficients, NorMuon's ``beta2`` and ``update_scale``, AdaMuon's ``betas``, the lr
+rule, MuonClip's ``qk_clip_*``, the packaged Muon's ``second_moment``), beside the learning
+rate and its schedule."""
+
+
+def replaced_settings(
+    saved: Sequence[GroupEntry], own: Sequence[Any], names: Sequence[str]
+) -> list[str]:
+    """For a load into the same optimizer, whose groups take the checkpoint's settings (as
+    torch's ``load_state_dict`` does): each group whose :data:`UPDATE_SETTINGS` the optimizer
+    was built with otherwise, naming the difference (``own``: its groups' settings as JSON,
+    ``names``: its optimizer's, by group)."""
+    notes: list[str] = []
+    if len(saved) != len(own):  # another group structure, which the load refuses itself
+        return notes
+    for index, (group, settings) in enumerate(zip(saved, own, strict=True)):
+        differ = [
+            f"{key} {settings.get(key, '(none)')!r} -> {group.hyperparams.get(key, '(none)')!r}"
+            for key in UPDATE_SETTINGS
+            if (key in group.hyperparams or key in settings)
+            and settings.get(key) != group.hyperparams.get(key)
+        ]
+        if differ:
+            notes.append(
+                f"group {index} ({names[index]}): the checkpoint's settings replace those the "
+                f"optimizer was built with, so its update is the saved variant's: "
+                f"{', '.join(differ)}"
+            )
+    return notes

@@ -16,6 +16,7 @@ matrix is not walked row by row. Any other pieces are checked by their full-tens
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Iterable, Sequence
 
 from ..layout.topology import Range, matrix_view
@@ -25,14 +26,15 @@ from .records import ParamEntry, Piece, placed
 def tensor_coverage(entry: ParamEntry, key: str, pieces: Sequence[Piece]) -> list[str]:
     """The first gap or overlap of ``entry``'s stored tensor ``key`` among ``pieces`` (every
     piece of it), in full-tensor flat elements; none where each element is stored once."""
-    cols = matrix_view(entry.shape, entry.tp_split_dim)[1]
-    blocks = _column_blocks(pieces, cols) if entry.numel else None
+    shape, split = entry.view_of(key)
+    numel, cols = math.prod(shape), matrix_view(shape, split)[1]
+    blocks = _column_blocks(pieces, cols) if numel else None
     if blocks is None:
         runs = sorted(run for piece in pieces for run in piece.region.intervals())
-        fault = _first_fault(runs, entry.numel)
+        fault = _first_fault(runs, numel)
     else:
         fault = _first_fault(sorted((start, start + width) for start, width in blocks), cols)
-        rows = entry.numel // cols
+        rows = numel // cols
         for (start, width), runs in sorted(blocks.items()):
             if fault is not None:
                 break

@@ -81,6 +81,10 @@ class GroupKind:
     converted_from: str | None = None
     """Set by ``muonckpt convert``: the optimizer whose state this group's was converted from
     (its hyperparams are that optimizer's, so a load keeps the target's own settings)."""
+    second_moment: str | None = None
+    """Muon groups of the packaged Muon: ``element`` or ``row``, the second moment of the
+    orthogonalized update it keeps (``update_sq``) and normalizes by; None: none (written
+    only when set, version 5)."""
 
     @property
     def family(self) -> str:
@@ -90,7 +94,10 @@ class GroupKind:
         return "other"
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        fields = asdict(self)
+        if fields["second_moment"] is None:
+            del fields["second_moment"]
+        return fields
 
     @classmethod
     def from_json(cls, raw: Mapping[str, Any]) -> GroupKind:
@@ -122,6 +129,7 @@ def group_kind(optimizer: object, group: Mapping[str, Any]) -> GroupKind:
                 group["nesterov"],
                 MOONLIGHT,
                 group["matched_adamw_rms"],
+                second_moment=group.get("second_moment"),
             )
         return GroupKind(name, "adamw", step_in="group")
     if name == "torch.optim.Muon":
@@ -176,6 +184,13 @@ def state_mapping(
             f"param {param!r}: the checkpoint's {source.optimizer} is not an optimizer muonckpt "
             f"can convert; load it into a {source.optimizer}"
         )
+    if source.second_moment != target.second_moment:
+        raise StateDictError(
+            f"param {param!r}: the checkpoint's {source.optimizer} keeps "
+            f"{_second_moment(source)}, the target {target.optimizer} {_second_moment(target)}: "
+            "no conversion maps one onto the other; load it into a Muon with "
+            f"second_moment={source.second_moment!r}"
+        )
     if role == "adamw":
         keys = {k: (k, 1.0) for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")}
         return KeyMap(keys, True, None)
@@ -200,11 +215,22 @@ def state_mapping(
     return KeyMap({"momentum_buffer": ("momentum_buffer", factor)}, False, note)
 
 
+def _second_moment(kind: GroupKind) -> str:
+    if kind.second_moment is None:
+        return "no second moment of its update"
+    return f"a {kind.second_moment} second moment of its update (update_sq)"
+
+
 def converted(kind: GroupKind, family: str) -> GroupKind:
     """What ``kind``'s group becomes when its state is rewritten for ``family``
     (``packaged``, ``torch`` or ``keller-jordan``)."""
     if kind.role is None:
         raise StateDictError(f"{kind.optimizer} is not an optimizer muonckpt can convert")
+    if kind.second_moment is not None:
+        raise StateDictError(
+            f"{kind.optimizer} with second_moment={kind.second_moment!r} keeps "
+            f"{_second_moment(kind)}, which no other implementation has: it cannot be converted"
+        )
     if family not in FAMILIES:
         raise StateDictError(f"cannot convert to {family!r}: choose one of {sorted(FAMILIES)}")
     names = {

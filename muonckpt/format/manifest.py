@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from ..errors import ArgumentError, CheckpointError
+from ..layout.state_shapes import StateShape
 from .coverage import shared_tensors, tensor_coverage
 from .names import PARAM_KEY
 from .records import (  # the records, named here too
@@ -33,8 +34,11 @@ from .records import (  # the records, named here too
     PieceTable,
     Scalar,
     Spans,
+    ValuePath,
     pack_checksums,
+    tuple_paths,
     unpack_checksums,
+    with_tuples,
 )
 from .renames import Rename, renamer
 
@@ -67,8 +71,11 @@ __all__ = [  # the records re-exported; every name defined here is public too
     "PieceTable",
     "Scalar",
     "Spans",
+    "ValuePath",
     "pack_checksums",
+    "tuple_paths",
     "unpack_checksums",
+    "with_tuples",
 ]
 
 CHECKSUM_ALGORITHM = "xxh3-64"
@@ -94,10 +101,6 @@ def chunk_bytes_of(value: Any) -> int:
     if type(value) is not int or not 0 < value <= MAX_CHUNK_BYTES:
         raise CheckpointError(f"chunk_bytes {value!r} is not from 1 to {MAX_CHUNK_BYTES}")
     return value
-
-
-ValuePath = tuple[str | int, ...]
-"""Where a value lies in a tree of ``extra`` values: dict keys and list indices."""
 
 
 @dataclass(frozen=True)
@@ -294,6 +297,16 @@ class Manifest:
 
         Built field by field: ``dataclasses.asdict`` deep-copies every value, seconds at 100k
         params."""
+        version = self.written_version()
+        if version < PREFIXED_VERSION and self.needs_v5():  # an older version asked for
+            older = replace(
+                self,
+                groups=tuple(replace(g, tuples=()) for g in self.groups),
+                params=tuple(replace(e, state_shapes={}) for e in self.params),
+                dcp_layout="",
+            )
+            yield from older.json_chunks()
+            return
         v3 = self.format_version >= 3
         kinds: dict[str, int] = {}  # each kind's JSON text -> its position
         group = _group_to_json if not v3 else _group_v3
@@ -314,9 +327,7 @@ class Manifest:
             "kind": self.kind,
             "topology": dict(self.topology),
             **dict.fromkeys(lists),
-            "format_version": (
-                PREFIXED_VERSION if self.data_prefix or self.dcp_layout else self.format_version
-            ),
+            "format_version": version,
             "checksum_algorithm": self.checksum_algorithm,
             "step": self.recorded_step,
             "extra": None if self.extra is None else extra_to_json(self.extra),
@@ -348,6 +359,23 @@ class Manifest:
         if v3:  # after params: the kinds their lines name
             yield ',\n"param_kinds": [\n' + ",\n".join(kinds) + "\n]"
         yield "\n}\n"
+
+    def written_version(self) -> int:
+        """The version its text says: :data:`PREFIXED_VERSION` where it holds a field of it
+        (:meth:`needs_v5`) and is of the current version (an older version asked for is
+        written without them), else :attr:`format_version`."""
+        current = self.format_version >= FORMAT_VERSION and self.needs_v5()
+        return PREFIXED_VERSION if self.data_prefix or current else self.format_version
+
+    def needs_v5(self) -> bool:
+        """Whether it holds a field of version :data:`PREFIXED_VERSION`: ``data_prefix``,
+        ``dcp_layout``, a state tensor not shaped like its param, a setting that was a
+        tuple."""
+        return (
+            bool(self.data_prefix or self.dcp_layout)
+            or any(e.state_shapes for e in self.params)
+            or any(g.tuples for g in self.groups)
+        )
 
     def coverage_problems(self, names: Iterable[str] | None = None) -> list[str]:
         """Gaps, overlaps, stray pieces and pieces sharing a stored tensor: every stored tensor
@@ -436,7 +464,13 @@ def compact_json(value: Any) -> str:
 
 
 def _group_to_json(g: GroupEntry) -> dict[str, Any]:
-    return {"hyperparams": g.hyperparams, "params": list(g.params), "optimizer": g.optimizer}
+    tuples = {"tuples": [list(path) for path in g.tuples]} if g.tuples else {}
+    return {
+        "hyperparams": g.hyperparams,
+        "params": list(g.params),
+        "optimizer": g.optimizer,
+        **tuples,
+    }
 
 
 def param_to_json(e: ParamEntry) -> dict[str, Any]:
@@ -448,7 +482,13 @@ def param_to_json(e: ParamEntry) -> dict[str, Any]:
         "group": e.group,
         "dtypes": dict(e.dtypes),
         "scalars": {k: {"value": v.value, "dtype": v.dtype} for k, v in e.scalars.items()},
+        **({"state_shapes": state_shapes_to_json(e.state_shapes)} if e.state_shapes else {}),
     }
+
+
+def state_shapes_to_json(shapes: Mapping[str, StateShape]) -> dict[str, Any]:
+    """A param's :attr:`ParamEntry.state_shapes` in their JSON form (version 5)."""
+    return {k: {"rule": v.rule, "shape": list(v.shape)} for k, v in shapes.items()}
 
 
 def _file_to_json(f: FileEntry) -> dict[str, Any]:
@@ -456,8 +496,9 @@ def _file_to_json(f: FileEntry) -> dict[str, Any]:
 
 
 def _group_v3(g: GroupEntry) -> dict[str, Any]:
-    """A group in version 3: its params are those whose kind names it, in order."""
-    return {"hyperparams": g.hyperparams, "optimizer": g.optimizer}
+    """A group in version 3: its params are those whose kind names it, in order; version 5:
+    with ``tuples`` where a setting held a tuple."""
+    return {k: v for k, v in _group_to_json(g).items() if k != "params"}
 
 
 class _Params:

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeGuard
 
 from ..errors import CheckpointError
+from ..layout.state_shapes import RULES, StateShape
 from ..layout.topology import Region
 from .kinds import KNOWN
 from .manifest import (
@@ -107,6 +108,10 @@ def _manifest_from(body: Any, shared: _Shared) -> Manifest:
     _expect(len(set(names)) == len(names), "duplicate param names")
     for p in params:
         _expect(not set(p.scalars) & set(p.dtypes), f"param {p.name!r}: a key is stored twice")
+        _expect(
+            not p.state_shapes or version >= PREFIXED_VERSION,
+            f"param {p.name!r}: a version {version} manifest has no state_shapes",
+        )
     mixed = values_problem(params)
     _expect(mixed is None, mixed or "")
     groups = _groups(body["groups"], params, version)
@@ -179,6 +184,7 @@ def _groups(raw: Any, params: tuple[ParamEntry, ...], version: int) -> tuple[Gro
                 else tuple(listed[index])
             ),
             optimizer=_group_optimizer(g.get("optimizer", {})),
+            tuples=_tuples(g.get("tuples", []), g["hyperparams"], version),
         )
         for index, g in enumerate(raw)
     )
@@ -232,7 +238,7 @@ def _pieces(raw: Any, by_name: Mapping[str, ParamEntry], file_names: set[str]) -
             piece.key in entry.dtypes,
             f"piece {piece.tensor!r}: param {piece.param!r} lists no stored key {piece.key!r}",
         )
-        check_region(entry, piece.region, piece.tensor)
+        check_region(entry, piece.key, piece.region, piece.tensor)
         pieces.append(piece)
     return pieces
 
@@ -290,7 +296,7 @@ def _model_file(raw: Any, params: Mapping[str, ParamEntry], file_names: set[str]
         _expect(
             piece.key == PARAM_KEY and piece.file in file_names, f"model: piece {piece.tensor!r}"
         )
-        check_region(entry, piece.region, piece.tensor)
+        check_region(entry, piece.key, piece.region, piece.tensor)
         pieces.append(piece)
     aliases = raw["aliases"]
     stored = set(by_name) | set(params)
@@ -455,7 +461,7 @@ class _Shared:
     def param(self, raw: Any) -> Any:
         """(for each element of ``params``) A param of the current format as a
         :class:`ParamEntry`; anything else stays as it is (checked by :meth:`entry`)."""
-        if not isinstance(raw, dict) or set(raw) - {"scalars"} != _PARAM_FIELDS:
+        if not isinstance(raw, dict) or set(raw) - {"scalars", "state_shapes"} != _PARAM_FIELDS:
             return raw
         try:
             return self.entry(raw, FORMAT_VERSION)
@@ -468,13 +474,15 @@ class _Shared:
             if version < 2:
                 raise KeyError("state_keys")  # what the fields of format 1 lack
             return raw
+        dtypes = _one(self._dtypes, _dtypes(raw, version))
         return ParamEntry(
             name=sys.intern(_str(raw["name"])),
             shape=_one(self._shapes, tuple(_nonneg_int(s) for s in raw["shape"])),
             tp_split_dim=_int(raw["tp_split_dim"]),
             group=_nonneg_int(raw["group"]),
-            dtypes=_one(self._dtypes, _dtypes(raw, version)),
+            dtypes=dtypes,
             scalars=_scalars(raw.get("scalars", {}) if version >= 2 else {}) or self._no_scalars,
+            state_shapes=state_shapes_from_json(raw.get("state_shapes", {}), dtypes),
         )
 
 
@@ -531,6 +539,44 @@ def _scalars(raw: Any) -> dict[str, Scalar]:
     return scalars
 
 
+def state_shapes_from_json(raw: Any, dtypes: Any = None) -> dict[str, StateShape]:
+    """(version 5) The state tensors not shaped like their param: each a stored key's shape
+    and rule (:mod:`muonckpt.layout.state_shapes`), each key one of ``dtypes`` where given."""
+    _expect(isinstance(raw, dict), "state_shapes must map state keys to shapes")
+    shapes = {}
+    for key, item in raw.items():
+        _expect(
+            isinstance(item, dict) and set(item) == {"rule", "shape"},
+            f"state_shapes {key!r}: not {{rule, shape}}",
+        )
+        _expect(item["rule"] in RULES, f"state_shapes {key!r}: unknown rule {item['rule']!r:.40}")
+        _expect(isinstance(item["shape"], list), f"state_shapes {key!r}: shape is not a list")
+        known = dtypes is None or (key in dtypes and key != PARAM_KEY)
+        _expect(known, f"state_shapes {key!r}: no such state tensor")
+        shape = tuple(_nonneg_int(n) for n in item["shape"])
+        shapes[sys.intern(_str(key))] = StateShape(item["rule"], shape)
+    return shapes
+
+
+def _tuples(raw: Any, hyperparams: Any, version: int) -> tuple[ValuePath, ...]:
+    """(version 5) Where a group's settings held tuples: each a path to a list in them."""
+    _expect(isinstance(raw, list), "a group's tuples must be a list of paths")
+    _expect(not raw or version >= PREFIXED_VERSION, f"a version {version} manifest has no tuples")
+    paths = []
+    for path in raw:
+        _expect(isinstance(path, list), f"tuples: {path!r:.80} is not a path")
+        node = hyperparams
+        for step in path:
+            found = isinstance(node, dict) and isinstance(step, str) and step in node
+            index = isinstance(step, int) and not isinstance(step, bool)
+            found = found or (isinstance(node, list) and index and 0 <= step < len(node))
+            _expect(found, f"tuples: {path!r:.80} names no setting")
+            node = node[step]
+        _expect(isinstance(node, list) and path, f"tuples: {path!r:.80} names no list")
+        paths.append(tuple(path))
+    return tuple(paths)
+
+
 def _number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
@@ -540,6 +586,7 @@ _GROUP_OPTIMIZER = {
     "momentum_form": ("sum", "ema", None),
     "step_in": ("group", "tensor", "int", None),
     "lr_rule": ("moonlight", "aspect", None),
+    "second_moment": ("element", "row", None),
 }
 
 

@@ -99,7 +99,7 @@ def parse_index(
     pieces = []
     for item in raw:
         piece, param = _piece(item, file, entry, params, names, regions)
-        check_region(param, piece.region, piece.tensor)
+        check_region(param, piece.key, piece.region, piece.tensor)
         pieces.append(piece)
     return tuple(pieces)
 
@@ -160,11 +160,13 @@ def _expect(condition: bool, message: str) -> None:
         raise CheckpointError(message)
 
 
-def check_region(entry: ParamEntry, region: Region, tensor: str) -> None:
-    """Refuse a piece whose region lies outside its param (the schema check of every piece,
-    in a manifest or a piece index): a column block (a TP block) must be of the param's
-    matrix view and hold whole slices of its split dim, as a TP split cuts it."""
-    numel = entry.numel
+def check_region(entry: ParamEntry, key: str, region: Region, tensor: str) -> None:
+    """Refuse a piece whose region lies outside its stored tensor ``key`` of param ``entry``
+    (the schema check of every piece, in a manifest or a piece index): a column block (a TP
+    block) must be of the tensor's matrix view and hold whole slices of its split dim, as a TP
+    split cuts it."""
+    shape, split = entry.view_of(key)
+    numel = math.prod(shape)
     ok = (
         (region.block_width > 0 or region.start == region.stop)
         and region.block_start + region.block_width <= region.cols
@@ -174,14 +176,13 @@ def check_region(entry: ParamEntry, region: Region, tensor: str) -> None:
         rows = numel // region.cols if numel % region.cols == 0 else -1
         ok = rows >= 0 and region.stop <= rows * region.block_width
     if ok and region.numel and region.block_width != region.cols:
-        split = entry.tp_split_dim
-        inner = math.prod(entry.shape[split + 1 :]) if split >= 0 else 1
+        inner = math.prod(shape[split + 1 :]) if split >= 0 else 1
         ok = (
-            region.cols == matrix_view(entry.shape, entry.tp_split_dim)[1]
+            region.cols == matrix_view(shape, split)[1]
             and region.block_start % inner == 0
             and region.block_width % inner == 0
         )
     if not ok:
         raise CheckpointError(
-            f"piece {tensor!r}: region {asdict(region)} lies outside param shape {entry.shape}"
+            f"piece {tensor!r}: region {asdict(region)} lies outside param shape {shape}"
         )

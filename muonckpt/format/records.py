@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from itertools import islice
 from typing import Any, overload
 
-from ..layout.topology import Region
+from ..layout.state_shapes import SAME, StateShape
+from ..layout.topology import Region, matrix_view
 from .names import PARAM_KEY, tensor_key
 
 DIGEST_BYTES = 8
@@ -81,7 +82,7 @@ def fits(value: Any, dtype: str) -> bool:
 
 @dataclass(frozen=True, slots=True)
 class Scalar:
-    """A state value that is not a tensor shaped like its param: a plain number, or a 0-d tensor
+    """A state value that is no tensor of 1 or more dims: a plain number, or a 0-d tensor
     (torch keeps AdamW's ``step`` so), stored in the manifest itself."""
 
     value: int | float | bool | str | None
@@ -95,16 +96,21 @@ class ParamEntry:
 
     name: str
     shape: tuple[int, ...]
-    """Full (logical) shape of the param, and of each of its stored tensors."""
+    """Full (logical) shape of the param, and of each of its stored tensors but those of
+    :attr:`state_shapes`."""
     tp_split_dim: int
     """Dimension split across TP ranks in the source run (-1: replicated)."""
     group: int
     """Index of its param group."""
     dtypes: Mapping[str, str]
     """safetensors dtype of each stored tensor, by key: its state tensors (shaped like the
-    param) and, when saved, its own values under :data:`PARAM_KEY`."""
+    param, or as :attr:`state_shapes` says) and, when saved, its own values under
+    :data:`PARAM_KEY`."""
     scalars: Mapping[str, Scalar] = field(default_factory=dict)
     """Its state values that are numbers or 0-d tensors, by key."""
+    state_shapes: Mapping[str, StateShape] = field(default_factory=dict)
+    """(version 5) Each state tensor not shaped like the param: its shape and rule
+    (:mod:`muonckpt.layout.state_shapes`), by key; a key not here is shaped like the param."""
 
     @property
     def numel(self) -> int:
@@ -114,8 +120,31 @@ class ParamEntry:
         """This entry for the param ``name`` (``dataclasses.replace``, at a third of its cost:
         a top level makes one per param, 70k of them for a Kimi-K2-shaped model)."""
         return ParamEntry(
-            name, self.shape, self.tp_split_dim, self.group, self.dtypes, self.scalars
+            name,
+            self.shape,
+            self.tp_split_dim,
+            self.group,
+            self.dtypes,
+            self.scalars,
+            self.state_shapes,
         )
+
+    def shape_of(self, key: str) -> tuple[int, ...]:
+        """The full shape of stored tensor ``key`` (a state key or the values)."""
+        stored = self.state_shapes.get(key)
+        return self.shape if stored is None else stored.shape
+
+    def view_of(self, key: str) -> tuple[tuple[int, ...], int]:
+        """The shape and split dim its pieces' regions are of: the param's for a tensor that
+        follows it element for element, else the state's own, unsplit (stored in flat ranges)."""
+        stored = self.state_shapes.get(key)
+        if stored is None or stored.rule == SAME:
+            return self.shape, self.tp_split_dim
+        return stored.shape, -1
+
+    def cols_of(self, key: str) -> int:
+        """Columns of the matrix view of stored tensor ``key``'s regions."""
+        return matrix_view(*self.view_of(key))[1]
 
     @property
     def state_keys(self) -> tuple[str, ...]:
@@ -137,6 +166,10 @@ class ParamEntry:
         return self.dtypes[key]
 
 
+ValuePath = tuple[str | int, ...]
+"""Where a value lies in a tree of settings or values: dict keys and list indices."""
+
+
 @dataclass(frozen=True)
 class GroupEntry:
     """One param group: its hyperparameters (step counter included) and its params' names."""
@@ -147,6 +180,42 @@ class GroupEntry:
     """What the group computed (:class:`muonckpt.format.kinds.GroupKind` as JSON: optimizer class,
     Muon or AdamW, momentum form, mu, nesterov, lr scale rule, where AdamW counts steps);
     empty when unknown (version 1)."""
+    tuples: tuple[ValuePath, ...] = ()
+    """(version 5) Where :attr:`hyperparams` held a tuple, which JSON writes as a list: each
+    a path of keys and indices (``("betas",)``, ``("ns_coeffs", 0)``), outermost first."""
+
+    def settings(self) -> dict[str, Any]:
+        """The hyperparams with each recorded tuple a tuple again, as the optimizer had them."""
+        settings: dict[str, Any] = with_tuples(self.hyperparams, self.tuples)
+        return settings
+
+
+def tuple_paths(value: Any, path: ValuePath = ()) -> list[ValuePath]:
+    """Every path in ``value`` (a tree of dicts, lists and tuples) that holds a tuple,
+    outermost first."""
+    found: list[ValuePath] = [path] if isinstance(value, tuple) else []
+    if isinstance(value, (list, tuple)):
+        items: Iterable[tuple[str | int, Any]] = enumerate(value)
+    elif isinstance(value, Mapping):
+        items = ((str(k), v) for k, v in value.items())
+    else:
+        return found
+    return found + [p for k, v in items for p in tuple_paths(v, (*path, k))]
+
+
+def with_tuples(value: Any, paths: Iterable[ValuePath]) -> Any:
+    """``value`` (JSON: dicts and lists) with the lists at ``paths`` made tuples again."""
+    wanted = {tuple(p) for p in paths}
+
+    def rebuilt(node: Any, path: ValuePath) -> Any:
+        if isinstance(node, list):
+            items = [rebuilt(v, (*path, i)) for i, v in enumerate(node)]
+            return tuple(items) if path in wanted else items
+        if isinstance(node, dict):
+            return {k: rebuilt(v, (*path, k)) for k, v in node.items()}
+        return node
+
+    return rebuilt(value, ()) if wanted else value
 
 
 @dataclass(frozen=True, slots=True)

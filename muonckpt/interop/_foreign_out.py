@@ -5,6 +5,7 @@ once complete (:func:`staged_output`), each tensor of the muonckpt checkpoint re
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -55,8 +56,9 @@ def read_whole(
 ) -> torch.Tensor:
     """Stored tensor ``key`` of ``entry`` (a param, or a model tensor), whole and at its shape,
     read from the pieces that hold it and verified: a tensor of its own."""
-    data = reader.gather(pieces[entry.name, key], entry, key, whole_region(entry.numel))
-    return storage.tensor_of_bytes(data, entry.dtype_of(key)).reshape(entry.shape)
+    shape = entry.shape_of(key)
+    data = reader.gather(pieces[entry.name, key], entry, key, whole_region(math.prod(shape)))
+    return storage.tensor_of_bytes(data, entry.dtype_of(key)).reshape(shape)
 
 
 def not_carried(manifest: Manifest) -> tuple[str, ...]:

@@ -56,7 +56,10 @@ def summarize(src: str | os.PathLike[str]) -> Summary:
             tp_split_dim=e.tp_split_dim,
             group=e.group,
             state_keys=tuple(e.state_keys),
-            bytes=sum(e.numel * storage.itemsize(e.dtype_of(k)) for k in e.tensor_keys),
+            bytes=sum(
+                math.prod(e.shape_of(k)) * storage.itemsize(e.dtype_of(k)) for k in e.tensor_keys
+            ),
+            state_shapes={k: (v.rule, v.shape) for k, v in e.state_shapes.items()},
         )
         for e in manifest.params
     )
@@ -217,6 +220,11 @@ def _tensor_rows(
         if dtype_a != dtype_b:
             yield row(name, key, f"A is {dtype_a}, B {dtype_b}")
             continue
+        if ea.shape_of(key) != eb.shape_of(key):
+            yield row(
+                name, key, f"A has shape {list(ea.shape_of(key))}, B {list(eb.shape_of(key))}"
+            )
+            continue
         scale: float | str = 1.0
         note: str | None = None
         if key == "momentum_buffer":
@@ -224,7 +232,7 @@ def _tensor_rows(
         if isinstance(scale, str):  # the forms cannot be converted: never compared raw
             yield row(name, key, scale)
             continue
-        whole = whole_region(ea.numel)
+        whole = whole_region(math.prod(ea.shape_of(key)))
         x = read_a.gather(pieces_a[name, key], ea, key, whole)
         y = read_b.gather(pieces_b[name, key], eb, key, whole)
         yield row(name, key, note, **_compare(x, y, dtype_a, scale, atol, rtol))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 
@@ -32,6 +32,8 @@ class ParamSummary:
     state_keys: tuple[str, ...]
     bytes: int
     """Bytes of its tensors (state and saved value)."""
+    state_shapes: Mapping[str, tuple[str, tuple[int, ...]]] = field(default_factory=dict)
+    """(version 5) Each state tensor not shaped like the param: its rule and full shape."""
 
 
 @dataclass(frozen=True)

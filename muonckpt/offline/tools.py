@@ -74,6 +74,7 @@ from ..format.writeplan import (
     shard_index,
     unique_tensor_keys,
 )
+from ..layout.state_shapes import state_region
 from ..layout.topology import BufferLayout, LayoutOptions, ParamSpec, Region, Topology, arrange
 from ..storage.places import Location, target
 from . import _model
@@ -135,7 +136,9 @@ def consolidate(
     _check_collective(collective)
     max_shard_size = settings.shard_size(max_shard_size)
     checkpoint, manifest = open_checkpoint(src)
-    items = [((e.name, k, e.dtype_of(k)), e.shape) for e in manifest.params for k in e.tensor_keys]
+    items = [
+        ((e.name, k, e.dtype_of(k)), e.shape_of(k)) for e in manifest.params for k in e.tensor_keys
+    ]
     items += _model.whole_items(manifest)
     job = _Job(
         _output_manifest(manifest, kind=CONSOLIDATED),
@@ -202,6 +205,7 @@ def reshard(
     unique_tensor_keys(((e.name, k) for e in params for k in e.tensor_keys), checkpoint.location)
     specs = [ParamSpec(e.name, e.shape, tp_split_dim=e.tp_split_dim, group=e.group) for e in params]
     layout = arrange(specs, topology, options=options)
+    _check_state_fits(params, layout)
     job = _Job(
         _output_manifest(manifest, kind=PER_RANK, topology={"dp": dp, "tp": tp}, params=params),
         PerRankPlan(topology.world_size, _owners(manifest, params, layout)),
@@ -215,6 +219,25 @@ def reshard(
     return _write(
         "reshard", job, checkpoint, manifest, dst, overwrite, progress, collective, called
     )
+
+
+def _check_state_fits(params: Sequence[ParamEntry], layout: BufferLayout) -> None:
+    """Refuse, before anything is written, a layout that would cut a state tensor its shape
+    rule keeps whole (:func:`muonckpt.layout.state_shapes.state_region`), naming the param,
+    the key and the layout."""
+    topology = layout.topology
+    for index, entry in enumerate(params):
+        for key, stored in entry.state_shapes.items():
+            for rank in layout.owner_ranks(index):
+                region = layout.owner_region(index, *topology.coords(rank))
+                if state_region(stored, entry.shape, region) is None:
+                    raise LayoutError(
+                        f"param {entry.name!r}: state {key!r} is {stored.rule} state of shape "
+                        f"{stored.shape}, which the {topology.dp} x {topology.tp} layout would "
+                        f"cut (rank {rank} would hold elements [{region.start}, {region.stop}) "
+                        f"of column block {region.block_start}+{region.block_width} of the "
+                        f"param's {entry.shape}); nothing was written"
+                    )
 
 
 def _owners(
@@ -246,7 +269,9 @@ def _owned(
         entry = params[index]
         region = layout.owner_region(index, *coords)
         for key in entry.tensor_keys:
-            yield (entry.name, key, entry.dtype_of(key)), region
+            kept = state_region(entry.state_shapes.get(key), entry.shape, region)
+            assert kept is not None  # (_check_state_fits refused a layout that cuts it)
+            yield (entry.name, key, entry.dtype_of(key)), kept
 
 
 def _output_manifest(manifest: Manifest, **changes: Any) -> Manifest:
@@ -309,7 +334,7 @@ def convert(
             piece.key,
             by_name[piece.param].dtype_of(piece.key),
             piece.region,
-            by_name[piece.param].shape if shaped else (piece.region.numel,),
+            by_name[piece.param].shape_of(piece.key) if shaped else (piece.region.numel,),
             scales[by_name[piece.param].group] if piece.key == "momentum_buffer" else 1.0,
         )
         for piece in manifest.pieces

@@ -30,13 +30,24 @@ from .nsplan import Message, NsPlan, plan_newton_schulz
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 
+SecondMoment = Literal["element", "row"]
+"""A Muon group's ``second_moment``: normalize each orthogonalized update by an EMA of its
+square, ``"element"`` element by element (AdaMuon's), ``"row"`` by the mean of its whole row
+(NorMuon's row normalization); absent or None: plain Muon."""
+SECOND_MOMENTS = ("element", "row")
+UPDATE_SQ = "update_sq"
+"""The state key of that EMA: fp32, shaped like the param (a row statistic repeated along its
+row), so that it is sharded and resharded with the param at any dp x tp."""
+
 Orthogonalize = Literal["one_rank", "every_holder"]
 """Where a distributed :class:`Muon` runs Newton-Schulz: ``"one_rank"`` (the default) on one
 rank of the grid per matrix, ``"every_holder"`` (the seed's way) on every rank holding a piece."""
 
 
-ParamUpdate = tuple[torch.Tensor, tuple[int, ...]]
-"""A Muon param's orthogonalized update and the full shape its lr is scaled by."""
+ParamUpdate = tuple[torch.Tensor, tuple[int, ...], torch.Tensor | None]
+"""A Muon param's orthogonalized update, the full shape its lr is scaled by, and (a group
+with ``second_moment="row"``) the mean square of each of its elements' whole row, computed
+where the whole matrix is (:func:`row_mean_square`), as a piece like the update's."""
 UpdateRule = Callable[[torch.Tensor, dict[str, Any]], ParamUpdate]
 """How one step computes each Muon param's update, given the param and its group."""
 
@@ -58,6 +69,12 @@ def newton_schulz(grad: torch.Tensor, steps: int) -> torch.Tensor:
         poly = b * gram + c * gram @ gram
         x = a * x + poly @ x
     return x.T if tall else x
+
+
+def row_mean_square(update: torch.Tensor) -> torch.Tensor:
+    """The fp32 mean square of each row of a whole orthogonalized matrix, repeated along the
+    row (the statistic NorMuon normalizes a row by), to be cut as the update is."""
+    return update.float().square().mean(dim=1, keepdim=True).expand(update.shape).contiguous()
 
 
 def adjusted_lr(lr: float, matched_adamw_rms: float, full_shape: Sequence[int]) -> float:
@@ -153,8 +170,11 @@ class Muon(torch.optim.Optimizer):
         adamw_eps: float = 1e-8,
         *,
         orthogonalize: Orthogonalize = "one_rank",
+        second_moment: SecondMoment | None = None,
+        second_moment_beta: float = 0.95,
+        second_moment_eps: float = 1e-8,
     ) -> None:
-        defaults = dict(
+        defaults: dict[str, Any] = dict(
             lr=lr,
             weight_decay=weight_decay,
             matched_adamw_rms=matched_adamw_rms,
@@ -164,7 +184,22 @@ class Muon(torch.optim.Optimizer):
             adamw_betas=adamw_betas,
             adamw_eps=adamw_eps,
         )
+        if second_moment is not None:  # (absent: plain Muon, its settings as they always were)
+            defaults.update(
+                second_moment=second_moment,
+                second_moment_beta=second_moment_beta,
+                second_moment_eps=second_moment_eps,
+            )
         super().__init__(_name_empty_groups(param_groups), defaults)
+        for group in self.param_groups:
+            if group.get("second_moment") not in (None, *SECOND_MOMENTS):
+                raise LayoutError(
+                    f"second_moment must be one of {SECOND_MOMENTS} or None, got "
+                    f"{group['second_moment']!r}"
+                )
+            if group.get("second_moment") is not None:
+                group.setdefault("second_moment_beta", second_moment_beta)
+                group.setdefault("second_moment_eps", second_moment_eps)
         if orthogonalize not in ("one_rank", "every_holder"):
             raise LayoutError(
                 f"orthogonalize must be 'one_rank' or 'every_holder', got {orthogonalize!r}"
@@ -230,9 +265,12 @@ class Muon(torch.optim.Optimizer):
         self._ns_plan_cache = None
 
     def state_keys(self, group: int) -> tuple[str, ...]:
-        """The state keys a complete entry of group ``group`` has (Muon's or AdamW's)."""
-        use_muon = self.param_groups[group].get("use_muon", False)
-        return MUON_STATE_KEYS if use_muon else ADAMW_STATE_KEYS
+        """The state keys a complete entry of group ``group`` has (Muon's, with
+        :data:`UPDATE_SQ` for a ``second_moment``, or AdamW's)."""
+        settings = self.param_groups[group]
+        if not settings.get("use_muon", False):
+            return ADAMW_STATE_KEYS
+        return MUON_STATE_KEYS + ((UPDATE_SQ,) if settings.get("second_moment") else ())
 
     def rank_report(self) -> RankReport:
         """This rank's params in the layout math's terms: shapes, buffers, buckets, ranges."""
@@ -345,12 +383,17 @@ class Muon(torch.optim.Optimizer):
                     collectives.all_gather_list(ns_input, self.tp_group), dim=split_dim
                 )
             if p.numel() == 0:
-                return ns_input, tuple(ns_input.shape)
+                return ns_input, tuple(ns_input.shape), None
             update = newton_schulz(ns_input, steps=group["ns_steps"])
-            if split_dim != -1:
-                update = update.chunk(tp_size, dim=split_dim)[tp_rank]
+            rows = row_mean_square(update) if group.get("second_moment") == "row" else None
             lo, hi = normalize_range(meta.held_range(), meta.global_range[0])
-            return update.reshape(-1)[lo:hi], tuple(ns_input.shape)
+
+            def mine(full: torch.Tensor) -> torch.Tensor:
+                if split_dim != -1:
+                    full = full.chunk(tp_size, dim=split_dim)[tp_rank]
+                return full.reshape(-1)[lo:hi]
+
+            return mine(update), tuple(ns_input.shape), None if rows is None else mine(rows)
 
         return update_of
 
@@ -372,14 +415,15 @@ class Muon(torch.optim.Optimizer):
             k: newton_schulz(full, steps=self.param_groups[plan.matrices[k].group]["ns_steps"])
             for k, full in fulls.items()
         }
-        pieces = {
-            k: extract(updates[k], cast(Region, plan.held[k][me])) for k in updates if k in mine
+        pieces = _pieces_back(plan, me, ranks, device, updates, mine, torch.bfloat16)
+        rows: dict[int, torch.Tensor] = {}
+        if any(group.get("second_moment") == "row" for group in self.param_groups):
+            stats = {k: row_mean_square(update) for k, update in updates.items()}
+            rows = _pieces_back(plan, me, ranks, device, stats, mine, torch.float32)
+        results = {
+            mine[k]: (piece, plan.matrices[k].full_shape, rows.get(k))
+            for k, piece in pieces.items()
         }
-        for k, _, piece in _exchange(
-            plan.outputs, me, ranks, device, lambda k, region: extract(updates[k], region)
-        ):
-            pieces[k] = piece
-        results = {mine[k]: (piece, plan.matrices[k].full_shape) for k, piece in pieces.items()}
 
         def update_of(p: torch.Tensor, group: dict[str, Any]) -> ParamUpdate:
             if p in results:
@@ -390,7 +434,7 @@ class Muon(torch.optim.Optimizer):
                     "the optimizer's params changed after enable_distributed_mode (call it "
                     "again after add_param_group)"
                 )
-            return ns_inputs[p], ()  # no elements here: nothing to update
+            return ns_inputs[p], (), None  # no elements here: nothing to update
 
         return update_of
 
@@ -422,17 +466,41 @@ class Muon(torch.optim.Optimizer):
         group: dict[str, Any],
         update_of: UpdateRule,
     ) -> None:
-        """Decoupled weight decay, then each param's piece of its orthogonalized update."""
+        """Decoupled weight decay, then each param's piece of its orthogonalized update
+        (normalized by its second moment, for a group with ``second_moment``)."""
         lr, weight_decay = group["lr"], group["weight_decay"]
         for p in group["params"]:
-            update, full_shape = update_of(p, group)
+            update, full_shape, rows = update_of(p, group)
             if p.numel() == 0:
                 continue
+            if group.get("second_moment") is not None:
+                update = self._normalized(p, group, update, rows)
             p.mul_(1 - lr * weight_decay)
             p.add_(
                 update.reshape(p.shape),
                 alpha=-adjusted_lr(lr, group["matched_adamw_rms"], full_shape),
             )
+
+    def _normalized(
+        self,
+        p: torch.Tensor,
+        group: dict[str, Any],
+        update: torch.Tensor,
+        rows: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """This rank's piece of ``update`` divided by the root of its second moment, an EMA
+        (:data:`UPDATE_SQ`) of the update's square element by element (``"element"``) or of
+        its whole row's mean square (``"row"``, ``rows``): element-wise on each holder, so
+        the state is the same whatever the layout."""
+        state = self.state[p]
+        if UPDATE_SQ not in state:
+            state[UPDATE_SQ] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+        second: torch.Tensor = state[UPDATE_SQ]
+        piece = update.reshape(p.shape).float()
+        square = piece.square() if rows is None else rows.reshape(p.shape)
+        second.lerp_(square, 1 - group["second_moment_beta"])
+        normalized: torch.Tensor = piece / (second.sqrt() + group["second_moment_eps"])
+        return normalized
 
     def _device(self) -> torch.device:
         for group in self.param_groups:
@@ -447,16 +515,37 @@ class Muon(torch.optim.Optimizer):
         return dict(zip(params, param_names(self), strict=True))
 
 
+def _pieces_back(
+    plan: NsPlan,
+    me: int,
+    ranks: list[int],
+    device: torch.device,
+    fulls: dict[int, torch.Tensor],
+    mine: dict[int, torch.Tensor],
+    dtype: torch.dtype,
+) -> dict[int, torch.Tensor]:
+    """Each matrix this rank holds a piece of: its piece of the whole matrix of ``fulls``
+    (computed here, on the matrix's worker) or sent by the worker (``dtype``)."""
+    pieces = {k: extract(fulls[k], cast(Region, plan.held[k][me])) for k in fulls if k in mine}
+    back = _exchange(
+        plan.outputs, me, ranks, device, lambda k, region: extract(fulls[k], region), dtype
+    )
+    for k, _, piece in back:
+        pieces[k] = piece
+    return pieces
+
+
 def _exchange(
     messages: Sequence[Message],
     me: int,
     ranks: list[int],
     device: torch.device,
     piece_of: Callable[[int, Region], torch.Tensor],
+    dtype: torch.dtype = torch.bfloat16,
 ) -> list[tuple[int, Region, torch.Tensor]]:
     """Send this rank's messages of one direction of the plan (each piece from
     ``piece_of(matrix, region)``), receive the others'; returns each received piece as
-    ``(matrix, region, 1-D bf16 tensor on device)``."""
+    ``(matrix, region, 1-D tensor of dtype on device)``."""
     sends = [
         (
             torch.cat([piece_of(pc.matrix, pc.region).reshape(-1) for pc in m.pieces]),
@@ -467,7 +556,7 @@ def _exchange(
     ]
     incoming = [m for m in messages if m.dst == me]
     buffers = collectives.exchange(
-        sends, [(ranks[m.src], m.numel, torch.bfloat16) for m in incoming], device
+        sends, [(ranks[m.src], m.numel, dtype) for m in incoming], device
     )
     return [
         (pc.matrix, pc.region, buffer[pc.offset : pc.offset + pc.region.numel])
@@ -483,7 +572,9 @@ def _orthogonalize_here(
 
     def update_of(p: torch.Tensor, group: dict[str, Any]) -> ParamUpdate:
         ns_input = ns_inputs[p]
-        return newton_schulz(ns_input, steps=group["ns_steps"]), tuple(ns_input.shape)
+        update = newton_schulz(ns_input, steps=group["ns_steps"])
+        rows = row_mean_square(update) if group.get("second_moment") == "row" else None
+        return update, tuple(ns_input.shape), rows
 
     return update_of
 

@@ -25,6 +25,7 @@ import torch
 from ..distributed import collectives
 from ..errors import StateDictError
 from ..format.names import PARAM_KEY
+from ..layout.state_shapes import state_region
 from ..storage import checksum_chunks
 from .describers import state_dict_steps
 from .regions import insert_
@@ -36,6 +37,7 @@ from .values import (
     StateValue,
     TensorValue,
     ValueReport,
+    reported_shape,
     reported_value,
 )
 
@@ -193,7 +195,10 @@ def merge_entry_reports(
             )
         for holding in param.sources:
             for key, info in by_rank[holding.rank].get(str(index), {}).items():
-                if info["kind"] == "tensor" and info["numel"] != holding.region.numel:
+                if info["kind"] != "tensor":
+                    continue
+                held = state_region(reported_shape(info), param.full_shape, holding.region)
+                if held is None or info["numel"] != held.numel:
                     raise StateDictError(
                         f"param {param.name!r}: state {key!r} holds {info['numel']} elements on "
                         f"rank {holding.rank}, its share of the param {holding.region.numel}"
@@ -301,20 +306,23 @@ def _gather_value(
         return reported_value(info)
     me, dst = collectives.global_rank(), sharding.destination
     dtype = getattr(torch, info["dtype"])
-    shape = param.full_shape
+    stored = reported_shape(info)
+    shape = param.full_shape if stored is None else stored.shape
     full = _attempt(failures, torch.empty, shape, dtype=dtype, device=HOST) if me == dst else None
     for holding in param.sources:
+        region = state_region(stored, param.full_shape, holding.region)
+        assert region is not None  # (merge_entry_reports refused a layout that cuts it)
         if holding.rank == me:
             index = param.index_here  # this rank holds a piece of it
             piece = _attempt(failures, lambda i=index: local_piece(i).reshape(-1))
             if me != dst:
-                collectives.send(_or_zeros(piece, holding.region.numel, dtype), dst)
+                collectives.send(_or_zeros(piece, region.numel, dtype), dst)
             elif full is not None and piece is not None:
-                _attempt(failures, insert_, full, holding.region, piece)
+                _attempt(failures, insert_, full, region, piece)
         elif me == dst:
-            piece = collectives.recv((holding.region.numel,), dtype, holding.rank)
+            piece = collectives.recv((region.numel,), dtype, holding.rank)
             if full is not None:
-                _attempt(failures, insert_, full, holding.region, piece)
+                _attempt(failures, insert_, full, region, piece)
     if all_ranks:
         if me == dst:
             for rank in sharding.participants:
@@ -322,7 +330,7 @@ def _gather_value(
                     collectives.send(_or_zeros(full, math.prod(shape), dtype).reshape(shape), rank)
         else:
             full = collectives.recv(shape, dtype, dst).to(HOST)
-    return TensorValue(full) if full is not None else None
+    return TensorValue(full, stored) if full is not None else None
 
 
 def _attempt(failures: list[Exception], work: Callable[..., Any], *args: Any, **kw: Any) -> Any:

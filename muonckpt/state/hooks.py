@@ -32,6 +32,7 @@ import torch
 from ..distributed import collectives, group_steps
 from ..errors import StateDictError
 from ..format.renames import names_hint
+from ..layout.state_shapes import StateShape, local_shape, shape_rule, state_region
 from .describers import flat_params
 from .gather import gather_full_state
 from .owners import declare_owners
@@ -89,7 +90,10 @@ def _complete_state_dict(optimizer: torch.optim.Optimizer, all_ranks: bool) -> d
     sharding = describe(optimizer)
     flat = flat_params(optimizer)
     local_state = {i: optimizer.state[p] for i, p in enumerate(flat) if p in optimizer.state}
-    full = gather_full_state(sharding, lambda: param_states(sharding, local_state), all_ranks)
+    shapes = [tuple(p.shape) for p in flat]
+    full = gather_full_state(
+        sharding, lambda: param_states(sharding, local_state, shapes), all_ranks
+    )
     receives = full is not None
     marker = {
         "complete": receives,
@@ -120,11 +124,14 @@ def _check_loaded(optimizer: torch.optim.Optimizer) -> None:
         if param.local is None:
             continue
         for key, value in optimizer.state.get(flat[param.index_here], {}).items():
-            tensor = isinstance(state_value(param, key, value), TensorValue)
-            if tensor and value.numel() != param.local.numel:
+            kept = state_value(param, key, value)
+            if not isinstance(kept, TensorValue):
+                continue
+            share = state_region(kept.stored, param.full_shape, param.local)
+            if share is None or value.numel() != share.numel:
                 raise StateDictError(
                     f"param {param.name!r}: loaded state {key!r} has {value.numel()} "
-                    f"elements, this rank's share is {param.local.numel}"
+                    f"elements, this rank's share is {share.numel if share else 'none'}"
                 )
 
 
@@ -259,16 +266,24 @@ def _cut_entry(
         return None
     kept: dict[str, Any] = {}
     for key, value in entry.items():
-        if not isinstance(state_value(param, key, value), TensorValue):
-            kept[key] = value
+        full = param.full_shape
+        if not isinstance(value, torch.Tensor) or (value.dim() == 0 and len(full) != 0):
+            kept[key] = value  # a number, or a scalar such as AdamW's step
             continue
-        if tuple(value.shape) != param.full_shape:
+        shape = tuple(value.shape)
+        stored = None if shape == full else StateShape(shape_rule(full, shape), shape)
+        region = state_region(stored, full, param.local)
+        if region is None or (stored is not None and key in param.expected_keys):
             raise StateDictError(
-                f"param {param.name!r}: state {key!r} has shape {tuple(value.shape)}, "
-                f"expected the full shape {param.full_shape}"
+                f"param {param.name!r}: state {key!r} has shape {shape}, expected the full "
+                f"shape {full}"
+                + (f" (or {stored.rule} state this rank's share would not cut)" if stored else "")
             )
-        piece = extract(value, param.local)
-        kept[key] = piece.reshape(p.shape) if piece.numel() == p.numel() else piece
+        piece = extract(value, region)
+        if stored is not None:
+            kept[key] = piece.reshape(local_shape(stored, full, param.local, p.shape))
+        else:
+            kept[key] = piece.reshape(p.shape) if piece.numel() == p.numel() else piece
     return kept
 
 

@@ -8,7 +8,6 @@ one. Plain data: a change to what a layout says goes here.
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -76,11 +75,6 @@ class ParamSharding:
         if self.local is None:
             raise StateDictError(f"param {self.name!r} is not held on this rank")
         return self.local
-
-    @property
-    def held_numel(self) -> int:
-        """Elements of this rank's param tensor (and of each state tensor shaped like it)."""
-        return self.held.numel if self.held is not None else math.prod(self.full_shape)
 
 
 @dataclass

@@ -104,7 +104,7 @@ def _add_optimizer(
                 out.left.append(f"{name} (no values saved)")
             for key in entry.state_keys:
                 fqn = f"{OPTIMIZER_PREFIX}state.{name}.{family.their_key(kind.role or '', key)}"
-                out.tensors[fqn] = (entry.shape, entry.dtype_of(key))
+                out.tensors[fqn] = (entry.shape_of(key), entry.dtype_of(key))
                 out.sources[fqn] = (name, key, factor if key == "momentum_buffer" else 1.0)
             step = step_scalar(family.step_in, manifest.step_of(entry), name)
             if kind.role == "adamw" and step is not None and entry.state_keys:
