@@ -13,7 +13,11 @@ and the torch-free layers (``errors``, ``layout``, ``format``) import quickly.
 
 from __future__ import annotations
 
+import logging
+
 from ._namespace import lazy_names
+
+logging.getLogger(__name__).addHandler(logging.NullHandler())  # silent unless configured
 
 __version__ = "0.1.0"
 

@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from .. import storage
+from .. import events, storage
 from ..distributed import collectives, group_steps
 from ..distributed.steps import disagreement
 from ..errors import CheckpointError, ConversionWarning
@@ -68,6 +68,7 @@ from ..state.placement import (
     replica_hint,
 )
 from ..state.sharding_model import Sharding
+from ..storage.places import target as target_text
 from . import _reading
 from ._taking import Taken, Target, put_back
 
@@ -149,16 +150,29 @@ def load(
             whose ``load_state_dict`` refused the state.
     """
     asked = _LoadOptions(path, params, momentum_form, rename, extra, rank_extra, local)
-    call = _agree(optimizer, asked)  # the rendezvous, then the layout
-    opened = _open(call)  # open: the manifest, or this rank's refusal
-    _agree_open(call, opened)
-    report = LoadReport()
-    mapped = _map(call, opened.result(), report)  # map: the checkpoint onto the target
-    read = _read_and_take(call, opened.result(), mapped)  # read, and hand to the optimizers
-    del opened  # nothing holds the manifest now: the state made takes its place in memory
-    _agree_read(call, read)
-    _apply(call, read.taken.result(), report)
+    with event("load", path, local) as logged:
+        call = _agree(optimizer, asked)  # the rendezvous, then the layout
+        opened = _open(call)  # open: the manifest, or this rank's refusal
+        _agree_open(call, opened)
+        report = LoadReport()
+        mapped = _map(call, opened.result(), report)  # map: the checkpoint onto the target
+        read = _read_and_take(call, opened.result(), mapped)  # read, and hand to the optimizers
+        del opened  # nothing holds the manifest now: the state made takes its place in memory
+        _agree_read(call, read)
+        taken = read.taken.result()
+        logged.bytes = taken[0].share.nbytes
+        _apply(call, taken, report)
     return report
+
+
+def event(operation: str, path: str | os.PathLike[str], local: bool) -> events.Event:
+    """The start of ``operation`` (save, async_save, load) on ``path`` logged, with this rank
+    and the ranks of the default process group (this process alone for a ``local`` call)."""
+    where = target_text(path)
+    if local or not collectives.is_distributed():
+        return events.Event(operation, where)
+    rank, ranks = collectives.global_rank(), collectives.group_size(None)
+    return events.Event(operation, where, rank=rank, ranks=ranks)
 
 
 @dataclass(frozen=True)

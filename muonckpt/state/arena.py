@@ -38,6 +38,11 @@ class ReadArena:
     def __len__(self) -> int:
         return len(self._slots) // 3
 
+    @property
+    def nbytes(self) -> int:
+        """The bytes of every slot."""
+        return sum(self._slots[2::3])
+
     def reserve(self, nbytes: int) -> tuple[int, np.ndarray]:
         """A new slot of ``nbytes`` and the 1-D uint8 array to fill it through."""
         if nbytes >= self._small:
