@@ -6,6 +6,7 @@ unchanged."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from dataclasses import replace
 
@@ -33,8 +34,8 @@ HOSTILE = [
 
 def _with_prefix(text: str, prefix: object, version: int = PREFIXED_VERSION) -> str:
     """The manifest ``text`` with ``data_prefix`` first and its format version ``version``."""
-    old, new = '"format_version": 4,', f'"format_version": {version},'
-    body = text.lstrip()[1:].replace(old, new, 1)
+    new = f'"format_version": {version},'
+    body = re.sub(r'"format_version": \d+,', new, text.lstrip()[1:], count=1)
     assert new in body
     return '{"data_prefix": ' + json.dumps(prefix) + "," + body
 

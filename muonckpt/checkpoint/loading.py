@@ -48,11 +48,11 @@ import torch
 from .. import events, storage
 from ..distributed import collectives, group_steps
 from ..distributed.steps import disagreement
-from ..errors import CheckpointError, ConversionWarning
+from ..errors import CheckpointError, ConversionWarning, EnvironmentWarning
 from ..files.attempt import Attempt
 from ..files.pieces import PieceReader, load_pieces, open_checkpoint
 from ..format import conversion, kinds
-from ..format.manifest import Manifest
+from ..format.manifest import Manifest, environment_differences
 from ..format.names import MANIFEST_NAME
 from ..format.renames import Rename, prefix_hint
 from ..optim.sharding import ShardedParams, following
@@ -69,7 +69,7 @@ from ..state.placement import (
 )
 from ..state.sharding_model import Sharding
 from ..storage.places import target as target_text
-from . import _reading
+from . import _reading, _save_manifest
 from ._taking import Taken, Target, put_back
 
 
@@ -81,6 +81,10 @@ class LoadReport:
     """Momentum converted between forms, per group: which params, from which form, by what."""
     warnings: list[str] = field(default_factory=list)
     """Target settings that cannot continue the saved trajectory, and what would."""
+    environment: list[str] = field(default_factory=list)
+    """What differs from the environment the save ran in, ``key saved -> now``
+    (:data:`muonckpt.format.manifest.ENVIRONMENT_KEYS`; warned as an
+    :class:`~muonckpt.errors.EnvironmentWarning`): empty where a resume can be bitwise."""
 
 
 def load(
@@ -298,6 +302,8 @@ def _map(call: _LoadCall, opened: _Opened, report: LoadReport) -> Attempt[Target
         manifest, directory = opened.manifest, opened.files.location
         _check_prefix(manifest, call.sharding, directory)
         form = call.options.momentum_form
+        now = _save_manifest.environment(_save_manifest.device_of(call.optimizer))
+        report.environment = environment_differences(manifest.environment, now)
         target = _plan(call.optimizer, call.sharding, manifest, form, report)
         _check_covered(manifest, target, directory)
         return Attempt(target)
@@ -382,6 +388,19 @@ def _apply(call: _LoadCall, taken: tuple[Taken, trainstate.Restore], report: Loa
         _LOG.info("muonckpt.load: converted %s", message)
     for message in report.warnings:
         warnings.warn(message, ConversionWarning, stacklevel=3)
+    if report.environment:
+        warnings.warn(_environment_message(report.environment), EnvironmentWarning, stacklevel=3)
+
+
+def _environment_message(differences: list[str]) -> str:
+    """The one warning of a load in another environment than the save's."""
+    return (
+        f"this load runs in another environment than the save: {'; '.join(differences)}. A "
+        "resumed run is bitwise the uninterrupted one only under the same torch, device type, "
+        "intra-op and inter-op thread counts (torch.set_num_threads, OMP_NUM_THREADS: a "
+        "one-process torchrun leaves it unset) and deterministic settings; set them as the "
+        "save had them for a bitwise resume"
+    )
 
 
 _LOG = logging.getLogger("muonckpt")
