@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import muonckpt
-from muonckpt.errors import EnvironmentWarning
+from muonckpt.errors import EnvironmentWarning, RestoreError, RestoreWarning
 from muonckpt.format.manifest import ENVIRONMENT_KEYS
 
 
@@ -60,3 +60,72 @@ def test_the_manifest_records_the_environment_and_a_load_under_another_warns_onc
             assert muonckpt.load(_adamw(), path).environment == []
     finally:
         torch.set_num_threads(threads)
+
+
+def _dropping(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """``opt``, whose load_state_dict forgets the momentum of its second param."""
+    load = opt.load_state_dict
+
+    def load_state_dict(state_dict):
+        load(state_dict)
+        opt.state[opt.param_groups[0]["params"][1]].pop("momentum_buffer", None)
+
+    opt.load_state_dict = load_state_dict
+    return opt
+
+
+def _normalizing(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """``opt``, whose load_state_dict normalizes each momentum in place (as torch.optim.Muon
+    with bf16 params and nesterov=False does every step)."""
+    load = opt.load_state_dict
+
+    def load_state_dict(state_dict):
+        load(state_dict)
+        for state in opt.state.values():
+            state["momentum_buffer"].div_(state["momentum_buffer"].norm())
+
+    opt.load_state_dict = load_state_dict
+    return opt
+
+
+def _sgd(dtype=torch.float32, steps=1):
+    named = [(n, torch.nn.Parameter(torch.randn(4, 3).to(dtype))) for n in ("w1", "w2")]
+    group = {"params": [p for _, p in named], "param_names": [n for n, _ in named]}
+    opt = torch.optim.SGD([group], lr=0.1, momentum=0.9)
+    for _ in range(steps):
+        for _, p in named:
+            p.grad = torch.ones_like(p)
+        opt.step()
+    return opt
+
+
+@pytest.fixture
+def sgd_ckpt(tmp_path):
+    return muonckpt.save(_sgd(), tmp_path / "ckpt")
+
+
+def test_state_the_optimizer_dropped_fails_the_load_and_changes_nothing(sgd_ckpt):
+    opt = _dropping(_sgd(steps=0))
+    before = [p.detach().clone() for p in opt.param_groups[0]["params"]]
+    with pytest.raises(RestoreError, match=r"dropped state.*'w2' 'momentum_buffer'") as raised:
+        muonckpt.load(opt, sgd_ckpt)
+    assert (raised.value.param, raised.value.key) == ("w2", "momentum_buffer")
+    assert not opt.state  # put back: as it was
+    assert all(torch.equal(a, p) for a, p in zip(before, opt.param_groups[0]["params"]))
+    muonckpt.load(opt, sgd_ckpt, check=False)  # the documented way out
+    assert set(map(len, opt.state.values())) == {0, 1}
+
+
+def test_a_value_that_differs_after_load_state_dict_fails_naming_param_and_key(sgd_ckpt):
+    with pytest.raises(RestoreError, match="'w1' 'momentum_buffer': holds other values") as raised:
+        muonckpt.load(_normalizing(_sgd(steps=0)), sgd_ckpt)
+    assert (raised.value.param, raised.value.key) == ("w1", "momentum_buffer")
+
+
+def test_a_cast_by_torchs_rule_warns_once_naming_both_dtypes(sgd_ckpt):
+    opt = _sgd(dtype=torch.bfloat16, steps=0)
+    with pytest.warns(RestoreWarning) as said:
+        muonckpt.load(opt, sgd_ckpt, params=False)
+    assert len([w for w in said if w.category is RestoreWarning]) == 1
+    message = str(said[0].message)
+    assert "'w1' 'momentum_buffer' torch.float32 -> torch.bfloat16" in message and "'w2'" in message

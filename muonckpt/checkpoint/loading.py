@@ -69,7 +69,7 @@ from ..state.placement import (
 )
 from ..state.sharding_model import Sharding
 from ..storage.places import target as target_text
-from . import _reading, _save_manifest
+from . import _checking, _reading, _save_manifest
 from ._taking import Taken, Target, put_back
 
 
@@ -97,6 +97,7 @@ def load(
     extra: MutableMapping[str, Any] | None = None,
     rank_extra: MutableMapping[str, Any] | None = None,
     local: bool = False,
+    check: bool = True,
 ) -> LoadReport:
     """Load a checkpoint of any kind and source topology into ``optimizer`` at its topology.
 
@@ -143,6 +144,14 @@ def load(
             alone, whatever process group is initialized (as :func:`muonckpt.save`'s
             ``local``). Without it an optimizer without hooks in a process group is a replica,
             and every rank of the world must call ``load``.
+        check: prove what the load restored (the default): each rank digests what it hands
+            the optimizers, after any reshard and conversion, and after the load what the
+            optimizers, the params and the models that follow them hold; state an optimizer
+            dropped, a value that differs or a model weight not synced to its param fails the
+            load on every rank (:class:`~muonckpt.errors.RestoreError`, naming the param and
+            key), state it cast by torch's rule is warned once
+            (:class:`~muonckpt.errors.RestoreWarning`). Its cost is two XXH3 passes over this
+            rank's share (docs/benchmarks.md); False skips it.
 
     Returns:
         A :class:`LoadReport` of the conversions made and the settings warned about.
@@ -153,7 +162,7 @@ def load(
             refused its own previous state too, named). StateDictError: naming the optimizer
             whose ``load_state_dict`` refused the state.
     """
-    asked = _LoadOptions(path, params, momentum_form, rename, extra, rank_extra, local)
+    asked = _LoadOptions(path, params, momentum_form, rename, extra, rank_extra, local, check)
     with event("load", path, local) as logged:
         call = _agree(optimizer, asked)  # the rendezvous, then the layout
         opened = _open(call)  # open: the manifest, or this rank's refusal
@@ -166,6 +175,7 @@ def load(
         taken = read.taken.result()
         logged.bytes = taken[0].share.nbytes
         _apply(call, taken, report)
+        _agree_check(call, read.check)
     return report
 
 
@@ -190,6 +200,7 @@ class _LoadOptions:
     extra: MutableMapping[str, Any] | None
     rank_extra: MutableMapping[str, Any] | None
     local: bool
+    check: bool
 
     def agreement(self) -> dict[str, Any]:
         """What every rank's call must have alike (the rendezvous compares it)."""
@@ -201,6 +212,7 @@ class _LoadOptions:
             "rename": rename if rename is None or isinstance(rename, Mapping) else _named(rename),
             "extra given": self.extra is not None,
             "rank_extra given": self.rank_extra is not None,
+            "check": self.check,
         }
 
 
@@ -318,6 +330,8 @@ class _Read:
 
     undo: list[Callable[[], list[str]]]
     taken: Attempt[tuple[Taken, trainstate.Restore]]
+    check: _checking.Check | None = None
+    """What the load applies, digested before it was handed over (None: not checked)."""
 
 
 def _read_and_take(call: _LoadCall, opened: _Opened, mapped: Attempt[Target]) -> _Read:
@@ -336,9 +350,12 @@ def _read_and_take(call: _LoadCall, opened: _Opened, mapped: Attempt[Target]) ->
         undo.append(restore.put_back)
         restore.load_objects()
         state = Taken(target, share)
+        check = _checking.Check(state) if options.check else None
         undo.append(state.put_back)
         state.take()
-        return _Read(undo, Attempt((state, restore)))
+        if check is not None:
+            check.taken()  # state dropped refuses here: every rank puts back
+        return _Read(undo, Attempt((state, restore)), check)
     except BaseException as exc:
         return _Read(undo, Attempt(failure=exc))
 
@@ -373,6 +390,24 @@ def _agree_read(call: _LoadCall, read: _Read) -> None:
     except BaseException as exc:
         put_back(read.undo, exc)
         raise
+
+
+def _agree_check(call: _LoadCall, check: _checking.Check | None) -> None:
+    """The ``check`` step (after the apply): every rank's optimizers, params and models hold
+    what it read, or the load fails on every rank naming what differs; casts warned."""
+    if check is None:
+        return
+    problems = check.problems(call.models)
+
+    def mine() -> None:
+        if problems:
+            raise _checking.refusal(problems)
+
+    if len(call.steps.ranks) > 1:
+        call.steps.each_then_root("check", mine, lambda _: None)
+    else:
+        mine()
+    check.warn()
 
 
 def _apply(call: _LoadCall, taken: tuple[Taken, trainstate.Restore], report: LoadReport) -> None:

@@ -66,6 +66,11 @@ class ReadArena:
             self._arrays[self._filling] = self._arrays[self._filling][: self._used].clone()
         self._filling = -1
 
+    def raw(self, slot: int) -> torch.Tensor:
+        """The slot's bytes, a 1-D uint8 tensor sharing them."""
+        where, offset, nbytes = self._slots[3 * slot : 3 * slot + 3]
+        return self._arrays[where][offset : offset + nbytes]
+
     def tensor(self, slot: int, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
         """The slot's bytes as a tensor of ``dtype`` and ``shape``, sharing them."""
         where, offset, nbytes = self._slots[3 * slot : 3 * slot + 3]

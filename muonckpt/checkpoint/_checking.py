@@ -1,0 +1,186 @@
+"""(internal) A load's proof of what it restored, for :func:`muonckpt.checkpoint.loading.load`.
+
+Before the optimizers are handed their share, :class:`Check` takes a digest (XXH3-64, per
+16 MiB chunk, on a thread pool: it releases the GIL) of every tensor this rank means to apply,
+as read, resharded and converted (the manifest's checksums are of the pieces saved, which a
+reshard or a conversion does not keep). After their ``load_state_dict`` it finds every state
+key each kept (:meth:`Check.taken`: state it dropped refuses the load, which every rank then
+puts back) and any it cast by torch's documented rule (floating state to the param's dtype:
+warned, once). After the values are applied it digests what the optimizers, the params and the
+models that follow them hold and names every difference (:meth:`Check.problems`).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+import xxhash
+
+from .. import storage
+from ..errors import RestoreError, RestoreWarning
+from ..optim.sharding import ShardedParams
+from ..state.placement import optimizers_of
+from ._taking import Taken
+
+DIGEST_CHUNK = 16 << 20
+"""Bytes of one digest's chunk: the unit the threads share."""
+WORKERS = min(8, os.cpu_count() or 1)
+"""Threads that digest at once."""
+
+
+def digests(tensors: Sequence[torch.Tensor]) -> list[bytes]:
+    """Each tensor's digest (its chunks' XXH3-64 digests, packed), its bytes on the host; the
+    chunks hashed by :data:`WORKERS` threads, in tasks of about :data:`DIGEST_CHUNK` bytes (many
+    small tensors one task: a task each would cost more than their bytes)."""
+    views = [_host_bytes(t) for t in tensors]
+    tasks: list[list[tuple[int, int]]] = [[]]
+    size = 0
+    for i, view in enumerate(views):
+        for at in range(0, len(view), DIGEST_CHUNK):
+            tasks[-1].append((i, at))
+            size += min(DIGEST_CHUNK, len(view) - at)
+            if size >= DIGEST_CHUNK:
+                tasks.append([])
+                size = 0
+
+    def digest(task: list[tuple[int, int]]) -> list[bytes]:
+        return [xxhash.xxh3_64_digest(views[i][at : at + DIGEST_CHUNK]) for i, at in task]
+
+    out = [b""] * len(views)
+    with ThreadPoolExecutor(min(WORKERS, len(tasks))) as pool:
+        for task, parts in zip(tasks, pool.map(digest, tasks), strict=True):
+            for (i, _), part in zip(task, parts, strict=True):
+                out[i] += part
+    return out
+
+
+def _host_bytes(tensor: torch.Tensor) -> memoryview:
+    """A tensor's bytes in row-major order, on the host (copied only where they are not)."""
+    flat = tensor.detach().reshape(-1)
+    if flat.device.type != "cpu":
+        flat = flat.cpu()
+    return memoryview(flat.contiguous().view(torch.uint8).numpy().data)
+
+
+@dataclass(frozen=True)
+class _Applied:
+    """One tensor the load applies: which param and key, and where its values are read."""
+
+    param: str
+    key: str
+    position: int
+    """The param's index in the target's flat param order."""
+    slot: int
+    dtype: torch.dtype
+    """As read (the state's as saved, after any conversion)."""
+
+
+class Check:
+    """What one rank's load applies, digested before it is handed over and compared after."""
+
+    def __init__(self, taken: Taken) -> None:
+        self.taken_share, share = taken, taken.share
+        names = {p.local_index: p.name for p in taken.plan.sharding.params}
+        self.state = [
+            _Applied(names[s.position], key, s.position, slot, storage.torch_dtype(dtype))
+            for s in share.state
+            for slot, (key, dtype) in enumerate(s.tensors, s.first)
+        ]
+        params = taken.params
+        self.values = [
+            _Applied(names[index], "param", index, slot, params[index].dtype)
+            for index, slot in zip(share.values[::2], share.values[1::2], strict=True)
+        ]
+        self.before = digests(
+            [share.arena.raw(a.slot) for a in self.state]
+            + [share.value_bytes.raw(a.slot) for a in self.values]
+        )
+        self.casts: list[str] = []
+
+    def _held(self) -> list[torch.Tensor | None]:
+        """The tensor each optimizer now keeps for each state tensor applied (None: none)."""
+        params = self.taken_share.params
+        states = [o.state for o in optimizers_of(self.taken_share.plan.optimizer)]
+        held = []
+        for a in self.state:
+            p = params[a.position]
+            kept = next((s[p].get(a.key) for s in states if p in s), None)
+            held.append(kept if isinstance(kept, torch.Tensor) else None)
+        return held
+
+    def taken(self) -> None:
+        """(after every ``load_state_dict``) State an optimizer dropped refuses the load, naming
+        the param and key; one it cast to its param's dtype is noted for :meth:`warn`."""
+        dropped = [a for a, kept in zip(self.state, self._held(), strict=True) if kept is None]
+        if dropped:
+            raise RestoreError(
+                "the optimizer's load_state_dict dropped state the checkpoint gave it: "
+                + _named(f"{a.param!r} {a.key!r}" for a in dropped),
+                param=dropped[0].param,
+                key=dropped[0].key,
+            )
+        self.casts = [
+            f"{a.param!r} {a.key!r} {a.dtype} -> {kept.dtype}"
+            for a, kept in zip(self.state, self._held(), strict=True)
+            if kept is not None and kept.dtype != a.dtype
+        ]
+
+    def problems(self, models: Iterable[ShardedParams]) -> list[tuple[str, str, str]]:
+        """(after the apply) (param, key, what) of every tensor held that is not what was read:
+        the optimizers' state (cast as torch casts, where it did), the params, and the model
+        weights that follow them (``key`` ``"model"``)."""
+        share, params = self.taken_share.share, self.taken_share.params
+        held = [t for t in self._held() if t is not None]
+        expected = list(self.before)
+        for i, (a, kept) in enumerate(zip(self.state, held, strict=True)):
+            if kept.dtype != a.dtype:  # cast by the optimizer: compared as cast
+                read = share.arena.raw(a.slot).view(a.dtype).to(kept.dtype)
+                expected[i] = digests([read])[0]
+        now = digests(held + [params[a.position] for a in self.values])
+        found = [
+            (a.param, a.key, "holds other values than the checkpoint gave it")
+            for a, want, got in zip(self.state + self.values, expected, now, strict=True)
+            if want != got
+        ]
+        for sharded in models:
+            cut = [
+                sharded.cut(model_param, i) for i, model_param in enumerate(sharded.model_params)
+            ]
+            pairs = zip(sharded.specs, digests(cut), digests(sharded.shards()), strict=True)
+            for spec, model, loaded in pairs:
+                if model != loaded:
+                    found.append((spec.name, "model", "the model's weight is not the loaded param"))
+        return found
+
+    def warn(self) -> None:
+        """State the optimizer cast, warned once (:class:`RestoreWarning`)."""
+        if self.casts:
+            warnings.warn(
+                "the optimizer cast loaded state to its params' dtype (torch casts floating "
+                f"state so): {_named(self.casts)}",
+                RestoreWarning,
+                stacklevel=4,
+            )
+
+
+def refusal(problems: Sequence[tuple[str, str, str]]) -> RestoreError:
+    """The error of a load whose check found ``problems``: the first named in its fields."""
+    param, key, _ = problems[0]
+    return RestoreError(
+        "the load's check found what the optimizer holds after it differ from the checkpoint: "
+        + _named(f"{p!r} {k!r}: {what}" for p, k, what in problems),
+        param=param,
+        key=key,
+    )
+
+
+def _named(items: Iterable[str]) -> str:
+    """Up to eight of ``items``, and how many more."""
+    listed = list(items)
+    more = f" and {len(listed) - 8} more" if len(listed) > 8 else ""
+    return "; ".join(listed[:8]) + more
