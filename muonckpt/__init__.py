@@ -29,6 +29,7 @@ _PUBLIC: dict[str, str] = {
     "latest": ".files.retention",
     "clean": ".files.retention",
     "verify": ".files.pieces",
+    "doctor": ".offline.doctor",
     "read_manifest": ".files.pieces",
     "install_hooks": ".state.hooks",
     "gather_state_dict": ".state.hooks",

@@ -1,8 +1,8 @@
 """(internal) A load's proof of what it restored, for :func:`muonckpt.checkpoint.loading.load`.
 
-Before the optimizers are handed their share, :class:`Check` takes a digest (XXH3-64, per
-16 MiB chunk, on a thread pool: it releases the GIL) of every tensor this rank means to apply,
-as read, resharded and converted (the manifest's checksums are of the pieces saved, which a
+As the share is read, :class:`Check` takes a digest (XXH3-64, per 16 MiB chunk, on a thread
+pool: it releases the GIL, and the reads go on meanwhile) of every tensor this rank means to
+apply, as read, resharded and converted (the manifest's checksums are of the pieces saved, which a
 reshard or a conversion does not keep). After their ``load_state_dict`` it finds every state
 key each kept (:meth:`Check.taken`: state it dropped refuses the load, which every rank then
 puts back) and any it cast by torch's documented rule (floating state to the param's dtype:
@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -23,7 +23,9 @@ import xxhash
 
 from .. import storage
 from ..errors import RestoreError, RestoreWarning
+from ..format.manifest import Piece
 from ..optim.sharding import ShardedParams
+from ..state.arena import ReadArena
 from ..state.placement import optimizers_of
 from ._taking import Taken
 
@@ -33,28 +35,30 @@ WORKERS = min(8, os.cpu_count() or 1)
 """Threads that digest at once."""
 
 
-def digests(tensors: Sequence[torch.Tensor]) -> list[bytes]:
-    """Each tensor's digest (its chunks' XXH3-64 digests, packed), its bytes on the host; the
-    chunks hashed by :data:`WORKERS` threads, in tasks of about :data:`DIGEST_CHUNK` bytes (many
+def digests(tensors: Sequence[torch.Tensor], chunks: Sequence[int] | None = None) -> list[bytes]:
+    """Each tensor's digest (the XXH3-64 digests of its ``chunks[i]``-byte chunks, default
+    :data:`DIGEST_CHUNK`, packed as the manifest's checksums are), its bytes on the host;
+    hashed by :data:`WORKERS` threads, in tasks of about :data:`DIGEST_CHUNK` bytes (many
     small tensors one task: a task each would cost more than their bytes)."""
     views = [_host_bytes(t) for t in tensors]
-    tasks: list[list[tuple[int, int]]] = [[]]
+    sizes = chunks or [DIGEST_CHUNK] * len(views)
+    tasks: list[list[tuple[int, int, int]]] = [[]]
     size = 0
-    for i, view in enumerate(views):
-        for at in range(0, len(view), DIGEST_CHUNK):
-            tasks[-1].append((i, at))
-            size += min(DIGEST_CHUNK, len(view) - at)
+    for i, (view, step) in enumerate(zip(views, sizes, strict=True)):
+        for at in range(0, len(view), step):
+            tasks[-1].append((i, at, at + step))
+            size += min(step, len(view) - at)
             if size >= DIGEST_CHUNK:
                 tasks.append([])
                 size = 0
 
-    def digest(task: list[tuple[int, int]]) -> list[bytes]:
-        return [xxhash.xxh3_64_digest(views[i][at : at + DIGEST_CHUNK]) for i, at in task]
+    def digest(task: list[tuple[int, int, int]]) -> list[bytes]:
+        return [xxhash.xxh3_64_digest(views[i][at:end]) for i, at, end in task]
 
     out = [b""] * len(views)
     with ThreadPoolExecutor(min(WORKERS, len(tasks))) as pool:
         for task, parts in zip(tasks, pool.map(digest, tasks), strict=True):
-            for (i, _), part in zip(task, parts, strict=True):
+            for (i, _, _), part in zip(task, parts, strict=True):
                 out[i] += part
     return out
 
@@ -81,9 +85,34 @@ class _Applied:
 
 
 class Check:
-    """What one rank's load applies, digested before it is handed over and compared after."""
+    """What one rank's load applies, digested as it is read (overlapping the reads, on a pool
+    of :data:`WORKERS` threads: :meth:`read`), and compared after it is applied."""
 
-    def __init__(self, taken: Taken) -> None:
+    def __init__(self) -> None:
+        self._pool = ThreadPoolExecutor(WORKERS, thread_name_prefix="muonckpt-check")
+        self._read: dict[tuple[int, int], tuple[list[Future[bytes]] | bytes, int]] = {}
+        self.casts: list[str] = []
+
+    def read(self, arena: ReadArena, slot: int, piece: Piece | None) -> None:
+        """(as the share is read, and again after a conversion changes it) Slot ``slot`` of
+        ``arena`` holds what the load applies: its digest begun, or, for a slot that is one
+        whole stored ``piece`` (a load at the saving layout), the checksums the read verified
+        taken for it."""
+        if piece is not None:
+            self._read[id(arena), slot] = (piece.digests, piece.chunk_bytes)
+            return
+        view = _host_bytes(arena.raw(slot))
+        self._read[id(arena), slot] = (
+            [
+                self._pool.submit(xxhash.xxh3_64_digest, view[at : at + DIGEST_CHUNK])
+                for at in range(0, len(view), DIGEST_CHUNK)
+            ],
+            DIGEST_CHUNK,
+        )
+
+    def handing(self, taken: Taken) -> None:
+        """(the share read, before any optimizer is handed it) What it applies, and each
+        tensor's digest as read."""
         self.taken_share, share = taken, taken.share
         names = {p.local_index: p.name for p in taken.plan.sharding.params}
         self.state = [
@@ -96,11 +125,18 @@ class Check:
             _Applied(names[index], "param", index, slot, params[index].dtype)
             for index, slot in zip(share.values[::2], share.values[1::2], strict=True)
         ]
-        self.before = digests(
-            [share.arena.raw(a.slot) for a in self.state]
-            + [share.value_bytes.raw(a.slot) for a in self.values]
-        )
-        self.casts: list[str] = []
+        arenas = [(share.arena, self.state), (share.value_bytes, self.values)]
+        taken_as = [self._read[id(arena), a.slot] for arena, applied in arenas for a in applied]
+        self.before = [
+            known if isinstance(known, bytes) else b"".join(f.result() for f in known)
+            for known, _ in taken_as
+        ]
+        self.chunks = [chunk for _, chunk in taken_as]
+        self.close()
+
+    def close(self) -> None:
+        """The threads ended (after :meth:`handing`, or when the load failed before it)."""
+        self._pool.shutdown(cancel_futures=True)
 
     def _held(self) -> list[torch.Tensor | None]:
         """The tensor each optimizer now keeps for each state tensor applied (None: none)."""
@@ -136,12 +172,12 @@ class Check:
         weights that follow them (``key`` ``"model"``)."""
         share, params = self.taken_share.share, self.taken_share.params
         held = [t for t in self._held() if t is not None]
-        expected = list(self.before)
+        expected, chunks = list(self.before), list(self.chunks)
         for i, (a, kept) in enumerate(zip(self.state, held, strict=True)):
             if kept.dtype != a.dtype:  # cast by the optimizer: compared as cast
                 read = share.arena.raw(a.slot).view(a.dtype).to(kept.dtype)
-                expected[i] = digests([read])[0]
-        now = digests(held + [params[a.position] for a in self.values])
+                expected[i], chunks[i] = digests([read])[0], DIGEST_CHUNK
+        now = digests(held + [params[a.position] for a in self.values], chunks)
         found = [
             (a.param, a.key, "holds other values than the checkpoint gave it")
             for a, want, got in zip(self.state + self.values, expected, now, strict=True)

@@ -13,7 +13,7 @@ from .. import storage
 from ..errors import CheckpointError, StateDictError
 from ..files.pieces import PieceReader
 from ..format import conversion
-from ..format.manifest import Manifest, ParamEntry, Scalar
+from ..format.manifest import Manifest, ParamEntry, Piece, Scalar
 from ..format.names import MANIFEST_NAME, PARAM_KEY
 from ..layout.topology import Region, whole_region
 from ..state.arena import ReadArena
@@ -21,17 +21,35 @@ from ..state.describers import flat_params
 from ..state.sharding_model import ParamSharding
 from ._taking import Share, Staged, Target, scalar_value
 
+Done = Callable[[ReadArena, int, Piece | None], None]
+"""``done(arena, slot, piece)``: the slot holds what the load applies (read, and converted):
+the whole of stored ``piece`` as it was read (None: anything else)."""
+
+
+def _nothing(arena: ReadArena, slot: int, piece: Piece | None) -> None:
+    """No one to tell."""
+
 
 def read_share(
-    plan: Target, manifest: Manifest, reader: PieceReader, params: bool, directory: storage.Location
+    plan: Target,
+    manifest: Manifest,
+    reader: PieceReader,
+    params: bool,
+    directory: storage.Location,
+    done: Done | None = None,
 ) -> Share:
-    """This rank's share of the state (in the target's keys) and of its params' values."""
+    """This rank's share of the state (in the target's keys) and of its params' values; each
+    slot told to ``done`` once it holds what the load applies."""
     grouped = manifest.pieces_of()
     share = Share(ReadArena(), [], array("q"))
+    done = done or _nothing
 
     def read(entry: ParamEntry, key: str, region: Region, arena: ReadArena = share.arena) -> int:
         slot, out = arena.reserve(region.numel * storage.itemsize(entry.dtype_of(key)))
-        reader.gather(grouped[entry.name, key], entry, key, region, out)
+        pieces = grouped[entry.name, key]
+        reader.gather(pieces, entry, key, region, out)
+        whole = len(pieces) == 1 and pieces[0].region == region
+        done(arena, slot, pieces[0] if whole else None)
         return slot
 
     flat = flat_params(plan.optimizer)
@@ -52,7 +70,9 @@ def read_share(
                     read(entry, key, param.local)
                 scalars = entry.scalars
             else:
-                tensors, first, scalars = _mapped(plan, param, entry, manifest, read, share.arena)
+                tensors, first, scalars = _mapped(
+                    plan, param, entry, manifest, read, share.arena, done
+                )
             if tensors not in layouts:  # a dtype this torch lacks fails before any change
                 layouts[tensors] = tensors
                 for _, dtype in tensors:
@@ -79,9 +99,10 @@ def _mapped(
     manifest: Manifest,
     read: Callable[[ParamEntry, str, Region], int],
     arena: ReadArena,
+    done: Done,
 ) -> tuple[tuple[tuple[str, str], ...], int, Mapping[str, Scalar]]:
     """A param's state in the target's keys and forms: (key, dtype) per tensor read, the first
-    tensor's slot, and the step scalar."""
+    tensor's slot (each told to ``done`` again once converted), and the step scalar."""
     assert plan.maps is not None  # (a load across implementations)
     key_map = plan.maps[param.name]
     tensors, first = [], len(arena)
@@ -92,6 +113,7 @@ def _mapped(
             if factor != 1.0:
                 numel = (param.region_here.numel,)
                 arena.tensor(slot, storage.torch_dtype(dtype), numel).mul_(factor)
+                done(arena, slot, None)
             tensors.append((key, dtype))
     step = conversion.step_scalar(plan.steps_in[param.group], manifest.step_of(entry), entry.name)
     scalars = {"step": step} if key_map.step and tensors and step is not None else {}

@@ -340,17 +340,21 @@ def _read_and_take(call: _LoadCall, opened: _Opened, mapped: Attempt[Target]) ->
     back what it changed (the stateful values first, then the optimizers take their share, no
     tensor of theirs written into yet)."""
     options, undo = call.options, []
+    check = _checking.Check() if options.check else None
     try:
         target, manifest, files = mapped.result(), opened.manifest, opened.files
         manifest = load_pieces(files, manifest, _read_here(target, options.params))
         with PieceReader(files, manifest) as reader:
-            share = _reading.read_share(target, manifest, reader, options.params, files.location)
+            done = None if check is None else check.read
+            where = files.location
+            share = _reading.read_share(target, manifest, reader, options.params, where, done)
             asked = _read_job_state(manifest, reader, options.extra, options.rank_extra, call.rank)
         restore = trainstate.Restore(asked)
         undo.append(restore.put_back)
         restore.load_objects()
         state = Taken(target, share)
-        check = _checking.Check(state) if options.check else None
+        if check is not None:
+            check.handing(state)
         undo.append(state.put_back)
         state.take()
         if check is not None:
@@ -358,6 +362,9 @@ def _read_and_take(call: _LoadCall, opened: _Opened, mapped: Attempt[Target]) ->
         return _Read(undo, Attempt((state, restore)), check)
     except BaseException as exc:
         return _Read(undo, Attempt(failure=exc))
+    finally:
+        if check is not None:
+            check.close()
 
 
 def _read_here(target: Target, params: bool) -> list[str]:

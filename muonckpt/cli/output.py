@@ -19,7 +19,7 @@ from rich.table import Table
 if TYPE_CHECKING:
     from ..demo import DemoResult
     from ..interop import Conversion
-    from ..offline import DiffRow, Progress, Summary
+    from ..offline import Diagnosis, DiffRow, Progress, Summary
 
 TABLE_ROWS = 2000
 """``inspect`` and ``diff`` draw a table up to this many rows, plain tab-separated lines
@@ -257,3 +257,25 @@ def print_demo(result: DemoResult, title: str) -> None:
         console.print(f"checkpoints in {result.checkpoint.parent}", markup=False)
     else:
         console.print("checkpoints removed (--dir DIR keeps them)", markup=False)
+
+
+def print_diagnosis(found: Diagnosis) -> None:
+    """What ``doctor`` found: one ``problem:`` line each, then a count (or ``ok:``)."""
+    console = stdout()
+    if found.healthy:
+        console.print(
+            f"ok: {found.path}: {len(found.tensors)} tensors, no problem found", markup=False
+        )
+        return
+    for finding in found.findings:
+        where = " ".join(
+            part
+            for part in (
+                f"param {finding.param!r}" if finding.param else "",
+                f"key {finding.key!r}" if finding.key else "",
+            )
+            if part
+        )
+        text = f"{finding.check}: {where + ': ' if where else ''}{finding.message}"
+        console.print(f"problem: {printable(text)}", markup=False)
+    console.print(f"{len(found.findings)} problem(s) in {found.path}", markup=False)

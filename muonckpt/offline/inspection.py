@@ -1,6 +1,6 @@
 """What the offline inspectors return: a checkpoint's :class:`Summary` (``offline.summarize``,
-``muonckpt inspect``) and the rows of a comparison, :class:`DiffRow` (``offline.diff``,
-``muonckpt diff``).
+``muonckpt inspect``), the rows of a comparison, :class:`DiffRow` (``offline.diff``,
+``muonckpt diff``), and what ``doctor`` found, :class:`Diagnosis`.
 
 Pure, frozen values read from manifests; :meth:`Summary.to_json` is what ``inspect --json``
 prints, with the keys it always had.
@@ -117,3 +117,52 @@ class DiffRow:
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class TensorHealth:
+    """What ``doctor`` read of one stored tensor (a param's state key, or ``param``)."""
+
+    param: str
+    key: str
+    dtype: str
+    numel: int
+    nan: int
+    inf: int
+    norm: float
+    """The Frobenius norm of its finite elements."""
+    all_zero: bool
+    ranks: tuple[int, ...]
+    """The ranks whose files hold its pieces (0 in a consolidated checkpoint)."""
+    bad_ranks: tuple[int, ...]
+    """Those whose pieces hold a NaN or an Inf."""
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One thing ``doctor`` found wrong: which check, where (None: the whole checkpoint)."""
+
+    check: str
+    """``nan-inf``, ``zero-momentum``, ``normalized-momentum``, ``steps``, ``coverage``,
+    ``momentum-jump`` or ``params-unmoved``."""
+    param: str | None
+    key: str | None
+    message: str
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    """What ``doctor`` found of a checkpoint: every tensor's health and the findings (none:
+    healthy)."""
+
+    path: str
+    tensors: tuple[TensorHealth, ...]
+    findings: tuple[Finding, ...]
+
+    @property
+    def healthy(self) -> bool:
+        return not self.findings
+
+    def to_json(self) -> dict[str, Any]:
+        """As JSON values (what ``doctor --json`` prints)."""
+        return {**dataclasses.asdict(self), "healthy": self.healthy}
