@@ -9,8 +9,10 @@ import warnings
 
 import pytest
 import torch
+from typer.testing import CliRunner
 
 import muonckpt
+from muonckpt.cli import app
 from muonckpt.errors import EnvironmentWarning, RestoreError, RestoreWarning
 from muonckpt.format.manifest import ENVIRONMENT_KEYS
 
@@ -129,3 +131,63 @@ def test_a_cast_by_torchs_rule_warns_once_naming_both_dtypes(sgd_ckpt):
     assert len([w for w in said if w.category is RestoreWarning]) == 1
     message = str(said[0].message)
     assert "'w1' 'momentum_buffer' torch.float32 -> torch.bfloat16" in message and "'w2'" in message
+
+
+def _torch_muon(dtype: torch.dtype) -> torch.optim.Optimizer:
+    """torch.optim.Muon with nesterov=False over three matrices of ``dtype``, four steps."""
+    gen = torch.Generator().manual_seed(3)
+    params = [torch.nn.Parameter(torch.randn(16, 12, generator=gen).to(dtype)) for _ in "abc"]
+    group = {"params": params, "param_names": list("abc")}
+    opt = torch.optim.Muon([group], lr=0.02, nesterov=False)
+    for _ in range(4):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen).to(dtype)
+        opt.step()
+    return opt
+
+
+def test_doctor_flags_torch_muons_bf16_momentum_normalized_in_place(tmp_path):
+    """torch.optim.Muon with bf16 params and nesterov=False normalizes its momentum buffer in
+    place every step: its checkpoints faithfully hold the wrong momentum. Only the values show
+    it; fp32 params accumulate as they should."""
+    healthy = muonckpt.doctor(muonckpt.save(_torch_muon(torch.float32), tmp_path / "fp32"))
+    assert healthy.healthy, healthy.findings
+    found = muonckpt.doctor(muonckpt.save(_torch_muon(torch.bfloat16), tmp_path / "bf16"))
+    assert [f.check for f in found.findings] == ["normalized-momentum"]
+    assert "torch.optim.Muon" in found.findings[0].message
+    norms = [t.norm for t in found.tensors if t.key == "momentum_buffer"]
+    assert len(norms) == 3 and all(abs(n - 1) < 0.01 for n in norms)
+
+
+def test_doctor_finds_nans_in_one_ranks_state_and_names_the_rank(tmp_path, single_ckpt):
+    """A checkpoint rebuilt from a bad replica (Megatron-LM #5281): checksums of NaNs verify,
+    and the load restores them faithfully; doctor names the tensor and the rank, and exits 1."""
+    opt = _adamw(steps=2)
+    (p,) = opt.param_groups[0]["params"]
+    opt.state[p]["exp_avg"].view(-1)[-3:] = torch.tensor([float("nan"), float("inf"), 1.0])
+    source = muonckpt.save(opt, tmp_path / "one")
+    ranks = muonckpt.offline.reshard(source, tmp_path / "two", dp=2, tp=1)
+    assert muonckpt.verify(ranks) == []
+    found = muonckpt.doctor(ranks)
+    (nan,) = found.findings
+    assert (nan.check, nan.param, nan.key) == ("nan-inf", "0", "exp_avg")
+    assert "1 NaN and 1 Inf of 12 elements (rank 1)" in nan.message
+    assert muonckpt.doctor(single_ckpt(1)).healthy
+    result = CliRunner().invoke(app, ["doctor", str(ranks)])
+    assert result.exit_code == 1 and "problem: nan-inf: param '0' key 'exp_avg'" in result.output
+    shown = json.loads(CliRunner().invoke(app, ["doctor", str(ranks), "--json"]).output)
+    assert shown["healthy"] is False and shown["findings"][0]["check"] == "nan-inf"
+    assert CliRunner().invoke(app, ["doctor", str(single_ckpt(1))]).exit_code == 0
+
+
+def test_doctor_against_an_earlier_checkpoint_shows_momentum_that_was_lost(tmp_path):
+    """KellerJordan/Muon #46's aftermath: a resume whose state_dict() lacked most momentum
+    restarts it at zero; the next checkpoint shows it, and against the one before, the jump."""
+    opt = _sgd(steps=2)
+    before = muonckpt.save(opt, tmp_path / "before")
+    for state in opt.state.values():
+        state["momentum_buffer"].zero_()
+    after = muonckpt.save(opt, tmp_path / "after")
+    found = muonckpt.doctor(after, against=before)
+    checks = sorted({(f.check, f.param) for f in found.findings})
+    assert ("momentum-jump", "w1") in checks and ("zero-momentum", "w2") in checks
