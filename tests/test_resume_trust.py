@@ -13,6 +13,7 @@ from typer.testing import CliRunner
 
 import muonckpt
 from muonckpt.cli import app
+from muonckpt.distributed.launch import run_distributed
 from muonckpt.errors import EnvironmentWarning, RestoreError, RestoreWarning
 from muonckpt.format.manifest import ENVIRONMENT_KEYS
 
@@ -191,3 +192,60 @@ def test_doctor_against_an_earlier_checkpoint_shows_momentum_that_was_lost(tmp_p
     found = muonckpt.doctor(after, against=before)
     checks = sorted({(f.check, f.param) for f in found.findings})
     assert ("momentum-jump", "w1") in checks and ("zero-momentum", "w2") in checks
+
+
+def _field_failures_at_two_ranks(root: str) -> dict[str, object]:
+    """(In each of two gloo ranks.) KellerJordan/Muon #46 with the upstream package, and a
+    model left unsynced after a load (Megatron-LM #6920); what muonckpt said of each."""
+    import muon
+    import torch.distributed as dist
+
+    from muonckpt.optim.sharding import ShardedParams, shard_for_groups
+
+    said: dict[str, object] = {}
+    gen = torch.Generator().manual_seed(7)
+    matrices = [torch.nn.Parameter(torch.randn(8, 6, generator=gen)) for _ in range(4)]
+    upstream = muon.Muon(matrices, lr=0.05, momentum=0.9)
+    for p in matrices:
+        p.grad = torch.ones_like(p)
+    upstream.step()
+    said["momentum in state_dict()"] = sum(
+        "momentum_buffer" in s for s in upstream.state_dict()["state"].values()
+    )
+    try:
+        muonckpt.save(upstream, f"{root}/kj")
+    except muonckpt.StateDictError as exc:
+        said["save"] = str(exc)
+    dp_group, tp_group = muonckpt.distributed.grid_groups(2, 1)
+    model = {n: torch.nn.Parameter(torch.randn(6, 4, generator=gen)) for n in ("a", "b")}
+    sharded = shard_for_groups([{"params": list(model.items())}], dp_group, tp_group)
+    opt = muonckpt.optim.muon.Muon(sharded.param_groups, lr=0.05)
+    opt.enable_distributed_mode(sharded.global_buffer_sizes, dp_group, tp_group, sharded.dist_metas)
+    path = muonckpt.save(opt, f"{root}/packaged")
+    with torch.no_grad():
+        for p in model.values():
+            p.zero_()
+    sync, ShardedParams.params_to_model = ShardedParams.params_to_model, lambda self: None
+    try:
+        muonckpt.load(opt, path)
+    except RestoreError as exc:
+        said["unsynced"] = (str(exc), exc.param, exc.key)
+    finally:
+        ShardedParams.params_to_model = sync
+    muonckpt.load(opt, path)
+    said["synced"] = all(bool(p.abs().sum() > 0) for p in model.values())
+    dist.barrier()
+    return said
+
+
+@pytest.mark.dist
+def test_two_ranks_kj46_is_refused_and_an_unsynced_model_fails_the_load(tmp_path):
+    ranks = run_distributed(_field_failures_at_two_ranks, 2, str(tmp_path), timeout=120)
+    for said in ranks:
+        assert said["momentum in state_dict()"] == 2  # of 4: the other rank's are missing
+        assert "call muonckpt.install_hooks(optimizer) first" in said["save"]
+        message, param, key = said["unsynced"]
+        assert "rank " in message and "the model's weight is not the loaded param" in message
+        assert key == "model"
+        assert param in ("a", "b") and said["synced"]
+    assert not (tmp_path / "kj").exists()

@@ -17,6 +17,7 @@ import warnings
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import xxhash
@@ -204,12 +205,15 @@ class Check:
             )
 
 
-def refusal(problems: Sequence[tuple[str, str, str]]) -> RestoreError:
-    """The error of a load whose check found ``problems``: the first named in its fields."""
-    param, key, _ = problems[0]
+def refusal(problems: Sequence[Sequence[Any]]) -> RestoreError:
+    """The error of a load whose check found ``problems``, (rank or None, param, key, what)
+    each: the first named in its fields."""
+    _, param, key, _ = problems[0]
     return RestoreError(
         "the load's check found what the optimizer holds after it differ from the checkpoint: "
-        + _named(f"{p!r} {k!r}: {what}" for p, k, what in problems),
+        + _named(
+            f"{'' if r is None else f'rank {r}: '}{p!r} {k!r}: {what}" for r, p, k, what in problems
+        ),
         param=param,
         key=key,
     )

@@ -401,19 +401,21 @@ def _agree_read(call: _LoadCall, read: _Read) -> None:
 
 def _agree_check(call: _LoadCall, check: _checking.Check | None) -> None:
     """The ``check`` step (after the apply): every rank's optimizers, params and models hold
-    what it read, or the load fails on every rank naming what differs; casts warned."""
+    what it read, or the load fails on every rank alike, naming what differs on which rank;
+    casts warned."""
     if check is None:
         return
-    problems = check.problems(call.models)
+    mine = check.problems(call.models)
+    found: list[list[Any]] = [[None, *problem] for problem in mine]
+    steps = call.steps
+    if len(steps.ranks) > 1:
 
-    def mine() -> None:
-        if problems:
-            raise _checking.refusal(problems)
+        def every(problems: list[list[list[str]]]) -> list[list[Any]]:
+            return [[r, *p] for r, ps in zip(steps.ranks, problems, strict=True) for p in ps]
 
-    if len(call.steps.ranks) > 1:
-        call.steps.each_then_root("check", mine, lambda _: None)
-    else:
-        mine()
+        found = steps.each_then_root("check", lambda: [list(p) for p in mine], every)
+    if found:
+        raise _checking.refusal(found)
     check.warn()
 
 
