@@ -192,6 +192,14 @@ def test_doctor_against_an_earlier_checkpoint_shows_momentum_that_was_lost(tmp_p
     found = muonckpt.doctor(after, against=before)
     checks = sorted({(f.check, f.param) for f in found.findings})
     assert ("momentum-jump", "w1") in checks and ("zero-momentum", "w2") in checks
+    assert {(c.param, c.key, c.ratio) for c in found.compared if c.key == "momentum_buffer"} == {
+        ("w1", "momentum_buffer", 0.0),
+        ("w2", "momentum_buffer", 0.0),
+    }
+    shown = CliRunner().invoke(app, ["doctor", str(after), "--against", str(before)])
+    assert shown.exit_code == 1
+    text = " ".join(shown.output.split())  # (wrapped at the terminal's width)
+    assert f"against {before}: momentum norm ratios x0 to x0; 0 of 2 params moved" in text
 
 
 def _field_failures_at_two_ranks(root: str) -> dict[str, object]:

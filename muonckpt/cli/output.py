@@ -262,6 +262,16 @@ def print_demo(result: DemoResult, title: str) -> None:
 def print_diagnosis(found: Diagnosis) -> None:
     """What ``doctor`` found: one ``problem:`` line each, then a count (or ``ok:``)."""
     console = stdout()
+    if found.against is not None:
+        momentum = [c.ratio for c in found.compared if c.key == "momentum_buffer"]
+        params = [c for c in found.compared if c.key == "param"]
+        moved = sum(c.norm != c.norm_before for c in params)
+        ratios = f"x{min(momentum):.3g} to x{max(momentum):.3g}" if momentum else "none held"
+        console.print(
+            f"against {found.against}: momentum norm ratios {ratios}; "
+            f"{moved} of {len(params)} params moved",
+            markup=False,
+        )
     if found.healthy:
         console.print(
             f"ok: {found.path}: {len(found.tensors)} tensors, no problem found", markup=False

@@ -13,11 +13,12 @@ from __future__ import annotations
 from ..files.pieces import open_checkpoint
 from ..files.writing import Progress
 from .examine import diff, iter_diff, summarize
-from .inspection import Diagnosis, DiffRow, Finding, Summary, TensorHealth
+from .inspection import Compared, Diagnosis, DiffRow, Finding, Summary, TensorHealth
 from .tools import WORKER_TIMEOUT, consolidate, convert, reshard
 
 __all__ = [
     "WORKER_TIMEOUT",
+    "Compared",
     "Diagnosis",
     "DiffRow",
     "Finding",

@@ -31,7 +31,7 @@ from ..files.pieces import PieceReader, open_checkpoint
 from ..format import kinds
 from ..format.manifest import PER_RANK, Manifest
 from ..format.names import PARAM_KEY
-from .inspection import Diagnosis, Finding, TensorHealth
+from .inspection import Compared, Diagnosis, Finding, TensorHealth
 
 CHUNK = 1 << 20
 """Elements turned into float64 at a time."""
@@ -90,7 +90,9 @@ def doctor(
     findings += _normalized(manifest, tensors)
     findings += _steps(manifest)
     if against is not None:
-        findings += _jumps(tensors, _tensors(*open_checkpoint(against)))
+        compared = _compared(tensors, _tensors(*open_checkpoint(against)))
+        findings += _jumps(compared)
+        return Diagnosis(str(path), tuple(tensors), tuple(findings), str(against), tuple(compared))
     return Diagnosis(str(path), tuple(tensors), tuple(findings))
 
 
@@ -206,28 +208,31 @@ def _steps(manifest: Manifest) -> list[Finding]:
     return [Finding("steps", None, None, f"step counts disagree: {shown}")]
 
 
-def _jumps(now: list[TensorHealth], before: list[TensorHealth]) -> list[Finding]:
-    """Momentum whose norm jumped between two checkpoints; params that did not move."""
+def _compared(now: list[TensorHealth], before: list[TensorHealth]) -> list[Compared]:
+    """Each tensor both checkpoints hold, its norm in each."""
     earlier = {(t.param, t.key): t for t in before}
-    found, still = [], []
-    for t in now:
-        old = earlier.get((t.param, t.key))
-        if old is None:
-            continue
-        if t.key in MOMENTUM_KEYS and old.norm > 0:
-            ratio = t.norm / old.norm
-            if ratio > JUMP or ratio < 1 / JUMP:
-                found.append(
-                    Finding(
-                        "momentum-jump",
-                        t.param,
-                        t.key,
-                        f"momentum norm {old.norm:.4g} -> {t.norm:.4g} (x{ratio:.3g}): a resume "
-                        "that lost state?",
-                    )
-                )
-        if t.key == PARAM_KEY and t.norm == old.norm and t.numel:
-            still.append(t.param)
-    if still and len(still) == sum(1 for t in now if t.key == PARAM_KEY):
+    return [
+        Compared(t.param, t.key, earlier[t.param, t.key].norm, t.norm)
+        for t in now
+        if (t.param, t.key) in earlier
+    ]
+
+
+def _jumps(compared: list[Compared]) -> list[Finding]:
+    """Momentum whose norm jumped between two checkpoints; params none of which moved (their
+    norms all equal)."""
+    found = [
+        Finding(
+            "momentum-jump",
+            c.param,
+            c.key,
+            f"momentum norm {c.norm_before:.4g} -> {c.norm:.4g} (x{c.ratio:.3g}): a resume that "
+            "lost state?",
+        )
+        for c in compared
+        if c.key in MOMENTUM_KEYS and c.norm_before > 0 and (c.ratio > JUMP or c.ratio < 1 / JUMP)
+    ]
+    params = [c for c in compared if c.key == PARAM_KEY]
+    if params and all(c.norm == c.norm_before for c in params):
         found.append(Finding("params-unmoved", None, PARAM_KEY, "no param moved between them"))
     return found

@@ -151,13 +151,33 @@ class Finding:
 
 
 @dataclass(frozen=True)
+class Compared:
+    """One tensor in two checkpoints of a run (``doctor --against``): its norm in each."""
+
+    param: str
+    key: str
+    norm_before: float
+    """In the other checkpoint (``against``)."""
+    norm: float
+
+    @property
+    def ratio(self) -> float:
+        """``norm / norm_before`` (inf from a zero norm to another)."""
+        if self.norm_before == 0:
+            return 1.0 if self.norm == 0 else float("inf")
+        return self.norm / self.norm_before
+
+
+@dataclass(frozen=True)
 class Diagnosis:
     """What ``doctor`` found of a checkpoint: every tensor's health and the findings (none:
-    healthy)."""
+    healthy); with ``against``, every tensor's norm in both."""
 
     path: str
     tensors: tuple[TensorHealth, ...]
     findings: tuple[Finding, ...]
+    against: str | None = None
+    compared: tuple[Compared, ...] = ()
 
     @property
     def healthy(self) -> bool:
