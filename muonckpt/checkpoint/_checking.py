@@ -89,6 +89,16 @@ class Check:
     """What one rank's load applies, digested as it is read (overlapping the reads, on a pool
     of :data:`WORKERS` threads: :meth:`read`), and compared after it is applied."""
 
+    taken_share: Taken
+    state: list[_Applied]
+    """The state tensors it applies (set by :meth:`handing`, as are the next three)."""
+    values: list[_Applied]
+    """The params' values it applies."""
+    before: list[bytes]
+    """The digest of each of :attr:`state` and :attr:`values`, in that order, as read."""
+    chunks: list[int]
+    """The bytes of each digest's chunks (the stored piece's, where its checksums are used)."""
+
     def __init__(self) -> None:
         self._pool = ThreadPoolExecutor(WORKERS, thread_name_prefix="muonckpt-check")
         self._read: dict[tuple[int, int], tuple[list[Future[bytes]] | bytes, int]] = {}
@@ -153,7 +163,8 @@ class Check:
     def taken(self) -> None:
         """(after every ``load_state_dict``) State an optimizer dropped refuses the load, naming
         the param and key; one it cast to its param's dtype is noted for :meth:`warn`."""
-        dropped = [a for a, kept in zip(self.state, self._held(), strict=True) if kept is None]
+        held = list(zip(self.state, self._held(), strict=True))
+        dropped = [a for a, kept in held if kept is None]
         if dropped:
             raise RestoreError(
                 "the optimizer's load_state_dict dropped state the checkpoint gave it: "
@@ -163,7 +174,7 @@ class Check:
             )
         self.casts = [
             f"{a.param!r} {a.key!r} {a.dtype} -> {kept.dtype}"
-            for a, kept in zip(self.state, self._held(), strict=True)
+            for a, kept in held
             if kept is not None and kept.dtype != a.dtype
         ]
 
