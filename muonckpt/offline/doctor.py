@@ -102,9 +102,8 @@ def _tensors(files: storage.CheckpointFiles, manifest: Manifest) -> list[TensorH
 
     ranks = {f.name: r for r, f in enumerate(manifest.files)} if manifest.kind == PER_RANK else {}
     tallies: dict[tuple[str, str], _Tally] = {}
-    by_file = sorted(manifest.pieces, key=lambda p: (ranks.get(p.file, 0), p.file))
     with PieceReader(files, manifest, reuse_outputs=1) as reader:
-        for piece in by_file:
+        for piece in manifest.pieces:  # file by file: each index lists one file's pieces
             entry = manifest.param(piece.param)
             dtype = entry.dtype_of(piece.key)
             tally = tallies.setdefault((piece.param, piece.key), _Tally(dtype))
