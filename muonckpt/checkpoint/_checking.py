@@ -98,6 +98,8 @@ class Check:
     """The digest of each of :attr:`state` and :attr:`values`, in that order, as read."""
     chunks: list[int]
     """The bytes of each digest's chunks (the stored piece's, where its checksums are used)."""
+    versions: list[int]
+    """The state arena's blocks' version counters when handed over."""
 
     def __init__(self) -> None:
         self._pool = ThreadPoolExecutor(WORKERS, thread_name_prefix="muonckpt-check")
@@ -143,6 +145,7 @@ class Check:
             for known, _ in taken_as
         ]
         self.chunks = [chunk for _, chunk in taken_as]
+        self.versions = share.arena.versions()
         self.close()
 
     def close(self) -> None:
@@ -184,15 +187,22 @@ class Check:
         weights that follow them (``key`` ``"model"``)."""
         share, params = self.taken_share.share, self.taken_share.params
         held = [t for t in self._held() if t is not None]
-        expected, chunks = list(self.before), list(self.chunks)
-        for i, (a, kept) in enumerate(zip(self.state, held, strict=True)):
+        first = len(self.state)  # then the params' values: written into the params, compared
+        compared: list[tuple[_Applied, bytes, torch.Tensor, int]] = []
+        read_as = zip(self.state, self.before[:first], held, self.chunks[:first], strict=True)
+        for a, want, kept, chunk in read_as:
+            if self._unchanged(a, kept):
+                continue
             if kept.dtype != a.dtype:  # cast by the optimizer: compared as cast
                 read = share.arena.raw(a.slot).view(a.dtype).to(kept.dtype)
-                expected[i], chunks[i] = digests([read])[0], DIGEST_CHUNK
-        now = digests(held + [params[a.position] for a in self.values], chunks)
+                want, chunk = digests([read])[0], DIGEST_CHUNK
+            compared.append((a, want, kept, chunk))
+        values = zip(self.values, self.before[first:], self.chunks[first:], strict=True)
+        compared += [(a, want, params[a.position], chunk) for a, want, chunk in values]
+        now = digests([t for _, _, t, _ in compared], [c for _, _, _, c in compared])
         found = [
             (a.param, a.key, "holds other values than the checkpoint gave it")
-            for a, want, got in zip(self.state + self.values, expected, now, strict=True)
+            for (a, want, _, _), got in zip(compared, now, strict=True)
             if want != got
         ]
         for sharded in models:
@@ -204,6 +214,19 @@ class Check:
                 if model != loaded:
                     found.append((spec.name, "model", "the model's weight is not the loaded param"))
         return found
+
+    def _unchanged(self, applied: _Applied, kept: torch.Tensor) -> bool:
+        """Whether ``kept`` is the very bytes read for ``applied`` (a view of its slot, as
+        torch keeps a loaded tensor of the param's dtype and device) and no torch op wrote in
+        place into them since they were digested: equal without a second pass."""
+        raw = self.taken_share.share.arena.raw(applied.slot)
+        return (
+            kept.dtype == applied.dtype
+            and kept.data_ptr() == raw.data_ptr()
+            and kept.is_contiguous()
+            and kept.numel() * kept.element_size() == raw.numel()
+            and not self.taken_share.share.arena.touched(applied.slot, self.versions)
+        )
 
     def warn(self) -> None:
         """State the optimizer cast, warned once (:class:`RestoreWarning`)."""

@@ -66,6 +66,16 @@ class ReadArena:
             self._arrays[self._filling] = self._arrays[self._filling][: self._used].clone()
         self._filling = -1
 
+    def versions(self) -> list[int]:
+        """Each block's torch version counter, which every in-place torch op on a tensor
+        viewing it advances (what a slot's tensors went through since, :meth:`touched`)."""
+        return [block._version for block in self._arrays]
+
+    def touched(self, slot: int, versions: Sequence[int]) -> bool:
+        """Whether a torch op wrote in place into the block of ``slot`` since ``versions``."""
+        where = self._slots[3 * slot]
+        return bool(self._arrays[where]._version != versions[where])
+
     def raw(self, slot: int) -> torch.Tensor:
         """The slot's bytes, a 1-D uint8 tensor sharing them."""
         where, offset, nbytes = self._slots[3 * slot : 3 * slot + 3]
