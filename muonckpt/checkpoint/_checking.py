@@ -2,12 +2,16 @@
 
 As the share is read, :class:`Check` takes a digest (XXH3-64, per 16 MiB chunk, on a thread
 pool: it releases the GIL, and the reads go on meanwhile) of every tensor this rank means to
-apply, as read, resharded and converted (the manifest's checksums are of the pieces saved, which a
-reshard or a conversion does not keep). After their ``load_state_dict`` it finds every state
-key each kept (:meth:`Check.taken`: state it dropped refuses the load, which every rank then
-puts back) and any it cast by torch's documented rule (floating state to the param's dtype:
-warned, once). After the values are applied it digests what the optimizers, the params and the
-models that follow them hold and names every difference (:meth:`Check.problems`).
+apply, as read, resharded and converted (the manifest's checksums are of the pieces saved, which
+a reshard or a conversion does not keep; a slot that is one whole stored piece takes the
+checksums its read verified). After their ``load_state_dict`` it finds every state key each
+kept (:meth:`Check.taken`: state it dropped refuses the load, which every rank then puts back)
+and any it cast by torch's documented rule (floating state to the param's dtype: warned, once).
+After the values are applied it digests what the optimizers, the params and the models that
+follow them hold and names every difference (:meth:`Check.problems`); a state tensor that is
+the very bytes read (torch kept the loaded view) and that no torch op wrote in place since
+(the version counter of its block, which every in-place op on a view advances) is equal
+without being read again.
 """
 
 from __future__ import annotations

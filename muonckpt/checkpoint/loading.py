@@ -150,8 +150,8 @@ def load(
             dropped, a value that differs or a model weight not synced to its param fails the
             load on every rank (:class:`~muonckpt.errors.RestoreError`, naming the param and
             key), state it cast by torch's rule is warned once
-            (:class:`~muonckpt.errors.RestoreWarning`). Its cost is two XXH3 passes over this
-            rank's share (docs/benchmarks.md); False skips it.
+            (:class:`~muonckpt.errors.RestoreWarning`). Its cost: one XXH3 pass over the params'
+            values, and one over the state after a reshard (docs/benchmarks.md); False skips it.
 
     Returns:
         A :class:`LoadReport` of the conversions made and the settings warned about.
