@@ -119,10 +119,17 @@ def test_state_the_optimizer_dropped_fails_the_load_and_changes_nothing(sgd_ckpt
     assert set(map(len, opt.state.values())) == {0, 1}
 
 
-def test_a_value_that_differs_after_load_state_dict_fails_naming_param_and_key(sgd_ckpt):
-    with pytest.raises(RestoreError, match="'w1' 'momentum_buffer': holds other values") as raised:
-        muonckpt.load(_normalizing(_sgd(steps=0)), sgd_ckpt)
-    assert (raised.value.param, raised.value.key) == ("w1", "momentum_buffer")
+def test_a_value_that_differs_after_load_state_dict_fails_naming_param_and_key(sgd_ckpt, tmp_path):
+    """At the saving layout (the read's checksums stand for the digest) and resharded (each
+    param split over three ranks' files: digested as read)."""
+    split = muonckpt.offline.reshard(sgd_ckpt, tmp_path / "three", dp=3, tp=1)
+    pieces = muonckpt.read_manifest(split).pieces_of()
+    assert len(pieces["w1", "momentum_buffer"]) > 1
+    for path in (sgd_ckpt, split):
+        with pytest.raises(RestoreError, match="'w1' 'momentum_buffer': holds other") as raised:
+            muonckpt.load(_normalizing(_sgd(steps=0)), path)
+        assert (raised.value.param, raised.value.key) == ("w1", "momentum_buffer")
+        muonckpt.load(_sgd(steps=0), path)  # the same load, without the rewrite: checked, fine
 
 
 def test_a_cast_by_torchs_rule_warns_once_naming_both_dtypes(sgd_ckpt):
