@@ -36,7 +36,10 @@ topology (default 4 x 1), again warm-up plus interleaved rounds, each into an em
 (the previous round's result is dropped outside the timing):
 
 ``muonckpt.load``
-    each rank reads only the pieces overlapping its share, verifying checksums.
+    each rank reads only the pieces overlapping its share, verifying checksums, and proves
+    what it restored (the post-load check: two XXH3 passes over its share).
+``muonckpt.load, check=False``
+    the same without the post-load check, which shows what the check costs.
 ``naive torch.load + slice``
     each rank ``torch.load``s every old rank's ``torch.save`` file, one at a time, and copies
     what overlaps its share (checked equal to ``muonckpt.load``'s result).
@@ -111,6 +114,7 @@ SAVES = {
 LOADS = {  # naive last: its result, checked after the rounds, is the last one held
     "floor": "read the share's bytes from page cache",
     "muonckpt": "muonckpt.load",
+    "muonckpt_unchecked": "muonckpt.load, check=False",
     "naive": "naive torch.load + slice",
 }
 
@@ -238,6 +242,7 @@ def load_worker(shapes, dp: int, tp: int, ckpt: str, naive_dir: str, repeats: in
     variants = {
         "floor": lambda r: _read_run(sorted(Path(ckpt).glob("*.safetensors")), share),
         "muonckpt": lambda r: muonckpt.load(opt, ckpt, params=False),
+        "muonckpt_unchecked": lambda r: muonckpt.load(opt, ckpt, params=False, check=False),
         "naive": lambda r: held.update(naive_share(files, regions)),
     }
     assert list(variants) == list(LOADS)

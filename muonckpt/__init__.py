@@ -14,10 +14,13 @@ and the torch-free layers (``errors``, ``layout``, ``format``) import quickly.
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import re
 
 from ._namespace import lazy_names
+
+logging.getLogger(__name__).addHandler(logging.NullHandler())  # silent unless configured
 
 __version__ = "0.1.0"
 
@@ -68,6 +71,7 @@ _PUBLIC: dict[str, str] = {
     "latest": ".checkpoint.newest",
     "clean": ".files.retention",
     "verify": ".files.pieces",
+    "doctor": ".offline.doctor",
     "read_manifest": ".files.pieces",
     "install_hooks": ".state.hooks",
     "gather_state_dict": ".state.hooks",

@@ -19,12 +19,15 @@ __all__ = [
     "CollectiveError",
     "ConversionWarning",
     "DistributedRunError",
+    "EnvironmentWarning",
     "InterruptedAfterCommit",
     "LayoutError",
     "MuonCkptError",
     "OptionError",
     "PeerLostError",
     "PreconditionFailed",
+    "RestoreError",
+    "RestoreWarning",
     "StateDictError",
     "StoreUnreachable",
 ]
@@ -226,3 +229,30 @@ class ConversionWarning(UserWarning):
 class CheckpointWarning(UserWarning):
     """Something went wrong after a checkpoint was committed (the old one could not be deleted
     entirely, say): the new checkpoint is in place, and the warning names what is left."""
+
+
+class EnvironmentWarning(UserWarning):
+    """A load in another environment than the save's, where a resumed run is not bitwise the
+    uninterrupted one (another torch, intra-op thread count, ``OMP_NUM_THREADS``, device type
+    or deterministic setting); the message names what differs, saved -> now."""
+
+
+class RestoreError(CheckpointError):
+    """A load whose check after ``load_state_dict`` found the optimizer (or the model) not
+    holding what the checkpoint gave it: a value that differs, state it dropped, a model not
+    synced to the params. :attr:`param` and :attr:`key` name the first one; the message names
+    up to eight."""
+
+    key: str | None
+    """The state key (``param`` for the param's own values, ``model`` for the model's weight)
+    at fault, or None."""
+
+    def __init__(self, message: str, *, param: str | None = None, key: str | None = None) -> None:
+        super().__init__(message, param=param)
+        self.key = key
+
+
+class RestoreWarning(UserWarning):
+    """A load whose optimizer cast state to another dtype by its own documented rule (torch
+    casts floating state to its param's dtype): not a failure, but not the saved values bit for
+    bit; the message names the params and both dtypes."""

@@ -242,9 +242,9 @@ def test_k2_shaped_metadata_fits_and_a_rank_reads_only_its_indexes(tmp_path):
 
 
 def test_front_coded_names_round_trip_and_a_lying_count_is_refused(tmp_path):
-    """Version 4 writes each name as what it shares with the previous one and the rest: names
-    that share nothing, share all of another and share across an escaped character read back
-    as saved; a shared count past the previous name is refused naming the manifest."""
+    """Version 4 (and on) writes each name as what it shares with the previous one and the rest:
+    names that share nothing, share all of another and share across an escaped character read
+    back as saved; a shared count past the previous name is refused naming the manifest."""
     names = ["layers.0.w", "layers.0.w.x", "layers.1.w", "z", 'q"\u00e9', 'q"\u00e9\u00e9']
     params = [torch.nn.Parameter(torch.randn(2, 3)) for _ in names]
     opt = torch.optim.SGD([{"params": params, "param_names": names}], lr=0.1, momentum=0.9)
@@ -253,7 +253,7 @@ def test_front_coded_names_round_trip_and_a_lying_count_is_refused(tmp_path):
     opt.step()
     ckpt = muonckpt.save(opt, tmp_path / "c")
     body = json.loads((ckpt / MANIFEST_NAME).read_text())
-    assert body["format_version"] == FORMAT_VERSION == 4
+    assert body["format_version"] == FORMAT_VERSION == 5
     assert [row[0] for row in body["params"]] == [0, 10, 7, 0, 0, 3]
     assert [p.name for p in read_manifest(ckpt).params] == names
     body["params"][3][0] = 11

@@ -26,6 +26,7 @@ TOP_LEVEL = {
     "latest",
     "clean",
     "verify",
+    "doctor",
     "read_manifest",
     "install_hooks",
     "gather_state_dict",

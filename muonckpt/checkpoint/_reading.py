@@ -15,7 +15,7 @@ from ..errors import CheckpointError, StateDictError
 from ..files.pieces import PieceReader
 from ..files.progress import Meter, Progress
 from ..format import conversion
-from ..format.manifest import Manifest, ParamEntry, Scalar
+from ..format.manifest import Manifest, ParamEntry, Piece, Scalar
 from ..format.names import MANIFEST_NAME, PARAM_KEY
 from ..layout.state_shapes import local_shape, state_region
 from ..layout.topology import Region, whole_region
@@ -23,6 +23,14 @@ from ..state.arena import ReadArena
 from ..state.describers import flat_params
 from ..state.sharding_model import ParamSharding
 from ._taking import Share, Staged, Target, scalar_value
+
+Done = Callable[[ReadArena, int, Piece | None], None]
+"""``done(arena, slot, piece)``: the slot holds what the load applies (read, and converted):
+the whole of stored ``piece`` as it was read (None: anything else)."""
+
+
+def _nothing(arena: ReadArena, slot: int, piece: Piece | None) -> None:
+    """No one to tell."""
 
 
 def read_share(
@@ -32,12 +40,14 @@ def read_share(
     params: bool,
     directory: storage.Location,
     progress: Progress | None = None,
+    done: Done | None = None,
 ) -> Share:
     """This rank's share of the state (in the target's keys) and of its params' values: every
     param checked and its slots reserved first, then the reads (reported to ``progress``),
-    then the momentum scaled where the forms differ."""
+    then the momentum scaled where the forms differ; each slot told to ``done`` once it holds
+    what the load applies."""
     share = Share(ReadArena(), [], array("q"))
-    reads = _Reads(share.arena)
+    reads = _Reads(share.arena, done or _nothing)
 
     def read(entry: ParamEntry, key: str, region: Region, arena: ReadArena | None = None) -> int:
         kept = region if key == PARAM_KEY else _state_share(entry, key, region, directory)
@@ -89,11 +99,13 @@ def read_share(
 
 class _Reads:
     """A share's reads, each slot reserved as its param is checked (every refusal before any
-    byte is read), then read together (:meth:`run`), reported to the caller's ``progress``."""
+    byte is read), then read together (:meth:`run`), reported to the caller's ``progress``,
+    each slot told to ``done`` once it holds what the load applies."""
 
-    def __init__(self, arena: ReadArena) -> None:
+    def __init__(self, arena: ReadArena, done: Done) -> None:
         self.arena = arena
-        self.pending: list[tuple[ParamEntry, str, Region, Any]] = []
+        self.done = done
+        self.pending: list[tuple[ParamEntry, str, Region, ReadArena, int, Any]] = []
         self.scales: list[tuple[int, str, int, float]] = []
         """(slot, dtype, numel, factor): momentum to scale once read, where the forms differ."""
 
@@ -103,18 +115,22 @@ class _Reads:
         """A slot (of ``arena``, the state's by default) for ``region`` of ``entry``'s ``key``."""
         arena = self.arena if arena is None else arena
         slot, out = arena.reserve(region.numel * storage.itemsize(entry.dtype_of(key)))
-        self.pending.append((entry, key, region, out))
+        self.pending.append((entry, key, region, arena, slot, out))
         return slot
 
     def run(self, manifest: Manifest, reader: PieceReader, progress: Progress | None) -> None:
-        """Every read, then every scale."""
+        """Every read, then every scale (each scaled slot told to ``done`` again)."""
         grouped = manifest.pieces_of()
-        meter = Meter(lambda: (sum(len(o) for *_, o in self.pending), len(self.pending)), progress)
-        for entry, key, region, out in self.pending:
-            reader.gather(grouped[entry.name, key], entry, key, region, out)
+        meter = Meter(lambda: (sum(len(p[-1]) for p in self.pending), len(self.pending)), progress)
+        for entry, key, region, arena, slot, out in self.pending:
+            pieces = grouped[entry.name, key]
+            reader.gather(pieces, entry, key, region, out)
+            whole = len(pieces) == 1 and pieces[0].region == region
+            self.done(arena, slot, pieces[0] if whole else None)
             meter.tick(len(out))
         for slot, dtype, numel, factor in self.scales:
             self.arena.tensor(slot, storage.torch_dtype(dtype), (numel,)).mul_(factor)
+            self.done(self.arena, slot, None)
 
 
 def _forms(

@@ -74,6 +74,11 @@ class Share:
     """The params' own values, apart from the state's blocks: once copied into the params,
     nothing keeps them."""
 
+    @property
+    def nbytes(self) -> int:
+        """The bytes read: the state's and the params' values."""
+        return self.arena.nbytes + self.value_bytes.nbytes
+
 
 class _Indices(list[int]):
     """A group's param indices for ``load_state_dict``: torch asks ``index in group["params"]``

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from .. import storage
+from .. import events, storage
 from ..distributed.mailbox import MailboxSteps
 from ..distributed.steps import failure_line
 from ..errors import CheckpointError, MuonCkptError
@@ -38,7 +38,7 @@ from ..state.placement import Joined, Optimizers, optimizers_of
 from ..storage.places import Location, location
 from ..storage.places import target as target_text
 from . import saving
-from .loading import LoadReport, load
+from .loading import LoadReport, event, load
 from .options import SaveOptions
 
 __all__ = ["DEFAULT_ASYNC_TIMEOUT_S", "LoadReport", "async_save", "load", "save"]
@@ -111,8 +111,9 @@ def save(
         local=local,
         progress=progress,
     )
-    prepared = _prepare(_target(optimizer, path, local), path, options)
-    return _write_and_commit(prepared.steps, prepared, path, keep_last)
+    with event("save", path, local) as logged:
+        prepared = _prepare(_target(optimizer, path, local), path, options)
+        return _write_and_commit(prepared.steps, prepared, path, keep_last, logged)
 
 
 def _prepare(
@@ -138,11 +139,14 @@ def _write_and_commit(
     prepared: saving.PreparedSave,
     final: str | os.PathLike[str],
     keep_last: int | None,
+    event: events.Event,
 ) -> Location:
     """A save's steps after :func:`_prepare`, in order: write, commit, retire, prune; in the
     caller's thread (:func:`save`) or the background (:func:`async_save`, over ``steps``
-    through its mailbox)."""
+    through its mailbox); the bytes this rank wrote to ``event``."""
     written = saving.write(prepared)  # this rank's files: its report, or its failure
+    if written.value is not None:
+        event.bytes = sum(written.value.sizes.values())
     store, staging = prepared.store, prepared.staging
     final = target_text(final)
     replaced = writing.commit(steps, store, staging, final, written, prepared.draft)
@@ -227,8 +231,13 @@ def async_save(
         timeout=timeout,
         progress=progress,
     )
-    target = _target(optimizer, path, local)
-    return _in_background(target, _prepare(target, path, options), path, options)
+    logged = event("async_save", path, local)
+    try:
+        target = _target(optimizer, path, local)
+        return _in_background(target, _prepare(target, path, options), path, options, logged)
+    except BaseException as exc:
+        logged.fail(exc)
+        raise
 
 
 def _in_background(
@@ -236,9 +245,10 @@ def _in_background(
     prepared: saving.PreparedSave,
     path: str | os.PathLike[str],
     options: SaveOptions,
+    event: events.Event,
 ) -> Future[Location]:
     """Start :func:`_write_and_commit` of ``prepared`` on a thread of its own, the ranks
-    agreeing through its mailbox; its future."""
+    agreeing through its mailbox; its future (whose outcome ends ``event``)."""
     foreground = prepared.steps
     assert options.timeout is not None  # (a background save's options)
     background = MailboxSteps(
@@ -256,7 +266,7 @@ def _in_background(
     future.thread = threading.Thread(
         target=_finish_in_background,
         # absolute: the thread commits where the call named, whatever the working directory
-        args=(future, go, background, _absolute(path), prepared, options.keep_last),
+        args=(future, go, background, _absolute(path), prepared, options.keep_last, event),
         name=f"muonckpt async_save {path}",
         daemon=False,  # a daemon would die unnoticed at exit; _finish_saves_at_exit waits
     )
@@ -284,22 +294,26 @@ def _finish_in_background(
     final: Path | str,
     prepared: saving.PreparedSave,
     keep_last: int | None,
+    event: events.Event,
 ) -> None:
     """The background half of :func:`async_save`: :func:`_write_and_commit`; the outcome to
-    ``future``, always a library error on failure. It begins once ``go`` is set: a thread
-    that ran on from its start would hold the GIL that the call, waiting in
+    ``future`` (and ``event``), always a library error on failure. It begins once ``go`` is
+    set: a thread that ran on from its start would hold the GIL that the call, waiting in
     ``Thread.start``, needs to return (up to the interpreter's switch interval, 5 ms)."""
     go.wait()
     try:
         steps.connect()
-        committed = _write_and_commit(steps, prepared, final, keep_last)
+        committed = _write_and_commit(steps, prepared, final, keep_last, event)
     except MuonCkptError as exc:
+        event.fail(exc)
         future.set_exception(exc)
     except BaseException as exc:  # not a library error yet: the same rule as a step's failure
         error = CheckpointError(f"async_save: {failure_line(exc, steps.rank)}", path=final)
         error.__cause__ = exc
+        event.fail(error)
         future.set_exception(error)
     else:
+        event.end()
         future.set_result(committed)
     finally:
         steps.leave()

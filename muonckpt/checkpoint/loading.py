@@ -45,15 +45,15 @@ from typing import Any
 
 import torch
 
-from .. import storage
+from .. import events, storage
 from ..distributed import collectives, group_steps
 from ..distributed.steps import disagreement
-from ..errors import CheckpointError, ConversionWarning
+from ..errors import CheckpointError, ConversionWarning, EnvironmentWarning
 from ..files.attempt import Attempt
 from ..files.pieces import PieceReader, load_pieces, open_checkpoint
 from ..files.progress import Progress
 from ..format import conversion, kinds
-from ..format.manifest import Manifest, json_safe
+from ..format.manifest import Manifest, environment_differences, json_safe
 from ..format.names import MANIFEST_NAME
 from ..format.renames import Rename, names_hint
 from ..optim.sharding import ShardedParams, following
@@ -69,7 +69,8 @@ from ..state.placement import (
     replica_hint,
 )
 from ..state.sharding_model import Sharding
-from . import _reading
+from ..storage.places import target as target_text
+from . import _checking, _reading, _save_manifest
 from ._taking import Taken, Target, put_back
 
 
@@ -81,6 +82,10 @@ class LoadReport:
     """Momentum converted between forms, per group: which params, from which form, by what."""
     warnings: list[str] = field(default_factory=list)
     """Target settings that cannot continue the saved trajectory, and what would."""
+    environment: list[str] = field(default_factory=list)
+    """What differs from the environment the save ran in, ``key saved -> now``
+    (:data:`muonckpt.format.manifest.ENVIRONMENT_KEYS`; warned as an
+    :class:`~muonckpt.errors.EnvironmentWarning`): empty where a resume can be bitwise."""
 
 
 def load(
@@ -94,6 +99,7 @@ def load(
     rank_extra: MutableMapping[str, Any] | None = None,
     local: bool = False,
     progress: Progress | None = None,
+    check: bool = True,
 ) -> LoadReport:
     """Load a checkpoint of any kind and source topology into ``optimizer`` at its topology.
 
@@ -144,6 +150,14 @@ def load(
         progress: a :data:`muonckpt.offline.Progress` callback, called with this rank's bytes
             and tensors read and their totals as its share is read
             (:class:`muonckpt.ProgressLines` prints them as lines for a log).
+        check: prove what the load restored (the default): each rank digests what it hands
+            the optimizers, after any reshard and conversion, and after the load what the
+            optimizers, the params and the models that follow them hold; state an optimizer
+            dropped, a value that differs or a model weight not synced to its param fails the
+            load on every rank (:class:`~muonckpt.errors.RestoreError`, naming the param and
+            key), state it cast by torch's rule is warned once
+            (:class:`~muonckpt.errors.RestoreWarning`). Its cost: one XXH3 pass over the params'
+            values, and one over the state after a reshard (docs/benchmarks.md); False skips it.
 
     Returns:
         A :class:`LoadReport` of the conversions made and the settings warned about.
@@ -154,17 +168,33 @@ def load(
             refused its own previous state too, named). StateDictError: naming the optimizer
             whose ``load_state_dict`` refused the state.
     """
-    asked = _LoadOptions(path, params, momentum_form, rename, extra, rank_extra, local, progress)
-    call = _agree(optimizer, asked)  # the rendezvous, then the layout
-    opened = _open(call)  # open: the manifest, or this rank's refusal
-    _agree_open(call, opened)
-    report = LoadReport()
-    mapped = _map(call, opened.result(), report)  # map: the checkpoint onto the target
-    read = _read_and_take(call, opened.result(), mapped)  # read, and hand to the optimizers
-    del opened  # nothing holds the manifest now: the state made takes its place in memory
-    _agree_read(call, read)
-    _apply(call, read.taken.result(), report)
+    asked = _LoadOptions(
+        path, params, momentum_form, rename, extra, rank_extra, local, check, progress
+    )
+    with event("load", path, local) as logged:
+        call = _agree(optimizer, asked)  # the rendezvous, then the layout
+        opened = _open(call)  # open: the manifest, or this rank's refusal
+        _agree_open(call, opened)
+        report = LoadReport()
+        mapped = _map(call, opened.result(), report)  # map: the checkpoint onto the target
+        read = _read_and_take(call, opened.result(), mapped)  # read, and hand to the optimizers
+        del opened  # nothing holds the manifest now: the state made takes its place in memory
+        _agree_read(call, read)
+        taken = read.taken.result()
+        logged.bytes = taken[0].share.nbytes
+        _apply(call, taken, report)
+        _agree_check(call, read.check)
     return report
+
+
+def event(operation: str, path: str | os.PathLike[str], local: bool) -> events.Event:
+    """The start of ``operation`` (save, async_save, load) on ``path`` logged, with this rank
+    and the ranks of the default process group (this process alone for a ``local`` call)."""
+    where = target_text(path)
+    if local or not collectives.is_distributed():
+        return events.Event(operation, where)
+    rank, ranks = collectives.global_rank(), collectives.group_size(None)
+    return events.Event(operation, where, rank=rank, ranks=ranks)
 
 
 @dataclass(frozen=True)
@@ -178,6 +208,7 @@ class _LoadOptions:
     extra: MutableMapping[str, Any] | None
     rank_extra: MutableMapping[str, Any] | None
     local: bool
+    check: bool
     progress: Progress | None = None
     """This rank's own report of its reads (not compared across ranks)."""
 
@@ -191,6 +222,7 @@ class _LoadOptions:
             "rename": rename if rename is None or isinstance(rename, Mapping) else _named(rename),
             "extra given": self.extra is not None,
             "rank_extra given": self.rank_extra is not None,
+            "check": self.check,
         }
 
 
@@ -292,6 +324,8 @@ def _map(call: _LoadCall, opened: _Opened, report: LoadReport) -> Attempt[Target
         manifest, directory = opened.manifest, opened.files.location
         _check_prefix(manifest, call.sharding, directory)
         form = call.options.momentum_form
+        now = _save_manifest.environment(_save_manifest.device_of(call.optimizer))
+        report.environment = environment_differences(manifest.environment, now)
         target = _plan(call.optimizer, call.sharding, manifest, form, report)
         _check_covered(manifest, target, directory)
         return Attempt(target)
@@ -306,6 +340,8 @@ class _Read:
 
     undo: list[Callable[[], list[str]]]
     taken: Attempt[tuple[Taken, trainstate.Restore]]
+    check: _checking.Check | None = None
+    """What the load applies, digested before it was handed over (None: not checked)."""
 
 
 def _read_and_take(call: _LoadCall, opened: _Opened, mapped: Attempt[Target]) -> _Read:
@@ -314,23 +350,33 @@ def _read_and_take(call: _LoadCall, opened: _Opened, mapped: Attempt[Target]) ->
     back what it changed (the stateful values first, then the optimizers take their share, no
     tensor of theirs written into yet)."""
     options, undo = call.options, []
+    check = _checking.Check() if options.check else None
     try:
         target, manifest, files = mapped.result(), opened.manifest, opened.files
         manifest = load_pieces(files, manifest, _read_here(target, options.params))
         with PieceReader(files, manifest) as reader:
+            done = None if check is None else check.read
+            where = files.location
             share = _reading.read_share(
-                target, manifest, reader, options.params, files.location, options.progress
+                target, manifest, reader, options.params, where, options.progress, done
             )
             asked = _read_job_state(manifest, reader, options.extra, options.rank_extra, call.rank)
         restore = trainstate.Restore(asked)
         undo.append(restore.put_back)
         restore.load_objects()
         state = Taken(target, share)
+        if check is not None:
+            check.handing(state)
         undo.append(state.put_back)
         state.take()
-        return _Read(undo, Attempt((state, restore)))
+        if check is not None:
+            check.taken()  # state dropped refuses here: every rank puts back
+        return _Read(undo, Attempt((state, restore)), check)
     except BaseException as exc:
         return _Read(undo, Attempt(failure=exc))
+    finally:
+        if check is not None:
+            check.close()
 
 
 def _read_here(target: Target, params: bool) -> list[str]:
@@ -365,6 +411,26 @@ def _agree_read(call: _LoadCall, read: _Read) -> None:
         raise
 
 
+def _agree_check(call: _LoadCall, check: _checking.Check | None) -> None:
+    """The ``check`` step (after the apply): every rank's optimizers, params and models hold
+    what it read, or the load fails on every rank alike, naming what differs on which rank;
+    casts warned."""
+    if check is None:
+        return
+    mine = check.problems(call.models)
+    found: list[list[Any]] = [[None, *problem] for problem in mine]
+    steps = call.steps
+    if len(steps.ranks) > 1:
+
+        def every(problems: list[list[list[str]]]) -> list[list[Any]]:
+            return [[r, *p] for r, ps in zip(steps.ranks, problems, strict=True) for p in ps]
+
+        found = steps.each_then_root("check", lambda: [list(p) for p in mine], every)
+    if found:
+        raise _checking.refusal(found)
+    check.warn()
+
+
 def _apply(call: _LoadCall, taken: tuple[Taken, trainstate.Restore], report: LoadReport) -> None:
     """(every rank has taken its share) The loaded values into the optimizers' tensors, the
     params and the job's plain values, the model's weights from the loaded shards; the
@@ -379,6 +445,19 @@ def _apply(call: _LoadCall, taken: tuple[Taken, trainstate.Restore], report: Loa
         _LOG.info("muonckpt.load: converted %s", message)
     for message in report.warnings if call.rank == 0 else ():
         warnings.warn(message, ConversionWarning, stacklevel=3)
+    if report.environment:
+        warnings.warn(_environment_message(report.environment), EnvironmentWarning, stacklevel=3)
+
+
+def _environment_message(differences: list[str]) -> str:
+    """The one warning of a load in another environment than the save's."""
+    return (
+        f"this load runs in another environment than the save: {'; '.join(differences)}. A "
+        "resumed run is bitwise the uninterrupted one only under the same torch, device type, "
+        "intra-op and inter-op thread counts (torch.set_num_threads, OMP_NUM_THREADS: a "
+        "one-process torchrun leaves it unset) and deterministic settings; set them as the "
+        "save had them for a bitwise resume"
+    )
 
 
 _LOG = logging.getLogger("muonckpt")

@@ -245,7 +245,8 @@ def plan(
         raise
     kind = CONSOLIDATED if options.consolidated else PER_RANK
     given_step = None if options.extra is None else options.extra.get("step")
-    draft = _save_manifest.draft(groups, sharding, kind, collected.model, given_step)
+    device = _save_manifest.device_of(call.optimizer)
+    draft = _save_manifest.draft(groups, sharding, kind, collected.model, given_step, device)
     host = None if options.background else buffers  # else streamed: one reused host buffer
     job = collected.job
     return PreparedSave(

@@ -380,6 +380,41 @@ def inspect(
 
 
 @app.command()
+def doctor(
+    src: Source,
+    against: Annotated[
+        str | None,
+        typer.Option(
+            "--against",
+            metavar="OTHER",
+            help="Another checkpoint of the same run: a momentum norm that jumped between "
+            "them (a resume that lost state) is a problem.",
+        ),
+    ] = None,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print every tensor's health and the findings as JSON.")
+    ] = False,
+) -> None:
+    """Read a checkpoint's values for what a resume would silently get wrong.
+
+    NaN/Inf per tensor (and the ranks holding them), momentum that is all zero or normalized
+    in place, step counts that disagree, state that does not cover its tensors. Reads rank by
+    rank, a piece at a time. Exit 0 when healthy, 1 listing each problem.
+
+    Example: muonckpt doctor ckpt/step-1000 --against ckpt/step-900
+    """
+    from .. import doctor as diagnose
+
+    found = diagnose(src, against=against)
+    if as_json:
+        typer.echo(json.dumps(found.to_json(), indent=2))
+    else:
+        output.print_diagnosis(found)
+    if not found.healthy:
+        raise typer.Exit(PROBLEM)
+
+
+@app.command()
 def verify(src: Source) -> None:
     """Check a checkpoint: manifest, coverage, file sizes, headers and every checksum.
 

@@ -21,7 +21,7 @@ from ..settings import human_size
 if TYPE_CHECKING:
     from ..demo import DemoResult
     from ..interop import Conversion
-    from ..offline import DiffRow, Progress, Summary
+    from ..offline import Diagnosis, DiffRow, Progress, Summary
 
 TABLE_ROWS = 2000
 """``inspect`` and ``diff`` draw a table up to this many rows, plain tab-separated lines
@@ -272,3 +272,35 @@ def _state_key(shapes: Mapping[str, tuple[str, tuple[int, ...]]], key: str) -> s
         return key
     rule, shape = shapes[key]
     return f"{key} ({rule} {'x'.join(map(str, shape))})"
+
+
+def print_diagnosis(found: Diagnosis) -> None:
+    """What ``doctor`` found: one ``problem:`` line each, then a count (or ``ok:``)."""
+    console = stdout()
+    if found.against is not None:
+        momentum = [c.ratio for c in found.compared if c.key == "momentum_buffer"]
+        params = [c for c in found.compared if c.key == "param"]
+        moved = sum(c.norm != c.norm_before for c in params)
+        ratios = f"x{min(momentum):.3g} to x{max(momentum):.3g}" if momentum else "none held"
+        console.print(
+            f"against {found.against}: momentum norm ratios {ratios}; "
+            f"{moved} of {len(params)} params moved",
+            markup=False,
+        )
+    if found.healthy:
+        console.print(
+            f"ok: {found.path}: {len(found.tensors)} tensors, no problem found", markup=False
+        )
+        return
+    for finding in found.findings:
+        where = " ".join(
+            part
+            for part in (
+                f"param {finding.param!r}" if finding.param else "",
+                f"key {finding.key!r}" if finding.key else "",
+            )
+            if part
+        )
+        text = f"{finding.check}: {where + ': ' if where else ''}{finding.message}"
+        console.print(f"problem: {printable(text)}", markup=False)
+    console.print(f"{len(found.findings)} problem(s) in {found.path}", markup=False)

@@ -22,6 +22,7 @@ import numpy as np
 
 from .. import storage
 from ..errors import CheckpointError, StoreUnreachable
+from ..events import logged
 from ..format.manifest import (
     CONSOLIDATED,
     FORMAT_NAME,
@@ -489,6 +490,7 @@ class PieceReader:
         return self._ring[slot][:nbytes]
 
 
+@logged("verify")
 def verify(path: str | os.PathLike[str]) -> list[CheckpointError]:
     """Every problem found in the checkpoint at ``path`` (empty: sound): a directory, or an
     ``s3://`` URL. Reads all data once.

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from .. import storage
 from ..errors import ArgumentError, CheckpointError, CheckpointWarning
+from ..events import logged
 from ..format.manifest import Manifest
 from ..format.names import MANIFEST_NAME
 from ..storage import access
@@ -268,6 +269,7 @@ class Cleaned:
     """Every other directory named like muonckpt's, with why it was kept (whole, or in part)."""
 
 
+@logged("clean")
 def clean(root: str | os.PathLike[str], older_than: float) -> Cleaned:
     """Remove what interrupted saves left directly under ``root``, only what muonckpt made and
     no save uses: directories named like its own (``.NAME.staging-XXXXXXXX``,

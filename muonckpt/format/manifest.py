@@ -46,19 +46,37 @@ FORMAT_NAME = "muonckpt"
 DATA_PREFIX = re.compile(r"(s-[0-9a-f]{16}/)?")
 """What a manifest's ``data_prefix`` may be (whole): none, or one save prefix: a manifest
 cannot name a file outside its checkpoint."""
-FORMAT_VERSION = 4
-"""Version 4 writes each param's name as the characters it shares with the previous param's
-name and the rest (a Kimi-K2-shaped model's 70k names of 75 characters: 5.9 MB -> 2.1 MB of
-the top level every loading rank reads); version 3 moved the pieces out of ``manifest.json``
-into one piece index per data file (:mod:`.piece_index`), the params into a table of their
-kinds; version 2 added the params' own values (``value_dtype``, pieces of key
-:data:`PARAM_KEY`); versions 1 to 3 are still read (version 1 holds optimizer state only).
-A checkpoint whose files sit under a save prefix is version :data:`PREFIXED_VERSION`."""
+FORMAT_VERSION = 5
+"""Version 5 records the environment the save ran in (``environment``: what a bitwise resume
+depends on, :data:`ENVIRONMENT_KEYS`) and may name a ``data_prefix`` (a checkpoint committed
+to object storage); version 4 writes each param's name as the characters it shares with the
+previous param's name and the rest (a Kimi-K2-shaped model's 70k names of 75 characters:
+5.9 MB -> 2.1 MB of the top level every loading rank reads); version 3 moved the pieces out
+of ``manifest.json`` into one piece index per data file (:mod:`.piece_index`), the params
+into a table of their kinds; version 2 added the params' own values (``value_dtype``, pieces
+of key :data:`PARAM_KEY`); versions 1 to 4 are still read (version 1 holds optimizer state
+only)."""
 PREFIXED_VERSION = 5
-"""Version 5 is version 4 with ``data_prefix`` (a checkpoint committed to object storage, or
-copied from there): its files are under a save prefix beside the manifest. Written only then,
+"""The first version whose manifest may name a ``data_prefix`` (a checkpoint committed to
+object storage, or copied from there: its files are under a save prefix beside the manifest),
 so that a reader that knows no ``data_prefix`` refuses it rather than looking beside the
-manifest; the newest version this muonckpt reads."""
+manifest."""
+ENVIRONMENT_KEYS = (
+    "torch",
+    "device",
+    "intra_op_threads",
+    "inter_op_threads",
+    "OMP_NUM_THREADS",
+    "deterministic_algorithms",
+    "deterministic_warn_only",
+    "cudnn_deterministic",
+    "cudnn_benchmark",
+    "float32_matmul_precision",
+)
+"""What a version 5 save records of the environment it ran in (``environment``, on the saving
+root): what the bitwise equality of a resumed run with an uninterrupted one depends on besides
+the state itself (the dtype of each state tensor as the optimizer held it is each param's
+``dtypes``). A load under another compares them (:func:`environment_differences`)."""
 __all__ = [  # the records re-exported; every name defined here is public too
     "DIGEST_BYTES",
     "DTYPE_BYTES",
@@ -179,6 +197,9 @@ class Manifest:
     stored_names: tuple[str, ...] = ()
     """(a renamed manifest) The params' names as stored, by position: what a piece index's
     default tensor keys are made from. Empty: the names are as stored."""
+    environment: Mapping[str, Any] | None = None
+    """(version 5) The environment the save ran in, :data:`ENVIRONMENT_KEYS` (None: not
+    recorded: an older version, or a checkpoint written from a foreign one)."""
     data_prefix: str = ""
     """(version 5: a checkpoint committed to object storage) Where the files it names are,
     relative to the manifest: ``""``, beside it, or ``"s-<16 hex>/"``, the save prefix of the
@@ -336,6 +357,8 @@ class Manifest:
             body["data_prefix"] = self.data_prefix
         if self.dcp_layout:
             body["dcp_layout"] = self.dcp_layout
+        if self.environment is not None and self.format_version >= 5:
+            body["environment"] = dict(self.environment)
         if self.model is not None:
             body["model"] = {
                 "tensors": [
@@ -618,3 +641,16 @@ def json_safe(value: Any, path: object = None) -> Any:
         )
 
     return safe(value, 0)
+
+
+def environment_differences(saved: Mapping[str, Any] | None, now: Mapping[str, Any]) -> list[str]:
+    """What differs between the environment a checkpoint was saved in and ``now``, one
+    ``key saved -> now`` each (:data:`ENVIRONMENT_KEYS`; a key either lacks is not compared);
+    empty when ``saved`` records none."""
+    if saved is None:
+        return []
+    return [
+        f"{key} {saved[key]!r} -> {now[key]!r}"
+        for key in ENVIRONMENT_KEYS
+        if key in saved and key in now and saved[key] != now[key]
+    ]

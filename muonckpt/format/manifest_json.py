@@ -85,9 +85,9 @@ def _manifest_from(body: Any, shared: _Shared) -> Manifest:
     _expect(body.get("format") == FORMAT_NAME, "not a muonckpt manifest (format field)")
     version = body.get("format_version")
     _expect(_pos_int(version), "format_version missing or not a positive int")
-    if version > PREFIXED_VERSION:
+    if version > FORMAT_VERSION:
         raise CheckpointError(
-            f"format version {version} is newer than this muonckpt reads ({PREFIXED_VERSION}); "
+            f"format version {version} is newer than this muonckpt reads ({FORMAT_VERSION}); "
             "upgrade muonckpt"
         )
     _expect(body["kind"] in KINDS, f"unknown kind {body['kind']!r}")
@@ -145,6 +145,16 @@ def _manifest_from(body: Any, shared: _Shared) -> Manifest:
         f"a version {version} manifest has no dcp_layout (version {PREFIXED_VERSION} has)",
     )
     extra = body.get("extra")
+    environment = body.get("environment")
+    _expect(
+        environment is None
+        or (
+            version >= 5
+            and isinstance(environment, dict)
+            and all(isinstance(v, str | int | bool | None) for v in environment.values())
+        ),
+        "environment must be an object of strings, ints and booleans (version 5)",
+    )
     return Manifest(
         kind=body["kind"],
         topology=dict(topology),
@@ -160,6 +170,7 @@ def _manifest_from(body: Any, shared: _Shared) -> Manifest:
         extra=None if extra is None else extra_from_json(extra, file_names),
         data_prefix=prefix,
         dcp_layout=dcp_layout,
+        environment=environment,
     )
 
 

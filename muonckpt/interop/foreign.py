@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Generic, TypeVar
 
+from ..events import Event
 from ..files.progress import Progress
 from ..storage import access
 
@@ -106,11 +107,13 @@ class ForeignFormat(Generic[R, W]):
 
     def read(self, src: Path, dst: Path, reading: Reading, options: R) -> Conversion:
         """Write the foreign checkpoint ``src`` as a consolidated muonckpt checkpoint ``dst``."""
-        return self.reader(src, dst, **vars(reading), **vars(options))
+        with Event(f"convert from {self.name}", f"{src} -> {dst}"):
+            return self.reader(src, dst, **vars(reading), **vars(options))
 
     def write(self, src: Path, dst: Path, to: str, options: W) -> Conversion:
         """Write the muonckpt checkpoint ``src`` as a new foreign checkpoint ``dst`` for the
         implementation ``to`` (one of :attr:`targets`)."""
         assert self.writer is not None  # the router refuses to write a read-only format
-        report = self.writer(src, dst, to=to, **vars(options))
+        with Event(f"convert to {self.name}", f"{src} -> {dst}"):
+            report = self.writer(src, dst, to=to, **vars(options))
         return replace(report, written=access.tree_size(report.path))

@@ -3,7 +3,8 @@ checkpoint from its files alone, without an optimizer or a process group. (Forei
 and out are :mod:`muonckpt.interop`'s.)
 
 Modules: :mod:`.tools` (consolidate, reshard, convert; :mod:`._model` the model's other tensors
-they carry), :mod:`.examine` (summarize, diff),
+they carry), :mod:`.examine` (summarize, diff), :mod:`.doctor` (what the values show:
+``muonckpt.doctor``),
 :mod:`.inspection` (pure: what they return).
 """
 
@@ -12,14 +13,18 @@ from __future__ import annotations
 from ..files.pieces import open_checkpoint
 from ..files.progress import Progress
 from .examine import diff, iter_diff, summarize
-from .inspection import DiffRow, Summary
+from .inspection import Compared, Diagnosis, DiffRow, Finding, Summary, TensorHealth
 from .tools import WORKER_TIMEOUT, consolidate, convert, reshard
 
 __all__ = [
     "WORKER_TIMEOUT",
+    "Compared",
+    "Diagnosis",
     "DiffRow",
+    "Finding",
     "Progress",
     "Summary",
+    "TensorHealth",
     "consolidate",
     "convert",
     "diff",

@@ -21,6 +21,7 @@ import numpy as np
 
 from .. import settings, storage
 from ..errors import CheckpointError, MuonCkptError
+from ..events import Event, logged
 from ..files.pieces import PieceReader, open_checkpoint
 from ..format import kinds
 from ..format.manifest import ExtraValues, Manifest, ParamEntry, Piece, PieceIndex
@@ -39,6 +40,7 @@ from .inspection import (
 __all__ = ["DIFF_CHUNK", "diff", "iter_diff", "summarize"]
 
 
+@logged("inspect")
 def summarize(src: str | os.PathLike[str]) -> Summary:
     """What ``muonckpt inspect`` shows: kind, topology, step, groups, params, the model file's
     other tensors and tied names (``save(..., model=)``; None without), and totals.
@@ -156,6 +158,14 @@ def iter_diff(
     Memory: one full tensor from each side at a time, in reused buffers, and temporaries of
     :data:`DIFF_CHUNK` elements; rows are yielded as they are made.
     """
+    with Event("diff", f"{a} -> {b}"):
+        yield from _rows(a, b, atol, rtol)
+
+
+def _rows(
+    a: str | os.PathLike[str], b: str | os.PathLike[str], atol: float, rtol: float
+) -> Iterator[DiffRow]:
+    """The rows of :func:`iter_diff`."""
     settings.tolerance(atol, "atol")
     settings.tolerance(rtol, "rtol")
     files_a, man_a = open_checkpoint(a)

@@ -1,6 +1,6 @@
 """What the offline inspectors return: a checkpoint's :class:`Summary` (``offline.summarize``,
-``muonckpt inspect``) and the rows of a comparison, :class:`DiffRow` (``offline.diff``,
-``muonckpt diff``).
+``muonckpt inspect``), the rows of a comparison, :class:`DiffRow` (``offline.diff``,
+``muonckpt diff``), and what ``doctor`` found, :class:`Diagnosis`.
 
 Pure, frozen values read from manifests; :meth:`Summary.to_json` is what ``inspect --json``
 prints, with the keys it always had.
@@ -119,3 +119,72 @@ class DiffRow:
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class TensorHealth:
+    """What ``doctor`` read of one stored tensor (a param's state key, or ``param``)."""
+
+    param: str
+    key: str
+    dtype: str
+    numel: int
+    nan: int
+    inf: int
+    norm: float
+    """The Frobenius norm of its finite elements."""
+    all_zero: bool
+    ranks: tuple[int, ...]
+    """The ranks whose files hold its pieces (0 in a consolidated checkpoint)."""
+    bad_ranks: tuple[int, ...]
+    """Those whose pieces hold a NaN or an Inf."""
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One thing ``doctor`` found wrong: which check, where (None: the whole checkpoint)."""
+
+    check: str
+    """``nan-inf``, ``zero-momentum``, ``normalized-momentum``, ``steps``, ``coverage``,
+    ``momentum-jump`` or ``params-unmoved``."""
+    param: str | None
+    key: str | None
+    message: str
+
+
+@dataclass(frozen=True)
+class Compared:
+    """One tensor in two checkpoints of a run (``doctor --against``): its norm in each."""
+
+    param: str
+    key: str
+    norm_before: float
+    """In the other checkpoint (``against``)."""
+    norm: float
+
+    @property
+    def ratio(self) -> float:
+        """``norm / norm_before`` (inf from a zero norm to another)."""
+        if self.norm_before == 0:
+            return 1.0 if self.norm == 0 else float("inf")
+        return self.norm / self.norm_before
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    """What ``doctor`` found of a checkpoint: every tensor's health and the findings (none:
+    healthy); with ``against``, every tensor's norm in both."""
+
+    path: str
+    tensors: tuple[TensorHealth, ...]
+    findings: tuple[Finding, ...]
+    against: str | None = None
+    compared: tuple[Compared, ...] = ()
+
+    @property
+    def healthy(self) -> bool:
+        return not self.findings
+
+    def to_json(self) -> dict[str, Any]:
+        """As JSON values (what ``doctor --json`` prints)."""
+        return {**dataclasses.asdict(self), "healthy": self.healthy}

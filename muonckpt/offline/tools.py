@@ -38,6 +38,7 @@ from typing import Any
 
 from .. import settings, storage
 from ..errors import ArgumentError, CheckpointError, LayoutError
+from ..events import logged
 from ..files import writing
 from ..files.attempt import Attempt
 from ..files.pieces import PieceReader, data_name, open_checkpoint
@@ -98,6 +99,7 @@ class _Job:
     """Every output file and tensor."""
 
 
+@logged("consolidate", paths=2)
 def consolidate(
     src: str | os.PathLike[str],
     dst: str | os.PathLike[str],
@@ -150,6 +152,7 @@ def consolidate(
     )
 
 
+@logged("reshard", paths=2)
 def reshard(
     src: str | os.PathLike[str],
     dst: str | os.PathLike[str],
@@ -292,6 +295,7 @@ def _output_manifest(manifest: Manifest, **changes: Any) -> Manifest:
     )
 
 
+@logged("convert", paths=2)
 def convert(
     src: str | os.PathLike[str],
     dst: str | os.PathLike[str],

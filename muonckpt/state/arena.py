@@ -38,6 +38,11 @@ class ReadArena:
     def __len__(self) -> int:
         return len(self._slots) // 3
 
+    @property
+    def nbytes(self) -> int:
+        """The bytes of every slot."""
+        return sum(self._slots[2::3])
+
     def reserve(self, nbytes: int) -> tuple[int, np.ndarray]:
         """A new slot of ``nbytes`` and the 1-D uint8 array to fill it through."""
         if nbytes >= self._small:
@@ -60,6 +65,21 @@ class ReadArena:
         if self._filling >= 0 and self._used < self._block:
             self._arrays[self._filling] = self._arrays[self._filling][: self._used].clone()
         self._filling = -1
+
+    def versions(self) -> list[int]:
+        """Each block's torch version counter, which every in-place torch op on a tensor
+        viewing it advances (what a slot's tensors went through since, :meth:`touched`)."""
+        return [block._version for block in self._arrays]
+
+    def touched(self, slot: int, versions: Sequence[int]) -> bool:
+        """Whether a torch op wrote in place into the block of ``slot`` since ``versions``."""
+        where = self._slots[3 * slot]
+        return bool(self._arrays[where]._version != versions[where])
+
+    def raw(self, slot: int) -> torch.Tensor:
+        """The slot's bytes, a 1-D uint8 tensor sharing them."""
+        where, offset, nbytes = self._slots[3 * slot : 3 * slot + 3]
+        return self._arrays[where][offset : offset + nbytes]
 
     def tensor(self, slot: int, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
         """The slot's bytes as a tensor of ``dtype`` and ``shape``, sharing them."""
