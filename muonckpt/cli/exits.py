@@ -37,7 +37,7 @@ EXIT_CODES = (
     ),
     ExitCode(
         str(PROBLEM),
-        "a problem found (`verify`, `diff`, `demo`), or nothing there: no checkpoint "
+        "a problem found (`verify`, `doctor`, `diff`, `demo`), or nothing there: no checkpoint "
         "(`latest`), no ROOT directory (`latest`, `clean`); also an "
         "exception muonckpt does not expect (a bug), shown with its traceback",
     ),

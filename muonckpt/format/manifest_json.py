@@ -126,6 +126,30 @@ def _manifest_from(body: Any, shared: _Shared) -> Manifest:
         pieces, indexes = _pieces(body["pieces"], by_name, file_names), ()
     step = body.get("step")
     _expect(step is None or _int(step) >= 0, f"step must be a non-negative int, got {step!r}")
+    prefix, dcp_layout, environment = _version_5_fields(body, version)
+    extra = body.get("extra")
+    return Manifest(
+        kind=body["kind"],
+        topology=dict(topology),
+        groups=groups,
+        params=params,
+        files=files,
+        pieces=tuple(pieces),
+        format_version=version,
+        indexes=indexes,
+        complete=not indexes,
+        model=_model_file(body["model"], by_name, file_names) if "model" in body else None,
+        recorded_step=step,
+        extra=None if extra is None else extra_from_json(extra, file_names),
+        data_prefix=prefix,
+        dcp_layout=dcp_layout,
+        environment=environment,
+    )
+
+
+def _version_5_fields(body: dict[str, Any], version: int) -> tuple[str, str, Any]:
+    """The top-level fields version 5 added, each checked (absent: ``""``, ``""``, None):
+    ``data_prefix``, ``dcp_layout`` and ``environment``; refused in an older version."""
     prefix = body.get("data_prefix", "")
     _expect(
         isinstance(prefix, str) and DATA_PREFIX.fullmatch(prefix) is not None,
@@ -144,7 +168,6 @@ def _manifest_from(body: Any, shared: _Shared) -> Manifest:
         not dcp_layout or version >= PREFIXED_VERSION,
         f"a version {version} manifest has no dcp_layout (version {PREFIXED_VERSION} has)",
     )
-    extra = body.get("extra")
     environment = body.get("environment")
     _expect(
         environment is None
@@ -155,23 +178,7 @@ def _manifest_from(body: Any, shared: _Shared) -> Manifest:
         ),
         "environment must be an object of strings, ints and booleans (version 5)",
     )
-    return Manifest(
-        kind=body["kind"],
-        topology=dict(topology),
-        groups=groups,
-        params=params,
-        files=files,
-        pieces=tuple(pieces),
-        format_version=version,
-        indexes=indexes,
-        complete=not indexes,
-        model=_model_file(body["model"], by_name, file_names) if "model" in body else None,
-        recorded_step=step,
-        extra=None if extra is None else extra_from_json(extra, file_names),
-        data_prefix=prefix,
-        dcp_layout=dcp_layout,
-        environment=environment,
-    )
+    return prefix, dcp_layout, environment
 
 
 DCP_LAYOUT = re.compile(r"[a-z_]{0,32}")
