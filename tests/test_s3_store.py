@@ -256,8 +256,8 @@ def test_a_killed_ranks_scratch_directory_is_removed_by_the_next_save_on_its_hos
 ) -> None:
     """A rank killed mid-save leaves its scratch directory (``$TMPDIR/muonckpt-s3-*/rank-*``)
     with the files it wrote; the next save on the host removes it, for its lease is no longer
-    held. A live rank's directory, and a look-alike directory without a lease muonckpt
-    wrote, are kept."""
+    held. A live rank's directory, a look-alike directory without a lease muonckpt wrote, and
+    a directory with a stale lease that a symlink planted in $TMPDIR points to, are kept."""
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     target = "s3://bucket/runs/step-1"
     killed = subprocess.run(
@@ -279,9 +279,25 @@ def test_a_killed_ranks_scratch_directory_is_removed_by_the_next_save_on_its_hos
     alike = tmp_path / f"muonckpt-s3-{'2' * 16}" / "rank-00000"
     alike.mkdir(parents=True)
     (alike / "notes.txt").write_text("mine")
+    elsewhere = tmp_path / "elsewhere"  # a directory with a lease nobody holds, linked to
+    elsewhere.mkdir()
+    (elsewhere / "precious.bin").write_bytes(b"data")
+    subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            f"from muonckpt.storage import lease; lease.take({str(elsewhere)!r}, 'x')",
+        ],
+        env={**os.environ, "PYTHONPATH": os.getcwd()},
+        check=True,
+        timeout=60,
+    )
+    (alike.parent / "rank-00001").symlink_to(elsewhere)  # planted in a shared $TMPDIR
+    (tmp_path / f"muonckpt-s3-{'5' * 16}").symlink_to(elsewhere)
     store = S3Store()
     live = store.join_staging(str(tmp_path / f"muonckpt-s3-{'3' * 16}"), 0, target)
     other = S3Store().join_staging(str(tmp_path / f"muonckpt-s3-{'4' * 16}"), 1, target)
     assert not dead.parent.exists()
     assert (alike / "notes.txt").read_text() == "mine"
+    assert sorted(p.name for p in elsewhere.iterdir()) == [".muonckpt-lease", "precious.bin"]
     assert live.is_dir() and other.is_dir()  # the first's lease is held: not swept by the second

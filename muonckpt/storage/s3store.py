@@ -32,6 +32,7 @@ import os
 import re
 import secrets
 import shutil
+import stat
 import tempfile
 import threading
 import time
@@ -125,25 +126,53 @@ def _leave(local: Path) -> None:
 def _sweep_scratch() -> None:
     """Remove this host's scratch directories of ranks that died mid-save (killed, out of
     memory: nothing of theirs ran to remove them): those whose lease, which a live rank holds
-    locked, is free (:func:`.lease.leftover`). A directory without a lease muonckpt wrote, or
-    another user's, is left alone; a save's directory goes once its last rank's has."""
+    locked, is free (:func:`.lease.leftover`). Only real directories of this user are looked
+    at (a symlink planted in a shared ``$TMPDIR`` is never followed, another user's directory
+    never entered), each emptied through a descriptor of the directory checked, and one
+    without a lease muonckpt wrote is left alone; a save's directory goes once its last
+    rank's has."""
     for top in Path(tempfile.gettempdir()).glob("muonckpt-s3-*"):
-        if _SCRATCH.fullmatch(top.name) is None:
+        if _SCRATCH.fullmatch(top.name) is None or _foreign(top):
             continue
         try:
             ranks = [d for d in top.iterdir() if d.name.startswith("rank-")]
-        except OSError:  # another user's, or gone meanwhile
+        except OSError:  # gone meanwhile
             continue
         for directory in ranks:
+            if _foreign(directory):
+                continue
             with lease.leftover(directory) as found:
-                if found.kept_because is not None:
-                    continue
-                for name in sorted(os.listdir(directory), key=lease.deletion_order):
-                    with contextlib.suppress(OSError):
-                        os.unlink(directory / name)
+                if found.kept_because is None:
+                    _empty(directory)
             with contextlib.suppress(OSError):
                 directory.rmdir()
                 top.rmdir()  # (when that was its last rank's)
+
+
+def _foreign(directory: Path) -> bool:
+    """Whether ``directory`` is not a real directory of this user's (a symlink, a file,
+    another user's, or gone)."""
+    try:
+        info = os.lstat(directory)
+    except OSError:
+        return True
+    return not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid()
+
+
+def _empty(directory: Path) -> None:
+    """Delete the files of scratch directory ``directory`` (its lease last), through a
+    descriptor of it opened without following a symlink, so that a directory swapped for a
+    link meanwhile is never the one emptied."""
+    try:
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError:
+        return
+    try:
+        for name in sorted(os.listdir(fd), key=lease.deletion_order):
+            with contextlib.suppress(OSError):
+                os.unlink(name, dir_fd=fd)
+    finally:
+        os.close(fd)
 
 
 def _wait_all(streams: Sequence[StreamedUpload]) -> None:
