@@ -220,7 +220,14 @@ def test_refused_in_one_line_naming_the_url(
     ):
         reader.gather(pieces, entry, "param", whole_region(entry.numel))
 
-    with pytest.raises(CheckpointError, match=r"s3://no-such-bucket-here/x.*NoSuchBucket"):
+    archived = S3Url.parse(_publish(local, f"s3://{bucket}/run/step-5"))
+    key = next(k for k in client.listing(archived)[0] if k.endswith(".safetensors"))
+    raw = s3_server.client()
+    body = client.get(archived / key)
+    raw.put_object(Bucket=bucket, Key=(archived / key).key, Body=body, StorageClass="GLACIER")
+    problems = muonckpt.verify(str(archived))  # (403 InvalidObjectState: the object's state)
+    assert len(problems) == 1 and "InvalidObjectState" in str(problems[0]), problems
+    with pytest.raises(StoreUnreachable, match=r"s3://no-such-bucket-here/x.*NoSuchBucket"):
         muonckpt.read_manifest("s3://no-such-bucket-here/x")
     monkeypatch.delenv("AWS_ACCESS_KEY_ID")
     monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")

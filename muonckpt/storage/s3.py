@@ -257,23 +257,34 @@ class S3Client:
 
     def _failure(self, what: str, url: S3Url, exc: BaseException, tries: int) -> CheckpointError:
         """The error of a request that failed for good: :class:`StoreUnreachable` where the
-        place is at fault (credentials, access, bucket, the server), else a
-        :class:`CheckpointError` (an object missing, a range it does not have, ...)."""
+        place is at fault (:meth:`_unreachable`), else a :class:`CheckpointError` (an object
+        missing, archived or corrupted in transit, a range it does not have, ...)."""
         errors = self._exceptions
-        kind: type[CheckpointError] = StoreUnreachable
         if isinstance(exc, errors.NoCredentialsError):
             why = "no AWS credentials were found (environment, ~/.aws, profile)"
         elif isinstance(exc, errors.ClientError):
             code, status = self._status(exc)
             message = exc.response.get("Error", {}).get("Message", "")
             why = f"{code or status}" + (f": {message}" if message else "")
-            if code not in _PLACE_CODES and status not in (401, 403) and not self._transient(exc):
-                kind = CheckpointError
         else:
             why = f"{type(exc).__name__}: {exc}"
         after = f" (after {tries} tries)" if tries > 1 else ""
+        kind = StoreUnreachable if self._unreachable(exc) else CheckpointError
         return kind(f"cannot {what} {url}{after}: {why}")
 
+    def _unreachable(self, exc: BaseException) -> bool:
+        """Whether ``exc`` says the place cannot be used, whatever object is asked for: no
+        credentials, access denied to the caller (not an object's state: an archived
+        object's 403 ``InvalidObjectState`` is the checkpoint's), no such bucket, or the
+        server unreachable or failing (what :meth:`_transient` retried, still failing)."""
+        errors = self._exceptions
+        if isinstance(exc, (errors.NoCredentialsError, errors.PartialCredentialsError)):
+            return True
+        if isinstance(exc, errors.ClientError):
+            code, status = self._status(exc)
+            answerless = status in (401, 403) and code in ("", str(status), "Forbidden")
+            return code in _PLACE_CODES or answerless or self._transient(exc)
+        return self._transient(exc)  # connection refused, reset or timed out
     def _call(self, what: str, url: S3Url, request: Callable[[], T]) -> T:
         """``request()``, retried while it fails transiently, within the settings' bounds;
         a 412 raises :class:`PreconditionFailed`, anything else one ``CheckpointError``."""
