@@ -301,3 +301,48 @@ def test_a_killed_ranks_scratch_directory_is_removed_by_the_next_save_on_its_hos
     assert (alike / "notes.txt").read_text() == "mine"
     assert sorted(p.name for p in elsewhere.iterdir()) == [".muonckpt-lease", "precious.bin"]
     assert live.is_dir() and other.is_dir()  # the first's lease is held: not swept by the second
+
+
+def test_a_rank_uploads_one_file_at_a_time(s3_server: S3Server) -> None:
+    """A rank writing several files faster than the network takes them holds at most one
+    upload's parts in flight (``concurrency``): memory part size x (concurrency + 1), not
+    that per file written."""
+    from muonckpt.storage import SafetensorsWriter
+    from muonckpt.storage.s3 import TransferSettings
+
+    client = S3Client(TransferSettings(part_size=5 << 20, concurrency=2))
+    target = f"s3://{s3_server.bucket()}/runs/step-1"
+    store = S3Store(client)
+    root = store.create_staging(target, False)
+    mine = store.join_staging(str(root), 0, target)
+    lock, now, peak = threading.Lock(), [0], [0]
+    send_part = client._client.upload_part  # the real request, counted around
+
+    def counted(**request: object) -> object:
+        with lock:
+            now[0] += 1
+            peak[0] = max(peak[0], now[0])
+        time.sleep(0.2)  # a network slower than the writer
+        try:
+            return send_part(**request)
+        finally:
+            with lock:
+                now[0] -= 1
+
+    client._client.upload_part = counted
+    tensor = torch.randn(4 << 20)  # 16 MiB a file: 4 parts
+    for i in range(3):
+        spec = {"t": ("F32", (4 << 20,))}
+        with SafetensorsWriter(mine / f"f{i}.safetensors", spec, follow=store.follow) as out:
+            out.write("t", tensor)
+            out.commit()
+    store.send(mine, target)
+    assert peak[0] == 2, peak  # the upload's own concurrency, never several uploads' at once
+    saved = S3Url.parse(target).child(_save_prefix_of(mine).rstrip("/"))
+    assert sorted(client.listing(saved)[0]) == [
+        ".lease",
+        "f0.safetensors",
+        "f1.safetensors",
+        "f2.safetensors",
+    ]
+    store.discard(root)

@@ -344,11 +344,14 @@ class S3Store:
 
     def follow(self, path: Path, fd: int) -> StreamedUpload | None:
         """A data file written into a scratch directory of :meth:`join_staging` is uploaded
-        as it is written (:class:`~.streamed_upload.StreamedUpload`, reading ``fd``), and
-        :meth:`send` waits for it; None elsewhere."""
+        as it is written (:class:`~.streamed_upload.StreamedUpload`, reading ``fd``), once the
+        upload of the rank's previous file has ended, and :meth:`send` waits for it; None
+        elsewhere."""
         saved = self._joined.get(path.parent)
         if saved is None:
             return None
+        for earlier in [s for p, s in self._streams.items() if p.parent == path.parent]:
+            earlier.wait()  # one upload in flight per rank: memory part size x (concurrency + 1)
         stream = StreamedUpload(self.client, saved.child(path.name), fd)
         self._streams[path] = stream
         return stream
