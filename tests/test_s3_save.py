@@ -134,9 +134,12 @@ def test_keep_last_deletes_nothing_where_the_server_ignores_conditional_deletes(
         muonckpt.save(single_process_optimizer(2), f"{root}/step-2", keep_last=1)
     assert S3Client().listing(S3Url.parse(root), delimiter=True)[1] == ["step-1", "step-2"]
     assert muonckpt.verify(f"{root}/step-1") == []
-    assert S3Client().listing(S3Url.parse(root), delimiter=True)[0] == []  # no probe left
+    assert S3Client().listing(S3Url.parse(root), delimiter=True)[0] == []
+    keys = S3Client().listing(S3Url.parse(f"{root}/step-1"))[0]
+    assert not any(k.endswith(".lease") for k in keys), keys  # no probe left behind
     s3_proxy.ignore_if_match_on_delete = False
-    assert S3Client().honours_conditional_delete(S3Url.parse(root))  # (a new client probes)
+    probe = S3Url.parse(root).child("s-0123456789abcdef/.lease")
+    assert S3Client().honours_conditional_delete(probe, b"{}")  # (a new client probes)
 
 
 def test_an_overwrite_of_a_copied_up_checkpoint_deletes_every_file_it_named(

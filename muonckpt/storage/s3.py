@@ -21,7 +21,6 @@ import importlib
 import os
 import random
 import re
-import secrets
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -458,14 +457,15 @@ class S3Client:
             lambda: self._client.delete_object(Bucket=url.bucket, Key=url.key, **extra),
         )
 
-    def honours_conditional_delete(self, place: S3Url) -> bool:
+    def honours_conditional_delete(self, probe: S3Url, body: bytes) -> bool:
         """Whether the server refuses a DELETE whose ``If-Match`` does not match (S3 does;
         some S3-compatible servers ignore the header and delete): probed once per bucket by
-        this client with an object of its own under ``place``, then deleted."""
-        known = self._conditional_deletes.get(place.bucket)
+        this client, with object ``probe`` (holding ``body``) created, deleted with a wrong
+        ``If-Match``, then deleted; the caller names it where what a failure leaves of it is
+        known for its own."""
+        known = self._conditional_deletes.get(probe.bucket)
         if known is None:
-            probe = place.child(f".muonckpt-probe-{secrets.token_hex(8)}")
-            self.create(probe, b"")
+            self.create(probe, body)
             try:
                 self.delete(probe, if_match='"0123456789abcdef0123456789abcdef"')
                 known = self.head(probe) is not None  # (ignored: deleted anyway)
@@ -473,7 +473,7 @@ class S3Client:
                 known = True
             finally:
                 self.delete(probe)
-            self._conditional_deletes[place.bucket] = known
+            self._conditional_deletes[probe.bucket] = known
         return known
 
     def delete_many(self, urls: Iterable[S3Url]) -> None:

@@ -597,7 +597,8 @@ class S3Store:
         (:meth:`~.s3.S3Client.honours_conditional_delete`): there a checkpoint saved at the
         same place meanwhile could be the one deleted."""
         url = _url(directory)
-        if not self.client.honours_conditional_delete(url.parent):
+        probe = url.child(new_save_prefix() + LEASE)  # a stale lease for clean if left behind
+        if not self.client.honours_conditional_delete(probe, _lease_body()):
             raise CheckpointError(
                 f"{url}: the server ignores If-Match on DELETE, so deleting this checkpoint "
                 "could delete one saved there meanwhile; delete old checkpoints by hand there"
