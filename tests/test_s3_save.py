@@ -239,8 +239,8 @@ def test_clean_removes_only_what_no_manifest_names_and_no_save_is_writing(
 ) -> None:
     """Under a run on S3: a committed checkpoint, a dead save's prefix over it (no lease) with
     an upload left in progress, a running save's prefix (its lease fresh), and objects that are
-    not muonckpt's. ``clean`` removes the dead save's objects and aborts its upload; nothing
-    else is touched."""
+    not muonckpt's. ``clean`` removes the dead save's objects and aborts its upload, and an
+    upload left open under the committed save's prefix; nothing else is touched."""
     root = f"s3://{s3_server.bucket()}/run"
     muonckpt.save(single_process_optimizer(1), f"{root}/step-1")
     client, base = S3Client(), S3Url.parse(root)
@@ -253,7 +253,11 @@ def test_clean_removes_only_what_no_manifest_names_and_no_save_is_writing(
     client._client.create_multipart_upload(  # (a rank killed mid-upload)
         Bucket=base.bucket, Key=f"run/step-1/{dead}/rank-00000-of-00002.safetensors"
     )
-    assert len(client.uploads(base)) == 1
+    committed = next(k for k in named if k.startswith("s-")).split("/")[0]
+    client._client.create_multipart_upload(  # (a start whose answer was lost, then retried)
+        Bucket=base.bucket, Key=f"run/step-1/{committed}/rank-00000-of-00001.safetensors"
+    )
+    assert len(client.uploads(base)) == 2
     cleaned = muonckpt.clean(root, 0)
     assert cleaned.removed == [base.child(f"step-1/{dead}")]
     assert cleaned.skipped == [(base.child(f"step-2/{running}"), cleaned.skipped[0][1])]

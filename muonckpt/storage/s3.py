@@ -284,6 +284,7 @@ class S3Client:
             answerless = status in (401, 403) and code in ("", str(status), "Forbidden")
             return code in _PLACE_CODES or answerless or self._transient(exc)
         return self._transient(exc)  # connection refused, reset or timed out
+
     def _call(self, what: str, url: S3Url, request: Callable[[], T]) -> T:
         """``request()``, retried while it fails transiently, within the settings' bounds;
         a 412 raises :class:`PreconditionFailed`, anything else one ``CheckpointError``."""

@@ -626,7 +626,10 @@ class S3Store:
         ``<checkpoint>`` holds a muonckpt manifest: a look-alike name alone is never enough),
         whose lease is absent or older than :data:`LEASE_STALE_S`, and under which nothing
         (lease, objects, uploads in progress) changed for more than ``older_than`` seconds:
-        their objects, and their multipart uploads aborted. Nothing else is ever deleted.
+        their objects, and their multipart uploads aborted; and under a committed save prefix,
+        the multipart uploads older than ``older_than`` (a committed save's objects are all
+        complete: such an upload is one whose start's answer was lost). Nothing else is ever
+        deleted.
         Returns the prefixes removed, and the others no manifest names with why each was
         kept.
 
@@ -650,7 +653,10 @@ class S3Store:
             if checkpoint not in named:
                 skipped.append((where, "its checkpoint's manifest.json is not muonckpt's"))
                 continue
-            if named[checkpoint] == prefix:
+            if named[checkpoint] == prefix:  # committed: its objects are all complete, so an
+                for upload in uploads.get((checkpoint, prefix), []):  # upload there is a lost one
+                    if now - upload.modified > older_than:
+                        self.client.abort(url.child(upload.key), upload.upload)
                 continue
             held = objects.get((checkpoint, prefix), [])
             going = uploads.get((checkpoint, prefix), [])
