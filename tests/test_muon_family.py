@@ -213,6 +213,30 @@ def test_state_keeps_its_dtype_where_it_is_not_the_params(tmp_path):
     assert fresh.state[fresh_params["w"]]["momentum_buffer"].dtype == torch.float32
 
 
+def test_a_rollback_gives_state_its_stored_dtype_too(tmp_path):
+    """A load into an optimizer that has stepped already (a rollback), whose own tensor has
+    the param's dtype, gives a state tensor kept in another dtype (a bf16 momentum of an
+    fp32 param) back in that dtype, as a load into a fresh one does."""
+
+    def make() -> tuple[torch.nn.Parameter, torch.optim.SGD]:
+        torch.manual_seed(0)
+        p = torch.nn.Parameter(torch.randn(4, 4))
+        return p, torch.optim.SGD([("w", p)], lr=0.1, momentum=0.9)
+
+    p, opt = make()
+    p.grad = torch.randn(4, 4)
+    opt.step()
+    opt.state[p]["momentum_buffer"] = opt.state[p]["momentum_buffer"].bfloat16()
+    ckpt = muonckpt.save(opt, tmp_path / "ckpt")
+    again, stepped = make()
+    again.grad = torch.randn(4, 4)
+    stepped.step()  # its own fp32 momentum: the param's dtype
+    muonckpt.load(stepped, ckpt)
+    kept = stepped.state[again]["momentum_buffer"]
+    assert kept.dtype == torch.bfloat16
+    assert torch.equal(kept, opt.state[p]["momentum_buffer"])
+
+
 def world_2_phase(root: str, saved: dict[str, str]) -> None:
     """(in each of 2 gloo processes) Each optimizer trained K steps as DDP replicas and saved
     per rank; and each world-1 checkpoint of ``saved`` loaded into an owner layout (param

@@ -215,11 +215,14 @@ def _staged_values(
 ) -> dict[str, Any]:
     """A param's state as its optimizer takes it: each tensor the optimizer's own where it can
     be reused (marked in ``reused``, its id in ``seen``: each gets one param's values), else
-    a view of the arena, at its shape; its scalars as the optimizer had them."""
+    a view of the arena, at its shape (always for a tensor kept in its own dtype, which
+    :meth:`Taken._kept_tensors` gives back in that dtype); its scalars as the optimizer had
+    them."""
     values: dict[str, Any] = {}
     for slot, (key, dtype) in enumerate(staged.tensors, staged.first):
         shape = staged.shapes.get(key, p.shape)
-        if _reusable(had.get(key), p, key, shape) and id(had[key]) not in seen:
+        reusable = key not in staged.own_dtypes and _reusable(had.get(key), p, key, shape)
+        if reusable and id(had[key]) not in seen:
             values[key], reused[slot] = had[key], 1
             seen.add(id(had[key]))
         else:
