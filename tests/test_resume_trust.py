@@ -264,3 +264,18 @@ def test_two_ranks_kj46_is_refused_and_an_unsynced_model_fails_the_load(tmp_path
         assert key == "model"
         assert param in ("a", "b") and said["synced"]
     assert not (tmp_path / "kj").exists()
+
+
+def test_doctor_tells_step_counts_that_disagree_from_params_that_missed_steps(tmp_path):
+    """torch's AdamW counts a param's steps only when it had a gradient, so a count below the
+    job's step is sound; a count above the step the job recorded is flagged."""
+    a, b = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.AdamW([("a", a), ("b", b)], lr=0.1)
+    for step in range(3):
+        a.grad = torch.ones(3)
+        b.grad = torch.ones(3) if step else None  # b had no gradient at the first step
+        opt.step()
+    assert muonckpt.doctor(muonckpt.save(opt, tmp_path / "ok", extra={"step": 3})).healthy
+    found = muonckpt.doctor(muonckpt.save(opt, tmp_path / "behind", extra={"step": 1}))
+    assert [f.check for f in found.findings] == ["steps"]
+    assert "param 'a' 3" in found.findings[0].message and "'b'" in found.findings[0].message

@@ -188,21 +188,27 @@ def _normalized(manifest: Manifest, tensors: list[TensorHealth]) -> list[Finding
 
 
 def _steps(manifest: Manifest) -> list[Finding]:
-    """Step counts that disagree: the manifest's, each group's and each param's own."""
-    counts: dict[str, float] = {}
+    """Step counts that disagree: the job's own (the manifest's and each group's) with each
+    other, and a param's own count above them. A param's count below the job's is no problem:
+    torch's optimizers count a param's steps only when it had a gradient."""
+    jobs: dict[str, float] = {}
     if manifest.recorded_step is not None:
-        counts["the manifest"] = manifest.recorded_step
+        jobs["the manifest"] = manifest.recorded_step
     for number, group in enumerate(manifest.groups):
         step = group.hyperparams.get("step")
         if isinstance(step, int | float):
-            counts[f"group {number}"] = step
+            jobs[f"group {number}"] = step
+    params: dict[str, float] = {}
     for entry in manifest.params:
         if "step" in entry.scalars:
             value = entry.scalars["step"].value
             if isinstance(value, int | float):
-                counts[f"param {entry.name!r}"] = value
-    if len(set(counts.values())) <= 1:
+                params[f"param {entry.name!r}"] = value
+    ceiling = max(jobs.values(), default=max(params.values(), default=0))
+    ahead = {where: value for where, value in params.items() if value > ceiling}
+    if len(set(jobs.values())) <= 1 and not ahead:
         return []
+    counts = {**jobs, **ahead}
     shown = "; ".join(f"{where} {value:g}" for where, value in list(counts.items())[:8])
     return [Finding("steps", None, None, f"step counts disagree: {shown}")]
 
