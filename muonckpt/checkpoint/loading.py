@@ -445,7 +445,7 @@ def _apply(call: _LoadCall, taken: tuple[Taken, trainstate.Restore], report: Loa
         _LOG.info("muonckpt.load: converted %s", message)
     for message in report.warnings if call.rank == 0 else ():
         warnings.warn(message, ConversionWarning, stacklevel=3)
-    if report.environment:
+    if report.environment and call.rank == 0:  # (every rank's report still lists its own)
         warnings.warn(_environment_message(report.environment), EnvironmentWarning, stacklevel=3)
 
 

@@ -35,9 +35,9 @@ T = TypeVar("T")
 PREFIX = "muonckpt/async_save"
 """Every mailbox's keys are under ``PREFIX/<its name>/``."""
 _OPEN = "open"
+"""The key the root sets first and deletes last: the mailbox is there while it is."""
 _NONE = "\x00none"
 """What no message is (each is JSON): the expected value of a read that must not wait."""
-"""The key the root sets first and deletes last: the mailbox is there while it is."""
 CONNECT_S = 5.0
 """How long a connection of the mailbox's own may take to be made (ms, when the store is
 there)."""
