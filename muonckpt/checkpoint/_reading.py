@@ -118,10 +118,18 @@ class _Reads:
         self.pending.append((entry, key, region, arena, slot, out))
         return slot
 
+    @property
+    def total_bytes(self) -> int:
+        return sum(len(out) for *_, out in self.pending)
+
+    @property
+    def count(self) -> int:
+        return len(self.pending)
+
     def run(self, manifest: Manifest, reader: PieceReader, progress: Progress | None) -> None:
         """Every read, then every scale (each scaled slot told to ``done`` again)."""
         grouped = manifest.pieces_of()
-        meter = Meter(lambda: (sum(len(p[-1]) for p in self.pending), len(self.pending)), progress)
+        meter = Meter(self, progress)
         for entry, key, region, arena, slot, out in self.pending:
             pieces = grouped[entry.name, key]
             reader.gather(pieces, entry, key, region, out)

@@ -12,11 +12,12 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable
-from typing import TextIO
+from dataclasses import dataclass
+from typing import Protocol, TextIO
 
 from ..settings import human_size
 
-__all__ = ["Meter", "Progress", "ProgressLines"]
+__all__ = ["Counted", "Meter", "Progress", "ProgressLines", "Totals"]
 
 Progress = Callable[[int, int, int, int], None]
 """``progress(done_bytes, total_bytes, done_tensors, total_tensors)``, called once at the start
@@ -24,12 +25,31 @@ Progress = Callable[[int, int, int, int], None]
 report. Each process reports its own share (under torchrun, each rank its own)."""
 
 
-class Meter:
-    """Counts what was written or read for ``progress``; ``totals`` (bytes, tensors) asked for
-    only when there is a progress to report (a plan made one file at a time counts in a pass)."""
+class Totals(Protocol):
+    """What a piece of work amounts to: its bytes and its tensors (a write plan, a load's
+    reads), asked for only when there is a progress to report (a plan made one file at a time
+    counts them in a pass)."""
 
-    def __init__(self, totals: Callable[[], tuple[int, int]], progress: Progress | None) -> None:
-        self.total, self.tensors = totals() if progress is not None else (0, 0)
+    @property
+    def total_bytes(self) -> int: ...
+
+    @property
+    def count(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class Counted:
+    """:class:`Totals` already counted."""
+
+    total_bytes: int
+    count: int
+
+
+class Meter:
+    """Counts what was written or read of ``work`` for ``progress``."""
+
+    def __init__(self, work: Totals, progress: Progress | None) -> None:
+        self.total, self.tensors = (work.total_bytes, work.count) if progress else (0, 0)
         self.progress = progress
         self.done = self.counted = 0
         if progress is not None:

@@ -62,7 +62,7 @@ from ._reports import Reports as Reports
 from ._reports import Written as Written
 from ._reports import complete
 from .attempt import Attempt
-from .progress import Meter, Progress
+from .progress import Counted, Meter, Progress
 
 Tensors = Iterator[tuple[TensorWrite, Any]]
 """What a producer hands the writer: each planned tensor (in :func:`in_order`) with its data,
@@ -350,7 +350,7 @@ def write_files(
     handoff costs ~0.15 ms). Without ``sync`` each file is renamed into place unsynced:
     :func:`publish` fsyncs every data file in one parallel pass before it writes the indexes
     and the manifest (thousands of output files are not thousands of fsyncs in a row)."""
-    meter = Meter(lambda: (plan.total_bytes, plan.count), progress)
+    meter = Meter(plan, progress)
     pieces, sizes = PieceTable(), {}
     for file, writes in plan.by_file().items():
         specs, metadata = specs_of(writes), plan.files[file]
@@ -450,7 +450,7 @@ def write_share(
     thread meanwhile), at its planned offset in the files written together; every file of the
     plan is reported."""
     outputs = _shared_files(plan, staging)
-    meter = Meter(lambda: (sum(w.nbytes for w in share), len(share)), progress)
+    meter = Meter(Counted(sum(w.nbytes for w in share), len(share)), progress)
     pieces, current = [], None
     pulled = _pulled(tensors, share, ahead=True)
     try:
