@@ -417,15 +417,18 @@ def _agree_check(call: _LoadCall, check: _checking.Check | None) -> None:
     casts warned."""
     if check is None:
         return
-    mine = check.problems(call.models)
-    found: list[list[Any]] = [[None, *problem] for problem in mine]
     steps = call.steps
-    if len(steps.ranks) > 1:
+    if len(steps.ranks) > 1:  # (a rank's own failure to check: that step's, on every rank)
 
         def every(problems: list[list[list[str]]]) -> list[list[Any]]:
             return [[r, *p] for r, ps in zip(steps.ranks, problems, strict=True) for p in ps]
 
-        found = steps.each_then_root("check", lambda: [list(p) for p in mine], every)
+        def mine() -> list[list[str]]:
+            return [list(p) for p in check.problems(call.models)]
+
+        found: list[list[Any]] = steps.each_then_root("check", mine, every)
+    else:
+        found = [[None, *problem] for problem in check.problems(call.models)]
     if found:
         raise _checking.refusal(found)
     check.warn()
