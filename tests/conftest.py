@@ -39,7 +39,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 TIERS = {
-    "not dist": ("the fast tier", 60.0),
+    "not dist": ("the fast tier", 90.0),
     "not slow and not trainers": ("the whole suite", 600.0),
     "trainers": ("the trainers tier", None),
 }
