@@ -150,6 +150,29 @@ def test_the_cli_reports_progress_in_lines_where_stderr_is_no_terminal(single_ck
     assert quiet.exit_code == 0 and quiet.stderr == "", quiet.stderr
 
 
+def test_the_foreign_writers_report_progress(single_ckpt, tmp_path):
+    """(issue 57, item 4) Every offline tool takes ``progress=``, the foreign writers too: DCP
+    (torchtitan's and Megatron's go through its writer) and DeepSpeed, each from a start to
+    every byte; ``convert`` prints their lines where stderr is no terminal."""
+    src = single_ckpt(2)
+    for name, write in {
+        "dcp": lambda progress: muonckpt.interop.to_dcp(
+            src, tmp_path / "dcp", to="torch", progress=progress
+        ),
+        "deepspeed": lambda progress: muonckpt.interop.to_deepspeed(
+            src, tmp_path / "ds", world=2, progress=progress
+        ),
+    }.items():
+        seen: list[tuple[int, int, int, int]] = []
+        write(lambda *a, seen=seen: seen.append(a))
+        total, tensors = seen[0][1], seen[0][3]
+        assert seen[0] == (0, total, 0, tensors) and seen[-1] == (total, total, tensors, tensors)
+        assert len(seen) == tensors + 1 and total > 0, (name, seen)
+    result = cli("convert", src, "--format", "dcp", "--to", "torch", "-o", tmp_path / "cli")
+    assert result.exit_code == 0, result.output
+    assert [line for line in result.stderr.splitlines() if line.startswith("convert: done, ")]
+
+
 def _spec(package):
     import importlib.machinery
 

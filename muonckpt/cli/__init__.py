@@ -288,7 +288,10 @@ def _convert_by(
     if route.writes is not None:
         assert to is not None  # the route checked it is one of the format's targets
         # foreign files are local only: SRC by the route, DST refused here when a URL
-        report = route.writes.write(Path(src), local_directory(dst), to, route.options)
+        with output.progress_bar(ctx, "convert") as progress:
+            report = route.writes.write(
+                Path(src), local_directory(dst), to, route.options, progress
+            )
         output.say_conversion(ctx, route.writes.title, report)
         output.say(ctx, output.wrote_foreign(report, route.writes.title))
     elif route.reads is not None and route.source is not None:

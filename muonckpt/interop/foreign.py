@@ -91,7 +91,8 @@ class ForeignFormat(Generic[R, W]):
     sources: tuple[str, ...]
     """The implementations whose checkpoints :attr:`read` takes (``convert --from``)."""
     writer: Callable[..., Conversion] | None = None
-    """``writer(src, dst, to=, **options)``, the fields of :attr:`write_options` as keywords;
+    """``writer(src, dst, to=, progress=, **options)``, the fields of :attr:`write_options` as
+    keywords;
     None: muonckpt reads the format but does not write it."""
     write_options: type[W] | None = None
     write_requires: Mapping[str, str] = field(default_factory=dict)
@@ -110,10 +111,12 @@ class ForeignFormat(Generic[R, W]):
         with Event(f"convert from {self.name}", f"{src} -> {dst}"):
             return self.reader(src, dst, **vars(reading), **vars(options))
 
-    def write(self, src: Path, dst: Path, to: str, options: W) -> Conversion:
+    def write(
+        self, src: Path, dst: Path, to: str, options: W, progress: Progress | None = None
+    ) -> Conversion:
         """Write the muonckpt checkpoint ``src`` as a new foreign checkpoint ``dst`` for the
-        implementation ``to`` (one of :attr:`targets`)."""
+        implementation ``to`` (one of :attr:`targets`), telling ``progress`` what it reads."""
         assert self.writer is not None  # the router refuses to write a read-only format
         with Event(f"convert to {self.name}", f"{src} -> {dst}"):
-            report = self.writer(src, dst, to=to, **vars(options))
+            report = self.writer(src, dst, to=to, progress=progress, **vars(options))
         return replace(report, written=access.tree_size(report.path))

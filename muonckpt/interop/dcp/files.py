@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ...errors import CheckpointError
+from ...files.progress import Counted, Meter, Progress
 from ...storage.dtypes import itemsize, torch_dtype
 from ...storage.durable import failing_as, failure, system_error
 from ...storage.foreign_limits import check_archive, check_value, non_overlapping
@@ -174,6 +175,7 @@ def write_dcp(
     values: Mapping[str, Any],
     fetch: Callable[[str, Region], torch.Tensor],
     chunks: Mapping[str, Sequence[Region]] | None = None,
+    progress: Progress | None = None,
 ) -> None:
     """Write a DCP checkpoint of one process into the existing empty ``directory``:
     ``tensors`` (fqn -> (shape, safetensors dtype)), each stored as the blocks ``chunks`` gives
@@ -184,6 +186,8 @@ def write_dcp(
     each (torch's writer holds a file's tensors until the file is done), settings in one file
     of their own, each value one item (as ``torch.save`` of it: a value holding tensors too).
 
+    ``progress`` is told the bytes and blocks fetched (:class:`~muonckpt.files.progress.Meter`).
+
     Memory: about the largest tensor, twice."""
     import warnings
 
@@ -193,16 +197,23 @@ def write_dcp(
 
     from ._torch_writer import BoundedWriter, FetchingPlanner
 
-    budget = max(
-        [math.prod(shape) * itemsize(dtype) for shape, dtype in tensors.values()], default=0
-    )
+    nbytes = [math.prod(shape) * itemsize(dtype) for shape, dtype in tensors.values()]
+    budget = max(nbytes, default=0)
     state: dict[str, Any] = {
         fqn: torch.empty(shape, dtype=torch_dtype(dtype), device="meta")
         for fqn, (shape, dtype) in tensors.items()
     }
     state.update(values)
     writer = BoundedWriter(os.fspath(directory), budget)
-    planner = FetchingPlanner(tensors, dict(chunks or {}), fetch)
+    blocks = {fqn: len((chunks or {}).get(fqn) or [None]) for fqn in tensors}
+    meter = Meter(Counted(sum(nbytes), sum(blocks.values())), progress)
+
+    def fetched(fqn: str, region: Region) -> torch.Tensor:
+        block = fetch(fqn, region)
+        meter.tick(block.numel() * block.element_size())
+        return block
+
+    planner = FetchingPlanner(tensors, dict(chunks or {}), fetched)
     with warnings.catch_warnings(), failing_as("write", directory):
         # one process, no process group: as intended
         warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single")

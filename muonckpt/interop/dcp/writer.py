@@ -13,6 +13,7 @@ from typing import Any
 
 from ...errors import StateDictError
 from ...files.pieces import PieceReader
+from ...files.progress import Progress
 from ...format import kinds
 from ...format.conversion import group_kind, step_scalar
 from ...format.manifest import Manifest, PieceIndex, Scalar
@@ -34,6 +35,7 @@ def to_dcp(
     *,
     to: str,
     layout: str | None = None,
+    progress: Progress | None = None,
 ) -> Conversion:
     """Write the muonckpt checkpoint ``src`` (any kind, any topology) as a DCP checkpoint at
     ``dst`` for the DTensor family ``to``: the params as the model's tensors, each param's
@@ -44,7 +46,7 @@ def to_dcp(
     not say). ``layout``: ``torchtitan`` (model fqns at the top level) or ``recipe``
     (``model.<fqn>``); None: the layout ``src`` was read as when it was converted from DCP (its
     manifest's ``dcp_layout``: the round trip keeps it), else ``torchtitan``. Only torch's
-    writer writes; ``dst`` must not exist.
+    writer writes; ``dst`` must not exist. ``progress``: told the bytes and tensors written.
 
     Memory: one full tensor at a time.
     """
@@ -62,7 +64,7 @@ def to_dcp(
         PieceReader(files, manifest) as reader,
     ):
         fetch = _WholeTensors(out.sources, manifest, reader)
-        dcp_files.write_dcp(staging, out.tensors, out.values, fetch)
+        dcp_files.write_dcp(staging, out.tensors, out.values, fetch, progress=progress)
     left = tuple(out.left) + not_carried(manifest)
     return Conversion(Path(dst), layout, left, tuple(out.notes))
 

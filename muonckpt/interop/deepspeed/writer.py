@@ -15,14 +15,16 @@ DeepSpeed class is never named, so ``param_slice_mappings`` and the loss scaler 
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ... import settings
+from ... import settings, storage
 from ...errors import ArgumentError, CheckpointError, OptionError
+from ...files.progress import Counted, Meter, Progress
 from ...format import kinds
 from ...format.manifest import Manifest
 from ...format.names import PARAM_KEY
@@ -151,6 +153,16 @@ def _check_split(manifest: Manifest, groups: list[_OutGroup], directory: Path) -
             "that keeps this split)",
             path=directory,
         )
+
+
+def _tensor_bytes(manifest: Manifest, group: _OutGroup) -> list[int]:
+    """The bytes of each tensor of ``group`` a write reads: each param's values and state."""
+    out = []
+    for name in group.names:
+        entry = manifest.param(name)
+        for key in entry.tensor_keys:
+            out.append(math.prod(entry.shape_of(key)) * storage.itemsize(entry.dtype_of(key)))
+    return out
 
 
 @dataclass
@@ -304,6 +316,7 @@ def to_deepspeed(
     world: int | None = None,
     stage: int = 2,
     allow_large_world: bool = False,
+    progress: Progress | None = None,
 ) -> Conversion:
     """Write the muonckpt checkpoint ``src`` (any kind, any topology) as DeepSpeed ZeRO-1/2
     files for ``world`` ranks at the new directory ``dst`` (``latest`` and
@@ -321,6 +334,8 @@ def to_deepspeed(
     are not written. More than :data:`muonckpt.settings.MAX_WORLD` ranks need
     ``allow_large_world``.
 
+    ``progress`` is told the bytes and tensors read, a group at a time.
+
     Memory: the whole optimizer state once, plus one rank's file.
     """
     from ...files.pieces import PieceReader
@@ -336,8 +351,14 @@ def to_deepspeed(
         raise OptionError(f"ZeRO stage {stage!r}: DeepSpeed's Muon runs at stages 1 and 2")
     directory, files, manifest = open_local(src)
     groups, notes = _out_groups(manifest, directory)
+    sizes = [_tensor_bytes(manifest, group) for group in groups]
+    meter = Meter(Counted(sum(map(sum, sizes)), sum(map(len, sizes))), progress)
+    values = []
     with PieceReader(files, manifest) as reader:
-        values = [_out_values(reader, manifest, group, world) for group in groups]
+        for group, read in zip(groups, sizes, strict=True):
+            values.append(_out_values(reader, manifest, group, world))
+            for nbytes in read:
+                meter.tick(nbytes)
     step = manifest.recorded_step or max((v.step or 0 for v in values), default=0)
     tag = f"global_step{step}"
     with staged_output(dst, directory, SOURCE) as (_, staging):

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from ... import settings, storage
 from ...errors import ArgumentError, CheckpointError, LayoutError, OptionError
+from ...files.progress import Progress
 from ...format import kinds
 from ...format.conversion import group_kind
 from ...format.manifest import Manifest
@@ -217,6 +218,7 @@ def to_megatron(
     tp: int | None = None,
     dp: int | None = None,
     allow_large_world: bool = False,
+    progress: Progress | None = None,
 ) -> Conversion:
     """Write the muonckpt checkpoint ``src`` (read from a Megatron-Core torch_dist checkpoint,
     at any topology since) as a new Megatron-Core torch_dist checkpoint root ``dst`` that
@@ -225,7 +227,7 @@ def to_megatron(
     step, the param groups' settings, and the bf16 model weights rounded from the masters.
     The files do not depend on ``dp`` (torch_dist's tensors are global), only the chunks on
     ``tp``: a ``tp`` past :data:`muonckpt.settings.MAX_WORLD` needs ``allow_large_world``,
-    and any ``dp`` is taken.
+    and any ``dp`` is taken. ``progress``: told the bytes and chunks written.
 
     Memory: one param's tensor at a time (each chunk of it read on its own).
     """
@@ -246,7 +248,7 @@ def to_megatron(
         iteration_dir = storage.make_directory(staging / f"iter_{iteration:07d}")
         with PieceReader(files, manifest) as reader:
             fetch = _LayerBlocks(keys, tensors, manifest, reader)
-            dcp_files.write_dcp(iteration_dir, tensors, values, fetch, chunks)
+            dcp_files.write_dcp(iteration_dir, tensors, values, fetch, chunks, progress)
         store.put_text(iteration_dir / DIST_METADATA, BACKEND)
         storage.fsync_dir(iteration_dir)
         store.put_text(staging / LATEST, str(iteration))

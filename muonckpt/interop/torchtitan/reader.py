@@ -136,15 +136,20 @@ def from_torchtitan(
 
 
 def to_torchtitan(
-    src: str | os.PathLike[str], dst: str | os.PathLike[str], *, to: str = SOURCE
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    *,
+    to: str = SOURCE,
+    progress: Progress | None = None,
 ) -> Conversion:
     """Write the muonckpt checkpoint ``src`` as a ``step-N`` directory ``dst`` that torchtitan's
     ``CheckpointManager`` loads with DistMuon and AdamW at any world size: the model (with the
     buffers the checkpoint carries), ``optimizer.state.*`` with DistMuon's EMA momentum and
     AdamW's 0-d float32 steps, and every setting of ``optimizer.param_groups.<fqn>.*`` that
     torchtitan's groups have. It holds no ``lr_scheduler`` or ``dataloader``: the loading job
-    names them in ``CheckpointManager.Config.exclude_from_loading``."""
-    report = dcp.to_dcp(src, dst, to=to, layout="torchtitan")
+    names them in ``CheckpointManager.Config.exclude_from_loading``. ``progress``: told the
+    bytes and tensors written."""
+    report = dcp.to_dcp(src, dst, to=to, layout="torchtitan", progress=progress)
     return Conversion(
         report.path, "torchtitan checkpoint manager", report.left_out, report.converted
     )
