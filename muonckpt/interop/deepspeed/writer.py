@@ -334,7 +334,8 @@ def to_deepspeed(
     are not written. More than :data:`muonckpt.settings.MAX_WORLD` ranks need
     ``allow_large_world``.
 
-    ``progress`` is told the bytes and tensors read, a group at a time.
+    ``progress`` is told the bytes and tensors read, a group at a time (the last once the
+    files are written).
 
     Memory: the whole optimizer state once, plus one rank's file.
     """
@@ -352,16 +353,18 @@ def to_deepspeed(
     directory, files, manifest = open_local(src)
     groups, notes = _out_groups(manifest, directory)
     sizes = [_tensor_bytes(manifest, group) for group in groups]
-    meter = Meter(Counted(sum(map(sum, sizes)), sum(map(len, sizes))), progress)
-    values = []
-    with PieceReader(files, manifest) as reader:
-        for group, read in zip(groups, sizes, strict=True):
-            values.append(_out_values(reader, manifest, group, world))
-            for nbytes in read:
-                meter.tick(nbytes)
-    step = manifest.recorded_step or max((v.step or 0 for v in values), default=0)
-    tag = f"global_step{step}"
-    with staged_output(dst, directory, SOURCE) as (_, staging):
+    with staged_output(dst, directory, SOURCE) as (_, staging):  # refused before any read
+        meter = Meter(Counted(sum(map(sum, sizes)), sum(map(len, sizes))), progress)
+        values: list[_OutValues] = []
+        last: list[int] = []  # the last tensor counted once the files are written
+        with PieceReader(files, manifest) as reader:
+            for group, read in zip(groups, sizes, strict=True):
+                values.append(_out_values(reader, manifest, group, world))
+                for nbytes in [*last, *read][:-1]:
+                    meter.tick(nbytes)
+                last = [*last, *read][-1:]
+        step = manifest.recorded_step or max((v.step or 0 for v in values), default=0)
+        tag = f"global_step{step}"
         tag_dir = make_directory(staging / tag)
         for rank in range(world):
             deepspeed_files.save(
@@ -370,6 +373,8 @@ def to_deepspeed(
             )
         model = _model_file(groups, values, manifest, step, world)
         deepspeed_files.save(tag_dir / deepspeed_files.MODEL_STATES, model)
+        for nbytes in last:
+            meter.tick(nbytes)
         deepspeed_files.finish(staging, tag)
     left = ["param_slice_mappings and the loss scaler (DeepSpeed's load reads neither)"]
     left += not_carried(manifest)
