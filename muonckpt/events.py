@@ -16,6 +16,7 @@ commit, on its own thread), or an offline tool decorated with :func:`logged`.
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import os
 import time
@@ -94,13 +95,18 @@ R = TypeVar("R")
 
 def logged(operation: str, paths: int = 1) -> Callable[[Callable[P, R]], Callable[P, R]]:
     """An offline tool whose calls are :class:`Event` s of ``operation``, on the paths its
-    first ``paths`` positional arguments name; a ``collective=True`` call as the rank and world
-    torchrun gives it (``RANK``, ``WORLD_SIZE``), any other as one process."""
+    first ``paths`` parameters name (given by position or by keyword); a ``collective=True``
+    call as the rank and world torchrun gives it (``RANK``, ``WORLD_SIZE``), any other as one
+    process."""
 
     def decorate(tool: Callable[P, R]) -> Callable[P, R]:
+        signature = inspect.signature(tool)
+        named = list(signature.parameters)[:paths]
+
         @functools.wraps(tool)
         def call(*args: P.args, **kwargs: P.kwargs) -> R:
-            where = " -> ".join(str(a) for a in args[:paths])
+            given = signature.bind_partial(*args, **kwargs).arguments
+            where = " -> ".join(str(given[name]) for name in named if name in given)
             rank = ranks = None
             if kwargs.get("collective"):
                 rank, ranks = os.environ.get("RANK"), os.environ.get("WORLD_SIZE")

@@ -55,7 +55,7 @@ def test_save_load_and_tools_log_start_and_end_with_their_facts(tmp_path, record
     muonckpt.load(_optimizer(), path)
     muonckpt.verify(path)
     muonckpt.offline.summarize(path)
-    muonckpt.offline.consolidate(path, tmp_path / "whole")
+    muonckpt.offline.consolidate(src=path, dst=tmp_path / "whole")  # (paths by keyword)
     list(muonckpt.offline.iter_diff(path, tmp_path / "whole"))
     expected = ["save", "async_save", "load", "verify", "inspect", "consolidate", "diff"]
     assert records.events() == [(op, e) for op in expected for e in ("start", "end")]
