@@ -293,6 +293,8 @@ def test_a_killed_ranks_scratch_directory_is_removed_by_the_next_save_on_its_hos
         timeout=60,
     )
     (alike.parent / "rank-00001").symlink_to(elsewhere)  # planted in a shared $TMPDIR
+    joining = tmp_path / f"muonckpt-s3-{'6' * 16}" / "rank-00002"
+    joining.mkdir(parents=True)  # a rank of a live save between its mkdir and its lease
     (tmp_path / f"muonckpt-s3-{'5' * 16}").symlink_to(elsewhere)
     store = S3Store()
     live = store.join_staging(str(tmp_path / f"muonckpt-s3-{'3' * 16}"), 0, target)
@@ -300,6 +302,7 @@ def test_a_killed_ranks_scratch_directory_is_removed_by_the_next_save_on_its_hos
     assert not dead.parent.exists()
     assert (alike / "notes.txt").read_text() == "mine"
     assert sorted(p.name for p in elsewhere.iterdir()) == [".muonckpt-lease", "precious.bin"]
+    assert joining.is_dir()  # (the smoke benchmark's 4 ranks on one host raced so)
     assert live.is_dir() and other.is_dir()  # the first's lease is held: not swept by the second
 
 

@@ -142,8 +142,9 @@ def _sweep_scratch() -> None:
             if _foreign(directory):
                 continue
             with lease.leftover(directory) as found:
-                if found.kept_because is None:
-                    _empty(directory)
+                if found.kept_because is not None:  # (a rank between its mkdir and its lease
+                    continue  # too: its directory, empty, is never removed)
+                _empty(directory)
             with contextlib.suppress(OSError):
                 directory.rmdir()
                 top.rmdir()  # (when that was its last rank's)
