@@ -11,16 +11,25 @@ chunks of :data:`CHUNK` elements (memory: one piece and one chunk's float64 copy
   ``state_dict()`` on one rank misses the momentum it does not own);
 * a Muon group whose momentum buffers all have a norm of about 1 (normalized in place:
   torch.optim.Muon with bf16 params and ``nesterov=False``);
+* a Muon group whose recorded momentum form is not the one its recorded optimizer keeps (the
+  records disagree: a load would convert its momentum by the wrong factor);
 * step counts that disagree between the manifest, the groups and the params' own;
 * state that does not cover its tensors (held by fewer ranks than the layout says);
 * against another checkpoint of the run (``against``): momentum whose norm jumped by more than
-  :data:`JUMP` (a resume that lost state), and the params that did not move.
+  :data:`JUMP` (a resume that lost state), the params that did not move, and (a heuristic,
+  :func:`_forms_in_values`) a Muon group whose momentum norms changed by about ``1 / (1 - mu)``
+  more or less than the two checkpoints' recorded forms explain: values in the other form than
+  the one recorded (momentum copied between implementations without conversion).
+
+A single checkpoint's values cannot tell the momentum's form: sum and EMA form differ by the
+factor ``1 / (1 - mu)``, and nothing stored gives the scale of the gradients it applies to.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import statistics
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -29,7 +38,7 @@ from .. import storage
 from ..events import logged
 from ..files.pieces import PieceReader, open_checkpoint
 from ..format import kinds
-from ..format.manifest import PER_RANK, Manifest
+from ..format.manifest import PER_RANK, GroupEntry, Manifest
 from ..format.names import PARAM_KEY
 from .inspection import Compared, Diagnosis, Finding, TensorHealth
 
@@ -40,6 +49,18 @@ UNIT_NORM = 0.01
 JUMP = 10.0
 """The factor between two checkpoints' momentum norms that is a jump, not training."""
 MOMENTUM_KEYS = frozenset(kinds.MUON_STATE_KEYS)
+ADAMW_FIRST_MOMENT = "exp_avg"
+FORM_MU = 0.8
+"""The least momentum whose form the values decide (``1 / (1 - mu)`` at least 5): below it the
+two forms differ by less than training moves a norm between two checkpoints."""
+FORM_EXPONENT = 0.75
+"""A group's norm ratio, beyond what its recorded forms and the gradients' drift explain, is a
+form mismatch at ``(1 / (1 - mu)) ** FORM_EXPONENT`` or more (or its inverse or less): nearer
+the other form's factor than its own (``x9.5`` for mu 0.95, ``x5.6`` for 0.9)."""
+WARMED = 0.05
+"""The earlier checkpoint's momentum is past its warm-up where ``mu ** step`` is at most this:
+before it, a buffer started at zero grows towards ``1 / (1 - mu)`` times a step's gradient in
+either form, which the values cannot tell from a form mismatch."""
 
 if TYPE_CHECKING:
     import torch
@@ -88,10 +109,15 @@ def doctor(
     ]
     findings += _value_findings(tensors)
     findings += _normalized(manifest, tensors)
+    findings += _forms_recorded(manifest)
     findings += _steps(manifest)
     if against is not None:
-        compared = _compared(tensors, _tensors(*open_checkpoint(against)))
-        findings += _jumps(compared)
+        files, earlier = open_checkpoint(against)
+        compared = _compared(tensors, _tensors(files, earlier))
+        explained = _explained(manifest, earlier, compared)
+        forms, formed = _forms_in_values(manifest, earlier, explained)
+        unexplained = {name: r for name, r in explained.items() if name not in formed}
+        findings += _jumps(manifest, earlier, compared, unexplained) + forms
         return Diagnosis(str(path), tuple(tensors), tuple(findings), str(against), tuple(compared))
     return Diagnosis(str(path), tuple(tensors), tuple(findings))
 
@@ -161,13 +187,19 @@ def _value_findings(tensors: list[TensorHealth]) -> list[Finding]:
     return found
 
 
+def _muon_kind(group: GroupEntry) -> kinds.GroupKind | None:
+    """The kind a group records, where it is a Muon group's; None otherwise."""
+    kind = kinds.GroupKind.from_json(group.optimizer) if group.optimizer else None
+    return kind if kind is not None and kind.role == "muon" else None
+
+
 def _normalized(manifest: Manifest, tensors: list[TensorHealth]) -> list[Finding]:
     """Muon groups whose every momentum buffer has a norm of about 1."""
     by_param = {t.param: t for t in tensors if t.key in MOMENTUM_KEYS and t.numel > 1}
     found = []
     for number, group in enumerate(manifest.groups):
-        kind = kinds.GroupKind.from_json(group.optimizer) if group.optimizer else None
-        if kind is None or kind.role != "muon":
+        kind = _muon_kind(group)
+        if kind is None:
             continue
         held = [
             by_param[e.name] for e in manifest.params if e.group == number and e.name in by_param
@@ -187,10 +219,98 @@ def _normalized(manifest: Manifest, tensors: list[TensorHealth]) -> list[Finding
     return found
 
 
-def _steps(manifest: Manifest) -> list[Finding]:
-    """Step counts that disagree: the job's own (the manifest's and each group's) with each
-    other, and a param's own count above them. A param's count below the job's is no problem:
-    torch's optimizers count a param's steps only when it had a gradient."""
+def _forms_recorded(manifest: Manifest) -> list[Finding]:
+    """Muon groups whose recorded momentum form is not the one their recorded optimizer keeps
+    (:func:`muonckpt.format.kinds.kept_form`): a load would convert them by the wrong factor."""
+    found = []
+    for number, group in enumerate(manifest.groups):
+        kind = _muon_kind(group)
+        kept = None if kind is None else kinds.kept_form(kind.optimizer)
+        if kind is None or kept is None or kind.momentum_form == kept:
+            continue
+        origin = f" (converted from {kind.converted_from})" if kind.converted_from else ""
+        found.append(
+            Finding(
+                "momentum-form",
+                None,
+                "momentum_buffer",
+                f"group {number} is recorded as {kind.optimizer}{origin}, which keeps "
+                f"{kept}-form momentum, yet records its momentum as {kind.momentum_form}-form: "
+                "the records disagree, and a load would convert it by the wrong factor",
+            )
+        )
+    return found
+
+
+def _explained(now: Manifest, before: Manifest, compared: list[Compared]) -> dict[str, float]:
+    """Each Muon momentum's norm ratio between two checkpoints of one run (now / before)
+    beyond what explains it: the factor between the two recorded momentum forms (a
+    conversion's ``1 - mu``) and the gradients' drift (:func:`_drift`)."""
+    drift = _drift(compared)
+    explained = {}
+    for c in compared:
+        if c.key not in MOMENTUM_KEYS or c.norm_before <= 0 or not math.isfinite(c.ratio):
+            continue
+        kind = _muon_kind(now.groups[now.param(c.param).group])
+        earlier = _muon_kind(before.groups[before.param(c.param).group])
+        factor = 1.0
+        if kind and earlier and kind.momentum is not None and kind.momentum_form is not None:
+            factor = kinds.form_factor(earlier.momentum_form, kind.momentum_form, kind.momentum)
+        explained[c.param] = c.ratio / factor / drift
+    return explained
+
+
+def _forms_in_values(
+    now: Manifest, before: Manifest, explained: dict[str, float]
+) -> tuple[list[Finding], set[str]]:
+    """(A heuristic.) Muon groups whose momentum is in the other form than recorded, from two
+    checkpoints of one run: the median of the group's :func:`_explained` norm ratios is about
+    ``1 / (1 - mu)`` or ``1 - mu`` (:data:`FORM_EXPONENT`). Decided only for ``mu`` of at least
+    :data:`FORM_MU`, with the earlier checkpoint's step past the momentum's warm-up
+    (:data:`WARMED`) or both at one step; a checkpoint against the one it was converted from
+    (the same step, no drift) decides it best. With the params of the groups found (their
+    jump is this)."""
+    step, then = _job_step(now), _job_step(before)
+    found: list[Finding] = []
+    formed: set[str] = set()
+    for number, group in enumerate(now.groups):
+        kind = _muon_kind(group)
+        mu = None if kind is None else kind.momentum
+        if kind is None or mu is None or mu < FORM_MU or then is None:
+            continue
+        if step != then and mu**then > WARMED:  # (at one step, no warm-up between them)
+            continue
+        ratios = [explained[name] for name in group.params if name in explained]
+        if not ratios:
+            continue
+        beyond, other = statistics.median(ratios), 1 / (1 - mu)
+        if other**-FORM_EXPONENT < beyond < other**FORM_EXPONENT:
+            continue
+        formed.update(group.params)
+        found.append(
+            Finding(
+                "momentum-form",
+                None,
+                "momentum_buffer",
+                f"group {number} ({kind.optimizer}, recorded {kind.momentum_form}-form): its "
+                f"momentum norms are x{beyond:.3g} what the two checkpoints' recorded forms "
+                f"and the gradients' drift explain, about x{other:.3g} or x{1 / other:.3g} "
+                f"(1 / (1 - mu), mu={mu}): its values are in the other form (momentum copied "
+                "between implementations without conversion?). A heuristic: a momentum's "
+                "form is read from two checkpoints of one run",
+            )
+        )
+    return found, formed
+
+
+def _job_step(manifest: Manifest) -> float | None:
+    """The step a checkpoint was taken at: the manifest's, else its groups' or params' most."""
+    jobs, params = _step_counts(manifest)
+    return max(jobs.values(), default=max(params.values(), default=None))
+
+
+def _step_counts(manifest: Manifest) -> tuple[dict[str, float], dict[str, float]]:
+    """The job's step counts (the manifest's, each group's) and each param's own, by where."""
     jobs: dict[str, float] = {}
     if manifest.recorded_step is not None:
         jobs["the manifest"] = manifest.recorded_step
@@ -204,6 +324,14 @@ def _steps(manifest: Manifest) -> list[Finding]:
             value = entry.scalars["step"].value
             if isinstance(value, int | float):
                 params[f"param {entry.name!r}"] = value
+    return jobs, params
+
+
+def _steps(manifest: Manifest) -> list[Finding]:
+    """Step counts that disagree: the job's own (the manifest's and each group's) with each
+    other, and a param's own count above them. A param's count below the job's is no problem:
+    torch's optimizers count a param's steps only when it had a gradient."""
+    jobs, params = _step_counts(manifest)
     ceiling = max(jobs.values(), default=max(params.values(), default=0))
     ahead = {where: value for where, value in params.items() if value > ceiling}
     if len(set(jobs.values())) <= 1 and not ahead:
@@ -223,21 +351,42 @@ def _compared(now: list[TensorHealth], before: list[TensorHealth]) -> list[Compa
     ]
 
 
-def _jumps(compared: list[Compared]) -> list[Finding]:
-    """Momentum whose norm jumped between two checkpoints; params none of which moved (their
-    norms all equal)."""
+def _drift(compared: list[Compared]) -> float:
+    """How much the gradients' scale moved between two checkpoints, as the AdamW params' first
+    moments show it (the median of their norm ratios); 1 where they hold none. Gradients
+    shrink as a run learns (a tenth in a few hundred steps of a small model), and a Muon
+    param's momentum with them."""
+    drifts = [
+        c.ratio
+        for c in compared
+        if c.key == ADAMW_FIRST_MOMENT and c.norm_before > 0 and 0 < c.norm < math.inf
+    ]
+    return statistics.median(drifts) if drifts else 1.0
+
+
+def _jumps(
+    now: Manifest, before: Manifest, compared: list[Compared], explained: dict[str, float]
+) -> list[Finding]:
+    """Momentum whose norm jumped between two checkpoints beyond what explains it
+    (:func:`_explained`); params none of which moved (their norms all equal) between two
+    checkpoints of different steps."""
     found = [
         Finding(
             "momentum-jump",
             c.param,
             c.key,
-            f"momentum norm {c.norm_before:.4g} -> {c.norm:.4g} (x{c.ratio:.3g}): a resume that "
-            "lost state?",
+            f"momentum norm {c.norm_before:.4g} -> {c.norm:.4g} (x{c.ratio:.3g}; "
+            f"x{explained[c.param]:.3g} beyond the recorded forms and the gradients' drift): "
+            "a resume that lost state?",
         )
         for c in compared
-        if c.key in MOMENTUM_KEYS and c.norm_before > 0 and (c.ratio > JUMP or c.ratio < 1 / JUMP)
+        if c.param in explained
+        and c.key in MOMENTUM_KEYS
+        and not 1 / JUMP <= explained[c.param] <= JUMP
     ]
     params = [c for c in compared if c.key == PARAM_KEY]
-    if params and all(c.norm == c.norm_before for c in params):
+    steps = _job_step(now), _job_step(before)
+    moved_on = None in steps or steps[0] != steps[1]
+    if params and moved_on and all(c.norm == c.norm_before for c in params):
         found.append(Finding("params-unmoved", None, PARAM_KEY, "no param moved between them"))
     return found

@@ -145,8 +145,8 @@ class Finding:
     """One thing ``doctor`` found wrong: which check, where (None: the whole checkpoint)."""
 
     check: str
-    """``nan-inf``, ``zero-momentum``, ``normalized-momentum``, ``steps``, ``coverage``,
-    ``momentum-jump`` or ``params-unmoved``."""
+    """``nan-inf``, ``zero-momentum``, ``normalized-momentum``, ``momentum-form``, ``steps``,
+    ``coverage``, ``momentum-jump``, ``params-unmoved`` or ``model``."""
     param: str | None
     key: str | None
     message: str

@@ -1,0 +1,128 @@
+"""``muonckpt doctor`` (issue 54): momentum in another form than its records say, params that
+differ from a model file, and values in state not shaped like its param."""
+
+from __future__ import annotations
+
+import json
+
+import muon
+import pytest
+import torch
+from typer.testing import CliRunner
+
+import muonckpt
+from muonckpt.cli import app
+
+MU = 0.95
+
+
+def _mlp() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+
+
+def _optimizers(family: str, model: torch.nn.Module) -> list[torch.optim.Optimizer]:
+    """``family``'s Muon on the model's matrices and its AdamW on the rest, each as users
+    build it."""
+    named = list(model.named_parameters())
+    matrices = [(n, p) for n, p in named if p.ndim == 2]
+    rest = [(n, p) for n, p in named if p.ndim != 2]
+    if family == "packaged":
+        groups = [
+            {"params": matrices, "use_muon": True, "lr": 0.02, "momentum": MU},
+            {"params": rest, "use_muon": False, "lr": 3e-3},
+        ]
+        return [muonckpt.optim.muon.Muon(groups)]
+    if family == "torch":
+        return [torch.optim.Muon(matrices, lr=0.02, momentum=MU), torch.optim.AdamW(rest, lr=3e-3)]
+    opt = muon.SingleDeviceMuonWithAuxAdam(
+        [
+            dict(params=[p for _, p in matrices], use_muon=True, lr=0.02, momentum=MU),
+            dict(params=[p for _, p in rest], use_muon=False, lr=3e-3),
+        ]
+    )
+    muonckpt.install_hooks(opt, names=dict(named))
+    return [opt]
+
+
+def _train(family: str, saves: list[int], root) -> tuple[dict[int, object], list, torch.nn.Module]:
+    """A real run: the MLP fit to a fixed teacher by ``family``'s optimizers, saved (with its
+    step) at each of ``saves``."""
+    torch.manual_seed(0)
+    model, teacher = _mlp(), torch.nn.Linear(16, 4)
+    opts = _optimizers(family, model)
+    x = torch.randn(256, 16)
+    y = torch.sin(teacher(x)).detach()
+    saved = {}
+    for step in range(1, max(saves) + 1):
+        batch = torch.randint(0, 256, (32,))
+        loss = ((model(x[batch]) - y[batch]) ** 2).mean()
+        for opt in opts:
+            opt.zero_grad()
+        loss.backward()
+        for opt in opts:
+            opt.step()
+        if step in saves:
+            target = opts if len(opts) > 1 else opts[0]
+            saved[step] = muonckpt.save(target, root / f"{family}-{step}", extra={"step": step})
+    return saved, opts, model
+
+
+def _copied_into_torch(packaged: muonckpt.optim.muon.Muon, model) -> list[torch.optim.Optimizer]:
+    """The packaged Muon's state copied into torch.optim.Muon + AdamW as it is, without
+    converting its sum-form momentum: a hand-made port between implementations."""
+    opts = _optimizers("torch", model)
+    step = packaged.param_groups[1]["step"]
+    for p, state in packaged.state.items():
+        for opt in opts:
+            if any(p is q for group in opt.param_groups for q in group["params"]):
+                opt.state[p] = {key: value.clone() for key, value in state.items()}
+                if isinstance(opt, torch.optim.AdamW):
+                    opt.state[p]["step"] = torch.tensor(float(step))
+    return opts
+
+
+def test_doctor_finds_momentum_copied_between_implementations_without_conversion(tmp_path):
+    """The values decide it against the checkpoint the copy came from: the copy's norms are
+    those of the packaged Muon's sum form while its records say torch's EMA form (x20 at
+    mu 0.95). muonckpt's own conversion of the same checkpoint is healthy."""
+    saved, (packaged,), model = _train("packaged", [8], tmp_path)
+    source = saved[8]
+    copied = _copied_into_torch(packaged, model)
+    copy = muonckpt.save(copied, tmp_path / "copied", extra={"step": 8})
+    found = muonckpt.doctor(copy, against=source)
+    assert [f.check for f in found.findings] == ["momentum-form"]
+    message = found.findings[0].message
+    assert "group 0 (torch.optim.Muon, recorded ema-form)" in message and "x20" in message
+    assert "A heuristic" in message
+    shown = CliRunner().invoke(app, ["doctor", str(copy), "--against", str(source)])
+    assert shown.exit_code == 1 and "problem: momentum-form:" in shown.output
+    converted = muonckpt.offline.convert(source, tmp_path / "converted", to="torch")
+    assert muonckpt.doctor(converted, against=source).healthy
+
+
+@pytest.mark.slow
+def test_doctor_against_an_earlier_checkpoint_is_healthy_on_real_runs(tmp_path):
+    """Real runs of each implementation, checkpoint against checkpoint, the gradients (and the
+    momentum with them) shrinking up to tenfold between them: no finding (the momentum-jump
+    and momentum-form heuristics allow for the drift the AdamW moments show)."""
+    for family in ("packaged", "torch", "keller-jordan"):
+        run, _, _ = _train(family, [60, 100, 400], tmp_path)
+        for earlier, later in ((60, 100), (60, 400), (100, 400)):
+            checked = muonckpt.doctor(run[later], against=run[earlier])
+            assert checked.healthy, (family, earlier, later, checked.findings)
+
+
+def test_doctor_finds_a_recorded_form_its_optimizer_does_not_keep(tmp_path):
+    """The records disagree: a group recorded as torch.optim.Muon (EMA form) whose momentum
+    form says sum, as a converter that labels its output wrongly writes it."""
+    saved, _, _ = _train("torch", [3], tmp_path)
+    manifest = saved[3] / "manifest.json"
+    raw = json.loads(manifest.read_text())
+    raw["groups"][0]["optimizer"]["momentum_form"] = "sum"
+    manifest.write_text(json.dumps(raw))
+    found = muonckpt.doctor(saved[3])
+    assert [f.check for f in found.findings] == ["momentum-form"]
+    assert (
+        "group 0 is recorded as torch.optim.Muon, which keeps ema-form momentum, yet records "
+        "its momentum as sum-form" in found.findings[0].message
+    )
