@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 
 import muonckpt
 from muonckpt.cli import app
+from muonckpt.errors import RestoreError
 
 MU = 0.95
 
@@ -126,3 +127,71 @@ def test_doctor_finds_a_recorded_form_its_optimizer_does_not_keep(tmp_path):
         "group 0 is recorded as torch.optim.Muon, which keeps ema-form momentum, yet records "
         "its momentum as sum-form" in found.findings[0].message
     )
+
+
+class _GainedSGD(torch.optim.SGD):
+    """SGD keeping a one-element state tensor per param beside its momentum (a scalar
+    state, as optimizers with a per-tensor gain keep)."""
+
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                self.state[p].setdefault("gain", torch.ones(1)).mul_(0.5)
+        return super().step(closure)
+
+
+NOT_PARAM_SHAPED = ("second_momentum_buffer", "v", "gain")
+"""State keys not shaped like their param: NorMuon's (rows, 1) second moment, AdaMuon's flat v,
+a (1,) gain."""
+
+
+def _not_param_shaped(key: str, steps: int) -> tuple[torch.optim.Optimizer, torch.Tensor]:
+    """The optimizer keeping state ``key`` (:data:`NOT_PARAM_SHAPED`) after ``steps`` steps,
+    and its matrix param."""
+    import pytorch_optimizer as po
+
+    gen = torch.Generator().manual_seed(5)
+    w = torch.nn.Parameter(torch.randn(6, 4, generator=gen))
+    b = torch.nn.Parameter(torch.randn(4, generator=gen))
+    if key == "gain":
+        opt: torch.optim.Optimizer = _GainedSGD([("w", w), ("b", b)], lr=0.02, momentum=0.9)
+    else:
+        groups = [
+            {"params": [("w", w)], "use_muon": True},
+            {"params": [("b", b)], "use_muon": False},
+        ]
+        opt = (po.NorMuon if key == "second_momentum_buffer" else po.AdaMuon)(groups, lr=0.02)
+    for _ in range(steps):
+        w.grad, b.grad = torch.randn(6, 4, generator=gen), torch.randn(4, generator=gen)
+        opt.step()
+    return opt, w
+
+
+def test_state_not_shaped_like_its_param_is_read_by_doctor_and_proved_by_the_load(tmp_path):
+    """NorMuon's (rows, 1) second moment, AdaMuon's flat v and a (1,) scalar: a NaN in one is
+    found by doctor naming param and key; a value changed in one by the optimizer's
+    load_state_dict fails the load's check naming param and key."""
+    for key in NOT_PARAM_SHAPED:
+        opt, w = _not_param_shaped(key, steps=2)
+        held = opt.state[w][key]
+        assert tuple(held.shape) != tuple(w.shape)
+        clean = muonckpt.save(opt, tmp_path / f"{key}-clean")
+        assert muonckpt.doctor(clean).healthy
+        held.view(-1)[0] = float("nan")
+        found = muonckpt.doctor(muonckpt.save(opt, tmp_path / f"{key}-nan"))
+        assert [(f.check, f.param, f.key) for f in found.findings] == [("nan-inf", "w", key)]
+        assert f"1 NaN and 0 Inf of {held.numel()} elements" in found.findings[0].message
+
+        fresh, w = _not_param_shaped(key, steps=0)
+        load = fresh.load_state_dict
+
+        def rewriting(state_dict, load=load, key=key, w=w, opt=fresh):
+            load(state_dict)
+            opt.state[w][key].view(-1)[-1] += 1.0
+
+        fresh.load_state_dict = rewriting
+        with pytest.raises(RestoreError, match=f"'w' '{key}': holds other") as raised:
+            muonckpt.load(fresh, clean)
+        assert (raised.value.param, raised.value.key) == ("w", key)
+        fresh, _ = _not_param_shaped(key, steps=0)
+        muonckpt.load(fresh, clean)  # the same load without the rewrite: proved, fine
