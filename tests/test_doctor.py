@@ -195,3 +195,87 @@ def test_state_not_shaped_like_its_param_is_read_by_doctor_and_proved_by_the_loa
         assert (raised.value.param, raised.value.key) == ("w", key)
         fresh, _ = _not_param_shaped(key, steps=0)
         muonckpt.load(fresh, clean)  # the same load without the rewrite: proved, fine
+
+
+def _adamw_run(tmp_path) -> tuple[object, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """A checkpoint of an MLP trained by AdamW two steps; its weights at that step and at the
+    next one (a model file saved one step off), each as a bf16 model keeps them."""
+    torch.manual_seed(4)
+    model = _mlp()
+    opt = torch.optim.AdamW(list(model.named_parameters()), lr=0.01)
+    weights = []
+    for _ in range(3):
+        model(torch.randn(8, 16)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        weights.append({n: p.detach().to(torch.bfloat16) for n, p in model.named_parameters()})
+        if len(weights) == 2:
+            ckpt = muonckpt.save(opt, tmp_path / "ckpt")
+    return ckpt, weights[1], weights[2]
+
+
+def _hf_sharded(weights: dict[str, torch.Tensor], directory) -> None:
+    """``weights`` as a Hugging Face sharded checkpoint, each name under ``model.``."""
+    from safetensors.torch import save_file
+
+    directory.mkdir()
+    names = sorted(weights)
+    shards = {
+        "model-00001-of-00002.safetensors": names[:2],
+        "model-00002-of-00002.safetensors": names[2:],
+    }
+    for file, part in shards.items():
+        save_file({f"model.{n}": weights[n].contiguous() for n in part}, directory / file)
+    weight_map = {f"model.{n}": file for file, part in shards.items() for n in part}
+    index = {"metadata": {}, "weight_map": weight_map}
+    (directory / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+def test_doctor_compares_the_params_with_a_model_file_or_sharded_checkpoint(tmp_path):
+    """The fp32 params the checkpoint holds against a bf16 model file (compared as cast):
+    equal at the same step, in one file and in a Hugging Face sharded checkpoint whose names
+    carry a ``model.`` prefix; the model file of the next step differs in every param (how
+    many elements, by how much); a tensor of another shape, and names missing on either side,
+    are named too. Exit 1 and JSON."""
+    from safetensors.torch import save_file
+
+    ckpt, same_step, next_step = _adamw_run(tmp_path)
+    single = tmp_path / "model.safetensors"
+    save_file(same_step, single)
+    found = muonckpt.doctor(ckpt, model=single)
+    assert found.healthy, found.findings
+    assert [c.equal for c in found.model_compared] == [True] * 4
+    assert {(c.dtype, c.model_dtype) for c in found.model_compared} == {("F32", "BF16")}
+    _hf_sharded(same_step, tmp_path / "hf")
+    assert muonckpt.doctor(ckpt, model=tmp_path / "hf").healthy
+    split = muonckpt.offline.reshard(ckpt, tmp_path / "three", dp=3, tp=1)  # pieces of params
+    assert muonckpt.doctor(split, model=tmp_path / "hf").healthy
+
+    _hf_sharded(next_step, tmp_path / "hf-next")
+    off = muonckpt.doctor(ckpt, model=tmp_path / "hf-next" / "model.safetensors.index.json")
+    assert sorted(f.param for f in off.findings) == sorted(same_step)
+    first = next(f for f in off.findings if f.param == "0.weight")
+    assert first.check == "model" and first.key == "param"
+    assert "elements differ from the model file's 'model.0.weight' (as BF16, held as F32)" in (
+        first.message
+    )
+
+    odd = dict(same_step)
+    odd["0.weight"] = odd["0.weight"].t().contiguous()
+    del odd["2.bias"]
+    odd["lm_head.weight"] = torch.zeros(2, 2, dtype=torch.bfloat16)
+    save_file(odd, tmp_path / "odd.safetensors")
+    shown = CliRunner().invoke(
+        app, ["doctor", str(ckpt), "--model", str(tmp_path / "odd.safetensors")]
+    )
+    assert shown.exit_code == 1
+    text = " ".join(shown.output.split())
+    assert "problem: model: param '0.weight' key 'param': shape (32, 16)" in text
+    assert "the model file lacks 1 params: '2.bias'" in text
+    assert "the checkpoint lacks 1 params: 'lm_head.weight'" in text
+    assert "2 of 3 params equal" in text
+    as_json = CliRunner().invoke(
+        app, ["doctor", str(ckpt), "--model", str(tmp_path / "odd.safetensors"), "--json"]
+    )
+    shown_json = json.loads(as_json.output)
+    assert shown_json["healthy"] is False and len(shown_json["model_compared"]) == 3

@@ -21,6 +21,11 @@ chunks of :data:`CHUNK` elements (memory: one piece and one chunk's float64 copy
   more or less than the two checkpoints' recorded forms explain: values in the other form than
   the one recorded (momentum copied between implementations without conversion).
 
+With ``model``, a model file (one safetensors file or a Hugging Face sharded checkpoint), each
+param the checkpoint holds is compared with the model file's tensor of its name, element range
+by element range (:func:`_model_compared`): the params that differ (how many elements, the
+largest difference, dtype and shape) and those missing on either side are problems.
+
 A single checkpoint's values cannot tell the momentum's form: sum and EMA form differ by the
 factor ``1 / (1 - mu)``, and nothing stored gives the scale of the gradients it applies to.
 """
@@ -35,12 +40,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from .. import storage
+from ..errors import CheckpointError
 from ..events import logged
 from ..files.pieces import PieceReader, open_checkpoint
 from ..format import kinds
 from ..format.manifest import PER_RANK, GroupEntry, Manifest
-from ..format.names import PARAM_KEY
-from .inspection import Compared, Diagnosis, Finding, TensorHealth
+from ..format.names import MANIFEST_NAME, PARAM_KEY
+from ..format.renames import prefix_fix, renamer
+from .inspection import Compared, Diagnosis, Finding, ModelCompared, TensorHealth
 
 CHUNK = 1 << 20
 """Elements turned into float64 at a time."""
@@ -96,12 +103,18 @@ class _Tally:
 
 @logged("doctor")
 def doctor(
-    path: str | os.PathLike[str], *, against: str | os.PathLike[str] | None = None
+    path: str | os.PathLike[str],
+    *,
+    against: str | os.PathLike[str] | None = None,
+    model: str | os.PathLike[str] | None = None,
 ) -> Diagnosis:
     """Read every value of the checkpoint at ``path`` and report what a resume from it would
     silently get wrong (this module's list); with ``against``, another checkpoint of the same
-    run, also the momentum that jumped between them and the params that did not move.
-    ``Diagnosis.findings`` is empty for a healthy checkpoint."""
+    run, also the momentum that jumped between them and the params that did not move; with
+    ``model``, a model file (``model.safetensors``, a ``*.safetensors.index.json`` of shards,
+    or a directory holding either), the params that differ from its tensors of the same name
+    and those missing on either side. ``Diagnosis.findings`` is empty for a healthy
+    checkpoint."""
     files, manifest = open_checkpoint(path)
     tensors = _tensors(files, manifest)
     findings = [
@@ -111,15 +124,27 @@ def doctor(
     findings += _normalized(manifest, tensors)
     findings += _forms_recorded(manifest)
     findings += _steps(manifest)
+    by_model: tuple[ModelCompared, ...] = ()
+    if model is not None:
+        by_model, missing = _model_compared(files, manifest, model)
+        findings += _model_findings(by_model, missing)
+    compared: list[Compared] = []
     if against is not None:
-        files, earlier = open_checkpoint(against)
-        compared = _compared(tensors, _tensors(files, earlier))
+        other, earlier = open_checkpoint(against)
+        compared = _compared(tensors, _tensors(other, earlier))
         explained = _explained(manifest, earlier, compared)
         forms, formed = _forms_in_values(manifest, earlier, explained)
         unexplained = {name: r for name, r in explained.items() if name not in formed}
         findings += _jumps(manifest, earlier, compared, unexplained) + forms
-        return Diagnosis(str(path), tuple(tensors), tuple(findings), str(against), tuple(compared))
-    return Diagnosis(str(path), tuple(tensors), tuple(findings))
+    return Diagnosis(
+        str(path),
+        tuple(tensors),
+        tuple(findings),
+        None if against is None else str(against),
+        tuple(compared),
+        None if model is None else str(model),
+        by_model,
+    )
 
 
 def _tensors(files: storage.CheckpointFiles, manifest: Manifest) -> list[TensorHealth]:
@@ -389,4 +414,114 @@ def _jumps(
     moved_on = None in steps or steps[0] != steps[1]
     if params and moved_on and all(c.norm == c.norm_before for c in params):
         found.append(Finding("params-unmoved", None, PARAM_KEY, "no param moved between them"))
+    return found
+
+
+def _model_compared(
+    files: storage.CheckpointFiles, manifest: Manifest, model: str | os.PathLike[str]
+) -> tuple[tuple[ModelCompared, ...], tuple[list[str], list[str]]]:
+    """Each param the checkpoint holds beside the model file's tensor of its name (the names
+    as the checkpoint records them, or mapped by the one prefix that makes them the model
+    file's: :func:`muonckpt.format.renames.prefix_fix`), read piece by piece and, within a
+    piece, :data:`CHUNK` elements at a time; with the names only the checkpoint holds and
+    those only the model file holds."""
+    if not manifest.has_values:
+        raise CheckpointError(
+            "the checkpoint holds no param values (saved with params=False): nothing to "
+            "compare with a model file",
+            path=files.at(MANIFEST_NAME),
+        )
+    with storage.ModelWeights(model) as weights:
+        held = [e.name for e in manifest.params]
+        theirs = weights.names()
+        fix = None if set(held) <= set(theirs) else prefix_fix(held, theirs)
+        name_of = renamer(fix or {})
+        records = {p: weights.record(name_of(p)) for p in held if name_of(p) in weights}
+        tallies = {
+            p: _ModelTally(manifest.param(p).dtype_of(PARAM_KEY), storage.torch_dtype(r.dtype))
+            for p, r in records.items()
+            if tuple(r.shape) == tuple(manifest.param(p).shape)
+        }
+        with PieceReader(files, manifest, reuse_outputs=1) as reader:
+            for piece in manifest.pieces:
+                tally = tallies.get(piece.param) if piece.key == PARAM_KEY else None
+                if tally is None:
+                    continue
+                entry = manifest.param(piece.param)
+                data = reader.gather([piece], entry, PARAM_KEY, piece.region)
+                mine = storage.tensor_of_bytes(data, tally.dtype).reshape(-1)
+                at = 0
+                for lo, hi in piece.region.intervals():
+                    for start in range(lo, hi, CHUNK):
+                        stop = min(hi, start + CHUNK)
+                        ours = mine[at + start - lo : at + stop - lo].to(tally.model_dtype)
+                        tally.add(ours, weights.read(name_of(piece.param), start, stop))
+                    at += hi - lo
+        compared = tuple(
+            ModelCompared(
+                p,
+                r.key,
+                manifest.param(p).dtype_of(PARAM_KEY),
+                r.dtype,
+                tuple(manifest.param(p).shape),
+                tuple(r.shape),
+                tallies[p].differing if p in tallies else 0,
+                tallies[p].max_abs if p in tallies else 0.0,
+            )
+            for p, r in records.items()
+        )
+        named = {name_of(p) for p in held}
+        missing = [p for p in held if p not in records], [t for t in theirs if t not in named]
+    return compared, missing
+
+
+@dataclass
+class _ModelTally:
+    """What one param's pieces showed against the model file's tensor so far."""
+
+    dtype: str
+    """The checkpoint's (safetensors) dtype of its values."""
+    model_dtype: torch.dtype
+    differing: int = 0
+    max_abs: float = 0.0
+
+    def add(self, ours: torch.Tensor, theirs: torch.Tensor) -> None:
+        """One range of elements: ours (cast to the model file's dtype) against theirs."""
+        import torch
+
+        a, b = ours.double(), theirs.double()
+        differ = (a != b) & ~(torch.isnan(a) & torch.isnan(b))
+        count = int(differ.sum())
+        if count:
+            self.differing += count
+            self.max_abs = max(self.max_abs, float((a[differ] - b[differ]).abs().max()))
+
+
+def _model_findings(
+    compared: tuple[ModelCompared, ...], missing: tuple[list[str], list[str]]
+) -> list[Finding]:
+    """The params that differ from the model file, and the names missing on either side."""
+    found = []
+    for c in compared:
+        if c.shape != c.model_shape:
+            what = f"shape {c.shape}, the model file's {c.tensor!r} {c.model_shape}"
+        elif c.differing:
+            cast = "" if c.dtype == c.model_dtype else f" (as {c.model_dtype}, held as {c.dtype})"
+            what = (
+                f"{c.differing} elements differ from the model file's {c.tensor!r}{cast}, by up "
+                f"to {c.max_abs:.4g}"
+            )
+        else:
+            continue
+        found.append(Finding("model", c.param, PARAM_KEY, what))
+    only_ours, only_theirs = missing
+    for names, where in (
+        (only_ours, "the model file lacks"),
+        (only_theirs, "the checkpoint lacks"),
+    ):
+        if names:
+            listed = ", ".join(map(repr, names[:8])) + (
+                f" and {len(names) - 8} more" if len(names) > 8 else ""
+            )
+            found.append(Finding("model", None, None, f"{where} {len(names)} params: {listed}"))
     return found
