@@ -254,14 +254,15 @@ def _forms_recorded(manifest: Manifest) -> list[Finding]:
         if kind is None or kept is None or kind.momentum_form == kept:
             continue
         origin = f" (converted from {kind.converted_from})" if kind.converted_from else ""
+        recorded = f"its momentum as {kind.momentum_form}-form" if kind.momentum_form else "no form"
         found.append(
             Finding(
                 "momentum-form",
                 None,
                 "momentum_buffer",
                 f"group {number} is recorded as {kind.optimizer}{origin}, which keeps "
-                f"{kept}-form momentum, yet records its momentum as {kind.momentum_form}-form: "
-                "the records disagree, and a load would convert it by the wrong factor",
+                f"{kept}-form momentum, yet records {recorded}: the records disagree, and a "
+                "load would convert it by the wrong factor",
             )
         )
     return found
