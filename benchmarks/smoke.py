@@ -21,6 +21,7 @@ HERE = Path(__file__).resolve().parent
 SMOKE: dict[str, list[str]] = {
     "run.py": ["--size", "2MB", "--repeats", "1"],  # bench_checkpoint.py and bench_offline.py
     "bench_async.py": ["--size", "2MB", "--repeats", "1"],
+    "bench_check.py": ["--size", "2MB", "--repeats", "1"],
     "bench_dcp.py": ["--size", "2MB", "--repeats", "1"],
     "bench_ns.py": ["--grid", "2x1", "--hidden", "16", "--layers", "1", "--steps", "1"],
     "bench_scale.py": ["--params", "20", "--moe", "moonlight", "--moe-layers", "2"],

@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 import muonckpt
 from muonckpt.cli import app
 from muonckpt.distributed.launch import run_distributed
-from muonckpt.errors import EnvironmentWarning, RestoreError, RestoreWarning
+from muonckpt.errors import CheckpointError, EnvironmentWarning, RestoreError, RestoreWarning
 from muonckpt.format.manifest import ENVIRONMENT_KEYS
 
 
@@ -249,8 +249,73 @@ def _field_failures_at_two_ranks(root: str) -> dict[str, object]:
         ShardedParams.params_to_model = sync
     muonckpt.load(opt, path)
     said["synced"] = all(bool(p.abs().sum() > 0) for p in model.values())
+    _, masters = _bf16_model_and_masters(seed=11)  # a DDP replica on each rank
+    saved = muonckpt.save(masters, f"{root}/masters")
+    said["masters unsynced"] = _load_unsynced(_bf16_model_and_masters(seed=12), saved)
     dist.barrier()
     return said
+
+
+def _bf16_model_and_masters(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """A bf16 model and the fp32 master copies of its weights that its optimizer (AdamW, one
+    step taken) steps, as Megatron-LM keeps them."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.Linear(6, 2)).to(torch.bfloat16)
+    masters = [(n, torch.nn.Parameter(w.detach().float())) for n, w in model.named_parameters()]
+    opt = torch.optim.AdamW(masters, lr=0.01)
+    for _, master in masters:
+        master.grad = torch.randn_like(master)
+    opt.step()
+    return model, opt
+
+
+def _load_unsynced(resumed: tuple[torch.nn.Module, torch.optim.Optimizer], path) -> tuple:
+    """``load(model=)`` with the model's sync skipped (Megatron-LM #6920: it never ran): what
+    the load said (message, param, key), whether the model was left as it was; then the load
+    that syncs, and whether the model holds the masters cast."""
+    from muonckpt.checkpoint._model_copies import ModelCopies
+
+    model, opt = resumed
+    before = [w.detach().clone() for w in model.parameters()]
+    sync, ModelCopies.params_to_model = ModelCopies.params_to_model, lambda self: None
+    try:
+        muonckpt.load(opt, path, model=model)
+        said: tuple = ("no error",)
+    except RestoreError as exc:
+        said = (str(exc), exc.param, exc.key)
+    finally:
+        ModelCopies.params_to_model = sync
+    unchanged = all(torch.equal(a, w) for a, w in zip(before, model.parameters(), strict=True))
+    muonckpt.load(opt, path, model=model)
+    masters = [p for g in opt.param_groups for p in g["params"]]
+    synced = all(
+        w.dtype == torch.bfloat16 and torch.equal(w, m.to(torch.bfloat16))
+        for w, m in zip(model.parameters(), masters, strict=True)
+    )
+    return (*said, unchanged, synced)
+
+
+def test_a_model_of_bf16_copies_of_fp32_masters_left_unsynced_fails_the_load(tmp_path):
+    """Megatron-LM #6920 the way it happens: a bf16 model whose fp32 master params the
+    optimizer steps; a resume into another model whose sync never ran fails naming the param;
+    with the sync (load(model=) does it) the model holds the loaded masters, cast."""
+    _, masters = _bf16_model_and_masters(seed=1)
+    path = muonckpt.save(masters, tmp_path / "ckpt")
+    message, param, key, unchanged, synced = _load_unsynced(_bf16_model_and_masters(seed=2), path)
+    assert "'0.weight' 'model': the model's weight is not the loaded param (as torch.bfloat16)" in (
+        message
+    )
+    assert (param, key, unchanged, synced) == ("0.weight", "model", True, True)
+    model, opt = _bf16_model_and_masters(seed=3)
+    held = [s["exp_avg"].clone() for s in opt.state.values()]
+    renamed = {f"module.{n}": w for n, w in model.named_parameters()}  # not the params' names
+    with pytest.raises(CheckpointError, match=r"no weight named \['0.weight'") as refused:
+        muonckpt.load(opt, path, model=renamed)
+    assert refused.value.param == "0.weight"
+    with pytest.raises(CheckpointError, match="needs params=True"):
+        muonckpt.load(opt, path, model=model, params=False)
+    kept = [s["exp_avg"] for s in opt.state.values()]  # refused before anything changed
+    assert all(torch.equal(a, b) for a, b in zip(held, kept, strict=True))
 
 
 @pytest.mark.dist
@@ -263,6 +328,9 @@ def test_two_ranks_kj46_is_refused_and_an_unsynced_model_fails_the_load(tmp_path
         assert "rank " in message and "the model's weight is not the loaded param" in message
         assert key == "model"
         assert param in ("a", "b") and said["synced"]
+        message, param, key, unchanged, synced = said["masters unsynced"]
+        assert "rank 0: '0.weight' 'model'" in message and "rank 1: '0.weight'" in message
+        assert (param, key, unchanged, synced) == ("0.weight", "model", True, True)
     assert not (tmp_path / "kj").exists()
 
 

@@ -32,6 +32,7 @@ from ..format.manifest import Piece
 from ..optim.sharding import ShardedParams
 from ..state.arena import ReadArena
 from ..state.placement import optimizers_of
+from ._model_copies import ModelCopies
 from ._taking import Taken
 
 DIGEST_CHUNK = 16 << 20
@@ -185,10 +186,13 @@ class Check:
             if kept is not None and kept.dtype != a.dtype
         ]
 
-    def problems(self, models: Iterable[ShardedParams]) -> list[tuple[str, str, str]]:
+    def problems(
+        self, models: Iterable[ShardedParams], copies: ModelCopies | None = None
+    ) -> list[tuple[str, str, str]]:
         """(after the apply) (param, key, what) of every tensor held that is not what was read:
         the optimizers' state (cast as torch casts, where it did), the params, and the model
-        weights that follow them (``key`` ``"model"``)."""
+        weights that follow them or are copies of them (``load(model=)``; ``key``
+        ``"model"``)."""
         share, params = self.taken_share.share, self.taken_share.params
         held = [t for t in self._held() if t is not None]
         first = len(self.state)  # then the params' values: written into the params, compared
@@ -217,7 +221,7 @@ class Check:
             for spec, model, loaded in pairs:
                 if model != loaded:
                     found.append((spec.name, "model", "the model's weight is not the loaded param"))
-        return found
+        return found + ([] if copies is None else copies.problems())
 
     def _unchanged(self, applied: _Applied, kept: torch.Tensor) -> bool:
         """Whether ``kept`` is the very bytes read for ``applied`` (a view of its slot, as

@@ -71,6 +71,7 @@ from ..state.placement import (
 from ..state.sharding_model import Sharding
 from ..storage.places import target as target_text
 from . import _checking, _reading, _save_manifest
+from ._model_copies import Model, ModelCopies
 from ._taking import Taken, Target, put_back
 
 
@@ -100,6 +101,7 @@ def load(
     local: bool = False,
     progress: Progress | None = None,
     check: bool = True,
+    model: Model | None = None,
 ) -> LoadReport:
     """Load a checkpoint of any kind and source topology into ``optimizer`` at its topology.
 
@@ -158,6 +160,13 @@ def load(
             key), state it cast by torch's rule is warned once
             (:class:`~muonckpt.errors.RestoreWarning`). Its cost: one XXH3 pass over the params'
             values, and one over the state after a reshard (docs/benchmarks.md); False skips it.
+        model: a model whose weights are separate copies of the optimizer's params (a bf16
+            model beside the fp32 master params its optimizer steps, as Megatron-LM keeps
+            them), a module or its weights by name: each weight named as a param this rank
+            holds is given the loaded param cast to its dtype, and the check proves it holds it
+            (a weight left unsynced, Megatron-LM #6920, fails the load naming the param). A
+            param the model lacks, or holds in another number of elements, is refused before
+            anything changes. Needs ``params=True``.
 
     Returns:
         A :class:`LoadReport` of the conversions made and the settings warned about.
@@ -169,7 +178,7 @@ def load(
             whose ``load_state_dict`` refused the state.
     """
     asked = _LoadOptions(
-        path, params, momentum_form, rename, extra, rank_extra, local, check, progress
+        path, params, momentum_form, rename, extra, rank_extra, local, check, progress, model
     )
     with event("load", path, local) as logged:
         call = _agree(optimizer, asked)  # the rendezvous, then the layout
@@ -182,8 +191,8 @@ def load(
         _agree_read(call, read)
         taken = read.taken.result()
         logged.bytes = taken[0].share.nbytes
-        _apply(call, taken, report)
-        _agree_check(call, read.check)
+        _apply(call, taken, report, read.copies)
+        _agree_check(call, read.check, read.copies)
     return report
 
 
@@ -211,6 +220,7 @@ class _LoadOptions:
     check: bool
     progress: Progress | None = None
     """This rank's own report of its reads (not compared across ranks)."""
+    model: Model | None = None
 
     def agreement(self) -> dict[str, Any]:
         """What every rank's call must have alike (the rendezvous compares it)."""
@@ -223,6 +233,7 @@ class _LoadOptions:
             "extra given": self.extra is not None,
             "rank_extra given": self.rank_extra is not None,
             "check": self.check,
+            "model given": self.model is not None,
         }
 
 
@@ -342,6 +353,8 @@ class _Read:
     taken: Attempt[tuple[Taken, trainstate.Restore]]
     check: _checking.Check | None = None
     """What the load applies, digested before it was handed over (None: not checked)."""
+    copies: ModelCopies | None = None
+    """The model whose weights are copies of the params (``load(model=)``), paired."""
 
 
 def _read_and_take(call: _LoadCall, opened: _Opened, mapped: Attempt[Target]) -> _Read:
@@ -353,6 +366,7 @@ def _read_and_take(call: _LoadCall, opened: _Opened, mapped: Attempt[Target]) ->
     check = _checking.Check() if options.check else None
     try:
         target, manifest, files = mapped.result(), opened.manifest, opened.files
+        copies = None if options.model is None else _model_copies(target, options)
         manifest = load_pieces(files, manifest, _read_here(target, options.params))
         with PieceReader(files, manifest) as reader:
             done = None if check is None else check.read
@@ -371,12 +385,28 @@ def _read_and_take(call: _LoadCall, opened: _Opened, mapped: Attempt[Target]) ->
         state.take()
         if check is not None:
             check.taken()  # state dropped refuses here: every rank puts back
-        return _Read(undo, Attempt((state, restore)), check)
+        return _Read(undo, Attempt((state, restore)), check, copies)
     except BaseException as exc:
         return _Read(undo, Attempt(failure=exc))
     finally:
         if check is not None:
             check.close()
+
+
+def _model_copies(target: Target, options: _LoadOptions) -> ModelCopies:
+    """``load(model=)``'s model paired with the params this rank holds, by name; refused
+    (before anything changes) where it cannot be synced."""
+    assert options.model is not None
+    if not options.params:
+        raise CheckpointError(
+            "load(model=...) gives the model the loaded params: it needs params=True",
+            path=options.path,
+        )
+    flat = flat_params(target.optimizer)
+    held = [
+        (p.name, flat[p.local_index]) for p in target.sharding.local() if p.local_index is not None
+    ]
+    return ModelCopies.pair(options.model, held)
 
 
 def _read_here(target: Target, params: bool) -> list[str]:
@@ -411,7 +441,9 @@ def _agree_read(call: _LoadCall, read: _Read) -> None:
         raise
 
 
-def _agree_check(call: _LoadCall, check: _checking.Check | None) -> None:
+def _agree_check(
+    call: _LoadCall, check: _checking.Check | None, copies: ModelCopies | None
+) -> None:
     """The ``check`` step (after the apply): every rank's optimizers, params and models hold
     what it read, or the load fails on every rank alike, naming what differs on which rank;
     casts warned."""
@@ -424,17 +456,22 @@ def _agree_check(call: _LoadCall, check: _checking.Check | None) -> None:
             return [[r, *p] for r, ps in zip(steps.ranks, problems, strict=True) for p in ps]
 
         def mine() -> list[list[str]]:
-            return [list(p) for p in check.problems(call.models)]
+            return [list(p) for p in check.problems(call.models, copies)]
 
         found: list[list[Any]] = steps.each_then_root("check", mine, every)
     else:
-        found = [[None, *problem] for problem in check.problems(call.models)]
+        found = [[None, *problem] for problem in check.problems(call.models, copies)]
     if found:
         raise _checking.refusal(found)
     check.warn()
 
 
-def _apply(call: _LoadCall, taken: tuple[Taken, trainstate.Restore], report: LoadReport) -> None:
+def _apply(
+    call: _LoadCall,
+    taken: tuple[Taken, trainstate.Restore],
+    report: LoadReport,
+    copies: ModelCopies | None,
+) -> None:
     """(every rank has taken its share) The loaded values into the optimizers' tensors, the
     params and the job's plain values, the model's weights from the loaded shards; the
     report's notes logged, and warned (at the caller of :func:`load`) by the first rank alone:
@@ -444,6 +481,8 @@ def _apply(call: _LoadCall, taken: tuple[Taken, trainstate.Restore], report: Loa
     restore.assign()
     for sharded in call.models:  # the model's weights from the loaded shards: never forgotten
         sharded.params_to_model()
+    if copies is not None:  # (load(model=): its weights from the loaded params, cast)
+        copies.params_to_model()
     for message in report.converted:
         _LOG.info("muonckpt.load: converted %s", message)
     for message in report.warnings if call.rank == 0 else ():

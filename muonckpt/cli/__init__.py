@@ -394,21 +394,32 @@ def doctor(
             "them (a resume that lost state) is a problem.",
         ),
     ] = None,
+    model: Annotated[
+        str | None,
+        typer.Option(
+            "--model",
+            metavar="FILE",
+            help="A model file (model.safetensors, a model.safetensors.index.json of shards, "
+            "or a directory holding either): each param that differs from its tensor of the "
+            "same name, or is missing on either side, is a problem.",
+        ),
+    ] = None,
     as_json: Annotated[
         bool, typer.Option("--json", help="Print every tensor's health and the findings as JSON.")
     ] = False,
 ) -> None:
     """Read a checkpoint's values for what a resume would silently get wrong.
 
-    NaN/Inf per tensor (and the ranks holding them), momentum that is all zero or normalized
-    in place, step counts that disagree, state that does not cover its tensors. Reads rank by
-    rank, a piece at a time. Exit 0 when healthy, 1 listing each problem.
+    NaN/Inf per tensor (and the ranks holding them), momentum that is all zero, normalized
+    in place or in another form than recorded, step counts that disagree, state that does not
+    cover its tensors, params that differ from a model file. Reads rank by rank, a piece at a
+    time. Exit 0 when healthy, 1 listing each problem.
 
-    Example: muonckpt doctor ckpt/step-1000 --against ckpt/step-900
+    Example: muonckpt doctor ckpt/step-1000 --against ckpt/step-900 --model hf/model.safetensors
     """
     from .. import doctor as diagnose
 
-    found = diagnose(src, against=against)
+    found = diagnose(src, against=against, model=model)
     if as_json:
         typer.echo(json.dumps(found.to_json(), indent=2))
     else:

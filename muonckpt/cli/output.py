@@ -287,6 +287,12 @@ def print_diagnosis(found: Diagnosis) -> None:
             f"{moved} of {len(params)} params moved",
             markup=False,
         )
+    if found.model is not None:
+        equal = sum(c.equal for c in found.model_compared)
+        console.print(
+            f"against model {found.model}: {equal} of {len(found.model_compared)} params equal",
+            markup=False,
+        )
     if found.healthy:
         console.print(
             f"ok: {found.path}: {len(found.tensors)} tensors, no problem found", markup=False

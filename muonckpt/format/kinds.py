@@ -57,6 +57,16 @@ KNOWN = (
 """The optimizers whose groups muonckpt knows how to convert (``deepspeed.MuonWithAuxAdam``:
 DeepSpeed's ZeRO-1/2 Muon, KellerJordan's update in EMA form, read from its checkpoints;
 ``megatron.core.optimizer.TensorParallelMuon``: Megatron-Core's, EMA form, likewise)."""
+MOMENTUM_FORMS = {
+    "muonckpt.Muon": SUM,
+    "torch.optim.Muon": EMA,
+    **{name: EMA for name in KNOWN if name.startswith("muon.")},
+    DEEPSPEED: EMA,
+    MEGATRON: EMA,
+    TORCHTITAN: EMA,
+}
+"""The momentum form each Muon implementation of :data:`KNOWN` keeps (with
+:data:`DCP_FAMILIES`'s: :func:`kept_form`)."""
 
 
 @dataclass(frozen=True)
@@ -124,7 +134,7 @@ def group_kind(optimizer: object, group: Mapping[str, Any]) -> GroupKind:
             return GroupKind(
                 name,
                 "muon",
-                SUM,
+                MOMENTUM_FORMS[name],
                 group["momentum"],
                 group["nesterov"],
                 MOONLIGHT,
@@ -135,12 +145,13 @@ def group_kind(optimizer: object, group: Mapping[str, Any]) -> GroupKind:
     if name == "torch.optim.Muon":
         rule = MOONLIGHT if group.get("adjust_lr_fn") == "match_rms_adamw" else ASPECT
         rms = 0.2 if rule == MOONLIGHT else None
-        return GroupKind(name, "muon", EMA, group["momentum"], group["nesterov"], rule, rms)
+        form = MOMENTUM_FORMS[name]
+        return GroupKind(name, "muon", form, group["momentum"], group["nesterov"], rule, rms)
     if name in ("torch.optim.AdamW", "torch.optim.Adam"):
         return GroupKind(name, "adamw", step_in="tensor")
     if name.startswith("muon.") and name in KNOWN:
         if group.get("use_muon", name.endswith("Muon")):
-            return GroupKind(name, "muon", EMA, group["momentum"], True, ASPECT)
+            return GroupKind(name, "muon", MOMENTUM_FORMS[name], group["momentum"], True, ASPECT)
         return GroupKind(name, "adamw", step_in="int")
     return GroupKind(name, None)
 
@@ -210,9 +221,17 @@ def state_mapping(
                 f"param {param!r}: the checkpoint's {source.optimizer} group records no momentum "
                 f"to convert its {source.momentum_form}-form buffers by"
             )
-        factor = (1 - mu) if to_form == EMA else 1 / (1 - mu)
+        factor = form_factor(source.momentum_form, to_form, mu)
         note = f"{source.momentum_form} -> {to_form} (x {factor:.6g}, mu={mu})"
     return KeyMap({"momentum_buffer": ("momentum_buffer", factor)}, False, note)
+
+
+def form_factor(source: str | None, target: str, mu: float) -> float:
+    """What a momentum buffer of form ``source`` is multiplied by to be one of form ``target``
+    (with momentum ``mu``): ``1 - mu`` from sum to EMA form, its inverse back, else 1."""
+    if source == target:
+        return 1.0
+    return (1 - mu) if target == EMA else 1 / (1 - mu)
 
 
 def _second_moment(kind: GroupKind) -> str:
@@ -431,3 +450,11 @@ DCP_FAMILIES: dict[str, DcpFamily] = {
 }  # fmt: skip
 """The implementations whose DCP state muonckpt reads and writes, by the name ``--from`` /
 ``--to`` take: keys, momentum form, mu's setting and where AdamW counts steps."""
+
+
+def kept_form(optimizer: str) -> str | None:
+    """The momentum form the Muon implementation ``optimizer`` (``module.Class``) keeps; None
+    for one muonckpt does not know."""
+    if optimizer in MOMENTUM_FORMS:
+        return MOMENTUM_FORMS[optimizer]
+    return next((f.momentum_form for f in DCP_FAMILIES.values() if f.muon == optimizer), None)

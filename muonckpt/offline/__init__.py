@@ -13,7 +13,15 @@ from __future__ import annotations
 from ..files.pieces import open_checkpoint
 from ..files.progress import Progress
 from .examine import diff, iter_diff, summarize
-from .inspection import Compared, Diagnosis, DiffRow, Finding, Summary, TensorHealth
+from .inspection import (
+    Compared,
+    Diagnosis,
+    DiffRow,
+    Finding,
+    ModelCompared,
+    Summary,
+    TensorHealth,
+)
 from .tools import WORKER_TIMEOUT, consolidate, convert, reshard
 
 __all__ = [
@@ -22,6 +30,7 @@ __all__ = [
     "Diagnosis",
     "DiffRow",
     "Finding",
+    "ModelCompared",
     "Progress",
     "Summary",
     "TensorHealth",

@@ -145,8 +145,8 @@ class Finding:
     """One thing ``doctor`` found wrong: which check, where (None: the whole checkpoint)."""
 
     check: str
-    """``nan-inf``, ``zero-momentum``, ``normalized-momentum``, ``steps``, ``coverage``,
-    ``momentum-jump`` or ``params-unmoved``."""
+    """``nan-inf``, ``zero-momentum``, ``normalized-momentum``, ``momentum-form``, ``steps``,
+    ``coverage``, ``momentum-jump``, ``params-unmoved`` or ``model``."""
     param: str | None
     key: str | None
     message: str
@@ -171,6 +171,28 @@ class Compared:
 
 
 @dataclass(frozen=True)
+class ModelCompared:
+    """One param the checkpoint holds beside the model file's tensor of its name
+    (``doctor --model``); a shape that differs is not compared element by element."""
+
+    param: str
+    tensor: str
+    """Its name in the model file."""
+    dtype: str
+    model_dtype: str
+    shape: tuple[int, ...]
+    model_shape: tuple[int, ...]
+    differing: int
+    """Elements that differ, the checkpoint's cast to the model file's dtype (NaN equal NaN)."""
+    max_abs: float
+    """The largest absolute difference of those (inf where one side is not finite)."""
+
+    @property
+    def equal(self) -> bool:
+        return self.shape == self.model_shape and not self.differing
+
+
+@dataclass(frozen=True)
 class Diagnosis:
     """What ``doctor`` found of a checkpoint: every tensor's health and the findings (none:
     healthy); with ``against``, every tensor's norm in both."""
@@ -180,6 +202,9 @@ class Diagnosis:
     findings: tuple[Finding, ...]
     against: str | None = None
     compared: tuple[Compared, ...] = ()
+    model: str | None = None
+    """The model file compared (``doctor --model``)."""
+    model_compared: tuple[ModelCompared, ...] = ()
 
     @property
     def healthy(self) -> bool:

@@ -64,6 +64,7 @@ from .durable import (
 )
 from .lease import leftover
 from .mailbox import is_mailbox, remove_mailbox
+from .model_weights import ModelWeights
 from .ownership import check_target, is_ours, ownership_problem
 from .places import Location, location, resolved_place
 from .reader_cache import ReaderCache
@@ -79,6 +80,7 @@ __all__ = [
     "CheckpointFiles",
     "CheckpointStore",
     "Location",
+    "ModelWeights",
     "ReaderCache",
     "S3Client",
     "S3Url",
