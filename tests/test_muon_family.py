@@ -2,7 +2,7 @@
 its param (NorMuon's ``(rows, 1)`` second moment, AdaMuon's flat ``v``, Moonlight's 2-D
 momentum of a 3-D param), group settings that are tuples or lists of tuples, state dtypes
 other than the param's; each optimizer from its package (pytorch-optimizer 4.1) or a cited
-port (:mod:`.moonlight_muon`).
+port (:mod:`.moonlight_muon`, and microsoft/dion's NorMuon, :mod:`.dion_normuon`).
 
 Each is trained K steps, saved, loaded into an optimizer over params that are zeros and trained
 M more: it must match an uninterrupted run bit for bit, and its state must come back with each
@@ -19,6 +19,7 @@ import muonckpt
 from muonckpt import offline
 from muonckpt.errors import LayoutError
 
+from .dion_normuon import NorMuon as DionNorMuon
 from .moonlight_muon import MoonlightMuon
 
 po = pytest.importorskip("pytorch_optimizer")
@@ -51,6 +52,13 @@ def _muon_groups(ps, matrices=("w1", "w2")):
 OPTIMIZERS = {
     "NorMuon": lambda ps: po.NorMuon(_muon_groups(ps), lr=0.02),
     "AdaMuon": lambda ps: po.AdaMuon(_muon_groups(ps), lr=0.02),
+    "dion": lambda ps: DionNorMuon(
+        [
+            {"params": [(n, ps[n]) for n in ("w1", "w2", "experts")]},
+            {"params": [("b", ps["b"])], "algorithm": "adamw"},
+        ],
+        lr=0.02,
+    ),
     "Moonlight": lambda ps: MoonlightMuon(
         lr=0.02,
         muon_params=[ps["w1"], ps["w2"], ps["experts"]],
@@ -147,13 +155,25 @@ def test_the_manifest_records_each_shape_rule_and_each_tuple(trained, tmp_path):
     flat = manifest.param("w1").state_shapes["v"]
     assert (flat.rule, flat.shape) == ("same", (384,))
     assert set(manifest.groups[0].tuples) == {("betas",), ("ns_coeffs", 0)}
+    manifest = muonckpt.read_manifest(muonckpt.save(trained["dion"][1], tmp_path / "dion"))
+    shapes = {n: manifest.param(n).state_shapes["variance_neuron"] for n in ("w1", "experts")}
+    assert {n: (s.rule, s.shape) for n, s in shapes.items()} == {
+        "w1": ("row", (16, 1)),
+        "experts": ("own", (4, 6, 1)),  # a batch of matrices: kept whole with its param
+    }
+    assert manifest.param("b").scalars["step_dev"].dtype == "F32"  # a 0-d tensor
     ckpt = muonckpt.save(trained["Moonlight"][1], tmp_path / "moonlight")
     momentum = muonckpt.read_manifest(ckpt).param("2").state_shapes["momentum_buffer"]
     assert (momentum.rule, momentum.shape) == ("same", (4, 48))
 
 
-def test_consolidate_and_reshard_keep_each_tensor_where_its_rule_allows(trained, tmp_path):
-    opt = trained["NorMuon"][1]
+NORMUONS = {"NorMuon": "second_momentum_buffer", "dion": "variance_neuron"}
+"""pytorch-optimizer's NorMuon and dion's (the port), each with the key of its row statistic."""
+
+
+@pytest.mark.parametrize("kind", sorted(NORMUONS))
+def test_consolidate_and_reshard_keep_each_tensor_where_its_rule_allows(trained, tmp_path, kind):
+    opt = trained[kind][1]
     ckpt = muonckpt.save(opt, tmp_path / "ckpt")
     whole = offline.consolidate(ckpt, tmp_path / "consolidated")
     # each matrix's rows split over 2 TP ranks: its row statistic split with them
@@ -162,16 +182,17 @@ def test_consolidate_and_reshard_keep_each_tensor_where_its_rule_allows(trained,
         assert muonckpt.verify(out) == []
         differ = [r for r in offline.diff(ckpt, out) if not r.bitwise]
         assert not differ, differ
-        _, fresh = _resumed("NorMuon", out)
+        _, fresh = _resumed(kind, out)
         assert_same_state(opt, fresh)
 
 
-def test_a_reshard_that_would_cut_a_row_statistic_is_refused_in_one_line(trained, tmp_path):
-    ckpt = muonckpt.save(trained["NorMuon"][1], tmp_path / "ckpt")
+@pytest.mark.parametrize("kind", sorted(NORMUONS))
+def test_a_reshard_that_would_cut_a_row_statistic_is_refused_in_one_line(trained, tmp_path, kind):
+    ckpt = muonckpt.save(trained[kind][1], tmp_path / "ckpt")
     with pytest.raises(LayoutError) as refused:  # w1's columns split over 2 TP ranks
         offline.reshard(ckpt, tmp_path / "tp2", dp=1, tp=2, tp_split_dims={"w1": 1})
     message = str(refused.value)
-    assert "\n" not in message and "'w1'" in message and "'second_momentum_buffer'" in message
+    assert "\n" not in message and "'w1'" in message and f"'{NORMUONS[kind]}'" in message
     assert "1 x 2 layout" in message and "nothing was written" in message
     with pytest.raises(LayoutError, match=r"'w2'.*2 x 1 layout"):  # a ZeRO share ends mid-row
         offline.reshard(ckpt, tmp_path / "dp2", dp=2, tp=1)
