@@ -1,7 +1,8 @@
 """Provenance of a Muon checkpoint (issue 55 item 5): the momentum form of an optimizer muonckpt
 does not know is recorded as ``unknown``, and a conversion that needs it refuses naming the
-param; the compute view a trainer states (Megatron's ``muon_split_qkv``) is recorded, and a
-conversion or a load into a Muon that orthogonalizes whole matrices says so, naming both."""
+param; the compute view a trainer states (Megatron's ``muon_split_qkv``, dion's ``num_heads``
+in its DCP groups) is recorded, and a conversion or a load into a Muon that orthogonalizes
+whole matrices says so, naming both."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 import muonckpt
+from muonckpt import interop
 from muonckpt.errors import StateDictError
 from muonckpt.interop.megatron import reader as megatron
 
@@ -66,3 +68,14 @@ def test_megatrons_split_qkv_is_recorded_and_a_whole_matrix_muon_is_told(tmp_pat
         muonckpt.load(_torch_optimizers(as_kept.path), as_kept.path)
     told = [str(w.message) for w in caught if "split_qkv" in str(w.message)]
     assert told and "torch.optim.Muon each matrix whole" in told[0]
+
+
+def test_dions_per_head_setting_read_from_dcp_is_told_by_a_conversion(tmp_path):
+    from . import dcp_cases
+
+    adam = {"exp_avg": "momentum", "exp_avg_sq": "variance", "settings": {"algorithm": "adamw"}}
+    settings = {"algorithm": "muon", "num_heads": 2}
+    dcp_cases.single_process_dcp(tmp_path / "dcp", "momentum", "mu", settings, adam)
+    packaged = interop.from_dcp(tmp_path / "dcp", tmp_path / "packaged", source="dion")
+    (note,) = [c for c in packaged.converted if "per_head" in c]
+    assert "dion.Muon orthogonalized each attention head's block apart (per_head)" in note

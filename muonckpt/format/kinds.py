@@ -164,6 +164,16 @@ def group_kind(optimizer: object, group: Mapping[str, Any]) -> GroupKind:
     return GroupKind(name, None, UNKNOWN)
 
 
+def settings_view(settings: Mapping[str, Any]) -> str | None:
+    """The compute view a Muon group's own settings state, as dion's groups do:
+    ``num_heads`` above 1 (:data:`PER_HEAD`), ``split_sizes`` (row blocks of a fused QKV
+    weight: :data:`SPLIT_QKV`); None where they say nothing."""
+    heads = settings.get("num_heads")
+    if isinstance(heads, int) and not isinstance(heads, bool) and heads > 1:
+        return PER_HEAD
+    return SPLIT_QKV if settings.get("split_sizes") else None
+
+
 @dataclass(frozen=True)
 class KeyMap:
     """How one param's saved state becomes a target group's: each target key from a source key
@@ -431,8 +441,16 @@ class DcpFamily:
             raise StateDictError(
                 f"the {self.name} Muon group setting 'nesterov' is {nesterov!r}, not a bool"
             )
+        view = settings_view(settings)
         return GroupKind(
-            self.muon, "muon", self.momentum_form, float(mu), bool(nesterov), rule, rms
+            self.muon,
+            "muon",
+            self.momentum_form,
+            float(mu),
+            bool(nesterov),
+            rule,
+            rms,
+            compute_view=view,
         )
 
     def target_kind(self, source: GroupKind) -> GroupKind:
