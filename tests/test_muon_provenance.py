@@ -79,3 +79,22 @@ def test_dions_per_head_setting_read_from_dcp_is_told_by_a_conversion(tmp_path):
     packaged = interop.from_dcp(tmp_path / "dcp", tmp_path / "packaged", source="dion")
     (note,) = [c for c in packaged.converted if "per_head" in c]
     assert "dion.Muon orthogonalized each attention head's block apart (per_head)" in note
+
+
+def test_the_version_5_values_are_left_out_of_an_older_version_and_refused_in_one(tmp_path):
+    import dataclasses
+    import json
+
+    from muonckpt.errors import CheckpointError
+    from muonckpt.format.manifest_json import parse_manifest
+
+    w = torch.nn.Parameter(torch.zeros(4, 4))
+    w.grad = torch.ones(4, 4)
+    sgd = torch.optim.SGD([("w", w)], lr=0.1, momentum=0.9)
+    sgd.step()
+    manifest = muonckpt.read_manifest(muonckpt.save(sgd, tmp_path / "sgd"))
+    assert manifest.groups[0].optimizer["momentum_form"] == "unknown"
+    older = dataclasses.replace(manifest, format_version=4, environment=None).to_json()
+    assert json.loads(older)["groups"][0]["optimizer"]["momentum_form"] is None
+    with pytest.raises(CheckpointError, match="version 4 manifest's group optimizer has no"):
+        parse_manifest(older.replace('"momentum_form":null', '"momentum_form":"unknown"'), "x")
