@@ -2,12 +2,13 @@
 its param (NorMuon's ``(rows, 1)`` second moment, AdaMuon's flat ``v``, Moonlight's 2-D
 momentum of a 3-D param), group settings that are tuples or lists of tuples, state dtypes
 other than the param's; each optimizer from its package (pytorch-optimizer 4.1) or a cited
-port (:mod:`.moonlight_muon`).
+port (:mod:`.moonlight_muon`, and microsoft/dion's NorMuon, :mod:`.dion_normuon`).
 
 Each is trained K steps, saved, loaded into an optimizer over params that are zeros and trained
 M more: it must match an uninterrupted run bit for bit, and its state must come back with each
 tensor's shape and dtype and each setting's Python type. In process; the other world size and
-layouts are the one 2-process launch of ``test_muon_family_at_world_2``.
+layouts, and FSDP2 / DCP with dion's ``(rows, 1)`` state, are the one 2-process launch of the
+``at_world_2`` fixture.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import muonckpt
 from muonckpt import offline
 from muonckpt.errors import LayoutError
 
+from .dion_normuon import NorMuon as DionNorMuon
 from .moonlight_muon import MoonlightMuon
 
 po = pytest.importorskip("pytorch_optimizer")
@@ -51,6 +53,13 @@ def _muon_groups(ps, matrices=("w1", "w2")):
 OPTIMIZERS = {
     "NorMuon": lambda ps: po.NorMuon(_muon_groups(ps), lr=0.02),
     "AdaMuon": lambda ps: po.AdaMuon(_muon_groups(ps), lr=0.02),
+    "dion": lambda ps: DionNorMuon(
+        [
+            {"params": [(n, ps[n]) for n in ("w1", "w2", "experts")]},
+            {"params": [("b", ps["b"])], "algorithm": "adamw"},
+        ],
+        lr=0.02,
+    ),
     "Moonlight": lambda ps: MoonlightMuon(
         lr=0.02,
         muon_params=[ps["w1"], ps["w2"], ps["experts"]],
@@ -147,13 +156,25 @@ def test_the_manifest_records_each_shape_rule_and_each_tuple(trained, tmp_path):
     flat = manifest.param("w1").state_shapes["v"]
     assert (flat.rule, flat.shape) == ("same", (384,))
     assert set(manifest.groups[0].tuples) == {("betas",), ("ns_coeffs", 0)}
+    manifest = muonckpt.read_manifest(muonckpt.save(trained["dion"][1], tmp_path / "dion"))
+    shapes = {n: manifest.param(n).state_shapes["variance_neuron"] for n in ("w1", "experts")}
+    assert {n: (s.rule, s.shape) for n, s in shapes.items()} == {
+        "w1": ("row", (16, 1)),
+        "experts": ("own", (4, 6, 1)),  # a batch of matrices: kept whole with its param
+    }
+    assert manifest.param("b").scalars["step_dev"].dtype == "F32"  # a 0-d tensor
     ckpt = muonckpt.save(trained["Moonlight"][1], tmp_path / "moonlight")
     momentum = muonckpt.read_manifest(ckpt).param("2").state_shapes["momentum_buffer"]
     assert (momentum.rule, momentum.shape) == ("same", (4, 48))
 
 
-def test_consolidate_and_reshard_keep_each_tensor_where_its_rule_allows(trained, tmp_path):
-    opt = trained["NorMuon"][1]
+NORMUONS = {"NorMuon": "second_momentum_buffer", "dion": "variance_neuron"}
+"""pytorch-optimizer's NorMuon and dion's (the port), each with the key of its row statistic."""
+
+
+@pytest.mark.parametrize("kind", sorted(NORMUONS))
+def test_consolidate_and_reshard_keep_each_tensor_where_its_rule_allows(trained, tmp_path, kind):
+    opt = trained[kind][1]
     ckpt = muonckpt.save(opt, tmp_path / "ckpt")
     whole = offline.consolidate(ckpt, tmp_path / "consolidated")
     # each matrix's rows split over 2 TP ranks: its row statistic split with them
@@ -162,16 +183,17 @@ def test_consolidate_and_reshard_keep_each_tensor_where_its_rule_allows(trained,
         assert muonckpt.verify(out) == []
         differ = [r for r in offline.diff(ckpt, out) if not r.bitwise]
         assert not differ, differ
-        _, fresh = _resumed("NorMuon", out)
+        _, fresh = _resumed(kind, out)
         assert_same_state(opt, fresh)
 
 
-def test_a_reshard_that_would_cut_a_row_statistic_is_refused_in_one_line(trained, tmp_path):
-    ckpt = muonckpt.save(trained["NorMuon"][1], tmp_path / "ckpt")
+@pytest.mark.parametrize("kind", sorted(NORMUONS))
+def test_a_reshard_that_would_cut_a_row_statistic_is_refused_in_one_line(trained, tmp_path, kind):
+    ckpt = muonckpt.save(trained[kind][1], tmp_path / "ckpt")
     with pytest.raises(LayoutError) as refused:  # w1's columns split over 2 TP ranks
         offline.reshard(ckpt, tmp_path / "tp2", dp=1, tp=2, tp_split_dims={"w1": 1})
     message = str(refused.value)
-    assert "\n" not in message and "'w1'" in message and "'second_momentum_buffer'" in message
+    assert "\n" not in message and "'w1'" in message and f"'{NORMUONS[kind]}'" in message
     assert "1 x 2 layout" in message and "nothing was written" in message
     with pytest.raises(LayoutError, match=r"'w2'.*2 x 1 layout"):  # a ZeRO share ends mid-row
         offline.reshard(ckpt, tmp_path / "dp2", dp=2, tp=1)
@@ -239,8 +261,9 @@ def test_a_rollback_gives_state_its_stored_dtype_too(tmp_path):
 
 def world_2_phase(root: str, saved: dict[str, str]) -> None:
     """(in each of 2 gloo processes) Each optimizer trained K steps as DDP replicas and saved
-    per rank; and each world-1 checkpoint of ``saved`` loaded into an owner layout (param
-    ``i``'s state on rank ``i % 2``, ``install_hooks``), which saves it again per rank."""
+    per rank; each world-1 checkpoint of ``saved`` loaded into an owner layout (param ``i``'s
+    state on rank ``i % 2``, ``install_hooks``), which saves it again per rank; and dion's
+    NorMuon under FSDP2 saved through DCP (:func:`fsdp2_dion_to_dcp`)."""
     for kind, make in OPTIMIZERS.items():
         params = make_params()
         opt = make(params)
@@ -253,27 +276,92 @@ def world_2_phase(root: str, saved: dict[str, str]) -> None:
         held = [i for i, p in enumerate(_flat(owned)) if _tensors(owned.state.get(p, {}))]
         assert held and all(i % 2 == rank for i in held), (kind, rank, held)
         muonckpt.save(owned, f"{root}/{kind}-owners")
+    fsdp2_dion_to_dcp(f"{root}/dcp")
+
+
+FSDP2_SHAPES = {"w1": (16, 24), "w2": (24, 16), "b": (24,)}
+
+
+def fsdp2_dion_to_dcp(path: str) -> None:
+    """(each of 2 gloo ranks) A model under torch's ``fully_shard`` (CPU, world 2), dion's
+    NorMuon over it (whose state dion makes for every param at construction: ``momentum``,
+    ``variance_neuron`` ``param[..., 0:1]``, DTensors sharded by rows as the params are) with
+    its state filled with known values, saved through DCP as torchtitan and dion users do
+    (``get_optimizer_state_dict``, flattened)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import distribute_tensor
+
+    model = torch.nn.Module()
+    gen = torch.Generator().manual_seed(5)
+    for name, shape in FSDP2_SHAPES.items():
+        model.register_parameter(name, torch.nn.Parameter(torch.randn(shape, generator=gen)))
+    mesh = init_device_mesh("cpu", (2,))
+    fully_shard(model, mesh=mesh)
+    named = dict(model.named_parameters())
+    opt = DionNorMuon(
+        [
+            {"params": [named["w1"], named["w2"]]},
+            {"params": [named["b"]], "algorithm": "adamw"},
+        ]
+    )
+    for p in (named["w1"], named["w2"]):
+        for value in opt.state[p].values():
+            full = torch.randn(value.shape, generator=gen)
+            value.copy_(distribute_tensor(full, mesh, value.placements, src_data_rank=None))
+    flat = StateDictOptions(flatten_optimizer_state_dict=True)
+    osd = get_optimizer_state_dict(model, opt, options=flat)
+    dcp.save({"model": model.state_dict(), "optimizer": osd}, checkpoint_id=path)
 
 
 def _tensors(state) -> list[str]:
     return [k for k, v in state.items() if isinstance(v, torch.Tensor)]
 
 
-@pytest.mark.dist
-def test_muon_family_at_world_2(trained, tmp_path):
-    """One launch for every optimizer: checkpoints of 2 DDP replicas and of a 2-rank owner
-    layout (loaded there from one process's checkpoint) resume in one process bitwise."""
+@pytest.fixture(scope="module")
+def at_world_2(trained, tmp_path_factory):
+    """The one 2-process launch of :func:`world_2_phase`; the directory it wrote."""
     from muonckpt.distributed.launch import run_distributed
 
-    saved = {kind: str(muonckpt.save(run[1], tmp_path / kind)) for kind, run in trained.items()}
-    run_distributed(world_2_phase, 2, str(tmp_path), saved, timeout=120)
+    root = tmp_path_factory.mktemp("world2")
+    saved = {kind: str(muonckpt.save(run[1], root / kind)) for kind, run in trained.items()}
+    run_distributed(world_2_phase, 2, str(root), saved, timeout=120)
+    return root
+
+
+@pytest.mark.dist
+def test_muon_family_at_world_2(trained, at_world_2):
+    """Every optimizer: checkpoints of 2 DDP replicas and of a 2-rank owner layout (loaded
+    there from one process's checkpoint) resume in one process bitwise."""
     for kind, (_, opt, reference) in trained.items():
         for layout in ("replicas", "owners"):
-            fresh_params, fresh = _resumed(kind, tmp_path / f"{kind}-{layout}")
+            fresh_params, fresh = _resumed(kind, at_world_2 / f"{kind}-{layout}")
             assert_same_state(opt, fresh)
             train(fresh, fresh_params, K, M)
             for name, p in fresh_params.items():
                 assert torch.equal(p, reference[name]), (kind, layout, name)
+
+
+@pytest.mark.dist
+def test_fsdp2_row_state_in_dcp_is_refused_in_one_line_naming_param_and_key(at_world_2, tmp_path):
+    """DCP keeps dion's ``variance_neuron`` as one global ``(rows, 1)`` tensor in a chunk per
+    rank; muonckpt's DCP families keep no such state (docs/format.md §10), so ``from_dcp``
+    refuses it in one line naming the param and the key, before anything is written."""
+    from muonckpt import interop
+    from muonckpt.errors import CheckpointError
+    from muonckpt.interop.dcp import metadata as dcp_metadata
+
+    src = at_world_2 / "dcp"
+    stored = dcp_metadata.read_index(src).tensors["optimizer.state.w1.variance_neuron"]
+    assert stored.shape == (16, 1) and len(stored.chunks) == 2  # one chunk of rows per rank
+    with pytest.raises(CheckpointError) as refused:
+        interop.from_dcp(src, tmp_path / "out", source="dion", to=None)
+    line = str(refused.value)
+    assert "\n" not in line and "param 'w1'" in line and "state 'variance_neuron'" in line
+    assert "shape [16, 1], not its param's [16, 24]" in line
+    assert not (tmp_path / "out").exists()
 
 
 def test_torch_muon_with_3d_expert_params_round_trips_where_torch_takes_them(tmp_path):

@@ -174,11 +174,16 @@ UPDATE_SETTINGS = (
     "qk_clip_threshold",
     "qk_clip_alpha",
     "second_moment",
+    "mu",
+    "muon_beta2",
+    "num_heads",
+    "split_sizes",
 )
 """Group settings that pick a Muon variant's update (Nesterov, momentum, the Newton-Schulz
 steps and coefficients, NorMuon's ``beta2`` and ``update_scale``, AdaMuon's ``betas``, the lr
-rule, MuonClip's ``qk_clip_*``, the packaged Muon's ``second_moment``), beside the learning
-rate and its schedule."""
+rule, MuonClip's ``qk_clip_*``, the packaged Muon's ``second_moment``; dion's ``mu``,
+``muon_beta2`` and its compute view: ``num_heads`` per-head blocks, ``split_sizes`` row blocks
+of a fused QKV weight), beside the learning rate and its schedule."""
 
 
 def replaced_settings(

@@ -23,6 +23,15 @@ from ..errors import StateDictError
 
 SUM, EMA = "sum", "ema"
 FORMS = (SUM, EMA)
+UNKNOWN = "unknown"
+"""The momentum form recorded (version 5) for an optimizer muonckpt does not know: whatever
+its momentum is, no conversion can rely on a form."""
+WHOLE, SPLIT_QKV, PER_HEAD, PER_EXPERT = "whole", "split_qkv", "per_head", "per_expert"
+COMPUTE_VIEWS = (WHOLE, SPLIT_QKV, PER_HEAD, PER_EXPERT)
+"""What a Muon orthogonalizes (version 5, a group's ``compute_view``): each matrix whole, a
+fused QKV matrix as its Q, K and V blocks apart, each attention head's block, each expert's
+matrix of a stacked param. Unrecorded: each matrix whole, as the packaged Muon, torch's and
+KellerJordan's do."""
 MOONLIGHT = "moonlight"
 """``lr * matched_adamw_rms * sqrt(max(A, B))``: the packaged Muon, Moonlight, and torch's
 ``adjust_lr_fn="match_rms_adamw"`` (with its fixed 0.2)."""
@@ -95,6 +104,10 @@ class GroupKind:
     """Muon groups of the packaged Muon: ``element`` or ``row``, the second moment of the
     orthogonalized update it keeps (``update_sq``) and normalizes by; None: none (written
     only when set, version 5)."""
+    compute_view: str | None = None
+    """Muon groups: one of :data:`COMPUTE_VIEWS`, as the trainer's settings state it
+    (Megatron's ``muon_split_qkv``); None: unrecorded, each matrix whole (written only when
+    set, version 5)."""
 
     @property
     def family(self) -> str:
@@ -105,9 +118,15 @@ class GroupKind:
 
     def to_json(self) -> dict[str, Any]:
         fields = asdict(self)
-        if fields["second_moment"] is None:
-            del fields["second_moment"]
+        for optional in ("second_moment", "compute_view"):
+            if fields[optional] is None:
+                del fields[optional]
         return fields
+
+    @property
+    def view(self) -> str:
+        """What its Muon orthogonalizes: :attr:`compute_view`, unrecorded: :data:`WHOLE`."""
+        return self.compute_view or WHOLE
 
     @classmethod
     def from_json(cls, raw: Mapping[str, Any]) -> GroupKind:
@@ -153,7 +172,17 @@ def group_kind(optimizer: object, group: Mapping[str, Any]) -> GroupKind:
         if group.get("use_muon", name.endswith("Muon")):
             return GroupKind(name, "muon", MOMENTUM_FORMS[name], group["momentum"], True, ASPECT)
         return GroupKind(name, "adamw", step_in="int")
-    return GroupKind(name, None)
+    return GroupKind(name, None, UNKNOWN)
+
+
+def settings_view(settings: Mapping[str, Any]) -> str | None:
+    """The compute view a Muon group's own settings state, as dion's groups do:
+    ``num_heads`` above 1 (:data:`PER_HEAD`), ``split_sizes`` (row blocks of a fused QKV
+    weight: :data:`SPLIT_QKV`); None where they say nothing."""
+    heads = settings.get("num_heads")
+    if isinstance(heads, int) and not isinstance(heads, bool) and heads > 1:
+        return PER_HEAD
+    return SPLIT_QKV if settings.get("split_sizes") else None
 
 
 @dataclass(frozen=True)
@@ -206,7 +235,7 @@ def state_mapping(
         keys = {k: (k, 1.0) for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")}
         return KeyMap(keys, True, None)
     to_form = momentum_form or target.momentum_form
-    if to_form is None:
+    if to_form in (None, UNKNOWN):
         raise StateDictError(
             f"param {param!r}: the checkpoint's Muon momentum is {source.momentum_form}-form "
             f"({source.optimizer}), and muonckpt does not know the form {target.optimizer} "
@@ -282,7 +311,7 @@ def trajectory_notes(source: GroupKind, target: GroupKind) -> list[str]:
         return _adamw_notes(source, target)
     if source.role != "muon" or target.role != "muon":
         return []
-    notes = []
+    notes = compute_view_notes(source, target)
     if source.momentum is not None and target.momentum != source.momentum:
         notes.append(f"momentum is {target.momentum}, the checkpoint's {source.momentum}")
     if source.nesterov is not None and target.nesterov != source.nesterov:
@@ -293,6 +322,25 @@ def trajectory_notes(source: GroupKind, target: GroupKind) -> list[str]:
             + _fix(source, target)
         )
     return notes
+
+
+def compute_view_notes(source: GroupKind, target: GroupKind) -> list[str]:
+    """The note for a Muon group whose target orthogonalizes other blocks than the
+    checkpoint's optimizer did (its update differs; the state itself maps as it is)."""
+    if source.role != "muon" or target.role != "muon" or source.view == target.view:
+        return []
+    return [
+        f"the checkpoint's {source.optimizer} orthogonalized {_VIEWS[source.view]}, "
+        f"the target {target.optimizer} {_VIEWS[target.view]}: its updates differ from here on"
+    ]
+
+
+_VIEWS = {
+    WHOLE: "each matrix whole",
+    SPLIT_QKV: "a fused QKV matrix as its Q, K and V blocks apart (split_qkv)",
+    PER_HEAD: "each attention head's block apart (per_head)",
+    PER_EXPERT: "each expert's matrix apart (per_expert)",
+}
 
 
 def _adamw_notes(source: GroupKind, target: GroupKind) -> list[str]:
@@ -368,7 +416,9 @@ class DcpFamily:
         """``muon`` or ``adamw`` for a param with group ``settings`` and state ``keys``."""
         if self.role_setting is not None and self.role_setting in settings:
             value = settings[self.role_setting]
-            return "muon" if value is True or value == "muon" else "adamw"
+            if value is True or value == "muon":
+                return "muon"
+            return "adamw" if value is False or value == "adamw" else None  # dion's "lion"
         adamw = {theirs for _, theirs in self.adamw_keys} - {self.momentum_key}
         if adamw & set(keys):  # (dion's AdamW keeps its first moment under Muon's key)
             return "adamw"
@@ -410,8 +460,16 @@ class DcpFamily:
             raise StateDictError(
                 f"the {self.name} Muon group setting 'nesterov' is {nesterov!r}, not a bool"
             )
+        view = settings_view(settings)
         return GroupKind(
-            self.muon, "muon", self.momentum_form, float(mu), bool(nesterov), rule, rms
+            self.muon,
+            "muon",
+            self.momentum_form,
+            float(mu),
+            bool(nesterov),
+            rule,
+            rms,
+            compute_view=view,
         )
 
     def target_kind(self, source: GroupKind) -> GroupKind:

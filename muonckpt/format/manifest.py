@@ -21,6 +21,7 @@ from typing import Any
 from ..errors import ArgumentError, CheckpointError
 from ..layout.state_shapes import StateShape
 from .coverage import shared_tensors, tensor_coverage
+from .kinds import UNKNOWN
 from .names import PARAM_KEY
 from .records import (  # the records, named here too
     DIGEST_BYTES,
@@ -322,7 +323,10 @@ class Manifest:
         if version < PREFIXED_VERSION and self.needs_v5():  # an older version asked for
             older = replace(
                 self,
-                groups=tuple(replace(g, tuples=()) for g in self.groups),
+                groups=tuple(
+                    replace(g, tuples=(), optimizer=version_4_optimizer(g.optimizer))
+                    for g in self.groups
+                ),
                 params=tuple(replace(e, state_shapes={}) for e in self.params),
                 dcp_layout="",
             )
@@ -397,7 +401,7 @@ class Manifest:
         return (
             bool(self.data_prefix or self.dcp_layout)
             or any(e.state_shapes for e in self.params)
-            or any(g.tuples for g in self.groups)
+            or any(g.tuples or has_version_5_optimizer(g.optimizer) for g in self.groups)
         )
 
     def coverage_problems(self, names: Iterable[str] | None = None) -> list[str]:
@@ -507,6 +511,23 @@ def param_to_json(e: ParamEntry) -> dict[str, Any]:
         "scalars": {k: {"value": v.value, "dtype": v.dtype} for k, v in e.scalars.items()},
         **({"state_shapes": state_shapes_to_json(e.state_shapes)} if e.state_shapes else {}),
     }
+
+
+def has_version_5_optimizer(optimizer: Mapping[str, Any]) -> bool:
+    """Whether a group's ``optimizer`` holds a value of version 5: a ``compute_view``, the
+    ``momentum_form`` ``unknown``."""
+    return optimizer.get("compute_view") is not None or optimizer.get("momentum_form") == UNKNOWN
+
+
+def version_4_optimizer(optimizer: dict[str, Any]) -> dict[str, Any]:
+    """A group's ``optimizer`` as version 4 writes it: no ``compute_view``, an ``unknown``
+    momentum form unrecorded."""
+    if not has_version_5_optimizer(optimizer):
+        return optimizer
+    older = {k: v for k, v in optimizer.items() if k != "compute_view"}
+    if older.get("momentum_form") == UNKNOWN:
+        older["momentum_form"] = None
+    return older
 
 
 def state_shapes_to_json(shapes: Mapping[str, StateShape]) -> dict[str, Any]:

@@ -15,7 +15,7 @@ from typing import Any, TypeGuard
 from ..errors import CheckpointError
 from ..layout.state_shapes import RULES, StateShape
 from ..layout.topology import Region
-from .kinds import KNOWN
+from .kinds import COMPUTE_VIEWS, FORMS, KNOWN, UNKNOWN
 from .manifest import (
     CHECKSUM_ALGORITHM,
     DATA_PREFIX,
@@ -37,6 +37,7 @@ from .manifest import (
     Scalar,
     ValuePath,
     chunk_bytes_of,
+    has_version_5_optimizer,
     model_tensor,
     pack_checksums,
     piece_to_json,
@@ -201,7 +202,7 @@ def _groups(raw: Any, params: tuple[ParamEntry, ...], version: int) -> tuple[Gro
                 if version < 3
                 else tuple(listed[index])
             ),
-            optimizer=_group_optimizer(g.get("optimizer", {})),
+            optimizer=_version_5_optimizer(_group_optimizer(g.get("optimizer", {})), version),
             tuples=_tuples(g.get("tuples", []), g["hyperparams"], version),
         )
         for index, g in enumerate(raw)
@@ -601,11 +602,14 @@ def _number(value: Any) -> bool:
 
 _GROUP_OPTIMIZER = {
     "role": ("muon", "adamw", None),
-    "momentum_form": ("sum", "ema", None),
+    "momentum_form": (*FORMS, UNKNOWN, None),
     "step_in": ("group", "tensor", "int", None),
     "lr_rule": ("moonlight", "aspect", None),
     "second_moment": ("element", "row", None),
+    "compute_view": (*COMPUTE_VIEWS, None),
 }
+"""The allowed values of a group optimizer's fields (version 5 added ``momentum_form``
+``unknown``, ``second_moment`` and ``compute_view``)."""
 
 
 def _group_optimizer(value: Any) -> dict[str, Any]:
@@ -627,7 +631,7 @@ def _group_optimizer(value: Any) -> dict[str, Any]:
             number is None or _number(number),
             f"group optimizer {field_name} must be a number or null",
         )
-    if value.get("momentum_form") is not None:  # a form is converted by 1 - mu
+    if value.get("momentum_form") in FORMS:  # a form is converted by 1 - mu
         mu = value.get("momentum")
         _expect(
             _number(mu) and 0 <= mu < 1,
@@ -635,6 +639,17 @@ def _group_optimizer(value: Any) -> dict[str, Any]:
         )
     _expect(value.get("nesterov") in (True, False, None), "group optimizer nesterov: a bool")
     return _as_json_object(value)
+
+
+def _version_5_optimizer(value: dict[str, Any], version: int) -> dict[str, Any]:
+    """A group optimizer's version 5 values, refused in an older version: a ``compute_view``,
+    the ``momentum_form`` ``unknown``."""
+    _expect(
+        version >= 5 or not has_version_5_optimizer(value),
+        f"a version {version} manifest's group optimizer has no compute_view nor momentum_form "
+        f"{UNKNOWN!r} (version 5 has)",
+    )
+    return value
 
 
 def _expect(condition: bool, message: str) -> None:

@@ -135,7 +135,8 @@ def split_experts_of(
 
 def conversion_notes(source: Manifest, target: Manifest) -> tuple[str, ...]:
     """One line per Muon group whose momentum changed form between ``source`` and ``target``
-    (the same groups, rewritten)."""
+    (the same groups, rewritten), and one per group whose target orthogonalizes other blocks
+    (:func:`~muonckpt.format.kinds.compute_view_notes`)."""
     notes = []
     for a, b in zip(source.groups, target.groups, strict=True):
         was, now = kinds.GroupKind.from_json(a.optimizer), kinds.GroupKind.from_json(b.optimizer)
@@ -143,6 +144,9 @@ def conversion_notes(source: Manifest, target: Manifest) -> tuple[str, ...]:
             note = kinds.state_mapping(was, now, f"group of {a.params[0]!r}", None).note
             if note is not None:
                 notes.append(f"{len(a.params)} Muon params: {note}")
+            notes += [
+                f"{len(a.params)} Muon params: {n}" for n in kinds.compute_view_notes(was, now)
+            ]
     return tuple(notes)
 
 

@@ -291,6 +291,7 @@ def _manifest(
     kinds_of: list[tuple[kinds.GroupKind, Any, list[str]]] = []
     for name, group_settings in settings.items():
         model = index.tensors[model_prefix + name]
+        _check_param_shaped(index, name, model, state[name], where)
         role = family.role(group_settings, list(state[name]))
         if role is None:
             raise CheckpointError(
@@ -318,6 +319,27 @@ def _manifest(
     return Manifest(CONSOLIDATED, {"dp": 1, "tp": 1}, groups, tuple(entries), (), ())
 
 
+def _check_param_shaped(
+    index: dcp_metadata.DcpIndex,
+    name: str,
+    model: dcp_metadata.DcpTensor,
+    state: Mapping[str, str],
+    where: Path,
+) -> None:
+    """Refuse, naming the param and the key, a state tensor not shaped like its param (dion's
+    NorMuon ``variance_neuron`` ``(rows, 1)`` under FSDP2): the DCP families muonckpt reads keep
+    none, so no rule says how it follows the param."""
+    for key, fqn in state.items():
+        found = index.tensors.get(fqn)
+        if found is not None and found.shape not in (model.shape, ()):  # () a step count
+            raise CheckpointError(
+                f"param {name!r}: state {key!r} ({fqn!r}) has shape {list(found.shape)}, not its "
+                f"param's {list(model.shape)}: muonckpt reads from DCP only state shaped like "
+                "its param",
+                path=where,
+            )
+
+
 def _param_state(
     index: dcp_metadata.DcpIndex,
     family: kinds.DcpFamily,
@@ -338,12 +360,6 @@ def _param_state(
             raise CheckpointError(
                 f"DCP item {fqn!r}: {key!r} is not a tensor state key of a {role} param "
                 f"in {family.name}",
-                path=where,
-            )
-        if index.tensors[fqn].shape != model.shape:
-            raise CheckpointError(
-                f"DCP item {fqn!r} has shape {list(index.tensors[fqn].shape)}, its param "
-                f"{list(model.shape)}",
                 path=where,
             )
         dtypes[ours] = index.tensors[fqn].dtype

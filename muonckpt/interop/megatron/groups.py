@@ -52,9 +52,15 @@ def role_of(group: Mapping[str, Any]) -> str | None:
 SCALE_RULES = {"spectral": kinds.MOONLIGHT, "shape_scaling": kinds.ASPECT}
 """emerging-optimizers' ``scale_mode`` -> muonckpt's lr rule: ``spectral`` is
 ``sqrt(max(A, B)) * extra_scale_factor``, ``shape_scaling`` ``sqrt(max(1, A / B))``."""
-DEFAULTS = {"muon_nesterov": False, "muon_scale_mode": "spectral", "muon_extra_scale_factor": 1.0}
+DEFAULTS = {
+    "muon_nesterov": False,
+    "muon_scale_mode": "spectral",
+    "muon_extra_scale_factor": 1.0,
+    "muon_split_qkv": True,
+}
 """Megatron-Core 0.19.2's defaults (``optimizer_config.py``) of the Muon settings that its
-param groups do not hold, taken where the checkpoint has no ``args``."""
+param groups do not hold, taken where the checkpoint has no ``args`` (``muon_split_qkv``: the
+compute view: the fused QKV weights orthogonalized as their Q, K and V blocks apart)."""
 
 
 def kind(group: Group, args: Any) -> kinds.GroupKind:
@@ -67,7 +73,9 @@ def kind(group: Group, args: Any) -> kinds.GroupKind:
     rule = SCALE_RULES.get(str(setting["muon_scale_mode"]))
     rms = float(setting["muon_extra_scale_factor"]) if rule == kinds.MOONLIGHT else None
     mu = group.settings["momentum"]
-    return kinds.GroupKind(MUON, "muon", kinds.EMA, mu, bool(setting["muon_nesterov"]), rule, rms)
+    nesterov = bool(setting["muon_nesterov"])
+    view = kinds.SPLIT_QKV if setting["muon_split_qkv"] else kinds.WHOLE
+    return kinds.GroupKind(MUON, "muon", kinds.EMA, mu, nesterov, rule, rms, compute_view=view)
 
 
 def assumed(args: Any) -> tuple[str, ...]:
