@@ -13,7 +13,9 @@ interleaved QKV as it is). The optimizer's tensors are ``[chained_N.]optimizer.s
 (``fp32_param``, Muon's ``momentum_buffer``, AdamW's ``exp_avg`` / ``exp_avg_sq``; the
 ``chained_N.`` prefix in the default ``dp_reshardable`` format, none in ``fully_reshardable``);
 its param groups and AdamW's step are in the ``common_state`` item with the training ``args``,
-read through ``torch.load(weights_only=True)`` with a stand-in for ``argparse.Namespace``.
+read through ``torch.load(weights_only=True)`` with the torch format's stand-ins
+(:data:`.files.STAND_INS`: ``argparse.Namespace``, Megatron's enums, ``signal.Signals``, numpy's
+arrays); any other global is refused, naming the item, the file and the global.
 The fp32 master params become the output's params; the bf16 model weights are left out.
 """
 
@@ -41,7 +43,7 @@ from ..dcp import files as dcp_files
 from ..dcp import metadata as dcp_metadata
 from ..foreign import Conversion
 from . import files as megatron_files
-from .files import LATEST, Namespace
+from .files import LATEST
 from .groups import MUON, Group, assumed, group_of, kind, manifest_of, role_of
 from .writer import DIST_METADATA, STACKED, STATE_KEYS, to_megatron
 
@@ -62,7 +64,10 @@ _OPTIMIZER_ITEM = re.compile(r"(?:chained_(\d+)\.)?optimizer\.state\.([a-z0-9_]+
 COMMON = "common_state"
 
 
-ADMITTED = ((Namespace, "argparse.Namespace"),)
+ADMITTED = tuple((cls, name) for name, cls in megatron_files.STAND_INS.items())
+"""The stand-ins ``common_state`` and ``rng_state`` are read with: those of the torch format's
+files (``megatron.training``'s full ``args`` hold its enums and ``signal.Signals``; the RNG
+states numpy's arrays)."""
 
 
 def iteration_dir(path: str | os.PathLike[str]) -> Path:
