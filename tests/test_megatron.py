@@ -5,6 +5,7 @@ AdamW; and written back at the other layout, checked against what Megatron wrote
 
 from __future__ import annotations
 
+import json
 import shutil
 import warnings
 from pathlib import Path
@@ -60,6 +61,88 @@ def test_every_value_is_the_truth_bitwise(converted, name):
     muon = [g.optimizer for g in manifest.groups if g.optimizer["role"] == "muon"]
     assert muon and all(g["momentum_form"] == "ema" for g in muon)
     assert all(g["optimizer"] == "megatron.core.optimizer.TensorParallelMuon" for g in muon)
+
+
+JOBS = ("tp2_dp1_job", "tp1_dp2_job_torch")
+"""The fixtures of whole jobs, saved by ``megatron.training``'s ``save_checkpoint``."""
+
+
+def _trainer(path: Path) -> dict:
+    """The trainer state a conversion stored in ``path``'s ``extra``, its tensors read."""
+    from muonckpt.files import job_tree
+    from muonckpt.files.pieces import PieceReader, open_checkpoint
+
+    files, manifest = open_checkpoint(path)
+    with PieceReader(files, manifest) as reader:
+        return job_tree.read(reader, manifest.extra.shared, "extra")["trainer"]
+
+
+def _digest(tree: dict) -> dict:
+    """One rank's carried RNG states as make_fixtures.py's ``rng_digest`` records them."""
+    import hashlib
+
+    def sha(data: bytes) -> str:
+        return hashlib.sha256(data).hexdigest()
+
+    py, np_state = tree["random_rng_state"], tree["np_rng_state"]
+    words = (py["version"], tuple(py["words"]), py["gauss"])
+    return {
+        "random_rng_state": sha(repr(words).encode()),
+        "np_rng_state": [np_state["name"], sha(np_state["key"].numpy().tobytes()),
+                         np_state["pos"], np_state["has_gauss"], np_state["cached_gaussian"]],
+        "torch_rng_state": sha(tree["torch_rng_state"].numpy().tobytes()),
+        "cuda_rng_state": sha(tree["cuda_rng_state"].numpy().tobytes()),
+        "rng_tracker_states": {
+            k: sha(v.numpy().tobytes()) for k, v in sorted(tree["rng_tracker_states"].items())
+        },
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("name", JOBS)
+def test_a_jobs_own_state_is_carried_exactly(converted, name):
+    """The scheduler, the iteration, the data position (``consumed_train_samples``) and every
+    TP rank's RNG states, as Megatron held them at the save, in the output's ``extra``."""
+    truth = json.loads((FIXTURES / name / "truth.json").read_text())
+    trainer = _trainer(converted[name])
+    shared = trainer["shared"]
+    assert trainer["name"] == "megatron" and muonckpt.read_manifest(converted[name]).step == 3
+    assert shared["iteration"] == 3 and shared["num_floating_point_operations_so_far"] == 1234.5
+    assert shared["opt_param_scheduler"] == truth["opt_param_scheduler"]
+    assert shared["args"]["consumed_train_samples"] == truth["consumed_train_samples"] == 12
+    assert "attention_backend" not in shared["args"]  # (an enum: listed as left out)
+    assert trainer["layout"] == {"pp": 1, "tp": truth["tp"]}
+    assert [_digest(per_dp[0]) for per_dp in trainer["ranks"]["rng_state"]] == truth["rng_state"]
+
+
+def test_the_job_state_goes_back_to_megatron_where_its_ranks_are(converted, tmp_path):
+    """Written back at its TP size, every RNG item as it was saved; at another TP size the
+    RNG states are left out, named, and the args say ``no_save_rng`` (Megatron then ignores
+    them itself); the scheduler, iteration and args go at any size, the args' sizes the
+    output's. Another trainer's writer lists the whole job state by name."""
+    source = converted["tp2_dp1_job"]
+    same = megatron.to_megatron(source, tmp_path / "same", tp=2, dp=1)
+    assert same.left_out == ()
+    index = _index(same.path)
+    rng = sorted(fqn for fqn in index.values if fqn.startswith("rng_state/"))
+    assert rng == ["rng_state/shard_0.0_1.2", "rng_state/shard_0.1_1.2"]
+    again = megatron.from_megatron(same.path, tmp_path / "again").path
+    first, second = _trainer(source), _trainer(again)
+    assert [[_digest(t) for t in r] for r in first["ranks"]["rng_state"]] == [
+        [_digest(t) for t in r] for r in second["ranks"]["rng_state"]
+    ]
+    assert first["shared"] == second["shared"]
+    other = megatron.to_megatron(source, tmp_path / "other", tp=1, dp=2)
+    assert len(other.left_out) == 1 and other.left_out[0].startswith("rng_state (per rank")
+    common = _common(_index(other.path))
+    assert not [fqn for fqn in _index(other.path).values if fqn.startswith("rng_state/")]
+    args = vars(common["args"])
+    assert (args["tensor_model_parallel_size"], args["data_parallel_size"]) == (1, 2)
+    assert args["no_save_rng"] is True and args["consumed_train_samples"] == 12
+    assert common["opt_param_scheduler"] == first["shared"]["opt_param_scheduler"]
+    dcp = interop.to_dcp(source, tmp_path / "dcp", to="torch")
+    assert [line.split(" (")[0] for line in dcp.left_out] == [
+        f"megatron's {name}" for name in (*first["shared"], "rng_state")
+    ]
 
 
 def _torch_opts(model: dict, manifest) -> tuple[list[torch.optim.Optimizer], dict]:
@@ -197,7 +280,12 @@ def test_the_export_is_what_megatron_writes_at_that_layout(exported, name):
         if fqn != megatron.COMMON + "/shard_0_1":
             assert dcp_files.read_value(mine, mine.values[fqn]) == [None], fqn
     common, expected = _common(mine), _common(source)
-    del expected["args"]
+    args, saved = vars(common.pop("args")), vars(expected.pop("args"))
+    sizes = {"tensor_model_parallel_size": OTHER_LAYOUT[name][1], "data_parallel_size": 1}
+    sizes["data_parallel_size"] = OTHER_LAYOUT[name][2]
+    written = {"pipeline_model_parallel_size": 1, "world_size": 2, "ckpt_format": "torch_dist"}
+    written.update(use_dist_ckpt=True, no_save_rng=True)
+    assert args == {**saved, **sizes, **written}
     assert common.pop("content_metadata")["distrib_optim_sharding_type"] == "dp_reshardable"
     assert repr(common) == repr(expected)
     assert (exported[name] / megatron.LATEST).read_text() == "3"

@@ -39,12 +39,14 @@ from ...storage import access
 from ...storage.foreign_limits import read_json
 from .._consolidated import consolidated, conversion_notes, summarized, write_consolidated
 from .._fields import count
+from .._trainer_state import TrainerState
 from ..dcp import files as dcp_files
 from ..dcp import metadata as dcp_metadata
 from ..foreign import Conversion
 from . import files as megatron_files
 from .files import LATEST
 from .groups import MUON, Group, assumed, group_of, kind, manifest_of, role_of
+from .job_state import RNG_ITEM, iteration_of, job_state
 from .writer import DIST_METADATA, STACKED, STATE_KEYS, to_megatron
 
 __all__ = [
@@ -155,6 +157,7 @@ def from_megatron(
     index = dcp_metadata.read_index(directory)
     where = index.directory / dcp_metadata.METADATA_NAME
     common = _common_state(index, where)
+    trainer, trainer_left, rng_fqns = _trainer_state(index, common, where)
     items, layout = _optimizer_items(index, where)
     groups = _groups(common, where)
     manifest, fqn_of = _manifest(index, items, groups, common, where)
@@ -165,12 +168,32 @@ def from_megatron(
         for fqn, layer in (fqn_of[r] for r in planned.reads)
     )
     path = write_consolidated(
-        planned, scales, tensors, dst, overwrite=overwrite, progress=progress, source=Path(src)
-    )  # (the root: an output inside it is refused, as inside the iteration)
-    used = {fqn for fqn, _ in fqn_of.values()} | {_common_fqn(index, where)}
+        planned, scales, tensors, dst, overwrite=overwrite, progress=progress,
+        source=Path(src), trainer=trainer, step=iteration_of(common),
+    )  # (the root: an output inside it is refused, as inside the iteration)  # fmt: skip
+    used = {fqn for fqn, _ in fqn_of.values()} | {_common_fqn(index, where)} | rng_fqns
     left = sorted((set(index.tensors) | set(index.values)) - used)
     notes = conversion_notes(manifest, target) + assumed(common.get("args"))
-    return Conversion(path, layout, summarized(left), notes)
+    return Conversion(path, layout, (*summarized(left), *trainer_left), notes)
+
+
+def _trainer_state(
+    index: dcp_metadata.DcpIndex, common: Mapping[str, Any], where: Path
+) -> tuple[TrainerState, list[str], set[str]]:
+    """The job's own state (:func:`.job_state.job_state`): ``common``'s and every
+    ``rng_state/shard_{pp}.{tp}_{PP}.{TP}`` item's (read as ``common_state`` is), what of it
+    is left out, and the RNG items' fqns."""
+    found = {fqn: m for fqn in index.values if (m := RNG_ITEM.fullmatch(fqn))}
+    sizes = {(int(m[3]), int(m[4])) for m in found.values()}
+    rng = {}
+    if len(sizes) == 1:
+        for fqn, m in found.items():
+            value = dcp_files.read_value(index, index.values[fqn], ADMITTED)
+            rng[int(m[1]), int(m[2])] = value[0] if isinstance(value, list) and value else value
+    state, left = job_state(common, rng, sizes.pop() if len(sizes) == 1 else (1, 1))
+    if len(sizes) > 1:
+        left.append(f"rng_state (items of PP, TP sizes {sorted(sizes)}, not one): {where}")
+    return state, left, set(found)
 
 
 def _common_fqn(index: dcp_metadata.DcpIndex, where: Path) -> str:
