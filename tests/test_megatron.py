@@ -216,6 +216,25 @@ def test_refusals_are_one_line_naming_the_file(tmp_path):
     assert megatron.DIST_METADATA in str(info.value)
 
 
+def test_pipeline_and_expert_parallel_checkpoints_are_refused_naming_the_size(tmp_path):
+    """PP and EP layouts of the layer-wise optimizer are not read: one line naming the size the
+    training args record (the torch format's ``mp_rank_XX_YYY`` names are refused too:
+    test_megatron_torch.py)."""
+    from argparse import Namespace
+
+    from .test_foreign_limits import _megatron_dist_common
+
+    args = Namespace(pipeline_model_parallel_size=2, tensor_model_parallel_size=1)
+    root = _megatron_dist_common(tmp_path / "c", lambda c: [{**c[0], "args": args}])
+    with pytest.raises(CheckpointError, match="the training args say pipeline_model_par") as info:
+        megatron.from_megatron(root, tmp_path / "o")
+    assert "\n" not in str(info.value) and ".metadata" in str(info.value)
+    read = megatron.Namespace()  # (as the reader reads args)
+    read.expert_model_parallel_size = 4
+    with pytest.raises(CheckpointError, match="expert_model_parallel_size 4: the layer-wise"):
+        megatron._check_parallelism(read, tmp_path)
+
+
 def test_readme_megatron_commands_run_as_written(tmp_path, monkeypatch):
     """The README's Megatron commands as written, in process, on a copy of a fixture."""
     import shlex

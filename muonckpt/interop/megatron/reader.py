@@ -44,7 +44,7 @@ from ..dcp import files as dcp_files
 from ..dcp import metadata as dcp_metadata
 from ..foreign import Conversion
 from . import files as megatron_files
-from .files import LATEST
+from .files import LATEST, Namespace
 from .groups import MUON, Group, assumed, group_of, kind, manifest_of, role_of
 from .job_state import RNG_ITEM, iteration_of, job_state
 from .writer import DIST_METADATA, STACKED, STATE_KEYS, to_megatron
@@ -157,6 +157,7 @@ def from_megatron(
     index = dcp_metadata.read_index(directory)
     where = index.directory / dcp_metadata.METADATA_NAME
     common = _common_state(index, where)
+    _check_parallelism(common.get("args"), where)
     trainer, trainer_left, rng_fqns = _trainer_state(index, common, where)
     items, layout = _optimizer_items(index, where)
     groups = _groups(common, where)
@@ -194,6 +195,29 @@ def _trainer_state(
     if len(sizes) > 1:
         left.append(f"rng_state (items of PP, TP sizes {sorted(sizes)}, not one): {where}")
     return state, left, set(found)
+
+
+UNREAD = {
+    "pipeline_model_parallel_size": "pipeline-parallel (PP)",
+    "virtual_pipeline_model_parallel_size": "interleaved pipeline (VPP)",
+    "expert_model_parallel_size": "expert-parallel (EP)",
+}
+"""The parallel sizes of the training ``args`` whose layouts of the layer-wise optimizer muonckpt
+does not read (no checkpoint of them was run): refused where above 1."""
+
+
+def _check_parallelism(args: Any, where: Path) -> None:
+    """Refuse, in one line naming the size, a checkpoint whose training args record a
+    pipeline- or expert-parallel layout (muonckpt reads TP x DP ones)."""
+    recorded = vars(args) if isinstance(args, Namespace) else {}
+    for key, what in UNREAD.items():
+        size = recorded.get(key)
+        if type(size) is int and size > 1:
+            raise CheckpointError(
+                f"{COMMON}: the training args say {key} {size}: the layer-wise optimizer's "
+                f"{what} layout, which muonckpt does not read (it reads and writes TP x DP)",
+                path=where,
+            )
 
 
 def _common_fqn(index: dcp_metadata.DcpIndex, where: Path) -> str:
