@@ -16,6 +16,7 @@ In ``extra`` (JSON, tensors in ``extra.safetensors``)::
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,7 +26,16 @@ from ..files.pieces import PieceReader
 from ..format.manifest import Manifest
 from ..storage import CheckpointFiles
 
-__all__ = ["KEY", "Carried", "TrainerState", "carried", "left_out", "recorded"]
+__all__ = [
+    "KEY",
+    "Carried",
+    "Found",
+    "TrainerState",
+    "carried",
+    "is_plain",
+    "left_out",
+    "recorded",
+]
 
 KEY = "trainer"
 """The key of ``extra`` that holds a conversion's trainer state."""
@@ -64,6 +74,32 @@ class TrainerState:
 
 
 @dataclass(frozen=True)
+class Found:
+    """What a reader found of a trainer's own state."""
+
+    state: TrainerState
+    step: int | None
+    """The job's step, where the checkpoint records it."""
+    items: frozenset[str]
+    """The foreign checkpoint's items it was read from (not left out)."""
+    left: tuple[str, ...]
+    """Items of the trainer's state not carried, one line each naming it and why."""
+
+
+def is_plain(value: Any) -> bool:
+    """Whether ``value`` is JSON data (finite floats): what ``extra`` stores as it is."""
+    if isinstance(value, float):
+        return math.isfinite(value)
+    if value is None or isinstance(value, (str, bool, int)):
+        return True
+    if isinstance(value, (list, tuple)):
+        return all(map(is_plain, value))
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and is_plain(v) for k, v in value.items())
+    return False
+
+
+@dataclass(frozen=True)
 class Carried:
     """What of a checkpoint's trainer state a target takes (:func:`carried`)."""
 
@@ -89,19 +125,24 @@ def recorded(manifest: Manifest) -> Mapping[str, Any] | None:
 
 
 def carried(
-    files: CheckpointFiles, manifest: Manifest, trainer: str, layout: Mapping[str, int]
+    files: CheckpointFiles,
+    manifest: Manifest,
+    trainer: str,
+    layout: Mapping[str, int] | None = None,
 ) -> Carried:
     """What the writer of ``trainer`` at ``layout`` takes of ``manifest``'s trainer state, its
     tensors read and verified: all of it where ``trainer`` saved it and the layout is the one
-    its per-rank values were saved at; the values for the whole job only at another layout
-    (the per-rank ones left out); nothing from another trainer (all left out)."""
+    its per-rank values were saved at (None: a writer that does not know the layout its output
+    is loaded at, for a trainer that checks it itself: as saved); the values for the whole job
+    only at another layout (the per-rank ones left out); nothing from another trainer (all left
+    out)."""
     state = recorded(manifest)
     if state is None or state["name"] != trainer:
         return Carried({}, {}, left_out(manifest))
     assert manifest.extra is not None and manifest.extra.shared is not None
     with PieceReader(files, manifest) as reader:
         whole = job_tree.read(reader, manifest.extra.shared, "extra")[KEY]
-    if dict(state["layout"]) == dict(layout) or not state["ranks"]:
+    if layout is None or dict(state["layout"]) == dict(layout) or not state["ranks"]:
         return Carried(whole["shared"], whole["ranks"], ())
     saved = _layout(state["layout"])
     left = tuple(

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from ...storage import torch_pickles
-from .._trainer_state import Carried, TrainerState
+from .._trainer_state import Carried, TrainerState, is_plain
 from .files import Namespace
 
 __all__ = ["NAME", "RNG_ITEM", "iteration_of", "job_state", "rng_item", "target_layout", "written"]
@@ -61,11 +61,11 @@ def job_state(
     TP sizes ``sizes``; with the lines saying what of it is left out (an arg Megatron's own
     class holds; RNG states not as Megatron saves them, or not of every rank)."""
     left: list[str] = []
-    shared = {k: common[k] for k in SHARED if k in common and _plain(common[k])}
+    shared = {k: common[k] for k in SHARED if k in common and is_plain(common[k])}
     left += [f"{k} (not plain data)" for k in SHARED if k in common and k not in shared]
     args = common.get("args")
     if isinstance(args, Namespace):
-        kept = {k: v for k, v in sorted(vars(args).items()) if _plain(v)}
+        kept = {k: v for k, v in sorted(vars(args).items()) if is_plain(v)}
         dropped = sorted(set(vars(args)) - set(kept))
         if dropped:
             left.append(
@@ -96,19 +96,6 @@ def iteration_of(common: Mapping[str, Any]) -> int | None:
     """The iteration a Megatron checkpoint was saved at (None where it records none)."""
     iteration = common.get("iteration")
     return iteration if type(iteration) is int and iteration >= 0 else None
-
-
-def _plain(value: Any) -> bool:
-    """Whether ``value`` is JSON data: what ``extra`` stores as it is."""
-    if isinstance(value, float):
-        return math.isfinite(value)
-    if value is None or isinstance(value, (str, bool, int)):
-        return True
-    if isinstance(value, (list, tuple)):
-        return all(map(_plain, value))
-    if isinstance(value, dict):
-        return all(isinstance(k, str) and _plain(v) for k, v in value.items())
-    return False
 
 
 def _rng_list(value: Any) -> list[dict[str, Any]]:
@@ -159,7 +146,7 @@ def _tuple(value: Any, size: int, what: str) -> tuple[Any, ...]:
 
 
 def _plain_or_tuple(value: Any) -> bool:
-    return _plain(value) or isinstance(value, (tuple, torch_pickles.Opaque))
+    return is_plain(value) or isinstance(value, (tuple, torch_pickles.Opaque))
 
 
 def _tensor(value: Any, what: str) -> torch.Tensor:
