@@ -115,10 +115,9 @@ def test_a_jobs_own_state_is_carried_exactly(converted, name):
 
 
 def test_the_job_state_goes_back_to_megatron_where_its_ranks_are(converted, tmp_path):
-    """Written back at its TP size, every RNG item as it was saved; at another TP size the
-    RNG states are left out, named, and the args say ``no_save_rng`` (Megatron then ignores
-    them itself); the scheduler, iteration and args go at any size, the args' sizes the
-    output's. Another trainer's writer lists the whole job state by name."""
+    """Written back at its TP size, every RNG item as it was saved (at another:
+    test_the_whole_job_commands_run_as_written). Another trainer's writer lists the whole
+    job state by name."""
     source = converted["tp2_dp1_job"]
     same = megatron.to_megatron(source, tmp_path / "same", tp=2, dp=1)
     assert same.left_out == ()
@@ -131,14 +130,6 @@ def test_the_job_state_goes_back_to_megatron_where_its_ranks_are(converted, tmp_
         [_digest(t) for t in r] for r in second["ranks"]["rng_state"]
     ]
     assert first["shared"] == second["shared"]
-    other = megatron.to_megatron(source, tmp_path / "other", tp=1, dp=2)
-    assert len(other.left_out) == 1 and other.left_out[0].startswith("rng_state (per rank")
-    common = _common(_index(other.path))
-    assert not [fqn for fqn in _index(other.path).values if fqn.startswith("rng_state/")]
-    args = vars(common["args"])
-    assert (args["tensor_model_parallel_size"], args["data_parallel_size"]) == (1, 2)
-    assert args["no_save_rng"] is True and args["consumed_train_samples"] == 12
-    assert common["opt_param_scheduler"] == first["shared"]["opt_param_scheduler"]
     dcp = interop.to_dcp(source, tmp_path / "dcp", to="torch")
     assert [line.split(" (")[0] for line in dcp.left_out] == [
         f"megatron's {name}" for name in (*first["shared"], "rng_state")
@@ -233,6 +224,35 @@ def test_pipeline_and_expert_parallel_checkpoints_are_refused_naming_the_size(tm
     read.expert_model_parallel_size = 4
     with pytest.raises(CheckpointError, match="expert_model_parallel_size 4: the layer-wise"):
         megatron._check_parallelism(read, tmp_path)
+
+
+def test_the_whole_job_commands_run_as_written(tmp_path, monkeypatch):
+    """docs/interop.md's whole-job commands, in process, on a copy of ``tp2_dp1_job``: at TP 1
+    the RNG states (saved per TP rank at TP 2) are left out, named, and the args say
+    ``no_save_rng`` (Megatron then ignores them itself); the scheduler, iteration and args go
+    back, the args' sizes the output's."""
+    import shlex
+
+    from .test_readme import example
+
+    shutil.copytree(_ckpt("tp2_dp1_job"), tmp_path / "mcore" / "job")
+    monkeypatch.chdir(tmp_path)
+    outputs = []
+    for command in example("megatron-job-commands").strip().splitlines():
+        result = CliRunner().invoke(app, shlex.split(command)[1:])
+        assert result.exit_code == 0, result.output
+        outputs.append(" ".join(result.output.split()))
+    assert "left out args attention_backend, exit_signal" in outputs[0]
+    assert "left out rng_state (per rank, saved at PP 1 TP 2; written at PP 1 TP 1" in outputs[1]
+    index = _index(tmp_path / "mcore" / "job-tp1-dp2")
+    assert not [fqn for fqn in index.values if fqn.startswith("rng_state/")]
+    common = _common(index)
+    args = vars(common["args"])
+    assert (args["tensor_model_parallel_size"], args["data_parallel_size"]) == (1, 2)
+    assert args["no_save_rng"] is True and args["consumed_train_samples"] == 12
+    truth = json.loads((FIXTURES / "tp2_dp1_job" / "truth.json").read_text())
+    assert common["opt_param_scheduler"] == truth["opt_param_scheduler"]
+    assert common["iteration"] == 3
 
 
 def test_readme_megatron_commands_run_as_written(tmp_path, monkeypatch):
