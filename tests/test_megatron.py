@@ -130,6 +130,15 @@ def test_the_job_state_goes_back_to_megatron_where_its_ranks_are(converted, tmp_
         [_digest(t) for t in r] for r in second["ranks"]["rng_state"]
     ]
     assert first["shared"] == second["shared"]
+    broken = tmp_path / "broken"
+    shutil.copytree(source, broken)
+    manifest = json.loads((broken / "manifest.json").read_text())
+    rng = manifest["extra"]["global"]["values"]["trainer"]["ranks"]["rng_state"]
+    del rng[0][0]["random_rng_state"]
+    (broken / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match=r"extra\['trainer'\] is not Megatron's") as info:
+        megatron.to_megatron(broken, tmp_path / "no", tp=2, dp=1)
+    assert "KeyError: 'random_rng_state'" in str(info.value) and not (tmp_path / "no").exists()
     dcp = interop.to_dcp(source, tmp_path / "dcp", to="torch")
     assert [line.split(" (")[0] for line in dcp.left_out] == [
         f"megatron's {name}" for name in (*first["shared"], "rng_state")

@@ -22,10 +22,12 @@ import argparse
 import math
 import re
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from ...errors import CheckpointError
 from ...storage import torch_pickles
 from .._trainer_state import Carried, TrainerState, is_plain
 from .files import Namespace
@@ -176,17 +178,27 @@ def _array(value: Any) -> tuple[torch.Tensor, str, list[int]]:
 
 
 def written(
-    state: Carried, tp: int, dp: int, values: dict[str, Any], common: dict[str, Any]
+    state: Carried, tp: int, dp: int, values: dict[str, Any], common: dict[str, Any], where: Path
 ) -> None:
     """Put the carried trainer ``state`` into a torch_dist output at TP ``tp``, DP ``dp``:
     ``common`` (the common state) gets the job's values and ``args`` (sizes the output's,
-    ``no_save_rng`` where no RNG state is written); ``values`` each rank's RNG item."""
+    ``no_save_rng`` where no RNG state is written); ``values`` each rank's RNG item. A state
+    not of the form :func:`job_state` gives is refused, naming ``where`` (the manifest)."""
     common.update({k: state.shared[k] for k in SHARED if k in state.shared})
     rng = state.ranks.get("rng_state")
-    for t, per_dp in enumerate(rng or ()):  # (as saved: the shard's object, in a list)
-        values[rng_item(0, t, 1, tp)] = [[_rng_state(tree) for tree in per_dp]]
-    if "args" in state.shared:
-        args = argparse.Namespace(**state.shared["args"])
+    try:
+        if rng is not None and len(rng) != tp:
+            raise ValueError(f"{len(rng)} ranks' RNG states for TP {tp}")
+        for t, per_dp in enumerate(rng or ()):  # (as saved: the shard's object, in a list)
+            values[rng_item(0, t, 1, tp)] = [[_rng_state(tree) for tree in per_dp]]
+        args = argparse.Namespace(**state.shared["args"]) if "args" in state.shared else None
+    except (AttributeError, KeyError, TypeError, ValueError) as exc:
+        raise CheckpointError(
+            f"extra['trainer'] is not Megatron's state as a conversion stores it "
+            f"({type(exc).__name__}: {exc})",
+            path=where,
+        ) from None
+    if args is not None:
         vars(args).update(
             tensor_model_parallel_size=tp, pipeline_model_parallel_size=1, data_parallel_size=dp,
             world_size=tp * dp, ckpt_format="torch_dist", use_dist_ckpt=True,

@@ -33,7 +33,7 @@ from ...files.progress import Progress
 from ...format import kinds
 from ...format.conversion import group_kind
 from ...format.manifest import Manifest
-from ...format.names import PARAM_KEY
+from ...format.names import MANIFEST_NAME, PARAM_KEY
 from .._foreign_out import not_carried, open_local, read_whole, staged_output
 from .._trainer_state import carried, recorded
 from ..dcp import files as dcp_files
@@ -254,7 +254,7 @@ def to_megatron(
     trainer = carried(
         files, manifest, SOURCE, target_layout(saved["layout"] if saved else {}, tp, dp)
     )
-    written(trainer, tp, dp, values, values[COMMON_ITEM][0])
+    written(trainer, tp, dp, values, values[COMMON_ITEM][0], directory / MANIFEST_NAME)
     with staged_output(dst, directory, SOURCE) as (store, staging):
         iteration_dir = storage.make_directory(staging / f"iter_{iteration:07d}")
         with PieceReader(files, manifest) as reader:
