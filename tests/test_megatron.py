@@ -5,6 +5,7 @@ AdamW; and written back at the other layout, checked against what Megatron wrote
 
 from __future__ import annotations
 
+import json
 import shutil
 import warnings
 from pathlib import Path
@@ -60,6 +61,88 @@ def test_every_value_is_the_truth_bitwise(converted, name):
     muon = [g.optimizer for g in manifest.groups if g.optimizer["role"] == "muon"]
     assert muon and all(g["momentum_form"] == "ema" for g in muon)
     assert all(g["optimizer"] == "megatron.core.optimizer.TensorParallelMuon" for g in muon)
+
+
+JOBS = ("tp2_dp1_job", "tp1_dp2_job_torch")
+"""The fixtures of whole jobs, saved by ``megatron.training``'s ``save_checkpoint``."""
+
+
+def _trainer(path: Path) -> dict:
+    """The trainer state a conversion stored in ``path``'s ``extra``, its tensors read."""
+    from muonckpt.files import job_tree
+    from muonckpt.files.pieces import PieceReader, open_checkpoint
+
+    files, manifest = open_checkpoint(path)
+    with PieceReader(files, manifest) as reader:
+        return job_tree.read(reader, manifest.extra.shared, "extra")["trainer"]
+
+
+def _digest(tree: dict) -> dict:
+    """One rank's carried RNG states as make_fixtures.py's ``rng_digest`` records them."""
+    import hashlib
+
+    def sha(data: bytes) -> str:
+        return hashlib.sha256(data).hexdigest()
+
+    py, np_state = tree["random_rng_state"], tree["np_rng_state"]
+    words = (py["version"], tuple(py["words"]), py["gauss"])
+    return {
+        "random_rng_state": sha(repr(words).encode()),
+        "np_rng_state": [np_state["name"], sha(np_state["key"].numpy().tobytes()),
+                         np_state["pos"], np_state["has_gauss"], np_state["cached_gaussian"]],
+        "torch_rng_state": sha(tree["torch_rng_state"].numpy().tobytes()),
+        "cuda_rng_state": sha(tree["cuda_rng_state"].numpy().tobytes()),
+        "rng_tracker_states": {
+            k: sha(v.numpy().tobytes()) for k, v in sorted(tree["rng_tracker_states"].items())
+        },
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("name", JOBS)
+def test_a_jobs_own_state_is_carried_exactly(converted, name):
+    """The scheduler, the iteration, the data position (``consumed_train_samples``) and every
+    TP rank's RNG states, as Megatron held them at the save, in the output's ``extra``."""
+    truth = json.loads((FIXTURES / name / "truth.json").read_text())
+    trainer = _trainer(converted[name])
+    shared = trainer["shared"]
+    assert trainer["name"] == "megatron" and muonckpt.read_manifest(converted[name]).step == 3
+    assert shared["iteration"] == 3 and shared["num_floating_point_operations_so_far"] == 1234.5
+    assert shared["opt_param_scheduler"] == truth["opt_param_scheduler"]
+    assert shared["args"]["consumed_train_samples"] == truth["consumed_train_samples"] == 12
+    assert "attention_backend" not in shared["args"]  # (an enum: listed as left out)
+    assert trainer["layout"] == {"pp": 1, "tp": truth["tp"]}
+    assert [_digest(per_dp[0]) for per_dp in trainer["ranks"]["rng_state"]] == truth["rng_state"]
+
+
+def test_the_job_state_goes_back_to_megatron_where_its_ranks_are(converted, tmp_path):
+    """Written back at its TP size, every RNG item as it was saved (at another:
+    test_the_whole_job_commands_run_as_written). Another trainer's writer lists the whole
+    job state by name."""
+    source = converted["tp2_dp1_job"]
+    same = megatron.to_megatron(source, tmp_path / "same", tp=2, dp=1)
+    assert same.left_out == ()
+    index = _index(same.path)
+    rng = sorted(fqn for fqn in index.values if fqn.startswith("rng_state/"))
+    assert rng == ["rng_state/shard_0.0_1.2", "rng_state/shard_0.1_1.2"]
+    again = megatron.from_megatron(same.path, tmp_path / "again").path
+    first, second = _trainer(source), _trainer(again)
+    assert [[_digest(t) for t in r] for r in first["ranks"]["rng_state"]] == [
+        [_digest(t) for t in r] for r in second["ranks"]["rng_state"]
+    ]
+    assert first["shared"] == second["shared"]
+    broken = tmp_path / "broken"
+    shutil.copytree(source, broken)
+    manifest = json.loads((broken / "manifest.json").read_text())
+    rng = manifest["extra"]["global"]["values"]["trainer"]["ranks"]["rng_state"]
+    del rng[0][0]["random_rng_state"]
+    (broken / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match=r"extra\['trainer'\] is not Megatron's") as info:
+        megatron.to_megatron(broken, tmp_path / "no", tp=2, dp=1)
+    assert "KeyError: 'random_rng_state'" in str(info.value) and not (tmp_path / "no").exists()
+    dcp = interop.to_dcp(source, tmp_path / "dcp", to="torch")
+    assert [line.split(" (")[0] for line in dcp.left_out] == [
+        f"megatron's {name}" for name in (*first["shared"], "rng_state")
+    ]
 
 
 def _torch_opts(model: dict, manifest) -> tuple[list[torch.optim.Optimizer], dict]:
@@ -133,6 +216,54 @@ def test_refusals_are_one_line_naming_the_file(tmp_path):
     assert megatron.DIST_METADATA in str(info.value)
 
 
+def test_pipeline_and_expert_parallel_checkpoints_are_refused_naming_the_size(tmp_path):
+    """PP and EP layouts of the layer-wise optimizer are not read: one line naming the size the
+    training args record (the torch format's ``mp_rank_XX_YYY`` names are refused too:
+    test_megatron_torch.py)."""
+    from argparse import Namespace
+
+    from .test_foreign_limits import _megatron_dist_common
+
+    args = Namespace(pipeline_model_parallel_size=2, tensor_model_parallel_size=1)
+    root = _megatron_dist_common(tmp_path / "c", lambda c: [{**c[0], "args": args}])
+    with pytest.raises(CheckpointError, match="the training args say pipeline_model_par") as info:
+        megatron.from_megatron(root, tmp_path / "o")
+    assert "\n" not in str(info.value) and ".metadata" in str(info.value)
+    read = megatron.Namespace()  # (as the reader reads args)
+    read.expert_model_parallel_size = 4
+    with pytest.raises(CheckpointError, match="expert_model_parallel_size 4: the layer-wise"):
+        megatron._check_parallelism(read, tmp_path)
+
+
+def test_the_whole_job_commands_run_as_written(tmp_path, monkeypatch):
+    """docs/interop.md's whole-job commands, in process, on a copy of ``tp2_dp1_job``: at TP 1
+    the RNG states (saved per TP rank at TP 2) are left out, named, and the args say
+    ``no_save_rng`` (Megatron then ignores them itself); the scheduler, iteration and args go
+    back, the args' sizes the output's."""
+    import shlex
+
+    from .test_readme import example
+
+    shutil.copytree(_ckpt("tp2_dp1_job"), tmp_path / "mcore" / "job")
+    monkeypatch.chdir(tmp_path)
+    outputs = []
+    for command in example("megatron-job-commands").strip().splitlines():
+        result = CliRunner().invoke(app, shlex.split(command)[1:])
+        assert result.exit_code == 0, result.output
+        outputs.append(" ".join(result.output.split()))
+    assert "left out args attention_backend, exit_signal" in outputs[0]
+    assert "left out rng_state (per rank, saved at PP 1 TP 2; written at PP 1 TP 1" in outputs[1]
+    index = _index(tmp_path / "mcore" / "job-tp1-dp2")
+    assert not [fqn for fqn in index.values if fqn.startswith("rng_state/")]
+    common = _common(index)
+    args = vars(common["args"])
+    assert (args["tensor_model_parallel_size"], args["data_parallel_size"]) == (1, 2)
+    assert args["no_save_rng"] is True and args["consumed_train_samples"] == 12
+    truth = json.loads((FIXTURES / "tp2_dp1_job" / "truth.json").read_text())
+    assert common["opt_param_scheduler"] == truth["opt_param_scheduler"]
+    assert common["iteration"] == 3
+
+
 def test_readme_megatron_commands_run_as_written(tmp_path, monkeypatch):
     """The README's Megatron commands as written, in process, on a copy of a fixture."""
     import shlex
@@ -197,7 +328,12 @@ def test_the_export_is_what_megatron_writes_at_that_layout(exported, name):
         if fqn != megatron.COMMON + "/shard_0_1":
             assert dcp_files.read_value(mine, mine.values[fqn]) == [None], fqn
     common, expected = _common(mine), _common(source)
-    del expected["args"]
+    args, saved = vars(common.pop("args")), vars(expected.pop("args"))
+    sizes = {"tensor_model_parallel_size": OTHER_LAYOUT[name][1], "data_parallel_size": 1}
+    sizes["data_parallel_size"] = OTHER_LAYOUT[name][2]
+    written = {"pipeline_model_parallel_size": 1, "world_size": 2, "ckpt_format": "torch_dist"}
+    written.update(use_dist_ckpt=True, no_save_rng=True)
+    assert args == {**saved, **sizes, **written}
     assert common.pop("content_metadata")["distrib_optim_sharding_type"] == "dp_reshardable"
     assert repr(common) == repr(expected)
     assert (exported[name] / megatron.LATEST).read_text() == "3"

@@ -69,8 +69,8 @@ def run(python: Path, script: str, *args: str) -> subprocess.CompletedProcess[st
     )
 
 
-def tt_load(python: Path, step_dir: Path, out: Path, world: int) -> dict:
-    done = run(python, "tt_load.py", str(step_dir), str(out), "--world", str(world))
+def tt_load(python: Path, step_dir: Path, out: Path, world: int, *flags: str) -> dict:
+    done = run(python, "tt_load.py", str(step_dir), str(out), "--world", str(world), *flags)
     result = json.loads((out / "result.json").read_text())
     assert done.returncode == 0 and result["ok"], done.stderr[-4000:]
     assert result["loaded"] and len(result["losses"]) == 2, result
@@ -103,6 +103,26 @@ def test_torchtitan_resumes_the_export_at_another_world_size(tt_python, tmp_path
     tt_load(tt_python, back, tmp_path / "run", world)
     truth = load_file(HERE / "truth.safetensors")
     assert_same_state(load_file(tmp_path / "run" / "loaded.safetensors"), truth)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_torchtitan_resumes_its_lr_schedule_from_the_export(tt_python, tmp_path, world):
+    """The LR schedulers loaded too (only the data loader excluded): from the export, at the
+    world it was saved at and another (the schedule is one for the whole job), torchtitan's
+    schedulers and every group's lr right after the load and after 2 more steps are what they
+    are when it loads its own checkpoint: its warmup does not restart."""
+    ours, back = tmp_path / "muonckpt", tmp_path / "checkpoint" / "step-3"
+    convert(str(HERE / "checkpoint"), "-o", str(ours), "--model-buffers")
+    back.parent.mkdir()
+    convert(str(ours), "-o", str(back), "--to", "torchtitan")
+    mine = tt_load(tt_python, back, tmp_path / "run", world, "--load-scheduler")
+    own = HERE / "checkpoint" / "step-3"
+    theirs = tt_load(tt_python, own, tmp_path / "own", world, "--load-scheduler")
+    assert mine["lr_scheduler"] == theirs["lr_scheduler"] and mine["lr_scheduler"]
+    assert mine["lrs"] == theirs["lrs"] and mine["lrs_after"] == theirs["lrs_after"]
+    assert_same_state(
+        load_file(tmp_path / "run" / "loaded.safetensors"), load_file(HERE / "truth.safetensors")
+    )
 
 
 def test_torchtitan_resumes_through_the_packaged_muon(tt_python, tmp_path):

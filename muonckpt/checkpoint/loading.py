@@ -49,6 +49,7 @@ from .. import events, storage
 from ..distributed import collectives, group_steps
 from ..distributed.steps import disagreement
 from ..errors import CheckpointError, ConversionWarning, EnvironmentWarning
+from ..files import job_tree
 from ..files.attempt import Attempt
 from ..files.pieces import PieceReader, load_pieces, open_checkpoint
 from ..files.progress import Progress
@@ -566,11 +567,7 @@ def _read_job_state(
     for what, target, tree in asked:
         if target is None or tree is None:
             continue
-        tensors = {
-            t.path: storage.tensor_of_bytes(reader.read_extra(t, what), t.dtype).reshape(t.shape)
-            for t in tree.tensors
-        }
-        saved = trainstate.rebuild(tree.values, tensors)
+        saved = job_tree.read(reader, tree, what)
         lacking = trainstate.missing(target, saved, what)
         if lacking:
             raise CheckpointError(

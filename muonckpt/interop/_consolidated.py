@@ -1,6 +1,7 @@
 """What every foreign format's reader shares: the consolidated muonckpt checkpoint it writes
 (:func:`consolidated` plans it, :func:`write_consolidated` writes it through the write engine's
-calls, pulling the tensors the reader hands it), stacked experts split checked
+calls, pulling the tensors the reader hands it, with the trainer's own state a reader found:
+:mod:`._trainer_state`), stacked experts split checked
 against the model's other tensors (:func:`split_experts_of`), and the lines saying how its
 momentum was converted (:func:`conversion_notes`) and what it left out (:func:`summarized`)."""
 
@@ -14,14 +15,15 @@ from pathlib import Path
 from typing import Any
 
 from .. import settings, storage
-from ..files import writing
+from ..files import job_tree, writing
 from ..files.attempt import Attempt
 from ..files.progress import Progress
 from ..format import kinds
-from ..format.manifest import Manifest, ModelFile, ParamEntry
-from ..format.names import PARAM_KEY
+from ..format.manifest import Extra, Manifest, ModelFile, ParamEntry
+from ..format.names import EXTRA_FILE, PARAM_KEY
 from ..format.stacked import Part, split_stacked
 from ..format.writeplan import Plan, consolidated_plan
+from ._trainer_state import TrainerState
 
 
 @dataclass(frozen=True)
@@ -74,22 +76,40 @@ def write_consolidated(
     overwrite: bool,
     progress: Progress | None,
     source: Path,
+    trainer: TrainerState | None = None,
+    step: int | None = None,
 ) -> Path:
     """Write ``planned`` at ``dst``, its tensors pulled from ``tensors`` (one of
     :attr:`Consolidated.reads` each, in that order, a tensor of its own: momentum is
-    multiplied in place by its group's factor of ``scales``)."""
+    multiplied in place by its group's factor of ``scales``), with the ``trainer``'s own state
+    (where the reader found one) in ``extra`` and ``step``, the job's step, recorded."""
     where = settings.local_path(dst)  # (a foreign format's files: staged locally first)
     store, steps = storage.store_for(where), writing.LocalSteps()
     staging = writing.stage(steps, store, where, overwrite=overwrite, source=source)
     pulled = _scaled(planned, scales, iter(tensors))
+    manifest = planned.manifest
     try:
         written = Attempt(writing.write_files(store, planned.plan, staging, pulled, progress))
+        if trainer is not None:
+            manifest = _with_trainer_state(manifest, trainer, step, staging)
     except BaseException as exc:
         written = Attempt(failure=exc)
-    draft = writing.Draft(planned.manifest)
+    draft = writing.Draft(manifest)
     replaced = writing.commit(steps, store, staging, where, written, draft, source=source)
     writing.retire(steps, store, replaced, where)
     return where
+
+
+def _with_trainer_state(
+    manifest: Manifest, trainer: TrainerState, step: int | None, staging: Path
+) -> Manifest:
+    """``manifest`` with ``trainer``'s state as its ``extra`` (its tensors written into
+    ``staging``'s ``extra.safetensors``, as a save writes them) and ``step`` recorded."""
+    taken = job_tree.take(trainer.extra(step), "extra")
+    tensors = [(path, storage.dtype_name(t.dtype), tuple(t.shape), t) for path, t in taken.tensors]
+    tree, entry = writing.write_extra(staging, EXTRA_FILE, taken.values, tensors)
+    extra = Extra(tree, (), () if entry is None else (entry,))
+    return replace(manifest, extra=extra, recorded_step=step)
 
 
 def _scaled(

@@ -17,6 +17,7 @@ from ..files import writing
 from ..files.pieces import PieceReader, open_checkpoint
 from ..format.manifest import Manifest, ParamEntry, PieceIndex
 from ..layout.topology import whole_region
+from ._trainer_state import KEY, Carried, left_out, recorded
 
 if TYPE_CHECKING:
     import torch
@@ -61,9 +62,16 @@ def read_whole(
     return storage.tensor_of_bytes(data, entry.dtype_of(key)).reshape(shape)
 
 
-def not_carried(manifest: Manifest) -> tuple[str, ...]:
-    """What a muonckpt checkpoint holds beyond the model and the optimizer, which no foreign
-    format's output carries: the job's own state."""
-    if manifest.extra is not None:
-        return ("extra / rank_extra (the job's own state, saved with the optimizer)",)
-    return ()
+def not_carried(manifest: Manifest, trainer: Carried | None = None) -> tuple[str, ...]:
+    """What a muonckpt checkpoint holds beyond the model and the optimizer that a foreign
+    format's output does not carry: the job's own state saved with the optimizer, and of the
+    trainer state a conversion stored (:mod:`._trainer_state`) what the writer left out
+    (``trainer``'s, or all of it where the writer takes none)."""
+    extra = manifest.extra
+    if extra is None:
+        return ()
+    values = extra.shared.values if extra.shared is not None else {}
+    stored = {"step", KEY} if recorded(manifest) is not None else set()  # (by the conversion)
+    own = extra.ranks or not isinstance(values, dict) or set(values) - stored
+    mine = ("extra / rank_extra (the job's own state, saved with the optimizer)",) if own else ()
+    return mine + (trainer.left if trainer is not None else left_out(manifest))

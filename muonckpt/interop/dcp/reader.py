@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -41,6 +41,7 @@ from .._consolidated import (
     summarized,
     write_consolidated,
 )
+from .._trainer_state import Found
 from ..foreign import Conversion
 from . import files as dcp_files
 from . import metadata as dcp_metadata
@@ -122,6 +123,7 @@ def from_dcp(
     split_experts: bool = False,
     overwrite: bool = False,
     progress: Progress | None = None,
+    job_state: Callable[[dcp_metadata.DcpIndex], Found] | None = None,
 ) -> Conversion:
     """Convert the DCP checkpoint ``src`` into a consolidated muonckpt checkpoint at ``dst``.
 
@@ -142,6 +144,9 @@ def from_dcp(
             are carried where they are told from the job's.
         split_experts: write each Muon param of more than two dims (stacked experts) as one
             2-D param per matrix, ``<fqn>.<i>`` (:mod:`muonckpt.format.stacked`).
+        job_state: the trainer's reader of its own state in the checkpoint (torchtitan's
+            scheduler and data loader: :mod:`muonckpt.interop._trainer_state`), carried in the
+            output's ``extra``.
 
     The params are the fqns of ``<optimizer_prefix>param_groups.<fqn>.<setting>``, or of the
     ``params`` of ``<optimizer_prefix>param_groups.<i>.<setting>`` (``get_state_dict``'s
@@ -174,6 +179,7 @@ def from_dcp(
         target = replace(target, dcp_layout=layout)
     planned = consolidated(target, aliases=aliases, model_tensors=others, parts=parts)
     tensors = (dcp_files.read_tensor(index, index.tensors[fqn_of[r]]) for r in planned.reads)
+    found = job_state(index) if job_state is not None else None
     path = write_consolidated(
         planned,
         scales,
@@ -182,12 +188,16 @@ def from_dcp(
         overwrite=overwrite,
         progress=progress,
         source=index.directory,
+        trainer=found.state if found is not None else None,
+        step=found.step if found is not None else None,
     )
-    used = {model_prefix + name for name in [*settings, *aliases]}
+    used = set(found.items) if found is not None else set()
+    used |= {model_prefix + name for name in [*settings, *aliases]}
     used |= {model_prefix + t.name for t in others} | settings_items
     used |= {fqn for keys in state.values() for fqn in keys.values()}
     left = sorted((set(index.tensors) | set(index.values)) - used)
     left_out = summarized(left, model_prefix, named=model_items.holds)
+    left_out += found.left if found is not None else ()
     return Conversion(path, layout, left_out, conversion_notes(manifest, target))
 
 

@@ -6,7 +6,7 @@ one tensor at a time, through torch's own writer (:func:`.files.write_dcp`).
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,6 +19,7 @@ from ...format.conversion import group_kind, step_scalar
 from ...format.manifest import Manifest, PieceIndex, Scalar
 from ...format.names import PARAM_KEY
 from .._foreign_out import not_carried, open_local, read_whole, staged_output
+from .._trainer_state import Carried, carried
 from ..foreign import Conversion
 from . import files as dcp_files
 from .reader import LAYOUTS, OPTIMIZER_PREFIX, dcp_family
@@ -36,6 +37,7 @@ def to_dcp(
     to: str,
     layout: str | None = None,
     progress: Progress | None = None,
+    job_state: tuple[str, Callable[[Carried], dict[str, Any]]] | None = None,
 ) -> Conversion:
     """Write the muonckpt checkpoint ``src`` (any kind, any topology) as a DCP checkpoint at
     ``dst`` for the DTensor family ``to``: the params as the model's tensors, each param's
@@ -47,6 +49,8 @@ def to_dcp(
     (``model.<fqn>``); None: the layout ``src`` was read as when it was converted from DCP (its
     manifest's ``dcp_layout``: the round trip keeps it), else ``torchtitan``. Only torch's
     writer writes; ``dst`` must not exist. ``progress``: told the bytes and tensors written.
+    ``job_state``: (trainer, its items of a carried state) where the output is that trainer's
+    (torchtitan's: its scheduler and data loader back, :mod:`muonckpt.interop._trainer_state`).
 
     Memory: one full tensor at a time.
     """
@@ -59,13 +63,16 @@ def to_dcp(
     out = _DcpOut(LAYOUTS[layout])
     _add_optimizer(out, manifest, family, directory)
     _add_model(out, manifest)
+    trainer = carried(files, manifest, job_state[0]) if job_state is not None else None
+    if job_state is not None and trainer is not None:
+        out.values.update(job_state[1](trainer))
     with (
         staged_output(dst, directory, "dcp") as (_, staging),
         PieceReader(files, manifest) as reader,
     ):
         fetch = _WholeTensors(out.sources, manifest, reader)
         dcp_files.write_dcp(staging, out.tensors, out.values, fetch, progress=progress)
-    left = tuple(out.left) + not_carried(manifest)
+    left = tuple(out.left) + not_carried(manifest, trainer)
     return Conversion(Path(dst), layout, left, tuple(out.notes))
 
 

@@ -13,7 +13,9 @@ interleaved QKV as it is). The optimizer's tensors are ``[chained_N.]optimizer.s
 (``fp32_param``, Muon's ``momentum_buffer``, AdamW's ``exp_avg`` / ``exp_avg_sq``; the
 ``chained_N.`` prefix in the default ``dp_reshardable`` format, none in ``fully_reshardable``);
 its param groups and AdamW's step are in the ``common_state`` item with the training ``args``,
-read through ``torch.load(weights_only=True)`` with a stand-in for ``argparse.Namespace``.
+read through ``torch.load(weights_only=True)`` with the torch format's stand-ins
+(:data:`.files.STAND_INS`: ``argparse.Namespace``, Megatron's enums, ``signal.Signals``, numpy's
+arrays); any other global is refused, naming the item, the file and the global.
 The fp32 master params become the output's params; the bf16 model weights are left out.
 """
 
@@ -37,12 +39,14 @@ from ...storage import access
 from ...storage.foreign_limits import read_json
 from .._consolidated import consolidated, conversion_notes, summarized, write_consolidated
 from .._fields import count
+from .._trainer_state import TrainerState
 from ..dcp import files as dcp_files
 from ..dcp import metadata as dcp_metadata
 from ..foreign import Conversion
 from . import files as megatron_files
 from .files import LATEST, Namespace
 from .groups import MUON, Group, assumed, group_of, kind, manifest_of, role_of
+from .job_state import RNG_ITEM, iteration_of, job_state
 from .writer import DIST_METADATA, STACKED, STATE_KEYS, to_megatron
 
 __all__ = [
@@ -62,7 +66,10 @@ _OPTIMIZER_ITEM = re.compile(r"(?:chained_(\d+)\.)?optimizer\.state\.([a-z0-9_]+
 COMMON = "common_state"
 
 
-ADMITTED = ((Namespace, "argparse.Namespace"),)
+ADMITTED = tuple((cls, name) for name, cls in megatron_files.STAND_INS.items())
+"""The stand-ins ``common_state`` and ``rng_state`` are read with: those of the torch format's
+files (``megatron.training``'s full ``args`` hold its enums and ``signal.Signals``; the RNG
+states numpy's arrays)."""
 
 
 def iteration_dir(path: str | os.PathLike[str]) -> Path:
@@ -150,6 +157,8 @@ def from_megatron(
     index = dcp_metadata.read_index(directory)
     where = index.directory / dcp_metadata.METADATA_NAME
     common = _common_state(index, where)
+    _check_parallelism(common.get("args"), where)
+    trainer, trainer_left, rng_fqns = _trainer_state(index, common, where)
     items, layout = _optimizer_items(index, where)
     groups = _groups(common, where)
     manifest, fqn_of = _manifest(index, items, groups, common, where)
@@ -160,12 +169,55 @@ def from_megatron(
         for fqn, layer in (fqn_of[r] for r in planned.reads)
     )
     path = write_consolidated(
-        planned, scales, tensors, dst, overwrite=overwrite, progress=progress, source=Path(src)
-    )  # (the root: an output inside it is refused, as inside the iteration)
-    used = {fqn for fqn, _ in fqn_of.values()} | {_common_fqn(index, where)}
+        planned, scales, tensors, dst, overwrite=overwrite, progress=progress,
+        source=Path(src), trainer=trainer, step=iteration_of(common),
+    )  # (the root: an output inside it is refused, as inside the iteration)  # fmt: skip
+    used = {fqn for fqn, _ in fqn_of.values()} | {_common_fqn(index, where)} | rng_fqns
     left = sorted((set(index.tensors) | set(index.values)) - used)
     notes = conversion_notes(manifest, target) + assumed(common.get("args"))
-    return Conversion(path, layout, summarized(left), notes)
+    return Conversion(path, layout, (*summarized(left), *trainer_left), notes)
+
+
+def _trainer_state(
+    index: dcp_metadata.DcpIndex, common: Mapping[str, Any], where: Path
+) -> tuple[TrainerState, list[str], set[str]]:
+    """The job's own state (:func:`.job_state.job_state`): ``common``'s and every
+    ``rng_state/shard_{pp}.{tp}_{PP}.{TP}`` item's (read as ``common_state`` is), what of it
+    is left out, and the RNG items' fqns."""
+    found = {fqn: m for fqn in index.values if (m := RNG_ITEM.fullmatch(fqn))}
+    sizes = {(int(m[3]), int(m[4])) for m in found.values()}
+    rng = {}
+    if len(sizes) == 1:
+        for fqn, m in found.items():
+            value = dcp_files.read_value(index, index.values[fqn], ADMITTED)
+            rng[int(m[1]), int(m[2])] = value[0] if isinstance(value, list) and value else value
+    state, left = job_state(common, rng, sizes.pop() if len(sizes) == 1 else (1, 1))
+    if len(sizes) > 1:
+        left.append(f"rng_state (items of PP, TP sizes {sorted(sizes)}, not one): {where}")
+    return state, left, set(found)
+
+
+UNREAD = {
+    "pipeline_model_parallel_size": "pipeline-parallel (PP)",
+    "virtual_pipeline_model_parallel_size": "interleaved pipeline (VPP)",
+    "expert_model_parallel_size": "expert-parallel (EP)",
+}
+"""The parallel sizes of the training ``args`` whose layouts of the layer-wise optimizer muonckpt
+does not read (no checkpoint of them was run): refused where above 1."""
+
+
+def _check_parallelism(args: Any, where: Path) -> None:
+    """Refuse, in one line naming the size, a checkpoint whose training args record a
+    pipeline- or expert-parallel layout (muonckpt reads TP x DP ones)."""
+    recorded = vars(args) if isinstance(args, Namespace) else {}
+    for key, what in UNREAD.items():
+        size = recorded.get(key)
+        if type(size) is int and size > 1:
+            raise CheckpointError(
+                f"{COMMON}: the training args say {key} {size}: the layer-wise optimizer's "
+                f"{what} layout, which muonckpt does not read (it reads and writes TP x DP)",
+                path=where,
+            )
 
 
 def _common_fqn(index: dcp_metadata.DcpIndex, where: Path) -> str:

@@ -41,6 +41,7 @@ from ..foreign import Conversion
 from . import files as megatron_files
 from .files import Namespace
 from .groups import Group, assumed, group_of, kind, manifest_of, role_of
+from .job_state import iteration_of, job_state
 from .tp_chunks import partition_dim
 
 __all__ = ["LOCAL_NAMES", "from_torch_format"]
@@ -98,13 +99,17 @@ def from_torch_format(
     target, scales = converted_manifest(manifest, to, path=files.model[0])
     planned = consolidated(target)
     pulled = (tensors[name][key].clone() for name, key in planned.reads)
+    rng = {(0, t): top["rng_state"] for t, top in enumerate(tops) if "rng_state" in top}
+    trainer, trainer_left = job_state(tops[0], rng, (1, len(tops)))
     path = write_consolidated(
-        planned, scales, pulled, dst, overwrite=overwrite, progress=progress, source=root
-    )
+        planned, scales, pulled, dst, overwrite=overwrite, progress=progress, source=root,
+        trainer=trainer, step=iteration_of(tops[0]),
+    )  # fmt: skip
+    carried = {"model", "optimizer", "rng_state", *trainer.shared}
     left = list(tops[0]["model"])  # the bf16 weights: the fp32 masters are carried
-    left += [k for k in tops[0] if k not in ("model", "optimizer", "args", "iteration")]
+    left += [k for k in tops[0] if k not in carried]
     notes = conversion_notes(manifest, target) + assumed(args)
-    return Conversion(path, "torch", summarized(left), notes)
+    return Conversion(path, "torch", (*summarized(left), *trainer_left), notes)
 
 
 SIZES = (

@@ -10,9 +10,11 @@ Megatron's ranks write at TP ``tp`` (:mod:`muonckpt.interop.megatron.tp_chunks`)
 layers stacked again: the bf16 model weights (the fp32 masters rounded, as Megatron's
 mixed-precision optimizer makes them), ``chained_N.optimizer.state.{fp32_param,
 momentum_buffer, exp_avg, exp_avg_sq}.KEY``, the linear modules' empty ``_extra_state``, and
-``common_state``: plain data only (the param groups, AdamW's ``common_step``, ``iteration``,
-``checkpoint_version`` and the ``content_metadata`` that ``megatron.training`` saves); the
-training ``args`` (an ``argparse.Namespace``) are left out, which Megatron's loader allows.
+``common_state``: the param groups, AdamW's ``common_step``, ``iteration``,
+``checkpoint_version`` and the ``content_metadata`` that ``megatron.training`` saves, and the job's
+own state a conversion from Megatron carried (:mod:`.job_state`: ``opt_param_scheduler``,
+``num_floating_point_operations_so_far``, the training ``args`` at the output's sizes, and each
+TP rank's ``rng_state`` item at the TP size it was saved at).
 torch_dist's tensors are global, so the files are the same for any DP size.
 """
 
@@ -31,12 +33,14 @@ from ...files.progress import Progress
 from ...format import kinds
 from ...format.conversion import group_kind
 from ...format.manifest import Manifest
-from ...format.names import PARAM_KEY
+from ...format.names import MANIFEST_NAME, PARAM_KEY
 from .._foreign_out import not_carried, open_local, read_whole, staged_output
+from .._trainer_state import carried, recorded
 from ..dcp import files as dcp_files
 from ..foreign import Conversion
 from . import tp_chunks as megatron_tp
 from .files import LATEST
+from .job_state import target_layout, written
 
 if TYPE_CHECKING:
     from ...files.pieces import PieceReader
@@ -62,6 +66,8 @@ CONTENT_METADATA = {
 }
 """What ``megatron.training``'s ``_build_sharded_state_dict_metadata`` saves for this format."""
 BACKEND = '{"sharded_backend": "torch_dist", "sharded_backend_version": 1}'
+COMMON_ITEM = "common_state/shard_0_1"
+NO_ARGS = "none were carried: Megatron's loader does without, at TP 1 and PP 1"
 CHECKPOINT_VERSION = 3.0
 
 
@@ -244,6 +250,11 @@ def to_megatron(
     tensors, chunks = _tensors_and_chunks(keys, tp)
     iteration = manifest.recorded_step or step or 0
     values = _values(keys, optimizer, iteration)
+    saved = recorded(manifest)
+    trainer = carried(
+        files, manifest, SOURCE, target_layout(saved["layout"] if saved else {}, tp, dp)
+    )
+    written(trainer, tp, dp, values, values[COMMON_ITEM][0], directory / MANIFEST_NAME)
     with staged_output(dst, directory, SOURCE) as (store, staging):
         iteration_dir = storage.make_directory(staging / f"iter_{iteration:07d}")
         with PieceReader(files, manifest) as reader:
@@ -252,8 +263,8 @@ def to_megatron(
         store.put_text(iteration_dir / DIST_METADATA, BACKEND)
         storage.fsync_dir(iteration_dir)
         store.put_text(staging / LATEST, str(iteration))
-    left = ["the training args (an argparse.Namespace: Megatron's loader does without)"]
-    left += not_carried(manifest)
+    left = [] if "args" in trainer.shared else [f"the training args ({NO_ARGS})"]
+    left += not_carried(manifest, trainer)
     layout = f"dp_reshardable, TP {tp} DP {dp}"
     return Conversion(Path(dst), layout, tuple(left), tuple(notes))
 
@@ -288,7 +299,7 @@ def _values(keys: Mapping[str, _Key], optimizer: dict[int, Any], iteration: int)
         "checkpoint_version": CHECKPOINT_VERSION,
         "content_metadata": dict(CONTENT_METADATA),
     }
-    values: dict[str, Any] = {"common_state/shard_0_1": [common]}
+    values: dict[str, Any] = {COMMON_ITEM: [common]}
     for item, held in keys.items():
         module, _, last = item.rpartition(".")
         if (

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import re
+from functools import partial
 from pathlib import Path
 
 from ...errors import CheckpointError
@@ -30,6 +31,7 @@ from ...storage import access
 from .. import dcp
 from ..dcp import metadata as dcp_metadata
 from ..foreign import Conversion
+from . import job_state
 
 __all__ = [
     "JOB_STATES",
@@ -101,8 +103,8 @@ def from_torchtitan(
     out, each named. ``split_experts``: each 3-D expert param becomes one 2-D param per
     expert, ``<fqn>.<e>`` (:func:`muonckpt.format.stacked.split_stacked`), as a model resumed
     in torch.optim.Muon or the packaged Muon holds them (each refuses a 3-D param). The job's
-    other states (``lr_scheduler``, ``dataloader``,
-    ``train_state``) are left out and named by their first component.
+    other states (``lr_scheduler``, ``dataloader``, ``train_state``) are carried in the
+    output's ``extra`` (:mod:`.job_state`), the step its ``step-N``.
     """
     if source != SOURCE:
         raise CheckpointError(f"torchtitan's reader reads {SOURCE} checkpoints, not {source!r}")
@@ -131,8 +133,15 @@ def from_torchtitan(
         split_experts=split_experts,
         overwrite=overwrite,
         progress=progress,
+        job_state=partial(job_state.read, step=_step_of(directory)),
     )
     return Conversion(report.path, f"torchtitan {layout}", report.left_out, report.converted)
+
+
+def _step_of(directory: Path) -> int | None:
+    """The step of a ``step-N`` directory (None for a DCP directory of another name)."""
+    match = _STEP.fullmatch(directory.name)
+    return int(match[1]) if match else None
 
 
 def to_torchtitan(
@@ -146,10 +155,18 @@ def to_torchtitan(
     ``CheckpointManager`` loads with DistMuon and AdamW at any world size: the model (with the
     buffers the checkpoint carries), ``optimizer.state.*`` with DistMuon's EMA momentum and
     AdamW's 0-d float32 steps, and every setting of ``optimizer.param_groups.<fqn>.*`` that
-    torchtitan's groups have. It holds no ``lr_scheduler`` or ``dataloader``: the loading job
-    names them in ``CheckpointManager.Config.exclude_from_loading``. ``progress``: told the
-    bytes and tensors written."""
-    report = dcp.to_dcp(src, dst, to=to, layout="torchtitan", progress=progress)
+    torchtitan's groups have, and the job's own state a conversion from torchtitan carried
+    (``lr_scheduler``, ``train_state``, ``dataloader``: :mod:`.job_state`); without it, the
+    loading job names them in ``CheckpointManager.Config.exclude_from_loading``.
+    ``progress``: told the bytes and tensors written."""
+    report = dcp.to_dcp(
+        src,
+        dst,
+        to=to,
+        layout="torchtitan",
+        progress=progress,
+        job_state=(job_state.NAME, job_state.values),
+    )
     return Conversion(
         report.path, "torchtitan checkpoint manager", report.left_out, report.converted
     )
