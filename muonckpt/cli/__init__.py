@@ -45,6 +45,7 @@ from .options import (
     SplitExperts,
     TpSplit,
     World,
+    ZeroStage,
     checkpoint_source,
     local_directory,
     size_parameter,
@@ -198,6 +199,7 @@ def convert(
     output_format: OutputFormat = "muonckpt",
     layout: Layout = None,
     world: World = None,
+    zero_stage: ZeroStage = None,
     tp: MegatronTp = None,
     dp: MegatronDp = None,
     model_prefix: ModelPrefix = None,
@@ -217,11 +219,12 @@ def convert(
     the target keeps them, exactly as muonckpt.load converts in memory. A DCP checkpoint SRC
     (a directory with .metadata) becomes a consolidated muonckpt checkpoint (--from names its
     writer); --format dcp writes DCP that torch.distributed.checkpoint.load reads at any
-    world size. A DeepSpeed ZeRO-1/2 checkpoint SRC (its directory with latest, or one
+    world size. A DeepSpeed ZeRO-1/2/3 checkpoint SRC (its directory with latest, or one
     global_stepN) becomes one too; --to deepspeed --world N writes DeepSpeed's own files for N
-    ranks. A Megatron-Core torch_dist checkpoint SRC (its root or one iter_N) becomes one too;
-    --to megatron --tp T --dp D writes a torch_dist checkpoint for Megatron's layer-wise Muon
-    at TP T, DP D. An accelerate save_state directory or a Lightning .ckpt becomes one too.
+    ranks, at the ZeRO stage it was read at (--zero-stage chooses). A Megatron-Core torch_dist
+    checkpoint SRC (its root or one iter_N) becomes one too; --to megatron --tp T --dp D
+    writes a torch_dist checkpoint for Megatron's layer-wise Muon at TP T, DP D. An accelerate
+    save_state directory or a Lightning .ckpt becomes one too.
 
     Example: muonckpt convert ckpt/step-1000 -o ckpt/step-1000-torch --to torch
 
@@ -244,6 +247,7 @@ def convert(
     options = {
         "layout": layout,
         "world": world,
+        "zero_stage": zero_stage,
         "tp": tp,
         "dp": dp,
         "model_prefix": model_prefix,

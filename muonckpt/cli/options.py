@@ -226,6 +226,17 @@ ModelBuffers = Annotated[
         help="Reading torchtitan: carry the model's buffers (left out and named without it).",
     ),
 ]
+ZeroStage = Annotated[
+    int | None,
+    typer.Option(
+        "--zero-stage",
+        min=1,
+        max=3,
+        help="With --to deepspeed: the ZeRO stage the job runs at (default: the stage the "
+        "checkpoint was read from DeepSpeed at, else 2).",
+        show_default=False,
+    ),
+]
 SplitExperts = Annotated[
     bool,
     typer.Option(
