@@ -125,8 +125,9 @@ ConvertTo = Annotated[
         metavar="IMPLEMENTATION",
         help="packaged (muonckpt.optim.muon.Muon), torch (torch.optim.Muon + AdamW) or "
         "keller-jordan (muon.MuonWithAuxAdam); with --format dcp also torchtitan, dion or "
-        "muon-fsdp2; deepspeed writes DeepSpeed ZeRO-1/2 files (with --world), megatron a "
-        "Megatron-Core torch_dist checkpoint (with --tp and --dp). Left out: reading DCP, "
+        "muon-fsdp2; deepspeed writes DeepSpeed ZeRO-1/2/3 files (with --world), megatron a "
+        "Megatron-Core torch_dist checkpoint (with --tp and --dp), accelerate a save_state "
+        "directory, lightning a directory holding last.ckpt. Left out: reading DCP, "
         "--from's family where it is one of muonckpt's (--from torch: torch), else each group "
         "keeps its implementation (muonckpt to muonckpt, or from DeepSpeed or Megatron).",
         show_default=False,

@@ -96,7 +96,7 @@ def _add_optimizer(
         factor = mapping.keys.get("momentum_buffer", ("", 1.0))[1]
         if mapping.note:
             out.notes.append(f"{len(group.params)} Muon params: {mapping.note}")
-        group_settings = _settings(family, kind, target, group.hyperparams)
+        group_settings = family_settings(family, kind, target, group.hyperparams)
         for name in group.params:
             entry = manifest.param(name)
             if entry.value_dtype is not None:
@@ -111,7 +111,7 @@ def _add_optimizer(
             step = step_scalar(family.step_in, manifest.step_of(entry), name)
             if kind.role == "adamw" and step is not None and entry.state_keys:
                 out.values[f"{OPTIMIZER_PREFIX}state.{name}.step"] = (
-                    _step_tensor(step) if step.dtype is not None else step.value
+                    step_tensor(step) if step.dtype is not None else step.value
                 )
             for setting, value in group_settings.items():
                 out.values[f"{OPTIMIZER_PREFIX}param_groups.{name}.{setting}"] = value
@@ -156,13 +156,13 @@ class _WholeTensors:
         return tensor.mul_(scale) if scale != 1.0 else tensor
 
 
-def _step_tensor(step: Scalar) -> Any:
+def step_tensor(step: Scalar) -> Any:
     import torch
 
     return torch.tensor(step.value, dtype=torch.float32)
 
 
-def _settings(
+def family_settings(
     family: kinds.DcpFamily,
     source: kinds.GroupKind,
     target: kinds.GroupKind,

@@ -240,11 +240,7 @@ def save(path: Path, obj: Any) -> int:
     """Write ``obj`` (plain tensors, dicts, lists, numbers, strings; stand-ins of
     :data:`STAND_INS`, written as DeepSpeed's classes) to the new file ``path`` with
     ``torch.save``, fsynced; its size."""
-    import torch
-
-    with access.new_file(path) as f:
-        torch.save(obj, f, pickle_module=_PICKLE_MODULE)
-        return f.tell()
+    return torch_pickles.save(path, obj, _PICKLE_MODULE)
 
 
 def finish(staging: Path, tag: str) -> None:

@@ -33,7 +33,7 @@ from ...format import kinds
 from ...format.manifest import Manifest
 from ...format.names import PARAM_KEY
 from ...storage import make_directory
-from .._foreign_out import not_carried, open_local, read_whole, staged_output
+from .._foreign_out import check_split, not_carried, open_local, read_whole, staged_output
 from ..foreign import Conversion
 from . import files as deepspeed_files
 from .files import ZeroStage
@@ -121,9 +121,16 @@ def _out_groups(manifest: Manifest, directory: Path) -> tuple[list[_OutGroup], l
             names.sort(key=lambda n: manifest.param(n).shape, reverse=True)
         out.append(_OutGroup(names, settings, kind.role == "muon", factor, ds_kind.step_in or ""))
     if not own:
-        _check_split(manifest, out, directory)
+        placed = [(name, group.muon) for group in out for name in group.names]
+        check_split(manifest, placed, uses_muon, SPLIT_RULE, directory)
         out.sort(key=lambda group: not group.muon)
     return out, notes
+
+
+SPLIT_RULE = (
+    "DeepSpeed's Muon job puts every 2-D param whose name holds neither 'embed' nor 'lm_head' "
+    "in Muon and every other in its Adam"
+)
 
 
 def uses_muon(name: str, shape: tuple[int, ...]) -> bool:
@@ -132,32 +139,6 @@ def uses_muon(name: str, shape: tuple[int, ...]) -> bool:
     ``lm_head`` (``deepspeed/__init__.py`` ``set_optimizer_flags``); every other goes to its
     Adam."""
     return len(shape) == 2 and not any(word in name.lower() for word in ("embed", "lm_head"))
-
-
-def _check_split(manifest: Manifest, groups: list[_OutGroup], directory: Path) -> None:
-    """Refuse, before anything is written, a checkpoint whose Muon / Adam split is not the
-    one DeepSpeed's Muon job makes (:func:`uses_muon`): its load would take such a param's
-    state for the other optimizer's and refuse the files with a layout error that does not
-    name the cause."""
-    moved = [
-        (name, group.muon)
-        for group in groups
-        for name in group.names
-        if uses_muon(name, manifest.param(name).shape) != group.muon
-    ]
-    if moved:
-        shown = ", ".join(
-            f"{name!r} ({'Muon' if muon else 'Adam'} here, {'Adam' if muon else 'Muon'} there)"
-            for name, muon in moved[:6]
-        )
-        more = f" and {len(moved) - 6} more" if len(moved) > 6 else ""
-        raise CheckpointError(
-            "DeepSpeed's Muon job puts every 2-D param whose name holds neither 'embed' nor "
-            f"'lm_head' in Muon and every other in its Adam, so {len(moved)} param(s) would "
-            f"change optimizer: {shown}{more}; nothing was written (resume them in a trainer "
-            "that keeps this split)",
-            path=directory,
-        )
 
 
 def _tensor_bytes(manifest: Manifest, group: _OutGroup) -> list[int]:
