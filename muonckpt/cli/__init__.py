@@ -32,6 +32,7 @@ from .options import (
     Layout,
     MegatronDp,
     MegatronTp,
+    MergeExperts,
     ModelBuffers,
     ModelPrefix,
     Names,
@@ -207,6 +208,7 @@ def convert(
     names: Names = None,
     model_buffers: ModelBuffers = False,
     split_experts: SplitExperts = False,
+    merge_experts: MergeExperts = False,
     allow_large_world: AllowLargeWorld = False,
     force: Force = False,
     quiet: Quiet = False,
@@ -255,6 +257,7 @@ def convert(
         "names": names,
         "model_buffers": model_buffers,
         "split_experts": split_experts,
+        "merge_experts": merge_experts,
         "allow_large_world": allow_large_world,
     }
     try:

@@ -247,6 +247,15 @@ SplitExperts = Annotated[
         "packaged Muon hold them.",
     ),
 ]
+MergeExperts = Annotated[
+    bool,
+    typer.Option(
+        "--merge-experts",
+        help="Writing torchtitan or DCP: write the params --split-experts made (NAME.0 ... "
+        "NAME.<E-1>, 2-D Muon params of one shape) as the stacked param NAME of shape (E, m, n) "
+        "again, as torchtitan's DistMuon job holds its experts.",
+    ),
+]
 AllowLargeWorld = Annotated[
     bool,
     typer.Option(

@@ -140,6 +140,7 @@ def to_torchtitan(
     dst: str | os.PathLike[str],
     *,
     to: str = SOURCE,
+    merge_experts: bool = False,
     progress: Progress | None = None,
 ) -> Conversion:
     """Write the muonckpt checkpoint ``src`` as a ``step-N`` directory ``dst`` that torchtitan's
@@ -147,9 +148,13 @@ def to_torchtitan(
     buffers the checkpoint carries), ``optimizer.state.*`` with DistMuon's EMA momentum and
     AdamW's 0-d float32 steps, and every setting of ``optimizer.param_groups.<fqn>.*`` that
     torchtitan's groups have. It holds no ``lr_scheduler`` or ``dataloader``: the loading job
-    names them in ``CheckpointManager.Config.exclude_from_loading``. ``progress``: told the
-    bytes and tensors written."""
-    report = dcp.to_dcp(src, dst, to=to, layout="torchtitan", progress=progress)
+    names them in ``CheckpointManager.Config.exclude_from_loading``. ``merge_experts``: the
+    experts a conversion with ``split_experts`` made one param each of are stacked again,
+    ``<fqn>`` of shape (E, m, n), as DistMuon's job holds them (:func:`muonckpt.interop.to_dcp`).
+    ``progress``: told the bytes and tensors written."""
+    report = dcp.to_dcp(
+        src, dst, to=to, layout="torchtitan", merge_experts=merge_experts, progress=progress
+    )
     return Conversion(
         report.path, "torchtitan checkpoint manager", report.left_out, report.converted
     )
