@@ -239,8 +239,9 @@ def test_merge_experts_writes_back_the_stacked_job(converted, tmp_path):
     """(issue 53) ``--split-experts`` reverses: ``--to torchtitan --merge-experts`` stacks each
     expert's matrices ``layers.<l>.experts.<e>`` into the (4, 8, 16) param DistMuon's job
     holds again, param and momentum; the DCP holds exactly the tensors torchtitan saved, and
-    read back every value is bitwise the original's. Without a split param to merge, and for
-    a writer that does not take it, the switch is refused."""
+    read back every value is bitwise the original's. ``--to torchtitan`` merges them without
+    the switch too (a torchtitan model names no param ``.<e>``). Without a split param to
+    merge, and for a writer that does not take it, the switch is refused."""
     runner = CliRunner()
     split, back = tmp_path / "split", tmp_path / "checkpoint" / "step-3"
     args = [str(SOURCES["manager"]), "-o", str(split), "--split-experts", "--model-buffers"]
@@ -259,6 +260,12 @@ def test_merge_experts_writes_back_the_stacked_job(converted, tmp_path):
     torchtitan.from_torchtitan(back, again, model_buffers=True)
     rows = list(offline.diff(converted["manager"], again))
     assert rows and all(r.bitwise for r in rows), [r for r in rows if not r.bitwise]
+    auto = tmp_path / "auto" / "step-3"
+    assert (
+        runner.invoke(app, ["convert", str(split), "-o", str(auto), "--to", "torchtitan"]).exit_code
+        == 0
+    )
+    assert tuple(dcp_metadata.read_index(auto).tensors[EXPERTS[0]].shape) == (4, 8, 16)
     nothing = runner.invoke(
         app,
         ["convert", str(converted["manager"]), "-o", str(tmp_path / "x"), "--to", "torchtitan",

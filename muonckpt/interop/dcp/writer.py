@@ -36,7 +36,7 @@ def to_dcp(
     *,
     to: str,
     layout: str | None = None,
-    merge_experts: bool = False,
+    merge_experts: bool | None = False,
     progress: Progress | None = None,
 ) -> Conversion:
     """Write the muonckpt checkpoint ``src`` (any kind, any topology) as a DCP checkpoint at
@@ -51,7 +51,8 @@ def to_dcp(
     ``merge_experts``: each param split by ``--split-experts`` (``<fqn>.0`` ... ``<fqn>.<E-1>``,
     :func:`muonckpt.format.stacked.merged_experts`) is written as the stacked ``<fqn>`` of
     shape (E, m, n) again, param and state alike, for a job that keeps its experts stacked
-    (torchtitan's DistMuon). Only torch's writer writes; ``dst`` must not exist.
+    (torchtitan's DistMuon); a checkpoint with none is refused; None: those there are, if any.
+    Only torch's writer writes; ``dst`` must not exist.
     ``progress``: told the bytes and tensors written.
 
     Memory: one full tensor at a time.
@@ -63,9 +64,9 @@ def to_dcp(
     if layout is None:
         layout = manifest.dcp_layout if manifest.dcp_layout in LAYOUTS else DEFAULT_LAYOUT
     out = _DcpOut(LAYOUTS[layout])
-    if merge_experts:
+    if merge_experts is not False:
         out.merged = merged_experts(manifest)
-        if not out.merged:
+        if merge_experts and not out.merged:
             raise CheckpointError(
                 "holds no experts split into one param each (NAME.0 ... NAME.<E-1>, 2-D Muon "
                 "params of one shape): nothing to merge",

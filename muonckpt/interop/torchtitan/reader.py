@@ -148,12 +148,15 @@ def to_torchtitan(
     buffers the checkpoint carries), ``optimizer.state.*`` with DistMuon's EMA momentum and
     AdamW's 0-d float32 steps, and every setting of ``optimizer.param_groups.<fqn>.*`` that
     torchtitan's groups have. It holds no ``lr_scheduler`` or ``dataloader``: the loading job
-    names them in ``CheckpointManager.Config.exclude_from_loading``. ``merge_experts``: the
-    experts a conversion with ``split_experts`` made one param each of are stacked again,
-    ``<fqn>`` of shape (E, m, n), as DistMuon's job holds them (:func:`muonckpt.interop.to_dcp`).
-    ``progress``: told the bytes and tensors written."""
+    names them in ``CheckpointManager.Config.exclude_from_loading``. The experts a conversion
+    with ``split_experts`` made one param each of (``<fqn>.0`` ... ``<fqn>.<E-1>``) are stacked
+    again, ``<fqn>`` of shape (E, m, n), as DistMuon's job holds them
+    (:func:`muonckpt.interop.to_dcp`): always (a torchtitan model names no param ``.<e>``);
+    ``merge_experts`` refuses a checkpoint with none. ``progress``: told the bytes and tensors
+    written."""
+    merge = True if merge_experts else None
     report = dcp.to_dcp(
-        src, dst, to=to, layout="torchtitan", merge_experts=merge_experts, progress=progress
+        src, dst, to=to, layout="torchtitan", merge_experts=merge, progress=progress
     )
     return Conversion(
         report.path, "torchtitan checkpoint manager", report.left_out, report.converted
