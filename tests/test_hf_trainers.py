@@ -477,16 +477,3 @@ def test_written_back_it_is_the_trainers_own_state(converted, tmp_path, case):
             for key, value in state.items():
                 got = ours["state"][index][key]
                 assert got.dtype == value.dtype and torch.equal(got, value), (index, key)
-
-
-def test_a_muon_param_torch_muon_cannot_hold_is_refused_before_writing(tmp_path):
-    """torch.optim.Muon takes 2-D params only: a checkpoint with a stacked (E, m, n) expert
-    in Muon (torchtitan's DistMuon) is refused for accelerate and Lightning before anything is
-    written, naming it, by the split check the DeepSpeed writer uses (``check_split``)."""
-    src = tmp_path / "titan"
-    interop.from_torchtitan(FIXTURES / "torchtitan" / "checkpoint", src)
-    for write in (interop.to_accelerate, interop.to_lightning):
-        with pytest.raises(CheckpointError, match=r"takes 2-D params only, so 2 param\(s\)") as e:
-            write(src, tmp_path / "out")
-        assert "experts" in str(e.value) and "(Muon here, Adam there)" in str(e.value)
-        assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*"))

@@ -279,3 +279,14 @@ def test_merge_experts_writes_back_the_stacked_job(converted, tmp_path):
     )  # fmt: skip
     assert other.exit_code == 2 and "--merge-experts" in other.output
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
+def test_a_muon_param_torch_muon_cannot_hold_is_refused_before_writing(converted, tmp_path):
+    """(issue 53) torch.optim.Muon takes 2-D params only: DistMuon's stacked (E, m, n) experts
+    are refused for accelerate and Lightning before anything is written, naming them, by the
+    split check the DeepSpeed writer makes too (``_foreign_out.check_split``)."""
+    for write in (interop.to_accelerate, interop.to_lightning):
+        with pytest.raises(CheckpointError, match=r"takes 2-D params only, so 2 param\(s\)") as e:
+            write(converted["manager"], tmp_path / "out")
+        assert "'layers.0.experts' (Muon here, Adam there)" in str(e.value)
+        assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*"))

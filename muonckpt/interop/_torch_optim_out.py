@@ -84,13 +84,22 @@ def torch_job_state(
             param without saved values, or a Muon param that is not 2-D, naming them.
     """
     out = TorchJobState()
-    planned = []
-    for g, group in enumerate(manifest.groups):
-        kind = group_kind(group, g, directory)
+    group_kinds = [group_kind(group, g, directory) for g, group in enumerate(manifest.groups)]
+    for g, kind in enumerate(group_kinds):
         if kind.role is None:
             raise CheckpointError(
                 f"group {g}: {kind.optimizer} is not an optimizer muonckpt converts", path=directory
             )
+    placed = [
+        (name, kind.role == "muon")
+        for group, kind in zip(manifest.groups, group_kinds, strict=True)
+        for name in group.params
+    ]
+    check_split(
+        manifest, placed, _puts_in_muon, "torch.optim.Muon takes 2-D params only", directory
+    )
+    planned = []
+    for g, (group, kind) in enumerate(zip(manifest.groups, group_kinds, strict=True)):
         target = TORCH.target_kind(kind)
         mapping = kinds.state_mapping(kind, target, f"group {g}", None)
         if mapping.note:
@@ -99,10 +108,6 @@ def torch_job_state(
         settings = family_settings(TORCH, kind, target, group.settings())
         settings.pop("param_names", None)  # (the job's own, which its load keeps)
         planned.append((kind.role, group.params, settings, factor))
-    placed = [(name, role == "muon") for role, names, _, _ in planned for name in names]
-    check_split(
-        manifest, placed, _puts_in_muon, "torch.optim.Muon takes 2-D params only", directory
-    )
     unsaved = [n for n, _ in placed if manifest.param(n).value_dtype is None]
     if unsaved:
         raise CheckpointError(
