@@ -434,6 +434,33 @@ def test_partitions_that_do_not_add_up_are_refused(tmp_path):
     )
 
 
+def test_zero3_partitions_that_do_not_add_up_are_refused(tmp_path):
+    """ZeRO-3: a param shape that does not give the partitions the rank files hold, and a
+    rank file of another stage beside rank 0's, are refused naming the file."""
+    src = _copy(tmp_path, Z3)
+    tag = src / "global_step3"
+    model_file = tag / deepspeed_files.rank_model_file(0)
+    model = deepspeed_files.load(model_file)
+    saved = {k: dict(v) for k, v in enumerate(model["param_shapes"])}
+    name = next(iter(model["param_shapes"][0]))
+    rows, cols = model["param_shapes"][0][name]
+    model["param_shapes"][0][name] = torch.Size([rows - 3, cols])
+    model_file.unlink()
+    torch.save(model, model_file)
+    _refused(
+        src, tmp_path, "sub-group 0: its fp32 partition holds", tag / deepspeed_files.rank_file(0)
+    )
+    model["param_shapes"] = [saved[k] for k in sorted(saved)]
+    model_file.unlink()
+    torch.save(model, model_file)
+    rank1 = tag / deepspeed_files.rank_file(1)
+    top = deepspeed_files.load(rank1)
+    top["optimizer_state_dict"]["zero_stage"] = 2
+    rank1.unlink()
+    deepspeed_files.save(rank1, top)  # (its loss scaler pickled under DeepSpeed's name again)
+    _refused(src, tmp_path, "zero_stage is 2, rank 0's 3", rank1)
+
+
 @pytest.mark.dist
 def test_readme_deepspeed_commands_run_as_written(tmp_path):
     """The README's DeepSpeed commands as written (``muonckpt`` spelled ``python -m
