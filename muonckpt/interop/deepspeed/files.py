@@ -161,7 +161,7 @@ def rank_files(directory: Path) -> list[Path]:
         if int(mp_rank) != 0:
             raise CheckpointError(
                 f"a file of model-parallel rank {int(mp_rank)}: a save with tensor or pipeline "
-                "parallelism, which muonckpt does not read (DeepSpeed ZeRO-1/2 without it only)",
+                "parallelism, which muonckpt does not read (DeepSpeed ZeRO-1/2/3 without it only)",
                 path=directory / name,
             )
         model = match.group(4) == "model"

@@ -1,4 +1,5 @@
-"""DeepSpeed ZeRO-1/2's layout of one param group over its ranks, pure (ints only).
+"""DeepSpeed ZeRO's layout of one param group over its ranks, pure (ints only): ZeRO-1/2's
+(:func:`group_layout`) and ZeRO-3's (:func:`zero3_layout`).
 
 DeepSpeed flattens a group's params, in the group's order, into one buffer (each param
 followed by its alignment padding, none after the last; zero without

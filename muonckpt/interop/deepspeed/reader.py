@@ -1,5 +1,6 @@
-"""DeepSpeed ZeRO-1/2 with its Muon (``"optimizer": {"type": "Muon"}``: ``MuonWithAuxAdam``
-inside ``DeepSpeedZeroOptimizer``) in and out, at any world size.
+"""DeepSpeed ZeRO-1/2/3 with its Muon (``"optimizer": {"type": "Muon"}``: ``MuonWithAuxAdam``
+inside ``DeepSpeedZeroOptimizer``, or ``DeepSpeedZeroOptimizer_Stage3``) in and out, at any
+world size.
 
 :func:`from_deepspeed` reads what ``engine.save_checkpoint`` wrote (the directory with
 ``latest``, or one tag directory) into a consolidated muonckpt checkpoint keyed by
@@ -10,7 +11,9 @@ momentum form (KellerJordan's update, EMA form) recorded as ``deepspeed.MuonWith
 that ``load`` into torch.optim.Muon is exact and into the packaged Muon converts it as for
 every other family. :func:`to_deepspeed` writes any muonckpt checkpoint as DeepSpeed's own
 files for ``world`` ranks, which DeepSpeed loads at that world size as if it had saved them.
-The layout math is :mod:`muonckpt.interop.deepspeed.partitions`'s, the file access
+The stage is what rank 0's optimizer file records; at ZeRO-3 each rank holds its partition of
+every param (the Muon momentum too) in a flat state per sub-group, and the model states are per
+rank. The layout math is :mod:`muonckpt.interop.deepspeed.partitions`'s, the file access
 :mod:`muonckpt.interop.deepspeed.files`'s.
 """
 
@@ -82,7 +85,7 @@ def _fail(message: str, path: Path) -> CheckpointError:
 def _get(mapping: Any, key: str, kind: type | tuple[type, ...], path: Path, where: str) -> Any:
     """``mapping[key]``, of type ``kind``; refused naming the file and the field."""
     if not isinstance(mapping, dict) or key not in mapping:
-        raise _fail(f"{where} has no {key!r}: not a DeepSpeed ZeRO-1/2 file", path)
+        raise _fail(f"{where} has no {key!r}: not a DeepSpeed ZeRO file", path)
     value = mapping[key]
     if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
         raise _fail(
@@ -138,7 +141,7 @@ def _check_unparallel(model: dict[str, Any], path: Path) -> None:
         if type(degree) is not int or degree != 1:
             raise _fail(
                 f"{what} is {shown(degree)}: a save with tensor or pipeline parallelism, which "
-                "muonckpt does not read (DeepSpeed ZeRO-1/2 without it only)",
+                "muonckpt does not read (DeepSpeed ZeRO-1/2/3 without it only)",
                 path,
             )
 
@@ -618,14 +621,17 @@ def from_deepspeed(
     overwrite: bool = False,
     progress: Progress | None = None,
 ) -> Conversion:
-    """Convert the DeepSpeed ZeRO-1/2 checkpoint ``src`` (the directory holding ``latest``,
+    """Convert the DeepSpeed ZeRO-1/2/3 checkpoint ``src`` (the directory holding ``latest``,
     or one tag directory such as ``global_step300``) into a consolidated muonckpt checkpoint
     at ``dst`` for the muonckpt family ``to`` (None: DeepSpeed's own form, recorded as
     ``deepspeed.MuonWithAuxAdam``).
 
-    Every rank file is checked against the layout ``param_shapes`` gives at the number of rank
-    files: ``partition_count``, each fp32 slice's length and padding, ``param_slice_mappings``,
-    each Muon momentum buffer's length, and the copies of each matrix's momentum must agree;
+    The ZeRO stage is what rank 0's optimizer file records; it is kept in the manifest
+    (``zero_stage``), which :func:`to_deepspeed` writes back. Every rank file is checked
+    against the layout ``param_shapes`` gives at the number of rank files: its stage,
+    ``partition_count``, each fp32 slice's length and padding, ``param_slice_mappings``, each
+    Muon momentum buffer's length, and the copies of each matrix's momentum must agree (at
+    ZeRO-3: each sub-group's flat partitions and states against its params' own partitions);
     a refusal is one line naming the file. Tied names (``shared_params``) are kept as the
     model's aliases.
 
