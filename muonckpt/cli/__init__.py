@@ -214,7 +214,7 @@ def convert(
     quiet: Quiet = False,
 ) -> None:
     """Rewrite a checkpoint for another Muon implementation, renamed, or from/to PyTorch DCP,
-    DeepSpeed or Megatron-Core, or from accelerate or Lightning.
+    DeepSpeed, Megatron-Core, accelerate or Lightning.
 
     The packaged Muon keeps sum-form momentum, torch.optim.Muon and KellerJordan's Muon EMA
     form: the buffers are scaled by 1 - mu (or its inverse) and AdamW step counts move to where
@@ -226,7 +226,9 @@ def convert(
     ranks, at the ZeRO stage it was read at (--zero-stage chooses). A Megatron-Core torch_dist
     checkpoint SRC (its root or one iter_N) becomes one too; --to megatron --tp T --dp D
     writes a torch_dist checkpoint for Megatron's layer-wise Muon at TP T, DP D. An accelerate
-    save_state directory or a Lightning .ckpt becomes one too.
+    save_state directory or a Lightning .ckpt becomes one too; --to accelerate and --to
+    lightning write them back (torch.optim.Muon, then AdamW). --to torchtitan stacks experts
+    that --split-experts split again.
 
     Example: muonckpt convert ckpt/step-1000 -o ckpt/step-1000-torch --to torch
 
