@@ -289,7 +289,8 @@ def test_convert_refuses_an_unknown_implementation(saved_by, tmp_path):
     )
     assert result.exit_code == 2 and "choose one of" in result.output
     said = " ".join(result.output.split())  # (the error box wraps it)
-    assert all(name in said for name in ("keller-jordan", "deepspeed", "megatron")), said
+    listed = ("keller-jordan", "deepspeed", "megatron", "accelerate", "lightning")
+    assert all(name in said for name in listed), said
     assert not (tmp_path / "x").exists()
 
 

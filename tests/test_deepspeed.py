@@ -36,6 +36,7 @@ from muonckpt.layout.topology import LayoutOptions
 FIXTURES = Path(__file__).parent / "fixtures" / "deepspeed"
 NAMES = sorted(p.parent.name for p in FIXTURES.glob("*/truth.safetensors"))
 FIRST = "w2_z1_torchadam_fp32"
+Z3 = "w3_z3_fused_fp32"
 TIED = {"lm_head.weight": "embed.weight"}
 
 
@@ -182,7 +183,7 @@ def _load_train_save(dp: int, tp: int, src: str, dst: str, steps: int) -> dict:
 
 @pytest.mark.dist
 @pytest.mark.parametrize(  # (a bf16 run's bf16 momentum resaves as the packaged Muon's fp32)
-    "name", [n for n in NAMES if n.startswith("w2_") and n.endswith("torchadam_fp32")]
+    "name", [n for n in NAMES if n.startswith(("w2_z1", "w2_z2")) and n.endswith("torchadam_fp32")]
 )
 def test_it_resumes_in_the_packaged_muon_at_2x2_and_4x1(converted, tmp_path, name):
     packaged = tmp_path / "packaged"
@@ -242,24 +243,38 @@ def test_the_offline_tools_take_it(converted, tmp_path):
         assert result.exit_code == 0, result.output
 
 
-@pytest.mark.parametrize("world", [1, 2, 3])
-def test_written_for_n_ranks_it_reads_back_the_same(converted, tmp_path, world):
-    src = converted[FIRST]
+@pytest.mark.parametrize(
+    ("name", "world", "stage"),
+    [(FIRST, 1, None), (FIRST, 2, None), (FIRST, 3, None), (FIRST, 3, 3), (Z3, 1, None),
+     (Z3, 4, None), (Z3, 2, 2)],
+)  # fmt: skip
+def test_written_for_n_ranks_it_reads_back_the_same(converted, tmp_path, name, world, stage):
+    """Written for ``world`` ranks at the ZeRO stage it was read at (``stage`` None; ZeRO-1
+    stays 1, ZeRO-3 stays 3) or the one chosen, it reads back as the same checkpoint."""
+    src = converted[name]
+    assert muonckpt.read_manifest(src).zero_stage == _meta(name)["stage"]
+    stage = stage or _meta(name)["stage"]
     ds = tmp_path / "ds"
-    report = interop.to_deepspeed(src, ds, world=world)
-    assert report.layout == f"ZeRO-2, world {world}"
+    report = interop.to_deepspeed(src, ds, world=world, zero_stage=stage)
+    assert report.layout == f"ZeRO-{stage}, world {world}"
     tag = (ds / "latest").read_text()
     assert tag == "global_step3"
     files = deepspeed_files.rank_files(ds / tag)
     assert len(files) == world
-    model = deepspeed_files.load(ds / tag / "mp_rank_00_model_states.pt")
+    assert deepspeed_files.load(files[-1])["optimizer_state_dict"]["zero_stage"] == stage
+    model = deepspeed_files.load(deepspeed_files.model_states(ds / tag, stage))
     assert model["dp_world_size"] == world and model["shared_params"] == TIED
-    assert torch.equal(model["module"]["lm_head.weight"], model["module"]["embed.weight"])
+    if stage == 3:  # its weights are the optimizer files' partitions, as DeepSpeed saves them
+        assert all(t.numel() == 0 for t in model["module"].values())
+        assert len(list((ds / tag).glob("zero_pp_rank_*_model_states.pt"))) == world
+    else:
+        assert torch.equal(model["module"]["lm_head.weight"], model["module"]["embed.weight"])
     back = tmp_path / "back"
-    interop.from_deepspeed(ds, back)
+    assert interop.from_deepspeed(ds, back).layout == f"ZeRO-{stage}, world {world}"
     rows = list(offline.diff(src, back))
     assert rows and all(r.bitwise for r in rows), [r for r in rows if not r.bitwise]
     assert dict(muonckpt.read_manifest(back).model.aliases) == TIED
+    assert muonckpt.read_manifest(back).zero_stage == stage
 
 
 def test_a_checkpoint_whose_split_deepspeed_would_change_is_refused(tmp_path):
@@ -329,6 +344,13 @@ def test_the_cli_in_and_out(tmp_path):
     assert result.exit_code == 0, result.output
     assert f"wrote {ds}: DeepSpeed, " in " ".join(result.output.split())
     assert len(deepspeed_files.rank_files(ds / "global_step3")) == 3
+    assert "ZeRO-1, world 3" in result.output  # (the stage it was read at)
+    chosen = runner.invoke(
+        app,
+        ["convert", str(out), "-o", str(tmp_path / "z3"), "--to", "deepspeed", "--world", "2",
+         "--zero-stage", "3"],
+    )  # fmt: skip
+    assert chosen.exit_code == 0 and "ZeRO-3, world 2" in chosen.output, chosen.output
     again = runner.invoke(
         app, ["convert", str(out), "-o", str(ds), "--to", "deepspeed", "--world", "3"]
     )
@@ -410,6 +432,33 @@ def test_partitions_that_do_not_add_up_are_refused(tmp_path):
     _refused(
         src, tmp_path, "fp32 partition holds", src / "global_step3" / deepspeed_files.rank_file(0)
     )
+
+
+def test_zero3_partitions_that_do_not_add_up_are_refused(tmp_path):
+    """ZeRO-3: a param shape that does not give the partitions the rank files hold, and a
+    rank file of another stage beside rank 0's, are refused naming the file."""
+    src = _copy(tmp_path, Z3)
+    tag = src / "global_step3"
+    model_file = tag / deepspeed_files.rank_model_file(0)
+    model = deepspeed_files.load(model_file)
+    saved = {k: dict(v) for k, v in enumerate(model["param_shapes"])}
+    name = next(iter(model["param_shapes"][0]))
+    rows, cols = model["param_shapes"][0][name]
+    model["param_shapes"][0][name] = torch.Size([rows - 3, cols])
+    model_file.unlink()
+    torch.save(model, model_file)
+    _refused(
+        src, tmp_path, "sub-group 0: its fp32 partition holds", tag / deepspeed_files.rank_file(0)
+    )
+    model["param_shapes"] = [saved[k] for k in sorted(saved)]
+    model_file.unlink()
+    torch.save(model, model_file)
+    rank1 = tag / deepspeed_files.rank_file(1)
+    top = deepspeed_files.load(rank1)
+    top["optimizer_state_dict"]["zero_stage"] = 2
+    rank1.unlink()
+    deepspeed_files.save(rank1, top)  # (its loss scaler pickled under DeepSpeed's name again)
+    _refused(src, tmp_path, "zero_stage is 2, rank 0's 3", rank1)
 
 
 @pytest.mark.dist

@@ -24,7 +24,7 @@ def test_the_fixtures_cover_the_matrix_and_stay_small() -> None:
         (meta(n)["world"], meta(n)["stage"], meta(n)["aux"], meta(n)["dtype"]) for n in FIXTURES
     }
     assert {s[0] for s in specs} == {2, 3}
-    assert {s[1] for s in specs} == {1, 2}
+    assert {s[1] for s in specs} == {1, 2, 3}
     assert {s[2] for s in specs} == {"torch_adam", "fused_adam"}
     assert {s[3] for s in specs} == {"fp32", "bf16"}
     total = sum(p.stat().st_size for p in HERE.rglob("*") if p.is_file())
@@ -41,9 +41,14 @@ def test_each_fixture_is_whole(name: str) -> None:
         f"ckpt/{spec['tag']}/{prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt"
         for r in range(spec["world"])
     }
-    assert ranks | {"ckpt/latest", f"ckpt/{spec['tag']}/mp_rank_00_model_states.pt"} == set(
-        spec["files"]
-    )
+    if spec["stage"] == 3:  # a model states file per rank
+        models = {
+            f"ckpt/{spec['tag']}/zero_pp_rank_{r}_mp_rank_00_model_states.pt"
+            for r in range(spec["world"])
+        }
+    else:
+        models = {f"ckpt/{spec['tag']}/mp_rank_00_model_states.pt"}
+    assert ranks | models | {"ckpt/latest"} == set(spec["files"])
     assert (HERE / name / "ckpt" / "latest").read_text().strip() == spec["tag"]
 
 
@@ -64,7 +69,33 @@ def test_the_truth_holds_each_params_state(name: str) -> None:
         assert spec["master_equals_module"]
 
 
-@pytest.mark.parametrize("name", FIXTURES)
+@pytest.mark.parametrize("name", [n for n in FIXTURES if meta(n)["stage"] == 3])
+def test_zero3_partitions_each_param_on_its_own(name: str) -> None:
+    """ZeRO-3: each rank holds ``ceil(numel / world)`` elements of each param from element
+    ``rank * ceil(numel / world)`` on, its partitions one after the other in its sub-group's
+    flat state; together they cover each param once; Muon's momentum is partitioned alike."""
+    spec = meta(name)
+    world = spec["world"]
+    shapes = {p["name"]: p["shape"] for p in spec["params"]}
+    for group in spec["groups"]:
+        size = {n: -(-math.prod(shapes[n]) // world) for n in group["params"]}
+        assert group["flat_numel"] == sum(size.values())
+        covered = {n: [0] * math.prod(shapes[n]) for n in group["params"]}
+        for rank, held in enumerate(group["per_rank"]):
+            at = 0
+            for part in held["param_partitions"]:
+                name = part["name"]
+                assert (part["start"], part["param_start"]) == (at, rank * size[name])
+                for i in range(part["param_start"], part["param_start"] + part["numel"]):
+                    covered[name][i] += 1
+                at += size[name]
+            if group["use_muon"]:
+                assert held["state_keys"] == ["momentum_buffer"]
+                assert held["state_forms"]["momentum_buffer"].endswith(f"[{at}]")
+        assert all(set(c) == {1} for c in covered.values())
+
+
+@pytest.mark.parametrize("name", [n for n in FIXTURES if meta(n)["stage"] < 3])
 def test_the_partitions_cover_each_param_once(name: str) -> None:
     """Per group: the flat buffer splits into ``world`` equal partitions; DeepSpeed's slice
     mappings place every element of every param in exactly one; a Muon param's momentum is

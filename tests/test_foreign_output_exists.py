@@ -13,6 +13,8 @@ from muonckpt.cli import app
 WRITERS = {
     "deepspeed": ["--to", "deepspeed", "--world", "2"],
     "dcp": ["--format", "dcp", "--to", "torch"],
+    "accelerate": ["--to", "accelerate"],
+    "lightning": ["--to", "lightning"],
 }
 
 

@@ -373,12 +373,12 @@ def test_the_cli_reads_both(tmp_path):
         ],
     )
     assert wrong.exit_code != 0 and "--from" in wrong.output
-    ours = next(p for p in tmp_path.iterdir() if p.name.startswith("out"))
-    written = runner.invoke(
-        app, ["convert", str(ours), "-o", str(tmp_path / "no"), "--format", "lightning"]
-    )
-    assert written.exit_code != 0 and "does not write them" in written.output
     assert not (tmp_path / "no").exists()
+    ours = next(p for p in tmp_path.iterdir() if p.name.startswith("out"))
+    for to, wrote in (("lightning", "last.ckpt"), ("accelerate", "optimizer.bin")):
+        written = runner.invoke(app, ["convert", str(ours), "-o", str(tmp_path / to), "--to", to])
+        assert written.exit_code == 0 and (tmp_path / to / wrote).is_file(), written.output
+        assert "left out" in written.output and "RNG states" in " ".join(written.output.split())
 
 
 @pytest.mark.dist
@@ -434,3 +434,46 @@ def test_a_lightning_checkpoint_that_does_not_tell_is_refused(tmp_path):
     src.unlink()
     torch.save(top, src)
     _refused("lightning/named", src, tmp_path, "holds no 'optimizer_states'", src)
+
+
+def _state_dicts(case: str) -> list[dict]:
+    """Each optimizer's ``state_dict()`` as the trainer saved it."""
+    if case.startswith("accelerate/"):
+        files = sorted(_src(case).glob("optimizer*.bin"))
+        return [torch.load(f, weights_only=True) for f in files]
+    return torch.load(_src(case), weights_only=True)["optimizer_states"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_written_back_it_is_the_trainers_own_state(converted, tmp_path, case):
+    """``to_accelerate`` / ``to_lightning`` of each converted fixture: every optimizer's
+    ``state_dict()`` is the one the trainer saved (each index's state bitwise, every group's
+    settings, tuples too; ``param_names`` aside: the job's load keeps its own) and the model's
+    tensors are the ones it saved, so the trainer's own load (the ``trainers`` tier) restores
+    it exactly at any world size."""
+    out = tmp_path / "back"
+    if case.startswith("accelerate/"):
+        report = interop.to_accelerate(converted[case][0], out)
+        model = load_file(out / "model.safetensors")
+        written = [torch.load(f, weights_only=True) for f in sorted(out.glob("optimizer*.bin"))]
+    else:
+        report = interop.to_lightning(converted[case][0], out)
+        top = torch.load(out / "last.ckpt", weights_only=True)
+        assert top["global_step"] == _meta(case)["global_step"] and top["lr_schedulers"] == []
+        model, written = top["state_dict"], top["optimizer_states"]
+    saved = _model_file(case)
+    assert set(model) == set(saved)
+    assert all(torch.equal(model[n], saved[n]) and model[n].dtype == saved[n].dtype for n in saved)
+    expected = _state_dicts(case)
+    assert len(written) == len(expected) and report.converted == ()
+    for ours, theirs in zip(written, expected, strict=True):
+        groups = [
+            {k: v for k, v in g.items() if k != "param_names"} for g in theirs["param_groups"]
+        ]
+        assert ours["param_groups"] == groups
+        assert ours["state"].keys() == theirs["state"].keys()
+        for index, state in theirs["state"].items():
+            assert ours["state"][index].keys() == state.keys(), index
+            for key, value in state.items():
+                got = ours["state"][index][key]
+                assert got.dtype == value.dtype and torch.equal(got, value), (index, key)

@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 import muonckpt
-from muonckpt import CheckpointError, ConversionWarning, interop
+from muonckpt import CheckpointError, ConversionWarning, interop, offline
 from muonckpt.cli import app
 from muonckpt.interop import registry
 from muonckpt.interop.dcp import files as dcp_files
@@ -260,3 +260,60 @@ def test_a_data_loaders_positions_travel_per_rank_as_torchtitan_saved_them(tmp_p
     lacking = {k: v for k, v in index.values.items() if k != "dataloader.dp_rank_1"}
     found = job_state.read(replace(index, values=lacking), 3)
     assert found.state.ranks == {} and found.left[0].startswith("dataloader (positions of DP")
+
+
+def test_merge_experts_writes_back_the_stacked_job(converted, tmp_path):
+    """(issue 53) ``--split-experts`` reverses: ``--to torchtitan --merge-experts`` stacks each
+    expert's matrices ``layers.<l>.experts.<e>`` into the (4, 8, 16) param DistMuon's job
+    holds again, param and momentum; the DCP holds exactly the tensors torchtitan saved, and
+    read back every value is bitwise the original's. ``--to torchtitan`` merges them without
+    the switch too (a torchtitan model names no param ``.<e>``). Without a split param to
+    merge, and for a writer that does not take it, the switch is refused."""
+    runner = CliRunner()
+    split, back = tmp_path / "split", tmp_path / "checkpoint" / "step-3"
+    args = [str(SOURCES["manager"]), "-o", str(split), "--split-experts", "--model-buffers"]
+    assert runner.invoke(app, ["convert", *args]).exit_code == 0
+    result = runner.invoke(
+        app, ["convert", str(split), "-o", str(back), "--to", "torchtitan", "--merge-experts"]
+    )
+    assert result.exit_code == 0, result.output
+    index = dcp_metadata.read_index(back)
+    original = dcp_metadata.read_index(SOURCES["manager"] / "step-3")
+    assert set(index.tensors) == set(original.tensors)
+    for stacked in EXPERTS:
+        for fqn in (stacked, f"optimizer.state.{stacked}.momentum_buffer"):
+            assert tuple(index.tensors[fqn].shape) == (4, 8, 16), fqn
+    again = tmp_path / "again"
+    torchtitan.from_torchtitan(back, again, model_buffers=True)
+    rows = list(offline.diff(converted["manager"], again))
+    assert rows and all(r.bitwise for r in rows), [r for r in rows if not r.bitwise]
+    auto = tmp_path / "auto" / "step-3"
+    assert (
+        runner.invoke(app, ["convert", str(split), "-o", str(auto), "--to", "torchtitan"]).exit_code
+        == 0
+    )
+    assert tuple(dcp_metadata.read_index(auto).tensors[EXPERTS[0]].shape) == (4, 8, 16)
+    nothing = runner.invoke(
+        app,
+        ["convert", str(converted["manager"]), "-o", str(tmp_path / "x"), "--to", "torchtitan",
+         "--merge-experts"],
+    )  # fmt: skip
+    assert nothing.exit_code != 0 and "nothing to merge" in " ".join(nothing.output.split())
+    other = runner.invoke(
+        app,
+        ["convert", str(split), "-o", str(tmp_path / "y"), "--to", "deepspeed", "--world", "2",
+         "--merge-experts"],
+    )  # fmt: skip
+    assert other.exit_code == 2 and "--merge-experts" in other.output
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
+def test_a_muon_param_torch_muon_cannot_hold_is_refused_before_writing(converted, tmp_path):
+    """(issue 53) torch.optim.Muon takes 2-D params only: DistMuon's stacked (E, m, n) experts
+    are refused for accelerate and Lightning before anything is written, naming them, by the
+    split check the DeepSpeed writer makes too (``_foreign_out.check_split``)."""
+    for write in (interop.to_accelerate, interop.to_lightning):
+        with pytest.raises(CheckpointError, match=r"takes 2-D params only, so 2 param\(s\)") as e:
+            write(converted["manager"], tmp_path / "out")
+        assert "'layers.0.experts' (Muon here, Adam there)" in str(e.value)
+        assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*"))

@@ -17,6 +17,8 @@ It checks that:
   conversion fails on the Muon group (DeepSpeed #8608);
 - DeepSpeed -> ``muonckpt convert --from deepspeed`` -> ``muonckpt convert --to deepspeed
   --world N`` -> DeepSpeed at N = 1 and 3 restores the source's state exactly and trains on;
+- DeepSpeed ZeRO-1/3 -> muonckpt -> DeepSpeed at another world size, at the stage it was
+  saved at or the one ``--zero-stage`` chooses, restores the source's state exactly;
 - DeepSpeed -> the packaged Muon (``--to packaged``) resharded to 2 x 2 -> DeepSpeed at 3
   restores it too: params and Adam state exactly, the momentum within the rounding of its
   two form conversions (EMA to sum and back).
@@ -125,7 +127,7 @@ def as_loaded(groups: list[dict]) -> list[dict]:
     groups = json.loads(json.dumps(groups))
     for group in groups:
         for rank in group["per_rank"]:
-            if rank["momentum_dtype"] == "torch.bfloat16":
+            if rank.get("momentum_dtype") == "torch.bfloat16":  # (ZeRO-3's facts have none)
                 rank["momentum_dtype"] = "torch.float32"
                 form = rank["state_forms"]["momentum_buffer"]
                 rank["state_forms"]["momentum_buffer"] = form.replace("bfloat16", "float32")
@@ -147,7 +149,7 @@ def test_fixtures_are_committed() -> None:
         (meta(n)["world"], meta(n)["stage"], meta(n)["aux"], meta(n)["dtype"]) for n in FIXTURES
     }
     assert {w for w, *_ in worlds} == {2, 3}
-    assert {s for _, s, _, _ in worlds} == {1, 2}
+    assert {s for _, s, _, _ in worlds} == {1, 2, 3}
     assert {a for _, _, a, _ in worlds} == {"torch_adam", "fused_adam"}
     assert "bf16" in {d for *_, d in worlds}
 
@@ -261,6 +263,41 @@ def test_round_trip_to_deepspeed_at_another_world_size(ds_python, tmp_path, name
     assert (
         loaded["groups"][0]["per_rank"][0]["partition_id"] == 0
         and len(loaded["groups"][0]["per_rank"]) == world
+    )
+    assert len(result["losses"]) == 2 and all(x == x for x in result["losses"]), result
+
+
+@pytest.mark.parametrize(
+    ("name", "world", "stage", "like"),
+    [
+        ("w2_z3_torchadam_fp32", 3, None, "w2_z3_torchadam_fp32"),
+        ("w3_z3_fused_fp32", 1, None, "w3_z3_fused_fp32"),
+        ("w2_z1_torchadam_fp32", 3, "3", "w2_z3_torchadam_fp32"),
+        ("w3_z3_fused_fp32", 2, "2", "w2_z2_fused_fp32"),
+    ],
+)
+def test_written_back_at_its_zero_stage_or_the_chosen_one(
+    ds_python, tmp_path, name, world, stage, like
+) -> None:
+    """DeepSpeed -> muonckpt -> DeepSpeed at ``world``, at the ZeRO stage the source was
+    saved at (ZeRO-3 stays ZeRO-3: a model states file per rank, each param's partitions) or
+    the one ``--zero-stage`` chooses (ZeRO-1 as ZeRO-3, ZeRO-3 as ZeRO-2): DeepSpeed's own
+    ``load_checkpoint`` in a job of fixture ``like``'s stage restores the source's state
+    exactly, and it trains."""
+    src = HERE / name / "ckpt"
+    ours, back, out = tmp_path / "muonckpt", tmp_path / "ds", tmp_path / "loaded"
+    done = muonckpt_cli("convert", str(src), "-o", str(ours))
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    chosen = ["--zero-stage", stage] if stage else []
+    args = ["convert", str(ours), "-o", str(back), "--to", "deepspeed", "--world", str(world)]
+    done = muonckpt_cli(*args, *chosen)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    said = " ".join((done.stdout + done.stderr).split())
+    assert f"ZeRO-{meta(like)['stage']}, world {world}" in said, said
+    result = ds_load(ds_python, back, out, world, like)
+    assert result["ok"], result
+    assert_same_state(
+        load_file(out / "loaded.safetensors"), load_file(HERE / name / "truth.safetensors")
     )
     assert len(result["losses"]) == 2 and all(x == x for x in result["losses"]), result
 

@@ -13,7 +13,10 @@ into a temporary directory and checks that:
   ground truth of the same keys, dtypes and shapes, its values equal to the committed within
   float rounding;
 - the files written now convert (``convert --from accelerate`` / ``--from lightning``) with
-  every value bitwise their own truth, as the committed ones do.
+  every value bitwise their own truth, as the committed ones do;
+- written back (``convert --to accelerate`` / ``--to lightning``), the committed fixtures
+  resume in the trainer's own load at world 1 (``hf_resume.py``) with every optimizer value
+  bitwise the truth, and train on.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -37,9 +41,12 @@ VENV = Path(os.environ.get("MUONCKPT_HF_VENV", "~/.cache/muonckpt/hf-trainers"))
 TRAINERS = {"accelerate": ("named", "plain", "bin"), "lightning": ("named", "single")}
 
 
+ENV = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+
+
 @pytest.fixture(scope="session")
-def remade(tmp_path_factory) -> Path:
-    """Both producers rerun into one directory (``accelerate/NAME``, ``lightning/NAME``)."""
+def hf_python() -> Path:
+    """The trainers' venv's python, the venv made first if it lacks them."""
     done = subprocess.run(
         ["bash", str(FIXTURES / "setup_hf_venv.sh"), str(VENV)],
         capture_output=True,
@@ -47,11 +54,17 @@ def remade(tmp_path_factory) -> Path:
         timeout=1800,
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    return VENV / "bin" / "python"
+
+
+@pytest.fixture(scope="session")
+def remade(hf_python, tmp_path_factory) -> Path:
+    """Both producers rerun into one directory (``accelerate/NAME``, ``lightning/NAME``)."""
     root = tmp_path_factory.mktemp("hf-remade")
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env = ENV
     for trainer in TRAINERS:
         done = subprocess.run(
-            [str(VENV / "bin" / "python"), str(FIXTURES / trainer / "make_fixtures.py"),
+            [str(hf_python), str(FIXTURES / trainer / "make_fixtures.py"),
              str(root / trainer)],
             capture_output=True, text=True, timeout=900, env=env, cwd=REPO,
         )  # fmt: skip
@@ -103,3 +116,49 @@ def test_what_they_write_now_converts_bitwise(remade, tmp_path, case):
             continue
         got = model[param] if what == "param" else state[f"state.{param}.{what}"]
         assert torch.equal(got, expected), key
+
+
+def _cli(*args: str) -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", "from muonckpt.cli import main; main()", *args],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+
+
+@pytest.mark.parametrize(
+    "case", ["accelerate/named", "accelerate/plain", "lightning/named", "lightning/single"]
+)
+def test_written_back_the_trainer_resumes_it_exactly(hf_python, tmp_path, case):
+    """The committed fixture (world 2) -> ``convert`` -> ``convert --to accelerate`` / ``--to
+    lightning`` -> the trainer's own load at world 1 (``accelerator.load_state``,
+    ``Trainer.fit(ckpt_path=...)``, in ``hf_resume.py``, the producer's own job): the
+    optimizers' state in memory is the fixture's truth bitwise, and it trains on."""
+    trainer, name = case.split("/")
+    meta = _meta(FIXTURES, case)
+    ours, back, out = tmp_path / "muonckpt", tmp_path / "back", tmp_path / "resumed"
+    if trainer == "accelerate":
+        src = FIXTURES / case / "state"
+        names = [] if meta["named"] else ["--names", str(tmp_path / "names.json")]
+        (tmp_path / "names.json").write_text(json.dumps(meta["index_names"]))
+        _cli("convert", str(src), "-o", str(ours), *names)
+        _cli("convert", str(ours), "-o", str(back), "--to", "accelerate")
+        resume_from = back
+    else:
+        (ckpt,) = (FIXTURES / case / "checkpoints").glob("*.ckpt")
+        _cli("convert", str(ckpt), "-o", str(ours))
+        _cli("convert", str(ours), "-o", str(back), "--to", "lightning")
+        resume_from = back / "last.ckpt"
+    done = subprocess.run(
+        [str(hf_python), str(FIXTURES / "hf_resume.py"), trainer, name, str(resume_from),
+         str(out)],
+        capture_output=True, text=True, timeout=900, env=ENV, cwd=REPO,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    loaded = load_file(out / "loaded.safetensors")
+    truth = load_file(FIXTURES / case / "truth.safetensors")
+    assert set(loaded) == set(truth)
+    for key, value in truth.items():
+        assert loaded[key].dtype == value.dtype and torch.equal(loaded[key], value), key
+    losses = json.loads((out / "result.json").read_text())["losses"]
+    assert len(losses) == 2 and all(x == x for x in losses), losses

@@ -125,6 +125,19 @@ def test_torchtitan_resumes_its_lr_schedule_from_the_export(tt_python, tmp_path,
     )
 
 
+def test_torchtitan_resumes_the_split_experts_merged_back(tt_python, tmp_path):
+    """(issue 53) Experts split into one 2-D param each (``--split-experts``, as torch.optim.Muon
+    holds them), then written back with ``--merge-experts``: torchtitan's DistMuon job, its
+    experts stacked, loads it at world 2 with the saved state exactly, and trains on."""
+    ours, back = tmp_path / "split", tmp_path / "checkpoint" / "step-3"
+    convert(str(HERE / "checkpoint"), "-o", str(ours), "--model-buffers", "--split-experts")
+    back.parent.mkdir()
+    convert(str(ours), "-o", str(back), "--to", "torchtitan", "--merge-experts")
+    tt_load(tt_python, back, tmp_path / "run", 2)
+    truth = load_file(HERE / "truth.safetensors")
+    assert_same_state(load_file(tmp_path / "run" / "loaded.safetensors"), truth)
+
+
 def test_torchtitan_resumes_through_the_packaged_muon(tt_python, tmp_path):
     """Through a real ``reshard`` to 2 x 2 (the buffers, which torchtitan's strict load asks
     for, stored once in rank 0's file) and the packaged form, then back to torchtitan."""

@@ -32,6 +32,7 @@ from .options import (
     Layout,
     MegatronDp,
     MegatronTp,
+    MergeExperts,
     ModelBuffers,
     ModelPrefix,
     Names,
@@ -45,6 +46,7 @@ from .options import (
     SplitExperts,
     TpSplit,
     World,
+    ZeroStage,
     checkpoint_source,
     local_directory,
     size_parameter,
@@ -198,6 +200,7 @@ def convert(
     output_format: OutputFormat = "muonckpt",
     layout: Layout = None,
     world: World = None,
+    zero_stage: ZeroStage = None,
     tp: MegatronTp = None,
     dp: MegatronDp = None,
     model_prefix: ModelPrefix = None,
@@ -205,23 +208,27 @@ def convert(
     names: Names = None,
     model_buffers: ModelBuffers = False,
     split_experts: SplitExperts = False,
+    merge_experts: MergeExperts = False,
     allow_large_world: AllowLargeWorld = False,
     force: Force = False,
     quiet: Quiet = False,
 ) -> None:
     """Rewrite a checkpoint for another Muon implementation, renamed, or from/to PyTorch DCP,
-    DeepSpeed or Megatron-Core, or from accelerate or Lightning.
+    DeepSpeed, Megatron-Core, accelerate or Lightning.
 
     The packaged Muon keeps sum-form momentum, torch.optim.Muon and KellerJordan's Muon EMA
     form: the buffers are scaled by 1 - mu (or its inverse) and AdamW step counts move to where
     the target keeps them, exactly as muonckpt.load converts in memory. A DCP checkpoint SRC
     (a directory with .metadata) becomes a consolidated muonckpt checkpoint (--from names its
     writer); --format dcp writes DCP that torch.distributed.checkpoint.load reads at any
-    world size. A DeepSpeed ZeRO-1/2 checkpoint SRC (its directory with latest, or one
+    world size. A DeepSpeed ZeRO-1/2/3 checkpoint SRC (its directory with latest, or one
     global_stepN) becomes one too; --to deepspeed --world N writes DeepSpeed's own files for N
-    ranks. A Megatron-Core torch_dist checkpoint SRC (its root or one iter_N) becomes one too;
-    --to megatron --tp T --dp D writes a torch_dist checkpoint for Megatron's layer-wise Muon
-    at TP T, DP D. An accelerate save_state directory or a Lightning .ckpt becomes one too.
+    ranks, at the ZeRO stage it was read at (--zero-stage chooses). A Megatron-Core torch_dist
+    checkpoint SRC (its root or one iter_N) becomes one too; --to megatron --tp T --dp D
+    writes a torch_dist checkpoint for Megatron's layer-wise Muon at TP T, DP D. An accelerate
+    save_state directory or a Lightning .ckpt becomes one too; --to accelerate and --to
+    lightning write them back (torch.optim.Muon, then AdamW). --to torchtitan stacks experts
+    that --split-experts split again.
 
     Example: muonckpt convert ckpt/step-1000 -o ckpt/step-1000-torch --to torch
 
@@ -244,6 +251,7 @@ def convert(
     options = {
         "layout": layout,
         "world": world,
+        "zero_stage": zero_stage,
         "tp": tp,
         "dp": dp,
         "model_prefix": model_prefix,
@@ -251,6 +259,7 @@ def convert(
         "names": names,
         "model_buffers": model_buffers,
         "split_experts": split_experts,
+        "merge_experts": merge_experts,
         "allow_large_world": allow_large_world,
     }
     try:

@@ -125,8 +125,9 @@ ConvertTo = Annotated[
         metavar="IMPLEMENTATION",
         help="packaged (muonckpt.optim.muon.Muon), torch (torch.optim.Muon + AdamW) or "
         "keller-jordan (muon.MuonWithAuxAdam); with --format dcp also torchtitan, dion or "
-        "muon-fsdp2; deepspeed writes DeepSpeed ZeRO-1/2 files (with --world), megatron a "
-        "Megatron-Core torch_dist checkpoint (with --tp and --dp). Left out: reading DCP, "
+        "muon-fsdp2; deepspeed writes DeepSpeed ZeRO-1/2/3 files (with --world), megatron a "
+        "Megatron-Core torch_dist checkpoint (with --tp and --dp), accelerate a save_state "
+        "directory, lightning a directory holding last.ckpt. Left out: reading DCP, "
         "--from's family where it is one of muonckpt's (--from torch: torch), else each group "
         "keeps its implementation (muonckpt to muonckpt, or from DeepSpeed or Megatron).",
         show_default=False,
@@ -226,6 +227,17 @@ ModelBuffers = Annotated[
         help="Reading torchtitan: carry the model's buffers (left out and named without it).",
     ),
 ]
+ZeroStage = Annotated[
+    int | None,
+    typer.Option(
+        "--zero-stage",
+        min=1,
+        max=3,
+        help="With --to deepspeed: the ZeRO stage the job runs at (default: the stage the "
+        "checkpoint was read from DeepSpeed at, else 2).",
+        show_default=False,
+    ),
+]
 SplitExperts = Annotated[
     bool,
     typer.Option(
@@ -233,6 +245,15 @@ SplitExperts = Annotated[
         help="Reading DCP or torchtitan: write each stacked expert param (E, m, n) of a Muon "
         "group as E params NAME.0 ... NAME.<E-1> of shape (m, n), as torch.optim.Muon and the "
         "packaged Muon hold them.",
+    ),
+]
+MergeExperts = Annotated[
+    bool,
+    typer.Option(
+        "--merge-experts",
+        help="Writing torchtitan or DCP: write the params --split-experts made (NAME.0 ... "
+        "NAME.<E-1>, 2-D Muon params of one shape) as the stacked param NAME of shape (E, m, n) "
+        "again, as torchtitan's DistMuon job holds its experts.",
     ),
 ]
 AllowLargeWorld = Annotated[

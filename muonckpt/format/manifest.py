@@ -209,6 +209,10 @@ class Manifest:
     """(version 5: a checkpoint converted from PyTorch DCP) The layout the DCP checkpoint was
     read as (``recipe``, ``torchtitan``), what a conversion back to DCP writes by default, so
     that the round trip gives the layout it started from; ``""``: none recorded."""
+    zero_stage: int = 0
+    """(version 5: a checkpoint converted from DeepSpeed) The ZeRO stage its files were
+    written at (1, 2 or 3), what a conversion back to DeepSpeed writes by default; 0: none
+    recorded."""
 
     def param(self, name: str) -> ParamEntry:
         by_name: dict[str, ParamEntry] | None = self.__dict__.get("_by_name")
@@ -329,6 +333,7 @@ class Manifest:
                 ),
                 params=tuple(replace(e, state_shapes={}) for e in self.params),
                 dcp_layout="",
+                zero_stage=0,
             )
             yield from older.json_chunks()
             return
@@ -357,10 +362,12 @@ class Manifest:
             "step": self.recorded_step,
             "extra": None if self.extra is None else extra_to_json(self.extra),
         }
-        if self.data_prefix:
-            body["data_prefix"] = self.data_prefix
-        if self.dcp_layout:
-            body["dcp_layout"] = self.dcp_layout
+        optional = {  # (version 5: written where set)
+            "data_prefix": self.data_prefix,
+            "dcp_layout": self.dcp_layout,
+            "zero_stage": self.zero_stage,
+        }
+        body.update({key: value for key, value in optional.items() if value})
         if self.environment is not None and self.format_version >= 5:
             body["environment"] = dict(self.environment)
         if self.model is not None:
@@ -396,10 +403,10 @@ class Manifest:
 
     def needs_v5(self) -> bool:
         """Whether it holds a field of version :data:`PREFIXED_VERSION`: ``data_prefix``,
-        ``dcp_layout``, a state tensor not shaped like its param, a setting that was a
-        tuple."""
+        ``dcp_layout``, ``zero_stage``, a state tensor not shaped like its param, a setting
+        that was a tuple."""
         return (
-            bool(self.data_prefix or self.dcp_layout)
+            bool(self.data_prefix or self.dcp_layout or self.zero_stage)
             or any(e.state_shapes for e in self.params)
             or any(g.tuples or has_version_5_optimizer(g.optimizer) for g in self.groups)
         )

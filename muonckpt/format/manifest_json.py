@@ -145,6 +145,7 @@ def _manifest_from(body: Any, shared: _Shared) -> Manifest:
         data_prefix=prefix,
         dcp_layout=dcp_layout,
         environment=environment,
+        zero_stage=_zero_stage_field(body, version),
     )
 
 
@@ -180,6 +181,21 @@ def _version_5_fields(body: dict[str, Any], version: int) -> tuple[str, str, Any
         "environment must be an object of strings, ints and booleans (version 5)",
     )
     return prefix, dcp_layout, environment
+
+
+def _zero_stage_field(body: dict[str, Any], version: int) -> int:
+    """The version 5 field ``zero_stage`` (absent: 0, none recorded): the ZeRO stage, 1 to 3,
+    of the DeepSpeed checkpoint a checkpoint was converted from; refused in an older version."""
+    stage = body.get("zero_stage", 0)
+    _expect(
+        stage == 0 or (type(stage) is int and 1 <= stage <= 3),
+        f"zero_stage {stage!r:.80} is not a ZeRO stage (1, 2 or 3)",
+    )
+    _expect(
+        not stage or version >= PREFIXED_VERSION,
+        f"a version {version} manifest has no zero_stage (version {PREFIXED_VERSION} has)",
+    )
+    return int(stage)
 
 
 DCP_LAYOUT = re.compile(r"[a-z_]{0,32}")

@@ -1,4 +1,4 @@
-"""Stacked matrices split into one param each, pure.
+"""Stacked matrices split into one param each, and merged back, pure.
 
 torchtitan's DistMuon keeps a MoE layer's experts as one param of shape (E, m, n) and
 orthogonalizes each expert's (m, n) matrix on its own. torch.optim.Muon, KellerJordan's Muon and
@@ -7,6 +7,9 @@ expert. :func:`split_stacked` rewrites a manifest that is about to be written (n
 that every Muon param of more than two dims becomes ``<name>.<i>``, one per matrix, ``i``
 counting over its leading dims in row-major order; the data of ``<name>.<i>`` is the stacked
 tensor's ``reshape(-1, m, n)[i]``, for the param and every state tensor alike.
+:func:`merged_experts` finds such params in a checkpoint to write for a job that keeps them
+stacked again (torchtitan's), each ``<name>.0`` ... ``<name>.<E-1>`` becoming ``<name>`` of shape
+(E, m, n).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from .kinds import GroupKind
 from .manifest import Manifest
 from .records import ParamEntry
 
-__all__ = ["Part", "matrices", "split_stacked"]
+__all__ = ["Part", "matrices", "merged_experts", "split_stacked"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,3 +94,46 @@ def split_stacked(manifest: Manifest) -> tuple[Manifest, Mapping[str, Part]]:
     )
     params = tuple(e for entry in manifest.params for e in entries[entry.name])
     return replace(manifest, params=params, groups=groups), parts
+
+
+def merged_experts(manifest: Manifest) -> dict[str, tuple[str, ...]]:
+    """The stacked params :func:`split_stacked` made one param per matrix of, by name: each
+    ``<name>`` whose matrices ``<name>.0`` ... ``<name>.<E-1>`` (E of them, numbered from 0 with
+    no gap) are 2-D Muon params of one group, shape, dtypes and scalars, ``<name>`` itself no
+    param's or model tensor's name; each with its matrices' names in order.
+
+    Raises:
+        CheckpointError: naming the params, where matrices of one name are numbered with a
+            gap or differ in group, shape, dtypes or scalars (merged, they would be wrong).
+    """
+    muon = {
+        i for i, g in enumerate(manifest.groups) if GroupKind.from_json(g.optimizer).role == "muon"
+    }
+    taken = {e.name for e in manifest.params}
+    if manifest.model is not None:
+        taken |= {t.name for t in manifest.model.tensors} | set(manifest.model.aliases)
+    found: dict[str, dict[int, ParamEntry]] = {}
+    for entry in manifest.params:
+        stem, _, index = entry.name.rpartition(".")
+        numbered = index.isdigit() and str(int(index)) == index  # (no "01": a name of its own)
+        if entry.group in muon and len(entry.shape) == 2 and numbered and stem not in taken:
+            found.setdefault(stem, {})[int(index)] = entry
+    merged = {}
+    for stem, parts in found.items():
+        entries = [parts.get(i) for i in range(len(parts))]
+        first = entries[0]
+        alike = first is not None and all(
+            e is not None
+            and (e.group, e.shape, dict(e.dtypes), dict(e.scalars))
+            == (first.group, first.shape, dict(first.dtypes), dict(first.scalars))
+            for e in entries
+        )
+        if not alike:
+            raise CheckpointError(
+                f"the matrices {sorted(p.name for p in parts.values())[:4]} of {stem!r} are not "
+                "numbered from 0 without a gap, or differ in group, shape, dtype or step: "
+                "they cannot be merged into one stacked param",
+                param=stem,
+            )
+        merged[stem] = tuple(e.name for e in entries if e is not None)
+    return merged

@@ -1,18 +1,20 @@
 """What every foreign format's writer shares: the new directory it writes into, published only
 once complete (:func:`staged_output`), each tensor of the muonckpt checkpoint read whole
-(:func:`read_whole`), and what a muonckpt checkpoint holds that no foreign format carries
-(:func:`not_carried`)."""
+(:func:`read_whole`), the refusal of params the target trainer would put in the other
+optimizer (:func:`check_split`), and what a muonckpt checkpoint holds that no foreign format
+carries (:func:`not_carried`)."""
 
 from __future__ import annotations
 
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .. import settings, storage
+from ..errors import CheckpointError
 from ..files import writing
 from ..files.pieces import PieceReader, open_checkpoint
 from ..format.manifest import Manifest, ParamEntry, PieceIndex
@@ -60,6 +62,37 @@ def read_whole(
     shape = entry.shape_of(key)
     data = reader.gather(pieces[entry.name, key], entry, key, whole_region(math.prod(shape)))
     return storage.tensor_of_bytes(data, entry.dtype_of(key)).reshape(shape)
+
+
+def check_split(
+    manifest: Manifest,
+    placed: Iterable[tuple[str, bool]],
+    puts_in_muon: Callable[[str, tuple[int, ...]], bool | None],
+    rule: str,
+    directory: Path,
+) -> None:
+    """Refuse, before anything is written, a checkpoint whose Muon / Adam split is not one the
+    target trainer makes: ``placed`` is each param's name and whether the checkpoint has it in
+    Muon, ``puts_in_muon`` where the trainer puts a param of that name and shape (True: Muon,
+    False: its Adam, None: either), ``rule`` that rule in words. Its load would take such a
+    param's state for the other optimizer's, or refuse the files with an error that does not
+    name the cause."""
+    moved = [
+        (name, muon)
+        for name, muon in placed
+        if puts_in_muon(name, manifest.param(name).shape) not in (None, muon)
+    ]
+    if moved:
+        shown = ", ".join(
+            f"{name!r} ({'Muon' if muon else 'Adam'} here, {'Adam' if muon else 'Muon'} there)"
+            for name, muon in moved[:6]
+        )
+        more = f" and {len(moved) - 6} more" if len(moved) > 6 else ""
+        raise CheckpointError(
+            f"{rule}, so {len(moved)} param(s) would change optimizer: {shown}{more}; nothing "
+            "was written (resume them in a trainer that keeps this split)",
+            path=directory,
+        )
 
 
 def not_carried(manifest: Manifest, trainer: Carried | None = None) -> tuple[str, ...]:

@@ -39,6 +39,7 @@ from ..format.manifest import (
     Scalar,
     json_safe,
     model_tensor,
+    tuple_paths,
 )
 from ..format.names import PARAM_KEY
 from ..storage import torch_pickles
@@ -362,8 +363,10 @@ def _manifest(
     for (k, g), held in members.items():
         settings = optimizers[k].state_dict["param_groups"][g]
         hyper = {s: v for s, v in settings.items() if s not in ("params", "param_names")}
+        tuples = tuple(tuple_paths(hyper))  # (betas, ns_coefficients: written back as tuples)
         hyper = json_safe(hyper, optimizers[k].path)
-        groups.append(GroupEntry(hyper, tuple(n for _, n in held), group_kinds[k][g].to_json()))
+        held_names = tuple(n for _, n in held)
+        groups.append(GroupEntry(hyper, held_names, group_kinds[k][g].to_json(), tuples))
         for p, name in held:
             value = model.tensors[name]
             dtypes = {PARAM_KEY: dtype_name(value.dtype)}

@@ -35,6 +35,13 @@ OUTPUTS = {
         Output("dcp", (r"\.metadata[^/]*", r"[^/]*\.distcp")),
         # latest, the tag directory and its .pt files
         Output("deepspeed", ("latest", "[^/]+/", r"[^/]+/[^/]*\.pt")),
+        # model.safetensors (and its temporary), optimizer.bin, optimizer_N.bin
+        Output(
+            "accelerate",
+            (r"\.?model\.safetensors(?:\.tmp-\d+)?", r"optimizer(?:_\d+)?\.bin"),
+        ),
+        # the one .ckpt file
+        Output("lightning", (r"[^/]+\.ckpt",)),
         # the iteration pointer (and its temporary), iter_NNNNNNN/ and its files
         Output(
             "megatron",

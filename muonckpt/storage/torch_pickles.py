@@ -19,10 +19,11 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointError
+from . import access
 from .durable import open_failure, open_regular
 from .foreign_limits import check_archive, check_value
 
-__all__ = ["Opaque", "load", "refusal"]
+__all__ = ["Opaque", "load", "refusal", "save"]
 
 
 class Opaque:
@@ -86,6 +87,19 @@ _BOILERPLATE = (
     "In PyTorch 2.6",
     "Please file an issue",  # its line ends "WeightsUnpickler error:", the cause on the next
 )
+
+
+def save(path: Path, obj: Any, pickle_module: Any = None) -> int:
+    """Write ``obj`` to the new file ``path`` with ``torch.save`` (by ``pickle_module``'s
+    pickler where given: one that names a stand-in by the foreign class it stands in for),
+    fsynced; its size. What another trainer's ``torch.load`` reads."""
+    import pickle
+
+    import torch
+
+    with access.new_file(path) as f:
+        torch.save(obj, f, pickle_module=pickle_module or pickle)
+        return f.tell()
 
 
 def refusal(exc: BaseException) -> str:

@@ -1,9 +1,10 @@
 """Hugging Face accelerate's ``Accelerator.save_state`` directories of torch.optim.Muon +
-AdamW jobs, read only.
+AdamW jobs, in and out.
 
-Modules: :mod:`.reader` (:func:`from_accelerate`), :mod:`.files` (the
-directory's model and optimizer files found and read safely). Which optimizer index is which
-param: :mod:`.._torch_optim`, shared with :mod:`..lightning`.
+Modules: :mod:`.reader` (:func:`from_accelerate`), :mod:`.writer` (:func:`to_accelerate`),
+:mod:`.files` (the directory's model and optimizer files found and read safely). Which
+optimizer index is which param: :mod:`.._torch_optim` in, :mod:`.._torch_optim_out` out,
+shared with :mod:`..lightning`.
 Here: ``FORMAT``, the format as :mod:`..registry` holds it, with its options.
 """
 
@@ -12,8 +13,9 @@ from __future__ import annotations
 from .._torch_optim import TrainerReadOptions
 from ..foreign import ForeignFormat, NoOptions
 from .reader import SOURCE, from_accelerate, is_accelerate
+from .writer import to_accelerate
 
-__all__ = ["FORMAT", "from_accelerate", "is_accelerate"]
+__all__ = ["FORMAT", "from_accelerate", "is_accelerate", "to_accelerate"]
 
 
 FORMAT: ForeignFormat[TrainerReadOptions, NoOptions] = ForeignFormat(
@@ -23,6 +25,9 @@ FORMAT: ForeignFormat[TrainerReadOptions, NoOptions] = ForeignFormat(
     reader=from_accelerate,
     sources=(SOURCE,),
     read_options=TrainerReadOptions,
+    writer=to_accelerate,
+    write_options=NoOptions,
+    targets=(SOURCE,),
     records_source=True,
 )
-"""accelerate's ``save_state`` in the registry (:mod:`muonckpt.interop.registry`): read only."""
+"""accelerate's ``save_state`` in the registry (:mod:`muonckpt.interop.registry`)."""

@@ -45,9 +45,11 @@ class DcpReadOptions:
 @dataclass(frozen=True)
 class DcpWriteOptions:
     """:func:`to_dcp`'s options as ``convert`` passes them (``--layout``, one of
-    :data:`LAYOUTS`; None: the layout the checkpoint was read as, else torchtitan's)."""
+    :data:`LAYOUTS`; None: the layout the checkpoint was read as, else torchtitan's;
+    ``--merge-experts``)."""
 
     layout: str | None = None
+    merge_experts: bool = False
 
     def __post_init__(self) -> None:
         if self.layout is not None and self.layout not in LAYOUTS:

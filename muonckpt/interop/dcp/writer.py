@@ -11,13 +11,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ...errors import StateDictError
+from ...errors import CheckpointError, StateDictError
 from ...files.pieces import PieceReader
 from ...files.progress import Progress
 from ...format import kinds
 from ...format.conversion import group_kind, step_scalar
-from ...format.manifest import Manifest, PieceIndex, Scalar
+from ...format.manifest import Manifest, ParamEntry, PieceIndex, Scalar
 from ...format.names import PARAM_KEY
+from ...format.stacked import merged_experts
 from .._foreign_out import not_carried, open_local, read_whole, staged_output
 from .._trainer_state import Carried, carried
 from ..foreign import Conversion
@@ -36,6 +37,7 @@ def to_dcp(
     *,
     to: str,
     layout: str | None = None,
+    merge_experts: bool | None = False,
     progress: Progress | None = None,
     job_state: tuple[str, Callable[[Carried], dict[str, Any]]] | None = None,
 ) -> Conversion:
@@ -47,8 +49,13 @@ def to_dcp(
     the settings the family has (torch's optimizers' own defaults where the checkpoint does
     not say). ``layout``: ``torchtitan`` (model fqns at the top level) or ``recipe``
     (``model.<fqn>``); None: the layout ``src`` was read as when it was converted from DCP (its
-    manifest's ``dcp_layout``: the round trip keeps it), else ``torchtitan``. Only torch's
-    writer writes; ``dst`` must not exist. ``progress``: told the bytes and tensors written.
+    manifest's ``dcp_layout``: the round trip keeps it), else ``torchtitan``.
+    ``merge_experts``: each param split by ``--split-experts`` (``<fqn>.0`` ... ``<fqn>.<E-1>``,
+    :func:`muonckpt.format.stacked.merged_experts`) is written as the stacked ``<fqn>`` of
+    shape (E, m, n) again, param and state alike, for a job that keeps its experts stacked
+    (torchtitan's DistMuon); a checkpoint with none is refused; None: those there are, if any.
+    Only torch's writer writes; ``dst`` must not exist.
+    ``progress``: told the bytes and tensors written.
     ``job_state``: (trainer, its items of a carried state) where the output is that trainer's
     (torchtitan's: its scheduler and data loader back, :mod:`muonckpt.interop._trainer_state`).
 
@@ -61,6 +68,14 @@ def to_dcp(
     if layout is None:
         layout = manifest.dcp_layout if manifest.dcp_layout in LAYOUTS else DEFAULT_LAYOUT
     out = _DcpOut(LAYOUTS[layout])
+    if merge_experts is not False:
+        out.merged = merged_experts(manifest)
+        if merge_experts and not out.merged:
+            raise CheckpointError(
+                "holds no experts split into one param each (NAME.0 ... NAME.<E-1>, 2-D Muon "
+                "params of one shape): nothing to merge",
+                path=directory,
+            )
     _add_optimizer(out, manifest, family, directory)
     _add_model(out, manifest)
     trainer = carried(files, manifest, job_state[0]) if job_state is not None else None
@@ -76,16 +91,30 @@ def to_dcp(
     return Conversion(Path(dst), layout, left, tuple(out.notes))
 
 
+@dataclass(frozen=True)
+class _Source:
+    """Where a written tensor's data comes from: stored tensor ``key`` of the param or model
+    tensor ``names[0]``, or of each of ``names`` stacked (``stacked``: a merged expert), times
+    ``factor``."""
+
+    names: tuple[str, ...]
+    key: str
+    factor: float = 1.0
+    stacked: bool = False
+
+
 @dataclass
 class _DcpOut:
     """What :func:`to_dcp` writes, in the order it writes it: each tensor's fqn -> (shape,
-    safetensors dtype) and where its data comes from (the muonckpt name, its state key, the
-    factor its values are multiplied by), the plain values (fqn -> value), and for the report
-    the momentum conversions and what was left out. ``prefix``: the model fqns' prefix."""
+    safetensors dtype) and where its data comes from (the muonckpt names, stacked where
+    several, its state key, the factor its values are multiplied by), the plain values (fqn
+    -> value), and for the report the momentum conversions and what was left out. ``prefix``:
+    the model fqns' prefix; ``merged``: the stacked params to write, each with its matrices."""
 
     prefix: str
     tensors: dict[str, tuple[tuple[int, ...], str]] = field(default_factory=dict)
-    sources: dict[str, tuple[str, str, float]] = field(default_factory=dict)
+    sources: dict[str, _Source] = field(default_factory=dict)
+    merged: dict[str, tuple[str, ...]] = field(default_factory=dict)
     values: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     left: list[str] = field(default_factory=list)
@@ -95,7 +124,10 @@ def _add_optimizer(
     out: _DcpOut, manifest: Manifest, family: kinds.DcpFamily, directory: Path
 ) -> None:
     """Add each optimizer param to ``out``: its values as the model's tensor, its state in the
-    family's keys and momentum form, its AdamW step and its group's settings."""
+    family's keys and momentum form, its AdamW step and its group's settings; the matrices
+    of a merged expert as its stack, once, where its first matrix stood."""
+    stacked = {parts[0]: (stem, parts) for stem, parts in out.merged.items()}
+    merged = {part for parts in out.merged.values() for part in parts}
     for g, group in enumerate(manifest.groups):
         kind = group_kind(group, g, directory)
         target = family.target_kind(kind)
@@ -103,22 +135,28 @@ def _add_optimizer(
         factor = mapping.keys.get("momentum_buffer", ("", 1.0))[1]
         if mapping.note:
             out.notes.append(f"{len(group.params)} Muon params: {mapping.note}")
-        group_settings = _settings(family, kind, target, group.hyperparams)
-        for name in group.params:
-            entry = manifest.param(name)
+        group_settings = family_settings(family, kind, target, group.hyperparams)
+        for member in group.params:
+            if member in merged and member not in stacked:
+                continue  # (written with its stack's first matrix)
+            name, parts = stacked.get(member, (member, (member,)))
+            entry = manifest.param(member)
+            stack = member in stacked
+            lead = (len(parts),) if stack else ()
             if entry.value_dtype is not None:
-                out.tensors[out.prefix + name] = (entry.shape, entry.value_dtype)
-                out.sources[out.prefix + name] = (name, PARAM_KEY, 1.0)
+                out.tensors[out.prefix + name] = ((*lead, *entry.shape), entry.value_dtype)
+                out.sources[out.prefix + name] = _Source(parts, PARAM_KEY, stacked=stack)
             else:
                 out.left.append(f"{name} (no values saved)")
             for key in entry.state_keys:
                 fqn = f"{OPTIMIZER_PREFIX}state.{name}.{family.their_key(kind.role or '', key)}"
-                out.tensors[fqn] = (entry.shape_of(key), entry.dtype_of(key))
-                out.sources[fqn] = (name, key, factor if key == "momentum_buffer" else 1.0)
+                out.tensors[fqn] = ((*lead, *entry.shape_of(key)), entry.dtype_of(key))
+                scale = factor if key == "momentum_buffer" else 1.0
+                out.sources[fqn] = _Source(parts, key, scale, stack)
             step = step_scalar(family.step_in, manifest.step_of(entry), name)
             if kind.role == "adamw" and step is not None and entry.state_keys:
                 out.values[f"{OPTIMIZER_PREFIX}state.{name}.step"] = (
-                    _step_tensor(step) if step.dtype is not None else step.value
+                    step_tensor(step) if step.dtype is not None else step.value
                 )
             for setting, value in group_settings.items():
                 out.values[f"{OPTIMIZER_PREFIX}param_groups.{name}.{setting}"] = value
@@ -132,7 +170,7 @@ def _add_model(out: _DcpOut, manifest: Manifest) -> None:
         return
     for entry in model_file.tensors:
         out.tensors[out.prefix + entry.name] = (entry.shape, entry.dtype_of(PARAM_KEY))
-        out.sources[out.prefix + entry.name] = (entry.name, PARAM_KEY, 1.0)
+        out.sources[out.prefix + entry.name] = _Source((entry.name,), PARAM_KEY)
     for alias, stored in sorted(model_file.aliases.items()):
         if out.prefix + stored not in out.sources:
             out.left.append(f"{alias} (an alias of {stored}, which holds no values)")
@@ -143,11 +181,11 @@ def _add_model(out: _DcpOut, manifest: Manifest) -> None:
 
 class _WholeTensors:
     """The data of each tensor torch's writer asks for (one block, the whole tensor): read
-    from the muonckpt checkpoint as ``sources`` says (fqn -> the param or model tensor, its
-    state key, the factor its values are multiplied by)."""
+    from the muonckpt checkpoint as ``sources`` says (fqn -> the params or model tensor, stacked
+    where several, its state key, the factor its values are multiplied by)."""
 
     def __init__(
-        self, sources: Mapping[str, tuple[str, str, float]], manifest: Manifest, reader: PieceReader
+        self, sources: Mapping[str, _Source], manifest: Manifest, reader: PieceReader
     ) -> None:
         model = manifest.model
         self.sources = sources
@@ -157,19 +195,28 @@ class _WholeTensors:
         self.pieces = PieceIndex(manifest.pieces, model.pieces if model is not None else ())
 
     def __call__(self, fqn: str, _whole: dcp_files.Region) -> Any:
-        name, key, scale = self.sources[fqn]
-        entry = self.model_tensors.get(name) or self.manifest.param(name)
-        tensor = read_whole(self.reader, self.pieces, entry, key)
-        return tensor.mul_(scale) if scale != 1.0 else tensor
+        import torch
+
+        source = self.sources[fqn]
+        read = [
+            read_whole(self.reader, self.pieces, self.entry(name), source.key)
+            for name in source.names
+        ]
+        tensor = torch.stack(read) if source.stacked else read[0]
+        return tensor.mul_(source.factor) if source.factor != 1.0 else tensor
+
+    def entry(self, name: str) -> ParamEntry:
+        """The model tensor or param ``name``."""
+        return self.model_tensors.get(name) or self.manifest.param(name)
 
 
-def _step_tensor(step: Scalar) -> Any:
+def step_tensor(step: Scalar) -> Any:
     import torch
 
     return torch.tensor(step.value, dtype=torch.float32)
 
 
-def _settings(
+def family_settings(
     family: kinds.DcpFamily,
     source: kinds.GroupKind,
     target: kinds.GroupKind,

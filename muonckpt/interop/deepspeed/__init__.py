@@ -1,5 +1,5 @@
-"""DeepSpeed ZeRO-1/2 with its Muon (``MuonWithAuxAdam`` inside ``DeepSpeedZeroOptimizer``),
-in and out at any world size.
+"""DeepSpeed ZeRO-1/2/3 with its Muon (``MuonWithAuxAdam`` inside DeepSpeed's ZeRO
+optimizers), in and out at any world size, the stage detected from the files and written back.
 
 Modules: :mod:`.reader` (:func:`from_deepspeed`), :mod:`.writer`
 (:func:`to_deepspeed`: DeepSpeed's own per-rank files for N ranks), :mod:`.partitions` (pure:
@@ -23,9 +23,10 @@ __all__ = ["FORMAT", "DeepSpeedWriteOptions", "from_deepspeed", "is_deepspeed", 
 @dataclass(frozen=True)
 class DeepSpeedWriteOptions:
     """:func:`to_deepspeed`'s options as ``convert`` passes them (``--world``, checked by the
-    writer; ``--allow-large-world``)."""
+    writer; ``--zero-stage``; ``--allow-large-world``)."""
 
     world: int | None = None
+    zero_stage: int | None = None
     allow_large_world: bool = False
 
 
@@ -42,4 +43,4 @@ FORMAT = ForeignFormat(
     targets=(SOURCE,),
     records_source=True,
 )
-"""DeepSpeed ZeRO-1/2 in the registry (:mod:`muonckpt.interop.registry`)."""
+"""DeepSpeed ZeRO-1/2/3 in the registry (:mod:`muonckpt.interop.registry`)."""

@@ -1,23 +1,27 @@
-"""DeepSpeed ZeRO-1/2 checkpoint files, read safely and written plainly.
+"""DeepSpeed ZeRO checkpoint files, read safely and written plainly.
 
 A DeepSpeed checkpoint directory holds ``latest`` (the tag of the newest save) and one
-directory per tag (``global_step3``) with ``mp_rank_00_model_states.pt`` and one
-``zero_pp_rank_{r}_mp_rank_00_optim_states.pt`` per rank (``bf16_zero_pp_rank_...`` for a
-bf16 run); a save with tensor or pipeline parallelism adds ``mp_rank_01_*`` files, which
+directory per tag (``global_step3``) with one ``zero_pp_rank_{r}_mp_rank_00_optim_states.pt``
+per rank (``bf16_zero_pp_rank_...`` for a bf16 run) and the model states: one
+``mp_rank_00_model_states.pt`` at ZeRO-1/2, one ``zero_pp_rank_{r}_mp_rank_00_model_states.pt``
+per rank at ZeRO-3; a save with tensor or pipeline parallelism adds ``mp_rank_01_*`` files, which
 muonckpt does not read (:func:`rank_files` refuses them). They are ``torch.save`` files whose
 pickles name a few DeepSpeed classes. They are read only through
 :func:`~muonckpt.storage.torch_pickles.load` (torch's restricted unpickler) with stand-ins of
 this module's own for exactly those classes (:data:`STAND_INS`): DeepSpeed need not be
 installed, nothing of the file runs, and any other global is refused before it resolves.
-Written files hold plain tensors, dicts, lists, numbers and strings only (``torch.save``),
-each created new and fsynced.
+Written files hold plain tensors, dicts, lists, numbers and strings (``torch.save``), and
+the stand-ins a loader assigns as they are (ZeRO-3's loss scaler), pickled under DeepSpeed's
+names (:func:`save`); each is created new and fsynced.
 """
 
 from __future__ import annotations
 
 import enum
 import os
+import pickle
 import re
+import types
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,16 +33,30 @@ from ...storage.durable import file_size, fsync_dir, read_text
 LATEST = "latest"
 MODEL_STATES = "mp_rank_00_model_states.pt"
 DEEPSPEED_FILE = re.compile(
-    r"^(?:(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states|mp_rank_(\d+)_model_states)\.pt$"
+    r"^(?:(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_(optim|model)_states"
+    r"|mp_rank_(\d+)_model_states)\.pt$"
 )
-"""A name of a file DeepSpeed writes into a tag directory, loosely (any digits): an optimizer
-file (prefix, rank, model-parallel rank) or a model states file (model-parallel rank)."""
+"""A name of a file DeepSpeed writes into a tag directory, loosely (any digits): a rank's
+optimizer file or ZeRO-3 model states file (prefix, rank, model-parallel rank, which) or the
+ZeRO-1/2 model states file (model-parallel rank)."""
 MAX_TAG_BYTES = 4096
 
 
 def rank_file(rank: int, bf16: bool = False) -> str:
     """The name of rank ``rank``'s optimizer file."""
     return f"{'bf16_' if bf16 else ''}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+
+
+def rank_model_file(rank: int) -> str:
+    """The name of rank ``rank``'s model states file at ZeRO-3 (its module's tensors are
+    empty there: the weights are the optimizer files' fp32 partitions)."""
+    return f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt"
+
+
+def model_states(directory: Path, stage: int) -> Path:
+    """The model states file a save at ZeRO ``stage`` keeps ``param_shapes`` in: rank 0's at
+    ZeRO-3, the one file at ZeRO-1/2."""
+    return directory / (rank_model_file(0) if stage == ZeroStage.weights else MODEL_STATES)
 
 
 @dataclass
@@ -75,7 +93,7 @@ def is_tag_directory(path: Path) -> bool:
     """Whether ``path`` is a ``global_stepN`` directory: it holds the model states or rank 0's
     optimizer file (an entry of that name of any kind, so that what is wrong with a partial
     or odd one is named by the reader, not met as a usage error)."""
-    names = (MODEL_STATES, rank_file(0), rank_file(0, bf16=True))
+    names = (MODEL_STATES, rank_model_file(0), rank_file(0), rank_file(0, bf16=True))
     return any(access.lexists(path / name) for name in names)
 
 
@@ -113,6 +131,16 @@ def tag_directory(src: str | os.PathLike[str]) -> Path:
     return src / tag
 
 
+def _canonical(rank: str | None, model: bool, bf16: bool) -> tuple[str, str]:
+    """The name DeepSpeed gives a file of rank ``rank`` (None: the one model states file),
+    a model states file or an optimizer file, and what messages call it."""
+    if rank is None:
+        return MODEL_STATES, "the model states"
+    if model:
+        return rank_model_file(int(rank)), f"rank {int(rank)}'s model states"
+    return rank_file(int(rank), bf16), f"rank {int(rank)}'s optimizer file"
+
+
 def rank_files(directory: Path) -> list[Path]:
     """The optimizer files of ranks 0 .. n-1 in ``directory``, in rank order. Refused naming
     the file: a file of a model-parallel rank other than 0, a DeepSpeed name not spelled as
@@ -129,22 +157,22 @@ def rank_files(directory: Path) -> list[Path]:
         if not match:
             continue
         bf16, rank, mp_rank = match.group(1) is not None, match.group(2), match.group(3)
-        mp_rank = mp_rank or match.group(4)
+        mp_rank = mp_rank or match.group(5)
         if int(mp_rank) != 0:
             raise CheckpointError(
                 f"a file of model-parallel rank {int(mp_rank)}: a save with tensor or pipeline "
-                "parallelism, which muonckpt does not read (DeepSpeed ZeRO-1/2 without it only)",
+                "parallelism, which muonckpt does not read (DeepSpeed ZeRO-1/2/3 without it only)",
                 path=directory / name,
             )
-        canonical = MODEL_STATES if rank is None else rank_file(int(rank), bf16)
+        model = match.group(4) == "model"
+        canonical, what = _canonical(rank, model, bf16)
         if name != canonical:
-            what = "the model states" if rank is None else f"rank {int(rank)}'s optimizer file"
             beside = ", which is also there: two files for one rank" if canonical in names else ""
             raise CheckpointError(
                 f"not the name DeepSpeed gives {what} ({canonical}{beside})",
                 path=directory / name,
             )
-        if rank is not None:
+        if rank is not None and not model:
             prefixes.add(bf16)
             found[int(rank)] = directory / name
     if len(prefixes) > 1:
@@ -178,14 +206,41 @@ def load(path: Path) -> Any:
     return torch_pickles.load(path, STAND_INS, holds)
 
 
-def save(path: Path, obj: Any) -> int:
-    """Write ``obj`` (plain tensors, dicts, lists, numbers, strings) to the new file ``path``
-    with ``torch.save``, fsynced; its size."""
-    import torch
+class _DeepSpeedPickler(pickle._Pickler):
+    """torch's pickler that writes a stand-in's class as the DeepSpeed class it stands in for
+    (:data:`STAND_INS`), so that DeepSpeed's load gets its own object; nothing of DeepSpeed
+    is imported. Python's pickler, whose ``save_global`` can be given the name."""
 
-    with access.new_file(path) as f:
-        torch.save(obj, f)
-        return f.tell()
+    def save_global(self, obj: Any, name: str | None = None) -> None:
+        qualified = _DEEPSPEED_NAMES.get(obj) if isinstance(obj, type) else None
+        if qualified is None:
+            super().save_global(obj, name)  # type: ignore[misc]
+            return
+        module, _, attribute = qualified.rpartition(".")
+        self.write(pickle.GLOBAL + f"{module}\n{attribute}\n".encode())  # type: ignore[attr-defined]
+        self.memoize(obj)  # type: ignore[attr-defined]
+
+
+_DEEPSPEED_NAMES = {
+    stand_in: name
+    for name, stand_in in reversed(STAND_INS.items())  # (a loss scaler: the static one)
+}
+_PICKLE_MODULE = types.SimpleNamespace(Pickler=_DeepSpeedPickler, __name__="pickle")
+
+
+def loss_scaler() -> LossScalerState:
+    """DeepSpeed's static loss scaler of scale 1 (what an fp32 or bf16 job keeps), as a
+    stand-in that :func:`save` writes as DeepSpeed's ``LossScaler``."""
+    scaler = LossScalerState()
+    scaler.__dict__.update(cur_scale=1.0, dynamic=False)
+    return scaler
+
+
+def save(path: Path, obj: Any) -> int:
+    """Write ``obj`` (plain tensors, dicts, lists, numbers, strings; stand-ins of
+    :data:`STAND_INS`, written as DeepSpeed's classes) to the new file ``path`` with
+    ``torch.save``, fsynced; its size."""
+    return torch_pickles.save(path, obj, _PICKLE_MODULE)
 
 
 def finish(staging: Path, tag: str) -> None:

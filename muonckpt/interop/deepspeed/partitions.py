@@ -1,4 +1,5 @@
-"""DeepSpeed ZeRO-1/2's layout of one param group over its ranks, pure (ints only).
+"""DeepSpeed ZeRO's layout of one param group over its ranks, pure (ints only): ZeRO-1/2's
+(:func:`group_layout`) and ZeRO-3's (:func:`zero3_layout`).
 
 DeepSpeed flattens a group's params, in the group's order, into one buffer (each param
 followed by its alignment padding, none after the last; zero without
@@ -115,3 +116,52 @@ def group_layout(
     alignment = START_ALIGNMENT * world
     aligned = -(-at // alignment) * alignment
     return GroupLayout(world, tuple(numels), tuple(offsets), aligned // world)
+
+
+@dataclass(frozen=True)
+class Zero3Layout:
+    """ZeRO-3's layout of one sub-group over ``world`` ranks, pure (ints only).
+
+    ZeRO-3 partitions each param on its own: ``P = ceil(numel / world)`` elements a rank,
+    rank ``r`` holding elements ``[r * P, (r + 1) * P)`` of it, zero-padded past its end
+    (``partition_parameters.py``: ``partition_numel``). A rank's fp32 master of the sub-group,
+    its Adam moments and its Muon momentum are its params' partitions one after the other, in
+    the sub-group's order (``stage3.py``: ``fp32_partitioned_groups_flat``,
+    ``_muon_update_sub_group``; ``zero_to_fp32.py``: ``zero3_partitioned_param_info``)."""
+
+    world: int
+    numels: tuple[int, ...]
+    """Each param's element count, in the sub-group's order."""
+
+    def partition(self, index: int) -> int:
+        """Param ``index``'s elements on each rank, padding included."""
+        return -(-self.numels[index] // self.world)
+
+    @property
+    def offsets(self) -> tuple[int, ...]:
+        """Where each param's partition begins in a rank's flat partition."""
+        out, at = [], 0
+        for index in range(len(self.numels)):
+            out.append(at)
+            at += self.partition(index)
+        return tuple(out)
+
+    @property
+    def flat_numel(self) -> int:
+        """The elements of a rank's flat partition of the sub-group."""
+        return sum(self.partition(i) for i in range(len(self.numels)))
+
+    def held(self, index: int, rank: int) -> int:
+        """The elements of param ``index`` (not padding) that ``rank``'s partition holds, from
+        element ``rank * partition(index)`` of the param on."""
+        size = self.partition(index)
+        return max(0, min(size, self.numels[index] - rank * size))
+
+
+def zero3_layout(numels: Sequence[int], world: int) -> Zero3Layout:
+    """The ZeRO-3 layout of a sub-group of params of ``numels`` elements over ``world`` ranks."""
+    if world < 1:
+        raise LayoutError(f"a DeepSpeed group needs at least one rank, got {world}")
+    if any(n < 0 for n in numels):
+        raise LayoutError(f"params of {list(numels)} elements: none may be negative")
+    return Zero3Layout(world, tuple(numels))

@@ -1,5 +1,6 @@
-"""DeepSpeed ZeRO-1/2 with its Muon (``"optimizer": {"type": "Muon"}``: ``MuonWithAuxAdam``
-inside ``DeepSpeedZeroOptimizer``) in and out, at any world size.
+"""DeepSpeed ZeRO-1/2/3 with its Muon (``"optimizer": {"type": "Muon"}``: ``MuonWithAuxAdam``
+inside ``DeepSpeedZeroOptimizer``, or ``DeepSpeedZeroOptimizer_Stage3``) in and out, at any
+world size.
 
 :func:`from_deepspeed` reads what ``engine.save_checkpoint`` wrote (the directory with
 ``latest``, or one tag directory) into a consolidated muonckpt checkpoint keyed by
@@ -10,7 +11,9 @@ momentum form (KellerJordan's update, EMA form) recorded as ``deepspeed.MuonWith
 that ``load`` into torch.optim.Muon is exact and into the packaged Muon converts it as for
 every other family. :func:`to_deepspeed` writes any muonckpt checkpoint as DeepSpeed's own
 files for ``world`` ranks, which DeepSpeed loads at that world size as if it had saved them.
-The layout math is :mod:`muonckpt.interop.deepspeed.partitions`'s, the file access
+The stage is what rank 0's optimizer file records; at ZeRO-3 each rank holds its partition of
+every param (the Muon momentum too) in a flat state per sub-group, and the model states are per
+rank. The layout math is :mod:`muonckpt.interop.deepspeed.partitions`'s, the file access
 :mod:`muonckpt.interop.deepspeed.files`'s.
 """
 
@@ -21,7 +24,7 @@ import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from ...errors import CheckpointError, LayoutError
 from ...files.progress import Progress
@@ -42,8 +45,8 @@ from .._consolidated import consolidated, conversion_notes, write_consolidated
 from .._fields import shown, step_count, tensor
 from ..foreign import Conversion
 from . import files as deepspeed_files
-from .files import MODEL_STATES, FragmentAddress, ZeroStage
-from .partitions import GroupLayout, group_layout
+from .files import FragmentAddress, ZeroStage
+from .partitions import GroupLayout, Zero3Layout, group_layout, zero3_layout
 from .writer import ADAM_KEYS, MUON_KEY, OPTIMIZER, SOURCE, to_deepspeed
 
 __all__ = ["from_deepspeed", "is_deepspeed", "to_deepspeed"]
@@ -82,7 +85,7 @@ def _fail(message: str, path: Path) -> CheckpointError:
 def _get(mapping: Any, key: str, kind: type | tuple[type, ...], path: Path, where: str) -> Any:
     """``mapping[key]``, of type ``kind``; refused naming the file and the field."""
     if not isinstance(mapping, dict) or key not in mapping:
-        raise _fail(f"{where} has no {key!r}: not a DeepSpeed ZeRO-1/2 file", path)
+        raise _fail(f"{where} has no {key!r}: not a DeepSpeed ZeRO file", path)
     value = mapping[key]
     if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
         raise _fail(
@@ -138,7 +141,7 @@ def _check_unparallel(model: dict[str, Any], path: Path) -> None:
         if type(degree) is not int or degree != 1:
             raise _fail(
                 f"{what} is {shown(degree)}: a save with tensor or pipeline parallelism, which "
-                "muonckpt does not read (DeepSpeed ZeRO-1/2 without it only)",
+                "muonckpt does not read (DeepSpeed ZeRO-1/2/3 without it only)",
                 path,
             )
 
@@ -159,12 +162,19 @@ def _check_declared(
         )
 
 
-def _rank_partitions(optim: Any, world: int, groups: int, path: Path) -> int:
-    """The ZeRO stage (1 or 2) of a rank file written by ``world`` ranks over ``groups``
-    groups."""
-    stage = optim.get("zero_stage")
-    if not isinstance(stage, int) or stage not in (ZeroStage.optimizer_states, ZeroStage.gradients):
-        raise _fail(f"zero_stage is {stage!r}: only ZeRO stages 1 and 2 are read", path)
+def _stage(optim: Any, path: Path) -> int:
+    """The ZeRO stage a rank file records (1, 2 or 3)."""
+    stage = optim.get("zero_stage") if isinstance(optim, dict) else None
+    if not isinstance(stage, int) or stage not in tuple(ZeroStage)[1:]:
+        raise _fail(f"zero_stage is {stage!r}: only ZeRO stages 1, 2 and 3 are read", path)
+    return int(stage)
+
+
+def _rank_partitions(optim: Any, world: int, groups: int, stage: int, path: Path) -> None:
+    """Check that a rank file written by ``world`` ranks over ``groups`` groups records rank
+    0's ZeRO ``stage`` and ``world`` partitions of each group."""
+    if _stage(optim, path) != stage:
+        raise _fail(f"zero_stage is {optim['zero_stage']!r}, rank 0's {stage}", path)
     counts = optim.get("partition_count")
     counts = [counts] * groups if isinstance(counts, int) else counts
     if not isinstance(counts, list) or len(counts) != groups:
@@ -185,19 +195,23 @@ def _rank_partitions(optim: Any, world: int, groups: int, path: Path) -> int:
                 "are beside it: a rank file is missing or left from another save",
                 path,
             )
-    return int(stage)
 
 
 def _read_rank(
-    rank: int, world: int, path: Path, shapes: list[dict[str, tuple[int, ...]]], out: list[_Group]
-) -> int:
-    """Check rank ``rank``'s file against the layout ``shapes`` make for ``world`` ranks and
-    join its slices into ``out`` (made here from rank 0's); its ZeRO stage."""
+    rank: int,
+    world: int,
+    path: Path,
+    top: Any,
+    shapes: list[dict[str, tuple[int, ...]]],
+    out: list[_Group],
+    stage: int,
+) -> None:
+    """Check rank ``rank``'s file ``top`` (ZeRO-1/2) against the layout ``shapes`` make for
+    ``world`` ranks and join its slices into ``out`` (made here from rank 0's)."""
     import torch
 
-    top = deepspeed_files.load(path)
     optim = _get(top, "optimizer_state_dict", dict, path, "the file")
-    stage = _rank_partitions(optim, world, len(shapes), path)
+    _rank_partitions(optim, world, len(shapes), stage, path)
     masters, paddings, param_groups, states, align = _rank_groups(optim, len(shapes), path)
     mappings = optim.get("param_slice_mappings")
     for g, group_shapes in enumerate(shapes):
@@ -219,7 +233,108 @@ def _read_rank(
         at = rank * layout.partition
         group.master[at : at + master.numel()] = master
         _take_state(_state_of(settings.get("params"), states, where, path), group, rank, path)
-    return stage
+
+
+def _read_rank_z3(
+    rank: int,
+    world: int,
+    path: Path,
+    top: Any,
+    shapes: list[dict[str, tuple[int, ...]]],
+    out: list[_Group],
+) -> None:
+    """Check rank ``rank``'s ZeRO-3 file ``top`` against the layout ``shapes`` (one entry a
+    sub-group) make for ``world`` ranks and join its partitions into ``out``: one
+    :class:`_Group` per optimizer group, its sub-groups' params one after the other, held
+    whole (a world-1 layout), made here from rank 0's file."""
+    import torch
+
+    optim = _get(top, "optimizer_state_dict", dict, path, "the file")
+    _rank_partitions(optim, world, 1, ZeroStage.weights, path)
+    flats = _get(optim, "fp32_flat_groups", list, path, "optimizer_state_dict")
+    inner = _get(optim, "optimizer_state_dict", dict, path, "optimizer_state_dict")
+    param_groups = _get(inner, "param_groups", list, path, "the optimizer state")
+    states = _get(inner, "state", dict, path, "the optimizer state")
+    members = [g.get("params") if isinstance(g, dict) else None for g in param_groups]
+    listed = [k for ids in members if isinstance(ids, list) for k in ids]
+    if listed != list(range(len(shapes))) or len(flats) != len(shapes):
+        raise _fail(
+            f"its optimizer groups list sub-groups {listed} and it holds {len(flats)} fp32 "
+            f"partitions, not the {len(shapes)} sub-groups of param_shapes in order",
+            path,
+        )
+    for g, (settings, ids) in enumerate(
+        zip(param_groups, cast(list[list[int]], members), strict=True)
+    ):
+        names = [n for k in ids for n in shapes[k]]
+        if rank == 0:
+            group_shapes = [shapes[k][n] for k in ids for n in shapes[k]]
+            layout = group_layout([math.prod(s) for s in group_shapes], 1)
+            flat = torch.zeros(layout.partition, dtype=torch.float32)
+            hyper = {k: v for k, v in settings.items() if k != "params"}
+            out.append(_Group(g, names, group_shapes, layout, hyper, flat))
+        group, first = out[g], 0
+        if group.names != names:
+            raise _fail(f"group {g} holds params {names[:4]}..., rank 0's {group.names[:4]}", path)
+        for k in ids:
+            sub = zero3_layout([math.prod(s) for s in shapes[k].values()], world)
+            state = _state_of([k], states, f"sub-group {k}", path)
+            _take_sub_group(flats[k], state, sub, k, group, first, rank, path)
+            first += len(sub.numels)
+
+
+def _take_sub_group(
+    master: Any,
+    state: dict[Any, Any],
+    sub: Zero3Layout,
+    k: int,
+    group: _Group,
+    first: int,
+    rank: int,
+    path: Path,
+) -> None:
+    """Join rank ``rank``'s ZeRO-3 partitions of sub-group ``k`` (layout ``sub``; its params
+    are ``group``'s from index ``first`` on): the fp32 master ``master`` and each flat state
+    tensor of ``state``, each param's piece to where it is in the param."""
+    import torch
+
+    where = f"sub-group {k}"
+    master = tensor(master, path, f"{where}: its fp32 partition")
+    if master.dim() != 1 or master.numel() != sub.flat_numel:
+        raise _fail(
+            f"{where}: its fp32 partition holds {master.numel()} elements; the "
+            f"{sum(sub.numels)} elements of param_shapes over {sub.world} ranks give each "
+            f"rank {sub.flat_numel}",
+            path,
+        )
+    _check_keys(state, group, rank, path)
+    flats = [(master, group.master)]
+    for key in (*ADAM_KEYS, MUON_KEY):
+        if key in state:
+            value = tensor(state[key], path, f"{where}: {key}")
+            if value.dim() != 1 or value.numel() != sub.flat_numel:
+                raise _fail(f"{where}: {key} is not this rank's {sub.flat_numel}", path)
+            whole = group.moments.get(key)
+            if whole is None:
+                whole = torch.zeros_like(group.master, dtype=value.dtype)
+                group.moments[key] = whole
+            flats.append((value, whole))
+    for i, at in enumerate(sub.offsets):
+        held = sub.held(i, rank)
+        to = group.layout.offsets[first + i] + rank * sub.partition(i)
+        for piece, whole in flats:
+            whole[to : to + held] = piece[at : at + held]
+    _take_step(state, group, rank, path)
+
+
+def _momentum_of_flat(group: _Group) -> None:
+    """A ZeRO-3 group's Muon momentum, joined flat like its masters, as each matrix's own."""
+    flat = group.moments.pop(MUON_KEY, None)
+    if flat is None:
+        return
+    for index, name in enumerate(group.names):
+        at, numel = group.layout.offsets[index], group.layout.numels[index]
+        group.momentum[name] = (flat[at : at + numel].reshape(group.shapes[index]), 0)
 
 
 def _rank_groups(
@@ -322,12 +437,9 @@ def _state_of(ids: Any, states: dict[Any, Any], where: str, path: Path) -> dict[
     return state
 
 
-def _take_state(state: dict[Any, Any], group: _Group, rank: int, path: Path) -> None:
-    """Join one rank's optimizer state of a group: Adam's moment slices and step, or the
-    whole momentum of each Muon matrix the rank's slice overlaps (equal on every rank)."""
-    import torch
-
-    layout, where = group.layout, f"group {group.index}"
+def _check_keys(state: dict[Any, Any], group: _Group, rank: int, path: Path) -> None:
+    """A rank's state keys of a group: DeepSpeed Muon's or its Adam's, and (Adam) rank 0's."""
+    where = f"group {group.index}"
     allowed = {MUON_KEY} if group.muon else {*ADAM_KEYS, "step"}
     unknown = sorted(str(k) for k in set(state) - allowed)
     if unknown:
@@ -339,6 +451,26 @@ def _take_state(state: dict[Any, Any], group: _Group, rank: int, path: Path) -> 
         raise _fail(
             f"{where}: state {keys}, rank 0's {group.keys}: the ranks did not all step", path
         )
+
+
+def _take_step(state: dict[Any, Any], group: _Group, rank: int, path: Path) -> None:
+    """The Adam step of a rank's state of a group: the same on every rank."""
+    if "step" in state:
+        where = f"group {group.index}"
+        step = state["step"]
+        step_count(step, path, f"{where}: step")
+        if rank > 0 and not _same(step, group.step):
+            raise _fail(f"{where}: step {step!r}, rank 0's {group.step!r}", path)
+        group.step = step
+
+
+def _take_state(state: dict[Any, Any], group: _Group, rank: int, path: Path) -> None:
+    """Join one rank's optimizer state of a group: Adam's moment slices and step, or the
+    whole momentum of each Muon matrix the rank's slice overlaps (equal on every rank)."""
+    import torch
+
+    layout, where = group.layout, f"group {group.index}"
+    _check_keys(state, group, rank, path)
     for key in ADAM_KEYS:
         if key in state:
             value = tensor(state[key], path, f"{where}: {key}")
@@ -350,12 +482,7 @@ def _take_state(state: dict[Any, Any], group: _Group, rank: int, path: Path) -> 
             flat = group.moments.setdefault(key, torch.zeros_like(group.master))
             at = rank * layout.partition
             flat[at : at + layout.kept(rank)] = value.reshape(-1)[: layout.kept(rank)]
-    if "step" in state:
-        step = state["step"]
-        step_count(step, path, f"{where}: step")
-        if rank > 0 and not _same(step, group.step):
-            raise _fail(f"{where}: step {step!r}, rank 0's {group.step!r}", path)
-        group.step = step
+    _take_step(state, group, rank, path)
     if MUON_KEY in state:
         _take_momentum(state[MUON_KEY], group, rank, path)
 
@@ -425,9 +552,9 @@ def _step(group: _Group) -> Scalar | None:
     return Scalar(int(group.step), None)
 
 
-def _manifest(groups: Sequence[_Group], recorded: int | None, path: Path) -> Manifest:
+def _manifest(groups: Sequence[_Group], recorded: int | None, path: Path, stage: int) -> Manifest:
     """The joined groups as a consolidated manifest in DeepSpeed's own form (files, pieces
-    still empty), groups and params in DeepSpeed's order."""
+    still empty), groups and params in DeepSpeed's order, the ZeRO ``stage`` recorded."""
     entries, entries_of = [], []
     for group in groups:
         kind = _kind(group, path)
@@ -443,7 +570,7 @@ def _manifest(groups: Sequence[_Group], recorded: int | None, path: Path) -> Man
             entries.append(ParamEntry(name, shape, -1, group.index, dtypes, scalars))
     return Manifest(
         CONSOLIDATED, {"dp": 1, "tp": 1}, tuple(entries_of), tuple(entries), (), (),
-        recorded_step=recorded,
+        recorded_step=recorded, zero_stage=stage,
     )  # fmt: skip
 
 
@@ -494,14 +621,17 @@ def from_deepspeed(
     overwrite: bool = False,
     progress: Progress | None = None,
 ) -> Conversion:
-    """Convert the DeepSpeed ZeRO-1/2 checkpoint ``src`` (the directory holding ``latest``,
+    """Convert the DeepSpeed ZeRO-1/2/3 checkpoint ``src`` (the directory holding ``latest``,
     or one tag directory such as ``global_step300``) into a consolidated muonckpt checkpoint
     at ``dst`` for the muonckpt family ``to`` (None: DeepSpeed's own form, recorded as
     ``deepspeed.MuonWithAuxAdam``).
 
-    Every rank file is checked against the layout ``param_shapes`` gives at the number of rank
-    files: ``partition_count``, each fp32 slice's length and padding, ``param_slice_mappings``,
-    each Muon momentum buffer's length, and the copies of each matrix's momentum must agree;
+    The ZeRO stage is what rank 0's optimizer file records; it is kept in the manifest
+    (``zero_stage``), which :func:`to_deepspeed` writes back. Every rank file is checked
+    against the layout ``param_shapes`` gives at the number of rank files: its stage,
+    ``partition_count``, each fp32 slice's length and padding, ``param_slice_mappings``, each
+    Muon momentum buffer's length, and the copies of each matrix's momentum must agree (at
+    ZeRO-3: each sub-group's flat partitions and states against its params' own partitions);
     a refusal is one line naming the file. Tied names (``shared_params``) are kept as the
     model's aliases.
 
@@ -513,7 +643,10 @@ def from_deepspeed(
         raise CheckpointError(f"cannot convert to {to!r}: choose one of {sorted(kinds.FAMILIES)}")
     directory = deepspeed_files.tag_directory(src)
     files = deepspeed_files.rank_files(directory)
-    model_path = directory / MODEL_STATES
+    first = deepspeed_files.load(files[0])
+    optim = _get(first, "optimizer_state_dict", dict, files[0], "the file")
+    stage = _stage(optim, files[0])
+    model_path = deepspeed_files.model_states(directory, stage)
     model = deepspeed_files.load(model_path)
     shapes = _param_shapes(model, model_path)  # (a mapping, or refused)
     _check_unparallel(model, model_path)
@@ -524,8 +657,17 @@ def from_deepspeed(
     del model  # the module's weights: the masters are the values
     _check_declared(shapes, files, model_path)
     groups: list[_Group] = []
-    stages = {_read_rank(rank, len(files), path, shapes, groups) for rank, path in enumerate(files)}
-    manifest = _manifest(groups, recorded if type(recorded) is int else None, files[0])
+    for rank, path in enumerate(files):
+        top = first if rank == 0 else deepspeed_files.load(path)
+        if stage == ZeroStage.weights:
+            _read_rank_z3(rank, len(files), path, top, shapes, groups)
+        else:
+            _read_rank(rank, len(files), path, top, shapes, groups, stage)
+        del top
+    first = None
+    for group in groups:
+        _momentum_of_flat(group)
+    manifest = _manifest(groups, recorded if type(recorded) is int else None, files[0], stage)
     if aliases:
         manifest = _with_aliases(manifest, aliases)
     target, scales = converted_manifest(manifest, to, path=directory)
@@ -539,7 +681,7 @@ def from_deepspeed(
         progress=progress,
         source=Path(src),  # the root a latest names the tag of: no output inside it either
     )
-    layout = f"ZeRO-{'/'.join(map(str, sorted(stages)))}, world {len(files)}"
+    layout = f"ZeRO-{stage}, world {len(files)}"
     return Conversion(path, layout, tuple(left), conversion_notes(manifest, target))
 
 

@@ -1,23 +1,27 @@
-"""DeepSpeed ZeRO-1/2 output: any muonckpt checkpoint as DeepSpeed's own files for ``world``
-ranks (:func:`to_deepspeed`, the writer of :mod:`muonckpt.interop.deepspeed.reader`'s format).
+"""DeepSpeed ZeRO-1/2/3 output: any muonckpt checkpoint as DeepSpeed's own files for
+``world`` ranks (:func:`to_deepspeed`, the writer of :mod:`muonckpt.interop.deepspeed.reader`'s
+format).
 
 DeepSpeed loads them at that world size as if it had saved them there
-(``engine.load_checkpoint``: ``_load_legacy_checkpoint`` takes rank ``r``'s own file):
-``latest``; ``<tag>/mp_rank_00_model_states.pt``, the module's weights by name (tied names
-included), ``param_shapes`` and ``dp_world_size``; and per rank
+(``engine.load_checkpoint`` takes rank ``r``'s own file): ``latest``; at ZeRO-1/2
+``<tag>/mp_rank_00_model_states.pt``, the module's weights by name (tied names included),
+``param_shapes`` and ``dp_world_size``, and per rank
 ``<tag>/zero_pp_rank_{r}_mp_rank_00_optim_states.pt``, its fp32 master slice of each group,
 the aux Adam's moment slices and step, and for a Muon group the whole EMA momentum of each
 matrix the slice overlaps, laid out by :func:`muonckpt.interop.deepspeed.partitions.group_layout`.
-Only plain tensors, dicts, lists, numbers and strings are written (``torch.save``); a
-DeepSpeed class is never named, so ``param_slice_mappings`` and the loss scaler are left out
-(DeepSpeed's load reads neither).
+At ZeRO-3 each rank has a model states file of its own (the module's tensors empty, as
+DeepSpeed saves them) and its optimizer file holds each param's own partition of the masters,
+the Adam moments and the Muon momentum alike (:func:`~.partitions.zero3_layout`), one
+sub-group per group, and the loss scaler DeepSpeed's ZeRO-3 load assigns. Written: plain
+tensors, dicts, lists, numbers and strings (``torch.save``) and that one stand-in; never
+``param_slice_mappings`` (DeepSpeed's load does not read them).
 """
 
 from __future__ import annotations
 
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,10 +33,11 @@ from ...format import kinds
 from ...format.manifest import Manifest
 from ...format.names import PARAM_KEY
 from ...storage import make_directory
-from .._foreign_out import not_carried, open_local, read_whole, staged_output
+from .._foreign_out import check_split, not_carried, open_local, read_whole, staged_output
 from ..foreign import Conversion
 from . import files as deepspeed_files
-from .partitions import GroupLayout, group_layout
+from .files import ZeroStage
+from .partitions import GroupLayout, Zero3Layout, group_layout, zero3_layout
 
 OPTIMIZER = kinds.DEEPSPEED
 """How a checkpoint names the optimizer of DeepSpeed's groups."""
@@ -116,9 +121,16 @@ def _out_groups(manifest: Manifest, directory: Path) -> tuple[list[_OutGroup], l
             names.sort(key=lambda n: manifest.param(n).shape, reverse=True)
         out.append(_OutGroup(names, settings, kind.role == "muon", factor, ds_kind.step_in or ""))
     if not own:
-        _check_split(manifest, out, directory)
+        placed = [(name, group.muon) for group in out for name in group.names]
+        check_split(manifest, placed, uses_muon, SPLIT_RULE, directory)
         out.sort(key=lambda group: not group.muon)
     return out, notes
+
+
+SPLIT_RULE = (
+    "DeepSpeed's Muon job puts every 2-D param whose name holds neither 'embed' nor 'lm_head' "
+    "in Muon and every other in its Adam"
+)
 
 
 def uses_muon(name: str, shape: tuple[int, ...]) -> bool:
@@ -127,32 +139,6 @@ def uses_muon(name: str, shape: tuple[int, ...]) -> bool:
     ``lm_head`` (``deepspeed/__init__.py`` ``set_optimizer_flags``); every other goes to its
     Adam."""
     return len(shape) == 2 and not any(word in name.lower() for word in ("embed", "lm_head"))
-
-
-def _check_split(manifest: Manifest, groups: list[_OutGroup], directory: Path) -> None:
-    """Refuse, before anything is written, a checkpoint whose Muon / Adam split is not the
-    one DeepSpeed's Muon job makes (:func:`uses_muon`): its load would take such a param's
-    state for the other optimizer's and refuse the files with a layout error that does not
-    name the cause."""
-    moved = [
-        (name, group.muon)
-        for group in groups
-        for name in group.names
-        if uses_muon(name, manifest.param(name).shape) != group.muon
-    ]
-    if moved:
-        shown = ", ".join(
-            f"{name!r} ({'Muon' if muon else 'Adam'} here, {'Adam' if muon else 'Muon'} there)"
-            for name, muon in moved[:6]
-        )
-        more = f" and {len(moved) - 6} more" if len(moved) > 6 else ""
-        raise CheckpointError(
-            "DeepSpeed's Muon job puts every 2-D param whose name holds neither 'embed' nor "
-            f"'lm_head' in Muon and every other in its Adam, so {len(moved)} param(s) would "
-            f"change optimizer: {shown}{more}; nothing was written (resume them in a trainer "
-            "that keeps this split)",
-            path=directory,
-        )
 
 
 def _tensor_bytes(manifest: Manifest, group: _OutGroup) -> list[int]:
@@ -260,15 +246,69 @@ def _rank_file(
     return {"optimizer_state_dict": optimizer, "ds_version": DS_VERSION}
 
 
+def _z3_flat(whole: Any, offsets: Sequence[int], layout: Zero3Layout, rank: int) -> Any:
+    """Rank ``rank``'s ZeRO-3 flat partition of a group's state ``whole`` (its params one
+    after the other from ``offsets``): each param's partition, zero-padded."""
+    import torch
+
+    parts = []
+    for index, at in enumerate(offsets):
+        begin, held = at + rank * layout.partition(index), layout.held(index, rank)
+        part = torch.zeros(layout.partition(index), dtype=whole.dtype)
+        part[:held] = whole[begin : begin + held]
+        parts.append(part)
+    return torch.cat(parts)
+
+
+def _rank_file_z3(
+    rank: int, groups: list[_OutGroup], values: list[_OutValues], world: int
+) -> dict[str, Any]:
+    """Rank ``rank``'s ZeRO-3 optimizer file, as ``DeepSpeedZeroOptimizer_Stage3.state_dict``
+    makes it: one sub-group per group, each param's partition of every flat state (the
+    values whole in ``values``: a world-1 layout)."""
+    import torch
+
+    masters, states, param_groups = [], {}, []
+    for g, (group, value) in enumerate(zip(groups, values, strict=True)):
+        layout = zero3_layout(value.layout.numels, world)
+        offsets = value.layout.offsets
+        masters.append(_z3_flat(value.master, offsets, layout, rank))
+        state = {
+            key: _z3_flat(whole, offsets, layout, rank) for key, whole in value.moments.items()
+        }
+        if value.momentum:
+            whole = torch.cat([value.momentum[name].reshape(-1) for name in group.names])
+            state[MUON_KEY] = _z3_flat(whole, offsets, layout, rank)
+        step = _step_value(value.step, group.step_in)
+        if value.moments and step is not None:
+            state["step"] = step
+        states[g] = state
+        param_groups.append({**group.settings, "params": [g]})
+    if not any(states.values()):
+        states = {}
+    optimizer = {
+        "zero_stage": int(ZeroStage.weights),
+        "loss_scaler": deepspeed_files.loss_scaler(),
+        "dynamic_loss_scale": False,
+        "overflow": False,
+        "partition_count": world,
+        "optimizer_state_dict": {"state": states, "param_groups": param_groups},
+        "fp32_flat_groups": masters,
+    }
+    return {"optimizer_state_dict": optimizer, "ds_version": DS_VERSION}
+
+
 def _model_file(
     groups: list[_OutGroup],
     values: list[_OutValues],
     manifest: Manifest,
     step: int,
     world: int,
+    stage: int,
 ) -> dict[str, Any]:
     """The model states file: the module's weights by name (the fp32 masters; tied names
-    beside the stored one), ``param_shapes`` in DeepSpeed's order, the counters."""
+    beside the stored one; at ZeRO-3 every one empty, as DeepSpeed saves its partitioned
+    params), ``param_shapes`` in DeepSpeed's order, the counters."""
     import collections
 
     import torch
@@ -281,6 +321,8 @@ def _model_file(
             entry = manifest.param(name)
             at = value.layout.offsets[index]
             module[name] = value.master[at : at + entry.numel].clone().reshape(entry.shape)
+            if stage == ZeroStage.weights:
+                module[name] = torch.empty(0, dtype=torch.float32)
             shapes[-1][name] = torch.Size(entry.shape)
     aliases = dict(manifest.model.aliases) if manifest.model is not None else {}
     for alias, stored in aliases.items():
@@ -314,25 +356,27 @@ def to_deepspeed(
     *,
     to: str = SOURCE,
     world: int | None = None,
-    stage: int = 2,
+    zero_stage: int | None = None,
     allow_large_world: bool = False,
     progress: Progress | None = None,
 ) -> Conversion:
-    """Write the muonckpt checkpoint ``src`` (any kind, any topology) as DeepSpeed ZeRO-1/2
-    files for ``world`` ranks at the new directory ``dst`` (``latest`` and
-    ``global_step<N>``, N the checkpoint's step), which ``engine.load_checkpoint(dst)`` of a
-    Muon job at ``world`` ranks loads: the fp32 masters, the aux Adam's moments and step, and
-    the Muon momentum in EMA form (sum-form momentum converted by ``1 - mu``).
+    """Write the muonckpt checkpoint ``src`` (any kind, any topology) as DeepSpeed ZeRO files
+    for ``world`` ranks at the new directory ``dst`` (``latest`` and ``global_step<N>``, N the
+    checkpoint's step), which ``engine.load_checkpoint(dst)`` of a Muon job at ``world`` ranks
+    loads: the fp32 masters, the aux Adam's moments and step, and the Muon momentum in EMA
+    form (sum-form momentum converted by ``1 - mu``).
 
     A checkpoint read from DeepSpeed keeps its groups, their order and settings; any other is
     grouped as DeepSpeed groups one incoming param group (Muon params largest first, then the
     Adam params), so the job must build its optimizer from one group, and must split its
     params between Muon and Adam as DeepSpeed does (:func:`uses_muon`): one that does not is
     refused before anything is written, naming the params that would change optimizer.
-    ``stage`` is what the files say (DeepSpeed's loader reads stages 1 and 2 alike). The
-    model's other tensors (buffers) are not in a muonckpt checkpoint's optimizer state and
-    are not written. More than :data:`muonckpt.settings.MAX_WORLD` ranks need
-    ``allow_large_world``.
+    ``zero_stage``: the ZeRO stage (1, 2 or 3) the job runs at; None: the one the checkpoint
+    recorded when it was read from DeepSpeed (its manifest's ``zero_stage``), else 2. Stages
+    1 and 2 share one layout (the files say which); ZeRO-3's is its own, one sub-group per
+    group (DeepSpeed's default ``sub_group_size``). The model's other tensors (buffers) are
+    not in a muonckpt checkpoint's optimizer state and are not written. More than
+    :data:`muonckpt.settings.MAX_WORLD` ranks need ``allow_large_world``.
 
     ``progress`` is told the bytes and tensors read, a group at a time (the last once the
     files are written).
@@ -348,9 +392,14 @@ def to_deepspeed(
             f"world must be {WORLD}, a positive int, not {world!r}", argument="world"
         )
     settings.world_size(world, "--world", "one rank file", allow_large=allow_large_world)
-    if stage not in (1, 2):
-        raise OptionError(f"ZeRO stage {stage!r}: DeepSpeed's Muon runs at stages 1 and 2")
+    if zero_stage is not None and zero_stage not in STAGES:
+        raise OptionError(
+            f"ZeRO stage {zero_stage!r}: DeepSpeed's Muon runs at stages 1, 2 and 3",
+            "--zero-stage",
+        )
     directory, files, manifest = open_local(src)
+    stage = zero_stage or manifest.zero_stage or DEFAULT_STAGE
+    zero3 = stage == ZeroStage.weights
     groups, notes = _out_groups(manifest, directory)
     sizes = [_tensor_bytes(manifest, group) for group in groups]
     with staged_output(dst, directory, SOURCE) as (_, staging):  # refused before any read
@@ -359,7 +408,7 @@ def to_deepspeed(
         last: list[int] = []  # the last tensor counted once the files are written
         with PieceReader(files, manifest) as reader:
             for group, read in zip(groups, sizes, strict=True):
-                values.append(_out_values(reader, manifest, group, world))
+                values.append(_out_values(reader, manifest, group, 1 if zero3 else world))
                 for nbytes in [*last, *read][:-1]:
                     meter.tick(nbytes)
                 last = [*last, *read][-1:]
@@ -369,14 +418,35 @@ def to_deepspeed(
         for rank in range(world):
             deepspeed_files.save(
                 tag_dir / deepspeed_files.rank_file(rank),
-                _rank_file(rank, groups, values, stage, world),
+                _rank_file_z3(rank, groups, values, world)
+                if zero3
+                else _rank_file(rank, groups, values, stage, world),
             )
-        model = _model_file(groups, values, manifest, step, world)
-        deepspeed_files.save(tag_dir / deepspeed_files.MODEL_STATES, model)
+        model = _model_file(groups, values, manifest, step, world, stage)
+        for rank, name in enumerate(_model_file_names(world, zero3)):
+            # (ZeRO-3 records the tied names in rank 0's file alone, as DeepSpeed does)
+            deepspeed_files.save(tag_dir / name, {**model, "shared_params": {}} if rank else model)
         for nbytes in last:
             meter.tick(nbytes)
         deepspeed_files.finish(staging, tag)
-    left = ["param_slice_mappings and the loss scaler (DeepSpeed's load reads neither)"]
+    left = [
+        "param_slice_mappings (DeepSpeed's load does not read them)"
+        if zero3
+        else "param_slice_mappings and the loss scaler (DeepSpeed's load reads neither)"
+    ]
     left += not_carried(manifest)
     layout = f"ZeRO-{stage}, world {world}"
     return Conversion(Path(dst), layout, tuple(left), tuple(notes))
+
+
+STAGES = (1, 2, 3)
+"""The ZeRO stages :func:`to_deepspeed` writes."""
+DEFAULT_STAGE = 2
+"""The stage written for a checkpoint that records none (not read from DeepSpeed)."""
+
+
+def _model_file_names(world: int, zero3: bool) -> list[str]:
+    """The model states files of a save: one per rank at ZeRO-3, else the one."""
+    if zero3:
+        return [deepspeed_files.rank_model_file(rank) for rank in range(world)]
+    return [deepspeed_files.MODEL_STATES]

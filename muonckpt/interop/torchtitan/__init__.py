@@ -9,10 +9,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..foreign import ForeignFormat, NoOptions
+from ..foreign import ForeignFormat
 from .reader import SOURCE, from_torchtitan, is_torchtitan, to_torchtitan
 
-__all__ = ["FORMAT", "TorchtitanReadOptions", "from_torchtitan", "is_torchtitan", "to_torchtitan"]
+__all__ = [
+    "FORMAT",
+    "TorchtitanReadOptions",
+    "TorchtitanWriteOptions",
+    "from_torchtitan",
+    "is_torchtitan",
+    "to_torchtitan",
+]
 
 
 @dataclass(frozen=True)
@@ -24,6 +31,13 @@ class TorchtitanReadOptions:
     split_experts: bool = False
 
 
+@dataclass(frozen=True)
+class TorchtitanWriteOptions:
+    """:func:`to_torchtitan`'s options as ``convert`` passes them (``--merge-experts``)."""
+
+    merge_experts: bool = False
+
+
 FORMAT = ForeignFormat(
     name=SOURCE,
     title="torchtitan",
@@ -31,7 +45,7 @@ FORMAT = ForeignFormat(
     reader=from_torchtitan,
     read_options=TorchtitanReadOptions,
     writer=to_torchtitan,
-    write_options=NoOptions,
+    write_options=TorchtitanWriteOptions,
     sources=(SOURCE,),
     targets=(SOURCE,),
     records_source=True,
