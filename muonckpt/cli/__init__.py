@@ -456,11 +456,11 @@ def verify(src: Source) -> None:
         _refuse_foreign(src)
     console = output.stdout()
     if not problems:
-        console.print(f"ok: {src} is sound", markup=False)
+        console.print(f"ok: {src} is sound", markup=False, soft_wrap=True)
         return
     for problem in problems:
-        console.print(f"problem: {output.printable(str(problem))}", markup=False)
-    console.print(f"{len(problems)} problem(s) in {src}", markup=False)
+        console.print(f"problem: {output.printable(str(problem))}", markup=False, soft_wrap=True)
+    console.print(f"{len(problems)} problem(s) in {src}", markup=False, soft_wrap=True)
     raise typer.Exit(PROBLEM)
 
 

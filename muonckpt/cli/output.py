@@ -43,6 +43,8 @@ def stderr_line(text: str) -> None:
 
 
 def stdout() -> Console:
+    """Standard output: its tables fold at the terminal's width; each text line is printed with
+    ``soft_wrap=True``, never wrapped, so that a path in it reaches a pipe or a log whole."""
     return Console(highlight=False, soft_wrap=False)
 
 
@@ -237,9 +239,9 @@ def print_diff(rows: Iterable[DiffRow], only_differences: bool) -> int:
             table.add_row(*map(escape, cells))
         console.print(table)
     if differ:
-        console.print(f"{differ} of {total} row(s) differ", markup=False)
+        console.print(f"{differ} of {total} row(s) differ", markup=False, soft_wrap=True)
     else:
-        console.print(f"all {total} row(s) equal", markup=False)
+        console.print(f"all {total} row(s) equal", markup=False, soft_wrap=True)
     return differ
 
 
@@ -260,9 +262,9 @@ def print_demo(result: DemoResult, title: str) -> None:
     console = stdout()
     console.print(table)
     if result.kept:
-        console.print(f"checkpoints in {result.checkpoint.parent}", markup=False)
+        console.print(f"checkpoints in {result.checkpoint.parent}", markup=False, soft_wrap=True)
     else:
-        console.print("checkpoints removed (--dir DIR keeps them)", markup=False)
+        console.print("checkpoints removed (--dir DIR keeps them)", markup=False, soft_wrap=True)
 
 
 def _state_key(shapes: Mapping[str, tuple[str, tuple[int, ...]]], key: str) -> str:
@@ -286,16 +288,20 @@ def print_diagnosis(found: Diagnosis) -> None:
             f"against {found.against}: momentum norm ratios {ratios}; "
             f"{moved} of {len(params)} params moved",
             markup=False,
+            soft_wrap=True,
         )
     if found.model is not None:
         equal = sum(c.equal for c in found.model_compared)
         console.print(
             f"against model {found.model}: {equal} of {len(found.model_compared)} params equal",
             markup=False,
+            soft_wrap=True,
         )
     if found.healthy:
         console.print(
-            f"ok: {found.path}: {len(found.tensors)} tensors, no problem found", markup=False
+            f"ok: {found.path}: {len(found.tensors)} tensors, no problem found",
+            markup=False,
+            soft_wrap=True,
         )
         return
     for finding in found.findings:
@@ -308,5 +314,5 @@ def print_diagnosis(found: Diagnosis) -> None:
             if part
         )
         text = f"{finding.check}: {where + ': ' if where else ''}{finding.message}"
-        console.print(f"problem: {printable(text)}", markup=False)
-    console.print(f"{len(found.findings)} problem(s) in {found.path}", markup=False)
+        console.print(f"problem: {printable(text)}", markup=False, soft_wrap=True)
+    console.print(f"{len(found.findings)} problem(s) in {found.path}", markup=False, soft_wrap=True)
