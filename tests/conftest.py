@@ -49,29 +49,35 @@ TIERS = {
 
 _RUN: dict[str, float] = {}
 
+_OUTCOMES = ("passed", "failed", "skipped", "error", "xfailed", "xpassed")
+
 
 def pytest_sessionstart(session: pytest.Session) -> None:
     _RUN["start"] = time.monotonic()
 
 
-def pytest_collection_finish(session: pytest.Session) -> None:
-    _RUN["tests"] = len(session.items)
-
-
 @pytest.hookimpl(trylast=True)
 def pytest_unconfigure(config: pytest.Config) -> None:
     """The run's last line: its tier, its size and its wall time (pytest's summary included),
-    measured here rather than quoted in the docs."""
+    measured here rather than quoted in the docs. The tests are counted from their reports,
+    which reach the controller whether they ran in it or in xdist's workers."""
     reporter = config.pluginmanager.get_plugin("terminalreporter")
-    if reporter is None or "tests" not in _RUN or config.getoption("collectonly"):
+    if reporter is None or "start" not in _RUN or config.getoption("collectonly"):
+        return
+    if hasattr(config, "workerinput"):  # an xdist worker: the controller reports
         return
     seconds = time.monotonic() - _RUN["start"]
+    tests = {r.nodeid for kind in _OUTCOMES for r in reporter.stats.get(kind, ())}
     expression = config.getoption("markexpr")
     whole = config.args_source is pytest.Config.ArgsSource.TESTPATHS
     selection = f'-m "{expression}"' if expression else "no -m"
     name, budget = TIERS.get(expression, (selection, None))
     label = f"{name} ({selection})" if whole else f"the tests named ({selection})"
-    line = f"{label}: {_RUN['tests']:.0f} tests in {seconds:.1f} s on {os.cpu_count()} cores"
+    workers = config.getoption("numprocesses", None) or 1
+    line = (
+        f"{label}: {len(tests)} tests in {seconds:.1f} s on {os.cpu_count()} cores"
+        f" ({workers} worker{'s' if workers != 1 else ''})"
+    )
     if whole and budget is not None:
         line += f", budget {budget:.0f} s on 2 idle cores"
     reporter.write_sep("-", line)
