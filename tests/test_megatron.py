@@ -236,7 +236,7 @@ def test_pipeline_and_expert_parallel_checkpoints_are_refused_naming_the_size(tm
 
 
 def test_the_whole_job_commands_run_as_written(tmp_path, monkeypatch):
-    """docs/interop.md's whole-job commands, in process, on a copy of ``tp2_dp1_job``: at TP 1
+    """The README's whole-job commands, in process, on a copy of ``tp2_dp1_job``: at TP 1
     the RNG states (saved per TP rank at TP 2) are left out, named, and the args say
     ``no_save_rng`` (Megatron then ignores them itself); the scheduler, iteration and args go
     back, the args' sizes the output's."""
