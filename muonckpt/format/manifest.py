@@ -204,6 +204,10 @@ class Manifest:
     """(version 5: a checkpoint committed to object storage) Where the files it names are,
     relative to the manifest: ``""``, beside it, or ``"s-<16 hex>/"``, the save prefix of the
     save that wrote it (:data:`DATA_PREFIX`)."""
+    replicas: Mapping[str, Any] | None = None
+    """(version 5: a step of the node-local tier) Where each rank's files are: ``nodes``,
+    each rank's node, and ``holders``, for each rank the ranks whose nodes keep a copy of its
+    files (:func:`muonckpt.format.manifest_json.replica_placement`); None: not a local step."""
     dcp_layout: str = ""
     """(version 5: a checkpoint converted from PyTorch DCP) The layout the DCP checkpoint was
     read as (``recipe``, ``torchtitan``), what a conversion back to DCP writes by default, so
@@ -312,6 +316,19 @@ class Manifest:
         (readable, and half the size of indented JSON: 100k params fit the 100 MB limit)."""
         return "".join(self.json_chunks())
 
+    def _version_5_fields(self) -> dict[str, Any]:
+        """The optional top-level fields of version 5 this manifest has."""
+        body: dict[str, Any] = {}
+        if self.data_prefix:
+            body["data_prefix"] = self.data_prefix
+        if self.dcp_layout:
+            body["dcp_layout"] = self.dcp_layout
+        if self.environment is not None and self.format_version >= 5:
+            body["environment"] = dict(self.environment)
+        if self.replicas is not None:
+            body["replicas"] = dict(self.replicas)
+        return body
+
     def json_chunks(self) -> Iterator[str]:
         """The text of :meth:`to_json` in consecutive pieces, each line made as it is asked
         for (the text of 100k params is 89 MB: written or hashed so, it is never whole).
@@ -353,12 +370,7 @@ class Manifest:
             "step": self.recorded_step,
             "extra": None if self.extra is None else extra_to_json(self.extra),
         }
-        if self.data_prefix:
-            body["data_prefix"] = self.data_prefix
-        if self.dcp_layout:
-            body["dcp_layout"] = self.dcp_layout
-        if self.environment is not None and self.format_version >= 5:
-            body["environment"] = dict(self.environment)
+        body.update(self._version_5_fields())
         if self.model is not None:
             body["model"] = {
                 "tensors": [

@@ -1,0 +1,150 @@
+"""(issue 56) The node-local tier: each rank's share written to its node's own directory and
+copied to a rank on another node; a node lost, the job restarted on the survivors at another
+world size loads bitwise what was saved.
+
+Nodes are simulated as docs/format.md says a user would: one ``torchrun --nnodes N
+--node-rank k`` launcher per node over a 127.0.0.1 rendezvous, each with a directory of its
+own (``NODE_ROOT``); a node is killed as a machine dies, its launcher and every worker (each
+in a session of its own, as torchrun starts them) SIGKILLed, and its directory deleted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import select
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import muonckpt
+from muonckpt.checkpoint.tiers import placement
+from muonckpt.errors import CheckpointError, OptionError
+from muonckpt.format.manifest_json import replica_placement
+
+from .kill_helpers import REPO
+
+SILENCE_S = 90.0
+"""The hang guard: how long the ranks may print nothing before the test fails."""
+
+
+def test_each_ranks_copies_go_to_its_place_on_the_next_nodes():
+    assert placement([0, 0, 1, 1], 1) == [[2], [3], [0], [1]]
+    assert placement([5, 5, 7, 7, 9, 9], 2) == [[2, 4], [3, 5], [4, 0], [5, 1], [0, 2], [1, 3]]
+    with pytest.raises(OptionError, match="at least 3 nodes"):
+        placement([0, 1], 2)
+    with pytest.raises(OptionError, match="as many ranks on every node"):
+        placement([0, 0, 1], 1)
+
+
+def test_the_setting_is_checked_when_made_and_named_apart_from_local(tmp_path):
+    assert muonckpt.LocalTier(tmp_path, node=3).node_id() == 3
+    for bad in ({"replicas": 0}, {"durable_every": -1}, {"keep_last": 0}):
+        with pytest.raises(OptionError):
+            muonckpt.LocalTier(tmp_path, **bad)
+    with pytest.raises(CheckpointError, match="s3://"):
+        muonckpt.LocalTier("s3://bucket/local")
+
+
+def test_the_placement_is_an_optional_version_5_field():
+    body = {"replicas": {"nodes": [0, 0, 1, 1], "holders": [[2], [3], [0], [1]]}}
+    assert replica_placement(body, 5) == body["replicas"]
+    assert replica_placement({}, 5) is None
+    for wrong in ({"nodes": [0], "holders": [[0]]}, {"nodes": [0, 1]}, [1]):
+        with pytest.raises(CheckpointError, match="replicas"):
+            replica_placement({"replicas": wrong}, 5)
+    with pytest.raises(CheckpointError, match="version 4"):
+        replica_placement(body, 4)
+
+
+class Node:
+    """One simulated node: its torchrun launcher and what its ranks printed."""
+
+    def __init__(self, args: list[str], nodes: int, rank: int, port: int, root: Path) -> None:
+        self.root = root
+        argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes)]
+        argv += ["--node-rank", str(rank), "--nproc-per-node", "2", "--master-addr", "127.0.0.1"]
+        argv += ["--master-port", str(port), "-m", "tests.tier_script", *args]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "NODE_ROOT": str(root)}
+        self.proc = subprocess.Popen(
+            argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL
+        )
+        self.said: list[dict[str, Any]] = []
+        self._pending = b""
+
+    def read(self, lines: int) -> list[dict[str, Any]]:
+        """The first ``lines`` JSON lines its ranks printed."""
+        assert self.proc.stdout is not None
+        deadline = time.monotonic() + SILENCE_S
+        while len(self.said) < lines:
+            left = deadline - time.monotonic()
+            ready, _, _ = select.select([self.proc.stdout], [], [], max(left, 0))
+            assert ready, f"the ranks printed {self.said} in {SILENCE_S:g} s"
+            chunk = os.read(self.proc.stdout.fileno(), 1 << 16)
+            assert chunk, f"the node's output ended after {self.said}"
+            *done, self._pending = (self._pending + chunk).split(b"\n")
+            self.said += [json.loads(line) for line in done if line.strip()]
+        return self.said
+
+    def kill(self) -> None:
+        """SIGKILL the launcher and each worker's process group (torchrun's setsid)."""
+        for said in self.said:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(said["pid"], signal.SIGKILL)
+        self.proc.kill()
+        self.proc.wait()
+        assert self.proc.stdout is not None
+        self.proc.stdout.close()
+
+
+@contextlib.contextmanager
+def _nodes(args: list[str], roots: list[Path]) -> Iterator[list[Node]]:
+    """One launcher per root, over one rendezvous; every process killed on the way out."""
+    port = _free_port()
+    nodes = [Node(args, len(roots), k, port, root) for k, root in enumerate(roots)]
+    try:
+        yield nodes
+    finally:
+        for node in nodes:
+            if node.proc.poll() is None:
+                node.kill()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.mark.dist
+def test_a_node_lost_is_recovered_from_the_survivors_at_another_world_size(tmp_path):
+    """2 nodes x 2 ranks save with one replica each (dp 2 x tp 2); node 1 dies with its
+    directory; the job restarts on node 0 alone at dp 2 x tp 1, and each rank loads the
+    newest step, bitwise what the save's durable copy loads at that layout, from node 0's own
+    files and the replicas it kept of node 1's, fetching nothing."""
+    roots = [tmp_path / "node0", tmp_path / "node1"]
+    with _nodes(["save", str(tmp_path), "2", "2", "2"], roots) as nodes:
+        for node in nodes:
+            node.read(2)
+        said = [line for node in nodes for line in node.said]
+        assert {line["saved"] for line in said} == {str(tmp_path / "durable" / "step-2")}
+        for node in reversed(nodes):  # the job ends: node 1 lost, node 0's ranks restarted
+            node.kill()
+    assert sorted(os.listdir(roots[1])) == ["step-1", "step-2"]  # keep_last=2 per node
+    shutil.rmtree(roots[1])
+    with _nodes(["recover", str(tmp_path), "2", "1", "2"], roots[:1]) as (node,):
+        outcomes = node.read(2)
+        assert node.proc.wait(timeout=SILENCE_S) == 0
+    for outcome in outcomes:
+        assert outcome["equal"], outcome
+        assert (outcome["tier"], outcome["step"], outcome["fetched"]) == ("local", 2, [])
+        assert outcome["refused"] == outcome["warnings"] == []
