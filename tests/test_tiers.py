@@ -69,12 +69,14 @@ def test_the_placement_is_an_optional_version_5_field():
 class Node:
     """One simulated node: its torchrun launcher and what its ranks printed."""
 
-    def __init__(self, args: list[str], nodes: int, rank: int, port: int, root: Path) -> None:
+    def __init__(
+        self, args: list[str], nodes: int, rank: int, port: int, root: Path, env: dict[str, str]
+    ) -> None:
         self.root = root
         argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes)]
         argv += ["--node-rank", str(rank), "--nproc-per-node", "2", "--master-addr", "127.0.0.1"]
         argv += ["--master-port", str(port), "-m", "tests.tier_script", *args]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "NODE_ROOT": str(root)}
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "NODE_ROOT": str(root), **env}
         self.proc = subprocess.Popen(
             argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL
         )
@@ -107,10 +109,12 @@ class Node:
 
 
 @contextlib.contextmanager
-def _nodes(args: list[str], roots: list[Path]) -> Iterator[list[Node]]:
+def _nodes(
+    args: list[str], roots: list[Path], env: dict[str, str] | None = None
+) -> Iterator[list[Node]]:
     """One launcher per root, over one rendezvous; every process killed on the way out."""
     port = _free_port()
-    nodes = [Node(args, len(roots), k, port, root) for k, root in enumerate(roots)]
+    nodes = [Node(args, len(roots), k, port, root, env or {}) for k, root in enumerate(roots)]
     try:
         yield nodes
     finally:
@@ -125,26 +129,100 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def _saved_then_node_1_lost(
+    tmp_path: Path, steps: int, env: dict[str, str] | None = None
+) -> list[dict[str, Any]]:
+    """2 nodes x 2 ranks (dp 2 x tp 2) save ``steps`` steps with one replica each; then the
+    job ends, node 1 lost with its directory. What node 0's ranks printed."""
+    roots = [tmp_path / "node0", tmp_path / "node1"]
+    with _nodes(["save", str(tmp_path), "2", "2", str(steps)], roots, env) as nodes:
+        said = nodes[0].read(2)
+        if not (env or {}).get("TIER_DIE_AT"):
+            nodes[1].read(2)
+        for node in reversed(nodes):
+            node.kill()
+    shutil.rmtree(roots[1])
+    return said
+
+
+def _recovered(tmp_path: Path, nodes: int, dp: int, tp: int, step: int) -> list[dict[str, Any]]:
+    """The job restarted at ``nodes`` x 2 ranks (node 0's directory kept, the others empty)
+    at ``dp`` x ``tp``: what each rank's recovery printed, in rank order."""
+    roots = [tmp_path / f"node{k}" for k in range(nodes)]
+    with _nodes(["recover", str(tmp_path), str(dp), str(tp), str(step)], roots) as launched:
+        said = [line for node in launched for line in node.read(2)]
+        for node in launched:
+            assert node.proc.wait(timeout=SILENCE_S) == 0
+    return sorted(said, key=lambda line: line["rank"])
+
+
 @pytest.mark.dist
 def test_a_node_lost_is_recovered_from_the_survivors_at_another_world_size(tmp_path):
-    """2 nodes x 2 ranks save with one replica each (dp 2 x tp 2); node 1 dies with its
-    directory; the job restarts on node 0 alone at dp 2 x tp 1, and each rank loads the
-    newest step, bitwise what the save's durable copy loads at that layout, from node 0's own
-    files and the replicas it kept of node 1's, fetching nothing."""
-    roots = [tmp_path / "node0", tmp_path / "node1"]
-    with _nodes(["save", str(tmp_path), "2", "2", "2"], roots) as nodes:
-        for node in nodes:
-            node.read(2)
-        said = [line for node in nodes for line in node.said]
-        assert {line["saved"] for line in said} == {str(tmp_path / "durable" / "step-2")}
-        for node in reversed(nodes):  # the job ends: node 1 lost, node 0's ranks restarted
-            node.kill()
-    assert sorted(os.listdir(roots[1])) == ["step-1", "step-2"]  # keep_last=2 per node
-    shutil.rmtree(roots[1])
-    with _nodes(["recover", str(tmp_path), "2", "1", "2"], roots[:1]) as (node,):
-        outcomes = node.read(2)
-        assert node.proc.wait(timeout=SILENCE_S) == 0
-    for outcome in outcomes:
+    """Node 1 dies with its directory after two saves; the job restarts on node 0 alone at
+    dp 2 x tp 1, and each rank loads the newest step, bitwise what the save's durable copy
+    loads at that layout, from node 0's own files and the replicas it kept of node 1's,
+    fetching nothing."""
+    said = _saved_then_node_1_lost(tmp_path, 2)
+    assert {line["saved"] for line in said} == {str(tmp_path / "durable" / "step-2")}
+    assert sorted(os.listdir(tmp_path / "node0")) == ["step-1", "step-2"]  # keep_last=2
+    for outcome in _recovered(tmp_path, 1, 2, 1, 2):
         assert outcome["equal"], outcome
         assert (outcome["tier"], outcome["step"], outcome["fetched"]) == ("local", 2, [])
         assert outcome["refused"] == outcome["warnings"] == []
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_a_background_save_recovered_at_three_nodes_fetches_what_the_new_nodes_lack(tmp_path):
+    """async_save with the tier (the copies in the background); node 1 lost; the job restarts
+    at 3 nodes x 2 ranks (dp 3 x tp 2): the new nodes fetch the step from node 0."""
+    said = _saved_then_node_1_lost(tmp_path, 1, {"TIER_ASYNC": "1"})
+    assert {line["saved"] for line in said} == {str(tmp_path / "durable" / "step-1")}
+    outcomes = _recovered(tmp_path, 3, 3, 2, 1)
+    for outcome in outcomes:
+        assert outcome["equal"], outcome
+        assert (outcome["tier"], outcome["step"]) == ("local", 1)
+    fetched = [outcome["fetched"] for outcome in outcomes]
+    assert fetched[:2] == [[], []] and fetched[3] == fetched[5] == []  # the leaders fetch
+    assert fetched[2][-1] == fetched[4][-1] == "manifest.json"  # the manifest last
+
+
+def _flip_a_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0xFF  # in the last tensor's data, past the header
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_a_corrupt_replica_is_refused_and_the_durable_tier_used(tmp_path):
+    """Node 0's replica of rank 2's file of the newest step has a flipped byte: it is never
+    applied; no other copy survives, so the durable checkpoint of that step is loaded, and the
+    recovery says so."""
+    _saved_then_node_1_lost(tmp_path, 2)
+    _flip_a_byte(tmp_path / "node0" / "step-2" / "rank-00002-of-00004.safetensors")
+    for outcome in _recovered(tmp_path, 1, 2, 1, 2):
+        assert outcome["equal"], outcome
+        assert (outcome["tier"], outcome["step"]) == ("durable", 2)
+        said = " ".join(outcome["warnings"])
+        assert "rank-00002-of-00004.safetensors is refused" in said, said
+        assert "no sound copy" in said and "loading" in said
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_a_node_lost_in_the_copy_fails_the_save_everywhere_and_the_previous_step_is_used(
+    tmp_path,
+):
+    """Node 1's ranks die while they receive step 2's copies: the save fails on node 0's
+    ranks too, a library error, in bounded time (the read's deadline); the job restarted on
+    node 0 recovers step 1."""
+    started = time.monotonic()
+    said = _saved_then_node_1_lost(tmp_path, 2, {"TIER_DIE_AT": "2"})
+    assert time.monotonic() - started < SILENCE_S
+    for outcome in said:
+        assert outcome["library"] and outcome["step"] == 2, outcome
+    assert sorted(os.listdir(tmp_path / "node0")) == ["step-1"]  # step 2's staging discarded
+    for outcome in _recovered(tmp_path, 1, 2, 1, 1):
+        assert outcome["equal"], outcome
+        assert (outcome["tier"], outcome["step"], outcome["fetched"]) == ("local", 1, [])

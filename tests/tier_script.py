@@ -3,8 +3,10 @@ simulated nodes (each launcher with its own ``NODE_ROOT``, the node's local dire
 
 ``python -m tests.tier_script save DIR DP TP STEPS [REPLICAS]``: trains ``STEPS`` steps at
 ``DP x TP``, saves with ``LocalTier(NODE_ROOT, replicas=REPLICAS, durable_every=1)`` to
-``DIR/durable/step-STEPS`` (each save's durable copy is the reference a recovery is compared
-with), prints ``{"rank", "pid", "saved"}`` and waits to be killed.
+``DIR/durable/step-S`` after each step S (each save's durable copy is the reference a
+recovery is compared with; ``TIER_ASYNC`` set: by ``async_save``), prints ``{"rank", "pid",
+"saved"}`` (or how a save failed: ``"error"``, ``"library"``, ``"step"``) and waits to be
+killed. ``TIER_DIE_AT=S``: node 1's ranks exit while they receive step S's copies.
 
 ``python -m tests.tier_script recover DIR DP TP STEP``: recovers at ``DP x TP`` from the
 tier (the durable tier as the fallback), loads ``DIR/durable/step-STEP`` into a second
@@ -27,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 import muonckpt
+from muonckpt.storage.node_local import ReceivedFile
 
 from .fixture_model import build, initial_params, train
 
@@ -37,12 +40,21 @@ def _tier(replicas: int = 1) -> muonckpt.LocalTier:
 
 def save(where: Path, dp: int, tp: int, steps: int, replicas: int = 1) -> None:
     opt, sharded, d, t = build(dp, tp, initial_params())
-    for step in range(1, steps + 1):
-        train(opt, sharded, d, t, step - 1, 1)
-        saved = muonckpt.save(
-            opt, where / "durable" / f"step-{step}", extra={"step": step}, tier=_tier(replicas)
-        )
-    _say({"rank": dist.get_rank(), "pid": os.getpid(), "saved": str(saved)})
+    said: dict[str, Any] = {"rank": dist.get_rank(), "pid": os.getpid()}
+    try:
+        for step in range(1, steps + 1):
+            train(opt, sharded, d, t, step - 1, 1)
+            if step == int(os.environ.get("TIER_DIE_AT", "0")) and os.environ["GROUP_RANK"] == "1":
+                ReceivedFile.write = lambda *_: os._exit(1)  # this node dies in the copy
+            path, tier = where / "durable" / f"step-{step}", _tier(replicas)
+            if os.environ.get("TIER_ASYNC"):
+                saved = muonckpt.async_save(opt, path, extra={"step": step}, tier=tier).result()
+            else:
+                saved = muonckpt.save(opt, path, extra={"step": step}, tier=tier)
+        said["saved"] = str(saved)
+    except Exception as exc:
+        said.update(error=str(exc), library=isinstance(exc, muonckpt.MuonCkptError), step=step)
+    _say(said)
     threading.Event().wait()  # until the test kills this node
 
 

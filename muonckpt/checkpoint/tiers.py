@@ -89,12 +89,21 @@ class _Nodes:
 
 
 def _nodes(tier: LocalTier) -> _Nodes:
-    """(every rank of the default group, in the foreground) The tier's group, made the first
-    time, and every rank's node."""
+    """(every rank of the default group, in the foreground) The tier's group and every
+    rank's node: both found the first time a save or recovery asks (a collective then), and
+    kept for the group, so that later saves make no exchange of their own for it."""
     group = groups.tier_group(timedelta(seconds=group_steps.rendezvous_timeout()))
-    ranks = collectives.group_ranks(None)
-    nodes = [int(n) for n in collectives.all_gather_json(tier.node_id(), group)]
-    return _Nodes(group, ranks, nodes, ranks.index(collectives.global_rank()))
+    node = tier.node_id()
+    known = _KNOWN.get(node)
+    if known is None or known.group is not group:
+        ranks = collectives.group_ranks(None)
+        nodes = [int(n) for n in collectives.all_gather_json(node, group)]
+        known = _KNOWN[node] = _Nodes(group, ranks, nodes, ranks.index(collectives.global_rank()))
+    return known
+
+
+_KNOWN: dict[int, _Nodes] = {}
+"""By this process's node, the ranks by node found over the tier's group."""
 
 
 @dataclass(frozen=True)

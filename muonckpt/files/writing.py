@@ -491,11 +491,12 @@ def commit_on_nodes(
     leader: bool,
 ) -> Path:
     """The commit of a checkpoint written in parts, one directory per node (the node-local
-    tier): the ``write`` step, where every rank hands in what it ``written`` and the
+    tier). The ``write on nodes`` step (named apart from the ``write`` of a durable copy
+    that may follow over the same mailbox): every rank hands in what it ``written`` and the
     ``copies`` of files it sent and received (``{"sent": {file: digest}, "received": {file:
     digest}}``; a failure of either fails the step on every rank), and the root checks that
     each rank's files reached every holder ``placement`` names with the digest they left
-    with, completes ``draft`` and writes the piece indexes; then the ``publish`` step, where
+    with, completes ``draft`` and writes the piece indexes. The ``publish on nodes`` step:
     each node's ``leader`` puts the indexes and the manifest (the same on every node) into
     its ``staging`` and publishes it at its ``final`` by :func:`publish`'s rules (data files
     fsynced, indexes, the manifest last, the atomic swap) with the files it holds. A failure
@@ -537,13 +538,13 @@ def commit_on_nodes(
             store.retire(replaced)
 
     try:
-        done = steps.each_then_root("write", report, complete_all)
+        done = steps.each_then_root("write on nodes", report, complete_all)
     except BaseException:
         if leader:
             store.discard(staging, quiet=True)
         raise
     try:
-        steps.each_then_root("publish", lambda: publish_here(done), lambda _: None)
+        steps.each_then_root("publish on nodes", lambda: publish_here(done), lambda _: None)
     except BaseException:
         if leader and access.exists(staging):
             store.discard(staging, quiet=True)
