@@ -158,16 +158,15 @@ def _recovered(tmp_path: Path, nodes: int, dp: int, tp: int, step: int) -> list[
 
 @pytest.mark.dist
 def test_a_node_lost_is_recovered_from_the_survivors_at_another_world_size(tmp_path):
-    """Node 1 dies with its directory after two saves; the job restarts on node 0 alone at
-    dp 2 x tp 1, and each rank loads the newest step, bitwise what the save's durable copy
-    loads at that layout, from node 0's own files and the replicas it kept of node 1's,
-    fetching nothing."""
-    said = _saved_then_node_1_lost(tmp_path, 2)
-    assert {line["saved"] for line in said} == {str(tmp_path / "durable" / "step-2")}
-    assert sorted(os.listdir(tmp_path / "node0")) == ["step-1", "step-2"]  # keep_last=2
-    for outcome in _recovered(tmp_path, 1, 2, 1, 2):
+    """Node 1 dies with its directory after a save; the job restarts on node 0 alone at
+    dp 2 x tp 1, and each rank loads the step, bitwise what the save's durable copy loads at
+    that layout, from node 0's own files and the replicas it kept of node 1's, fetching
+    nothing. (Several steps, keep_last and the choice of the newest: the slow tier.)"""
+    said = _saved_then_node_1_lost(tmp_path, 1)
+    assert {line["saved"] for line in said} == {str(tmp_path / "durable" / "step-1")}
+    for outcome in _recovered(tmp_path, 1, 2, 1, 1):
         assert outcome["equal"], outcome
-        assert (outcome["tier"], outcome["step"], outcome["fetched"]) == ("local", 2, [])
+        assert (outcome["tier"], outcome["step"], outcome["fetched"]) == ("local", 1, [])
         assert outcome["refused"] == outcome["warnings"] == []
 
 
@@ -200,6 +199,7 @@ def test_a_corrupt_replica_is_refused_and_the_durable_tier_used(tmp_path):
     applied; no other copy survives, so the durable checkpoint of that step is loaded, and the
     recovery says so."""
     _saved_then_node_1_lost(tmp_path, 2)
+    assert sorted(os.listdir(tmp_path / "node0")) == ["step-1", "step-2"]  # keep_last=2
     _flip_a_byte(tmp_path / "node0" / "step-2" / "rank-00002-of-00004.safetensors")
     for outcome in _recovered(tmp_path, 1, 2, 1, 2):
         assert outcome["equal"], outcome

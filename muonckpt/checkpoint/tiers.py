@@ -30,10 +30,12 @@ from ..distributed import collectives, group_steps, groups
 from ..errors import CheckpointError, CheckpointWarning, OptionError
 from ..files import retention, writing
 from ..files.attempt import Attempt
-from ..files.pieces import file_problems, read_manifest
+from ..files.pieces import file_problems, indexes_for, read_manifest
 from ..files.progress import Progress
 from ..format.manifest import all_files
+from ..format.manifest_json import parse_manifest
 from ..format.names import MANIFEST_NAME
+from ..state.placement import Joined, Optimizers, describe
 from ..storage import access
 from ..storage.node_local import COPY_CHUNK_BYTES
 from ..storage.places import target
@@ -351,9 +353,12 @@ def recover(
     found = collectives.all_gather_json([survey, newest_durable], nodes.group)
     durable_at, durable_step = found[0][1] or (None, None)
     surveys = {
-        nodes.nodes[i]: s for i, (s, _) in enumerate(found) if nodes.leader_of(nodes.nodes[i]) == i
+        nodes.nodes[i]: survey
+        for i, (survey, _) in enumerate(found)
+        if nodes.leader_of(nodes.nodes[i]) == i
     }
-    recovery = _recover_local(nodes, root, surveys, durable_step)
+    kept = [p.name for p in describe(_joined(optimizer)).local()]
+    recovery = _recover_local(nodes, root, surveys, durable_step, kept)
     kwargs: dict[str, Any] = {
         "params": params,
         "extra": extra,
@@ -378,6 +383,13 @@ def recover(
     )
     report = load(optimizer, durable_at, **kwargs)
     return Recovery(str(durable_at), "durable", durable_step, report=report)
+
+
+def _joined(optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer]) -> Optimizers:
+    """``optimizer`` as :func:`load` describes it: one, or several joined."""
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return optimizer
+    return optimizer[0] if len(optimizer) == 1 else Joined(list(optimizer))
 
 
 def _newest_durable(durable: str | os.PathLike[str] | None) -> list[Any] | None:
@@ -445,7 +457,11 @@ def _is_data(name: str) -> bool:
 
 
 def _recover_local(
-    nodes: _Nodes, root: Path, surveys: dict[int, Any], durable_step: int | None
+    nodes: _Nodes,
+    root: Path,
+    surveys: dict[int, Any],
+    durable_step: int | None,
+    kept: list[str],
 ) -> Recovery | None:
     """Make this node's copy of the newest sound local step complete: every node's copies of
     its data files checked (a damaged one is never used), each file this node lacks copied
@@ -454,8 +470,10 @@ def _recover_local(
     refused: list[str] = []
     for candidate in _candidates(surveys, durable_step):
         here = root / candidate.name
+        needed = _needed(nodes, here, candidate, kept)
         mine = [f for f, held in candidate.holders.items() if nodes.nodes[nodes.me] in held]
-        damaged = _damaged(nodes, here, [f for f in mine if _is_data(f)])
+        useful = set().union(*needed.values())  # here, or to be sent from here
+        damaged = _damaged(nodes, here, [f for f in mine if _is_data(f) and f in useful])
         fetched: list[str] = []
         for _ in range(_TRIES):
             _drop(candidate, damaged, refused)
@@ -465,7 +483,7 @@ def _recover_local(
                     "survives; an older step is used"
                 )
                 break
-            got = _fetch(nodes, root, candidate)
+            got = _fetch(nodes, root, candidate, needed)
             fetched += got
             damaged = _damaged(nodes, here, [f for f in got if _is_data(f)])
             if not any(damaged.values()):
@@ -499,15 +517,39 @@ def _drop(candidate: _Candidate, damaged: dict[int, dict[str, str]], refused: li
                 refused.append(f"node {node}'s copy of {file} is refused: {problem}")
 
 
-def _fetch(nodes: _Nodes, root: Path, candidate: _Candidate) -> list[str]:
-    """Copy to each node's leader every file of ``candidate`` its node lacks, from the first
-    node holding a sound copy, the manifest last; the files this node received. Every rank
-    walks the same list of copies; only the two leaders of each take part in it."""
+def _needed(
+    nodes: _Nodes, here: Path, candidate: _Candidate, kept: list[str]
+) -> dict[int, set[str]]:
+    """By node, the data files of ``candidate`` its ranks read: those whose piece indexes
+    hold a param one of them keeps (``kept``, this rank's), and every file of the job's own
+    state. The manifest's text comes from the first node that holds it."""
+    holder = nodes.leader_of(candidate.holders[MANIFEST_NAME][0])
+    text = storage.read_text(here / MANIFEST_NAME) if nodes.me == holder else None
+    manifest = parse_manifest(collectives.all_gather_json(text, nodes.group)[holder], here)
+    extra = manifest.extra.files if manifest.extra is not None else ()
+    mine = [e.file for e in indexes_for(manifest, kept)] + [f.name for f in extra]
+    needed: dict[int, set[str]] = {}
+    for node, files in zip(
+        nodes.nodes, collectives.all_gather_json(mine, nodes.group), strict=True
+    ):
+        needed.setdefault(node, set()).update(files)
+    return needed
+
+
+def _fetch(
+    nodes: _Nodes, root: Path, candidate: _Candidate, needed: dict[int, set[str]]
+) -> list[str]:
+    """Copy to each node's leader every file of ``candidate`` its ranks read (``needed``)
+    and every piece index, that its node lacks, from the first node holding a sound copy,
+    the manifest last; the files this node received. Every rank walks the same list of
+    copies; only the two leaders of each take part in it."""
     here = root / candidate.name
     copies = []
     for node in sorted(set(nodes.nodes)):
         lacking = [
-            (name, size) for name, size in candidate.files if node not in candidate.holders[name]
+            (name, size)
+            for name, size in candidate.files
+            if node not in candidate.holders[name] and (name in needed[node] or not _is_data(name))
         ]
         lacking.sort(key=lambda item: item[0] == MANIFEST_NAME)  # the manifest last
         copies += [(candidate.holders[name][0], node, name, size) for name, size in lacking]

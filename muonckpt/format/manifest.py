@@ -342,6 +342,7 @@ class Manifest:
                 groups=tuple(replace(g, tuples=()) for g in self.groups),
                 params=tuple(replace(e, state_shapes={}) for e in self.params),
                 dcp_layout="",
+                replicas=None,
             )
             yield from older.json_chunks()
             return
@@ -404,10 +405,10 @@ class Manifest:
 
     def needs_v5(self) -> bool:
         """Whether it holds a field of version :data:`PREFIXED_VERSION`: ``data_prefix``,
-        ``dcp_layout``, a state tensor not shaped like its param, a setting that was a
+        ``dcp_layout``, ``replicas``, a state tensor not shaped like its param, a setting that was a
         tuple."""
         return (
-            bool(self.data_prefix or self.dcp_layout)
+            bool(self.data_prefix or self.dcp_layout or self.replicas)
             or any(e.state_shapes for e in self.params)
             or any(g.tuples for g in self.groups)
         )
