@@ -25,11 +25,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 import muonckpt
-from muonckpt.checkpoint.tiers import placement
+from muonckpt.checkpoint.tiers import _candidates, placement
 from muonckpt.errors import CheckpointError, OptionError
 from muonckpt.format.manifest_json import replica_placement
+from muonckpt.format.names import MANIFEST_NAME
 
 from .kill_helpers import REPO
 
@@ -64,6 +66,46 @@ def test_the_placement_is_an_optional_version_5_field():
             replica_placement({"replicas": wrong}, 5)
     with pytest.raises(CheckpointError, match="version 4"):
         replica_placement(body, 4)
+
+
+def test_a_tiered_save_without_a_process_group_is_refused_before_anything_is_written(tmp_path):
+    param = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([param], lr=0.1, momentum=0.9)
+    param.grad = torch.ones(3)
+    opt.step()
+    tier = muonckpt.LocalTier(tmp_path / "local", node=0)
+    with pytest.raises(CheckpointError, match="torchrun"):
+        muonckpt.save(opt, tmp_path / "step-1", tier=tier)
+    with pytest.raises(CheckpointError, match="torchrun"):
+        muonckpt.recover(opt, tier)
+    assert not (tmp_path / "local").exists() and not (tmp_path / "step-1").exists()
+
+
+def _survey(step: int, digest: str, files: list[str], here: list[str]) -> dict[str, Any]:
+    return {"digest": digest, "step": step, "files": [[f, 1] for f in files], "here": here}
+
+
+def test_a_step_counts_when_its_files_survive_across_nodes_under_one_manifest():
+    """Which local steps recovery may use: complete across the surveys of the surviving
+    nodes, a step name whose manifests differ between nodes (a stale copy) never mixed, none
+    older than the durable tier's newest, newest first."""
+    files = ["a", "b", MANIFEST_NAME]
+    surveys = {
+        0: {
+            "step-1": _survey(1, "d1", files, ["a", MANIFEST_NAME]),
+            "step-2": _survey(2, "d2", files, ["a", MANIFEST_NAME]),
+            "step-3": _survey(3, "d3", files, files),
+        },
+        2: {
+            "step-1": _survey(1, "d1", files, ["b", MANIFEST_NAME]),
+            "step-2": _survey(2, "other", files, ["b", MANIFEST_NAME]),  # a stale copy
+        },
+    }
+    found = _candidates(surveys, None)
+    assert [(c.name, c.digest) for c in found] == [("step-3", "d3"), ("step-1", "d1")]
+    assert found[1].holders == {"a": [0], "b": [2], MANIFEST_NAME: [0, 2]}
+    assert [c.name for c in _candidates(surveys, 2)] == ["step-3"]
+    assert _candidates(surveys, 4) == []
 
 
 class Node:

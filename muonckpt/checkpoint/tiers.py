@@ -94,6 +94,11 @@ def _nodes(tier: LocalTier) -> _Nodes:
     """(every rank of the default group, in the foreground) The tier's group and every
     rank's node: both found the first time a save or recovery asks (a collective then), and
     kept for the group, so that later saves make no exchange of their own for it."""
+    if not collectives.is_distributed():
+        raise CheckpointError(
+            "the node-local tier copies between the ranks of a process group: launch the job "
+            "with torchrun (or initialize the default process group)"
+        )
     group = groups.tier_group(timedelta(seconds=group_steps.rendezvous_timeout()))
     node = tier.node_id()
     known = _KNOWN.get(node)
