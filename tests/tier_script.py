@@ -11,7 +11,8 @@ killed. ``TIER_DIE_AT=S``: node 1's ranks exit while they receive step S's copie
 ``python -m tests.tier_script recover DIR DP TP STEP``: recovers at ``DP x TP`` from the
 tier (the durable tier as the fallback), loads ``DIR/durable/step-STEP`` into a second
 optimizer of the same layout, and prints ``{"rank", "tier", "step", "fetched", "refused",
-"equal"}``: ``equal``, whether every state tensor and param is bitwise what that load gives.
+"equal"}``: ``equal``, whether every state tensor and param, and the tensor of ``extra``, is
+bitwise what that load gives.
 """
 
 from __future__ import annotations
@@ -47,10 +48,11 @@ def save(where: Path, dp: int, tp: int, steps: int, replicas: int = 1) -> None:
             if step == int(os.environ.get("TIER_DIE_AT", "0")) and os.environ["GROUP_RANK"] == "1":
                 ReceivedFile.write = lambda *_: os._exit(1)  # this node dies in the copy
             path, tier = where / "durable" / f"step-{step}", _tier(replicas)
+            extra = {"step": step, "scale": torch.arange(5.0) * step}  # a file of its own
             if os.environ.get("TIER_ASYNC"):
-                saved = muonckpt.async_save(opt, path, extra={"step": step}, tier=tier).result()
+                saved = muonckpt.async_save(opt, path, extra=extra, tier=tier).result()
             else:
-                saved = muonckpt.save(opt, path, extra={"step": step}, tier=tier)
+                saved = muonckpt.save(opt, path, extra=extra, tier=tier)
         said["saved"] = str(saved)
     except Exception as exc:
         said.update(error=str(exc), library=isinstance(exc, muonckpt.MuonCkptError), step=step)
@@ -73,10 +75,13 @@ def recover(where: Path, dp: int, tp: int, step: int) -> None:
     opt, _, _, _ = build(dp, tp, initial_params())
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
-        got = muonckpt.recover(opt, _tier(), where / "durable")
+        extra: dict[str, Any] = {}
+        got = muonckpt.recover(opt, _tier(), where / "durable", extra=extra)
     reference, _, _, _ = build(dp, tp, initial_params())
-    muonckpt.load(reference, where / "durable" / f"step-{step}")
-    mine, theirs = _values(opt), _values(reference)
+    saved: dict[str, Any] = {}
+    muonckpt.load(reference, where / "durable" / f"step-{step}", extra=saved)
+    mine = {**_values(opt), "extra.scale": extra["scale"]}
+    theirs = {**_values(reference), "extra.scale": saved["scale"]}
     equal = mine.keys() == theirs.keys() and all(
         torch.equal(mine[k].view(torch.uint8), theirs[k].view(torch.uint8)) for k in mine
     )
