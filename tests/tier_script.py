@@ -105,7 +105,8 @@ def _say(said: dict[str, Any]) -> None:
 
 
 if __name__ == "__main__":
-    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    timeout = float(os.environ.get("MUONCKPT_RENDEZVOUS_TIMEOUT", "60"))
+    dist.init_process_group("gloo", timeout=timedelta(seconds=timeout))
     torch.set_num_threads(1)
     mode, directory, *numbers = sys.argv[1:]
     {"save": save, "recover": recover}[mode](Path(directory), *map(int, numbers))

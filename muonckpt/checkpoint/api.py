@@ -137,7 +137,8 @@ def _prepare(
     tiered = None
     if options.tier is not None:
         tiered = tiers.prepare(options.tier, path, call.sharding.participants, options.overwrite)
-        call, store = dataclasses.replace(call, path=tiered.final), storage.NodeStore()
+        call = dataclasses.replace(call, path=tiered.final)
+        store = storage.NodeStore(leader=tiered.nodes.leader)
     collected = saving.collect(call, buffers)  # this rank's values, or its refusal
     mailbox = options.background and len(call.sharding.participants) > 1
     try:

@@ -56,10 +56,14 @@ def group_ranks(group: Group) -> list[int]:
 _CPU = torch.device("cpu")
 
 PEER_LOST = re.compile(
-    r"Connection (closed|reset) by peer|Broken pipe|ECONNRESET|EPIPE|Socket Timeout", re.I
+    r"Connection (closed|reset) by peer|Broken pipe|ECONNRESET|EPIPE|Socket Timeout"
+    r"|Timed out waiting \d+ms for (recv|send) operation",
+    re.I,
 )
 """What torch.distributed says when the process at the other end went away (gloo's pairs,
-the store's socket): in a rank's error, a consequence of another's death, not its cause."""
+the store's socket; a transfer with it that never completes, when gloo did not see its
+connection close: a node killed while its peers wait): in a rank's error, a consequence of
+another's death, not its cause."""
 
 
 @contextmanager

@@ -18,6 +18,7 @@ import numpy as np
 import xxhash
 
 from ..errors import CheckpointError
+from . import lease
 from .backend import PosixStore, StrPath
 from .durable import failing_as, failure, fsync_dir, open_regular, pwrite_all, remove_quietly
 
@@ -28,14 +29,21 @@ COPY_CHUNK_BYTES = 16 << 20
 class NodeStore(PosixStore):
     """:class:`~.backend.PosixStore` whose staging directory is per node: the save root
     creates its own beside its node's local step, every other node's ranks write into one of
-    the same name beside theirs (:meth:`join_staging`)."""
+    the same name beside theirs (:meth:`join_staging`), whose lease the node's ``leader``
+    (the rank that publishes it) holds, so that ``clean`` knows a killed save's leftover."""
+
+    def __init__(self, leader: bool = False) -> None:
+        self.leader = leader
 
     def join_staging(self, staging: str, rank: int, final: StrPath) -> Path:
         """The directory named as the root's ``staging``, beside this node's ``final``; made
-        by the first of the node's ranks to come (the root's own is itself)."""
+        by the first of the node's ranks to come (the root's own is itself, its lease the
+        root's)."""
         here = Path(final).parent / Path(staging).name
         with failing_as("create the staging directory", here):
             here.mkdir(parents=True, exist_ok=True)
+        if self.leader and not lease.holds(here):
+            lease.take(here, "staging")
         return here
 
 
