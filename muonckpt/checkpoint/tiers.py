@@ -312,7 +312,8 @@ class Recovery:
     step: int | None
     """The step it records."""
     fetched: list[str] = field(default_factory=list)
-    """The files this node copied from other nodes."""
+    """The files this rank received from other nodes for its node (its node's first rank
+    receives them all; the others list none)."""
     refused: list[str] = field(default_factory=list)
     """Copies found damaged (never applied), and local steps passed over, one line each."""
     report: LoadReport = field(default_factory=LoadReport)

@@ -66,7 +66,7 @@ from .durable import (
 )
 from .lease import leftover
 from .mailbox import is_mailbox, remove_mailbox
-from .node_local import Digest, NodeStore, ReceivedFile, file_chunks, file_digest, present
+from .node_local import Digest, NodeStore, ReceivedFile, file_chunks, present
 from .ownership import check_target, is_ours, ownership_problem
 from .places import Location, location, resolved_place
 from .reader_cache import ReaderCache
@@ -99,7 +99,6 @@ __all__ = [
     "dtype_name",
     "entries",
     "file_chunks",
-    "file_digest",
     "file_size",
     "files_at",
     "fsync_dir",

@@ -66,7 +66,8 @@ def file_chunks(path: StrPath, chunk_bytes: int = COPY_CHUNK_BYTES) -> Iterator[
 
 class Digest:
     """The XXH3-64 of bytes that come in chunks (16 hex digits, as
-    :func:`muonckpt.storage.checksums.chunk_digest` gives of them whole)."""
+    :func:`muonckpt.storage.checksums.chunk_digest` gives of them whole): a file copied to
+    another node, at both ends."""
 
     def __init__(self) -> None:
         self._hasher = xxhash.xxh3_64()
@@ -76,14 +77,6 @@ class Digest:
 
     def hexdigest(self) -> str:
         return self._hasher.hexdigest()
-
-
-def file_digest(path: StrPath) -> str:
-    """The XXH3-64 of the whole file at ``path`` (16 hex digits)."""
-    digest = Digest()
-    for chunk in file_chunks(path):
-        digest.update(chunk)
-    return digest.hexdigest()
 
 
 class ReceivedFile:
