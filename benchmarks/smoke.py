@@ -27,6 +27,7 @@ SMOKE: dict[str, list[str]] = {
     "bench_scale.py": ["--params", "20", "--moe", "moonlight", "--moe-layers", "2"],
     "profile_io.py": ["offline", "async", "--size", "2MB", "--rounds", "1"],
     "bench_s3.py": ["--size", "2MB", "--repeats", "1"],  # boto3 and moto: the test extra
+    "bench_tiers.py": ["--size", "2MB", "--nodes", "2", "--rounds", "1"],
 }
 """Script -> the arguments of its smoke run."""
 NEEDS_A_TRAINER: dict[str, list[str]] = {

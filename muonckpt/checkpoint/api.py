@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import os
 import sys
 import threading
@@ -37,9 +38,9 @@ from ..state.hostcopy import HostBuffers
 from ..state.placement import Joined, Optimizers, optimizers_of
 from ..storage.places import Location, location
 from ..storage.places import target as target_text
-from . import saving
+from . import saving, tiers
 from .loading import LoadReport, event, load
-from .options import SaveOptions
+from .options import LocalTier, SaveOptions
 
 __all__ = ["DEFAULT_ASYNC_TIMEOUT_S", "LoadReport", "async_save", "load", "save"]
 
@@ -63,6 +64,7 @@ def save(
     rank_extra: Mapping[str, Any] | None = None,
     local: bool = False,
     progress: Progress | None = None,
+    tier: LocalTier | None = None,
 ) -> Location:
     """Save ``optimizer``'s state (and its params) to directory ``path``; a collective over its
     dp x tp grid, which begins with a bounded rendezvous (every rank must call it, with the same
@@ -92,9 +94,14 @@ def save(
         progress: a :data:`muonckpt.offline.Progress` callback, called with this rank's bytes
             and tensors written and their totals as its files are written
             (:class:`muonckpt.ProgressLines` prints them as lines for a log).
+        tier: a :class:`muonckpt.LocalTier`: write the save to each node's own directory,
+            each rank's files copied to ``tier.replicas`` other nodes, and to ``path`` (the
+            durable target) only every ``tier.durable_every`` saves (recover with
+            :func:`muonckpt.recover`).
 
     Returns:
-        The checkpoint directory (an :class:`~muonckpt.storage.s3.S3Url` for an S3 target).
+        The checkpoint directory (an :class:`~muonckpt.storage.s3.S3Url` for an S3 target);
+        with ``tier``, the durable one when written, else this node's local step.
 
     A background save of the same optimizer still in flight (:func:`async_save`) commits
     first.
@@ -110,26 +117,33 @@ def save(
         rank_extra=rank_extra,
         local=local,
         progress=progress,
+        tier=tier,
     )
     with event("save", path, local) as logged:
-        prepared = _prepare(_target(optimizer, path, local), path, options)
-        return _write_and_commit(prepared.steps, prepared, path, keep_last, logged)
+        prepared, tiered = _prepare(_target(optimizer, path, local), path, options)
+        return _write_and_commit(prepared.steps, prepared, path, keep_last, logged, tiered)
 
 
 def _prepare(
     target: Optimizers, path: str | os.PathLike[str], options: SaveOptions
-) -> saving.PreparedSave:
-    """A save's steps in the caller's thread, in order: describe and agree, collect, stage
-    (with the check of where the state is), plan (:func:`_write_and_commit` does the rest,
-    here or in the background)."""
+) -> tuple[saving.PreparedSave, tiers.TierSave | None]:
+    """A save's steps in the caller's thread, in order: describe and agree (with a tier, the
+    nodes and where the copies go: the save then stages in each node's local step), collect,
+    stage (with the check of where the state is), plan (:func:`_write_and_commit` does the
+    rest, here or in the background)."""
     buffers = _HOST_BUFFERS.setdefault(_key(target), HostBuffers())
     store = storage.store_for(target_text(path))
     call = saving.agree(target, path, options)
+    tiered = None
+    if options.tier is not None:
+        tiered = tiers.prepare(options.tier, path, call.sharding.participants, options.overwrite)
+        call = dataclasses.replace(call, path=tiered.final)
+        store = storage.NodeStore(leader=tiered.nodes.leader)
     collected = saving.collect(call, buffers)  # this rank's values, or its refusal
     mailbox = options.background and len(call.sharding.participants) > 1
     try:
         staging, box = saving.stage(call, collected, store, mailbox)
-        return saving.plan(call, collected.result(), staging, box, buffers, store)
+        return saving.plan(call, collected.result(), staging, box, buffers, store), tiered
     finally:
         saving.settle(collected)  # the snapshot made before the call returns or raises
 
@@ -140,10 +154,20 @@ def _write_and_commit(
     final: str | os.PathLike[str],
     keep_last: int | None,
     event: events.Event,
+    tiered: tiers.TierSave | None = None,
 ) -> Location:
     """A save's steps after :func:`_prepare`, in order: write, commit, retire, prune; in the
     caller's thread (:func:`save`) or the background (:func:`async_save`, over ``steps``
-    through its mailbox); the bytes this rank wrote to ``event``."""
+    through its mailbox); the bytes this rank wrote to ``event``. With ``tiered``, first the
+    local step (:func:`muonckpt.checkpoint.tiers.commit`), then, when due, the same steps
+    again into a staging directory at the durable target."""
+    if tiered is not None:
+        local = tiers.commit(steps, prepared, tiered)
+        if not tiered.durable:
+            return local
+        store = storage.store_for(target_text(final))
+        staging = writing.stage(steps, store, final, overwrite=tiered.overwrite)
+        prepared = dataclasses.replace(prepared, staging=staging, store=store)
     written = saving.write(prepared)  # this rank's files: its report, or its failure
     if written.value is not None:
         event.bytes = sum(written.value.sizes.values())
@@ -171,6 +195,7 @@ def async_save(
     model: torch.nn.Module | None = None,
     local: bool = False,
     progress: Progress | None = None,
+    tier: LocalTier | None = None,
 ) -> Future[Location]:
     """:func:`save`, returning as soon as the state and params are copied to host memory; the
     write, fsync, commit, retiring a replaced checkpoint and ``keep_last`` run in the
@@ -194,9 +219,10 @@ def async_save(
 
     Args:
         optimizer, path, consolidated, max_shard_size, params, overwrite, keep_last, model,
-            extra, rank_extra, local, progress: as for :func:`save` (``extra`` and
+            extra, rank_extra, local, progress, tier: as for :func:`save` (``extra`` and
             ``rank_extra`` are taken at the call: tensors copied, state dicts asked for;
-            ``progress`` is called from the background thread).
+            ``progress`` is called from the background thread; with ``tier``, the copies to
+            other nodes are made in the background too, over the tier's own gloo group).
         timeout: seconds (positive) rank 0 waits at each step for the slowest rank before the
             save fails on every rank still there (the others wait twice that for rank 0): a
             rank whose write never finishes is an error, never a hang.
@@ -230,11 +256,13 @@ def async_save(
         background=True,
         timeout=timeout,
         progress=progress,
+        tier=tier,
     )
     logged = event("async_save", path, local)
     try:
         target = _target(optimizer, path, local)
-        return _in_background(target, _prepare(target, path, options), path, options, logged)
+        prepared, tiered = _prepare(target, path, options)
+        return _in_background(target, prepared, path, options, logged, tiered)
     except BaseException as exc:
         logged.fail(exc)
         raise
@@ -246,9 +274,11 @@ def _in_background(
     path: str | os.PathLike[str],
     options: SaveOptions,
     event: events.Event,
+    tiered: tiers.TierSave | None,
 ) -> Future[Location]:
-    """Start :func:`_write_and_commit` of ``prepared`` on a thread of its own, the ranks
-    agreeing through its mailbox; its future (whose outcome ends ``event``)."""
+    """Start :func:`_write_and_commit` of ``prepared`` (and its ``tiered`` local step) on a
+    thread of its own, the ranks agreeing through its mailbox; its future (whose outcome
+    ends ``event``)."""
     foreground = prepared.steps
     assert options.timeout is not None  # (a background save's options)
     background = MailboxSteps(
@@ -266,7 +296,7 @@ def _in_background(
     future.thread = threading.Thread(
         target=_finish_in_background,
         # absolute: the thread commits where the call named, whatever the working directory
-        args=(future, go, background, _absolute(path), prepared, options.keep_last, event),
+        args=(future, go, background, _absolute(path), prepared, options.keep_last, event, tiered),
         name=f"muonckpt async_save {path}",
         daemon=False,  # a daemon would die unnoticed at exit; _finish_saves_at_exit waits
     )
@@ -295,6 +325,7 @@ def _finish_in_background(
     prepared: saving.PreparedSave,
     keep_last: int | None,
     event: events.Event,
+    tiered: tiers.TierSave | None,
 ) -> None:
     """The background half of :func:`async_save`: :func:`_write_and_commit`; the outcome to
     ``future`` (and ``event``), always a library error on failure. It begins once ``go`` is
@@ -303,7 +334,7 @@ def _finish_in_background(
     go.wait()
     try:
         steps.connect()
-        committed = _write_and_commit(steps, prepared, final, keep_last, event)
+        committed = _write_and_commit(steps, prepared, final, keep_last, event, tiered)
     except MuonCkptError as exc:
         event.fail(exc)
         future.set_exception(exc)

@@ -181,6 +181,33 @@ def load(
     asked = _LoadOptions(
         path, params, momentum_form, rename, extra, rank_extra, local, check, progress, model
     )
+    return _load(optimizer, asked)
+
+
+def load_node_copy(
+    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
+    path: str | os.PathLike[str],
+    *,
+    params: bool,
+    extra: MutableMapping[str, Any] | None,
+    rank_extra: MutableMapping[str, Any] | None,
+    progress: Progress | None,
+    check: bool,
+) -> LoadReport:
+    """:func:`load` of a checkpoint each node holds a copy of in its own directory ``path``
+    (a step of the node-local tier, recovered): the ranks agree on its manifest, not on its
+    path."""
+    asked = _LoadOptions(
+        path, params, None, None, extra, rank_extra, False, check, progress, per_node=True
+    )
+    return _load(optimizer, asked)
+
+
+def _load(
+    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer], asked: _LoadOptions
+) -> LoadReport:
+    """:func:`load`'s steps, in order."""
+    path, local = asked.path, asked.local
     with event("load", path, local) as logged:
         call = _agree(optimizer, asked)  # the rendezvous, then the layout
         opened = _open(call)  # open: the manifest, or this rank's refusal
@@ -222,12 +249,15 @@ class _LoadOptions:
     progress: Progress | None = None
     """This rank's own report of its reads (not compared across ranks)."""
     model: Model | None = None
+    per_node: bool = False
+    """Each node reads its own copy at its own ``path`` (:func:`load_node_copy`): the ranks
+    compare the manifest they opened, not where."""
 
     def agreement(self) -> dict[str, Any]:
         """What every rank's call must have alike (the rendezvous compares it)."""
         rename = self.rename
         return {
-            "path": storage.resolved_place(self.path),
+            "path": "(each node's own)" if self.per_node else storage.resolved_place(self.path),
             "params": self.params,
             "momentum_form": self.momentum_form,
             "rename": rename if rename is None or isinstance(rename, Mapping) else _named(rename),
@@ -308,7 +338,7 @@ def _opened(call: _LoadCall) -> _Opened:
     if len(call.steps.ranks) == 1:
         return _Opened(files, manifest, {})  # nobody to agree with: no digest of it
     agreement = {
-        "checkpoint": files.resolved(),
+        "checkpoint": "(each node's own)" if options.per_node else files.resolved(),
         "manifest": manifest.digest(),
         "models that follow the params": len(call.models),  # each a collective below
     }

@@ -12,9 +12,66 @@ from typing import Any
 import torch
 
 from .. import settings
+from ..errors import OptionError
 from ..files.progress import Progress
 from ..storage.places import location
 from ..storage.s3 import S3Url
+
+
+@dataclass(frozen=True)
+class LocalTier:
+    """A fast tier beside the durable target: each rank's share written to its node's own
+    directory and copied to ``replicas`` other nodes' (docs/format.md, "The node-local tier"),
+    the durable target written every ``durable_every`` saves. A node is what the launcher says
+    it is (``node``, else torchrun's ``GROUP_RANK``), never the host name. Recover with
+    :func:`muonckpt.recover`."""
+
+    root: str | os.PathLike[str]
+    """This node's directory of local steps (a node's own disk, or ``/dev/shm``): each save
+    writes ``root/NAME``, NAME the durable target's last component. May differ per node."""
+    replicas: int = 1
+    """On how many other nodes each rank's share is copied (at least 1; fewer than the
+    nodes)."""
+    durable_every: int = 0
+    """Also write the durable target (the save's ``path``) every this many tiered saves of
+    the process, counted from its first (0: never; 1: every save)."""
+    keep_last: int | None = 2
+    """Local steps each node keeps (the new one among them; None: all)."""
+    node: int | None = None
+    """This process's node (None: torchrun's ``GROUP_RANK``)."""
+
+    def __post_init__(self) -> None:
+        settings.local_path(os.fspath(self.root))
+        if not isinstance(self.replicas, int) or isinstance(self.replicas, bool):
+            raise OptionError(f"replicas must be an int, got {self.replicas!r}")
+        if self.replicas < 1:
+            raise OptionError(f"replicas must be at least 1, got {self.replicas}")
+        if not isinstance(self.durable_every, int) or self.durable_every < 0:
+            raise OptionError(f"durable_every must be an int >= 0, got {self.durable_every!r}")
+        if self.keep_last is not None and (
+            not isinstance(self.keep_last, int) or self.keep_last < 1
+        ):
+            raise OptionError(f"keep_last must be an int >= 1 or None, got {self.keep_last!r}")
+
+    def node_id(self) -> int:
+        """This process's node: :attr:`node`, else torchrun's ``GROUP_RANK``."""
+        if self.node is not None:
+            return self.node
+        found = os.environ.get("GROUP_RANK")
+        if found is None or not found.isdigit():
+            raise OptionError(
+                "LocalTier needs the node of this process: launch with torchrun (GROUP_RANK) "
+                "or pass LocalTier(node=...)"
+            )
+        return int(found)
+
+    def agreement(self) -> dict[str, Any]:
+        """What every rank's tier must have alike (not the root, which is each node's own)."""
+        return {
+            "replicas": self.replicas,
+            "durable_every": self.durable_every,
+            "keep_last": self.keep_last,
+        }
 
 
 @dataclass(frozen=True)
@@ -82,6 +139,9 @@ class SaveOptions:
     progress: Progress | None = None
     """This rank's own report of its files written (:data:`muonckpt.offline.Progress`): each
     rank may pass its own, or none (not compared across ranks)."""
+    tier: LocalTier | None = None
+    """Write to the node-local tier (:class:`LocalTier`) and its replicas; the durable
+    ``path`` every ``tier.durable_every`` saves. A per-rank save only."""
     shard_bytes: int | None = field(init=False)
     """``max_shard_size`` as bytes (None: no split)."""
 
@@ -89,6 +149,8 @@ class SaveOptions:
         if self.background:
             settings.seconds(self.timeout, "timeout")
         object.__setattr__(self, "shard_bytes", settings.shard_size(self.max_shard_size))
+        if self.tier is not None and (self.consolidated or self.local):
+            raise OptionError("a LocalTier save is a per-rank save of the grid's ranks")
 
     @property
     def operation(self) -> str:
@@ -107,4 +169,5 @@ class SaveOptions:
             "keep_last": self.keep_last,
             "timeout": self.timeout,
             "model given": self.model is not None,
+            "tier": None if self.tier is None else self.tier.agreement(),
         }

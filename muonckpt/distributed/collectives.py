@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -55,10 +56,14 @@ def group_ranks(group: Group) -> list[int]:
 _CPU = torch.device("cpu")
 
 PEER_LOST = re.compile(
-    r"Connection (closed|reset) by peer|Broken pipe|ECONNRESET|EPIPE|Socket Timeout", re.I
+    r"Connection (closed|reset) by peer|Broken pipe|ECONNRESET|EPIPE|Socket Timeout"
+    r"|Timed out waiting \d+ms for (recv|send) operation",
+    re.I,
 )
 """What torch.distributed says when the process at the other end went away (gloo's pairs,
-the store's socket): in a rank's error, a consequence of another's death, not its cause."""
+the store's socket; a transfer with it that never completes, when gloo did not see its
+connection close: a node killed while its peers wait): in a rank's error, a consequence of
+another's death, not its cause."""
 
 
 @contextmanager
@@ -353,3 +358,51 @@ def one_line(exc: BaseException) -> str:
     """``Type: message`` on one line."""
     text = " ".join(str(exc).split())
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def all_gather_json(obj: Any, group: Group) -> list[Any]:
+    """Every rank's ``obj`` of ``group``, in group-rank order, as JSON (two all-gathers: the
+    lengths, then the bytes padded to the longest)."""
+    data = json.dumps(obj, separators=(",", ":")).encode()
+    on = comm_device(group)
+    lengths = all_gather_ints([len(data)], group)
+    longest = max(n for (n,) in lengths)
+    padded = torch.zeros(longest, dtype=torch.uint8, device=on)
+    if data:
+        padded[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    with _lost(_members(group), lambda: group_ranks(group)):
+        gathered = all_gather_list(padded, group)
+    return [json.loads(_tensor_bytes(t[:n])) for t, (n,) in zip(gathered, lengths, strict=True)]
+
+
+def relay(
+    chunks: Iterator[np.ndarray],
+    to: int | None,
+    sizes: Sequence[int],
+    source: int | None,
+    group: Group,
+) -> Iterator[np.ndarray]:
+    """Send ``chunks`` to global rank ``to`` while receiving from global rank ``source``
+    chunks of ``sizes`` bytes, which are yielded as they come (None: no such side), both
+    posted before either is waited for, so that a ring of ranks moves at once. Every chunk
+    travels on the CPU over ``group`` (gloo)."""
+    pending = iter(sizes) if source is not None else iter(())
+    outgoing = chunks if to is not None else iter(())
+    peers = [p for p in (to, source) if p is not None]
+    while True:
+        chunk, size = next(outgoing, None), next(pending, None)
+        posted = []
+        with _lost(lambda: f"rank(s) {peers}", lambda: peers):
+            if chunk is not None:
+                posted.append(dist.isend(torch.from_numpy(chunk), to, group=group))
+            incoming = None
+            if size is not None:
+                incoming = torch.empty(size, dtype=torch.uint8)
+                posted.append(dist.irecv(incoming, source, group=group))
+            if not posted:
+                return
+            for work in posted:
+                assert work is not None  # (a rank of the group: torch gives its work)
+                work.wait()
+        if incoming is not None:
+            yield incoming.numpy()

@@ -6,6 +6,7 @@ starts with, under :func:`rendezvous_timeout`.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -29,7 +30,8 @@ class CollectiveSteps(StepProtocol):
     each rank's outcome travels to the root, and the root's to every rank, as JSON
     point-to-point (so ``ranks`` need not form a process group). A transfer that fails itself
     (a peer process dying, the network) is not a step's failure: the process group's timeout
-    ends it."""
+    ends it; but a root that finds a rank gone tells the others the step failed, so that a
+    node lost mid-save is an error on every rank at once rather than at that timeout."""
 
     def __init__(
         self, operation: str, ranks: Sequence[int], root: int, error: type[MuonCkptError]
@@ -45,7 +47,18 @@ class CollectiveSteps(StepProtocol):
             agreed: Outcome = broadcast_json(outcome, self.ranks, self.root)
             return agreed
         except PeerLostError as exc:
+            if self.is_root:
+                self._tell_failed(exc)
             raise self.error(f"{self.operation} ({step}): {exc}") from exc
+
+    def _tell_failed(self, lost: PeerLostError) -> None:
+        """(the root, which lost a rank in a step) The step's failure to every other rank not
+        known lost, each in turn, as its outcome; a rank it cannot reach is passed by."""
+        failed: Outcome = {"error": f"rank {self.rank}: {lost}", "rank": self.rank}
+        for rank in self.ranks:
+            if rank != self.rank and rank not in lost.peers:
+                with contextlib.suppress(RuntimeError, CollectiveError):  # gone as well
+                    broadcast_json(failed, [self.rank, rank], self.rank)
 
 
 # --------------------------------------------------------------------------------------------

@@ -119,3 +119,21 @@ def join_default_group(
 def leave_default_group() -> None:
     """Destroy the default process group (and every group made from it)."""
     dist.destroy_process_group()
+
+
+_TIER_GROUPS: dict[tuple[int, ...], tuple[Any, Group]] = {}
+"""Per world (its ranks), its default group and the gloo group the node-local tier's copies
+travel over."""
+
+
+def tier_group(timeout: timedelta) -> Group:
+    """The gloo group of every rank of the default group, made for the node-local tier's
+    copies between nodes the first time it is asked for (a collective then, as
+    ``new_group`` is: every rank asks at the same point, in the foreground), so that a
+    background save's copies never use the job's own groups."""
+    ranks, world = tuple(group_ranks(None)), dist.group.WORLD
+    made = _TIER_GROUPS.get(ranks)
+    if made is None or made[0] is not world:  # (a default group made anew: its own)
+        group = dist.new_group(list(ranks), backend="gloo", timeout=timeout)
+        made = _TIER_GROUPS[ranks] = (world, group)
+    return made[1]

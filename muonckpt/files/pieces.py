@@ -15,7 +15,7 @@ import contextlib
 import itertools
 import os
 from collections import Counter
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import replace
 
 import numpy as np
@@ -526,27 +526,58 @@ def _problems(path: str | os.PathLike[str]) -> list[CheckpointError]:
     ]
     problems += _topology_problems(manifest, files)
     problems += _unknown_files(files, manifest)
-    model = manifest.model
-    tensors = {e.name: e for e in model.tensors} if model is not None else {}
     with PieceReader(files, manifest) as reader:
-        for piece in itertools.chain(manifest.pieces, model.pieces if model is not None else ()):
-            try:
-                held = tensors.get(piece.param) or manifest.param(piece.param)
-                reader.check_header(piece, held)
-                reader.reader(piece.file).verify(piece.tensor, piece.checksums, piece.chunk_bytes)
-            except CheckpointError as exc:
-                problems.append(exc)
-        for what, tree in manifest.extra.trees() if manifest.extra is not None else ():
-            for tensor in tree.tensors:
-                try:
-                    reader.check_extra(tensor, what)
-                    reader.reader(tensor.file).verify(
-                        tensor.tensor, tensor.checksums, tensor.chunk_bytes
-                    )
-                except CheckpointError as exc:
-                    problems.append(exc)
+        problems += [problem for _, problem in _tensor_problems(manifest, reader, None)]
         problems += _unread_tensors(manifest, reader)
     return _unique(problems)
+
+
+def _tensor_problems(
+    manifest: Manifest, reader: PieceReader, only: Collection[str] | None
+) -> list[tuple[str, CheckpointError]]:
+    """Every stored tensor's header and checksums checked (``verify``'s read of all data), of
+    the data files ``only`` (None: all): each problem with its file."""
+    model = manifest.model
+    tensors = {e.name: e for e in model.tensors} if model is not None else {}
+    problems: list[tuple[str, CheckpointError]] = []
+    for piece in itertools.chain(manifest.pieces, model.pieces if model is not None else ()):
+        if only is not None and piece.file not in only:
+            continue
+        try:
+            held = tensors.get(piece.param) or manifest.param(piece.param)
+            reader.check_header(piece, held)
+            reader.reader(piece.file).verify(piece.tensor, piece.checksums, piece.chunk_bytes)
+        except CheckpointError as exc:
+            problems.append((piece.file, exc))
+    for what, tree in manifest.extra.trees() if manifest.extra is not None else ():
+        for tensor in tree.tensors:
+            if only is not None and tensor.file not in only:
+                continue
+            try:
+                reader.check_extra(tensor, what)
+                reader.reader(tensor.file).verify(
+                    tensor.tensor, tensor.checksums, tensor.chunk_bytes
+                )
+            except CheckpointError as exc:
+                problems.append((tensor.file, exc))
+    return problems
+
+
+def file_problems(path: str | os.PathLike[str], names: Collection[str]) -> dict[str, str]:
+    """(a directory holding some of a checkpoint's files: a node's copy of a local step) The
+    data files of ``names`` found damaged, each with its first problem; what ``verify`` checks
+    of them (there, at their size, every header and checksum). Every piece index is read,
+    checked against the manifest; a manifest or an index refused is a problem of every file."""
+    files = checkpoint_at(path)
+    manifest = read_manifest(files, pieces=False)
+    manifest, problems = _with_every_index(files, manifest)
+    if problems:
+        return dict.fromkeys(names, str(problems[0]))
+    found: dict[str, str] = {}
+    with PieceReader(files, manifest) as reader:
+        for file, problem in _tensor_problems(manifest, reader, set(names)):
+            found.setdefault(file, str(problem))
+    return found
 
 
 def _unread_tensors(manifest: Manifest, reader: PieceReader) -> list[CheckpointError]:

@@ -34,6 +34,7 @@ import json
 import os
 import warnings
 from collections.abc import Callable, Generator, Iterator, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
@@ -53,6 +54,7 @@ from ..format.manifest import (
 from ..format.names import MANIFEST_NAME
 from ..format.writeplan import Plan, TensorWrite, specs_of
 from ..layout.workplan import WorkUnit, split_work
+from ..storage import access
 from ..storage.places import Location, location
 from ..storage.safetensors_writer import prefetched
 from . import _indexes
@@ -475,3 +477,91 @@ def seal_shared(plan: Plan, staging: Path) -> None:
     fsyncs them all in one parallel pass."""
     for output in _shared_files(plan, staging).values():
         output.commit(sync=False)
+
+
+def commit_on_nodes(
+    steps: Steps,
+    store: storage.CheckpointStore,
+    staging: Path,
+    final: str | os.PathLike[str],
+    written: Attempt[Written],
+    copies: Attempt[dict[str, Any]],
+    draft: Draft,
+    placement: dict[str, Any],
+    leader: bool,
+) -> Path:
+    """The commit of a checkpoint written in parts, one directory per node (the node-local
+    tier). The ``write on nodes`` step (named apart from the ``write`` of a durable copy
+    that may follow over the same mailbox): every rank hands in what it ``written`` and the
+    ``copies`` of files it sent and received (``{"sent": {file: digest}, "received": {file:
+    digest}}``; a failure of either fails the step on every rank), and the root checks that
+    each rank's files reached every holder ``placement`` names with the digest they left
+    with, completes ``draft`` and writes the piece indexes. The ``publish on nodes`` step:
+    each node's ``leader`` puts the indexes and the manifest (the same on every node) into
+    its ``staging`` and publishes it at its ``final`` by :func:`publish`'s rules (data files
+    fsynced, indexes, the manifest last, the atomic swap) with the files it holds. A failure
+    before the swap discards the node's staging directory. Returns this node's ``final``."""
+    where = location(final)
+
+    def report() -> Any:
+        return {"written": written.result().to_json(), **copies.result()}
+
+    def complete_all(raw: list[Any]) -> dict[str, Any]:
+        _check_copies(raw, placement, steps.ranks)
+        reports = Reports.merged([Written.from_json(r["written"]) for r in raw], staging)
+        manifest = replace(complete(draft, reports), replicas=placement)
+        gaps = manifest.coverage_problems()
+        if gaps:
+            raise CheckpointError(f"the files written do not hold the whole state: {gaps[0]}")
+        manifest = _indexes.write_indexes(staging, manifest, where)
+        names = [entry.name for entry in manifest.indexes]
+        return {
+            "manifest": manifest.to_json(),
+            "indexes": {name: storage.read_text(staging / name) for name in names},
+            "files": [[f.name, f.bytes] for f in all_files(manifest)],
+        }
+
+    def publish_here(done: dict[str, Any]) -> None:
+        if not leader:
+            return
+        if not steps.is_root:
+            storage.write_texts_durably(staging, done["indexes"], limit=storage.MAX_TEXT_BYTES)
+        held = storage.present(staging, [(name, size) for name, size in done["files"]])
+        store.sync_files(staging, held)
+        size = store.put_text(staging / MANIFEST_NAME, done["manifest"])
+        listed = {name: size for name, size in done["files"] if name in held}
+        listed.update((name, len(text.encode())) for name, text in done["indexes"].items())
+        replaced = store.publish(
+            staging, str(where), files={**listed, MANIFEST_NAME: size}, overwrite=True
+        )
+        if replaced is not None:
+            store.retire(replaced)
+
+    try:
+        done = steps.each_then_root("write on nodes", report, complete_all)
+    except BaseException:
+        if leader:
+            store.discard(staging, quiet=True)
+        raise
+    try:
+        steps.each_then_root("publish on nodes", lambda: publish_here(done), lambda _: None)
+    except BaseException:
+        if leader and access.exists(staging):
+            store.discard(staging, quiet=True)
+        raise
+    return Path(str(where))
+
+
+def _check_copies(raw: Sequence[Any], placement: dict[str, Any], ranks: Sequence[int]) -> None:
+    """(the root) Every rank's files received by each holder ``placement`` names, with the
+    XXH3-64 they were sent with; else a :class:`CheckpointError` naming the file and ranks."""
+    for index, holders in enumerate(placement["holders"]):
+        for file, digest in raw[index]["sent"].items():
+            for holder in holders:
+                got = raw[holder]["received"].get(file)
+                if got != digest:
+                    raise CheckpointError(
+                        f"the copy of {file} from rank {ranks[index]} on rank {ranks[holder]} "
+                        f"{'is missing' if got is None else 'differs from what was sent'}; "
+                        "nothing was committed"
+                    )

@@ -205,6 +205,10 @@ class Manifest:
     """(version 5: a checkpoint committed to object storage) Where the files it names are,
     relative to the manifest: ``""``, beside it, or ``"s-<16 hex>/"``, the save prefix of the
     save that wrote it (:data:`DATA_PREFIX`)."""
+    replicas: Mapping[str, Any] | None = None
+    """(version 5: a step of the node-local tier) Where each rank's files are: ``nodes``,
+    each rank's node, and ``holders``, for each rank the ranks whose nodes keep a copy of its
+    files (:func:`muonckpt.format.manifest_json.replica_placement`); None: not a local step."""
     dcp_layout: str = ""
     """(version 5: a checkpoint converted from PyTorch DCP) The layout the DCP checkpoint was
     read as (``recipe``, ``torchtitan``), what a conversion back to DCP writes by default, so
@@ -317,6 +321,21 @@ class Manifest:
         (readable, and half the size of indented JSON: 100k params fit the 100 MB limit)."""
         return "".join(self.json_chunks())
 
+    def _version_5_fields(self) -> dict[str, Any]:
+        """The optional top-level fields of version 5 this manifest has."""
+        body: dict[str, Any] = {}
+        if self.data_prefix:
+            body["data_prefix"] = self.data_prefix
+        if self.dcp_layout:
+            body["dcp_layout"] = self.dcp_layout
+        if self.zero_stage:
+            body["zero_stage"] = self.zero_stage
+        if self.environment is not None and self.format_version >= 5:
+            body["environment"] = dict(self.environment)
+        if self.replicas is not None:
+            body["replicas"] = dict(self.replicas)
+        return body
+
     def json_chunks(self) -> Iterator[str]:
         """The text of :meth:`to_json` in consecutive pieces, each line made as it is asked
         for (the text of 100k params is 89 MB: written or hashed so, it is never whole).
@@ -334,6 +353,7 @@ class Manifest:
                 params=tuple(replace(e, state_shapes={}) for e in self.params),
                 dcp_layout="",
                 zero_stage=0,
+                replicas=None,
             )
             yield from older.json_chunks()
             return
@@ -362,14 +382,7 @@ class Manifest:
             "step": self.recorded_step,
             "extra": None if self.extra is None else extra_to_json(self.extra),
         }
-        optional = {  # (version 5: written where set)
-            "data_prefix": self.data_prefix,
-            "dcp_layout": self.dcp_layout,
-            "zero_stage": self.zero_stage,
-        }
-        body.update({key: value for key, value in optional.items() if value})
-        if self.environment is not None and self.format_version >= 5:
-            body["environment"] = dict(self.environment)
+        body.update(self._version_5_fields())
         if self.model is not None:
             body["model"] = {
                 "tensors": [
@@ -403,10 +416,10 @@ class Manifest:
 
     def needs_v5(self) -> bool:
         """Whether it holds a field of version :data:`PREFIXED_VERSION`: ``data_prefix``,
-        ``dcp_layout``, ``zero_stage``, a state tensor not shaped like its param, a setting
-        that was a tuple."""
+        ``dcp_layout``, ``zero_stage``, ``replicas``, a state tensor not shaped like its param, a
+        setting that was a tuple."""
         return (
-            bool(self.data_prefix or self.dcp_layout or self.zero_stage)
+            bool(self.data_prefix or self.dcp_layout or self.zero_stage or self.replicas)
             or any(e.state_shapes for e in self.params)
             or any(g.tuples or has_version_5_optimizer(g.optimizer) for g in self.groups)
         )

@@ -146,6 +146,7 @@ def _manifest_from(body: Any, shared: _Shared) -> Manifest:
         dcp_layout=dcp_layout,
         environment=environment,
         zero_stage=_zero_stage_field(body, version),
+        replicas=replica_placement(body, version),
     )
 
 
@@ -196,6 +197,36 @@ def _zero_stage_field(body: dict[str, Any], version: int) -> int:
         f"a version {version} manifest has no zero_stage (version {PREFIXED_VERSION} has)",
     )
     return int(stage)
+
+
+def replica_placement(body: dict[str, Any], version: int) -> dict[str, Any] | None:
+    """(version 5, optional) ``replicas``, a node-local step's placement: ``nodes``, a
+    non-negative int per rank (its node), and ``holders``, per rank the other ranks whose
+    nodes hold a copy of its files; absent (None): not a local step."""
+    placement = body.get("replicas")
+    if placement is None:
+        return None
+    _expect(version >= 5, f"a version {version} manifest has no replicas (version 5 has)")
+    _expect(
+        isinstance(placement, dict) and set(placement) == {"nodes", "holders"},
+        "replicas must be an object of nodes and holders",
+    )
+    nodes, holders = placement["nodes"], placement["holders"]
+    _expect(
+        isinstance(nodes, list) and all(_int(n) >= 0 for n in nodes),
+        "replicas.nodes must be a list of non-negative ints",
+    )
+    ranks = range(len(nodes))
+    _expect(
+        isinstance(holders, list)
+        and len(holders) == len(nodes)
+        and all(
+            isinstance(h, list) and all(_int(r) in ranks and r != i for r in h)
+            for i, h in enumerate(holders)
+        ),
+        "replicas.holders must list, for each rank, other ranks",
+    )
+    return {"nodes": nodes, "holders": holders}
 
 
 DCP_LAYOUT = re.compile(r"[a-z_]{0,32}")

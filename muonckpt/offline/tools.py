@@ -279,7 +279,8 @@ def _owned(
 
 def _output_manifest(manifest: Manifest, **changes: Any) -> Manifest:
     """The manifest of a rewrite of ``manifest``: current format, files and pieces still empty
-    (and beside it: the source's save prefix is the source's), the model section's tensors
+    (and beside it: the source's save prefix is the source's; a local step's placement, its
+    own), the model section's tensors
     and tied names carried (:mod:`._model`), their pieces too still empty; the job's own state
     is the copy the root reports (:func:`_write_rank`)."""
     model = _model.draft(manifest)
@@ -292,6 +293,7 @@ def _output_manifest(manifest: Manifest, **changes: Any) -> Manifest:
         format_version=FORMAT_VERSION,
         model=model,
         extra=None,
+        replicas=None,  # a rewrite is a checkpoint of its own, in one place
     )
 
 

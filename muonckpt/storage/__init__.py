@@ -31,6 +31,8 @@ write ``storage.X``:
   target checked before a write.
 * :mod:`.lease`: the file marking each directory muonckpt makes beside a target as its own,
   locked and refreshed while in use (what ``clean`` goes by, never names alone).
+* :mod:`.node_local`: the node-local tier's files: a node's staging directory, a file copied
+  to a peer in chunks and received checked.
 * :mod:`.mailbox`: the mailbox directories background saves of earlier versions left (for
   ``clean``).
 * :mod:`.access`: what the layers above ask of paths (is it there, a directory's names, a
@@ -65,6 +67,7 @@ from .durable import (
 from .lease import leftover
 from .mailbox import is_mailbox, remove_mailbox
 from .model_weights import ModelWeights
+from .node_local import Digest, NodeStore, ReceivedFile, file_chunks, present
 from .ownership import check_target, is_ours, ownership_problem
 from .places import Location, location, resolved_place
 from .reader_cache import ReaderCache
@@ -79,9 +82,12 @@ __all__ = [
     "MAX_TEXT_BYTES",
     "CheckpointFiles",
     "CheckpointStore",
+    "Digest",
     "Location",
     "ModelWeights",
+    "NodeStore",
     "ReaderCache",
+    "ReceivedFile",
     "S3Client",
     "S3Url",
     "SafetensorsReader",
@@ -94,6 +100,7 @@ __all__ = [
     "chunk_digest",
     "dtype_name",
     "entries",
+    "file_chunks",
     "file_size",
     "files_at",
     "fsync_dir",
@@ -104,6 +111,7 @@ __all__ = [
     "location",
     "make_directory",
     "ownership_problem",
+    "present",
     "read_small",
     "read_text",
     "read_text_chunks",
