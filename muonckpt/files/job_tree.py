@@ -12,16 +12,14 @@ import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from .. import storage
 from ..errors import ArgumentError, CheckpointError
 from ..format.manifest import EXTRA_DEPTH, EXTRA_JSON_BYTES, ExtraValues, ValuePath
-
-if TYPE_CHECKING:
-    from .pieces import PieceReader
+from .pieces import PieceReader
 
 
 def is_stateful(value: Any) -> bool:
