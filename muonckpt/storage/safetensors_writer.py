@@ -17,7 +17,6 @@ from array import array
 from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from types import TracebackType
 from typing import TYPE_CHECKING, Any, BinaryIO, Protocol, TypeVar
 
 import numpy as np
@@ -482,12 +481,7 @@ class SafetensorsWriter:
     def __enter__(self) -> SafetensorsWriter:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         if self._file is not None:
             self.abort()
 
