@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal, cast
 import typer
 
 from ..errors import CheckpointError
+from ..settings import local_path
 from . import output
 from .exits import PROBLEM, Group, catch_stop_signals
 from .options import (
@@ -48,7 +49,6 @@ from .options import (
     World,
     ZeroStage,
     checkpoint_source,
-    local_directory,
     size_parameter,
 )
 
@@ -298,15 +298,13 @@ def _convert_by(
         assert to is not None  # the route checked it is one of the format's targets
         # foreign files are local only: SRC by the route, DST refused here when a URL
         with output.progress_bar(ctx, "convert") as progress:
-            report = route.writes.write(
-                Path(src), local_directory(dst), to, route.options, progress
-            )
+            report = route.writes.write(Path(src), local_path(dst), to, route.options, progress)
         output.say_conversion(ctx, route.writes.title, report)
         output.say(ctx, output.wrote_foreign(report, route.writes.title))
     elif route.reads is not None and route.source is not None:
         with output.progress_bar(ctx, "convert") as progress:
             reading = Reading(route.source, route.to, overwrite=force, progress=progress)
-            report = route.reads.read(Path(src), local_directory(dst), reading, route.options)
+            report = route.reads.read(Path(src), local_path(dst), reading, route.options)
         if route.inferred:  # (after the read: a refusal stays one line)
             output.say(
                 ctx, f"--from {route.source}: inferred ({route.reads.title} files record it)"

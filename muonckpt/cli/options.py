@@ -20,13 +20,6 @@ def size_parameter(text: str) -> int:
         raise typer.BadParameter(str(exc)) from None
 
 
-def local_directory(text: str) -> Path:
-    """A directory argument as typed, refused when it is a URL (``s3://b/x`` would become
-    ``s3:/b/x`` as a Path): :func:`muonckpt.settings.local_path`, its error one ``error:``
-    line as every library error."""
-    return local_path(text)
-
-
 S3_SCHEME = "s3://"
 """The one URL scheme a checkpoint may have (the library parses the rest)."""
 
@@ -34,8 +27,9 @@ S3_SCHEME = "s3://"
 def checkpoint_source(text: str) -> str:
     """A checkpoint (or a directory of them) as typed: an ``s3://bucket/prefix`` URL (parsed,
     and refused in one line when malformed, by the library), else a local directory
-    (:func:`local_directory`, every other URL refused)."""
-    return text if text.startswith(S3_SCHEME) else str(local_directory(text))
+    (:func:`muonckpt.settings.local_path`: every other URL refused, in one ``error:`` line as
+    every library error, as ``s3://b/x`` would become ``s3:/b/x`` as a Path)."""
+    return text if text.startswith(S3_SCHEME) else str(local_path(text))
 
 
 Source = Annotated[

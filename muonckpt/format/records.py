@@ -15,7 +15,7 @@ from itertools import islice
 from typing import Any, overload
 
 from ..layout.state_shapes import SAME, StateShape
-from ..layout.topology import Region, matrix_view
+from ..layout.topology import Region
 from .names import PARAM_KEY, tensor_key
 
 DIGEST_BYTES = 8
@@ -141,10 +141,6 @@ class ParamEntry:
         if stored is None or stored.rule == SAME:
             return self.shape, self.tp_split_dim
         return stored.shape, -1
-
-    def cols_of(self, key: str) -> int:
-        """Columns of the matrix view of stored tensor ``key``'s regions."""
-        return matrix_view(*self.view_of(key))[1]
 
     @property
     def state_keys(self) -> tuple[str, ...]:

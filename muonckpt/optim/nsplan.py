@@ -99,10 +99,6 @@ class NsPlan:
             loads[matrix.worker] += matrix.flops
         return loads
 
-    def numel_moved(self) -> int:
-        """Elements every step sends between ranks, inputs and results together."""
-        return sum(m.numel for m in self.inputs) + sum(m.numel for m in self.outputs)
-
 
 def plan_newton_schulz(grid: GridParams, ns_steps: Mapping[int, int]) -> NsPlan:
     """The Newton-Schulz plan of the grid's Muon matrices: the params of the groups in

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from types import TracebackType
 from typing import TYPE_CHECKING
 
 from ..errors import CheckpointError
@@ -86,10 +85,5 @@ class ModelWeights:
     def __enter__(self) -> ModelWeights:
         return self
 
-    def __exit__(
-        self,
-        kind: type[BaseException] | None,
-        value: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()

@@ -12,7 +12,6 @@ import struct
 import threading
 from collections.abc import Sequence
 from pathlib import Path
-from types import TracebackType
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -472,12 +471,7 @@ class SafetensorsReader:
     def __enter__(self) -> SafetensorsReader:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def __repr__(self) -> str:
