@@ -56,7 +56,7 @@ def probe(root: str) -> dict[str, str]:
         "subgroup": _outcome(lambda: collectives.comm_device(dist.new_group(list(range(WORLD))))),
         "cuda:gloo subgroup": _outcome(lambda: collectives.comm_device(cuda_sub)),
         "ints over cuda:gloo subgroup": _outcome(
-            lambda: collectives.all_gather_list(torch.tensor([rank]), cuda_sub)
+            lambda: collectives.all_gather_ints([rank], cuda_sub)
         ),
         "cpu mean over cuda:gloo subgroup": _outcome(
             lambda: collectives.all_reduce_mean_(torch.ones(2), cuda_sub)

@@ -182,6 +182,12 @@ def all_reduce_mean_(tensor: torch.Tensor, group: Group) -> torch.Tensor:
     return tensor
 
 
+def all_gather_ints(values: Sequence[int], group: Group) -> list[list[int]]:
+    """Each group rank's list of ints (all lists the same length), in group-rank order."""
+    local = torch.tensor(list(values), dtype=torch.int64, device=comm_device(group))
+    return [t.tolist() for t in all_gather_list(local, group)]
+
+
 def size_and_rank(group: Group) -> tuple[int, int]:
     """This process's ``(size of group, rank in group)``.
 
