@@ -1,5 +1,5 @@
 """Writing safetensors files: one process streaming tensors in key order
-(:class:`SafetensorsWriter`), or several processes writing one file
+(:class:`SafetensorsWriter`, :func:`write_safetensors`), or several processes writing one file
 at planned offsets (:class:`SharedSafetensorsFile`); checksums come from the bytes written."""
 
 from __future__ import annotations
@@ -72,6 +72,38 @@ def _payload(
             param=key,
         )
     return byte_view(data.detach().cpu().contiguous().view(-1))
+
+
+def write_safetensors(
+    path: str | os.PathLike[str],
+    tensors: Mapping[str, torch.Tensor],
+    metadata: Mapping[str, str] | None = None,
+    *,
+    chunk_bytes: int = CHUNK_BYTES,
+) -> Mapping[str, TensorRecord]:
+    """Write ``tensors`` to a safetensors file at ``path`` atomically and durably.
+
+    The data goes to a temporary name in the same directory, is fsynced, renamed over ``path``
+    and the directory fsynced. Tensors of any supported dtype, layout and size (0 elements too)
+    are accepted; data is packed in key order. Returns each key's :class:`TensorRecord`, with
+    checksums computed from the bytes written. Raises :class:`CheckpointError` on bad input or
+    an OSError.
+    """
+    import torch
+
+    specs = {}
+    for key, tensor in tensors.items():
+        if not isinstance(tensor, torch.Tensor):
+            raise CheckpointError(f"not a tensor: {type(tensor).__name__}", path=path, param=key)
+        if tensor.dtype not in torch_dtype_names():
+            raise CheckpointError(
+                f"dtype {tensor.dtype} cannot be stored in a safetensors file", path=path, param=key
+            )
+        specs[key] = (torch_dtype_names()[tensor.dtype], tuple(tensor.shape))
+    with SafetensorsWriter(path, specs, metadata, chunk_bytes=chunk_bytes) as writer:
+        for key in writer.pending:
+            writer.write(key, tensors[key])
+        return writer.commit()
 
 
 def _write_and_checksum(
@@ -316,10 +348,10 @@ class SafetensorsWriter:
 
     The header is written up front from the declared ``specs`` (key -> (dtype string, shape));
     :meth:`write` then takes each tensor in sorted key order and checksums the bytes it writes
-    (every ``chunk_bytes``). :meth:`commit` fsyncs and renames the temporary file into place
-    and returns the records. Leaving the ``with`` block without a commit (or on an exception)
-    removes the temporary file. Any OSError surfaces as :class:`CheckpointError` naming the
-    file.
+    (every ``chunk_bytes``, as :func:`write_safetensors` does). :meth:`commit` fsyncs and
+    renames the temporary file into place and returns the records. Leaving the ``with`` block
+    without a commit (or on an exception) removes the temporary file. Any OSError surfaces as
+    :class:`CheckpointError` naming the file.
     """
 
     def __init__(
