@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -92,10 +92,12 @@ def _add_optimizer(
     for g, group in enumerate(manifest.groups):
         kind = group_kind(group, g, directory)
         target = family.target_kind(kind)
-        mapping = kinds.state_mapping(kind, target, f"group {g}", None)
-        factor = mapping.keys.get("momentum_buffer", ("", 1.0))[1]
-        if mapping.note:
-            out.notes.append(f"{len(group.params)} Muon params: {mapping.note}")
+        factor = 1.0  # (a family kept as it is: its state unconverted)
+        if not family.as_is:
+            mapping = kinds.state_mapping(kind, target, f"group {g}", None)
+            factor = mapping.keys.get("momentum_buffer", ("", 1.0))[1]
+            if mapping.note:
+                out.notes.append(f"{len(group.params)} Muon params: {mapping.note}")
         group_settings = _settings(family, kind, target, group.hyperparams)
         for name in group.params:
             entry = manifest.param(name)
@@ -111,7 +113,11 @@ def _add_optimizer(
             step = step_scalar(family.step_in, manifest.step_of(entry), name)
             if kind.role == "adamw" and step is not None and entry.state_keys:
                 out.values[f"{OPTIMIZER_PREFIX}state.{name}.step"] = (
-                    _step_tensor(step) if step.dtype is not None else step.value
+                    _scalar_tensor(replace(step, dtype="F32")) if step.dtype else step.value
+                )
+            for key, scalar in entry.scalars.items() if family.as_is else ():
+                out.values[f"{OPTIMIZER_PREFIX}state.{name}.{key}"] = (
+                    _scalar_tensor(scalar) if scalar.dtype is not None else scalar.value
                 )
             for setting, value in group_settings.items():
                 out.values[f"{OPTIMIZER_PREFIX}param_groups.{name}.{setting}"] = value
@@ -156,10 +162,13 @@ class _WholeTensors:
         return tensor.mul_(scale) if scale != 1.0 else tensor
 
 
-def _step_tensor(step: Scalar) -> Any:
+def _scalar_tensor(scalar: Scalar) -> Any:
+    """A 0-d tensor of ``scalar``'s value and dtype (torch's AdamW step: a float32 one)."""
     import torch
 
-    return torch.tensor(step.value, dtype=torch.float32)
+    from ...storage.dtypes import torch_dtype
+
+    return torch.tensor(scalar.value, dtype=torch_dtype(scalar.dtype or "F32"))
 
 
 def _settings(
@@ -172,6 +181,7 @@ def _settings(
     torch's optimizers' own defaults (torch, torchtitan), overridden by what the checkpoint
     says; for other families the settings muonckpt knows they have."""
     own = family.name == source.family or source.optimizer in (family.muon, family.adamw)
+    own = own or family.as_is  # (its settings kept as they are)
     if own and source.converted_from is None:
         settings = {k: v for k, v in hyper.items() if k != "step" or family.step_in == "group"}
         return _titan_settings(family, settings, hyper)
