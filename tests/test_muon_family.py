@@ -401,7 +401,7 @@ def test_muon_family_at_world_2(trained, at_world_2):
 
 
 @pytest.mark.dist
-def test_fsdp2_row_state_moves_through_dcp_exactly(at_world_2, tmp_path):
+def test_fsdp2_row_state_moves_through_dcp_exactly(trained, at_world_2, tmp_path):
     """dion's NorMuon under FSDP2 through DCP (the launch of :func:`fsdp2_dion_to_dcp`): DCP
     keeps ``variance_neuron`` as one global ``(rows, 1)`` tensor in a chunk of rows per rank;
     ``from_dcp`` reads every state tensor at its own shape, equal to the optimizer's, with its
@@ -430,6 +430,17 @@ def test_fsdp2_row_state_moves_through_dcp_exactly(at_world_2, tmp_path):
     assert tensors.keys() == truth.keys()
     for key, value in truth.items():
         assert torch.equal(torch.as_tensor(tensors[key]), value), key  # (its shape too)
+    _, opt, _ = trained["dion"]  # a native save of the port: out to DCP and in, exactly
+    interop.to_dcp(at_world_2 / "dion", tmp_path / "dion-dcp", to="dion-normuon")
+    back = interop.from_dcp(
+        tmp_path / "dion-dcp", tmp_path / "back", source="dion-normuon", to=None
+    )
+    tensors = load_file(back.path / "optimizer.safetensors")
+    names = {p: n for n, p in zip(SHAPES, _flat(opt))}
+    for p, keys in opt.state.items():
+        for key in (k for k, v in keys.items() if isinstance(v, torch.Tensor) and v.dim()):
+            value = keys[key]
+            assert torch.equal(tensors[f"state.{names[p]}.{key}"], value), (names[p], key)
     with pytest.raises(CheckpointError) as refused:
         interop.from_dcp(at_world_2 / "dcp-odd", tmp_path / "odd", source="dion-normuon")
     line = str(refused.value)

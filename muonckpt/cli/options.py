@@ -124,8 +124,9 @@ ConvertTo = Annotated[
         "--to",
         metavar="IMPLEMENTATION",
         help="packaged (muonckpt.optim.muon.Muon), torch (torch.optim.Muon + AdamW) or "
-        "keller-jordan (muon.MuonWithAuxAdam); with --format dcp also torchtitan, dion or "
-        "muon-fsdp2; deepspeed writes DeepSpeed ZeRO-1/2 files (with --world), megatron a "
+        "keller-jordan (muon.MuonWithAuxAdam); with --format dcp also torchtitan, dion, "
+        "muon-fsdp2 or dion-normuon (dion's NorMuon, kept as it is); deepspeed writes "
+        "DeepSpeed ZeRO-1/2 files (with --world), megatron a "
         "Megatron-Core torch_dist checkpoint (with --tp and --dp). Left out: reading DCP, "
         "--from's family where it is one of muonckpt's (--from torch: torch), else each group "
         "keeps its implementation (muonckpt to muonckpt, or from DeepSpeed or Megatron).",
@@ -148,7 +149,8 @@ ConvertFrom = Annotated[
         metavar="IMPLEMENTATION",
         help="The implementation that wrote a DCP checkpoint SRC (required for one: DCP "
         "does not record it, and a guessed momentum form would resume wrongly): torch, "
-        "torchtitan, dion, muon-fsdp2, keller-jordan, packaged; deepspeed for a DeepSpeed "
+        "torchtitan, dion, muon-fsdp2, keller-jordan, packaged, dion-normuon (dion's NorMuon, "
+        "kept as it is); deepspeed for a DeepSpeed "
         "ZeRO-1/2 checkpoint, megatron for a Megatron-Core torch_dist one, accelerate for a "
         "save_state directory, lightning for a .ckpt (optional for these: their files say so, "
         "and a line says what was inferred).",

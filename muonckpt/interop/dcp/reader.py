@@ -128,8 +128,10 @@ def from_dcp(
 
     Args:
         source: the family that wrote it (:data:`muonckpt.format.kinds.DCP_FAMILIES`: ``torch``,
-            ``torchtitan``, ``dion``, ``muon-fsdp2``, ``keller-jordan``, ``packaged``); its
-            momentum form and state keys are read as that family keeps them.
+            ``torchtitan``, ``dion``, ``muon-fsdp2``, ``keller-jordan``, ``packaged``, and
+            ``dion-normuon``, dion's NorMuon kept as it is); its momentum form and state keys
+            are read as that family keeps them, state not shaped like its param at its own
+            shape with its rule (:func:`_state_shapes`).
         to: the muonckpt family the output is for (``packaged``, ``torch``, ``keller-jordan``);
             None keeps ``source``'s own groups and form (``torchtitan.DistMuon``, EMA).
         model_prefix: the prefix of the model's fqns; None detects it (``model.`` for DCP's
