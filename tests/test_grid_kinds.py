@@ -183,7 +183,7 @@ def test_grid_and_kinds_do_not_import_torch():
 
 
 @given(
-    family=st.sampled_from(sorted(kinds.DCP_FAMILIES)),
+    family=st.sampled_from(sorted(n for n, f in kinds.DCP_FAMILIES.items() if not f.as_is)),
     role=st.sampled_from(["muon", "adamw"]),
     mu=st.floats(0.0, 0.999),
 )
@@ -201,3 +201,17 @@ def test_dcp_families_name_every_key_both_ways_and_tell_roles(family, role, mu):
         assert source.momentum == mu and source.momentum_form == f.momentum_form
         with pytest.raises(StateDictError, match=f.mu_setting):
             f.group_kind(role, {f.mu_setting: 1.0})
+
+
+def test_a_dcp_family_kept_as_it_is_converts_nothing():
+    """dion's NorMuon: its keys kept, every group of an optimizer muonckpt does not know (as a
+    native save records it); written only from a NorMuon's groups, unconverted."""
+    f = kinds.DCP_FAMILIES["dion-normuon"]
+    assert f.as_is and f.their_key("", "variance_neuron") == f.our_key("", "variance_neuron")
+    assert f.role({"algorithm": "adamw"}, ["momentum"]) == kinds.UNKNOWN
+    kept = f.group_kind(kinds.UNKNOWN, {"algorithm": "normuon", "mu": 0.95})
+    assert kept == kinds.GroupKind("dion.NorMuon", None, kinds.UNKNOWN)
+    port = kinds.GroupKind("tests.dion_normuon.NorMuon", None, kinds.UNKNOWN)
+    assert f.target_kind(port) == kept
+    with pytest.raises(StateDictError, match=r"torch\.optim\.Muon is not dion\.NorMuon"):
+        f.target_kind(kinds.GroupKind("torch.optim.Muon", "muon", kinds.EMA, 0.95, True))

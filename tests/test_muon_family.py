@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 import muonckpt
 from muonckpt import offline
@@ -287,33 +288,88 @@ def fsdp2_dion_to_dcp(path: str) -> None:
     NorMuon over it (whose state dion makes for every param at construction: ``momentum``,
     ``variance_neuron`` ``param[..., 0:1]``, DTensors sharded by rows as the params are) with
     its state filled with known values, saved through DCP as torchtitan and dion users do
-    (``get_optimizer_state_dict``, flattened)."""
+    (``get_optimizer_state_dict``, flattened) at ``path``, its full state at ``-truth.pt``.
+    Rank 0 converts it to muonckpt (``-muonckpt``) and back to DCP (``-out``); both ranks
+    ``dcp.load`` that into a fresh FSDP2 job and check it equals the source, shard for
+    shard. Last, ``-odd``: the same with a state ``(7, 1)`` split by rows of its own."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    from muonckpt import interop
+
+    model, opt, mesh = _fsdp2_dion(seed=5)
+    gen = torch.Generator().manual_seed(6)
+    for p in (model.w1, model.w2):
+        for value in opt.state[p].values():
+            full = torch.randn(value.shape, generator=gen)
+            value.copy_(distribute_tensor(full, mesh, value.placements, src_data_rank=None))
+    dcp.save(_dcp_state(model, opt), checkpoint_id=path)
+    full = {  # (full_tensor: a collective of both ranks)
+        f"{n}.{k}": v.full_tensor() if isinstance(v, DTensor) else v
+        for n, p in model.named_parameters()
+        for k, v in opt.state[p].items()
+    }
+    if torch.distributed.get_rank() == 0:
+        torch.save(full, f"{path}-truth.pt")
+        interop.from_dcp(path, f"{path}-muonckpt", source="dion-normuon", to=None)
+        interop.to_dcp(f"{path}-muonckpt", f"{path}-out", to="dion-normuon")
+    torch.distributed.barrier()
+    fresh_model, fresh, _ = _fsdp2_dion(seed=9)
+    loaded = _dcp_state(fresh_model, fresh)
+    dcp.load(loaded, checkpoint_id=f"{path}-out")
+    _set_dcp_state(fresh_model, fresh, loaded)
+    for (name, p), q in zip(model.named_parameters(), fresh_model.parameters()):
+        assert torch.equal(p.to_local(), q.to_local()), name
+        assert opt.state[p].keys() == fresh.state[q].keys(), name
+        for key, value in opt.state[p].items():
+            shards = [
+                t.to_local() if isinstance(t, DTensor) else t for t in (value, fresh.state[q][key])
+            ]
+            assert shards[0].shape == shards[1].shape and torch.equal(*shards), (name, key)
+    assert [dict(g, params=0) for g in fresh.param_groups] == [
+        dict(g, params=0) for g in opt.param_groups
+    ]
+    odd = torch.randn((7, 1), generator=gen)
+    opt.state[model.w1]["odd"] = distribute_tensor(odd, mesh, [Shard(0)], src_data_rank=None)
+    dcp.save(_dcp_state(model, opt), checkpoint_id=f"{path}-odd")
+
+
+def _fsdp2_dion(seed: int):
+    """A model of :data:`FSDP2_SHAPES` under ``fully_shard`` at world 2 (its params from
+    ``seed``), dion's NorMuon over it, and the mesh."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor import distribute_tensor
 
     model = torch.nn.Module()
-    gen = torch.Generator().manual_seed(5)
+    gen = torch.Generator().manual_seed(seed)
     for name, shape in FSDP2_SHAPES.items():
         model.register_parameter(name, torch.nn.Parameter(torch.randn(shape, generator=gen)))
     mesh = init_device_mesh("cpu", (2,))
     fully_shard(model, mesh=mesh)
-    named = dict(model.named_parameters())
     opt = DionNorMuon(
-        [
-            {"params": [named["w1"], named["w2"]]},
-            {"params": [named["b"]], "algorithm": "adamw"},
-        ]
+        [{"params": [model.w1, model.w2]}, {"params": [model.b], "algorithm": "adamw"}]
     )
-    for p in (named["w1"], named["w2"]):
-        for value in opt.state[p].values():
-            full = torch.randn(value.shape, generator=gen)
-            value.copy_(distribute_tensor(full, mesh, value.placements, src_data_rank=None))
+    return model, opt, mesh
+
+
+def _dcp_state(model, opt) -> dict:
+    """The job's state for ``dcp.save`` / ``dcp.load``: the model's, the optimizer's flattened."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
     flat = StateDictOptions(flatten_optimizer_state_dict=True)
-    osd = get_optimizer_state_dict(model, opt, options=flat)
-    dcp.save({"model": model.state_dict(), "optimizer": osd}, checkpoint_id=path)
+    return {
+        "model": model.state_dict(),
+        "optimizer": get_optimizer_state_dict(model, opt, options=flat),
+    }
+
+
+def _set_dcp_state(model, opt, state: dict) -> None:
+    """Put what ``dcp.load`` read into ``state`` back into the job."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    flat = StateDictOptions(flatten_optimizer_state_dict=True)
+    model.load_state_dict(state["model"])
+    set_optimizer_state_dict(model, opt, state["optimizer"], options=flat)
 
 
 def _tensors(state) -> list[str]:
@@ -345,10 +401,14 @@ def test_muon_family_at_world_2(trained, at_world_2):
 
 
 @pytest.mark.dist
-def test_fsdp2_row_state_in_dcp_is_refused_in_one_line_naming_param_and_key(at_world_2, tmp_path):
-    """DCP keeps dion's ``variance_neuron`` as one global ``(rows, 1)`` tensor in a chunk per
-    rank; muonckpt's DCP families keep no such state (docs/format.md §10), so ``from_dcp``
-    refuses it in one line naming the param and the key, before anything is written."""
+def test_fsdp2_row_state_moves_through_dcp_exactly(trained, at_world_2, tmp_path):
+    """dion's NorMuon under FSDP2 through DCP (the launch of :func:`fsdp2_dion_to_dcp`): DCP
+    keeps ``variance_neuron`` as one global ``(rows, 1)`` tensor in a chunk of rows per rank;
+    ``from_dcp`` reads every state tensor at its own shape, equal to the optimizer's, with its
+    rule (``row``) as a native save records it; ``to_dcp`` of that wrote what ``dcp.load``
+    took into a fresh FSDP2 job equal to the source (checked in the launch). A state split
+    into chunks that are not its param's row shards has no rule: refused in one line naming
+    param, key and both shapes, nothing written."""
     from muonckpt import interop
     from muonckpt.errors import CheckpointError
     from muonckpt.interop.dcp import metadata as dcp_metadata
@@ -356,12 +416,37 @@ def test_fsdp2_row_state_in_dcp_is_refused_in_one_line_naming_param_and_key(at_w
     src = at_world_2 / "dcp"
     stored = dcp_metadata.read_index(src).tensors["optimizer.state.w1.variance_neuron"]
     assert stored.shape == (16, 1) and len(stored.chunks) == 2  # one chunk of rows per rank
+    out = interop.from_dcp(src, tmp_path / "out", source="dion-normuon", to=None).path
+    truth = torch.load(at_world_2 / "dcp-truth.pt")
+    manifest = muonckpt.read_manifest(out)
+    for entry in manifest.params:
+        shapes = {k: (s.rule, s.shape) for k, s in entry.state_shapes.items()}
+        rows = FSDP2_SHAPES[entry.name][0]
+        assert shapes == ({} if entry.name == "b" else {"variance_neuron": ("row", (rows, 1))})
+    assert manifest.param("b").scalars["step_dev"].dtype == "F32"
+    step_dev = manifest.param("b").scalars["step_dev"].value
+    tensors = load_file(out / "optimizer.safetensors")
+    tensors = {k.removeprefix("state."): v for k, v in tensors.items()} | {"b.step_dev": step_dev}
+    assert tensors.keys() == truth.keys()
+    for key, value in truth.items():
+        assert torch.equal(torch.as_tensor(tensors[key]), value), key  # (its shape too)
+    _, opt, _ = trained["dion"]  # a native save of the port: out to DCP and in, exactly
+    interop.to_dcp(at_world_2 / "dion", tmp_path / "dion-dcp", to="dion-normuon")
+    back = interop.from_dcp(
+        tmp_path / "dion-dcp", tmp_path / "back", source="dion-normuon", to=None
+    )
+    tensors = load_file(back.path / "optimizer.safetensors")
+    names = {p: n for n, p in zip(SHAPES, _flat(opt))}
+    for p, keys in opt.state.items():
+        for key in (k for k, v in keys.items() if isinstance(v, torch.Tensor) and v.dim()):
+            value = keys[key]
+            assert torch.equal(tensors[f"state.{names[p]}.{key}"], value), (names[p], key)
     with pytest.raises(CheckpointError) as refused:
-        interop.from_dcp(src, tmp_path / "out", source="dion", to=None)
+        interop.from_dcp(at_world_2 / "dcp-odd", tmp_path / "odd", source="dion-normuon")
     line = str(refused.value)
-    assert "\n" not in line and "param 'w1'" in line and "state 'variance_neuron'" in line
-    assert "shape [16, 1], not its param's [16, 24]" in line
-    assert not (tmp_path / "out").exists()
+    assert "\n" not in line and "param 'w1'" in line and "state 'odd'" in line
+    assert "shape [7, 1], not its param's [16, 24]" in line and "no shape rule" in line
+    assert not (tmp_path / "odd").exists()
 
 
 def test_torch_muon_with_3d_expert_params_round_trips_where_torch_takes_them(tmp_path):

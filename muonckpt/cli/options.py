@@ -118,10 +118,11 @@ ConvertTo = Annotated[
         "--to",
         metavar="IMPLEMENTATION",
         help="packaged (muonckpt.optim.muon.Muon), torch (torch.optim.Muon + AdamW) or "
-        "keller-jordan (muon.MuonWithAuxAdam); with --format dcp also torchtitan, dion or "
-        "muon-fsdp2; deepspeed writes DeepSpeed ZeRO-1/2/3 files (with --world), megatron a "
-        "Megatron-Core torch_dist checkpoint (with --tp and --dp), accelerate a save_state "
-        "directory, lightning a directory holding last.ckpt. Left out: reading DCP, "
+        "keller-jordan (muon.MuonWithAuxAdam); with --format dcp also torchtitan, dion, "
+        "muon-fsdp2 or dion-normuon (dion's NorMuon, kept as it is); deepspeed writes "
+        "DeepSpeed ZeRO-1/2/3 files (with --world), megatron a Megatron-Core torch_dist "
+        "checkpoint (with --tp and --dp), accelerate a save_state directory, lightning a "
+        "directory holding last.ckpt. Left out: reading DCP, "
         "--from's family where it is one of muonckpt's (--from torch: torch), else each group "
         "keeps its implementation (muonckpt to muonckpt, or from DeepSpeed or Megatron).",
         show_default=False,
@@ -143,7 +144,8 @@ ConvertFrom = Annotated[
         metavar="IMPLEMENTATION",
         help="The implementation that wrote a DCP checkpoint SRC (required for one: DCP "
         "does not record it, and a guessed momentum form would resume wrongly): torch, "
-        "torchtitan, dion, muon-fsdp2, keller-jordan, packaged; deepspeed for a DeepSpeed "
+        "torchtitan, dion, muon-fsdp2, keller-jordan, packaged, dion-normuon (dion's NorMuon, "
+        "kept as it is); deepspeed for a DeepSpeed "
         "ZeRO-1/2 checkpoint, megatron for a Megatron-Core torch_dist one, accelerate for a "
         "save_state directory, lightning for a .ckpt (optional for these: their files say so, "
         "and a line says what was inferred).",

@@ -399,21 +399,32 @@ class DcpFamily:
     role_setting: str | None = None
     """A param-group setting naming the algorithm of a group (its value ``muon`` or not), or a
     bool ``use_muon``; None: the state keys tell."""
+    as_is: bool = False
+    """An optimizer muonckpt does not convert (dion's NorMuon): every group is of :attr:`muon`
+    with role None and form :data:`UNKNOWN`, as a native save records it; its state keys,
+    settings and scalars are kept as they are, in and out."""
 
     def their_key(self, role: str, key: str) -> str:
         """The family's name of our state key ``key`` of a ``role`` param."""
+        if self.as_is:
+            return key
         if role == "muon":
             return self.momentum_key if key == "momentum_buffer" else key
         return dict(self.adamw_keys).get(key, key)
 
     def our_key(self, role: str, key: str) -> str | None:
         """Our name of the family's state key ``key`` of a ``role`` param; None: unknown."""
+        if self.as_is:
+            return key
         if role == "muon":
             return "momentum_buffer" if key == self.momentum_key else None
         return {theirs: ours for ours, theirs in self.adamw_keys}.get(key)
 
     def role(self, settings: Mapping[str, Any], keys: Sequence[str]) -> str | None:
-        """``muon`` or ``adamw`` for a param with group ``settings`` and state ``keys``."""
+        """``muon`` or ``adamw`` for a param with group ``settings`` and state ``keys``
+        (:data:`UNKNOWN` for every param of an :attr:`as_is` family)."""
+        if self.as_is:
+            return UNKNOWN
         if self.role_setting is not None and self.role_setting in settings:
             value = settings[self.role_setting]
             if value is True or value == "muon":
@@ -432,6 +443,8 @@ class DcpFamily:
 
     def group_kind(self, role: str, settings: Mapping[str, Any]) -> GroupKind:
         """What a group of this family with ``settings`` computes."""
+        if self.as_is:
+            return GroupKind(self.muon, None, UNKNOWN)
         if role == "adamw":
             return GroupKind(self.adamw, "adamw", step_in=self.step_in)
         adjust = settings.get("adjust_lr_fn")
@@ -473,7 +486,17 @@ class DcpFamily:
         )
 
     def target_kind(self, source: GroupKind) -> GroupKind:
-        """What ``source``'s group becomes in this family (its form, the source's mu, rule)."""
+        """What ``source``'s group becomes in this family (its form, the source's mu, rule).
+        An :attr:`as_is` family takes only a group of its own optimizer (or of a class of its
+        name, a port of it: ``tests.dion_normuon.NorMuon``), which it keeps unconverted."""
+        if self.as_is:
+            own_class = source.optimizer.rsplit(".", 1)[-1] == self.muon.rsplit(".", 1)[-1]
+            if source.role is not None or not own_class:
+                raise StateDictError(
+                    f"{source.optimizer} is not {self.muon}: muonckpt writes {self.name} "
+                    f"state only from a {self.muon} checkpoint, unconverted"
+                )
+            return GroupKind(self.muon, None, UNKNOWN)
         if source.role == "adamw":
             return GroupKind(self.adamw, "adamw", step_in=self.step_in)
         if source.role != "muon":
@@ -504,6 +527,8 @@ DCP_FAMILIES: dict[str, DcpFamily] = {
                   role_setting="algorithm"),
         DcpFamily("muon-fsdp2", "muon_fsdp2.Muon", "muon_fsdp2.Muon", EMA, "m",
                   step_in="int", role_setting="use_muon"),
+        DcpFamily("dion-normuon", "dion.NorMuon", "dion.NorMuon", UNKNOWN, "momentum",
+                  mu_setting="mu", step_in="group", role_setting="algorithm", as_is=True),
     )
 }  # fmt: skip
 """The implementations whose DCP state muonckpt reads and writes, by the name ``--from`` /

@@ -53,7 +53,9 @@ def consolidated(
     ``parts``: ``target``'s params split from stacked ones
     (:func:`muonckpt.format.stacked.split_stacked`), each written as its matrix of the
     stacked tensor, which is read once per key."""
-    items = [((e.name, k, e.dtype_of(k)), e.shape) for e in target.params for k in e.tensor_keys]
+    items = [
+        ((e.name, k, e.dtype_of(k)), e.shape_of(k)) for e in target.params for k in e.tensor_keys
+    ]
     items += [((t.name, PARAM_KEY, t.dtype_of(PARAM_KEY)), t.shape) for t in model_tensors]
     plan = consolidated_plan(items, None, dict(aliases) if aliases else None)
     model = target.model

@@ -215,10 +215,10 @@ def write_dcp(
 
     planner = FetchingPlanner(tensors, dict(chunks or {}), fetched)
     with warnings.catch_warnings(), failing_as("write", directory):
-        # one process, no process group: as intended
+        # one process, no process group (none used where a job has one: this one writes)
         warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single")
         try:
-            dcp.save(state, storage_writer=writer, planner=planner)  # type: ignore[attr-defined]
+            dcp.save(state, storage_writer=writer, planner=planner, no_dist=True)  # type: ignore[attr-defined]
         except CheckpointException as exc:
             # torch's wrapper of what failed in a step (a full disk, a source refused, Ctrl-C):
             # mapped here, as re-raising it would hide the OSError under a zip writer's

@@ -34,6 +34,7 @@ from ...format.manifest import (
     json_safe,
 )
 from ...format.names import PARAM_KEY
+from ...layout.state_shapes import StateShape, shape_rule
 from .._consolidated import (
     consolidated,
     conversion_notes,
@@ -129,8 +130,10 @@ def from_dcp(
 
     Args:
         source: the family that wrote it (:data:`muonckpt.format.kinds.DCP_FAMILIES`: ``torch``,
-            ``torchtitan``, ``dion``, ``muon-fsdp2``, ``keller-jordan``, ``packaged``); its
-            momentum form and state keys are read as that family keeps them.
+            ``torchtitan``, ``dion``, ``muon-fsdp2``, ``keller-jordan``, ``packaged``, and
+            ``dion-normuon``, dion's NorMuon kept as it is); its momentum form and state keys
+            are read as that family keeps them, state not shaped like its param at its own
+            shape with its rule (:func:`_state_shapes`).
         to: the muonckpt family the output is for (``packaged``, ``torch``, ``keller-jordan``);
             None keeps ``source``'s own groups and form (``torchtitan.DistMuon``, EMA).
         model_prefix: the prefix of the model's fqns; None detects it (``model.`` for DCP's
@@ -301,7 +304,7 @@ def _manifest(
     kinds_of: list[tuple[kinds.GroupKind, Any, list[str]]] = []
     for name, group_settings in settings.items():
         model = index.tensors[model_prefix + name]
-        _check_param_shaped(index, name, model, state[name], where)
+        shapes = _state_shapes(index, name, model, state[name], where)
         role = family.role(group_settings, list(state[name]))
         if role is None:
             raise CheckpointError(
@@ -320,7 +323,10 @@ def _manifest(
             group_of[signature] = len(kinds_of)
             kinds_of.append((kind, hyper, []))
         kinds_of[group_of[signature]][2].append(name)
-        entries.append(ParamEntry(name, model.shape, -1, group_of[signature], dtypes, scalars))
+        ours = {family.our_key(role, key) or key: shape for key, shape in shapes.items()}
+        entries.append(
+            ParamEntry(name, model.shape, -1, group_of[signature], dtypes, scalars, ours)
+        )
     groups = tuple(
         GroupEntry(hyper, tuple(names), kind.to_json()) for kind, hyper, names in kinds_of
     )
@@ -329,25 +335,40 @@ def _manifest(
     return Manifest(CONSOLIDATED, {"dp": 1, "tp": 1}, groups, tuple(entries), (), ())
 
 
-def _check_param_shaped(
+def _state_shapes(
     index: dcp_metadata.DcpIndex,
     name: str,
     model: dcp_metadata.DcpTensor,
     state: Mapping[str, str],
     where: Path,
-) -> None:
-    """Refuse, naming the param and the key, a state tensor not shaped like its param (dion's
-    NorMuon ``variance_neuron`` ``(rows, 1)`` under FSDP2): the DCP families muonckpt reads keep
-    none, so no rule says how it follows the param."""
+) -> dict[str, StateShape]:
+    """The shape and rule of each state tensor of param ``name`` not shaped like it (dion's
+    NorMuon ``variance_neuron`` ``(rows, 1)`` under FSDP2), as a native save records them
+    (:func:`muonckpt.layout.state_shapes.shape_rule`). Each is read at its own global shape,
+    which DCP keeps whole or in chunks; chunks must be the param's own row shards (FSDP2's
+    ``Shard(0)`` of both), else no rule says how it follows its param: refused, naming param,
+    key and both shapes."""
+    shapes: dict[str, StateShape] = {}
+    rows = {(c.offsets[0], c.offsets[0] + c.sizes[0]) for c in model.chunks if c.sizes}
     for key, fqn in state.items():
         found = index.tensors.get(fqn)
-        if found is not None and found.shape not in (model.shape, ()):  # () a step count
+        if found is None or found.shape in (model.shape, ()):  # () a scalar (a step count)
+            continue
+        row_shards = found.shape[:1] == model.shape[:1] and all(
+            (c.offsets[0], c.offsets[0] + c.sizes[0]) in rows
+            and c.sizes[1:] == found.shape[1:]
+            and not any(c.offsets[1:])
+            for c in found.chunks
+        )
+        if len(found.chunks) > 1 and not row_shards:
             raise CheckpointError(
-                f"param {name!r}: state {key!r} ({fqn!r}) has shape {list(found.shape)}, not its "
-                f"param's {list(model.shape)}: muonckpt reads from DCP only state shaped like "
-                "its param",
+                f"param {name!r}: state {key!r} ({fqn!r}) has shape {list(found.shape)}, not "
+                f"its param's {list(model.shape)}, stored in {len(found.chunks)} chunks that "
+                "are not its param's row shards: no shape rule says how it follows its param",
                 path=where,
             )
+        shapes[key] = StateShape(shape_rule(model.shape, found.shape), found.shape)
+    return shapes
 
 
 def _param_state(
@@ -358,21 +379,22 @@ def _param_state(
     state: Mapping[str, str],
     where: Path,
 ) -> tuple[dict[str, str], dict[str, Scalar]]:
-    """A param's dtypes by muonckpt's keys (its value's and each state tensor's, each of the
-    param's shape) and its step count."""
+    """A param's dtypes by muonckpt's keys (its value's and each state tensor's) and its
+    scalars: its step count, and (a family kept as it is) every 0-d state item."""
     dtypes, scalars = {PARAM_KEY: model.dtype}, {}
     for key, fqn in state.items():
-        if key == "step":
-            scalars["step"] = _step(index, fqn, where)
+        found = index.tensors.get(fqn)
+        if key == "step" or (family.as_is and (found is None or found.shape == ())):
+            scalars[key] = _scalar(index, fqn, where, count=key == "step")
             continue
         ours = family.our_key(role, key)
-        if ours is None or fqn not in index.tensors:
+        if ours is None or found is None:
             raise CheckpointError(
                 f"DCP item {fqn!r}: {key!r} is not a tensor state key of a {role} param "
                 f"in {family.name}",
                 path=where,
             )
-        dtypes[ours] = index.tensors[fqn].dtype
+        dtypes[ours] = found.dtype
     return dtypes, scalars
 
 
@@ -398,8 +420,9 @@ def _model_prefix(
     )
 
 
-def _step(index: dcp_metadata.DcpIndex, fqn: str, where: Path) -> Scalar:
-    """A param's step count: a one-element tensor or a number, finite, not negative."""
+def _scalar(index: dcp_metadata.DcpIndex, fqn: str, where: Path, *, count: bool) -> Scalar:
+    """A param's scalar state: a one-element tensor or a number, finite; a step count
+    (``count``) not negative."""
     dtype = None
     if fqn in index.tensors:
         tensor = dcp_files.read_tensor(index, index.tensors[fqn])
@@ -413,8 +436,9 @@ def _step(index: dcp_metadata.DcpIndex, fqn: str, where: Path) -> Scalar:
     if (
         not isinstance(value, (int, float))
         or isinstance(value, bool)
-        or not value >= 0
+        or (count and not value >= 0)
         or (isinstance(value, float) and not math.isfinite(value))
     ):
-        raise CheckpointError(f"DCP item {fqn!r}: step {value!r} is not a count", path=where)
+        what = "a count" if count else "a finite number"
+        raise CheckpointError(f"DCP item {fqn!r}: {value!r} is not {what}", path=where)
     return Scalar(value, dtype)

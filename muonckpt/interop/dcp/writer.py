@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -131,10 +131,12 @@ def _add_optimizer(
     for g, group in enumerate(manifest.groups):
         kind = group_kind(group, g, directory)
         target = family.target_kind(kind)
-        mapping = kinds.state_mapping(kind, target, f"group {g}", None)
-        factor = mapping.keys.get("momentum_buffer", ("", 1.0))[1]
-        if mapping.note:
-            out.notes.append(f"{len(group.params)} Muon params: {mapping.note}")
+        factor = 1.0  # (a family kept as it is: its state unconverted)
+        if not family.as_is:
+            mapping = kinds.state_mapping(kind, target, f"group {g}", None)
+            factor = mapping.keys.get("momentum_buffer", ("", 1.0))[1]
+            if mapping.note:
+                out.notes.append(f"{len(group.params)} Muon params: {mapping.note}")
         group_settings = family_settings(family, kind, target, group.hyperparams)
         for member in group.params:
             if member in merged and member not in stacked:
@@ -157,6 +159,10 @@ def _add_optimizer(
             if kind.role == "adamw" and step is not None and entry.state_keys:
                 out.values[f"{OPTIMIZER_PREFIX}state.{name}.step"] = (
                     step_tensor(step) if step.dtype is not None else step.value
+                )
+            for key, scalar in entry.scalars.items() if family.as_is else ():
+                out.values[f"{OPTIMIZER_PREFIX}state.{name}.{key}"] = (
+                    scalar_tensor(scalar) if scalar.dtype is not None else scalar.value
                 )
             for setting, value in group_settings.items():
                 out.values[f"{OPTIMIZER_PREFIX}param_groups.{name}.{setting}"] = value
@@ -211,9 +217,17 @@ class _WholeTensors:
 
 
 def step_tensor(step: Scalar) -> Any:
+    """A step as torch's AdamW holds it: a 0-d float32 tensor."""
+    return scalar_tensor(replace(step, dtype="F32"))
+
+
+def scalar_tensor(scalar: Scalar) -> Any:
+    """A 0-d tensor of ``scalar``'s value and dtype."""
     import torch
 
-    return torch.tensor(step.value, dtype=torch.float32)
+    from ...storage.dtypes import torch_dtype
+
+    return torch.tensor(scalar.value, dtype=torch_dtype(scalar.dtype or "F32"))
 
 
 def family_settings(
@@ -226,6 +240,7 @@ def family_settings(
     torch's optimizers' own defaults (torch, torchtitan), overridden by what the checkpoint
     says; for other families the settings muonckpt knows they have."""
     own = family.name == source.family or source.optimizer in (family.muon, family.adamw)
+    own = own or family.as_is  # (its settings kept as they are)
     if own and source.converted_from is None:
         settings = {k: v for k, v in hyper.items() if k != "step" or family.step_in == "group"}
         return _titan_settings(family, settings, hyper)
