@@ -202,7 +202,7 @@ def _replicate(
             incoming = [(str(name), int(size)) for name, size in every[source]]
             chunks = _sending(staging, listing, sent)
             received |= _received(
-                staging, incoming, nodes, chunks, nodes.ranks[to], nodes.ranks[source]
+                staging, incoming, nodes, chunks, nodes.ranks[to], nodes.ranks[source], sync=False
             )
         return Attempt({"sent": sent, "received": received})
     except BaseException as exc:
@@ -235,13 +235,16 @@ def _received(
     chunks: Any,
     to: int | None,
     source: int | None,
+    *,
+    sync: bool = True,
 ) -> dict[str, str]:
     """Send ``chunks`` to global rank ``to`` while ``files`` come from global rank ``source``
-    into ``directory``; each received file's digest."""
+    into ``directory``; each received file's digest. ``sync`` False: the files are not
+    fsynced here (a save's copies: its publish fsyncs them)."""
     stream = collectives.relay(chunks, to, _chunk_sizes(files), source, nodes.group)
     digests = {}
     for name, size in files:
-        sink = storage.ReceivedFile(directory, name)
+        sink = storage.ReceivedFile(directory, name, sync=sync)
         try:
             for _ in range(0, size, COPY_CHUNK_BYTES):
                 sink.write(next(stream))
