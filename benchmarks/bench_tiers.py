@@ -24,7 +24,8 @@ page cache: no run drops it), so the ratio measures what the protocols cost, not
 medium; on a cluster the durable tier is a shared filesystem or an object store, the local
 one a node's own disk or ``/dev/shm``. ``--durable s3`` puts the durable tier in an S3
 bucket: moto's server on 127.0.0.1 (started as ``bench_s3.py`` starts it), or the endpoint
-``--endpoint`` names (credentials from the environment).
+``--endpoint`` names (credentials from the environment). ``--local /dev/shm`` puts the
+nodes' directories in memory, as a job whose local tier is ``/dev/shm`` has it.
 
     python benchmarks/bench_tiers.py --size 256MB --nodes 2 3
     /work/s3venv/bin/python benchmarks/bench_tiers.py --size 256MB --nodes 2 --durable s3
@@ -102,9 +103,11 @@ def worker(workdir: Path, size: int, rounds: int, durable_root: str) -> None:
     dist.destroy_process_group()
 
 
-def run_job(workdir: Path, nodes: int, size: int, rounds: int, durable: str) -> dict:
-    """The job of ``nodes`` simulated nodes x 2 ranks, its durable tier under ``durable``;
-    rank 0's line."""
+def run_job(
+    workdir: Path, nodes: int, size: int, rounds: int, durable: str, local: Path | None
+) -> dict:
+    """The job of ``nodes`` simulated nodes x 2 ranks, its durable tier under ``durable``,
+    its nodes' directories under ``local`` (default ``workdir``); rank 0's line."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -119,7 +122,7 @@ def run_job(workdir: Path, nodes: int, size: int, rounds: int, durable: str) -> 
         env = {
             **os.environ,
             "OMP_NUM_THREADS": "1",
-            "NODE_ROOT": str(workdir / f"node{k}"),
+            "NODE_ROOT": str((local or workdir) / f"node{k}"),
             "NODES": str(nodes),
             "PYTHONPATH": os.pathsep.join([str(here), os.environ.get("PYTHONPATH", "")]),
         }
@@ -143,6 +146,7 @@ def main() -> None:
     parser.add_argument("--workdir", default=None)
     parser.add_argument("--durable", choices=["dir", "s3"], default="dir", help="durable tier")
     parser.add_argument("--endpoint", default=None, help="with --durable s3 (default: moto)")
+    parser.add_argument("--local", default=None, help="where the nodes' directories go")
     args = parser.parse_args()
     size = parse_size(args.size)
     print(f"load average before: {os.getloadavg()}", flush=True)
@@ -151,10 +155,13 @@ def main() -> None:
         for nodes in args.nodes:
             workdir = base / f"tiers-{nodes}"
             where = str(workdir / "durable") if durable is None else f"{durable}/tiers-{nodes}"
+            local = Path(tempfile.mkdtemp(prefix="tiers-", dir=args.local)) if args.local else None
             try:
-                result = run_job(workdir, nodes, size, args.rounds, where)
+                result = run_job(workdir, nodes, size, args.rounds, where, local)
             finally:
                 shutil.rmtree(workdir, ignore_errors=True)
+                if local is not None:
+                    shutil.rmtree(local, ignore_errors=True)
             _print_result(nodes, args.size, args.rounds, result)
     print(f"\nload average after: {os.getloadavg()}", flush=True)
 
