@@ -224,8 +224,11 @@ def test_a_background_save_recovered_at_three_nodes_fetches_what_the_new_nodes_l
         assert outcome["equal"], outcome
         assert (outcome["tier"], outcome["step"]) == ("local", 1)
     fetched = [outcome["fetched"] for outcome in outcomes]
-    assert fetched[:2] == [[], []] and fetched[3] == fetched[5] == []  # the leaders fetch
-    assert fetched[2][-1] == fetched[4][-1] == "manifest.json"  # the manifest last
+    assert fetched[:2] == [[], []]  # node 0 holds the step
+    for leader, other in ((2, 3), (4, 5)):  # the new nodes' ranks share the copies
+        assert fetched[leader][-1] == "manifest.json"  # the manifest last, by the leader
+        assert fetched[other] and "manifest.json" not in fetched[other]
+        assert not set(fetched[leader]) & set(fetched[other])
 
 
 def _flip_a_byte(path: Path) -> None:

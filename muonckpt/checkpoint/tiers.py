@@ -89,6 +89,16 @@ class _Nodes:
         """The place of ``node``'s leader."""
         return self.nodes.index(node)
 
+    def of_node(self, node: int) -> list[int]:
+        """The places of ``node``'s ranks, its leader first."""
+        return [i for i, n in enumerate(self.nodes) if n == node]
+
+    def share(self, names: Sequence[str]) -> list[str]:
+        """This rank's part of work its node splits among its ranks: every n-th of ``names``
+        (sorted), n the node's ranks, from this rank's place among them."""
+        mine = self.of_node(self.nodes[self.me])
+        return sorted(names)[mine.index(self.me) :: len(mine)]
+
 
 def _nodes(tier: LocalTier) -> _Nodes:
     """(every rank of the default group, in the foreground) The tier's group and every
@@ -202,7 +212,7 @@ def _replicate(
             incoming = [(str(name), int(size)) for name, size in every[source]]
             chunks = _sending(staging, listing, sent)
             received |= _received(
-                staging, incoming, nodes, chunks, nodes.ranks[to], nodes.ranks[source]
+                staging, incoming, nodes, chunks, nodes.ranks[to], nodes.ranks[source], sync=False
             )
         return Attempt({"sent": sent, "received": received})
     except BaseException as exc:
@@ -235,13 +245,16 @@ def _received(
     chunks: Any,
     to: int | None,
     source: int | None,
+    *,
+    sync: bool = True,
 ) -> dict[str, str]:
     """Send ``chunks`` to global rank ``to`` while ``files`` come from global rank ``source``
-    into ``directory``; each received file's digest."""
+    into ``directory``; each received file's digest. ``sync`` False: the files are not
+    fsynced here (a save's copies: its publish fsyncs them)."""
     stream = collectives.relay(chunks, to, _chunk_sizes(files), source, nodes.group)
     digests = {}
     for name, size in files:
-        sink = storage.ReceivedFile(directory, name)
+        sink = storage.ReceivedFile(directory, name, sync=sync)
         try:
             for _ in range(0, size, COPY_CHUNK_BYTES):
                 sink.write(next(stream))
@@ -312,8 +325,8 @@ class Recovery:
     step: int | None
     """The step it records."""
     fetched: list[str] = field(default_factory=list)
-    """The files this rank received from other nodes for its node (its node's first rank
-    receives them all; the others list none)."""
+    """The files this rank received from other nodes for its node (its node's ranks share
+    them)."""
     refused: list[str] = field(default_factory=list)
     """Copies found damaged (never applied), and local steps passed over, one line each."""
     report: LoadReport = field(default_factory=LoadReport)
@@ -479,7 +492,9 @@ def _recover_local(
         needed = _needed(nodes, here, candidate, kept)
         mine = [f for f, held in candidate.holders.items() if nodes.nodes[nodes.me] in held]
         useful = set().union(*needed.values())  # here, or to be sent from here
-        damaged = _damaged(nodes, here, [f for f in mine if _is_data(f) and f in useful])
+        damaged = _damaged(
+            nodes, here, nodes.share([f for f in mine if _is_data(f) and f in useful])
+        )
         fetched: list[str] = []
         for _ in range(_TRIES):
             _drop(candidate, damaged, refused)
@@ -507,11 +522,15 @@ recovery pass to an older step."""
 
 
 def _damaged(nodes: _Nodes, here: Path, names: list[str]) -> dict[int, dict[str, str]]:
-    """Every node's damaged copies among the data files ``names`` its leader checked in its
-    copy ``here`` (every header and checksum), by node."""
-    problems = file_problems(here, sorted(names)) if nodes.leader and names else {}
-    found = collectives.all_gather_json(problems, nodes.group)
-    return {nodes.nodes[i]: found[i] for i in range(len(found)) if found[i]}
+    """Every node's damaged copies among the data files ``names`` each of its ranks checked
+    in its copy ``here`` (every header and checksum; the ranks of a node check files of
+    their own, at once), by node."""
+    problems = file_problems(here, sorted(names)) if names else {}
+    damaged: dict[int, dict[str, str]] = {}
+    for i, found in enumerate(collectives.all_gather_json(problems, nodes.group)):
+        if found:
+            damaged.setdefault(nodes.nodes[i], {}).update(found)
+    return damaged
 
 
 def _drop(candidate: _Candidate, damaged: dict[int, dict[str, str]], refused: list[str]) -> None:
@@ -545,10 +564,12 @@ def _needed(
 def _fetch(
     nodes: _Nodes, root: Path, candidate: _Candidate, needed: dict[int, set[str]]
 ) -> list[str]:
-    """Copy to each node's leader every file of ``candidate`` its ranks read (``needed``)
-    and every piece index, that its node lacks, from the first node holding a sound copy,
-    the manifest last; the files this node received. Every rank walks the same list of
-    copies; only the two leaders of each take part in it."""
+    """Copy to each node every file of ``candidate`` its ranks read (``needed``) and every
+    piece index, that its node lacks, from the first node holding a sound copy; the files
+    this rank received. The data files and indexes first, the i-th copy between two nodes
+    through their i-th ranks (mod their count: the pairs copy at once), then the manifests,
+    between the nodes' leaders; each phase ends when every copy of it is done. Every rank
+    walks the same list of copies, taking part in its own."""
     here = root / candidate.name
     copies = []
     for node in sorted(set(nodes.nodes)):
@@ -557,17 +578,22 @@ def _fetch(
             for name, size in candidate.files
             if node not in candidate.holders[name] and (name in needed[node] or not _is_data(name))
         ]
-        lacking.sort(key=lambda item: item[0] == MANIFEST_NAME)  # the manifest last
         copies += [(candidate.holders[name][0], node, name, size) for name, size in lacking]
     got = []
-    for source, to, name, size in copies:
-        sending, receiving = nodes.leader_of(source), nodes.leader_of(to)
-        if nodes.me == sending:
-            chunks = storage.file_chunks(here / name, COPY_CHUNK_BYTES)
-            _received(here, [], nodes, chunks, nodes.ranks[receiving], None)
-        elif nodes.me == receiving:
-            access.make_directories(here)
-            _received(here, [(name, size)], nodes, iter(()), None, nodes.ranks[sending])
-            got.append(name)
-        candidate.holders[name].append(to)
+    for manifests in (False, True):
+        phase = [c for c in copies if (c[2] == MANIFEST_NAME) == manifests]
+        for i, (source, to, name, size) in enumerate(phase):
+            pair = 0 if manifests else i  # the leaders, or the i-th ranks
+            senders, receivers = nodes.of_node(source), nodes.of_node(to)
+            sending, receiving = senders[pair % len(senders)], receivers[pair % len(receivers)]
+            if nodes.me == sending:
+                chunks = storage.file_chunks(here / name, COPY_CHUNK_BYTES)
+                _received(here, [], nodes, chunks, nodes.ranks[receiving], None)
+            elif nodes.me == receiving:
+                access.make_directories(here)
+                _received(here, [(name, size)], nodes, iter(()), None, nodes.ranks[sending])
+                got.append(name)
+            candidate.holders[name].append(to)
+        if phase:  # every copy of the phase done on every node before the next
+            collectives.all_gather_json(None, nodes.group)
     return got

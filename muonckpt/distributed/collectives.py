@@ -384,25 +384,34 @@ def relay(
 ) -> Iterator[np.ndarray]:
     """Send ``chunks`` to global rank ``to`` while receiving from global rank ``source``
     chunks of ``sizes`` bytes, which are yielded as they come (None: no such side), both
-    posted before either is waited for, so that a ring of ranks moves at once. Every chunk
-    travels on the CPU over ``group`` (gloo)."""
+    posted before either is waited for, so that a ring of ranks moves at once. The next
+    chunk to send is taken from ``chunks`` (read) while one travels, and the next is posted
+    to receive before one is yielded (written by the caller): reads, transfers and writes
+    overlap, two chunks in flight each way at most. Every chunk travels on the CPU over
+    ``group`` (gloo)."""
     pending = iter(sizes) if source is not None else iter(())
     outgoing = chunks if to is not None else iter(())
     peers = [p for p in (to, source) if p is not None]
-    while True:
-        chunk, size = next(outgoing, None), next(pending, None)
+
+    def post(chunk: np.ndarray | None, size: int | None) -> tuple[list[Any], torch.Tensor | None]:
         posted = []
+        if chunk is not None:
+            posted.append(dist.isend(torch.from_numpy(chunk), to, group=group))
+        incoming = None
+        if size is not None:
+            incoming = torch.empty(size, dtype=torch.uint8)
+            posted.append(dist.irecv(incoming, source, group=group))
+        return posted, incoming
+
+    with _lost(lambda: f"rank(s) {peers}", lambda: peers):
+        posted, incoming = post(next(outgoing, None), next(pending, None))
+    while posted:
+        following = next(outgoing, None)  # read while the current chunk travels
         with _lost(lambda: f"rank(s) {peers}", lambda: peers):
-            if chunk is not None:
-                posted.append(dist.isend(torch.from_numpy(chunk), to, group=group))
-            incoming = None
-            if size is not None:
-                incoming = torch.empty(size, dtype=torch.uint8)
-                posted.append(dist.irecv(incoming, source, group=group))
-            if not posted:
-                return
             for work in posted:
                 assert work is not None  # (a rank of the group: torch gives its work)
                 work.wait()
+            posted, arrived = post(following, next(pending, None))
         if incoming is not None:
             yield incoming.numpy()
+        incoming = arrived

@@ -82,9 +82,11 @@ class Digest:
 class ReceivedFile:
     """A copy of another node's file arriving in chunks into ``directory/name``: written to a
     temporary name, hashed as it comes, then fsynced and renamed into place
-    (:meth:`close`), whose XXH3-64 the save's root compares with the sender's."""
+    (:meth:`close`), whose XXH3-64 the save's root compares with the sender's. ``sync``
+    False: no fsync of its own, for a copy into a staging directory whose publish fsyncs
+    every file it holds and the directory (``sync_files``), so that no copy is synced twice."""
 
-    def __init__(self, directory: StrPath, name: str) -> None:
+    def __init__(self, directory: StrPath, name: str, *, sync: bool = True) -> None:
         if os.sep in name or name.startswith("."):
             raise CheckpointError(f"a replica may not be named {name!r}", path=directory)
         self.path = Path(directory) / name
@@ -94,6 +96,7 @@ class ReceivedFile:
             self._fd = os.open(self._tmp, flags, 0o644)
         self._digest = Digest()
         self._offset = 0
+        self._sync = sync
 
     def write(self, chunk: np.ndarray) -> None:
         self._digest.update(chunk)
@@ -102,15 +105,17 @@ class ReceivedFile:
         self._offset += chunk.nbytes
 
     def close(self) -> str:
-        """fsync, the rename into place and its directory's fsync; the digest of the bytes
-        received."""
+        """fsync, the rename into place and its directory's fsync (without ``sync``, the
+        rename alone); the digest of the bytes received."""
         try:
             with failing_as("write", self.path):
-                os.fsync(self._fd)
+                if self._sync:
+                    os.fsync(self._fd)
                 os.close(self._fd)
                 self._fd = -1
                 os.replace(self._tmp, self.path)
-                fsync_dir(self.path.parent)
+                if self._sync:
+                    fsync_dir(self.path.parent)
         finally:
             self.abandon()
         return self._digest.hexdigest()
