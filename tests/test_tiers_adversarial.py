@@ -139,3 +139,26 @@ def test_a_node_killed_at_each_phase_of_a_save_loses_nothing_committed(tmp_path,
             assert outcome["equal"], outcome
         else:
             assert outcome["step"] == 2 and outcome["scale"] == [0.0, 2.0, 4.0, 6.0, 8.0]
+
+
+def test_a_damaged_piece_index_is_fetched_again_from_a_sound_copy(three_steps, tmp_path):
+    """Node 0's piece index of rank 0 has a flipped byte, node 1's is sound: the index is
+    refused and fetched from node 1, and step 3 is loaded from the local tier."""
+    run = _copy(three_steps, tmp_path)
+    _flip_a_byte(run / "node0" / "step-3" / "rank-00000-of-00004.pieces.json")
+    outcomes = _recovered(run, 2, 2, 2, 3)
+    _loaded(outcomes, "local", 3)
+    assert "rank-00000-of-00004.pieces.json" in outcomes[0]["fetched"]
+
+
+def test_a_run_restarted_over_an_older_runs_local_steps_recovers_its_own(three_steps, tmp_path):
+    """The nodes' directories still hold steps 2 and 3 of a run given up (a rollback, or an
+    earlier job on the same nodes); the new run saves step 1 and is lost: recovery loads
+    the new run's step 1, not the older run's step 3, and its step 1 was not pruned."""
+    run = _copy(three_steps, tmp_path)
+    shutil.rmtree(run / "durable")
+    roots = [run / "node0", run / "node1"]
+    with _nodes(["save", str(run), "2", "2", "1"], roots) as launched:
+        for node in launched:
+            assert {line.get("saved") for line in node.read(2)} == {str(run / "durable" / "step-1")}
+    _loaded(_recovered(run, 2, 2, 2, 1), "local", 1)
