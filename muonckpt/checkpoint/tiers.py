@@ -256,9 +256,15 @@ def _received(
 
 def _prune(root: Path, keep_last: int, keep: Path) -> None:
     """(a node's leader) Delete this node's local steps but the newest ``keep_last`` (by the
-    step recorded, then commit time; ``keep`` always kept)."""
+    step recorded, then commit time; ``keep``, the step just committed, always kept), and
+    every step recording a later step than ``keep``: this run went on from an older state (a
+    rollback, or another run on the same nodes), and recovery would take them for its
+    newest."""
     steps = _local_steps(root)
-    old = [s for s in steps[: max(len(steps) - keep_last, 0)] if s.path != keep]
+    now = next((s.order()[:2] for s in steps if s.path == keep), None)
+    later = [s for s in steps if now is not None and s.order()[:2] > now]
+    steps = [s for s in steps if s not in later]
+    old = later + [s for s in steps[: max(len(steps) - keep_last, 0)] if s.path != keep]
     for step in old:
         storage.remove_checkpoint(step.path)
 
