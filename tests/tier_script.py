@@ -39,7 +39,6 @@ from muonckpt.storage.node_local import NodeStore, ReceivedFile
 
 from .fixture_model import build, initial_params, train
 
-
 PHASES = {
     "write": (saving, "write"),
     "copy": (ReceivedFile, "write"),
