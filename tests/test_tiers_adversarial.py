@@ -162,3 +162,16 @@ def test_a_run_restarted_over_an_older_runs_local_steps_recovers_its_own(three_s
         for node in launched:
             assert {line.get("saved") for line in node.read(2)} == {str(run / "durable" / "step-1")}
     _loaded(_recovered(run, 2, 2, 2, 1), "local", 1)
+
+
+def test_two_nodes_given_one_root_are_refused_before_anything_is_written(tmp_path):
+    """Both nodes' NODE_ROOT is one directory: every rank's save fails at once with an
+    OptionError naming it (it failed at the publish, saying the staging directory's lease
+    was replaced, and a step was left there all the same), and nothing is left in it."""
+    shared = tmp_path / "shared"
+    env = {"MUONCKPT_RENDEZVOUS_TIMEOUT": "20"}
+    with _nodes(["save", str(tmp_path), "2", "2", "1"], [shared, shared], env) as launched:
+        said = [line for node in launched for line in node.read(2)]
+    for outcome in said:
+        assert outcome["library"] and "one directory as their root" in outcome["error"], outcome
+    assert os.listdir(shared) == []
