@@ -175,3 +175,31 @@ def test_two_nodes_given_one_root_are_refused_before_anything_is_written(tmp_pat
     for outcome in said:
         assert outcome["library"] and "one directory as their root" in outcome["error"], outcome
     assert os.listdir(shared) == []
+
+
+def test_a_node_lost_in_a_background_saves_copy_loses_nothing_committed(tmp_path):
+    """As above with async_save: node 1 dies in step 2's copies, on the background thread.
+    The save fails at async_save's ``timeout`` (10 s here; 1800 s by default: the steps of a
+    background save wait that long for a rank's report), not at once as a foreground one."""
+    env = {"TIER_DIE_AT": "2", "TIER_ASYNC": "1", "TIER_ASYNC_TIMEOUT": "10"}
+    env["MUONCKPT_RENDEZVOUS_TIMEOUT"] = "20"
+    for outcome in _saved_then_node_1_lost(tmp_path, 2, env):
+        assert outcome["library"] and outcome["step"] == 2, outcome
+    _loaded(_recovered(tmp_path, 1, 2, 1, 1), "local", 1)
+
+
+def test_the_save_roots_node_lost_in_the_copy_fails_the_save_on_the_other(tmp_path):
+    """Node 0 (the save's root and the store's host) dies in step 2's copies: node 1's ranks
+    fail as a library error in bounded time; restarted on node 1's directory alone, step 1 is
+    loaded bitwise."""
+    roots = [tmp_path / "node0", tmp_path / "node1"]
+    env = {"TIER_DIE_AT": "2", "TIER_DIE_NODE": "0", "MUONCKPT_RENDEZVOUS_TIMEOUT": "20"}
+    started = time.monotonic()
+    with _nodes(["save", str(tmp_path), "2", "2", "2"], roots, env) as launched:
+        said = launched[1].read(2)
+    assert time.monotonic() - started < SILENCE_S
+    for outcome in said:
+        assert outcome["library"] and outcome["step"] == 2, outcome
+    shutil.rmtree(roots[0])
+    (tmp_path / "node1").rename(tmp_path / "node0")
+    _loaded(_recovered(tmp_path, 1, 2, 1, 1), "local", 1)

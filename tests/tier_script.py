@@ -4,11 +4,13 @@ simulated nodes (each launcher with its own ``NODE_ROOT``, the node's local dire
 ``python -m tests.tier_script save DIR DP TP STEPS [REPLICAS]``: trains ``STEPS`` steps at
 ``DP x TP``, saves with ``LocalTier(NODE_ROOT, replicas=REPLICAS, durable_every=1)`` to
 ``DIR/durable/step-S`` after each step S (each save's durable copy is the reference a
-recovery is compared with; ``TIER_ASYNC`` set: by ``async_save``), prints ``{"rank", "pid",
+recovery is compared with; ``TIER_ASYNC`` set: by ``async_save``, its ``timeout`` the seconds
+``TIER_ASYNC_TIMEOUT`` says), prints ``{"rank", "pid",
 "saved"}`` (or how a save failed: ``"error"``, ``"library"``, ``"step"``) and waits to be
-killed. ``TIER_DIE_AT=S``: node 1's ranks exit in step S's save, in the phase ``TIER_DIE_IN``
-names (:data:`PHASES`; default ``copy``, while they receive the copies); in a recovery,
-``TIER_DIE_IN=fetch``: node 1's ranks exit while they receive the files they lack.
+killed. ``TIER_DIE_AT=S``: node 1's ranks (``TIER_DIE_NODE``'s) exit in step S's save, in the
+phase ``TIER_DIE_IN`` names (:data:`PHASES`; default ``copy``, while they receive the copies);
+in a recovery, ``TIER_DIE_IN=fetch``: node 1's ranks exit while they receive the files they
+lack.
 
 ``python -m tests.tier_script recover DIR DP TP STEP``: recovers at ``DP x TP`` from the
 tier (the durable tier as the fallback), loads ``DIR/durable/step-STEP`` into a second
@@ -52,7 +54,7 @@ between the copy and the commit, the publish, a recovery's fetch."""
 
 def _die_in(phase: str) -> None:
     """From now on, node 1's ranks exit (as a killed machine's) when they reach ``phase``."""
-    if os.environ["GROUP_RANK"] == "1":
+    if os.environ["GROUP_RANK"] == os.environ.get("TIER_DIE_NODE", "1"):
         owner, name = PHASES[phase]
         setattr(owner, name, lambda *_, **__: os._exit(1))
 
@@ -72,7 +74,10 @@ def save(where: Path, dp: int, tp: int, steps: int, replicas: int = 1) -> None:
             path, tier = where / "durable" / f"step-{step}", _tier(replicas)
             extra = {"step": step, "scale": torch.arange(5.0) * step}  # a file of its own
             if os.environ.get("TIER_ASYNC"):
-                saved = muonckpt.async_save(opt, path, extra=extra, tier=tier).result()
+                timeout = float(os.environ.get("TIER_ASYNC_TIMEOUT", "1800"))
+                saved = muonckpt.async_save(
+                    opt, path, extra=extra, tier=tier, timeout=timeout
+                ).result()
             else:
                 saved = muonckpt.save(opt, path, extra=extra, tier=tier)
         said["saved"] = str(saved)
