@@ -195,7 +195,7 @@ def commit(steps: writing.Steps, prepared: saving.PreparedSave, save: TierSave) 
         save.placement(),
         save.nodes.leader,
     )
-    if save.nodes.leader and save.tier.keep_last is not None:
+    if save.nodes.leader:
         _prune(save.final.parent, save.tier.keep_last, committed)
     return committed
 
@@ -278,18 +278,19 @@ def _received(
     return digests
 
 
-def _prune(root: Path, keep_last: int, keep: Path) -> None:
-    """(a node's leader) Delete this node's local steps but the newest ``keep_last`` (by the
-    step recorded, then commit time; ``keep``, the step just committed, always kept), and
-    every step recording a later step than ``keep``: this run went on from an older state (a
-    rollback, or another run on the same nodes), and recovery would take them for its
-    newest."""
+def _prune(root: Path, keep_last: int | None, keep: Path) -> None:
+    """(a node's leader) Delete every local step of this node that records a later step than
+    ``keep``, the one just committed (this run went on from an older state: a rollback, or
+    another run on the same nodes; recovery would take them for its newest), and all but the
+    newest ``keep_last`` of the others (by the step recorded, then commit time; ``keep``
+    always kept; None: all kept)."""
     steps = _local_steps(root)
     now = next((s.order()[:2] for s in steps if s.path == keep), None)
-    later = [s for s in steps if now is not None and s.order()[:2] > now]
-    steps = [s for s in steps if s not in later]
-    old = later + [s for s in steps[: max(len(steps) - keep_last, 0)] if s.path != keep]
-    for step in old:
+    gone = [s for s in steps if now is not None and s.order()[:2] > now]
+    steps = [s for s in steps if s not in gone]
+    if keep_last is not None:
+        gone += [s for s in steps[: max(len(steps) - keep_last, 0)] if s.path != keep]
+    for step in gone:
         storage.remove_checkpoint(step.path)
 
 
