@@ -273,3 +273,21 @@ def test_a_node_lost_in_the_copy_fails_the_save_everywhere_and_the_previous_step
     for outcome in _recovered(tmp_path, 1, 2, 1, 1):
         assert outcome["equal"], outcome
         assert (outcome["tier"], outcome["step"], outcome["fetched"]) == ("local", 1, [])
+
+
+def test_a_commit_prunes_the_later_steps_of_a_run_given_up_even_keeping_all(tmp_path):
+    """(issue 56's adversarial pass) A node's directory holds steps 5 and 6 of a run given up
+    and steps 1 and 2 of the run that went on from an older state: committing step 2 deletes
+    steps 5 and 6 (recovery would take them for the newest), with keep_last=None too."""
+    from muonckpt.checkpoint.tiers import _prune
+
+    param = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([param], lr=0.1, momentum=0.9)
+    param.grad = torch.ones(3)
+    opt.step()
+    for step in (5, 6, 1, 2):
+        muonckpt.save(opt, tmp_path / f"step-{step}", extra={"step": step})
+    _prune(tmp_path, None, tmp_path / "step-2")
+    assert sorted(os.listdir(tmp_path)) == ["step-1", "step-2"]
+    _prune(tmp_path, 1, tmp_path / "step-2")
+    assert os.listdir(tmp_path) == ["step-2"]

@@ -4,15 +4,20 @@ simulated nodes (each launcher with its own ``NODE_ROOT``, the node's local dire
 ``python -m tests.tier_script save DIR DP TP STEPS [REPLICAS]``: trains ``STEPS`` steps at
 ``DP x TP``, saves with ``LocalTier(NODE_ROOT, replicas=REPLICAS, durable_every=1)`` to
 ``DIR/durable/step-S`` after each step S (each save's durable copy is the reference a
-recovery is compared with; ``TIER_ASYNC`` set: by ``async_save``), prints ``{"rank", "pid",
+recovery is compared with; ``TIER_ASYNC`` set: by ``async_save``, its ``timeout`` the seconds
+``TIER_ASYNC_TIMEOUT`` says), prints ``{"rank", "pid",
 "saved"}`` (or how a save failed: ``"error"``, ``"library"``, ``"step"``) and waits to be
-killed. ``TIER_DIE_AT=S``: node 1's ranks exit while they receive step S's copies.
+killed. ``TIER_DIE_AT=S``: node 1's ranks (``TIER_DIE_NODE``'s) exit in step S's save, in the
+phase ``TIER_DIE_IN`` names (:data:`PHASES`; default ``copy``, while they receive the copies);
+in a recovery, ``TIER_DIE_IN=fetch``: node 1's ranks exit while they receive the files they
+lack.
 
 ``python -m tests.tier_script recover DIR DP TP STEP``: recovers at ``DP x TP`` from the
 tier (the durable tier as the fallback), loads ``DIR/durable/step-STEP`` into a second
 optimizer of the same layout, and prints ``{"rank", "tier", "step", "fetched", "refused",
-"equal"}``: ``equal``, whether every state tensor and param, and the tensor of ``extra``, is
-bitwise what that load gives.
+"equal", "scale"}``: ``equal``, whether every state tensor and param, and the tensor of
+``extra``, is bitwise what that load gives; ``scale``, the recovered ``extra`` tensor (the
+step times 0..4).
 """
 
 from __future__ import annotations
@@ -30,9 +35,28 @@ import torch
 import torch.distributed as dist
 
 import muonckpt
-from muonckpt.storage.node_local import ReceivedFile
+from muonckpt.checkpoint import saving
+from muonckpt.files import writing
+from muonckpt.storage.node_local import NodeStore, ReceivedFile
 
 from .fixture_model import build, initial_params, train
+
+PHASES = {
+    "write": (saving, "write"),
+    "copy": (ReceivedFile, "write"),
+    "commit": (writing, "commit_on_nodes"),
+    "publish": (NodeStore, "publish"),
+    "fetch": (ReceivedFile, "write"),
+}
+"""Where node 1's ranks die (``TIER_DIE_IN``): the write into staging, the replica copy,
+between the copy and the commit, the publish, a recovery's fetch."""
+
+
+def _die_in(phase: str) -> None:
+    """From now on, node 1's ranks exit (as a killed machine's) when they reach ``phase``."""
+    if os.environ["GROUP_RANK"] == os.environ.get("TIER_DIE_NODE", "1"):
+        owner, name = PHASES[phase]
+        setattr(owner, name, lambda *_, **__: os._exit(1))
 
 
 def _tier(replicas: int = 1) -> muonckpt.LocalTier:
@@ -45,12 +69,15 @@ def save(where: Path, dp: int, tp: int, steps: int, replicas: int = 1) -> None:
     try:
         for step in range(1, steps + 1):
             train(opt, sharded, d, t, step - 1, 1)
-            if step == int(os.environ.get("TIER_DIE_AT", "0")) and os.environ["GROUP_RANK"] == "1":
-                ReceivedFile.write = lambda *_: os._exit(1)  # this node dies in the copy
+            if step == int(os.environ.get("TIER_DIE_AT", "0")):
+                _die_in(os.environ.get("TIER_DIE_IN", "copy"))
             path, tier = where / "durable" / f"step-{step}", _tier(replicas)
             extra = {"step": step, "scale": torch.arange(5.0) * step}  # a file of its own
             if os.environ.get("TIER_ASYNC"):
-                saved = muonckpt.async_save(opt, path, extra=extra, tier=tier).result()
+                timeout = float(os.environ.get("TIER_ASYNC_TIMEOUT", "1800"))
+                saved = muonckpt.async_save(
+                    opt, path, extra=extra, tier=tier, timeout=timeout
+                ).result()
             else:
                 saved = muonckpt.save(opt, path, extra=extra, tier=tier)
         said["saved"] = str(saved)
@@ -73,18 +100,22 @@ def _values(opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
 
 def recover(where: Path, dp: int, tp: int, step: int) -> None:
     opt, _, _, _ = build(dp, tp, initial_params())
+    if os.environ.get("TIER_DIE_IN") == "fetch":
+        _die_in("fetch")
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
         extra: dict[str, Any] = {}
         got = muonckpt.recover(opt, _tier(), where / "durable", extra=extra)
-    reference, _, _, _ = build(dp, tp, initial_params())
-    saved: dict[str, Any] = {}
-    muonckpt.load(reference, where / "durable" / f"step-{step}", extra=saved)
-    mine = {**_values(opt), "extra.scale": extra["scale"]}
-    theirs = {**_values(reference), "extra.scale": saved["scale"]}
-    equal = mine.keys() == theirs.keys() and all(
-        torch.equal(mine[k].view(torch.uint8), theirs[k].view(torch.uint8)) for k in mine
-    )
+    equal = None
+    if (where / "durable" / f"step-{step}").exists():
+        reference, _, _, _ = build(dp, tp, initial_params())
+        saved: dict[str, Any] = {}
+        muonckpt.load(reference, where / "durable" / f"step-{step}", extra=saved)
+        mine = {**_values(opt), "extra.scale": extra["scale"]}
+        theirs = {**_values(reference), "extra.scale": saved["scale"]}
+        equal = mine.keys() == theirs.keys() and all(
+            torch.equal(mine[k].view(torch.uint8), theirs[k].view(torch.uint8)) for k in mine
+        )
     _say(
         {
             "rank": dist.get_rank(),
@@ -94,6 +125,7 @@ def recover(where: Path, dp: int, tp: int, step: int) -> None:
             "refused": got.refused,
             "warnings": [str(w.message) for w in said],
             "equal": equal,
+            "scale": extra["scale"].tolist(),
         }
     )
 

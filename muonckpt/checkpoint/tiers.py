@@ -16,6 +16,7 @@ last. docs/format.md ("The node-local tier") states the protocol and its guarant
 from __future__ import annotations
 
 import os
+import uuid
 import warnings
 from collections.abc import MutableMapping, Sequence
 from dataclasses import dataclass, field
@@ -114,9 +115,32 @@ def _nodes(tier: LocalTier) -> _Nodes:
     known = _KNOWN.get(node)
     if known is None or known.group is not group:
         ranks = collectives.group_ranks(None)
-        nodes = [int(n) for n in collectives.all_gather_json(node, group)]
-        known = _KNOWN[node] = _Nodes(group, ranks, nodes, ranks.index(collectives.global_rank()))
+        found = collectives.all_gather_json([node, uuid.uuid4().hex], group)
+        nodes = [int(n) for n, _ in found]
+        known = _Nodes(group, ranks, nodes, ranks.index(collectives.global_rank()))
+        _refuse_a_shared_root(known, os.path.abspath(tier.root), found[0][1])
+        _KNOWN[node] = known
     return known
+
+
+def _refuse_a_shared_root(nodes: _Nodes, root: str, job: str) -> None:
+    """(every rank) An :class:`OptionError` on every rank when two nodes' tier roots are one
+    directory (a shared filesystem, or one path given to all): each node's leader marks its
+    root for ``job`` (rank 0's token) and looks for another node's mark there."""
+    node = nodes.nodes[nodes.me]
+    if nodes.leader:
+        storage.mark_node(root, job, node, present=True)
+    seen = collectives.all_gather_json(
+        storage.nodes_marked(root, job) if nodes.leader else [], nodes.group
+    )
+    if nodes.leader:
+        storage.mark_node(root, job, node, present=False)
+    shared = next((marked for marked in seen if len(marked) > 1), None)
+    if shared is not None:
+        raise OptionError(
+            f"LocalTier: nodes {shared} were given one directory as their root ({root} on "
+            f"node {node}); each node needs a directory of its own, on its own disk"
+        )
 
 
 _KNOWN: dict[int, _Nodes] = {}
@@ -181,7 +205,7 @@ def commit(steps: writing.Steps, prepared: saving.PreparedSave, save: TierSave) 
         save.placement(),
         save.nodes.leader,
     )
-    if save.nodes.leader and save.tier.keep_last is not None:
+    if save.nodes.leader:
         _prune(save.final.parent, save.tier.keep_last, committed)
     return committed
 
@@ -267,12 +291,19 @@ def _received(
     return digests
 
 
-def _prune(root: Path, keep_last: int, keep: Path) -> None:
-    """(a node's leader) Delete this node's local steps but the newest ``keep_last`` (by the
-    step recorded, then commit time; ``keep`` always kept)."""
+def _prune(root: Path, keep_last: int | None, keep: Path) -> None:
+    """(a node's leader) Delete every local step of this node that records a later step than
+    ``keep``, the one just committed (this run went on from an older state: a rollback, or
+    another run on the same nodes; recovery would take them for its newest), and all but the
+    newest ``keep_last`` of the others (by the step recorded, then commit time; ``keep``
+    always kept; None: all kept)."""
     steps = _local_steps(root)
-    old = [s for s in steps[: max(len(steps) - keep_last, 0)] if s.path != keep]
-    for step in old:
+    now = next((s.order()[:2] for s in steps if s.path == keep), None)
+    gone = [s for s in steps if now is not None and s.order()[:2] > now]
+    steps = [s for s in steps if s not in gone]
+    if keep_last is not None:
+        gone += [s for s in steps[: max(len(steps) - keep_last, 0)] if s.path != keep]
+    for step in gone:
         storage.remove_checkpoint(step.path)
 
 

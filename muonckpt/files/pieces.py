@@ -516,7 +516,8 @@ def _problems(path: str | os.PathLike[str]) -> list[CheckpointError]:
         manifest = read_manifest(files, pieces=False)
     except CheckpointError as exc:
         return [exc]
-    manifest, problems = _with_every_index(files, manifest)
+    manifest, refused = _with_every_index(files, manifest)
+    problems = list(refused.values())
     try:
         problems += size_problems(manifest, files)
     except CheckpointError as exc:
@@ -567,12 +568,15 @@ def file_problems(path: str | os.PathLike[str], names: Collection[str]) -> dict[
     """(a directory holding some of a checkpoint's files: a node's copy of a local step) The
     data files of ``names`` found damaged, each with its first problem; what ``verify`` checks
     of them (there, at their size, every header and checksum). Every piece index is read,
-    checked against the manifest; a manifest or an index refused is a problem of every file."""
+    checked against the manifest; an index refused is a problem of its own (by its name, so
+    that a sound copy of it can replace it) and of every file of ``names``; a manifest refused
+    is raised."""
     files = checkpoint_at(path)
     manifest = read_manifest(files, pieces=False)
     manifest, problems = _with_every_index(files, manifest)
     if problems:
-        return dict.fromkeys(names, str(problems[0]))
+        refused = {index: str(problem) for index, problem in problems.items()}
+        return {**dict.fromkeys(names, next(iter(refused.values()))), **refused}
     found: dict[str, str] = {}
     with PieceReader(files, manifest) as reader:
         for file, problem in _tensor_problems(manifest, reader, set(names)):
@@ -653,18 +657,18 @@ def _unknown_in(
 
 def _with_every_index(
     files: storage.CheckpointFiles, manifest: Manifest
-) -> tuple[Manifest, list[CheckpointError]]:
+) -> tuple[Manifest, dict[str, CheckpointError]]:
     """(verify) The manifest with the pieces of every piece index that reads sound, and the
-    problems of those that do not (each naming its index file)."""
+    problems of those that do not, by index file."""
     if not manifest.indexes:
-        return manifest, []
+        return manifest, {}
     pieces = PieceTable()
-    problems = []
+    problems = {}
     for entry in manifest.indexes:
         try:
             pieces.extend(read_index(files, manifest, entry))
         except CheckpointError as exc:
-            problems.append(exc)
+            problems[entry.name] = exc
     return replace(manifest, pieces=pieces, complete=not problems), problems
 
 

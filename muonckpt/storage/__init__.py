@@ -67,7 +67,15 @@ from .durable import (
 from .lease import leftover
 from .mailbox import is_mailbox, remove_mailbox
 from .model_weights import ModelWeights
-from .node_local import Digest, NodeStore, ReceivedFile, file_chunks, present
+from .node_local import (
+    Digest,
+    NodeStore,
+    ReceivedFile,
+    file_chunks,
+    mark_node,
+    nodes_marked,
+    present,
+)
 from .ownership import check_target, is_ours, ownership_problem
 from .places import Location, location, resolved_place
 from .reader_cache import ReaderCache
@@ -110,6 +118,8 @@ __all__ = [
     "leftover",
     "location",
     "make_directory",
+    "mark_node",
+    "nodes_marked",
     "ownership_problem",
     "present",
     "read_small",

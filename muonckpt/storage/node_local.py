@@ -139,3 +139,28 @@ def present(directory: StrPath, sizes: Sequence[tuple[str, int]]) -> list[str]:
         except OSError:
             continue
     return found
+
+
+NODE_MARK = ".muonckpt-node-{job}-{node}"
+"""The empty file a node's leader leaves in its tier root while the job's nodes look for a
+root that two of them share (:func:`nodes_marked`)."""
+
+
+def mark_node(root: StrPath, job: str, node: int, present: bool) -> None:
+    """(a node's leader) Leave (``present``) or take away this node's mark of ``job`` in
+    ``root`` (made when missing)."""
+    mark = Path(root) / NODE_MARK.format(job=job, node=node)
+    with failing_as("mark the node-local root", mark):
+        if present:
+            Path(root).mkdir(parents=True, exist_ok=True)
+            mark.touch()
+        else:
+            mark.unlink(missing_ok=True)
+
+
+def nodes_marked(root: StrPath, job: str) -> list[int]:
+    """The nodes whose mark of ``job`` is in ``root``: more than one, a root they share."""
+    prefix = NODE_MARK.format(job=job, node="")
+    with failing_as("list", root):
+        names = os.listdir(root)
+    return sorted(int(name[len(prefix) :]) for name in names if name.startswith(prefix))
