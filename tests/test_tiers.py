@@ -291,3 +291,37 @@ def test_a_commit_prunes_the_later_steps_of_a_run_given_up_even_keeping_all(tmp_
     assert sorted(os.listdir(tmp_path)) == ["step-1", "step-2"]
     _prune(tmp_path, 1, tmp_path / "step-2")
     assert os.listdir(tmp_path) == ["step-2"]
+
+
+def _save_over_an_existing_durable_target(workdir: str) -> list[str]:
+    """(gloo child, a node per rank) A tiered save due to write its durable target, which an
+    earlier save already holds: its refusal, and what each node's local root then holds."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    param = torch.nn.Parameter(torch.full((4, 4), float(rank)))
+    opt = torch.optim.SGD([param], lr=0.1, momentum=0.9)
+    param.grad = torch.ones(4, 4)
+    opt.step()
+    root = Path(workdir)
+    muonckpt.save(opt, root / "durable" / "step-7")
+    tier = muonckpt.LocalTier(root / f"node-{rank}", replicas=1, durable_every=1, node=rank)
+    try:
+        muonckpt.save(opt, root / "durable" / "step-7", tier=tier)
+    except CheckpointError as exc:
+        local = root / f"node-{rank}"
+        return [str(exc), *(sorted(os.listdir(local)) if local.exists() else [])]
+    return ["saved"]
+
+
+@pytest.mark.dist
+def test_a_durable_target_a_tiered_save_may_not_write_is_refused_before_the_local_step(tmp_path):
+    """(review) The durable target exists and overwrite is not given: the save is refused on
+    every rank before its local step is written; the local step of such a save, published,
+    would be recovered as if the save had succeeded."""
+    from muonckpt.distributed.launch import run_distributed
+
+    results = run_distributed(_save_over_an_existing_durable_target, 2, str(tmp_path), timeout=120)
+    for result in results:
+        assert "already exists" in result[0] and "step-7" in result[0], result
+        assert [name for name in result[1:] if name.startswith("step-")] == [], result

@@ -177,14 +177,20 @@ def prepare(
     overwrite: bool,
 ) -> TierSave:
     """(every rank, after the save's rendezvous) The :class:`TierSave` of a save to ``path``:
-    its local step is ``tier.root / NAME``, NAME the last component of ``path``."""
+    its local step is ``tier.root / NAME``, NAME the last component of ``path``. A local
+    durable target that this save would write and may not (it exists, without
+    ``overwrite``) is refused here, before the local step is written: a local step
+    published beside a refused durable save would be recovered as if it had succeeded."""
     nodes = _nodes(tier)
     if list(participants) != nodes.ranks:
         raise CheckpointError("a LocalTier save needs every rank of the default group")
     root = os.path.abspath(tier.root)
     count = _SAVES[root] = _SAVES.get(root, 0) + 1
     durable = tier.durable_every > 0 and count % tier.durable_every == 0
-    name = Path(str(target(path))).name
+    where = target(path)
+    if durable and isinstance(where, Path):  # refused before the local step is published
+        storage.check_target(where, overwrite)
+    name = Path(str(where)).name
     holders = placement(nodes.nodes, tier.replicas)
     return TierSave(tier, nodes, holders, Path(root) / name, durable, overwrite)
 
