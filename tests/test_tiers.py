@@ -50,8 +50,10 @@ def test_each_ranks_copies_go_to_its_place_on_the_next_nodes():
 
 def test_the_setting_is_checked_when_made_and_named_apart_from_local(tmp_path):
     assert muonckpt.LocalTier(tmp_path, node=3).node_id() == 3
-    for bad in ({"replicas": 0}, {"durable_every": -1}, {"keep_last": 0}):
-        with pytest.raises(OptionError):
+    wrong = ({"replicas": 0}, {"durable_every": -1}, {"keep_last": 0}, {"replicas": True})
+    wrong += ({"durable_every": True}, {"keep_last": True}, {"node": "a"}, {"node": -1})
+    for bad in wrong:
+        with pytest.raises(OptionError, match=next(iter(bad))):
             muonckpt.LocalTier(tmp_path, **bad)
     with pytest.raises(CheckpointError, match="s3://"):
         muonckpt.LocalTier("s3://bucket/local")

@@ -42,16 +42,12 @@ class LocalTier:
 
     def __post_init__(self) -> None:
         settings.local_path(os.fspath(self.root))
-        if not isinstance(self.replicas, int) or isinstance(self.replicas, bool):
-            raise OptionError(f"replicas must be an int, got {self.replicas!r}")
-        if self.replicas < 1:
-            raise OptionError(f"replicas must be at least 1, got {self.replicas}")
-        if not isinstance(self.durable_every, int) or self.durable_every < 0:
-            raise OptionError(f"durable_every must be an int >= 0, got {self.durable_every!r}")
-        if self.keep_last is not None and (
-            not isinstance(self.keep_last, int) or self.keep_last < 1
-        ):
-            raise OptionError(f"keep_last must be an int >= 1 or None, got {self.keep_last!r}")
+        _check_count("replicas", self.replicas, least=1)
+        _check_count("durable_every", self.durable_every, least=0)
+        if self.keep_last is not None:
+            _check_count("keep_last", self.keep_last, least=1, none="or None")
+        if self.node is not None:
+            _check_count("node", self.node, least=0, none="or None")
 
     def node_id(self) -> int:
         """This process's node: :attr:`node`, else torchrun's ``GROUP_RANK``."""
@@ -171,3 +167,10 @@ class SaveOptions:
             "model given": self.model is not None,
             "tier": None if self.tier is None else self.tier.agreement(),
         }
+
+
+def _check_count(name: str, value: object, *, least: int, none: str = "") -> None:
+    """Refuse a setting that is not an int of at least ``least`` (a bool is not a count)."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < least:
+        alternative = f" {none}" if none else ""
+        raise OptionError(f"{name} must be an int >= {least}{alternative}, got {value!r}")
