@@ -162,6 +162,16 @@ def test_momentum_factor_between_forms():
     assert state_mapping(PACKAGED, PACKAGED, "w", None).note is None
 
 
+@pytest.mark.parametrize("form", [kinds.UNKNOWN, None])
+def test_a_muon_momentum_of_no_known_form_is_not_converted(form):
+    """A known Muon recording ``unknown`` (or no) form is not taken for sum form."""
+    source = dataclasses.replace(TORCH, momentum_form=form)
+    with pytest.raises(StateDictError, match=r"param 'w':.*neither 'sum' nor 'ema'"):
+        state_mapping(source, PACKAGED, "w", None)
+    with pytest.raises(StateDictError, match="not 'sum' or 'ema'"):
+        kinds.form_factor(form, SUM, 0.9)
+
+
 def test_settings_that_cannot_continue_the_trajectory_name_the_fix():
     (note,) = trajectory_notes(PACKAGED, TORCH)
     assert 'adjust_lr_fn="match_rms_adamw"' in note
