@@ -213,6 +213,19 @@ def test_dcp_families_name_every_key_both_ways_and_tell_roles(family, role, mu):
             f.group_kind(role, {f.mu_setting: 1.0})
 
 
+def test_a_use_muon_of_0_or_1_is_a_bool_and_no_other_int_is():
+    families = [f for f in kinds.DCP_FAMILIES.values() if f.role_setting == "use_muon"]
+    assert families
+    for f in families:
+        assert [f.role({"use_muon": v}, []) for v in (1, 0, True, False)] == [
+            "muon",
+            "adamw",
+            "muon",
+            "adamw",
+        ]
+        assert f.role({"use_muon": 2}, []) is None and f.role({"use_muon": 1.0}, []) is None
+
+
 def test_a_dcp_family_kept_as_it_is_converts_nothing():
     """dion's NorMuon: its keys kept, every group of an optimizer muonckpt does not know (as a
     native save records it); written only from a NorMuon's groups, unconverted."""

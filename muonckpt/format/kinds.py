@@ -439,6 +439,8 @@ class DcpFamily:
             return UNKNOWN
         if self.role_setting is not None and self.role_setting in settings:
             value = settings[self.role_setting]
+            if isinstance(value, int) and value in (0, 1):  # use_muon=1 from a YAML or JSON file
+                value = bool(value)
             if value is True or value == "muon":
                 return "muon"
             return "adamw" if value is False or value == "adamw" else None  # dion's "lion"
