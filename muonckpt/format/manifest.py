@@ -217,6 +217,10 @@ class Manifest:
     """(version 5: a checkpoint converted from DeepSpeed) The ZeRO stage its files were
     written at (1, 2 or 3), what a conversion back to DeepSpeed writes by default; 0: none
     recorded."""
+    split_experts: tuple[str, ...] = ()
+    """(version 5: a conversion with ``--split-experts``) The stacked params written as one
+    param per matrix, ``<name>.0`` ... ``<name>.<E-1>``, sorted: what a conversion back to DCP
+    stacks again (:func:`muonckpt.format.stacked.merged_experts`); empty: none recorded."""
 
     def param(self, name: str) -> ParamEntry:
         by_name: dict[str, ParamEntry] | None = self.__dict__.get("_by_name")
@@ -330,6 +334,8 @@ class Manifest:
             body["dcp_layout"] = self.dcp_layout
         if self.zero_stage:
             body["zero_stage"] = self.zero_stage
+        if self.split_experts:
+            body["split_experts"] = list(self.split_experts)
         if self.environment is not None and self.format_version >= 5:
             body["environment"] = dict(self.environment)
         if self.replicas is not None:
@@ -354,6 +360,7 @@ class Manifest:
                 dcp_layout="",
                 zero_stage=0,
                 replicas=None,
+                split_experts=(),
             )
             yield from older.json_chunks()
             return
@@ -416,10 +423,11 @@ class Manifest:
 
     def needs_v5(self) -> bool:
         """Whether it holds a field of version :data:`PREFIXED_VERSION`: ``data_prefix``,
-        ``dcp_layout``, ``zero_stage``, ``replicas``, a state tensor not shaped like its param, a
-        setting that was a tuple."""
+        ``dcp_layout``, ``zero_stage``, ``replicas``, ``split_experts``, a state tensor not shaped
+        like its param, a setting that was a tuple."""
         return (
             bool(self.data_prefix or self.dcp_layout or self.zero_stage or self.replicas)
+            or bool(self.split_experts)
             or any(e.state_shapes for e in self.params)
             or any(g.tuples or has_version_5_optimizer(g.optimizer) for g in self.groups)
         )

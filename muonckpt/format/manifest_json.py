@@ -147,6 +147,7 @@ def _manifest_from(body: Any, shared: _Shared) -> Manifest:
         environment=environment,
         zero_stage=_zero_stage_field(body, version),
         replicas=replica_placement(body, version),
+        split_experts=_split_experts_field(body, version),
     )
 
 
@@ -197,6 +198,23 @@ def _zero_stage_field(body: dict[str, Any], version: int) -> int:
         f"a version {version} manifest has no zero_stage (version {PREFIXED_VERSION} has)",
     )
     return int(stage)
+
+
+def _split_experts_field(body: dict[str, Any], version: int) -> tuple[str, ...]:
+    """The version 5 field ``split_experts`` (absent: none recorded): the names, sorted and
+    each once, of the stacked params a conversion split into one param per matrix; refused in
+    an older version."""
+    names = body.get("split_experts", [])
+    _expect(
+        isinstance(names, list) and all(isinstance(n, str) for n in names),
+        "split_experts must be a list of param names",
+    )
+    _expect(names == sorted(set(names)), "split_experts must be sorted, each name once")
+    _expect(
+        not names or version >= PREFIXED_VERSION,
+        f"a version {version} manifest has no split_experts (version {PREFIXED_VERSION} has)",
+    )
+    return tuple(sys.intern(_str(n)) for n in names)
 
 
 def replica_placement(body: dict[str, Any], version: int) -> dict[str, Any] | None:
