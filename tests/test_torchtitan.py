@@ -340,6 +340,8 @@ def test_params_only_named_like_split_experts_are_merged_only_when_asked(shapes,
     assert parse_manifest(recorded.to_json(), "x").split_experts == ("blocks",)
     with pytest.raises(CheckpointError, match="sorted, each name once"):
         parse_manifest(text.replace('"kind"', '"split_experts":["b","a"],"kind"', 1), "x")
+    assert recorded.renamed({"blocks.0": "mlp.0", "blocks.1": "mlp.1"}).split_experts == ("mlp",)
+    assert recorded.renamed({"blocks.0": "w1", "blocks.1": "w2"}).split_experts == ()
     older = replace(recorded, format_version=4, environment=None).to_json()
     assert '"split_experts"' not in older  # an older version is written without it
 

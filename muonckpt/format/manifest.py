@@ -267,7 +267,21 @@ class Manifest:
             groups=tuple(replace(g, params=tuple(names[n] for n in g.params)) for g in self.groups),
             params=tuple(replace(e, name=names[e.name]) for e in self.params),
             pieces=PieceTable(replace(p, param=names[p.param]) for p in self.pieces),
+            split_experts=self._renamed_splits({e.name: names[e.name] for e in self.params}),
         )
+
+    def _renamed_splits(self, names: Mapping[str, str]) -> tuple[str, ...]:
+        """:attr:`split_experts` after a rename of the params (``names``: old to new): a
+        split whose matrices keep their ``.<e>`` under one new stem is recorded by it, any
+        other is no longer a split to stack again."""
+        kept = set()
+        for stem in self.split_experts:
+            parts = [(old, new) for old, new in names.items() if old.rpartition(".")[0] == stem]
+            stems = {new.rpartition(".")[0] for _, new in parts}
+            same = all(old.rpartition(".")[2] == new.rpartition(".")[2] for old, new in parts)
+            if len(stems) == 1 and same:
+                kept |= stems
+        return tuple(sorted(kept))
 
     def step_of(self, entry: ParamEntry) -> int | float | None:
         """The step count the checkpoint holds for a param: its own scalar (torch and
