@@ -162,6 +162,16 @@ def test_momentum_factor_between_forms():
     assert state_mapping(PACKAGED, PACKAGED, "w", None).note is None
 
 
+@pytest.mark.parametrize("form", [kinds.UNKNOWN, None])
+def test_a_muon_momentum_of_no_known_form_is_not_converted(form):
+    """A known Muon recording ``unknown`` (or no) form is not taken for sum form."""
+    source = dataclasses.replace(TORCH, momentum_form=form)
+    with pytest.raises(StateDictError, match=r"param 'w':.*neither 'sum' nor 'ema'"):
+        state_mapping(source, PACKAGED, "w", None)
+    with pytest.raises(StateDictError, match="not 'sum' or 'ema'"):
+        kinds.form_factor(form, SUM, 0.9)
+
+
 def test_settings_that_cannot_continue_the_trajectory_name_the_fix():
     (note,) = trajectory_notes(PACKAGED, TORCH)
     assert 'adjust_lr_fn="match_rms_adamw"' in note
@@ -201,6 +211,19 @@ def test_dcp_families_name_every_key_both_ways_and_tell_roles(family, role, mu):
         assert source.momentum == mu and source.momentum_form == f.momentum_form
         with pytest.raises(StateDictError, match=f.mu_setting):
             f.group_kind(role, {f.mu_setting: 1.0})
+
+
+def test_a_use_muon_of_0_or_1_is_a_bool_and_no_other_int_is():
+    families = [f for f in kinds.DCP_FAMILIES.values() if f.role_setting == "use_muon"]
+    assert families
+    for f in families:
+        assert [f.role({"use_muon": v}, []) for v in (1, 0, True, False)] == [
+            "muon",
+            "adamw",
+            "muon",
+            "adamw",
+        ]
+        assert f.role({"use_muon": 2}, []) is None and f.role({"use_muon": 1.0}, []) is None
 
 
 def test_a_dcp_family_kept_as_it_is_converts_nothing():

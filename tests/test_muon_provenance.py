@@ -98,3 +98,15 @@ def test_the_version_5_values_are_left_out_of_an_older_version_and_refused_in_on
     assert json.loads(older)["groups"][0]["optimizer"]["momentum_form"] is None
     with pytest.raises(CheckpointError, match="version 4 manifest's group optimizer has no"):
         parse_manifest(older.replace('"momentum_form":null', '"momentum_form":"unknown"'), "x")
+
+
+def test_a_known_optimizer_recording_an_unknown_form_is_refused_naming_the_group(tmp_path):
+    from muonckpt.errors import CheckpointError
+    from muonckpt.format.manifest_json import parse_manifest
+
+    w = torch.nn.Parameter(torch.zeros(4, 4))
+    muon = torch.optim.Muon([("w", w)], lr=0.02)
+    text = (muonckpt.save(muon, tmp_path / "torch") / "manifest.json").read_text()
+    assert '"momentum_form":"ema"' in text
+    with pytest.raises(CheckpointError, match=r"group 0: optimizer 'torch.optim.Muon' is one"):
+        parse_manifest(text.replace('"momentum_form":"ema"', '"momentum_form":"unknown"'), "x")

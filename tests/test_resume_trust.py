@@ -314,6 +314,10 @@ def test_a_model_of_bf16_copies_of_fp32_masters_left_unsynced_fails_the_load(tmp
     assert refused.value.param == "0.weight"
     with pytest.raises(CheckpointError, match="needs params=True"):
         muonckpt.load(opt, path, model=model, params=False)
+    transposed = {n: w.detach().t().contiguous() for n, w in model.named_parameters()}
+    with pytest.raises(CheckpointError, match=r"shapes differ: '0.weight' \(\d+, \d+\) vs") as t:
+        muonckpt.load(opt, path, model=transposed)  # as many elements: still not a copy
+    assert t.value.param == "0.weight"
     kept = [s["exp_avg"] for s in opt.state.values()]  # refused before anything changed
     assert all(torch.equal(a, b) for a, b in zip(held, kept, strict=True))
 

@@ -21,6 +21,7 @@ from typer.testing import CliRunner
 import muonckpt
 from muonckpt import CheckpointError, ConversionWarning, interop, offline
 from muonckpt.cli import app
+from muonckpt.format.manifest_json import parse_manifest
 from muonckpt.interop import registry
 from muonckpt.interop.dcp import files as dcp_files
 from muonckpt.interop.dcp import metadata as dcp_metadata
@@ -273,6 +274,7 @@ def test_merge_experts_writes_back_the_stacked_job(converted, tmp_path):
     split, back = tmp_path / "split", tmp_path / "checkpoint" / "step-3"
     args = [str(SOURCES["manager"]), "-o", str(split), "--split-experts", "--model-buffers"]
     assert runner.invoke(app, ["convert", *args]).exit_code == 0
+    assert muonckpt.read_manifest(split).split_experts == EXPERTS  # the split is recorded
     result = runner.invoke(
         app, ["convert", str(split), "-o", str(back), "--to", "torchtitan", "--merge-experts"]
     )
@@ -306,6 +308,42 @@ def test_merge_experts_writes_back_the_stacked_job(converted, tmp_path):
     )  # fmt: skip
     assert other.exit_code == 2 and "--merge-experts" in other.output
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
+@pytest.mark.parametrize("shapes", [((8, 8), (8, 8)), ((4, 8), (8, 8))])
+def test_params_only_named_like_split_experts_are_merged_only_when_asked(shapes, tmp_path):
+    """(review 3) A ParameterList's ``blocks.0``, ``blocks.1``: no split is recorded, so
+    ``to_torchtitan`` and ``to_dcp`` keep them as they are (whatever their shapes); an explicit
+    ``merge_experts=True`` merges those alike by their names and says so."""
+    model = torch.nn.Module()
+    model.blocks = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(*s)) for s in shapes])
+    opt = torch.optim.Muon(list(model.named_parameters()), lr=0.02)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    src = muonckpt.save(opt, tmp_path / "src", model=model, consolidated=True)
+    for n, write in enumerate((interop.to_torchtitan, interop.to_dcp)):
+        kw = {} if write is interop.to_torchtitan else {"to": "torch"}
+        kept = write(src, tmp_path / f"kept{n}", **kw)
+        assert kept.converted == ()
+        written = dcp_metadata.read_index(tmp_path / f"kept{n}").tensors
+        assert {"blocks.0", "blocks.1"} <= set(written)
+        if shapes[0] == shapes[1]:
+            merged = write(src, tmp_path / f"merged{n}", merge_experts=True, **kw)
+            (note,) = merged.converted
+            assert "merged 2 experts into 'blocks' (2, 8, 8) (no split recorded" in note
+        assert write(src, tmp_path / f"never{n}", merge_experts=False, **kw).converted == ()
+
+    manifest = muonckpt.read_manifest(src)
+    text = manifest.to_json()
+    recorded = replace(manifest, split_experts=("blocks",))
+    assert parse_manifest(recorded.to_json(), "x").split_experts == ("blocks",)
+    with pytest.raises(CheckpointError, match="sorted, each name once"):
+        parse_manifest(text.replace('"kind"', '"split_experts":["b","a"],"kind"', 1), "x")
+    assert recorded.renamed({"blocks.0": "mlp.0", "blocks.1": "mlp.1"}).split_experts == ("mlp",)
+    assert recorded.renamed({"blocks.0": "w1", "blocks.1": "w2"}).split_experts == ()
+    older = replace(recorded, format_version=4, environment=None).to_json()
+    assert '"split_experts"' not in older  # an older version is written without it
 
 
 def test_a_muon_param_torch_muon_cannot_hold_is_refused_before_writing(converted, tmp_path):

@@ -259,7 +259,7 @@ def convert(
         "names": names,
         "model_buffers": model_buffers,
         "split_experts": split_experts,
-        "merge_experts": merge_experts,
+        "merge_experts": merge_experts or None,  # absent: the splits recorded
         "allow_large_world": allow_large_world,
     }
     try:

@@ -247,9 +247,10 @@ MergeExperts = Annotated[
     bool,
     typer.Option(
         "--merge-experts",
-        help="Writing torchtitan or DCP: write the params --split-experts made (NAME.0 ... "
-        "NAME.<E-1>, 2-D Muon params of one shape) as the stacked param NAME of shape (E, m, n) "
-        "again, as torchtitan's DistMuon job holds its experts.",
+        help="Writing torchtitan or DCP: the params --split-experts made (NAME.0 ... NAME.<E-1>) "
+        "are stacked again by default, as the manifest records them; this also merges 2-D Muon "
+        "params named so where no split is recorded (and says so), and refuses a checkpoint with "
+        "none.",
     ),
 ]
 AllowLargeWorld = Annotated[

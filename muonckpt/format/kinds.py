@@ -244,6 +244,12 @@ def state_mapping(
         )
     factor, note = 1.0, None
     mu = source.momentum
+    if source.momentum_form not in FORMS:
+        raise StateDictError(
+            f"param {param!r}: the checkpoint's {source.optimizer} group records its Muon "
+            f"momentum's form as {source.momentum_form!r}, neither 'sum' nor 'ema': no "
+            f"conversion to {to_form}-form can rely on it"
+        )
     if source.momentum_form != to_form:
         if mu is None:
             raise StateDictError(
@@ -255,9 +261,15 @@ def state_mapping(
     return KeyMap({"momentum_buffer": ("momentum_buffer", factor)}, False, note)
 
 
-def form_factor(source: str | None, target: str, mu: float) -> float:
+def form_factor(source: str | None, target: str | None, mu: float) -> float:
     """What a momentum buffer of form ``source`` is multiplied by to be one of form ``target``
-    (with momentum ``mu``): ``1 - mu`` from sum to EMA form, its inverse back, else 1."""
+    (with momentum ``mu``): ``1 - mu`` from sum to EMA form, its inverse back, else 1.
+    Raises :class:`StateDictError` for a form that is neither (:data:`UNKNOWN`, None)."""
+    if source not in FORMS or target not in FORMS:
+        raise StateDictError(
+            f"a momentum form is {source!r} -> {target!r}, not 'sum' or 'ema': "
+            "no factor converts it"
+        )
     if source == target:
         return 1.0
     return (1 - mu) if target == EMA else 1 / (1 - mu)
@@ -427,6 +439,8 @@ class DcpFamily:
             return UNKNOWN
         if self.role_setting is not None and self.role_setting in settings:
             value = settings[self.role_setting]
+            if isinstance(value, int) and value in (0, 1):  # use_muon=1 from a YAML or JSON file
+                value = bool(value)
             if value is True or value == "muon":
                 return "muon"
             return "adamw" if value is False or value == "adamw" else None  # dion's "lion"

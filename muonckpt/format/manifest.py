@@ -217,6 +217,10 @@ class Manifest:
     """(version 5: a checkpoint converted from DeepSpeed) The ZeRO stage its files were
     written at (1, 2 or 3), what a conversion back to DeepSpeed writes by default; 0: none
     recorded."""
+    split_experts: tuple[str, ...] = ()
+    """(version 5: a conversion with ``--split-experts``) The stacked params written as one
+    param per matrix, ``<name>.0`` ... ``<name>.<E-1>``, sorted: what a conversion back to DCP
+    stacks again (:func:`muonckpt.format.stacked.merged_experts`); empty: none recorded."""
 
     def param(self, name: str) -> ParamEntry:
         by_name: dict[str, ParamEntry] | None = self.__dict__.get("_by_name")
@@ -263,7 +267,21 @@ class Manifest:
             groups=tuple(replace(g, params=tuple(names[n] for n in g.params)) for g in self.groups),
             params=tuple(replace(e, name=names[e.name]) for e in self.params),
             pieces=PieceTable(replace(p, param=names[p.param]) for p in self.pieces),
+            split_experts=self._renamed_splits({e.name: names[e.name] for e in self.params}),
         )
+
+    def _renamed_splits(self, names: Mapping[str, str]) -> tuple[str, ...]:
+        """:attr:`split_experts` after a rename of the params (``names``: old to new): a
+        split whose matrices keep their ``.<e>`` under one new stem is recorded by it, any
+        other is no longer a split to stack again."""
+        kept = set()
+        for stem in self.split_experts:
+            parts = [(old, new) for old, new in names.items() if old.rpartition(".")[0] == stem]
+            stems = {new.rpartition(".")[0] for _, new in parts}
+            same = all(old.rpartition(".")[2] == new.rpartition(".")[2] for old, new in parts)
+            if len(stems) == 1 and same:
+                kept |= stems
+        return tuple(sorted(kept))
 
     def step_of(self, entry: ParamEntry) -> int | float | None:
         """The step count the checkpoint holds for a param: its own scalar (torch and
@@ -330,6 +348,8 @@ class Manifest:
             body["dcp_layout"] = self.dcp_layout
         if self.zero_stage:
             body["zero_stage"] = self.zero_stage
+        if self.split_experts:
+            body["split_experts"] = list(self.split_experts)
         if self.environment is not None and self.format_version >= 5:
             body["environment"] = dict(self.environment)
         if self.replicas is not None:
@@ -354,6 +374,7 @@ class Manifest:
                 dcp_layout="",
                 zero_stage=0,
                 replicas=None,
+                split_experts=(),
             )
             yield from older.json_chunks()
             return
@@ -416,10 +437,11 @@ class Manifest:
 
     def needs_v5(self) -> bool:
         """Whether it holds a field of version :data:`PREFIXED_VERSION`: ``data_prefix``,
-        ``dcp_layout``, ``zero_stage``, ``replicas``, a state tensor not shaped like its param, a
-        setting that was a tuple."""
+        ``dcp_layout``, ``zero_stage``, ``replicas``, ``split_experts``, a state tensor not shaped
+        like its param, a setting that was a tuple."""
         return (
             bool(self.data_prefix or self.dcp_layout or self.zero_stage or self.replicas)
+            or bool(self.split_experts)
             or any(e.state_shapes for e in self.params)
             or any(g.tuples or has_version_5_optimizer(g.optimizer) for g in self.groups)
         )

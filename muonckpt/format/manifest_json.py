@@ -147,6 +147,7 @@ def _manifest_from(body: Any, shared: _Shared) -> Manifest:
         environment=environment,
         zero_stage=_zero_stage_field(body, version),
         replicas=replica_placement(body, version),
+        split_experts=_split_experts_field(body, version),
     )
 
 
@@ -199,6 +200,23 @@ def _zero_stage_field(body: dict[str, Any], version: int) -> int:
     return int(stage)
 
 
+def _split_experts_field(body: dict[str, Any], version: int) -> tuple[str, ...]:
+    """The version 5 field ``split_experts`` (absent: none recorded): the names, sorted and
+    each once, of the stacked params a conversion split into one param per matrix; refused in
+    an older version."""
+    names = body.get("split_experts", [])
+    _expect(
+        isinstance(names, list) and all(isinstance(n, str) for n in names),
+        "split_experts must be a list of param names",
+    )
+    _expect(names == sorted(set(names)), "split_experts must be sorted, each name once")
+    _expect(
+        not names or version >= PREFIXED_VERSION,
+        f"a version {version} manifest has no split_experts (version {PREFIXED_VERSION} has)",
+    )
+    return tuple(sys.intern(_str(n)) for n in names)
+
+
 def replica_placement(body: dict[str, Any], version: int) -> dict[str, Any] | None:
     """(version 5, optional) ``replicas``, a node-local step's placement: ``nodes``, a
     non-negative int per rank (its node), and ``holders``, per rank the other ranks whose
@@ -249,7 +267,9 @@ def _groups(raw: Any, params: tuple[ParamEntry, ...], version: int) -> tuple[Gro
                 if version < 3
                 else tuple(listed[index])
             ),
-            optimizer=_version_5_optimizer(_group_optimizer(g.get("optimizer", {})), version),
+            optimizer=_version_5_optimizer(
+                _group_optimizer(g.get("optimizer", {}), index), version
+            ),
             tuples=_tuples(g.get("tuples", []), g["hyperparams"], version),
         )
         for index, g in enumerate(raw)
@@ -659,16 +679,25 @@ _GROUP_OPTIMIZER = {
 ``unknown``, ``second_moment`` and ``compute_view``)."""
 
 
-def _group_optimizer(value: Any) -> dict[str, Any]:
-    """A group's ``optimizer`` object: empty (unknown), or naming the optimizer with valid
-    fields, since a load across implementations acts on them."""
-    _expect(isinstance(value, dict), "group optimizer must be an object")
+def _group_optimizer(value: Any, group: int) -> dict[str, Any]:
+    """Group ``group``'s ``optimizer`` object: empty (unknown), or naming the optimizer with
+    valid fields, since a load across implementations acts on them. A known optimizer's form
+    is known: ``unknown`` there would let a conversion guess it."""
+    _expect(isinstance(value, dict), f"group {group}: optimizer must be an object")
     if not value:
         return {}
-    _expect(isinstance(value.get("optimizer"), str), "group optimizer must name the optimizer")
+    _expect(
+        isinstance(value.get("optimizer"), str), f"group {group}: optimizer must name the optimizer"
+    )
     _expect(
         value["optimizer"] in KNOWN or value.get("role") is None,
-        f"group optimizer {value['optimizer']!r} is not one muonckpt knows, yet has a role",
+        f"group {group}: optimizer {value['optimizer']!r} is not one muonckpt knows, "
+        "yet has a role",
+    )
+    _expect(
+        value["optimizer"] not in KNOWN or value.get("momentum_form") != UNKNOWN,
+        f"group {group}: optimizer {value['optimizer']!r} is one muonckpt knows, yet records "
+        f"the momentum_form {UNKNOWN!r}",
     )
     for field_name, allowed in _GROUP_OPTIMIZER.items():
         _expect(value.get(field_name) in allowed, f"group optimizer {field_name} not in {allowed}")

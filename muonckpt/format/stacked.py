@@ -67,13 +67,16 @@ def split_stacked(manifest: Manifest) -> tuple[Manifest, Mapping[str, Part]]:
     }
     parts: dict[str, Part] = {}
     entries: dict[str, tuple[ParamEntry, ...]] = {}
+    split = set(manifest.split_experts)
     for entry in manifest.params:
         if entry.group in muon and len(entry.shape) > 2:
+            split.add(entry.name)
             count = matrices(entry.name, entry.shape, len(entry.shape) - 2)
             names = [f"{entry.name}.{i}" for i in range(count)]
             parts.update({n: Part(entry.name, i) for i, n in enumerate(names)})
-            split = (replace(entry, name=n, shape=entry.shape[-2:], tp_split_dim=-1) for n in names)
-            entries[entry.name] = tuple(split)
+            entries[entry.name] = tuple(
+                replace(entry, name=n, shape=entry.shape[-2:], tp_split_dim=-1) for n in names
+            )
         else:
             entries[entry.name] = (entry,)
     model = manifest.model
@@ -93,18 +96,21 @@ def split_stacked(manifest: Manifest) -> tuple[Manifest, Mapping[str, Part]]:
         for g in manifest.groups
     )
     params = tuple(e for entry in manifest.params for e in entries[entry.name])
-    return replace(manifest, params=params, groups=groups), parts
+    recorded = tuple(sorted(split))
+    return replace(manifest, params=params, groups=groups, split_experts=recorded), parts
 
 
-def merged_experts(manifest: Manifest) -> dict[str, tuple[str, ...]]:
-    """The stacked params :func:`split_stacked` made one param per matrix of, by name: each
+def merged_experts(manifest: Manifest, by_name: bool = False) -> dict[str, tuple[str, ...]]:
+    """The stacked params :func:`split_stacked` made one param per matrix of (the manifest's
+    ``split_experts``; ``by_name``: any ``<name>`` whose params look so), by name: each
     ``<name>`` whose matrices ``<name>.0`` ... ``<name>.<E-1>`` (E of them, numbered from 0 with
     no gap) are 2-D Muon params of one group, shape, dtypes and scalars, ``<name>`` itself no
     param's or model tensor's name; each with its matrices' names in order.
 
     Raises:
         CheckpointError: naming the params, where matrices of one name are numbered with a
-            gap or differ in group, shape, dtypes or scalars (merged, they would be wrong).
+            gap or differ in group, shape, dtypes or scalars (merged, they would be wrong), or
+            a recorded split whose matrices are not there.
     """
     muon = {
         i for i, g in enumerate(manifest.groups) if GroupKind.from_json(g.optimizer).role == "muon"
@@ -116,8 +122,15 @@ def merged_experts(manifest: Manifest) -> dict[str, tuple[str, ...]]:
     for entry in manifest.params:
         stem, _, index = entry.name.rpartition(".")
         numbered = index.isdigit() and str(int(index)) == index  # (no "01": a name of its own)
-        if entry.group in muon and len(entry.shape) == 2 and numbered and stem not in taken:
+        looked_for = (by_name or stem in manifest.split_experts) and stem not in taken | {""}
+        if looked_for and entry.group in muon and len(entry.shape) == 2 and numbered:
             found.setdefault(stem, {})[int(index)] = entry
+    if lost := [s for s in manifest.split_experts if s not in found]:
+        raise CheckpointError(
+            f"the checkpoint records {lost[0]!r} as split into one param per matrix, yet holds "
+            f"no 2-D Muon params {lost[0]}.0 ... of it to stack again",
+            param=lost[0],
+        )
     merged = {}
     for stem, parts in found.items():
         entries = [parts.get(i) for i in range(len(parts))]

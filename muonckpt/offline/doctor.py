@@ -280,7 +280,12 @@ def _explained(now: Manifest, before: Manifest, compared: list[Compared]) -> dic
         kind = _muon_kind(now.groups[now.param(c.param).group])
         earlier = _muon_kind(before.groups[before.param(c.param).group])
         factor = 1.0
-        if kind and earlier and kind.momentum is not None and kind.momentum_form is not None:
+        if (
+            kind
+            and earlier
+            and kind.momentum is not None
+            and {kind.momentum_form, earlier.momentum_form} <= set(kinds.FORMS)
+        ):
             factor = kinds.form_factor(earlier.momentum_form, kind.momentum_form, kind.momentum)
         explained[c.param] = c.ratio / factor / drift
     return explained

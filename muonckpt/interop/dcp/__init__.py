@@ -49,7 +49,7 @@ class DcpWriteOptions:
     ``--merge-experts``)."""
 
     layout: str | None = None
-    merge_experts: bool = False
+    merge_experts: bool | None = None  # None: the recorded splits
 
     def __post_init__(self) -> None:
         if self.layout is not None and self.layout not in LAYOUTS:

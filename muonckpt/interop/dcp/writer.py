@@ -37,7 +37,7 @@ def to_dcp(
     *,
     to: str,
     layout: str | None = None,
-    merge_experts: bool | None = False,
+    merge_experts: bool | None = None,
     progress: Progress | None = None,
     job_state: tuple[str, Callable[[Carried], dict[str, Any]]] | None = None,
 ) -> Conversion:
@@ -50,10 +50,12 @@ def to_dcp(
     not say). ``layout``: ``torchtitan`` (model fqns at the top level) or ``recipe``
     (``model.<fqn>``); None: the layout ``src`` was read as when it was converted from DCP (its
     manifest's ``dcp_layout``: the round trip keeps it), else ``torchtitan``.
-    ``merge_experts``: each param split by ``--split-experts`` (``<fqn>.0`` ... ``<fqn>.<E-1>``,
-    :func:`muonckpt.format.stacked.merged_experts`) is written as the stacked ``<fqn>`` of
-    shape (E, m, n) again, param and state alike, for a job that keeps its experts stacked
-    (torchtitan's DistMuon); a checkpoint with none is refused; None: those there are, if any.
+    ``merge_experts``: None: each param the manifest records ``--split-experts`` split
+    (``<fqn>.0`` ... ``<fqn>.<E-1>``, :func:`muonckpt.format.stacked.merged_experts`) is
+    written as the stacked ``<fqn>`` of shape (E, m, n) again, param and state alike, for a job
+    that keeps its experts stacked (torchtitan's DistMuon); True: likewise, and where none is
+    recorded, the 2-D Muon params named so are merged by their names (said in ``converted``),
+    a checkpoint with none refused; False: nothing is merged.
     Only torch's writer writes; ``dst`` must not exist.
     ``progress``: told the bytes and tensors written.
     ``job_state``: (trainer, its items of a carried state) where the output is that trainer's
@@ -69,13 +71,7 @@ def to_dcp(
         layout = manifest.dcp_layout if manifest.dcp_layout in LAYOUTS else DEFAULT_LAYOUT
     out = _DcpOut(LAYOUTS[layout])
     if merge_experts is not False:
-        out.merged = merged_experts(manifest)
-        if merge_experts and not out.merged:
-            raise CheckpointError(
-                "holds no experts split into one param each (NAME.0 ... NAME.<E-1>, 2-D Muon "
-                "params of one shape): nothing to merge",
-                path=directory,
-            )
+        _merge_experts(out, manifest, insist=bool(merge_experts), directory=directory)
     _add_optimizer(out, manifest, family, directory)
     _add_model(out, manifest)
     trainer = carried(files, manifest, job_state[0]) if job_state is not None else None
@@ -89,6 +85,25 @@ def to_dcp(
         dcp_files.write_dcp(staging, out.tensors, out.values, fetch, progress=progress)
     left = tuple(out.left) + not_carried(manifest, trainer)
     return Conversion(Path(dst), layout, left, tuple(out.notes))
+
+
+def _merge_experts(out: _DcpOut, manifest: Manifest, insist: bool, directory: Path) -> None:
+    """The split experts ``out`` stacks again, each told in its notes: those the manifest
+    records; ``insist``: else those named so, a checkpoint with none refused."""
+    out.merged = merged_experts(manifest)
+    how = "recorded as split by --split-experts"
+    if insist and not out.merged:
+        out.merged = merged_experts(manifest, by_name=True)
+        how = "no split recorded: merged by their names, as --merge-experts asked"
+    if insist and not out.merged:
+        raise CheckpointError(
+            "holds no experts split into one param each (NAME.0 ... NAME.<E-1>, 2-D Muon "
+            "params of one shape): nothing to merge",
+            path=directory,
+        )
+    for stem, parts in out.merged.items():
+        shape = (len(parts), *manifest.param(parts[0]).shape)
+        out.notes.append(f"merged {len(parts)} experts into {stem!r} {shape} ({how})")
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ class TorchtitanReadOptions:
 class TorchtitanWriteOptions:
     """:func:`to_torchtitan`'s options as ``convert`` passes them (``--merge-experts``)."""
 
-    merge_experts: bool = False
+    merge_experts: bool | None = None  # None: the recorded splits
 
 
 FORMAT = ForeignFormat(

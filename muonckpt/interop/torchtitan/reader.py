@@ -149,7 +149,7 @@ def to_torchtitan(
     dst: str | os.PathLike[str],
     *,
     to: str = SOURCE,
-    merge_experts: bool = False,
+    merge_experts: bool | None = None,
     progress: Progress | None = None,
 ) -> Conversion:
     """Write the muonckpt checkpoint ``src`` as a ``step-N`` directory ``dst`` that torchtitan's
@@ -160,17 +160,16 @@ def to_torchtitan(
     (``lr_scheduler``, ``train_state``, ``dataloader``: :mod:`.job_state`); without it, the
     loading job names them in ``CheckpointManager.Config.exclude_from_loading``. The experts a
     conversion with ``split_experts`` made one param each of (``<fqn>.0`` ... ``<fqn>.<E-1>``)
-    are stacked again, ``<fqn>`` of shape (E, m, n), as DistMuon's job holds them
-    (:func:`muonckpt.interop.to_dcp`): always (a torchtitan model names no param ``.<e>``);
-    ``merge_experts`` refuses a checkpoint with none. ``progress``: told the bytes and tensors
-    written."""
-    merge = True if merge_experts else None
+    are stacked again, ``<fqn>`` of shape (E, m, n), as DistMuon's job holds them;
+    ``merge_experts`` as :func:`muonckpt.interop.to_dcp`'s (None: the splits the checkpoint
+    records; True: else by name, a checkpoint with none refused; False: none).
+    ``progress``: told the bytes and tensors written."""
     report = dcp.to_dcp(
         src,
         dst,
         to=to,
         layout="torchtitan",
-        merge_experts=merge,
+        merge_experts=merge_experts,
         progress=progress,
         job_state=(job_state.NAME, job_state.values),
     )
