@@ -32,6 +32,7 @@ from muonckpt import CheckpointError, ConversionWarning, interop, offline
 from muonckpt.cli import app
 from muonckpt.demo import ToyModel, local_params
 from muonckpt.distributed.launch import run_distributed
+from muonckpt.interop._trainer_state import recorded
 from muonckpt.layout.topology import LayoutOptions
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -52,6 +53,11 @@ HOW = {
     "lightning/single": "the model's order",
 }
 MU = 0.95
+LIGHTNING_STATE = (
+    "global_step", "epoch", "loops", "lr_schedulers", "callbacks", "hparams_name",
+    "hyper_parameters",
+)  # fmt: skip
+"""What Lightning's checkpoints hold of the job's own state, all of it carried."""
 
 
 def _meta(case: str) -> dict:
@@ -131,7 +137,11 @@ def test_every_value_is_the_truth_bitwise(converted, case):
         assert group.hyperparams == json.loads(json.dumps(saved))
     if case.startswith("lightning/"):
         assert manifest.recorded_step == int(_src(case).stem.rsplit("=", 1)[1])
-        assert "loops" in report.left_out and "callbacks" in report.left_out
+        assert report.left_out == ("pytorch-lightning_version",)  # the rest is carried
+        trainer = recorded(manifest)
+        assert trainer is not None and trainer["name"] == "lightning" and not trainer["ranks"]
+        assert set(trainer["shared"]) == set(LIGHTNING_STATE)
+        assert trainer["shared"]["lr_schedulers"] == meta.get("lr_schedulers", [])
     else:
         assert report.left_out == (
             "random_states_0.pkl (not read)",
@@ -233,10 +243,12 @@ def test_both_resume_in_the_packaged_muon_at_2x2(tmp_path):
         tensors = [r for r in rows if r.max_abs is not None]
         assert len(tensors) == 2 * 4 + 3 * 10  # value + momentum, value + moments
         assert all(r.bitwise for r in tensors), [r for r in tensors if not r.bitwise]
-        # the resave, of the optimizer alone in its two groups, has no buffer
+        # the resave, of the optimizer alone in its two groups, has no buffer (nor the
+        # Lightning job's own state, which the conversion carried in its extra)
         assert {(r.param, r.key) for r in rows if not r.bitwise} == {
             (_meta(cases[i])["buffers"][0], "param"),
             ("groups", None),
+            *([("extra", None)] if cases[i].startswith("lightning/") else []),
         }
         toy = _toy(muonckpt.read_manifest(packaged))
         final = toy.assemble(2, 2, [rank[i] for rank in ranks])
@@ -459,7 +471,12 @@ def test_written_back_it_is_the_trainers_own_state(converted, tmp_path, case):
     else:
         report = interop.to_lightning(converted[case][0], out)
         top = torch.load(out / "last.ckpt", weights_only=True)
-        assert top["global_step"] == _meta(case)["global_step"] and top["lr_schedulers"] == []
+        source = torch.load(_src(case), weights_only=True)
+        assert top["global_step"] == _meta(case)["global_step"]
+        assert top["lr_schedulers"] == _meta(case).get("lr_schedulers", [])
+        for key in LIGHTNING_STATE:  # the loops, schedule, callbacks (a tensor too): as saved
+            assert repr(top[key]) == repr(source[key]), key
+        assert report.left_out == ()
         model, written = top["state_dict"], top["optimizer_states"]
     saved = _model_file(case)
     assert set(model) == set(saved)

@@ -162,3 +162,10 @@ def test_written_back_the_trainer_resumes_it_exactly(hf_python, tmp_path, case):
         assert loaded[key].dtype == value.dtype and torch.equal(loaded[key], value), key
     losses = json.loads((out / "result.json").read_text())["losses"]
     assert len(losses) == 2 and all(x == x for x in losses), losses
+    if trainer == "lightning":  # its step, epoch and schedule go on where they were
+        resumed = json.loads((out / "resumed.json").read_text())
+        assert resumed == {
+            "global_step": meta["global_step"],
+            "epoch": 1,
+            "lr_schedulers": meta.get("lr_schedulers", []),
+        }
