@@ -14,7 +14,7 @@ from ...files.progress import Progress
 from ...storage import torch_pickles
 from .._foreign_out import not_carried, open_local, staged_output
 from .._torch_optim_out import TRAINER_STATE, torch_job_state
-from .._trainer_state import carried
+from .._trainer_state import carried, recorded
 from ..foreign import Conversion
 from . import job_state
 from .reader import SOURCE
@@ -67,7 +67,7 @@ def to_lightning(
             **trainer.shared,
         }
         torch_pickles.save(staging / CHECKPOINT, checkpoint)
-    afresh = () if trainer.shared else (TRAINER_STATE,)
+    afresh = () if recorded(manifest) is not None else (TRAINER_STATE,)  # (else each named)
     left = [*job.left, *afresh, *not_carried(manifest, trainer)]
     layout = f"{CHECKPOINT} of {len(job.optimizers)} optimizer(s): {', '.join(job.classes)}"
     return Conversion(Path(dst), layout, tuple(left), tuple(job.notes))
