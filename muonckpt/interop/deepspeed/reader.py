@@ -657,8 +657,9 @@ def from_deepspeed(
     params = {n for group in shapes for n in group}
     aliases = _aliases(model.get("shared_params"), params, model_path)
     recorded = model.get("global_steps")
-    recorded = recorded if type(recorded) is int and recorded >= 0 else None
-    found = job_state.read(model, recorded)
+    recorded = recorded if type(recorded) is int else None  # (a negative one refused below)
+    step = recorded if recorded is not None and recorded >= 0 else None
+    found = job_state.read(model, step)
     left = [*_left_out(model, params, aliases, found.items), *found.left]
     del model  # the module's weights: the masters are the values
     _check_declared(shapes, files, model_path)
@@ -687,7 +688,7 @@ def from_deepspeed(
         progress=progress,
         source=Path(src),  # the root a latest names the tag of: no output inside it either
         trainer=found.state,
-        step=recorded,
+        step=step,
     )
     layout = f"ZeRO-{stage}, world {len(files)}"
     return Conversion(path, layout, tuple(left), conversion_notes(manifest, target))
