@@ -202,10 +202,11 @@ def test_it_resumes_in_the_packaged_muon_at_2x2_and_4x1(converted, tmp_path, nam
         ranks = run_distributed(
             _load_train_save, dp * tp, dp, tp, str(packaged), str(resaved), 2, timeout=240
         )
-        rows = [  # the resave, from the optimizer alone, has no tied names
+        rows = [  # the resave, from the optimizer alone, has no tied names (nor DeepSpeed's
+            # own state, which the conversion carried in its extra)
             r
             for r in offline.diff(packaged, resaved)
-            if r.key not in ("hyperparams", "step") and r.param != "model"
+            if r.key not in ("hyperparams", "step") and r.param not in ("model", "extra")
         ]
         assert rows and all(r.bitwise for r in rows), [r for r in rows if not r.bitwise]
         toy = _toy(muonckpt.read_manifest(packaged))
@@ -511,3 +512,36 @@ def test_the_routes_of_deepspeed(tmp_path):
     assert refused.value.option == "--from"
     with pytest.raises(OptionError, match="a DeepSpeed checkpoint already"):
         route(tmp_path / "ds", to="deepspeed")
+
+
+def test_the_scheduler_and_counters_go_back_to_deepspeed(tmp_path):
+    """The model states' ``lr_scheduler`` (WarmupLR's ``state_dict()``, put into each ZeRO-3
+    rank's model states as DeepSpeed's engine saves it) and counters travel in ``extra`` and
+    go back into every model states file ``to_deepspeed`` writes, at another world; into
+    another trainer each is listed as left out, by name."""
+    src = tmp_path / "ckpt"
+    shutil.copytree(_ckpt("w2_z3_torchadam_fp32"), src)
+    schedule = {"last_batch_iteration": 2}
+    for path in (src / "global_step3").glob("*model_states.pt"):
+        model = torch.load(path, weights_only=False)
+        torch.save({**model, "lr_scheduler": schedule}, path)
+    ours = tmp_path / "ours"
+    assert interop.from_deepspeed(src, ours).left_out == ()
+    assert muonckpt.read_manifest(ours).recorded_step == 3
+    ds = tmp_path / "ds"
+    interop.to_deepspeed(ours, ds, world=3)
+    written = sorted((ds / "global_step3").glob("*model_states.pt"))
+    assert len(written) == 3
+    for path in written:
+        model = deepspeed_files.load(path)
+        assert model["lr_scheduler"] == schedule, path
+        assert (model["global_steps"], model["global_samples"], model["skipped_steps"]) == (
+            3,
+            12,
+            0,
+        )
+    report = interop.to_lightning(ours, tmp_path / "lightning")
+    assert [line.split(" (")[0] for line in report.left_out] == [
+        f"deepspeed's {key}"
+        for key in ("lr_scheduler", "global_steps", "global_samples", "skipped_steps")
+    ]

@@ -32,6 +32,7 @@ from muonckpt import CheckpointError, ConversionWarning, interop, offline
 from muonckpt.cli import app
 from muonckpt.demo import ToyModel, local_params
 from muonckpt.distributed.launch import run_distributed
+from muonckpt.interop._trainer_state import recorded
 from muonckpt.layout.topology import LayoutOptions
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -52,6 +53,11 @@ HOW = {
     "lightning/single": "the model's order",
 }
 MU = 0.95
+LIGHTNING_STATE = (
+    "global_step", "epoch", "loops", "lr_schedulers", "callbacks", "hparams_name",
+    "hyper_parameters",
+)  # fmt: skip
+"""What Lightning's checkpoints hold of the job's own state, all of it carried."""
 
 
 def _meta(case: str) -> dict:
@@ -131,12 +137,17 @@ def test_every_value_is_the_truth_bitwise(converted, case):
         assert group.hyperparams == json.loads(json.dumps(saved))
     if case.startswith("lightning/"):
         assert manifest.recorded_step == int(_src(case).stem.rsplit("=", 1)[1])
-        assert "loops" in report.left_out and "callbacks" in report.left_out
-    else:
-        assert report.left_out == (
-            "random_states_0.pkl (not read)",
-            "random_states_1.pkl (not read)",
-        )
+        assert report.left_out == ("pytorch-lightning_version",)  # the rest is carried
+        trainer = recorded(manifest)
+        assert trainer is not None and trainer["name"] == "lightning" and not trainer["ranks"]
+        assert set(trainer["shared"]) == set(LIGHTNING_STATE)
+        assert trainer["shared"]["lr_schedulers"] == meta.get("lr_schedulers", [])
+    else:  # each process's RNG states, carried for the 2 processes that saved them
+        assert report.left_out == ()
+        trainer = recorded(manifest)
+        assert trainer is not None and trainer["name"] == "accelerate"
+        assert trainer["layout"] == {"processes": 2} and trainer["shared"] == {}
+        assert len(trainer["ranks"]["random_states"]) == 2
 
 
 def _torch_optimizers(manifest) -> tuple[list[torch.optim.Optimizer], dict]:
@@ -233,10 +244,12 @@ def test_both_resume_in_the_packaged_muon_at_2x2(tmp_path):
         tensors = [r for r in rows if r.max_abs is not None]
         assert len(tensors) == 2 * 4 + 3 * 10  # value + momentum, value + moments
         assert all(r.bitwise for r in tensors), [r for r in tensors if not r.bitwise]
-        # the resave, of the optimizer alone in its two groups, has no buffer
+        # the resave, of the optimizer alone in its two groups, has no buffer (nor the
+        # trainer's own state, which the conversion carried in its extra)
         assert {(r.param, r.key) for r in rows if not r.bitwise} == {
             (_meta(cases[i])["buffers"][0], "param"),
             ("groups", None),
+            ("extra", None),
         }
         toy = _toy(muonckpt.read_manifest(packaged))
         final = toy.assemble(2, 2, [rank[i] for rank in ranks])
@@ -356,7 +369,8 @@ def test_the_cli_reads_both(tmp_path):
         result = runner.invoke(app, ["convert", args[0], "-o", str(out), *args[1:]])
         assert result.exit_code == 0, result.output
         assert muonckpt.verify(out) == []
-        assert "params named by" in result.output and "left out" in result.output
+        assert "params named by" in result.output  # (Lightning's version alone left out)
+        assert ("left out" in result.output) == args[0].endswith(".ckpt"), result.output
     refused = runner.invoke(
         app, ["convert", str(_src("accelerate/plain")), "-o", str(tmp_path / "no")]
     )
@@ -378,7 +392,8 @@ def test_the_cli_reads_both(tmp_path):
     for to, wrote in (("lightning", "last.ckpt"), ("accelerate", "optimizer.bin")):
         written = runner.invoke(app, ["convert", str(ours), "-o", str(tmp_path / to), "--to", to])
         assert written.exit_code == 0 and (tmp_path / to / wrote).is_file(), written.output
-        assert "left out" in written.output and "RNG states" in " ".join(written.output.split())
+        # accelerate's RNG states: another trainer's to Lightning, no --world to accelerate
+        assert "left out" in written.output and "random_states (" in written.output
 
 
 @pytest.mark.dist
@@ -453,13 +468,26 @@ def test_written_back_it_is_the_trainers_own_state(converted, tmp_path, case):
     it exactly at any world size."""
     out = tmp_path / "back"
     if case.startswith("accelerate/"):
-        report = interop.to_accelerate(converted[case][0], out)
+        report = interop.to_accelerate(converted[case][0], out, world=2)
+        assert report.left_out == ()
+        for rank in (0, 1):  # as saved: Python's, numpy's and torch's states, the step
+            name = f"random_states_{rank}.pkl"
+            ours = torch.load(out / name, weights_only=False)
+            theirs = torch.load(_src(case) / name, weights_only=False)
+            assert repr(ours) == repr(theirs) and torch.equal(
+                ours["torch_manual_seed"], theirs["torch_manual_seed"]
+            )
         model = load_file(out / "model.safetensors")
         written = [torch.load(f, weights_only=True) for f in sorted(out.glob("optimizer*.bin"))]
     else:
         report = interop.to_lightning(converted[case][0], out)
         top = torch.load(out / "last.ckpt", weights_only=True)
-        assert top["global_step"] == _meta(case)["global_step"] and top["lr_schedulers"] == []
+        source = torch.load(_src(case), weights_only=True)
+        assert top["global_step"] == _meta(case)["global_step"]
+        assert top["lr_schedulers"] == _meta(case).get("lr_schedulers", [])
+        for key in LIGHTNING_STATE:  # the loops, schedule, callbacks (a tensor too): as saved
+            assert repr(top[key]) == repr(source[key]), key
+        assert report.left_out == ()
         model, written = top["state_dict"], top["optimizer_states"]
     saved = _model_file(case)
     assert set(model) == set(saved)
@@ -477,3 +505,41 @@ def test_written_back_it_is_the_trainers_own_state(converted, tmp_path, case):
             for key, value in state.items():
                 got = ours["state"][index][key]
                 assert got.dtype == value.dtype and torch.equal(got, value), (index, key)
+
+
+def test_accelerate_schedulers_go_back_and_rng_states_only_at_their_world(converted, tmp_path):
+    """A ``scheduler.bin`` (a LinearLR's ``state_dict()``, as ``save_state`` writes it) is
+    carried and written back as it was; each process's RNG states are written only at the
+    number of processes that saved them (``--world 2``): at 1, or without ``--world``, they are
+    left out by name, never handed to other ranks; to Lightning each value is listed."""
+    src = tmp_path / "state"
+    shutil.copytree(_src("accelerate/named"), src)
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
+    schedule = torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.5, total_iters=5)
+    for _ in range(3):
+        opt.step()
+        schedule.step()
+    torch.save(schedule.state_dict(), src / "scheduler.bin")
+    ours = tmp_path / "ours"
+    assert interop.from_accelerate(src, ours).left_out == ()
+    runner = CliRunner()
+    back = tmp_path / "w2"
+    done = runner.invoke(app, ["convert", str(ours), "-o", str(back), "--to", "accelerate",
+                               "--world", "2"])  # fmt: skip
+    assert done.exit_code == 0, done.output
+    assert torch.load(back / "scheduler.bin", weights_only=True) == schedule.state_dict()
+    assert {p.name for p in back.glob("random_states_*.pkl")} == {
+        "random_states_0.pkl",
+        "random_states_1.pkl",
+    }
+    for world in (1, None):
+        report = interop.to_accelerate(ours, tmp_path / f"w{world}", world=world)
+        assert not list((tmp_path / f"w{world}").glob("random_states_*"))
+        assert (tmp_path / f"w{world}" / "scheduler.bin").exists()
+        (line,) = report.left_out
+        assert line.startswith("random_states (per ") and "Could not load random states" in line
+    report = interop.to_lightning(ours, tmp_path / "lightning")
+    assert [line.split(" (")[0] for line in report.left_out] == [
+        "accelerate's schedulers",
+        "accelerate's random_states",
+    ]

@@ -142,7 +142,8 @@ def test_written_back_the_trainer_resumes_it_exactly(hf_python, tmp_path, case):
         names = [] if meta["named"] else ["--names", str(tmp_path / "names.json")]
         (tmp_path / "names.json").write_text(json.dumps(meta["index_names"]))
         _cli("convert", str(src), "-o", str(ours), *names)
-        _cli("convert", str(ours), "-o", str(back), "--to", "accelerate")
+        # (--world 2: the RNG states go back as saved; process 0 of this job reads rank 0's)
+        _cli("convert", str(ours), "-o", str(back), "--to", "accelerate", "--world", "2")
         resume_from = back
     else:
         (ckpt,) = (FIXTURES / case / "checkpoints").glob("*.ckpt")
@@ -162,3 +163,15 @@ def test_written_back_the_trainer_resumes_it_exactly(hf_python, tmp_path, case):
         assert loaded[key].dtype == value.dtype and torch.equal(loaded[key], value), key
     losses = json.loads((out / "result.json").read_text())["losses"]
     assert len(losses) == 2 and all(x == x for x in losses), losses
+    if trainer == "accelerate":  # load_state restored rank 0's RNG states as saved
+        saved = torch.load(FIXTURES / case / "state" / "random_states_0.pkl", weights_only=False)
+        rng = load_file(out / "rng.safetensors")
+        assert torch.equal(rng["torch"], saved["torch_manual_seed"])
+        assert torch.equal(rng["numpy"], torch.from_numpy(saved["numpy_random_seed"][1]))
+    if trainer == "lightning":  # its step, epoch and schedule go on where they were
+        resumed = json.loads((out / "resumed.json").read_text())
+        assert resumed == {
+            "global_step": meta["global_step"],
+            "epoch": 1,
+            "lr_schedulers": meta.get("lr_schedulers", []),
+        }

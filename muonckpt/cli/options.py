@@ -193,7 +193,9 @@ World = Annotated[
     typer.Option(
         "--world",
         min=1,
-        help="With --to deepspeed: the number of ranks DeepSpeed loads the output at.",
+        help="With --to deepspeed: the number of ranks DeepSpeed loads the output at; with "
+        "--to accelerate: the number of processes the job resumes at (its RNG states are "
+        "written back at the number they were saved at only).",
         show_default=False,
     ),
 ]

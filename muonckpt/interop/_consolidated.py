@@ -106,12 +106,15 @@ def _with_trainer_state(
     manifest: Manifest, trainer: TrainerState, step: int | None, staging: Path
 ) -> Manifest:
     """``manifest`` with ``trainer``'s state as its ``extra`` (its tensors written into
-    ``staging``'s ``extra.safetensors``, as a save writes them) and ``step`` recorded."""
+    ``staging``'s ``extra.safetensors``, as a save writes them) and ``step`` recorded (None:
+    the manifest's own)."""
     taken = job_tree.take(trainer.extra(step), "extra")
     tensors = [(path, storage.dtype_name(t.dtype), tuple(t.shape), t) for path, t in taken.tensors]
     tree, entry = writing.write_extra(staging, EXTRA_FILE, taken.values, tensors)
     extra = Extra(tree, (), () if entry is None else (entry,))
-    return replace(manifest, extra=extra, recorded_step=step)
+    return replace(
+        manifest, extra=extra, recorded_step=manifest.recorded_step if step is None else step
+    )
 
 
 def _scaled(

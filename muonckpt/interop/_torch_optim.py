@@ -47,6 +47,7 @@ from ..storage.dtypes import dtype_name
 from ..storage.foreign_limits import read_json
 from ._consolidated import consolidated, conversion_notes, write_consolidated
 from ._fields import listed_state, step_count, tensor
+from ._trainer_state import TrainerState
 
 MUON_SETTINGS = frozenset({"momentum", "nesterov", "ns_coefficients", "ns_steps", "adjust_lr_fn"})
 """Settings every torch.optim.Muon group holds (its ``state_dict()`` does not name its class)."""
@@ -393,6 +394,7 @@ def convert_optimizers(
     progress: Progress | None,
     source: Path,
     recorded_step: int | None = None,
+    trainer: TrainerState | None = None,
 ) -> tuple[Path, str, tuple[str, ...]]:
     """Write ``optimizers``' state and ``model``'s tensors as a consolidated muonckpt
     checkpoint at ``dst`` for the family ``to`` (None: torch.optim.Muon's and AdamW's own
@@ -400,7 +402,8 @@ def convert_optimizers(
     say); the model's tensors no optimizer holds (buffers, frozen params) go in as the
     model's other tensors. Returns the path, the layout (how many optimizers, how the params
     were named, how many model tensors were carried beside them), and the momentum
-    conversions."""
+    conversions. The ``trainer``'s own state, where the reader found one, goes into the
+    output's ``extra`` (:mod:`._trainer_state`)."""
     given = given_names(names)
     if to is not None and to not in kinds.FAMILIES:
         raise CheckpointError(f"cannot convert to {to!r}: choose one of {sorted(kinds.FAMILIES)}")
@@ -425,8 +428,9 @@ def convert_optimizers(
         for name, key in planned.reads
     )
     path = write_consolidated(
-        planned, scales, tensors, dst, overwrite=overwrite, progress=progress, source=source
-    )
+        planned, scales, tensors, dst, overwrite=overwrite, progress=progress, source=source,
+        trainer=trainer, step=recorded_step,
+    )  # fmt: skip
     count = len(optimizers)
     layout = f"{count} optimizer{'s' * (count != 1)}, params named by {how}"
     if others:

@@ -21,6 +21,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from ..files import job_tree
 from ..files.pieces import PieceReader
 from ..format.manifest import Manifest
@@ -86,17 +88,18 @@ class Found:
     """Items of the trainer's state not carried, one line each naming it and why."""
 
 
-def is_plain(value: Any) -> bool:
-    """Whether ``value`` is JSON data (finite floats): what ``extra`` stores as it is."""
+def is_plain(value: Any, *, tensors: bool = False) -> bool:
+    """Whether ``value`` is JSON data (finite floats): what ``extra`` stores as it is; with
+    ``tensors``, dense CPU tensors among it too (stored in ``extra.safetensors``)."""
     if isinstance(value, float):
         return math.isfinite(value)
     if value is None or isinstance(value, (str, bool, int)):
         return True
     if isinstance(value, (list, tuple)):
-        return all(map(is_plain, value))
+        return all(is_plain(v, tensors=tensors) for v in value)
     if isinstance(value, dict):
-        return all(isinstance(k, str) and is_plain(v) for k, v in value.items())
-    return False
+        return all(isinstance(k, str) and is_plain(v, tensors=tensors) for k, v in value.items())
+    return tensors and isinstance(value, torch.Tensor) and value.layout == torch.strided
 
 
 @dataclass(frozen=True)

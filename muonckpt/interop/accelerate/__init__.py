@@ -10,15 +10,25 @@ Here: ``FORMAT``, the format as :mod:`..registry` holds it, with its options.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from .._torch_optim import TrainerReadOptions
-from ..foreign import ForeignFormat, NoOptions
+from ..foreign import ForeignFormat
 from .reader import SOURCE, from_accelerate, is_accelerate
 from .writer import to_accelerate
 
-__all__ = ["FORMAT", "from_accelerate", "is_accelerate", "to_accelerate"]
+__all__ = ["FORMAT", "AccelerateWriteOptions", "from_accelerate", "is_accelerate", "to_accelerate"]
 
 
-FORMAT: ForeignFormat[TrainerReadOptions, NoOptions] = ForeignFormat(
+@dataclass(frozen=True)
+class AccelerateWriteOptions:
+    """:func:`to_accelerate`'s options as ``convert`` passes them (``--world``: the number of
+    processes the job resumes at, where each process's RNG states are written back)."""
+
+    world: int | None = None
+
+
+FORMAT: ForeignFormat[TrainerReadOptions, AccelerateWriteOptions] = ForeignFormat(
     name="accelerate",
     title="accelerate",
     detect=is_accelerate,
@@ -26,7 +36,7 @@ FORMAT: ForeignFormat[TrainerReadOptions, NoOptions] = ForeignFormat(
     sources=(SOURCE,),
     read_options=TrainerReadOptions,
     writer=to_accelerate,
-    write_options=NoOptions,
+    write_options=AccelerateWriteOptions,
     targets=(SOURCE,),
     records_source=True,
 )

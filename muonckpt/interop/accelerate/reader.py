@@ -5,9 +5,10 @@ AdamW jobs, read into muonckpt's format.
 ``optimizer.bin`` and ``optimizer_N.bin``: each a pickled ``optimizer.state_dict()`` keyed by
 param index, read by the restricted unpickler) into a consolidated muonckpt checkpoint keyed
 by the model's names, with each param's value, torch.optim.Muon's momentum and AdamW's
-moments and step; the model's buffers go in as its other tensors. The RNG states
-(``random_states_N.pkl``) and every other file are left out unread, listed by name. Which
-index is which param: :mod:`._torch_optim`.
+moments and step; the model's buffers go in as its other tensors. The schedulers' state
+(``scheduler.bin``) and each process's RNG states (``random_states_N.pkl``) go into the
+output's ``extra`` (:mod:`.job_state`); every other file is left out unread, listed by name.
+Which index is which param: :mod:`._torch_optim`.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from .._torch_optim import (
     load,
 )
 from ..foreign import Conversion
+from . import job_state
 from .files import accelerate_files, is_accelerate, read_model
 
 __all__ = ["SOURCE", "from_accelerate", "is_accelerate"]
@@ -57,10 +59,11 @@ def from_accelerate(
     files = accelerate_files(src)
     model = ModelState(read_model(files.model), ordered=files.model.suffix == ".bin")
     optimizers = [OptimizerState(p.name, p, load(p)) for p in files.optimizers]
+    found = job_state.read(files.directory, files.others)
     path, layout, notes = convert_optimizers(
         model, optimizers, dst,
         names=names, to=to, overwrite=overwrite, progress=progress, source=files.directory,
+        trainer=found.state,
     )  # fmt: skip
-    return Conversion(
-        path, f"save_state of {layout}", tuple(f"{n} (not read)" for n in files.others), notes
-    )
+    unread = tuple(f"{n} (not read)" for n in files.others if n not in found.items)
+    return Conversion(path, f"save_state of {layout}", unread + found.left, notes)

@@ -45,6 +45,7 @@ from .._consolidated import consolidated, conversion_notes, write_consolidated
 from .._fields import shown, step_count, tensor
 from ..foreign import Conversion
 from . import files as deepspeed_files
+from . import job_state
 from .files import FragmentAddress, ZeroStage
 from .partitions import GroupLayout, Zero3Layout, group_layout, zero3_layout
 from .writer import ADAM_KEYS, MUON_KEY, OPTIMIZER, SOURCE, to_deepspeed
@@ -596,9 +597,11 @@ _MODEL_KEYS_USED = {
 }  # fmt: skip
 
 
-def _left_out(model: dict[str, Any], params: set[str], aliases: Mapping[str, str]) -> list[str]:
-    """What of the model states the output does not hold: buffers and frozen params, the
-    lr scheduler and other client state."""
+def _left_out(
+    model: dict[str, Any], params: set[str], aliases: Mapping[str, str], carried: frozenset[str]
+) -> list[str]:
+    """What of the model states the output does not hold: buffers and frozen params, client
+    state, and of the job's own state what is not ``carried``."""
     module = model.get("module")
     names = list(module) if isinstance(module, dict) else []
     left = [
@@ -607,7 +610,7 @@ def _left_out(model: dict[str, Any], params: set[str], aliases: Mapping[str, str
     left += [
         f"{key} (client or engine state)"
         for key in model
-        if key not in _MODEL_KEYS_USED and model[key] is not None
+        if key not in _MODEL_KEYS_USED | carried and model[key] is not None
     ]
     return left
 
@@ -633,7 +636,8 @@ def from_deepspeed(
     Muon momentum buffer's length, and the copies of each matrix's momentum must agree (at
     ZeRO-3: each sub-group's flat partitions and states against its params' own partitions);
     a refusal is one line naming the file. Tied names (``shared_params``) are kept as the
-    model's aliases.
+    model's aliases; the LR scheduler's state and the engine's counters go into the output's
+    ``extra`` (:mod:`.job_state`).
 
     Memory: the whole optimizer state once, plus one rank file and one tensor.
     """
@@ -652,8 +656,11 @@ def from_deepspeed(
     _check_unparallel(model, model_path)
     params = {n for group in shapes for n in group}
     aliases = _aliases(model.get("shared_params"), params, model_path)
-    left = _left_out(model, params, aliases)
     recorded = model.get("global_steps")
+    recorded = recorded if type(recorded) is int else None  # (a negative one refused below)
+    step = recorded if recorded is not None and recorded >= 0 else None
+    found = job_state.read(model, step)
+    left = [*_left_out(model, params, aliases, found.items), *found.left]
     del model  # the module's weights: the masters are the values
     _check_declared(shapes, files, model_path)
     groups: list[_Group] = []
@@ -667,7 +674,7 @@ def from_deepspeed(
     first = None
     for group in groups:
         _momentum_of_flat(group)
-    manifest = _manifest(groups, recorded if type(recorded) is int else None, files[0], stage)
+    manifest = _manifest(groups, recorded, files[0], stage)
     if aliases:
         manifest = _with_aliases(manifest, aliases)
     target, scales = converted_manifest(manifest, to, path=directory)
@@ -680,6 +687,8 @@ def from_deepspeed(
         overwrite=overwrite,
         progress=progress,
         source=Path(src),  # the root a latest names the tag of: no output inside it either
+        trainer=found.state,
+        step=step,
     )
     layout = f"ZeRO-{stage}, world {len(files)}"
     return Conversion(path, layout, tuple(left), conversion_notes(manifest, target))

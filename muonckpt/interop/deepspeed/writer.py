@@ -34,8 +34,10 @@ from ...format.manifest import Manifest
 from ...format.names import PARAM_KEY
 from ...storage import make_directory
 from .._foreign_out import check_split, not_carried, open_local, read_whole, staged_output
+from .._trainer_state import carried
 from ..foreign import Conversion
 from . import files as deepspeed_files
+from . import job_state
 from .files import ZeroStage
 from .partitions import GroupLayout, Zero3Layout, group_layout, zero3_layout
 
@@ -305,10 +307,12 @@ def _model_file(
     step: int,
     world: int,
     stage: int,
+    job: Mapping[str, Any],
 ) -> dict[str, Any]:
     """The model states file: the module's weights by name (the fp32 masters; tied names
     beside the stored one; at ZeRO-3 every one empty, as DeepSpeed saves its partitioned
-    params), ``param_shapes`` in DeepSpeed's order, the counters."""
+    params), ``param_shapes`` in DeepSpeed's order, the counters, and ``job``, the job's own
+    state a conversion from DeepSpeed carried (its LR scheduler and counters, over these)."""
     import collections
 
     import torch
@@ -343,6 +347,7 @@ def _model_file(
         "dp_world_size": world,
         "mp_world_size": 1,
         "ds_version": DS_VERSION,
+        **job,
     }
 
 
@@ -422,7 +427,8 @@ def to_deepspeed(
                 if zero3
                 else _rank_file(rank, groups, values, stage, world),
             )
-        model = _model_file(groups, values, manifest, step, world, stage)
+        trainer = carried(files, manifest, job_state.NAME)
+        model = _model_file(groups, values, manifest, step, world, stage, job_state.values(trainer))
         for rank, name in enumerate(_model_file_names(world, zero3)):
             # (ZeRO-3 records the tied names in rank 0's file alone, as DeepSpeed does)
             deepspeed_files.save(tag_dir / name, {**model, "shared_params": {}} if rank else model)
@@ -434,7 +440,7 @@ def to_deepspeed(
         if zero3
         else "param_slice_mappings and the loss scaler (DeepSpeed's load reads neither)"
     ]
-    left += not_carried(manifest)
+    left += not_carried(manifest, trainer)
     layout = f"ZeRO-{stage}, world {world}"
     return Conversion(Path(dst), layout, tuple(left), tuple(notes))
 

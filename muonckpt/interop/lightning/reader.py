@@ -8,7 +8,9 @@ consolidated muonckpt checkpoint keyed by the LightningModule's names (``model.w
 ``muonckpt.load(..., rename={"model.": ""})`` loads them into the bare model's optimizer),
 with each param's value, torch.optim.Muon's momentum, AdamW's moments and step, and
 ``global_step`` as the checkpoint's step; the module's buffers go in as the model's other
-tensors. The loops, callbacks, schedulers and hyperparameters are left out, listed by name.
+tensors. The job's own state (``global_step``, ``epoch``, ``loops``, ``lr_schedulers``,
+``callbacks``, ``hyper_parameters``) goes into the output's ``extra`` (:mod:`.job_state`);
+anything else is left out, listed by name.
 Which index is which param: :mod:`._torch_optim`.
 """
 
@@ -28,11 +30,12 @@ from .._torch_optim import (
     load,
 )
 from ..foreign import Conversion
+from . import job_state
 
 __all__ = ["SOURCE", "from_lightning", "is_lightning"]
 
 SOURCE = "lightning"
-USED = ("state_dict", "optimizer_states", "global_step")
+USED = ("state_dict", "optimizer_states")
 SUFFIX = ".ckpt"
 
 
@@ -81,10 +84,13 @@ def from_lightning(
         )
     optimizers = [OptimizerState(f"optimizer_states[{k}]", path, s) for k, s in enumerate(states)]
     step = top.get("global_step")
+    step = step if type(step) is int and step >= 0 else None
+    found = job_state.read(top, step)
     path_out, layout, notes = convert_optimizers(
         ModelState(dict(model), ordered=True), optimizers, dst,
         names=names, to=to, overwrite=overwrite, progress=progress,
-        source=path, recorded_step=step if type(step) is int and step >= 0 else None,
+        source=path, recorded_step=step, trainer=found.state,
     )  # fmt: skip
-    left = tuple(str(key) for key in top if key not in USED)
+    kept = {*USED, *found.items}
+    left = tuple(str(key) for key in top if key not in kept) + found.left
     return Conversion(path_out, layout, left, notes)

@@ -14,7 +14,9 @@ from ...files.progress import Progress
 from ...storage import torch_pickles
 from .._foreign_out import not_carried, open_local, staged_output
 from .._torch_optim_out import TRAINER_STATE, torch_job_state
+from .._trainer_state import carried, recorded
 from ..foreign import Conversion
+from . import job_state
 from .reader import SOURCE
 
 CHECKPOINT = "last.ckpt"
@@ -35,10 +37,13 @@ def to_lightning(
     names: a checkpoint read from Lightning keeps its ``model.`` prefixes, another is renamed
     first with ``convert --rename``; tied names included), ``optimizer_states`` (torch.optim.Muon's
     ``state_dict()``, then torch.optim.AdamW's, in the job :mod:`.._torch_optim_out` describes:
-    ``configure_optimizers`` returns them in that order), ``global_step`` and an empty
-    ``lr_schedulers``. Every rank of a ddp job reads the one file, so ``Trainer.fit(model,
-    ckpt_path=dst / "last.ckpt")`` resumes it at any world size. Not written: the loops'
-    progress, callbacks' and schedulers' state (the trainer starts them afresh).
+    ``configure_optimizers`` returns them in that order), ``global_step``, and the job's own state a
+    conversion from Lightning carried (:mod:`.job_state`: ``loops``, ``lr_schedulers``,
+    ``callbacks``, ``epoch``, ``hyper_parameters``), so the fit loop, the schedule and the step
+    go on where they were; from another source an empty ``lr_schedulers`` (the trainer starts
+    its loops and schedulers afresh; another trainer's state is listed as left out). Every
+    rank of a ddp job reads the one file, so ``Trainer.fit(model, ckpt_path=dst /
+    "last.ckpt")`` resumes it at any world size.
     ``progress`` is told each tensor read.
 
     Memory: the whole checkpoint once.
@@ -52,14 +57,17 @@ def to_lightning(
         state_dict = collections.OrderedDict(job.model)
         state_dict.update((alias, job.model[stored]) for alias, stored in job.aliases.items())
         step = manifest.recorded_step or manifest.latest_step([e.name for e in manifest.params])
+        trainer = carried(files, manifest, job_state.NAME)
         checkpoint = {
             "global_step": step or 0,
             "pytorch-lightning_version": LIGHTNING_VERSION,
             "state_dict": state_dict,
             "optimizer_states": job.optimizers,
             "lr_schedulers": [],
+            **trainer.shared,
         }
         torch_pickles.save(staging / CHECKPOINT, checkpoint)
-    left = [*job.left, TRAINER_STATE, *not_carried(manifest)]
+    afresh = () if recorded(manifest) is not None else (TRAINER_STATE,)  # (else each named)
+    left = [*job.left, *afresh, *not_carried(manifest, trainer)]
     layout = f"{CHECKPOINT} of {len(job.optimizers)} optimizer(s): {', '.join(job.classes)}"
     return Conversion(Path(dst), layout, tuple(left), tuple(job.notes))

@@ -19,6 +19,7 @@ from typing import Any
 
 from ...errors import CheckpointError
 from ...storage import access, torch_pickles
+from .._rng_states import NUMPY_STAND_INS
 
 __all__ = [
     "ITERATION_DIR",
@@ -47,12 +48,9 @@ class Namespace:
 
 STAND_INS: dict[str, type] = {
     "argparse.Namespace": Namespace,
+    **NUMPY_STAND_INS,
     **dict.fromkeys(
         (
-            "numpy._core.multiarray._reconstruct",
-            "numpy.core.multiarray._reconstruct",
-            "numpy.ndarray",
-            "numpy.dtype",
             "signal.Signals",
             "megatron.core.enums.ModelType",
             "megatron.core.enums.Fp8Recipe",

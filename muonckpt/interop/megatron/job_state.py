@@ -19,16 +19,14 @@ where no RNG state is written, so that ``load_checkpoint`` seeds afresh instead 
 from __future__ import annotations
 
 import argparse
-import math
 import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from ...errors import CheckpointError
-from ...storage import torch_pickles
+from .. import _rng_states as rng_states
+from .._rng_states import NotAsSaved
 from .._trainer_state import Carried, TrainerState, is_plain
 from .files import Namespace
 
@@ -49,10 +47,6 @@ RESTORE = {
 def rng_item(pp: int, tp: int, pp_size: int, tp_size: int) -> str:
     """The torch_dist item of the RNG states of PP rank ``pp``, TP rank ``tp``."""
     return f"rng_state/shard_{pp}.{tp}_{pp_size}.{tp_size}"
-
-
-class _NotAsSaved(Exception):
-    """A value that is not as Megatron-Core 0.19 saves it: left out, named, never guessed."""
 
 
 def job_state(
@@ -82,14 +76,14 @@ def job_state(
     if rng:
         try:
             if sorted(rng) != expected:
-                raise _NotAsSaved(f"held for ranks {sorted(rng)}, not every (PP, TP) rank")
+                raise NotAsSaved(f"held for ranks {sorted(rng)}, not every (PP, TP) rank")
             states = [_rng_list(rng[rank]) for rank in expected]
             if len({len(s) for s in states}) != 1:
-                raise _NotAsSaved("of different numbers of DP ranks")
+                raise NotAsSaved("of different numbers of DP ranks")
             if len(states[0]) > 1:
                 layout["dp"] = len(states[0])  # --data-parallel-random-init: one per DP rank
             ranks["rng_state"] = states
-        except _NotAsSaved as exc:
+        except NotAsSaved as exc:
             left.append(f"rng_state ({exc}): {RESTORE['rng_state']}")
     return TrainerState(NAME, shared, layout if ranks else {}, ranks, RESTORE), left
 
@@ -104,7 +98,7 @@ def _rng_list(value: Any) -> list[dict[str, Any]]:
     """One rank's ``rng_state`` (a list of one state per DP rank) as trees of JSON and
     tensors."""
     if not isinstance(value, list) or not value:
-        raise _NotAsSaved(f"a {type(value).__name__}, not a list of states")
+        raise NotAsSaved(f"a {type(value).__name__}, not a list of states")
     return [_rng_tree(state) for state in value]
 
 
@@ -115,66 +109,17 @@ RNG_KEYS |= {"rng_tracker_states"}
 
 def _rng_tree(state: Any) -> dict[str, Any]:
     if not isinstance(state, dict) or set(state) != RNG_KEYS:
-        raise _NotAsSaved(f"keys {sorted(state) if isinstance(state, dict) else state!r:.60}")
-    version, words, gauss = _tuple(state["random_rng_state"], 3, "random_rng_state")
-    if not isinstance(words, tuple) or not all(type(w) is int for w in words):
-        raise _NotAsSaved("random_rng_state's words are not ints")
-    name, key, pos, has_gauss, cached = _tuple(state["np_rng_state"], 5, "np_rng_state")
-    raw, dtype, shape = _array(key)
+        raise NotAsSaved(f"keys {sorted(state) if isinstance(state, dict) else state!r:.60}")
     trackers = state["rng_tracker_states"]
     if not isinstance(trackers, dict) or not all(isinstance(k, str) for k in trackers):
-        raise _NotAsSaved("rng_tracker_states is not a dict by name")
+        raise NotAsSaved("rng_tracker_states is not a dict by name")
     return {
-        "random_rng_state": {"version": version, "words": list(words), "gauss": gauss},
-        "np_rng_state": {
-            "name": name,
-            "key": raw,
-            "dtype": dtype,
-            "shape": shape,
-            "pos": pos,
-            "has_gauss": has_gauss,
-            "cached_gaussian": cached,
-        },
-        "torch_rng_state": _tensor(state["torch_rng_state"], "torch_rng_state"),
-        "cuda_rng_state": _tensor(state["cuda_rng_state"], "cuda_rng_state"),
-        "rng_tracker_states": {k: _tensor(v, k) for k, v in trackers.items()},
+        "random_rng_state": rng_states.python_tree(state["random_rng_state"], "random_rng_state"),
+        "np_rng_state": rng_states.numpy_tree(state["np_rng_state"], "np_rng_state"),
+        "torch_rng_state": rng_states.generator(state["torch_rng_state"], "torch_rng_state"),
+        "cuda_rng_state": rng_states.generator(state["cuda_rng_state"], "cuda_rng_state"),
+        "rng_tracker_states": {k: rng_states.generator(v, k) for k, v in trackers.items()},
     }
-
-
-def _tuple(value: Any, size: int, what: str) -> tuple[Any, ...]:
-    if not isinstance(value, tuple) or len(value) != size or not all(map(_plain_or_tuple, value)):
-        raise _NotAsSaved(f"{what} is not a tuple of {size} plain values")
-    return value
-
-
-def _plain_or_tuple(value: Any) -> bool:
-    return is_plain(value) or isinstance(value, (tuple, torch_pickles.Opaque))
-
-
-def _tensor(value: Any, what: str) -> torch.Tensor:
-    if not isinstance(value, torch.Tensor) or value.dtype != torch.uint8 or value.dim() != 1:
-        raise _NotAsSaved(f"{what} is not a generator state (1-D uint8)")
-    return value
-
-
-def _array(value: Any) -> tuple[torch.Tensor, str, list[int]]:
-    """numpy's key array, pickled as ``_reconstruct(ndarray, (0,), b'b')`` with the state
-    ``(1, shape, dtype, fortran, bytes)`` and read as a stand-in: its bytes, dtype and shape."""
-    state = getattr(value, "state", None)
-    if not isinstance(value, torch_pickles.Opaque) or not isinstance(state, tuple):
-        raise _NotAsSaved("np_rng_state's key is not a numpy array")
-    if len(state) != 5 or not isinstance(state[1], tuple) or not isinstance(state[4], bytes):
-        raise _NotAsSaved("np_rng_state's key is not a numpy array")
-    dtype = state[2]
-    code = dtype.args[0] if isinstance(dtype, torch_pickles.Opaque) and dtype.args else None
-    order = dtype.state[1] if isinstance(getattr(dtype, "state", None), tuple) else None
-    if code not in ("u4", "u8") or order not in ("<", ">", "=", "|") or state[3]:
-        raise _NotAsSaved(f"np_rng_state's key is of dtype {code!r}, not u4")
-    shape = list(state[1])
-    if not all(type(n) is int for n in shape) or math.prod(shape) * int(code[1]) != len(state[4]):
-        raise _NotAsSaved("np_rng_state's key's bytes are not its shape's")
-    raw = torch.frombuffer(bytearray(state[4]), dtype=torch.uint8)
-    return raw, order + code, shape
 
 
 def written(
@@ -210,27 +155,13 @@ def written(
 def _rng_state(tree: Mapping[str, Any]) -> dict[str, Any]:
     """One DP rank's RNG states in Megatron's form (``random.setstate``'s tuples, numpy's
     array), from their tree."""
-    import numpy as np
-
-    py, np_state = tree["random_rng_state"], tree["np_rng_state"]
-    key = np.frombuffer(_bytes(np_state["key"]), dtype=np.dtype(np_state["dtype"]))
     return {
-        "random_rng_state": (py["version"], tuple(py["words"]), py["gauss"]),
-        "np_rng_state": (
-            np_state["name"],
-            key.reshape(np_state["shape"]).copy(),
-            np_state["pos"],
-            np_state["has_gauss"],
-            np_state["cached_gaussian"],
-        ),
+        "random_rng_state": rng_states.python_state(tree["random_rng_state"]),
+        "np_rng_state": rng_states.numpy_state(tree["np_rng_state"]),
         "torch_rng_state": tree["torch_rng_state"],
         "cuda_rng_state": tree["cuda_rng_state"],
         "rng_tracker_states": dict(tree["rng_tracker_states"]),
     }
-
-
-def _bytes(tensor: torch.Tensor) -> bytes:
-    return bytes(tensor.contiguous().numpy().tobytes())
 
 
 def target_layout(saved: Mapping[str, Any], tp: int, dp: int) -> dict[str, int]:
