@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import re
+import types
 import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -89,16 +90,30 @@ _BOILERPLATE = (
 )
 
 
-def save(path: Path, obj: Any, pickle_module: Any = None) -> int:
-    """Write ``obj`` to the new file ``path`` with ``torch.save`` (by ``pickle_module``'s
-    pickler where given: one that names a stand-in by the foreign class it stands in for),
-    fsynced; its size. What another trainer's ``torch.load`` reads."""
+def save(path: Path, obj: Any, names: Mapping[type, str] | None = None) -> int:
+    """Write ``obj`` to the new file ``path`` with ``torch.save``, fsynced; its size. What
+    another trainer's ``torch.load`` reads. ``names``: stand-in classes written as the foreign
+    classes they stand in for (``module.Class``), so that the trainer's load gets its own
+    objects while nothing of the trainer is imported here. This module's writes and its
+    restricted loads are the package's only pickling of torch files
+    (``tests/test_no_pickle.py``)."""
     import pickle
 
     import torch
 
+    class Pickler(pickle._Pickler):  # Python's pickler: its save_global can be given the name
+        def save_global(self, obj: Any, name: str | None = None) -> None:
+            qualified = (names or {}).get(obj) if isinstance(obj, type) else None
+            if qualified is None:
+                super().save_global(obj, name)  # type: ignore[misc]
+                return
+            module, _, attribute = qualified.rpartition(".")
+            self.write(pickle.GLOBAL + f"{module}\n{attribute}\n".encode())  # type: ignore[attr-defined]
+            self.memoize(obj)  # type: ignore[attr-defined]
+
+    pickler = types.SimpleNamespace(Pickler=Pickler, __name__="pickle") if names else pickle
     with access.new_file(path) as f:
-        torch.save(obj, f, pickle_module=pickle_module or pickle)
+        torch.save(obj, f, pickle_module=pickler)
         return f.tell()
 
 

@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import enum
 import os
-import pickle
 import re
-import types
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -206,26 +204,10 @@ def load(path: Path) -> Any:
     return torch_pickles.load(path, STAND_INS, holds)
 
 
-class _DeepSpeedPickler(pickle._Pickler):
-    """torch's pickler that writes a stand-in's class as the DeepSpeed class it stands in for
-    (:data:`STAND_INS`), so that DeepSpeed's load gets its own object; nothing of DeepSpeed
-    is imported. Python's pickler, whose ``save_global`` can be given the name."""
-
-    def save_global(self, obj: Any, name: str | None = None) -> None:
-        qualified = _DEEPSPEED_NAMES.get(obj) if isinstance(obj, type) else None
-        if qualified is None:
-            super().save_global(obj, name)  # type: ignore[misc]
-            return
-        module, _, attribute = qualified.rpartition(".")
-        self.write(pickle.GLOBAL + f"{module}\n{attribute}\n".encode())  # type: ignore[attr-defined]
-        self.memoize(obj)  # type: ignore[attr-defined]
-
-
 _DEEPSPEED_NAMES = {
     stand_in: name
     for name, stand_in in reversed(STAND_INS.items())  # (a loss scaler: the static one)
 }
-_PICKLE_MODULE = types.SimpleNamespace(Pickler=_DeepSpeedPickler, __name__="pickle")
 
 
 def loss_scaler() -> LossScalerState:
@@ -240,7 +222,7 @@ def save(path: Path, obj: Any) -> int:
     """Write ``obj`` (plain tensors, dicts, lists, numbers, strings; stand-ins of
     :data:`STAND_INS`, written as DeepSpeed's classes) to the new file ``path`` with
     ``torch.save``, fsynced; its size."""
-    return torch_pickles.save(path, obj, _PICKLE_MODULE)
+    return torch_pickles.save(path, obj, _DEEPSPEED_NAMES)
 
 
 def finish(staging: Path, tag: str) -> None:
